@@ -1,0 +1,749 @@
+"""Tests for vjpsplit_cli.arrays: exact round trips, on-disk layout, and clean errors for bad files."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import zipfile
+
+import ml_dtypes  # noqa: F401
+import msgpack
+import numpy as np
+import pytest
+
+from vjpsplit_cli import arrays as arrays_mod
+from vjpsplit_cli.arrays import load_arrays, save_arrays
+from vjpsplit_cli.errors import VjpsplitError
+
+FORMATS = ["npz", "msgpack"]
+DTYPES = [
+    "float32", "bfloat16", "float16", "int32", "bool",
+    "float64", "int8", "uint8", "complex64", "float8_e4m3fn", "int4",
+]
+SHAPES = [(), (0,), (0, 3), (3,), (2, 3, 4)]
+
+
+def make(dtype: str, shape: tuple, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    dt = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64))
+    if dtype == "bool":
+        return rng.random(shape) > 0.5
+    if dtype in ("int4",):
+        return rng.integers(-8, 8, size=shape).astype(dt)
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        return rng.integers(info.min, info.max, size=shape, endpoint=True, dtype=dt)
+    # Floats from random bytes: exercises every bit pattern, NaN payloads and -0 included.
+    raw = rng.integers(0, 256, size=n * dt.itemsize, dtype=np.uint8)
+    return raw.view(dt).reshape(shape)
+
+
+def assert_same(got: np.ndarray, want: np.ndarray) -> None:
+    want = np.asarray(want)
+    assert isinstance(got, np.ndarray)
+    assert got.dtype == want.dtype.newbyteorder("=")
+    assert got.dtype.isnative
+    assert got.shape == want.shape
+    assert got.tobytes() == want.astype(got.dtype).tobytes()
+
+
+def file(tmp_path, fmt: str, name: str = "a"):
+    return tmp_path / f"{name}.{fmt}"
+
+
+# ---------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_round_trip_dtype_shape(tmp_path, fmt, dtype, shape):
+    a = make(dtype, shape)
+    p = file(tmp_path, fmt)
+    save_arrays(p, {"x": a})
+    got, meta = load_arrays(p)
+    assert list(got) == ["x"]
+    assert meta == {}
+    assert_same(got["x"], a)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_all_allowed_dtypes_round_trip(tmp_path, fmt):
+    from vjpsplit_cli.dtypes import _ALLOWED
+
+    arrays = {}
+    for i, name in enumerate(sorted(_ALLOWED)):
+        try:
+            dt = np.dtype(name)
+        except TypeError:  # not in this ml_dtypes
+            continue
+        arrays[f"d/{name}"] = np.arange(6, dtype=np.uint8).reshape(2, 3).astype(dt) if dt.kind in "iub" or name.startswith(("int", "uint")) else make(name, (2, 3), seed=i)
+    p = file(tmp_path, fmt)
+    save_arrays(p, arrays)
+    got, _ = load_arrays(p)
+    assert list(got) == list(arrays)
+    for k, a in arrays.items():
+        assert_same(got[k], a)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_meta_round_trip_and_key_order(tmp_path, fmt):
+    meta = {"name": "résumé ✓", "step": 12, "lr": 1e-3, "big": 2**63 - 1, "neg": -(2**63),
+            "ok": True, "none": None, "nested": {"list": [1, 2.5, "x", [], {}], "t": (1, 2)}}
+    arrays = {"z": np.zeros(2), "a/b": np.ones(3), "m": np.int32(7)}
+    p = file(tmp_path, fmt)
+    save_arrays(p, arrays, meta)
+    got, meta2 = load_arrays(p)
+    assert list(got) == ["z", "a/b", "m"]
+    expected = dict(meta, nested={"list": [1, 2.5, "x", [], {}], "t": [1, 2]})  # tuples come back as lists
+    assert meta2 == expected
+    assert type(meta2["step"]) is int and type(meta2["ok"]) is bool
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_non_contiguous_and_big_endian(tmp_path, fmt):
+    base = np.arange(24, dtype=np.float32).reshape(4, 6)
+    arrays = {
+        "strided": base[:, ::2],
+        "transposed": base.T,
+        "fortran": np.asfortranarray(base),
+        "reversed": base[::-1],
+        "be_f4": base.astype(">f4"),
+        "be_i8": np.arange(5).astype(">i8"),
+        "be_c8": (base + 1j).astype(">c8"),
+        "be_scalar": np.array(3.5, dtype=">f8"),
+        "be_strided": base.astype(">f4")[:, 1::3],
+    }
+    p = file(tmp_path, fmt)
+    save_arrays(p, arrays)
+    got, _ = load_arrays(p)
+    for k, a in arrays.items():
+        assert got[k].dtype == a.dtype.newbyteorder("="), k
+        assert got[k].dtype.isnative, k
+        assert got[k].shape == a.shape, k
+        np.testing.assert_array_equal(got[k], a)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_python_scalars_and_lists(tmp_path, fmt):
+    p = file(tmp_path, fmt)
+    save_arrays(p, {"f": 1.5, "i": 3, "b": True, "c": 1 + 2j, "l": [[1, 2], [3, 4]]})
+    got, _ = load_arrays(p)
+    assert got["f"].shape == () and got["f"].dtype == np.float64 and got["f"] == 1.5
+    assert got["i"].dtype == np.int64 and got["i"] == 3
+    assert got["b"].dtype == np.bool_ and got["b"]
+    assert got["c"].dtype == np.complex128
+    assert got["l"].shape == (2, 2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_jax_arrays(tmp_path, fmt):
+    jnp = pytest.importorskip("jax.numpy")
+    a = jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3)
+    p = file(tmp_path, fmt)
+    save_arrays(p, {"w": a, "s": jnp.float32(2.0)})
+    got, _ = load_arrays(p)
+    assert_same(got["w"], np.asarray(a))
+    assert got["s"].shape == () and got["s"].dtype == np.float32
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_keys_with_slashes_and_awkward_names(tmp_path, fmt):
+    keys = ["params/layers/0/w", "params/layers/10/b", "a.npy", "a", "file", "allow_pickle", "ключ/ü", "x y"]
+    arrays = {k: np.full((2,), i, dtype=np.int16) for i, k in enumerate(keys)}
+    p = file(tmp_path, fmt)
+    save_arrays(p, arrays)
+    got, _ = load_arrays(p)
+    assert list(got) == keys
+    for k in keys:
+        assert_same(got[k], arrays[k])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_overwrite_replaces_file(tmp_path, fmt):
+    p = file(tmp_path, fmt)
+    save_arrays(p, {"a": np.zeros(3)}, {"v": 1})
+    save_arrays(p, {"b": np.ones(2)}, {"v": 2})
+    got, meta = load_arrays(p)
+    assert list(got) == ["b"] and meta == {"v": 2}
+    assert sorted(os.listdir(tmp_path)) == [p.name]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_empty_mapping(tmp_path, fmt):
+    p = file(tmp_path, fmt)
+    save_arrays(p, {})
+    assert load_arrays(p) == ({}, {})
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_saving_is_deterministic(tmp_path, fmt):
+    arrays = {"w": make("bfloat16", (3, 4)), "b": np.arange(3)}
+    save_arrays(file(tmp_path, fmt, "one"), arrays, {"k": 1})
+    save_arrays(file(tmp_path, fmt, "two"), arrays, {"k": 1})
+    assert file(tmp_path, fmt, "one").read_bytes() == file(tmp_path, fmt, "two").read_bytes()
+
+
+def test_extension_is_case_insensitive(tmp_path):
+    p = tmp_path / "A.NPZ"
+    save_arrays(p, {"x": np.arange(3)})
+    assert_same(load_arrays(p)[0]["x"], np.arange(3))
+
+
+def test_accepts_str_paths(tmp_path):
+    p = str(tmp_path / "a.msgpack")
+    save_arrays(p, {"x": np.arange(3)})
+    assert_same(load_arrays(p)[0]["x"], np.arange(3))
+
+
+# ---------------------------------------------------------------------------- on-disk layout
+
+
+def test_msgpack_layout_matches_packb(tmp_path):
+    arrays = {
+        "params/w": make("bfloat16", (2, 3)),
+        "s": np.float32(1.0),
+        "e": np.zeros((0, 3), np.int8),
+        "big": np.arange(70000, dtype=np.uint8),  # bin16 -> bin32 / ext32 headers
+        "mid": np.arange(300, dtype=np.uint8),
+        "tiny": np.array([True]),
+    }
+    meta = {"step": 3}
+    p = file(tmp_path, "msgpack")
+    save_arrays(p, arrays, meta)
+
+    def ext(a):
+        a = np.asarray(a)
+        return msgpack.ExtType(1, msgpack.packb((list(a.shape), a.dtype.name, a.tobytes())))
+
+    expected = msgpack.packb(
+        {"format": "vjpsplit-arrays", "version": 1, "meta": meta, "arrays": {k: ext(a) for k, a in arrays.items()}}
+    )
+    assert p.read_bytes() == expected
+
+
+@pytest.mark.parametrize("size", range(0, 40))
+def test_msgpack_ext_header_sizes(tmp_path, size):
+    # Covers the fixext 1/2/4/8/16 encodings and the boundaries around them.
+    a = np.zeros(size, np.uint8)
+    p = file(tmp_path, "msgpack")
+    save_arrays(p, {"x": a})
+    assert_same(load_arrays(p)[0]["x"], a)
+    top = msgpack.unpackb(p.read_bytes())
+    assert msgpack.unpackb(top["arrays"]["x"].data) == [[size], "uint8", a.tobytes()]
+
+
+def test_npz_layout(tmp_path):
+    p = file(tmp_path, "npz")
+    save_arrays(p, {"params/w": make("bfloat16", (2, 3)), "b": np.arange(3)}, {"step": 3})
+    with zipfile.ZipFile(p) as zf:
+        assert zf.namelist() == ["__vjpsplit__.npy", "params/w.npy", "b.npy"]
+        assert all(i.compress_type == zipfile.ZIP_STORED for i in zf.infolist())
+    with np.load(p, allow_pickle=False) as z:
+        header = json.loads(z["__vjpsplit__"].tobytes().decode("utf-8"))
+        assert z["params/w"].dtype == np.dtype("V2")
+    assert header == {
+        "format": "vjpsplit-arrays", "version": 1,
+        "dtypes": {"params/w": "bfloat16", "b": "int64"}, "meta": {"step": 3},
+    }
+
+
+def test_msgpack_arrays_are_read_only_views(tmp_path):
+    p = file(tmp_path, "msgpack")
+    save_arrays(p, {"x": np.arange(3)})
+    x = load_arrays(p)[0]["x"]
+    with pytest.raises(ValueError):
+        x[0] = 1
+    x.copy()[0] = 1
+
+
+# ---------------------------------------------------------------------------- foreign npz files
+
+
+def test_plain_numpy_npz_loads_void_without_meta(tmp_path):
+    p = file(tmp_path, "npz")
+    bf = make("bfloat16", (2, 3))
+    np.savez(p, w=bf, b=np.arange(3, dtype=">i4"), s=np.float32(2))
+    got, meta = load_arrays(p)
+    assert meta == {}
+    assert got["w"].dtype == np.dtype("V2")
+    assert got["w"].view(np.dtype("bfloat16")).tobytes() == bf.tobytes()
+    assert got["b"].dtype == np.int32 and got["b"].dtype.isnative
+    np.testing.assert_array_equal(got["b"], np.arange(3))
+    assert got["s"].shape == ()
+
+    q = file(tmp_path, "npz", "vj")
+    save_arrays(q, {"w": bf})
+    got, _ = load_arrays(q)
+    assert got["w"].dtype == np.dtype("bfloat16")
+    assert_same(got["w"], bf)
+
+
+def test_compressed_npz_loads(tmp_path):
+    p = file(tmp_path, "npz")
+    np.savez_compressed(p, a=np.zeros((100, 100)), b=np.arange(10))
+    got, meta = load_arrays(p)
+    assert meta == {}
+    assert_same(got["a"], np.zeros((100, 100)))
+    assert_same(got["b"], np.arange(10))
+
+
+def test_compressed_vjpsplit_npz_loads(tmp_path):
+    # A vjpsplit npz recompressed by some tool must still load, typed.
+    src, dst = file(tmp_path, "npz", "src"), file(tmp_path, "npz", "dst")
+    bf = make("bfloat16", (5, 7))
+    save_arrays(src, {"w": bf}, {"m": 1})
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
+        for name in zin.namelist():
+            zout.writestr(name, zin.read(name))
+    got, meta = load_arrays(dst)
+    assert meta == {"m": 1}
+    assert_same(got["w"], bf)
+
+
+def test_object_array_npz_is_refused(tmp_path):
+    p = file(tmp_path, "npz")
+    np.savez(p, ok=np.arange(3), obj=np.array([{"a": 1}, None], dtype=object))
+    with pytest.raises(VjpsplitError, match="pickled objects; vjpsplit never unpickles") as ei:
+        load_arrays(p)
+    assert str(p) in str(ei.value)
+
+
+def test_npz_with_string_array_is_refused(tmp_path):
+    p = file(tmp_path, "npz")
+    np.savez(p, s=np.array(["a", "bc"]))
+    with pytest.raises(VjpsplitError, match="'s'.*cannot use"):
+        load_arrays(p)
+
+
+def test_npz_with_non_npy_member_is_refused(tmp_path):
+    p = file(tmp_path, "npz")
+    with zipfile.ZipFile(p, "w") as zf:
+        zf.writestr("readme.txt", "hello")
+    with pytest.raises(VjpsplitError, match="not a .npy array"):
+        load_arrays(p)
+
+
+def _rewrite_npz(src, dst, edit):
+    with zipfile.ZipFile(src) as zin:
+        members = {n: zin.read(n) for n in zin.namelist()}
+    members = edit(members)
+    with zipfile.ZipFile(dst, "w") as zout:
+        for n, data in members.items():
+            zout.writestr(n, data)
+
+
+def _npy_bytes(a):
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, a, allow_pickle=False)
+    return buf.getvalue()
+
+
+def _header_bytes(header):
+    return _npy_bytes(np.frombuffer(json.dumps(header).encode(), np.uint8))
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda m: {k: v for k, v in m.items() if k != "w.npy"}, "lacks"),
+        (lambda m: {**m, "extra.npy": _npy_bytes(np.arange(2))}, "does not list 'extra'"),
+        (lambda m: {**m, "__vjpsplit__.npy": _npy_bytes(np.frombuffer(b"{nope", np.uint8))}, "not valid JSON"),
+        (lambda m: {**m, "__vjpsplit__.npy": _npy_bytes(np.arange(3.0))}, "not vjpsplit metadata"),
+        (lambda m: {**m, "__vjpsplit__.npy": _header_bytes({"format": "other"})}, "not vjpsplit metadata"),
+        (lambda m: {**m, "__vjpsplit__.npy": _header_bytes(
+            {"format": "vjpsplit-arrays", "version": 7, "dtypes": {"w": "bfloat16"}, "meta": {}})},
+         r"version 7 is not supported \(this vjpsplit reads version 1\); upgrade vjpsplit"),
+        (lambda m: {**m, "__vjpsplit__.npy": _header_bytes(
+            {"format": "vjpsplit-arrays", "version": 1, "dtypes": {"w": "object"}, "meta": {}})}, "unknown dtype"),
+        (lambda m: {**m, "__vjpsplit__.npy": _header_bytes(
+            {"format": "vjpsplit-arrays", "version": 1, "dtypes": {"w": "float32"}, "meta": {}})},
+         "stored as .* but the metadata says float32"),
+        (lambda m: {**m, "__vjpsplit__.npy": _header_bytes(
+            {"format": "vjpsplit-arrays", "version": 1, "dtypes": {"w": "bfloat16"}, "meta": [1]})}, "not a map"),
+        (lambda m: {**m, "w.npy": m["w.npy"][:-2]}, "size does not match"),
+    ],
+)
+def test_tampered_vjpsplit_npz(tmp_path, edit, match):
+    src, dst = file(tmp_path, "npz", "src"), file(tmp_path, "npz", "dst")
+    save_arrays(src, {"w": make("bfloat16", (2, 3))})
+    _rewrite_npz(src, dst, edit)
+    with pytest.raises(VjpsplitError, match=match) as ei:
+        load_arrays(dst)
+    assert str(ei.value).startswith(f"{dst}: ")
+
+
+def test_npz_member_with_absurd_shape_is_refused_before_allocating(tmp_path):
+    p = file(tmp_path, "npz")
+    header = _npy_bytes(np.zeros(0, np.float32)).replace(b"(0,)", b"(1099511627776,)")
+    with zipfile.ZipFile(p, "w") as zf:
+        zf.writestr("x.npy", header + b"\0" * 16)
+    with pytest.raises(VjpsplitError, match="size does not match"):
+        load_arrays(p)
+
+
+# ---------------------------------------------------------------------------- bad files
+
+
+def _check_error(ei, path):
+    msg = str(ei.value)
+    assert msg.startswith(f"{path}: "), msg
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_missing_file(tmp_path, fmt):
+    p = file(tmp_path, fmt)
+    with pytest.raises(VjpsplitError, match="no such") as ei:
+        load_arrays(p)
+    _check_error(ei, p)
+    assert isinstance(ei.value.__cause__, FileNotFoundError)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_directory(tmp_path, fmt):
+    p = file(tmp_path, fmt)
+    p.mkdir()
+    with pytest.raises(VjpsplitError, match="directory") as ei:
+        load_arrays(p)
+    _check_error(ei, p)
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root can read anything")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_unreadable(tmp_path, fmt):
+    p = file(tmp_path, fmt)
+    save_arrays(p, {"x": np.arange(3)})
+    p.chmod(0)
+    try:
+        with pytest.raises(VjpsplitError, match="permission") as ei:
+            load_arrays(p)
+        _check_error(ei, p)
+    finally:
+        p.chmod(0o644)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_empty_file(tmp_path, fmt):
+    p = file(tmp_path, fmt)
+    p.write_bytes(b"")
+    with pytest.raises(VjpsplitError, match="empty") as ei:
+        load_arrays(p)
+    _check_error(ei, p)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_truncated_at_every_offset(tmp_path, fmt):
+    src = file(tmp_path, fmt, "full")
+    save_arrays(src, {"w": make("bfloat16", (4, 5)), "b": np.arange(7, dtype=np.int32), "s": 1.0}, {"m": [1, 2]})
+    data = src.read_bytes()
+    p = file(tmp_path, fmt, "cut")
+    for n in range(0, len(data)):
+        p.write_bytes(data[:n])
+        with pytest.raises(VjpsplitError) as ei:
+            load_arrays(p)
+        _check_error(ei, p)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("seed", range(20))
+def test_random_bytes(tmp_path, fmt, seed):
+    rng = np.random.default_rng(seed)
+    p = file(tmp_path, fmt)
+    p.write_bytes(rng.integers(0, 256, size=int(rng.integers(1, 2000)), dtype=np.uint8).tobytes())
+    with pytest.raises(VjpsplitError) as ei:
+        load_arrays(p)
+    _check_error(ei, p)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_corrupted_bytes_never_crash(tmp_path, fmt):
+    # Flip single bytes of a valid file: the result either loads or is a clean error.
+    src = file(tmp_path, fmt, "full")
+    save_arrays(src, {"w": make("float32", (3, 3)), "i": np.arange(4, dtype=np.int8)}, {"m": "x"})
+    data = bytearray(src.read_bytes())
+    p = file(tmp_path, fmt, "bad")
+    rng = np.random.default_rng(1)
+    for i in range(len(data)):
+        bad = bytearray(data)
+        bad[i] ^= int(rng.integers(1, 256))
+        p.write_bytes(bytes(bad))
+        try:
+            load_arrays(p)
+        except VjpsplitError as e:
+            assert str(e).startswith(f"{p}: ") and "\n" not in str(e)
+
+
+def test_npz_content_named_msgpack(tmp_path):
+    src = file(tmp_path, "npz")
+    save_arrays(src, {"x": np.arange(3)})
+    p = tmp_path / "x.msgpack"
+    p.write_bytes(src.read_bytes())
+    with pytest.raises(VjpsplitError, match=r"\.npz.*rename it to \.npz") as ei:
+        load_arrays(p)
+    _check_error(ei, p)
+
+
+def test_msgpack_content_named_npz(tmp_path):
+    src = file(tmp_path, "msgpack")
+    save_arrays(src, {"x": np.arange(3)})
+    p = tmp_path / "x.npz"
+    p.write_bytes(src.read_bytes())
+    with pytest.raises(VjpsplitError, match=r"msgpack.*rename it to \.msgpack") as ei:
+        load_arrays(p)
+    _check_error(ei, p)
+
+
+def test_npy_named_npz(tmp_path):
+    p = tmp_path / "x.npz"
+    np.save(tmp_path / "x.npy", np.arange(3))
+    (tmp_path / "x.npy").rename(p)
+    with pytest.raises(VjpsplitError, match=r"\.npy file") as ei:
+        load_arrays(p)
+    _check_error(ei, p)
+
+
+@pytest.mark.parametrize("name", ["a.json", "a.npy", "a", "a.pkl", "a.safetensors"])
+def test_unknown_extension(tmp_path, name):
+    p = tmp_path / name
+    for call in (lambda: save_arrays(p, {"x": np.zeros(1)}), lambda: load_arrays(p)):
+        with pytest.raises(VjpsplitError, match=r"use a \.npz or \.msgpack") as ei:
+            call()
+        _check_error(ei, p)
+    assert not p.exists()
+
+
+def _msgpack_file(tmp_path, top, name="m"):
+    p = tmp_path / f"{name}.msgpack"
+    p.write_bytes(msgpack.packb(top))
+    return p
+
+
+def _ext(shape, dtype, raw, code=1):
+    return msgpack.ExtType(code, msgpack.packb((shape, dtype, raw)))
+
+
+def test_msgpack_unsupported_version(tmp_path):
+    p = _msgpack_file(tmp_path, {"format": "vjpsplit-arrays", "version": 2, "meta": {}, "arrays": {}})
+    with pytest.raises(VjpsplitError, match=r"version 2.*version 1.*upgrade vjpsplit") as ei:
+        load_arrays(p)
+    _check_error(ei, p)
+
+
+@pytest.mark.parametrize(
+    "top, match",
+    [
+        ([1, 2, 3], "not a vjpsplit arrays file"),
+        ({"format": "other", "version": 1, "arrays": {}}, "not a vjpsplit arrays file"),
+        ({"version": 1, "arrays": {}}, "not a vjpsplit arrays file"),
+        ({"format": "vjpsplit-arrays", "arrays": {}}, "invalid format version None"),
+        ({"format": "vjpsplit-arrays", "version": "1", "arrays": {}}, "invalid format version"),
+        ({"format": "vjpsplit-arrays", "version": True, "arrays": {}}, "invalid format version"),
+        ({"format": "vjpsplit-arrays", "version": 1}, "no 'arrays' map"),
+        ({"format": "vjpsplit-arrays", "version": 1, "arrays": [1]}, "no 'arrays' map"),
+        ({"format": "vjpsplit-arrays", "version": 1, "meta": [1], "arrays": {}}, "not a map"),
+        ({"format": "vjpsplit-arrays", "version": 1, "meta": {"b": b"x"}, "arrays": {}}, "bytes"),
+        ({"format": "vjpsplit-arrays", "version": 1, "meta": {"e": _ext([1], "uint8", b"x")}, "arrays": {}},
+         "not JSON-able"),
+        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"": _ext([1], "uint8", b"x")}}, "empty"),
+        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"a//b": _ext([1], "uint8", b"x")}}, "empty path"),
+        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": b"raw"}}, "'k' is a bytes"),
+        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([1], "uint8", b"x", code=2)}},
+         "'k' has msgpack ext code 2"),
+        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": msgpack.ExtType(1, b"\xc1")}},
+         "'k' cannot be decoded"),
+        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": msgpack.ExtType(1, msgpack.packb([1, 2]))}},
+         "'k' is not a \\[shape, dtype, bytes\\] triple"),
+        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([-1], "uint8", b"")}}, "'k' has invalid shape"),
+        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([1.0], "uint8", b"x")}}, "invalid shape"),
+        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([True], "uint8", b"x")}}, "invalid shape"),
+        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext(3, "uint8", b"xxx")}}, "invalid shape"),
+        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([1] * 65, "uint8", b"x")}}, "invalid shape"),
+        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([1], "object", b"x")}},
+         "'k' has dtype 'object'"),
+        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([1], 5, b"x")}}, "invalid dtype name"),
+        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([1], "uint8", "x")}}, "no raw byte string"),
+        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([2], "float32", b"\0" * 7)}},
+         "holds 7 bytes but shape \\(2,\\) of float32 needs 8"),
+        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([2**40], "float32", b"\0" * 4)}},
+         "'k' holds 4 bytes"),
+        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([0, 2**62, 2**62], "float32", b"")}},
+         "'k' has unusable shape"),
+    ],
+)
+def test_malformed_msgpack(tmp_path, top, match):
+    p = _msgpack_file(tmp_path, top)
+    with pytest.raises(VjpsplitError, match=match) as ei:
+        load_arrays(p)
+    _check_error(ei, p)
+
+
+def test_msgpack_forged_lengths_do_not_allocate(tmp_path):
+    # A bin32 header claiming 4 GiB followed by three bytes: rejected, no MemoryError.
+    p = tmp_path / "m.msgpack"
+    p.write_bytes(b"\x81\xa1a\xc6\xff\xff\xff\xff" + b"abc")
+    with pytest.raises(VjpsplitError) as ei:
+        load_arrays(p)
+    _check_error(ei, p)
+    # A map claiming 2**32 - 1 entries.
+    p.write_bytes(b"\xdf\xff\xff\xff\xff\xa1a")
+    with pytest.raises(VjpsplitError) as ei:
+        load_arrays(p)
+    _check_error(ei, p)
+
+
+def test_msgpack_trailing_garbage(tmp_path):
+    p = file(tmp_path, "msgpack")
+    save_arrays(p, {"x": np.arange(3)})
+    p.write_bytes(p.read_bytes() + b"\x00")
+    with pytest.raises(VjpsplitError, match="cannot read it as a msgpack") as ei:
+        load_arrays(p)
+    _check_error(ei, p)
+
+
+def test_msgpack_extra_top_level_keys_are_ignored(tmp_path):
+    p = _msgpack_file(tmp_path, {"format": "vjpsplit-arrays", "version": 1, "created_by": "x",
+                                 "arrays": {"k": _ext([2], "int8", b"\x01\xff")}})
+    got, meta = load_arrays(p)
+    assert meta == {}
+    assert_same(got["k"], np.array([1, -1], np.int8))
+
+
+# ---------------------------------------------------------------------------- bad input on save
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(
+    "key, match",
+    [
+        ("", "empty"),
+        ("/a", "empty path segment"),
+        ("a/", "empty path segment"),
+        ("a//b", "empty path segment"),
+        ("__vjpsplit__", "reserved"),
+        ("a\x00b", "NUL"),
+        ("a\udcff", "not valid Unicode"),
+        (3, "not a string"),
+        (("a",), "not a string"),
+    ],
+)
+def test_bad_keys(tmp_path, fmt, key, match):
+    p = file(tmp_path, fmt)
+    with pytest.raises(VjpsplitError, match=match) as ei:
+        save_arrays(p, {"ok": np.zeros(1), key: np.zeros(1)})
+    _check_error(ei, p)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.array([{"a": 1}, None], dtype=object),
+        np.array(["a", "bc"]),
+        np.array([b"a"]),
+        np.zeros(2, dtype=[("a", "f4"), ("b", "i4")]),
+        np.zeros(2, dtype="V4"),
+        np.array(["2020-01-01"], dtype="datetime64[D]"),
+        {"not": "an array"},
+        2**80,
+    ],
+    ids=["object", "str", "bytes", "structured", "void", "datetime", "dict", "bigint"],
+)
+def test_unstorable_dtypes(tmp_path, fmt, value):
+    p = file(tmp_path, fmt)
+    with pytest.raises(VjpsplitError, match="'bad'") as ei:
+        save_arrays(p, {"good": np.zeros(2), "bad": value})
+    _check_error(ei, p)
+    assert os.listdir(tmp_path) == []
+
+
+def test_ragged_list(tmp_path):
+    p = file(tmp_path, "npz")
+    with pytest.raises(VjpsplitError, match="'r' cannot be converted") as ei:
+        save_arrays(p, {"r": [[1, 2], [3]]})
+    _check_error(ei, p)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_failed_save_keeps_previous_file(tmp_path, fmt):
+    p = file(tmp_path, fmt)
+    save_arrays(p, {"x": np.arange(3)}, {"v": 1})
+    before = p.read_bytes()
+    with pytest.raises(VjpsplitError):
+        save_arrays(p, {"x": np.array([None], dtype=object)})
+    assert p.read_bytes() == before
+    assert os.listdir(tmp_path) == [p.name]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_crash_mid_write_leaves_no_partial_file(tmp_path, fmt, monkeypatch):
+    p = file(tmp_path, fmt)
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    # Fail after the file has started being written.
+    monkeypatch.setattr(arrays_mod, "_byte_view", boom)
+    monkeypatch.setattr(np.lib.format, "write_array", boom)
+    with pytest.raises(OSError, match="disk full"):
+        save_arrays(p, {"x": np.arange(3)})
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "meta, match",
+    [
+        ([1, 2], "meta must be a dict"),
+        ({"a": np.float32(1)}, r"meta\['a'\] is a float32"),
+        ({"a": {1: 2}}, "non-string key 1"),
+        ({"a": float("nan")}, "nan"),
+        ({"a": [float("inf")]}, "inf"),
+        ({"a": 2**64}, "64-bit"),
+        ({"a": b"x"}, "bytes"),
+        ({"a": {1, 2}}, "set"),
+        ({"a": "\udcff"}, "not valid Unicode"),
+    ],
+)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bad_meta(tmp_path, fmt, meta, match):
+    p = file(tmp_path, fmt)
+    with pytest.raises(VjpsplitError, match=match) as ei:
+        save_arrays(p, {"x": np.zeros(1)}, meta)
+    _check_error(ei, p)
+    assert os.listdir(tmp_path) == []
+
+
+def test_cyclic_meta(tmp_path):
+    meta: dict = {}
+    meta["self"] = meta
+    p = file(tmp_path, "msgpack")
+    with pytest.raises(VjpsplitError, match="nested more than"):
+        save_arrays(p, {}, meta)
+
+
+def test_arrays_must_be_a_mapping(tmp_path):
+    p = file(tmp_path, "npz")
+    with pytest.raises(VjpsplitError, match="must be a dict") as ei:
+        save_arrays(p, [np.zeros(1)])
+    _check_error(ei, p)
+
+
+def test_missing_directory_on_save(tmp_path):
+    p = tmp_path / "nope" / "a.npz"
+    with pytest.raises(VjpsplitError, match="does not exist"):
+        save_arrays(p, {"x": np.zeros(1)})
+
+
+def test_msgpack_size_guard(tmp_path, monkeypatch):
+    monkeypatch.setattr(arrays_mod, "_MSGPACK_MAX_BYTES", 100)
+    p = file(tmp_path, "msgpack")
+    save_arrays(p, {"ok": np.zeros(100, np.uint8)})  # exactly at the limit
+    with pytest.raises(VjpsplitError, match=r"'big' is 101 bytes.*use a \.npz file for arrays of 2 GiB or more") as ei:
+        save_arrays(p, {"big": np.zeros(101, np.uint8)})
+    _check_error(ei, p)
+    assert os.listdir(tmp_path) == [p.name]
+    # npz has no such limit.
+    save_arrays(file(tmp_path, "npz"), {"big": np.zeros(101, np.uint8)})

@@ -1,0 +1,201 @@
+"""The ``vjpsplit`` command line: a thin layer over the library.
+
+Every failure the user can fix is one line ``error: …`` on stderr and exit 1
+(usage mistakes: exit 2); tracebacks only with ``--debug``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import traceback
+
+import click
+
+from .errors import VjpsplitError
+
+_ARRAY_FILE = click.Path(dir_okay=False, path_type=str)
+_EXISTING = click.Path(dir_okay=True, path_type=str)  # existence is checked by our loaders, with our message
+
+
+class CliError(click.ClickException):
+    """Printed as ``error: <message>`` (SPEC.md's form), exit 1."""
+
+    exit_code = 1
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+def _log(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+def _debug_enabled(ctx: click.Context) -> bool:
+    return bool(ctx.find_root().params.get("debug")) or bool(ctx.params.get("debug")) or os.environ.get("VJPSPLIT_DEBUG") == "1"
+
+
+def _command(fn):
+    """Wrap a command body: library errors become one-line errors, others too unless --debug."""
+
+    @click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
+    @functools.wraps(fn)
+    def wrapper(*args, debug: bool = False, **kwargs):
+        ctx = click.get_current_context()
+        try:
+            return fn(*args, **kwargs)
+        except click.ClickException:
+            raise
+        except VjpsplitError as e:
+            from .specs import UsageError
+
+            if debug or _debug_enabled(ctx):
+                traceback.print_exc()
+            if isinstance(e, UsageError):
+                raise click.UsageError(str(e)) from e
+            raise CliError(str(e)) from e
+        except Exception as e:  # user code or a bug: still one line, unless asked
+            if debug or _debug_enabled(ctx):
+                traceback.print_exc()
+            text = str(e).strip().splitlines()
+            raise CliError(f"{type(e).__name__}: {text[0] if text else ''} (rerun with --debug for the traceback)") from e
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="vjpsplit", message="vjpsplit %(version)s")
+@click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
+def main(debug: bool) -> None:
+    """Run a JAX function's forward now and its backward later, from exported artifacts."""
+
+
+def _enable_x64_if(needed: bool) -> None:
+    if needed:
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+
+
+@main.command("export")
+@click.argument("target", metavar="MODULE:FN")
+@click.option("--shapes", "shapes", multiple=True, required=True, metavar="NAME=SPEC",
+              help="One per positional parameter: NAME=f32[b,784], NAME=@module:attr, or NAME=file.npz.")
+@click.option("--wrt", default=None, metavar="NAMES", help="Comma-separated parameters to differentiate (default: all).")
+@click.option("--has-aux", is_flag=True, help="FN returns (out, aux); only out is differentiated.")
+@click.option("--platforms", default="cpu,cuda,tpu", show_default=True, help="Comma-separated platforms to lower for.")
+@click.option("--policy", default="everything", show_default=True,
+              help="What the forward keeps: everything, dots, nothing, or names:a,b.")
+@click.option("-o", "--output", required=True, type=_ARRAY_FILE, help="Artifact file to write.")
+@_command
+def export_cmd(target, shapes, wrt, has_aux, platforms, policy, output):
+    """Export FN's forward and backward into one portable artifact."""
+    from .artifact import export
+    from .specs import load_object, resolve_shapes
+
+    fn, name = load_object(target)
+    if not callable(fn):
+        raise VjpsplitError(f"{target} is not callable; point MODULE:FN at a function")
+    names, specs = resolve_shapes(fn, shapes)
+    _enable_x64_if(_wants_x64(specs))
+    wrt_names = None if wrt is None else [w.strip() for w in wrt.split(",") if w.strip()]
+    art = export(fn, *specs, wrt=wrt_names, has_aux=has_aux, platforms=platforms, policy=policy,
+                 arg_names=names, name=name)
+    art.save(output)
+    m = art.manifest
+    _log(f"wrote {output}: {m.function}, {len(m.inputs)} inputs, {len(m.residuals)} residuals "
+         f"({sum(r.input_backed for r in m.residuals)} input-backed), platforms {','.join(m.platforms)}")
+
+
+def _wants_x64(specs) -> bool:
+    import jax
+    import numpy as np
+
+    wide = {np.dtype(n) for n in ("float64", "int64", "uint64", "complex128")}
+    return any(np.dtype(s.dtype) in wide for s in jax.tree_util.tree_leaves(specs))
+
+
+def _load_artifact(path):
+    from .artifact import load
+
+    # Read the manifest's x64 flag before jax touches any array.
+    art = load(path)
+    _enable_x64_if(art.manifest.x64)
+    return art
+
+
+def _numpy(values: dict) -> dict:
+    import numpy as np
+
+    return {k: np.asarray(v) for k, v in values.items()}
+
+
+@main.command("run-fwd")
+@click.argument("artifact", type=_EXISTING)
+@click.option("--inputs", "inputs_path", required=True, type=_EXISTING, help="Array file with every input key.")
+@click.option("--residuals", "residuals_path", required=True, type=_ARRAY_FILE, help="Residuals file to write.")
+@click.option("--outputs", "outputs_path", type=_ARRAY_FILE, default=None, help="Outputs file to write (out, aux).")
+@click.option("--self-contained", is_flag=True, help="Also write input-backed residuals, so run-bwd needs no --inputs.")
+@_command
+def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contained):
+    """Run the forward: inputs -> outputs and residuals."""
+    from .arrays import load_arrays, save_arrays
+    from .residuals import save_residuals
+
+    art = _load_artifact(artifact)
+    inputs, _ = load_arrays(inputs_path)
+    outputs, res = art.run_fwd_arrays(inputs, source=inputs_path)
+    outputs = _numpy(outputs)  # finish the compute before any file is written
+    save_residuals(residuals_path, res, self_contained=self_contained)
+    if outputs_path:
+        save_arrays(outputs_path, outputs, {"kind": "vjpsplit-outputs", "fingerprint": art.manifest.fingerprint})
+    _log(f"wrote {residuals_path}: {len(res.stored)} stored residuals "
+         f"({'with' if self_contained else 'without'} {len(res.inputs)} input-backed)"
+         + (f"; {outputs_path}: {len(outputs)} outputs" if outputs_path else ""))
+
+
+@main.command("run-bwd")
+@click.argument("artifact", type=_EXISTING)
+@click.option("--residuals", "residuals_path", required=True, type=_EXISTING, help="Residuals file from run-fwd.")
+@click.option("--inputs", "inputs_path", type=_EXISTING, default=None,
+              help="The forward's inputs file; needed unless the residuals are self-contained.")
+@click.option("--cotangents", "cotangents_path", type=_EXISTING, default=None,
+              help="Cotangents keyed like the outputs; default 1 for a scalar output.")
+@click.option("--grads", "grads_path", required=True, type=_ARRAY_FILE, help="Gradients file to write.")
+@_command
+def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_path):
+    """Run the backward: residuals (+ cotangents) -> gradients, without the forward."""
+    from .arrays import load_arrays, save_arrays
+    from .residuals import load_residuals
+
+    art = _load_artifact(artifact)
+    inputs = load_arrays(inputs_path)[0] if inputs_path else None
+    res = load_residuals(residuals_path, inputs=inputs, artifact=art)
+    cts = None
+    if cotangents_path:
+        cts, _ = load_arrays(cotangents_path)
+    grads = art.run_bwd_arrays(res, cts, source=residuals_path, ct_source=cotangents_path or "cotangents")
+    save_arrays(grads_path, _numpy(grads), {"kind": "vjpsplit-grads", "fingerprint": art.manifest.fingerprint})
+    _log(f"wrote {grads_path}: {len(grads)} gradients")
+
+
+@main.command("inspect")
+@click.argument("artifact", type=_EXISTING)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@_command
+def inspect_cmd(artifact, as_json):
+    """Describe an artifact: keys, dtypes, shapes, residual bytes, platforms, versions."""
+    from .artifact import load
+    from .report import describe, format_table
+
+    art = load(artifact)
+    if as_json:
+        click.echo(json.dumps(describe(art), indent=2))
+    else:
+        click.echo(format_table(art))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

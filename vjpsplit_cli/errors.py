@@ -1,0 +1,12 @@
+"""The one exception type vjpsplit raises for bad input."""
+
+from __future__ import annotations
+
+
+class VjpsplitError(ValueError):
+    """Bad input to vjpsplit: a malformed file, a wrong shape or dtype, a mismatched artifact.
+
+    The message is one line that names the file or leaf at fault and says what to
+    do. The CLI prints it as ``error: <message>`` and exits 1. It subclasses
+    ``ValueError`` so callers that already catch that keep working.
+    """

@@ -1,0 +1,119 @@
+"""What ``inspect`` shows: an artifact's manifest as JSON and as a table, with byte counts."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Sequence
+
+
+from .artifact import Artifact, Leaf
+from .dtypes import dtype_from_name
+
+
+def describe(art: Artifact) -> dict:
+    """The ``inspect --json`` object (SPEC.md's keys, plus a few more)."""
+    m = art.manifest
+    return {
+        "function": m.function,
+        "arg_names": list(m.arg_names),
+        "wrt": list(m.wrt),
+        "has_aux": m.has_aux,
+        "dim_vars": list(m.dim_vars),
+        "inputs": [leaf.to_json() for leaf in m.inputs],
+        "outputs": [leaf.to_json() for leaf in m.outputs],
+        "residuals": [leaf.to_json(residual=True) for leaf in m.residuals],
+        "grads": [leaf.to_json() for leaf in m.grads],
+        "platforms": list(m.platforms),
+        "policy": m.policy,
+        "fingerprint": m.fingerprint,
+        "versions": {
+            "format": m.format_version,
+            "vjpsplit": m.vjpsplit_version,
+            "jax": m.jax_version,
+            "calling_convention": m.calling_convention_version,
+        },
+        "stored_residual_bytes": format_bytes_terms(total_bytes(m.stored_residuals)),
+    }
+
+
+def byte_terms(leaf: Leaf) -> dict[str, int]:
+    """Bytes of one leaf as ``{symbolic factor: coefficient}``; ``""`` is the constant term."""
+    coeff = dtype_from_name(leaf.dtype).itemsize
+    factors = []
+    for d in leaf.shape:
+        if isinstance(d, int):
+            coeff *= d
+        else:
+            factors.append(d if d.replace("_", "").isalnum() else f"({d})")
+    return {"·".join(sorted(factors)): coeff}
+
+
+def total_bytes(leaves: Sequence[Leaf]) -> dict[str, int]:
+    """Summed ``byte_terms`` of ``leaves``."""
+    total: dict[str, int] = defaultdict(int)
+    for leaf in leaves:
+        for k, v in byte_terms(leaf).items():
+            total[k] += v
+    return dict(total)
+
+
+def human_bytes(n: int) -> str:
+    """``1536`` -> ``1.5 KiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def format_bytes_terms(terms: dict[str, int]) -> str:
+    """``{"": 12288, "b": 8192}`` -> ``12.0 KiB + 8.0 KiB·b``."""
+    if not terms:
+        return "0 B"
+    parts = []
+    for k in sorted(terms, key=lambda k: (k != "", k)):
+        if terms[k] == 0:
+            continue
+        parts.append(human_bytes(terms[k]) + (f"·{k}" if k else ""))
+    return " + ".join(parts) or "0 B"
+
+
+def _rows(title: str, leaves: Sequence[Leaf], residual: bool = False) -> list[str]:
+    if not leaves:
+        return [f"{title}: (none)"]
+    width = max(len(leaf.key) for leaf in leaves)
+    lines = [f"{title}:"]
+    for leaf in leaves:
+        size = format_bytes_terms(byte_terms(leaf))
+        note = ""
+        if residual:
+            note = "  input-backed (not stored)" if leaf.input_backed else "  stored"
+        lines.append(f"  {leaf.key:<{width}}  {leaf.describe():<24} {size:>14}{note}")
+    return lines
+
+
+def format_table(art: Artifact) -> str:
+    """A readable summary of an artifact, for humans."""
+    m = art.manifest
+    lines = [
+        f"function     {m.function}",
+        f"arguments    {', '.join(m.arg_names)}   (wrt: {', '.join(m.wrt) or 'none'})",
+        f"symbolic     {', '.join(m.dim_vars) or '(none)'}",
+        f"platforms    {', '.join(m.platforms)}",
+        f"policy       {m.policy}",
+        f"has_aux      {m.has_aux}",
+        f"fingerprint  {m.fingerprint}",
+        f"versions     format {m.format_version}, vjpsplit {m.vjpsplit_version}, jax {m.jax_version}, "
+        f"calling convention {m.calling_convention_version}",
+        "",
+        *_rows("inputs", m.inputs),
+        *_rows("outputs", m.outputs),
+        *_rows("residuals", m.residuals, residual=True),
+        f"  stored total: {format_bytes_terms(total_bytes(m.stored_residuals))}"
+        f"  (input-backed, not stored: {format_bytes_terms(total_bytes([r for r in m.residuals if r.input_backed]))})",
+        *_rows("grads", m.grads),
+    ]
+    return "\n".join(lines)
+
+
+__all__ = ["describe", "format_table", "total_bytes", "byte_terms", "format_bytes_terms", "human_bytes"]

@@ -1,0 +1,147 @@
+"""Residual files: the forward's residuals on disk, tied to the artifact that wrote them."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+from .arrays import load_arrays, save_arrays
+from .artifact import ArtifactResiduals
+from .core import Residuals, plan_for_token
+from .errors import VjpsplitError
+from .shapes import format_shape
+from .trees import flatten_with_keys
+
+KIND_ARTIFACT = "vjpsplit-residuals"
+KIND_SPLIT = "vjpsplit-split-residuals"
+
+
+def save_residuals(path: str | os.PathLike, res, *, self_contained: bool = False) -> None:
+    """Write residuals (from ``Artifact.fwd`` or ``split``'s ``fwd``) to ``.npz``/``.msgpack``.
+
+    Input-backed residuals are left out unless ``self_contained``: the file records
+    which input keys it needs, and ``load_residuals(path, inputs=...)`` supplies them.
+    """
+    if isinstance(res, ArtifactResiduals):
+        arrays: dict[str, Any] = {k: np.asarray(v) for k, v in res.stored.items()}
+        if self_contained:
+            arrays.update({f"in/{k}": np.asarray(v) for k, v in res.inputs.items()})
+        meta = {
+            "kind": KIND_ARTIFACT,
+            "fingerprint": res.fingerprint,
+            "arg_names": list(res.arg_names),
+            "dims": dict(res.dims),
+            "needs_inputs": [] if self_contained else sorted(res.inputs),
+            "self_contained": bool(self_contained),
+        }
+    elif isinstance(res, Residuals):
+        arrays = {f"r/{i}": np.asarray(v) for i, v in enumerate(res.stored)}
+        if self_contained:
+            arrays.update({f"in/{k}": np.asarray(v) for k, v in zip(res.plan.input_backed, res.inputs)})
+        meta = {
+            "kind": KIND_SPLIT,
+            "token": res.plan.token,
+            "pid": os.getpid(),
+            "needs_inputs": [] if self_contained else [str(k) for k in res.plan.input_backed],
+            "self_contained": bool(self_contained),
+        }
+    else:
+        raise VjpsplitError(f"{path}: save_residuals takes residuals from a fwd, got {type(res).__name__}")
+    save_arrays(path, arrays, meta)
+
+
+def load_residuals(path: str | os.PathLike, inputs=None, *, artifact=None):
+    """Read a residuals file; ``inputs`` supplies the input-backed residuals it left out.
+
+    ``inputs`` is the forward's arguments tuple, or a flat ``{key: array}`` mapping
+    (an inputs file's content). With ``artifact``, residuals written by another
+    artifact are refused here, before anything else is checked.
+    """
+    arrays, meta = load_arrays(path)
+    kind = meta.get("kind")
+    if artifact is not None and kind != KIND_SPLIT:
+        fp = meta.get("fingerprint")
+        if kind == KIND_ARTIFACT and fp != artifact.manifest.fingerprint:
+            raise VjpsplitError(
+                f"{path}: these residuals were written by another artifact (fingerprint {str(fp)[:12]}, "
+                f"{artifact.source} is {artifact.manifest.fingerprint[:12]}); run this artifact's forward to make matching residuals"
+            )
+    needs = meta.get("needs_inputs", [])
+    if not isinstance(needs, list):
+        raise VjpsplitError(f"{path}: malformed residuals metadata (needs_inputs); rerun the forward")
+    if kind == KIND_ARTIFACT:
+        return _load_artifact_residuals(path, arrays, meta, needs, inputs)
+    if kind == KIND_SPLIT:
+        return _load_split_residuals(path, arrays, meta, needs, inputs)
+    raise VjpsplitError(
+        f"{path}: not a residuals file (no vjpsplit residuals metadata); pass the --residuals file written by run-fwd"
+    )
+
+
+def _load_artifact_residuals(path, arrays, meta, needs, inputs) -> ArtifactResiduals:
+    fingerprint, dims, arg_names = meta.get("fingerprint"), meta.get("dims"), meta.get("arg_names")
+    if not isinstance(fingerprint, str) or not isinstance(dims, dict) or not isinstance(arg_names, list):
+        raise VjpsplitError(f"{path}: malformed residuals metadata (fingerprint/dims); rerun the forward")
+    stored = {k: v for k, v in arrays.items() if not k.startswith("in/")}
+    given = {k[3:]: v for k, v in arrays.items() if k.startswith("in/")}
+    if needs:
+        if inputs is None:
+            raise VjpsplitError(
+                f"{path}: these residuals leave out the inputs {', '.join(needs)} (to avoid copying them); "
+                "pass the forward's inputs (run-bwd --inputs FILE, or load_residuals(path, inputs=args))"
+            )
+        flat = _flat_inputs(path, inputs, arg_names)
+        missing = [k for k in needs if k not in flat]
+        if missing:
+            raise VjpsplitError(
+                f"{path}: the residuals need input(s) {', '.join(missing)}, which the given inputs lack; "
+                "pass the same inputs the forward ran on"
+            )
+        given.update({k: flat[k] for k in needs})
+    return ArtifactResiduals(stored, given, dims, fingerprint, arg_names)
+
+
+def _flat_inputs(path, inputs, arg_names) -> Mapping[str, Any]:
+    if isinstance(inputs, Mapping):
+        return inputs
+    if not isinstance(inputs, (tuple, list)) or len(inputs) != len(arg_names):
+        raise VjpsplitError(
+            f"{path}: inputs must be the forward's {len(arg_names)} arguments ({', '.join(arg_names)}) "
+            "as a tuple, or a flat {key: array} mapping"
+        )
+    return dict(kv for n, a in zip(arg_names, inputs) for kv in flatten_with_keys(n, a))
+
+
+def _load_split_residuals(path, arrays, meta, needs, inputs) -> Residuals:
+    plan = plan_for_token(str(meta.get("token")))
+    if plan is None:
+        raise VjpsplitError(
+            f"{path}: these residuals come from split() in another process (pid {meta.get('pid')}); "
+            "their backward lives only there; use vs.export(...) artifacts to run the backward elsewhere"
+        )
+    try:
+        stored = tuple(arrays[f"r/{i}"] for i in range(plan.n_stored))
+    except KeyError as e:
+        raise VjpsplitError(f"{path}: residual {e.args[0]!r} is missing; rerun the forward") from e
+    if meta.get("self_contained"):
+        ins = tuple(arrays[f"in/{k}"] for k in plan.input_backed)
+    else:
+        if inputs is None and plan.input_backed:
+            raise VjpsplitError(
+                f"{path}: these residuals leave out input arrays (to avoid copies); "
+                "pass load_residuals(path, inputs=args) with fwd's arguments"
+            )
+        flat = jax.tree_util.tree_leaves(inputs) if plan.input_backed else []
+        if len(flat) != len(plan.arg_leaf_avals):
+            raise VjpsplitError(f"{path}: inputs have {len(flat)} leaves, the forward had {len(plan.arg_leaf_avals)}")
+        ins = tuple(flat[k] for k in plan.input_backed)
+    for i, (v, aval) in enumerate(zip(stored, plan.stored_avals)):
+        if tuple(v.shape) != tuple(aval.shape) or np.dtype(v.dtype) != np.dtype(aval.dtype):
+            raise VjpsplitError(
+                f"{path}: residual 'r/{i}': expected {format_shape(aval.dtype, aval.shape)}, "
+                f"file has {format_shape(v.dtype, v.shape)}; rerun the forward"
+            )
+    return Residuals(stored, ins, plan)

@@ -1,0 +1,126 @@
+"""Shape specs: ``f32[b,784]`` strings, symbolic dims, and matching arrays against them."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax import export as jexport
+
+from .dtypes import dtype_from_name, short_name
+from .errors import VjpsplitError
+
+_SPEC_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\[\s*([^\]]*)\]\s*$")
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def new_scope() -> jexport.SymbolicScope:
+    """A fresh scope: every symbolic dim of one export must come from the same scope."""
+    return jexport.SymbolicScope()
+
+
+def parse_array_spec(text: str, scope: jexport.SymbolicScope) -> jax.ShapeDtypeStruct:
+    """``'f32[b,784]'`` -> ``ShapeDtypeStruct((b, 784), float32)`` with ``b`` symbolic in ``scope``."""
+    m = _SPEC_RE.match(text)
+    if not m:
+        raise VjpsplitError(f"shape spec {text!r} is not DTYPE[DIMS]; write e.g. f32[b,784] or f32[] for a scalar")
+    dtype = dtype_from_name(m.group(1))
+    dims_text = m.group(2).strip()
+    if not dims_text:
+        return jax.ShapeDtypeStruct((), dtype)
+    dims: list[Any] = []
+    for d in (p.strip() for p in dims_text.split(",")):
+        if d.isdigit():
+            dims.append(int(d))
+        elif _NAME_RE.match(d):
+            dims.append(jexport.symbolic_shape(d, scope=scope)[0])
+        else:
+            raise VjpsplitError(f"dimension {d!r} in {text!r} must be an integer or a name like b")
+    return jax.ShapeDtypeStruct(tuple(dims), dtype)
+
+
+def dim_str(d) -> int | str:
+    """A dim as stored in manifests: an int, or the symbolic expression's text (``b``, ``2*b``)."""
+    return int(d) if isinstance(d, (int, np.integer)) else str(d)
+
+
+def format_shape(dtype, shape: Sequence) -> str:
+    """``bf16[32,128]``: the spelling used in every message and table."""
+    return f"{short_name(dtype)}[{','.join(str(d) for d in shape)}]"
+
+
+def is_symbolic_shape(shape: Sequence) -> bool:
+    """True when any dim is not a plain integer."""
+    return any(not isinstance(d, (int, np.integer)) for d in shape)
+
+
+def bind_dims(what: str, expected: Sequence[int | str], actual: Sequence[int], dims: dict[str, int]) -> bool:
+    """Match ``actual`` against a stored shape, binding symbolic names in ``dims``.
+
+    Returns False on a mismatch. A dim that is an expression (``2*b``) is not
+    solved here; it is checked once all plain names are bound (``eval_dim``).
+    """
+    if len(expected) != len(actual):
+        return False
+    for e, a in zip(expected, actual):
+        if isinstance(e, int):
+            if e != a:
+                return False
+        elif _NAME_RE.match(e):
+            if a < 1:
+                raise VjpsplitError(f"{what}: symbolic dim {e!r} is {a}, but symbolic dims must be >= 1")
+            if dims.setdefault(e, a) != a:
+                return False
+    return True
+
+
+def eval_dim(expr: int | str, dims: Mapping[str, int]) -> int | None:
+    """The value of a stored dim under ``dims``; None when it uses an unbound name.
+
+    Only the plain forms vjpsplit writes are evaluated here: ints, names, and
+    ``+ - *`` of them (what jax.export prints for residual shapes like ``2*b + 1``).
+    Anything else returns None and is left to jax.export's own shape checks.
+    """
+    if isinstance(expr, int):
+        return expr
+    total = 0
+    for sign, term in re.findall(r"([+-]?)\s*([^+-]+)", expr.replace(" ", "")):
+        value = 1
+        for factor in term.split("*"):
+            if factor.isdigit():
+                value *= int(factor)
+            elif factor in dims:
+                value *= dims[factor]
+            else:
+                return None
+        total += -value if sign == "-" else value
+    return total
+
+
+def concrete_shape(shape: Sequence[int | str], dims: Mapping[str, int]) -> tuple[int, ...] | None:
+    """``shape`` with every dim evaluated, or None if some dim cannot be."""
+    out = []
+    for d in shape:
+        v = eval_dim(d, dims)
+        if v is None:
+            return None
+        out.append(v)
+    return tuple(out)
+
+
+def to_struct(leaf) -> jax.ShapeDtypeStruct:
+    """A ShapeDtypeStruct for a spec leaf: a ShapeDtypeStruct, an array, or a Python scalar."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype)
+    if isinstance(leaf, (bool, int, float, complex, np.generic)):
+        a = np.asarray(leaf)
+        if a.dtype == np.float64:
+            a = a.astype(np.float32)  # what jnp.asarray gives a Python float without x64
+        elif a.dtype == np.int64:
+            a = a.astype(np.int32)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype)
+    raise VjpsplitError(f"spec leaf {leaf!r} is not an array or jax.ShapeDtypeStruct")
