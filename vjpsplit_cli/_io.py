@@ -26,6 +26,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
     except OSError as e:
         raise VjpsplitError(f"{path}: cannot write into {directory} ({e.strerror}); check permissions") from e
     try:
+        # mkstemp makes the file 0600; give it the mode a plain open() would have.
+        os.chmod(tmp, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -37,6 +39,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
         except FileNotFoundError:
             pass
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def read_bytes(path: str | os.PathLike, what: str) -> bytes:

@@ -172,6 +172,19 @@ class _MetaError(Exception):
     pass
 
 
+def _unique_map(pairs: list[tuple[Any, Any]]) -> dict:
+    # JSON and msgpack both allow repeated map keys, silently keeping the last;
+    # in an array file that would hide an array or a dtype, so refuse it.
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise ValueError(f"map key {k!r} appears twice")
+            seen.add(k)
+    return out
+
+
 def _plain(value: Any, where: str, depth: int = 0) -> Any:
     """A plain-python copy of a JSON-able value, so JSON and msgpack store exactly the same thing."""
     if depth > _MAX_META_DEPTH:
@@ -202,7 +215,8 @@ def _plain(value: Any, where: str, depth: int = 0) -> Any:
         return out
     if isinstance(value, (list, tuple)):
         return [_plain(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
-    raise _MetaError(f"{where} is a {type(value).__name__}, which is not JSON-able")
+    kind = "msgpack ext value" if isinstance(value, _Ext) else type(value).__name__
+    raise _MetaError(f"{where} is a {kind}, which is not JSON-able")
 
 
 def _checked_meta(path: Path, meta: Mapping | None) -> dict:
@@ -348,9 +362,8 @@ def _load_npz(path: Path) -> tuple[dict[str, np.ndarray], dict]:
         if head[:4] not in _ZIP_MAGICS:
             raise _not_npz(path, head)
         try:
+            # The zip magic checked above is what makes np.load return an NpzFile.
             with np.load(fh, allow_pickle=False) as npz:
-                if not isinstance(npz, np.lib.npyio.NpzFile):
-                    raise _not_npz(path, head)
                 return _read_npz(path, npz, size)
         except VjpsplitError:
             raise
@@ -378,9 +391,9 @@ def _member_header(path: Path, zf: zipfile.ZipFile, info: zipfile.ZipInfo, key: 
         member.seek(0)
         version = np.lib.format.read_magic(member)
         if version == (1, 0):
-            shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(member)
+            shape, _fortran, dtype = np.lib.format.read_array_header_1_0(member)
         elif version == (2, 0):
-            shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(member)
+            shape, _fortran, dtype = np.lib.format.read_array_header_2_0(member)
         else:
             raise VjpsplitError(
                 f"{path}: array {key!r} uses .npy format version {version}, which vjpsplit does not read;"
@@ -462,7 +475,7 @@ def _read_npz(path: Path, npz, archive_size: int) -> tuple[dict[str, np.ndarray]
 
 def _parse_npz_header(path: Path, blob: np.ndarray) -> tuple[dict[str, str], dict]:
     try:
-        header = json.loads(blob.tobytes().decode("utf-8"))
+        header = json.loads(blob.tobytes().decode("utf-8"), object_pairs_hook=_unique_map)
     except (ValueError, RecursionError) as e:
         raise VjpsplitError(
             f"{path}: entry {META_KEY!r} is not valid JSON ({_one_line(e)}); the file is corrupt, re-create it"
@@ -539,7 +552,7 @@ def _unpack_ext(code: int, data: bytes) -> _Ext:
     n = len(data)
     try:
         payload = msgpack.unpackb(
-            data, raw=False, strict_map_key=True, use_list=True,
+            data, raw=False, strict_map_key=True, use_list=True, object_pairs_hook=_unique_map,
             max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n // 2, max_ext_len=n,
         )
     except _DECODE_ERRORS as e:
@@ -596,7 +609,7 @@ def _load_msgpack(path: Path) -> tuple[dict[str, np.ndarray], dict]:
         # Length limits from the file size: a forged length can never exceed the bytes
         # actually present, so msgpack never pre-allocates more than the file holds.
         top = msgpack.unpackb(
-            data, raw=False, strict_map_key=True, use_list=True, ext_hook=_unpack_ext,
+            data, raw=False, strict_map_key=True, use_list=True, ext_hook=_unpack_ext, object_pairs_hook=_unique_map,
             max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n // 2, max_ext_len=n,
         )
     except _DECODE_ERRORS as e:

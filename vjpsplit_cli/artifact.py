@@ -201,6 +201,41 @@ def _dim_vars(inputs: Sequence[Leaf]) -> tuple[str, ...]:
     return tuple(plain)
 
 
+_CALLBACK_PRIMITIVES = ("debug_callback", "debug_print", "pure_callback", "io_callback", "callback")
+
+
+def _host_callbacks(jaxpr) -> list[str]:
+    """Names of host-callback primitives anywhere in ``jaxpr`` (sub-jaxprs included)."""
+    found: list[str] = []
+    stack = [jaxpr]
+    while stack:
+        j = stack.pop()
+        j = getattr(j, "jaxpr", j)  # ClosedJaxpr -> Jaxpr
+        for eqn in getattr(j, "eqns", ()):
+            if eqn.primitive.name in _CALLBACK_PRIMITIVES:
+                found.append(eqn.primitive.name)
+            for v in eqn.params.values():
+                for item in v if isinstance(v, (tuple, list)) else (v,):
+                    if hasattr(item, "eqns") or hasattr(getattr(item, "jaxpr", None), "eqns"):
+                        stack.append(item)
+    return found
+
+
+def _refuse_host_callbacks(fn: Callable, structs) -> None:
+    """jax.export cannot serialize host callbacks: say so before lowering fails obscurely."""
+    try:
+        jaxpr = jax.make_jaxpr(fn)(*structs)
+    except Exception:
+        return  # tracing errors surface, with context, from the export itself
+    found = _host_callbacks(jaxpr)
+    if found:
+        raise VjpsplitError(
+            f"cannot export {getattr(fn, '__name__', 'the function')}: it uses {sorted(set(found))[0]} "
+            "(jax.debug.print, jax.debug.callback or another host callback), which jax.export cannot "
+            "serialize; remove them before exporting"
+        )
+
+
 def _lower(what: str, fn: Callable, platforms: tuple[str, ...], args: Sequence):
     """``jax.export`` with errors that say what went wrong and, if one platform failed, which."""
     try:
@@ -267,6 +302,7 @@ def export(
     dim_vars = _dim_vars(inputs)
     wrt_pos, single = _wrt_positions(fn, wrt, len(specs)) if arg_names is None else _wrt_by_names(names, wrt)
     inner = apply_policy(fn, policy)
+    _refuse_host_callbacks(fn, structs)
 
     captured: dict[str, Any] = {}
 
@@ -390,9 +426,23 @@ jax.tree_util.register_pytree_node(
 )
 
 
+def _weak_scalar_fits(value, want: np.dtype) -> bool:
+    if isinstance(value, bool):
+        return want == np.bool_
+    if isinstance(value, int):
+        return want.kind in "iufc"
+    if isinstance(value, float):
+        return want.kind in "fc" or jnp.issubdtype(want, jnp.floating)
+    if isinstance(value, complex):
+        return want.kind == "c"
+    return False
+
+
 def _check_array(source: str, what: str, leaf: Leaf, value, dims: dict[str, int]):
     """``value`` as an array of ``leaf``'s dtype and shape, binding dims; else a clear error."""
     want = dtype_from_name(leaf.dtype)
+    if _weak_scalar_fits(value, want):
+        value = np.asarray(value, want)  # Python scalars are weakly typed in JAX: take the expected dtype
     a = value if hasattr(value, "dtype") and hasattr(value, "shape") else np.asarray(value)
     got = np.dtype(a.dtype)
     if got != want:

@@ -1,0 +1,113 @@
+"""Small models and inputs shared by the tests; every gradient is checked against jax.vjp."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def mlp(params, x):
+    """Two-layer tanh MLP, scalar mean-square output."""
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"]) ** 2)
+
+
+def mlp_inputs(batch=4, seed=0):
+    rng = np.random.default_rng(seed)
+    params = {
+        "w1": rng.normal(size=(6, 8)).astype(np.float32),
+        "b1": rng.normal(size=(8,)).astype(np.float32),
+        "w2": rng.normal(size=(8, 3)).astype(np.float32),
+    }
+    return params, rng.normal(size=(batch, 6)).astype(np.float32)
+
+
+def convnet(params, x):
+    """One NHWC convolution, relu, global average pool, linear head; vector output."""
+    y = jax.lax.conv_general_dilated(x, params["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    y = jax.nn.relu(y + params["b"])
+    return jnp.mean(y, axis=(1, 2)) @ params["head"]
+
+
+def convnet_inputs(batch=2, seed=1):
+    rng = np.random.default_rng(seed)
+    params = {
+        "k": rng.normal(size=(3, 3, 2, 4)).astype(np.float32),
+        "b": rng.normal(size=(4,)).astype(np.float32),
+        "head": rng.normal(size=(4, 5)).astype(np.float32),
+    }
+    return params, rng.normal(size=(batch, 6, 6, 2)).astype(np.float32)
+
+
+def attention(params, x):
+    """One pre-norm self-attention block with 2 heads and a residual connection."""
+    b, t, d = x.shape
+    h = 2
+    mu = jnp.mean(x, -1, keepdims=True)
+    xn = (x - mu) / jnp.sqrt(jnp.var(x, -1, keepdims=True) + 1e-5)
+    q, k, v = (jnp.einsum("btd,de->bte", xn, params[n]).reshape(b, t, h, d // h) for n in ("wq", "wk", "wv"))
+    logits = jnp.einsum("bthe,bshe->bhts", q, k) / np.sqrt(d // h)
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    att = jax.nn.softmax(jnp.where(mask, logits, -1e9), axis=-1)
+    o = jnp.einsum("bhts,bshe->bthe", att, v).reshape(b, t, d)
+    return x + o @ params["wo"]
+
+
+def attention_inputs(batch=2, t=5, d=8, seed=2):
+    rng = np.random.default_rng(seed)
+    params = {n: (rng.normal(size=(d, d)) / np.sqrt(d)).astype(np.float32) for n in ("wq", "wk", "wv", "wo")}
+    return params, rng.normal(size=(batch, t, d)).astype(np.float32)
+
+
+def nested(params, x):
+    """Params as lists and tuples with empty tuples inside; non-scalar output."""
+    (w0, _empty, b0), layers = params["first"], params["layers"]
+    h = jnp.sin(x @ w0 + b0)
+    for layer in layers:
+        h = h * layer["scale"] + layer["shift"][0]
+    return h
+
+
+def nested_inputs(seed=3):
+    rng = np.random.default_rng(seed)
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    params = {
+        "first": (f(3, 4), (), f(4)),
+        "layers": [{"scale": f(4), "shift": (f(4), ())}, {"scale": f(4), "shift": (f(4), ())}],
+    }
+    return params, f(2, 3)
+
+
+def ref_vjp(fn, args, ct=None, argnums=None):
+    """(out, grads) from plain jax.vjp; ct defaults to ones like the output."""
+    argnums = tuple(range(len(args))) if argnums is None else argnums
+    def partial(*diff):
+        full = list(args)
+        for i, d in zip(argnums, diff):
+            full[i] = d
+        return fn(*full)
+    out, vjp = jax.vjp(partial, *(args[i] for i in argnums))
+    if ct is None:
+        ct = jax.tree_util.tree_map(jnp.ones_like, out)
+    return out, vjp(ct)
+
+
+def assert_trees_close(a, b, rtol=1e-5, atol=1e-5):
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert ta == tb, f"{ta} != {tb}"
+    for x, y in zip(la, lb):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.shape == y.shape and x.dtype == y.dtype, (x.shape, x.dtype, y.shape, y.dtype)
+        if x.dtype == jax.dtypes.float0:
+            continue
+        np.testing.assert_allclose(x.astype(np.float64), y.astype(np.float64), rtol=rtol, atol=atol)
+
+
+MODELS = {
+    "mlp": (mlp, mlp_inputs),
+    "convnet": (convnet, convnet_inputs),
+    "attention": (attention, attention_inputs),
+    "nested": (nested, nested_inputs),
+}
