@@ -47,16 +47,29 @@ def _umask() -> int:
     return mask
 
 
-def read_bytes(path: str | os.PathLike, what: str) -> bytes:
-    """Read a whole file, turning every OS-level failure into one clear VjpsplitError."""
+def open_for_read(path: str | os.PathLike, what: str) -> BinaryIO:
+    """Open a file for reading, turning every OS-level failure into one clear VjpsplitError."""
     path = Path(path)
     try:
-        return path.read_bytes()
+        return open(path, "rb")
     except FileNotFoundError as e:
         raise VjpsplitError(f"{path}: no such {what} file; check the path") from e
     except IsADirectoryError as e:
-        raise VjpsplitError(f"{path}: is a directory, expected a {what} file") from e
+        raise VjpsplitError(f"{path}: is a directory, expected {_article(what)} {what} file") from e
     except PermissionError as e:
         raise VjpsplitError(f"{path}: permission denied reading the {what} file; check its permissions") from e
     except OSError as e:
         raise VjpsplitError(f"{path}: cannot read the {what} file ({e.strerror or e})") from e
+
+
+def read_bytes(path: str | os.PathLike, what: str) -> bytes:
+    """Read a whole file; failures as in ``open_for_read``."""
+    with open_for_read(path, what) as f:
+        try:
+            return f.read()
+        except OSError as e:
+            raise VjpsplitError(f"{path}: cannot read the {what} file ({e.strerror or e})") from e
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"

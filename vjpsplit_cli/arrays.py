@@ -35,7 +35,7 @@ import msgpack
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._io import atomic_write, read_bytes
+from ._io import atomic_write, open_for_read, read_bytes
 from .dtypes import dtype_from_name, dtype_name
 from .errors import VjpsplitError
 
@@ -324,21 +324,6 @@ def _write_member(zf: zipfile.ZipFile, key: str, arr: np.ndarray) -> None:
         np.lib.format.write_array(out, arr, allow_pickle=False)
 
 
-def _open_for_read(path: Path) -> BinaryIO:
-    # Same wording as _io.read_bytes, which reads msgpack files; npz files are opened
-    # instead of read whole so that big checkpoints are not held in memory twice.
-    try:
-        return open(path, "rb")
-    except FileNotFoundError as e:
-        raise VjpsplitError(f"{path}: no such arrays file; check the path") from e
-    except IsADirectoryError as e:
-        raise VjpsplitError(f"{path}: is a directory, expected an arrays file") from e
-    except PermissionError as e:
-        raise VjpsplitError(f"{path}: permission denied reading the arrays file; check its permissions") from e
-    except OSError as e:
-        raise VjpsplitError(f"{path}: cannot read the arrays file ({e.strerror or e})") from e
-
-
 def _not_npz(path: Path, head: bytes) -> VjpsplitError:
     if head.startswith(_NPY_MAGIC):
         return VjpsplitError(
@@ -350,7 +335,7 @@ def _not_npz(path: Path, head: bytes) -> VjpsplitError:
 
 
 def _load_npz(path: Path) -> tuple[dict[str, np.ndarray], dict]:
-    with _open_for_read(path) as fh:
+    with open_for_read(path, "arrays") as fh:
         try:
             head = fh.read(8)
             size = os.fstat(fh.fileno()).st_size

@@ -23,11 +23,11 @@ class UsageError(VjpsplitError):
     """A mistake in the command line itself (the CLI exits 2 for these)."""
 
 
-def load_object(target: str, what: str = "function") -> tuple[Any, str]:
+def load_object(target: str, label: str = "FN") -> tuple[Any, str]:
     """Import ``MODULE:ATTR`` (dotted module from the cwd, or a ``.py`` path); return it and its name."""
     module_part, sep, attr = target.rpartition(":")
     if not sep or not module_part or not attr:
-        raise UsageError(f"{target!r} is not MODULE:{what.upper()}; write e.g. samples/mlp.py:loss or mypkg.model:loss")
+        raise UsageError(f"{target!r} is not MODULE:{label}; write e.g. samples/mlp.py:loss or mypkg.model:loss")
     if module_part.endswith(".py") or os.sep in module_part or "/" in module_part:
         path = Path(module_part)
         if not path.is_file():
@@ -108,7 +108,7 @@ def resolve_shapes(fn: Callable, shapes: Sequence[str]) -> tuple[list[str], tupl
 def parse_spec(name: str, text: str, scope) -> Any:
     """One ``--shapes`` value: ``DTYPE[DIMS]``, ``@MODULE:ATTR`` or an array file."""
     if text.startswith("@"):
-        obj, where = load_object(text[1:], what="attr")
+        obj, where = load_object(text[1:], label="ATTR")
         if callable(obj) and not isinstance(obj, jax.ShapeDtypeStruct):
             try:
                 obj = obj()
