@@ -5,11 +5,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 
 def mlp(params, x):
     """Two-layer tanh MLP, scalar mean-square output."""
-    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    h = checkpoint_name(jnp.tanh(x @ params["w1"] + params["b1"]), "hidden")
     return jnp.mean((h @ params["w2"]) ** 2)
 
 
@@ -26,7 +27,7 @@ def mlp_inputs(batch=4, seed=0):
 def convnet(params, x):
     """One NHWC convolution, relu, global average pool, linear head; vector output."""
     y = jax.lax.conv_general_dilated(x, params["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    y = jax.nn.relu(y + params["b"])
+    y = checkpoint_name(jax.nn.relu(y + params["b"]), "hidden")
     return jnp.mean(y, axis=(1, 2)) @ params["head"]
 
 
@@ -49,7 +50,7 @@ def attention(params, x):
     q, k, v = (jnp.einsum("btd,de->bte", xn, params[n]).reshape(b, t, h, d // h) for n in ("wq", "wk", "wv"))
     logits = jnp.einsum("bthe,bshe->bhts", q, k) / np.sqrt(d // h)
     mask = jnp.tril(jnp.ones((t, t), bool))
-    att = jax.nn.softmax(jnp.where(mask, logits, -1e9), axis=-1)
+    att = checkpoint_name(jax.nn.softmax(jnp.where(mask, logits, -1e9), axis=-1), "hidden")
     o = jnp.einsum("bhts,bshe->bthe", att, v).reshape(b, t, d)
     return x + o @ params["wo"]
 

@@ -276,6 +276,8 @@ def export(
     policy: str | None = None,
     arg_names: Sequence[str] | None = None,
     name: str | None = None,
+    memory_budget: int | str | None = None,
+    at: Mapping[str, int] | Sequence[str] | None = None,
 ) -> "Artifact":
     """Export ``fn``'s forward (emitting residuals) and backward (consuming them).
 
@@ -283,6 +285,8 @@ def export(
     argument; symbolic dims (``jax.export.symbolic_shape``, one scope) make the
     artifact shape-polymorphic. ``platforms`` lists the targets lowered into the one
     artifact (default cpu, cuda, tpu; no accelerator is needed to lower for them).
+    ``memory_budget`` (bytes or ``"64MiB"``; symbolic dims sized by ``at``) picks
+    the policy that recomputes least among those whose stored residuals fit.
     """
     if isinstance(platforms, str):
         platforms = tuple(p.strip() for p in platforms.split(",") if p.strip())
@@ -292,7 +296,8 @@ def export(
             raise VjpsplitError(f"unknown platform {p!r}; use some of {', '.join(_KNOWN_PLATFORMS)}")
     if not platforms:
         raise VjpsplitError("no platforms given; use e.g. cpu,cuda,tpu")
-    policy = normalize_policy(policy)
+    if memory_budget is not None and policy not in (None, "everything"):
+        raise VjpsplitError("give either a policy or a memory budget, not both")
     names = tuple(arg_names) if arg_names is not None else tuple(positional_names(fn, len(specs)))
     if len(names) != len(specs):
         raise VjpsplitError(f"{len(specs)} specs given for {len(names)} argument names")
@@ -301,6 +306,11 @@ def export(
     inputs = _leaves_json_safe(input_entries)
     dim_vars = _dim_vars(inputs)
     wrt_pos, single = _wrt_positions(fn, wrt, len(specs)) if arg_names is None else _wrt_by_names(names, wrt)
+    if memory_budget is not None:
+        from .economy import choose_policy
+
+        policy, _ = choose_policy(fn, *structs, memory_budget=memory_budget, wrt=wrt_pos, has_aux=has_aux, at=at)
+    policy = normalize_policy(policy)
     inner = apply_policy(fn, policy)
     _refuse_host_callbacks(fn, structs)
 

@@ -88,12 +88,21 @@ def _enable_x64_if(needed: bool) -> None:
 @click.option("--platforms", default="cpu,cuda,tpu", show_default=True, help="Comma-separated platforms to lower for.")
 @click.option("--policy", default="everything", show_default=True,
               help="What the forward keeps: everything, dots, nothing, or names:a,b.")
+@click.option("--memory-budget", default=None, metavar="BYTES",
+              help="Pick the policy that recomputes least among those whose stored residuals fit (e.g. 64MiB).")
+@click.option("--at", "at", multiple=True, metavar="NAME=SIZE",
+              help="Sizes for symbolic dims when weighing residuals against --memory-budget (e.g. b=256).")
 @click.option("-o", "--output", required=True, type=_ARRAY_FILE, help="Artifact file to write.")
 @_command
-def export_cmd(target, shapes, wrt, has_aux, platforms, policy, output):
+def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, at, output):
     """Export FN's forward and backward into one portable artifact."""
     from .artifact import export
+    from .economy import parse_at
     from .specs import load_object, resolve_shapes
+
+    source = click.get_current_context().get_parameter_source("policy")
+    if memory_budget is not None and source != click.core.ParameterSource.DEFAULT:
+        raise click.UsageError("give either --policy or --memory-budget, not both")
 
     fn, name = load_object(target)
     if not callable(fn):
@@ -101,10 +110,13 @@ def export_cmd(target, shapes, wrt, has_aux, platforms, policy, output):
     names, specs = resolve_shapes(fn, shapes)
     _enable_x64_if(_wants_x64(specs))
     wrt_names = None if wrt is None else [w.strip() for w in wrt.split(",") if w.strip()]
-    art = export(fn, *specs, wrt=wrt_names, has_aux=has_aux, platforms=platforms, policy=policy,
-                 arg_names=names, name=name)
+    art = export(fn, *specs, wrt=wrt_names, has_aux=has_aux, platforms=platforms,
+                 policy=None if memory_budget is not None else policy,
+                 arg_names=names, name=name, memory_budget=memory_budget, at=parse_at(at))
     art.save(output)
     m = art.manifest
+    if memory_budget is not None:
+        _log(f"memory budget {memory_budget}: chose policy {m.policy}")
     _log(f"wrote {output}: {m.function}, {len(m.inputs)} inputs, {len(m.residuals)} residuals "
          f"({sum(r.input_backed for r in m.residuals)} input-backed), platforms {','.join(m.platforms)}")
 
@@ -184,17 +196,50 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
 @main.command("inspect")
 @click.argument("artifact", type=_EXISTING)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@click.option("--at", "at", multiple=True, metavar="NAME=SIZE", help="Size symbolic dims in the byte totals (b=256).")
 @_command
-def inspect_cmd(artifact, as_json):
+def inspect_cmd(artifact, as_json, at):
     """Describe an artifact: keys, dtypes, shapes, residual bytes, platforms, versions."""
     from .artifact import load
+    from .economy import parse_at
     from .report import describe, format_table
 
     art = load(artifact)
+    sizes = parse_at(at)
     if as_json:
-        click.echo(json.dumps(describe(art), indent=2))
+        click.echo(json.dumps(describe(art, sizes), indent=2))
     else:
-        click.echo(format_table(art))
+        click.echo(format_table(art, sizes))
+
+
+@main.command("plan")
+@click.argument("target", metavar="MODULE:FN")
+@click.option("--shapes", "shapes", multiple=True, required=True, metavar="NAME=SPEC",
+              help="As for export: one NAME=SPEC per positional parameter.")
+@click.option("--wrt", default=None, metavar="NAMES", help="Comma-separated parameters to differentiate (default: all).")
+@click.option("--has-aux", is_flag=True, help="FN returns (out, aux); only out is differentiated.")
+@click.option("--at", "at", multiple=True, metavar="NAME=SIZE", help="Sizes for symbolic dims (b=256): bytes and FLOPs.")
+@click.option("--policies", default="everything,dots,nothing", show_default=True,
+              help="Comma-separated policies to compare (names:a,b allowed; separate several with ';').")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
+@_command
+def plan_cmd(target, shapes, wrt, has_aux, at, policies, as_json):
+    """Compare policies before exporting: stored residual bytes and backward recompute per policy."""
+    from .economy import parse_at, plan_policies
+    from .report import format_plan
+    from .specs import load_object, resolve_shapes
+
+    fn, _ = load_object(target)
+    names, specs = resolve_shapes(fn, shapes)
+    _enable_x64_if(_wants_x64(specs))
+    wrt_pos = None if wrt is None else [names.index(w.strip()) for w in wrt.split(",") if w.strip() in names]
+    sizes = parse_at(at)
+    chosen = [p.strip() for p in (policies.split(";") if "names:" in policies else policies.split(",")) if p.strip()]
+    costs = plan_policies(fn, *specs, wrt=wrt_pos, has_aux=has_aux, at=sizes, policies=chosen)
+    if as_json:
+        click.echo(json.dumps([c.to_json() for c in costs], indent=2))
+    else:
+        click.echo(format_plan(costs, sizes))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -273,7 +273,7 @@ def plan_for_token(token: str) -> Plan | None:
     return _PLANS.get(token)
 
 
-def split(fn: Callable, wrt=None, has_aux: bool = False, policy: str | None = None):
+def split(fn: Callable, wrt=None, has_aux: bool = False, policy: str | None = None, memory_budget=None):
     """Split ``fn`` into a forward that returns residuals and a backward that consumes them.
 
     ``fwd(*args)`` returns ``(out, res)`` (``(out, res, aux)`` with ``has_aux``);
@@ -281,14 +281,25 @@ def split(fn: Callable, wrt=None, has_aux: bool = False, policy: str | None = No
     positions or names; default all), one gradient for a single int or name and a
     tuple otherwise. Both are jitted, jit-able and retrace per signature; ``bwd``
     never evaluates the forward again under the default policy. ``res`` holds
-    references to input arrays instead of copies.
+    references to input arrays instead of copies. With ``memory_budget`` (bytes or
+    ``"64MiB"``), each signature gets the policy that recomputes least among those
+    whose stored residuals fit.
     """
+    if memory_budget is not None and policy not in (None, "everything"):
+        raise VjpsplitError("give either a policy or a memory budget, not both")
     inner = apply_policy(fn, policy)
     traces = [0]
 
     def _fwd_impl(*args):
         wrt_pos, single = _wrt_positions(fn, wrt, len(args))
-        out, stored, aux, plan = trace_vjp(inner, args, wrt_pos, single, has_aux)
+        body = inner
+        if memory_budget is not None:
+            from .economy import choose_policy
+
+            specs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), args)
+            chosen, _ = choose_policy(fn, *specs, memory_budget=memory_budget, wrt=wrt_pos, has_aux=has_aux)
+            body = apply_policy(fn, chosen)
+        out, stored, aux, plan = trace_vjp(body, args, wrt_pos, single, has_aux)
         _PLANS[plan.token] = plan
         traces[0] += 1
         return out, stored, aux, _Static(plan)

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Sequence
+from typing import Mapping, Sequence
+
+import numpy as np
 
 
 from .artifact import Artifact, Leaf
 from .dtypes import dtype_from_name
+from .shapes import eval_dim
 
 
-def describe(art: Artifact) -> dict:
-    """The ``inspect --json`` object (SPEC.md's keys, plus a few more)."""
+def describe(art: Artifact, at: Mapping[str, int] | None = None) -> dict:
+    """The ``inspect --json`` object (SPEC.md's keys, plus a few more); ``at`` sizes symbolic dims."""
     m = art.manifest
+    stored = total_bytes(m.stored_residuals)
+    extra = {"at": dict(at), "stored_residual_bytes_at": evaluate_terms(stored, at)} if at else {}
     return {
         "function": m.function,
         "arg_names": list(m.arg_names),
@@ -32,20 +37,26 @@ def describe(art: Artifact) -> dict:
             "jax": m.jax_version,
             "calling_convention": m.calling_convention_version,
         },
-        "stored_residual_bytes": format_bytes_terms(total_bytes(m.stored_residuals)),
+        "stored_residual_bytes": format_bytes_terms(stored),
+        **extra,
     }
 
 
-def byte_terms(leaf: Leaf) -> dict[str, int]:
-    """Bytes of one leaf as ``{symbolic factor: coefficient}``; ``""`` is the constant term."""
-    coeff = dtype_from_name(leaf.dtype).itemsize
+def byte_terms_of_shape(dtype, shape: Sequence[int | str]) -> dict[str, int]:
+    """Bytes of an array as ``{symbolic factor: coefficient}``; ``""`` is the constant term."""
+    coeff = dtype_from_name(dtype).itemsize if isinstance(dtype, str) else np.dtype(dtype).itemsize
     factors = []
-    for d in leaf.shape:
+    for d in shape:
         if isinstance(d, int):
             coeff *= d
         else:
             factors.append(d if d.replace("_", "").isalnum() else f"({d})")
     return {"·".join(sorted(factors)): coeff}
+
+
+def byte_terms(leaf: Leaf) -> dict[str, int]:
+    """Bytes of one manifest leaf as ``{symbolic factor: coefficient}``."""
+    return byte_terms_of_shape(leaf.dtype, leaf.shape)
 
 
 def total_bytes(leaves: Sequence[Leaf]) -> dict[str, int]:
@@ -55,6 +66,20 @@ def total_bytes(leaves: Sequence[Leaf]) -> dict[str, int]:
         for k, v in byte_terms(leaf).items():
             total[k] += v
     return dict(total)
+
+
+def evaluate_terms(terms: Mapping[str, int], at: Mapping[str, int]) -> int | None:
+    """The byte count of ``terms`` with symbolic dims sized by ``at``; None if some are unbound."""
+    total = 0
+    for k, coeff in terms.items():
+        value = coeff
+        for factor in filter(None, k.split("·")):
+            v = eval_dim(factor.strip("()"), at)
+            if v is None:
+                return None
+            value *= v
+        total += value
+    return total
 
 
 def human_bytes(n: int) -> str:
@@ -92,9 +117,15 @@ def _rows(title: str, leaves: Sequence[Leaf], residual: bool = False) -> list[st
     return lines
 
 
-def format_table(art: Artifact) -> str:
-    """A readable summary of an artifact, for humans."""
+def format_table(art: Artifact, at: Mapping[str, int] | None = None) -> str:
+    """A readable summary of an artifact, for humans; ``at`` sizes symbolic dims in the totals."""
     m = art.manifest
+    stored = total_bytes(m.stored_residuals)
+    at_note = ""
+    if at:
+        value = evaluate_terms(stored, at)
+        sizes = ", ".join(f"{k}={v}" for k, v in at.items())
+        at_note = f" = {human_bytes(value)} at {sizes}" if value is not None else f" (--at {sizes} leaves dims unbound)"
     lines = [
         f"function     {m.function}",
         f"arguments    {', '.join(m.arg_names)}   (wrt: {', '.join(m.wrt) or 'none'})",
@@ -109,11 +140,28 @@ def format_table(art: Artifact) -> str:
         *_rows("inputs", m.inputs),
         *_rows("outputs", m.outputs),
         *_rows("residuals", m.residuals, residual=True),
-        f"  stored total: {format_bytes_terms(total_bytes(m.stored_residuals))}"
+        f"  stored total: {format_bytes_terms(stored)}{at_note}"
         f"  (input-backed, not stored: {format_bytes_terms(total_bytes([r for r in m.residuals if r.input_backed]))})",
         *_rows("grads", m.grads),
     ]
     return "\n".join(lines)
 
 
-__all__ = ["describe", "format_table", "total_bytes", "byte_terms", "format_bytes_terms", "human_bytes"]
+__all__ = ["describe", "format_table", "total_bytes", "byte_terms", "byte_terms_of_shape", "evaluate_terms",
+           "format_bytes_terms", "human_bytes", "format_plan"]
+
+
+def format_plan(costs, at: Mapping[str, int] | None = None) -> str:
+    """The ``plan`` table: per policy, stored residual bytes and the backward's recompute."""
+    head = f"{'policy':<12} {'stored arrays':>13} {'stored bytes':>22} {'bwd ops':>8} {'bwd dots':>8} {'bwd GFLOP':>10}"
+    lines = [head, "-" * len(head)]
+    for c in costs:
+        size = human_bytes(c.stored_bytes) if c.stored_bytes is not None else format_bytes_terms(c.stored_terms)
+        flops = f"{c.backward_flops / 1e9:.3f}" if c.backward_flops is not None else "-"
+        lines.append(f"{c.policy:<12} {c.stored_arrays:>13} {size:>22} {c.backward_ops:>8} {c.backward_dots:>8} {flops:>10}")
+    if at:
+        lines.append("sizes: " + ", ".join(f"{k}={v}" for k, v in at.items()))
+    else:
+        lines.append("(bytes as formulas of the symbolic dims; pass --at b=256 for numbers and FLOPs)"
+                     if any(c.stored_bytes is None for c in costs) else "")
+    return "\n".join(line for line in lines if line)

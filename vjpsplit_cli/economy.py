@@ -1,0 +1,209 @@
+"""Residual economy: what each policy stores, what its backward recomputes, and picking one for a budget."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from .core import run_backward, trace_vjp, _wrt_positions
+from .errors import VjpsplitError
+from .policies import apply_policy, normalize_policy
+from .shapes import eval_dim, is_symbolic_shape
+
+# Cheapest recompute first: a budget takes the first of these that fits.
+BUDGET_ORDER = ("everything", "dots", "nothing")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+
+
+def parse_bytes(text: str | int) -> int:
+    """``'64MiB'`` -> 67108864; also plain integers, ``kB``/``MB``/``GB`` (powers of 1000) and ``KiB``/``GiB``."""
+    if isinstance(text, (int, np.integer)) and not isinstance(text, bool):
+        if text < 0:
+            raise VjpsplitError(f"memory budget {text} is negative")
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise VjpsplitError(f"memory budget {text!r} is not a size; write e.g. 64MiB, 1.5GB or 1048576")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_at(items: Sequence[str] | Mapping[str, int] | None) -> dict[str, int]:
+    """``['b=256', 't=128']`` (or a mapping) -> ``{'b': 256, 't': 128}``; sizes must be >= 1."""
+    if items is None:
+        return {}
+    if isinstance(items, Mapping):
+        pairs = list(items.items())
+    else:
+        pairs = []
+        for item in items:
+            for part in str(item).split(","):
+                name, eq, value = part.partition("=")
+                if not eq or not name.strip() or not value.strip().isdigit():
+                    raise VjpsplitError(f"--at {part!r} is not NAME=SIZE; write e.g. b=256")
+                pairs.append((name.strip(), int(value)))
+    out = {}
+    for name, value in pairs:
+        if int(value) < 1:
+            raise VjpsplitError(f"--at {name}={value}: symbolic dims are >= 1")
+        out[str(name)] = int(value)
+    return out
+
+
+def concrete_specs(specs: tuple, at: Mapping[str, int]) -> tuple:
+    """``specs`` with every symbolic dim replaced by its size from ``at``."""
+    missing: list[str] = []
+
+    def fix(s):
+        if not is_symbolic_shape(s.shape):
+            return s
+        dims = []
+        for d in s.shape:
+            v = eval_dim(d if isinstance(d, int) else str(d), at)
+            if v is None:
+                missing.append(str(d))
+                v = 1
+            dims.append(v)
+        return jax.ShapeDtypeStruct(tuple(dims), s.dtype)
+
+    out = tuple(jax.tree_util.tree_map(fix, s) for s in specs)
+    if missing:
+        raise VjpsplitError(
+            f"sizes needed for symbolic dim(s) {', '.join(sorted(set(missing)))}; pass --at NAME=SIZE (at={{...}})"
+        )
+    return out
+
+
+def _nbytes(structs) -> int:
+    return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in structs)
+
+
+def _count_ops(jaxpr) -> tuple[int, int]:
+    """(all primitive applications, matmuls and convolutions) in a jaxpr and its sub-jaxprs."""
+    ops = dots = 0
+    stack = [jaxpr]
+    while stack:
+        j = stack.pop()
+        j = getattr(j, "jaxpr", j)
+        for eqn in getattr(j, "eqns", ()):
+            subs = [
+                item for v in eqn.params.values() for item in (v if isinstance(v, (tuple, list)) else (v,))
+                if hasattr(item, "eqns") or hasattr(getattr(item, "jaxpr", None), "eqns")
+            ]
+            if subs:  # a call-like wrapper (jit, remat, custom_vjp): count what it runs
+                stack.extend(subs)
+                continue
+            ops += 1
+            if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+                dots += 1
+    return ops, dots
+
+
+@dataclass(frozen=True)
+class PolicyCost:
+    """What one policy costs: residual bytes the forward stores, and the backward's work."""
+
+    policy: str
+    stored_arrays: int
+    stored_bytes: int | None           # None when symbolic dims are unbound
+    stored_terms: dict = field(default_factory=dict)  # bytes as {symbolic factor: coefficient}
+    input_backed: int = 0
+    backward_ops: int = 0              # primitive applications in the backward
+    backward_dots: int = 0             # of which matmuls / convolutions
+    backward_flops: float | None = None  # XLA's cost analysis, with concrete sizes only
+
+    def to_json(self) -> dict:
+        """A JSON-able dict."""
+        return {
+            "policy": self.policy, "stored_arrays": self.stored_arrays, "stored_bytes": self.stored_bytes,
+            "stored_terms": self.stored_terms, "input_backed": self.input_backed,
+            "backward_ops": self.backward_ops, "backward_dots": self.backward_dots,
+            "backward_flops": self.backward_flops,
+        }
+
+
+def policy_cost(fn: Callable, *specs, policy: str | None = None, wrt=None, has_aux: bool = False,
+                at: Mapping[str, int] | None = None, flops: bool = True) -> PolicyCost:
+    """Trace (never run) ``fn`` under ``policy`` and measure its residuals and backward."""
+    from .report import byte_terms_of_shape
+
+    policy = normalize_policy(policy)
+    at = dict(at or {})
+    symbolic = any(is_symbolic_shape(s.shape) for s in jax.tree_util.tree_leaves(specs))
+    if symbolic and at:
+        specs, symbolic = concrete_specs(specs, at), False
+    wrt_pos, single = _wrt_positions(fn, wrt, len(specs))
+    inner = apply_policy(fn, policy)
+    captured: dict[str, Any] = {}
+
+    def fwd(*args):
+        out, stored, aux, plan = trace_vjp(inner, args, wrt_pos, single, has_aux)
+        captured["plan"] = plan
+        return stored
+
+    stored = jax.eval_shape(fwd, *specs)
+    plan = captured["plan"]
+    flat = jax.tree_util.tree_leaves(specs)
+    inputs = [flat[k] for k in plan.input_backed]
+    cts = [plan.out_avals[i] for i in plan.out_diff]
+
+    def bwd(stored_, inputs_, cts_):
+        return run_backward(plan, stored_, inputs_, cts_)
+
+    ops, dots = _count_ops(jax.make_jaxpr(bwd)(list(stored), inputs, cts))
+    terms: dict[str, int] = {}
+    for s in stored:
+        for k, v in byte_terms_of_shape(s.dtype, [d if isinstance(d, int) else str(d) for d in s.shape]).items():
+            terms[k] = terms.get(k, 0) + v
+    total = None if symbolic else _nbytes(stored)
+    fl = None
+    if flops and not symbolic:
+        try:
+            analysis = jax.jit(bwd).lower(list(stored), inputs, cts).compile().cost_analysis()
+            if isinstance(analysis, list):  # older jax: one dict per computation
+                analysis = analysis[0] if analysis else {}
+            fl = float(analysis.get("flops", 0.0)) if analysis else None
+        except Exception:  # cost analysis is best effort: not every backend offers it
+            fl = None
+    return PolicyCost(policy, len(stored), total, terms, len(plan.input_backed), ops, dots, fl)
+
+
+def plan_policies(fn: Callable, *specs, wrt=None, has_aux: bool = False, at=None,
+                  policies: Sequence[str] = BUDGET_ORDER, flops: bool = True) -> list[PolicyCost]:
+    """``policy_cost`` for each policy, cheapest recompute first."""
+    return [policy_cost(fn, *specs, policy=p, wrt=wrt, has_aux=has_aux, at=at, flops=flops) for p in policies]
+
+
+def choose_policy(fn: Callable, *specs, memory_budget, wrt=None, has_aux: bool = False, at=None,
+                  policies: Sequence[str] = BUDGET_ORDER) -> tuple[str, PolicyCost]:
+    """The policy that recomputes least among those whose stored residual bytes fit the budget."""
+    budget = parse_bytes(memory_budget)
+    at = parse_at(at)
+    symbolic = any(is_symbolic_shape(s.shape) for s in jax.tree_util.tree_leaves(specs))
+    if symbolic and not at:
+        raise VjpsplitError(
+            "a memory budget needs sizes for the symbolic dims to weigh the residuals; pass --at NAME=SIZE "
+            "(at={'b': 256}) with the largest sizes you will run"
+        )
+    costs = []
+    for p in policies:
+        cost = policy_cost(fn, *specs, policy=p, wrt=wrt, has_aux=has_aux, at=at, flops=False)
+        if cost.stored_bytes <= budget:
+            return p, cost
+        costs.append(cost)
+    from .report import human_bytes
+
+    best = min(costs, key=lambda c: c.stored_bytes)
+    where = f" at {', '.join(f'{k}={v}' for k, v in at.items())}" if at else ""
+    raise VjpsplitError(
+        f"no policy fits a memory budget of {human_bytes(budget)}{where}: the smallest is {best.policy!r} "
+        f"storing {human_bytes(best.stored_bytes)}; raise the budget or use smaller sizes"
+    )
