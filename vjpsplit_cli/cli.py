@@ -68,8 +68,45 @@ def _command(fn):
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="vjpsplit", message="vjpsplit %(version)s")
 @click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
-def main(debug: bool) -> None:
+@click.option("--no-cache", is_flag=True,
+              help="Do not use the persistent compilation cache (see VJPSPLIT_CACHE_DIR).")
+def main(debug: bool, no_cache: bool) -> None:
     """Run a JAX function's forward now and its backward later, from exported artifacts."""
+
+
+def cache_dir() -> str | None:
+    """Where run-fwd/run-bwd keep compiled executables; None when caching is off.
+
+    ``VJPSPLIT_CACHE_DIR`` moves it (empty, ``0`` or ``off`` turns it off); the
+    default is ``vjpsplit/jax`` under ``$XDG_CACHE_HOME`` (``~/.cache``).
+    """
+    env = os.environ.get("VJPSPLIT_CACHE_DIR")
+    if env is not None:
+        return None if env.strip().lower() in ("", "0", "off", "none") else env
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "vjpsplit", "jax")
+
+
+def _use_compilation_cache() -> None:
+    """Turn on JAX's persistent compilation cache, so a repeated run skips XLA compilation."""
+    if click.get_current_context().find_root().params.get("no_cache"):
+        return
+    import jax
+
+    if jax.config.jax_compilation_cache_dir:  # the user configured JAX's own cache: keep it
+        return
+    path = cache_dir()
+    if path is None:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        _log(f"warning: compilation cache {path} unusable ({e.strerror}); running without it")
+        return
+    jax.config.update("jax_compilation_cache_dir", path)
+    # Small programs compile fast but a CLI pays for every one: cache them all.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _enable_x64_if(needed: bool) -> None:
@@ -156,6 +193,7 @@ def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contai
     from .arrays import load_arrays, save_arrays
     from .residuals import save_residuals
 
+    _use_compilation_cache()
     art = _load_artifact(artifact)
     inputs, _ = load_arrays(inputs_path)
     outputs, res = art.run_fwd_arrays(inputs, source=inputs_path)
@@ -182,6 +220,7 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
     from .arrays import load_arrays, save_arrays
     from .residuals import load_residuals
 
+    _use_compilation_cache()
     art = _load_artifact(artifact)
     inputs = load_arrays(inputs_path)[0] if inputs_path else None
     res = load_residuals(residuals_path, inputs=inputs, artifact=art)

@@ -1,0 +1,1 @@
+"""Hand-run benchmarks: ``python -m benchmarks`` (or ``python benchmarks/run.py``)."""

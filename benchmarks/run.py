@@ -1,0 +1,66 @@
+"""Run the benchmarks and write a markdown report.
+
+    python -m benchmarks [--quick] [--only economy,...] [--out benchmarks/RESULTS.md]
+
+Every comparison is measured side by side in one process, candidates interleaved
+round by round, and reported as medians and ratios. Wall-clock numbers belong
+here, never in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python benchmarks/run.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+
+SECTIONS = {
+    "overhead": ("Forward + backward: split vs fused", "benchmarks.overhead"),
+    "schedule": ("F1 F2 B2 B1 vs recompute", "benchmarks.schedule"),
+    "io": ("Residual file I/O", "benchmarks.io"),
+    "economy": ("Residual economy (policies)", "benchmarks.economy"),
+}
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, jax {jax.__version__}, "
+            f"backend {jax.default_backend()}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="few rounds: proves the suite runs, numbers are rough")
+    ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections: " + ", ".join(SECTIONS))
+    ap.add_argument("--out", default=None, help="write the markdown report here (default: print only)")
+    args = ap.parse_args(argv)
+    import importlib
+
+    parts = [f"Machine: {machine()}. Command: `python -m benchmarks{' --quick' if args.quick else ''}`.", ""]
+    for key in args.only.split(","):
+        title, module = SECTIONS[key.strip()]
+        t0 = time.perf_counter()
+        table, _ = importlib.import_module(module).run(args.quick)
+        parts += [f"### {title}", "", table, "", f"_({time.perf_counter() - t0:.0f} s)_", ""]
+        print(f"[{key}] done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    report = "\n".join(parts)
+    print(report)
+    if args.out:
+        Path(args.out).write_text(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
