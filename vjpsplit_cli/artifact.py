@@ -406,7 +406,7 @@ class ArtifactResiduals:
     A pytree, so it can be passed through ``jax.device_put`` or ``jax.jit``.
     """
 
-    __slots__ = ("stored", "inputs", "dims", "fingerprint", "arg_names")
+    __slots__ = ("stored", "inputs", "dims", "fingerprint", "arg_names", "inputs_source")
 
     def __init__(self, stored: Mapping[str, Any], inputs: Mapping[str, Any], dims: Mapping[str, int],
                  fingerprint: str, arg_names: Sequence[str] = ()):
@@ -415,6 +415,7 @@ class ArtifactResiduals:
         self.dims = dict(dims)
         self.fingerprint = fingerprint
         self.arg_names = tuple(arg_names)
+        self.inputs_source: str | None = None  # where the input-backed arrays came from, for messages
 
     def __repr__(self) -> str:
         return (
@@ -476,7 +477,8 @@ def _check_array(source: str, what: str, leaf: Leaf, value, dims: dict[str, int]
     return a
 
 
-def _check_keys(source: str, what: str, expected: Sequence[str], given: Mapping[str, Any], allow_extra: bool = False):
+def check_keys(source: str, what: str, expected: Sequence[str], given: Mapping[str, Any], allow_extra: bool = False):
+    """Refuse missing keys and (unless ``allow_extra``) unknown ones, naming them and the expected set."""
     missing = [k for k in expected if k not in given]
     if missing:
         raise VjpsplitError(
@@ -546,7 +548,7 @@ class Artifact:
     def input_dims(self, inputs: Mapping[str, Any], source: str = "inputs") -> tuple[list, dict[str, int]]:
         """Check ``inputs`` (flat keys) against the manifest; return the arrays in order and the dims."""
         m = self.manifest
-        _check_keys(source, "input", [leaf.key for leaf in m.inputs], inputs)
+        check_keys(source, "input", [leaf.key for leaf in m.inputs], inputs)
         dims: dict[str, int] = {}
         arrays = [_check_array(source, "input", leaf, inputs[leaf.key], dims) for leaf in m.inputs]
         return arrays, dims
@@ -593,7 +595,7 @@ class Artifact:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise VjpsplitError(f"{source}: symbolic dim {name!r} is missing or invalid in the residuals; rerun the forward")
             dims[name] = v
-        _check_keys(source, "residual", [r.key for r in m.stored_residuals], res.stored)
+        check_keys(source, "residual", [r.key for r in m.stored_residuals], res.stored)
         stored = [_check_array(source, "residual", leaf, res.stored[leaf.key], dict(dims)) for leaf in m.stored_residuals]
         inputs = []
         for leaf, key in zip([r for r in m.residuals if r.input_backed], m.input_backed_keys):
@@ -602,7 +604,8 @@ class Artifact:
                     f"{source}: the residuals need input '{key}', which was left out of the file to avoid a copy; "
                     "pass the forward's inputs (--inputs FILE, or load_residuals(path, inputs=args))"
                 )
-            inputs.append(_check_array(source, "input", dataclasses.replace(leaf, key=key), res.inputs[key], dict(dims)))
+            inputs.append(_check_array(res.inputs_source or source, "input", dataclasses.replace(leaf, key=key),
+                                       res.inputs[key], dict(dims)))
         return stored, inputs, dims
 
     def run_bwd_arrays(self, res: ArtifactResiduals, cotangents: Mapping[str, Any] | None = None,
@@ -621,7 +624,7 @@ class Artifact:
             cts = [np.ones((), dtype_from_name(ct_leaves[0].dtype))]
         else:
             expected = list(m.out_keys)
-            _check_keys(ct_source, "cotangent", expected, cotangents)
+            check_keys(ct_source, "cotangent", expected, cotangents)
             cts = [_check_array(ct_source, "cotangent", leaf, cotangents[leaf.key], dict(dims)) for leaf in ct_leaves]
         carrier = np.zeros((0, *(dims[n] for n in m.dim_vars)), np.bool_) if m.dim_vars else None
         try:
@@ -694,6 +697,15 @@ def load(path) -> Artifact:
     if not isinstance(top, dict) or not {"manifest", "fwd", "bwd"} <= set(top):
         raise VjpsplitError(f"{source}: the artifact is missing its manifest or modules; export it again")
     manifest = Manifest.from_json(top["manifest"], source)
+    lo = jexport.minimum_supported_calling_convention_version
+    hi = jexport.maximum_supported_calling_convention_version
+    if not lo <= manifest.calling_convention_version <= hi:
+        newer = manifest.calling_convention_version > hi
+        raise VjpsplitError(
+            f"{source}: exported by jax {manifest.jax_version} with calling convention "
+            f"{manifest.calling_convention_version}; this jax {jax.__version__} runs {lo}..{hi}; "
+            + ("upgrade jax on this host" if newer else f"re-export the artifact, or install a jax near {manifest.jax_version}")
+        )
     fwd, bwd = top["fwd"], top["bwd"]
     if not isinstance(fwd, bytes) or not isinstance(bwd, bytes):
         raise VjpsplitError(f"{source}: the artifact's modules are malformed; export it again")

@@ -218,12 +218,17 @@ def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contai
 def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_path):
     """Run the backward: residuals (+ cotangents) -> gradients, without the forward."""
     from .arrays import load_arrays, save_arrays
+    from .artifact import check_keys
     from .residuals import load_residuals
 
     _use_compilation_cache()
     art = _load_artifact(artifact)
-    inputs = load_arrays(inputs_path)[0] if inputs_path else None
-    res = load_residuals(residuals_path, inputs=inputs, artifact=art)
+    inputs = None
+    if inputs_path:
+        inputs = load_arrays(inputs_path)[0]
+        # The same inputs file run-fwd read: every input key, nothing else.
+        check_keys(inputs_path, "input", [leaf.key for leaf in art.manifest.inputs], inputs)
+    res = load_residuals(residuals_path, inputs=inputs, artifact=art, inputs_source=inputs_path)
     cts = None
     if cotangents_path:
         cts, _ = load_arrays(cotangents_path)

@@ -53,12 +53,13 @@ def save_residuals(path: str | os.PathLike, res, *, self_contained: bool = False
     save_arrays(path, arrays, meta)
 
 
-def load_residuals(path: str | os.PathLike, inputs=None, *, artifact=None):
+def load_residuals(path: str | os.PathLike, inputs=None, *, artifact=None, inputs_source: str | None = None):
     """Read a residuals file; ``inputs`` supplies the input-backed residuals it left out.
 
     ``inputs`` is the forward's arguments tuple, or a flat ``{key: array}`` mapping
-    (an inputs file's content). With ``artifact``, residuals written by another
-    artifact are refused here, before anything else is checked.
+    (an inputs file's content; ``inputs_source`` names it in messages). With
+    ``artifact``, residuals written by another artifact are refused here, before
+    anything else is checked.
     """
     arrays, meta = load_arrays(path)
     kind = meta.get("kind")
@@ -73,7 +74,9 @@ def load_residuals(path: str | os.PathLike, inputs=None, *, artifact=None):
     if not isinstance(needs, list):
         raise VjpsplitError(f"{path}: malformed residuals metadata (needs_inputs); rerun the forward")
     if kind == KIND_ARTIFACT:
-        return _load_artifact_residuals(path, arrays, meta, needs, inputs)
+        res = _load_artifact_residuals(path, arrays, meta, needs, inputs)
+        res.inputs_source = (inputs_source or "inputs") if needs else str(path)
+        return res
     if kind == KIND_SPLIT:
         return _load_split_residuals(path, arrays, meta, needs, inputs)
     raise VjpsplitError(

@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from ._io import open_for_read
 from .arrays import load_arrays
 from .errors import VjpsplitError
 from .shapes import new_scope, parse_array_spec, to_struct
@@ -32,6 +33,7 @@ def load_object(target: str, label: str = "FN") -> tuple[Any, str]:
         path = Path(module_part)
         if not path.is_file():
             raise VjpsplitError(f"{path}: no such Python file; check the path in {target!r}")
+        open_for_read(path, "Python module").close()  # unreadable: say so before importlib does
         name = f"_vjpsplit_user_{path.stem}_{abs(hash(str(path.resolve())))}"
         module = sys.modules.get(name)
         if module is None:
