@@ -244,3 +244,21 @@ def test_policy_recorded_and_gradients_equal(policy):
     assert art.manifest.policy == policy
     _, res = art.fwd(params, x)
     assert_trees_close(art.bwd(res), jax.grad(mlp, argnums=(0, 1))(params, x))
+
+
+def test_future_calling_convention_names_both_versions(tmp_path):
+    from vjpsplit_cli.artifact import _fingerprint
+
+    art = vs.export(jnp.sin, jax.ShapeDtypeStruct((3,), jnp.float32))
+    art.save(tmp_path / "a.vjps")
+
+    def future(top):
+        top["manifest"]["calling_convention_version"] = 99
+        top["manifest"]["jax_version"] = "9.9.9"
+        m = vs.Manifest.from_json(top["manifest"], "x")
+        top["manifest"]["fingerprint"] = _fingerprint(m, top["fwd"], top["bwd"])
+
+    _rewrite(tmp_path / "a.vjps", future)
+    hi = jexport.maximum_supported_calling_convention_version
+    with pytest.raises(vs.VjpsplitError, match=rf"jax 9\.9\.9 .*convention 99; this jax {jax.__version__} runs \d+\.\.{hi}; upgrade jax"):
+        vs.load(tmp_path / "a.vjps")

@@ -1,0 +1,99 @@
+"""Crash safety: a writer killed mid-write leaves no partial file; concurrent writers never clash."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import vjpsplit_cli as vs
+
+N = 24 * 2**20  # elements: two f32 residuals of 96 MiB each, so the write takes a while
+
+
+def _digest(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def _kill_mid_write(cmd, directory: Path, target: Path) -> None:
+    """Start ``cmd``, wait until its temp file for ``target`` has data, SIGKILL it."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            temps = [p for p in directory.glob(f".{target.name}.*.tmp") if p.stat().st_size > 0]
+            if temps:
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+            if proc.poll() is not None:
+                pytest.fail(f"the writer finished before it could be killed: {proc.stderr.read()[-500:]}")
+            time.sleep(0.001)
+        else:
+            pytest.fail("no temp file appeared")
+    finally:
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    d = tmp_path_factory.mktemp("big")
+    vs.export(lambda x: jnp.sum(jnp.sin(x) * jnp.cos(x)), jax.ShapeDtypeStruct((N,), jnp.float32),
+              platforms="cpu").save(d / "art.vjps")
+    x = np.linspace(0, 1, N, dtype=np.float32)
+    vs.save_arrays(d / "in1.npz", {"x": x})
+    vs.save_arrays(d / "in2.npz", {"x": x[::-1].copy()})
+    return d
+
+
+@pytest.mark.parametrize("ext", ["npz", "msgpack"])
+def test_sigkill_during_run_fwd_keeps_the_previous_file(big, tmp_path, ext):
+    target = tmp_path / f"res.{ext}"
+    cli = [sys.executable, "-m", "vjpsplit_cli", "--no-cache", "run-fwd", str(big / "art.vjps"), "--residuals", str(target)]
+    done = subprocess.run(cli + ["--inputs", str(big / "in1.npz")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    before = _digest(target)
+    _kill_mid_write(cli + ["--inputs", str(big / "in2.npz")], tmp_path, target)
+    assert _digest(target) == before, "the killed writer changed the previous complete file"
+    arrays, meta = vs.load_arrays(target)  # and it still loads
+    assert meta["kind"] == "vjpsplit-residuals" and arrays
+
+
+def test_sigkill_without_previous_file_leaves_none(big, tmp_path):
+    target = tmp_path / "res.npz"
+    cli = [sys.executable, "-m", "vjpsplit_cli", "--no-cache", "run-fwd", str(big / "art.vjps"),
+           "--inputs", str(big / "in1.npz"), "--residuals", str(target)]
+    _kill_mid_write(cli, tmp_path, target)
+    assert not target.exists()
+
+
+WRITER = """
+import sys, numpy as np
+from vjpsplit_cli.arrays import save_arrays
+seed, target = int(sys.argv[1]), sys.argv[2]
+a = np.full(2**21, seed, np.float32)
+for _ in range(5):
+    save_arrays(target, {"x": a, "seed": np.int32(seed)}, {"writer": seed})
+"""
+
+
+def test_concurrent_writers_never_clobber_each_other(tmp_path):
+    target = tmp_path / "shared.npz"
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(i), str(target)], stderr=subprocess.PIPE)
+             for i in range(4)]
+    for p in procs:
+        assert p.wait() == 0, p.stderr.read()
+    arrays, meta = vs.load_arrays(target)
+    seed = int(arrays["seed"])
+    assert meta == {"writer": seed} and 0 <= seed < 4
+    assert np.all(arrays["x"] == seed)  # one writer's complete file, not a mix
+    assert not list(tmp_path.glob(".*.tmp")), "a temp file was left behind"
