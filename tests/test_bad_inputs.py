@@ -220,7 +220,7 @@ def _artifact_break(kind):
         # convention this jax cannot run.
         m = vs.Manifest.from_json({**top["manifest"], "calling_convention_version": 10**6}, "x")
         top["manifest"]["calling_convention_version"] = 10**6
-        top["manifest"]["fingerprint"] = _fingerprint(m, top["fwd"], top["bwd"])
+        top["manifest"]["fingerprint"] = _fingerprint(m, top)
 
     def not_an_artifact(p):
         vs.save_arrays(p.with_suffix(".npz"), {"x": np.zeros(3)})

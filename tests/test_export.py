@@ -256,7 +256,7 @@ def test_future_calling_convention_names_both_versions(tmp_path):
         top["manifest"]["calling_convention_version"] = 99
         top["manifest"]["jax_version"] = "9.9.9"
         m = vs.Manifest.from_json(top["manifest"], "x")
-        top["manifest"]["fingerprint"] = _fingerprint(m, top["fwd"], top["bwd"])
+        top["manifest"]["fingerprint"] = _fingerprint(m, top)
 
     _rewrite(tmp_path / "a.vjps", future)
     hi = jexport.maximum_supported_calling_convention_version

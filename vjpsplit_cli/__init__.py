@@ -20,6 +20,7 @@ _EXPORTS = {
     "export": "artifact", "load": "artifact", "Artifact": "artifact", "ArtifactResiduals": "artifact",
     "Manifest": "artifact", "FORMAT_VERSION": "artifact",
     "save_residuals": "residuals", "load_residuals": "residuals",
+    "save_intermediates": "residuals", "load_intermediates": "residuals", "Intermediates": "artifact",
     "save_arrays": "arrays", "load_arrays": "arrays",
     "plan_policies": "economy", "choose_policy": "economy",
     "VjpsplitError": "errors",
@@ -44,9 +45,9 @@ def __dir__():
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the eager spelling of the lazy names above
     from .arrays import load_arrays, save_arrays
-    from .artifact import FORMAT_VERSION, Artifact, ArtifactResiduals, Manifest, export, load
+    from .artifact import FORMAT_VERSION, Artifact, ArtifactResiduals, Intermediates, Manifest, export, load
     from .core import Residuals, split
     from .economy import choose_policy, plan_policies
     from .errors import VjpsplitError
     from .policies import POLICIES
-    from .residuals import load_residuals, save_residuals
+    from .residuals import load_intermediates, load_residuals, save_intermediates, save_residuals

@@ -30,9 +30,11 @@ from .trees import decode_structure, encode_structure, flatten_with_keys, struct
 
 # Artifact format versions. Bump on any change a reader must know about, and keep
 # reading the old ones where it is cheap.
-#   1 (2026-11-30): MAGIC + msgpack map {"manifest": {...}, "fwd": bytes, "bwd": bytes};
-#                   fwd/bwd are jax.export serializations; fingerprint = sha256 of
-#                   the manifest (less the fingerprint) and both modules.
+#   1 (2026-11-30): MAGIC + msgpack map {"manifest": {...}, "fwd": bytes, "bwd": bytes,
+#                   optionally "bwd_input": bytes, "bwd_weight": bytes (the zero-bubble
+#                   split of bwd, when exported with weights=)}; modules are jax.export
+#                   serializations; fingerprint = sha256 of the manifest (less the
+#                   fingerprint) and every module.
 FORMAT_VERSION = 1
 MAGIC = b"VJPSPLIT\x00"
 
@@ -92,6 +94,8 @@ class Manifest:
     residuals: tuple[Leaf, ...]       # stored "r/i" in module order, then input-backed "in/<key>"
     grads: tuple[Leaf, ...]
     structure: Mapping[str, Any]      # {"args": {name: ...}, "out": ..., "aux": ...} (trees.encode_structure)
+    weights: tuple[str, ...] = ()     # zero-bubble split: arguments whose gradients bwd_weight computes
+    intermediates: tuple[Leaf, ...] = ()  # what bwd_input hands to bwd_weight ("c/i" keys)
     fingerprint: str = ""
 
     def to_json(self) -> dict:
@@ -101,7 +105,7 @@ class Manifest:
             v = getattr(self, f.name)
             if f.name == "residuals":
                 v = [leaf.to_json(residual=True) for leaf in v]
-            elif f.name in ("inputs", "outputs", "grads"):
+            elif f.name in ("inputs", "outputs", "grads", "intermediates"):
                 v = [leaf.to_json() for leaf in v]
             elif isinstance(v, tuple):
                 v = list(v)
@@ -124,12 +128,12 @@ class Manifest:
         try:
             kw = {}
             for f in dataclasses.fields(cls):
+                if f.name not in d and f.default is not dataclasses.MISSING:
+                    continue
                 val = d[f.name]
-                if f.name == "residuals":
+                if f.name in ("residuals", "inputs", "outputs", "grads", "intermediates"):
                     val = tuple(Leaf.from_json(x) for x in val)
-                elif f.name in ("inputs", "outputs", "grads"):
-                    val = tuple(Leaf.from_json(x) for x in val)
-                elif f.name in ("arg_names", "wrt", "platforms", "dim_vars"):
+                elif f.name in ("arg_names", "wrt", "platforms", "dim_vars", "weights"):
                     val = tuple(str(x) for x in val)
                 elif f.name == "structure":
                     if not isinstance(val, dict):
@@ -144,6 +148,14 @@ class Manifest:
             return cls(**kw)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise VjpsplitError(f"{source}: malformed artifact manifest ({e}); re-export it") from e
+
+    def grads_of(self, names: Sequence[str]) -> tuple[Leaf, ...]:
+        """The gradient leaves of the arguments ``names``, in manifest order."""
+        return tuple(g for g in self.grads if g.key.split("/", 1)[0] in names)
+
+    @property
+    def non_weight_wrt(self) -> tuple[str, ...]:
+        return tuple(n for n in self.wrt if n not in self.weights)
 
     @property
     def stored_residuals(self) -> tuple[Leaf, ...]:
@@ -167,11 +179,15 @@ class Manifest:
         )
 
 
-def _fingerprint(manifest: Manifest, fwd: bytes, bwd: bytes) -> str:
+MODULES = ("fwd", "bwd", "bwd_input", "bwd_weight")
+
+
+def _fingerprint(manifest: Manifest, modules: Mapping[str, bytes]) -> str:
     h = hashlib.sha256()
     body = manifest.to_json()
     body.pop("fingerprint")
-    for part in (json.dumps(body, sort_keys=True).encode(), fwd, bwd):
+    parts = [json.dumps(body, sort_keys=True).encode()] + [modules[k] for k in MODULES if k in modules]
+    for part in parts:
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     return h.hexdigest()
@@ -278,6 +294,7 @@ def export(
     name: str | None = None,
     memory_budget: int | str | None = None,
     at: Mapping[str, int] | Sequence[str] | None = None,
+    weights: Sequence[str] | str | None = None,
 ) -> "Artifact":
     """Export ``fn``'s forward (emitting residuals) and backward (consuming them).
 
@@ -287,6 +304,9 @@ def export(
     artifact (default cpu, cuda, tpu; no accelerator is needed to lower for them).
     ``memory_budget`` (bytes or ``"64MiB"``; symbolic dims sized by ``at``) picks
     the policy that recomputes least among those whose stored residuals fit.
+    ``weights`` (argument names) adds the zero-bubble split of the backward:
+    ``bwd_input`` (gradients of the other arguments, on the critical path) and
+    ``bwd_weight`` (the weight gradients, schedulable later).
     """
     if isinstance(platforms, str):
         platforms = tuple(p.strip() for p in platforms.split(",") if p.strip())
@@ -377,9 +397,46 @@ def export(
             "aux": encode_structure(captured["aux"]),
         },
     )
-    fwd_bytes, bwd_bytes = bytes(fwd_exp.serialize()), bytes(bwd_exp.serialize())
-    manifest = dataclasses.replace(manifest, fingerprint=_fingerprint(manifest, fwd_bytes, bwd_bytes))
-    return Artifact(manifest, fwd_bytes, bwd_bytes, fwd_exp, bwd_exp)
+    exps = {"fwd": fwd_exp, "bwd": bwd_exp}
+    if weights:
+        weight_names = (weights,) if isinstance(weights, str) else tuple(weights)
+        bad = [w for w in weight_names if w not in manifest.wrt]
+        if bad:
+            raise VjpsplitError(f"weights {', '.join(bad)} are not differentiated arguments ({', '.join(manifest.wrt)})")
+        exps["bwd_input"], exps["bwd_weight"], inter = _export_split_backward(
+            plan, manifest, weight_names, bwd_flat, stored_avals, input_backed, ct_avals, carrier, platforms)
+        manifest = dataclasses.replace(manifest, weights=weight_names, intermediates=inter)
+    modules = {k: bytes(e.serialize()) for k, e in exps.items()}
+    manifest = dataclasses.replace(manifest, fingerprint=_fingerprint(manifest, modules))
+    return Artifact(manifest, modules, exps)
+
+
+def _export_split_backward(plan, manifest, weight_names, bwd_flat, stored_avals, input_backed, ct_avals, carrier,
+                           platforms):
+    """Lower the zero-bubble halves of the backward: (bwd_input, bwd_weight, intermediate leaves)."""
+    from jax.extend import core as jcore
+
+    from .zerobubble import partition
+
+    closed = jax.make_jaxpr(lambda st, ib, ct: bwd_flat(st, ib, ct, None))(stored_avals, input_backed, ct_avals)
+    weight_outs = [i for i, g in enumerate(manifest.grads) if g.key.split("/", 1)[0] in weight_names]
+    n_st, n_ib = len(stored_avals), len(input_backed)
+    ct_pos = list(range(n_st + n_ib, n_st + n_ib + len(ct_avals)))
+    part = partition(closed, weight_outs, ct_pos)
+    n_in_grads = len(manifest.grads) - len(weight_outs)
+    input_fn, weight_fn = jcore.jaxpr_as_fun(part.input_part), jcore.jaxpr_as_fun(part.weight_part)
+
+    def bwd_input(stored, inputs_, cts, carrier_):
+        outs = input_fn(*stored, *inputs_, *cts)
+        return tuple(outs[:n_in_grads]), tuple(outs[n_in_grads:])
+
+    def bwd_weight(stored, inputs_, inter, carrier_):
+        return tuple(weight_fn(*stored, *inputs_, *inter))
+
+    in_exp = _lower("input part of the backward", bwd_input, platforms, (stored_avals, input_backed, ct_avals, carrier))
+    inter_avals = list(in_exp.out_avals[n_in_grads:])
+    w_exp = _lower("weight part of the backward", bwd_weight, platforms, (stored_avals, input_backed, inter_avals, carrier))
+    return in_exp, w_exp, _leaves_json_safe([(f"c/{i}", a) for i, a in enumerate(inter_avals)])
 
 
 def _wrt_by_names(names: Sequence[str], wrt) -> tuple[tuple[int, ...], bool]:
@@ -494,6 +551,27 @@ def check_keys(source: str, what: str, expected: Sequence[str], given: Mapping[s
             )
 
 
+class Intermediates:
+    """What the input part of a split backward hands to the weight part (``c/i`` arrays)."""
+
+    __slots__ = ("arrays", "dims", "fingerprint")
+
+    def __init__(self, arrays: Mapping[str, Any], dims: Mapping[str, int], fingerprint: str):
+        self.arrays = dict(arrays)
+        self.dims = dict(dims)
+        self.fingerprint = fingerprint
+
+    def __repr__(self) -> str:
+        return f"Intermediates({len(self.arrays)} arrays, dims={self.dims}, fingerprint={self.fingerprint[:12]})"
+
+
+jax.tree_util.register_pytree_node(
+    Intermediates,
+    lambda r: (tuple(r.arrays.values()), (tuple(r.arrays), tuple(sorted(r.dims.items())), r.fingerprint)),
+    lambda aux, ch: Intermediates(dict(zip(aux[0], ch)), dict(aux[1]), aux[2]),
+)
+
+
 def _current_platform() -> str:
     d = jax.devices()[0]
     if d.platform == "gpu":
@@ -504,16 +582,19 @@ def _current_platform() -> str:
 class Artifact:
     """A loaded or freshly exported artifact: manifest plus forward and backward modules."""
 
-    def __init__(self, manifest: Manifest, fwd_bytes: bytes, bwd_bytes: bytes, fwd_exp=None, bwd_exp=None, source: str = "artifact"):
+    def __init__(self, manifest: Manifest, modules: Mapping[str, bytes], exps: Mapping[str, Any] | None = None,
+                 source: str = "artifact"):
         self.manifest = manifest
-        self.fwd_bytes = fwd_bytes
-        self.bwd_bytes = bwd_bytes
+        self.modules = dict(modules)
         self.source = source
-        self._fwd_exp = fwd_exp if fwd_exp is not None else _deserialize(fwd_bytes, source, manifest, "forward")
-        self._bwd_exp = bwd_exp if bwd_exp is not None else _deserialize(bwd_bytes, source, manifest, "backward")
+        exps = dict(exps or {})
+        for k in self.modules:
+            if k not in exps:
+                exps[k] = _deserialize(self.modules[k], source, manifest, k)
+        self._exps = exps
         # One jit per module: jax caches the compiled executable per input signature.
-        self._fwd_call = jax.jit(self._fwd_exp.call)
-        self._bwd_call = jax.jit(self._bwd_exp.call)
+        self._calls = {k: jax.jit(e.call) for k, e in exps.items()}
+        self._fwd_exp, self._fwd_call, self._bwd_call = exps["fwd"], self._calls["fwd"], self._calls["bwd"]
 
     def __repr__(self) -> str:
         m = self.manifest
@@ -522,9 +603,7 @@ class Artifact:
     # -- file ---------------------------------------------------------------
     def to_bytes(self) -> bytes:
         """The artifact file's bytes."""
-        return MAGIC + msgpack.packb(
-            {"manifest": self.manifest.to_json(), "fwd": self.fwd_bytes, "bwd": self.bwd_bytes}, use_bin_type=True
-        )
+        return MAGIC + msgpack.packb({"manifest": self.manifest.to_json(), **self.modules}, use_bin_type=True)
 
     def save(self, path) -> None:
         """Write the artifact to ``path`` (atomically: no partial file on failure)."""
@@ -612,8 +691,20 @@ class Artifact:
                        source: str = "residuals", ct_source: str = "cotangents") -> dict:
         """Backward from residuals and flat-keyed cotangents (None: 1 for a scalar output): ``{key: grad}``."""
         self._check_runnable()
-        m = self.manifest
         stored, inputs, dims = self.check_residuals(res, source)
+        cts = self._cotangents(cotangents, dims, ct_source)
+        try:
+            grads = self._bwd_call(stored, inputs, cts, self._carrier(dims))
+        except (ValueError, TypeError) as e:
+            raise VjpsplitError(f"{source}: the backward refused these residuals: {_first_line(e)}") from e
+        return {leaf.key: g for leaf, g in zip(self.manifest.grads, grads)}
+
+    def _carrier(self, dims: Mapping[str, int]):
+        m = self.manifest
+        return np.zeros((0, *(dims[n] for n in m.dim_vars)), np.bool_) if m.dim_vars else None
+
+    def _cotangents(self, cotangents, dims, ct_source: str) -> list:
+        m = self.manifest
         ct_leaves = m.cotangent_leaves
         if cotangents is None:
             if len(m.out_keys) != 1 or len(ct_leaves) != 1 or ct_leaves[0].shape != ():
@@ -626,12 +717,78 @@ class Artifact:
             expected = list(m.out_keys)
             check_keys(ct_source, "cotangent", expected, cotangents)
             cts = [_check_array(ct_source, "cotangent", leaf, cotangents[leaf.key], dict(dims)) for leaf in ct_leaves]
-        carrier = np.zeros((0, *(dims[n] for n in m.dim_vars)), np.bool_) if m.dim_vars else None
+        return cts
+
+    # -- zero-bubble split backward ----------------------------------------------
+    def _require_split(self):
+        if not self.manifest.weights:
+            raise VjpsplitError(
+                f"{self.source}: the artifact has no split backward; export it with --weights NAMES "
+                "(weights=...) to get bwd_input and bwd_weight"
+            )
+
+    def run_bwd_input_arrays(self, res: ArtifactResiduals, cotangents: Mapping[str, Any] | None = None,
+                             source: str = "residuals", ct_source: str = "cotangents") -> tuple[dict, "Intermediates"]:
+        """Input part (B): gradients of the non-weight arguments, and what the weight part needs."""
+        self._check_runnable()
+        self._require_split()
+        m = self.manifest
+        stored, inputs, dims = self.check_residuals(res, source)
+        cts = self._cotangents(cotangents, dims, ct_source)
         try:
-            grads = self._bwd_call(stored, inputs, cts, carrier)
+            grads, inter = self._calls["bwd_input"](stored, inputs, cts, self._carrier(dims))
         except (ValueError, TypeError) as e:
             raise VjpsplitError(f"{source}: the backward refused these residuals: {_first_line(e)}") from e
-        return {leaf.key: g for leaf, g in zip(m.grads, grads)}
+        keys = [g.key for g in m.grads_of(m.non_weight_wrt)]
+        return dict(zip(keys, grads)), Intermediates({leaf.key: v for leaf, v in zip(m.intermediates, inter)},
+                                                     dims, m.fingerprint)
+
+    def run_bwd_weight_arrays(self, res: ArtifactResiduals, inter: "Intermediates", source: str = "residuals",
+                              inter_source: str = "intermediates") -> dict:
+        """Weight part (W): the weight gradients, from residuals and the input part's intermediates."""
+        self._check_runnable()
+        self._require_split()
+        m = self.manifest
+        stored, inputs, dims = self.check_residuals(res, source)
+        if not isinstance(inter, Intermediates) or inter.fingerprint != m.fingerprint:
+            raise VjpsplitError(
+                f"{inter_source}: these intermediates were not written by this artifact's input part; "
+                "run run-bwd --part input of this artifact first"
+            )
+        if inter.dims != dims:
+            raise VjpsplitError(f"{inter_source}: the intermediates belong to other residuals (dims {inter.dims}, "
+                                f"residuals {dims}); pass the pair from one microbatch")
+        check_keys(inter_source, "intermediate", [leaf.key for leaf in m.intermediates], inter.arrays)
+        values = [_check_array(inter_source, "intermediate", leaf, inter.arrays[leaf.key], dict(dims))
+                  for leaf in m.intermediates]
+        try:
+            grads = self._calls["bwd_weight"](stored, inputs, values, self._carrier(dims))
+        except (ValueError, TypeError) as e:
+            raise VjpsplitError(f"{inter_source}: the weight backward refused these intermediates: {_first_line(e)}") from e
+        return dict(zip([g.key for g in m.grads_of(m.weights)], grads))
+
+    def bwd_input(self, res: ArtifactResiduals, ct=None) -> tuple[dict, "Intermediates"]:
+        """Input part of the backward: ``({arg name: grad} for non-weight args, intermediates)``."""
+        cts = None if ct is None else dict(flatten_with_keys("out", ct))
+        grads, inter = self.run_bwd_input_arrays(res, cts, ct_source="cotangent")
+        return self._per_arg(grads, self.manifest.non_weight_wrt, res.dims), inter
+
+    def bwd_weight(self, res: ArtifactResiduals, inter: "Intermediates") -> dict:
+        """Weight part of the backward: ``{weight arg name: grad}``."""
+        grads = self.run_bwd_weight_arrays(res, inter)
+        return self._per_arg(grads, self.manifest.weights, res.dims)
+
+    def _per_arg(self, grads: Mapping[str, Any], names: Sequence[str], dims) -> dict:
+        """Flat gradient keys -> per-argument pytrees (float0 zeros for integer leaves)."""
+        m = self.manifest
+        spec = {leaf.key: leaf for leaf in m.inputs}
+        out = {}
+        for name in names:
+            keys = structure_keys(name, m.structure["args"][name])
+            leaves = [grads[k] if k in grads else np.zeros(concrete_shape(spec[k].shape, dims), jax.dtypes.float0)
+                      for k in keys]
+            out[name] = decode_structure(m.structure["args"][name], iter(leaves))
+        return out
 
     def fwd(self, *args):
         """Forward on pytree arguments: ``(out, res)``, or ``(out, res, aux)`` with has_aux."""
@@ -652,17 +809,8 @@ class Artifact:
         m = self.manifest
         cts = None if ct is None else dict(flatten_with_keys("out", ct))
         grads = self.run_bwd_arrays(res, cts, source="residuals", ct_source="cotangent")
-        per_arg = []
-        for name in m.wrt:
-            keys = structure_keys(name, m.structure["args"][name])
-            spec = {leaf.key: leaf for leaf in m.inputs}
-            leaves = [
-                grads[k] if k in grads
-                else np.zeros(concrete_shape(spec[k].shape, res.dims), jax.dtypes.float0)
-                for k in keys
-            ]
-            per_arg.append(decode_structure(m.structure["args"][name], iter(leaves)))
-        return per_arg[0] if m.single_grad else tuple(per_arg)
+        per_arg = self._per_arg(grads, m.wrt, res.dims)
+        return per_arg[m.wrt[0]] if m.single_grad else tuple(per_arg[n] for n in m.wrt)
 
 
 def _deserialize(data: bytes, source: str, manifest: Manifest, what: str):
@@ -706,14 +854,14 @@ def load(path) -> Artifact:
             f"{manifest.calling_convention_version}; this jax {jax.__version__} runs {lo}..{hi}; "
             + ("upgrade jax on this host" if newer else f"re-export the artifact, or install a jax near {manifest.jax_version}")
         )
-    fwd, bwd = top["fwd"], top["bwd"]
-    if not isinstance(fwd, bytes) or not isinstance(bwd, bytes):
+    modules = {k: top[k] for k in MODULES if k in top}
+    if not all(isinstance(v, bytes) for v in modules.values()) or bool(manifest.weights) != ("bwd_input" in modules):
         raise VjpsplitError(f"{source}: the artifact's modules are malformed; export it again")
-    if _fingerprint(manifest, fwd, bwd) != manifest.fingerprint:
+    if _fingerprint(manifest, modules) != manifest.fingerprint:
         raise VjpsplitError(
             f"{source}: fingerprint mismatch: the artifact was modified after export; export it again"
         )
-    art = Artifact(manifest, fwd, bwd, source=source)
+    art = Artifact(manifest, modules, source=source)
     if tuple(art._fwd_exp.platforms) != manifest.platforms:
         raise VjpsplitError(f"{source}: the modules' platforms do not match the manifest; export it again")
     return art

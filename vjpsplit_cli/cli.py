@@ -129,9 +129,11 @@ def _enable_x64_if(needed: bool) -> None:
               help="Pick the policy that recomputes least among those whose stored residuals fit (e.g. 64MiB).")
 @click.option("--at", "at", multiple=True, metavar="NAME=SIZE",
               help="Sizes for symbolic dims when weighing residuals against --memory-budget (e.g. b=256).")
+@click.option("--weights", default=None, metavar="NAMES",
+              help="Comma-separated weight parameters: adds the zero-bubble split backward (run-bwd --part).")
 @click.option("-o", "--output", required=True, type=_ARRAY_FILE, help="Artifact file to write.")
 @_command
-def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, at, output):
+def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, at, weights, output):
     """Export FN's forward and backward into one portable artifact."""
     from .artifact import export
     from .economy import parse_at
@@ -149,7 +151,8 @@ def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, a
     wrt_names = None if wrt is None else [w.strip() for w in wrt.split(",") if w.strip()]
     art = export(fn, *specs, wrt=wrt_names, has_aux=has_aux, platforms=platforms,
                  policy=None if memory_budget is not None else policy,
-                 arg_names=names, name=name, memory_budget=memory_budget, at=parse_at(at))
+                 arg_names=names, name=name, memory_budget=memory_budget, at=parse_at(at),
+                 weights=None if weights is None else [w.strip() for w in weights.split(",") if w.strip()])
     art.save(output)
     m = art.manifest
     if memory_budget is not None:
@@ -214,8 +217,12 @@ def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contai
 @click.option("--cotangents", "cotangents_path", type=_EXISTING, default=None,
               help="Cotangents keyed like the outputs; default 1 for a scalar output.")
 @click.option("--grads", "grads_path", required=True, type=_ARRAY_FILE, help="Gradients file to write.")
+@click.option("--part", type=click.Choice(["all", "input", "weight"]), default="all", show_default=True,
+              help="Zero-bubble split: 'input' writes non-weight grads and --intermediates; 'weight' reads them.")
+@click.option("--intermediates", "inter_path", type=_ARRAY_FILE, default=None,
+              help="With --part: the intermediates file (written by input, read by weight).")
 @_command
-def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_path):
+def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_path, part, inter_path):
     """Run the backward: residuals (+ cotangents) -> gradients, without the forward."""
     from .arrays import load_arrays, save_arrays
     from .artifact import check_keys
@@ -229,12 +236,30 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
         # The same inputs file run-fwd read: every input key, nothing else.
         check_keys(inputs_path, "input", [leaf.key for leaf in art.manifest.inputs], inputs)
     res = load_residuals(residuals_path, inputs=inputs, artifact=art, inputs_source=inputs_path)
-    cts = None
-    if cotangents_path:
-        cts, _ = load_arrays(cotangents_path)
-    grads = art.run_bwd_arrays(res, cts, source=residuals_path, ct_source=cotangents_path or "cotangents")
-    save_arrays(grads_path, _numpy(grads), {"kind": "vjpsplit-grads", "fingerprint": art.manifest.fingerprint})
-    _log(f"wrote {grads_path}: {len(grads)} gradients")
+    if part != "all" and not inter_path:
+        raise click.UsageError(f"--part {part} needs --intermediates FILE")
+    if part == "weight":
+        if cotangents_path:
+            raise click.UsageError("--part weight reads no cotangents: they are inside the intermediates")
+        from .residuals import load_intermediates
+
+        inter = load_intermediates(inter_path, artifact=art)
+        grads = art.run_bwd_weight_arrays(res, inter, source=residuals_path, inter_source=inter_path)
+        inter = None
+    else:
+        cts = load_arrays(cotangents_path)[0] if cotangents_path else None
+        ct_source = cotangents_path or "cotangents"
+        if part == "input":
+            grads, inter = art.run_bwd_input_arrays(res, cts, source=residuals_path, ct_source=ct_source)
+        else:
+            grads, inter = art.run_bwd_arrays(res, cts, source=residuals_path, ct_source=ct_source), None
+    grads = _numpy(grads)  # finish the compute before any file is written
+    if inter is not None:
+        from .residuals import save_intermediates
+
+        save_intermediates(inter_path, inter)
+    save_arrays(grads_path, grads, {"kind": "vjpsplit-grads", "fingerprint": art.manifest.fingerprint})
+    _log(f"wrote {grads_path}: {len(grads)} gradients" + (f"; {inter_path}: {len(inter.arrays)} intermediates" if inter else ""))
 
 
 @main.command("inspect")

@@ -38,6 +38,8 @@ def describe(art: Artifact, at: Mapping[str, int] | None = None) -> dict:
             "calling_convention": m.calling_convention_version,
         },
         "stored_residual_bytes": format_bytes_terms(stored),
+        "weights": list(m.weights),
+        "intermediates": [leaf.to_json() for leaf in m.intermediates],
         **extra,
     }
 
@@ -143,6 +145,8 @@ def format_table(art: Artifact, at: Mapping[str, int] | None = None) -> str:
         f"  stored total: {format_bytes_terms(stored)}{at_note}"
         f"  (input-backed, not stored: {format_bytes_terms(total_bytes([r for r in m.residuals if r.input_backed]))})",
         *_rows("grads", m.grads),
+        *([f"split backward: weights {', '.join(m.weights)} (bwd_input -> intermediates -> bwd_weight)",
+           *_rows("intermediates", m.intermediates)] if m.weights else []),
     ]
     return "\n".join(lines)
 

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from .arrays import load_arrays, save_arrays
-from .artifact import ArtifactResiduals
+from .artifact import ArtifactResiduals, Intermediates
 from .core import Residuals, plan_for_token
 from .errors import VjpsplitError
 from .shapes import format_shape
@@ -17,6 +17,31 @@ from .trees import flatten_with_keys
 
 KIND_ARTIFACT = "vjpsplit-residuals"
 KIND_SPLIT = "vjpsplit-split-residuals"
+KIND_INTERMEDIATES = "vjpsplit-intermediates"
+
+
+def save_intermediates(path: str | os.PathLike, inter: Intermediates) -> None:
+    """Write a split backward's intermediates (``Artifact.bwd_input``'s second result)."""
+    if not isinstance(inter, Intermediates):
+        raise VjpsplitError(f"{path}: save_intermediates takes bwd_input's intermediates, got {type(inter).__name__}")
+    meta = {"kind": KIND_INTERMEDIATES, "fingerprint": inter.fingerprint, "dims": dict(inter.dims)}
+    save_arrays(path, {k: np.asarray(v) for k, v in inter.arrays.items()}, meta)
+
+
+def load_intermediates(path: str | os.PathLike, *, artifact=None) -> Intermediates:
+    """Read intermediates written by ``save_intermediates`` (or ``run-bwd --part input``)."""
+    arrays, meta = load_arrays(path)
+    if meta.get("kind") != KIND_INTERMEDIATES:
+        raise VjpsplitError(f"{path}: not an intermediates file; pass the --intermediates file of run-bwd --part input")
+    fingerprint, dims = meta.get("fingerprint"), meta.get("dims")
+    if not isinstance(fingerprint, str) or not isinstance(dims, dict):
+        raise VjpsplitError(f"{path}: malformed intermediates metadata; rerun run-bwd --part input")
+    if artifact is not None and fingerprint != artifact.manifest.fingerprint:
+        raise VjpsplitError(
+            f"{path}: these intermediates were written by another artifact (fingerprint {fingerprint[:12]}, "
+            f"{artifact.source} is {artifact.manifest.fingerprint[:12]}); run this artifact's input part first"
+        )
+    return Intermediates(arrays, dims, fingerprint)
 
 
 def save_residuals(path: str | os.PathLike, res, *, self_contained: bool = False) -> None:
