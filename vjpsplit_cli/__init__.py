@@ -17,7 +17,7 @@ from ._version import __version__
 
 _EXPORTS = {
     "split": "core", "Residuals": "core",
-    "export": "artifact", "load": "artifact", "Artifact": "artifact", "ArtifactResiduals": "artifact",
+    "export": "artifact", "load": "artifact", "loads": "artifact", "Artifact": "artifact", "ArtifactResiduals": "artifact",
     "Manifest": "artifact", "FORMAT_VERSION": "artifact",
     "save_residuals": "residuals", "load_residuals": "residuals",
     "save_intermediates": "residuals", "load_intermediates": "residuals", "Intermediates": "artifact",
@@ -45,7 +45,7 @@ def __dir__():
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the eager spelling of the lazy names above
     from .arrays import load_arrays, save_arrays
-    from .artifact import FORMAT_VERSION, Artifact, ArtifactResiduals, Intermediates, Manifest, export, load
+    from .artifact import FORMAT_VERSION, Artifact, ArtifactResiduals, Intermediates, Manifest, export, load, loads
     from .core import Residuals, split
     from .economy import choose_policy, plan_policies
     from .errors import VjpsplitError

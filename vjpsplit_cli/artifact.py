@@ -829,8 +829,11 @@ def _deserialize(data: bytes, source: str, manifest: Manifest, what: str):
 
 def load(path) -> Artifact:
     """Read an artifact file, checking its magic, format version and fingerprint."""
-    source = str(path)
-    data = read_bytes(path, "artifact")
+    return loads(read_bytes(path, "artifact"), source=str(path))
+
+
+def loads(data: bytes, source: str = "artifact") -> Artifact:
+    """An artifact from its file's bytes (``Artifact.to_bytes``), checked like ``load``."""
     if not data.startswith(MAGIC):
         raise VjpsplitError(f"{source}: not a vjpsplit artifact (bad header); pass a file written by `vjpsplit export`")
     body = data[len(MAGIC):]
