@@ -42,3 +42,15 @@ def test_quickstart(tmp_path):
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("OK:"), proc.stdout
     assert "gradients match jax.grad" in last
+
+
+def test_pipeline_sample_inprocess(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "samples/pipeline/run.py", "--runner", "inprocess", "--steps", "1", "--batch", "64",
+         "--microbatches", "4", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "loss and gradients match jax.value_and_grad" in r.stdout
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == [
+        "timeline_inprocess_1f1b.png", "timeline_inprocess_gpipe.png", "timeline_inprocess_zbh1.png"]

@@ -379,29 +379,36 @@ class _Source:
             return self._buf[off]
         return self.read(pos, 1)[0]
 
-    def array(self, pos: int, nbytes: int) -> np.ndarray:
-        """``nbytes`` bytes from ``pos`` as a fresh uint8 array starting on a 64-byte boundary."""
-        if pos < 0 or nbytes < 0 or pos + nbytes > self.size:
-            raise EOFError(f"unexpected end of file (needed {nbytes} bytes at offset {pos}, the file has {self.size})")
-        out = _aligned_empty(nbytes, pos)
-        off = pos - self._start
-        if 0 <= off and off + nbytes <= len(self._buf):
-            out[:] = np.frombuffer(self._buf, np.uint8, nbytes, off)
-        elif readinto_at(self.f, out, pos) != nbytes:
-            raise EOFError(f"the file shrank while it was being read (offset {pos})")
+    def arrays(self, spans: list[tuple[int, int]]) -> list[np.ndarray]:
+        """The ``(pos, nbytes)`` stretches of the file as uint8 arrays, each 64-byte aligned.
+
+        All of them are carved out of one fresh buffer: one big allocation gets
+        transparent huge pages where the system has them, while faulting in 4 KiB
+        pages one array at a time costs more than the read itself. The arrays share
+        that buffer, which lives until the last of them is gone.
+        """
+        for pos, nbytes in spans:
+            if pos < 0 or nbytes < 0 or pos + nbytes > self.size:
+                raise EOFError(f"unexpected end of file (needed {nbytes} bytes at offset {pos}, the file has {self.size})")
+        # 64-byte aligned, so jax can use the memory as is (it copies anything less aligned).
+        # Each slot is rounded up to the alignment plus one step of slack (see below).
+        raw = np.empty(sum(-(-n // _ALIGN) * _ALIGN + _ALIGN for _, n in spans) + _ALIGN, np.uint8)
+        addr = raw.__array_interface__["data"][0]
+        at = -addr % _ALIGN
+        out = []
+        for pos, nbytes in spans:
+            # Avoid a start 1..31 bytes (mod 4 KiB) after the data's file offset: the
+            # kernel's copy runs ~4x slower at that distance (4K aliasing).
+            start = at + _ALIGN if 0 < (addr + at - pos) % 4096 < 32 else at
+            buf = raw[start : start + nbytes]
+            off = pos - self._start
+            if 0 <= off and off + nbytes <= len(self._buf):
+                buf[:] = np.frombuffer(self._buf, np.uint8, nbytes, off)
+            elif readinto_at(self.f, buf, pos) != nbytes:
+                raise EOFError(f"the file shrank while it was being read (offset {pos})")
+            out.append(buf)
+            at += -(-nbytes // _ALIGN) * _ALIGN + _ALIGN
         return out
-
-
-def _aligned_empty(nbytes: int, file_offset: int) -> np.ndarray:
-    # 64-byte aligned, so jax can use the memory as is (it copies anything less aligned).
-    # Of the two candidate starts, avoid the one 1..31 bytes (mod 4 KiB) after the data's
-    # file offset: the kernel's copy runs ~4x slower at that distance (4K aliasing).
-    raw = np.empty(nbytes + 2 * _ALIGN, np.uint8)
-    addr = raw.__array_interface__["data"][0]
-    start = -addr % _ALIGN
-    if 0 < (addr + start - file_offset) % 4096 < 32:
-        start += _ALIGN
-    return raw[start : start + nbytes]
 
 
 def _from_bytes(buf: np.ndarray, shape: tuple, dtype: np.dtype, fortran: bool = False) -> np.ndarray:
@@ -541,7 +548,7 @@ def _load_npz(path: Path, verify: bool) -> tuple[dict[str, np.ndarray], dict]:
             with np.load(src.seekable(), allow_pickle=False) as npz:
                 members = _npz_members(path, npz.zip.infolist())
                 headers = {key: _member_header(path, npz.zip, info, key, src.size) for key, info in members.items()}
-                return _read_npz(path, members, headers, lambda key: npz[members[key].filename])
+                return _read_npz(path, members, headers, lambda keys: [npz[members[k].filename] for k in keys])
         except VjpsplitError:
             raise
         except _DECODE_ERRORS as e:
@@ -670,15 +677,17 @@ def _read_stored_npz(path: Path, src: _Source, zf: zipfile.ZipFile, members: dic
         if stored[a].end > members[b].header_offset:
             raise VjpsplitError(f"{path}: arrays {a!r} and {b!r} overlap in the archive; the file is corrupt, re-create it")
 
-    def read(key: str) -> np.ndarray:
-        s = stored[key]
-        buf = src.array(s.pos, s.nbytes)
-        if (verify or key == META_KEY) and zlib.crc32(buf, zlib.crc32(s.npy_header)) != s.crc:
-            raise VjpsplitError(
-                f"{path}: array {key!r} fails its CRC-32 check (its bytes changed after it was written);"
-                " the file is corrupt, re-create it"
-            )
-        return _from_bytes(buf, s.shape, s.dtype, s.fortran)
+    def read(keys: list[str]) -> list[np.ndarray]:
+        out = []
+        for key, buf in zip(keys, src.arrays([(stored[k].pos, stored[k].nbytes) for k in keys])):
+            s = stored[key]
+            if (verify or key == META_KEY) and zlib.crc32(buf, zlib.crc32(s.npy_header)) != s.crc:
+                raise VjpsplitError(
+                    f"{path}: array {key!r} fails its CRC-32 check (its bytes changed after it was written);"
+                    " the file is corrupt, re-create it"
+                )
+            out.append(_from_bytes(buf, s.shape, s.dtype, s.fortran))
+        return out
 
     headers = {key: (s.shape, s.dtype) for key, s in stored.items()}
     return _read_npz(path, members, headers, read)
@@ -689,7 +698,7 @@ def _is_raw_void(dtype: np.dtype) -> bool:
 
 
 def _read_npz(path: Path, members: dict, headers: dict, read) -> tuple[dict[str, np.ndarray], dict]:
-    """Check an archive's members against its metadata, then read them with ``read(key)``."""
+    """Check an archive's members against its metadata, then read them: ``read(keys)`` -> arrays."""
     names: dict[str, str] | None = None
     meta: dict = {}
     members = dict(members)
@@ -698,7 +707,7 @@ def _read_npz(path: Path, members: dict, headers: dict, read) -> tuple[dict[str,
         if dtype != np.uint8 or len(shape) != 1:
             raise VjpsplitError(f"{path}: entry {META_KEY!r} is not vjpsplit metadata; the file is corrupt")
         del members[META_KEY]
-        names, meta = _parse_npz_header(path, read(META_KEY))
+        names, meta = _parse_npz_header(path, read([META_KEY])[0])
         missing = [k for k in names if k not in members]
         extra = [k for k in members if k not in names]
         if missing or extra:
@@ -725,8 +734,7 @@ def _read_npz(path: Path, members: dict, headers: dict, read) -> tuple[dict[str,
                 ) from e
 
     arrays: dict[str, np.ndarray] = {}
-    for key in members:
-        arr = read(key)
+    for key, arr in zip(members, read(list(members))):
         if names is not None and arr.dtype != _storage_dtype(names[key]):
             arr = arr.view(_storage_dtype(names[key]))  # raw void -> bfloat16 etc.; itemsize checked above
         arrays[key] = _native(arr)
@@ -871,10 +879,9 @@ def _ext_spec(path: Path, key: str, ext: Any) -> tuple[list, str, np.dtype, byte
     return shape, name, dtype, raw
 
 
-def _ext_array(path: Path, key: str, spec: tuple, src: _Source) -> np.ndarray:
+def _ext_array(path: Path, key: str, spec: tuple, buf: np.ndarray) -> np.ndarray:
     shape, name, dtype, raw = spec
     try:
-        buf = src.array(raw.pos, raw.length) if isinstance(raw, _Span) else np.frombuffer(raw, np.uint8)
         arr = _from_bytes(buf, tuple(shape), dtype)
     except ValueError as e:
         raise VjpsplitError(
@@ -1049,8 +1056,14 @@ def _load_msgpack(path: Path) -> tuple[dict[str, np.ndarray], dict]:
             _check_stored_key(path, key)
             specs[key] = _ext_spec(path, key, ext)
         try:
-            return {key: _ext_array(path, key, spec, src) for key, spec in specs.items()}, meta
+            bufs = iter(src.arrays([(raw.pos, raw.length) for *_, raw in specs.values() if isinstance(raw, _Span)]))
         except OSError as e:
             raise VjpsplitError(f"{path}: cannot read the arrays file ({e.strerror or e})") from e
         except EOFError as e:
             raise VjpsplitError(f"{path}: cannot read the arrays file ({_one_line(e)}); re-create it") from e
+        arrays = {}
+        for key, spec in specs.items():
+            raw = spec[3]
+            buf = next(bufs) if isinstance(raw, _Span) else np.frombuffer(raw, np.uint8)
+            arrays[key] = _ext_array(path, key, spec, buf)
+        return arrays, meta
