@@ -116,12 +116,22 @@ def _enable_x64_if(needed: bool) -> None:
         jax.config.update("jax_enable_x64", True)
 
 
+def _function_options(fn):
+    """The options that say which function to trace and how: shared by export and plan."""
+    for option in reversed([
+        click.argument("target", metavar="MODULE:FN"),
+        click.option("--shapes", "shapes", multiple=True, required=True, metavar="NAME=SPEC",
+                     help="One per positional parameter: NAME=f32[b,784], NAME=@module:attr, or NAME=file.npz."),
+        click.option("--wrt", default=None, metavar="NAMES",
+                     help="Comma-separated parameters to differentiate (default: all)."),
+        click.option("--has-aux", is_flag=True, help="FN returns (out, aux); only out is differentiated."),
+    ]):
+        fn = option(fn)
+    return fn
+
+
 @main.command("export")
-@click.argument("target", metavar="MODULE:FN")
-@click.option("--shapes", "shapes", multiple=True, required=True, metavar="NAME=SPEC",
-              help="One per positional parameter: NAME=f32[b,784], NAME=@module:attr, or NAME=file.npz.")
-@click.option("--wrt", default=None, metavar="NAMES", help="Comma-separated parameters to differentiate (default: all).")
-@click.option("--has-aux", is_flag=True, help="FN returns (out, aux); only out is differentiated.")
+@_function_options
 @click.option("--platforms", default="cpu,cuda,tpu", show_default=True, help="Comma-separated platforms to lower for.")
 @click.option("--policy", default="everything", show_default=True,
               help="What the forward keeps: everything, dots, nothing, or names:a,b.")
@@ -282,11 +292,7 @@ def inspect_cmd(artifact, as_json, at):
 
 
 @main.command("plan")
-@click.argument("target", metavar="MODULE:FN")
-@click.option("--shapes", "shapes", multiple=True, required=True, metavar="NAME=SPEC",
-              help="As for export: one NAME=SPEC per positional parameter.")
-@click.option("--wrt", default=None, metavar="NAMES", help="Comma-separated parameters to differentiate (default: all).")
-@click.option("--has-aux", is_flag=True, help="FN returns (out, aux); only out is differentiated.")
+@_function_options
 @click.option("--at", "at", multiple=True, metavar="NAME=SIZE", help="Sizes for symbolic dims (b=256): bytes and FLOPs.")
 @click.option("--policies", default="everything,dots,nothing", show_default=True,
               help="Comma-separated policies to compare (names:a,b allowed; separate several with ';').")
@@ -301,7 +307,7 @@ def plan_cmd(target, shapes, wrt, has_aux, at, policies, as_json):
     fn, _ = load_object(target)
     names, specs = resolve_shapes(fn, shapes)
     _enable_x64_if(_wants_x64(specs))
-    wrt_pos = None if wrt is None else [names.index(w.strip()) for w in wrt.split(",") if w.strip() in names]
+    wrt_pos = None if wrt is None else [w.strip() for w in wrt.split(",") if w.strip()]
     sizes = parse_at(at)
     chosen = [p.strip() for p in (policies.split(";") if "names:" in policies else policies.split(",")) if p.strip()]
     costs = plan_policies(fn, *specs, wrt=wrt_pos, has_aux=has_aux, at=sizes, policies=chosen)
