@@ -19,7 +19,9 @@ from benchmarks.workloads import transformer
 # Peak RSS growth while loading, in a fresh process. ru_maxrss cannot be used: its
 # high-water mark is set by the imports (jax), far above what a load adds. Writing
 # "5" to /proc/self/clear_refs resets VmHWM to the current RSS, so VmHWM after the
-# load minus VmRSS before it is exactly what loading added at its peak.
+# load minus VmRSS before it is exactly what loading added at its peak. A tiny file
+# of the same kind is loaded first, so one-time imports and first-use setup (a few
+# MiB, whatever the file size) are not counted as the load's.
 _RSS_PROBE = """
 import json, sys, numpy as np, vjpsplit_cli as vs
 
@@ -27,11 +29,15 @@ def status(field):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
-kind, path = sys.argv[1], sys.argv[2]
+def load(path):
+    return np.load(path) if kind == "raw" else vs.load_arrays(path)[0]
+
+kind, path, warm = sys.argv[1:4]
+load(warm)
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
 before = status("VmRSS")
-data = np.load(path) if kind == "raw" else vs.load_arrays(path)[0]
+data = load(path)
 print(json.dumps({"peak_kib": status("VmHWM") - before}))
 """
 
@@ -49,7 +55,13 @@ def _time(fn, rounds: int) -> float:
 
 
 def _peak_load_bytes(kind: str, path: Path) -> float:
-    probe = subprocess.run([sys.executable, "-c", _RSS_PROBE, kind, str(path)], capture_output=True, text=True)
+    warm = path.with_name("warm" + path.suffix)
+    if kind == "raw":
+        np.save(warm, np.zeros(4, np.float32))
+    else:
+        vs.save_arrays(warm, {"r/0": np.zeros(4, np.float32)}, {"kind": "warm-up"})
+    probe = subprocess.run([sys.executable, "-c", _RSS_PROBE, kind, str(path), str(warm)],
+                           capture_output=True, text=True)
     if probe.returncode != 0:  # no /proc (not Linux), or clear_refs not writable here
         return float("nan")
     return json.loads(probe.stdout)["peak_kib"] * 1024

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import zipfile
+import zlib
 
 import ml_dtypes  # noqa: F401
 import msgpack
@@ -770,3 +771,280 @@ def test_msgpack_size_guard(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == [p.name]
     # npz has no such limit.
     save_arrays(file(tmp_path, "npz"), {"big": np.zeros(101, np.uint8)})
+
+
+# ---------------------------------------------------------------------------- fast save and load paths
+
+
+def _zipfile_npz(path, arrays, meta=None):
+    """An .npz written through zipfile + np.lib.format.write_array, as vjpsplit wrote them before."""
+    from vjpsplit_cli.dtypes import dtype_name
+
+    names = {k: dtype_name(np.asarray(a).dtype) for k, a in arrays.items()}
+    blob = json.dumps({"format": "vjpsplit-arrays", "version": 1, "dtypes": names, "meta": meta or {}},
+                      ensure_ascii=False, separators=(",", ":")).encode()
+    with open(path, "wb") as f, zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for key, arr in [("__vjpsplit__", np.frombuffer(blob, np.uint8))] + list(arrays.items()):
+            arr = np.asarray(arr)  # all C-contiguous here (ascontiguousarray would make 0-d arrays 1-d)
+            if arr.dtype.isbuiltin == 2:
+                arr = arr.view(np.dtype((np.void, arr.dtype.itemsize)))
+            info = zipfile.ZipInfo(key + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.external_attr = 0o644 << 16
+            with zf.open(info, "w", force_zip64=True) as out:
+                np.lib.format.write_array(out, arr, allow_pickle=False)
+
+
+LAYOUT_ARRAYS = {
+    "params/w": make("bfloat16", (2, 3)), "s": np.float32(1.0), "e": np.zeros((0, 3), np.int8),
+    "ключ/ü": np.arange(5, dtype=np.int16), "big": make("float32", (300, 1000)), "b": np.array([True, False]),
+}
+
+
+def test_npz_has_zipfiles_layout(tmp_path):
+    # Written by hand now; every field zipfile reads must be what zipfile itself writes.
+    ours, ref = file(tmp_path, "npz", "ours"), file(tmp_path, "npz", "ref")
+    save_arrays(ours, LAYOUT_ARRAYS, {"step": 3})
+    _zipfile_npz(ref, LAYOUT_ARRAYS, {"step": 3})
+    with zipfile.ZipFile(ours) as a, zipfile.ZipFile(ref) as b:
+        assert a.testzip() is None  # every CRC-32 is right
+        fields = ("filename", "header_offset", "CRC", "compress_size", "file_size", "compress_type", "date_time",
+                  "flag_bits", "external_attr")
+        for x, y in zip(a.infolist(), b.infolist(), strict=True):
+            assert [getattr(x, f) for f in fields] == [getattr(y, f) for f in fields]
+            assert a.read(x) == b.read(y)
+    assert os.path.getsize(ours) == os.path.getsize(ref)
+    with np.load(ours, allow_pickle=False) as z:
+        np.testing.assert_array_equal(z["big"], LAYOUT_ARRAYS["big"])
+
+
+def test_files_written_through_zipfile_still_load(tmp_path):
+    p = file(tmp_path, "npz")
+    _zipfile_npz(p, LAYOUT_ARRAYS, {"step": 3})
+    got, meta = load_arrays(p, verify=True)
+    assert meta == {"step": 3} and list(got) == list(LAYOUT_ARRAYS)
+    for k, a in LAYOUT_ARRAYS.items():
+        assert_same(got[k], a)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_loaded_arrays_are_aligned_and_outlive_the_file(tmp_path, fmt):
+    arrays = {f"a{i}": make(dt, shape, seed=i) for i, (dt, shape) in enumerate(
+        [("float32", (3, 1000)), ("int8", (7,)), ("float64", (333,)), ("bfloat16", (65,)), ("complex64", ()),
+         ("float32", (0,)), ("uint8", (5000,))])}
+    p = file(tmp_path, fmt)
+    save_arrays(p, arrays)
+    got, _ = load_arrays(p)
+    p.unlink()  # nothing refers to the file any more
+    save_arrays(p, {"other": np.zeros(10)})
+    for k, a in arrays.items():
+        assert_same(got[k], a)
+        assert got[k].flags.aligned
+        if got[k].nbytes >= 64:
+            assert got[k].__array_interface__["data"][0] % 64 == 0, k
+        assert got[k].flags.writeable == (fmt == "npz")
+    if fmt == "npz":
+        got["a0"][...] = 0  # each array has its own bytes
+        assert_same(got["a1"], arrays["a1"])
+        assert_same(got["a2"], arrays["a2"])
+
+
+def _member_data_offset(path, name):
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo(name)
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        local = f.read(30)
+        name_len, extra_len = int.from_bytes(local[26:28], "little"), int.from_bytes(local[28:30], "little")
+        start = info.header_offset + 30 + name_len + extra_len
+        f.seek(start)
+        assert np.lib.format.read_magic(f) == (1, 0)
+        np.lib.format.read_array_header_1_0(f)
+        return f.tell()
+
+
+def test_npz_crc_checked_with_verify(tmp_path):
+    p = file(tmp_path, "npz")
+    w = np.arange(1000, dtype=np.float32)
+    save_arrays(p, {"w": w})
+    data = bytearray(p.read_bytes())
+    data[_member_data_offset(p, "w.npy") + 40] ^= 0xFF
+    p.write_bytes(bytes(data))
+    with pytest.raises(zipfile.BadZipFile, match="CRC"), np.load(p) as z:
+        z["w"]  # the CRC written is the real one: numpy's reader sees the change
+    with pytest.raises(VjpsplitError, match="'w' fails its CRC-32 check") as ei:
+        load_arrays(p, verify=True)
+    _check_error(ei, p)
+    # Documented: without verify the array CRCs are not computed (the file loads, altered).
+    got, _ = load_arrays(p)
+    assert (got["w"] != w).sum() == 1
+
+
+def test_npz_metadata_crc_always_checked(tmp_path):
+    p = file(tmp_path, "npz")
+    save_arrays(p, {"w": np.zeros(3)}, {"note": "abc"})
+    data = p.read_bytes()
+    assert data.count(b'"note":"abc"') == 1
+    p.write_bytes(data.replace(b'"note":"abc"', b'"note":"abd"'))  # still valid JSON
+    with pytest.raises(VjpsplitError, match="'__vjpsplit__' fails its CRC-32 check") as ei:
+        load_arrays(p)
+    _check_error(ei, p)
+
+
+def test_foreign_fortran_order_npz(tmp_path):
+    p = file(tmp_path, "npz")
+    f = np.asfortranarray(np.arange(24, dtype=np.int32).reshape(2, 3, 4))
+    np.savez(p, f=f, c=np.arange(6.0).reshape(2, 3))
+    got, _ = load_arrays(p)
+    np.testing.assert_array_equal(got["f"], f)
+    np.testing.assert_array_equal(got["c"], np.arange(6.0).reshape(2, 3))
+
+
+def test_npz_with_data_descriptors_loads(tmp_path):
+    # zipfile writing to an unseekable stream puts sizes and CRC after the data (flag bit 3).
+    class Stream(io.RawIOBase):
+        def __init__(self):
+            self.buf = bytearray()
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            self.buf += b
+            return len(b)
+
+    out = Stream()
+    with zipfile.ZipFile(out, "w") as zf:
+        for k, a in {"x": np.arange(5), "y": np.ones((2, 2), np.float32)}.items():
+            with zf.open(k + ".npy", "w") as m:
+                np.lib.format.write_array(m, a)
+    p = file(tmp_path, "npz")
+    p.write_bytes(bytes(out.buf))
+    got, _ = load_arrays(p, verify=True)
+    assert_same(got["x"], np.arange(5))
+    assert_same(got["y"], np.ones((2, 2), np.float32))
+
+
+def test_npz_header_longer_than_the_read_window(tmp_path):
+    body = "{'descr': '<f4', 'fortran_order': False, 'shape': (3,), }" + " " * 6000
+    body += " " * (-(len(body) + 11) % 64) + "\n"
+    npy = b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body.encode() + np.arange(3, dtype="<f4").tobytes()
+    p = file(tmp_path, "npz")
+    with zipfile.ZipFile(p, "w") as zf:
+        zf.writestr("x.npy", npy)
+    assert_same(load_arrays(p)[0]["x"], np.arange(3, dtype=np.float32))
+
+
+def _local_header(name: str, payload: bytes) -> bytes:
+    n = name.encode()
+    return (b"PK\x03\x04" + (20).to_bytes(2, "little") + bytes(8) + zlib.crc32(payload).to_bytes(4, "little")
+            + len(payload).to_bytes(4, "little") * 2 + len(n).to_bytes(2, "little") + bytes(2) + n)
+
+
+def _stored_zip(body: bytes, central: list[tuple[str, int, bytes]]) -> bytes:
+    """``body`` (local headers and data), then a central directory of (name, offset, payload) entries."""
+    out = bytearray(body)
+    for name, offset, payload in central:
+        n = name.encode()
+        out += (b"PK\x01\x02" + bytes([20, 3, 20, 0]) + bytes(8) + zlib.crc32(payload).to_bytes(4, "little")
+                + len(payload).to_bytes(4, "little") * 2 + len(n).to_bytes(2, "little") + bytes(12)
+                + offset.to_bytes(4, "little") + n)
+    out += (b"PK\x05\x06" + bytes(4) + len(central).to_bytes(2, "little") * 2
+            + (len(out) - len(body)).to_bytes(4, "little") + len(body).to_bytes(4, "little") + bytes(2))
+    return bytes(out)
+
+
+def test_overlapping_npz_members_are_refused(tmp_path):
+    # 'outer' is a valid uint8 array whose last bytes are the whole 'inner' entry: two arrays
+    # from one stretch of the file would let a small file claim more memory than it holds.
+    inner = _npy_bytes(np.arange(100, dtype=np.uint8))
+    inner_entry = _local_header("inner.npy", inner) + inner
+    outer = _npy_bytes(np.zeros(16 + len(inner_entry), np.uint8))[: -len(inner_entry)] + inner_entry
+    outer_entry = _local_header("outer.npy", outer) + outer
+    inner_at = len(outer_entry) - len(inner_entry)
+    p = file(tmp_path, "npz")
+    p.write_bytes(_stored_zip(outer_entry, [("outer.npy", 0, outer), ("inner.npy", inner_at, inner)]))
+    with pytest.raises(VjpsplitError, match="'outer' and 'inner' overlap") as ei:
+        load_arrays(p)
+    _check_error(ei, p)
+
+
+def test_msgpack_non_canonical_encodings_load(tmp_path):
+    # Valid msgpack that packb would encode more compactly: array16 triple, bin32 data,
+    # ext32 header, map16 maps. Readers must not depend on packb's exact choices.
+    payload = b"\xdc\x00\x03" + b"\xdc\x00\x01\x02" + msgpack.packb("int8") + b"\xc6\x00\x00\x00\x02\x01\xff"
+    ext = b"\xc9" + len(payload).to_bytes(4, "big") + b"\x01" + payload
+    top = (b"\xde\x00\x03" + msgpack.packb("format") + msgpack.packb("vjpsplit-arrays")
+           + msgpack.packb("version") + msgpack.packb(1)
+           + msgpack.packb("arrays") + b"\xde\x00\x02" + msgpack.packb("k") + ext
+           + msgpack.packb("j") + msgpack.packb(_ext([3], "uint8", b"abc")))
+    p = tmp_path / "m.msgpack"
+    p.write_bytes(top)
+    got, meta = load_arrays(p)
+    assert meta == {} and list(got) == ["k", "j"]
+    assert_same(got["k"], np.array([1, -1], np.int8))
+    assert_same(got["j"], np.frombuffer(b"abc", np.uint8))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_many_arrays_and_big_meta(tmp_path, fmt):
+    # More than one read window of headers and metadata.
+    arrays = {f"a/{i}": np.full((i % 5,), i, np.int32) for i in range(3000)}
+    meta = {"notes": "x" * 200_000, "list": list(range(20_000))}
+    p = file(tmp_path, fmt)
+    save_arrays(p, arrays, meta)
+    got, meta2 = load_arrays(p)
+    assert meta2 == meta and list(got) == list(arrays)
+    for k, a in arrays.items():
+        assert_same(got[k], a)
+
+
+def test_npz_crcs_in_threads_or_inline_give_the_same_file(tmp_path, monkeypatch):
+    arrays = {f"a{i}": make("float32", (50, 100), seed=i) for i in range(12)}
+    one, many = file(tmp_path, "npz", "one"), file(tmp_path, "npz", "many")
+    monkeypatch.setattr(arrays_mod, "_PARALLEL_CRC_MIN", 0)
+    save_arrays(many, arrays)
+    monkeypatch.setattr(arrays_mod, "_PARALLEL_CRC_MIN", 2**62)
+    save_arrays(one, arrays)
+    assert one.read_bytes() == many.read_bytes()
+    with zipfile.ZipFile(many) as zf:
+        assert zf.testzip() is None
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_writeback_hints_are_only_hints(tmp_path, fmt, monkeypatch):
+    import vjpsplit_cli._io as io_mod
+
+    arrays = {f"a{i}": make("float32", (512, 1024), seed=i) for i in range(3)}  # 6 MiB
+    plain, hinted = file(tmp_path, fmt, "plain"), file(tmp_path, fmt, "hinted")
+    calls = []
+    monkeypatch.setattr(io_mod, "_SFR", [lambda fd, off, n, flags: calls.append(fd) or -1])  # fails: ignored
+    save_arrays(hinted, arrays)
+    assert calls
+    monkeypatch.setattr(io_mod, "_SFR", [None])  # not available (not Linux)
+    save_arrays(plain, arrays)
+    assert plain.read_bytes() == hinted.read_bytes()
+    got, _ = load_arrays(hinted)
+    for k, a in arrays.items():
+        assert_same(got[k], a)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_load_from_a_pipe(tmp_path, fmt):
+    import threading
+
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no named pipes here")
+    src = file(tmp_path, fmt, "src")
+    arrays = {"x": np.arange(10), "w": make("bfloat16", (3, 4))}
+    save_arrays(src, arrays, {"m": 1})
+    fifo = tmp_path / f"pipe.{fmt}"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(src.read_bytes()))
+    writer.start()
+    try:
+        got, meta = load_arrays(fifo)
+    finally:
+        writer.join()
+    assert meta == {"m": 1}
+    for k, a in arrays.items():
+        assert_same(got[k], a)

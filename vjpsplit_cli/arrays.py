@@ -18,14 +18,16 @@ Nothing is ever unpickled or evaluated, every dtype is checked against
 ``dtypes._ALLOWED`` and every size against the file's before memory is allocated,
 and every failure is a one-line :class:`VjpsplitError` that names the file.
 
-Speed. Writing streams each array from its own buffer to the file (no ``tobytes``
+Speed. Saving streams each array from its own buffer to the file (no ``tobytes``
 copy) and asks the kernel to start writing back every few MiB, so the closing
 ``fsync`` (kept: it is what makes the atomic rename crash safe) has little left to
-wait for. Reading parses the zip directory or the msgpack structure itself and reads
-each array's bytes straight from the file into a fresh 64-byte aligned array: one
-copy, no intermediate ``bytes``, and memory jax can use without copying again.
-Stored (uncompressed) ``.npz`` members are read this way; compressed ones go
-through numpy's reader.
+wait for; ``.npz`` CRC-32s are computed while the disk works. Loading parses the zip
+directory or the msgpack structure itself (same checks as before, nothing copied)
+and then reads every array's bytes straight from the file into one fresh buffer:
+one copy in all, no intermediate ``bytes``, peak memory about the size of the data,
+and arrays 64-byte aligned, which jax can use without copying again. Stored
+(uncompressed) ``.npz`` members are read this way; compressed ones (written by other
+tools) go through numpy's reader. The files themselves are unchanged, byte for byte.
 
 Integrity. ``save_arrays`` writes the CRC-32 of every ``.npz`` member (the zip
 format requires it, and ``np.load`` checks it). ``load_arrays`` checks the CRC of
@@ -51,6 +53,7 @@ import sys
 import tokenize
 import zipfile
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, Mapping
 
@@ -81,7 +84,8 @@ _NPY_MAGIC = b"\x93NUMPY"
 # Fixed so that saving the same arrays twice gives byte-identical files (hashable, cacheable).
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 _ALIGN = 64  # loaded arrays start on this boundary (what jax needs to use memory without copying)
-_WRITEBACK_EVERY = 8 * 2**20  # bytes written between writeback hints
+_WRITEBACK_EVERY = 4 * 2**20  # bytes written between writeback hints
+_PARALLEL_CRC_MIN = 8 * 2**20  # less data than this: CRC-32s inline, threads cost more than they save
 
 # Everything a corrupt or foreign file can make the decoders raise. MemoryError is
 # deliberately absent: sizes are validated first, so one left is a real shortage.
@@ -130,15 +134,17 @@ def load_arrays(path: str | os.PathLike, *, verify: bool = False) -> tuple[dict[
     """Read an array file written by :func:`save_arrays`; return ``(arrays, meta)``.
 
     ``meta`` is ``{}`` when the file stores none. Arrays come back in file order with
-    their stored dtype and shape, each in its own freshly allocated, 64-byte aligned
-    memory (nothing else keeps the file or a shared buffer alive). Arrays from an
-    ``.npz`` file are writable; arrays from a ``.msgpack`` file are read-only (copy
+    their stored dtype and shape. They are views into one buffer read from the file
+    (nothing keeps the file open or mapped): it is freed when the last of them is, so
+    ``.copy()`` one you keep long after dropping the rest. Arrays of 64 bytes or more
+    start on a 64-byte boundary. Arrays from an ``.npz`` file are writable (each has
+    its own bytes in the buffer); arrays from a ``.msgpack`` file are read-only (copy
     one before writing into it). ``verify=True`` also checks every ``.npz`` member's
-    CRC-32 (about as costly again as the read itself; see the module docstring for
-    why it is off by default); ``.msgpack`` files have no checksum to check. A
-    ``.npz`` written by plain numpy also loads, with ``meta == {}``;
-    bfloat16/float8/int4 arrays in such a file stay raw void (``|V2``/``|V1``)
-    because nothing records their real dtype.
+    CRC-32: about as costly again as the read itself, so it is off by default (see
+    the module docstring); ``.msgpack`` files have no checksum to check. A ``.npz``
+    written by plain numpy also loads, with ``meta == {}``; bfloat16/float8/int4
+    arrays in such a file stay raw void (``|V2``/``|V1``) because nothing records
+    their real dtype.
     """
     path = Path(path)
     if _kind(path) == "npz":
@@ -332,11 +338,12 @@ def _byte_view(arr: np.ndarray) -> memoryview:
 
 
 class _Source:
-    """Reads one open file by absolute offset.
+    """Reads one open file by absolute offset (positioned reads; the file position is not used).
 
     Small pieces (zip and msgpack headers, metadata) come through a cached window;
-    array data is read straight from the file into a fresh, 64-byte aligned buffer,
-    so each byte is copied once and every array owns its memory.
+    array data is read straight from the file into the arrays' buffer, so each byte
+    is copied once. A pipe or device, which has neither a size nor positioned reads,
+    is read whole first.
     """
 
     _WINDOW = 64 * 1024
@@ -357,7 +364,7 @@ class _Source:
     def read(self, pos: int, n: int) -> bytes:
         """Exactly ``n`` bytes from ``pos``; EOFError if the file is shorter."""
         if pos < 0 or n < 0 or pos + n > self.size:
-            raise EOFError(f"unexpected end of file (needed {n} bytes at offset {pos}, the file has {self.size})")
+            raise EOFError(f"unexpected end of file ({n} bytes at offset {pos}; the file has {self.size})")
         off = pos - self._start
         if 0 <= off and off + n <= len(self._buf):
             return self._buf[off : off + n]
@@ -381,26 +388,29 @@ class _Source:
         return self.read(pos, 1)[0]
 
     def arrays(self, spans: list[tuple[int, int]]) -> list[np.ndarray]:
-        """The ``(pos, nbytes)`` stretches of the file as uint8 arrays, each 64-byte aligned.
+        """The ``(pos, nbytes)`` stretches of the file as uint8 arrays.
 
-        All of them are carved out of one fresh buffer: one big allocation gets
-        transparent huge pages where the system has them, while faulting in 4 KiB
-        pages one array at a time costs more than the read itself. The arrays share
-        that buffer, which lives until the last of them is gone.
+        All of them are carved out of one fresh buffer (about the size of the data):
+        one big allocation gets transparent huge pages where the system has them,
+        while faulting in 4 KiB pages one array at a time costs more than the read
+        itself. The arrays share that buffer, which lives until the last of them is
+        gone. Arrays of 64 bytes or more start on a 64-byte boundary, so jax can use
+        their memory as is (it copies anything less aligned); smaller ones on 16.
         """
         for pos, nbytes in spans:
             if pos < 0 or nbytes < 0 or pos + nbytes > self.size:
-                raise EOFError(f"unexpected end of file (needed {nbytes} bytes at offset {pos}, the file has {self.size})")
-        # 64-byte aligned, so jax can use the memory as is (it copies anything less aligned).
-        # Each slot is rounded up to the alignment plus one step of slack (see below).
-        raw = np.empty(sum(-(-n // _ALIGN) * _ALIGN + _ALIGN for _, n in spans) + _ALIGN, np.uint8)
+                raise EOFError(f"unexpected end of file ({nbytes} bytes at offset {pos}; the file has {self.size})")
+        raw = np.empty(sum(n + _slack(n) for _, n in spans) + _ALIGN, np.uint8)
         addr = raw.__array_interface__["data"][0]
-        at = -addr % _ALIGN
+        at = 0
         out = []
         for pos, nbytes in spans:
-            # Avoid a start 1..31 bytes (mod 4 KiB) after the data's file offset: the
-            # kernel's copy runs ~4x slower at that distance (4K aliasing).
-            start = at + _ALIGN if 0 < (addr + at - pos) % 4096 < 32 else at
+            align = _ALIGN if nbytes >= _ALIGN else 16
+            start = at + (-(addr + at) % align)
+            # For big reads, avoid a start 1..31 bytes (mod 4 KiB) after the data's file
+            # offset: the kernel's copy runs ~4x slower at that distance (4K aliasing).
+            if nbytes >= 4096 and 0 < (addr + start - pos) % 4096 < 32:
+                start += _ALIGN
             buf = raw[start : start + nbytes]
             off = pos - self._start
             if 0 <= off and off + nbytes <= len(self._buf):
@@ -408,8 +418,13 @@ class _Source:
             elif readinto_at(self.f, buf, pos) != nbytes:
                 raise EOFError(f"the file shrank while it was being read (offset {pos})")
             out.append(buf)
-            at += -(-nbytes // _ALIGN) * _ALIGN + _ALIGN
+            at = start + nbytes
         return out
+
+
+def _slack(nbytes: int) -> int:
+    """Room ``_Source.arrays`` may need around an array of ``nbytes``: alignment, and the 4K-aliasing step."""
+    return 2 * _ALIGN if nbytes >= 4096 else _ALIGN if nbytes >= _ALIGN else 16
 
 
 def _from_bytes(buf: np.ndarray, shape: tuple, dtype: np.dtype, fortran: bool = False) -> np.ndarray:
@@ -434,6 +449,7 @@ _ZIP_UNIX = 3
 _ZIP_UTF8_NAME = 0x800
 _ZIP_ENCRYPTED = 0x1
 _DOS_DATE = (_ZIP_DATE[0] - 1980) << 9 | _ZIP_DATE[1] << 5 | _ZIP_DATE[2]
+_CRC_AT = 14  # offset of the CRC-32 field in a local header
 _DOS_TIME = _ZIP_DATE[3] << 11 | _ZIP_DATE[4] << 5 | _ZIP_DATE[5] // 2
 _NPY_HEADER_MAX = 12 + 10000  # magic, version, length field, and numpy's own header size limit
 
@@ -462,25 +478,28 @@ def _write_npz(f: BinaryIO, prepared: list[tuple[str, str, np.ndarray]], meta: d
     # A stored zip of .npy members, as np.savez writes it, spelled out by hand (np.savez
     # takes keys as **kwargs, so "file" or "allow_pickle" would collide). The bytes are
     # exactly those zipfile writes with force_zip64=True, but each array goes from its
-    # own buffer to the file (no tobytes copy) and its CRC-32 is computed once, up front,
-    # so every header is final when written and nothing is patched afterwards.
-    members = [(META_KEY, np.frombuffer(blob, dtype=np.uint8))] + [(k, a) for k, _, a in prepared]
-    central = []
-    offset = unsynced = 0
-    for key, arr in members:
+    # own buffer to the file (no tobytes copy), and the CRC-32s, the one costly part
+    # (~2 GB/s), are computed while the disk writes the data back: on other cores where
+    # there are any, else here, each array right after it is written. The local headers
+    # get their CRC-32s patched in at the end.
+    members = []
+    for key, arr in [(META_KEY, np.frombuffer(blob, dtype=np.uint8))] + [(k, a) for k, _, a in prepared]:
         if arr.dtype.isbuiltin == 2:  # a user-defined (ml_dtypes) type
             # ml_dtypes types (bfloat16, float8, int4, ...) have no .npy spelling numpy can
             # read back (float8_e5m2 even writes an unloadable '<f1'), so store the raw
             # bytes as void; the dtype table in __vjpsplit__ restores the real type.
             arr = arr.view(np.dtype((np.void, arr.dtype.itemsize)))
-        npy = _npy_header(arr)
-        data = _byte_view(arr)
+        members.append((key, _npy_header(arr), _byte_view(arr)))
+    background = _background_crc32s([(npy, data) for _, npy, data in members])
+    crcs = []
+    central = []
+    offset = unsynced = 0
+    for key, npy, data in members:
         size = len(npy) + data.nbytes
-        crc = zlib.crc32(data, zlib.crc32(npy))
         name, flags = _zip_name(key + ".npy")
         f.write(
             _LOCAL_HEADER.pack(
-                b"PK\x03\x04", _ZIP64_VERSION, 0, flags, zipfile.ZIP_STORED, _DOS_TIME, _DOS_DATE, crc,
+                b"PK\x03\x04", _ZIP64_VERSION, 0, flags, zipfile.ZIP_STORED, _DOS_TIME, _DOS_DATE, 0,  # CRC: below
                 0xFFFFFFFF, 0xFFFFFFFF, len(name), _ZIP64_EXTRA.size,
             )
             + name
@@ -488,14 +507,22 @@ def _write_npz(f: BinaryIO, prepared: list[tuple[str, str, np.ndarray]], meta: d
             + npy
         )
         f.write(data)
-        central.append((name, flags, crc, size, offset))
+        central.append((name, flags, size, offset))
         offset += _LOCAL_HEADER.size + len(name) + _ZIP64_EXTRA.size + size
         unsynced += size
         if unsynced >= _WRITEBACK_EVERY:
-            start_writeback(f)  # let the disk work while the next arrays are written
+            start_writeback(f)  # let the disk work while the rest is written
             unsynced = 0
+        if background is None:
+            crcs.append(_crc32(npy, data))
+    if background is not None:
+        crcs = [fut.result() for fut in background]
+    for (_, _, _, header_offset), crc in zip(central, crcs):
+        f.seek(header_offset + _CRC_AT)
+        f.write(struct.pack("<L", crc))
+    f.seek(offset)
     start_dir = offset
-    for name, flags, crc, size, header_offset in central:
+    for (name, flags, size, header_offset), crc in zip(central, crcs):
         extra = []
         if size > _ZIP64_LIMIT:
             extra += [size, size]
@@ -516,6 +543,29 @@ def _write_npz(f: BinaryIO, prepared: list[tuple[str, str, np.ndarray]], meta: d
         f.write(_END_LOCATOR64.pack(b"PK\x06\x07", 0, offset, 1))
         count, dir_size, start_dir = min(count, 0xFFFF), min(dir_size, 0xFFFFFFFF), min(start_dir, 0xFFFFFFFF)
     f.write(_END_RECORD.pack(b"PK\x05\x06", 0, 0, count, count, dir_size, start_dir, 0))
+
+
+def _crc32(npy: bytes, data: memoryview) -> int:
+    return zlib.crc32(data, zlib.crc32(npy))
+
+
+def _background_crc32s(parts: list[tuple[bytes, memoryview]]) -> list[Future] | None:
+    """With spare cores and enough data, start computing each ``header + data``'s CRC-32 in threads.
+
+    zlib releases the GIL while it works, so they run while the caller writes. None
+    where it would not pay (one core, or too little data for threads to be worth it).
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    if cores < 2 or sum(data.nbytes for _, data in parts) < _PARALLEL_CRC_MIN:
+        return None
+    pool = ThreadPoolExecutor(min(cores - 1, 4), thread_name_prefix="vjpsplit-crc")
+    try:
+        return [pool.submit(_crc32, npy, data) for npy, data in parts]
+    finally:
+        pool.shutdown(wait=False)  # the threads end once the queue is done
 
 
 def _not_npz(path: Path, head: bytes) -> VjpsplitError:
@@ -644,7 +694,7 @@ def _check_npy_size(path: Path, info: zipfile.ZipInfo, key: str, shape: tuple, d
 
 
 def _member_header(path: Path, zf: zipfile.ZipFile, info: zipfile.ZipInfo, key: str, archive_size: int):
-    """Shape and dtype of one (possibly compressed) member, checked against the archive's sizes before numpy allocates."""
+    """Shape and dtype of one (compressed) member, checked against the archive's sizes before numpy allocates."""
     _check_zip_sizes(path, info, key, archive_size)
     with zf.open(info) as member:
         shape, dtype, _fortran = _parse_npy_header(path, info, key, member)
@@ -678,11 +728,14 @@ def _stored_member(path: Path, src: _Source, info: zipfile.ZipInfo, key: str, li
     start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
     end = start + info.compress_size
     if end > limit:
-        raise VjpsplitError(f"{path}: array {key!r} is corrupt (its data runs past the end of the archive); re-create the file")
+        raise VjpsplitError(
+            f"{path}: array {key!r} is corrupt (its data runs past the end of the archive); re-create the file"
+        )
     prefix = src.read(start, min(info.file_size, 4096))
     if len(prefix) >= 12 and prefix[:6] == _NPY_MAGIC:
         # Make sure the whole header is in hand (it can be longer than 4 KiB, if rarely).
-        hlen = struct.unpack("<H", prefix[8:10])[0] + 10 if prefix[6] == 1 else struct.unpack("<I", prefix[8:12])[0] + 12
+        width = 2 if prefix[6] == 1 else 4  # the header-length field: 2 bytes in .npy 1.0, 4 after
+        hlen = 8 + width + int.from_bytes(prefix[8 : 8 + width], "little")
         if len(prefix) < hlen <= min(info.file_size, _NPY_HEADER_MAX):
             prefix = src.read(start, hlen)
     fast = _fast_npy_header(prefix)
@@ -707,7 +760,9 @@ def _read_stored_npz(path: Path, src: _Source, zf: zipfile.ZipFile, members: dic
     order = sorted(members, key=lambda k: members[k].header_offset)
     for a, b in zip(order, order[1:]):
         if stored[a].end > members[b].header_offset:
-            raise VjpsplitError(f"{path}: arrays {a!r} and {b!r} overlap in the archive; the file is corrupt, re-create it")
+            raise VjpsplitError(
+                f"{path}: arrays {a!r} and {b!r} overlap in the archive; the file is corrupt, re-create it"
+            )
 
     def read(keys: list[str]) -> list[np.ndarray]:
         out = []
@@ -917,7 +972,8 @@ def _ext_array(path: Path, key: str, spec: tuple, buf: np.ndarray) -> np.ndarray
         arr = _from_bytes(buf, tuple(shape), dtype)
     except ValueError as e:
         raise VjpsplitError(
-            f"{path}: array {key!r} has unusable shape {tuple(shape)} ({_one_line(e)}); the file is corrupt, re-create it"
+            f"{path}: array {key!r} has unusable shape {tuple(shape)} ({_one_line(e)});"
+            " the file is corrupt, re-create it"
         ) from e
     arr = _native(arr)
     arr.flags.writeable = False
@@ -988,7 +1044,7 @@ class _Msgpack:
             raise EOFError("msgpack data is truncated")
         room = end - pos
         unpacker = msgpack.Unpacker(
-            _Reader(self.src, pos, end), read_size=min(16 * 1024, room), max_buffer_size=room, **self.opts
+            _Reader(self.src, pos, end), read_size=min(4096, room), max_buffer_size=room, **self.opts
         )
         value = unpacker.unpack()
         return value, pos + unpacker.tell()
@@ -1043,7 +1099,7 @@ class _Msgpack:
                 return None
             shape, pos = self._decode(start + 1, end)
             name, pos = self._decode(pos, end)
-            width = _MP_BIN.get(src.byte(pos))
+            width = _MP_BIN.get(src.byte(pos)) if pos < end else None
             if width is None:
                 return None
             length = int.from_bytes(src.read(pos + 1, width), "big")
