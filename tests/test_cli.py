@@ -299,11 +299,14 @@ def test_run_bwd_bad_residuals_and_cotangents(ws, tmp_path):
     key = next(k for k, v in arrays.items() if v.dtype == np.float32 and v.ndim == 2)
     vs.save_arrays(tmp_path / "r_bad.npz", {**arrays, key: arrays[key].astype(np.float64)}, meta)
     assert_clean_error(run_cli("run-bwd", art, "--residuals", tmp_path / "r_bad.npz", "--inputs", run / "inputs.npz",
-                               "--grads", g), "r_bad.npz", f"residual '{key}'", "expected f32")
+                               "--grads", g), "r_bad.npz", "checksum")
+    # past the checksum (--no-verify), the dtype check still names the residual
+    assert_clean_error(run_cli("run-bwd", art, "--residuals", tmp_path / "r_bad.npz", "--inputs", run / "inputs.npz",
+                               "--grads", g, "--no-verify"), "r_bad.npz", f"residual '{key}'", "expected f32")
     # a residual missing
     vs.save_arrays(tmp_path / "r_miss.npz", {k: v for k, v in arrays.items() if k != key}, meta)
     assert_clean_error(run_cli("run-bwd", art, "--residuals", tmp_path / "r_miss.npz", "--inputs", run / "inputs.npz",
-                               "--grads", g), "r_miss.npz", f"missing residual key '{key}'")
+                               "--grads", g, "--no-verify"), "r_miss.npz", f"missing residual key '{key}'")
     # a plain array file is not a residuals file
     assert_clean_error(run_cli("run-bwd", art, "--residuals", run / "inputs.npz", "--grads", g), "inputs.npz",
                        "not a residuals file")
@@ -381,3 +384,21 @@ def test_missing_platform_at_run_time(ws, tmp_path):
     vs.save_arrays(tmp_path / "in.npz", {"x": np.ones(3, np.float32)})
     r = run_cli("run-fwd", tmp_path / "tpu.vjps", "--inputs", tmp_path / "in.npz", "--residuals", tmp_path / "r.npz")
     assert_clean_error(r, "tpu.vjps", "exported for tpu only", "--platforms")
+
+
+@pytest.mark.parametrize("ext", ["npz", "msgpack"])
+def test_a_flipped_bit_in_residual_data_is_caught(ws, tmp_path, ext):
+    root, _, run = ws
+    art = root / "loss.vjps"
+    res = tmp_path / f"r.{ext}"
+    assert run_cli("run-fwd", art, "--inputs", run / "inputs.npz", "--residuals", res).exit_code == 0
+    arrays, _ = vs.load_arrays(res)
+    big = max(arrays.values(), key=lambda a: a.nbytes)
+    data = bytearray(res.read_bytes())
+    at = bytes(data).find(big.tobytes()[:64])  # somewhere inside that array's payload
+    assert at > 0
+    data[at + 5] ^= 0x10
+    res.write_bytes(bytes(data))
+    r = run_cli("run-bwd", art, "--residuals", res, "--inputs", run / "inputs.npz", "--grads", tmp_path / "g.npz")
+    assert_clean_error(r, res.name, "checksum")
+    assert not (tmp_path / "g.npz").exists()

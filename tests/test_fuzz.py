@@ -120,3 +120,31 @@ def test_mutated_artifacts_fail_cleanly_or_work(fuzz_artifact, tmp_path):
             np.testing.assert_allclose(a, b_, err_msg=name)
         outcomes["same"] += 1
     assert sum(outcomes.values()) == ARTIFACT_MUTANTS
+
+
+RESIDUAL_MUTANTS = 200
+
+
+@pytest.mark.parametrize("ext", ["npz", "msgpack"])
+def test_mutated_residual_files_fail_cleanly_or_give_the_same_gradients(fuzz_artifact, tmp_path, ext):
+    d, args, _, grads = fuzz_artifact
+    art = vs.load(d / "a.vjps")
+    _, res = art.fwd(*args)
+    src = tmp_path / f"r.{ext}"
+    vs.save_residuals(src, res)
+    outcomes = {"error": 0, "same": 0}
+    for name, mutant in _mutants(src.read_bytes(), RESIDUAL_MUTANTS, seed=2):
+        p = tmp_path / f"m.{ext}"
+        p.write_bytes(mutant)
+        try:
+            g = art.bwd(vs.load_residuals(p, inputs=args, artifact=art))
+        except vs.VjpsplitError as e:
+            assert "\n" not in str(e), (name, e)
+            outcomes["error"] += 1
+            continue
+        # The checksums make any change to the data an error, so a file that still
+        # loads must give exactly the original gradients.
+        for a, b_ in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(grads)):
+            np.testing.assert_array_equal(a, b_, err_msg=name)
+        outcomes["same"] += 1
+    assert sum(outcomes.values()) == RESIDUAL_MUTANTS and outcomes["error"] > RESIDUAL_MUTANTS // 2

@@ -231,8 +231,9 @@ def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contai
               help="Zero-bubble split: 'input' writes non-weight grads and --intermediates; 'weight' reads them.")
 @click.option("--intermediates", "inter_path", type=_ARRAY_FILE, default=None,
               help="With --part: the intermediates file (written by input, read by weight).")
+@click.option("--no-verify", is_flag=True, help="Skip the CRC-32 check of residuals and intermediates.")
 @_command
-def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_path, part, inter_path):
+def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_path, part, inter_path, no_verify):
     """Run the backward: residuals (+ cotangents) -> gradients, without the forward."""
     from .arrays import load_arrays, save_arrays
     from .artifact import check_keys
@@ -245,7 +246,8 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
         inputs = load_arrays(inputs_path)[0]
         # The same inputs file run-fwd read: every input key, nothing else.
         check_keys(inputs_path, "input", [leaf.key for leaf in art.manifest.inputs], inputs)
-    res = load_residuals(residuals_path, inputs=inputs, artifact=art, inputs_source=inputs_path)
+    res = load_residuals(residuals_path, inputs=inputs, artifact=art, inputs_source=inputs_path,
+                         verify=not no_verify)
     if part != "all" and not inter_path:
         raise click.UsageError(f"--part {part} needs --intermediates FILE")
     if part == "weight":
@@ -253,7 +255,7 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
             raise click.UsageError("--part weight reads no cotangents: they are inside the intermediates")
         from .residuals import load_intermediates
 
-        inter = load_intermediates(inter_path, artifact=art)
+        inter = load_intermediates(inter_path, artifact=art, verify=not no_verify)
         grads = art.run_bwd_weight_arrays(res, inter, source=residuals_path, inter_source=inter_path)
         inter = None
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zlib
 from typing import Any, Mapping
 
 import jax
@@ -20,19 +21,45 @@ KIND_SPLIT = "vjpsplit-split-residuals"
 KIND_INTERMEDIATES = "vjpsplit-intermediates"
 
 
+def _crc32(a) -> int:
+    a = np.ascontiguousarray(a) if np.ndim(a) else np.asarray(a)
+    return zlib.crc32(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
+
+
+def _save_checked(path, arrays: dict, meta: dict) -> None:
+    """Save with a CRC-32 per array in the metadata: residuals travel between hosts, and a
+    flipped bit in transit must fail loudly, not give quietly wrong gradients."""
+    arrays = {k: np.asarray(v) for k, v in arrays.items()}
+    save_arrays(path, arrays, {**meta, "crc32": {k: _crc32(v) for k, v in arrays.items()}})
+
+
+def _verify(path, arrays: Mapping[str, Any], meta: Mapping) -> None:
+    sums = meta.get("crc32")
+    if not isinstance(sums, dict) or set(sums) != set(arrays):
+        raise VjpsplitError(f"{path}: the checksums in the file do not match its arrays; the file is damaged, write it again")
+    for k, v in arrays.items():
+        if _crc32(v) != sums[k]:
+            raise VjpsplitError(f"{path}: array {k!r} fails its checksum; the file is damaged, write it again")
+
+
 def save_intermediates(path: str | os.PathLike, inter: Intermediates) -> None:
     """Write a split backward's intermediates (``Artifact.bwd_input``'s second result)."""
     if not isinstance(inter, Intermediates):
         raise VjpsplitError(f"{path}: save_intermediates takes bwd_input's intermediates, got {type(inter).__name__}")
     meta = {"kind": KIND_INTERMEDIATES, "fingerprint": inter.fingerprint, "dims": dict(inter.dims)}
-    save_arrays(path, {k: np.asarray(v) for k, v in inter.arrays.items()}, meta)
+    _save_checked(path, dict(inter.arrays), meta)
 
 
-def load_intermediates(path: str | os.PathLike, *, artifact=None) -> Intermediates:
-    """Read intermediates written by ``save_intermediates`` (or ``run-bwd --part input``)."""
+def load_intermediates(path: str | os.PathLike, *, artifact=None, verify: bool = True) -> Intermediates:
+    """Read intermediates written by ``save_intermediates`` (or ``run-bwd --part input``).
+
+    ``verify`` checks each array's CRC-32 (on by default; see ``load_residuals``).
+    """
     arrays, meta = load_arrays(path)
     if meta.get("kind") != KIND_INTERMEDIATES:
         raise VjpsplitError(f"{path}: not an intermediates file; pass the --intermediates file of run-bwd --part input")
+    if verify:
+        _verify(path, arrays, meta)
     fingerprint, dims = meta.get("fingerprint"), meta.get("dims")
     if not isinstance(fingerprint, str) or not isinstance(dims, dict):
         raise VjpsplitError(f"{path}: malformed intermediates metadata; rerun run-bwd --part input")
@@ -75,19 +102,23 @@ def save_residuals(path: str | os.PathLike, res, *, self_contained: bool = False
         }
     else:
         raise VjpsplitError(f"{path}: save_residuals takes residuals from a fwd, got {type(res).__name__}")
-    save_arrays(path, arrays, meta)
+    _save_checked(path, arrays, meta)
 
 
-def load_residuals(path: str | os.PathLike, inputs=None, *, artifact=None, inputs_source: str | None = None):
+def load_residuals(path: str | os.PathLike, inputs=None, *, artifact=None, inputs_source: str | None = None,
+                   verify: bool = True):
     """Read a residuals file; ``inputs`` supplies the input-backed residuals it left out.
 
     ``inputs`` is the forward's arguments tuple, or a flat ``{key: array}`` mapping
     (an inputs file's content; ``inputs_source`` names it in messages). With
     ``artifact``, residuals written by another artifact are refused here, before
-    anything else is checked.
+    anything else is checked. ``verify`` (default on) checks each array's CRC-32,
+    so a file damaged in transit fails here instead of giving wrong gradients.
     """
     arrays, meta = load_arrays(path)
     kind = meta.get("kind")
+    if verify and kind in (KIND_ARTIFACT, KIND_SPLIT):
+        _verify(path, arrays, meta)
     if artifact is not None and kind != KIND_SPLIT:
         fp = meta.get("fingerprint")
         if kind == KIND_ARTIFACT and fp != artifact.manifest.fingerprint:
