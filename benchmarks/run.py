@@ -26,6 +26,7 @@ SECTIONS = {
     "schedule": ("F1 F2 B2 B1 vs recompute", "benchmarks.schedule"),
     "io": ("Residual file I/O", "benchmarks.io"),
     "economy": ("Residual economy (policies)", "benchmarks.economy"),
+    "cli": ("CLI wall time", "benchmarks.cli"),
 }
 
 
