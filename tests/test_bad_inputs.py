@@ -16,6 +16,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax import export as jexport
 import msgpack
 import numpy as np
 import pytest
@@ -46,7 +47,7 @@ def base(tmp_path_factory):
     d = tmp_path_factory.mktemp("base")
     (d / "model.py").write_text(MODEL)
     s = jax.ShapeDtypeStruct
-    vs.export(_stage, s((4, 3), jnp.float32), s(jax.export.symbolic_shape("b") + (4,), jnp.float32),
+    vs.export(_stage, s((4, 3), jnp.float32), s(jexport.symbolic_shape("b") + (4,), jnp.float32),
               arg_names=("w", "x"), platforms="cpu").save(d / "art.vjps")
     vs.export(jnp.sin, s((3,), jnp.float32), arg_names=("x",), platforms="cpu").save(d / "other.vjps")
     art, other = vs.load(d / "art.vjps"), vs.load(d / "other.vjps")

@@ -262,3 +262,15 @@ def test_future_calling_convention_names_both_versions(tmp_path):
     hi = jexport.maximum_supported_calling_convention_version
     with pytest.raises(vs.VjpsplitError, match=rf"jax 9\.9\.9 .*convention 99; this jax {jax.__version__} runs \d+\.\.{hi}; upgrade jax"):
         vs.load(tmp_path / "a.vjps")
+
+
+def test_module_without_the_old_device_count_field_runs(tmp_path, monkeypatch):
+    # jax >= 0.9.1 no longer writes the 16-bit device count that jax <= 0.7 reads:
+    # there such a module deserializes with nr_devices == 0 and Exported.call refuses it.
+    real = jexport.deserialize
+    monkeypatch.setattr(jexport, "deserialize", lambda b: dataclasses.replace(real(b), nr_devices=0))
+    x = np.linspace(0, 1, 3, dtype=np.float32)
+    vs.export(jnp.sin, jax.ShapeDtypeStruct((3,), jnp.float32), platforms="cpu").save(tmp_path / "s.vjps")
+    art = vs.load(tmp_path / "s.vjps")
+    out, res = art.fwd(x)
+    assert_trees_close((out, art.bwd(res, jnp.ones(3, jnp.float32))), (jnp.sin(x), (jnp.cos(x),)))

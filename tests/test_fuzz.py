@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import jax
 import jax.numpy as jnp
+from jax import export as jexport
 
 import vjpsplit_cli as vs
 from vjpsplit_cli.arrays import load_arrays, save_arrays
@@ -85,7 +86,7 @@ ARTIFACT_MUTANTS = 300
 @pytest.fixture(scope="module")
 def fuzz_artifact(tmp_path_factory):
     d = tmp_path_factory.mktemp("fuzz")
-    (b,) = jax.export.symbolic_shape("b")
+    (b,) = jexport.symbolic_shape("b")
 
     def f(w, x):
         return jnp.sum(jnp.tanh(x @ w) ** 2)

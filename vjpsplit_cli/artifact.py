@@ -824,6 +824,11 @@ def _deserialize(data: bytes, source: str, manifest: Manifest, what: str):
             f"{manifest.calling_convention_version}; this jax {jax.__version__} reads {lo}..{hi}): {_first_line(e)}; "
             "install a jax close to the exporting one, or re-export the artifact with this jax"
         ) from e
+    if exp.nr_devices == 0:
+        # jax >= 0.9.1 writes the device count only in the 32-bit field added in 0.8;
+        # jax <= 0.7 reads the old 16-bit one and gets 0, which Exported.call refuses.
+        # vjpsplit always exports for one device, and 0 is never a real count.
+        exp = dataclasses.replace(exp, nr_devices=1)
     return exp
 
 

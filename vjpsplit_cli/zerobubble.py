@@ -74,15 +74,18 @@ def partition(closed: jcore.ClosedJaxpr, weight_outs: Sequence[int], ct_invars: 
     a_eqns = [jaxpr.eqns[i] for i in sorted(a_idx)]
     b_eqns = [jaxpr.eqns[i] for i in sorted(b_idx)]
     input_part = jcore.Jaxpr(jaxpr.constvars, jaxpr.invars, in_outvars + boundary, a_eqns, _effects(a_eqns),
-                             _debug_info("input part", len(jaxpr.invars), len(in_outvars) + len(boundary)))
+                             _debug_info(jaxpr, "input part", len(jaxpr.invars), len(in_outvars) + len(boundary)))
     weight_part = jcore.Jaxpr(jaxpr.constvars, kept_invars + boundary, w_outvars, b_eqns, _effects(b_eqns),
-                              _debug_info("weight part", len(kept_invars) + len(boundary), len(w_outvars)))
+                              _debug_info(jaxpr, "weight part", len(kept_invars) + len(boundary), len(w_outvars)))
     return Partition(jcore.ClosedJaxpr(input_part, closed.consts), jcore.ClosedJaxpr(weight_part, closed.consts),
                      len(boundary))
 
 
-def _debug_info(what: str, n_in: int, n_out: int):
-    return jcore.DebugInfo("vjpsplit", f"zero-bubble {what} of the backward", (None,) * n_in, (None,) * n_out)
+def _debug_info(jaxpr: jcore.Jaxpr, what: str, n_in: int, n_out: int):
+    # jax.extend.core exports DebugInfo only from jax 0.10: take the type from the
+    # backward's own debug_info (a NamedTuple in every jax since 0.5) instead.
+    return jaxpr.debug_info._replace(traced_for="vjpsplit", func_src_info=f"zero-bubble {what} of the backward",
+                                     arg_names=(None,) * n_in, result_paths=(None,) * n_out)
 
 
 def _effects(eqns):
