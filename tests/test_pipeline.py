@@ -134,3 +134,31 @@ def test_ray_gradients_equal_value_and_grad(ray_session, stages):
             np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
             assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
             assert {e.stage for e in r.events} == set(range(stages))
+
+
+def test_progress_bar_counts_every_op(monkeypatch):
+    class Recorder:
+        def __init__(self, total):
+            self.total, self.n, self.closed = total, 0, False
+
+        def update(self, k):
+            self.n += k
+
+        def close(self):
+            self.closed = True
+
+    bars = []
+    monkeypatch.setattr(P, "_progress", lambda total, enabled: bars.append(Recorder(total)) or bars[-1])
+    arts, params, x, labels = make(2)
+    P.run(arts, params, x, [labels], microbatches=2, schedule_name="zbh1", progress=True)
+    total = sum(len(p) for p in P.schedule("zbh1", 2, 2))
+    assert len(bars) == 1 and bars[0].total == bars[0].n == total and bars[0].closed
+
+
+def test_progress_bar_is_tqdm_when_asked():
+    from tqdm import tqdm
+
+    bar = P._progress(3, True)
+    assert isinstance(bar, tqdm)
+    bar.close()
+    assert P._progress(3, False) is None

@@ -26,20 +26,40 @@ def _crc32(a) -> int:
     return zlib.crc32(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
 
 
+def _is_npz(path) -> bool:
+    return str(path).lower().endswith(".npz")
+
+
 def _save_checked(path, arrays: dict, meta: dict) -> None:
-    """Save with a CRC-32 per array in the metadata: residuals travel between hosts, and a
-    flipped bit in transit must fail loudly, not give quietly wrong gradients."""
+    """Save with a CRC-32 per array: residuals travel between hosts, and a flipped bit in
+    transit must fail loudly, not give quietly wrong gradients. A zip already stores one
+    per member; a msgpack file gets them in its metadata."""
     arrays = {k: np.asarray(v) for k, v in arrays.items()}
-    save_arrays(path, arrays, {**meta, "crc32": {k: _crc32(v) for k, v in arrays.items()}})
+    if not _is_npz(path):
+        meta = {**meta, "crc32": {k: _crc32(v) for k, v in arrays.items()}}
+    save_arrays(path, arrays, meta)
+
+
+def _load_checked(path, verify: bool):
+    """``load_arrays``, with every array's CRC-32 checked when ``verify``."""
+    if _is_npz(path):
+        return load_arrays(path, verify=verify)
+    arrays, meta = load_arrays(path)
+    if verify and meta.get("kind") in (KIND_ARTIFACT, KIND_SPLIT, KIND_INTERMEDIATES):
+        _verify(path, arrays, meta)
+    return arrays, meta
 
 
 def _verify(path, arrays: Mapping[str, Any], meta: Mapping) -> None:
     sums = meta.get("crc32")
     if not isinstance(sums, dict) or set(sums) != set(arrays):
-        raise VjpsplitError(f"{path}: the checksums in the file do not match its arrays; the file is damaged, write it again")
+        raise VjpsplitError(f"{path}: the CRC-32 list does not match the file's arrays; the file is corrupt, re-create it")
     for k, v in arrays.items():
         if _crc32(v) != sums[k]:
-            raise VjpsplitError(f"{path}: array {k!r} fails its checksum; the file is damaged, write it again")
+            raise VjpsplitError(
+                f"{path}: array {k!r} fails its CRC-32 check (its bytes changed after it was written); "
+                "the file is corrupt, re-create it"
+            )
 
 
 def save_intermediates(path: str | os.PathLike, inter: Intermediates) -> None:
@@ -55,11 +75,9 @@ def load_intermediates(path: str | os.PathLike, *, artifact=None, verify: bool =
 
     ``verify`` checks each array's CRC-32 (on by default; see ``load_residuals``).
     """
-    arrays, meta = load_arrays(path)
+    arrays, meta = _load_checked(path, verify)
     if meta.get("kind") != KIND_INTERMEDIATES:
         raise VjpsplitError(f"{path}: not an intermediates file; pass the --intermediates file of run-bwd --part input")
-    if verify:
-        _verify(path, arrays, meta)
     fingerprint, dims = meta.get("fingerprint"), meta.get("dims")
     if not isinstance(fingerprint, str) or not isinstance(dims, dict):
         raise VjpsplitError(f"{path}: malformed intermediates metadata; rerun run-bwd --part input")
@@ -115,10 +133,8 @@ def load_residuals(path: str | os.PathLike, inputs=None, *, artifact=None, input
     anything else is checked. ``verify`` (default on) checks each array's CRC-32,
     so a file damaged in transit fails here instead of giving wrong gradients.
     """
-    arrays, meta = load_arrays(path)
+    arrays, meta = _load_checked(path, verify)
     kind = meta.get("kind")
-    if verify and kind in (KIND_ARTIFACT, KIND_SPLIT):
-        _verify(path, arrays, meta)
     if artifact is not None and kind != KIND_SPLIT:
         fp = meta.get("fingerprint")
         if kind == KIND_ARTIFACT and fp != artifact.manifest.fingerprint:

@@ -1,6 +1,7 @@
 """GPipe vs 1F1B vs ZB-H1 on a 4-stage MLP, over exported artifacts.
 
     python samples/pipeline/run.py [--runner ray|inprocess|both] [--steps 3] [--out DIR]
+                                   [--address ray://head:10001] [--progress]
 
 For each schedule: one warm-up step, then ``--steps`` measured steps; prints the
 median step time, the measured bubble ratio, and the modeled one (the measured op
@@ -43,6 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--out", default=None, help="where to write timeline PNGs (default: a temp dir)")
+    ap.add_argument("--address", default=None, help="Ray cluster address for multi-host (default: a local Ray)")
+    ap.add_argument("--progress", action="store_true", help="show a progress bar per step")
     args = ap.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="vjpsplit-pipeline-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -57,14 +60,15 @@ def main(argv=None) -> int:
     runners = ["inprocess", "ray"] if args.runner == "both" else [args.runner]
     rows = []
     for runner in runners:
-        rp = P.RayPipeline(arts, params) if runner == "ray" else None
+        rp = P.RayPipeline(arts, params, address=args.address) if runner == "ray" else None
         try:
             for name in P.SCHEDULES:
                 def step():
                     if rp is not None:
-                        return rp.run(x, [labels], microbatches=args.microbatches, schedule_name=name)
+                        return rp.run(x, [labels], microbatches=args.microbatches, schedule_name=name,
+                                      progress=args.progress)
                     return P.run_inprocess(arts, params, x, [labels], microbatches=args.microbatches,
-                                           schedule_name=name)
+                                           schedule_name=name, progress=args.progress)
 
                 step()  # warm-up: compiles every module once per process
                 results = [step() for _ in range(args.steps)]
