@@ -578,15 +578,21 @@ def _not_npz(path: Path, head: bytes) -> VjpsplitError:
     return VjpsplitError(f"{path}: is not an .npz (zip) archive; it is corrupt or a different kind of file")
 
 
+def _open_source(path: Path, fh, n: int):
+    """The file as a ``_Source`` and its first ``n`` bytes; an empty file is an error."""
+    try:
+        src = _Source.open(fh)
+        head = src.read(0, min(n, src.size))
+    except OSError as e:
+        raise VjpsplitError(f"{path}: cannot read the arrays file ({e.strerror or e})") from e
+    if not head:
+        raise VjpsplitError(f"{path}: file is empty (0 bytes); it was never written completely, re-create it")
+    return src, head
+
+
 def _load_npz(path: Path, verify: bool) -> tuple[dict[str, np.ndarray], dict]:
     with open_for_read(path, "arrays") as fh:
-        try:
-            src = _Source.open(fh)
-            head = src.read(0, min(8, src.size))
-        except OSError as e:
-            raise VjpsplitError(f"{path}: cannot read the arrays file ({e.strerror or e})") from e
-        if not head:
-            raise VjpsplitError(f"{path}: file is empty (0 bytes); it was never written completely, re-create it")
+        src, head = _open_source(path, fh, 8)
         if head[:4] not in _ZIP_MAGICS:
             raise _not_npz(path, head)
         try:
@@ -1113,13 +1119,7 @@ class _Msgpack:
 
 def _load_msgpack(path: Path) -> tuple[dict[str, np.ndarray], dict]:
     with open_for_read(path, "arrays") as fh:
-        try:
-            src = _Source.open(fh)
-            head = src.read(0, min(4, src.size))
-        except OSError as e:
-            raise VjpsplitError(f"{path}: cannot read the arrays file ({e.strerror or e})") from e
-        if not head:
-            raise VjpsplitError(f"{path}: file is empty (0 bytes); it was never written completely, re-create it")
+        src, head = _open_source(path, fh, 4)
         if head in _ZIP_MAGICS:
             raise VjpsplitError(f"{path}: is a zip (.npz) archive, not msgpack; rename it to .npz")
         try:
