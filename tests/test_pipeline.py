@@ -123,7 +123,7 @@ def ray_session():
     ray.shutdown()
 
 
-@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("stages", [2, 3, 4])
 def test_ray_gradients_equal_value_and_grad(ray_session, stages):
     arts, params, x, labels = make(stages, seed=stages)
     loss, grads = jax.value_and_grad(whole)(params, x, labels)
