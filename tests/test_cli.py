@@ -399,5 +399,5 @@ def test_a_flipped_bit_in_residual_data_is_caught(ws, tmp_path, ext):
     data[at + 5] ^= 0x10
     res.write_bytes(bytes(data))
     r = run_cli("run-bwd", art, "--residuals", res, "--inputs", run / "inputs.npz", "--grads", tmp_path / "g.npz")
-    assert_clean_error(r, res.name, f"array '", "fails its CRC-32 check")
+    assert_clean_error(r, res.name, "array '", "fails its CRC-32 check")
     assert not (tmp_path / "g.npz").exists()

@@ -21,7 +21,7 @@ from jax import export as jexport
 
 from ._version import __version__
 from ._io import atomic_write, read_bytes
-from .core import assemble_grads, is_differentiable, positional_names, trace_vjp, _wrt_positions
+from .core import is_differentiable, positional_names, trace_vjp, _wrt_positions
 from .dtypes import dtype_from_name, dtype_name
 from .errors import VjpsplitError
 from .policies import apply_policy, normalize_policy
