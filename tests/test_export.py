@@ -274,3 +274,10 @@ def test_module_without_the_old_device_count_field_runs(tmp_path, monkeypatch):
     art = vs.load(tmp_path / "s.vjps")
     out, res = art.fwd(x)
     assert_trees_close((out, art.bwd(res, jnp.ones(3, jnp.float32))), (jnp.sin(x), (jnp.cos(x),)))
+
+
+@pytest.mark.parametrize("wrt", [5, "nope", [0, 0], True])
+def test_bad_wrt_with_arg_names_is_refused(wrt):
+    with pytest.raises(vs.VjpsplitError, match="wrt"):
+        vs.export(lambda a, b: jnp.sum(a * b), jax.ShapeDtypeStruct((2,), jnp.float32),
+                  jax.ShapeDtypeStruct((2,), jnp.float32), arg_names=("a", "b"), wrt=wrt, platforms="cpu")

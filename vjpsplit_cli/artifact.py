@@ -450,8 +450,12 @@ def _wrt_by_names(names: Sequence[str], wrt) -> tuple[tuple[int, ...], bool]:
             if w not in names:
                 raise VjpsplitError(f"--wrt names {w!r}, which is not an argument; the arguments are {', '.join(names)}")
             out.append(names.index(w))
+        elif isinstance(w, (int, np.integer)) and not isinstance(w, bool) and -len(names) <= w < len(names):
+            out.append(int(w) % len(names))
         else:
-            out.append(int(w))
+            raise VjpsplitError(f"wrt entry {w!r} is not an argument name or position (0..{len(names) - 1})")
+    if len(set(out)) != len(out):
+        raise VjpsplitError(f"wrt names an argument twice: {wrt!r}")
     return tuple(out), single
 
 
