@@ -1,5 +1,10 @@
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 # tests/models.py is a plain helper module, not an installed package.
 sys.path.insert(0, str(Path(__file__).parent))
+
+# CLI runs in tests (and their subprocesses) keep their compilation cache out of ~/.cache.
+os.environ.setdefault("VJPSPLIT_CACHE_DIR", tempfile.mkdtemp(prefix="vjpsplit-test-cache-"))

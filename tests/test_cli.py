@@ -401,3 +401,20 @@ def test_a_flipped_bit_in_residual_data_is_caught(ws, tmp_path, ext):
     r = run_cli("run-bwd", art, "--residuals", res, "--inputs", run / "inputs.npz", "--grads", tmp_path / "g.npz")
     assert_clean_error(r, res.name, "array '", "fails its CRC-32 check")
     assert not (tmp_path / "g.npz").exists()
+
+
+@pytest.mark.parametrize("mode", ["cache", "no-cache-flag", "env-off"])
+def test_persistent_compilation_cache(ws, tmp_path, mode):
+    root, _, run = ws
+    cache = tmp_path / "cache"
+    env = {**os.environ, "VJPSPLIT_CACHE_DIR": "off" if mode == "env-off" else str(cache)}
+    flags = ["--no-cache"] if mode == "no-cache-flag" else []
+    exe = [sys.executable, "-m", "vjpsplit_cli", *flags, "run-fwd", str(root / "loss.vjps"),
+           "--inputs", str(run / "inputs.npz"), "--residuals", str(tmp_path / "r.npz")]
+    r = subprocess.run(exe, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    entries = list(cache.iterdir()) if cache.exists() else []
+    if mode == "cache":
+        assert entries, "run-fwd compiled nothing into the cache"
+    else:
+        assert not entries
