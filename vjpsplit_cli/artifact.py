@@ -21,7 +21,7 @@ from jax import export as jexport
 
 from ._version import __version__
 from ._io import atomic_write, read_bytes
-from .core import is_differentiable, positional_names, trace_vjp, _wrt_positions
+from .core import is_differentiable, positional_names, trace_vjp, wrt_positions
 from .dtypes import dtype_from_name, dtype_name
 from .errors import VjpsplitError
 from .policies import apply_policy, normalize_policy
@@ -222,19 +222,9 @@ _CALLBACK_PRIMITIVES = ("debug_callback", "debug_print", "pure_callback", "io_ca
 
 def _host_callbacks(jaxpr) -> list[str]:
     """Names of host-callback primitives anywhere in ``jaxpr`` (sub-jaxprs included)."""
-    found: list[str] = []
-    stack = [jaxpr]
-    while stack:
-        j = stack.pop()
-        j = getattr(j, "jaxpr", j)  # ClosedJaxpr -> Jaxpr
-        for eqn in getattr(j, "eqns", ()):
-            if eqn.primitive.name in _CALLBACK_PRIMITIVES:
-                found.append(eqn.primitive.name)
-            for v in eqn.params.values():
-                for item in v if isinstance(v, (tuple, list)) else (v,):
-                    if hasattr(item, "eqns") or hasattr(getattr(item, "jaxpr", None), "eqns"):
-                        stack.append(item)
-    return found
+    from .jaxprs import iter_eqns
+
+    return [e.primitive.name for e in iter_eqns(jaxpr) if e.primitive.name in _CALLBACK_PRIMITIVES]
 
 
 def _refuse_host_callbacks(fn: Callable, structs) -> None:
@@ -325,7 +315,7 @@ def export(
     input_entries = [kv for n, s in zip(names, structs) for kv in flatten_with_keys(n, s)]
     inputs = _leaves_json_safe(input_entries)
     dim_vars = _dim_vars(inputs)
-    wrt_pos, single = _wrt_positions(fn, wrt, len(specs)) if arg_names is None else _wrt_by_names(names, wrt)
+    wrt_pos, single = wrt_positions(names, wrt, getattr(fn, "__qualname__", ""))
     if memory_budget is not None:
         from .economy import choose_policy
 
@@ -437,26 +427,6 @@ def _export_split_backward(plan, manifest, weight_names, bwd_flat, stored_avals,
     inter_avals = list(in_exp.out_avals[n_in_grads:])
     w_exp = _lower("weight part of the backward", bwd_weight, platforms, (stored_avals, input_backed, inter_avals, carrier))
     return in_exp, w_exp, _leaves_json_safe([(f"c/{i}", a) for i, a in enumerate(inter_avals)])
-
-
-def _wrt_by_names(names: Sequence[str], wrt) -> tuple[tuple[int, ...], bool]:
-    if wrt is None:
-        return tuple(range(len(names))), False
-    single = isinstance(wrt, (int, str))
-    items = [wrt] if single else list(wrt)
-    out = []
-    for w in items:
-        if isinstance(w, str):
-            if w not in names:
-                raise VjpsplitError(f"--wrt names {w!r}, which is not an argument; the arguments are {', '.join(names)}")
-            out.append(names.index(w))
-        elif isinstance(w, (int, np.integer)) and not isinstance(w, bool) and -len(names) <= w < len(names):
-            out.append(int(w) % len(names))
-        else:
-            raise VjpsplitError(f"wrt entry {w!r} is not an argument name or position (0..{len(names) - 1})")
-    if len(set(out)) != len(out):
-        raise VjpsplitError(f"wrt names an argument twice: {wrt!r}")
-    return tuple(out), single
 
 
 class ArtifactResiduals:
@@ -598,7 +568,6 @@ class Artifact:
         self._exps = exps
         # One jit per module: jax caches the compiled executable per input signature.
         self._calls = {k: jax.jit(e.call) for k, e in exps.items()}
-        self._fwd_exp, self._fwd_call, self._bwd_call = exps["fwd"], self._calls["fwd"], self._calls["bwd"]
 
     def __repr__(self) -> str:
         m = self.manifest
@@ -641,10 +610,7 @@ class Artifact:
         self._check_runnable()
         m = self.manifest
         arrays, dims = self.input_dims(inputs, source)
-        try:
-            outs, stored, aux = self._fwd_call(*self._args_tree(arrays))
-        except (ValueError, TypeError) as e:
-            raise VjpsplitError(f"{source}: the forward refused these inputs: {_first_line(e)}") from e
+        outs, stored, aux = self._run("fwd", self._args_tree(arrays), f"{source}: the forward refused these inputs")
         out_values = list(outs) + list(aux)
         outputs = {leaf.key: v for leaf, v in zip(m.outputs, out_values)}
         by_key = dict(zip((leaf.key for leaf in m.inputs), arrays))
@@ -697,11 +663,16 @@ class Artifact:
         self._check_runnable()
         stored, inputs, dims = self.check_residuals(res, source)
         cts = self._cotangents(cotangents, dims, ct_source)
-        try:
-            grads = self._bwd_call(stored, inputs, cts, self._carrier(dims))
-        except (ValueError, TypeError) as e:
-            raise VjpsplitError(f"{source}: the backward refused these residuals: {_first_line(e)}") from e
+        grads = self._run("bwd", (stored, inputs, cts, self._carrier(dims)),
+                          f"{source}: the backward refused these residuals")
         return {leaf.key: g for leaf, g in zip(self.manifest.grads, grads)}
+
+    def _run(self, module: str, args, refused: str):
+        """Call one module; jax's own shape/dtype refusals become one-line errors prefixed ``refused``."""
+        try:
+            return self._calls[module](*args)
+        except (ValueError, TypeError) as e:
+            raise VjpsplitError(f"{refused}: {_first_line(e)}") from e
 
     def _carrier(self, dims: Mapping[str, int]):
         m = self.manifest
@@ -739,10 +710,8 @@ class Artifact:
         m = self.manifest
         stored, inputs, dims = self.check_residuals(res, source)
         cts = self._cotangents(cotangents, dims, ct_source)
-        try:
-            grads, inter = self._calls["bwd_input"](stored, inputs, cts, self._carrier(dims))
-        except (ValueError, TypeError) as e:
-            raise VjpsplitError(f"{source}: the backward refused these residuals: {_first_line(e)}") from e
+        grads, inter = self._run("bwd_input", (stored, inputs, cts, self._carrier(dims)),
+                                 f"{source}: the backward refused these residuals")
         keys = [g.key for g in m.grads_of(m.non_weight_wrt)]
         return dict(zip(keys, grads)), Intermediates({leaf.key: v for leaf, v in zip(m.intermediates, inter)},
                                                      dims, m.fingerprint)
@@ -765,10 +734,8 @@ class Artifact:
         check_keys(inter_source, "intermediate", [leaf.key for leaf in m.intermediates], inter.arrays)
         values = [_check_array(inter_source, "intermediate", leaf, inter.arrays[leaf.key], dict(dims))
                   for leaf in m.intermediates]
-        try:
-            grads = self._calls["bwd_weight"](stored, inputs, values, self._carrier(dims))
-        except (ValueError, TypeError) as e:
-            raise VjpsplitError(f"{inter_source}: the weight backward refused these intermediates: {_first_line(e)}") from e
+        grads = self._run("bwd_weight", (stored, inputs, values, self._carrier(dims)),
+                          f"{inter_source}: the weight backward refused these intermediates")
         return dict(zip([g.key for g in m.grads_of(m.weights)], grads))
 
     def bwd_input(self, res: ArtifactResiduals, ct=None) -> tuple[dict, "Intermediates"]:
@@ -874,6 +841,6 @@ def loads(data: bytes, source: str = "artifact") -> Artifact:
             f"{source}: fingerprint mismatch: the artifact was modified after export; export it again"
         )
     art = Artifact(manifest, modules, source=source)
-    if tuple(art._fwd_exp.platforms) != manifest.platforms:
+    if tuple(art._exps["fwd"].platforms) != manifest.platforms:
         raise VjpsplitError(f"{source}: the modules' platforms do not match the manifest; export it again")
     return art

@@ -109,6 +109,11 @@ def _use_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def _names(text: str | None) -> list[str] | None:
+    """``"a, b"`` -> ``["a", "b"]``; None stays None (the option was not given)."""
+    return None if text is None else [w.strip() for w in text.split(",") if w.strip()]
+
+
 def _enable_x64_if(needed: bool) -> None:
     if needed:
         import jax
@@ -158,11 +163,10 @@ def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, a
         raise VjpsplitError(f"{target} is not callable; point MODULE:FN at a function")
     names, specs = resolve_shapes(fn, shapes)
     _enable_x64_if(_wants_x64(specs))
-    wrt_names = None if wrt is None else [w.strip() for w in wrt.split(",") if w.strip()]
-    art = export(fn, *specs, wrt=wrt_names, has_aux=has_aux, platforms=platforms,
+    art = export(fn, *specs, wrt=_names(wrt), has_aux=has_aux, platforms=platforms,
                  policy=None if memory_budget is not None else policy,
                  arg_names=names, name=name, memory_budget=memory_budget, at=parse_at(at),
-                 weights=None if weights is None else [w.strip() for w in weights.split(",") if w.strip()])
+                 weights=_names(weights))
     art.save(output)
     m = art.manifest
     if memory_budget is not None:
@@ -239,6 +243,10 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
     from .artifact import check_keys
     from .residuals import load_residuals
 
+    if part != "all" and not inter_path:
+        raise click.UsageError(f"--part {part} needs --intermediates FILE")
+    if part == "weight" and cotangents_path:
+        raise click.UsageError("--part weight reads no cotangents: they are inside the intermediates")
     _use_compilation_cache()
     art = _load_artifact(artifact)
     inputs = None
@@ -248,11 +256,7 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
         check_keys(inputs_path, "input", [leaf.key for leaf in art.manifest.inputs], inputs)
     res = load_residuals(residuals_path, inputs=inputs, artifact=art, inputs_source=inputs_path,
                          verify=not no_verify)
-    if part != "all" and not inter_path:
-        raise click.UsageError(f"--part {part} needs --intermediates FILE")
     if part == "weight":
-        if cotangents_path:
-            raise click.UsageError("--part weight reads no cotangents: they are inside the intermediates")
         from .residuals import load_intermediates
 
         inter = load_intermediates(inter_path, artifact=art, verify=not no_verify)
@@ -309,10 +313,9 @@ def plan_cmd(target, shapes, wrt, has_aux, at, policies, as_json):
     fn, _ = load_object(target)
     names, specs = resolve_shapes(fn, shapes)
     _enable_x64_if(_wants_x64(specs))
-    wrt_pos = None if wrt is None else [w.strip() for w in wrt.split(",") if w.strip()]
     sizes = parse_at(at)
     chosen = [p.strip() for p in (policies.split(";") if "names:" in policies else policies.split(",")) if p.strip()]
-    costs = plan_policies(fn, *specs, wrt=wrt_pos, has_aux=has_aux, at=sizes, policies=chosen)
+    costs = plan_policies(fn, *specs, wrt=_names(wrt), has_aux=has_aux, at=sizes, policies=chosen)
     if as_json:
         click.echo(json.dumps([c.to_json() for c in costs], indent=2))
     else:

@@ -62,29 +62,35 @@ class Plan:
         return sum(1 for kind, _ in self.slots if kind == "stored")
 
 
-def _wrt_positions(fn: Callable, wrt, nargs: int) -> tuple[tuple[int, ...], bool]:
-    """Normalise ``wrt`` (int, name, or sequence of them; None = all) to positions."""
+def wrt_positions(names: Sequence[str], wrt, owner: str = "") -> tuple[tuple[int, ...], bool]:
+    """Normalise ``wrt`` (int, name, or sequence of them; None = all) to positions in ``names``.
+
+    Also says whether one gradient (not a tuple) is wanted: a single int or name.
+    """
+    n = len(names)
     if wrt is None:
-        return tuple(range(nargs)), False
+        return tuple(range(n)), False
     single = isinstance(wrt, (int, str))
     items = [wrt] if single else list(wrt)
-    names = positional_names(fn, nargs)
     out = []
     for w in items:
         if isinstance(w, str):
             if w not in names:
-                raise VjpsplitError(f"wrt names {w!r}, which is not an argument of {_fn_name(fn)}; its arguments are {', '.join(names)}")
-            out.append(names.index(w))
-        elif isinstance(w, (int, np.integer)) and not isinstance(w, bool):
-            p = int(w) + nargs if w < 0 else int(w)
-            if not 0 <= p < nargs:
-                raise VjpsplitError(f"wrt={w} is out of range for {nargs} argument(s)")
-            out.append(p)
+                raise VjpsplitError(f"wrt names {w!r}, which is not an argument{f' of {owner}' if owner else ''}; "
+                                    f"the arguments are {', '.join(names)}")
+            out.append(list(names).index(w))
+        elif isinstance(w, (int, np.integer)) and not isinstance(w, bool) and -n <= w < n:
+            out.append(int(w) % n)
         else:
-            raise VjpsplitError(f"wrt entries must be argument positions or names, got {w!r}")
+            raise VjpsplitError(f"wrt entry {w!r} is not an argument name or position (0..{n - 1})")
     if len(set(out)) != len(out):
         raise VjpsplitError(f"wrt names an argument twice: {wrt!r}")
     return tuple(out), single
+
+
+def _wrt_positions(fn: Callable, wrt, nargs: int) -> tuple[tuple[int, ...], bool]:
+    """``wrt_positions`` against ``fn``'s own parameter names."""
+    return wrt_positions(positional_names(fn, nargs), wrt, _fn_name(fn))
 
 
 def positional_names(fn: Callable, nargs: int) -> list[str]:

@@ -11,6 +11,7 @@ import numpy as np
 
 from .core import run_backward, trace_vjp, _wrt_positions
 from .errors import VjpsplitError
+from .jaxprs import iter_eqns, sub_jaxprs
 from .policies import apply_policy, normalize_policy
 from .shapes import eval_dim, is_symbolic_shape
 
@@ -88,23 +89,9 @@ def _nbytes(structs) -> int:
 
 def _count_ops(jaxpr) -> tuple[int, int]:
     """(all primitive applications, matmuls and convolutions) in a jaxpr and its sub-jaxprs."""
-    ops = dots = 0
-    stack = [jaxpr]
-    while stack:
-        j = stack.pop()
-        j = getattr(j, "jaxpr", j)
-        for eqn in getattr(j, "eqns", ()):
-            subs = [
-                item for v in eqn.params.values() for item in (v if isinstance(v, (tuple, list)) else (v,))
-                if hasattr(item, "eqns") or hasattr(getattr(item, "jaxpr", None), "eqns")
-            ]
-            if subs:  # a call-like wrapper (jit, remat, custom_vjp): count what it runs
-                stack.extend(subs)
-                continue
-            ops += 1
-            if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
-                dots += 1
-    return ops, dots
+    # A call-like wrapper (jit, remat, custom_vjp) is not an op: what it runs is counted.
+    prims = [e.primitive.name for e in iter_eqns(jaxpr) if not sub_jaxprs(e)]
+    return len(prims), sum(p in ("dot_general", "conv_general_dilated") for p in prims)
 
 
 @dataclass(frozen=True)

@@ -81,12 +81,17 @@ def load_intermediates(path: str | os.PathLike, *, artifact=None, verify: bool =
     fingerprint, dims = meta.get("fingerprint"), meta.get("dims")
     if not isinstance(fingerprint, str) or not isinstance(dims, dict):
         raise VjpsplitError(f"{path}: malformed intermediates metadata; rerun run-bwd --part input")
+    _refuse_other_artifact(path, "intermediates", fingerprint, artifact, "run this artifact's input part first")
+    return Intermediates(arrays, dims, fingerprint)
+
+
+def _refuse_other_artifact(path, what: str, fingerprint, artifact, fix: str) -> None:
+    """A file tied to one artifact must not feed another: say so before anything else."""
     if artifact is not None and fingerprint != artifact.manifest.fingerprint:
         raise VjpsplitError(
-            f"{path}: these intermediates were written by another artifact (fingerprint {fingerprint[:12]}, "
-            f"{artifact.source} is {artifact.manifest.fingerprint[:12]}); run this artifact's input part first"
+            f"{path}: these {what} were written by another artifact (fingerprint {str(fingerprint)[:12]}, "
+            f"{artifact.source} is {artifact.manifest.fingerprint[:12]}); {fix}"
         )
-    return Intermediates(arrays, dims, fingerprint)
 
 
 def save_residuals(path: str | os.PathLike, res, *, self_contained: bool = False) -> None:
@@ -135,13 +140,9 @@ def load_residuals(path: str | os.PathLike, inputs=None, *, artifact=None, input
     """
     arrays, meta = _load_checked(path, verify)
     kind = meta.get("kind")
-    if artifact is not None and kind != KIND_SPLIT:
-        fp = meta.get("fingerprint")
-        if kind == KIND_ARTIFACT and fp != artifact.manifest.fingerprint:
-            raise VjpsplitError(
-                f"{path}: these residuals were written by another artifact (fingerprint {str(fp)[:12]}, "
-                f"{artifact.source} is {artifact.manifest.fingerprint[:12]}); run this artifact's forward to make matching residuals"
-            )
+    if kind == KIND_ARTIFACT:
+        _refuse_other_artifact(path, "residuals", meta.get("fingerprint"), artifact,
+                               "run this artifact's forward to make matching residuals")
     needs = meta.get("needs_inputs", [])
     if not isinstance(needs, list):
         raise VjpsplitError(f"{path}: malformed residuals metadata (needs_inputs); rerun the forward")

@@ -93,10 +93,3 @@ def _effects(eqns):
     for e in eqns:
         effects |= set(e.effects)
     return frozenset(effects)
-
-
-def count_dots(closed: jcore.ClosedJaxpr) -> int:
-    """Matmuls and convolutions in a jaxpr (sub-jaxprs included)."""
-    from .economy import _count_ops
-
-    return _count_ops(closed)[1]
