@@ -11,12 +11,15 @@ from typing import BinaryIO, Callable
 from .errors import VjpsplitError
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, fsync: bool = False) -> None:
     """Call ``write(f)`` on a fresh temp file next to ``path``, then rename it into place.
 
     Readers see either no file, the previous complete one, or the new complete one,
     never a partial one, even if the process dies mid-write. The temp name is unique
     per call, so concurrent writers into one directory never share a temp file.
+    ``fsync=True`` also flushes the data to disk before the rename, so the new file
+    survives a power loss too (artifacts); without it a crash of the machine can
+    leave the previous file or a torn new one, which checksums then catch.
     """
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
@@ -32,7 +35,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:
