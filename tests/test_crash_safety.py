@@ -30,7 +30,7 @@ def _kill_mid_write(cmd, directory: Path, target: Path) -> None:
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline:
-            temps = [p for p in directory.glob(f".{target.name}.*.tmp") if p.stat().st_size > 0]
+            temps = [p for p in directory.glob(f".{target.name}.*") if _size(p) > 0]
             if temps:
                 os.kill(proc.pid, signal.SIGKILL)
                 break
@@ -42,6 +42,13 @@ def _kill_mid_write(cmd, directory: Path, target: Path) -> None:
     finally:
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
+
+
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except FileNotFoundError:  # renamed or removed between listing and stat
+        return 0
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """The ``vjpsplit`` command line: a thin layer over the library.
 
 Every failure the user can fix is one line ``error: …`` on stderr and exit 1
-(usage mistakes: exit 2); tracebacks only with ``--debug``.
+(usage mistakes: exit 2); tracebacks only with ``--debug``. Every command checks
+its outputs before any work and replaces them all or none (``_io.StagedOutputs``).
 """
 
 from __future__ import annotations
@@ -14,23 +15,87 @@ import traceback
 
 import click
 
+from ._io import Interrupted, StagedOutputs, UsageError, os_error_message, printable
 from .errors import VjpsplitError
 
-_ARRAY_FILE = click.Path(dir_okay=False, path_type=str)
 _EXISTING = click.Path(dir_okay=True, path_type=str)  # existence is checked by our loaders, with our message
+_ARRAY_SUFFIXES = (".npz", ".msgpack")
 
 
 class CliError(click.ClickException):
-    """Printed as ``error: <message>`` (SPEC.md's form), exit 1."""
+    """Printed as ``error: <message>`` (SPEC.md's form), exit 1; control characters escaped."""
 
     exit_code = 1
 
     def show(self, file=None) -> None:
-        click.echo(f"error: {self.format_message()}", err=True)
+        click.echo(f"error: {printable(self.format_message())}", err=True)
 
 
 def _log(msg: str) -> None:
-    click.echo(msg, err=True)
+    click.echo(printable(msg), err=True)
+
+
+class _OutputFile(click.ParamType):
+    """A file a command writes: how it is spelled is checked here (exit 2); what is on disk, by StagedOutputs."""
+
+    name = "FILE"
+
+    def __init__(self, arrays: bool):
+        self.arrays = arrays
+
+    def convert(self, value, param, ctx):
+        text = os.fspath(value)
+        if text == "-":
+            self.fail("'-' (standard output) is not supported; give a file name", param, ctx)
+        if not text:
+            self.fail("the file name is empty; give a file name", param, ctx)
+        if text.endswith(("/", os.sep)):
+            self.fail(f"{printable(text)} ends with '/', so it names a directory; give a file name", param, ctx)
+        if self.arrays and os.path.splitext(text)[1].lower() not in _ARRAY_SUFFIXES:
+            ext = os.path.splitext(text)[1]
+            what = f"extension {printable(ext)!r}" if ext else "no extension"
+            self.fail(f"{printable(text)}: unknown array file format ({what}); use a .npz or .msgpack file name",
+                      param, ctx)
+        return text
+
+
+_ARRAY_OUT = _OutputFile(arrays=True)
+_ARTIFACT_OUT = _OutputFile(arrays=False)
+
+
+class _ShapeSpec(click.ParamType):
+    """``NAME=SPEC`` for --shapes; a ``DTYPE[DIMS]`` spec is parsed here, so bad dims exit 2."""
+
+    name = "NAME=SPEC"
+
+    def convert(self, value, param, ctx):
+        name, eq, spec = str(value).partition("=")
+        if not eq or not name.strip() or not spec.strip():
+            self.fail(f"{printable(value)!r} is not NAME=SPEC; write e.g. x=f32[b,784]", param, ctx)
+        spec = spec.strip()
+        if not spec.startswith("@") and not spec.endswith(_ARRAY_SUFFIXES):
+            from .shapes import new_scope, parse_array_spec
+
+            try:
+                parse_array_spec(spec, new_scope())
+            except VjpsplitError as e:
+                self.fail(printable(f"{name.strip()}={spec}: {e}"), param, ctx)
+        return str(value)
+
+
+class _AtSizes(click.ParamType):
+    """``NAME=SIZE[,NAME=SIZE]`` for --at; sizes are ASCII integers from 1 to 2**62."""
+
+    name = "NAME=SIZE"
+
+    def convert(self, value, param, ctx):
+        from .economy import parse_at
+
+        try:
+            parse_at([str(value)])
+        except VjpsplitError as e:
+            self.fail(printable(str(e).removeprefix("--at ")), param, ctx)
+        return str(value)
 
 
 def _debug_enabled(ctx: click.Context) -> bool:
@@ -44,25 +109,56 @@ def _command(fn):
     @functools.wraps(fn)
     def wrapper(*args, debug: bool = False, **kwargs):
         ctx = click.get_current_context()
+        show = debug or _debug_enabled(ctx)
         try:
             return fn(*args, **kwargs)
         except click.ClickException:
             raise
         except VjpsplitError as e:
-            from .specs import UsageError
-
-            if debug or _debug_enabled(ctx):
+            if show:
                 traceback.print_exc()
             if isinstance(e, UsageError):
-                raise click.UsageError(str(e)) from e
+                raise click.UsageError(printable(e)) from e
             raise CliError(str(e)) from e
-        except Exception as e:  # user code or a bug: still one line, unless asked
-            if debug or _debug_enabled(ctx):
+        except (KeyboardInterrupt, Interrupted) as e:
+            # Temp files are gone already (StagedOutputs); SIGTERM/SIGHUP never get here, they end the process.
+            _log(f"error: {ctx.info_name}: interrupted; every previous output is left as it was")
+            raise click.exceptions.Exit(128 + getattr(e, "signum", 2)) from e
+        except MemoryError as e:
+            if show:
                 traceback.print_exc()
-            text = str(e).strip().splitlines()
-            raise CliError(f"{type(e).__name__}: {text[0] if text else ''} (rerun with --debug for the traceback)") from e
+            raise CliError(f"{_subject(kwargs)}: out of memory while running {ctx.info_name}; "
+                           "use smaller inputs or a machine with more memory") from e
+        except OSError as e:
+            if show:
+                traceback.print_exc()
+            raise CliError(os_error_message(e.filename or _subject(kwargs), e, f"running {ctx.info_name}")) from e
+        except Exception as e:  # user code or a bug: still one line, unless asked
+            if show:
+                traceback.print_exc()
+            raise CliError(_unexpected(ctx.info_name, kwargs, e)) from e
 
     return wrapper
+
+
+def _subject(kwargs) -> str:
+    """What a command works on, for messages that have no file of their own: the artifact, or MODULE:FN."""
+    return str(kwargs.get("artifact") or kwargs.get("target") or "vjpsplit")
+
+
+def _one_line(e: BaseException, limit: int = 160) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _unexpected(command: str, kwargs, e: Exception) -> str:
+    """One line for an exception nothing mapped: name the artifact or function and say what to try."""
+    what = f"{type(e).__name__} {_one_line(e)}".strip()
+    if kwargs.get("artifact"):
+        return (f"{kwargs['artifact']}: {command} failed on this artifact ({what}); it may be damaged or "
+                "hand-edited: re-export it, or rerun with --debug for the traceback")
+    return (f"{_subject(kwargs)}: {command} failed ({what}); check the function and its --shapes, "
+            "or rerun with --debug for the traceback")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -100,9 +196,20 @@ def _use_compilation_cache() -> None:
         return
     try:
         os.makedirs(path, exist_ok=True)
+        usable = os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
+        problem = "not a writable directory"
     except OSError as e:
-        _log(f"warning: compilation cache {path} unusable ({e.strerror}); running without it")
+        usable, problem = False, e.strerror or str(e)
+    if not usable:
+        # A cache is an optimisation: without one the command still works, so say so only when asked.
+        if _debug_enabled(click.get_current_context()):
+            _log(f"debug: compilation cache {path} unusable ({problem}); running without it")
         return
+    if not _debug_enabled(click.get_current_context()):
+        import warnings
+
+        # JAX warns per entry when the cache fails later (disk full, removed); the run is fine without it.
+        warnings.filterwarnings("ignore", message=".*persistent compilation cache.*")
     jax.config.update("jax_compilation_cache_dir", path)
     # Small programs compile fast but a CLI pays for every one: cache them all.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -125,7 +232,7 @@ def _function_options(fn):
     """The options that say which function to trace and how: shared by export and plan."""
     for option in reversed([
         click.argument("target", metavar="MODULE:FN"),
-        click.option("--shapes", "shapes", multiple=True, required=True, metavar="NAME=SPEC",
+        click.option("--shapes", "shapes", multiple=True, required=True, type=_ShapeSpec(), metavar="NAME=SPEC",
                      help="One per positional parameter: NAME=f32[b,784], NAME=@module:attr, or NAME=file.npz."),
         click.option("--wrt", default=None, metavar="NAMES",
                      help="Comma-separated parameters to differentiate (default: all)."),
@@ -142,11 +249,11 @@ def _function_options(fn):
               help="What the forward keeps: everything, dots, nothing, or names:a,b.")
 @click.option("--memory-budget", default=None, metavar="BYTES",
               help="Pick the policy that recomputes least among those whose stored residuals fit (e.g. 64MiB).")
-@click.option("--at", "at", multiple=True, metavar="NAME=SIZE",
+@click.option("--at", "at", multiple=True, type=_AtSizes(), metavar="NAME=SIZE",
               help="Sizes for symbolic dims when weighing residuals against --memory-budget (e.g. b=256).")
 @click.option("--weights", default=None, metavar="NAMES",
               help="Comma-separated weight parameters: adds the zero-bubble split backward (run-bwd --part).")
-@click.option("-o", "--output", required=True, type=_ARRAY_FILE, help="Artifact file to write.")
+@click.option("-o", "--output", required=True, type=_ARTIFACT_OUT, help="Artifact file to write.")
 @_command
 def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, at, weights, output):
     """Export FN's forward and backward into one portable artifact."""
@@ -158,16 +265,17 @@ def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, a
     if memory_budget is not None and source != click.core.ParameterSource.DEFAULT:
         raise click.UsageError("give either --policy or --memory-budget, not both")
 
-    fn, name = load_object(target)
-    if not callable(fn):
-        raise VjpsplitError(f"{target} is not callable; point MODULE:FN at a function")
-    names, specs = resolve_shapes(fn, shapes)
-    _enable_x64_if(_wants_x64(specs))
-    art = export(fn, *specs, wrt=_names(wrt), has_aux=has_aux, platforms=platforms,
-                 policy=None if memory_budget is not None else policy,
-                 arg_names=names, name=name, memory_budget=memory_budget, at=parse_at(at),
-                 weights=_names(weights))
-    art.save(output)
+    with StagedOutputs({"-o": output}, {"MODULE:FN": _module_files(target), "--shapes": _shape_files(shapes)}) as out:
+        fn, name = load_object(target)
+        if not callable(fn):
+            raise VjpsplitError(f"{target} is not callable; point MODULE:FN at a function")
+        names, specs = resolve_shapes(fn, shapes)
+        _enable_x64_if(_wants_x64(specs))
+        art = export(fn, *specs, wrt=_names(wrt), has_aux=has_aux, platforms=platforms,
+                     policy=None if memory_budget is not None else policy,
+                     arg_names=names, name=name, memory_budget=memory_budget, at=parse_at(at),
+                     weights=_names(weights))
+        out.write("-o", art.save)
     m = art.manifest
     if memory_budget is not None:
         _log(f"memory budget {memory_budget}: chose policy {m.policy}")
@@ -175,20 +283,51 @@ def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, a
          f"({sum(r.input_backed for r in m.residuals)} input-backed), platforms {','.join(m.platforms)}")
 
 
+def _module_files(target: str) -> list[str]:
+    """The source files that ``MODULE:FN`` (or ``@MODULE:ATTR``) can name, found without importing anything."""
+    module = target.rpartition(":")[0]
+    if module.endswith(".py") or "/" in module or os.sep in module:
+        return [module]
+    base = os.path.join(*module.split(".")) if module else ""
+    return [base + ".py", os.path.join(base, "__init__.py")] if base else []
+
+
+def _shape_files(shapes) -> list[str]:
+    """The files that --shapes values read: array files and @MODULE:ATTR sources."""
+    files = []
+    for item in shapes:
+        spec = str(item).partition("=")[2].strip()
+        if spec.startswith("@"):
+            files += _module_files(spec[1:])
+        elif spec.endswith(_ARRAY_SUFFIXES):
+            files.append(spec)
+    return files
+
+
 def _wants_x64(specs) -> bool:
     import jax
     import numpy as np
 
     wide = {np.dtype(n) for n in ("float64", "int64", "uint64", "complex128")}
-    return any(np.dtype(s.dtype) in wide for s in jax.tree_util.tree_leaves(specs))
+    from .prng import is_key
+
+    return any(not is_key(s) and np.dtype(s.dtype) in wide for s in jax.tree_util.tree_leaves(specs))
 
 
-def _load_artifact(path):
+def _load_artifact(path, *, x64: bool = True):
+    """Load an artifact; a manifest that decodes but does not fit the format is one line naming the file."""
     from .artifact import load
 
-    # Read the manifest's x64 flag before jax touches any array.
-    art = load(path)
-    _enable_x64_if(art.manifest.x64)
+    try:
+        art = load(path)
+    except (VjpsplitError, MemoryError, OSError):
+        raise
+    except Exception as e:  # e.g. a hand-edited manifest whose fingerprint was recomputed
+        raise VjpsplitError(f"{path}: the artifact's manifest is malformed ({type(e).__name__} {_one_line(e, 80)}); "
+                            "re-export it with vjpsplit export") from e
+    if x64:
+        # Read the manifest's x64 flag before jax touches any array.
+        _enable_x64_if(art.manifest.x64)
     return art
 
 
@@ -201,8 +340,8 @@ def _numpy(values: dict) -> dict:
 @main.command("run-fwd")
 @click.argument("artifact", type=_EXISTING)
 @click.option("--inputs", "inputs_path", required=True, type=_EXISTING, help="Array file with every input key.")
-@click.option("--residuals", "residuals_path", required=True, type=_ARRAY_FILE, help="Residuals file to write.")
-@click.option("--outputs", "outputs_path", type=_ARRAY_FILE, default=None, help="Outputs file to write (out, aux).")
+@click.option("--residuals", "residuals_path", required=True, type=_ARRAY_OUT, help="Residuals file to write.")
+@click.option("--outputs", "outputs_path", type=_ARRAY_OUT, default=None, help="Outputs file to write (out, aux).")
 @click.option("--self-contained", is_flag=True, help="Also write input-backed residuals, so run-bwd needs no --inputs.")
 @_command
 def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contained):
@@ -210,14 +349,17 @@ def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contai
     from .arrays import load_arrays, save_arrays
     from .residuals import save_residuals
 
-    _use_compilation_cache()
-    art = _load_artifact(artifact)
-    inputs, _ = load_arrays(inputs_path)
-    outputs, res = art.run_fwd_arrays(inputs, source=inputs_path)
-    outputs = _numpy(outputs)  # finish the compute before any file is written
-    save_residuals(residuals_path, res, self_contained=self_contained)
-    if outputs_path:
-        save_arrays(outputs_path, outputs, {"kind": "vjpsplit-outputs", "fingerprint": art.manifest.fingerprint})
+    with StagedOutputs({"--residuals": residuals_path, "--outputs": outputs_path},
+                       {"ARTIFACT": artifact, "--inputs": inputs_path}) as out:
+        _use_compilation_cache()
+        art = _load_artifact(artifact)
+        inputs, _ = load_arrays(inputs_path)
+        outputs, res = art.run_fwd_arrays(inputs, source=inputs_path)
+        outputs = _numpy(outputs)  # finish the compute before any file is written
+        out.write("--residuals", lambda tmp: save_residuals(tmp, res, self_contained=self_contained))
+        if outputs_path:
+            meta = {"kind": "vjpsplit-outputs", "fingerprint": art.manifest.fingerprint}
+            out.write("--outputs", lambda tmp: save_arrays(tmp, outputs, meta))
     _log(f"wrote {residuals_path}: {len(res.stored)} stored residuals "
          f"({'with' if self_contained else 'without'} {len(res.inputs)} input-backed)"
          + (f"; {outputs_path}: {len(outputs)} outputs" if outputs_path else ""))
@@ -230,10 +372,10 @@ def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contai
               help="The forward's inputs file; needed unless the residuals are self-contained.")
 @click.option("--cotangents", "cotangents_path", type=_EXISTING, default=None,
               help="Cotangents keyed like the outputs; default 1 for a scalar output.")
-@click.option("--grads", "grads_path", required=True, type=_ARRAY_FILE, help="Gradients file to write.")
+@click.option("--grads", "grads_path", required=True, type=_ARRAY_OUT, help="Gradients file to write.")
 @click.option("--part", type=click.Choice(["all", "input", "weight"]), default="all", show_default=True,
               help="Zero-bubble split: 'input' writes non-weight grads and --intermediates; 'weight' reads them.")
-@click.option("--intermediates", "inter_path", type=_ARRAY_FILE, default=None,
+@click.option("--intermediates", "inter_path", type=_ARRAY_OUT, default=None,
               help="With --part: the intermediates file (written by input, read by weight).")
 @click.option("--no-verify", is_flag=True, help="Skip the CRC-32 check of residuals and intermediates.")
 @_command
@@ -247,49 +389,59 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
         raise click.UsageError(f"--part {part} needs --intermediates FILE")
     if part == "weight" and cotangents_path:
         raise click.UsageError("--part weight reads no cotangents: they are inside the intermediates")
-    _use_compilation_cache()
-    art = _load_artifact(artifact)
-    inputs = None
-    if inputs_path:
-        inputs = load_arrays(inputs_path)[0]
-        # The same inputs file run-fwd read: every input key, nothing else.
-        check_keys(inputs_path, "input", [leaf.key for leaf in art.manifest.inputs], inputs)
-    res = load_residuals(residuals_path, inputs=inputs, artifact=art, inputs_source=inputs_path,
-                         verify=not no_verify)
-    if part == "weight":
-        from .residuals import load_intermediates
+    if part == "all" and inter_path:
+        raise click.UsageError("--intermediates goes with --part input (which writes it) or --part weight (which reads it)")
+    writes_inter = part == "input"
+    staged = StagedOutputs(
+        {"--grads": grads_path, "--intermediates": inter_path if writes_inter else None},
+        {"ARTIFACT": artifact, "--residuals": residuals_path, "--inputs": inputs_path,
+         "--cotangents": cotangents_path, "--intermediates": None if writes_inter else inter_path},
+    )
+    with staged as out:
+        _use_compilation_cache()
+        art = _load_artifact(artifact)
+        inputs = None
+        if inputs_path:
+            inputs = load_arrays(inputs_path)[0]
+            # The same inputs file run-fwd read: every input key, nothing else.
+            check_keys(inputs_path, "input", [leaf.key for leaf in art.manifest.inputs], inputs)
+        res = load_residuals(residuals_path, inputs=inputs, artifact=art, inputs_source=inputs_path,
+                             verify=not no_verify)
+        if part == "weight":
+            from .residuals import load_intermediates
 
-        inter = load_intermediates(inter_path, artifact=art, verify=not no_verify)
-        grads = art.run_bwd_weight_arrays(res, inter, source=residuals_path, inter_source=inter_path)
-        inter = None
-    else:
-        cts = load_arrays(cotangents_path)[0] if cotangents_path else None
-        ct_source = cotangents_path or "cotangents"
-        if part == "input":
-            grads, inter = art.run_bwd_input_arrays(res, cts, source=residuals_path, ct_source=ct_source)
+            inter = load_intermediates(inter_path, artifact=art, verify=not no_verify)
+            grads = art.run_bwd_weight_arrays(res, inter, source=residuals_path, inter_source=inter_path)
+            inter = None
         else:
-            grads, inter = art.run_bwd_arrays(res, cts, source=residuals_path, ct_source=ct_source), None
-    grads = _numpy(grads)  # finish the compute before any file is written
-    if inter is not None:
-        from .residuals import save_intermediates
+            cts = load_arrays(cotangents_path)[0] if cotangents_path else None
+            ct_source = cotangents_path or "cotangents"
+            if part == "input":
+                grads, inter = art.run_bwd_input_arrays(res, cts, source=residuals_path, ct_source=ct_source)
+            else:
+                grads, inter = art.run_bwd_arrays(res, cts, source=residuals_path, ct_source=ct_source), None
+        grads = _numpy(grads)  # finish the compute before any file is written
+        if inter is not None:
+            from .residuals import save_intermediates
 
-        save_intermediates(inter_path, inter)
-    save_arrays(grads_path, grads, {"kind": "vjpsplit-grads", "fingerprint": art.manifest.fingerprint})
+            out.write("--intermediates", lambda tmp: save_intermediates(tmp, inter))
+        meta = {"kind": "vjpsplit-grads", "fingerprint": art.manifest.fingerprint}
+        out.write("--grads", lambda tmp: save_arrays(tmp, grads, meta))
     _log(f"wrote {grads_path}: {len(grads)} gradients" + (f"; {inter_path}: {len(inter.arrays)} intermediates" if inter else ""))
 
 
 @main.command("inspect")
 @click.argument("artifact", type=_EXISTING)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-@click.option("--at", "at", multiple=True, metavar="NAME=SIZE", help="Size symbolic dims in the byte totals (b=256).")
+@click.option("--at", "at", multiple=True, type=_AtSizes(), metavar="NAME=SIZE",
+              help="Size symbolic dims in the byte totals (b=256).")
 @_command
 def inspect_cmd(artifact, as_json, at):
     """Describe an artifact: keys, dtypes, shapes, residual bytes, platforms, versions."""
-    from .artifact import load
     from .economy import parse_at
     from .report import describe, format_table
 
-    art = load(artifact)
+    art = _load_artifact(artifact, x64=False)
     sizes = parse_at(at)
     if as_json:
         click.echo(json.dumps(describe(art, sizes), indent=2))
@@ -299,7 +451,8 @@ def inspect_cmd(artifact, as_json, at):
 
 @main.command("plan")
 @_function_options
-@click.option("--at", "at", multiple=True, metavar="NAME=SIZE", help="Sizes for symbolic dims (b=256): bytes and FLOPs.")
+@click.option("--at", "at", multiple=True, type=_AtSizes(), metavar="NAME=SIZE",
+              help="Sizes for symbolic dims (b=256): bytes and FLOPs.")
 @click.option("--policies", default="everything,dots,nothing", show_default=True,
               help="Comma-separated policies to compare (names:a,b allowed; separate several with ';').")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")

@@ -13,7 +13,7 @@ from .core import run_backward, trace_vjp, _wrt_positions
 from .errors import VjpsplitError
 from .jaxprs import iter_eqns, sub_jaxprs
 from .policies import apply_policy, normalize_policy
-from .shapes import eval_dim, is_symbolic_shape
+from .shapes import MAX_DIM, eval_dim, is_symbolic_shape
 
 # Cheapest recompute first: a budget takes the first of these that fits.
 BUDGET_ORDER = ("everything", "dots", "nothing")
@@ -48,15 +48,24 @@ def parse_at(items: Sequence[str] | Mapping[str, int] | None) -> dict[str, int]:
         for item in items:
             for part in str(item).split(","):
                 name, eq, value = part.partition("=")
-                if not eq or not name.strip() or not value.strip().isdigit():
+                # ASCII digits only: str.isdigit() also accepts '²', which int() refuses.
+                if not eq or not _AT_NAME.match(name.strip()) or not _AT_SIZE.match(value.strip()):
                     raise VjpsplitError(f"--at {part!r} is not NAME=SIZE; write e.g. b=256")
                 pairs.append((name.strip(), int(value)))
     out = {}
     for name, value in pairs:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise VjpsplitError(f"--at {name}={value!r}: a size must be an integer, e.g. b=256")
         if int(value) < 1:
             raise VjpsplitError(f"--at {name}={value}: symbolic dims are >= 1")
+        if int(value) > MAX_DIM:
+            raise VjpsplitError(f"--at {name}={value}: too large (at most 2**62); check the number")
         out[str(name)] = int(value)
     return out
+
+
+_AT_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_AT_SIZE = re.compile(r"^[0-9]{1,30}$")
 
 
 def concrete_specs(specs: tuple, at: Mapping[str, int]) -> tuple:

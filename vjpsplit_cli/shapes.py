@@ -14,6 +14,9 @@ from .errors import VjpsplitError
 
 _SPEC_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\[\s*([^\]]*)\]\s*$")
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_INT_RE = re.compile(r"^[0-9]+$")  # ASCII digits only: str.isdigit() also accepts '²', which int() refuses
+# No machine holds an array this long; past it jax.export's int64 shape arithmetic overflows.
+MAX_DIM = 2**62
 
 
 def new_scope() -> jexport.SymbolicScope:
@@ -31,14 +34,32 @@ def parse_array_spec(text: str, scope: jexport.SymbolicScope) -> jax.ShapeDtypeS
     if not dims_text:
         return jax.ShapeDtypeStruct((), dtype)
     dims: list[Any] = []
+    elements = 1
     for d in (p.strip() for p in dims_text.split(",")):
-        if d.isdigit():
+        if _INT_RE.match(d):
+            elements *= int(d)
+            if int(d) > MAX_DIM:
+                raise VjpsplitError(f"dimension {d[:30]} in {text[:60]!r} is too large (at most 2**62); check the number")
+            if elements > MAX_DIM:
+                raise VjpsplitError(f"the dims of {text[:60]!r} make more than 2**62 elements; check the numbers")
             dims.append(int(d))
         elif _NAME_RE.match(d):
-            dims.append(jexport.symbolic_shape(d, scope=scope)[0])
+            dims.append(_symbolic_dim(d, text, scope))
         else:
             raise VjpsplitError(f"dimension {d!r} in {text!r} must be an integer or a name like b")
     return jax.ShapeDtypeStruct(tuple(dims), dtype)
+
+
+def _symbolic_dim(name: str, text: str, scope: jexport.SymbolicScope):
+    """The symbolic dim ``name``; names that jax.export's shape syntax reserves (mod, max, _) are refused."""
+    try:
+        (dim,) = jexport.symbolic_shape(name, scope=scope)
+    except Exception as e:  # jax.export's parser raises plain ValueErrors with grammar details
+        raise VjpsplitError(f"dimension name {name!r} in {text!r} is reserved by jax.export's shape syntax; "
+                            "use another name, like b") from e
+    if isinstance(dim, (int, np.integer)):
+        raise VjpsplitError(f"dimension name {name!r} in {text!r} is not a plain symbolic dim; use a name like b")
+    return dim
 
 
 def dim_str(d) -> int | str:

@@ -13,15 +13,11 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from ._io import open_for_read
+from ._io import UsageError, open_for_read  # UsageError: the CLI exits 2 for it; re-exported here
 from .arrays import load_arrays
 from .errors import VjpsplitError
 from .shapes import new_scope, parse_array_spec, to_struct
 from .trees import unflatten_keys
-
-
-class UsageError(VjpsplitError):
-    """A mistake in the command line itself (the CLI exits 2 for these)."""
 
 
 def load_object(target: str, label: str = "FN") -> tuple[Any, str]:
