@@ -300,7 +300,11 @@ def export(
     """
     if isinstance(platforms, str):
         platforms = tuple(p.strip() for p in platforms.split(",") if p.strip())
-    platforms = tuple(platforms)
+    try:
+        platforms = tuple(platforms)
+    except TypeError:
+        raise VjpsplitError(f"platforms={platforms!r} is not a list of platform names; "
+                            "pass e.g. 'cpu,cuda,tpu' or ['cpu']") from None
     for p in platforms:
         if p not in _KNOWN_PLATFORMS:
             raise VjpsplitError(f"unknown platform {p!r}; use some of {', '.join(_KNOWN_PLATFORMS)}")

@@ -70,8 +70,11 @@ def wrt_positions(names: Sequence[str], wrt, owner: str = "") -> tuple[tuple[int
     n = len(names)
     if wrt is None:
         return tuple(range(n)), False
-    single = isinstance(wrt, (int, str))
-    items = [wrt] if single else list(wrt)
+    single = isinstance(wrt, (int, np.integer, str))
+    try:
+        items = [wrt] if single else list(wrt)
+    except TypeError:  # not a sequence (wrt=1.5): refused below as a bad entry
+        items = [wrt]
     out = []
     for w in items:
         if isinstance(w, str):
