@@ -21,10 +21,11 @@ from jax import export as jexport
 
 from ._version import __version__
 from ._io import atomic_write, read_bytes
-from .core import is_differentiable, positional_names, trace_vjp, wrt_positions
+from .core import is_differentiable, positional_names, run_backward, trace_vjp, wrt_positions
 from .dtypes import dtype_from_name, dtype_name
 from .errors import VjpsplitError
 from .policies import apply_policy, normalize_policy
+from .prng import data_struct, from_data, impl_name, is_key, key_ndim, to_data
 from .shapes import bind_dims, concrete_shape, dim_str, format_shape, to_struct
 from .trees import decode_structure, encode_structure, flatten_with_keys, structure_keys
 
@@ -35,7 +36,12 @@ from .trees import decode_structure, encode_structure, flatten_with_keys, struct
 #                   split of bwd, when exported with weights=)}; modules are jax.export
 #                   serializations; fingerprint = sha256 of the manifest (less the
 #                   fingerprint) and every module.
-FORMAT_VERSION = 1
+#   2 (2026-11-30): the forward takes the flat input leaves (manifest ``inputs`` order)
+#                   instead of one pytree per argument, so no user class is serialized;
+#                   key segments escape ``%`` and ``/`` (``%25``, ``%2F``); structures may
+#                   hold ``{"node": ..., "type": ...}`` and int dict keys; leaves may carry
+#                   ``prng_impl`` (typed PRNG keys travel as their key data).
+FORMAT_VERSION = 2
 MAGIC = b"VJPSPLIT\x00"
 
 DEFAULT_PLATFORMS = ("cpu", "cuda", "tpu")
@@ -46,21 +52,38 @@ _DIM_FUNCS = {"mod", "floordiv", "max", "min", "non_negative"}
 
 @dataclass(frozen=True)
 class Leaf:
-    """One array in the manifest: its file key, dtype name and shape (ints or dim names)."""
+    """One array in the manifest: its file key, dtype name and shape (ints or dim names).
+
+    A typed PRNG key is described by its key data (``uint32[..., 2]`` for
+    threefry), with ``prng_impl`` naming the impl that wraps it back.
+    """
 
     key: str
     dtype: str
     shape: tuple[int | str, ...]
     input_backed: bool = False  # residuals only: read from the inputs, not stored
+    prng_impl: str = ""         # typed PRNG key: the impl of its key data; "" for plain arrays
 
     def describe(self) -> str:
-        """``bf16[32,128]``."""
-        return format_shape(self.dtype, self.shape)
+        """``bf16[32,128]``, or ``key<threefry2x32>[4] as u32[4,2]`` for typed keys."""
+        data = format_shape(self.dtype, self.shape)
+        if not self.prng_impl:
+            return data
+        return f"key<{self.prng_impl}>[{','.join(str(d) for d in self.key_shape)}] as {data}"
+
+    @property
+    def key_shape(self) -> tuple[int | str, ...]:
+        """The shape of the array the function sees: the key array's shape for typed keys."""
+        if not self.prng_impl:
+            return self.shape
+        return self.shape[:len(self.shape) - key_ndim(self.prng_impl)]
 
     def to_json(self, residual: bool = False) -> dict:
         d = {"key": self.key, "dtype": self.dtype, "shape": list(self.shape)}
         if residual:
             d["input_backed"] = self.input_backed
+        if self.prng_impl:
+            d["prng_impl"] = self.prng_impl
         return d
 
     @classmethod
@@ -69,7 +92,10 @@ class Leaf:
         if not all(isinstance(x, (int, str)) and not isinstance(x, bool) for x in shape):
             raise ValueError(f"bad shape {shape!r}")
         dtype_from_name(d["dtype"])
-        return cls(str(d["key"]), str(d["dtype"]), shape, bool(d.get("input_backed", False)))
+        impl = d.get("prng_impl", "")
+        if not isinstance(impl, str):
+            raise ValueError(f"bad prng_impl {impl!r}")
+        return cls(str(d["key"]), str(d["dtype"]), shape, bool(d.get("input_backed", False)), impl)
 
 
 @dataclass(frozen=True)
@@ -193,8 +219,35 @@ def _fingerprint(manifest: Manifest, modules: Mapping[str, bytes]) -> str:
     return h.hexdigest()
 
 
-def _leaves_json_safe(entries) -> tuple[Leaf, ...]:
-    return tuple(Leaf(k, dtype_name(s.dtype), tuple(dim_str(d) for d in s.shape)) for k, s in entries)
+def _leaves_json_safe(entries, what: str = "leaf", impls: Sequence[str] | None = None) -> tuple[Leaf, ...]:
+    """Manifest leaves for ``(key, struct)`` pairs; typed keys become their key data.
+
+    ``impls`` gives the PRNG impl of each entry whose struct is already key data.
+    """
+    out = []
+    for i, (k, s) in enumerate(entries):
+        impl = impls[i] if impls else ""
+        if is_key(s):
+            impl, s = impl_name(s), data_struct(s)
+        try:
+            dtype = dtype_name(s.dtype)
+        except (VjpsplitError, TypeError) as e:
+            raise VjpsplitError(f"{what} '{k}': {e}; pass arrays of a numeric, bool or PRNG key dtype") from e
+        out.append(Leaf(k, dtype, tuple(dim_str(d) for d in s.shape), prng_impl=impl))
+    return tuple(out)
+
+
+def _spec_structs(name: str, spec) -> Any:
+    """``spec`` with every leaf a ShapeDtypeStruct; a bad leaf is refused by its file key."""
+    entries = flatten_with_keys(name, spec)
+    leaves, treedef = jax.tree_util.tree_flatten(spec)
+    structs = []
+    for (key, _), leaf in zip(entries, leaves):
+        try:
+            structs.append(to_struct(leaf))
+        except VjpsplitError as e:
+            raise VjpsplitError(f"input '{key}': {e}") from e
+    return jax.tree_util.tree_unflatten(treedef, structs)
 
 
 def _dim_vars(inputs: Sequence[Leaf]) -> tuple[str, ...]:
@@ -315,9 +368,15 @@ def export(
     names = tuple(arg_names) if arg_names is not None else tuple(positional_names(fn, len(specs)))
     if len(names) != len(specs):
         raise VjpsplitError(f"{len(specs)} specs given for {len(names)} argument names")
-    structs = tuple(jax.tree_util.tree_map(to_struct, s) for s in specs)
+    structs = tuple(_spec_structs(n, s) for n, s in zip(names, specs))
     input_entries = [kv for n, s in zip(names, structs) for kv in flatten_with_keys(n, s)]
-    inputs = _leaves_json_safe(input_entries)
+    inputs = _leaves_json_safe(input_entries, "input")
+    # The modules take and give flat leaves (typed keys as key data): the user's
+    # classes live only in this closure, never in the serialized artifact.
+    flat_structs, in_tree = jax.tree_util.tree_flatten(structs)
+    in_impls = [leaf.prng_impl for leaf in inputs]
+    data_structs = [jax.ShapeDtypeStruct(data_struct(s).shape, data_struct(s).dtype) if is_key(s) else s
+                    for s in flat_structs]
     dim_vars = _dim_vars(inputs)
     wrt_pos, single = wrt_positions(names, wrt, getattr(fn, "__qualname__", ""))
     if memory_budget is not None:
@@ -330,22 +389,28 @@ def export(
 
     captured: dict[str, Any] = {}
 
-    def fwd_flat(*args):
-        out, stored, aux, plan = trace_vjp(inner, args, wrt_pos, single, has_aux)
-        captured.update(plan=plan, out=out, aux=aux)
+    def fwd_flat(*leaves):
+        args = jax.tree_util.tree_unflatten(in_tree, [from_data(x, i) for x, i in zip(leaves, in_impls)])
+        out, stored, aux, plan = trace_vjp(inner, tuple(args), wrt_pos, single, has_aux)
+        out_leaves, aux_leaves = jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(aux)
+        captured.update(plan=plan, out=out, aux=aux,
+                        out_impls=[impl_name(x) if is_key(x) else "" for x in out_leaves],
+                        aux_impls=[impl_name(x) if is_key(x) else "" for x in aux_leaves],
+                        stored_impls=[impl_name(x) if is_key(x) else "" for x in stored])
         return (
-            tuple(jax.tree_util.tree_leaves(out)),
-            stored,
-            tuple(jax.tree_util.tree_leaves(aux)),
+            tuple(to_data(x) for x in out_leaves),
+            tuple(to_data(x) for x in stored),
+            tuple(to_data(x) for x in aux_leaves),
         )
 
-    fwd_exp = _lower("forward", fwd_flat, platforms, structs)
+    fwd_exp = _lower("forward", fwd_flat, platforms, data_structs)
     plan = captured["plan"]
+    stored_impls = captured["stored_impls"]
     n_out, n_stored = len(plan.out_avals), plan.n_stored
     stored_avals = list(fwd_exp.out_avals[n_out:n_out + n_stored])
     aux_avals = list(fwd_exp.out_avals[n_out + n_stored:])
-    flat_structs = jax.tree_util.tree_leaves(structs)
-    input_backed = [flat_structs[k] for k in plan.input_backed]
+    input_backed = [data_structs[k] for k in plan.input_backed]
+    input_backed_impls = [in_impls[k] for k in plan.input_backed]
     ct_avals = [jax.ShapeDtypeStruct(plan.out_avals[i].shape, plan.out_avals[i].dtype) for i in plan.out_diff]
     carrier = None
     if dim_vars:
@@ -356,7 +421,8 @@ def export(
         # carrier_ is a zero-size array whose dims are the symbolic dims: it makes
         # them solvable even when no other backward input mentions them.
         del carrier_
-        from .core import run_backward
+        stored = [from_data(x, i) for x, i in zip(stored, stored_impls)]
+        inputs_ = [from_data(x, i) for x, i in zip(inputs_, input_backed_impls)]
         return run_backward(plan, stored, inputs_, cts)
 
     bwd_exp = _lower("backward", bwd_flat, platforms, (stored_avals, input_backed, ct_avals, carrier))
@@ -381,14 +447,15 @@ def export(
         x64=bool(jax.config.jax_enable_x64),
         dim_vars=dim_vars,
         inputs=inputs,
-        outputs=_leaves_json_safe(list(zip(out_keys, out_structs)) + list(zip(aux_keys, aux_avals))),
-        residuals=_leaves_json_safe([(f"r/{i}", a) for i, a in enumerate(stored_avals)])
+        outputs=_leaves_json_safe(list(zip(out_keys, out_structs)) + list(zip(aux_keys, aux_avals)), "output",
+                                  captured["out_impls"] + captured["aux_impls"]),
+        residuals=_leaves_json_safe([(f"r/{i}", a) for i, a in enumerate(stored_avals)], "residual", stored_impls)
         + tuple(dataclasses.replace(inputs[k], key=f"in/{input_keys[k]}", input_backed=True) for k in plan.input_backed),
         grads=grads,
         structure={
-            "args": {n: encode_structure(s) for n, s in zip(names, structs)},
-            "out": encode_structure(captured["out"]),
-            "aux": encode_structure(captured["aux"]),
+            "args": {n: encode_structure(s, n) for n, s in zip(names, structs)},
+            "out": encode_structure(captured["out"], "out"),
+            "aux": encode_structure(captured["aux"], "aux"),
         },
     )
     exps = {"fwd": fwd_exp, "bwd": bwd_exp}
@@ -441,15 +508,18 @@ class ArtifactResiduals:
     A pytree, so it can be passed through ``jax.device_put`` or ``jax.jit``.
     """
 
-    __slots__ = ("stored", "inputs", "dims", "fingerprint", "arg_names", "inputs_source")
+    __slots__ = ("stored", "inputs", "dims", "fingerprint", "arg_names", "arg_trees", "inputs_source")
 
     def __init__(self, stored: Mapping[str, Any], inputs: Mapping[str, Any], dims: Mapping[str, int],
-                 fingerprint: str, arg_names: Sequence[str] = ()):
+                 fingerprint: str, arg_names: Sequence[str] = (), arg_trees: "ArgTrees" = ()):
         self.stored = dict(stored)
         self.inputs = dict(inputs)
         self.dims = dict(dims)
         self.fingerprint = fingerprint
         self.arg_names = tuple(arg_names)
+        # The structure of the arguments fwd was called with, so bwd can give
+        # gradients in the caller's own pytree types; () when not known (files).
+        self.arg_trees = tuple(arg_trees)
         self.inputs_source: str | None = None  # where the input-backed arrays came from, for messages
 
     def __repr__(self) -> str:
@@ -467,9 +537,46 @@ class ArtifactResiduals:
 jax.tree_util.register_pytree_node(
     ArtifactResiduals,
     lambda r: ((tuple(r.stored.values()), tuple(r.inputs.values())),
-               (tuple(r.stored), tuple(r.inputs), tuple(sorted(r.dims.items())), r.fingerprint, r.arg_names)),
-    lambda aux, ch: ArtifactResiduals(dict(zip(aux[0], ch[0])), dict(zip(aux[1], ch[1])), dict(aux[2]), aux[3], aux[4]),
+               (tuple(r.stored), tuple(r.inputs), tuple(sorted(r.dims.items())), r.fingerprint, r.arg_names,
+                r.arg_trees)),
+    lambda aux, ch: ArtifactResiduals(dict(zip(aux[0], ch[0])), dict(zip(aux[1], ch[1])), dict(aux[2]), aux[3], aux[4],
+                                      aux[5]),
 )
+
+# Per argument: (name, treedef, file key of each leaf in the treedef's leaf order).
+ArgTrees = Sequence[tuple[str, Any, tuple[str, ...]]]
+
+
+def flatten_args(manifest: "Manifest", args: Sequence, source: str = "args") -> tuple[dict[str, Any], tuple]:
+    """The caller's argument pytrees as ``{file key: array}`` plus their structure.
+
+    Typed PRNG keys become their key data, after checking the impl against the
+    manifest; every refusal names the leaf by its key.
+    """
+    specs = {leaf.key: leaf for leaf in manifest.inputs}
+    flat: dict[str, Any] = {}
+    trees = []
+    for name, arg in zip(manifest.arg_names, args):
+        entries = flatten_with_keys(name, arg)
+        trees.append((name, jax.tree_util.tree_structure(arg), tuple(k for k, _ in entries)))
+        for key, value in entries:
+            leaf = specs.get(key)
+            if is_key(value):
+                if leaf is None or not leaf.prng_impl:
+                    want = f"expected {leaf.describe()}" if leaf is not None else "not an input of the artifact"
+                    raise VjpsplitError(
+                        f"{source}: input '{key}': got a typed PRNG key ({value.dtype}), {want}; "
+                        "pass jax.random.key_data(key) for a legacy uint32 key"
+                    )
+                got = impl_name(value)
+                if got != leaf.prng_impl:
+                    raise VjpsplitError(
+                        f"{source}: input '{key}': expected a {leaf.prng_impl} key, got a {got} key; "
+                        f"make it with jax.random.key(seed, impl='{leaf.prng_impl}')"
+                    )
+                value = to_data(value)
+            flat[key] = value
+    return flat, tuple(trees)
 
 
 def _weak_scalar_fits(value, want: np.dtype) -> bool:
@@ -614,7 +721,9 @@ class Artifact:
         self._check_runnable()
         m = self.manifest
         arrays, dims = self.input_dims(inputs, source)
-        outs, stored, aux = self._run("fwd", self._args_tree(arrays), f"{source}: the forward refused these inputs")
+        # Format 1 lowered the forward over one pytree per argument; 2 over the flat leaves.
+        call_args = arrays if m.format_version >= 2 else self._args_tree(arrays)
+        outs, stored, aux = self._run("fwd", call_args, f"{source}: the forward refused these inputs")
         out_values = list(outs) + list(aux)
         outputs = {leaf.key: v for leaf, v in zip(m.outputs, out_values)}
         by_key = dict(zip((leaf.key for leaf in m.inputs), arrays))
@@ -746,36 +855,55 @@ class Artifact:
         """Input part of the backward: ``({arg name: grad} for non-weight args, intermediates)``."""
         cts = None if ct is None else dict(flatten_with_keys("out", ct))
         grads, inter = self.run_bwd_input_arrays(res, cts, ct_source="cotangent")
-        return self._per_arg(grads, self.manifest.non_weight_wrt, res.dims), inter
+        return self._per_arg(grads, self.manifest.non_weight_wrt, res.dims, res.arg_trees), inter
 
     def bwd_weight(self, res: ArtifactResiduals, inter: "Intermediates") -> dict:
         """Weight part of the backward: ``{weight arg name: grad}``."""
         grads = self.run_bwd_weight_arrays(res, inter)
-        return self._per_arg(grads, self.manifest.weights, res.dims)
+        return self._per_arg(grads, self.manifest.weights, res.dims, res.arg_trees)
 
-    def _per_arg(self, grads: Mapping[str, Any], names: Sequence[str], dims) -> dict:
-        """Flat gradient keys -> per-argument pytrees (float0 zeros for integer leaves)."""
+    def _per_arg(self, grads: Mapping[str, Any], names: Sequence[str], dims, arg_trees: ArgTrees = ()) -> dict:
+        """Flat gradient keys -> per-argument pytrees (float0 zeros for integer leaves).
+
+        With ``arg_trees`` (from ``fwd``'s arguments) each gradient has the caller's
+        own pytree type; otherwise the manifest's structure (user classes as dicts).
+        """
         m = self.manifest
         spec = {leaf.key: leaf for leaf in m.inputs}
+        known = {name: (treedef, keys) for name, treedef, keys in arg_trees}
+
+        def leaf_grad(k):
+            if k in grads:
+                return grads[k]
+            return np.zeros(concrete_shape(spec[k].key_shape, dims), jax.dtypes.float0)
+
         out = {}
         for name in names:
-            keys = structure_keys(name, m.structure["args"][name])
-            leaves = [grads[k] if k in grads else np.zeros(concrete_shape(spec[k].shape, dims), jax.dtypes.float0)
-                      for k in keys]
-            out[name] = decode_structure(m.structure["args"][name], iter(leaves))
+            if name in known:
+                treedef, keys = known[name]
+                out[name] = jax.tree_util.tree_unflatten(treedef, [leaf_grad(k) for k in keys])
+            else:
+                keys = structure_keys(name, m.structure["args"][name])
+                out[name] = decode_structure(m.structure["args"][name], iter(leaf_grad(k) for k in keys))
         return out
+
+    def _wrap_keys(self, leaves: Sequence[Leaf], values: Sequence) -> list:
+        """Typed PRNG keys back from their key data, where the manifest says so."""
+        return [from_data(jnp.asarray(v), leaf.prng_impl) if leaf.prng_impl else v for leaf, v in zip(leaves, values)]
 
     def fwd(self, *args):
         """Forward on pytree arguments: ``(out, res)``, or ``(out, res, aux)`` with has_aux."""
         m = self.manifest
         if len(args) != len(m.arg_names):
             raise VjpsplitError(f"{self.source}: fwd takes {len(m.arg_names)} arguments ({', '.join(m.arg_names)}), got {len(args)}")
-        flat = dict(kv for n, a in zip(m.arg_names, args) for kv in flatten_with_keys(n, a))
+        flat, trees = flatten_args(m, args)
         outputs, res = self.run_fwd_arrays(flat, source="args")
-        it = iter(outputs[k] for k in m.out_keys)
-        out = decode_structure(m.structure["out"], it)
+        res.arg_trees = trees
+        values = self._wrap_keys(m.outputs, [outputs[leaf.key] for leaf in m.outputs])
+        by_key = dict(zip((leaf.key for leaf in m.outputs), values))
+        out = decode_structure(m.structure["out"], iter(by_key[k] for k in m.out_keys))
         if m.has_aux:
-            aux = decode_structure(m.structure["aux"], iter(v for k, v in outputs.items() if k not in m.out_keys))
+            aux = decode_structure(m.structure["aux"], iter(v for k, v in by_key.items() if k not in m.out_keys))
             return out, res, aux
         return out, res
 
@@ -784,7 +912,7 @@ class Artifact:
         m = self.manifest
         cts = None if ct is None else dict(flatten_with_keys("out", ct))
         grads = self.run_bwd_arrays(res, cts, source="residuals", ct_source="cotangent")
-        per_arg = self._per_arg(grads, m.wrt, res.dims)
+        per_arg = self._per_arg(grads, m.wrt, res.dims, res.arg_trees)
         return per_arg[m.wrt[0]] if m.single_grad else tuple(per_arg[n] for n in m.wrt)
 
 

@@ -10,9 +10,10 @@ import jax
 import numpy as np
 
 from .arrays import load_arrays, save_arrays
-from .artifact import ArtifactResiduals, Intermediates
+from .artifact import ArtifactResiduals, Intermediates, flatten_args
 from .core import Residuals, plan_for_token
 from .errors import VjpsplitError
+from .prng import data_struct, from_data, impl_name, is_key, to_data
 from .shapes import format_shape
 from .trees import flatten_with_keys
 
@@ -113,9 +114,9 @@ def save_residuals(path: str | os.PathLike, res, *, self_contained: bool = False
             "self_contained": bool(self_contained),
         }
     elif isinstance(res, Residuals):
-        arrays = {f"r/{i}": np.asarray(v) for i, v in enumerate(res.stored)}
+        arrays = {f"r/{i}": np.asarray(to_data(v)) for i, v in enumerate(res.stored)}
         if self_contained:
-            arrays.update({f"in/{k}": np.asarray(v) for k, v in zip(res.plan.input_backed, res.inputs)})
+            arrays.update({f"in/{k}": np.asarray(to_data(v)) for k, v in zip(res.plan.input_backed, res.inputs)})
         meta = {
             "kind": KIND_SPLIT,
             "token": res.plan.token,
@@ -147,7 +148,7 @@ def load_residuals(path: str | os.PathLike, inputs=None, *, artifact=None, input
     if not isinstance(needs, list):
         raise VjpsplitError(f"{path}: malformed residuals metadata (needs_inputs); rerun the forward")
     if kind == KIND_ARTIFACT:
-        res = _load_artifact_residuals(path, arrays, meta, needs, inputs)
+        res = _load_artifact_residuals(path, arrays, meta, needs, inputs, artifact)
         res.inputs_source = (inputs_source or "inputs") if needs else str(path)
         return res
     if kind == KIND_SPLIT:
@@ -157,19 +158,20 @@ def load_residuals(path: str | os.PathLike, inputs=None, *, artifact=None, input
     )
 
 
-def _load_artifact_residuals(path, arrays, meta, needs, inputs) -> ArtifactResiduals:
+def _load_artifact_residuals(path, arrays, meta, needs, inputs, artifact) -> ArtifactResiduals:
     fingerprint, dims, arg_names = meta.get("fingerprint"), meta.get("dims"), meta.get("arg_names")
     if not isinstance(fingerprint, str) or not isinstance(dims, dict) or not isinstance(arg_names, list):
         raise VjpsplitError(f"{path}: malformed residuals metadata (fingerprint/dims); rerun the forward")
     stored = {k: v for k, v in arrays.items() if not k.startswith("in/")}
     given = {k[3:]: v for k, v in arrays.items() if k.startswith("in/")}
+    trees: tuple = ()
     if needs:
         if inputs is None:
             raise VjpsplitError(
                 f"{path}: these residuals leave out the inputs {', '.join(needs)} (to avoid copying them); "
                 "pass the forward's inputs (run-bwd --inputs FILE, or load_residuals(path, inputs=args))"
             )
-        flat = _flat_inputs(path, inputs, arg_names)
+        flat, trees = _flat_inputs(path, inputs, arg_names, artifact)
         missing = [k for k in needs if k not in flat]
         if missing:
             raise VjpsplitError(
@@ -177,18 +179,26 @@ def _load_artifact_residuals(path, arrays, meta, needs, inputs) -> ArtifactResid
                 "pass the same inputs the forward ran on"
             )
         given.update({k: flat[k] for k in needs})
-    return ArtifactResiduals(stored, given, dims, fingerprint, arg_names)
+    elif inputs is not None and not isinstance(inputs, Mapping):
+        _, trees = _flat_inputs(path, inputs, arg_names, artifact)
+    return ArtifactResiduals(stored, given, dims, fingerprint, arg_names, trees)
 
 
-def _flat_inputs(path, inputs, arg_names) -> Mapping[str, Any]:
+def _flat_inputs(path, inputs, arg_names, artifact=None) -> tuple[Mapping[str, Any], tuple]:
+    """Flat ``{key: array}`` inputs, and the arguments' structure when given as pytrees."""
     if isinstance(inputs, Mapping):
-        return inputs
+        return inputs, ()
     if not isinstance(inputs, (tuple, list)) or len(inputs) != len(arg_names):
         raise VjpsplitError(
             f"{path}: inputs must be the forward's {len(arg_names)} arguments ({', '.join(arg_names)}) "
             "as a tuple, or a flat {key: array} mapping"
         )
-    return dict(kv for n, a in zip(arg_names, inputs) for kv in flatten_with_keys(n, a))
+    if artifact is not None:
+        return flatten_args(artifact.manifest, inputs, str(path))
+    flat = {k: to_data(v) for n, a in zip(arg_names, inputs) for k, v in flatten_with_keys(n, a)}
+    trees = tuple((n, jax.tree_util.tree_structure(a), tuple(k for k, _ in flatten_with_keys(n, a)))
+                  for n, a in zip(arg_names, inputs))
+    return flat, trees
 
 
 def _load_split_residuals(path, arrays, meta, needs, inputs) -> Residuals:
@@ -203,21 +213,33 @@ def _load_split_residuals(path, arrays, meta, needs, inputs) -> Residuals:
     except KeyError as e:
         raise VjpsplitError(f"{path}: residual {e.args[0]!r} is missing; rerun the forward") from e
     if meta.get("self_contained"):
-        ins = tuple(arrays[f"in/{k}"] for k in plan.input_backed)
+        try:
+            ins = tuple(_from_file(path, f"in/{k}", arrays[f"in/{k}"], plan.arg_leaf_avals[k]) for k in plan.input_backed)
+        except KeyError as e:
+            raise VjpsplitError(f"{path}: input-backed residual {e.args[0]!r} is missing; rerun the forward") from e
+    elif not plan.input_backed:
+        ins = ()  # every residual is stored: the inputs are not needed at all
     else:
-        if inputs is None and plan.input_backed:
+        if inputs is None:
             raise VjpsplitError(
                 f"{path}: these residuals leave out input arrays (to avoid copies); "
                 "pass load_residuals(path, inputs=args) with fwd's arguments"
             )
-        flat = jax.tree_util.tree_leaves(inputs) if plan.input_backed else []
+        flat = jax.tree_util.tree_leaves(inputs)
         if len(flat) != len(plan.arg_leaf_avals):
-            raise VjpsplitError(f"{path}: inputs have {len(flat)} leaves, the forward had {len(plan.arg_leaf_avals)}")
+            raise VjpsplitError(f"{path}: inputs have {len(flat)} leaves, the forward had {len(plan.arg_leaf_avals)}; "
+                                "pass the arguments fwd ran on")
         ins = tuple(flat[k] for k in plan.input_backed)
-    for i, (v, aval) in enumerate(zip(stored, plan.stored_avals)):
-        if tuple(v.shape) != tuple(aval.shape) or np.dtype(v.dtype) != np.dtype(aval.dtype):
-            raise VjpsplitError(
-                f"{path}: residual 'r/{i}': expected {format_shape(aval.dtype, aval.shape)}, "
-                f"file has {format_shape(v.dtype, v.shape)}; rerun the forward"
-            )
+    stored = tuple(_from_file(path, f"r/{i}", v, aval) for i, (v, aval) in enumerate(zip(stored, plan.stored_avals)))
     return Residuals(stored, ins, plan)
+
+
+def _from_file(path, key: str, v, aval):
+    """A split residual as the backward wants it: checked, typed PRNG keys rewrapped."""
+    want = data_struct(aval) if is_key(aval) else aval
+    if tuple(v.shape) != tuple(want.shape) or np.dtype(v.dtype) != np.dtype(want.dtype):
+        raise VjpsplitError(
+            f"{path}: residual '{key}': expected {format_shape(want.dtype, want.shape)}, "
+            f"file has {format_shape(v.dtype, v.shape)}; rerun the forward"
+        )
+    return from_data(v, impl_name(aval)) if is_key(aval) else v

@@ -1,0 +1,56 @@
+"""Typed PRNG keys (``jax.random.key``, dtype ``key<impl>``) at the file and module boundary.
+
+Files and exported modules hold a typed key as its key data
+(``jax.random.key_data``: ``uint32[..., 2]`` for threefry); the manifest records
+the impl's name, and the Python API wraps the data back into typed keys. Legacy
+``uint32[2]`` keys are plain integer arrays and need none of this.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def is_key(x) -> bool:
+    """True for a typed PRNG key array, tracer or ``ShapeDtypeStruct``."""
+    dtype = getattr(x, "dtype", None)
+    try:
+        return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    except TypeError:
+        return False
+
+
+def impl_name(x) -> str:
+    """The impl of a typed key (array, tracer or struct) by name, e.g. ``threefry2x32``."""
+    found: list[Any] = []
+    if isinstance(x, jax.ShapeDtypeStruct):
+        jax.eval_shape(lambda k: found.append(jax.random.key_impl(k)), x)
+    else:
+        found.append(jax.random.key_impl(x))
+    impl = found[0]
+    # jax >= 0.7 gives the name; older releases a PRNGSpec whose str is the name.
+    return getattr(impl, "name", None) or str(impl)
+
+
+def data_struct(x) -> jax.ShapeDtypeStruct:
+    """The key data's shape and dtype for a typed key (``key<fry>[3]`` -> ``uint32[3,2]``)."""
+    s = jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+    return jax.eval_shape(jax.random.key_data, s)
+
+
+def to_data(x):
+    """Key data for a typed key; anything else unchanged."""
+    return jax.random.key_data(x) if is_key(x) else x
+
+
+def from_data(x, impl: str | None):
+    """A typed key from its data when ``impl`` is given; ``x`` unchanged otherwise."""
+    return jax.random.wrap_key_data(x, impl=impl) if impl else x
+
+
+def key_ndim(impl: str) -> int:
+    """How many trailing dims the key data of ``impl`` adds (1 for threefry and rbg)."""
+    return len(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
