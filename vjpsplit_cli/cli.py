@@ -7,6 +7,7 @@ its outputs before any work and replaces them all or none (``_io.StagedOutputs``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -161,7 +162,38 @@ def _unexpected(command: str, kwargs, e: Exception) -> str:
             "or rerun with --debug for the traceback")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _OneLineUsageError(click.UsageError):
+    """A usage error printed as one line, ``error: <message> (see '<command> --help')``; exit 2."""
+
+    def show(self, file=None) -> None:
+        hint = f" (see '{self.ctx.command_path} --help')" if self.ctx is not None else ""
+        click.echo(f"error: {printable(self.format_message())}{hint}", err=True)
+
+
+@contextlib.contextmanager
+def _one_line_usage_errors():
+    """Turn click's usage errors (usage text, hint, message: several lines) into one line."""
+    try:
+        yield
+    except click.UsageError as e:
+        if isinstance(e, (_OneLineUsageError, getattr(click.exceptions, "NoArgsIsHelpError", ()))):
+            raise  # bare 'vjpsplit' prints the help, as click does
+        raise _OneLineUsageError(e.format_message(), e.ctx) from e
+
+
+class _Main(click.Group):
+    """The ``vjpsplit`` group: usage errors of the group and of every command are one line."""
+
+    def make_context(self, *args, **kwargs):
+        with _one_line_usage_errors():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        with _one_line_usage_errors():
+            return super().invoke(ctx)
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="vjpsplit", message="vjpsplit %(version)s")
 @click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
 @click.option("--no-cache", is_flag=True,

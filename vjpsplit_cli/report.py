@@ -8,6 +8,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 
+from ._io import printable
 from .artifact import Artifact, Leaf
 from .dtypes import dtype_from_name
 from .shapes import eval_dim
@@ -148,7 +149,8 @@ def format_table(art: Artifact, at: Mapping[str, int] | None = None) -> str:
         *([f"split backward: weights {', '.join(m.weights)} (bwd_input -> intermediates -> bwd_weight)",
            *_rows("intermediates", m.intermediates)] if m.weights else []),
     ]
-    return "\n".join(lines)
+    # Keys and names come from the file: a newline or escape code in one must not reach the terminal raw.
+    return "\n".join(printable(line) for line in lines)
 
 
 __all__ = ["describe", "format_table", "total_bytes", "byte_terms", "byte_terms_of_shape", "evaluate_terms",
@@ -168,4 +170,4 @@ def format_plan(costs, at: Mapping[str, int] | None = None) -> str:
     else:
         lines.append("(bytes as formulas of the symbolic dims; pass --at b=256 for numbers and FLOPs)"
                      if any(c.stored_bytes is None for c in costs) else "")
-    return "\n".join(line for line in lines if line)
+    return "\n".join(printable(line) for line in lines if line)
