@@ -27,26 +27,18 @@ def _crc32(a) -> int:
     return zlib.crc32(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
 
 
-def _is_npz(path) -> bool:
-    return str(path).lower().endswith(".npz")
-
-
 def _save_checked(path, arrays: dict, meta: dict) -> None:
     """Save with a CRC-32 per array: residuals travel between hosts, and a flipped bit in
-    transit must fail loudly, not give quietly wrong gradients. A zip already stores one
-    per member; a msgpack file gets them in its metadata."""
-    arrays = {k: np.asarray(v) for k, v in arrays.items()}
-    if not _is_npz(path):
-        meta = {**meta, "crc32": {k: _crc32(v) for k, v in arrays.items()}}
+    transit must fail loudly, not give quietly wrong gradients. Both formats keep one
+    (zip's own per ``.npz`` member, a table beside the arrays in ``.msgpack``). No fsync
+    unless asked (``VJPSPLIT_FSYNC=1``): these files are transient, the rename is atomic."""
     save_arrays(path, arrays, meta)
 
 
 def _load_checked(path, verify: bool):
     """``load_arrays``, with every array's CRC-32 checked when ``verify``."""
-    if _is_npz(path):
-        return load_arrays(path, verify=verify)
-    arrays, meta = load_arrays(path)
-    if verify and meta.get("kind") in (KIND_ARTIFACT, KIND_SPLIT, KIND_INTERMEDIATES):
+    arrays, meta = load_arrays(path, verify=verify)
+    if verify and "crc32" in meta:  # a .msgpack of the old layout kept its CRCs in meta
         _verify(path, arrays, meta)
     return arrays, meta
 

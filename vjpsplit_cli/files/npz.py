@@ -1,0 +1,240 @@
+"""``.npz``: a zip of ``.npy`` members, one per array, as ``np.savez`` writes it.
+
+The member list holds exactly the arrays. vjpsplit's metadata lives where numpy does
+not list it: the archive comment holds ``{"format", "version", "meta"}`` as JSON, and
+a member whose dtype ``.npy`` cannot spell (bfloat16, float8, int4: stored as raw
+void ``|V2``/``|V1``) names its dtype in its member comment. Integrity is zip's own
+CRC-32 per member, written by ``zipfile`` and checked on load.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import struct
+import zipfile
+import zlib
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from ..dtypes import dtype_name
+from ..errors import VjpsplitError
+from .common import (CORRUPT, FORMAT, MAX_NDIM, OLD_META_KEY, VERSION, BackgroundWriter, Source, byte_view,
+                     check_stored_key, check_version, chunks, crc_mismatch, crc_value, finish, one_line,
+                     storage_dtype, stored_meta, unique_map)
+
+_ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed, so the same arrays give the same bytes
+_MAX_COMMENT = 0xFFFF  # zip's limit for the archive comment
+_MAX_RATIO = 1100  # deflate cannot shrink data more than ~1032:1; a member claiming more is forged
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # zip local header: magic ... name length, extra length
+_NPY_MAX_HEADER = 10000  # numpy's own default limit
+
+
+def writer(path: Path, prepared: list, meta: dict):
+    """Check what will be written, then return ``write(f)`` that writes the archive."""
+    # The comment has no CRC of its own in zip: it carries one of the meta.
+    head = {"format": FORMAT, "version": VERSION, "meta": meta, "meta_crc32": zlib.crc32(_json(meta))}
+    comment = _json(head)
+    if len(comment) > _MAX_COMMENT:
+        raise VjpsplitError(f"{path}: the metadata is {len(comment)} bytes, over the {_MAX_COMMENT} an .npz "
+                            "archive comment holds; use a .msgpack file")
+
+    def write(f: BinaryIO) -> None:
+        out = BackgroundWriter(f, sum(a.nbytes for _, _, a in prepared))
+        try:
+            with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+                for key, name, arr in prepared:
+                    info = zipfile.ZipInfo(key + ".npy", date_time=_ZIP_DATE)
+                    info.external_attr = 0o644 << 16
+                    if arr.dtype.isbuiltin == 2:  # ml_dtypes: no .npy spelling numpy can read back
+                        info.comment = name.encode("ascii")
+                        arr = arr.view(np.dtype((np.void, arr.dtype.itemsize)))
+                    with zf.open(info, "w", force_zip64=True) as member:  # force_zip64, as np.savez
+                        member.write(_npy_header(arr))
+                        for piece in chunks(byte_view(arr)):  # no tobytes copy
+                            member.write(piece)
+                zf.comment = comment
+        finally:
+            out.close()
+
+    return write
+
+
+def _json(value) -> bytes:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+def _npy_header(arr: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    d = np.lib.format.header_data_from_array_1_0(arr)
+    try:
+        np.lib.format.write_array_header_1_0(out, d)
+    except ValueError:  # header over 64 KiB, as np.save would handle it
+        out = io.BytesIO()
+        np.lib.format.write_array_header_2_0(out, d)
+    return out.getvalue()
+
+
+def _header(src: Source, zf: zipfile.ZipFile) -> tuple[int, dict, dict[str, str] | None]:
+    """Version, meta and recorded dtype names (None: none recorded) of a vjpsplit archive."""
+    path = src.path
+    # zipfile accepts an archive comment cut short; a cut comment is a cut file.
+    end = src.read(src.size - len(zf.comment) - 22, 22) if src.size >= len(zf.comment) + 22 else b""
+    if end[:4] != b"PK\x05\x06" or int.from_bytes(end[20:22], "little") != len(zf.comment):
+        raise VjpsplitError(f"{path}: the archive ends early or has data after its end; {CORRUPT}")
+    if zf.comment:
+        try:
+            head = json.loads(zf.comment.decode("utf-8"), object_pairs_hook=unique_map)
+        except (ValueError, RecursionError):
+            head = None
+        if isinstance(head, dict) and head.get("format") == FORMAT:
+            check_version(path, head.get("version"))
+            if head["version"] >= 2:
+                meta = stored_meta(path, head.get("meta"))
+                if src.verify and head.get("meta_crc32") != zlib.crc32(_json(meta)):
+                    raise VjpsplitError(f"{path}: the metadata fails its CRC-32 check; {CORRUPT}")
+                return head["version"], meta, None
+    names = zf.namelist()
+    if OLD_META_KEY + ".npy" not in names:
+        return 0, {}, None  # plain numpy (or another tool): the arrays as they are
+    return _old_header(src, zf)
+
+
+def _old_header(src: Source, zf: zipfile.ZipFile) -> tuple[int, dict, dict[str, str]]:
+    """Version 1: a uint8 member ``__vjpsplit__`` holding ``{"format", "version", "dtypes", "meta"}``."""
+    path = src.path
+    info = zf.getinfo(OLD_META_KEY + ".npy")
+    if info.file_size > 2**26:
+        raise VjpsplitError(f"{path}: entry {OLD_META_KEY!r} is implausibly large; {CORRUPT}")
+    with zf.open(info) as m:  # zipfile checks its CRC-32 at the end
+        shape, _, dtype, _ = _npy_header_of(src, m, OLD_META_KEY)
+        blob = m.read()
+    if dtype != np.uint8 or len(shape) != 1 or len(blob) != shape[0]:
+        raise VjpsplitError(f"{path}: entry {OLD_META_KEY!r} is not vjpsplit metadata; {CORRUPT}")
+    try:
+        head = json.loads(blob.decode("utf-8"), object_pairs_hook=unique_map)
+    except (ValueError, RecursionError) as e:
+        raise VjpsplitError(f"{path}: entry {OLD_META_KEY!r} is not valid JSON ({one_line(e)}); {CORRUPT}") from e
+    if not isinstance(head, dict) or head.get("format") != FORMAT:
+        raise VjpsplitError(f"{path}: entry {OLD_META_KEY!r} is not vjpsplit metadata; {CORRUPT}")
+    check_version(path, head.get("version"))
+    names = head.get("dtypes")
+    if not isinstance(names, dict) or not all(isinstance(v, str) for v in names.values()):
+        raise VjpsplitError(f"{path}: the metadata's dtype table is malformed; {CORRUPT}")
+    return 1, stored_meta(path, head.get("meta", {})), names
+
+
+def _npy_header_of(src: Source, f: BinaryIO, key: str) -> tuple[tuple, bool, np.dtype, int]:
+    """Shape, order, dtype and header length of the ``.npy`` data ``f`` is positioned at."""
+    start = f.tell()
+    major, minor = np.lib.format.read_magic(f)
+    if (major, minor) not in ((1, 0), (2, 0), (3, 0)):
+        raise VjpsplitError(f"{src.path}: array {key!r} uses .npy format version {major}.{minor}, which "
+                            "vjpsplit does not read; re-save it with numpy's default format")
+    read = {1: np.lib.format.read_array_header_1_0}.get(major, np.lib.format.read_array_header_2_0)
+    shape, fortran, dtype = read(f, max_header_size=_NPY_MAX_HEADER)
+    if dtype.hasobject:
+        raise VjpsplitError(f"{src.path}: array {key!r} holds pickled objects; vjpsplit never unpickles, so "
+                            "re-save it with a numeric or bool dtype")
+    if len(shape) > MAX_NDIM:
+        raise VjpsplitError(f"{src.path}: array {key!r} has {len(shape)} dimensions; {CORRUPT}")
+    return shape, fortran, dtype, f.tell() - start
+
+
+def _dtype(src: Source, key: str, stored: np.dtype, name: str | None) -> np.dtype:
+    """The dtype to load a member as: ``name`` (recorded) over raw void, else what .npy says."""
+    raw_void = stored.kind == "V" and stored.fields is None and stored.subdtype is None
+    if name is not None:
+        try:
+            want = storage_dtype(name)
+        except VjpsplitError as e:
+            raise VjpsplitError(f"{src.path}: array {key!r} has unknown dtype {name!r} recorded; {e}") from e
+        if stored != want and not (raw_void and stored.itemsize == want.itemsize):
+            raise VjpsplitError(f"{src.path}: array {key!r} is stored as {stored} but the metadata says "
+                                f"{name}; {CORRUPT}")
+        return want
+    if not raw_void:  # raw void stays void: files numpy wrote hold bfloat16 so
+        try:
+            dtype_name(stored)
+        except VjpsplitError as e:
+            raise VjpsplitError(f"{src.path}: array {key!r} has dtype {stored}, which vjpsplit cannot use; "
+                                "re-save it with a numeric or bool dtype") from e
+    return stored
+
+
+def read(src: Source) -> tuple[dict[str, np.ndarray], dict]:
+    """Every array and the meta of an ``.npz`` archive; all sizes checked before anything is allocated."""
+    path = src.path
+    zf = zipfile.ZipFile(src.f)  # reads the central directory only
+    version, meta, names = _header(src, zf)
+    members: dict[str, zipfile.ZipInfo] = {}
+    for info in zf.infolist():
+        if not info.filename.endswith(".npy"):
+            raise VjpsplitError(f"{path}: entry {info.filename!r} is not a .npy array; the file is not an array "
+                                "archive")
+        key = info.filename[:-4]
+        if key in members:
+            raise VjpsplitError(f"{path}: array {key!r} is stored twice; {CORRUPT}")
+        if not (version == 1 and key == OLD_META_KEY):
+            check_stored_key(path, key)
+            members[key] = info
+    if names is not None and set(names) != set(members):
+        odd = sorted(set(names) ^ set(members))[0]
+        which = f"lists {odd!r}, which the archive lacks" if odd in names else f"does not list {odd!r}"
+        raise VjpsplitError(f"{path}: the metadata {which}; the file is corrupt or was edited, re-create it")
+
+    plan, ends = [], []  # first check every member, then read
+    for key, info in members.items():
+        if info.flag_bits & 0x1:
+            raise VjpsplitError(f"{path}: array {key!r} is encrypted; save it without a password")
+        stored = info.compress_type == zipfile.ZIP_STORED
+        if info.compress_size > src.size or (stored and info.file_size != info.compress_size) or (
+                info.file_size > info.compress_size * _MAX_RATIO + 1024):
+            raise VjpsplitError(f"{path}: array {key!r} has impossible sizes in its zip entry; {CORRUPT}")
+        if stored:  # its data lies in the file as is: read it straight into the array
+            magic, name_len, extra_len = _LOCAL_HEADER.unpack(src.read(info.header_offset, _LOCAL_HEADER.size))
+            if magic != b"PK\x03\x04":
+                raise VjpsplitError(f"{path}: array {key!r} has no zip local header where the directory says; "
+                                    f"{CORRUPT}")
+            start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+            ends.append((info.header_offset, start + info.compress_size, key))
+            src.f.seek(start)
+            member = src.f
+        else:
+            start, member = None, zf.open(info)
+        shape, fortran, dtype, head_len = _npy_header_of(src, member, key)
+        dtype_ = _dtype(src, key, dtype, (names or {}).get(key) or (info.comment.decode("ascii", "replace")
+                                                                   if version >= 2 and info.comment else None))
+        nbytes = math.prod(shape) * dtype.itemsize
+        if head_len + nbytes != info.file_size:
+            raise VjpsplitError(f"{path}: array {key!r} is corrupt (its size does not match its shape {shape}); "
+                                "re-create the file")
+        seed = zlib.crc32(src.read(start, head_len)) if start is not None else None
+        plan.append((key, info, start, member, head_len, nbytes, shape, fortran, dtype_, seed))
+    # Stored members must lie one after the other inside the file: one stretch read as
+    # many arrays would let a small file claim far more memory than it holds.
+    ends.sort()
+    for (_, end, a), (begin, _, b) in zip(ends, ends[1:] + [(src.size, 0, None)]):
+        if end > begin:
+            where = f"arrays {a!r} and {b!r} overlap in the archive" if b else f"array {a!r} runs past the end"
+            raise VjpsplitError(f"{path}: {where}; {CORRUPT}")
+
+    src.start([p[5] for p in plan])
+    arrays, crcs = {}, []
+    for key, info, start, member, head_len, nbytes, shape, fortran, dtype, seed in plan:
+        if start is not None:
+            buf, crc = src.array(start + head_len, nbytes, seed)
+            crcs.append((key, info.CRC, crc))
+        else:  # deflated (np.savez_compressed): through zipfile, which checks the CRC-32 at the end
+            buf = next(src.slots)
+            if member.readinto(buf) != nbytes or member.read(1):
+                raise EOFError(f"array {key!r} is shorter or longer than its header says")
+            member.close()
+        arrays[key] = (buf, shape, dtype, fortran)
+    for key, want, crc in crcs:
+        if src.verify and crc_value(crc) != want:
+            raise crc_mismatch(path, key)
+    return {k: finish(path, k, *v) for k, v in arrays.items()}, meta
