@@ -104,3 +104,37 @@ def test_concurrent_writers_never_clobber_each_other(tmp_path):
     assert meta == {"writer": seed} and 0 <= seed < 4
     assert np.all(arrays["x"] == seed)  # one writer's complete file, not a mix
     assert not list(tmp_path.glob(".*.tmp")), "a temp file was left behind"
+
+
+def _snapshot(d: Path) -> dict:
+    return {p.name: _digest(p) for p in d.iterdir()}
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_a_signal_during_a_write_removes_temp_files_and_keeps_every_previous_output(big, tmp_path, sig):
+    res, out = tmp_path / "res.npz", tmp_path / "out.npz"
+    res.write_bytes(b"previous residuals")
+    out.write_bytes(b"previous outputs")
+    before = _snapshot(tmp_path)
+    cmd = [sys.executable, "-m", "vjpsplit_cli", "--no-cache", "run-fwd", str(big / "art.vjps"),
+           "--inputs", str(big / "in1.npz"), "--residuals", str(res), "--outputs", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    signum = getattr(signal, sig)
+    try:
+        while True:
+            if [p for p in tmp_path.glob(f".{res.name}.*") if _size(p) > 0]:
+                proc.send_signal(signum)
+                break
+            if proc.poll() is not None:
+                pytest.fail(f"the writer finished before the signal: {proc.stderr.read()[-500:]}")
+            time.sleep(0.001)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # The conventional outcome: SIGTERM and SIGHUP end the process by that signal, Ctrl-C exits 130.
+    assert proc.returncode == (130 if sig == "SIGINT" else -signum), (proc.returncode, err)
+    assert "Traceback" not in err
+    if sig == "SIGINT":
+        assert err.strip().splitlines() == ["error: run-fwd: interrupted; every previous output is left as it was"]
+    assert _snapshot(tmp_path) == before, "a temp file was left or a previous output changed"

@@ -513,8 +513,10 @@ class StagedOutputs:
 
 
 def _renamed(e: VjpsplitError, tmp: str, path: str) -> VjpsplitError:
-    """``e`` with the temp file's name replaced by the output's, as the user wrote it."""
+    """``e`` with the temp file's name replaced by the output's, as the user wrote it; always naming it."""
     text = str(e).replace(tmp, path).replace(os.path.basename(tmp), os.path.basename(path))
+    if os.path.basename(path) not in text:
+        text = f"{path}: {text}"
     try:
         return type(e)(text)
     except Exception:
