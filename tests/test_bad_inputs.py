@@ -1,15 +1,19 @@
 """The bad-input matrix: every command x every file it reads x every way that file can be wrong.
 
 Each case must give exit 1 (2 for usage mistakes), exactly one stderr line
-``error: ...`` that names the file, no traceback, and no output file.
+``error: ...`` that names the file and is not a bare exception type, no traceback,
+no new file (temp files included), and previous outputs byte-identical.
 README's "Reliability" section quotes the number of cases collected here.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
+import re
+import stat
 import textwrap
 import zipfile
 from pathlib import Path
@@ -39,6 +43,8 @@ MODEL = textwrap.dedent(
     """
 )
 FMTS = ("npz", "msgpack")
+# An error line that only names an exception type (``error: OSError: ...``): never acceptable.
+GENERIC = re.compile(r"^error: (\w+\.)*\w*(Error|Exception|Interrupt|Exit)\b")
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +183,8 @@ def commands(d: Path, fmt: str, out: Path):
     inputs, res, cts = copy(f"inputs.{fmt}"), copy(f"residuals.{fmt}"), copy(f"cotangents.{fmt}")
     shapes, module = copy(f"shapes.{fmt}"), copy("model.py")
     o = lambda n: str(out / f"new_{n}.{fmt}")  # noqa: E731
+    for previous in (o("res"), o("out"), o("grads"), str(out / "new.vjps")):
+        Path(previous).write_bytes(b"previous output")  # a failed command must leave these as they are
     fwd = ["run-fwd", art, "--inputs", inputs, "--residuals", o("res"), "--outputs", o("out")]
     bwd = ["run-bwd", art, "--residuals", res, "--inputs", inputs, "--cotangents", cts, "--grads", o("grads")]
     exp = ["export", f"{module}:stage", "--shapes", f"w={shapes}", "--shapes", "x=f32[b,4]", "--platforms", "cpu",
@@ -275,15 +283,35 @@ def test_bad_input(base, tmp_path, monkeypatch, case):
         CONTENT_BREAKS[brk](target)
     else:
         _artifact_break(brk)(target)
-    before = set(os.listdir(tmp_path))
+    before = _snapshot(tmp_path)
     monkeypatch.chdir(tmp_path)
     r = CliRunner().invoke(main, [str(a) for a in argv])
     err = r.stderr.strip()
     assert r.exit_code == 1, (r.exit_code, r.output, err)
     assert "Traceback" not in r.output + r.stderr
     assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    assert not GENERIC.match(err), f"a bare exception type, not a message: {err}"
     assert target.name in err, f"the message does not name {target.name}: {err}"
-    assert set(os.listdir(tmp_path)) <= before, "a failed command left a file behind"
+    assert _snapshot(tmp_path) == before, "a failed command left a file behind or changed one"
+
+
+def _snapshot(d: Path) -> dict:
+    """Each entry's kind and, for files, a digest read with os calls (tests may patch open())."""
+    out = {}
+    for name in os.listdir(d):
+        st = os.lstat(d / name)
+        if not stat.S_ISREG(st.st_mode):
+            out[name] = stat.filemode(st.st_mode)
+            continue
+        fd = os.open(d / name, os.O_RDONLY)
+        try:
+            h = hashlib.sha256()
+            while chunk := os.read(fd, 1 << 20):
+                h.update(chunk)
+        finally:
+            os.close(fd)
+        out[name] = h.hexdigest()
+    return out
 
 
 def test_matrix_size():
