@@ -53,4 +53,5 @@ def test_pipeline_sample_inprocess(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "loss and gradients match jax.value_and_grad" in r.stdout
     assert sorted(p.name for p in tmp_path.glob("*.png")) == [
-        "timeline_inprocess_1f1b.png", "timeline_inprocess_gpipe.png", "timeline_inprocess_zbh1.png"]
+        "timeline_inprocess_1f1b.png", "timeline_inprocess_gpipe.png", "timeline_inprocess_zbh1.png",
+        "timeline_inprocess_zbv.png"]

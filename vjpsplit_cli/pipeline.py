@@ -23,6 +23,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -413,13 +414,62 @@ class _Forward:
         return out, traced["tree"].unflatten(flat)
 
 
-class StageWorker:
-    """One stage: its artifact, parameters, residuals in flight and accumulated gradients.
+class _Calls:
+    """One stage artifact's operations, each one jitted call around the artifact's public methods.
 
-    Each operation is one jitted call around the artifact's public methods, so the
-    checks those make (keys, shapes, dtypes, fingerprints) run when a signature is
-    first traced rather than on every microbatch; the gradient sum is in the same call.
+    The checks those methods make (keys, shapes, dtypes, fingerprints) run when a
+    signature is first traced rather than on every microbatch, and the gradient
+    sum is in the same call as the weight gradient.
     """
+
+    def __init__(self, artifact, feeds_back: bool):
+        import jax
+
+        m = artifact.manifest
+        w, x = m.arg_names[0], (m.arg_names[1] if feeds_back else None)
+
+        def add(acc, g):
+            return jax.tree_util.tree_map(lambda a, b: a + b, acc, g)
+
+        def fused(res, ct):
+            g = artifact.bwd(res, ct)
+            g = {m.wrt[0]: g} if m.single_grad else dict(zip(m.wrt, g))
+            return g[w], (g[x] if x else None)
+
+        def fused_acc(acc, res, ct):
+            gw, gx = fused(res, ct)
+            return add(acc, gw), gx
+
+        def b_input(res, ct):
+            g, inter = artifact.bwd_input(res, ct)
+            return (g[x] if x else None), inter
+
+        def b_weight(res, inter):
+            return artifact.bwd_weight(res, inter)[w]
+
+        self.forward = _Forward(artifact)
+        self.backward, self.backward_acc = jax.jit(fused), jax.jit(fused_acc)
+        self.backward_input = jax.jit(b_input) if m.weights else None
+        self.backward_weight = jax.jit(b_weight) if m.weights else None
+        self.backward_weight_acc = jax.jit(lambda acc, res, inter: add(acc, b_weight(res, inter))) if m.weights else None
+
+
+# Compiled calls live as long as their artifact, so repeated steps (and run_inprocess
+# calls) reuse them instead of tracing and compiling again.
+_CALLS: "weakref.WeakKeyDictionary[Any, dict[bool, _Calls]]" = weakref.WeakKeyDictionary()
+_CALLS_LOCK = threading.Lock()
+
+
+def _calls_for(artifact, feeds_back: bool) -> _Calls:
+    with _CALLS_LOCK:
+        per = _CALLS.setdefault(artifact, {})
+        if feeds_back not in per:
+            per[feeds_back] = _Calls(artifact, feeds_back)
+        return per[feeds_back]
+
+
+class StageWorker:
+    """One stage: its artifact, parameters, residuals in flight and accumulated gradients."""
 
     def __init__(self, artifact, params, index: int, stages: int):
         import jax
@@ -437,31 +487,7 @@ class StageWorker:
             raise VjpsplitError(f"stage {index}: export it with wrt including its input "
                                 f"({names[1] if len(names) > 1 else 'the second argument'}): the stage before "
                                 "waits for that gradient")
-        w, x = names[0], (names[1] if self.feeds_back else None)
-
-        def fused(res, ct):
-            g = artifact.bwd(res, ct)
-            g = dict(zip(m.wrt, g)) if not m.single_grad else {m.wrt[0]: g}
-            return g[w], (g[x] if x else None)
-
-        def fused_acc(acc, res, ct):
-            gw, gx = fused(res, ct)
-            return jax.tree_util.tree_map(lambda a, b: a + b, acc, gw), gx
-
-        def b_input(res, ct):
-            g, inter = artifact.bwd_input(res, ct)
-            return (g[x] if x else None), inter
-
-        def b_weight(res, inter):
-            return artifact.bwd_weight(res, inter)[w]
-
-        def b_weight_acc(acc, res, inter):
-            return jax.tree_util.tree_map(lambda a, b: a + b, acc, b_weight(res, inter))
-
-        self._fwd = _Forward(artifact)
-        self._bwd, self._bwd_acc = jax.jit(fused), jax.jit(fused_acc)
-        self._bwd_input = jax.jit(b_input)
-        self._bwd_weight, self._bwd_weight_acc = jax.jit(b_weight), jax.jit(b_weight_acc)
+        self.calls = _calls_for(artifact, self.feeds_back)
         self.reset()
 
     def reset(self):
@@ -486,7 +512,7 @@ class StageWorker:
         def run():
             import jax
 
-            out, res = self._fwd(self.params, x, *side)
+            out, res = self.calls.forward(self.params, x, *side)
             out = jax.block_until_ready(out)
             self.res[mb] = res
             return out
@@ -503,9 +529,9 @@ class StageWorker:
 
             res, c = self.res.pop(mb), self._ct(ct, microbatches)
             if self.grads is None:
-                self.grads, gx = jax.block_until_ready(self._bwd(res, c))
+                self.grads, gx = jax.block_until_ready(self.calls.backward(res, c))
             else:
-                self.grads, gx = jax.block_until_ready(self._bwd_acc(self.grads, res, c))
+                self.grads, gx = jax.block_until_ready(self.calls.backward_acc(self.grads, res, c))
             return gx
 
         return self._timed(self.index if worker is None else worker, "B", mb, run)
@@ -515,7 +541,7 @@ class StageWorker:
         def run():
             import jax
 
-            gx, inter = jax.block_until_ready(self._bwd_input(self.res[mb], self._ct(ct, microbatches)))
+            gx, inter = jax.block_until_ready(self.calls.backward_input(self.res[mb], self._ct(ct, microbatches)))
             self.inter[mb] = inter
             return gx
 
@@ -528,9 +554,9 @@ class StageWorker:
 
             res, inter = self.res.pop(mb), self.inter.pop(mb)
             if self.grads is None:
-                self.grads = jax.block_until_ready(self._bwd_weight(res, inter))
+                self.grads = jax.block_until_ready(self.calls.backward_weight(res, inter))
             else:
-                self.grads = jax.block_until_ready(self._bwd_weight_acc(self.grads, res, inter))
+                self.grads = jax.block_until_ready(self.calls.backward_weight_acc(self.grads, res, inter))
 
         self._timed(self.index if worker is None else worker, "W", mb, run)
 

@@ -1,14 +1,16 @@
-"""GPipe vs 1F1B vs ZB-H1 on a 4-stage MLP, over exported artifacts.
+"""GPipe vs 1F1B vs ZB-H1 vs ZB-V on an 8-layer MLP over 4 workers, over exported artifacts.
 
     python samples/pipeline/run.py [--runner ray|inprocess|both] [--steps 3] [--out DIR]
                                    [--address ray://head:10001] [--progress]
 
-For each schedule: one warm-up step, then ``--steps`` measured steps; prints the
-median step time, the measured bubble ratio, and the modeled one (the measured op
-times replayed as if every stage had a device of its own: on a machine with fewer
-cores than stages, stages share cores and the measured ratio mixes in that
-contention). Checks every step's loss and gradients against
-``jax.value_and_grad`` of the whole model, and writes a timeline PNG per schedule.
+GPipe, 1F1B and ZB-H1 cut the model into 4 stages of 2 layers, one per worker;
+ZB-V cuts it into 8 stages of 1 layer, two per worker in a V. For each schedule:
+one warm-up step, then ``--steps`` measured steps; prints the median step time,
+the measured bubble ratio, and the modeled one (the measured op times replayed
+as if every worker had a device of its own: on a machine with fewer cores than
+workers, workers share cores and the measured ratio mixes in that contention).
+Checks every step's loss and gradients against ``jax.value_and_grad`` of the
+whole model, and writes a timeline PNG per schedule.
 """
 
 from __future__ import annotations
@@ -27,11 +29,14 @@ import stages as model  # noqa: E402
 
 from vjpsplit_cli import pipeline as P  # noqa: E402
 
+WORKERS = 4
+
 
 def check(result, loss, grads) -> str | None:
     if not np.allclose(result.loss, loss, rtol=1e-4):
         return f"loss {result.loss} != {float(loss)}"
-    for a, b in zip(jax.tree_util.tree_leaves(result.grads), jax.tree_util.tree_leaves(grads)):
+    per_layer = [g for stage in result.grads for g in stage]
+    for a, b in zip(jax.tree_util.tree_leaves(per_layer), jax.tree_util.tree_leaves(grads), strict=True):
         if not np.allclose(a, b, rtol=1e-3, atol=1e-5):
             return f"gradients differ by {float(np.max(np.abs(np.asarray(a) - np.asarray(b)))):.2e}"
     return None
@@ -51,48 +56,60 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     params = model.init()
-    arts = model.export_stages(params)
+    cuts = {n: (model.export_stages(params, n), model.group(params, n)) for n in (WORKERS, 2 * WORKERS)}
     rng = np.random.default_rng(1)
     x = rng.normal(size=(args.batch, model.WIDTH)).astype(np.float32)
     labels = rng.integers(0, model.CLASSES, args.batch).astype(np.int32)
     loss, grads = jax.value_and_grad(model.whole)(params, x, labels)
 
     runners = ["inprocess", "ray"] if args.runner == "both" else [args.runner]
+    if "ray" in runners:  # one Ray for every schedule's actors; each RayPipeline then joins it
+        import os
+
+        import ray
+
+        ray.init(include_dashboard=False, log_to_driver=False,
+                 **({"address": args.address} if args.address else {"num_cpus": max(2 * WORKERS, os.cpu_count() or 1)}))
     rows = []
     for runner in runners:
-        rp = P.RayPipeline(arts, params, address=args.address) if runner == "ray" else None
-        try:
-            for name in P.SCHEDULES:
+        for name in P.SCHEDULES:
+            arts, stage_params = cuts[2 * WORKERS if name == "zbv" else WORKERS]
+            rp = P.RayPipeline(arts, stage_params, layout=P.layout(name)) if runner == "ray" else None
+            try:
                 def step():
                     if rp is not None:
                         return rp.run(x, [labels], microbatches=args.microbatches, schedule_name=name,
                                       progress=args.progress)
-                    return P.run_inprocess(arts, params, x, [labels], microbatches=args.microbatches,
+                    return P.run_inprocess(arts, stage_params, x, [labels], microbatches=args.microbatches,
                                            schedule_name=name, progress=args.progress)
 
-                step()  # warm-up: compiles every module once per process
+                step()  # warm-up: compiles every module once per worker
                 results = [step() for _ in range(args.steps)]
-                for r in results:
-                    bad = check(r, loss, grads)
-                    if bad:
-                        print(f"FAIL {runner} {name}: {bad}")
-                        return 1
-                best = sorted(results, key=lambda r: r.step_time)[len(results) // 2]
-                png = out / f"timeline_{runner}_{name}.png"
-                best.plot(png)
-                rows.append((runner, name, statistics.median(r.step_time for r in results),
-                             statistics.median(r.bubble_ratio for r in results),
-                             statistics.median(r.modeled_bubble_ratio for r in results), png))
-        finally:
-            if rp is not None:
-                rp.close()
-    print(f"4 stages, batch {args.batch} in {args.microbatches} microbatches; loss and gradients match "
-          f"jax.value_and_grad for every step; {args.steps} measured steps each")
+            finally:
+                if rp is not None:
+                    rp.close()
+            for r in results:
+                bad = check(r, loss, grads)
+                if bad:
+                    print(f"FAIL {runner} {name}: {bad}")
+                    return 1
+            best = sorted(results, key=lambda r: r.step_time)[len(results) // 2]
+            png = out / f"timeline_{runner}_{name}.png"
+            best.plot(png)
+            rows.append((runner, name, len(arts), statistics.median(r.step_time for r in results),
+                         statistics.median(r.bubble_ratio for r in results),
+                         statistics.median(r.modeled_bubble_ratio for r in results)))
+    if "ray" in runners:
+        import ray
+
+        ray.shutdown()
+    print(f"{model.LAYERS}-layer MLP on {WORKERS} workers, batch {args.batch} in {args.microbatches} microbatches; "
+          f"loss and gradients match jax.value_and_grad for every step; {args.steps} measured steps each")
     print()
-    print("| runner | schedule | step time (median) | measured bubble | modeled bubble (1 device/stage) |")
-    print("|---|---|---:|---:|---:|")
-    for runner, name, t, bub, model_bub, _ in rows:
-        print(f"| {runner} | {name} | {t * 1e3:.0f} ms | {bub:.0%} | {model_bub:.0%} |")
+    print("| runner | schedule | stages | step time (median) | measured bubble | modeled bubble (1 device/worker) |")
+    print("|---|---|---:|---:|---:|---:|")
+    for runner, name, n, t, bub, model_bub in rows:
+        print(f"| {runner} | {P._LABELS[name]} | {n} | {t * 1e3:.0f} ms | {bub:.0%} | {model_bub:.0%} |")
     print()
     print(f"timelines: {out}")
     return 0

@@ -1,4 +1,4 @@
-"""A 4-stage MLP cut for pipeline parallelism: three hidden stages and a classifier head."""
+"""An 8-layer MLP cut for pipeline parallelism: into 4 stages of 2 layers, or (ZB-V) 8 stages of 1 layer."""
 
 from __future__ import annotations
 
@@ -7,51 +7,57 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export as jexport
 
-WIDTH, CLASSES = 512, 10
+WIDTH, CLASSES, LAYERS = 512, 10, 8
 
 
 def hidden(params, x):
-    """A hidden stage: two dense layers with GELU."""
-    h = jax.nn.gelu(x @ params["w1"] + params["b1"])
-    return jax.nn.gelu(h @ params["w2"] + params["b2"])
+    """A hidden stage: dense layers with GELU, one per entry of ``params``."""
+    for p in params:
+        x = jax.nn.gelu(x @ p["w"] + p["b"])
+    return x
 
 
 def head(params, x, labels):
-    """The last stage: a dense layer, then the microbatch's mean cross-entropy."""
-    h = jax.nn.gelu(x @ params["w1"] + params["b1"])
-    logits = h @ params["w2"] + params["b2"]
+    """The last stage: its hidden layers, the classifier layer, then the microbatch's mean cross-entropy."""
+    x = hidden(params[:-1], x)
+    logits = x @ params[-1]["w"] + params[-1]["b"]
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
 
 
 def whole(params, x, labels):
-    """The unpipelined model, for checking gradients."""
-    for p in params[:-1]:
-        x = hidden(p, x)
-    return head(params[-1], x, labels)
+    """The unpipelined model (``params``: one dict per layer), for checking gradients."""
+    return head(params, x, labels)
 
 
-def init(stages: int = 4, seed: int = 0):
+def init(layers: int = LAYERS, seed: int = 0):
+    """One ``{"w", "b"}`` per layer; the last maps to the classes."""
     rng = np.random.default_rng(seed)
-
-    def dense(a, b):
-        return (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32), np.zeros(b, np.float32)
-
-    params = []
-    for s in range(stages):
-        (w1, b1), (w2, b2) = dense(WIDTH, WIDTH), dense(WIDTH, CLASSES if s == stages - 1 else WIDTH)
-        params.append({"w1": w1, "b1": b1, "w2": w2, "b2": b2})
-    return params
+    return [{"w": (rng.normal(size=(WIDTH, CLASSES if i == layers - 1 else WIDTH)) / np.sqrt(WIDTH)).astype(np.float32),
+             "b": np.zeros(CLASSES if i == layers - 1 else WIDTH, np.float32)} for i in range(layers)]
 
 
-def export_stages(params, platforms="cpu"):
-    """One artifact per stage, batch symbolic, with the zero-bubble split backward."""
+def group(params, stages: int):
+    """The layers' parameters as ``stages`` consecutive groups, one list per stage."""
+    k = len(params) // stages
+    if k * stages != len(params):
+        raise ValueError(f"{len(params)} layers do not split into {stages} equal stages")
+    return [params[i * k:(i + 1) * k] for i in range(stages)]
+
+
+def export_stages(params, stages: int, platforms="cpu"):
+    """One artifact per stage, batch symbolic, with the zero-bubble split backward.
+
+    Stage 0 differentiates only its weights: nobody uses its input's gradient.
+    """
     import vjpsplit_cli as vs
 
     (b,) = jexport.symbolic_shape("b")
     s = jax.ShapeDtypeStruct
     spec = lambda p: jax.tree_util.tree_map(lambda a: s(a.shape, a.dtype), p)  # noqa: E731
-    arts = [vs.export(hidden, spec(p), s((b, WIDTH), jnp.float32), weights="params", platforms=platforms)
-            for p in params[:-1]]
-    arts.append(vs.export(head, spec(params[-1]), s((b, WIDTH), jnp.float32), s((b,), jnp.int32),
-                          wrt=("params", "x"), weights="params", platforms=platforms))
+    groups = group(params, stages)
+    wrt = lambda i: ("params",) if i == 0 else ("params", "x")  # noqa: E731
+    arts = [vs.export(hidden, spec(p), s((b, WIDTH), jnp.float32), wrt=wrt(i), weights="params", platforms=platforms)
+            for i, p in enumerate(groups[:-1])]
+    arts.append(vs.export(head, spec(groups[-1]), s((b, WIDTH), jnp.float32), s((b,), jnp.int32),
+                          wrt=wrt(stages - 1), weights="params", platforms=platforms))
     return arts
