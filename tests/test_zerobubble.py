@@ -146,3 +146,31 @@ def test_cli_part_errors(art, tmp_path):
 def test_weights_must_be_differentiated():
     with pytest.raises(vs.VjpsplitError, match="not differentiated"):
         vs.export(stage, *specs(), wrt="x", weights="params", platforms="cpu")
+
+
+def test_weights_only_stage_still_walks_the_cotangent_back_in_b():
+    # A pipeline's first stage: nobody needs its input gradient. B still propagates the cotangent
+    # through the layers (the paper's B); W keeps only the weight-gradient matmuls.
+    art = vs.export(stage, *specs(), wrt="params", weights="params", platforms="cpu")
+    n_layers = len(SIZES) - 1
+    full, b, w = _dots(art, "bwd"), _dots(art, "bwd_input"), _dots(art, "bwd_weight")
+    assert (full, b, w) == (2 * n_layers - 1, n_layers - 1, n_layers)
+    params, x = stage_inputs(7)
+    out, res = art.fwd(params, x)
+    ct = np.random.default_rng(3).normal(size=np.shape(out)).astype(np.float32)
+    grads_in, inter = art.bwd_input(res, ct)
+    assert grads_in == {}
+    assert_trees_close(art.bwd_weight(res, inter)["params"], art.bwd(res, ct), rtol=1e-6, atol=1e-6)
+
+
+def test_partition_reports_what_the_weight_part_reads():
+    from vjpsplit_cli.zerobubble import partition
+
+    def bwd(w, x, ct):  # dW = x^T ct needs x, not w; dx = ct w^T needs w
+        return ct @ w.T, x.T @ ct
+
+    closed = jax.make_jaxpr(bwd)(jnp.ones((3, 2)), jnp.ones((4, 3)), jnp.ones((4, 2)))
+    part = partition(closed, weight_outs=[1], ct_invars=[2])
+    # The weight part's inputs: w, x, then the boundary (the cotangent, passed through B).
+    assert len(part.weight_part.jaxpr.invars) == 3 and part.n_boundary == 1
+    assert part.weight_reads == (1, 2)

@@ -6,9 +6,16 @@ stage waits for it, and push W, the weight-gradient matmuls, into idle slots.
 
 The cut is made on the backward's jaxpr (``jax.extend.core``, JAX's public
 extension API) by data dependence: B holds every equation the non-weight
-gradients need; W holds the remaining equations the weight gradients need. W
-reads the residuals directly and, from B, only the values B computed that it
-uses (the intermediate cotangents), plus any output cotangent it uses itself.
+gradients need, and the cotangent chain that runs back through the stage's
+layers (every equation on the cotangent's path that feeds a later contraction);
+W holds the rest of what the weight gradients need, the weight-gradient
+contractions and what follows them. W reads the residuals directly and, from B,
+only the values B computed that it uses (the intermediate cotangents), plus any
+output cotangent it uses itself.
+
+The chain rule matters for a stage whose input gradient nobody needs (a
+pipeline's first stage): B then still walks the cotangent back through the
+layers, as in the paper, instead of leaving the whole backward to W.
 """
 
 from __future__ import annotations
@@ -30,10 +37,14 @@ class Partition:
     input_part: jcore.ClosedJaxpr
     weight_part: jcore.ClosedJaxpr
     n_boundary: int
+    weight_reads: tuple[int, ...] = ()  # positions of the weight part's inputs that it actually reads
 
 
 def _vars(atoms) -> list:
     return [a for a in atoms if isinstance(a, jcore.Var)]
+
+
+_CONTRACTIONS = ("dot_general", "conv_general_dilated")
 
 
 def partition(closed: jcore.ClosedJaxpr, weight_outs: Sequence[int], ct_invars: Sequence[int]) -> Partition:
@@ -60,6 +71,23 @@ def partition(closed: jcore.ClosedJaxpr, weight_outs: Sequence[int], ct_invars: 
         return set(picked), need
 
     a_idx, _ = backward_slice(in_outvars, exclude=set())
+    w_only, _ = backward_slice(w_outvars, exclude=a_idx)
+    # The cotangent chain: equations of the weight-only slice that depend on a cotangent and
+    # feed a later contraction there. They (and what they read) join B.
+    ct_dep = {jaxpr.invars[i] for i in ct_invars}
+    for eqn in jaxpr.eqns:
+        if any(v in ct_dep for v in _vars(eqn.invars)):
+            ct_dep.update(v for v in eqn.outvars if isinstance(v, jcore.Var))
+    feeds = set()  # values that reach a contraction of the weight-only slice
+    for idx in sorted(w_only, reverse=True):
+        eqn = jaxpr.eqns[idx]
+        if eqn.primitive.name in _CONTRACTIONS or any(v in feeds for v in eqn.outvars if isinstance(v, jcore.Var)):
+            feeds.update(_vars(eqn.invars))
+    chain = [jaxpr.eqns[i] for i in sorted(w_only)
+             if any(v in feeds and v in ct_dep for v in jaxpr.eqns[i].outvars if isinstance(v, jcore.Var))]
+    if chain:
+        more, _ = backward_slice([v for e in chain for v in e.outvars if isinstance(v, jcore.Var)], exclude=set())
+        a_idx |= more
     b_idx, b_need = backward_slice(w_outvars, exclude=a_idx)
     defined_by_a = {v for i in a_idx for v in jaxpr.eqns[i].outvars if isinstance(v, jcore.Var)}
     ct_vars = [jaxpr.invars[i] for i in ct_invars]
@@ -77,8 +105,10 @@ def partition(closed: jcore.ClosedJaxpr, weight_outs: Sequence[int], ct_invars: 
                              _debug_info(jaxpr, "input part", len(jaxpr.invars), len(in_outvars) + len(boundary)))
     weight_part = jcore.Jaxpr(jaxpr.constvars, kept_invars + boundary, w_outvars, b_eqns, _effects(b_eqns),
                               _debug_info(jaxpr, "weight part", len(kept_invars) + len(boundary), len(w_outvars)))
+    used = set(_vars(w_outvars)) | {v for e in b_eqns for v in _vars(e.invars)}
+    reads = tuple(i for i, v in enumerate(weight_part.invars) if v in used)
     return Partition(jcore.ClosedJaxpr(input_part, closed.consts), jcore.ClosedJaxpr(weight_part, closed.consts),
-                     len(boundary))
+                     len(boundary), reads)
 
 
 def _debug_info(jaxpr: jcore.Jaxpr, what: str, n_in: int, n_out: int):
