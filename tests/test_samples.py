@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,3 +56,14 @@ def test_pipeline_sample_inprocess(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*.png")) == [
         "timeline_inprocess_1f1b.png", "timeline_inprocess_gpipe.png", "timeline_inprocess_zbh1.png",
         "timeline_inprocess_zbv.png"]
+
+
+@pytest.mark.parametrize("name, library", [("flax_cnn", "flax"), ("equinox_mlp", "equinox"), ("haiku_mlp", "haiku")])
+def test_model_library_samples(name, library, tmp_path):
+    # A sample copies into a user's project as it is: run it exactly as its docstring says.
+    env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    proc = run(["bash", "samples/models/run.sh", name, str(tmp_path)], env=env)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("OK:") and "gradients vs jax.grad" in last, proc.stdout
+    grads = np.load(tmp_path / "grads.npz")
+    assert grads.files and all(k.startswith("params/") for k in grads.files)

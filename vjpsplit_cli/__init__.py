@@ -22,6 +22,7 @@ _EXPORTS = {
     "save_residuals": "residuals", "load_residuals": "residuals",
     "save_intermediates": "residuals", "load_intermediates": "residuals", "Intermediates": "artifact",
     "save_arrays": "arrays", "load_arrays": "arrays",
+    "file_arrays": "trees", "tree_from_file": "trees",
     "plan_policies": "economy", "choose_policy": "economy",
     "VjpsplitError": "errors",
     "POLICIES": "policies",
@@ -50,4 +51,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the eager spelling of the lazy 
     from .economy import choose_policy, plan_policies
     from .errors import VjpsplitError
     from .policies import POLICIES
+    from .trees import file_arrays, tree_from_file
     from .residuals import load_intermediates, load_residuals, save_intermediates, save_residuals

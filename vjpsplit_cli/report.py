@@ -110,13 +110,14 @@ def _rows(title: str, leaves: Sequence[Leaf], residual: bool = False) -> list[st
     if not leaves:
         return [f"{title}: (none)"]
     width = max(len(leaf.key) for leaf in leaves)
+    shape_width = max(24, *(len(leaf.describe()) for leaf in leaves))
     lines = [f"{title}:"]
     for leaf in leaves:
         size = format_bytes_terms(byte_terms(leaf))
         note = ""
         if residual:
             note = "  input-backed (not stored)" if leaf.input_backed else "  stored"
-        lines.append(f"  {leaf.key:<{width}}  {leaf.describe():<24} {size:>14}{note}")
+        lines.append(f"  {leaf.key:<{width}}  {leaf.describe():<{shape_width}} {size:>14}{note}")
     return lines
 
 

@@ -16,12 +16,13 @@ keyed by those segments.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import jax
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from .errors import VjpsplitError
+from .prng import from_data, impl_name, is_key, to_data
 
 
 def escape_segment(name: str) -> str:
@@ -224,3 +225,28 @@ def unflatten_keys(flat: dict[str, Any]) -> Any:
         return n
 
     return listify(root)
+
+
+def file_arrays(**trees) -> dict[str, Any]:
+    """``{file key: array}`` for named argument pytrees, as array files hold them.
+
+    ``vs.save_arrays("inputs.npz", vs.file_arrays(params=params, x=x))`` writes an
+    inputs file for ``run-fwd``; typed PRNG keys become their key data.
+    """
+    return {k: to_data(v) for name, tree in trees.items() for k, v in flatten_with_keys(name, tree)}
+
+
+def tree_from_file(arrays: Mapping[str, Any], name: str, like) -> Any:
+    """The pytree ``like`` (any pytree type) filled from a file's ``{key: array}`` under ``name``.
+
+    Reads a grads, inputs or outputs file back into the caller's own structure;
+    typed PRNG key leaves of ``like`` are wrapped back from their key data. A
+    missing key is refused by name.
+    """
+    entries = flatten_with_keys(name, like)
+    leaves = []
+    for key, leaf in entries:
+        if key not in arrays:
+            raise VjpsplitError(f"key '{key}' is missing from the arrays; expected keys under '{name}'")
+        leaves.append(from_data(arrays[key], impl_name(leaf)) if is_key(leaf) else arrays[key])
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
