@@ -225,16 +225,21 @@ def test_a_read_only_target_is_refused_exactly_when_open_wb_would_be(ws, cmd):
 
 # ---------------------------------------------------------------- all or none
 
-def _fail_second_write(monkeypatch, module: str, exc: BaseException):
-    """Make the CLI's second output write fail (the first one is staged by then)."""
-    import importlib
+def _fail_second_write(monkeypatch, exc: BaseException) -> list:
+    """Make the writer of a command's second output raise ``exc``; the first output is staged by then."""
+    real = StagedOutputs.write
+    labels: list = []
 
-    mod = importlib.import_module(f"vjpsplit_cli.{module}")
+    def write(self, label, writer):
+        labels.append(label)
+        if len(labels) == 2:
+            def writer(tmp):
+                Path(tmp).write_bytes(b"half written")  # a partial temp file must go too
+                raise exc
+        return real(self, label, writer)
 
-    def boom(*args, **kwargs):
-        raise exc
-
-    monkeypatch.setattr(mod, "save_arrays", boom)
+    monkeypatch.setattr(StagedOutputs, "write", write)
+    return labels
 
 
 FAILURES = {
@@ -249,16 +254,16 @@ FAILURES = {
 
 @pytest.mark.parametrize("failure", list(FAILURES))
 def test_run_fwd_replaces_both_outputs_or_neither(ws, monkeypatch, failure):
-    # save_residuals writes through residuals.save_arrays; --outputs through arrays.save_arrays, written second.
-    _fail_second_write(monkeypatch, "arrays", FAILURES[failure])
+    labels = _fail_second_write(monkeypatch, FAILURES[failure])
     assert_refused(ws, FWD + ["--residuals", "r.npz", "--outputs", "o.npz"], 1, "o.npz")
+    assert labels == ["--residuals", "--outputs"]
 
 
 @pytest.mark.parametrize("failure", list(FAILURES))
 def test_run_bwd_part_input_replaces_grads_and_intermediates_or_neither(ws, monkeypatch, failure):
-    # --intermediates is written first (residuals.save_arrays), --grads second (arrays.save_arrays).
-    _fail_second_write(monkeypatch, "arrays", FAILURES[failure])
+    labels = _fail_second_write(monkeypatch, FAILURES[failure])
     assert_refused(ws, BWD + ["--part", "input", "--grads", "g.npz", "--intermediates", "i.npz"], 1, "g.npz")
+    assert labels == ["--intermediates", "--grads"]
 
 
 def test_a_successful_command_replaces_every_output(ws):
