@@ -561,3 +561,35 @@ CASES = (
     + [("all-or-none", f, c) for f in FAILURES for c in range(2)] + [("dims", c) for c in DIMS] + [("at", c) for c in AT]
     + [("injected", e, c) for e in INJECTED for c in ENTRY] + [("forged", f, c) for f in FORGERIES for c in range(2)]
 )
+
+
+def test_sigint_inside_staged_outputs_removes_temps_then_raises_keyboard_interrupt(tmp_path):
+    import signal
+
+    (tmp_path / "a.npz").write_bytes(b"old")
+    with pytest.raises(KeyboardInterrupt):
+        with StagedOutputs({"a": tmp_path / "a.npz"}) as out:
+            out.write("a", lambda p: vs.save_arrays(p, {"x": np.ones(2)}))
+            signal.raise_signal(signal.SIGINT)
+    assert os.listdir(tmp_path) == ["a.npz"] and (tmp_path / "a.npz").read_bytes() == b"old"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert not _io._LIVE and not _io._STAGED
+
+
+def test_a_signal_goes_on_to_the_previous_handler_after_cleanup(tmp_path):
+    import signal
+
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with pytest.raises(_io.Interrupted):
+            with StagedOutputs({"a": tmp_path / "a.npz", "b": tmp_path / "b.npz"}) as out:
+                out.write("a", lambda p: vs.save_arrays(p, {"x": np.ones(2)}))
+                signal.raise_signal(signal.SIGTERM)
+                pytest.fail("the signal did not interrupt the block")
+        assert seen == [signal.SIGTERM] and os.listdir(tmp_path) == []
+        with StagedOutputs({"a": tmp_path / "a.npz"}) as out:  # and the next block works as usual
+            out.write("a", lambda p: vs.save_arrays(p, {"x": np.ones(2)}))
+        assert os.listdir(tmp_path) == ["a.npz"]
+    finally:
+        signal.signal(signal.SIGTERM, previous)

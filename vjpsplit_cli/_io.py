@@ -165,22 +165,23 @@ def cleanup_on_signals() -> Iterator[None]:
         yield
         return
     outer = _Guard.depth == 0
-    if outer:
-        _Guard.pending, _Guard.raised, _Guard.previous = None, False, {}
-        for s in _SIGNALS:
-            previous = signal.getsignal(s)
-            if previous in (signal.SIG_IGN, None):  # e.g. under nohup: the user asked to ignore it
-                continue
-            _Guard.previous[s] = previous
-            signal.signal(s, _on_signal)
     _Guard.depth += 1
     try:
+        if outer:  # inside the try: a signal during the installs still restores what was installed
+            _Guard.pending, _Guard.raised, _Guard.previous = None, False, {}
+            for s in _SIGNALS:
+                previous = signal.getsignal(s)
+                if previous in (signal.SIG_IGN, None):  # e.g. under nohup: the user asked to ignore it
+                    continue
+                _Guard.previous[s] = previous
+                signal.signal(s, _on_signal)
         yield
     finally:
         _Guard.depth -= 1
         if outer:
-            for s, previous in _Guard.previous.items():
-                signal.signal(s, previous)
+            with _signals_deferred():  # a signal now must not cut the restores short
+                for s, previous in _Guard.previous.items():
+                    signal.signal(s, previous)
             pending = _Guard.pending
             _Guard.pending, _Guard.raised, _Guard.previous = None, False, {}
             if pending is not None:
