@@ -25,8 +25,10 @@ SECTIONS = {
     "overhead": ("Forward + backward: split vs fused", "benchmarks.overhead"),
     "schedule": ("F1 F2 B2 B1 vs recompute", "benchmarks.schedule"),
     "io": ("Residual file I/O", "benchmarks.io"),
+    "bindings": ("Binding residuals to their inputs (CRC-32)", "benchmarks.bindings"),
     "economy": ("Residual economy (policies)", "benchmarks.economy"),
     "cli": ("CLI wall time", "benchmarks.cli"),
+    "pipeline": ("Pipeline schedules on 2 workers", "benchmarks.pipeline"),
 }
 
 

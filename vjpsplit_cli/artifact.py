@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import re
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -508,10 +510,11 @@ class ArtifactResiduals:
     A pytree, so it can be passed through ``jax.device_put`` or ``jax.jit``.
     """
 
-    __slots__ = ("stored", "inputs", "dims", "fingerprint", "arg_names", "arg_trees", "inputs_source")
+    __slots__ = ("stored", "inputs", "dims", "fingerprint", "arg_names", "arg_trees", "residuals_id", "inputs_source")
 
     def __init__(self, stored: Mapping[str, Any], inputs: Mapping[str, Any], dims: Mapping[str, int],
-                 fingerprint: str, arg_names: Sequence[str] = (), arg_trees: "ArgTrees" = ()):
+                 fingerprint: str, arg_names: Sequence[str] = (), arg_trees: "ArgTrees" = (),
+                 residuals_id: str = ""):
         self.stored = dict(stored)
         self.inputs = dict(inputs)
         self.dims = dict(dims)
@@ -520,6 +523,9 @@ class ArtifactResiduals:
         # The structure of the arguments fwd was called with, so bwd can give
         # gradients in the caller's own pytree types; () when not known (files).
         self.arg_trees = tuple(arg_trees)
+        # Names one forward run, so the weight part can refuse another run's
+        # intermediates; "" for files written before residuals had one.
+        self.residuals_id = residuals_id
         self.inputs_source: str | None = None  # where the input-backed arrays came from, for messages
 
     def __repr__(self) -> str:
@@ -538,9 +544,9 @@ jax.tree_util.register_pytree_node(
     ArtifactResiduals,
     lambda r: ((tuple(r.stored.values()), tuple(r.inputs.values())),
                (tuple(r.stored), tuple(r.inputs), tuple(sorted(r.dims.items())), r.fingerprint, r.arg_names,
-                r.arg_trees)),
+                r.arg_trees, r.residuals_id)),
     lambda aux, ch: ArtifactResiduals(dict(zip(aux[0], ch[0])), dict(zip(aux[1], ch[1])), dict(aux[2]), aux[3], aux[4],
-                                      aux[5]),
+                                      aux[5], aux[6]),
 )
 
 # Per argument: (name, treedef, file key of each leaf in the treedef's leaf order).
@@ -639,12 +645,13 @@ def check_keys(source: str, what: str, expected: Sequence[str], given: Mapping[s
 class Intermediates:
     """What the input part of a split backward hands to the weight part (``c/i`` arrays)."""
 
-    __slots__ = ("arrays", "dims", "fingerprint")
+    __slots__ = ("arrays", "dims", "fingerprint", "residuals_id")
 
-    def __init__(self, arrays: Mapping[str, Any], dims: Mapping[str, int], fingerprint: str):
+    def __init__(self, arrays: Mapping[str, Any], dims: Mapping[str, int], fingerprint: str, residuals_id: str = ""):
         self.arrays = dict(arrays)
         self.dims = dict(dims)
         self.fingerprint = fingerprint
+        self.residuals_id = residuals_id  # the forward run whose residuals the input part read; "" unknown
 
     def __repr__(self) -> str:
         return f"Intermediates({len(self.arrays)} arrays, dims={self.dims}, fingerprint={self.fingerprint[:12]})"
@@ -652,9 +659,18 @@ class Intermediates:
 
 jax.tree_util.register_pytree_node(
     Intermediates,
-    lambda r: (tuple(r.arrays.values()), (tuple(r.arrays), tuple(sorted(r.dims.items())), r.fingerprint)),
-    lambda aux, ch: Intermediates(dict(zip(aux[0], ch)), dict(aux[1]), aux[2]),
+    lambda r: (tuple(r.arrays.values()), (tuple(r.arrays), tuple(sorted(r.dims.items())), r.fingerprint,
+                                          r.residuals_id)),
+    lambda aux, ch: Intermediates(dict(zip(aux[0], ch)), dict(aux[1]), aux[2], aux[3]),
 )
+
+
+def _host_memory() -> int:
+    """Physical memory in bytes (2**63 where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 2**63
 
 
 def _current_platform() -> str:
@@ -733,6 +749,7 @@ class Artifact:
             dims,
             m.fingerprint,
             m.arg_names,
+            residuals_id=uuid.uuid4().hex,
         )
         return outputs, res
 
@@ -757,6 +774,7 @@ class Artifact:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise VjpsplitError(f"{source}: symbolic dim {name!r} is missing or invalid in the residuals; rerun the forward")
             dims[name] = v
+        self._refuse_huge_dims(source, dims)
         check_keys(source, "residual", [r.key for r in m.stored_residuals], res.stored)
         stored = [_check_array(source, "residual", leaf, res.stored[leaf.key], dict(dims)) for leaf in m.stored_residuals]
         inputs = []
@@ -769,6 +787,27 @@ class Artifact:
             inputs.append(_check_array(res.inputs_source or source, "input", dataclasses.replace(leaf, key=key),
                                        res.inputs[key], dict(dims)))
         return stored, inputs, dims
+
+    def _refuse_huge_dims(self, source: str, dims: Mapping[str, int]) -> None:
+        """Dim sizes read from a file bound what the backward allocates: refuse what no host could hold.
+
+        A dim that no stored residual mentions is checked against nothing else,
+        so an edited file could otherwise ask for any amount of memory.
+        """
+        m = self.manifest
+        total = 0
+        for leaf in (*m.grads, *m.intermediates):
+            shape = concrete_shape(leaf.shape, dims)
+            if shape is not None:
+                total += int(np.prod(shape, dtype=object)) * dtype_from_name(leaf.dtype).itemsize
+        limit = _host_memory()
+        if total > limit:
+            bound = ", ".join(f"{k}={v}" for k, v in dims.items())
+            raise VjpsplitError(
+                f"{source}: the recorded dims ({bound}) would make the backward's results {total / 2**30:.1f} GiB, "
+                f"more than this host's {limit / 2**30:.1f} GiB of memory; the residuals metadata is corrupt, "
+                "rerun the forward"
+            )
 
     def run_bwd_arrays(self, res: ArtifactResiduals, cotangents: Mapping[str, Any] | None = None,
                        source: str = "residuals", ct_source: str = "cotangents") -> dict:
@@ -827,7 +866,7 @@ class Artifact:
                                  f"{source}: the backward refused these residuals")
         keys = [g.key for g in m.grads_of(m.non_weight_wrt)]
         return dict(zip(keys, grads)), Intermediates({leaf.key: v for leaf, v in zip(m.intermediates, inter)},
-                                                     dims, m.fingerprint)
+                                                     dims, m.fingerprint, res.residuals_id)
 
     def run_bwd_weight_arrays(self, res: ArtifactResiduals, inter: "Intermediates", source: str = "residuals",
                               inter_source: str = "intermediates") -> dict:
@@ -841,9 +880,9 @@ class Artifact:
                 f"{inter_source}: these intermediates were not written by this artifact's input part; "
                 "run run-bwd --part input of this artifact first"
             )
-        if inter.dims != dims:
-            raise VjpsplitError(f"{inter_source}: the intermediates belong to other residuals (dims {inter.dims}, "
-                                f"residuals {dims}); pass the pair from one microbatch")
+        if inter.dims != dims or (inter.residuals_id and res.residuals_id and inter.residuals_id != res.residuals_id):
+            raise VjpsplitError(f"{inter_source}: the intermediates were made from other residuals than {source} "
+                                "(another forward run or microbatch); pass the pair from one microbatch")
         check_keys(inter_source, "intermediate", [leaf.key for leaf in m.intermediates], inter.arrays)
         values = [_check_array(inter_source, "intermediate", leaf, inter.arrays[leaf.key], dict(dims))
                   for leaf in m.intermediates]

@@ -55,27 +55,81 @@ def _verify(path, arrays: Mapping[str, Any], meta: Mapping) -> None:
             )
 
 
+_MAX_DIM = 2**40  # no real dim is larger; bigger recorded sizes are corruption
+
+
+def _is_str_list(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _is_dims(v) -> bool:
+    return isinstance(v, dict) and all(
+        isinstance(k, str) and isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= _MAX_DIM
+        for k, x in v.items())
+
+
+def _is_crcs(v) -> bool:
+    return isinstance(v, dict) and all(
+        isinstance(k, str) and isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**32 for k, x in v.items())
+
+
+# What each kind of file's metadata holds: field -> (check, required). Files are
+# data from elsewhere: every field is checked before it is used.
+_SCHEMA = {
+    KIND_ARTIFACT: {"fingerprint": (lambda v: isinstance(v, str), True), "arg_names": (_is_str_list, True),
+                    "dims": (_is_dims, True), "needs_inputs": (_is_str_list, False),
+                    "self_contained": (lambda v: isinstance(v, bool), False), "residuals_id": (lambda v: isinstance(v, str), False),
+                    "input_crc32": (_is_crcs, False)},
+    KIND_SPLIT: {"token": (lambda v: isinstance(v, str), True), "pid": (lambda v: isinstance(v, int), False),
+                 "needs_inputs": (_is_str_list, False), "self_contained": (lambda v: isinstance(v, bool), False),
+                 "input_crc32": (_is_crcs, False)},
+    KIND_INTERMEDIATES: {"fingerprint": (lambda v: isinstance(v, str), True), "dims": (_is_dims, True),
+                         "residuals_id": (lambda v: isinstance(v, str), False)},
+}
+
+
+def _check_meta(path, meta: Mapping, kind: str, fix: str) -> None:
+    """Refuse metadata that does not match ``kind``'s schema, naming the field."""
+    for name, (ok, required) in _SCHEMA[kind].items():
+        if name not in meta:
+            if required:
+                raise VjpsplitError(f"{path}: malformed metadata: '{name}' is missing; {fix}")
+        elif not ok(meta[name]):
+            raise VjpsplitError(f"{path}: malformed metadata: '{name}' has the wrong type or range; {fix}")
+
+
+def input_crc32(a) -> int:
+    """CRC-32 (zlib) of an array's bytes: binds a residuals file to the inputs it needs.
+
+    Not a defence against forgery; it catches the easy slip of pairing one
+    microbatch's residuals with another's inputs, at about a memory copy's cost.
+    """
+    return _crc32(np.asarray(a))
+
+
 def save_intermediates(path: str | os.PathLike, inter: Intermediates) -> None:
     """Write a split backward's intermediates (``Artifact.bwd_input``'s second result)."""
     if not isinstance(inter, Intermediates):
         raise VjpsplitError(f"{path}: save_intermediates takes bwd_input's intermediates, got {type(inter).__name__}")
-    meta = {"kind": KIND_INTERMEDIATES, "fingerprint": inter.fingerprint, "dims": dict(inter.dims)}
+    meta = {"kind": KIND_INTERMEDIATES, "fingerprint": inter.fingerprint, "dims": dict(inter.dims),
+            "residuals_id": inter.residuals_id}
     _save_checked(path, dict(inter.arrays), meta)
 
 
 def load_intermediates(path: str | os.PathLike, *, artifact=None, verify: bool = True) -> Intermediates:
     """Read intermediates written by ``save_intermediates`` (or ``run-bwd --part input``).
 
-    ``verify`` checks each array's CRC-32 (on by default; see ``load_residuals``).
+    ``verify`` checks each array's CRC-32 and, in ``Artifact.bwd_weight``, that the
+    intermediates come from the same forward run as the residuals (on by default;
+    see ``load_residuals``).
     """
     arrays, meta = _load_checked(path, verify)
     if meta.get("kind") != KIND_INTERMEDIATES:
         raise VjpsplitError(f"{path}: not an intermediates file; pass the --intermediates file of run-bwd --part input")
-    fingerprint, dims = meta.get("fingerprint"), meta.get("dims")
-    if not isinstance(fingerprint, str) or not isinstance(dims, dict):
-        raise VjpsplitError(f"{path}: malformed intermediates metadata; rerun run-bwd --part input")
+    _check_meta(path, meta, KIND_INTERMEDIATES, "rerun run-bwd --part input")
+    fingerprint, dims = meta["fingerprint"], meta["dims"]
     _refuse_other_artifact(path, "intermediates", fingerprint, artifact, "run this artifact's input part first")
-    return Intermediates(arrays, dims, fingerprint)
+    return Intermediates(arrays, dims, fingerprint, meta.get("residuals_id", "") if verify else "")
 
 
 def _refuse_other_artifact(path, what: str, fingerprint, artifact, fix: str) -> None:
@@ -104,6 +158,8 @@ def save_residuals(path: str | os.PathLike, res, *, self_contained: bool = False
             "dims": dict(res.dims),
             "needs_inputs": [] if self_contained else sorted(res.inputs),
             "self_contained": bool(self_contained),
+            "residuals_id": res.residuals_id,
+            "input_crc32": {} if self_contained else {k: input_crc32(v) for k, v in res.inputs.items()},
         }
     elif isinstance(res, Residuals):
         arrays = {f"r/{i}": np.asarray(to_data(v)) for i, v in enumerate(res.stored)}
@@ -115,6 +171,8 @@ def save_residuals(path: str | os.PathLike, res, *, self_contained: bool = False
             "pid": os.getpid(),
             "needs_inputs": [] if self_contained else [str(k) for k in res.plan.input_backed],
             "self_contained": bool(self_contained),
+            "input_crc32": {} if self_contained else {str(k): input_crc32(to_data(v))
+                                                      for k, v in zip(res.plan.input_backed, res.inputs)},
         }
     else:
         raise VjpsplitError(f"{path}: save_residuals takes residuals from a fwd, got {type(res).__name__}")
@@ -129,31 +187,50 @@ def load_residuals(path: str | os.PathLike, inputs=None, *, artifact=None, input
     (an inputs file's content; ``inputs_source`` names it in messages). With
     ``artifact``, residuals written by another artifact are refused here, before
     anything else is checked. ``verify`` (default on) checks each array's CRC-32,
-    so a file damaged in transit fails here instead of giving wrong gradients.
+    so a file damaged in transit fails here instead of giving wrong gradients, and
+    checks that the inputs supplied for left-out residuals are the very ones the
+    forward ran on (their CRC-32 is in the file), naming the first that differs.
     """
     arrays, meta = _load_checked(path, verify)
     kind = meta.get("kind")
     if kind == KIND_ARTIFACT:
         _refuse_other_artifact(path, "residuals", meta.get("fingerprint"), artifact,
                                "run this artifact's forward to make matching residuals")
+    if kind in (KIND_ARTIFACT, KIND_SPLIT):
+        _check_meta(path, meta, kind, "rerun the forward")
     needs = meta.get("needs_inputs", [])
-    if not isinstance(needs, list):
-        raise VjpsplitError(f"{path}: malformed residuals metadata (needs_inputs); rerun the forward")
     if kind == KIND_ARTIFACT:
         res = _load_artifact_residuals(path, arrays, meta, needs, inputs, artifact)
         res.inputs_source = (inputs_source or "inputs") if needs else str(path)
+        if verify:
+            _check_bound_inputs(path, meta, {k: res.inputs[k] for k in needs}, res.inputs_source)
         return res
     if kind == KIND_SPLIT:
-        return _load_split_residuals(path, arrays, meta, needs, inputs)
+        res = _load_split_residuals(path, arrays, meta, needs, inputs)
+        if verify and not meta.get("self_contained"):
+            _check_bound_inputs(path, meta, {str(k): to_data(v) for k, v in zip(res.plan.input_backed, res.inputs)},
+                                inputs_source or "inputs")
+        return res
     raise VjpsplitError(
         f"{path}: not a residuals file (no vjpsplit residuals metadata); pass the --residuals file written by run-fwd"
     )
 
 
+def _check_bound_inputs(path, meta: Mapping, given: Mapping[str, Any], source: str) -> None:
+    """Refuse inputs whose content differs from those the forward ran on (files before this rule: no CRCs)."""
+    sums = meta.get("input_crc32")
+    if not sums:
+        return
+    for key, value in given.items():
+        if key in sums and input_crc32(value) != sums[key]:
+            raise VjpsplitError(
+                f"{source}: input '{key}' differs from the one the forward that wrote {path} ran on "
+                "(CRC-32 mismatch); pass the inputs of the same microbatch, or --no-verify to skip this check"
+            )
+
+
 def _load_artifact_residuals(path, arrays, meta, needs, inputs, artifact) -> ArtifactResiduals:
-    fingerprint, dims, arg_names = meta.get("fingerprint"), meta.get("dims"), meta.get("arg_names")
-    if not isinstance(fingerprint, str) or not isinstance(dims, dict) or not isinstance(arg_names, list):
-        raise VjpsplitError(f"{path}: malformed residuals metadata (fingerprint/dims); rerun the forward")
+    fingerprint, dims, arg_names = meta["fingerprint"], meta["dims"], meta["arg_names"]
     stored = {k: v for k, v in arrays.items() if not k.startswith("in/")}
     given = {k[3:]: v for k, v in arrays.items() if k.startswith("in/")}
     trees: tuple = ()
@@ -173,7 +250,7 @@ def _load_artifact_residuals(path, arrays, meta, needs, inputs, artifact) -> Art
         given.update({k: flat[k] for k in needs})
     elif inputs is not None and not isinstance(inputs, Mapping):
         _, trees = _flat_inputs(path, inputs, arg_names, artifact)
-    return ArtifactResiduals(stored, given, dims, fingerprint, arg_names, trees)
+    return ArtifactResiduals(stored, given, dims, fingerprint, arg_names, trees, meta.get("residuals_id", ""))
 
 
 def _flat_inputs(path, inputs, arg_names, artifact=None) -> tuple[Mapping[str, Any], tuple]:
