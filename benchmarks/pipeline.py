@@ -1,0 +1,219 @@
+"""Pipeline schedules on 2 workers: 1F1B vs ZB-H1 vs ZB-V, in-process and on Ray; B + W vs the fused backward.
+
+    python -m benchmarks --only pipeline            # the full run (by hand; about 2 minutes)
+    python -m benchmarks.pipeline [--quick]         # the same, this section alone
+
+The work runs in a child process whose XLA CPU runtime is single-threaded
+(``XLA_FLAGS``), and so do the Ray actors: each worker then uses one core of
+this 2-core machine, as one device per stage would. The model is an MLP of
+``LAYERS`` dense layers: 1F1B and ZB-H1 cut it into 2 stages, ZB-V into 4 (two
+per worker, in a V). Schedules are interleaved round by round and reported as
+median step times; every schedule's loss is checked against
+``jax.value_and_grad``. The modeled bubble replays each schedule with the
+median measured op times and one device per worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def _config(quick: bool) -> dict:
+    if quick:
+        return {"width": 256, "rows": 32, "layers": 4, "microbatches": 4, "rounds": 3, "ray": True, "bw_rounds": 10}
+    return {"width": 1024, "rows": 128, "layers": 8, "microbatches": 8, "rounds": 15, "ray": True, "bw_rounds": 40}
+
+
+def run(quick: bool) -> tuple[str, list[dict]]:
+    """Measure in a single-threaded child process; return the markdown table and the rows."""
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {SINGLE_THREAD}".strip())
+    cmd = [sys.executable, "-m", "benchmarks.pipeline", "--child"] + (["--quick"] if quick else [])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    if proc.returncode != 0:
+        raise RuntimeError(f"pipeline benchmark failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    return table(data), data["rows"]
+
+
+def table(data: dict) -> str:
+    """The report: B + W against the fused backward, then the schedules."""
+    c = data["config"]
+    lines = [f"MLP of {c['layers']} dense layers (width {c['width']}), {c['microbatches']} microbatches of "
+             f"{c['rows']} rows, 2 workers, one core each (single-threaded XLA). Medians of {c['rounds']} "
+             f"interleaved steps; load average {data['load']:.1f} when done (other work shares the cores).", "",
+             "| stage | fused backward | B | W | B then W | (B then W) / fused |", "|---|---:|---:|---:|---:|---:|"]
+    for r in data["bw"]:
+        lines.append(f"| {r['stage']} | {r['fused'] * 1e3:.2f} ms | {r['B'] * 1e3:.2f} ms | {r['W'] * 1e3:.2f} ms | "
+                     f"{r['BW'] * 1e3:.2f} ms | {r['BW'] / r['fused']:.2f}× |")
+    lines += ["", "| runner | schedule | stages | step time | vs 1F1B | measured bubble | modeled bubble | "
+              "unit model, F = B = W |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in data["rows"]:
+        lines.append(f"| {r['runner']} | {r['label']} | {r['stages']} | {r['step'] * 1e3:.1f} ms | "
+                     f"{r['speedup']:.2f}× | {r['bubble']:.1%} | {r['modeled']:.1%} | {r['unit']:.1%} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# The child: everything below runs with single-threaded XLA.
+
+
+def _child(quick: bool) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import export as jexport
+
+    import vjpsplit_cli as vs
+    from benchmarks.timing import interleaved
+    from vjpsplit_cli import pipeline as P
+
+    cfg = _config(quick)
+    W, L, M, R = cfg["width"], cfg["layers"], cfg["microbatches"], cfg["rows"]
+
+    def hidden(params, x):
+        for p in params:
+            x = jax.nn.gelu(x @ p["w"] + p["b"])
+        return x
+
+    def head(params, x, labels):
+        x = hidden(params[:-1], x)
+        logits = x @ params[-1]["w"] + params[-1]["b"]
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
+
+    rng = np.random.default_rng(0)
+    params = [{"w": (rng.normal(size=(W, W)) / np.sqrt(W)).astype(np.float32), "b": np.zeros(W, np.float32)}
+              for _ in range(L)]
+    x = rng.normal(size=(M * R, W)).astype(np.float32)
+    labels = rng.integers(0, W, M * R).astype(np.int32)
+    loss = float(head(params, x, labels))
+
+    def cut(n):
+        (b,) = jexport.symbolic_shape("b")
+        s = jax.ShapeDtypeStruct
+        k = L // n
+        groups = [params[i * k:(i + 1) * k] for i in range(n)]
+        spec = lambda p: jax.tree_util.tree_map(lambda a: s(a.shape, a.dtype), p)  # noqa: E731
+        wrt = lambda i: ("params",) if i == 0 else ("params", "x")  # noqa: E731
+        arts = [vs.export(hidden, spec(g), s((b, W), jnp.float32), wrt=wrt(i), weights="params", platforms="cpu")
+                for i, g in enumerate(groups[:-1])]
+        arts.append(vs.export(head, spec(groups[-1]), s((b, W), jnp.float32), s((b,), jnp.int32), wrt=wrt(n - 1),
+                              weights="params", platforms="cpu"))
+        return arts, groups
+
+    cuts = {2: cut(2), 4: cut(4)}
+
+    # B + W against the fused backward, through the pipeline's own per-op calls.
+    bw = []
+    arts, groups = cuts[2]
+    for s, (art, g) in enumerate(zip(arts, groups)):
+        st = P.StageWorker(art, g, s, 2)
+        xs = jnp.asarray(x[:R]) if s == 0 else jnp.asarray(hidden(groups[0], x[:R]))
+        side = [jnp.asarray(labels[:R])] if s == 1 else []
+        _, res = st.calls.forward(st.params, xs, *side)
+        ct = jnp.float32(1.0 / M) if s == 1 else jnp.ones((R, W), jnp.float32)
+        c = st.calls
+        _, inter = c.backward_input(res, ct)
+        t = interleaved({"fused": lambda: c.backward(res, ct), "B": lambda: c.backward_input(res, ct),
+                         "W": lambda: c.backward_weight(res, inter),
+                         "B+W": lambda: c.backward_weight(res, c.backward_input(res, ct)[1])}, cfg["bw_rounds"])
+        bw.append({"stage": s, "fused": t["fused"], "B": t["B"], "W": t["W"], "BW": t["B+W"]})
+
+    schedules = ["1f1b", "zbh1", "zbv"]
+    p = 2
+
+    def unit_model(name):
+        # Idle share with F = B = W (a fused B costs 2; a ZB-V stage half a worker's): the schedule's own bubble.
+        S = 4 if name == "zbv" else 2
+        scale = 0.5 if name == "zbv" else 1.0
+        ev = P.simulate(P.schedule(name, S, M), S,
+                        lambda o: scale * (2.0 if o.kind == "B" and name not in P.SPLIT_BACKWARD else 1.0))
+        return P.bubble_ratio(ev, p)
+
+    samples: dict = {}
+
+    def record(runner, name, r):
+        if not np.isclose(r.loss, loss, rtol=1e-4):
+            raise RuntimeError(f"{runner} {name}: loss {r.loss} != {loss}")
+        samples.setdefault((runner, name), []).append(r)
+
+    runners = {"in-process": {n: (lambda n=n: P.run_inprocess(*cuts[4 if n == "zbv" else 2], x, [labels],
+                                                             microbatches=M, schedule_name=n)) for n in schedules}}
+    pipes = []
+    if cfg["ray"]:
+        import ray
+
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"XLA_FLAGS": os.environ.get("XLA_FLAGS", SINGLE_THREAD)}})
+        by_layout = {lay: P.RayPipeline(*cuts[4 if lay == "v" else 2], layout=lay) for lay in ("stage", "v")}
+        pipes = list(by_layout.values())
+        runners["Ray"] = {n: (lambda n=n: by_layout[P.layout(n)].run(x, [labels], microbatches=M, schedule_name=n))
+                          for n in schedules}
+    try:
+        for runner, fns in runners.items():
+            for name, fn in fns.items():
+                fn()  # warm-up: traces and compiles each stage's calls
+            for _ in range(cfg["rounds"]):
+                for name, fn in fns.items():
+                    record(runner, name, fn())
+                    time.sleep(0.01)
+    finally:
+        for rp in pipes:
+            rp.close()
+        if pipes:
+            import ray
+
+            ray.shutdown()
+
+    rows = []
+    for runner in runners:
+        base = statistics.median(r.step_time for r in samples[(runner, "1f1b")])
+        for name in schedules:
+            rs = samples[(runner, name)]
+            step = statistics.median(r.step_time for r in rs)
+            # One device per worker, each op its median measured time.
+            dur: dict = {}
+            for r in rs:
+                for e in r.events:
+                    dur.setdefault((e.stage, e.kind, e.mb), []).append(e.end - e.start)
+            med = {k: statistics.median(v) for k, v in dur.items()}
+            S = rs[0].stages
+            modeled = P.simulate(P.schedule(name, S, M), S, lambda o: med[(o.chunk, o.kind, o.mb)])
+            ops = {k: statistics.median(v for (c, kk, _), v in med.items() if kk == k) for k in "FBW" if
+                   any(kk == k for (_, kk, _) in med)}
+            rows.append({"runner": runner, "schedule": name, "label": P._LABELS[name], "stages": S, "step": step,
+                         "speedup": base / step, "bubble": statistics.median(r.bubble_ratio for r in rs),
+                         "modeled": P.bubble_ratio(modeled, p), "unit": unit_model(name),
+                         "modeled_makespan": max(e.end for e in modeled) - min(e.start for e in modeled),
+                         "op_medians": ops})
+    return {"config": cfg, "bw": bw, "rows": rows, "load": os.getloadavg()[0]}
+
+
+def main(argv=None) -> int:
+    """``--child``: measure and print JSON (run by ``run``); otherwise run the section and print its table."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(_child(args.quick)))
+        return 0
+    text, rows = run(args.quick)
+    print(text)
+    print()
+    for r in rows:
+        ops = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in r["op_medians"].items())
+        print(f"{r['runner']:>10} {r['label']:>5}: median ops {ops}; modeled makespan {r['modeled_makespan'] * 1e3:.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
