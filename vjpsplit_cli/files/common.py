@@ -10,7 +10,6 @@ import sys
 import tokenize
 import zipfile
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import accumulate
 from pathlib import Path
 from typing import Any, BinaryIO, Mapping
@@ -31,8 +30,6 @@ MAX_NDIM = 64  # numpy's NPY_MAXDIMS
 MAX_STREAM_BYTES = 2**30  # a pipe is read whole, up to this; /dev/zero must not fill memory
 CORRUPT = "the file is corrupt, re-create it"
 _MAX_META_DEPTH = 100  # deeper nesting is a mistake (or a cycle), not metadata
-_CHUNK = 16 * 2**20  # CRC-32 and I/O alternate in pieces of this size, so they can overlap
-_THREADS_MIN = 8 * 2**20  # below this a second thread costs more than it saves
 _ALIGN = 64
 
 # Everything a corrupt or foreign file can make zipfile, numpy's header reader or msgpack
@@ -187,81 +184,11 @@ def byte_view(arr: np.ndarray) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8))
 
 
-def chunks(view: memoryview):
-    for start in range(0, max(view.nbytes, 1), _CHUNK):
-        yield view[start : start + _CHUNK]
-
-
-def _threads_pay(nbytes: int) -> bool:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return cores >= 2 and nbytes >= _THREADS_MIN
-
-
-class BackgroundWriter:
-    """A file whose writes run on a second thread, one at a time and in order.
-
-    zipfile (and the msgpack writer) compute each chunk's CRC-32 just before writing
-    it; zlib and the write both release the GIL, so the next chunk's CRC runs while
-    this one is written. Measured on a 1 GiB residual set (benchmarks/io.py): save
-    1.00 s with it, 1.27 s without.
-    """
-
-    def __init__(self, f: BinaryIO, nbytes: int):
-        self.f, self.pos = f, f.tell()
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="vjpsplit-write") if _threads_pay(nbytes) else None
-        self.pending: Future | None = None
-
-    def write(self, data) -> int:
-        n = memoryview(data).nbytes
-        if self.pool is None:
-            self.f.write(data)
-        else:
-            self.wait()
-            self.pending = self.pool.submit(self.f.write, data)
-        self.pos += n
-        return n
-
-    def wait(self) -> None:
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.result()
-
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            if self.pool is not None:
-                self.pool.shutdown()
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.wait()
-        self.pos = self.f.seek(pos, whence)
-        return self.pos
-
-    def flush(self) -> None:
-        self.wait()
-        self.f.flush()
-
-    def seekable(self) -> bool:
-        return True
-
-
 class Source:
-    """An open array file: its size, small reads, and arrays read straight into fresh buffers.
-
-    With ``verify``, every array's CRC-32 is computed as it is read: chunk by chunk
-    on a second thread, while the next chunk is read (zlib releases the GIL).
-    """
+    """An open array file: its size, small reads, and arrays read straight into one fresh buffer."""
 
     def __init__(self, path: Path, f: BinaryIO, size: int, verify: bool):
         self.path, self.f, self.size, self.verify = path, f, size, verify
-        self.pool: ThreadPoolExecutor | None = None
 
     def read(self, pos: int, n: int) -> bytes:
         """Exactly ``n`` bytes at ``pos``; EOFError past the end."""
@@ -278,42 +205,27 @@ class Source:
 
         All arrays are carved out of one fresh buffer: one big allocation gets huge
         pages where the system has them, while faulting in 4 KiB pages array by array
-        costs more than the read itself (on the 44 MiB benchmark set, load took 45 ms
-        with one buffer per array, 21 ms with one for all). Arrays start 64-byte
-        aligned, which jax needs to use their memory without copying.
+        costs more than the read itself (on the 44 MiB benchmark set, loading took
+        45 ms with one buffer per array, 18 ms with one for all, as np.load of one
+        buffer). Arrays start 64-byte aligned: jax uses such memory without a copy.
         """
         slots = [-(-n // _ALIGN) * _ALIGN for n in sizes]
         raw = np.empty(sum(slots) + _ALIGN, np.uint8)
         skip = -raw.__array_interface__["data"][0] % _ALIGN
         self.slots = iter([raw[skip + a : skip + a + n] for a, n in zip(accumulate([0] + slots[:-1]), sizes)])
-        if self.verify and _threads_pay(sum(sizes)):
-            self.pool = ThreadPoolExecutor(1, thread_name_prefix="vjpsplit-crc")
 
-    def array(self, pos: int, nbytes: int, crc: int | None) -> tuple[np.ndarray, Any]:
-        """The next slot filled from ``nbytes`` at ``pos``, and (if ``crc`` is a seed) its CRC-32 to come."""
+    def array(self, pos: int, nbytes: int) -> np.ndarray:
+        """The next slot of the buffer, filled from ``nbytes`` at ``pos``."""
         if pos < 0 or pos + nbytes > self.size:
             raise EOFError(f"unexpected end of file ({nbytes} bytes at offset {pos}; the file has {self.size})")
-        buf = next(self.slots)
+        buf, done = next(self.slots), 0
         self.f.seek(pos)
-        for start in range(0, nbytes, _CHUNK):
-            piece = buf[start : start + _CHUNK]
-            if self.f.readinto(piece) != piece.nbytes:  # regular files and BytesIO fill it whole
-                raise EOFError(f"the file shrank while it was being read (offset {pos + start})")
-            if crc is not None and self.verify:
-                crc = self.pool.submit(_crc_after, piece, crc) if self.pool else zlib.crc32(piece, crc)
-        return buf, crc
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
-
-
-def _crc_after(piece: np.ndarray, before: Any) -> int:
-    return zlib.crc32(piece, crc_value(before))
-
-
-def crc_value(crc: Any) -> int:
-    return crc.result() if isinstance(crc, Future) else crc
+        while done < nbytes:  # one read(2) returns at most ~2 GiB
+            got = self.f.readinto(buf[done:])
+            if not got:
+                raise EOFError(f"the file shrank while it was being read (offset {pos + done})")
+            done += got
+        return buf
 
 
 def open_source(path: Path, verify: bool) -> Source:

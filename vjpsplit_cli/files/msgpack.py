@@ -19,8 +19,8 @@ import msgpack
 import numpy as np
 
 from ..errors import VjpsplitError
-from .common import (CORRUPT, DECODE_ERRORS, FORMAT, MAX_NDIM, VERSION, BackgroundWriter, Source, byte_view,
-                     check_stored_key, check_version, chunks, crc_mismatch, crc_value, finish, one_line,
+from .common import (CORRUPT, DECODE_ERRORS, FORMAT, MAX_NDIM, VERSION, Source, byte_view,
+                     check_stored_key, check_version, crc_mismatch, finish, one_line,
                      storage_dtype, stored_meta, unique_map)
 
 EXT_NDARRAY = 1  # flax's ext code for ndarrays: the files stay readable by flax tooling
@@ -52,24 +52,18 @@ def writer(path: Path, prepared: list, meta: dict):
     """Return ``write(f)`` that writes the map, computing each array's CRC-32 as it goes."""
 
     def write(f: BinaryIO) -> None:
-        out = BackgroundWriter(f, sum(a.nbytes for _, _, a in prepared))
-        try:
-            p = msgpack.Packer(use_bin_type=True)
-            out.write(p.pack_map_header(6) + p.pack("format") + p.pack(FORMAT) + p.pack("version") + p.pack(VERSION)
-                      + p.pack("meta") + p.pack(meta) + p.pack("arrays") + p.pack_map_header(len(prepared)))
-            crcs = {}
-            for key, name, arr in prepared:
-                head = p.pack_array_header(3) + p.pack(list(arr.shape)) + p.pack(name) + _bin_header(arr.nbytes)
-                out.write(p.pack(key) + _ext_header(len(head) + arr.nbytes) + head)
-                crc = 0
-                for piece in chunks(byte_view(arr)):
-                    crc = zlib.crc32(piece, crc)  # runs while the previous piece is written
-                    out.write(piece)
-                crcs[key] = crc
-            # After the arrays, so the CRCs need no second pass over the data.
-            out.write(p.pack("crc32") + p.pack(crcs) + p.pack("meta_crc32") + p.pack(zlib.crc32(p.pack(meta))))
-        finally:
-            out.close()
+        p = msgpack.Packer(use_bin_type=True)
+        f.write(p.pack_map_header(6) + p.pack("format") + p.pack(FORMAT) + p.pack("version") + p.pack(VERSION)
+                + p.pack("meta") + p.pack(meta) + p.pack("arrays") + p.pack_map_header(len(prepared)))
+        crcs = {}
+        for key, name, arr in prepared:
+            head = p.pack_array_header(3) + p.pack(list(arr.shape)) + p.pack(name) + _bin_header(arr.nbytes)
+            f.write(p.pack(key) + _ext_header(len(head) + arr.nbytes) + head)
+            data = byte_view(arr)
+            crcs[key] = zlib.crc32(data)
+            f.write(data)
+        # After the arrays, so the CRCs are computed while each array is in cache.
+        f.write(p.pack("crc32") + p.pack(crcs) + p.pack("meta_crc32") + p.pack(zlib.crc32(p.pack(meta))))
 
     return write
 
@@ -198,8 +192,10 @@ def read(src: Source) -> tuple[dict[str, np.ndarray], dict]:
             type(c) is int and 0 <= c < 2**32 for c in crcs.values())):
         raise VjpsplitError(f"{path}: the CRC-32 table does not match the file's arrays; {CORRUPT}")
     src.start([s[3] for s in specs.values()])
-    bufs = {key: src.array(pos, nbytes, 0 if crcs else None) for key, (_, _, pos, nbytes) in specs.items()}
-    for key, (_, crc) in bufs.items():
-        if src.verify and crcs and crc_value(crc) != crcs[key]:
+    arrays = {}
+    for key, (shape, dtype, pos, nbytes) in specs.items():
+        buf = src.array(pos, nbytes)
+        if src.verify and crcs and zlib.crc32(buf) != crcs[key]:
             raise crc_mismatch(path, key)
-    return {key: finish(path, key, bufs[key][0], shape, dtype) for key, (shape, dtype, _, _) in specs.items()}, meta
+        arrays[key] = finish(path, key, buf, shape, dtype)
+    return arrays, meta

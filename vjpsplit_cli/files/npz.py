@@ -22,8 +22,8 @@ import numpy as np
 
 from ..dtypes import dtype_name
 from ..errors import VjpsplitError
-from .common import (CORRUPT, FORMAT, MAX_NDIM, OLD_META_KEY, VERSION, BackgroundWriter, Source, byte_view,
-                     check_stored_key, check_version, chunks, crc_mismatch, crc_value, finish, one_line,
+from .common import (CORRUPT, FORMAT, MAX_NDIM, OLD_META_KEY, VERSION, Source, byte_view,
+                     check_stored_key, check_version, crc_mismatch, finish, one_line,
                      storage_dtype, stored_meta, unique_map)
 
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed, so the same arrays give the same bytes
@@ -43,22 +43,17 @@ def writer(path: Path, prepared: list, meta: dict):
                             "archive comment holds; use a .msgpack file")
 
     def write(f: BinaryIO) -> None:
-        out = BackgroundWriter(f, sum(a.nbytes for _, _, a in prepared))
-        try:
-            with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-                for key, name, arr in prepared:
-                    info = zipfile.ZipInfo(key + ".npy", date_time=_ZIP_DATE)
-                    info.external_attr = 0o644 << 16
-                    if arr.dtype.isbuiltin == 2:  # ml_dtypes: no .npy spelling numpy can read back
-                        info.comment = name.encode("ascii")
-                        arr = arr.view(np.dtype((np.void, arr.dtype.itemsize)))
-                    with zf.open(info, "w", force_zip64=True) as member:  # force_zip64, as np.savez
-                        member.write(_npy_header(arr))
-                        for piece in chunks(byte_view(arr)):  # no tobytes copy
-                            member.write(piece)
-                zf.comment = comment
-        finally:
-            out.close()
+        with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+            for key, name, arr in prepared:
+                info = zipfile.ZipInfo(key + ".npy", date_time=_ZIP_DATE)
+                info.external_attr = 0o644 << 16
+                if arr.dtype.isbuiltin == 2:  # ml_dtypes: no .npy spelling numpy can read back
+                    info.comment = name.encode("ascii")
+                    arr = arr.view(np.dtype((np.void, arr.dtype.itemsize)))
+                with zf.open(info, "w", force_zip64=True) as member:  # force_zip64, as np.savez
+                    member.write(_npy_header(arr))
+                    member.write(byte_view(arr))  # from the array's own buffer: no tobytes copy
+            zf.comment = comment
 
     return write
 
@@ -212,7 +207,7 @@ def read(src: Source) -> tuple[dict[str, np.ndarray], dict]:
         if head_len + nbytes != info.file_size:
             raise VjpsplitError(f"{path}: array {key!r} is corrupt (its size does not match its shape {shape}); "
                                 "re-create the file")
-        seed = zlib.crc32(src.read(start, head_len)) if start is not None else None
+        seed = zlib.crc32(src.read(start, head_len)) if start is not None and src.verify else None
         plan.append((key, info, start, member, head_len, nbytes, shape, fortran, dtype_, seed))
     # Stored members must lie one after the other inside the file: one stretch read as
     # many arrays would let a small file claim far more memory than it holds.
@@ -223,18 +218,16 @@ def read(src: Source) -> tuple[dict[str, np.ndarray], dict]:
             raise VjpsplitError(f"{path}: {where}; {CORRUPT}")
 
     src.start([p[5] for p in plan])
-    arrays, crcs = {}, []
+    arrays = {}
     for key, info, start, member, head_len, nbytes, shape, fortran, dtype, seed in plan:
         if start is not None:
-            buf, crc = src.array(start + head_len, nbytes, seed)
-            crcs.append((key, info.CRC, crc))
+            buf = src.array(start + head_len, nbytes)
+            if seed is not None and zlib.crc32(buf, seed) != info.CRC:
+                raise crc_mismatch(path, key)
         else:  # deflated (np.savez_compressed): through zipfile, which checks the CRC-32 at the end
             buf = next(src.slots)
             if member.readinto(buf) != nbytes or member.read(1):
                 raise EOFError(f"array {key!r} is shorter or longer than its header says")
             member.close()
         arrays[key] = (buf, shape, dtype, fortran)
-    for key, want, crc in crcs:
-        if src.verify and crc_value(crc) != want:
-            raise crc_mismatch(path, key)
     return {k: finish(path, k, *v) for k, v in arrays.items()}, meta
