@@ -155,6 +155,9 @@ def _one_line(e: BaseException, limit: int = 160) -> str:
 def _unexpected(command: str, kwargs, e: Exception) -> str:
     """One line for an exception nothing mapped: name the artifact or function and say what to try."""
     what = f"{type(e).__name__} {_one_line(e)}".strip()
+    if isinstance(e, ImportError):  # user modules are imported by specs.load_object, which says so itself
+        return (f"{_subject(kwargs)}: {command} could not load a part of vjpsplit or of JAX ({what}); "
+                "reinstall vjpsplit and its dependencies, or rerun with --debug for the traceback")
     if kwargs.get("artifact"):
         return (f"{kwargs['artifact']}: {command} failed on this artifact ({what}); it may be damaged or "
                 "hand-edited: re-export it, or rerun with --debug for the traceback")
