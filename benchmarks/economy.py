@@ -30,7 +30,7 @@ def run(quick: bool) -> tuple[str, list[dict]]:
             fwd, bwd = vs.split(w.fn, policy=p)
             _, res = fwd(*w.args)
             ct = None
-            stored[p] = (sum(np.asarray(a).nbytes for a in res.stored), len(res.stored))
+            stored[p] = (sum(np.asarray(a).nbytes for a in res.stored.values()), len(res.stored))
             bwds[p] = (lambda bwd=bwd, res=res, ct=ct: bwd(res, ct))
         times = interleaved(bwds, rounds)
         for p in POLICIES:

@@ -28,7 +28,7 @@ from click.testing import CliRunner
 
 import vjpsplit_cli as vs
 import vjpsplit_cli._io as io_mod
-from vjpsplit_cli.artifact import MAGIC, _fingerprint
+from vjpsplit_cli.manifest import MAGIC, fingerprint as _fingerprint
 from vjpsplit_cli.cli import main
 
 MODEL = textwrap.dedent(

@@ -29,7 +29,7 @@ from jax import export as jexport
 import vjpsplit_cli as vs
 from vjpsplit_cli import _io
 from vjpsplit_cli._io import StagedOutputs, UsageError, check_outputs, os_error_message, printable
-from vjpsplit_cli.artifact import MAGIC, _fingerprint
+from vjpsplit_cli.manifest import MAGIC, fingerprint as _fingerprint
 from vjpsplit_cli.cli import main
 
 MODEL = textwrap.dedent(

@@ -132,9 +132,9 @@ def test_input_backed_residuals_are_the_input_arrays():
     _, res = fwd(params, x)
     flat = jax.tree_util.tree_leaves((params, x))
     assert res.inputs, "the MLP's backward needs its weights"
-    for leaf in res.inputs:
+    for leaf in res.inputs.values():
         assert any(leaf is a for a in flat), "an input-backed residual was copied"
-    stored_ids = {id(a) for a in res.stored}
+    stored_ids = {id(a) for a in res.stored.values()}
     assert not stored_ids & {id(a) for a in flat}
 
 

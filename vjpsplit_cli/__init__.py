@@ -2,7 +2,8 @@
 
 ``split`` gives a jit-able forward/backward pair in memory; ``export`` writes both
 as ``jax.export`` modules into one portable artifact; residuals and other arrays
-travel in ``.npz``/``.msgpack`` files. See SPEC.md for the contract.
+travel in ``.npz``/``.msgpack`` files; ``pipeline`` runs pipeline-parallel
+schedules over artifacts. ``docs/`` in the repository states the contract.
 
 Names are imported on first use, so ``vjpsplit --help`` and the array-file
 helpers do not pay for importing JAX.
@@ -15,27 +16,31 @@ from typing import TYPE_CHECKING
 
 from ._version import __version__
 
+# Every public name, and the module that defines it (None: the name is that module).
 _EXPORTS = {
-    "split": "core", "Residuals": "core",
-    "export": "artifact", "load": "artifact", "loads": "artifact", "Artifact": "artifact", "ArtifactResiduals": "artifact",
-    "Manifest": "artifact", "FORMAT_VERSION": "artifact",
+    "split": "core",
+    "export": "lowering", "DEFAULT_PLATFORMS": "lowering",
+    "load": "artifact", "loads": "artifact", "Artifact": "artifact",
+    "Manifest": "manifest", "Leaf": "manifest", "FORMAT_VERSION": "manifest",
+    "Residuals": "residuals", "Intermediates": "residuals",
     "save_residuals": "residuals", "load_residuals": "residuals",
-    "save_intermediates": "residuals", "load_intermediates": "residuals", "Intermediates": "artifact",
-    "save_arrays": "arrays", "load_arrays": "arrays",
+    "save_intermediates": "residuals", "load_intermediates": "residuals",
+    "save_arrays": "files", "load_arrays": "files",
     "file_arrays": "trees", "tree_from_file": "trees",
-    "plan_policies": "economy", "choose_policy": "economy",
+    "POLICIES": "policies", "PolicyCost": "policies", "plan_policies": "policies", "choose_policy": "policies",
     "VjpsplitError": "errors",
-    "POLICIES": "policies",
+    "pipeline": None,
 }
 
 __all__ = ["__version__", *_EXPORTS]
 
 
 def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
+    if name not in _EXPORTS:
         raise AttributeError(f"module 'vjpsplit_cli' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    module = _EXPORTS[name]
+    value = importlib.import_module(f".{name}", __name__) if module is None \
+        else getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value
 
@@ -45,11 +50,13 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the eager spelling of the lazy names above
-    from .arrays import load_arrays, save_arrays
-    from .artifact import FORMAT_VERSION, Artifact, ArtifactResiduals, Intermediates, Manifest, export, load, loads
-    from .core import Residuals, split
-    from .economy import choose_policy, plan_policies
+    from . import pipeline
+    from .artifact import Artifact, load, loads
+    from .core import split
     from .errors import VjpsplitError
-    from .policies import POLICIES
+    from .lowering import DEFAULT_PLATFORMS, export
+    from .files import load_arrays, save_arrays
+    from .manifest import FORMAT_VERSION, Leaf, Manifest
+    from .policies import POLICIES, PolicyCost, choose_policy, plan_policies
+    from .residuals import Intermediates, Residuals, load_intermediates, load_residuals, save_intermediates, save_residuals
     from .trees import file_arrays, tree_from_file
-    from .residuals import load_intermediates, load_residuals, save_intermediates, save_residuals

@@ -90,7 +90,7 @@ class _AtSizes(click.ParamType):
     name = "NAME=SIZE"
 
     def convert(self, value, param, ctx):
-        from .economy import parse_at
+        from .policies import parse_at
 
         try:
             parse_at([str(value)])
@@ -292,8 +292,8 @@ def _function_options(fn):
 @_command
 def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, at, weights, output):
     """Export FN's forward and backward into one portable artifact."""
-    from .artifact import export
-    from .economy import parse_at
+    from .lowering import export
+    from .policies import parse_at
     from .specs import load_object, resolve_shapes
 
     source = click.get_current_context().get_parameter_source("policy")
@@ -417,7 +417,7 @@ def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contai
 def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_path, part, inter_path, no_verify):
     """Run the backward: residuals (+ cotangents) -> gradients, without the forward."""
     from .arrays import load_arrays, save_arrays
-    from .artifact import check_keys
+    from .manifest import check_keys
     from .residuals import load_residuals
 
     if part != "all" and not inter_path:
@@ -473,7 +473,7 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
 @_command
 def inspect_cmd(artifact, as_json, at):
     """Describe an artifact: keys, dtypes, shapes, residual bytes, platforms, versions."""
-    from .economy import parse_at
+    from .policies import parse_at
     from .report import describe, format_table
 
     art = _load_artifact(artifact, x64=False)
@@ -494,7 +494,7 @@ def inspect_cmd(artifact, as_json, at):
 @_command
 def plan_cmd(target, shapes, wrt, has_aux, at, policies, as_json):
     """Compare policies before exporting: stored residual bytes and backward recompute per policy."""
-    from .economy import parse_at, plan_policies
+    from .policies import parse_at, plan_policies
     from .report import format_plan
     from .specs import load_object, resolve_shapes
 

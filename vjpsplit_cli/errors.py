@@ -10,3 +10,9 @@ class VjpsplitError(ValueError):
     do. The CLI prints it as ``error: <message>`` and exits 1. It subclasses
     ``ValueError`` so callers that already catch that keep working.
     """
+
+
+def first_line(e: BaseException) -> str:
+    """``TypeError: <first line of the message>``: how a foreign exception is quoted in one-line errors."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"

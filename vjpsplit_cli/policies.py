@@ -1,16 +1,30 @@
-"""Save-versus-recompute policies, as ``jax.checkpoint`` policies."""
+"""Save versus recompute: the policies, what each costs, the choice under a memory budget, byte arithmetic.
+
+A policy is a ``jax.checkpoint`` policy applied to the whole function:
+``everything`` (what ``jax.vjp`` keeps), ``dots`` (matmul and convolution outputs),
+``nothing`` (inputs only) and ``names:a,b`` (values tagged with
+``jax.ad_checkpoint.checkpoint_name``). ``policy_cost`` traces, never runs, a
+function under one and measures its stored residuals and its backward's work.
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import numpy as np
 
+from .dtypes import dtype_from_name
 from .errors import VjpsplitError
+from .jaxprs import iter_eqns, sub_jaxprs
+from .shapes import MAX_DIM, eval_dim, is_symbolic_shape
+from .vjp import fn_wrt_positions, run_backward, trace_vjp
 
-POLICIES = ("everything", "dots", "nothing", "names:a,b")
-
-
+# The fixed policies; ``names:a,b`` (any names) is the fourth form.
+POLICIES = ("everything", "dots", "nothing")
 def normalize_policy(policy: str | None) -> str:
     """The canonical policy string; None means ``everything``."""
     if policy is None or policy == "everything":
@@ -42,3 +56,250 @@ def apply_policy(fn: Callable, policy: str | None) -> Callable:
     else:
         saveable = cp.save_only_these_names(*policy[len("names:"):].split(","))
     return jax.checkpoint(fn, policy=saveable)
+
+
+def byte_terms_of_shape(dtype, shape: Sequence[int | str]) -> dict[str, int]:
+    """Bytes of an array as ``{symbolic factor: coefficient}``; ``""`` is the constant term."""
+    coeff = dtype_from_name(dtype).itemsize if isinstance(dtype, str) else np.dtype(dtype).itemsize
+    factors = []
+    for d in shape:
+        if isinstance(d, int):
+            coeff *= d
+        else:
+            factors.append(d if d.replace("_", "").isalnum() else f"({d})")
+    return {"·".join(sorted(factors)): coeff}
+
+
+def byte_terms(leaf) -> dict[str, int]:
+    """Bytes of one manifest leaf as ``{symbolic factor: coefficient}``."""
+    return byte_terms_of_shape(leaf.dtype, leaf.shape)
+
+
+def total_bytes(leaves: Sequence) -> dict[str, int]:
+    """Summed ``byte_terms`` of ``leaves``."""
+    total: dict[str, int] = defaultdict(int)
+    for leaf in leaves:
+        for k, v in byte_terms(leaf).items():
+            total[k] += v
+    return dict(total)
+
+
+def evaluate_terms(terms: Mapping[str, int], at: Mapping[str, int]) -> int | None:
+    """The byte count of ``terms`` with symbolic dims sized by ``at``; None if some are unbound."""
+    total = 0
+    for k, coeff in terms.items():
+        value = coeff
+        for factor in filter(None, k.split("·")):
+            v = eval_dim(factor.strip("()"), at)
+            if v is None:
+                return None
+            value *= v
+        total += value
+    return total
+
+
+def human_bytes(n: int) -> str:
+    """``1536`` -> ``1.5 KiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def format_bytes_terms(terms: dict[str, int]) -> str:
+    """``{"": 12288, "b": 8192}`` -> ``12.0 KiB + 8.0 KiB·b``."""
+    if not terms:
+        return "0 B"
+    parts = []
+    for k in sorted(terms, key=lambda k: (k != "", k)):
+        if terms[k] == 0:
+            continue
+        parts.append(human_bytes(terms[k]) + (f"·{k}" if k else ""))
+    return " + ".join(parts) or "0 B"
+
+
+# Cheapest recompute first: a budget takes the first of these that fits.
+BUDGET_ORDER = ("everything", "dots", "nothing")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+
+
+def parse_bytes(text: str | int) -> int:
+    """``'64MiB'`` -> 67108864; also plain integers, ``kB``/``MB``/``GB`` (powers of 1000) and ``KiB``/``GiB``."""
+    if isinstance(text, (int, np.integer)) and not isinstance(text, bool):
+        if text < 0:
+            raise VjpsplitError(f"memory budget {text} is negative")
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise VjpsplitError(f"memory budget {text!r} is not a size; write e.g. 64MiB, 1.5GB or 1048576")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_at(items: Sequence[str] | Mapping[str, int] | None) -> dict[str, int]:
+    """``['b=256', 't=128']`` (or a mapping) -> ``{'b': 256, 't': 128}``; sizes must be >= 1."""
+    if items is None:
+        return {}
+    if isinstance(items, Mapping):
+        pairs = list(items.items())
+    else:
+        pairs = []
+        for item in items:
+            for part in str(item).split(","):
+                name, eq, value = part.partition("=")
+                # ASCII digits only: str.isdigit() also accepts '²', which int() refuses.
+                if not eq or not _AT_NAME.match(name.strip()) or not _AT_SIZE.match(value.strip()):
+                    raise VjpsplitError(f"--at {part!r} is not NAME=SIZE; write e.g. b=256")
+                pairs.append((name.strip(), int(value)))
+    out = {}
+    for name, value in pairs:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise VjpsplitError(f"--at {name}={value!r}: a size must be an integer, e.g. b=256")
+        if int(value) < 1:
+            raise VjpsplitError(f"--at {name}={value}: symbolic dims are >= 1")
+        if int(value) > MAX_DIM:
+            raise VjpsplitError(f"--at {name}={value}: too large (at most 2**62); check the number")
+        out[str(name)] = int(value)
+    return out
+
+
+_AT_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_AT_SIZE = re.compile(r"^[0-9]{1,30}$")
+
+
+def concrete_specs(specs: tuple, at: Mapping[str, int]) -> tuple:
+    """``specs`` with every symbolic dim replaced by its size from ``at``."""
+    missing: list[str] = []
+
+    def fix(s):
+        if not is_symbolic_shape(s.shape):
+            return s
+        dims = []
+        for d in s.shape:
+            v = eval_dim(d if isinstance(d, int) else str(d), at)
+            if v is None:
+                missing.append(str(d))
+                v = 1
+            dims.append(v)
+        return jax.ShapeDtypeStruct(tuple(dims), s.dtype)
+
+    out = tuple(jax.tree_util.tree_map(fix, s) for s in specs)
+    if missing:
+        raise VjpsplitError(
+            f"sizes needed for symbolic dim(s) {', '.join(sorted(set(missing)))}; pass --at NAME=SIZE (at={{...}})"
+        )
+    return out
+
+
+def _nbytes(structs) -> int:
+    return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in structs)
+
+
+def _count_ops(jaxpr) -> tuple[int, int]:
+    """(all primitive applications, matmuls and convolutions) in a jaxpr and its sub-jaxprs."""
+    # A call-like wrapper (jit, remat, custom_vjp) is not an op: what it runs is counted.
+    prims = [e.primitive.name for e in iter_eqns(jaxpr) if not sub_jaxprs(e)]
+    return len(prims), sum(p in ("dot_general", "conv_general_dilated") for p in prims)
+
+
+@dataclass(frozen=True)
+class PolicyCost:
+    """What one policy costs: residual bytes the forward stores, and the backward's work."""
+
+    policy: str
+    stored_arrays: int
+    stored_bytes: int | None           # None when symbolic dims are unbound
+    stored_terms: dict = field(default_factory=dict)  # bytes as {symbolic factor: coefficient}
+    input_backed: int = 0
+    backward_ops: int = 0              # primitive applications in the backward
+    backward_dots: int = 0             # of which matmuls / convolutions
+    backward_flops: float | None = None  # XLA's cost analysis, with concrete sizes only
+
+    def to_json(self) -> dict:
+        """A JSON-able dict."""
+        return {
+            "policy": self.policy, "stored_arrays": self.stored_arrays, "stored_bytes": self.stored_bytes,
+            "stored_terms": self.stored_terms, "input_backed": self.input_backed,
+            "backward_ops": self.backward_ops, "backward_dots": self.backward_dots,
+            "backward_flops": self.backward_flops,
+        }
+
+
+def policy_cost(fn: Callable, *specs, policy: str | None = None, wrt=None, has_aux: bool = False,
+                at: Mapping[str, int] | None = None, flops: bool = True) -> PolicyCost:
+    """Trace (never run) ``fn`` under ``policy`` and measure its residuals and backward."""
+    policy = normalize_policy(policy)
+    at = dict(at or {})
+    symbolic = any(is_symbolic_shape(s.shape) for s in jax.tree_util.tree_leaves(specs))
+    if symbolic and at:
+        specs, symbolic = concrete_specs(specs, at), False
+    wrt_pos, single = fn_wrt_positions(fn, wrt, len(specs))
+    inner = apply_policy(fn, policy)
+    captured: dict[str, Any] = {}
+
+    def fwd(*args):
+        out, stored, aux, plan = trace_vjp(inner, args, wrt_pos, single, has_aux)
+        captured["plan"] = plan
+        return stored
+
+    stored = jax.eval_shape(fwd, *specs)
+    plan = captured["plan"]
+    flat = jax.tree_util.tree_leaves(specs)
+    inputs = [flat[k] for k in plan.input_backed]
+    cts = [plan.out_avals[i] for i in plan.out_diff]
+
+    def bwd(stored_, inputs_, cts_):
+        return run_backward(plan, stored_, inputs_, cts_)
+
+    ops, dots = _count_ops(jax.make_jaxpr(bwd)(list(stored), inputs, cts))
+    terms: dict[str, int] = {}
+    for s in stored:
+        for k, v in byte_terms_of_shape(s.dtype, [d if isinstance(d, int) else str(d) for d in s.shape]).items():
+            terms[k] = terms.get(k, 0) + v
+    total = None if symbolic else _nbytes(stored)
+    fl = None
+    if flops and not symbolic:
+        try:
+            analysis = jax.jit(bwd).lower(list(stored), inputs, cts).compile().cost_analysis()
+            if isinstance(analysis, list):  # older jax: one dict per computation
+                analysis = analysis[0] if analysis else {}
+            fl = float(analysis.get("flops", 0.0)) if analysis else None
+        except Exception:  # cost analysis is best effort: not every backend offers it
+            fl = None
+    return PolicyCost(policy, len(stored), total, terms, len(plan.input_backed), ops, dots, fl)
+
+
+def plan_policies(fn: Callable, *specs, wrt=None, has_aux: bool = False, at=None,
+                  policies: Sequence[str] = BUDGET_ORDER, flops: bool = True) -> list[PolicyCost]:
+    """``policy_cost`` for each policy, cheapest recompute first."""
+    return [policy_cost(fn, *specs, policy=p, wrt=wrt, has_aux=has_aux, at=at, flops=flops) for p in policies]
+
+
+def choose_policy(fn: Callable, *specs, memory_budget, wrt=None, has_aux: bool = False, at=None,
+                  policies: Sequence[str] = BUDGET_ORDER) -> tuple[str, PolicyCost]:
+    """The policy that recomputes least among those whose stored residual bytes fit the budget."""
+    budget = parse_bytes(memory_budget)
+    at = parse_at(at)
+    symbolic = any(is_symbolic_shape(s.shape) for s in jax.tree_util.tree_leaves(specs))
+    if symbolic and not at:
+        raise VjpsplitError(
+            "a memory budget needs sizes for the symbolic dims to weigh the residuals; pass --at NAME=SIZE "
+            "(at={'b': 256}) with the largest sizes you will run"
+        )
+    costs = []
+    for p in policies:
+        cost = policy_cost(fn, *specs, policy=p, wrt=wrt, has_aux=has_aux, at=at, flops=False)
+        if cost.stored_bytes <= budget:
+            return p, cost
+        costs.append(cost)
+    best = min(costs, key=lambda c: c.stored_bytes)
+    where = f" at {', '.join(f'{k}={v}' for k, v in at.items())}" if at else ""
+    raise VjpsplitError(
+        f"no policy fits a memory budget of {human_bytes(budget)}{where}: the smallest is {best.policy!r} "
+        f"storing {human_bytes(best.stored_bytes)}; raise the budget or use smaller sizes"
+    )

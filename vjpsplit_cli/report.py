@@ -1,17 +1,13 @@
-"""What ``inspect`` shows: an artifact's manifest as JSON and as a table, with byte counts."""
+"""What ``inspect`` and ``plan`` show: an artifact's manifest as JSON and as a table, policy costs."""
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Mapping, Sequence
 
-import numpy as np
-
-
 from ._io import printable
-from .artifact import Artifact, Leaf
-from .dtypes import dtype_from_name
-from .shapes import eval_dim
+from .artifact import Artifact
+from .manifest import Leaf
+from .policies import byte_terms, evaluate_terms, format_bytes_terms, human_bytes, total_bytes
 
 
 def describe(art: Artifact, at: Mapping[str, int] | None = None) -> dict:
@@ -43,67 +39,6 @@ def describe(art: Artifact, at: Mapping[str, int] | None = None) -> dict:
         "intermediates": [leaf.to_json() for leaf in m.intermediates],
         **extra,
     }
-
-
-def byte_terms_of_shape(dtype, shape: Sequence[int | str]) -> dict[str, int]:
-    """Bytes of an array as ``{symbolic factor: coefficient}``; ``""`` is the constant term."""
-    coeff = dtype_from_name(dtype).itemsize if isinstance(dtype, str) else np.dtype(dtype).itemsize
-    factors = []
-    for d in shape:
-        if isinstance(d, int):
-            coeff *= d
-        else:
-            factors.append(d if d.replace("_", "").isalnum() else f"({d})")
-    return {"·".join(sorted(factors)): coeff}
-
-
-def byte_terms(leaf: Leaf) -> dict[str, int]:
-    """Bytes of one manifest leaf as ``{symbolic factor: coefficient}``."""
-    return byte_terms_of_shape(leaf.dtype, leaf.shape)
-
-
-def total_bytes(leaves: Sequence[Leaf]) -> dict[str, int]:
-    """Summed ``byte_terms`` of ``leaves``."""
-    total: dict[str, int] = defaultdict(int)
-    for leaf in leaves:
-        for k, v in byte_terms(leaf).items():
-            total[k] += v
-    return dict(total)
-
-
-def evaluate_terms(terms: Mapping[str, int], at: Mapping[str, int]) -> int | None:
-    """The byte count of ``terms`` with symbolic dims sized by ``at``; None if some are unbound."""
-    total = 0
-    for k, coeff in terms.items():
-        value = coeff
-        for factor in filter(None, k.split("·")):
-            v = eval_dim(factor.strip("()"), at)
-            if v is None:
-                return None
-            value *= v
-        total += value
-    return total
-
-
-def human_bytes(n: int) -> str:
-    """``1536`` -> ``1.5 KiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
-def format_bytes_terms(terms: dict[str, int]) -> str:
-    """``{"": 12288, "b": 8192}`` -> ``12.0 KiB + 8.0 KiB·b``."""
-    if not terms:
-        return "0 B"
-    parts = []
-    for k in sorted(terms, key=lambda k: (k != "", k)):
-        if terms[k] == 0:
-            continue
-        parts.append(human_bytes(terms[k]) + (f"·{k}" if k else ""))
-    return " + ".join(parts) or "0 B"
 
 
 def _rows(title: str, leaves: Sequence[Leaf], residual: bool = False) -> list[str]:
@@ -154,8 +89,7 @@ def format_table(art: Artifact, at: Mapping[str, int] | None = None) -> str:
     return "\n".join(printable(line) for line in lines)
 
 
-__all__ = ["describe", "format_table", "total_bytes", "byte_terms", "byte_terms_of_shape", "evaluate_terms",
-           "format_bytes_terms", "human_bytes", "format_plan"]
+__all__ = ["describe", "format_table", "format_plan"]
 
 
 def format_plan(costs, at: Mapping[str, int] | None = None) -> str:

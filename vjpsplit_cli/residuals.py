@@ -4,18 +4,92 @@ from __future__ import annotations
 
 import os
 import zlib
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
 
-from .arrays import load_arrays, save_arrays
-from .artifact import ArtifactResiduals, Intermediates, flatten_args
-from .core import Residuals, plan_for_token
+from .files import load_arrays, save_arrays
 from .errors import VjpsplitError
+from .manifest import ArgTrees, flatten_args
 from .prng import data_struct, from_data, impl_name, is_key, to_data
 from .shapes import format_shape
 from .trees import flatten_with_keys
+from .vjp import Plan, plan_for_token
+
+
+class Residuals:
+    """What a forward kept for its backward: stored arrays, and references to input arrays.
+
+    ``stored`` maps ``r/i`` keys to arrays; ``inputs`` maps input keys to the very
+    arrays the forward was given (never copies). Residuals of an artifact carry
+    its ``fingerprint`` and the symbolic ``dims``; those of ``split`` carry the
+    ``plan`` of the backward that lives in this process (their input keys are
+    flat argument positions). A pytree, so it passes through ``jax.jit`` and
+    ``jax.device_put``.
+    """
+
+    __slots__ = ("stored", "inputs", "dims", "fingerprint", "arg_names", "arg_trees", "plan", "residuals_id",
+                 "inputs_source")
+
+    def __init__(self, stored: Mapping[str, Any], inputs: Mapping[str, Any], *, dims: Mapping[str, int] | None = None,
+                 fingerprint: str = "", arg_names: Sequence[str] = (), arg_trees: ArgTrees = (),
+                 plan: Plan | None = None, residuals_id: str = ""):
+        self.stored = dict(stored)
+        self.inputs = dict(inputs)
+        self.dims = dict(dims or {})
+        self.fingerprint = fingerprint
+        self.arg_names = tuple(arg_names)
+        # The structure of the arguments fwd was called with, so bwd can give
+        # gradients in the caller's own pytree types; () when not known (files).
+        self.arg_trees = tuple(arg_trees)
+        self.plan = plan
+        # Names one forward run, so the weight part can refuse another run's
+        # intermediates; "" where unknown. Not part of the pytree's static data,
+        # where a per-run value would make every jit over residuals retrace.
+        self.residuals_id = residuals_id
+        self.inputs_source: str | None = None  # where the input-backed arrays came from, for messages
+
+    def __repr__(self) -> str:
+        owner = f"fingerprint={self.fingerprint[:12]}, dims={self.dims}" if self.plan is None else "split"
+        return f"Residuals(stored={len(self.stored)}, input_backed={len(self.inputs)}, {owner})"
+
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes of the stored (not input-backed) residuals."""
+        return sum(int(np.prod(np.shape(a))) * np.dtype(a.dtype).itemsize for a in self.stored.values())
+
+
+jax.tree_util.register_pytree_node(
+    Residuals,
+    lambda r: ((tuple(r.stored.values()), tuple(r.inputs.values())),
+               (tuple(r.stored), tuple(r.inputs), tuple(sorted(r.dims.items())), r.fingerprint, r.arg_names,
+                r.arg_trees, r.plan)),
+    lambda aux, ch: Residuals(dict(zip(aux[0], ch[0])), dict(zip(aux[1], ch[1])), dims=dict(aux[2]),
+                              fingerprint=aux[3], arg_names=aux[4], arg_trees=aux[5], plan=aux[6]),
+)
+
+
+class Intermediates:
+    """What the input part of a split backward hands to the weight part (``c/i`` arrays)."""
+
+    __slots__ = ("arrays", "dims", "fingerprint", "residuals_id")
+
+    def __init__(self, arrays: Mapping[str, Any], dims: Mapping[str, int], fingerprint: str, residuals_id: str = ""):
+        self.arrays = dict(arrays)
+        self.dims = dict(dims)
+        self.fingerprint = fingerprint
+        self.residuals_id = residuals_id  # the forward run whose residuals the input part read; "" unknown
+
+    def __repr__(self) -> str:
+        return f"Intermediates({len(self.arrays)} arrays, dims={self.dims}, fingerprint={self.fingerprint[:12]})"
+
+
+jax.tree_util.register_pytree_node(
+    Intermediates,
+    lambda r: (tuple(r.arrays.values()), (tuple(r.arrays), tuple(sorted(r.dims.items())), r.fingerprint)),
+    lambda aux, ch: Intermediates(dict(zip(aux[0], ch)), dict(aux[1]), aux[2]),
+)
 
 KIND_ARTIFACT = "vjpsplit-residuals"
 KIND_SPLIT = "vjpsplit-split-residuals"
@@ -147,7 +221,9 @@ def save_residuals(path: str | os.PathLike, res, *, self_contained: bool = False
     Input-backed residuals are left out unless ``self_contained``: the file records
     which input keys it needs, and ``load_residuals(path, inputs=...)`` supplies them.
     """
-    if isinstance(res, ArtifactResiduals):
+    if not isinstance(res, Residuals):
+        raise VjpsplitError(f"{path}: save_residuals takes residuals from a fwd, got {type(res).__name__}")
+    if res.plan is None:  # an artifact's
         arrays: dict[str, Any] = {k: np.asarray(v) for k, v in res.stored.items()}
         if self_contained:
             arrays.update({f"in/{k}": np.asarray(v) for k, v in res.inputs.items()})
@@ -161,21 +237,18 @@ def save_residuals(path: str | os.PathLike, res, *, self_contained: bool = False
             "residuals_id": res.residuals_id,
             "input_crc32": {} if self_contained else {k: input_crc32(v) for k, v in res.inputs.items()},
         }
-    elif isinstance(res, Residuals):
-        arrays = {f"r/{i}": np.asarray(to_data(v)) for i, v in enumerate(res.stored)}
+    else:  # split's: keys r/i and flat argument positions
+        arrays = {k: np.asarray(to_data(v)) for k, v in res.stored.items()}
         if self_contained:
-            arrays.update({f"in/{k}": np.asarray(to_data(v)) for k, v in zip(res.plan.input_backed, res.inputs)})
+            arrays.update({f"in/{k}": np.asarray(to_data(v)) for k, v in res.inputs.items()})
         meta = {
             "kind": KIND_SPLIT,
             "token": res.plan.token,
             "pid": os.getpid(),
             "needs_inputs": [] if self_contained else [str(k) for k in res.plan.input_backed],
             "self_contained": bool(self_contained),
-            "input_crc32": {} if self_contained else {str(k): input_crc32(to_data(v))
-                                                      for k, v in zip(res.plan.input_backed, res.inputs)},
+            "input_crc32": {} if self_contained else {k: input_crc32(to_data(v)) for k, v in res.inputs.items()},
         }
-    else:
-        raise VjpsplitError(f"{path}: save_residuals takes residuals from a fwd, got {type(res).__name__}")
     _save_checked(path, arrays, meta)
 
 
@@ -208,8 +281,7 @@ def load_residuals(path: str | os.PathLike, inputs=None, *, artifact=None, input
     if kind == KIND_SPLIT:
         res = _load_split_residuals(path, arrays, meta, needs, inputs)
         if verify and not meta.get("self_contained"):
-            _check_bound_inputs(path, meta, {str(k): to_data(v) for k, v in zip(res.plan.input_backed, res.inputs)},
-                                inputs_source or "inputs")
+            _check_bound_inputs(path, meta, {k: to_data(v) for k, v in res.inputs.items()}, inputs_source or "inputs")
         return res
     raise VjpsplitError(
         f"{path}: not a residuals file (no vjpsplit residuals metadata); pass the --residuals file written by run-fwd"
@@ -229,7 +301,7 @@ def _check_bound_inputs(path, meta: Mapping, given: Mapping[str, Any], source: s
             )
 
 
-def _load_artifact_residuals(path, arrays, meta, needs, inputs, artifact) -> ArtifactResiduals:
+def _load_artifact_residuals(path, arrays, meta, needs, inputs, artifact) -> Residuals:
     fingerprint, dims, arg_names = meta["fingerprint"], meta["dims"], meta["arg_names"]
     stored = {k: v for k, v in arrays.items() if not k.startswith("in/")}
     given = {k[3:]: v for k, v in arrays.items() if k.startswith("in/")}
@@ -250,7 +322,8 @@ def _load_artifact_residuals(path, arrays, meta, needs, inputs, artifact) -> Art
         given.update({k: flat[k] for k in needs})
     elif inputs is not None and not isinstance(inputs, Mapping):
         _, trees = _flat_inputs(path, inputs, arg_names, artifact)
-    return ArtifactResiduals(stored, given, dims, fingerprint, arg_names, trees, meta.get("residuals_id", ""))
+    return Residuals(stored, given, dims=dims, fingerprint=fingerprint, arg_names=arg_names, arg_trees=trees,
+                     residuals_id=meta.get("residuals_id", ""))
 
 
 def _flat_inputs(path, inputs, arg_names, artifact=None) -> tuple[Mapping[str, Any], tuple]:
@@ -300,7 +373,8 @@ def _load_split_residuals(path, arrays, meta, needs, inputs) -> Residuals:
                                 "pass the arguments fwd ran on")
         ins = tuple(flat[k] for k in plan.input_backed)
     stored = tuple(_from_file(path, f"r/{i}", v, aval) for i, (v, aval) in enumerate(zip(stored, plan.stored_avals)))
-    return Residuals(stored, ins, plan)
+    return Residuals({f"r/{i}": v for i, v in enumerate(stored)}, {str(k): v for k, v in zip(plan.input_backed, ins)},
+                     plan=plan)
 
 
 def _from_file(path, key: str, v, aval):

@@ -1,0 +1,304 @@
+"""Lowering: ``export`` lowers a function's forward (emitting residuals) and backward (consuming them) with jax.export.
+
+Both modules take and give flat leaves, so the artifact holds no user class;
+the manifest records every leaf's file key, dtype and (symbolic) shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import export as jexport
+from jax.extend import core as jcore
+
+from ._version import __version__
+from .artifact import Artifact
+from .dtypes import dtype_name
+from .errors import VjpsplitError, first_line
+from .jaxprs import iter_eqns
+from .manifest import FORMAT_VERSION, Leaf, Manifest, fingerprint
+from .policies import apply_policy, choose_policy, normalize_policy
+from .prng import data_struct, from_data, impl_name, is_key, to_data
+from .shapes import dim_str, to_struct
+from .trees import encode_structure, flatten_with_keys
+from .vjp import positional_names, run_backward, trace_vjp, wrt_positions
+from .zerobubble import partition
+
+DEFAULT_PLATFORMS = ("cpu", "cuda", "tpu")
+_KNOWN_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_DIM_FUNCS = {"mod", "floordiv", "max", "min", "non_negative"}
+
+
+def _leaves_json_safe(entries, what: str = "leaf", impls: Sequence[str] | None = None) -> tuple[Leaf, ...]:
+    """Manifest leaves for ``(key, struct)`` pairs; typed keys become their key data.
+
+    ``impls`` gives the PRNG impl of each entry whose struct is already key data.
+    """
+    out = []
+    for i, (k, s) in enumerate(entries):
+        impl = impls[i] if impls else ""
+        if is_key(s):
+            impl, s = impl_name(s), data_struct(s)
+        try:
+            dtype = dtype_name(s.dtype)
+        except (VjpsplitError, TypeError) as e:
+            raise VjpsplitError(f"{what} '{k}': {e}; pass arrays of a numeric, bool or PRNG key dtype") from e
+        out.append(Leaf(k, dtype, tuple(dim_str(d) for d in s.shape), prng_impl=impl))
+    return tuple(out)
+
+
+def _spec_structs(name: str, spec) -> Any:
+    """``spec`` with every leaf a ShapeDtypeStruct; a bad leaf is refused by its file key."""
+    entries = flatten_with_keys(name, spec)
+    leaves, treedef = jax.tree_util.tree_flatten(spec)
+    structs = []
+    for (key, _), leaf in zip(entries, leaves):
+        try:
+            structs.append(to_struct(leaf))
+        except VjpsplitError as e:
+            raise VjpsplitError(f"input '{key}': {e}") from e
+    return jax.tree_util.tree_unflatten(treedef, structs)
+
+
+def _dim_vars(inputs: Sequence[Leaf]) -> tuple[str, ...]:
+    """Symbolic dim names, in first-seen order; each must appear alone as some input dim."""
+    plain, used = [], []
+    for leaf in inputs:
+        for d in leaf.shape:
+            if isinstance(d, str):
+                if _NAME_RE.fullmatch(d):
+                    if d not in plain:
+                        plain.append(d)
+                else:
+                    used += [n for n in _NAME_RE.findall(d) if n not in _DIM_FUNCS]
+    for n in used:
+        if n not in plain:
+            raise VjpsplitError(
+                f"symbolic dim {n!r} appears only inside expressions in the input shapes; "
+                f"give some input a plain dim {n!r} so its size can be read from the inputs"
+            )
+    return tuple(plain)
+
+
+_CALLBACK_PRIMITIVES = ("debug_callback", "debug_print", "pure_callback", "io_callback", "callback")
+
+
+def _host_callbacks(jaxpr) -> list[str]:
+    """Names of host-callback primitives anywhere in ``jaxpr`` (sub-jaxprs included)."""
+    return [e.primitive.name for e in iter_eqns(jaxpr) if e.primitive.name in _CALLBACK_PRIMITIVES]
+
+
+def _refuse_host_callbacks(fn: Callable, structs) -> None:
+    """jax.export cannot serialize host callbacks: say so before lowering fails obscurely."""
+    try:
+        jaxpr = jax.make_jaxpr(fn)(*structs)
+    except Exception:
+        return  # tracing errors surface, with context, from the export itself
+    found = _host_callbacks(jaxpr)
+    if found:
+        raise VjpsplitError(
+            f"cannot export {getattr(fn, '__name__', 'the function')}: it uses {sorted(set(found))[0]} "
+            "(jax.debug.print, jax.debug.callback or another host callback), which jax.export cannot "
+            "serialize; remove them before exporting"
+        )
+
+
+def _lower(what: str, fn: Callable, platforms: tuple[str, ...], args: Sequence):
+    """``jax.export`` with errors that say what went wrong and, if one platform failed, which."""
+    try:
+        return jexport.export(jax.jit(fn), platforms=platforms)(*args)
+    except NotImplementedError as e:
+        if "host_callback" in str(e) or "callback" in str(e):
+            raise VjpsplitError(
+                f"cannot export the {what}: the function uses jax.debug.print, jax.debug.callback or "
+                "another host callback, which jax.export cannot serialize; remove them before exporting"
+            ) from e
+        raise VjpsplitError(f"cannot export the {what}: {first_line(e)}") from e
+    except VjpsplitError:
+        raise
+    except Exception as e:
+        failing = []
+        if len(platforms) > 1:
+            for p in platforms:
+                try:
+                    jexport.export(jax.jit(fn), platforms=(p,))(*args)
+                except Exception:
+                    failing.append(p)
+        where = f" for platform(s) {', '.join(failing)}" if failing and len(failing) < len(platforms) else ""
+        hint = f"; drop them with --platforms {','.join(p for p in platforms if p not in failing)}" if where else ""
+        raise VjpsplitError(f"cannot export the {what}{where}: {first_line(e)}{hint}") from e
+
+
+def export(
+    fn: Callable,
+    *specs,
+    wrt=None,
+    has_aux: bool = False,
+    platforms: Sequence[str] | str = DEFAULT_PLATFORMS,
+    policy: str | None = None,
+    arg_names: Sequence[str] | None = None,
+    name: str | None = None,
+    memory_budget: int | str | None = None,
+    at: Mapping[str, int] | Sequence[str] | None = None,
+    weights: Sequence[str] | str | None = None,
+) -> "Artifact":
+    """Export ``fn``'s forward (emitting residuals) and backward (consuming them).
+
+    ``specs`` are one pytree of ``jax.ShapeDtypeStruct`` (or arrays) per positional
+    argument; symbolic dims (``jax.export.symbolic_shape``, one scope) make the
+    artifact shape-polymorphic. ``platforms`` lists the targets lowered into the one
+    artifact (default cpu, cuda, tpu; no accelerator is needed to lower for them).
+    ``memory_budget`` (bytes or ``"64MiB"``; symbolic dims sized by ``at``) picks
+    the policy that recomputes least among those whose stored residuals fit.
+    ``weights`` (argument names) adds the zero-bubble split of the backward:
+    ``bwd_input`` (gradients of the other arguments, on the critical path) and
+    ``bwd_weight`` (the weight gradients, schedulable later).
+    """
+    if isinstance(platforms, str):
+        platforms = tuple(p.strip() for p in platforms.split(",") if p.strip())
+    try:
+        platforms = tuple(platforms)
+    except TypeError:
+        raise VjpsplitError(f"platforms={platforms!r} is not a list of platform names; "
+                            "pass e.g. 'cpu,cuda,tpu' or ['cpu']") from None
+    for p in platforms:
+        if p not in _KNOWN_PLATFORMS:
+            raise VjpsplitError(f"unknown platform {p!r}; use some of {', '.join(_KNOWN_PLATFORMS)}")
+    if not platforms:
+        raise VjpsplitError("no platforms given; use e.g. cpu,cuda,tpu")
+    if memory_budget is not None and policy not in (None, "everything"):
+        raise VjpsplitError("give either a policy or a memory budget, not both")
+    names = tuple(arg_names) if arg_names is not None else tuple(positional_names(fn, len(specs)))
+    if len(names) != len(specs):
+        raise VjpsplitError(f"{len(specs)} specs given for {len(names)} argument names")
+    structs = tuple(_spec_structs(n, s) for n, s in zip(names, specs))
+    input_entries = [kv for n, s in zip(names, structs) for kv in flatten_with_keys(n, s)]
+    inputs = _leaves_json_safe(input_entries, "input")
+    # The modules take and give flat leaves (typed keys as key data): the user's
+    # classes live only in this closure, never in the serialized artifact.
+    flat_structs, in_tree = jax.tree_util.tree_flatten(structs)
+    in_impls = [leaf.prng_impl for leaf in inputs]
+    data_structs = [jax.ShapeDtypeStruct(data_struct(s).shape, data_struct(s).dtype) if is_key(s) else s
+                    for s in flat_structs]
+    dim_vars = _dim_vars(inputs)
+    wrt_pos, single = wrt_positions(names, wrt, getattr(fn, "__qualname__", ""))
+    if memory_budget is not None:
+        policy, _ = choose_policy(fn, *structs, memory_budget=memory_budget, wrt=wrt_pos, has_aux=has_aux, at=at)
+    policy = normalize_policy(policy)
+    inner = apply_policy(fn, policy)
+    _refuse_host_callbacks(fn, structs)
+
+    captured: dict[str, Any] = {}
+
+    def fwd_flat(*leaves):
+        args = jax.tree_util.tree_unflatten(in_tree, [from_data(x, i) for x, i in zip(leaves, in_impls)])
+        out, stored, aux, plan = trace_vjp(inner, tuple(args), wrt_pos, single, has_aux)
+        out_leaves, aux_leaves = jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(aux)
+        captured.update(plan=plan, out=out, aux=aux,
+                        out_impls=[impl_name(x) if is_key(x) else "" for x in out_leaves],
+                        aux_impls=[impl_name(x) if is_key(x) else "" for x in aux_leaves],
+                        stored_impls=[impl_name(x) if is_key(x) else "" for x in stored])
+        return (
+            tuple(to_data(x) for x in out_leaves),
+            tuple(to_data(x) for x in stored),
+            tuple(to_data(x) for x in aux_leaves),
+        )
+
+    fwd_exp = _lower("forward", fwd_flat, platforms, data_structs)
+    plan = captured["plan"]
+    stored_impls = captured["stored_impls"]
+    n_out, n_stored = len(plan.out_avals), plan.n_stored
+    stored_avals = list(fwd_exp.out_avals[n_out:n_out + n_stored])
+    aux_avals = list(fwd_exp.out_avals[n_out + n_stored:])
+    input_backed = [data_structs[k] for k in plan.input_backed]
+    input_backed_impls = [in_impls[k] for k in plan.input_backed]
+    ct_avals = [jax.ShapeDtypeStruct(plan.out_avals[i].shape, plan.out_avals[i].dtype) for i in plan.out_diff]
+    carrier = None
+    if dim_vars:
+        scope = next(d for s in flat_structs for d in s.shape if not isinstance(d, int)).scope
+        carrier = jax.ShapeDtypeStruct((0, *jexport.symbolic_shape(",".join(dim_vars), scope=scope)), jnp.bool_)
+
+    def bwd_flat(stored, inputs_, cts, carrier_):
+        # carrier_ is a zero-size array whose dims are the symbolic dims: it makes
+        # them solvable even when no other backward input mentions them.
+        del carrier_
+        stored = [from_data(x, i) for x, i in zip(stored, stored_impls)]
+        inputs_ = [from_data(x, i) for x, i in zip(inputs_, input_backed_impls)]
+        return run_backward(plan, stored, inputs_, cts)
+
+    bwd_exp = _lower("backward", bwd_flat, platforms, (stored_avals, input_backed, ct_avals, carrier))
+
+    out_keys = [k for k, _ in flatten_with_keys("out", captured["out"])]
+    aux_keys = [k for k, _ in flatten_with_keys("aux", captured["aux"])]
+    out_structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in fwd_exp.out_avals[:n_out]]
+    input_keys = [k for k, _ in input_entries]
+    grads = tuple(inputs[i] for i in plan.diff_leaves)
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        vjpsplit_version=__version__,
+        jax_version=jax.__version__,
+        calling_convention_version=fwd_exp.calling_convention_version,
+        function=name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}",
+        arg_names=names,
+        wrt=tuple(names[p] for p in wrt_pos),
+        single_grad=single,
+        has_aux=has_aux,
+        policy=policy,
+        platforms=platforms,
+        x64=bool(jax.config.jax_enable_x64),
+        dim_vars=dim_vars,
+        inputs=inputs,
+        outputs=_leaves_json_safe(list(zip(out_keys, out_structs)) + list(zip(aux_keys, aux_avals)), "output",
+                                  captured["out_impls"] + captured["aux_impls"]),
+        residuals=_leaves_json_safe([(f"r/{i}", a) for i, a in enumerate(stored_avals)], "residual", stored_impls)
+        + tuple(dataclasses.replace(inputs[k], key=f"in/{input_keys[k]}", input_backed=True) for k in plan.input_backed),
+        grads=grads,
+        structure={
+            "args": {n: encode_structure(s, n) for n, s in zip(names, structs)},
+            "out": encode_structure(captured["out"], "out"),
+            "aux": encode_structure(captured["aux"], "aux"),
+        },
+    )
+    exps = {"fwd": fwd_exp, "bwd": bwd_exp}
+    if weights:
+        weight_names = (weights,) if isinstance(weights, str) else tuple(weights)
+        bad = [w for w in weight_names if w not in manifest.wrt]
+        if bad:
+            raise VjpsplitError(f"weights {', '.join(bad)} are not differentiated arguments ({', '.join(manifest.wrt)})")
+        exps["bwd_input"], exps["bwd_weight"], inter = _export_split_backward(
+            plan, manifest, weight_names, bwd_flat, stored_avals, input_backed, ct_avals, carrier, platforms)
+        manifest = dataclasses.replace(manifest, weights=weight_names, intermediates=inter)
+    modules = {k: bytes(e.serialize()) for k, e in exps.items()}
+    manifest = dataclasses.replace(manifest, fingerprint=fingerprint(manifest, modules))
+    return Artifact(manifest, modules, exps)
+
+
+def _export_split_backward(plan, manifest, weight_names, bwd_flat, stored_avals, input_backed, ct_avals, carrier,
+                           platforms):
+    """Lower the zero-bubble halves of the backward: (bwd_input, bwd_weight, intermediate leaves)."""
+    closed = jax.make_jaxpr(lambda st, ib, ct: bwd_flat(st, ib, ct, None))(stored_avals, input_backed, ct_avals)
+    weight_outs = [i for i, g in enumerate(manifest.grads) if g.key.split("/", 1)[0] in weight_names]
+    n_st, n_ib = len(stored_avals), len(input_backed)
+    ct_pos = list(range(n_st + n_ib, n_st + n_ib + len(ct_avals)))
+    part = partition(closed, weight_outs, ct_pos)
+    n_in_grads = len(manifest.grads) - len(weight_outs)
+    input_fn, weight_fn = jcore.jaxpr_as_fun(part.input_part), jcore.jaxpr_as_fun(part.weight_part)
+
+    def bwd_input(stored, inputs_, cts, carrier_):
+        outs = input_fn(*stored, *inputs_, *cts)
+        return tuple(outs[:n_in_grads]), tuple(outs[n_in_grads:])
+
+    def bwd_weight(stored, inputs_, inter, carrier_):
+        return tuple(weight_fn(*stored, *inputs_, *inter))
+
+    in_exp = _lower("input part of the backward", bwd_input, platforms, (stored_avals, input_backed, ct_avals, carrier))
+    inter_avals = list(in_exp.out_avals[n_in_grads:])
+    w_exp = _lower("weight part of the backward", bwd_weight, platforms, (stored_avals, input_backed, inter_avals, carrier))
+    return in_exp, w_exp, _leaves_json_safe([(f"c/{i}", a) for i, a in enumerate(inter_avals)])
+
+

@@ -1,0 +1,303 @@
+"""The artifact's manifest: what every key, dtype and shape is, and the checks that hold arrays to it.
+
+Like ``jax.export``'s own ``Exported``, the manifest is a frozen dataclass with an
+explicit format version; a reader refuses a newer version, naming both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from ._version import __version__
+from .dtypes import dtype_from_name
+from .errors import VjpsplitError
+from .prng import impl_name, is_key, key_ndim, to_data
+from .shapes import bind_dims, concrete_shape, format_shape
+from .trees import flatten_with_keys
+from .vjp import is_differentiable
+
+# Artifact format versions. Bump on any change a reader must know about, and keep
+# reading the old ones where it is cheap.
+#   1 (2026-11-30): MAGIC + msgpack map {"manifest": {...}, "fwd": bytes, "bwd": bytes,
+#                   optionally "bwd_input": bytes, "bwd_weight": bytes (the zero-bubble
+#                   split of bwd, when exported with weights=)}; modules are jax.export
+#                   serializations; fingerprint = sha256 of the manifest (less the
+#                   fingerprint) and every module.
+#   2 (2026-11-30): the forward takes the flat input leaves (manifest ``inputs`` order)
+#                   instead of one pytree per argument, so no user class is serialized;
+#                   key segments escape ``%`` and ``/`` (``%25``, ``%2F``); structures may
+#                   hold ``{"node": ..., "type": ...}`` and int dict keys; leaves may carry
+#                   ``prng_impl`` (typed PRNG keys travel as their key data).
+FORMAT_VERSION = 2
+MAGIC = b"VJPSPLIT\x00"
+
+@dataclass(frozen=True)
+class Leaf:
+    """One array in the manifest: its file key, dtype name and shape (ints or dim names).
+
+    A typed PRNG key is described by its key data (``uint32[..., 2]`` for
+    threefry), with ``prng_impl`` naming the impl that wraps it back.
+    """
+
+    key: str
+    dtype: str
+    shape: tuple[int | str, ...]
+    input_backed: bool = False  # residuals only: read from the inputs, not stored
+    prng_impl: str = ""         # typed PRNG key: the impl of its key data; "" for plain arrays
+
+    def describe(self) -> str:
+        """``bf16[32,128]``, or ``key<threefry2x32>[4] as u32[4,2]`` for typed keys."""
+        data = format_shape(self.dtype, self.shape)
+        if not self.prng_impl:
+            return data
+        return f"key<{self.prng_impl}>[{','.join(str(d) for d in self.key_shape)}] as {data}"
+
+    @property
+    def key_shape(self) -> tuple[int | str, ...]:
+        """The shape of the array the function sees: the key array's shape for typed keys."""
+        if not self.prng_impl:
+            return self.shape
+        return self.shape[:len(self.shape) - key_ndim(self.prng_impl)]
+
+    def to_json(self, residual: bool = False) -> dict:
+        d = {"key": self.key, "dtype": self.dtype, "shape": list(self.shape)}
+        if residual:
+            d["input_backed"] = self.input_backed
+        if self.prng_impl:
+            d["prng_impl"] = self.prng_impl
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> "Leaf":
+        shape = tuple(d["shape"])
+        if not all(isinstance(x, (int, str)) and not isinstance(x, bool) for x in shape):
+            raise ValueError(f"bad shape {shape!r}")
+        dtype_from_name(d["dtype"])
+        impl = d.get("prng_impl", "")
+        if not isinstance(impl, str):
+            raise ValueError(f"bad prng_impl {impl!r}")
+        return cls(str(d["key"]), str(d["dtype"]), shape, bool(d.get("input_backed", False)), impl)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything an artifact says about itself, besides its two modules."""
+
+    format_version: int
+    vjpsplit_version: str
+    jax_version: str
+    calling_convention_version: int   # jax.export's, of both modules
+    function: str
+    arg_names: tuple[str, ...]
+    wrt: tuple[str, ...]
+    single_grad: bool                 # Python API: one gradient, not a tuple
+    has_aux: bool
+    policy: str
+    platforms: tuple[str, ...]
+    x64: bool                         # exported with jax_enable_x64
+    dim_vars: tuple[str, ...]
+    inputs: tuple[Leaf, ...]
+    outputs: tuple[Leaf, ...]         # "out..." then "aux..." keys
+    residuals: tuple[Leaf, ...]       # stored "r/i" in module order, then input-backed "in/<key>"
+    grads: tuple[Leaf, ...]
+    structure: Mapping[str, Any]      # {"args": {name: ...}, "out": ..., "aux": ...} (trees.encode_structure)
+    weights: tuple[str, ...] = ()     # zero-bubble split: arguments whose gradients bwd_weight computes
+    intermediates: tuple[Leaf, ...] = ()  # what bwd_input hands to bwd_weight ("c/i" keys)
+    fingerprint: str = ""
+
+    def to_json(self) -> dict:
+        """A JSON-able dict (msgpack-able too)."""
+        d = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "residuals":
+                v = [leaf.to_json(residual=True) for leaf in v]
+            elif f.name in ("inputs", "outputs", "grads", "intermediates"):
+                v = [leaf.to_json() for leaf in v]
+            elif isinstance(v, tuple):
+                v = list(v)
+            d[f.name] = v
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any, source: str) -> "Manifest":
+        """Validate and build; an unsupported format version names both versions."""
+        if not isinstance(d, dict) or "format_version" not in d:
+            raise VjpsplitError(f"{source}: not a vjpsplit artifact (no manifest); re-export it with `vjpsplit export`")
+        v = d["format_version"]
+        if not isinstance(v, int) or v < 1:
+            raise VjpsplitError(f"{source}: malformed artifact format version {v!r}; re-export it")
+        if v > FORMAT_VERSION:
+            raise VjpsplitError(
+                f"{source}: artifact format version {v} is newer than this vjpsplit ({__version__}) reads "
+                f"(up to {FORMAT_VERSION}); upgrade vjpsplit on this host"
+            )
+        try:
+            kw = {}
+            for f in dataclasses.fields(cls):
+                if f.name not in d and f.default is not dataclasses.MISSING:
+                    continue
+                val = d[f.name]
+                if f.name in ("residuals", "inputs", "outputs", "grads", "intermediates"):
+                    val = tuple(Leaf.from_json(x) for x in val)
+                elif f.name in ("arg_names", "wrt", "platforms", "dim_vars", "weights"):
+                    val = tuple(str(x) for x in val)
+                elif f.name == "structure":
+                    if not isinstance(val, dict):
+                        raise ValueError("structure is not a map")
+                elif f.type in ("int",) and not isinstance(val, int):
+                    raise ValueError(f"{f.name} is not an integer")
+                elif f.type in ("bool",) and not isinstance(val, bool):
+                    raise ValueError(f"{f.name} is not a bool")
+                elif f.type in ("str",) and not isinstance(val, str):
+                    raise ValueError(f"{f.name} is not a string")
+                kw[f.name] = val
+            return cls(**kw)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise VjpsplitError(f"{source}: malformed artifact manifest ({e}); re-export it") from e
+
+    def grads_of(self, names: Sequence[str]) -> tuple[Leaf, ...]:
+        """The gradient leaves of the arguments ``names``, in manifest order."""
+        return tuple(g for g in self.grads if g.key.split("/", 1)[0] in names)
+
+    @property
+    def non_weight_wrt(self) -> tuple[str, ...]:
+        return tuple(n for n in self.wrt if n not in self.weights)
+
+    @property
+    def stored_residuals(self) -> tuple[Leaf, ...]:
+        return tuple(r for r in self.residuals if not r.input_backed)
+
+    @property
+    def input_backed_keys(self) -> tuple[str, ...]:
+        """Input keys the backward reads directly (``in/x`` residuals name input ``x``)."""
+        return tuple(r.key[3:] for r in self.residuals if r.input_backed)
+
+    @property
+    def out_keys(self) -> tuple[str, ...]:
+        return tuple(o.key for o in self.outputs if o.key == "out" or o.key.startswith("out/"))
+
+    @property
+    def cotangent_leaves(self) -> tuple[Leaf, ...]:
+        """Outputs that take a cotangent: the floating leaves of ``out``."""
+        return tuple(
+            o for o in self.outputs
+            if (o.key == "out" or o.key.startswith("out/")) and is_differentiable(dtype_from_name(o.dtype))
+        )
+
+
+MODULES = ("fwd", "bwd", "bwd_input", "bwd_weight")
+
+
+def fingerprint(manifest: Manifest, modules: Mapping[str, bytes]) -> str:
+    """sha256 over the manifest (less its fingerprint) and every module, length-prefixed."""
+    h = hashlib.sha256()
+    body = manifest.to_json()
+    body.pop("fingerprint")
+    parts = [json.dumps(body, sort_keys=True).encode()] + [modules[k] for k in MODULES if k in modules]
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest()
+
+
+# Per argument: (name, treedef, file key of each leaf in the treedef's leaf order).
+ArgTrees = Sequence[tuple[str, Any, tuple[str, ...]]]
+
+
+def flatten_args(manifest: "Manifest", args: Sequence, source: str = "args") -> tuple[dict[str, Any], tuple]:
+    """The caller's argument pytrees as ``{file key: array}`` plus their structure.
+
+    Typed PRNG keys become their key data, after checking the impl against the
+    manifest; every refusal names the leaf by its key.
+    """
+    specs = {leaf.key: leaf for leaf in manifest.inputs}
+    flat: dict[str, Any] = {}
+    trees = []
+    for name, arg in zip(manifest.arg_names, args):
+        entries = flatten_with_keys(name, arg)
+        trees.append((name, jax.tree_util.tree_structure(arg), tuple(k for k, _ in entries)))
+        for key, value in entries:
+            leaf = specs.get(key)
+            if is_key(value):
+                if leaf is None or not leaf.prng_impl:
+                    want = f"expected {leaf.describe()}" if leaf is not None else "not an input of the artifact"
+                    raise VjpsplitError(
+                        f"{source}: input '{key}': got a typed PRNG key ({value.dtype}), {want}; "
+                        "pass jax.random.key_data(key) for a legacy uint32 key"
+                    )
+                got = impl_name(value)
+                if got != leaf.prng_impl:
+                    raise VjpsplitError(
+                        f"{source}: input '{key}': expected a {leaf.prng_impl} key, got a {got} key; "
+                        f"make it with jax.random.key(seed, impl='{leaf.prng_impl}')"
+                    )
+                value = to_data(value)
+            flat[key] = value
+    return flat, tuple(trees)
+
+
+def _weak_scalar_fits(value, want: np.dtype) -> bool:
+    if isinstance(value, bool):
+        return want == np.bool_
+    if isinstance(value, int):
+        return want.kind in "iufc"
+    if isinstance(value, float):
+        return want.kind in "fc" or jnp.issubdtype(want, jnp.floating)
+    if isinstance(value, complex):
+        return want.kind == "c"
+    return False
+
+
+def check_array(source: str, what: str, leaf: Leaf, value, dims: dict[str, int]):
+    """``value`` as an array of ``leaf``'s dtype and shape, binding dims; else a clear error."""
+    want = dtype_from_name(leaf.dtype)
+    if _weak_scalar_fits(value, want):
+        value = np.asarray(value, want)  # Python scalars are weakly typed in JAX: take the expected dtype
+    a = value if hasattr(value, "dtype") and hasattr(value, "shape") else np.asarray(value)
+    got = np.dtype(a.dtype)
+    if got != want:
+        # npz written by plain numpy holds bfloat16 & co. as raw void of the same width.
+        if got.kind == "V" and got.itemsize == want.itemsize and not got.fields and isinstance(a, np.ndarray):
+            a = a.view(want)
+        else:
+            raise VjpsplitError(
+                f"{source}: {what} '{leaf.key}': expected {leaf.describe()}, got {format_shape(got, a.shape)}; "
+                "write it with the expected dtype (no implicit casting)"
+            )
+    shape = tuple(int(d) for d in a.shape)
+    ok = bind_dims(f"{source}: {what} '{leaf.key}'", leaf.shape, shape, dims)
+    conc = concrete_shape(leaf.shape, dims) if ok else None
+    if not ok or (conc is not None and conc != shape):
+        bound = ", ".join(f"{k}={v}" for k, v in dims.items())
+        raise VjpsplitError(
+            f"{source}: {what} '{leaf.key}': expected {leaf.describe()}"
+            f"{f' (with {bound})' if bound else ''}, got {format_shape(got, shape)}"
+        )
+    return a
+
+
+def check_keys(source: str, what: str, expected: Sequence[str], given: Mapping[str, Any], allow_extra: bool = False):
+    """Refuse missing keys and (unless ``allow_extra``) unknown ones, naming them and the expected set."""
+    missing = [k for k in expected if k not in given]
+    if missing:
+        raise VjpsplitError(
+            f"{source}: missing {what} key{'s' if len(missing) > 1 else ''} {', '.join(repr(k) for k in missing)}; "
+            f"expected keys: {', '.join(expected) or '(none)'}"
+        )
+    if not allow_extra:
+        extra = [k for k in given if k not in expected]
+        if extra:
+            raise VjpsplitError(
+                f"{source}: unknown {what} key{'s' if len(extra) > 1 else ''} {', '.join(repr(k) for k in extra)}; "
+                f"expected keys: {', '.join(expected) or '(none)'}"
+            )
+
+

@@ -1,0 +1,250 @@
+"""One trace of ``jax.vjp``, cut into a forward and a backward: the mechanics under split and export.
+
+Only public JAX is used. ``jax.vjp`` returns its backward as a pytree whose
+leaves are the residuals and whose treedef holds the backward program; we
+return those leaves from the forward as plain arrays and rebuild the callable
+with ``tree_unflatten`` in the backward. Leaves that *are* inputs of the
+function (identified with ``is`` while tracing) are not returned: the residuals
+refer to the caller's arrays instead of copying them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .errors import VjpsplitError
+
+float0 = jax.dtypes.float0
+
+
+def is_differentiable(dtype) -> bool:
+    """Floating and complex leaves get gradients; integer and bool ones get float0 zeros."""
+    return jnp.issubdtype(dtype, jnp.inexact)
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """What one trace of the forward learned; static, compared by identity.
+
+    ``slots[i]`` says where vjp leaf ``i`` comes from in the backward:
+    ``("stored", j)`` the j-th stored residual, ``("input", k)`` the k-th
+    leaf of the flattened arguments.
+    """
+
+    vjp_tree: Any
+    slots: tuple[tuple[str, int], ...]
+    args_tree: Any
+    arg_leaf_avals: tuple[Any, ...]
+    diff_leaves: tuple[int, ...]        # flat arg-leaf indices that are differentiated
+    wrt: tuple[int, ...]                 # argument positions in the gradient tuple
+    out_tree: Any
+    out_avals: tuple[Any, ...]
+    out_diff: tuple[int, ...]            # output leaves that take a cotangent
+    single_grad: bool
+    stored_avals: tuple[Any, ...]
+    token: str                           # names this plan in residual files (same process only)
+
+    @property
+    def input_backed(self) -> tuple[int, ...]:
+        """Flat arg-leaf indices that the backward reads straight from the inputs."""
+        return tuple(k for kind, k in self.slots if kind == "input")
+
+    @property
+    def n_stored(self) -> int:
+        return sum(1 for kind, _ in self.slots if kind == "stored")
+
+
+def wrt_positions(names: Sequence[str], wrt, owner: str = "") -> tuple[tuple[int, ...], bool]:
+    """Normalise ``wrt`` (int, name, or sequence of them; None = all) to positions in ``names``.
+
+    Also says whether one gradient (not a tuple) is wanted: a single int or name.
+    """
+    n = len(names)
+    if wrt is None:
+        return tuple(range(n)), False
+    single = isinstance(wrt, (int, np.integer, str))
+    try:
+        items = [wrt] if single else list(wrt)
+    except TypeError:  # not a sequence (wrt=1.5): refused below as a bad entry
+        items = [wrt]
+    out = []
+    for w in items:
+        if isinstance(w, str):
+            if w not in names:
+                raise VjpsplitError(f"wrt names {w!r}, which is not an argument{f' of {owner}' if owner else ''}; "
+                                    f"the arguments are {', '.join(names)}")
+            out.append(list(names).index(w))
+        elif isinstance(w, (int, np.integer)) and not isinstance(w, bool) and -n <= w < n:
+            out.append(int(w) % n)
+        else:
+            raise VjpsplitError(f"wrt entry {w!r} is not an argument name or position (0..{n - 1})")
+    if len(set(out)) != len(out):
+        raise VjpsplitError(f"wrt names an argument twice: {wrt!r}")
+    return tuple(out), single
+
+
+def fn_wrt_positions(fn: Callable, wrt, nargs: int) -> tuple[tuple[int, ...], bool]:
+    """``wrt_positions`` against ``fn``'s own parameter names."""
+    return wrt_positions(positional_names(fn, nargs), wrt, fn_name(fn))
+
+
+def positional_names(fn: Callable, nargs: int) -> list[str]:
+    """Parameter names for ``nargs`` positional arguments; ``arg{i}`` past ``*args``."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    names = []
+    for p in params:
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+    names += [f"arg{i}" for i in range(len(names), nargs)]
+    return names[:nargs]
+
+
+def fn_name(fn) -> str:
+    """A function's name for messages."""
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def trace_vjp(fn: Callable, args: tuple, wrt: tuple[int, ...], single: bool, has_aux: bool):
+    """Run ``jax.vjp`` on ``fn(*args)`` and cut its result into forward outputs and a Plan.
+
+    Call while tracing (inside jit or export): the identity test that finds
+    input-backed residuals compares tracers. Returns ``(out, stored, aux, plan)``.
+    """
+    flat_args, args_tree = jax.tree_util.tree_flatten(args)
+    wrt_set = set(wrt)
+    leaf_owner = []
+    for pos, a in enumerate(args):
+        leaf_owner += [pos] * len(jax.tree_util.tree_leaves(a))
+    diff = tuple(
+        i for i, (pos, leaf) in enumerate(zip(leaf_owner, flat_args))
+        if pos in wrt_set and is_differentiable(jnp.result_type(leaf))
+    )
+
+    def f_diff(*diff_leaves):
+        leaves = list(flat_args)
+        for i, v in zip(diff, diff_leaves):
+            leaves[i] = v
+        return fn(*jax.tree_util.tree_unflatten(args_tree, leaves))
+
+    primals = [flat_args[i] for i in diff]
+    # Only floating outputs take part in the vjp; integer and bool outputs ride
+    # along as aux, so no float0 cotangent ever crosses a jit or export boundary.
+    shape_of_out: dict[str, Any] = {}
+
+    def f_split(*diff_leaves):
+        res = f_diff(*diff_leaves)
+        out, aux = res if has_aux else (res, None)
+        leaves, tree = jax.tree_util.tree_flatten(out)
+        shape_of_out["tree"] = tree
+        shape_of_out["mask"] = [is_differentiable(jnp.result_type(o)) for o in leaves]
+        d = [o for o, m in zip(leaves, shape_of_out["mask"]) if m]
+        nd = [o for o, m in zip(leaves, shape_of_out["mask"]) if not m]
+        return d, (nd, aux)
+
+    d_out, vjp_fn, (nd_out, aux) = jax.vjp(f_split, *primals, has_aux=True)
+    mask = shape_of_out["mask"]
+    d_it, nd_it = iter(d_out), iter(nd_out)
+    out_leaves = [next(d_it) if m else next(nd_it) for m in mask]
+    out_tree = shape_of_out["tree"]
+    out = jax.tree_util.tree_unflatten(out_tree, out_leaves)
+
+    vjp_leaves, vjp_tree = jax.tree_util.tree_flatten(vjp_fn)
+    by_id = {id(a): k for k, a in enumerate(flat_args)}
+    stored, slots, seen = [], [], {}
+    for leaf in vjp_leaves:
+        k = by_id.get(id(leaf))
+        if k is not None and flat_args[k] is leaf:
+            slots.append(("input", k))
+        elif id(leaf) in seen:  # one value kept twice by jax.vjp: store it once
+            slots.append(("stored", seen[id(leaf)]))
+        else:
+            seen[id(leaf)] = len(stored)
+            slots.append(("stored", len(stored)))
+            stored.append(leaf)
+    plan = Plan(
+        vjp_tree=vjp_tree,
+        slots=tuple(slots),
+        args_tree=args_tree,
+        arg_leaf_avals=tuple(jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in flat_args),
+        diff_leaves=diff,
+        wrt=wrt,
+        out_tree=out_tree,
+        out_avals=tuple(jax.ShapeDtypeStruct(jnp.shape(o), jnp.result_type(o)) for o in out_leaves),
+        out_diff=tuple(i for i, m in enumerate(mask) if m),
+        single_grad=single,
+        stored_avals=tuple(jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)) for v in stored),
+        token=uuid.uuid4().hex,
+    )
+    return out, tuple(stored), aux, plan
+
+
+def run_backward(plan: Plan, stored: Sequence, inputs: Sequence, cts: Sequence) -> tuple:
+    """Gradients of the differentiated leaves, from residuals alone (no forward).
+
+    ``inputs`` are the input-backed leaves in ``plan.input_backed`` order and
+    ``cts`` one cotangent per floating output leaf (``plan.out_diff``).
+    """
+    from_input = dict(zip(plan.input_backed, inputs))
+    vjp_leaves = [stored[k] if kind == "stored" else from_input[k] for kind, k in plan.slots]
+    vjp_fn = jax.tree_util.tree_unflatten(plan.vjp_tree, vjp_leaves)
+    return tuple(vjp_fn(list(cts)))
+
+
+def assemble_grads(plan: Plan, diff_grads: Sequence):
+    """Per-argument gradients with the arguments' structure; float0 zeros where not differentiated."""
+    flat: list[Any] = [np.zeros(a.shape, float0) for a in plan.arg_leaf_avals]
+    for i, g in zip(plan.diff_leaves, diff_grads):
+        flat[i] = g
+    per_arg = jax.tree_util.tree_unflatten(plan.args_tree, flat)
+    grads = tuple(per_arg[p] for p in plan.wrt)
+    return grads[0] if plan.single_grad else grads
+
+
+def cotangent_leaves(plan: Plan, ct) -> list:
+    """The cotangents of the floating outputs, from a pytree shaped like the output.
+
+    ``None`` means 1 for a single floating scalar output. Entries for integer or
+    bool outputs are ignored (they take no cotangent).
+    """
+    if ct is None:
+        if len(plan.out_avals) != 1 or plan.out_diff != (0,) or plan.out_avals[0].shape != ():
+            raise VjpsplitError("a cotangent is required: the output is not a single floating-point scalar")
+        return [jnp.ones((), plan.out_avals[0].dtype)]
+    leaves, tree = jax.tree_util.tree_flatten(ct)
+    if tree != plan.out_tree:
+        raise VjpsplitError(f"cotangent structure {tree} does not match the output structure {plan.out_tree}")
+    out = []
+    for i in plan.out_diff:
+        c, aval = leaves[i], plan.out_avals[i]
+        if jnp.shape(c) != tuple(aval.shape) or jnp.result_type(c) != aval.dtype:
+            raise VjpsplitError(
+                f"cotangent leaf {i}: expected {aval.dtype}{list(aval.shape)}, got {jnp.result_type(c)}{list(jnp.shape(c))}"
+            )
+        out.append(c)
+    return out
+
+
+# Plans by token, so residuals saved to disk can find their backward again in
+# this process. Plans are small (a treedef and a few tuples); they live as long
+# as the process, like jit's own caches.
+_PLANS: dict[str, Plan] = {}
+
+
+def register_plan(plan: Plan) -> None:
+    """Remember ``plan`` so that residual files it wrote load again in this process."""
+    _PLANS[plan.token] = plan
+
+
+def plan_for_token(token: str) -> Plan | None:
+    """The Plan that wrote residuals with ``token`` in this process, if any."""
+    return _PLANS.get(token)
