@@ -59,6 +59,9 @@ def big(tmp_path_factory):
     x = np.linspace(0, 1, N, dtype=np.float32)
     vs.save_arrays(d / "in1.npz", {"x": x})
     vs.save_arrays(d / "in2.npz", {"x": x[::-1].copy()})
+    vs.export(lambda x: jnp.sum(jnp.sin(x) * jnp.cos(x)), jax.ShapeDtypeStruct((8,), jnp.float32),
+              platforms="cpu").save(d / "small.vjps")
+    vs.save_arrays(d / "small.npz", {"x": np.linspace(0, 1, 8, dtype=np.float32)})
     return d
 
 
@@ -138,3 +141,73 @@ def test_a_signal_during_a_write_removes_temp_files_and_keeps_every_previous_out
     if sig == "SIGINT":
         assert err.strip().splitlines() == ["error: run-fwd: interrupted; every previous output is left as it was"]
     assert _snapshot(tmp_path) == before, "a temp file was left or a previous output changed"
+
+
+# ---------------------------------------------------------------- temp files left by SIGKILL
+
+
+def test_the_next_command_removes_the_temp_file_a_sigkilled_writer_left(big, tmp_path):
+    target = tmp_path / "res.npz"
+    cli = [sys.executable, "-m", "vjpsplit_cli", "--no-cache", "run-fwd"]
+    done = subprocess.run(cli + [str(big / "small.vjps"), "--inputs", str(big / "small.npz"), "--residuals",
+                                 str(target)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    before = _digest(target)
+    _kill_mid_write(cli + [str(big / "art.vjps"), "--inputs", str(big / "in2.npz"), "--residuals", str(target)],
+                    tmp_path, target)
+    left = [p.name for p in tmp_path.iterdir() if p.name != target.name]
+    assert left, "SIGKILL cannot be caught: its writer's temp file is expected to stay until the next write"
+    # Another command writing into the directory sweeps it: the killed writer's pid is gone.
+    done = subprocess.run(cli + [str(big / "small.vjps"), "--inputs", str(big / "small.npz"), "--residuals",
+                                 str(tmp_path / "other.npz")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.npz", "res.npz"]
+    assert _digest(target) == before, "the previous complete output changed"
+
+
+def _temp_name(target: str, pid: int, start: int, host: str, suffix: str = ".tmp") -> str:
+    return f".{target}.0123abcd.vjps{pid}-{start}-{host}{suffix}"
+
+
+def test_only_stale_vjpsplit_temps_are_swept(tmp_path):
+    from vjpsplit_cli import _io
+
+    _, start, host = _io._writer_tag()[4:].split("-")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    other_host = "ffffffff" if host != "ffffffff" else "00000000"
+    names = {
+        _temp_name("a.npz", dead.pid, 0, host): "gone",                       # its writer has exited
+        _temp_name("b.npz", dead.pid, 123, host, ".tmp.npz"): "gone",          # staged output of an exited writer
+        _temp_name("c.npz", os.getpid(), int(start) + 1, host): "gone",        # the pid was reused by this process
+        _temp_name("d.npz", os.getpid(), int(start), host): "kept",            # this process: alive
+        _temp_name("e.npz", os.getppid(), 0, host): "kept",                    # alive (start time not recorded)
+        _temp_name("f.npz", dead.pid, 0, other_host): "kept",                  # another host or boot, recent
+        _temp_name("g.npz", dead.pid, 0, other_host, ".tmp.msgpack"): "gone",  # ... untouched for two days
+        ".h.npz.0123abcd.tmp": "kept",                                         # not vjpsplit's current pattern
+        "i.vjps99-0-00000000.tmp": "kept",                                     # not a hidden temp name
+        "user.npz": "kept",
+    }
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    old = time.time() - 2 * 24 * 3600
+    os.utime(tmp_path / _temp_name("g.npz", dead.pid, 0, other_host, ".tmp.msgpack"), (old, old))
+    (tmp_path / _temp_name("j.npz", dead.pid, 0, host)).mkdir()  # a directory is never removed
+    removed = _io.remove_stale_temps(tmp_path)
+    assert sorted(os.path.basename(p) for p in removed) == sorted(n for n, v in names.items() if v == "gone")
+    assert sorted(os.listdir(tmp_path)) == sorted([n for n, v in names.items() if v == "kept"]
+                                                  + [_temp_name("j.npz", dead.pid, 0, host)])
+
+
+def test_a_write_sweeps_its_directory_once_per_process(tmp_path):
+    from vjpsplit_cli import _io
+
+    code = ("import sys, numpy as np, vjpsplit_cli as vs\n"
+            "vs.save_arrays(sys.argv[1], {'x': np.ones(2)})\n")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / _temp_name("r.npz", dead.pid, 0, _io._writer_tag().rsplit("-", 1)[1])
+    stale.write_bytes(b"half a file")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "r.npz")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert sorted(os.listdir(tmp_path)) == ["r.npz"]

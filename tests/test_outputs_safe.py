@@ -593,3 +593,146 @@ def test_a_signal_goes_on_to_the_previous_handler_after_cleanup(tmp_path):
         assert os.listdir(tmp_path) == ["a.npz"]
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+# ---------------------------------------------------------------- fsync: only when asked, then every output
+
+
+@pytest.fixture
+def fsynced(monkeypatch):
+    """The inodes that os.fsync was called on (a temp file keeps its inode when it is renamed into place)."""
+    seen = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: seen.append(os.fstat(fd).st_ino) or real(fd))
+    monkeypatch.delenv("VJPSPLIT_FSYNC", raising=False)
+    return seen
+
+
+FSYNC_RUNS = {
+    "run-fwd": (FWD + ["--residuals", "r.npz", "--outputs", "o.npz"], ["r.npz", "o.npz"]),
+    "run-bwd": (BWD + ["--grads", "g.npz"], ["g.npz"]),
+    "run-bwd --part input": (BWD + ["--part", "input", "--grads", "g.npz", "--intermediates", "i.npz"],
+                             ["g.npz", "i.npz"]),
+}
+
+
+@pytest.mark.parametrize("how", ["default", "--fsync", "VJPSPLIT_FSYNC=1"])
+@pytest.mark.parametrize("run", list(FSYNC_RUNS))
+def test_outputs_are_fsynced_exactly_when_asked(ws, fsynced, monkeypatch, run, how):
+    args, outputs = FSYNC_RUNS[run]
+    if how == "--fsync":
+        args = args + ["--fsync"]
+    elif how != "default":
+        monkeypatch.setenv("VJPSPLIT_FSYNC", "1")
+    r = invoke(["--no-cache"] + args)
+    assert r.exit_code == 0, r.stderr
+    if how == "default":
+        assert fsynced == [], "a default run must not fsync: residuals, outputs and grads are transient"
+    else:
+        for name in outputs:
+            assert (ws / name).stat().st_ino in fsynced, f"{name} was not fsynced"
+        assert ws.stat().st_ino in fsynced, "the renames into the directory were not fsynced"
+
+
+def test_the_python_api_fsyncs_when_asked(ws, fsynced):
+    art = vs.load("art.vjps")
+    arrays, _ = vs.load_arrays("in.npz")
+    _, res = art.fwd(arrays["w"], arrays["x"])
+    _, inter = art.bwd_input(res)
+    vs.save_residuals("r.npz", res)
+    vs.save_intermediates("i.npz", inter)
+    vs.save_arrays("o.npz", {"x": np.ones(2)})
+    assert fsynced == []
+    vs.save_residuals("r.npz", res, fsync=True)
+    vs.save_intermediates("i.npz", inter, fsync=True)
+    vs.save_arrays("o.npz", {"x": np.ones(2)}, fsync=True)
+    assert {(ws / n).stat().st_ino for n in ("r.npz", "i.npz", "o.npz")} <= set(fsynced)
+
+
+def test_staged_outputs_fsync_whatever_the_writer_does(tmp_path, fsynced):
+    def raw(p):
+        with open(p, "wb") as f:  # a writer that never fsyncs on its own
+            f.write(b"data")
+
+    with StagedOutputs({"a": tmp_path / "a.bin"}) as out:
+        out.write("a", raw)
+    assert fsynced == []
+    with StagedOutputs({"a": tmp_path / "a.bin"}, fsync=True) as out:
+        out.write("a", raw)
+    assert (tmp_path / "a.bin").stat().st_ino in fsynced and tmp_path.stat().st_ino in fsynced
+    assert os.listdir(tmp_path) == ["a.bin"]
+
+
+# ---------------------------------------------------------------- the swap into place (renameat2) and its fallback
+
+
+def test_renameat2_exchange_swaps_two_files_where_the_system_has_it(tmp_path):
+    exchange = _io._renameat2()
+    if sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION"):
+        major, minor = map(int, os.confstr("CS_GNU_LIBC_VERSION").split()[1].split(".")[:2])
+        assert (exchange is not None) == ((major, minor) >= (2, 28))
+    if exchange is None:
+        return
+    (tmp_path / "a").write_bytes(b"A")
+    (tmp_path / "b").write_bytes(b"B")
+    if exchange(str(tmp_path / "a"), str(tmp_path / "b")):  # False: this file system cannot swap (EINVAL)
+        assert (tmp_path / "a").read_bytes() == b"B" and (tmp_path / "b").read_bytes() == b"A"
+    assert exchange(str(tmp_path / "a"), str(tmp_path / "missing")) is False  # failed, changed nothing
+    assert sorted(os.listdir(tmp_path)) == ["a", "b"]
+
+
+def _write_twice(tmp_path):
+    target = tmp_path / "t.npz"
+    target.write_bytes(b"old")
+    target.chmod(0o640)
+    vs.save_arrays(target, {"x": np.arange(3)})
+    assert vs.load_arrays(target)[0]["x"].tolist() == [0, 1, 2]
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640
+    with StagedOutputs({"t": target}) as out:
+        out.write("t", lambda p: vs.save_arrays(p, {"x": np.arange(4)}))
+    assert vs.load_arrays(target)[0]["x"].tolist() == [0, 1, 2, 3]
+    assert os.listdir(tmp_path) == ["t.npz"]
+
+
+@pytest.mark.parametrize("why", ["no renameat2", "the file system refuses it"])
+def test_replacing_falls_back_to_os_replace(tmp_path, monkeypatch, why):
+    calls = []
+    monkeypatch.setattr(_io, "_RENAMEAT2", [None if why == "no renameat2" else (lambda a, b: calls.append(a) or False)])
+    _write_twice(tmp_path)
+    assert len(calls) == (0 if why == "no renameat2" else 2)
+
+
+def _fake_exchange(a, b, swapped=None):
+    """What renameat2(RENAME_EXCHANGE) does, minus atomicity: for systems without it."""
+    if not os.path.exists(b):
+        return False  # ENOENT: nothing done
+    if swapped is not None:
+        swapped.append(b)
+    os.rename(b, b + ".x")
+    os.rename(a, b)
+    os.rename(b + ".x", a)
+    return True
+
+
+def test_replacing_swaps_when_it_can(tmp_path, monkeypatch):
+    swapped = []
+    monkeypatch.setattr(_io, "_RENAMEAT2", [lambda a, b: _fake_exchange(a, b, swapped)])
+    _write_twice(tmp_path)
+    assert swapped == [str(tmp_path / "t.npz")] * 2
+
+
+def test_a_failed_unlink_after_the_swap_still_leaves_the_new_file(tmp_path, monkeypatch):
+    if _io._renameat2() is None:
+        monkeypatch.setattr(_io, "_RENAMEAT2", [_fake_exchange])
+    target = tmp_path / "t.npz"
+    vs.save_arrays(target, {"x": np.zeros(2)})
+    real = os.unlink
+
+    def unlink(p, *a, **k):
+        if ".tmp" in os.fspath(p):
+            raise PermissionError(errno.EPERM, "refused", p)
+        return real(p, *a, **k)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    vs.save_arrays(target, {"x": np.ones(2)})  # no error: the new file is in place
+    assert vs.load_arrays(target)[0]["x"].tolist() == [1, 1]

@@ -372,20 +372,29 @@ def _numpy(values: dict) -> dict:
     return {k: np.asarray(v) for k, v in values.items()}
 
 
+# Residuals, outputs, grads and intermediates are transient: by default they are not
+# flushed to disk (the rename is atomic, checksums catch a file torn by a power loss).
+_fsync_option = click.option(
+    "--fsync", is_flag=True,
+    help="Flush every file written to disk before exiting, so it survives a power loss "
+         "(slower; also VJPSPLIT_FSYNC=1).")
+
+
 @main.command("run-fwd")
 @click.argument("artifact", type=_EXISTING)
 @click.option("--inputs", "inputs_path", required=True, type=_EXISTING, help="Array file with every input key.")
 @click.option("--residuals", "residuals_path", required=True, type=_ARRAY_OUT, help="Residuals file to write.")
 @click.option("--outputs", "outputs_path", type=_ARRAY_OUT, default=None, help="Outputs file to write (out, aux).")
 @click.option("--self-contained", is_flag=True, help="Also write input-backed residuals, so run-bwd needs no --inputs.")
+@_fsync_option
 @_command
-def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contained):
+def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contained, fsync):
     """Run the forward: inputs -> outputs and residuals."""
     from .arrays import load_arrays, save_arrays
     from .residuals import save_residuals
 
     with StagedOutputs({"--residuals": residuals_path, "--outputs": outputs_path},
-                       {"ARTIFACT": artifact, "--inputs": inputs_path}) as out:
+                       {"ARTIFACT": artifact, "--inputs": inputs_path}, fsync=fsync) as out:
         _use_compilation_cache()
         art = _load_artifact(artifact)
         inputs, _ = load_arrays(inputs_path)
@@ -413,8 +422,10 @@ def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contai
 @click.option("--intermediates", "inter_path", type=_ARRAY_OUT, default=None,
               help="With --part: the intermediates file (written by input, read by weight).")
 @click.option("--no-verify", is_flag=True, help="Skip the CRC-32 check of residuals and intermediates.")
+@_fsync_option
 @_command
-def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_path, part, inter_path, no_verify):
+def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_path, part, inter_path, no_verify,
+                fsync):
     """Run the backward: residuals (+ cotangents) -> gradients, without the forward."""
     from .arrays import load_arrays, save_arrays
     from .manifest import check_keys
@@ -431,6 +442,7 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
         {"--grads": grads_path, "--intermediates": inter_path if writes_inter else None},
         {"ARTIFACT": artifact, "--residuals": residuals_path, "--inputs": inputs_path,
          "--cotangents": cotangents_path, "--intermediates": None if writes_inter else inter_path},
+        fsync=fsync,
     )
     with staged as out:
         _use_compilation_cache()

@@ -101,12 +101,13 @@ def _crc32(a) -> int:
     return zlib.crc32(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
 
 
-def _save_checked(path, arrays: dict, meta: dict) -> None:
+def _save_checked(path, arrays: dict, meta: dict, fsync: bool = False) -> None:
     """Save with a CRC-32 per array: residuals travel between hosts, and a flipped bit in
     transit must fail loudly, not give quietly wrong gradients. Both formats keep one
     (zip's own per ``.npz`` member, a table beside the arrays in ``.msgpack``). No fsync
-    unless asked (``VJPSPLIT_FSYNC=1``): these files are transient, the rename is atomic."""
-    save_arrays(path, arrays, meta)
+    unless asked (``fsync=True``, ``--fsync``, ``VJPSPLIT_FSYNC=1``): these files are
+    transient, the rename is atomic."""
+    save_arrays(path, arrays, meta, fsync=fsync)
 
 
 def _load_checked(path, verify: bool):
@@ -181,13 +182,16 @@ def input_crc32(a) -> int:
     return _crc32(np.asarray(a))
 
 
-def save_intermediates(path: str | os.PathLike, inter: Intermediates) -> None:
-    """Write a split backward's intermediates (``Artifact.bwd_input``'s second result)."""
+def save_intermediates(path: str | os.PathLike, inter: Intermediates, *, fsync: bool = False) -> None:
+    """Write a split backward's intermediates (``Artifact.bwd_input``'s second result).
+
+    ``fsync=True`` (or ``VJPSPLIT_FSYNC=1``) flushes the file to disk before returning.
+    """
     if not isinstance(inter, Intermediates):
         raise VjpsplitError(f"{path}: save_intermediates takes bwd_input's intermediates, got {type(inter).__name__}")
     meta = {"kind": KIND_INTERMEDIATES, "fingerprint": inter.fingerprint, "dims": dict(inter.dims),
             "residuals_id": inter.residuals_id}
-    _save_checked(path, dict(inter.arrays), meta)
+    _save_checked(path, dict(inter.arrays), meta, fsync)
 
 
 def load_intermediates(path: str | os.PathLike, *, artifact=None, verify: bool = True) -> Intermediates:
@@ -215,11 +219,13 @@ def _refuse_other_artifact(path, what: str, fingerprint, artifact, fix: str) -> 
         )
 
 
-def save_residuals(path: str | os.PathLike, res, *, self_contained: bool = False) -> None:
+def save_residuals(path: str | os.PathLike, res, *, self_contained: bool = False, fsync: bool = False) -> None:
     """Write residuals (from ``Artifact.fwd`` or ``split``'s ``fwd``) to ``.npz``/``.msgpack``.
 
     Input-backed residuals are left out unless ``self_contained``: the file records
     which input keys it needs, and ``load_residuals(path, inputs=...)`` supplies them.
+    ``fsync=True`` (or ``VJPSPLIT_FSYNC=1``) flushes the file to disk before returning,
+    so it survives a power loss; by default it is not (residuals are transient).
     """
     if not isinstance(res, Residuals):
         raise VjpsplitError(f"{path}: save_residuals takes residuals from a fwd, got {type(res).__name__}")
@@ -249,7 +255,7 @@ def save_residuals(path: str | os.PathLike, res, *, self_contained: bool = False
             "self_contained": bool(self_contained),
             "input_crc32": {} if self_contained else {k: input_crc32(to_data(v)) for k, v in res.inputs.items()},
         }
-    _save_checked(path, arrays, meta)
+    _save_checked(path, arrays, meta, fsync)
 
 
 def load_residuals(path: str | os.PathLike, inputs=None, *, artifact=None, inputs_source: str | None = None,

@@ -48,10 +48,6 @@ def _kind(path: Path) -> str:
     raise VjpsplitError(f"{path}: unknown array file format ({what}); use a .npz or .msgpack file name")
 
 
-def _fsync_asked(fsync: bool) -> bool:
-    return fsync or os.environ.get("VJPSPLIT_FSYNC", "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def save_arrays(path: str | os.PathLike, arrays: Mapping[str, ArrayLike], meta: Mapping | None = None, *,
                 fsync: bool = False) -> None:
     """Write ``arrays`` (key -> numpy/jax array or scalar) and JSON-able ``meta`` to ``path``.
@@ -68,7 +64,7 @@ def save_arrays(path: str | os.PathLike, arrays: Mapping[str, ArrayLike], meta: 
         write = _npz.writer(path, prepare(path, arrays), meta)
     else:
         write = _msgpack.writer(path, prepare(path, arrays, _msgpack.MAX_BYTES), meta)
-    atomic_write(path, write, fsync=_fsync_asked(fsync))
+    atomic_write(path, write, fsync=fsync)  # atomic_write also reads VJPSPLIT_FSYNC
 
 
 def load_arrays(path: str | os.PathLike, *, verify: bool = True) -> tuple[dict[str, np.ndarray], dict]:
