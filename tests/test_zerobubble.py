@@ -174,3 +174,65 @@ def test_partition_reports_what_the_weight_part_reads():
     # The weight part's inputs: w, x, then the boundary (the cotangent, passed through B).
     assert len(part.weight_part.jaxpr.invars) == 3 and part.n_boundary == 1
     assert part.weight_reads == (1, 2)
+
+
+# -- residuals split by consumer: after B a stage keeps only W's share ---------------------------------
+def test_weight_part_reads_a_strict_subset_of_the_residuals(art):
+    m = art.manifest
+    stored = [r.key for r in m.stored_residuals]
+    assert m.format_version >= 3 and m.weight_reads_subset
+    assert set(m.weight_residuals) < set(stored), "W should not need every residual (e.g. tanh derivatives)"
+    assert set(m.weight_inputs) <= set(m.input_backed_keys)
+    # dW of layer k reads that layer's input: the stage input x, then the activations.
+    assert "x" in m.weight_inputs
+    assert not any(k.startswith("params/") for k in m.weight_inputs), "W needs no weights to make weight gradients"
+
+
+def test_bwd_weight_needs_only_the_intermediates(art):
+    params, x = stage_inputs(9)
+    out, res = art.fwd(params, x)
+    ct = np.ones(np.shape(out), np.float32)
+    want = art.bwd(res, ct)[0]
+    _, inter = art.bwd_input(res, ct)
+    assert set(inter.stored) == set(art.manifest.weight_residuals)
+    assert sum(np.asarray(v).nbytes for v in inter.stored.values()) < res.stored_nbytes
+    del res  # what a pipeline stage does after B
+    got = art.bwd_weight(inter)["params"]
+    assert_trees_close(got, want, rtol=1e-6, atol=1e-6)
+    assert type(got) is type(params) and type(got[0]) is type(params[0])  # the caller's own structure
+
+
+def test_cli_weight_part_runs_from_the_intermediates_file_alone(art, tmp_path):
+    params, x = stage_inputs(4)
+    art.save(tmp_path / "a.vjps")
+    inputs = vs.file_arrays(params=params, x=x)
+    vs.save_arrays(tmp_path / "in.npz", inputs)
+    vs.save_arrays(tmp_path / "ct.npz", {"out": np.ones((4, SIZES[-1]), np.float32)})
+    run = CliRunner().invoke
+    assert run(main, ["run-fwd", str(tmp_path / "a.vjps"), "--inputs", str(tmp_path / "in.npz"),
+                      "--residuals", str(tmp_path / "r.npz")]).exit_code == 0
+    r = run(main, ["run-bwd", str(tmp_path / "a.vjps"), "--residuals", str(tmp_path / "r.npz"), "--inputs",
+                   str(tmp_path / "in.npz"), "--cotangents", str(tmp_path / "ct.npz"), "--part", "input",
+                   "--intermediates", str(tmp_path / "c.npz"), "--grads", str(tmp_path / "gx.npz")])
+    assert r.exit_code == 0, r.output
+    with np.load(tmp_path / "c.npz") as f:
+        keys = set(f.files)
+    m = art.manifest
+    assert keys == {leaf.key for leaf in m.intermediates} | set(m.weight_residuals)  # no other residual, no input
+    # W: no --residuals; the inputs file supplies x, bound by its CRC-32.
+    r = run(main, ["run-bwd", str(tmp_path / "a.vjps"), "--part", "weight", "--intermediates", str(tmp_path / "c.npz"),
+                   "--inputs", str(tmp_path / "in.npz"), "--grads", str(tmp_path / "gw.npz")])
+    assert r.exit_code == 0, r.output
+    gw, _ = vs.load_arrays(tmp_path / "gw.npz")
+    ref = jax.grad(lambda p: jnp.sum(stage(p, x)))(params)
+    for k, v in vs.file_arrays(params=ref).items():
+        np.testing.assert_allclose(gw[k], v, rtol=1e-5, atol=1e-6)
+    # Another microbatch's inputs are refused by the intermediates' binding.
+    vs.save_arrays(tmp_path / "in2.npz", vs.file_arrays(params=params, x=x + 1))
+    r = run(main, ["run-bwd", str(tmp_path / "a.vjps"), "--part", "weight", "--intermediates", str(tmp_path / "c.npz"),
+                   "--inputs", str(tmp_path / "in2.npz"), "--grads", str(tmp_path / "gw2.npz")])
+    assert r.exit_code == 1 and "input 'x' differs" in r.output
+    # Without --inputs the file says what it lacks.
+    r = run(main, ["run-bwd", str(tmp_path / "a.vjps"), "--part", "weight", "--intermediates", str(tmp_path / "c.npz"),
+                   "--grads", str(tmp_path / "gw3.npz")])
+    assert r.exit_code == 1 and "leave out the inputs x" in r.output

@@ -230,41 +230,95 @@ class Artifact:
         grads, inter = self._run("bwd_input", (stored, inputs, cts, self._carrier(dims)),
                                  f"{source}: the backward refused these residuals")
         keys = [g.key for g in m.grads_of(m.non_weight_wrt)]
-        return dict(zip(keys, grads)), Intermediates({leaf.key: v for leaf, v in zip(m.intermediates, inter)},
-                                                     dims, m.fingerprint, res.residuals_id)
+        computed = {leaf.key: v for leaf, v in zip(m.intermediates, inter)}
+        if m.weight_reads_subset:
+            # W's own residuals ride with the intermediates; the caller may drop res now.
+            w_stored = {k: res.stored[k] for k in m.weight_residuals}
+            w_inputs = {k: res.inputs[k] for k in m.weight_inputs}
+        else:
+            w_stored, w_inputs = dict(res.stored), dict(res.inputs)
+        out = Intermediates(computed, dims, m.fingerprint, res.residuals_id, w_stored, w_inputs)
+        out.arg_trees = res.arg_trees
+        return dict(zip(keys, grads)), out
 
-    def run_bwd_weight_arrays(self, res: Residuals, inter: "Intermediates", source: str = "residuals",
+    def run_bwd_weight_arrays(self, res: Residuals | None, inter: "Intermediates", source: str = "residuals",
                               inter_source: str = "intermediates") -> dict:
-        """Weight part (W): the weight gradients, from residuals and the input part's intermediates."""
+        """Weight part (W): the weight gradients, from the input part's intermediates.
+
+        The intermediates carry the residuals W reads, so ``res`` may be None; when
+        given, it must be the residuals the input part ran on. Artifacts of format
+        2 and older read every residual: ``res`` is required for them.
+        """
         self._check_runnable()
         self._require_split()
         m = self.manifest
-        stored, inputs, dims = self.check_residuals(res, source)
         if not isinstance(inter, Intermediates) or inter.fingerprint != m.fingerprint:
             raise VjpsplitError(
                 f"{inter_source}: these intermediates were not written by this artifact's input part; "
                 "run run-bwd --part input of this artifact first"
             )
-        if inter.dims != dims or (inter.residuals_id and res.residuals_id and inter.residuals_id != res.residuals_id):
-            raise VjpsplitError(f"{inter_source}: the intermediates were made from other residuals than {source} "
-                                "(another forward run or microbatch); pass the pair from one microbatch")
+        if res is None and not m.weight_reads_subset:
+            raise VjpsplitError(f"{self.source}: this artifact (format {m.format_version}) needs the residuals for "
+                                "its weight part too; pass --residuals (or res)")
+        if res is not None:
+            _, _, dims = self.check_residuals(res, source)
+            if inter.dims != dims or (inter.residuals_id and res.residuals_id and inter.residuals_id != res.residuals_id):
+                raise VjpsplitError(f"{inter_source}: the intermediates were made from other residuals than {source} "
+                                    "(another forward run or microbatch); pass the pair from one microbatch")
+        dims = self._inter_dims(inter, inter_source)
         check_keys(inter_source, "intermediate", [leaf.key for leaf in m.intermediates], inter.arrays)
         values = [check_array(inter_source, "intermediate", leaf, inter.arrays[leaf.key], dict(dims))
                   for leaf in m.intermediates]
-        grads = self._run("bwd_weight", (stored, inputs, values, self._carrier(dims)),
+        if m.weight_reads_subset:
+            by_key = {r.key: r for r in m.residuals}
+            check_keys(inter_source, "residual", list(m.weight_residuals), inter.stored)
+            w_stored = [check_array(inter_source, "residual", by_key[k], inter.stored[k], dict(dims))
+                        for k in m.weight_residuals]
+            w_inputs = []
+            for k in m.weight_inputs:
+                if k not in inter.inputs:
+                    raise VjpsplitError(f"{inter_source}: the weight part needs input '{k}', which was left out of "
+                                        "the file to avoid a copy; pass the forward's inputs (--inputs FILE)")
+                w_inputs.append(check_array(inter_source, "input", dataclasses.replace(by_key[f"in/{k}"], key=k),
+                                            inter.inputs[k], dict(dims)))
+        else:
+            w_stored, w_inputs, _ = self.check_residuals(res, source)
+        grads = self._run("bwd_weight", (w_stored, w_inputs, values, self._carrier(dims)),
                           f"{inter_source}: the weight backward refused these intermediates")
         return dict(zip([g.key for g in m.grads_of(m.weights)], grads))
 
+    def _inter_dims(self, inter: "Intermediates", source: str) -> dict[str, int]:
+        """The symbolic dims an intermediates object records, checked like those of residuals."""
+        dims = {}
+        for name in self.manifest.dim_vars:
+            v = inter.dims.get(name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise VjpsplitError(f"{source}: symbolic dim {name!r} is missing or invalid in the intermediates; "
+                                    "rerun run-bwd --part input")
+            dims[name] = v
+        self._refuse_huge_dims(source, dims)
+        return dims
+
     def bwd_input(self, res: Residuals, ct=None) -> tuple[dict, "Intermediates"]:
-        """Input part of the backward: ``({arg name: grad} for non-weight args, intermediates)``."""
+        """Input part of the backward: ``({arg name: grad} for non-weight args, intermediates)``.
+
+        The intermediates hold what the weight part reads (including its share of
+        the residuals), so ``res`` can be dropped once this returns.
+        """
         cts = None if ct is None else dict(flatten_with_keys("out", ct))
         grads, inter = self.run_bwd_input_arrays(res, cts, ct_source="cotangent")
         return self._per_arg(grads, self.manifest.non_weight_wrt, res.dims, res.arg_trees), inter
 
-    def bwd_weight(self, res: Residuals, inter: "Intermediates") -> dict:
-        """Weight part of the backward: ``{weight arg name: grad}``."""
+    def bwd_weight(self, inter: "Intermediates", res: Residuals | None = None) -> dict:
+        """Weight part of the backward: ``{weight arg name: grad}``, from ``bwd_input``'s intermediates.
+
+        ``res`` is optional (it is checked against the intermediates when given);
+        the older order ``bwd_weight(res, inter)`` is accepted too.
+        """
+        if isinstance(inter, Residuals) and isinstance(res, Intermediates):
+            inter, res = res, inter
         grads = self.run_bwd_weight_arrays(res, inter)
-        return self._per_arg(grads, self.manifest.weights, res.dims, res.arg_trees)
+        return self._per_arg(grads, self.manifest.weights, inter.dims, getattr(inter, "arg_trees", ()))
 
     def _per_arg(self, grads: Mapping[str, Any], names: Sequence[str], dims, arg_trees: ArgTrees = ()) -> dict:
         """Flat gradient keys -> per-argument pytrees (float0 zeros for integer leaves).

@@ -411,7 +411,9 @@ def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contai
 
 @main.command("run-bwd")
 @click.argument("artifact", type=_EXISTING)
-@click.option("--residuals", "residuals_path", required=True, type=_EXISTING, help="Residuals file from run-fwd.")
+@click.option("--residuals", "residuals_path", type=_EXISTING,
+              help="Residuals file from run-fwd (required, except for --part weight, whose intermediates carry "
+                   "the residuals it reads).")
 @click.option("--inputs", "inputs_path", type=_EXISTING, default=None,
               help="The forward's inputs file; needed unless the residuals are self-contained.")
 @click.option("--cotangents", "cotangents_path", type=_EXISTING, default=None,
@@ -433,6 +435,8 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
 
     if part != "all" and not inter_path:
         raise click.UsageError(f"--part {part} needs --intermediates FILE")
+    if part != "weight" and not residuals_path:
+        raise click.UsageError("--residuals FILE is required (only --part weight can do without)")
     if part == "weight" and cotangents_path:
         raise click.UsageError("--part weight reads no cotangents: they are inside the intermediates")
     if part == "all" and inter_path:
@@ -452,13 +456,16 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
             inputs = load_arrays(inputs_path)[0]
             # The same inputs file run-fwd read: every input key, nothing else.
             check_keys(inputs_path, "input", [leaf.key for leaf in art.manifest.inputs], inputs)
-        res = load_residuals(residuals_path, inputs=inputs, artifact=art, inputs_source=inputs_path,
-                             verify=not no_verify)
+        res = None
+        if residuals_path:
+            res = load_residuals(residuals_path, inputs=inputs, artifact=art, inputs_source=inputs_path,
+                                 verify=not no_verify)
         if part == "weight":
             from .residuals import load_intermediates
 
-            inter = load_intermediates(inter_path, artifact=art, verify=not no_verify)
-            grads = art.run_bwd_weight_arrays(res, inter, source=residuals_path, inter_source=inter_path)
+            inter = load_intermediates(inter_path, inputs=inputs, artifact=art, inputs_source=inputs_path,
+                                       verify=not no_verify)
+            grads = art.run_bwd_weight_arrays(res, inter, source=residuals_path or "residuals", inter_source=inter_path)
             inter = None
         else:
             cts = load_arrays(cotangents_path)[0] if cotangents_path else None
@@ -471,7 +478,8 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
         if inter is not None:
             from .residuals import save_intermediates
 
-            out.write("--intermediates", lambda tmp: save_intermediates(tmp, inter))
+            # Without --inputs now there will be none for --part weight either: keep the inputs W reads.
+            out.write("--intermediates", lambda tmp: save_intermediates(tmp, inter, self_contained=inputs_path is None))
         meta = {"kind": "vjpsplit-grads", "fingerprint": art.manifest.fingerprint}
         out.write("--grads", lambda tmp: save_arrays(tmp, grads, meta))
     _log(f"wrote {grads_path}: {len(grads)} gradients" + (f"; {inter_path}: {len(inter.arrays)} intermediates" if inter else ""))

@@ -26,7 +26,7 @@ from .prng import data_struct, from_data, impl_name, is_key, to_data
 from .shapes import dim_str, to_struct
 from .trees import encode_structure, flatten_with_keys
 from .vjp import positional_names, run_backward, trace_vjp, wrt_positions
-from .zerobubble import partition
+from .zerobubble import keep_inputs, partition
 
 DEFAULT_PLATFORMS = ("cpu", "cuda", "tpu")
 _KNOWN_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
@@ -270,9 +270,12 @@ def export(
         bad = [w for w in weight_names if w not in manifest.wrt]
         if bad:
             raise VjpsplitError(f"weights {', '.join(bad)} are not differentiated arguments ({', '.join(manifest.wrt)})")
-        exps["bwd_input"], exps["bwd_weight"], inter = _export_split_backward(
+        exps["bwd_input"], exps["bwd_weight"], inter, w_st, w_ib = _export_split_backward(
             plan, manifest, weight_names, bwd_flat, stored_avals, input_backed, ct_avals, carrier, platforms)
-        manifest = dataclasses.replace(manifest, weights=weight_names, intermediates=inter)
+        backed = [r.key[3:] for r in manifest.residuals if r.input_backed]
+        manifest = dataclasses.replace(manifest, weights=weight_names, intermediates=inter,
+                                       weight_residuals=tuple(f"r/{i}" for i in w_st),
+                                       weight_inputs=tuple(backed[j] for j in w_ib))
     modules = {k: bytes(e.serialize()) for k, e in exps.items()}
     manifest = dataclasses.replace(manifest, fingerprint=fingerprint(manifest, modules))
     return Artifact(manifest, modules, exps)
@@ -280,25 +283,38 @@ def export(
 
 def _export_split_backward(plan, manifest, weight_names, bwd_flat, stored_avals, input_backed, ct_avals, carrier,
                            platforms):
-    """Lower the zero-bubble halves of the backward: (bwd_input, bwd_weight, intermediate leaves)."""
+    """Lower the zero-bubble halves of the backward.
+
+    Returns ``(bwd_input, bwd_weight, intermediate leaves, weight's stored residual
+    positions, weight's input-backed positions)``. ``bwd_weight`` takes only the
+    residuals it reads, so the rest can be freed as soon as ``bwd_input`` has run.
+    """
     closed = jax.make_jaxpr(lambda st, ib, ct: bwd_flat(st, ib, ct, None))(stored_avals, input_backed, ct_avals)
     weight_outs = [i for i, g in enumerate(manifest.grads) if g.key.split("/", 1)[0] in weight_names]
     n_st, n_ib = len(stored_avals), len(input_backed)
     ct_pos = list(range(n_st + n_ib, n_st + n_ib + len(ct_avals)))
     part = partition(closed, weight_outs, ct_pos)
     n_in_grads = len(manifest.grads) - len(weight_outs)
-    input_fn, weight_fn = jcore.jaxpr_as_fun(part.input_part), jcore.jaxpr_as_fun(part.weight_part)
+    reads = set(part.weight_reads)
+    w_st = [i for i in range(n_st) if i in reads]
+    w_ib = [j for j in range(n_ib) if n_st + j in reads]
+    n_kept = n_st + n_ib
+    keep = w_st + [n_st + j for j in w_ib] + list(range(n_kept, n_kept + part.n_boundary))
+    input_fn = jcore.jaxpr_as_fun(part.input_part)
+    weight_fn = jcore.jaxpr_as_fun(keep_inputs(part.weight_part, keep))
 
     def bwd_input(stored, inputs_, cts, carrier_):
         outs = input_fn(*stored, *inputs_, *cts)
         return tuple(outs[:n_in_grads]), tuple(outs[n_in_grads:])
 
-    def bwd_weight(stored, inputs_, inter, carrier_):
-        return tuple(weight_fn(*stored, *inputs_, *inter))
+    def bwd_weight(w_stored, w_inputs, inter, carrier_):
+        return tuple(weight_fn(*w_stored, *w_inputs, *inter))
 
     in_exp = _lower("input part of the backward", bwd_input, platforms, (stored_avals, input_backed, ct_avals, carrier))
     inter_avals = list(in_exp.out_avals[n_in_grads:])
-    w_exp = _lower("weight part of the backward", bwd_weight, platforms, (stored_avals, input_backed, inter_avals, carrier))
-    return in_exp, w_exp, _leaves_json_safe([(f"c/{i}", a) for i, a in enumerate(inter_avals)])
+    w_exp = _lower("weight part of the backward", bwd_weight, platforms,
+                   ([stored_avals[i] for i in w_st], [input_backed[j] for j in w_ib], inter_avals, carrier))
+    inter = _leaves_json_safe([(f"c/{i}", a) for i, a in enumerate(inter_avals)])
+    return in_exp, w_exp, inter, w_st, w_ib
 
 

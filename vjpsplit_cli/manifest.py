@@ -35,7 +35,11 @@ from .vjp import is_differentiable
 #                   key segments escape ``%`` and ``/`` (``%25``, ``%2F``); structures may
 #                   hold ``{"node": ..., "type": ...}`` and int dict keys; leaves may carry
 #                   ``prng_impl`` (typed PRNG keys travel as their key data).
-FORMAT_VERSION = 2
+#   3 (2026-11-30): the zero-bubble weight part reads only what it needs: the manifest
+#                   lists ``weight_residuals`` (stored residual keys) and
+#                   ``weight_inputs`` (input keys), and ``bwd_weight`` takes just those
+#                   (then the intermediates), so a stage frees the rest after the input part.
+FORMAT_VERSION = 3
 MAGIC = b"VJPSPLIT\x00"
 
 @dataclass(frozen=True)
@@ -86,6 +90,11 @@ class Leaf:
         return cls(str(d["key"]), str(d["dtype"]), shape, bool(d.get("input_backed", False)), impl)
 
 
+# Fields added after format 2, written only when set, so that older manifests
+# re-serialize byte for byte (their fingerprints cover the JSON).
+_ADDED_LATER = ("weight_residuals", "weight_inputs")
+
+
 @dataclass(frozen=True)
 class Manifest:
     """Everything an artifact says about itself, besides its two modules."""
@@ -110,6 +119,8 @@ class Manifest:
     structure: Mapping[str, Any]      # {"args": {name: ...}, "out": ..., "aux": ...} (trees.encode_structure)
     weights: tuple[str, ...] = ()     # zero-bubble split: arguments whose gradients bwd_weight computes
     intermediates: tuple[Leaf, ...] = ()  # what bwd_input hands to bwd_weight ("c/i" keys)
+    weight_residuals: tuple[str, ...] = ()  # format >= 3: the stored residuals ("r/i") bwd_weight reads
+    weight_inputs: tuple[str, ...] = ()     # format >= 3: the input-backed residuals (input keys) it reads
     fingerprint: str = ""
 
     def to_json(self) -> dict:
@@ -117,6 +128,8 @@ class Manifest:
         d = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name in _ADDED_LATER and v == f.default:
+                continue  # absent, as in the files written before the field existed: same fingerprint
             if f.name == "residuals":
                 v = [leaf.to_json(residual=True) for leaf in v]
             elif f.name in ("inputs", "outputs", "grads", "intermediates"):
@@ -147,7 +160,8 @@ class Manifest:
                 val = d[f.name]
                 if f.name in ("residuals", "inputs", "outputs", "grads", "intermediates"):
                     val = tuple(Leaf.from_json(x) for x in val)
-                elif f.name in ("arg_names", "wrt", "platforms", "dim_vars", "weights"):
+                elif f.name in ("arg_names", "wrt", "platforms", "dim_vars", "weights", "weight_residuals",
+                                "weight_inputs"):
                     val = tuple(str(x) for x in val)
                 elif f.name == "structure":
                     if not isinstance(val, dict):
@@ -174,6 +188,11 @@ class Manifest:
     @property
     def stored_residuals(self) -> tuple[Leaf, ...]:
         return tuple(r for r in self.residuals if not r.input_backed)
+
+    @property
+    def weight_reads_subset(self) -> bool:
+        """Whether ``bwd_weight`` takes only its own residuals (format >= 3) rather than all of them."""
+        return bool(self.weights) and self.format_version >= 3
 
     @property
     def input_backed_keys(self) -> tuple[str, ...]:

@@ -444,14 +444,15 @@ class _Calls:
             g, inter = artifact.bwd_input(res, ct)
             return (g[x] if x else None), inter
 
-        def b_weight(res, inter):
-            return artifact.bwd_weight(res, inter)[w]
+        def b_weight(inter):
+            # The intermediates carry the residuals W reads: the rest were freed after B.
+            return artifact.bwd_weight(inter)[w]
 
         self.forward = _Forward(artifact)
         self.backward, self.backward_acc = jax.jit(fused), jax.jit(fused_acc)
         self.backward_input = jax.jit(b_input) if m.weights else None
         self.backward_weight = jax.jit(b_weight) if m.weights else None
-        self.backward_weight_acc = jax.jit(lambda acc, res, inter: add(acc, b_weight(res, inter))) if m.weights else None
+        self.backward_weight_acc = jax.jit(lambda acc, inter: add(acc, b_weight(inter))) if m.weights else None
 
 
 # Compiled calls live as long as their artifact, so repeated steps (and run_inprocess
@@ -541,7 +542,8 @@ class StageWorker:
         def run():
             import jax
 
-            gx, inter = jax.block_until_ready(self.calls.backward_input(self.res[mb], self._ct(ct, microbatches)))
+            # B is the last reader of most residuals: drop them, keeping only W's share (in inter).
+            gx, inter = jax.block_until_ready(self.calls.backward_input(self.res.pop(mb), self._ct(ct, microbatches)))
             self.inter[mb] = inter
             return gx
 
@@ -552,11 +554,11 @@ class StageWorker:
         def run():
             import jax
 
-            res, inter = self.res.pop(mb), self.inter.pop(mb)
+            inter = self.inter.pop(mb)
             if self.grads is None:
-                self.grads = jax.block_until_ready(self.calls.backward_weight(res, inter))
+                self.grads = jax.block_until_ready(self.calls.backward_weight(inter))
             else:
-                self.grads = jax.block_until_ready(self.calls.backward_weight_acc(self.grads, res, inter))
+                self.grads = jax.block_until_ready(self.calls.backward_weight_acc(self.grads, inter))
 
         self._timed(self.index if worker is None else worker, "W", mb, run)
 

@@ -71,25 +71,46 @@ jax.tree_util.register_pytree_node(
 
 
 class Intermediates:
-    """What the input part of a split backward hands to the weight part (``c/i`` arrays)."""
+    """What the input part of a split backward hands to the weight part.
 
-    __slots__ = ("arrays", "dims", "fingerprint", "residuals_id")
+    ``arrays`` are what B computed for W (``c/i``); ``stored`` and ``inputs`` are
+    the residuals W reads (``r/i`` keys, and input keys for the caller's own
+    arrays), references rather than copies. Holding these alone, a stage can
+    free the rest of a microbatch's residuals as soon as B has run.
+    """
 
-    def __init__(self, arrays: Mapping[str, Any], dims: Mapping[str, int], fingerprint: str, residuals_id: str = ""):
+    __slots__ = ("arrays", "stored", "inputs", "dims", "fingerprint", "residuals_id", "arg_trees")
+
+    def __init__(self, arrays: Mapping[str, Any], dims: Mapping[str, int], fingerprint: str, residuals_id: str = "",
+                 stored: Mapping[str, Any] | None = None, inputs: Mapping[str, Any] | None = None):
         self.arrays = dict(arrays)
+        self.stored = dict(stored or {})
+        self.inputs = dict(inputs or {})
         self.dims = dict(dims)
         self.fingerprint = fingerprint
         self.residuals_id = residuals_id  # the forward run whose residuals the input part read; "" unknown
+        self.arg_trees: ArgTrees = ()  # the forward's argument structure, when known (in memory only)
 
     def __repr__(self) -> str:
-        return f"Intermediates({len(self.arrays)} arrays, dims={self.dims}, fingerprint={self.fingerprint[:12]})"
+        return (f"Intermediates({len(self.arrays)} arrays, {len(self.stored)} residuals, {len(self.inputs)} inputs, "
+                f"dims={self.dims}, fingerprint={self.fingerprint[:12]})")
 
 
 jax.tree_util.register_pytree_node(
     Intermediates,
-    lambda r: (tuple(r.arrays.values()), (tuple(r.arrays), tuple(sorted(r.dims.items())), r.fingerprint)),
-    lambda aux, ch: Intermediates(dict(zip(aux[0], ch)), dict(aux[1]), aux[2]),
+    lambda r: ((tuple(r.arrays.values()), tuple(r.stored.values()), tuple(r.inputs.values())),
+               (tuple(r.arrays), tuple(r.stored), tuple(r.inputs), tuple(sorted(r.dims.items())), r.fingerprint,
+                r.arg_trees)),
+    lambda aux, ch: _intermediates(aux, ch),
 )
+
+
+def _intermediates(aux, ch) -> Intermediates:
+    out = Intermediates(dict(zip(aux[0], ch[0])), dict(aux[3]), aux[4], "", dict(zip(aux[1], ch[1])),
+                        dict(zip(aux[2], ch[2])))
+    out.arg_trees = aux[5]
+    return out
+
 
 KIND_ARTIFACT = "vjpsplit-residuals"
 KIND_SPLIT = "vjpsplit-split-residuals"
@@ -159,7 +180,8 @@ _SCHEMA = {
                  "needs_inputs": (_is_str_list, False), "self_contained": (lambda v: isinstance(v, bool), False),
                  "input_crc32": (_is_crcs, False)},
     KIND_INTERMEDIATES: {"fingerprint": (lambda v: isinstance(v, str), True), "dims": (_is_dims, True),
-                         "residuals_id": (lambda v: isinstance(v, str), False)},
+                         "residuals_id": (lambda v: isinstance(v, str), False), "arg_names": (_is_str_list, False),
+                         "needs_inputs": (_is_str_list, False), "input_crc32": (_is_crcs, False)},
 }
 
 
@@ -182,24 +204,38 @@ def input_crc32(a) -> int:
     return _crc32(np.asarray(a))
 
 
-def save_intermediates(path: str | os.PathLike, inter: Intermediates, *, fsync: bool = False) -> None:
+def save_intermediates(path: str | os.PathLike, inter: Intermediates, *, self_contained: bool = False,
+                       arg_names: Sequence[str] = (), fsync: bool = False) -> None:
     """Write a split backward's intermediates (``Artifact.bwd_input``'s second result).
 
-    ``fsync=True`` (or ``VJPSPLIT_FSYNC=1``) flushes the file to disk before returning.
+    The file holds what the weight part needs and nothing more: the ``c/i``
+    arrays and the stored residuals it reads. Input arrays it reads are left out
+    (their CRC-32 recorded, as in residual files) unless ``self_contained``;
+    ``load_intermediates(path, inputs=...)`` supplies them. ``fsync=True`` (or
+    ``VJPSPLIT_FSYNC=1``) flushes the file to disk before returning.
     """
     if not isinstance(inter, Intermediates):
         raise VjpsplitError(f"{path}: save_intermediates takes bwd_input's intermediates, got {type(inter).__name__}")
+    arrays = {**{k: np.asarray(v) for k, v in inter.arrays.items()},
+              **{k: np.asarray(v) for k, v in inter.stored.items()}}
+    if self_contained:
+        arrays.update({f"in/{k}": np.asarray(v) for k, v in inter.inputs.items()})
     meta = {"kind": KIND_INTERMEDIATES, "fingerprint": inter.fingerprint, "dims": dict(inter.dims),
-            "residuals_id": inter.residuals_id}
-    _save_checked(path, dict(inter.arrays), meta, fsync)
+            "residuals_id": inter.residuals_id, "arg_names": list(arg_names),
+            "needs_inputs": [] if self_contained else sorted(inter.inputs),
+            "input_crc32": {} if self_contained else {k: input_crc32(v) for k, v in inter.inputs.items()}}
+    _save_checked(path, arrays, meta, fsync)
 
 
-def load_intermediates(path: str | os.PathLike, *, artifact=None, verify: bool = True) -> Intermediates:
+def load_intermediates(path: str | os.PathLike, inputs=None, *, artifact=None, inputs_source: str | None = None,
+                       verify: bool = True) -> Intermediates:
     """Read intermediates written by ``save_intermediates`` (or ``run-bwd --part input``).
 
-    ``verify`` checks each array's CRC-32 and, in ``Artifact.bwd_weight``, that the
-    intermediates come from the same forward run as the residuals (on by default;
-    see ``load_residuals``).
+    ``inputs`` (a flat ``{key: array}`` mapping, or the forward's arguments) supplies
+    the input arrays the file left out. ``verify`` checks each array's CRC-32, that
+    those inputs are the ones the forward ran on, and, in ``Artifact.bwd_weight``,
+    that the intermediates come from the same forward run as any residuals given
+    (on by default; see ``load_residuals``).
     """
     arrays, meta = _load_checked(path, verify)
     if meta.get("kind") != KIND_INTERMEDIATES:
@@ -207,7 +243,25 @@ def load_intermediates(path: str | os.PathLike, *, artifact=None, verify: bool =
     _check_meta(path, meta, KIND_INTERMEDIATES, "rerun run-bwd --part input")
     fingerprint, dims = meta["fingerprint"], meta["dims"]
     _refuse_other_artifact(path, "intermediates", fingerprint, artifact, "run this artifact's input part first")
-    return Intermediates(arrays, dims, fingerprint, meta.get("residuals_id", "") if verify else "")
+    computed = {k: v for k, v in arrays.items() if k.startswith("c/")}
+    stored = {k: v for k, v in arrays.items() if k.startswith("r/")}
+    given = {k[3:]: v for k, v in arrays.items() if k.startswith("in/")}
+    needs = meta.get("needs_inputs", [])
+    if needs:
+        if inputs is None:
+            raise VjpsplitError(
+                f"{path}: these intermediates leave out the inputs {', '.join(needs)} (to avoid copying them); "
+                "pass the forward's inputs (run-bwd --inputs FILE, or load_intermediates(path, inputs=...))"
+            )
+        flat, _ = _flat_inputs(path, inputs, meta.get("arg_names", []), artifact)
+        missing = [k for k in needs if k not in flat]
+        if missing:
+            raise VjpsplitError(f"{path}: the intermediates need input(s) {', '.join(missing)}, which the given "
+                                "inputs lack; pass the same inputs the forward ran on")
+        given.update({k: flat[k] for k in needs})
+        if verify:
+            _check_bound_inputs(path, meta, {k: given[k] for k in needs}, inputs_source or "inputs")
+    return Intermediates(computed, dims, fingerprint, meta.get("residuals_id", "") if verify else "", stored, given)
 
 
 def _refuse_other_artifact(path, what: str, fingerprint, artifact, fix: str) -> None:

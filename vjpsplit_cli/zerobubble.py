@@ -123,3 +123,20 @@ def _effects(eqns):
     for e in eqns:
         effects |= set(e.effects)
     return frozenset(effects)
+
+
+def keep_inputs(closed: jcore.ClosedJaxpr, keep: Sequence[int]) -> jcore.ClosedJaxpr:
+    """``closed`` taking only the inputs at positions ``keep``: the others must be unread.
+
+    Lets the weight part be lowered over just the residuals it reads, so a stage
+    can free the rest once the input part has run.
+    """
+    jaxpr = closed.jaxpr
+    used = {v for e in jaxpr.eqns for v in _vars(e.invars)} | set(_vars(jaxpr.outvars))
+    dropped = [v for i, v in enumerate(jaxpr.invars) if i not in set(keep)]
+    if any(v in used for v in dropped):
+        raise ValueError("keep_inputs would drop an input the jaxpr reads")
+    invars = [jaxpr.invars[i] for i in keep]
+    pruned = jcore.Jaxpr(jaxpr.constvars, invars, jaxpr.outvars, jaxpr.eqns, jaxpr.effects,
+                         _debug_info(jaxpr, "weight part", len(invars), len(jaxpr.outvars)))
+    return jcore.ClosedJaxpr(pruned, closed.consts)
