@@ -28,6 +28,7 @@ _EXPORTS = {
     "save_arrays": "files", "load_arrays": "files",
     "file_arrays": "trees", "tree_from_file": "trees",
     "POLICIES": "policies", "PolicyCost": "policies", "plan_policies": "policies", "choose_policy": "policies",
+    "choose_auto": "policies", "AutoChoice": "policies",
     "VjpsplitError": "errors",
     "pipeline": None,
 }
@@ -57,6 +58,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the eager spelling of the lazy 
     from .lowering import DEFAULT_PLATFORMS, export
     from .files import load_arrays, save_arrays
     from .manifest import FORMAT_VERSION, Leaf, Manifest
-    from .policies import POLICIES, PolicyCost, choose_policy, plan_policies
+    from .policies import POLICIES, AutoChoice, PolicyCost, choose_auto, choose_policy, plan_policies
     from .residuals import Intermediates, Residuals, load_intermediates, load_residuals, save_intermediates, save_residuals
     from .trees import file_arrays, tree_from_file

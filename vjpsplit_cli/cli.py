@@ -218,6 +218,14 @@ def cache_dir() -> str | None:
     return os.path.join(base, "vjpsplit", "jax")
 
 
+def _executable_cache() -> str | None:
+    """Where run-fwd/run-bwd keep serialized executables (``executables`` under ``cache_dir()``); None when off."""
+    if click.get_current_context().find_root().params.get("no_cache"):
+        return None
+    path = cache_dir()
+    return None if path is None else os.path.join(path, "executables")
+
+
 def _use_compilation_cache() -> None:
     """Turn on JAX's persistent compilation cache, so a repeated run skips XLA compilation."""
     if click.get_current_context().find_root().params.get("no_cache"):
@@ -281,7 +289,8 @@ def _function_options(fn):
 @_function_options
 @click.option("--platforms", default="cpu,cuda,tpu", show_default=True, help="Comma-separated platforms to lower for.")
 @click.option("--policy", default="everything", show_default=True,
-              help="What the forward keeps: everything, dots, nothing, or names:a,b.")
+              help="What the forward keeps: everything, dots, nothing, names:a,b, or auto (the fastest fwd+bwd "
+                   "measured here at the --at sizes, within --memory-budget if given).")
 @click.option("--memory-budget", default=None, metavar="BYTES",
               help="Pick the policy that recomputes least among those whose stored residuals fit (e.g. 64MiB).")
 @click.option("--at", "at", multiple=True, type=_AtSizes(), metavar="NAME=SIZE",
@@ -297,8 +306,8 @@ def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, a
     from .specs import load_object, resolve_shapes
 
     source = click.get_current_context().get_parameter_source("policy")
-    if memory_budget is not None and source != click.core.ParameterSource.DEFAULT:
-        raise click.UsageError("give either --policy or --memory-budget, not both")
+    if memory_budget is not None and source != click.core.ParameterSource.DEFAULT and policy != "auto":
+        raise click.UsageError("give either --policy or --memory-budget (or both with --policy auto), not both")
 
     with StagedOutputs({"-o": output}, {"MODULE:FN": _module_files(target), "--shapes": _shape_files(shapes)}) as out:
         fn, name = load_object(target)
@@ -306,13 +315,23 @@ def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, a
             raise VjpsplitError(f"{target} is not callable; point MODULE:FN at a function")
         names, specs = resolve_shapes(fn, shapes)
         _enable_x64_if(_wants_x64(specs))
+        auto = None
+        if policy == "auto":
+            from .policies import choose_auto
+            from .vjp import wrt_positions
+
+            auto = choose_auto(fn, *specs, wrt=wrt_positions(names, _names(wrt))[0], has_aux=has_aux,
+                               at=parse_at(at), memory_budget=memory_budget)
+            policy, memory_budget = auto.policy, None
         art = export(fn, *specs, wrt=_names(wrt), has_aux=has_aux, platforms=platforms,
                      policy=None if memory_budget is not None else policy,
                      arg_names=names, name=name, memory_budget=memory_budget, at=parse_at(at),
                      weights=_names(weights))
         out.write("-o", art.save)
     m = art.manifest
-    if memory_budget is not None:
+    if auto is not None:
+        _log(auto.reason)
+    elif memory_budget is not None:
         _log(f"memory budget {memory_budget}: chose policy {m.policy}")
     _log(f"wrote {output}: {m.function}, {len(m.inputs)} inputs, {len(m.residuals)} residuals "
          f"({sum(r.input_backed for r in m.residuals)} input-backed), platforms {','.join(m.platforms)}")
@@ -397,6 +416,7 @@ def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contai
                        {"ARTIFACT": artifact, "--inputs": inputs_path}, fsync=fsync) as out:
         _use_compilation_cache()
         art = _load_artifact(artifact)
+        art.executable_cache = _executable_cache()
         inputs, _ = load_arrays(inputs_path)
         outputs, res = art.run_fwd_arrays(inputs, source=inputs_path)
         outputs = _numpy(outputs)  # finish the compute before any file is written
@@ -451,6 +471,7 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
     with staged as out:
         _use_compilation_cache()
         art = _load_artifact(artifact)
+        art.executable_cache = _executable_cache()
         inputs = None
         if inputs_path:
             inputs = load_arrays(inputs_path)[0]
@@ -509,10 +530,12 @@ def inspect_cmd(artifact, as_json, at):
 @click.option("--at", "at", multiple=True, type=_AtSizes(), metavar="NAME=SIZE",
               help="Sizes for symbolic dims (b=256): bytes and FLOPs.")
 @click.option("--policies", default="everything,dots,nothing", show_default=True,
-              help="Comma-separated policies to compare (names:a,b allowed; separate several with ';').")
+              help="Comma-separated policies to compare (names:a,b allowed; separate several with ';'); "
+                   "add auto to time them here and show which auto picks and why (needs --at for symbolic dims).")
+@click.option("--memory-budget", default=None, metavar="BYTES", help="With auto: only policies whose residuals fit.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
 @_command
-def plan_cmd(target, shapes, wrt, has_aux, at, policies, as_json):
+def plan_cmd(target, shapes, wrt, has_aux, at, policies, memory_budget, as_json):
     """Compare policies before exporting: stored residual bytes and backward recompute per policy."""
     from .policies import parse_at, plan_policies
     from .report import format_plan
@@ -523,11 +546,19 @@ def plan_cmd(target, shapes, wrt, has_aux, at, policies, as_json):
     _enable_x64_if(_wants_x64(specs))
     sizes = parse_at(at)
     chosen = [p.strip() for p in (policies.split(";") if "names:" in policies else policies.split(",")) if p.strip()]
+    auto = None
+    if "auto" in chosen:
+        from .policies import choose_auto
+        from .vjp import wrt_positions
+
+        chosen = [p for p in chosen if p != "auto"]
+        auto = choose_auto(fn, *specs, wrt=wrt_positions(names, _names(wrt))[0], has_aux=has_aux, at=sizes,
+                           memory_budget=memory_budget)
     costs = plan_policies(fn, *specs, wrt=_names(wrt), has_aux=has_aux, at=sizes, policies=chosen)
     if as_json:
-        click.echo(json.dumps([c.to_json() for c in costs], indent=2))
+        click.echo(json.dumps([c.to_json() for c in costs] + ([{"auto": auto.to_json()}] if auto else []), indent=2))
     else:
-        click.echo(format_plan(costs, sizes))
+        click.echo(format_plan(costs, sizes) + (f"\n{auto.reason}" if auto else ""))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from .errors import VjpsplitError
-from .policies import apply_policy, choose_policy
+from .policies import AUTO, apply_policy, choose_auto, choose_policy
 from .residuals import Residuals
 from .vjp import Plan, assemble_grads, cotangent_leaves, fn_wrt_positions, register_plan, run_backward, trace_vjp
 
@@ -39,18 +39,22 @@ def split(fn: Callable, wrt=None, has_aux: bool = False, policy: str | None = No
     never evaluates the forward again under the default policy. ``res`` holds
     references to input arrays instead of copies. With ``memory_budget`` (bytes or
     ``"64MiB"``), each signature gets the policy that recomputes least among those
-    whose stored residuals fit.
+    whose stored residuals fit. ``policy="auto"`` times the fixed policies on each
+    new signature and keeps the fastest forward + backward (within the budget, if given).
     """
-    if memory_budget is not None and policy not in (None, "everything"):
+    if memory_budget is not None and policy not in (None, "everything", AUTO):
         raise VjpsplitError("give either a policy or a memory budget, not both")
-    inner = apply_policy(fn, policy)
+    inner = fn if policy == AUTO else apply_policy(fn, policy)
     traces = [0]
 
     def _fwd_impl(*args):
         wrt_pos, single = fn_wrt_positions(fn, wrt, len(args))
         body = inner
-        if memory_budget is not None:
-            specs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), args)
+        specs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), args)
+        if policy == AUTO:  # measured per signature, like jit's own compile
+            chosen = choose_auto(fn, *specs, wrt=wrt_pos, has_aux=has_aux, memory_budget=memory_budget).policy
+            body = apply_policy(fn, chosen)
+        elif memory_budget is not None:
             chosen, _ = choose_policy(fn, *specs, memory_budget=memory_budget, wrt=wrt_pos, has_aux=has_aux)
             body = apply_policy(fn, chosen)
         out, stored, aux, plan = trace_vjp(body, args, wrt_pos, single, has_aux)

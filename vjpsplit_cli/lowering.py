@@ -21,7 +21,7 @@ from .dtypes import dtype_name
 from .errors import VjpsplitError, first_line
 from .jaxprs import iter_eqns
 from .manifest import FORMAT_VERSION, Leaf, Manifest, fingerprint
-from .policies import apply_policy, choose_policy, normalize_policy
+from .policies import AUTO, apply_policy, choose_auto, choose_policy, normalize_policy
 from .prng import data_struct, from_data, impl_name, is_key, to_data
 from .shapes import dim_str, to_struct
 from .trees import encode_structure, flatten_with_keys
@@ -154,7 +154,9 @@ def export(
     artifact shape-polymorphic. ``platforms`` lists the targets lowered into the one
     artifact (default cpu, cuda, tpu; no accelerator is needed to lower for them).
     ``memory_budget`` (bytes or ``"64MiB"``; symbolic dims sized by ``at``) picks
-    the policy that recomputes least among those whose stored residuals fit.
+    the policy that recomputes least among those whose stored residuals fit;
+    ``policy="auto"`` the one whose forward + backward measures fastest here at
+    these sizes (within the budget, if given).
     ``weights`` (argument names) adds the zero-bubble split of the backward:
     ``bwd_input`` (gradients of the other arguments, on the critical path) and
     ``bwd_weight`` (the weight gradients, schedulable later).
@@ -171,7 +173,7 @@ def export(
             raise VjpsplitError(f"unknown platform {p!r}; use some of {', '.join(_KNOWN_PLATFORMS)}")
     if not platforms:
         raise VjpsplitError("no platforms given; use e.g. cpu,cuda,tpu")
-    if memory_budget is not None and policy not in (None, "everything"):
+    if memory_budget is not None and policy not in (None, "everything", AUTO):
         raise VjpsplitError("give either a policy or a memory budget, not both")
     names = tuple(arg_names) if arg_names is not None else tuple(positional_names(fn, len(specs)))
     if len(names) != len(specs):
@@ -187,7 +189,9 @@ def export(
                     for s in flat_structs]
     dim_vars = _dim_vars(inputs)
     wrt_pos, single = wrt_positions(names, wrt, getattr(fn, "__qualname__", ""))
-    if memory_budget is not None:
+    if policy == AUTO:  # the manifest records the concrete policy measured fastest
+        policy = choose_auto(fn, *structs, wrt=wrt_pos, has_aux=has_aux, at=at, memory_budget=memory_budget).policy
+    elif memory_budget is not None:
         policy, _ = choose_policy(fn, *structs, memory_budget=memory_budget, wrt=wrt_pos, has_aux=has_aux, at=at)
     policy = normalize_policy(policy)
     inner = apply_policy(fn, policy)
