@@ -1,19 +1,28 @@
 """Residual file save + load side by side with numpy: np.save/np.load of one buffer, np.savez/np.load.
 
     python -m benchmarks --only io        # the transformer's residuals (~44 MiB)
-    python -m benchmarks.io --gib 1       # also a >= 1 GiB residual set (by hand: ~1 min, 3+ GiB of RAM)
+    python -m benchmarks.io --gib 1       # also a >= 1 GiB residual set (by hand: ~2 min, 3+ GiB of RAM)
 
 Every candidate writes and reads the same arrays in the same directory, rounds
 interleaved, page cache warm. vjpsplit saves without fsync (its default for
 residuals; the rename is atomic and the CRC-32s catch a torn file) and checks every
 CRC-32 on load, as `run-bwd` does. Peak RSS growth while loading is measured in a
 fresh process.
+
+A second table isolates how a finished temp file takes the target's place, on the
+same bytes: ``os.replace`` over the old file, ``renameat2(RENAME_EXCHANGE)`` then
+unlinking the old file (what ``_io.atomic_write`` does where it can), and ``np.save``
+overwriting the old file in place. Each candidate keeps its own file names: deleting
+a file whose writeback is in flight waits for it, so sharing names would charge
+one candidate's disk I/O to another.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -25,6 +34,7 @@ import numpy as np
 
 import vjpsplit_cli as vs
 from benchmarks.workloads import transformer
+from vjpsplit_cli import _io
 
 # Peak RSS growth while loading, in a fresh process. ru_maxrss cannot be used: its
 # high-water mark is set by the imports (jax), far above what a load adds. Writing
@@ -95,7 +105,25 @@ def _candidates(d: Path, arrays: dict[str, np.ndarray], meta: dict) -> dict:
             vs.save_arrays(d / f"r.{ext}", arrays, meta)
             vs.load_arrays(d / f"r.{ext}", verify=True)
         cands[f"vjpsplit .{ext}"] = (ours, ("v", d / f"r.{ext}"))
+    if _io._renameat2() is not None:
+        def plain_rename():
+            # The same, replacing the old file by os.replace as before renameat2 was used.
+            with _plain_rename():
+                vs.save_arrays(d / "p.npz", arrays, meta)
+            vs.load_arrays(d / "p.npz", verify=True)
+        cands["vjpsplit .npz, os.replace"] = (plain_rename, ("v", d / "p.npz"))
     return cands
+
+
+@contextlib.contextmanager
+def _plain_rename():
+    """Inside, atomic_write replaces files with os.replace, as where renameat2 is missing."""
+    saved = list(_io._RENAMEAT2)
+    _io._RENAMEAT2[:] = [None]
+    try:
+        yield
+    finally:
+        _io._RENAMEAT2[:] = saved
 
 
 def measure(arrays: dict[str, np.ndarray], meta: dict, rounds: int, rss: bool = True) -> list[dict]:
@@ -127,6 +155,57 @@ def table(title: str, rows: list[dict], nbytes: int) -> list[str]:
     return lines
 
 
+def replace_costs(nbytes: int, rounds: int) -> list[dict]:
+    """Median seconds to write ``nbytes`` and put them in place of the previous file, three ways, interleaved."""
+    data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    exchange = _io._renameat2()
+
+    def write(p: Path) -> None:
+        with open(p, "wb") as f:
+            f.write(memoryview(data))
+
+    with tempfile.TemporaryDirectory() as d:
+        d = Path(d)
+
+        def by_rename():
+            write(d / "r.tmp")
+            os.replace(d / "r.tmp", d / "r.bin")
+
+        def by_exchange():
+            write(d / "x.tmp")
+            if not exchange(str(d / "x.tmp"), str(d / "x.bin")):
+                raise OSError("renameat2(RENAME_EXCHANGE) failed on this file system")
+            os.unlink(d / "x.tmp")
+
+        def np_save():
+            np.save(d / "o.npy", data)
+
+        cands = {"write + os.replace over the old file": by_rename, "np.save over the old file": np_save}
+        if exchange is not None:
+            write(d / "x.bin")
+            cands["write + renameat2(RENAME_EXCHANGE) + unlink the old file"] = by_exchange
+        for fn in cands.values():
+            fn()
+        samples = {k: [] for k in cands}
+        for _ in range(rounds):
+            for k, fn in cands.items():
+                t0 = time.perf_counter()
+                fn()
+                samples[k].append(time.perf_counter() - t0)
+    times = {k: float(np.median(v)) for k, v in samples.items()}
+    base = times["np.save over the old file"]
+    return [{"what": k, "s": t, "vs_np_save": base / t, "nbytes": nbytes} for k, t in times.items()]
+
+
+def replace_table(rows: list[dict]) -> list[str]:
+    nbytes = rows[0]["nbytes"]
+    size = f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
+    lines = [f"Replacing a {size} file (write the bytes, then put them in place; page cache warm, no fsync).", "",
+             "| how | median | vs np.save over the old file |", "|---|---:|---:|"]
+    lines += [f"| {r['what']} | {r['s'] * 1e3:.1f} ms | {r['vs_np_save']:.2f}× |" for r in rows]
+    return lines
+
+
 def residual_set(gib: float | None = None) -> tuple[dict[str, np.ndarray], dict]:
     """The transformer block's residuals; with ``gib``, copies of them (perturbed) up to that size."""
     w = transformer()
@@ -149,7 +228,9 @@ def run(quick: bool, gib: float | None = None) -> tuple[str, list[dict]]:
     lines = table(f"Residuals of the transformer block: {len(arrays)} arrays, {nbytes / 2**20:.1f} MiB; save + "
                   "load, page cache warm, vjpsplit with CRC-32s checked and no fsync (its residual default).",
                   rows, nbytes)
+    lines += [""] + replace_table(replace_costs(40 * 2**20, 3 if quick else 15))
     if gib:
+        lines += [""] + replace_table(replace_costs(int(gib * 2**30), 3 if quick else 7))
         big, meta = residual_set(gib)
         nbig = sum(a.nbytes for a in big.values())
         big_rows = measure(big, meta, 3 if quick else 5)

@@ -389,10 +389,11 @@ def _replace(tmp: str, target: str) -> None:
     ``RENAME_EXCHANGE``) and then the old file, now under ``tmp``'s name, is removed.
     Why: ext4 treats a rename over an existing file as "replace a config file" and
     starts writing the new file to disk at once (``auto_da_alloc``); the next
-    replacement of it then waits for that I/O. Measured on 40 MiB (ext4, 2 shared
-    cores; benchmarks/io.py): write + ``os.replace`` 43 ms, write + swap + unlink
-    19 ms, ``np.save`` over the old file 20 ms. A swapped-in file that is replaced or
-    deleted before the kernel's own writeback (residuals) never reaches the disk.
+    replacement of it then waits for that I/O. Measured (benchmarks/io.py, ext4,
+    2 shared cores, medians): write + ``os.replace`` 42 ms for 40 MiB and 1.23 s for
+    1 GiB; write + swap + unlink 16 ms and 0.68 s; ``np.save`` over the old file
+    15 ms and 0.46 s. A swapped-in file that is replaced or deleted before the
+    kernel's own writeback starts (residuals) never reaches the disk.
     The target exists throughout, holding the old or the new file; after a
     successful swap it holds the new one, whatever happens to the unlink (a temp
     left behind names this process and is swept as stale once it exits).
@@ -657,7 +658,7 @@ class StagedOutputs:
         if old is not None:
             _forget(old)
         try:
-            fd, tmp = _new_temp(directory, os.path.basename(target), ".tmp" + Path(path).suffix)
+            fd, tmp = _new_temp(directory, os.path.basename(target), ".tmp" + Path(path).suffix[:16])
         except OSError as e:
             raise VjpsplitError(os_error_message(path, e, f"creating a file in {printable(directory)}")) from e
         os.close(fd)
