@@ -22,7 +22,9 @@ if __package__ in (None, ""):  # `python benchmarks/run.py`
 import jax  # noqa: E402
 
 SECTIONS = {
-    "overhead": ("Forward + backward: split vs fused", "benchmarks.overhead"),
+    "overhead": ("Forward + backward: split and artifact vs fused", "benchmarks.overhead"),
+    "auto": ("policy=\"auto\" vs the fixed policies", "benchmarks.auto"),
+    "conv": ("The conv gap: where split fwd+bwd loses to fused", "benchmarks.conv"),
     "schedule": ("F1 F2 B2 B1 vs recompute", "benchmarks.schedule"),
     "io": ("Residual file I/O", "benchmarks.io"),
     "bindings": ("Binding residuals to their inputs (CRC-32)", "benchmarks.bindings"),

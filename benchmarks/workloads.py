@@ -29,7 +29,7 @@ def _mlp(params, x, labels):
 
 
 def mlp(batch=256, sizes=(784, 1024, 1024, 10), seed=0) -> Workload:
-    """MLP 784-1024-1024-10, batch 256, softmax cross-entropy."""
+    """MLP 784-1024-1024-10, batch 256, relu, log-softmax cross-entropy."""
     rng = np.random.default_rng(seed)
     params = [((rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32), np.zeros(b, np.float32))
               for a, b in zip(sizes[:-1], sizes[1:])]
@@ -67,6 +67,36 @@ def transformer(batch=8, t=128, d=256, seed=1) -> Workload:
     return Workload("transformer", _block, (params, rng.normal(size=(batch, t, d)).astype(np.float32)), 1)
 
 
+def _layer_norm(v, g, b):
+    mu = jnp.mean(v, -1, keepdims=True)
+    return (v - mu) * jax.lax.rsqrt(jnp.var(v, -1, keepdims=True) + 1e-5) * g + b
+
+
+def _preln_block(params, x):
+    """x + attn(LN(x)), then + MLP(LN(.)): causal, HEADS heads, gelu MLP of 4d, biases everywhere."""
+    b, t, d = x.shape
+    h = HEADS
+    qkv = _layer_norm(x, params["ln1_g"], params["ln1_b"]) @ params["wqkv"] + params["bqkv"]
+    q, k, v = (a.reshape(b, t, h, d // h) for a in jnp.split(qkv, 3, axis=-1))
+    logits = jnp.einsum("bthe,bshe->bhts", q, k) / np.sqrt(d // h)
+    att = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -1e9), axis=-1)
+    x = x + jnp.einsum("bhts,bshe->bthe", att, v).reshape(b, t, d) @ params["wo"] + params["bo"]
+    hid = jax.nn.gelu(_layer_norm(x, params["ln2_g"], params["ln2_b"]) @ params["w1"] + params["b1"])
+    x = x + hid @ params["w2"] + params["b2"]
+    return jnp.mean(x ** 2)
+
+
+def block(batch=8, t=128, d=256, seed=3) -> Workload:
+    """Issue 14's block: pre-LN causal transformer block, d=256, 4 heads, T=128, batch 8, gelu MLP 4d."""
+    rng = np.random.default_rng(seed)
+    f = lambda *s: (rng.normal(size=s) / np.sqrt(s[0])).astype(np.float32)  # noqa: E731
+    z = lambda n: np.zeros(n, np.float32)  # noqa: E731
+    params = {"ln1_g": np.ones(d, np.float32), "ln1_b": z(d), "wqkv": f(d, 3 * d), "bqkv": z(3 * d),
+              "wo": f(d, d), "bo": z(d), "ln2_g": np.ones(d, np.float32), "ln2_b": z(d),
+              "w1": f(d, 4 * d), "b1": z(4 * d), "w2": f(4 * d, d), "b2": z(d)}
+    return Workload("block", _preln_block, (params, rng.normal(size=(batch, t, d)).astype(np.float32)), 1)
+
+
 def _conv(params, x):
     dn = ("NHWC", "HWIO", "NHWC")
     y = jax.nn.relu(jax.lax.conv_general_dilated(x, params["k1"], (1, 1), "SAME", dimension_numbers=dn))
@@ -84,3 +114,5 @@ def convnet(batch=32, seed=2) -> Workload:
 
 
 ALL = (mlp, transformer, convnet)
+# Issue 14's two workloads (the MLP as described there is ``mlp()``) and the conv net.
+PERF = (mlp, block, convnet)
