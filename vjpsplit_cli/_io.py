@@ -1,4 +1,4 @@
-"""File helpers: crash-safe writes, outputs committed together, positioned reads.
+"""File helpers: crash-safe writes, outputs committed together, reads with one-line errors.
 
 Writing is safe in four ways, for the CLI and the Python API alike:
 
@@ -754,43 +754,6 @@ def read_bytes(path: str | os.PathLike, what: str) -> bytes:
             return f.read()
         except OSError as e:
             raise VjpsplitError(f"{path}: cannot read the {what} file ({e.strerror or e})") from e
-
-
-def read_at(f: BinaryIO, offset: int, n: int) -> bytes:
-    """Up to ``n`` bytes of ``f`` from ``offset`` (fewer only at the end of the file)."""
-    if hasattr(os, "pread"):
-        parts = []
-        while n > 0:
-            part = os.pread(f.fileno(), n, offset)
-            if not part:
-                break
-            parts.append(part)
-            offset += len(part)
-            n -= len(part)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-    f.seek(offset)
-    return f.read(n)
-
-
-def readinto_at(f: BinaryIO, buf, offset: int) -> int:
-    """Fill the writable buffer ``buf`` from ``f`` at ``offset``; the byte count read (short only at the end)."""
-    view = memoryview(buf).cast("B")
-    done = 0
-    if hasattr(os, "preadv"):
-        fd = f.fileno()
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got == 0:
-                break
-            done += got
-        return done
-    f.seek(offset)
-    while done < len(view):
-        got = f.readinto(view[done:])
-        if not got:
-            break
-        done += got
-    return done
 
 
 def _article(word: str) -> str:

@@ -103,6 +103,6 @@ def _not_npz(path: Path, head: bytes) -> VjpsplitError:
     if head.startswith(b"\x93NUMPY"):
         return VjpsplitError(f"{path}: is a single-array .npy file, not an .npz archive; re-save the arrays "
                              "with vjpsplit")
-    if head and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF)):
+    if head and _msgpack.is_map(head[0]):
         return VjpsplitError(f"{path}: looks like a msgpack file, not an .npz archive; rename it to .msgpack")
     return VjpsplitError(f"{path}: is not an .npz (zip) archive; it is corrupt or a different kind of file")

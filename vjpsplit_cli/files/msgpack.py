@@ -27,8 +27,15 @@ from .common import (CORRUPT, DECODE_ERRORS, FORMAT, MAX_NDIM, VERSION, Source, 
 EXT_NDARRAY = 1  # flax's ext code for ndarrays: the files stay readable by flax tooling
 MAX_BYTES = 2**31 - 1  # module-level so tests can lower it
 _FIXEXT = {1: 0xD4, 2: 0xD5, 4: 0xD6, 8: 0xD7, 16: 0xD8}
-_EXT_LEN = {0xC7: 1, 0xC8: 2, 0xC9: 4}  # ext 8/16/32: width of the length field
-_BIN_LEN = {0xC4: 1, 0xC5: 2, 0xC6: 4}
+_EXT_CODE = {1: 0xC7, 2: 0xC8, 4: 0xC9}  # ext 8/16/32, by the width of their length field
+_BIN_CODE = {1: 0xC4, 2: 0xC5, 4: 0xC6}  # bin 8/16/32, the same
+_EXT_LEN = {code: width for width, code in _EXT_CODE.items()}
+_BIN_LEN = {code: width for width, code in _BIN_CODE.items()}
+
+
+def is_map(first_byte: int) -> bool:
+    """Whether a msgpack value starting with this byte is a map (fixmap, map 16, map 32)."""
+    return 0x80 <= first_byte <= 0x8F or first_byte in (0xDE, 0xDF)
 
 
 # msgpack's Packer cannot write an ext or bin header without the payload in one bytes
@@ -37,17 +44,15 @@ _BIN_LEN = {0xC4: 1, 0xC5: 2, 0xC6: 4}
 # from its own buffer to the file. The bytes are exactly packb's. Encoding the 1 GiB
 # benchmark set (benchmarks/io.py) into /dev/null: 0.9-1.3 s this way, CRC-32s
 # included, against 8-12 s the packb way.
+def _sized(codes: dict[int, int], size: int) -> bytes:
+    """Type code and length of a bin or ext value of ``size`` bytes, in the smallest width."""
+    width = 1 if size < 2**8 else 2 if size < 2**16 else 4
+    return bytes([codes[width]]) + size.to_bytes(width, "big")
+
+
 def _ext_header(size: int) -> bytes:
-    if size in _FIXEXT:
-        return struct.pack(">Bb", _FIXEXT[size], EXT_NDARRAY)
-    width = 1 if size < 2**8 else 2 if size < 2**16 else 4
-    code = {1: 0xC7, 2: 0xC8, 4: 0xC9}[width]
-    return bytes([code]) + size.to_bytes(width, "big") + struct.pack(">b", EXT_NDARRAY)
-
-
-def _bin_header(size: int) -> bytes:
-    width = 1 if size < 2**8 else 2 if size < 2**16 else 4
-    return bytes([{1: 0xC4, 2: 0xC5, 4: 0xC6}[width]]) + size.to_bytes(width, "big")
+    head = bytes([_FIXEXT[size]]) if size in _FIXEXT else _sized(_EXT_CODE, size)
+    return head + struct.pack(">b", EXT_NDARRAY)
 
 
 def writer(path: Path, prepared: list, meta: dict):
@@ -59,7 +64,7 @@ def writer(path: Path, prepared: list, meta: dict):
                 + p.pack("meta") + p.pack(meta) + p.pack("arrays") + p.pack_map_header(len(prepared)))
         crcs = {}
         for key, name, arr in prepared:
-            head = p.pack_array_header(3) + p.pack(list(arr.shape)) + p.pack(name) + _bin_header(arr.nbytes)
+            head = p.pack_array_header(3) + p.pack(list(arr.shape)) + p.pack(name) + _sized(_BIN_CODE, arr.nbytes)
             f.write(p.pack(key) + _ext_header(len(head) + arr.nbytes) + head)
             data = byte_view(arr)
             crcs[key] = zlib.crc32(data)
@@ -97,7 +102,7 @@ class _Walk:
     def top(self) -> tuple[dict, dict]:
         """The top-level map with "arrays" as ``{key: (shape, dtype, offset, nbytes)}``."""
         kind = self.src.read(0, 1)[0]
-        if not (0x80 <= kind <= 0x8F or kind in (0xDE, 0xDF)):
+        if not is_map(kind):
             raise VjpsplitError(f"{self.src.path}: is not a vjpsplit arrays file (its top level is not a map); "
                                 "re-create it with vjpsplit")
         self.u = self._at(0)  # reads move the file position under the unpacker: start it afresh
@@ -113,7 +118,7 @@ class _Walk:
         pos = self.pos()
         kind = self.src.read(pos, 1)[0]
         self.u = self._at(pos)
-        if not (0x80 <= kind <= 0x8F or kind in (0xDE, 0xDF)):
+        if not is_map(kind):
             return self.u.unpack()  # not a map: refused by the caller
         count = self.map_header()
         pairs = []
