@@ -211,3 +211,38 @@ def test_a_write_sweeps_its_directory_once_per_process(tmp_path):
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "r.npz")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert sorted(os.listdir(tmp_path)) == ["r.npz"]
+
+
+def test_an_interrupt_held_during_the_commit_says_the_outputs_were_written(tmp_path, monkeypatch):
+    """SIGINT during the renames is held until they finish; the message must not claim nothing was written."""
+    import signal
+
+    from click.testing import CliRunner
+
+    import vjpsplit_cli._io as io
+    from vjpsplit_cli.cli import main
+
+    real_replace = io._replace
+    fired = []
+
+    def replace_then_interrupt(tmp, target):
+        real_replace(tmp, target)
+        if not fired:
+            fired.append(target)
+            signal.raise_signal(signal.SIGINT)  # arrives while the commit holds signals
+
+    import numpy as np
+
+    import vjpsplit_cli as vs
+
+    art = vs.export(lambda x: (x ** 2).sum(), np.ones(3, np.float32), platforms="cpu")
+    art.save(tmp_path / "a.vjps")
+    vs.save_arrays(tmp_path / "in.npz", {"x": np.arange(3, dtype=np.float32)})
+    monkeypatch.setattr(io, "_replace", replace_then_interrupt)
+    r = CliRunner().invoke(main, ["run-fwd", str(tmp_path / "a.vjps"), "--inputs", str(tmp_path / "in.npz"),
+                                  "--residuals", str(tmp_path / "r.npz"), "--outputs", str(tmp_path / "o.npz")])
+    assert fired and r.exit_code == 130
+    assert "interrupted just after writing its outputs" in r.output
+    assert (tmp_path / "r.npz").is_file() and (tmp_path / "o.npz").is_file()
+    outs, _ = vs.load_arrays(tmp_path / "o.npz")
+    np.testing.assert_allclose(outs["out"], 5.0)

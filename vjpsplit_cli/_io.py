@@ -136,6 +136,16 @@ class _Guard:
     pending: int | None = None
     raised = False
     previous: dict = {}
+    committed = False  # some StagedOutputs committed since the outermost guard began
+
+
+def outputs_committed() -> bool:
+    """Whether outputs were committed under the current (or last) signal guard.
+
+    A signal that arrives during the renames is held until they finish, so an
+    interrupt can follow a complete commit: messages must not say nothing was written.
+    """
+    return _Guard.committed
 
 
 def _remove_live_temps() -> None:
@@ -175,7 +185,7 @@ def cleanup_on_signals() -> Iterator[None]:
     _Guard.depth += 1
     try:
         if outer:  # inside the try: a signal during the installs still restores what was installed
-            _Guard.pending, _Guard.raised, _Guard.previous = None, False, {}
+            _Guard.pending, _Guard.raised, _Guard.previous, _Guard.committed = None, False, {}, False
             for s in _SIGNALS:
                 previous = signal.getsignal(s)
                 if previous in (signal.SIG_IGN, None):  # e.g. under nohup: the user asked to ignore it
@@ -717,6 +727,7 @@ class StagedOutputs:
                         done.add(os.path.dirname(target) or ".")
                 for directory in done:
                     _fsync_dir(directory)
+                _Guard.committed = True
             finally:
                 self._discard()
 

@@ -16,7 +16,7 @@ import traceback
 
 import click
 
-from ._io import Interrupted, StagedOutputs, UsageError, os_error_message, printable
+from ._io import Interrupted, StagedOutputs, UsageError, os_error_message, outputs_committed, printable
 from .errors import VjpsplitError
 
 _EXISTING = click.Path(dir_okay=True, path_type=str)  # existence is checked by our loaders, with our message
@@ -123,7 +123,10 @@ def _command(fn):
             raise CliError(str(e)) from e
         except (KeyboardInterrupt, Interrupted) as e:
             # Temp files are gone already (StagedOutputs); SIGTERM/SIGHUP never get here, they end the process.
-            _log(f"error: {ctx.info_name}: interrupted; every previous output is left as it was")
+            if outputs_committed():  # the signal was held until the renames finished
+                _log(f"error: {ctx.info_name}: interrupted just after writing its outputs, which are complete")
+            else:
+                _log(f"error: {ctx.info_name}: interrupted; every previous output is left as it was")
             raise click.exceptions.Exit(128 + getattr(e, "signum", 2)) from e
         except MemoryError as e:
             if show:
