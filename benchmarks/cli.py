@@ -20,17 +20,44 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(cmd, env, cwd) -> tuple[float, int]:
-    """Wall seconds and peak RSS bytes of one child process."""
+# Peak RSS of a command, reported by the child itself: VmHWM belongs to the memory map that
+# exec creates, while ru_maxrss survives exec and so reports this (large) parent's RSS.
+_HWM = """
+import atexit, os, runpy, sys
+
+def report():
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    with open(os.environ["VJPSPLIT_BENCH_HWM"], "w") as f:
+        f.write(str(kib * 1024))
+
+atexit.register(report)
+module, sys.argv = sys.argv[1], sys.argv[1:]
+if module == "jax":
+    import jax
+else:
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+
+def _run(cmd, env, cwd) -> float:
+    """Wall seconds of one child process."""
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    err = p.stderr.read()
-    _, status, usage = os.wait4(p.pid, 0)
-    wall = time.perf_counter() - t0
-    p.returncode = os.waitstatus_to_exitcode(status)
-    if p.returncode:
-        raise RuntimeError(f"{cmd} failed: {err.decode()[-500:]}")
-    return wall, usage.ru_maxrss * 1024  # Linux: KiB
+    r = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"{cmd} failed: {r.stderr[-500:]}")
+    return time.perf_counter() - t0
+
+
+def _peak_rss(module: str, args: list, env, cwd) -> float:
+    """Peak RSS bytes of ``python -m module args`` (NaN where /proc is missing)."""
+    with tempfile.NamedTemporaryFile() as f:
+        r = subprocess.run([sys.executable, "-c", _HWM, module, *args], env={**env, "VJPSPLIT_BENCH_HWM": f.name},
+                           cwd=cwd, capture_output=True, text=True)
+        try:
+            return float(open(f.name).read()) if r.returncode == 0 else float("nan")
+        except ValueError:
+            return float("nan")
 
 
 def _array_bytes(path: Path) -> int:
@@ -51,36 +78,31 @@ def run(quick: bool) -> tuple[str, list[dict]]:
                               "--shapes", "x=f32[b,784]", "--shapes", "labels=i32[b]", "-o", str(d / "mlp.vjps")],
                        cwd=ROOT, env=env, check=True, capture_output=True)
 
-        def fwd(extra=()):
-            return _run(cli + [*extra, "run-fwd", str(d / "mlp.vjps"), "--inputs", str(d / "in.npz"),
-                               "--residuals", str(d / "r.npz")], env, ROOT)
-
-        def bwd(extra=()):
-            return _run(cli + [*extra, "run-bwd", str(d / "mlp.vjps"), "--residuals", str(d / "r.npz"),
-                               "--inputs", str(d / "in.npz"), "--grads", str(d / "g.npz")], env, ROOT)
-
-        first = (fwd(), bwd())  # empty caches: lowers, compiles, saves the executables
+        args = {"run-fwd": ["run-fwd", str(d / "mlp.vjps"), "--inputs", str(d / "in.npz"),
+                            "--residuals", str(d / "r.npz")],
+                "run-bwd": ["run-bwd", str(d / "mlp.vjps"), "--residuals", str(d / "r.npz"),
+                            "--inputs", str(d / "in.npz"), "--grads", str(d / "g.npz")]}
+        args["run-fwd --no-cache"] = ["--no-cache", *args["run-fwd"]]
+        first = {k: _run(cli + args[k], env, ROOT) for k in ("run-fwd", "run-bwd")}  # empty caches
         s: dict[str, list] = {"floor": [], "run-fwd": [], "run-bwd": [], "run-fwd --no-cache": []}
         for _ in range(rounds):
             s["floor"].append(_run([py, "-c", "import jax"], env, ROOT))
-            s["run-fwd"].append(fwd())
-            s["run-bwd"].append(bwd())
-            s["run-fwd --no-cache"].append(fwd(["--no-cache"]))
+            for k in args:
+                s[k].append(_run(cli + args[k], env, ROOT))
+        rss = {k: _peak_rss("vjpsplit_cli", args[k], env, ROOT) for k in args}
+        floor_rss = _peak_rss("jax", [], env, ROOT)
         in_bytes, res_bytes = _array_bytes(d / "in.npz"), _array_bytes(d / "r.npz")
-    floor_wall = statistics.median(w for w, _ in s["floor"])
-    floor_rss = statistics.median(r for _, r in s["floor"])
+    floor_wall = statistics.median(s["floor"])
     rows = []
-    for name in ("run-fwd", "run-bwd", "run-fwd --no-cache"):
-        walls = [w for w, _ in s[name]]
-        paired = statistics.median(w / f for (w, _), (f, _) in zip(s[name], s["floor"]))
-        rss = max(r for _, r in s[name])
-        rows.append({"run": name, "wall_s": statistics.median(walls), "vs_floor": paired, "peak_rss": rss,
-                     "rss_ratio": rss / (floor_rss + in_bytes + res_bytes)})
+    for name in args:
+        paired = statistics.median(w / f for w, f in zip(s[name], s["floor"]))
+        rows.append({"run": name, "wall_s": statistics.median(s[name]), "vs_floor": paired, "peak_rss": rss[name],
+                     "rss_ratio": rss[name] / (floor_rss + in_bytes + res_bytes)})
     lines = [f"Quick-start MLP (samples/mlp.py, 784-256-10), batch 256, artifact for cpu,cuda,tpu; {rounds} paired "
              f"rounds, load average {os.getloadavg()[0]:.1f} when done. Floor: `python -c 'import jax'` "
              f"{floor_wall:.2f} s, peak RSS {floor_rss / 2**20:.0f} MiB; inputs {in_bytes / 2**20:.2f} MiB, "
-             f"residuals {res_bytes / 2**20:.2f} MiB. First run (empty caches): run-fwd {first[0][0]:.2f} s, "
-             f"run-bwd {first[1][0]:.2f} s.", "",
+             f"residuals {res_bytes / 2**20:.2f} MiB. First run (empty caches): run-fwd {first['run-fwd']:.2f} s, "
+             f"run-bwd {first['run-bwd']:.2f} s.", "",
              "| command (warm) | wall (median) | / import floor, paired (target ≤ 1.2×) | peak RSS "
              "| / (floor RSS + inputs + residuals) (target ≤ 1.3×) |", "|---|---:|---:|---:|---:|"]
     for r in rows:
