@@ -164,23 +164,24 @@ def compiled_call(jitted, args: Sequence, parts: Sequence[str], directory: str) 
     if not usable:
         return jitted
     # An executable that JAX's persistent cache handed back serializes without its
-    # CPU kernels ("Function ... not found" when run): compile this one afresh.
+    # CPU kernels ("Function ... not found" when run): compile this one afresh. (JAX
+    # decides once per process whether its cache is used, so in a process that has
+    # already compiled with it this may not take; _guarded catches such an entry.)
     before = jax.config.jax_enable_compilation_cache
     try:
         jax.config.update("jax_enable_compilation_cache", False)
         compiled = jitted.lower(*args).compile()
     finally:
         jax.config.update("jax_enable_compilation_cache", before)
-    if usable:
-        try:
-            from jax.experimental import serialize_executable as se
+    try:
+        from jax.experimental import serialize_executable as se
 
-            payload, _, out_tree = se.serialize(compiled)
-            encoded = _encode_tree(out_tree)
-            if _decode_tree(encoded) == out_tree:
-                _write(directory, name, {"key": key, "out_tree": encoded}, payload)
-        except Exception:  # not serializable here, disk full, read-only: run without caching
-            pass
+        payload, _, out_tree = se.serialize(compiled)
+        encoded = _encode_tree(out_tree)
+        if _decode_tree(encoded) == out_tree:
+            _write(directory, name, {"key": key, "out_tree": encoded}, payload)
+    except Exception:  # not serializable here, disk full, read-only: run without caching
+        pass
     return compiled
 
 
@@ -189,7 +190,8 @@ def _guarded(loaded, jitted, path: str) -> Callable:
 
     def call(*args):
         try:
-            return loaded(*args)
+            # Blocking here makes an execution failure of a bad entry surface now, not at a later read.
+            return jax.block_until_ready(loaded(*args))
         except (ValueError, TypeError):
             raise
         except Exception:
