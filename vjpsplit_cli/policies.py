@@ -5,6 +5,8 @@ A policy is a ``jax.checkpoint`` policy applied to the whole function:
 ``nothing`` (inputs only) and ``names:a,b`` (values tagged with
 ``jax.ad_checkpoint.checkpoint_name``). ``policy_cost`` traces, never runs, a
 function under one and measures its stored residuals and its backward's work.
+``choose_auto`` (``policy="auto"``) compiles and times the fixed policies that fit a
+budget and picks the fastest forward + backward.
 """
 
 from __future__ import annotations
