@@ -121,8 +121,8 @@ def _child(quick: bool) -> dict:
         c = st.calls
         _, inter = c.backward_input(res, ct)
         t = interleaved({"fused": lambda: c.backward(res, ct), "B": lambda: c.backward_input(res, ct),
-                         "W": lambda: c.backward_weight(res, inter),
-                         "B+W": lambda: c.backward_weight(res, c.backward_input(res, ct)[1])}, cfg["bw_rounds"])
+                         "W": lambda: c.backward_weight(inter),
+                         "B+W": lambda: c.backward_weight(c.backward_input(res, ct)[1])}, cfg["bw_rounds"])
         bw.append({"stage": s, "fused": t["fused"], "B": t["B"], "W": t["W"], "BW": t["B+W"]})
 
     schedules = ["1f1b", "zbh1", "zbv"]
