@@ -24,6 +24,11 @@ def _struct(tree):
     return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), tree)
 
 
+def _xent(logits, y):
+    """Mean softmax cross-entropy with integer labels, written out (no optax needed)."""
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+
+
 def _labels(n: int, classes: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, classes, size=(n,)).astype(np.int32)
 
@@ -98,7 +103,7 @@ def nnx_loss(state, x, y):
 
     graphdef, _ = _nnx_graphdef_and_state()
     logits = nnx.merge(graphdef, state)(x)
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+    return _xent(logits, y)
 
 
 def nnx_state():
@@ -200,7 +205,7 @@ def eqx_loss(params, x, y):
 
     model = eqx.combine(params, _eqx_split()[1])
     logits = jax.vmap(model)(x)
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+    return _xent(logits, y)
 
 
 def eqx_params():
@@ -226,7 +231,7 @@ def _hk_forward():
 def hk_loss(params, x, y):
     """Cross-entropy of a haiku model whose params are keyed like ``mlp/~/linear_0``."""
     logits = _hk_forward().apply(params, x)
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+    return _xent(logits, y)
 
 
 def hk_params():
@@ -283,7 +288,7 @@ def plain_loss(params, x, y):
     """A NamedTuple inside a ``register_dataclass`` class: pytree nodes without any library."""
     h = jnp.tanh(x @ params.first.w + params.first.b)
     logits = (h @ params.second.w + params.second.b) * params.scale
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+    return _xent(logits, y)
 
 
 def plain_params():

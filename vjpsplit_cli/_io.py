@@ -84,37 +84,30 @@ def printable(text) -> str:
     return "".join(out)
 
 
+# What an OS error means for the user, and what to do; "{doing}" is what was being done.
+_OS_ERRORS = {
+    errno.ENOSPC: "no space left on the device while {doing}; free some space or write it elsewhere",
+    getattr(errno, "EDQUOT", -1): "disk quota exceeded while {doing}; free some space or write it elsewhere",
+    errno.EFBIG: "file too large for the file system or the file-size limit (ulimit -f) while {doing}; "
+                 "raise the limit or write it elsewhere",
+    errno.EACCES: "permission denied while {doing}; check the permissions of the file and its directory",
+    errno.EPERM: "permission denied while {doing}; check the permissions of the file and its directory",
+    errno.EROFS: "the file system is read-only; write it elsewhere",
+    errno.ENOENT: "no such file or directory while {doing}; check the path",
+    errno.ENOTDIR: "a part of the path is not a directory; check the path",
+    errno.EISDIR: "is a directory; give a file name",
+    errno.ENAMETOOLONG: "the file name is too long; use a shorter one",
+    errno.ELOOP: "too many levels of symbolic links; fix the link",
+    errno.EIO: "input/output error while {doing} (the disk or network file system failed); check it and retry",
+    errno.ENOMEM: "out of memory while {doing}; free memory and retry",
+}
+
+
 def os_error_message(path, e: OSError, doing: str) -> str:
     """One line for an OS error on ``path`` while ``doing`` (e.g. "writing it"): what happened and what to do."""
-    shown = printable(path)
-    code = e.errno
-    if code == errno.ENOSPC:
-        return f"{shown}: no space left on the device while {doing}; free some space or write it elsewhere"
-    if code == getattr(errno, "EDQUOT", None):
-        return f"{shown}: disk quota exceeded while {doing}; free some space or write it elsewhere"
-    if code == errno.EFBIG:
-        return (f"{shown}: file too large for the file system or the file-size limit (ulimit -f) while {doing}; "
-                "raise the limit or write it elsewhere")
-    if code in (errno.EACCES, errno.EPERM):
-        return f"{shown}: permission denied while {doing}; check the permissions of the file and its directory"
-    if code == errno.EROFS:
-        return f"{shown}: the file system is read-only; write it elsewhere"
-    if code == errno.ENOENT:
-        return f"{shown}: no such file or directory while {doing}; check the path"
-    if code == errno.ENOTDIR:
-        return f"{shown}: a part of the path is not a directory; check the path"
-    if code == errno.EISDIR:
-        return f"{shown}: is a directory; give a file name"
-    if code == errno.ENAMETOOLONG:
-        return f"{shown}: the file name is too long; use a shorter one"
-    if code == errno.ELOOP:
-        return f"{shown}: too many levels of symbolic links; fix the link"
-    if code == errno.EIO:
-        return f"{shown}: input/output error while {doing} (the disk or network file system failed); check it and retry"
-    if code == errno.ENOMEM:
-        return f"{shown}: out of memory while {doing}; free memory and retry"
-    reason = printable(e.strerror or e)
-    return f"{shown}: {reason} while {doing}; check the path and the device"
+    known = _OS_ERRORS.get(e.errno)
+    what = known.format(doing=doing) if known else f"{printable(e.strerror or e)} while {doing}; check the path and the device"
+    return f"{printable(path)}: {what}"
 
 
 # ---------------------------------------------------------------------------- temp files and signals
