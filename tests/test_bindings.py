@@ -142,3 +142,12 @@ def test_malformed_metadata_names_the_field(art, tmp_path, field, value):
     vs.save_arrays(tmp_path / "bad.npz", arrays, {**meta, field: value})
     with pytest.raises(vs.VjpsplitError, match=f"malformed metadata: '{field}'"):
         vs.load_residuals(tmp_path / "bad.npz", inputs=_mb(1))
+
+
+def test_forged_self_contained_flag_is_a_clear_error_naming_the_file(art, tmp_path):
+    _, res = art.fwd(*_mb(1))
+    vs.save_residuals(tmp_path / "r.npz", res)
+    arrays, meta = vs.load_arrays(tmp_path / "r.npz")
+    vs.save_arrays(tmp_path / "forged.npz", arrays, {**meta, "self_contained": True, "needs_inputs": []})
+    with pytest.raises(vs.VjpsplitError, match=r"forged.npz: the residuals need input 'w'.*pass the forward's inputs"):
+        art.bwd(vs.load_residuals(tmp_path / "forged.npz"))

@@ -326,7 +326,8 @@ class Artifact:
         the residuals), so ``res`` can be dropped once this returns.
         """
         cts = None if ct is None else dict(flatten_with_keys("out", ct))
-        grads, inter = self.run_bwd_input_arrays(res, cts, ct_source="cotangent")
+        grads, inter = self.run_bwd_input_arrays(res, cts, source=getattr(res, "source", None) or "residuals",
+                                                 ct_source="cotangent")
         return self._per_arg(grads, self.manifest.non_weight_wrt, res.dims, res.arg_trees), inter
 
     def bwd_weight(self, inter: "Intermediates", res: Residuals | None = None) -> dict:
@@ -389,7 +390,7 @@ class Artifact:
         """Backward from residuals: gradients shaped like the ``wrt`` arguments (float0 for ints)."""
         m = self.manifest
         cts = None if ct is None else dict(flatten_with_keys("out", ct))
-        grads = self.run_bwd_arrays(res, cts, source="residuals", ct_source="cotangent")
+        grads = self.run_bwd_arrays(res, cts, source=getattr(res, "source", None) or "residuals", ct_source="cotangent")
         per_arg = self._per_arg(grads, m.wrt, res.dims, res.arg_trees)
         return per_arg[m.wrt[0]] if m.single_grad else tuple(per_arg[n] for n in m.wrt)
 

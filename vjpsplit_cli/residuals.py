@@ -30,7 +30,7 @@ class Residuals:
     """
 
     __slots__ = ("stored", "inputs", "dims", "fingerprint", "arg_names", "arg_trees", "plan", "residuals_id",
-                 "inputs_source")
+                 "inputs_source", "source")
 
     def __init__(self, stored: Mapping[str, Any], inputs: Mapping[str, Any], *, dims: Mapping[str, int] | None = None,
                  fingerprint: str = "", arg_names: Sequence[str] = (), arg_trees: ArgTrees = (),
@@ -49,6 +49,7 @@ class Residuals:
         # where a per-run value would make every jit over residuals retrace.
         self.residuals_id = residuals_id
         self.inputs_source: str | None = None  # where the input-backed arrays came from, for messages
+        self.source: str | None = None  # the file they were loaded from, for messages
 
     def __repr__(self) -> str:
         owner = f"fingerprint={self.fingerprint[:12]}, dims={self.dims}" if self.plan is None else "split"
@@ -335,6 +336,7 @@ def load_residuals(path: str | os.PathLike, inputs=None, *, artifact=None, input
     if kind == KIND_ARTIFACT:
         res = _load_artifact_residuals(path, arrays, meta, needs, inputs, artifact)
         res.inputs_source = (inputs_source or "inputs") if needs else str(path)
+        res.source = str(path)
         if verify:
             _check_bound_inputs(path, meta, {k: res.inputs[k] for k in needs}, res.inputs_source)
         return res
