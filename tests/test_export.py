@@ -281,3 +281,16 @@ def test_bad_wrt_with_arg_names_is_refused(wrt):
     with pytest.raises(vs.VjpsplitError, match="wrt"):
         vs.export(lambda a, b: jnp.sum(a * b), jax.ShapeDtypeStruct((2,), jnp.float32),
                   jax.ShapeDtypeStruct((2,), jnp.float32), arg_names=("a", "b"), wrt=wrt, platforms="cpu")
+
+
+def test_a_python_float_is_taken_for_a_bfloat16_scalar_input():
+    # Python scalars are weakly typed: the artifact takes them at its own dtype, bfloat16 included.
+    import ml_dtypes
+
+    def f(w, s):
+        return jnp.sum(w * s)
+
+    w = np.ones(3, ml_dtypes.bfloat16)
+    art = vs.export(f, w, jax.ShapeDtypeStruct((), jnp.bfloat16), platforms="cpu")
+    out, _ = art.fwd(w, 2.0)
+    assert float(out) == 6.0
