@@ -147,13 +147,7 @@ class Artifact:
             # Exactly what this artifact's fwd returned (keys, shapes, dtypes, dims): already checked.
             return (list(res.stored.values()), [res.inputs[k] for k in m.input_backed_keys],
                     {n: res.dims[n] for n in m.dim_vars})
-        dims = {}
-        for name in m.dim_vars:
-            v = res.dims.get(name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise VjpsplitError(f"{source}: symbolic dim {name!r} is missing or invalid in the residuals; rerun the forward")
-            dims[name] = v
-        self._refuse_huge_dims(source, dims)
+        dims = self._checked_dims(res.dims, source, "residuals", "rerun the forward")
         check_keys(source, "residual", [r.key for r in m.stored_residuals], res.stored)
         stored = [check_array(source, "residual", leaf, res.stored[leaf.key], dict(dims)) for leaf in m.stored_residuals]
         inputs = []
@@ -281,11 +275,11 @@ class Artifact:
             raise VjpsplitError(f"{self.source}: this artifact (format {m.format_version}) needs the residuals for "
                                 "its weight part too; pass --residuals (or res)")
         if res is not None:
-            _, _, dims = self.check_residuals(res, source)
+            res_stored, res_inputs, dims = self.check_residuals(res, source)
             if inter.dims != dims or (inter.residuals_id and res.residuals_id and inter.residuals_id != res.residuals_id):
                 raise VjpsplitError(f"{inter_source}: the intermediates were made from other residuals than {source} "
                                     "(another forward run or microbatch); pass the pair from one microbatch")
-        dims = self._inter_dims(inter, inter_source)
+        dims = self._checked_dims(inter.dims, inter_source, "intermediates", "rerun run-bwd --part input")
         check_keys(inter_source, "intermediate", [leaf.key for leaf in m.intermediates], inter.arrays)
         values = [check_array(inter_source, "intermediate", leaf, inter.arrays[leaf.key], dict(dims))
                   for leaf in m.intermediates]
@@ -301,20 +295,19 @@ class Artifact:
                                         "the file to avoid a copy; pass the forward's inputs (--inputs FILE)")
                 w_inputs.append(check_array(inter_source, "input", dataclasses.replace(by_key[f"in/{k}"], key=k),
                                             inter.inputs[k], dict(dims)))
-        else:
-            w_stored, w_inputs, _ = self.check_residuals(res, source)
+        else:  # formats <= 2: W reads every residual, checked above
+            w_stored, w_inputs = res_stored, res_inputs
         grads = self._run("bwd_weight", (w_stored, w_inputs, values, self._carrier(dims)),
                           f"{inter_source}: the weight backward refused these intermediates")
         return dict(zip([g.key for g in m.grads_of(m.weights)], grads))
 
-    def _inter_dims(self, inter: "Intermediates", source: str) -> dict[str, int]:
-        """The symbolic dims an intermediates object records, checked like those of residuals."""
+    def _checked_dims(self, recorded: Mapping[str, Any], source: str, what: str, fix: str) -> dict[str, int]:
+        """The symbolic dims that residuals or intermediates (``what``) record: each >= 1, all within memory."""
         dims = {}
         for name in self.manifest.dim_vars:
-            v = inter.dims.get(name)
+            v = recorded.get(name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise VjpsplitError(f"{source}: symbolic dim {name!r} is missing or invalid in the intermediates; "
-                                    "rerun run-bwd --part input")
+                raise VjpsplitError(f"{source}: symbolic dim {name!r} is missing or invalid in the {what}; {fix}")
             dims[name] = v
         self._refuse_huge_dims(source, dims)
         return dims

@@ -185,8 +185,7 @@ def export(
     # classes live only in this closure, never in the serialized artifact.
     flat_structs, in_tree = jax.tree_util.tree_flatten(structs)
     in_impls = [leaf.prng_impl for leaf in inputs]
-    data_structs = [jax.ShapeDtypeStruct(data_struct(s).shape, data_struct(s).dtype) if is_key(s) else s
-                    for s in flat_structs]
+    data_structs = [data_struct(s) if is_key(s) else s for s in flat_structs]
     dim_vars = _dim_vars(inputs)
     wrt_pos, single = wrt_positions(names, wrt, getattr(fn, "__qualname__", ""))
     if policy == AUTO:  # the manifest records the concrete policy measured fastest

@@ -232,19 +232,24 @@ def fingerprint(manifest: Manifest, modules: Mapping[str, bytes]) -> str:
 ArgTrees = Sequence[tuple[str, Any, tuple[str, ...]]]
 
 
-def flatten_args(manifest: "Manifest", args: Sequence, source: str = "args") -> tuple[dict[str, Any], tuple]:
+def flatten_args(manifest: "Manifest | None", args: Sequence, source: str = "args",
+                 arg_names: Sequence[str] = ()) -> tuple[dict[str, Any], tuple]:
     """The caller's argument pytrees as ``{file key: array}`` plus their structure.
 
     Typed PRNG keys become their key data, after checking the impl against the
-    manifest; every refusal names the leaf by its key.
+    manifest; every refusal names the leaf by its key. Without a manifest the
+    arguments are named by ``arg_names`` and keys are not checked.
     """
-    specs = {leaf.key: leaf for leaf in manifest.inputs}
+    specs = {leaf.key: leaf for leaf in manifest.inputs} if manifest is not None else None
     flat: dict[str, Any] = {}
     trees = []
-    for name, arg in zip(manifest.arg_names, args):
+    for name, arg in zip(manifest.arg_names if manifest is not None else arg_names, args):
         entries = flatten_with_keys(name, arg)
         trees.append((name, jax.tree_util.tree_structure(arg), tuple(k for k, _ in entries)))
         for key, value in entries:
+            if specs is None:
+                flat[key] = to_data(value)
+                continue
             leaf = specs.get(key)
             if is_key(value):
                 if leaf is None or not leaf.prng_impl:

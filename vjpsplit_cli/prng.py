@@ -8,6 +8,7 @@ the impl's name, and the Python API wraps the data back into typed keys. Legacy
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -51,6 +52,7 @@ def from_data(x, impl: str | None):
     return jax.random.wrap_key_data(x, impl=impl) if impl else x
 
 
+@functools.lru_cache(maxsize=None)  # traces once per impl; asked for every key leaf of every bwd
 def key_ndim(impl: str) -> int:
     """How many trailing dims the key data of ``impl`` adds (1 for threefry and rbg)."""
     return len(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)

@@ -14,7 +14,6 @@ from .errors import VjpsplitError
 from .manifest import ArgTrees, flatten_args
 from .prng import data_struct, from_data, impl_name, is_key, to_data
 from .shapes import format_shape
-from .trees import flatten_with_keys
 from .vjp import Plan, plan_for_token
 
 
@@ -397,12 +396,7 @@ def _flat_inputs(path, inputs, arg_names, artifact=None) -> tuple[Mapping[str, A
             f"{path}: inputs must be the forward's {len(arg_names)} arguments ({', '.join(arg_names)}) "
             "as a tuple, or a flat {key: array} mapping"
         )
-    if artifact is not None:
-        return flatten_args(artifact.manifest, inputs, str(path))
-    flat = {k: to_data(v) for n, a in zip(arg_names, inputs) for k, v in flatten_with_keys(n, a)}
-    trees = tuple((n, jax.tree_util.tree_structure(a), tuple(k for k, _ in flatten_with_keys(n, a)))
-                  for n, a in zip(arg_names, inputs))
-    return flat, trees
+    return flatten_args(artifact.manifest if artifact is not None else None, inputs, str(path), arg_names)
 
 
 def _load_split_residuals(path, arrays, meta, needs, inputs) -> Residuals:
