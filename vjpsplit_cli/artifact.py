@@ -8,7 +8,6 @@ An artifact runs without the user's code: its manifest says every key, dtype and
 from __future__ import annotations
 
 import dataclasses
-import os
 import uuid
 from typing import Any, Mapping, Sequence
 
@@ -18,23 +17,17 @@ import msgpack
 import numpy as np
 from jax import export as jexport
 
-from ._io import atomic_write, read_bytes
+from .outputs import atomic_write
+from .reading import read_bytes
 from .dtypes import dtype_from_name
 from .errors import VjpsplitError, first_line
+from .system import host_memory
 from .manifest import MAGIC, MODULES, ArgTrees, Leaf, Manifest, check_array, check_keys, fingerprint, flatten_args
 from .prng import from_data, to_data
 from .residuals import Intermediates, Residuals
 from .shapes import concrete_shape
 from .sharding import host_mesh, named, place
 from .trees import decode_structure, flatten_with_keys, structure_keys
-
-def _host_memory() -> int:
-    """Physical memory in bytes (2**63 where the platform does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 2**63
-
 
 def _current_platform() -> str:
     d = jax.devices()[0]
@@ -67,6 +60,8 @@ class Artifact:
         self._devices: tuple | None = None  # a sharded artifact's device group; None: this host's first devices
         self._mesh = None
         self._siblings: dict[tuple, "Artifact"] = {}
+        # How export chose the manifest's policy (auto's measurements, a budget's pick); None when loaded.
+        self.policy_choice = None
 
     def on_devices(self, devices) -> "Artifact":
         """This artifact running on ``devices`` (exactly ``nr_devices`` of them, in mesh order).
@@ -251,7 +246,7 @@ class Artifact:
             shape = concrete_shape(leaf.shape, dims)
             if shape is not None:
                 total += int(np.prod(shape, dtype=object)) * dtype_from_name(leaf.dtype).itemsize
-        limit = _host_memory()
+        limit = host_memory()
         if total > limit:
             bound = ", ".join(f"{k}={v}" for k, v in dims.items())
             raise VjpsplitError(
@@ -286,6 +281,11 @@ class Artifact:
         except (ValueError, TypeError) as e:
             raise VjpsplitError(f"{refused}: {first_line(e)}") from e
         except Exception as e:
+            if "RESOURCE_EXHAUSTED" in str(e):
+                # The sizes come from the caller's arrays or a file's recorded dims: name that source.
+                raise VjpsplitError(f"{refused}: this host ran out of memory running the {module} module "
+                                    f"({first_line(e)[:120]}); check the sizes (the dims a file records), or use a "
+                                    "host with more memory") from e
             if "Failed to deserialize StableHLO" not in str(e):
                 raise
             m = self.manifest

@@ -2,7 +2,7 @@
 
 Every failure the user can fix is one line ``error: …`` on stderr and exit 1
 (usage mistakes: exit 2); tracebacks only with ``--debug``. Every command checks
-its outputs before any work and replaces them all or none (``_io.StagedOutputs``).
+its outputs before any work and replaces them all or none (``outputs.StagedOutputs``).
 """
 
 from __future__ import annotations
@@ -16,15 +16,18 @@ import traceback
 
 import click
 
-from ._io import Interrupted, StagedOutputs, UsageError, os_error_message, outputs_committed, printable
-from .errors import VjpsplitError
+from .outputs import StagedOutputs, UsageError
+from .reading import os_error_message
+from .signals import Interrupted, outputs_committed
+from .terminal import printable
+from .errors import VjpsplitError, one_line
 
 _EXISTING = click.Path(dir_okay=True, path_type=str)  # existence is checked by our loaders, with our message
 _ARRAY_SUFFIXES = (".npz", ".msgpack")
 
 
 class CliError(click.ClickException):
-    """Printed as ``error: <message>`` (SPEC.md's form), exit 1; control characters escaped."""
+    """Printed as ``error: <message>`` (docs/contract.md's form), exit 1; control characters escaped."""
 
     exit_code = 1
 
@@ -74,7 +77,7 @@ class _ShapeSpec(click.ParamType):
         if not eq or not name.strip() or not spec.strip():
             self.fail(f"{printable(value)!r} is not NAME=SPEC; write e.g. x=f32[b,784]", param, ctx)
         spec = spec.strip()
-        if not spec.startswith("@") and not spec.endswith(_ARRAY_SUFFIXES):
+        if not spec.startswith("@") and not spec.lower().endswith(_ARRAY_SUFFIXES):
             from .shapes import new_scope, parse_array_spec
 
             try:
@@ -85,7 +88,7 @@ class _ShapeSpec(click.ParamType):
 
 
 class _AtSizes(click.ParamType):
-    """``NAME=SIZE[,NAME=SIZE]`` for --at; sizes are ASCII integers from 1 to 2**62."""
+    """``NAME=SIZE[,NAME=SIZE]`` for --at; sizes are ASCII integers from 1 to 2**40."""
 
     name = "NAME=SIZE"
 
@@ -150,14 +153,9 @@ def _subject(kwargs) -> str:
     return str(kwargs.get("artifact") or kwargs.get("target") or "vjpsplit")
 
 
-def _one_line(e: BaseException, limit: int = 160) -> str:
-    text = " ".join(str(e).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _unexpected(command: str, kwargs, e: Exception) -> str:
     """One line for an exception nothing mapped: name the artifact or function and say what to try."""
-    what = f"{type(e).__name__} {_one_line(e)}".strip()
+    what = f"{type(e).__name__} {one_line(e, 160)}".strip()
     if isinstance(e, ImportError):  # user modules are imported by specs.load_object, which says so itself
         return (f"{_subject(kwargs)}: {command} could not load a part of vjpsplit or of JAX ({what}); "
                 "reinstall vjpsplit and its dependencies, or rerun with --debug for the traceback")
@@ -318,24 +316,14 @@ def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, a
             raise VjpsplitError(f"{target} is not callable; point MODULE:FN at a function")
         names, specs = resolve_shapes(fn, shapes)
         _enable_x64_if(_wants_x64(specs))
-        auto = None
-        if policy == "auto":
-            from .policies import choose_auto
-            from .vjp import wrt_positions
-
-            auto = choose_auto(fn, *specs, wrt=wrt_positions(names, _names(wrt))[0], has_aux=has_aux,
-                               at=parse_at(at), memory_budget=memory_budget)
-            policy, memory_budget = auto.policy, None
         art = export(fn, *specs, wrt=_names(wrt), has_aux=has_aux, platforms=platforms,
-                     policy=None if memory_budget is not None else policy,
+                     policy=None if memory_budget is not None and policy != "auto" else policy,
                      arg_names=names, name=name, memory_budget=memory_budget, at=parse_at(at),
                      weights=_names(weights))
         out.write("-o", art.save)
     m = art.manifest
-    if auto is not None:
-        _log(auto.reason)
-    elif memory_budget is not None:
-        _log(f"memory budget {memory_budget}: chose policy {m.policy}")
+    if art.policy_choice.reason:  # auto's measurements, or the budget's pick
+        _log(art.policy_choice.reason)
     _log(f"wrote {output}: {m.function}, {len(m.inputs)} inputs, {len(m.residuals)} residuals "
          f"({sum(r.input_backed for r in m.residuals)} input-backed), platforms {','.join(m.platforms)}")
 
@@ -356,7 +344,7 @@ def _shape_files(shapes) -> list[str]:
         spec = str(item).partition("=")[2].strip()
         if spec.startswith("@"):
             files += _module_files(spec[1:])
-        elif spec.endswith(_ARRAY_SUFFIXES):
+        elif spec.lower().endswith(_ARRAY_SUFFIXES):
             files.append(spec)
     return files
 
@@ -380,7 +368,7 @@ def _load_artifact(path, *, x64: bool = True):
     except (VjpsplitError, MemoryError, OSError):
         raise
     except Exception as e:  # e.g. a hand-edited manifest whose fingerprint was recomputed
-        raise VjpsplitError(f"{path}: the artifact's manifest is malformed ({type(e).__name__} {_one_line(e, 80)}); "
+        raise VjpsplitError(f"{path}: the artifact's manifest is malformed ({type(e).__name__} {one_line(e, 80)}); "
                             "re-export it with vjpsplit export") from e
     if x64:
         # Read the manifest's x64 flag before jax touches any array.
@@ -412,7 +400,7 @@ _fsync_option = click.option(
 @_command
 def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contained, fsync):
     """Run the forward: inputs -> outputs and residuals."""
-    from .arrays import load_arrays, save_arrays
+    from .files import load_arrays, save_arrays
     from .residuals import save_residuals
 
     with StagedOutputs({"--residuals": residuals_path, "--outputs": outputs_path},
@@ -452,7 +440,7 @@ def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contai
 def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_path, part, inter_path, no_verify,
                 fsync):
     """Run the backward: residuals (+ cotangents) -> gradients, without the forward."""
-    from .arrays import load_arrays, save_arrays
+    from .files import load_arrays, save_arrays
     from .manifest import check_keys
     from .residuals import load_residuals
 
@@ -551,7 +539,7 @@ def plan_cmd(target, shapes, wrt, has_aux, at, policies, memory_budget, as_json)
     chosen = [p.strip() for p in (policies.split(";") if "names:" in policies else policies.split(",")) if p.strip()]
     auto = None
     if "auto" in chosen:
-        from .policies import choose_auto
+        from .choice import choose_auto
         from .vjp import wrt_positions
 
         chosen = [p for p in chosen if p != "auto"]

@@ -12,6 +12,12 @@ class VjpsplitError(ValueError):
     """
 
 
+def one_line(e: BaseException, limit: int = 200) -> str:
+    """The message of ``e`` on one line (white space folded), cut at ``limit`` characters."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def first_line(e: BaseException) -> str:
     """``TypeError: <first line of the message>``: how a foreign exception is quoted in one-line errors."""
     text = str(e).strip().splitlines()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from ._io import printable
+from .terminal import printable
 from .artifact import Artifact
 from .manifest import Leaf
 from .policies import byte_terms, evaluate_terms, format_bytes_terms, human_bytes, total_bytes
@@ -12,7 +12,7 @@ from .sharding import format_spec
 
 
 def describe(art: Artifact, at: Mapping[str, int] | None = None) -> dict:
-    """The ``inspect --json`` object (SPEC.md's keys, plus a few more); ``at`` sizes symbolic dims."""
+    """The ``inspect --json`` object (docs/contract.md's keys, plus a few more); ``at`` sizes symbolic dims."""
     m = art.manifest
     stored = total_bytes(m.stored_residuals)
     extra = {"at": dict(at), "stored_residual_bytes_at": evaluate_terms(stored, at)} if at else {}

@@ -13,7 +13,7 @@ from .files import load_arrays, save_arrays
 from .errors import VjpsplitError
 from .manifest import ArgTrees, flatten_args
 from .prng import data_struct, from_data, impl_name, is_key, to_data
-from .shapes import format_shape
+from .shapes import MAX_DIM, format_shape
 from .sharding import format_spec, spec_from_json, spec_of
 from .vjp import Plan, plan_for_token
 
@@ -152,7 +152,6 @@ def _verify(path, arrays: Mapping[str, Any], meta: Mapping) -> None:
             )
 
 
-_MAX_DIM = 2**40  # no real dim is larger; bigger recorded sizes are corruption
 
 
 def _is_str_list(v) -> bool:
@@ -161,7 +160,7 @@ def _is_str_list(v) -> bool:
 
 def _is_dims(v) -> bool:
     return isinstance(v, dict) and all(
-        isinstance(k, str) and isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= _MAX_DIM
+        isinstance(k, str) and isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= MAX_DIM
         for k, x in v.items())
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
 import os
 import sys
 from pathlib import Path
@@ -13,8 +12,10 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from ._io import UsageError, open_for_read  # UsageError: the CLI exits 2 for it; re-exported here
-from .arrays import load_arrays
+from .outputs import UsageError  # the CLI exits 2 for it; re-exported here
+from .reading import open_for_read
+from .files import load_arrays
+from .vjp import signature_positionals
 from .errors import VjpsplitError
 from .shapes import new_scope, parse_array_spec, to_struct
 from .trees import unflatten_keys
@@ -67,17 +68,11 @@ def load_object(target: str, label: str = "FN") -> tuple[Any, str]:
 def parameter_names(fn: Callable) -> tuple[list[str], int]:
     """Positional parameter names of ``fn`` and how many of them are required."""
     try:
-        sig = inspect.signature(fn)
+        names, required, var = signature_positionals(fn)
     except (TypeError, ValueError) as e:
         raise VjpsplitError(f"cannot read the signature of {fn!r}; wrap it in a def with named parameters") from e
-    names, required = [], 0
-    for p in sig.parameters.values():
-        if p.kind == p.VAR_POSITIONAL:
-            raise UsageError(f"{fn.__name__} takes *{p.name}; --shapes needs named parameters, so wrap it in a def")
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            names.append(p.name)
-            if p.default is p.empty:
-                required = len(names)
+    if var is not None:
+        raise UsageError(f"{fn.__name__} takes *{var}; --shapes needs named parameters, so wrap it in a def")
     return names, required
 
 
@@ -116,7 +111,7 @@ def parse_spec(name: str, text: str, scope) -> Any:
             return jax.tree_util.tree_map(to_struct, obj)
         except VjpsplitError as e:
             raise VjpsplitError(f"--shapes {name}=@{where}: {e}") from e
-    if text.endswith((".npz", ".msgpack")):
+    if text.lower().endswith((".npz", ".msgpack")):  # as load_arrays reads them: any case
         arrays, _ = load_arrays(text)
         mine = {k: v for k, v in arrays.items() if k == name or k.startswith(name + "/")}
         if mine:
