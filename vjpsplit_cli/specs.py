@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -136,3 +137,44 @@ def parse_spec(name: str, text: str, scope) -> Any:
         return parse_array_spec(text, scope)
     except VjpsplitError as e:
         raise UsageError(f"--shapes {name}={text}: {e}") from e
+
+
+# A shape tuple: ``(783,)``, ``(c, 1)``, ``()`` (dims are ints or symbolic names).
+_TUPLE_RE = re.compile(r"\((\w+(?:, *\w+)+),?\)|\((\w+),\)|\(\)")
+_INT_RE = re.compile(r"(?<![\w.])\d+(?![\w.])")
+_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _jax_message(e: BaseException) -> str:
+    """The first line of a tracing error, shapes written as ``[783]`` rather than Python tuples ``(783,)``."""
+    lines = str(e).strip().splitlines()
+    text = lines[0] if lines else type(e).__name__
+    return _TUPLE_RE.sub(lambda m: "[" + (m.group(1) or m.group(2) or "").replace(" ", "") + "]", text)
+
+
+def check_fits(fn: Callable, target: str, names: Sequence[str], specs: tuple, shapes: Sequence[str]) -> None:
+    """Trace ``fn`` on ``specs`` (no compute); a failure names the ``--shapes`` entries it involves.
+
+    Which entries: those with a dim (a size above 1, else a symbolic name) that the
+    error message mentions; all of them when none does.
+    """
+    try:
+        jax.eval_shape(fn, *specs)
+    except VjpsplitError:
+        raise
+    except Exception as e:
+        message = _jax_message(e).rstrip(".")
+        entries = {str(s).partition("=")[0].strip(): str(s).strip() for s in shapes}
+        ints = {int(n) for n in _INT_RE.findall(message)} - {0, 1}
+        words = set(_NAME_RE.findall(message))
+        dims = {n: [d for leaf in jax.tree_util.tree_leaves(s) for d in getattr(leaf, "shape", ())]
+                for n, s in zip(names, specs)}
+        involved = [n for n in names if ints & {int(d) for d in dims[n] if isinstance(d, (int, np.integer))}]
+        if not involved:
+            involved = [n for n in names if words & {str(d) for d in dims[n] if not isinstance(d, (int, np.integer))}]
+        listed = " and ".join(entries.get(n, n) for n in involved)
+        if involved:
+            raise VjpsplitError(f"{target}: the --shapes {listed} do not fit the function ({message}); "
+                                "fix those --shapes entries") from e
+        raise VjpsplitError(f"{target}: the --shapes do not fit the function ({message}); check every --shapes "
+                            "entry against the function's parameters, or rerun with --debug for the traceback") from e
