@@ -209,3 +209,13 @@ def test_every_help_ends_with_examples_and_says_file():
         assert " PATH" not in out, name
     code, out = cli("--help")
     assert "..." not in out.split("Commands:")[1].split("\n\n")[0]
+
+
+def test_policy_auto_says_it_is_timing_before_it_waits(work, tmp_path):
+    code, out = cli("export", work / "model.py:loss", "--shapes", f"params=@{work / 'model.py'}:shapes",
+                    "--shapes", "x=f32[b,6]", "--shapes", "labels=i32[b]", "--policy", "auto", "--at", "b=8",
+                    "--platforms", "cpu", "-o", tmp_path / "a.vjps")
+    assert code == 0, out
+    lines = out.splitlines()
+    assert lines[0] == "policy auto: compiling and timing fwd+bwd of each policy at b=8 (about a second each)..."
+    assert lines[1].startswith("auto chose ")

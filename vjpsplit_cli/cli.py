@@ -357,6 +357,7 @@ def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, a
             from .policies import choose_auto
             from .vjp import wrt_positions
 
+            _log_timing(at)
             auto = choose_auto(fn, *specs, wrt=wrt_positions(names, _names(wrt))[0], has_aux=has_aux,
                                at=parse_at(at), memory_budget=memory_budget)
             policy, memory_budget = auto.policy, None
@@ -374,6 +375,12 @@ def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, a
     _log(f"wrote {output}: {m.function}, {_count(len(m.inputs), 'input')}, "
          f"{_count(len(m.residuals) - backed, 'stored residual')} and {backed} input-backed, "
          f"platforms {','.join(m.platforms)}")
+
+
+def _log_timing(at) -> None:
+    """Policy auto compiles and times every candidate: seconds each, so say so before the wait."""
+    sizes = f" at {', '.join(at)}" if at else ""
+    _log(f"policy auto: compiling and timing fwd+bwd of each policy{sizes} (about a second each)...")
 
 
 def _check_at(at, specs) -> dict[str, int]:
@@ -640,6 +647,7 @@ def plan_cmd(target, shapes, wrt, has_aux, at, policies, memory_budget, as_json)
         from .vjp import wrt_positions
 
         chosen = [p for p in chosen if p != "auto"]
+        _log_timing(at)
         auto = choose_auto(fn, *specs, wrt=wrt_positions(names, _names(wrt))[0], has_aux=has_aux, at=sizes,
                            memory_budget=memory_budget)
     costs = plan_policies(fn, *specs, wrt=_names(wrt), has_aux=has_aux, at=sizes, policies=chosen)
