@@ -219,3 +219,12 @@ def test_policy_auto_says_it_is_timing_before_it_waits(work, tmp_path):
     lines = out.splitlines()
     assert lines[0] == "policy auto: compiling and timing fwd+bwd of each policy at b=8 (about a second each)..."
     assert lines[1].startswith("auto chose ")
+
+
+def test_python_export_errors_from_tracing_carry_no_exception_type():
+    with pytest.raises(vs.VjpsplitError) as e:
+        vs.export(lambda w, x: jnp.sum(x @ w), jax.ShapeDtypeStruct((4, 3), jnp.float32),
+                  jax.ShapeDtypeStruct((2, 5), jnp.float32), platforms="cpu")
+    message = str(e.value)
+    assert message.startswith("cannot export the forward: ") and "[5]" in message and "[4]" in message, message
+    assert "Error" not in message and "(5,)" not in message and len(message.splitlines()) == 1

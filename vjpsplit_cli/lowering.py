@@ -18,7 +18,7 @@ from jax.extend import core as jcore
 from ._version import __version__
 from .artifact import Artifact
 from .dtypes import dtype_name
-from .errors import VjpsplitError, first_line
+from .errors import VjpsplitError, first_line, jax_message
 from .jaxprs import iter_eqns
 from .manifest import FORMAT_VERSION, Leaf, Manifest, fingerprint
 from .policies import AUTO, apply_policy, choose_auto, choose_policy, normalize_policy
@@ -131,7 +131,7 @@ def _lower(what: str, fn: Callable, platforms: tuple[str, ...], args: Sequence):
                     failing.append(p)
         where = f" for platform(s) {', '.join(failing)}" if failing and len(failing) < len(platforms) else ""
         hint = f"; drop them with --platforms {','.join(p for p in platforms if p not in failing)}" if where else ""
-        raise VjpsplitError(f"cannot export the {what}{where}: {first_line(e)}{hint}") from e
+        raise VjpsplitError(f"cannot export the {what}{where}: {jax_message(e)}{hint}") from e
 
 
 def export(

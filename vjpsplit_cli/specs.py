@@ -16,7 +16,7 @@ import numpy as np
 
 from ._io import UsageError, open_for_read  # UsageError: the CLI exits 2 for it; re-exported here
 from .arrays import load_arrays
-from .errors import VjpsplitError
+from .errors import VjpsplitError, jax_message
 from .shapes import new_scope, parse_array_spec, to_struct
 from .trees import unflatten_keys
 
@@ -139,17 +139,8 @@ def parse_spec(name: str, text: str, scope) -> Any:
         raise UsageError(f"--shapes {name}={text}: {e}") from e
 
 
-# A shape tuple: ``(783,)``, ``(c, 1)``, ``()`` (dims are ints or symbolic names).
-_TUPLE_RE = re.compile(r"\((\w+(?:, *\w+)+),?\)|\((\w+),\)|\(\)")
 _INT_RE = re.compile(r"(?<![\w.])\d+(?![\w.])")
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def _jax_message(e: BaseException) -> str:
-    """The first line of a tracing error, shapes written as ``[783]`` rather than Python tuples ``(783,)``."""
-    lines = str(e).strip().splitlines()
-    text = lines[0] if lines else type(e).__name__
-    return _TUPLE_RE.sub(lambda m: "[" + (m.group(1) or m.group(2) or "").replace(" ", "") + "]", text)
 
 
 def check_fits(fn: Callable, target: str, names: Sequence[str], specs: tuple, shapes: Sequence[str]) -> None:
@@ -163,7 +154,7 @@ def check_fits(fn: Callable, target: str, names: Sequence[str], specs: tuple, sh
     except VjpsplitError:
         raise
     except Exception as e:
-        message = _jax_message(e).rstrip(".")
+        message = jax_message(e)
         entries = {str(s).partition("=")[0].strip(): str(s).strip() for s in shapes}
         ints = {int(n) for n in _INT_RE.findall(message)} - {0, 1}
         words = set(_NAME_RE.findall(message))
