@@ -31,6 +31,7 @@ SECTIONS = {
     "economy": ("Residual economy (policies)", "benchmarks.economy"),
     "cli": ("CLI wall time", "benchmarks.cli"),
     "pipeline": ("Pipeline schedules on 2 workers", "benchmarks.pipeline"),
+    "sharded": ("Sharded stages on 8 CPU devices", "benchmarks.sharded"),
 }
 
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import export as jexport
 from jax.extend import core as jcore
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ._version import __version__
 from .artifact import Artifact
@@ -21,9 +22,10 @@ from .dtypes import dtype_name
 from .errors import VjpsplitError, first_line, jax_message
 from .jaxprs import iter_eqns
 from .manifest import FORMAT_VERSION, Leaf, Manifest, fingerprint
-from .policies import AUTO, apply_policy, choose_auto, choose_policy, normalize_policy
+from .policies import AUTO, apply_policy, choose_auto, choose_policy, normalize_policy, parse_at
 from .prng import data_struct, from_data, impl_name, is_key, to_data
-from .shapes import dim_str, to_struct
+from .shapes import concrete_shape, dim_str, to_struct
+from .sharding import divisibility_problem, mesh_axes, mesh_of, spec_to_json
 from .trees import encode_structure, flatten_with_keys
 from .vjp import positional_names, run_backward, trace_vjp, wrt_positions
 from .zerobubble import keep_inputs, partition
@@ -34,10 +36,12 @@ _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DIM_FUNCS = {"mod", "floordiv", "max", "min", "non_negative"}
 
 
-def _leaves_json_safe(entries, what: str = "leaf", impls: Sequence[str] | None = None) -> tuple[Leaf, ...]:
+def _leaves_json_safe(entries, what: str = "leaf", impls: Sequence[str] | None = None,
+                      specs: Sequence | None = None) -> tuple[Leaf, ...]:
     """Manifest leaves for ``(key, struct)`` pairs; typed keys become their key data.
 
-    ``impls`` gives the PRNG impl of each entry whose struct is already key data.
+    ``impls`` gives the PRNG impl of each entry whose struct is already key data;
+    ``specs`` the sharding of each (sharded artifacts).
     """
     out = []
     for i, (k, s) in enumerate(entries):
@@ -48,7 +52,8 @@ def _leaves_json_safe(entries, what: str = "leaf", impls: Sequence[str] | None =
             dtype = dtype_name(s.dtype)
         except (VjpsplitError, TypeError) as e:
             raise VjpsplitError(f"{what} '{k}': {e}; pass arrays of a numeric, bool or PRNG key dtype") from e
-        out.append(Leaf(k, dtype, tuple(dim_str(d) for d in s.shape), prng_impl=impl))
+        out.append(Leaf(k, dtype, tuple(dim_str(d) for d in s.shape), prng_impl=impl,
+                        sharding=spec_to_json(specs[i]) if specs and specs[i] is not None else None))
     return tuple(out)
 
 
@@ -108,10 +113,14 @@ def _refuse_host_callbacks(fn: Callable, structs) -> None:
         )
 
 
-def _lower(what: str, fn: Callable, platforms: tuple[str, ...], args: Sequence):
-    """``jax.export`` with errors that say what went wrong and, if one platform failed, which."""
+def _lower(what: str, fn: Callable, platforms: tuple[str, ...], args: Sequence, shardings=None):
+    """``jax.export`` with errors that say what went wrong and, if one platform failed, which.
+
+    ``shardings`` is ``(in_shardings, out_shardings)`` for a sharded artifact.
+    """
+    jit_kw = {} if shardings is None else {"in_shardings": shardings[0], "out_shardings": shardings[1]}
     try:
-        return jexport.export(jax.jit(fn), platforms=platforms)(*args)
+        return jexport.export(jax.jit(fn, **jit_kw), platforms=platforms)(*args)
     except NotImplementedError as e:
         if "host_callback" in str(e) or "callback" in str(e):
             raise VjpsplitError(
@@ -126,12 +135,63 @@ def _lower(what: str, fn: Callable, platforms: tuple[str, ...], args: Sequence):
         if len(platforms) > 1:
             for p in platforms:
                 try:
-                    jexport.export(jax.jit(fn), platforms=(p,))(*args)
+                    jexport.export(jax.jit(fn, **jit_kw), platforms=(p,))(*args)
                 except Exception:
                     failing.append(p)
         where = f" for platform(s) {', '.join(failing)}" if failing and len(failing) < len(platforms) else ""
         hint = f"; drop them with --platforms {','.join(p for p in platforms if p not in failing)}" if where else ""
         raise VjpsplitError(f"cannot export the {what}{where}: {jax_message(e)}{hint}") from e
+
+
+class _Sharded:
+    """One export's shardings: the mesh, and probes of the shardings XLA chooses for outputs.
+
+    XLA picks the layout of values that no spec fixes (residuals, intermediates)
+    when it compiles. A probe lowers the module for this host's platform with
+    those outputs unspecified, compiles it at concrete sizes (symbolic dims from
+    ``at``, else a multiple of the device count, which every mesh axis divides)
+    and reads what XLA chose; the real export then fixes exactly that, so the
+    backward takes residuals as the forward leaves them.
+    """
+
+    def __init__(self, mesh, dim_vars: Sequence[str], at):
+        self.mesh = mesh
+        self.axes = mesh_axes(mesh)
+        self.nr_devices = int(mesh.devices.size)
+        given = parse_at(at)
+        self.probe_dims = {n: given.get(n, 4 * self.nr_devices) for n in dim_vars}
+        d = jax.devices()[0]
+        self.platform = "cuda" if d.platform == "gpu" else d.platform
+
+    def shardings(self, specs):
+        """NamedShardings for a pytree of PartitionSpecs (``None``, unspecified, stays None)."""
+        return jax.tree_util.tree_map(lambda sp: None if sp is None else NamedSharding(self.mesh, sp), specs,
+                                      is_leaf=_is_spec)
+
+    def probe(self, what: str, fn: Callable, args, in_specs, out_specs) -> list:
+        """The spec of every output of ``fn``: ``out_specs``'s where given, XLA's choice where None."""
+        exp = _lower(what, fn, (self.platform,), args, (self.shardings(in_specs), self.shardings(out_specs)))
+        flat_args = jax.tree_util.tree_leaves(args)
+        flat_specs = jax.tree_util.tree_leaves(in_specs, is_leaf=_is_spec)
+        concrete = []
+        for a, sp in zip(flat_args, flat_specs):
+            shape = concrete_shape(tuple(dim_str(d) for d in a.shape), self.probe_dims)
+            if shape is None:
+                raise VjpsplitError(f"cannot size {format_struct(a)} to find the shardings XLA picks for the {what}; "
+                                    f"pass at= (--at NAME=SIZE) for {', '.join(self.probe_dims) or 'its dims'}")
+            concrete.append(jax.ShapeDtypeStruct(shape, a.dtype, sharding=NamedSharding(self.mesh, sp)))
+        tree = jax.tree_util.tree_structure(args)
+        compiled = jax.jit(exp.call).lower(*jax.tree_util.tree_unflatten(tree, concrete)).compile()
+        return [o.spec if isinstance(o, NamedSharding) else None
+                for o in jax.tree_util.tree_leaves(compiled.output_shardings)]
+
+
+def _is_spec(x) -> bool:
+    return x is None or isinstance(x, PartitionSpec)
+
+
+def format_struct(a) -> str:
+    return f"{a.dtype}[{','.join(str(d) for d in a.shape)}]"
 
 
 def export(
@@ -195,6 +255,17 @@ def export(
     policy = normalize_policy(policy)
     inner = apply_policy(fn, policy)
     _refuse_host_callbacks(fn, structs)
+    mesh = mesh_of([getattr(st, "sharding", None) for st in flat_structs])
+    sh = _Sharded(mesh, dim_vars, at) if mesh is not None else None
+    in_specs = None
+    if sh is not None:
+        in_specs = [st.sharding.spec if st.sharding is not None else PartitionSpec() for st in flat_structs]
+        sizes = dict(sh.axes)
+        for leaf, st, spec in zip(inputs, data_structs, in_specs):
+            problem = divisibility_problem(f"input '{leaf.key}'", st.shape, spec_to_json(spec), sizes)
+            if problem:
+                raise VjpsplitError(problem)
+        inputs = tuple(dataclasses.replace(leaf, sharding=spec_to_json(spec)) for leaf, spec in zip(inputs, in_specs))
 
     captured: dict[str, Any] = {}
 
@@ -212,7 +283,13 @@ def export(
             tuple(to_data(x) for x in aux_leaves),
         )
 
-    fwd_exp = _lower("forward", fwd_flat, platforms, data_structs)
+    fwd_sh = out_specs = stored_specs = aux_specs = None
+    if sh is not None:
+        chosen = sh.probe("forward", fwd_flat, data_structs, in_specs, None)
+        n_out, n_st = len(captured["plan"].out_avals), captured["plan"].n_stored
+        out_specs, stored_specs, aux_specs = chosen[:n_out], chosen[n_out:n_out + n_st], chosen[n_out + n_st:]
+        fwd_sh = (sh.shardings(in_specs), sh.shardings((tuple(out_specs), tuple(stored_specs), tuple(aux_specs))))
+    fwd_exp = _lower("forward", fwd_flat, platforms, data_structs, fwd_sh)
     plan = captured["plan"]
     stored_impls = captured["stored_impls"]
     n_out, n_stored = len(plan.out_avals), plan.n_stored
@@ -234,7 +311,14 @@ def export(
         inputs_ = [from_data(x, i) for x, i in zip(inputs_, input_backed_impls)]
         return run_backward(plan, stored, inputs_, cts)
 
-    bwd_exp = _lower("backward", bwd_flat, platforms, (stored_avals, input_backed, ct_avals, carrier))
+    bwd_args = (stored_avals, input_backed, ct_avals, carrier)
+    bwd_in_specs = grad_specs = None
+    if sh is not None:
+        bwd_in_specs = (list(stored_specs), [in_specs[k] for k in plan.input_backed],
+                        [out_specs[i] for i in plan.out_diff], PartitionSpec() if carrier is not None else None)
+        grad_specs = [in_specs[k] for k in plan.diff_leaves]  # gradients sharded like their arguments
+    bwd_exp = _lower("backward", bwd_flat, platforms, bwd_args,
+                     None if sh is None else (sh.shardings(bwd_in_specs), sh.shardings(tuple(grad_specs))))
 
     out_keys = [k for k, _ in flatten_with_keys("out", captured["out"])]
     aux_keys = [k for k, _ in flatten_with_keys("aux", captured["aux"])]
@@ -257,8 +341,10 @@ def export(
         dim_vars=dim_vars,
         inputs=inputs,
         outputs=_leaves_json_safe(list(zip(out_keys, out_structs)) + list(zip(aux_keys, aux_avals)), "output",
-                                  captured["out_impls"] + captured["aux_impls"]),
-        residuals=_leaves_json_safe([(f"r/{i}", a) for i, a in enumerate(stored_avals)], "residual", stored_impls)
+                                  captured["out_impls"] + captured["aux_impls"],
+                                  None if sh is None else out_specs + aux_specs),
+        residuals=_leaves_json_safe([(f"r/{i}", a) for i, a in enumerate(stored_avals)], "residual", stored_impls,
+                                    stored_specs)
         + tuple(dataclasses.replace(inputs[k], key=f"in/{input_keys[k]}", input_backed=True) for k in plan.input_backed),
         grads=grads,
         structure={
@@ -266,6 +352,8 @@ def export(
             "out": encode_structure(captured["out"], "out"),
             "aux": encode_structure(captured["aux"], "aux"),
         },
+        nr_devices=1 if sh is None else sh.nr_devices,
+        mesh=() if sh is None else sh.axes,
     )
     exps = {"fwd": fwd_exp, "bwd": bwd_exp}
     if weights:
@@ -274,7 +362,8 @@ def export(
         if bad:
             raise VjpsplitError(f"weights {', '.join(bad)} are not differentiated arguments ({', '.join(manifest.wrt)})")
         exps["bwd_input"], exps["bwd_weight"], inter, w_st, w_ib = _export_split_backward(
-            plan, manifest, weight_names, bwd_flat, stored_avals, input_backed, ct_avals, carrier, platforms)
+            plan, manifest, weight_names, bwd_flat, stored_avals, input_backed, ct_avals, carrier, platforms,
+            sh, bwd_in_specs, grad_specs)
         backed = [r.key[3:] for r in manifest.residuals if r.input_backed]
         manifest = dataclasses.replace(manifest, weights=weight_names, intermediates=inter,
                                        weight_residuals=tuple(f"r/{i}" for i in w_st),
@@ -285,7 +374,7 @@ def export(
 
 
 def _export_split_backward(plan, manifest, weight_names, bwd_flat, stored_avals, input_backed, ct_avals, carrier,
-                           platforms):
+                           platforms, sh=None, bwd_in_specs=None, grad_specs=None):
     """Lower the zero-bubble halves of the backward.
 
     Returns ``(bwd_input, bwd_weight, intermediate leaves, weight's stored residual
@@ -313,11 +402,24 @@ def _export_split_backward(plan, manifest, weight_names, bwd_flat, stored_avals,
     def bwd_weight(w_stored, w_inputs, inter, carrier_):
         return tuple(weight_fn(*w_stored, *w_inputs, *inter))
 
-    in_exp = _lower("input part of the backward", bwd_input, platforms, (stored_avals, input_backed, ct_avals, carrier))
+    in_args = (stored_avals, input_backed, ct_avals, carrier)
+    in_sh = w_sh = inter_specs = None
+    if sh is not None:
+        weight_set = set(weight_outs)
+        in_grad_specs = [sp for i, sp in enumerate(grad_specs) if i not in weight_set]
+        chosen = sh.probe("input part of the backward", bwd_input, in_args, bwd_in_specs,
+                          (tuple(in_grad_specs), None))
+        inter_specs = chosen[n_in_grads:]
+        in_sh = (sh.shardings(bwd_in_specs), sh.shardings((tuple(in_grad_specs), tuple(inter_specs))))
+        st_specs, ib_specs, _, carrier_spec = bwd_in_specs
+        w_sh = (sh.shardings(([st_specs[i] for i in w_st], [ib_specs[j] for j in w_ib], list(inter_specs),
+                              carrier_spec)),
+                sh.shardings(tuple(grad_specs[i] for i in weight_outs)))
+    in_exp = _lower("input part of the backward", bwd_input, platforms, in_args, in_sh)
     inter_avals = list(in_exp.out_avals[n_in_grads:])
     w_exp = _lower("weight part of the backward", bwd_weight, platforms,
-                   ([stored_avals[i] for i in w_st], [input_backed[j] for j in w_ib], inter_avals, carrier))
-    inter = _leaves_json_safe([(f"c/{i}", a) for i, a in enumerate(inter_avals)])
+                   ([stored_avals[i] for i in w_st], [input_backed[j] for j in w_ib], inter_avals, carrier), w_sh)
+    inter = _leaves_json_safe([(f"c/{i}", a) for i, a in enumerate(inter_avals)], specs=inter_specs)
     return in_exp, w_exp, inter, w_st, w_ib
 
 

@@ -8,6 +8,7 @@ from ._io import printable
 from .artifact import Artifact
 from .manifest import Leaf
 from .policies import byte_terms, evaluate_terms, format_bytes_terms, human_bytes, total_bytes
+from .sharding import format_spec
 
 
 def describe(art: Artifact, at: Mapping[str, int] | None = None) -> dict:
@@ -15,17 +16,24 @@ def describe(art: Artifact, at: Mapping[str, int] | None = None) -> dict:
     m = art.manifest
     stored = total_bytes(m.stored_residuals)
     extra = {"at": dict(at), "stored_residual_bytes_at": evaluate_terms(stored, at)} if at else {}
+
+    def leaves(items, residual=False):
+        # Every leaf says its sharding: its PartitionSpec as a list, null where unspecified.
+        return [{**leaf.to_json(residual=residual), "sharding": leaf.to_json().get("sharding")} for leaf in items]
+
     return {
         "function": m.function,
         "arg_names": list(m.arg_names),
         "wrt": list(m.wrt),
         "has_aux": m.has_aux,
         "dim_vars": list(m.dim_vars),
-        "inputs": [leaf.to_json() for leaf in m.inputs],
-        "outputs": [leaf.to_json() for leaf in m.outputs],
-        "residuals": [leaf.to_json(residual=True) for leaf in m.residuals],
-        "grads": [leaf.to_json() for leaf in m.grads],
+        "inputs": leaves(m.inputs),
+        "outputs": leaves(m.outputs),
+        "residuals": leaves(m.residuals, residual=True),
+        "grads": leaves(m.grads),
         "platforms": list(m.platforms),
+        "nr_devices": m.nr_devices,
+        "mesh": {name: size for name, size in m.mesh} or None,
         "policy": m.policy,
         "fingerprint": m.fingerprint,
         "versions": {
@@ -36,14 +44,15 @@ def describe(art: Artifact, at: Mapping[str, int] | None = None) -> dict:
         },
         "stored_residual_bytes": format_bytes_terms(stored),
         "weights": list(m.weights),
-        "intermediates": [leaf.to_json() for leaf in m.intermediates],
+        "intermediates": leaves(m.intermediates),
         **extra,
     }
 
 
-def _rows(title: str, leaves: Sequence[Leaf], residual: bool = False) -> list[str]:
+def _rows(title: str, leaves: Sequence[Leaf], residual: bool = False, sharded: bool = False) -> list[str]:
     if not leaves:
         return [f"{title}: (none)"]
+    spec_width = max(len(format_spec(leaf.sharding)) for leaf in leaves) if sharded else 0
     width = max(len(leaf.key) for leaf in leaves)
     shape_width = max(24, *(len(leaf.describe()) for leaf in leaves))
     lines = [f"{title}:"]
@@ -52,7 +61,8 @@ def _rows(title: str, leaves: Sequence[Leaf], residual: bool = False) -> list[st
         note = ""
         if residual:
             note = "  input-backed (not stored)" if leaf.input_backed else "  stored"
-        lines.append(f"  {leaf.key:<{width}}  {leaf.describe():<{shape_width}} {size:>14}{note}")
+        spec = f"  {format_spec(leaf.sharding):<{spec_width}}" if sharded else ""
+        lines.append(f"  {leaf.key:<{width}}  {leaf.describe():<{shape_width}}{spec} {size:>14}{note}")
     return lines
 
 
@@ -83,20 +93,22 @@ def format_table(art: Artifact, at: Mapping[str, int] | None = None) -> str:
         f"arguments    {', '.join(m.arg_names)}   (wrt: {_wrt(m)})",
         f"symbolic     {', '.join(m.dim_vars) or '(none)'}",
         f"platforms    {', '.join(m.platforms)}",
+        *([f"devices      {m.nr_devices} (mesh {', '.join(f'{n}={k}' for n, k in m.mesh)}; "
+           "sizes are global, shardings are PartitionSpecs)"] if m.sharded else []),
         f"policy       {m.policy}",
         f"has_aux      {m.has_aux}",
         f"fingerprint  {m.fingerprint}",
         f"versions     format {m.format_version}, vjpsplit {m.vjpsplit_version}, jax {m.jax_version}, "
         f"calling convention {m.calling_convention_version}",
         "",
-        *_rows("inputs", m.inputs),
-        *_rows("outputs", m.outputs),
-        *_rows("residuals", m.residuals, residual=True),
+        *_rows("inputs", m.inputs, sharded=m.sharded),
+        *_rows("outputs", m.outputs, sharded=m.sharded),
+        *_rows("residuals", m.residuals, residual=True, sharded=m.sharded),
         f"  stored total: {format_bytes_terms(stored)}{at_note}"
         f"  (input-backed, not stored: {format_bytes_terms(total_bytes([r for r in m.residuals if r.input_backed]))})",
-        *_rows("grads", m.grads),
+        *_rows("grads", m.grads, sharded=m.sharded),
         *([f"split backward: weights {', '.join(m.weights)} (bwd_input -> intermediates -> bwd_weight)",
-           *_rows("intermediates", m.intermediates)] if m.weights else []),
+           *_rows("intermediates", m.intermediates, sharded=m.sharded)] if m.weights else []),
     ]
     # Keys and names come from the file: a newline or escape code in one must not reach the terminal raw.
     return "\n".join(printable(line) for line in lines)

@@ -14,6 +14,7 @@ from .errors import VjpsplitError
 from .manifest import ArgTrees, flatten_args
 from .prng import data_struct, from_data, impl_name, is_key, to_data
 from .shapes import format_shape
+from .sharding import format_spec, spec_from_json, spec_of
 from .vjp import Plan, plan_for_token
 
 
@@ -181,19 +182,34 @@ def _is_shapes(v) -> bool:
         for k, x in v.items())
 
 
+def _is_shardings(v) -> bool:
+    if not isinstance(v, dict):
+        return False
+    try:
+        for k, spec in v.items():
+            if not isinstance(k, str):
+                return False
+            spec_from_json(spec)
+    except ValueError:
+        return False
+    return True
+
+
 # What each kind of file's metadata holds: field -> (check, required). Files are
 # data from elsewhere: every field is checked before it is used.
 _SCHEMA = {
     KIND_ARTIFACT: {"fingerprint": (lambda v: isinstance(v, str), True), "arg_names": (_is_str_list, True),
                     "dims": (_is_dims, True), "needs_inputs": (_is_str_list, False),
                     "self_contained": (lambda v: isinstance(v, bool), False), "residuals_id": (lambda v: isinstance(v, str), False),
-                    "input_crc32": (_is_crcs, False), "input_shapes": (_is_shapes, False)},
+                    "input_crc32": (_is_crcs, False), "input_shapes": (_is_shapes, False),
+                    "shardings": (_is_shardings, False)},
     KIND_SPLIT: {"token": (lambda v: isinstance(v, str), True), "pid": (lambda v: isinstance(v, int), False),
                  "needs_inputs": (_is_str_list, False), "self_contained": (lambda v: isinstance(v, bool), False),
                  "input_crc32": (_is_crcs, False), "input_shapes": (_is_shapes, False)},
     KIND_INTERMEDIATES: {"fingerprint": (lambda v: isinstance(v, str), True), "dims": (_is_dims, True),
                          "residuals_id": (lambda v: isinstance(v, str), False), "arg_names": (_is_str_list, False),
-                         "needs_inputs": (_is_str_list, False), "input_crc32": (_is_crcs, False)},
+                         "needs_inputs": (_is_str_list, False), "input_crc32": (_is_crcs, False),
+                         "shardings": (_is_shardings, False)},
 }
 
 
@@ -235,7 +251,8 @@ def save_intermediates(path: str | os.PathLike, inter: Intermediates, *, self_co
     meta = {"kind": KIND_INTERMEDIATES, "fingerprint": inter.fingerprint, "dims": dict(inter.dims),
             "residuals_id": inter.residuals_id, "arg_names": list(arg_names),
             "needs_inputs": [] if self_contained else sorted(inter.inputs),
-            "input_crc32": {} if self_contained else {k: input_crc32(v) for k, v in inter.inputs.items()}}
+            "input_crc32": {} if self_contained else {k: input_crc32(v) for k, v in inter.inputs.items()},
+            **_shardings_meta({**inter.arrays, **inter.stored})}
     _save_checked(path, arrays, meta, fsync)
 
 
@@ -254,7 +271,7 @@ def load_intermediates(path: str | os.PathLike, inputs=None, *, artifact=None, i
         raise VjpsplitError(f"{path}: not an intermediates file; pass the --intermediates file of run-bwd --part input")
     _check_meta(path, meta, KIND_INTERMEDIATES, "rerun run-bwd --part input")
     fingerprint, dims = meta["fingerprint"], meta["dims"]
-    _refuse_other_artifact(path, "intermediates", fingerprint, artifact, "run this artifact's input part first")
+    _refuse_other_artifact(path, "intermediates", fingerprint, artifact, "run this artifact's input part first", meta)
     computed = {k: v for k, v in arrays.items() if k.startswith("c/")}
     stored = {k: v for k, v in arrays.items() if k.startswith("r/")}
     given = {k[3:]: v for k, v in arrays.items() if k.startswith("in/")}
@@ -276,13 +293,46 @@ def load_intermediates(path: str | os.PathLike, inputs=None, *, artifact=None, i
     return Intermediates(computed, dims, fingerprint, meta.get("residuals_id", "") if verify else "", stored, given)
 
 
-def _refuse_other_artifact(path, what: str, fingerprint, artifact, fix: str) -> None:
-    """A file tied to one artifact must not feed another: say so before anything else."""
-    if artifact is not None and fingerprint != artifact.manifest.fingerprint:
+def _refuse_other_artifact(path, what: str, fingerprint, artifact, fix: str, meta: Mapping | None = None) -> None:
+    """A file tied to one artifact must not feed another: say so before anything else.
+
+    Arrays saved from a sharded run record their shardings; one that differs from
+    what the artifact expects is named, whether or not the fingerprints match.
+    """
+    if artifact is None:
+        return
+    differs = _sharding_difference(meta or {}, artifact.manifest)
+    if fingerprint != artifact.manifest.fingerprint:
         raise VjpsplitError(
             f"{path}: these {what} were written by another artifact (fingerprint {str(fingerprint)[:12]}, "
-            f"{artifact.source} is {artifact.manifest.fingerprint[:12]}); {fix}"
+            f"{artifact.source} is {artifact.manifest.fingerprint[:12]}{'; ' + differs if differs else ''}); {fix}"
         )
+    if differs:
+        raise VjpsplitError(f"{path}: these {what} were saved from another sharding ({differs}); {fix}")
+
+
+def _shardings_meta(arrays: Mapping[str, Any]) -> dict:
+    """``{"shardings": {key: spec}}`` for the arrays laid out over several devices; ``{}`` when none is."""
+    out = {k: list(spec) for k, v in arrays.items() if (spec := spec_of(v)) is not None}
+    return {"shardings": {k: [list(e) if isinstance(e, tuple) else e for e in sp] for k, sp in out.items()}} if out else {}
+
+
+def _sharding_difference(meta: Mapping, manifest) -> str:
+    """The first array whose recorded sharding is not the manifest's, described; "" when all agree.
+
+    Files from one-device runs record none: nothing to compare, they are placed when the backward runs.
+    """
+    recorded = meta.get("shardings")
+    if not isinstance(recorded, dict):
+        return ""
+    leaves = {leaf.key: leaf for leaf in (*manifest.residuals, *manifest.intermediates) if not leaf.input_backed}
+    for key, spec in recorded.items():
+        leaf = leaves.get(key)
+        want = (leaf.sharding or ()) if leaf is not None and manifest.sharded else ()
+        have = spec_from_json(spec)
+        if have != want:
+            return f"'{key}' was saved with sharding {format_spec(have)}, the artifact expects {format_spec(want)}"
+    return ""
 
 
 def save_residuals(path: str | os.PathLike, res, *, self_contained: bool = False, fsync: bool = False) -> None:
@@ -308,6 +358,7 @@ def save_residuals(path: str | os.PathLike, res, *, self_contained: bool = False
             "self_contained": bool(self_contained),
             "residuals_id": res.residuals_id,
             **_binding(res),
+            **_shardings_meta(res.stored),
         }
     else:  # split's: keys r/i and flat argument positions
         arrays = {k: np.asarray(to_data(v)) for k, v in res.stored.items()}
@@ -347,7 +398,7 @@ def load_residuals(path: str | os.PathLike, inputs=None, *, artifact=None, input
     kind = meta.get("kind")
     if kind == KIND_ARTIFACT:
         _refuse_other_artifact(path, "residuals", meta.get("fingerprint"), artifact,
-                               "run this artifact's forward to make matching residuals")
+                               "run this artifact's forward to make matching residuals", meta)
     if kind in (KIND_ARTIFACT, KIND_SPLIT):
         _check_meta(path, meta, kind, "rerun the forward")
     needs = meta.get("needs_inputs", [])

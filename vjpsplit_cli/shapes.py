@@ -8,6 +8,7 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 from jax import export as jexport
+from jax.sharding import NamedSharding
 
 from .dtypes import dtype_from_name, short_name
 from .errors import VjpsplitError
@@ -136,7 +137,11 @@ def to_struct(leaf) -> jax.ShapeDtypeStruct:
     if isinstance(leaf, jax.ShapeDtypeStruct):
         return leaf
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-        return jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype)
+        # A jax.Array laid out over a mesh exports with that layout, as a spec with it would.
+        sharding = getattr(leaf, "sharding", None)
+        if not isinstance(sharding, NamedSharding) or len(sharding.device_set) < 2:
+            sharding = None
+        return jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype, sharding=sharding)
     if isinstance(leaf, (bool, int, float, complex, np.generic)):
         a = np.asarray(leaf)
         if a.dtype == np.float64:
