@@ -601,7 +601,8 @@ def inspect_cmd(artifact, as_json, at):
               help="Which file: the inputs of run-fwd, or the cotangents of run-bwd.")
 @click.option("--fill", type=click.Choice(["zeros", "ones", "normal"]), default="zeros", show_default=True,
               help="Values: zeros, ones, or normal (standard normal floats, integers 0..7, random bools and keys).")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Random seed for --fill normal.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+              help="Random seed for --fill normal.")
 @_command
 def template_cmd(artifact, output, at, what, fill, seed):
     """Write an inputs or cotangents file with exactly the keys, dtypes and shapes ARTIFACT expects."""
