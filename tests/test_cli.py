@@ -132,10 +132,10 @@ def test_inspect_json_and_table(ws):
     d = json.loads(r.stdout)
     for key in ("inputs", "outputs", "residuals", "grads", "platforms", "policy", "fingerprint", "versions"):
         assert key in d
-    # Every leaf also says its sharding (null: unsharded; docs/sharding.md).
-    assert {"key": "x", "dtype": "float32", "shape": ["b", 6], "sharding": None} in d["inputs"]
-    assert d["outputs"] == [{"key": "out", "dtype": "float32", "shape": [], "sharding": None}]
-    assert all(set(e) == {"key", "dtype", "shape", "input_backed", "sharding"} for e in d["residuals"])
+    assert {"key": "x", "dtype": "float32", "shape": ["b", 6]} in d["inputs"]
+    assert d["nr_devices"] == 1 and d["mesh"] is None  # sharded artifacts: tests/sharded
+    assert d["outputs"] == [{"key": "out", "dtype": "float32", "shape": []}]
+    assert all(set(e) == {"key", "dtype", "shape", "input_backed"} for e in d["residuals"])
     assert any(e["input_backed"] for e in d["residuals"]) and not all(e["input_backed"] for e in d["residuals"])
     assert "labels" not in [g["key"] for g in d["grads"]]  # integer input: no gradient entry
     assert d["platforms"] == ["cpu", "cuda", "tpu"] and d["policy"] == "everything"

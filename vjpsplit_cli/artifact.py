@@ -286,6 +286,15 @@ class Artifact:
             return call(*args)
         except (ValueError, TypeError) as e:
             raise VjpsplitError(f"{refused}: {first_line(e)}") from e
+        except Exception as e:
+            if "Failed to deserialize StableHLO" not in str(e):
+                raise
+            m = self.manifest
+            why = (" (sharded modules from jax >= 0.7 use the Shardy partitioner, which jax 0.6 cannot read)"
+                   if m.sharded else "")
+            raise VjpsplitError(f"{self.source}: this jax {jax.__version__} cannot read the {module} module that "
+                                f"jax {m.jax_version} exported{why}; run it with jax {m.jax_version} or newer, or "
+                                "re-export it with this jax") from e
 
     def _carrier(self, dims: Mapping[str, int]):
         m = self.manifest

@@ -207,6 +207,8 @@ class Manifest:
         """The mesh, device count and leaf shardings agree; raises ValueError otherwise."""
         if not 1 <= self.nr_devices <= 2**20 or isinstance(self.nr_devices, bool):
             raise ValueError(f"nr_devices {self.nr_devices!r} is out of range")
+        if self.nr_devices > 1 and not self.mesh:
+            raise ValueError(f"nr_devices {self.nr_devices} without a mesh")
         if self.mesh and math.prod(size for _, size in self.mesh) != self.nr_devices:
             raise ValueError(f"the mesh's {math.prod(size for _, size in self.mesh)} devices are not nr_devices "
                              f"{self.nr_devices}")

@@ -18,7 +18,10 @@ def describe(art: Artifact, at: Mapping[str, int] | None = None) -> dict:
     extra = {"at": dict(at), "stored_residual_bytes_at": evaluate_terms(stored, at)} if at else {}
 
     def leaves(items, residual=False):
-        # Every leaf says its sharding: its PartitionSpec as a list, null where unspecified.
+        # A sharded artifact's leaves say their sharding (a PartitionSpec as a list, null where
+        # unspecified); an unsharded one's keep the plain {key, dtype, shape} entries.
+        if not m.sharded:
+            return [leaf.to_json(residual=residual) for leaf in items]
         return [{**leaf.to_json(residual=residual), "sharding": leaf.to_json().get("sharding")} for leaf in items]
 
     return {

@@ -199,21 +199,23 @@ def _cli(*args, devices=8, cwd=None):
                           env=env, cwd=cwd, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def cli_artifact(tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(CASES))
+def cli_artifact(request, tmp_path_factory):
+    """The block exported by the CLI (as ``mlp.vjps``, whichever block), and an inputs file of batch 6."""
     root = tmp_path_factory.mktemp("cli")
-    r = _cli("export", f"{SAMPLE}:mlp", "--shapes", f"params=@{SAMPLE}:mlp_params", "--shapes", f"x=@{SAMPLE}:batch",
-             "--platforms", "cpu", "--weights", "params", "-o", root / "mlp.vjps")
+    name = request.param
+    r = _cli("export", f"{SAMPLE}:{name}", "--shapes", f"params=@{SAMPLE}:{name}_params", "--shapes",
+             f"x=@{SAMPLE}:batch", "--platforms", "cpu", "--weights", "params", "-o", root / "mlp.vjps")
     assert r.returncode == 0, r.stderr
-    specs = (block.mlp_params(), block.batch())
+    specs = (CASES[name][1](), block.batch())
     params, x = block.init(specs[0], 3), block.init(specs[1], 4, b=6)
     np.savez(root / "in.npz", **{f"params/{k}": v for k, v in params.items()}, x=x)
-    return root, specs, (params, x)
+    return root, specs, (params, x), CASES[name][0]
 
 
 @pytest.mark.parametrize("fmt", ["npz", "msgpack"])
 def test_cli_runs_a_sharded_artifact_from_array_files(cli_artifact, fmt):
-    root, specs, args = cli_artifact
+    root, specs, args, fn = cli_artifact
     art = root / "mlp.vjps"
     r = _cli("run-fwd", art, "--inputs", root / "in.npz", "--residuals", root / f"res.{fmt}", "--outputs",
              root / f"out.{fmt}")
@@ -222,7 +224,7 @@ def test_cli_runs_a_sharded_artifact_from_array_files(cli_artifact, fmt):
              root / f"g.{fmt}")
     assert r.returncode == 0, r.stderr
     grads, _ = vs.load_arrays(root / f"g.{fmt}")
-    loss, (gp, gx) = _reference(block.mlp, specs, args)
+    loss, (gp, gx) = _reference(fn, specs, args)
     outs, _ = vs.load_arrays(root / f"out.{fmt}")
     _close(outs["out"], loss)
     _close(grads["x"], gx)
@@ -249,6 +251,7 @@ def test_cli_inspect_json_carries_devices_and_shardings(cli_artifact):
     for section in ("inputs", "outputs", "residuals", "grads", "intermediates"):
         assert all("sharding" in leaf for leaf in d[section]), section
     assert {leaf["key"]: leaf["sharding"] for leaf in d["inputs"]}["params/w1"] == [None, "model"]
+    assert {leaf["key"]: leaf["sharding"] for leaf in d["grads"]}["x"] == ["data"]
     table = _cli("inspect", root / "mlp.vjps", devices=1).stdout
     assert "devices      8 (mesh data=2, model=4" in table and "P(None, 'model')" in table
 
@@ -265,12 +268,12 @@ def test_cli_host_with_too_few_devices_is_one_clear_line(cli_artifact):
 
 
 def test_cli_residuals_from_another_sharding_are_refused_by_name(cli_artifact):
-    root, specs, _ = cli_artifact
+    root, specs, _, fn = cli_artifact
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
     # The same function with the batch replicated and the model split the other way.
     other = ({k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P())) for k, s in specs[0].items()},
              jax.ShapeDtypeStruct(specs[1].shape, specs[1].dtype, sharding=NamedSharding(mesh, P(None, None, "model"))))
-    vs.export(block.mlp, *other, platforms="cpu").save(root / "other.vjps")
+    vs.export(fn, *other, platforms="cpu").save(root / "other.vjps")
     assert _cli("run-fwd", root / "other.vjps", "--inputs", root / "in.npz", "--residuals", root / "other.npz").returncode == 0
     r = _cli("run-bwd", root / "mlp.vjps", "--inputs", root / "in.npz", "--residuals", root / "other.npz", "--grads",
              root / "bad.npz")
