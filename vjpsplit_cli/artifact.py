@@ -193,6 +193,7 @@ class Artifact:
             arg_names=m.arg_names,
             residuals_id=uuid.uuid4().hex,
         )
+        res.bound_inputs = by_key
         if len(self._made) >= 256:  # ids only, never arrays: bounded, and keeps no memory alive
             self._made.pop(next(iter(self._made)))
         self._made[res.residuals_id] = _signature(res)

@@ -145,8 +145,8 @@ def choose_auto(fn: Callable, *specs, wrt=None, has_aux: bool = False, at=None, 
     if symbolic:
         if not at:
             raise VjpsplitError(
-                "policy auto measures each policy at concrete sizes; pass --at NAME=SIZE (at={'b': 256}) "
-                "with the sizes you will run"
+                "policy auto measures each policy at concrete sizes; pass --at NAME=SIZE "
+                "(the at= argument in Python), e.g. b=256, with the sizes you will run"
             )
         specs = concrete_specs(specs, at)
     specs = tuple(jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(np.shape(s), s.dtype), s) for s in specs)

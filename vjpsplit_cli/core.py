@@ -79,6 +79,7 @@ def split(fn: Callable, wrt=None, has_aux: bool = False, policy: str | None = No
         flat = jax.tree_util.tree_leaves(args)
         res = Residuals({f"r/{i}": v for i, v in enumerate(stored)},
                         {str(k): flat[k] for k in plan.input_backed}, plan=plan)
+        res.bound_inputs = {str(i): v for i, v in enumerate(flat)}
         return (out, res, aux) if has_aux else (out, res)
 
     def bwd(res: Residuals, ct=None):

@@ -18,13 +18,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ._version import __version__
 from .artifact import Artifact
 from .dtypes import dtype_name
-from .errors import VjpsplitError, first_line
+from .errors import VjpsplitError, first_line, jax_message
 from .jaxprs import iter_eqns
 from .manifest import FORMAT_VERSION, Leaf, Manifest, fingerprint
 from .choice import resolve_policy
 from .policies import apply_policy, parse_at
 from .prng import data_struct, from_data, impl_name, is_key, to_data
-from .shapes import IDENTIFIER, concrete_shape, dim_str, to_struct
+from .shapes import DIM_FUNCS, IDENTIFIER, concrete_shape, dim_str, to_struct
 from .sharding import divisibility_problem, mesh_axes, mesh_of, spec_to_json
 from .trees import encode_structure, flatten_with_keys
 from .vjp import positional_names, run_backward, trace_vjp, wrt_positions
@@ -32,7 +32,6 @@ from .zerobubble import keep_inputs, partition
 
 DEFAULT_PLATFORMS = ("cpu", "cuda", "tpu")
 _KNOWN_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
-_DIM_FUNCS = {"mod", "floordiv", "max", "min", "non_negative"}
 
 
 def _leaves_json_safe(entries, what: str = "leaf", impls: Sequence[str] | None = None,
@@ -79,7 +78,7 @@ def _dim_vars(inputs: Sequence[Leaf]) -> tuple[str, ...]:
                     if d not in plain:
                         plain.append(d)
                 else:
-                    used += [n for n in IDENTIFIER.findall(d) if n not in _DIM_FUNCS]
+                    used += [n for n in IDENTIFIER.findall(d) if n not in DIM_FUNCS]
     for n in used:
         if n not in plain:
             raise VjpsplitError(
@@ -134,7 +133,7 @@ def _lower(what: str, fn: Callable, platforms: tuple[str, ...], args: Sequence, 
                     failing.append(p)
         where = f" for platform(s) {', '.join(failing)}" if failing and len(failing) < len(platforms) else ""
         hint = f"; drop them with --platforms {','.join(p for p in platforms if p not in failing)}" if where else ""
-        raise VjpsplitError(f"cannot export the {what}{where}: {first_line(e)}{hint}") from e
+        raise VjpsplitError(f"cannot export the {what}{where}: {jax_message(e)}{hint}") from e
 
 
 class _Sharded:

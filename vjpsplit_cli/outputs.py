@@ -25,16 +25,12 @@ import sys
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Mapping
 
-from .errors import VjpsplitError
+from .errors import UsageError, VjpsplitError  # noqa: F401 - UsageError: writers refuse with it
 from .reading import os_error_message
 from .signals import (cleanup_on_signals, discard_live, forget, is_durable, is_staged, mark_committed,
                       signals_deferred, stage, unstage)
 from .temps import new_temp
 from .terminal import printable
-
-
-class UsageError(VjpsplitError):
-    """A mistake in the command line or the call itself (the CLI exits 2 for these)."""
 
 
 def _fsync_dir(directory: str) -> None:

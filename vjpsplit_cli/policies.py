@@ -20,9 +20,9 @@ import jax
 import numpy as np
 
 from .dtypes import dtype_from_name
-from .errors import VjpsplitError
+from .errors import UsageError, VjpsplitError
 from .jaxprs import iter_eqns, sub_jaxprs
-from .shapes import IDENTIFIER, MAX_DIM, eval_dim, is_symbolic_shape
+from .shapes import DIM_FUNCS, IDENTIFIER, MAX_DIM, eval_dim, is_symbolic_shape
 from .vjp import fn_wrt_positions, run_backward, trace_vjp
 
 # The fixed policies; ``names:a,b`` (any names) is the fourth form.
@@ -172,6 +172,24 @@ def parse_at(items: Sequence[str] | Mapping[str, int] | None) -> dict[str, int]:
     return out
 
 
+def check_at_names(at: Mapping[str, int], known: Sequence[str], source: str) -> None:
+    """Refuse ``--at`` names that are not symbolic dims of ``source`` (a usage error naming them)."""
+    unknown = [n for n in at if n not in known]
+    if unknown:
+        have = f"its symbolic dims are {', '.join(known)}" if known else "it has no symbolic dims"
+        raise UsageError(f"--at {', '.join(unknown)}: no such symbolic dim in {source}; {have}")
+
+
+def symbolic_dim_names(specs) -> list[str]:
+    """The symbolic dim names in ``specs`` (pytrees of ShapeDtypeStructs), in first-seen order."""
+    names: list[str] = []
+    for s in jax.tree_util.tree_leaves(specs):
+        for d in getattr(s, "shape", ()):
+            if not isinstance(d, (int, np.integer)):
+                names += [n for n in IDENTIFIER.findall(str(d)) if n not in names and n not in DIM_FUNCS]
+    return names
+
+
 _AT_NAME = re.compile(rf"^{IDENTIFIER.pattern}$")
 _AT_SIZE = re.compile(r"^[0-9]{1,30}$")
 
@@ -195,7 +213,8 @@ def concrete_specs(specs: tuple, at: Mapping[str, int]) -> tuple:
     out = tuple(jax.tree_util.tree_map(fix, s) for s in specs)
     if missing:
         raise VjpsplitError(
-            f"sizes needed for symbolic dim(s) {', '.join(sorted(set(missing)))}; pass --at NAME=SIZE (at={{...}})"
+            f"sizes needed for symbolic dim{'s' if len(set(missing)) > 1 else ''} {', '.join(sorted(set(missing)))}; "
+            f"pass --at {','.join(f'{n}=SIZE' for n in sorted(set(missing)))} (the at= argument in Python)"
         )
     return out
 
@@ -240,31 +259,39 @@ def policy_cost(fn: Callable, *specs, policy: str | None = None, wrt=None, has_a
     policy = normalize_policy(policy)
     at = dict(at or {})
     symbolic = any(is_symbolic_shape(s.shape) for s in jax.tree_util.tree_leaves(specs))
-    if symbolic and at:
-        specs, symbolic = concrete_specs(specs, at), False
     wrt_pos, single = fn_wrt_positions(fn, wrt, len(specs))
-    cand = Candidate(fn, policy, wrt_pos, single, has_aux)
-    stored = jax.eval_shape(lambda *a: cand.fwd(*a)[1], *specs)
-    plan = cand.plan
-    bwd = cand.bwd
-    stored_, inputs, cts = cand.bwd_args(jax.tree_util.tree_leaves(specs), stored)
 
-    ops, dots = _count_ops(jax.make_jaxpr(bwd)(stored_, inputs, cts))
+    def traced(specs_):
+        cand = Candidate(fn, policy, wrt_pos, single, has_aux)
+        stored_ = jax.eval_shape(lambda *a: cand.fwd(*a)[1], *specs_)
+        stored_, inputs_, cts_ = cand.bwd_args(jax.tree_util.tree_leaves(specs_), stored_)
+        return stored_, cand.plan, cand.bwd, inputs_, cts_
+
+    # Counted on the symbolic trace, as export lowers it (at concrete sizes JAX folds values
+    # such as 1/b into constants, so an artifact would store more than such a count says).
+    stored, plan, bwd, inputs, cts = traced(specs)
+    ops, dots = _count_ops(jax.make_jaxpr(bwd)(stored, inputs, cts))
+    n_stored, n_input_backed = len(stored), len(plan.input_backed)
     terms: dict[str, int] = {}
     for s in stored:
         for k, v in byte_terms_of_shape(s.dtype, [d if isinstance(d, int) else str(d) for d in s.shape]).items():
             terms[k] = terms.get(k, 0) + v
-    total = None if symbolic else _nbytes(stored)
+    total = evaluate_terms(terms, at) if symbolic else _nbytes(stored)
+    if symbolic and at:
+        stored, plan, bwd, inputs, cts = traced(concrete_specs(specs, at))
+        if total is None:  # a dim expression evaluate_terms does not read: the concrete trace's bytes
+            total = _nbytes(stored)
+        symbolic = False
     fl = None
     if flops and not symbolic:
         try:
-            analysis = jax.jit(bwd).lower(stored_, inputs, cts).compile().cost_analysis()
+            analysis = jax.jit(bwd).lower(stored, inputs, cts).compile().cost_analysis()
             if isinstance(analysis, list):  # older jax: one dict per computation
                 analysis = analysis[0] if analysis else {}
             fl = float(analysis.get("flops", 0.0)) if analysis else None
         except Exception:  # cost analysis is best effort: not every backend offers it
             fl = None
-    return PolicyCost(policy, len(stored), total, terms, len(plan.input_backed), ops, dots, fl)
+    return PolicyCost(policy, n_stored, total, terms, n_input_backed, ops, dots, fl)
 
 
 def plan_policies(fn: Callable, *specs, wrt=None, has_aux: bool = False, at=None,
@@ -282,7 +309,7 @@ def choose_policy(fn: Callable, *specs, memory_budget, wrt=None, has_aux: bool =
     if symbolic and not at:
         raise VjpsplitError(
             "a memory budget needs sizes for the symbolic dims to weigh the residuals; pass --at NAME=SIZE "
-            "(at={'b': 256}) with the largest sizes you will run"
+            "(the at= argument in Python), e.g. b=256, with the largest sizes you will run"
         )
     costs = []
     for p in policies:

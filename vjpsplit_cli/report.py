@@ -69,6 +69,19 @@ def _rows(title: str, leaves: Sequence[Leaf], residual: bool = False, sharded: b
     return lines
 
 
+def _wrt(m) -> str:
+    """The differentiated arguments; integer and bool ones get no gradient, so they are listed apart."""
+    def has_grad(name: str) -> bool:
+        return any(g.key == name or g.key.startswith(name + "/") for g in m.grads)
+
+    with_grads = [n for n in m.wrt if has_grad(n)]
+    without = [n for n in m.wrt if not has_grad(n)]
+    text = ", ".join(with_grads) or "none"
+    if without:
+        text += f"; no gradient for {', '.join(without)}: integer or bool"
+    return text
+
+
 def format_table(art: Artifact, at: Mapping[str, int] | None = None) -> str:
     """A readable summary of an artifact, for humans; ``at`` sizes symbolic dims in the totals."""
     m = art.manifest
@@ -80,7 +93,7 @@ def format_table(art: Artifact, at: Mapping[str, int] | None = None) -> str:
         at_note = f" = {human_bytes(value)} at {sizes}" if value is not None else f" (--at {sizes} leaves dims unbound)"
     lines = [
         f"function     {m.function}",
-        f"arguments    {', '.join(m.arg_names)}   (wrt: {', '.join(m.wrt) or 'none'})",
+        f"arguments    {', '.join(m.arg_names)}   (wrt: {_wrt(m)})",
         f"symbolic     {', '.join(m.dim_vars) or '(none)'}",
         f"platforms    {', '.join(m.platforms)}",
         *([f"devices      {m.nr_devices} (mesh {', '.join(f'{n}={k}' for n, k in m.mesh)}; "

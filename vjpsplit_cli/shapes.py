@@ -15,6 +15,7 @@ from .errors import VjpsplitError
 
 _SPEC_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\[\s*([^\]]*)\]\s*$")
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # a symbolic dim's (or --at entry's) name
+DIM_FUNCS = frozenset({"mod", "floordiv", "max", "min", "non_negative"})  # jax.export's shape syntax, not dims
 _NAME_RE = re.compile(rf"^{IDENTIFIER.pattern}$")
 _INT_RE = re.compile(r"^[0-9]+$")  # ASCII digits only: str.isdigit() also accepts '²', which int() refuses
 # No machine holds an array dim this long (a trillion elements); a larger one in a spec,

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .errors import VjpsplitError
+from .shapes import format_shape
 
 float0 = jax.dtypes.float0
 
@@ -314,7 +315,8 @@ def cotangent_leaves(plan: Plan, ct) -> list:
         c, aval = leaves[i], plan.out_avals[i]
         if jnp.shape(c) != tuple(aval.shape) or jnp.result_type(c) != aval.dtype:
             raise VjpsplitError(
-                f"cotangent leaf {i}: expected {aval.dtype}{list(aval.shape)}, got {jnp.result_type(c)}{list(jnp.shape(c))}"
+                f"cotangent leaf {i}: expected {format_shape(aval.dtype, aval.shape)}, "
+                f"got {format_shape(jnp.result_type(c), jnp.shape(c))}"
             )
         out.append(c)
     return out
