@@ -107,7 +107,7 @@ def test_readme_has_runnable_blocks():
 def test_readme_shell_blocks_run_as_pasted(tmp_path):
     # In a copy of the repository, as a newcomer would after the setup command: `vjpsplit`
     # and `python` on PATH (this interpreter's), this checkout's package importable.
-    ignore = shutil.ignore_patterns(".git", ".venv", "out", "__pycache__", ".pytest_cache", "*.vjps", "*.png")
+    ignore = shutil.ignore_patterns(".git", ".venv", ".compat", "out", "__pycache__", ".pytest_cache", "*.vjps", "*.png")
     clone = tmp_path / "clone"
     shutil.copytree(ROOT, clone, ignore=ignore)
     env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
