@@ -22,9 +22,9 @@ _EXPORTS = {
     "export": "lowering", "DEFAULT_PLATFORMS": "lowering",
     "load": "artifact", "loads": "artifact", "Artifact": "artifact",
     "Manifest": "manifest", "Leaf": "manifest", "FORMAT_VERSION": "manifest",
-    "Residuals": "residuals", "Intermediates": "residuals",
-    "save_residuals": "residuals", "load_residuals": "residuals",
-    "save_intermediates": "residuals", "load_intermediates": "residuals",
+    "Residuals": "residuals", "SplitResiduals": "residuals", "Intermediates": "residuals",
+    "save_residuals": "residual_files", "load_residuals": "residual_files",
+    "save_intermediates": "residual_files", "load_intermediates": "residual_files",
     "save_arrays": "files", "load_arrays": "files",
     "file_arrays": "trees", "tree_from_file": "trees",
     "template": "templates", "save_template": "templates",
@@ -61,6 +61,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the eager spelling of the lazy 
     from .manifest import FORMAT_VERSION, Leaf, Manifest
     from .choice import AutoChoice, PolicyChoice, choose_auto, resolve_policy
     from .policies import POLICIES, PolicyCost, choose_policy, plan_policies
-    from .residuals import Intermediates, Residuals, load_intermediates, load_residuals, save_intermediates, save_residuals
+    from .residual_files import load_intermediates, load_residuals, save_intermediates, save_residuals
+    from .residuals import Intermediates, Residuals, SplitResiduals
     from .templates import save_template, template
     from .trees import file_arrays, tree_from_file

@@ -24,7 +24,7 @@ from .errors import VjpsplitError, first_line
 from .system import host_memory
 from .manifest import MAGIC, MODULES, ArgTrees, Leaf, Manifest, check_array, check_keys, fingerprint, flatten_args
 from .prng import from_data, to_data
-from .residuals import Intermediates, Residuals
+from .residuals import Intermediates, Residuals, SplitResiduals
 from .shapes import concrete_shape
 from .sharding import host_mesh, named, place
 from .trees import decode_structure, flatten_with_keys, structure_keys
@@ -192,11 +192,11 @@ class Artifact:
             fingerprint=m.fingerprint,
             arg_names=m.arg_names,
             residuals_id=uuid.uuid4().hex,
+            bound_inputs=by_key,
         )
-        res.bound_inputs = by_key
         if len(self._made) >= 256:  # ids only, never arrays: bounded, and keeps no memory alive
             self._made.pop(next(iter(self._made)))
-        self._made[res.residuals_id] = _signature(res)
+        self._made[res.residuals_id] = _signature(res)  # residuals are immutable: this stays true
         return outputs, res
 
     def _args_tree(self, arrays: list) -> list:
@@ -207,7 +207,7 @@ class Artifact:
     def check_residuals(self, res: Residuals, source: str = "residuals") -> tuple[list, list, dict]:
         """Validate residuals against this artifact; return stored, input-backed arrays and dims."""
         m = self.manifest
-        if not isinstance(res, Residuals) or res.plan is not None:
+        if not isinstance(res, Residuals) or isinstance(res, SplitResiduals):
             what = "residuals of split(), whose backward lives in this process" if isinstance(res, Residuals) \
                 else type(res).__name__
             raise VjpsplitError(f"{source}: expected residuals from an artifact's fwd, got {what}")
@@ -354,8 +354,7 @@ class Artifact:
             w_inputs = {k: res.inputs[k] for k in m.weight_inputs}
         else:
             w_stored, w_inputs = dict(res.stored), dict(res.inputs)
-        out = Intermediates(computed, dims, m.fingerprint, res.residuals_id, w_stored, w_inputs)
-        out.arg_trees = res.arg_trees
+        out = Intermediates(computed, dims, m.fingerprint, res.residuals_id, w_stored, w_inputs, arg_trees=res.arg_trees)
         return dict(zip(keys, grads)), out
 
     def run_bwd_weight_arrays(self, res: Residuals | None, inter: "Intermediates", source: str = "residuals",
@@ -478,7 +477,7 @@ class Artifact:
             raise VjpsplitError(f"{self.source}: fwd takes {len(m.arg_names)} arguments ({', '.join(m.arg_names)}), got {len(args)}")
         flat, trees = flatten_args(m, args)
         outputs, res = self.run_fwd_arrays(flat, source="args")
-        res.arg_trees = trees
+        res = res.replace(arg_trees=trees)
         values = self._wrap_keys(m.outputs, [outputs[leaf.key] for leaf in m.outputs])
         by_key = dict(zip((leaf.key for leaf in m.outputs), values))
         out = decode_structure(m.structure["out"], iter(by_key[k] for k in m.out_keys))

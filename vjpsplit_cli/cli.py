@@ -455,7 +455,7 @@ _fsync_option = click.option(
 def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contained, fsync):
     """Run the forward: inputs -> outputs and residuals."""
     from .files import load_arrays, save_arrays
-    from .residuals import save_residuals
+    from .residual_files import save_residuals
 
     with StagedOutputs({"--residuals": residuals_path, "--outputs": outputs_path},
                        {"ARTIFACT": artifact, "--inputs": inputs_path}, fsync=fsync) as out:
@@ -502,7 +502,7 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
     """Run the backward: residuals (+ cotangents) -> gradients, without the forward."""
     from .files import load_arrays, save_arrays
     from .manifest import check_keys
-    from .residuals import load_residuals
+    from .residual_files import load_residuals
 
     if part != "all" and not inter_path:
         raise click.UsageError(f"--part {part} needs --intermediates FILE")
@@ -533,7 +533,7 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
             res = load_residuals(residuals_path, inputs=inputs, artifact=art, inputs_source=inputs_path,
                                  verify=not no_verify)
         if part == "weight":
-            from .residuals import load_intermediates
+            from .residual_files import load_intermediates
 
             inter = load_intermediates(inter_path, inputs=inputs, artifact=art, inputs_source=inputs_path,
                                        verify=not no_verify)
@@ -548,7 +548,7 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
                 grads, inter = art.run_bwd_arrays(res, cts, source=residuals_path, ct_source=ct_source), None
         grads = _numpy(grads)  # finish the compute before any file is written
         if inter is not None:
-            from .residuals import save_intermediates
+            from .residual_files import save_intermediates
 
             # Without --inputs now there will be none for --part weight either: keep the inputs W reads.
             out.write("--intermediates", lambda tmp: save_intermediates(tmp, inter, self_contained=inputs_path is None))

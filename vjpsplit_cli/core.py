@@ -13,7 +13,7 @@ import jax
 from .errors import VjpsplitError
 from .choice import resolve_policy
 from .policies import AUTO, apply_policy
-from .residuals import Residuals
+from .residuals import Residuals, SplitResiduals
 from .vjp import (Plan, assemble_grads, cotangent_leaves, fn_wrt_positions, register_plan, run_backward, struct_of,
                   trace_vjp)
 
@@ -77,14 +77,14 @@ def split(fn: Callable, wrt=None, has_aux: bool = False, policy: str | None = No
         out, stored, aux, static = jit_fwd(*args)
         plan: Plan = static.value
         flat = jax.tree_util.tree_leaves(args)
-        res = Residuals({f"r/{i}": v for i, v in enumerate(stored)},
-                        {str(k): flat[k] for k in plan.input_backed}, plan=plan)
-        res.bound_inputs = {str(i): v for i, v in enumerate(flat)}
+        res = SplitResiduals({f"r/{i}": v for i, v in enumerate(stored)},
+                             {str(k): flat[k] for k in plan.input_backed}, plan=plan,
+                             bound_inputs={str(i): v for i, v in enumerate(flat)})
         return (out, res, aux) if has_aux else (out, res)
 
     def bwd(res: Residuals, ct=None):
         """Backward pass from residuals alone: gradients with respect to ``wrt``."""
-        if not isinstance(res, Residuals) or res.plan is None:
+        if not isinstance(res, SplitResiduals):
             what = "an artifact's residuals" if isinstance(res, Residuals) else type(res).__name__
             raise VjpsplitError(f"bwd takes the residuals returned by this split's fwd, got {what}; "
                                 "run an artifact's residuals with art.bwd")
