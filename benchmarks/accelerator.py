@@ -311,7 +311,7 @@ def run_all(quick: bool, budget: float, out: Path | None, command: str) -> dict:
 
 def run(quick: bool) -> tuple[str, list[dict]]:
     """The benchmark suite's section: every step on this machine's default device; fails if anything did."""
-    report = run_all(quick, BUDGET_S, None, "python -m benchmarks --only accelerator")
+    report = run_all(quick, BUDGET_S, None, f"python -m benchmarks{' --quick' if quick else ''} --only accelerator")
     bad = [s["name"] for s in report["steps"] if s["status"] != "ok"]
     if bad or not report["passed"]:
         raise RuntimeError(f"accelerator run: correctness {'passed' if report['passed'] else 'FAILED'}, steps not ok: "
