@@ -10,7 +10,8 @@
 # 2. Runs `python -m benchmarks --accelerator --out OUTDIR`: a correctness pass of the artifacts
 #    on the device, then fwd+bwd, residual I/O and pipeline benchmarks (benchmarks/accelerator.py).
 # 3. Leaves OUTDIR/accelerator.json and OUTDIR/accelerator.md (rewritten after every step, so a run
-#    cut short keeps what it measured), and OUTDIR/install.log.
+#    cut short keeps what it measured; a run that could not start says why), OUTDIR/install.log
+#    and OUTDIR/run.log.
 #
 # All within BUDGET_S seconds (default 480, 8 minutes): installs are time-boxed and the run gets
 # what is left. Exit status 0 when correctness passed and every step ran; 1 otherwise.
@@ -67,7 +68,15 @@ else
   quick=
 fi
 # SIGINT first: the run catches it and writes what it has; SIGKILL 8 s later if it does not stop.
-timeout -s INT -k 8 "$left" "$py" -m benchmarks --accelerator $quick --budget "$((left - 15))" --out "$out"
+rm -f "$out/accelerator.json" "$out/accelerator.md"
+timeout -s INT -k 8 "$left" "$py" -m benchmarks --accelerator $quick --budget "$((left - 15))" --out "$out" \
+  2> >(tee "$out/run.log" >&2)
 status=$?
+if [ ! -s "$out/accelerator.json" ]; then  # it never got going (jax or a dependency missing): say so anyway
+  status=1
+  printf '{"passed": false, "error": "the run did not start; see run.log and install.log"}\n' >"$out/accelerator.json"
+  { echo "# vjpsplit accelerator run: did not start"; echo; echo "Exit $status. Last lines of run.log:"; echo
+    echo '```'; tail -n 30 "$out/run.log"; echo '```'; } >"$out/accelerator.md"
+fi
 say "done (exit $status); report: $out/accelerator.md, $out/accelerator.json"
 exit "$status"
