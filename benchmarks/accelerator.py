@@ -33,7 +33,6 @@ import traceback
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import vjpsplit_cli as vs

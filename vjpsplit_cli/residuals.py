@@ -13,7 +13,8 @@ from .files import load_arrays, save_arrays
 from .errors import VjpsplitError
 from .manifest import ArgTrees, flatten_args
 from .prng import data_struct, from_data, impl_name, is_key, to_data
-from .shapes import format_shape
+from .shapes import MAX_DIM, format_shape
+from .sharding import format_spec, spec_from_json, spec_of
 from .vjp import Plan, plan_for_token
 
 
@@ -29,7 +30,7 @@ class Residuals:
     """
 
     __slots__ = ("stored", "inputs", "dims", "fingerprint", "arg_names", "arg_trees", "plan", "residuals_id",
-                 "inputs_source", "source")
+                 "inputs_source", "source", "bound_inputs")
 
     def __init__(self, stored: Mapping[str, Any], inputs: Mapping[str, Any], *, dims: Mapping[str, int] | None = None,
                  fingerprint: str = "", arg_names: Sequence[str] = (), arg_trees: ArgTrees = (),
@@ -49,6 +50,11 @@ class Residuals:
         self.residuals_id = residuals_id
         self.inputs_source: str | None = None  # where the input-backed arrays came from, for messages
         self.source: str | None = None  # the file they were loaded from, for messages
+        # Every input the forward ran on (references, keyed like ``inputs``), read by the
+        # backward or not: a residuals file records each one's shape and CRC-32, so the
+        # backward refuses another microbatch's inputs even where it never reads them.
+        # Not pytree data: residuals rebuilt by a pytree operation bind only ``inputs``.
+        self.bound_inputs: dict[str, Any] = {}
 
     def __repr__(self) -> str:
         owner = f"fingerprint={self.fingerprint[:12]}, dims={self.dims}" if self.plan is None else "split"
@@ -151,7 +157,6 @@ def _verify(path, arrays: Mapping[str, Any], meta: Mapping) -> None:
             )
 
 
-_MAX_DIM = 2**40  # no real dim is larger; bigger recorded sizes are corruption
 
 
 def _is_str_list(v) -> bool:
@@ -160,7 +165,7 @@ def _is_str_list(v) -> bool:
 
 def _is_dims(v) -> bool:
     return isinstance(v, dict) and all(
-        isinstance(k, str) and isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= _MAX_DIM
+        isinstance(k, str) and isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= MAX_DIM
         for k, x in v.items())
 
 
@@ -169,19 +174,41 @@ def _is_crcs(v) -> bool:
         isinstance(k, str) and isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**32 for k, x in v.items())
 
 
+def _is_shapes(v) -> bool:
+    return isinstance(v, dict) and all(
+        isinstance(k, str) and isinstance(x, list)
+        and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM for d in x)
+        for k, x in v.items())
+
+
+def _is_shardings(v) -> bool:
+    if not isinstance(v, dict):
+        return False
+    try:
+        for k, spec in v.items():
+            if not isinstance(k, str):
+                return False
+            spec_from_json(spec)
+    except ValueError:
+        return False
+    return True
+
+
 # What each kind of file's metadata holds: field -> (check, required). Files are
 # data from elsewhere: every field is checked before it is used.
 _SCHEMA = {
     KIND_ARTIFACT: {"fingerprint": (lambda v: isinstance(v, str), True), "arg_names": (_is_str_list, True),
                     "dims": (_is_dims, True), "needs_inputs": (_is_str_list, False),
                     "self_contained": (lambda v: isinstance(v, bool), False), "residuals_id": (lambda v: isinstance(v, str), False),
-                    "input_crc32": (_is_crcs, False)},
+                    "input_crc32": (_is_crcs, False), "input_shapes": (_is_shapes, False),
+                    "shardings": (_is_shardings, False)},
     KIND_SPLIT: {"token": (lambda v: isinstance(v, str), True), "pid": (lambda v: isinstance(v, int), False),
                  "needs_inputs": (_is_str_list, False), "self_contained": (lambda v: isinstance(v, bool), False),
-                 "input_crc32": (_is_crcs, False)},
+                 "input_crc32": (_is_crcs, False), "input_shapes": (_is_shapes, False)},
     KIND_INTERMEDIATES: {"fingerprint": (lambda v: isinstance(v, str), True), "dims": (_is_dims, True),
                          "residuals_id": (lambda v: isinstance(v, str), False), "arg_names": (_is_str_list, False),
-                         "needs_inputs": (_is_str_list, False), "input_crc32": (_is_crcs, False)},
+                         "needs_inputs": (_is_str_list, False), "input_crc32": (_is_crcs, False),
+                         "shardings": (_is_shardings, False)},
 }
 
 
@@ -223,7 +250,8 @@ def save_intermediates(path: str | os.PathLike, inter: Intermediates, *, self_co
     meta = {"kind": KIND_INTERMEDIATES, "fingerprint": inter.fingerprint, "dims": dict(inter.dims),
             "residuals_id": inter.residuals_id, "arg_names": list(arg_names),
             "needs_inputs": [] if self_contained else sorted(inter.inputs),
-            "input_crc32": {} if self_contained else {k: input_crc32(v) for k, v in inter.inputs.items()}}
+            "input_crc32": {} if self_contained else {k: input_crc32(v) for k, v in inter.inputs.items()},
+            **_shardings_meta({**inter.arrays, **inter.stored})}
     _save_checked(path, arrays, meta, fsync)
 
 
@@ -242,7 +270,7 @@ def load_intermediates(path: str | os.PathLike, inputs=None, *, artifact=None, i
         raise VjpsplitError(f"{path}: not an intermediates file; pass the --intermediates file of run-bwd --part input")
     _check_meta(path, meta, KIND_INTERMEDIATES, "rerun run-bwd --part input")
     fingerprint, dims = meta["fingerprint"], meta["dims"]
-    _refuse_other_artifact(path, "intermediates", fingerprint, artifact, "run this artifact's input part first")
+    _refuse_other_artifact(path, "intermediates", fingerprint, artifact, "run this artifact's input part first", meta)
     computed = {k: v for k, v in arrays.items() if k.startswith("c/")}
     stored = {k: v for k, v in arrays.items() if k.startswith("r/")}
     given = {k[3:]: v for k, v in arrays.items() if k.startswith("in/")}
@@ -264,13 +292,46 @@ def load_intermediates(path: str | os.PathLike, inputs=None, *, artifact=None, i
     return Intermediates(computed, dims, fingerprint, meta.get("residuals_id", "") if verify else "", stored, given)
 
 
-def _refuse_other_artifact(path, what: str, fingerprint, artifact, fix: str) -> None:
-    """A file tied to one artifact must not feed another: say so before anything else."""
-    if artifact is not None and fingerprint != artifact.manifest.fingerprint:
+def _refuse_other_artifact(path, what: str, fingerprint, artifact, fix: str, meta: Mapping | None = None) -> None:
+    """A file tied to one artifact must not feed another: say so before anything else.
+
+    Arrays saved from a sharded run record their shardings; one that differs from
+    what the artifact expects is named, whether or not the fingerprints match.
+    """
+    if artifact is None:
+        return
+    differs = _sharding_difference(meta or {}, artifact.manifest)
+    if fingerprint != artifact.manifest.fingerprint:
         raise VjpsplitError(
             f"{path}: these {what} were written by another artifact (fingerprint {str(fingerprint)[:12]}, "
-            f"{artifact.source} is {artifact.manifest.fingerprint[:12]}); {fix}"
+            f"{artifact.source} is {artifact.manifest.fingerprint[:12]}{'; ' + differs if differs else ''}); {fix}"
         )
+    if differs:
+        raise VjpsplitError(f"{path}: these {what} were saved from another sharding ({differs}); {fix}")
+
+
+def _shardings_meta(arrays: Mapping[str, Any]) -> dict:
+    """``{"shardings": {key: spec}}`` for the arrays laid out over several devices; ``{}`` when none is."""
+    out = {k: list(spec) for k, v in arrays.items() if (spec := spec_of(v)) is not None}
+    return {"shardings": {k: [list(e) if isinstance(e, tuple) else e for e in sp] for k, sp in out.items()}} if out else {}
+
+
+def _sharding_difference(meta: Mapping, manifest) -> str:
+    """The first array whose recorded sharding is not the manifest's, described; "" when all agree.
+
+    Files from one-device runs record none: nothing to compare, they are placed when the backward runs.
+    """
+    recorded = meta.get("shardings")
+    if not isinstance(recorded, dict):
+        return ""
+    leaves = {leaf.key: leaf for leaf in (*manifest.residuals, *manifest.intermediates) if not leaf.input_backed}
+    for key, spec in recorded.items():
+        leaf = leaves.get(key)
+        want = (leaf.sharding or ()) if leaf is not None and manifest.sharded else ()
+        have = spec_from_json(spec)
+        if have != want:
+            return f"'{key}' was saved with sharding {format_spec(have)}, the artifact expects {format_spec(want)}"
+    return ""
 
 
 def save_residuals(path: str | os.PathLike, res, *, self_contained: bool = False, fsync: bool = False) -> None:
@@ -295,7 +356,8 @@ def save_residuals(path: str | os.PathLike, res, *, self_contained: bool = False
             "needs_inputs": [] if self_contained else sorted(res.inputs),
             "self_contained": bool(self_contained),
             "residuals_id": res.residuals_id,
-            "input_crc32": {} if self_contained else {k: input_crc32(v) for k, v in res.inputs.items()},
+            **_binding(res),
+            **_shardings_meta(res.stored),
         }
     else:  # split's: keys r/i and flat argument positions
         arrays = {k: np.asarray(to_data(v)) for k, v in res.stored.items()}
@@ -307,9 +369,16 @@ def save_residuals(path: str | os.PathLike, res, *, self_contained: bool = False
             "pid": os.getpid(),
             "needs_inputs": [] if self_contained else [str(k) for k in res.plan.input_backed],
             "self_contained": bool(self_contained),
-            "input_crc32": {} if self_contained else {k: input_crc32(to_data(v)) for k, v in res.inputs.items()},
+            **_binding(res),
         }
     _save_checked(path, arrays, meta, fsync)
+
+
+def _binding(res: Residuals) -> dict:
+    """The metadata that binds a residuals file to every input its forward ran on: shapes and CRC-32s."""
+    bound = {k: np.asarray(to_data(v)) for k, v in (res.bound_inputs or res.inputs).items()}
+    return {"input_crc32": {k: input_crc32(a) for k, a in bound.items()},
+            "input_shapes": {k: [int(d) for d in a.shape] for k, a in bound.items()}}
 
 
 def load_residuals(path: str | os.PathLike, inputs=None, *, artifact=None, inputs_source: str | None = None,
@@ -328,21 +397,22 @@ def load_residuals(path: str | os.PathLike, inputs=None, *, artifact=None, input
     kind = meta.get("kind")
     if kind == KIND_ARTIFACT:
         _refuse_other_artifact(path, "residuals", meta.get("fingerprint"), artifact,
-                               "run this artifact's forward to make matching residuals")
+                               "run this artifact's forward to make matching residuals", meta)
     if kind in (KIND_ARTIFACT, KIND_SPLIT):
         _check_meta(path, meta, kind, "rerun the forward")
     needs = meta.get("needs_inputs", [])
     if kind == KIND_ARTIFACT:
-        res = _load_artifact_residuals(path, arrays, meta, needs, inputs, artifact)
+        res, flat = _load_artifact_residuals(path, arrays, meta, needs, inputs, artifact)
         res.inputs_source = (inputs_source or "inputs") if needs else str(path)
         res.source = str(path)
         if verify:
-            _check_bound_inputs(path, meta, {k: res.inputs[k] for k in needs}, res.inputs_source)
+            _check_bound_inputs(path, meta, flat, inputs_source or "inputs")
         return res
     if kind == KIND_SPLIT:
         res = _load_split_residuals(path, arrays, meta, needs, inputs)
-        if verify and not meta.get("self_contained"):
-            _check_bound_inputs(path, meta, {k: to_data(v) for k, v in res.inputs.items()}, inputs_source or "inputs")
+        if verify and inputs is not None:
+            flat = jax.tree_util.tree_leaves(inputs)
+            _check_bound_inputs(path, meta, {str(i): v for i, v in enumerate(flat)}, inputs_source or "inputs")
         return res
     raise VjpsplitError(
         f"{path}: not a residuals file (no vjpsplit residuals metadata); pass the --residuals file written by run-fwd"
@@ -350,11 +420,20 @@ def load_residuals(path: str | os.PathLike, inputs=None, *, artifact=None, input
 
 
 def _check_bound_inputs(path, meta: Mapping, given: Mapping[str, Any], source: str) -> None:
-    """Refuse inputs whose content differs from those the forward ran on (files before this rule: no CRCs)."""
-    sums = meta.get("input_crc32")
-    if not sums:
-        return
+    """Refuse inputs whose dims or content differ from those the forward ran on, read by the backward or not.
+
+    Files written before this rule record CRC-32s of the inputs they left out only, and no shapes.
+    """
+    sums = meta.get("input_crc32") or {}
+    shapes = meta.get("input_shapes") or {}
     for key, value in given.items():
+        value = np.asarray(to_data(value)) if key in sums or key in shapes else value
+        if key in shapes and list(value.shape) != shapes[key]:
+            raise VjpsplitError(
+                f"{source}: input '{key}' is {format_shape(value.dtype, value.shape)}, but the forward that wrote "
+                f"{path} ran on {format_shape(value.dtype, shapes[key])}; pass the inputs of the same microbatch, "
+                "or --no-verify to skip this check"
+            )
         if key in sums and input_crc32(value) != sums[key]:
             raise VjpsplitError(
                 f"{source}: input '{key}' differs from the one the forward that wrote {path} ran on "
@@ -362,7 +441,8 @@ def _check_bound_inputs(path, meta: Mapping, given: Mapping[str, Any], source: s
             )
 
 
-def _load_artifact_residuals(path, arrays, meta, needs, inputs, artifact) -> Residuals:
+def _load_artifact_residuals(path, arrays, meta, needs, inputs, artifact) -> tuple[Residuals, Mapping[str, Any]]:
+    """The residuals, and the given inputs as flat ``{key: array}`` (empty when none were given)."""
     fingerprint, dims, arg_names = meta["fingerprint"], meta["dims"], meta["arg_names"]
     stored = {k: v for k, v in arrays.items() if not k.startswith("in/")}
     given = {k[3:]: v for k, v in arrays.items() if k.startswith("in/")}
@@ -381,10 +461,11 @@ def _load_artifact_residuals(path, arrays, meta, needs, inputs, artifact) -> Res
                 "pass the same inputs the forward ran on"
             )
         given.update({k: flat[k] for k in needs})
-    elif inputs is not None and not isinstance(inputs, Mapping):
-        _, trees = _flat_inputs(path, inputs, arg_names, artifact)
-    return Residuals(stored, given, dims=dims, fingerprint=fingerprint, arg_names=arg_names, arg_trees=trees,
-                     residuals_id=meta.get("residuals_id", ""))
+    elif inputs is not None:
+        flat, trees = _flat_inputs(path, inputs, arg_names, artifact)
+    res = Residuals(stored, given, dims=dims, fingerprint=fingerprint, arg_names=arg_names, arg_trees=trees,
+                    residuals_id=meta.get("residuals_id", ""))
+    return res, (flat if inputs is not None else {})
 
 
 def _flat_inputs(path, inputs, arg_names, artifact=None) -> tuple[Mapping[str, Any], tuple]:

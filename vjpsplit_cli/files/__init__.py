@@ -30,11 +30,12 @@ from typing import Mapping
 import numpy as np
 from numpy.typing import ArrayLike
 
-from .._io import atomic_write
+from ..outputs import atomic_write
 from ..errors import VjpsplitError
 from . import msgpack as _msgpack
 from . import npz as _npz
-from .common import DECODE_ERRORS, checked_meta, one_line, open_source, prepare
+from ..errors import one_line
+from .common import DECODE_ERRORS, checked_meta, open_source, prepare
 
 __all__ = ["save_arrays", "load_arrays"]
 

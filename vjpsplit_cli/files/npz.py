@@ -27,6 +27,7 @@ import numpy as np
 from .. import checksum
 from ..dtypes import dtype_name
 from ..errors import VjpsplitError
+from ..system import host_memory
 from .common import (CORRUPT, FORMAT, MAX_NDIM, OLD_META_KEY, VERSION, Source, byte_view,
                      check_stored_key, check_version, crc_mismatch, finish, one_line,
                      storage_dtype, stored_meta, unique_map)
@@ -148,6 +149,10 @@ def _header(src: Source, zf: zipfile.ZipFile) -> tuple[int, dict, dict[str, str]
                 if src.verify and head.get("meta_crc32") != checksum.crc32(_json(meta)):
                     raise VjpsplitError(f"{path}: the metadata fails its CRC-32 check; {CORRUPT}")
                 return head["version"], meta, None
+        if zf.comment.startswith(b'{"format":') and (not isinstance(head, dict) or "vjpsplit" in str(head.get("format"))):
+            # Our header, damaged: its metadata cannot be trusted, and dropping it would
+            # make the file look like a plain archive.
+            raise VjpsplitError(f"{path}: the archive's metadata is damaged; {CORRUPT}")
     names = zf.namelist()
     if OLD_META_KEY + ".npy" not in names:
         return 0, {}, None  # plain numpy (or another tool): the arrays as they are
@@ -242,13 +247,24 @@ def read(src: Source) -> tuple[dict[str, np.ndarray], dict]:
         if info.flag_bits & 0x1:
             raise VjpsplitError(f"{path}: array {key!r} is encrypted; save it without a password")
         stored = info.compress_type == zipfile.ZIP_STORED
+        # Deflate cannot shrink more than ~1032:1, so a bigger claim is forged; bzip2 and lzma
+        # can (zeros), so there the bound is what this host could hold at all.
+        deflated = info.compress_type == zipfile.ZIP_DEFLATED
         if info.compress_size > src.size or (stored and info.file_size != info.compress_size) or (
-                info.file_size > info.compress_size * _MAX_RATIO + 1024):
+                deflated and info.file_size > info.compress_size * _MAX_RATIO + 1024):
             raise VjpsplitError(f"{path}: array {key!r} has impossible sizes in its zip entry; {CORRUPT}")
+        if info.file_size > host_memory():
+            raise VjpsplitError(f"{path}: array {key!r} would take {info.file_size / 2**30:.1f} GiB, more than this "
+                                f"host's memory; {CORRUPT}")
         if stored:  # its data lies in the file as is: read it straight into the array
             magic, name_len, extra_len = _LOCAL_HEADER.unpack(src.read(info.header_offset, _LOCAL_HEADER.size))
             if magic != b"PK\x03\x04":
                 raise VjpsplitError(f"{path}: array {key!r} has no zip local header where the directory says; "
+                                    f"{CORRUPT}")
+            # As zipfile (and so np.load) does: the local header must name the same member.
+            local = src.read(info.header_offset + _LOCAL_HEADER.size, name_len)
+            if local != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace"):
+                raise VjpsplitError(f"{path}: array {key!r} is named {local[:40]!r} in its zip local header; "
                                     f"{CORRUPT}")
             start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
             ends.append((info.header_offset, start + info.compress_size, key))
