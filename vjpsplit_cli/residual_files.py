@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import zlib
 from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
 
+from . import checksum
 from .errors import VjpsplitError
 from .files import load_arrays, save_arrays
 from .manifest import flatten_args
@@ -26,7 +26,7 @@ KIND_INTERMEDIATES = "vjpsplit-intermediates"
 
 def _crc32(a) -> int:
     a = np.ascontiguousarray(a) if np.ndim(a) else np.asarray(a)
-    return zlib.crc32(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
+    return checksum.crc32(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
 
 
 def _save_checked(path, arrays: dict, meta: dict, fsync: bool = False) -> None:
@@ -124,7 +124,7 @@ def _check_meta(path, meta: Mapping, kind: str, fix: str) -> None:
 
 
 def input_crc32(a) -> int:
-    """CRC-32 (zlib) of an array's bytes: binds a residuals file to the inputs it needs.
+    """CRC-32 (zlib's polynomial, :mod:`.checksum`) of an array's bytes: binds a residuals file to its inputs.
 
     Not a defence against forgery; it catches the easy slip of pairing one
     microbatch's residuals with another's inputs, at about a memory copy's cost.
