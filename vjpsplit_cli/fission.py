@@ -128,9 +128,7 @@ def _interpret(jaxpr, consts, args, needed: Sequence[int]) -> list:
             outs = _interpret(body, body_consts, invals, out_needed)
         else:
             outs = _bind(eqn, invals)
-        for v, x in zip(eqn.outvars, outs):
-            if not isinstance(v, jcore.DropVar):
-                env[v] = x
+        env.update(zip(eqn.outvars, outs))  # a dropped output too: nothing reads it
     return [read(v) for v in jaxpr.outvars]
 
 

@@ -11,6 +11,19 @@ from .policies import byte_terms, evaluate_terms, format_bytes_terms, human_byte
 from .sharding import format_spec
 
 
+def weight_part_bytes(m) -> dict[str, dict[str, int]]:
+    """What a stage holds per microbatch between B and W, as byte terms of the symbolic dims.
+
+    ``intermediates``: what bwd_input hands over (for a scan, its per-iteration stacks);
+    ``residuals``: the stored residuals and inputs bwd_weight reads; ``total``: both.
+    """
+    reads = [r for r in m.stored_residuals if r.key in m.weight_residuals]
+    reads += [leaf for leaf in m.inputs if leaf.key in m.weight_inputs]
+    inter, res = total_bytes(m.intermediates), total_bytes(reads)
+    return {"intermediates": inter, "residuals": res,
+            "total": {k: inter.get(k, 0) + res.get(k, 0) for k in {**inter, **res}}}
+
+
 def describe(art: Artifact, at: Mapping[str, int] | None = None) -> dict:
     """The ``inspect --json`` object (docs/contract.md's keys, plus a few more); ``at`` sizes symbolic dims."""
     m = art.manifest
@@ -48,6 +61,8 @@ def describe(art: Artifact, at: Mapping[str, int] | None = None) -> dict:
         "stored_residual_bytes": format_bytes_terms(stored),
         "weights": list(m.weights),
         "intermediates": leaves(m.intermediates),
+        **({"weight_part_bytes": {k: format_bytes_terms(v) for k, v in weight_part_bytes(m).items()}}
+           if m.weights else {}),
         **extra,
     }
 
@@ -111,13 +126,19 @@ def format_table(art: Artifact, at: Mapping[str, int] | None = None) -> str:
         f"  (input-backed, not stored: {format_bytes_terms(total_bytes([r for r in m.residuals if r.input_backed]))})",
         *_rows("grads", m.grads, sharded=m.sharded),
         *([f"split backward: weights {', '.join(m.weights)} (bwd_input -> intermediates -> bwd_weight)",
-           *_rows("intermediates", m.intermediates, sharded=m.sharded)] if m.weights else []),
+           *_rows("intermediates", m.intermediates, sharded=m.sharded), _held_line(m)] if m.weights else []),
     ]
     # Keys and names come from the file: a newline or escape code in one must not reach the terminal raw.
     return "\n".join(printable(line) for line in lines)
 
 
-__all__ = ["describe", "format_table", "format_plan"]
+def _held_line(m) -> str:
+    held = {k: format_bytes_terms(v) for k, v in weight_part_bytes(m).items()}
+    return (f"  held between B and W per microbatch: {held['total']} "
+            f"(intermediates {held['intermediates']} + residuals W reads {held['residuals']})")
+
+
+__all__ = ["describe", "format_table", "format_plan", "weight_part_bytes"]
 
 
 def format_plan(costs, at: Mapping[str, int] | None = None) -> str:
