@@ -35,6 +35,7 @@ SECTIONS = {
     "sharded": ("Sharded stages on 8 CPU devices", "benchmarks.sharded"),
     # On a CPU-only machine, the accelerator command's own smoke test.
     "accelerator": ("The one-shot accelerator run, on this machine's default device", "benchmarks.accelerator"),
+    "zbscan": ("Zero bubble inside scan: B then W vs fused", "benchmarks.zbscan"),
 }
 
 
