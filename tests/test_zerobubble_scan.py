@@ -281,19 +281,25 @@ def _head(params, x, labels):
 
 
 @functools.lru_cache(maxsize=None)
+def head_artifact(kind):
+    _, _, x_spec, _ = model(kind)
+    feat = int(np.prod(x_spec.shape[1:]))
+    spec = {"w": jax.ShapeDtypeStruct((feat, 3), jnp.float32)}
+    labels_spec = jax.ShapeDtypeStruct(x_spec.shape[:1], jnp.int32)
+    return vs.export(_head, spec, x_spec, labels_spec, weights="params", platforms="cpu", wrt=("params", "x"))
+
+
 def pipeline(kind, stages):
-    """``stages - 1`` scanned stages of ``kind`` and a classifier head, exported for the split backward."""
+    """``stages - 1`` scanned stages of ``kind`` and a classifier head, exported for the split backward.
+
+    Stages after the first share one artifact (same function and shapes), with their own parameters.
+    """
     fn, p0, x_spec, x = model(kind)
     rng = np.random.default_rng(7)
     params = [jax.tree_util.tree_map(lambda a, i=i: (a * (1 + 0.1 * i)).astype(a.dtype), p0) for i in range(stages - 1)]
     feat = int(np.prod(x_spec.shape[1:]))
     params.append({"w": (rng.normal(size=(feat, 3)) / np.sqrt(feat)).astype(np.float32)})
-    spec = lambda p: jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), p)  # noqa: E731
-    arts = [vs.export(fn, spec(p), x_spec, weights="params", wrt=("params",) if i == 0 else ("params", "x"),
-                      platforms="cpu") for i, p in enumerate(params[:-1])]
-    labels_spec = jax.ShapeDtypeStruct(x_spec.shape[:1], jnp.int32)
-    arts.append(vs.export(_head, spec(params[-1]), x_spec, labels_spec, weights="params", platforms="cpu",
-                          wrt=("params", "x")))
+    arts = [exported(kind, ("params",))] + [exported(kind)] * (stages - 2) + [head_artifact(kind)]
     x = np.concatenate([x, x[::-1] * 0.5])  # 12 rows: 4 microbatches of 3
     labels = rng.integers(0, 3, x.shape[0]).astype(np.int32)
 
