@@ -319,3 +319,26 @@ def test_pipeline_of_scanned_stages_equals_value_and_grad(kind, schedule, stages
     np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
     assert_trees_close(r.grads, grads, rtol=2e-4, atol=2e-5)
     assert {e.kind for e in r.events} == {"F", "B", "W"}
+
+
+def test_nested_scans_are_cut_through_both_loops():
+    # Scan over layers, each layer an RNN scanned over time: W leaves both loops as one dot per weight,
+    # batched over layers and contracting time and batch.
+    def stage(params, x):  # x: (time, batch, features)
+        def layer(h, p):
+            def cell(c, xt):
+                c = jnp.tanh(xt @ p["w"] + c @ p["u"])
+                return c, c
+            return jax.lax.scan(cell, jnp.zeros_like(h[0]), h)[1], None
+        return jax.lax.scan(layer, x, params)[0]
+
+    rng = np.random.default_rng(0)
+    params = {k: (rng.normal(size=(3, D, D)) / 4).astype(np.float32) for k in ("w", "u")}
+    x = rng.normal(size=(T, 2, D)).astype(np.float32)
+    args = jax.tree_util.tree_leaves((params, x, np.ones_like(x)))
+    closed = jax.make_jaxpr(lambda p, x, ct: jax.vjp(stage, p, x)[1](ct))(params, x, np.ones_like(x))
+    cut = cut_inside(closed, needed_outs=[2])
+    top = [e.outvars[0].aval.shape for e in cut.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert top == [(3, D, D), (3, D, D)]
+    assert_trees_close(tuple(jcore.jaxpr_as_fun(cut)(*args)), tuple(jcore.jaxpr_as_fun(closed)(*args)),
+                       rtol=1e-5, atol=1e-5)
