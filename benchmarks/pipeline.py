@@ -18,11 +18,10 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+from benchmarks.timing import SINGLE_THREAD, run_section
 
 
 def _config(quick: bool) -> dict:
@@ -33,13 +32,7 @@ def _config(quick: bool) -> dict:
 
 def run(quick: bool) -> tuple[str, list[dict]]:
     """Measure in a single-threaded child process; return the markdown table and the rows."""
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {SINGLE_THREAD}".strip())
-    cmd = [sys.executable, "-m", "benchmarks.pipeline", "--child"] + (["--quick"] if quick else [])
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
-    if proc.returncode != 0:
-        raise RuntimeError(f"pipeline benchmark failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    data = json.loads(proc.stdout.strip().splitlines()[-1])
-    return table(data), data["rows"]
+    return run_section("benchmarks.pipeline", quick, table)
 
 
 def table(data: dict) -> str:

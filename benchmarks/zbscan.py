@@ -16,27 +16,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
-SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+from benchmarks.timing import run_section
 
 
 def _config(quick: bool) -> dict:
     if quick:
         return {"width": 128, "rows": 32, "layers": 8, "hidden": 64, "steps": 16, "batch": 16, "rounds": 8}
     return {"width": 512, "rows": 128, "layers": 8, "hidden": 256, "steps": 32, "batch": 64, "rounds": 30}
-
-
-def run(quick: bool) -> tuple[str, list[dict]]:
-    """Measure in a single-threaded child process; return the markdown table and the rows."""
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {SINGLE_THREAD}".strip())
-    cmd = [sys.executable, "-m", "benchmarks.zbscan", "--child"] + (["--quick"] if quick else [])
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
-    if proc.returncode != 0:
-        raise RuntimeError(f"zbscan benchmark failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    data = json.loads(proc.stdout.strip().splitlines()[-1])
-    return table(data), data["rows"]
 
 
 def table(data: dict) -> str:
@@ -55,6 +43,11 @@ def table(data: dict) -> str:
                      f"{(r['flops_B'] + r['flops_W']) / 1e6:.2f} | "
                      f"{(r['flops_B'] + r['flops_W']) / r['flops_fused']:.4f} | {r['dots']} |")
     return "\n".join(lines)
+
+
+def run(quick: bool) -> tuple[str, list[dict]]:
+    """Measure in a single-threaded child process; return the markdown table and the rows."""
+    return run_section("benchmarks.zbscan", quick, table)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,17 +144,8 @@ def _child(quick: bool) -> dict:
 
 def main(argv=None) -> int:
     """``--child``: measure and print JSON (run by ``run``); otherwise run the section and print its table."""
-    import argparse
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.child:
-        print(json.dumps(_child(args.quick)))
-        return 0
-    text, _ = run(args.quick)
-    print(text)
+    quick, child = "--quick" in (argv or sys.argv[1:]), "--child" in (argv or sys.argv[1:])
+    print(json.dumps(_child(quick)) if child else run(quick)[0])
     return 0
 
 
