@@ -15,6 +15,12 @@ import jax
 
 def interleaved(candidates: Mapping[str, Callable[[], object]], rounds: int, warmup: int = 2) -> dict[str, float]:
     """Median seconds per call of each candidate, calls interleaved so drift hits all alike."""
+    return {k: statistics.median(v) for k, v in interleaved_samples(candidates, rounds, warmup).items()}
+
+
+def interleaved_samples(candidates: Mapping[str, Callable[[], object]], rounds: int,
+                        warmup: int = 2) -> dict[str, list[float]]:
+    """Seconds of every call of each candidate, calls interleaved round by round."""
     for _ in range(warmup):
         for fn in candidates.values():
             jax.block_until_ready(fn())
@@ -24,7 +30,7 @@ def interleaved(candidates: Mapping[str, Callable[[], object]], rounds: int, war
             t0 = time.perf_counter()
             jax.block_until_ready(fn())
             samples[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return samples
 
 
 def ms(seconds: float) -> str:
