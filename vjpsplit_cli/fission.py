@@ -300,7 +300,7 @@ class _Batched:
             if name == "dot_general" and all(dep):
                 (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
                 shift = lambda ds: tuple(d + 1 for d in ds)  # noqa: E731
-                dims = ((shift(lc) + (0,), shift(rc) + (0,)), (shift(lb), shift(rb)))
+                dims = (((0,) + shift(lc), (0,) + shift(rc)), (shift(lb), shift(rb)))  # iteration axis outermost
                 (out,) = _bind(eqn, [self.stacked(a) for a in eqn.invars], dimension_numbers=dims)
             elif name in _LINEAR and sum(dep) == 1:
                 (out,) = _bind(eqn, [self.summed(a) if d else self._value(a)[1] for a, d in zip(eqn.invars, dep)])
