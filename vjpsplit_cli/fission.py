@@ -162,12 +162,16 @@ def _accumulators(jaxpr, nc: int, nk: int, skip: Sequence[int]) -> dict:
 def _nbytes(avals, length=1):
     total = 0
     for a in avals:
-        total = total + length * int(np.dtype(a.dtype).itemsize) * np.prod(a.shape, dtype=object)
+        # a.dtype.itemsize: PRNG key dtypes (dropout keys scanned over) have one; np.dtype() refuses them
+        total = total + length * int(a.dtype.itemsize) * np.prod(a.shape, dtype=object)
     return total
 
 
 def _fits(emitted, xs_avals, length) -> bool:
-    """Are the stacks B would emit no larger than the stacked residuals the scan reads?"""
+    """Are the stacks B would emit no larger than the stacked residuals the scan reads?
+
+    Sizes JAX cannot compare mean no.
+    """
     try:
         return bool(_nbytes(emitted, length) <= _nbytes(xs_avals, length))
     except jcore.InconclusiveDimensionOperation:
