@@ -200,6 +200,30 @@ def cleanup_on_signals() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def signals_end_process() -> Iterator[bool]:
+    """While XLA runs a module: SIGINT, SIGTERM and SIGHUP end the process at once (yields whether they do).
+
+    Python runs signal handlers only between bytecodes, and a module can run in C++
+    for ever (a forged never-ending loop): ``cleanup_on_signals``'s handler would
+    wait for it. So, under that guard and while this process has no temp file to
+    remove, the default actions come back for the duration: the process ends, and
+    there is no output to tidy. Signals the user set to be ignored stay ignored.
+    """
+    if (threading.current_thread() is not threading.main_thread() or _Guard.depth == 0 or _LIVE
+            or _Guard.defer or _Guard.pending is not None):
+        yield False
+        return
+    installed = {}
+    try:
+        for s in _Guard.previous:
+            installed[s] = signal.signal(s, signal.SIG_DFL)
+        yield True
+    finally:
+        for s, handler in installed.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
 def _signals_deferred() -> Iterator[None]:
     """Inside, a termination signal is only recorded, so a commit of several renames is not cut short."""
     _Guard.defer += 1
@@ -323,7 +347,10 @@ def remove_stale_temps(directory: str | os.PathLike, *, once: bool = False) -> l
         m = _TEMP_NAME.match(entry.name)
         if m is None or entry.path in _LIVE:
             continue
-        alive = _writer_alive(int(m.group(1)), int(m.group(2)), m.group(3))
+        try:
+            alive = _writer_alive(int(m.group(1)), int(m.group(2)), m.group(3))
+        except (OverflowError, ValueError):  # a pid no process can have: not a name we wrote, leave it
+            continue
         if alive is None:
             try:
                 alive = time.time() - entry.stat(follow_symlinks=False).st_mtime < _FOREIGN_STALE_S

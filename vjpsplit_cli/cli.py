@@ -214,18 +214,42 @@ def cache_dir() -> str | None:
     ``VJPSPLIT_CACHE_DIR`` moves it (empty, ``0`` or ``off`` turns it off); the
     default is ``vjpsplit/jax`` under ``$XDG_CACHE_HOME`` (``~/.cache``).
     """
-    env = os.environ.get("VJPSPLIT_CACHE_DIR")
-    if env is not None:
-        return None if env.strip().lower() in ("", "0", "off", "none") else env
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "vjpsplit", "jax")
+    from .trust import default_cache_dir
+
+    return default_cache_dir()
+
+
+def _private_cache(path: str) -> tuple[bool, str]:
+    """Whether ``path`` may hold caches (created 0700 if missing), and why not.
+
+    Entries there become programs this process runs (JAX's compilation cache
+    included, which checks nothing), so the directory must be this user's and
+    writable by no one else: the rule the executable cache applies to its files.
+    """
+    from .trust import private_dir
+
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as e:
+        return False, e.strerror or str(e)
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        return False, "not a writable directory"
+    if not private_dir(path):
+        return False, "owned by another user or writable by others; make it yours with mode 0700"
+    return True, ""
+
+
+def _active_cache_dir() -> str | None:
+    """``cache_dir()`` when caching is on and the directory is private to this user; else None (no cache at all)."""
+    if click.get_current_context().find_root().params.get("no_cache"):
+        return None
+    path = cache_dir()
+    return path if path is not None and _private_cache(path)[0] else None
 
 
 def _executable_cache() -> str | None:
     """Where run-fwd/run-bwd keep serialized executables (``executables`` under ``cache_dir()``); None when off."""
-    if click.get_current_context().find_root().params.get("no_cache"):
-        return None
-    path = cache_dir()
+    path = _active_cache_dir()
     return None if path is None else os.path.join(path, "executables")
 
 
@@ -235,17 +259,19 @@ def _use_compilation_cache() -> None:
         return
     import jax
 
-    if jax.config.jax_compilation_cache_dir:  # the user configured JAX's own cache: keep it
+    configured = jax.config.jax_compilation_cache_dir
+    if configured:  # the user configured JAX's own cache: keep it, if it is safe to read programs from
+        if "://" in str(configured) or _private_cache(str(configured))[0]:
+            return
+        jax.config.update("jax_enable_compilation_cache", False)
+        if _debug_enabled(click.get_current_context()):
+            _log(f"debug: compilation cache {configured} unusable ({_private_cache(str(configured))[1]}); "
+                 "running without it")
         return
     path = cache_dir()
     if path is None:
         return
-    try:
-        os.makedirs(path, exist_ok=True)
-        usable = os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
-        problem = "not a writable directory"
-    except OSError as e:
-        usable, problem = False, e.strerror or str(e)
+    usable, problem = _private_cache(path)
     if not usable:
         # A cache is an optimisation: without one the command still works, so say so only when asked.
         if _debug_enabled(click.get_current_context()):
@@ -301,12 +327,17 @@ def _function_options(fn):
 @click.option("--weights", default=None, metavar="NAMES",
               help="Comma-separated weight parameters: adds the zero-bubble split backward (run-bwd --part).")
 @click.option("-o", "--output", required=True, type=_ARTIFACT_OUT, help="Artifact file to write.")
+@click.option("--sign-key", "sign_key", type=_EXISTING, default=None, metavar="KEY",
+              help="Sign the artifact with this Ed25519 private key (from `vjpsplit keygen`).")
 @_command
-def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, at, weights, output):
+def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, at, weights, output, sign_key):
     """Export FN's forward and backward into one portable artifact."""
     from .lowering import export
     from .policies import parse_at
     from .specs import load_object, resolve_shapes
+    from .trust import load_private_key
+
+    key = load_private_key(sign_key) if sign_key else None  # a bad key fails before any tracing
 
     source = click.get_current_context().get_parameter_source("policy")
     if memory_budget is not None and source != click.core.ParameterSource.DEFAULT and policy != "auto":
@@ -330,6 +361,8 @@ def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, a
                      policy=None if memory_budget is not None else policy,
                      arg_names=names, name=name, memory_budget=memory_budget, at=parse_at(at),
                      weights=_names(weights))
+        if key is not None:
+            art.sign(key)
         out.write("-o", art.save)
     m = art.manifest
     if auto is not None:
@@ -337,7 +370,29 @@ def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, a
     elif memory_budget is not None:
         _log(f"memory budget {memory_budget}: chose policy {m.policy}")
     _log(f"wrote {output}: {m.function}, {len(m.inputs)} inputs, {len(m.residuals)} residuals "
-         f"({sum(r.input_backed for r in m.residuals)} input-backed), platforms {','.join(m.platforms)}")
+         f"({sum(r.input_backed for r in m.residuals)} input-backed), platforms {','.join(m.platforms)}"
+         + (f", signed by {art.signer}" if art.signer else ""))
+
+
+@main.command("keygen")
+@click.option("-o", "--output", required=True, type=_ARTIFACT_OUT, metavar="KEY",
+              help="Private key file to write (mode 0600); the public key goes to KEY.pub.")
+@_command
+def keygen_cmd(output):
+    """Make an Ed25519 key pair for signing artifacts: KEY (private) and KEY.pub (give this one out)."""
+    from .trust import generate_key
+
+    kid = generate_key(output)
+    _log(f"wrote {output} (private, keep it secret) and {output}.pub (public: --trust-key); key {kid}")
+
+
+def _trust_options(fn):
+    """--trust-key and --allow-kernels: for every command that loads an artifact."""
+    fn = click.option("--allow-kernels", is_flag=True,
+                      help="Trust this artifact's kernel custom calls (LAPACK & co.) without a signature.")(fn)
+    return click.option("--trust-key", "trust_keys", multiple=True, type=_EXISTING, metavar="KEY.pub",
+                        help="Refuse the artifact unless signed by this public key (repeatable; also "
+                             "VJPSPLIT_TRUST_KEYS, paths separated by the OS path separator).")(fn)
 
 
 def _module_files(target: str) -> list[str]:
@@ -371,12 +426,12 @@ def _wants_x64(specs) -> bool:
     return any(not is_key(s) and np.dtype(s.dtype) in wide for s in jax.tree_util.tree_leaves(specs))
 
 
-def _load_artifact(path, *, x64: bool = True):
+def _load_artifact(path, trust_keys=(), allow_kernels: bool = False, *, x64: bool = True):
     """Load an artifact; a manifest that decodes but does not fit the format is one line naming the file."""
     from .artifact import load
 
     try:
-        art = load(path)
+        art = load(path, trust=list(trust_keys) or None, allow_kernels=allow_kernels, cache_dir=_active_cache_dir())
     except (VjpsplitError, MemoryError, OSError):
         raise
     except Exception as e:  # e.g. a hand-edited manifest whose fingerprint was recomputed
@@ -409,8 +464,9 @@ _fsync_option = click.option(
 @click.option("--outputs", "outputs_path", type=_ARRAY_OUT, default=None, help="Outputs file to write (out, aux).")
 @click.option("--self-contained", is_flag=True, help="Also write input-backed residuals, so run-bwd needs no --inputs.")
 @_fsync_option
+@_trust_options
 @_command
-def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contained, fsync):
+def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contained, fsync, trust_keys, allow_kernels):
     """Run the forward: inputs -> outputs and residuals."""
     from .arrays import load_arrays, save_arrays
     from .residuals import save_residuals
@@ -418,7 +474,7 @@ def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contai
     with StagedOutputs({"--residuals": residuals_path, "--outputs": outputs_path},
                        {"ARTIFACT": artifact, "--inputs": inputs_path}, fsync=fsync) as out:
         _use_compilation_cache()
-        art = _load_artifact(artifact)
+        art = _load_artifact(artifact, trust_keys, allow_kernels)
         art.executable_cache = _executable_cache()
         inputs, _ = load_arrays(inputs_path)
         outputs, res = art.run_fwd_arrays(inputs, source=inputs_path)
@@ -448,9 +504,10 @@ def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contai
               help="With --part: the intermediates file (written by input, read by weight).")
 @click.option("--no-verify", is_flag=True, help="Skip the CRC-32 check of residuals and intermediates.")
 @_fsync_option
+@_trust_options
 @_command
 def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_path, part, inter_path, no_verify,
-                fsync):
+                fsync, trust_keys, allow_kernels):
     """Run the backward: residuals (+ cotangents) -> gradients, without the forward."""
     from .arrays import load_arrays, save_arrays
     from .manifest import check_keys
@@ -473,7 +530,7 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
     )
     with staged as out:
         _use_compilation_cache()
-        art = _load_artifact(artifact)
+        art = _load_artifact(artifact, trust_keys, allow_kernels)
         art.executable_cache = _executable_cache()
         inputs = None
         if inputs_path:
@@ -514,13 +571,14 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--at", "at", multiple=True, type=_AtSizes(), metavar="NAME=SIZE",
               help="Size symbolic dims in the byte totals (b=256).")
+@_trust_options
 @_command
-def inspect_cmd(artifact, as_json, at):
+def inspect_cmd(artifact, as_json, at, trust_keys, allow_kernels):
     """Describe an artifact: keys, dtypes, shapes, residual bytes, platforms, versions."""
     from .policies import parse_at
     from .report import describe, format_table
 
-    art = _load_artifact(artifact, x64=False)
+    art = _load_artifact(artifact, trust_keys, allow_kernels, x64=False)
     sizes = parse_at(at)
     if as_json:
         click.echo(json.dumps(describe(art, sizes), indent=2))

@@ -28,6 +28,7 @@ def describe(art: Artifact, at: Mapping[str, int] | None = None) -> dict:
         "platforms": list(m.platforms),
         "policy": m.policy,
         "fingerprint": m.fingerprint,
+        "signer": art.signer,  # the signing key's id (checked against the file), or None: unsigned
         "versions": {
             "format": m.format_version,
             "vjpsplit": m.vjpsplit_version,
@@ -73,6 +74,7 @@ def format_table(art: Artifact, at: Mapping[str, int] | None = None) -> str:
         f"policy       {m.policy}",
         f"has_aux      {m.has_aux}",
         f"fingerprint  {m.fingerprint}",
+        f"signed by    {art.signer or '(unsigned)'}",
         f"versions     format {m.format_version}, vjpsplit {m.vjpsplit_version}, jax {m.jax_version}, "
         f"calling convention {m.calling_convention_version}",
         "",

@@ -1,0 +1,65 @@
+"""Describe serialized StableHLO modules: their main signature and custom calls, as JSON-able data.
+
+``trust`` runs this in a child process (``python -m vjpsplit_cli.mlirprobe``,
+module bytes in, JSON out) for modules whose author it cannot vouch for, because a
+corrupt bytecode can crash the MLIR parser or corrupt its heap. It imports only
+jax's MLIR bindings.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _type(t) -> list:
+    from jax._src.lib.mlir import ir
+
+    try:
+        r = ir.RankedTensorType(t)
+    except (ValueError, TypeError):
+        return [str(t), None]
+    return [str(r.element_type), [None if r.is_dynamic_dim(i) else r.get_dim_size(i) for i in range(r.rank)]]
+
+
+def probe(data: bytes) -> dict:
+    """``{"main": {"inputs", "results"}, "calls": [{"target", "operands", "results", "attrs"}]}`` of one module.
+
+    ``data`` is a ``jax.export`` serialization (a flatbuffer around the StableHLO bytecode).
+    """
+    from jax import export as jexport
+    from jax._src.interpreters import mlir
+    from jax._src.lib import _jax
+    from jax._src.lib.mlir import ir
+
+    out: dict = {"calls": [], "main": None}
+    with mlir.make_ir_context():
+        bytecode = jexport.deserialize(bytearray(data)).mlir_module_serialized
+        module = _jax.mlir.deserialize_portable_artifact(bytecode)
+        stack = [module.operation]
+        while stack:  # iterative: a forged module may nest regions deeper than Python's recursion limit
+            op = stack.pop().operation  # the generic Operation: an OpView may rename .name
+            if op.name == "stablehlo.custom_call":
+                attrs = op.attributes
+                extra = {k: str(attrs[k])[:200] for k in ("mhlo.backend_config", "backend_config",
+                                                          "mhlo.frontend_attributes") if k in attrs}
+                out["calls"].append({"target": ir.StringAttr(attrs["call_target_name"]).value,
+                                     "operands": [_type(v.type) for v in op.operands],
+                                     "results": [_type(v.type) for v in op.results], "attrs": extra})
+            elif op.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == "main":
+                ft = ir.FunctionType(ir.TypeAttr(op.attributes["function_type"]).value)
+                out["main"] = {"inputs": [_type(t) for t in ft.inputs], "results": [_type(t) for t in ft.results]}
+            for region in op.regions:
+                for block in region.blocks:
+                    stack.extend(block.operations)
+    return out
+
+
+def main() -> None:
+    """Read ``{name: hex bytes}`` as JSON on stdin; write ``{name: probe}`` as JSON on stdout."""
+    request = json.loads(sys.stdin.read())
+    sys.stdout.write(json.dumps({k: probe(bytes.fromhex(v)) for k, v in request.items()}))
+
+
+if __name__ == "__main__":
+    main()
