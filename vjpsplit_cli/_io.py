@@ -224,6 +224,33 @@ def signals_end_process() -> Iterator[bool]:
 
 
 @contextlib.contextmanager
+def time_limit(seconds: float | None, message: str) -> Iterator[None]:
+    """Past ``seconds`` inside, print ``error: <message>`` and end the process with exit code 1.
+
+    A module can run in C++ for ever, where no Python exception reaches it, so only
+    ending the process stops it. This process's temp files are removed first; wrap
+    only work that commits no output (the CLI's loads and module runs).
+    """
+    if not seconds:
+        yield
+        return
+
+    def expire() -> None:
+        _remove_live_temps()
+        sys.stderr.write(f"error: {printable(message)}\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+@contextlib.contextmanager
 def _signals_deferred() -> Iterator[None]:
     """Inside, a termination signal is only recorded, so a commit of several renames is not cut short."""
     _Guard.defer += 1
@@ -270,6 +297,18 @@ _TEMP_NAME = re.compile(r"\.[^/]*\.[0-9a-f]{8}\.vjps(\d+)-(\d+)-([0-9a-f]{8})\.t
 _FOREIGN_STALE_S = 24 * 3600
 _SWEPT: set[str] = set()  # directories this process has swept already
 _TAG: list[str] = []
+
+
+def private_dir(path: str | os.PathLike) -> bool:
+    """True if ``path`` is a directory owned by this user that no one else can write.
+
+    The rule for every cache whose entries become programs this process runs.
+    """
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def _start_ticks(pid: int) -> int | None:

@@ -16,7 +16,8 @@ import traceback
 
 import click
 
-from ._io import Interrupted, StagedOutputs, UsageError, os_error_message, outputs_committed, printable
+from ._io import (Interrupted, StagedOutputs, UsageError, os_error_message, outputs_committed, printable, private_dir,
+                  time_limit)
 from .errors import VjpsplitError
 
 _EXISTING = click.Path(dir_okay=True, path_type=str)  # existence is checked by our loaders, with our message
@@ -226,8 +227,6 @@ def _private_cache(path: str) -> tuple[bool, str]:
     included, which checks nothing), so the directory must be this user's and
     writable by no one else: the rule the executable cache applies to its files.
     """
-    from .trust import private_dir
-
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
     except OSError as e:
@@ -449,6 +448,20 @@ def _numpy(values: dict) -> dict:
     return {k: np.asarray(v) for k, v in values.items()}
 
 
+_timeout_option = click.option(
+    "--timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
+    help="Give up (error, exit 1, no output written) if loading and running the artifact take longer.")
+
+
+def _timed(seconds: float | None, artifact: str):
+    """``time_limit`` for --timeout (None: no limit)."""
+    if seconds is None:
+        return contextlib.nullcontext()
+    return time_limit(seconds, f"{artifact}: {click.get_current_context().info_name} did not finish within "
+                               f"{seconds:g} s (--timeout); every previous output is left as it was; "
+                               "allow more time, or do not run this artifact if it never ends")
+
+
 # Residuals, outputs, grads and intermediates are transient: by default they are not
 # flushed to disk (the rename is atomic, checksums catch a file torn by a power loss).
 _fsync_option = click.option(
@@ -465,8 +478,10 @@ _fsync_option = click.option(
 @click.option("--self-contained", is_flag=True, help="Also write input-backed residuals, so run-bwd needs no --inputs.")
 @_fsync_option
 @_trust_options
+@_timeout_option
 @_command
-def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contained, fsync, trust_keys, allow_kernels):
+def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contained, fsync, trust_keys, allow_kernels,
+                timeout):
     """Run the forward: inputs -> outputs and residuals."""
     from .arrays import load_arrays, save_arrays
     from .residuals import save_residuals
@@ -474,11 +489,12 @@ def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contai
     with StagedOutputs({"--residuals": residuals_path, "--outputs": outputs_path},
                        {"ARTIFACT": artifact, "--inputs": inputs_path}, fsync=fsync) as out:
         _use_compilation_cache()
-        art = _load_artifact(artifact, trust_keys, allow_kernels)
-        art.executable_cache = _executable_cache()
-        inputs, _ = load_arrays(inputs_path)
-        outputs, res = art.run_fwd_arrays(inputs, source=inputs_path)
-        outputs = _numpy(outputs)  # finish the compute before any file is written
+        with _timed(timeout, artifact):
+            art = _load_artifact(artifact, trust_keys, allow_kernels)
+            art.executable_cache = _executable_cache()
+            inputs, _ = load_arrays(inputs_path)
+            outputs, res = art.run_fwd_arrays(inputs, source=inputs_path)
+            outputs = _numpy(outputs)  # finish the compute before any file is written
         out.write("--residuals", lambda tmp: save_residuals(tmp, res, self_contained=self_contained))
         if outputs_path:
             meta = {"kind": "vjpsplit-outputs", "fingerprint": art.manifest.fingerprint}
@@ -505,9 +521,10 @@ def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contai
 @click.option("--no-verify", is_flag=True, help="Skip the CRC-32 check of residuals and intermediates.")
 @_fsync_option
 @_trust_options
+@_timeout_option
 @_command
 def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_path, part, inter_path, no_verify,
-                fsync, trust_keys, allow_kernels):
+                fsync, trust_keys, allow_kernels, timeout):
     """Run the backward: residuals (+ cotangents) -> gradients, without the forward."""
     from .arrays import load_arrays, save_arrays
     from .manifest import check_keys
@@ -530,32 +547,33 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
     )
     with staged as out:
         _use_compilation_cache()
-        art = _load_artifact(artifact, trust_keys, allow_kernels)
-        art.executable_cache = _executable_cache()
-        inputs = None
-        if inputs_path:
-            inputs = load_arrays(inputs_path)[0]
-            # The same inputs file run-fwd read: every input key, nothing else.
-            check_keys(inputs_path, "input", [leaf.key for leaf in art.manifest.inputs], inputs)
-        res = None
-        if residuals_path:
-            res = load_residuals(residuals_path, inputs=inputs, artifact=art, inputs_source=inputs_path,
-                                 verify=not no_verify)
-        if part == "weight":
-            from .residuals import load_intermediates
+        with _timed(timeout, artifact):
+            art = _load_artifact(artifact, trust_keys, allow_kernels)
+            art.executable_cache = _executable_cache()
+            inputs = None
+            if inputs_path:
+                inputs = load_arrays(inputs_path)[0]
+                # The same inputs file run-fwd read: every input key, nothing else.
+                check_keys(inputs_path, "input", [leaf.key for leaf in art.manifest.inputs], inputs)
+            res = None
+            if residuals_path:
+                res = load_residuals(residuals_path, inputs=inputs, artifact=art, inputs_source=inputs_path,
+                                     verify=not no_verify)
+            if part == "weight":
+                from .residuals import load_intermediates
 
-            inter = load_intermediates(inter_path, inputs=inputs, artifact=art, inputs_source=inputs_path,
-                                       verify=not no_verify)
-            grads = art.run_bwd_weight_arrays(res, inter, source=residuals_path or "residuals", inter_source=inter_path)
-            inter = None
-        else:
-            cts = load_arrays(cotangents_path)[0] if cotangents_path else None
-            ct_source = cotangents_path or "cotangents"
-            if part == "input":
-                grads, inter = art.run_bwd_input_arrays(res, cts, source=residuals_path, ct_source=ct_source)
+                inter = load_intermediates(inter_path, inputs=inputs, artifact=art, inputs_source=inputs_path,
+                                           verify=not no_verify)
+                grads = art.run_bwd_weight_arrays(res, inter, source=residuals_path or "residuals", inter_source=inter_path)
+                inter = None
             else:
-                grads, inter = art.run_bwd_arrays(res, cts, source=residuals_path, ct_source=ct_source), None
-        grads = _numpy(grads)  # finish the compute before any file is written
+                cts = load_arrays(cotangents_path)[0] if cotangents_path else None
+                ct_source = cotangents_path or "cotangents"
+                if part == "input":
+                    grads, inter = art.run_bwd_input_arrays(res, cts, source=residuals_path, ct_source=ct_source)
+                else:
+                    grads, inter = art.run_bwd_arrays(res, cts, source=residuals_path, ct_source=ct_source), None
+            grads = _numpy(grads)  # finish the compute before any file is written
         if inter is not None:
             from .residuals import save_intermediates
 

@@ -55,10 +55,18 @@ def probe(data: bytes) -> dict:
     return out
 
 
+def _probe_or_error(data: bytes) -> dict:
+    try:
+        return probe(data)
+    except Exception as e:  # the parser refused it: report, do not crash
+        lines = str(e).strip().splitlines()
+        return {"error": f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]}
+
+
 def main() -> None:
-    """Read ``{name: hex bytes}`` as JSON on stdin; write ``{name: probe}`` as JSON on stdout."""
+    """Read ``{name: hex bytes}`` as JSON on stdin; write ``{name: probe or {"error": ...}}`` as JSON on stdout."""
     request = json.loads(sys.stdin.read())
-    sys.stdout.write(json.dumps({k: probe(bytes.fromhex(v)) for k, v in request.items()}))
+    sys.stdout.write(json.dumps({k: _probe_or_error(bytes.fromhex(v)) for k, v in request.items()}))
 
 
 if __name__ == "__main__":

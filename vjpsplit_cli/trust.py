@@ -36,7 +36,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ._io import StagedOutputs, atomic_write, read_bytes
+from ._io import StagedOutputs, atomic_write, private_dir, read_bytes
 from .dtypes import dtype_from_name
 from .errors import VjpsplitError
 
@@ -197,11 +197,26 @@ def verify(top: Mapping, body: bytes, source: str, trusted: Mapping[bytes, str] 
 _MALLOC_DEBUG = "/usr/lib/x86_64-linux-gnu/libc_malloc_debug.so.0"
 
 
-def _probe_here(modules: Mapping[str, bytes]) -> dict:
-    """Probe in this process (only for modules whose author is trusted: their bytes parse as jax would)."""
+def _probe_here(modules: Mapping[str, bytes], source: str) -> dict:
+    """Probe in this process (only for modules whose author is trusted: jax would parse them here anyway).
+
+    The MLIR parser prints its diagnostics on file descriptor 2: they are kept off
+    the terminal, and a failure is one ``VjpsplitError``.
+    """
     from .mlirprobe import probe
 
-    return {k: probe(v) for k, v in modules.items()}
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        return {k: probe(v) for k, v in modules.items()}
+    except Exception as e:
+        raise VjpsplitError(f"{source}: a module's StableHLO is corrupt ({type(e).__name__}); the signed artifact "
+                            "is damaged: ask its author to export it again") from e
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _probe_child(modules: Mapping[str, bytes], source: str) -> dict:
@@ -219,14 +234,21 @@ def _probe_child(modules: Mapping[str, bytes], source: str) -> dict:
     except (OSError, subprocess.TimeoutExpired) as e:
         raise VjpsplitError(f"{source}: could not check the artifact's modules ({type(e).__name__}: {e}); "
                             "retry, or export the artifact again") from e
-    if done.returncode != 0:
-        how = f"signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
-        raise VjpsplitError(f"{source}: a module's StableHLO is corrupt (the parser failed with {how}); "
-                            "the artifact is damaged or forged: copy or export it again")
+    if done.returncode < 0:  # the parser crashed (or glibc caught it corrupting the heap)
+        raise VjpsplitError(f"{source}: a module's StableHLO is corrupt (the parser died of signal "
+                            f"{-done.returncode}); the artifact is damaged or forged: copy or export it again")
     try:
-        result = json.loads(done.stdout)
-    except ValueError as e:
-        raise VjpsplitError(f"{source}: could not check the artifact's modules (bad probe reply); retry") from e
+        result = json.loads(done.stdout) if done.returncode == 0 else None
+    except ValueError:
+        result = None
+    if not isinstance(result, dict):
+        last = (done.stderr.decode(errors="replace").strip().splitlines() or [""])[-1][:200]
+        raise VjpsplitError(f"{source}: could not check the artifact's modules (checker exit {done.returncode}: "
+                            f"{last}); check that jax imports in this Python, then retry")
+    for k, v in result.items():
+        if isinstance(v, dict) and "error" in v:
+            raise VjpsplitError(f"{source}: the {k} module's StableHLO is corrupt ({str(v['error'])[:160]}); "
+                                "the artifact is damaged or forged: copy or export it again")
     return result
 
 
@@ -240,15 +262,6 @@ def _verdict_dir(cache_dir: str | None) -> str | None:
         return path if private_dir(cache_dir) and private_dir(path) else None
     except OSError:
         return None
-
-
-def private_dir(path: str) -> bool:
-    """True if ``path`` is a directory owned by this user that no one else can write."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def _verdict_name(data: bytes) -> str:
@@ -277,6 +290,11 @@ DEFAULT = "default"  # ``cache_dir`` sentinel: the default cache location (``def
 _SEEN: dict[str, dict] = {}  # verdict name -> probe, for modules this process has probed already
 
 
+def forget_verdicts() -> None:
+    """Forget the module verdicts this process keeps in memory (the next load reads the cache directory or probes)."""
+    _SEEN.clear()
+
+
 def default_cache_dir() -> str | None:
     """vjpsplit's cache directory: ``VJPSPLIT_CACHE_DIR`` (empty, ``0``, ``off`` or ``none``: None), else
     ``vjpsplit/jax`` under ``$XDG_CACHE_HOME`` (``~/.cache``)."""
@@ -294,8 +312,6 @@ def probe_modules(modules: Mapping[str, bytes], source: str, *, in_process: bool
     ``cache_dir``: where verdicts persist between processes (``DEFAULT``: the default
     location; None: nowhere). Only a directory private to this user is used.
     """
-    if in_process:
-        return _probe_here(modules)
     directory = _verdict_dir(default_cache_dir() if cache_dir == DEFAULT else cache_dir)
     found, todo = {}, {}
     for k, data in modules.items():
@@ -306,7 +322,7 @@ def probe_modules(modules: Mapping[str, bytes], source: str, *, in_process: bool
         else:
             todo[k] = data
     if todo:
-        fresh = _probe_child(todo, source)
+        fresh = _probe_here(todo, source) if in_process else _probe_child(todo, source)
         for k in todo:
             if not isinstance(fresh.get(k), dict):
                 raise VjpsplitError(f"{source}: could not check the {k} module (bad probe reply); retry")
