@@ -303,7 +303,29 @@ def test_lapack_shape_rule_accepts_what_jax_emits_and_refuses_smaller_results():
     svd = {"target": "lapack_sgesdd_ffi", "operands": [["f32", [3, 4]]], "attrs": {"mhlo.backend_config": "{mode = 65 : ui8}"},
            "results": [["f32", [3, 4]], ["f32", [3]], ["f32", [3, 3]], ["f32", [4, 4]], ["i32", []]]}
     assert lapack_shapes_ok(svd)
+    # Mode 'A' writes full u and vt: reduced ones declared for it are too small.
+    reduced = {**svd, "operands": [["f32", [5, 3]]],
+               "results": [["f32", [5, 3]], ["f32", [3]], ["f32", [5, 3]], ["f32", [3, 3]], ["i32", []]]}
+    assert not lapack_shapes_ok(reduced)
+    assert lapack_shapes_ok({**reduced, "attrs": {"mhlo.backend_config": "{mode = 83 : ui8}"}})
     assert not lapack_shapes_ok({**svd, "results": svd["results"][:2] + [["f32", [3, 1]]] + svd["results"][3:]})
+
+
+def test_jax_own_linear_algebra_for_every_platform_passes_unsigned():
+    def linalg(a):
+        sq = a[..., :4, :4] @ jnp.swapaxes(a[..., :4, :4], -1, -2) + 4.0 * jnp.eye(4)
+        return (jnp.sum(jax.scipy.linalg.lu_factor(a)[0]) + jnp.sum(jnp.linalg.qr(a)[0])
+                + jnp.sum(jnp.linalg.svd(a, full_matrices=False)[1]) + jnp.sum(jnp.linalg.eigh(sq)[0])
+                + jnp.sum(jnp.linalg.cholesky(sq)) + jnp.sum(jnp.linalg.solve(sq, a[..., :4, :1])))
+
+    a = np.linspace(-1, 1, 60, dtype=np.float32).reshape(3, 5, 4)
+    art = vs.export(linalg, jax.ShapeDtypeStruct(a.shape, np.float32))  # cpu, cuda and tpu: LAPACK, cuSOLVER, XLA's
+    fwd = art.modules["fwd"]
+    assert b"lapack_" in fwd and b"cusolver_" in fwd and b"LuDecomposition" in fwd
+    loaded = vs.loads(art.to_bytes(), cache_dir=None)
+    out, res = loaded.fwd(a)
+    np.testing.assert_allclose(out, linalg(a), rtol=1e-4)
+    np.testing.assert_allclose(loaded.bwd(res)[0], jax.grad(linalg)(a), rtol=1e-3, atol=1e-4)
 
 
 # ----------------------------------------------------------------------------- avals

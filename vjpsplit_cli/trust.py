@@ -343,7 +343,9 @@ def probe_modules(modules: Mapping[str, bytes], source: str, *, in_process: bool
 _ANNOTATIONS = frozenset({
     "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "shape_assertion", "annotate_device_placement",
     "MoveToHost", "MoveToDevice", "PartitionId", "X64Combine", "X64SplitLow", "X64SplitHigh",
-    "TopK", "ApproxTopK", "PartialReduce",
+    "TopK", "ApproxTopK", "PartialReduce", "AllocateBuffer",
+    # Linear algebra on TPU: expanded by XLA itself, which checks their shapes.
+    "Eigh", "Qr", "ProductOfElementaryHouseholderReflectors", "LuDecomposition",
 })
 _ANNOTATION_PREFIXES = ("xla.sdy.", "local_xla.sdy.", "sdy.", "stablehlo.", "mhlo.")
 # Host callbacks run Python (or whatever a forged index points at): vjpsplit never exports them.
@@ -359,7 +361,9 @@ def classify(target: str) -> str:
     return "kernel"
 
 
-_LAPACK = re.compile(r"lapack_([sdcz])(getrf|potrf|geqrf|orgqr|ungqr|syevd|heevd|gesdd|trsm)_ffi\Z")
+_LAPACK = re.compile(r"(?:lapack_([sdcz])|cusolver_|hipsolver_)"
+                     r"(getrf|potrf|geqrf|orgqr|ungqr|syevd|heevd|gesdd|gesvdj|gesvd|trsm)_ffi\Z")
+_PIVOTS = re.compile(r"(?:cu|hip)_lu_pivots_to_permutation\Z")
 _REAL = {"f32": "f32", "f64": "f64", "complex<f32>": "f32", "complex<f64>": "f64"}
 _LETTER = {"s": "f32", "d": "f64", "c": "complex<f32>", "z": "complex<f64>"}
 
@@ -372,22 +376,27 @@ def _static(t) -> tuple[str, tuple[int, ...]] | None:
 
 
 def lapack_shapes_ok(call: Mapping) -> bool:
-    """Whether a LAPACK custom call's operands and results have the shapes JAX's lowering gives them.
+    """Whether a LAPACK (or cuSOLVER) custom call's operands and results have the shapes JAX's lowering gives them.
 
     The kernels size their writes from the first operand ``[B..., m, n]``; a
     result declared smaller than that is a buffer overflow. Dynamic dims cannot be
     checked here: such a call needs a trusted signer or ``allow_kernels``.
     """
-    m_ = _LAPACK.match(call.get("target", ""))
+    target = call.get("target", "")
+    ops = [_static(t) for t in call.get("operands", ())]
+    res = [_static(t) for t in call.get("results", ())]
+    if not ops or any(t is None for t in ops + res):
+        return False
+    if _PIVOTS.match(target):  # pivots [B..., k] -> permutation [B..., m], m >= k: sized by its result
+        (p_elt, piv), = ops if len(ops) == 1 else [("", ())]
+        return (p_elt == "i32" and len(res) == 1 and res[0][0] == "i32" and len(res[0][1]) == len(piv) >= 1
+                and res[0][1][:-1] == piv[:-1] and res[0][1][-1] >= piv[-1])
+    m_ = _LAPACK.match(target)
     if not m_:
         return False
     letter, kind = m_.groups()
-    ops = [_static(t) for t in call["operands"]]
-    res = [_static(t) for t in call["results"]]
-    if not ops or any(t is None for t in ops + res):
-        return False
     elt, a = ops[0]
-    if elt != _LETTER[letter] or len(a) < 2:
+    if elt not in _REAL or (letter and elt != _LETTER[letter]) or len(a) < 2:
         return False
     *batch, m, n = a
     batch, k = tuple(batch), min(m, n)
@@ -413,16 +422,24 @@ def lapack_shapes_ok(call: Mapping) -> bool:
         b_elt, b = ops[1]
         return (b_elt == elt and m == n and len(b) == len(a) and b[:-2] == batch and n in b[-2:]
                 and want((elt, b)))
-    if kind == "gesdd":
+    if kind in ("gesdd", "gesvdj", "gesvd"):
         if len(res) != 5 or res[0] != (elt, a) or res[1] != (real, (*batch, k)) or res[4] != (i32, batch):
             return False
         (u_elt, u), (v_elt, vt) = res[2], res[3]
-        # Full ('A'), reduced ('S'), or none (u and vt unused, any size): never smaller than LAPACK writes.
+        if u_elt != elt or v_elt != elt or u[:-2] != batch or vt[:-2] != batch:
+            return False
+        full = u[-2:] == (m, m) and vt[-2:] == (n, n)
         mode = call.get("attrs", {}).get("mhlo.backend_config", "")
-        if "mode = 78" in mode:  # 'N': no vectors
-            return True
-        return (u_elt == elt and v_elt == elt and u[:-2] == batch and vt[:-2] == batch
-                and ((u[-2:] == (m, m) and vt[-2:] == (n, n)) or (u[-2:] == (m, k) and vt[-2:] == (k, n))))
+        if letter:  # LAPACK's mode says what it writes: 'A' full, 'S' reduced, 'N' no vectors
+            if "mode = 78" in mode:
+                return True
+            if "mode = 65" in mode:
+                return full
+            if "mode = 83" in mode:
+                return u[-2:] == (m, k) and vt[-2:] == (k, n)
+            return False
+        # cuSOLVER: full matrices, when asked for or where every mode writes the same sizes.
+        return full and (m == n or "full_matrices = true" in mode)
     return False
 
 
