@@ -510,11 +510,12 @@ def _loads(data: bytes, source: str, trust, allow_kernels: bool, cache_dir: str 
         raise VjpsplitError(
             f"{source}: fingerprint mismatch: the artifact was modified after export; export it again"
         )
-    vouched = signer is not None and trusted is not None  # signed by a key the caller trusts
-    probes = _trust_mod.probe_modules(modules, source, in_process=vouched, cache_dir=cache_dir)
-    art = Artifact(manifest, modules, source=source)
+    art = Artifact(manifest, modules, source=source)  # reads the modules' headers (Python), not their StableHLO
     if tuple(art._exps["fwd"].platforms) != manifest.platforms:
         raise VjpsplitError(f"{source}: the modules' platforms do not match the manifest; export it again")
+    vouched = signer is not None and trusted is not None  # signed by a key the caller trusts
+    probes = _trust_mod.probe_modules({k: e.mlir_module_serialized for k, e in art._exps.items()}, source,
+                                      in_process=vouched, cache_dir=cache_dir)
     _trust_mod.check_modules(source, manifest, art._exps, probes, trusted_signer=vouched, allow_kernels=allow_kernels)
     art.signature, art.signer = signature, signer
     return art

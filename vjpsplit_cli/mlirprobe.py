@@ -1,9 +1,9 @@
 """Describe serialized StableHLO modules: their main signature and custom calls, as JSON-able data.
 
 ``trust`` runs this in a child process (``python -m vjpsplit_cli.mlirprobe``,
-module bytes in, JSON out) for modules whose author it cannot vouch for, because a
+bytecode in, JSON out) for modules whose author it cannot vouch for, because a
 corrupt bytecode can crash the MLIR parser or corrupt its heap. It imports only
-jax's MLIR bindings.
+jaxlib's MLIR bindings, not jax (a third of the start-up time).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 
 
 def _type(t) -> list:
-    from jax._src.lib.mlir import ir
+    from jaxlib.mlir import ir
 
     try:
         r = ir.RankedTensorType(t)
@@ -22,20 +22,39 @@ def _type(t) -> list:
     return [str(r.element_type), [None if r.is_dynamic_dim(i) else r.get_dim_size(i) for i in range(r.rank)]]
 
 
-def probe(data: bytes) -> dict:
+def _context():
+    """An MLIR context with the dialects jax's modules use (as ``jax``'s ``make_ir_context`` registers them)."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import chlo, mhlo, sdy, stablehlo
+
+    ctx = ir.Context()
+    try:
+        from jaxlib.mlir._mlir_libs import _jax_mlir_ext
+
+        registry = ir.DialectRegistry()
+        _jax_mlir_ext.register_dialects(registry)
+        ctx.append_dialect_registry(registry)
+    except (ImportError, AttributeError):  # older jaxlib: the upstream dialects load below anyway
+        pass
+    ctx.load_all_available_dialects()
+    stablehlo.register_dialect(ctx)
+    chlo.register_dialect(ctx)
+    sdy.register_dialect(ctx)
+    mhlo.register_mhlo_dialect(ctx)
+    return ctx
+
+
+def probe(bytecode: bytes) -> dict:
     """``{"main": {"inputs", "results"}, "calls": [{"target", "operands", "results", "attrs"}]}`` of one module.
 
-    ``data`` is a ``jax.export`` serialization (a flatbuffer around the StableHLO bytecode).
+    ``bytecode`` is the portable StableHLO of a ``jax.export`` module (``mlir_module_serialized``).
     """
-    from jax import export as jexport
-    from jax._src.interpreters import mlir
-    from jax._src.lib import _jax
-    from jax._src.lib.mlir import ir
+    import jaxlib._jax as _jax
+    from jaxlib.mlir import ir
 
     out: dict = {"calls": [], "main": None}
-    with mlir.make_ir_context():
-        bytecode = jexport.deserialize(bytearray(data)).mlir_module_serialized
-        module = _jax.mlir.deserialize_portable_artifact(bytecode)
+    with _context():
+        module = _jax.mlir.deserialize_portable_artifact(bytes(bytecode))
         stack = [module.operation]
         while stack:  # iterative: a forged module may nest regions deeper than Python's recursion limit
             op = stack.pop().operation  # the generic Operation: an OpView may rename .name
