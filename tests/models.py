@@ -80,6 +80,24 @@ def nested_inputs(seed=3):
     return params, f(2, 3)
 
 
+def stage_hidden(params, x):
+    """A pipeline stage: one tanh layer."""
+    return jnp.tanh(x @ params["w"] + params["b"])
+
+
+def stage_head(params, x, labels):
+    """The last pipeline stage: a linear head and softmax cross-entropy on integer labels."""
+    logits = x @ params["w"] + params["b"]
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
+
+
+def stages_whole(params, x, labels):
+    """The model a pipeline of ``stage_hidden`` stages and a ``stage_head`` computes, in one function."""
+    for p in params[:-1]:
+        x = stage_hidden(p, x)
+    return stage_head(params[-1], x, labels)
+
+
 def ref_vjp(fn, args, ct=None, argnums=None):
     """(out, grads) from plain jax.vjp; ct defaults to ones like the output."""
     argnums = tuple(range(len(args))) if argnums is None else argnums

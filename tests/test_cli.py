@@ -133,6 +133,7 @@ def test_inspect_json_and_table(ws):
     for key in ("inputs", "outputs", "residuals", "grads", "platforms", "policy", "fingerprint", "versions"):
         assert key in d
     assert {"key": "x", "dtype": "float32", "shape": ["b", 6]} in d["inputs"]
+    assert d["nr_devices"] == 1 and d["mesh"] is None  # sharded artifacts: tests/sharded
     assert d["outputs"] == [{"key": "out", "dtype": "float32", "shape": []}]
     assert all(set(e) == {"key", "dtype", "shape", "input_backed"} for e in d["residuals"])
     assert any(e["input_backed"] for e in d["residuals"]) and not all(e["input_backed"] for e in d["residuals"])

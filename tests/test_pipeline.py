@@ -12,24 +12,10 @@ from jax import export as jexport
 
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
-from models import assert_trees_close
+from models import assert_trees_close, stage_head as head, stage_hidden as hidden, stages_whole as whole
 
 D, CLASSES, BATCH = 8, 5, 24
 
-
-def hidden(params, x):
-    return jnp.tanh(x @ params["w"] + params["b"])
-
-
-def head(params, x, labels):
-    logits = x @ params["w"] + params["b"]
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
-
-
-def whole(params, x, labels):
-    for p in params[:-1]:
-        x = hidden(p, x)
-    return head(params[-1], x, labels)
 
 
 @functools.lru_cache(maxsize=None)  # exporting dominates; tests never mutate what it returns

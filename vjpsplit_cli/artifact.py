@@ -8,7 +8,6 @@ An artifact runs without the user's code: its manifest says every key, dtype and
 from __future__ import annotations
 
 import dataclasses
-import os
 import uuid
 from typing import Any, Mapping, Sequence
 
@@ -19,22 +18,18 @@ import numpy as np
 from jax import export as jexport
 
 from . import trust as _trust_mod
-from ._io import atomic_write, read_bytes, signals_end_process
+from .outputs import atomic_write
+from .reading import read_bytes
 from .dtypes import dtype_from_name
 from .errors import VjpsplitError, first_line
+from .system import host_memory
 from .manifest import MAGIC, MODULES, ArgTrees, Leaf, Manifest, check_array, check_keys, fingerprint, flatten_args
-from .prng import from_data
-from .residuals import Intermediates, Residuals
+from .prng import from_data, to_data
+from .residuals import Intermediates, Residuals, SplitResiduals
 from .shapes import concrete_shape
+from .sharding import host_mesh, named, place
+from .signals import signals_end_process
 from .trees import decode_structure, flatten_with_keys, structure_keys
-
-def _host_memory() -> int:
-    """Physical memory in bytes (2**63 where the platform does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 2**63
-
 
 def _current_platform() -> str:
     d = jax.devices()[0]
@@ -67,6 +62,82 @@ class Artifact:
         # Trust (module trust): the signature entry, and the signer's key id once verified.
         self.signature: dict | None = None
         self.signer: str | None = None
+        self._devices: tuple | None = None  # a sharded artifact's device group; None: this host's first devices
+        self._mesh = None
+        self._siblings: dict[tuple, "Artifact"] = {}
+        # How export chose the manifest's policy (auto's measurements, a budget's pick); None when loaded.
+        self.policy_choice = None
+
+    def on_devices(self, devices) -> "Artifact":
+        """This artifact running on ``devices`` (exactly ``nr_devices`` of them, in mesh order).
+
+        Pipeline stages use it to put each stage on its own device group. The
+        result shares the modules and is cached per device group, so its
+        compiled programs are reused; arrays on other devices are moved when a
+        module runs. Unsharded artifacts run where JAX puts them: self.
+        """
+        devices = tuple(devices)
+        if not self.manifest.sharded or devices == self._devices:
+            return self
+        key = tuple(d.id for d in devices)
+        other = self._siblings.get(key)
+        if other is None:
+            other = Artifact(self.manifest, self.modules, self._exps, self.source)
+            other._mesh = host_mesh(self.manifest.mesh, devices, self.source)
+            other._devices = devices
+            other.executable_cache = self.executable_cache
+            self._siblings[key] = other
+        return other
+
+    @property
+    def devices(self) -> tuple:
+        """The devices a sharded artifact runs on, in mesh order; () when unsharded."""
+        return tuple(self.mesh.devices.flat) if self.mesh is not None else ()
+
+    @property
+    def mesh(self):
+        """The mesh a sharded artifact runs on (this host's first ``nr_devices`` devices by default); None when unsharded."""
+        if self._mesh is None and self.manifest.sharded:
+            self._mesh = host_mesh(self.manifest.mesh, self._devices, self.source)
+        return self._mesh
+
+    def place_arg(self, name: str | int, value):
+        """Argument ``name`` (or position) laid out as the artifact's forward takes it.
+
+        On a sharded artifact each leaf goes to its recorded sharding on ``mesh``
+        (moved from other devices if need be); otherwise it goes to JAX's default
+        device. A pipeline places parameters once, and activations as they arrive.
+        """
+        m = self.manifest
+        arg = m.arg_names[name] if isinstance(name, int) else name
+        if self.mesh is None:
+            return jax.device_put(value)
+        by_key = {leaf.key: leaf for leaf in m.inputs}
+        entries = flatten_with_keys(arg, value)
+        try:
+            leaves = [by_key[k] for k, _ in entries]
+        except KeyError as e:
+            raise VjpsplitError(f"{self.source}: argument {arg!r} has leaf {e.args[0]!r}, which is not an input of "
+                                f"the artifact") from e
+        placed = self._place(leaves, [to_data(v) for _, v in entries])
+        placed = self._wrap_keys(leaves, placed)
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(value), placed)
+
+    def place_cotangent(self, ct):
+        """A cotangent of the output laid out as the backward takes it (see ``place_arg``)."""
+        if self.mesh is None or ct is None:
+            return ct
+        by_key = {leaf.key: leaf for leaf in self.manifest.cotangent_leaves}
+        entries = flatten_with_keys("out", ct)
+        placed = [place(v, named(self.mesh, by_key[k].sharding)) if k in by_key else v for k, v in entries]
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(ct), placed)
+
+    def _place(self, leaves: Sequence[Leaf], values: Sequence) -> list:
+        """``values`` laid out as the manifest's ``leaves`` say (sharded artifacts); unchanged otherwise."""
+        mesh = self.mesh
+        if mesh is None:
+            return list(values)
+        return [place(v, named(mesh, leaf.sharding)) for leaf, v in zip(leaves, values)]
 
     def __repr__(self) -> str:
         m = self.manifest
@@ -110,6 +181,8 @@ class Artifact:
                 f"{self.source}: the artifact was exported with 64-bit types enabled; "
                 "set JAX_ENABLE_X64=1 (or jax.config.update('jax_enable_x64', True)) before running it"
             )
+        if self.manifest.nr_devices > 1:
+            _ = self.mesh  # a host with too few devices is refused here, naming both counts
 
     def input_dims(self, inputs: Mapping[str, Any], source: str = "inputs") -> tuple[list, dict[str, int]]:
         """Check ``inputs`` (flat keys) against the manifest; return the arrays in order and the dims."""
@@ -124,6 +197,7 @@ class Artifact:
         self._check_runnable()
         m = self.manifest
         arrays, dims = self.input_dims(inputs, source)
+        arrays = self._place(m.inputs, arrays)
         # Format 1 lowered the forward over one pytree per argument; 2 over the flat leaves.
         call_args = arrays if m.format_version >= 2 else self._args_tree(arrays)
         outs, stored, aux = self._run("fwd", call_args, f"{source}: the forward refused these inputs", dims)
@@ -137,10 +211,11 @@ class Artifact:
             fingerprint=m.fingerprint,
             arg_names=m.arg_names,
             residuals_id=uuid.uuid4().hex,
+            bound_inputs=by_key,
         )
         if len(self._made) >= 256:  # ids only, never arrays: bounded, and keeps no memory alive
             self._made.pop(next(iter(self._made)))
-        self._made[res.residuals_id] = _signature(res)
+        self._made[res.residuals_id] = _signature(res)  # residuals are immutable: this stays true
         return outputs, res
 
     def _args_tree(self, arrays: list) -> list:
@@ -151,7 +226,7 @@ class Artifact:
     def check_residuals(self, res: Residuals, source: str = "residuals") -> tuple[list, list, dict]:
         """Validate residuals against this artifact; return stored, input-backed arrays and dims."""
         m = self.manifest
-        if not isinstance(res, Residuals) or res.plan is not None:
+        if not isinstance(res, Residuals) or isinstance(res, SplitResiduals):
             what = "residuals of split(), whose backward lives in this process" if isinstance(res, Residuals) \
                 else type(res).__name__
             raise VjpsplitError(f"{source}: expected residuals from an artifact's fwd, got {what}")
@@ -191,7 +266,7 @@ class Artifact:
             shape = concrete_shape(leaf.shape, dims)
             if shape is not None:
                 total += int(np.prod(shape, dtype=object)) * dtype_from_name(leaf.dtype).itemsize
-        limit = _host_memory()
+        limit = host_memory()
         if total > limit:
             bound = ", ".join(f"{k}={v}" for k, v in dims.items())
             raise VjpsplitError(
@@ -206,6 +281,7 @@ class Artifact:
         self._check_runnable()
         stored, inputs, dims = self.check_residuals(res, source)
         cts = self._cotangents(cotangents, dims, ct_source)
+        stored, inputs, cts = self._placed_backward_args(stored, inputs, cts)
         grads = self._run("bwd", (stored, inputs, cts, self._carrier(dims)),
                           f"{source}: the backward refused these residuals", dims)
         return {leaf.key: g for leaf, g in zip(self.manifest.grads, grads)}
@@ -220,7 +296,9 @@ class Artifact:
         try:
             call = self._calls[module]
             # LAPACK custom calls need jax's lowering to register their kernels first: no shortcut.
-            if self.executable_cache is not None and b"lapack" not in self.modules.get(module, b"lapack"):
+            # Serialized executables are keyed by avals, not by devices: sharded modules compile each process.
+            if self.executable_cache is not None and self.manifest.nr_devices == 1 \
+                    and b"lapack" not in self.modules.get(module, b"lapack"):
                 from .execcache import compiled_call
 
                 call = compiled_call(call, args, (self.manifest.fingerprint, module), self.executable_cache)
@@ -230,16 +308,38 @@ class Artifact:
                     jax.block_until_ready(result)
         except (ValueError, TypeError) as e:
             raise VjpsplitError(f"{refused}: {first_line(e)}") from e
-        except jax.errors.JaxRuntimeError as e:
-            raise VjpsplitError(f"{self.source}: the {module} module failed to run ({first_line(e)}); "
-                                "the artifact may be damaged: export it again") from e
+        except Exception as e:
+            if "RESOURCE_EXHAUSTED" in str(e):
+                # The sizes come from the caller's arrays or a file's recorded dims: name that source.
+                raise VjpsplitError(f"{refused}: this host ran out of memory running the {module} module "
+                                    f"({first_line(e)[:120]}); check the sizes (the dims a file records), or use a "
+                                    "host with more memory") from e
+            if "Failed to deserialize StableHLO" not in str(e):
+                raise
+            m = self.manifest
+            why = (" (sharded modules from jax >= 0.7 use the Shardy partitioner, which jax 0.6 cannot read)"
+                   if m.sharded else "")
+            raise VjpsplitError(f"{self.source}: this jax {jax.__version__} cannot read the {module} module that "
+                                f"jax {m.jax_version} exported{why}; run it with jax {m.jax_version} or newer, or "
+                                "re-export it with this jax") from e
         _trust_mod.check_outputs(self.source, module, jax.tree_util.tree_leaves(result), self._exps[module],
                                  dims or {})
         return result
 
     def _carrier(self, dims: Mapping[str, int]):
         m = self.manifest
-        return np.zeros((0, *(dims[n] for n in m.dim_vars)), np.bool_) if m.dim_vars else None
+        if not m.dim_vars:
+            return None
+        carrier = np.zeros((0, *(dims[n] for n in m.dim_vars)), np.bool_)
+        return carrier if self.mesh is None else jax.device_put(carrier, named(self.mesh, ()))
+
+    def _placed_backward_args(self, stored: list, inputs: list, cts: list) -> tuple[list, list, list]:
+        """The backward's arguments laid out as the forward left them (sharded artifacts)."""
+        m = self.manifest
+        if not m.sharded:
+            return stored, inputs, cts
+        return (self._place(m.stored_residuals, stored), self._place([r for r in m.residuals if r.input_backed], inputs),
+                self._place(m.cotangent_leaves, cts))
 
     def _cotangents(self, cotangents, dims, ct_source: str) -> list:
         m = self.manifest
@@ -273,6 +373,7 @@ class Artifact:
         m = self.manifest
         stored, inputs, dims = self.check_residuals(res, source)
         cts = self._cotangents(cotangents, dims, ct_source)
+        stored, inputs, cts = self._placed_backward_args(stored, inputs, cts)
         grads, inter = self._run("bwd_input", (stored, inputs, cts, self._carrier(dims)),
                                  f"{source}: the backward refused these residuals", dims)
         keys = [g.key for g in m.grads_of(m.non_weight_wrt)]
@@ -283,8 +384,7 @@ class Artifact:
             w_inputs = {k: res.inputs[k] for k in m.weight_inputs}
         else:
             w_stored, w_inputs = dict(res.stored), dict(res.inputs)
-        out = Intermediates(computed, dims, m.fingerprint, res.residuals_id, w_stored, w_inputs)
-        out.arg_trees = res.arg_trees
+        out = Intermediates(computed, dims, m.fingerprint, res.residuals_id, w_stored, w_inputs, arg_trees=res.arg_trees)
         return dict(zip(keys, grads)), out
 
     def run_bwd_weight_arrays(self, res: Residuals | None, inter: "Intermediates", source: str = "residuals",
@@ -329,6 +429,11 @@ class Artifact:
                                             inter.inputs[k], dict(dims)))
         else:  # formats <= 2: W reads every residual, checked above
             w_stored, w_inputs = res_stored, res_inputs
+        if m.sharded:
+            by_key = {r.key: r for r in m.residuals}
+            w_stored = self._place([by_key[k] for k in m.weight_residuals], w_stored)
+            w_inputs = self._place([by_key[f"in/{k}"] for k in m.weight_inputs], w_inputs)
+            values = self._place(m.intermediates, values)
         grads = self._run("bwd_weight", (w_stored, w_inputs, values, self._carrier(dims)),
                           f"{inter_source}: the weight backward refused these intermediates", dims)
         return dict(zip([g.key for g in m.grads_of(m.weights)], grads))
@@ -402,7 +507,7 @@ class Artifact:
             raise VjpsplitError(f"{self.source}: fwd takes {len(m.arg_names)} arguments ({', '.join(m.arg_names)}), got {len(args)}")
         flat, trees = flatten_args(m, args)
         outputs, res = self.run_fwd_arrays(flat, source="args")
-        res.arg_trees = trees
+        res = res.replace(arg_trees=trees)
         values = self._wrap_keys(m.outputs, [outputs[leaf.key] for leaf in m.outputs])
         by_key = dict(zip((leaf.key for leaf in m.outputs), values))
         out = decode_structure(m.structure["out"], iter(by_key[k] for k in m.out_keys))
@@ -443,8 +548,11 @@ def _deserialize(data: bytes, source: str, manifest: Manifest, what: str):
     if exp.nr_devices == 0:
         # jax >= 0.9.1 writes the device count only in the 32-bit field added in 0.8;
         # jax <= 0.7 reads the old 16-bit one and gets 0, which Exported.call refuses.
-        # vjpsplit always exports for one device, and 0 is never a real count.
-        exp = dataclasses.replace(exp, nr_devices=1)
+        # 0 is never a real count: the manifest has the true one (1 before format 4).
+        exp = dataclasses.replace(exp, nr_devices=manifest.nr_devices)
+    elif exp.nr_devices != manifest.nr_devices:
+        raise VjpsplitError(f"{source}: the {what} module runs on {exp.nr_devices} devices, the manifest says "
+                            f"{manifest.nr_devices}; export it again")
     return exp
 
 

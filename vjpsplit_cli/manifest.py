@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -21,6 +22,7 @@ from .dtypes import dtype_from_name
 from .errors import VjpsplitError
 from .prng import impl_name, is_key, key_ndim, to_data
 from .shapes import bind_dims, concrete_shape, format_shape
+from .sharding import SpecJSON, spec_from_json
 from .trees import flatten_with_keys
 from .vjp import is_differentiable
 
@@ -40,7 +42,12 @@ from .vjp import is_differentiable
 #                   lists ``weight_residuals`` (stored residual keys) and
 #                   ``weight_inputs`` (input keys), and ``bwd_weight`` takes just those
 #                   (then the intermediates), so a stage frees the rest after the input part.
-FORMAT_VERSION = 3
+#   4 (2026-11-30): sharded artifacts: ``nr_devices`` and an abstract ``mesh`` (axis names
+#                   and sizes, no device ids); leaves may carry ``sharding``, their
+#                   PartitionSpec as a JSON list (null, an axis name or a list of names
+#                   per dim). The backward takes residuals as the forward sharded them.
+#                   Written only when set: an unsharded artifact's manifest is format 3's.
+FORMAT_VERSION = 4
 MAGIC = b"VJPSPLIT\x00"
 
 @dataclass(frozen=True)
@@ -56,6 +63,7 @@ class Leaf:
     shape: tuple[int | str, ...]
     input_backed: bool = False  # residuals only: read from the inputs, not stored
     prng_impl: str = ""         # typed PRNG key: the impl of its key data; "" for plain arrays
+    sharding: SpecJSON | None = None  # format >= 4: PartitionSpec on the artifact's mesh; None unsharded
 
     def describe(self) -> str:
         """``bf16[32,128]``, or ``key<threefry2x32>[4] as u32[4,2]`` for typed keys."""
@@ -77,6 +85,8 @@ class Leaf:
             d["input_backed"] = self.input_backed
         if self.prng_impl:
             d["prng_impl"] = self.prng_impl
+        if self.sharding is not None:
+            d["sharding"] = [list(e) if isinstance(e, tuple) else e for e in self.sharding]
         return d
 
     @classmethod
@@ -88,12 +98,25 @@ class Leaf:
         impl = d.get("prng_impl", "")
         if not isinstance(impl, str):
             raise ValueError(f"bad prng_impl {impl!r}")
-        return cls(str(d["key"]), str(d["dtype"]), shape, bool(d.get("input_backed", False)), impl)
+        sharding = d.get("sharding")
+        if sharding is not None:
+            sharding = spec_from_json(sharding)
+            if len(sharding) > len(shape):
+                raise ValueError(f"sharding of '{d['key']}' has more entries than its shape has dims")
+        return cls(str(d["key"]), str(d["dtype"]), shape, bool(d.get("input_backed", False)), impl, sharding)
 
 
 # Fields added after format 2, written only when set, so that older manifests
 # re-serialize byte for byte (their fingerprints cover the JSON).
-_ADDED_LATER = ("weight_residuals", "weight_inputs")
+_ADDED_LATER = ("weight_residuals", "weight_inputs", "nr_devices", "mesh")
+
+
+# The scalar fields and their types, spelled out: dataclass annotations are strings here
+# (``from __future__ import annotations``), not types to check against.
+_SCALARS = {"format_version": int, "calling_convention_version": int, "nr_devices": int, "vjpsplit_version": str,
+            "jax_version": str, "function": str, "policy": str, "fingerprint": str, "single_grad": bool,
+            "has_aux": bool, "x64": bool}
+_SCALAR_NAMES = {int: "an integer", str: "a string", bool: "a bool"}
 
 
 @dataclass(frozen=True)
@@ -122,6 +145,8 @@ class Manifest:
     intermediates: tuple[Leaf, ...] = ()  # what bwd_input hands to bwd_weight ("c/i" keys)
     weight_residuals: tuple[str, ...] = ()  # format >= 3: the stored residuals ("r/i") bwd_weight reads
     weight_inputs: tuple[str, ...] = ()     # format >= 3: the input-backed residuals (input keys) it reads
+    nr_devices: int = 1                     # format >= 4: devices the modules run on (jax.export's)
+    mesh: tuple[tuple[str, int], ...] = ()  # format >= 4: (axis name, size) of a sharded artifact's mesh
     fingerprint: str = ""
 
     def to_json(self) -> dict:
@@ -135,6 +160,8 @@ class Manifest:
                 v = [leaf.to_json(residual=True) for leaf in v]
             elif f.name in ("inputs", "outputs", "grads", "intermediates"):
                 v = [leaf.to_json() for leaf in v]
+            elif f.name == "mesh":
+                v = [[name, size] for name, size in v]
             elif isinstance(v, tuple):
                 v = list(v)
             d[f.name] = v
@@ -167,16 +194,62 @@ class Manifest:
                 elif f.name == "structure":
                     if not isinstance(val, dict):
                         raise ValueError("structure is not a map")
-                elif f.type in ("int",) and not isinstance(val, int):
-                    raise ValueError(f"{f.name} is not an integer")
-                elif f.type in ("bool",) and not isinstance(val, bool):
-                    raise ValueError(f"{f.name} is not a bool")
-                elif f.type in ("str",) and not isinstance(val, str):
-                    raise ValueError(f"{f.name} is not a string")
+                elif f.name == "mesh":
+                    val = tuple((str(n), int(k)) for n, k in val)
+                    if any(k < 1 or isinstance(k, bool) for _, k in val):
+                        raise ValueError("mesh axis sizes must be >= 1")
+                elif f.name in _SCALARS:
+                    want = _SCALARS[f.name]
+                    if not isinstance(val, want) or (want is int and isinstance(val, bool)):
+                        raise ValueError(f"{f.name} is not {_SCALAR_NAMES[want]}")
                 kw[f.name] = val
-            return cls(**kw)
+            manifest = cls(**kw)
+            manifest._check_sharding()
+            manifest._check_references()
+            return manifest
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise VjpsplitError(f"{source}: malformed artifact manifest ({e}); re-export it") from e
+
+    def _check_sharding(self) -> None:
+        """The mesh, device count and leaf shardings agree; raises ValueError otherwise."""
+        if not 1 <= self.nr_devices <= 2**20 or isinstance(self.nr_devices, bool):
+            raise ValueError(f"nr_devices {self.nr_devices!r} is out of range")
+        if self.nr_devices > 1 and not self.mesh:
+            raise ValueError(f"nr_devices {self.nr_devices} without a mesh")
+        if self.mesh and math.prod(size for _, size in self.mesh) != self.nr_devices:
+            raise ValueError(f"the mesh's {math.prod(size for _, size in self.mesh)} devices are not nr_devices "
+                             f"{self.nr_devices}")
+        names = {name for name, _ in self.mesh}
+        for leaf in self.all_leaves:
+            used = [a for e in leaf.sharding or () for a in ((e,) if isinstance(e, str) else e or ())]
+            if any(a not in names for a in used) or len(used) != len(set(used)):
+                raise ValueError(f"sharding of '{leaf.key}' names axes that are not the mesh's, or one twice")
+
+    def _check_references(self) -> None:
+        """Keys that point at other leaves point at ones that exist; raises ValueError otherwise."""
+        inputs = {leaf.key for leaf in self.inputs}
+        stored = {r.key for r in self.stored_residuals}
+        for r in self.residuals:
+            if r.input_backed and (not r.key.startswith("in/") or r.key[3:] not in inputs):
+                raise ValueError(f"input-backed residual '{r.key}' names no input")
+        for k in self.weight_residuals:
+            if k not in stored:
+                raise ValueError(f"weight residual '{k}' is not a stored residual")
+        for k in self.weight_inputs:
+            if k not in self.input_backed_keys:
+                raise ValueError(f"weight input '{k}' is not an input-backed residual")
+        if any(g.key not in inputs for g in self.grads):
+            raise ValueError("a gradient names no input")
+
+    @property
+    def all_leaves(self) -> tuple[Leaf, ...]:
+        """Every leaf the manifest describes."""
+        return (*self.inputs, *self.outputs, *self.residuals, *self.grads, *self.intermediates)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the modules run on a mesh (format >= 4 with a mesh recorded)."""
+        return bool(self.mesh)
 
     def grads_of(self, names: Sequence[str]) -> tuple[Leaf, ...]:
         """The gradient leaves of the arguments ``names``, in manifest order."""
@@ -218,9 +291,17 @@ MODULES = ("fwd", "bwd", "bwd_input", "bwd_weight")
 
 def fingerprint(manifest: Manifest, modules: Mapping[str, bytes]) -> str:
     """sha256 over the manifest (less its fingerprint) and every module, length-prefixed."""
+    return fingerprint_json(manifest.to_json(), modules)
+
+
+def fingerprint_json(body: Mapping[str, Any], modules: Mapping[str, bytes]) -> str:
+    """``fingerprint`` of a manifest given as its JSON dict (any ``fingerprint`` entry is ignored).
+
+    A manifest's JSON is what the file holds, so this is also how a tool (or a
+    test) re-fingerprints a manifest it edited, valid or not.
+    """
     h = hashlib.sha256()
-    body = manifest.to_json()
-    body.pop("fingerprint")
+    body = {k: v for k, v in body.items() if k != "fingerprint"}
     parts = [json.dumps(body, sort_keys=True).encode()] + [modules[k] for k in MODULES if k in modules]
     for part in parts:
         h.update(len(part).to_bytes(8, "little"))

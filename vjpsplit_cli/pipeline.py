@@ -476,7 +476,8 @@ class StageWorker:
         import jax
 
         self.art = artifact
-        self.params = jax.device_put(params)  # once, not on every microbatch
+        # Once, not on every microbatch: on a sharded stage, by its recorded shardings on its devices.
+        self.params = artifact.place_arg(0, params)
         self.index = index
         self.stages = stages
         m = artifact.manifest
@@ -513,7 +514,11 @@ class StageWorker:
         def run():
             import jax
 
-            out, res = self.calls.forward(self.params, x, *side)
+            xs = (x, *side)
+            if self.art.manifest.sharded:
+                # Activations arrive from the previous stage's devices: lay them out for this one first.
+                xs = [self.art.place_arg(i + 1, v) for i, v in enumerate(xs)]
+            out, res = self.calls.forward(self.params, *xs)
             out = jax.block_until_ready(out)
             self.res[mb] = res
             return out
@@ -528,7 +533,7 @@ class StageWorker:
         def run():
             import jax
 
-            res, c = self.res.pop(mb), self._ct(ct, microbatches)
+            res, c = self.res.pop(mb), self.art.place_cotangent(self._ct(ct, microbatches))
             if self.grads is None:
                 self.grads, gx = jax.block_until_ready(self.calls.backward(res, c))
             else:
@@ -543,7 +548,8 @@ class StageWorker:
             import jax
 
             # B is the last reader of most residuals: drop them, keeping only W's share (in inter).
-            gx, inter = jax.block_until_ready(self.calls.backward_input(self.res.pop(mb), self._ct(ct, microbatches)))
+            c = self.art.place_cotangent(self._ct(ct, microbatches))
+            gx, inter = jax.block_until_ready(self.calls.backward_input(self.res.pop(mb), c))
             self.inter[mb] = inter
             return gx
 
@@ -591,12 +597,46 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, desc="pipeline ops", file=sys.stderr, leave=False)
 
 
+def stage_devices(artifacts: Sequence, devices: Sequence[Sequence] | None = None) -> list:
+    """Each stage's artifact on its device group (sharded stages); unsharded stages as they are.
+
+    ``devices`` gives one group per stage. By default, stages take consecutive
+    disjoint groups of this host's devices when there are enough (stage s on
+    devices n*s ... n*s+n-1), else all share the first ones (one mesh).
+    """
+    import jax
+
+    if devices is not None:
+        if len(devices) != len(artifacts):
+            raise VjpsplitError(f"{len(artifacts)} stages but {len(devices)} device groups")
+        return [a.on_devices(g) if a.manifest.sharded else a for a, g in zip(artifacts, devices)]
+    have = jax.devices()
+    need = [a.manifest.nr_devices if a.manifest.sharded else 0 for a in artifacts]
+    if not any(need):
+        return list(artifacts)
+    out, start = [], 0
+    disjoint = sum(need) <= len(have)
+    for a, n in zip(artifacts, need):
+        if not n:
+            out.append(a)
+            continue
+        out.append(a.on_devices(have[start:start + n]) if disjoint else a)
+        start += n if disjoint else 0
+    return out
+
+
 def run_inprocess(artifacts: Sequence, params: Sequence, x, side=(), *, microbatches: int, schedule_name: str = "1f1b",
-                  progress: bool = False) -> PipelineResult:
-    """Run one training step in this process: one thread per worker, mailboxes between stages."""
+                  progress: bool = False, devices: Sequence[Sequence] | None = None) -> PipelineResult:
+    """Run one training step in this process: one thread per worker, mailboxes between stages.
+
+    Sharded stages run on their device groups (``devices``, one per stage; see
+    ``stage_devices`` for the default); activations and cotangents are moved
+    onto the next stage's shardings.
+    """
     S = len(artifacts)
     if len(params) != S:
         raise VjpsplitError(f"{S} stages but {len(params)} parameter sets")
+    artifacts = stage_devices(artifacts, devices)
     _check_stages(artifacts, schedule_name)
     plans = schedule(schedule_name, S, microbatches)
     split = schedule_name in SPLIT_BACKWARD
@@ -683,7 +723,8 @@ class RayPipeline:
     """
 
     def __init__(self, artifacts: Sequence, params: Sequence, *, address: str | None = None,
-                 runtime_env: dict | None = None, num_cpus_per_stage: float = 0, layout: str = "stage"):
+                 runtime_env: dict | None = None, num_cpus_per_stage: float = 0, layout: str = "stage",
+                 actor_options: Sequence[Mapping[str, Any]] | None = None):
         try:
             import ray
         except ImportError as e:
@@ -702,9 +743,15 @@ class RayPipeline:
             kwargs = {"address": address} if address else {"num_cpus": max(len(self.placement), os.cpu_count() or 1)}
             ray.init(include_dashboard=False, log_to_driver=False, runtime_env=runtime_env, **kwargs)
             self.started = True
-        actor_cls = ray.remote(num_cpus=num_cpus_per_stage)(_RayWorker)
-        self.actors = [actor_cls.remote([(c, artifacts[c].to_bytes(), params[c]) for c in chunks], self.stages)
-                       for chunks in self.placement]
+        if actor_options is not None and len(actor_options) != len(self.placement):
+            raise VjpsplitError(f"actor_options has {len(actor_options)} entries for {len(self.placement)} workers; "
+                                "give one dict of Ray actor options per worker")
+        self.actors = []
+        for w, chunks in enumerate(self.placement):
+            opts = {"num_cpus": num_cpus_per_stage, **(dict(actor_options[w]) if actor_options else {})}
+            _devices_for(opts, max(artifacts[c].manifest.nr_devices for c in chunks))
+            actor = ray.remote(_RayWorker).options(**opts)
+            self.actors.append(actor.remote([(c, artifacts[c].to_bytes(), params[c]) for c in chunks], self.stages))
 
     def run(self, x, side=(), *, microbatches: int, schedule_name: str = "1f1b", progress: bool = False) -> PipelineResult:
         """One training step under ``schedule_name``; gradients accumulate over microbatches."""
@@ -790,6 +837,26 @@ class RayPipeline:
         self.close()
 
 
+def _devices_for(opts: dict, n: int) -> None:
+    """Let an actor that drives an ``n``-device sharded stage see ``n`` devices.
+
+    Accelerators come from the actor options (``num_gpus``, ``resources``); on
+    CPU, XLA makes ``n`` host devices when the actor's process starts with
+    ``XLA_FLAGS=--xla_force_host_platform_device_count=n`` (added unless the
+    options set XLA_FLAGS themselves). It only affects JAX's CPU platform.
+    """
+    if n <= 1:
+        return
+    env = dict(opts.get("runtime_env") or {})
+    env_vars = dict(env.get("env_vars") or {})
+    if "XLA_FLAGS" not in env_vars:
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_force_host_platform_device_count")]
+        env_vars["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
+    env["env_vars"] = env_vars
+    opts["runtime_env"] = env
+
+
 class _RayWorker:
     """The Ray actor around one worker's StageWorkers; loads the artifacts from bytes (no user code needed).
 
@@ -841,6 +908,8 @@ class _RayWorker:
         import jax
 
         return {"grads": {c: jax.tree_util.tree_map(np.asarray, st.grads) for c, st in self.stages.items()},
+                "device_count": jax.device_count(),
+                "devices": {c: [d.id for d in st.art.devices] for c, st in self.stages.items()},
                 "events": [e for st in self.stages.values() for e in st.events],
                 "losses": {m: v for st in self.stages.values() for m, v in st.losses.items()},
                 "error": self.error}

@@ -4,28 +4,39 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from ._io import printable
+from .terminal import printable
 from .artifact import Artifact
 from .manifest import Leaf
 from .policies import byte_terms, evaluate_terms, format_bytes_terms, human_bytes, total_bytes
+from .sharding import format_spec
 
 
 def describe(art: Artifact, at: Mapping[str, int] | None = None) -> dict:
-    """The ``inspect --json`` object (SPEC.md's keys, plus a few more); ``at`` sizes symbolic dims."""
+    """The ``inspect --json`` object (docs/contract.md's keys, plus a few more); ``at`` sizes symbolic dims."""
     m = art.manifest
     stored = total_bytes(m.stored_residuals)
     extra = {"at": dict(at), "stored_residual_bytes_at": evaluate_terms(stored, at)} if at else {}
+
+    def leaves(items, residual=False):
+        # A sharded artifact's leaves say their sharding (a PartitionSpec as a list, null where
+        # unspecified); an unsharded one's keep the plain {key, dtype, shape} entries.
+        if not m.sharded:
+            return [leaf.to_json(residual=residual) for leaf in items]
+        return [{**leaf.to_json(residual=residual), "sharding": leaf.to_json().get("sharding")} for leaf in items]
+
     return {
         "function": m.function,
         "arg_names": list(m.arg_names),
         "wrt": list(m.wrt),
         "has_aux": m.has_aux,
         "dim_vars": list(m.dim_vars),
-        "inputs": [leaf.to_json() for leaf in m.inputs],
-        "outputs": [leaf.to_json() for leaf in m.outputs],
-        "residuals": [leaf.to_json(residual=True) for leaf in m.residuals],
-        "grads": [leaf.to_json() for leaf in m.grads],
+        "inputs": leaves(m.inputs),
+        "outputs": leaves(m.outputs),
+        "residuals": leaves(m.residuals, residual=True),
+        "grads": leaves(m.grads),
         "platforms": list(m.platforms),
+        "nr_devices": m.nr_devices,
+        "mesh": {name: size for name, size in m.mesh} or None,
         "policy": m.policy,
         "fingerprint": m.fingerprint,
         "signer": art.signer,  # the signing key's id (checked against the file), or None: unsigned
@@ -37,14 +48,15 @@ def describe(art: Artifact, at: Mapping[str, int] | None = None) -> dict:
         },
         "stored_residual_bytes": format_bytes_terms(stored),
         "weights": list(m.weights),
-        "intermediates": [leaf.to_json() for leaf in m.intermediates],
+        "intermediates": leaves(m.intermediates),
         **extra,
     }
 
 
-def _rows(title: str, leaves: Sequence[Leaf], residual: bool = False) -> list[str]:
+def _rows(title: str, leaves: Sequence[Leaf], residual: bool = False, sharded: bool = False) -> list[str]:
     if not leaves:
         return [f"{title}: (none)"]
+    spec_width = max(len(format_spec(leaf.sharding)) for leaf in leaves) if sharded else 0
     width = max(len(leaf.key) for leaf in leaves)
     shape_width = max(24, *(len(leaf.describe()) for leaf in leaves))
     lines = [f"{title}:"]
@@ -53,8 +65,22 @@ def _rows(title: str, leaves: Sequence[Leaf], residual: bool = False) -> list[st
         note = ""
         if residual:
             note = "  input-backed (not stored)" if leaf.input_backed else "  stored"
-        lines.append(f"  {leaf.key:<{width}}  {leaf.describe():<{shape_width}} {size:>14}{note}")
+        spec = f"  {format_spec(leaf.sharding):<{spec_width}}" if sharded else ""
+        lines.append(f"  {leaf.key:<{width}}  {leaf.describe():<{shape_width}}{spec} {size:>14}{note}")
     return lines
+
+
+def _wrt(m) -> str:
+    """The differentiated arguments; integer and bool ones get no gradient, so they are listed apart."""
+    def has_grad(name: str) -> bool:
+        return any(g.key == name or g.key.startswith(name + "/") for g in m.grads)
+
+    with_grads = [n for n in m.wrt if has_grad(n)]
+    without = [n for n in m.wrt if not has_grad(n)]
+    text = ", ".join(with_grads) or "none"
+    if without:
+        text += f"; no gradient for {', '.join(without)}: integer or bool"
+    return text
 
 
 def format_table(art: Artifact, at: Mapping[str, int] | None = None) -> str:
@@ -68,9 +94,11 @@ def format_table(art: Artifact, at: Mapping[str, int] | None = None) -> str:
         at_note = f" = {human_bytes(value)} at {sizes}" if value is not None else f" (--at {sizes} leaves dims unbound)"
     lines = [
         f"function     {m.function}",
-        f"arguments    {', '.join(m.arg_names)}   (wrt: {', '.join(m.wrt) or 'none'})",
+        f"arguments    {', '.join(m.arg_names)}   (wrt: {_wrt(m)})",
         f"symbolic     {', '.join(m.dim_vars) or '(none)'}",
         f"platforms    {', '.join(m.platforms)}",
+        *([f"devices      {m.nr_devices} (mesh {', '.join(f'{n}={k}' for n, k in m.mesh)}; "
+           "sizes are global, shardings are PartitionSpecs)"] if m.sharded else []),
         f"policy       {m.policy}",
         f"has_aux      {m.has_aux}",
         f"fingerprint  {m.fingerprint}",
@@ -78,14 +106,14 @@ def format_table(art: Artifact, at: Mapping[str, int] | None = None) -> str:
         f"versions     format {m.format_version}, vjpsplit {m.vjpsplit_version}, jax {m.jax_version}, "
         f"calling convention {m.calling_convention_version}",
         "",
-        *_rows("inputs", m.inputs),
-        *_rows("outputs", m.outputs),
-        *_rows("residuals", m.residuals, residual=True),
+        *_rows("inputs", m.inputs, sharded=m.sharded),
+        *_rows("outputs", m.outputs, sharded=m.sharded),
+        *_rows("residuals", m.residuals, residual=True, sharded=m.sharded),
         f"  stored total: {format_bytes_terms(stored)}{at_note}"
         f"  (input-backed, not stored: {format_bytes_terms(total_bytes([r for r in m.residuals if r.input_backed]))})",
-        *_rows("grads", m.grads),
+        *_rows("grads", m.grads, sharded=m.sharded),
         *([f"split backward: weights {', '.join(m.weights)} (bwd_input -> intermediates -> bwd_weight)",
-           *_rows("intermediates", m.intermediates)] if m.weights else []),
+           *_rows("intermediates", m.intermediates, sharded=m.sharded)] if m.weights else []),
     ]
     # Keys and names come from the file: a newline or escape code in one must not reach the terminal raw.
     return "\n".join(printable(line) for line in lines)

@@ -8,15 +8,20 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 from jax import export as jexport
+from jax.sharding import NamedSharding
 
 from .dtypes import dtype_from_name, short_name
 from .errors import VjpsplitError
 
 _SPEC_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\[\s*([^\]]*)\]\s*$")
-_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # a symbolic dim's (or --at entry's) name
+DIM_FUNCS = frozenset({"mod", "floordiv", "max", "min", "non_negative"})  # jax.export's shape syntax, not dims
+_NAME_RE = re.compile(rf"^{IDENTIFIER.pattern}$")
 _INT_RE = re.compile(r"^[0-9]+$")  # ASCII digits only: str.isdigit() also accepts '²', which int() refuses
-# No machine holds an array this long; past it jax.export's int64 shape arithmetic overflows.
-MAX_DIM = 2**62
+# No machine holds an array dim this long (a trillion elements); a larger one in a spec,
+# an --at size or a file's recorded dims is a typo or corruption. (jax.export's int64
+# shape arithmetic would overflow only past 2**62.)
+MAX_DIM = 2**40
 
 
 def new_scope() -> jexport.SymbolicScope:
@@ -39,9 +44,9 @@ def parse_array_spec(text: str, scope: jexport.SymbolicScope) -> jax.ShapeDtypeS
         if _INT_RE.match(d):
             elements *= int(d)
             if int(d) > MAX_DIM:
-                raise VjpsplitError(f"dimension {d[:30]} in {text[:60]!r} is too large (at most 2**62); check the number")
+                raise VjpsplitError(f"dimension {d[:30]} in {text[:60]!r} is too large (at most 2**40); check the number")
             if elements > MAX_DIM:
-                raise VjpsplitError(f"the dims of {text[:60]!r} make more than 2**62 elements; check the numbers")
+                raise VjpsplitError(f"the dims of {text[:60]!r} make more than 2**40 elements; check the numbers")
             dims.append(int(d))
         elif _NAME_RE.match(d):
             dims.append(_symbolic_dim(d, text, scope))
@@ -136,7 +141,11 @@ def to_struct(leaf) -> jax.ShapeDtypeStruct:
     if isinstance(leaf, jax.ShapeDtypeStruct):
         return leaf
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-        return jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype)
+        # A jax.Array laid out over a mesh exports with that layout, as a spec with it would.
+        sharding = getattr(leaf, "sharding", None)
+        if not isinstance(sharding, NamedSharding) or len(sharding.device_set) < 2:
+            sharding = None
+        return jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype, sharding=sharding)
     if isinstance(leaf, (bool, int, float, complex, np.generic)):
         a = np.asarray(leaf)
         if a.dtype == np.float64:

@@ -36,7 +36,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ._io import StagedOutputs, atomic_write, private_dir, read_bytes
+from .outputs import StagedOutputs, atomic_write
+from .reading import read_bytes
+from .system import private_dir
 from .dtypes import dtype_from_name
 from .errors import VjpsplitError
 
