@@ -300,7 +300,8 @@ def test_lapack_shape_rule_accepts_what_jax_emits_and_refuses_smaller_results():
     for bad in ([["f32", [5, 3, 4]], ["i32", [5, 2]], ["i32", [5]]], [["f32", [1, 1]], ["i32", [5, 3]], ["i32", [5]]],
                 [["f32", [5, 3, 4]], ["i32", [5, None]], ["i32", [5]]]):
         assert not lapack_shapes_ok({**ok, "results": bad})
-    svd = {"target": "lapack_sgesdd_ffi", "operands": [["f32", [3, 4]]], "attrs": {"mhlo.backend_config": "{mode = 65 : ui8}"},
+    svd = {"target": "lapack_sgesdd_ffi", "operands": [["f32", [3, 4]]],
+           "attrs": {"mhlo.backend_config": "{mode = 65 : ui8}"},
            "results": [["f32", [3, 4]], ["f32", [3]], ["f32", [3, 3]], ["f32", [4, 4]], ["i32", []]]}
     assert lapack_shapes_ok(svd)
     # Mode 'A' writes full u and vt: reduced ones declared for it are too small.
@@ -450,12 +451,6 @@ def test_a_deeply_nested_manifest_is_a_clean_error(base, tmp_path):
 
 
 # ----------------------------------------------------------------------------- signals
-
-LOOP_SRC = """
-import jax, jax.numpy as jnp
-def forever(x):
-    return jax.lax.while_loop(lambda c: c[1] > -1.0, lambda c: (c[0] + 1.0, c[1] + 1.0), (x, jnp.sum(x)))[0]
-"""
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])

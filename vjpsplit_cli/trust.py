@@ -105,7 +105,8 @@ def load_private_key(path: str | os.PathLike):
         key = ed25519.Ed25519PrivateKey.from_private_bytes(data) if len(data) == 32 \
             else serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as e:
-        raise VjpsplitError(f"{path}: not an unencrypted Ed25519 private key ({e}); make one with `vjpsplit keygen -o KEY`") from e
+        raise VjpsplitError(f"{path}: not an unencrypted Ed25519 private key ({e}); "
+                            "make one with `vjpsplit keygen -o KEY`") from e
     if not isinstance(key, ed25519.Ed25519PrivateKey):
         raise VjpsplitError(f"{path}: not an Ed25519 private key; make one with `vjpsplit keygen -o KEY`")
     return key
@@ -121,7 +122,8 @@ def load_public_key(path: str | os.PathLike) -> bytes:
         key = serialization.load_pem_public_key(data)
     except (ValueError, TypeError) as e:
         hint = " (this is the private key: pass KEY.pub)" if b"PRIVATE KEY" in data else ""
-        raise VjpsplitError(f"{path}: not an Ed25519 public key{hint}; pass the KEY.pub that `vjpsplit keygen` wrote") from e
+        raise VjpsplitError(f"{path}: not an Ed25519 public key{hint}; "
+                            "pass the KEY.pub that `vjpsplit keygen` wrote") from e
     if not isinstance(key, ed25519.Ed25519PublicKey):
         raise VjpsplitError(f"{path}: not an Ed25519 public key; pass the KEY.pub that `vjpsplit keygen` wrote")
     return _raw_public(key)
@@ -168,8 +170,9 @@ def verify(top: Mapping, body: bytes, source: str, trusted: Mapping[bytes, str] 
     entry = top.get(SIGNATURE)
     if entry is None:
         if trusted is not None:
-            raise VjpsplitError(f"{source}: the artifact is unsigned, and trust keys were given; ask its author for a "
-                                "signed copy (export --sign-key KEY), or drop --trust-key/VJPSPLIT_TRUST_KEYS to run it")
+            raise VjpsplitError(f"{source}: the artifact is unsigned, and trust keys were given; ask its author "
+                                "for a signed copy (export --sign-key KEY), or drop --trust-key/VJPSPLIT_TRUST_KEYS "
+                                "to run it")
         return None
     _, ed25519 = _crypto()
     if not (isinstance(entry, dict) and entry.get("alg") == "ed25519" and isinstance(entry.get("key"), bytes)
@@ -178,7 +181,8 @@ def verify(top: Mapping, body: bytes, source: str, trusted: Mapping[bytes, str] 
     signer = key_id(entry["key"])
     if trusted is not None and entry["key"] not in trusted:
         raise VjpsplitError(f"{source}: signed by {signer}, which is not among the trusted keys "
-                            f"({', '.join(trusted.values())}); pass that signer's KEY.pub with --trust-key if you trust it")
+                            f"({', '.join(trusted.values())}); "
+                            "pass that signer's KEY.pub with --trust-key if you trust it")
     # What was signed is re-encoded from what was decoded, so the file must be that very encoding.
     if pack(dict(top)) != body:
         raise VjpsplitError(f"{source}: the signed artifact was modified after signing (not canonically encoded); "
@@ -231,8 +235,8 @@ def _probe_child(modules: Mapping[str, bytes], source: str) -> dict:
         env["LD_PRELOAD"] = ":".join(p for p in (env.get("LD_PRELOAD", ""), _MALLOC_DEBUG) if p)
     request = json.dumps({k: bytes(v).hex() for k, v in modules.items()})
     try:
-        done = subprocess.run([sys.executable, "-m", "vjpsplit_cli.mlirprobe"], input=request.encode(), capture_output=True,
-                              env=env, timeout=300)
+        done = subprocess.run([sys.executable, "-m", "vjpsplit_cli.mlirprobe"], input=request.encode(),
+                              capture_output=True, env=env, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise VjpsplitError(f"{source}: could not check the artifact's modules ({type(e).__name__}: {e}); "
                             "retry, or export the artifact again") from e
