@@ -625,5 +625,6 @@ def _loads(data: bytes, source: str, trust, allow_kernels: bool, cache_dir: str 
     probes = _trust_mod.probe_modules({k: e.mlir_module_serialized for k, e in art._exps.items()}, source,
                                       in_process=vouched, cache_dir=cache_dir)
     _trust_mod.check_modules(source, manifest, art._exps, probes, trusted_signer=vouched, allow_kernels=allow_kernels)
+    _trust_mod.prepare_kernels(probes)
     art.signature, art.signer = signature, signer
     return art

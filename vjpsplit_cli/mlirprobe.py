@@ -29,13 +29,12 @@ def _context():
 
     ctx = ir.Context()
     try:
-        from jaxlib.mlir._mlir_libs import _jax_mlir_ext
-
-        registry = ir.DialectRegistry()
-        _jax_mlir_ext.register_dialects(registry)
-        ctx.append_dialect_registry(registry)
-    except (ImportError, AttributeError):  # older jaxlib: the upstream dialects load below anyway
-        pass
+        from jaxlib.mlir._mlir_libs import _jax_mlir_ext as upstream
+    except ImportError:  # jaxlib < 0.7
+        from jaxlib.mlir._mlir_libs import register_jax_dialects as upstream
+    registry = ir.DialectRegistry()
+    upstream.register_dialects(registry)  # func and the other upstream dialects
+    ctx.append_dialect_registry(registry)
     ctx.load_all_available_dialects()
     stablehlo.register_dialect(ctx)
     chlo.register_dialect(ctx)
@@ -55,6 +54,8 @@ def probe(bytecode: bytes) -> dict:
     out: dict = {"calls": [], "main": None}
     with _context():
         module = _jax.mlir.deserialize_portable_artifact(bytes(bytecode))
+        if isinstance(module, str):  # jaxlib < 0.7 returns the module's text, as jax then parsed it
+            module = ir.Module.parse(module)
         stack = [module.operation]
         while stack:  # iterative: a forged module may nest regions deeper than Python's recursion limit
             op = stack.pop().operation  # the generic Operation: an OpView may rename .name

@@ -586,3 +586,17 @@ def check_modules(source: str, manifest, exps: Mapping[str, Any], probes: Mappin
         want_in, want_out = manifest_avals(manifest, module)
         check_avals(source, module, exp, want_in, want_out, info.get("main"))
         check_calls(source, module, info.get("calls", ()), trusted_signer=trusted_signer, allow_kernels=allow_kernels)
+
+
+def prepare_kernels(probes: Mapping[str, Mapping]) -> None:
+    """Initialise the LAPACK kernels the checked modules call (jaxlib < 0.7 fills their function table only
+    when jax lowers a linear-algebra op itself: a deserialized module would call null pointers)."""
+    if not any(str(c.get("target", "")).startswith("lapack_") for p in probes.values() for c in p.get("calls", ())):
+        return
+    try:
+        from jaxlib.cpu import _lapack
+    except ImportError:
+        return
+    init = getattr(_lapack, "initialize", None)
+    if init is not None:
+        init()
