@@ -3,6 +3,11 @@
 Targets (issue 14): a repeated `run-fwd` within 1.2× the import floor's wall time
 (median of paired runs), and the peak RSS of `run-fwd`/`run-bwd` within 1.3× of
 (bytes of its inputs + residuals + the import floor's peak RSS).
+
+Issue 19: the load-time cost of trust (signature verification and the module checks
+before compiling, with their verdicts cached as in a repeated command), measured in
+one process, against the warm `run-fwd` wall time (target: under 5%); the first load
+of an unsigned artifact pays for parsing its modules in a child process.
 """
 
 from __future__ import annotations
@@ -83,8 +88,12 @@ def run(quick: bool) -> tuple[str, list[dict]]:
                 "run-bwd": ["run-bwd", str(d / "mlp.vjps"), "--residuals", str(d / "r.npz"),
                             "--inputs", str(d / "in.npz"), "--grads", str(d / "g.npz")]}
         args["run-fwd --no-cache"] = ["--no-cache", *args["run-fwd"]]
+        subprocess.run(cli + ["keygen", "-o", str(d / "key")], cwd=ROOT, env=env, check=True, capture_output=True)
+        signed = _signed_copy(d / "mlp.vjps", d / "key", d / "signed.vjps")
+        args["run-fwd signed, --trust-key"] = ["run-fwd", str(signed), "--trust-key", str(d / "key.pub"),
+                                               "--inputs", str(d / "in.npz"), "--residuals", str(d / "r.npz")]
         first = {k: _run(cli + args[k], env, ROOT) for k in ("run-fwd", "run-bwd")}  # empty caches
-        s: dict[str, list] = {"floor": [], "run-fwd": [], "run-bwd": [], "run-fwd --no-cache": []}
+        s: dict[str, list] = {"floor": [], **{k: [] for k in args}}
         for _ in range(rounds):
             s["floor"].append(_run([py, "-c", "import jax"], env, ROOT))
             for k in args:
@@ -92,6 +101,7 @@ def run(quick: bool) -> tuple[str, list[dict]]:
         rss = {k: _peak_rss("vjpsplit_cli", args[k], env, ROOT) for k in args}
         floor_rss = _peak_rss("jax", [], env, ROOT)
         in_bytes, res_bytes = _array_bytes(d / "in.npz"), _array_bytes(d / "r.npz")
+        trust = _trust_costs(d / "mlp.vjps", signed, d / "key.pub", d / "cache", rounds)
     floor_wall = statistics.median(s["floor"])
     rows = []
     for name in args:
@@ -108,4 +118,76 @@ def run(quick: bool) -> tuple[str, list[dict]]:
     for r in rows:
         lines.append(f"| {r['run']} | {r['wall_s']:.2f} s | {r['vs_floor']:.2f}× | {r['peak_rss'] / 2**20:.0f} MiB "
                      f"| {r['rss_ratio']:.2f}× |")
+    warm = statistics.median(s["run-fwd"])
+    lines += ["", "Trust (issue 19), added to every load, measured in one process (median of "
+              f"{trust['n']} loads) against the warm run-fwd above ({warm * 1e3:.0f} ms):", "",
+              "| step | time | / warm run-fwd (target ≤ 5% together) |", "|---|---:|---:|"]
+    for name in ("verify signature", "import cryptography (once per command)", "module checks, verdicts cached",
+                 "module checks, first load, signed and trusted (in process)", "module checks, first load (child process)"):
+        lines.append(f"| {name} | {trust[name] * 1e3:.1f} ms | {100 * trust[name] / warm:.1f}% |")
+        rows.append({"run": f"trust: {name}", "wall_s": trust[name], "vs_warm_run_fwd": trust[name] / warm})
     return "\n".join(lines), rows
+
+
+def _signed_copy(path: Path, key: Path, out: Path) -> Path:
+    from vjpsplit_cli.artifact import load
+
+    art = load(path, cache_dir=None)
+    art.sign(key)
+    art.save(out)
+    return out
+
+
+def _trust_costs(path: Path, signed: Path, pub: Path, cache: Path, rounds: int) -> dict:
+    """Seconds of each trust step of a load (median), in this process, on the benchmark's artifact."""
+    import msgpack
+
+    from vjpsplit_cli import trust
+    from vjpsplit_cli.artifact import load
+    from vjpsplit_cli.manifest import MAGIC
+
+    data = signed.read_bytes()
+    body = data[len(MAGIC):]
+    top = msgpack.unpackb(body, raw=False)
+    keys = trust.trusted_keys(str(pub), env=False)
+    art = load(path, cache_dir=str(cache))
+    modules = {k: e.mlir_module_serialized for k, e in art._exps.items()}
+    out: dict = {"n": 5 * rounds}
+
+    def median(fn) -> float:
+        times = []
+        for _ in range(out["n"]):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def checks(in_process=False, cache_dir=str(cache)):
+        probes = trust.probe_modules(modules, "bench", in_process=in_process, cache_dir=cache_dir)
+        trust.check_modules("bench", art.manifest, art._exps, probes, trusted_signer=in_process, allow_kernels=False)
+
+    def cached_checks():
+        trust.forget_verdicts()  # as in a fresh command: the verdicts come from the cache directory
+        checks()
+
+    def trusted_checks():
+        trust.forget_verdicts()
+        checks(in_process=True, cache_dir=None)  # a first load of a signed, trusted artifact
+
+    def pack(obj):
+        return msgpack.packb(obj, use_bin_type=True)
+
+    out["verify signature"] = median(lambda: trust.verify(top, body, "bench", keys, pack))
+    out["module checks, verdicts cached"] = median(cached_checks)
+    out["module checks, first load, signed and trusted (in process)"] = median(trusted_checks)
+    t0 = time.perf_counter()
+    trust.forget_verdicts()
+    checks(cache_dir=None)
+    out["module checks, first load (child process)"] = time.perf_counter() - t0
+    # Once per command that verifies a signature: importing the Ed25519 code, in a fresh process.
+    code = ("import time; t = time.perf_counter(); "
+            "from cryptography.hazmat.primitives.asymmetric import ed25519; print(time.perf_counter() - t)")
+    out["import cryptography (once per command)"] = statistics.median(
+        float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+        for _ in range(rounds))
+    return out

@@ -17,6 +17,7 @@ import msgpack
 import numpy as np
 from jax import export as jexport
 
+from . import trust as _trust_mod
 from .outputs import atomic_write
 from .reading import read_bytes
 from .dtypes import dtype_from_name
@@ -27,6 +28,7 @@ from .prng import from_data, to_data
 from .residuals import Intermediates, Residuals, SplitResiduals
 from .shapes import concrete_shape
 from .sharding import host_mesh, named, place
+from .signals import signals_end_process
 from .trees import decode_structure, flatten_with_keys, structure_keys
 
 def _current_platform() -> str:
@@ -57,6 +59,9 @@ class Artifact:
         # Signatures of residuals this object's fwd made (by residuals_id): a bwd on them
         # unchanged skips the per-leaf checks, which cost ~1 ms a call on 40 residuals.
         self._made: dict[str, tuple] = {}
+        # Trust (module trust): the signature entry, and the signer's key id once verified.
+        self.signature: dict | None = None
+        self.signer: str | None = None
         self._devices: tuple | None = None  # a sharded artifact's device group; None: this host's first devices
         self._mesh = None
         self._siblings: dict[tuple, "Artifact"] = {}
@@ -139,9 +144,23 @@ class Artifact:
         return f"Artifact({m.function}, args={list(m.arg_names)}, platforms={list(m.platforms)}, fingerprint={m.fingerprint[:12]})"
 
     # -- file ---------------------------------------------------------------
+    def _unsigned_map(self) -> dict:
+        return {"manifest": self.manifest.to_json(), **self.modules}
+
     def to_bytes(self) -> bytes:
-        """The artifact file's bytes."""
-        return MAGIC + msgpack.packb({"manifest": self.manifest.to_json(), **self.modules}, use_bin_type=True)
+        """The artifact file's bytes (with its signature, if signed)."""
+        top = self._unsigned_map()
+        if self.signature is not None:
+            top[_trust_mod.SIGNATURE] = self.signature
+        return MAGIC + _pack(top)
+
+    def sign(self, key) -> str:
+        """Sign the artifact (manifest and every module) with an Ed25519 private key or its file; return the key id."""
+        if not hasattr(key, "sign"):
+            key = _trust_mod.load_private_key(key)
+        self.signature = _trust_mod.sign(_pack(self._unsigned_map()), key)
+        self.signer = _trust_mod.key_id(self.signature["key"])
+        return self.signer
 
     def save(self, path) -> None:
         """Write the artifact to ``path`` (atomically: no partial file on failure)."""
@@ -181,7 +200,7 @@ class Artifact:
         arrays = self._place(m.inputs, arrays)
         # Format 1 lowered the forward over one pytree per argument; 2 over the flat leaves.
         call_args = arrays if m.format_version >= 2 else self._args_tree(arrays)
-        outs, stored, aux = self._run("fwd", call_args, f"{source}: the forward refused these inputs")
+        outs, stored, aux = self._run("fwd", call_args, f"{source}: the forward refused these inputs", dims)
         out_values = list(outs) + list(aux)
         outputs = {leaf.key: v for leaf, v in zip(m.outputs, out_values)}
         by_key = dict(zip((leaf.key for leaf in m.inputs), arrays))
@@ -264,11 +283,16 @@ class Artifact:
         cts = self._cotangents(cotangents, dims, ct_source)
         stored, inputs, cts = self._placed_backward_args(stored, inputs, cts)
         grads = self._run("bwd", (stored, inputs, cts, self._carrier(dims)),
-                          f"{source}: the backward refused these residuals")
+                          f"{source}: the backward refused these residuals", dims)
         return {leaf.key: g for leaf, g in zip(self.manifest.grads, grads)}
 
-    def _run(self, module: str, args, refused: str):
-        """Call one module; jax's own shape/dtype refusals become one-line errors prefixed ``refused``."""
+    def _run(self, module: str, args, refused: str, dims: Mapping[str, int] | None = None):
+        """Call one module; jax's own shape/dtype refusals become one-line errors prefixed ``refused``.
+
+        Its outputs are checked against the module's declared avals (``dims`` binds
+        the symbolic ones). Under the CLI's signal guard the run finishes here, with
+        termination signals ending the process (a module may never return).
+        """
         try:
             call = self._calls[module]
             # LAPACK custom calls need jax's lowering to register their kernels first: no shortcut.
@@ -278,7 +302,10 @@ class Artifact:
                 from .execcache import compiled_call
 
                 call = compiled_call(call, args, (self.manifest.fingerprint, module), self.executable_cache)
-            return call(*args)
+            with signals_end_process() as ends:
+                result = call(*args)
+                if ends:
+                    jax.block_until_ready(result)
         except (ValueError, TypeError) as e:
             raise VjpsplitError(f"{refused}: {first_line(e)}") from e
         except Exception as e:
@@ -295,6 +322,9 @@ class Artifact:
             raise VjpsplitError(f"{self.source}: this jax {jax.__version__} cannot read the {module} module that "
                                 f"jax {m.jax_version} exported{why}; run it with jax {m.jax_version} or newer, or "
                                 "re-export it with this jax") from e
+        _trust_mod.check_outputs(self.source, module, jax.tree_util.tree_leaves(result), self._exps[module],
+                                 dims or {})
+        return result
 
     def _carrier(self, dims: Mapping[str, int]):
         m = self.manifest
@@ -345,7 +375,7 @@ class Artifact:
         cts = self._cotangents(cotangents, dims, ct_source)
         stored, inputs, cts = self._placed_backward_args(stored, inputs, cts)
         grads, inter = self._run("bwd_input", (stored, inputs, cts, self._carrier(dims)),
-                                 f"{source}: the backward refused these residuals")
+                                 f"{source}: the backward refused these residuals", dims)
         keys = [g.key for g in m.grads_of(m.non_weight_wrt)]
         computed = {leaf.key: v for leaf, v in zip(m.intermediates, inter)}
         if m.weight_reads_subset:
@@ -405,7 +435,7 @@ class Artifact:
             w_inputs = self._place([by_key[f"in/{k}"] for k in m.weight_inputs], w_inputs)
             values = self._place(m.intermediates, values)
         grads = self._run("bwd_weight", (w_stored, w_inputs, values, self._carrier(dims)),
-                          f"{inter_source}: the weight backward refused these intermediates")
+                          f"{inter_source}: the weight backward refused these intermediates", dims)
         return dict(zip([g.key for g in m.grads_of(m.weights)], grads))
 
     def _checked_dims(self, recorded: Mapping[str, Any], source: str, what: str, fix: str) -> dict[str, int]:
@@ -526,13 +556,36 @@ def _deserialize(data: bytes, source: str, manifest: Manifest, what: str):
     return exp
 
 
-def load(path) -> Artifact:
-    """Read an artifact file, checking its magic, format version and fingerprint."""
-    return loads(read_bytes(path, "artifact"), source=str(path))
+def _pack(top: Mapping) -> bytes:
+    return msgpack.packb(top, use_bin_type=True)
 
 
-def loads(data: bytes, source: str = "artifact") -> Artifact:
+def load(path, *, trust=None, allow_kernels: bool = False, cache_dir: str | None = _trust_mod.DEFAULT) -> Artifact:
+    """Read an artifact file, checking its magic, format version, fingerprint, signature and modules.
+
+    ``trust``: trusted Ed25519 public keys (paths to ``KEY.pub`` or raw bytes; also
+    ``VJPSPLIT_TRUST_KEYS``): an unsigned artifact or another signer is then refused
+    before any module is read. ``allow_kernels``: the user trusts the file's kernel
+    custom calls (LAPACK & co.) without a signature. ``cache_dir``: a private
+    directory where module check verdicts are kept between processes (default:
+    vjpsplit's cache directory, ``VJPSPLIT_CACHE_DIR``; None: none).
+    """
+    return loads(read_bytes(path, "artifact"), source=str(path), trust=trust, allow_kernels=allow_kernels,
+                 cache_dir=cache_dir)
+
+
+def loads(data: bytes, source: str = "artifact", *, trust=None, allow_kernels: bool = False,
+          cache_dir: str | None = _trust_mod.DEFAULT) -> Artifact:
     """An artifact from its file's bytes (``Artifact.to_bytes``), checked like ``load``."""
+    try:
+        return _loads(data, source, trust, allow_kernels, cache_dir)
+    except RecursionError as e:  # a manifest nested thousands deep
+        raise VjpsplitError(f"{source}: the artifact's manifest is nested too deeply to be ours; "
+                            "it is damaged or forged: export it again") from e
+
+
+def _loads(data: bytes, source: str, trust, allow_kernels: bool, cache_dir: str | None) -> Artifact:
+    trusted = _trust_mod.trusted_keys(trust)
     if not data.startswith(MAGIC):
         raise VjpsplitError(f"{source}: not a vjpsplit artifact (bad header); pass a file written by `vjpsplit export`")
     body = data[len(MAGIC):]
@@ -546,6 +599,8 @@ def loads(data: bytes, source: str = "artifact") -> Artifact:
         raise VjpsplitError(f"{source}: the artifact is corrupt or truncated ({first_line(e)}); copy or export it again") from e
     if not isinstance(top, dict) or not {"manifest", "fwd", "bwd"} <= set(top):
         raise VjpsplitError(f"{source}: the artifact is missing its manifest or modules; export it again")
+    signature = top.get(_trust_mod.SIGNATURE)
+    signer = _trust_mod.verify(top, body, source, trusted, _pack)  # before any module is read
     manifest = Manifest.from_json(top["manifest"], source)
     lo = jexport.minimum_supported_calling_convention_version
     hi = jexport.maximum_supported_calling_convention_version
@@ -563,7 +618,13 @@ def loads(data: bytes, source: str = "artifact") -> Artifact:
         raise VjpsplitError(
             f"{source}: fingerprint mismatch: the artifact was modified after export; export it again"
         )
-    art = Artifact(manifest, modules, source=source)
+    art = Artifact(manifest, modules, source=source)  # reads the modules' headers (Python), not their StableHLO
     if tuple(art._exps["fwd"].platforms) != manifest.platforms:
         raise VjpsplitError(f"{source}: the modules' platforms do not match the manifest; export it again")
+    vouched = signer is not None and trusted is not None  # signed by a key the caller trusts
+    probes = _trust_mod.probe_modules({k: e.mlir_module_serialized for k, e in art._exps.items()}, source,
+                                      in_process=vouched, cache_dir=cache_dir)
+    _trust_mod.check_modules(source, manifest, art._exps, probes, trusted_signer=vouched, allow_kernels=allow_kernels)
+    _trust_mod.prepare_kernels(probes)
+    art.signature, art.signer = signature, signer
     return art

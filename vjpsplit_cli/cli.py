@@ -18,7 +18,8 @@ import click
 
 from .outputs import StagedOutputs, UsageError
 from .reading import os_error_message
-from .signals import Interrupted, outputs_committed
+from .signals import Interrupted, outputs_committed, time_limit
+from .system import private_dir
 from .terminal import printable
 from .errors import VjpsplitError, one_line
 
@@ -243,18 +244,40 @@ def cache_dir() -> str | None:
     ``VJPSPLIT_CACHE_DIR`` moves it (empty, ``0`` or ``off`` turns it off); the
     default is ``vjpsplit/jax`` under ``$XDG_CACHE_HOME`` (``~/.cache``).
     """
-    env = os.environ.get("VJPSPLIT_CACHE_DIR")
-    if env is not None:
-        return None if env.strip().lower() in ("", "0", "off", "none") else env
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "vjpsplit", "jax")
+    from .trust import default_cache_dir
+
+    return default_cache_dir()
+
+
+def _private_cache(path: str) -> tuple[bool, str]:
+    """Whether ``path`` may hold caches (created 0700 if missing), and why not.
+
+    Entries there become programs this process runs (JAX's compilation cache
+    included, which checks nothing), so the directory must be this user's and
+    writable by no one else: the rule the executable cache applies to its files.
+    """
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as e:
+        return False, e.strerror or str(e)
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        return False, "not a writable directory"
+    if not private_dir(path):
+        return False, "owned by another user or writable by others; make it yours with mode 0700"
+    return True, ""
+
+
+def _active_cache_dir() -> str | None:
+    """``cache_dir()`` when caching is on and the directory is private to this user; else None (no cache at all)."""
+    if _global_flag(click.get_current_context(), "no_cache"):
+        return None
+    path = cache_dir()
+    return path if path is not None and _private_cache(path)[0] else None
 
 
 def _executable_cache() -> str | None:
     """Where run-fwd/run-bwd keep serialized executables (``executables`` under ``cache_dir()``); None when off."""
-    if _global_flag(click.get_current_context(), "no_cache"):
-        return None
-    path = cache_dir()
+    path = _active_cache_dir()
     return None if path is None else os.path.join(path, "executables")
 
 
@@ -264,17 +287,19 @@ def _use_compilation_cache() -> None:
         return
     import jax
 
-    if jax.config.jax_compilation_cache_dir:  # the user configured JAX's own cache: keep it
+    configured = jax.config.jax_compilation_cache_dir
+    if configured:  # the user configured JAX's own cache: keep it, if it is safe to read programs from
+        if "://" in str(configured) or _private_cache(str(configured))[0]:
+            return
+        jax.config.update("jax_enable_compilation_cache", False)
+        if _debug_enabled(click.get_current_context()):
+            _log(f"debug: compilation cache {configured} unusable ({_private_cache(str(configured))[1]}); "
+                 "running without it")
         return
     path = cache_dir()
     if path is None:
         return
-    try:
-        os.makedirs(path, exist_ok=True)
-        usable = os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
-        problem = "not a writable directory"
-    except OSError as e:
-        usable, problem = False, e.strerror or str(e)
+    usable, problem = _private_cache(path)
     if not usable:
         # A cache is an optimisation: without one the command still works, so say so only when asked.
         if _debug_enabled(click.get_current_context()):
@@ -331,12 +356,17 @@ def _function_options(fn):
 @click.option("--weights", default=None, metavar="NAMES",
               help="Comma-separated weight parameters: adds the zero-bubble split backward (run-bwd --part).")
 @click.option("-o", "--output", required=True, type=_ARTIFACT_OUT, help="Artifact file to write.")
+@click.option("--sign-key", "sign_key", type=_EXISTING, default=None, metavar="KEY",
+              help="Sign the artifact with this Ed25519 private key (from `vjpsplit keygen`).")
 @_command
-def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, at, weights, output):
+def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, at, weights, output, sign_key):
     """Export FN's forward and backward into one portable artifact."""
     from .lowering import export
     from .policies import parse_at
     from .specs import check_fits, load_object, resolve_shapes
+    from .trust import load_private_key
+
+    key = load_private_key(sign_key) if sign_key else None  # a bad key fails before any tracing
 
     source = click.get_current_context().get_parameter_source("policy")
     if memory_budget is not None and source != click.core.ParameterSource.DEFAULT and policy != "auto":
@@ -356,6 +386,8 @@ def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, a
                      policy=None if memory_budget is not None and policy != "auto" else policy,
                      arg_names=names, name=name, memory_budget=memory_budget, at=parse_at(at),
                      weights=_names(weights))
+        if key is not None:
+            art.sign(key)
         out.write("-o", art.save)
     m = art.manifest
     if art.policy_choice.reason:  # auto's measurements, or the budget's pick
@@ -363,7 +395,29 @@ def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, a
     backed = sum(r.input_backed for r in m.residuals)
     _log(f"wrote {output}: {m.function}, {_count(len(m.inputs), 'input')}, "
          f"{_count(len(m.residuals) - backed, 'stored residual')} and {backed} input-backed, "
-         f"platforms {','.join(m.platforms)}")
+         f"platforms {','.join(m.platforms)}" + (f", signed by {art.signer}" if art.signer else ""))
+
+
+@main.command("keygen", short_help="Make an Ed25519 key pair for signing artifacts.",
+              epilog="\b\nExamples:\n  vjpsplit keygen -o ~/.vjpsplit/key\n  vjpsplit export ... --sign-key ~/.vjpsplit/key -o stage.vjps\n  vjpsplit run-fwd stage.vjps --trust-key key.pub --inputs in.npz --residuals res.npz")
+@click.option("-o", "--output", required=True, type=_ARTIFACT_OUT, metavar="KEY",
+              help="Private key file to write (mode 0600); the public key goes to KEY.pub.")
+@_command
+def keygen_cmd(output):
+    """Make an Ed25519 key pair for signing artifacts: KEY (private) and KEY.pub (give this one out)."""
+    from .trust import generate_key
+
+    kid = generate_key(output)
+    _log(f"wrote {output} (private, keep it secret) and {output}.pub (public: --trust-key); key {kid}")
+
+
+def _trust_options(fn):
+    """--trust-key and --allow-kernels: for every command that loads an artifact."""
+    fn = click.option("--allow-kernels", is_flag=True,
+                      help="Trust this artifact's kernel custom calls (LAPACK & co.) without a signature.")(fn)
+    return click.option("--trust-key", "trust_keys", multiple=True, type=_EXISTING, metavar="KEY.pub",
+                        help="Refuse the artifact unless signed by this public key (repeatable; also "
+                             "VJPSPLIT_TRUST_KEYS, paths separated by the OS path separator).")(fn)
 
 
 def _log_timing(at) -> None:
@@ -412,12 +466,12 @@ def _wants_x64(specs) -> bool:
     return any(not is_key(s) and np.dtype(s.dtype) in wide for s in jax.tree_util.tree_leaves(specs))
 
 
-def _load_artifact(path, *, x64: bool = True):
+def _load_artifact(path, trust_keys=(), allow_kernels: bool = False, *, x64: bool = True):
     """Load an artifact; a manifest that decodes but does not fit the format is one line naming the file."""
     from .artifact import load
 
     try:
-        art = load(path)
+        art = load(path, trust=list(trust_keys) or None, allow_kernels=allow_kernels, cache_dir=_active_cache_dir())
     except (VjpsplitError, MemoryError, OSError):
         raise
     except Exception as e:  # e.g. a hand-edited manifest whose fingerprint was recomputed
@@ -433,6 +487,20 @@ def _numpy(values: dict) -> dict:
     import numpy as np
 
     return {k: np.asarray(v) for k, v in values.items()}
+
+
+_timeout_option = click.option(
+    "--timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
+    help="Give up (error, exit 1, no output written) if loading and running the artifact take longer.")
+
+
+def _timed(seconds: float | None, artifact: str):
+    """``time_limit`` for --timeout (None: no limit)."""
+    if seconds is None:
+        return contextlib.nullcontext()
+    return time_limit(seconds, f"{artifact}: {click.get_current_context().info_name} did not finish within "
+                               f"{seconds:g} s (--timeout); every previous output is left as it was; "
+                               "allow more time, or do not run this artifact if it never ends")
 
 
 # Residuals, outputs, grads and intermediates are transient: by default they are not
@@ -451,8 +519,11 @@ _fsync_option = click.option(
 @click.option("--outputs", "outputs_path", type=_ARRAY_OUT, default=None, help="Outputs file to write (out, aux).")
 @click.option("--self-contained", is_flag=True, help="Also write input-backed residuals, so run-bwd needs no --inputs.")
 @_fsync_option
+@_trust_options
+@_timeout_option
 @_command
-def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contained, fsync):
+def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contained, fsync, trust_keys, allow_kernels,
+                timeout):
     """Run the forward: inputs -> outputs and residuals."""
     from .files import load_arrays, save_arrays
     from .residual_files import save_residuals
@@ -460,11 +531,12 @@ def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contai
     with StagedOutputs({"--residuals": residuals_path, "--outputs": outputs_path},
                        {"ARTIFACT": artifact, "--inputs": inputs_path}, fsync=fsync) as out:
         _use_compilation_cache()
-        art = _load_artifact(artifact)
-        art.executable_cache = _executable_cache()
-        inputs, _ = load_arrays(inputs_path)
-        outputs, res = art.run_fwd_arrays(inputs, source=inputs_path)
-        outputs = _numpy(outputs)  # finish the compute before any file is written
+        with _timed(timeout, artifact):
+            art = _load_artifact(artifact, trust_keys, allow_kernels)
+            art.executable_cache = _executable_cache()
+            inputs, _ = load_arrays(inputs_path)
+            outputs, res = art.run_fwd_arrays(inputs, source=inputs_path)
+            outputs = _numpy(outputs)  # finish the compute before any file is written
         out.write("--residuals", lambda tmp: save_residuals(tmp, res, self_contained=self_contained))
         if outputs_path:
             meta = {"kind": "vjpsplit-outputs", "fingerprint": art.manifest.fingerprint}
@@ -496,9 +568,11 @@ def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contai
                    "that --inputs are the very inputs the forward ran on (dims and content), and that the "
                    "intermediates come from the same forward run as the residuals.")
 @_fsync_option
+@_trust_options
+@_timeout_option
 @_command
 def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_path, part, inter_path, no_verify,
-                fsync):
+                fsync, trust_keys, allow_kernels, timeout):
     """Run the backward: residuals (+ cotangents) -> gradients, without the forward."""
     from .files import load_arrays, save_arrays
     from .manifest import check_keys
@@ -521,32 +595,33 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
     )
     with staged as out:
         _use_compilation_cache()
-        art = _load_artifact(artifact)
-        art.executable_cache = _executable_cache()
-        inputs = None
-        if inputs_path:
-            inputs = load_arrays(inputs_path)[0]
-            # The same inputs file run-fwd read: every input key, nothing else.
-            check_keys(inputs_path, "input", [leaf.key for leaf in art.manifest.inputs], inputs)
-        res = None
-        if residuals_path:
-            res = load_residuals(residuals_path, inputs=inputs, artifact=art, inputs_source=inputs_path,
-                                 verify=not no_verify)
-        if part == "weight":
-            from .residual_files import load_intermediates
+        with _timed(timeout, artifact):
+            art = _load_artifact(artifact, trust_keys, allow_kernels)
+            art.executable_cache = _executable_cache()
+            inputs = None
+            if inputs_path:
+                inputs = load_arrays(inputs_path)[0]
+                # The same inputs file run-fwd read: every input key, nothing else.
+                check_keys(inputs_path, "input", [leaf.key for leaf in art.manifest.inputs], inputs)
+            res = None
+            if residuals_path:
+                res = load_residuals(residuals_path, inputs=inputs, artifact=art, inputs_source=inputs_path,
+                                     verify=not no_verify)
+            if part == "weight":
+                from .residual_files import load_intermediates
 
-            inter = load_intermediates(inter_path, inputs=inputs, artifact=art, inputs_source=inputs_path,
-                                       verify=not no_verify)
-            grads = art.run_bwd_weight_arrays(res, inter, source=residuals_path or "residuals", inter_source=inter_path)
-            inter = None
-        else:
-            cts = load_arrays(cotangents_path)[0] if cotangents_path else None
-            ct_source = cotangents_path or "cotangents"
-            if part == "input":
-                grads, inter = art.run_bwd_input_arrays(res, cts, source=residuals_path, ct_source=ct_source)
+                inter = load_intermediates(inter_path, inputs=inputs, artifact=art, inputs_source=inputs_path,
+                                           verify=not no_verify)
+                grads = art.run_bwd_weight_arrays(res, inter, source=residuals_path or "residuals", inter_source=inter_path)
+                inter = None
             else:
-                grads, inter = art.run_bwd_arrays(res, cts, source=residuals_path, ct_source=ct_source), None
-        grads = _numpy(grads)  # finish the compute before any file is written
+                cts = load_arrays(cotangents_path)[0] if cotangents_path else None
+                ct_source = cotangents_path or "cotangents"
+                if part == "input":
+                    grads, inter = art.run_bwd_input_arrays(res, cts, source=residuals_path, ct_source=ct_source)
+                else:
+                    grads, inter = art.run_bwd_arrays(res, cts, source=residuals_path, ct_source=ct_source), None
+            grads = _numpy(grads)  # finish the compute before any file is written
         if inter is not None:
             from .residual_files import save_intermediates
 
@@ -564,13 +639,14 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--at", "at", multiple=True, type=_AtSizes(), metavar="NAME=SIZE",
               help="Size symbolic dims in the byte totals (b=256).")
+@_trust_options
 @_command
-def inspect_cmd(artifact, as_json, at):
+def inspect_cmd(artifact, as_json, at, trust_keys, allow_kernels):
     """Describe an artifact: keys, dtypes, shapes, residual bytes, platforms, versions."""
     from .policies import check_at_names, parse_at
     from .report import describe, format_table
 
-    art = _load_artifact(artifact, x64=False)
+    art = _load_artifact(artifact, trust_keys, allow_kernels, x64=False)
     sizes = parse_at(at)
     check_at_names(sizes, art.manifest.dim_vars, artifact)
     if as_json:
@@ -592,14 +668,15 @@ def inspect_cmd(artifact, as_json, at):
               help="Values: zeros, ones, or normal (standard normal floats, integers 0..7, random bools and keys).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
               help="Random seed for --fill normal.")
+@_trust_options
 @_command
-def template_cmd(artifact, output, at, what, fill, seed):
+def template_cmd(artifact, output, at, what, fill, seed, trust_keys, allow_kernels):
     """Write an inputs or cotangents file with exactly the keys, dtypes and shapes ARTIFACT expects."""
     from .files import save_arrays
     from .templates import template
 
     with StagedOutputs({"-o": output}, {"ARTIFACT": artifact}) as out:
-        art = _load_artifact(artifact, x64=False)
+        art = _load_artifact(artifact, trust_keys, allow_kernels, x64=False)
         arrays = template(art, what=what, at=at, fill=fill, seed=seed)
         meta = {"kind": f"vjpsplit-{what}", "fingerprint": art.manifest.fingerprint}
         out.write("-o", lambda tmp: save_arrays(tmp, arrays, meta))

@@ -27,17 +27,10 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from .system import private_dir
+
 _MAGIC = b"VJPSPLIT-EXEC-1\n"
 _MAX_ENTRY = 1 << 30  # an executable is MiBs; anything bigger is not ours
-
-
-def _private_dir(path: str) -> bool:
-    """True if ``path`` is a directory we own that no one else can write (pickle is loaded from it)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def _encode_tree(treedef) -> Any:
@@ -210,4 +203,4 @@ def _cache_dir_ready(directory: str) -> bool:
         os.makedirs(directory, mode=0o700, exist_ok=True)
     except OSError:
         return False
-    return _private_dir(directory)
+    return private_dir(directory)

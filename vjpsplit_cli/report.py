@@ -52,6 +52,7 @@ def describe(art: Artifact, at: Mapping[str, int] | None = None) -> dict:
         "mesh": {name: size for name, size in m.mesh} or None,
         "policy": m.policy,
         "fingerprint": m.fingerprint,
+        "signer": art.signer,  # the signing key's id (checked against the file), or None: unsigned
         "versions": {
             "format": m.format_version,
             "vjpsplit": m.vjpsplit_version,
@@ -116,6 +117,7 @@ def format_table(art: Artifact, at: Mapping[str, int] | None = None) -> str:
         f"policy       {m.policy}",
         f"has_aux      {m.has_aux}",
         f"fingerprint  {m.fingerprint}",
+        f"signed by    {art.signer or '(unsigned)'}",
         f"versions     format {m.format_version}, vjpsplit {m.vjpsplit_version}, jax {m.jax_version}, "
         f"calling convention {m.calling_convention_version}",
         "",

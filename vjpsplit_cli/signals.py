@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 from typing import Iterator
 
@@ -108,6 +109,58 @@ def cleanup_on_signals() -> Iterator[None]:
             if pending is not None:
                 remove_live_temps()
                 signal.raise_signal(pending)
+
+
+@contextlib.contextmanager
+def signals_end_process() -> Iterator[bool]:
+    """While XLA runs a module: SIGINT, SIGTERM and SIGHUP end the process at once (yields whether they do).
+
+    Python runs signal handlers only between bytecodes, and a module can run in C++
+    for ever (a forged never-ending loop): ``cleanup_on_signals``'s handler would
+    wait for it. So, under that guard and while this process has no temp file to
+    remove, the default actions come back for the duration: the process ends, and
+    there is no output to tidy. Signals the user set to be ignored stay ignored.
+    """
+    if (threading.current_thread() is not threading.main_thread() or _Guard.depth == 0 or _LIVE
+            or _Guard.defer or _Guard.pending is not None):
+        yield False
+        return
+    installed = {}
+    try:
+        for s in _Guard.previous:
+            installed[s] = signal.signal(s, signal.SIG_DFL)
+        yield True
+    finally:
+        for s, handler in installed.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None, message: str) -> Iterator[None]:
+    """Past ``seconds`` inside, print ``error: <message>`` and end the process with exit code 1.
+
+    A module can run in C++ for ever, where no Python exception reaches it, so only
+    ending the process stops it. This process's temp files are removed first; wrap
+    only work that commits no output (the CLI's loads and module runs).
+    """
+    if not seconds:
+        yield
+        return
+    from .terminal import printable
+
+    def expire() -> None:
+        remove_live_temps()
+        sys.stderr.write(f"error: {printable(message)}\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 @contextlib.contextmanager

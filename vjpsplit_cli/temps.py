@@ -109,7 +109,10 @@ def remove_stale_temps(directory: str | os.PathLike, *, once: bool = False) -> l
         m = _TEMP_NAME.match(entry.name)
         if m is None or entry.path in live_temps():
             continue
-        alive = _writer_alive(int(m.group(1)), int(m.group(2)), m.group(3))
+        try:
+            alive = _writer_alive(int(m.group(1)), int(m.group(2)), m.group(3))
+        except (OverflowError, ValueError):  # a pid no process can have: not a name we wrote, leave it
+            continue
         if alive is None:
             try:
                 alive = time.time() - entry.stat(follow_symlinks=False).st_mtime < _FOREIGN_STALE_S

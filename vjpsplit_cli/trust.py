@@ -1,0 +1,602 @@
+"""Trust: who made an artifact (Ed25519 signatures), and what its modules may do before they compile.
+
+An artifact is code: StableHLO that XLA compiles and runs, and ``jax.export``
+trusts its input. This module stands between the file and XLA:
+
+* **Signatures.** ``sign`` adds ``{"alg": "ed25519", "key": <public key>, "sig": ...}``
+  under ``"signature"`` beside the manifest in the artifact's top-level msgpack map
+  (older readers ignore it). The signed message is a SHA-256 of the file's bytes
+  without that entry, so the manifest and every module are covered. A signed file
+  must be msgpack's canonical encoding of what it decodes to, so no byte can change
+  without changing what is signed. With trust keys, an unsigned file or another
+  signer is refused before any module is read.
+* **Module checks** (every artifact, signed or not): each module's StableHLO is
+  parsed in a child process first, because a corrupt bytecode can crash (or corrupt
+  the heap of) the parser; only a module that parsed cleanly there is parsed here.
+  Its custom calls are walked: host callbacks are always refused, compiler
+  annotations (sharding, shape assertions) always allowed, and kernels (LAPACK & co.)
+  allowed when the signer is trusted, when ``allow_kernels`` says the user trusts
+  the file, or, for the LAPACK kernels JAX emits, when their operand and result
+  shapes are the ones JAX's lowering gives. The module's signature must be the
+  avals the manifest promises. A clean verdict is kept in a private cache directory
+  (keyed by the module's SHA-256 and jaxlib's version), so a repeated load skips
+  the child process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from .outputs import StagedOutputs, atomic_write
+from .reading import read_bytes
+from .system import private_dir
+from .dtypes import dtype_from_name
+from .errors import VjpsplitError
+
+SIGNATURE = "signature"  # the top-level map entry that holds the signature
+_DOMAIN = b"vjpsplit artifact signature v1\0"
+TRUST_ENV = "VJPSPLIT_TRUST_KEYS"
+
+# ------------------------------------------------------------------------------ keys
+
+
+def _crypto():
+    try:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ed25519
+    except ImportError as e:  # pragma: no cover - a core dependency
+        raise VjpsplitError("signing needs the 'cryptography' package; pip install cryptography") from e
+    return serialization, ed25519
+
+
+def key_id(public_raw: bytes) -> str:
+    """A public key's fingerprint as shown to users: ``ed25519:`` and 32 hex digits of its SHA-256."""
+    return "ed25519:" + hashlib.sha256(public_raw).hexdigest()[:32]
+
+
+def generate_key(path: str | os.PathLike) -> str:
+    """Write a new Ed25519 pair: ``path`` (PEM private key, mode 0600) and ``path.pub``; return its key id.
+
+    Both files are written or neither; an existing file is never replaced (a lost
+    private key cannot be recovered, and a replaced one would keep the old file's mode).
+    """
+    serialization, ed25519 = _crypto()
+    path = os.fspath(path)
+    for p in (path, path + ".pub"):
+        if os.path.lexists(p):
+            raise VjpsplitError(f"{p}: already exists; remove it first or choose another name for the key")
+    key = ed25519.Ed25519PrivateKey.generate()
+    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    public = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+    def write_private(tmp: str) -> None:
+        os.chmod(tmp, 0o600)  # before the key is in it: no moment where others can read it
+        with open(tmp, "wb") as f:
+            f.write(private)
+            f.flush()
+            os.fsync(f.fileno())
+
+    with StagedOutputs({"KEY": path, "KEY.pub": path + ".pub"}, fsync=True) as out:
+        out.write("KEY", write_private)
+        out.write("KEY.pub", lambda tmp: atomic_write(tmp, lambda f: f.write(public)))
+    return key_id(_raw_public(key.public_key()))
+
+
+def _raw_public(public) -> bytes:
+    serialization, _ = _crypto()
+    return public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def load_private_key(path: str | os.PathLike):
+    """The Ed25519 private key in ``path`` (PEM, or 32 raw bytes); a clear error for anything else."""
+    serialization, ed25519 = _crypto()
+    data = read_bytes(path, "signing key")
+    try:
+        key = ed25519.Ed25519PrivateKey.from_private_bytes(data) if len(data) == 32 \
+            else serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as e:
+        raise VjpsplitError(f"{path}: not an unencrypted Ed25519 private key ({e}); "
+                            "make one with `vjpsplit keygen -o KEY`") from e
+    if not isinstance(key, ed25519.Ed25519PrivateKey):
+        raise VjpsplitError(f"{path}: not an Ed25519 private key; make one with `vjpsplit keygen -o KEY`")
+    return key
+
+
+def load_public_key(path: str | os.PathLike) -> bytes:
+    """The raw 32-byte Ed25519 public key in ``path`` (PEM or raw); a clear error for anything else."""
+    serialization, ed25519 = _crypto()
+    data = read_bytes(path, "trust key")
+    if len(data) == 32:
+        return data
+    try:
+        key = serialization.load_pem_public_key(data)
+    except (ValueError, TypeError) as e:
+        hint = " (this is the private key: pass KEY.pub)" if b"PRIVATE KEY" in data else ""
+        raise VjpsplitError(f"{path}: not an Ed25519 public key{hint}; "
+                            "pass the KEY.pub that `vjpsplit keygen` wrote") from e
+    if not isinstance(key, ed25519.Ed25519PublicKey):
+        raise VjpsplitError(f"{path}: not an Ed25519 public key; pass the KEY.pub that `vjpsplit keygen` wrote")
+    return _raw_public(key)
+
+
+def trusted_keys(trust: Any = None, *, env: bool = True) -> dict[bytes, str] | None:
+    """The trusted public keys (raw bytes -> key id) from ``trust`` and ``VJPSPLIT_TRUST_KEYS``; None: none given.
+
+    ``trust`` is a path, raw public key bytes, or a sequence of them; the
+    environment variable holds paths separated by ``os.pathsep``.
+    """
+    items: list = []
+    if trust is not None:
+        items += list(trust) if isinstance(trust, (list, tuple, set, frozenset)) else [trust]
+    if env:
+        items += [p for p in os.environ.get(TRUST_ENV, "").split(os.pathsep) if p.strip()]
+    if not items:
+        return None
+    keys = {}
+    for item in items:
+        raw = bytes(item) if isinstance(item, (bytes, bytearray)) and len(item) == 32 else load_public_key(item)
+        keys[raw] = key_id(raw)
+    return keys
+
+
+# ------------------------------------------------------------------------------ signatures
+
+
+def _message(unsigned: bytes) -> bytes:
+    return _DOMAIN + hashlib.sha256(unsigned).digest()
+
+
+def sign(unsigned: bytes, private_key) -> dict:
+    """The signature entry for an artifact whose bytes without it are ``unsigned``."""
+    return {"alg": "ed25519", "key": _raw_public(private_key.public_key()), "sig": private_key.sign(_message(unsigned))}
+
+
+def verify(top: Mapping, body: bytes, source: str, trusted: Mapping[bytes, str] | None, pack) -> str | None:
+    """Check the signature of a decoded artifact map ``top`` (``body``: its bytes); return the signer's key id.
+
+    Unsigned: None, or refused when ``trusted`` is given. A signature that does not
+    verify is refused whether or not keys are trusted (the file is damaged or forged).
+    """
+    entry = top.get(SIGNATURE)
+    if entry is None:
+        if trusted is not None:
+            raise VjpsplitError(f"{source}: the artifact is unsigned, and trust keys were given; ask its author "
+                                "for a signed copy (export --sign-key KEY), or drop --trust-key/VJPSPLIT_TRUST_KEYS "
+                                "to run it")
+        return None
+    _, ed25519 = _crypto()
+    if not (isinstance(entry, dict) and entry.get("alg") == "ed25519" and isinstance(entry.get("key"), bytes)
+            and len(entry["key"]) == 32 and isinstance(entry.get("sig"), bytes)):
+        raise VjpsplitError(f"{source}: the artifact's signature is malformed; copy or export it again")
+    signer = key_id(entry["key"])
+    if trusted is not None and entry["key"] not in trusted:
+        raise VjpsplitError(f"{source}: signed by {signer}, which is not among the trusted keys "
+                            f"({', '.join(trusted.values())}); "
+                            "pass that signer's KEY.pub with --trust-key if you trust it")
+    # What was signed is re-encoded from what was decoded, so the file must be that very encoding.
+    if pack(dict(top)) != body:
+        raise VjpsplitError(f"{source}: the signed artifact was modified after signing (not canonically encoded); "
+                            "copy or export it again")
+    unsigned = pack({k: v for k, v in top.items() if k != SIGNATURE})
+    try:
+        from cryptography.exceptions import InvalidSignature
+
+        ed25519.Ed25519PublicKey.from_public_bytes(entry["key"]).verify(entry["sig"], _message(unsigned))
+    except (InvalidSignature, ValueError) as e:
+        raise VjpsplitError(f"{source}: the artifact's signature does not verify: it was modified after signing; "
+                            "copy or export it again") from e
+    return signer
+
+
+# ------------------------------------------------------------------------------ module probes
+
+_MALLOC_DEBUG = "/usr/lib/x86_64-linux-gnu/libc_malloc_debug.so.0"
+
+
+def _probe_here(modules: Mapping[str, bytes], source: str) -> dict:
+    """Probe in this process (only for modules whose author is trusted: jax would parse them here anyway).
+
+    The MLIR parser prints its diagnostics on file descriptor 2: they are kept off
+    the terminal, and a failure is one ``VjpsplitError``.
+    """
+    from .mlirprobe import probe
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        return {k: probe(v) for k, v in modules.items()}
+    except Exception as e:
+        raise VjpsplitError(f"{source}: a module's StableHLO is corrupt ({type(e).__name__}); the signed artifact "
+                            "is damaged: ask its author to export it again") from e
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _probe_child(modules: Mapping[str, bytes], source: str) -> dict:
+    """Probe in a child process: a module that crashes the parser crashes the child, not us."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this vjpsplit, not another one
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu", MALLOC_CHECK_="3", MALLOC_PERTURB_="165")
+    if os.path.exists(_MALLOC_DEBUG) and "libc_malloc_debug" not in env.get("LD_PRELOAD", ""):
+        # glibc >= 2.34 honours MALLOC_CHECK_ only with its debug malloc loaded.
+        env["LD_PRELOAD"] = ":".join(p for p in (env.get("LD_PRELOAD", ""), _MALLOC_DEBUG) if p)
+    request = json.dumps({k: bytes(v).hex() for k, v in modules.items()})
+    try:
+        done = subprocess.run([sys.executable, "-m", "vjpsplit_cli.mlirprobe"], input=request.encode(),
+                              capture_output=True, env=env, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise VjpsplitError(f"{source}: could not check the artifact's modules ({type(e).__name__}: {e}); "
+                            "retry, or export the artifact again") from e
+    if done.returncode < 0:  # the parser crashed (or glibc caught it corrupting the heap)
+        raise VjpsplitError(f"{source}: a module's StableHLO is corrupt (the parser died of signal "
+                            f"{-done.returncode}); the artifact is damaged or forged: copy or export it again")
+    try:
+        result = json.loads(done.stdout) if done.returncode == 0 else None
+    except ValueError:
+        result = None
+    if not isinstance(result, dict):
+        last = (done.stderr.decode(errors="replace").strip().splitlines() or [""])[-1][:200]
+        raise VjpsplitError(f"{source}: could not check the artifact's modules (checker exit {done.returncode}: "
+                            f"{last}); check that jax imports in this Python, then retry")
+    for k, v in result.items():
+        if isinstance(v, dict) and "error" in v:
+            raise VjpsplitError(f"{source}: the {k} module's StableHLO is corrupt ({str(v['error'])[:160]}); "
+                                "the artifact is damaged or forged: copy or export it again")
+    return result
+
+
+def _verdict_dir(cache_dir: str | None) -> str | None:
+    """``<cache_dir>/checked`` when it is private to this user (a planted verdict would skip the child)."""
+    if not cache_dir:
+        return None
+    path = os.path.join(cache_dir, "checked")
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        return path if private_dir(cache_dir) and private_dir(path) else None
+    except OSError:
+        return None
+
+
+def _verdict_name(data: bytes) -> str:
+    import jaxlib
+
+    return hashlib.sha256(getattr(jaxlib, "__version__", "?").encode() + b"\0" + bytes(data)).hexdigest() + ".json"
+
+
+def _read_verdict(directory: str, name: str) -> dict | None:
+    try:
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022 or st.st_size > 1 << 24:
+            return None
+        try:
+            value = json.loads(f.read())
+        except ValueError:
+            return None
+    return value if isinstance(value, dict) else None
+
+
+DEFAULT = "default"  # ``cache_dir`` sentinel: the default cache location (``default_cache_dir``)
+_SEEN: dict[str, dict] = {}  # verdict name -> probe, for modules this process has probed already
+
+
+def forget_verdicts() -> None:
+    """Forget the module verdicts this process keeps in memory (the next load reads the cache directory or probes)."""
+    _SEEN.clear()
+
+
+def default_cache_dir() -> str | None:
+    """vjpsplit's cache directory: ``VJPSPLIT_CACHE_DIR`` (empty, ``0``, ``off`` or ``none``: None), else
+    ``vjpsplit/jax`` under ``$XDG_CACHE_HOME`` (``~/.cache``)."""
+    env = os.environ.get("VJPSPLIT_CACHE_DIR")
+    if env is not None:
+        return None if env.strip().lower() in ("", "0", "off", "none") else env
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "vjpsplit", "jax")
+
+
+def probe_modules(modules: Mapping[str, bytes], source: str, *, in_process: bool = False,
+                  cache_dir: str | None = DEFAULT) -> dict:
+    """Each module's main signature and custom calls (``{"main": ..., "calls": [...]}``), parsed safely.
+
+    ``cache_dir``: where verdicts persist between processes (``DEFAULT``: the default
+    location; None: nowhere). Only a directory private to this user is used.
+    """
+    directory = _verdict_dir(default_cache_dir() if cache_dir == DEFAULT else cache_dir)
+    found, todo = {}, {}
+    for k, data in modules.items():
+        name = _verdict_name(data)
+        v = _SEEN.get(name) or (_read_verdict(directory, name) if directory else None)
+        if v is not None:
+            found[k] = _SEEN[name] = v
+        else:
+            todo[k] = data
+    if todo:
+        fresh = _probe_here(todo, source) if in_process else _probe_child(todo, source)
+        for k in todo:
+            if not isinstance(fresh.get(k), dict):
+                raise VjpsplitError(f"{source}: could not check the {k} module (bad probe reply); retry")
+            found[k] = _SEEN[_verdict_name(todo[k])] = fresh[k]
+            if directory:
+                try:
+                    text = json.dumps(fresh[k]).encode()
+                    atomic_write(os.path.join(directory, _verdict_name(todo[k])), lambda f, t=text: f.write(t))
+                except (OSError, VjpsplitError):
+                    pass  # a cache: the next load probes again
+    return found
+
+
+# ------------------------------------------------------------------------------ custom-call policy
+
+# Compiler-internal annotations and ops XLA itself implements (StableHLO ops spelled as
+# custom calls under shape polymorphism, TopK): no kernel of their own, shapes checked by XLA.
+_ANNOTATIONS = frozenset({
+    "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "shape_assertion", "annotate_device_placement",
+    "MoveToHost", "MoveToDevice", "PartitionId", "X64Combine", "X64SplitLow", "X64SplitHigh",
+    "TopK", "ApproxTopK", "PartialReduce", "AllocateBuffer",
+    # Linear algebra on TPU: expanded by XLA itself, which checks their shapes.
+    "Eigh", "Qr", "ProductOfElementaryHouseholderReflectors", "LuDecomposition",
+})
+_ANNOTATION_PREFIXES = ("xla.sdy.", "local_xla.sdy.", "sdy.", "stablehlo.", "mhlo.")
+# Host callbacks run Python (or whatever a forged index points at): vjpsplit never exports them.
+_CALLBACK = re.compile(r"callback|python|host_callback|xla_ffi_partial", re.IGNORECASE)
+
+
+def classify(target: str) -> str:
+    """``"callback"`` (always refused), ``"annotation"`` (always allowed) or ``"kernel"``."""
+    if _CALLBACK.search(target):
+        return "callback"
+    if target in _ANNOTATIONS or target.startswith(_ANNOTATION_PREFIXES):
+        return "annotation"
+    return "kernel"
+
+
+_LAPACK = re.compile(r"(?:lapack_([sdcz])|cusolver_|hipsolver_)"
+                     r"(getrf|potrf|geqrf|orgqr|ungqr|syevd|heevd|gesdd|gesvdj|gesvd|trsm)_ffi\Z")
+_PIVOTS = re.compile(r"(?:cu|hip)_lu_pivots_to_permutation\Z")
+_REAL = {"f32": "f32", "f64": "f64", "complex<f32>": "f32", "complex<f64>": "f64"}
+_LETTER = {"s": "f32", "d": "f64", "c": "complex<f32>", "z": "complex<f64>"}
+
+
+def _static(t) -> tuple[str, tuple[int, ...]] | None:
+    elt, dims = t
+    if dims is None or any(d is None or d < 0 for d in dims):
+        return None
+    return elt, tuple(dims)
+
+
+def lapack_shapes_ok(call: Mapping) -> bool:
+    """Whether a LAPACK (or cuSOLVER) custom call's operands and results have the shapes JAX's lowering gives them.
+
+    The kernels size their writes from the first operand ``[B..., m, n]``; a
+    result declared smaller than that is a buffer overflow. Dynamic dims cannot be
+    checked here: such a call needs a trusted signer or ``allow_kernels``.
+    """
+    target = call.get("target", "")
+    ops = [_static(t) for t in call.get("operands", ())]
+    res = [_static(t) for t in call.get("results", ())]
+    if not ops or any(t is None for t in ops + res):
+        return False
+    if _PIVOTS.match(target):  # pivots [B..., k] -> permutation [B..., m], m >= k: sized by its result
+        (p_elt, piv), = ops if len(ops) == 1 else [("", ())]
+        return (p_elt == "i32" and len(res) == 1 and res[0][0] == "i32" and len(res[0][1]) == len(piv) >= 1
+                and res[0][1][:-1] == piv[:-1] and res[0][1][-1] >= piv[-1])
+    m_ = _LAPACK.match(target)
+    if not m_:
+        return False
+    letter, kind = m_.groups()
+    elt, a = ops[0]
+    if elt not in _REAL or (letter and elt != _LETTER[letter]) or len(a) < 2:
+        return False
+    *batch, m, n = a
+    batch, k = tuple(batch), min(m, n)
+    real, i32 = _REAL[elt], "i32"
+
+    def want(*shapes):
+        return len(res) == len(shapes) and all(r == s for r, s in zip(res, shapes))
+
+    if kind == "getrf":
+        return len(ops) == 1 and want((elt, a), (i32, (*batch, k)), (i32, batch))
+    if kind == "potrf":
+        return len(ops) == 1 and m == n and want((elt, a), (i32, batch))
+    if kind == "geqrf":
+        return len(ops) == 1 and want((elt, a), (elt, (*batch, k)))
+    if kind in ("orgqr", "ungqr"):
+        return (len(ops) == 2 and ops[1][0] == elt and len(ops[1][1]) == len(a) - 1 and ops[1][1][:-1] == batch
+                and ops[1][1][-1] <= k and want((elt, a)))
+    if kind in ("syevd", "heevd"):
+        return len(ops) == 1 and m == n and want((elt, a), (real, (*batch, n)), (i32, batch))
+    if kind == "trsm":
+        if len(ops) != 2:
+            return False
+        b_elt, b = ops[1]
+        return (b_elt == elt and m == n and len(b) == len(a) and b[:-2] == batch and n in b[-2:]
+                and want((elt, b)))
+    if kind in ("gesdd", "gesvdj", "gesvd"):
+        if len(res) != 5 or res[0] != (elt, a) or res[1] != (real, (*batch, k)) or res[4] != (i32, batch):
+            return False
+        (u_elt, u), (v_elt, vt) = res[2], res[3]
+        if u_elt != elt or v_elt != elt or u[:-2] != batch or vt[:-2] != batch:
+            return False
+        full = u[-2:] == (m, m) and vt[-2:] == (n, n)
+        mode = call.get("attrs", {}).get("mhlo.backend_config", "")
+        if letter:  # LAPACK's mode says what it writes: 'A' full, 'S' reduced, 'N' no vectors
+            if "mode = 78" in mode:
+                return True
+            if "mode = 65" in mode:
+                return full
+            if "mode = 83" in mode:
+                return u[-2:] == (m, k) and vt[-2:] == (k, n)
+            return False
+        # cuSOLVER: full matrices, when asked for or where every mode writes the same sizes.
+        return full and (m == n or "full_matrices = true" in mode)
+    return False
+
+
+# ------------------------------------------------------------------------------ avals
+
+_MLIR_ELT = {
+    "bool": "i1", "int8": "i8", "int16": "i16", "int32": "i32", "int64": "i64",
+    "uint8": "ui8", "uint16": "ui16", "uint32": "ui32", "uint64": "ui64",
+    "float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64",
+    "complex64": "complex<f32>", "complex128": "complex<f64>",
+}
+
+
+def _dims_match(want: Sequence, got: Sequence) -> bool:
+    return len(want) == len(got) and all(str(w) == str(g) for w, g in zip(want, got))
+
+
+def check_avals(source: str, module: str, exp, want_in: Sequence[tuple[str, tuple]] | None,
+                want_out: Sequence[tuple[str, tuple]] | None, main: Mapping | None) -> None:
+    """The module's avals are what the manifest promises, and its StableHLO main says the same.
+
+    ``want_in``/``want_out``: (numpy dtype name, shape with dim names) per leaf, or None
+    where the manifest does not fix them (older layouts).
+    """
+    def bad(what):
+        raise VjpsplitError(f"{source}: the {module} module's {what} do not match the manifest; the artifact was "
+                            "forged or damaged: export it again")
+
+    def avals(xs):
+        return [(np.dtype(a.dtype).name if not _is_extended(a.dtype) else str(a.dtype), tuple(a.shape)) for a in xs]
+
+    for want, got, what in ((want_in, exp.in_avals, "inputs"), (want_out, exp.out_avals, "outputs")):
+        if want is None:
+            continue
+        got = avals(got)
+        if len(want) != len(got) or any(w[0] != g[0] or not _dims_match(w[1], g[1]) for w, g in zip(want, got)):
+            bad(what)
+    if main is None:
+        bad("StableHLO signature")
+    kept = [exp.in_avals[i] for i in exp.module_kept_var_idx]
+    ins = list(main["inputs"])
+    if len(exp.platforms) > 1 and ins and ins[0] == ["i32", []]:
+        ins = ins[1:]  # the platform index jax.export adds for multi-platform modules
+
+    def same(mlir_t, aval) -> bool:
+        elt, dims = mlir_t
+        name = np.dtype(aval.dtype).name if not _is_extended(aval.dtype) else ""
+        if name in _MLIR_ELT and _MLIR_ELT[name] != elt:
+            return False
+        if dims is None or len(dims) != len(aval.shape):
+            return False
+        return all((d is None) if not isinstance(s, int) else d == s for d, s in zip(dims, aval.shape))
+
+    if len(ins) != len(kept) or not all(same(t, a) for t, a in zip(ins, kept)):
+        bad("StableHLO inputs")
+    outs = list(main["results"])
+    if len(outs) != len(exp.out_avals) or not all(same(t, a) for t, a in zip(outs, exp.out_avals)):
+        bad("StableHLO outputs")
+
+
+def _is_extended(dtype) -> bool:
+    try:
+        np.dtype(dtype)
+        return False
+    except TypeError:
+        return True
+
+
+def check_calls(source: str, module: str, calls: Iterable[Mapping], *, trusted_signer: bool,
+                allow_kernels: bool) -> None:
+    """Refuse host callbacks always; kernels unless signed by a trusted key, allowed, or shape-checked."""
+    for call in calls:
+        target = str(call.get("target", ""))
+        kind = classify(target)
+        if kind == "callback":
+            raise VjpsplitError(f"{source}: the {module} module calls a host callback ({target!r}), which vjpsplit "
+                                "never exports and never runs; the artifact was forged: do not run it")
+        if kind == "kernel" and not (trusted_signer or allow_kernels or lapack_shapes_ok(call)):
+            raise VjpsplitError(
+                f"{source}: the {module} module calls the kernel {target!r} with operand/result shapes this "
+                "vjpsplit cannot vouch for; if you trust the file, sign it and pass --trust-key, or pass "
+                "--allow-kernels (allow_kernels=True)")
+
+
+def expected_leaves(leaves) -> list[tuple[str, tuple]]:
+    """(numpy dtype name, shape) of manifest leaves, for ``check_avals``."""
+    return [(np.dtype(dtype_from_name(leaf.dtype)).name, tuple(leaf.shape)) for leaf in leaves]
+
+
+def check_outputs(source: str, module: str, values: Sequence, exp, dims: Mapping[str, int]) -> None:
+    """After a run: every output has the dtype and (concrete) shape the module declared."""
+    from .shapes import concrete_shape
+
+    if len(values) != len(exp.out_avals):
+        raise VjpsplitError(f"{source}: the {module} module returned {len(values)} arrays, not "
+                            f"{len(exp.out_avals)}; the artifact is forged or damaged")
+    for v, a in zip(values, exp.out_avals):
+        shape = concrete_shape(tuple(d if isinstance(d, int) else str(d) for d in a.shape), dims)
+        if np.dtype(v.dtype) != np.dtype(a.dtype) if not _is_extended(a.dtype) else False:
+            raise VjpsplitError(f"{source}: the {module} module returned {v.dtype}, declared {a.dtype}; "
+                                "the artifact is forged or damaged")
+        if shape is not None and tuple(v.shape) != tuple(shape):
+            raise VjpsplitError(f"{source}: the {module} module returned shape {tuple(v.shape)}, declared "
+                                f"{tuple(shape)}; the artifact is forged or damaged")
+
+
+def manifest_avals(m, module: str) -> tuple[list | None, list | None]:
+    """(inputs, outputs) that ``module`` must have, as ``expected_leaves``, from manifest ``m``; None: not fixed."""
+    carrier = [("bool", (0, *m.dim_vars))] if m.dim_vars else []
+    stored = expected_leaves(m.stored_residuals)
+    backed = expected_leaves([r for r in m.residuals if r.input_backed])
+    outs = [o for o in m.outputs if o.key == "out" or o.key.startswith("out/")]
+    aux = [o for o in m.outputs if o not in outs]
+    if module == "fwd":
+        ins = expected_leaves(m.inputs) if m.format_version >= 2 else None
+        return ins, expected_leaves(outs) + stored + expected_leaves(aux)
+    if module in ("bwd", "bwd_input"):
+        ins = stored + backed + expected_leaves(m.cotangent_leaves) + carrier
+        if module == "bwd":
+            return ins, expected_leaves(m.grads)
+        return ins, expected_leaves(m.grads_of(m.non_weight_wrt)) + expected_leaves(m.intermediates)
+    if module == "bwd_weight":
+        if m.weight_reads_subset:
+            by_key = {r.key: r for r in m.residuals}
+            ins = expected_leaves([by_key[k] for k in m.weight_residuals]) + \
+                expected_leaves([by_key[f"in/{k}"] for k in m.weight_inputs])
+        else:
+            ins = stored + backed
+        return ins + expected_leaves(m.intermediates) + carrier, expected_leaves(m.grads_of(m.weights))
+    return None, None
+
+
+def check_modules(source: str, manifest, exps: Mapping[str, Any], probes: Mapping[str, Mapping], *,
+                  trusted_signer: bool, allow_kernels: bool) -> None:
+    """Every check before compiling: each module's avals against the manifest, then its custom calls."""
+    for module, exp in exps.items():
+        info = probes.get(module) or {}
+        want_in, want_out = manifest_avals(manifest, module)
+        check_avals(source, module, exp, want_in, want_out, info.get("main"))
+        check_calls(source, module, info.get("calls", ()), trusted_signer=trusted_signer, allow_kernels=allow_kernels)
+
+
+def prepare_kernels(probes: Mapping[str, Mapping]) -> None:
+    """Initialise the LAPACK kernels the checked modules call (jaxlib < 0.7 fills their function table only
+    when jax lowers a linear-algebra op itself: a deserialized module would call null pointers)."""
+    if not any(str(c.get("target", "")).startswith("lapack_") for p in probes.values() for c in p.get("calls", ())):
+        return
+    try:
+        from jaxlib.cpu import _lapack
+    except ImportError:
+        return
+    init = getattr(_lapack, "initialize", None)
+    if init is not None:
+        init()
