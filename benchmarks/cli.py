@@ -130,7 +130,7 @@ def run(quick: bool) -> tuple[str, list[dict]]:
 
 
 def _signed_copy(path: Path, key: Path, out: Path) -> Path:
-    from vjpsplit_cli.artifact import load
+    from vjpsplit_cli.loading import load
 
     art = load(path, cache_dir=None)
     art.sign(key)
@@ -143,7 +143,7 @@ def _trust_costs(path: Path, signed: Path, pub: Path, cache: Path, rounds: int) 
     import msgpack
 
     from vjpsplit_cli import trust
-    from vjpsplit_cli.artifact import load
+    from vjpsplit_cli.loading import load
     from vjpsplit_cli.manifest import MAGIC
 
     data = signed.read_bytes()

@@ -355,9 +355,9 @@ INJECTED = {
 }
 # (command line, module attribute the command calls first, what the line must name)
 ENTRY = {
-    "run-fwd": (FWD + ["--residuals", "r.npz"], "artifact.load", "art.vjps"),
-    "run-bwd": (BWD + ["--grads", "g.npz"], "artifact.load", "art.vjps"),
-    "inspect": (["inspect", "art.vjps"], "artifact.load", "art.vjps"),
+    "run-fwd": (FWD + ["--residuals", "r.npz"], "loading.load", "art.vjps"),
+    "run-bwd": (BWD + ["--grads", "g.npz"], "loading.load", "art.vjps"),
+    "inspect": (["inspect", "art.vjps"], "loading.load", "art.vjps"),
     "export": (EXPORT + ["-o", "new.vjps"], "specs.load_object", "model.py"),
     "plan": (["plan", *EXPORT[1:6]], "specs.load_object", "model.py"),
 }

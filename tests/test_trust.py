@@ -143,20 +143,21 @@ def test_sign_verify_round_trip_and_signer_shown(base, tmp_path):
 def test_unsigned_and_other_signers_are_refused_before_any_module_is_read(base, tmp_path, monkeypatch):
     d, art = base
     import vjpsplit_cli.artifact as artifact_mod
+    from vjpsplit_cli import trust
 
     def no_module_reads(*a, **k):
         raise AssertionError("a module was read before the signature was checked")
 
-    monkeypatch.setattr(artifact_mod, "_deserialize", no_module_reads)
-    monkeypatch.setattr(artifact_mod._trust_mod, "probe_modules", no_module_reads)
+    monkeypatch.setattr(artifact_mod, "deserialize_module", no_module_reads)
+    monkeypatch.setattr(trust, "probe_modules", no_module_reads)
     with pytest.raises(vs.VjpsplitError, match="unsigned, and trust keys were given"):
         vs.load(d / "f.vjps", trust=d / "key.pub")
     monkeypatch.undo()
     a = vs.load(d / "f.vjps")
     a.sign(d / "other")
     a.save(tmp_path / "o.vjps")
-    monkeypatch.setattr(artifact_mod, "_deserialize", no_module_reads)
-    monkeypatch.setattr(artifact_mod._trust_mod, "probe_modules", no_module_reads)
+    monkeypatch.setattr(artifact_mod, "deserialize_module", no_module_reads)
+    monkeypatch.setattr(trust, "probe_modules", no_module_reads)
     with pytest.raises(vs.VjpsplitError, match="not among the trusted keys"):
         vs.load(tmp_path / "o.vjps", trust=d / "key.pub")
     monkeypatch.setenv("VJPSPLIT_TRUST_KEYS", os.pathsep.join([str(d / "key.pub")]))

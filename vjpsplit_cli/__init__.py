@@ -20,7 +20,7 @@ from ._version import __version__
 _EXPORTS = {
     "split": "core",
     "export": "lowering", "DEFAULT_PLATFORMS": "lowering",
-    "load": "artifact", "loads": "artifact", "Artifact": "artifact",
+    "load": "loading", "loads": "loading", "Artifact": "artifact",
     "Manifest": "manifest", "Leaf": "manifest", "FORMAT_VERSION": "manifest",
     "Residuals": "residuals", "SplitResiduals": "residuals", "Intermediates": "residuals",
     "save_residuals": "residual_files", "load_residuals": "residual_files",
@@ -53,7 +53,8 @@ def __dir__():
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the eager spelling of the lazy names above
     from . import pipeline
-    from .artifact import Artifact, load, loads
+    from .artifact import Artifact
+    from .loading import load, loads
     from .core import split
     from .errors import VjpsplitError
     from .lowering import DEFAULT_PLATFORMS, export

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -19,24 +20,15 @@ from jax import export as jexport
 
 from . import trust as _trust_mod
 from .outputs import atomic_write
-from .reading import read_bytes
 from .dtypes import dtype_from_name
 from .errors import VjpsplitError, first_line
-from .system import host_memory
-from .manifest import MAGIC, MODULES, ArgTrees, Leaf, Manifest, check_array, check_keys, fingerprint, flatten_args
+from .manifest import MAGIC, Leaf, Manifest, check_array, check_keys, flatten_args, grads_per_arg, recorded_dims
 from .prng import from_data, to_data
 from .residuals import Intermediates, Residuals, SplitResiduals
-from .shapes import concrete_shape
 from .sharding import host_mesh, named, place
 from .signals import signals_end_process
-from .trees import decode_structure, flatten_with_keys, structure_keys
-
-def _current_platform() -> str:
-    d = jax.devices()[0]
-    if d.platform == "gpu":
-        return "rocm" if "rocm" in getattr(d.client, "platform_version", "").lower() else "cuda"
-    return d.platform
-
+from .system import current_platform
+from .trees import decode_structure, flatten_with_keys
 
 class Artifact:
     """A loaded or freshly exported artifact: manifest plus forward and backward modules."""
@@ -49,9 +41,8 @@ class Artifact:
         exps = dict(exps or {})
         for k in self.modules:
             if k not in exps:
-                exps[k] = _deserialize(self.modules[k], source, manifest, k)
-        self._exps = exps
-        # One jit per module: jax caches the compiled executable per input signature.
+                exps[k] = deserialize_module(self.modules[k], source, manifest, k)
+        self._exps = exps        # One jit per module: jax caches the compiled executable per input signature.
         self._calls = {k: jax.jit(e.call) for k, e in exps.items()}
         # A directory of serialized executables (the CLI sets it): a fresh process then
         # neither lowers nor compiles a module it ran before. None: jit's own caches only.
@@ -139,6 +130,11 @@ class Artifact:
             return list(values)
         return [place(v, named(mesh, leaf.sharding)) for leaf, v in zip(leaves, values)]
 
+    @property
+    def exported(self) -> Mapping[str, Any]:
+        """Each module as the ``jax.export.Exported`` it was read back as (read-only)."""
+        return MappingProxyType(self._exps)
+
     def __repr__(self) -> str:
         m = self.manifest
         return f"Artifact({m.function}, args={list(m.arg_names)}, platforms={list(m.platforms)}, fingerprint={m.fingerprint[:12]})"
@@ -152,13 +148,13 @@ class Artifact:
         top = self._unsigned_map()
         if self.signature is not None:
             top[_trust_mod.SIGNATURE] = self.signature
-        return MAGIC + _pack(top)
+        return MAGIC + pack(top)
 
     def sign(self, key) -> str:
         """Sign the artifact (manifest and every module) with an Ed25519 private key or its file; return the key id."""
         if not hasattr(key, "sign"):
             key = _trust_mod.load_private_key(key)
-        self.signature = _trust_mod.sign(_pack(self._unsigned_map()), key)
+        self.signature = _trust_mod.sign(pack(self._unsigned_map()), key)
         self.signer = _trust_mod.key_id(self.signature["key"])
         return self.signer
 
@@ -170,7 +166,7 @@ class Artifact:
 
     # -- running --------------------------------------------------------------
     def _check_runnable(self):
-        plat = _current_platform()
+        plat = current_platform()
         if plat not in self.manifest.platforms:
             raise VjpsplitError(
                 f"{self.source}: this host runs on {plat}, but the artifact was exported for "
@@ -215,7 +211,7 @@ class Artifact:
         )
         if len(self._made) >= 256:  # ids only, never arrays: bounded, and keeps no memory alive
             self._made.pop(next(iter(self._made)))
-        self._made[res.residuals_id] = _signature(res)  # residuals are immutable: this stays true
+        self._made[res.residuals_id] = res.signature()  # residuals are immutable: this stays true
         return outputs, res
 
     def _args_tree(self, arrays: list) -> list:
@@ -236,11 +232,11 @@ class Artifact:
                 f"this artifact is {m.fingerprint[:12]}); run the forward of this artifact to make matching residuals"
             )
         made = self._made.get(res.residuals_id)
-        if made is not None and made == _signature(res):
+        if made is not None and made == res.signature():
             # Exactly what this artifact's fwd returned (keys, shapes, dtypes, dims): already checked.
             return (list(res.stored.values()), [res.inputs[k] for k in m.input_backed_keys],
                     {n: res.dims[n] for n in m.dim_vars})
-        dims = self._checked_dims(res.dims, source, "residuals", "rerun the forward")
+        dims = recorded_dims(self.manifest, res.dims, source, "residuals", "rerun the forward")
         check_keys(source, "residual", [r.key for r in m.stored_residuals], res.stored)
         stored = [check_array(source, "residual", leaf, res.stored[leaf.key], dict(dims)) for leaf in m.stored_residuals]
         inputs = []
@@ -253,27 +249,6 @@ class Artifact:
             inputs.append(check_array(res.inputs_source or source, "input", dataclasses.replace(leaf, key=key),
                                        res.inputs[key], dict(dims)))
         return stored, inputs, dims
-
-    def _refuse_huge_dims(self, source: str, dims: Mapping[str, int]) -> None:
-        """Dim sizes read from a file bound what the backward allocates: refuse what no host could hold.
-
-        A dim that no stored residual mentions is checked against nothing else,
-        so an edited file could otherwise ask for any amount of memory.
-        """
-        m = self.manifest
-        total = 0
-        for leaf in (*m.grads, *m.intermediates):
-            shape = concrete_shape(leaf.shape, dims)
-            if shape is not None:
-                total += int(np.prod(shape, dtype=object)) * dtype_from_name(leaf.dtype).itemsize
-        limit = host_memory()
-        if total > limit:
-            bound = ", ".join(f"{k}={v}" for k, v in dims.items())
-            raise VjpsplitError(
-                f"{source}: the recorded dims ({bound}) would make the backward's results {total / 2**30:.1f} GiB, "
-                f"more than this host's {limit / 2**30:.1f} GiB of memory; the residuals metadata is corrupt, "
-                "rerun the forward"
-            )
 
     def run_bwd_arrays(self, res: Residuals, cotangents: Mapping[str, Any] | None = None,
                        source: str = "residuals", ct_source: str = "cotangents") -> dict:
@@ -411,7 +386,7 @@ class Artifact:
             if inter.dims != dims or (inter.residuals_id and res.residuals_id and inter.residuals_id != res.residuals_id):
                 raise VjpsplitError(f"{inter_source}: the intermediates were made from other residuals than {source} "
                                     "(another forward run or microbatch); pass the pair from one microbatch")
-        dims = self._checked_dims(inter.dims, inter_source, "intermediates", "rerun run-bwd --part input")
+        dims = recorded_dims(self.manifest, inter.dims, inter_source, "intermediates", "rerun run-bwd --part input")
         check_keys(inter_source, "intermediate", [leaf.key for leaf in m.intermediates], inter.arrays)
         values = [check_array(inter_source, "intermediate", leaf, inter.arrays[leaf.key], dict(dims))
                   for leaf in m.intermediates]
@@ -438,17 +413,6 @@ class Artifact:
                           f"{inter_source}: the weight backward refused these intermediates", dims)
         return dict(zip([g.key for g in m.grads_of(m.weights)], grads))
 
-    def _checked_dims(self, recorded: Mapping[str, Any], source: str, what: str, fix: str) -> dict[str, int]:
-        """The symbolic dims that residuals or intermediates (``what``) record: each >= 1, all within memory."""
-        dims = {}
-        for name in self.manifest.dim_vars:
-            v = recorded.get(name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise VjpsplitError(f"{source}: symbolic dim {name!r} is missing or invalid in the {what}; {fix}")
-            dims[name] = v
-        self._refuse_huge_dims(source, dims)
-        return dims
-
     def bwd_input(self, res: Residuals, ct=None) -> tuple[dict, "Intermediates"]:
         """Input part of the backward: ``({arg name: grad} for non-weight args, intermediates)``.
 
@@ -458,7 +422,7 @@ class Artifact:
         cts = None if ct is None else dict(flatten_with_keys("out", ct))
         grads, inter = self.run_bwd_input_arrays(res, cts, source=getattr(res, "source", None) or "residuals",
                                                  ct_source="cotangent")
-        return self._per_arg(grads, self.manifest.non_weight_wrt, res.dims, res.arg_trees), inter
+        return grads_per_arg(self.manifest, grads, self.manifest.non_weight_wrt, res.dims, res.arg_trees), inter
 
     def bwd_weight(self, inter: "Intermediates", res: Residuals | None = None) -> dict:
         """Weight part of the backward: ``{weight arg name: grad}``, from ``bwd_input``'s intermediates.
@@ -469,32 +433,7 @@ class Artifact:
         if isinstance(inter, Residuals) and isinstance(res, Intermediates):
             inter, res = res, inter
         grads = self.run_bwd_weight_arrays(res, inter)
-        return self._per_arg(grads, self.manifest.weights, inter.dims, getattr(inter, "arg_trees", ()))
-
-    def _per_arg(self, grads: Mapping[str, Any], names: Sequence[str], dims, arg_trees: ArgTrees = ()) -> dict:
-        """Flat gradient keys -> per-argument pytrees (float0 zeros for integer leaves).
-
-        With ``arg_trees`` (from ``fwd``'s arguments) each gradient has the caller's
-        own pytree type; otherwise the manifest's structure (user classes as dicts).
-        """
-        m = self.manifest
-        spec = {leaf.key: leaf for leaf in m.inputs}
-        known = {name: (treedef, keys) for name, treedef, keys in arg_trees}
-
-        def leaf_grad(k):
-            if k in grads:
-                return grads[k]
-            return np.zeros(concrete_shape(spec[k].key_shape, dims), jax.dtypes.float0)
-
-        out = {}
-        for name in names:
-            if name in known:
-                treedef, keys = known[name]
-                out[name] = jax.tree_util.tree_unflatten(treedef, [leaf_grad(k) for k in keys])
-            else:
-                keys = structure_keys(name, m.structure["args"][name])
-                out[name] = decode_structure(m.structure["args"][name], iter(leaf_grad(k) for k in keys))
-        return out
+        return grads_per_arg(self.manifest, grads, self.manifest.weights, inter.dims, getattr(inter, "arg_trees", ()))
 
     def _wrap_keys(self, leaves: Sequence[Leaf], values: Sequence) -> list:
         """Typed PRNG keys back from their key data, where the manifest says so."""
@@ -521,20 +460,17 @@ class Artifact:
         m = self.manifest
         cts = None if ct is None else dict(flatten_with_keys("out", ct))
         grads = self.run_bwd_arrays(res, cts, source=getattr(res, "source", None) or "residuals", ct_source="cotangent")
-        per_arg = self._per_arg(grads, m.wrt, res.dims, res.arg_trees)
+        per_arg = grads_per_arg(self.manifest, grads, m.wrt, res.dims, res.arg_trees)
         return per_arg[m.wrt[0]] if m.single_grad else tuple(per_arg[n] for n in m.wrt)
 
 
-def _signature(res: Residuals) -> tuple | None:
-    """Keys, shapes and dtypes of ``res``'s arrays and its dims; None if some value is not an array."""
-    try:
-        return (tuple((k, v.shape, v.dtype, type(v)) for k, v in res.stored.items()),
-                tuple((k, v.shape, v.dtype, type(v)) for k, v in res.inputs.items()), tuple(res.dims.items()))
-    except AttributeError:
-        return None
+def pack(top: Mapping) -> bytes:
+    """The artifact's top-level map as msgpack (canonical: what a signature covers)."""
+    return msgpack.packb(top, use_bin_type=True)
 
 
-def _deserialize(data: bytes, source: str, manifest: Manifest, what: str):
+def deserialize_module(data: bytes, source: str, manifest: Manifest, what: str):
+    """A module's ``jax.export.Exported``, its device count reconciled with the manifest; one-line errors."""
     try:
         exp = jexport.deserialize(bytearray(data))
     except Exception as e:
@@ -554,77 +490,3 @@ def _deserialize(data: bytes, source: str, manifest: Manifest, what: str):
         raise VjpsplitError(f"{source}: the {what} module runs on {exp.nr_devices} devices, the manifest says "
                             f"{manifest.nr_devices}; export it again")
     return exp
-
-
-def _pack(top: Mapping) -> bytes:
-    return msgpack.packb(top, use_bin_type=True)
-
-
-def load(path, *, trust=None, allow_kernels: bool = False, cache_dir: str | None = _trust_mod.DEFAULT) -> Artifact:
-    """Read an artifact file, checking its magic, format version, fingerprint, signature and modules.
-
-    ``trust``: trusted Ed25519 public keys (paths to ``KEY.pub`` or raw bytes; also
-    ``VJPSPLIT_TRUST_KEYS``): an unsigned artifact or another signer is then refused
-    before any module is read. ``allow_kernels``: the user trusts the file's kernel
-    custom calls (LAPACK & co.) without a signature. ``cache_dir``: a private
-    directory where module check verdicts are kept between processes (default:
-    vjpsplit's cache directory, ``VJPSPLIT_CACHE_DIR``; None: none).
-    """
-    return loads(read_bytes(path, "artifact"), source=str(path), trust=trust, allow_kernels=allow_kernels,
-                 cache_dir=cache_dir)
-
-
-def loads(data: bytes, source: str = "artifact", *, trust=None, allow_kernels: bool = False,
-          cache_dir: str | None = _trust_mod.DEFAULT) -> Artifact:
-    """An artifact from its file's bytes (``Artifact.to_bytes``), checked like ``load``."""
-    try:
-        return _loads(data, source, trust, allow_kernels, cache_dir)
-    except RecursionError as e:  # a manifest nested thousands deep
-        raise VjpsplitError(f"{source}: the artifact's manifest is nested too deeply to be ours; "
-                            "it is damaged or forged: export it again") from e
-
-
-def _loads(data: bytes, source: str, trust, allow_kernels: bool, cache_dir: str | None) -> Artifact:
-    trusted = _trust_mod.trusted_keys(trust)
-    if not data.startswith(MAGIC):
-        raise VjpsplitError(f"{source}: not a vjpsplit artifact (bad header); pass a file written by `vjpsplit export`")
-    body = data[len(MAGIC):]
-    try:
-        top = msgpack.unpackb(
-            body, raw=False, strict_map_key=True,
-            max_bin_len=len(body), max_str_len=len(body), max_array_len=len(body), max_map_len=len(body),
-            max_ext_len=0,
-        )
-    except Exception as e:
-        raise VjpsplitError(f"{source}: the artifact is corrupt or truncated ({first_line(e)}); copy or export it again") from e
-    if not isinstance(top, dict) or not {"manifest", "fwd", "bwd"} <= set(top):
-        raise VjpsplitError(f"{source}: the artifact is missing its manifest or modules; export it again")
-    signature = top.get(_trust_mod.SIGNATURE)
-    signer = _trust_mod.verify(top, body, source, trusted, _pack)  # before any module is read
-    manifest = Manifest.from_json(top["manifest"], source)
-    lo = jexport.minimum_supported_calling_convention_version
-    hi = jexport.maximum_supported_calling_convention_version
-    if not lo <= manifest.calling_convention_version <= hi:
-        newer = manifest.calling_convention_version > hi
-        raise VjpsplitError(
-            f"{source}: exported by jax {manifest.jax_version} with calling convention "
-            f"{manifest.calling_convention_version}; this jax {jax.__version__} runs {lo}..{hi}; "
-            + ("upgrade jax on this host" if newer else f"re-export the artifact, or install a jax near {manifest.jax_version}")
-        )
-    modules = {k: top[k] for k in MODULES if k in top}
-    if not all(isinstance(v, bytes) for v in modules.values()) or bool(manifest.weights) != ("bwd_input" in modules):
-        raise VjpsplitError(f"{source}: the artifact's modules are malformed; export it again")
-    if fingerprint(manifest, modules) != manifest.fingerprint:
-        raise VjpsplitError(
-            f"{source}: fingerprint mismatch: the artifact was modified after export; export it again"
-        )
-    art = Artifact(manifest, modules, source=source)  # reads the modules' headers (Python), not their StableHLO
-    if tuple(art._exps["fwd"].platforms) != manifest.platforms:
-        raise VjpsplitError(f"{source}: the modules' platforms do not match the manifest; export it again")
-    vouched = signer is not None and trusted is not None  # signed by a key the caller trusts
-    probes = _trust_mod.probe_modules({k: e.mlir_module_serialized for k, e in art._exps.items()}, source,
-                                      in_process=vouched, cache_dir=cache_dir)
-    _trust_mod.check_modules(source, manifest, art._exps, probes, trusted_signer=vouched, allow_kernels=allow_kernels)
-    _trust_mod.prepare_kernels(probes)
-    art.signature, art.signer = signature, signer
-    return art

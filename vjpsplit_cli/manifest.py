@@ -22,8 +22,9 @@ from .dtypes import dtype_from_name
 from .errors import VjpsplitError
 from .prng import impl_name, is_key, key_ndim, to_data
 from .shapes import bind_dims, concrete_shape, format_shape
+from .system import host_memory
 from .sharding import SpecJSON, spec_from_json
-from .trees import flatten_with_keys
+from .trees import decode_structure, flatten_with_keys, structure_keys
 from .vjp import is_differentiable
 
 # Artifact format versions. Bump on any change a reader must know about, and keep
@@ -407,3 +408,56 @@ def check_keys(source: str, what: str, expected: Sequence[str], given: Mapping[s
             )
 
 
+def recorded_dims(manifest: Manifest, recorded: Mapping[str, Any], source: str, what: str, fix: str) -> dict[str, int]:
+    """The symbolic dims a residuals or intermediates file (``what``) records: each >= 1, all within memory.
+
+    Dim sizes read from a file bound what the backward allocates. A dim that no
+    stored residual mentions is checked against nothing else, so an edited file
+    could otherwise ask for any amount of memory: refuse what no host could hold.
+    """
+    dims = {}
+    for name in manifest.dim_vars:
+        v = recorded.get(name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise VjpsplitError(f"{source}: symbolic dim {name!r} is missing or invalid in the {what}; {fix}")
+        dims[name] = v
+    total = 0
+    for leaf in (*manifest.grads, *manifest.intermediates):
+        shape = concrete_shape(leaf.shape, dims)
+        if shape is not None:
+            total += int(np.prod(shape, dtype=object)) * dtype_from_name(leaf.dtype).itemsize
+    limit = host_memory()
+    if total > limit:
+        bound = ", ".join(f"{k}={v}" for k, v in dims.items())
+        raise VjpsplitError(
+            f"{source}: the recorded dims ({bound}) would make the backward's results {total / 2**30:.1f} GiB, "
+            f"more than this host's {limit / 2**30:.1f} GiB of memory; the residuals metadata is corrupt, "
+            "rerun the forward"
+        )
+    return dims
+
+
+def grads_per_arg(manifest: Manifest, grads: Mapping[str, Any], names: Sequence[str], dims,
+                  arg_trees: ArgTrees = ()) -> dict:
+    """Flat gradient keys -> per-argument pytrees (float0 zeros for integer leaves).
+
+    With ``arg_trees`` (from ``fwd``'s arguments) each gradient has the caller's
+    own pytree type; otherwise the manifest's structure (user classes as dicts).
+    """
+    spec = {leaf.key: leaf for leaf in manifest.inputs}
+    known = {name: (treedef, keys) for name, treedef, keys in arg_trees}
+
+    def leaf_grad(k):
+        if k in grads:
+            return grads[k]
+        return np.zeros(concrete_shape(spec[k].key_shape, dims), jax.dtypes.float0)
+
+    out = {}
+    for name in names:
+        if name in known:
+            treedef, keys = known[name]
+            out[name] = jax.tree_util.tree_unflatten(treedef, [leaf_grad(k) for k in keys])
+        else:
+            keys = structure_keys(name, manifest.structure["args"][name])
+            out[name] = decode_structure(manifest.structure["args"][name], iter(leaf_grad(k) for k in keys))
+    return out

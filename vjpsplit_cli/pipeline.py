@@ -866,7 +866,7 @@ class _RayWorker:
     """
 
     def __init__(self, chunks, stages: int):
-        from .artifact import loads
+        from .loading import loads
 
         self.stages = {c: StageWorker(loads(data, source=f"stage {c}"), params, c, stages) for c, data, params in chunks}
         self.worker = min(self.stages)  # a worker's index is its first stage's, in both layouts

@@ -83,6 +83,14 @@ class Residuals(_Frozen):
         owner = "split" if isinstance(self, SplitResiduals) else f"fingerprint={self.fingerprint[:12]}, dims={dict(self.dims)}"
         return f"{type(self).__name__}(stored={len(self.stored)}, input_backed={len(self.inputs)}, {owner})"
 
+    def signature(self) -> tuple | None:
+        """Keys, shapes, dtypes and array types of the arrays, and the dims; None if some value is not an array."""
+        try:
+            return (tuple((k, v.shape, v.dtype, type(v)) for k, v in self.stored.items()),
+                    tuple((k, v.shape, v.dtype, type(v)) for k, v in self.inputs.items()), tuple(self.dims.items()))
+        except AttributeError:
+            return None
+
     @property
     def stored_nbytes(self) -> int:
         """Bytes of the stored (not input-backed) residuals."""

@@ -26,3 +26,13 @@ def host_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 2**63
+
+
+def current_platform() -> str:
+    """The platform JAX runs on here, named as jax.export names it (``cpu``, ``cuda``, ``rocm``, ``tpu``)."""
+    import jax
+
+    d = jax.devices()[0]
+    if d.platform == "gpu":
+        return "rocm" if "rocm" in getattr(d.client, "platform_version", "").lower() else "cuda"
+    return d.platform

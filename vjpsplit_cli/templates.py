@@ -12,7 +12,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from .artifact import Artifact, load
+from .artifact import Artifact
+from .loading import load
 from .dtypes import dtype_from_name
 from .errors import UsageError
 from .files import save_arrays
