@@ -187,7 +187,7 @@ def _child(quick: bool) -> dict:
             modeled = P.simulate(P.schedule(name, S, M), S, lambda o: med[(o.chunk, o.kind, o.mb)])
             ops = {k: statistics.median(v for (c, kk, _), v in med.items() if kk == k) for k in "FBW" if
                    any(kk == k for (_, kk, _) in med)}
-            rows.append({"runner": runner, "schedule": name, "label": P._LABELS[name], "stages": S, "step": step,
+            rows.append({"runner": runner, "schedule": name, "label": P.LABELS[name], "stages": S, "step": step,
                          "speedup": base / step, "bubble": statistics.median(r.bubble_ratio for r in rs),
                          "modeled": P.bubble_ratio(modeled, p), "unit": unit_model(name),
                          "modeled_makespan": max(e.end for e in modeled) - min(e.start for e in modeled),

@@ -146,9 +146,12 @@ def test_forward_fast_path_keeps_the_callers_arrays():
 
 
 def test_progress_bar_counts_every_op(monkeypatch):
+    import tqdm
+
     class Recorder:
-        def __init__(self, total):
+        def __init__(self, total, **kwargs):
             self.total, self.n, self.closed = total, 0, False
+            bars.append(self)
 
         def update(self, k):
             self.n += k
@@ -157,7 +160,7 @@ def test_progress_bar_counts_every_op(monkeypatch):
             self.closed = True
 
     bars = []
-    monkeypatch.setattr(P, "_progress", lambda total, enabled: bars.append(Recorder(total)) or bars[-1])
+    monkeypatch.setattr(tqdm, "tqdm", Recorder)
     arts, params, x, labels = make(2)
     P.run(arts, params, x, [labels], microbatches=2, schedule_name="zbh1", progress=True)
     total = sum(len(p) for p in P.schedule("zbh1", 2, 2))
@@ -167,7 +170,7 @@ def test_progress_bar_counts_every_op(monkeypatch):
 def test_progress_bar_is_tqdm_when_asked():
     from tqdm import tqdm
 
-    bar = P._progress(3, True)
+    bar = P.progress_bar(3, True)
     assert isinstance(bar, tqdm)
     bar.close()
-    assert P._progress(3, False) is None
+    assert P.progress_bar(3, False) is None

@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     print("| runner | schedule | stages | step time (median) | measured bubble | modeled bubble (1 device/worker) |")
     print("|---|---|---:|---:|---:|---:|")
     for runner, name, n, t, bub, model_bub in rows:
-        print(f"| {runner} | {P._LABELS[name]} | {n} | {t * 1e3:.0f} ms | {bub:.0%} | {model_bub:.0%} |")
+        print(f"| {runner} | {P.LABELS[name]} | {n} | {t * 1e3:.0f} ms | {bub:.0%} | {model_bub:.0%} |")
     print()
     print(f"timelines: {out}")
     return 0
