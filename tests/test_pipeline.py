@@ -132,6 +132,43 @@ def test_ray_stage_error_reaches_the_driver(ray_session):
                 rp.run(x, [labels], microbatches=4, schedule_name="zbh1")
 
 
+def test_ray_events_are_on_the_drivers_clock(ray_session):
+    import time
+
+    arts, params, x, labels = make(2)
+    with P.RayPipeline(arts, params) as rp:
+        rp.run(x, [labels], microbatches=2, schedule_name="1f1b")  # warm-up: compiles
+        t0 = time.monotonic()
+        r = rp.run(x, [labels], microbatches=2, schedule_name="1f1b")
+        t1 = time.monotonic()
+    # Every actor's events, moved by its measured offset, fall inside the step as the driver saw it.
+    assert t0 <= min(e.start for e in r.events) and max(e.end for e in r.events) <= t1
+    assert all(e.start <= e.end for e in r.events) and len(rp.clock_offsets) == 2
+
+
+def test_ray_settings_a_running_ray_would_ignore_are_refused(ray_session):
+    arts, params, x, labels = make(2)
+    with pytest.raises(vs.VjpsplitError, match="already initialised, connected to .*address='10.9.9.9:6379'"):
+        P.RayPipeline(arts, params, address="10.9.9.9:6379")
+    with pytest.raises(vs.VjpsplitError, match="already initialised with another runtime_env"):
+        P.RayPipeline(arts, params, runtime_env={"env_vars": {"VJPSPLIT_TEST": "1"}})
+    with pytest.raises(vs.VjpsplitError, match="actor_options has 1 entries for 2 workers"):
+        P.RayPipeline(arts, params, actor_options=[{}])
+
+
+def test_ray_dead_actor_is_named_and_a_new_pipeline_runs(ray_session):
+    arts, params, x, labels = make(2)
+    loss, grads = jax.value_and_grad(whole)(params, x, labels)
+    with P.RayPipeline(arts, params) as rp:
+        rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
+        ray_session.kill(rp.actors[1])
+        with pytest.raises(vs.VjpsplitError, match="stage 1: its Ray actor died.*build a new RayPipeline"):
+            rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
+    with P.RayPipeline(arts, params) as rp:
+        r = rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
+        assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
+
+
 def test_forward_fast_path_keeps_the_callers_arrays():
     arts, params, x, labels = make(2)
     st = P.StageWorker(arts[0], params[0], 0, 2)
