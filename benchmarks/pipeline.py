@@ -1,5 +1,9 @@
 """Pipeline schedules on 2 workers: 1F1B vs ZB-H1 vs ZB-V, in-process and on Ray; B + W vs the fused backward.
 
+Also the cost per operation on tiny stages (16 microbatches of 4 rows, width 16),
+where the runner's own overhead is all there is: in-process with 2 and with 8
+stages, and on Ray as a compiled graph and as one actor call per operation.
+
     python -m benchmarks --only pipeline            # the full run (by hand; about 2 minutes)
     python -m benchmarks.pipeline [--quick]         # the same, this section alone
 
@@ -26,9 +30,12 @@ SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads
 
 
 def _config(quick: bool) -> dict:
+    tiny = {"width": 16, "rows": 4, "layers": 8, "microbatches": 16, "rounds": 5 if quick else 25}
     if quick:
-        return {"width": 256, "rows": 32, "layers": 4, "microbatches": 4, "rounds": 3, "ray": True, "bw_rounds": 10}
-    return {"width": 1024, "rows": 128, "layers": 8, "microbatches": 8, "rounds": 15, "ray": True, "bw_rounds": 40}
+        return {"width": 256, "rows": 32, "layers": 4, "microbatches": 4, "rounds": 3, "ray": True, "bw_rounds": 10,
+                "tiny": tiny}
+    return {"width": 1024, "rows": 128, "layers": 8, "microbatches": 8, "rounds": 15, "ray": True, "bw_rounds": 40,
+            "tiny": tiny}
 
 
 def run(quick: bool) -> tuple[str, list[dict]]:
@@ -57,6 +64,25 @@ def table(data: dict) -> str:
     for r in data["rows"]:
         lines.append(f"| {r['runner']} | {r['label']} | {r['stages']} | {r['step'] * 1e3:.1f} ms | "
                      f"{r['speedup']:.2f}× | {r['bubble']:.1%} | {r['modeled']:.1%} | {r['unit']:.1%} |")
+    step = {(r["runner"], r["schedule"]): r["step"] for r in data["rows"]}
+    if ("Ray", "1f1b") in step:
+        lines += ["", "MLP, Ray step / in-process step: " + ", ".join(
+            f"{r} {step[(r, n)] / step[('in-process', n)]:.2f}× ({n})" for r in ("Ray", "Ray calls")
+            for n in ("1f1b", "zbh1", "zbv") if (r, n) in step)]
+    t = data.get("tiny")
+    if t:
+        tc = c["tiny"]
+        base = t["rows"][0]
+        lines += ["", f"Tiny stages: {tc['layers']} dense layers of width {tc['width']}, 1F1B, {tc['microbatches']} "
+                      f"microbatches of {tc['rows']} rows; medians of {tc['rounds']} interleaved steps.", "",
+                  "| runner | stages | step time | per operation | step / in-process (2 stages) |",
+                  "|---|---:|---:|---:|---:|"]
+        for r in t["rows"]:
+            lines.append(f"| {r['runner']} | {r['stages']} | {r['step'] * 1e3:.2f} ms | {r['per_op'] * 1e6:.0f} µs | "
+                         f"{r['step'] / base['step']:.2f}× |")
+        per = {(r["runner"], r["stages"]): r["per_op"] for r in t["rows"]}
+        lines += ["", f"In-process cost per operation, 8 stages / 2 stages: "
+                      f"{per[('in-process', 8)] / per[('in-process', 2)]:.2f}×"]
     return "\n".join(lines)
 
 
@@ -87,14 +113,17 @@ def _child(quick: bool) -> dict:
         logits = x @ params[-1]["w"] + params[-1]["b"]
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
 
-    rng = np.random.default_rng(0)
-    params = [{"w": (rng.normal(size=(W, W)) / np.sqrt(W)).astype(np.float32), "b": np.zeros(W, np.float32)}
-              for _ in range(L)]
-    x = rng.normal(size=(M * R, W)).astype(np.float32)
-    labels = rng.integers(0, W, M * R).astype(np.int32)
-    loss = float(head(params, x, labels))
+    def model(W, L, M, R):
+        rng = np.random.default_rng(0)
+        params = [{"w": (rng.normal(size=(W, W)) / np.sqrt(W)).astype(np.float32), "b": np.zeros(W, np.float32)}
+                  for _ in range(L)]
+        x = rng.normal(size=(M * R, W)).astype(np.float32)
+        labels = rng.integers(0, W, M * R).astype(np.int32)
+        return params, x, labels, float(head(params, x, labels))
 
-    def cut(n):
+    def cut(n, params=None):
+        params = params or model_params
+        W, L = params[0]["w"].shape[0], len(params)
         (b,) = jexport.symbolic_shape("b")
         s = jax.ShapeDtypeStruct
         k = L // n
@@ -107,6 +136,9 @@ def _child(quick: bool) -> dict:
                               weights="params", platforms="cpu"))
         return arts, groups
 
+    tiny = _tiny(cfg["tiny"], model, cut, P, cfg["ray"])
+    params, x, labels, loss = model(W, L, M, R)
+    model_params = params
     cuts = {2: cut(2), 4: cut(4)}
 
     # B + W against the fused backward, through the pipeline's own per-op calls.
@@ -151,10 +183,13 @@ def _child(quick: bool) -> dict:
 
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"XLA_FLAGS": os.environ.get("XLA_FLAGS", SINGLE_THREAD)}})
-        by_layout = {lay: P.RayPipeline(*cuts[4 if lay == "v" else 2], layout=lay) for lay in ("stage", "v")}
-        pipes = list(by_layout.values())
-        runners["Ray"] = {n: (lambda n=n: by_layout[P.layout(n)].run(x, [labels], microbatches=M, schedule_name=n))
-                          for n in schedules}
+        for runner, compiled in (("Ray", True), ("Ray calls", False)):
+            by_layout = {lay: P.RayPipeline(*cuts[4 if lay == "v" else 2], layout=lay, compiled=compiled)
+                         for lay in ("stage", "v")}
+            pipes += list(by_layout.values())
+            runners[runner] = {n: (lambda n=n, b=by_layout: b[P.layout(n)].run(x, [labels], microbatches=M,
+                                                                                  schedule_name=n))
+                               for n in schedules}
     try:
         for runner, fns in runners.items():
             for name, fn in fns.items():
@@ -192,7 +227,48 @@ def _child(quick: bool) -> dict:
                          "modeled": P.bubble_ratio(modeled, p), "unit": unit_model(name),
                          "modeled_makespan": max(e.end for e in modeled) - min(e.start for e in modeled),
                          "op_medians": ops})
-    return {"config": cfg, "bw": bw, "rows": rows, "load": os.getloadavg()[0]}
+    return {"config": cfg, "bw": bw, "rows": rows, "tiny": tiny, "load": os.getloadavg()[0]}
+
+
+def _tiny(tc: dict, model, cut, P, ray_too: bool) -> dict:
+    """Step time and time per operation on tiny stages: the runners' own overhead."""
+    import ray
+
+    M = tc["microbatches"]
+    params, x, labels, loss = model(tc["width"], tc["layers"], M, tc["rows"])
+    cuts = {n: cut(n, params) for n in (2, 8)}
+    fns = {("in-process", n): (lambda n=n: P.run_inprocess(*cuts[n], x, [labels], microbatches=M,
+                                                          schedule_name="1f1b")) for n in (2, 8)}
+    pipes = []
+    if ray_too:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"XLA_FLAGS": os.environ.get("XLA_FLAGS", SINGLE_THREAD)}})
+        for runner, compiled in (("Ray", True), ("Ray calls", False)):
+            rp = P.RayPipeline(*cuts[2], compiled=compiled)
+            pipes.append(rp)
+            fns[(runner, 2)] = lambda rp=rp: rp.run(x, [labels], microbatches=M, schedule_name="1f1b")
+    steps: dict = {k: [] for k in fns}
+    try:
+        for fn in fns.values():
+            fn()
+            fn()
+        for _ in range(tc["rounds"]):
+            for k, fn in fns.items():
+                r = fn()
+                if not abs(r.loss - loss) <= 1e-4 * abs(loss):
+                    raise RuntimeError(f"tiny {k}: loss {r.loss} != {loss}")
+                steps[k].append(r.step_time)
+    finally:
+        for rp in pipes:
+            rp.close()
+        if pipes:
+            ray.shutdown()
+    rows = []
+    for (runner, n), ts in steps.items():
+        ops = sum(len(p) for p in P.schedule("1f1b", n, M))
+        step = statistics.median(ts)
+        rows.append({"runner": runner, "stages": n, "step": step, "per_op": step / ops})
+    return {"rows": rows}
 
 
 def main(argv=None) -> int:

@@ -103,24 +103,28 @@ def test_ray_gradients_equal_value_and_grad(ray_session, stages):
         with P.RayPipeline(arts, params, layout=lay) as rp:
             for name in [n for n in P.SCHEDULES if P.layout(n) == lay]:
                 r = rp.run(x, [labels], microbatches=4, schedule_name=name)
-                assert r.runner == "ray"
+                assert r.runner == "ray" and r.extra["compiled"]  # Compiled Graphs by default
                 np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
                 assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
                 assert {e.stage for e in r.events} == set(range(stages))
                 assert {e.worker for e in r.events} == set(range(r.workers))
 
 
-def test_ray_driver_fetches_only_gradients_and_timings(ray_session, monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_ray_driver_fetches_only_gradients_and_timings(ray_session, monkeypatch, compiled):
     arts, params, x, labels = make(4)
-    with P.RayPipeline(arts, params, layout="v") as rp:
+    with P.RayPipeline(arts, params, layout="v", compiled=compiled) as rp:
+        rp.run(x, [labels], microbatches=4, schedule_name="zbv")  # compiles the step's graph (which gets refs)
         fetched = []
         real_get = ray_session.get
         monkeypatch.setattr(rp.ray, "get", lambda refs, *a, **k: fetched.append(len(refs)) or real_get(refs, *a, **k))
         with pytest.raises(vs.VjpsplitError, match="needs RayPipeline"):
             rp.run(x, [labels], microbatches=4, schedule_name="zbh1")
         r = rp.run(x, [labels], microbatches=4, schedule_name="zbv")
-        # One get for the actors' reset, one for their final state: no activation or cotangent reaches the driver.
-        assert fetched == [2, 2] and len(r.events) == sum(len(p) for p in P.schedule("zbv", 4, 4))
+        # Actor calls: one get for the actors' reset, one for their final state; a compiled step: one get of
+        # the actors' states. No activation or cotangent reaches the driver.
+        assert fetched == ([2] if compiled else [2, 2]) and r.extra["compiled"] is compiled
+        assert len(r.events) == sum(len(p) for p in P.schedule("zbv", 4, 4))
 
 
 def test_ray_stage_error_reaches_the_driver(ray_session):
@@ -167,6 +171,25 @@ def test_ray_dead_actor_is_named_and_a_new_pipeline_runs(ray_session):
     with P.RayPipeline(arts, params) as rp:
         r = rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
         assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
+
+
+def test_ray_falls_back_to_actor_calls_without_compiled_graphs(ray_session, monkeypatch):
+    import ray.dag
+
+    class NoGraphs:
+        def __init__(self, *a, **k):
+            raise NotImplementedError("no Compiled Graphs on this Ray")
+
+    monkeypatch.setattr(ray.dag, "InputNode", NoGraphs)
+    arts, params, x, labels = make(2)
+    loss, grads = jax.value_and_grad(whole)(params, x, labels)
+    with P.RayPipeline(arts, params) as rp:
+        r = rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
+        assert r.extra["compiled"] is False
+        assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
+    with P.RayPipeline(arts, params, compiled=True) as rp:  # asked for explicitly: an error, not a fallback
+        with pytest.raises(vs.VjpsplitError, match="could not compile the step's graph.*no Compiled Graphs"):
+            rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
 
 
 def test_forward_fast_path_keeps_the_callers_arrays():

@@ -52,8 +52,11 @@ class StageActor:
             st.reset()
         self.error = None
 
-    def op(self, kind: str, chunk: int, mb: int, data, side, microbatches: int, split: bool):
-        """Run one scheduled operation (see ``stage.run_op``); None when skipped or failed."""
+    def op(self, kind: str, chunk: int, mb: int, data, side, microbatches: int, split: bool, after=None):
+        """Run one scheduled operation (see ``stage.run_op``); None when skipped or failed.
+
+        ``after`` is ignored: a compiled graph passes the worker's previous result to order its calls.
+        """
         st = self.stages[chunk]
         needed = (data is not None or (kind == "B" and chunk == st.stages - 1)
                   or (kind == "W" and mb in st.inter))
@@ -66,12 +69,8 @@ class StageActor:
             self.error = picklable(e)
             return None
 
-    def state(self, *after) -> dict:
-        """Gradients, losses, timings (this process's clock) and the first error of the step.
-
-        ``after`` is ignored: a compiled graph passes the worker's last results so
-        that this runs after them.
-        """
+    def state(self) -> dict:
+        """Gradients, losses, timings (this process's clock) and the first error of the step."""
         import jax
 
         return {"grads": {c: jax.tree_util.tree_map(np.asarray, st.grads) for c, st in self.stages.items()},
@@ -80,6 +79,12 @@ class StageActor:
                 "events": [e for st in self.stages.values() for e in st.events],
                 "losses": {m: v for st in self.stages.values() for m, v in st.losses.items()},
                 "error": self.error}
+
+    def collect(self, after) -> dict:
+        """``state``, then ``reset``: the end of a compiled step (``after``: the worker's last result)."""
+        out = self.state()
+        self.reset()
+        return out
 
 
 def picklable(e: BaseException) -> BaseException:

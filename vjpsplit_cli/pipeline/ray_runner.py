@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ..errors import VjpsplitError
+from .compiled import compile_step
 from .dispatch import progress_bar, walk
 from .ray_actor import StageActor, devices_for
 from .schedules import LABELS, SPLIT_BACKWARD, layout, placement, schedule
@@ -45,7 +46,7 @@ class RayPipeline:
     def __init__(self, artifacts: Sequence, params: Sequence, *, address: str | None = None,
                  runtime_env: dict | None = None, num_cpus_per_stage: float = 0, layout: str = "stage",
                  actor_options: Sequence[Mapping[str, Any]] | None = None,
-                 schedule_timeout: float = SCHEDULE_TIMEOUT):
+                 schedule_timeout: float = SCHEDULE_TIMEOUT, compiled: bool | None = None):
         try:
             import ray
         except ImportError as e:
@@ -55,6 +56,8 @@ class RayPipeline:
         if len(params) != len(artifacts):
             raise VjpsplitError(f"{len(artifacts)} stages but {len(params)} parameter sets")
         self.ray = ray
+        self.compiled = compiled
+        self.graph = None  # (key, compiled graph) of the last compiled step
         self.layout = layout
         self.stages = len(artifacts)
         self.artifacts = list(artifacts)
@@ -122,6 +125,11 @@ class RayPipeline:
         plans = schedule(schedule_name, S, microbatches)
         split = schedule_name in SPLIT_BACKWARD
         mbs = split_batch(x, side, microbatches)
+        if self.compiled is not False and not progress:
+            graph = self._graph(plans, microbatches, split, schedule_name)
+            if graph is not None:
+                return self._run_graph(graph, mbs, schedule_name, microbatches)
+        self._drop_graph()  # its actors take ordinary calls again
         self._get([a.reset.remote() for a in self.actors])
         t0 = time.monotonic()
 
@@ -142,9 +150,46 @@ class RayPipeline:
                 bar.close()
         states = self._get([a.state.remote() for a in self.actors])  # each actor answers after its last op
         step = time.monotonic() - t0
-        return self._result(states, schedule_name, microbatches, step, "ray")
+        return self._result(states, schedule_name, microbatches, step, False)
 
-    def _result(self, states, schedule_name, microbatches, step, runner) -> PipelineResult:
+    def _graph(self, plans, microbatches: int, split: bool, schedule_name: str):
+        """The step's compiled graph, built once per (schedule, microbatches); None where unavailable."""
+        key = (schedule_name, microbatches)
+        if self.graph is not None and self.graph[0] == key:
+            return self.graph[1]
+        self._drop_graph()  # an actor takes part in one compiled graph at a time
+        try:
+            graph = compile_step(self.actors, plans, self.stages, microbatches, split)
+        except Exception as e:  # noqa: BLE001 - no Compiled Graphs here: actor calls do the same work
+            if self.compiled:
+                raise VjpsplitError(f"Ray could not compile the step's graph ({type(e).__name__}: {e}); "
+                                    "use compiled=None or False for actor calls") from e
+            self.compiled = False
+            return None
+        self.graph = (key, graph)
+        return graph
+
+    def _drop_graph(self) -> None:
+        if self.graph is not None:
+            graph, self.graph = self.graph[1], None
+            try:
+                graph.teardown()
+            except Exception:  # noqa: BLE001 - a graph whose actor died tears down with an error
+                pass
+
+    def _run_graph(self, graph, mbs, schedule_name: str, microbatches: int) -> PipelineResult:
+        ray = self.ray
+        t0 = time.monotonic()
+        try:
+            states = ray.get(graph.execute(*[x for x, _ in mbs], *[side for _, side in mbs]))
+        except ray.exceptions.RayError as e:
+            self._drop_graph()
+            self._get([a.clock.remote() for a in self.actors])  # names a dead actor's stages
+            raise VjpsplitError(f"the compiled step failed ({type(e).__name__}: {e}); "
+                                "build a new RayPipeline to run again") from None
+        return self._result(states, schedule_name, microbatches, time.monotonic() - t0, True)
+
+    def _result(self, states, schedule_name, microbatches, step, compiled: bool) -> PipelineResult:
         S = self.stages
         failed = [st["error"] for st in states if st["error"] is not None]
         if failed:
@@ -154,10 +199,11 @@ class RayPipeline:
         events = [e.shifted(off) for st, off in zip(states, self.clock_offsets) for e in st["events"]]
         return PipelineResult(schedule_name, float(np.mean([losses[m] for m in range(microbatches)])),
                               [grads[c] for c in range(S)], sorted(events, key=lambda e: e.start),
-                              S, microbatches, runner, step)
+                              S, microbatches, "ray", step, {"compiled": compiled})
 
     def close(self) -> None:
         """End the actors (and the local Ray instance, if this object started it)."""
+        self._drop_graph()
         for a in self.actors:
             self.ray.kill(a)
         self.actors = []
