@@ -175,36 +175,23 @@ def _child(quick: bool) -> dict:
             raise RuntimeError(f"{runner} {name}: loss {r.loss} != {loss}")
         samples.setdefault((runner, name), []).append(r)
 
-    runners = {"in-process": {n: (lambda n=n: P.run_inprocess(*cuts[4 if n == "zbv" else 2], x, [labels],
-                                                             microbatches=M, schedule_name=n)) for n in schedules}}
-    pipes = []
+    def inprocess():
+        return {n: (lambda n=n: P.run_inprocess(*cuts[4 if n == "zbv" else 2], x, [labels], microbatches=M,
+                                               schedule_name=n)) for n in schedules}, []
+
+    def on_ray(compiled, name):
+        # One pipeline per schedule: a RayPipeline holds one compiled graph at a time.
+        def setup():
+            rp = P.RayPipeline(*cuts[4 if name == "zbv" else 2], layout=P.layout(name), compiled=compiled)
+            return {name: lambda: rp.run(x, [labels], microbatches=M, schedule_name=name)}, [rp]
+        return setup
+
+    phases = [("in-process", inprocess)]
     if cfg["ray"]:
-        import ray
-
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"XLA_FLAGS": os.environ.get("XLA_FLAGS", SINGLE_THREAD)}})
-        for runner, compiled in (("Ray", True), ("Ray calls", False)):
-            by_layout = {lay: P.RayPipeline(*cuts[4 if lay == "v" else 2], layout=lay, compiled=compiled)
-                         for lay in ("stage", "v")}
-            pipes += list(by_layout.values())
-            runners[runner] = {n: (lambda n=n, b=by_layout: b[P.layout(n)].run(x, [labels], microbatches=M,
-                                                                                  schedule_name=n))
-                               for n in schedules}
-    try:
-        for runner, fns in runners.items():
-            for name, fn in fns.items():
-                fn()  # warm-up: traces and compiles each stage's calls
-            for _ in range(cfg["rounds"]):
-                for name, fn in fns.items():
-                    record(runner, name, fn())
-                    time.sleep(0.01)
-    finally:
-        for rp in pipes:
-            rp.close()
-        if pipes:
-            import ray
-
-            ray.shutdown()
+        phases += [(runner, on_ray(compiled, n)) for runner, compiled in (("Ray", True), ("Ray calls", False))
+                   for n in schedules]
+    _phases(phases, cfg["rounds"], record, cfg["ray"])
+    runners = dict.fromkeys(r for r, _ in phases)
 
     rows = []
     for runner in runners:
@@ -230,39 +217,60 @@ def _child(quick: bool) -> dict:
     return {"config": cfg, "bw": bw, "rows": rows, "tiny": tiny, "load": os.getloadavg()[0]}
 
 
-def _tiny(tc: dict, model, cut, P, ray_too: bool) -> dict:
-    """Step time and time per operation on tiny stages: the runners' own overhead."""
+def _phases(phases: list, rounds: int, record, ray_too: bool) -> None:
+    """Each ``(runner, setup)`` in a phase of its own: set up, warm up, ``rounds`` interleaved steps, close.
+
+    Phases, not rounds across runners: an idle compiled Ray graph polls its
+    channels (about a third of a core per actor here), which would slow whatever
+    else is measured beside it.
+    """
     import ray
 
-    M = tc["microbatches"]
-    params, x, labels, loss = model(tc["width"], tc["layers"], M, tc["rows"])
-    cuts = {n: cut(n, params) for n in (2, 8)}
-    fns = {("in-process", n): (lambda n=n: P.run_inprocess(*cuts[n], x, [labels], microbatches=M,
-                                                          schedule_name="1f1b")) for n in (2, 8)}
-    pipes = []
     if ray_too:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"XLA_FLAGS": os.environ.get("XLA_FLAGS", SINGLE_THREAD)}})
-        for runner, compiled in (("Ray", True), ("Ray calls", False)):
-            rp = P.RayPipeline(*cuts[2], compiled=compiled)
-            pipes.append(rp)
-            fns[(runner, 2)] = lambda rp=rp: rp.run(x, [labels], microbatches=M, schedule_name="1f1b")
-    steps: dict = {k: [] for k in fns}
     try:
-        for fn in fns.values():
-            fn()
-            fn()
-        for _ in range(tc["rounds"]):
-            for k, fn in fns.items():
-                r = fn()
-                if not abs(r.loss - loss) <= 1e-4 * abs(loss):
-                    raise RuntimeError(f"tiny {k}: loss {r.loss} != {loss}")
-                steps[k].append(r.step_time)
+        for runner, setup in phases:
+            fns, pipes = setup()
+            try:
+                for fn in fns.values():  # warm-up: traces and compiles each stage's calls (and the graph)
+                    fn()
+                    fn()
+                for _ in range(rounds):
+                    for name, fn in fns.items():
+                        record(runner, name, fn())
+                        time.sleep(0.01)
+            finally:
+                for rp in pipes:
+                    rp.close()
     finally:
-        for rp in pipes:
-            rp.close()
-        if pipes:
+        if ray_too:
             ray.shutdown()
+
+
+def _tiny(tc: dict, model, cut, P, ray_too: bool) -> dict:
+    """Step time and time per operation on tiny stages: the runners' own overhead."""
+    M = tc["microbatches"]
+    params, x, labels, loss = model(tc["width"], tc["layers"], M, tc["rows"])
+    cuts = {n: cut(n, params) for n in (2, 8)}
+    steps: dict = {}
+
+    def record(runner, name, r):
+        if not abs(r.loss - loss) <= 1e-4 * abs(loss):
+            raise RuntimeError(f"tiny {runner} {name}: loss {r.loss} != {loss}")
+        steps.setdefault((runner, name), []).append(r.step_time)
+
+    def on_ray(compiled):
+        def setup():
+            rp = P.RayPipeline(*cuts[2], compiled=compiled)
+            return {2: lambda: rp.run(x, [labels], microbatches=M, schedule_name="1f1b")}, [rp]
+        return setup
+
+    phases = [("in-process", lambda: ({n: (lambda n=n: P.run_inprocess(*cuts[n], x, [labels], microbatches=M,
+                                                                      schedule_name="1f1b")) for n in (2, 8)}, []))]
+    if ray_too:
+        phases += [("Ray", on_ray(True)), ("Ray calls", on_ray(False))]
+    _phases(phases, tc["rounds"], record, ray_too)
     rows = []
     for (runner, n), ts in steps.items():
         ops = sum(len(p) for p in P.schedule("1f1b", n, M))

@@ -181,7 +181,8 @@ class RayPipeline:
         ray = self.ray
         t0 = time.monotonic()
         try:
-            states = ray.get(graph.execute(*[x for x, _ in mbs], *[side for _, side in mbs]))
+            # timeout=-1: a step may take longer than Compiled Graphs' default 10 s; a dead actor still ends it.
+            states = ray.get(graph.execute(*[x for x, _ in mbs], *[side for _, side in mbs]), timeout=-1)
         except ray.exceptions.RayError as e:
             self._drop_graph()
             self._get([a.clock.remote() for a in self.actors])  # names a dead actor's stages
