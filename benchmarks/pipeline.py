@@ -182,7 +182,8 @@ def _child(quick: bool) -> dict:
     def on_ray(compiled, name):
         # One pipeline per schedule: a RayPipeline holds one compiled graph at a time.
         def setup():
-            rp = P.RayPipeline(*cuts[4 if name == "zbv" else 2], layout=P.layout(name), compiled=compiled)
+            rp = P.RayPipeline(*cuts[4 if name == "zbv" else 2], layout=P.layout(name), compiled=compiled,
+                                step_timeout=120)
             return {name: lambda: rp.run(x, [labels], microbatches=M, schedule_name=name)}, [rp]
         return setup
 
@@ -231,6 +232,7 @@ def _phases(phases: list, rounds: int, record, ray_too: bool) -> None:
                  runtime_env={"env_vars": {"XLA_FLAGS": os.environ.get("XLA_FLAGS", SINGLE_THREAD)}})
     try:
         for runner, setup in phases:
+            print(f"phase {runner}", file=sys.stderr, flush=True)
             fns, pipes = setup()
             try:
                 for fn in fns.values():  # warm-up: traces and compiles each stage's calls (and the graph)
@@ -262,7 +264,7 @@ def _tiny(tc: dict, model, cut, P, ray_too: bool) -> dict:
 
     def on_ray(compiled):
         def setup():
-            rp = P.RayPipeline(*cuts[2], compiled=compiled)
+            rp = P.RayPipeline(*cuts[2], compiled=compiled, step_timeout=120)
             return {2: lambda: rp.run(x, [labels], microbatches=M, schedule_name="1f1b")}, [rp]
         return setup
 

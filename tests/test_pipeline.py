@@ -145,6 +145,9 @@ def test_ray_events_are_on_the_drivers_clock(ray_session):
         t0 = time.monotonic()
         r = rp.run(x, [labels], microbatches=2, schedule_name="1f1b")
         t1 = time.monotonic()
+        rp.step_timeout = 1e-6  # a step that is not back in time is an error, not a hang
+        with pytest.raises(vs.VjpsplitError, match="did not finish within step_timeout=1e-06 s"):
+            rp.run(x, [labels], microbatches=2, schedule_name="1f1b")
     # Every actor's events, moved by its measured offset, fall inside the step as the driver saw it.
     assert t0 <= min(e.start for e in r.events) and max(e.end for e in r.events) <= t1
     assert all(e.start <= e.end for e in r.events) and len(rp.clock_offsets) == 2

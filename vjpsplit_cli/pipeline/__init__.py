@@ -30,12 +30,12 @@ from ..errors import VjpsplitError
 from .dispatch import progress_bar, walk
 from .inprocess import run_inprocess
 from .ray_actor import StageActor
-from .ray_runner import SCHEDULE_TIMEOUT, RayPipeline, placement_group_options
+from .ray_runner import SCHEDULE_TIMEOUT, STEP_TIMEOUT, RayPipeline, placement_group_options
 from .schedules import LABELS, SCHEDULES, SPLIT_BACKWARD, Op, check_schedule, dependencies, layout, placement, schedule
 from .stage import StageWorker, check_stages, run_op, split_batch, stage_devices
 from .timeline import Event, PipelineResult, bubble_ratio, plot_timeline, replay, simulate
 
-__all__ = ["LABELS", "SCHEDULES", "SCHEDULE_TIMEOUT", "SPLIT_BACKWARD", "Event", "Op", "PipelineResult", "RayPipeline",
+__all__ = ["LABELS", "SCHEDULES", "SCHEDULE_TIMEOUT", "SPLIT_BACKWARD", "STEP_TIMEOUT", "Event", "Op", "PipelineResult", "RayPipeline",
            "StageActor", "StageWorker", "bubble_ratio", "check_schedule", "check_stages", "dependencies", "layout",
            "placement", "placement_group_options", "plot_timeline", "progress_bar", "replay", "run", "run_inprocess",
            "run_op", "schedule", "simulate", "split_batch", "stage_devices", "walk"]

@@ -23,6 +23,7 @@ from .stage import check_stages, split_batch
 from .timeline import PipelineResult
 
 SCHEDULE_TIMEOUT = 60.0  # seconds for Ray to place and start every actor
+STEP_TIMEOUT = 600.0  # seconds for one step's results, after which the step is an error, not a hang
 
 
 class RayPipeline:
@@ -40,13 +41,16 @@ class RayPipeline:
     driver sends the batch and fetches the gradients, losses and timings once per
     step; activations and cotangents pass from actor to actor without reaching it.
     ``nodes[w]`` is the Ray node id worker ``w`` runs on; ``clock_offsets[w]`` its
-    clock minus the driver's (seconds).
+    clock minus the driver's (seconds). ``compiled`` (default None: where Ray can)
+    runs each step as a Ray Compiled Graph; a step whose results are not back
+    within ``step_timeout`` seconds is an error.
     """
 
     def __init__(self, artifacts: Sequence, params: Sequence, *, address: str | None = None,
                  runtime_env: dict | None = None, num_cpus_per_stage: float = 0, layout: str = "stage",
                  actor_options: Sequence[Mapping[str, Any]] | None = None,
-                 schedule_timeout: float = SCHEDULE_TIMEOUT, compiled: bool | None = None):
+                 schedule_timeout: float = SCHEDULE_TIMEOUT, compiled: bool | None = None,
+                 step_timeout: float = STEP_TIMEOUT):
         try:
             import ray
         except ImportError as e:
@@ -57,6 +61,7 @@ class RayPipeline:
             raise VjpsplitError(f"{len(artifacts)} stages but {len(params)} parameter sets")
         self.ray = ray
         self.compiled = compiled
+        self.step_timeout = step_timeout
         self.graph = None  # (key, compiled graph) of the last compiled step
         self.layout = layout
         self.stages = len(artifacts)
@@ -96,11 +101,13 @@ class RayPipeline:
                                 f"{_lack(ray, self.options[w])}")
         return self._get(refs)
 
-    def _get(self, refs):
-        """``ray.get``, with a dead actor reported by the stages it held."""
+    def _get(self, refs, timeout: float | None = None):
+        """``ray.get``, with a dead actor reported by the stages it held, and a step past ``timeout`` an error."""
         ray = self.ray
         try:
-            return ray.get(refs)
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise VjpsplitError(f"the step did not finish within step_timeout={timeout:g} s") from None
         except ray.exceptions.RayActorError as e:
             dead = []
             for w, a in enumerate(self.actors):
@@ -148,7 +155,7 @@ class RayPipeline:
                     bar.update(len(ready))
             if bar is not None:
                 bar.close()
-        states = self._get([a.state.remote() for a in self.actors])  # each actor answers after its last op
+        states = self._get([a.state.remote() for a in self.actors], self.step_timeout)  # after each one's last op
         step = time.monotonic() - t0
         return self._result(states, schedule_name, microbatches, step, False)
 
@@ -181,8 +188,13 @@ class RayPipeline:
         ray = self.ray
         t0 = time.monotonic()
         try:
-            # timeout=-1: a step may take longer than Compiled Graphs' default 10 s; a dead actor still ends it.
-            states = ray.get(graph.execute(*[x for x, _ in mbs], *[side for _, side in mbs]), timeout=-1)
+            # Our own limit, not Compiled Graphs' default 10 s, which a long step exceeds.
+            states = ray.get(graph.execute(*[x for x, _ in mbs], *[side for _, side in mbs]),
+                             timeout=self.step_timeout)
+        except ray.exceptions.RayChannelTimeoutError:
+            self._drop_graph()
+            raise VjpsplitError(f"the compiled step did not finish within step_timeout={self.step_timeout:g} s; "
+                                "build a new RayPipeline (compiled=False for actor calls) to run again") from None
         except ray.exceptions.RayError as e:
             self._drop_graph()
             self._get([a.clock.remote() for a in self.actors])  # names a dead actor's stages
