@@ -83,6 +83,9 @@ def table(data: dict) -> str:
         per = {(r["runner"], r["stages"]): r["per_op"] for r in t["rows"]}
         lines += ["", f"In-process cost per operation, 8 stages / 2 stages: "
                       f"{per[('in-process', 8)] / per[('in-process', 2)]:.2f}×"]
+    fails = data.get("failures", []) + (t or {}).get("failures", [])
+    if fails:
+        lines += ["", "Did not finish (left out above): " + "; ".join(fails)]
     return "\n".join(lines)
 
 
@@ -183,7 +186,7 @@ def _child(quick: bool) -> dict:
         # One pipeline per schedule: a RayPipeline holds one compiled graph at a time.
         def setup():
             rp = P.RayPipeline(*cuts[4 if name == "zbv" else 2], layout=P.layout(name), compiled=compiled,
-                                step_timeout=120)
+                                step_timeout=60)
             return {name: lambda: rp.run(x, [labels], microbatches=M, schedule_name=name)}, [rp]
         return setup
 
@@ -191,13 +194,17 @@ def _child(quick: bool) -> dict:
     if cfg["ray"]:
         phases += [(runner, on_ray(compiled, n)) for runner, compiled in (("Ray", True), ("Ray calls", False))
                    for n in schedules]
-    _phases(phases, cfg["rounds"], record, cfg["ray"])
+    failures: dict = {}
+    _phases(phases, cfg["rounds"], record, cfg["ray"], failures)
     runners = dict.fromkeys(r for r, _ in phases)
 
     rows = []
     for runner in runners:
-        base = statistics.median(r.step_time for r in samples[(runner, "1f1b")])
+        base = statistics.median(r.step_time for r in samples.get((runner, "1f1b"), [])) \
+            if (runner, "1f1b") in samples else float("nan")
         for name in schedules:
+            if (runner, name) in failures or (runner, name) not in samples:
+                continue
             rs = samples[(runner, name)]
             step = statistics.median(r.step_time for r in rs)
             # One device per worker, each op its median measured time.
@@ -215,10 +222,11 @@ def _child(quick: bool) -> dict:
                          "modeled": P.bubble_ratio(modeled, p), "unit": unit_model(name),
                          "modeled_makespan": max(e.end for e in modeled) - min(e.start for e in modeled),
                          "op_medians": ops})
-    return {"config": cfg, "bw": bw, "rows": rows, "tiny": tiny, "load": os.getloadavg()[0]}
+    return {"config": cfg, "bw": bw, "rows": rows, "tiny": tiny, "load": os.getloadavg()[0],
+            "failures": [f"{r} {n}: {e}" for (r, n), e in failures.items()]}
 
 
-def _phases(phases: list, rounds: int, record, ray_too: bool) -> None:
+def _phases(phases: list, rounds: int, record, ray_too: bool, failures: dict) -> None:
     """Each ``(runner, setup)`` in a phase of its own: set up, warm up, ``rounds`` interleaved steps, close.
 
     Phases, not rounds across runners: an idle compiled Ray graph polls its
@@ -226,6 +234,8 @@ def _phases(phases: list, rounds: int, record, ray_too: bool) -> None:
     else is measured beside it.
     """
     import ray
+
+    from vjpsplit_cli import VjpsplitError
 
     if ray_too:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
@@ -242,6 +252,9 @@ def _phases(phases: list, rounds: int, record, ray_too: bool) -> None:
                     for name, fn in fns.items():
                         record(runner, name, fn())
                         time.sleep(0.01)
+            except VjpsplitError as e:  # a step past its step_timeout: reported, not hung on
+                for name in fns:
+                    failures[(runner, name)] = str(e)
             finally:
                 for rp in pipes:
                     rp.close()
@@ -264,7 +277,7 @@ def _tiny(tc: dict, model, cut, P, ray_too: bool) -> dict:
 
     def on_ray(compiled):
         def setup():
-            rp = P.RayPipeline(*cuts[2], compiled=compiled, step_timeout=120)
+            rp = P.RayPipeline(*cuts[2], compiled=compiled, step_timeout=60)
             return {2: lambda: rp.run(x, [labels], microbatches=M, schedule_name="1f1b")}, [rp]
         return setup
 
@@ -272,13 +285,16 @@ def _tiny(tc: dict, model, cut, P, ray_too: bool) -> dict:
                                                                       schedule_name="1f1b")) for n in (2, 8)}, []))]
     if ray_too:
         phases += [("Ray", on_ray(True)), ("Ray calls", on_ray(False))]
-    _phases(phases, tc["rounds"], record, ray_too)
+    failures: dict = {}
+    _phases(phases, tc["rounds"], record, ray_too, failures)
     rows = []
     for (runner, n), ts in steps.items():
+        if (runner, n) in failures:
+            continue
         ops = sum(len(p) for p in P.schedule("1f1b", n, M))
         step = statistics.median(ts)
         rows.append({"runner": runner, "stages": n, "step": step, "per_op": step / ops})
-    return {"rows": rows}
+    return {"rows": rows, "failures": [f"{r} ({n} stages): {e}" for (r, n), e in failures.items()]}
 
 
 def main(argv=None) -> int:

@@ -100,10 +100,10 @@ def test_ray_gradients_equal_value_and_grad(ray_session, stages):
     loss, grads = jax.value_and_grad(whole)(params, x, labels)
     layouts = ["stage", "v"] if stages % 2 == 0 else ["stage"]
     for lay in layouts:
-        with P.RayPipeline(arts, params, layout=lay) as rp:
+        with P.RayPipeline(arts, params, layout=lay, compiled=None) as rp:
             for name in [n for n in P.SCHEDULES if P.layout(n) == lay]:
                 r = rp.run(x, [labels], microbatches=4, schedule_name=name)
-                assert r.runner == "ray" and r.extra["compiled"]  # Compiled Graphs by default
+                assert r.runner == "ray" and r.extra["compiled"]  # compiled=None: a Compiled Graph where Ray can
                 np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
                 assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
                 assert {e.stage for e in r.events} == set(range(stages))
@@ -163,10 +163,11 @@ def test_ray_settings_a_running_ray_would_ignore_are_refused(ray_session):
         P.RayPipeline(arts, params, actor_options=[{}])
 
 
-def test_ray_dead_actor_is_named_and_a_new_pipeline_runs(ray_session):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_ray_dead_actor_is_named_and_a_new_pipeline_runs(ray_session, compiled):
     arts, params, x, labels = make(2)
     loss, grads = jax.value_and_grad(whole)(params, x, labels)
-    with P.RayPipeline(arts, params) as rp:
+    with P.RayPipeline(arts, params, compiled=compiled) as rp:
         rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
         ray_session.kill(rp.actors[1])
         with pytest.raises(vs.VjpsplitError, match="stage 1: its Ray actor died.*build a new RayPipeline"):
@@ -186,7 +187,7 @@ def test_ray_falls_back_to_actor_calls_without_compiled_graphs(ray_session, monk
     monkeypatch.setattr(ray.dag, "InputNode", NoGraphs)
     arts, params, x, labels = make(2)
     loss, grads = jax.value_and_grad(whole)(params, x, labels)
-    with P.RayPipeline(arts, params) as rp:
+    with P.RayPipeline(arts, params, compiled=None) as rp:
         r = rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
         assert r.extra["compiled"] is False
         assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)

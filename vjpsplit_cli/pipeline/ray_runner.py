@@ -41,15 +41,16 @@ class RayPipeline:
     driver sends the batch and fetches the gradients, losses and timings once per
     step; activations and cotangents pass from actor to actor without reaching it.
     ``nodes[w]`` is the Ray node id worker ``w`` runs on; ``clock_offsets[w]`` its
-    clock minus the driver's (seconds). ``compiled`` (default None: where Ray can)
-    runs each step as a Ray Compiled Graph; a step whose results are not back
-    within ``step_timeout`` seconds is an error.
+    clock minus the driver's (seconds). ``compiled=True`` runs each step as a Ray
+    Compiled Graph (``None``: where Ray can compile it, else actor calls; default
+    False: one actor call per operation). A step whose results are not back within
+    ``step_timeout`` seconds is an error.
     """
 
     def __init__(self, artifacts: Sequence, params: Sequence, *, address: str | None = None,
                  runtime_env: dict | None = None, num_cpus_per_stage: float = 0, layout: str = "stage",
                  actor_options: Sequence[Mapping[str, Any]] | None = None,
-                 schedule_timeout: float = SCHEDULE_TIMEOUT, compiled: bool | None = None,
+                 schedule_timeout: float = SCHEDULE_TIMEOUT, compiled: bool | None = False,
                  step_timeout: float = STEP_TIMEOUT):
         try:
             import ray
@@ -170,7 +171,7 @@ class RayPipeline:
         except Exception as e:  # noqa: BLE001 - no Compiled Graphs here: actor calls do the same work
             if self.compiled:
                 raise VjpsplitError(f"Ray could not compile the step's graph ({type(e).__name__}: {e}); "
-                                    "use compiled=None or False for actor calls") from e
+                                    "use compiled=False (or None) for actor calls") from e
             self.compiled = False
             return None
         self.graph = (key, graph)
