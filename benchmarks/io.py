@@ -11,7 +11,7 @@ fresh process.
 
 A second table isolates how a finished temp file takes the target's place, on the
 same bytes: ``os.replace`` over the old file, ``renameat2(RENAME_EXCHANGE)`` then
-unlinking the old file (what ``_io.atomic_write`` does where it can), and ``np.save``
+unlinking the old file (what ``outputs.atomic_write`` does where it can), and ``np.save``
 overwriting the old file in place. Each candidate keeps its own file names: deleting
 a file whose writeback is in flight waits for it, so sharing names would charge
 one candidate's disk I/O to another.
@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import jax
@@ -34,7 +35,7 @@ import numpy as np
 
 import vjpsplit_cli as vs
 from benchmarks.workloads import transformer
-from vjpsplit_cli import _io
+from vjpsplit_cli import checksum, outputs
 
 # Peak RSS growth while loading, in a fresh process. ru_maxrss cannot be used: its
 # high-water mark is set by the imports (jax), far above what a load adds. Writing
@@ -105,7 +106,14 @@ def _candidates(d: Path, arrays: dict[str, np.ndarray], meta: dict) -> dict:
             vs.save_arrays(d / f"r.{ext}", arrays, meta)
             vs.load_arrays(d / f"r.{ext}", verify=True)
         cands[f"vjpsplit .{ext}"] = (ours, ("v", d / f"r.{ext}"))
-    if _io._renameat2() is not None:
+    if checksum.BACKEND != "zlib":
+        def zlib_crc():
+            # The same with zlib's CRC-32, as where no faster one is installed: same bytes.
+            with _crc32_of(zlib.crc32):
+                vs.save_arrays(d / "z.npz", arrays, meta)
+                vs.load_arrays(d / "z.npz", verify=True)
+        cands["vjpsplit .npz, zlib's CRC-32"] = (zlib_crc, ("v", d / "z.npz"))
+    if outputs.renameat2() is not None:
         def plain_rename():
             # The same, replacing the old file by os.replace as before renameat2 was used.
             with _plain_rename():
@@ -116,14 +124,25 @@ def _candidates(d: Path, arrays: dict[str, np.ndarray], meta: dict) -> dict:
 
 
 @contextlib.contextmanager
-def _plain_rename():
-    """Inside, atomic_write replaces files with os.replace, as where renameat2 is missing."""
-    saved = list(_io._RENAMEAT2)
-    _io._RENAMEAT2[:] = [None]
+def _crc32_of(fn):
+    """Inside, every CRC-32 is computed by ``fn``."""
+    saved = checksum.crc32
+    checksum.crc32 = fn
     try:
         yield
     finally:
-        _io._RENAMEAT2[:] = saved
+        checksum.crc32 = saved
+
+
+@contextlib.contextmanager
+def _plain_rename():
+    """Inside, atomic_write replaces files with os.replace, as where renameat2 is missing."""
+    saved = outputs.renameat2
+    outputs.renameat2 = lambda: None
+    try:
+        yield
+    finally:
+        outputs.renameat2 = saved
 
 
 def measure(arrays: dict[str, np.ndarray], meta: dict, rounds: int, rss: bool = True) -> list[dict]:
@@ -158,7 +177,7 @@ def table(title: str, rows: list[dict], nbytes: int) -> list[str]:
 def replace_costs(nbytes: int, rounds: int) -> list[dict]:
     """Median seconds to write ``nbytes`` and put them in place of the previous file, three ways, interleaved."""
     data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
-    exchange = _io._renameat2()
+    exchange = outputs.renameat2()
 
     def write(p: Path) -> None:
         with open(p, "wb") as f:
@@ -226,7 +245,8 @@ def run(quick: bool, gib: float | None = None) -> tuple[str, list[dict]]:
     nbytes = sum(a.nbytes for a in arrays.values())
     rows = measure(arrays, meta, 3 if quick else 15)
     lines = table(f"Residuals of the transformer block: {len(arrays)} arrays, {nbytes / 2**20:.1f} MiB; save + "
-                  "load, page cache warm, vjpsplit with CRC-32s checked and no fsync (its residual default).",
+                  "load, page cache warm, vjpsplit with CRC-32s checked and no fsync (its residual default); "
+                  f"CRC-32 by {checksum.BACKEND}.",
                   rows, nbytes)
     lines += [""] + replace_table(replace_costs(40 * 2**20, 3 if quick else 15))
     if gib:

@@ -22,11 +22,10 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+from benchmarks.timing import SINGLE_THREAD, run_section
 
 
 def _config(quick: bool) -> dict:
@@ -40,20 +39,16 @@ def _config(quick: bool) -> dict:
 
 def run(quick: bool) -> tuple[str, list[dict]]:
     """Measure in a single-threaded child process; return the markdown table and the rows."""
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {SINGLE_THREAD}".strip())
-    cmd = [sys.executable, "-m", "benchmarks.pipeline", "--child"] + (["--quick"] if quick else [])
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
-    if proc.returncode != 0:
-        raise RuntimeError(f"pipeline benchmark failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    data = json.loads(proc.stdout.strip().splitlines()[-1])
-    return table(data), data["rows"]
+    return run_section("benchmarks.pipeline", quick, table)
 
 
 def table(data: dict) -> str:
     """The report: B + W against the fused backward, then the schedules."""
     c = data["config"]
+    where = ("one core each (single-threaded XLA)" if c.get("single_threaded", True)
+             else f"threads of one process sharing the `{c['platform']}` device")
     lines = [f"MLP of {c['layers']} dense layers (width {c['width']}), {c['microbatches']} microbatches of "
-             f"{c['rows']} rows, 2 workers, one core each (single-threaded XLA). Medians of {c['rounds']} "
+             f"{c['rows']} rows, 2 workers, {where}. Medians of {c['rounds']} "
              f"interleaved steps; load average {data['load']:.1f} when done (other work shares the cores).", "",
              "| stage | fused backward | B | W | B then W | (B then W) / fused |", "|---|---:|---:|---:|---:|---:|"]
     for r in data["bw"]:
@@ -90,10 +85,15 @@ def table(data: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# The child: everything below runs with single-threaded XLA.
+# The measurements: in the child, everything below runs with single-threaded XLA.
 
 
-def _child(quick: bool) -> dict:
+def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
+    """The measurements, in this process, with stages exported for ``platform``; Ray workers too when ``ray``.
+
+    ``run`` calls it in a single-threaded child; the accelerator run calls it in place,
+    on the device, without Ray.
+    """
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -103,7 +103,8 @@ def _child(quick: bool) -> dict:
     from benchmarks.timing import interleaved
     from vjpsplit_cli import pipeline as P
 
-    cfg = _config(quick)
+    cfg = dict(_config(quick), ray=ray, platform=platform,
+               single_threaded=SINGLE_THREAD in os.environ.get("XLA_FLAGS", ""))
     W, L, M, R = cfg["width"], cfg["layers"], cfg["microbatches"], cfg["rows"]
 
     def hidden(params, x):
@@ -133,10 +134,10 @@ def _child(quick: bool) -> dict:
         groups = [params[i * k:(i + 1) * k] for i in range(n)]
         spec = lambda p: jax.tree_util.tree_map(lambda a: s(a.shape, a.dtype), p)  # noqa: E731
         wrt = lambda i: ("params",) if i == 0 else ("params", "x")  # noqa: E731
-        arts = [vs.export(hidden, spec(g), s((b, W), jnp.float32), wrt=wrt(i), weights="params", platforms="cpu")
+        arts = [vs.export(hidden, spec(g), s((b, W), jnp.float32), wrt=wrt(i), weights="params", platforms=platform)
                 for i, g in enumerate(groups[:-1])]
         arts.append(vs.export(head, spec(groups[-1]), s((b, W), jnp.float32), s((b,), jnp.int32), wrt=wrt(n - 1),
-                              weights="params", platforms="cpu"))
+                              weights="params", platforms=platform))
         return arts, groups
 
     tiny = _tiny(cfg["tiny"], model, cut, P, cfg["ray"])
@@ -306,7 +307,7 @@ def main(argv=None) -> int:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(_child(args.quick)))
+        print(json.dumps(measure(args.quick)))
         return 0
     text, rows = run(args.quick)
     print(text)

@@ -1,6 +1,7 @@
 """Run the benchmarks and write a markdown report.
 
     python -m benchmarks [--quick] [--only economy,...] [--out benchmarks/RESULTS.md]
+    python -m benchmarks --accelerator [--quick] [--out DIR] [--budget S]   # see benchmarks/accelerator.py
 
 Every comparison is measured side by side in one process, candidates interleaved
 round by round, and reported as medians and ratios. Wall-clock numbers belong
@@ -32,6 +33,9 @@ SECTIONS = {
     "cli": ("CLI wall time", "benchmarks.cli"),
     "pipeline": ("Pipeline schedules on 2 workers", "benchmarks.pipeline"),
     "sharded": ("Sharded stages on 8 CPU devices", "benchmarks.sharded"),
+    # On a CPU-only machine, the accelerator command's own smoke test.
+    "accelerator": ("The one-shot accelerator run, on this machine's default device", "benchmarks.accelerator"),
+    "zbscan": ("Zero bubble inside scan: B then W vs fused", "benchmarks.zbscan"),
 }
 
 
@@ -50,9 +54,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few rounds: proves the suite runs, numbers are rough")
     ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections: " + ", ".join(SECTIONS))
-    ap.add_argument("--out", default=None, help="write the markdown report here (default: print only)")
+    ap.add_argument("--out", default=None, help="write the markdown report here (default: print only); "
+                    "with --accelerator, the directory for its JSON and markdown reports")
+    ap.add_argument("--accelerator", action="store_true",
+                    help="the one-shot GPU/TPU run (benchmarks/accelerator.sh installs what it needs first)")
+    ap.add_argument("--budget", type=float, default=None, help="with --accelerator: seconds for all its steps")
     args = ap.parse_args(argv)
     import importlib
+
+    if args.accelerator:
+        from benchmarks import accelerator
+
+        return accelerator.main((["--quick"] if args.quick else []) + (["--out", args.out] if args.out else [])
+                                + (["--budget", str(args.budget)] if args.budget is not None else []))
 
     parts = [f"Machine: {machine()}. Command: `python -m benchmarks{' --quick' if args.quick else ''}`.", ""]
     for key in args.only.split(","):

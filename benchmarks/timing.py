@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from typing import Callable, Mapping
 
@@ -11,17 +15,49 @@ import jax
 
 def interleaved(candidates: Mapping[str, Callable[[], object]], rounds: int, warmup: int = 2) -> dict[str, float]:
     """Median seconds per call of each candidate, calls interleaved so drift hits all alike."""
+    return {k: statistics.median(v) for k, v in interleaved_samples(candidates, rounds, warmup).items()}
+
+
+def interleaved_samples(candidates: Mapping[str, Callable[[], object]], rounds: int, warmup: int = 2,
+                        clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """Seconds of every call of each candidate, calls interleaved round by round.
+
+    ``clock=time.process_time`` counts this process's CPU time instead of wall time: on a
+    machine shared with other work it is less disturbed by their scheduling.
+    """
     for _ in range(warmup):
         for fn in candidates.values():
             jax.block_until_ready(fn())
     samples: dict[str, list[float]] = {k: [] for k in candidates}
     for _ in range(rounds):
         for name, fn in candidates.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             jax.block_until_ready(fn())
-            samples[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in samples.items()}
+            samples[name].append(clock() - t0)
+    return samples
 
 
 def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
+
+
+SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def run_child(module: str, quick: bool) -> dict:
+    """``python -m MODULE --child [--quick]`` with single-threaded XLA (one core, as one device per stage).
+
+    Returns the JSON object the child prints as its last line.
+    """
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {SINGLE_THREAD}".strip())
+    cmd = [sys.executable, "-m", module, "--child"] + (["--quick"] if quick else [])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    if proc.returncode != 0:
+        raise RuntimeError(f"{module} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_section(module: str, quick: bool, table) -> tuple[str, list[dict]]:
+    """A section measured by ``run_child``: its markdown ``table(data)`` and its rows."""
+    data = run_child(module, quick)
+    return table(data), data["rows"]

@@ -23,7 +23,8 @@ import vjpsplit_cli as vs
 from vjpsplit_cli.cli import main
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.execcache import compiled_call, entry_key
-from vjpsplit_cli.policies import POLICIES, choose_auto, policy_cost
+from vjpsplit_cli.choice import choose_auto
+from vjpsplit_cli.policies import POLICIES, policy_cost
 
 
 def loss(params, x):
@@ -134,7 +135,12 @@ def test_cli_auto_export_and_plan(tmp_path, monkeypatch):
 # ------------------------------------------------------------------ the executable cache
 
 
-def test_executable_cache_round_trip_and_corrupt_entries(tmp_path):
+def test_executable_cache_round_trip_and_corrupt_entries(tmp_path, monkeypatch):
+    from jax.experimental import serialize_executable as se
+
+    loads = []  # every entry the cache deserializes: proves which calls loaded and which compiled
+    real_load = se.deserialize_and_load
+    monkeypatch.setattr(se, "deserialize_and_load", lambda *a, **k: loads.append(1) or real_load(*a, **k))
     params, x = make()
     b, = jax.export.symbolic_shape("b")
     art = vs.export(loss, specs_of(params)[0], jax.ShapeDtypeStruct((b, 8), jnp.float32), platforms="cpu")
@@ -145,7 +151,9 @@ def test_executable_cache_round_trip_and_corrupt_entries(tmp_path):
     first = compiled_call(call, flat, ("fp", "fwd"), d)  # compiles and saves
     (entry,) = os.listdir(d)
     assert entry == entry_key(flat, ("fp", "fwd")) + ".exe"
+    assert loads == []
     second = compiled_call(call, flat, ("fp", "fwd"), d)  # loads
+    assert loads == [1]
     for got in (first(*flat), second(*flat)):
         for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
@@ -155,14 +163,21 @@ def test_executable_cache_round_trip_and_corrupt_entries(tmp_path):
     data = bytearray(open(path, "rb").read())
     data[len(data) // 2] ^= 0xFF  # a flipped byte fails the entry's SHA-256: ignored, recompiled, rewritten
     open(path, "wb").write(bytes(data))
+    loads.clear()
     third = compiled_call(call, flat, ("fp", "fwd"), d)
     np.testing.assert_array_equal(np.asarray(third(*flat)[0][0]), np.asarray(want[0][0]))
+    assert loads == [] and open(path, "rb").read() != bytes(data)  # not loaded; recompiled and rewritten
     open(path, "wb").write(b"garbage")
     np.testing.assert_array_equal(np.asarray(compiled_call(call, flat, ("fp", "fwd"), d)(*flat)[0][0]),
                                   np.asarray(want[0][0]))
+    assert loads == []
+    compiled_call(call, flat, ("fp", "fwd"), d)
+    assert loads == [1]  # the rewritten entry is good again
+    loads.clear()
     os.chmod(path, 0o666)  # writable by others: never loaded
     np.testing.assert_array_equal(np.asarray(compiled_call(call, flat, ("fp", "fwd"), d)(*flat)[0][0]),
                                   np.asarray(want[0][0]))
+    assert loads == []
     # Other shapes are another entry.
     compiled_call(call, [*flat[:-1], np.ones((3, 8), np.float32)], ("fp", "fwd"), d)
     assert len([n for n in os.listdir(d) if n.endswith(".exe")]) == 2
@@ -184,6 +199,7 @@ def test_cli_runs_the_same_with_a_warm_and_a_corrupt_executable_cache(tmp_path):
     np.savez(tmp_path / "in.npz", w=rng.normal(size=(8, 16)).astype(np.float32),
              x=rng.normal(size=(5, 8)).astype(np.float32))
     grads = []
+    inodes = []  # an entry is rewritten (a new inode) only when it was not loaded
     for round_ in range(3):
         run("run-fwd", "a.vjps", "--inputs", "in.npz", "--residuals", "r.npz", "--outputs", "o.npz")
         run("run-bwd", "a.vjps", "--inputs", "in.npz", "--residuals", "r.npz", "--grads", "g.npz")
@@ -192,9 +208,13 @@ def test_cli_runs_the_same_with_a_warm_and_a_corrupt_executable_cache(tmp_path):
         exe = tmp_path / "cache" / "executables"
         entries = sorted(exe.glob("*.exe"))
         assert len(entries) == 2  # forward and backward
+        assert all(e.stat().st_size > 100 for e in entries)
+        inodes.append([e.stat().st_ino for e in entries])
         if round_ == 1:
+            assert inodes[1] == inodes[0]  # the warm run loaded both entries
             for e in entries:
                 e.write_bytes(e.read_bytes()[:100])  # truncated: ignored, recompiled
+    assert inodes[2] != inodes[1]  # the truncated entries were not loaded: compiled and written anew
     for g in grads[1:]:
         for k in g:
             np.testing.assert_array_equal(g[k], grads[0][k])
@@ -209,8 +229,9 @@ def test_changed_residuals_are_checked_again():
     out, res = art.fwd(params, x)
     want = art.bwd(res)
     key = next(k for k, v in res.stored.items() if v.dtype == np.float32 and v.ndim == 2)
-    res.stored[key] = np.asarray(res.stored[key]).astype(np.float64)
+    changed = res.replace(stored={**res.stored, key: np.asarray(res.stored[key]).astype(np.float64)})
+    assert changed.residuals_id == res.residuals_id  # the same forward run, other arrays: checked again
     with pytest.raises(VjpsplitError, match="expected"):
-        art.bwd(res)
-    res.stored[key] = res.stored[key].astype(np.float32)  # numpy now: checked, accepted
-    assert_grads_equal(art.bwd(res), want)
+        art.bwd(changed)
+    back = changed.replace(stored={**changed.stored, key: changed.stored[key].astype(np.float32)})
+    assert_grads_equal(art.bwd(back), want)  # numpy now: checked, accepted

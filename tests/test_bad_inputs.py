@@ -27,7 +27,7 @@ import pytest
 from click.testing import CliRunner
 
 import vjpsplit_cli as vs
-import vjpsplit_cli._io as io_mod
+import vjpsplit_cli.reading as reading_mod
 from vjpsplit_cli.manifest import MAGIC, fingerprint as _fingerprint
 from vjpsplit_cli.cli import main
 
@@ -271,7 +271,7 @@ def test_bad_input(base, tmp_path, monkeypatch, case):
                 raise PermissionError(13, "Permission denied", str(path))
             return real_open(path, *a, **k)
 
-        monkeypatch.setattr(io_mod, "open", denied, raising=False)
+        monkeypatch.setattr(reading_mod, "open", denied, raising=False)
         monkeypatch.setattr("builtins.open", denied)
     elif brk == "syntax-error":
         target.write_text("def stage(w, x:\n    return w\n")

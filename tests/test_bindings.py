@@ -151,3 +151,90 @@ def test_forged_self_contained_flag_is_a_clear_error_naming_the_file(art, tmp_pa
     vs.save_arrays(tmp_path / "forged.npz", arrays, {**meta, "self_contained": True, "needs_inputs": []})
     with pytest.raises(vs.VjpsplitError, match=r"forged.npz: the residuals need input 'w'.*pass the forward's inputs"):
         art.bwd(vs.load_residuals(tmp_path / "forged.npz"))
+
+
+def tanh_w(w, x):
+    # The backward reads w and the stored tanh(x), never x itself.
+    return jnp.sum(jnp.tanh(x) * w)
+
+
+@pytest.fixture(scope="module")
+def tanh_art():
+    b = jax.export.symbolic_shape("b")[0]
+    return vs.export(tanh_w, jax.ShapeDtypeStruct((3,), jnp.float32), jax.ShapeDtypeStruct((b, 3), jnp.float32),
+                     platforms="cpu")
+
+
+def _tanh_inputs(batch, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"w": rng.normal(size=(3,)).astype(np.float32), "x": rng.normal(size=(batch, 3)).astype(np.float32)}
+
+
+def test_an_input_the_backward_never_reads_is_still_bound(tanh_art):
+    assert "x" not in [r.key.removeprefix("in/") for r in tanh_art.manifest.residuals if r.input_backed]
+
+
+@pytest.mark.parametrize("fmt", ["npz", "msgpack"])
+@pytest.mark.parametrize("other", ["batch", "content"])
+def test_run_bwd_refuses_an_unread_input_of_another_microbatch(tanh_art, tmp_path, fmt, other):
+    tanh_art.save(tmp_path / "a.vjps")
+    vs.save_arrays(tmp_path / f"in8.{fmt}", _tanh_inputs(8))
+    mine = _tanh_inputs(8)
+    theirs = _tanh_inputs(4) if other == "batch" else {"w": mine["w"], "x": mine["x"] + 1}
+    vs.save_arrays(tmp_path / f"other.{fmt}", theirs)
+    assert _cli("run-fwd", tmp_path / "a.vjps", "--inputs", tmp_path / f"in8.{fmt}",
+                "--residuals", tmp_path / f"r.{fmt}")[0] == 0
+    code, out = _cli("run-bwd", tmp_path / "a.vjps", "--residuals", tmp_path / f"r.{fmt}",
+                     "--inputs", tmp_path / f"other.{fmt}", "--grads", tmp_path / "g.npz")
+    assert code == 1 and len(out.splitlines()) == 1, out
+    assert f"other.{fmt}: input 'x'" in out and "same microbatch" in out and "--no-verify" in out
+    if other == "batch":
+        assert "is f32[4,3], but the forward that wrote" in out and "ran on f32[8,3]" in out
+    assert not (tmp_path / "g.npz").exists()
+    # The same microbatch runs, with jax.grad's gradients (x's at batch 8).
+    assert _cli("run-bwd", tmp_path / "a.vjps", "--residuals", tmp_path / f"r.{fmt}",
+                "--inputs", tmp_path / f"in8.{fmt}", "--grads", tmp_path / "g.npz")[0] == 0
+    g, _ = vs.load_arrays(tmp_path / "g.npz")
+    ref = jax.grad(tanh_w, argnums=(0, 1))(mine["w"], mine["x"])
+    np.testing.assert_allclose(g["x"], ref[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g["w"], ref[0], rtol=1e-5, atol=1e-6)
+    # --no-verify is the documented way out: it skips the binding too.
+    assert _cli("run-bwd", tmp_path / "a.vjps", "--residuals", tmp_path / f"r.{fmt}", "--no-verify",
+                "--inputs", tmp_path / f"other.{fmt}", "--grads", tmp_path / "g2.npz")[0] == 0
+
+
+def test_self_contained_residuals_are_bound_to_inputs_given_anyway(tanh_art, tmp_path):
+    tanh_art.save(tmp_path / "a.vjps")
+    vs.save_arrays(tmp_path / "in8.npz", _tanh_inputs(8))
+    vs.save_arrays(tmp_path / "in4.npz", _tanh_inputs(4))
+    assert _cli("run-fwd", tmp_path / "a.vjps", "--inputs", tmp_path / "in8.npz", "--self-contained",
+                "--residuals", tmp_path / "r.npz")[0] == 0
+    assert _cli("run-bwd", tmp_path / "a.vjps", "--residuals", tmp_path / "r.npz", "--grads", tmp_path / "g.npz")[0] == 0
+    code, out = _cli("run-bwd", tmp_path / "a.vjps", "--residuals", tmp_path / "r.npz",
+                     "--inputs", tmp_path / "in4.npz", "--grads", tmp_path / "g2.npz")
+    assert code == 1 and "in4.npz: input 'x' is f32[4,3]" in out
+
+
+def test_python_api_binds_every_input(tanh_art, tmp_path):
+    mine, theirs = _tanh_inputs(8), _tanh_inputs(4)
+    _, res = tanh_art.fwd(mine["w"], mine["x"])
+    vs.save_residuals(tmp_path / "r.npz", res)
+    with pytest.raises(vs.VjpsplitError, match=r"input 'x' is f32\[4,3\], but the forward"):
+        vs.load_residuals(tmp_path / "r.npz", inputs=(mine["w"], theirs["x"]), artifact=tanh_art)
+    with pytest.raises(vs.VjpsplitError, match="input 'x' differs"):
+        vs.load_residuals(tmp_path / "r.npz", inputs={"w": mine["w"], "x": mine["x"] * 2}, artifact=tanh_art)
+    # verify=False skips the binding, as --no-verify does.
+    vs.load_residuals(tmp_path / "r.npz", inputs=(mine["w"], theirs["x"]), artifact=tanh_art, verify=False)
+    g = tanh_art.bwd(vs.load_residuals(tmp_path / "r.npz", inputs=(mine["w"], mine["x"]), artifact=tanh_art))
+    np.testing.assert_allclose(g[1], jax.grad(tanh_w, 1)(mine["w"], mine["x"]), rtol=1e-5, atol=1e-6)
+
+
+def test_split_residual_files_bind_unread_inputs(tmp_path):
+    fwd, bwd = vs.split(tanh_w)
+    mine = _tanh_inputs(8)
+    _, res = fwd(mine["w"], mine["x"])
+    vs.save_residuals(tmp_path / "r.npz", res)
+    with pytest.raises(vs.VjpsplitError, match="input '1' differs"):
+        vs.load_residuals(tmp_path / "r.npz", inputs=(mine["w"], mine["x"] + 1))
+    g = bwd(vs.load_residuals(tmp_path / "r.npz", inputs=(mine["w"], mine["x"])))
+    np.testing.assert_allclose(g[1], jax.grad(tanh_w, 1)(mine["w"], mine["x"]), rtol=1e-5, atol=1e-6)

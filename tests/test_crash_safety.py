@@ -170,9 +170,9 @@ def _temp_name(target: str, pid: int, start: int, host: str, suffix: str = ".tmp
 
 
 def test_only_stale_vjpsplit_temps_are_swept(tmp_path):
-    from vjpsplit_cli import _io
+    from vjpsplit_cli import temps
 
-    _, start, host = _io._writer_tag()[4:].split("-")
+    _, start, host = temps.writer_tag()[4:].split("-")
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     other_host = "ffffffff" if host != "ffffffff" else "00000000"
@@ -193,20 +193,20 @@ def test_only_stale_vjpsplit_temps_are_swept(tmp_path):
     old = time.time() - 2 * 24 * 3600
     os.utime(tmp_path / _temp_name("g.npz", dead.pid, 0, other_host, ".tmp.msgpack"), (old, old))
     (tmp_path / _temp_name("j.npz", dead.pid, 0, host)).mkdir()  # a directory is never removed
-    removed = _io.remove_stale_temps(tmp_path)
+    removed = temps.remove_stale_temps(tmp_path)
     assert sorted(os.path.basename(p) for p in removed) == sorted(n for n, v in names.items() if v == "gone")
     assert sorted(os.listdir(tmp_path)) == sorted([n for n, v in names.items() if v == "kept"]
                                                   + [_temp_name("j.npz", dead.pid, 0, host)])
 
 
 def test_a_write_sweeps_its_directory_once_per_process(tmp_path):
-    from vjpsplit_cli import _io
+    from vjpsplit_cli import temps
 
     code = ("import sys, numpy as np, vjpsplit_cli as vs\n"
             "vs.save_arrays(sys.argv[1], {'x': np.ones(2)})\n")
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = tmp_path / _temp_name("r.npz", dead.pid, 0, _io._writer_tag().rsplit("-", 1)[1])
+    stale = tmp_path / _temp_name("r.npz", dead.pid, 0, temps.writer_tag().rsplit("-", 1)[1])
     stale.write_bytes(b"half a file")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "r.npz")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -219,10 +219,10 @@ def test_an_interrupt_held_during_the_commit_says_the_outputs_were_written(tmp_p
 
     from click.testing import CliRunner
 
-    import vjpsplit_cli._io as io
+    import vjpsplit_cli.outputs as outputs
     from vjpsplit_cli.cli import main
 
-    real_replace = io._replace
+    real_replace = outputs.replace_file
     fired = []
 
     def replace_then_interrupt(tmp, target):
@@ -238,7 +238,7 @@ def test_an_interrupt_held_during_the_commit_says_the_outputs_were_written(tmp_p
     art = vs.export(lambda x: (x ** 2).sum(), np.ones(3, np.float32), platforms="cpu")
     art.save(tmp_path / "a.vjps")
     vs.save_arrays(tmp_path / "in.npz", {"x": np.arange(3, dtype=np.float32)})
-    monkeypatch.setattr(io, "_replace", replace_then_interrupt)
+    monkeypatch.setattr(outputs, "replace_file", replace_then_interrupt)
     r = CliRunner().invoke(main, ["run-fwd", str(tmp_path / "a.vjps"), "--inputs", str(tmp_path / "in.npz"),
                                   "--residuals", str(tmp_path / "r.npz"), "--outputs", str(tmp_path / "o.npz")])
     assert fired and r.exit_code == 130

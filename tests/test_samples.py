@@ -53,6 +53,9 @@ def test_pipeline_sample_inprocess(tmp_path):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "loss and gradients match jax.value_and_grad" in r.stdout
+    # Progress on stderr for every long step, and no one else's warnings.
+    assert "... exporting the 4 and 8 stage artifacts" in r.stderr and "... in-process, ZB-V:" in r.stderr
+    assert "Warning" not in r.stderr and "WARNING" not in r.stderr, r.stderr
     assert sorted(p.name for p in tmp_path.glob("*.png")) == [
         "timeline_inprocess_1f1b.png", "timeline_inprocess_gpipe.png", "timeline_inprocess_zbh1.png",
         "timeline_inprocess_zbv.png"]

@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.timeout(1800)  # the whole 8-device suite, in one child process
 def test_sharded_suite_passes_on_8_devices():
     env = {**os.environ, "VJPSPLIT_SHARDED_SUITE": "1"}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "sharded")],

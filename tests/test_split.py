@@ -218,3 +218,31 @@ def test_policies_give_equal_gradients(policy):
 def test_unknown_policy_is_a_clear_error():
     with pytest.raises(vs.VjpsplitError, match="unknown policy"):
         vs.split(mlp, policy="some")
+
+
+def test_residuals_are_immutable_pytrees_keyed_by_file_keys():
+    import jax.numpy as jnp
+
+    def f(w, x):
+        return jnp.sum(jnp.tanh(x @ w))
+
+    w, x = np.ones((3, 2), np.float32), np.ones((4, 3), np.float32)
+    art = vs.export(f, w, x, platforms="cpu", weights="w")
+    _, res = art.fwd(w, x)
+    _, res2 = vs.split(f)[0](w, x)
+    _, inter = art.bwd_input(res)
+    assert type(res) is vs.Residuals and type(res2) is vs.SplitResiduals and isinstance(res2, vs.Residuals)
+    for value in (res, res2, inter):
+        with pytest.raises(AttributeError, match="immutable"):
+            value.dims = {}
+        with pytest.raises(TypeError):
+            value.stored["r/0"] = None  # read-only mapping
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(res)[0]]
+    assert paths == [f"['{k}']" for k in res.stored] + [f"['in/{k}']" for k in res.inputs]
+    inter_paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(inter)[0]]
+    assert inter_paths[0] == "['c/0']" and all(p.startswith(("['c/", "['r/", "['in/")) for p in inter_paths)
+    # A pytree round trip keeps the type, keys and order.
+    again = jax.tree_util.tree_map(lambda a: a, res2)
+    assert type(again) is vs.SplitResiduals and list(again.stored) == list(res2.stored)
+    moved = res.replace(dims={"b": 7})
+    assert moved.dims == {"b": 7} and res.dims == {} and moved.stored["r/0"] is res.stored["r/0"]

@@ -22,13 +22,14 @@ _EXPORTS = {
     "export": "lowering", "DEFAULT_PLATFORMS": "lowering",
     "load": "artifact", "loads": "artifact", "Artifact": "artifact",
     "Manifest": "manifest", "Leaf": "manifest", "FORMAT_VERSION": "manifest",
-    "Residuals": "residuals", "Intermediates": "residuals",
-    "save_residuals": "residuals", "load_residuals": "residuals",
-    "save_intermediates": "residuals", "load_intermediates": "residuals",
+    "Residuals": "residuals", "SplitResiduals": "residuals", "Intermediates": "residuals",
+    "save_residuals": "residual_files", "load_residuals": "residual_files",
+    "save_intermediates": "residual_files", "load_intermediates": "residual_files",
     "save_arrays": "files", "load_arrays": "files",
     "file_arrays": "trees", "tree_from_file": "trees",
+    "template": "templates", "save_template": "templates",
     "POLICIES": "policies", "PolicyCost": "policies", "plan_policies": "policies", "choose_policy": "policies",
-    "choose_auto": "policies", "AutoChoice": "policies",
+    "choose_auto": "choice", "AutoChoice": "choice", "resolve_policy": "choice", "PolicyChoice": "choice",
     "VjpsplitError": "errors",
     "pipeline": None,
 }
@@ -58,6 +59,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the eager spelling of the lazy 
     from .lowering import DEFAULT_PLATFORMS, export
     from .files import load_arrays, save_arrays
     from .manifest import FORMAT_VERSION, Leaf, Manifest
-    from .policies import POLICIES, AutoChoice, PolicyCost, choose_auto, choose_policy, plan_policies
-    from .residuals import Intermediates, Residuals, load_intermediates, load_residuals, save_intermediates, save_residuals
+    from .choice import AutoChoice, PolicyChoice, choose_auto, resolve_policy
+    from .policies import POLICIES, PolicyCost, choose_policy, plan_policies
+    from .residual_files import load_intermediates, load_residuals, save_intermediates, save_residuals
+    from .residuals import Intermediates, Residuals, SplitResiduals
+    from .templates import save_template, template
     from .trees import file_arrays, tree_from_file

@@ -8,7 +8,6 @@ An artifact runs without the user's code: its manifest says every key, dtype and
 from __future__ import annotations
 
 import dataclasses
-import os
 import uuid
 from typing import Any, Mapping, Sequence
 
@@ -18,23 +17,17 @@ import msgpack
 import numpy as np
 from jax import export as jexport
 
-from ._io import atomic_write, read_bytes
+from .outputs import atomic_write
+from .reading import read_bytes
 from .dtypes import dtype_from_name
 from .errors import VjpsplitError, first_line
+from .system import host_memory
 from .manifest import MAGIC, MODULES, ArgTrees, Leaf, Manifest, check_array, check_keys, fingerprint, flatten_args
 from .prng import from_data, to_data
-from .residuals import Intermediates, Residuals
+from .residuals import Intermediates, Residuals, SplitResiduals
 from .shapes import concrete_shape
 from .sharding import host_mesh, named, place
 from .trees import decode_structure, flatten_with_keys, structure_keys
-
-def _host_memory() -> int:
-    """Physical memory in bytes (2**63 where the platform does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 2**63
-
 
 def _current_platform() -> str:
     d = jax.devices()[0]
@@ -67,6 +60,8 @@ class Artifact:
         self._devices: tuple | None = None  # a sharded artifact's device group; None: this host's first devices
         self._mesh = None
         self._siblings: dict[tuple, "Artifact"] = {}
+        # How export chose the manifest's policy (auto's measurements, a budget's pick); None when loaded.
+        self.policy_choice = None
 
     def on_devices(self, devices) -> "Artifact":
         """This artifact running on ``devices`` (exactly ``nr_devices`` of them, in mesh order).
@@ -197,10 +192,11 @@ class Artifact:
             fingerprint=m.fingerprint,
             arg_names=m.arg_names,
             residuals_id=uuid.uuid4().hex,
+            bound_inputs=by_key,
         )
         if len(self._made) >= 256:  # ids only, never arrays: bounded, and keeps no memory alive
             self._made.pop(next(iter(self._made)))
-        self._made[res.residuals_id] = _signature(res)
+        self._made[res.residuals_id] = _signature(res)  # residuals are immutable: this stays true
         return outputs, res
 
     def _args_tree(self, arrays: list) -> list:
@@ -211,7 +207,7 @@ class Artifact:
     def check_residuals(self, res: Residuals, source: str = "residuals") -> tuple[list, list, dict]:
         """Validate residuals against this artifact; return stored, input-backed arrays and dims."""
         m = self.manifest
-        if not isinstance(res, Residuals) or res.plan is not None:
+        if not isinstance(res, Residuals) or isinstance(res, SplitResiduals):
             what = "residuals of split(), whose backward lives in this process" if isinstance(res, Residuals) \
                 else type(res).__name__
             raise VjpsplitError(f"{source}: expected residuals from an artifact's fwd, got {what}")
@@ -251,7 +247,7 @@ class Artifact:
             shape = concrete_shape(leaf.shape, dims)
             if shape is not None:
                 total += int(np.prod(shape, dtype=object)) * dtype_from_name(leaf.dtype).itemsize
-        limit = _host_memory()
+        limit = host_memory()
         if total > limit:
             bound = ", ".join(f"{k}={v}" for k, v in dims.items())
             raise VjpsplitError(
@@ -286,6 +282,11 @@ class Artifact:
         except (ValueError, TypeError) as e:
             raise VjpsplitError(f"{refused}: {first_line(e)}") from e
         except Exception as e:
+            if "RESOURCE_EXHAUSTED" in str(e):
+                # The sizes come from the caller's arrays or a file's recorded dims: name that source.
+                raise VjpsplitError(f"{refused}: this host ran out of memory running the {module} module "
+                                    f"({first_line(e)[:120]}); check the sizes (the dims a file records), or use a "
+                                    "host with more memory") from e
             if "Failed to deserialize StableHLO" not in str(e):
                 raise
             m = self.manifest
@@ -353,8 +354,7 @@ class Artifact:
             w_inputs = {k: res.inputs[k] for k in m.weight_inputs}
         else:
             w_stored, w_inputs = dict(res.stored), dict(res.inputs)
-        out = Intermediates(computed, dims, m.fingerprint, res.residuals_id, w_stored, w_inputs)
-        out.arg_trees = res.arg_trees
+        out = Intermediates(computed, dims, m.fingerprint, res.residuals_id, w_stored, w_inputs, arg_trees=res.arg_trees)
         return dict(zip(keys, grads)), out
 
     def run_bwd_weight_arrays(self, res: Residuals | None, inter: "Intermediates", source: str = "residuals",
@@ -477,7 +477,7 @@ class Artifact:
             raise VjpsplitError(f"{self.source}: fwd takes {len(m.arg_names)} arguments ({', '.join(m.arg_names)}), got {len(args)}")
         flat, trees = flatten_args(m, args)
         outputs, res = self.run_fwd_arrays(flat, source="args")
-        res.arg_trees = trees
+        res = res.replace(arg_trees=trees)
         values = self._wrap_keys(m.outputs, [outputs[leaf.key] for leaf in m.outputs])
         by_key = dict(zip((leaf.key for leaf in m.outputs), values))
         out = decode_structure(m.structure["out"], iter(by_key[k] for k in m.out_keys))

@@ -2,7 +2,7 @@
 
 Every failure the user can fix is one line ``error: …`` on stderr and exit 1
 (usage mistakes: exit 2); tracebacks only with ``--debug``. Every command checks
-its outputs before any work and replaces them all or none (``_io.StagedOutputs``).
+its outputs before any work and replaces them all or none (``outputs.StagedOutputs``).
 """
 
 from __future__ import annotations
@@ -16,15 +16,19 @@ import traceback
 
 import click
 
-from ._io import Interrupted, StagedOutputs, UsageError, os_error_message, outputs_committed, printable
-from .errors import VjpsplitError
+from .outputs import StagedOutputs, UsageError
+from .reading import os_error_message
+from .signals import Interrupted, outputs_committed
+from .terminal import printable
+from .errors import VjpsplitError, one_line
 
 _EXISTING = click.Path(dir_okay=True, path_type=str)  # existence is checked by our loaders, with our message
+_EXISTING.name = "file"  # shown as FILE in --help, as the files commands write are
 _ARRAY_SUFFIXES = (".npz", ".msgpack")
 
 
 class CliError(click.ClickException):
-    """Printed as ``error: <message>`` (SPEC.md's form), exit 1; control characters escaped."""
+    """Printed as ``error: <message>`` (docs/contract.md's form), exit 1; control characters escaped."""
 
     exit_code = 1
 
@@ -34,6 +38,11 @@ class CliError(click.ClickException):
 
 def _log(msg: str) -> None:
     click.echo(printable(msg), err=True)
+
+
+def _count(n: int, noun: str, plural: str | None = None) -> str:
+    """``1 gradient``, ``3 gradients``."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 class _OutputFile(click.ParamType):
@@ -74,7 +83,7 @@ class _ShapeSpec(click.ParamType):
         if not eq or not name.strip() or not spec.strip():
             self.fail(f"{printable(value)!r} is not NAME=SPEC; write e.g. x=f32[b,784]", param, ctx)
         spec = spec.strip()
-        if not spec.startswith("@") and not spec.endswith(_ARRAY_SUFFIXES):
+        if not spec.startswith("@") and not spec.lower().endswith(_ARRAY_SUFFIXES):
             from .shapes import new_scope, parse_array_spec
 
             try:
@@ -85,7 +94,7 @@ class _ShapeSpec(click.ParamType):
 
 
 class _AtSizes(click.ParamType):
-    """``NAME=SIZE[,NAME=SIZE]`` for --at; sizes are ASCII integers from 1 to 2**62."""
+    """``NAME=SIZE[,NAME=SIZE]`` for --at; sizes are ASCII integers from 1 to 2**40."""
 
     name = "NAME=SIZE"
 
@@ -99,16 +108,36 @@ class _AtSizes(click.ParamType):
         return str(value)
 
 
+# Options of the whole tool, accepted before or after the subcommand (``vjpsplit --debug run-fwd …``
+# or ``vjpsplit run-fwd … --debug``): the group and every command declare them.
+_GLOBAL_OPTIONS = (
+    click.option("--debug", is_flag=True, help="Show full tracebacks on errors (also VJPSPLIT_DEBUG=1)."),
+    click.option("--no-cache", is_flag=True,
+                 help="Do not use the persistent compilation cache (see VJPSPLIT_CACHE_DIR)."),
+)
+
+
+def _global_options(fn):
+    for option in reversed(_GLOBAL_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+def _global_flag(ctx: click.Context, name: str) -> bool:
+    """A global flag, given before the subcommand (the group's) or after it (the command's)."""
+    return bool(ctx.find_root().params.get(name)) or bool(ctx.params.get(name))
+
+
 def _debug_enabled(ctx: click.Context) -> bool:
-    return bool(ctx.find_root().params.get("debug")) or bool(ctx.params.get("debug")) or os.environ.get("VJPSPLIT_DEBUG") == "1"
+    return _global_flag(ctx, "debug") or os.environ.get("VJPSPLIT_DEBUG") == "1"
 
 
 def _command(fn):
     """Wrap a command body: library errors become one-line errors, others too unless --debug."""
 
-    @click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
+    @_global_options
     @functools.wraps(fn)
-    def wrapper(*args, debug: bool = False, **kwargs):
+    def wrapper(*args, debug: bool = False, no_cache: bool = False, **kwargs):
         ctx = click.get_current_context()
         show = debug or _debug_enabled(ctx)
         try:
@@ -150,14 +179,9 @@ def _subject(kwargs) -> str:
     return str(kwargs.get("artifact") or kwargs.get("target") or "vjpsplit")
 
 
-def _one_line(e: BaseException, limit: int = 160) -> str:
-    text = " ".join(str(e).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _unexpected(command: str, kwargs, e: Exception) -> str:
     """One line for an exception nothing mapped: name the artifact or function and say what to try."""
-    what = f"{type(e).__name__} {_one_line(e)}".strip()
+    what = f"{type(e).__name__} {one_line(e, 160)}".strip()
     if isinstance(e, ImportError):  # user modules are imported by specs.load_object, which says so itself
         return (f"{_subject(kwargs)}: {command} could not load a part of vjpsplit or of JAX ({what}); "
                 "reinstall vjpsplit and its dependencies, or rerun with --debug for the traceback")
@@ -199,11 +223,16 @@ class _Main(click.Group):
             return super().invoke(ctx)
 
 
-@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog="\b\nExample (the sample MLP, from a clone of the repository):\n"
+                    "  vjpsplit export samples/mlp.py:loss --shapes params=@samples/mlp.py:param_shapes \\\n"
+                    "      --shapes 'x=f32[b,784]' --shapes 'labels=i32[b]' -o mlp.vjps\n"
+                    "  vjpsplit template mlp.vjps -o inputs.npz --at b=32 --fill normal\n"
+                    "  vjpsplit run-fwd mlp.vjps --inputs inputs.npz --residuals res.npz\n"
+                    "  vjpsplit run-bwd mlp.vjps --residuals res.npz --inputs inputs.npz --grads grads.npz\n"
+                    "Global options (--debug, --no-cache) go before or after the command.")
 @click.version_option(package_name="vjpsplit", message="vjpsplit %(version)s")
-@click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
-@click.option("--no-cache", is_flag=True,
-              help="Do not use the persistent compilation cache (see VJPSPLIT_CACHE_DIR).")
+@_global_options
 def main(debug: bool, no_cache: bool) -> None:
     """Run a JAX function's forward now and its backward later, from exported artifacts."""
 
@@ -223,7 +252,7 @@ def cache_dir() -> str | None:
 
 def _executable_cache() -> str | None:
     """Where run-fwd/run-bwd keep serialized executables (``executables`` under ``cache_dir()``); None when off."""
-    if click.get_current_context().find_root().params.get("no_cache"):
+    if _global_flag(click.get_current_context(), "no_cache"):
         return None
     path = cache_dir()
     return None if path is None else os.path.join(path, "executables")
@@ -231,7 +260,7 @@ def _executable_cache() -> str | None:
 
 def _use_compilation_cache() -> None:
     """Turn on JAX's persistent compilation cache, so a repeated run skips XLA compilation."""
-    if click.get_current_context().find_root().params.get("no_cache"):
+    if _global_flag(click.get_current_context(), "no_cache"):
         return
     import jax
 
@@ -288,7 +317,8 @@ def _function_options(fn):
     return fn
 
 
-@main.command("export")
+@main.command("export", short_help="Export FN's forward and backward into one artifact.",
+              epilog="\b\nExamples:\n  vjpsplit export samples/mlp.py:loss --shapes params=@samples/mlp.py:param_shapes \\\n      --shapes 'x=f32[b,784]' --shapes 'labels=i32[b]' -o mlp.vjps\n  vjpsplit export model.py:stage --shapes w=weights.npz --shapes 'x=bf16[b,512]' \\\n      --policy dots --platforms cpu,cuda -o stage.vjps")
 @_function_options
 @click.option("--platforms", default="cpu,cuda,tpu", show_default=True, help="Comma-separated platforms to lower for.")
 @click.option("--policy", default="everything", show_default=True,
@@ -306,7 +336,7 @@ def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, a
     """Export FN's forward and backward into one portable artifact."""
     from .lowering import export
     from .policies import parse_at
-    from .specs import load_object, resolve_shapes
+    from .specs import check_fits, load_object, resolve_shapes
 
     source = click.get_current_context().get_parameter_source("policy")
     if memory_budget is not None and source != click.core.ParameterSource.DEFAULT and policy != "auto":
@@ -317,27 +347,38 @@ def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, a
         if not callable(fn):
             raise VjpsplitError(f"{target} is not callable; point MODULE:FN at a function")
         names, specs = resolve_shapes(fn, shapes)
+        _check_at(at, specs)
         _enable_x64_if(_wants_x64(specs))
-        auto = None
+        check_fits(fn, target, names, specs, shapes)
         if policy == "auto":
-            from .policies import choose_auto
-            from .vjp import wrt_positions
-
-            auto = choose_auto(fn, *specs, wrt=wrt_positions(names, _names(wrt))[0], has_aux=has_aux,
-                               at=parse_at(at), memory_budget=memory_budget)
-            policy, memory_budget = auto.policy, None
+            _log_timing(at)
         art = export(fn, *specs, wrt=_names(wrt), has_aux=has_aux, platforms=platforms,
-                     policy=None if memory_budget is not None else policy,
+                     policy=None if memory_budget is not None and policy != "auto" else policy,
                      arg_names=names, name=name, memory_budget=memory_budget, at=parse_at(at),
                      weights=_names(weights))
         out.write("-o", art.save)
     m = art.manifest
-    if auto is not None:
-        _log(auto.reason)
-    elif memory_budget is not None:
-        _log(f"memory budget {memory_budget}: chose policy {m.policy}")
-    _log(f"wrote {output}: {m.function}, {len(m.inputs)} inputs, {len(m.residuals)} residuals "
-         f"({sum(r.input_backed for r in m.residuals)} input-backed), platforms {','.join(m.platforms)}")
+    if art.policy_choice.reason:  # auto's measurements, or the budget's pick
+        _log(art.policy_choice.reason)
+    backed = sum(r.input_backed for r in m.residuals)
+    _log(f"wrote {output}: {m.function}, {_count(len(m.inputs), 'input')}, "
+         f"{_count(len(m.residuals) - backed, 'stored residual')} and {backed} input-backed, "
+         f"platforms {','.join(m.platforms)}")
+
+
+def _log_timing(at) -> None:
+    """Policy auto compiles and times every candidate: seconds each, so say so before the wait."""
+    sizes = f" at {', '.join(at)}" if at else ""
+    _log(f"policy auto: compiling and timing fwd+bwd of each policy{sizes} (about a second each)...")
+
+
+def _check_at(at, specs) -> dict[str, int]:
+    """--at sizes for the traced function: a name that is no symbolic dim of the --shapes is a usage error."""
+    from .policies import check_at_names, parse_at, symbolic_dim_names
+
+    sizes = parse_at(at)
+    check_at_names(sizes, symbolic_dim_names(specs), "the --shapes")
+    return sizes
 
 
 def _module_files(target: str) -> list[str]:
@@ -356,7 +397,7 @@ def _shape_files(shapes) -> list[str]:
         spec = str(item).partition("=")[2].strip()
         if spec.startswith("@"):
             files += _module_files(spec[1:])
-        elif spec.endswith(_ARRAY_SUFFIXES):
+        elif spec.lower().endswith(_ARRAY_SUFFIXES):
             files.append(spec)
     return files
 
@@ -380,7 +421,7 @@ def _load_artifact(path, *, x64: bool = True):
     except (VjpsplitError, MemoryError, OSError):
         raise
     except Exception as e:  # e.g. a hand-edited manifest whose fingerprint was recomputed
-        raise VjpsplitError(f"{path}: the artifact's manifest is malformed ({type(e).__name__} {_one_line(e, 80)}); "
+        raise VjpsplitError(f"{path}: the artifact's manifest is malformed ({type(e).__name__} {one_line(e, 80)}); "
                             "re-export it with vjpsplit export") from e
     if x64:
         # Read the manifest's x64 flag before jax touches any array.
@@ -402,7 +443,8 @@ _fsync_option = click.option(
          "(slower; also VJPSPLIT_FSYNC=1).")
 
 
-@main.command("run-fwd")
+@main.command("run-fwd", short_help="Run the forward: inputs -> outputs and residuals.",
+              epilog="\b\nExamples:\n  vjpsplit template mlp.vjps -o inputs.npz --at b=32 --fill normal\n  vjpsplit run-fwd mlp.vjps --inputs inputs.npz --residuals res.npz --outputs out.npz")
 @click.argument("artifact", type=_EXISTING)
 @click.option("--inputs", "inputs_path", required=True, type=_EXISTING, help="Array file with every input key.")
 @click.option("--residuals", "residuals_path", required=True, type=_ARRAY_OUT, help="Residuals file to write.")
@@ -412,8 +454,8 @@ _fsync_option = click.option(
 @_command
 def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contained, fsync):
     """Run the forward: inputs -> outputs and residuals."""
-    from .arrays import load_arrays, save_arrays
-    from .residuals import save_residuals
+    from .files import load_arrays, save_arrays
+    from .residual_files import save_residuals
 
     with StagedOutputs({"--residuals": residuals_path, "--outputs": outputs_path},
                        {"ARTIFACT": artifact, "--inputs": inputs_path}, fsync=fsync) as out:
@@ -427,12 +469,15 @@ def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contai
         if outputs_path:
             meta = {"kind": "vjpsplit-outputs", "fingerprint": art.manifest.fingerprint}
             out.write("--outputs", lambda tmp: save_arrays(tmp, outputs, meta))
-    _log(f"wrote {residuals_path}: {len(res.stored)} stored residuals "
-         f"({'with' if self_contained else 'without'} {len(res.inputs)} input-backed)"
-         + (f"; {outputs_path}: {len(outputs)} outputs" if outputs_path else ""))
+    backed = _count(len(res.inputs), "input-backed residual")
+    _log(f"wrote {residuals_path}: {_count(len(res.stored), 'stored residual')}"
+         + ((f" and {backed}" if self_contained else f"; {backed} left out, run-bwd reads them from --inputs")
+            if res.inputs else "")
+         + (f"; {outputs_path}: {_count(len(outputs), 'output')}" if outputs_path else ""))
 
 
-@main.command("run-bwd")
+@main.command("run-bwd", short_help="Run the backward: residuals -> gradients.",
+              epilog="\b\nExamples:\n  vjpsplit run-bwd mlp.vjps --residuals res.npz --inputs inputs.npz --grads grads.npz\n  vjpsplit run-bwd mlp.vjps --residuals res.npz --inputs inputs.npz --cotangents ct.npz --grads grads.npz")
 @click.argument("artifact", type=_EXISTING)
 @click.option("--residuals", "residuals_path", type=_EXISTING,
               help="Residuals file from run-fwd (required, except for --part weight, whose intermediates carry "
@@ -446,15 +491,18 @@ def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contai
               help="Zero-bubble split: 'input' writes non-weight grads and --intermediates; 'weight' reads them.")
 @click.option("--intermediates", "inter_path", type=_ARRAY_OUT, default=None,
               help="With --part: the intermediates file (written by input, read by weight).")
-@click.option("--no-verify", is_flag=True, help="Skip the CRC-32 check of residuals and intermediates.")
+@click.option("--no-verify", is_flag=True,
+              help="Skip every check that ties the files together: the CRC-32s of residuals and intermediates, "
+                   "that --inputs are the very inputs the forward ran on (dims and content), and that the "
+                   "intermediates come from the same forward run as the residuals.")
 @_fsync_option
 @_command
 def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_path, part, inter_path, no_verify,
                 fsync):
     """Run the backward: residuals (+ cotangents) -> gradients, without the forward."""
-    from .arrays import load_arrays, save_arrays
+    from .files import load_arrays, save_arrays
     from .manifest import check_keys
-    from .residuals import load_residuals
+    from .residual_files import load_residuals
 
     if part != "all" and not inter_path:
         raise click.UsageError(f"--part {part} needs --intermediates FILE")
@@ -485,7 +533,7 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
             res = load_residuals(residuals_path, inputs=inputs, artifact=art, inputs_source=inputs_path,
                                  verify=not no_verify)
         if part == "weight":
-            from .residuals import load_intermediates
+            from .residual_files import load_intermediates
 
             inter = load_intermediates(inter_path, inputs=inputs, artifact=art, inputs_source=inputs_path,
                                        verify=not no_verify)
@@ -500,16 +548,18 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
                 grads, inter = art.run_bwd_arrays(res, cts, source=residuals_path, ct_source=ct_source), None
         grads = _numpy(grads)  # finish the compute before any file is written
         if inter is not None:
-            from .residuals import save_intermediates
+            from .residual_files import save_intermediates
 
             # Without --inputs now there will be none for --part weight either: keep the inputs W reads.
             out.write("--intermediates", lambda tmp: save_intermediates(tmp, inter, self_contained=inputs_path is None))
         meta = {"kind": "vjpsplit-grads", "fingerprint": art.manifest.fingerprint}
         out.write("--grads", lambda tmp: save_arrays(tmp, grads, meta))
-    _log(f"wrote {grads_path}: {len(grads)} gradients" + (f"; {inter_path}: {len(inter.arrays)} intermediates" if inter else ""))
+    _log(f"wrote {grads_path}: {_count(len(grads), 'gradient')}"
+         + (f"; {inter_path}: {_count(len(inter.arrays), 'intermediate')}" if inter else ""))
 
 
-@main.command("inspect")
+@main.command("inspect", short_help="Describe an artifact: keys, dtypes, shapes, bytes.",
+              epilog="\b\nExamples:\n  vjpsplit inspect mlp.vjps\n  vjpsplit inspect mlp.vjps --at b=256 --json")
 @click.argument("artifact", type=_EXISTING)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--at", "at", multiple=True, type=_AtSizes(), metavar="NAME=SIZE",
@@ -517,18 +567,49 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
 @_command
 def inspect_cmd(artifact, as_json, at):
     """Describe an artifact: keys, dtypes, shapes, residual bytes, platforms, versions."""
-    from .policies import parse_at
+    from .policies import check_at_names, parse_at
     from .report import describe, format_table
 
     art = _load_artifact(artifact, x64=False)
     sizes = parse_at(at)
+    check_at_names(sizes, art.manifest.dim_vars, artifact)
     if as_json:
         click.echo(json.dumps(describe(art, sizes), indent=2))
     else:
         click.echo(format_table(art, sizes))
 
 
-@main.command("plan")
+@main.command("template", short_help="Write an inputs or cotangents file for an artifact.",
+              epilog="\b\nExamples:\n  vjpsplit template mlp.vjps -o inputs.npz --at b=32 --fill normal\n  vjpsplit template mlp.vjps -o ct.npz --what cotangents --at b=32 --fill ones")
+@click.argument("artifact", type=_EXISTING)
+@click.option("-o", "--output", required=True, type=_ARRAY_OUT, metavar="FILE",
+              help="Array file to write (.npz or .msgpack).")
+@click.option("--at", "at", multiple=True, type=_AtSizes(), metavar="NAME=SIZE",
+              help="Sizes for the artifact's symbolic dims (b=4); every one the keys need.")
+@click.option("--what", type=click.Choice(["inputs", "cotangents"]), default="inputs", show_default=True,
+              help="Which file: the inputs of run-fwd, or the cotangents of run-bwd.")
+@click.option("--fill", type=click.Choice(["zeros", "ones", "normal"]), default="zeros", show_default=True,
+              help="Values: zeros, ones, or normal (standard normal floats, integers 0..7, random bools and keys).")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+              help="Random seed for --fill normal.")
+@_command
+def template_cmd(artifact, output, at, what, fill, seed):
+    """Write an inputs or cotangents file with exactly the keys, dtypes and shapes ARTIFACT expects."""
+    from .files import save_arrays
+    from .templates import template
+
+    with StagedOutputs({"-o": output}, {"ARTIFACT": artifact}) as out:
+        art = _load_artifact(artifact, x64=False)
+        arrays = template(art, what=what, at=at, fill=fill, seed=seed)
+        meta = {"kind": f"vjpsplit-{what}", "fingerprint": art.manifest.fingerprint}
+        out.write("-o", lambda tmp: save_arrays(tmp, arrays, meta))
+    sizes = ", ".join(a for a in at)
+    _log(f"wrote {output}: {_count(len(arrays), 'array')} for the {what} of {artifact}"
+         + (f" at {sizes}" if sizes else "") + f", filled with {fill}")
+
+
+@main.command("plan", short_help="Compare policies before exporting.",
+              epilog="\b\nExamples:\n  vjpsplit plan samples/mlp.py:loss --shapes params=@samples/mlp.py:param_shapes \\\n      --shapes 'x=f32[b,784]' --shapes 'labels=i32[b]' --at b=256")
 @_function_options
 @click.option("--at", "at", multiple=True, type=_AtSizes(), metavar="NAME=SIZE",
               help="Sizes for symbolic dims (b=256): bytes and FLOPs.")
@@ -540,21 +621,23 @@ def inspect_cmd(artifact, as_json, at):
 @_command
 def plan_cmd(target, shapes, wrt, has_aux, at, policies, memory_budget, as_json):
     """Compare policies before exporting: stored residual bytes and backward recompute per policy."""
-    from .policies import parse_at, plan_policies
+    from .policies import plan_policies
     from .report import format_plan
-    from .specs import load_object, resolve_shapes
+    from .specs import check_fits, load_object, resolve_shapes
 
     fn, _ = load_object(target)
     names, specs = resolve_shapes(fn, shapes)
+    sizes = _check_at(at, specs)
     _enable_x64_if(_wants_x64(specs))
-    sizes = parse_at(at)
+    check_fits(fn, target, names, specs, shapes)
     chosen = [p.strip() for p in (policies.split(";") if "names:" in policies else policies.split(",")) if p.strip()]
     auto = None
     if "auto" in chosen:
-        from .policies import choose_auto
+        from .choice import choose_auto
         from .vjp import wrt_positions
 
         chosen = [p for p in chosen if p != "auto"]
+        _log_timing(at)
         auto = choose_auto(fn, *specs, wrt=wrt_positions(names, _names(wrt))[0], has_aux=has_aux, at=sizes,
                            memory_budget=memory_budget)
     costs = plan_policies(fn, *specs, wrt=_names(wrt), has_aux=has_aux, at=sizes, policies=chosen)

@@ -9,12 +9,13 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 
 from .errors import VjpsplitError
-from .policies import AUTO, apply_policy, choose_auto, choose_policy
-from .residuals import Residuals
-from .vjp import Plan, assemble_grads, cotangent_leaves, fn_wrt_positions, register_plan, run_backward, trace_vjp
+from .choice import resolve_policy
+from .policies import AUTO, apply_policy
+from .residuals import Residuals, SplitResiduals
+from .vjp import (Plan, assemble_grads, cotangent_leaves, fn_wrt_positions, register_plan, run_backward, struct_of,
+                  trace_vjp)
 
 
 class _Static:
@@ -43,20 +44,19 @@ def split(fn: Callable, wrt=None, has_aux: bool = False, policy: str | None = No
     new signature and keeps the fastest forward + backward (within the budget, if given).
     """
     if memory_budget is not None and policy not in (None, "everything", AUTO):
-        raise VjpsplitError("give either a policy or a memory budget, not both")
-    inner = fn if policy == AUTO else apply_policy(fn, policy)
+        raise VjpsplitError("give either a policy or a memory budget (or both with policy auto), not both")
+    per_signature = policy == AUTO or memory_budget is not None  # chosen for each signature, as jit compiles
+    inner = fn if per_signature else apply_policy(fn, policy)
     traces = [0]
 
     def _fwd_impl(*args):
         wrt_pos, single = fn_wrt_positions(fn, wrt, len(args))
         body = inner
-        specs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), args)
-        if policy == AUTO:  # measured per signature, like jit's own compile
-            chosen = choose_auto(fn, *specs, wrt=wrt_pos, has_aux=has_aux, memory_budget=memory_budget).policy
-            body = apply_policy(fn, chosen)
-        elif memory_budget is not None:
-            chosen, _ = choose_policy(fn, *specs, memory_budget=memory_budget, wrt=wrt_pos, has_aux=has_aux)
-            body = apply_policy(fn, chosen)
+        specs = jax.tree_util.tree_map(struct_of, args)
+        if per_signature:
+            chosen = resolve_policy(fn, *specs, policy=policy, memory_budget=memory_budget, wrt=wrt_pos,
+                                    has_aux=has_aux)
+            body = apply_policy(fn, chosen.policy)
         out, stored, aux, plan = trace_vjp(body, args, wrt_pos, single, has_aux)
         register_plan(plan)
         traces[0] += 1
@@ -77,13 +77,14 @@ def split(fn: Callable, wrt=None, has_aux: bool = False, policy: str | None = No
         out, stored, aux, static = jit_fwd(*args)
         plan: Plan = static.value
         flat = jax.tree_util.tree_leaves(args)
-        res = Residuals({f"r/{i}": v for i, v in enumerate(stored)},
-                        {str(k): flat[k] for k in plan.input_backed}, plan=plan)
+        res = SplitResiduals({f"r/{i}": v for i, v in enumerate(stored)},
+                             {str(k): flat[k] for k in plan.input_backed}, plan=plan,
+                             bound_inputs={str(i): v for i, v in enumerate(flat)})
         return (out, res, aux) if has_aux else (out, res)
 
     def bwd(res: Residuals, ct=None):
         """Backward pass from residuals alone: gradients with respect to ``wrt``."""
-        if not isinstance(res, Residuals) or res.plan is None:
+        if not isinstance(res, SplitResiduals):
             what = "an artifact's residuals" if isinstance(res, Residuals) else type(res).__name__
             raise VjpsplitError(f"bwd takes the residuals returned by this split's fwd, got {what}; "
                                 "run an artifact's residuals with art.bwd")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class VjpsplitError(ValueError):
     """Bad input to vjpsplit: a malformed file, a wrong shape or dtype, a mismatched artifact.
@@ -12,7 +14,29 @@ class VjpsplitError(ValueError):
     """
 
 
+def one_line(e: BaseException, limit: int = 200) -> str:
+    """The message of ``e`` on one line (white space folded), cut at ``limit`` characters."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def first_line(e: BaseException) -> str:
     """``TypeError: <first line of the message>``: how a foreign exception is quoted in one-line errors."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+# A shape tuple in JAX's messages: ``(783,)``, ``(c, 1)``, ``()`` (dims are ints or symbolic names).
+_TUPLE_RE = re.compile(r"\((\w+(?:, *\w+)+),?\)|\((\w+),\)|\(\)")
+
+
+def jax_message(e: BaseException) -> str:
+    """The first line of an error JAX raised while tracing, without its exception type, and with
+    shapes written as vjpsplit writes them (``[783]``, not the Python tuple ``(783,)``)."""
+    lines = str(e).strip().splitlines()
+    text = lines[0].rstrip(".") if lines else type(e).__name__
+    return _TUPLE_RE.sub(lambda m: "[" + (m.group(1) or m.group(2) or "").replace(" ", "") + "]", text)
+
+
+class UsageError(VjpsplitError):
+    """A mistake in the command line or the call itself (the CLI exits 2 for these)."""

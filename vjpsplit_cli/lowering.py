@@ -7,7 +7,6 @@ the manifest records every leaf's file key, dtype and (symbolic) shape.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -19,12 +18,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ._version import __version__
 from .artifact import Artifact
 from .dtypes import dtype_name
-from .errors import VjpsplitError, first_line
+from .errors import VjpsplitError, first_line, jax_message
 from .jaxprs import iter_eqns
 from .manifest import FORMAT_VERSION, Leaf, Manifest, fingerprint
-from .policies import AUTO, apply_policy, choose_auto, choose_policy, normalize_policy, parse_at
+from .choice import resolve_policy
+from .policies import apply_policy, parse_at
 from .prng import data_struct, from_data, impl_name, is_key, to_data
-from .shapes import concrete_shape, dim_str, to_struct
+from .shapes import DIM_FUNCS, IDENTIFIER, concrete_shape, dim_str, to_struct
 from .sharding import divisibility_problem, mesh_axes, mesh_of, spec_to_json
 from .trees import encode_structure, flatten_with_keys
 from .vjp import positional_names, run_backward, trace_vjp, wrt_positions
@@ -32,8 +32,6 @@ from .zerobubble import keep_inputs, partition
 
 DEFAULT_PLATFORMS = ("cpu", "cuda", "tpu")
 _KNOWN_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
-_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_DIM_FUNCS = {"mod", "floordiv", "max", "min", "non_negative"}
 
 
 def _leaves_json_safe(entries, what: str = "leaf", impls: Sequence[str] | None = None,
@@ -76,11 +74,11 @@ def _dim_vars(inputs: Sequence[Leaf]) -> tuple[str, ...]:
     for leaf in inputs:
         for d in leaf.shape:
             if isinstance(d, str):
-                if _NAME_RE.fullmatch(d):
+                if IDENTIFIER.fullmatch(d):
                     if d not in plain:
                         plain.append(d)
                 else:
-                    used += [n for n in _NAME_RE.findall(d) if n not in _DIM_FUNCS]
+                    used += [n for n in IDENTIFIER.findall(d) if n not in DIM_FUNCS]
     for n in used:
         if n not in plain:
             raise VjpsplitError(
@@ -121,12 +119,7 @@ def _lower(what: str, fn: Callable, platforms: tuple[str, ...], args: Sequence, 
     jit_kw = {} if shardings is None else {"in_shardings": shardings[0], "out_shardings": shardings[1]}
     try:
         return jexport.export(jax.jit(fn, **jit_kw), platforms=platforms)(*args)
-    except NotImplementedError as e:
-        if "host_callback" in str(e) or "callback" in str(e):
-            raise VjpsplitError(
-                f"cannot export the {what}: the function uses jax.debug.print, jax.debug.callback or "
-                "another host callback, which jax.export cannot serialize; remove them before exporting"
-            ) from e
+    except NotImplementedError as e:  # host callbacks were refused before tracing (_refuse_host_callbacks)
         raise VjpsplitError(f"cannot export the {what}: {first_line(e)}") from e
     except VjpsplitError:
         raise
@@ -140,7 +133,7 @@ def _lower(what: str, fn: Callable, platforms: tuple[str, ...], args: Sequence, 
                     failing.append(p)
         where = f" for platform(s) {', '.join(failing)}" if failing and len(failing) < len(platforms) else ""
         hint = f"; drop them with --platforms {','.join(p for p in platforms if p not in failing)}" if where else ""
-        raise VjpsplitError(f"cannot export the {what}{where}: {first_line(e)}{hint}") from e
+        raise VjpsplitError(f"cannot export the {what}{where}: {jax_message(e)}{hint}") from e
 
 
 class _Sharded:
@@ -194,6 +187,84 @@ def format_struct(a) -> str:
     return f"{a.dtype}[{','.join(str(d) for d in a.shape)}]"
 
 
+def _platforms(platforms: Sequence[str] | str) -> tuple[str, ...]:
+    """``"cpu,cuda"`` or a sequence of names, checked: at least one, each one jax.export knows."""
+    if isinstance(platforms, str):
+        platforms = tuple(p.strip() for p in platforms.split(",") if p.strip())
+    try:
+        platforms = tuple(platforms)
+    except TypeError:
+        raise VjpsplitError(f"platforms={platforms!r} is not a list of platform names; "
+                            "pass e.g. 'cpu,cuda,tpu' or ['cpu']") from None
+    for p in platforms:
+        if p not in _KNOWN_PLATFORMS:
+            raise VjpsplitError(f"unknown platform {p!r}; use some of {', '.join(_KNOWN_PLATFORMS)}")
+    if not platforms:
+        raise VjpsplitError("no platforms given; use e.g. cpu,cuda,tpu")
+    return platforms
+
+
+def _impls(leaves) -> list[str]:
+    return [impl_name(x) if is_key(x) else "" for x in leaves]
+
+
+class _Forward:
+    """The forward over flat leaves (typed keys as key data), and what its last trace learned.
+
+    The user's classes live only in this closure, never in the serialized
+    artifact; jax.export traces it, and the backward and the manifest read
+    ``plan``, ``out``, ``aux`` and the PRNG impls of its outputs from here.
+    """
+
+    def __init__(self, fn, in_tree, in_impls, wrt_pos, single, has_aux):
+        self.fn, self.in_tree, self.in_impls = fn, in_tree, in_impls
+        self.wrt_pos, self.single, self.has_aux = wrt_pos, single, has_aux
+        self.plan = self.out = self.aux = None
+        self.out_impls = self.aux_impls = self.stored_impls = []
+
+    def __call__(self, *leaves):
+        args = jax.tree_util.tree_unflatten(self.in_tree, [from_data(x, i) for x, i in zip(leaves, self.in_impls)])
+        out, stored, aux, self.plan = trace_vjp(self.fn, tuple(args), self.wrt_pos, self.single, self.has_aux)
+        out_leaves, aux_leaves = jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(aux)
+        self.out, self.aux = out, aux
+        self.out_impls, self.aux_impls, self.stored_impls = _impls(out_leaves), _impls(aux_leaves), _impls(stored)
+        return (tuple(to_data(x) for x in out_leaves), tuple(to_data(x) for x in stored),
+                tuple(to_data(x) for x in aux_leaves))
+
+    def backward(self, input_backed_impls):
+        """The backward of the last trace over flat leaves: ``(stored, input-backed, cts, carrier) -> grads``."""
+        plan, stored_impls = self.plan, self.stored_impls
+
+        def bwd_flat(stored, inputs_, cts, carrier_):
+            # carrier_ is a zero-size array whose dims are the symbolic dims: it makes
+            # them solvable even when no other backward input mentions them.
+            del carrier_
+            stored = [from_data(x, i) for x, i in zip(stored, stored_impls)]
+            inputs_ = [from_data(x, i) for x, i in zip(inputs_, input_backed_impls)]
+            return run_backward(plan, stored, inputs_, cts)
+
+        return bwd_flat
+
+
+def _carrier(dim_vars: Sequence[str], flat_structs) -> jax.ShapeDtypeStruct | None:
+    """A zero-size bool array whose dims are the symbolic dims (None without any)."""
+    if not dim_vars:
+        return None
+    scope = next(d for s in flat_structs for d in s.shape if not isinstance(d, int)).scope
+    return jax.ShapeDtypeStruct((0, *jexport.symbolic_shape(",".join(dim_vars), scope=scope)), jnp.bool_)
+
+
+def _input_specs(sh: "_Sharded", inputs: Sequence[Leaf], flat_structs, data_structs) -> list:
+    """Each input's PartitionSpec (replicated where the spec has none), refusing splits that do not divide."""
+    specs = [st.sharding.spec if st.sharding is not None else PartitionSpec() for st in flat_structs]
+    sizes = dict(sh.axes)
+    for leaf, st, spec in zip(inputs, data_structs, specs):
+        problem = divisibility_problem(f"input '{leaf.key}'", st.shape, spec_to_json(spec), sizes)
+        if problem:
+            raise VjpsplitError(problem)
+    return specs
+
+
 def export(
     fn: Callable,
     *specs,
@@ -211,120 +282,67 @@ def export(
 
     ``specs`` are one pytree of ``jax.ShapeDtypeStruct`` (or arrays) per positional
     argument; symbolic dims (``jax.export.symbolic_shape``, one scope) make the
-    artifact shape-polymorphic. ``platforms`` lists the targets lowered into the one
+    artifact shape-polymorphic, and ``NamedSharding``s on them make it sharded
+    (``docs/sharding.md``). ``platforms`` lists the targets lowered into the one
     artifact (default cpu, cuda, tpu; no accelerator is needed to lower for them).
     ``memory_budget`` (bytes or ``"64MiB"``; symbolic dims sized by ``at``) picks
     the policy that recomputes least among those whose stored residuals fit;
     ``policy="auto"`` the one whose forward + backward measures fastest here at
-    these sizes (within the budget, if given).
+    these sizes (within the budget, if given); ``art.policy_choice`` says why.
     ``weights`` (argument names) adds the zero-bubble split of the backward:
     ``bwd_input`` (gradients of the other arguments, on the critical path) and
     ``bwd_weight`` (the weight gradients, schedulable later).
     """
-    if isinstance(platforms, str):
-        platforms = tuple(p.strip() for p in platforms.split(",") if p.strip())
-    try:
-        platforms = tuple(platforms)
-    except TypeError:
-        raise VjpsplitError(f"platforms={platforms!r} is not a list of platform names; "
-                            "pass e.g. 'cpu,cuda,tpu' or ['cpu']") from None
-    for p in platforms:
-        if p not in _KNOWN_PLATFORMS:
-            raise VjpsplitError(f"unknown platform {p!r}; use some of {', '.join(_KNOWN_PLATFORMS)}")
-    if not platforms:
-        raise VjpsplitError("no platforms given; use e.g. cpu,cuda,tpu")
-    if memory_budget is not None and policy not in (None, "everything", AUTO):
-        raise VjpsplitError("give either a policy or a memory budget, not both")
+    platforms = _platforms(platforms)
     names = tuple(arg_names) if arg_names is not None else tuple(positional_names(fn, len(specs)))
     if len(names) != len(specs):
         raise VjpsplitError(f"{len(specs)} specs given for {len(names)} argument names")
     structs = tuple(_spec_structs(n, s) for n, s in zip(names, specs))
     input_entries = [kv for n, s in zip(names, structs) for kv in flatten_with_keys(n, s)]
     inputs = _leaves_json_safe(input_entries, "input")
-    # The modules take and give flat leaves (typed keys as key data): the user's
-    # classes live only in this closure, never in the serialized artifact.
     flat_structs, in_tree = jax.tree_util.tree_flatten(structs)
     in_impls = [leaf.prng_impl for leaf in inputs]
     data_structs = [data_struct(s) if is_key(s) else s for s in flat_structs]
     dim_vars = _dim_vars(inputs)
     wrt_pos, single = wrt_positions(names, wrt, getattr(fn, "__qualname__", ""))
-    if policy == AUTO:  # the manifest records the concrete policy measured fastest
-        policy = choose_auto(fn, *structs, wrt=wrt_pos, has_aux=has_aux, at=at, memory_budget=memory_budget).policy
-    elif memory_budget is not None:
-        policy, _ = choose_policy(fn, *structs, memory_budget=memory_budget, wrt=wrt_pos, has_aux=has_aux, at=at)
-    policy = normalize_policy(policy)
-    inner = apply_policy(fn, policy)
+    # The manifest records the concrete policy (auto's measured pick, the budget's); the artifact keeps why.
+    choice = resolve_policy(fn, *structs, policy=policy, memory_budget=memory_budget, wrt=wrt_pos, has_aux=has_aux,
+                            at=at)
     _refuse_host_callbacks(fn, structs)
     mesh = mesh_of([getattr(st, "sharding", None) for st in flat_structs])
     sh = _Sharded(mesh, dim_vars, at) if mesh is not None else None
-    in_specs = None
-    if sh is not None:
-        in_specs = [st.sharding.spec if st.sharding is not None else PartitionSpec() for st in flat_structs]
-        sizes = dict(sh.axes)
-        for leaf, st, spec in zip(inputs, data_structs, in_specs):
-            problem = divisibility_problem(f"input '{leaf.key}'", st.shape, spec_to_json(spec), sizes)
-            if problem:
-                raise VjpsplitError(problem)
+    in_specs = None if sh is None else _input_specs(sh, inputs, flat_structs, data_structs)
+    if in_specs is not None:
         inputs = tuple(dataclasses.replace(leaf, sharding=spec_to_json(spec)) for leaf, spec in zip(inputs, in_specs))
 
-    captured: dict[str, Any] = {}
-
-    def fwd_flat(*leaves):
-        args = jax.tree_util.tree_unflatten(in_tree, [from_data(x, i) for x, i in zip(leaves, in_impls)])
-        out, stored, aux, plan = trace_vjp(inner, tuple(args), wrt_pos, single, has_aux)
-        out_leaves, aux_leaves = jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(aux)
-        captured.update(plan=plan, out=out, aux=aux,
-                        out_impls=[impl_name(x) if is_key(x) else "" for x in out_leaves],
-                        aux_impls=[impl_name(x) if is_key(x) else "" for x in aux_leaves],
-                        stored_impls=[impl_name(x) if is_key(x) else "" for x in stored])
-        return (
-            tuple(to_data(x) for x in out_leaves),
-            tuple(to_data(x) for x in stored),
-            tuple(to_data(x) for x in aux_leaves),
-        )
-
+    fwd_flat = _Forward(apply_policy(fn, choice.policy), in_tree, in_impls, wrt_pos, single, has_aux)
     fwd_sh = out_specs = stored_specs = aux_specs = None
     if sh is not None:
         chosen = sh.probe("forward", fwd_flat, data_structs, in_specs, None)
-        n_out, n_st = len(captured["plan"].out_avals), captured["plan"].n_stored
+        n_out, n_st = len(fwd_flat.plan.out_avals), fwd_flat.plan.n_stored
         out_specs, stored_specs, aux_specs = chosen[:n_out], chosen[n_out:n_out + n_st], chosen[n_out + n_st:]
         fwd_sh = (sh.shardings(in_specs), sh.shardings((tuple(out_specs), tuple(stored_specs), tuple(aux_specs))))
     fwd_exp = _lower("forward", fwd_flat, platforms, data_structs, fwd_sh)
-    plan = captured["plan"]
-    stored_impls = captured["stored_impls"]
+    plan = fwd_flat.plan
     n_out, n_stored = len(plan.out_avals), plan.n_stored
     stored_avals = list(fwd_exp.out_avals[n_out:n_out + n_stored])
     aux_avals = list(fwd_exp.out_avals[n_out + n_stored:])
     input_backed = [data_structs[k] for k in plan.input_backed]
-    input_backed_impls = [in_impls[k] for k in plan.input_backed]
     ct_avals = [jax.ShapeDtypeStruct(plan.out_avals[i].shape, plan.out_avals[i].dtype) for i in plan.out_diff]
-    carrier = None
-    if dim_vars:
-        scope = next(d for s in flat_structs for d in s.shape if not isinstance(d, int)).scope
-        carrier = jax.ShapeDtypeStruct((0, *jexport.symbolic_shape(",".join(dim_vars), scope=scope)), jnp.bool_)
-
-    def bwd_flat(stored, inputs_, cts, carrier_):
-        # carrier_ is a zero-size array whose dims are the symbolic dims: it makes
-        # them solvable even when no other backward input mentions them.
-        del carrier_
-        stored = [from_data(x, i) for x, i in zip(stored, stored_impls)]
-        inputs_ = [from_data(x, i) for x, i in zip(inputs_, input_backed_impls)]
-        return run_backward(plan, stored, inputs_, cts)
-
-    bwd_args = (stored_avals, input_backed, ct_avals, carrier)
+    carrier = _carrier(dim_vars, flat_structs)
+    bwd_flat = fwd_flat.backward([in_impls[k] for k in plan.input_backed])
     bwd_in_specs = grad_specs = None
     if sh is not None:
         bwd_in_specs = (list(stored_specs), [in_specs[k] for k in plan.input_backed],
                         [out_specs[i] for i in plan.out_diff], PartitionSpec() if carrier is not None else None)
         grad_specs = [in_specs[k] for k in plan.diff_leaves]  # gradients sharded like their arguments
-    bwd_exp = _lower("backward", bwd_flat, platforms, bwd_args,
+    bwd_exp = _lower("backward", bwd_flat, platforms, (stored_avals, input_backed, ct_avals, carrier),
                      None if sh is None else (sh.shardings(bwd_in_specs), sh.shardings(tuple(grad_specs))))
 
-    out_keys = [k for k, _ in flatten_with_keys("out", captured["out"])]
-    aux_keys = [k for k, _ in flatten_with_keys("aux", captured["aux"])]
+    out_keys = [k for k, _ in flatten_with_keys("out", fwd_flat.out)]
+    aux_keys = [k for k, _ in flatten_with_keys("aux", fwd_flat.aux)]
     out_structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in fwd_exp.out_avals[:n_out]]
     input_keys = [k for k, _ in input_entries]
-    grads = tuple(inputs[i] for i in plan.diff_leaves)
     manifest = Manifest(
         format_version=FORMAT_VERSION,
         vjpsplit_version=__version__,
@@ -335,22 +353,22 @@ def export(
         wrt=tuple(names[p] for p in wrt_pos),
         single_grad=single,
         has_aux=has_aux,
-        policy=policy,
+        policy=choice.policy,
         platforms=platforms,
         x64=bool(jax.config.jax_enable_x64),
         dim_vars=dim_vars,
         inputs=inputs,
         outputs=_leaves_json_safe(list(zip(out_keys, out_structs)) + list(zip(aux_keys, aux_avals)), "output",
-                                  captured["out_impls"] + captured["aux_impls"],
+                                  fwd_flat.out_impls + fwd_flat.aux_impls,
                                   None if sh is None else out_specs + aux_specs),
-        residuals=_leaves_json_safe([(f"r/{i}", a) for i, a in enumerate(stored_avals)], "residual", stored_impls,
-                                    stored_specs)
+        residuals=_leaves_json_safe([(f"r/{i}", a) for i, a in enumerate(stored_avals)], "residual",
+                                    fwd_flat.stored_impls, stored_specs)
         + tuple(dataclasses.replace(inputs[k], key=f"in/{input_keys[k]}", input_backed=True) for k in plan.input_backed),
-        grads=grads,
+        grads=tuple(inputs[i] for i in plan.diff_leaves),
         structure={
             "args": {n: encode_structure(s, n) for n, s in zip(names, structs)},
-            "out": encode_structure(captured["out"], "out"),
-            "aux": encode_structure(captured["aux"], "aux"),
+            "out": encode_structure(fwd_flat.out, "out"),
+            "aux": encode_structure(fwd_flat.aux, "aux"),
         },
         nr_devices=1 if sh is None else sh.nr_devices,
         mesh=() if sh is None else sh.axes,
@@ -364,13 +382,15 @@ def export(
         exps["bwd_input"], exps["bwd_weight"], inter, w_st, w_ib = _export_split_backward(
             plan, manifest, weight_names, bwd_flat, stored_avals, input_backed, ct_avals, carrier, platforms,
             sh, bwd_in_specs, grad_specs)
-        backed = [r.key[3:] for r in manifest.residuals if r.input_backed]
+        backed = manifest.input_backed_keys
         manifest = dataclasses.replace(manifest, weights=weight_names, intermediates=inter,
                                        weight_residuals=tuple(f"r/{i}" for i in w_st),
                                        weight_inputs=tuple(backed[j] for j in w_ib))
     modules = {k: bytes(e.serialize()) for k, e in exps.items()}
     manifest = dataclasses.replace(manifest, fingerprint=fingerprint(manifest, modules))
-    return Artifact(manifest, modules, exps)
+    art = Artifact(manifest, modules, exps)
+    art.policy_choice = choice
+    return art
 
 
 def _export_split_backward(plan, manifest, weight_names, bwd_flat, stored_avals, input_backed, ct_avals, carrier,

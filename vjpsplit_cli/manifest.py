@@ -111,6 +111,14 @@ class Leaf:
 _ADDED_LATER = ("weight_residuals", "weight_inputs", "nr_devices", "mesh")
 
 
+# The scalar fields and their types, spelled out: dataclass annotations are strings here
+# (``from __future__ import annotations``), not types to check against.
+_SCALARS = {"format_version": int, "calling_convention_version": int, "nr_devices": int, "vjpsplit_version": str,
+            "jax_version": str, "function": str, "policy": str, "fingerprint": str, "single_grad": bool,
+            "has_aux": bool, "x64": bool}
+_SCALAR_NAMES = {int: "an integer", str: "a string", bool: "a bool"}
+
+
 @dataclass(frozen=True)
 class Manifest:
     """Everything an artifact says about itself, besides its two modules."""
@@ -190,15 +198,14 @@ class Manifest:
                     val = tuple((str(n), int(k)) for n, k in val)
                     if any(k < 1 or isinstance(k, bool) for _, k in val):
                         raise ValueError("mesh axis sizes must be >= 1")
-                elif f.type in ("int",) and not isinstance(val, int):
-                    raise ValueError(f"{f.name} is not an integer")
-                elif f.type in ("bool",) and not isinstance(val, bool):
-                    raise ValueError(f"{f.name} is not a bool")
-                elif f.type in ("str",) and not isinstance(val, str):
-                    raise ValueError(f"{f.name} is not a string")
+                elif f.name in _SCALARS:
+                    want = _SCALARS[f.name]
+                    if not isinstance(val, want) or (want is int and isinstance(val, bool)):
+                        raise ValueError(f"{f.name} is not {_SCALAR_NAMES[want]}")
                 kw[f.name] = val
             manifest = cls(**kw)
             manifest._check_sharding()
+            manifest._check_references()
             return manifest
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise VjpsplitError(f"{source}: malformed artifact manifest ({e}); re-export it") from e
@@ -217,6 +224,22 @@ class Manifest:
             used = [a for e in leaf.sharding or () for a in ((e,) if isinstance(e, str) else e or ())]
             if any(a not in names for a in used) or len(used) != len(set(used)):
                 raise ValueError(f"sharding of '{leaf.key}' names axes that are not the mesh's, or one twice")
+
+    def _check_references(self) -> None:
+        """Keys that point at other leaves point at ones that exist; raises ValueError otherwise."""
+        inputs = {leaf.key for leaf in self.inputs}
+        stored = {r.key for r in self.stored_residuals}
+        for r in self.residuals:
+            if r.input_backed and (not r.key.startswith("in/") or r.key[3:] not in inputs):
+                raise ValueError(f"input-backed residual '{r.key}' names no input")
+        for k in self.weight_residuals:
+            if k not in stored:
+                raise ValueError(f"weight residual '{k}' is not a stored residual")
+        for k in self.weight_inputs:
+            if k not in self.input_backed_keys:
+                raise ValueError(f"weight input '{k}' is not an input-backed residual")
+        if any(g.key not in inputs for g in self.grads):
+            raise ValueError("a gradient names no input")
 
     @property
     def all_leaves(self) -> tuple[Leaf, ...]:
@@ -268,9 +291,17 @@ MODULES = ("fwd", "bwd", "bwd_input", "bwd_weight")
 
 def fingerprint(manifest: Manifest, modules: Mapping[str, bytes]) -> str:
     """sha256 over the manifest (less its fingerprint) and every module, length-prefixed."""
+    return fingerprint_json(manifest.to_json(), modules)
+
+
+def fingerprint_json(body: Mapping[str, Any], modules: Mapping[str, bytes]) -> str:
+    """``fingerprint`` of a manifest given as its JSON dict (any ``fingerprint`` entry is ignored).
+
+    A manifest's JSON is what the file holds, so this is also how a tool (or a
+    test) re-fingerprints a manifest it edited, valid or not.
+    """
     h = hashlib.sha256()
-    body = manifest.to_json()
-    body.pop("fingerprint")
+    body = {k: v for k, v in body.items() if k != "fingerprint"}
     parts = [json.dumps(body, sort_keys=True).encode()] + [modules[k] for k in MODULES if k in modules]
     for part in parts:
         h.update(len(part).to_bytes(8, "little"))

@@ -5,8 +5,8 @@ A policy is a ``jax.checkpoint`` policy applied to the whole function:
 ``nothing`` (inputs only) and ``names:a,b`` (values tagged with
 ``jax.ad_checkpoint.checkpoint_name``). ``policy_cost`` traces, never runs, a
 function under one and measures its stored residuals and its backward's work.
-``choose_auto`` (``policy="auto"``) compiles and times the fixed policies that fit a
-budget and picks the fastest forward + backward.
+``policy="auto"`` (module ``choice``) compiles and times the fixed policies that fit
+a budget and picks the fastest forward + backward.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 
 from .dtypes import dtype_from_name
-from .errors import VjpsplitError
+from .errors import UsageError, VjpsplitError
 from .jaxprs import iter_eqns, sub_jaxprs
-from .shapes import MAX_DIM, eval_dim, is_symbolic_shape
+from .shapes import DIM_FUNCS, IDENTIFIER, MAX_DIM, eval_dim, is_symbolic_shape
 from .vjp import fn_wrt_positions, run_backward, trace_vjp
 
 # The fixed policies; ``names:a,b`` (any names) is the fourth form.
@@ -167,12 +167,30 @@ def parse_at(items: Sequence[str] | Mapping[str, int] | None) -> dict[str, int]:
         if int(value) < 1:
             raise VjpsplitError(f"--at {name}={value}: symbolic dims are >= 1")
         if int(value) > MAX_DIM:
-            raise VjpsplitError(f"--at {name}={value}: too large (at most 2**62); check the number")
+            raise VjpsplitError(f"--at {name}={value}: too large (at most 2**40); check the number")
         out[str(name)] = int(value)
     return out
 
 
-_AT_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+def check_at_names(at: Mapping[str, int], known: Sequence[str], source: str) -> None:
+    """Refuse ``--at`` names that are not symbolic dims of ``source`` (a usage error naming them)."""
+    unknown = [n for n in at if n not in known]
+    if unknown:
+        have = f"its symbolic dims are {', '.join(known)}" if known else "it has no symbolic dims"
+        raise UsageError(f"--at {', '.join(unknown)}: no such symbolic dim in {source}; {have}")
+
+
+def symbolic_dim_names(specs) -> list[str]:
+    """The symbolic dim names in ``specs`` (pytrees of ShapeDtypeStructs), in first-seen order."""
+    names: list[str] = []
+    for s in jax.tree_util.tree_leaves(specs):
+        for d in getattr(s, "shape", ()):
+            if not isinstance(d, (int, np.integer)):
+                names += [n for n in IDENTIFIER.findall(str(d)) if n not in names and n not in DIM_FUNCS]
+    return names
+
+
+_AT_NAME = re.compile(rf"^{IDENTIFIER.pattern}$")
 _AT_SIZE = re.compile(r"^[0-9]{1,30}$")
 
 
@@ -195,7 +213,8 @@ def concrete_specs(specs: tuple, at: Mapping[str, int]) -> tuple:
     out = tuple(jax.tree_util.tree_map(fix, s) for s in specs)
     if missing:
         raise VjpsplitError(
-            f"sizes needed for symbolic dim(s) {', '.join(sorted(set(missing)))}; pass --at NAME=SIZE (at={{...}})"
+            f"sizes needed for symbolic dim{'s' if len(set(missing)) > 1 else ''} {', '.join(sorted(set(missing)))}; "
+            f"pass --at {','.join(f'{n}=SIZE' for n in sorted(set(missing)))} (the at= argument in Python)"
         )
     return out
 
@@ -240,42 +259,39 @@ def policy_cost(fn: Callable, *specs, policy: str | None = None, wrt=None, has_a
     policy = normalize_policy(policy)
     at = dict(at or {})
     symbolic = any(is_symbolic_shape(s.shape) for s in jax.tree_util.tree_leaves(specs))
-    if symbolic and at:
-        specs, symbolic = concrete_specs(specs, at), False
     wrt_pos, single = fn_wrt_positions(fn, wrt, len(specs))
-    inner = apply_policy(fn, policy)
-    captured: dict[str, Any] = {}
 
-    def fwd(*args):
-        out, stored, aux, plan = trace_vjp(inner, args, wrt_pos, single, has_aux)
-        captured["plan"] = plan
-        return stored
+    def traced(specs_):
+        cand = Candidate(fn, policy, wrt_pos, single, has_aux)
+        stored_ = jax.eval_shape(lambda *a: cand.fwd(*a)[1], *specs_)
+        stored_, inputs_, cts_ = cand.bwd_args(jax.tree_util.tree_leaves(specs_), stored_)
+        return stored_, cand.plan, cand.bwd, inputs_, cts_
 
-    stored = jax.eval_shape(fwd, *specs)
-    plan = captured["plan"]
-    flat = jax.tree_util.tree_leaves(specs)
-    inputs = [flat[k] for k in plan.input_backed]
-    cts = [plan.out_avals[i] for i in plan.out_diff]
-
-    def bwd(stored_, inputs_, cts_):
-        return run_backward(plan, stored_, inputs_, cts_)
-
-    ops, dots = _count_ops(jax.make_jaxpr(bwd)(list(stored), inputs, cts))
+    # Counted on the symbolic trace, as export lowers it (at concrete sizes JAX folds values
+    # such as 1/b into constants, so an artifact would store more than such a count says).
+    stored, plan, bwd, inputs, cts = traced(specs)
+    ops, dots = _count_ops(jax.make_jaxpr(bwd)(stored, inputs, cts))
+    n_stored, n_input_backed = len(stored), len(plan.input_backed)
     terms: dict[str, int] = {}
     for s in stored:
         for k, v in byte_terms_of_shape(s.dtype, [d if isinstance(d, int) else str(d) for d in s.shape]).items():
             terms[k] = terms.get(k, 0) + v
-    total = None if symbolic else _nbytes(stored)
+    total = evaluate_terms(terms, at) if symbolic else _nbytes(stored)
+    if symbolic and at:
+        stored, plan, bwd, inputs, cts = traced(concrete_specs(specs, at))
+        if total is None:  # a dim expression evaluate_terms does not read: the concrete trace's bytes
+            total = _nbytes(stored)
+        symbolic = False
     fl = None
     if flops and not symbolic:
         try:
-            analysis = jax.jit(bwd).lower(list(stored), inputs, cts).compile().cost_analysis()
+            analysis = jax.jit(bwd).lower(stored, inputs, cts).compile().cost_analysis()
             if isinstance(analysis, list):  # older jax: one dict per computation
                 analysis = analysis[0] if analysis else {}
             fl = float(analysis.get("flops", 0.0)) if analysis else None
         except Exception:  # cost analysis is best effort: not every backend offers it
             fl = None
-    return PolicyCost(policy, len(stored), total, terms, len(plan.input_backed), ops, dots, fl)
+    return PolicyCost(policy, n_stored, total, terms, n_input_backed, ops, dots, fl)
 
 
 def plan_policies(fn: Callable, *specs, wrt=None, has_aux: bool = False, at=None,
@@ -293,7 +309,7 @@ def choose_policy(fn: Callable, *specs, memory_budget, wrt=None, has_aux: bool =
     if symbolic and not at:
         raise VjpsplitError(
             "a memory budget needs sizes for the symbolic dims to weigh the residuals; pass --at NAME=SIZE "
-            "(at={'b': 256}) with the largest sizes you will run"
+            "(the at= argument in Python), e.g. b=256, with the largest sizes you will run"
         )
     costs = []
     for p in policies:
@@ -310,195 +326,34 @@ def choose_policy(fn: Callable, *specs, memory_budget, wrt=None, has_aux: bool =
 
 
 # ---------------------------------------------------------------------------------------------
-# policy="auto": the fixed policy whose forward + backward runs fastest here, within a budget.
+# policy="auto" (module choice) picks among the fixed policies by measuring them.
 
 AUTO = "auto"
 
 
-@dataclass(frozen=True)
-class AutoChoice:
-    """What ``policy="auto"`` chose and why: every candidate's stored bytes and forward + backward time."""
+class Candidate:
+    """``fn`` under one policy as a traceable forward ``(out, stored)`` and backward.
 
-    policy: str                          # the concrete policy chosen (never "auto")
-    method: str                          # "measured" (timed compiled candidates), "estimated" (XLA cost analysis)
-    #                                      or "only fit" (one candidate fits the budget)
-    seconds: dict                        # candidate -> median fwd+bwd seconds (or XLA's estimate); fitting ones only
-    stored_bytes: dict                   # candidate -> stored residual bytes
-    budget: int | None = None
-    at: dict = field(default_factory=dict)
-
-    @property
-    def reason(self) -> str:
-        """One line: the choice, the measured (or estimated) times of all candidates, what the budget excluded."""
-        what = {"measured": "fwd+bwd measured here", "estimated": "fwd+bwd estimated by XLA's cost analysis",
-                "only fit": "the only policy that fits"}[self.method]
-        best = self.seconds[self.policy]
-        parts = []
-        for p, b in self.stored_bytes.items():
-            if p in self.seconds:
-                t = self.seconds[p]
-                unit = f"{t * 1e3:.2f} ms" if self.method == "measured" else f"score {t:.3g}"
-                timing = "" if self.method == "only fit" else f"{unit} ({t / best:.2f}x), "
-                parts.append(f"{p} {timing}stores {human_bytes(b)}")
-            else:
-                parts.append(f"{p} stores {human_bytes(b)}, over the budget")
-        sizes = f" at {', '.join(f'{k}={v}' for k, v in self.at.items())}" if self.at else ""
-        budget = f" within {human_bytes(self.budget)}" if self.budget is not None else ""
-        return f"auto chose {self.policy}{budget}{sizes}: {what}: " + "; ".join(parts)
-
-    def to_json(self) -> dict:
-        """A JSON-able dict."""
-        return {"policy": self.policy, "method": self.method, "seconds": self.seconds,
-                "stored_bytes": self.stored_bytes, "budget": self.budget, "at": self.at, "reason": self.reason}
-
-
-_AUTO_CACHE: dict = {}
-
-
-def _example(spec, rng: np.random.Generator):
-    """A concrete array for ``spec``: small normal floats, zero integers (valid indices), typed keys from 0."""
-    from .prng import data_struct, from_data, impl_name, is_key
-
-    if is_key(spec):
-        d = data_struct(spec)
-        return from_data(np.zeros(d.shape, d.dtype), impl_name(spec))
-    dt = np.dtype(spec.dtype)
-    if dt.kind in "fc":
-        return (rng.standard_normal(spec.shape) * 0.1).astype(dt)
-    return np.zeros(spec.shape, dt)
-
-
-def _candidate(fn, policy: str, wrt_pos, single, has_aux):
-    """Jitted forward (out, stored) and backward for ``fn`` under ``policy``; the plan comes from the forward's trace."""
-    inner = apply_policy(fn, policy)
-    captured: dict[str, Any] = {}
-
-    def fwd(*args):
-        out, stored, aux, plan = trace_vjp(inner, args, wrt_pos, single, has_aux)
-        captured["plan"] = plan
-        return out, stored
-
-    def bwd(stored, inputs, cts):
-        return run_backward(captured["plan"], stored, inputs, cts)
-
-    return jax.jit(fwd), jax.jit(bwd), captured
-
-
-def _measure(fn, specs, policies, wrt_pos, single, has_aux, seconds_per_candidate: float) -> dict[str, float]:
-    """Median forward + backward seconds of each policy, compiled and run here, rounds interleaved."""
-    import statistics
-    import time
-
-    rng = np.random.default_rng(0)
-    args = jax.tree_util.tree_map(lambda s: _example(s, rng), specs)
-    flat = jax.tree_util.tree_leaves(args)
-    steps = {}
-    for p in policies:
-        fwd, bwd, cap = _candidate(fn, p, wrt_pos, single, has_aux)
-        # Compiled objects run eagerly even while split() is tracing, where a jit call would be staged.
-        fwd_c = fwd.lower(*args).compile()
-        plan = cap["plan"]
-        inputs = [flat[k] for k in plan.input_backed]
-        cts = [np.ones(plan.out_avals[i].shape, plan.out_avals[i].dtype) for i in plan.out_diff]
-        bwd_c = bwd.lower(list(plan.stored_avals), inputs, cts).compile()
-
-        def step(fwd=fwd_c, bwd=bwd_c, inputs=inputs, cts=cts):
-            _, stored = fwd(*args)
-            return bwd(list(stored), inputs, cts)
-
-        jax.block_until_ready(step())
-        steps[p] = step
-    samples: dict[str, list[float]] = {p: [] for p in policies}
-    t_start, rounds = time.perf_counter(), 0
-    # At least 5 interleaved rounds, then more while the time allows (up to 25): medians of many
-    # rounds keep a busy machine's noise out of the choice.
-    while rounds < 25 and (rounds < 5 or time.perf_counter() - t_start < seconds_per_candidate * len(policies)):
-        for p, step in steps.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(step())
-            samples[p].append(time.perf_counter() - t0)
-        rounds += 1
-    return {p: statistics.median(v) for p, v in samples.items()}
-
-
-def _estimate(fn, specs, policies, wrt_pos, single, has_aux) -> dict[str, float]:
-    """XLA's cost analysis of each policy's forward + backward: FLOPs plus bytes accessed (a relative score)."""
-    out = {}
-    for p in policies:
-        fwd, bwd, cap = _candidate(fn, p, wrt_pos, single, has_aux)
-        score = 0.0
-        fc = fwd.lower(*specs).compile()
-        plan = cap["plan"]
-        flat = jax.tree_util.tree_leaves(specs)
-        stored = list(plan.stored_avals)
-        inputs = [flat[k] for k in plan.input_backed]
-        cts = [plan.out_avals[i] for i in plan.out_diff]
-        for c in (fc, bwd.lower(stored, inputs, cts).compile()):
-            a = c.cost_analysis()
-            if isinstance(a, list):  # older jax: one dict per computation
-                a = a[0] if a else {}
-            # A CPU core does ~10 FLOPs per byte it moves: weigh both on one scale.
-            score += float(a.get("flops", 0.0)) + 10.0 * float(a.get("bytes accessed", 0.0))
-        out[p] = score
-    return out
-
-
-def choose_auto(fn: Callable, *specs, wrt=None, has_aux: bool = False, at=None, memory_budget=None,
-                policies: Sequence[str] = BUDGET_ORDER, method: str = "measure",
-                seconds_per_candidate: float = 0.5) -> AutoChoice:
-    """``policy="auto"``: the policy whose forward + backward is fastest at these sizes, among those that fit.
-
-    Each candidate (``everything``, ``dots``, ``nothing`` by default) whose stored
-    residual bytes fit ``memory_budget`` is compiled and timed here on synthetic
-    inputs of the given shapes (``method="measure"``; medians of interleaved
-    rounds), or scored by XLA's cost analysis (``method="estimate"``, and the
-    fallback when running fails). Symbolic dims need sizes in ``at``. The choice
-    is remembered per function, shapes, ``wrt`` and budget for the process.
+    The backward's plan comes from the forward's trace, so trace (or lower) the
+    forward first; ``bwd_args`` then gives the backward's arguments.
     """
-    at = parse_at(at)
-    budget = None if memory_budget is None else parse_bytes(memory_budget)
-    symbolic = any(is_symbolic_shape(s.shape) for s in jax.tree_util.tree_leaves(specs))
-    if symbolic:
-        if not at:
-            raise VjpsplitError(
-                "policy auto measures each policy at concrete sizes; pass --at NAME=SIZE (at={'b': 256}) "
-                "with the sizes you will run"
-            )
-        specs = concrete_specs(specs, at)
-    specs = tuple(jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(np.shape(s), s.dtype), s) for s in specs)
-    wrt_pos, single = fn_wrt_positions(fn, wrt, len(specs))
-    key = (fn, str(jax.tree_util.tree_structure(specs)), tuple((tuple(s.shape), str(s.dtype))
-           for s in jax.tree_util.tree_leaves(specs)), wrt_pos, single, has_aux, budget, tuple(policies), method)
-    try:
-        hit = _AUTO_CACHE.get(key)
-    except TypeError:  # an unhashable callable: no memo
-        key, hit = None, None
-    if hit is not None:
-        return hit
-    stored = {p: policy_cost(fn, *specs, policy=p, wrt=wrt_pos, has_aux=has_aux, flops=False).stored_bytes
-              for p in policies}
-    fitting = [p for p in policies if budget is None or stored[p] <= budget]
-    if not fitting:
-        best = min(stored, key=stored.get)
-        raise VjpsplitError(
-            f"no policy fits a memory budget of {human_bytes(budget)}: the smallest is {best!r} storing "
-            f"{human_bytes(stored[best])}; raise the budget or use smaller sizes"
-        )
-    used = method
-    if len(fitting) == 1:
-        seconds, used = {fitting[0]: 1.0}, "only fit"
-    elif method == "measure":
-        try:
-            seconds = _measure(fn, specs, fitting, wrt_pos, single, has_aux, seconds_per_candidate)
-            used = "measured"
-        except Exception:  # inputs it cannot synthesize, or a backend that cannot run here: estimate
-            seconds, used = _estimate(fn, specs, fitting, wrt_pos, single, has_aux), "estimated"
-    else:
-        seconds, used = _estimate(fn, specs, fitting, wrt_pos, single, has_aux), "estimated"
-    fastest = min(seconds.values())
-    # Within 1% of the fastest is a tie (timer noise): the one that stores least wins it.
-    chosen = min((p for p in fitting if seconds[p] <= fastest * 1.01), key=lambda p: (stored[p], seconds[p]))
-    choice = AutoChoice(chosen, used, seconds, stored, budget, dict(at))
-    if key is not None:
-        _AUTO_CACHE[key] = choice
-    return choice
+
+    def __init__(self, fn: Callable, policy: str | None, wrt_pos, single: bool, has_aux: bool):
+        inner = apply_policy(fn, policy)
+        self.plan = None
+
+        def fwd(*args):
+            out, stored, _, plan = trace_vjp(inner, args, wrt_pos, single, has_aux)
+            self.plan = plan
+            return out, stored
+
+        def bwd(stored, inputs, cts):
+            return run_backward(self.plan, stored, inputs, cts)
+
+        self.fwd, self.bwd = fwd, bwd
+
+    def bwd_args(self, flat_args: Sequence, stored: Sequence, cotangent: Callable = lambda aval: aval) -> tuple:
+        """``(stored, input-backed leaves of flat_args, one cotangent per floating output)``."""
+        plan = self.plan
+        return (list(stored), [flat_args[k] for k in plan.input_backed],
+                [cotangent(plan.out_avals[i]) for i in plan.out_diff])

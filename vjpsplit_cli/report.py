@@ -4,15 +4,28 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from ._io import printable
+from .terminal import printable
 from .artifact import Artifact
 from .manifest import Leaf
 from .policies import byte_terms, evaluate_terms, format_bytes_terms, human_bytes, total_bytes
 from .sharding import format_spec
 
 
+def weight_part_bytes(m) -> dict[str, dict[str, int]]:
+    """What a stage holds per microbatch between B and W, as byte terms of the symbolic dims.
+
+    ``intermediates``: what bwd_input hands over (for a scan, its per-iteration stacks);
+    ``residuals``: the stored residuals and inputs bwd_weight reads; ``total``: both.
+    """
+    reads = [r for r in m.stored_residuals if r.key in m.weight_residuals]
+    reads += [leaf for leaf in m.inputs if leaf.key in m.weight_inputs]
+    inter, res = total_bytes(m.intermediates), total_bytes(reads)
+    return {"intermediates": inter, "residuals": res,
+            "total": {k: inter.get(k, 0) + res.get(k, 0) for k in {**inter, **res}}}
+
+
 def describe(art: Artifact, at: Mapping[str, int] | None = None) -> dict:
-    """The ``inspect --json`` object (SPEC.md's keys, plus a few more); ``at`` sizes symbolic dims."""
+    """The ``inspect --json`` object (docs/contract.md's keys, plus a few more); ``at`` sizes symbolic dims."""
     m = art.manifest
     stored = total_bytes(m.stored_residuals)
     extra = {"at": dict(at), "stored_residual_bytes_at": evaluate_terms(stored, at)} if at else {}
@@ -48,6 +61,8 @@ def describe(art: Artifact, at: Mapping[str, int] | None = None) -> dict:
         "stored_residual_bytes": format_bytes_terms(stored),
         "weights": list(m.weights),
         "intermediates": leaves(m.intermediates),
+        **({"weight_part_bytes": {k: format_bytes_terms(v) for k, v in weight_part_bytes(m).items()}}
+           if m.weights else {}),
         **extra,
     }
 
@@ -69,6 +84,19 @@ def _rows(title: str, leaves: Sequence[Leaf], residual: bool = False, sharded: b
     return lines
 
 
+def _wrt(m) -> str:
+    """The differentiated arguments; integer and bool ones get no gradient, so they are listed apart."""
+    def has_grad(name: str) -> bool:
+        return any(g.key == name or g.key.startswith(name + "/") for g in m.grads)
+
+    with_grads = [n for n in m.wrt if has_grad(n)]
+    without = [n for n in m.wrt if not has_grad(n)]
+    text = ", ".join(with_grads) or "none"
+    if without:
+        text += f"; no gradient for {', '.join(without)}: integer or bool"
+    return text
+
+
 def format_table(art: Artifact, at: Mapping[str, int] | None = None) -> str:
     """A readable summary of an artifact, for humans; ``at`` sizes symbolic dims in the totals."""
     m = art.manifest
@@ -80,7 +108,7 @@ def format_table(art: Artifact, at: Mapping[str, int] | None = None) -> str:
         at_note = f" = {human_bytes(value)} at {sizes}" if value is not None else f" (--at {sizes} leaves dims unbound)"
     lines = [
         f"function     {m.function}",
-        f"arguments    {', '.join(m.arg_names)}   (wrt: {', '.join(m.wrt) or 'none'})",
+        f"arguments    {', '.join(m.arg_names)}   (wrt: {_wrt(m)})",
         f"symbolic     {', '.join(m.dim_vars) or '(none)'}",
         f"platforms    {', '.join(m.platforms)}",
         *([f"devices      {m.nr_devices} (mesh {', '.join(f'{n}={k}' for n, k in m.mesh)}; "
@@ -98,13 +126,19 @@ def format_table(art: Artifact, at: Mapping[str, int] | None = None) -> str:
         f"  (input-backed, not stored: {format_bytes_terms(total_bytes([r for r in m.residuals if r.input_backed]))})",
         *_rows("grads", m.grads, sharded=m.sharded),
         *([f"split backward: weights {', '.join(m.weights)} (bwd_input -> intermediates -> bwd_weight)",
-           *_rows("intermediates", m.intermediates, sharded=m.sharded)] if m.weights else []),
+           *_rows("intermediates", m.intermediates, sharded=m.sharded), _held_line(m)] if m.weights else []),
     ]
     # Keys and names come from the file: a newline or escape code in one must not reach the terminal raw.
     return "\n".join(printable(line) for line in lines)
 
 
-__all__ = ["describe", "format_table", "format_plan"]
+def _held_line(m) -> str:
+    held = {k: format_bytes_terms(v) for k, v in weight_part_bytes(m).items()}
+    return (f"  held between B and W per microbatch: {held['total']} "
+            f"(intermediates {held['intermediates']} + residuals W reads {held['residuals']})")
+
+
+__all__ = ["describe", "format_table", "format_plan", "weight_part_bytes"]
 
 
 def format_plan(costs, at: Mapping[str, int] | None = None) -> str:

@@ -1,59 +1,87 @@
-"""Residual files: the forward's residuals on disk, tied to the artifact that wrote them."""
+"""What a forward keeps for its backward: ``Residuals``, ``SplitResiduals`` and ``Intermediates``.
+
+Immutable pytrees whose key paths are the keys their files use (``r/0``,
+``in/x``, ``c/0``); the files themselves are module ``residual_files``.
+"""
 
 from __future__ import annotations
 
-import os
-import zlib
+from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
+from jax.tree_util import DictKey
 
-from .files import load_arrays, save_arrays
 from .errors import VjpsplitError
-from .manifest import ArgTrees, flatten_args
-from .prng import data_struct, from_data, impl_name, is_key, to_data
-from .shapes import format_shape
-from .sharding import format_spec, spec_from_json, spec_of
-from .vjp import Plan, plan_for_token
+from .manifest import ArgTrees
+from .vjp import Plan
 
 
-class Residuals:
+class _Frozen:
+    """Immutable after ``__init__``: a changed copy comes from ``replace``."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is immutable; make a changed copy with .replace({name}=...)")
+
+    def _set(self, **fields) -> None:
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+    def replace(self, **changes):
+        """A copy with ``changes`` (the arrays are shared, not copied)."""
+        fields = {name: getattr(self, name) for name in self._FIELDS}
+        fields.update(changes)
+        return type(self)(**fields)
+
+
+class Residuals(_Frozen):
     """What a forward kept for its backward: stored arrays, and references to input arrays.
 
     ``stored`` maps ``r/i`` keys to arrays; ``inputs`` maps input keys to the very
     arrays the forward was given (never copies). Residuals of an artifact carry
-    its ``fingerprint`` and the symbolic ``dims``; those of ``split`` carry the
-    ``plan`` of the backward that lives in this process (their input keys are
-    flat argument positions). A pytree, so it passes through ``jax.jit`` and
-    ``jax.device_put``.
+    its ``fingerprint`` and the symbolic ``dims``; those of ``split`` are
+    ``SplitResiduals``. Immutable (read-only mappings; ``replace`` makes a changed
+    copy) and a pytree whose key paths are the file keys (``r/0``, ``in/x``), so
+    it passes through ``jax.jit`` and ``jax.device_put``.
     """
 
-    __slots__ = ("stored", "inputs", "dims", "fingerprint", "arg_names", "arg_trees", "plan", "residuals_id",
-                 "inputs_source", "source")
+    _FIELDS = ("stored", "inputs", "dims", "fingerprint", "arg_names", "arg_trees", "plan", "residuals_id",
+               "inputs_source", "source", "bound_inputs")
+    __slots__ = _FIELDS
 
     def __init__(self, stored: Mapping[str, Any], inputs: Mapping[str, Any], *, dims: Mapping[str, int] | None = None,
                  fingerprint: str = "", arg_names: Sequence[str] = (), arg_trees: ArgTrees = (),
-                 plan: Plan | None = None, residuals_id: str = ""):
-        self.stored = dict(stored)
-        self.inputs = dict(inputs)
-        self.dims = dict(dims or {})
-        self.fingerprint = fingerprint
-        self.arg_names = tuple(arg_names)
-        # The structure of the arguments fwd was called with, so bwd can give
-        # gradients in the caller's own pytree types; () when not known (files).
-        self.arg_trees = tuple(arg_trees)
-        self.plan = plan
-        # Names one forward run, so the weight part can refuse another run's
-        # intermediates; "" where unknown. Not part of the pytree's static data,
-        # where a per-run value would make every jit over residuals retrace.
-        self.residuals_id = residuals_id
-        self.inputs_source: str | None = None  # where the input-backed arrays came from, for messages
-        self.source: str | None = None  # the file they were loaded from, for messages
+                 plan: Plan | None = None, residuals_id: str = "", inputs_source: str | None = None,
+                 source: str | None = None, bound_inputs: Mapping[str, Any] | None = None):
+        self._set(
+            stored=MappingProxyType(dict(stored)),
+            inputs=MappingProxyType(dict(inputs)),
+            dims=MappingProxyType(dict(dims or {})),
+            fingerprint=fingerprint,
+            arg_names=tuple(arg_names),
+            # The structure of the arguments fwd was called with, so bwd can give
+            # gradients in the caller's own pytree types; () when not known (files).
+            arg_trees=tuple(arg_trees),
+            plan=plan,
+            # Names one forward run, so the weight part can refuse another run's
+            # intermediates; "" where unknown. Not part of the pytree's static data,
+            # where a per-run value would make every jit over residuals retrace.
+            residuals_id=residuals_id,
+            inputs_source=inputs_source,  # where the input-backed arrays came from, for messages
+            source=source,  # the file they were loaded from, for messages
+            # Every input the forward ran on (references, keyed like ``inputs``), read by the
+            # backward or not: a residuals file records each one's shape and CRC-32, so the
+            # backward refuses another microbatch's inputs even where it never reads them.
+            # Not pytree data: residuals rebuilt by a pytree operation bind only ``inputs``.
+            bound_inputs=MappingProxyType(dict(bound_inputs or {})),
+        )
 
     def __repr__(self) -> str:
-        owner = f"fingerprint={self.fingerprint[:12]}, dims={self.dims}" if self.plan is None else "split"
-        return f"Residuals(stored={len(self.stored)}, input_backed={len(self.inputs)}, {owner})"
+        owner = "split" if isinstance(self, SplitResiduals) else f"fingerprint={self.fingerprint[:12]}, dims={dict(self.dims)}"
+        return f"{type(self).__name__}(stored={len(self.stored)}, input_backed={len(self.inputs)}, {owner})"
 
     @property
     def stored_nbytes(self) -> int:
@@ -61,434 +89,86 @@ class Residuals:
         return sum(int(np.prod(np.shape(a))) * np.dtype(a.dtype).itemsize for a in self.stored.values())
 
 
-jax.tree_util.register_pytree_node(
-    Residuals,
-    lambda r: ((tuple(r.stored.values()), tuple(r.inputs.values())),
-               (tuple(r.stored), tuple(r.inputs), tuple(sorted(r.dims.items())), r.fingerprint, r.arg_names,
-                r.arg_trees, r.plan)),
-    lambda aux, ch: Residuals(dict(zip(aux[0], ch[0])), dict(zip(aux[1], ch[1])), dims=dict(aux[2]),
-                              fingerprint=aux[3], arg_names=aux[4], arg_trees=aux[5], plan=aux[6]),
-)
+class SplitResiduals(Residuals):
+    """Residuals of ``split``'s forward: their backward (``plan``) lives in this process's memory.
+
+    Their input keys are flat argument positions; they load only in the process
+    that made them (``load_residuals`` refuses them elsewhere).
+    """
+
+    __slots__ = ()
+
+    def __init__(self, stored: Mapping[str, Any], inputs: Mapping[str, Any], *, plan: Plan, **fields):
+        if plan is None:
+            raise VjpsplitError("SplitResiduals need the plan of the forward that made them")
+        super().__init__(stored, inputs, plan=plan, **fields)
 
 
-class Intermediates:
+def _residuals_keys(r: Residuals) -> tuple[list, tuple]:
+    # Key paths are the file keys: r/0 for stored residuals, in/<input key> for input-backed ones.
+    children = [(DictKey(k), v) for k, v in r.stored.items()] + [(DictKey(f"in/{k}"), v) for k, v in r.inputs.items()]
+    aux = (tuple(r.stored), tuple(r.inputs), tuple(sorted(r.dims.items())), r.fingerprint, r.arg_names, r.arg_trees,
+           r.plan)
+    return children, aux
+
+
+def _residuals_from(cls):
+    def unflatten(aux, children):
+        children = list(children)
+        n = len(aux[0])
+        return cls(dict(zip(aux[0], children[:n])), dict(zip(aux[1], children[n:])), dims=dict(aux[2]),
+                   fingerprint=aux[3], arg_names=aux[4], arg_trees=aux[5], plan=aux[6])
+    return unflatten
+
+
+for _cls in (Residuals, SplitResiduals):
+    jax.tree_util.register_pytree_with_keys(
+        _cls, _residuals_keys, _residuals_from(_cls),
+        lambda r: ([v for _, v in _residuals_keys(r)[0]], _residuals_keys(r)[1]))
+
+
+class Intermediates(_Frozen):
     """What the input part of a split backward hands to the weight part.
 
     ``arrays`` are what B computed for W (``c/i``); ``stored`` and ``inputs`` are
     the residuals W reads (``r/i`` keys, and input keys for the caller's own
     arrays), references rather than copies. Holding these alone, a stage can
-    free the rest of a microbatch's residuals as soon as B has run.
+    free the rest of a microbatch's residuals as soon as B has run. Immutable, and
+    a pytree whose key paths are the intermediates file's keys (``c/0``, ``r/1``, ``in/x``).
     """
 
-    __slots__ = ("arrays", "stored", "inputs", "dims", "fingerprint", "residuals_id", "arg_trees")
+    _FIELDS = ("arrays", "dims", "fingerprint", "residuals_id", "stored", "inputs", "arg_trees")
+    __slots__ = _FIELDS
 
     def __init__(self, arrays: Mapping[str, Any], dims: Mapping[str, int], fingerprint: str, residuals_id: str = "",
-                 stored: Mapping[str, Any] | None = None, inputs: Mapping[str, Any] | None = None):
-        self.arrays = dict(arrays)
-        self.stored = dict(stored or {})
-        self.inputs = dict(inputs or {})
-        self.dims = dict(dims)
-        self.fingerprint = fingerprint
-        self.residuals_id = residuals_id  # the forward run whose residuals the input part read; "" unknown
-        self.arg_trees: ArgTrees = ()  # the forward's argument structure, when known (in memory only)
+                 stored: Mapping[str, Any] | None = None, inputs: Mapping[str, Any] | None = None,
+                 arg_trees: ArgTrees = ()):
+        self._set(arrays=MappingProxyType(dict(arrays)), stored=MappingProxyType(dict(stored or {})),
+                  inputs=MappingProxyType(dict(inputs or {})), dims=MappingProxyType(dict(dims)),
+                  fingerprint=fingerprint,
+                  residuals_id=residuals_id,  # the forward run whose residuals the input part read; "" unknown
+                  arg_trees=tuple(arg_trees))  # the forward's argument structure, when known (in memory only)
 
     def __repr__(self) -> str:
         return (f"Intermediates({len(self.arrays)} arrays, {len(self.stored)} residuals, {len(self.inputs)} inputs, "
-                f"dims={self.dims}, fingerprint={self.fingerprint[:12]})")
+                f"dims={dict(self.dims)}, fingerprint={self.fingerprint[:12]})")
 
 
-jax.tree_util.register_pytree_node(
-    Intermediates,
-    lambda r: ((tuple(r.arrays.values()), tuple(r.stored.values()), tuple(r.inputs.values())),
-               (tuple(r.arrays), tuple(r.stored), tuple(r.inputs), tuple(sorted(r.dims.items())), r.fingerprint,
-                r.arg_trees)),
-    lambda aux, ch: _intermediates(aux, ch),
-)
+def _intermediates_keys(r: Intermediates) -> tuple[list, tuple]:
+    children = ([(DictKey(k), v) for k, v in r.arrays.items()] + [(DictKey(k), v) for k, v in r.stored.items()]
+                + [(DictKey(f"in/{k}"), v) for k, v in r.inputs.items()])
+    aux = (tuple(r.arrays), tuple(r.stored), tuple(r.inputs), tuple(sorted(r.dims.items())), r.fingerprint,
+           r.arg_trees)
+    return children, aux
 
 
-def _intermediates(aux, ch) -> Intermediates:
-    out = Intermediates(dict(zip(aux[0], ch[0])), dict(aux[3]), aux[4], "", dict(zip(aux[1], ch[1])),
-                        dict(zip(aux[2], ch[2])))
-    out.arg_trees = aux[5]
-    return out
+def _intermediates_from(aux, children) -> Intermediates:
+    children = list(children)
+    a, b = len(aux[0]), len(aux[0]) + len(aux[1])
+    return Intermediates(dict(zip(aux[0], children[:a])), dict(aux[3]), aux[4], "", dict(zip(aux[1], children[a:b])),
+                         dict(zip(aux[2], children[b:])), arg_trees=aux[5])
 
 
-KIND_ARTIFACT = "vjpsplit-residuals"
-KIND_SPLIT = "vjpsplit-split-residuals"
-KIND_INTERMEDIATES = "vjpsplit-intermediates"
-
-
-def _crc32(a) -> int:
-    a = np.ascontiguousarray(a) if np.ndim(a) else np.asarray(a)
-    return zlib.crc32(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
-
-
-def _save_checked(path, arrays: dict, meta: dict, fsync: bool = False) -> None:
-    """Save with a CRC-32 per array: residuals travel between hosts, and a flipped bit in
-    transit must fail loudly, not give quietly wrong gradients. Both formats keep one
-    (zip's own per ``.npz`` member, a table beside the arrays in ``.msgpack``). No fsync
-    unless asked (``fsync=True``, ``--fsync``, ``VJPSPLIT_FSYNC=1``): these files are
-    transient, the rename is atomic."""
-    save_arrays(path, arrays, meta, fsync=fsync)
-
-
-def _load_checked(path, verify: bool):
-    """``load_arrays``, with every array's CRC-32 checked when ``verify``."""
-    arrays, meta = load_arrays(path, verify=verify)
-    if verify and "crc32" in meta:  # a .msgpack of the old layout kept its CRCs in meta
-        _verify(path, arrays, meta)
-    return arrays, meta
-
-
-def _verify(path, arrays: Mapping[str, Any], meta: Mapping) -> None:
-    sums = meta.get("crc32")
-    if not isinstance(sums, dict) or set(sums) != set(arrays):
-        raise VjpsplitError(f"{path}: the CRC-32 list does not match the file's arrays; the file is corrupt, re-create it")
-    for k, v in arrays.items():
-        if _crc32(v) != sums[k]:
-            raise VjpsplitError(
-                f"{path}: array {k!r} fails its CRC-32 check (its bytes changed after it was written); "
-                "the file is corrupt, re-create it"
-            )
-
-
-_MAX_DIM = 2**40  # no real dim is larger; bigger recorded sizes are corruption
-
-
-def _is_str_list(v) -> bool:
-    return isinstance(v, list) and all(isinstance(x, str) for x in v)
-
-
-def _is_dims(v) -> bool:
-    return isinstance(v, dict) and all(
-        isinstance(k, str) and isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= _MAX_DIM
-        for k, x in v.items())
-
-
-def _is_crcs(v) -> bool:
-    return isinstance(v, dict) and all(
-        isinstance(k, str) and isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**32 for k, x in v.items())
-
-
-def _is_shardings(v) -> bool:
-    if not isinstance(v, dict):
-        return False
-    try:
-        for k, spec in v.items():
-            if not isinstance(k, str):
-                return False
-            spec_from_json(spec)
-    except ValueError:
-        return False
-    return True
-
-
-# What each kind of file's metadata holds: field -> (check, required). Files are
-# data from elsewhere: every field is checked before it is used.
-_SCHEMA = {
-    KIND_ARTIFACT: {"fingerprint": (lambda v: isinstance(v, str), True), "arg_names": (_is_str_list, True),
-                    "dims": (_is_dims, True), "needs_inputs": (_is_str_list, False),
-                    "self_contained": (lambda v: isinstance(v, bool), False), "residuals_id": (lambda v: isinstance(v, str), False),
-                    "input_crc32": (_is_crcs, False), "shardings": (_is_shardings, False)},
-    KIND_SPLIT: {"token": (lambda v: isinstance(v, str), True), "pid": (lambda v: isinstance(v, int), False),
-                 "needs_inputs": (_is_str_list, False), "self_contained": (lambda v: isinstance(v, bool), False),
-                 "input_crc32": (_is_crcs, False)},
-    KIND_INTERMEDIATES: {"fingerprint": (lambda v: isinstance(v, str), True), "dims": (_is_dims, True),
-                         "residuals_id": (lambda v: isinstance(v, str), False), "arg_names": (_is_str_list, False),
-                         "needs_inputs": (_is_str_list, False), "input_crc32": (_is_crcs, False),
-                         "shardings": (_is_shardings, False)},
-}
-
-
-def _check_meta(path, meta: Mapping, kind: str, fix: str) -> None:
-    """Refuse metadata that does not match ``kind``'s schema, naming the field."""
-    for name, (ok, required) in _SCHEMA[kind].items():
-        if name not in meta:
-            if required:
-                raise VjpsplitError(f"{path}: malformed metadata: '{name}' is missing; {fix}")
-        elif not ok(meta[name]):
-            raise VjpsplitError(f"{path}: malformed metadata: '{name}' has the wrong type or range; {fix}")
-
-
-def input_crc32(a) -> int:
-    """CRC-32 (zlib) of an array's bytes: binds a residuals file to the inputs it needs.
-
-    Not a defence against forgery; it catches the easy slip of pairing one
-    microbatch's residuals with another's inputs, at about a memory copy's cost.
-    """
-    return _crc32(np.asarray(a))
-
-
-def save_intermediates(path: str | os.PathLike, inter: Intermediates, *, self_contained: bool = False,
-                       arg_names: Sequence[str] = (), fsync: bool = False) -> None:
-    """Write a split backward's intermediates (``Artifact.bwd_input``'s second result).
-
-    The file holds what the weight part needs and nothing more: the ``c/i``
-    arrays and the stored residuals it reads. Input arrays it reads are left out
-    (their CRC-32 recorded, as in residual files) unless ``self_contained``;
-    ``load_intermediates(path, inputs=...)`` supplies them. ``fsync=True`` (or
-    ``VJPSPLIT_FSYNC=1``) flushes the file to disk before returning.
-    """
-    if not isinstance(inter, Intermediates):
-        raise VjpsplitError(f"{path}: save_intermediates takes bwd_input's intermediates, got {type(inter).__name__}")
-    arrays = {**{k: np.asarray(v) for k, v in inter.arrays.items()},
-              **{k: np.asarray(v) for k, v in inter.stored.items()}}
-    if self_contained:
-        arrays.update({f"in/{k}": np.asarray(v) for k, v in inter.inputs.items()})
-    meta = {"kind": KIND_INTERMEDIATES, "fingerprint": inter.fingerprint, "dims": dict(inter.dims),
-            "residuals_id": inter.residuals_id, "arg_names": list(arg_names),
-            "needs_inputs": [] if self_contained else sorted(inter.inputs),
-            "input_crc32": {} if self_contained else {k: input_crc32(v) for k, v in inter.inputs.items()},
-            **_shardings_meta({**inter.arrays, **inter.stored})}
-    _save_checked(path, arrays, meta, fsync)
-
-
-def load_intermediates(path: str | os.PathLike, inputs=None, *, artifact=None, inputs_source: str | None = None,
-                       verify: bool = True) -> Intermediates:
-    """Read intermediates written by ``save_intermediates`` (or ``run-bwd --part input``).
-
-    ``inputs`` (a flat ``{key: array}`` mapping, or the forward's arguments) supplies
-    the input arrays the file left out. ``verify`` checks each array's CRC-32, that
-    those inputs are the ones the forward ran on, and, in ``Artifact.bwd_weight``,
-    that the intermediates come from the same forward run as any residuals given
-    (on by default; see ``load_residuals``).
-    """
-    arrays, meta = _load_checked(path, verify)
-    if meta.get("kind") != KIND_INTERMEDIATES:
-        raise VjpsplitError(f"{path}: not an intermediates file; pass the --intermediates file of run-bwd --part input")
-    _check_meta(path, meta, KIND_INTERMEDIATES, "rerun run-bwd --part input")
-    fingerprint, dims = meta["fingerprint"], meta["dims"]
-    _refuse_other_artifact(path, "intermediates", fingerprint, artifact, "run this artifact's input part first", meta)
-    computed = {k: v for k, v in arrays.items() if k.startswith("c/")}
-    stored = {k: v for k, v in arrays.items() if k.startswith("r/")}
-    given = {k[3:]: v for k, v in arrays.items() if k.startswith("in/")}
-    needs = meta.get("needs_inputs", [])
-    if needs:
-        if inputs is None:
-            raise VjpsplitError(
-                f"{path}: these intermediates leave out the inputs {', '.join(needs)} (to avoid copying them); "
-                "pass the forward's inputs (run-bwd --inputs FILE, or load_intermediates(path, inputs=...))"
-            )
-        flat, _ = _flat_inputs(path, inputs, meta.get("arg_names", []), artifact)
-        missing = [k for k in needs if k not in flat]
-        if missing:
-            raise VjpsplitError(f"{path}: the intermediates need input(s) {', '.join(missing)}, which the given "
-                                "inputs lack; pass the same inputs the forward ran on")
-        given.update({k: flat[k] for k in needs})
-        if verify:
-            _check_bound_inputs(path, meta, {k: given[k] for k in needs}, inputs_source or "inputs")
-    return Intermediates(computed, dims, fingerprint, meta.get("residuals_id", "") if verify else "", stored, given)
-
-
-def _refuse_other_artifact(path, what: str, fingerprint, artifact, fix: str, meta: Mapping | None = None) -> None:
-    """A file tied to one artifact must not feed another: say so before anything else.
-
-    Arrays saved from a sharded run record their shardings; one that differs from
-    what the artifact expects is named, whether or not the fingerprints match.
-    """
-    if artifact is None:
-        return
-    differs = _sharding_difference(meta or {}, artifact.manifest)
-    if fingerprint != artifact.manifest.fingerprint:
-        raise VjpsplitError(
-            f"{path}: these {what} were written by another artifact (fingerprint {str(fingerprint)[:12]}, "
-            f"{artifact.source} is {artifact.manifest.fingerprint[:12]}{'; ' + differs if differs else ''}); {fix}"
-        )
-    if differs:
-        raise VjpsplitError(f"{path}: these {what} were saved from another sharding ({differs}); {fix}")
-
-
-def _shardings_meta(arrays: Mapping[str, Any]) -> dict:
-    """``{"shardings": {key: spec}}`` for the arrays laid out over several devices; ``{}`` when none is."""
-    out = {k: list(spec) for k, v in arrays.items() if (spec := spec_of(v)) is not None}
-    return {"shardings": {k: [list(e) if isinstance(e, tuple) else e for e in sp] for k, sp in out.items()}} if out else {}
-
-
-def _sharding_difference(meta: Mapping, manifest) -> str:
-    """The first array whose recorded sharding is not the manifest's, described; "" when all agree.
-
-    Files from one-device runs record none: nothing to compare, they are placed when the backward runs.
-    """
-    recorded = meta.get("shardings")
-    if not isinstance(recorded, dict):
-        return ""
-    leaves = {leaf.key: leaf for leaf in (*manifest.residuals, *manifest.intermediates) if not leaf.input_backed}
-    for key, spec in recorded.items():
-        leaf = leaves.get(key)
-        want = (leaf.sharding or ()) if leaf is not None and manifest.sharded else ()
-        have = spec_from_json(spec)
-        if have != want:
-            return f"'{key}' was saved with sharding {format_spec(have)}, the artifact expects {format_spec(want)}"
-    return ""
-
-
-def save_residuals(path: str | os.PathLike, res, *, self_contained: bool = False, fsync: bool = False) -> None:
-    """Write residuals (from ``Artifact.fwd`` or ``split``'s ``fwd``) to ``.npz``/``.msgpack``.
-
-    Input-backed residuals are left out unless ``self_contained``: the file records
-    which input keys it needs, and ``load_residuals(path, inputs=...)`` supplies them.
-    ``fsync=True`` (or ``VJPSPLIT_FSYNC=1``) flushes the file to disk before returning,
-    so it survives a power loss; by default it is not (residuals are transient).
-    """
-    if not isinstance(res, Residuals):
-        raise VjpsplitError(f"{path}: save_residuals takes residuals from a fwd, got {type(res).__name__}")
-    if res.plan is None:  # an artifact's
-        arrays: dict[str, Any] = {k: np.asarray(v) for k, v in res.stored.items()}
-        if self_contained:
-            arrays.update({f"in/{k}": np.asarray(v) for k, v in res.inputs.items()})
-        meta = {
-            "kind": KIND_ARTIFACT,
-            "fingerprint": res.fingerprint,
-            "arg_names": list(res.arg_names),
-            "dims": dict(res.dims),
-            "needs_inputs": [] if self_contained else sorted(res.inputs),
-            "self_contained": bool(self_contained),
-            "residuals_id": res.residuals_id,
-            "input_crc32": {} if self_contained else {k: input_crc32(v) for k, v in res.inputs.items()},
-            **_shardings_meta(res.stored),
-        }
-    else:  # split's: keys r/i and flat argument positions
-        arrays = {k: np.asarray(to_data(v)) for k, v in res.stored.items()}
-        if self_contained:
-            arrays.update({f"in/{k}": np.asarray(to_data(v)) for k, v in res.inputs.items()})
-        meta = {
-            "kind": KIND_SPLIT,
-            "token": res.plan.token,
-            "pid": os.getpid(),
-            "needs_inputs": [] if self_contained else [str(k) for k in res.plan.input_backed],
-            "self_contained": bool(self_contained),
-            "input_crc32": {} if self_contained else {k: input_crc32(to_data(v)) for k, v in res.inputs.items()},
-        }
-    _save_checked(path, arrays, meta, fsync)
-
-
-def load_residuals(path: str | os.PathLike, inputs=None, *, artifact=None, inputs_source: str | None = None,
-                   verify: bool = True):
-    """Read a residuals file; ``inputs`` supplies the input-backed residuals it left out.
-
-    ``inputs`` is the forward's arguments tuple, or a flat ``{key: array}`` mapping
-    (an inputs file's content; ``inputs_source`` names it in messages). With
-    ``artifact``, residuals written by another artifact are refused here, before
-    anything else is checked. ``verify`` (default on) checks each array's CRC-32,
-    so a file damaged in transit fails here instead of giving wrong gradients, and
-    checks that the inputs supplied for left-out residuals are the very ones the
-    forward ran on (their CRC-32 is in the file), naming the first that differs.
-    """
-    arrays, meta = _load_checked(path, verify)
-    kind = meta.get("kind")
-    if kind == KIND_ARTIFACT:
-        _refuse_other_artifact(path, "residuals", meta.get("fingerprint"), artifact,
-                               "run this artifact's forward to make matching residuals", meta)
-    if kind in (KIND_ARTIFACT, KIND_SPLIT):
-        _check_meta(path, meta, kind, "rerun the forward")
-    needs = meta.get("needs_inputs", [])
-    if kind == KIND_ARTIFACT:
-        res = _load_artifact_residuals(path, arrays, meta, needs, inputs, artifact)
-        res.inputs_source = (inputs_source or "inputs") if needs else str(path)
-        res.source = str(path)
-        if verify:
-            _check_bound_inputs(path, meta, {k: res.inputs[k] for k in needs}, res.inputs_source)
-        return res
-    if kind == KIND_SPLIT:
-        res = _load_split_residuals(path, arrays, meta, needs, inputs)
-        if verify and not meta.get("self_contained"):
-            _check_bound_inputs(path, meta, {k: to_data(v) for k, v in res.inputs.items()}, inputs_source or "inputs")
-        return res
-    raise VjpsplitError(
-        f"{path}: not a residuals file (no vjpsplit residuals metadata); pass the --residuals file written by run-fwd"
-    )
-
-
-def _check_bound_inputs(path, meta: Mapping, given: Mapping[str, Any], source: str) -> None:
-    """Refuse inputs whose content differs from those the forward ran on (files before this rule: no CRCs)."""
-    sums = meta.get("input_crc32")
-    if not sums:
-        return
-    for key, value in given.items():
-        if key in sums and input_crc32(value) != sums[key]:
-            raise VjpsplitError(
-                f"{source}: input '{key}' differs from the one the forward that wrote {path} ran on "
-                "(CRC-32 mismatch); pass the inputs of the same microbatch, or --no-verify to skip this check"
-            )
-
-
-def _load_artifact_residuals(path, arrays, meta, needs, inputs, artifact) -> Residuals:
-    fingerprint, dims, arg_names = meta["fingerprint"], meta["dims"], meta["arg_names"]
-    stored = {k: v for k, v in arrays.items() if not k.startswith("in/")}
-    given = {k[3:]: v for k, v in arrays.items() if k.startswith("in/")}
-    trees: tuple = ()
-    if needs:
-        if inputs is None:
-            raise VjpsplitError(
-                f"{path}: these residuals leave out the inputs {', '.join(needs)} (to avoid copying them); "
-                "pass the forward's inputs (run-bwd --inputs FILE, or load_residuals(path, inputs=args))"
-            )
-        flat, trees = _flat_inputs(path, inputs, arg_names, artifact)
-        missing = [k for k in needs if k not in flat]
-        if missing:
-            raise VjpsplitError(
-                f"{path}: the residuals need input(s) {', '.join(missing)}, which the given inputs lack; "
-                "pass the same inputs the forward ran on"
-            )
-        given.update({k: flat[k] for k in needs})
-    elif inputs is not None and not isinstance(inputs, Mapping):
-        _, trees = _flat_inputs(path, inputs, arg_names, artifact)
-    return Residuals(stored, given, dims=dims, fingerprint=fingerprint, arg_names=arg_names, arg_trees=trees,
-                     residuals_id=meta.get("residuals_id", ""))
-
-
-def _flat_inputs(path, inputs, arg_names, artifact=None) -> tuple[Mapping[str, Any], tuple]:
-    """Flat ``{key: array}`` inputs, and the arguments' structure when given as pytrees."""
-    if isinstance(inputs, Mapping):
-        return inputs, ()
-    if not isinstance(inputs, (tuple, list)) or len(inputs) != len(arg_names):
-        raise VjpsplitError(
-            f"{path}: inputs must be the forward's {len(arg_names)} arguments ({', '.join(arg_names)}) "
-            "as a tuple, or a flat {key: array} mapping"
-        )
-    return flatten_args(artifact.manifest if artifact is not None else None, inputs, str(path), arg_names)
-
-
-def _load_split_residuals(path, arrays, meta, needs, inputs) -> Residuals:
-    plan = plan_for_token(str(meta.get("token")))
-    if plan is None:
-        raise VjpsplitError(
-            f"{path}: these residuals come from split() in another process (pid {meta.get('pid')}); "
-            "their backward lives only there; use vs.export(...) artifacts to run the backward elsewhere"
-        )
-    try:
-        stored = tuple(arrays[f"r/{i}"] for i in range(plan.n_stored))
-    except KeyError as e:
-        raise VjpsplitError(f"{path}: residual {e.args[0]!r} is missing; rerun the forward") from e
-    if meta.get("self_contained"):
-        try:
-            ins = tuple(_from_file(path, f"in/{k}", arrays[f"in/{k}"], plan.arg_leaf_avals[k]) for k in plan.input_backed)
-        except KeyError as e:
-            raise VjpsplitError(f"{path}: input-backed residual {e.args[0]!r} is missing; rerun the forward") from e
-    elif not plan.input_backed:
-        ins = ()  # every residual is stored: the inputs are not needed at all
-    else:
-        if inputs is None:
-            raise VjpsplitError(
-                f"{path}: these residuals leave out input arrays (to avoid copies); "
-                "pass load_residuals(path, inputs=args) with fwd's arguments"
-            )
-        flat = jax.tree_util.tree_leaves(inputs)
-        if len(flat) != len(plan.arg_leaf_avals):
-            raise VjpsplitError(f"{path}: inputs have {len(flat)} leaves, the forward had {len(plan.arg_leaf_avals)}; "
-                                "pass the arguments fwd ran on")
-        ins = tuple(flat[k] for k in plan.input_backed)
-    stored = tuple(_from_file(path, f"r/{i}", v, aval) for i, (v, aval) in enumerate(zip(stored, plan.stored_avals)))
-    return Residuals({f"r/{i}": v for i, v in enumerate(stored)}, {str(k): v for k, v in zip(plan.input_backed, ins)},
-                     plan=plan)
-
-
-def _from_file(path, key: str, v, aval):
-    """A split residual as the backward wants it: checked, typed PRNG keys rewrapped."""
-    want = data_struct(aval) if is_key(aval) else aval
-    if tuple(v.shape) != tuple(want.shape) or np.dtype(v.dtype) != np.dtype(want.dtype):
-        raise VjpsplitError(
-            f"{path}: residual '{key}': expected {format_shape(want.dtype, want.shape)}, "
-            f"file has {format_shape(v.dtype, v.shape)}; rerun the forward"
-        )
-    return from_data(v, impl_name(aval)) if is_key(aval) else v
+jax.tree_util.register_pytree_with_keys(
+    Intermediates, _intermediates_keys, _intermediates_from,
+    lambda r: ([v for _, v in _intermediates_keys(r)[0]], _intermediates_keys(r)[1]))

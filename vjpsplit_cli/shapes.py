@@ -14,10 +14,14 @@ from .dtypes import dtype_from_name, short_name
 from .errors import VjpsplitError
 
 _SPEC_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\[\s*([^\]]*)\]\s*$")
-_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # a symbolic dim's (or --at entry's) name
+DIM_FUNCS = frozenset({"mod", "floordiv", "max", "min", "non_negative"})  # jax.export's shape syntax, not dims
+_NAME_RE = re.compile(rf"^{IDENTIFIER.pattern}$")
 _INT_RE = re.compile(r"^[0-9]+$")  # ASCII digits only: str.isdigit() also accepts '²', which int() refuses
-# No machine holds an array this long; past it jax.export's int64 shape arithmetic overflows.
-MAX_DIM = 2**62
+# No machine holds an array dim this long (a trillion elements); a larger one in a spec,
+# an --at size or a file's recorded dims is a typo or corruption. (jax.export's int64
+# shape arithmetic would overflow only past 2**62.)
+MAX_DIM = 2**40
 
 
 def new_scope() -> jexport.SymbolicScope:
@@ -40,9 +44,9 @@ def parse_array_spec(text: str, scope: jexport.SymbolicScope) -> jax.ShapeDtypeS
         if _INT_RE.match(d):
             elements *= int(d)
             if int(d) > MAX_DIM:
-                raise VjpsplitError(f"dimension {d[:30]} in {text[:60]!r} is too large (at most 2**62); check the number")
+                raise VjpsplitError(f"dimension {d[:30]} in {text[:60]!r} is too large (at most 2**40); check the number")
             if elements > MAX_DIM:
-                raise VjpsplitError(f"the dims of {text[:60]!r} make more than 2**62 elements; check the numbers")
+                raise VjpsplitError(f"the dims of {text[:60]!r} make more than 2**40 elements; check the numbers")
             dims.append(int(d))
         elif _NAME_RE.match(d):
             dims.append(_symbolic_dim(d, text, scope))

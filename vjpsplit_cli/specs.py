@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -13,9 +13,10 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from ._io import UsageError, open_for_read  # UsageError: the CLI exits 2 for it; re-exported here
-from .arrays import load_arrays
-from .errors import VjpsplitError
+from .errors import UsageError, VjpsplitError, jax_message
+from .files import load_arrays
+from .reading import open_for_read
+from .vjp import signature_positionals
 from .shapes import new_scope, parse_array_spec, to_struct
 from .trees import unflatten_keys
 
@@ -67,17 +68,11 @@ def load_object(target: str, label: str = "FN") -> tuple[Any, str]:
 def parameter_names(fn: Callable) -> tuple[list[str], int]:
     """Positional parameter names of ``fn`` and how many of them are required."""
     try:
-        sig = inspect.signature(fn)
+        names, required, var = signature_positionals(fn)
     except (TypeError, ValueError) as e:
         raise VjpsplitError(f"cannot read the signature of {fn!r}; wrap it in a def with named parameters") from e
-    names, required = [], 0
-    for p in sig.parameters.values():
-        if p.kind == p.VAR_POSITIONAL:
-            raise UsageError(f"{fn.__name__} takes *{p.name}; --shapes needs named parameters, so wrap it in a def")
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            names.append(p.name)
-            if p.default is p.empty:
-                required = len(names)
+    if var is not None:
+        raise UsageError(f"{fn.__name__} takes *{var}; --shapes needs named parameters, so wrap it in a def")
     return names, required
 
 
@@ -116,7 +111,7 @@ def parse_spec(name: str, text: str, scope) -> Any:
             return jax.tree_util.tree_map(to_struct, obj)
         except VjpsplitError as e:
             raise VjpsplitError(f"--shapes {name}=@{where}: {e}") from e
-    if text.endswith((".npz", ".msgpack")):
+    if text.lower().endswith((".npz", ".msgpack")):  # as load_arrays reads them: any case
         arrays, _ = load_arrays(text)
         mine = {k: v for k, v in arrays.items() if k == name or k.startswith(name + "/")}
         if mine:
@@ -136,3 +131,35 @@ def parse_spec(name: str, text: str, scope) -> Any:
         return parse_array_spec(text, scope)
     except VjpsplitError as e:
         raise UsageError(f"--shapes {name}={text}: {e}") from e
+
+
+_INT_RE = re.compile(r"(?<![\w.])\d+(?![\w.])")
+_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_fits(fn: Callable, target: str, names: Sequence[str], specs: tuple, shapes: Sequence[str]) -> None:
+    """Trace ``fn`` on ``specs`` (no compute); a failure names the ``--shapes`` entries it involves.
+
+    Which entries: those with a dim (a size above 1, else a symbolic name) that the
+    error message mentions; all of them when none does.
+    """
+    try:
+        jax.eval_shape(fn, *specs)
+    except VjpsplitError:
+        raise
+    except Exception as e:
+        message = jax_message(e)
+        entries = {str(s).partition("=")[0].strip(): str(s).strip() for s in shapes}
+        ints = {int(n) for n in _INT_RE.findall(message)} - {0, 1}
+        words = set(_NAME_RE.findall(message))
+        dims = {n: [d for leaf in jax.tree_util.tree_leaves(s) for d in getattr(leaf, "shape", ())]
+                for n, s in zip(names, specs)}
+        involved = [n for n in names if ints & {int(d) for d in dims[n] if isinstance(d, (int, np.integer))}]
+        if not involved:
+            involved = [n for n in names if words & {str(d) for d in dims[n] if not isinstance(d, (int, np.integer))}]
+        listed = " and ".join(entries.get(n, n) for n in involved)
+        if involved:
+            raise VjpsplitError(f"{target}: the --shapes {listed} do not fit the function ({message}); "
+                                "fix those --shapes entries") from e
+        raise VjpsplitError(f"{target}: the --shapes do not fit the function ({message}); check every --shapes "
+                            "entry against the function's parameters, or rerun with --debug for the traceback") from e

@@ -20,8 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from .errors import VjpsplitError
+from .shapes import format_shape
 
 float0 = jax.dtypes.float0
+
+
+def struct_of(x) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of an array, tracer or Python scalar (weakly typed as JAX types it)."""
+    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
 
 
 def is_differentiable(dtype) -> bool:
@@ -97,16 +103,28 @@ def fn_wrt_positions(fn: Callable, wrt, nargs: int) -> tuple[tuple[int, ...], bo
     return wrt_positions(positional_names(fn, nargs), wrt, fn_name(fn))
 
 
+def signature_positionals(fn: Callable) -> tuple[list[str], int, str | None]:
+    """``fn``'s positional parameter names, how many are required, and its ``*args`` name (None without).
+
+    Raises TypeError or ValueError where ``fn`` has no signature to read.
+    """
+    names, required, var = [], 0, None
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind == p.VAR_POSITIONAL:
+            var = p.name
+        elif p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+            if p.default is p.empty:
+                required = len(names)
+    return names, required, var
+
+
 def positional_names(fn: Callable, nargs: int) -> list[str]:
     """Parameter names for ``nargs`` positional arguments; ``arg{i}`` past ``*args``."""
     try:
-        params = list(inspect.signature(fn).parameters.values())
+        names = signature_positionals(fn)[0]
     except (TypeError, ValueError):
-        params = []
-    names = []
-    for p in params:
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            names.append(p.name)
+        names = []
     names += [f"arg{i}" for i in range(len(names), nargs)]
     return names[:nargs]
 
@@ -178,14 +196,14 @@ def trace_vjp(fn: Callable, args: tuple, wrt: tuple[int, ...], single: bool, has
         vjp_tree=vjp_tree,
         slots=tuple(slots),
         args_tree=args_tree,
-        arg_leaf_avals=tuple(jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in flat_args),
+        arg_leaf_avals=tuple(struct_of(a) for a in flat_args),
         diff_leaves=diff,
         wrt=wrt,
         out_tree=out_tree,
-        out_avals=tuple(jax.ShapeDtypeStruct(jnp.shape(o), jnp.result_type(o)) for o in out_leaves),
+        out_avals=tuple(struct_of(o) for o in out_leaves),
         out_diff=tuple(i for i, m in enumerate(mask) if m),
         single_grad=single,
-        stored_avals=tuple(jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)) for v in stored),
+        stored_avals=tuple(struct_of(v) for v in stored),
         token=uuid.uuid4().hex,
         unused_avals=tuple(unused),
     )
@@ -223,8 +241,8 @@ def _drop_unused(vjp_tree, vjp_leaves, slots, stored, d_out):
     """
     if not stored:
         return stored, slots, []
-    avals = [jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)) for v in vjp_leaves]
-    cts = [jax.ShapeDtypeStruct(jnp.shape(o), jnp.result_type(o)) for o in d_out]
+    avals = [struct_of(v) for v in vjp_leaves]
+    cts = [struct_of(o) for o in d_out]
     try:
         closed = jax.make_jaxpr(lambda leaves, c: jax.tree_util.tree_unflatten(vjp_tree, leaves)(c))(avals, cts)
         used_leaf = _live_inputs(closed.jaxpr, [True] * len(closed.jaxpr.outvars))[:len(vjp_leaves)]
@@ -250,7 +268,7 @@ def _drop_unused(vjp_tree, vjp_leaves, slots, stored, d_out):
         else:
             if k not in zero_of:
                 zero_of[k] = len(unused)
-                unused.append(jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.result_type(leaf)))
+                unused.append(struct_of(leaf))
             new_slots.append(("unused", zero_of[k]))
     return kept, new_slots, unused
 
@@ -297,7 +315,8 @@ def cotangent_leaves(plan: Plan, ct) -> list:
         c, aval = leaves[i], plan.out_avals[i]
         if jnp.shape(c) != tuple(aval.shape) or jnp.result_type(c) != aval.dtype:
             raise VjpsplitError(
-                f"cotangent leaf {i}: expected {aval.dtype}{list(aval.shape)}, got {jnp.result_type(c)}{list(jnp.shape(c))}"
+                f"cotangent leaf {i}: expected {format_shape(aval.dtype, aval.shape)}, "
+                f"got {format_shape(jnp.result_type(c), jnp.shape(c))}"
             )
         out.append(c)
     return out

@@ -25,6 +25,8 @@ from typing import Sequence
 
 from jax.extend import core as jcore
 
+from .fission import CONTRACTIONS, cut_inside
+
 
 @dataclass(frozen=True)
 class Partition:
@@ -44,17 +46,16 @@ def _vars(atoms) -> list:
     return [a for a in atoms if isinstance(a, jcore.Var)]
 
 
-_CONTRACTIONS = ("dot_general", "conv_general_dilated")
-
-
 def partition(closed: jcore.ClosedJaxpr, weight_outs: Sequence[int], ct_invars: Sequence[int]) -> Partition:
     """Cut ``closed`` so the outputs at ``weight_outs`` come from a separate weight part.
 
     ``ct_invars`` are the positions of the cotangent inputs: the weight part does not
-    take them, so any it needs are passed through the boundary instead.
+    take them, so any it needs are passed through the boundary instead. Scans,
+    remat and nested jit bodies are cut too (``fission.cut_inside``).
     """
-    jaxpr = closed.jaxpr
     weight_outs = set(weight_outs)
+    closed = cut_inside(closed, [i for i in range(len(closed.jaxpr.outvars)) if i not in weight_outs])
+    jaxpr = closed.jaxpr
     in_outvars = [v for i, v in enumerate(jaxpr.outvars) if i not in weight_outs]
     w_outvars = [v for i, v in enumerate(jaxpr.outvars) if i in weight_outs]
 
@@ -81,7 +82,7 @@ def partition(closed: jcore.ClosedJaxpr, weight_outs: Sequence[int], ct_invars: 
     feeds = set()  # values that reach a contraction of the weight-only slice
     for idx in sorted(w_only, reverse=True):
         eqn = jaxpr.eqns[idx]
-        if eqn.primitive.name in _CONTRACTIONS or any(v in feeds for v in eqn.outvars if isinstance(v, jcore.Var)):
+        if eqn.primitive.name in CONTRACTIONS or any(v in feeds for v in eqn.outvars if isinstance(v, jcore.Var)):
             feeds.update(_vars(eqn.invars))
     chain = [jaxpr.eqns[i] for i in sorted(w_only)
              if any(v in feeds and v in ct_dep for v in jaxpr.eqns[i].outvars if isinstance(v, jcore.Var))]

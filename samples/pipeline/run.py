@@ -30,6 +30,12 @@ import stages as model  # noqa: E402
 from vjpsplit_cli import pipeline as P  # noqa: E402
 
 WORKERS = 4
+RUNNERS = {"inprocess": "in-process", "ray": f"Ray, {WORKERS} actors"}  # as docs/performance.md labels them
+
+
+def note(msg: str) -> None:
+    """Progress on stderr, so a long run is never silent and stdout stays the report."""
+    print(f"... {msg}", file=sys.stderr, flush=True)
 
 
 def check(result, loss, grads) -> str | None:
@@ -55,6 +61,20 @@ def main(argv=None) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="vjpsplit-pipeline-"))
     out.mkdir(parents=True, exist_ok=True)
 
+    runners = ["inprocess", "ray"] if args.runner == "both" else [args.runner]
+    if "ray" in runners:  # one Ray for every schedule's actors; each RayPipeline then joins it
+        import logging
+        import os
+
+        import ray
+
+        # Before JAX starts its threads: Ray forks while starting, which JAX warns about
+        # once it runs. Ray's own notices (its token setup, its start) are not this sample's output.
+        note("starting a local Ray" if not args.address else f"connecting to Ray at {args.address}")
+        ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
+                 **({"address": args.address} if args.address else {"num_cpus": max(2 * WORKERS, os.cpu_count() or 1)}))
+
+    note(f"exporting the {WORKERS} and {2 * WORKERS} stage artifacts")
     params = model.init()
     cuts = {n: (model.export_stages(params, n), model.group(params, n)) for n in (WORKERS, 2 * WORKERS)}
     rng = np.random.default_rng(1)
@@ -62,17 +82,10 @@ def main(argv=None) -> int:
     labels = rng.integers(0, model.CLASSES, args.batch).astype(np.int32)
     loss, grads = jax.value_and_grad(model.whole)(params, x, labels)
 
-    runners = ["inprocess", "ray"] if args.runner == "both" else [args.runner]
-    if "ray" in runners:  # one Ray for every schedule's actors; each RayPipeline then joins it
-        import os
-
-        import ray
-
-        ray.init(include_dashboard=False, log_to_driver=False,
-                 **({"address": args.address} if args.address else {"num_cpus": max(2 * WORKERS, os.cpu_count() or 1)}))
     rows = []
     for runner in runners:
         for name in P.SCHEDULES:
+            note(f"{RUNNERS[runner]}, {P.LABELS[name]}: a warm-up step, then {args.steps} measured")
             arts, stage_params = cuts[2 * WORKERS if name == "zbv" else WORKERS]
             rp = P.RayPipeline(arts, stage_params, layout=P.layout(name)) if runner == "ray" else None
             try:
@@ -104,12 +117,14 @@ def main(argv=None) -> int:
 
         ray.shutdown()
     print(f"{model.LAYERS}-layer MLP on {WORKERS} workers, batch {args.batch} in {args.microbatches} microbatches; "
-          f"loss and gradients match jax.value_and_grad for every step; {args.steps} measured steps each")
+          f"loss and gradients match jax.value_and_grad for every step; {args.steps} measured "
+          f"step{'' if args.steps == 1 else 's'} each")
     print()
-    print("| runner | schedule | stages | step time (median) | measured bubble | modeled bubble (1 device/worker) |")
+    print(f"| runner | schedule | stages | step time (median of {args.steps}) | measured bubble "
+          "| modeled bubble (1 device/worker) |")
     print("|---|---|---:|---:|---:|---:|")
     for runner, name, n, t, bub, model_bub in rows:
-        print(f"| {runner} | {P.LABELS[name]} | {n} | {t * 1e3:.0f} ms | {bub:.0%} | {model_bub:.0%} |")
+        print(f"| {RUNNERS[runner]} | {P.LABELS[name]} | {n} | {t * 1e3:.0f} ms | {bub:.0%} | {model_bub:.0%} |")
     print()
     print(f"timelines: {out}")
     return 0

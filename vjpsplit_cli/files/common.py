@@ -17,9 +17,9 @@ from typing import Any, BinaryIO, Mapping
 import msgpack
 import numpy as np
 
-from .._io import open_for_read
+from ..reading import open_for_read
 from ..dtypes import dtype_from_name, dtype_name
-from ..errors import VjpsplitError
+from ..errors import VjpsplitError, one_line
 
 FORMAT = "vjpsplit-arrays"
 # 2: metadata outside the member list (.npz archive comment; .msgpack map entry) and a
@@ -37,11 +37,6 @@ _ALIGN = 64
 DECODE_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, msgpack.exceptions.UnpackException, ValueError,
                  EOFError, OSError, KeyError, TypeError, IndexError, OverflowError, zlib.error,
                  NotImplementedError, RuntimeError, SyntaxError, tokenize.TokenError)
-
-
-def one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def key_problem(key: Any) -> str | None:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import math
 import struct
-import zlib
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import msgpack
 import numpy as np
 
+from .. import checksum
 from ..errors import VjpsplitError
 from .common import (CORRUPT, DECODE_ERRORS, FORMAT, MAX_NDIM, VERSION, Source, byte_view,
                      check_stored_key, check_version, crc_mismatch, finish, one_line,
@@ -67,10 +67,10 @@ def writer(path: Path, prepared: list, meta: dict):
             head = p.pack_array_header(3) + p.pack(list(arr.shape)) + p.pack(name) + _sized(_BIN_CODE, arr.nbytes)
             f.write(p.pack(key) + _ext_header(len(head) + arr.nbytes) + head)
             data = byte_view(arr)
-            crcs[key] = zlib.crc32(data)
+            crcs[key] = checksum.crc32(data)
             f.write(data)
         # After the arrays, so the CRCs are computed while each array is in cache.
-        f.write(p.pack("crc32") + p.pack(crcs) + p.pack("meta_crc32") + p.pack(zlib.crc32(p.pack(meta))))
+        f.write(p.pack("crc32") + p.pack(crcs) + p.pack("meta_crc32") + p.pack(checksum.crc32(p.pack(meta))))
 
     return write
 
@@ -193,7 +193,7 @@ def read(src: Source) -> tuple[dict[str, np.ndarray], dict]:
     if not isinstance(specs, dict):
         raise VjpsplitError(f"{path}: has no 'arrays' map; {CORRUPT}")
     crcs = top.get("crc32")
-    if top["version"] >= 2 and src.verify and top.get("meta_crc32") != zlib.crc32(msgpack.packb(meta)):
+    if top["version"] >= 2 and src.verify and top.get("meta_crc32") != checksum.crc32(msgpack.packb(meta)):
         raise VjpsplitError(f"{path}: the metadata fails its CRC-32 check; {CORRUPT}")
     if top["version"] >= 2 and (not isinstance(crcs, dict) or set(crcs) != set(specs) or not all(
             type(c) is int and 0 <= c < 2**32 for c in crcs.values())):
@@ -202,7 +202,7 @@ def read(src: Source) -> tuple[dict[str, np.ndarray], dict]:
     arrays = {}
     for key, (shape, dtype, pos, nbytes) in specs.items():
         buf = src.array(pos, nbytes)
-        if src.verify and crcs and zlib.crc32(buf) != crcs[key]:
+        if src.verify and crcs and checksum.crc32(buf) != crcs[key]:
             raise crc_mismatch(path, key)
         arrays[key] = finish(path, key, buf, shape, dtype)
     return arrays, meta

@@ -1,0 +1,119 @@
+"""README and docs/ cannot drift from the code: format version, every CLI flag, and README's commands run as pasted."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pytest
+
+from vjpsplit_cli.cli import main
+from vjpsplit_cli.manifest import FORMAT_VERSION
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _text() -> str:
+    return "\n".join(p.read_text() for p in DOCS)
+
+
+def _commands(group: click.Group = main, prefix: str = "") -> dict[str, click.Command]:
+    """Every command under ``group``, by its path (``run-fwd``, or ``group sub`` for nested groups)."""
+    out = {}
+    for name, cmd in group.commands.items():
+        out[prefix + name] = cmd
+        if isinstance(cmd, click.Group):
+            out.update(_commands(cmd, prefix + name + " "))
+    return out
+
+
+def _options(cmd: click.Command) -> list[list[str]]:
+    """Each option's long spellings (``--output``) and short ones (``-o``); --help left out."""
+    return [p.opts + p.secondary_opts for p in cmd.params
+            if isinstance(p, click.Option) and "--help" not in p.opts]
+
+
+def _mentions(text: str, flag: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text) is not None
+
+
+def test_docs_state_the_format_version_the_code_writes():
+    stated = [int(n) for n in re.findall(r"\bformat(?: version)? (\d+)\b", _text())]
+    assert stated, "README and docs/ never state the artifact format version"
+    assert set(stated) == {FORMAT_VERSION}, f"docs state format versions {sorted(set(stated))}, the code writes {FORMAT_VERSION}"
+
+
+def test_every_command_and_flag_is_documented():
+    text = _text()
+    missing = [f"vjpsplit {name}" for name in _commands() if f"vjpsplit {name}" not in text]
+    for cmd in [main, *_commands().values()]:
+        for spellings in _options(cmd):
+            if not any(_mentions(text, s) for s in spellings):
+                missing.append(f"{cmd.name} {'/'.join(spellings)}")
+    assert not missing, f"README.md and docs/ do not mention: {', '.join(missing)}"
+
+
+def _documented_command_lines():
+    """``(file, command names, flags)`` for each ``vjpsplit ...`` line inside a fenced code block."""
+    for path in DOCS:
+        for block in re.findall(r"```[a-z]*\n(.*?)```", path.read_text(), flags=re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                words = line.split("#")[0].split()
+                if len(words) >= 2 and words[0] == "vjpsplit" and not words[1].startswith("-"):
+                    flags = [w.lstrip("[").split("=")[0].rstrip("]") for w in words[2:]]
+                    yield path.name, words[1].split("|"), [f for f in flags if f.startswith("-")]
+
+
+def test_documented_commands_use_only_flags_that_exist():
+    commands = _commands()
+    wrong = []
+    for where, names, flags in _documented_command_lines():
+        for name in names:
+            cmd = commands.get(name)
+            if cmd is None:
+                wrong.append(f"{where}: vjpsplit {name}: no such command")
+                continue
+            known = {s for spellings in _options(cmd) + _options(main) for s in spellings}
+            wrong += [f"{where}: vjpsplit {name} {f}" for f in flags if f not in known | {"--help", "-h"}]
+    assert not wrong, "documented flags that do not exist: " + "; ".join(wrong)
+
+
+def test_the_drift_tests_can_fail():
+    assert not _mentions("use --no-verify-x here", "--no-verify")
+    assert _mentions("run-bwd --no-verify.", "--no-verify")
+    extra = click.Command("extra", params=[click.Option(["--surely-undocumented-flag"])])
+    assert not any(_mentions(_text(), s) for spellings in _options(extra) for s in spellings)
+
+
+def _shell_blocks() -> list[str]:
+    """README's ```bash blocks, except the setup ones (installing, and the test command itself)."""
+    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
+    return [b for b in blocks if "pip install" not in b and "pytest" not in b]
+
+
+def test_readme_has_runnable_blocks():
+    blocks = _shell_blocks()
+    assert len(blocks) >= 3 and any("vjpsplit run-bwd" in b for b in blocks)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_readme_shell_blocks_run_as_pasted(tmp_path):
+    # In a copy of the repository, as a newcomer would after the setup command: `vjpsplit`
+    # and `python` on PATH (this interpreter's), this checkout's package importable.
+    ignore = shutil.ignore_patterns(".git", ".venv", ".compat", "out", "__pycache__", ".pytest_cache", "*.vjps", "*.png")
+    clone = tmp_path / "clone"
+    shutil.copytree(ROOT, clone, ignore=ignore)
+    env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+               PYTHONPATH=str(ROOT), VJPSPLIT_CACHE_DIR=str(tmp_path / "cache"))
+    for block in _shell_blocks():
+        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=clone, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"README block failed:\n{block}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr

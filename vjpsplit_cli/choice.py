@@ -1,0 +1,216 @@
+"""``policy="auto"`` and one resolution of policy, budget and auto for split, export and the CLI.
+
+``choose_auto`` compiles and times the fixed policies that fit a memory budget
+and picks the fastest forward + backward; ``resolve_policy`` turns what a caller
+gave (a policy, a budget, auto, sizes) into the concrete policy and why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from .errors import VjpsplitError
+from .policies import (AUTO, BUDGET_ORDER, Candidate, choose_policy, concrete_specs, human_bytes, normalize_policy,
+                       parse_at, parse_bytes, policy_cost)
+from .shapes import is_symbolic_shape
+from .vjp import fn_wrt_positions
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What ``policy="auto"`` chose and why: every candidate's stored bytes and forward + backward time."""
+
+    policy: str                          # the concrete policy chosen (never "auto")
+    method: str                          # "measured" (timed compiled candidates), "estimated" (XLA cost analysis)
+    #                                      or "only fit" (one candidate fits the budget)
+    seconds: dict                        # candidate -> median fwd+bwd seconds (or XLA's estimate); fitting ones only
+    stored_bytes: dict                   # candidate -> stored residual bytes
+    budget: int | None = None
+    at: dict = field(default_factory=dict)
+
+    @property
+    def reason(self) -> str:
+        """One line: the choice, the measured (or estimated) times of all candidates, what the budget excluded."""
+        what = {"measured": "fwd+bwd measured here", "estimated": "fwd+bwd estimated by XLA's cost analysis",
+                "only fit": "the only policy that fits"}[self.method]
+        best = self.seconds[self.policy]
+        parts = []
+        for p, b in self.stored_bytes.items():
+            if p in self.seconds:
+                t = self.seconds[p]
+                unit = f"{t * 1e3:.2f} ms" if self.method == "measured" else f"score {t:.3g}"
+                timing = "" if self.method == "only fit" else f"{unit} ({t / best:.2f}x), "
+                parts.append(f"{p} {timing}stores {human_bytes(b)}")
+            else:
+                parts.append(f"{p} stores {human_bytes(b)}, over the budget")
+        sizes = f" at {', '.join(f'{k}={v}' for k, v in self.at.items())}" if self.at else ""
+        budget = f" within {human_bytes(self.budget)}" if self.budget is not None else ""
+        return f"auto chose {self.policy}{budget}{sizes}: {what}: " + "; ".join(parts)
+
+    def to_json(self) -> dict:
+        """A JSON-able dict."""
+        return {"policy": self.policy, "method": self.method, "seconds": self.seconds,
+                "stored_bytes": self.stored_bytes, "budget": self.budget, "at": self.at, "reason": self.reason}
+
+
+_AUTO_CACHE: dict = {}
+
+
+def _example(spec, rng: np.random.Generator):
+    """A concrete array for ``spec``: small normal floats, zero integers (valid indices), typed keys from 0."""
+    from .prng import data_struct, from_data, impl_name, is_key
+
+    if is_key(spec):
+        d = data_struct(spec)
+        return from_data(np.zeros(d.shape, d.dtype), impl_name(spec))
+    dt = np.dtype(spec.dtype)
+    if dt.kind in "fc":
+        return (rng.standard_normal(spec.shape) * 0.1).astype(dt)
+    return np.zeros(spec.shape, dt)
+
+
+def _measure(fn, specs, policies, wrt_pos, single, has_aux, seconds_per_candidate: float) -> dict[str, float]:
+    """Median forward + backward seconds of each policy, compiled and run here, rounds interleaved."""
+    import statistics
+    import time
+
+    rng = np.random.default_rng(0)
+    args = jax.tree_util.tree_map(lambda s: _example(s, rng), specs)
+    flat = jax.tree_util.tree_leaves(args)
+    steps = {}
+    for p in policies:
+        cand = Candidate(fn, p, wrt_pos, single, has_aux)
+        # Compiled objects run eagerly even while split() is tracing, where a jit call would be staged.
+        fwd_c = jax.jit(cand.fwd).lower(*args).compile()
+        stored, inputs, cts = cand.bwd_args(flat, cand.plan.stored_avals,
+                                            lambda aval: np.ones(aval.shape, aval.dtype))
+        bwd_c = jax.jit(cand.bwd).lower(stored, inputs, cts).compile()
+
+        def step(fwd=fwd_c, bwd=bwd_c, inputs=inputs, cts=cts):
+            _, stored = fwd(*args)
+            return bwd(list(stored), inputs, cts)
+
+        jax.block_until_ready(step())
+        steps[p] = step
+    samples: dict[str, list[float]] = {p: [] for p in policies}
+    t_start, rounds = time.perf_counter(), 0
+    # At least 5 interleaved rounds, then more while the time allows (up to 25): medians of many
+    # rounds keep a busy machine's noise out of the choice.
+    while rounds < 25 and (rounds < 5 or time.perf_counter() - t_start < seconds_per_candidate * len(policies)):
+        for p, step in steps.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(step())
+            samples[p].append(time.perf_counter() - t0)
+        rounds += 1
+    return {p: statistics.median(v) for p, v in samples.items()}
+
+
+def _estimate(fn, specs, policies, wrt_pos, single, has_aux) -> dict[str, float]:
+    """XLA's cost analysis of each policy's forward + backward: FLOPs plus bytes accessed (a relative score)."""
+    out = {}
+    for p in policies:
+        cand = Candidate(fn, p, wrt_pos, single, has_aux)
+        score = 0.0
+        fc = jax.jit(cand.fwd).lower(*specs).compile()
+        args = cand.bwd_args(jax.tree_util.tree_leaves(specs), cand.plan.stored_avals)
+        for c in (fc, jax.jit(cand.bwd).lower(*args).compile()):
+            a = c.cost_analysis()
+            if isinstance(a, list):  # older jax: one dict per computation
+                a = a[0] if a else {}
+            # A CPU core does ~10 FLOPs per byte it moves: weigh both on one scale.
+            score += float(a.get("flops", 0.0)) + 10.0 * float(a.get("bytes accessed", 0.0))
+        out[p] = score
+    return out
+
+
+def choose_auto(fn: Callable, *specs, wrt=None, has_aux: bool = False, at=None, memory_budget=None,
+                policies: Sequence[str] = BUDGET_ORDER, method: str = "measure",
+                seconds_per_candidate: float = 0.5) -> AutoChoice:
+    """``policy="auto"``: the policy whose forward + backward is fastest at these sizes, among those that fit.
+
+    Each candidate (``everything``, ``dots``, ``nothing`` by default) whose stored
+    residual bytes fit ``memory_budget`` is compiled and timed here on synthetic
+    inputs of the given shapes (``method="measure"``; medians of interleaved
+    rounds), or scored by XLA's cost analysis (``method="estimate"``, and the
+    fallback when running fails). Symbolic dims need sizes in ``at``. The choice
+    is remembered per function, shapes, ``wrt`` and budget for the process.
+    """
+    at = parse_at(at)
+    budget = None if memory_budget is None else parse_bytes(memory_budget)
+    symbolic = any(is_symbolic_shape(s.shape) for s in jax.tree_util.tree_leaves(specs))
+    if symbolic:
+        if not at:
+            raise VjpsplitError(
+                "policy auto measures each policy at concrete sizes; pass --at NAME=SIZE "
+                "(the at= argument in Python), e.g. b=256, with the sizes you will run"
+            )
+        specs = concrete_specs(specs, at)
+    specs = tuple(jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(np.shape(s), s.dtype), s) for s in specs)
+    wrt_pos, single = fn_wrt_positions(fn, wrt, len(specs))
+    key = (fn, str(jax.tree_util.tree_structure(specs)), tuple((tuple(s.shape), str(s.dtype))
+           for s in jax.tree_util.tree_leaves(specs)), wrt_pos, single, has_aux, budget, tuple(policies), method)
+    try:
+        hit = _AUTO_CACHE.get(key)
+    except TypeError:  # an unhashable callable: no memo
+        key, hit = None, None
+    if hit is not None:
+        return hit
+    stored = {p: policy_cost(fn, *specs, policy=p, wrt=wrt_pos, has_aux=has_aux, flops=False).stored_bytes
+              for p in policies}
+    fitting = [p for p in policies if budget is None or stored[p] <= budget]
+    if not fitting:
+        best = min(stored, key=stored.get)
+        raise VjpsplitError(
+            f"no policy fits a memory budget of {human_bytes(budget)}: the smallest is {best!r} storing "
+            f"{human_bytes(stored[best])}; raise the budget or use smaller sizes"
+        )
+    used = method
+    if len(fitting) == 1:
+        seconds, used = {fitting[0]: 1.0}, "only fit"
+    elif method == "measure":
+        try:
+            seconds = _measure(fn, specs, fitting, wrt_pos, single, has_aux, seconds_per_candidate)
+            used = "measured"
+        except Exception:  # inputs it cannot synthesize, or a backend that cannot run here: estimate
+            seconds, used = _estimate(fn, specs, fitting, wrt_pos, single, has_aux), "estimated"
+    else:
+        seconds, used = _estimate(fn, specs, fitting, wrt_pos, single, has_aux), "estimated"
+    fastest = min(seconds.values())
+    # Within 1% of the fastest is a tie (timer noise): the one that stores least wins it.
+    chosen = min((p for p in fitting if seconds[p] <= fastest * 1.01), key=lambda p: (stored[p], seconds[p]))
+    choice = AutoChoice(chosen, used, seconds, stored, budget, dict(at))
+    if key is not None:
+        _AUTO_CACHE[key] = choice
+    return choice
+
+
+@dataclass(frozen=True)
+class PolicyChoice:
+    """The concrete policy a call runs under, and why: auto's measurements, the budget's pick, or as given."""
+
+    policy: str
+    reason: str = ""                     # one line for logs; "" when the policy was given
+    auto: AutoChoice | None = None
+
+
+def resolve_policy(fn: Callable, *specs, policy: str | None = None, memory_budget=None, wrt=None,
+                   has_aux: bool = False, at=None) -> PolicyChoice:
+    """The one place a policy, a memory budget and ``auto`` become a concrete policy.
+
+    ``policy="auto"`` measures (within the budget, if any); a budget alone picks
+    the policy that recomputes least among those that fit; otherwise the policy
+    as given (default ``everything``). A budget with another fixed policy is refused.
+    """
+    if memory_budget is not None and policy not in (None, "everything", AUTO):
+        raise VjpsplitError("give either a policy or a memory budget (or both with policy auto), not both")
+    if policy == AUTO:
+        auto = choose_auto(fn, *specs, wrt=wrt, has_aux=has_aux, at=at, memory_budget=memory_budget)
+        return PolicyChoice(auto.policy, auto.reason, auto)
+    if memory_budget is not None:
+        chosen, _ = choose_policy(fn, *specs, memory_budget=memory_budget, wrt=wrt, has_aux=has_aux, at=at)
+        return PolicyChoice(chosen, f"memory budget {memory_budget}: chose policy {chosen}")
+    return PolicyChoice(normalize_policy(policy))

@@ -1,0 +1,183 @@
+"""Termination signals while outputs are written: this process's temp files, removed before the signal acts.
+
+While a write is under way, SIGINT, SIGTERM and SIGHUP remove this process's
+temp files before the signal takes its usual effect (``cleanup_on_signals``);
+a commit of several renames holds them until it is done (``signals_deferred``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from typing import Iterator
+
+
+class Interrupted(BaseException):
+    """SIGINT, SIGTERM or SIGHUP arrived while outputs were being written.
+
+    A BaseException, so ``except Exception`` in a caller does not swallow it. By the
+    time it is raised this process's temp files are gone; when the guard that raised
+    it exits, the signal is delivered again to the handler that was there before.
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+# Temp files this process is writing right now; a termination signal removes them.
+_LIVE: set[str] = set()
+# Temp files that StagedOutputs hands to writers: atomic_write fills them in place.
+_STAGED: set[str] = set()
+# Staged temp files written with fsync=True: their rename is synced too.
+_DURABLE: set[str] = set()
+_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+class _Guard:
+    """State of ``cleanup_on_signals`` (one per process: signal handlers are too)."""
+
+    depth = 0
+    defer = 0
+    pending: int | None = None
+    raised = False
+    previous: dict = {}
+    committed = False  # some StagedOutputs committed since the outermost guard began
+
+
+def outputs_committed() -> bool:
+    """Whether outputs were committed under the current (or last) signal guard.
+
+    A signal that arrives during the renames is held until they finish, so an
+    interrupt can follow a complete commit: messages must not say nothing was written.
+    """
+    return _Guard.committed
+
+
+def remove_live_temps() -> None:
+    """Remove every temp file this process is writing (a termination signal arrived)."""
+    for tmp in list(_LIVE):
+        forget(tmp, quiet=True)
+
+
+def _on_signal(signum, frame) -> None:
+    if _Guard.pending is None:
+        _Guard.pending = signum
+    if _Guard.defer or _Guard.raised:
+        return  # committing, or already unwinding: the guard delivers it again at the end
+    _Guard.raised = True
+    remove_live_temps()
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def cleanup_on_signals() -> Iterator[None]:
+    """While active, SIGINT/SIGTERM/SIGHUP remove this process's temp files, then act as before.
+
+    The signal first raises ``Interrupted`` (so ``finally`` blocks run); on leaving
+    the outermost guard the previous handlers come back and the signal is delivered
+    again to them: by default SIGTERM and SIGHUP then end the process and SIGINT
+    raises KeyboardInterrupt. Signals set to be ignored stay ignored. Nests; does
+    nothing outside the main thread (Python runs signal handlers only there).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    outer = _Guard.depth == 0
+    _Guard.depth += 1
+    try:
+        if outer:  # inside the try: a signal during the installs still restores what was installed
+            _Guard.pending, _Guard.raised, _Guard.previous, _Guard.committed = None, False, {}, False
+            for s in _SIGNALS:
+                previous = signal.getsignal(s)
+                if previous in (signal.SIG_IGN, None):  # e.g. under nohup: the user asked to ignore it
+                    continue
+                _Guard.previous[s] = previous
+                signal.signal(s, _on_signal)
+        yield
+    finally:
+        _Guard.depth -= 1
+        if outer:
+            with signals_deferred():  # a signal now must not cut the restores short
+                for s, previous in _Guard.previous.items():
+                    signal.signal(s, previous)
+            pending = _Guard.pending
+            _Guard.pending, _Guard.raised, _Guard.previous = None, False, {}
+            if pending is not None:
+                remove_live_temps()
+                signal.raise_signal(pending)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Inside, a termination signal is only recorded, so a commit of several renames is not cut short."""
+    _Guard.defer += 1
+    try:
+        yield
+    finally:
+        _Guard.defer -= 1
+
+
+def forget(tmp: str, quiet: bool = False) -> None:
+    """Remove a temp file and every record of it; ``quiet`` ignores any OS error (the signal path)."""
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        if not quiet:
+            raise
+    _LIVE.discard(tmp)
+    _STAGED.discard(os.path.abspath(tmp))
+    _DURABLE.discard(os.path.abspath(tmp))
+
+
+def register_live(tmp: str) -> None:
+    """Note a temp file this process is about to create: a termination signal removes it."""
+    _LIVE.add(tmp)
+
+
+def discard_live(tmp: str) -> None:
+    """The temp file is renamed or removed: no longer this process's to clean up."""
+    _LIVE.discard(tmp)
+
+
+def live_temps() -> frozenset[str]:
+    """The temp files this process is writing now (for tests and diagnostics)."""
+    return frozenset(_LIVE)
+
+
+def staged_temps() -> frozenset[str]:
+    """The temp files ``StagedOutputs`` has handed to writers and not yet renamed or removed."""
+    return frozenset(_STAGED)
+
+
+def stage(tmp: str, durable: bool | None = None) -> None:
+    """Record a temp file as staged (``durable=None``), or as flushed to disk (``durable=True``)."""
+    if durable:
+        _DURABLE.add(os.path.abspath(tmp))
+    else:
+        _STAGED.add(os.path.abspath(tmp))
+
+
+def is_staged(path: str) -> bool:
+    """Whether ``path`` is a temp file ``StagedOutputs`` handed out (writers fill it in place)."""
+    return os.path.abspath(path) in _STAGED
+
+
+def is_durable(tmp: str) -> bool:
+    """Whether a staged temp file was flushed to disk by its writer."""
+    return os.path.abspath(tmp) in _DURABLE
+
+
+def unstage(tmp: str) -> None:
+    """A staged temp file was renamed into place: forget its records, keep the file."""
+    _STAGED.discard(os.path.abspath(tmp))
+    _DURABLE.discard(os.path.abspath(tmp))
+
+
+def mark_committed() -> None:
+    """Outputs were committed under the current guard (an interrupt now must not say nothing was written)."""
+    _Guard.committed = True
