@@ -141,7 +141,8 @@ def test_ray_events_are_on_the_drivers_clock(ray_session):
 
     arts, params, x, labels = make(2)
     with P.RayPipeline(arts, params) as rp:
-        rp.run(x, [labels], microbatches=2, schedule_name="1f1b")  # warm-up: compiles
+        warm = rp.run(x, [labels], microbatches=2, schedule_name="1f1b", progress=True)  # warm-up: compiles
+        assert len(warm.events) == sum(len(p) for p in P.schedule("1f1b", 2, 2))
         t0 = time.monotonic()
         r = rp.run(x, [labels], microbatches=2, schedule_name="1f1b")
         t1 = time.monotonic()

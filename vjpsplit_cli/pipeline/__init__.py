@@ -35,7 +35,8 @@ from .schedules import LABELS, SCHEDULES, SPLIT_BACKWARD, Op, check_schedule, de
 from .stage import StageWorker, check_stages, run_op, split_batch, stage_devices
 from .timeline import Event, PipelineResult, bubble_ratio, plot_timeline, replay, simulate
 
-__all__ = ["LABELS", "SCHEDULES", "SCHEDULE_TIMEOUT", "SPLIT_BACKWARD", "STEP_TIMEOUT", "Event", "Op", "PipelineResult", "RayPipeline",
+__all__ = ["LABELS", "SCHEDULES", "SCHEDULE_TIMEOUT", "SPLIT_BACKWARD", "STEP_TIMEOUT", "Event", "Op", "PipelineResult",
+           "RayPipeline",
            "StageActor", "StageWorker", "bubble_ratio", "check_schedule", "check_stages", "dependencies", "layout",
            "placement", "placement_group_options", "plot_timeline", "progress_bar", "replay", "run", "run_inprocess",
            "run_op", "schedule", "simulate", "split_batch", "stage_devices", "walk"]

@@ -43,7 +43,8 @@ class StageActor:
         """Load ``(stage index, artifact bytes, params)`` for each stage this worker holds."""
         from ..artifact import loads
 
-        self.stages = {c: StageWorker(loads(data, source=f"stage {c}"), params, c, stages) for c, data, params in chunks}
+        self.stages = {c: StageWorker(loads(data, source=f"stage {c}"), params, c, stages)
+                       for c, data, params in chunks}
         self.worker = min(self.stages)  # a worker's index is its first stage's, in both layouts
 
     def reset(self) -> None:

@@ -120,7 +120,8 @@ class RayPipeline:
             raise VjpsplitError(f"{', '.join(dead) or 'a stage'}: its Ray actor died ({why}); "
                                 "build a new RayPipeline to run again") from None
 
-    def run(self, x, side=(), *, microbatches: int, schedule_name: str = "1f1b", progress: bool = False) -> PipelineResult:
+    def run(self, x, side=(), *, microbatches: int, schedule_name: str = "1f1b",
+            progress: bool = False) -> PipelineResult:
         """One training step under ``schedule_name``; gradients accumulate over microbatches."""
         ray = self.ray
         S = self.stages
@@ -151,7 +152,10 @@ class RayPipeline:
             pending = list(refs)
             while pending:
                 # fetch_local=False: wait for completion without copying the values here
-                ready, pending = ray.wait(pending, num_returns=1, fetch_local=False)
+                left = t0 + self.step_timeout - time.monotonic()
+                ready, pending = ray.wait(pending, num_returns=1, fetch_local=False, timeout=max(left, 0))
+                if not ready and left <= 0:
+                    raise VjpsplitError(f"the step did not finish within step_timeout={self.step_timeout:g} s")
                 if bar is not None:
                     bar.update(len(ready))
             if bar is not None:

@@ -120,8 +120,6 @@ class StageWorker:
     """One stage: its artifact, parameters, residuals in flight and accumulated gradients."""
 
     def __init__(self, artifact, params, index: int, stages: int):
-        import jax
-
         self.art = artifact
         # Once, not on every microbatch: on a sharded stage, by its recorded shardings on its devices.
         self.params = artifact.place_arg(0, params)
