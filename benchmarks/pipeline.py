@@ -1,5 +1,9 @@
 """Pipeline schedules on 2 workers: 1F1B vs ZB-H1 vs ZB-V, in-process and on Ray; B + W vs the fused backward.
 
+Also the cost per operation on tiny stages (16 microbatches of 4 rows, width 16),
+where the runner's own overhead is all there is: in-process with 2 and with 8
+stages, and on Ray as a compiled graph and as one actor call per operation.
+
     python -m benchmarks --only pipeline            # the full run (by hand; about 2 minutes)
     python -m benchmarks.pipeline [--quick]         # the same, this section alone
 
@@ -25,9 +29,12 @@ from benchmarks.timing import SINGLE_THREAD, run_section
 
 
 def _config(quick: bool) -> dict:
+    tiny = {"width": 16, "rows": 4, "layers": 8, "microbatches": 16, "rounds": 5 if quick else 25}
     if quick:
-        return {"width": 256, "rows": 32, "layers": 4, "microbatches": 4, "rounds": 3, "ray": True, "bw_rounds": 10}
-    return {"width": 1024, "rows": 128, "layers": 8, "microbatches": 8, "rounds": 15, "ray": True, "bw_rounds": 40}
+        return {"width": 256, "rows": 32, "layers": 4, "microbatches": 4, "rounds": 3, "ray": True, "bw_rounds": 10,
+                "tiny": tiny}
+    return {"width": 1024, "rows": 128, "layers": 8, "microbatches": 8, "rounds": 15, "ray": True, "bw_rounds": 40,
+            "tiny": tiny}
 
 
 def run(quick: bool) -> tuple[str, list[dict]]:
@@ -52,6 +59,28 @@ def table(data: dict) -> str:
     for r in data["rows"]:
         lines.append(f"| {r['runner']} | {r['label']} | {r['stages']} | {r['step'] * 1e3:.1f} ms | "
                      f"{r['speedup']:.2f}× | {r['bubble']:.1%} | {r['modeled']:.1%} | {r['unit']:.1%} |")
+    step = {(r["runner"], r["schedule"]): r["step"] for r in data["rows"]}
+    if ("Ray", "1f1b") in step:
+        lines += ["", "MLP, Ray step / in-process step: " + ", ".join(
+            f"{r} {step[(r, n)] / step[('in-process', n)]:.2f}× ({n})" for r in ("Ray", "Ray calls")
+            for n in ("1f1b", "zbh1", "zbv") if (r, n) in step)]
+    t = data.get("tiny")
+    if t:
+        tc = c["tiny"]
+        base = t["rows"][0]
+        lines += ["", f"Tiny stages: {tc['layers']} dense layers of width {tc['width']}, 1F1B, {tc['microbatches']} "
+                      f"microbatches of {tc['rows']} rows; medians of {tc['rounds']} interleaved steps.", "",
+                  "| runner | stages | step time | per operation | step / in-process (2 stages) |",
+                  "|---|---:|---:|---:|---:|"]
+        for r in t["rows"]:
+            lines.append(f"| {r['runner']} | {r['stages']} | {r['step'] * 1e3:.2f} ms | {r['per_op'] * 1e6:.0f} µs | "
+                         f"{r['step'] / base['step']:.2f}× |")
+        per = {(r["runner"], r["stages"]): r["per_op"] for r in t["rows"]}
+        lines += ["", f"In-process cost per operation, 8 stages / 2 stages: "
+                      f"{per[('in-process', 8)] / per[('in-process', 2)]:.2f}×"]
+    fails = data.get("failures", []) + (t or {}).get("failures", [])
+    if fails:
+        lines += ["", "Did not finish (left out above): " + "; ".join(fails)]
     return "\n".join(lines)
 
 
@@ -88,14 +117,17 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
         logits = x @ params[-1]["w"] + params[-1]["b"]
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
 
-    rng = np.random.default_rng(0)
-    params = [{"w": (rng.normal(size=(W, W)) / np.sqrt(W)).astype(np.float32), "b": np.zeros(W, np.float32)}
-              for _ in range(L)]
-    x = rng.normal(size=(M * R, W)).astype(np.float32)
-    labels = rng.integers(0, W, M * R).astype(np.int32)
-    loss = float(head(params, x, labels))
+    def model(W, L, M, R):
+        rng = np.random.default_rng(0)
+        params = [{"w": (rng.normal(size=(W, W)) / np.sqrt(W)).astype(np.float32), "b": np.zeros(W, np.float32)}
+                  for _ in range(L)]
+        x = rng.normal(size=(M * R, W)).astype(np.float32)
+        labels = rng.integers(0, W, M * R).astype(np.int32)
+        return params, x, labels, float(head(params, x, labels))
 
-    def cut(n):
+    def cut(n, params=None):
+        params = params or model_params
+        W, L = params[0]["w"].shape[0], len(params)
         (b,) = jexport.symbolic_shape("b")
         s = jax.ShapeDtypeStruct
         k = L // n
@@ -108,6 +140,9 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
                               weights="params", platforms=platform))
         return arts, groups
 
+    tiny = _tiny(cfg["tiny"], model, cut, P, cfg["ray"])
+    params, x, labels, loss = model(W, L, M, R)
+    model_params = params
     cuts = {2: cut(2), 4: cut(4)}
 
     # B + W against the fused backward, through the pipeline's own per-op calls.
@@ -144,38 +179,33 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
             raise RuntimeError(f"{runner} {name}: loss {r.loss} != {loss}")
         samples.setdefault((runner, name), []).append(r)
 
-    runners = {"in-process": {n: (lambda n=n: P.run_inprocess(*cuts[4 if n == "zbv" else 2], x, [labels],
-                                                             microbatches=M, schedule_name=n)) for n in schedules}}
-    pipes = []
+    def inprocess():
+        return {n: (lambda n=n: P.run_inprocess(*cuts[4 if n == "zbv" else 2], x, [labels], microbatches=M,
+                                               schedule_name=n)) for n in schedules}, []
+
+    def on_ray(compiled, name):
+        # One pipeline per schedule: a RayPipeline holds one compiled graph at a time.
+        def setup():
+            rp = P.RayPipeline(*cuts[4 if name == "zbv" else 2], layout=P.layout(name), compiled=compiled,
+                                step_timeout=60)
+            return {name: lambda: rp.run(x, [labels], microbatches=M, schedule_name=name)}, [rp]
+        return setup
+
+    phases = [("in-process", inprocess)]
     if cfg["ray"]:
-        import ray
-
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"XLA_FLAGS": os.environ.get("XLA_FLAGS", SINGLE_THREAD)}})
-        by_layout = {lay: P.RayPipeline(*cuts[4 if lay == "v" else 2], layout=lay) for lay in ("stage", "v")}
-        pipes = list(by_layout.values())
-        runners["Ray"] = {n: (lambda n=n: by_layout[P.layout(n)].run(x, [labels], microbatches=M, schedule_name=n))
-                          for n in schedules}
-    try:
-        for runner, fns in runners.items():
-            for name, fn in fns.items():
-                fn()  # warm-up: traces and compiles each stage's calls
-            for _ in range(cfg["rounds"]):
-                for name, fn in fns.items():
-                    record(runner, name, fn())
-                    time.sleep(0.01)
-    finally:
-        for rp in pipes:
-            rp.close()
-        if pipes:
-            import ray
-
-            ray.shutdown()
+        phases += [(runner, on_ray(compiled, n)) for runner, compiled in (("Ray", True), ("Ray calls", False))
+                   for n in schedules]
+    failures: dict = {}
+    _phases(phases, cfg["rounds"], record, cfg["ray"], failures)
+    runners = dict.fromkeys(r for r, _ in phases)
 
     rows = []
     for runner in runners:
-        base = statistics.median(r.step_time for r in samples[(runner, "1f1b")])
+        base = statistics.median(r.step_time for r in samples.get((runner, "1f1b"), [])) \
+            if (runner, "1f1b") in samples else float("nan")
         for name in schedules:
+            if (runner, name) in failures or (runner, name) not in samples:
+                continue
             rs = samples[(runner, name)]
             step = statistics.median(r.step_time for r in rs)
             # One device per worker, each op its median measured time.
@@ -188,12 +218,84 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
             modeled = P.simulate(P.schedule(name, S, M), S, lambda o: med[(o.chunk, o.kind, o.mb)])
             ops = {k: statistics.median(v for (c, kk, _), v in med.items() if kk == k) for k in "FBW" if
                    any(kk == k for (_, kk, _) in med)}
-            rows.append({"runner": runner, "schedule": name, "label": P._LABELS[name], "stages": S, "step": step,
+            rows.append({"runner": runner, "schedule": name, "label": P.LABELS[name], "stages": S, "step": step,
                          "speedup": base / step, "bubble": statistics.median(r.bubble_ratio for r in rs),
                          "modeled": P.bubble_ratio(modeled, p), "unit": unit_model(name),
                          "modeled_makespan": max(e.end for e in modeled) - min(e.start for e in modeled),
                          "op_medians": ops})
-    return {"config": cfg, "bw": bw, "rows": rows, "load": os.getloadavg()[0]}
+    return {"config": cfg, "bw": bw, "rows": rows, "tiny": tiny, "load": os.getloadavg()[0],
+            "failures": [f"{r} {n}: {e}" for (r, n), e in failures.items()]}
+
+
+def _phases(phases: list, rounds: int, record, ray_too: bool, failures: dict) -> None:
+    """Each ``(runner, setup)`` in a phase of its own: set up, warm up, ``rounds`` interleaved steps, close.
+
+    Phases, not rounds across runners: an idle compiled Ray graph polls its
+    channels (about a third of a core per actor here), which would slow whatever
+    else is measured beside it.
+    """
+    import ray
+
+    from vjpsplit_cli import VjpsplitError
+
+    if ray_too:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"XLA_FLAGS": os.environ.get("XLA_FLAGS", SINGLE_THREAD)}})
+    try:
+        for runner, setup in phases:
+            print(f"phase {runner}", file=sys.stderr, flush=True)
+            fns, pipes = setup()
+            try:
+                for fn in fns.values():  # warm-up: traces and compiles each stage's calls (and the graph)
+                    fn()
+                    fn()
+                for _ in range(rounds):
+                    for name, fn in fns.items():
+                        record(runner, name, fn())
+                        time.sleep(0.01)
+            except VjpsplitError as e:  # a step past its step_timeout: reported, not hung on
+                for name in fns:
+                    failures[(runner, name)] = str(e)
+            finally:
+                for rp in pipes:
+                    rp.close()
+    finally:
+        if ray_too:
+            ray.shutdown()
+
+
+def _tiny(tc: dict, model, cut, P, ray_too: bool) -> dict:
+    """Step time and time per operation on tiny stages: the runners' own overhead."""
+    M = tc["microbatches"]
+    params, x, labels, loss = model(tc["width"], tc["layers"], M, tc["rows"])
+    cuts = {n: cut(n, params) for n in (2, 8)}
+    steps: dict = {}
+
+    def record(runner, name, r):
+        if not abs(r.loss - loss) <= 1e-4 * abs(loss):
+            raise RuntimeError(f"tiny {runner} {name}: loss {r.loss} != {loss}")
+        steps.setdefault((runner, name), []).append(r.step_time)
+
+    def on_ray(compiled):
+        def setup():
+            rp = P.RayPipeline(*cuts[2], compiled=compiled, step_timeout=60)
+            return {2: lambda: rp.run(x, [labels], microbatches=M, schedule_name="1f1b")}, [rp]
+        return setup
+
+    phases = [("in-process", lambda: ({n: (lambda n=n: P.run_inprocess(*cuts[n], x, [labels], microbatches=M,
+                                                                      schedule_name="1f1b")) for n in (2, 8)}, []))]
+    if ray_too:
+        phases += [("Ray", on_ray(True)), ("Ray calls", on_ray(False))]
+    failures: dict = {}
+    _phases(phases, tc["rounds"], record, ray_too, failures)
+    rows = []
+    for (runner, n), ts in steps.items():
+        if (runner, n) in failures:
+            continue
+        ops = sum(len(p) for p in P.schedule("1f1b", n, M))
+        step = statistics.median(ts)
+        rows.append({"runner": runner, "stages": n, "step": step, "per_op": step / ops})
+    return {"rows": rows, "failures": [f"{r} ({n} stages): {e}" for (r, n), e in failures.items()]}
 
 
 def main(argv=None) -> int:

@@ -100,27 +100,31 @@ def test_ray_gradients_equal_value_and_grad(ray_session, stages):
     loss, grads = jax.value_and_grad(whole)(params, x, labels)
     layouts = ["stage", "v"] if stages % 2 == 0 else ["stage"]
     for lay in layouts:
-        with P.RayPipeline(arts, params, layout=lay) as rp:
+        with P.RayPipeline(arts, params, layout=lay, compiled=None) as rp:
             for name in [n for n in P.SCHEDULES if P.layout(n) == lay]:
                 r = rp.run(x, [labels], microbatches=4, schedule_name=name)
-                assert r.runner == "ray"
+                assert r.runner == "ray" and r.extra["compiled"]  # compiled=None: a Compiled Graph where Ray can
                 np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
                 assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
                 assert {e.stage for e in r.events} == set(range(stages))
                 assert {e.worker for e in r.events} == set(range(r.workers))
 
 
-def test_ray_driver_fetches_only_gradients_and_timings(ray_session, monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_ray_driver_fetches_only_gradients_and_timings(ray_session, monkeypatch, compiled):
     arts, params, x, labels = make(4)
-    with P.RayPipeline(arts, params, layout="v") as rp:
+    with P.RayPipeline(arts, params, layout="v", compiled=compiled) as rp:
+        rp.run(x, [labels], microbatches=4, schedule_name="zbv")  # compiles the step's graph (which gets refs)
         fetched = []
         real_get = ray_session.get
         monkeypatch.setattr(rp.ray, "get", lambda refs, *a, **k: fetched.append(len(refs)) or real_get(refs, *a, **k))
         with pytest.raises(vs.VjpsplitError, match="needs RayPipeline"):
             rp.run(x, [labels], microbatches=4, schedule_name="zbh1")
         r = rp.run(x, [labels], microbatches=4, schedule_name="zbv")
-        # One get for the actors' reset, one for their final state: no activation or cotangent reaches the driver.
-        assert fetched == [2, 2] and len(r.events) == sum(len(p) for p in P.schedule("zbv", 4, 4))
+        # Actor calls: one get for the actors' reset, one for their final state; a compiled step: one get of
+        # the actors' states. No activation or cotangent reaches the driver.
+        assert fetched == ([2] if compiled else [2, 2]) and r.extra["compiled"] is compiled
+        assert len(r.events) == sum(len(p) for p in P.schedule("zbv", 4, 4))
 
 
 def test_ray_stage_error_reaches_the_driver(ray_session):
@@ -130,6 +134,67 @@ def test_ray_stage_error_reaches_the_driver(ray_session):
         for _ in range(2):  # the step fails on the driver, not in a hang, and the next one too
             with pytest.raises(vs.VjpsplitError, match="params"):
                 rp.run(x, [labels], microbatches=4, schedule_name="zbh1")
+
+
+def test_ray_events_are_on_the_drivers_clock(ray_session):
+    import time
+
+    arts, params, x, labels = make(2)
+    with P.RayPipeline(arts, params) as rp:
+        warm = rp.run(x, [labels], microbatches=2, schedule_name="1f1b", progress=True)  # warm-up: compiles
+        assert len(warm.events) == sum(len(p) for p in P.schedule("1f1b", 2, 2))
+        t0 = time.monotonic()
+        r = rp.run(x, [labels], microbatches=2, schedule_name="1f1b")
+        t1 = time.monotonic()
+        rp.step_timeout = 1e-6  # a step that is not back in time is an error, not a hang
+        with pytest.raises(vs.VjpsplitError, match="did not finish within step_timeout=1e-06 s"):
+            rp.run(x, [labels], microbatches=2, schedule_name="1f1b")
+    # Every actor's events, moved by its measured offset, fall inside the step as the driver saw it.
+    assert t0 <= min(e.start for e in r.events) and max(e.end for e in r.events) <= t1
+    assert all(e.start <= e.end for e in r.events) and len(rp.clock_offsets) == 2
+
+
+def test_ray_settings_a_running_ray_would_ignore_are_refused(ray_session):
+    arts, params, x, labels = make(2)
+    with pytest.raises(vs.VjpsplitError, match="already initialised, connected to .*address='10.9.9.9:6379'"):
+        P.RayPipeline(arts, params, address="10.9.9.9:6379")
+    with pytest.raises(vs.VjpsplitError, match="already initialised with another runtime_env"):
+        P.RayPipeline(arts, params, runtime_env={"env_vars": {"VJPSPLIT_TEST": "1"}})
+    with pytest.raises(vs.VjpsplitError, match="actor_options has 1 entries for 2 workers"):
+        P.RayPipeline(arts, params, actor_options=[{}])
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_ray_dead_actor_is_named_and_a_new_pipeline_runs(ray_session, compiled):
+    arts, params, x, labels = make(2)
+    loss, grads = jax.value_and_grad(whole)(params, x, labels)
+    with P.RayPipeline(arts, params, compiled=compiled) as rp:
+        rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
+        ray_session.kill(rp.actors[1])
+        with pytest.raises(vs.VjpsplitError, match="stage 1: its Ray actor died.*build a new RayPipeline"):
+            rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
+    with P.RayPipeline(arts, params) as rp:
+        r = rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
+        assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
+
+
+def test_ray_falls_back_to_actor_calls_without_compiled_graphs(ray_session, monkeypatch):
+    import ray.dag
+
+    class NoGraphs:
+        def __init__(self, *a, **k):
+            raise NotImplementedError("no Compiled Graphs on this Ray")
+
+    monkeypatch.setattr(ray.dag, "InputNode", NoGraphs)
+    arts, params, x, labels = make(2)
+    loss, grads = jax.value_and_grad(whole)(params, x, labels)
+    with P.RayPipeline(arts, params, compiled=None) as rp:
+        r = rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
+        assert r.extra["compiled"] is False
+        assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
+    with P.RayPipeline(arts, params, compiled=True) as rp:  # asked for explicitly: an error, not a fallback
+        with pytest.raises(vs.VjpsplitError, match="could not compile the step's graph.*no Compiled Graphs"):
+            rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
 
 
 def test_forward_fast_path_keeps_the_callers_arrays():
@@ -146,9 +211,12 @@ def test_forward_fast_path_keeps_the_callers_arrays():
 
 
 def test_progress_bar_counts_every_op(monkeypatch):
+    import tqdm
+
     class Recorder:
-        def __init__(self, total):
+        def __init__(self, total, **kwargs):
             self.total, self.n, self.closed = total, 0, False
+            bars.append(self)
 
         def update(self, k):
             self.n += k
@@ -157,7 +225,7 @@ def test_progress_bar_counts_every_op(monkeypatch):
             self.closed = True
 
     bars = []
-    monkeypatch.setattr(P, "_progress", lambda total, enabled: bars.append(Recorder(total)) or bars[-1])
+    monkeypatch.setattr(tqdm, "tqdm", Recorder)
     arts, params, x, labels = make(2)
     P.run(arts, params, x, [labels], microbatches=2, schedule_name="zbh1", progress=True)
     total = sum(len(p) for p in P.schedule("zbh1", 2, 2))
@@ -167,7 +235,7 @@ def test_progress_bar_counts_every_op(monkeypatch):
 def test_progress_bar_is_tqdm_when_asked():
     from tqdm import tqdm
 
-    bar = P._progress(3, True)
+    bar = P.progress_bar(3, True)
     assert isinstance(bar, tqdm)
     bar.close()
-    assert P._progress(3, False) is None
+    assert P.progress_bar(3, False) is None

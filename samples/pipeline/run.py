@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     rows = []
     for runner in runners:
         for name in P.SCHEDULES:
-            note(f"{RUNNERS[runner]}, {P._LABELS[name]}: a warm-up step, then {args.steps} measured")
+            note(f"{RUNNERS[runner]}, {P.LABELS[name]}: a warm-up step, then {args.steps} measured")
             arts, stage_params = cuts[2 * WORKERS if name == "zbv" else WORKERS]
             rp = P.RayPipeline(arts, stage_params, layout=P.layout(name)) if runner == "ray" else None
             try:
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
           "| modeled bubble (1 device/worker) |")
     print("|---|---|---:|---:|---:|---:|")
     for runner, name, n, t, bub, model_bub in rows:
-        print(f"| {RUNNERS[runner]} | {P._LABELS[name]} | {n} | {t * 1e3:.0f} ms | {bub:.0%} | {model_bub:.0%} |")
+        print(f"| {RUNNERS[runner]} | {P.LABELS[name]} | {n} | {t * 1e3:.0f} ms | {bub:.0%} | {model_bub:.0%} |")
     print()
     print(f"timelines: {out}")
     return 0

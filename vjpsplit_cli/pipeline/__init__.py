@@ -1,0 +1,54 @@
+"""Pipeline parallelism over artifacts: GPipe, 1F1B, ZB-H1 and ZB-V schedules, in-process or on Ray.
+
+A model is cut into S stages, one artifact each. Stage ``s`` is a function
+``stage(params, x, *side)``: ``x`` is the previous stage's output (the batch input
+for stage 0) and ``side`` are per-microbatch inputs such as labels. The last stage
+returns the microbatch's scalar loss (a mean over the microbatch); the pipeline's
+loss is the mean over microbatches, so its gradients equal ``value_and_grad`` of
+the whole model on the whole batch.
+
+Stages run on *workers* (threads or Ray actors). GPipe, 1F1B and ZB-H1 put one
+stage on each worker; ZB-V puts two on each, in a V: worker ``w`` of ``p = S/2``
+holds stages ``w`` and ``2p-1-w``. Each worker runs its own list of operations in
+order (``schedule``): ``F`` (forward, keeping residuals), ``B`` (backward; in
+ZB-H1 and ZB-V only its input part, which the previous stage waits for) and ``W``
+(the weight part, deferred into what would be idle time). Residuals never leave
+their worker; activations and cotangents go between stages (through Ray's object
+store with the Ray runner).
+
+The package's modules: ``schedules`` (pure lists of operations), ``timeline``
+(events, simulation, bubbles, plots), ``stage`` (one stage's operations),
+``dispatch`` (the one walker every runner hands its operations to),
+``inprocess`` and ``ray_runner`` (the runners; ``ray_actor`` is the actor).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..errors import VjpsplitError
+from .dispatch import progress_bar, walk
+from .inprocess import run_inprocess
+from .ray_actor import StageActor
+from .ray_runner import SCHEDULE_TIMEOUT, STEP_TIMEOUT, RayPipeline, placement_group_options
+from .schedules import LABELS, SCHEDULES, SPLIT_BACKWARD, Op, check_schedule, dependencies, layout, placement, schedule
+from .stage import StageWorker, check_stages, run_op, split_batch, stage_devices
+from .timeline import Event, PipelineResult, bubble_ratio, plot_timeline, replay, simulate
+
+__all__ = ["LABELS", "SCHEDULES", "SCHEDULE_TIMEOUT", "SPLIT_BACKWARD", "STEP_TIMEOUT", "Event", "Op", "PipelineResult",
+           "RayPipeline",
+           "StageActor", "StageWorker", "bubble_ratio", "check_schedule", "check_stages", "dependencies", "layout",
+           "placement", "placement_group_options", "plot_timeline", "progress_bar", "replay", "run", "run_inprocess",
+           "run_op", "schedule", "simulate", "split_batch", "stage_devices", "walk"]
+
+
+def run(artifacts: Sequence, params: Sequence, x, side=(), *, microbatches: int, schedule_name: str = "1f1b",
+        runner: str = "inprocess", address: str | None = None, progress: bool = False) -> PipelineResult:
+    """One pipelined training step: ``runner`` is ``inprocess`` (default) or ``ray``."""
+    if runner == "inprocess":
+        return run_inprocess(artifacts, params, x, side, microbatches=microbatches, schedule_name=schedule_name,
+                             progress=progress)
+    if runner == "ray":
+        with RayPipeline(artifacts, params, address=address, layout=layout(schedule_name)) as rp:
+            return rp.run(x, side, microbatches=microbatches, schedule_name=schedule_name, progress=progress)
+    raise VjpsplitError(f"unknown runner {runner!r}; use inprocess or ray")

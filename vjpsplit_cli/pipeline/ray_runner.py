@@ -1,0 +1,314 @@
+"""The Ray runner: workers as Ray actors placed by per-worker actor options, on the driver's clock.
+
+Actors that Ray cannot place within ``schedule_timeout`` are one error naming
+the stage and the resource it lacks; an actor that dies during a step is one
+error naming its stages. Each actor's monotonic clock is measured against the
+driver's at start, and its events are moved onto the driver's clock.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ..errors import VjpsplitError
+from .compiled import compile_step
+from .dispatch import progress_bar, walk
+from .ray_actor import StageActor, devices_for
+from .schedules import LABELS, SPLIT_BACKWARD, layout, placement, schedule
+from .stage import check_stages, split_batch
+from .timeline import PipelineResult
+
+SCHEDULE_TIMEOUT = 60.0  # seconds for Ray to place and start every actor
+STEP_TIMEOUT = 600.0  # seconds for one step's results, after which the step is an error, not a hang
+
+
+class RayPipeline:
+    """Workers as Ray actors (one process each); activations and cotangents go through Ray's object store.
+
+    ``layout="stage"`` (default) puts one stage on each actor, for GPipe, 1F1B and
+    ZB-H1; ``layout="v"`` puts two on each in ZB-V's V. ``address=None`` starts (or
+    joins) a local Ray instance; pass a cluster address (``ray://host:10001`` or
+    ``auto``) for multi-host. ``actor_options`` gives one dict of Ray actor options
+    per worker (``num_cpus``, ``num_gpus``, ``resources``, ``scheduling_strategy``
+    such as a placement group bundle or ``NodeAffinitySchedulingStrategy``; see
+    ``placement_group_options``). Actors not placed and started within
+    ``schedule_timeout`` seconds are an error naming the stage and what it lacks.
+    Actors persist across ``run`` calls; ``close()`` (or ``with``) ends them. The
+    driver sends the batch and fetches the gradients, losses and timings once per
+    step; activations and cotangents pass from actor to actor without reaching it.
+    ``nodes[w]`` is the Ray node id worker ``w`` runs on; ``clock_offsets[w]`` its
+    clock minus the driver's (seconds). ``compiled=True`` runs each step as a Ray
+    Compiled Graph (``None``: where Ray can compile it, else actor calls; default
+    False: one actor call per operation). A step whose results are not back within
+    ``step_timeout`` seconds is an error.
+    """
+
+    def __init__(self, artifacts: Sequence, params: Sequence, *, address: str | None = None,
+                 runtime_env: dict | None = None, num_cpus_per_stage: float = 0, layout: str = "stage",
+                 actor_options: Sequence[Mapping[str, Any]] | None = None,
+                 schedule_timeout: float = SCHEDULE_TIMEOUT, compiled: bool | None = False,
+                 step_timeout: float = STEP_TIMEOUT):
+        try:
+            import ray
+        except ImportError as e:
+            raise VjpsplitError("the Ray runner needs Ray; pip install 'vjpsplit[ray]'") from e
+        if layout not in ("stage", "v"):
+            raise VjpsplitError(f"unknown layout {layout!r}; use stage or v")
+        if len(params) != len(artifacts):
+            raise VjpsplitError(f"{len(artifacts)} stages but {len(params)} parameter sets")
+        self.ray = ray
+        self.compiled = compiled
+        self.step_timeout = step_timeout
+        self.graph = None  # (key, compiled graph) of the last compiled step
+        self.layout = layout
+        self.stages = len(artifacts)
+        self.artifacts = list(artifacts)
+        self.placement = placement("zbv" if layout == "v" else "1f1b", self.stages)
+        if actor_options is not None and len(actor_options) != len(self.placement):
+            raise VjpsplitError(f"actor_options has {len(actor_options)} entries for {len(self.placement)} workers; "
+                                "give one dict of Ray actor options per worker")
+        self.started = _init_ray(ray, address, runtime_env, len(self.placement))
+        self.actors: list = []
+        self.options = []
+        for w, chunks in enumerate(self.placement):
+            opts = {"num_cpus": num_cpus_per_stage, **(dict(actor_options[w]) if actor_options else {})}
+            devices_for(opts, max(artifacts[c].manifest.nr_devices for c in chunks))
+            self.options.append(opts)
+            self.actors.append(ray.remote(StageActor).options(**opts).remote())
+        try:
+            self.nodes = self._wait_placed(schedule_timeout)
+            self.clock_offsets = [_clock_offset(ray, a) for a in self.actors]
+            self._get([a.load.remote([(c, artifacts[c].to_bytes(), params[c]) for c in chunks], self.stages)
+                       for a, chunks in zip(self.actors, self.placement)])
+        except BaseException:
+            self.close()
+            raise
+
+    def _name(self, w: int) -> str:
+        chunks = self.placement[w]
+        return f"stage {chunks[0]}" if len(chunks) == 1 else f"stages {' and '.join(map(str, chunks))} (worker {w})"
+
+    def _wait_placed(self, timeout: float) -> list[str]:
+        ray = self.ray
+        refs = [a.ready.remote() for a in self.actors]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        if pending:
+            w = refs.index(pending[0])
+            raise VjpsplitError(f"{self._name(w)}: Ray did not place its actor within {timeout:g} s: "
+                                f"{_lack(ray, self.options[w])}")
+        return self._get(refs)
+
+    def _get(self, refs, timeout: float | None = None):
+        """``ray.get``, with a dead actor reported by the stages it held, and a step past ``timeout`` an error."""
+        ray = self.ray
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise VjpsplitError(f"the step did not finish within step_timeout={timeout:g} s") from None
+        except ray.exceptions.RayActorError as e:
+            dead = []
+            for w, a in enumerate(self.actors):
+                try:
+                    ray.get(a.clock.remote(), timeout=30)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    dead.append(self._name(w))
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise VjpsplitError(f"{', '.join(dead) or 'a stage'}: its Ray actor died ({why}); "
+                                "build a new RayPipeline to run again") from None
+
+    def run(self, x, side=(), *, microbatches: int, schedule_name: str = "1f1b",
+            progress: bool = False) -> PipelineResult:
+        """One training step under ``schedule_name``; gradients accumulate over microbatches."""
+        ray = self.ray
+        S = self.stages
+        check_stages(self.artifacts, schedule_name)
+        if layout(schedule_name) != self.layout:
+            raise VjpsplitError(f"{LABELS[schedule_name]} needs RayPipeline(layout={layout(schedule_name)!r}); "
+                                f"this one was made with layout={self.layout!r}")
+        if not self.actors:
+            raise VjpsplitError("this RayPipeline is closed; build a new one")
+        plans = schedule(schedule_name, S, microbatches)
+        split = schedule_name in SPLIT_BACKWARD
+        mbs = split_batch(x, side, microbatches)
+        if self.compiled is not False and not progress:
+            graph = self._graph(plans, microbatches, split, schedule_name)
+            if graph is not None:
+                return self._run_graph(graph, mbs, schedule_name, microbatches)
+        self._drop_graph()  # its actors take ordinary calls again
+        self._get([a.reset.remote() for a in self.actors])
+        t0 = time.monotonic()
+
+        def submit(w, op, data, side_):
+            # Each actor runs its tasks in submission order, which walk keeps to its list.
+            return self.actors[w].op.remote(op.kind, op.chunk, op.mb, data, side_, microbatches, split)
+
+        refs = walk(plans, S, mbs, submit)
+        if progress:
+            bar = progress_bar(len(refs), progress)
+            pending = list(refs)
+            while pending:
+                # fetch_local=False: wait for completion without copying the values here
+                left = t0 + self.step_timeout - time.monotonic()
+                ready, pending = ray.wait(pending, num_returns=1, fetch_local=False, timeout=max(left, 0))
+                if not ready and left <= 0:
+                    raise VjpsplitError(f"the step did not finish within step_timeout={self.step_timeout:g} s")
+                if bar is not None:
+                    bar.update(len(ready))
+            if bar is not None:
+                bar.close()
+        states = self._get([a.state.remote() for a in self.actors], self.step_timeout)  # after each one's last op
+        step = time.monotonic() - t0
+        return self._result(states, schedule_name, microbatches, step, False)
+
+    def _graph(self, plans, microbatches: int, split: bool, schedule_name: str):
+        """The step's compiled graph, built once per (schedule, microbatches); None where unavailable."""
+        key = (schedule_name, microbatches)
+        if self.graph is not None and self.graph[0] == key:
+            return self.graph[1]
+        self._drop_graph()  # an actor takes part in one compiled graph at a time
+        try:
+            graph = compile_step(self.actors, plans, self.stages, microbatches, split)
+        except Exception as e:  # noqa: BLE001 - no Compiled Graphs here: actor calls do the same work
+            if self.compiled:
+                raise VjpsplitError(f"Ray could not compile the step's graph ({type(e).__name__}: {e}); "
+                                    "use compiled=False (or None) for actor calls") from e
+            self.compiled = False
+            return None
+        self.graph = (key, graph)
+        return graph
+
+    def _drop_graph(self) -> None:
+        if self.graph is not None:
+            graph, self.graph = self.graph[1], None
+            try:
+                graph.teardown()
+            except Exception:  # noqa: BLE001 - a graph whose actor died tears down with an error
+                pass
+
+    def _run_graph(self, graph, mbs, schedule_name: str, microbatches: int) -> PipelineResult:
+        ray = self.ray
+        t0 = time.monotonic()
+        try:
+            # Our own limit, not Compiled Graphs' default 10 s, which a long step exceeds.
+            states = ray.get(graph.execute(*[x for x, _ in mbs], *[side for _, side in mbs]),
+                             timeout=self.step_timeout)
+        except ray.exceptions.RayChannelTimeoutError:
+            self._drop_graph()
+            raise VjpsplitError(f"the compiled step did not finish within step_timeout={self.step_timeout:g} s; "
+                                "build a new RayPipeline (compiled=False for actor calls) to run again") from None
+        except ray.exceptions.RayError as e:
+            self._drop_graph()
+            self._get([a.clock.remote() for a in self.actors])  # names a dead actor's stages
+            raise VjpsplitError(f"the compiled step failed ({type(e).__name__}: {e}); "
+                                "build a new RayPipeline to run again") from None
+        return self._result(states, schedule_name, microbatches, time.monotonic() - t0, True)
+
+    def _result(self, states, schedule_name, microbatches, step, compiled: bool) -> PipelineResult:
+        S = self.stages
+        failed = [st["error"] for st in states if st["error"] is not None]
+        if failed:
+            raise failed[0]
+        grads = {c: g for st in states for c, g in st["grads"].items()}
+        losses = next(st["losses"] for st in states if S - 1 in st["grads"])
+        events = [e.shifted(off) for st, off in zip(states, self.clock_offsets) for e in st["events"]]
+        return PipelineResult(schedule_name, float(np.mean([losses[m] for m in range(microbatches)])),
+                              [grads[c] for c in range(S)], sorted(events, key=lambda e: e.start),
+                              S, microbatches, "ray", step, {"compiled": compiled})
+
+    def close(self) -> None:
+        """End the actors (and the local Ray instance, if this object started it)."""
+        self._drop_graph()
+        for a in self.actors:
+            self.ray.kill(a)
+        self.actors = []
+        if self.started:
+            self.ray.shutdown()
+            self.started = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _init_ray(ray, address: str | None, runtime_env: dict | None, workers: int) -> bool:
+    """Start or join Ray; True when this call started it. Refuses settings a running Ray would ignore."""
+    if not ray.is_initialized():
+        kwargs = {"address": address} if address else {"num_cpus": max(workers, os.cpu_count() or 1)}
+        ray.init(include_dashboard=False, log_to_driver=False, runtime_env=runtime_env, **kwargs)
+        return True
+    ctx = ray.get_runtime_context()
+    current = ctx.gcs_address
+    if address and address != "auto" and address.removeprefix("ray://") != current:
+        raise VjpsplitError(f"Ray is already initialised, connected to {current}; address={address!r} would be "
+                            "ignored: leave address out, or call ray.shutdown() first")
+    if runtime_env and dict(runtime_env) != dict(ctx.runtime_env or {}):
+        raise VjpsplitError("Ray is already initialised with another runtime_env; runtime_env would be ignored: "
+                            "give it per worker in actor_options, or call ray.shutdown() first")
+    return False
+
+
+def _clock_offset(ray, actor, pings: int = 5) -> float:
+    """The actor's monotonic clock minus the driver's, from the ping with the shortest round trip."""
+    best = None
+    for _ in range(pings):
+        t0 = time.monotonic()
+        theirs = ray.get(actor.clock.remote())
+        t1 = time.monotonic()
+        if best is None or t1 - t0 < best[0]:
+            best = (t1 - t0, theirs - (t0 + t1) / 2)
+    return best[1]
+
+
+def _asks(opts: Mapping[str, Any]) -> dict[str, float]:
+    asks = {"CPU": opts.get("num_cpus", 1), "GPU": opts.get("num_gpus", 0), "memory": opts.get("memory", 0),
+            **(opts.get("resources") or {})}
+    return {k: float(v) for k, v in asks.items() if v}
+
+
+def _lack(ray, opts: Mapping[str, Any]) -> str:
+    """Why an actor with options ``opts`` is still waiting, in words."""
+    asks, free, total = _asks(opts), ray.available_resources(), ray.cluster_resources()
+    short = [f"{k} (asks {v:g}, {free.get(k, 0):g} free of {total.get(k, 0):g} in the cluster)"
+             for k, v in asks.items() if free.get(k, 0) < v]
+    if short:
+        return "missing " + ", ".join(short)
+    strategy = opts.get("scheduling_strategy")
+    if strategy is not None and not isinstance(strategy, str):
+        return (f"its scheduling_strategy ({type(strategy).__name__}) cannot be met: a node that is gone or full, "
+                "or a placement group not ready")
+    return "the cluster has what it asks for, but it did not start in time; raise schedule_timeout on a slow cluster"
+
+
+def placement_group_options(workers: int, bundle: Mapping[str, float] | None = None, *, strategy: str = "STRICT_SPREAD",
+                            timeout: float = SCHEDULE_TIMEOUT) -> list[dict]:
+    """``actor_options`` putting each worker in its own bundle of one new placement group.
+
+    ``bundle`` is what each worker reserves (default one CPU); ``strategy`` is Ray's:
+    ``STRICT_SPREAD`` gives one worker per node, ``{"GPU": 1}`` with ``PACK`` one
+    per GPU. The group lives until ``ray.util.remove_placement_group`` (or Ray's
+    shutdown). A group Ray cannot reserve within ``timeout`` is an error naming
+    what the bundles ask.
+    """
+    from ray.util import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    import ray
+
+    bundle = dict(bundle or {"CPU": 1})
+    pg = placement_group([dict(bundle) for _ in range(workers)], strategy=strategy)
+    ready, _ = ray.wait([pg.ready()], timeout=timeout)
+    if not ready:
+        remove_placement_group(pg)
+        raise VjpsplitError(f"Ray could not reserve {workers} bundles of {bundle} ({strategy}) within {timeout:g} s; "
+                            f"the cluster has {ray.available_resources()} free")
+    # The actor's own CPU ask must fit its bundle (Ray's default, 1 CPU, may not).
+    cpus = bundle.get("CPU", 0)
+    return [{"num_cpus": min(cpus, 1) if cpus else 0,
+             "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}
+            for i in range(workers)]
