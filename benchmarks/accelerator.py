@@ -78,13 +78,23 @@ def environment(quick: bool) -> tuple[str, dict]:
 
     devs = jax.devices()
     hw = accelerator_hardware()
-    info = {"jax": jax.__version__, "backend": jax.default_backend(), "platform": export_platform(),
-            "devices": [f"{d.device_kind} ({d.platform}:{d.id})" for d in devs], "device_count": len(devs),
-            "hardware": hw, "vjpsplit": vs.__version__, "crc32": checksum.BACKEND,
-            "python": pyplatform.python_version(), "cpu_count": os.cpu_count()}
+    info = {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "platform": export_platform(),
+        "devices": [f"{d.device_kind} ({d.platform}:{d.id})" for d in devs],
+        "device_count": len(devs),
+        "hardware": hw,
+        "vjpsplit": vs.__version__,
+        "crc32": checksum.BACKEND,
+        "python": pyplatform.python_version(),
+        "cpu_count": os.cpu_count(),
+    }
     if hw and info["backend"] == "cpu":
-        info["warning"] = (f"this machine has {hw} but jax runs on the CPU: install jax's plugin for it "
-                           "(accelerator.sh does, e.g. jax[cuda12]) and run again")
+        info["warning"] = (
+            f"this machine has {hw} but jax runs on the CPU: install jax's plugin for it "
+            "(accelerator.sh does, e.g. jax[cuda12]) and run again"
+        )
     lines = ["| what | value |", "|---|---|"]
     lines += [f"| {k} | {', '.join(v) if isinstance(v, list) else v} |" for k, v in info.items()]
     return "\n".join(lines), info
@@ -105,8 +115,12 @@ def _rel_err(got, want) -> float:
 
 def _on_device(tree, plat: str) -> bool:
     want = {"cuda": "gpu", "rocm": "gpu"}.get(plat, plat)
-    return all(d.platform == want for leaf in jax.tree_util.tree_leaves(tree) if isinstance(leaf, jax.Array)
-               for d in leaf.devices())
+    return all(
+        d.platform == want
+        for leaf in jax.tree_util.tree_leaves(tree)
+        if isinstance(leaf, jax.Array)
+        for d in leaf.devices()
+    )
 
 
 def correctness(quick: bool) -> tuple[str, list[dict]]:
@@ -116,8 +130,11 @@ def correctness(quick: bool) -> tuple[str, list[dict]]:
     with tempfile.TemporaryDirectory() as d, jax.default_matmul_precision("highest"):
         for make in {m.__name__: m for m in (*ALL, *PERF)}.values():
             w = make()
-            wrt = tuple(i for i, a in enumerate(w.args)
-                        if all(np.issubdtype(x.dtype, np.floating) for x in jax.tree_util.tree_leaves(a)))
+            wrt = tuple(
+                i
+                for i, a in enumerate(w.args)
+                if all(np.issubdtype(x.dtype, np.floating) for x in jax.tree_util.tree_leaves(a))
+            )
             args = jax.device_put(w.args)
             specs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), w.args)
             want_out, want_g = jax.jit(jax.value_and_grad(w.fn, argnums=wrt))(*args)
@@ -134,33 +151,46 @@ def correctness(quick: bool) -> tuple[str, list[dict]]:
                     vs.save_residuals(rpath, res)
                     loaded = vs.load_residuals(rpath, inputs=args)
                     g_file = art.bwd(jax.device_put(loaded))
-                    row.update(out_err=_rel_err(out, want_out), grad_err=_rel_err(g, want_g),
-                               file_exact=all(np.array_equal(np.asarray(v), np.asarray(loaded.stored[k]))
-                                              for k, v in res.stored.items()),
-                               file_err=_rel_err(g_file, want_g), on_device=_on_device((out, g, g_file), plat),
-                               residual_bytes=sum(int(np.prod(a.shape)) * a.dtype.itemsize
-                                                  for a in res.stored.values()))
-                    row["ok"] = bool(row["on_device"] and row["file_exact"]
-                                     and max(row["out_err"], row["grad_err"], row["file_err"]) <= RTOL)
+                    row.update(
+                        out_err=_rel_err(out, want_out),
+                        grad_err=_rel_err(g, want_g),
+                        file_exact=all(
+                            np.array_equal(np.asarray(v), np.asarray(loaded.stored[k])) for k, v in res.stored.items()
+                        ),
+                        file_err=_rel_err(g_file, want_g),
+                        on_device=_on_device((out, g, g_file), plat),
+                        residual_bytes=sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in res.stored.values()),
+                    )
+                    row["ok"] = bool(
+                        row["on_device"]
+                        and row["file_exact"]
+                        and max(row["out_err"], row["grad_err"], row["file_err"]) <= RTOL
+                    )
                 except Exception as e:  # reported in the table; the next workload still runs
                     row.update(ok=False, error=f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
                 row["seconds"] = time.perf_counter() - t0
                 rows.append(row)
         rows.append(_symbolic_batch(plat))
-    lines = [f"On `{plat}`, matmuls at full f32 precision on both sides; pass: outputs and gradients within "
-             f"{RTOL:g} of the largest magnitude (the backward also from a residuals file, whose arrays must "
-             "come back bit for bit), every result on the device.", "",
-             "| workload | policy | out err | grad err | grad err, residuals from file | file exact | on device "
-             "| residuals | ok |", "|---|---|---:|---:|---:|---|---|---:|---|"]
+    lines = [
+        f"On `{plat}`, matmuls at full f32 precision on both sides; pass: outputs and gradients within "
+        f"{RTOL:g} of the largest magnitude (the backward also from a residuals file, whose arrays must "
+        "come back bit for bit), every result on the device.",
+        "",
+        "| workload | policy | out err | grad err | grad err, residuals from file | file exact | on device "
+        "| residuals | ok |",
+        "|---|---|---:|---:|---:|---|---|---:|---|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['workload']} | {r['policy']} | | | | | | | **failed**: {r['error']} |")
         else:
             mib = "—" if r["residual_bytes"] is None else f"{r['residual_bytes'] / 2**20:.1f} MiB"
-            lines.append(f"| {r['workload']} | {r['policy']} | {r['out_err']:.1e} | {r['grad_err']:.1e} "
-                         f"| {'—' if r['file_err'] is None else format(r['file_err'], '.1e')} "
-                         f"| {'—' if r['file_exact'] is None else r['file_exact']} | {r['on_device']} | {mib} "
-                         f"| {'ok' if r['ok'] else '**FAILED**'} |")
+            lines.append(
+                f"| {r['workload']} | {r['policy']} | {r['out_err']:.1e} | {r['grad_err']:.1e} "
+                f"| {'—' if r['file_err'] is None else format(r['file_err'], '.1e')} "
+                f"| {'—' if r['file_exact'] is None else r['file_exact']} | {r['on_device']} | {mib} "
+                f"| {'ok' if r['ok'] else '**FAILED**'} |"
+            )
     return "\n".join(lines), rows
 
 
@@ -169,8 +199,11 @@ def _symbolic_batch(plat: str) -> dict:
     w = ALL[0]()  # the MLP
     (b,) = jax.export.symbolic_shape("b")
     params, x, labels = w.args
-    specs = (jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params),
-             jax.ShapeDtypeStruct((b, x.shape[1]), x.dtype), jax.ShapeDtypeStruct((b,), labels.dtype))
+    specs = (
+        jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params),
+        jax.ShapeDtypeStruct((b, x.shape[1]), x.dtype),
+        jax.ShapeDtypeStruct((b,), labels.dtype),
+    )
     row = {"workload": f"{w.name}, batch b", "policy": "everything"}
     t0 = time.perf_counter()
     try:
@@ -183,8 +216,15 @@ def _symbolic_batch(plat: str) -> dict:
             want_out, want_g = jax.value_and_grad(w.fn, argnums=(0, 1))(*args)
             errs += [_rel_err(out, want_out), _rel_err(g, want_g)]
             on_dev = on_dev and _on_device((out, g), plat)
-        row.update(out_err=max(errs[0::2]), grad_err=max(errs[1::2]), file_err=None, file_exact=None,
-                   on_device=on_dev, residual_bytes=None, ok=bool(on_dev and max(errs) <= RTOL))
+        row.update(
+            out_err=max(errs[0::2]),
+            grad_err=max(errs[1::2]),
+            file_err=None,
+            file_exact=None,
+            on_device=on_dev,
+            residual_bytes=None,
+            ok=bool(on_dev and max(errs) <= RTOL),
+        )
     except Exception as e:
         row.update(ok=False, error=f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
     row["seconds"] = time.perf_counter() - t0
@@ -203,13 +243,22 @@ def device_io(quick: bool) -> tuple[str, list[dict]]:
         p = Path(d) / "r.npz"
         vs.save_residuals(p, res)
         loaded = vs.load_residuals(p, inputs=w.args)
-        t = interleaved({"device -> host": lambda: jax.device_get(res.stored),
-                         "save_residuals (device -> file)": lambda: vs.save_residuals(p, res),
-                         "load_residuals (file -> host)": lambda: vs.load_residuals(p, inputs=w.args),
-                         "host -> device": lambda: jax.device_put(loaded.stored)}, 3 if quick else 15)
+        t = interleaved(
+            {
+                "device -> host": lambda: jax.device_get(res.stored),
+                "save_residuals (device -> file)": lambda: vs.save_residuals(p, res),
+                "load_residuals (file -> host)": lambda: vs.load_residuals(p, inputs=w.args),
+                "host -> device": lambda: jax.device_put(loaded.stored),
+            },
+            3 if quick else 15,
+        )
     rows = [{"what": k, "s": v, "gib_s": nbytes / v / 2**30} for k, v in t.items()]
-    lines = [f"The pre-LN block's stored residuals, {nbytes / 2**20:.1f} MiB, on `{export_platform()}`.", "",
-             "| step | median | throughput |", "|---|---:|---:|"]
+    lines = [
+        f"The pre-LN block's stored residuals, {nbytes / 2**20:.1f} MiB, on `{export_platform()}`.",
+        "",
+        "| step | median | throughput |",
+        "|---|---:|---:|",
+    ]
     lines += [f"| {r['what']} | {r['s'] * 1e3:.2f} ms | {r['gib_s']:.2f} GiB/s |" for r in rows]
     return "\n".join(lines), rows
 
@@ -248,9 +297,13 @@ def _plain(value):
 
 def markdown(report: dict) -> str:
     env = report["environment"]
-    lines = [f"# vjpsplit on `{env.get('platform', '?')}`", "",
-             f"Command: `{report['command']}`; {report['seconds']:.0f} s of a {report['budget_s']:.0f} s budget; "
-             f"correctness {'passed' if report['passed'] else 'FAILED'}.", ""]
+    lines = [
+        f"# vjpsplit on `{env.get('platform', '?')}`",
+        "",
+        f"Command: `{report['command']}`; {report['seconds']:.0f} s of a {report['budget_s']:.0f} s budget; "
+        f"correctness {'passed' if report['passed'] else 'FAILED'}.",
+        "",
+    ]
     if env.get("warning"):
         lines += [f"**Warning:** {env['warning']}.", ""]
     lines += ["## Environment", "", report["environment_table"], ""]
@@ -269,8 +322,16 @@ def run_all(quick: bool, budget: float, out: Path | None, command: str) -> dict:
     """Every step within ``budget`` seconds; the report (JSON + markdown under ``out``) after each."""
     t_start = time.perf_counter()
     table, env = environment(quick)
-    report = {"command": command, "budget_s": budget, "quick": quick, "environment": env,
-              "environment_table": table, "steps": [], "passed": False, "seconds": 0.0}
+    report = {
+        "command": command,
+        "budget_s": budget,
+        "quick": quick,
+        "environment": env,
+        "environment_table": table,
+        "steps": [],
+        "passed": False,
+        "seconds": 0.0,
+    }
 
     def write():
         report["seconds"] = time.perf_counter() - t_start
@@ -296,8 +357,11 @@ def run_all(quick: bool, budget: float, out: Path | None, command: str) -> dict:
                 report["steps"].append(dict(step, seconds=time.perf_counter() - t0))
                 break
             except Exception as e:
-                step.update(status="failed", error=f"{type(e).__name__}: {' '.join(str(e).split())[:500]}",
-                            traceback=traceback.format_exc()[-4000:])
+                step.update(
+                    status="failed",
+                    error=f"{type(e).__name__}: {' '.join(str(e).split())[:500]}",
+                    traceback=traceback.format_exc()[-4000:],
+                )
             step["seconds"] = time.perf_counter() - t0
             print(f"[accelerator] {name}: {step['status']} in {step['seconds']:.0f} s", file=sys.stderr)
         report["steps"].append(step)
@@ -313,8 +377,10 @@ def run(quick: bool) -> tuple[str, list[dict]]:
     report = run_all(quick, BUDGET_S, None, f"python -m benchmarks{' --quick' if quick else ''} --only accelerator")
     bad = [s["name"] for s in report["steps"] if s["status"] != "ok"]
     if bad or not report["passed"]:
-        raise RuntimeError(f"accelerator run: correctness {'passed' if report['passed'] else 'FAILED'}, steps not ok: "
-                           f"{bad}\n{markdown(report)}")
+        raise RuntimeError(
+            f"accelerator run: correctness {'passed' if report['passed'] else 'FAILED'}, steps not ok: "
+            f"{bad}\n{markdown(report)}"
+        )
     text = markdown(report).split("\n", 2)[2]  # without its own heading: run.py gives the section's
     return text.replace("\n## ", "\n#### "), [s for s in report["steps"]]
 
@@ -322,8 +388,11 @@ def run(quick: bool) -> tuple[str, list[dict]]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer rounds and one policy: proves the run works")
-    ap.add_argument("--out", default="accelerator-report",
-                    help="directory for accelerator.json and accelerator.md (default: accelerator-report)")
+    ap.add_argument(
+        "--out",
+        default="accelerator-report",
+        help="directory for accelerator.json and accelerator.md (default: accelerator-report)",
+    )
     ap.add_argument("--budget", type=float, default=BUDGET_S, help=f"seconds for all steps (default {BUDGET_S})")
     args = ap.parse_args(argv)
     command = "python -m benchmarks --accelerator" + (" --quick" if args.quick else "")

@@ -35,10 +35,16 @@ def run(quick: bool) -> tuple[str, list[dict]]:
         chosen = vs.choose_auto(w.fn, *specs, wrt=WRT).policy  # remembered from split's own choice
         best = min(POLICIES, key=t.get)
         rows.append({"workload": w.name, **t, "chosen": chosen, "best": best, "auto/best": t["auto"] / t[best]})
-    lines = [f"`split` fwd+bwd, medians of {rounds} interleaved rounds; load average {os.getloadavg()[0]:.1f} "
-             "when done. Target: auto / best fixed ≤ 1.03×.", "",
-             "| workload | everything | dots | nothing | auto (chose) | auto / best fixed |", "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"`split` fwd+bwd, medians of {rounds} interleaved rounds; load average {os.getloadavg()[0]:.1f} "
+        "when done. Target: auto / best fixed ≤ 1.03×.",
+        "",
+        "| workload | everything | dots | nothing | auto (chose) | auto / best fixed |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['workload']} | {ms(r['everything'])} | {ms(r['dots'])} | {ms(r['nothing'])} "
-                     f"| {ms(r['auto'])} ({r['chosen']}) | {r['auto/best']:.2f}× (best: {r['best']}) |")
+        lines.append(
+            f"| {r['workload']} | {ms(r['everything'])} | {ms(r['dots'])} | {ms(r['nothing'])} "
+            f"| {ms(r['auto'])} ({r['chosen']}) | {r['auto/best']:.2f}× (best: {r['best']}) |"
+        )
     return "\n".join(lines), rows

@@ -25,12 +25,17 @@ def run(quick: bool):
         _, res = art.fwd(*wl.args)
         bound = dict(res.bound_inputs)
         nbytes = sum(v.nbytes for v in jax.tree_util.tree_leaves(bound))
-        t = interleaved({
-            "forward": lambda: art.fwd(*wl.args)[0],
-            "crc32": lambda: [input_crc32(v) for v in bound.values()],
-        }, rounds=5 if quick else 30)
+        t = interleaved(
+            {
+                "forward": lambda: art.fwd(*wl.args)[0],
+                "crc32": lambda: [input_crc32(v) for v in bound.values()],
+            },
+            rounds=5 if quick else 30,
+        )
         raw[wl.name] = t
-        rows.append(f"| {wl.name} | {len(bound)} arrays, {nbytes / 2**20:.1f} MiB | {ms(t['forward'])} | "
-                    f"{ms(t['crc32'])} | {t['crc32'] / t['forward']:.2f}x |")
+        rows.append(
+            f"| {wl.name} | {len(bound)} arrays, {nbytes / 2**20:.1f} MiB | {ms(t['forward'])} | "
+            f"{ms(t['crc32'])} | {t['crc32'] / t['forward']:.2f}x |"
+        )
     head = ["| workload | inputs | artifact forward | CRC-32 of them | ratio |", "|---|---|---:|---:|---:|"]
     return "\n".join(head + rows), raw

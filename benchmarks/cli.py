@@ -57,8 +57,13 @@ def _run(cmd, env, cwd) -> float:
 def _peak_rss(module: str, args: list, env, cwd) -> float:
     """Peak RSS bytes of ``python -m module args`` (NaN where /proc is missing)."""
     with tempfile.NamedTemporaryFile() as f:
-        r = subprocess.run([sys.executable, "-c", _HWM, module, *args], env={**env, "VJPSPLIT_BENCH_HWM": f.name},
-                           cwd=cwd, capture_output=True, text=True)
+        r = subprocess.run(
+            [sys.executable, "-c", _HWM, module, *args],
+            env={**env, "VJPSPLIT_BENCH_HWM": f.name},
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+        )
         try:
             return float(open(f.name).read()) if r.returncode == 0 else float("nan")
         except ValueError:
@@ -77,21 +82,58 @@ def run(quick: bool) -> tuple[str, list[dict]]:
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
         env = {**os.environ, "VJPSPLIT_CACHE_DIR": str(d / "cache")}
-        subprocess.run([py, "samples/mlp.py", "make-inputs", str(d / "in.npz"), "--batch", "256"], cwd=ROOT,
-                       check=True, capture_output=True)
-        subprocess.run(cli + ["export", "samples/mlp.py:loss", "--shapes", "params=@samples/mlp.py:param_shapes",
-                              "--shapes", "x=f32[b,784]", "--shapes", "labels=i32[b]", "-o", str(d / "mlp.vjps")],
-                       cwd=ROOT, env=env, check=True, capture_output=True)
+        subprocess.run(
+            [py, "samples/mlp.py", "make-inputs", str(d / "in.npz"), "--batch", "256"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
+        subprocess.run(
+            cli
+            + [
+                "export",
+                "samples/mlp.py:loss",
+                "--shapes",
+                "params=@samples/mlp.py:param_shapes",
+                "--shapes",
+                "x=f32[b,784]",
+                "--shapes",
+                "labels=i32[b]",
+                "-o",
+                str(d / "mlp.vjps"),
+            ],
+            cwd=ROOT,
+            env=env,
+            check=True,
+            capture_output=True,
+        )
 
-        args = {"run-fwd": ["run-fwd", str(d / "mlp.vjps"), "--inputs", str(d / "in.npz"),
-                            "--residuals", str(d / "r.npz")],
-                "run-bwd": ["run-bwd", str(d / "mlp.vjps"), "--residuals", str(d / "r.npz"),
-                            "--inputs", str(d / "in.npz"), "--grads", str(d / "g.npz")]}
+        args = {
+            "run-fwd": ["run-fwd", str(d / "mlp.vjps"), "--inputs", str(d / "in.npz"), "--residuals", str(d / "r.npz")],
+            "run-bwd": [
+                "run-bwd",
+                str(d / "mlp.vjps"),
+                "--residuals",
+                str(d / "r.npz"),
+                "--inputs",
+                str(d / "in.npz"),
+                "--grads",
+                str(d / "g.npz"),
+            ],
+        }
         args["run-fwd --no-cache"] = ["--no-cache", *args["run-fwd"]]
         subprocess.run(cli + ["keygen", "-o", str(d / "key")], cwd=ROOT, env=env, check=True, capture_output=True)
         signed = _signed_copy(d / "mlp.vjps", d / "key", d / "signed.vjps")
-        args["run-fwd signed, --trust-key"] = ["run-fwd", str(signed), "--trust-key", str(d / "key.pub"),
-                                               "--inputs", str(d / "in.npz"), "--residuals", str(d / "r.npz")]
+        args["run-fwd signed, --trust-key"] = [
+            "run-fwd",
+            str(signed),
+            "--trust-key",
+            str(d / "key.pub"),
+            "--inputs",
+            str(d / "in.npz"),
+            "--residuals",
+            str(d / "r.npz"),
+        ]
         first = {k: _run(cli + args[k], env, ROOT) for k in ("run-fwd", "run-bwd")}  # empty caches
         s: dict[str, list] = {"floor": [], **{k: [] for k in args}}
         for _ in range(rounds):
@@ -106,24 +148,47 @@ def run(quick: bool) -> tuple[str, list[dict]]:
     rows = []
     for name in args:
         paired = statistics.median(w / f for w, f in zip(s[name], s["floor"]))
-        rows.append({"run": name, "wall_s": statistics.median(s[name]), "vs_floor": paired, "peak_rss": rss[name],
-                     "rss_ratio": rss[name] / (floor_rss + in_bytes + res_bytes)})
-    lines = [f"Quick-start MLP (samples/mlp.py, 784-256-10), batch 256, artifact for cpu,cuda,tpu; {rounds} paired "
-             f"rounds, load average {os.getloadavg()[0]:.1f} when done. Floor: `python -c 'import jax'` "
-             f"{floor_wall:.2f} s, peak RSS {floor_rss / 2**20:.0f} MiB; inputs {in_bytes / 2**20:.2f} MiB, "
-             f"residuals {res_bytes / 2**20:.2f} MiB. First run (empty caches): run-fwd {first['run-fwd']:.2f} s, "
-             f"run-bwd {first['run-bwd']:.2f} s.", "",
-             "| command (warm) | wall (median) | / import floor, paired (target ≤ 1.2×) | peak RSS "
-             "| / (floor RSS + inputs + residuals) (target ≤ 1.3×) |", "|---|---:|---:|---:|---:|"]
+        rows.append(
+            {
+                "run": name,
+                "wall_s": statistics.median(s[name]),
+                "vs_floor": paired,
+                "peak_rss": rss[name],
+                "rss_ratio": rss[name] / (floor_rss + in_bytes + res_bytes),
+            }
+        )
+    lines = [
+        f"Quick-start MLP (samples/mlp.py, 784-256-10), batch 256, artifact for cpu,cuda,tpu; {rounds} paired "
+        f"rounds, load average {os.getloadavg()[0]:.1f} when done. Floor: `python -c 'import jax'` "
+        f"{floor_wall:.2f} s, peak RSS {floor_rss / 2**20:.0f} MiB; inputs {in_bytes / 2**20:.2f} MiB, "
+        f"residuals {res_bytes / 2**20:.2f} MiB. First run (empty caches): run-fwd {first['run-fwd']:.2f} s, "
+        f"run-bwd {first['run-bwd']:.2f} s.",
+        "",
+        "| command (warm) | wall (median) | / import floor, paired (target ≤ 1.2×) | peak RSS "
+        "| / (floor RSS + inputs + residuals) (target ≤ 1.3×) |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['run']} | {r['wall_s']:.2f} s | {r['vs_floor']:.2f}× | {r['peak_rss'] / 2**20:.0f} MiB "
-                     f"| {r['rss_ratio']:.2f}× |")
+        lines.append(
+            f"| {r['run']} | {r['wall_s']:.2f} s | {r['vs_floor']:.2f}× | {r['peak_rss'] / 2**20:.0f} MiB "
+            f"| {r['rss_ratio']:.2f}× |"
+        )
     warm = statistics.median(s["run-fwd"])
-    lines += ["", "Trust (issue 19), added to every load, measured in one process (median of "
-              f"{trust['n']} loads) against the warm run-fwd above ({warm * 1e3:.0f} ms):", "",
-              "| step | time | / warm run-fwd (target ≤ 5% together) |", "|---|---:|---:|"]
-    for name in ("verify signature", "import cryptography (once per command)", "module checks, verdicts cached",
-                 "module checks, first load, signed and trusted (in process)", "module checks, first load (child process)"):
+    lines += [
+        "",
+        "Trust (issue 19), added to every load, measured in one process (median of "
+        f"{trust['n']} loads) against the warm run-fwd above ({warm * 1e3:.0f} ms):",
+        "",
+        "| step | time | / warm run-fwd (target ≤ 5% together) |",
+        "|---|---:|---:|",
+    ]
+    for name in (
+        "verify signature",
+        "import cryptography (once per command)",
+        "module checks, verdicts cached",
+        "module checks, first load, signed and trusted (in process)",
+        "module checks, first load (child process)",
+    ):
         lines.append(f"| {name} | {trust[name] * 1e3:.1f} ms | {100 * trust[name] / warm:.1f}% |")
         rows.append({"run": f"trust: {name}", "wall_s": trust[name], "vs_warm_run_fwd": trust[name] / warm})
     return "\n".join(lines), rows
@@ -142,14 +207,14 @@ def _trust_costs(path: Path, signed: Path, pub: Path, cache: Path, rounds: int) 
     """Seconds of each trust step of a load (median), in this process, on the benchmark's artifact."""
     import msgpack
 
-    from vjpsplit_cli import trust
+    from vjpsplit_cli import signing, trust
     from vjpsplit_cli.loading import load
     from vjpsplit_cli.manifest import MAGIC
 
     data = signed.read_bytes()
-    body = data[len(MAGIC):]
+    body = data[len(MAGIC) :]
     top = msgpack.unpackb(body, raw=False)
-    keys = trust.trusted_keys(str(pub), env=False)
+    keys = signing.trusted_keys(str(pub), env=False)
     art = load(path, cache_dir=str(cache))
     modules = {k: e.mlir_module_serialized for k, e in art._exps.items()}
     out: dict = {"n": 5 * rounds}
@@ -177,7 +242,7 @@ def _trust_costs(path: Path, signed: Path, pub: Path, cache: Path, rounds: int) 
     def pack(obj):
         return msgpack.packb(obj, use_bin_type=True)
 
-    out["verify signature"] = median(lambda: trust.verify(top, body, "bench", keys, pack))
+    out["verify signature"] = median(lambda: signing.verify(top, body, "bench", keys, pack))
     out["module checks, verdicts cached"] = median(cached_checks)
     out["module checks, first load, signed and trusted (in process)"] = median(trusted_checks)
     t0 = time.perf_counter()
@@ -185,9 +250,12 @@ def _trust_costs(path: Path, signed: Path, pub: Path, cache: Path, rounds: int) 
     checks(cache_dir=None)
     out["module checks, first load (child process)"] = time.perf_counter() - t0
     # Once per command that verifies a signature: importing the Ed25519 code, in a fresh process.
-    code = ("import time; t = time.perf_counter(); "
-            "from cryptography.hazmat.primitives.asymmetric import ed25519; print(time.perf_counter() - t)")
+    code = (
+        "import time; t = time.perf_counter(); "
+        "from cryptography.hazmat.primitives.asymmetric import ed25519; print(time.perf_counter() - t)"
+    )
     out["import cryptography (once per command)"] = statistics.median(
         float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
-        for _ in range(rounds))
+        for _ in range(rounds)
+    )
     return out

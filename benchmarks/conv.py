@@ -67,13 +67,26 @@ def run(quick: bool) -> tuple[str, list[dict]]:
         t = _measure(cands, rounds)
         base = t["fused"][0]
         for k, (wall, cpu) in t.items():
-            rows.append({"workload": w.name, "candidate": k, "wall": wall, "cpu": cpu, "vs_fused": wall / base,
-                         **info.get(k, {})})
-    lines = [f"Medians of {rounds} interleaved rounds; load average {os.getloadavg()[0]:.1f} when done.", "",
-             "| workload | candidate | wall | / fused | CPU time | CPU / wall | stored residuals |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+            rows.append(
+                {
+                    "workload": w.name,
+                    "candidate": k,
+                    "wall": wall,
+                    "cpu": cpu,
+                    "vs_fused": wall / base,
+                    **info.get(k, {}),
+                }
+            )
+    lines = [
+        f"Medians of {rounds} interleaved rounds; load average {os.getloadavg()[0]:.1f} when done.",
+        "",
+        "| workload | candidate | wall | / fused | CPU time | CPU / wall | stored residuals |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         stored = f"{r['bytes'] / 2**20:.2f} MiB ({r['arrays']} arrays)" if r.get("bytes") is not None else ""
-        lines.append(f"| {r['workload']} | {r['candidate']} | {r['wall'] * 1e3:.2f} ms | {r['vs_fused']:.2f}× "
-                     f"| {r['cpu'] * 1e3:.2f} ms | {r['cpu'] / r['wall']:.2f} | {stored} |")
+        lines.append(
+            f"| {r['workload']} | {r['candidate']} | {r['wall'] * 1e3:.2f} ms | {r['vs_fused']:.2f}× "
+            f"| {r['cpu'] * 1e3:.2f} ms | {r['cpu'] / r['wall']:.2f} | {stored} |"
+        )
     return "\n".join(lines), rows

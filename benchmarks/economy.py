@@ -31,16 +31,25 @@ def run(quick: bool) -> tuple[str, list[dict]]:
             _, res = fwd(*w.args)
             ct = None
             stored[p] = (sum(np.asarray(a).nbytes for a in res.stored.values()), len(res.stored))
-            bwds[p] = (lambda bwd=bwd, res=res, ct=ct: bwd(res, ct))
+            bwds[p] = lambda bwd=bwd, res=res, ct=ct: bwd(res, ct)
         times = interleaved(bwds, rounds)
         for p in POLICIES:
-            rows.append({
-                "workload": w.name, "policy": p, "stored_bytes": stored[p][0], "stored_arrays": stored[p][1],
-                "raw_vjp_bytes": raw, "ratio_vs_raw": stored[p][0] / raw,
-                "bwd_s": times[p], "bwd_vs_everything": times[p] / times["everything"],
-            })
-    head = ("| workload | policy | stored residuals | raw `jax.vjp` leaves | stored / raw | backward (median) "
-            "| backward / `everything` |\n|---|---|---:|---:|---:|---:|---:|")
+            rows.append(
+                {
+                    "workload": w.name,
+                    "policy": p,
+                    "stored_bytes": stored[p][0],
+                    "stored_arrays": stored[p][1],
+                    "raw_vjp_bytes": raw,
+                    "ratio_vs_raw": stored[p][0] / raw,
+                    "bwd_s": times[p],
+                    "bwd_vs_everything": times[p] / times["everything"],
+                }
+            )
+    head = (
+        "| workload | policy | stored residuals | raw `jax.vjp` leaves | stored / raw | backward (median) "
+        "| backward / `everything` |\n|---|---|---:|---:|---:|---:|---:|"
+    )
     lines = [head]
     for r in rows:
         lines.append(

@@ -79,8 +79,9 @@ def _peak_load_bytes(kind: str, path: Path) -> float:
         np.savez(warm, x=np.zeros(4, np.float32))
     else:
         vs.save_arrays(warm, {"r/0": np.zeros(4, np.float32)}, {"kind": "warm-up"})
-    probe = subprocess.run([sys.executable, "-c", _RSS_PROBE, kind, str(path), str(warm)],
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", _RSS_PROBE, kind, str(path), str(warm)], capture_output=True, text=True
+    )
     if probe.returncode != 0:  # no /proc (not Linux), or clear_refs not writable here
         return float("nan")
     return json.loads(probe.stdout)["peak_kib"] * 1024
@@ -101,24 +102,30 @@ def _candidates(d: Path, arrays: dict[str, np.ndarray], meta: dict) -> dict:
 
     cands = {RAW: (raw, ("raw", d / "raw.npy")), SAVEZ: (savez, ("savez", d / "savez.npz"))}
     for ext in ("npz", "msgpack"):
+
         def ours(ext=ext):
             # What save_residuals / load_residuals do underneath (verify on, no fsync).
             vs.save_arrays(d / f"r.{ext}", arrays, meta)
             vs.load_arrays(d / f"r.{ext}", verify=True)
+
         cands[f"vjpsplit .{ext}"] = (ours, ("v", d / f"r.{ext}"))
     if checksum.BACKEND != "zlib":
+
         def zlib_crc():
             # The same with zlib's CRC-32, as where no faster one is installed: same bytes.
             with _crc32_of(zlib.crc32):
                 vs.save_arrays(d / "z.npz", arrays, meta)
                 vs.load_arrays(d / "z.npz", verify=True)
+
         cands["vjpsplit .npz, zlib's CRC-32"] = (zlib_crc, ("v", d / "z.npz"))
     if outputs.renameat2() is not None:
+
         def plain_rename():
             # The same, replacing the old file by os.replace as before renameat2 was used.
             with _plain_rename():
                 vs.save_arrays(d / "p.npz", arrays, meta)
             vs.load_arrays(d / "p.npz", verify=True)
+
         cands["vjpsplit .npz, os.replace"] = (plain_rename, ("v", d / "p.npz"))
     return cands
 
@@ -159,18 +166,32 @@ def measure(arrays: dict[str, np.ndarray], meta: dict, rounds: int, rss: bool = 
                 fn()
                 samples[k].append(time.perf_counter() - t0)
         times = {k: float(np.median(v)) for k, v in samples.items()}
-        return [{"what": k, "s": t, "gib_s": nbytes / t / 2**30, "vs_raw": times[RAW] / t,
-                 "vs_savez": times[SAVEZ] / t,
-                 "peak_load_bytes": _peak_load_bytes(*cands[k][1]) if rss else float("nan")}
-                for k, t in times.items()]
+        return [
+            {
+                "what": k,
+                "s": t,
+                "gib_s": nbytes / t / 2**30,
+                "vs_raw": times[RAW] / t,
+                "vs_savez": times[SAVEZ] / t,
+                "peak_load_bytes": _peak_load_bytes(*cands[k][1]) if rss else float("nan"),
+            }
+            for k, t in times.items()
+        ]
 
 
 def table(title: str, rows: list[dict], nbytes: int) -> list[str]:
-    lines = [title, "", "| format | save+load (median) | throughput | vs np.save+np.load (target ≥ 0.9×) "
-             "| vs np.savez+np.load (target ≥ 1×) | peak RSS growth while loading |", "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        title,
+        "",
+        "| format | save+load (median) | throughput | vs np.save+np.load (target ≥ 0.9×) "
+        "| vs np.savez+np.load (target ≥ 1×) | peak RSS growth while loading |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['what']} | {r['s'] * 1e3:.1f} ms | {r['gib_s']:.2f} GiB/s | {r['vs_raw']:.2f}× "
-                     f"| {r['vs_savez']:.2f}× | {r['peak_load_bytes'] / nbytes:.2f}× the data |")
+        lines.append(
+            f"| {r['what']} | {r['s'] * 1e3:.1f} ms | {r['gib_s']:.2f} GiB/s | {r['vs_raw']:.2f}× "
+            f"| {r['vs_savez']:.2f}× | {r['peak_load_bytes'] / nbytes:.2f}× the data |"
+        )
     return lines
 
 
@@ -219,8 +240,12 @@ def replace_costs(nbytes: int, rounds: int) -> list[dict]:
 def replace_table(rows: list[dict]) -> list[str]:
     nbytes = rows[0]["nbytes"]
     size = f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
-    lines = [f"Replacing a {size} file (write the bytes, then put them in place; page cache warm, no fsync).", "",
-             "| how | median | vs np.save over the old file |", "|---|---:|---:|"]
+    lines = [
+        f"Replacing a {size} file (write the bytes, then put them in place; page cache warm, no fsync).",
+        "",
+        "| how | median | vs np.save over the old file |",
+        "|---|---:|---:|",
+    ]
     lines += [f"| {r['what']} | {r['s'] * 1e3:.1f} ms | {r['vs_np_save']:.2f}× |" for r in rows]
     return lines
 
@@ -234,8 +259,9 @@ def residual_set(gib: float | None = None) -> tuple[dict[str, np.ndarray], dict]
     arrays = {f"r/{i}": a for i, a in enumerate(stored)}
     if gib:
         copies = int(np.ceil(gib * 2**30 / sum(a.nbytes for a in stored)))
-        arrays = {f"r/{c}/{i}": (a + c if a.dtype.kind == "f" else a) for c in range(copies)
-                  for i, a in enumerate(stored)}
+        arrays = {
+            f"r/{c}/{i}": (a + c if a.dtype.kind == "f" else a) for c in range(copies) for i, a in enumerate(stored)
+        }
     meta = {"kind": "vjpsplit-residuals", "fingerprint": "0" * 64, "dims": {}, "needs_inputs": []}
     return arrays, meta
 
@@ -244,18 +270,22 @@ def run(quick: bool, gib: float | None = None) -> tuple[str, list[dict]]:
     arrays, meta = residual_set()
     nbytes = sum(a.nbytes for a in arrays.values())
     rows = measure(arrays, meta, 3 if quick else 15)
-    lines = table(f"Residuals of the transformer block: {len(arrays)} arrays, {nbytes / 2**20:.1f} MiB; save + "
-                  "load, page cache warm, vjpsplit with CRC-32s checked and no fsync (its residual default); "
-                  f"CRC-32 by {checksum.BACKEND}.",
-                  rows, nbytes)
+    lines = table(
+        f"Residuals of the transformer block: {len(arrays)} arrays, {nbytes / 2**20:.1f} MiB; save + "
+        "load, page cache warm, vjpsplit with CRC-32s checked and no fsync (its residual default); "
+        f"CRC-32 by {checksum.BACKEND}.",
+        rows,
+        nbytes,
+    )
     lines += [""] + replace_table(replace_costs(40 * 2**20, 3 if quick else 15))
     if gib:
         lines += [""] + replace_table(replace_costs(int(gib * 2**30), 3 if quick else 7))
         big, meta = residual_set(gib)
         nbig = sum(a.nbytes for a in big.values())
         big_rows = measure(big, meta, 3 if quick else 5)
-        lines += [""] + table(f"The same residuals ×{len(big) // len(arrays)}: {len(big)} arrays, "
-                              f"{nbig / 2**30:.2f} GiB.", big_rows, nbig)
+        lines += [""] + table(
+            f"The same residuals ×{len(big) // len(arrays)}: {len(big)} arrays, {nbig / 2**30:.2f} GiB.", big_rows, nbig
+        )
         rows += [dict(r, size="large") for r in big_rows]
     return "\n".join(lines), rows
 

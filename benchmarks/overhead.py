@@ -48,9 +48,16 @@ def candidates(w, tmp: Path) -> tuple[dict, str]:
         out, res = jfwd(*args)
         return out, jbwd(res, one)
 
-    return ({"fused": lambda: fused(*args), "split": split_step, "artifact": artifact_step,
-             "artifact auto": lambda: artifact_step(auto), "jax.fwd_and_bwd": jax_step},
-            auto.manifest.policy)
+    return (
+        {
+            "fused": lambda: fused(*args),
+            "split": split_step,
+            "artifact": artifact_step,
+            "artifact auto": lambda: artifact_step(auto),
+            "jax.fwd_and_bwd": jax_step,
+        },
+        auto.manifest.policy,
+    )
 
 
 def run(quick: bool) -> tuple[str, list[dict]]:
@@ -62,17 +69,30 @@ def run(quick: bool) -> tuple[str, list[dict]]:
             cands, chosen = candidates(w, Path(d))
             times = interleaved(cands, rounds)
             base = times["fused"]
-            rows.append({"workload": w.name, "auto": chosen, "target": TARGET[w.name], **times,
-                         **{f"{k}/fused": v / base for k, v in times.items()}})
-    lines = [f"Medians of {rounds} interleaved rounds; load average {os.getloadavg()[0]:.1f} when done "
-             f"({os.cpu_count()} cores, shared). Target: loaded artifact ≤ the ratio shown.", "",
-             "| workload | fused `jit(value_and_grad)` | `split` fwd+bwd | loaded artifact fwd+bwd | target "
-             "| artifact, `--policy auto` (chose) | `jax.fwd_and_bwd` |", "|---|---:|---:|---:|---:|---:|---:|"]
+            rows.append(
+                {
+                    "workload": w.name,
+                    "auto": chosen,
+                    "target": TARGET[w.name],
+                    **times,
+                    **{f"{k}/fused": v / base for k, v in times.items()},
+                }
+            )
+    lines = [
+        f"Medians of {rounds} interleaved rounds; load average {os.getloadavg()[0]:.1f} when done "
+        f"({os.cpu_count()} cores, shared). Target: loaded artifact ≤ the ratio shown.",
+        "",
+        "| workload | fused `jit(value_and_grad)` | `split` fwd+bwd | loaded artifact fwd+bwd | target "
+        "| artifact, `--policy auto` (chose) | `jax.fwd_and_bwd` |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         best = min(r["artifact/fused"], r["artifact auto/fused"])
-        lines.append(f"| {r['workload']} | {ms(r['fused'])} | {ms(r['split'])} ({r['split/fused']:.2f}×) "
-                     f"| {ms(r['artifact'])} ({r['artifact/fused']:.2f}×) "
-                     f"| ≤ {r['target']:.2f}× {'met' if best <= r['target'] else 'missed'} "
-                     f"| {ms(r['artifact auto'])} ({r['artifact auto/fused']:.2f}×, {r['auto']}) "
-                     f"| {ms(r['jax.fwd_and_bwd'])} ({r['jax.fwd_and_bwd/fused']:.2f}×) |")
+        lines.append(
+            f"| {r['workload']} | {ms(r['fused'])} | {ms(r['split'])} ({r['split/fused']:.2f}×) "
+            f"| {ms(r['artifact'])} ({r['artifact/fused']:.2f}×) "
+            f"| ≤ {r['target']:.2f}× {'met' if best <= r['target'] else 'missed'} "
+            f"| {ms(r['artifact auto'])} ({r['artifact auto/fused']:.2f}×, {r['auto']}) "
+            f"| {ms(r['jax.fwd_and_bwd'])} ({r['jax.fwd_and_bwd/fused']:.2f}×) |"
+        )
     return "\n".join(lines), rows

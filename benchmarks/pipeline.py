@@ -31,10 +31,26 @@ from benchmarks.timing import SINGLE_THREAD, run_section
 def _config(quick: bool) -> dict:
     tiny = {"width": 16, "rows": 4, "layers": 8, "microbatches": 16, "rounds": 5 if quick else 25}
     if quick:
-        return {"width": 256, "rows": 32, "layers": 4, "microbatches": 4, "rounds": 3, "ray": True, "bw_rounds": 10,
-                "tiny": tiny}
-    return {"width": 1024, "rows": 128, "layers": 8, "microbatches": 8, "rounds": 15, "ray": True, "bw_rounds": 40,
-            "tiny": tiny}
+        return {
+            "width": 256,
+            "rows": 32,
+            "layers": 4,
+            "microbatches": 4,
+            "rounds": 3,
+            "ray": True,
+            "bw_rounds": 10,
+            "tiny": tiny,
+        }
+    return {
+        "width": 1024,
+        "rows": 128,
+        "layers": 8,
+        "microbatches": 8,
+        "rounds": 15,
+        "ray": True,
+        "bw_rounds": 40,
+        "tiny": tiny,
+    }
 
 
 def run(quick: bool) -> tuple[str, list[dict]]:
@@ -45,39 +61,70 @@ def run(quick: bool) -> tuple[str, list[dict]]:
 def table(data: dict) -> str:
     """The report: B + W against the fused backward, then the schedules."""
     c = data["config"]
-    where = ("one core each (single-threaded XLA)" if c.get("single_threaded", True)
-             else f"threads of one process sharing the `{c['platform']}` device")
-    lines = [f"MLP of {c['layers']} dense layers (width {c['width']}), {c['microbatches']} microbatches of "
-             f"{c['rows']} rows, 2 workers, {where}. Medians of {c['rounds']} "
-             f"interleaved steps; load average {data['load']:.1f} when done (other work shares the cores).", "",
-             "| stage | fused backward | B | W | B then W | (B then W) / fused |", "|---|---:|---:|---:|---:|---:|"]
+    where = (
+        "one core each (single-threaded XLA)"
+        if c.get("single_threaded", True)
+        else f"threads of one process sharing the `{c['platform']}` device"
+    )
+    lines = [
+        f"MLP of {c['layers']} dense layers (width {c['width']}), {c['microbatches']} microbatches of "
+        f"{c['rows']} rows, 2 workers, {where}. Medians of {c['rounds']} "
+        f"interleaved steps; load average {data['load']:.1f} when done (other work shares the cores).",
+        "",
+        "| stage | fused backward | B | W | B then W | (B then W) / fused |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for r in data["bw"]:
-        lines.append(f"| {r['stage']} | {r['fused'] * 1e3:.2f} ms | {r['B'] * 1e3:.2f} ms | {r['W'] * 1e3:.2f} ms | "
-                     f"{r['BW'] * 1e3:.2f} ms | {r['BW'] / r['fused']:.2f}× |")
-    lines += ["", "| runner | schedule | stages | step time | vs 1F1B | measured bubble | modeled bubble | "
-              "unit model, F = B = W |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+        lines.append(
+            f"| {r['stage']} | {r['fused'] * 1e3:.2f} ms | {r['B'] * 1e3:.2f} ms | {r['W'] * 1e3:.2f} ms | "
+            f"{r['BW'] * 1e3:.2f} ms | {r['BW'] / r['fused']:.2f}× |"
+        )
+    lines += [
+        "",
+        "| runner | schedule | stages | step time | vs 1F1B | measured bubble | modeled bubble | "
+        "unit model, F = B = W |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in data["rows"]:
-        lines.append(f"| {r['runner']} | {r['label']} | {r['stages']} | {r['step'] * 1e3:.1f} ms | "
-                     f"{r['speedup']:.2f}× | {r['bubble']:.1%} | {r['modeled']:.1%} | {r['unit']:.1%} |")
+        lines.append(
+            f"| {r['runner']} | {r['label']} | {r['stages']} | {r['step'] * 1e3:.1f} ms | "
+            f"{r['speedup']:.2f}× | {r['bubble']:.1%} | {r['modeled']:.1%} | {r['unit']:.1%} |"
+        )
     step = {(r["runner"], r["schedule"]): r["step"] for r in data["rows"]}
     if ("Ray", "1f1b") in step:
-        lines += ["", "MLP, Ray step / in-process step: " + ", ".join(
-            f"{r} {step[(r, n)] / step[('in-process', n)]:.2f}× ({n})" for r in ("Ray", "Ray calls")
-            for n in ("1f1b", "zbh1", "zbv") if (r, n) in step)]
+        lines += [
+            "",
+            "MLP, Ray step / in-process step: "
+            + ", ".join(
+                f"{r} {step[(r, n)] / step[('in-process', n)]:.2f}× ({n})"
+                for r in ("Ray", "Ray calls")
+                for n in ("1f1b", "zbh1", "zbv")
+                if (r, n) in step
+            ),
+        ]
     t = data.get("tiny")
     if t:
         tc = c["tiny"]
         base = t["rows"][0]
-        lines += ["", f"Tiny stages: {tc['layers']} dense layers of width {tc['width']}, 1F1B, {tc['microbatches']} "
-                      f"microbatches of {tc['rows']} rows; medians of {tc['rounds']} interleaved steps.", "",
-                  "| runner | stages | step time | per operation | step / in-process (2 stages) |",
-                  "|---|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"Tiny stages: {tc['layers']} dense layers of width {tc['width']}, 1F1B, {tc['microbatches']} "
+            f"microbatches of {tc['rows']} rows; medians of {tc['rounds']} interleaved steps.",
+            "",
+            "| runner | stages | step time | per operation | step / in-process (2 stages) |",
+            "|---|---:|---:|---:|---:|",
+        ]
         for r in t["rows"]:
-            lines.append(f"| {r['runner']} | {r['stages']} | {r['step'] * 1e3:.2f} ms | {r['per_op'] * 1e6:.0f} µs | "
-                         f"{r['step'] / base['step']:.2f}× |")
+            lines.append(
+                f"| {r['runner']} | {r['stages']} | {r['step'] * 1e3:.2f} ms | {r['per_op'] * 1e6:.0f} µs | "
+                f"{r['step'] / base['step']:.2f}× |"
+            )
         per = {(r["runner"], r["stages"]): r["per_op"] for r in t["rows"]}
-        lines += ["", f"In-process cost per operation, 8 stages / 2 stages: "
-                      f"{per[('in-process', 8)] / per[('in-process', 2)]:.2f}×"]
+        lines += [
+            "",
+            f"In-process cost per operation, 8 stages / 2 stages: "
+            f"{per[('in-process', 8)] / per[('in-process', 2)]:.2f}×",
+        ]
     fails = data.get("failures", []) + (t or {}).get("failures", [])
     if fails:
         lines += ["", "Did not finish (left out above): " + "; ".join(fails)]
@@ -103,8 +150,9 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
     from benchmarks.timing import interleaved
     from vjpsplit_cli import pipeline as P
 
-    cfg = dict(_config(quick), ray=ray, platform=platform,
-               single_threaded=SINGLE_THREAD in os.environ.get("XLA_FLAGS", ""))
+    cfg = dict(
+        _config(quick), ray=ray, platform=platform, single_threaded=SINGLE_THREAD in os.environ.get("XLA_FLAGS", "")
+    )
     W, L, M, R = cfg["width"], cfg["layers"], cfg["microbatches"], cfg["rows"]
 
     def hidden(params, x):
@@ -119,8 +167,10 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
 
     def model(W, L, M, R):
         rng = np.random.default_rng(0)
-        params = [{"w": (rng.normal(size=(W, W)) / np.sqrt(W)).astype(np.float32), "b": np.zeros(W, np.float32)}
-                  for _ in range(L)]
+        params = [
+            {"w": (rng.normal(size=(W, W)) / np.sqrt(W)).astype(np.float32), "b": np.zeros(W, np.float32)}
+            for _ in range(L)
+        ]
         x = rng.normal(size=(M * R, W)).astype(np.float32)
         labels = rng.integers(0, W, M * R).astype(np.int32)
         return params, x, labels, float(head(params, x, labels))
@@ -131,13 +181,24 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
         (b,) = jexport.symbolic_shape("b")
         s = jax.ShapeDtypeStruct
         k = L // n
-        groups = [params[i * k:(i + 1) * k] for i in range(n)]
+        groups = [params[i * k : (i + 1) * k] for i in range(n)]
         spec = lambda p: jax.tree_util.tree_map(lambda a: s(a.shape, a.dtype), p)  # noqa: E731
         wrt = lambda i: ("params",) if i == 0 else ("params", "x")  # noqa: E731
-        arts = [vs.export(hidden, spec(g), s((b, W), jnp.float32), wrt=wrt(i), weights="params", platforms=platform)
-                for i, g in enumerate(groups[:-1])]
-        arts.append(vs.export(head, spec(groups[-1]), s((b, W), jnp.float32), s((b,), jnp.int32), wrt=wrt(n - 1),
-                              weights="params", platforms=platform))
+        arts = [
+            vs.export(hidden, spec(g), s((b, W), jnp.float32), wrt=wrt(i), weights="params", platforms=platform)
+            for i, g in enumerate(groups[:-1])
+        ]
+        arts.append(
+            vs.export(
+                head,
+                spec(groups[-1]),
+                s((b, W), jnp.float32),
+                s((b,), jnp.int32),
+                wrt=wrt(n - 1),
+                weights="params",
+                platforms=platform,
+            )
+        )
         return arts, groups
 
     tiny = _tiny(cfg["tiny"], model, cut, P, cfg["ray"])
@@ -156,9 +217,15 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
         ct = jnp.float32(1.0 / M) if s == 1 else jnp.ones((R, W), jnp.float32)
         c = st.calls
         _, inter = c.backward_input(res, ct)
-        t = interleaved({"fused": lambda: c.backward(res, ct), "B": lambda: c.backward_input(res, ct),
-                         "W": lambda: c.backward_weight(inter),
-                         "B+W": lambda: c.backward_weight(c.backward_input(res, ct)[1])}, cfg["bw_rounds"])
+        t = interleaved(
+            {
+                "fused": lambda: c.backward(res, ct),
+                "B": lambda: c.backward_input(res, ct),
+                "W": lambda: c.backward_weight(inter),
+                "B+W": lambda: c.backward_weight(c.backward_input(res, ct)[1]),
+            },
+            cfg["bw_rounds"],
+        )
         bw.append({"stage": s, "fused": t["fused"], "B": t["B"], "W": t["W"], "BW": t["B+W"]})
 
     schedules = ["1f1b", "zbh1", "zbv"]
@@ -168,8 +235,11 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
         # Idle share with F = B = W (a fused B costs 2; a ZB-V stage half a worker's): the schedule's own bubble.
         S = 4 if name == "zbv" else 2
         scale = 0.5 if name == "zbv" else 1.0
-        ev = P.simulate(P.schedule(name, S, M), S,
-                        lambda o: scale * (2.0 if o.kind == "B" and name not in P.SPLIT_BACKWARD else 1.0))
+        ev = P.simulate(
+            P.schedule(name, S, M),
+            S,
+            lambda o: scale * (2.0 if o.kind == "B" and name not in P.SPLIT_BACKWARD else 1.0),
+        )
         return P.bubble_ratio(ev, p)
 
     samples: dict = {}
@@ -180,29 +250,41 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
         samples.setdefault((runner, name), []).append(r)
 
     def inprocess():
-        return {n: (lambda n=n: P.run_inprocess(*cuts[4 if n == "zbv" else 2], x, [labels], microbatches=M,
-                                               schedule_name=n)) for n in schedules}, []
+        return {
+            n: (
+                lambda n=n: P.run_inprocess(*cuts[4 if n == "zbv" else 2], x, [labels], microbatches=M, schedule_name=n)
+            )
+            for n in schedules
+        }, []
 
     def on_ray(compiled, name):
         # One pipeline per schedule: a RayPipeline holds one compiled graph at a time.
         def setup():
-            rp = P.RayPipeline(*cuts[4 if name == "zbv" else 2], layout=P.layout(name), compiled=compiled,
-                                step_timeout=60)
+            rp = P.RayPipeline(
+                *cuts[4 if name == "zbv" else 2], layout=P.layout(name), compiled=compiled, step_timeout=60
+            )
             return {name: lambda: rp.run(x, [labels], microbatches=M, schedule_name=name)}, [rp]
+
         return setup
 
     phases = [("in-process", inprocess)]
     if cfg["ray"]:
-        phases += [(runner, on_ray(compiled, n)) for runner, compiled in (("Ray", True), ("Ray calls", False))
-                   for n in schedules]
+        phases += [
+            (runner, on_ray(compiled, n))
+            for runner, compiled in (("Ray", True), ("Ray calls", False))
+            for n in schedules
+        ]
     failures: dict = {}
     _phases(phases, cfg["rounds"], record, cfg["ray"], failures)
     runners = dict.fromkeys(r for r, _ in phases)
 
     rows = []
     for runner in runners:
-        base = statistics.median(r.step_time for r in samples.get((runner, "1f1b"), [])) \
-            if (runner, "1f1b") in samples else float("nan")
+        base = (
+            statistics.median(r.step_time for r in samples.get((runner, "1f1b"), []))
+            if (runner, "1f1b") in samples
+            else float("nan")
+        )
         for name in schedules:
             if (runner, name) in failures or (runner, name) not in samples:
                 continue
@@ -216,15 +298,34 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
             med = {k: statistics.median(v) for k, v in dur.items()}
             S = rs[0].stages
             modeled = P.simulate(P.schedule(name, S, M), S, lambda o: med[(o.chunk, o.kind, o.mb)])
-            ops = {k: statistics.median(v for (c, kk, _), v in med.items() if kk == k) for k in "FBW" if
-                   any(kk == k for (_, kk, _) in med)}
-            rows.append({"runner": runner, "schedule": name, "label": P.LABELS[name], "stages": S, "step": step,
-                         "speedup": base / step, "bubble": statistics.median(r.bubble_ratio for r in rs),
-                         "modeled": P.bubble_ratio(modeled, p), "unit": unit_model(name),
-                         "modeled_makespan": max(e.end for e in modeled) - min(e.start for e in modeled),
-                         "op_medians": ops})
-    return {"config": cfg, "bw": bw, "rows": rows, "tiny": tiny, "load": os.getloadavg()[0],
-            "failures": [f"{r} {n}: {e}" for (r, n), e in failures.items()]}
+            ops = {
+                k: statistics.median(v for (c, kk, _), v in med.items() if kk == k)
+                for k in "FBW"
+                if any(kk == k for (_, kk, _) in med)
+            }
+            rows.append(
+                {
+                    "runner": runner,
+                    "schedule": name,
+                    "label": P.LABELS[name],
+                    "stages": S,
+                    "step": step,
+                    "speedup": base / step,
+                    "bubble": statistics.median(r.bubble_ratio for r in rs),
+                    "modeled": P.bubble_ratio(modeled, p),
+                    "unit": unit_model(name),
+                    "modeled_makespan": max(e.end for e in modeled) - min(e.start for e in modeled),
+                    "op_medians": ops,
+                }
+            )
+    return {
+        "config": cfg,
+        "bw": bw,
+        "rows": rows,
+        "tiny": tiny,
+        "load": os.getloadavg()[0],
+        "failures": [f"{r} {n}: {e}" for (r, n), e in failures.items()],
+    }
 
 
 def _phases(phases: list, rounds: int, record, ray_too: bool, failures: dict) -> None:
@@ -239,8 +340,12 @@ def _phases(phases: list, rounds: int, record, ray_too: bool, failures: dict) ->
     from vjpsplit_cli import VjpsplitError
 
     if ray_too:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"XLA_FLAGS": os.environ.get("XLA_FLAGS", SINGLE_THREAD)}})
+        ray.init(
+            num_cpus=4,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"XLA_FLAGS": os.environ.get("XLA_FLAGS", SINGLE_THREAD)}},
+        )
     try:
         for runner, setup in phases:
             print(f"phase {runner}", file=sys.stderr, flush=True)
@@ -280,10 +385,21 @@ def _tiny(tc: dict, model, cut, P, ray_too: bool) -> dict:
         def setup():
             rp = P.RayPipeline(*cuts[2], compiled=compiled, step_timeout=60)
             return {2: lambda: rp.run(x, [labels], microbatches=M, schedule_name="1f1b")}, [rp]
+
         return setup
 
-    phases = [("in-process", lambda: ({n: (lambda n=n: P.run_inprocess(*cuts[n], x, [labels], microbatches=M,
-                                                                      schedule_name="1f1b")) for n in (2, 8)}, []))]
+    phases = [
+        (
+            "in-process",
+            lambda: (
+                {
+                    n: (lambda n=n: P.run_inprocess(*cuts[n], x, [labels], microbatches=M, schedule_name="1f1b"))
+                    for n in (2, 8)
+                },
+                [],
+            ),
+        )
+    ]
     if ray_too:
         phases += [("Ray", on_ray(True)), ("Ray calls", on_ray(False))]
     failures: dict = {}
@@ -314,7 +430,9 @@ def main(argv=None) -> int:
     print()
     for r in rows:
         ops = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in r["op_medians"].items())
-        print(f"{r['runner']:>10} {r['label']:>5}: median ops {ops}; modeled makespan {r['modeled_makespan'] * 1e3:.1f} ms")
+        print(
+            f"{r['runner']:>10} {r['label']:>5}: median ops {ops}; modeled makespan {r['modeled_makespan'] * 1e3:.1f} ms"
+        )
     return 0
 
 

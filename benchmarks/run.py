@@ -46,18 +46,27 @@ def machine() -> str:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, jax {jax.__version__}, "
-            f"backend {jax.default_backend()}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, jax {jax.__version__}, "
+        f"backend {jax.default_backend()}"
+    )
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few rounds: proves the suite runs, numbers are rough")
     ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections: " + ", ".join(SECTIONS))
-    ap.add_argument("--out", default=None, help="write the markdown report here (default: print only); "
-                    "with --accelerator, the directory for its JSON and markdown reports")
-    ap.add_argument("--accelerator", action="store_true",
-                    help="the one-shot GPU/TPU run (benchmarks/accelerator.sh installs what it needs first)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="write the markdown report here (default: print only); "
+        "with --accelerator, the directory for its JSON and markdown reports",
+    )
+    ap.add_argument(
+        "--accelerator",
+        action="store_true",
+        help="the one-shot GPU/TPU run (benchmarks/accelerator.sh installs what it needs first)",
+    )
     ap.add_argument("--budget", type=float, default=None, help="with --accelerator: seconds for all its steps")
     args = ap.parse_args(argv)
     import importlib
@@ -65,8 +74,11 @@ def main(argv=None) -> int:
     if args.accelerator:
         from benchmarks import accelerator
 
-        return accelerator.main((["--quick"] if args.quick else []) + (["--out", args.out] if args.out else [])
-                                + (["--budget", str(args.budget)] if args.budget is not None else []))
+        return accelerator.main(
+            (["--quick"] if args.quick else [])
+            + (["--out", args.out] if args.out else [])
+            + (["--budget", str(args.budget)] if args.budget is not None else [])
+        )
 
     parts = [f"Machine: {machine()}. Command: `python -m benchmarks{' --quick' if args.quick else ''}`.", ""]
     for key in args.only.split(","):

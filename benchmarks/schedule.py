@@ -49,7 +49,10 @@ def run(quick: bool) -> tuple[str, list[dict]]:
         np.testing.assert_allclose(ga, gb, rtol=1e-4, atol=1e-6)
     times = interleaved({"vjpsplit": vjpsplit_schedule, "jax.export vjp (recompute)": recompute_schedule}, rounds)
     ratio = times["vjpsplit"] / times["jax.export vjp (recompute)"]
-    lines = ["| schedule (MLP 784-1024-1024-10, 2 microbatches of 256) | median | ratio |", "|---|---:|---:|",
-             f"| vjpsplit artifact: F1 F2 B2 B1 from residuals | {ms(times['vjpsplit'])} | {ratio:.2f}× |",
-             f"| `jax.export` VJP: backward recomputes the forward | {ms(times['jax.export vjp (recompute)'])} | 1.00× |"]
+    lines = [
+        "| schedule (MLP 784-1024-1024-10, 2 microbatches of 256) | median | ratio |",
+        "|---|---:|---:|",
+        f"| vjpsplit artifact: F1 F2 B2 B1 from residuals | {ms(times['vjpsplit'])} | {ratio:.2f}× |",
+        f"| `jax.export` VJP: backward recomputes the forward | {ms(times['jax.export vjp (recompute)'])} | 1.00× |",
+    ]
     return "\n".join(lines), [{"schedule": k, "s": v} for k, v in times.items()]

@@ -37,7 +37,10 @@ def _child(quick: bool) -> dict:
     mesh = block.mesh()
     batch = jax.ShapeDtypeStruct((b, 32, block.D), jnp.float32, sharding=NamedSharding(mesh, P("data", None, None)))
     rows = {}
-    for name, fn, make in (("mlp", block.mlp, block.mlp_params), ("attention", block.attention, block.attention_params)):
+    for name, fn, make in (
+        ("mlp", block.mlp, block.mlp_params),
+        ("attention", block.attention, block.attention_params),
+    ):
         specs = (make(), batch)
         with tempfile.TemporaryDirectory() as tmp:
             vs.export(fn, *specs, platforms="cpu").save(Path(tmp) / "a.vjps")
@@ -66,16 +69,26 @@ def _child(quick: bool) -> dict:
                 per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
         bwd = jexport.deserialize(bytearray(art.modules["bwd"]))
         carrier = jax.device_put(np.zeros((0, 16), bool), NamedSharding(art.mesh, P()))
-        hlo = jax.jit(bwd.call).lower(stored, list(res.inputs.values()), [jnp.ones((), jnp.float32)],
-                                      carrier).compile().as_text()
-        times = interleaved({"fused": lambda: fused(*args), "split": split_step, "artifact": artifact_step},
-                            rounds=5 if quick else 30)
-        rows[name] = {"fused_ms": times["fused"] * 1e3, "artifact_ms": times["artifact"] * 1e3,
-                      "split_ms": times["split"] * 1e3, "ratio": times["artifact"] / times["fused"],
-                      "split_ratio": times["split"] / times["fused"], "residual_total": sum(a.nbytes for a in stored),
-                      "residual_per_device_max": max(per_device.values()),
-                      "residual_per_device_min": min(per_device.values()),
-                      "bwd_all_gathers": hlo.count(" all-gather(")}
+        hlo = (
+            jax.jit(bwd.call)
+            .lower(stored, list(res.inputs.values()), [jnp.ones((), jnp.float32)], carrier)
+            .compile()
+            .as_text()
+        )
+        times = interleaved(
+            {"fused": lambda: fused(*args), "split": split_step, "artifact": artifact_step}, rounds=5 if quick else 30
+        )
+        rows[name] = {
+            "fused_ms": times["fused"] * 1e3,
+            "artifact_ms": times["artifact"] * 1e3,
+            "split_ms": times["split"] * 1e3,
+            "ratio": times["artifact"] / times["fused"],
+            "split_ratio": times["split"] / times["fused"],
+            "residual_total": sum(a.nbytes for a in stored),
+            "residual_per_device_max": max(per_device.values()),
+            "residual_per_device_min": min(per_device.values()),
+            "bwd_all_gathers": hlo.count(" all-gather("),
+        }
     return rows
 
 
@@ -85,20 +98,30 @@ def run(quick: bool = False) -> tuple[str, dict]:
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
     env["XLA_FLAGS"] = " ".join([*flags, "--xla_force_host_platform_device_count=8"])
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, "-m", "benchmarks.sharded", "--child", *(["--quick"] if quick else [])],
-                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.sharded", "--child", *(["--quick"] if quick else [])],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if r.returncode:
         raise RuntimeError(f"sharded benchmark child failed:\n{r.stderr[-3000:]}")
     rows = json.loads(r.stdout.strip().splitlines()[-1])
-    lines = ["| block (batch 16 x 32 tokens, d=256) | fused jit(value_and_grad) | split fwd+bwd (jit) | "
-             "artifact fwd+bwd | residuals, all devices | residuals, per device (max / min) | "
-             "all-gathers in the backward |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| block (batch 16 x 32 tokens, d=256) | fused jit(value_and_grad) | split fwd+bwd (jit) | "
+        "artifact fwd+bwd | residuals, all devices | residuals, per device (max / min) | "
+        "all-gathers in the backward |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name, v in rows.items():
-        lines.append(f"| {name} | {v['fused_ms']:.2f} ms | {v['split_ms']:.2f} ms ({v['split_ratio']:.2f}x) | "
-                     f"{v['artifact_ms']:.2f} ms ({v['ratio']:.2f}x) | "
-                     f"{v['residual_total'] / 2**20:.2f} MiB | {v['residual_per_device_max'] / 2**20:.2f} / "
-                     f"{v['residual_per_device_min'] / 2**20:.2f} MiB | {v['bwd_all_gathers']} |")
+        lines.append(
+            f"| {name} | {v['fused_ms']:.2f} ms | {v['split_ms']:.2f} ms ({v['split_ratio']:.2f}x) | "
+            f"{v['artifact_ms']:.2f} ms ({v['ratio']:.2f}x) | "
+            f"{v['residual_total'] / 2**20:.2f} MiB | {v['residual_per_device_max'] / 2**20:.2f} / "
+            f"{v['residual_per_device_min'] / 2**20:.2f} MiB | {v['bwd_all_gathers']} |"
+        )
     return "\n".join(lines), rows
 
 

@@ -18,8 +18,12 @@ def interleaved(candidates: Mapping[str, Callable[[], object]], rounds: int, war
     return {k: statistics.median(v) for k, v in interleaved_samples(candidates, rounds, warmup).items()}
 
 
-def interleaved_samples(candidates: Mapping[str, Callable[[], object]], rounds: int, warmup: int = 2,
-                        clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+def interleaved_samples(
+    candidates: Mapping[str, Callable[[], object]],
+    rounds: int,
+    warmup: int = 2,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, list[float]]:
     """Seconds of every call of each candidate, calls interleaved round by round.
 
     ``clock=time.process_time`` counts this process's CPU time instead of wall time: on a

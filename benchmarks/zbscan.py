@@ -32,20 +32,25 @@ def _config(quick: bool) -> dict:
 def table(data: dict) -> str:
     """Times and FLOPs of fused, B, W and B then W per stage."""
     c = data["config"]
-    lines = [f"MLP: {c['layers']} layers of width {c['width']}, {c['rows']} rows. GRU: hidden {c['hidden']}, "
-             f"{c['steps']} steps, batch {c['batch']}. One core (single-threaded XLA); medians of {c['rounds']} "
-             "interleaved rounds (wall time; CPU time in as many more rounds); "
-             f"load average {data['load']:.1f} when done (other work shares the cores). "
-             "FLOPs: XLA's cost analysis with the scans unrolled (it counts a loop body once).", "",
-             "| stage | fused backward | B | W | B then W | (B then W) / fused | best of each, ratio | CPU time, ratio "
-             "| MFLOP fused | MFLOP B + W | FLOPs (B + W) / fused | dot_generals in W (of B's + W's) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"MLP: {c['layers']} layers of width {c['width']}, {c['rows']} rows. GRU: hidden {c['hidden']}, "
+        f"{c['steps']} steps, batch {c['batch']}. One core (single-threaded XLA); medians of {c['rounds']} "
+        "interleaved rounds (wall time; CPU time in as many more rounds); "
+        f"load average {data['load']:.1f} when done (other work shares the cores). "
+        "FLOPs: XLA's cost analysis with the scans unrolled (it counts a loop body once).",
+        "",
+        "| stage | fused backward | B | W | B then W | (B then W) / fused | best of each, ratio | CPU time, ratio "
+        "| MFLOP fused | MFLOP B + W | FLOPs (B + W) / fused | dot_generals in W (of B's + W's) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in data["rows"]:
-        lines.append(f"| {r['stage']} | {r['fused'] * 1e3:.2f} ms | {r['B'] * 1e3:.2f} ms | {r['W'] * 1e3:.2f} ms | "
-                     f"{r['BW'] * 1e3:.2f} ms | {r['BW'] / r['fused']:.2f}× | {r['best_ratio']:.2f}× | "
-                     f"{r['cpu_ratio']:.2f}× | {r['flops_fused'] / 1e6:.2f} | "
-                     f"{(r['flops_B'] + r['flops_W']) / 1e6:.2f} | "
-                     f"{(r['flops_B'] + r['flops_W']) / r['flops_fused']:.4f} | {r['dots']} |")
+        lines.append(
+            f"| {r['stage']} | {r['fused'] * 1e3:.2f} ms | {r['B'] * 1e3:.2f} ms | {r['W'] * 1e3:.2f} ms | "
+            f"{r['BW'] * 1e3:.2f} ms | {r['BW'] / r['fused']:.2f}× | {r['best_ratio']:.2f}× | "
+            f"{r['cpu_ratio']:.2f}× | {r['flops_fused'] / 1e6:.2f} | "
+            f"{(r['flops_B'] + r['flops_W']) / 1e6:.2f} | "
+            f"{(r['flops_B'] + r['flops_W']) / r['flops_fused']:.4f} | {r['dots']} |"
+        )
     return "\n".join(lines)
 
 
@@ -87,6 +92,7 @@ def _child(quick: bool) -> dict:
     def scanned(params, x, unroll=1):
         def layer(h, p):
             return jax.nn.gelu(h @ p["w"] + p["b"]), None
+
         return jax.lax.scan(layer, x, params, unroll=unroll)[0]
 
     def unrolled(params, x, unroll=1):
@@ -100,20 +106,36 @@ def _child(quick: bool) -> dict:
             r = jax.nn.sigmoid(xt @ params["wr"] + h @ params["ur"])
             c = jnp.tanh(xt @ params["wh"] + (r * h) @ params["uh"])
             return (1 - z) * h + z * c, (1 - z) * h + z * c
+
         _, hs = jax.lax.scan(cell, jnp.zeros((x.shape[0], H), x.dtype), jnp.swapaxes(x, 0, 1), unroll=unroll)
         return jnp.swapaxes(hs, 0, 1)
 
-    mlp_params = {"w": (rng.normal(size=(L, W, W)) / np.sqrt(W)).astype(np.float32),
-                  "b": np.zeros((L, W), np.float32)}
-    gru_params = {k: (rng.normal(size=(H, H)) / np.sqrt(H)).astype(np.float32)
-                  for k in ("wz", "uz", "wr", "ur", "wh", "uh")} | {"bz": np.zeros(H, np.float32)}
+    mlp_params = {"w": (rng.normal(size=(L, W, W)) / np.sqrt(W)).astype(np.float32), "b": np.zeros((L, W), np.float32)}
+    gru_params = {
+        k: (rng.normal(size=(H, H)) / np.sqrt(H)).astype(np.float32) for k in ("wz", "uz", "wr", "ur", "wh", "uh")
+    } | {"bz": np.zeros(H, np.float32)}
     cases = [
-        ("scanned MLP (8 layers, stacked weights)", scanned, mlp_params, s((b, W), jnp.float32),
-         rng.normal(size=(R, W)).astype(np.float32)),
-        ("unscanned MLP (same layers, reference)", unrolled, mlp_params, s((b, W), jnp.float32),
-         rng.normal(size=(R, W)).astype(np.float32)),
-        (f"GRU ({T} steps, shared weights)", gru, gru_params, s((b, T, H), jnp.float32),
-         rng.normal(size=(B, T, H)).astype(np.float32)),
+        (
+            "scanned MLP (8 layers, stacked weights)",
+            scanned,
+            mlp_params,
+            s((b, W), jnp.float32),
+            rng.normal(size=(R, W)).astype(np.float32),
+        ),
+        (
+            "unscanned MLP (same layers, reference)",
+            unrolled,
+            mlp_params,
+            s((b, W), jnp.float32),
+            rng.normal(size=(R, W)).astype(np.float32),
+        ),
+        (
+            f"GRU ({T} steps, shared weights)",
+            gru,
+            gru_params,
+            s((b, T, H), jnp.float32),
+            rng.normal(size=(B, T, H)).astype(np.float32),
+        ),
     ]
     rows = []
     for name, fn, params, x_spec, x in cases:
@@ -125,27 +147,49 @@ def _child(quick: bool) -> dict:
         _, res = c.forward(st.params, xs)
         ct = jnp.ones(np.shape(fn(params, x)), jnp.float32)
         _, inter = c.backward_input(res, ct)
-        calls = {"fused": lambda: c.backward(res, ct), "B": lambda: c.backward_input(res, ct),
-                 "W": lambda: c.backward_weight(inter), "B+W": lambda: c.backward_weight(c.backward_input(res, ct)[1])}
+        calls = {
+            "fused": lambda: c.backward(res, ct),
+            "B": lambda: c.backward_input(res, ct),
+            "W": lambda: c.backward_weight(inter),
+            "B+W": lambda: c.backward_weight(c.backward_input(res, ct)[1]),
+        }
         samples = interleaved_samples(calls, cfg["rounds"])
         t = {k: statistics.median(v) for k, v in samples.items()}
-        cpu = {k: statistics.median(v) for k, v in
-               interleaved_samples(calls, cfg["rounds"], clock=time.process_time).items()}
+        cpu = {
+            k: statistics.median(v)
+            for k, v in interleaved_samples(calls, cfg["rounds"], clock=time.process_time).items()
+        }
         dot = r"stablehlo\.dot_general.*?->\s*tensor<([^>]*)>"
         b_dots = re.findall(dot, art._exps["bwd_input"].mlir_module())
         w_dots = re.findall(dot, art._exps["bwd_weight"].mlir_module())
         # XLA's cost analysis counts a loop body once: count FLOPs on the same stage with its scan
         # unrolled (the cut keeps the unroll), where every iteration is in the module.
-        flat = vs.export(functools.partial(fn, unroll=True), spec, x_spec, weights="params", platforms="cpu",
-                         arg_names=("params", "x"))
+        flat = vs.export(
+            functools.partial(fn, unroll=True),
+            spec,
+            x_spec,
+            weights="params",
+            platforms="cpu",
+            arg_names=("params", "x"),
+        )
         cu = P.StageWorker(flat, params, 1, 3).calls
         _, res_u = cu.forward(st.params, xs)
         _, inter_u = cu.backward_input(res_u, ct)
-        rows.append({"stage": name, "fused": t["fused"], "B": t["B"], "W": t["W"], "BW": t["B+W"],
-                     "best_ratio": min(samples["B+W"]) / min(samples["fused"]), "cpu_ratio": cpu["B+W"] / cpu["fused"],
-                     "flops_fused": _flops(cu.backward, res_u, ct), "flops_B": _flops(cu.backward_input, res_u, ct),
-                     "flops_W": _flops(cu.backward_weight, inter_u),
-                     "dots": f"{len(w_dots)} of {len(w_dots) + len(b_dots)}"})
+        rows.append(
+            {
+                "stage": name,
+                "fused": t["fused"],
+                "B": t["B"],
+                "W": t["W"],
+                "BW": t["B+W"],
+                "best_ratio": min(samples["B+W"]) / min(samples["fused"]),
+                "cpu_ratio": cpu["B+W"] / cpu["fused"],
+                "flops_fused": _flops(cu.backward, res_u, ct),
+                "flops_B": _flops(cu.backward_input, res_u, ct),
+                "flops_W": _flops(cu.backward_weight, inter_u),
+                "dots": f"{len(w_dots)} of {len(w_dots) + len(b_dots)}",
+            }
+        )
         print(f"{name}: {rows[-1]}", file=sys.stderr)
     return {"config": cfg, "rows": rows, "load": os.getloadavg()[0]}
 

@@ -1,7 +1,7 @@
 """The quick-start model: a small MLP classifier, used by README and samples/quickstart.sh.
 
-    python samples/mlp.py make-inputs DIR/inputs.npz [--batch N]
-    python samples/mlp.py check DIR/inputs.npz DIR/grads.npz
+python samples/mlp.py make-inputs DIR/inputs.npz [--batch N]
+python samples/mlp.py check DIR/inputs.npz DIR/grads.npz
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ def init_params(seed: int = 0):
     """Random parameters with the shapes of ``param_shapes``."""
     rng = np.random.default_rng(seed)
     return {
-        name: {"w": (rng.normal(size=s["w"].shape) / np.sqrt(s["w"].shape[0])).astype(np.float32),
-               "b": np.zeros(s["b"].shape, np.float32)}
+        name: {
+            "w": (rng.normal(size=s["w"].shape) / np.sqrt(s["w"].shape[0])).astype(np.float32),
+            "b": np.zeros(s["b"].shape, np.float32),
+        }
         for name, s in param_shapes().items()
     }
 

@@ -58,7 +58,7 @@ def export_loss(path: Path) -> vs.Artifact:
 
 def run_schedule(art: vs.Artifact, params, x, labels, out: Path):
     """F1 F2 B2 B1 on two microbatches; returns (mean loss, summed gradients, residual files)."""
-    micro = [(params, x[i:i + MICRO], labels[i:i + MICRO]) for i in range(0, BATCH, MICRO)]
+    micro = [(params, x[i : i + MICRO], labels[i : i + MICRO]) for i in range(0, BATCH, MICRO)]
     # Both formats are exercised: microbatch 1 as .npz, microbatch 2 as .msgpack.
     files = [out / "residuals_mb1.npz", out / "residuals_mb2.msgpack"]
 
@@ -101,7 +101,9 @@ def compare(value, grads, ref_value, ref_grads) -> str | None:
 def main(argv=None) -> int:
     """Run the schedule and check it against the full-batch gradient; 0 if it matches."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="directory for the artifact and residual files (default: a temporary one)")
+    parser.add_argument(
+        "--out", type=Path, help="directory for the artifact and residual files (default: a temporary one)"
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp)
@@ -117,8 +119,10 @@ def main(argv=None) -> int:
         print(f"FAIL: {bad}")
         return 1
     n = len(jax.tree_util.tree_leaves(ref_grads))
-    print(f"F1 F2 B2 B1 on 2 microbatches of {MICRO}: loss {value:.6f} and {n} parameter gradients "
-          f"match jax.value_and_grad on the full batch ({sizes})")
+    print(
+        f"F1 F2 B2 B1 on 2 microbatches of {MICRO}: loss {value:.6f} and {n} parameter gradients "
+        f"match jax.value_and_grad on the full batch ({sizes})"
+    )
     return 0
 
 

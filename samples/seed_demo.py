@@ -109,9 +109,11 @@ def main(argv=None) -> int:
     if bad:
         print(f"FAIL: {bad}")
         return 1
-    n = GRID.size ** 2
-    print(f"{n} grid points: value and gradients match jax.vjp "
-          f"(scalar artifact, one call per point: {t1 - t0:.1f}s; f32[n] artifact, one call: {t2 - t1:.1f}s)")
+    n = GRID.size**2
+    print(
+        f"{n} grid points: value and gradients match jax.vjp "
+        f"(scalar artifact, one call per point: {t1 - t0:.1f}s; f32[n] artifact, one call: {t2 - t1:.1f}s)"
+    )
     return 0
 
 

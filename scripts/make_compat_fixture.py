@@ -27,8 +27,11 @@ def main() -> int:
     out = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / f"jax-{jax.__version__}"
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
-    params = {"w1": rng.normal(size=(6, 8)).astype(np.float32), "b1": np.zeros(8, np.float32),
-              "w2": rng.normal(size=(8, 3)).astype(np.float32)}
+    params = {
+        "w1": rng.normal(size=(6, 8)).astype(np.float32),
+        "b1": np.zeros(8, np.float32),
+        "w2": rng.normal(size=(8, 3)).astype(np.float32),
+    }
     x = rng.normal(size=(5, 6)).astype(np.float32)
     (b,) = jax.export.symbolic_shape("b")
     spec = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
@@ -37,10 +40,17 @@ def main() -> int:
     value, res = art.fwd(params, x)
     vs.save_residuals(out / "residuals.msgpack", res, self_contained=True)
     g_params, g_x = art.bwd(res)
-    vs.save_arrays(out / "expected.npz", {
-        **{f"params/{k}": v for k, v in params.items()}, "x": x, "out": np.asarray(value),
-        **{f"grad/params/{k}": np.asarray(v) for k, v in g_params.items()}, "grad/x": np.asarray(g_x),
-    }, {"jax": jax.__version__})
+    vs.save_arrays(
+        out / "expected.npz",
+        {
+            **{f"params/{k}": v for k, v in params.items()},
+            "x": x,
+            "out": np.asarray(value),
+            **{f"grad/params/{k}": np.asarray(v) for k, v in g_params.items()},
+            "grad/x": np.asarray(g_x),
+        },
+        {"jax": jax.__version__},
+    )
     print(f"wrote {out}")
     return 0
 

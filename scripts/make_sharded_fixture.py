@@ -36,10 +36,17 @@ def main() -> int:
     art.save(out / "mlp.vjps")
     params, x = block.init(specs[0], 5), block.init(specs[1], 6, b=4)
     value, (g_params, g_x) = jax.value_and_grad(block.mlp, argnums=(0, 1))(params, x)
-    vs.save_arrays(out / "expected.npz", {
-        **{f"params/{k}": v for k, v in params.items()}, "x": x, "out": np.asarray(value),
-        **{f"grad/params/{k}": np.asarray(v) for k, v in g_params.items()}, "grad/x": np.asarray(g_x),
-    }, {"jax": jax.__version__})
+    vs.save_arrays(
+        out / "expected.npz",
+        {
+            **{f"params/{k}": v for k, v in params.items()},
+            "x": x,
+            "out": np.asarray(value),
+            **{f"grad/params/{k}": np.asarray(v) for k, v in g_params.items()},
+            "grad/x": np.asarray(g_x),
+        },
+        {"jax": jax.__version__},
+    )
     print(f"wrote {out}")
     return 0
 

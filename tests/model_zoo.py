@@ -40,8 +40,8 @@ class Case:
     name: str
     loss: Callable
     args: Callable[[int], tuple]
-    specs: Callable[[Any], tuple]     # export specs, given the symbolic batch dim
-    cli_shapes: list[str]             # --shapes for the CLI
+    specs: Callable[[Any], tuple]  # export specs, given the symbolic batch dim
+    cli_shapes: list[str]  # --shapes for the CLI
     wrt: Any = "params"
     has_aux: bool = False
     rtol: float = 1e-5
@@ -135,7 +135,7 @@ def _block():
 def block_loss(params, x, key):
     """Mean square of a pre-LN attention block's output, dropout driven by ``key``."""
     y = _block().apply(params, x, rngs={"dropout": key})
-    return jnp.mean(y ** 2)
+    return jnp.mean(y**2)
 
 
 def block_params():
@@ -250,8 +250,13 @@ def bf16_loss(params, x, y):
     import flax.linen as nn
     import optax
 
-    model = nn.Sequential([nn.Dense(8, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16), nn.gelu,
-                           nn.Dense(3, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)])
+    model = nn.Sequential(
+        [
+            nn.Dense(8, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16),
+            nn.gelu,
+            nn.Dense(3, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16),
+        ]
+    )
     logits = model.apply(params, x.astype(jnp.bfloat16)).astype(jnp.float32)
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
 
@@ -260,8 +265,13 @@ def bf16_params():
     """bfloat16 parameters of the MLP."""
     import flax.linen as nn
 
-    model = nn.Sequential([nn.Dense(8, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16), nn.gelu,
-                           nn.Dense(3, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)])
+    model = nn.Sequential(
+        [
+            nn.Dense(8, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16),
+            nn.gelu,
+            nn.Dense(3, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16),
+        ]
+    )
     return model.init(jax.random.key(5), jnp.zeros((1, 5), jnp.bfloat16))
 
 
@@ -294,9 +304,11 @@ def plain_loss(params, x, y):
 def plain_params():
     """Parameters of ``plain_loss``."""
     rng = np.random.default_rng(6)
-    return TwoLayer(Dense(rng.normal(size=(5, 8)).astype(np.float32), np.zeros(8, np.float32)),
-                    Dense(rng.normal(size=(8, 3)).astype(np.float32), np.zeros(3, np.float32)),
-                    np.float32(1.5))
+    return TwoLayer(
+        Dense(rng.normal(size=(5, 8)).astype(np.float32), np.zeros(8, np.float32)),
+        Dense(rng.normal(size=(8, 3)).astype(np.float32), np.zeros(3, np.float32)),
+        np.float32(1.5),
+    )
 
 
 def plain_specs():
@@ -311,39 +323,99 @@ def _xs(n: int, shape: tuple, seed: int, dtype=np.float32) -> np.ndarray:
 def cases() -> list[Case]:
     """Every model of the zoo."""
     return [
-        Case("linen_cnn", linen_cnn_loss, lambda n: (linen_cnn_params(), _xs(n, (8, 8, 1), 10), _labels(n, 5, 11)),
-             lambda b: (linen_cnn_specs(), jax.ShapeDtypeStruct((b, 8, 8, 1), jnp.float32),
-                      jax.ShapeDtypeStruct((b,), jnp.int32)),
-             [f"params=@{ZOO}:linen_cnn_specs", "x=f32[b,8,8,1]", "y=i32[b]"], library="flax.linen + optax"),
-        Case("nnx_state", nnx_loss, lambda n: (nnx_state(), _xs(n, (6,), 12), _labels(n, 3, 13)),
-             lambda b: (nnx_specs(), jax.ShapeDtypeStruct((b, 6), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32)),
-             [f"state=@{ZOO}:nnx_specs", "x=f32[b,6]", "y=i32[b]"], wrt="state", library="flax.nnx"),
-        Case("block_typed_key", block_loss, lambda n: (block_params(), _xs(n, (4, 8), 14), jax.random.key(7)),
-             lambda b: (block_specs(), jax.ShapeDtypeStruct((b, 4, 8), jnp.float32), typed_key_spec()),
-             [f"params=@{ZOO}:block_specs", "x=f32[b,4,8]", f"key=@{ZOO}:typed_key_spec"], wrt=("params", "x"),
-             rtol=1e-4, atol=1e-6, library="flax.linen"),
-        Case("block_legacy_key", block_loss, lambda n: (block_params(), _xs(n, (4, 8), 15), jax.random.PRNGKey(8)),
-             lambda b: (block_specs(), jax.ShapeDtypeStruct((b, 4, 8), jnp.float32),
-                      jax.ShapeDtypeStruct((2,), jnp.uint32)),
-             [f"params=@{ZOO}:block_specs", "x=f32[b,4,8]", "key=u32[2]"], wrt=("params", "x"),
-             rtol=1e-4, atol=1e-6, library="flax.linen"),
-        Case("batchnorm_aux", bn_loss,
-             lambda n: (*bn_variables(), _xs(n, (5,), 16), _labels(n, 3, 17)),
-             lambda b: (bn_params_specs(), bn_stats_specs(), jax.ShapeDtypeStruct((b, 5), jnp.float32),
-                      jax.ShapeDtypeStruct((b,), jnp.int32)),
-             [f"params=@{ZOO}:bn_params_specs", f"batch_stats=@{ZOO}:bn_stats_specs", "x=f32[b,5]", "y=i32[b]"],
-             has_aux=True, library="flax.linen + optax"),
-        Case("equinox_mlp", eqx_loss, lambda n: (eqx_params(), _xs(n, (5,), 18), _labels(n, 3, 19)),
-             lambda b: (eqx_specs(), jax.ShapeDtypeStruct((b, 5), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32)),
-             [f"params=@{ZOO}:eqx_specs", "x=f32[b,5]", "y=i32[b]"], library="equinox"),
-        Case("haiku_nested", hk_loss, lambda n: (hk_params(), _xs(n, (5,), 20), _labels(n, 3, 21)),
-             lambda b: (hk_specs(), jax.ShapeDtypeStruct((b, 5), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32)),
-             [f"params=@{ZOO}:hk_specs", "x=f32[b,5]", "y=i32[b]"], library="dm-haiku"),
-        Case("bf16_params", bf16_loss, lambda n: (bf16_params(), _xs(n, (5,), 22), _labels(n, 3, 23)),
-             lambda b: (bf16_specs(), jax.ShapeDtypeStruct((b, 5), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32)),
-             [f"params=@{ZOO}:bf16_specs", "x=f32[b,5]", "y=i32[b]"], rtol=2e-2, atol=2e-2,
-             library="flax.linen + optax"),
-        Case("namedtuple_dataclass", plain_loss, lambda n: (plain_params(), _xs(n, (5,), 24), _labels(n, 3, 25)),
-             lambda b: (plain_specs(), jax.ShapeDtypeStruct((b, 5), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32)),
-             [f"params=@{ZOO}:plain_specs", "x=f32[b,5]", "y=i32[b]"], library="jax.tree_util"),
+        Case(
+            "linen_cnn",
+            linen_cnn_loss,
+            lambda n: (linen_cnn_params(), _xs(n, (8, 8, 1), 10), _labels(n, 5, 11)),
+            lambda b: (
+                linen_cnn_specs(),
+                jax.ShapeDtypeStruct((b, 8, 8, 1), jnp.float32),
+                jax.ShapeDtypeStruct((b,), jnp.int32),
+            ),
+            [f"params=@{ZOO}:linen_cnn_specs", "x=f32[b,8,8,1]", "y=i32[b]"],
+            library="flax.linen + optax",
+        ),
+        Case(
+            "nnx_state",
+            nnx_loss,
+            lambda n: (nnx_state(), _xs(n, (6,), 12), _labels(n, 3, 13)),
+            lambda b: (nnx_specs(), jax.ShapeDtypeStruct((b, 6), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32)),
+            [f"state=@{ZOO}:nnx_specs", "x=f32[b,6]", "y=i32[b]"],
+            wrt="state",
+            library="flax.nnx",
+        ),
+        Case(
+            "block_typed_key",
+            block_loss,
+            lambda n: (block_params(), _xs(n, (4, 8), 14), jax.random.key(7)),
+            lambda b: (block_specs(), jax.ShapeDtypeStruct((b, 4, 8), jnp.float32), typed_key_spec()),
+            [f"params=@{ZOO}:block_specs", "x=f32[b,4,8]", f"key=@{ZOO}:typed_key_spec"],
+            wrt=("params", "x"),
+            rtol=1e-4,
+            atol=1e-6,
+            library="flax.linen",
+        ),
+        Case(
+            "block_legacy_key",
+            block_loss,
+            lambda n: (block_params(), _xs(n, (4, 8), 15), jax.random.PRNGKey(8)),
+            lambda b: (
+                block_specs(),
+                jax.ShapeDtypeStruct((b, 4, 8), jnp.float32),
+                jax.ShapeDtypeStruct((2,), jnp.uint32),
+            ),
+            [f"params=@{ZOO}:block_specs", "x=f32[b,4,8]", "key=u32[2]"],
+            wrt=("params", "x"),
+            rtol=1e-4,
+            atol=1e-6,
+            library="flax.linen",
+        ),
+        Case(
+            "batchnorm_aux",
+            bn_loss,
+            lambda n: (*bn_variables(), _xs(n, (5,), 16), _labels(n, 3, 17)),
+            lambda b: (
+                bn_params_specs(),
+                bn_stats_specs(),
+                jax.ShapeDtypeStruct((b, 5), jnp.float32),
+                jax.ShapeDtypeStruct((b,), jnp.int32),
+            ),
+            [f"params=@{ZOO}:bn_params_specs", f"batch_stats=@{ZOO}:bn_stats_specs", "x=f32[b,5]", "y=i32[b]"],
+            has_aux=True,
+            library="flax.linen + optax",
+        ),
+        Case(
+            "equinox_mlp",
+            eqx_loss,
+            lambda n: (eqx_params(), _xs(n, (5,), 18), _labels(n, 3, 19)),
+            lambda b: (eqx_specs(), jax.ShapeDtypeStruct((b, 5), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32)),
+            [f"params=@{ZOO}:eqx_specs", "x=f32[b,5]", "y=i32[b]"],
+            library="equinox",
+        ),
+        Case(
+            "haiku_nested",
+            hk_loss,
+            lambda n: (hk_params(), _xs(n, (5,), 20), _labels(n, 3, 21)),
+            lambda b: (hk_specs(), jax.ShapeDtypeStruct((b, 5), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32)),
+            [f"params=@{ZOO}:hk_specs", "x=f32[b,5]", "y=i32[b]"],
+            library="dm-haiku",
+        ),
+        Case(
+            "bf16_params",
+            bf16_loss,
+            lambda n: (bf16_params(), _xs(n, (5,), 22), _labels(n, 3, 23)),
+            lambda b: (bf16_specs(), jax.ShapeDtypeStruct((b, 5), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32)),
+            [f"params=@{ZOO}:bf16_specs", "x=f32[b,5]", "y=i32[b]"],
+            rtol=2e-2,
+            atol=2e-2,
+            library="flax.linen + optax",
+        ),
+        Case(
+            "namedtuple_dataclass",
+            plain_loss,
+            lambda n: (plain_params(), _xs(n, (5,), 24), _labels(n, 3, 25)),
+            lambda b: (plain_specs(), jax.ShapeDtypeStruct((b, 5), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32)),
+            [f"params=@{ZOO}:plain_specs", "x=f32[b,5]", "y=i32[b]"],
+            library="jax.tree_util",
+        ),
     ]

@@ -101,11 +101,13 @@ def stages_whole(params, x, labels):
 def ref_vjp(fn, args, ct=None, argnums=None):
     """(out, grads) from plain jax.vjp; ct defaults to ones like the output."""
     argnums = tuple(range(len(args))) if argnums is None else argnums
+
     def partial(*diff):
         full = list(args)
         for i, d in zip(argnums, diff):
             full[i] = d
         return fn(*full)
+
     out, vjp = jax.vjp(partial, *(args[i] for i in argnums))
     if ct is None:
         ct = jax.tree_util.tree_map(jnp.ones_like, out)

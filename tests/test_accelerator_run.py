@@ -20,14 +20,21 @@ from benchmarks import accelerator  # noqa: E402
 def _strict_json(path: Path) -> dict:
     def refuse(name):
         raise ValueError(f"{path} holds {name}, which is not JSON")
+
     return json.loads(path.read_text(), parse_constant=refuse)
 
 
 def test_script_on_a_cpu_machine_writes_the_report_within_its_budget(tmp_path):
     # 40 s leaves too little for any step: every one is skipped, the report still says why.
     env = dict(os.environ, BUDGET_S="40", PYTHON=sys.executable, PYTHONPATH=str(ROOT))
-    got = subprocess.run(["bash", str(ROOT / "benchmarks" / "accelerator.sh"), str(tmp_path / "out")],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    got = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "accelerator.sh"), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert got.returncode == 1, got.stderr  # correctness did not run: not a pass
     assert "no GPU or TPU found" in got.stderr
     report = _strict_json(tmp_path / "out" / "accelerator.json")
@@ -47,8 +54,9 @@ def test_a_failed_step_is_reported_and_the_next_still_runs(tmp_path, monkeypatch
     def fine(quick):
         return "| a |\n|---|\n| 1 |", [{"x": float("nan"), "ok": True}]
 
-    monkeypatch.setattr(accelerator, "STEPS", {"correctness": ("C", fine), "overhead": ("O", broken),
-                                               "io": ("I", fine)})
+    monkeypatch.setattr(
+        accelerator, "STEPS", {"correctness": ("C", fine), "overhead": ("O", broken), "io": ("I", fine)}
+    )
     monkeypatch.setattr(accelerator, "ESTIMATE", {"correctness": (0, 0), "overhead": (0, 0), "io": (0, 0)})
     report = accelerator.run_all(True, 60, tmp_path, "test")
     by = {s["name"]: s for s in report["steps"]}

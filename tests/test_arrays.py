@@ -21,8 +21,17 @@ from vjpsplit_cli.errors import VjpsplitError
 
 FORMATS = ["npz", "msgpack"]
 DTYPES = [
-    "float32", "bfloat16", "float16", "int32", "bool",
-    "float64", "int8", "uint8", "complex64", "float8_e4m3fn", "int4",
+    "float32",
+    "bfloat16",
+    "float16",
+    "int32",
+    "bool",
+    "float64",
+    "int8",
+    "uint8",
+    "complex64",
+    "float8_e4m3fn",
+    "int4",
 ]
 SHAPES = [(), (0,), (0, 3), (3,), (2, 3, 4)]
 
@@ -93,8 +102,16 @@ def test_all_allowed_dtypes_round_trip(tmp_path, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_meta_round_trip_and_key_order(tmp_path, fmt):
-    meta = {"name": "résumé ✓", "step": 12, "lr": 1e-3, "big": 2**63 - 1, "neg": -(2**63),
-            "ok": True, "none": None, "nested": {"list": [1, 2.5, "x", [], {}], "t": (1, 2)}}
+    meta = {
+        "name": "résumé ✓",
+        "step": 12,
+        "lr": 1e-3,
+        "big": 2**63 - 1,
+        "neg": -(2**63),
+        "ok": True,
+        "none": None,
+        "nested": {"list": [1, 2.5, "x", [], {}], "t": (1, 2)},
+    }
     arrays = {"z": np.zeros(2), "a/b": np.ones(3), "m": np.int32(7)}
     p = file(tmp_path, fmt)
     save_arrays(p, arrays, meta)
@@ -203,8 +220,13 @@ def test_accepts_str_paths(tmp_path):
 
 # ---------------------------------------------------------------------------- on-disk layout
 
-ML_ARRAYS = {"params/w": make("bfloat16", (2, 3)), "f8": make("float8_e4m3fn", (4,)), "b": np.arange(3),
-             "mask": np.array([True, False]), "s": np.float32(1.0)}
+ML_ARRAYS = {
+    "params/w": make("bfloat16", (2, 3)),
+    "f8": make("float8_e4m3fn", (4,)),
+    "b": np.arange(3),
+    "mask": np.array([True, False]),
+    "s": np.float32(1.0),
+}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -231,8 +253,12 @@ def test_npz_layout(tmp_path):
         assert all(i.compress_type == zipfile.ZIP_STORED for i in zf.infolist())
         assert [i.comment for i in zf.infolist()] == [b"bfloat16", b""]  # dtype names numpy lacks
         head = json.loads(zf.comment)
-    assert head == {"format": "vjpsplit-arrays", "version": 2, "meta": {"step": 3},
-                    "meta_crc32": zlib.crc32(b'{"step":3}')}
+    assert head == {
+        "format": "vjpsplit-arrays",
+        "version": 2,
+        "meta": {"step": 3},
+        "meta_crc32": zlib.crc32(b'{"step":3}'),
+    }
 
 
 def test_msgpack_layout_matches_packb(tmp_path):
@@ -247,11 +273,16 @@ def test_msgpack_layout_matches_packb(tmp_path):
     meta = {"step": 3}
     p = file(tmp_path, "msgpack")
     save_arrays(p, arrays, meta)
-    expected = msgpack.packb({
-        "format": "vjpsplit-arrays", "version": 2, "meta": meta, "arrays": {k: _ext_of(a) for k, a in arrays.items()},
-        "crc32": {k: zlib.crc32(np.asarray(a).tobytes()) for k, a in arrays.items()},
-        "meta_crc32": zlib.crc32(msgpack.packb(meta)),
-    })
+    expected = msgpack.packb(
+        {
+            "format": "vjpsplit-arrays",
+            "version": 2,
+            "meta": meta,
+            "arrays": {k: _ext_of(a) for k, a in arrays.items()},
+            "crc32": {k: zlib.crc32(np.asarray(a).tobytes()) for k, a in arrays.items()},
+            "meta_crc32": zlib.crc32(msgpack.packb(meta)),
+        }
+    )
     assert p.read_bytes() == expected
 
 
@@ -273,9 +304,20 @@ def test_msgpack_ext_header_sizes(tmp_path, size):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_loaded_arrays_are_writable_aligned_and_outlive_the_file(tmp_path, fmt):
-    arrays = {f"a{i}": make(dt, shape, seed=i) for i, (dt, shape) in enumerate(
-        [("float32", (3, 1000)), ("int8", (7,)), ("float64", (333,)), ("bfloat16", (65,)), ("complex64", ()),
-         ("float32", (0,)), ("uint8", (5000,))])}
+    arrays = {
+        f"a{i}": make(dt, shape, seed=i)
+        for i, (dt, shape) in enumerate(
+            [
+                ("float32", (3, 1000)),
+                ("int8", (7,)),
+                ("float64", (333,)),
+                ("bfloat16", (65,)),
+                ("complex64", ()),
+                ("float32", (0,)),
+                ("uint8", (5000,)),
+            ]
+        )
+    }
     p = file(tmp_path, fmt)
     save_arrays(p, arrays)
     got, _ = load_arrays(p)
@@ -313,8 +355,11 @@ def _zipfile_npz(path, arrays, meta=None):
     from vjpsplit_cli.dtypes import dtype_name
 
     names = {k: dtype_name(np.asarray(a).dtype) for k, a in arrays.items()}
-    blob = json.dumps({"format": "vjpsplit-arrays", "version": 1, "dtypes": names, "meta": meta or {}},
-                      ensure_ascii=False, separators=(",", ":")).encode()
+    blob = json.dumps(
+        {"format": "vjpsplit-arrays", "version": 1, "dtypes": names, "meta": meta or {}},
+        ensure_ascii=False,
+        separators=(",", ":"),
+    ).encode()
     with open(path, "wb") as f, zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
         for key, arr in [("__vjpsplit__", np.frombuffer(blob, np.uint8))] + list(arrays.items()):
             arr = np.asarray(arr)
@@ -325,8 +370,12 @@ def _zipfile_npz(path, arrays, meta=None):
 
 
 LAYOUT_ARRAYS = {
-    "params/w": make("bfloat16", (2, 3)), "s": np.float32(1.0), "e": np.zeros((0, 3), np.int8),
-    "ключ/ü": np.arange(5, dtype=np.int16), "big": make("float32", (300, 1000)), "b": np.array([True, False]),
+    "params/w": make("bfloat16", (2, 3)),
+    "s": np.float32(1.0),
+    "e": np.zeros((0, 3), np.int8),
+    "ключ/ü": np.arange(5, dtype=np.int16),
+    "big": make("float32", (300, 1000)),
+    "b": np.array([True, False]),
 }
 
 
@@ -371,19 +420,54 @@ def _header_bytes(header):
         (lambda m: {**m, "__vjpsplit__.npy": _npy_bytes(np.frombuffer(b"{nope", np.uint8))}, "not valid JSON"),
         (lambda m: {**m, "__vjpsplit__.npy": _npy_bytes(np.arange(3.0))}, "not vjpsplit metadata"),
         (lambda m: {**m, "__vjpsplit__.npy": _header_bytes({"format": "other"})}, "not vjpsplit metadata"),
-        (lambda m: {**m, "__vjpsplit__.npy": _header_bytes(
-            {"format": "vjpsplit-arrays", "version": 7, "dtypes": {"w": "bfloat16"}, "meta": {}})},
-         r"version 7 is not supported \(this vjpsplit reads versions 1 to 2\); upgrade vjpsplit"),
-        (lambda m: {**m, "__vjpsplit__.npy": _header_bytes(
-            {"format": "vjpsplit-arrays", "version": 1, "dtypes": {"w": "object"}, "meta": {}})}, "unknown dtype"),
-        (lambda m: {**m, "__vjpsplit__.npy": _header_bytes(
-            {"format": "vjpsplit-arrays", "version": 1, "dtypes": {"w": "float32"}, "meta": {}})},
-         "stored as .* but the metadata says float32"),
-        (lambda m: {**m, "__vjpsplit__.npy": _header_bytes(
-            {"format": "vjpsplit-arrays", "version": 1, "dtypes": {"w": "bfloat16"}, "meta": [1]})}, "not a map"),
-        (lambda m: {**m, "__vjpsplit__.npy": _npy_bytes(np.frombuffer(
-            b'{"format":"vjpsplit-arrays","version":1,"dtypes":{"w":"float64","w":"int8"},"meta":{}}', np.uint8))},
-         "appears twice"),
+        (
+            lambda m: {
+                **m,
+                "__vjpsplit__.npy": _header_bytes(
+                    {"format": "vjpsplit-arrays", "version": 7, "dtypes": {"w": "bfloat16"}, "meta": {}}
+                ),
+            },
+            r"version 7 is not supported \(this vjpsplit reads versions 1 to 2\); upgrade vjpsplit",
+        ),
+        (
+            lambda m: {
+                **m,
+                "__vjpsplit__.npy": _header_bytes(
+                    {"format": "vjpsplit-arrays", "version": 1, "dtypes": {"w": "object"}, "meta": {}}
+                ),
+            },
+            "unknown dtype",
+        ),
+        (
+            lambda m: {
+                **m,
+                "__vjpsplit__.npy": _header_bytes(
+                    {"format": "vjpsplit-arrays", "version": 1, "dtypes": {"w": "float32"}, "meta": {}}
+                ),
+            },
+            "stored as .* but the metadata says float32",
+        ),
+        (
+            lambda m: {
+                **m,
+                "__vjpsplit__.npy": _header_bytes(
+                    {"format": "vjpsplit-arrays", "version": 1, "dtypes": {"w": "bfloat16"}, "meta": [1]}
+                ),
+            },
+            "not a map",
+        ),
+        (
+            lambda m: {
+                **m,
+                "__vjpsplit__.npy": _npy_bytes(
+                    np.frombuffer(
+                        b'{"format":"vjpsplit-arrays","version":1,"dtypes":{"w":"float64","w":"int8"},"meta":{}}',
+                        np.uint8,
+                    )
+                ),
+            },
+            "appears twice",
+        ),
         (lambda m: {**m, "w.npy": m["w.npy"][:-2]}, "size does not match"),
     ],
 )
@@ -563,6 +647,7 @@ def test_zip_bomb_member_is_refused(tmp_path):
         load_arrays(p)
     _check_error(ei, p)
 
+
 # ---------------------------------------------------------------------------- bad files
 
 
@@ -740,32 +825,51 @@ def test_msgpack_unsupported_version(tmp_path):
         ({"format": "vjpsplit-arrays", "version": 1, "arrays": [1]}, "no 'arrays' map"),
         ({"format": "vjpsplit-arrays", "version": 1, "meta": [1], "arrays": {}}, "not a map"),
         ({"format": "vjpsplit-arrays", "version": 1, "meta": {"b": b"x"}, "arrays": {}}, "bytes"),
-        ({"format": "vjpsplit-arrays", "version": 1, "meta": {"e": _ext([1], "uint8", b"x")}, "arrays": {}},
-         "not JSON-able"),
+        (
+            {"format": "vjpsplit-arrays", "version": 1, "meta": {"e": _ext([1], "uint8", b"x")}, "arrays": {}},
+            "not JSON-able",
+        ),
         ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"": _ext([1], "uint8", b"x")}}, "empty"),
         ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"a//b": _ext([1], "uint8", b"x")}}, "empty path"),
         ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": b"raw"}}, "'k' is not an encoded array"),
-        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([1], "uint8", b"x", code=2)}},
-         "'k' has msgpack ext code 2"),
-        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": msgpack.ExtType(1, b"\xc1")}},
-         "'k' cannot be decoded"),
-        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": msgpack.ExtType(1, msgpack.packb([1, 2]))}},
-         "'k' is not a \\[shape, dtype, bytes\\] triple"),
-        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([-1], "uint8", b"")}}, "'k' has invalid shape"),
+        (
+            {"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([1], "uint8", b"x", code=2)}},
+            "'k' has msgpack ext code 2",
+        ),
+        (
+            {"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": msgpack.ExtType(1, b"\xc1")}},
+            "'k' cannot be decoded",
+        ),
+        (
+            {"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": msgpack.ExtType(1, msgpack.packb([1, 2]))}},
+            "'k' is not a \\[shape, dtype, bytes\\] triple",
+        ),
+        (
+            {"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([-1], "uint8", b"")}},
+            "'k' has invalid shape",
+        ),
         ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([1.0], "uint8", b"x")}}, "invalid shape"),
         ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([True], "uint8", b"x")}}, "invalid shape"),
         ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext(3, "uint8", b"xxx")}}, "invalid shape"),
         ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([1] * 65, "uint8", b"x")}}, "invalid shape"),
-        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([1], "object", b"x")}},
-         "'k' has dtype 'object'"),
+        (
+            {"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([1], "object", b"x")}},
+            "'k' has dtype 'object'",
+        ),
         ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([1], 5, b"x")}}, "invalid dtype name"),
         ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([1], "uint8", "x")}}, "no raw byte string"),
-        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([2], "float32", b"\0" * 7)}},
-         "holds 7 bytes but shape \\(2,\\) of float32 needs 8"),
-        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([2**40], "float32", b"\0" * 4)}},
-         "'k' holds 4 bytes"),
-        ({"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([0, 2**62, 2**62], "float32", b"")}},
-         "'k' has unusable shape"),
+        (
+            {"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([2], "float32", b"\0" * 7)}},
+            "holds 7 bytes but shape \\(2,\\) of float32 needs 8",
+        ),
+        (
+            {"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([2**40], "float32", b"\0" * 4)}},
+            "'k' holds 4 bytes",
+        ),
+        (
+            {"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext([0, 2**62, 2**62], "float32", b"")}},
+            "'k' has unusable shape",
+        ),
     ],
 )
 def test_malformed_msgpack(tmp_path, top, match):
@@ -810,8 +914,10 @@ def test_msgpack_trailing_garbage(tmp_path):
 
 
 def test_msgpack_extra_top_level_keys_are_ignored(tmp_path):
-    p = _msgpack_file(tmp_path, {"format": "vjpsplit-arrays", "version": 1, "created_by": "x",
-                                 "arrays": {"k": _ext([2], "int8", b"\x01\xff")}})
+    p = _msgpack_file(
+        tmp_path,
+        {"format": "vjpsplit-arrays", "version": 1, "created_by": "x", "arrays": {"k": _ext([2], "int8", b"\x01\xff")}},
+    )
     got, meta = load_arrays(p)
     assert meta == {}
     assert_same(got["k"], np.array([1, -1], np.int8))
@@ -1048,8 +1154,15 @@ def test_bool_bytes_other_than_0_or_1_are_refused(tmp_path, fmt):
     if fmt == "npz":
         np.savez(p, ok=np.array([True]), flags=bad.view(np.bool_))  # as numpy writes whatever bytes it holds
     else:
-        p.write_bytes(msgpack.packb({"format": "vjpsplit-arrays", "version": 1, "arrays": {
-            "ok": _ext([1], "bool", b"\x01"), "flags": _ext([3], "bool", bad.tobytes())}}))
+        p.write_bytes(
+            msgpack.packb(
+                {
+                    "format": "vjpsplit-arrays",
+                    "version": 1,
+                    "arrays": {"ok": _ext([1], "bool", b"\x01"), "flags": _ext([3], "bool", bad.tobytes())},
+                }
+            )
+        )
     with pytest.raises(VjpsplitError, match="'flags' is bool but holds bytes other than 0 and 1") as ei:
         load_arrays(p)
     _check_error(ei, p)
@@ -1057,7 +1170,9 @@ def test_bool_bytes_other_than_0_or_1_are_refused(tmp_path, fmt):
 
 @pytest.mark.parametrize("dims", [[2**40], [2**31, 2**31], [0, 2**62, 2**62], [2**63 - 1]])
 def test_msgpack_forged_shape_is_refused_before_allocating(tmp_path, dims):
-    p = _msgpack_file(tmp_path, {"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext(dims, "float32", b"")}})
+    p = _msgpack_file(
+        tmp_path, {"format": "vjpsplit-arrays", "version": 1, "arrays": {"k": _ext(dims, "float32", b"")}}
+    )
     with pytest.raises(VjpsplitError, match="'k'") as ei:
         load_arrays(p)
     _check_error(ei, p)
@@ -1187,8 +1302,16 @@ def test_npz_long_npy_header(tmp_path):
 
 def _local_header(name: str, payload: bytes) -> bytes:
     n = name.encode()
-    return (b"PK\x03\x04" + (20).to_bytes(2, "little") + bytes(8) + zlib.crc32(payload).to_bytes(4, "little")
-            + len(payload).to_bytes(4, "little") * 2 + len(n).to_bytes(2, "little") + bytes(2) + n)
+    return (
+        b"PK\x03\x04"
+        + (20).to_bytes(2, "little")
+        + bytes(8)
+        + zlib.crc32(payload).to_bytes(4, "little")
+        + len(payload).to_bytes(4, "little") * 2
+        + len(n).to_bytes(2, "little")
+        + bytes(2)
+        + n
+    )
 
 
 def _stored_zip(body: bytes, central: list[tuple[str, int, bytes]]) -> bytes:
@@ -1196,11 +1319,25 @@ def _stored_zip(body: bytes, central: list[tuple[str, int, bytes]]) -> bytes:
     out = bytearray(body)
     for name, offset, payload in central:
         n = name.encode()
-        out += (b"PK\x01\x02" + bytes([20, 3, 20, 0]) + bytes(8) + zlib.crc32(payload).to_bytes(4, "little")
-                + len(payload).to_bytes(4, "little") * 2 + len(n).to_bytes(2, "little") + bytes(12)
-                + offset.to_bytes(4, "little") + n)
-    out += (b"PK\x05\x06" + bytes(4) + len(central).to_bytes(2, "little") * 2
-            + (len(out) - len(body)).to_bytes(4, "little") + len(body).to_bytes(4, "little") + bytes(2))
+        out += (
+            b"PK\x01\x02"
+            + bytes([20, 3, 20, 0])
+            + bytes(8)
+            + zlib.crc32(payload).to_bytes(4, "little")
+            + len(payload).to_bytes(4, "little") * 2
+            + len(n).to_bytes(2, "little")
+            + bytes(12)
+            + offset.to_bytes(4, "little")
+            + n
+        )
+    out += (
+        b"PK\x05\x06"
+        + bytes(4)
+        + len(central).to_bytes(2, "little") * 2
+        + (len(out) - len(body)).to_bytes(4, "little")
+        + len(body).to_bytes(4, "little")
+        + bytes(2)
+    )
     return bytes(out)
 
 
@@ -1224,10 +1361,19 @@ def test_msgpack_non_canonical_encodings_load(tmp_path):
     # ext32 header, map16 maps. Readers must not depend on packb's exact choices.
     payload = b"\xdc\x00\x03" + b"\xdc\x00\x01\x02" + msgpack.packb("int8") + b"\xc6\x00\x00\x00\x02\x01\xff"
     ext = b"\xc9" + len(payload).to_bytes(4, "big") + b"\x01" + payload
-    top = (b"\xde\x00\x03" + msgpack.packb("format") + msgpack.packb("vjpsplit-arrays")
-           + msgpack.packb("version") + msgpack.packb(1)
-           + msgpack.packb("arrays") + b"\xde\x00\x02" + msgpack.packb("k") + ext
-           + msgpack.packb("j") + msgpack.packb(_ext([3], "uint8", b"abc")))
+    top = (
+        b"\xde\x00\x03"
+        + msgpack.packb("format")
+        + msgpack.packb("vjpsplit-arrays")
+        + msgpack.packb("version")
+        + msgpack.packb(1)
+        + msgpack.packb("arrays")
+        + b"\xde\x00\x02"
+        + msgpack.packb("k")
+        + ext
+        + msgpack.packb("j")
+        + msgpack.packb(_ext([3], "uint8", b"abc"))
+    )
     p = tmp_path / "m.msgpack"
     p.write_bytes(top)
     got, meta = load_arrays(p)

@@ -34,8 +34,11 @@ def loss(params, x):
 
 def make(batch=16):
     rng = np.random.default_rng(0)
-    params = {"w1": rng.normal(size=(8, 32)).astype(np.float32), "b1": np.zeros(32, np.float32),
-              "w2": rng.normal(size=(32, 4)).astype(np.float32)}
+    params = {
+        "w1": rng.normal(size=(8, 32)).astype(np.float32),
+        "b1": np.zeros(32, np.float32),
+        "w2": rng.normal(size=(32, 4)).astype(np.float32),
+    }
     return params, rng.normal(size=(batch, 8)).astype(np.float32)
 
 
@@ -73,7 +76,7 @@ def test_auto_respects_the_memory_budget():
 
 
 def test_auto_needs_sizes_for_symbolic_dims():
-    b, = jax.export.symbolic_shape("b")
+    (b,) = jax.export.symbolic_shape("b")
     params, _ = make()
     specs = (specs_of(params)[0], jax.ShapeDtypeStruct((b, 8), jnp.float32))
     with pytest.raises(VjpsplitError, match="--at"):
@@ -91,7 +94,7 @@ def test_split_auto_gives_jax_grad():
 
 def test_export_auto_records_the_concrete_policy_and_gives_jax_grad(tmp_path):
     params, x = make()
-    b, = jax.export.symbolic_shape("b")
+    (b,) = jax.export.symbolic_shape("b")
     specs = (specs_of(params)[0], jax.ShapeDtypeStruct((b, 8), jnp.float32))
     art = vs.export(loss, *specs, policy="auto", at={"b": 16}, memory_budget=0, platforms="cpu")
     assert art.manifest.policy == "nothing"  # the only one that stores 0 bytes
@@ -118,14 +121,31 @@ def test_cli_auto_export_and_plan(tmp_path, monkeypatch):
     (tmp_path / "m.py").write_text(MODEL)
     monkeypatch.chdir(tmp_path)
     shapes = ["--shapes", "w=f32[8,16]", "--shapes", "x=f32[b,8]"]
-    r = CliRunner().invoke(main, ["export", "m.py:loss", *shapes, "--policy", "auto", "--at", "b=32",
-                                  "--memory-budget", "0", "--platforms", "cpu", "-o", "a.vjps"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "export",
+            "m.py:loss",
+            *shapes,
+            "--policy",
+            "auto",
+            "--at",
+            "b=32",
+            "--memory-budget",
+            "0",
+            "--platforms",
+            "cpu",
+            "-o",
+            "a.vjps",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "auto chose nothing within 0 B at b=32" in r.stderr
     r = CliRunner().invoke(main, ["inspect", "a.vjps", "--json"])
     assert json.loads(r.stdout)["policy"] == "nothing"
-    r = CliRunner().invoke(main, ["plan", "m.py:loss", *shapes, "--at", "b=32", "--policies",
-                                  "everything,dots,nothing,auto"])
+    r = CliRunner().invoke(
+        main, ["plan", "m.py:loss", *shapes, "--at", "b=32", "--policies", "everything,dots,nothing,auto"]
+    )
     assert r.exit_code == 0, r.output
     assert "auto chose " in r.stdout and "measured" in r.stdout
     r = CliRunner().invoke(main, ["plan", "m.py:loss", *shapes, "--policies", "auto"])
@@ -142,7 +162,7 @@ def test_executable_cache_round_trip_and_corrupt_entries(tmp_path, monkeypatch):
     real_load = se.deserialize_and_load
     monkeypatch.setattr(se, "deserialize_and_load", lambda *a, **k: loads.append(1) or real_load(*a, **k))
     params, x = make()
-    b, = jax.export.symbolic_shape("b")
+    (b,) = jax.export.symbolic_shape("b")
     art = vs.export(loss, specs_of(params)[0], jax.ShapeDtypeStruct((b, 8), jnp.float32), platforms="cpu")
     flat = list(jax.tree_util.tree_leaves((params, x)))
     call = art._calls["fwd"]
@@ -168,15 +188,17 @@ def test_executable_cache_round_trip_and_corrupt_entries(tmp_path, monkeypatch):
     np.testing.assert_array_equal(np.asarray(third(*flat)[0][0]), np.asarray(want[0][0]))
     assert loads == [] and open(path, "rb").read() != bytes(data)  # not loaded; recompiled and rewritten
     open(path, "wb").write(b"garbage")
-    np.testing.assert_array_equal(np.asarray(compiled_call(call, flat, ("fp", "fwd"), d)(*flat)[0][0]),
-                                  np.asarray(want[0][0]))
+    np.testing.assert_array_equal(
+        np.asarray(compiled_call(call, flat, ("fp", "fwd"), d)(*flat)[0][0]), np.asarray(want[0][0])
+    )
     assert loads == []
     compiled_call(call, flat, ("fp", "fwd"), d)
     assert loads == [1]  # the rewritten entry is good again
     loads.clear()
     os.chmod(path, 0o666)  # writable by others: never loaded
-    np.testing.assert_array_equal(np.asarray(compiled_call(call, flat, ("fp", "fwd"), d)(*flat)[0][0]),
-                                  np.asarray(want[0][0]))
+    np.testing.assert_array_equal(
+        np.asarray(compiled_call(call, flat, ("fp", "fwd"), d)(*flat)[0][0]), np.asarray(want[0][0])
+    )
     assert loads == []
     # Other shapes are another entry.
     compiled_call(call, [*flat[:-1], np.ones((3, 8), np.float32)], ("fp", "fwd"), d)
@@ -193,11 +215,13 @@ def test_cli_runs_the_same_with_a_warm_and_a_corrupt_executable_cache(tmp_path):
         assert r.returncode == 0, r.stderr
         return r
 
-    run("export", "m.py:loss", "--shapes", "w=f32[8,16]", "--shapes", "x=f32[b,8]", "--platforms", "cpu",
-        "-o", "a.vjps")
+    run(
+        "export", "m.py:loss", "--shapes", "w=f32[8,16]", "--shapes", "x=f32[b,8]", "--platforms", "cpu", "-o", "a.vjps"
+    )
     rng = np.random.default_rng(1)
-    np.savez(tmp_path / "in.npz", w=rng.normal(size=(8, 16)).astype(np.float32),
-             x=rng.normal(size=(5, 8)).astype(np.float32))
+    np.savez(
+        tmp_path / "in.npz", w=rng.normal(size=(8, 16)).astype(np.float32), x=rng.normal(size=(5, 8)).astype(np.float32)
+    )
     grads = []
     inodes = []  # an entry is rewritten (a new inode) only when it was not loaded
     for round_ in range(3):

@@ -53,8 +53,13 @@ def base(tmp_path_factory):
     d = tmp_path_factory.mktemp("base")
     (d / "model.py").write_text(MODEL)
     s = jax.ShapeDtypeStruct
-    vs.export(_stage, s((4, 3), jnp.float32), s(jexport.symbolic_shape("b") + (4,), jnp.float32),
-              arg_names=("w", "x"), platforms="cpu").save(d / "art.vjps")
+    vs.export(
+        _stage,
+        s((4, 3), jnp.float32),
+        s(jexport.symbolic_shape("b") + (4,), jnp.float32),
+        arg_names=("w", "x"),
+        platforms="cpu",
+    ).save(d / "art.vjps")
     vs.export(jnp.sin, s((3,), jnp.float32), arg_names=("x",), platforms="cpu").save(d / "other.vjps")
     art, other = vs.load(d / "art.vjps"), vs.load(d / "other.vjps")
     rng = np.random.default_rng(0)
@@ -76,10 +81,12 @@ def _stage(w, x):
 
 # ---------------------------------------------------------------- ways to break a file
 
+
 def _truncate(frac):
     def f(p: Path):
         data = p.read_bytes()
         p.write_bytes(data[: max(1, int(len(data) * frac))] if frac < 1 else data[:-1])
+
     return f
 
 
@@ -108,15 +115,23 @@ def _pickled(p: Path):
         with open(p, "wb") as f:
             np.savez(f, x=np.array([{"evil": 1}], dtype=object))
     else:  # msgpack cannot pickle; the nearest thing is an object dtype name
-        top = {"format": "vjpsplit-arrays", "version": 1, "meta": {},
-               "arrays": {"x": msgpack.ExtType(1, msgpack.packb(([1], "object", b"\0" * 8)))}}
+        top = {
+            "format": "vjpsplit-arrays",
+            "version": 1,
+            "meta": {},
+            "arrays": {"x": msgpack.ExtType(1, msgpack.packb(([1], "object", b"\0" * 8)))},
+        }
         p.write_bytes(msgpack.packb(top, use_bin_type=True))
 
 
 def _absurd_size(p: Path):
     if p.suffix == ".msgpack":
-        top = {"format": "vjpsplit-arrays", "version": 1, "meta": {},
-               "arrays": {"x": msgpack.ExtType(1, msgpack.packb(([2**40, 2**20], "float32", b"\0" * 16)))}}
+        top = {
+            "format": "vjpsplit-arrays",
+            "version": 1,
+            "meta": {},
+            "arrays": {"x": msgpack.ExtType(1, msgpack.packb(([2**40, 2**20], "float32", b"\0" * 16)))},
+        }
         p.write_bytes(msgpack.packb(top, use_bin_type=True))
     else:
         buf = io.BytesIO()
@@ -143,10 +158,18 @@ def _missing(p: Path):
 
 
 FILE_BREAKS = {
-    "missing": _missing, "empty": _empty, "directory": _directory, "unreadable": None,
-    "truncated-1/4": _truncate(0.25), "truncated-1/2": _truncate(0.5), "truncated-last-byte": _truncate(1),
-    "random-bytes": _random, "other-format": _other_format, "unknown-version": _unknown_version,
-    "pickled-object": _pickled, "absurd-size": _absurd_size,
+    "missing": _missing,
+    "empty": _empty,
+    "directory": _directory,
+    "unreadable": None,
+    "truncated-1/4": _truncate(0.25),
+    "truncated-1/2": _truncate(0.5),
+    "truncated-last-byte": _truncate(1),
+    "random-bytes": _random,
+    "other-format": _other_format,
+    "unknown-version": _unknown_version,
+    "pickled-object": _pickled,
+    "absurd-size": _absurd_size,
 }
 
 
@@ -154,6 +177,7 @@ def _edit_arrays(edit):
     def f(p: Path):
         arrays, meta = vs.load_arrays(p)
         vs.save_arrays(p, edit(dict(arrays)), meta)
+
     return f
 
 
@@ -171,8 +195,10 @@ CONTENT_BREAKS = {
 
 # ---------------------------------------------------------------- the commands and their files
 
+
 def commands(d: Path, fmt: str, out: Path):
     """{(command, role): (argv, path of the role's file)} with fresh copies in ``out``."""
+
     def copy(name):
         src = d / name
         dst = out / name
@@ -187,25 +213,44 @@ def commands(d: Path, fmt: str, out: Path):
         Path(previous).write_bytes(b"previous output")  # a failed command must leave these as they are
     fwd = ["run-fwd", art, "--inputs", inputs, "--residuals", o("res"), "--outputs", o("out")]
     bwd = ["run-bwd", art, "--residuals", res, "--inputs", inputs, "--cotangents", cts, "--grads", o("grads")]
-    exp = ["export", f"{module}:stage", "--shapes", f"w={shapes}", "--shapes", "x=f32[b,4]", "--platforms", "cpu",
-           "-o", str(out / "new.vjps")]
+    exp = [
+        "export",
+        f"{module}:stage",
+        "--shapes",
+        f"w={shapes}",
+        "--shapes",
+        "x=f32[b,4]",
+        "--platforms",
+        "cpu",
+        "-o",
+        str(out / "new.vjps"),
+    ]
     return {
-        ("run-fwd", "artifact"): (fwd, art), ("run-fwd", "inputs"): (fwd, inputs),
-        ("run-bwd", "artifact"): (bwd, art), ("run-bwd", "residuals"): (bwd, res),
-        ("run-bwd", "inputs"): (bwd, inputs), ("run-bwd", "cotangents"): (bwd, cts),
+        ("run-fwd", "artifact"): (fwd, art),
+        ("run-fwd", "inputs"): (fwd, inputs),
+        ("run-bwd", "artifact"): (bwd, art),
+        ("run-bwd", "residuals"): (bwd, res),
+        ("run-bwd", "inputs"): (bwd, inputs),
+        ("run-bwd", "cotangents"): (bwd, cts),
         ("inspect", "artifact"): (["inspect", art], art),
-        ("export", "shapes-file"): (exp, shapes), ("export", "module"): (exp, module),
+        ("export", "shapes-file"): (exp, shapes),
+        ("export", "module"): (exp, module),
     }
 
 
-ARRAY_ROLES = [("run-fwd", "inputs"), ("run-bwd", "residuals"), ("run-bwd", "inputs"), ("run-bwd", "cotangents"),
-               ("export", "shapes-file")]
+ARRAY_ROLES = [
+    ("run-fwd", "inputs"),
+    ("run-bwd", "residuals"),
+    ("run-bwd", "inputs"),
+    ("run-bwd", "cotangents"),
+    ("export", "shapes-file"),
+]
 ARTIFACT_ROLES = [("run-fwd", "artifact"), ("run-bwd", "artifact"), ("inspect", "artifact")]
 
 
 def _artifact_break(kind):
     def tamper(p: Path, mutate_top):
-        top = msgpack.unpackb(p.read_bytes()[len(MAGIC):], raw=False)
+        top = msgpack.unpackb(p.read_bytes()[len(MAGIC) :], raw=False)
         mutate_top(top)
         p.write_bytes(MAGIC + msgpack.packb(top, use_bin_type=True))
 
@@ -245,9 +290,20 @@ for fmt in FMTS:
             CASES += [(fmt, role, brk) for brk in CONTENT_BREAKS]
     CASES.append((fmt, ("run-bwd", "residuals"), "from-another-artifact"))
 for role in ARTIFACT_ROLES:
-    for brk in ["missing", "empty", "directory", "unreadable", "truncated-1/4", "truncated-1/2",
-                "truncated-last-byte", "random-bytes", "tampered-module", "newer-format-version",
-                "future-calling-convention", "an-npz-named-.vjps"]:
+    for brk in [
+        "missing",
+        "empty",
+        "directory",
+        "unreadable",
+        "truncated-1/4",
+        "truncated-1/2",
+        "truncated-last-byte",
+        "random-bytes",
+        "tampered-module",
+        "newer-format-version",
+        "future-calling-convention",
+        "an-npz-named-.vjps",
+    ]:
         CASES.append(("npz", role, brk))
 for brk in ["missing", "empty", "directory", "unreadable", "random-bytes", "syntax-error"]:
     CASES.append(("npz", ("export", "module"), brk))

@@ -29,8 +29,13 @@ def sq_sum(x):
 @pytest.fixture(scope="module")
 def art():
     b = jax.export.symbolic_shape("b")[0]
-    return vs.export(loss, jax.ShapeDtypeStruct((4, 3), jnp.float32), jax.ShapeDtypeStruct((b, 4), jnp.float32),
-                     weights="w", platforms="cpu")
+    return vs.export(
+        loss,
+        jax.ShapeDtypeStruct((4, 3), jnp.float32),
+        jax.ShapeDtypeStruct((b, 4), jnp.float32),
+        weights="w",
+        platforms="cpu",
+    )
 
 
 def _mb(seed):
@@ -49,22 +54,62 @@ def test_run_bwd_refuses_another_microbatchs_inputs(art, tmp_path, fmt):
     for i in (1, 2):
         w, x = _mb(i)
         vs.save_arrays(tmp_path / f"in{i}.{fmt}", {"w": w, "x": x})
-        assert _cli("run-fwd", tmp_path / "a.vjps", "--inputs", tmp_path / f"in{i}.{fmt}",
-                    "--residuals", tmp_path / f"r{i}.{fmt}")[0] == 0
-    code, out = _cli("run-bwd", tmp_path / "a.vjps", "--residuals", tmp_path / f"r1.{fmt}",
-                     "--inputs", tmp_path / f"in2.{fmt}", "--grads", tmp_path / "g.npz")
+        assert (
+            _cli(
+                "run-fwd",
+                tmp_path / "a.vjps",
+                "--inputs",
+                tmp_path / f"in{i}.{fmt}",
+                "--residuals",
+                tmp_path / f"r{i}.{fmt}",
+            )[0]
+            == 0
+        )
+    code, out = _cli(
+        "run-bwd",
+        tmp_path / "a.vjps",
+        "--residuals",
+        tmp_path / f"r1.{fmt}",
+        "--inputs",
+        tmp_path / f"in2.{fmt}",
+        "--grads",
+        tmp_path / "g.npz",
+    )
     assert code == 1 and len(out.splitlines()) == 1
     assert f"in2.{fmt}: input 'w' differs from the one the forward that wrote" in out and "same microbatch" in out
     assert not (tmp_path / "g.npz").exists()
     # The right pair runs and gives jax.grad's gradients.
-    assert _cli("run-bwd", tmp_path / "a.vjps", "--residuals", tmp_path / f"r1.{fmt}",
-                "--inputs", tmp_path / f"in1.{fmt}", "--grads", tmp_path / "g.npz")[0] == 0
+    assert (
+        _cli(
+            "run-bwd",
+            tmp_path / "a.vjps",
+            "--residuals",
+            tmp_path / f"r1.{fmt}",
+            "--inputs",
+            tmp_path / f"in1.{fmt}",
+            "--grads",
+            tmp_path / "g.npz",
+        )[0]
+        == 0
+    )
     g, _ = vs.load_arrays(tmp_path / "g.npz")
     ref = jax.grad(loss, argnums=(0, 1))(*_mb(1))
     np.testing.assert_allclose(g["w"], ref[0], rtol=1e-5, atol=1e-7)
     # --no-verify skips the check (and then computes with what it was given).
-    assert _cli("run-bwd", tmp_path / "a.vjps", "--residuals", tmp_path / f"r1.{fmt}", "--no-verify",
-                "--inputs", tmp_path / f"in2.{fmt}", "--grads", tmp_path / "g2.npz")[0] == 0
+    assert (
+        _cli(
+            "run-bwd",
+            tmp_path / "a.vjps",
+            "--residuals",
+            tmp_path / f"r1.{fmt}",
+            "--no-verify",
+            "--inputs",
+            tmp_path / f"in2.{fmt}",
+            "--grads",
+            tmp_path / "g2.npz",
+        )[0]
+        == 0
+    )
 
 
 def test_load_residuals_refuses_other_inputs_in_python(art, tmp_path):
@@ -104,16 +149,62 @@ def test_cli_weight_part_refuses_another_runs_intermediates(art, tmp_path):
     for i in (1, 2):
         w, x = _mb(i)
         vs.save_arrays(tmp_path / f"in{i}.npz", {"w": w, "x": x})
-        assert _cli("run-fwd", tmp_path / "a.vjps", "--inputs", tmp_path / f"in{i}.npz",
-                    "--residuals", tmp_path / f"r{i}.npz", "--self-contained")[0] == 0
-        assert _cli("run-bwd", tmp_path / "a.vjps", "--residuals", tmp_path / f"r{i}.npz", "--part", "input",
-                    "--intermediates", tmp_path / f"c{i}.npz", "--grads", tmp_path / f"gx{i}.npz")[0] == 0
-    code, out = _cli("run-bwd", tmp_path / "a.vjps", "--residuals", tmp_path / "r2.npz", "--part", "weight",
-                     "--intermediates", tmp_path / "c1.npz", "--grads", tmp_path / "gw.npz")
+        assert (
+            _cli(
+                "run-fwd",
+                tmp_path / "a.vjps",
+                "--inputs",
+                tmp_path / f"in{i}.npz",
+                "--residuals",
+                tmp_path / f"r{i}.npz",
+                "--self-contained",
+            )[0]
+            == 0
+        )
+        assert (
+            _cli(
+                "run-bwd",
+                tmp_path / "a.vjps",
+                "--residuals",
+                tmp_path / f"r{i}.npz",
+                "--part",
+                "input",
+                "--intermediates",
+                tmp_path / f"c{i}.npz",
+                "--grads",
+                tmp_path / f"gx{i}.npz",
+            )[0]
+            == 0
+        )
+    code, out = _cli(
+        "run-bwd",
+        tmp_path / "a.vjps",
+        "--residuals",
+        tmp_path / "r2.npz",
+        "--part",
+        "weight",
+        "--intermediates",
+        tmp_path / "c1.npz",
+        "--grads",
+        tmp_path / "gw.npz",
+    )
     assert code == 1 and "c1.npz: the intermediates were made from other residuals" in out
     assert not (tmp_path / "gw.npz").exists()
-    assert _cli("run-bwd", tmp_path / "a.vjps", "--residuals", tmp_path / "r1.npz", "--part", "weight",
-                "--intermediates", tmp_path / "c1.npz", "--grads", tmp_path / "gw.npz")[0] == 0
+    assert (
+        _cli(
+            "run-bwd",
+            tmp_path / "a.vjps",
+            "--residuals",
+            tmp_path / "r1.npz",
+            "--part",
+            "weight",
+            "--intermediates",
+            tmp_path / "c1.npz",
+            "--grads",
+            tmp_path / "gw.npz",
+        )[0]
+        == 0
+    )
 
 
 def test_edited_dims_are_refused_before_anything_is_allocated(tmp_path):
@@ -133,8 +224,17 @@ def test_edited_dims_are_refused_before_anything_is_allocated(tmp_path):
         vs.load_residuals(tmp_path / "forged2.msgpack")
 
 
-@pytest.mark.parametrize("field, value", [("fingerprint", 5), ("arg_names", "w"), ("dims", {"b": "3"}),
-                                          ("needs_inputs", [1]), ("input_crc32", {"w": -1}), ("residuals_id", 7)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("fingerprint", 5),
+        ("arg_names", "w"),
+        ("dims", {"b": "3"}),
+        ("needs_inputs", [1]),
+        ("input_crc32", {"w": -1}),
+        ("residuals_id", 7),
+    ],
+)
 def test_malformed_metadata_names_the_field(art, tmp_path, field, value):
     _, res = art.fwd(*_mb(1))
     vs.save_residuals(tmp_path / "r.npz", res)
@@ -161,8 +261,9 @@ def tanh_w(w, x):
 @pytest.fixture(scope="module")
 def tanh_art():
     b = jax.export.symbolic_shape("b")[0]
-    return vs.export(tanh_w, jax.ShapeDtypeStruct((3,), jnp.float32), jax.ShapeDtypeStruct((b, 3), jnp.float32),
-                     platforms="cpu")
+    return vs.export(
+        tanh_w, jax.ShapeDtypeStruct((3,), jnp.float32), jax.ShapeDtypeStruct((b, 3), jnp.float32), platforms="cpu"
+    )
 
 
 def _tanh_inputs(batch, seed=0):
@@ -182,36 +283,91 @@ def test_run_bwd_refuses_an_unread_input_of_another_microbatch(tanh_art, tmp_pat
     mine = _tanh_inputs(8)
     theirs = _tanh_inputs(4) if other == "batch" else {"w": mine["w"], "x": mine["x"] + 1}
     vs.save_arrays(tmp_path / f"other.{fmt}", theirs)
-    assert _cli("run-fwd", tmp_path / "a.vjps", "--inputs", tmp_path / f"in8.{fmt}",
-                "--residuals", tmp_path / f"r.{fmt}")[0] == 0
-    code, out = _cli("run-bwd", tmp_path / "a.vjps", "--residuals", tmp_path / f"r.{fmt}",
-                     "--inputs", tmp_path / f"other.{fmt}", "--grads", tmp_path / "g.npz")
+    assert (
+        _cli("run-fwd", tmp_path / "a.vjps", "--inputs", tmp_path / f"in8.{fmt}", "--residuals", tmp_path / f"r.{fmt}")[
+            0
+        ]
+        == 0
+    )
+    code, out = _cli(
+        "run-bwd",
+        tmp_path / "a.vjps",
+        "--residuals",
+        tmp_path / f"r.{fmt}",
+        "--inputs",
+        tmp_path / f"other.{fmt}",
+        "--grads",
+        tmp_path / "g.npz",
+    )
     assert code == 1 and len(out.splitlines()) == 1, out
     assert f"other.{fmt}: input 'x'" in out and "same microbatch" in out and "--no-verify" in out
     if other == "batch":
         assert "is f32[4,3], but the forward that wrote" in out and "ran on f32[8,3]" in out
     assert not (tmp_path / "g.npz").exists()
     # The same microbatch runs, with jax.grad's gradients (x's at batch 8).
-    assert _cli("run-bwd", tmp_path / "a.vjps", "--residuals", tmp_path / f"r.{fmt}",
-                "--inputs", tmp_path / f"in8.{fmt}", "--grads", tmp_path / "g.npz")[0] == 0
+    assert (
+        _cli(
+            "run-bwd",
+            tmp_path / "a.vjps",
+            "--residuals",
+            tmp_path / f"r.{fmt}",
+            "--inputs",
+            tmp_path / f"in8.{fmt}",
+            "--grads",
+            tmp_path / "g.npz",
+        )[0]
+        == 0
+    )
     g, _ = vs.load_arrays(tmp_path / "g.npz")
     ref = jax.grad(tanh_w, argnums=(0, 1))(mine["w"], mine["x"])
     np.testing.assert_allclose(g["x"], ref[1], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(g["w"], ref[0], rtol=1e-5, atol=1e-6)
     # --no-verify is the documented way out: it skips the binding too.
-    assert _cli("run-bwd", tmp_path / "a.vjps", "--residuals", tmp_path / f"r.{fmt}", "--no-verify",
-                "--inputs", tmp_path / f"other.{fmt}", "--grads", tmp_path / "g2.npz")[0] == 0
+    assert (
+        _cli(
+            "run-bwd",
+            tmp_path / "a.vjps",
+            "--residuals",
+            tmp_path / f"r.{fmt}",
+            "--no-verify",
+            "--inputs",
+            tmp_path / f"other.{fmt}",
+            "--grads",
+            tmp_path / "g2.npz",
+        )[0]
+        == 0
+    )
 
 
 def test_self_contained_residuals_are_bound_to_inputs_given_anyway(tanh_art, tmp_path):
     tanh_art.save(tmp_path / "a.vjps")
     vs.save_arrays(tmp_path / "in8.npz", _tanh_inputs(8))
     vs.save_arrays(tmp_path / "in4.npz", _tanh_inputs(4))
-    assert _cli("run-fwd", tmp_path / "a.vjps", "--inputs", tmp_path / "in8.npz", "--self-contained",
-                "--residuals", tmp_path / "r.npz")[0] == 0
-    assert _cli("run-bwd", tmp_path / "a.vjps", "--residuals", tmp_path / "r.npz", "--grads", tmp_path / "g.npz")[0] == 0
-    code, out = _cli("run-bwd", tmp_path / "a.vjps", "--residuals", tmp_path / "r.npz",
-                     "--inputs", tmp_path / "in4.npz", "--grads", tmp_path / "g2.npz")
+    assert (
+        _cli(
+            "run-fwd",
+            tmp_path / "a.vjps",
+            "--inputs",
+            tmp_path / "in8.npz",
+            "--self-contained",
+            "--residuals",
+            tmp_path / "r.npz",
+        )[0]
+        == 0
+    )
+    assert (
+        _cli("run-bwd", tmp_path / "a.vjps", "--residuals", tmp_path / "r.npz", "--grads", tmp_path / "g.npz")[0] == 0
+    )
+    code, out = _cli(
+        "run-bwd",
+        tmp_path / "a.vjps",
+        "--residuals",
+        tmp_path / "r.npz",
+        "--inputs",
+        tmp_path / "in4.npz",
+        "--grads",
+        tmp_path / "g2.npz",
+    )
     assert code == 1 and "in4.npz: input 'x' is f32[4,3]" in out
 
 

@@ -24,22 +24,27 @@ BACKENDS = sorted(set(checksum.BACKENDS) | {"zlib"})
 
 # sha256 of the files that vjpsplit wrote for sample() before the .npz writer left
 # zipfile (zipfile.ZipFile(..., ZIP_STORED).open(info, "w", force_zip64=True)).
-GOLDEN = {"npz": "780bd3398684eb05123aedcc45eabc42f557bdcb6af30208ae24536b8e453322",
-          "msgpack": "9030b40f3ec46f3f3e3070383444986e9fb26995b9dc16b0baa069ae57f34517"}
+GOLDEN = {
+    "npz": "780bd3398684eb05123aedcc45eabc42f557bdcb6af30208ae24536b8e453322",
+    "msgpack": "9030b40f3ec46f3f3e3070383444986e9fb26995b9dc16b0baa069ae57f34517",
+}
 
 
 def sample() -> dict:
     r = np.random.default_rng(7)
-    return {"params/w": r.standard_normal((3, 5)).astype(np.float32),
-            "params/b": np.arange(5, dtype=np.int64),
-            "x/h\u00e9": r.standard_normal(4).astype(ml_dtypes.bfloat16),  # member comment, UTF-8 name
-            "s": np.float64(2.5), "empty": np.zeros((0, 3), np.int32), "m": np.array([True, False])}
+    return {
+        "params/w": r.standard_normal((3, 5)).astype(np.float32),
+        "params/b": np.arange(5, dtype=np.int64),
+        "x/h\u00e9": r.standard_normal(4).astype(ml_dtypes.bfloat16),  # member comment, UTF-8 name
+        "s": np.float64(2.5),
+        "empty": np.zeros((0, 3), np.int32),
+        "m": np.array([True, False]),
+    }
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
-    monkeypatch.setattr(checksum, "crc32", checksum.BACKENDS[request.param] if request.param != "zlib"
-                        else zlib.crc32)
+    monkeypatch.setattr(checksum, "crc32", checksum.BACKENDS[request.param] if request.param != "zlib" else zlib.crc32)
     return request.param
 
 
@@ -129,8 +134,9 @@ def test_input_bindings_cross_backends(tmp_path, monkeypatch, backend):
 
     w = jnp.arange(12.0, dtype=jnp.float32).reshape(3, 4) / 10
     x = jnp.ones((2, 3), jnp.float32)
-    art = vs.export(loss, jax.ShapeDtypeStruct(w.shape, w.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype),
-                    platforms=["cpu"])
+    art = vs.export(
+        loss, jax.ShapeDtypeStruct(w.shape, w.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype), platforms=["cpu"]
+    )
     _, res = art.fwd(w, x)
     p = tmp_path / "r.npz"
     with monkeypatch.context() as m:  # the binding CRCs written by zlib, checked by the backend under test

@@ -59,14 +59,18 @@ def make_inputs(batch=5, seed=0):
     rng = np.random.default_rng(seed)
     f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
     return {
-        "params/layers/0/w": f(6, 8), "params/layers/0/b": f(8), "params/layers/1/w": f(8, 3),
-        "x": f(batch, 6), "labels": rng.integers(0, 3, batch).astype(np.int32),
+        "params/layers/0/w": f(6, 8),
+        "params/layers/0/b": f(8),
+        "params/layers/1/w": f(8, 3),
+        "x": f(batch, 6),
+        "labels": rng.integers(0, 3, batch).astype(np.int32),
     }
 
 
 def as_tree(flat):
-    params = {"layers": [{"w": flat["params/layers/0/w"], "b": flat["params/layers/0/b"]},
-                         {"w": flat["params/layers/1/w"]}]}
+    params = {
+        "layers": [{"w": flat["params/layers/0/w"], "b": flat["params/layers/0/b"]}, {"w": flat["params/layers/1/w"]}]
+    }
     return params, flat["x"], flat["labels"]
 
 
@@ -84,8 +88,19 @@ def ws(tmp_path_factory):
     src = root / "src"
     src.mkdir()
     (src / "model.py").write_text(MODEL)
-    r = cli("export", "model:loss", "--shapes", "params=@model:shapes", "--shapes", "x=f32[b,6]",
-            "--shapes", "labels=i32[b]", "-o", root / "loss.vjps", cwd=src)
+    r = cli(
+        "export",
+        "model:loss",
+        "--shapes",
+        "params=@model:shapes",
+        "--shapes",
+        "x=f32[b,6]",
+        "--shapes",
+        "labels=i32[b]",
+        "-o",
+        root / "loss.vjps",
+        cwd=src,
+    )
     assert r.returncode == 0, r.stderr
     run = root / "run"
     run.mkdir()
@@ -98,9 +113,13 @@ def test_end_to_end_in_subprocesses_without_user_code(ws):
     root, _, run = ws
     assert not (run / "model.py").exists()
     for inputs, res, ext in (("inputs.npz", "res.npz", "npz"), ("inputs7.msgpack", "res.msgpack", "msgpack")):
-        r = cli("run-fwd", root / "loss.vjps", "--inputs", inputs, "--residuals", res, "--outputs", f"out.{ext}", cwd=run)
+        r = cli(
+            "run-fwd", root / "loss.vjps", "--inputs", inputs, "--residuals", res, "--outputs", f"out.{ext}", cwd=run
+        )
         assert r.returncode == 0, r.stderr
-        r = cli("run-bwd", root / "loss.vjps", "--residuals", res, "--inputs", inputs, "--grads", f"grads.{ext}", cwd=run)
+        r = cli(
+            "run-bwd", root / "loss.vjps", "--residuals", res, "--inputs", inputs, "--grads", f"grads.{ext}", cwd=run
+        )
         assert r.returncode == 0, r.stderr
         flat, _ = vs.load_arrays(run / inputs)
         grads, _ = vs.load_arrays(run / f"grads.{ext}")
@@ -115,8 +134,15 @@ def test_end_to_end_in_subprocesses_without_user_code(ws):
 
 def test_self_contained_residuals_need_no_inputs(ws, tmp_path):
     root, _, run = ws
-    r = cli("run-fwd", root / "loss.vjps", "--inputs", run / "inputs.npz", "--residuals", tmp_path / "r.msgpack",
-            "--self-contained")
+    r = cli(
+        "run-fwd",
+        root / "loss.vjps",
+        "--inputs",
+        run / "inputs.npz",
+        "--residuals",
+        tmp_path / "r.msgpack",
+        "--self-contained",
+    )
     assert r.returncode == 0, r.stderr
     r = cli("run-bwd", root / "loss.vjps", "--residuals", tmp_path / "r.msgpack", "--grads", tmp_path / "g.npz")
     assert r.returncode == 0, r.stderr
@@ -168,18 +194,48 @@ def assert_clean_error(result, *needles, code=1):
 
 def test_has_aux_and_wrt_via_cli(ws, tmp_path):
     _, src, _ = ws
-    r = run_cli("export", "model:with_aux", "--has-aux", "--wrt", "w", "--shapes", "x=f32[b,3]",
-                "--shapes", "w=f32[3,2]", "--platforms", "cpu", "-o", tmp_path / "aux.vjps", cwd=src)
+    r = run_cli(
+        "export",
+        "model:with_aux",
+        "--has-aux",
+        "--wrt",
+        "w",
+        "--shapes",
+        "x=f32[b,3]",
+        "--shapes",
+        "w=f32[3,2]",
+        "--platforms",
+        "cpu",
+        "-o",
+        tmp_path / "aux.vjps",
+        cwd=src,
+    )
     assert r.exit_code == 0, r.output
     x, w = np.ones((4, 3), np.float32), np.arange(6, dtype=np.float32).reshape(3, 2)
     vs.save_arrays(tmp_path / "in.npz", {"x": x, "w": w})
-    r = run_cli("run-fwd", tmp_path / "aux.vjps", "--inputs", tmp_path / "in.npz", "--residuals", tmp_path / "r.npz",
-                "--outputs", tmp_path / "o.npz")
+    r = run_cli(
+        "run-fwd",
+        tmp_path / "aux.vjps",
+        "--inputs",
+        tmp_path / "in.npz",
+        "--residuals",
+        tmp_path / "r.npz",
+        "--outputs",
+        tmp_path / "o.npz",
+    )
     assert r.exit_code == 0, r.output
     outs, _ = vs.load_arrays(tmp_path / "o.npz")
     assert sorted(outs) == ["aux/argmax", "aux/mean", "out"] and outs["aux/argmax"].dtype == np.int32
-    r = run_cli("run-bwd", tmp_path / "aux.vjps", "--residuals", tmp_path / "r.npz", "--inputs", tmp_path / "in.npz",
-                "--grads", tmp_path / "g.npz")
+    r = run_cli(
+        "run-bwd",
+        tmp_path / "aux.vjps",
+        "--residuals",
+        tmp_path / "r.npz",
+        "--inputs",
+        tmp_path / "in.npz",
+        "--grads",
+        tmp_path / "g.npz",
+    )
     assert r.exit_code == 0, r.output
     g, _ = vs.load_arrays(tmp_path / "g.npz")
     assert list(g) == ["w"]
@@ -192,7 +248,12 @@ def test_vector_output_needs_cotangents_then_uses_them(ws, tmp_path):
     x = np.linspace(0, 1, 5, dtype=np.float32)
     vs.save_arrays(tmp_path / "in.npz", {"x": x})
     args = ("--residuals", tmp_path / "r.npz", "--inputs", tmp_path / "in.npz", "--grads", tmp_path / "g.npz")
-    assert run_cli("run-fwd", tmp_path / "v.vjps", "--inputs", tmp_path / "in.npz", "--residuals", tmp_path / "r.npz").exit_code == 0
+    assert (
+        run_cli(
+            "run-fwd", tmp_path / "v.vjps", "--inputs", tmp_path / "in.npz", "--residuals", tmp_path / "r.npz"
+        ).exit_code
+        == 0
+    )
     assert_clean_error(run_cli("run-bwd", tmp_path / "v.vjps", *args), "cotangents are required", "out/a")
     assert not (tmp_path / "g.npz").exists()
     ct = np.arange(5, dtype=np.float32)
@@ -204,20 +265,39 @@ def test_vector_output_needs_cotangents_then_uses_them(ws, tmp_path):
 
 def test_shapes_from_an_array_file(ws, tmp_path):
     _, src, run = ws
-    r = run_cli("export", "model:loss", "--shapes", f"params={run / 'inputs.npz'}", "--shapes", "x=f32[b,6]",
-                "--shapes", "labels=i32[b]", "--platforms", "cpu", "-o", tmp_path / "f.vjps", cwd=src)
+    r = run_cli(
+        "export",
+        "model:loss",
+        "--shapes",
+        f"params={run / 'inputs.npz'}",
+        "--shapes",
+        "x=f32[b,6]",
+        "--shapes",
+        "labels=i32[b]",
+        "--platforms",
+        "cpu",
+        "-o",
+        tmp_path / "f.vjps",
+        cwd=src,
+    )
     assert r.exit_code == 0, r.output
     assert [leaf.key for leaf in vs.load(tmp_path / "f.vjps").manifest.inputs][:3] == [
-        "params/layers/0/b", "params/layers/0/w", "params/layers/1/w"]
+        "params/layers/0/b",
+        "params/layers/0/w",
+        "params/layers/1/w",
+    ]
 
 
 def test_module_given_as_a_file_path(ws, tmp_path):
     _, src, _ = ws
-    r = run_cli("export", src / "model.py:vector", "--shapes", "x=f32[3]", "--platforms", "cpu", "-o", tmp_path / "p.vjps")
+    r = run_cli(
+        "export", src / "model.py:vector", "--shapes", "x=f32[3]", "--platforms", "cpu", "-o", tmp_path / "p.vjps"
+    )
     assert r.exit_code == 0, r.output
 
 
 # --- bad input: one line, exit 1, no traceback, no partial output ------------------------------
+
 
 @pytest.fixture()
 def bad(ws, tmp_path):
@@ -253,8 +333,16 @@ def bad(ws, tmp_path):
 )
 def test_run_fwd_bad_inputs(bad, tmp_path, case, needles):
     art, _, files = bad
-    r = run_cli("run-fwd", art, "--inputs", files[case], "--residuals", tmp_path / "out_r.npz",
-                "--outputs", tmp_path / "out_o.npz")
+    r = run_cli(
+        "run-fwd",
+        art,
+        "--inputs",
+        files[case],
+        "--residuals",
+        tmp_path / "out_r.npz",
+        "--outputs",
+        tmp_path / "out_o.npz",
+    )
     assert_clean_error(r, *needles)
     assert not (tmp_path / "out_r.npz").exists() and not (tmp_path / "out_o.npz").exists()
     assert not list(tmp_path.glob(".*tmp"))
@@ -278,12 +366,31 @@ def test_bad_artifact_file(bad, tmp_path, content):
 
 def test_residuals_from_another_artifact(ws, tmp_path):
     root, src, run = ws
-    assert run_cli("export", "model:vector", "--shapes", "x=f32[n]", "-o", tmp_path / "other.vjps", cwd=src).exit_code == 0
+    assert (
+        run_cli("export", "model:vector", "--shapes", "x=f32[n]", "-o", tmp_path / "other.vjps", cwd=src).exit_code == 0
+    )
     vs.save_arrays(tmp_path / "vin.npz", {"x": np.ones(3, np.float32)})
-    assert run_cli("run-fwd", tmp_path / "other.vjps", "--inputs", tmp_path / "vin.npz",
-                   "--residuals", tmp_path / "other_r.npz").exit_code == 0
-    r = run_cli("run-bwd", root / "loss.vjps", "--residuals", tmp_path / "other_r.npz", "--inputs", run / "inputs.npz",
-                "--grads", tmp_path / "g.npz")
+    assert (
+        run_cli(
+            "run-fwd",
+            tmp_path / "other.vjps",
+            "--inputs",
+            tmp_path / "vin.npz",
+            "--residuals",
+            tmp_path / "other_r.npz",
+        ).exit_code
+        == 0
+    )
+    r = run_cli(
+        "run-bwd",
+        root / "loss.vjps",
+        "--residuals",
+        tmp_path / "other_r.npz",
+        "--inputs",
+        run / "inputs.npz",
+        "--grads",
+        tmp_path / "g.npz",
+    )
     assert_clean_error(r, "other_r.npz", "another artifact")
     assert not (tmp_path / "g.npz").exists()
 
@@ -299,24 +406,84 @@ def test_run_bwd_bad_residuals_and_cotangents(ws, tmp_path):
     arrays, meta = vs.load_arrays(tmp_path / "r.npz")
     key = next(k for k, v in arrays.items() if v.dtype == np.float32 and v.ndim == 2)
     vs.save_arrays(tmp_path / "r_bad.npz", {**arrays, key: arrays[key].astype(np.float64)}, meta)
-    assert_clean_error(run_cli("run-bwd", art, "--residuals", tmp_path / "r_bad.npz", "--inputs", run / "inputs.npz",
-                               "--grads", g), "r_bad.npz", f"residual '{key}'", "expected f32")
-    assert_clean_error(run_cli("run-bwd", art, "--residuals", tmp_path / "r_bad.npz", "--inputs", run / "inputs.npz",
-                               "--grads", g, "--no-verify"), "r_bad.npz", f"residual '{key}'", "expected f32")
+    assert_clean_error(
+        run_cli("run-bwd", art, "--residuals", tmp_path / "r_bad.npz", "--inputs", run / "inputs.npz", "--grads", g),
+        "r_bad.npz",
+        f"residual '{key}'",
+        "expected f32",
+    )
+    assert_clean_error(
+        run_cli(
+            "run-bwd",
+            art,
+            "--residuals",
+            tmp_path / "r_bad.npz",
+            "--inputs",
+            run / "inputs.npz",
+            "--grads",
+            g,
+            "--no-verify",
+        ),
+        "r_bad.npz",
+        f"residual '{key}'",
+        "expected f32",
+    )
     # a residual missing
     vs.save_arrays(tmp_path / "r_miss.npz", {k: v for k, v in arrays.items() if k != key}, meta)
-    assert_clean_error(run_cli("run-bwd", art, "--residuals", tmp_path / "r_miss.npz", "--inputs", run / "inputs.npz",
-                               "--grads", g, "--no-verify"), "r_miss.npz", f"missing residual key '{key}'")
+    assert_clean_error(
+        run_cli(
+            "run-bwd",
+            art,
+            "--residuals",
+            tmp_path / "r_miss.npz",
+            "--inputs",
+            run / "inputs.npz",
+            "--grads",
+            g,
+            "--no-verify",
+        ),
+        "r_miss.npz",
+        f"missing residual key '{key}'",
+    )
     # a plain array file is not a residuals file
-    assert_clean_error(run_cli("run-bwd", art, "--residuals", run / "inputs.npz", "--grads", g), "inputs.npz",
-                       "not a residuals file")
+    assert_clean_error(
+        run_cli("run-bwd", art, "--residuals", run / "inputs.npz", "--grads", g), "inputs.npz", "not a residuals file"
+    )
     # cotangent with the wrong shape / an unknown key
     vs.save_arrays(tmp_path / "ct.npz", {"out": np.ones(3, np.float32)})
-    assert_clean_error(run_cli("run-bwd", art, "--residuals", tmp_path / "r.npz", "--inputs", run / "inputs.npz",
-                               "--cotangents", tmp_path / "ct.npz", "--grads", g), "ct.npz", "cotangent 'out'")
+    assert_clean_error(
+        run_cli(
+            "run-bwd",
+            art,
+            "--residuals",
+            tmp_path / "r.npz",
+            "--inputs",
+            run / "inputs.npz",
+            "--cotangents",
+            tmp_path / "ct.npz",
+            "--grads",
+            g,
+        ),
+        "ct.npz",
+        "cotangent 'out'",
+    )
     vs.save_arrays(tmp_path / "ct2.npz", {"out": np.float32(1), "aux": np.float32(1)})
-    assert_clean_error(run_cli("run-bwd", art, "--residuals", tmp_path / "r.npz", "--inputs", run / "inputs.npz",
-                               "--cotangents", tmp_path / "ct2.npz", "--grads", g), "ct2.npz", "unknown cotangent key 'aux'")
+    assert_clean_error(
+        run_cli(
+            "run-bwd",
+            art,
+            "--residuals",
+            tmp_path / "r.npz",
+            "--inputs",
+            run / "inputs.npz",
+            "--cotangents",
+            tmp_path / "ct2.npz",
+            "--grads",
+            g,
+        ),
+        "ct2.npz",
+        "unknown cotangent key 'aux'",
+    )
     assert not g.exists()
 
 
@@ -379,8 +546,12 @@ def test_debug_shows_the_traceback(ws, tmp_path):
 
 def test_missing_platform_at_run_time(ws, tmp_path):
     _, src, _ = ws
-    assert run_cli("export", "model:vector", "--shapes", "x=f32[3]", "--platforms", "tpu",
-                   "-o", tmp_path / "tpu.vjps", cwd=src).exit_code == 0
+    assert (
+        run_cli(
+            "export", "model:vector", "--shapes", "x=f32[3]", "--platforms", "tpu", "-o", tmp_path / "tpu.vjps", cwd=src
+        ).exit_code
+        == 0
+    )
     vs.save_arrays(tmp_path / "in.npz", {"x": np.ones(3, np.float32)})
     r = run_cli("run-fwd", tmp_path / "tpu.vjps", "--inputs", tmp_path / "in.npz", "--residuals", tmp_path / "r.npz")
     assert_clean_error(r, "tpu.vjps", "exported for tpu only", "--platforms")
@@ -410,8 +581,18 @@ def test_persistent_compilation_cache(ws, tmp_path, mode):
     cache = tmp_path / "cache"
     env = {**os.environ, "VJPSPLIT_CACHE_DIR": "off" if mode == "env-off" else str(cache)}
     flags = ["--no-cache"] if mode == "no-cache-flag" else []
-    exe = [sys.executable, "-m", "vjpsplit_cli", *flags, "run-fwd", str(root / "loss.vjps"),
-           "--inputs", str(run / "inputs.npz"), "--residuals", str(tmp_path / "r.npz")]
+    exe = [
+        sys.executable,
+        "-m",
+        "vjpsplit_cli",
+        *flags,
+        "run-fwd",
+        str(root / "loss.vjps"),
+        "--inputs",
+        str(run / "inputs.npz"),
+        "--residuals",
+        str(tmp_path / "r.npz"),
+    ]
     r = subprocess.run(exe, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     entries = list(cache.iterdir()) if cache.exists() else []

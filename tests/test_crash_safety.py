@@ -54,13 +54,15 @@ def _size(p: Path) -> int:
 @pytest.fixture(scope="module")
 def big(tmp_path_factory):
     d = tmp_path_factory.mktemp("big")
-    vs.export(lambda x: jnp.sum(jnp.sin(x) * jnp.cos(x)), jax.ShapeDtypeStruct((N,), jnp.float32),
-              platforms="cpu").save(d / "art.vjps")
+    vs.export(
+        lambda x: jnp.sum(jnp.sin(x) * jnp.cos(x)), jax.ShapeDtypeStruct((N,), jnp.float32), platforms="cpu"
+    ).save(d / "art.vjps")
     x = np.linspace(0, 1, N, dtype=np.float32)
     vs.save_arrays(d / "in1.npz", {"x": x})
     vs.save_arrays(d / "in2.npz", {"x": x[::-1].copy()})
-    vs.export(lambda x: jnp.sum(jnp.sin(x) * jnp.cos(x)), jax.ShapeDtypeStruct((8,), jnp.float32),
-              platforms="cpu").save(d / "small.vjps")
+    vs.export(
+        lambda x: jnp.sum(jnp.sin(x) * jnp.cos(x)), jax.ShapeDtypeStruct((8,), jnp.float32), platforms="cpu"
+    ).save(d / "small.vjps")
     vs.save_arrays(d / "small.npz", {"x": np.linspace(0, 1, 8, dtype=np.float32)})
     return d
 
@@ -68,7 +70,16 @@ def big(tmp_path_factory):
 @pytest.mark.parametrize("ext", ["npz", "msgpack"])
 def test_sigkill_during_run_fwd_keeps_the_previous_file(big, tmp_path, ext):
     target = tmp_path / f"res.{ext}"
-    cli = [sys.executable, "-m", "vjpsplit_cli", "--no-cache", "run-fwd", str(big / "art.vjps"), "--residuals", str(target)]
+    cli = [
+        sys.executable,
+        "-m",
+        "vjpsplit_cli",
+        "--no-cache",
+        "run-fwd",
+        str(big / "art.vjps"),
+        "--residuals",
+        str(target),
+    ]
     done = subprocess.run(cli + ["--inputs", str(big / "in1.npz")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     before = _digest(target)
@@ -80,8 +91,18 @@ def test_sigkill_during_run_fwd_keeps_the_previous_file(big, tmp_path, ext):
 
 def test_sigkill_without_previous_file_leaves_none(big, tmp_path):
     target = tmp_path / "res.npz"
-    cli = [sys.executable, "-m", "vjpsplit_cli", "--no-cache", "run-fwd", str(big / "art.vjps"),
-           "--inputs", str(big / "in1.npz"), "--residuals", str(target)]
+    cli = [
+        sys.executable,
+        "-m",
+        "vjpsplit_cli",
+        "--no-cache",
+        "run-fwd",
+        str(big / "art.vjps"),
+        "--inputs",
+        str(big / "in1.npz"),
+        "--residuals",
+        str(target),
+    ]
     _kill_mid_write(cli, tmp_path, target)
     assert not target.exists()
 
@@ -98,8 +119,9 @@ for _ in range(5):
 
 def test_concurrent_writers_never_clobber_each_other(tmp_path):
     target = tmp_path / "shared.npz"
-    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(i), str(target)], stderr=subprocess.PIPE)
-             for i in range(4)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", WRITER, str(i), str(target)], stderr=subprocess.PIPE) for i in range(4)
+    ]
     for p in procs:
         assert p.wait() == 0, p.stderr.read()
     arrays, meta = vs.load_arrays(target)
@@ -119,8 +141,20 @@ def test_a_signal_during_a_write_removes_temp_files_and_keeps_every_previous_out
     res.write_bytes(b"previous residuals")
     out.write_bytes(b"previous outputs")
     before = _snapshot(tmp_path)
-    cmd = [sys.executable, "-m", "vjpsplit_cli", "--no-cache", "run-fwd", str(big / "art.vjps"),
-           "--inputs", str(big / "in1.npz"), "--residuals", str(res), "--outputs", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vjpsplit_cli",
+        "--no-cache",
+        "run-fwd",
+        str(big / "art.vjps"),
+        "--inputs",
+        str(big / "in1.npz"),
+        "--residuals",
+        str(res),
+        "--outputs",
+        str(out),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     signum = getattr(signal, sig)
     try:
@@ -149,17 +183,24 @@ def test_a_signal_during_a_write_removes_temp_files_and_keeps_every_previous_out
 def test_the_next_command_removes_the_temp_file_a_sigkilled_writer_left(big, tmp_path):
     target = tmp_path / "res.npz"
     cli = [sys.executable, "-m", "vjpsplit_cli", "--no-cache", "run-fwd"]
-    done = subprocess.run(cli + [str(big / "small.vjps"), "--inputs", str(big / "small.npz"), "--residuals",
-                                 str(target)], capture_output=True, text=True)
+    done = subprocess.run(
+        cli + [str(big / "small.vjps"), "--inputs", str(big / "small.npz"), "--residuals", str(target)],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     before = _digest(target)
-    _kill_mid_write(cli + [str(big / "art.vjps"), "--inputs", str(big / "in2.npz"), "--residuals", str(target)],
-                    tmp_path, target)
+    _kill_mid_write(
+        cli + [str(big / "art.vjps"), "--inputs", str(big / "in2.npz"), "--residuals", str(target)], tmp_path, target
+    )
     left = [p.name for p in tmp_path.iterdir() if p.name != target.name]
     assert left, "SIGKILL cannot be caught: its writer's temp file is expected to stay until the next write"
     # Another command writing into the directory sweeps it: the killed writer's pid is gone.
-    done = subprocess.run(cli + [str(big / "small.vjps"), "--inputs", str(big / "small.npz"), "--residuals",
-                                 str(tmp_path / "other.npz")], capture_output=True, text=True)
+    done = subprocess.run(
+        cli + [str(big / "small.vjps"), "--inputs", str(big / "small.npz"), "--residuals", str(tmp_path / "other.npz")],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.npz", "res.npz"]
     assert _digest(target) == before, "the previous complete output changed"
@@ -177,15 +218,15 @@ def test_only_stale_vjpsplit_temps_are_swept(tmp_path):
     dead.wait()
     other_host = "ffffffff" if host != "ffffffff" else "00000000"
     names = {
-        _temp_name("a.npz", dead.pid, 0, host): "gone",                       # its writer has exited
-        _temp_name("b.npz", dead.pid, 123, host, ".tmp.npz"): "gone",          # staged output of an exited writer
-        _temp_name("c.npz", os.getpid(), int(start) + 1, host): "gone",        # the pid was reused by this process
-        _temp_name("d.npz", os.getpid(), int(start), host): "kept",            # this process: alive
-        _temp_name("e.npz", os.getppid(), 0, host): "kept",                    # alive (start time not recorded)
-        _temp_name("f.npz", dead.pid, 0, other_host): "kept",                  # another host or boot, recent
+        _temp_name("a.npz", dead.pid, 0, host): "gone",  # its writer has exited
+        _temp_name("b.npz", dead.pid, 123, host, ".tmp.npz"): "gone",  # staged output of an exited writer
+        _temp_name("c.npz", os.getpid(), int(start) + 1, host): "gone",  # the pid was reused by this process
+        _temp_name("d.npz", os.getpid(), int(start), host): "kept",  # this process: alive
+        _temp_name("e.npz", os.getppid(), 0, host): "kept",  # alive (start time not recorded)
+        _temp_name("f.npz", dead.pid, 0, other_host): "kept",  # another host or boot, recent
         _temp_name("g.npz", dead.pid, 0, other_host, ".tmp.msgpack"): "gone",  # ... untouched for two days
-        ".h.npz.0123abcd.tmp": "kept",                                         # not vjpsplit's current pattern
-        "i.vjps99-0-00000000.tmp": "kept",                                     # not a hidden temp name
+        ".h.npz.0123abcd.tmp": "kept",  # not vjpsplit's current pattern
+        "i.vjps99-0-00000000.tmp": "kept",  # not a hidden temp name
         "user.npz": "kept",
     }
     for name in names:
@@ -195,15 +236,15 @@ def test_only_stale_vjpsplit_temps_are_swept(tmp_path):
     (tmp_path / _temp_name("j.npz", dead.pid, 0, host)).mkdir()  # a directory is never removed
     removed = temps.remove_stale_temps(tmp_path)
     assert sorted(os.path.basename(p) for p in removed) == sorted(n for n, v in names.items() if v == "gone")
-    assert sorted(os.listdir(tmp_path)) == sorted([n for n, v in names.items() if v == "kept"]
-                                                  + [_temp_name("j.npz", dead.pid, 0, host)])
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [n for n, v in names.items() if v == "kept"] + [_temp_name("j.npz", dead.pid, 0, host)]
+    )
 
 
 def test_a_write_sweeps_its_directory_once_per_process(tmp_path):
     from vjpsplit_cli import temps
 
-    code = ("import sys, numpy as np, vjpsplit_cli as vs\n"
-            "vs.save_arrays(sys.argv[1], {'x': np.ones(2)})\n")
+    code = "import sys, numpy as np, vjpsplit_cli as vs\nvs.save_arrays(sys.argv[1], {'x': np.ones(2)})\n"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     stale = tmp_path / _temp_name("r.npz", dead.pid, 0, temps.writer_tag().rsplit("-", 1)[1])
@@ -235,12 +276,23 @@ def test_an_interrupt_held_during_the_commit_says_the_outputs_were_written(tmp_p
 
     import vjpsplit_cli as vs
 
-    art = vs.export(lambda x: (x ** 2).sum(), np.ones(3, np.float32), platforms="cpu")
+    art = vs.export(lambda x: (x**2).sum(), np.ones(3, np.float32), platforms="cpu")
     art.save(tmp_path / "a.vjps")
     vs.save_arrays(tmp_path / "in.npz", {"x": np.arange(3, dtype=np.float32)})
     monkeypatch.setattr(outputs, "replace_file", replace_then_interrupt)
-    r = CliRunner().invoke(main, ["run-fwd", str(tmp_path / "a.vjps"), "--inputs", str(tmp_path / "in.npz"),
-                                  "--residuals", str(tmp_path / "r.npz"), "--outputs", str(tmp_path / "o.npz")])
+    r = CliRunner().invoke(
+        main,
+        [
+            "run-fwd",
+            str(tmp_path / "a.vjps"),
+            "--inputs",
+            str(tmp_path / "in.npz"),
+            "--residuals",
+            str(tmp_path / "r.npz"),
+            "--outputs",
+            str(tmp_path / "o.npz"),
+        ],
+    )
     assert fired and r.exit_code == 130
     assert "interrupted just after writing its outputs" in r.output
     assert (tmp_path / "r.npz").is_file() and (tmp_path / "o.npz").is_file()

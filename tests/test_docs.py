@@ -36,8 +36,7 @@ def _commands(group: click.Group = main, prefix: str = "") -> dict[str, click.Co
 
 def _options(cmd: click.Command) -> list[list[str]]:
     """Each option's long spellings (``--output``) and short ones (``-o``); --help left out."""
-    return [p.opts + p.secondary_opts for p in cmd.params
-            if isinstance(p, click.Option) and "--help" not in p.opts]
+    return [p.opts + p.secondary_opts for p in cmd.params if isinstance(p, click.Option) and "--help" not in p.opts]
 
 
 def _mentions(text: str, flag: str) -> bool:
@@ -47,7 +46,9 @@ def _mentions(text: str, flag: str) -> bool:
 def test_docs_state_the_format_version_the_code_writes():
     stated = [int(n) for n in re.findall(r"\bformat(?: version)? (\d+)\b", _text())]
     assert stated, "README and docs/ never state the artifact format version"
-    assert set(stated) == {FORMAT_VERSION}, f"docs state format versions {sorted(set(stated))}, the code writes {FORMAT_VERSION}"
+    assert set(stated) == {FORMAT_VERSION}, (
+        f"docs state format versions {sorted(set(stated))}, the code writes {FORMAT_VERSION}"
+    )
 
 
 def test_every_command_and_flag_is_documented():
@@ -107,13 +108,20 @@ def test_readme_has_runnable_blocks():
 def test_readme_shell_blocks_run_as_pasted(tmp_path):
     # In a copy of the repository, as a newcomer would after the setup command: `vjpsplit`
     # and `python` on PATH (this interpreter's), this checkout's package importable.
-    ignore = shutil.ignore_patterns(".git", ".venv", ".compat", "out", "__pycache__", ".pytest_cache", "*.vjps", "*.png")
+    ignore = shutil.ignore_patterns(
+        ".git", ".venv", ".compat", "out", "__pycache__", ".pytest_cache", "*.vjps", "*.png"
+    )
     clone = tmp_path / "clone"
     shutil.copytree(ROOT, clone, ignore=ignore)
-    env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-               PYTHONPATH=str(ROOT), VJPSPLIT_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(
+        os.environ,
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        PYTHONPATH=str(ROOT),
+        VJPSPLIT_CACHE_DIR=str(tmp_path / "cache"),
+    )
     for block in _shell_blocks():
-        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=clone, env=env,
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", block], cwd=clone, env=env, capture_output=True, text=True, timeout=600
+        )
         assert proc.returncode == 0, f"README block failed:\n{block}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
         assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr

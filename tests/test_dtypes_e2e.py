@@ -59,11 +59,33 @@ def test_dtype_shape_format(root, tmp_path, dname, sname, fmt):
     x, w = make(dt, SHAPES[sname])
     vs.save_arrays(tmp_path / f"in.{fmt}", {"x": x, "w": w})
     run = CliRunner().invoke
-    r = run(main, ["run-fwd", art, "--inputs", str(tmp_path / f"in.{fmt}"), "--residuals", str(tmp_path / f"r.{fmt}"),
-                   "--outputs", str(tmp_path / f"o.{fmt}")])
+    r = run(
+        main,
+        [
+            "run-fwd",
+            art,
+            "--inputs",
+            str(tmp_path / f"in.{fmt}"),
+            "--residuals",
+            str(tmp_path / f"r.{fmt}"),
+            "--outputs",
+            str(tmp_path / f"o.{fmt}"),
+        ],
+    )
     assert r.exit_code == 0, r.output
-    r = run(main, ["run-bwd", art, "--residuals", str(tmp_path / f"r.{fmt}"), "--inputs", str(tmp_path / f"in.{fmt}"),
-                   "--grads", str(tmp_path / f"g.{fmt}")])
+    r = run(
+        main,
+        [
+            "run-bwd",
+            art,
+            "--residuals",
+            str(tmp_path / f"r.{fmt}"),
+            "--inputs",
+            str(tmp_path / f"in.{fmt}"),
+            "--grads",
+            str(tmp_path / f"g.{fmt}"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     outs, _ = vs.load_arrays(tmp_path / f"o.{fmt}")
     grads, _ = vs.load_arrays(tmp_path / f"g.{fmt}")
@@ -91,11 +113,23 @@ def test_plain_numpy_npz_with_bfloat16_is_accepted(root, tmp_path):
     x, w = make(ml_dtypes.bfloat16, (2, 3))
     np.savez(tmp_path / "in.npz", x=x, w=w)  # numpy stores bfloat16 as raw |V2
     assert np.load(tmp_path / "in.npz")["x"].dtype == np.dtype("V2")
-    r = CliRunner().invoke(main, ["run-fwd", art, "--inputs", str(tmp_path / "in.npz"),
-                                  "--residuals", str(tmp_path / "r.npz")])
+    r = CliRunner().invoke(
+        main, ["run-fwd", art, "--inputs", str(tmp_path / "in.npz"), "--residuals", str(tmp_path / "r.npz")]
+    )
     assert r.exit_code == 0, r.output
-    r = CliRunner().invoke(main, ["run-bwd", art, "--residuals", str(tmp_path / "r.npz"),
-                                  "--inputs", str(tmp_path / "in.npz"), "--grads", str(tmp_path / "g.npz")])
+    r = CliRunner().invoke(
+        main,
+        [
+            "run-bwd",
+            art,
+            "--residuals",
+            str(tmp_path / "r.npz"),
+            "--inputs",
+            str(tmp_path / "in.npz"),
+            "--grads",
+            str(tmp_path / "g.npz"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     g, _ = vs.load_arrays(tmp_path / "g.npz")
     assert g["x"].dtype == ml_dtypes.bfloat16
@@ -106,8 +140,9 @@ def test_void_of_the_wrong_width_is_refused(root, tmp_path):
     art = artifact_path(root, "f32", "2x3")
     x, w = make(np.float32, (2, 3))
     np.savez(tmp_path / "in.npz", x=np.zeros((2, 3), "V2"), w=w)
-    r = CliRunner().invoke(main, ["run-fwd", art, "--inputs", str(tmp_path / "in.npz"),
-                                  "--residuals", str(tmp_path / "r.npz")])
+    r = CliRunner().invoke(
+        main, ["run-fwd", art, "--inputs", str(tmp_path / "in.npz"), "--residuals", str(tmp_path / "r.npz")]
+    )
     assert r.exit_code == 1 and "input 'x': expected f32[2,3]" in r.stderr
 
 
@@ -117,11 +152,13 @@ def test_float64_with_x64(tmp_path):
     import subprocess
     import sys
 
-    (tmp_path / "m.py").write_text(textwrap.dedent("""
+    (tmp_path / "m.py").write_text(
+        textwrap.dedent("""
         import jax.numpy as jnp
         def f(x):
             return jnp.sum(jnp.sin(x))
-    """))
+    """)
+    )
     x = np.linspace(0, 1, 4)
     vs.save_arrays(tmp_path / "in.npz", {"x": x})
     cmds = [

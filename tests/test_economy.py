@@ -114,8 +114,17 @@ def test_policy_and_budget_are_exclusive():
         vs.split(big_mlp, policy="dots", memory_budget="1MiB")
 
 
-@pytest.mark.parametrize("text,value", [("1048576", 2**20), ("64MiB", 64 * 2**20), ("1.5GB", 1_500_000_000),
-                                        ("2 KiB", 2048), ("10kb", 10_000), (4096, 4096)])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("1048576", 2**20),
+        ("64MiB", 64 * 2**20),
+        ("1.5GB", 1_500_000_000),
+        ("2 KiB", 2048),
+        ("10kb", 10_000),
+        (4096, 4096),
+    ],
+)
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
 
@@ -140,6 +149,7 @@ def test_policy_cost_symbolic_formula():
     assert cost.stored_bytes is None and cost.backward_flops is None
     at = policy_cost(big_mlp, params, jax.ShapeDtypeStruct((b, 8), jnp.float32), at={"b": 10})
     from vjpsplit_cli.policies import evaluate_terms
+
     # With b symbolic, scalars like 1/b are residuals; with b known they fold into constants.
     assert 0 <= evaluate_terms(cost.stored_terms, {"b": 10}) - at.stored_bytes <= 8
     assert at.backward_flops and at.backward_flops > 0
@@ -176,8 +186,22 @@ def test_cli_plan_table_and_json(module_dir):
 def test_cli_export_with_budget_and_inspect_at(module_dir):
     rows = json.loads(CliRunner().invoke(main, ["plan", "econ_model:loss", *SHAPES, "--at", "b=64", "--json"]).stdout)
     budget = rows[1]["stored_bytes"]  # exactly what dots stores
-    r = CliRunner().invoke(main, ["export", "econ_model:loss", *SHAPES, "--memory-budget", str(budget),
-                                  "--at", "b=64", "--platforms", "cpu", "-o", "a.vjps"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "export",
+            "econ_model:loss",
+            *SHAPES,
+            "--memory-budget",
+            str(budget),
+            "--at",
+            "b=64",
+            "--platforms",
+            "cpu",
+            "-o",
+            "a.vjps",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "chose policy dots" in r.stderr
     r = CliRunner().invoke(main, ["inspect", "a.vjps", "--json", "--at", "b=64"])
@@ -185,6 +209,7 @@ def test_cli_export_with_budget_and_inspect_at(module_dir):
     assert d["policy"] == "dots" and d["stored_residual_bytes_at"] == budget
     r = CliRunner().invoke(main, ["inspect", "a.vjps", "--at", "b=64"])
     assert "at b=64" in r.stdout
-    r = CliRunner().invoke(main, ["export", "econ_model:loss", *SHAPES, "--memory-budget", "1MiB",
-                                  "--policy", "dots", "-o", "b.vjps"])
+    r = CliRunner().invoke(
+        main, ["export", "econ_model:loss", *SHAPES, "--memory-budget", "1MiB", "--policy", "dots", "-o", "b.vjps"]
+    )
     assert r.exit_code == 2 and "not both" in r.stderr

@@ -158,7 +158,9 @@ def test_wrong_input_dtype_and_shape_name_the_leaf(artifacts):
 
 def test_symbolic_dim_bound_consistently():
     (b,) = jexport.symbolic_shape("b")
-    art = vs.export(lambda x, y: jnp.sum(x * y), jax.ShapeDtypeStruct((b,), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.float32))
+    art = vs.export(
+        lambda x, y: jnp.sum(x * y), jax.ShapeDtypeStruct((b,), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.float32)
+    )
     with pytest.raises(vs.VjpsplitError, match=r"input 'y': expected f32\[b\] \(with b=3\), got f32\[4\]"):
         art.fwd(np.ones(3, np.float32), np.ones(4, np.float32))
 
@@ -177,7 +179,7 @@ def test_unknown_platform_refused():
 def test_host_callbacks_refused_at_export():
     def f(x):
         jax.debug.print("x={}", x)
-        return jnp.sum(x ** 2)
+        return jnp.sum(x**2)
 
     with pytest.raises(vs.VjpsplitError, match="host callback"):
         vs.export(f, jax.ShapeDtypeStruct((3,), jnp.float32))
@@ -185,7 +187,7 @@ def test_host_callbacks_refused_at_export():
 
 def _rewrite(path, mutate):
     data = path.read_bytes()
-    top = msgpack.unpackb(data[len(MAGIC):], raw=False)
+    top = msgpack.unpackb(data[len(MAGIC) :], raw=False)
     mutate(top)
     path.write_bytes(MAGIC + msgpack.packb(top, use_bin_type=True))
 
@@ -206,7 +208,9 @@ def test_tampered_module_fails_fingerprint(tmp_path):
 def test_newer_format_version_names_both_versions(tmp_path):
     vs.export(jnp.sin, jax.ShapeDtypeStruct((3,), jnp.float32)).save(tmp_path / "a.vjps")
     _rewrite(tmp_path / "a.vjps", lambda top: top["manifest"].update(format_version=vs.FORMAT_VERSION + 1))
-    with pytest.raises(vs.VjpsplitError, match=rf"format version {vs.FORMAT_VERSION + 1} .*up to {vs.FORMAT_VERSION}.*upgrade"):
+    with pytest.raises(
+        vs.VjpsplitError, match=rf"format version {vs.FORMAT_VERSION + 1} .*up to {vs.FORMAT_VERSION}.*upgrade"
+    ):
         vs.load(tmp_path / "a.vjps")
 
 
@@ -260,7 +264,10 @@ def test_future_calling_convention_names_both_versions(tmp_path):
 
     _rewrite(tmp_path / "a.vjps", future)
     hi = jexport.maximum_supported_calling_convention_version
-    with pytest.raises(vs.VjpsplitError, match=rf"jax 9\.9\.9 .*convention 99; this jax {jax.__version__} runs \d+\.\.{hi}; upgrade jax"):
+    with pytest.raises(
+        vs.VjpsplitError,
+        match=rf"jax 9\.9\.9 .*convention 99; this jax {jax.__version__} runs \d+\.\.{hi}; upgrade jax",
+    ):
         vs.load(tmp_path / "a.vjps")
 
 
@@ -279,8 +286,14 @@ def test_module_without_the_old_device_count_field_runs(tmp_path, monkeypatch):
 @pytest.mark.parametrize("wrt", [5, "nope", [0, 0], True])
 def test_bad_wrt_with_arg_names_is_refused(wrt):
     with pytest.raises(vs.VjpsplitError, match="wrt"):
-        vs.export(lambda a, b: jnp.sum(a * b), jax.ShapeDtypeStruct((2,), jnp.float32),
-                  jax.ShapeDtypeStruct((2,), jnp.float32), arg_names=("a", "b"), wrt=wrt, platforms="cpu")
+        vs.export(
+            lambda a, b: jnp.sum(a * b),
+            jax.ShapeDtypeStruct((2,), jnp.float32),
+            jax.ShapeDtypeStruct((2,), jnp.float32),
+            arg_names=("a", "b"),
+            wrt=wrt,
+            platforms="cpu",
+        )
 
 
 def test_a_python_float_is_taken_for_a_bfloat16_scalar_input():

@@ -41,9 +41,12 @@ def arrays(draw):
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.dictionaries(st.from_regex(r"[a-z][a-z0-9_]{0,6}(/[a-z0-9_]{1,4}){0,2}", fullmatch=True), arrays(),
-                            max_size=4),
-       fmt=st.sampled_from(["npz", "msgpack"]))
+@given(
+    data=st.dictionaries(
+        st.from_regex(r"[a-z][a-z0-9_]{0,6}(/[a-z0-9_]{1,4}){0,2}", fullmatch=True), arrays(), max_size=4
+    ),
+    fmt=st.sampled_from(["npz", "msgpack"]),
+)
 def test_every_dtype_and_shape_round_trips(tmp_path, data, fmt):
     # Keys must form a pytree: no key may be a prefix path of another.
     keys = sorted(data)
@@ -59,6 +62,7 @@ def test_every_dtype_and_shape_round_trips(tmp_path, data, fmt):
 
 
 # ---------------------------------------------------------------- mutation fuzzer
+
 
 def _mutants(data: bytes, count: int, seed: int):
     """Bit flips, truncations and splices of ``data``, deterministic per seed."""
@@ -90,8 +94,9 @@ def fuzz_artifact(tmp_path_factory):
     def f(w, x):
         return jnp.sum(jnp.tanh(x @ w) ** 2)
 
-    vs.export(f, jax.ShapeDtypeStruct((3, 2), jnp.float32), jax.ShapeDtypeStruct((b, 3), jnp.float32),
-              platforms="cpu").save(d / "a.vjps")
+    vs.export(
+        f, jax.ShapeDtypeStruct((3, 2), jnp.float32), jax.ShapeDtypeStruct((b, 3), jnp.float32), platforms="cpu"
+    ).save(d / "a.vjps")
     w = np.arange(6, dtype=np.float32).reshape(3, 2) / 6
     x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3)
     art = vs.load(d / "a.vjps")

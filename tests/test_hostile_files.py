@@ -31,12 +31,15 @@ def test_zip_whose_local_and_central_names_differ_is_refused(tmp_path):
     _zip(p, {"xx": np.arange(3.0)})
     data = bytearray(p.read_bytes())
     local = data.index(b"xx.npy")  # the local header's name comes first, the directory's later
-    data[local:local + 2] = b"yy"
+    data[local : local + 2] = b"yy"
     p.write_bytes(bytes(data))
     with pytest.raises(zipfile.BadZipFile):
         np.load(p)["xx"]  # numpy refuses it too
-    with pytest.raises(vs.VjpsplitError, match=r"a\.npz: array 'xx' is named b'yy\.npy' in its zip local header; "
-                                               r"the file is corrupt"):
+    with pytest.raises(
+        vs.VjpsplitError,
+        match=r"a\.npz: array 'xx' is named b'yy\.npy' in its zip local header; "
+        r"the file is corrupt",
+    ):
         vs.load_arrays(p)
 
 
@@ -45,8 +48,10 @@ def test_highly_compressed_members_numpy_reads_are_read(tmp_path, compression):
     p = tmp_path / "z.npz"
     want = {"zeros": np.zeros(1_000_000, np.float32), "x": np.arange(12.0).reshape(3, 4)}
     _zip(p, want, compression)
-    assert max(i.file_size / i.compress_size for i in zipfile.ZipFile(p).infolist()) > 1000 or \
-        compression == zipfile.ZIP_DEFLATED
+    assert (
+        max(i.file_size / i.compress_size for i in zipfile.ZipFile(p).infolist()) > 1000
+        or compression == zipfile.ZIP_DEFLATED
+    )
     arrays, meta = vs.load_arrays(p)
     assert meta == {} and sorted(arrays) == sorted(want)
     for k, v in want.items():
@@ -68,12 +73,17 @@ def ws(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "m.py").write_text("import jax.numpy as jnp\ndef f(w, x):\n    return jnp.sum(jnp.tanh(x @ w))\n")
     s = jax.ShapeDtypeStruct
-    vs.export(lambda w, x: jnp.sum(jnp.tanh(x @ w)), s((4, 3), jnp.float32),
-              s(jexport.symbolic_shape("b") + (4,), jnp.float32), arg_names=("w", "x"), platforms="cpu").save(
-        tmp_path / "a.vjps")
+    vs.export(
+        lambda w, x: jnp.sum(jnp.tanh(x @ w)),
+        s((4, 3), jnp.float32),
+        s(jexport.symbolic_shape("b") + (4,), jnp.float32),
+        arg_names=("w", "x"),
+        platforms="cpu",
+    ).save(tmp_path / "a.vjps")
     rng = np.random.default_rng(0)
-    np.savez(tmp_path / "in.npz", w=rng.normal(size=(4, 3)).astype(np.float32),
-             x=rng.normal(size=(5, 4)).astype(np.float32))
+    np.savez(
+        tmp_path / "in.npz", w=rng.normal(size=(4, 3)).astype(np.float32), x=rng.normal(size=(5, 4)).astype(np.float32)
+    )
     return tmp_path
 
 
@@ -86,14 +96,27 @@ def _one_line(r, code=1):
 def test_shapes_from_an_upper_case_npz_are_read_as_a_file(ws):
     np.savez(ws / "shapes.npz", w=np.zeros((4, 3), np.float32))
     (ws / "SHAPES.NPZ").write_bytes((ws / "shapes.npz").read_bytes())
-    r = CliRunner().invoke(main, ["export", "m.py:f", "--shapes", "w=SHAPES.NPZ", "--shapes", "x=f32[b,4]",
-                                  "--platforms", "cpu", "-o", "b.vjps"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "export",
+            "m.py:f",
+            "--shapes",
+            "w=SHAPES.NPZ",
+            "--shapes",
+            "x=f32[b,4]",
+            "--platforms",
+            "cpu",
+            "-o",
+            "b.vjps",
+        ],
+    )
     assert r.exit_code == 0, r.stderr
     assert [leaf.describe() for leaf in vs.load(ws / "b.vjps").manifest.inputs][0] == "f32[4,3]"
 
 
 def test_forged_input_backed_residual_naming_no_input_is_one_line(ws):
-    top = msgpack.unpackb((ws / "a.vjps").read_bytes()[len(MAGIC):], raw=False)
+    top = msgpack.unpackb((ws / "a.vjps").read_bytes()[len(MAGIC) :], raw=False)
     backed = next(r for r in top["manifest"]["residuals"] if r["input_backed"])
     backed["key"] = "in/zzz"
     top["manifest"]["fingerprint"] = fingerprint_json(top["manifest"], top)
@@ -116,8 +139,9 @@ def test_out_of_memory_in_the_backward_names_the_residuals_file(ws, monkeypatch)
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(jexport.Exported, "call", call)
-    r = runner.invoke(main, ["--no-cache", "run-bwd", "a.vjps", "--inputs", "in.npz", "--residuals", "r.npz",
-                             "--grads", "g.npz"])
+    r = runner.invoke(
+        main, ["--no-cache", "run-bwd", "a.vjps", "--inputs", "in.npz", "--residuals", "r.npz", "--grads", "g.npz"]
+    )
     err = _one_line(r)
     assert err.startswith("error: r.npz: ") and "ran out of memory" in err and "RESOURCE_EXHAUSTED" in err, err
     assert not (ws / "g.npz").exists()

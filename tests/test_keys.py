@@ -88,11 +88,31 @@ def test_int_dict_keys_and_slashes_through_an_artifact_and_files(tmp_path):
     vs.save_arrays(tmp_path / "in.npz", dict(flatten_with_keys("params", params)) | {"x": x})
     runner = CliRunner()
     art.save(tmp_path / "a.vjps")
-    r = runner.invoke(main, ["run-fwd", str(tmp_path / "a.vjps"), "--inputs", str(tmp_path / "in.npz"),
-                             "--residuals", str(tmp_path / "res.npz")])
+    r = runner.invoke(
+        main,
+        [
+            "run-fwd",
+            str(tmp_path / "a.vjps"),
+            "--inputs",
+            str(tmp_path / "in.npz"),
+            "--residuals",
+            str(tmp_path / "res.npz"),
+        ],
+    )
     assert r.exit_code == 0, r.output
-    r = runner.invoke(main, ["run-bwd", str(tmp_path / "a.vjps"), "--residuals", str(tmp_path / "res.npz"),
-                             "--inputs", str(tmp_path / "in.npz"), "--grads", str(tmp_path / "g.npz")])
+    r = runner.invoke(
+        main,
+        [
+            "run-bwd",
+            str(tmp_path / "a.vjps"),
+            "--residuals",
+            str(tmp_path / "res.npz"),
+            "--inputs",
+            str(tmp_path / "in.npz"),
+            "--grads",
+            str(tmp_path / "g.npz"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     with np.load(tmp_path / "g.npz") as f:
         assert sorted(f.files) == ["params/net%2F~%2Flin/w%25", "params/scales/3", "x"]
@@ -104,10 +124,24 @@ def test_shapes_from_a_file_unescape_keys(tmp_path):
         return jnp.sum(x @ params["a/b"]["w"])
 
     vs.save_arrays(tmp_path / "p.npz", {"a%2Fb/w": np.ones((3, 2), np.float32)})
-    (tmp_path / "m.py").write_text("import jax.numpy as jnp\n"
-                                   "def loss(params, x):\n    return jnp.sum(x @ params['a/b']['w'])\n")
-    r = CliRunner().invoke(main, ["export", f"{tmp_path / 'm.py'}:loss", "--shapes", f"params={tmp_path / 'p.npz'}",
-                                  "--shapes", "x=f32[b,3]", "--platforms", "cpu", "-o", str(tmp_path / "a.vjps")])
+    (tmp_path / "m.py").write_text(
+        "import jax.numpy as jnp\ndef loss(params, x):\n    return jnp.sum(x @ params['a/b']['w'])\n"
+    )
+    r = CliRunner().invoke(
+        main,
+        [
+            "export",
+            f"{tmp_path / 'm.py'}:loss",
+            "--shapes",
+            f"params={tmp_path / 'p.npz'}",
+            "--shapes",
+            "x=f32[b,3]",
+            "--platforms",
+            "cpu",
+            "-o",
+            str(tmp_path / "a.vjps"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert [leaf.key for leaf in vs.load(tmp_path / "a.vjps").manifest.inputs] == ["params/a%2Fb/w", "x"]
 
@@ -125,8 +159,14 @@ def test_typed_keys_as_input_and_aux(impl, tmp_path):
     x = np.linspace(0, 1, 12, dtype=np.float32).reshape(3, 4)
     key = jax.random.key(3, impl=impl)
     b = jax.export.symbolic_shape("b")[0]
-    art = vs.export(_noisy, jax.ShapeDtypeStruct((b, 4), jnp.float32), jax.ShapeDtypeStruct((), key.dtype),
-                    wrt=0, has_aux=True, platforms="cpu")
+    art = vs.export(
+        _noisy,
+        jax.ShapeDtypeStruct((b, 4), jnp.float32),
+        jax.ShapeDtypeStruct((), key.dtype),
+        wrt=0,
+        has_aux=True,
+        platforms="cpu",
+    )
     art = vs.loads(art.to_bytes())
     leaf = art.manifest.inputs[1]
     assert (leaf.key, leaf.dtype, leaf.prng_impl) == ("key", "uint32", impl)
@@ -141,8 +181,19 @@ def test_typed_keys_as_input_and_aux(impl, tmp_path):
     # The CLI reads key data from the inputs file and writes key data to the outputs file.
     art.save(tmp_path / "a.vjps")
     vs.save_arrays(tmp_path / "in.npz", {"x": x, "key": np.asarray(jax.random.key_data(key))})
-    r = CliRunner().invoke(main, ["run-fwd", str(tmp_path / "a.vjps"), "--inputs", str(tmp_path / "in.npz"),
-                                  "--residuals", str(tmp_path / "r.npz"), "--outputs", str(tmp_path / "o.npz")])
+    r = CliRunner().invoke(
+        main,
+        [
+            "run-fwd",
+            str(tmp_path / "a.vjps"),
+            "--inputs",
+            str(tmp_path / "in.npz"),
+            "--residuals",
+            str(tmp_path / "r.npz"),
+            "--outputs",
+            str(tmp_path / "o.npz"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     outs, _ = vs.load_arrays(tmp_path / "o.npz")
     np.testing.assert_array_equal(outs["aux"], jax.random.key_data(ref_aux))
@@ -158,8 +209,9 @@ def test_a_key_of_another_impl_or_an_untyped_key_is_refused_by_name():
     # Key data is accepted as it is (that is what the CLI passes).
     out, _, _ = art.fwd(x, jax.random.key_data(jax.random.key(0)))
     np.testing.assert_allclose(out, _noisy(x, jax.random.key(0))[0], rtol=1e-6)
-    legacy = vs.export(lambda x, k: jnp.sum(x * jax.random.normal(k, x.shape)), x, jax.random.PRNGKey(0), wrt=0,
-                       platforms="cpu")
+    legacy = vs.export(
+        lambda x, k: jnp.sum(x * jax.random.normal(k, x.shape)), x, jax.random.PRNGKey(0), wrt=0, platforms="cpu"
+    )
     assert legacy.manifest.inputs[1].prng_impl == "" and legacy.manifest.inputs[1].dtype == "uint32"
     with pytest.raises(vs.VjpsplitError, match=r"input 'k': got a typed PRNG key .*jax.random.key_data"):
         legacy.fwd(x, jax.random.key(0))
@@ -179,20 +231,24 @@ def test_typed_key_residuals_in_split_files(tmp_path):
 
 
 # -- refusals at export name the leaf --------------------------------------------------------------
-@pytest.mark.parametrize("spec, match", [
-    ({"w": "hello"}, r"input 'params/w': spec leaf 'hello' is not an array"),
-    ({"w": np.array([object()], dtype=object)}, r"input 'params/w': dtype 'object' cannot be stored"),
-    ({(1, 2): np.ones(2, np.float32)}, r"dict key \(1, 2\) of type tuple"),
-    ({1: np.ones(2, np.float32), "a": np.ones(2, np.float32)}, r"params: jax cannot flatten it"),
-])
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ({"w": "hello"}, r"input 'params/w': spec leaf 'hello' is not an array"),
+        ({"w": np.array([object()], dtype=object)}, r"input 'params/w': dtype 'object' cannot be stored"),
+        ({(1, 2): np.ones(2, np.float32)}, r"dict key \(1, 2\) of type tuple"),
+        ({1: np.ones(2, np.float32), "a": np.ones(2, np.float32)}, r"params: jax cannot flatten it"),
+    ],
+)
 def test_export_refuses_unsupported_leaves_by_key(spec, match):
     with pytest.raises(vs.VjpsplitError, match=match):
         vs.export(lambda params: 0.0, spec, platforms="cpu")
 
 
 def test_fwd_refuses_a_missing_leaf_by_key():
-    art = vs.export(lambda p: jnp.sum(p["a"] * p["b"]), {"a": np.ones(2, np.float32), "b": np.ones(2, np.float32)},
-                    platforms="cpu")
+    art = vs.export(
+        lambda p: jnp.sum(p["a"] * p["b"]), {"a": np.ones(2, np.float32), "b": np.ones(2, np.float32)}, platforms="cpu"
+    )
     with pytest.raises(vs.VjpsplitError, match=r"missing input key 'p/b'"):
         art.fwd({"a": np.ones(2, np.float32)})
     with pytest.raises(vs.VjpsplitError, match=r"input 'p/b': expected f32\[2\], got i32\[2\]"):

@@ -145,8 +145,11 @@ def test_artifact_matches_value_and_grad(case, artifacts, tmp_path):
 
 def _input_arrays(case, args) -> dict:
     names = _names(case)
-    return {k: np.asarray(jax.random.key_data(v) if jnp.issubdtype(v.dtype, jax.dtypes.prng_key) else v)
-            for n, a in zip(names, args) for k, v in flatten_with_keys(n, a)}
+    return {
+        k: np.asarray(jax.random.key_data(v) if jnp.issubdtype(v.dtype, jax.dtypes.prng_key) else v)
+        for n, a in zip(names, args)
+        for k, v in flatten_with_keys(n, a)
+    }
 
 
 def _invoke(args):
@@ -158,10 +161,30 @@ def _invoke(args):
 def _run_cli(case, art_path, tmp_path, n, env_free=False):
     args = case.args(n)
     vs.save_arrays(tmp_path / f"in{n}.npz", _input_arrays(case, args))
-    _invoke(["run-fwd", str(art_path), "--inputs", str(tmp_path / f"in{n}.npz"),
-             "--residuals", str(tmp_path / f"res{n}.npz"), "--outputs", str(tmp_path / f"out{n}.npz")])
-    _invoke(["run-bwd", str(art_path), "--residuals", str(tmp_path / f"res{n}.npz"),
-             "--inputs", str(tmp_path / f"in{n}.npz"), "--grads", str(tmp_path / f"g{n}.npz")])
+    _invoke(
+        [
+            "run-fwd",
+            str(art_path),
+            "--inputs",
+            str(tmp_path / f"in{n}.npz"),
+            "--residuals",
+            str(tmp_path / f"res{n}.npz"),
+            "--outputs",
+            str(tmp_path / f"out{n}.npz"),
+        ]
+    )
+    _invoke(
+        [
+            "run-bwd",
+            str(art_path),
+            "--residuals",
+            str(tmp_path / f"res{n}.npz"),
+            "--inputs",
+            str(tmp_path / f"in{n}.npz"),
+            "--grads",
+            str(tmp_path / f"g{n}.npz"),
+        ]
+    )
     return args
 
 
@@ -227,13 +250,37 @@ def test_artifacts_run_where_no_model_library_can_be_imported(artifacts, tmp_pat
         d.mkdir()
         artifacts(case).save(d / "model.vjps")
         vs.save_arrays(d / "in.npz", _input_arrays(case, case.args(5)))
-        commands += [["run-fwd", str(d / "model.vjps"), "--inputs", str(d / "in.npz"), "--residuals",
-                      str(d / "res5.npz"), "--outputs", str(d / "out5.npz")],
-                     ["run-bwd", str(d / "model.vjps"), "--residuals", str(d / "res5.npz"), "--inputs",
-                      str(d / "in.npz"), "--grads", str(d / "g5.npz")]]
+        commands += [
+            [
+                "run-fwd",
+                str(d / "model.vjps"),
+                "--inputs",
+                str(d / "in.npz"),
+                "--residuals",
+                str(d / "res5.npz"),
+                "--outputs",
+                str(d / "out5.npz"),
+            ],
+            [
+                "run-bwd",
+                str(d / "model.vjps"),
+                "--residuals",
+                str(d / "res5.npz"),
+                "--inputs",
+                str(d / "in.npz"),
+                "--grads",
+                str(d / "g5.npz"),
+            ],
+        ]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", _BLOCKER, json.dumps(commands)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _BLOCKER, json.dumps(commands)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     for case in cases:
         _check_files(case, tmp_path / case.name, 5, case.args(5))

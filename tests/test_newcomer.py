@@ -52,8 +52,20 @@ def cli(*args, env=None):
 def work(tmp_path_factory):
     d = tmp_path_factory.mktemp("newcomer")
     (d / "model.py").write_text(MODEL)
-    code, out = cli("export", d / "model.py:loss", "--shapes", f"params=@{d / 'model.py'}:shapes",
-                    "--shapes", "x=f32[b,6]", "--shapes", "labels=i32[b]", "--platforms", "cpu", "-o", d / "m.vjps")
+    code, out = cli(
+        "export",
+        d / "model.py:loss",
+        "--shapes",
+        f"params=@{d / 'model.py'}:shapes",
+        "--shapes",
+        "x=f32[b,6]",
+        "--shapes",
+        "labels=i32[b]",
+        "--platforms",
+        "cpu",
+        "-o",
+        d / "m.vjps",
+    )
     assert code == 0, out
     return d
 
@@ -67,8 +79,9 @@ def test_template_inputs_run_as_written_and_give_jax_grad(work, tmp_path, fmt, f
     assert out == f"wrote {inputs}: 4 arrays for the inputs of {work / 'm.vjps'} at b=4, filled with {fill}"
     arrays, _ = vs.load_arrays(inputs)
     m = vs.load(work / "m.vjps").manifest
-    assert {k: (a.dtype.name, a.shape) for k, a in arrays.items()} == \
-        {leaf.key: (leaf.dtype, tuple(4 if d == "b" else d for d in leaf.shape)) for leaf in m.inputs}
+    assert {k: (a.dtype.name, a.shape) for k, a in arrays.items()} == {
+        leaf.key: (leaf.dtype, tuple(4 if d == "b" else d for d in leaf.shape)) for leaf in m.inputs
+    }
     if fill == "zeros":
         assert all(not a.any() for a in arrays.values())
     if fill == "ones":
@@ -79,8 +92,18 @@ def test_template_inputs_run_as_written_and_give_jax_grad(work, tmp_path, fmt, f
     ct = tmp_path / f"ct.{fmt}"
     assert cli("template", work / "m.vjps", "-o", ct, "--what", "cotangents", "--fill", "ones")[0] == 0
     assert list(vs.load_arrays(ct)[0]) == ["out"]
-    code, out = cli("run-bwd", work / "m.vjps", "--residuals", tmp_path / f"r.{fmt}", "--inputs", inputs,
-                    "--cotangents", ct, "--grads", tmp_path / "g.npz")
+    code, out = cli(
+        "run-bwd",
+        work / "m.vjps",
+        "--residuals",
+        tmp_path / f"r.{fmt}",
+        "--inputs",
+        inputs,
+        "--cotangents",
+        ct,
+        "--grads",
+        tmp_path / "g.npz",
+    )
     assert code == 0, out
     g, _ = vs.load_arrays(tmp_path / "g.npz")
     params = {"w": arrays["params/w"], "b": arrays["params/b"]}
@@ -91,16 +114,42 @@ def test_template_inputs_run_as_written_and_give_jax_grad(work, tmp_path, fmt, f
 
 def test_template_gives_typed_keys_as_key_data_and_bf16(work, tmp_path):
     spec = f"@{work / 'model.py'}:key_spec"
-    assert cli("export", work / "model.py:noisy", "--shapes", "w=bf16[6,2]", "--shapes", "x=f32[n,6]",
-               "--shapes", f"key={spec}", "--platforms", "cpu", "-o", tmp_path / "k.vjps")[0] == 0
+    assert (
+        cli(
+            "export",
+            work / "model.py:noisy",
+            "--shapes",
+            "w=bf16[6,2]",
+            "--shapes",
+            "x=f32[n,6]",
+            "--shapes",
+            f"key={spec}",
+            "--platforms",
+            "cpu",
+            "-o",
+            tmp_path / "k.vjps",
+        )[0]
+        == 0
+    )
     art = vs.load(tmp_path / "k.vjps")
     arrays = vs.template(art, at={"n": 3}, fill="normal", seed=1)
     assert arrays["key"].dtype == np.uint32 and arrays["key"].shape == jax.random.key_data(jax.random.key(0)).shape
     assert arrays["w"].dtype == jnp.bfloat16 and arrays["x"].shape == (3, 6)
     assert np.array_equal(arrays["key"], vs.template(art, at=["n=3"], fill="normal", seed=1)["key"])
     vs.save_arrays(tmp_path / "in.npz", arrays)
-    assert cli("run-fwd", tmp_path / "k.vjps", "--inputs", tmp_path / "in.npz", "--residuals", tmp_path / "r.npz",
-               "--outputs", tmp_path / "o.npz")[0] == 0
+    assert (
+        cli(
+            "run-fwd",
+            tmp_path / "k.vjps",
+            "--inputs",
+            tmp_path / "in.npz",
+            "--residuals",
+            tmp_path / "r.npz",
+            "--outputs",
+            tmp_path / "o.npz",
+        )[0]
+        == 0
+    )
     o, _ = vs.load_arrays(tmp_path / "o.npz")
     key = jax.random.wrap_key_data(arrays["key"])
     noise = jax.random.normal(key, (3, 2), jnp.bfloat16).astype(jnp.float32)
@@ -109,24 +158,46 @@ def test_template_gives_typed_keys_as_key_data_and_bf16(work, tmp_path):
 
 
 def test_template_cotangents_cover_integer_outputs(work, tmp_path):
-    assert cli("export", work / "model.py:vector", "--shapes", "x=f32[4]", "--platforms", "cpu",
-               "-o", tmp_path / "v.vjps")[0] == 0
+    assert (
+        cli(
+            "export", work / "model.py:vector", "--shapes", "x=f32[4]", "--platforms", "cpu", "-o", tmp_path / "v.vjps"
+        )[0]
+        == 0
+    )
     cts = vs.template(tmp_path / "v.vjps", what="cotangents", fill="ones")
     assert sorted(cts) == ["out/n", "out/y"] and cts["out/y"].dtype == np.float32
     vs.save_arrays(tmp_path / "in.npz", {"x": np.arange(4, dtype=np.float32)})
     vs.save_arrays(tmp_path / "ct.npz", cts)
-    assert cli("run-fwd", tmp_path / "v.vjps", "--inputs", tmp_path / "in.npz", "--residuals", tmp_path / "r.npz")[0] == 0
-    assert cli("run-bwd", tmp_path / "v.vjps", "--residuals", tmp_path / "r.npz", "--inputs", tmp_path / "in.npz",
-               "--cotangents", tmp_path / "ct.npz", "--grads", tmp_path / "g.npz")[0] == 0
+    assert (
+        cli("run-fwd", tmp_path / "v.vjps", "--inputs", tmp_path / "in.npz", "--residuals", tmp_path / "r.npz")[0] == 0
+    )
+    assert (
+        cli(
+            "run-bwd",
+            tmp_path / "v.vjps",
+            "--residuals",
+            tmp_path / "r.npz",
+            "--inputs",
+            tmp_path / "in.npz",
+            "--cotangents",
+            tmp_path / "ct.npz",
+            "--grads",
+            tmp_path / "g.npz",
+        )[0]
+        == 0
+    )
     np.testing.assert_allclose(vs.load_arrays(tmp_path / "g.npz")[0]["x"], np.cos(np.arange(4)), rtol=1e-6)
 
 
-@pytest.mark.parametrize("args, says", [
-    ((), "the inputs have symbolic dims b; give their sizes with --at b=4"),
-    (("--at", "c=3"), "--at c: no such symbolic dim in"),
-    (("--at", "b=3,c=3"), "--at c: no such symbolic dim in"),
-    (("--what", "grads"), "'grads' is not one of 'inputs', 'cotangents'"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        ((), "the inputs have symbolic dims b; give their sizes with --at b=4"),
+        (("--at", "c=3"), "--at c: no such symbolic dim in"),
+        (("--at", "b=3,c=3"), "--at c: no such symbolic dim in"),
+        (("--what", "grads"), "'grads' is not one of 'inputs', 'cotangents'"),
+    ],
+)
 def test_template_usage_errors_name_the_problem(work, tmp_path, args, says):
     code, out = cli("template", work / "m.vjps", "-o", tmp_path / "in.npz", *args)
     assert code == 2 and says in out and len(out.splitlines()) == 1, out
@@ -158,13 +229,31 @@ def test_global_options_go_before_or_after_the_command(work, tmp_path):
 
 
 def test_a_shapes_mistake_names_the_entry_not_jax(work):
-    code, out = cli("export", work / "model.py:loss", "--shapes", f"params=@{work / 'model.py'}:shapes",
-                    "--shapes", "x=f32[b,7]", "--shapes", "labels=i32[b]", "-o", work / "bad.vjps")
+    code, out = cli(
+        "export",
+        work / "model.py:loss",
+        "--shapes",
+        f"params=@{work / 'model.py'}:shapes",
+        "--shapes",
+        "x=f32[b,7]",
+        "--shapes",
+        "labels=i32[b]",
+        "-o",
+        work / "bad.vjps",
+    )
     assert code == 1 and len(out.splitlines()) == 1, out
     assert "x=f32[b,7]" in out and "labels=" not in out and "fix those --shapes entries" in out
     assert "Error" not in out and "(7,)" not in out and "[7]" in out
-    code, out = cli("plan", work / "model.py:loss", "--shapes", f"params=@{work / 'model.py'}:shapes",
-                    "--shapes", "x=f32[b,6]", "--shapes", "labels=i32[c]")
+    code, out = cli(
+        "plan",
+        work / "model.py:loss",
+        "--shapes",
+        f"params=@{work / 'model.py'}:shapes",
+        "--shapes",
+        "x=f32[b,6]",
+        "--shapes",
+        "labels=i32[c]",
+    )
     assert code == 1 and "x=f32[b,6] and labels=i32[c] do not fit" in out and "(c, 1)" not in out, out
     assert not (work / "bad.vjps").exists()
 
@@ -172,18 +261,32 @@ def test_a_shapes_mistake_names_the_entry_not_jax(work):
 @pytest.mark.parametrize("command", ["plan", "export", "inspect"])
 def test_unknown_at_names_are_usage_errors(work, command):
     shapes = ["--shapes", f"params=@{work / 'model.py'}:shapes", "--shapes", "x=f32[b,6]", "--shapes", "labels=i32[b]"]
-    args = {"plan": ["plan", work / "model.py:loss", *shapes],
-            "export": ["export", work / "model.py:loss", *shapes, "-o", work / "x.vjps"],
-            "inspect": ["inspect", work / "m.vjps"]}[command]
+    args = {
+        "plan": ["plan", work / "model.py:loss", *shapes],
+        "export": ["export", work / "model.py:loss", *shapes, "-o", work / "x.vjps"],
+        "inspect": ["inspect", work / "m.vjps"],
+    }[command]
     code, out = cli(*args, "--at", "batch=256")
     assert code == 2 and "--at batch: no such symbolic dim" in out and "symbolic dims are b" in out, out
     assert "{" not in out and "at=" not in out
 
 
 def test_plan_and_inspect_count_stored_residuals_alike(work):
-    code, out = cli("plan", work / "model.py:loss", "--shapes", f"params=@{work / 'model.py'}:shapes",
-                    "--shapes", "x=f32[b,6]", "--shapes", "labels=i32[b]", "--at", "b=256", "--policies", "everything",
-                    "--json")
+    code, out = cli(
+        "plan",
+        work / "model.py:loss",
+        "--shapes",
+        f"params=@{work / 'model.py'}:shapes",
+        "--shapes",
+        "x=f32[b,6]",
+        "--shapes",
+        "labels=i32[b]",
+        "--at",
+        "b=256",
+        "--policies",
+        "everything",
+        "--json",
+    )
     assert code == 0, out
     plan = json.loads(out)[0]
     code, out = cli("inspect", work / "m.vjps", "--json", "--at", "b=256")
@@ -194,8 +297,16 @@ def test_plan_and_inspect_count_stored_residuals_alike(work):
 
 def test_messages_use_right_plurals_and_say_what_was_left_out(work, tmp_path):
     vs.save_template(tmp_path / "in.npz", work / "m.vjps", at={"b": 2})
-    code, out = cli("run-fwd", work / "m.vjps", "--inputs", tmp_path / "in.npz", "--residuals", tmp_path / "r.npz",
-                    "--outputs", tmp_path / "o.npz")
+    code, out = cli(
+        "run-fwd",
+        work / "m.vjps",
+        "--inputs",
+        tmp_path / "in.npz",
+        "--residuals",
+        tmp_path / "r.npz",
+        "--outputs",
+        tmp_path / "o.npz",
+    )
     assert code == 0 and out.endswith("o.npz: 1 output") and "1 outputs" not in out
     assert "input-backed residuals left out, run-bwd reads them from --inputs" in out, out
     code, out = cli("inspect", work / "m.vjps")
@@ -203,7 +314,7 @@ def test_messages_use_right_plurals_and_say_what_was_left_out(work, tmp_path):
 
 
 def test_every_help_ends_with_examples_and_says_file():
-    for name, command in main.commands.items():
+    for name in main.commands:
         code, out = cli(name, "--help")
         assert code == 0 and "Examples:" in out and f"vjpsplit {name}" in out.split("Examples:")[1], name
         assert " PATH" not in out, name
@@ -212,9 +323,24 @@ def test_every_help_ends_with_examples_and_says_file():
 
 
 def test_policy_auto_says_it_is_timing_before_it_waits(work, tmp_path):
-    code, out = cli("export", work / "model.py:loss", "--shapes", f"params=@{work / 'model.py'}:shapes",
-                    "--shapes", "x=f32[b,6]", "--shapes", "labels=i32[b]", "--policy", "auto", "--at", "b=8",
-                    "--platforms", "cpu", "-o", tmp_path / "a.vjps")
+    code, out = cli(
+        "export",
+        work / "model.py:loss",
+        "--shapes",
+        f"params=@{work / 'model.py'}:shapes",
+        "--shapes",
+        "x=f32[b,6]",
+        "--shapes",
+        "labels=i32[b]",
+        "--policy",
+        "auto",
+        "--at",
+        "b=8",
+        "--platforms",
+        "cpu",
+        "-o",
+        tmp_path / "a.vjps",
+    )
     assert code == 0, out
     lines = out.splitlines()
     assert lines[0] == "policy auto: compiling and timing fwd+bwd of each policy at b=8 (about a second each)..."
@@ -223,8 +349,12 @@ def test_policy_auto_says_it_is_timing_before_it_waits(work, tmp_path):
 
 def test_python_export_errors_from_tracing_carry_no_exception_type():
     with pytest.raises(vs.VjpsplitError) as e:
-        vs.export(lambda w, x: jnp.sum(x @ w), jax.ShapeDtypeStruct((4, 3), jnp.float32),
-                  jax.ShapeDtypeStruct((2, 5), jnp.float32), platforms="cpu")
+        vs.export(
+            lambda w, x: jnp.sum(x @ w),
+            jax.ShapeDtypeStruct((4, 3), jnp.float32),
+            jax.ShapeDtypeStruct((2, 5), jnp.float32),
+            platforms="cpu",
+        )
     message = str(e.value)
     assert message.startswith("cannot export the forward: ") and "[5]" in message and "[4]" in message, message
     assert "Error" not in message and "(5,)" not in message and len(message.splitlines()) == 1

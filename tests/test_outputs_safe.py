@@ -56,8 +56,14 @@ def base(tmp_path_factory):
     d = tmp_path_factory.mktemp("outputs_base")
     (d / "model.py").write_text(MODEL)
     s = jax.ShapeDtypeStruct
-    art = vs.export(_loss, s((4, 3), jnp.float32), s(jexport.symbolic_shape("b") + (4,), jnp.float32),
-                    arg_names=("w", "x"), weights=["w"], platforms="cpu")
+    art = vs.export(
+        _loss,
+        s((4, 3), jnp.float32),
+        s(jexport.symbolic_shape("b") + (4,), jnp.float32),
+        arg_names=("w", "x"),
+        weights=["w"],
+        platforms="cpu",
+    )
     art.save(d / "art.vjps")
     art = vs.load(d / "art.vjps")
     rng = np.random.default_rng(0)
@@ -131,8 +137,21 @@ EXPORT = ["export", "model.py:loss", "--shapes", "w=f32[4,3]", "--shapes", "x=f3
 SAME_FILE = {
     "export -o the module file": (EXPORT + ["-o", "model.py"], "model.py"),
     "export -o the dotted module's file": (["export", "model:loss", *EXPORT[2:], "-o", "model.py"], "model.py"),
-    "export -o the --shapes file": (["export", "model.py:loss", "--shapes", "w=shapes.npz", "--shapes", "x=f32[b,4]",
-                                    "--platforms", "cpu", "-o", "shapes.npz"], "shapes.npz"),
+    "export -o the --shapes file": (
+        [
+            "export",
+            "model.py:loss",
+            "--shapes",
+            "w=shapes.npz",
+            "--shapes",
+            "x=f32[b,4]",
+            "--platforms",
+            "cpu",
+            "-o",
+            "shapes.npz",
+        ],
+        "shapes.npz",
+    ),
     "run-fwd --residuals = --inputs": (FWD + ["--residuals", "in.npz"], "in.npz"),
     "run-fwd --residuals = --inputs, other spelling": (FWD + ["--residuals", "./sub/../in.npz"], "in.npz"),
     "run-fwd --residuals = a symlink to --inputs": (FWD + ["--residuals", "link.npz"], "link.npz"),
@@ -143,11 +162,17 @@ SAME_FILE = {
     "run-bwd --grads = --residuals": (BWD + ["--grads", "res.npz"], "res.npz"),
     "run-bwd --grads = --cotangents": (BWD + ["--cotangents", "ct.npz", "--grads", "ct.npz"], "ct.npz"),
     "run-bwd --part input --intermediates = --residuals": (
-        BWD + ["--part", "input", "--grads", "g.npz", "--intermediates", "res.npz"], "res.npz"),
+        BWD + ["--part", "input", "--grads", "g.npz", "--intermediates", "res.npz"],
+        "res.npz",
+    ),
     "run-bwd --part input --intermediates = --grads": (
-        BWD + ["--part", "input", "--grads", "g.npz", "--intermediates", "g.npz"], "g.npz"),
+        BWD + ["--part", "input", "--grads", "g.npz", "--intermediates", "g.npz"],
+        "g.npz",
+    ),
     "run-bwd --part weight --grads = --intermediates": (
-        BWD + ["--part", "weight", "--intermediates", "inter.npz", "--grads", "inter.npz"], "inter.npz"),
+        BWD + ["--part", "weight", "--intermediates", "inter.npz", "--grads", "inter.npz"],
+        "inter.npz",
+    ),
 }
 
 
@@ -161,6 +186,7 @@ def test_an_output_that_is_an_input_is_a_usage_error(ws, case):
 
 
 # ---------------------------------------------------------------- targets that are not regular files
+
 
 def _fifo(ws):
     os.mkfifo(ws / "fifo.npz")
@@ -192,10 +218,23 @@ TARGETS = {
     "--outputs with a bad extension": (FWD + ["--residuals", "r.npz", "--outputs", "o.txt"], 2, "o.txt", None),
     "--grads with no extension": (BWD + ["--grads", "grads"], 2, "grads", None),
     "--intermediates with a bad extension": (
-        BWD + ["--part", "input", "--grads", "g.npz", "--intermediates", "i.bin"], 2, "i.bin", None),
+        BWD + ["--part", "input", "--grads", "g.npz", "--intermediates", "i.bin"],
+        2,
+        "i.bin",
+        None,
+    ),
     "--grads in a missing directory with --part input": (
-        BWD + ["--part", "input", "--grads", "nodir/g.npz", "--intermediates", "i.npz"], 1, "nodir", None),
-    "--intermediates with --part all": (BWD + ["--grads", "g.npz", "--intermediates", "i.npz"], 2, "--intermediates", None),
+        BWD + ["--part", "input", "--grads", "nodir/g.npz", "--intermediates", "i.npz"],
+        1,
+        "nodir",
+        None,
+    ),
+    "--intermediates with --part all": (
+        BWD + ["--grads", "g.npz", "--intermediates", "i.npz"],
+        2,
+        "--intermediates",
+        None,
+    ),
 }
 
 
@@ -227,6 +266,7 @@ def test_a_read_only_target_is_refused_exactly_when_open_wb_would_be(ws, cmd):
 
 # ---------------------------------------------------------------- all or none
 
+
 def _fail_second_write(monkeypatch, exc: BaseException) -> list:
     """Make the writer of a command's second output raise ``exc``; the first output is staged by then."""
     real = StagedOutputs.write
@@ -235,9 +275,11 @@ def _fail_second_write(monkeypatch, exc: BaseException) -> list:
     def write(self, label, writer):
         labels.append(label)
         if len(labels) == 2:
+
             def writer(tmp):
                 Path(tmp).write_bytes(b"half written")  # a partial temp file must go too
                 raise exc
+
         return real(self, label, writer)
 
     monkeypatch.setattr(StagedOutputs, "write", write)
@@ -280,6 +322,7 @@ def test_a_successful_command_replaces_every_output(ws):
 
 # ---------------------------------------------------------------- symlinks and modes
 
+
 def test_a_symlinked_output_is_written_through_and_the_link_stays(ws):
     (ws / "real").mkdir()
     (ws / "real" / "r.npz").write_bytes(b"previous")
@@ -320,8 +363,16 @@ AT = {
     "inspect --at huge": ["inspect", "art.vjps", "--at", "b=99999999999999999999999"],
     "inspect --at zero": ["inspect", "art.vjps", "--at", "b=0"],
     "inspect --at no name": ["inspect", "art.vjps", "--at", "=3"],
-    "plan --at superscript": ["plan", "model.py:loss", "--shapes", "w=f32[4,3]", "--shapes", "x=f32[b,4]",
-                              "--at", "b=²"],
+    "plan --at superscript": [
+        "plan",
+        "model.py:loss",
+        "--shapes",
+        "w=f32[4,3]",
+        "--shapes",
+        "x=f32[b,4]",
+        "--at",
+        "b=²",
+    ],
 }
 
 
@@ -381,7 +432,7 @@ def test_no_error_is_a_bare_exception_type(ws, monkeypatch, cmd, exc):
 
 def _forge(path: Path, edit):
     """Edit an artifact's manifest and recompute its fingerprint: consistent bytes, nonsense content."""
-    top = msgpack.unpackb(path.read_bytes()[len(MAGIC):], raw=False)
+    top = msgpack.unpackb(path.read_bytes()[len(MAGIC) :], raw=False)
     edit(top["manifest"])
     top["manifest"]["fingerprint"] = fingerprint_json(top["manifest"], top)
     path.write_bytes(MAGIC + msgpack.packb(top, use_bin_type=True))
@@ -422,6 +473,7 @@ def test_forged_manifests_give_one_specific_line(ws, cmd, forgery):
 
 # ---------------------------------------------------------------- printing names from files
 
+
 def test_paths_with_newlines_and_escape_codes_print_escaped(ws):
     name = "evil\n\x1b[2Jname.npz"
     assert_refused(ws, FWD + ["--residuals", f"nodir/{name}"], 1, "evil\\n\\x1b[2Jname.npz")
@@ -445,10 +497,19 @@ def test_printable():
     assert printable(os.fsdecode(b"bad\xffname")) == "bad\\xffname"
 
 
-@pytest.mark.parametrize("code,needle", [(errno.ENOSPC, "no space left"), (errno.EFBIG, "ulimit -f"),
-                                         (errno.EACCES, "permission denied"), (errno.EROFS, "read-only"),
-                                         (errno.ENOENT, "no such file"), (errno.EDQUOT, "quota"),
-                                         (errno.EIO, "input/output error"), (errno.EXDEV, "check the path")])
+@pytest.mark.parametrize(
+    "code,needle",
+    [
+        (errno.ENOSPC, "no space left"),
+        (errno.EFBIG, "ulimit -f"),
+        (errno.EACCES, "permission denied"),
+        (errno.EROFS, "read-only"),
+        (errno.ENOENT, "no such file"),
+        (errno.EDQUOT, "quota"),
+        (errno.EIO, "input/output error"),
+        (errno.EXDEV, "check the path"),
+    ],
+)
 def test_os_errors_become_specific_lines(code, needle):
     text = os_error_message("out/g\n.npz", OSError(code, os.strerror(code)), "writing it")
     assert text.startswith("out/g\\n.npz: ") and needle in text and ";" in text and "\n" not in text
@@ -456,20 +517,29 @@ def test_os_errors_become_specific_lines(code, needle):
 
 # ---------------------------------------------------------------- the compilation cache
 
+
 def test_an_unusable_cache_directory_is_quietly_turned_off(ws, tmp_path):
     not_a_dir = tmp_path / "cache-file"
     not_a_dir.write_bytes(b"")
     env = {**os.environ, "VJPSPLIT_CACHE_DIR": str(not_a_dir / "sub")}
     base = [sys.executable, "-m", "vjpsplit_cli"]
-    r = subprocess.run(base + FWD + ["--residuals", "r.npz"], capture_output=True, text=True, env=env, cwd=ws,
-                       timeout=300)
+    r = subprocess.run(
+        base + FWD + ["--residuals", "r.npz"], capture_output=True, text=True, env=env, cwd=ws, timeout=300
+    )
     assert r.returncode == 0 and r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
     assert r.stderr.startswith("wrote r.npz")
-    r = subprocess.run(base + ["--debug"] + FWD + ["--residuals", "r.npz"], capture_output=True, text=True, env=env,
-                       cwd=ws, timeout=300)
+    r = subprocess.run(
+        base + ["--debug"] + FWD + ["--residuals", "r.npz"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ws,
+        timeout=300,
+    )
     assert r.returncode == 0
     assert [line for line in r.stderr.splitlines() if "compilation cache" in line] == [
-        f"debug: compilation cache {not_a_dir / 'sub'} unusable (Not a directory); running without it"]
+        f"debug: compilation cache {not_a_dir / 'sub'} unusable (Not a directory); running without it"
+    ]
 
 
 # ---------------------------------------------------------------- a real file-size limit
@@ -485,8 +555,13 @@ runpy.run_module("vjpsplit_cli", run_name="__main__")
 def test_a_file_size_limit_is_one_line_and_keeps_the_previous_files(ws):
     before = snapshot(ws)
     # The limit is set in the child itself: no preexec_fn, which forks this multithreaded (JAX) process.
-    r = subprocess.run([sys.executable, "-c", LIMITED, "--no-cache"] + FWD + ["--residuals", "r.npz", "--outputs", "o.npz"],
-                       capture_output=True, text=True, cwd=ws, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", LIMITED, "--no-cache"] + FWD + ["--residuals", "r.npz", "--outputs", "o.npz"],
+        capture_output=True,
+        text=True,
+        cwd=ws,
+        timeout=300,
+    )
     err = r.stderr.strip()
     assert r.returncode == 1 and len(err.splitlines()) == 1, err
     assert "r.npz" in err and "ulimit -f" in err and not GENERIC.match(err)
@@ -494,6 +569,7 @@ def test_a_file_size_limit_is_one_line_and_keeps_the_previous_files(ws):
 
 
 # ---------------------------------------------------------------- the Python API
+
 
 def test_staged_outputs_commit_all_or_none(tmp_path):
     a, b = tmp_path / "a.npz", tmp_path / "b.msgpack"
@@ -536,14 +612,24 @@ def test_save_arrays_refuses_devices_and_writes_through_symlinks(tmp_path):
     assert os.path.islink(tmp_path / "l.npz") and vs.load_arrays(tmp_path / "t.npz")[0]["x"].tolist() == [1]
 
 
-@pytest.mark.parametrize("kwargs,needle", [
-    ({"platforms": None}, "platforms=None"), ({"platforms": 5}, "platforms=5"),
-    ({"wrt": 1.5}, "wrt entry 1.5"), ({"wrt": [0, "nope"]}, "'nope'"), ({"platforms": "cpu,gpu9"}, "gpu9"),
-])
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        ({"platforms": None}, "platforms=None"),
+        ({"platforms": 5}, "platforms=5"),
+        ({"wrt": 1.5}, "wrt entry 1.5"),
+        ({"wrt": [0, "nope"]}, "'nope'"),
+        ({"platforms": "cpu,gpu9"}, "gpu9"),
+    ],
+)
 def test_api_bad_arguments_raise_vjpsplit_error(kwargs, needle):
     with pytest.raises(vs.VjpsplitError) as ei:
-        vs.export(_loss, jax.ShapeDtypeStruct((4, 3), jnp.float32), jax.ShapeDtypeStruct((2, 4), jnp.float32),
-                  **{"platforms": "cpu", **kwargs})
+        vs.export(
+            _loss,
+            jax.ShapeDtypeStruct((4, 3), jnp.float32),
+            jax.ShapeDtypeStruct((2, 4), jnp.float32),
+            **{"platforms": "cpu", **kwargs},
+        )
     assert needle in str(ei.value) and "\n" not in str(ei.value)
 
 
@@ -551,8 +637,12 @@ def test_cli_and_api_give_the_same_message(ws):
     r = invoke(EXPORT[:-1] + ["cpu,gpu9", "-o", "new.vjps"])
     err = assert_one_line(r, 1)
     with pytest.raises(vs.VjpsplitError) as ei:
-        vs.export(_loss, jax.ShapeDtypeStruct((4, 3), jnp.float32), jax.ShapeDtypeStruct((2, 4), jnp.float32),
-                  platforms="cpu,gpu9")
+        vs.export(
+            _loss,
+            jax.ShapeDtypeStruct((4, 3), jnp.float32),
+            jax.ShapeDtypeStruct((2, 4), jnp.float32),
+            platforms="cpu,gpu9",
+        )
     assert err == f"error: {ei.value}"
 
 
@@ -562,9 +652,14 @@ def test_case_count():
 
 
 CASES = (
-    [("same-file", c) for c in SAME_FILE] + [("target", c) for c in TARGETS] + [("read-only", c) for c in range(2)]
-    + [("all-or-none", f, c) for f in FAILURES for c in range(2)] + [("dims", c) for c in DIMS] + [("at", c) for c in AT]
-    + [("injected", e, c) for e in INJECTED for c in ENTRY] + [("forged", f, c) for f in FORGERIES for c in range(2)]
+    [("same-file", c) for c in SAME_FILE]
+    + [("target", c) for c in TARGETS]
+    + [("read-only", c) for c in range(2)]
+    + [("all-or-none", f, c) for f in FAILURES for c in range(2)]
+    + [("dims", c) for c in DIMS]
+    + [("at", c) for c in AT]
+    + [("injected", e, c) for e in INJECTED for c in ENTRY]
+    + [("forged", f, c) for f in FORGERIES for c in range(2)]
 )
 
 
@@ -616,8 +711,10 @@ def fsynced(monkeypatch):
 FSYNC_RUNS = {
     "run-fwd": (FWD + ["--residuals", "r.npz", "--outputs", "o.npz"], ["r.npz", "o.npz"]),
     "run-bwd": (BWD + ["--grads", "g.npz"], ["g.npz"]),
-    "run-bwd --part input": (BWD + ["--part", "input", "--grads", "g.npz", "--intermediates", "i.npz"],
-                             ["g.npz", "i.npz"]),
+    "run-bwd --part input": (
+        BWD + ["--part", "input", "--grads", "g.npz", "--intermediates", "i.npz"],
+        ["g.npz", "i.npz"],
+    ),
 }
 
 

@@ -17,21 +17,40 @@ from models import assert_trees_close, stage_head as head, stage_hidden as hidde
 D, CLASSES, BATCH = 8, 5, 24
 
 
-
 @functools.lru_cache(maxsize=None)  # exporting dominates; tests never mutate what it returns
 def make(stages, seed=0):
     rng = np.random.default_rng(seed)
-    params = [{"w": (rng.normal(size=(D, D)) / 3).astype(np.float32), "b": rng.normal(size=D).astype(np.float32)}
-              for _ in range(stages - 1)]
+    params = [
+        {"w": (rng.normal(size=(D, D)) / 3).astype(np.float32), "b": rng.normal(size=D).astype(np.float32)}
+        for _ in range(stages - 1)
+    ]
     params.append({"w": (rng.normal(size=(D, CLASSES)) / 3).astype(np.float32), "b": np.zeros(CLASSES, np.float32)})
     (b,) = jexport.symbolic_shape("b")
     s = jax.ShapeDtypeStruct
     spec = lambda p: jax.tree_util.tree_map(lambda a: s(a.shape, a.dtype), p)  # noqa: E731
     # Stage 0's input gradient would be dropped, so it is not exported; the others feed back.
-    arts = [vs.export(hidden, spec(p), s((b, D), jnp.float32), weights="params",
-                      wrt=("params",) if i == 0 else ("params", "x"), platforms="cpu") for i, p in enumerate(params[:-1])]
-    arts.append(vs.export(head, spec(params[-1]), s((b, D), jnp.float32), s((b,), jnp.int32), weights="params",
-                          wrt=("params", "x") if stages > 1 else ("params",), platforms="cpu"))
+    arts = [
+        vs.export(
+            hidden,
+            spec(p),
+            s((b, D), jnp.float32),
+            weights="params",
+            wrt=("params",) if i == 0 else ("params", "x"),
+            platforms="cpu",
+        )
+        for i, p in enumerate(params[:-1])
+    ]
+    arts.append(
+        vs.export(
+            head,
+            spec(params[-1]),
+            s((b, D), jnp.float32),
+            s((b,), jnp.int32),
+            weights="params",
+            wrt=("params", "x") if stages > 1 else ("params",),
+            platforms="cpu",
+        )
+    )
     x = rng.normal(size=(BATCH, D)).astype(np.float32)
     labels = rng.integers(0, CLASSES, BATCH).astype(np.int32)
     return arts, params, x, labels
@@ -74,14 +93,33 @@ def test_bad_pipelines_are_refused():
     arts, params, x, labels = make(2)
     with pytest.raises(vs.VjpsplitError, match="equal microbatches"):
         P.run(arts, params, x, [labels], microbatches=5)
-    plain = [vs.export(hidden, *[jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params[0]),
-                                 jax.ShapeDtypeStruct((BATCH // 2, D), jnp.float32)], platforms="cpu"), arts[1]]
+    plain = [
+        vs.export(
+            hidden,
+            *[
+                jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params[0]),
+                jax.ShapeDtypeStruct((BATCH // 2, D), jnp.float32),
+            ],
+            platforms="cpu",
+        ),
+        arts[1],
+    ]
     with pytest.raises(vs.VjpsplitError, match="ZB-H1 needs the split backward"):
         P.run(plain, params, x, [labels], microbatches=2, schedule_name="zbh1")
     with pytest.raises(vs.VjpsplitError, match="even number of stages"):
         P.run(*make(3)[:3], [labels], microbatches=2, schedule_name="zbv")
-    no_input_grad = [arts[0], vs.export(head, *[jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), a)
-                                                for a in (params[1], x, labels)], wrt="params", platforms="cpu")]
+    no_input_grad = [
+        arts[0],
+        vs.export(
+            head,
+            *[
+                jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), a)
+                for a in (params[1], x, labels)
+            ],
+            wrt="params",
+            platforms="cpu",
+        ),
+    ]
     with pytest.raises(vs.VjpsplitError, match="stage 1: export it with wrt including its input"):
         P.run(no_input_grad, params, x, [labels], microbatches=2, schedule_name="1f1b")
 
@@ -89,6 +127,7 @@ def test_bad_pipelines_are_refused():
 @pytest.fixture(scope="module")
 def ray_session():
     import ray  # a test dependency (pip install -e '.[test]'): missing Ray is a failure, not a skip
+
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
@@ -202,7 +241,7 @@ def test_forward_fast_path_keeps_the_callers_arrays():
     st = P.StageWorker(arts[0], params[0], 0, 2)
     ct = np.ones((8, D), np.float32)
     for mb in range(3):  # the first call checks and traces; the later ones take the jitted path
-        xs = jnp.asarray(x[mb * 8:(mb + 1) * 8])
+        xs = jnp.asarray(x[mb * 8 : (mb + 1) * 8])
         out = st.forward(mb, xs, [])
         assert any(leaf is xs for leaf in jax.tree_util.tree_leaves(st.res[mb]))  # the very array, not a copy
         ref_out, ref_res = arts[0].fwd(params[0], xs)

@@ -24,8 +24,9 @@ def cluster():
     c.add_node(num_cpus=1, resources={"node_b": 1, "slot": 1})
     c.wait_for_nodes()
     ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
-    ids = {name: n["NodeID"] for n in ray.nodes() if n["Alive"] for name in ("node_a", "node_b")
-           if name in n["Resources"]}
+    ids = {
+        name: n["NodeID"] for n in ray.nodes() if n["Alive"] for name in ("node_a", "node_b") if name in n["Resources"]
+    }
     yield ray, ids
     ray.shutdown()
     c.shutdown()
@@ -42,8 +43,10 @@ def test_stages_pinned_to_named_nodes(cluster):
 
     ray, ids = cluster
     arts, params, x, labels = make(2, seed=5)
-    pins = [{"resources": {"node_a": 0.5}},
-            {"scheduling_strategy": NodeAffinitySchedulingStrategy(ids["node_b"], soft=False)}]
+    pins = [
+        {"resources": {"node_a": 0.5}},
+        {"scheduling_strategy": NodeAffinitySchedulingStrategy(ids["node_b"], soft=False)},
+    ]
     with P.RayPipeline(arts, params, actor_options=pins) as rp:
         assert rp.nodes == [ids["node_a"], ids["node_b"]]
         for name in ("1f1b", "zbh1"):
@@ -61,8 +64,11 @@ def test_stages_pinned_to_named_nodes(cluster):
 
 def test_more_stages_than_resources_is_one_clear_error(cluster):
     arts, params, x, labels = make(3)
-    with pytest.raises(vs.VjpsplitError, match=r"stage \d: Ray did not place its actor within 20 s: missing slot "
-                                               r"\(asks 1, 0 free of 2 in the cluster\)"):
+    with pytest.raises(
+        vs.VjpsplitError,
+        match=r"stage \d: Ray did not place its actor within 20 s: missing slot "
+        r"\(asks 1, 0 free of 2 in the cluster\)",
+    ):
         P.RayPipeline(arts, params, actor_options=[{"resources": {"slot": 1}}] * 3, schedule_timeout=20)
     # The actors that were placed are gone again: both slots come free (Ray frees them asynchronously).
     ray = cluster[0]

@@ -47,9 +47,24 @@ def test_quickstart(tmp_path):
 
 def test_pipeline_sample_inprocess(tmp_path):
     r = subprocess.run(
-        [sys.executable, "samples/pipeline/run.py", "--runner", "inprocess", "--steps", "1", "--batch", "64",
-         "--microbatches", "4", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "samples/pipeline/run.py",
+            "--runner",
+            "inprocess",
+            "--steps",
+            "1",
+            "--batch",
+            "64",
+            "--microbatches",
+            "4",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "loss and gradients match jax.value_and_grad" in r.stdout
@@ -57,8 +72,11 @@ def test_pipeline_sample_inprocess(tmp_path):
     assert "... exporting the 4 and 8 stage artifacts" in r.stderr and "... in-process, ZB-V:" in r.stderr
     assert "Warning" not in r.stderr and "WARNING" not in r.stderr, r.stderr
     assert sorted(p.name for p in tmp_path.glob("*.png")) == [
-        "timeline_inprocess_1f1b.png", "timeline_inprocess_gpipe.png", "timeline_inprocess_zbh1.png",
-        "timeline_inprocess_zbv.png"]
+        "timeline_inprocess_1f1b.png",
+        "timeline_inprocess_gpipe.png",
+        "timeline_inprocess_zbh1.png",
+        "timeline_inprocess_zbv.png",
+    ]
 
 
 @pytest.mark.parametrize("name, library", [("flax_cnn", "flax"), ("equinox_mlp", "equinox"), ("haiku_mlp", "haiku")])

@@ -18,8 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.timeout(1800)  # the whole 8-device suite, in one child process
 def test_sharded_suite_passes_on_8_devices():
     env = {**os.environ, "VJPSPLIT_SHARDED_SUITE": "1"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "sharded")],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "sharded")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     tail = (r.stdout + r.stderr)[-6000:]
     assert r.returncode == 0, tail
     m = re.search(r"(\d+) passed", r.stdout)

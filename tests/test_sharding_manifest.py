@@ -17,9 +17,17 @@ from vjpsplit_cli.manifest import MAGIC, Manifest
 from vjpsplit_cli.sharding import divisibility_problem, format_spec, host_mesh, spec_from_json, spec_to_json
 
 
-@pytest.mark.parametrize("spec,json_", [(P(), ()), (P("data"), ("data",)), (P(None, "model"), (None, "model")),
-                                         (P("data", None), ("data",)), (P(("data", "model"), None), (("data", "model"),)),
-                                         (P(None, ("x",)), (None, "x"))])
+@pytest.mark.parametrize(
+    "spec,json_",
+    [
+        (P(), ()),
+        (P("data"), ("data",)),
+        (P(None, "model"), (None, "model")),
+        (P("data", None), ("data",)),
+        (P(("data", "model"), None), (("data", "model"),)),
+        (P(None, ("x",)), (None, "x")),
+    ],
+)
 def test_partition_specs_round_trip_as_json(spec, json_):
     assert spec_to_json(spec) == json_
     assert spec_from_json([list(e) if isinstance(e, tuple) else e for e in json_]) == json_
@@ -48,28 +56,43 @@ def test_divisibility_problems_name_the_dim_and_the_fix():
 
 
 def test_host_with_too_few_devices_names_both_counts():
-    with pytest.raises(vs.VjpsplitError, match=r"exported for 8 devices \(mesh data=2, model=4\), but this host has "
-                                               rf"{jax.device_count()};.*device_count=8"):
+    with pytest.raises(
+        vs.VjpsplitError,
+        match=r"exported for 8 devices \(mesh data=2, model=4\), but this host has "
+        rf"{jax.device_count()};.*device_count=8",
+    ):
         host_mesh((("data", 2), ("model", 4)))
 
 
 def _unsharded(tmp_path):
     vs.export(lambda x: jnp.sum(jnp.sin(x)), jax.ShapeDtypeStruct((4,), jnp.float32), platforms="cpu").save(
-        tmp_path / "a.vjps")
-    top = msgpack.unpackb((tmp_path / "a.vjps").read_bytes()[len(MAGIC):], raw=False)
+        tmp_path / "a.vjps"
+    )
+    top = msgpack.unpackb((tmp_path / "a.vjps").read_bytes()[len(MAGIC) :], raw=False)
     return top
 
 
-@pytest.mark.parametrize("mutate,why", [
-    (lambda m: m.update(nr_devices=8), "without a mesh"),
-    (lambda m: m.update(nr_devices=8, mesh=[["data", 4]]), "mesh's 4 devices"),
-    (lambda m: m.update(nr_devices=2, mesh=[["data", 2]], inputs=[{**m["inputs"][0], "sharding": ["model"]}]),
-     "not the mesh's"),
-    (lambda m: m.update(nr_devices=2, mesh=[["data", 2]], inputs=[{**m["inputs"][0], "sharding": [1]}]),
-     "sharding entry"),
-    (lambda m: m.update(nr_devices=2, mesh=[["data", 2]], inputs=[{**m["inputs"][0], "sharding": ["data", None]}]),
-     "more entries than its shape"),
-])
+@pytest.mark.parametrize(
+    "mutate,why",
+    [
+        (lambda m: m.update(nr_devices=8), "without a mesh"),
+        (lambda m: m.update(nr_devices=8, mesh=[["data", 4]]), "mesh's 4 devices"),
+        (
+            lambda m: m.update(nr_devices=2, mesh=[["data", 2]], inputs=[{**m["inputs"][0], "sharding": ["model"]}]),
+            "not the mesh's",
+        ),
+        (
+            lambda m: m.update(nr_devices=2, mesh=[["data", 2]], inputs=[{**m["inputs"][0], "sharding": [1]}]),
+            "sharding entry",
+        ),
+        (
+            lambda m: m.update(
+                nr_devices=2, mesh=[["data", 2]], inputs=[{**m["inputs"][0], "sharding": ["data", None]}]
+            ),
+            "more entries than its shape",
+        ),
+    ],
+)
 def test_forged_sharding_metadata_is_one_clear_error(tmp_path, mutate, why):
     top = _unsharded(tmp_path)
     mutate(top["manifest"])

@@ -75,7 +75,7 @@ def test_integer_inputs_get_float0_zeros_like_jax_vjp():
 def test_has_aux_with_integer_aux():
     def f(x, w):
         y = x @ w
-        return jnp.sum(y ** 2), {"argmax": jnp.argmax(y, -1), "mean": jnp.mean(y)}
+        return jnp.sum(y**2), {"argmax": jnp.argmax(y, -1), "mean": jnp.mean(y)}
 
     params, x = mlp_inputs()
     w = params["w1"]

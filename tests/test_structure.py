@@ -38,7 +38,7 @@ def _imports() -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
         for node in ast.walk(ast.parse(path.read_text())):
             if not (isinstance(node, ast.ImportFrom) and node.level):
                 continue
-            base = package[:len(package) - (node.level - 1)]
+            base = package[: len(package) - (node.level - 1)]
             target = ".".join([*base, *(node.module.split(".") if node.module else [])])
             for alias in node.names:
                 full = f"{target}.{alias.name}".strip(".")
@@ -61,7 +61,7 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
         state[m] = 1
         for d in sorted(edges[m]):
             if state.get(d) == 1:
-                cycles.append(path[path.index(d):] + [d])
+                cycles.append(path[path.index(d) :] + [d])
             elif d not in state:
                 visit(d, path + [d])
         state[m] = 2
@@ -129,9 +129,15 @@ def test_returned_types_are_public():
     _, inter = art.bwd_input(res)
     fwd, _ = vs.split(f)
     _, res2 = fwd(w, x)
-    for value in (art, art.manifest, art.manifest.inputs[0], res, res2, inter,
-                  vs.plan_policies(f, jax.ShapeDtypeStruct((3, 2), np.float32),
-                                   jax.ShapeDtypeStruct((4, 3), np.float32))[0]):
+    for value in (
+        art,
+        art.manifest,
+        art.manifest.inputs[0],
+        res,
+        res2,
+        inter,
+        vs.plan_policies(f, jax.ShapeDtypeStruct((3, 2), np.float32), jax.ShapeDtypeStruct((4, 3), np.float32))[0],
+    ):
         assert getattr(vs, type(value).__name__) is type(value), type(value)
 
 

@@ -27,7 +27,8 @@ from jax import export as jexport
 import vjpsplit_cli as vs
 from vjpsplit_cli.cli import main
 from vjpsplit_cli.manifest import MAGIC, fingerprint
-from vjpsplit_cli.trust import generate_key, key_id, lapack_shapes_ok, load_public_key
+from vjpsplit_cli.signing import generate_key, key_id, load_public_key
+from vjpsplit_cli.trust import lapack_shapes_ok
 
 X = jax.ShapeDtypeStruct((4,), np.float32)
 XV = np.array([0.5, -1.0, 2.0, 0.25], np.float32)
@@ -73,6 +74,7 @@ def one_error_line(stderr: str, *needles) -> str:
 
 # ----------------------------------------------------------------------------- forging helpers
 
+
 def replaced(art, module: str, exp) -> bytes:
     """``art``'s file with ``module`` replaced by ``exp`` (serialized) and the fingerprint recomputed."""
     modules = dict(art.modules)
@@ -96,7 +98,7 @@ def forge_fwd(art, body, *, allow=(), avals=None) -> bytes:
 
 def unchecked(data: bytes):
     """An Artifact object from forged bytes, skipping every load check (to sign it, as its forger would)."""
-    top = msgpack.unpackb(data[len(MAGIC):])
+    top = msgpack.unpackb(data[len(MAGIC) :])
     m = vs.Manifest.from_json(top.pop("manifest"), "forged")
     return vs.Artifact(m, top)
 
@@ -107,6 +109,7 @@ def write(path: Path, data: bytes) -> Path:
 
 
 # ----------------------------------------------------------------------------- signatures
+
 
 def test_keygen_writes_a_private_0600_key_and_a_public_key(tmp_path):
     r = run_cli("keygen", "-o", tmp_path / "k")
@@ -183,28 +186,80 @@ def test_one_flipped_byte_anywhere_in_a_signed_file_is_refused(base, tmp_path):
 def test_cli_sign_and_trust(base, tmp_path):
     d, _ = base
     (tmp_path / "m.py").write_text("import jax.numpy as jnp\ndef g(x):\n    return jnp.sum(jnp.sin(x) * x)\n")
-    r = cli("export", f"{tmp_path / 'm.py'}:g", "--shapes", "x=f32[4]", "--platforms", "cpu",
-            "--sign-key", d / "key", "-o", tmp_path / "s.vjps")
+    r = cli(
+        "export",
+        f"{tmp_path / 'm.py'}:g",
+        "--shapes",
+        "x=f32[4]",
+        "--platforms",
+        "cpu",
+        "--sign-key",
+        d / "key",
+        "-o",
+        tmp_path / "s.vjps",
+    )
     assert r.returncode == 0, r.stderr
     assert "signed by ed25519:" in r.stderr
-    r = cli("run-fwd", tmp_path / "s.vjps", "--inputs", d / "in.npz", "--residuals", tmp_path / "r.npz",
-            "--trust-key", d / "other.pub", "--trust-key", d / "key.pub")
+    r = cli(
+        "run-fwd",
+        tmp_path / "s.vjps",
+        "--inputs",
+        d / "in.npz",
+        "--residuals",
+        tmp_path / "r.npz",
+        "--trust-key",
+        d / "other.pub",
+        "--trust-key",
+        d / "key.pub",
+    )
     assert r.returncode == 0, r.stderr
-    r = cli("run-bwd", tmp_path / "s.vjps", "--residuals", tmp_path / "r.npz", "--inputs", d / "in.npz",
-            "--grads", tmp_path / "g.npz", env={"VJPSPLIT_TRUST_KEYS": str(d / "key.pub")})
+    r = cli(
+        "run-bwd",
+        tmp_path / "s.vjps",
+        "--residuals",
+        tmp_path / "r.npz",
+        "--inputs",
+        d / "in.npz",
+        "--grads",
+        tmp_path / "g.npz",
+        env={"VJPSPLIT_TRUST_KEYS": str(d / "key.pub")},
+    )
     assert r.returncode == 0, r.stderr
     np.testing.assert_allclose(vs.load_arrays(tmp_path / "g.npz")[0]["x"], jax.grad(f)(XV), rtol=1e-6)
-    r = cli("run-fwd", d / "f.vjps", "--inputs", d / "in.npz", "--residuals", tmp_path / "r2.npz",
-            "--trust-key", d / "key.pub")
+    r = cli(
+        "run-fwd",
+        d / "f.vjps",
+        "--inputs",
+        d / "in.npz",
+        "--residuals",
+        tmp_path / "r2.npz",
+        "--trust-key",
+        d / "key.pub",
+    )
     assert r.returncode == 1
     one_error_line(r.stderr, "unsigned")
     assert not (tmp_path / "r2.npz").exists()
-    r = cli("run-fwd", tmp_path / "s.vjps", "--inputs", d / "in.npz", "--residuals", tmp_path / "r2.npz",
-            env={"VJPSPLIT_TRUST_KEYS": str(d / "other.pub")})
+    r = cli(
+        "run-fwd",
+        tmp_path / "s.vjps",
+        "--inputs",
+        d / "in.npz",
+        "--residuals",
+        tmp_path / "r2.npz",
+        env={"VJPSPLIT_TRUST_KEYS": str(d / "other.pub")},
+    )
     assert r.returncode == 1
     one_error_line(r.stderr, "not among the trusted keys")
-    r = cli("export", f"{tmp_path / 'm.py'}:g", "--shapes", "x=f32[4]", "--sign-key", d / "key.pub",
-            "-o", tmp_path / "t.vjps")
+    r = cli(
+        "export",
+        f"{tmp_path / 'm.py'}:g",
+        "--shapes",
+        "x=f32[4]",
+        "--sign-key",
+        d / "key.pub",
+        "-o",
+        tmp_path / "t.vjps",
+    )
     assert r.returncode == 1 and not (tmp_path / "t.vjps").exists()
     one_error_line(r.stderr, "not an unencrypted Ed25519 private key")
 
@@ -226,9 +281,11 @@ def test_a_signed_artifact_with_a_lapack_call_runs(base, tmp_path):
 
 # ----------------------------------------------------------------------------- custom calls
 
+
 def _callback(x):
     return jax.ffi.ffi_call("xla_ffi_python_cpu_callback", jax.ShapeDtypeStruct((), np.float32))(
-        jnp.sum(x), index=np.uint64(123456))
+        jnp.sum(x), index=np.uint64(123456)
+    )
 
 
 def _buffer_callback(x):
@@ -240,14 +297,21 @@ def _lapack(target, results):
         a = jnp.ones((512, 512), np.float32) * jnp.sum(x)
         r = jax.ffi.ffi_call(target, results)(a)
         return jnp.sum(r[0])
+
     return body
 
 
-TINY_GETRF = (jax.ShapeDtypeStruct((2, 2), np.float32), jax.ShapeDtypeStruct((1,), np.int32),
-              jax.ShapeDtypeStruct((), np.int32))
+TINY_GETRF = (
+    jax.ShapeDtypeStruct((2, 2), np.float32),
+    jax.ShapeDtypeStruct((1,), np.int32),
+    jax.ShapeDtypeStruct((), np.int32),
+)
 TINY_POTRF = (jax.ShapeDtypeStruct((2, 2), np.float32), jax.ShapeDtypeStruct((), np.int32))
-BAD_PIVOTS = (jax.ShapeDtypeStruct((512, 512), np.float32), jax.ShapeDtypeStruct((1,), np.int32),
-              jax.ShapeDtypeStruct((), np.int32))
+BAD_PIVOTS = (
+    jax.ShapeDtypeStruct((512, 512), np.float32),
+    jax.ShapeDtypeStruct((1,), np.int32),
+    jax.ShapeDtypeStruct((), np.int32),
+)
 
 FORGED = {
     "ffi-callback": (_callback, "xla_ffi_python_cpu_callback", "host callback"),
@@ -255,8 +319,11 @@ FORGED = {
     "getrf-tiny": (_lapack("lapack_sgetrf_ffi", TINY_GETRF), "lapack_sgetrf_ffi", "cannot vouch for"),
     "getrf-pivots": (_lapack("lapack_sgetrf_ffi", BAD_PIVOTS), "lapack_sgetrf_ffi", "cannot vouch for"),
     "potrf-tiny": (_lapack("lapack_spotrf_ffi", TINY_POTRF), "lapack_spotrf_ffi", "cannot vouch for"),
-    "unknown": (lambda x: jax.ffi.ffi_call("my_kernel_of_doom", jax.ShapeDtypeStruct((), np.float32))(jnp.sum(x)),
-                "my_kernel_of_doom", "cannot vouch for"),
+    "unknown": (
+        lambda x: jax.ffi.ffi_call("my_kernel_of_doom", jax.ShapeDtypeStruct((), np.float32))(jnp.sum(x)),
+        "my_kernel_of_doom",
+        "cannot vouch for",
+    ),
 }
 
 
@@ -267,8 +334,7 @@ def test_forged_custom_calls_are_refused_with_one_line(base, tmp_path, case):
     path = write(tmp_path / "forged.vjps", forge_fwd(art, body, allow=[target]))
     with pytest.raises(vs.VjpsplitError, match=message):
         vs.load(path)
-    r = cli("run-fwd", path, "--inputs", d / "in.npz", "--residuals", tmp_path / "r.npz",
-            env={"MALLOC_CHECK_": "3"})
+    r = cli("run-fwd", path, "--inputs", d / "in.npz", "--residuals", tmp_path / "r.npz", env={"MALLOC_CHECK_": "3"})
     assert r.returncode == 1, (r.returncode, r.stderr)
     one_error_line(r.stderr, message, target)
     assert not (tmp_path / "r.npz").exists()
@@ -295,19 +361,32 @@ def test_unknown_kernels_load_when_signed_and_trusted_or_allowed(base, tmp_path)
 
 
 def test_lapack_shape_rule_accepts_what_jax_emits_and_refuses_smaller_results():
-    ok = {"target": "lapack_sgetrf_ffi", "operands": [["f32", [5, 3, 4]]],
-          "results": [["f32", [5, 3, 4]], ["i32", [5, 3]], ["i32", [5]]], "attrs": {}}
+    ok = {
+        "target": "lapack_sgetrf_ffi",
+        "operands": [["f32", [5, 3, 4]]],
+        "results": [["f32", [5, 3, 4]], ["i32", [5, 3]], ["i32", [5]]],
+        "attrs": {},
+    }
     assert lapack_shapes_ok(ok)
-    for bad in ([["f32", [5, 3, 4]], ["i32", [5, 2]], ["i32", [5]]], [["f32", [1, 1]], ["i32", [5, 3]], ["i32", [5]]],
-                [["f32", [5, 3, 4]], ["i32", [5, None]], ["i32", [5]]]):
+    for bad in (
+        [["f32", [5, 3, 4]], ["i32", [5, 2]], ["i32", [5]]],
+        [["f32", [1, 1]], ["i32", [5, 3]], ["i32", [5]]],
+        [["f32", [5, 3, 4]], ["i32", [5, None]], ["i32", [5]]],
+    ):
         assert not lapack_shapes_ok({**ok, "results": bad})
-    svd = {"target": "lapack_sgesdd_ffi", "operands": [["f32", [3, 4]]],
-           "attrs": {"mhlo.backend_config": "{mode = 65 : ui8}"},
-           "results": [["f32", [3, 4]], ["f32", [3]], ["f32", [3, 3]], ["f32", [4, 4]], ["i32", []]]}
+    svd = {
+        "target": "lapack_sgesdd_ffi",
+        "operands": [["f32", [3, 4]]],
+        "attrs": {"mhlo.backend_config": "{mode = 65 : ui8}"},
+        "results": [["f32", [3, 4]], ["f32", [3]], ["f32", [3, 3]], ["f32", [4, 4]], ["i32", []]],
+    }
     assert lapack_shapes_ok(svd)
     # Mode 'A' writes full u and vt: reduced ones declared for it are too small.
-    reduced = {**svd, "operands": [["f32", [5, 3]]],
-               "results": [["f32", [5, 3]], ["f32", [3]], ["f32", [5, 3]], ["f32", [3, 3]], ["i32", []]]}
+    reduced = {
+        **svd,
+        "operands": [["f32", [5, 3]]],
+        "results": [["f32", [5, 3]], ["f32", [3]], ["f32", [5, 3]], ["f32", [3, 3]], ["i32", []]],
+    }
     assert not lapack_shapes_ok(reduced)
     assert lapack_shapes_ok({**reduced, "attrs": {"mhlo.backend_config": "{mode = 83 : ui8}"}})
     assert not lapack_shapes_ok({**svd, "results": svd["results"][:2] + [["f32", [3, 1]]] + svd["results"][3:]})
@@ -316,9 +395,14 @@ def test_lapack_shape_rule_accepts_what_jax_emits_and_refuses_smaller_results():
 def test_jax_own_linear_algebra_for_every_platform_passes_unsigned():
     def linalg(a):
         sq = a[..., :4, :4] @ jnp.swapaxes(a[..., :4, :4], -1, -2) + 4.0 * jnp.eye(4)
-        return (jnp.sum(jax.scipy.linalg.lu_factor(a)[0]) + jnp.sum(jnp.linalg.qr(a)[0])
-                + jnp.sum(jnp.linalg.svd(a, full_matrices=False)[1]) + jnp.sum(jnp.linalg.eigh(sq)[0])
-                + jnp.sum(jnp.linalg.cholesky(sq)) + jnp.sum(jnp.linalg.solve(sq, a[..., :4, :1])))
+        return (
+            jnp.sum(jax.scipy.linalg.lu_factor(a)[0])
+            + jnp.sum(jnp.linalg.qr(a)[0])
+            + jnp.sum(jnp.linalg.svd(a, full_matrices=False)[1])
+            + jnp.sum(jnp.linalg.eigh(sq)[0])
+            + jnp.sum(jnp.linalg.cholesky(sq))
+            + jnp.sum(jnp.linalg.solve(sq, a[..., :4, :1]))
+        )
 
     a = np.linspace(-1, 1, 60, dtype=np.float32).reshape(3, 5, 4)
     art = vs.export(linalg, jax.ShapeDtypeStruct(a.shape, np.float32))  # cpu, cuda and tpu: LAPACK, cuSOLVER, XLA's
@@ -331,6 +415,7 @@ def test_jax_own_linear_algebra_for_every_platform_passes_unsigned():
 
 
 # ----------------------------------------------------------------------------- avals
+
 
 def test_module_avals_differing_from_the_manifest_are_refused(base, tmp_path):
     d, art = base
@@ -352,8 +437,9 @@ def test_module_avals_differing_from_the_manifest_are_refused(base, tmp_path):
 def test_a_module_whose_stablehlo_disagrees_with_its_declared_avals_is_refused(base):
     _, art = base
     exp = art._exps["fwd"]
-    other = jexport.export(jax.jit(lambda x: tuple(x[:3].astype(np.int32) for _ in exp.out_avals)),
-                           platforms=["cpu"])(X)
+    other = jexport.export(jax.jit(lambda x: tuple(x[:3].astype(np.int32) for _ in exp.out_avals)), platforms=["cpu"])(
+        X
+    )
     # The flatbuffer says the original avals; the StableHLO inside returns i32[3]s.
     forged = dataclasses.replace(exp, mlir_module_serialized=other.mlir_module_serialized)
     with pytest.raises(vs.VjpsplitError, match="StableHLO outputs do not match"):
@@ -396,8 +482,13 @@ open(sys.argv[2], "wb").write(data)
 def test_flipped_bytecode_bytes_give_one_clean_line_under_malloc_check(base, tmp_path):
     d, art = base
     env = {**os.environ, "MALLOC_CHECK_": "3"}
-    r = subprocess.run([sys.executable, "-c", FLIPPER, str(d / "f.vjps"), str(tmp_path / "last.vjps")],
-                       capture_output=True, text=True, timeout=600, env=env)
+    r = subprocess.run(
+        [sys.executable, "-c", FLIPPER, str(d / "f.vjps"), str(tmp_path / "last.vjps")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     # No signal death, no heap error: the parser only ever crashed in its child process.
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     refused, ran = map(int, r.stdout.split())
@@ -409,12 +500,19 @@ def test_a_corrupt_module_is_one_error_line_on_the_cli_without_mlir_diagnostics(
     d, art = base
     exp = art._exps["fwd"]
     code = exp.mlir_module_serialized
-    forged = dataclasses.replace(exp, mlir_module_serialized=code[:len(code) // 2])  # truncated
+    forged = dataclasses.replace(exp, mlir_module_serialized=code[: len(code) // 2])  # truncated
     path = write(tmp_path / "c.vjps", replaced(art, "fwd", forged))
     with pytest.raises(vs.VjpsplitError):
         vs.load(path, cache_dir=None)
-    r = cli("run-fwd", path, "--inputs", d / "in.npz", "--residuals", tmp_path / "r.npz",
-            env={"MALLOC_CHECK_": "3", "VJPSPLIT_CACHE_DIR": "off"})
+    r = cli(
+        "run-fwd",
+        path,
+        "--inputs",
+        d / "in.npz",
+        "--residuals",
+        tmp_path / "r.npz",
+        env={"MALLOC_CHECK_": "3", "VJPSPLIT_CACHE_DIR": "off"},
+    )
     assert r.returncode == 1
     one_error_line(r.stderr, str(path), "StableHLO is corrupt")
 
@@ -423,7 +521,7 @@ def test_a_corrupt_module_signed_by_a_trusted_key_is_one_error_without_diagnosti
     d, art = base
     exp = art._exps["fwd"]
     code = exp.mlir_module_serialized
-    forged = unchecked(replaced(art, "fwd", dataclasses.replace(exp, mlir_module_serialized=code[:len(code) // 2])))
+    forged = unchecked(replaced(art, "fwd", dataclasses.replace(exp, mlir_module_serialized=code[: len(code) // 2])))
     forged.sign(d / "key")
     capfd.readouterr()
     with pytest.raises(vs.VjpsplitError, match="StableHLO is corrupt"):
@@ -433,6 +531,7 @@ def test_a_corrupt_module_signed_by_a_trusted_key_is_one_error_without_diagnosti
 
 
 # ----------------------------------------------------------------------------- deep nesting
+
 
 def test_a_deeply_nested_manifest_is_a_clean_error(base, tmp_path):
     d, art = base
@@ -458,14 +557,35 @@ def test_a_deeply_nested_manifest_is_a_clean_error(base, tmp_path):
 def test_a_never_ending_module_ends_on_a_termination_signal(base, tmp_path, sig):
     d, art = base
     # Forged: the forward's outputs depend on a while loop that never ends.
-    path = write(tmp_path / "loop.vjps", forge_fwd(art, lambda x: jax.lax.while_loop(
-        lambda c: c[1] > -1.0, lambda c: (c[0] + 1.0, c[1] + 1.0), (jnp.sum(x), jnp.abs(jnp.sum(x))))[0]))
+    path = write(
+        tmp_path / "loop.vjps",
+        forge_fwd(
+            art,
+            lambda x: jax.lax.while_loop(
+                lambda c: c[1] > -1.0, lambda c: (c[0] + 1.0, c[1] + 1.0), (jnp.sum(x), jnp.abs(jnp.sum(x)))
+            )[0],
+        ),
+    )
     (tmp_path / "r.npz").write_bytes(b"previous")
     cache = tmp_path / "cache"
-    cmd = [sys.executable, "-m", "vjpsplit_cli.cli", "run-fwd", str(path), "--inputs", str(d / "in.npz"),
-           "--residuals", str(tmp_path / "r.npz")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "VJPSPLIT_CACHE_DIR": str(cache)})
+    cmd = [
+        sys.executable,
+        "-m",
+        "vjpsplit_cli.cli",
+        "run-fwd",
+        str(path),
+        "--inputs",
+        str(d / "in.npz"),
+        "--residuals",
+        str(tmp_path / "r.npz"),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "VJPSPLIT_CACHE_DIR": str(cache)},
+    )
     # Wait until the module checks are done (their verdicts are written), then for the module to run.
     deadline = time.time() + 120
     while time.time() < deadline and not (cache / "checked").is_dir() or not any((cache / "checked").iterdir()):
@@ -488,26 +608,49 @@ def test_a_never_ending_module_ends_on_a_termination_signal(base, tmp_path, sig)
 
 def test_timeout_ends_a_never_ending_module_with_one_line(base, tmp_path):
     d, art = base
-    path = write(tmp_path / "loop.vjps", forge_fwd(art, lambda x: jax.lax.while_loop(
-        lambda c: c[1] > -1.0, lambda c: (c[0] + 1.0, c[1] + 1.0), (jnp.sum(x), jnp.abs(jnp.sum(x))))[0]))
+    path = write(
+        tmp_path / "loop.vjps",
+        forge_fwd(
+            art,
+            lambda x: jax.lax.while_loop(
+                lambda c: c[1] > -1.0, lambda c: (c[0] + 1.0, c[1] + 1.0), (jnp.sum(x), jnp.abs(jnp.sum(x)))
+            )[0],
+        ),
+    )
     (tmp_path / "r.npz").write_bytes(b"previous")
     t0 = time.time()
-    r = cli("run-fwd", path, "--inputs", d / "in.npz", "--residuals", tmp_path / "r.npz", "--timeout", "15",
-            timeout=120)
+    r = cli(
+        "run-fwd", path, "--inputs", d / "in.npz", "--residuals", tmp_path / "r.npz", "--timeout", "15", timeout=120
+    )
     assert r.returncode == 1, (r.returncode, r.stderr)
     one_error_line(r.stderr, str(path), "did not finish within 15 s (--timeout)")
     assert time.time() - t0 < 90
     assert (tmp_path / "r.npz").read_bytes() == b"previous"
     assert [p.name for p in tmp_path.iterdir() if ".tmp" in p.name] == []
-    assert run_cli("run-fwd", path, "--inputs", d / "in.npz", "--residuals", tmp_path / "r.npz",
-                   "--timeout", "0").exit_code == 2
+    assert (
+        run_cli(
+            "run-fwd", path, "--inputs", d / "in.npz", "--residuals", tmp_path / "r.npz", "--timeout", "0"
+        ).exit_code
+        == 2
+    )
 
 
 # ----------------------------------------------------------------------------- caches and temp sweep
 
+
 def _run_fwd(d, path, out, cache, debug=False):
-    return cli(*(["--debug"] if debug else []), "run-fwd", path, "--inputs", d / "in.npz", "--residuals", out,
-               "--outputs", out.with_name("o_" + out.name), env={"VJPSPLIT_CACHE_DIR": str(cache)})
+    return cli(
+        *(["--debug"] if debug else []),
+        "run-fwd",
+        path,
+        "--inputs",
+        d / "in.npz",
+        "--residuals",
+        out,
+        "--outputs",
+        out.with_name("o_" + out.name),
+        env={"VJPSPLIT_CACHE_DIR": str(cache)},
+    )
 
 
 def _det(x):

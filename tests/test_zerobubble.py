@@ -28,16 +28,20 @@ def stage(params, x):
 
 def stage_inputs(batch=5, seed=0):
     rng = np.random.default_rng(seed)
-    params = [((rng.normal(size=(a, c)) / np.sqrt(a)).astype(np.float32), rng.normal(size=c).astype(np.float32))
-              for a, c in zip(SIZES[:-1], SIZES[1:])]
+    params = [
+        ((rng.normal(size=(a, c)) / np.sqrt(a)).astype(np.float32), rng.normal(size=c).astype(np.float32))
+        for a, c in zip(SIZES[:-1], SIZES[1:])
+    ]
     return params, rng.normal(size=(batch, SIZES[0])).astype(np.float32)
 
 
 def specs():
     (b,) = jexport.symbolic_shape("b")
     s = jax.ShapeDtypeStruct
-    return ([(s((a, c), jnp.float32), s((c,), jnp.float32)) for a, c in zip(SIZES[:-1], SIZES[1:])],
-            s((b, SIZES[0]), jnp.float32))
+    return (
+        [(s((a, c), jnp.float32), s((c,), jnp.float32)) for a, c in zip(SIZES[:-1], SIZES[1:])],
+        s((b, SIZES[0]), jnp.float32),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +78,9 @@ def _dots(art, module: str) -> int:
 def test_input_part_does_no_weight_gradient_matmuls(art):
     full, b, w = _dots(art, "bwd"), _dots(art, "bwd_input"), _dots(art, "bwd_weight")
     n_layers = len(SIZES) - 1
-    assert full == 2 * n_layers      # dW and dx per layer
-    assert w == n_layers             # every dW = h^T . dy lives in the weight part...
-    assert b == n_layers             # ...and the input part only propagates dx
+    assert full == 2 * n_layers  # dW and dx per layer
+    assert w == n_layers  # every dW = h^T . dy lives in the weight part...
+    assert b == n_layers  # ...and the input part only propagates dx
     assert b + w == full
 
 
@@ -100,11 +104,31 @@ def test_cli_parts(art, tmp_path, fmt):
     a = tmp_path / "a.vjps"
     assert run("run-fwd", a, "--inputs", tmp_path / f"in.{fmt}", "--residuals", tmp_path / f"r.{fmt}").exit_code == 0
     common = ["--residuals", tmp_path / f"r.{fmt}", "--inputs", tmp_path / f"in.{fmt}"]
-    r = run("run-bwd", a, *common, "--cotangents", tmp_path / f"ct.{fmt}", "--part", "input",
-            "--intermediates", tmp_path / f"c.{fmt}", "--grads", tmp_path / f"gi.{fmt}")
+    r = run(
+        "run-bwd",
+        a,
+        *common,
+        "--cotangents",
+        tmp_path / f"ct.{fmt}",
+        "--part",
+        "input",
+        "--intermediates",
+        tmp_path / f"c.{fmt}",
+        "--grads",
+        tmp_path / f"gi.{fmt}",
+    )
     assert r.exit_code == 0, r.output
-    r = run("run-bwd", a, *common, "--part", "weight", "--intermediates", tmp_path / f"c.{fmt}",
-            "--grads", tmp_path / f"gw.{fmt}")
+    r = run(
+        "run-bwd",
+        a,
+        *common,
+        "--part",
+        "weight",
+        "--intermediates",
+        tmp_path / f"c.{fmt}",
+        "--grads",
+        tmp_path / f"gw.{fmt}",
+    )
     assert r.exit_code == 0, r.output
     r = run("run-bwd", a, *common, "--cotangents", tmp_path / f"ct.{fmt}", "--grads", tmp_path / f"g.{fmt}")
     assert r.exit_code == 0, r.output
@@ -124,9 +148,22 @@ def test_cli_part_errors(art, tmp_path):
     params, x = stage_inputs(2)
     flat = {f"params/{i}/{j}": v for i, layer in enumerate(params) for j, v in enumerate(layer)}
     vs.save_arrays(tmp_path / "in.npz", {**flat, "x": x})
-    assert run("run-fwd", tmp_path / "a.vjps", "--inputs", tmp_path / "in.npz", "--residuals", tmp_path / "r.npz").exit_code == 0
-    base = ["run-bwd", tmp_path / "a.vjps", "--residuals", tmp_path / "r.npz", "--inputs", tmp_path / "in.npz",
-            "--grads", tmp_path / "g.npz"]
+    assert (
+        run(
+            "run-fwd", tmp_path / "a.vjps", "--inputs", tmp_path / "in.npz", "--residuals", tmp_path / "r.npz"
+        ).exit_code
+        == 0
+    )
+    base = [
+        "run-bwd",
+        tmp_path / "a.vjps",
+        "--residuals",
+        tmp_path / "r.npz",
+        "--inputs",
+        tmp_path / "in.npz",
+        "--grads",
+        tmp_path / "g.npz",
+    ]
     r = run(*base, "--part", "weight")
     assert r.exit_code == 2 and "--intermediates" in r.stderr
     # intermediates that are not intermediates
@@ -134,11 +171,28 @@ def test_cli_part_errors(art, tmp_path):
     assert r.exit_code == 1 and "not an intermediates file" in r.stderr
     # an artifact without the split
     vs.export(stage, *specs(), platforms="cpu").save(tmp_path / "plain.vjps")
-    assert run("run-fwd", tmp_path / "plain.vjps", "--inputs", tmp_path / "in.npz",
-               "--residuals", tmp_path / "rp.npz").exit_code == 0
-    r = run("run-bwd", tmp_path / "plain.vjps", "--residuals", tmp_path / "rp.npz", "--inputs", tmp_path / "in.npz",
-            "--cotangents", tmp_path / "in.npz", "--part", "input", "--intermediates", tmp_path / "c.npz",
-            "--grads", tmp_path / "g.npz")
+    assert (
+        run(
+            "run-fwd", tmp_path / "plain.vjps", "--inputs", tmp_path / "in.npz", "--residuals", tmp_path / "rp.npz"
+        ).exit_code
+        == 0
+    )
+    r = run(
+        "run-bwd",
+        tmp_path / "plain.vjps",
+        "--residuals",
+        tmp_path / "rp.npz",
+        "--inputs",
+        tmp_path / "in.npz",
+        "--cotangents",
+        tmp_path / "in.npz",
+        "--part",
+        "input",
+        "--intermediates",
+        tmp_path / "c.npz",
+        "--grads",
+        tmp_path / "g.npz",
+    )
     assert r.exit_code == 1 and "--weights" in r.stderr
     assert not (tmp_path / "g.npz").exists() and not (tmp_path / "c.npz").exists()
 
@@ -209,19 +263,60 @@ def test_cli_weight_part_runs_from_the_intermediates_file_alone(art, tmp_path):
     vs.save_arrays(tmp_path / "in.npz", inputs)
     vs.save_arrays(tmp_path / "ct.npz", {"out": np.ones((4, SIZES[-1]), np.float32)})
     run = CliRunner().invoke
-    assert run(main, ["run-fwd", str(tmp_path / "a.vjps"), "--inputs", str(tmp_path / "in.npz"),
-                      "--residuals", str(tmp_path / "r.npz")]).exit_code == 0
-    r = run(main, ["run-bwd", str(tmp_path / "a.vjps"), "--residuals", str(tmp_path / "r.npz"), "--inputs",
-                   str(tmp_path / "in.npz"), "--cotangents", str(tmp_path / "ct.npz"), "--part", "input",
-                   "--intermediates", str(tmp_path / "c.npz"), "--grads", str(tmp_path / "gx.npz")])
+    assert (
+        run(
+            main,
+            [
+                "run-fwd",
+                str(tmp_path / "a.vjps"),
+                "--inputs",
+                str(tmp_path / "in.npz"),
+                "--residuals",
+                str(tmp_path / "r.npz"),
+            ],
+        ).exit_code
+        == 0
+    )
+    r = run(
+        main,
+        [
+            "run-bwd",
+            str(tmp_path / "a.vjps"),
+            "--residuals",
+            str(tmp_path / "r.npz"),
+            "--inputs",
+            str(tmp_path / "in.npz"),
+            "--cotangents",
+            str(tmp_path / "ct.npz"),
+            "--part",
+            "input",
+            "--intermediates",
+            str(tmp_path / "c.npz"),
+            "--grads",
+            str(tmp_path / "gx.npz"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     with np.load(tmp_path / "c.npz") as f:
         keys = set(f.files)
     m = art.manifest
     assert keys == {leaf.key for leaf in m.intermediates} | set(m.weight_residuals)  # no other residual, no input
     # W: no --residuals; the inputs file supplies x, bound by its CRC-32.
-    r = run(main, ["run-bwd", str(tmp_path / "a.vjps"), "--part", "weight", "--intermediates", str(tmp_path / "c.npz"),
-                   "--inputs", str(tmp_path / "in.npz"), "--grads", str(tmp_path / "gw.npz")])
+    r = run(
+        main,
+        [
+            "run-bwd",
+            str(tmp_path / "a.vjps"),
+            "--part",
+            "weight",
+            "--intermediates",
+            str(tmp_path / "c.npz"),
+            "--inputs",
+            str(tmp_path / "in.npz"),
+            "--grads",
+            str(tmp_path / "gw.npz"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     gw, _ = vs.load_arrays(tmp_path / "gw.npz")
     ref = jax.grad(lambda p: jnp.sum(stage(p, x)))(params)
@@ -229,10 +324,34 @@ def test_cli_weight_part_runs_from_the_intermediates_file_alone(art, tmp_path):
         np.testing.assert_allclose(gw[k], v, rtol=1e-5, atol=1e-6)
     # Another microbatch's inputs are refused by the intermediates' binding.
     vs.save_arrays(tmp_path / "in2.npz", vs.file_arrays(params=params, x=x + 1))
-    r = run(main, ["run-bwd", str(tmp_path / "a.vjps"), "--part", "weight", "--intermediates", str(tmp_path / "c.npz"),
-                   "--inputs", str(tmp_path / "in2.npz"), "--grads", str(tmp_path / "gw2.npz")])
+    r = run(
+        main,
+        [
+            "run-bwd",
+            str(tmp_path / "a.vjps"),
+            "--part",
+            "weight",
+            "--intermediates",
+            str(tmp_path / "c.npz"),
+            "--inputs",
+            str(tmp_path / "in2.npz"),
+            "--grads",
+            str(tmp_path / "gw2.npz"),
+        ],
+    )
     assert r.exit_code == 1 and "input 'x' differs" in r.output
     # Without --inputs the file says what it lacks.
-    r = run(main, ["run-bwd", str(tmp_path / "a.vjps"), "--part", "weight", "--intermediates", str(tmp_path / "c.npz"),
-                   "--grads", str(tmp_path / "gw3.npz")])
+    r = run(
+        main,
+        [
+            "run-bwd",
+            str(tmp_path / "a.vjps"),
+            "--part",
+            "weight",
+            "--intermediates",
+            str(tmp_path / "c.npz"),
+            "--grads",
+            str(tmp_path / "gw3.npz"),
+        ],
+    )
     assert r.exit_code == 1 and "leave out the inputs x" in r.output

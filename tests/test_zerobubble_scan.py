@@ -34,8 +34,10 @@ D, T, LAYERS = 12, 5, 4
 # -- models ------------------------------------------------------------------------------------------
 def scanned_mlp(params, x):
     """Stacked weights: LAYERS dense layers under one scan (scan over layers)."""
+
     def layer(h, p):
         return jnp.tanh(h @ p["w"] + p["b"]), None
+
     h, _ = jax.lax.scan(layer, x, params)
     return h
 
@@ -47,6 +49,7 @@ def remat_mlp(params, x):
     @jax.checkpoint
     def layer(h, p):  # relu is a custom_jvp: its recompute in the backward binds one
         return jax.nn.relu(dense(h, p["w"], p["b"])), None
+
     h, _ = jax.lax.scan(layer, x, params)
     return h
 
@@ -61,12 +64,14 @@ def jit_layers(params, x):
 
 def gru(params, x):
     """Shared weights over time: x is (batch, time, features), the output h_t for every t."""
+
     def cell(h, xt):
         z = jax.nn.sigmoid(xt @ params["wz"] + h @ params["uz"] + params["bz"])
         r = jax.nn.sigmoid(xt @ params["wr"] + h @ params["ur"])
         c = jnp.tanh(xt @ params["wh"] + (r * h) @ params["uh"])
         h = (1 - z) * h + z * c
         return h, h
+
     h0 = jnp.zeros((x.shape[0], D), x.dtype)
     _, hs = jax.lax.scan(cell, h0, jnp.swapaxes(x, 0, 1))
     return jnp.swapaxes(hs, 0, 1)
@@ -74,6 +79,7 @@ def gru(params, x):
 
 def lstm(params, x):
     """An LSTM over time with one fused gate matrix (shared weights)."""
+
     def cell(carry, xt):
         h, c = carry
         g = jnp.concatenate([xt, h], axis=-1) @ params["w"] + params["b"]
@@ -81,6 +87,7 @@ def lstm(params, x):
         c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(u)
         h = jax.nn.sigmoid(o) * jnp.tanh(c)
         return (h, c), h
+
     zeros = jnp.zeros((x.shape[0], D), x.dtype)
     _, hs = jax.lax.scan(cell, (zeros, zeros), jnp.swapaxes(x, 0, 1))
     return jnp.swapaxes(hs, 0, 1)
@@ -246,6 +253,7 @@ def test_a_scan_whose_stacks_would_outgrow_its_residuals_stays_whole():
             dh, acc = carry
             big = dh[:, None] * x[None, :]
             return (big.sum(1), acc + big @ v), None
+
         (dh, acc), _ = jax.lax.scan(body, (ct, jnp.zeros((8, 4))), xs, reverse=True)
         return dh, acc
 
@@ -270,8 +278,12 @@ def test_cut_scan_sums_shared_weight_gradients_in_one_contraction():
     cut = cut_inside(closed, needed_outs=[n_params])
     top = [e for e in cut.jaxpr.eqns if e.primitive.name == "dot_general"]
     assert len(top) == 6 and all(len(e.params["dimension_numbers"][0][0]) == 2 for e in top)
-    assert_trees_close(jcore.jaxpr_as_fun(cut)(*jax.tree_util.tree_leaves(args)),
-                       jcore.jaxpr_as_fun(closed)(*jax.tree_util.tree_leaves(args)), rtol=1e-5, atol=1e-6)
+    assert_trees_close(
+        jcore.jaxpr_as_fun(cut)(*jax.tree_util.tree_leaves(args)),
+        jcore.jaxpr_as_fun(closed)(*jax.tree_util.tree_leaves(args)),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 # -- pipelines of scanned stages -----------------------------------------------------------------------
@@ -307,6 +319,7 @@ def pipeline(kind, stages):
         for p in params[:-1]:
             x = fn(p, x)
         return _head(params[-1], x, labels)
+
     return arts, params, x, labels, whole
 
 
@@ -329,7 +342,9 @@ def test_nested_scans_are_cut_through_both_loops():
             def cell(c, xt):
                 c = jnp.tanh(xt @ p["w"] + c @ p["u"])
                 return c, c
+
             return jax.lax.scan(cell, jnp.zeros_like(h[0]), h)[1], None
+
         return jax.lax.scan(layer, x, params)[0]
 
     rng = np.random.default_rng(0)
@@ -340,5 +355,6 @@ def test_nested_scans_are_cut_through_both_loops():
     cut = cut_inside(closed, needed_outs=[2])
     top = [e.outvars[0].aval.shape for e in cut.jaxpr.eqns if e.primitive.name == "dot_general"]
     assert top == [(3, D, D), (3, D, D)]
-    assert_trees_close(tuple(jcore.jaxpr_as_fun(cut)(*args)), tuple(jcore.jaxpr_as_fun(closed)(*args)),
-                       rtol=1e-5, atol=1e-5)
+    assert_trees_close(
+        tuple(jcore.jaxpr_as_fun(cut)(*args)), tuple(jcore.jaxpr_as_fun(closed)(*args)), rtol=1e-5, atol=1e-5
+    )

@@ -19,17 +19,35 @@ from ._version import __version__
 # Every public name, and the module that defines it (None: the name is that module).
 _EXPORTS = {
     "split": "core",
-    "export": "lowering", "DEFAULT_PLATFORMS": "lowering",
-    "load": "loading", "loads": "loading", "Artifact": "artifact",
-    "Manifest": "manifest", "Leaf": "manifest", "FORMAT_VERSION": "manifest",
-    "Residuals": "residuals", "SplitResiduals": "residuals", "Intermediates": "residuals",
-    "save_residuals": "residual_files", "load_residuals": "residual_files",
-    "save_intermediates": "residual_files", "load_intermediates": "residual_files",
-    "save_arrays": "files", "load_arrays": "files",
-    "file_arrays": "trees", "tree_from_file": "trees",
-    "template": "templates", "save_template": "templates",
-    "POLICIES": "policies", "PolicyCost": "policies", "plan_policies": "policies", "choose_policy": "policies",
-    "choose_auto": "choice", "AutoChoice": "choice", "resolve_policy": "choice", "PolicyChoice": "choice",
+    "export": "lowering",
+    "DEFAULT_PLATFORMS": "lowering",
+    "load": "loading",
+    "loads": "loading",
+    "Artifact": "artifact",
+    "Manifest": "manifest",
+    "Leaf": "manifest",
+    "FORMAT_VERSION": "manifest",
+    "Residuals": "residuals",
+    "SplitResiduals": "residuals",
+    "Intermediates": "residuals",
+    "save_residuals": "residual_files",
+    "load_residuals": "residual_files",
+    "save_intermediates": "residual_files",
+    "load_intermediates": "residual_files",
+    "save_arrays": "files",
+    "load_arrays": "files",
+    "file_arrays": "trees",
+    "tree_from_file": "trees",
+    "template": "templates",
+    "save_template": "templates",
+    "POLICIES": "policies",
+    "PolicyCost": "policies",
+    "plan_policies": "policies",
+    "choose_policy": "policies",
+    "choose_auto": "choice",
+    "AutoChoice": "choice",
+    "resolve_policy": "choice",
+    "PolicyChoice": "choice",
     "VjpsplitError": "errors",
     "pipeline": None,
 }
@@ -41,8 +59,11 @@ def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'vjpsplit_cli' has no attribute {name!r}")
     module = _EXPORTS[name]
-    value = importlib.import_module(f".{name}", __name__) if module is None \
+    value = (
+        importlib.import_module(f".{name}", __name__)
+        if module is None
         else getattr(importlib.import_module(f".{module}", __name__), name)
+    )
     globals()[name] = value
     return value
 

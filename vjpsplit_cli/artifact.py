@@ -18,6 +18,7 @@ import msgpack
 import numpy as np
 from jax import export as jexport
 
+from . import signing
 from . import trust as _trust_mod
 from .outputs import atomic_write
 from .dtypes import dtype_from_name
@@ -30,11 +31,17 @@ from .signals import signals_end_process
 from .system import current_platform
 from .trees import decode_structure, flatten_with_keys
 
+
 class Artifact:
     """A loaded or freshly exported artifact: manifest plus forward and backward modules."""
 
-    def __init__(self, manifest: Manifest, modules: Mapping[str, bytes], exps: Mapping[str, Any] | None = None,
-                 source: str = "artifact"):
+    def __init__(
+        self,
+        manifest: Manifest,
+        modules: Mapping[str, bytes],
+        exps: Mapping[str, Any] | None = None,
+        source: str = "artifact",
+    ):
         self.manifest = manifest
         self.modules = dict(modules)
         self.source = source
@@ -42,7 +49,7 @@ class Artifact:
         for k in self.modules:
             if k not in exps:
                 exps[k] = deserialize_module(self.modules[k], source, manifest, k)
-        self._exps = exps        # One jit per module: jax caches the compiled executable per input signature.
+        self._exps = exps  # One jit per module: jax caches the compiled executable per input signature.
         self._calls = {k: jax.jit(e.call) for k, e in exps.items()}
         # A directory of serialized executables (the CLI sets it): a fresh process then
         # neither lowers nor compiles a module it ran before. None: jit's own caches only.
@@ -108,8 +115,9 @@ class Artifact:
         try:
             leaves = [by_key[k] for k, _ in entries]
         except KeyError as e:
-            raise VjpsplitError(f"{self.source}: argument {arg!r} has leaf {e.args[0]!r}, which is not an input of "
-                                f"the artifact") from e
+            raise VjpsplitError(
+                f"{self.source}: argument {arg!r} has leaf {e.args[0]!r}, which is not an input of the artifact"
+            ) from e
         placed = self._place(leaves, [to_data(v) for _, v in entries])
         placed = self._wrap_keys(leaves, placed)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(value), placed)
@@ -147,15 +155,15 @@ class Artifact:
         """The artifact file's bytes (with its signature, if signed)."""
         top = self._unsigned_map()
         if self.signature is not None:
-            top[_trust_mod.SIGNATURE] = self.signature
+            top[signing.SIGNATURE] = self.signature
         return MAGIC + pack(top)
 
     def sign(self, key) -> str:
         """Sign the artifact (manifest and every module) with an Ed25519 private key or its file; return the key id."""
         if not hasattr(key, "sign"):
-            key = _trust_mod.load_private_key(key)
-        self.signature = _trust_mod.sign(pack(self._unsigned_map()), key)
-        self.signer = _trust_mod.key_id(self.signature["key"])
+            key = signing.load_private_key(key)
+        self.signature = signing.sign(pack(self._unsigned_map()), key)
+        self.signer = signing.key_id(self.signature["key"])
         return self.signer
 
     def save(self, path) -> None:
@@ -223,8 +231,11 @@ class Artifact:
         """Validate residuals against this artifact; return stored, input-backed arrays and dims."""
         m = self.manifest
         if not isinstance(res, Residuals) or isinstance(res, SplitResiduals):
-            what = "residuals of split(), whose backward lives in this process" if isinstance(res, Residuals) \
+            what = (
+                "residuals of split(), whose backward lives in this process"
+                if isinstance(res, Residuals)
                 else type(res).__name__
+            )
             raise VjpsplitError(f"{source}: expected residuals from an artifact's fwd, got {what}")
         if res.fingerprint != m.fingerprint:
             raise VjpsplitError(
@@ -234,11 +245,16 @@ class Artifact:
         made = self._made.get(res.residuals_id)
         if made is not None and made == res.signature():
             # Exactly what this artifact's fwd returned (keys, shapes, dtypes, dims): already checked.
-            return (list(res.stored.values()), [res.inputs[k] for k in m.input_backed_keys],
-                    {n: res.dims[n] for n in m.dim_vars})
+            return (
+                list(res.stored.values()),
+                [res.inputs[k] for k in m.input_backed_keys],
+                {n: res.dims[n] for n in m.dim_vars},
+            )
         dims = recorded_dims(self.manifest, res.dims, source, "residuals", "rerun the forward")
         check_keys(source, "residual", [r.key for r in m.stored_residuals], res.stored)
-        stored = [check_array(source, "residual", leaf, res.stored[leaf.key], dict(dims)) for leaf in m.stored_residuals]
+        stored = [
+            check_array(source, "residual", leaf, res.stored[leaf.key], dict(dims)) for leaf in m.stored_residuals
+        ]
         inputs = []
         for leaf, key in zip([r for r in m.residuals if r.input_backed], m.input_backed_keys):
             if key not in res.inputs:
@@ -246,19 +262,32 @@ class Artifact:
                     f"{source}: the residuals need input '{key}', which was left out of the file to avoid a copy; "
                     "pass the forward's inputs (--inputs FILE, or load_residuals(path, inputs=args))"
                 )
-            inputs.append(check_array(res.inputs_source or source, "input", dataclasses.replace(leaf, key=key),
-                                       res.inputs[key], dict(dims)))
+            inputs.append(
+                check_array(
+                    res.inputs_source or source,
+                    "input",
+                    dataclasses.replace(leaf, key=key),
+                    res.inputs[key],
+                    dict(dims),
+                )
+            )
         return stored, inputs, dims
 
-    def run_bwd_arrays(self, res: Residuals, cotangents: Mapping[str, Any] | None = None,
-                       source: str = "residuals", ct_source: str = "cotangents") -> dict:
+    def run_bwd_arrays(
+        self,
+        res: Residuals,
+        cotangents: Mapping[str, Any] | None = None,
+        source: str = "residuals",
+        ct_source: str = "cotangents",
+    ) -> dict:
         """Backward from residuals and flat-keyed cotangents (None: 1 for a scalar output): ``{key: grad}``."""
         self._check_runnable()
         stored, inputs, dims = self.check_residuals(res, source)
         cts = self._cotangents(cotangents, dims, ct_source)
         stored, inputs, cts = self._placed_backward_args(stored, inputs, cts)
-        grads = self._run("bwd", (stored, inputs, cts, self._carrier(dims)),
-                          f"{source}: the backward refused these residuals", dims)
+        grads = self._run(
+            "bwd", (stored, inputs, cts, self._carrier(dims)), f"{source}: the backward refused these residuals", dims
+        )
         return {leaf.key: g for leaf, g in zip(self.manifest.grads, grads)}
 
     def _run(self, module: str, args, refused: str, dims: Mapping[str, int] | None = None):
@@ -272,8 +301,11 @@ class Artifact:
             call = self._calls[module]
             # LAPACK custom calls need jax's lowering to register their kernels first: no shortcut.
             # Serialized executables are keyed by avals, not by devices: sharded modules compile each process.
-            if self.executable_cache is not None and self.manifest.nr_devices == 1 \
-                    and b"lapack" not in self.modules.get(module, b"lapack"):
+            if (
+                self.executable_cache is not None
+                and self.manifest.nr_devices == 1
+                and b"lapack" not in self.modules.get(module, b"lapack")
+            ):
                 from .execcache import compiled_call
 
                 call = compiled_call(call, args, (self.manifest.fingerprint, module), self.executable_cache)
@@ -286,19 +318,25 @@ class Artifact:
         except Exception as e:
             if "RESOURCE_EXHAUSTED" in str(e):
                 # The sizes come from the caller's arrays or a file's recorded dims: name that source.
-                raise VjpsplitError(f"{refused}: this host ran out of memory running the {module} module "
-                                    f"({first_line(e)[:120]}); check the sizes (the dims a file records), or use a "
-                                    "host with more memory") from e
+                raise VjpsplitError(
+                    f"{refused}: this host ran out of memory running the {module} module "
+                    f"({first_line(e)[:120]}); check the sizes (the dims a file records), or use a "
+                    "host with more memory"
+                ) from e
             if "Failed to deserialize StableHLO" not in str(e):
                 raise
             m = self.manifest
-            why = (" (sharded modules from jax >= 0.7 use the Shardy partitioner, which jax 0.6 cannot read)"
-                   if m.sharded else "")
-            raise VjpsplitError(f"{self.source}: this jax {jax.__version__} cannot read the {module} module that "
-                                f"jax {m.jax_version} exported{why}; run it with jax {m.jax_version} or newer, or "
-                                "re-export it with this jax") from e
-        _trust_mod.check_outputs(self.source, module, jax.tree_util.tree_leaves(result), self._exps[module],
-                                 dims or {})
+            why = (
+                " (sharded modules from jax >= 0.7 use the Shardy partitioner, which jax 0.6 cannot read)"
+                if m.sharded
+                else ""
+            )
+            raise VjpsplitError(
+                f"{self.source}: this jax {jax.__version__} cannot read the {module} module that "
+                f"jax {m.jax_version} exported{why}; run it with jax {m.jax_version} or newer, or "
+                "re-export it with this jax"
+            ) from e
+        _trust_mod.check_outputs(self.source, module, jax.tree_util.tree_leaves(result), self._exps[module], dims or {})
         return result
 
     def _carrier(self, dims: Mapping[str, int]):
@@ -313,8 +351,11 @@ class Artifact:
         m = self.manifest
         if not m.sharded:
             return stored, inputs, cts
-        return (self._place(m.stored_residuals, stored), self._place([r for r in m.residuals if r.input_backed], inputs),
-                self._place(m.cotangent_leaves, cts))
+        return (
+            self._place(m.stored_residuals, stored),
+            self._place([r for r in m.residuals if r.input_backed], inputs),
+            self._place(m.cotangent_leaves, cts),
+        )
 
     def _cotangents(self, cotangents, dims, ct_source: str) -> list:
         m = self.manifest
@@ -340,8 +381,13 @@ class Artifact:
                 "(weights=...) to get bwd_input and bwd_weight"
             )
 
-    def run_bwd_input_arrays(self, res: Residuals, cotangents: Mapping[str, Any] | None = None,
-                             source: str = "residuals", ct_source: str = "cotangents") -> tuple[dict, "Intermediates"]:
+    def run_bwd_input_arrays(
+        self,
+        res: Residuals,
+        cotangents: Mapping[str, Any] | None = None,
+        source: str = "residuals",
+        ct_source: str = "cotangents",
+    ) -> tuple[dict, "Intermediates"]:
         """Input part (B): gradients of the non-weight arguments, and what the weight part needs."""
         self._check_runnable()
         self._require_split()
@@ -349,8 +395,12 @@ class Artifact:
         stored, inputs, dims = self.check_residuals(res, source)
         cts = self._cotangents(cotangents, dims, ct_source)
         stored, inputs, cts = self._placed_backward_args(stored, inputs, cts)
-        grads, inter = self._run("bwd_input", (stored, inputs, cts, self._carrier(dims)),
-                                 f"{source}: the backward refused these residuals", dims)
+        grads, inter = self._run(
+            "bwd_input",
+            (stored, inputs, cts, self._carrier(dims)),
+            f"{source}: the backward refused these residuals",
+            dims,
+        )
         keys = [g.key for g in m.grads_of(m.non_weight_wrt)]
         computed = {leaf.key: v for leaf, v in zip(m.intermediates, inter)}
         if m.weight_reads_subset:
@@ -359,11 +409,18 @@ class Artifact:
             w_inputs = {k: res.inputs[k] for k in m.weight_inputs}
         else:
             w_stored, w_inputs = dict(res.stored), dict(res.inputs)
-        out = Intermediates(computed, dims, m.fingerprint, res.residuals_id, w_stored, w_inputs, arg_trees=res.arg_trees)
+        out = Intermediates(
+            computed, dims, m.fingerprint, res.residuals_id, w_stored, w_inputs, arg_trees=res.arg_trees
+        )
         return dict(zip(keys, grads)), out
 
-    def run_bwd_weight_arrays(self, res: Residuals | None, inter: "Intermediates", source: str = "residuals",
-                              inter_source: str = "intermediates") -> dict:
+    def run_bwd_weight_arrays(
+        self,
+        res: Residuals | None,
+        inter: "Intermediates",
+        source: str = "residuals",
+        inter_source: str = "intermediates",
+    ) -> dict:
         """Weight part (W): the weight gradients, from the input part's intermediates.
 
         The intermediates carry the residuals W reads, so ``res`` may be None; when
@@ -379,29 +436,48 @@ class Artifact:
                 "run run-bwd --part input of this artifact first"
             )
         if res is None and not m.weight_reads_subset:
-            raise VjpsplitError(f"{self.source}: this artifact (format {m.format_version}) needs the residuals for "
-                                "its weight part too; pass --residuals (or res)")
+            raise VjpsplitError(
+                f"{self.source}: this artifact (format {m.format_version}) needs the residuals for "
+                "its weight part too; pass --residuals (or res)"
+            )
         if res is not None:
             res_stored, res_inputs, dims = self.check_residuals(res, source)
-            if inter.dims != dims or (inter.residuals_id and res.residuals_id and inter.residuals_id != res.residuals_id):
-                raise VjpsplitError(f"{inter_source}: the intermediates were made from other residuals than {source} "
-                                    "(another forward run or microbatch); pass the pair from one microbatch")
+            if inter.dims != dims or (
+                inter.residuals_id and res.residuals_id and inter.residuals_id != res.residuals_id
+            ):
+                raise VjpsplitError(
+                    f"{inter_source}: the intermediates were made from other residuals than {source} "
+                    "(another forward run or microbatch); pass the pair from one microbatch"
+                )
         dims = recorded_dims(self.manifest, inter.dims, inter_source, "intermediates", "rerun run-bwd --part input")
         check_keys(inter_source, "intermediate", [leaf.key for leaf in m.intermediates], inter.arrays)
-        values = [check_array(inter_source, "intermediate", leaf, inter.arrays[leaf.key], dict(dims))
-                  for leaf in m.intermediates]
+        values = [
+            check_array(inter_source, "intermediate", leaf, inter.arrays[leaf.key], dict(dims))
+            for leaf in m.intermediates
+        ]
         if m.weight_reads_subset:
             by_key = {r.key: r for r in m.residuals}
             check_keys(inter_source, "residual", list(m.weight_residuals), inter.stored)
-            w_stored = [check_array(inter_source, "residual", by_key[k], inter.stored[k], dict(dims))
-                        for k in m.weight_residuals]
+            w_stored = [
+                check_array(inter_source, "residual", by_key[k], inter.stored[k], dict(dims))
+                for k in m.weight_residuals
+            ]
             w_inputs = []
             for k in m.weight_inputs:
                 if k not in inter.inputs:
-                    raise VjpsplitError(f"{inter_source}: the weight part needs input '{k}', which was left out of "
-                                        "the file to avoid a copy; pass the forward's inputs (--inputs FILE)")
-                w_inputs.append(check_array(inter_source, "input", dataclasses.replace(by_key[f"in/{k}"], key=k),
-                                            inter.inputs[k], dict(dims)))
+                    raise VjpsplitError(
+                        f"{inter_source}: the weight part needs input '{k}', which was left out of "
+                        "the file to avoid a copy; pass the forward's inputs (--inputs FILE)"
+                    )
+                w_inputs.append(
+                    check_array(
+                        inter_source,
+                        "input",
+                        dataclasses.replace(by_key[f"in/{k}"], key=k),
+                        inter.inputs[k],
+                        dict(dims),
+                    )
+                )
         else:  # formats <= 2: W reads every residual, checked above
             w_stored, w_inputs = res_stored, res_inputs
         if m.sharded:
@@ -409,8 +485,12 @@ class Artifact:
             w_stored = self._place([by_key[k] for k in m.weight_residuals], w_stored)
             w_inputs = self._place([by_key[f"in/{k}"] for k in m.weight_inputs], w_inputs)
             values = self._place(m.intermediates, values)
-        grads = self._run("bwd_weight", (w_stored, w_inputs, values, self._carrier(dims)),
-                          f"{inter_source}: the weight backward refused these intermediates", dims)
+        grads = self._run(
+            "bwd_weight",
+            (w_stored, w_inputs, values, self._carrier(dims)),
+            f"{inter_source}: the weight backward refused these intermediates",
+            dims,
+        )
         return dict(zip([g.key for g in m.grads_of(m.weights)], grads))
 
     def bwd_input(self, res: Residuals, ct=None) -> tuple[dict, "Intermediates"]:
@@ -420,8 +500,9 @@ class Artifact:
         the residuals), so ``res`` can be dropped once this returns.
         """
         cts = None if ct is None else dict(flatten_with_keys("out", ct))
-        grads, inter = self.run_bwd_input_arrays(res, cts, source=getattr(res, "source", None) or "residuals",
-                                                 ct_source="cotangent")
+        grads, inter = self.run_bwd_input_arrays(
+            res, cts, source=getattr(res, "source", None) or "residuals", ct_source="cotangent"
+        )
         return grads_per_arg(self.manifest, grads, self.manifest.non_weight_wrt, res.dims, res.arg_trees), inter
 
     def bwd_weight(self, inter: "Intermediates", res: Residuals | None = None) -> dict:
@@ -443,7 +524,9 @@ class Artifact:
         """Forward on pytree arguments: ``(out, res)``, or ``(out, res, aux)`` with has_aux."""
         m = self.manifest
         if len(args) != len(m.arg_names):
-            raise VjpsplitError(f"{self.source}: fwd takes {len(m.arg_names)} arguments ({', '.join(m.arg_names)}), got {len(args)}")
+            raise VjpsplitError(
+                f"{self.source}: fwd takes {len(m.arg_names)} arguments ({', '.join(m.arg_names)}), got {len(args)}"
+            )
         flat, trees = flatten_args(m, args)
         outputs, res = self.run_fwd_arrays(flat, source="args")
         res = res.replace(arg_trees=trees)
@@ -487,6 +570,8 @@ def deserialize_module(data: bytes, source: str, manifest: Manifest, what: str):
         # 0 is never a real count: the manifest has the true one (1 before format 4).
         exp = dataclasses.replace(exp, nr_devices=manifest.nr_devices)
     elif exp.nr_devices != manifest.nr_devices:
-        raise VjpsplitError(f"{source}: the {what} module runs on {exp.nr_devices} devices, the manifest says "
-                            f"{manifest.nr_devices}; export it again")
+        raise VjpsplitError(
+            f"{source}: the {what} module runs on {exp.nr_devices} devices, the manifest says "
+            f"{manifest.nr_devices}; export it again"
+        )
     return exp

@@ -20,11 +20,13 @@ def find_backends() -> list[tuple[str, Callable]]:
     found = []
     try:
         from zlib_ng import zlib_ng
+
         found.append(("zlib-ng", zlib_ng.crc32))
     except ImportError:
         pass
     try:
         from isal import isal_zlib
+
         found.append(("isal", isal_zlib.crc32))
     except ImportError:
         pass

@@ -14,8 +14,18 @@ import jax
 import numpy as np
 
 from .errors import VjpsplitError
-from .policies import (AUTO, BUDGET_ORDER, Candidate, choose_policy, concrete_specs, human_bytes, normalize_policy,
-                       parse_at, parse_bytes, policy_cost)
+from .policies import (
+    AUTO,
+    BUDGET_ORDER,
+    Candidate,
+    choose_policy,
+    concrete_specs,
+    human_bytes,
+    normalize_policy,
+    parse_at,
+    parse_bytes,
+    policy_cost,
+)
 from .shapes import is_symbolic_shape
 from .vjp import fn_wrt_positions
 
@@ -24,19 +34,22 @@ from .vjp import fn_wrt_positions
 class AutoChoice:
     """What ``policy="auto"`` chose and why: every candidate's stored bytes and forward + backward time."""
 
-    policy: str                          # the concrete policy chosen (never "auto")
-    method: str                          # "measured" (timed compiled candidates), "estimated" (XLA cost analysis)
+    policy: str  # the concrete policy chosen (never "auto")
+    method: str  # "measured" (timed compiled candidates), "estimated" (XLA cost analysis)
     #                                      or "only fit" (one candidate fits the budget)
-    seconds: dict                        # candidate -> median fwd+bwd seconds (or XLA's estimate); fitting ones only
-    stored_bytes: dict                   # candidate -> stored residual bytes
+    seconds: dict  # candidate -> median fwd+bwd seconds (or XLA's estimate); fitting ones only
+    stored_bytes: dict  # candidate -> stored residual bytes
     budget: int | None = None
     at: dict = field(default_factory=dict)
 
     @property
     def reason(self) -> str:
         """One line: the choice, the measured (or estimated) times of all candidates, what the budget excluded."""
-        what = {"measured": "fwd+bwd measured here", "estimated": "fwd+bwd estimated by XLA's cost analysis",
-                "only fit": "the only policy that fits"}[self.method]
+        what = {
+            "measured": "fwd+bwd measured here",
+            "estimated": "fwd+bwd estimated by XLA's cost analysis",
+            "only fit": "the only policy that fits",
+        }[self.method]
         best = self.seconds[self.policy]
         parts = []
         for p, b in self.stored_bytes.items():
@@ -53,8 +66,15 @@ class AutoChoice:
 
     def to_json(self) -> dict:
         """A JSON-able dict."""
-        return {"policy": self.policy, "method": self.method, "seconds": self.seconds,
-                "stored_bytes": self.stored_bytes, "budget": self.budget, "at": self.at, "reason": self.reason}
+        return {
+            "policy": self.policy,
+            "method": self.method,
+            "seconds": self.seconds,
+            "stored_bytes": self.stored_bytes,
+            "budget": self.budget,
+            "at": self.at,
+            "reason": self.reason,
+        }
 
 
 _AUTO_CACHE: dict = {}
@@ -86,8 +106,7 @@ def _measure(fn, specs, policies, wrt_pos, single, has_aux, seconds_per_candidat
         cand = Candidate(fn, p, wrt_pos, single, has_aux)
         # Compiled objects run eagerly even while split() is tracing, where a jit call would be staged.
         fwd_c = jax.jit(cand.fwd).lower(*args).compile()
-        stored, inputs, cts = cand.bwd_args(flat, cand.plan.stored_avals,
-                                            lambda aval: np.ones(aval.shape, aval.dtype))
+        stored, inputs, cts = cand.bwd_args(flat, cand.plan.stored_avals, lambda aval: np.ones(aval.shape, aval.dtype))
         bwd_c = jax.jit(cand.bwd).lower(stored, inputs, cts).compile()
 
         def step(fwd=fwd_c, bwd=bwd_c, inputs=inputs, cts=cts):
@@ -127,9 +146,17 @@ def _estimate(fn, specs, policies, wrt_pos, single, has_aux) -> dict[str, float]
     return out
 
 
-def choose_auto(fn: Callable, *specs, wrt=None, has_aux: bool = False, at=None, memory_budget=None,
-                policies: Sequence[str] = BUDGET_ORDER, method: str = "measure",
-                seconds_per_candidate: float = 0.5) -> AutoChoice:
+def choose_auto(
+    fn: Callable,
+    *specs,
+    wrt=None,
+    has_aux: bool = False,
+    at=None,
+    memory_budget=None,
+    policies: Sequence[str] = BUDGET_ORDER,
+    method: str = "measure",
+    seconds_per_candidate: float = 0.5,
+) -> AutoChoice:
     """``policy="auto"``: the policy whose forward + backward is fastest at these sizes, among those that fit.
 
     Each candidate (``everything``, ``dots``, ``nothing`` by default) whose stored
@@ -151,16 +178,26 @@ def choose_auto(fn: Callable, *specs, wrt=None, has_aux: bool = False, at=None, 
         specs = concrete_specs(specs, at)
     specs = tuple(jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(np.shape(s), s.dtype), s) for s in specs)
     wrt_pos, single = fn_wrt_positions(fn, wrt, len(specs))
-    key = (fn, str(jax.tree_util.tree_structure(specs)), tuple((tuple(s.shape), str(s.dtype))
-           for s in jax.tree_util.tree_leaves(specs)), wrt_pos, single, has_aux, budget, tuple(policies), method)
+    key = (
+        fn,
+        str(jax.tree_util.tree_structure(specs)),
+        tuple((tuple(s.shape), str(s.dtype)) for s in jax.tree_util.tree_leaves(specs)),
+        wrt_pos,
+        single,
+        has_aux,
+        budget,
+        tuple(policies),
+        method,
+    )
     try:
         hit = _AUTO_CACHE.get(key)
     except TypeError:  # an unhashable callable: no memo
         key, hit = None, None
     if hit is not None:
         return hit
-    stored = {p: policy_cost(fn, *specs, policy=p, wrt=wrt_pos, has_aux=has_aux, flops=False).stored_bytes
-              for p in policies}
+    stored = {
+        p: policy_cost(fn, *specs, policy=p, wrt=wrt_pos, has_aux=has_aux, flops=False).stored_bytes for p in policies
+    }
     fitting = [p for p in policies if budget is None or stored[p] <= budget]
     if not fitting:
         best = min(stored, key=stored.get)
@@ -193,12 +230,13 @@ class PolicyChoice:
     """The concrete policy a call runs under, and why: auto's measurements, the budget's pick, or as given."""
 
     policy: str
-    reason: str = ""                     # one line for logs; "" when the policy was given
+    reason: str = ""  # one line for logs; "" when the policy was given
     auto: AutoChoice | None = None
 
 
-def resolve_policy(fn: Callable, *specs, policy: str | None = None, memory_budget=None, wrt=None,
-                   has_aux: bool = False, at=None) -> PolicyChoice:
+def resolve_policy(
+    fn: Callable, *specs, policy: str | None = None, memory_budget=None, wrt=None, has_aux: bool = False, at=None
+) -> PolicyChoice:
     """The one place a policy, a memory budget and ``auto`` become a concrete policy.
 
     ``policy="auto"`` measures (within the budget, if any); a budget alone picks

@@ -14,8 +14,16 @@ from .errors import VjpsplitError
 from .choice import resolve_policy
 from .policies import AUTO, apply_policy
 from .residuals import Residuals, SplitResiduals
-from .vjp import (Plan, assemble_grads, cotangent_leaves, fn_wrt_positions, register_plan, run_backward, struct_of,
-                  trace_vjp)
+from .vjp import (
+    Plan,
+    assemble_grads,
+    cotangent_leaves,
+    fn_wrt_positions,
+    register_plan,
+    run_backward,
+    struct_of,
+    trace_vjp,
+)
 
 
 class _Static:
@@ -54,8 +62,9 @@ def split(fn: Callable, wrt=None, has_aux: bool = False, policy: str | None = No
         body = inner
         specs = jax.tree_util.tree_map(struct_of, args)
         if per_signature:
-            chosen = resolve_policy(fn, *specs, policy=policy, memory_budget=memory_budget, wrt=wrt_pos,
-                                    has_aux=has_aux)
+            chosen = resolve_policy(
+                fn, *specs, policy=policy, memory_budget=memory_budget, wrt=wrt_pos, has_aux=has_aux
+            )
             body = apply_policy(fn, chosen.policy)
         out, stored, aux, plan = trace_vjp(body, args, wrt_pos, single, has_aux)
         register_plan(plan)
@@ -77,17 +86,22 @@ def split(fn: Callable, wrt=None, has_aux: bool = False, policy: str | None = No
         out, stored, aux, static = jit_fwd(*args)
         plan: Plan = static.value
         flat = jax.tree_util.tree_leaves(args)
-        res = SplitResiduals({f"r/{i}": v for i, v in enumerate(stored)},
-                             {str(k): flat[k] for k in plan.input_backed}, plan=plan,
-                             bound_inputs={str(i): v for i, v in enumerate(flat)})
+        res = SplitResiduals(
+            {f"r/{i}": v for i, v in enumerate(stored)},
+            {str(k): flat[k] for k in plan.input_backed},
+            plan=plan,
+            bound_inputs={str(i): v for i, v in enumerate(flat)},
+        )
         return (out, res, aux) if has_aux else (out, res)
 
     def bwd(res: Residuals, ct=None):
         """Backward pass from residuals alone: gradients with respect to ``wrt``."""
         if not isinstance(res, SplitResiduals):
             what = "an artifact's residuals" if isinstance(res, Residuals) else type(res).__name__
-            raise VjpsplitError(f"bwd takes the residuals returned by this split's fwd, got {what}; "
-                                "run an artifact's residuals with art.bwd")
+            raise VjpsplitError(
+                f"bwd takes the residuals returned by this split's fwd, got {what}; "
+                "run an artifact's residuals with art.bwd"
+            )
         diff = jit_bwd(res, cotangent_leaves(res.plan, ct))
         return assemble_grads(res.plan, diff)
 

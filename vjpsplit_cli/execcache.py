@@ -56,7 +56,7 @@ def _decode_tree(data: Any):
     def dec(x):
         if x == 0:
             return _LEAF
-        (kind, v), = x.items()
+        ((kind, v),) = x.items()
         if kind == "n":
             return None
         if kind == "t":
@@ -87,10 +87,17 @@ def entry_key(args: Sequence, parts: Sequence[str]) -> str:
     for a in leaves:
         weak = bool(getattr(a, "weak_type", False))
         avals.append([list(map(int, jax.numpy.shape(a))), str(jax.numpy.result_type(a)), weak])
-    doc = {"parts": list(parts), "tree": str(tree), "avals": avals, "jax": jax.__version__,
-           "jaxlib": getattr(jaxlib, "__version__", "?"), "platform": dev.platform,
-           "device_kind": getattr(dev, "device_kind", ""), "x64": bool(jax.config.jax_enable_x64),
-           "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    doc = {
+        "parts": list(parts),
+        "tree": str(tree),
+        "avals": avals,
+        "jax": jax.__version__,
+        "jaxlib": getattr(jaxlib, "__version__", "?"),
+        "platform": dev.platform,
+        "device_kind": getattr(dev, "device_kind", ""),
+        "x64": bool(jax.config.jax_enable_x64),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
@@ -107,15 +114,15 @@ def _read(path: str) -> tuple[dict, bytes] | None:
         data = f.read()
     if not data.startswith(_MAGIC) or len(data) < len(_MAGIC) + 32 + 8:
         return None
-    digest, body = data[len(_MAGIC):len(_MAGIC) + 32], data[len(_MAGIC) + 32:]
+    digest, body = data[len(_MAGIC) : len(_MAGIC) + 32], data[len(_MAGIC) + 32 :]
     if hashlib.sha256(body).digest() != digest:
         return None
     n = int.from_bytes(body[:8], "little")
     try:
-        header = json.loads(body[8:8 + n])
+        header = json.loads(body[8 : 8 + n])
     except ValueError:
         return None
-    return (header, body[8 + n:]) if isinstance(header, dict) else None
+    return (header, body[8 + n :]) if isinstance(header, dict) else None
 
 
 def _write(directory: str, name: str, header: dict, payload: bytes) -> None:

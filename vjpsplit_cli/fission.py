@@ -42,8 +42,19 @@ _CALLS = ("pjit", "jit", "closed_call", "core_call")
 _REMATS = ("remat2", "checkpoint", "remat")
 CONTRACTIONS = ("dot_general", "conv_general_dilated")
 # Primitives f with sum_t f(x_t) == f(sum_t x_t) when x is their only iteration-dependent operand.
-_LINEAR = ("transpose", "reshape", "neg", "reduce_sum", "copy", "copy_p", "squeeze", "expand_dims",
-           "broadcast_in_dim", "mul", "dot_general")
+_LINEAR = (
+    "transpose",
+    "reshape",
+    "neg",
+    "reduce_sum",
+    "copy",
+    "copy_p",
+    "squeeze",
+    "expand_dims",
+    "broadcast_in_dim",
+    "mul",
+    "dot_general",
+)
 
 
 def _body(eqn):
@@ -103,7 +114,8 @@ def cut_inside(closed: jcore.ClosedJaxpr, needed_outs: Sequence[int]) -> jcore.C
         return closed
     needed = tuple(needed_outs)
     return jax.make_jaxpr(lambda *args: _interpret(closed.jaxpr, closed.consts, args, needed))(
-        *[_struct(v.aval) for v in closed.jaxpr.invars])
+        *[_struct(v.aval) for v in closed.jaxpr.invars]
+    )
 
 
 def _interpret(jaxpr, consts, args, needed: Sequence[int]) -> list:
@@ -183,7 +195,7 @@ def _cut_scan(eqn, invals, out_needed: Sequence[int]) -> list:
     p = eqn.params
     nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
     body = p["jaxpr"]
-    consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
+    consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
     n_ys = len(body.jaxpr.outvars) - nk
     acc = _accumulators(body.jaxpr, nc, nk, out_needed)
     w_ys = [j for j in range(n_ys) if nk + j not in out_needed]
@@ -192,7 +204,8 @@ def _cut_scan(eqn, invals, out_needed: Sequence[int]) -> list:
     kept = [i for i in range(nk) if i not in acc] + [nk + j for j in range(n_ys) if j not in w_ys]
     # Inline the body's own bodies (and cut its inner scans) before slicing it.
     flat = jax.make_jaxpr(lambda *a: _interpret(body.jaxpr, body.consts, a, kept))(
-        *[_struct(v.aval) for v in body.jaxpr.invars])
+        *[_struct(v.aval) for v in body.jaxpr.invars]
+    )
     bj = flat.jaxpr
     acc = {i: a for i, a in _accumulators(bj, nc, nk, out_needed).items() if i in acc}
     kept = [i for i in range(nk) if i not in acc] + [nk + j for j in range(n_ys) if j not in w_ys]
@@ -210,14 +223,19 @@ def _cut_scan(eqn, invals, out_needed: Sequence[int]) -> list:
     w_eqns.reverse()
     if not any(e.primitive.name in CONTRACTIONS for e in w_eqns):
         return _bind(eqn, invals)
-    c_vars, k_vars, x_vars = bj.invars[:nc], bj.invars[nc:nc + nk], bj.invars[nc + nk:]
+    c_vars, k_vars, x_vars = bj.invars[:nc], bj.invars[nc : nc + nk], bj.invars[nc + nk :]
     w_defined = {v for e in w_eqns for v in e.outvars}
     outer = {**dict(zip(bj.constvars, flat.consts)), **dict(zip(c_vars, consts))}
     stacked_in = dict(zip(x_vars, xs))
     emitted = []
     for v in [v for e in w_eqns for v in e.invars] + w_outs:
-        if isinstance(v, jcore.Var) and v not in w_defined and v not in outer and v not in stacked_in \
-                and v not in emitted:
+        if (
+            isinstance(v, jcore.Var)
+            and v not in w_defined
+            and v not in outer
+            and v not in stacked_in
+            and v not in emitted
+        ):
             emitted.append(v)
     if not _fits([v.aval for v in emitted], [v.aval for v in x_vars], length):
         return _bind(eqn, invals)
@@ -233,16 +251,17 @@ def _cut_scan(eqn, invals, out_needed: Sequence[int]) -> list:
                 env[v] = val
         return [read(bj.outvars[i]) for i in keep_k], [read(bj.outvars[i]) for i in b_ys] + [read(v) for v in emitted]
 
-    carry_out, ys = jax.lax.scan(step, [init[i] for i in keep_k], list(xs), length=length, reverse=p["reverse"],
-                                 unroll=p["unroll"])
-    stacks = dict(zip(emitted, ys[len(b_ys):]))
+    carry_out, ys = jax.lax.scan(
+        step, [init[i] for i in keep_k], list(xs), length=length, reverse=p["reverse"], unroll=p["unroll"]
+    )
+    stacks = dict(zip(emitted, ys[len(b_ys) :]))
     w = _Batched(w_eqns, {**stacked_in, **stacks}, outer, length)
     outs = [None] * (nk + n_ys)
     for i, c in zip(keep_k, carry_out):
         outs[i] = c
     for i, (add, d) in acc.items():
         (outs[i],) = _bind(add, [init[i], w.summed(d)] if add.invars[1] is d else [w.summed(d), init[i]])
-    for i, y in zip(b_ys, ys[:len(b_ys)]):
+    for i, y in zip(b_ys, ys[: len(b_ys)]):
         outs[i] = y
     for j in w_ys:
         outs[nk + j] = w.stacked(bj.outvars[nk + j])
@@ -277,9 +296,11 @@ class _Batched:
             if not any(s for s, _ in args):
                 outs = _bind(eqn, [x for _, x in args])
             else:
+
                 def one(*sliced, eqn=eqn, args=args):
                     it = iter(sliced)
                     return _bind(eqn, [next(it) if s else x for s, x in args])
+
                 outs = jax.vmap(one)(*[x for s, x in args if s])
             for o, val in zip(eqn.outvars, outs):
                 self.vals[o] = (any(s for s, _ in args), val)

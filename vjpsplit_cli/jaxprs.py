@@ -8,7 +8,9 @@ from typing import Iterator
 def sub_jaxprs(eqn) -> list:
     """The jaxprs an equation carries in its params (empty for a plain primitive)."""
     return [
-        item for v in eqn.params.values() for item in (v if isinstance(v, (tuple, list)) else (v,))
+        item
+        for v in eqn.params.values()
+        for item in (v if isinstance(v, (tuple, list)) else (v,))
         if hasattr(item, "eqns") or hasattr(getattr(item, "jaxpr", None), "eqns")
     ]
 

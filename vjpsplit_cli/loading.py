@@ -11,6 +11,7 @@ import jax
 import msgpack
 from jax import export as jexport
 
+from . import signing
 from . import trust as _trust_mod
 from .artifact import Artifact, pack
 from .errors import VjpsplitError, first_line
@@ -28,37 +29,53 @@ def load(path, *, trust=None, allow_kernels: bool = False, cache_dir: str | None
     directory where module check verdicts are kept between processes (default:
     vjpsplit's cache directory, ``VJPSPLIT_CACHE_DIR``; None: none).
     """
-    return loads(read_bytes(path, "artifact"), source=str(path), trust=trust, allow_kernels=allow_kernels,
-                 cache_dir=cache_dir)
+    return loads(
+        read_bytes(path, "artifact"), source=str(path), trust=trust, allow_kernels=allow_kernels, cache_dir=cache_dir
+    )
 
 
-def loads(data: bytes, source: str = "artifact", *, trust=None, allow_kernels: bool = False,
-          cache_dir: str | None = _trust_mod.DEFAULT) -> Artifact:
+def loads(
+    data: bytes,
+    source: str = "artifact",
+    *,
+    trust=None,
+    allow_kernels: bool = False,
+    cache_dir: str | None = _trust_mod.DEFAULT,
+) -> Artifact:
     """An artifact from its file's bytes (``Artifact.to_bytes``), checked like ``load``."""
     try:
         return _loads(data, source, trust, allow_kernels, cache_dir)
     except RecursionError as e:  # a manifest nested thousands deep
-        raise VjpsplitError(f"{source}: the artifact's manifest is nested too deeply to be ours; "
-                            "it is damaged or forged: export it again") from e
+        raise VjpsplitError(
+            f"{source}: the artifact's manifest is nested too deeply to be ours; "
+            "it is damaged or forged: export it again"
+        ) from e
 
 
 def _loads(data: bytes, source: str, trust, allow_kernels: bool, cache_dir: str | None) -> Artifact:
-    trusted = _trust_mod.trusted_keys(trust)
+    trusted = signing.trusted_keys(trust)
     if not data.startswith(MAGIC):
         raise VjpsplitError(f"{source}: not a vjpsplit artifact (bad header); pass a file written by `vjpsplit export`")
-    body = data[len(MAGIC):]
+    body = data[len(MAGIC) :]
     try:
         top = msgpack.unpackb(
-            body, raw=False, strict_map_key=True,
-            max_bin_len=len(body), max_str_len=len(body), max_array_len=len(body), max_map_len=len(body),
+            body,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=len(body),
+            max_str_len=len(body),
+            max_array_len=len(body),
+            max_map_len=len(body),
             max_ext_len=0,
         )
     except Exception as e:
-        raise VjpsplitError(f"{source}: the artifact is corrupt or truncated ({first_line(e)}); copy or export it again") from e
+        raise VjpsplitError(
+            f"{source}: the artifact is corrupt or truncated ({first_line(e)}); copy or export it again"
+        ) from e
     if not isinstance(top, dict) or not {"manifest", "fwd", "bwd"} <= set(top):
         raise VjpsplitError(f"{source}: the artifact is missing its manifest or modules; export it again")
-    signature = top.get(_trust_mod.SIGNATURE)
-    signer = _trust_mod.verify(top, body, source, trusted, pack)  # before any module is read
+    signature = top.get(signing.SIGNATURE)
+    signer = signing.verify(top, body, source, trusted, pack)  # before any module is read
     manifest = Manifest.from_json(top["manifest"], source)
     lo = jexport.minimum_supported_calling_convention_version
     hi = jexport.maximum_supported_calling_convention_version
@@ -67,22 +84,27 @@ def _loads(data: bytes, source: str, trust, allow_kernels: bool, cache_dir: str 
         raise VjpsplitError(
             f"{source}: exported by jax {manifest.jax_version} with calling convention "
             f"{manifest.calling_convention_version}; this jax {jax.__version__} runs {lo}..{hi}; "
-            + ("upgrade jax on this host" if newer else f"re-export the artifact, or install a jax near {manifest.jax_version}")
+            + (
+                "upgrade jax on this host"
+                if newer
+                else f"re-export the artifact, or install a jax near {manifest.jax_version}"
+            )
         )
     modules = {k: top[k] for k in MODULES if k in top}
     if not all(isinstance(v, bytes) for v in modules.values()) or bool(manifest.weights) != ("bwd_input" in modules):
         raise VjpsplitError(f"{source}: the artifact's modules are malformed; export it again")
     if fingerprint(manifest, modules) != manifest.fingerprint:
-        raise VjpsplitError(
-            f"{source}: fingerprint mismatch: the artifact was modified after export; export it again"
-        )
+        raise VjpsplitError(f"{source}: fingerprint mismatch: the artifact was modified after export; export it again")
     art = Artifact(manifest, modules, source=source)  # reads the modules' headers (Python), not their StableHLO
     if tuple(art.exported["fwd"].platforms) != manifest.platforms:
         raise VjpsplitError(f"{source}: the modules' platforms do not match the manifest; export it again")
     vouched = signer is not None and trusted is not None  # signed by a key the caller trusts
-    probes = _trust_mod.probe_modules({k: e.mlir_module_serialized for k, e in art.exported.items()}, source,
-                                      in_process=vouched, cache_dir=cache_dir)
-    _trust_mod.check_modules(source, manifest, art.exported, probes, trusted_signer=vouched, allow_kernels=allow_kernels)
+    probes = _trust_mod.probe_modules(
+        {k: e.mlir_module_serialized for k, e in art.exported.items()}, source, in_process=vouched, cache_dir=cache_dir
+    )
+    _trust_mod.check_modules(
+        source, manifest, art.exported, probes, trusted_signer=vouched, allow_kernels=allow_kernels
+    )
     _trust_mod.prepare_kernels(probes)
     art.signature, art.signer = signature, signer
     return art

@@ -34,8 +34,9 @@ DEFAULT_PLATFORMS = ("cpu", "cuda", "tpu")
 _KNOWN_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 
-def _leaves_json_safe(entries, what: str = "leaf", impls: Sequence[str] | None = None,
-                      specs: Sequence | None = None) -> tuple[Leaf, ...]:
+def _leaves_json_safe(
+    entries, what: str = "leaf", impls: Sequence[str] | None = None, specs: Sequence | None = None
+) -> tuple[Leaf, ...]:
     """Manifest leaves for ``(key, struct)`` pairs; typed keys become their key data.
 
     ``impls`` gives the PRNG impl of each entry whose struct is already key data;
@@ -50,8 +51,15 @@ def _leaves_json_safe(entries, what: str = "leaf", impls: Sequence[str] | None =
             dtype = dtype_name(s.dtype)
         except (VjpsplitError, TypeError) as e:
             raise VjpsplitError(f"{what} '{k}': {e}; pass arrays of a numeric, bool or PRNG key dtype") from e
-        out.append(Leaf(k, dtype, tuple(dim_str(d) for d in s.shape), prng_impl=impl,
-                        sharding=spec_to_json(specs[i]) if specs and specs[i] is not None else None))
+        out.append(
+            Leaf(
+                k,
+                dtype,
+                tuple(dim_str(d) for d in s.shape),
+                prng_impl=impl,
+                sharding=spec_to_json(specs[i]) if specs and specs[i] is not None else None,
+            )
+        )
     return tuple(out)
 
 
@@ -158,8 +166,9 @@ class _Sharded:
 
     def shardings(self, specs):
         """NamedShardings for a pytree of PartitionSpecs (``None``, unspecified, stays None)."""
-        return jax.tree_util.tree_map(lambda sp: None if sp is None else NamedSharding(self.mesh, sp), specs,
-                                      is_leaf=_is_spec)
+        return jax.tree_util.tree_map(
+            lambda sp: None if sp is None else NamedSharding(self.mesh, sp), specs, is_leaf=_is_spec
+        )
 
     def probe(self, what: str, fn: Callable, args, in_specs, out_specs) -> list:
         """The spec of every output of ``fn``: ``out_specs``'s where given, XLA's choice where None."""
@@ -170,13 +179,17 @@ class _Sharded:
         for a, sp in zip(flat_args, flat_specs):
             shape = concrete_shape(tuple(dim_str(d) for d in a.shape), self.probe_dims)
             if shape is None:
-                raise VjpsplitError(f"cannot size {format_struct(a)} to find the shardings XLA picks for the {what}; "
-                                    f"pass at= (--at NAME=SIZE) for {', '.join(self.probe_dims) or 'its dims'}")
+                raise VjpsplitError(
+                    f"cannot size {format_struct(a)} to find the shardings XLA picks for the {what}; "
+                    f"pass at= (--at NAME=SIZE) for {', '.join(self.probe_dims) or 'its dims'}"
+                )
             concrete.append(jax.ShapeDtypeStruct(shape, a.dtype, sharding=NamedSharding(self.mesh, sp)))
         tree = jax.tree_util.tree_structure(args)
         compiled = jax.jit(exp.call).lower(*jax.tree_util.tree_unflatten(tree, concrete)).compile()
-        return [o.spec if isinstance(o, NamedSharding) else None
-                for o in jax.tree_util.tree_leaves(compiled.output_shardings)]
+        return [
+            o.spec if isinstance(o, NamedSharding) else None
+            for o in jax.tree_util.tree_leaves(compiled.output_shardings)
+        ]
 
 
 def _is_spec(x) -> bool:
@@ -194,8 +207,9 @@ def _platforms(platforms: Sequence[str] | str) -> tuple[str, ...]:
     try:
         platforms = tuple(platforms)
     except TypeError:
-        raise VjpsplitError(f"platforms={platforms!r} is not a list of platform names; "
-                            "pass e.g. 'cpu,cuda,tpu' or ['cpu']") from None
+        raise VjpsplitError(
+            f"platforms={platforms!r} is not a list of platform names; pass e.g. 'cpu,cuda,tpu' or ['cpu']"
+        ) from None
     for p in platforms:
         if p not in _KNOWN_PLATFORMS:
             raise VjpsplitError(f"unknown platform {p!r}; use some of {', '.join(_KNOWN_PLATFORMS)}")
@@ -228,8 +242,11 @@ class _Forward:
         out_leaves, aux_leaves = jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(aux)
         self.out, self.aux = out, aux
         self.out_impls, self.aux_impls, self.stored_impls = _impls(out_leaves), _impls(aux_leaves), _impls(stored)
-        return (tuple(to_data(x) for x in out_leaves), tuple(to_data(x) for x in stored),
-                tuple(to_data(x) for x in aux_leaves))
+        return (
+            tuple(to_data(x) for x in out_leaves),
+            tuple(to_data(x) for x in stored),
+            tuple(to_data(x) for x in aux_leaves),
+        )
 
     def backward(self, input_backed_impls):
         """The backward of the last trace over flat leaves: ``(stored, input-backed, cts, carrier) -> grads``."""
@@ -306,8 +323,9 @@ def export(
     dim_vars = _dim_vars(inputs)
     wrt_pos, single = wrt_positions(names, wrt, getattr(fn, "__qualname__", ""))
     # The manifest records the concrete policy (auto's measured pick, the budget's); the artifact keeps why.
-    choice = resolve_policy(fn, *structs, policy=policy, memory_budget=memory_budget, wrt=wrt_pos, has_aux=has_aux,
-                            at=at)
+    choice = resolve_policy(
+        fn, *structs, policy=policy, memory_budget=memory_budget, wrt=wrt_pos, has_aux=has_aux, at=at
+    )
     _refuse_host_callbacks(fn, structs)
     mesh = mesh_of([getattr(st, "sharding", None) for st in flat_structs])
     sh = _Sharded(mesh, dim_vars, at) if mesh is not None else None
@@ -320,24 +338,33 @@ def export(
     if sh is not None:
         chosen = sh.probe("forward", fwd_flat, data_structs, in_specs, None)
         n_out, n_st = len(fwd_flat.plan.out_avals), fwd_flat.plan.n_stored
-        out_specs, stored_specs, aux_specs = chosen[:n_out], chosen[n_out:n_out + n_st], chosen[n_out + n_st:]
+        out_specs, stored_specs, aux_specs = chosen[:n_out], chosen[n_out : n_out + n_st], chosen[n_out + n_st :]
         fwd_sh = (sh.shardings(in_specs), sh.shardings((tuple(out_specs), tuple(stored_specs), tuple(aux_specs))))
     fwd_exp = _lower("forward", fwd_flat, platforms, data_structs, fwd_sh)
     plan = fwd_flat.plan
     n_out, n_stored = len(plan.out_avals), plan.n_stored
-    stored_avals = list(fwd_exp.out_avals[n_out:n_out + n_stored])
-    aux_avals = list(fwd_exp.out_avals[n_out + n_stored:])
+    stored_avals = list(fwd_exp.out_avals[n_out : n_out + n_stored])
+    aux_avals = list(fwd_exp.out_avals[n_out + n_stored :])
     input_backed = [data_structs[k] for k in plan.input_backed]
     ct_avals = [jax.ShapeDtypeStruct(plan.out_avals[i].shape, plan.out_avals[i].dtype) for i in plan.out_diff]
     carrier = _carrier(dim_vars, flat_structs)
     bwd_flat = fwd_flat.backward([in_impls[k] for k in plan.input_backed])
     bwd_in_specs = grad_specs = None
     if sh is not None:
-        bwd_in_specs = (list(stored_specs), [in_specs[k] for k in plan.input_backed],
-                        [out_specs[i] for i in plan.out_diff], PartitionSpec() if carrier is not None else None)
+        bwd_in_specs = (
+            list(stored_specs),
+            [in_specs[k] for k in plan.input_backed],
+            [out_specs[i] for i in plan.out_diff],
+            PartitionSpec() if carrier is not None else None,
+        )
         grad_specs = [in_specs[k] for k in plan.diff_leaves]  # gradients sharded like their arguments
-    bwd_exp = _lower("backward", bwd_flat, platforms, (stored_avals, input_backed, ct_avals, carrier),
-                     None if sh is None else (sh.shardings(bwd_in_specs), sh.shardings(tuple(grad_specs))))
+    bwd_exp = _lower(
+        "backward",
+        bwd_flat,
+        platforms,
+        (stored_avals, input_backed, ct_avals, carrier),
+        None if sh is None else (sh.shardings(bwd_in_specs), sh.shardings(tuple(grad_specs))),
+    )
 
     out_keys = [k for k, _ in flatten_with_keys("out", fwd_flat.out)]
     aux_keys = [k for k, _ in flatten_with_keys("aux", fwd_flat.aux)]
@@ -358,12 +385,18 @@ def export(
         x64=bool(jax.config.jax_enable_x64),
         dim_vars=dim_vars,
         inputs=inputs,
-        outputs=_leaves_json_safe(list(zip(out_keys, out_structs)) + list(zip(aux_keys, aux_avals)), "output",
-                                  fwd_flat.out_impls + fwd_flat.aux_impls,
-                                  None if sh is None else out_specs + aux_specs),
-        residuals=_leaves_json_safe([(f"r/{i}", a) for i, a in enumerate(stored_avals)], "residual",
-                                    fwd_flat.stored_impls, stored_specs)
-        + tuple(dataclasses.replace(inputs[k], key=f"in/{input_keys[k]}", input_backed=True) for k in plan.input_backed),
+        outputs=_leaves_json_safe(
+            list(zip(out_keys, out_structs)) + list(zip(aux_keys, aux_avals)),
+            "output",
+            fwd_flat.out_impls + fwd_flat.aux_impls,
+            None if sh is None else out_specs + aux_specs,
+        ),
+        residuals=_leaves_json_safe(
+            [(f"r/{i}", a) for i, a in enumerate(stored_avals)], "residual", fwd_flat.stored_impls, stored_specs
+        )
+        + tuple(
+            dataclasses.replace(inputs[k], key=f"in/{input_keys[k]}", input_backed=True) for k in plan.input_backed
+        ),
         grads=tuple(inputs[i] for i in plan.diff_leaves),
         structure={
             "args": {n: encode_structure(s, n) for n, s in zip(names, structs)},
@@ -378,14 +411,31 @@ def export(
         weight_names = (weights,) if isinstance(weights, str) else tuple(weights)
         bad = [w for w in weight_names if w not in manifest.wrt]
         if bad:
-            raise VjpsplitError(f"weights {', '.join(bad)} are not differentiated arguments ({', '.join(manifest.wrt)})")
+            raise VjpsplitError(
+                f"weights {', '.join(bad)} are not differentiated arguments ({', '.join(manifest.wrt)})"
+            )
         exps["bwd_input"], exps["bwd_weight"], inter, w_st, w_ib = _export_split_backward(
-            plan, manifest, weight_names, bwd_flat, stored_avals, input_backed, ct_avals, carrier, platforms,
-            sh, bwd_in_specs, grad_specs)
+            plan,
+            manifest,
+            weight_names,
+            bwd_flat,
+            stored_avals,
+            input_backed,
+            ct_avals,
+            carrier,
+            platforms,
+            sh,
+            bwd_in_specs,
+            grad_specs,
+        )
         backed = manifest.input_backed_keys
-        manifest = dataclasses.replace(manifest, weights=weight_names, intermediates=inter,
-                                       weight_residuals=tuple(f"r/{i}" for i in w_st),
-                                       weight_inputs=tuple(backed[j] for j in w_ib))
+        manifest = dataclasses.replace(
+            manifest,
+            weights=weight_names,
+            intermediates=inter,
+            weight_residuals=tuple(f"r/{i}" for i in w_st),
+            weight_inputs=tuple(backed[j] for j in w_ib),
+        )
     modules = {k: bytes(e.serialize()) for k, e in exps.items()}
     manifest = dataclasses.replace(manifest, fingerprint=fingerprint(manifest, modules))
     art = Artifact(manifest, modules, exps)
@@ -393,8 +443,20 @@ def export(
     return art
 
 
-def _export_split_backward(plan, manifest, weight_names, bwd_flat, stored_avals, input_backed, ct_avals, carrier,
-                           platforms, sh=None, bwd_in_specs=None, grad_specs=None):
+def _export_split_backward(
+    plan,
+    manifest,
+    weight_names,
+    bwd_flat,
+    stored_avals,
+    input_backed,
+    ct_avals,
+    carrier,
+    platforms,
+    sh=None,
+    bwd_in_specs=None,
+    grad_specs=None,
+):
     """Lower the zero-bubble halves of the backward.
 
     Returns ``(bwd_input, bwd_weight, intermediate leaves, weight's stored residual
@@ -427,19 +489,22 @@ def _export_split_backward(plan, manifest, weight_names, bwd_flat, stored_avals,
     if sh is not None:
         weight_set = set(weight_outs)
         in_grad_specs = [sp for i, sp in enumerate(grad_specs) if i not in weight_set]
-        chosen = sh.probe("input part of the backward", bwd_input, in_args, bwd_in_specs,
-                          (tuple(in_grad_specs), None))
+        chosen = sh.probe("input part of the backward", bwd_input, in_args, bwd_in_specs, (tuple(in_grad_specs), None))
         inter_specs = chosen[n_in_grads:]
         in_sh = (sh.shardings(bwd_in_specs), sh.shardings((tuple(in_grad_specs), tuple(inter_specs))))
         st_specs, ib_specs, _, carrier_spec = bwd_in_specs
-        w_sh = (sh.shardings(([st_specs[i] for i in w_st], [ib_specs[j] for j in w_ib], list(inter_specs),
-                              carrier_spec)),
-                sh.shardings(tuple(grad_specs[i] for i in weight_outs)))
+        w_sh = (
+            sh.shardings(([st_specs[i] for i in w_st], [ib_specs[j] for j in w_ib], list(inter_specs), carrier_spec)),
+            sh.shardings(tuple(grad_specs[i] for i in weight_outs)),
+        )
     in_exp = _lower("input part of the backward", bwd_input, platforms, in_args, in_sh)
     inter_avals = list(in_exp.out_avals[n_in_grads:])
-    w_exp = _lower("weight part of the backward", bwd_weight, platforms,
-                   ([stored_avals[i] for i in w_st], [input_backed[j] for j in w_ib], inter_avals, carrier), w_sh)
+    w_exp = _lower(
+        "weight part of the backward",
+        bwd_weight,
+        platforms,
+        ([stored_avals[i] for i in w_st], [input_backed[j] for j in w_ib], inter_avals, carrier),
+        w_sh,
+    )
     inter = _leaves_json_safe([(f"c/{i}", a) for i, a in enumerate(inter_avals)], specs=inter_specs)
     return in_exp, w_exp, inter, w_st, w_ib
-
-

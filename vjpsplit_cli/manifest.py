@@ -51,6 +51,7 @@ from .vjp import is_differentiable
 FORMAT_VERSION = 4
 MAGIC = b"VJPSPLIT\x00"
 
+
 @dataclass(frozen=True)
 class Leaf:
     """One array in the manifest: its file key, dtype name and shape (ints or dim names).
@@ -63,7 +64,7 @@ class Leaf:
     dtype: str
     shape: tuple[int | str, ...]
     input_backed: bool = False  # residuals only: read from the inputs, not stored
-    prng_impl: str = ""         # typed PRNG key: the impl of its key data; "" for plain arrays
+    prng_impl: str = ""  # typed PRNG key: the impl of its key data; "" for plain arrays
     sharding: SpecJSON | None = None  # format >= 4: PartitionSpec on the artifact's mesh; None unsharded
 
     def describe(self) -> str:
@@ -78,7 +79,7 @@ class Leaf:
         """The shape of the array the function sees: the key array's shape for typed keys."""
         if not self.prng_impl:
             return self.shape
-        return self.shape[:len(self.shape) - key_ndim(self.prng_impl)]
+        return self.shape[: len(self.shape) - key_ndim(self.prng_impl)]
 
     def to_json(self, residual: bool = False) -> dict:
         d = {"key": self.key, "dtype": self.dtype, "shape": list(self.shape)}
@@ -114,9 +115,19 @@ _ADDED_LATER = ("weight_residuals", "weight_inputs", "nr_devices", "mesh")
 
 # The scalar fields and their types, spelled out: dataclass annotations are strings here
 # (``from __future__ import annotations``), not types to check against.
-_SCALARS = {"format_version": int, "calling_convention_version": int, "nr_devices": int, "vjpsplit_version": str,
-            "jax_version": str, "function": str, "policy": str, "fingerprint": str, "single_grad": bool,
-            "has_aux": bool, "x64": bool}
+_SCALARS = {
+    "format_version": int,
+    "calling_convention_version": int,
+    "nr_devices": int,
+    "vjpsplit_version": str,
+    "jax_version": str,
+    "function": str,
+    "policy": str,
+    "fingerprint": str,
+    "single_grad": bool,
+    "has_aux": bool,
+    "x64": bool,
+}
 _SCALAR_NAMES = {int: "an integer", str: "a string", bool: "a bool"}
 
 
@@ -127,26 +138,26 @@ class Manifest:
     format_version: int
     vjpsplit_version: str
     jax_version: str
-    calling_convention_version: int   # jax.export's, of both modules
+    calling_convention_version: int  # jax.export's, of both modules
     function: str
     arg_names: tuple[str, ...]
     wrt: tuple[str, ...]
-    single_grad: bool                 # Python API: one gradient, not a tuple
+    single_grad: bool  # Python API: one gradient, not a tuple
     has_aux: bool
     policy: str
     platforms: tuple[str, ...]
-    x64: bool                         # exported with jax_enable_x64
+    x64: bool  # exported with jax_enable_x64
     dim_vars: tuple[str, ...]
     inputs: tuple[Leaf, ...]
-    outputs: tuple[Leaf, ...]         # "out..." then "aux..." keys
-    residuals: tuple[Leaf, ...]       # stored "r/i" in module order, then input-backed "in/<key>"
+    outputs: tuple[Leaf, ...]  # "out..." then "aux..." keys
+    residuals: tuple[Leaf, ...]  # stored "r/i" in module order, then input-backed "in/<key>"
     grads: tuple[Leaf, ...]
-    structure: Mapping[str, Any]      # {"args": {name: ...}, "out": ..., "aux": ...} (trees.encode_structure)
-    weights: tuple[str, ...] = ()     # zero-bubble split: arguments whose gradients bwd_weight computes
+    structure: Mapping[str, Any]  # {"args": {name: ...}, "out": ..., "aux": ...} (trees.encode_structure)
+    weights: tuple[str, ...] = ()  # zero-bubble split: arguments whose gradients bwd_weight computes
     intermediates: tuple[Leaf, ...] = ()  # what bwd_input hands to bwd_weight ("c/i" keys)
     weight_residuals: tuple[str, ...] = ()  # format >= 3: the stored residuals ("r/i") bwd_weight reads
-    weight_inputs: tuple[str, ...] = ()     # format >= 3: the input-backed residuals (input keys) it reads
-    nr_devices: int = 1                     # format >= 4: devices the modules run on (jax.export's)
+    weight_inputs: tuple[str, ...] = ()  # format >= 3: the input-backed residuals (input keys) it reads
+    nr_devices: int = 1  # format >= 4: devices the modules run on (jax.export's)
     mesh: tuple[tuple[str, int], ...] = ()  # format >= 4: (axis name, size) of a sharded artifact's mesh
     fingerprint: str = ""
 
@@ -189,8 +200,15 @@ class Manifest:
                 val = d[f.name]
                 if f.name in ("residuals", "inputs", "outputs", "grads", "intermediates"):
                     val = tuple(Leaf.from_json(x) for x in val)
-                elif f.name in ("arg_names", "wrt", "platforms", "dim_vars", "weights", "weight_residuals",
-                                "weight_inputs"):
+                elif f.name in (
+                    "arg_names",
+                    "wrt",
+                    "platforms",
+                    "dim_vars",
+                    "weights",
+                    "weight_residuals",
+                    "weight_inputs",
+                ):
                     val = tuple(str(x) for x in val)
                 elif f.name == "structure":
                     if not isinstance(val, dict):
@@ -218,8 +236,9 @@ class Manifest:
         if self.nr_devices > 1 and not self.mesh:
             raise ValueError(f"nr_devices {self.nr_devices} without a mesh")
         if self.mesh and math.prod(size for _, size in self.mesh) != self.nr_devices:
-            raise ValueError(f"the mesh's {math.prod(size for _, size in self.mesh)} devices are not nr_devices "
-                             f"{self.nr_devices}")
+            raise ValueError(
+                f"the mesh's {math.prod(size for _, size in self.mesh)} devices are not nr_devices {self.nr_devices}"
+            )
         names = {name for name, _ in self.mesh}
         for leaf in self.all_leaves:
             used = [a for e in leaf.sharding or () for a in ((e,) if isinstance(e, str) else e or ())]
@@ -282,7 +301,8 @@ class Manifest:
     def cotangent_leaves(self) -> tuple[Leaf, ...]:
         """Outputs that take a cotangent: the floating leaves of ``out``."""
         return tuple(
-            o for o in self.outputs
+            o
+            for o in self.outputs
             if (o.key == "out" or o.key.startswith("out/")) and is_differentiable(dtype_from_name(o.dtype))
         )
 
@@ -314,8 +334,9 @@ def fingerprint_json(body: Mapping[str, Any], modules: Mapping[str, bytes]) -> s
 ArgTrees = Sequence[tuple[str, Any, tuple[str, ...]]]
 
 
-def flatten_args(manifest: "Manifest | None", args: Sequence, source: str = "args",
-                 arg_names: Sequence[str] = ()) -> tuple[dict[str, Any], tuple]:
+def flatten_args(
+    manifest: "Manifest | None", args: Sequence, source: str = "args", arg_names: Sequence[str] = ()
+) -> tuple[dict[str, Any], tuple]:
     """The caller's argument pytrees as ``{file key: array}`` plus their structure.
 
     Typed PRNG keys become their key data, after checking the impl against the
@@ -437,8 +458,9 @@ def recorded_dims(manifest: Manifest, recorded: Mapping[str, Any], source: str, 
     return dims
 
 
-def grads_per_arg(manifest: Manifest, grads: Mapping[str, Any], names: Sequence[str], dims,
-                  arg_trees: ArgTrees = ()) -> dict:
+def grads_per_arg(
+    manifest: Manifest, grads: Mapping[str, Any], names: Sequence[str], dims, arg_trees: ArgTrees = ()
+) -> dict:
     """Flat gradient keys -> per-argument pytrees (float0 zeros for integer leaves).
 
     With ``arg_trees`` (from ``fwd``'s arguments) each gradient has the caller's

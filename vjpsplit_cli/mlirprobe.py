@@ -61,11 +61,19 @@ def probe(bytecode: bytes) -> dict:
             op = stack.pop().operation  # the generic Operation: an OpView may rename .name
             if op.name == "stablehlo.custom_call":
                 attrs = op.attributes
-                extra = {k: str(attrs[k])[:200] for k in ("mhlo.backend_config", "backend_config",
-                                                          "mhlo.frontend_attributes") if k in attrs}
-                out["calls"].append({"target": ir.StringAttr(attrs["call_target_name"]).value,
-                                     "operands": [_type(v.type) for v in op.operands],
-                                     "results": [_type(v.type) for v in op.results], "attrs": extra})
+                extra = {
+                    k: str(attrs[k])[:200]
+                    for k in ("mhlo.backend_config", "backend_config", "mhlo.frontend_attributes")
+                    if k in attrs
+                }
+                out["calls"].append(
+                    {
+                        "target": ir.StringAttr(attrs["call_target_name"]).value,
+                        "operands": [_type(v.type) for v in op.operands],
+                        "results": [_type(v.type) for v in op.results],
+                        "attrs": extra,
+                    }
+                )
             elif op.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == "main":
                 ft = ir.FunctionType(ir.TypeAttr(op.attributes["function_type"]).value)
                 out["main"] = {"inputs": [_type(t) for t in ft.inputs], "results": [_type(t) for t in ft.results]}

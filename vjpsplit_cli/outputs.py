@@ -27,8 +27,17 @@ from typing import BinaryIO, Callable, Iterable, Mapping
 
 from .errors import UsageError, VjpsplitError  # noqa: F401 - UsageError: writers refuse with it
 from .reading import os_error_message
-from .signals import (cleanup_on_signals, discard_live, forget, is_durable, is_staged, mark_committed,
-                      signals_deferred, stage, unstage)
+from .signals import (
+    cleanup_on_signals,
+    discard_live,
+    forget,
+    is_durable,
+    is_staged,
+    mark_committed,
+    signals_deferred,
+    stage,
+    unstage,
+)
 from .temps import new_temp
 from .terminal import printable
 
@@ -135,8 +144,13 @@ def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
         return False
 
 
-_KINDS = [(stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-          (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")]
+_KINDS = [
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+]
 
 
 def _read_only_fs(path: str) -> bool:
@@ -173,8 +187,9 @@ def write_target(path: str | os.PathLike, label: str = "") -> str:
     if st is not None:
         for is_kind, kind in _KINDS:
             if is_kind(st.st_mode):
-                raise VjpsplitError(f"{shown}: is {kind}, not a regular file; vjpsplit only replaces regular files, "
-                                    "so give a file name")
+                raise VjpsplitError(
+                    f"{shown}: is {kind}, not a regular file; vjpsplit only replaces regular files, so give a file name"
+                )
         if not os.access(target, os.W_OK):
             if _read_only_fs(target):
                 raise VjpsplitError(f"{shown}: the file system is read-only; write it elsewhere")
@@ -189,8 +204,10 @@ def write_target(path: str | os.PathLike, label: str = "") -> str:
     if not os.access(directory, os.W_OK | os.X_OK):
         if _read_only_fs(directory):
             raise VjpsplitError(f"{shown}: the file system is read-only; write it elsewhere")
-        raise VjpsplitError(f"{shown}: cannot create files in directory {where} (permission denied); "
-                            "check its permissions or write elsewhere")
+        raise VjpsplitError(
+            f"{shown}: cannot create files in directory {where} (permission denied); "
+            "check its permissions or write elsewhere"
+        )
     return target
 
 
@@ -202,8 +219,10 @@ def _paths(value) -> list:
     return [v for v in value if v is not None]
 
 
-def check_outputs(outputs: Mapping[str, str | os.PathLike | None],
-                  inputs: Mapping[str, str | os.PathLike | Iterable | None] | None = None) -> dict[str, str]:
+def check_outputs(
+    outputs: Mapping[str, str | os.PathLike | None],
+    inputs: Mapping[str, str | os.PathLike | Iterable | None] | None = None,
+) -> dict[str, str]:
     """Check every output before any work; return ``{label: file to replace}`` for the outputs given.
 
     ``outputs`` and ``inputs`` map a label (an option name such as ``--grads``, used
@@ -219,14 +238,17 @@ def check_outputs(outputs: Mapping[str, str | os.PathLike | None],
             for q in _paths(value):
                 if same_file(p, q):
                     other = "" if os.fspath(p) == os.fspath(q) else f" {printable(os.fspath(q))}"
-                    raise UsageError(f"{label} {printable(os.fspath(p))} is the same file as {in_label}{other}, "
-                                     "which the command reads; write the output to another file")
+                    raise UsageError(
+                        f"{label} {printable(os.fspath(p))} is the same file as {in_label}{other}, "
+                        "which the command reads; write the output to another file"
+                    )
     labels = list(given)
     for i, a in enumerate(labels):
-        for b in labels[i + 1:]:
+        for b in labels[i + 1 :]:
             if same_file(given[a], given[b]):
-                raise UsageError(f"{a} and {b} both name {printable(os.fspath(given[a]))}; "
-                                 "give each output its own file")
+                raise UsageError(
+                    f"{a} and {b} both name {printable(os.fspath(given[a]))}; give each output its own file"
+                )
     return {label: write_target(p, label) for label, p in given.items()}
 
 
@@ -312,8 +334,13 @@ class StagedOutputs:
     writer did, so the outputs survive a power loss (``--fsync``).
     """
 
-    def __init__(self, outputs: Mapping[str, str | os.PathLike | None],
-                 inputs: Mapping[str, str | os.PathLike | Iterable | None] | None = None, *, fsync: bool = False):
+    def __init__(
+        self,
+        outputs: Mapping[str, str | os.PathLike | None],
+        inputs: Mapping[str, str | os.PathLike | Iterable | None] | None = None,
+        *,
+        fsync: bool = False,
+    ):
         self.fsync = fsync_requested(fsync)
         self.targets = check_outputs(outputs, inputs)
         self.paths = {label: os.fspath(outputs[label]) for label in self.targets}

@@ -27,6 +27,8 @@ from .vjp import fn_wrt_positions, run_backward, trace_vjp
 
 # The fixed policies; ``names:a,b`` (any names) is the fourth form.
 POLICIES = ("everything", "dots", "nothing")
+
+
 def normalize_policy(policy: str | None) -> str:
     """The canonical policy string; None means ``everything``."""
     if policy is None or policy == "everything":
@@ -34,7 +36,7 @@ def normalize_policy(policy: str | None) -> str:
     if policy in ("dots", "nothing"):
         return policy
     if policy.startswith("names:"):
-        names = [n.strip() for n in policy[len("names:"):].split(",") if n.strip()]
+        names = [n.strip() for n in policy[len("names:") :].split(",") if n.strip()]
         if not names:
             raise VjpsplitError("policy 'names:' needs at least one name, e.g. names:h1,h2")
         return "names:" + ",".join(names)
@@ -58,7 +60,7 @@ def apply_policy(fn: Callable, policy: str | None) -> Callable:
     elif policy == "nothing":
         saveable = cp.nothing_saveable
     else:
-        saveable = cp.save_only_these_names(*policy[len("names:"):].split(","))
+        saveable = cp.save_only_these_names(*policy[len("names:") :].split(","))
     return jax.checkpoint(fn, policy=saveable)
 
 
@@ -127,9 +129,20 @@ def format_bytes_terms(terms: dict[str, int]) -> str:
 BUDGET_ORDER = ("everything", "dots", "nothing")
 
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
 }
 
 
@@ -236,25 +249,36 @@ class PolicyCost:
 
     policy: str
     stored_arrays: int
-    stored_bytes: int | None           # None when symbolic dims are unbound
+    stored_bytes: int | None  # None when symbolic dims are unbound
     stored_terms: dict = field(default_factory=dict)  # bytes as {symbolic factor: coefficient}
     input_backed: int = 0
-    backward_ops: int = 0              # primitive applications in the backward
-    backward_dots: int = 0             # of which matmuls / convolutions
+    backward_ops: int = 0  # primitive applications in the backward
+    backward_dots: int = 0  # of which matmuls / convolutions
     backward_flops: float | None = None  # XLA's cost analysis, with concrete sizes only
 
     def to_json(self) -> dict:
         """A JSON-able dict."""
         return {
-            "policy": self.policy, "stored_arrays": self.stored_arrays, "stored_bytes": self.stored_bytes,
-            "stored_terms": self.stored_terms, "input_backed": self.input_backed,
-            "backward_ops": self.backward_ops, "backward_dots": self.backward_dots,
+            "policy": self.policy,
+            "stored_arrays": self.stored_arrays,
+            "stored_bytes": self.stored_bytes,
+            "stored_terms": self.stored_terms,
+            "input_backed": self.input_backed,
+            "backward_ops": self.backward_ops,
+            "backward_dots": self.backward_dots,
             "backward_flops": self.backward_flops,
         }
 
 
-def policy_cost(fn: Callable, *specs, policy: str | None = None, wrt=None, has_aux: bool = False,
-                at: Mapping[str, int] | None = None, flops: bool = True) -> PolicyCost:
+def policy_cost(
+    fn: Callable,
+    *specs,
+    policy: str | None = None,
+    wrt=None,
+    has_aux: bool = False,
+    at: Mapping[str, int] | None = None,
+    flops: bool = True,
+) -> PolicyCost:
     """Trace (never run) ``fn`` under ``policy`` and measure its residuals and backward."""
     policy = normalize_policy(policy)
     at = dict(at or {})
@@ -294,14 +318,28 @@ def policy_cost(fn: Callable, *specs, policy: str | None = None, wrt=None, has_a
     return PolicyCost(policy, n_stored, total, terms, n_input_backed, ops, dots, fl)
 
 
-def plan_policies(fn: Callable, *specs, wrt=None, has_aux: bool = False, at=None,
-                  policies: Sequence[str] = BUDGET_ORDER, flops: bool = True) -> list[PolicyCost]:
+def plan_policies(
+    fn: Callable,
+    *specs,
+    wrt=None,
+    has_aux: bool = False,
+    at=None,
+    policies: Sequence[str] = BUDGET_ORDER,
+    flops: bool = True,
+) -> list[PolicyCost]:
     """``policy_cost`` for each policy, cheapest recompute first."""
     return [policy_cost(fn, *specs, policy=p, wrt=wrt, has_aux=has_aux, at=at, flops=flops) for p in policies]
 
 
-def choose_policy(fn: Callable, *specs, memory_budget, wrt=None, has_aux: bool = False, at=None,
-                  policies: Sequence[str] = BUDGET_ORDER) -> tuple[str, PolicyCost]:
+def choose_policy(
+    fn: Callable,
+    *specs,
+    memory_budget,
+    wrt=None,
+    has_aux: bool = False,
+    at=None,
+    policies: Sequence[str] = BUDGET_ORDER,
+) -> tuple[str, PolicyCost]:
     """The policy that recomputes least among those whose stored residual bytes fit the budget."""
     budget = parse_bytes(memory_budget)
     at = parse_at(at)
@@ -355,5 +393,8 @@ class Candidate:
     def bwd_args(self, flat_args: Sequence, stored: Sequence, cotangent: Callable = lambda aval: aval) -> tuple:
         """``(stored, input-backed leaves of flat_args, one cotangent per floating output)``."""
         plan = self.plan
-        return (list(stored), [flat_args[k] for k in plan.input_backed],
-                [cotangent(plan.out_avals[i]) for i in plan.out_diff])
+        return (
+            list(stored),
+            [flat_args[k] for k in plan.input_backed],
+            [cotangent(plan.out_avals[i]) for i in plan.out_diff],
+        )

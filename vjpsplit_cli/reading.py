@@ -15,7 +15,7 @@ _OS_ERRORS = {
     errno.ENOSPC: "no space left on the device while {doing}; free some space or write it elsewhere",
     getattr(errno, "EDQUOT", -1): "disk quota exceeded while {doing}; free some space or write it elsewhere",
     errno.EFBIG: "file too large for the file system or the file-size limit (ulimit -f) while {doing}; "
-                 "raise the limit or write it elsewhere",
+    "raise the limit or write it elsewhere",
     errno.EACCES: "permission denied while {doing}; check the permissions of the file and its directory",
     errno.EPERM: "permission denied while {doing}; check the permissions of the file and its directory",
     errno.EROFS: "the file system is read-only; write it elsewhere",
@@ -32,7 +32,11 @@ _OS_ERRORS = {
 def os_error_message(path, e: OSError, doing: str) -> str:
     """One line for an OS error on ``path`` while ``doing`` (e.g. "writing it"): what happened and what to do."""
     known = _OS_ERRORS.get(e.errno)
-    what = known.format(doing=doing) if known else f"{printable(e.strerror or e)} while {doing}; check the path and the device"
+    what = (
+        known.format(doing=doing)
+        if known
+        else f"{printable(e.strerror or e)} while {doing}; check the path and the device"
+    )
     return f"{printable(path)}: {what}"
 
 

@@ -20,8 +20,11 @@ def weight_part_bytes(m) -> dict[str, dict[str, int]]:
     reads = [r for r in m.stored_residuals if r.key in m.weight_residuals]
     reads += [leaf for leaf in m.inputs if leaf.key in m.weight_inputs]
     inter, res = total_bytes(m.intermediates), total_bytes(reads)
-    return {"intermediates": inter, "residuals": res,
-            "total": {k: inter.get(k, 0) + res.get(k, 0) for k in {**inter, **res}}}
+    return {
+        "intermediates": inter,
+        "residuals": res,
+        "total": {k: inter.get(k, 0) + res.get(k, 0) for k in {**inter, **res}},
+    }
 
 
 def describe(art: Artifact, at: Mapping[str, int] | None = None) -> dict:
@@ -62,8 +65,11 @@ def describe(art: Artifact, at: Mapping[str, int] | None = None) -> dict:
         "stored_residual_bytes": format_bytes_terms(stored),
         "weights": list(m.weights),
         "intermediates": leaves(m.intermediates),
-        **({"weight_part_bytes": {k: format_bytes_terms(v) for k, v in weight_part_bytes(m).items()}}
-           if m.weights else {}),
+        **(
+            {"weight_part_bytes": {k: format_bytes_terms(v) for k, v in weight_part_bytes(m).items()}}
+            if m.weights
+            else {}
+        ),
         **extra,
     }
 
@@ -87,6 +93,7 @@ def _rows(title: str, leaves: Sequence[Leaf], residual: bool = False, sharded: b
 
 def _wrt(m) -> str:
     """The differentiated arguments; integer and bool ones get no gradient, so they are listed apart."""
+
     def has_grad(name: str) -> bool:
         return any(g.key == name or g.key.startswith(name + "/") for g in m.grads)
 
@@ -112,8 +119,14 @@ def format_table(art: Artifact, at: Mapping[str, int] | None = None) -> str:
         f"arguments    {', '.join(m.arg_names)}   (wrt: {_wrt(m)})",
         f"symbolic     {', '.join(m.dim_vars) or '(none)'}",
         f"platforms    {', '.join(m.platforms)}",
-        *([f"devices      {m.nr_devices} (mesh {', '.join(f'{n}={k}' for n, k in m.mesh)}; "
-           "sizes are global, shardings are PartitionSpecs)"] if m.sharded else []),
+        *(
+            [
+                f"devices      {m.nr_devices} (mesh {', '.join(f'{n}={k}' for n, k in m.mesh)}; "
+                "sizes are global, shardings are PartitionSpecs)"
+            ]
+            if m.sharded
+            else []
+        ),
         f"policy       {m.policy}",
         f"has_aux      {m.has_aux}",
         f"fingerprint  {m.fingerprint}",
@@ -127,8 +140,15 @@ def format_table(art: Artifact, at: Mapping[str, int] | None = None) -> str:
         f"  stored total: {format_bytes_terms(stored)}{at_note}"
         f"  (input-backed, not stored: {format_bytes_terms(total_bytes([r for r in m.residuals if r.input_backed]))})",
         *_rows("grads", m.grads, sharded=m.sharded),
-        *([f"split backward: weights {', '.join(m.weights)} (bwd_input -> intermediates -> bwd_weight)",
-           *_rows("intermediates", m.intermediates, sharded=m.sharded), _held_line(m)] if m.weights else []),
+        *(
+            [
+                f"split backward: weights {', '.join(m.weights)} (bwd_input -> intermediates -> bwd_weight)",
+                *_rows("intermediates", m.intermediates, sharded=m.sharded),
+                _held_line(m),
+            ]
+            if m.weights
+            else []
+        ),
     ]
     # Keys and names come from the file: a newline or escape code in one must not reach the terminal raw.
     return "\n".join(printable(line) for line in lines)
@@ -136,8 +156,10 @@ def format_table(art: Artifact, at: Mapping[str, int] | None = None) -> str:
 
 def _held_line(m) -> str:
     held = {k: format_bytes_terms(v) for k, v in weight_part_bytes(m).items()}
-    return (f"  held between B and W per microbatch: {held['total']} "
-            f"(intermediates {held['intermediates']} + residuals W reads {held['residuals']})")
+    return (
+        f"  held between B and W per microbatch: {held['total']} "
+        f"(intermediates {held['intermediates']} + residuals W reads {held['residuals']})"
+    )
 
 
 __all__ = ["describe", "format_table", "format_plan", "weight_part_bytes"]
@@ -150,10 +172,15 @@ def format_plan(costs, at: Mapping[str, int] | None = None) -> str:
     for c in costs:
         size = human_bytes(c.stored_bytes) if c.stored_bytes is not None else format_bytes_terms(c.stored_terms)
         flops = f"{c.backward_flops / 1e9:.3f}" if c.backward_flops is not None else "-"
-        lines.append(f"{c.policy:<12} {c.stored_arrays:>13} {size:>22} {c.backward_ops:>8} {c.backward_dots:>8} {flops:>10}")
+        lines.append(
+            f"{c.policy:<12} {c.stored_arrays:>13} {size:>22} {c.backward_ops:>8} {c.backward_dots:>8} {flops:>10}"
+        )
     if at:
         lines.append("sizes: " + ", ".join(f"{k}={v}" for k, v in at.items()))
     else:
-        lines.append("(bytes as formulas of the symbolic dims; pass --at b=256 for numbers and FLOPs)"
-                     if any(c.stored_bytes is None for c in costs) else "")
+        lines.append(
+            "(bytes as formulas of the symbolic dims; pass --at b=256 for numbers and FLOPs)"
+            if any(c.stored_bytes is None for c in costs)
+            else ""
+        )
     return "\n".join(printable(line) for line in lines if line)

@@ -49,15 +49,15 @@ def _load_checked(path, verify: bool):
 def _verify(path, arrays: Mapping[str, Any], meta: Mapping) -> None:
     sums = meta.get("crc32")
     if not isinstance(sums, dict) or set(sums) != set(arrays):
-        raise VjpsplitError(f"{path}: the CRC-32 list does not match the file's arrays; the file is corrupt, re-create it")
+        raise VjpsplitError(
+            f"{path}: the CRC-32 list does not match the file's arrays; the file is corrupt, re-create it"
+        )
     for k, v in arrays.items():
         if _crc32(v) != sums[k]:
             raise VjpsplitError(
                 f"{path}: array {k!r} fails its CRC-32 check (its bytes changed after it was written); "
                 "the file is corrupt, re-create it"
             )
-
-
 
 
 def _is_str_list(v) -> bool:
@@ -67,19 +67,23 @@ def _is_str_list(v) -> bool:
 def _is_dims(v) -> bool:
     return isinstance(v, dict) and all(
         isinstance(k, str) and isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= MAX_DIM
-        for k, x in v.items())
+        for k, x in v.items()
+    )
 
 
 def _is_crcs(v) -> bool:
     return isinstance(v, dict) and all(
-        isinstance(k, str) and isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**32 for k, x in v.items())
+        isinstance(k, str) and isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**32 for k, x in v.items()
+    )
 
 
 def _is_shapes(v) -> bool:
     return isinstance(v, dict) and all(
-        isinstance(k, str) and isinstance(x, list)
+        isinstance(k, str)
+        and isinstance(x, list)
         and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM for d in x)
-        for k, x in v.items())
+        for k, x in v.items()
+    )
 
 
 def _is_shardings(v) -> bool:
@@ -98,18 +102,34 @@ def _is_shardings(v) -> bool:
 # What each kind of file's metadata holds: field -> (check, required). Files are
 # data from elsewhere: every field is checked before it is used.
 _SCHEMA = {
-    KIND_ARTIFACT: {"fingerprint": (lambda v: isinstance(v, str), True), "arg_names": (_is_str_list, True),
-                    "dims": (_is_dims, True), "needs_inputs": (_is_str_list, False),
-                    "self_contained": (lambda v: isinstance(v, bool), False), "residuals_id": (lambda v: isinstance(v, str), False),
-                    "input_crc32": (_is_crcs, False), "input_shapes": (_is_shapes, False),
-                    "shardings": (_is_shardings, False)},
-    KIND_SPLIT: {"token": (lambda v: isinstance(v, str), True), "pid": (lambda v: isinstance(v, int), False),
-                 "needs_inputs": (_is_str_list, False), "self_contained": (lambda v: isinstance(v, bool), False),
-                 "input_crc32": (_is_crcs, False), "input_shapes": (_is_shapes, False)},
-    KIND_INTERMEDIATES: {"fingerprint": (lambda v: isinstance(v, str), True), "dims": (_is_dims, True),
-                         "residuals_id": (lambda v: isinstance(v, str), False), "arg_names": (_is_str_list, False),
-                         "needs_inputs": (_is_str_list, False), "input_crc32": (_is_crcs, False),
-                         "shardings": (_is_shardings, False)},
+    KIND_ARTIFACT: {
+        "fingerprint": (lambda v: isinstance(v, str), True),
+        "arg_names": (_is_str_list, True),
+        "dims": (_is_dims, True),
+        "needs_inputs": (_is_str_list, False),
+        "self_contained": (lambda v: isinstance(v, bool), False),
+        "residuals_id": (lambda v: isinstance(v, str), False),
+        "input_crc32": (_is_crcs, False),
+        "input_shapes": (_is_shapes, False),
+        "shardings": (_is_shardings, False),
+    },
+    KIND_SPLIT: {
+        "token": (lambda v: isinstance(v, str), True),
+        "pid": (lambda v: isinstance(v, int), False),
+        "needs_inputs": (_is_str_list, False),
+        "self_contained": (lambda v: isinstance(v, bool), False),
+        "input_crc32": (_is_crcs, False),
+        "input_shapes": (_is_shapes, False),
+    },
+    KIND_INTERMEDIATES: {
+        "fingerprint": (lambda v: isinstance(v, str), True),
+        "dims": (_is_dims, True),
+        "residuals_id": (lambda v: isinstance(v, str), False),
+        "arg_names": (_is_str_list, False),
+        "needs_inputs": (_is_str_list, False),
+        "input_crc32": (_is_crcs, False),
+        "shardings": (_is_shardings, False),
+    },
 }
 
 
@@ -132,8 +152,14 @@ def input_crc32(a) -> int:
     return _crc32(np.asarray(a))
 
 
-def save_intermediates(path: str | os.PathLike, inter: Intermediates, *, self_contained: bool = False,
-                       arg_names: Sequence[str] = (), fsync: bool = False) -> None:
+def save_intermediates(
+    path: str | os.PathLike,
+    inter: Intermediates,
+    *,
+    self_contained: bool = False,
+    arg_names: Sequence[str] = (),
+    fsync: bool = False,
+) -> None:
     """Write a split backward's intermediates (``Artifact.bwd_input``'s second result).
 
     The file holds what the weight part needs and nothing more: the ``c/i``
@@ -144,20 +170,28 @@ def save_intermediates(path: str | os.PathLike, inter: Intermediates, *, self_co
     """
     if not isinstance(inter, Intermediates):
         raise VjpsplitError(f"{path}: save_intermediates takes bwd_input's intermediates, got {type(inter).__name__}")
-    arrays = {**{k: np.asarray(v) for k, v in inter.arrays.items()},
-              **{k: np.asarray(v) for k, v in inter.stored.items()}}
+    arrays = {
+        **{k: np.asarray(v) for k, v in inter.arrays.items()},
+        **{k: np.asarray(v) for k, v in inter.stored.items()},
+    }
     if self_contained:
         arrays.update({f"in/{k}": np.asarray(v) for k, v in inter.inputs.items()})
-    meta = {"kind": KIND_INTERMEDIATES, "fingerprint": inter.fingerprint, "dims": dict(inter.dims),
-            "residuals_id": inter.residuals_id, "arg_names": list(arg_names),
-            "needs_inputs": [] if self_contained else sorted(inter.inputs),
-            "input_crc32": {} if self_contained else {k: input_crc32(v) for k, v in inter.inputs.items()},
-            **_shardings_meta({**inter.arrays, **inter.stored})}
+    meta = {
+        "kind": KIND_INTERMEDIATES,
+        "fingerprint": inter.fingerprint,
+        "dims": dict(inter.dims),
+        "residuals_id": inter.residuals_id,
+        "arg_names": list(arg_names),
+        "needs_inputs": [] if self_contained else sorted(inter.inputs),
+        "input_crc32": {} if self_contained else {k: input_crc32(v) for k, v in inter.inputs.items()},
+        **_shardings_meta({**inter.arrays, **inter.stored}),
+    }
     _save_checked(path, arrays, meta, fsync)
 
 
-def load_intermediates(path: str | os.PathLike, inputs=None, *, artifact=None, inputs_source: str | None = None,
-                       verify: bool = True) -> Intermediates:
+def load_intermediates(
+    path: str | os.PathLike, inputs=None, *, artifact=None, inputs_source: str | None = None, verify: bool = True
+) -> Intermediates:
     """Read intermediates written by ``save_intermediates`` (or ``run-bwd --part input``).
 
     ``inputs`` (a flat ``{key: array}`` mapping, or the forward's arguments) supplies
@@ -185,8 +219,10 @@ def load_intermediates(path: str | os.PathLike, inputs=None, *, artifact=None, i
         flat, _ = _flat_inputs(path, inputs, meta.get("arg_names", []), artifact)
         missing = [k for k in needs if k not in flat]
         if missing:
-            raise VjpsplitError(f"{path}: the intermediates need input(s) {', '.join(missing)}, which the given "
-                                "inputs lack; pass the same inputs the forward ran on")
+            raise VjpsplitError(
+                f"{path}: the intermediates need input(s) {', '.join(missing)}, which the given "
+                "inputs lack; pass the same inputs the forward ran on"
+            )
         given.update({k: flat[k] for k in needs})
         if verify:
             _check_bound_inputs(path, meta, {k: given[k] for k in needs}, inputs_source or "inputs")
@@ -214,7 +250,9 @@ def _refuse_other_artifact(path, what: str, fingerprint, artifact, fix: str, met
 def _shardings_meta(arrays: Mapping[str, Any]) -> dict:
     """``{"shardings": {key: spec}}`` for the arrays laid out over several devices; ``{}`` when none is."""
     out = {k: list(spec) for k, v in arrays.items() if (spec := spec_of(v)) is not None}
-    return {"shardings": {k: [list(e) if isinstance(e, tuple) else e for e in sp] for k, sp in out.items()}} if out else {}
+    return (
+        {"shardings": {k: [list(e) if isinstance(e, tuple) else e for e in sp] for k, sp in out.items()}} if out else {}
+    )
 
 
 def _sharding_difference(meta: Mapping, manifest) -> str:
@@ -278,12 +316,15 @@ def save_residuals(path: str | os.PathLike, res, *, self_contained: bool = False
 def _binding(res: Residuals) -> dict:
     """The metadata that binds a residuals file to every input its forward ran on: shapes and CRC-32s."""
     bound = {k: np.asarray(to_data(v)) for k, v in (res.bound_inputs or res.inputs).items()}
-    return {"input_crc32": {k: input_crc32(a) for k, a in bound.items()},
-            "input_shapes": {k: [int(d) for d in a.shape] for k, a in bound.items()}}
+    return {
+        "input_crc32": {k: input_crc32(a) for k, a in bound.items()},
+        "input_shapes": {k: [int(d) for d in a.shape] for k, a in bound.items()},
+    }
 
 
-def load_residuals(path: str | os.PathLike, inputs=None, *, artifact=None, inputs_source: str | None = None,
-                   verify: bool = True):
+def load_residuals(
+    path: str | os.PathLike, inputs=None, *, artifact=None, inputs_source: str | None = None, verify: bool = True
+):
     """Read a residuals file; ``inputs`` supplies the input-backed residuals it left out.
 
     ``inputs`` is the forward's arguments tuple, or a flat ``{key: array}`` mapping
@@ -297,8 +338,14 @@ def load_residuals(path: str | os.PathLike, inputs=None, *, artifact=None, input
     arrays, meta = _load_checked(path, verify)
     kind = meta.get("kind")
     if kind == KIND_ARTIFACT:
-        _refuse_other_artifact(path, "residuals", meta.get("fingerprint"), artifact,
-                               "run this artifact's forward to make matching residuals", meta)
+        _refuse_other_artifact(
+            path,
+            "residuals",
+            meta.get("fingerprint"),
+            artifact,
+            "run this artifact's forward to make matching residuals",
+            meta,
+        )
     if kind in (KIND_ARTIFACT, KIND_SPLIT):
         _check_meta(path, meta, kind, "rerun the forward")
     needs = meta.get("needs_inputs", [])
@@ -363,8 +410,15 @@ def _load_artifact_residuals(path, arrays, meta, needs, inputs, artifact) -> tup
         given.update({k: flat[k] for k in needs})
     elif inputs is not None:
         flat, trees = _flat_inputs(path, inputs, arg_names, artifact)
-    res = Residuals(stored, given, dims=dims, fingerprint=fingerprint, arg_names=arg_names, arg_trees=trees,
-                    residuals_id=meta.get("residuals_id", ""))
+    res = Residuals(
+        stored,
+        given,
+        dims=dims,
+        fingerprint=fingerprint,
+        arg_names=arg_names,
+        arg_trees=trees,
+        residuals_id=meta.get("residuals_id", ""),
+    )
     return res, (flat if inputs is not None else {})
 
 
@@ -393,7 +447,9 @@ def _load_split_residuals(path, arrays, meta, needs, inputs) -> Residuals:
         raise VjpsplitError(f"{path}: residual {e.args[0]!r} is missing; rerun the forward") from e
     if meta.get("self_contained"):
         try:
-            ins = tuple(_from_file(path, f"in/{k}", arrays[f"in/{k}"], plan.arg_leaf_avals[k]) for k in plan.input_backed)
+            ins = tuple(
+                _from_file(path, f"in/{k}", arrays[f"in/{k}"], plan.arg_leaf_avals[k]) for k in plan.input_backed
+            )
         except KeyError as e:
             raise VjpsplitError(f"{path}: input-backed residual {e.args[0]!r} is missing; rerun the forward") from e
     elif not plan.input_backed:
@@ -406,12 +462,15 @@ def _load_split_residuals(path, arrays, meta, needs, inputs) -> Residuals:
             )
         flat = jax.tree_util.tree_leaves(inputs)
         if len(flat) != len(plan.arg_leaf_avals):
-            raise VjpsplitError(f"{path}: inputs have {len(flat)} leaves, the forward had {len(plan.arg_leaf_avals)}; "
-                                "pass the arguments fwd ran on")
+            raise VjpsplitError(
+                f"{path}: inputs have {len(flat)} leaves, the forward had {len(plan.arg_leaf_avals)}; "
+                "pass the arguments fwd ran on"
+            )
         ins = tuple(flat[k] for k in plan.input_backed)
     stored = tuple(_from_file(path, f"r/{i}", v, aval) for i, (v, aval) in enumerate(zip(stored, plan.stored_avals)))
-    return SplitResiduals({f"r/{i}": v for i, v in enumerate(stored)}, {str(k): v for k, v in zip(plan.input_backed, ins)},
-                     plan=plan)
+    return SplitResiduals(
+        {f"r/{i}": v for i, v in enumerate(stored)}, {str(k): v for k, v in zip(plan.input_backed, ins)}, plan=plan
+    )
 
 
 def _from_file(path, key: str, v, aval):

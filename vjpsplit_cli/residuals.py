@@ -48,14 +48,36 @@ class Residuals(_Frozen):
     it passes through ``jax.jit`` and ``jax.device_put``.
     """
 
-    _FIELDS = ("stored", "inputs", "dims", "fingerprint", "arg_names", "arg_trees", "plan", "residuals_id",
-               "inputs_source", "source", "bound_inputs")
+    _FIELDS = (
+        "stored",
+        "inputs",
+        "dims",
+        "fingerprint",
+        "arg_names",
+        "arg_trees",
+        "plan",
+        "residuals_id",
+        "inputs_source",
+        "source",
+        "bound_inputs",
+    )
     __slots__ = _FIELDS
 
-    def __init__(self, stored: Mapping[str, Any], inputs: Mapping[str, Any], *, dims: Mapping[str, int] | None = None,
-                 fingerprint: str = "", arg_names: Sequence[str] = (), arg_trees: ArgTrees = (),
-                 plan: Plan | None = None, residuals_id: str = "", inputs_source: str | None = None,
-                 source: str | None = None, bound_inputs: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        stored: Mapping[str, Any],
+        inputs: Mapping[str, Any],
+        *,
+        dims: Mapping[str, int] | None = None,
+        fingerprint: str = "",
+        arg_names: Sequence[str] = (),
+        arg_trees: ArgTrees = (),
+        plan: Plan | None = None,
+        residuals_id: str = "",
+        inputs_source: str | None = None,
+        source: str | None = None,
+        bound_inputs: Mapping[str, Any] | None = None,
+    ):
         self._set(
             stored=MappingProxyType(dict(stored)),
             inputs=MappingProxyType(dict(inputs)),
@@ -80,14 +102,21 @@ class Residuals(_Frozen):
         )
 
     def __repr__(self) -> str:
-        owner = "split" if isinstance(self, SplitResiduals) else f"fingerprint={self.fingerprint[:12]}, dims={dict(self.dims)}"
+        owner = (
+            "split"
+            if isinstance(self, SplitResiduals)
+            else f"fingerprint={self.fingerprint[:12]}, dims={dict(self.dims)}"
+        )
         return f"{type(self).__name__}(stored={len(self.stored)}, input_backed={len(self.inputs)}, {owner})"
 
     def signature(self) -> tuple | None:
         """Keys, shapes, dtypes and array types of the arrays, and the dims; None if some value is not an array."""
         try:
-            return (tuple((k, v.shape, v.dtype, type(v)) for k, v in self.stored.items()),
-                    tuple((k, v.shape, v.dtype, type(v)) for k, v in self.inputs.items()), tuple(self.dims.items()))
+            return (
+                tuple((k, v.shape, v.dtype, type(v)) for k, v in self.stored.items()),
+                tuple((k, v.shape, v.dtype, type(v)) for k, v in self.inputs.items()),
+                tuple(self.dims.items()),
+            )
         except AttributeError:
             return None
 
@@ -115,8 +144,15 @@ class SplitResiduals(Residuals):
 def _residuals_keys(r: Residuals) -> tuple[list, tuple]:
     # Key paths are the file keys: r/0 for stored residuals, in/<input key> for input-backed ones.
     children = [(DictKey(k), v) for k, v in r.stored.items()] + [(DictKey(f"in/{k}"), v) for k, v in r.inputs.items()]
-    aux = (tuple(r.stored), tuple(r.inputs), tuple(sorted(r.dims.items())), r.fingerprint, r.arg_names, r.arg_trees,
-           r.plan)
+    aux = (
+        tuple(r.stored),
+        tuple(r.inputs),
+        tuple(sorted(r.dims.items())),
+        r.fingerprint,
+        r.arg_names,
+        r.arg_trees,
+        r.plan,
+    )
     return children, aux
 
 
@@ -124,15 +160,26 @@ def _residuals_from(cls):
     def unflatten(aux, children):
         children = list(children)
         n = len(aux[0])
-        return cls(dict(zip(aux[0], children[:n])), dict(zip(aux[1], children[n:])), dims=dict(aux[2]),
-                   fingerprint=aux[3], arg_names=aux[4], arg_trees=aux[5], plan=aux[6])
+        return cls(
+            dict(zip(aux[0], children[:n])),
+            dict(zip(aux[1], children[n:])),
+            dims=dict(aux[2]),
+            fingerprint=aux[3],
+            arg_names=aux[4],
+            arg_trees=aux[5],
+            plan=aux[6],
+        )
+
     return unflatten
 
 
 for _cls in (Residuals, SplitResiduals):
     jax.tree_util.register_pytree_with_keys(
-        _cls, _residuals_keys, _residuals_from(_cls),
-        lambda r: ([v for _, v in _residuals_keys(r)[0]], _residuals_keys(r)[1]))
+        _cls,
+        _residuals_keys,
+        _residuals_from(_cls),
+        lambda r: ([v for _, v in _residuals_keys(r)[0]], _residuals_keys(r)[1]),
+    )
 
 
 class Intermediates(_Frozen):
@@ -148,35 +195,60 @@ class Intermediates(_Frozen):
     _FIELDS = ("arrays", "dims", "fingerprint", "residuals_id", "stored", "inputs", "arg_trees")
     __slots__ = _FIELDS
 
-    def __init__(self, arrays: Mapping[str, Any], dims: Mapping[str, int], fingerprint: str, residuals_id: str = "",
-                 stored: Mapping[str, Any] | None = None, inputs: Mapping[str, Any] | None = None,
-                 arg_trees: ArgTrees = ()):
-        self._set(arrays=MappingProxyType(dict(arrays)), stored=MappingProxyType(dict(stored or {})),
-                  inputs=MappingProxyType(dict(inputs or {})), dims=MappingProxyType(dict(dims)),
-                  fingerprint=fingerprint,
-                  residuals_id=residuals_id,  # the forward run whose residuals the input part read; "" unknown
-                  arg_trees=tuple(arg_trees))  # the forward's argument structure, when known (in memory only)
+    def __init__(
+        self,
+        arrays: Mapping[str, Any],
+        dims: Mapping[str, int],
+        fingerprint: str,
+        residuals_id: str = "",
+        stored: Mapping[str, Any] | None = None,
+        inputs: Mapping[str, Any] | None = None,
+        arg_trees: ArgTrees = (),
+    ):
+        self._set(
+            arrays=MappingProxyType(dict(arrays)),
+            stored=MappingProxyType(dict(stored or {})),
+            inputs=MappingProxyType(dict(inputs or {})),
+            dims=MappingProxyType(dict(dims)),
+            fingerprint=fingerprint,
+            residuals_id=residuals_id,  # the forward run whose residuals the input part read; "" unknown
+            arg_trees=tuple(arg_trees),
+        )  # the forward's argument structure, when known (in memory only)
 
     def __repr__(self) -> str:
-        return (f"Intermediates({len(self.arrays)} arrays, {len(self.stored)} residuals, {len(self.inputs)} inputs, "
-                f"dims={dict(self.dims)}, fingerprint={self.fingerprint[:12]})")
+        return (
+            f"Intermediates({len(self.arrays)} arrays, {len(self.stored)} residuals, {len(self.inputs)} inputs, "
+            f"dims={dict(self.dims)}, fingerprint={self.fingerprint[:12]})"
+        )
 
 
 def _intermediates_keys(r: Intermediates) -> tuple[list, tuple]:
-    children = ([(DictKey(k), v) for k, v in r.arrays.items()] + [(DictKey(k), v) for k, v in r.stored.items()]
-                + [(DictKey(f"in/{k}"), v) for k, v in r.inputs.items()])
-    aux = (tuple(r.arrays), tuple(r.stored), tuple(r.inputs), tuple(sorted(r.dims.items())), r.fingerprint,
-           r.arg_trees)
+    children = (
+        [(DictKey(k), v) for k, v in r.arrays.items()]
+        + [(DictKey(k), v) for k, v in r.stored.items()]
+        + [(DictKey(f"in/{k}"), v) for k, v in r.inputs.items()]
+    )
+    aux = (tuple(r.arrays), tuple(r.stored), tuple(r.inputs), tuple(sorted(r.dims.items())), r.fingerprint, r.arg_trees)
     return children, aux
 
 
 def _intermediates_from(aux, children) -> Intermediates:
     children = list(children)
     a, b = len(aux[0]), len(aux[0]) + len(aux[1])
-    return Intermediates(dict(zip(aux[0], children[:a])), dict(aux[3]), aux[4], "", dict(zip(aux[1], children[a:b])),
-                         dict(zip(aux[2], children[b:])), arg_trees=aux[5])
+    return Intermediates(
+        dict(zip(aux[0], children[:a])),
+        dict(aux[3]),
+        aux[4],
+        "",
+        dict(zip(aux[1], children[a:b])),
+        dict(zip(aux[2], children[b:])),
+        arg_trees=aux[5],
+    )
 
 
 jax.tree_util.register_pytree_with_keys(
-    Intermediates, _intermediates_keys, _intermediates_from,
-    lambda r: ([v for _, v in _intermediates_keys(r)[0]], _intermediates_keys(r)[1]))
+    Intermediates,
+    _intermediates_keys,
+    _intermediates_from,
+    lambda r: ([v for _, v in _intermediates_keys(r)[0]], _intermediates_keys(r)[1]),
+)

@@ -44,7 +44,9 @@ def parse_array_spec(text: str, scope: jexport.SymbolicScope) -> jax.ShapeDtypeS
         if _INT_RE.match(d):
             elements *= int(d)
             if int(d) > MAX_DIM:
-                raise VjpsplitError(f"dimension {d[:30]} in {text[:60]!r} is too large (at most 2**40); check the number")
+                raise VjpsplitError(
+                    f"dimension {d[:30]} in {text[:60]!r} is too large (at most 2**40); check the number"
+                )
             if elements > MAX_DIM:
                 raise VjpsplitError(f"the dims of {text[:60]!r} make more than 2**40 elements; check the numbers")
             dims.append(int(d))
@@ -60,8 +62,9 @@ def _symbolic_dim(name: str, text: str, scope: jexport.SymbolicScope):
     try:
         (dim,) = jexport.symbolic_shape(name, scope=scope)
     except Exception as e:  # jax.export's parser raises plain ValueErrors with grammar details
-        raise VjpsplitError(f"dimension name {name!r} in {text!r} is reserved by jax.export's shape syntax; "
-                            "use another name, like b") from e
+        raise VjpsplitError(
+            f"dimension name {name!r} in {text!r} is reserved by jax.export's shape syntax; use another name, like b"
+        ) from e
     if isinstance(dim, (int, np.integer)):
         raise VjpsplitError(f"dimension name {name!r} in {text!r} is not a plain symbolic dim; use a name like b")
     return dim

@@ -61,8 +61,9 @@ def format_spec(spec: SpecJSON | None) -> str:
     """``P('data', None)`` for messages and tables; ``-`` when unspecified."""
     if spec is None:
         return "-"
-    return "P(" + ", ".join("None" if e is None else repr(e) if isinstance(e, str) else repr(tuple(e))
-                            for e in spec) + ")"
+    return (
+        "P(" + ", ".join("None" if e is None else repr(e) if isinstance(e, str) else repr(tuple(e)) for e in spec) + ")"
+    )
 
 
 def axes_of(spec: SpecJSON) -> list[tuple[str, ...]]:
@@ -81,15 +82,23 @@ def mesh_of(shardings: Sequence[Any]) -> Mesh | None:
         if s is None:
             continue
         if not isinstance(s, NamedSharding):
-            raise VjpsplitError(f"sharding {s!r} is not a jax.sharding.NamedSharding; "
-                                "give specs NamedSharding(mesh, PartitionSpec(...)) shardings")
+            raise VjpsplitError(
+                f"sharding {s!r} is not a jax.sharding.NamedSharding; "
+                "give specs NamedSharding(mesh, PartitionSpec(...)) shardings"
+            )
         if mesh is None:
             mesh = s.mesh
-        elif tuple(s.mesh.shape.items()) != tuple(mesh.shape.items()) or \
-                getattr(s.mesh, "devices", None) is not None and not np.array_equal(
-                    np.vectorize(lambda d: d.id)(s.mesh.devices), np.vectorize(lambda d: d.id)(mesh.devices)):
-            raise VjpsplitError(f"specs use two meshes ({dict(mesh.shape)} and {dict(s.mesh.shape)}); "
-                                "one artifact runs on one mesh: give every spec the same mesh")
+        elif (
+            tuple(s.mesh.shape.items()) != tuple(mesh.shape.items())
+            or getattr(s.mesh, "devices", None) is not None
+            and not np.array_equal(
+                np.vectorize(lambda d: d.id)(s.mesh.devices), np.vectorize(lambda d: d.id)(mesh.devices)
+            )
+        ):
+            raise VjpsplitError(
+                f"specs use two meshes ({dict(mesh.shape)} and {dict(s.mesh.shape)}); "
+                "one artifact runs on one mesh: give every spec the same mesh"
+            )
     return mesh
 
 
@@ -108,15 +117,21 @@ def host_mesh(axes: Sequence[tuple[str, int]], devices: Sequence | None = None, 
     if devices is not None:
         have = list(devices)
         if len(have) != need:
-            raise VjpsplitError(f"{source}: the artifact runs on {need} devices, {len(have)} were given; "
-                                f"give exactly {need}")
+            raise VjpsplitError(
+                f"{source}: the artifact runs on {need} devices, {len(have)} were given; give exactly {need}"
+            )
     else:
         have = jax.devices()
         if len(have) < need:
-            hint = (f"; on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={need} before JAX starts"
-                    if have[0].platform == "cpu" else "; run it on a host with that many devices")
-            raise VjpsplitError(f"{source}: the artifact was exported for {need} devices (mesh "
-                                f"{', '.join(f'{n}={s}' for n, s in axes)}), but this host has {len(have)}{hint}")
+            hint = (
+                f"; on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={need} before JAX starts"
+                if have[0].platform == "cpu"
+                else "; run it on a host with that many devices"
+            )
+            raise VjpsplitError(
+                f"{source}: the artifact was exported for {need} devices (mesh "
+                f"{', '.join(f'{n}={s}' for n, s in axes)}), but this host has {len(have)}{hint}"
+            )
     grid = np.array(have[:need], dtype=object).reshape(tuple(size for _, size in axes))
     return Mesh(grid, tuple(name for name, _ in axes))
 
@@ -160,8 +175,10 @@ def divisibility_problem(what: str, shape: Sequence, spec: SpecJSON, mesh_sizes:
             ok = False
         if ok is not True:
             name = str(d)
-            return (f"{where}, but {name} is not known to be a multiple of {ways}; declare it so: "
-                    f"jax.export.symbolic_shape('{name}', constraints=('mod({name}, {ways}) == 0',))")
+            return (
+                f"{where}, but {name} is not known to be a multiple of {ways}; declare it so: "
+                f"jax.export.symbolic_shape('{name}', constraints=('mod({name}, {ways}) == 0',))"
+            )
     return None
 
 

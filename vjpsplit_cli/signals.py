@@ -121,8 +121,13 @@ def signals_end_process() -> Iterator[bool]:
     remove, the default actions come back for the duration: the process ends, and
     there is no output to tidy. Signals the user set to be ignored stay ignored.
     """
-    if (threading.current_thread() is not threading.main_thread() or _Guard.depth == 0 or _LIVE
-            or _Guard.defer or _Guard.pending is not None):
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or _Guard.depth == 0
+        or _LIVE
+        or _Guard.defer
+        or _Guard.pending is not None
+    ):
         yield False
         return
     installed = {}

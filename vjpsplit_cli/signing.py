@@ -53,8 +53,9 @@ def generate_key(path: str | os.PathLike) -> str:
         if os.path.lexists(p):
             raise VjpsplitError(f"{p}: already exists; remove it first or choose another name for the key")
     key = ed25519.Ed25519PrivateKey.generate()
-    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
+    private = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     public = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
 
     def write_private(tmp: str) -> None:
@@ -80,11 +81,15 @@ def load_private_key(path: str | os.PathLike):
     serialization, ed25519 = _crypto()
     data = read_bytes(path, "signing key")
     try:
-        key = ed25519.Ed25519PrivateKey.from_private_bytes(data) if len(data) == 32 \
+        key = (
+            ed25519.Ed25519PrivateKey.from_private_bytes(data)
+            if len(data) == 32
             else serialization.load_pem_private_key(data, password=None)
+        )
     except (ValueError, TypeError) as e:
-        raise VjpsplitError(f"{path}: not an unencrypted Ed25519 private key ({e}); "
-                            "make one with `vjpsplit keygen -o KEY`") from e
+        raise VjpsplitError(
+            f"{path}: not an unencrypted Ed25519 private key ({e}); make one with `vjpsplit keygen -o KEY`"
+        ) from e
     if not isinstance(key, ed25519.Ed25519PrivateKey):
         raise VjpsplitError(f"{path}: not an Ed25519 private key; make one with `vjpsplit keygen -o KEY`")
     return key
@@ -100,8 +105,9 @@ def load_public_key(path: str | os.PathLike) -> bytes:
         key = serialization.load_pem_public_key(data)
     except (ValueError, TypeError) as e:
         hint = " (this is the private key: pass KEY.pub)" if b"PRIVATE KEY" in data else ""
-        raise VjpsplitError(f"{path}: not an Ed25519 public key{hint}; "
-                            "pass the KEY.pub that `vjpsplit keygen` wrote") from e
+        raise VjpsplitError(
+            f"{path}: not an Ed25519 public key{hint}; pass the KEY.pub that `vjpsplit keygen` wrote"
+        ) from e
     if not isinstance(key, ed25519.Ed25519PublicKey):
         raise VjpsplitError(f"{path}: not an Ed25519 public key; pass the KEY.pub that `vjpsplit keygen` wrote")
     return _raw_public(key)
@@ -148,29 +154,42 @@ def verify(top: Mapping, body: bytes, source: str, trusted: Mapping[bytes, str] 
     entry = top.get(SIGNATURE)
     if entry is None:
         if trusted is not None:
-            raise VjpsplitError(f"{source}: the artifact is unsigned, and trust keys were given; ask its author "
-                                "for a signed copy (export --sign-key KEY), or drop --trust-key/VJPSPLIT_TRUST_KEYS "
-                                "to run it")
+            raise VjpsplitError(
+                f"{source}: the artifact is unsigned, and trust keys were given; ask its author "
+                "for a signed copy (export --sign-key KEY), or drop --trust-key/VJPSPLIT_TRUST_KEYS "
+                "to run it"
+            )
         return None
     _, ed25519 = _crypto()
-    if not (isinstance(entry, dict) and entry.get("alg") == "ed25519" and isinstance(entry.get("key"), bytes)
-            and len(entry["key"]) == 32 and isinstance(entry.get("sig"), bytes)):
+    if not (
+        isinstance(entry, dict)
+        and entry.get("alg") == "ed25519"
+        and isinstance(entry.get("key"), bytes)
+        and len(entry["key"]) == 32
+        and isinstance(entry.get("sig"), bytes)
+    ):
         raise VjpsplitError(f"{source}: the artifact's signature is malformed; copy or export it again")
     signer = key_id(entry["key"])
     if trusted is not None and entry["key"] not in trusted:
-        raise VjpsplitError(f"{source}: signed by {signer}, which is not among the trusted keys "
-                            f"({', '.join(trusted.values())}); "
-                            "pass that signer's KEY.pub with --trust-key if you trust it")
+        raise VjpsplitError(
+            f"{source}: signed by {signer}, which is not among the trusted keys "
+            f"({', '.join(trusted.values())}); "
+            "pass that signer's KEY.pub with --trust-key if you trust it"
+        )
     # What was signed is re-encoded from what was decoded, so the file must be that very encoding.
     if pack(dict(top)) != body:
-        raise VjpsplitError(f"{source}: the signed artifact was modified after signing (not canonically encoded); "
-                            "copy or export it again")
+        raise VjpsplitError(
+            f"{source}: the signed artifact was modified after signing (not canonically encoded); "
+            "copy or export it again"
+        )
     unsigned = pack({k: v for k, v in top.items() if k != SIGNATURE})
     try:
         from cryptography.exceptions import InvalidSignature
 
         ed25519.Ed25519PublicKey.from_public_bytes(entry["key"]).verify(entry["sig"], _message(unsigned))
     except (InvalidSignature, ValueError) as e:
-        raise VjpsplitError(f"{source}: the artifact's signature does not verify: it was modified after signing; "
-                            "copy or export it again") from e
+        raise VjpsplitError(
+            f"{source}: the artifact's signature does not verify: it was modified after signing; "
+            "copy or export it again"
+        ) from e
     return signer

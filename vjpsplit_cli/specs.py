@@ -55,13 +55,17 @@ def load_object(target: str, label: str = "FN") -> tuple[Any, str]:
                 "or give the path to its .py file"
             ) from e
         except Exception as e:
-            raise VjpsplitError(f"module {module_part!r}: importing it failed ({type(e).__name__}: {e}); fix the module") from e
+            raise VjpsplitError(
+                f"module {module_part!r}: importing it failed ({type(e).__name__}: {e}); fix the module"
+            ) from e
     obj: Any = module
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError as e:
-            raise VjpsplitError(f"{module_part} has no attribute {attr!r}; check the name after ':' in {target!r}") from e
+            raise VjpsplitError(
+                f"{module_part} has no attribute {attr!r}; check the name after ':' in {target!r}"
+            ) from e
     return obj, f"{module_part}:{attr}"
 
 
@@ -86,7 +90,9 @@ def resolve_shapes(fn: Callable, shapes: Sequence[str]) -> tuple[list[str], tupl
         if not eq or not name or not spec.strip():
             raise UsageError(f"--shapes {item!r} is not NAME=SPEC; write e.g. x=f32[b,784]")
         if name not in names:
-            raise UsageError(f"--shapes names {name!r}, which is not a parameter; the parameters are {', '.join(names)}")
+            raise UsageError(
+                f"--shapes names {name!r}, which is not a parameter; the parameters are {', '.join(names)}"
+            )
         if name in given:
             raise UsageError(f"--shapes gives {name!r} twice")
         given[name] = spec.strip()
@@ -115,11 +121,13 @@ def parse_spec(name: str, text: str, scope) -> Any:
         arrays, _ = load_arrays(text)
         mine = {k: v for k, v in arrays.items() if k == name or k.startswith(name + "/")}
         if mine:
-            flat = {k[len(name) + 1:]: v for k, v in mine.items()}
+            flat = {k[len(name) + 1 :]: v for k, v in mine.items()}
         else:  # a file holding just this argument's pytree, keys relative to it
             flat = dict(arrays)
         if not flat:
-            raise VjpsplitError(f"{text}: holds no arrays for parameter {name!r}; its keys should be {name} or {name}/...")
+            raise VjpsplitError(
+                f"{text}: holds no arrays for parameter {name!r}; its keys should be {name} or {name}/..."
+            )
         for k, v in flat.items():
             if np.dtype(v.dtype).kind == "V":
                 raise VjpsplitError(
@@ -152,14 +160,19 @@ def check_fits(fn: Callable, target: str, names: Sequence[str], specs: tuple, sh
         entries = {str(s).partition("=")[0].strip(): str(s).strip() for s in shapes}
         ints = {int(n) for n in _INT_RE.findall(message)} - {0, 1}
         words = set(_NAME_RE.findall(message))
-        dims = {n: [d for leaf in jax.tree_util.tree_leaves(s) for d in getattr(leaf, "shape", ())]
-                for n, s in zip(names, specs)}
+        dims = {
+            n: [d for leaf in jax.tree_util.tree_leaves(s) for d in getattr(leaf, "shape", ())]
+            for n, s in zip(names, specs)
+        }
         involved = [n for n in names if ints & {int(d) for d in dims[n] if isinstance(d, (int, np.integer))}]
         if not involved:
             involved = [n for n in names if words & {str(d) for d in dims[n] if not isinstance(d, (int, np.integer))}]
         listed = " and ".join(entries.get(n, n) for n in involved)
         if involved:
-            raise VjpsplitError(f"{target}: the --shapes {listed} do not fit the function ({message}); "
-                                "fix those --shapes entries") from e
-        raise VjpsplitError(f"{target}: the --shapes do not fit the function ({message}); check every --shapes "
-                            "entry against the function's parameters, or rerun with --debug for the traceback") from e
+            raise VjpsplitError(
+                f"{target}: the --shapes {listed} do not fit the function ({message}); fix those --shapes entries"
+            ) from e
+        raise VjpsplitError(
+            f"{target}: the --shapes do not fit the function ({message}); check every --shapes "
+            "entry against the function's parameters, or rerun with --debug for the traceback"
+        ) from e

@@ -51,9 +51,13 @@ def _fill(leaf: Leaf, shape: tuple[int, ...], fill: str, rng: np.random.Generato
     return rng.standard_normal(shape).astype(np.float32).astype(dtype)
 
 
-def template(artifact: Artifact | str | os.PathLike, what: str = "inputs",
-             at: Mapping[str, int] | Sequence[str] | None = None, fill: str = "zeros",
-             seed: int = 0) -> dict[str, np.ndarray]:
+def template(
+    artifact: Artifact | str | os.PathLike,
+    what: str = "inputs",
+    at: Mapping[str, int] | Sequence[str] | None = None,
+    fill: str = "zeros",
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
     """The ``{key: array}`` an artifact expects for its ``inputs`` or ``cotangents``, ready for a file.
 
     Symbolic dims are sized by ``at`` (``{"b": 4}`` or ``["b=4"]``); a name the
@@ -73,15 +77,22 @@ def template(artifact: Artifact | str | os.PathLike, what: str = "inputs",
     unsized = sorted({str(d) for leaf in leaves for d in leaf.shape if eval_dim(d, sizes) is None})
     if unsized:
         example = ",".join(f"{n}=4" for n in unsized)
-        raise UsageError(f"{art.source}: the {what} have symbolic dims {', '.join(unsized)}; "
-                         f"give their sizes with --at {example}")
+        raise UsageError(
+            f"{art.source}: the {what} have symbolic dims {', '.join(unsized)}; give their sizes with --at {example}"
+        )
     rng = np.random.default_rng(seed)
     return {leaf.key: _fill(leaf, concrete_shape(leaf.shape, sizes), fill, rng) for leaf in leaves}
 
 
-def save_template(path: str | os.PathLike, artifact: Artifact | str | os.PathLike, what: str = "inputs",
-                  at: Mapping[str, int] | Sequence[str] | None = None, fill: str = "zeros", seed: int = 0,
-                  fsync: bool = False) -> dict[str, np.ndarray]:
+def save_template(
+    path: str | os.PathLike,
+    artifact: Artifact | str | os.PathLike,
+    what: str = "inputs",
+    at: Mapping[str, int] | Sequence[str] | None = None,
+    fill: str = "zeros",
+    seed: int = 0,
+    fsync: bool = False,
+) -> dict[str, np.ndarray]:
     """Write ``template(...)`` to ``path`` (``.npz`` or ``.msgpack``, atomically) and return it."""
     art = artifact if isinstance(artifact, Artifact) else load(artifact)
     arrays = template(art, what, at, fill, seed)

@@ -45,7 +45,7 @@ def _start_ticks(pid: int) -> int | None:
         with open(f"/proc/{pid}/stat", "rb") as f:
             line = f.read()
         # The command name (field 2) may hold spaces and parentheses: count from its closing ')'.
-        return int(line[line.rindex(b")") + 2:].split()[19])  # field 22 of proc(5), "starttime"
+        return int(line[line.rindex(b")") + 2 :].split()[19])  # field 22 of proc(5), "starttime"
     except (OSError, ValueError, IndexError):  # no /proc (macOS, BSD), or it just exited
         return 0
 

@@ -62,8 +62,7 @@ def _dict_key(key, where: str):
     if hasattr(key, "__index__") and not isinstance(key, bool) and type(key).__module__ == "numpy":
         return int(key)
     raise VjpsplitError(
-        f"{where}: dict key {key!r} of type {type(key).__name__} cannot be written to a file; "
-        "use str or int dict keys"
+        f"{where}: dict key {key!r} of type {type(key).__name__} cannot be written to a file; use str or int dict keys"
     )
 
 

@@ -3,7 +3,7 @@
 An artifact is code: StableHLO that XLA compiles and runs, and ``jax.export``
 trusts its input. This module stands between the file and XLA:
 
-* **Signatures** live in module ``signing`` (re-exported here): with trust keys,
+* **Signatures** live in module ``signing``: with trust keys,
   an unsigned file or another signer is refused before any module is read.
 * **Module checks** (every artifact, signed or not): each module's StableHLO is
   parsed in a child process first, because a corrupt bytecode can crash (or corrupt
@@ -32,8 +32,6 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from .outputs import atomic_write
-from .signing import (SIGNATURE, TRUST_ENV, generate_key, key_id, load_private_key,  # noqa: F401 - re-exported
-                      load_public_key, sign, trusted_keys, verify)
 from .system import private_dir
 from .dtypes import dtype_from_name
 from .errors import VjpsplitError
@@ -58,8 +56,10 @@ def _probe_here(modules: Mapping[str, bytes], source: str) -> dict:
             os.dup2(null.fileno(), 2)
         return {k: probe(v) for k, v in modules.items()}
     except Exception as e:
-        raise VjpsplitError(f"{source}: a module's StableHLO is corrupt ({type(e).__name__}); the signed artifact "
-                            "is damaged: ask its author to export it again") from e
+        raise VjpsplitError(
+            f"{source}: a module's StableHLO is corrupt ({type(e).__name__}); the signed artifact "
+            "is damaged: ask its author to export it again"
+        ) from e
     finally:
         os.dup2(saved, 2)
         os.close(saved)
@@ -75,26 +75,39 @@ def _probe_child(modules: Mapping[str, bytes], source: str) -> dict:
         env["LD_PRELOAD"] = ":".join(p for p in (env.get("LD_PRELOAD", ""), _MALLOC_DEBUG) if p)
     request = json.dumps({k: bytes(v).hex() for k, v in modules.items()})
     try:
-        done = subprocess.run([sys.executable, "-m", "vjpsplit_cli.mlirprobe"], input=request.encode(),
-                              capture_output=True, env=env, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-m", "vjpsplit_cli.mlirprobe"],
+            input=request.encode(),
+            capture_output=True,
+            env=env,
+            timeout=300,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise VjpsplitError(f"{source}: could not check the artifact's modules ({type(e).__name__}: {e}); "
-                            "retry, or export the artifact again") from e
+        raise VjpsplitError(
+            f"{source}: could not check the artifact's modules ({type(e).__name__}: {e}); "
+            "retry, or export the artifact again"
+        ) from e
     if done.returncode < 0:  # the parser crashed (or glibc caught it corrupting the heap)
-        raise VjpsplitError(f"{source}: a module's StableHLO is corrupt (the parser died of signal "
-                            f"{-done.returncode}); the artifact is damaged or forged: copy or export it again")
+        raise VjpsplitError(
+            f"{source}: a module's StableHLO is corrupt (the parser died of signal "
+            f"{-done.returncode}); the artifact is damaged or forged: copy or export it again"
+        )
     try:
         result = json.loads(done.stdout) if done.returncode == 0 else None
     except ValueError:
         result = None
     if not isinstance(result, dict):
         last = (done.stderr.decode(errors="replace").strip().splitlines() or [""])[-1][:200]
-        raise VjpsplitError(f"{source}: could not check the artifact's modules (checker exit {done.returncode}: "
-                            f"{last}); check that jax imports in this Python, then retry")
+        raise VjpsplitError(
+            f"{source}: could not check the artifact's modules (checker exit {done.returncode}: "
+            f"{last}); check that jax imports in this Python, then retry"
+        )
     for k, v in result.items():
         if isinstance(v, dict) and "error" in v:
-            raise VjpsplitError(f"{source}: the {k} module's StableHLO is corrupt ({str(v['error'])[:160]}); "
-                                "the artifact is damaged or forged: copy or export it again")
+            raise VjpsplitError(
+                f"{source}: the {k} module's StableHLO is corrupt ({str(v['error'])[:160]}); "
+                "the artifact is damaged or forged: copy or export it again"
+            )
     return result
 
 
@@ -151,8 +164,9 @@ def default_cache_dir() -> str | None:
     return os.path.join(base, "vjpsplit", "jax")
 
 
-def probe_modules(modules: Mapping[str, bytes], source: str, *, in_process: bool = False,
-                  cache_dir: str | None = DEFAULT) -> dict:
+def probe_modules(
+    modules: Mapping[str, bytes], source: str, *, in_process: bool = False, cache_dir: str | None = DEFAULT
+) -> dict:
     """Each module's main signature and custom calls (``{"main": ..., "calls": [...]}``), parsed safely.
 
     ``cache_dir``: where verdicts persist between processes (``DEFAULT``: the default
@@ -186,13 +200,30 @@ def probe_modules(modules: Mapping[str, bytes], source: str, *, in_process: bool
 
 # Compiler-internal annotations and ops XLA itself implements (StableHLO ops spelled as
 # custom calls under shape polymorphism, TopK): no kernel of their own, shapes checked by XLA.
-_ANNOTATIONS = frozenset({
-    "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "shape_assertion", "annotate_device_placement",
-    "MoveToHost", "MoveToDevice", "PartitionId", "X64Combine", "X64SplitLow", "X64SplitHigh",
-    "TopK", "ApproxTopK", "PartialReduce", "AllocateBuffer",
-    # Linear algebra on TPU: expanded by XLA itself, which checks their shapes.
-    "Eigh", "Qr", "ProductOfElementaryHouseholderReflectors", "LuDecomposition",
-})
+_ANNOTATIONS = frozenset(
+    {
+        "Sharding",
+        "SPMDFullToShardShape",
+        "SPMDShardToFullShape",
+        "shape_assertion",
+        "annotate_device_placement",
+        "MoveToHost",
+        "MoveToDevice",
+        "PartitionId",
+        "X64Combine",
+        "X64SplitLow",
+        "X64SplitHigh",
+        "TopK",
+        "ApproxTopK",
+        "PartialReduce",
+        "AllocateBuffer",
+        # Linear algebra on TPU: expanded by XLA itself, which checks their shapes.
+        "Eigh",
+        "Qr",
+        "ProductOfElementaryHouseholderReflectors",
+        "LuDecomposition",
+    }
+)
 _ANNOTATION_PREFIXES = ("xla.sdy.", "local_xla.sdy.", "sdy.", "stablehlo.", "mhlo.")
 # Host callbacks run Python (or whatever a forged index points at): vjpsplit never exports them.
 _CALLBACK = re.compile(r"callback|python|host_callback|xla_ffi_partial", re.IGNORECASE)
@@ -207,8 +238,10 @@ def classify(target: str) -> str:
     return "kernel"
 
 
-_LAPACK = re.compile(r"(?:lapack_([sdcz])|cusolver_|hipsolver_)"
-                     r"(getrf|potrf|geqrf|orgqr|ungqr|syevd|heevd|gesdd|gesvdj|gesvd|trsm)_ffi\Z")
+_LAPACK = re.compile(
+    r"(?:lapack_([sdcz])|cusolver_|hipsolver_)"
+    r"(getrf|potrf|geqrf|orgqr|ungqr|syevd|heevd|gesdd|gesvdj|gesvd|trsm)_ffi\Z"
+)
 _PIVOTS = re.compile(r"(?:cu|hip)_lu_pivots_to_permutation\Z")
 _REAL = {"f32": "f32", "f64": "f64", "complex<f32>": "f32", "complex<f64>": "f64"}
 _LETTER = {"s": "f32", "d": "f64", "c": "complex<f32>", "z": "complex<f64>"}
@@ -234,9 +267,15 @@ def lapack_shapes_ok(call: Mapping) -> bool:
     if not ops or any(t is None for t in ops + res):
         return False
     if _PIVOTS.match(target):  # pivots [B..., k] -> permutation [B..., m], m >= k: sized by its result
-        (p_elt, piv), = ops if len(ops) == 1 else [("", ())]
-        return (p_elt == "i32" and len(res) == 1 and res[0][0] == "i32" and len(res[0][1]) == len(piv) >= 1
-                and res[0][1][:-1] == piv[:-1] and res[0][1][-1] >= piv[-1])
+        ((p_elt, piv),) = ops if len(ops) == 1 else [("", ())]
+        return (
+            p_elt == "i32"
+            and len(res) == 1
+            and res[0][0] == "i32"
+            and len(res[0][1]) == len(piv) >= 1
+            and res[0][1][:-1] == piv[:-1]
+            and res[0][1][-1] >= piv[-1]
+        )
     m_ = _LAPACK.match(target)
     if not m_:
         return False
@@ -258,16 +297,21 @@ def lapack_shapes_ok(call: Mapping) -> bool:
     if kind == "geqrf":
         return len(ops) == 1 and want((elt, a), (elt, (*batch, k)))
     if kind in ("orgqr", "ungqr"):
-        return (len(ops) == 2 and ops[1][0] == elt and len(ops[1][1]) == len(a) - 1 and ops[1][1][:-1] == batch
-                and ops[1][1][-1] <= k and want((elt, a)))
+        return (
+            len(ops) == 2
+            and ops[1][0] == elt
+            and len(ops[1][1]) == len(a) - 1
+            and ops[1][1][:-1] == batch
+            and ops[1][1][-1] <= k
+            and want((elt, a))
+        )
     if kind in ("syevd", "heevd"):
         return len(ops) == 1 and m == n and want((elt, a), (real, (*batch, n)), (i32, batch))
     if kind == "trsm":
         if len(ops) != 2:
             return False
         b_elt, b = ops[1]
-        return (b_elt == elt and m == n and len(b) == len(a) and b[:-2] == batch and n in b[-2:]
-                and want((elt, b)))
+        return b_elt == elt and m == n and len(b) == len(a) and b[:-2] == batch and n in b[-2:] and want((elt, b))
     if kind in ("gesdd", "gesvdj", "gesvd"):
         if len(res) != 5 or res[0] != (elt, a) or res[1] != (real, (*batch, k)) or res[4] != (i32, batch):
             return False
@@ -292,10 +336,21 @@ def lapack_shapes_ok(call: Mapping) -> bool:
 # ------------------------------------------------------------------------------ avals
 
 _MLIR_ELT = {
-    "bool": "i1", "int8": "i8", "int16": "i16", "int32": "i32", "int64": "i64",
-    "uint8": "ui8", "uint16": "ui16", "uint32": "ui32", "uint64": "ui64",
-    "float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64",
-    "complex64": "complex<f32>", "complex128": "complex<f64>",
+    "bool": "i1",
+    "int8": "i8",
+    "int16": "i16",
+    "int32": "i32",
+    "int64": "i64",
+    "uint8": "ui8",
+    "uint16": "ui16",
+    "uint32": "ui32",
+    "uint64": "ui64",
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "float32": "f32",
+    "float64": "f64",
+    "complex64": "complex<f32>",
+    "complex128": "complex<f64>",
 }
 
 
@@ -303,16 +358,25 @@ def _dims_match(want: Sequence, got: Sequence) -> bool:
     return len(want) == len(got) and all(str(w) == str(g) for w, g in zip(want, got))
 
 
-def check_avals(source: str, module: str, exp, want_in: Sequence[tuple[str, tuple]] | None,
-                want_out: Sequence[tuple[str, tuple]] | None, main: Mapping | None) -> None:
+def check_avals(
+    source: str,
+    module: str,
+    exp,
+    want_in: Sequence[tuple[str, tuple]] | None,
+    want_out: Sequence[tuple[str, tuple]] | None,
+    main: Mapping | None,
+) -> None:
     """The module's avals are what the manifest promises, and its StableHLO main says the same.
 
     ``want_in``/``want_out``: (numpy dtype name, shape with dim names) per leaf, or None
     where the manifest does not fix them (older layouts).
     """
+
     def bad(what):
-        raise VjpsplitError(f"{source}: the {module} module's {what} do not match the manifest; the artifact was "
-                            "forged or damaged: export it again")
+        raise VjpsplitError(
+            f"{source}: the {module} module's {what} do not match the manifest; the artifact was "
+            "forged or damaged: export it again"
+        )
 
     def avals(xs):
         return [(np.dtype(a.dtype).name if not _is_extended(a.dtype) else str(a.dtype), tuple(a.shape)) for a in xs]
@@ -354,20 +418,24 @@ def _is_extended(dtype) -> bool:
         return True
 
 
-def check_calls(source: str, module: str, calls: Iterable[Mapping], *, trusted_signer: bool,
-                allow_kernels: bool) -> None:
+def check_calls(
+    source: str, module: str, calls: Iterable[Mapping], *, trusted_signer: bool, allow_kernels: bool
+) -> None:
     """Refuse host callbacks always; kernels unless signed by a trusted key, allowed, or shape-checked."""
     for call in calls:
         target = str(call.get("target", ""))
         kind = classify(target)
         if kind == "callback":
-            raise VjpsplitError(f"{source}: the {module} module calls a host callback ({target!r}), which vjpsplit "
-                                "never exports and never runs; the artifact was forged: do not run it")
+            raise VjpsplitError(
+                f"{source}: the {module} module calls a host callback ({target!r}), which vjpsplit "
+                "never exports and never runs; the artifact was forged: do not run it"
+            )
         if kind == "kernel" and not (trusted_signer or allow_kernels or lapack_shapes_ok(call)):
             raise VjpsplitError(
                 f"{source}: the {module} module calls the kernel {target!r} with operand/result shapes this "
                 "vjpsplit cannot vouch for; if you trust the file, sign it and pass --trust-key, or pass "
-                "--allow-kernels (allow_kernels=True)")
+                "--allow-kernels (allow_kernels=True)"
+            )
 
 
 def expected_leaves(leaves) -> list[tuple[str, tuple]]:
@@ -380,16 +448,22 @@ def check_outputs(source: str, module: str, values: Sequence, exp, dims: Mapping
     from .shapes import concrete_shape
 
     if len(values) != len(exp.out_avals):
-        raise VjpsplitError(f"{source}: the {module} module returned {len(values)} arrays, not "
-                            f"{len(exp.out_avals)}; the artifact is forged or damaged")
+        raise VjpsplitError(
+            f"{source}: the {module} module returned {len(values)} arrays, not "
+            f"{len(exp.out_avals)}; the artifact is forged or damaged"
+        )
     for v, a in zip(values, exp.out_avals):
         shape = concrete_shape(tuple(d if isinstance(d, int) else str(d) for d in a.shape), dims)
         if np.dtype(v.dtype) != np.dtype(a.dtype) if not _is_extended(a.dtype) else False:
-            raise VjpsplitError(f"{source}: the {module} module returned {v.dtype}, declared {a.dtype}; "
-                                "the artifact is forged or damaged")
+            raise VjpsplitError(
+                f"{source}: the {module} module returned {v.dtype}, declared {a.dtype}; "
+                "the artifact is forged or damaged"
+            )
         if shape is not None and tuple(v.shape) != tuple(shape):
-            raise VjpsplitError(f"{source}: the {module} module returned shape {tuple(v.shape)}, declared "
-                                f"{tuple(shape)}; the artifact is forged or damaged")
+            raise VjpsplitError(
+                f"{source}: the {module} module returned shape {tuple(v.shape)}, declared "
+                f"{tuple(shape)}; the artifact is forged or damaged"
+            )
 
 
 def manifest_avals(m, module: str) -> tuple[list | None, list | None]:
@@ -410,16 +484,24 @@ def manifest_avals(m, module: str) -> tuple[list | None, list | None]:
     if module == "bwd_weight":
         if m.weight_reads_subset:
             by_key = {r.key: r for r in m.residuals}
-            ins = expected_leaves([by_key[k] for k in m.weight_residuals]) + \
-                expected_leaves([by_key[f"in/{k}"] for k in m.weight_inputs])
+            ins = expected_leaves([by_key[k] for k in m.weight_residuals]) + expected_leaves(
+                [by_key[f"in/{k}"] for k in m.weight_inputs]
+            )
         else:
             ins = stored + backed
         return ins + expected_leaves(m.intermediates) + carrier, expected_leaves(m.grads_of(m.weights))
     return None, None
 
 
-def check_modules(source: str, manifest, exps: Mapping[str, Any], probes: Mapping[str, Mapping], *,
-                  trusted_signer: bool, allow_kernels: bool) -> None:
+def check_modules(
+    source: str,
+    manifest,
+    exps: Mapping[str, Any],
+    probes: Mapping[str, Mapping],
+    *,
+    trusted_signer: bool,
+    allow_kernels: bool,
+) -> None:
     """Every check before compiling: each module's avals against the manifest, then its custom calls."""
     for module, exp in exps.items():
         info = probes.get(module) or {}

@@ -49,14 +49,14 @@ class Plan:
     slots: tuple[tuple[str, int], ...]
     args_tree: Any
     arg_leaf_avals: tuple[Any, ...]
-    diff_leaves: tuple[int, ...]        # flat arg-leaf indices that are differentiated
-    wrt: tuple[int, ...]                 # argument positions in the gradient tuple
+    diff_leaves: tuple[int, ...]  # flat arg-leaf indices that are differentiated
+    wrt: tuple[int, ...]  # argument positions in the gradient tuple
     out_tree: Any
     out_avals: tuple[Any, ...]
-    out_diff: tuple[int, ...]            # output leaves that take a cotangent
+    out_diff: tuple[int, ...]  # output leaves that take a cotangent
     single_grad: bool
     stored_avals: tuple[Any, ...]
-    token: str                           # names this plan in residual files (same process only)
+    token: str  # names this plan in residual files (same process only)
     unused_avals: tuple[Any, ...] = ()
 
     @property
@@ -86,8 +86,10 @@ def wrt_positions(names: Sequence[str], wrt, owner: str = "") -> tuple[tuple[int
     for w in items:
         if isinstance(w, str):
             if w not in names:
-                raise VjpsplitError(f"wrt names {w!r}, which is not an argument{f' of {owner}' if owner else ''}; "
-                                    f"the arguments are {', '.join(names)}")
+                raise VjpsplitError(
+                    f"wrt names {w!r}, which is not an argument{f' of {owner}' if owner else ''}; "
+                    f"the arguments are {', '.join(names)}"
+                )
             out.append(list(names).index(w))
         elif isinstance(w, (int, np.integer)) and not isinstance(w, bool) and -n <= w < n:
             out.append(int(w) % n)
@@ -146,7 +148,8 @@ def trace_vjp(fn: Callable, args: tuple, wrt: tuple[int, ...], single: bool, has
     for pos, a in enumerate(args):
         leaf_owner += [pos] * len(jax.tree_util.tree_leaves(a))
     diff = tuple(
-        i for i, (pos, leaf) in enumerate(zip(leaf_owner, flat_args))
+        i
+        for i, (pos, leaf) in enumerate(zip(leaf_owner, flat_args))
         if pos in wrt_set and is_differentiable(jnp.result_type(leaf))
     )
 
@@ -223,8 +226,12 @@ def _live_inputs(jaxpr, live_out: Sequence[bool]) -> list[bool]:
             continue
         inner = eqn.params.get("jaxpr") if eqn.primitive.name in _CALLS else None
         inner = getattr(inner, "jaxpr", inner)
-        if inner is not None and not eqn.effects and len(inner.invars) == len(eqn.invars) \
-                and len(inner.outvars) == len(eqn.outvars):
+        if (
+            inner is not None
+            and not eqn.effects
+            and len(inner.invars) == len(eqn.invars)
+            and len(inner.outvars) == len(eqn.outvars)
+        ):
             used = _live_inputs(inner, outs)
         else:
             used = [True] * len(eqn.invars)
@@ -245,7 +252,7 @@ def _drop_unused(vjp_tree, vjp_leaves, slots, stored, d_out):
     cts = [struct_of(o) for o in d_out]
     try:
         closed = jax.make_jaxpr(lambda leaves, c: jax.tree_util.tree_unflatten(vjp_tree, leaves)(c))(avals, cts)
-        used_leaf = _live_inputs(closed.jaxpr, [True] * len(closed.jaxpr.outvars))[:len(vjp_leaves)]
+        used_leaf = _live_inputs(closed.jaxpr, [True] * len(closed.jaxpr.outvars))[: len(vjp_leaves)]
     except Exception:  # liveness is an optimisation: keep everything if the backward cannot be traced here
         return stored, slots, []
     used = [False] * len(stored)

@@ -84,8 +84,11 @@ def partition(closed: jcore.ClosedJaxpr, weight_outs: Sequence[int], ct_invars: 
         eqn = jaxpr.eqns[idx]
         if eqn.primitive.name in CONTRACTIONS or any(v in feeds for v in eqn.outvars if isinstance(v, jcore.Var)):
             feeds.update(_vars(eqn.invars))
-    chain = [jaxpr.eqns[i] for i in sorted(w_only)
-             if any(v in feeds and v in ct_dep for v in jaxpr.eqns[i].outvars if isinstance(v, jcore.Var))]
+    chain = [
+        jaxpr.eqns[i]
+        for i in sorted(w_only)
+        if any(v in feeds and v in ct_dep for v in jaxpr.eqns[i].outvars if isinstance(v, jcore.Var))
+    ]
     if chain:
         more, _ = backward_slice([v for e in chain for v in e.outvars if isinstance(v, jcore.Var)], exclude=set())
         a_idx |= more
@@ -102,21 +105,41 @@ def partition(closed: jcore.ClosedJaxpr, weight_outs: Sequence[int], ct_invars: 
     kept_invars = [v for i, v in enumerate(jaxpr.invars) if i not in set(ct_invars)]
     a_eqns = [jaxpr.eqns[i] for i in sorted(a_idx)]
     b_eqns = [jaxpr.eqns[i] for i in sorted(b_idx)]
-    input_part = jcore.Jaxpr(jaxpr.constvars, jaxpr.invars, in_outvars + boundary, a_eqns, _effects(a_eqns),
-                             _debug_info(jaxpr, "input part", len(jaxpr.invars), len(in_outvars) + len(boundary)))
-    weight_part = jcore.Jaxpr(jaxpr.constvars, kept_invars + boundary, w_outvars, b_eqns, _effects(b_eqns),
-                              _debug_info(jaxpr, "weight part", len(kept_invars) + len(boundary), len(w_outvars)))
+    input_part = jcore.Jaxpr(
+        jaxpr.constvars,
+        jaxpr.invars,
+        in_outvars + boundary,
+        a_eqns,
+        _effects(a_eqns),
+        _debug_info(jaxpr, "input part", len(jaxpr.invars), len(in_outvars) + len(boundary)),
+    )
+    weight_part = jcore.Jaxpr(
+        jaxpr.constvars,
+        kept_invars + boundary,
+        w_outvars,
+        b_eqns,
+        _effects(b_eqns),
+        _debug_info(jaxpr, "weight part", len(kept_invars) + len(boundary), len(w_outvars)),
+    )
     used = set(_vars(w_outvars)) | {v for e in b_eqns for v in _vars(e.invars)}
     reads = tuple(i for i, v in enumerate(weight_part.invars) if v in used)
-    return Partition(jcore.ClosedJaxpr(input_part, closed.consts), jcore.ClosedJaxpr(weight_part, closed.consts),
-                     len(boundary), reads)
+    return Partition(
+        jcore.ClosedJaxpr(input_part, closed.consts),
+        jcore.ClosedJaxpr(weight_part, closed.consts),
+        len(boundary),
+        reads,
+    )
 
 
 def _debug_info(jaxpr: jcore.Jaxpr, what: str, n_in: int, n_out: int):
     # jax.extend.core exports DebugInfo only from jax 0.10: take the type from the
     # backward's own debug_info (a NamedTuple in every jax since 0.5) instead.
-    return jaxpr.debug_info._replace(traced_for="vjpsplit", func_src_info=f"zero-bubble {what} of the backward",
-                                     arg_names=(None,) * n_in, result_paths=(None,) * n_out)
+    return jaxpr.debug_info._replace(
+        traced_for="vjpsplit",
+        func_src_info=f"zero-bubble {what} of the backward",
+        arg_names=(None,) * n_in,
+        result_paths=(None,) * n_out,
+    )
 
 
 def _effects(eqns):
@@ -138,6 +161,12 @@ def keep_inputs(closed: jcore.ClosedJaxpr, keep: Sequence[int]) -> jcore.ClosedJ
     if any(v in used for v in dropped):
         raise ValueError("keep_inputs would drop an input the jaxpr reads")
     invars = [jaxpr.invars[i] for i in keep]
-    pruned = jcore.Jaxpr(jaxpr.constvars, invars, jaxpr.outvars, jaxpr.eqns, jaxpr.effects,
-                         _debug_info(jaxpr, "weight part", len(invars), len(jaxpr.outvars)))
+    pruned = jcore.Jaxpr(
+        jaxpr.constvars,
+        invars,
+        jaxpr.outvars,
+        jaxpr.eqns,
+        jaxpr.effects,
+        _debug_info(jaxpr, "weight part", len(invars), len(jaxpr.outvars)),
+    )
     return jcore.ClosedJaxpr(pruned, closed.consts)

@@ -1,8 +1,8 @@
 """A flax.linen CNN with an optax loss, exported once and run from the CLI.
 
-    bash samples/models/run.sh flax_cnn          # export, run-fwd, run-bwd, check
-    python samples/models/flax_cnn.py make-inputs inputs.npz --batch 16
-    python samples/models/flax_cnn.py check inputs.npz grads.npz
+bash samples/models/run.sh flax_cnn          # export, run-fwd, run-bwd, check
+python samples/models/flax_cnn.py make-inputs inputs.npz --batch 16
+python samples/models/flax_cnn.py check inputs.npz grads.npz
 """
 
 import sys

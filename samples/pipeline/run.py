@@ -71,8 +71,12 @@ def main(argv=None) -> int:
         # Before JAX starts its threads: Ray forks while starting, which JAX warns about
         # once it runs. Ray's own notices (its token setup, its start) are not this sample's output.
         note("starting a local Ray" if not args.address else f"connecting to Ray at {args.address}")
-        ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
-                 **({"address": args.address} if args.address else {"num_cpus": max(2 * WORKERS, os.cpu_count() or 1)}))
+        ray.init(
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
+            **({"address": args.address} if args.address else {"num_cpus": max(2 * WORKERS, os.cpu_count() or 1)}),
+        )
 
     note(f"exporting the {WORKERS} and {2 * WORKERS} stage artifacts")
     params = model.init()
@@ -89,12 +93,21 @@ def main(argv=None) -> int:
             arts, stage_params = cuts[2 * WORKERS if name == "zbv" else WORKERS]
             rp = P.RayPipeline(arts, stage_params, layout=P.layout(name)) if runner == "ray" else None
             try:
+
                 def step():
                     if rp is not None:
-                        return rp.run(x, [labels], microbatches=args.microbatches, schedule_name=name,
-                                      progress=args.progress)
-                    return P.run_inprocess(arts, stage_params, x, [labels], microbatches=args.microbatches,
-                                           schedule_name=name, progress=args.progress)
+                        return rp.run(
+                            x, [labels], microbatches=args.microbatches, schedule_name=name, progress=args.progress
+                        )
+                    return P.run_inprocess(
+                        arts,
+                        stage_params,
+                        x,
+                        [labels],
+                        microbatches=args.microbatches,
+                        schedule_name=name,
+                        progress=args.progress,
+                    )
 
                 step()  # warm-up: compiles every module once per worker
                 results = [step() for _ in range(args.steps)]
@@ -109,19 +122,30 @@ def main(argv=None) -> int:
             best = sorted(results, key=lambda r: r.step_time)[len(results) // 2]
             png = out / f"timeline_{runner}_{name}.png"
             best.plot(png)
-            rows.append((runner, name, len(arts), statistics.median(r.step_time for r in results),
-                         statistics.median(r.bubble_ratio for r in results),
-                         statistics.median(r.modeled_bubble_ratio for r in results)))
+            rows.append(
+                (
+                    runner,
+                    name,
+                    len(arts),
+                    statistics.median(r.step_time for r in results),
+                    statistics.median(r.bubble_ratio for r in results),
+                    statistics.median(r.modeled_bubble_ratio for r in results),
+                )
+            )
     if "ray" in runners:
         import ray
 
         ray.shutdown()
-    print(f"{model.LAYERS}-layer MLP on {WORKERS} workers, batch {args.batch} in {args.microbatches} microbatches; "
-          f"loss and gradients match jax.value_and_grad for every step; {args.steps} measured "
-          f"step{'' if args.steps == 1 else 's'} each")
+    print(
+        f"{model.LAYERS}-layer MLP on {WORKERS} workers, batch {args.batch} in {args.microbatches} microbatches; "
+        f"loss and gradients match jax.value_and_grad for every step; {args.steps} measured "
+        f"step{'' if args.steps == 1 else 's'} each"
+    )
     print()
-    print(f"| runner | schedule | stages | step time (median of {args.steps}) | measured bubble "
-          "| modeled bubble (1 device/worker) |")
+    print(
+        f"| runner | schedule | stages | step time (median of {args.steps}) | measured bubble "
+        "| modeled bubble (1 device/worker) |"
+    )
     print("|---|---|---:|---:|---:|---:|")
     for runner, name, n, t, bub, model_bub in rows:
         print(f"| {RUNNERS[runner]} | {P.LABELS[name]} | {n} | {t * 1e3:.0f} ms | {bub:.0%} | {model_bub:.0%} |")

@@ -32,8 +32,13 @@ def whole(params, x, labels):
 def init(layers: int = LAYERS, seed: int = 0):
     """One ``{"w", "b"}`` per layer; the last maps to the classes."""
     rng = np.random.default_rng(seed)
-    return [{"w": (rng.normal(size=(WIDTH, CLASSES if i == layers - 1 else WIDTH)) / np.sqrt(WIDTH)).astype(np.float32),
-             "b": np.zeros(CLASSES if i == layers - 1 else WIDTH, np.float32)} for i in range(layers)]
+    return [
+        {
+            "w": (rng.normal(size=(WIDTH, CLASSES if i == layers - 1 else WIDTH)) / np.sqrt(WIDTH)).astype(np.float32),
+            "b": np.zeros(CLASSES if i == layers - 1 else WIDTH, np.float32),
+        }
+        for i in range(layers)
+    ]
 
 
 def group(params, stages: int):
@@ -41,7 +46,7 @@ def group(params, stages: int):
     k = len(params) // stages
     if k * stages != len(params):
         raise ValueError(f"{len(params)} layers do not split into {stages} equal stages")
-    return [params[i * k:(i + 1) * k] for i in range(stages)]
+    return [params[i * k : (i + 1) * k] for i in range(stages)]
 
 
 def export_stages(params, stages: int, platforms="cpu"):
@@ -56,8 +61,19 @@ def export_stages(params, stages: int, platforms="cpu"):
     spec = lambda p: jax.tree_util.tree_map(lambda a: s(a.shape, a.dtype), p)  # noqa: E731
     groups = group(params, stages)
     wrt = lambda i: ("params",) if i == 0 else ("params", "x")  # noqa: E731
-    arts = [vs.export(hidden, spec(p), s((b, WIDTH), jnp.float32), wrt=wrt(i), weights="params", platforms=platforms)
-            for i, p in enumerate(groups[:-1])]
-    arts.append(vs.export(head, spec(groups[-1]), s((b, WIDTH), jnp.float32), s((b,), jnp.int32),
-                          wrt=wrt(stages - 1), weights="params", platforms=platforms))
+    arts = [
+        vs.export(hidden, spec(p), s((b, WIDTH), jnp.float32), wrt=wrt(i), weights="params", platforms=platforms)
+        for i, p in enumerate(groups[:-1])
+    ]
+    arts.append(
+        vs.export(
+            head,
+            spec(groups[-1]),
+            s((b, WIDTH), jnp.float32),
+            s((b,), jnp.int32),
+            wrt=wrt(stages - 1),
+            weights="params",
+            platforms=platforms,
+        )
+    )
     return arts

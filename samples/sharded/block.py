@@ -51,6 +51,7 @@ def batch():
 
 def attention(params, x):
     """A pre-LN causal self-attention block with an MLP, as a loss; heads split over ``model``."""
+
     def norm(v):
         return (v - v.mean(-1, keepdims=True)) * jax.lax.rsqrt(v.var(-1, keepdims=True) + 1e-5)
 
@@ -63,15 +64,19 @@ def attention(params, x):
     a = jnp.einsum("bhts,bhsk->bthk", jax.nn.softmax(s, axis=-1), v)
     x = x + jnp.einsum("bthk,hkd->btd", a, params["wo"])
     x = x + jax.nn.gelu(norm(x) @ params["w1"] + params["b1"]) @ params["w2"]
-    return jnp.mean(x ** 2)
+    return jnp.mean(x**2)
 
 
 def attention_params():
     """Q, K, V split by heads, the output projection by heads (rows), the MLP as in ``mlp_params``."""
     k = D // HEADS
-    return {"wq": _spec((D, HEADS, k), P(None, "model", None)), "wk": _spec((D, HEADS, k), P(None, "model", None)),
-            "wv": _spec((D, HEADS, k), P(None, "model", None)), "wo": _spec((HEADS, k, D), P("model", None, None)),
-            **mlp_params()}
+    return {
+        "wq": _spec((D, HEADS, k), P(None, "model", None)),
+        "wk": _spec((D, HEADS, k), P(None, "model", None)),
+        "wv": _spec((D, HEADS, k), P(None, "model", None)),
+        "wo": _spec((HEADS, k, D), P("model", None, None)),
+        **mlp_params(),
+    }
 
 
 def init(specs, seed: int = 0, b: int = 8):

@@ -15,7 +15,9 @@ os.environ["XLA_FLAGS"] = " ".join([*flags, "--xla_force_host_platform_device_co
 import jax  # noqa: E402
 
 if jax.device_count() < 8:
-    raise RuntimeError("the sharded suite needs 8 devices: JAX started before tests/sharded/conftest.py set XLA_FLAGS; "
-                       "run it alone: python -m pytest tests/sharded")
+    raise RuntimeError(
+        "the sharded suite needs 8 devices: JAX started before tests/sharded/conftest.py set XLA_FLAGS; "
+        "run it alone: python -m pytest tests/sharded"
+    )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "samples" / "sharded"))

@@ -136,13 +136,18 @@ def test_residual_file_round_trip_places_again(case, tmp_path):
 
 def test_split_keeps_residuals_sharded():
     specs = (block.mlp_params(), block.batch())
-    args = _placed((specs[0], jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((8, 8, 16), s.dtype,
-                                                                                      sharding=s.sharding), specs[1])),
-                   (block.init(specs[0], 1), block.init(specs[1], 2)))
+    args = _placed(
+        (
+            specs[0],
+            jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((8, 8, 16), s.dtype, sharding=s.sharding), specs[1]),
+        ),
+        (block.init(specs[0], 1), block.init(specs[1], 2)),
+    )
     fwd, bwd = vs.split(block.mlp)
     out, res = jax.jit(fwd)(*args)
-    assert any(len(a.sharding.device_set) == 8 and not a.sharding.is_fully_replicated
-               for a in jax.tree_util.tree_leaves(res))
+    assert any(
+        len(a.sharding.device_set) == 8 and not a.sharding.is_fully_replicated for a in jax.tree_util.tree_leaves(res)
+    )
     gp, gx = jax.jit(bwd)(res, jnp.float32(1))
     _, (ref_gp, ref_gx) = jax.value_and_grad(block.mlp, argnums=(0, 1))(*args)
     _close(gx, ref_gx)
@@ -169,9 +174,12 @@ def test_symbolic_dim_not_known_divisible_says_which_constraint_to_add():
 
 def test_concrete_dim_a_mesh_axis_does_not_divide():
     x = jax.ShapeDtypeStruct((6, 16), jnp.float32, sharding=NamedSharding(_mesh(), P("model", None)))
-    with pytest.raises(vs.VjpsplitError, match=r"'x' dim 0 \(6\) is split 4 ways by mesh axis model, but 6 is not a "
-                                               r"multiple of 4"):
-        vs.export(lambda x: jnp.sum(x ** 2), x, platforms="cpu")
+    with pytest.raises(
+        vs.VjpsplitError,
+        match=r"'x' dim 0 \(6\) is split 4 ways by mesh axis model, but 6 is not a "
+        r"multiple of 4",
+    ):
+        vs.export(lambda x: jnp.sum(x**2), x, platforms="cpu")
 
 
 def test_two_meshes_are_refused():
@@ -195,8 +203,14 @@ def _cli(*args, devices=8, cwd=None):
     env = {**os.environ}
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
     env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
-    return subprocess.run([sys.executable, "-m", "vjpsplit_cli", *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "vjpsplit_cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=600,
+    )
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -204,8 +218,20 @@ def cli_artifact(request, tmp_path_factory):
     """The block exported by the CLI (as ``mlp.vjps``, whichever block), and an inputs file of batch 6."""
     root = tmp_path_factory.mktemp("cli")
     name = request.param
-    r = _cli("export", f"{SAMPLE}:{name}", "--shapes", f"params=@{SAMPLE}:{name}_params", "--shapes",
-             f"x=@{SAMPLE}:batch", "--platforms", "cpu", "--weights", "params", "-o", root / "mlp.vjps")
+    r = _cli(
+        "export",
+        f"{SAMPLE}:{name}",
+        "--shapes",
+        f"params=@{SAMPLE}:{name}_params",
+        "--shapes",
+        f"x=@{SAMPLE}:batch",
+        "--platforms",
+        "cpu",
+        "--weights",
+        "params",
+        "-o",
+        root / "mlp.vjps",
+    )
     assert r.returncode == 0, r.stderr
     specs = (CASES[name][1](), block.batch())
     params, x = block.init(specs[0], 3), block.init(specs[1], 4, b=6)
@@ -217,11 +243,20 @@ def cli_artifact(request, tmp_path_factory):
 def test_cli_runs_a_sharded_artifact_from_array_files(cli_artifact, fmt):
     root, specs, args, fn = cli_artifact
     art = root / "mlp.vjps"
-    r = _cli("run-fwd", art, "--inputs", root / "in.npz", "--residuals", root / f"res.{fmt}", "--outputs",
-             root / f"out.{fmt}")
+    r = _cli(
+        "run-fwd",
+        art,
+        "--inputs",
+        root / "in.npz",
+        "--residuals",
+        root / f"res.{fmt}",
+        "--outputs",
+        root / f"out.{fmt}",
+    )
     assert r.returncode == 0, r.stderr
-    r = _cli("run-bwd", art, "--inputs", root / "in.npz", "--residuals", root / f"res.{fmt}", "--grads",
-             root / f"g.{fmt}")
+    r = _cli(
+        "run-bwd", art, "--inputs", root / "in.npz", "--residuals", root / f"res.{fmt}", "--grads", root / f"g.{fmt}"
+    )
     assert r.returncode == 0, r.stderr
     grads, _ = vs.load_arrays(root / f"g.{fmt}")
     loss, (gp, gx) = _reference(fn, specs, args)
@@ -231,11 +266,33 @@ def test_cli_runs_a_sharded_artifact_from_array_files(cli_artifact, fmt):
     for k, v in gp.items():
         _close(grads[f"params/{k}"], v)
     # B then W through files, as a pipeline stage on another host would.
-    r = _cli("run-bwd", art, "--inputs", root / "in.npz", "--residuals", root / f"res.{fmt}", "--part", "input",
-             "--grads", root / f"gi.{fmt}", "--intermediates", root / f"inter.{fmt}")
+    r = _cli(
+        "run-bwd",
+        art,
+        "--inputs",
+        root / "in.npz",
+        "--residuals",
+        root / f"res.{fmt}",
+        "--part",
+        "input",
+        "--grads",
+        root / f"gi.{fmt}",
+        "--intermediates",
+        root / f"inter.{fmt}",
+    )
     assert r.returncode == 0, r.stderr
-    r = _cli("run-bwd", art, "--inputs", root / "in.npz", "--intermediates", root / f"inter.{fmt}", "--part", "weight",
-             "--grads", root / f"gw.{fmt}")
+    r = _cli(
+        "run-bwd",
+        art,
+        "--inputs",
+        root / "in.npz",
+        "--intermediates",
+        root / f"inter.{fmt}",
+        "--part",
+        "weight",
+        "--grads",
+        root / f"gw.{fmt}",
+    )
     assert r.returncode == 0, r.stderr
     gw, _ = vs.load_arrays(root / f"gw.{fmt}")
     for k, v in gp.items():
@@ -271,12 +328,25 @@ def test_cli_residuals_from_another_sharding_are_refused_by_name(cli_artifact):
     root, specs, _, fn = cli_artifact
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
     # The same function with the batch replicated and the model split the other way.
-    other = ({k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P())) for k, s in specs[0].items()},
-             jax.ShapeDtypeStruct(specs[1].shape, specs[1].dtype, sharding=NamedSharding(mesh, P(None, None, "model"))))
+    other = (
+        {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P())) for k, s in specs[0].items()},
+        jax.ShapeDtypeStruct(specs[1].shape, specs[1].dtype, sharding=NamedSharding(mesh, P(None, None, "model"))),
+    )
     vs.export(fn, *other, platforms="cpu").save(root / "other.vjps")
-    assert _cli("run-fwd", root / "other.vjps", "--inputs", root / "in.npz", "--residuals", root / "other.npz").returncode == 0
-    r = _cli("run-bwd", root / "mlp.vjps", "--inputs", root / "in.npz", "--residuals", root / "other.npz", "--grads",
-             root / "bad.npz")
+    assert (
+        _cli("run-fwd", root / "other.vjps", "--inputs", root / "in.npz", "--residuals", root / "other.npz").returncode
+        == 0
+    )
+    r = _cli(
+        "run-bwd",
+        root / "mlp.vjps",
+        "--inputs",
+        root / "in.npz",
+        "--residuals",
+        root / "other.npz",
+        "--grads",
+        root / "bad.npz",
+    )
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "other.npz" in lines[0] and "was saved with sharding" in lines[0], r.stderr

@@ -20,7 +20,7 @@ FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "sharded-cc9"
 
 def _run(art):
     expected, _ = vs.load_arrays(FIXTURE / "expected.npz")
-    params = {k[len("params/"):]: v for k, v in expected.items() if k.startswith("params/")}
+    params = {k[len("params/") :]: v for k, v in expected.items() if k.startswith("params/")}
     out, res = art.fwd(params, expected["x"])
     assert len(res.stored["r/0"].sharding.device_set) == 8
     g_params, g_x = art.bwd(res)
@@ -40,8 +40,11 @@ def test_fixture_runs_on_8_devices_here():
     if SHARDY:
         _run(art)
     else:  # jax 0.6 reads the file, but not the Shardy dialect of its sharded modules: one clear refusal
-        with pytest.raises(vs.VjpsplitError, match=r"cannot read the fwd module .*Shardy partitioner.*jax 0\.10\.2 "
-                                                   r"or newer, or re-export it with this jax"):
+        with pytest.raises(
+            vs.VjpsplitError,
+            match=r"cannot read the fwd module .*Shardy partitioner.*jax 0\.10\.2 "
+            r"or newer, or re-export it with this jax",
+        ):
             _run(art)
 
 

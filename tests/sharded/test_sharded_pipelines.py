@@ -19,7 +19,6 @@ from vjpsplit_cli import pipeline
 D, CLASSES, BATCH = 8, 6, 24
 
 
-
 @functools.lru_cache(maxsize=None)
 def make(stages: int):
     """``stages`` artifacts, each on a (2, n/2) mesh of n = 8 // stages devices: batch over data, units over model."""
@@ -31,15 +30,34 @@ def make(stages: int):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
     rng = np.random.default_rng(stages)
-    params = [{"w": (rng.normal(size=(D, D)) / 3).astype(np.float32), "b": rng.normal(size=D).astype(np.float32)}
-              for _ in range(stages - 1)]
+    params = [
+        {"w": (rng.normal(size=(D, D)) / 3).astype(np.float32), "b": rng.normal(size=D).astype(np.float32)}
+        for _ in range(stages - 1)
+    ]
     params.append({"w": (rng.normal(size=(D, CLASSES)) / 3).astype(np.float32), "b": np.zeros(CLASSES, np.float32)})
     hidden_spec = {"w": s((D, D), P(None, "model")), "b": s((D,), P("model"))}
-    arts = [vs.export(hidden, hidden_spec, s((b, D), P("data", None)), weights="params",
-                      wrt=("params",) if i == 0 else ("params", "x"), platforms="cpu") for i in range(stages - 1)]
-    arts.append(vs.export(head, {"w": s((D, CLASSES), P("model", None)), "b": s((CLASSES,), P())},
-                          s((b, D), P("data", None)), s((b,), P("data"), jnp.int32), weights="params",
-                          wrt=("params", "x"), platforms="cpu"))
+    arts = [
+        vs.export(
+            hidden,
+            hidden_spec,
+            s((b, D), P("data", None)),
+            weights="params",
+            wrt=("params",) if i == 0 else ("params", "x"),
+            platforms="cpu",
+        )
+        for i in range(stages - 1)
+    ]
+    arts.append(
+        vs.export(
+            head,
+            {"w": s((D, CLASSES), P("model", None)), "b": s((CLASSES,), P())},
+            s((b, D), P("data", None)),
+            s((b,), P("data"), jnp.int32),
+            weights="params",
+            wrt=("params", "x"),
+            platforms="cpu",
+        )
+    )
     x = rng.normal(size=(BATCH, D)).astype(np.float32)
     labels = rng.integers(0, CLASSES, BATCH).astype(np.int32)
     return arts, params, x, labels

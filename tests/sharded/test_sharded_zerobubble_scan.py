@@ -16,6 +16,7 @@ L, D = 4, 8
 def stage(params, x):
     def layer(h, p):
         return jnp.tanh(h @ p["w"] + p["b"]), None
+
     return jax.lax.scan(layer, x, params)[0]
 
 
@@ -26,8 +27,13 @@ def test_sharded_scanned_stage_splits_and_matches_vjp():
     def s(shape, spec):
         return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
 
-    art = vs.export(stage, {"w": s((L, D, D), P(None, None, "model")), "b": s((L, D), P(None, "model"))},
-                    s((b, D), P("data", None)), weights="params", platforms="cpu")
+    art = vs.export(
+        stage,
+        {"w": s((L, D, D), P(None, None, "model")), "b": s((L, D), P(None, "model"))},
+        s((b, D), P("data", None)),
+        weights="params",
+        platforms="cpu",
+    )
     rng = np.random.default_rng(0)
     params = {"w": rng.normal(size=(L, D, D)).astype(np.float32) / 3, "b": rng.normal(size=(L, D)).astype(np.float32)}
     x = rng.normal(size=(6, D)).astype(np.float32)

@@ -65,8 +65,9 @@ class _OutputFile(click.ParamType):
         if self.arrays and os.path.splitext(text)[1].lower() not in ARRAY_SUFFIXES:
             ext = os.path.splitext(text)[1]
             what = f"extension {printable(ext)!r}" if ext else "no extension"
-            self.fail(f"{printable(text)}: unknown array file format ({what}); use a .npz or .msgpack file name",
-                      param, ctx)
+            self.fail(
+                f"{printable(text)}: unknown array file format ({what}); use a .npz or .msgpack file name", param, ctx
+            )
         return text
 
 
@@ -113,8 +114,9 @@ class AtSizes(click.ParamType):
 # or ``vjpsplit run-fwd … --debug``): the group and every command declare them.
 _GLOBAL_OPTIONS = (
     click.option("--debug", is_flag=True, help="Show full tracebacks on errors (also VJPSPLIT_DEBUG=1)."),
-    click.option("--no-cache", is_flag=True,
-                 help="Do not use the persistent compilation cache (see VJPSPLIT_CACHE_DIR)."),
+    click.option(
+        "--no-cache", is_flag=True, help="Do not use the persistent compilation cache (see VJPSPLIT_CACHE_DIR)."
+    ),
 )
 
 
@@ -161,8 +163,10 @@ def cli_command(fn):
         except MemoryError as e:
             if show:
                 traceback.print_exc()
-            raise CliError(f"{_subject(kwargs)}: out of memory while running {ctx.info_name}; "
-                           "use smaller inputs or a machine with more memory") from e
+            raise CliError(
+                f"{_subject(kwargs)}: out of memory while running {ctx.info_name}; "
+                "use smaller inputs or a machine with more memory"
+            ) from e
         except OSError as e:
             if show:
                 traceback.print_exc()
@@ -184,13 +188,19 @@ def _unexpected(command: str, kwargs, e: Exception) -> str:
     """One line for an exception nothing mapped: name the artifact or function and say what to try."""
     what = f"{type(e).__name__} {one_line(e, 160)}".strip()
     if isinstance(e, ImportError):  # user modules are imported by specs.load_object, which says so itself
-        return (f"{_subject(kwargs)}: {command} could not load a part of vjpsplit or of JAX ({what}); "
-                "reinstall vjpsplit and its dependencies, or rerun with --debug for the traceback")
+        return (
+            f"{_subject(kwargs)}: {command} could not load a part of vjpsplit or of JAX ({what}); "
+            "reinstall vjpsplit and its dependencies, or rerun with --debug for the traceback"
+        )
     if kwargs.get("artifact"):
-        return (f"{kwargs['artifact']}: {command} failed on this artifact ({what}); it may be damaged or "
-                "hand-edited: re-export it, or rerun with --debug for the traceback")
-    return (f"{_subject(kwargs)}: {command} failed ({what}); check the function and its --shapes, "
-            "or rerun with --debug for the traceback")
+        return (
+            f"{kwargs['artifact']}: {command} failed on this artifact ({what}); it may be damaged or "
+            "hand-edited: re-export it, or rerun with --debug for the traceback"
+        )
+    return (
+        f"{_subject(kwargs)}: {command} failed ({what}); check the function and its --shapes, "
+        "or rerun with --debug for the traceback"
+    )
 
 
 class _OneLineUsageError(click.UsageError):
@@ -224,14 +234,17 @@ class _Main(click.Group):
             return super().invoke(ctx)
 
 
-@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]},
-             epilog="\b\nExample (the sample MLP, from a clone of the repository):\n"
-                    "  vjpsplit export samples/mlp.py:loss --shapes params=@samples/mlp.py:param_shapes \\\n"
-                    "      --shapes 'x=f32[b,784]' --shapes 'labels=i32[b]' -o mlp.vjps\n"
-                    "  vjpsplit template mlp.vjps -o inputs.npz --at b=32 --fill normal\n"
-                    "  vjpsplit run-fwd mlp.vjps --inputs inputs.npz --residuals res.npz\n"
-                    "  vjpsplit run-bwd mlp.vjps --residuals res.npz --inputs inputs.npz --grads grads.npz\n"
-                    "Global options (--debug, --no-cache) go before or after the command.")
+@click.group(
+    cls=_Main,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog="\b\nExample (the sample MLP, from a clone of the repository):\n"
+    "  vjpsplit export samples/mlp.py:loss --shapes params=@samples/mlp.py:param_shapes \\\n"
+    "      --shapes 'x=f32[b,784]' --shapes 'labels=i32[b]' -o mlp.vjps\n"
+    "  vjpsplit template mlp.vjps -o inputs.npz --at b=32 --fill normal\n"
+    "  vjpsplit run-fwd mlp.vjps --inputs inputs.npz --residuals res.npz\n"
+    "  vjpsplit run-bwd mlp.vjps --residuals res.npz --inputs inputs.npz --grads grads.npz\n"
+    "Global options (--debug, --no-cache) go before or after the command.",
+)
 @click.version_option(package_name="vjpsplit", message="vjpsplit %(version)s")
 @_global_options
 def main(debug: bool, no_cache: bool) -> None:
@@ -293,8 +306,10 @@ def use_compilation_cache() -> None:
             return
         jax.config.update("jax_enable_compilation_cache", False)
         if _debug_enabled(click.get_current_context()):
-            log(f"debug: compilation cache {configured} unusable ({_private_cache(str(configured))[1]}); "
-                 "running without it")
+            log(
+                f"debug: compilation cache {configured} unusable ({_private_cache(str(configured))[1]}); "
+                "running without it"
+            )
         return
     path = cache_dir()
     if path is None:
@@ -330,27 +345,47 @@ def enable_x64_if(needed: bool) -> None:
 
 def function_options(fn):
     """The options that say which function to trace and how: shared by export and plan."""
-    for option in reversed([
-        click.argument("target", metavar="MODULE:FN"),
-        click.option("--shapes", "shapes", multiple=True, required=True, type=ShapeSpec(), metavar="NAME=SPEC",
-                     help="One per positional parameter: NAME=f32[b,784], NAME=@module:attr, or NAME=file.npz."),
-        click.option("--wrt", default=None, metavar="NAMES",
-                     help="Comma-separated parameters to differentiate (default: all)."),
-        click.option("--has-aux", is_flag=True, help="FN returns (out, aux); only out is differentiated."),
-    ]):
+    for option in reversed(
+        [
+            click.argument("target", metavar="MODULE:FN"),
+            click.option(
+                "--shapes",
+                "shapes",
+                multiple=True,
+                required=True,
+                type=ShapeSpec(),
+                metavar="NAME=SPEC",
+                help="One per positional parameter: NAME=f32[b,784], NAME=@module:attr, or NAME=file.npz.",
+            ),
+            click.option(
+                "--wrt",
+                default=None,
+                metavar="NAMES",
+                help="Comma-separated parameters to differentiate (default: all).",
+            ),
+            click.option("--has-aux", is_flag=True, help="FN returns (out, aux); only out is differentiated."),
+        ]
+    ):
         fn = option(fn)
     return fn
 
 
-
 def trust_options(fn):
     """--trust-key and --allow-kernels: for every command that loads an artifact."""
-    fn = click.option("--allow-kernels", is_flag=True,
-                      help="Trust this artifact's kernel custom calls (LAPACK & co.) without a signature.")(fn)
-    return click.option("--trust-key", "trust_keys", multiple=True, type=EXISTING, metavar="KEY.pub",
-                        help="Refuse the artifact unless signed by this public key (repeatable; also "
-                             "VJPSPLIT_TRUST_KEYS, paths separated by the OS path separator).")(fn)
-
+    fn = click.option(
+        "--allow-kernels",
+        is_flag=True,
+        help="Trust this artifact's kernel custom calls (LAPACK & co.) without a signature.",
+    )(fn)
+    return click.option(
+        "--trust-key",
+        "trust_keys",
+        multiple=True,
+        type=EXISTING,
+        metavar="KEY.pub",
+        help="Refuse the artifact unless signed by this public key (repeatable; also "
+        "VJPSPLIT_TRUST_KEYS, paths separated by the OS path separator).",
+    )(fn)
 
 
 def check_at(at, specs) -> dict[str, int]:
@@ -360,7 +395,6 @@ def check_at(at, specs) -> dict[str, int]:
     sizes = parse_at(at)
     check_at_names(sizes, symbolic_dim_names(specs), "the --shapes")
     return sizes
-
 
 
 def wants_x64(specs) -> bool:
@@ -373,7 +407,6 @@ def wants_x64(specs) -> bool:
     return any(not is_key(s) and np.dtype(s.dtype) in wide for s in jax.tree_util.tree_leaves(specs))
 
 
-
 def load_artifact(path, trust_keys=(), allow_kernels: bool = False, *, x64: bool = True):
     """Load an artifact; a manifest that decodes but does not fit the format is one line naming the file."""
     from ..loading import load
@@ -383,8 +416,10 @@ def load_artifact(path, trust_keys=(), allow_kernels: bool = False, *, x64: bool
     except (VjpsplitError, MemoryError, OSError):
         raise
     except Exception as e:  # e.g. a hand-edited manifest whose fingerprint was recomputed
-        raise VjpsplitError(f"{path}: the artifact's manifest is malformed ({type(e).__name__} {one_line(e, 80)}); "
-                            "re-export it with vjpsplit export") from e
+        raise VjpsplitError(
+            f"{path}: the artifact's manifest is malformed ({type(e).__name__} {one_line(e, 80)}); "
+            "re-export it with vjpsplit export"
+        ) from e
     if x64:
         # Read the manifest's x64 flag before jax touches any array.
         enable_x64_if(art.manifest.x64)
@@ -395,5 +430,3 @@ def to_numpy(values: dict) -> dict:
     import numpy as np
 
     return {k: np.asarray(v) for k, v in values.items()}
-
-

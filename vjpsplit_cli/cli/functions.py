@@ -9,33 +9,73 @@ import click
 
 from ..errors import VjpsplitError
 from ..outputs import StagedOutputs
-from .app import (ARRAY_SUFFIXES, ARTIFACT_OUT, EXISTING, AtSizes, check_at, cli_command, enable_x64_if, function_options, log, main,
-                  name_list, plural_count, wants_x64)
+from .app import (
+    ARRAY_SUFFIXES,
+    ARTIFACT_OUT,
+    EXISTING,
+    AtSizes,
+    check_at,
+    cli_command,
+    enable_x64_if,
+    function_options,
+    log,
+    main,
+    name_list,
+    plural_count,
+    wants_x64,
+)
 
 
-@main.command("export", short_help="Export FN's forward and backward into one artifact.",
-              epilog="\b\nExamples:\n  vjpsplit export samples/mlp.py:loss --shapes params=@samples/mlp.py:param_shapes \\\n      --shapes 'x=f32[b,784]' --shapes 'labels=i32[b]' -o mlp.vjps\n  vjpsplit export model.py:stage --shapes w=weights.npz --shapes 'x=bf16[b,512]' \\\n      --policy dots --platforms cpu,cuda -o stage.vjps")
+@main.command(
+    "export",
+    short_help="Export FN's forward and backward into one artifact.",
+    epilog="\b\nExamples:\n  vjpsplit export samples/mlp.py:loss --shapes params=@samples/mlp.py:param_shapes \\\n      --shapes 'x=f32[b,784]' --shapes 'labels=i32[b]' -o mlp.vjps\n  vjpsplit export model.py:stage --shapes w=weights.npz --shapes 'x=bf16[b,512]' \\\n      --policy dots --platforms cpu,cuda -o stage.vjps",
+)
 @function_options
 @click.option("--platforms", default="cpu,cuda,tpu", show_default=True, help="Comma-separated platforms to lower for.")
-@click.option("--policy", default="everything", show_default=True,
-              help="What the forward keeps: everything, dots, nothing, names:a,b, or auto (the fastest fwd+bwd "
-                   "measured here at the --at sizes, within --memory-budget if given).")
-@click.option("--memory-budget", default=None, metavar="BYTES",
-              help="Pick the policy that recomputes least among those whose stored residuals fit (e.g. 64MiB).")
-@click.option("--at", "at", multiple=True, type=AtSizes(), metavar="NAME=SIZE",
-              help="Sizes for symbolic dims when weighing residuals against --memory-budget (e.g. b=256).")
-@click.option("--weights", default=None, metavar="NAMES",
-              help="Comma-separated weight parameters: adds the zero-bubble split backward (run-bwd --part).")
+@click.option(
+    "--policy",
+    default="everything",
+    show_default=True,
+    help="What the forward keeps: everything, dots, nothing, names:a,b, or auto (the fastest fwd+bwd "
+    "measured here at the --at sizes, within --memory-budget if given).",
+)
+@click.option(
+    "--memory-budget",
+    default=None,
+    metavar="BYTES",
+    help="Pick the policy that recomputes least among those whose stored residuals fit (e.g. 64MiB).",
+)
+@click.option(
+    "--at",
+    "at",
+    multiple=True,
+    type=AtSizes(),
+    metavar="NAME=SIZE",
+    help="Sizes for symbolic dims when weighing residuals against --memory-budget (e.g. b=256).",
+)
+@click.option(
+    "--weights",
+    default=None,
+    metavar="NAMES",
+    help="Comma-separated weight parameters: adds the zero-bubble split backward (run-bwd --part).",
+)
 @click.option("-o", "--output", required=True, type=ARTIFACT_OUT, help="Artifact file to write.")
-@click.option("--sign-key", "sign_key", type=EXISTING, default=None, metavar="KEY",
-              help="Sign the artifact with this Ed25519 private key (from `vjpsplit keygen`).")
+@click.option(
+    "--sign-key",
+    "sign_key",
+    type=EXISTING,
+    default=None,
+    metavar="KEY",
+    help="Sign the artifact with this Ed25519 private key (from `vjpsplit keygen`).",
+)
 @cli_command
 def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, at, weights, output, sign_key):
     """Export FN's forward and backward into one portable artifact."""
     from ..lowering import export
     from ..policies import parse_at
     from ..specs import check_fits, load_object, resolve_shapes
-    from ..trust import load_private_key
+    from ..signing import load_private_key
 
     key = load_private_key(sign_key) if sign_key else None  # a bad key fails before any tracing
 
@@ -53,10 +93,19 @@ def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, a
         check_fits(fn, target, names, specs, shapes)
         if policy == "auto":
             _log_timing(at)
-        art = export(fn, *specs, wrt=name_list(wrt), has_aux=has_aux, platforms=platforms,
-                     policy=None if memory_budget is not None and policy != "auto" else policy,
-                     arg_names=names, name=name, memory_budget=memory_budget, at=parse_at(at),
-                     weights=name_list(weights))
+        art = export(
+            fn,
+            *specs,
+            wrt=name_list(wrt),
+            has_aux=has_aux,
+            platforms=platforms,
+            policy=None if memory_budget is not None and policy != "auto" else policy,
+            arg_names=names,
+            name=name,
+            memory_budget=memory_budget,
+            at=parse_at(at),
+            weights=name_list(weights),
+        )
         if key is not None:
             art.sign(key)
         out.write("-o", art.save)
@@ -64,17 +113,17 @@ def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, a
     if art.policy_choice.reason:  # auto's measurements, or the budget's pick
         log(art.policy_choice.reason)
     backed = sum(r.input_backed for r in m.residuals)
-    log(f"wrote {output}: {m.function}, {plural_count(len(m.inputs), 'input')}, "
-         f"{plural_count(len(m.residuals) - backed, 'stored residual')} and {backed} input-backed, "
-         f"platforms {','.join(m.platforms)}" + (f", signed by {art.signer}" if art.signer else ""))
-
+    log(
+        f"wrote {output}: {m.function}, {plural_count(len(m.inputs), 'input')}, "
+        f"{plural_count(len(m.residuals) - backed, 'stored residual')} and {backed} input-backed, "
+        f"platforms {','.join(m.platforms)}" + (f", signed by {art.signer}" if art.signer else "")
+    )
 
 
 def _log_timing(at) -> None:
     """Policy auto compiles and times every candidate: seconds each, so say so before the wait."""
     sizes = f" at {', '.join(at)}" if at else ""
     log(f"policy auto: compiling and timing fwd+bwd of each policy{sizes} (about a second each)...")
-
 
 
 def _module_files(target: str) -> list[str]:
@@ -84,7 +133,6 @@ def _module_files(target: str) -> list[str]:
         return [module]
     base = os.path.join(*module.split(".")) if module else ""
     return [base + ".py", os.path.join(base, "__init__.py")] if base else []
-
 
 
 def _shape_files(shapes) -> list[str]:
@@ -99,15 +147,27 @@ def _shape_files(shapes) -> list[str]:
     return files
 
 
-
-@main.command("plan", short_help="Compare policies before exporting.",
-              epilog="\b\nExamples:\n  vjpsplit plan samples/mlp.py:loss --shapes params=@samples/mlp.py:param_shapes \\\n      --shapes 'x=f32[b,784]' --shapes 'labels=i32[b]' --at b=256")
+@main.command(
+    "plan",
+    short_help="Compare policies before exporting.",
+    epilog="\b\nExamples:\n  vjpsplit plan samples/mlp.py:loss --shapes params=@samples/mlp.py:param_shapes \\\n      --shapes 'x=f32[b,784]' --shapes 'labels=i32[b]' --at b=256",
+)
 @function_options
-@click.option("--at", "at", multiple=True, type=AtSizes(), metavar="NAME=SIZE",
-              help="Sizes for symbolic dims (b=256): bytes and FLOPs.")
-@click.option("--policies", default="everything,dots,nothing", show_default=True,
-              help="Comma-separated policies to compare (names:a,b allowed; separate several with ';'); "
-                   "add auto to time them here and show which auto picks and why (needs --at for symbolic dims).")
+@click.option(
+    "--at",
+    "at",
+    multiple=True,
+    type=AtSizes(),
+    metavar="NAME=SIZE",
+    help="Sizes for symbolic dims (b=256): bytes and FLOPs.",
+)
+@click.option(
+    "--policies",
+    default="everything,dots,nothing",
+    show_default=True,
+    help="Comma-separated policies to compare (names:a,b allowed; separate several with ';'); "
+    "add auto to time them here and show which auto picks and why (needs --at for symbolic dims).",
+)
 @click.option("--memory-budget", default=None, metavar="BYTES", help="With auto: only policies whose residuals fit.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
 @cli_command
@@ -130,11 +190,16 @@ def plan_cmd(target, shapes, wrt, has_aux, at, policies, memory_budget, as_json)
 
         chosen = [p for p in chosen if p != "auto"]
         _log_timing(at)
-        auto = choose_auto(fn, *specs, wrt=wrt_positions(names, name_list(wrt))[0], has_aux=has_aux, at=sizes,
-                           memory_budget=memory_budget)
+        auto = choose_auto(
+            fn,
+            *specs,
+            wrt=wrt_positions(names, name_list(wrt))[0],
+            has_aux=has_aux,
+            at=sizes,
+            memory_budget=memory_budget,
+        )
     costs = plan_policies(fn, *specs, wrt=name_list(wrt), has_aux=has_aux, at=sizes, policies=chosen)
     if as_json:
         click.echo(json.dumps([c.to_json() for c in costs] + ([{"auto": auto.to_json()}] if auto else []), indent=2))
     else:
         click.echo(format_plan(costs, sizes) + (f"\n{auto.reason}" if auto else ""))
-

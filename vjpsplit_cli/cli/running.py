@@ -8,35 +8,57 @@ import click
 
 from ..outputs import StagedOutputs
 from ..signals import time_limit
-from .app import (ARRAY_OUT, EXISTING, cli_command, executable_cache, load_artifact, log, main, plural_count, to_numpy,
-                  trust_options, use_compilation_cache)
+from .app import (
+    ARRAY_OUT,
+    EXISTING,
+    cli_command,
+    executable_cache,
+    load_artifact,
+    log,
+    main,
+    plural_count,
+    to_numpy,
+    trust_options,
+    use_compilation_cache,
+)
 
 
 _timeout_option = click.option(
-    "--timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
-    help="Give up (error, exit 1, no output written) if loading and running the artifact take longer.")
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    metavar="SECONDS",
+    help="Give up (error, exit 1, no output written) if loading and running the artifact take longer.",
+)
 
 
 def _timed(seconds: float | None, artifact: str):
     """``time_limit`` for --timeout (None: no limit)."""
     if seconds is None:
         return contextlib.nullcontext()
-    return time_limit(seconds, f"{artifact}: {click.get_current_context().info_name} did not finish within "
-                               f"{seconds:g} s (--timeout); every previous output is left as it was; "
-                               "allow more time, or do not run this artifact if it never ends")
+    return time_limit(
+        seconds,
+        f"{artifact}: {click.get_current_context().info_name} did not finish within "
+        f"{seconds:g} s (--timeout); every previous output is left as it was; "
+        "allow more time, or do not run this artifact if it never ends",
+    )
 
 
 # Residuals, outputs, grads and intermediates are transient: by default they are not
 # flushed to disk (the rename is atomic, checksums catch a file torn by a power loss).
 _fsync_option = click.option(
-    "--fsync", is_flag=True,
+    "--fsync",
+    is_flag=True,
     help="Flush every file written to disk before exiting, so it survives a power loss "
-         "(slower; also VJPSPLIT_FSYNC=1).")
+    "(slower; also VJPSPLIT_FSYNC=1).",
+)
 
 
-
-@main.command("run-fwd", short_help="Run the forward: inputs -> outputs and residuals.",
-              epilog="\b\nExamples:\n  vjpsplit template mlp.vjps -o inputs.npz --at b=32 --fill normal\n  vjpsplit run-fwd mlp.vjps --inputs inputs.npz --residuals res.npz --outputs out.npz")
+@main.command(
+    "run-fwd",
+    short_help="Run the forward: inputs -> outputs and residuals.",
+    epilog="\b\nExamples:\n  vjpsplit template mlp.vjps -o inputs.npz --at b=32 --fill normal\n  vjpsplit run-fwd mlp.vjps --inputs inputs.npz --residuals res.npz --outputs out.npz",
+)
 @click.argument("artifact", type=EXISTING)
 @click.option("--inputs", "inputs_path", required=True, type=EXISTING, help="Array file with every input key.")
 @click.option("--residuals", "residuals_path", required=True, type=ARRAY_OUT, help="Residuals file to write.")
@@ -46,14 +68,18 @@ _fsync_option = click.option(
 @trust_options
 @_timeout_option
 @cli_command
-def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contained, fsync, trust_keys, allow_kernels,
-                timeout):
+def run_fwd_cmd(
+    artifact, inputs_path, residuals_path, outputs_path, self_contained, fsync, trust_keys, allow_kernels, timeout
+):
     """Run the forward: inputs -> outputs and residuals."""
     from ..files import load_arrays, save_arrays
     from ..residual_files import save_residuals
 
-    with StagedOutputs({"--residuals": residuals_path, "--outputs": outputs_path},
-                       {"ARTIFACT": artifact, "--inputs": inputs_path}, fsync=fsync) as out:
+    with StagedOutputs(
+        {"--residuals": residuals_path, "--outputs": outputs_path},
+        {"ARTIFACT": artifact, "--inputs": inputs_path},
+        fsync=fsync,
+    ) as out:
         use_compilation_cache()
         with _timed(timeout, artifact):
             art = load_artifact(artifact, trust_keys, allow_kernels)
@@ -66,37 +92,84 @@ def run_fwd_cmd(artifact, inputs_path, residuals_path, outputs_path, self_contai
             meta = {"kind": "vjpsplit-outputs", "fingerprint": art.manifest.fingerprint}
             out.write("--outputs", lambda tmp: save_arrays(tmp, outputs, meta))
     backed = plural_count(len(res.inputs), "input-backed residual")
-    log(f"wrote {residuals_path}: {plural_count(len(res.stored), 'stored residual')}"
-         + ((f" and {backed}" if self_contained else f"; {backed} left out, run-bwd reads them from --inputs")
-            if res.inputs else "")
-         + (f"; {outputs_path}: {plural_count(len(outputs), 'output')}" if outputs_path else ""))
+    log(
+        f"wrote {residuals_path}: {plural_count(len(res.stored), 'stored residual')}"
+        + (
+            (f" and {backed}" if self_contained else f"; {backed} left out, run-bwd reads them from --inputs")
+            if res.inputs
+            else ""
+        )
+        + (f"; {outputs_path}: {plural_count(len(outputs), 'output')}" if outputs_path else "")
+    )
 
 
-@main.command("run-bwd", short_help="Run the backward: residuals -> gradients.",
-              epilog="\b\nExamples:\n  vjpsplit run-bwd mlp.vjps --residuals res.npz --inputs inputs.npz --grads grads.npz\n  vjpsplit run-bwd mlp.vjps --residuals res.npz --inputs inputs.npz --cotangents ct.npz --grads grads.npz")
+@main.command(
+    "run-bwd",
+    short_help="Run the backward: residuals -> gradients.",
+    epilog="\b\nExamples:\n  vjpsplit run-bwd mlp.vjps --residuals res.npz --inputs inputs.npz --grads grads.npz\n  vjpsplit run-bwd mlp.vjps --residuals res.npz --inputs inputs.npz --cotangents ct.npz --grads grads.npz",
+)
 @click.argument("artifact", type=EXISTING)
-@click.option("--residuals", "residuals_path", type=EXISTING,
-              help="Residuals file from run-fwd (required, except for --part weight, whose intermediates carry "
-                   "the residuals it reads).")
-@click.option("--inputs", "inputs_path", type=EXISTING, default=None,
-              help="The forward's inputs file; needed unless the residuals are self-contained.")
-@click.option("--cotangents", "cotangents_path", type=EXISTING, default=None,
-              help="Cotangents keyed like the outputs; default 1 for a scalar output.")
+@click.option(
+    "--residuals",
+    "residuals_path",
+    type=EXISTING,
+    help="Residuals file from run-fwd (required, except for --part weight, whose intermediates carry "
+    "the residuals it reads).",
+)
+@click.option(
+    "--inputs",
+    "inputs_path",
+    type=EXISTING,
+    default=None,
+    help="The forward's inputs file; needed unless the residuals are self-contained.",
+)
+@click.option(
+    "--cotangents",
+    "cotangents_path",
+    type=EXISTING,
+    default=None,
+    help="Cotangents keyed like the outputs; default 1 for a scalar output.",
+)
 @click.option("--grads", "grads_path", required=True, type=ARRAY_OUT, help="Gradients file to write.")
-@click.option("--part", type=click.Choice(["all", "input", "weight"]), default="all", show_default=True,
-              help="Zero-bubble split: 'input' writes non-weight grads and --intermediates; 'weight' reads them.")
-@click.option("--intermediates", "inter_path", type=ARRAY_OUT, default=None,
-              help="With --part: the intermediates file (written by input, read by weight).")
-@click.option("--no-verify", is_flag=True,
-              help="Skip every check that ties the files together: the CRC-32s of residuals and intermediates, "
-                   "that --inputs are the very inputs the forward ran on (dims and content), and that the "
-                   "intermediates come from the same forward run as the residuals.")
+@click.option(
+    "--part",
+    type=click.Choice(["all", "input", "weight"]),
+    default="all",
+    show_default=True,
+    help="Zero-bubble split: 'input' writes non-weight grads and --intermediates; 'weight' reads them.",
+)
+@click.option(
+    "--intermediates",
+    "inter_path",
+    type=ARRAY_OUT,
+    default=None,
+    help="With --part: the intermediates file (written by input, read by weight).",
+)
+@click.option(
+    "--no-verify",
+    is_flag=True,
+    help="Skip every check that ties the files together: the CRC-32s of residuals and intermediates, "
+    "that --inputs are the very inputs the forward ran on (dims and content), and that the "
+    "intermediates come from the same forward run as the residuals.",
+)
 @_fsync_option
 @trust_options
 @_timeout_option
 @cli_command
-def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_path, part, inter_path, no_verify,
-                fsync, trust_keys, allow_kernels, timeout):
+def run_bwd_cmd(
+    artifact,
+    residuals_path,
+    inputs_path,
+    cotangents_path,
+    grads_path,
+    part,
+    inter_path,
+    no_verify,
+    fsync,
+    trust_keys,
+    allow_kernels,
+    timeout,
+):
     """Run the backward: residuals (+ cotangents) -> gradients, without the forward."""
     from ..files import load_arrays, save_arrays
     from ..manifest import check_keys
@@ -109,12 +182,19 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
     if part == "weight" and cotangents_path:
         raise click.UsageError("--part weight reads no cotangents: they are inside the intermediates")
     if part == "all" and inter_path:
-        raise click.UsageError("--intermediates goes with --part input (which writes it) or --part weight (which reads it)")
+        raise click.UsageError(
+            "--intermediates goes with --part input (which writes it) or --part weight (which reads it)"
+        )
     writes_inter = part == "input"
     staged = StagedOutputs(
         {"--grads": grads_path, "--intermediates": inter_path if writes_inter else None},
-        {"ARTIFACT": artifact, "--residuals": residuals_path, "--inputs": inputs_path,
-         "--cotangents": cotangents_path, "--intermediates": None if writes_inter else inter_path},
+        {
+            "ARTIFACT": artifact,
+            "--residuals": residuals_path,
+            "--inputs": inputs_path,
+            "--cotangents": cotangents_path,
+            "--intermediates": None if writes_inter else inter_path,
+        },
         fsync=fsync,
     )
     with staged as out:
@@ -129,14 +209,18 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
                 check_keys(inputs_path, "input", [leaf.key for leaf in art.manifest.inputs], inputs)
             res = None
             if residuals_path:
-                res = load_residuals(residuals_path, inputs=inputs, artifact=art, inputs_source=inputs_path,
-                                     verify=not no_verify)
+                res = load_residuals(
+                    residuals_path, inputs=inputs, artifact=art, inputs_source=inputs_path, verify=not no_verify
+                )
             if part == "weight":
                 from ..residual_files import load_intermediates
 
-                inter = load_intermediates(inter_path, inputs=inputs, artifact=art, inputs_source=inputs_path,
-                                           verify=not no_verify)
-                grads = art.run_bwd_weight_arrays(res, inter, source=residuals_path or "residuals", inter_source=inter_path)
+                inter = load_intermediates(
+                    inter_path, inputs=inputs, artifact=art, inputs_source=inputs_path, verify=not no_verify
+                )
+                grads = art.run_bwd_weight_arrays(
+                    res, inter, source=residuals_path or "residuals", inter_source=inter_path
+                )
                 inter = None
             else:
                 cts = load_arrays(cotangents_path)[0] if cotangents_path else None
@@ -153,7 +237,7 @@ def run_bwd_cmd(artifact, residuals_path, inputs_path, cotangents_path, grads_pa
             out.write("--intermediates", lambda tmp: save_intermediates(tmp, inter, self_contained=inputs_path is None))
         meta = {"kind": "vjpsplit-grads", "fingerprint": art.manifest.fingerprint}
         out.write("--grads", lambda tmp: save_arrays(tmp, grads, meta))
-    log(f"wrote {grads_path}: {plural_count(len(grads), 'gradient')}"
-         + (f"; {inter_path}: {plural_count(len(inter.arrays), 'intermediate')}" if inter else ""))
-
-
+    log(
+        f"wrote {grads_path}: {plural_count(len(grads), 'gradient')}"
+        + (f"; {inter_path}: {plural_count(len(inter.arrays), 'intermediate')}" if inter else "")
+    )

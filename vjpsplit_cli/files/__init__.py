@@ -50,8 +50,9 @@ def _kind(path: Path) -> str:
     raise VjpsplitError(f"{path}: unknown array file format ({what}); use a .npz or .msgpack file name")
 
 
-def save_arrays(path: str | os.PathLike, arrays: Mapping[str, ArrayLike], meta: Mapping | None = None, *,
-                fsync: bool = False) -> None:
+def save_arrays(
+    path: str | os.PathLike, arrays: Mapping[str, ArrayLike], meta: Mapping | None = None, *, fsync: bool = False
+) -> None:
     """Write ``arrays`` (key -> numpy/jax array or scalar) and JSON-able ``meta`` to ``path``.
 
     Everything is validated before the file is touched, and the write is atomic (temp
@@ -95,16 +96,19 @@ def load_arrays(path: str | os.PathLike, *, verify: bool = True) -> tuple[dict[s
     except OSError as e:
         raise VjpsplitError(f"{path}: cannot read the arrays file ({e.strerror or one_line(e)})") from e
     except DECODE_ERRORS as e:
-        raise VjpsplitError(f"{path}: cannot read it as {'an .npz archive' if kind == 'npz' else 'a msgpack arrays file'}"
-                            f" ({one_line(e)}); it is truncated or corrupt, re-create it") from e
+        raise VjpsplitError(
+            f"{path}: cannot read it as {'an .npz archive' if kind == 'npz' else 'a msgpack arrays file'}"
+            f" ({one_line(e)}); it is truncated or corrupt, re-create it"
+        ) from e
     finally:
         src.f.close()
 
 
 def _not_npz(path: Path, head: bytes) -> VjpsplitError:
     if head.startswith(b"\x93NUMPY"):
-        return VjpsplitError(f"{path}: is a single-array .npy file, not an .npz archive; re-save the arrays "
-                             "with vjpsplit")
+        return VjpsplitError(
+            f"{path}: is a single-array .npy file, not an .npz archive; re-save the arrays with vjpsplit"
+        )
     if head and _msgpack.is_map(head[0]):
         return VjpsplitError(f"{path}: looks like a msgpack file, not an .npz archive; rename it to .msgpack")
     return VjpsplitError(f"{path}: is not an .npz (zip) archive; it is corrupt or a different kind of file")

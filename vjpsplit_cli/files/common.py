@@ -34,9 +34,23 @@ _ALIGN = 64
 
 # Everything a corrupt or foreign file can make zipfile, numpy's header reader or msgpack
 # raise. MemoryError is absent on purpose: sizes are checked first, so one is real.
-DECODE_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, msgpack.exceptions.UnpackException, ValueError,
-                 EOFError, OSError, KeyError, TypeError, IndexError, OverflowError, zlib.error,
-                 NotImplementedError, RuntimeError, SyntaxError, tokenize.TokenError)
+DECODE_ERRORS = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    msgpack.exceptions.UnpackException,
+    ValueError,
+    EOFError,
+    OSError,
+    KeyError,
+    TypeError,
+    IndexError,
+    OverflowError,
+    zlib.error,
+    NotImplementedError,
+    RuntimeError,
+    SyntaxError,
+    tokenize.TokenError,
+)
 
 
 def key_problem(key: Any) -> str | None:
@@ -68,8 +82,10 @@ def check_version(path: Path, version: Any) -> None:
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise VjpsplitError(f"{path}: invalid format version {version!r}; {CORRUPT}")
     if version > VERSION:
-        raise VjpsplitError(f"{path}: file format version {version} is not supported (this vjpsplit reads "
-                            f"versions 1 to {VERSION}); upgrade vjpsplit")
+        raise VjpsplitError(
+            f"{path}: file format version {version} is not supported (this vjpsplit reads "
+            f"versions 1 to {VERSION}); upgrade vjpsplit"
+        )
 
 
 def unique_map(pairs: list[tuple[Any, Any]]) -> dict:
@@ -128,8 +144,9 @@ def checked_meta(path: Path, meta: Mapping | None) -> dict:
     try:
         return plain(meta, "meta")
     except MetaError as e:
-        raise VjpsplitError(f"{path}: {e}; meta may hold only dicts with string keys, lists, str, int, float, "
-                            "bool and None") from e
+        raise VjpsplitError(
+            f"{path}: {e}; meta may hold only dicts with string keys, lists, str, int, float, bool and None"
+        ) from e
 
 
 def stored_meta(path: Path, meta: Any) -> dict:
@@ -150,8 +167,9 @@ def storage_dtype(name: str) -> np.dtype:
 def prepare(path: Path, arrays: Mapping, max_bytes: int | None = None) -> list[tuple[str, str, np.ndarray]]:
     """``(key, dtype name, little-endian C-order array)`` for each entry; any bad one fails before a file exists."""
     if not isinstance(arrays, Mapping):
-        raise VjpsplitError(f"{path}: arrays must be a dict of string keys to arrays, got "
-                            f"{type(arrays).__name__}; pass a dict")
+        raise VjpsplitError(
+            f"{path}: arrays must be a dict of string keys to arrays, got {type(arrays).__name__}; pass a dict"
+        )
     prepared = []
     for key, value in arrays.items():
         problem = key_problem(key)
@@ -162,14 +180,17 @@ def prepare(path: Path, arrays: Mapping, max_bytes: int | None = None) -> list[t
             name = dtype_name(arr.dtype)
         except (TypeError, ValueError, OverflowError) as e:
             what = f"has dtype {arr.dtype}" if isinstance(e, VjpsplitError) else f"cannot be converted ({one_line(e)})"
-            raise VjpsplitError(f"{path}: array {key!r} {what}, which cannot be stored; pass a numeric or bool "
-                                "array") from e
+            raise VjpsplitError(
+                f"{path}: array {key!r} {what}, which cannot be stored; pass a numeric or bool array"
+            ) from e
         target = storage_dtype(name)
         if arr.dtype != target or not arr.flags.c_contiguous:
             arr = arr.astype(target, order="C")  # astype keeps 0-d arrays 0-d
         if max_bytes is not None and arr.nbytes > max_bytes:
-            raise VjpsplitError(f"{path}: array {key!r} is {arr.nbytes} bytes, over the msgpack limit of "
-                                f"{max_bytes}; use a .npz file for arrays of 2 GiB or more")
+            raise VjpsplitError(
+                f"{path}: array {key!r} is {arr.nbytes} bytes, over the msgpack limit of "
+                f"{max_bytes}; use a .npz file for arrays of 2 GiB or more"
+            )
         prepared.append((key, name, arr))
     return prepared
 
@@ -233,8 +254,10 @@ def open_source(path: Path, verify: bool) -> Source:
         elif stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
             data = f.read(MAX_STREAM_BYTES + 1)
             if len(data) > MAX_STREAM_BYTES:
-                raise VjpsplitError(f"{path}: is a pipe that gave more than {MAX_STREAM_BYTES} bytes; "
-                                    "save the arrays to a regular file and pass that")
+                raise VjpsplitError(
+                    f"{path}: is a pipe that gave more than {MAX_STREAM_BYTES} bytes; "
+                    "save the arrays to a regular file and pass that"
+                )
             f.close()
             f, size = io.BytesIO(data), len(data)
         else:
@@ -254,8 +277,9 @@ def open_source(path: Path, verify: bool) -> Source:
 def finish(path: Path, key: str, buf: np.ndarray, shape: tuple, dtype: np.dtype, fortran: bool = False) -> np.ndarray:
     """The array over ``buf``: bool bytes checked, native byte order."""
     if dtype == np.bool_ and buf.size and buf.max() > 1:
-        raise VjpsplitError(f"{path}: array {key!r} is bool but holds bytes other than 0 and 1; "
-                            "re-save it from a real bool array")
+        raise VjpsplitError(
+            f"{path}: array {key!r} is bool but holds bytes other than 0 and 1; re-save it from a real bool array"
+        )
     try:
         arr = np.ndarray(shape, dtype=dtype, buffer=buf, order="F" if fortran else "C")
     except ValueError as e:  # e.g. a zero-size shape whose other dims overflow numpy's index type
@@ -264,5 +288,6 @@ def finish(path: Path, key: str, buf: np.ndarray, shape: tuple, dtype: np.dtype,
 
 
 def crc_mismatch(path: Path, key: str) -> VjpsplitError:
-    return VjpsplitError(f"{path}: array {key!r} fails its CRC-32 check (its bytes changed after it was "
-                         f"written); {CORRUPT}")
+    return VjpsplitError(
+        f"{path}: array {key!r} fails its CRC-32 check (its bytes changed after it was written); {CORRUPT}"
+    )

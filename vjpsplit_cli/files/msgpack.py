@@ -20,9 +20,23 @@ import numpy as np
 
 from .. import checksum
 from ..errors import VjpsplitError
-from .common import (CORRUPT, DECODE_ERRORS, FORMAT, MAX_NDIM, VERSION, Source, byte_view,
-                     check_stored_key, check_version, crc_mismatch, finish, one_line,
-                     storage_dtype, stored_meta, unique_map)
+from .common import (
+    CORRUPT,
+    DECODE_ERRORS,
+    FORMAT,
+    MAX_NDIM,
+    VERSION,
+    Source,
+    byte_view,
+    check_stored_key,
+    check_version,
+    crc_mismatch,
+    finish,
+    one_line,
+    storage_dtype,
+    stored_meta,
+    unique_map,
+)
 
 EXT_NDARRAY = 1  # flax's ext code for ndarrays: the files stay readable by flax tooling
 MAX_BYTES = 2**31 - 1  # module-level so tests can lower it
@@ -60,8 +74,17 @@ def writer(path: Path, prepared: list, meta: dict):
 
     def write(f: BinaryIO) -> None:
         p = msgpack.Packer(use_bin_type=True)
-        f.write(p.pack_map_header(6) + p.pack("format") + p.pack(FORMAT) + p.pack("version") + p.pack(VERSION)
-                + p.pack("meta") + p.pack(meta) + p.pack("arrays") + p.pack_map_header(len(prepared)))
+        f.write(
+            p.pack_map_header(6)
+            + p.pack("format")
+            + p.pack(FORMAT)
+            + p.pack("version")
+            + p.pack(VERSION)
+            + p.pack("meta")
+            + p.pack(meta)
+            + p.pack("arrays")
+            + p.pack_map_header(len(prepared))
+        )
         crcs = {}
         for key, name, arr in prepared:
             head = p.pack_array_header(3) + p.pack(list(arr.shape)) + p.pack(name) + _sized(_BIN_CODE, arr.nbytes)
@@ -80,9 +103,18 @@ class _Walk:
 
     def __init__(self, src: Source):
         self.src, n = src, src.size
-        self.opts = dict(raw=False, strict_map_key=True, use_list=True, object_pairs_hook=unique_map,
-                         max_buffer_size=max(min(n, 2**31 - 1), 4096), max_str_len=n, max_bin_len=n,
-                         max_array_len=n, max_map_len=n // 2, max_ext_len=n)
+        self.opts = dict(
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            object_pairs_hook=unique_map,
+            max_buffer_size=max(min(n, 2**31 - 1), 4096),
+            max_str_len=n,
+            max_bin_len=n,
+            max_array_len=n,
+            max_map_len=n // 2,
+            max_ext_len=n,
+        )
         self.base, self.u = 0, self._at(0)
 
     def _at(self, pos: int) -> msgpack.Unpacker:
@@ -103,8 +135,10 @@ class _Walk:
         """The top-level map with "arrays" as ``{key: (shape, dtype, offset, nbytes)}``."""
         kind = self.src.read(0, 1)[0]
         if not is_map(kind):
-            raise VjpsplitError(f"{self.src.path}: is not a vjpsplit arrays file (its top level is not a map); "
-                                "re-create it with vjpsplit")
+            raise VjpsplitError(
+                f"{self.src.path}: is not a vjpsplit arrays file (its top level is not a map); "
+                "re-create it with vjpsplit"
+            )
         self.u = self._at(0)  # reads move the file position under the unpacker: start it afresh
         pairs = []
         for _ in range(self.map_header()):
@@ -130,8 +164,9 @@ class _Walk:
             except DECODE_ERRORS as e:
                 if isinstance(e, VjpsplitError):
                     raise
-                raise VjpsplitError(f"{self.src.path}: array {key!r} cannot be decoded ({one_line(e)}); "
-                                    f"{CORRUPT}") from e
+                raise VjpsplitError(
+                    f"{self.src.path}: array {key!r} cannot be decoded ({one_line(e)}); {CORRUPT}"
+                ) from e
             pairs.append((key, spec))
             self.u = self._at(end)
         return unique_map(pairs)
@@ -164,8 +199,11 @@ class _Walk:
         nbytes, data = int.from_bytes(src.read(at + 1, width), "big"), at + 1 + width
         if data + nbytes != end:
             raise VjpsplitError(f"{bad} has data that does not fill its ext value; {CORRUPT}")
-        if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(
-                type(d) is int and 0 <= d < 2**63 for d in shape):
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_NDIM
+            or not all(type(d) is int and 0 <= d < 2**63 for d in shape)
+        ):
             raise VjpsplitError(f"{bad} has invalid shape {shape!r}; {CORRUPT}")
         if not isinstance(name, str):
             raise VjpsplitError(f"{bad} has invalid dtype name {name!r}; {CORRUPT}")
@@ -175,8 +213,9 @@ class _Walk:
             raise VjpsplitError(f"{bad} has dtype {name!r}, which vjpsplit cannot use; {CORRUPT}") from e
         want = math.prod(shape) * dtype.itemsize
         if nbytes != want:
-            raise VjpsplitError(f"{bad} holds {nbytes} bytes but shape {tuple(shape)} of {name} needs {want}; "
-                                f"{CORRUPT}")
+            raise VjpsplitError(
+                f"{bad} holds {nbytes} bytes but shape {tuple(shape)} of {name} needs {want}; {CORRUPT}"
+            )
         return (tuple(shape), dtype, data, nbytes), end
 
 
@@ -185,8 +224,9 @@ def read(src: Source) -> tuple[dict[str, np.ndarray], dict]:
     path = src.path
     top = _Walk(src).top()
     if top.get("format") != FORMAT:
-        raise VjpsplitError(f"{path}: is not a vjpsplit arrays file (no format {FORMAT!r} at the top level); "
-                            "re-create it with vjpsplit")
+        raise VjpsplitError(
+            f"{path}: is not a vjpsplit arrays file (no format {FORMAT!r} at the top level); re-create it with vjpsplit"
+        )
     check_version(path, top.get("version"))
     meta = stored_meta(path, top.get("meta", {}))
     specs = top.get("arrays")
@@ -195,8 +235,11 @@ def read(src: Source) -> tuple[dict[str, np.ndarray], dict]:
     crcs = top.get("crc32")
     if top["version"] >= 2 and src.verify and top.get("meta_crc32") != checksum.crc32(msgpack.packb(meta)):
         raise VjpsplitError(f"{path}: the metadata fails its CRC-32 check; {CORRUPT}")
-    if top["version"] >= 2 and (not isinstance(crcs, dict) or set(crcs) != set(specs) or not all(
-            type(c) is int and 0 <= c < 2**32 for c in crcs.values())):
+    if top["version"] >= 2 and (
+        not isinstance(crcs, dict)
+        or set(crcs) != set(specs)
+        or not all(type(c) is int and 0 <= c < 2**32 for c in crcs.values())
+    ):
         raise VjpsplitError(f"{path}: the CRC-32 table does not match the file's arrays; {CORRUPT}")
     src.start([s[3] for s in specs.values()])
     arrays = {}

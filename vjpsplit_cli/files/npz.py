@@ -28,9 +28,23 @@ from .. import checksum
 from ..dtypes import dtype_name
 from ..errors import VjpsplitError
 from ..system import host_memory
-from .common import (CORRUPT, FORMAT, MAX_NDIM, OLD_META_KEY, VERSION, Source, byte_view,
-                     check_stored_key, check_version, crc_mismatch, finish, one_line,
-                     storage_dtype, stored_meta, unique_map)
+from .common import (
+    CORRUPT,
+    FORMAT,
+    MAX_NDIM,
+    OLD_META_KEY,
+    VERSION,
+    Source,
+    byte_view,
+    check_stored_key,
+    check_version,
+    crc_mismatch,
+    finish,
+    one_line,
+    storage_dtype,
+    stored_meta,
+    unique_map,
+)
 
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed, so the same arrays give the same bytes
 _MAX_COMMENT = 0xFFFF  # zip's limit for the archive comment
@@ -59,8 +73,10 @@ def writer(path: Path, prepared: list, meta: dict):
     head = {"format": FORMAT, "version": VERSION, "meta": meta, "meta_crc32": checksum.crc32(_json(meta))}
     comment_bytes = _json(head)
     if len(comment_bytes) > _MAX_COMMENT:
-        raise VjpsplitError(f"{path}: the metadata is {len(comment_bytes)} bytes, over the {_MAX_COMMENT} an .npz "
-                            "archive comment holds; use a .msgpack file")
+        raise VjpsplitError(
+            f"{path}: the metadata is {len(comment_bytes)} bytes, over the {_MAX_COMMENT} an .npz "
+            "archive comment holds; use a .msgpack file"
+        )
 
     def write(f: BinaryIO) -> None:
         central, pos = [], f.tell()
@@ -74,9 +90,25 @@ def writer(path: Path, prepared: list, meta: dict):
             size = len(head) + arr.nbytes
             filename, flags = _encoded(key + ".npy")
             # force_zip64, as np.savez: the sizes live in the zip64 extra field
-            f.write(_LOCAL.pack(b"PK\x03\x04", _ZIP64_VERSION, 0, flags, zipfile.ZIP_STORED, _DOS_TIME, _DOS_DATE,
-                                crc, 0xFFFFFFFF, 0xFFFFFFFF, len(filename), 20)
-                    + filename + struct.pack("<HHQQ", 1, 16, size, size) + head)
+            f.write(
+                _LOCAL.pack(
+                    b"PK\x03\x04",
+                    _ZIP64_VERSION,
+                    0,
+                    flags,
+                    zipfile.ZIP_STORED,
+                    _DOS_TIME,
+                    _DOS_DATE,
+                    crc,
+                    0xFFFFFFFF,
+                    0xFFFFFFFF,
+                    len(filename),
+                    20,
+                )
+                + filename
+                + struct.pack("<HHQQ", 1, 16, size, size)
+                + head
+            )
             f.write(data)
             central.append(_central_entry(filename, flags, crc, size, pos, comment))
             pos += _LOCAL.size + len(filename) + 20 + size
@@ -100,17 +132,41 @@ def _central_entry(filename: bytes, flags: int, crc: int, size: int, offset: int
         extra.append(offset)
     extra_data = struct.pack("<HH" + "Q" * len(extra), 1, 8 * len(extra), *extra) if extra else b""
     sizes = 0xFFFFFFFF if size > ZIP64_LIMIT else size
-    return _CENTRAL.pack(b"PK\x01\x02", _ZIP64_VERSION, _UNIX, _ZIP64_VERSION, 0, flags, zipfile.ZIP_STORED,
-                         _DOS_TIME, _DOS_DATE, crc, sizes, sizes, len(filename), len(extra_data), len(comment), 0, 0,
-                         _MODE, 0xFFFFFFFF if offset > ZIP64_LIMIT else offset) + filename + extra_data + comment
+    return (
+        _CENTRAL.pack(
+            b"PK\x01\x02",
+            _ZIP64_VERSION,
+            _UNIX,
+            _ZIP64_VERSION,
+            0,
+            flags,
+            zipfile.ZIP_STORED,
+            _DOS_TIME,
+            _DOS_DATE,
+            crc,
+            sizes,
+            sizes,
+            len(filename),
+            len(extra_data),
+            len(comment),
+            0,
+            0,
+            _MODE,
+            0xFFFFFFFF if offset > ZIP64_LIMIT else offset,
+        )
+        + filename
+        + extra_data
+        + comment
+    )
 
 
 def _end_records(count: int, size: int, offset: int, comment: bytes) -> bytes:
     """What follows the central directory: zip64's end records where zipfile writes them, then zip's own."""
     out = b""
     if count > FILECOUNT_LIMIT or offset > ZIP64_LIMIT or size > ZIP64_LIMIT:
-        out = (_END64.pack(b"PK\x06\x06", 44, _ZIP64_VERSION, _ZIP64_VERSION, 0, 0, count, count, size, offset)
-               + _END64_LOCATOR.pack(b"PK\x06\x07", 0, offset + size, 1))
+        out = _END64.pack(
+            b"PK\x06\x06", 44, _ZIP64_VERSION, _ZIP64_VERSION, 0, 0, count, count, size, offset
+        ) + _END64_LOCATOR.pack(b"PK\x06\x07", 0, offset + size, 1)
         count, size, offset = min(count, 0xFFFF), min(size, 0xFFFFFFFF), min(offset, 0xFFFFFFFF)
     return out + _END.pack(b"PK\x05\x06", 0, 0, count, count, size, offset, len(comment)) + comment
 
@@ -149,7 +205,9 @@ def _header(src: Source, zf: zipfile.ZipFile) -> tuple[int, dict, dict[str, str]
                 if src.verify and head.get("meta_crc32") != checksum.crc32(_json(meta)):
                     raise VjpsplitError(f"{path}: the metadata fails its CRC-32 check; {CORRUPT}")
                 return head["version"], meta, None
-        if zf.comment.startswith(b'{"format":') and (not isinstance(head, dict) or "vjpsplit" in str(head.get("format"))):
+        if zf.comment.startswith(b'{"format":') and (
+            not isinstance(head, dict) or "vjpsplit" in str(head.get("format"))
+        ):
             # Our header, damaged: its metadata cannot be trusted, and dropping it would
             # make the file look like a plain archive.
             raise VjpsplitError(f"{path}: the archive's metadata is damaged; {CORRUPT}")
@@ -188,13 +246,17 @@ def _npy_header_of(src: Source, f: BinaryIO, key: str) -> tuple[tuple, bool, np.
     start = f.tell()
     major, minor = np.lib.format.read_magic(f)
     if (major, minor) not in ((1, 0), (2, 0), (3, 0)):
-        raise VjpsplitError(f"{src.path}: array {key!r} uses .npy format version {major}.{minor}, which "
-                            "vjpsplit does not read; re-save it with numpy's default format")
+        raise VjpsplitError(
+            f"{src.path}: array {key!r} uses .npy format version {major}.{minor}, which "
+            "vjpsplit does not read; re-save it with numpy's default format"
+        )
     read = {1: np.lib.format.read_array_header_1_0}.get(major, np.lib.format.read_array_header_2_0)
     shape, fortran, dtype = read(f, max_header_size=_NPY_MAX_HEADER)
     if dtype.hasobject:
-        raise VjpsplitError(f"{src.path}: array {key!r} holds pickled objects; vjpsplit never unpickles, so "
-                            "re-save it with a numeric or bool dtype")
+        raise VjpsplitError(
+            f"{src.path}: array {key!r} holds pickled objects; vjpsplit never unpickles, so "
+            "re-save it with a numeric or bool dtype"
+        )
     if len(shape) > MAX_NDIM:
         raise VjpsplitError(f"{src.path}: array {key!r} has {len(shape)} dimensions; {CORRUPT}")
     return shape, fortran, dtype, f.tell() - start
@@ -209,15 +271,18 @@ def _dtype(src: Source, key: str, stored: np.dtype, name: str | None) -> np.dtyp
         except VjpsplitError as e:
             raise VjpsplitError(f"{src.path}: array {key!r} has unknown dtype {name!r} recorded; {e}") from e
         if stored != want and not (raw_void and stored.itemsize == want.itemsize):
-            raise VjpsplitError(f"{src.path}: array {key!r} is stored as {stored} but the metadata says "
-                                f"{name}; {CORRUPT}")
+            raise VjpsplitError(
+                f"{src.path}: array {key!r} is stored as {stored} but the metadata says {name}; {CORRUPT}"
+            )
         return want
     if not raw_void:  # raw void stays void: files numpy wrote hold bfloat16 so
         try:
             dtype_name(stored)
         except VjpsplitError as e:
-            raise VjpsplitError(f"{src.path}: array {key!r} has dtype {stored}, which vjpsplit cannot use; "
-                                "re-save it with a numeric or bool dtype") from e
+            raise VjpsplitError(
+                f"{src.path}: array {key!r} has dtype {stored}, which vjpsplit cannot use; "
+                "re-save it with a numeric or bool dtype"
+            ) from e
     return stored
 
 
@@ -229,8 +294,9 @@ def read(src: Source) -> tuple[dict[str, np.ndarray], dict]:
     members: dict[str, zipfile.ZipInfo] = {}
     for info in zf.infolist():
         if not info.filename.endswith(".npy"):
-            raise VjpsplitError(f"{path}: entry {info.filename!r} is not a .npy array; the file is not an array "
-                                "archive")
+            raise VjpsplitError(
+                f"{path}: entry {info.filename!r} is not a .npy array; the file is not an array archive"
+            )
         key = info.filename[:-4]
         if key in members:
             raise VjpsplitError(f"{path}: array {key!r} is stored twice; {CORRUPT}")
@@ -250,22 +316,27 @@ def read(src: Source) -> tuple[dict[str, np.ndarray], dict]:
         # Deflate cannot shrink more than ~1032:1, so a bigger claim is forged; bzip2 and lzma
         # can (zeros), so there the bound is what this host could hold at all.
         deflated = info.compress_type == zipfile.ZIP_DEFLATED
-        if info.compress_size > src.size or (stored and info.file_size != info.compress_size) or (
-                deflated and info.file_size > info.compress_size * _MAX_RATIO + 1024):
+        if (
+            info.compress_size > src.size
+            or (stored and info.file_size != info.compress_size)
+            or (deflated and info.file_size > info.compress_size * _MAX_RATIO + 1024)
+        ):
             raise VjpsplitError(f"{path}: array {key!r} has impossible sizes in its zip entry; {CORRUPT}")
         if info.file_size > host_memory():
-            raise VjpsplitError(f"{path}: array {key!r} would take {info.file_size / 2**30:.1f} GiB, more than this "
-                                f"host's memory; {CORRUPT}")
+            raise VjpsplitError(
+                f"{path}: array {key!r} would take {info.file_size / 2**30:.1f} GiB, more than this "
+                f"host's memory; {CORRUPT}"
+            )
         if stored:  # its data lies in the file as is: read it straight into the array
             magic, name_len, extra_len = _LOCAL_HEADER.unpack(src.read(info.header_offset, _LOCAL_HEADER.size))
             if magic != b"PK\x03\x04":
-                raise VjpsplitError(f"{path}: array {key!r} has no zip local header where the directory says; "
-                                    f"{CORRUPT}")
+                raise VjpsplitError(
+                    f"{path}: array {key!r} has no zip local header where the directory says; {CORRUPT}"
+                )
             # As zipfile (and so np.load) does: the local header must name the same member.
             local = src.read(info.header_offset + _LOCAL_HEADER.size, name_len)
             if local != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace"):
-                raise VjpsplitError(f"{path}: array {key!r} is named {local[:40]!r} in its zip local header; "
-                                    f"{CORRUPT}")
+                raise VjpsplitError(f"{path}: array {key!r} is named {local[:40]!r} in its zip local header; {CORRUPT}")
             start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
             ends.append((info.header_offset, start + info.compress_size, key))
             src.f.seek(start)
@@ -273,12 +344,18 @@ def read(src: Source) -> tuple[dict[str, np.ndarray], dict]:
         else:
             start, member = None, zf.open(info)
         shape, fortran, dtype, head_len = _npy_header_of(src, member, key)
-        dtype_ = _dtype(src, key, dtype, (names or {}).get(key) or (info.comment.decode("ascii", "replace")
-                                                                   if version >= 2 and info.comment else None))
+        dtype_ = _dtype(
+            src,
+            key,
+            dtype,
+            (names or {}).get(key)
+            or (info.comment.decode("ascii", "replace") if version >= 2 and info.comment else None),
+        )
         nbytes = math.prod(shape) * dtype.itemsize
         if head_len + nbytes != info.file_size:
-            raise VjpsplitError(f"{path}: array {key!r} is corrupt (its size does not match its shape {shape}); "
-                                "re-create the file")
+            raise VjpsplitError(
+                f"{path}: array {key!r} is corrupt (its size does not match its shape {shape}); re-create the file"
+            )
         seed = checksum.crc32(src.read(start, head_len)) if start is not None and src.verify else None
         plan.append((key, info, start, member, head_len, nbytes, shape, fortran, dtype_, seed))
     # Stored members must lie one after the other inside the file: one stretch read as

@@ -35,19 +35,56 @@ from .schedules import LABELS, SCHEDULES, SPLIT_BACKWARD, Op, check_schedule, de
 from .stage import StageWorker, check_stages, run_op, split_batch, stage_devices
 from .timeline import Event, PipelineResult, bubble_ratio, plot_timeline, replay, simulate
 
-__all__ = ["LABELS", "SCHEDULES", "SCHEDULE_TIMEOUT", "SPLIT_BACKWARD", "STEP_TIMEOUT", "Event", "Op", "PipelineResult",
-           "RayPipeline",
-           "StageActor", "StageWorker", "bubble_ratio", "check_schedule", "check_stages", "dependencies", "layout",
-           "placement", "placement_group_options", "plot_timeline", "progress_bar", "replay", "run", "run_inprocess",
-           "run_op", "schedule", "simulate", "split_batch", "stage_devices", "walk"]
+__all__ = [
+    "LABELS",
+    "SCHEDULES",
+    "SCHEDULE_TIMEOUT",
+    "SPLIT_BACKWARD",
+    "STEP_TIMEOUT",
+    "Event",
+    "Op",
+    "PipelineResult",
+    "RayPipeline",
+    "StageActor",
+    "StageWorker",
+    "bubble_ratio",
+    "check_schedule",
+    "check_stages",
+    "dependencies",
+    "layout",
+    "placement",
+    "placement_group_options",
+    "plot_timeline",
+    "progress_bar",
+    "replay",
+    "run",
+    "run_inprocess",
+    "run_op",
+    "schedule",
+    "simulate",
+    "split_batch",
+    "stage_devices",
+    "walk",
+]
 
 
-def run(artifacts: Sequence, params: Sequence, x, side=(), *, microbatches: int, schedule_name: str = "1f1b",
-        runner: str = "inprocess", address: str | None = None, progress: bool = False) -> PipelineResult:
+def run(
+    artifacts: Sequence,
+    params: Sequence,
+    x,
+    side=(),
+    *,
+    microbatches: int,
+    schedule_name: str = "1f1b",
+    runner: str = "inprocess",
+    address: str | None = None,
+    progress: bool = False,
+) -> PipelineResult:
     """One pipelined training step: ``runner`` is ``inprocess`` (default) or ``ray``."""
     if runner == "inprocess":
-        return run_inprocess(artifacts, params, x, side, microbatches=microbatches, schedule_name=schedule_name,
-                             progress=progress)
+        return run_inprocess(
+            artifacts, params, x, side, microbatches=microbatches, schedule_name=schedule_name, progress=progress
+        )
     if runner == "ray":
         with RayPipeline(artifacts, params, address=address, layout=layout(schedule_name)) as rp:
             return rp.run(x, side, microbatches=microbatches, schedule_name=schedule_name, progress=progress)

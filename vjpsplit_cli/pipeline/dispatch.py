@@ -16,8 +16,12 @@ from ..errors import VjpsplitError
 from .schedules import Op
 
 
-def walk(plans: Sequence[Sequence[Op]], stages: int, mbs: Sequence[tuple[Any, list]],
-         submit: Callable[[int, Op, Any, list], Any]) -> list:
+def walk(
+    plans: Sequence[Sequence[Op]],
+    stages: int,
+    mbs: Sequence[tuple[Any, list]],
+    submit: Callable[[int, Op, Any, list], Any],
+) -> list:
     """Call ``submit(worker, op, data, side)`` once per operation, in an order that respects every dependency.
 
     ``data`` is the microbatch itself (F of the first stage), the handle that

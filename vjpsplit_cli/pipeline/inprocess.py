@@ -42,8 +42,17 @@ class _Mailbox:
 _FAILED = object()  # posted in place of a value whose operation failed or was skipped
 
 
-def run_inprocess(artifacts: Sequence, params: Sequence, x, side=(), *, microbatches: int, schedule_name: str = "1f1b",
-                  progress: bool = False, devices: Sequence[Sequence] | None = None) -> PipelineResult:
+def run_inprocess(
+    artifacts: Sequence,
+    params: Sequence,
+    x,
+    side=(),
+    *,
+    microbatches: int,
+    schedule_name: str = "1f1b",
+    progress: bool = False,
+    devices: Sequence[Sequence] | None = None,
+) -> PipelineResult:
     """Run one training step in this process: one thread per worker, mailboxes between stages.
 
     Sharded stages run on their device groups (``devices``, one per stage; see
@@ -106,7 +115,13 @@ def run_inprocess(artifacts: Sequence, params: Sequence, x, side=(), *, microbat
         raise errors[0]
     step = time.monotonic() - t0
     last = stages[-1]
-    return PipelineResult(schedule_name, float(np.mean([last.losses[m] for m in range(microbatches)])),
-                          [st.grads for st in stages], sorted((e for st in stages for e in st.events),
-                                                              key=lambda e: e.start),
-                          S, microbatches, "in-process", step)
+    return PipelineResult(
+        schedule_name,
+        float(np.mean([last.losses[m] for m in range(microbatches)])),
+        [st.grads for st in stages],
+        sorted((e for st in stages for e in st.events), key=lambda e: e.start),
+        S,
+        microbatches,
+        "in-process",
+        step,
+    )

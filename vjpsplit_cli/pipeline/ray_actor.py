@@ -43,8 +43,9 @@ class StageActor:
         """Load ``(stage index, artifact bytes, params)`` for each stage this worker holds."""
         from ..loading import loads
 
-        self.stages = {c: StageWorker(loads(data, source=f"stage {c}"), params, c, stages)
-                       for c, data, params in chunks}
+        self.stages = {
+            c: StageWorker(loads(data, source=f"stage {c}"), params, c, stages) for c, data, params in chunks
+        }
         self.worker = min(self.stages)  # a worker's index is its first stage's, in both layouts
 
     def reset(self) -> None:
@@ -59,8 +60,7 @@ class StageActor:
         ``after`` is ignored: a compiled graph passes the worker's previous result to order its calls.
         """
         st = self.stages[chunk]
-        needed = (data is not None or (kind == "B" and chunk == st.stages - 1)
-                  or (kind == "W" and mb in st.inter))
+        needed = data is not None or (kind == "B" and chunk == st.stages - 1) or (kind == "W" and mb in st.inter)
         if self.error is not None or not needed:
             return None
         try:
@@ -74,12 +74,14 @@ class StageActor:
         """Gradients, losses, timings (this process's clock) and the first error of the step."""
         import jax
 
-        return {"grads": {c: jax.tree_util.tree_map(np.asarray, st.grads) for c, st in self.stages.items()},
-                "device_count": jax.device_count(),
-                "devices": {c: [d.id for d in st.art.devices] for c, st in self.stages.items()},
-                "events": [e for st in self.stages.values() for e in st.events],
-                "losses": {m: v for st in self.stages.values() for m, v in st.losses.items()},
-                "error": self.error}
+        return {
+            "grads": {c: jax.tree_util.tree_map(np.asarray, st.grads) for c, st in self.stages.items()},
+            "device_count": jax.device_count(),
+            "devices": {c: [d.id for d in st.art.devices] for c, st in self.stages.items()},
+            "events": [e for st in self.stages.values() for e in st.events],
+            "losses": {m: v for st in self.stages.values() for m, v in st.losses.items()},
+            "error": self.error,
+        }
 
     def collect(self, after) -> dict:
         """``state``, then ``reset``: the end of a compiled step (``after``: the worker's last result)."""
@@ -112,8 +114,11 @@ def devices_for(opts: dict, n: int) -> None:
     env = dict(opts.get("runtime_env") or {})
     env_vars = dict(env.get("env_vars") or {})
     if "XLA_FLAGS" not in env_vars:
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count")]
+        flags = [
+            f
+            for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")
+        ]
         env_vars["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
     env["env_vars"] = env_vars
     opts["runtime_env"] = env

@@ -47,11 +47,20 @@ class RayPipeline:
     ``step_timeout`` seconds is an error.
     """
 
-    def __init__(self, artifacts: Sequence, params: Sequence, *, address: str | None = None,
-                 runtime_env: dict | None = None, num_cpus_per_stage: float = 0, layout: str = "stage",
-                 actor_options: Sequence[Mapping[str, Any]] | None = None,
-                 schedule_timeout: float = SCHEDULE_TIMEOUT, compiled: bool | None = False,
-                 step_timeout: float = STEP_TIMEOUT):
+    def __init__(
+        self,
+        artifacts: Sequence,
+        params: Sequence,
+        *,
+        address: str | None = None,
+        runtime_env: dict | None = None,
+        num_cpus_per_stage: float = 0,
+        layout: str = "stage",
+        actor_options: Sequence[Mapping[str, Any]] | None = None,
+        schedule_timeout: float = SCHEDULE_TIMEOUT,
+        compiled: bool | None = False,
+        step_timeout: float = STEP_TIMEOUT,
+    ):
         try:
             import ray
         except ImportError as e:
@@ -69,8 +78,10 @@ class RayPipeline:
         self.artifacts = list(artifacts)
         self.placement = placement("zbv" if layout == "v" else "1f1b", self.stages)
         if actor_options is not None and len(actor_options) != len(self.placement):
-            raise VjpsplitError(f"actor_options has {len(actor_options)} entries for {len(self.placement)} workers; "
-                                "give one dict of Ray actor options per worker")
+            raise VjpsplitError(
+                f"actor_options has {len(actor_options)} entries for {len(self.placement)} workers; "
+                "give one dict of Ray actor options per worker"
+            )
         self.started = _init_ray(ray, address, runtime_env, len(self.placement))
         self.actors: list = []
         self.options = []
@@ -82,8 +93,12 @@ class RayPipeline:
         try:
             self.nodes = self._wait_placed(schedule_timeout)
             self.clock_offsets = [_clock_offset(ray, a) for a in self.actors]
-            self._get([a.load.remote([(c, artifacts[c].to_bytes(), params[c]) for c in chunks], self.stages)
-                       for a, chunks in zip(self.actors, self.placement)])
+            self._get(
+                [
+                    a.load.remote([(c, artifacts[c].to_bytes(), params[c]) for c in chunks], self.stages)
+                    for a, chunks in zip(self.actors, self.placement)
+                ]
+            )
         except BaseException:
             self.close()
             raise
@@ -98,8 +113,9 @@ class RayPipeline:
         _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
         if pending:
             w = refs.index(pending[0])
-            raise VjpsplitError(f"{self._name(w)}: Ray did not place its actor within {timeout:g} s: "
-                                f"{_lack(ray, self.options[w])}")
+            raise VjpsplitError(
+                f"{self._name(w)}: Ray did not place its actor within {timeout:g} s: {_lack(ray, self.options[w])}"
+            )
         return self._get(refs)
 
     def _get(self, refs, timeout: float | None = None):
@@ -117,18 +133,22 @@ class RayPipeline:
                 except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                     dead.append(self._name(w))
             why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise VjpsplitError(f"{', '.join(dead) or 'a stage'}: its Ray actor died ({why}); "
-                                "build a new RayPipeline to run again") from None
+            raise VjpsplitError(
+                f"{', '.join(dead) or 'a stage'}: its Ray actor died ({why}); build a new RayPipeline to run again"
+            ) from None
 
-    def run(self, x, side=(), *, microbatches: int, schedule_name: str = "1f1b",
-            progress: bool = False) -> PipelineResult:
+    def run(
+        self, x, side=(), *, microbatches: int, schedule_name: str = "1f1b", progress: bool = False
+    ) -> PipelineResult:
         """One training step under ``schedule_name``; gradients accumulate over microbatches."""
         ray = self.ray
         S = self.stages
         check_stages(self.artifacts, schedule_name)
         if layout(schedule_name) != self.layout:
-            raise VjpsplitError(f"{LABELS[schedule_name]} needs RayPipeline(layout={layout(schedule_name)!r}); "
-                                f"this one was made with layout={self.layout!r}")
+            raise VjpsplitError(
+                f"{LABELS[schedule_name]} needs RayPipeline(layout={layout(schedule_name)!r}); "
+                f"this one was made with layout={self.layout!r}"
+            )
         if not self.actors:
             raise VjpsplitError("this RayPipeline is closed; build a new one")
         plans = schedule(schedule_name, S, microbatches)
@@ -174,8 +194,10 @@ class RayPipeline:
             graph = compile_step(self.actors, plans, self.stages, microbatches, split)
         except Exception as e:  # noqa: BLE001 - no Compiled Graphs here: actor calls do the same work
             if self.compiled:
-                raise VjpsplitError(f"Ray could not compile the step's graph ({type(e).__name__}: {e}); "
-                                    "use compiled=False (or None) for actor calls") from e
+                raise VjpsplitError(
+                    f"Ray could not compile the step's graph ({type(e).__name__}: {e}); "
+                    "use compiled=False (or None) for actor calls"
+                ) from e
             self.compiled = False
             return None
         self.graph = (key, graph)
@@ -194,17 +216,19 @@ class RayPipeline:
         t0 = time.monotonic()
         try:
             # Our own limit, not Compiled Graphs' default 10 s, which a long step exceeds.
-            states = ray.get(graph.execute(*[x for x, _ in mbs], *[side for _, side in mbs]),
-                             timeout=self.step_timeout)
+            states = ray.get(graph.execute(*[x for x, _ in mbs], *[side for _, side in mbs]), timeout=self.step_timeout)
         except ray.exceptions.RayChannelTimeoutError:
             self._drop_graph()
-            raise VjpsplitError(f"the compiled step did not finish within step_timeout={self.step_timeout:g} s; "
-                                "build a new RayPipeline (compiled=False for actor calls) to run again") from None
+            raise VjpsplitError(
+                f"the compiled step did not finish within step_timeout={self.step_timeout:g} s; "
+                "build a new RayPipeline (compiled=False for actor calls) to run again"
+            ) from None
         except ray.exceptions.RayError as e:
             self._drop_graph()
             self._get([a.clock.remote() for a in self.actors])  # names a dead actor's stages
-            raise VjpsplitError(f"the compiled step failed ({type(e).__name__}: {e}); "
-                                "build a new RayPipeline to run again") from None
+            raise VjpsplitError(
+                f"the compiled step failed ({type(e).__name__}: {e}); build a new RayPipeline to run again"
+            ) from None
         return self._result(states, schedule_name, microbatches, time.monotonic() - t0, True)
 
     def _result(self, states, schedule_name, microbatches, step, compiled: bool) -> PipelineResult:
@@ -215,9 +239,17 @@ class RayPipeline:
         grads = {c: g for st in states for c, g in st["grads"].items()}
         losses = next(st["losses"] for st in states if S - 1 in st["grads"])
         events = [e.shifted(off) for st, off in zip(states, self.clock_offsets) for e in st["events"]]
-        return PipelineResult(schedule_name, float(np.mean([losses[m] for m in range(microbatches)])),
-                              [grads[c] for c in range(S)], sorted(events, key=lambda e: e.start),
-                              S, microbatches, "ray", step, {"compiled": compiled})
+        return PipelineResult(
+            schedule_name,
+            float(np.mean([losses[m] for m in range(microbatches)])),
+            [grads[c] for c in range(S)],
+            sorted(events, key=lambda e: e.start),
+            S,
+            microbatches,
+            "ray",
+            step,
+            {"compiled": compiled},
+        )
 
     def close(self) -> None:
         """End the actors (and the local Ray instance, if this object started it)."""
@@ -245,11 +277,15 @@ def _init_ray(ray, address: str | None, runtime_env: dict | None, workers: int) 
     ctx = ray.get_runtime_context()
     current = ctx.gcs_address
     if address and address != "auto" and address.removeprefix("ray://") != current:
-        raise VjpsplitError(f"Ray is already initialised, connected to {current}; address={address!r} would be "
-                            "ignored: leave address out, or call ray.shutdown() first")
+        raise VjpsplitError(
+            f"Ray is already initialised, connected to {current}; address={address!r} would be "
+            "ignored: leave address out, or call ray.shutdown() first"
+        )
     if runtime_env and dict(runtime_env) != dict(ctx.runtime_env or {}):
-        raise VjpsplitError("Ray is already initialised with another runtime_env; runtime_env would be ignored: "
-                            "give it per worker in actor_options, or call ray.shutdown() first")
+        raise VjpsplitError(
+            "Ray is already initialised with another runtime_env; runtime_env would be ignored: "
+            "give it per worker in actor_options, or call ray.shutdown() first"
+        )
     return False
 
 
@@ -266,27 +302,41 @@ def _clock_offset(ray, actor, pings: int = 5) -> float:
 
 
 def _asks(opts: Mapping[str, Any]) -> dict[str, float]:
-    asks = {"CPU": opts.get("num_cpus", 1), "GPU": opts.get("num_gpus", 0), "memory": opts.get("memory", 0),
-            **(opts.get("resources") or {})}
+    asks = {
+        "CPU": opts.get("num_cpus", 1),
+        "GPU": opts.get("num_gpus", 0),
+        "memory": opts.get("memory", 0),
+        **(opts.get("resources") or {}),
+    }
     return {k: float(v) for k, v in asks.items() if v}
 
 
 def _lack(ray, opts: Mapping[str, Any]) -> str:
     """Why an actor with options ``opts`` is still waiting, in words."""
     asks, free, total = _asks(opts), ray.available_resources(), ray.cluster_resources()
-    short = [f"{k} (asks {v:g}, {free.get(k, 0):g} free of {total.get(k, 0):g} in the cluster)"
-             for k, v in asks.items() if free.get(k, 0) < v]
+    short = [
+        f"{k} (asks {v:g}, {free.get(k, 0):g} free of {total.get(k, 0):g} in the cluster)"
+        for k, v in asks.items()
+        if free.get(k, 0) < v
+    ]
     if short:
         return "missing " + ", ".join(short)
     strategy = opts.get("scheduling_strategy")
     if strategy is not None and not isinstance(strategy, str):
-        return (f"its scheduling_strategy ({type(strategy).__name__}) cannot be met: a node that is gone or full, "
-                "or a placement group not ready")
+        return (
+            f"its scheduling_strategy ({type(strategy).__name__}) cannot be met: a node that is gone or full, "
+            "or a placement group not ready"
+        )
     return "the cluster has what it asks for, but it did not start in time; raise schedule_timeout on a slow cluster"
 
 
-def placement_group_options(workers: int, bundle: Mapping[str, float] | None = None, *, strategy: str = "STRICT_SPREAD",
-                            timeout: float = SCHEDULE_TIMEOUT) -> list[dict]:
+def placement_group_options(
+    workers: int,
+    bundle: Mapping[str, float] | None = None,
+    *,
+    strategy: str = "STRICT_SPREAD",
+    timeout: float = SCHEDULE_TIMEOUT,
+) -> list[dict]:
     """``actor_options`` putting each worker in its own bundle of one new placement group.
 
     ``bundle`` is what each worker reserves (default one CPU); ``strategy`` is Ray's:
@@ -305,10 +355,16 @@ def placement_group_options(workers: int, bundle: Mapping[str, float] | None = N
     ready, _ = ray.wait([pg.ready()], timeout=timeout)
     if not ready:
         remove_placement_group(pg)
-        raise VjpsplitError(f"Ray could not reserve {workers} bundles of {bundle} ({strategy}) within {timeout:g} s; "
-                            f"the cluster has {ray.available_resources()} free")
+        raise VjpsplitError(
+            f"Ray could not reserve {workers} bundles of {bundle} ({strategy}) within {timeout:g} s; "
+            f"the cluster has {ray.available_resources()} free"
+        )
     # The actor's own CPU ask must fit its bundle (Ray's default, 1 CPU, may not).
     cpus = bundle.get("CPU", 0)
-    return [{"num_cpus": min(cpus, 1) if cpus else 0,
-             "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}
-            for i in range(workers)]
+    return [
+        {
+            "num_cpus": min(cpus, 1) if cpus else 0,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+        }
+        for i in range(workers)
+    ]

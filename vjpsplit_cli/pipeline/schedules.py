@@ -190,8 +190,6 @@ def _zbv(p: int, M: int) -> list[list[Op]]:
     return plans
 
 
-
-
 def layout(schedule_name: str) -> str:
     """How a schedule places stages on workers: ``"v"`` (two per worker, ZB-V) or ``"stage"`` (one each)."""
     check_schedule(schedule_name, 2)

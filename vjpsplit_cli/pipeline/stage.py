@@ -19,7 +19,6 @@ from .schedules import LABELS, SPLIT_BACKWARD, Op, check_schedule
 from .timeline import Event
 
 
-
 class _Forward:
     """``art.fwd`` as one dispatch per microbatch.
 
@@ -131,9 +130,11 @@ class StageWorker:
             raise VjpsplitError(f"stage {index}: its first argument ({names[0]}) must be differentiated")
         self.feeds_back = index > 0
         if self.feeds_back and (len(names) < 2 or names[1] not in m.wrt):
-            raise VjpsplitError(f"stage {index}: export it with wrt including its input "
-                                f"({names[1] if len(names) > 1 else 'the second argument'}): the stage before "
-                                "waits for that gradient")
+            raise VjpsplitError(
+                f"stage {index}: export it with wrt including its input "
+                f"({names[1] if len(names) > 1 else 'the second argument'}): the stage before "
+                "waits for that gradient"
+            )
         self.calls = _calls_for(artifact, self.feeds_back)
         self.reset()
 
@@ -156,6 +157,7 @@ class StageWorker:
 
     def forward(self, mb: int, x, side: Sequence, worker: int | None = None):
         """F: run the forward, keep the residuals; return the activation (the loss on the last stage)."""
+
         def run():
             import jax
 
@@ -175,6 +177,7 @@ class StageWorker:
 
     def backward(self, mb: int, ct, microbatches: int, worker: int | None = None):
         """Whole backward (GPipe, 1F1B): accumulate the weight gradient, return the input cotangent."""
+
         def run():
             import jax
 
@@ -189,6 +192,7 @@ class StageWorker:
 
     def backward_input(self, mb: int, ct, microbatches: int, worker: int | None = None):
         """Split schedules' B: the input cotangent now, the weight part later."""
+
         def run():
             import jax
 
@@ -202,6 +206,7 @@ class StageWorker:
 
     def backward_weight(self, mb: int, worker: int | None = None):
         """Split schedules' W: the weight gradient of a microbatch whose B already ran."""
+
         def run():
             import jax
 
@@ -221,7 +226,7 @@ def split_batch(x, side: Mapping[str, Any] | Sequence, microbatches: int) -> lis
         raise VjpsplitError(f"batch of {n} does not split into {microbatches} equal microbatches")
     k = n // microbatches
     sides = list(side.values()) if isinstance(side, Mapping) else list(side)
-    return [(x[i * k:(i + 1) * k], [s[i * k:(i + 1) * k] for s in sides]) for i in range(microbatches)]
+    return [(x[i * k : (i + 1) * k], [s[i * k : (i + 1) * k] for s in sides]) for i in range(microbatches)]
 
 
 def check_stages(artifacts: Sequence, name: str) -> None:
@@ -230,10 +235,10 @@ def check_stages(artifacts: Sequence, name: str) -> None:
     if name in SPLIT_BACKWARD:
         for i, a in enumerate(artifacts):
             if not a.manifest.weights:
-                raise VjpsplitError(f"{LABELS[name]} needs the split backward: export stage {i} with "
-                                    f"weights=('{a.manifest.arg_names[0]}',)")
-
-
+                raise VjpsplitError(
+                    f"{LABELS[name]} needs the split backward: export stage {i} with "
+                    f"weights=('{a.manifest.arg_names[0]}',)"
+                )
 
 
 def stage_devices(artifacts: Sequence, devices: Sequence[Sequence] | None = None) -> list:
@@ -259,10 +264,9 @@ def stage_devices(artifacts: Sequence, devices: Sequence[Sequence] | None = None
         if not n:
             out.append(a)
             continue
-        out.append(a.on_devices(have[start:start + n]) if disjoint else a)
+        out.append(a.on_devices(have[start : start + n]) if disjoint else a)
         start += n if disjoint else 0
     return out
-
 
 
 def run_op(stage: StageWorker, op: Op, data, side: Sequence, microbatches: int, split: bool, worker: int):

@@ -35,8 +35,9 @@ class Event:
         return Event(self.worker, self.kind, self.mb, self.start - offset, self.end - offset, self.chunk)
 
 
-def simulate(plans: Sequence[Sequence[Op]], stages: int, duration: Callable[[Op], float],
-             split: bool | None = None) -> list[Event]:
+def simulate(
+    plans: Sequence[Sequence[Op]], stages: int, duration: Callable[[Op], float], split: bool | None = None
+) -> list[Event]:
     """Play per-worker lists on one device per worker: each op starts when its worker is free and its inputs exist.
 
     ``duration(op)`` gives each op's time. Raises if the lists deadlock.
@@ -115,9 +116,14 @@ class PipelineResult:
 
     def plot(self, path, title: str | None = None) -> None:
         """Write a PNG timeline (workers as rows; F, B, W coloured; idle left blank)."""
-        plot_timeline(self.events, self.workers, path,
-                      title or f"{LABELS[self.schedule]}: {self.stages} stages on {self.workers} workers, "
-                               f"{self.microbatches} microbatches, bubble {self.bubble_ratio:.0%} ({self.runner})")
+        plot_timeline(
+            self.events,
+            self.workers,
+            path,
+            title
+            or f"{LABELS[self.schedule]}: {self.stages} stages on {self.workers} workers, "
+            f"{self.microbatches} microbatches, bubble {self.bubble_ratio:.0%} ({self.runner})",
+        )
 
 
 def bubble_ratio(events: Sequence[Event], workers: int) -> float:
@@ -132,8 +138,12 @@ def bubble_ratio(events: Sequence[Event], workers: int) -> float:
 def replay(events: Sequence[Event], name: str, stages: int, microbatches: int) -> list[Event]:
     """The timeline the schedule would have with one device per worker, given each op's measured time."""
     dur = {(e.stage, e.kind, e.mb): e.end - e.start for e in events}
-    return simulate(schedule(name, stages, microbatches), stages,
-                    lambda op: dur.get((op.chunk, op.kind, op.mb), 0.0), split=name in SPLIT_BACKWARD)
+    return simulate(
+        schedule(name, stages, microbatches),
+        stages,
+        lambda op: dur.get((op.chunk, op.kind, op.mb), 0.0),
+        split=name in SPLIT_BACKWARD,
+    )
 
 
 def plot_timeline(events: Sequence[Event], workers: int, path, title: str) -> None:
@@ -156,11 +166,25 @@ def plot_timeline(events: Sequence[Event], workers: int, path, title: str) -> No
     fig, ax = plt.subplots(figsize=(10, 0.6 * workers + 1.2), dpi=110)
     for e in events:
         second = e.stage != first[e.worker]
-        ax.barh(e.worker, (e.end - e.start) * 1e3, left=(e.start - t0) * 1e3, color=colors[e.kind],
-                edgecolor="white", linewidth=0.5, hatch="///" if second else None)
+        ax.barh(
+            e.worker,
+            (e.end - e.start) * 1e3,
+            left=(e.start - t0) * 1e3,
+            color=colors[e.kind],
+            edgecolor="white",
+            linewidth=0.5,
+            hatch="///" if second else None,
+        )
         if (e.end - e.start) * 1e3 > 0:
-            ax.text((e.start - t0 + (e.end - e.start) / 2) * 1e3, e.worker, f"{e.kind}{e.mb}", ha="center",
-                    va="center", fontsize=6, color="white")
+            ax.text(
+                (e.start - t0 + (e.end - e.start) / 2) * 1e3,
+                e.worker,
+                f"{e.kind}{e.mb}",
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white",
+            )
     ax.set_yticks(range(workers), [f"worker {w}" for w in range(workers)])
     ax.invert_yaxis()
     ax.set_xlabel("ms")
