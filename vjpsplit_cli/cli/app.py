@@ -110,6 +110,11 @@ class AtSizes(click.ParamType):
         return str(value)
 
 
+def at_option(help: str):
+    """``--at NAME=SIZE`` (repeatable, or comma-separated): sizes for symbolic dims; ``help`` says what for."""
+    return click.option("--at", "at", multiple=True, type=AtSizes(), metavar="NAME=SIZE", help=help)
+
+
 # Options of the whole tool, accepted before or after the subcommand (``vjpsplit --debug run-fwd …``
 # or ``vjpsplit run-fwd … --debug``): the group and every command declare them.
 _GLOBAL_OPTIONS = (

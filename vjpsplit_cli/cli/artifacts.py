@@ -11,7 +11,7 @@ from .app import (
     ARRAY_OUT,
     ARTIFACT_OUT,
     EXISTING,
-    AtSizes,
+    at_option,
     cli_command,
     load_artifact,
     log,
@@ -50,14 +50,7 @@ def keygen_cmd(output):
 )
 @click.argument("artifact", type=EXISTING)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-@click.option(
-    "--at",
-    "at",
-    multiple=True,
-    type=AtSizes(),
-    metavar="NAME=SIZE",
-    help="Size symbolic dims in the byte totals (b=256).",
-)
+@at_option("Size symbolic dims in the byte totals (b=256).")
 @trust_options
 @cli_command
 def inspect_cmd(artifact, as_json, at, trust_keys, allow_kernels):
@@ -83,14 +76,7 @@ def inspect_cmd(artifact, as_json, at, trust_keys, allow_kernels):
 @click.option(
     "-o", "--output", required=True, type=ARRAY_OUT, metavar="FILE", help="Array file to write (.npz or .msgpack)."
 )
-@click.option(
-    "--at",
-    "at",
-    multiple=True,
-    type=AtSizes(),
-    metavar="NAME=SIZE",
-    help="Sizes for the artifact's symbolic dims (b=4); every one the keys need.",
-)
+@at_option("Sizes for the artifact's symbolic dims (b=4); every one the keys need.")
 @click.option(
     "--what",
     type=click.Choice(["inputs", "cotangents"]),

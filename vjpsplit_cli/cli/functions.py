@@ -13,7 +13,7 @@ from .app import (
     ARRAY_SUFFIXES,
     ARTIFACT_OUT,
     EXISTING,
-    AtSizes,
+    at_option,
     check_at,
     cli_command,
     enable_x64_if,
@@ -46,14 +46,7 @@ from .app import (
     metavar="BYTES",
     help="Pick the policy that recomputes least among those whose stored residuals fit (e.g. 64MiB).",
 )
-@click.option(
-    "--at",
-    "at",
-    multiple=True,
-    type=AtSizes(),
-    metavar="NAME=SIZE",
-    help="Sizes for symbolic dims when weighing residuals against --memory-budget (e.g. b=256).",
-)
+@at_option("Sizes for symbolic dims when weighing residuals against --memory-budget (e.g. b=256).")
 @click.option(
     "--weights",
     default=None,
@@ -153,14 +146,7 @@ def _shape_files(shapes) -> list[str]:
     epilog="\b\nExamples:\n  vjpsplit plan samples/mlp.py:loss --shapes params=@samples/mlp.py:param_shapes \\\n      --shapes 'x=f32[b,784]' --shapes 'labels=i32[b]' --at b=256",
 )
 @function_options
-@click.option(
-    "--at",
-    "at",
-    multiple=True,
-    type=AtSizes(),
-    metavar="NAME=SIZE",
-    help="Sizes for symbolic dims (b=256): bytes and FLOPs.",
-)
+@at_option("Sizes for symbolic dims (b=256): bytes and FLOPs.")
 @click.option(
     "--policies",
     default="everything,dots,nothing",
