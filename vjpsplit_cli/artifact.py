@@ -325,17 +325,7 @@ class Artifact:
                 ) from e
             if "Failed to deserialize StableHLO" not in str(e):
                 raise
-            m = self.manifest
-            why = (
-                " (sharded modules from jax >= 0.7 use the Shardy partitioner, which jax 0.6 cannot read)"
-                if m.sharded
-                else ""
-            )
-            raise VjpsplitError(
-                f"{self.source}: this jax {jax.__version__} cannot read the {module} module that "
-                f"jax {m.jax_version} exported{why}; run it with jax {m.jax_version} or newer, or "
-                "re-export it with this jax"
-            ) from e
+            raise VjpsplitError(unreadable_module(self.source, self.manifest, module)) from e
         _trust_mod.check_outputs(self.source, module, jax.tree_util.tree_leaves(result), self._exps[module], dims or {})
         return result
 
@@ -545,6 +535,20 @@ class Artifact:
         grads = self.run_bwd_arrays(res, cts, source=getattr(res, "source", None) or "residuals", ct_source="cotangent")
         per_arg = grads_per_arg(self.manifest, grads, m.wrt, res.dims, res.arg_trees)
         return per_arg[m.wrt[0]] if m.single_grad else tuple(per_arg[n] for n in m.wrt)
+
+
+def unreadable_module(source: str, manifest: Manifest, module: str) -> str:
+    """The message for a module this jax cannot deserialize though another jax wrote it whole."""
+    why = (
+        " (sharded modules from jax >= 0.7 use the Shardy partitioner, which jax 0.6 cannot read)"
+        if manifest.sharded
+        else ""
+    )
+    return (
+        f"{source}: this jax {jax.__version__} cannot read the {module} module that "
+        f"jax {manifest.jax_version} exported{why}; run it with jax {manifest.jax_version} or newer, or "
+        "re-export it with this jax"
+    )
 
 
 def pack(top: Mapping) -> bytes:

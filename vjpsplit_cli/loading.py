@@ -7,13 +7,15 @@ module (module ``trust``) before anything compiles.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import msgpack
 from jax import export as jexport
 
 from . import signing
 from . import trust as _trust_mod
-from .artifact import Artifact, pack
+from .artifact import Artifact, pack, unreadable_module
 from .errors import VjpsplitError, first_line
 from .manifest import MAGIC, MODULES, Manifest, fingerprint
 from .reading import read_bytes
@@ -99,9 +101,19 @@ def _loads(data: bytes, source: str, trust, allow_kernels: bool, cache_dir: str 
     if tuple(art.exported["fwd"].platforms) != manifest.platforms:
         raise VjpsplitError(f"{source}: the modules' platforms do not match the manifest; export it again")
     vouched = signer is not None and trusted is not None  # signed by a key the caller trusts
-    probes = _trust_mod.probe_modules(
-        {k: e.mlir_module_serialized for k, e in art.exported.items()}, source, in_process=vouched, cache_dir=cache_dir
-    )
+    try:
+        probes = _trust_mod.probe_modules(
+            {k: e.mlir_module_serialized for k, e in art.exported.items()},
+            source,
+            in_process=vouched,
+            cache_dir=cache_dir,
+        )
+    except VjpsplitError as e:
+        # Written whole by another jax (a newer StableHLO dialect, Shardy), not damaged: say which to run.
+        unreadable = re.search(r"the (\w+) module's StableHLO is corrupt \(.*Failed to deserialize StableHLO", str(e))
+        if unreadable is None or manifest.jax_version == jax.__version__:
+            raise
+        raise VjpsplitError(unreadable_module(source, manifest, unreadable.group(1))) from e
     _trust_mod.check_modules(
         source, manifest, art.exported, probes, trusted_signer=vouched, allow_kernels=allow_kernels
     )
