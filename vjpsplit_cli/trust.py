@@ -65,6 +65,9 @@ def _probe_here(modules: Mapping[str, bytes], source: str) -> dict:
         os.close(saved)
 
 
+PROBE_TIMEOUT_S = 60  # parsing a real module's StableHLO takes seconds, even for large models
+
+
 def _probe_child(modules: Mapping[str, bytes], source: str) -> dict:
     """Probe in a child process: a module that crashes the parser crashes the child, not us."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this vjpsplit, not another one
@@ -80,9 +83,15 @@ def _probe_child(modules: Mapping[str, bytes], source: str) -> dict:
             input=request.encode(),
             capture_output=True,
             env=env,
-            timeout=300,
+            timeout=PROBE_TIMEOUT_S,
         )
-    except (OSError, subprocess.TimeoutExpired) as e:
+    except subprocess.TimeoutExpired as e:
+        # A real module parses in seconds; a forged one can keep the bytecode reader spinning.
+        raise VjpsplitError(
+            f"{source}: parsing the artifact's modules took over {PROBE_TIMEOUT_S} s; the artifact is damaged "
+            "or forged: copy or export it again"
+        ) from e
+    except OSError as e:
         raise VjpsplitError(
             f"{source}: could not check the artifact's modules ({type(e).__name__}: {e}); "
             "retry, or export the artifact again"
