@@ -246,3 +246,18 @@ def test_residuals_are_immutable_pytrees_keyed_by_file_keys():
     assert type(again) is vs.SplitResiduals and list(again.stored) == list(res2.stored)
     moved = res.replace(dims={"b": 7})
     assert moved.dims == {"b": 7} and res.dims == {} and moved.stored["r/0"] is res.stored["r/0"]
+
+
+def test_residual_mappings_are_pytrees_that_pickle_and_copy():
+    import copy
+    import pickle
+
+    w, x = np.ones((3, 2), np.float32), np.ones((4, 3), np.float32)
+    art = vs.export(lambda w, x: jnp.sum(jnp.tanh(x @ w)), w, x, platforms="cpu")
+    _, res = art.fwd(w, x)
+    placed = jax.device_put(res.stored)  # a mapping of arrays, as a dict would be
+    assert list(placed) == list(res.stored) and all(isinstance(v, jax.Array) for v in placed.values())
+    for again in (pickle.loads(pickle.dumps(res.stored)), copy.copy(res.stored), copy.deepcopy(res.stored)):
+        assert type(again) is type(res.stored) and list(again) == list(res.stored)
+        with pytest.raises(TypeError, match="read-only"):
+            again["r/0"] = None

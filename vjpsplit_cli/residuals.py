@@ -6,7 +6,6 @@ Immutable pytrees whose key paths are the keys their files use (``r/0``,
 
 from __future__ import annotations
 
-from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -16,6 +15,33 @@ from jax.tree_util import DictKey
 from .errors import VjpsplitError
 from .manifest import ArgTrees
 from .vjp import Plan
+
+
+class FrozenDict(dict):
+    """A dict that refuses changes: the mappings of residuals and intermediates.
+
+    A pytree like a dict (keys in insertion order), so ``jax.device_put(res.stored)``
+    and ``jax.tree.map`` work on it; ``dict(...)`` makes a changeable copy.
+    """
+
+    __slots__ = ()
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("residual mappings are read-only; make a changed copy with .replace(...)")
+
+    __setitem__ = __delitem__ = __ior__ = _refuse
+    update = pop = popitem = clear = setdefault = _refuse
+
+    def __reduce__(self):
+        return (FrozenDict, (dict(self),))  # pickle and copy rebuild it whole, never item by item
+
+
+jax.tree_util.register_pytree_with_keys(
+    FrozenDict,
+    lambda d: ([(DictKey(k), v) for k, v in d.items()], tuple(d)),
+    lambda keys, values: FrozenDict(zip(keys, values)),
+    lambda d: (list(d.values()), tuple(d)),
+)
 
 
 class _Frozen:
@@ -79,9 +105,9 @@ class Residuals(_Frozen):
         bound_inputs: Mapping[str, Any] | None = None,
     ):
         self._set(
-            stored=MappingProxyType(dict(stored)),
-            inputs=MappingProxyType(dict(inputs)),
-            dims=MappingProxyType(dict(dims or {})),
+            stored=FrozenDict(dict(stored)),
+            inputs=FrozenDict(dict(inputs)),
+            dims=FrozenDict(dict(dims or {})),
             fingerprint=fingerprint,
             arg_names=tuple(arg_names),
             # The structure of the arguments fwd was called with, so bwd can give
@@ -98,7 +124,7 @@ class Residuals(_Frozen):
             # backward or not: a residuals file records each one's shape and CRC-32, so the
             # backward refuses another microbatch's inputs even where it never reads them.
             # Not pytree data: residuals rebuilt by a pytree operation bind only ``inputs``.
-            bound_inputs=MappingProxyType(dict(bound_inputs or {})),
+            bound_inputs=FrozenDict(dict(bound_inputs or {})),
         )
 
     def __repr__(self) -> str:
@@ -206,10 +232,10 @@ class Intermediates(_Frozen):
         arg_trees: ArgTrees = (),
     ):
         self._set(
-            arrays=MappingProxyType(dict(arrays)),
-            stored=MappingProxyType(dict(stored or {})),
-            inputs=MappingProxyType(dict(inputs or {})),
-            dims=MappingProxyType(dict(dims)),
+            arrays=FrozenDict(dict(arrays)),
+            stored=FrozenDict(dict(stored or {})),
+            inputs=FrozenDict(dict(inputs or {})),
+            dims=FrozenDict(dict(dims)),
             fingerprint=fingerprint,
             residuals_id=residuals_id,  # the forward run whose residuals the input part read; "" unknown
             arg_trees=tuple(arg_trees),
