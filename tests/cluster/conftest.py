@@ -1,0 +1,7 @@
+"""The multi-node Ray suite: its own pytest process (tests/test_pipeline_cluster.py starts it)."""
+
+import sys
+from pathlib import Path
+
+# test_pipeline's stage maker and tests/models.py, as in the main suite.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
