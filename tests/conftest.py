@@ -12,8 +12,8 @@ os.environ.setdefault("VJPSPLIT_CACHE_DIR", tempfile.mkdtemp(prefix="vjpsplit-te
 # tests/sharded needs 8 CPU devices, which XLA fixes when JAX starts: it runs in its own
 # process (tests/test_sharded.py starts it with VJPSPLIT_SHARDED_SUITE=1).
 collect_ignore = [] if os.environ.get("VJPSPLIT_SHARDED_SUITE") == "1" else ["sharded"]
-# tests/cluster starts a multi-node Ray cluster, whose processes fork: in a process where JAX's
-# threads already run that can crash the whole pytest process, so it runs in one of its own
-# (tests/test_pipeline_cluster.py starts it with VJPSPLIT_CLUSTER_SUITE=1).
-if os.environ.get("VJPSPLIT_CLUSTER_SUITE") != "1":
-    collect_ignore.append("cluster")
+# tests/ray_suite starts Ray (a local instance, then a multi-node cluster whose processes fork):
+# its threads and forks can crash the whole pytest process tests later, so it runs in one of
+# its own (tests/test_pipeline_ray.py starts it with VJPSPLIT_RAY_SUITE=1).
+if os.environ.get("VJPSPLIT_RAY_SUITE") != "1":
+    collect_ignore.append("ray_suite")

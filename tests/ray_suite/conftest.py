@@ -1,4 +1,4 @@
-"""The multi-node Ray suite: its own pytest process (tests/test_pipeline_cluster.py starts it)."""
+"""The Ray suite: its own pytest process (tests/test_pipeline_ray.py starts it)."""
 
 import sys
 from pathlib import Path

@@ -1,0 +1,130 @@
+"""The Ray runner with a local Ray instance in this (the Ray suite's own) process: gradients, errors, clocks."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import vjpsplit_cli as vs
+from vjpsplit_cli import pipeline as P
+from models import assert_trees_close, stages_whole as whole
+from test_pipeline import make
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray  # a test dependency (pip install -e '.[test]'): missing Ray is a failure, not a skip
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_ray_gradients_equal_value_and_grad(ray_session, stages):
+    arts, params, x, labels = make(stages, seed=stages)
+    loss, grads = jax.value_and_grad(whole)(params, x, labels)
+    layouts = ["stage", "v"] if stages % 2 == 0 else ["stage"]
+    for lay in layouts:
+        with P.RayPipeline(arts, params, layout=lay, compiled=None) as rp:
+            for name in [n for n in P.SCHEDULES if P.layout(n) == lay]:
+                r = rp.run(x, [labels], microbatches=4, schedule_name=name)
+                assert r.runner == "ray" and r.extra["compiled"]  # compiled=None: a Compiled Graph where Ray can
+                np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
+                assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
+                assert {e.stage for e in r.events} == set(range(stages))
+                assert {e.worker for e in r.events} == set(range(r.workers))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_ray_driver_fetches_only_gradients_and_timings(ray_session, monkeypatch, compiled):
+    arts, params, x, labels = make(4)
+    with P.RayPipeline(arts, params, layout="v", compiled=compiled) as rp:
+        rp.run(x, [labels], microbatches=4, schedule_name="zbv")  # compiles the step's graph (which gets refs)
+        fetched = []
+        real_get = ray_session.get
+
+        def counting_get(refs, *a, **k):  # ray.get is Ray's own too (its graph teardown gets single refs)
+            if isinstance(refs, list):
+                fetched.append(len(refs))
+            return real_get(refs, *a, **k)
+
+        monkeypatch.setattr(rp.ray, "get", counting_get)
+        with pytest.raises(vs.VjpsplitError, match="needs RayPipeline"):
+            rp.run(x, [labels], microbatches=4, schedule_name="zbh1")
+        r = rp.run(x, [labels], microbatches=4, schedule_name="zbv")
+        # Actor calls: one get for the actors' reset, one for their final state; a compiled step: one get of
+        # the actors' states. No activation or cotangent reaches the driver.
+        assert fetched == ([2] if compiled else [2, 2]) and r.extra["compiled"] is compiled
+        assert len(r.events) == sum(len(p) for p in P.schedule("zbv", 4, 4))
+
+
+def test_ray_stage_error_reaches_the_driver(ray_session):
+    arts, params, x, labels = make(3)
+    bad = [params[0], {"w": params[1]["w"][:, :3], "b": params[1]["b"]}, params[2]]
+    with P.RayPipeline(arts, bad) as rp:
+        for _ in range(2):  # the step fails on the driver, not in a hang, and the next one too
+            with pytest.raises(vs.VjpsplitError, match="params"):
+                rp.run(x, [labels], microbatches=4, schedule_name="zbh1")
+
+
+def test_ray_events_are_on_the_drivers_clock(ray_session):
+    import time
+
+    arts, params, x, labels = make(2)
+    with P.RayPipeline(arts, params) as rp:
+        warm = rp.run(x, [labels], microbatches=2, schedule_name="1f1b", progress=True)  # warm-up: compiles
+        assert len(warm.events) == sum(len(p) for p in P.schedule("1f1b", 2, 2))
+        t0 = time.monotonic()
+        r = rp.run(x, [labels], microbatches=2, schedule_name="1f1b")
+        t1 = time.monotonic()
+        rp.step_timeout = 1e-6  # a step that is not back in time is an error, not a hang
+        with pytest.raises(vs.VjpsplitError, match="did not finish within step_timeout=1e-06 s"):
+            rp.run(x, [labels], microbatches=2, schedule_name="1f1b")
+    # Every actor's events, moved by its measured offset, fall inside the step as the driver saw it.
+    assert t0 <= min(e.start for e in r.events) and max(e.end for e in r.events) <= t1
+    assert all(e.start <= e.end for e in r.events) and len(rp.clock_offsets) == 2
+
+
+def test_ray_settings_a_running_ray_would_ignore_are_refused(ray_session):
+    arts, params, x, labels = make(2)
+    with pytest.raises(vs.VjpsplitError, match="already initialised, connected to .*address='10.9.9.9:6379'"):
+        P.RayPipeline(arts, params, address="10.9.9.9:6379")
+    with pytest.raises(vs.VjpsplitError, match="already initialised with another runtime_env"):
+        P.RayPipeline(arts, params, runtime_env={"env_vars": {"VJPSPLIT_TEST": "1"}})
+    with pytest.raises(vs.VjpsplitError, match="actor_options has 1 entries for 2 workers"):
+        P.RayPipeline(arts, params, actor_options=[{}])
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_ray_dead_actor_is_named_and_a_new_pipeline_runs(ray_session, compiled):
+    arts, params, x, labels = make(2)
+    loss, grads = jax.value_and_grad(whole)(params, x, labels)
+    with P.RayPipeline(arts, params, compiled=compiled) as rp:
+        rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
+        ray_session.kill(rp.actors[1])
+        with pytest.raises(vs.VjpsplitError, match="stage 1: its Ray actor died.*build a new RayPipeline"):
+            rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
+    with P.RayPipeline(arts, params) as rp:
+        r = rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
+        assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
+
+
+def test_ray_falls_back_to_actor_calls_without_compiled_graphs(ray_session, monkeypatch):
+    import ray.dag
+
+    class NoGraphs:
+        def __init__(self, *a, **k):
+            raise NotImplementedError("no Compiled Graphs on this Ray")
+
+    monkeypatch.setattr(ray.dag, "InputNode", NoGraphs)
+    arts, params, x, labels = make(2)
+    loss, grads = jax.value_and_grad(whole)(params, x, labels)
+    with P.RayPipeline(arts, params, compiled=None) as rp:
+        r = rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
+        assert r.extra["compiled"] is False
+        assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
+    with P.RayPipeline(arts, params, compiled=True) as rp:  # asked for explicitly: an error, not a fallback
+        with pytest.raises(vs.VjpsplitError, match="could not compile the step's graph.*no Compiled Graphs"):
+            rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
