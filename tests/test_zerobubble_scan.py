@@ -265,8 +265,10 @@ def test_a_scan_whose_stacks_would_outgrow_its_residuals_stays_whole():
     assert_trees_close(tuple(jcore.jaxpr_as_fun(cut)(*args)), bwd(*args), rtol=1e-6, atol=1e-6)
 
 
-def test_cut_scan_sums_shared_weight_gradients_in_one_contraction():
-    # The GRU's shared-weight gradients: no loop in W, each one dot_general that contracts time and batch.
+@pytest.mark.parametrize("merge", [True, False])
+def test_cut_scan_sums_shared_weight_gradients_in_one_contraction(merge):
+    # The GRU's shared-weight gradients: no loop in W, each one dot_general that contracts time and batch:
+    # merged into one axis of time x batch rows (one GEMM), or as two axes (sharded stages, merge=False).
     fn, params, x_spec, x = model("gru")
 
     def bwd(p, x, ct):
@@ -275,9 +277,15 @@ def test_cut_scan_sums_shared_weight_gradients_in_one_contraction():
     args = (params, x, np.ones_like(x))
     closed = jax.make_jaxpr(bwd)(*args)
     n_params = len(jax.tree_util.tree_leaves(params))
-    cut = cut_inside(closed, needed_outs=[n_params])
+    cut = cut_inside(closed, needed_outs=[n_params], merge=merge)
     top = [e for e in cut.jaxpr.eqns if e.primitive.name == "dot_general"]
-    assert len(top) == 6 and all(len(e.params["dimension_numbers"][0][0]) == 2 for e in top)
+    assert len(top) == 6
+    for e in top:
+        (lc, rc), _ = e.params["dimension_numbers"]
+        if merge:
+            assert lc == rc == (0,) and all(v.aval.shape[0] == x.shape[0] * x.shape[1] for v in e.invars)
+        else:
+            assert lc == rc == (0, 1)
     assert_trees_close(
         jcore.jaxpr_as_fun(cut)(*jax.tree_util.tree_leaves(args)),
         jcore.jaxpr_as_fun(closed)(*jax.tree_util.tree_leaves(args)),

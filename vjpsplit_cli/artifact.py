@@ -393,16 +393,22 @@ class Artifact:
         )
         keys = [g.key for g in m.grads_of(m.non_weight_wrt)]
         computed = {leaf.key: v for leaf, v in zip(m.intermediates, inter)}
-        if m.weight_reads_subset:
-            # W's own residuals ride with the intermediates; the caller may drop res now.
-            w_stored = {k: res.stored[k] for k in m.weight_residuals}
-            w_inputs = {k: res.inputs[k] for k in m.weight_inputs}
-        else:
-            w_stored, w_inputs = dict(res.stored), dict(res.inputs)
+        # W's own residuals ride with the intermediates; the caller may drop res now.
+        w_stored, w_inputs = self.weight_part_residuals(res)
         out = Intermediates(
             computed, dims, m.fingerprint, res.residuals_id, w_stored, w_inputs, arg_trees=res.arg_trees
         )
         return dict(zip(keys, grads)), out
+
+    def weight_part_residuals(self, res: Residuals) -> tuple[dict, dict]:
+        """The stored residuals and inputs of ``res`` the weight part reads (every one for formats <= 2).
+
+        The arrays themselves, not copies: what :class:`Intermediates` carries from B to W.
+        """
+        m = self.manifest
+        if m.weight_reads_subset:
+            return {k: res.stored[k] for k in m.weight_residuals}, {k: res.inputs[k] for k in m.weight_inputs}
+        return dict(res.stored), dict(res.inputs)
 
     def run_bwd_weight_arrays(
         self,

@@ -100,25 +100,35 @@ def _needed_vars(jaxpr, out_positions) -> set:
     return need
 
 
+def _prod(dims):
+    """The product of (possibly symbolic) dimension sizes."""
+    out = 1
+    for d in dims:
+        out = out * d
+    return out
+
+
 def _struct(aval):
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
 
 
-def cut_inside(closed: jcore.ClosedJaxpr, needed_outs: Sequence[int]) -> jcore.ClosedJaxpr:
+def cut_inside(closed: jcore.ClosedJaxpr, needed_outs: Sequence[int], merge: bool = True) -> jcore.ClosedJaxpr:
     """``closed`` rewritten so that what only the outputs outside ``needed_outs`` need sits outside every body.
 
     ``needed_outs`` are the positions of the outputs on B's side (the non-weight
-    gradients). Returns ``closed`` itself when there is nothing to rewrite.
+    gradients). ``merge``: W may merge the iteration axis with the contraction beside it
+    (one GEMM on XLA:CPU); False for sharded stages, where a merged axis whose minor part
+    is sharded would be gathered. Returns ``closed`` itself when there is nothing to rewrite.
     """
     if not _has_work(closed.jaxpr):
         return closed
     needed = tuple(needed_outs)
-    return jax.make_jaxpr(lambda *args: _interpret(closed.jaxpr, closed.consts, args, needed))(
+    return jax.make_jaxpr(lambda *args: _interpret(closed.jaxpr, closed.consts, args, needed, merge))(
         *[_struct(v.aval) for v in closed.jaxpr.invars]
     )
 
 
-def _interpret(jaxpr, consts, args, needed: Sequence[int]) -> list:
+def _interpret(jaxpr, consts, args, needed: Sequence[int], merge: bool) -> list:
     """Evaluate ``jaxpr`` on tracers, inlining bodies and cutting scans for outputs outside ``needed``."""
     env: dict = {}
 
@@ -134,10 +144,10 @@ def _interpret(jaxpr, consts, args, needed: Sequence[int]) -> list:
         invals = [read(a) for a in eqn.invars]
         out_needed = [i for i, v in enumerate(eqn.outvars) if v in need]
         if eqn.primitive.name == "scan" and not eqn.effects:
-            outs = _cut_scan(eqn, invals, out_needed)
+            outs = _cut_scan(eqn, invals, out_needed, merge)
         elif _inlinable(eqn):
             body, body_consts = _body(eqn)
-            outs = _interpret(body, body_consts, invals, out_needed)
+            outs = _interpret(body, body_consts, invals, out_needed, merge)
         else:
             outs = _bind(eqn, invals)
         env.update(zip(eqn.outvars, outs))  # a dropped output too: nothing reads it
@@ -190,7 +200,7 @@ def _fits(emitted, xs_avals, length) -> bool:
         return False
 
 
-def _cut_scan(eqn, invals, out_needed: Sequence[int]) -> list:
+def _cut_scan(eqn, invals, out_needed: Sequence[int], merge: bool) -> list:
     """The scan ``eqn`` on ``invals``, fissioned into a B scan and a W part outside it when that pays."""
     p = eqn.params
     nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
@@ -203,7 +213,7 @@ def _cut_scan(eqn, invals, out_needed: Sequence[int]) -> list:
         return _bind(eqn, invals)
     kept = [i for i in range(nk) if i not in acc] + [nk + j for j in range(n_ys) if j not in w_ys]
     # Inline the body's own bodies (and cut its inner scans) before slicing it.
-    flat = jax.make_jaxpr(lambda *a: _interpret(body.jaxpr, body.consts, a, kept))(
+    flat = jax.make_jaxpr(lambda *a: _interpret(body.jaxpr, body.consts, a, kept, merge))(
         *[_struct(v.aval) for v in body.jaxpr.invars]
     )
     bj = flat.jaxpr
@@ -255,7 +265,7 @@ def _cut_scan(eqn, invals, out_needed: Sequence[int]) -> list:
         step, [init[i] for i in keep_k], list(xs), length=length, reverse=p["reverse"], unroll=p["unroll"]
     )
     stacks = dict(zip(emitted, ys[len(b_ys) :]))
-    w = _Batched(w_eqns, {**stacked_in, **stacks}, outer, length)
+    w = _Batched(w_eqns, {**stacked_in, **stacks}, outer, length, merge)
     outs = [None] * (nk + n_ys)
     for i, c in zip(keep_k, carry_out):
         outs[i] = c
@@ -272,12 +282,14 @@ class _Batched:
     """The W part of a scan body evaluated over all iterations at once.
 
     ``stacked_in`` maps body variables to arrays with a leading iteration axis;
-    ``outer`` maps variables that do not change across iterations to their values.
+    ``outer`` maps variables that do not change across iterations to their values;
+    ``merge``: see ``cut_inside``.
     """
 
-    def __init__(self, eqns, stacked_in: dict, outer: dict, length):
+    def __init__(self, eqns, stacked_in: dict, outer: dict, length, merge: bool = True):
         self.producer = {v: e for e in eqns for v in e.outvars}
         self.length = length
+        self.merge = merge
         self.vals = {v: (True, x) for v, x in stacked_in.items()}
         self.vals.update({v: (False, x) for v, x in outer.items()})
         self.sums: dict = {}
@@ -325,8 +337,18 @@ class _Batched:
             if name == "dot_general" and all(dep):
                 (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
                 shift = lambda ds: tuple(d + 1 for d in ds)  # noqa: E731
-                dims = (((0,) + shift(lc), (0,) + shift(rc)), (shift(lb), shift(rb)))  # iteration axis outermost
-                (out,) = _bind(eqn, [self.stacked(a) for a in eqn.invars], dimension_numbers=dims)
+                lc, rc, lb, rb = (0,) + shift(lc), (0,) + shift(rc), shift(lb), shift(rb)  # iteration axis outermost
+                a, b = (self.stacked(x) for x in eqn.invars)
+                k = len(lc)
+                if self.merge and k > 1 and not lb and lc == rc == tuple(range(k)):
+                    # The iteration axis and the contraction beside it (an RNN's batch) lead both
+                    # operands: merged into one axis (a free reshape), XLA:CPU runs one GEMM, where
+                    # for two contracted axes it transposes an operand first and takes a slower
+                    # dot (W 1.5x slower on the GRU of benchmarks/zbscan.py).
+                    a = jnp.reshape(a, (_prod(a.shape[:k]), *a.shape[k:]))
+                    b = jnp.reshape(b, (_prod(b.shape[:k]), *b.shape[k:]))
+                    lc = rc = (0,)
+                (out,) = _bind(eqn, [a, b], dimension_numbers=((lc, rc), (lb, rb)))
             elif name in _LINEAR and sum(dep) == 1:
                 (out,) = _bind(eqn, [self.summed(a) if d else self._value(a)[1] for a, d in zip(eqn.invars, dep)])
             elif name in ("add_any", "add", "sub") and all(dep):

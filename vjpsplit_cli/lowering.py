@@ -467,7 +467,7 @@ def _export_split_backward(
     weight_outs = [i for i, g in enumerate(manifest.grads) if g.key.split("/", 1)[0] in weight_names]
     n_st, n_ib = len(stored_avals), len(input_backed)
     ct_pos = list(range(n_st + n_ib, n_st + n_ib + len(ct_avals)))
-    part = partition(closed, weight_outs, ct_pos)
+    part = partition(closed, weight_outs, ct_pos, merge=sh is None)  # sharded: no merged axes (see fission)
     n_in_grads = len(manifest.grads) - len(weight_outs)
     reads = set(part.weight_reads)
     w_st = [i for i in range(n_st) if i in reads]

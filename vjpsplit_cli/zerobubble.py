@@ -46,15 +46,17 @@ def _vars(atoms) -> list:
     return [a for a in atoms if isinstance(a, jcore.Var)]
 
 
-def partition(closed: jcore.ClosedJaxpr, weight_outs: Sequence[int], ct_invars: Sequence[int]) -> Partition:
+def partition(
+    closed: jcore.ClosedJaxpr, weight_outs: Sequence[int], ct_invars: Sequence[int], merge: bool = True
+) -> Partition:
     """Cut ``closed`` so the outputs at ``weight_outs`` come from a separate weight part.
 
     ``ct_invars`` are the positions of the cotangent inputs: the weight part does not
     take them, so any it needs are passed through the boundary instead. Scans,
-    remat and nested jit bodies are cut too (``fission.cut_inside``).
+    remat and nested jit bodies are cut too (``fission.cut_inside``, which ``merge`` is passed to).
     """
     weight_outs = set(weight_outs)
-    closed = cut_inside(closed, [i for i in range(len(closed.jaxpr.outvars)) if i not in weight_outs])
+    closed = cut_inside(closed, [i for i in range(len(closed.jaxpr.outvars)) if i not in weight_outs], merge)
     jaxpr = closed.jaxpr
     in_outvars = [v for i, v in enumerate(jaxpr.outvars) if i not in weight_outs]
     w_outvars = [v for i, v in enumerate(jaxpr.outvars) if i in weight_outs]

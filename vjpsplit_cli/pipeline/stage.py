@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ..errors import VjpsplitError
+from ..residuals import Intermediates
 from .schedules import LABELS, SPLIT_BACKWARD, Op, check_schedule
 from .timeline import Event
 
@@ -88,7 +89,19 @@ class _Calls:
 
         def b_input(res, ct):
             g, inter = artifact.bwd_input(res, ct)
-            return (g[x] if x else None), inter
+            # Without the residuals W reads: out of a jitted call they would come back as copies
+            # (XLA copies an argument it returns), the stage's own arrays are put back below.
+            return (g[x] if x else None), Intermediates(inter.arrays, inter.dims, inter.fingerprint)
+
+        def with_residuals(b_call):
+            def call(res, ct):
+                gx, inter = b_call(res, ct)
+                stored, inputs = artifact.weight_part_residuals(res)
+                return gx, Intermediates(
+                    inter.arrays, inter.dims, inter.fingerprint, res.residuals_id, stored, inputs, res.arg_trees
+                )
+
+            return call
 
         def b_weight(inter):
             # The intermediates carry the residuals W reads: the rest were freed after B.
@@ -96,7 +109,8 @@ class _Calls:
 
         self.forward = _Forward(artifact)
         self.backward, self.backward_acc = jax.jit(fused), jax.jit(fused_acc)
-        self.backward_input = jax.jit(b_input) if m.weights else None
+        self.backward_input_jitted = jax.jit(b_input) if m.weights else None  # the compiled part (FLOPs, HLO)
+        self.backward_input = with_residuals(self.backward_input_jitted) if m.weights else None
         self.backward_weight = jax.jit(b_weight) if m.weights else None
         self.backward_weight_acc = jax.jit(lambda acc, inter: add(acc, b_weight(inter))) if m.weights else None
 
