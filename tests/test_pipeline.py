@@ -137,6 +137,21 @@ def test_forward_fast_path_keeps_the_callers_arrays():
         assert_trees_close(arts[0].bwd(st.res[mb], ct), arts[0].bwd(ref_res, ct), rtol=1e-6, atol=1e-7)
 
 
+def test_split_backward_hands_w_the_stages_own_residual_arrays():
+    # B's jitted call must not return the residuals W reads (XLA would hand back copies): the very arrays ride along.
+    arts, params, x, labels = make(2)
+    st = P.StageWorker(arts[0], params[0], 0, 2)
+    _, res = st.calls.forward(st.params, jnp.asarray(x[:8]))
+    ct = jnp.ones((8, D), jnp.float32)
+    gx, inter = st.calls.backward_input(res, ct)
+    assert inter.stored or inter.inputs  # W reads the layer's input here (a residual backed by the input)
+    assert all(inter.stored[k] is res.stored[k] for k in inter.stored)
+    assert all(inter.inputs[k] is res.inputs[k] for k in inter.inputs)
+    assert inter.residuals_id == res.residuals_id
+    _, ref_inter = arts[0].bwd_input(res, ct)
+    assert_trees_close(st.calls.backward_weight(inter), arts[0].bwd_weight(ref_inter)["params"], rtol=1e-6, atol=1e-7)
+
+
 def test_progress_bar_counts_every_op(monkeypatch):
     import tqdm
 
