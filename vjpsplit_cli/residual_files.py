@@ -211,18 +211,15 @@ def load_intermediates(
     given = {k[3:]: v for k, v in arrays.items() if k.startswith("in/")}
     needs = meta.get("needs_inputs", [])
     if needs:
-        if inputs is None:
-            raise VjpsplitError(
-                f"{path}: these intermediates leave out the inputs {', '.join(needs)} (to avoid copying them); "
-                "pass the forward's inputs (run-bwd --inputs FILE, or load_intermediates(path, inputs=...))"
-            )
-        flat, _ = _flat_inputs(path, inputs, meta.get("arg_names", []), artifact)
-        missing = [k for k in needs if k not in flat]
-        if missing:
-            raise VjpsplitError(
-                f"{path}: the intermediates need input(s) {', '.join(missing)}, which the given "
-                "inputs lack; pass the same inputs the forward ran on"
-            )
+        flat, _ = _left_out_inputs(
+            path,
+            "intermediates",
+            "load_intermediates(path, inputs=...)",
+            needs,
+            inputs,
+            meta.get("arg_names", []),
+            artifact,
+        )
         given.update({k: flat[k] for k in needs})
         if verify:
             _check_bound_inputs(path, meta, {k: given[k] for k in needs}, inputs_source or "inputs")
@@ -393,20 +390,12 @@ def _load_artifact_residuals(path, arrays, meta, needs, inputs, artifact) -> tup
     fingerprint, dims, arg_names = meta["fingerprint"], meta["dims"], meta["arg_names"]
     stored = {k: v for k, v in arrays.items() if not k.startswith("in/")}
     given = {k[3:]: v for k, v in arrays.items() if k.startswith("in/")}
+    flat: Mapping[str, Any] = {}
     trees: tuple = ()
     if needs:
-        if inputs is None:
-            raise VjpsplitError(
-                f"{path}: these residuals leave out the inputs {', '.join(needs)} (to avoid copying them); "
-                "pass the forward's inputs (run-bwd --inputs FILE, or load_residuals(path, inputs=args))"
-            )
-        flat, trees = _flat_inputs(path, inputs, arg_names, artifact)
-        missing = [k for k in needs if k not in flat]
-        if missing:
-            raise VjpsplitError(
-                f"{path}: the residuals need input(s) {', '.join(missing)}, which the given inputs lack; "
-                "pass the same inputs the forward ran on"
-            )
+        flat, trees = _left_out_inputs(
+            path, "residuals", "load_residuals(path, inputs=args)", needs, inputs, arg_names, artifact
+        )
         given.update({k: flat[k] for k in needs})
     elif inputs is not None:
         flat, trees = _flat_inputs(path, inputs, arg_names, artifact)
@@ -419,7 +408,24 @@ def _load_artifact_residuals(path, arrays, meta, needs, inputs, artifact) -> tup
         arg_trees=trees,
         residuals_id=meta.get("residuals_id", ""),
     )
-    return res, (flat if inputs is not None else {})
+    return res, flat
+
+
+def _left_out_inputs(path, what: str, loader: str, needs, inputs, arg_names, artifact):
+    """``_flat_inputs`` of the inputs a file of ``what`` left out (``needs``), refusing absent or missing ones."""
+    if inputs is None:
+        raise VjpsplitError(
+            f"{path}: these {what} leave out the inputs {', '.join(needs)} (to avoid copying them); "
+            f"pass the forward's inputs (run-bwd --inputs FILE, or {loader})"
+        )
+    flat, trees = _flat_inputs(path, inputs, arg_names, artifact)
+    missing = [k for k in needs if k not in flat]
+    if missing:
+        raise VjpsplitError(
+            f"{path}: the {what} need input(s) {', '.join(missing)}, which the given inputs lack; "
+            "pass the same inputs the forward ran on"
+        )
+    return flat, trees
 
 
 def _flat_inputs(path, inputs, arg_names, artifact=None) -> tuple[Mapping[str, Any], tuple]:
