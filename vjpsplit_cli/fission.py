@@ -31,6 +31,7 @@ whole too.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import jax
@@ -98,14 +99,6 @@ def _needed_vars(jaxpr, out_positions) -> set:
         if any(v in need for v in eqn.outvars):
             need.update(v for v in eqn.invars if isinstance(v, jcore.Var))
     return need
-
-
-def _prod(dims):
-    """The product of (possibly symbolic) dimension sizes."""
-    out = 1
-    for d in dims:
-        out = out * d
-    return out
 
 
 def _struct(aval):
@@ -286,7 +279,7 @@ class _Batched:
     ``merge``: see ``cut_inside``.
     """
 
-    def __init__(self, eqns, stacked_in: dict, outer: dict, length, merge: bool = True):
+    def __init__(self, eqns, stacked_in: dict, outer: dict, length, merge: bool):
         self.producer = {v: e for e in eqns for v in e.outvars}
         self.length = length
         self.merge = merge
@@ -345,8 +338,8 @@ class _Batched:
                     # operands: merged into one axis (a free reshape), XLA:CPU runs one GEMM, where
                     # for two contracted axes it transposes an operand first and takes a slower
                     # dot (W 1.5x slower on the GRU of benchmarks/zbscan.py).
-                    a = jnp.reshape(a, (_prod(a.shape[:k]), *a.shape[k:]))
-                    b = jnp.reshape(b, (_prod(b.shape[:k]), *b.shape[k:]))
+                    a = jnp.reshape(a, (math.prod(a.shape[:k]), *a.shape[k:]))
+                    b = jnp.reshape(b, (math.prod(b.shape[:k]), *b.shape[k:]))
                     lc = rc = (0,)
                 (out,) = _bind(eqn, [a, b], dimension_numbers=((lc, rc), (lb, rb)))
             elif name in _LINEAR and sum(dep) == 1:

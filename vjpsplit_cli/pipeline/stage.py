@@ -93,15 +93,12 @@ class _Calls:
             # (XLA copies an argument it returns), the stage's own arrays are put back below.
             return (g[x] if x else None), Intermediates(inter.arrays, inter.dims, inter.fingerprint)
 
-        def with_residuals(b_call):
-            def call(res, ct):
-                gx, inter = b_call(res, ct)
-                stored, inputs = artifact.weight_part_residuals(res)
-                return gx, Intermediates(
-                    inter.arrays, inter.dims, inter.fingerprint, res.residuals_id, stored, inputs, res.arg_trees
-                )
-
-            return call
+        def b_input_with_residuals(res, ct):
+            gx, inter = self.backward_input_jitted(res, ct)
+            stored, inputs = artifact.weight_part_residuals(res)
+            return gx, Intermediates(
+                inter.arrays, inter.dims, inter.fingerprint, res.residuals_id, stored, inputs, res.arg_trees
+            )
 
         def b_weight(inter):
             # The intermediates carry the residuals W reads: the rest were freed after B.
@@ -110,7 +107,7 @@ class _Calls:
         self.forward = _Forward(artifact)
         self.backward, self.backward_acc = jax.jit(fused), jax.jit(fused_acc)
         self.backward_input_jitted = jax.jit(b_input) if m.weights else None  # the compiled part (FLOPs, HLO)
-        self.backward_input = with_residuals(self.backward_input_jitted) if m.weights else None
+        self.backward_input = b_input_with_residuals if m.weights else None
         self.backward_weight = jax.jit(b_weight) if m.weights else None
         self.backward_weight_acc = jax.jit(lambda acc, inter: add(acc, b_weight(inter))) if m.weights else None
 
