@@ -11,7 +11,7 @@ fresh process.
 
 A second table isolates how a finished temp file takes the target's place, on the
 same bytes: ``os.replace`` over the old file, ``renameat2(RENAME_EXCHANGE)`` then
-unlinking the old file (what ``outputs.atomic_write`` does where it can), and ``np.save``
+unlinking the old file (what ``filesystem.replace_file`` does where it can), and ``np.save``
 overwriting the old file in place. Each candidate keeps its own file names: deleting
 a file whose writeback is in flight waits for it, so sharing names would charge
 one candidate's disk I/O to another.
@@ -35,7 +35,7 @@ import numpy as np
 
 import vjpsplit_cli as vs
 from benchmarks.workloads import transformer
-from vjpsplit_cli import checksum, outputs
+from vjpsplit_cli import checksum, filesystem
 
 # Peak RSS growth while loading, in a fresh process. ru_maxrss cannot be used: its
 # high-water mark is set by the imports (jax), far above what a load adds. Writing
@@ -118,7 +118,7 @@ def _candidates(d: Path, arrays: dict[str, np.ndarray], meta: dict) -> dict:
                 vs.load_arrays(d / "z.npz", verify=True)
 
         cands["vjpsplit .npz, zlib's CRC-32"] = (zlib_crc, ("v", d / "z.npz"))
-    if outputs.renameat2() is not None:
+    if filesystem.renameat2() is not None:
 
         def plain_rename():
             # The same, replacing the old file by os.replace as before renameat2 was used.
@@ -144,12 +144,12 @@ def _crc32_of(fn):
 @contextlib.contextmanager
 def _plain_rename():
     """Inside, atomic_write replaces files with os.replace, as where renameat2 is missing."""
-    saved = outputs.renameat2
-    outputs.renameat2 = lambda: None
+    saved = filesystem.renameat2
+    filesystem.renameat2 = lambda: None
     try:
         yield
     finally:
-        outputs.renameat2 = saved
+        filesystem.renameat2 = saved
 
 
 def measure(arrays: dict[str, np.ndarray], meta: dict, rounds: int, rss: bool = True) -> list[dict]:
@@ -198,7 +198,7 @@ def table(title: str, rows: list[dict], nbytes: int) -> list[str]:
 def replace_costs(nbytes: int, rounds: int) -> list[dict]:
     """Median seconds to write ``nbytes`` and put them in place of the previous file, three ways, interleaved."""
     data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
-    exchange = outputs.renameat2()
+    exchange = filesystem.renameat2()
 
     def write(p: Path) -> None:
         with open(p, "wb") as f:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import io
+import struct
 import sys
 import zipfile
 import zlib
@@ -22,10 +24,11 @@ from vjpsplit_cli.files.common import byte_view, prepare
 # zlib is always there; the fast ones where installed (zlib-ng is a dependency).
 BACKENDS = sorted(set(checksum.BACKENDS) | {"zlib"})
 
-# sha256 of the files that vjpsplit wrote for sample() before the .npz writer left
-# zipfile (zipfile.ZipFile(..., ZIP_STORED).open(info, "w", force_zip64=True)).
+# sha256 of the files that vjpsplit writes for sample(). npz: since 2026-12-01 each
+# member's bytes start 64-byte aligned (an alignment extra field); before that the
+# archive was zipfile's (ZIP_STORED, force_zip64) byte for byte, hash 780bd339...
 GOLDEN = {
-    "npz": "780bd3398684eb05123aedcc45eabc42f557bdcb6af30208ae24536b8e453322",
+    "npz": "25e38b45775fc2e54b4d971b6925050a5a2e30e6f5f74ceeae4f6834d0cfa377",
     "msgpack": "9030b40f3ec46f3f3e3070383444986e9fb26995b9dc16b0baa069ae57f34517",
 }
 
@@ -78,7 +81,8 @@ def test_same_bytes_as_before_with_every_backend(tmp_path, backend, fmt):
 
 
 def _zipfile_npz(path, arrays: dict, comment: bytes) -> None:
-    """The archive as zipfile writes it: the reference the .npz writer must match byte for byte."""
+    """The archive as zipfile writes it, each member given an extra field that puts its array
+    bytes on a 64-byte boundary: the reference the .npz writer must match byte for byte."""
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         for key, name, arr in prepare(path, arrays):
             info = zipfile.ZipInfo(key + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
@@ -86,10 +90,43 @@ def _zipfile_npz(path, arrays: dict, comment: bytes) -> None:
             if arr.dtype.isbuiltin == 2:
                 info.comment = name.encode("ascii")
                 arr = arr.view(np.dtype((np.void, arr.dtype.itemsize)))
+            head = io.BytesIO()
+            np.lib.format.write_array_header_1_0(head, np.lib.format.header_data_from_array_1_0(arr))
+            # local header, name, this extra, zip64's 20-byte extra, .npy header, then the bytes
+            start = zf.fp.tell() + 30 + len(info.filename.encode()) + 20 + len(head.getvalue())
+            gap = -start % 64
+            if 0 < gap < 6:  # the shortest record (id, length, alignment) is 6 bytes
+                gap += 64
+            info.extra = struct.pack("<HHH", 0xD935, gap - 4, 64) + bytes(gap - 6) if gap else b""
             with zf.open(info, "w", force_zip64=True) as member:
-                np.lib.format.write_array_header_1_0(member, np.lib.format.header_data_from_array_1_0(arr))
+                member.write(head.getvalue())
                 member.write(byte_view(arr))
         zf.comment = comment
+
+
+def test_npz_array_bytes_are_64_byte_aligned(tmp_path):
+    # Copies between the page cache and 64-byte aligned arrays run at full speed only
+    # when the file offset agrees: every .npz member's bytes start on a boundary,
+    # whatever the key lengths; zip readers (numpy's included) still read the archive.
+    arrays = {"k" * n: np.arange(n + 1, dtype=np.float32) for n in range(1, 70)}
+    arrays["bf"] = np.ones(5, ml_dtypes.bfloat16)
+    p = tmp_path / "a.npz"
+    vs.save_arrays(p, arrays, {"k": 1})
+    raw = p.read_bytes()
+    with zipfile.ZipFile(p) as zf:
+        assert zf.testzip() is None
+        for info in zf.infolist():
+            at = info.header_offset
+            name_len, extra_len = struct.unpack("<HH", raw[at + 26 : at + 30])
+            npy = at + 30 + name_len + extra_len
+            assert raw[npy : npy + 8] == b"\x93NUMPY\x01\x00"
+            data = npy + 10 + int.from_bytes(raw[npy + 8 : npy + 10], "little")
+            assert data % 64 == 0, info.filename
+    with np.load(p) as z:
+        assert all(np.array_equal(z[k], v) for k, v in arrays.items() if k != "bf")
+    got, meta = vs.load_arrays(p)
+    assert meta == {"k": 1} and all(np.array_equal(got[k], v) for k, v in arrays.items())
+    assert all(a.ctypes.data % 64 == 0 for a in got.values())
 
 
 @pytest.mark.parametrize("limits", [None, "zip64-sizes", "zip64-count"])

@@ -27,7 +27,7 @@ from click.testing import CliRunner
 from jax import export as jexport
 
 import vjpsplit_cli as vs
-from vjpsplit_cli import outputs, signals
+from vjpsplit_cli import filesystem, signals
 from vjpsplit_cli.outputs import StagedOutputs, UsageError, check_outputs
 from vjpsplit_cli.reading import os_error_message
 from vjpsplit_cli.terminal import printable
@@ -769,7 +769,7 @@ def test_staged_outputs_fsync_whatever_the_writer_does(tmp_path, fsynced):
 
 
 def test_renameat2_exchange_swaps_two_files_where_the_system_has_it(tmp_path):
-    exchange = outputs.renameat2()
+    exchange = filesystem.renameat2()
     if sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION"):
         major, minor = map(int, os.confstr("CS_GNU_LIBC_VERSION").split()[1].split(".")[:2])
         assert (exchange is not None) == ((major, minor) >= (2, 28))
@@ -800,7 +800,7 @@ def _write_twice(tmp_path):
 def test_replacing_falls_back_to_os_replace(tmp_path, monkeypatch, why):
     calls = []
     exchange = None if why == "no renameat2" else (lambda a, b: calls.append(a) or False)
-    monkeypatch.setattr(outputs, "renameat2", lambda: exchange)
+    monkeypatch.setattr(filesystem, "renameat2", lambda: exchange)
     _write_twice(tmp_path)
     assert len(calls) == (0 if why == "no renameat2" else 2)
 
@@ -819,14 +819,14 @@ def _fake_exchange(a, b, swapped=None):
 
 def test_replacing_swaps_when_it_can(tmp_path, monkeypatch):
     swapped = []
-    monkeypatch.setattr(outputs, "renameat2", lambda: lambda a, b: _fake_exchange(a, b, swapped))
+    monkeypatch.setattr(filesystem, "renameat2", lambda: lambda a, b: _fake_exchange(a, b, swapped))
     _write_twice(tmp_path)
     assert swapped == [str(tmp_path / "t.npz")] * 2
 
 
 def test_a_failed_unlink_after_the_swap_still_leaves_the_new_file(tmp_path, monkeypatch):
-    if outputs.renameat2() is None:
-        monkeypatch.setattr(outputs, "renameat2", lambda: _fake_exchange)
+    if filesystem.renameat2() is None:
+        monkeypatch.setattr(filesystem, "renameat2", lambda: _fake_exchange)
     target = tmp_path / "t.npz"
     vs.save_arrays(target, {"x": np.zeros(2)})
     real = os.unlink

@@ -18,10 +18,8 @@ Writing is safe in four ways, for the CLI and the Python API alike:
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import stat
-import sys
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Mapping
 
@@ -29,7 +27,6 @@ from .errors import UsageError, VjpsplitError  # noqa: F401 - UsageError: writer
 from .reading import os_error_message
 from .signals import (
     cleanup_on_signals,
-    discard_live,
     forget,
     is_durable,
     is_staged,
@@ -38,100 +35,9 @@ from .signals import (
     stage,
     unstage,
 )
+from .filesystem import finish_removals, fsync_dir, fsync_file, keep_mode, preallocated, replace_file
 from .temps import new_temp
 from .terminal import printable
-
-
-def _fsync_dir(directory: str) -> None:
-    """Make a rename in ``directory`` durable; where directories cannot be synced, leave it."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: str) -> None:
-    """Flush a file this process wrote (and closed) to disk."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _keep_mode(tmp: str, target: str) -> None:
-    """Give ``tmp`` the permission bits of the file it replaces, as overwriting that file would keep them."""
-    try:
-        mode = stat.S_IMODE(os.stat(target).st_mode)
-    except OSError:
-        return
-    try:
-        os.chmod(tmp, mode)
-    except OSError:
-        pass
-
-
-def replace_file(tmp: str, target: str) -> None:
-    """Put the file ``tmp`` in place of ``target`` atomically, as ``os.replace`` does.
-
-    Where ``target`` exists, the two names are swapped (``renameat2`` with
-    ``RENAME_EXCHANGE``) and then the old file, now under ``tmp``'s name, is removed.
-    Why: ext4 treats a rename over an existing file as "replace a config file" and
-    starts writing the new file to disk at once (``auto_da_alloc``); the next
-    replacement of it then waits for that I/O. Measured (benchmarks/io.py, ext4,
-    2 shared cores, medians): write + ``os.replace`` 42 ms for 40 MiB and 1.23 s for
-    1 GiB; write + swap + unlink 16 ms and 0.68 s; ``np.save`` over the old file
-    15 ms and 0.46 s. A swapped-in file that is replaced or deleted before the
-    kernel's own writeback starts (residuals) never reaches the disk.
-    The target exists throughout, holding the old or the new file; after a
-    successful swap it holds the new one, whatever happens to the unlink (a temp
-    left behind names this process and is swept as stale once it exits).
-    Where the swap fails (no ``renameat2`` in libc, a kernel before 3.15, a file
-    system that does not support it, no target yet) it changed nothing, and
-    ``os.replace`` does the work and raises its usual errors.
-    """
-    exchange = renameat2()
-    if exchange is not None and exchange(tmp, target):
-        try:
-            os.unlink(tmp)  # the old file now
-        except OSError:
-            pass
-        discard_live(tmp)
-        return
-    os.replace(tmp, target)
-    discard_live(tmp)
-
-
-@functools.cache
-def renameat2():
-    """``exchange(a, b) -> bool`` swapping two paths with renameat2(RENAME_EXCHANGE); None where unavailable.
-
-    Python has no API for renameat2 (os.rename/os.replace take no flags), so it is
-    glibc's wrapper (2.28 and later) through ctypes. False from ``exchange`` means the
-    call failed and changed nothing.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-        fn.restype = ctypes.c_int
-    except (ImportError, OSError, AttributeError):
-        return None
-    at_fdcwd, rename_exchange = -100, 2  # <fcntl.h> AT_FDCWD, <linux/fs.h> RENAME_EXCHANGE
-
-    def exchange(a: str, b: str) -> bool:
-        return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
-
-    return exchange
 
 
 def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
@@ -257,7 +163,9 @@ def fsync_requested(fsync: bool = False) -> bool:
     return bool(fsync) or os.environ.get("VJPSPLIT_FSYNC", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, fsync: bool = False) -> None:
+def atomic_write(
+    path: str | os.PathLike, write: Callable[[BinaryIO], None], *, fsync: bool = False, size: int | None = None
+) -> None:
     """Call ``write(f)`` on a fresh temp file next to ``path``, then rename it into place.
 
     Readers see either no file, the previous complete one, or the new complete one,
@@ -270,26 +178,29 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, 
     environment) also flushes the file (and its directory) to disk before returning,
     so it survives a power loss (artifacts); without it a machine crash can leave the
     previous file, or an empty or torn new one, which size checks and checksums catch.
+    ``size``, about how many bytes ``write`` will write (in order, from the start),
+    lets a big file's blocks be reserved in one step first (``preallocated``).
     """
     text = os.fspath(path)
     fsync = fsync or fsync_requested()
     if is_staged(text):
-        _write_in_place(text, write, fsync)
+        _write_in_place(text, write, fsync, size)
         return
     target = write_target(text)
     directory = os.path.dirname(target) or "."
     with cleanup_on_signals():
         try:
+            finish_removals()
             fd, tmp = new_temp(directory, os.path.basename(target))
         except OSError as e:
             raise VjpsplitError(os_error_message(text, e, f"creating a file in {printable(directory)}")) from e
         try:
             with os.fdopen(fd, "wb") as f:
-                write(f)
-                f.flush()
+                with preallocated(f, size):
+                    write(f)
                 if fsync:
                     os.fsync(f.fileno())
-            _keep_mode(tmp, target)
+            keep_mode(tmp, target)
             with signals_deferred():  # a signal after the swap must not report the old file as kept
                 replace_file(tmp, target)
         except OSError as e:
@@ -299,15 +210,15 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, 
             forget(tmp)
             raise
         if fsync:
-            _fsync_dir(directory)
+            fsync_dir(directory)
 
 
-def _write_in_place(tmp: str, write: Callable[[BinaryIO], None], fsync: bool = False) -> None:
+def _write_in_place(tmp: str, write: Callable[[BinaryIO], None], fsync: bool = False, size: int | None = None) -> None:
     """Fill a temp file that StagedOutputs made (it renames the file later, syncing the rename if asked)."""
     try:
         with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
+            with preallocated(f, size):
+                write(f)
             if fsync:
                 os.fsync(f.fileno())
                 stage(tmp, durable=True)
@@ -362,6 +273,7 @@ class StagedOutputs:
         if old is not None:
             forget(old)
         try:
+            finish_removals()
             fd, tmp = new_temp(directory, os.path.basename(target), ".tmp" + Path(path).suffix[:16])
         except OSError as e:
             raise VjpsplitError(os_error_message(path, e, f"creating a file in {printable(directory)}")) from e
@@ -399,7 +311,7 @@ class StagedOutputs:
             for label, tmp in self._temps.items():
                 if not is_durable(tmp):
                     try:
-                        _fsync_file(tmp)
+                        fsync_file(tmp)
                     except OSError as e:
                         self._discard()
                         raise VjpsplitError(os_error_message(self.paths[label], e, "flushing it to disk")) from e
@@ -409,7 +321,7 @@ class StagedOutputs:
                 done = set()
                 for label, tmp in list(self._temps.items()):
                     target = self.targets[label]
-                    _keep_mode(tmp, target)
+                    keep_mode(tmp, target)
                     try:
                         replace_file(tmp, target)
                     except OSError as e:
@@ -419,7 +331,7 @@ class StagedOutputs:
                         done.add(os.path.dirname(target) or ".")
                     unstage(tmp)
                 for directory in done:
-                    _fsync_dir(directory)
+                    fsync_dir(directory)
                 mark_committed()
             finally:
                 self._discard()

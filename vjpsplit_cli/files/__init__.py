@@ -63,11 +63,11 @@ def save_arrays(
     path = Path(path)
     kind = _kind(path)
     meta = checked_meta(path, meta)
-    if kind == "npz":
-        write = _npz.writer(path, prepare(path, arrays), meta)
-    else:
-        write = _msgpack.writer(path, prepare(path, arrays, _msgpack.MAX_BYTES), meta)
-    atomic_write(path, write, fsync=fsync)  # atomic_write also reads VJPSPLIT_FSYNC
+    prepared = prepare(path, arrays, None if kind == "npz" else _msgpack.MAX_BYTES)
+    write = (_npz if kind == "npz" else _msgpack).writer(path, prepared, meta)
+    # About the file's size (headers are short), so a big file's blocks are reserved at once.
+    size = sum(arr.nbytes + 256 + 2 * len(key) for key, _, arr in prepared)
+    atomic_write(path, write, fsync=fsync, size=size)  # atomic_write also reads VJPSPLIT_FSYNC
 
 
 def load_arrays(path: str | os.PathLike, *, verify: bool = True) -> tuple[dict[str, np.ndarray], dict]:

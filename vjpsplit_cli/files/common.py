@@ -17,6 +17,7 @@ from typing import Any, BinaryIO, Mapping
 import msgpack
 import numpy as np
 
+from .. import checksum, workers
 from ..reading import open_for_read
 from ..dtypes import dtype_from_name, dtype_name
 from ..errors import VjpsplitError, one_line
@@ -230,13 +231,48 @@ class Source:
         skip = -raw.__array_interface__["data"][0] % _ALIGN
         self.slots = iter([raw[skip + a : skip + a + n] for a, n in zip(accumulate([0] + slots[:-1]), sizes)])
 
-    def array(self, pos: int, nbytes: int) -> np.ndarray:
-        """The next slot of the buffer, filled from ``nbytes`` at ``pos``."""
-        if pos < 0 or pos + nbytes > self.size:
-            raise EOFError(f"unexpected end of file ({nbytes} bytes at offset {pos}; the file has {self.size})")
-        buf, done = next(self.slots), 0
+    def fill(self, reads: list[tuple[str, np.ndarray, int, int | None, int]]) -> None:
+        """Fill each ``(key, buf, pos, seed, crc)``'s buffer from ``len(buf)`` bytes at ``pos``.
+
+        Where ``seed`` is not None, the CRC-32 of those bytes continued from ``seed``
+        must be ``crc``; the first array in ``reads`` that fails is named. A big file's
+        arrays are read and checked several at once (``workers``); each array is read
+        by one thread, so its CRC-32 runs while its bytes are still in cache.
+        """
+        for _, buf, pos, _, _ in reads:
+            if pos < 0 or pos + len(buf) > self.size:
+                raise EOFError(f"unexpected end of file ({len(buf)} bytes at offset {pos}; the file has {self.size})")
+        by_offset = self._fileno() is not None and hasattr(os, "preadv")
+        read = self._pread if by_offset else self._seek_read
+        nbytes = sum(len(r[1]) for r in reads) if by_offset else 0  # a stream's position is shared: one thread
+        ok = workers.run_all(lambda key, buf, pos, seed, crc: self._check(read(buf, pos), seed, crc), reads, nbytes)
+        for (key, *_), good in zip(reads, ok):
+            if not good:
+                raise crc_mismatch(self.path, key)
+
+    @staticmethod
+    def _check(buf: np.ndarray, seed: int | None, crc: int) -> bool:
+        return seed is None or checksum.crc32(buf, seed) == crc
+
+    def _fileno(self) -> int | None:
+        try:
+            return self.f.fileno()
+        except (AttributeError, OSError, io.UnsupportedOperation):
+            return None
+
+    def _pread(self, buf: np.ndarray, pos: int) -> np.ndarray:
+        view, done, fd = memoryview(buf), 0, self.f.fileno()
+        while done < len(buf):  # one read(2) returns at most ~2 GiB
+            got = os.preadv(fd, [view[done:]], pos + done)
+            if not got:
+                raise EOFError(f"the file shrank while it was being read (offset {pos + done})")
+            done += got
+        return buf
+
+    def _seek_read(self, buf: np.ndarray, pos: int) -> np.ndarray:
+        done = 0
         self.f.seek(pos)
-        while done < nbytes:  # one read(2) returns at most ~2 GiB
+        while done < len(buf):
             got = self.f.readinto(buf[done:])
             if not got:
                 raise EOFError(f"the file shrank while it was being read (offset {pos + done})")

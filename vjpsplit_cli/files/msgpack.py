@@ -30,7 +30,6 @@ from .common import (
     byte_view,
     check_stored_key,
     check_version,
-    crc_mismatch,
     finish,
     one_line,
     storage_dtype,
@@ -242,10 +241,12 @@ def read(src: Source) -> tuple[dict[str, np.ndarray], dict]:
     ):
         raise VjpsplitError(f"{path}: the CRC-32 table does not match the file's arrays; {CORRUPT}")
     src.start([s[3] for s in specs.values()])
-    arrays = {}
-    for key, (shape, dtype, pos, nbytes) in specs.items():
-        buf = src.array(pos, nbytes)
-        if src.verify and crcs and checksum.crc32(buf) != crcs[key]:
-            raise crc_mismatch(path, key)
-        arrays[key] = finish(path, key, buf, shape, dtype)
-    return arrays, meta
+    check = src.verify and bool(crcs)
+    bufs = {key: next(src.slots) for key in specs}
+    src.fill(
+        [
+            (key, bufs[key], pos, 0 if check else None, crcs[key] if check else 0)
+            for key, (_, _, pos, _) in specs.items()
+        ]
+    )
+    return {key: finish(path, key, bufs[key], shape, dtype) for key, (shape, dtype, _, _) in specs.items()}, meta
