@@ -275,3 +275,30 @@ def test_threads_and_files_together(tmp_path, threaded):
         assert meta == {"i": i} and int(got["i"]) == i and np.array_equal(got["a3"], want["a3"])
     filesystem.finish_removals()
     assert sorted(os.listdir(tmp_path)) == ["x.msgpack", "x.npz"]
+
+
+# ---------------------------------------------------------------- one writev for a whole file
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_short_writev_calls_still_write_every_byte(tmp_path, monkeypatch, fmt):
+    # writev may take fewer bytes than asked (a signal, a full pipe); more buffers than
+    # IOV_MAX take several calls. Either way the file is the same bytes.
+    many = {f"k{i}": np.full(i % 5, i, np.int16) for i in range(1500)}
+    plain = tmp_path / f"plain.{fmt}"
+    with monkeypatch.context() as m:
+        m.delattr(os, "writev")
+        vs.save_arrays(plain, many, {"k": 1})
+    real, calls = os.writev, []
+
+    def short(fd, buffers):
+        calls.append(len(buffers))
+        assert len(buffers) <= 1024
+        return real(fd, [bytes(memoryview(buffers[0])[:7])]) if len(buffers[0]) else real(fd, buffers[:2])
+
+    monkeypatch.setattr(os, "writev", short)
+    p = tmp_path / f"a.{fmt}"
+    vs.save_arrays(p, many, {"k": 1})
+    assert p.read_bytes() == plain.read_bytes() and len(calls) > 1500
+    got, meta = vs.load_arrays(p)
+    assert meta == {"k": 1} and all(np.array_equal(got[k], v) for k, v in many.items())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import math
 import os
@@ -199,6 +200,35 @@ def prepare(path: Path, arrays: Mapping, max_bytes: int | None = None) -> list[t
 def byte_view(arr: np.ndarray) -> memoryview:
     """The bytes of a C-contiguous array without a copy (memoryview cannot export ml_dtypes types)."""
     return memoryview(arr.reshape(-1).view(np.uint8))
+
+
+_IOV_MAX = 1024  # Linux's limit on the buffers of one writev(2)
+
+
+def write_all(f: BinaryIO, parts: list) -> None:
+    """Write ``parts`` (bytes and memoryviews) in order: with few ``writev`` calls where ``f`` is a file."""
+    try:
+        fd = f.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        fd = None
+    if fd is None or not hasattr(os, "writev"):
+        for part in parts:
+            f.write(part)
+        return
+    f.flush()
+    start = f.tell()
+    views = [memoryview(p).cast("B") for p in parts]
+    total, i = sum(len(v) for v in views), 0
+    while i < len(views):
+        done = os.writev(fd, views[i : i + _IOV_MAX])
+        if not done:
+            raise OSError(errno.EIO, "the file took no bytes")
+        while i < len(views) and done >= len(views[i]):  # a short write ends inside a buffer: go on from there
+            done -= len(views[i])
+            i += 1
+        if done:
+            views[i] = views[i][done:]
+    f.seek(start + total)  # the file object's position: writev moved only the descriptor's
 
 
 class Source:

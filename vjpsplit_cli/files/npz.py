@@ -44,6 +44,7 @@ from .common import (
     storage_dtype,
     stored_meta,
     unique_map,
+    write_all,
 )
 
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed, so the same arrays give the same bytes
@@ -87,15 +88,13 @@ def writer(path: Path, prepared: list, meta: dict):
         )
 
     def write(f: BinaryIO) -> None:
-        central, pos, members = [], f.tell(), []
+        central, pos, parts = [], f.tell(), []
         for key, name, arr in prepared:
             comment = b""
             if arr.dtype.isbuiltin == 2:  # ml_dtypes: no .npy spelling numpy can read back
                 comment = name.encode("ascii")
                 arr = arr.view(np.dtype((np.void, arr.dtype.itemsize)))
-            # From the array's own buffer: no tobytes copy.
-            members.append((key, comment, _npy_header(arr), byte_view(arr)))
-        for key, comment, head, data in members:
+            head, data = _npy_header(arr), byte_view(arr)  # from the array's own buffer: no tobytes copy
             # Computing the CRC-32s on another thread while writing was tried: 1-3 ms slower
             # on the 41.5 MiB benchmark set (the two compete for memory bandwidth).
             crc = checksum.crc32(data, checksum.crc32(head))
@@ -103,7 +102,7 @@ def writer(path: Path, prepared: list, meta: dict):
             filename, flags = _encoded(key + ".npy")
             pad = _alignment_extra(pos + _LOCAL.size + len(filename) + 20 + len(head))
             # force_zip64, as np.savez: the sizes live in the zip64 extra field
-            f.write(
+            parts.append(
                 _LOCAL.pack(
                     b"PK\x03\x04",
                     _ZIP64_VERSION,
@@ -123,9 +122,10 @@ def writer(path: Path, prepared: list, meta: dict):
                 + struct.pack("<HHQQ", 1, 16, size, size)
                 + head
             )
-            f.write(data)
+            parts.append(data)
             central.append(_central_entry(filename, flags, crc, size, pos, comment, pad))
             pos += _LOCAL.size + len(filename) + len(pad) + 20 + size
+        write_all(f, parts)  # one writev where f is a file: ~1.5 ms less than 74 writes on 41.5 MiB
         f.write(b"".join(central))
         f.write(_end_records(len(central), sum(map(len, central)), pos, comment_bytes))
 
