@@ -30,6 +30,7 @@ from .common import (
     byte_view,
     check_stored_key,
     check_version,
+    crc32s,
     finish,
     one_line,
     storage_dtype,
@@ -85,14 +86,15 @@ def writer(path: Path, prepared: list, meta: dict):
             + p.pack("arrays")
             + p.pack_map_header(len(prepared))
         ]
-        crcs = {}
+        # The CRC-32s go after the arrays: on a big file an I/O thread computes them
+        # while the arrays are written.
+        crcs = crc32s([(byte_view(arr),) for _, _, arr in prepared])
         for key, name, arr in prepared:
             head = p.pack_array_header(3) + p.pack(list(arr.shape)) + p.pack(name) + _sized(_BIN_CODE, arr.nbytes)
-            data = byte_view(arr)
-            crcs[key] = checksum.crc32(data)
-            parts += [p.pack(key) + _ext_header(len(head) + arr.nbytes) + head, data]
-        parts.append(p.pack("crc32") + p.pack(crcs) + p.pack("meta_crc32") + p.pack(checksum.crc32(p.pack(meta))))
+            parts += [p.pack(key) + _ext_header(len(head) + arr.nbytes) + head, byte_view(arr)]
         write_all(f, parts)  # one writev where f is a file: ~1.5 ms less than 74 writes on 41.5 MiB
+        table = dict(zip((key for key, _, _ in prepared), crcs.result()))
+        f.write(p.pack("crc32") + p.pack(table) + p.pack("meta_crc32") + p.pack(checksum.crc32(p.pack(meta))))
 
     return write
 
