@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import vjpsplit_cli as vs
+from fixture_files import save_expected
 
 
 def loss(params, x):
@@ -40,17 +41,7 @@ def main() -> int:
     value, res = art.fwd(params, x)
     vs.save_residuals(out / "residuals.msgpack", res, self_contained=True)
     g_params, g_x = art.bwd(res)
-    vs.save_arrays(
-        out / "expected.npz",
-        {
-            **{f"params/{k}": v for k, v in params.items()},
-            "x": x,
-            "out": np.asarray(value),
-            **{f"grad/params/{k}": np.asarray(v) for k, v in g_params.items()},
-            "grad/x": np.asarray(g_x),
-        },
-        {"jax": jax.__version__},
-    )
+    save_expected(out / "expected.npz", params, x, value, g_params, g_x)
     print(f"wrote {out}")
     return 0
 

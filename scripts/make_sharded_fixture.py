@@ -21,9 +21,9 @@ sys.path.insert(0, str(ROOT / "samples" / "sharded"))
 
 import block  # noqa: E402
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 import vjpsplit_cli as vs  # noqa: E402
+from fixture_files import save_expected  # noqa: E402
 
 
 def main() -> int:
@@ -36,17 +36,7 @@ def main() -> int:
     art.save(out / "mlp.vjps")
     params, x = block.init(specs[0], 5), block.init(specs[1], 6, b=4)
     value, (g_params, g_x) = jax.value_and_grad(block.mlp, argnums=(0, 1))(params, x)
-    vs.save_arrays(
-        out / "expected.npz",
-        {
-            **{f"params/{k}": v for k, v in params.items()},
-            "x": x,
-            "out": np.asarray(value),
-            **{f"grad/params/{k}": np.asarray(v) for k, v in g_params.items()},
-            "grad/x": np.asarray(g_x),
-        },
-        {"jax": jax.__version__},
-    )
+    save_expected(out / "expected.npz", params, x, value, g_params, g_x)
     print(f"wrote {out}")
     return 0
 

@@ -320,3 +320,27 @@ def test_crcs_computed_beside_the_writes_give_the_same_file(tmp_path, monkeypatc
     vs.save_arrays(threaded, want, {"k": 1})
     assert where and threading.get_ident() not in where
     assert threaded.read_bytes() == plain.read_bytes()
+
+
+def test_writers_on_several_threads_share_the_io_threads(tmp_path, threaded):
+    # An in-process pipeline's stages save and load on their own threads at once.
+    errors = []
+
+    def stage(s):
+        try:
+            for i in range(6):
+                p = tmp_path / f"s{s}.{FORMATS[i % 2]}"
+                vs.save_arrays(p, {"w": np.full(2000, 10 * s + i, np.float32)}, {"i": i})
+                got, meta = vs.load_arrays(p)
+                assert meta == {"i": i} and got["w"][0] == 10 * s + i
+        except BaseException as e:  # handed to the main thread, which asserts
+            errors.append(e)
+
+    threads = [threading.Thread(target=stage, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    filesystem.finish_removals()
+    assert sorted(os.listdir(tmp_path)) == sorted(f"s{s}.{f}" for s in range(4) for f in FORMATS)

@@ -13,6 +13,7 @@ import functools
 import os
 import stat
 import sys
+import threading
 from concurrent.futures import Future
 from typing import BinaryIO
 
@@ -84,6 +85,7 @@ def replace_file(tmp: str, target: str) -> None:
 
 
 _removals: list[Future] = []
+_removals_lock = threading.Lock()
 MIN_PREALLOCATE = 2**20  # below this, reserving blocks first saves nothing measurable
 
 
@@ -150,8 +152,9 @@ def _remove_replaced(old: str) -> None:
     if not workers.parallel(size):
         _unlink_quietly(old)
         return
-    _removals[:] = [f for f in _removals if not f.done()]
-    _removals.extend(workers.submit_all(_unlink_quietly, [(old,)]))
+    with _removals_lock:  # writers may run on several threads (an in-process pipeline's stages)
+        _removals[:] = [f for f in _removals if not f.done()]
+        _removals.extend(workers.submit_all(_unlink_quietly, [(old,)]))
 
 
 def _unlink_quietly(path: str) -> None:
@@ -163,8 +166,10 @@ def _unlink_quietly(path: str) -> None:
 
 def finish_removals() -> None:
     """Wait until every replaced file this process handed to an I/O thread is deleted (before each write)."""
-    while _removals:
-        _removals.pop().result()
+    with _removals_lock:
+        pending, _removals[:] = list(_removals), []
+    for future in pending:
+        future.result()
 
 
 @functools.cache
