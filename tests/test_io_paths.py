@@ -11,6 +11,9 @@ from __future__ import annotations
 import io
 import itertools
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -344,3 +347,35 @@ def test_writers_on_several_threads_share_the_io_threads(tmp_path, threaded):
     assert not errors, errors
     filesystem.finish_removals()
     assert sorted(os.listdir(tmp_path)) == sorted(f"s{s}.{f}" for s in range(4) for f in FORMATS)
+
+
+# ---------------------------------------------------------------- exit never waits on an idle I/O thread
+
+_EXIT_CHILD = """
+import os, sys, numpy as np
+import vjpsplit_cli as vs
+from vjpsplit_cli import filesystem, workers
+workers.MIN_PARALLEL_BYTES = 1
+workers.count = lambda: 2
+calls = []
+real = filesystem._unlink_quietly
+filesystem._unlink_quietly = lambda p: (__import__("time").sleep(0.3), real(p))
+d = sys.argv[1]
+for i in range(2):  # the second save hands the first file's deletion to an I/O thread
+    vs.save_arrays(os.path.join(d, "r.npz"), {"w": np.full(1000, i, np.float32)})
+assert all(t.daemon for t in __import__("threading").enumerate() if t.name.startswith("vjpsplit-io"))
+if sys.argv[2] == "interrupt":
+    raise KeyboardInterrupt
+"""
+
+
+@pytest.mark.parametrize("how", ["return", "interrupt"])
+def test_a_process_exits_with_io_threads_and_finishes_their_deletions(tmp_path, how):
+    # The I/O threads are daemons (exit does not join them: a signal that cut a thread's
+    # start short once left an exit waiting for ever); the deletions handed to them are
+    # finished at exit all the same.
+    r = subprocess.run(
+        [sys.executable, "-c", _EXIT_CHILD, str(tmp_path), how], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == (0 if how == "return" else -signal.SIGINT), r.stderr[-2000:]  # Python ends by SIGINT
+    assert os.listdir(tmp_path) == ["r.npz"]

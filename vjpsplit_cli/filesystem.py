@@ -8,6 +8,7 @@ system lacks them. ``outputs`` builds its safe writes on these.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
@@ -196,3 +197,8 @@ def renameat2():
         return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
     return exchange
+
+
+# The I/O threads are daemons, which exit does not wait for: the deletions handed to
+# them are finished here (a process killed by a signal leaves them to the stale sweep).
+atexit.register(finish_removals)

@@ -8,6 +8,7 @@ a commit of several renames holds them until it is done (``signals_deferred``).
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -46,6 +47,7 @@ class _Guard:
     raised = False
     previous: dict = {}
     committed = False  # some StagedOutputs committed since the outermost guard began
+    hook = staticmethod(sys.unraisablehook)  # the unraisable hook the outermost guard replaced
 
 
 def outputs_committed() -> bool:
@@ -63,11 +65,56 @@ def remove_live_temps() -> None:
         forget(tmp, quiet=True)
 
 
+def _swallowed(unraisable) -> None:
+    """``sys.unraisablehook`` under the guard: an ``Interrupted`` that Python dropped is sent again, not printed.
+
+    Python runs a signal handler between any two bytecodes of the main thread, also
+    where an exception is printed as "Exception ignored" and dropped (a ``__del__``, a
+    weakref or garbage-collector callback): the write would go on. ``_on_signal``
+    avoids the gc callbacks it can see; this catches the rest.
+    """
+    exc = unraisable.exc_value
+    if isinstance(exc, Interrupted) and _Guard.depth:
+        _Guard.raised = False
+        _send_later(exc.signum)
+        return
+    _Guard.hook(unraisable)
+
+
+def _send_later(signum: int) -> None:
+    """Send ``signum`` to this process again in a few milliseconds, from a helper thread."""
+    timer = threading.Timer(0.005, _send_again, (signum,))
+    timer.daemon = True
+    timer.start()
+
+
+def _send_again(signum: int) -> None:
+    if _Guard.depth:  # the guard may have ended meanwhile: it delivers the pending signal itself
+        os.kill(os.getpid(), signum)
+
+
+def _where_dropped(frame) -> bool:
+    """Whether an exception raised at ``frame`` would be dropped: inside a gc callback (jax has one) or our hook."""
+    codes = {_swallowed.__code__}
+    for cb in gc.callbacks:
+        code = getattr(getattr(cb, "__func__", cb), "__code__", None)
+        if code is not None:
+            codes.add(code)
+    while frame is not None:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _on_signal(signum, frame) -> None:
     if _Guard.pending is None:
         _Guard.pending = signum
     if _Guard.defer or _Guard.raised:
         return  # committing, or already unwinding: the guard delivers it again at the end
+    if _where_dropped(frame):
+        _send_later(signum)  # raised here it would be printed and dropped: again, once out of there
+        return
     _Guard.raised = True
     remove_live_temps()
     raise Interrupted(signum)
@@ -91,6 +138,7 @@ def cleanup_on_signals() -> Iterator[None]:
     try:
         if outer:  # inside the try: a signal during the installs still restores what was installed
             _Guard.pending, _Guard.raised, _Guard.previous, _Guard.committed = None, False, {}, False
+            _Guard.hook, sys.unraisablehook = sys.unraisablehook, _swallowed
             for s in _SIGNALS:
                 previous = signal.getsignal(s)
                 if previous in (signal.SIG_IGN, None):  # e.g. under nohup: the user asked to ignore it
@@ -104,6 +152,8 @@ def cleanup_on_signals() -> Iterator[None]:
             with signals_deferred():  # a signal now must not cut the restores short
                 for s, previous in _Guard.previous.items():
                     signal.signal(s, previous)
+                if sys.unraisablehook is _swallowed:
+                    sys.unraisablehook = _Guard.hook
             pending = _Guard.pending
             _Guard.pending, _Guard.raised, _Guard.previous = None, False, {}
             if pending is not None:

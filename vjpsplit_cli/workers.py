@@ -1,17 +1,19 @@
-"""A few threads for array file I/O: reads and CRC-32s of several arrays at once.
+"""A few daemon threads for array file I/O: several arrays read and checked at once, CRC-32s
+computed beside a write, replaced files deleted off the caller's thread.
 
-Reading a file from the page cache and checksumming it are memory copies and scans
-that release the GIL (``os.preadv``; zlib, zlib-ng and ISA-L's ``crc32``), so a second
-core does a second array's share. Measured on the 44 MiB benchmark set (2 cores):
-see docs/performance.md. Small jobs stay on the calling thread: handing a task to a
-thread costs tens of microseconds.
+Copies from the page cache, checksums and deletions release the GIL (``os.preadv``;
+zlib, zlib-ng and ISA-L's ``crc32``; ``os.unlink``), so a second core does a share of
+the work. Measured on the 41.5 MiB benchmark set (2 cores): see docs/performance.md.
+Small jobs stay on the calling thread: handing a task to a thread costs tens of
+microseconds.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable, Iterable, TypeVar
 
 T = TypeVar("T")
@@ -20,7 +22,39 @@ MIN_PARALLEL_BYTES = 4 * 2**20  # below this, threads cost more than they save; 
 MAX_WORKERS = 4  # memory bandwidth, not cores, bounds copies beyond a few threads
 
 _lock = threading.Lock()
-_pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid that made it, pool)
+_pool: tuple[int, "_Pool"] | None = None  # (pid that made it, pool)
+
+
+class _Pool:
+    """Daemon threads taking ``(future, fn, args)`` from one queue.
+
+    Not ``ThreadPoolExecutor``: its threads are not daemons, so the interpreter joins
+    them on exit, and a signal that interrupts the creation of one (the CLI turns
+    SIGINT, SIGTERM and SIGHUP into an exception while it writes) leaves a thread the
+    executor never registered, which the exit then waits for for ever. Daemon threads
+    are not waited for; callers that need their work done wait on its futures
+    (``filesystem`` does so at exit for the deletions it handed over).
+    """
+
+    def __init__(self, n: int):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(n):
+            threading.Thread(target=self._work, name=f"vjpsplit-io-{i}", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self.queue.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # handed to whoever waits on the future
+                future.set_exception(e)
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        self.queue.put((future, fn, args))
+        return future
 
 
 def count() -> int:
@@ -32,12 +66,12 @@ def count() -> int:
     return max(1, min(MAX_WORKERS, cpus))
 
 
-def _executor() -> ThreadPoolExecutor:
+def _executor() -> _Pool:
     global _pool
     with _lock:
         # A forked child inherits the pool object but not its threads: make its own.
         if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(count(), thread_name_prefix="vjpsplit-io"))
+            _pool = (os.getpid(), _Pool(count()))
         return _pool[1]
 
 
