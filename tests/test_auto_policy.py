@@ -25,6 +25,7 @@ from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.execcache import compiled_call, entry_key
 from vjpsplit_cli.choice import choose_auto
 from vjpsplit_cli.policies import POLICIES, policy_cost
+from clihelp import opts
 
 
 def loss(params, x):
@@ -127,14 +128,7 @@ def test_cli_auto_export_and_plan(tmp_path, monkeypatch):
             "export",
             "m.py:loss",
             *shapes,
-            "--policy",
-            "auto",
-            "--at",
-            "b=32",
-            "--memory-budget",
-            "0",
-            "--platforms",
-            "cpu",
+            *opts(policy="auto", at="b=32", memory_budget="0", platforms="cpu"),
             "-o",
             "a.vjps",
         ],

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 import vjpsplit_cli as vs
 from vjpsplit_cli.cli import main
+from clihelp import opts
 
 
 def loss(w, x):
@@ -58,22 +59,14 @@ def test_run_bwd_refuses_another_microbatchs_inputs(art, tmp_path, fmt):
             _cli(
                 "run-fwd",
                 tmp_path / "a.vjps",
-                "--inputs",
-                tmp_path / f"in{i}.{fmt}",
-                "--residuals",
-                tmp_path / f"r{i}.{fmt}",
+                *opts(inputs=tmp_path / f"in{i}.{fmt}", residuals=tmp_path / f"r{i}.{fmt}"),
             )[0]
             == 0
         )
     code, out = _cli(
         "run-bwd",
         tmp_path / "a.vjps",
-        "--residuals",
-        tmp_path / f"r1.{fmt}",
-        "--inputs",
-        tmp_path / f"in2.{fmt}",
-        "--grads",
-        tmp_path / "g.npz",
+        *opts(residuals=tmp_path / f"r1.{fmt}", inputs=tmp_path / f"in2.{fmt}", grads=tmp_path / "g.npz"),
     )
     assert code == 1 and len(out.splitlines()) == 1
     assert f"in2.{fmt}: input 'w' differs from the one the forward that wrote" in out and "same microbatch" in out
@@ -83,12 +76,7 @@ def test_run_bwd_refuses_another_microbatchs_inputs(art, tmp_path, fmt):
         _cli(
             "run-bwd",
             tmp_path / "a.vjps",
-            "--residuals",
-            tmp_path / f"r1.{fmt}",
-            "--inputs",
-            tmp_path / f"in1.{fmt}",
-            "--grads",
-            tmp_path / "g.npz",
+            *opts(residuals=tmp_path / f"r1.{fmt}", inputs=tmp_path / f"in1.{fmt}", grads=tmp_path / "g.npz"),
         )[0]
         == 0
     )
@@ -100,13 +88,12 @@ def test_run_bwd_refuses_another_microbatchs_inputs(art, tmp_path, fmt):
         _cli(
             "run-bwd",
             tmp_path / "a.vjps",
-            "--residuals",
-            tmp_path / f"r1.{fmt}",
-            "--no-verify",
-            "--inputs",
-            tmp_path / f"in2.{fmt}",
-            "--grads",
-            tmp_path / "g2.npz",
+            *opts(
+                residuals=tmp_path / f"r1.{fmt}",
+                no_verify=True,
+                inputs=tmp_path / f"in2.{fmt}",
+                grads=tmp_path / "g2.npz",
+            ),
         )[0]
         == 0
     )
@@ -153,11 +140,7 @@ def test_cli_weight_part_refuses_another_runs_intermediates(art, tmp_path):
             _cli(
                 "run-fwd",
                 tmp_path / "a.vjps",
-                "--inputs",
-                tmp_path / f"in{i}.npz",
-                "--residuals",
-                tmp_path / f"r{i}.npz",
-                "--self-contained",
+                *opts(inputs=tmp_path / f"in{i}.npz", residuals=tmp_path / f"r{i}.npz", self_contained=True),
             )[0]
             == 0
         )
@@ -165,28 +148,21 @@ def test_cli_weight_part_refuses_another_runs_intermediates(art, tmp_path):
             _cli(
                 "run-bwd",
                 tmp_path / "a.vjps",
-                "--residuals",
-                tmp_path / f"r{i}.npz",
-                "--part",
-                "input",
-                "--intermediates",
-                tmp_path / f"c{i}.npz",
-                "--grads",
-                tmp_path / f"gx{i}.npz",
+                *opts(
+                    residuals=tmp_path / f"r{i}.npz",
+                    part="input",
+                    intermediates=tmp_path / f"c{i}.npz",
+                    grads=tmp_path / f"gx{i}.npz",
+                ),
             )[0]
             == 0
         )
     code, out = _cli(
         "run-bwd",
         tmp_path / "a.vjps",
-        "--residuals",
-        tmp_path / "r2.npz",
-        "--part",
-        "weight",
-        "--intermediates",
-        tmp_path / "c1.npz",
-        "--grads",
-        tmp_path / "gw.npz",
+        *opts(
+            residuals=tmp_path / "r2.npz", part="weight", intermediates=tmp_path / "c1.npz", grads=tmp_path / "gw.npz"
+        ),
     )
     assert code == 1 and "c1.npz: the intermediates were made from other residuals" in out
     assert not (tmp_path / "gw.npz").exists()
@@ -194,14 +170,12 @@ def test_cli_weight_part_refuses_another_runs_intermediates(art, tmp_path):
         _cli(
             "run-bwd",
             tmp_path / "a.vjps",
-            "--residuals",
-            tmp_path / "r1.npz",
-            "--part",
-            "weight",
-            "--intermediates",
-            tmp_path / "c1.npz",
-            "--grads",
-            tmp_path / "gw.npz",
+            *opts(
+                residuals=tmp_path / "r1.npz",
+                part="weight",
+                intermediates=tmp_path / "c1.npz",
+                grads=tmp_path / "gw.npz",
+            ),
         )[0]
         == 0
     )
@@ -292,12 +266,7 @@ def test_run_bwd_refuses_an_unread_input_of_another_microbatch(tanh_art, tmp_pat
     code, out = _cli(
         "run-bwd",
         tmp_path / "a.vjps",
-        "--residuals",
-        tmp_path / f"r.{fmt}",
-        "--inputs",
-        tmp_path / f"other.{fmt}",
-        "--grads",
-        tmp_path / "g.npz",
+        *opts(residuals=tmp_path / f"r.{fmt}", inputs=tmp_path / f"other.{fmt}", grads=tmp_path / "g.npz"),
     )
     assert code == 1 and len(out.splitlines()) == 1, out
     assert f"other.{fmt}: input 'x'" in out and "same microbatch" in out and "--no-verify" in out
@@ -309,12 +278,7 @@ def test_run_bwd_refuses_an_unread_input_of_another_microbatch(tanh_art, tmp_pat
         _cli(
             "run-bwd",
             tmp_path / "a.vjps",
-            "--residuals",
-            tmp_path / f"r.{fmt}",
-            "--inputs",
-            tmp_path / f"in8.{fmt}",
-            "--grads",
-            tmp_path / "g.npz",
+            *opts(residuals=tmp_path / f"r.{fmt}", inputs=tmp_path / f"in8.{fmt}", grads=tmp_path / "g.npz"),
         )[0]
         == 0
     )
@@ -327,13 +291,12 @@ def test_run_bwd_refuses_an_unread_input_of_another_microbatch(tanh_art, tmp_pat
         _cli(
             "run-bwd",
             tmp_path / "a.vjps",
-            "--residuals",
-            tmp_path / f"r.{fmt}",
-            "--no-verify",
-            "--inputs",
-            tmp_path / f"other.{fmt}",
-            "--grads",
-            tmp_path / "g2.npz",
+            *opts(
+                residuals=tmp_path / f"r.{fmt}",
+                no_verify=True,
+                inputs=tmp_path / f"other.{fmt}",
+                grads=tmp_path / "g2.npz",
+            ),
         )[0]
         == 0
     )
@@ -347,11 +310,7 @@ def test_self_contained_residuals_are_bound_to_inputs_given_anyway(tanh_art, tmp
         _cli(
             "run-fwd",
             tmp_path / "a.vjps",
-            "--inputs",
-            tmp_path / "in8.npz",
-            "--self-contained",
-            "--residuals",
-            tmp_path / "r.npz",
+            *opts(inputs=tmp_path / "in8.npz", self_contained=True, residuals=tmp_path / "r.npz"),
         )[0]
         == 0
     )
@@ -361,12 +320,7 @@ def test_self_contained_residuals_are_bound_to_inputs_given_anyway(tanh_art, tmp
     code, out = _cli(
         "run-bwd",
         tmp_path / "a.vjps",
-        "--residuals",
-        tmp_path / "r.npz",
-        "--inputs",
-        tmp_path / "in4.npz",
-        "--grads",
-        tmp_path / "g2.npz",
+        *opts(residuals=tmp_path / "r.npz", inputs=tmp_path / "in4.npz", grads=tmp_path / "g2.npz"),
     )
     assert code == 1 and "in4.npz: input 'x' is f32[4,3]" in out
 

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 import vjpsplit_cli as vs
 from vjpsplit_cli.cli import main
+from clihelp import opts
 
 MODEL = textwrap.dedent(
     """
@@ -137,11 +138,7 @@ def test_self_contained_residuals_need_no_inputs(ws, tmp_path):
     r = cli(
         "run-fwd",
         root / "loss.vjps",
-        "--inputs",
-        run / "inputs.npz",
-        "--residuals",
-        tmp_path / "r.msgpack",
-        "--self-contained",
+        *opts(inputs=run / "inputs.npz", residuals=tmp_path / "r.msgpack", self_contained=True),
     )
     assert r.returncode == 0, r.stderr
     r = cli("run-bwd", root / "loss.vjps", "--residuals", tmp_path / "r.msgpack", "--grads", tmp_path / "g.npz")
@@ -216,12 +213,7 @@ def test_has_aux_and_wrt_via_cli(ws, tmp_path):
     r = run_cli(
         "run-fwd",
         tmp_path / "aux.vjps",
-        "--inputs",
-        tmp_path / "in.npz",
-        "--residuals",
-        tmp_path / "r.npz",
-        "--outputs",
-        tmp_path / "o.npz",
+        *opts(inputs=tmp_path / "in.npz", residuals=tmp_path / "r.npz", outputs=tmp_path / "o.npz"),
     )
     assert r.exit_code == 0, r.output
     outs, _ = vs.load_arrays(tmp_path / "o.npz")
@@ -229,12 +221,7 @@ def test_has_aux_and_wrt_via_cli(ws, tmp_path):
     r = run_cli(
         "run-bwd",
         tmp_path / "aux.vjps",
-        "--residuals",
-        tmp_path / "r.npz",
-        "--inputs",
-        tmp_path / "in.npz",
-        "--grads",
-        tmp_path / "g.npz",
+        *opts(residuals=tmp_path / "r.npz", inputs=tmp_path / "in.npz", grads=tmp_path / "g.npz"),
     )
     assert r.exit_code == 0, r.output
     g, _ = vs.load_arrays(tmp_path / "g.npz")
@@ -336,12 +323,7 @@ def test_run_fwd_bad_inputs(bad, tmp_path, case, needles):
     r = run_cli(
         "run-fwd",
         art,
-        "--inputs",
-        files[case],
-        "--residuals",
-        tmp_path / "out_r.npz",
-        "--outputs",
-        tmp_path / "out_o.npz",
+        *opts(inputs=files[case], residuals=tmp_path / "out_r.npz", outputs=tmp_path / "out_o.npz"),
     )
     assert_clean_error(r, *needles)
     assert not (tmp_path / "out_r.npz").exists() and not (tmp_path / "out_o.npz").exists()
@@ -374,22 +356,14 @@ def test_residuals_from_another_artifact(ws, tmp_path):
         run_cli(
             "run-fwd",
             tmp_path / "other.vjps",
-            "--inputs",
-            tmp_path / "vin.npz",
-            "--residuals",
-            tmp_path / "other_r.npz",
+            *opts(inputs=tmp_path / "vin.npz", residuals=tmp_path / "other_r.npz"),
         ).exit_code
         == 0
     )
     r = run_cli(
         "run-bwd",
         root / "loss.vjps",
-        "--residuals",
-        tmp_path / "other_r.npz",
-        "--inputs",
-        run / "inputs.npz",
-        "--grads",
-        tmp_path / "g.npz",
+        *opts(residuals=tmp_path / "other_r.npz", inputs=run / "inputs.npz", grads=tmp_path / "g.npz"),
     )
     assert_clean_error(r, "other_r.npz", "another artifact")
     assert not (tmp_path / "g.npz").exists()
@@ -416,13 +390,7 @@ def test_run_bwd_bad_residuals_and_cotangents(ws, tmp_path):
         run_cli(
             "run-bwd",
             art,
-            "--residuals",
-            tmp_path / "r_bad.npz",
-            "--inputs",
-            run / "inputs.npz",
-            "--grads",
-            g,
-            "--no-verify",
+            *opts(residuals=tmp_path / "r_bad.npz", inputs=run / "inputs.npz", grads=g, no_verify=True),
         ),
         "r_bad.npz",
         f"residual '{key}'",
@@ -434,13 +402,7 @@ def test_run_bwd_bad_residuals_and_cotangents(ws, tmp_path):
         run_cli(
             "run-bwd",
             art,
-            "--residuals",
-            tmp_path / "r_miss.npz",
-            "--inputs",
-            run / "inputs.npz",
-            "--grads",
-            g,
-            "--no-verify",
+            *opts(residuals=tmp_path / "r_miss.npz", inputs=run / "inputs.npz", grads=g, no_verify=True),
         ),
         "r_miss.npz",
         f"missing residual key '{key}'",
@@ -455,14 +417,7 @@ def test_run_bwd_bad_residuals_and_cotangents(ws, tmp_path):
         run_cli(
             "run-bwd",
             art,
-            "--residuals",
-            tmp_path / "r.npz",
-            "--inputs",
-            run / "inputs.npz",
-            "--cotangents",
-            tmp_path / "ct.npz",
-            "--grads",
-            g,
+            *opts(residuals=tmp_path / "r.npz", inputs=run / "inputs.npz", cotangents=tmp_path / "ct.npz", grads=g),
         ),
         "ct.npz",
         "cotangent 'out'",
@@ -472,14 +427,7 @@ def test_run_bwd_bad_residuals_and_cotangents(ws, tmp_path):
         run_cli(
             "run-bwd",
             art,
-            "--residuals",
-            tmp_path / "r.npz",
-            "--inputs",
-            run / "inputs.npz",
-            "--cotangents",
-            tmp_path / "ct2.npz",
-            "--grads",
-            g,
+            *opts(residuals=tmp_path / "r.npz", inputs=run / "inputs.npz", cotangents=tmp_path / "ct2.npz", grads=g),
         ),
         "ct2.npz",
         "unknown cotangent key 'aux'",
@@ -588,10 +536,7 @@ def test_persistent_compilation_cache(ws, tmp_path, mode):
         *flags,
         "run-fwd",
         str(root / "loss.vjps"),
-        "--inputs",
-        str(run / "inputs.npz"),
-        "--residuals",
-        str(tmp_path / "r.npz"),
+        *opts(inputs=run / "inputs.npz", residuals=tmp_path / "r.npz"),
     ]
     r = subprocess.run(exe, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import vjpsplit_cli as vs
+from clihelp import opts
 
 N = 24 * 2**20  # elements: two f32 residuals of 96 MiB each, so the write takes a while
 
@@ -98,10 +99,7 @@ def test_sigkill_without_previous_file_leaves_none(big, tmp_path):
         "--no-cache",
         "run-fwd",
         str(big / "art.vjps"),
-        "--inputs",
-        str(big / "in1.npz"),
-        "--residuals",
-        str(target),
+        *opts(inputs=big / "in1.npz", residuals=target),
     ]
     _kill_mid_write(cli, tmp_path, target)
     assert not target.exists()
@@ -148,12 +146,7 @@ def test_a_signal_during_a_write_removes_temp_files_and_keeps_every_previous_out
         "--no-cache",
         "run-fwd",
         str(big / "art.vjps"),
-        "--inputs",
-        str(big / "in1.npz"),
-        "--residuals",
-        str(res),
-        "--outputs",
-        str(out),
+        *opts(inputs=big / "in1.npz", residuals=res, outputs=out),
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     signum = getattr(signal, sig)
@@ -285,12 +278,7 @@ def test_an_interrupt_held_during_the_commit_says_the_outputs_were_written(tmp_p
         [
             "run-fwd",
             str(tmp_path / "a.vjps"),
-            "--inputs",
-            str(tmp_path / "in.npz"),
-            "--residuals",
-            str(tmp_path / "r.npz"),
-            "--outputs",
-            str(tmp_path / "o.npz"),
+            *opts(inputs=tmp_path / "in.npz", residuals=tmp_path / "r.npz", outputs=tmp_path / "o.npz"),
         ],
     )
     assert fired and r.exit_code == 130

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 import vjpsplit_cli as vs
 from vjpsplit_cli.cli import main
+from clihelp import opts
 
 DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16, "i32": np.int32, "bool": np.bool_}
 SHAPES = {"0d": (), "empty": (0, 3), "2x3": (2, 3)}
@@ -64,12 +65,11 @@ def test_dtype_shape_format(root, tmp_path, dname, sname, fmt):
         [
             "run-fwd",
             art,
-            "--inputs",
-            str(tmp_path / f"in.{fmt}"),
-            "--residuals",
-            str(tmp_path / f"r.{fmt}"),
-            "--outputs",
-            str(tmp_path / f"o.{fmt}"),
+            *opts(
+                inputs=tmp_path / f"in.{fmt}",
+                residuals=tmp_path / f"r.{fmt}",
+                outputs=tmp_path / f"o.{fmt}",
+            ),
         ],
     )
     assert r.exit_code == 0, r.output
@@ -78,12 +78,11 @@ def test_dtype_shape_format(root, tmp_path, dname, sname, fmt):
         [
             "run-bwd",
             art,
-            "--residuals",
-            str(tmp_path / f"r.{fmt}"),
-            "--inputs",
-            str(tmp_path / f"in.{fmt}"),
-            "--grads",
-            str(tmp_path / f"g.{fmt}"),
+            *opts(
+                residuals=tmp_path / f"r.{fmt}",
+                inputs=tmp_path / f"in.{fmt}",
+                grads=tmp_path / f"g.{fmt}",
+            ),
         ],
     )
     assert r.exit_code == 0, r.output
@@ -122,12 +121,7 @@ def test_plain_numpy_npz_with_bfloat16_is_accepted(root, tmp_path):
         [
             "run-bwd",
             art,
-            "--residuals",
-            str(tmp_path / "r.npz"),
-            "--inputs",
-            str(tmp_path / "in.npz"),
-            "--grads",
-            str(tmp_path / "g.npz"),
+            *opts(residuals=tmp_path / "r.npz", inputs=tmp_path / "in.npz", grads=tmp_path / "g.npz"),
         ],
     )
     assert r.exit_code == 0, r.output

@@ -15,6 +15,7 @@ import vjpsplit_cli as vs
 from vjpsplit_cli.cli import main
 from vjpsplit_cli.policies import choose_policy, parse_at, parse_bytes, plan_policies, policy_cost
 from models import MODELS, assert_trees_close, ref_vjp
+from clihelp import opts
 
 POLICIES = ["everything", "dots", "nothing", "names:hidden"]
 
@@ -192,12 +193,7 @@ def test_cli_export_with_budget_and_inspect_at(module_dir):
             "export",
             "econ_model:loss",
             *SHAPES,
-            "--memory-budget",
-            str(budget),
-            "--at",
-            "b=64",
-            "--platforms",
-            "cpu",
+            *opts(memory_budget=budget, at="b=64", platforms="cpu"),
             "-o",
             "a.vjps",
         ],

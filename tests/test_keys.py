@@ -23,6 +23,7 @@ from vjpsplit_cli.trees import (
     unescape_segment,
     unflatten_keys,
 )
+from clihelp import opts
 
 
 @pytest.mark.parametrize("name", ["mlp/~/linear_0", "100%", "%2F", "a%25b/c", "plain", "~", "%", "//"])
@@ -93,10 +94,7 @@ def test_int_dict_keys_and_slashes_through_an_artifact_and_files(tmp_path):
         [
             "run-fwd",
             str(tmp_path / "a.vjps"),
-            "--inputs",
-            str(tmp_path / "in.npz"),
-            "--residuals",
-            str(tmp_path / "res.npz"),
+            *opts(inputs=tmp_path / "in.npz", residuals=tmp_path / "res.npz"),
         ],
     )
     assert r.exit_code == 0, r.output
@@ -105,12 +103,7 @@ def test_int_dict_keys_and_slashes_through_an_artifact_and_files(tmp_path):
         [
             "run-bwd",
             str(tmp_path / "a.vjps"),
-            "--residuals",
-            str(tmp_path / "res.npz"),
-            "--inputs",
-            str(tmp_path / "in.npz"),
-            "--grads",
-            str(tmp_path / "g.npz"),
+            *opts(residuals=tmp_path / "res.npz", inputs=tmp_path / "in.npz", grads=tmp_path / "g.npz"),
         ],
     )
     assert r.exit_code == 0, r.output
@@ -186,12 +179,7 @@ def test_typed_keys_as_input_and_aux(impl, tmp_path):
         [
             "run-fwd",
             str(tmp_path / "a.vjps"),
-            "--inputs",
-            str(tmp_path / "in.npz"),
-            "--residuals",
-            str(tmp_path / "r.npz"),
-            "--outputs",
-            str(tmp_path / "o.npz"),
+            *opts(inputs=tmp_path / "in.npz", residuals=tmp_path / "r.npz", outputs=tmp_path / "o.npz"),
         ],
     )
     assert r.exit_code == 0, r.output

@@ -26,6 +26,7 @@ from vjpsplit_cli.cli import main
 from vjpsplit_cli.trees import flatten_with_keys
 
 import model_zoo
+from clihelp import opts
 
 CASES = model_zoo.cases()
 LIBRARIES = {"flax.linen": "flax", "flax.nnx": "flax", "optax": "optax", "equinox": "equinox", "dm-haiku": "haiku"}
@@ -165,24 +166,22 @@ def _run_cli(case, art_path, tmp_path, n, env_free=False):
         [
             "run-fwd",
             str(art_path),
-            "--inputs",
-            str(tmp_path / f"in{n}.npz"),
-            "--residuals",
-            str(tmp_path / f"res{n}.npz"),
-            "--outputs",
-            str(tmp_path / f"out{n}.npz"),
+            *opts(
+                inputs=tmp_path / f"in{n}.npz",
+                residuals=tmp_path / f"res{n}.npz",
+                outputs=tmp_path / f"out{n}.npz",
+            ),
         ]
     )
     _invoke(
         [
             "run-bwd",
             str(art_path),
-            "--residuals",
-            str(tmp_path / f"res{n}.npz"),
-            "--inputs",
-            str(tmp_path / f"in{n}.npz"),
-            "--grads",
-            str(tmp_path / f"g{n}.npz"),
+            *opts(
+                residuals=tmp_path / f"res{n}.npz",
+                inputs=tmp_path / f"in{n}.npz",
+                grads=tmp_path / f"g{n}.npz",
+            ),
         ]
     )
     return args
@@ -254,22 +253,12 @@ def test_artifacts_run_where_no_model_library_can_be_imported(artifacts, tmp_pat
             [
                 "run-fwd",
                 str(d / "model.vjps"),
-                "--inputs",
-                str(d / "in.npz"),
-                "--residuals",
-                str(d / "res5.npz"),
-                "--outputs",
-                str(d / "out5.npz"),
+                *opts(inputs=d / "in.npz", residuals=d / "res5.npz", outputs=d / "out5.npz"),
             ],
             [
                 "run-bwd",
                 str(d / "model.vjps"),
-                "--residuals",
-                str(d / "res5.npz"),
-                "--inputs",
-                str(d / "in.npz"),
-                "--grads",
-                str(d / "g5.npz"),
+                *opts(residuals=d / "res5.npz", inputs=d / "in.npz", grads=d / "g5.npz"),
             ],
         ]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

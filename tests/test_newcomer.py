@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 import vjpsplit_cli as vs
 from vjpsplit_cli.cli import main
+from clihelp import opts
 
 MODEL = textwrap.dedent(
     """
@@ -95,14 +96,7 @@ def test_template_inputs_run_as_written_and_give_jax_grad(work, tmp_path, fmt, f
     code, out = cli(
         "run-bwd",
         work / "m.vjps",
-        "--residuals",
-        tmp_path / f"r.{fmt}",
-        "--inputs",
-        inputs,
-        "--cotangents",
-        ct,
-        "--grads",
-        tmp_path / "g.npz",
+        *opts(residuals=tmp_path / f"r.{fmt}", inputs=inputs, cotangents=ct, grads=tmp_path / "g.npz"),
     )
     assert code == 0, out
     g, _ = vs.load_arrays(tmp_path / "g.npz")
@@ -141,12 +135,7 @@ def test_template_gives_typed_keys_as_key_data_and_bf16(work, tmp_path):
         cli(
             "run-fwd",
             tmp_path / "k.vjps",
-            "--inputs",
-            tmp_path / "in.npz",
-            "--residuals",
-            tmp_path / "r.npz",
-            "--outputs",
-            tmp_path / "o.npz",
+            *opts(inputs=tmp_path / "in.npz", residuals=tmp_path / "r.npz", outputs=tmp_path / "o.npz"),
         )[0]
         == 0
     )
@@ -175,14 +164,12 @@ def test_template_cotangents_cover_integer_outputs(work, tmp_path):
         cli(
             "run-bwd",
             tmp_path / "v.vjps",
-            "--residuals",
-            tmp_path / "r.npz",
-            "--inputs",
-            tmp_path / "in.npz",
-            "--cotangents",
-            tmp_path / "ct.npz",
-            "--grads",
-            tmp_path / "g.npz",
+            *opts(
+                residuals=tmp_path / "r.npz",
+                inputs=tmp_path / "in.npz",
+                cotangents=tmp_path / "ct.npz",
+                grads=tmp_path / "g.npz",
+            ),
         )[0]
         == 0
     )
@@ -300,12 +287,7 @@ def test_messages_use_right_plurals_and_say_what_was_left_out(work, tmp_path):
     code, out = cli(
         "run-fwd",
         work / "m.vjps",
-        "--inputs",
-        tmp_path / "in.npz",
-        "--residuals",
-        tmp_path / "r.npz",
-        "--outputs",
-        tmp_path / "o.npz",
+        *opts(inputs=tmp_path / "in.npz", residuals=tmp_path / "r.npz", outputs=tmp_path / "o.npz"),
     )
     assert code == 0 and out.endswith("o.npz: 1 output") and "1 outputs" not in out
     assert "input-backed residuals left out, run-bwd reads them from --inputs" in out, out

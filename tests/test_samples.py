@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from clihelp import opts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,16 +51,7 @@ def test_pipeline_sample_inprocess(tmp_path):
         [
             sys.executable,
             "samples/pipeline/run.py",
-            "--runner",
-            "inprocess",
-            "--steps",
-            "1",
-            "--batch",
-            "64",
-            "--microbatches",
-            "4",
-            "--out",
-            str(tmp_path),
+            *opts(runner="inprocess", steps="1", batch="64", microbatches="4", out=tmp_path),
         ],
         cwd=ROOT,
         capture_output=True,

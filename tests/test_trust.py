@@ -29,6 +29,7 @@ from vjpsplit_cli.cli import main
 from vjpsplit_cli.manifest import MAGIC, fingerprint
 from vjpsplit_cli.signing import generate_key, key_id, load_public_key
 from vjpsplit_cli.trust import lapack_shapes_ok
+from clihelp import opts
 
 X = jax.ShapeDtypeStruct((4,), np.float32)
 XV = np.array([0.5, -1.0, 2.0, 0.25], np.float32)
@@ -189,12 +190,7 @@ def test_cli_sign_and_trust(base, tmp_path):
     r = cli(
         "export",
         f"{tmp_path / 'm.py'}:g",
-        "--shapes",
-        "x=f32[4]",
-        "--platforms",
-        "cpu",
-        "--sign-key",
-        d / "key",
+        *opts(shapes="x=f32[4]", platforms="cpu", sign_key=d / "key"),
         "-o",
         tmp_path / "s.vjps",
     )
@@ -216,12 +212,7 @@ def test_cli_sign_and_trust(base, tmp_path):
     r = cli(
         "run-bwd",
         tmp_path / "s.vjps",
-        "--residuals",
-        tmp_path / "r.npz",
-        "--inputs",
-        d / "in.npz",
-        "--grads",
-        tmp_path / "g.npz",
+        *opts(residuals=tmp_path / "r.npz", inputs=d / "in.npz", grads=tmp_path / "g.npz"),
         env={"VJPSPLIT_TRUST_KEYS": str(d / "key.pub")},
     )
     assert r.returncode == 0, r.stderr
@@ -229,12 +220,7 @@ def test_cli_sign_and_trust(base, tmp_path):
     r = cli(
         "run-fwd",
         d / "f.vjps",
-        "--inputs",
-        d / "in.npz",
-        "--residuals",
-        tmp_path / "r2.npz",
-        "--trust-key",
-        d / "key.pub",
+        *opts(inputs=d / "in.npz", residuals=tmp_path / "r2.npz", trust_key=d / "key.pub"),
     )
     assert r.returncode == 1
     one_error_line(r.stderr, "unsigned")
@@ -242,10 +228,7 @@ def test_cli_sign_and_trust(base, tmp_path):
     r = cli(
         "run-fwd",
         tmp_path / "s.vjps",
-        "--inputs",
-        d / "in.npz",
-        "--residuals",
-        tmp_path / "r2.npz",
+        *opts(inputs=d / "in.npz", residuals=tmp_path / "r2.npz"),
         env={"VJPSPLIT_TRUST_KEYS": str(d / "other.pub")},
     )
     assert r.returncode == 1
@@ -253,10 +236,7 @@ def test_cli_sign_and_trust(base, tmp_path):
     r = cli(
         "export",
         f"{tmp_path / 'm.py'}:g",
-        "--shapes",
-        "x=f32[4]",
-        "--sign-key",
-        d / "key.pub",
+        *opts(shapes="x=f32[4]", sign_key=d / "key.pub"),
         "-o",
         tmp_path / "t.vjps",
     )
@@ -507,10 +487,7 @@ def test_a_corrupt_module_is_one_error_line_on_the_cli_without_mlir_diagnostics(
     r = cli(
         "run-fwd",
         path,
-        "--inputs",
-        d / "in.npz",
-        "--residuals",
-        tmp_path / "r.npz",
+        *opts(inputs=d / "in.npz", residuals=tmp_path / "r.npz"),
         env={"MALLOC_CHECK_": "3", "VJPSPLIT_CACHE_DIR": "off"},
     )
     assert r.returncode == 1
@@ -574,10 +551,7 @@ def test_a_never_ending_module_ends_on_a_termination_signal(base, tmp_path, sig)
         "vjpsplit_cli.cli",
         "run-fwd",
         str(path),
-        "--inputs",
-        str(d / "in.npz"),
-        "--residuals",
-        str(tmp_path / "r.npz"),
+        *opts(inputs=d / "in.npz", residuals=tmp_path / "r.npz"),
     ]
     proc = subprocess.Popen(
         cmd,
@@ -643,12 +617,7 @@ def _run_fwd(d, path, out, cache, debug=False):
         *(["--debug"] if debug else []),
         "run-fwd",
         path,
-        "--inputs",
-        d / "in.npz",
-        "--residuals",
-        out,
-        "--outputs",
-        out.with_name("o_" + out.name),
+        *opts(inputs=d / "in.npz", residuals=out, outputs=out.with_name("o_" + out.name)),
         env={"VJPSPLIT_CACHE_DIR": str(cache)},
     )
 

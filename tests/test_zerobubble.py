@@ -14,6 +14,7 @@ from jax import export as jexport
 import vjpsplit_cli as vs
 from vjpsplit_cli.cli import main
 from models import assert_trees_close
+from clihelp import opts
 
 SIZES = (6, 8, 8, 3)
 
@@ -108,26 +109,19 @@ def test_cli_parts(art, tmp_path, fmt):
         "run-bwd",
         a,
         *common,
-        "--cotangents",
-        tmp_path / f"ct.{fmt}",
-        "--part",
-        "input",
-        "--intermediates",
-        tmp_path / f"c.{fmt}",
-        "--grads",
-        tmp_path / f"gi.{fmt}",
+        *opts(
+            cotangents=tmp_path / f"ct.{fmt}",
+            part="input",
+            intermediates=tmp_path / f"c.{fmt}",
+            grads=tmp_path / f"gi.{fmt}",
+        ),
     )
     assert r.exit_code == 0, r.output
     r = run(
         "run-bwd",
         a,
         *common,
-        "--part",
-        "weight",
-        "--intermediates",
-        tmp_path / f"c.{fmt}",
-        "--grads",
-        tmp_path / f"gw.{fmt}",
+        *opts(part="weight", intermediates=tmp_path / f"c.{fmt}", grads=tmp_path / f"gw.{fmt}"),
     )
     assert r.exit_code == 0, r.output
     r = run("run-bwd", a, *common, "--cotangents", tmp_path / f"ct.{fmt}", "--grads", tmp_path / f"g.{fmt}")
@@ -157,12 +151,7 @@ def test_cli_part_errors(art, tmp_path):
     base = [
         "run-bwd",
         tmp_path / "a.vjps",
-        "--residuals",
-        tmp_path / "r.npz",
-        "--inputs",
-        tmp_path / "in.npz",
-        "--grads",
-        tmp_path / "g.npz",
+        *opts(residuals=tmp_path / "r.npz", inputs=tmp_path / "in.npz", grads=tmp_path / "g.npz"),
     ]
     r = run(*base, "--part", "weight")
     assert r.exit_code == 2 and "--intermediates" in r.stderr
@@ -180,18 +169,14 @@ def test_cli_part_errors(art, tmp_path):
     r = run(
         "run-bwd",
         tmp_path / "plain.vjps",
-        "--residuals",
-        tmp_path / "rp.npz",
-        "--inputs",
-        tmp_path / "in.npz",
-        "--cotangents",
-        tmp_path / "in.npz",
-        "--part",
-        "input",
-        "--intermediates",
-        tmp_path / "c.npz",
-        "--grads",
-        tmp_path / "g.npz",
+        *opts(
+            residuals=tmp_path / "rp.npz",
+            inputs=tmp_path / "in.npz",
+            cotangents=tmp_path / "in.npz",
+            part="input",
+            intermediates=tmp_path / "c.npz",
+            grads=tmp_path / "g.npz",
+        ),
     )
     assert r.exit_code == 1 and "--weights" in r.stderr
     assert not (tmp_path / "g.npz").exists() and not (tmp_path / "c.npz").exists()
@@ -269,10 +254,7 @@ def test_cli_weight_part_runs_from_the_intermediates_file_alone(art, tmp_path):
             [
                 "run-fwd",
                 str(tmp_path / "a.vjps"),
-                "--inputs",
-                str(tmp_path / "in.npz"),
-                "--residuals",
-                str(tmp_path / "r.npz"),
+                *opts(inputs=tmp_path / "in.npz", residuals=tmp_path / "r.npz"),
             ],
         ).exit_code
         == 0
@@ -282,18 +264,14 @@ def test_cli_weight_part_runs_from_the_intermediates_file_alone(art, tmp_path):
         [
             "run-bwd",
             str(tmp_path / "a.vjps"),
-            "--residuals",
-            str(tmp_path / "r.npz"),
-            "--inputs",
-            str(tmp_path / "in.npz"),
-            "--cotangents",
-            str(tmp_path / "ct.npz"),
-            "--part",
-            "input",
-            "--intermediates",
-            str(tmp_path / "c.npz"),
-            "--grads",
-            str(tmp_path / "gx.npz"),
+            *opts(
+                residuals=tmp_path / "r.npz",
+                inputs=tmp_path / "in.npz",
+                cotangents=tmp_path / "ct.npz",
+                part="input",
+                intermediates=tmp_path / "c.npz",
+                grads=tmp_path / "gx.npz",
+            ),
         ],
     )
     assert r.exit_code == 0, r.output
@@ -307,14 +285,12 @@ def test_cli_weight_part_runs_from_the_intermediates_file_alone(art, tmp_path):
         [
             "run-bwd",
             str(tmp_path / "a.vjps"),
-            "--part",
-            "weight",
-            "--intermediates",
-            str(tmp_path / "c.npz"),
-            "--inputs",
-            str(tmp_path / "in.npz"),
-            "--grads",
-            str(tmp_path / "gw.npz"),
+            *opts(
+                part="weight",
+                intermediates=tmp_path / "c.npz",
+                inputs=tmp_path / "in.npz",
+                grads=tmp_path / "gw.npz",
+            ),
         ],
     )
     assert r.exit_code == 0, r.output
@@ -329,14 +305,12 @@ def test_cli_weight_part_runs_from_the_intermediates_file_alone(art, tmp_path):
         [
             "run-bwd",
             str(tmp_path / "a.vjps"),
-            "--part",
-            "weight",
-            "--intermediates",
-            str(tmp_path / "c.npz"),
-            "--inputs",
-            str(tmp_path / "in2.npz"),
-            "--grads",
-            str(tmp_path / "gw2.npz"),
+            *opts(
+                part="weight",
+                intermediates=tmp_path / "c.npz",
+                inputs=tmp_path / "in2.npz",
+                grads=tmp_path / "gw2.npz",
+            ),
         ],
     )
     assert r.exit_code == 1 and "input 'x' differs" in r.output
@@ -346,12 +320,7 @@ def test_cli_weight_part_runs_from_the_intermediates_file_alone(art, tmp_path):
         [
             "run-bwd",
             str(tmp_path / "a.vjps"),
-            "--part",
-            "weight",
-            "--intermediates",
-            str(tmp_path / "c.npz"),
-            "--grads",
-            str(tmp_path / "gw3.npz"),
+            *opts(part="weight", intermediates=tmp_path / "c.npz", grads=tmp_path / "gw3.npz"),
         ],
     )
     assert r.exit_code == 1 and "leave out the inputs x" in r.output
