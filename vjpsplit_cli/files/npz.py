@@ -7,9 +7,12 @@ void ``|V2``/``|V1``) names its dtype in its member comment. Integrity is zip's 
 CRC-32 per member, checked on load.
 
 The archive is written here, not by ``zipfile``: zipfile computes its CRC-32s with
-zlib (~4 GB/s), and :mod:`..checksum` is up to ten times faster. The bytes are exactly
-those ``zipfile`` writes for the same members (``ZIP_STORED``, ``force_zip64``, a
-seekable file), as ``np.savez`` does; tests compare the two.
+zlib (~4 GB/s), and :mod:`..checksum` is up to ten times faster, and a big archive
+goes out in one ``writev`` while its CRC-32s are computed beside it. The bytes are
+exactly those ``zipfile`` writes for the same members (``ZIP_STORED``,
+``force_zip64``, a seekable file, as ``np.savez`` does) each given an extra field
+that starts its array bytes on a 64-byte boundary (``_alignment_extra``); tests
+compare the two.
 """
 
 from __future__ import annotations
