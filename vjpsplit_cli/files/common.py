@@ -12,8 +12,8 @@ import tokenize
 import zipfile
 import zlib
 from itertools import accumulate
-from pathlib import Path
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any, BinaryIO, Mapping
 
 import msgpack
@@ -242,12 +242,17 @@ def _crc32s(groups: list[tuple]) -> list[int]:
 _IOV_MAX = 1024  # Linux's limit on the buffers of one writev(2)
 
 
+def _fileno(f) -> int | None:
+    """``f``'s file descriptor; None for an in-memory stream."""
+    try:
+        return f.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return None
+
+
 def write_all(f: BinaryIO, parts: list) -> None:
     """Write ``parts`` (bytes and memoryviews) in order: with few ``writev`` calls where ``f`` is a file."""
-    try:
-        fd = f.fileno()
-    except (AttributeError, OSError, io.UnsupportedOperation):
-        fd = None
+    fd = _fileno(f)
     if fd is None or not hasattr(os, "writev"):
         for part in parts:
             f.write(part)
@@ -309,7 +314,7 @@ class Source:
         for _, buf, pos, _, _ in reads:
             if pos < 0 or pos + len(buf) > self.size:
                 raise EOFError(f"unexpected end of file ({len(buf)} bytes at offset {pos}; the file has {self.size})")
-        by_offset = self._fileno() is not None and hasattr(os, "preadv")
+        by_offset = _fileno(self.f) is not None and hasattr(os, "preadv")
         read = self._pread if by_offset else self._seek_read
         nbytes = sum(len(r[1]) for r in reads) if by_offset else 0  # a stream's position is shared: one thread
         ok = workers.run_all(lambda key, buf, pos, seed, crc: self._check(read(buf, pos), seed, crc), reads, nbytes)
@@ -320,12 +325,6 @@ class Source:
     @staticmethod
     def _check(buf: np.ndarray, seed: int | None, crc: int) -> bool:
         return seed is None or checksum.crc32(buf, seed) == crc
-
-    def _fileno(self) -> int | None:
-        try:
-            return self.f.fileno()
-        except (AttributeError, OSError, io.UnsupportedOperation):
-            return None
 
     def _pread(self, buf: np.ndarray, pos: int) -> np.ndarray:
         view, done, fd = memoryview(buf), 0, self.f.fileno()
