@@ -119,20 +119,25 @@ def _fallocate(f: BinaryIO, size: int) -> bool:
         return False
 
 
-@functools.cache
-def _libc_fallocate():
-    """glibc's ``fallocate`` (Linux) through ctypes; None elsewhere. Python has only ``posix_fallocate``."""
+def _libc(name: str, *argtypes: str):
+    """glibc's function ``name`` through ctypes (argument types named as ctypes spells them); None off Linux."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         import ctypes
 
-        fn = ctypes.CDLL(None, use_errno=True).fallocate
-        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+        fn.argtypes = [getattr(ctypes, t) for t in argtypes]
         fn.restype = ctypes.c_int
     except (ImportError, OSError, AttributeError):
         return None
     return fn
+
+
+@functools.cache
+def _libc_fallocate():
+    """glibc's ``fallocate`` (Linux); None elsewhere. Python has only ``posix_fallocate``."""
+    return _libc("fallocate", "c_int", "c_int", "c_longlong", "c_longlong")
 
 
 def _remove_replaced(old: str) -> None:
@@ -142,9 +147,9 @@ def _remove_replaced(old: str) -> None:
     benchmarks/io.py), which ``np.save``'s in-place truncation pays too but which need
     not hold up the caller once the new file is in place. The next write waits for it
     (``finish_removals``) before making its temp file, so the disk never holds more old
-    files than before. The worker threads finish their queue before the interpreter
-    exits; a removal cut short by a crash leaves a temp named after this process, swept
-    as stale once it is gone.
+    files than before, and an exit waits for it too (the I/O threads are daemons: see
+    the ``atexit`` line below); a removal cut short by a crash or a fatal signal leaves
+    a temp named after this process, swept as stale once it is gone.
     """
     try:
         size = os.lstat(old).st_size
@@ -181,15 +186,8 @@ def renameat2():
     glibc's wrapper (2.28 and later) through ctypes. False from ``exchange`` means the
     call failed and changed nothing.
     """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-        fn.restype = ctypes.c_int
-    except (ImportError, OSError, AttributeError):
+    fn = _libc("renameat2", "c_int", "c_char_p", "c_int", "c_char_p", "c_uint")
+    if fn is None:
         return None
     at_fdcwd, rename_exchange = -100, 2  # <fcntl.h> AT_FDCWD, <linux/fs.h> RENAME_EXCHANGE
 

@@ -108,7 +108,8 @@ def writer(path: Path, prepared: list, meta: dict):
         # the headers go out with zeros there, the CRCs are computed on an I/O thread while
         # the bytes are written, then filled in; on a small one they come first.
         crcs = crc32s([(head, data) for *_, head, data in members])
-        known = crcs.result() if crcs.done() else [0] * len(members)
+        ready = crcs.done()
+        known = crcs.result() if ready else [0] * len(members)
         parts = []
         for (_, filename, flags, _, pad, head, data), crc in zip(members, known):
             size = len(head) + len(data)
@@ -135,7 +136,7 @@ def writer(path: Path, prepared: list, meta: dict):
             )
             parts.append(data)
         write_all(f, parts)  # one writev where f is a file: ~1.5 ms less than 74 writes on 41.5 MiB
-        if known is not crcs.result():
+        if not ready:
             for (at, *_), crc in zip(members, crcs.result()):
                 f.seek(at + _CRC_AT)
                 f.write(struct.pack("<L", crc))
