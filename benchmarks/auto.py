@@ -9,7 +9,7 @@ import jax
 import vjpsplit_cli as vs
 from benchmarks.timing import interleaved, ms
 from benchmarks.workloads import PERF
-from vjpsplit_cli.policies import POLICIES
+from vjpsplit_cli.tracing.policies import POLICIES
 
 WRT = (0, 1)
 

@@ -16,7 +16,7 @@ from .timing import interleaved, ms
 def run(quick: bool):
     """``(markdown table, raw numbers)``."""
     import vjpsplit_cli as vs
-    from vjpsplit_cli.residual_files import input_crc32
+    from vjpsplit_cli.artifact.residual_files import input_crc32
 
     rows, raw = [], {}
     for wl in (workloads.mlp(), workloads.transformer()):

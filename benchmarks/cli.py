@@ -195,7 +195,7 @@ def run(quick: bool) -> tuple[str, list[dict]]:
 
 
 def _signed_copy(path: Path, key: Path, out: Path) -> Path:
-    from vjpsplit_cli.loading import load
+    from vjpsplit_cli.artifact.loading import load
 
     art = load(path, cache_dir=None)
     art.sign(key)
@@ -207,9 +207,9 @@ def _trust_costs(path: Path, signed: Path, pub: Path, cache: Path, rounds: int) 
     """Seconds of each trust step of a load (median), in this process, on the benchmark's artifact."""
     import msgpack
 
-    from vjpsplit_cli import signing, trust
-    from vjpsplit_cli.loading import load
-    from vjpsplit_cli.manifest import MAGIC
+    from vjpsplit_cli.trust import signing, checks as trust
+    from vjpsplit_cli.artifact.loading import load
+    from vjpsplit_cli.artifact.manifest import MAGIC
 
     data = signed.read_bytes()
     body = data[len(MAGIC) :]

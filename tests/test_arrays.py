@@ -83,7 +83,7 @@ def test_round_trip_dtype_shape(tmp_path, fmt, dtype, shape):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_all_allowed_dtypes_round_trip(tmp_path, fmt):
-    from vjpsplit_cli.dtypes import _ALLOWED
+    from vjpsplit_cli.files.dtypes import _ALLOWED
 
     arrays = {}
     for i, name in enumerate(sorted(_ALLOWED)):
@@ -352,7 +352,7 @@ def test_old_layout_fixture_loads(fmt):
 
 def _zipfile_npz(path, arrays, meta=None):
     """An .npz of the old layout (a __vjpsplit__ member), written through zipfile."""
-    from vjpsplit_cli.dtypes import dtype_name
+    from vjpsplit_cli.files.dtypes import dtype_name
 
     names = {k: dtype_name(np.asarray(a).dtype) for k, a in arrays.items()}
     blob = json.dumps(
@@ -678,7 +678,7 @@ def test_directory(tmp_path, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_unreadable(tmp_path, fmt, monkeypatch):
     # chmod 0 does not stop root (CI runs as root), so make open() fail as the OS would.
-    import vjpsplit_cli.reading as reading_mod
+    import vjpsplit_cli.safeio.reading as reading_mod
 
     p = file(tmp_path, fmt)
     save_arrays(p, {"x": np.arange(3)})

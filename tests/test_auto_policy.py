@@ -22,9 +22,9 @@ from click.testing import CliRunner
 import vjpsplit_cli as vs
 from vjpsplit_cli.cli import main
 from vjpsplit_cli.errors import VjpsplitError
-from vjpsplit_cli.execcache import compiled_call, entry_key
-from vjpsplit_cli.choice import choose_auto
-from vjpsplit_cli.policies import POLICIES, policy_cost
+from vjpsplit_cli.artifact.execcache import compiled_call, entry_key
+from vjpsplit_cli.tracing.choice import choose_auto
+from vjpsplit_cli.tracing.policies import POLICIES, policy_cost
 from clihelp import opts
 
 

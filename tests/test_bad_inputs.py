@@ -27,8 +27,8 @@ import pytest
 from click.testing import CliRunner
 
 import vjpsplit_cli as vs
-import vjpsplit_cli.reading as reading_mod
-from vjpsplit_cli.manifest import MAGIC, fingerprint as _fingerprint
+import vjpsplit_cli.safeio.reading as reading_mod
+from vjpsplit_cli.artifact.manifest import MAGIC, fingerprint as _fingerprint
 from vjpsplit_cli.cli import main
 
 MODEL = textwrap.dedent(

@@ -204,7 +204,7 @@ def _temp_name(target: str, pid: int, start: int, host: str, suffix: str = ".tmp
 
 
 def test_only_stale_vjpsplit_temps_are_swept(tmp_path):
-    from vjpsplit_cli import temps
+    from vjpsplit_cli.safeio import temps
 
     _, start, host = temps.writer_tag()[4:].split("-")
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -235,7 +235,7 @@ def test_only_stale_vjpsplit_temps_are_swept(tmp_path):
 
 
 def test_a_write_sweeps_its_directory_once_per_process(tmp_path):
-    from vjpsplit_cli import temps
+    from vjpsplit_cli.safeio import temps
 
     code = "import sys, numpy as np, vjpsplit_cli as vs\nvs.save_arrays(sys.argv[1], {'x': np.ones(2)})\n"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -253,7 +253,7 @@ def test_an_interrupt_held_during_the_commit_says_the_outputs_were_written(tmp_p
 
     from click.testing import CliRunner
 
-    import vjpsplit_cli.outputs as outputs
+    import vjpsplit_cli.safeio.outputs as outputs
     from vjpsplit_cli.cli import main
 
     real_replace = outputs.replace_file

@@ -13,7 +13,7 @@ import click
 import pytest
 
 from vjpsplit_cli.cli import main
-from vjpsplit_cli.manifest import FORMAT_VERSION
+from vjpsplit_cli.artifact.manifest import FORMAT_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -12,7 +12,7 @@ import pytest
 from jax import export as jexport
 
 import vjpsplit_cli as vs
-from vjpsplit_cli.manifest import MAGIC
+from vjpsplit_cli.artifact.manifest import MAGIC
 from models import MODELS, assert_trees_close, mlp, mlp_inputs, ref_vjp
 
 
@@ -251,7 +251,7 @@ def test_policy_recorded_and_gradients_equal(policy):
 
 
 def test_future_calling_convention_names_both_versions(tmp_path):
-    from vjpsplit_cli.manifest import fingerprint as _fingerprint
+    from vjpsplit_cli.artifact.manifest import fingerprint as _fingerprint
 
     art = vs.export(jnp.sin, jax.ShapeDtypeStruct((3,), jnp.float32))
     art.save(tmp_path / "a.vjps")

@@ -13,7 +13,7 @@ from jax import export as jexport
 
 import vjpsplit_cli as vs
 from vjpsplit_cli.arrays import load_arrays, save_arrays
-from vjpsplit_cli.dtypes import _ALLOWED, dtype_from_name
+from vjpsplit_cli.files.dtypes import _ALLOWED, dtype_from_name
 
 DTYPES = sorted(_ALLOWED)
 # Bounded so CI stays fast; raise locally with HYPOTHESIS_PROFILE-style edits when hunting.

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import vjpsplit_cli as vs
-from vjpsplit_cli import filesystem, outputs, workers
+from vjpsplit_cli.safeio import filesystem, outputs, workers
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.files import common
 from vjpsplit_cli.files import npz as npz_codec
@@ -354,7 +354,7 @@ def test_writers_on_several_threads_share_the_io_threads(tmp_path, threaded):
 _EXIT_CHILD = """
 import os, sys, numpy as np
 import vjpsplit_cli as vs
-from vjpsplit_cli import filesystem, workers
+from vjpsplit_cli.safeio import filesystem, workers
 workers.MIN_PARALLEL_BYTES = 1
 workers.count = lambda: 2
 calls = []

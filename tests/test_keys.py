@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 import vjpsplit_cli as vs
 from vjpsplit_cli.cli import main
-from vjpsplit_cli.trees import (
+from vjpsplit_cli.files.trees import (
     decode_structure,
     encode_structure,
     escape_segment,

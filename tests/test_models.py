@@ -23,7 +23,7 @@ from click.testing import CliRunner
 
 import vjpsplit_cli as vs
 from vjpsplit_cli.cli import main
-from vjpsplit_cli.trees import flatten_with_keys
+from vjpsplit_cli.files.trees import flatten_with_keys
 
 import model_zoo
 from clihelp import opts

@@ -13,8 +13,8 @@ from jax import export as jexport
 from jax.sharding import PartitionSpec as P
 
 import vjpsplit_cli as vs
-from vjpsplit_cli.manifest import MAGIC, Manifest
-from vjpsplit_cli.sharding import divisibility_problem, format_spec, host_mesh, spec_from_json, spec_to_json
+from vjpsplit_cli.artifact.manifest import MAGIC, Manifest
+from vjpsplit_cli.artifact.sharding import divisibility_problem, format_spec, host_mesh, spec_from_json, spec_to_json
 
 
 @pytest.mark.parametrize(

@@ -80,10 +80,10 @@ def test_no_import_cycles():
 
 def test_the_cycle_check_can_fail():
     edges, _ = _imports()
-    assert "policies" in edges["core"], "core uses policies; the check below relies on it"
-    # core -> policies -> vjp; adding vjp -> core must be reported, by the very function the test above uses.
-    edges["vjp"].add("core")
-    assert any("vjp" in c and "core" in c for c in _cycles(edges))
+    assert "tracing.policies" in edges["tracing.split"], "split uses policies; the check below relies on it"
+    # split -> policies -> vjp; adding vjp -> split must be reported, by the very function the test above uses.
+    edges["tracing.vjp"].add("tracing.split")
+    assert any("tracing.vjp" in c and "tracing.split" in c for c in _cycles(edges))
 
 
 def test_no_module_imports_another_modules_private_names():
@@ -147,3 +147,52 @@ def test_public_modules_have_docstrings():
             continue
         mod = importlib.import_module(f"vjpsplit_cli.{name}" if name else "vjpsplit_cli")
         assert (mod.__doc__ or "").strip(), f"module {name or 'vjpsplit_cli'} has no docstring"
+
+
+# The subpackages are the architecture. Each may import only those before it in this order (and the
+# top-level modules in BASE); docs/architecture.md draws the same picture.
+LAYERS = ["safeio", "files", "tracing", "trust", "artifact", "pipeline", "cli"]
+BASE = {"errors", "config", "_version"}
+
+
+def _layer_violations(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    bad = []
+    for mod, deps in edges.items():
+        top = mod.split(".")[0]
+        if top in BASE:
+            bad += [(mod, d) for d in deps if d.split(".")[0] not in BASE]
+            continue
+        if top not in rank:
+            continue  # the package's own __init__, __main__ and the old `arrays` path sit above everything
+        for d in deps:
+            dtop = d.split(".")[0]
+            if dtop in BASE or dtop == top:
+                continue
+            if dtop not in rank or rank[dtop] > rank[top]:
+                bad.append((mod, d))
+    return bad
+
+
+def test_subpackages_import_only_the_layers_below_them():
+    edges, _ = _imports()
+    assert set(LAYERS) <= set(_modules()), "every layer is a subpackage"
+    assert not _layer_violations(edges)
+
+
+def test_the_layer_check_can_fail():
+    edges, _ = _imports()
+    edges["files.trees"].add("artifact.manifest")  # files reaching up into artifact
+    edges["errors"].add("safeio.terminal")  # the base reaching into a subpackage
+    assert _layer_violations(edges) == [("errors", "safeio.terminal"), ("files.trees", "artifact.manifest")] or set(
+        _layer_violations(edges)
+    ) == {("errors", "safeio.terminal"), ("files.trees", "artifact.manifest")}
+
+
+def test_every_subpackage_says_what_it_owns_and_may_import():
+    for name in LAYERS:
+        doc = importlib.import_module(f"vjpsplit_cli.{name}").__doc__ or ""
+        assert doc.strip(), name
+    for name in ("safeio", "tracing", "trust", "artifact"):
+        doc = importlib.import_module(f"vjpsplit_cli.{name}").__doc__
+        assert "May import" in doc, name

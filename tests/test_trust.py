@@ -1,7 +1,7 @@
 """Trusted artifacts (issue 19): signatures, module checks before compiling, caches, signals, messages.
 
 Every forged artifact is made with public JAX APIs (``jax.export``, ``jax.ffi.ffi_call``)
-and re-fingerprinted with ``vjpsplit_cli.manifest.fingerprint``, as an attacker would.
+and re-fingerprinted with ``vjpsplit_cli.artifact.manifest.fingerprint``, as an attacker would.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from jax import export as jexport
 
 import vjpsplit_cli as vs
 from vjpsplit_cli.cli import main
-from vjpsplit_cli.manifest import MAGIC, fingerprint
-from vjpsplit_cli.signing import generate_key, key_id, load_public_key
-from vjpsplit_cli.trust import lapack_shapes_ok
+from vjpsplit_cli.artifact.manifest import MAGIC, fingerprint
+from vjpsplit_cli.trust.signing import generate_key, key_id, load_public_key
+from vjpsplit_cli.trust.checks import lapack_shapes_ok
 from clihelp import opts
 
 X = jax.ShapeDtypeStruct((4,), np.float32)
@@ -146,8 +146,8 @@ def test_sign_verify_round_trip_and_signer_shown(base, tmp_path):
 
 def test_unsigned_and_other_signers_are_refused_before_any_module_is_read(base, tmp_path, monkeypatch):
     d, art = base
-    import vjpsplit_cli.artifact as artifact_mod
-    from vjpsplit_cli import trust
+    import vjpsplit_cli.artifact.artifact as artifact_mod
+    from vjpsplit_cli.trust import checks as trust
 
     def no_module_reads(*a, **k):
         raise AssertionError("a module was read before the signature was checked")
@@ -432,7 +432,7 @@ FLIPPER = r"""
 import dataclasses, sys
 from jax import export as jexport
 import vjpsplit_cli as vs
-from vjpsplit_cli.manifest import MAGIC, fingerprint
+from vjpsplit_cli.artifact.manifest import MAGIC, fingerprint
 import msgpack
 art = vs.load(sys.argv[1], cache_dir=None)
 exp = art._exps["fwd"]

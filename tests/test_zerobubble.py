@@ -203,7 +203,7 @@ def test_weights_only_stage_still_walks_the_cotangent_back_in_b():
 
 
 def test_partition_reports_what_the_weight_part_reads():
-    from vjpsplit_cli.zerobubble import partition
+    from vjpsplit_cli.tracing.zerobubble import partition
 
     def bwd(w, x, ct):  # dW = x^T ct needs x, not w; dx = ct w^T needs w
         return ct @ w.T, x.T @ ct

@@ -18,36 +18,36 @@ from ._version import __version__
 
 # Every public name, and the module that defines it (None: the name is that module).
 _EXPORTS = {
-    "split": "core",
-    "export": "lowering",
-    "DEFAULT_PLATFORMS": "lowering",
-    "load": "loading",
-    "loads": "loading",
-    "Artifact": "artifact",
-    "Manifest": "manifest",
-    "Leaf": "manifest",
-    "FORMAT_VERSION": "manifest",
-    "Residuals": "residuals",
-    "SplitResiduals": "residuals",
-    "Intermediates": "residuals",
-    "save_residuals": "residual_files",
-    "load_residuals": "residual_files",
-    "save_intermediates": "residual_files",
-    "load_intermediates": "residual_files",
+    "split": "tracing.split",
+    "export": "artifact.lowering",
+    "DEFAULT_PLATFORMS": "artifact.lowering",
+    "load": "artifact.loading",
+    "loads": "artifact.loading",
+    "Artifact": "artifact.artifact",
+    "Manifest": "artifact.manifest",
+    "Leaf": "artifact.manifest",
+    "FORMAT_VERSION": "artifact.manifest",
+    "Residuals": "tracing.residuals",
+    "SplitResiduals": "tracing.residuals",
+    "Intermediates": "tracing.residuals",
+    "save_residuals": "artifact.residual_files",
+    "load_residuals": "artifact.residual_files",
+    "save_intermediates": "artifact.residual_files",
+    "load_intermediates": "artifact.residual_files",
     "save_arrays": "files",
     "load_arrays": "files",
-    "file_arrays": "trees",
-    "tree_from_file": "trees",
-    "template": "templates",
-    "save_template": "templates",
-    "POLICIES": "policies",
-    "PolicyCost": "policies",
-    "plan_policies": "policies",
-    "choose_policy": "policies",
-    "choose_auto": "choice",
-    "AutoChoice": "choice",
-    "resolve_policy": "choice",
-    "PolicyChoice": "choice",
+    "file_arrays": "files.trees",
+    "tree_from_file": "files.trees",
+    "template": "artifact.templates",
+    "save_template": "artifact.templates",
+    "POLICIES": "tracing.policies",
+    "PolicyCost": "tracing.policies",
+    "plan_policies": "tracing.policies",
+    "choose_policy": "tracing.policies",
+    "choose_auto": "tracing.choice",
+    "AutoChoice": "tracing.choice",
+    "resolve_policy": "tracing.choice",
+    "PolicyChoice": "tracing.choice",
     "VjpsplitError": "errors",
     "pipeline": None,
 }
@@ -74,16 +74,16 @@ def __dir__():
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the eager spelling of the lazy names above
     from . import pipeline
-    from .artifact import Artifact
-    from .loading import load, loads
-    from .core import split
+    from .artifact.artifact import Artifact
+    from .artifact.loading import load, loads
+    from .artifact.lowering import DEFAULT_PLATFORMS, export
+    from .artifact.manifest import FORMAT_VERSION, Leaf, Manifest
+    from .artifact.residual_files import load_intermediates, load_residuals, save_intermediates, save_residuals
+    from .artifact.templates import save_template, template
     from .errors import VjpsplitError
-    from .lowering import DEFAULT_PLATFORMS, export
     from .files import load_arrays, save_arrays
-    from .manifest import FORMAT_VERSION, Leaf, Manifest
-    from .choice import AutoChoice, PolicyChoice, choose_auto, resolve_policy
-    from .policies import POLICIES, PolicyCost, choose_policy, plan_policies
-    from .residual_files import load_intermediates, load_residuals, save_intermediates, save_residuals
-    from .residuals import Intermediates, Residuals, SplitResiduals
-    from .templates import save_template, template
-    from .trees import file_arrays, tree_from_file
+    from .files.trees import file_arrays, tree_from_file
+    from .tracing.choice import AutoChoice, PolicyChoice, choose_auto, resolve_policy
+    from .tracing.policies import POLICIES, PolicyCost, choose_policy, plan_policies
+    from .tracing.residuals import Intermediates, Residuals, SplitResiduals
+    from .tracing.split import split

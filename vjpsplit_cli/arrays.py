@@ -1,5 +1,5 @@
 """Array files (``.npz``/``.msgpack``): kept so existing imports work; the code is in :mod:`vjpsplit_cli.files`."""
 
-from .files import load_arrays, save_arrays
+from . import load_arrays, save_arrays
 
 __all__ = ["save_arrays", "load_arrays"]

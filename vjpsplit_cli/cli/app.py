@@ -16,12 +16,12 @@ import traceback
 
 import click
 
-from ..outputs import UsageError
-from ..reading import os_error_message
-from ..signals import Interrupted, outputs_committed
-from ..system import private_dir
-from ..terminal import printable
 from ..errors import VjpsplitError, one_line
+from ..safeio.outputs import UsageError
+from ..safeio.reading import os_error_message
+from ..safeio.signals import Interrupted, outputs_committed
+from ..safeio.system import private_dir
+from ..safeio.terminal import printable
 
 EXISTING = click.Path(dir_okay=True, path_type=str)  # existence is checked by our loaders, with our message
 EXISTING.name = "file"  # shown as FILE in --help, as the files commands write are
@@ -86,7 +86,7 @@ class ShapeSpec(click.ParamType):
             self.fail(f"{printable(value)!r} is not NAME=SPEC; write e.g. x=f32[b,784]", param, ctx)
         spec = spec.strip()
         if not spec.startswith("@") and not spec.lower().endswith(ARRAY_SUFFIXES):
-            from ..shapes import new_scope, parse_array_spec
+            from ..files.shapes import new_scope, parse_array_spec
 
             try:
                 parse_array_spec(spec, new_scope())
@@ -101,7 +101,7 @@ class AtSizes(click.ParamType):
     name = "NAME=SIZE"
 
     def convert(self, value, param, ctx):
-        from ..policies import parse_at
+        from ..tracing.policies import parse_at
 
         try:
             parse_at([str(value)])
@@ -262,7 +262,7 @@ def cache_dir() -> str | None:
     ``VJPSPLIT_CACHE_DIR`` moves it (empty, ``0`` or ``off`` turns it off); the
     default is ``vjpsplit/jax`` under ``$XDG_CACHE_HOME`` (``~/.cache``).
     """
-    from ..trust import default_cache_dir
+    from ..trust.checks import default_cache_dir
 
     return default_cache_dir()
 
@@ -395,7 +395,7 @@ def trust_options(fn):
 
 def check_at(at, specs) -> dict[str, int]:
     """--at sizes for the traced function: a name that is no symbolic dim of the --shapes is a usage error."""
-    from ..policies import check_at_names, parse_at, symbolic_dim_names
+    from ..tracing.policies import check_at_names, parse_at, symbolic_dim_names
 
     sizes = parse_at(at)
     check_at_names(sizes, symbolic_dim_names(specs), "the --shapes")
@@ -407,14 +407,14 @@ def wants_x64(specs) -> bool:
     import numpy as np
 
     wide = {np.dtype(n) for n in ("float64", "int64", "uint64", "complex128")}
-    from ..prng import is_key
+    from ..files.prng import is_key
 
     return any(not is_key(s) and np.dtype(s.dtype) in wide for s in jax.tree_util.tree_leaves(specs))
 
 
 def load_artifact(path, trust_keys=(), allow_kernels: bool = False, *, x64: bool = True):
     """Load an artifact; a manifest that decodes but does not fit the format is one line naming the file."""
-    from ..loading import load
+    from ..artifact.loading import load
 
     try:
         art = load(path, trust=list(trust_keys) or None, allow_kernels=allow_kernels, cache_dir=_active_cache_dir())

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from ..outputs import StagedOutputs
+from ..safeio.outputs import StagedOutputs
 from .app import (
     ARRAY_OUT,
     ARTIFACT_OUT,
@@ -37,7 +37,7 @@ from .app import (
 @cli_command
 def keygen_cmd(output):
     """Make an Ed25519 key pair for signing artifacts: KEY (private) and KEY.pub (give this one out)."""
-    from ..signing import generate_key
+    from ..trust.signing import generate_key
 
     kid = generate_key(output)
     log(f"wrote {output} (private, keep it secret) and {output}.pub (public: --trust-key); key {kid}")
@@ -55,8 +55,8 @@ def keygen_cmd(output):
 @cli_command
 def inspect_cmd(artifact, as_json, at, trust_keys, allow_kernels):
     """Describe an artifact: keys, dtypes, shapes, residual bytes, platforms, versions."""
-    from ..policies import check_at_names, parse_at
-    from ..report import describe, format_table
+    from ..artifact.report import describe, format_table
+    from ..tracing.policies import check_at_names, parse_at
 
     art = load_artifact(artifact, trust_keys, allow_kernels, x64=False)
     sizes = parse_at(at)
@@ -103,8 +103,8 @@ def inspect_cmd(artifact, as_json, at, trust_keys, allow_kernels):
 @cli_command
 def template_cmd(artifact, output, at, what, fill, seed, trust_keys, allow_kernels):
     """Write an inputs or cotangents file with exactly the keys, dtypes and shapes ARTIFACT expects."""
+    from ..artifact.templates import template
     from ..files import save_arrays
-    from ..templates import template
 
     with StagedOutputs({"-o": output}, {"ARTIFACT": artifact}) as out:
         art = load_artifact(artifact, trust_keys, allow_kernels, x64=False)

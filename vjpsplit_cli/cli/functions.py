@@ -8,7 +8,7 @@ import os
 import click
 
 from ..errors import VjpsplitError
-from ..outputs import StagedOutputs
+from ..safeio.outputs import StagedOutputs
 from .app import (
     ARRAY_SUFFIXES,
     ARTIFACT_OUT,
@@ -65,10 +65,10 @@ from .app import (
 @cli_command
 def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, at, weights, output, sign_key):
     """Export FN's forward and backward into one portable artifact."""
-    from ..lowering import export
-    from ..policies import parse_at
-    from ..specs import check_fits, load_object, resolve_shapes
-    from ..signing import load_private_key
+    from ..artifact.lowering import export
+    from ..tracing.policies import parse_at
+    from ..trust.signing import load_private_key
+    from .specs import check_fits, load_object, resolve_shapes
 
     key = load_private_key(sign_key) if sign_key else None  # a bad key fails before any tracing
 
@@ -159,9 +159,9 @@ def _shape_files(shapes) -> list[str]:
 @cli_command
 def plan_cmd(target, shapes, wrt, has_aux, at, policies, memory_budget, as_json):
     """Compare policies before exporting: stored residual bytes and backward recompute per policy."""
-    from ..policies import plan_policies
-    from ..report import format_plan
-    from ..specs import check_fits, load_object, resolve_shapes
+    from ..artifact.report import format_plan
+    from ..tracing.policies import plan_policies
+    from .specs import check_fits, load_object, resolve_shapes
 
     fn, _ = load_object(target)
     names, specs = resolve_shapes(fn, shapes)
@@ -171,8 +171,8 @@ def plan_cmd(target, shapes, wrt, has_aux, at, policies, memory_budget, as_json)
     chosen = [p.strip() for p in (policies.split(";") if "names:" in policies else policies.split(",")) if p.strip()]
     auto = None
     if "auto" in chosen:
-        from ..choice import choose_auto
-        from ..vjp import wrt_positions
+        from ..tracing.choice import choose_auto
+        from ..tracing.vjp import wrt_positions
 
         chosen = [p for p in chosen if p != "auto"]
         _log_timing(at)

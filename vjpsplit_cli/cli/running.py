@@ -6,8 +6,8 @@ import contextlib
 
 import click
 
-from ..outputs import StagedOutputs
-from ..signals import time_limit
+from ..safeio.outputs import StagedOutputs
+from ..safeio.signals import time_limit
 from .app import (
     ARRAY_OUT,
     EXISTING,
@@ -21,7 +21,6 @@ from .app import (
     trust_options,
     use_compilation_cache,
 )
-
 
 _timeout_option = click.option(
     "--timeout",
@@ -72,8 +71,8 @@ def run_fwd_cmd(
     artifact, inputs_path, residuals_path, outputs_path, self_contained, fsync, trust_keys, allow_kernels, timeout
 ):
     """Run the forward: inputs -> outputs and residuals."""
+    from ..artifact.residual_files import save_residuals
     from ..files import load_arrays, save_arrays
-    from ..residual_files import save_residuals
 
     with StagedOutputs(
         {"--residuals": residuals_path, "--outputs": outputs_path},
@@ -171,9 +170,9 @@ def run_bwd_cmd(
     timeout,
 ):
     """Run the backward: residuals (+ cotangents) -> gradients, without the forward."""
+    from ..artifact.manifest import check_keys
+    from ..artifact.residual_files import load_residuals
     from ..files import load_arrays, save_arrays
-    from ..manifest import check_keys
-    from ..residual_files import load_residuals
 
     if part != "all" and not inter_path:
         raise click.UsageError(f"--part {part} needs --intermediates FILE")
@@ -213,7 +212,7 @@ def run_bwd_cmd(
                     residuals_path, inputs=inputs, artifact=art, inputs_source=inputs_path, verify=not no_verify
                 )
             if part == "weight":
-                from ..residual_files import load_intermediates
+                from ..artifact.residual_files import load_intermediates
 
                 inter = load_intermediates(
                     inter_path, inputs=inputs, artifact=art, inputs_source=inputs_path, verify=not no_verify
@@ -231,7 +230,7 @@ def run_bwd_cmd(
                     grads, inter = art.run_bwd_arrays(res, cts, source=residuals_path, ct_source=ct_source), None
             grads = to_numpy(grads)  # finish the compute before any file is written
         if inter is not None:
-            from ..residual_files import save_intermediates
+            from ..artifact.residual_files import save_intermediates
 
             # Without --inputs now there will be none for --part weight either: keep the inputs W reads.
             out.write("--intermediates", lambda tmp: save_intermediates(tmp, inter, self_contained=inputs_path is None))

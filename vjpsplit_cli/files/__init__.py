@@ -30,11 +30,10 @@ from typing import Mapping
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ..outputs import atomic_write
-from ..errors import VjpsplitError
+from ..errors import VjpsplitError, one_line
+from ..safeio.outputs import atomic_write
 from . import msgpack as _msgpack
 from . import npz as _npz
-from ..errors import one_line
 from .common import DECODE_ERRORS, checked_meta, open_source, prepare
 
 __all__ = ["save_arrays", "load_arrays"]

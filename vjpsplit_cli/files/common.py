@@ -11,18 +11,19 @@ import sys
 import tokenize
 import zipfile
 import zlib
-from itertools import accumulate
 from concurrent.futures import Future
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, BinaryIO, Mapping
 
 import msgpack
 import numpy as np
 
-from .. import checksum, workers
-from ..reading import open_for_read
-from ..dtypes import dtype_from_name, dtype_name
 from ..errors import VjpsplitError, one_line
+from ..safeio import workers
+from ..safeio.reading import open_for_read
+from . import checksum
+from .dtypes import dtype_from_name, dtype_name
 
 FORMAT = "vjpsplit-arrays"
 # 2: metadata outside the member list (.npz archive comment; .msgpack map entry) and a

@@ -18,8 +18,8 @@ from typing import Any, BinaryIO
 import msgpack
 import numpy as np
 
-from .. import checksum
 from ..errors import VjpsplitError
+from . import checksum
 from .common import (
     CORRUPT,
     DECODE_ERRORS,

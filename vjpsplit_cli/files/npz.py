@@ -28,10 +28,9 @@ from typing import BinaryIO
 
 import numpy as np
 
-from .. import checksum
-from ..dtypes import dtype_name
 from ..errors import VjpsplitError
-from ..system import host_memory
+from ..safeio.system import host_memory
+from . import checksum
 from .common import (
     CORRUPT,
     FORMAT,
@@ -41,8 +40,8 @@ from .common import (
     Source,
     byte_view,
     check_stored_key,
-    crc32s,
     check_version,
+    crc32s,
     finish,
     one_line,
     storage_dtype,
@@ -50,6 +49,7 @@ from .common import (
     unique_map,
     write_all,
 )
+from .dtypes import dtype_name
 
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed, so the same arrays give the same bytes
 _MAX_COMMENT = 0xFFFF  # zip's limit for the archive comment

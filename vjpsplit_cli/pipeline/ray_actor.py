@@ -41,7 +41,7 @@ class StageActor:
 
     def load(self, chunks, stages: int) -> None:
         """Load ``(stage index, artifact bytes, params)`` for each stage this worker holds."""
-        from ..loading import loads
+        from ..artifact.loading import loads
 
         self.stages = {
             c: StageWorker(loads(data, source=f"stage {c}"), params, c, stages) for c, data, params in chunks

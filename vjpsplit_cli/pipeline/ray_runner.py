@@ -345,10 +345,9 @@ def placement_group_options(
     shutdown). A group Ray cannot reserve within ``timeout`` is an error naming
     what the bundles ask.
     """
+    import ray
     from ray.util import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    import ray
 
     bundle = dict(bundle or {"CPU": 1})
     pg = placement_group([dict(bundle) for _ in range(workers)], strategy=strategy)

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ..errors import VjpsplitError
-from ..residuals import Intermediates
+from ..tracing.residuals import Intermediates
 from .schedules import LABELS, SPLIT_BACKWARD, Op, check_schedule
 from .timeline import Event
 

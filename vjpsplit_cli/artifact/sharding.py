@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .errors import VjpsplitError
+from ..errors import VjpsplitError
 
 SpecJSON = tuple  # one entry per dim: None, an axis name, or a tuple of axis names
 

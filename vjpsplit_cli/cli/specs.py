@@ -13,12 +13,12 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from .errors import UsageError, VjpsplitError, jax_message
-from .files import load_arrays
-from .reading import open_for_read
-from .vjp import signature_positionals
-from .shapes import new_scope, parse_array_spec, to_struct
-from .trees import unflatten_keys
+from ..errors import UsageError, VjpsplitError, jax_message
+from ..files import load_arrays
+from ..files.shapes import new_scope, parse_array_spec, to_struct
+from ..files.trees import unflatten_keys
+from ..safeio.reading import open_for_read
+from ..tracing.vjp import signature_positionals
 
 
 def load_object(target: str, label: str = "FN") -> tuple[Any, str]:

@@ -8,16 +8,14 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from . import checksum
-from .errors import VjpsplitError
-from .files import load_arrays, save_arrays
+from ..errors import VjpsplitError
+from ..files import checksum, load_arrays, save_arrays
+from ..files.prng import data_struct, from_data, impl_name, is_key, to_data
+from ..files.shapes import MAX_DIM, format_shape
+from ..tracing.residuals import Intermediates, Residuals, SplitResiduals
+from ..tracing.vjp import plan_for_token
 from .manifest import flatten_args
-from .prng import data_struct, from_data, impl_name, is_key, to_data
-from .residuals import Intermediates, Residuals, SplitResiduals
-from .shapes import MAX_DIM, format_shape
 from .sharding import format_spec, spec_from_json, spec_of
-from .vjp import plan_for_token
-
 
 KIND_ARTIFACT = "vjpsplit-residuals"
 KIND_SPLIT = "vjpsplit-split-residuals"

@@ -23,7 +23,8 @@ import stat
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Mapping
 
-from .errors import UsageError, VjpsplitError  # noqa: F401 - UsageError: writers refuse with it
+from ..errors import UsageError, VjpsplitError  # noqa: F401 - UsageError: writers refuse with it
+from .filesystem import finish_removals, fsync_dir, fsync_file, keep_mode, preallocated, replace_file
 from .reading import os_error_message
 from .signals import (
     cleanup_on_signals,
@@ -35,7 +36,6 @@ from .signals import (
     stage,
     unstage,
 )
-from .filesystem import finish_removals, fsync_dir, fsync_file, keep_mode, preallocated, replace_file
 from .temps import new_temp
 from .terminal import printable
 

@@ -13,7 +13,8 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from .errors import VjpsplitError
+from ..errors import VjpsplitError
+from ..files.shapes import is_symbolic_shape
 from .policies import (
     AUTO,
     BUDGET_ORDER,
@@ -26,7 +27,6 @@ from .policies import (
     parse_bytes,
     policy_cost,
 )
-from .shapes import is_symbolic_shape
 from .vjp import fn_wrt_positions
 
 
@@ -82,7 +82,7 @@ _AUTO_CACHE: dict = {}
 
 def _example(spec, rng: np.random.Generator):
     """A concrete array for ``spec``: small normal floats, zero integers (valid indices), typed keys from 0."""
-    from .prng import data_struct, from_data, impl_name, is_key
+    from ..files.prng import data_struct, from_data, impl_name, is_key
 
     if is_key(spec):
         d = data_struct(spec)

@@ -10,7 +10,7 @@ from typing import Callable
 
 import jax
 
-from .errors import VjpsplitError
+from ..errors import VjpsplitError
 from .choice import resolve_policy
 from .policies import AUTO, apply_policy
 from .residuals import Residuals, SplitResiduals

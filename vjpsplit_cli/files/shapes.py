@@ -10,8 +10,8 @@ import numpy as np
 from jax import export as jexport
 from jax.sharding import NamedSharding
 
+from ..errors import VjpsplitError
 from .dtypes import dtype_from_name, short_name
-from .errors import VjpsplitError
 
 _SPEC_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\[\s*([^\]]*)\]\s*$")
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # a symbolic dim's (or --at entry's) name

@@ -16,9 +16,9 @@ import hashlib
 import os
 from typing import Any, Mapping
 
-from .errors import VjpsplitError
-from .outputs import StagedOutputs, atomic_write
-from .reading import read_bytes
+from ..errors import VjpsplitError
+from ..safeio.outputs import StagedOutputs, atomic_write
+from ..safeio.reading import read_bytes
 
 SIGNATURE = "signature"  # the top-level map entry that holds the signature
 _DOMAIN = b"vjpsplit artifact signature v1\0"

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from .system import private_dir
+from ..safeio.system import private_dir
 
 _MAGIC = b"VJPSPLIT-EXEC-1\n"
 _MAX_ENTRY = 1 << 30  # an executable is MiBs; anything bigger is not ours

@@ -1,6 +1,6 @@
 """Describe serialized StableHLO modules: their main signature and custom calls, as JSON-able data.
 
-``trust`` runs this in a child process (``python -m vjpsplit_cli.mlirprobe``,
+``trust`` runs this in a child process (``python -m vjpsplit_cli.trust.mlirprobe``,
 bytecode in, JSON out) for modules whose author it cannot vouch for, because a
 corrupt bytecode can crash the MLIR parser or corrupt its heap. It imports only
 jaxlib's MLIR bindings, not jax (a third of the start-up time).

@@ -18,18 +18,18 @@ import msgpack
 import numpy as np
 from jax import export as jexport
 
-from . import signing
-from . import trust as _trust_mod
-from .outputs import atomic_write
-from .dtypes import dtype_from_name
-from .errors import VjpsplitError, first_line
+from ..errors import VjpsplitError, first_line
+from ..files.dtypes import dtype_from_name
+from ..files.prng import from_data, to_data
+from ..files.trees import decode_structure, flatten_with_keys
+from ..safeio.outputs import atomic_write
+from ..safeio.signals import signals_end_process
+from ..safeio.system import current_platform
+from ..tracing.residuals import Intermediates, Residuals, SplitResiduals
+from ..trust import checks as _trust_mod
+from ..trust import signing
 from .manifest import MAGIC, Leaf, Manifest, check_array, check_keys, flatten_args, grads_per_arg, recorded_dims
-from .prng import from_data, to_data
-from .residuals import Intermediates, Residuals, SplitResiduals
 from .sharding import host_mesh, named, place
-from .signals import signals_end_process
-from .system import current_platform
-from .trees import decode_structure, flatten_with_keys
 
 
 class Artifact:

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import VjpsplitError
-from .shapes import format_shape
+from ..errors import VjpsplitError
+from ..files.shapes import format_shape
 
 float0 = jax.dtypes.float0
 

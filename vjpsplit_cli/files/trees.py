@@ -16,13 +16,16 @@ keyed by those segments.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import jax
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-from .errors import VjpsplitError
+from ..errors import VjpsplitError
 from .prng import from_data, impl_name, is_key, to_data
+
+# Per argument: (name, treedef, file key of each leaf in the treedef's leaf order).
+ArgTrees = Sequence[tuple[str, Any, tuple[str, ...]]]
 
 
 def escape_segment(name: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
 import numpy as np
 
-from .errors import VjpsplitError
+from ..errors import VjpsplitError
 
 SHORT_NAMES: dict[str, str] = {
     "f64": "float64",

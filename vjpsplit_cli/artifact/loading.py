@@ -13,12 +13,12 @@ import jax
 import msgpack
 from jax import export as jexport
 
-from . import signing
-from . import trust as _trust_mod
+from ..errors import VjpsplitError, first_line
+from ..safeio.reading import read_bytes
+from ..trust import checks as _trust_mod
+from ..trust import signing
 from .artifact import Artifact, pack, unreadable_module
-from .errors import VjpsplitError, first_line
 from .manifest import MAGIC, MODULES, Manifest, fingerprint
-from .reading import read_bytes
 
 
 def load(path, *, trust=None, allow_kernels: bool = False, cache_dir: str | None = _trust_mod.DEFAULT) -> Artifact:

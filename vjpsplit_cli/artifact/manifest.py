@@ -17,15 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._version import __version__
-from .dtypes import dtype_from_name
-from .errors import VjpsplitError
-from .prng import impl_name, is_key, key_ndim, to_data
-from .shapes import bind_dims, concrete_shape, format_shape
-from .system import host_memory
+from .._version import __version__
+from ..errors import VjpsplitError
+from ..files.dtypes import dtype_from_name
+from ..files.prng import impl_name, is_key, key_ndim, to_data
+from ..files.shapes import bind_dims, concrete_shape, format_shape
+from ..files.trees import ArgTrees, decode_structure, flatten_with_keys, structure_keys
+from ..safeio.system import host_memory
+from ..tracing.vjp import is_differentiable
 from .sharding import SpecJSON, spec_from_json
-from .trees import decode_structure, flatten_with_keys, structure_keys
-from .vjp import is_differentiable
 
 # Artifact format versions. Bump on any change a reader must know about, and keep
 # reading the old ones where it is cheap.
@@ -328,10 +328,6 @@ def fingerprint_json(body: Mapping[str, Any], modules: Mapping[str, bytes]) -> s
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     return h.hexdigest()
-
-
-# Per argument: (name, treedef, file key of each leaf in the treedef's leaf order).
-ArgTrees = Sequence[tuple[str, Any, tuple[str, ...]]]
 
 
 def flatten_args(

@@ -15,20 +15,20 @@ from jax import export as jexport
 from jax.extend import core as jcore
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._version import __version__
+from .._version import __version__
+from ..errors import VjpsplitError, first_line, jax_message
+from ..files.dtypes import dtype_name
+from ..files.prng import data_struct, from_data, impl_name, is_key, to_data
+from ..files.shapes import DIM_FUNCS, IDENTIFIER, concrete_shape, dim_str, to_struct
+from ..files.trees import encode_structure, flatten_with_keys
+from ..tracing.choice import resolve_policy
+from ..tracing.jaxprs import iter_eqns
+from ..tracing.policies import apply_policy, parse_at
+from ..tracing.vjp import positional_names, run_backward, trace_vjp, wrt_positions
+from ..tracing.zerobubble import keep_inputs, partition
 from .artifact import Artifact
-from .dtypes import dtype_name
-from .errors import VjpsplitError, first_line, jax_message
-from .jaxprs import iter_eqns
 from .manifest import FORMAT_VERSION, Leaf, Manifest, fingerprint
-from .choice import resolve_policy
-from .policies import apply_policy, parse_at
-from .prng import data_struct, from_data, impl_name, is_key, to_data
-from .shapes import DIM_FUNCS, IDENTIFIER, concrete_shape, dim_str, to_struct
 from .sharding import divisibility_problem, mesh_axes, mesh_of, spec_to_json
-from .trees import encode_structure, flatten_with_keys
-from .vjp import positional_names, run_backward, trace_vjp, wrt_positions
-from .zerobubble import keep_inputs, partition
 
 DEFAULT_PLATFORMS = ("cpu", "cuda", "tpu")
 _KNOWN_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")

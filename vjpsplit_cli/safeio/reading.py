@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import VjpsplitError
+from ..errors import VjpsplitError
 from .terminal import printable
 
 # What an OS error means for the user, and what to do; "{doing}" is what was being done.

@@ -12,8 +12,8 @@ import jax
 import numpy as np
 from jax.tree_util import DictKey
 
-from .errors import VjpsplitError
-from .manifest import ArgTrees
+from ..errors import VjpsplitError
+from ..files.trees import ArgTrees
 from .vjp import Plan
 
 

@@ -12,14 +12,14 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from ..errors import UsageError
+from ..files import save_arrays
+from ..files.dtypes import dtype_from_name
+from ..files.shapes import concrete_shape, eval_dim
+from ..tracing.policies import check_at_names, parse_at
 from .artifact import Artifact
 from .loading import load
-from .dtypes import dtype_from_name
-from .errors import UsageError
-from .files import save_arrays
 from .manifest import Leaf
-from .policies import check_at_names, parse_at
-from .shapes import concrete_shape, eval_dim
 
 WHAT = ("inputs", "cotangents")
 FILLS = ("zeros", "ones", "normal")

@@ -19,10 +19,10 @@ from typing import Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from .dtypes import dtype_from_name
-from .errors import UsageError, VjpsplitError
+from ..errors import UsageError, VjpsplitError
+from ..files.dtypes import dtype_from_name
+from ..files.shapes import DIM_FUNCS, IDENTIFIER, MAX_DIM, eval_dim, is_symbolic_shape
 from .jaxprs import iter_eqns, sub_jaxprs
-from .shapes import DIM_FUNCS, IDENTIFIER, MAX_DIM, eval_dim, is_symbolic_shape
 from .vjp import fn_wrt_positions, run_backward, trace_vjp
 
 # The fixed policies; ``names:a,b`` (any names) is the fourth form.

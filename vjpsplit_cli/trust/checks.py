@@ -31,10 +31,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .outputs import atomic_write
-from .system import private_dir
-from .dtypes import dtype_from_name
-from .errors import VjpsplitError
+from ..errors import VjpsplitError
+from ..files.dtypes import dtype_from_name
+from ..safeio.outputs import atomic_write
+from ..safeio.system import private_dir
 
 # ------------------------------------------------------------------------------ module probes
 
@@ -79,7 +79,7 @@ def _probe_child(modules: Mapping[str, bytes], source: str) -> dict:
     request = json.dumps({k: bytes(v).hex() for k, v in modules.items()})
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "vjpsplit_cli.mlirprobe"],
+            [sys.executable, "-m", "vjpsplit_cli.trust.mlirprobe"],
             input=request.encode(),
             capture_output=True,
             env=env,
@@ -454,7 +454,7 @@ def expected_leaves(leaves) -> list[tuple[str, tuple]]:
 
 def check_outputs(source: str, module: str, values: Sequence, exp, dims: Mapping[str, int]) -> None:
     """After a run: every output has the dtype and (concrete) shape the module declared."""
-    from .shapes import concrete_shape
+    from ..files.shapes import concrete_shape
 
     if len(values) != len(exp.out_avals):
         raise VjpsplitError(
