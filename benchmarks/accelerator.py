@@ -74,7 +74,7 @@ def accelerator_hardware() -> str | None:
 
 def environment(quick: bool) -> tuple[str, dict]:
     """Which devices jax sees, and whether it missed an accelerator that is there."""
-    from vjpsplit_cli.files import checksum
+    from vjpsplit_cli.safeio import checksum
 
     devs = jax.devices()
     hw = accelerator_hardware()

@@ -1,4 +1,4 @@
-"""CRC-32 backends (vjpsplit_cli.files.checksum): every backend gives the same CRCs and the same file bytes."""
+"""CRC-32 backends (vjpsplit_cli.safeio.checksum): every backend gives the same CRCs and the same file bytes."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import vjpsplit_cli as vs
-from vjpsplit_cli.files import checksum
+from vjpsplit_cli.safeio import checksum
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.files import npz as npz_codec
 from vjpsplit_cli.files.common import byte_view, prepare

@@ -9,9 +9,10 @@ import jax
 import numpy as np
 
 from ..errors import VjpsplitError
-from ..files import checksum, load_arrays, save_arrays
+from ..files import load_arrays, save_arrays
 from ..files.prng import data_struct, from_data, impl_name, is_key, to_data
 from ..files.shapes import MAX_DIM, format_shape
+from ..safeio import checksum
 from ..tracing.residuals import Intermediates, Residuals, SplitResiduals
 from ..tracing.vjp import plan_for_token
 from .manifest import flatten_args

@@ -20,9 +20,8 @@ import msgpack
 import numpy as np
 
 from ..errors import VjpsplitError, one_line
-from ..safeio import workers
+from ..safeio import checksum, workers
 from ..safeio.reading import open_for_read
-from . import checksum
 from .dtypes import dtype_from_name, dtype_name
 
 FORMAT = "vjpsplit-arrays"

@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 
 from ..errors import VjpsplitError
-from . import checksum
+from ..safeio import checksum
 from .common import (
     CORRUPT,
     DECODE_ERRORS,

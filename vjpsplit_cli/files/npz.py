@@ -29,8 +29,8 @@ from typing import BinaryIO
 import numpy as np
 
 from ..errors import VjpsplitError
+from ..safeio import checksum
 from ..safeio.system import host_memory
-from . import checksum
 from .common import (
     CORRUPT,
     FORMAT,
