@@ -196,3 +196,17 @@ def test_every_subpackage_says_what_it_owns_and_may_import():
     for name in ("safeio", "tracing", "trust", "artifact"):
         doc = importlib.import_module(f"vjpsplit_cli.{name}").__doc__
         assert "May import" in doc, name
+
+
+def test_environment_variables_are_read_in_config_only():
+    """Every ``os.environ``/``getenv`` read of a VJPSPLIT_ variable is in config.py, nowhere else."""
+    offenders = []
+    for name, path in _modules().items():
+        if name == "config":
+            continue
+        text = path.read_text()
+        if "VJPSPLIT_" in text and ("os.environ" in text or "getenv" in text):
+            for line in text.splitlines():
+                if ("environ" in line or "getenv" in line) and "VJPSPLIT_" in line:
+                    offenders.append(f"{name}: {line.strip()}")
+    assert not offenders, offenders

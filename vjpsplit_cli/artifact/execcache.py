@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from ..safeio.system import private_dir
+from .. import config
 
 _MAGIC = b"VJPSPLIT-EXEC-1\n"
 _MAX_ENTRY = 1 << 30  # an executable is MiBs; anything bigger is not ours
@@ -149,7 +149,7 @@ def compiled_call(jitted, args: Sequence, parts: Sequence[str], directory: str) 
     """
     key = entry_key(args, parts)
     name = key + ".exe"
-    usable = _cache_dir_ready(directory)
+    usable = config.ensure_private_dir(directory)[0]
     if usable:
         try:
             found = _read(os.path.join(directory, name))
@@ -202,12 +202,3 @@ def _guarded(loaded, jitted, path: str) -> Callable:
             return jitted(*args)
 
     return call
-
-
-def _cache_dir_ready(directory: str) -> bool:
-    """Create ``directory`` (mode 0700) if needed; True if it is private to this user."""
-    try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-    except OSError:
-        return False
-    return private_dir(directory)

@@ -16,11 +16,11 @@ import traceback
 
 import click
 
+from .. import config
 from ..errors import VjpsplitError, one_line
 from ..safeio.outputs import UsageError
 from ..safeio.reading import os_error_message
 from ..safeio.signals import Interrupted, outputs_committed
-from ..safeio.system import private_dir
 from ..safeio.terminal import printable
 
 EXISTING = click.Path(dir_okay=True, path_type=str)  # existence is checked by our loaders, with our message
@@ -137,7 +137,7 @@ def _global_flag(ctx: click.Context, name: str) -> bool:
 
 
 def _debug_enabled(ctx: click.Context) -> bool:
-    return _global_flag(ctx, "debug") or os.environ.get("VJPSPLIT_DEBUG") == "1"
+    return _global_flag(ctx, "debug") or config.debug()
 
 
 def cli_command(fn):
@@ -147,7 +147,10 @@ def cli_command(fn):
     @functools.wraps(fn)
     def wrapper(*args, debug: bool = False, no_cache: bool = False, **kwargs):
         ctx = click.get_current_context()
-        show = debug or _debug_enabled(ctx)
+        try:
+            show = debug or _debug_enabled(ctx)
+        except VjpsplitError as e:  # VJPSPLIT_DEBUG set to a value that is neither on nor off
+            raise click.UsageError(printable(e)) from e
         try:
             return fn(*args, **kwargs)
         except click.ClickException:
@@ -259,30 +262,10 @@ def main(debug: bool, no_cache: bool) -> None:
 def cache_dir() -> str | None:
     """Where run-fwd/run-bwd keep compiled executables; None when caching is off.
 
-    ``VJPSPLIT_CACHE_DIR`` moves it (empty, ``0`` or ``off`` turns it off); the
-    default is ``vjpsplit/jax`` under ``$XDG_CACHE_HOME`` (``~/.cache``).
+    ``VJPSPLIT_CACHE_DIR`` moves it (empty or off turns it off); the default is
+    ``vjpsplit/jax`` under ``$XDG_CACHE_HOME`` (``~/.cache``): see :mod:`vjpsplit_cli.config`.
     """
-    from ..trust.checks import default_cache_dir
-
-    return default_cache_dir()
-
-
-def _private_cache(path: str) -> tuple[bool, str]:
-    """Whether ``path`` may hold caches (created 0700 if missing), and why not.
-
-    Entries there become programs this process runs (JAX's compilation cache
-    included, which checks nothing), so the directory must be this user's and
-    writable by no one else: the rule the executable cache applies to its files.
-    """
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-    except OSError as e:
-        return False, e.strerror or str(e)
-    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
-        return False, "not a writable directory"
-    if not private_dir(path):
-        return False, "owned by another user or writable by others; make it yours with mode 0700"
-    return True, ""
+    return config.cache_dir()
 
 
 def _active_cache_dir() -> str | None:
@@ -290,7 +273,7 @@ def _active_cache_dir() -> str | None:
     if _global_flag(click.get_current_context(), "no_cache"):
         return None
     path = cache_dir()
-    return path if path is not None and _private_cache(path)[0] else None
+    return path if path is not None and config.ensure_private_dir(path)[0] else None
 
 
 def executable_cache() -> str | None:
@@ -307,19 +290,19 @@ def use_compilation_cache() -> None:
 
     configured = jax.config.jax_compilation_cache_dir
     if configured:  # the user configured JAX's own cache: keep it, if it is safe to read programs from
-        if "://" in str(configured) or _private_cache(str(configured))[0]:
+        if "://" in str(configured) or config.ensure_private_dir(str(configured))[0]:
             return
         jax.config.update("jax_enable_compilation_cache", False)
         if _debug_enabled(click.get_current_context()):
             log(
-                f"debug: compilation cache {configured} unusable ({_private_cache(str(configured))[1]}); "
+                f"debug: compilation cache {configured} unusable ({config.ensure_private_dir(str(configured))[1]}); "
                 "running without it"
             )
         return
     path = cache_dir()
     if path is None:
         return
-    usable, problem = _private_cache(path)
+    usable, problem = config.ensure_private_dir(path)
     if not usable:
         # A cache is an optimisation: without one the command still works, so say so only when asked.
         if _debug_enabled(click.get_current_context()):

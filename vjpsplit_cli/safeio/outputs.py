@@ -23,6 +23,7 @@ import stat
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Mapping
 
+from .. import config
 from ..errors import UsageError, VjpsplitError  # noqa: F401 - UsageError: writers refuse with it
 from .filesystem import finish_removals, fsync_dir, fsync_file, keep_mode, preallocated, replace_file
 from .reading import os_error_message
@@ -160,7 +161,7 @@ def check_outputs(
 
 def fsync_requested(fsync: bool = False) -> bool:
     """``fsync``, or true when the environment asks for every write to be flushed (``VJPSPLIT_FSYNC=1``)."""
-    return bool(fsync) or os.environ.get("VJPSPLIT_FSYNC", "").strip().lower() in ("1", "true", "yes", "on")
+    return bool(fsync) or config.fsync_always()
 
 
 def atomic_write(

@@ -4,19 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-import stat
-
-
-def private_dir(path: str | os.PathLike) -> bool:
-    """True if ``path`` is a directory owned by this user that no one else can write.
-
-    The rule for every cache whose entries become programs this process runs.
-    """
-    try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 @functools.cache

@@ -31,10 +31,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from .. import config
 from ..errors import VjpsplitError
 from ..files.dtypes import dtype_from_name
 from ..safeio.outputs import atomic_write
-from ..safeio.system import private_dir
 
 # ------------------------------------------------------------------------------ module probes
 
@@ -125,11 +125,7 @@ def _verdict_dir(cache_dir: str | None) -> str | None:
     if not cache_dir:
         return None
     path = os.path.join(cache_dir, "checked")
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        return path if private_dir(cache_dir) and private_dir(path) else None
-    except OSError:
-        return None
+    return path if config.ensure_private_dir(cache_dir)[0] and config.ensure_private_dir(path)[0] else None
 
 
 def _verdict_name(data: bytes) -> str:
@@ -164,13 +160,8 @@ def forget_verdicts() -> None:
 
 
 def default_cache_dir() -> str | None:
-    """vjpsplit's cache directory: ``VJPSPLIT_CACHE_DIR`` (empty, ``0``, ``off`` or ``none``: None), else
-    ``vjpsplit/jax`` under ``$XDG_CACHE_HOME`` (``~/.cache``)."""
-    env = os.environ.get("VJPSPLIT_CACHE_DIR")
-    if env is not None:
-        return None if env.strip().lower() in ("", "0", "off", "none") else env
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "vjpsplit", "jax")
+    """vjpsplit's cache directory (:func:`vjpsplit_cli.config.cache_dir`)."""
+    return config.cache_dir()
 
 
 def probe_modules(

@@ -16,13 +16,14 @@ import hashlib
 import os
 from typing import Any, Mapping
 
+from .. import config
 from ..errors import VjpsplitError
 from ..safeio.outputs import StagedOutputs, atomic_write
 from ..safeio.reading import read_bytes
 
 SIGNATURE = "signature"  # the top-level map entry that holds the signature
 _DOMAIN = b"vjpsplit artifact signature v1\0"
-TRUST_ENV = "VJPSPLIT_TRUST_KEYS"
+TRUST_ENV = config.TRUST_KEYS
 
 # ------------------------------------------------------------------------------ keys
 
@@ -123,7 +124,7 @@ def trusted_keys(trust: Any = None, *, env: bool = True) -> dict[bytes, str] | N
     if trust is not None:
         items += list(trust) if isinstance(trust, (list, tuple, set, frozenset)) else [trust]
     if env:
-        items += [p for p in os.environ.get(TRUST_ENV, "").split(os.pathsep) if p.strip()]
+        items += config.trust_key_paths()
     if not items:
         return None
     keys = {}
