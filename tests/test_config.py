@@ -78,3 +78,21 @@ def test_cli_refuses_an_unknown_debug_value(tmp_path):
     )
     assert r.returncode == 2, r.stderr
     assert "VJPSPLIT_DEBUG='maybe'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_xla_status_and_deserialize_recognition():
+    from vjpsplit_cli.errors import cannot_deserialize, xla_status
+
+    assert xla_status(RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 8 bytes")) == "RESOURCE_EXHAUSTED"
+    assert xla_status(RuntimeError("INVALID_ARGUMENT: bad")) == "INVALID_ARGUMENT"
+    assert xla_status(RuntimeError("the resource is exhausted")) == ""
+    assert xla_status(RuntimeError("")) == ""
+    assert cannot_deserialize("ValueError: Failed to deserialize StableHLO bytecode")
+    assert not cannot_deserialize("ValueError: unknown op")
+
+
+def test_corrupt_module_carries_its_module():
+    from vjpsplit_cli.errors import CorruptModule
+
+    e = CorruptModule("x.vjps: the bwd module's StableHLO is corrupt", "bwd", unreadable=True)
+    assert isinstance(e, VjpsplitError) and e.module == "bwd" and e.unreadable

@@ -40,3 +40,36 @@ def jax_message(e: BaseException) -> str:
 
 class UsageError(VjpsplitError):
     """A mistake in the command line or the call itself (the CLI exits 2 for these)."""
+
+
+class CorruptModule(VjpsplitError):
+    """A module's StableHLO did not parse: damaged or forged, or written by a jax this one cannot read.
+
+    ``module`` names it (``fwd``, ``bwd``, ...); ``unreadable`` is true when the parser said it
+    could not deserialize the bytes at all, which is also what a module from a newer jax gets.
+    Callers tell the cases apart by these attributes, never by the message.
+    """
+
+    def __init__(self, message: str, module: str, *, unreadable: bool = False):
+        super().__init__(message)
+        self.module = module
+        self.unreadable = unreadable
+
+
+# What jaxlib and XLA report only in their messages: recognised here, in one place.
+_DESERIALIZE_FAILED = "Failed to deserialize StableHLO"
+
+
+def xla_status(e: BaseException) -> str:
+    """The status code an XLA runtime error starts with (``RESOURCE_EXHAUSTED``, ...); "" if none.
+
+    jaxlib's ``XlaRuntimeError`` carries its status only as the first word of its message.
+    """
+    head = str(e).lstrip().split(":", 1)[0]
+    return head if head.isupper() and head.replace("_", "").isalpha() else ""
+
+
+def cannot_deserialize(message: object) -> bool:
+    """True if a jaxlib/MLIR message says StableHLO bytes could not be deserialized at all."""
+    text = str(message)
+    return text.find(_DESERIALIZE_FAILED) >= 0

@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 from jax import export as jexport
 
-from ..errors import VjpsplitError, first_line
+from ..errors import VjpsplitError, cannot_deserialize, first_line, xla_status
 from ..files.dtypes import dtype_from_name
 from ..files.prng import from_data, to_data
 from ..files.trees import decode_structure, flatten_with_keys
@@ -316,14 +316,14 @@ class Artifact:
         except (ValueError, TypeError) as e:
             raise VjpsplitError(f"{refused}: {first_line(e)}") from e
         except Exception as e:
-            if "RESOURCE_EXHAUSTED" in str(e):
+            if xla_status(e) == "RESOURCE_EXHAUSTED":
                 # The sizes come from the caller's arrays or a file's recorded dims: name that source.
                 raise VjpsplitError(
                     f"{refused}: this host ran out of memory running the {module} module "
                     f"({first_line(e)[:120]}); check the sizes (the dims a file records), or use a "
                     "host with more memory"
                 ) from e
-            if "Failed to deserialize StableHLO" not in str(e):
+            if not cannot_deserialize(e):
                 raise
             raise VjpsplitError(unreadable_module(self.source, self.manifest, module)) from e
         _trust_mod.check_outputs(self.source, module, jax.tree_util.tree_leaves(result), self._exps[module], dims or {})

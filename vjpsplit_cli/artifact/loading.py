@@ -7,13 +7,12 @@ module (module ``trust``) before anything compiles.
 
 from __future__ import annotations
 
-import re
 
 import jax
 import msgpack
 from jax import export as jexport
 
-from ..errors import VjpsplitError, first_line
+from ..errors import CorruptModule, VjpsplitError, first_line
 from ..safeio.reading import read_bytes
 from ..trust import checks as _trust_mod
 from ..trust import signing
@@ -108,12 +107,11 @@ def _loads(data: bytes, source: str, trust, allow_kernels: bool, cache_dir: str 
             in_process=vouched,
             cache_dir=cache_dir,
         )
-    except VjpsplitError as e:
+    except CorruptModule as e:
         # Written whole by another jax (a newer StableHLO dialect, Shardy), not damaged: say which to run.
-        unreadable = re.search(r"the (\w+) module's StableHLO is corrupt \(.*Failed to deserialize StableHLO", str(e))
-        if unreadable is None or manifest.jax_version == jax.__version__:
+        if not e.unreadable or manifest.jax_version == jax.__version__:
             raise
-        raise VjpsplitError(unreadable_module(source, manifest, unreadable.group(1))) from e
+        raise VjpsplitError(unreadable_module(source, manifest, e.module)) from e
     _trust_mod.check_modules(
         source, manifest, art.exported, probes, trusted_signer=vouched, allow_kernels=allow_kernels
     )

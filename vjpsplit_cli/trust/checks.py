@@ -32,7 +32,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from .. import config
-from ..errors import VjpsplitError
+from ..errors import CorruptModule, VjpsplitError, cannot_deserialize
 from ..files.dtypes import dtype_from_name
 from ..safeio.outputs import atomic_write
 
@@ -113,9 +113,11 @@ def _probe_child(modules: Mapping[str, bytes], source: str) -> dict:
         )
     for k, v in result.items():
         if isinstance(v, dict) and "error" in v:
-            raise VjpsplitError(
+            raise CorruptModule(
                 f"{source}: the {k} module's StableHLO is corrupt ({str(v['error'])[:160]}); "
-                "the artifact is damaged or forged: copy or export it again"
+                "the artifact is damaged or forged: copy or export it again",
+                k,
+                unreadable=cannot_deserialize(v["error"]),
             )
     return result
 
