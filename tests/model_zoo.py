@@ -9,8 +9,8 @@ Models are tiny so the whole zoo runs in seconds on two cores.
 from __future__ import annotations
 
 import typing
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import jax

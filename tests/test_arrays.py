@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from vjpsplit_cli.arrays import load_arrays, save_arrays
+from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.files import common
 from vjpsplit_cli.files import msgpack as msgpack_codec
 from vjpsplit_cli.files import npz as npz_codec
-from vjpsplit_cli.errors import VjpsplitError
 
 FORMATS = ["npz", "msgpack"]
 DTYPES = [

@@ -18,14 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from clihelp import opts
 
 import vjpsplit_cli as vs
+from vjpsplit_cli.artifact.execcache import compiled_call, entry_key
 from vjpsplit_cli.cli import main
 from vjpsplit_cli.errors import VjpsplitError
-from vjpsplit_cli.artifact.execcache import compiled_call, entry_key
 from vjpsplit_cli.tracing.choice import choose_auto
 from vjpsplit_cli.tracing.policies import POLICIES, policy_cost
-from clihelp import opts
 
 
 def loss(params, x):

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 import vjpsplit_cli as vs
-from vjpsplit_cli.safeio import checksum
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.files import npz as npz_codec
 from vjpsplit_cli.files.common import byte_view, prepare
+from vjpsplit_cli.safeio import checksum
 
 # zlib is always there; the fast ones where installed (zlib-ng is a dependency).
 BACKENDS = sorted(set(checksum.BACKENDS) | {"zlib"})

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from clihelp import opts
 
 import vjpsplit_cli as vs
 from vjpsplit_cli.cli import main
-from clihelp import opts
 
 MODEL = textwrap.dedent(
     """

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from clihelp import opts
 
 import vjpsplit_cli as vs
-from clihelp import opts
 
 N = 24 * 2**20  # elements: two f32 residuals of 96 MiB each, so the write takes a while
 

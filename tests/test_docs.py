@@ -12,8 +12,8 @@ from pathlib import Path
 import click
 import pytest
 
-from vjpsplit_cli.cli import main
 from vjpsplit_cli.artifact.manifest import FORMAT_VERSION
+from vjpsplit_cli.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

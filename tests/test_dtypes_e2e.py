@@ -11,10 +11,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from clihelp import opts
 
 import vjpsplit_cli as vs
 from vjpsplit_cli.cli import main
-from clihelp import opts
 
 DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16, "i32": np.int32, "bool": np.bool_}
 SHAPES = {"0d": (), "empty": (0, 3), "2x3": (2, 3)}

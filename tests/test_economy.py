@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from clihelp import opts
 from jax import export as jexport
+from models import MODELS, assert_trees_close, ref_vjp
 
 import vjpsplit_cli as vs
 from vjpsplit_cli.cli import main
 from vjpsplit_cli.tracing.policies import choose_policy, parse_at, parse_bytes, plan_policies, policy_cost
-from models import MODELS, assert_trees_close, ref_vjp
-from clihelp import opts
 
 POLICIES = ["everything", "dots", "nothing", "names:hidden"]
 

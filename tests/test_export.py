@@ -10,10 +10,10 @@ import msgpack
 import numpy as np
 import pytest
 from jax import export as jexport
+from models import MODELS, assert_trees_close, mlp, mlp_inputs, ref_vjp
 
 import vjpsplit_cli as vs
 from vjpsplit_cli.artifact.manifest import MAGIC
-from models import MODELS, assert_trees_close, mlp, mlp_inputs, ref_vjp
 
 
 def structs(tree):

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-
-import jax
-import jax.numpy as jnp
 from jax import export as jexport
 
 import vjpsplit_cli as vs

@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from jax import export as jexport
 
 import vjpsplit_cli as vs
-from vjpsplit_cli.cli import main
 from vjpsplit_cli.artifact.manifest import MAGIC, fingerprint_json
+from vjpsplit_cli.cli import main
 
 
 def _zip(path, members: dict, compression=zipfile.ZIP_STORED):

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 
 import vjpsplit_cli as vs
-from vjpsplit_cli.safeio import filesystem, outputs, workers
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.files import common
 from vjpsplit_cli.files import npz as npz_codec
+from vjpsplit_cli.safeio import filesystem, outputs, workers
 
 FORMATS = ["npz", "msgpack"]
 

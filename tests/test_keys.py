@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from clihelp import opts
 
 import vjpsplit_cli as vs
 from vjpsplit_cli.cli import main
@@ -23,7 +24,6 @@ from vjpsplit_cli.files.trees import (
     unescape_segment,
     unflatten_keys,
 )
-from clihelp import opts
 
 
 @pytest.mark.parametrize("name", ["mlp/~/linear_0", "100%", "%2F", "a%25b/c", "plain", "~", "%", "//"])

@@ -17,16 +17,15 @@ import textwrap
 
 import jax
 import jax.numpy as jnp
+import model_zoo
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from clihelp import opts
 
 import vjpsplit_cli as vs
 from vjpsplit_cli.cli import main
 from vjpsplit_cli.files.trees import flatten_with_keys
-
-import model_zoo
-from clihelp import opts
 
 CASES = model_zoo.cases()
 LIBRARIES = {"flax.linen": "flax", "flax.nnx": "flax", "optax": "optax", "equinox": "equinox", "dm-haiku": "haiku"}

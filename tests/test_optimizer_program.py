@@ -16,8 +16,8 @@ import pytest
 
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.files import load_arrays, save_arrays
+from vjpsplit_cli.files.trees import flatten_with_keys
 from vjpsplit_cli.pipeline.optimizer import export_optimizer, load_optimizer
-from vjpsplit_cli.trees import flatten_with_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,10 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export as jexport
+from models import assert_trees_close
+from models import stage_head as head
+from models import stage_hidden as hidden
+from models import stages_whole as whole
 
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
-from models import assert_trees_close, stage_head as head, stage_hidden as hidden, stages_whole as whole
 
 D, CLASSES, BATCH = 8, 5, 24
 

@@ -9,7 +9,6 @@ a child process, where such a crash fails this one test with the child's output.
 """
 
 import pytest
-
 from suites import run_own_process_suite
 
 

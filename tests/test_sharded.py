@@ -5,7 +5,6 @@ run in this process (which tests everything else on one device).
 """
 
 import pytest
-
 from suites import run_own_process_suite
 
 

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from models import MODELS, assert_trees_close, mlp, mlp_inputs, ref_vjp
 
 import vjpsplit_cli as vs
-from models import MODELS, assert_trees_close, mlp, mlp_inputs, ref_vjp
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

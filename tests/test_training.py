@@ -10,11 +10,14 @@ import numpy as np
 import optax
 import pytest
 from jax import export as jexport
+from models import assert_trees_close
+from models import stage_head as head
+from models import stage_hidden as hidden
+from models import stages_whole as whole
 
 import vjpsplit_cli as vs
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.pipeline.training import Trainer
-from models import assert_trees_close, stage_head as head, stage_hidden as hidden, stages_whole as whole
 
 D, CLASSES, BATCH, STAGES = 8, 5, 16, 3
 

@@ -22,14 +22,14 @@ import msgpack
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from clihelp import opts
 from jax import export as jexport
 
 import vjpsplit_cli as vs
-from vjpsplit_cli.cli import main
 from vjpsplit_cli.artifact.manifest import MAGIC, fingerprint
-from vjpsplit_cli.trust.signing import generate_key, key_id, load_public_key
+from vjpsplit_cli.cli import main
 from vjpsplit_cli.trust.checks import lapack_shapes_ok
-from clihelp import opts
+from vjpsplit_cli.trust.signing import generate_key, key_id, load_public_key
 
 X = jax.ShapeDtypeStruct((4,), np.float32)
 XV = np.array([0.5, -1.0, 2.0, 0.25], np.float32)

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from clihelp import opts
 from jax import export as jexport
+from models import assert_trees_close
 
 import vjpsplit_cli as vs
 from vjpsplit_cli.cli import main
-from models import assert_trees_close
-from clihelp import opts
 
 SIZES = (6, 8, 8, 3)
 

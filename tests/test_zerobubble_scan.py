@@ -17,16 +17,16 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from jax import export as jexport
+from jax.extend import core as jcore
+from models import assert_trees_close
 
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
-from jax.extend import core as jcore
+from vjpsplit_cli.artifact.report import weight_part_bytes
 from vjpsplit_cli.cli import main
 from vjpsplit_cli.tracing.fission import cut_inside
 from vjpsplit_cli.tracing.jaxprs import iter_eqns
 from vjpsplit_cli.tracing.policies import format_bytes_terms, total_bytes
-from vjpsplit_cli.artifact.report import weight_part_bytes
-from models import assert_trees_close
 
 D, T, LAYERS = 12, 5, 4
 

@@ -7,11 +7,12 @@ import time
 import jax
 import numpy as np
 import pytest
+from models import assert_trees_close
+from models import stages_whole as whole
+from test_pipeline import make
 
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
-from models import assert_trees_close, stages_whole as whole
-from test_pipeline import make
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from vjpsplit_cli.pipeline.optimizer import export_optimizer, load_optimizer
 

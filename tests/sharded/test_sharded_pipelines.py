@@ -10,10 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export as jexport
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from models import stage_head as head
+from models import stage_hidden as hidden
+from models import stages_whole as whole
 
 import vjpsplit_cli as vs
-from models import stage_head as head, stage_hidden as hidden, stages_whole as whole
 from vjpsplit_cli import pipeline
 
 D, CLASSES, BATCH = 8, 6, 24

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import export as jexport
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import vjpsplit_cli as vs
 

@@ -7,7 +7,6 @@ module (module ``trust``) before anything compiles.
 
 from __future__ import annotations
 
-
 import jax
 import msgpack
 from jax import export as jexport

@@ -35,10 +35,10 @@ import numpy as np
 
 from ..errors import VjpsplitError, one_line
 from ..files import load_arrays, save_arrays
-from ..filesystem import fsync_dir, renameat2
-from ..prng import from_data, impl_name, is_key, to_data
-from ..signals import cleanup_on_signals
-from ..temps import writer_tag
+from ..files.prng import from_data, impl_name, is_key, to_data
+from ..safeio.filesystem import fsync_dir, renameat2
+from ..safeio.signals import cleanup_on_signals
+from ..safeio.temps import writer_tag
 
 KIND = "vjpsplit-trainer-checkpoint"
 FORMAT = 1

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from ..errors import VjpsplitError
-from ..trees import decode_structure, flatten_with_keys, structure_keys
+from ..files.trees import decode_structure, flatten_with_keys, structure_keys
 from .checkpoint import load_checkpoint, save_checkpoint
 from .clipping import clip_scale, norm_owners, shared_keys, sum_of_squares, sum_tied
 from .inprocess import run_inprocess
