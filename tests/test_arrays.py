@@ -17,7 +17,7 @@ from vjpsplit_cli.arrays import load_arrays, save_arrays
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.files import common
 from vjpsplit_cli.files import msgpack as msgpack_codec
-from vjpsplit_cli.files import npz as npz_codec
+from vjpsplit_cli.files import npzwrite as npz_write
 
 FORMATS = ["npz", "msgpack"]
 DTYPES = [
@@ -998,7 +998,7 @@ def test_crash_mid_write_leaves_no_partial_file(tmp_path, fmt, monkeypatch):
         raise OSError("disk full")
 
     # Fail after the file has started being written.
-    monkeypatch.setattr(npz_codec, "byte_view", boom)
+    monkeypatch.setattr(npz_write, "byte_view", boom)
     monkeypatch.setattr(msgpack_codec, "byte_view", boom)
     with pytest.raises((OSError, VjpsplitError), match="disk full"):
         save_arrays(p, {"x": np.arange(3)})

@@ -17,7 +17,7 @@ import pytest
 
 import vjpsplit_cli as vs
 from vjpsplit_cli.errors import VjpsplitError
-from vjpsplit_cli.files import npz as npz_codec
+from vjpsplit_cli.files import npzwrite as npz_write
 from vjpsplit_cli.files.common import byte_view, prepare
 from vjpsplit_cli.safeio import checksum
 
@@ -133,10 +133,10 @@ def test_npz_array_bytes_are_64_byte_aligned(tmp_path):
 def test_npz_writer_matches_zipfile(tmp_path, monkeypatch, backend, limits):
     arrays = dict(sample(), big=np.arange(300, dtype=np.float64))
     if limits == "zip64-sizes":  # members and offsets past the limit: zip64 extras and end records
-        for mod, name in ((npz_codec, "ZIP64_LIMIT"), (zipfile, "ZIP64_LIMIT")):
+        for mod, name in ((npz_write, "ZIP64_LIMIT"), (zipfile, "ZIP64_LIMIT")):
             monkeypatch.setattr(mod, name, 1000)
     elif limits == "zip64-count":  # more members than the plain end record counts
-        for mod, name in ((npz_codec, "FILECOUNT_LIMIT"), (zipfile, "ZIP_FILECOUNT_LIMIT")):
+        for mod, name in ((npz_write, "FILECOUNT_LIMIT"), (zipfile, "ZIP_FILECOUNT_LIMIT")):
             monkeypatch.setattr(mod, name, 3)
     ours, ref = tmp_path / "ours.npz", tmp_path / "ref.npz"
     vs.save_arrays(ours, arrays, {"k": 1})

@@ -406,11 +406,11 @@ INJECTED = {
 }
 # (command line, module attribute the command calls first, what the line must name)
 ENTRY = {
-    "run-fwd": (FWD + ["--residuals", "r.npz"], "loading.load", "art.vjps"),
-    "run-bwd": (BWD + ["--grads", "g.npz"], "loading.load", "art.vjps"),
-    "inspect": (["inspect", "art.vjps"], "loading.load", "art.vjps"),
-    "export": (EXPORT + ["-o", "new.vjps"], "specs.load_object", "model.py"),
-    "plan": (["plan", *EXPORT[1:6]], "specs.load_object", "model.py"),
+    "run-fwd": (FWD + ["--residuals", "r.npz"], "artifact.loading.load", "art.vjps"),
+    "run-bwd": (BWD + ["--grads", "g.npz"], "artifact.loading.load", "art.vjps"),
+    "inspect": (["inspect", "art.vjps"], "artifact.loading.load", "art.vjps"),
+    "export": (EXPORT + ["-o", "new.vjps"], "cli.specs.load_object", "model.py"),
+    "plan": (["plan", *EXPORT[1:6]], "cli.specs.load_object", "model.py"),
 }
 
 
@@ -419,7 +419,7 @@ ENTRY = {
 def test_no_error_is_a_bare_exception_type(ws, monkeypatch, cmd, exc):
     """Whatever goes wrong inside a command, the line names a file and says what to do."""
     args, where, named = ENTRY[cmd]
-    module, attr = where.split(".")
+    module, attr = where.rsplit(".", 1)
     import importlib
 
     def boom(*a, **k):

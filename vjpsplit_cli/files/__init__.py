@@ -34,6 +34,7 @@ from ..errors import VjpsplitError, one_line
 from ..safeio.outputs import atomic_write
 from . import msgpack as _msgpack
 from . import npz as _npz
+from . import npzwrite as _npzwrite
 from .common import DECODE_ERRORS, checked_meta, open_source, prepare
 
 __all__ = ["save_arrays", "load_arrays"]
@@ -63,7 +64,7 @@ def save_arrays(
     kind = _kind(path)
     meta = checked_meta(path, meta)
     prepared = prepare(path, arrays, None if kind == "npz" else _msgpack.MAX_BYTES)
-    write = (_npz if kind == "npz" else _msgpack).writer(path, prepared, meta)
+    write = (_npzwrite if kind == "npz" else _msgpack).writer(path, prepared, meta)
     # About the file's size (headers are short), so a big file's blocks are reserved at once.
     size = sum(arr.nbytes + 256 + 2 * len(key) for key, _, arr in prepared)
     atomic_write(path, write, fsync=fsync, size=size)  # atomic_write also reads VJPSPLIT_FSYNC

@@ -60,70 +60,36 @@ def partition(
     jaxpr = closed.jaxpr
     in_outvars = [v for i, v in enumerate(jaxpr.outvars) if i not in weight_outs]
     w_outvars = [v for i, v in enumerate(jaxpr.outvars) if i in weight_outs]
-
-    def backward_slice(roots, exclude):
-        need = set(_vars(roots))
-        picked = []
-        for idx in range(len(jaxpr.eqns) - 1, -1, -1):
-            eqn = jaxpr.eqns[idx]
-            if idx in exclude:
-                continue
-            if any(v in need for v in eqn.outvars if isinstance(v, jcore.Var)):
-                picked.append(idx)
-                need.update(_vars(eqn.invars))
-        return set(picked), need
-
-    a_idx, _ = backward_slice(in_outvars, exclude=set())
-    w_only, _ = backward_slice(w_outvars, exclude=a_idx)
-    # The cotangent chain: equations of the weight-only slice that depend on a cotangent and
-    # feed a later contraction there. They (and what they read) join B.
-    ct_dep = {jaxpr.invars[i] for i in ct_invars}
-    for eqn in jaxpr.eqns:
-        if any(v in ct_dep for v in _vars(eqn.invars)):
-            ct_dep.update(v for v in eqn.outvars if isinstance(v, jcore.Var))
-    feeds = set()  # values that reach a contraction of the weight-only slice
-    for idx in sorted(w_only, reverse=True):
-        eqn = jaxpr.eqns[idx]
-        if eqn.primitive.name in CONTRACTIONS or any(v in feeds for v in eqn.outvars if isinstance(v, jcore.Var)):
-            feeds.update(_vars(eqn.invars))
-    chain = [
-        jaxpr.eqns[i]
-        for i in sorted(w_only)
-        if any(v in feeds and v in ct_dep for v in jaxpr.eqns[i].outvars if isinstance(v, jcore.Var))
-    ]
+    # B (the input part) computes the input gradients; W what only the weight gradients need.
+    b_input, _ = _backward_slice(jaxpr, in_outvars, exclude=set())
+    weight_only, _ = _backward_slice(jaxpr, w_outvars, exclude=b_input)
+    chain = _cotangent_chain(jaxpr, ct_invars, weight_only)
     if chain:
-        more, _ = backward_slice([v for e in chain for v in e.outvars if isinstance(v, jcore.Var)], exclude=set())
-        a_idx |= more
-    b_idx, b_need = backward_slice(w_outvars, exclude=a_idx)
-    defined_by_a = {v for i in a_idx for v in jaxpr.eqns[i].outvars if isinstance(v, jcore.Var)}
+        more, _ = _backward_slice(jaxpr, [v for e in chain for v in _outs(e)], exclude=set())
+        b_input |= more
+    b_weight, weight_needs = _backward_slice(jaxpr, w_outvars, exclude=b_input)
     ct_vars = [jaxpr.invars[i] for i in ct_invars]
-    boundary = []
-    seen = set()
-    # Deterministic order: as the values appear in the jaxpr.
-    for v in ct_vars + [v for i in sorted(a_idx) for v in jaxpr.eqns[i].outvars if isinstance(v, jcore.Var)]:
-        if v in b_need and v not in seen and (v in defined_by_a or v in ct_vars):
-            boundary.append(v)
-            seen.add(v)
+    boundary = _boundary(jaxpr, b_input, weight_needs, ct_vars)
     kept_invars = [v for i, v in enumerate(jaxpr.invars) if i not in set(ct_invars)]
-    a_eqns = [jaxpr.eqns[i] for i in sorted(a_idx)]
-    b_eqns = [jaxpr.eqns[i] for i in sorted(b_idx)]
+    input_eqns = [jaxpr.eqns[i] for i in sorted(b_input)]
+    weight_eqns = [jaxpr.eqns[i] for i in sorted(b_weight)]
     input_part = jcore.Jaxpr(
         jaxpr.constvars,
         jaxpr.invars,
         in_outvars + boundary,
-        a_eqns,
-        _effects(a_eqns),
+        input_eqns,
+        _effects(input_eqns),
         _debug_info(jaxpr, "input part", len(jaxpr.invars), len(in_outvars) + len(boundary)),
     )
     weight_part = jcore.Jaxpr(
         jaxpr.constvars,
         kept_invars + boundary,
         w_outvars,
-        b_eqns,
-        _effects(b_eqns),
+        weight_eqns,
+        _effects(weight_eqns),
         _debug_info(jaxpr, "weight part", len(kept_invars) + len(boundary), len(w_outvars)),
     )
-    used = set(_vars(w_outvars)) | {v for e in b_eqns for v in _vars(e.invars)}
+    used = set(_vars(w_outvars)) | {v for e in weight_eqns for v in _vars(e.invars)}
     reads = tuple(i for i, v in enumerate(weight_part.invars) if v in used)
     return Partition(
         jcore.ClosedJaxpr(input_part, closed.consts),
@@ -131,6 +97,53 @@ def partition(
         len(boundary),
         reads,
     )
+
+
+def _outs(eqn) -> list:
+    return [v for v in eqn.outvars if isinstance(v, jcore.Var)]
+
+
+def _backward_slice(jaxpr: jcore.Jaxpr, roots, exclude: set[int]) -> tuple[set[int], set]:
+    """The equations (indices) that ``roots`` depend on, less ``exclude``; and every variable they read."""
+    need = set(_vars(roots))
+    picked = set()
+    for idx in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn = jaxpr.eqns[idx]
+        if idx in exclude:
+            continue
+        if any(v in need for v in _outs(eqn)):
+            picked.add(idx)
+            need.update(_vars(eqn.invars))
+    return picked, need
+
+
+def _cotangent_chain(jaxpr: jcore.Jaxpr, ct_invars: Sequence[int], weight_only: set[int]) -> list:
+    """Equations of the weight-only slice that depend on a cotangent and feed a later contraction there.
+
+    They (and what they read) join B: otherwise W would walk the cotangent back through the
+    layers itself, and B's consumer would wait for work that is W's only by accident.
+    """
+    ct_dep = {jaxpr.invars[i] for i in ct_invars}
+    for eqn in jaxpr.eqns:
+        if any(v in ct_dep for v in _vars(eqn.invars)):
+            ct_dep.update(_outs(eqn))
+    feeds = set()  # values that reach a contraction of the weight-only slice
+    for idx in sorted(weight_only, reverse=True):
+        eqn = jaxpr.eqns[idx]
+        if eqn.primitive.name in CONTRACTIONS or any(v in feeds for v in _outs(eqn)):
+            feeds.update(_vars(eqn.invars))
+    return [jaxpr.eqns[i] for i in sorted(weight_only) if any(v in feeds and v in ct_dep for v in _outs(jaxpr.eqns[i]))]
+
+
+def _boundary(jaxpr: jcore.Jaxpr, b_input: set[int], weight_needs: set, ct_vars: list) -> list:
+    """What B hands W: the cotangents and B's values that W reads, in the order they appear in the jaxpr."""
+    defined_by_b = {v for i in b_input for v in _outs(jaxpr.eqns[i])}
+    boundary, seen = [], set()
+    for v in ct_vars + [v for i in sorted(b_input) for v in _outs(jaxpr.eqns[i])]:
+        if v in weight_needs and v not in seen and (v in defined_by_b or v in ct_vars):
+            boundary.append(v)
+            seen.add(v)
+    return boundary
 
 
 def _debug_info(jaxpr: jcore.Jaxpr, what: str, n_in: int, n_out: int):
