@@ -200,7 +200,7 @@ def prepare(path: Path, arrays: Mapping, max_bytes: int | None = None) -> list[t
 
 def byte_view(arr: np.ndarray) -> memoryview:
     """The bytes of a C-contiguous array without a copy (memoryview cannot export ml_dtypes types)."""
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # numpy's stubs: no Buffer
 
 
 def crc32s(groups: list[tuple]) -> Future:
@@ -316,7 +316,7 @@ class Source:
         return seed is None or checksum.crc32(buf, seed) == crc
 
     def _pread(self, buf: np.ndarray, pos: int) -> np.ndarray:
-        view, done, fd = memoryview(buf), 0, self.f.fileno()
+        view, done, fd = memoryview(buf), 0, self.f.fileno()  # type: ignore[arg-type]  # numpy's stubs: no Buffer
         while done < len(buf):  # one read(2) returns at most ~2 GiB
             got = os.preadv(fd, [view[done:]], pos + done)
             if not got:
@@ -328,7 +328,7 @@ class Source:
         done = 0
         self.f.seek(pos)
         while done < len(buf):
-            got = self.f.readinto(buf[done:])
+            got = self.f.readinto(buf[done:])  # type: ignore[attr-defined]  # every file Source opens has it
             if not got:
                 raise EOFError(f"the file shrank while it was being read (offset {pos + done})")
             done += got

@@ -132,7 +132,7 @@ class _Walk:
             raise ValueError(f"a map claims {count} entries, more than the file can hold")
         return count
 
-    def top(self) -> tuple[dict, dict]:
+    def top(self) -> dict:
         """The top-level map with "arrays" as ``{key: (shape, dtype, offset, nbytes)}``."""
         kind = self.src.read(0, 1)[0]
         if not is_map(kind):
@@ -194,10 +194,10 @@ class _Walk:
             raise VjpsplitError(f"{bad} is not a [shape, dtype, bytes] triple; {CORRUPT}")
         shape, name = self.u.unpack(), self.u.unpack()
         at = self.pos()
-        width = _BIN_LEN.get(src.read(at, 1)[0]) if at < end else None
-        if width is None:
+        bin_width = _BIN_LEN.get(src.read(at, 1)[0]) if at < end else None
+        if bin_width is None:
             raise VjpsplitError(f"{bad} has no raw byte string; {CORRUPT}")
-        nbytes, data = int.from_bytes(src.read(at + 1, width), "big"), at + 1 + width
+        nbytes, data = int.from_bytes(src.read(at + 1, bin_width), "big"), at + 1 + bin_width
         if data + nbytes != end:
             raise VjpsplitError(f"{bad} has data that does not fill its ext value; {CORRUPT}")
         if (
@@ -233,7 +233,7 @@ def read(src: Source) -> tuple[dict[str, np.ndarray], dict]:
     specs = top.get("arrays")
     if not isinstance(specs, dict):
         raise VjpsplitError(f"{path}: has no 'arrays' map; {CORRUPT}")
-    crcs = top.get("crc32")
+    crcs: Any = top.get("crc32")
     if top["version"] >= 2 and src.verify and top.get("meta_crc32") != checksum.crc32(msgpack.packb(meta)):
         raise VjpsplitError(f"{path}: the metadata fails its CRC-32 check; {CORRUPT}")
     if top["version"] >= 2 and (

@@ -14,7 +14,7 @@ import math
 import re
 import struct
 import zipfile
-from typing import BinaryIO
+from typing import IO
 
 import numpy as np
 
@@ -104,7 +104,7 @@ def _old_header(src: Source, zf: zipfile.ZipFile) -> tuple[int, dict, dict[str, 
     return 1, stored_meta(path, head.get("meta", {})), names
 
 
-def _plain_npy_header(f: BinaryIO) -> tuple[tuple, bool, np.dtype] | None:
+def _plain_npy_header(f: IO[bytes]) -> tuple[tuple, bool, np.dtype] | None:
     """Shape, order and dtype of a version 1.0 header exactly as numpy writes one for a plain dtype; else None.
 
     numpy parses every header with ``ast.literal_eval`` (safe, but ~20 us each: 0.7 ms
@@ -123,7 +123,7 @@ def _plain_npy_header(f: BinaryIO) -> tuple[tuple, bool, np.dtype] | None:
     return shape, fortran == b"True", np.dtype(descr.decode("ascii"))
 
 
-def _npy_header_of(src: Source, f: BinaryIO, key: str) -> tuple[tuple, bool, np.dtype, int]:
+def _npy_header_of(src: Source, f: IO[bytes], key: str) -> tuple[tuple, bool, np.dtype, int]:
     """Shape, order, dtype and header length of the ``.npy`` data ``f`` is positioned at."""
     start = f.tell()
     plain = _plain_npy_header(f)
@@ -227,7 +227,7 @@ def read(src: Source) -> tuple[dict[str, np.ndarray], dict]:
             start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
             ends.append((info.header_offset, start + info.compress_size, key))
             src.f.seek(start)
-            member = src.f
+            member: IO[bytes] = src.f
         else:
             start, member = None, zf.open(info)
         shape, fortran, dtype, head_len = _npy_header_of(src, member, key)
@@ -260,7 +260,7 @@ def read(src: Source) -> tuple[dict[str, np.ndarray], dict]:
         if start is not None:
             reads.append((key, buf, start + head_len, seed, info.CRC))
         else:  # deflated (np.savez_compressed): through zipfile, which checks the CRC-32 at the end
-            if member.readinto(buf) != nbytes or member.read(1):
+            if member.readinto(buf) != nbytes or member.read(1):  # type: ignore[attr-defined]
                 raise EOFError(f"array {key!r} is shorter or longer than its header says")
             member.close()
         arrays[key] = (buf, shape, dtype, fortran)

@@ -82,7 +82,7 @@ def writer(path: Path, prepared: list, meta: dict):
         crcs = crc32s([(head, data) for *_, head, data in members])
         ready = crcs.done()
         known = crcs.result() if ready else [0] * len(members)
-        parts = []
+        parts: list = []
         for (_, filename, flags, _, pad, head, data), crc in zip(members, known):
             size = len(head) + len(data)
             # force_zip64, as np.savez: the sizes live in the zip64 extra field

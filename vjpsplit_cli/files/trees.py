@@ -135,7 +135,7 @@ def encode_structure(tree, where: str = "pytree") -> Any:
     if tree is None:
         return None
     children, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda n: n is not tree)
-    if treedef.num_nodes == 1 and treedef.num_leaves == 1 and not children[0][0]:
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1 and not children[0][0]:  # type: ignore[attr-defined]
         return "*"  # a leaf: the only "child" is the tree itself, with an empty path
     if type(tree) is dict:
         return {"dict": [[_dict_key(p[0].key, where), encode_structure(c, where)] for p, c in children]}

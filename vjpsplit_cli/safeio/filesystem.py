@@ -105,7 +105,7 @@ def preallocated(f: BinaryIO, size: int | None):
     reserved = size is not None and size >= MIN_PREALLOCATE and _fallocate(f, size)
     yield
     f.flush()
-    if reserved and f.tell() < size:
+    if reserved and size is not None and f.tell() < size:
         os.ftruncate(f.fileno(), f.tell())  # the size was an estimate: drop the unwritten tail
 
 

@@ -21,7 +21,7 @@ import contextlib
 import os
 import stat
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterable, Mapping
+from typing import BinaryIO, Callable, Iterable, Literal, Mapping
 
 from .. import config
 from ..errors import UsageError, VjpsplitError  # noqa: F401 - UsageError: writers refuse with it
@@ -255,7 +255,7 @@ class StagedOutputs:
     ):
         self.fsync = fsync_requested(fsync)
         self.targets = check_outputs(outputs, inputs)
-        self.paths = {label: os.fspath(outputs[label]) for label in self.targets}
+        self.paths = {label: os.fspath(p) for label, p in outputs.items() if label in self.targets and p is not None}
         self._temps: dict[str, str] = {}
         self._stack: contextlib.ExitStack | None = None
 
@@ -290,7 +290,7 @@ class StagedOutputs:
         except MemoryError as e:
             raise VjpsplitError(f"{printable(path)}: out of memory while writing it; free memory or write less") from e
 
-    def __exit__(self, etype, exc, tb) -> bool:
+    def __exit__(self, etype, exc, tb) -> Literal[False]:
         try:
             if etype is None:
                 self._commit()

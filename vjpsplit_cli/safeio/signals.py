@@ -8,6 +8,7 @@ a commit of several renames holds them until it is done (``signals_deferred``).
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 import gc
 import os
 import signal
@@ -47,7 +48,7 @@ class _Guard:
     raised = False
     previous: dict = {}
     committed = False  # some StagedOutputs committed since the outermost guard began
-    hook = staticmethod(sys.unraisablehook)  # the unraisable hook the outermost guard replaced
+    hook: Any = staticmethod(sys.unraisablehook)  # the unraisable hook the outermost guard replaced
 
 
 def outputs_committed() -> bool:

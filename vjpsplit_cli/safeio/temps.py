@@ -100,7 +100,7 @@ def remove_stale_temps(directory: str | os.PathLike, *, once: bool = False) -> l
         if directory in _SWEPT:
             return []
         _SWEPT.add(directory)
-    removed = []
+    removed: list[str] = []
     try:
         entries = list(os.scandir(directory))
     except OSError:

@@ -8,7 +8,7 @@ gave (a policy, a budget, auto, sizes) into the concrete policy and why.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -17,6 +17,7 @@ from ..errors import VjpsplitError
 from ..files.shapes import is_symbolic_shape
 from .policies import (
     AUTO,
+    bytes_known,
     BUDGET_ORDER,
     Candidate,
     choose_policy,
@@ -137,7 +138,7 @@ def _estimate(fn, specs, policies, wrt_pos, single, has_aux) -> dict[str, float]
         fc = jax.jit(cand.fwd).lower(*specs).compile()
         args = cand.bwd_args(jax.tree_util.tree_leaves(specs), cand.plan.stored_avals)
         for c in (fc, jax.jit(cand.bwd).lower(*args).compile()):
-            a = c.cost_analysis()
+            a: Any = c.cost_analysis()
             if isinstance(a, list):  # older jax: one dict per computation
                 a = a[0] if a else {}
             # A CPU core does ~10 FLOPs per byte it moves: weigh both on one scale.
@@ -178,7 +179,7 @@ def choose_auto(
         specs = concrete_specs(specs, at)
     specs = tuple(jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(np.shape(s), s.dtype), s) for s in specs)
     wrt_pos, single = fn_wrt_positions(fn, wrt, len(specs))
-    key = (
+    key: tuple | None = (
         fn,
         str(jax.tree_util.tree_structure(specs)),
         tuple((tuple(s.shape), str(s.dtype)) for s in jax.tree_util.tree_leaves(specs)),
@@ -195,14 +196,15 @@ def choose_auto(
         key, hit = None, None
     if hit is not None:
         return hit
+    # Every dim is concrete here (concrete_specs above), so every size is known.
     stored = {
-        p: policy_cost(fn, *specs, policy=p, wrt=wrt_pos, has_aux=has_aux, flops=False).stored_bytes for p in policies
+        p: bytes_known(policy_cost(fn, *specs, policy=p, wrt=wrt_pos, has_aux=has_aux, flops=False)) for p in policies
     }
     fitting = [p for p in policies if budget is None or stored[p] <= budget]
     if not fitting:
-        best = min(stored, key=stored.get)
+        best = min(stored, key=lambda p: stored[p])
         raise VjpsplitError(
-            f"no policy fits a memory budget of {human_bytes(budget)}: the smallest is {best!r} storing "
+            f"no policy fits a memory budget of {human_bytes(budget or 0)}: the smallest is {best!r} storing "
             f"{human_bytes(stored[best])}; raise the budget or use smaller sizes"
         )
     used = method

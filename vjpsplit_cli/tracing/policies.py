@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -23,7 +23,7 @@ from ..errors import UsageError, VjpsplitError
 from ..files.dtypes import dtype_from_name
 from ..files.shapes import DIM_FUNCS, IDENTIFIER, MAX_DIM, eval_dim, is_symbolic_shape
 from .jaxprs import iter_eqns, sub_jaxprs
-from .vjp import fn_wrt_positions, run_backward, trace_vjp
+from .vjp import Plan, fn_wrt_positions, run_backward, trace_vjp
 
 # The fixed policies; ``names:a,b`` (any names) is the fourth form.
 POLICIES = ("everything", "dots", "nothing")
@@ -106,10 +106,11 @@ def evaluate_terms(terms: Mapping[str, int], at: Mapping[str, int]) -> int | Non
 
 def human_bytes(n: int) -> str:
     """``1536`` -> ``1.5 KiB``."""
+    size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
+        if size < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
     raise AssertionError
 
 
@@ -162,6 +163,7 @@ def parse_at(items: Sequence[str] | Mapping[str, int] | None) -> dict[str, int]:
     """``['b=256', 't=128']`` (or a mapping) -> ``{'b': 256, 't': 128}``; sizes must be >= 1."""
     if items is None:
         return {}
+    pairs: list[tuple[str, Any]]
     if isinstance(items, Mapping):
         pairs = list(items.items())
     else:
@@ -173,7 +175,7 @@ def parse_at(items: Sequence[str] | Mapping[str, int] | None) -> dict[str, int]:
                 if not eq or not _AT_NAME.match(name.strip()) or not _AT_SIZE.match(value.strip()):
                     raise VjpsplitError(f"--at {part!r} is not NAME=SIZE; write e.g. b=256")
                 pairs.append((name.strip(), int(value)))
-    out = {}
+    out: dict[str, int] = {}
     for name, value in pairs:
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise VjpsplitError(f"--at {name}={value!r}: a size must be an integer, e.g. b=256")
@@ -352,15 +354,24 @@ def choose_policy(
     costs = []
     for p in policies:
         cost = policy_cost(fn, *specs, policy=p, wrt=wrt, has_aux=has_aux, at=at, flops=False)
-        if cost.stored_bytes <= budget:
+        if bytes_known(cost) <= budget:
             return p, cost
         costs.append(cost)
-    best = min(costs, key=lambda c: c.stored_bytes)
+    best = min(costs, key=bytes_known)
     where = f" at {', '.join(f'{k}={v}' for k, v in at.items())}" if at else ""
     raise VjpsplitError(
         f"no policy fits a memory budget of {human_bytes(budget)}{where}: the smallest is {best.policy!r} "
-        f"storing {human_bytes(best.stored_bytes)}; raise the budget or use smaller sizes"
+        f"storing {human_bytes(bytes_known(best))}; raise the budget or use smaller sizes"
     )
+
+
+def bytes_known(cost: PolicyCost) -> int:
+    """``cost.stored_bytes``, which is known once every symbolic dim has a size."""
+    if cost.stored_bytes is None:
+        raise VjpsplitError(
+            "a memory budget needs a size for every symbolic dim; pass --at NAME=SIZE (at= in Python) for each"
+        )
+    return cost.stored_bytes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,17 +389,24 @@ class Candidate:
 
     def __init__(self, fn: Callable, policy: str | None, wrt_pos, single: bool, has_aux: bool):
         inner = apply_policy(fn, policy)
-        self.plan = None
+        self._plan: Plan | None = None
 
         def fwd(*args):
             out, stored, _, plan = trace_vjp(inner, args, wrt_pos, single, has_aux)
-            self.plan = plan
+            self._plan = plan
             return out, stored
 
         def bwd(stored, inputs, cts):
             return run_backward(self.plan, stored, inputs, cts)
 
         self.fwd, self.bwd = fwd, bwd
+
+    @property
+    def plan(self) -> Plan:
+        """The backward's plan, from the forward's trace (trace or lower ``fwd`` first)."""
+        if self._plan is None:
+            raise AssertionError("Candidate.plan is known once fwd has been traced")
+        return self._plan
 
     def bwd_args(self, flat_args: Sequence, stored: Sequence, cotangent: Callable = lambda aval: aval) -> tuple:
         """``(stored, input-backed leaves of flat_args, one cotangent per floating output)``."""

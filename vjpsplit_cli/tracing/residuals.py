@@ -48,6 +48,7 @@ class _Frozen:
     """Immutable after ``__init__``: a changed copy comes from ``replace``."""
 
     __slots__ = ()
+    _FIELDS: tuple[str, ...] = ()
 
     def __setattr__(self, name, value):
         raise AttributeError(f"{type(self).__name__} is immutable; make a changed copy with .replace({name}=...)")
@@ -88,6 +89,17 @@ class Residuals(_Frozen):
         "bound_inputs",
     )
     __slots__ = _FIELDS
+    stored: FrozenDict
+    inputs: FrozenDict
+    dims: FrozenDict
+    fingerprint: str
+    arg_names: tuple[str, ...]
+    arg_trees: tuple
+    plan: Plan | None
+    residuals_id: str
+    inputs_source: str | None
+    source: str | None
+    bound_inputs: FrozenDict
 
     def __init__(
         self,
@@ -160,6 +172,7 @@ class SplitResiduals(Residuals):
     """
 
     __slots__ = ()
+    plan: Plan
 
     def __init__(self, stored: Mapping[str, Any], inputs: Mapping[str, Any], *, plan: Plan, **fields):
         if plan is None:
@@ -220,6 +233,13 @@ class Intermediates(_Frozen):
 
     _FIELDS = ("arrays", "dims", "fingerprint", "residuals_id", "stored", "inputs", "arg_trees")
     __slots__ = _FIELDS
+    arrays: FrozenDict
+    dims: FrozenDict
+    fingerprint: str
+    residuals_id: str
+    stored: FrozenDict
+    inputs: FrozenDict
+    arg_trees: tuple
 
     def __init__(
         self,

@@ -73,7 +73,7 @@ def split(fn: Callable, wrt=None, has_aux: bool = False, policy: str | None = No
 
     jit_fwd = jax.jit(_fwd_impl)
 
-    def _bwd_impl(res: Residuals, ct_leaves):
+    def _bwd_impl(res: SplitResiduals, ct_leaves):
         plan = res.plan
         stored = [res.stored[f"r/{i}"] for i in range(plan.n_stored)]
         inputs = [res.inputs[str(k)] for k in plan.input_backed]

@@ -183,7 +183,9 @@ def trace_vjp(fn: Callable, args: tuple, wrt: tuple[int, ...], single: bool, has
 
     vjp_leaves, vjp_tree = jax.tree_util.tree_flatten(vjp_fn)
     by_id = {id(a): k for k, a in enumerate(flat_args)}
-    stored, slots, seen = [], [], {}
+    stored: list = []
+    slots: list = []
+    seen: dict = {}
     for leaf in vjp_leaves:
         k = by_id.get(id(leaf))
         if k is not None and flat_args[k] is leaf:
@@ -288,7 +290,7 @@ def run_backward(plan: Plan, stored: Sequence, inputs: Sequence, cts: Sequence) 
     """
     from_input = dict(zip(plan.input_backed, inputs))
     zeros = [jnp.zeros(a.shape, a.dtype) for a in plan.unused_avals]
-    pick = {"stored": stored, "input": from_input, "unused": zeros}
+    pick: dict[str, Any] = {"stored": stored, "input": from_input, "unused": zeros}
     vjp_leaves = [pick[kind][k] for kind, k in plan.slots]
     vjp_fn = jax.tree_util.tree_unflatten(plan.vjp_tree, vjp_leaves)
     return tuple(vjp_fn(list(cts)))

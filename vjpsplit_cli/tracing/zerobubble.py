@@ -55,11 +55,11 @@ def partition(
     take them, so any it needs are passed through the boundary instead. Scans,
     remat and nested jit bodies are cut too (``fission.cut_inside``, which ``merge`` is passed to).
     """
-    weight_outs = set(weight_outs)
-    closed = cut_inside(closed, [i for i in range(len(closed.jaxpr.outvars)) if i not in weight_outs], merge)
+    weights = set(weight_outs)
+    closed = cut_inside(closed, [i for i in range(len(closed.jaxpr.outvars)) if i not in weights], merge)
     jaxpr = closed.jaxpr
-    in_outvars = [v for i, v in enumerate(jaxpr.outvars) if i not in weight_outs]
-    w_outvars = [v for i, v in enumerate(jaxpr.outvars) if i in weight_outs]
+    in_outvars = [v for i, v in enumerate(jaxpr.outvars) if i not in weights]
+    w_outvars = [v for i, v in enumerate(jaxpr.outvars) if i in weights]
     # B (the input part) computes the input gradients; W what only the weight gradients need.
     b_input, _ = _backward_slice(jaxpr, in_outvars, exclude=set())
     weight_only, _ = _backward_slice(jaxpr, w_outvars, exclude=b_input)
@@ -152,8 +152,8 @@ def _debug_info(jaxpr: jcore.Jaxpr, what: str, n_in: int, n_out: int):
     return jaxpr.debug_info._replace(
         traced_for="vjpsplit",
         func_src_info=f"zero-bubble {what} of the backward",
-        arg_names=(None,) * n_in,
-        result_paths=(None,) * n_out,
+        arg_names=(None,) * n_in,  # type: ignore[arg-type]  # jax's own jaxprs hold None for unnamed leaves
+        result_paths=(None,) * n_out,  # type: ignore[arg-type]
     )
 
 
