@@ -155,8 +155,8 @@ class RayPipeline:
         check_stages(self.artifacts, schedule_name, plans)
         if where != self.placement:
             raise VjpsplitError(
-                f"{describe(schedule_name)} places the stages as {where}; this RayPipeline holds them as "
-                f"{self.placement}: make it with layout={layout_of(schedule_name, schedule, S)!r}"
+                f"{describe(schedule_name)} needs RayPipeline(layout={layout_of(schedule_name, schedule, S)!r}): "
+                f"it places the stages as {where}, this one holds them as {self.placement}"
             )
         if not self.actors:
             raise VjpsplitError("this RayPipeline is closed; build a new one")
