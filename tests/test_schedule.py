@@ -317,6 +317,9 @@ def test_dualpipev_makespan_memory_and_order():
         for w, ops in enumerate(plans):
             peak, held = chunk_memory(ops, split)
             assert held == 0 and peak <= 2 * p + 1, (p, m, w, peak)  # DualPipe's README: PP+1, PP = 2p
+            mine = [k for k in start if worker[k] == w]
+            span = max(end[k] for k in mine) - min(start[k] for k in mine)
+            assert span == pytest.approx(3 * m + (p - 1 - w) / 2), (p, m, w)  # its work, 3m, and its idle
 
 
 def test_dualpipev_equals_torchs_artifact(tmp_path):
