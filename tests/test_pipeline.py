@@ -59,7 +59,8 @@ def make(stages, seed=0):
     return arts, params, x, labels
 
 
-CASES = [(name, stages) for name in P.SCHEDULES for stages in ([2, 4, 6] if name == "zbv" else [1, 2, 3, 4])]
+STAGES = {"zbv": [2, 4, 6], "dualpipev": [2, 4], "interleaved1f1b": [2, 4]}  # V: 2p stages; interleaved: 2 per worker
+CASES = [(name, stages) for name in P.SCHEDULES for stages in STAGES.get(name, [1, 2, 3, 4])]
 
 
 @pytest.mark.parametrize("name,stages", CASES)
@@ -184,3 +185,54 @@ def test_progress_bar_is_tqdm_when_asked():
     assert isinstance(bar, tqdm)
     bar.close()
     assert P.progress_bar(3, False) is None
+
+
+def check_run(r, plans, params, x, labels):
+    loss, grads = jax.value_and_grad(whole)(params, x, labels)
+    np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
+    assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
+    assert r.schedule == "custom" and r.workers == len(plans) and 0.0 <= r.modeled_bubble_ratio < 1.0
+    for w, ops in enumerate(plans):  # each worker ran exactly its list, in order
+        mine = sorted((e for e in r.events if e.worker == w), key=lambda e: e.start)
+        assert [(e.kind, e.mb, e.stage) for e in mine] == [(o.kind, o.mb, o.chunk) for o in ops]
+
+
+def test_schedule_read_from_csv_runs_and_equals_value_and_grad(tmp_path):
+    # Interleaved 1F1B with 3 chunks per worker (by name it has 2), through a CSV file.
+    arts, params, x, labels = make(6)
+    P.write_schedule(tmp_path / "i3.csv", P.schedule("interleaved1f1b", 6, 4, chunks=3))
+    plans = P.read_schedule(tmp_path / "i3.csv")
+    assert P.check_plans(plans, 6, 4) == [(0, 2, 4), (1, 3, 5)]
+    check_run(P.run(arts, params, x, [labels], microbatches=4, schedule=plans), plans, params, x, labels)
+    # A hand-written one: worker 0 holds the last stage, a whole backward on stage 1, split on stage 0.
+    arts, params, x, labels = make(2)
+    (tmp_path / "hand.csv").write_text("1F0,1F1,1B0,,1B1\n0F0,0F1,0I0,0I1,0W1,0W0\n")
+    plans = P.read_schedule(tmp_path / "hand.csv")
+    check_run(P.run_inprocess(arts, params, x, [labels], microbatches=2, schedule=plans), plans, params, x, labels)
+
+
+def test_bad_plans_are_refused_by_the_runners(tmp_path):
+    arts, params, x, labels = make(2)
+    plans = P.schedule("1f1b", 2, 2)
+    with pytest.raises(vs.VjpsplitError, match=r"rank 0: action 0F2 is missing \(stage 0, microbatch 2\)"):
+        P.run(arts, params, x, [labels], microbatches=3, schedule=plans)
+    with pytest.raises(vs.VjpsplitError, match="rank 1: action 0F1 runs stage 0, which rank 0 holds"):
+        P.run(arts, params, x, [labels], microbatches=2, schedule=[plans[1] + plans[0][:1], plans[0][1:]])
+    plain = [
+        vs.export(
+            hidden,
+            *[
+                jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params[0]),
+                jax.ShapeDtypeStruct((BATCH // 2, D), jnp.float32),
+            ],
+            platforms="cpu",
+        ),
+        arts[1],
+    ]
+    zb = P.schedule("zbh1", 2, 2)
+    with pytest.raises(vs.VjpsplitError, match="needs the split backward: export stage 0"):
+        P.run(plain, params, x, [labels], microbatches=2, schedule=zb)
+    with pytest.raises(vs.VjpsplitError, match="multiple of 2 microbatches, not 3"):
+        P.run(*make(4)[:3], [labels], microbatches=3, schedule_name="interleaved1f1b")
+    with pytest.raises(vs.VjpsplitError, match="at least 4 microbatches"):
+        P.run(*make(4)[:3], [labels], microbatches=2, schedule_name="dualpipev")

@@ -51,7 +51,7 @@ def test_pipeline_sample_inprocess(tmp_path):
         [
             sys.executable,
             "samples/pipeline/run.py",
-            *opts(runner="inprocess", steps="1", batch="64", microbatches="4", out=tmp_path),
+            *opts(runner="inprocess", steps="1", batch="64", microbatches="8", out=tmp_path),  # DualPipeV: m >= 2p
         ],
         cwd=ROOT,
         capture_output=True,
@@ -65,7 +65,9 @@ def test_pipeline_sample_inprocess(tmp_path):
     assert "Warning" not in r.stderr and "WARNING" not in r.stderr, r.stderr
     assert sorted(p.name for p in tmp_path.glob("*.png")) == [
         "timeline_inprocess_1f1b.png",
+        "timeline_inprocess_dualpipev.png",
         "timeline_inprocess_gpipe.png",
+        "timeline_inprocess_interleaved1f1b.png",
         "timeline_inprocess_zbh1.png",
         "timeline_inprocess_zbv.png",
     ]

@@ -12,6 +12,7 @@ part, a share ``w`` of that.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections import defaultdict
 
@@ -21,6 +22,7 @@ import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
 
 GRID = [(p, m) for p in range(2, 7) for m in range(p, 4 * p + 1)]
+CLASSIC = ("gpipe", "1f1b", "zbh1", "zbv")  # the schedules that run any m >= 1 (new ones: below)
 
 
 def n_stages(name, p):
@@ -97,7 +99,7 @@ def memory_trace(ops, name, w):
     return trace
 
 
-@pytest.mark.parametrize("name", P.SCHEDULES)
+@pytest.mark.parametrize("name", CLASSIC)
 def test_every_op_once_on_its_worker_in_order(name):
     for p, m in GRID:
         S = n_stages(name, p)
@@ -120,7 +122,7 @@ def test_zbv_places_two_stages_per_worker_in_a_v():
     assert P.placement("1f1b", 3) == [(0,), (1,), (2,)]
 
 
-@pytest.mark.parametrize("name", P.SCHEDULES)
+@pytest.mark.parametrize("name", CLASSIC)
 def test_no_deadlock_under_random_op_times(name):
     rng = random.Random(13)
     for p, m in GRID:
@@ -176,7 +178,7 @@ def test_zbv_has_no_bubble_once_the_v_is_full():
         assert span <= makespan("zbh1", p, m)[0]
 
 
-@pytest.mark.parametrize("name", P.SCHEDULES)
+@pytest.mark.parametrize("name", CLASSIC)
 def test_peak_memory(name):
     for p, m in GRID:
         plans = P.schedule(name, n_stages(name, p), m)
@@ -200,6 +202,12 @@ def test_peak_memory(name):
 def test_bad_schedules_are_refused():
     with pytest.raises(vs.VjpsplitError, match="unknown schedule"):
         P.schedule("interleaved", 2, 2)
+    with pytest.raises(vs.VjpsplitError, match="multiple of 3 microbatches, not 4"):
+        P.schedule("interleaved1f1b", 6, 4)
+    with pytest.raises(vs.VjpsplitError, match="multiple of 3 stages, not 4"):
+        P.schedule("interleaved1f1b", 4, 4, chunks=3)
+    with pytest.raises(vs.VjpsplitError, match="at least 6 microbatches"):
+        P.schedule("dualpipev", 6, 5)
     with pytest.raises(vs.VjpsplitError, match="even number of stages"):
         P.schedule("zbv", 3, 4)
     with pytest.raises(vs.VjpsplitError, match="at least one stage"):
@@ -207,7 +215,187 @@ def test_bad_schedules_are_refused():
 
 
 def test_one_worker_schedules_run():
-    for name in P.SCHEDULES:
+    for name in CLASSIC:
         S = n_stages(name, 1)
         for m in (1, 2, 5):
             assert play(P.schedule(name, S, m), S, unit_time(name)) is not None
+
+
+# Interleaved 1F1B and DualPipeV. Interleaved: v chunks per worker, a chunk's F costs 1/v and its
+# whole B 2/v. DualPipeV: 2 chunks per worker, F = I = W = 1/2 per chunk; a B whose stage and
+# microbatch has no W in the lists is the whole backward, I + W = 1. Memory in chunk activations:
+# an F adds one; a whole B, or the W of a split one, frees it (W keeping everything: the worst case).
+
+INTERLEAVED = [(p, v, m) for p in range(2, 7) for v in (2, 3) for m in range(p, 4 * p + 1)]
+DUALPIPEV = [(p, m) for p in range(2, 7) for m in range(p, 4 * p + 1)]
+# torch's test/distributed/pipelining/artifacts/dualpipev_4rank_10mb.csv, its text with \n line ends
+TORCH_DUALPIPEV_4RANK_10MB = "16ce4a29936e4c5ad774098add32489b4937942e3f5ab0108f17d2826b184529"
+
+
+def split_pairs(plans):
+    return {(o.chunk, o.mb) for ops in plans for o in ops if o.kind == "W"}
+
+
+def chunk_time(plans, v):
+    split = split_pairs(plans)
+
+    def duration(key):
+        kind, mb, c = key
+        whole_b = kind == "B" and (c, mb) not in split
+        return (2.0 if whole_b else 1.0) / v
+
+    return duration
+
+
+def chunk_memory(ops, split):
+    held, peak = 0, 0
+    for o in ops:
+        if o.kind == "F":
+            held += 1
+        elif o.kind == "W" or (o.chunk, o.mb) not in split:
+            held -= 1
+        peak = max(peak, held)
+    return peak, held
+
+
+def check_complete(plans, S, m, placement):
+    split = split_pairs(plans)
+    every = sorted((o.kind, o.mb, o.chunk) for ops in plans for o in ops)
+    want = sorted([(k, mb, c) for k in "FB" for mb in range(m) for c in range(S)] + [("W", mb, c) for c, mb in split])
+    assert every == want
+    for w, ops in enumerate(plans):
+        assert {o.chunk for o in ops} == set(placement[w])
+        pos = {(o.kind, o.mb, o.chunk): i for i, o in enumerate(ops)}
+        for o in ops:
+            for d in deps(o.kind, o.mb, o.chunk, S):
+                if d in pos:
+                    assert pos[d] < pos[(o.kind, o.mb, o.chunk)], (w, o, d)
+
+
+def test_interleaved_1f1b_makespan_memory_and_order():
+    for p, v, m in INTERLEAVED:
+        S = v * p
+        if m % p:
+            with pytest.raises(vs.VjpsplitError, match=f"multiple of {p} microbatches"):
+                P.schedule("interleaved1f1b", S, m, chunks=v)
+            continue
+        plans = P.schedule("interleaved1f1b", S, m, chunks=v)
+        placement = P.placement("interleaved1f1b", S, chunks=v)
+        assert placement == [tuple(range(r, S, p)) for r in range(p)]  # stage s on worker s mod p
+        check_complete(plans, S, m, placement)
+        start, end, _ = play(plans, S, chunk_time(plans, v))
+        # Megatron-LM (SC 2021) section 2.2.2: bubble (p-1)(t_f + t_b)/v on top of the work, 3m.
+        assert max(end.values()) == pytest.approx(3 * m + 3 * (p - 1) / v), (p, v, m)
+        for r, ops in enumerate(plans):
+            peak, held = chunk_memory(ops, set())
+            assert held == 0 and peak == min(2 * (p - 1 - r) + (v - 1) * p + 1, m * v), (p, v, m, r)
+            # Megatron-LM's warm-up forwards, then (while forwards remain) one more F before the first B.
+            warm = min(2 * (p - r - 1) + (v - 1) * p, m * v)
+            first_b = next(i for i, o in enumerate(ops) if o.kind == "B")
+            assert first_b == warm + (1 if warm < m * v else 0), (p, v, m, r)
+
+
+def test_interleaved_1f1b_by_name_has_two_chunks():
+    assert P.schedule("interleaved1f1b", 6, 6) == P.schedule("interleaved1f1b", 6, 6, chunks=2)
+    assert P.placement("interleaved1f1b", 6) == [(0, 3), (1, 4), (2, 5)]
+
+
+def test_dualpipev_makespan_memory_and_order():
+    for p, m in DUALPIPEV:
+        S = 2 * p
+        if m < 2 * p:
+            with pytest.raises(vs.VjpsplitError, match=f"at least {S} microbatches"):
+                P.schedule("dualpipev", S, m)
+            continue
+        plans = P.schedule("dualpipev", S, m)
+        assert P.placement("dualpipev", S) == [(w, S - 1 - w) for w in range(p)]
+        check_complete(plans, S, m, P.placement("dualpipev", S))
+        split = split_pairs(plans)
+        assert split and len(split) < S * m  # B split into I and W for some microbatches, whole for others
+        start, end, worker = play(plans, S, chunk_time(plans, 2))
+        assert max(end.values()) == pytest.approx(3 * m + (p - 1) / 2), (p, m)
+        for w, ops in enumerate(plans):
+            peak, held = chunk_memory(ops, split)
+            assert held == 0 and peak <= 2 * p + 1, (p, m, w, peak)  # DualPipe's README: PP+1, PP = 2p
+            mine = [k for k in start if worker[k] == w]
+            span = max(end[k] for k in mine) - min(start[k] for k in mine)
+            assert span == pytest.approx(3 * m + (p - 1 - w) / 2), (p, m, w)  # its work, 3m, and its idle
+
+
+def test_dualpipev_equals_torchs_artifact(tmp_path):
+    plans = P.schedule("dualpipev", 8, 10)
+    path = tmp_path / "dualpipev_4rank_10mb.csv"
+    P.write_schedule(path, plans)
+    text = path.read_bytes()
+    assert hashlib.sha256(text).hexdigest() == TORCH_DUALPIPEV_4RANK_10MB
+    assert P.read_schedule(path) == plans
+    # torch's csv module ends lines with \r\n: read the same.
+    crlf = tmp_path / "crlf.csv"
+    crlf.write_bytes(text.replace(b"\n", b"\r\n"))
+    assert P.read_schedule(crlf) == plans
+    first = text.decode().splitlines()[0].split(",")
+    assert first[:3] == ["0F0", "0F1", "0F2"] and "(0F7;7B3)OVERLAP_F_B" in first and first[-1] == "0W9"
+
+
+@pytest.mark.parametrize("name", P.SCHEDULES)
+def test_write_then_read_gives_the_same_plans(name, tmp_path):
+    for p in (1, 2, 3):
+        S = 2 * p if name in ("zbv", "dualpipev", "interleaved1f1b") else p
+        for m in (2 * p, 3 * p):
+            plans = P.schedule(name, S, m)
+            path = tmp_path / f"{name}_{p}_{m}.csv"
+            P.write_schedule(path, plans)
+            assert P.read_schedule(path) == plans, (p, m)
+            lines = path.read_text().splitlines()
+            assert len(lines) == len(plans) and all("," in ln or len(ops) == 1 for ln, ops in zip(lines, plans))
+
+
+def test_csv_idle_steps_are_dropped(tmp_path):
+    path = tmp_path / "s.csv"
+    path.write_text("0F0,,0F1,0B0,0B1\n,1F0,1B0,1F1,,1B1\n")
+    plans = P.read_schedule(path)
+    assert plans == [
+        [P.Op("F", 0, 0), P.Op("F", 1, 0), P.Op("B", 0, 0), P.Op("B", 1, 0)],
+        [P.Op("F", 0, 1), P.Op("B", 0, 1), P.Op("F", 1, 1), P.Op("B", 1, 1)],
+    ]
+    assert P.check_plans(plans, 2, 2) == [(0,), (1,)]
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("0F0,0X0\n", r"rank 0, step 1: '0X0' is not a compute action"),
+        ("0F0,0SEND_F0\n", r"rank 0, step 1: '0SEND_F0' is not a compute action"),
+        ("0F0,0I0\n", r"rank 0: action 0I0 has no 0W0"),
+        ("0F0,0B0,0W0\n", r"rank 0: action 0B0 is a whole backward"),
+    ],
+)
+def test_bad_csv_is_one_error_naming_rank_and_action(tmp_path, text, match):
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    with pytest.raises(vs.VjpsplitError, match=match):
+        P.read_schedule(path)
+
+
+def test_bad_plans_are_one_error_naming_rank_and_action():
+    F, B, W = (lambda mb, c, k=k: P.Op(k, mb, c) for k in "FBW")
+    good = [[F(0, 0), F(1, 0), B(0, 0), B(1, 0)], [F(0, 1), B(0, 1), F(1, 1), B(1, 1)]]
+    assert P.check_plans(good, 2, 2) == [(0,), (1,)]
+    cases = [
+        ([[F(0, 0), F(1, 0), B(0, 0)], good[1]], r"rank 0: action 0B1 is missing"),
+        (
+            [[F(0, 0), F(1, 0), B(0, 0), B(1, 0), F(0, 1)], good[1]],
+            r"rank 1: action 1F0 runs stage 1, which rank 0 holds",
+        ),
+        ([good[0] + [B(1, 0)], good[1]], r"rank 0: action 0B1 appears twice"),
+        ([good[0], good[1] + [F(2, 1)]], r"rank 1: action 1F2 is outside the 2 stages and 2 microbatches"),
+        (
+            [[F(0, 0), B(0, 0), F(1, 0), B(1, 0)], [F(0, 1), F(1, 1), B(0, 1), B(1, 1)]],
+            r"deadlocks: rank 0's action 0B0 waits for 1B0",
+        ),
+        ([good[0], [F(0, 1), B(0, 1), W(1, 1), F(1, 1), B(1, 1)]], r"rank 1's action 1W1 waits for 1I1"),
+        ([good[0]], r"no rank: action 1F0 is missing"),
+    ]
+    for plans, match in cases:
+        with pytest.raises(vs.VjpsplitError, match=match):
+            P.check_plans(plans, 2, 2)

@@ -1,10 +1,11 @@
-"""GPipe vs 1F1B vs ZB-H1 vs ZB-V on an 8-layer MLP over 4 workers, over exported artifacts.
+"""GPipe, 1F1B, ZB-H1, ZB-V, interleaved 1F1B and DualPipeV on an 8-layer MLP over 4 workers, over artifacts.
 
     python samples/pipeline/run.py [--runner ray|inprocess|both] [--steps 3] [--out DIR]
-                                   [--address ray://head:10001] [--progress]
+                                   [--address ray://head:10001] [--progress] [--schedules zbv,dualpipev]
 
 GPipe, 1F1B and ZB-H1 cut the model into 4 stages of 2 layers, one per worker;
-ZB-V cuts it into 8 stages of 1 layer, two per worker in a V. For each schedule:
+ZB-V and DualPipeV cut it into 8 stages of 1 layer, two per worker in a V, and
+interleaved 1F1B into the same 8, two per worker round robin. For each schedule:
 one warm-up step, then ``--steps`` measured steps; prints the median step time,
 the measured bubble ratio, and the modeled one (the measured op times replayed
 as if every worker had a device of its own: on a machine with fewer cores than
@@ -57,6 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="where to write timeline PNGs (default: a temp dir)")
     ap.add_argument("--address", default=None, help="Ray cluster address for multi-host (default: a local Ray)")
     ap.add_argument("--progress", action="store_true", help="show a progress bar per step")
+    ap.add_argument("--schedules", default=",".join(P.SCHEDULES), help="comma-separated schedule names (default: all)")
     args = ap.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="vjpsplit-pipeline-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -88,9 +90,9 @@ def main(argv=None) -> int:
 
     rows = []
     for runner in runners:
-        for name in P.SCHEDULES:
+        for name in args.schedules.split(","):
             note(f"{RUNNERS[runner]}, {P.LABELS[name]}: a warm-up step, then {args.steps} measured")
-            arts, stage_params = cuts[2 * WORKERS if name == "zbv" else WORKERS]
+            arts, stage_params = cuts[WORKERS if P.layout(name) == "stage" else 2 * WORKERS]
             rp = P.RayPipeline(arts, stage_params, layout=P.layout(name)) if runner == "ray" else None
             try:
 

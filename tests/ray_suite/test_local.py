@@ -26,7 +26,7 @@ def ray_session():
 def test_ray_gradients_equal_value_and_grad(ray_session, stages):
     arts, params, x, labels = make(stages, seed=stages)
     loss, grads = jax.value_and_grad(whole)(params, x, labels)
-    layouts = ["stage", "v"] if stages % 2 == 0 else ["stage"]
+    layouts = ["stage", "v", "interleaved"] if stages % 2 == 0 else ["stage"]
     for lay in layouts:
         with P.RayPipeline(arts, params, layout=lay, compiled=None) as rp:
             for name in [n for n in P.SCHEDULES if P.layout(n) == lay]:
@@ -129,3 +129,30 @@ def test_ray_falls_back_to_actor_calls_without_compiled_graphs(ray_session, monk
     with P.RayPipeline(arts, params, compiled=True) as rp:  # asked for explicitly: an error, not a fallback
         with pytest.raises(vs.VjpsplitError, match="could not compile the step's graph.*no Compiled Graphs"):
             rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
+
+
+def test_ray_runs_plans_read_from_csv(ray_session, tmp_path):
+    # Worker 0 holds the last stage: a placement no built-in layout has; stage 1's backward whole, stage 0's split.
+    arts, params, x, labels = make(2)
+    loss, grads = jax.value_and_grad(whole)(params, x, labels)
+    (tmp_path / "hand.csv").write_text("1F0,1F1,1B0,,1B1\n0F0,0F1,0I0,0I1,0W1,0W0\n")
+    plans = P.read_schedule(tmp_path / "hand.csv")
+    with P.RayPipeline(arts, params) as rp:
+        with pytest.raises(vs.VjpsplitError, match=r"needs RayPipeline\(layout=\[\(1,\), \(0,\)\]\)"):
+            rp.run(x, [labels], microbatches=2, schedule=plans)
+    with P.RayPipeline(arts, params, layout=[(1,), (0,)], compiled=None) as rp:
+        for _ in range(2):  # compiled where Ray can, then the same graph again
+            r = rp.run(x, [labels], microbatches=2, schedule=plans)
+            np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
+            assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
+            for w, ops in enumerate(plans):  # each actor ran its own list, under its own worker index
+                mine = sorted((e for e in r.events if e.worker == w), key=lambda e: e.start)
+                assert [(e.kind, e.mb, e.stage) for e in mine] == [(o.kind, o.mb, o.chunk) for o in ops]
+    # Interleaved 1F1B with 3 chunks per worker, via pipeline.run: the layout comes from the plans.
+    arts, params, x, labels = make(6)
+    loss, grads = jax.value_and_grad(whole)(params, x, labels)
+    P.write_schedule(tmp_path / "i3.csv", P.schedule("interleaved1f1b", 6, 4, chunks=3))
+    r = P.run(arts, params, x, [labels], microbatches=4, runner="ray", schedule=P.read_schedule(tmp_path / "i3.csv"))
+    np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
+    assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
+    assert r.workers == 2 and {e.worker for e in r.events} == {0, 1}

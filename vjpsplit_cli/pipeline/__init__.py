@@ -1,4 +1,4 @@
-"""Pipeline parallelism over artifacts: GPipe, 1F1B, ZB-H1 and ZB-V schedules, in-process or on Ray.
+"""Pipeline parallelism over artifacts: GPipe, 1F1B, ZB-H1, ZB-V, interleaved 1F1B and DualPipeV, in-process or on Ray.
 
 A model is cut into S stages, one artifact each. Stage ``s`` is a function
 ``stage(params, x, *side)``: ``x`` is the previous stage's output (the batch input
@@ -9,14 +9,18 @@ the whole model on the whole batch.
 
 Stages run on *workers* (threads or Ray actors). GPipe, 1F1B and ZB-H1 put one
 stage on each worker; ZB-V puts two on each, in a V: worker ``w`` of ``p = S/2``
-holds stages ``w`` and ``2p-1-w``. Each worker runs its own list of operations in
+holds stages ``w`` and ``2p-1-w``; DualPipeV uses the same V; interleaved 1F1B puts
+``v`` stages on each (stage ``s`` on worker ``s mod p``). A schedule can also be
+data: ``read_schedule``/``write_schedule`` use torch.distributed.pipelining's CSV,
+and every runner takes such plans as ``schedule=`` after checking them. Each worker runs its own list of operations in
 order (``schedule``): ``F`` (forward, keeping residuals), ``B`` (backward; in
 ZB-H1 and ZB-V only its input part, which the previous stage waits for) and ``W``
 (the weight part, deferred into what would be idle time). Residuals never leave
 their worker; activations and cotangents go between stages (through Ray's object
 store with the Ray runner).
 
-The package's modules: ``schedules`` (pure lists of operations), ``timeline``
+The package's modules: ``schedules`` (pure lists of operations), ``plans``
+(schedules as CSV, and the checks of user plans), ``timeline``
 (events, simulation, bubbles, plots), ``stage`` (one stage's operations),
 ``dispatch`` (the one walker every runner hands its operations to),
 ``inprocess`` and ``ray_runner`` (the runners; ``ray_actor`` is the actor).
@@ -31,6 +35,7 @@ from .dispatch import progress_bar, walk
 from .inprocess import run_inprocess
 from .ray_actor import StageActor
 from .ray_runner import SCHEDULE_TIMEOUT, STEP_TIMEOUT, RayPipeline, placement_group_options
+from .plans import check_plans, layout_of, read_schedule, split_ops, write_schedule
 from .schedules import LABELS, SCHEDULES, SPLIT_BACKWARD, Op, check_schedule, dependencies, layout, placement, schedule
 from .stage import StageWorker, check_stages, run_op, split_batch, stage_devices
 from .timeline import Event, PipelineResult, bubble_ratio, plot_timeline, replay, simulate
@@ -48,6 +53,7 @@ __all__ = [
     "StageActor",
     "StageWorker",
     "bubble_ratio",
+    "check_plans",
     "check_schedule",
     "check_stages",
     "dependencies",
@@ -56,6 +62,7 @@ __all__ = [
     "placement_group_options",
     "plot_timeline",
     "progress_bar",
+    "read_schedule",
     "replay",
     "run",
     "run_inprocess",
@@ -63,8 +70,10 @@ __all__ = [
     "schedule",
     "simulate",
     "split_batch",
+    "split_ops",
     "stage_devices",
     "walk",
+    "write_schedule",
 ]
 
 
@@ -79,13 +88,17 @@ def run(
     runner: str = "inprocess",
     address: str | None = None,
     progress: bool = False,
+    schedule: Sequence[Sequence[Op]] | None = None,
 ) -> PipelineResult:
-    """One pipelined training step: ``runner`` is ``inprocess`` (default) or ``ray``."""
+    """One pipelined training step: ``runner`` is ``inprocess`` (default) or ``ray``.
+
+    ``schedule`` (plans, e.g. from ``read_schedule``) runs instead of ``schedule_name``, once checked.
+    """
+    kw = {"microbatches": microbatches, "schedule_name": schedule_name, "progress": progress, "schedule": schedule}
     if runner == "inprocess":
-        return run_inprocess(
-            artifacts, params, x, side, microbatches=microbatches, schedule_name=schedule_name, progress=progress
-        )
+        return run_inprocess(artifacts, params, x, side, **kw)
     if runner == "ray":
-        with RayPipeline(artifacts, params, address=address, layout=layout(schedule_name)) as rp:
-            return rp.run(x, side, microbatches=microbatches, schedule_name=schedule_name, progress=progress)
+        lay = layout_of(schedule_name, schedule, len(artifacts))
+        with RayPipeline(artifacts, params, address=address, layout=lay) as rp:
+            return rp.run(x, side, **kw)
     raise VjpsplitError(f"unknown runner {runner!r}; use inprocess or ray")

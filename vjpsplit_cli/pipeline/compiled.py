@@ -16,8 +16,10 @@ from .dispatch import walk
 from .schedules import Op
 
 
-def compile_step(actors: Sequence, plans: Sequence[Sequence[Op]], stages: int, microbatches: int, split: bool):
+def compile_step(actors: Sequence, plans: Sequence[Sequence[Op]], stages: int, microbatches: int, split):
     """The compiled graph of one step: ``execute(*xs, *sides)`` (one x and one side list per microbatch).
+
+    ``split``: the ``(stage, microbatch)`` pairs whose B is the input part (``plans.split_ops``).
 
     Raises whatever Ray raises where Compiled Graphs are unavailable or refuse
     the graph; the caller falls back to actor calls.
@@ -33,7 +35,7 @@ def compile_step(actors: Sequence, plans: Sequence[Sequence[Op]], stages: int, m
         def submit(w, op, data, side):
             # Chained to the worker's previous node: every node then hangs off the input
             # (Ray requires it) and each actor runs exactly its list's order.
-            last[w] = actors[w].op.bind(op.kind, op.chunk, op.mb, data, side, M, split, last[w])
+            last[w] = actors[w].op.bind(op.kind, op.chunk, op.mb, data, side, M, (op.chunk, op.mb) in split, last[w])
             return last[w]
 
         walk(plans, stages, mbs, submit)

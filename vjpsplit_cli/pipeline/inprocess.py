@@ -16,7 +16,8 @@ import numpy as np
 
 from ..errors import VjpsplitError
 from .dispatch import progress_bar, walk
-from .schedules import SPLIT_BACKWARD, schedule
+from .plans import resolve, split_ops
+from .schedules import Op
 from .stage import StageWorker, check_stages, run_op, split_batch, stage_devices
 from .timeline import PipelineResult
 
@@ -52,8 +53,11 @@ def run_inprocess(
     schedule_name: str = "1f1b",
     progress: bool = False,
     devices: Sequence[Sequence] | None = None,
+    schedule: Sequence[Sequence[Op]] | None = None,
 ) -> PipelineResult:
     """Run one training step in this process: one thread per worker, mailboxes between stages.
+
+    ``schedule`` (plans, e.g. from ``read_schedule``) runs instead of ``schedule_name``, once checked.
 
     Sharded stages run on their device groups (``devices``, one per stage; see
     ``stage_devices`` for the default); activations and cotangents are moved
@@ -63,9 +67,9 @@ def run_inprocess(
     if len(params) != S:
         raise VjpsplitError(f"{S} stages but {len(params)} parameter sets")
     artifacts = stage_devices(artifacts, devices)
-    check_stages(artifacts, schedule_name)
-    plans = schedule(schedule_name, S, microbatches)
-    split = schedule_name in SPLIT_BACKWARD
+    schedule_name, plans, _ = resolve(schedule_name, schedule, S, microbatches)
+    check_stages(artifacts, schedule_name, plans)
+    split = split_ops(plans)
     mbs = split_batch(x, side, microbatches)
     stages = [StageWorker(a, p, i, S) for i, (a, p) in enumerate(zip(artifacts, params))]
     inboxes = [queue.SimpleQueue() for _ in plans]
@@ -87,7 +91,7 @@ def run_inprocess(
                 box.put(_FAILED)
                 continue
             try:
-                box.put(run_op(stages[op.chunk], op, data, side_, microbatches, split, w))
+                box.put(run_op(stages[op.chunk], op, data, side_, microbatches, (op.chunk, op.mb) in split, w))
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 errors.append(e)
                 box.put(_FAILED)
@@ -124,4 +128,5 @@ def run_inprocess(
         microbatches,
         "in-process",
         step,
+        plans=plans,
     )

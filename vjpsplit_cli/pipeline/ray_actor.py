@@ -39,14 +39,14 @@ class StageActor:
         """This process's ``time.monotonic()``, for the driver's clock offset."""
         return time.monotonic()
 
-    def load(self, chunks, stages: int) -> None:
-        """Load ``(stage index, artifact bytes, params)`` for each stage this worker holds."""
+    def load(self, chunks, stages: int, worker: int | None = None) -> None:
+        """Load ``(stage index, artifact bytes, params)`` for each stage this worker holds (worker ``worker``)."""
         from ..artifact.loading import loads
 
         self.stages = {
             c: StageWorker(loads(data, source=f"stage {c}"), params, c, stages) for c, data, params in chunks
         }
-        self.worker = min(self.stages)  # a worker's index is its first stage's, in both layouts
+        self.worker = min(self.stages) if worker is None else worker  # the built-in layouts: its first stage
 
     def reset(self) -> None:
         """Forget the last step's residuals, gradients, timings and error."""

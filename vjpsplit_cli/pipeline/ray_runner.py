@@ -18,7 +18,8 @@ from ..errors import VjpsplitError
 from .compiled import compile_step
 from .dispatch import progress_bar, walk
 from .ray_actor import StageActor, devices_for
-from .schedules import LABELS, SPLIT_BACKWARD, layout, placement, schedule
+from .plans import describe, layout_of, layout_placement, resolve, split_ops
+from .schedules import Op
 from .stage import check_stages, split_batch
 from .timeline import PipelineResult
 
@@ -30,7 +31,9 @@ class RayPipeline:
     """Workers as Ray actors (one process each); activations and cotangents go through Ray's object store.
 
     ``layout="stage"`` (default) puts one stage on each actor, for GPipe, 1F1B and
-    ZB-H1; ``layout="v"`` puts two on each in ZB-V's V. ``address=None`` starts (or
+    ZB-H1; ``layout="v"`` puts two on each in ZB-V's (and DualPipeV's) V;
+    ``layout="interleaved"`` two on each, round robin (interleaved 1F1B); a list of
+    stage tuples, one per worker, places them as given (for ``schedule=`` plans). ``address=None`` starts (or
     joins) a local Ray instance; pass a cluster address (``ray://host:10001`` or
     ``auto``) for multi-host. ``actor_options`` gives one dict of Ray actor options
     per worker (``num_cpus``, ``num_gpus``, ``resources``, ``scheduling_strategy``
@@ -55,7 +58,7 @@ class RayPipeline:
         address: str | None = None,
         runtime_env: dict | None = None,
         num_cpus_per_stage: float = 0,
-        layout: str = "stage",
+        layout: str | Sequence[Sequence[int]] = "stage",
         actor_options: Sequence[Mapping[str, Any]] | None = None,
         schedule_timeout: float = SCHEDULE_TIMEOUT,
         compiled: bool | None = False,
@@ -65,8 +68,6 @@ class RayPipeline:
             import ray
         except ImportError as e:
             raise VjpsplitError("the Ray runner needs Ray; pip install 'vjpsplit[ray]'") from e
-        if layout not in ("stage", "v"):
-            raise VjpsplitError(f"unknown layout {layout!r}; use stage or v")
         if len(params) != len(artifacts):
             raise VjpsplitError(f"{len(artifacts)} stages but {len(params)} parameter sets")
         self.ray = ray
@@ -76,7 +77,7 @@ class RayPipeline:
         self.layout = layout
         self.stages = len(artifacts)
         self.artifacts = list(artifacts)
-        self.placement = placement("zbv" if layout == "v" else "1f1b", self.stages)
+        self.placement = layout_placement(layout, self.stages)
         if actor_options is not None and len(actor_options) != len(self.placement):
             raise VjpsplitError(
                 f"actor_options has {len(actor_options)} entries for {len(self.placement)} workers; "
@@ -95,8 +96,8 @@ class RayPipeline:
             self.clock_offsets = [_clock_offset(ray, a) for a in self.actors]
             self._get(
                 [
-                    a.load.remote([(c, artifacts[c].to_bytes(), params[c]) for c in chunks], self.stages)
-                    for a, chunks in zip(self.actors, self.placement)
+                    a.load.remote([(c, artifacts[c].to_bytes(), params[c]) for c in chunks], self.stages, w)
+                    for w, (a, chunks) in enumerate(zip(self.actors, self.placement))
                 ]
             )
         except BaseException:
@@ -138,33 +139,41 @@ class RayPipeline:
             ) from None
 
     def run(
-        self, x, side=(), *, microbatches: int, schedule_name: str = "1f1b", progress: bool = False
+        self,
+        x,
+        side=(),
+        *,
+        microbatches: int,
+        schedule_name: str = "1f1b",
+        progress: bool = False,
+        schedule: Sequence[Sequence[Op]] | None = None,
     ) -> PipelineResult:
-        """One training step under ``schedule_name``; gradients accumulate over microbatches."""
+        """One training step under ``schedule_name`` (or the checked plans ``schedule``); gradients accumulate."""
         ray = self.ray
         S = self.stages
-        check_stages(self.artifacts, schedule_name)
-        if layout(schedule_name) != self.layout:
+        schedule_name, plans, where = resolve(schedule_name, schedule, S, microbatches)
+        check_stages(self.artifacts, schedule_name, plans)
+        if where != self.placement:
             raise VjpsplitError(
-                f"{LABELS[schedule_name]} needs RayPipeline(layout={layout(schedule_name)!r}); "
-                f"this one was made with layout={self.layout!r}"
+                f"{describe(schedule_name)} needs RayPipeline(layout={layout_of(schedule_name, schedule, S)!r}): "
+                f"it places the stages as {where}, this one holds them as {self.placement}"
             )
         if not self.actors:
             raise VjpsplitError("this RayPipeline is closed; build a new one")
-        plans = schedule(schedule_name, S, microbatches)
-        split = schedule_name in SPLIT_BACKWARD
+        split = split_ops(plans)
         mbs = split_batch(x, side, microbatches)
         if self.compiled is not False and not progress:
             graph = self._graph(plans, microbatches, split, schedule_name)
             if graph is not None:
-                return self._run_graph(graph, mbs, schedule_name, microbatches)
+                return self._run_graph(graph, mbs, schedule_name, microbatches, plans)
         self._drop_graph()  # its actors take ordinary calls again
         self._get([a.reset.remote() for a in self.actors])
         t0 = time.monotonic()
 
         def submit(w, op, data, side_):
             # Each actor runs its tasks in submission order, which walk keeps to its list.
-            return self.actors[w].op.remote(op.kind, op.chunk, op.mb, data, side_, microbatches, split)
+            s = (op.chunk, op.mb) in split
+            return self.actors[w].op.remote(op.kind, op.chunk, op.mb, data, side_, microbatches, s)
 
         refs = walk(plans, S, mbs, submit)
         if progress:
@@ -182,11 +191,11 @@ class RayPipeline:
                 bar.close()
         states = self._get([a.state.remote() for a in self.actors], self.step_timeout)  # after each one's last op
         step = time.monotonic() - t0
-        return self._result(states, schedule_name, microbatches, step, False)
+        return self._result(states, schedule_name, microbatches, step, False, plans)
 
-    def _graph(self, plans, microbatches: int, split: bool, schedule_name: str):
-        """The step's compiled graph, built once per (schedule, microbatches); None where unavailable."""
-        key = (schedule_name, microbatches)
+    def _graph(self, plans, microbatches: int, split: set, schedule_name: str):
+        """The step's compiled graph, built once per (plans, microbatches); None where unavailable."""
+        key = (tuple(map(tuple, plans)), microbatches)
         if self.graph is not None and self.graph[0] == key:
             return self.graph[1]
         self._drop_graph()  # an actor takes part in one compiled graph at a time
@@ -211,7 +220,7 @@ class RayPipeline:
             except Exception:  # noqa: BLE001 - a graph whose actor died tears down with an error
                 pass
 
-    def _run_graph(self, graph, mbs, schedule_name: str, microbatches: int) -> PipelineResult:
+    def _run_graph(self, graph, mbs, schedule_name: str, microbatches: int, plans) -> PipelineResult:
         ray = self.ray
         t0 = time.monotonic()
         try:
@@ -229,9 +238,9 @@ class RayPipeline:
             raise VjpsplitError(
                 f"the compiled step failed ({type(e).__name__}: {e}); build a new RayPipeline to run again"
             ) from None
-        return self._result(states, schedule_name, microbatches, time.monotonic() - t0, True)
+        return self._result(states, schedule_name, microbatches, time.monotonic() - t0, True, plans)
 
-    def _result(self, states, schedule_name, microbatches, step, compiled: bool) -> PipelineResult:
+    def _result(self, states, schedule_name, microbatches, step, compiled: bool, plans=None) -> PipelineResult:
         S = self.stages
         failed = [st["error"] for st in states if st["error"] is not None]
         if failed:
@@ -249,6 +258,7 @@ class RayPipeline:
             "ray",
             step,
             {"compiled": compiled},
+            plans,
         )
 
     def close(self) -> None:

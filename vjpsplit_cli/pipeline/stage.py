@@ -240,14 +240,21 @@ def split_batch(x, side: Mapping[str, Any] | Sequence, microbatches: int) -> lis
     return [(x[i * k : (i + 1) * k], [s[i * k : (i + 1) * k] for s in sides]) for i in range(microbatches)]
 
 
-def check_stages(artifacts: Sequence, name: str) -> None:
-    """Refuse a schedule the stages cannot run (split schedules need artifacts with the split backward)."""
-    check_schedule(name, len(artifacts))
-    if name in SPLIT_BACKWARD:
+def check_stages(artifacts: Sequence, name: str, plans: Sequence[Sequence[Op]] | None = None) -> None:
+    """Refuse a schedule the stages cannot run (split schedules need artifacts with the split backward).
+
+    With ``plans`` (a checked schedule), the stages that have a W in them need it.
+    """
+    if plans is not None:
+        need = {o.chunk for ops in plans for o in ops if o.kind == "W"}
+    else:
+        check_schedule(name, len(artifacts))
+        need = set(range(len(artifacts))) if name in SPLIT_BACKWARD else set()
+    if need:
         for i, a in enumerate(artifacts):
-            if not a.manifest.weights:
+            if i in need and not a.manifest.weights:
                 raise VjpsplitError(
-                    f"{LABELS[name]} needs the split backward: export stage {i} with "
+                    f"{LABELS.get(name, name)} needs the split backward: export stage {i} with "
                     f"weights=('{a.manifest.arg_names[0]}',)"
                 )
 

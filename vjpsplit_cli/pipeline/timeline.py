@@ -82,11 +82,12 @@ class PipelineResult:
     runner: str
     step_time: float = 0.0
     extra: dict = field(default_factory=dict)
+    plans: list | None = None  # the per-worker lists that ran (a named schedule's, or the caller's)
 
     @property
     def workers(self) -> int:
         """How many workers (threads or actors) ran the stages."""
-        return len(placement(self.schedule, self.stages))
+        return len(self.plans) if self.plans is not None else len(placement(self.schedule, self.stages))
 
     @property
     def bubble_ratio(self) -> float:
@@ -96,7 +97,9 @@ class PipelineResult:
     @property
     def modeled_bubble_ratio(self) -> float:
         """The bubble ratio if every worker had a device of its own: measured op times, replayed."""
-        return bubble_ratio(replay(self.events, self.schedule, self.stages, self.microbatches), self.workers)
+        return bubble_ratio(
+            replay(self.events, self.schedule, self.stages, self.microbatches, self.plans), self.workers
+        )
 
     def per_worker(self) -> list[dict]:
         """Busy seconds per worker and kind, and idle seconds."""
@@ -121,7 +124,7 @@ class PipelineResult:
             self.workers,
             path,
             title
-            or f"{LABELS[self.schedule]}: {self.stages} stages on {self.workers} workers, "
+            or f"{LABELS.get(self.schedule, self.schedule)}: {self.stages} stages on {self.workers} workers, "
             f"{self.microbatches} microbatches, bubble {self.bubble_ratio:.0%} ({self.runner})",
         )
 
@@ -135,14 +138,16 @@ def bubble_ratio(events: Sequence[Event], workers: int) -> float:
     return max(0.0, 1.0 - busy / (workers * span)) if span > 0 else 0.0
 
 
-def replay(events: Sequence[Event], name: str, stages: int, microbatches: int) -> list[Event]:
-    """The timeline the schedule would have with one device per worker, given each op's measured time."""
+def replay(
+    events: Sequence[Event], name: str, stages: int, microbatches: int, plans: Sequence[Sequence[Op]] | None = None
+) -> list[Event]:
+    """The timeline the schedule (or ``plans``) would have with one device per worker, given each op's measured time."""
     dur = {(e.stage, e.kind, e.mb): e.end - e.start for e in events}
     return simulate(
-        schedule(name, stages, microbatches),
+        schedule(name, stages, microbatches) if plans is None else plans,
         stages,
         lambda op: dur.get((op.chunk, op.kind, op.mb), 0.0),
-        split=name in SPLIT_BACKWARD,
+        split=None if plans is not None else name in SPLIT_BACKWARD,
     )
 
 
