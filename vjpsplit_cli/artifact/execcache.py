@@ -95,7 +95,7 @@ def entry_key(args: Sequence, parts: Sequence[str]) -> str:
         "jaxlib": getattr(jaxlib, "__version__", "?"),
         "platform": dev.platform,
         "device_kind": getattr(dev, "device_kind", ""),
-        "x64": bool(jax.config.jax_enable_x64),
+        "x64": bool(jax.config.jax_enable_x64),  # type: ignore[attr-defined]  # jax.config is dynamic
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
@@ -167,7 +167,7 @@ def compiled_call(jitted, args: Sequence, parts: Sequence[str], directory: str) 
     # CPU kernels ("Function ... not found" when run): compile this one afresh. (JAX
     # decides once per process whether its cache is used, so in a process that has
     # already compiled with it this may not take; _guarded catches such an entry.)
-    before = jax.config.jax_enable_compilation_cache
+    before = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]
     try:
         jax.config.update("jax_enable_compilation_cache", False)
         compiled = jitted.lower(*args).compile()

@@ -10,11 +10,14 @@ name, or a list of axis names.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+if TYPE_CHECKING:
+    from jax.sharding import AbstractMesh
 
 from ..errors import VjpsplitError
 
@@ -23,7 +26,7 @@ SpecJSON = tuple  # one entry per dim: None, an axis name, or a tuple of axis na
 
 def spec_to_json(spec: PartitionSpec) -> SpecJSON:
     """``P('data', None, ('x', 'y'))`` -> ``('data', None, ('x', 'y'))``; trailing ``None``s dropped."""
-    out = []
+    out: list[str | tuple[str, ...] | None] = []
     for entry in spec:
         if entry is None or entry is PartitionSpec.UNCONSTRAINED:
             out.append(None)
@@ -41,7 +44,7 @@ def spec_from_json(value: Any) -> SpecJSON:
     """A spec read from a manifest or a file, validated; raises ValueError when malformed."""
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"sharding {value!r} is not a list")
-    out = []
+    out: list[str | tuple[str, ...] | None] = []
     for entry in value:
         if entry is None or isinstance(entry, str):
             out.append(entry)
@@ -71,7 +74,7 @@ def axes_of(spec: SpecJSON) -> list[tuple[str, ...]]:
     return [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
 
 
-def mesh_of(shardings: Sequence[Any]) -> Mesh | None:
+def mesh_of(shardings: Sequence[Any]) -> Mesh | AbstractMesh | None:
     """The one mesh that every ``NamedSharding`` among ``shardings`` uses; None when none is sharded.
 
     Raises VjpsplitError for a sharding of another kind or for two different meshes:

@@ -81,7 +81,12 @@ def template(
             f"{art.source}: the {what} have symbolic dims {', '.join(unsized)}; give their sizes with --at {example}"
         )
     rng = np.random.default_rng(seed)
-    return {leaf.key: _fill(leaf, concrete_shape(leaf.shape, sizes), fill, rng) for leaf in leaves}
+    out = {}
+    for leaf in leaves:
+        shape = concrete_shape(leaf.shape, sizes)
+        assert shape is not None, leaf.key  # every dim is sized: checked above
+        out[leaf.key] = _fill(leaf, shape, fill, rng)
+    return out
 
 
 def save_template(

@@ -182,7 +182,7 @@ def cli_command(fn):
         except Exception as e:  # user code or a bug: still one line, unless asked
             if show:
                 traceback.print_exc()
-            raise CliError(_unexpected(ctx.info_name, kwargs, e)) from e
+            raise CliError(_unexpected(ctx.info_name or "vjpsplit", kwargs, e)) from e
 
     return wrapper
 
@@ -288,7 +288,7 @@ def use_compilation_cache() -> None:
         return
     import jax
 
-    configured = jax.config.jax_compilation_cache_dir
+    configured = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # jax.config is dynamic
     if configured:  # the user configured JAX's own cache: keep it, if it is safe to read programs from
         if "://" in str(configured) or config.ensure_private_dir(str(configured))[0]:
             return

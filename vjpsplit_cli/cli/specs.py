@@ -35,6 +35,8 @@ def load_object(target: str, label: str = "FN") -> tuple[Any, str]:
         module = sys.modules.get(name)
         if module is None:
             spec = importlib.util.spec_from_file_location(name, path)
+            if spec is None or spec.loader is None:
+                raise VjpsplitError(f"{path}: Python cannot load this file as a module; give a .py file")
             module = importlib.util.module_from_spec(spec)
             # Sibling imports in the user's file should work as when run as a script.
             sys.path.insert(0, str(path.resolve().parent))

@@ -197,7 +197,7 @@ def export_optimizer(
         ("init", flat.init, (pstructs,)),
         ("update", flat.update, (pstructs, sstructs, pstructs, scale)),
     ):
-        kw = {} if sh is None else {"in_shardings": sh[module][0], "out_shardings": sh[module][1]}
+        kw: dict[str, Any] = {} if sh is None else {"in_shardings": sh[module][0], "out_shardings": sh[module][1]}
         try:
             exp = jexport.export(jax.jit(fn, **kw), platforms=platforms)(*args)
         except Exception as e:

@@ -110,7 +110,9 @@ def read_schedule(path) -> list[list[Op]]:
 
 def _cells(row: str) -> list[str]:
     """A row's cells: commas split, except inside an overlapped pair's parentheses."""
-    cells, depth, cur = [], 0, []
+    cells: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in row:
         depth += ch == "("
         depth -= ch == ")"
@@ -200,8 +202,8 @@ def resolve(
     if plans is None:
         check_schedule(schedule_name, stages, microbatches)
         return schedule_name, schedule(schedule_name, stages, microbatches), placement(schedule_name, stages)
-    plans = [list(ops) for ops in plans]
-    return "custom", plans, check_plans(plans, stages, microbatches)
+    checked = [list(ops) for ops in plans]
+    return "custom", checked, check_plans(checked, stages, microbatches)
 
 
 def describe(name: str) -> str:

@@ -176,9 +176,9 @@ def _place_weight_passes(fb: list[list[Op]], S: int) -> list[list[Op]]:
         for s in range(S):
             op = fb[s][nxt[s]] if nxt[s] < len(fb[s]) else None
             ready = op is not None and all(done.get(d, t + 1) <= t for d in dependencies(op, S, True))
-            if ready and op.kind == "F" and live[s] >= S:
+            if op is not None and ready and op.kind == "F" and live[s] >= S:
                 ready = False
-            if ready:
+            if op is not None and ready:
                 out[s].append(op)
                 done[(op.kind, op.mb, op.chunk)] = t + 1
                 nxt[s] += 1

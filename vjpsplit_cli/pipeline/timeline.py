@@ -164,27 +164,27 @@ def plot_timeline(events: Sequence[Event], workers: int, path, title: str) -> No
     except ImportError as e:
         raise VjpsplitError("plotting needs matplotlib; pip install 'vjpsplit[pipeline]'") from e
     colors = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
-    first = {}
-    for e in events:
-        first[e.worker] = min(first.get(e.worker, e.stage), e.stage)
-    t0 = min(e.start for e in events)
+    first: dict[int, int] = {}
+    for ev in events:
+        first[ev.worker] = min(first.get(ev.worker, ev.stage), ev.stage)
+    t0 = min(ev.start for ev in events)
     fig, ax = plt.subplots(figsize=(10, 0.6 * workers + 1.2), dpi=110)
-    for e in events:
-        second = e.stage != first[e.worker]
+    for ev in events:
+        second = ev.stage != first[ev.worker]
         ax.barh(
-            e.worker,
-            (e.end - e.start) * 1e3,
-            left=(e.start - t0) * 1e3,
-            color=colors[e.kind],
+            ev.worker,
+            (ev.end - ev.start) * 1e3,
+            left=(ev.start - t0) * 1e3,
+            color=colors[ev.kind],
             edgecolor="white",
             linewidth=0.5,
             hatch="///" if second else None,
         )
-        if (e.end - e.start) * 1e3 > 0:
+        if (ev.end - ev.start) * 1e3 > 0:
             ax.text(
-                (e.start - t0 + (e.end - e.start) / 2) * 1e3,
-                e.worker,
-                f"{e.kind}{e.mb}",
+                (ev.start - t0 + (ev.end - ev.start) / 2) * 1e3,
+                ev.worker,
+                f"{ev.kind}{ev.mb}",
                 ha="center",
                 va="center",
                 fontsize=6,
@@ -197,7 +197,7 @@ def plot_timeline(events: Sequence[Event], workers: int, path, title: str) -> No
     from matplotlib.patches import Patch
 
     handles = [Patch(color=c, label=k) for k, c in colors.items()]
-    if any(e.stage != first[e.worker] for e in events):
+    if any(ev.stage != first[ev.worker] for ev in events):
         handles.append(Patch(facecolor="white", edgecolor="grey", hatch="///", label="2nd stage"))
     ax.legend(handles=handles, loc="upper right", fontsize=7)
     fig.tight_layout()

@@ -28,6 +28,10 @@ TRUST_ENV = config.TRUST_KEYS
 # ------------------------------------------------------------------------------ keys
 
 
+def _write_all(f, data: bytes) -> None:
+    f.write(data)
+
+
 def _crypto():
     try:
         from cryptography.hazmat.primitives import serialization
@@ -68,7 +72,7 @@ def generate_key(path: str | os.PathLike) -> str:
 
     with StagedOutputs({"KEY": path, "KEY.pub": path + ".pub"}, fsync=True) as out:
         out.write("KEY", write_private)
-        out.write("KEY.pub", lambda tmp: atomic_write(tmp, lambda f: f.write(public)))
+        out.write("KEY.pub", lambda tmp: atomic_write(tmp, lambda f: _write_all(f, public)))
     return key_id(_raw_public(key.public_key()))
 
 
