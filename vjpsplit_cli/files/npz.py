@@ -36,7 +36,6 @@ from .common import (
     unique_map,
 )
 from .dtypes import dtype_name
-
 from .npzwrite import meta_json
 
 _MAX_RATIO = 1100  # deflate cannot shrink data more than ~1032:1; a member claiming more is forged

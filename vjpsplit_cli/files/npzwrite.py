@@ -30,7 +30,6 @@ from .common import (
     write_all,
 )
 
-
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)  # fixed, so the same arrays give the same bytes
 _MAX_COMMENT = 0xFFFF  # zip's limit for the archive comment
 # What zipfile writes, field by field (its structFileHeader, structCentralDir, ...).

@@ -33,9 +33,9 @@ from typing import Sequence
 from ..errors import VjpsplitError
 from .dispatch import progress_bar, walk
 from .inprocess import run_inprocess
+from .plans import check_plans, layout_of, read_schedule, split_ops, write_schedule
 from .ray_actor import StageActor
 from .ray_runner import SCHEDULE_TIMEOUT, STEP_TIMEOUT, RayPipeline, placement_group_options
-from .plans import check_plans, layout_of, read_schedule, split_ops, write_schedule
 from .schedules import LABELS, SCHEDULES, SPLIT_BACKWARD, Op, check_schedule, dependencies, layout, placement, schedule
 from .stage import StageWorker, check_stages, run_op, split_batch, stage_devices
 from .timeline import Event, PipelineResult, bubble_ratio, plot_timeline, replay, simulate

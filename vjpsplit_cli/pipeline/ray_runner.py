@@ -17,8 +17,8 @@ import numpy as np
 from ..errors import VjpsplitError
 from .compiled import compile_step
 from .dispatch import progress_bar, walk
-from .ray_actor import StageActor, devices_for
 from .plans import describe, layout_of, layout_placement, resolve, split_ops
+from .ray_actor import StageActor, devices_for
 from .schedules import Op
 from .stage import check_stages, split_batch
 from .timeline import PipelineResult

@@ -8,13 +8,12 @@ a commit of several renames holds them until it is done (``signals_deferred``).
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 import gc
 import os
 import signal
 import sys
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 
 class Interrupted(BaseException):

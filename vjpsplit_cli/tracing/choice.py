@@ -17,9 +17,9 @@ from ..errors import VjpsplitError
 from ..files.shapes import is_symbolic_shape
 from .policies import (
     AUTO,
-    bytes_known,
     BUDGET_ORDER,
     Candidate,
+    bytes_known,
     choose_policy,
     concrete_specs,
     human_bytes,

@@ -13,6 +13,7 @@ import numpy as np
 from jax.tree_util import DictKey
 
 from ..errors import VjpsplitError
+from ..files import keys
 from ..files.trees import ArgTrees
 from .vjp import Plan
 
@@ -182,7 +183,9 @@ class SplitResiduals(Residuals):
 
 def _residuals_keys(r: Residuals) -> tuple[list, tuple]:
     # Key paths are the file keys: r/0 for stored residuals, in/<input key> for input-backed ones.
-    children = [(DictKey(k), v) for k, v in r.stored.items()] + [(DictKey(f"in/{k}"), v) for k, v in r.inputs.items()]
+    children = [(DictKey(k), v) for k, v in r.stored.items()] + [
+        (DictKey(keys.input_backed(k)), v) for k, v in r.inputs.items()
+    ]
     aux = (
         tuple(r.stored),
         tuple(r.inputs),
@@ -272,7 +275,7 @@ def _intermediates_keys(r: Intermediates) -> tuple[list, tuple]:
     children = (
         [(DictKey(k), v) for k, v in r.arrays.items()]
         + [(DictKey(k), v) for k, v in r.stored.items()]
-        + [(DictKey(f"in/{k}"), v) for k, v in r.inputs.items()]
+        + [(DictKey(keys.input_backed(k)), v) for k, v in r.inputs.items()]
     )
     aux = (tuple(r.arrays), tuple(r.stored), tuple(r.inputs), tuple(sorted(r.dims.items())), r.fingerprint, r.arg_trees)
     return children, aux

@@ -11,6 +11,7 @@ from typing import Callable
 import jax
 
 from ..errors import VjpsplitError
+from ..files import keys
 from .choice import resolve_policy
 from .policies import AUTO, apply_policy
 from .residuals import Residuals, SplitResiduals
@@ -75,7 +76,7 @@ def split(fn: Callable, wrt=None, has_aux: bool = False, policy: str | None = No
 
     def _bwd_impl(res: SplitResiduals, ct_leaves):
         plan = res.plan
-        stored = [res.stored[f"r/{i}"] for i in range(plan.n_stored)]
+        stored = [res.stored[keys.stored(i)] for i in range(plan.n_stored)]
         inputs = [res.inputs[str(k)] for k in plan.input_backed]
         return run_backward(plan, stored, inputs, ct_leaves)
 
@@ -87,7 +88,7 @@ def split(fn: Callable, wrt=None, has_aux: bool = False, policy: str | None = No
         plan: Plan = static.value
         flat = jax.tree_util.tree_leaves(args)
         res = SplitResiduals(
-            {f"r/{i}": v for i, v in enumerate(stored)},
+            {keys.stored(i): v for i, v in enumerate(stored)},
             {str(k): flat[k] for k in plan.input_backed},
             plan=plan,
             bound_inputs={str(i): v for i, v in enumerate(flat)},
