@@ -27,7 +27,7 @@ from .prng import data_struct, from_data, impl_name, is_key, to_data
 from .shapes import DIM_FUNCS, IDENTIFIER, concrete_shape, dim_str, to_struct
 from .sharding import divisibility_problem, mesh_axes, mesh_of, spec_to_json
 from .trees import encode_structure, flatten_with_keys
-from .vjp import positional_names, run_backward, trace_vjp, wrt_positions
+from .vjp import fn_name, not_traceable, positional_names, run_backward, trace_vjp, wrt_positions
 from .zerobubble import keep_inputs, partition
 
 DEFAULT_PLATFORMS = ("cpu", "cuda", "tpu")
@@ -310,6 +310,11 @@ def export(
     ``bwd_input`` (gradients of the other arguments, on the critical path) and
     ``bwd_weight`` (the weight gradients, schedulable later).
     """
+    problem = not_traceable(fn)
+    if problem:
+        raise VjpsplitError(
+            f"cannot export {fn_name(fn)}: it is {problem}; export needs a Python function that JAX can trace"
+        )
     platforms = _platforms(platforms)
     names = tuple(arg_names) if arg_names is not None else tuple(positional_names(fn, len(specs)))
     if len(names) != len(specs):

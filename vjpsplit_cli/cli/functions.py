@@ -7,7 +7,6 @@ import os
 
 import click
 
-from ..errors import VjpsplitError
 from ..outputs import StagedOutputs
 from .app import (
     ARRAY_SUFFIXES,
@@ -67,7 +66,7 @@ def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, a
     """Export FN's forward and backward into one portable artifact."""
     from ..lowering import export
     from ..policies import parse_at
-    from ..specs import check_fits, load_object, resolve_shapes
+    from ..specs import check_fits, load_function, resolve_shapes
     from ..signing import load_private_key
 
     key = load_private_key(sign_key) if sign_key else None  # a bad key fails before any tracing
@@ -77,9 +76,7 @@ def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, a
         raise click.UsageError("give either --policy or --memory-budget (or both with --policy auto), not both")
 
     with StagedOutputs({"-o": output}, {"MODULE:FN": _module_files(target), "--shapes": _shape_files(shapes)}) as out:
-        fn, name = load_object(target)
-        if not callable(fn):
-            raise VjpsplitError(f"{target} is not callable; point MODULE:FN at a function")
+        fn, name = load_function(target)
         names, specs = resolve_shapes(fn, shapes)
         check_at(at, specs)
         enable_x64_if(wants_x64(specs))
@@ -161,9 +158,9 @@ def plan_cmd(target, shapes, wrt, has_aux, at, policies, memory_budget, as_json)
     """Compare policies before exporting: stored residual bytes and backward recompute per policy."""
     from ..policies import plan_policies
     from ..report import format_plan
-    from ..specs import check_fits, load_object, resolve_shapes
+    from ..specs import check_fits, load_function, resolve_shapes
 
-    fn, _ = load_object(target)
+    fn, _ = load_function(target)
     names, specs = resolve_shapes(fn, shapes)
     sizes = check_at(at, specs)
     enable_x64_if(wants_x64(specs))
