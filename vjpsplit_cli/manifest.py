@@ -408,11 +408,16 @@ def _weak_scalar_fits(value, want: np.dtype) -> bool:
     return False
 
 
+def as_computed(value, want):
+    """``value`` as an artifact computes on it: a Python scalar (weakly typed in JAX) takes the dtype ``want``."""
+    want = np.dtype(want)
+    return np.asarray(value, want) if _weak_scalar_fits(value, want) else value
+
+
 def check_array(source: str, what: str, leaf: Leaf, value, dims: dict[str, int]):
     """``value`` as an array of ``leaf``'s dtype and shape, binding dims; else a clear error."""
     want = dtype_from_name(leaf.dtype)
-    if _weak_scalar_fits(value, want):
-        value = np.asarray(value, want)  # Python scalars are weakly typed in JAX: take the expected dtype
+    value = as_computed(value, want)
     a = value if hasattr(value, "dtype") and hasattr(value, "shape") else np.asarray(value)
     got = np.dtype(a.dtype)
     if got != want:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import click
 
@@ -65,7 +66,7 @@ from .app import (
 def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, at, weights, output, sign_key):
     """Export FN's forward and backward into one portable artifact."""
     from ..lowering import export
-    from ..policies import parse_at
+    from ..policies import PolicyFallbackWarning, parse_at
     from ..specs import check_fits, load_function, resolve_shapes
     from ..signing import load_private_key
 
@@ -83,19 +84,21 @@ def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, a
         check_fits(fn, target, names, specs, shapes)
         if policy == "auto":
             _log_timing(at)
-        art = export(
-            fn,
-            *specs,
-            wrt=name_list(wrt),
-            has_aux=has_aux,
-            platforms=platforms,
-            policy=None if memory_budget is not None and policy != "auto" else policy,
-            arg_names=names,
-            name=name,
-            memory_budget=memory_budget,
-            at=parse_at(at),
-            weights=name_list(weights),
-        )
+        with warnings.catch_warnings():  # a policy that falls back is said once, in the log lines below
+            warnings.simplefilter("ignore", PolicyFallbackWarning)
+            art = export(
+                fn,
+                *specs,
+                wrt=name_list(wrt),
+                has_aux=has_aux,
+                platforms=platforms,
+                policy=None if memory_budget is not None and policy != "auto" else policy,
+                arg_names=names,
+                name=name,
+                memory_budget=memory_budget,
+                at=parse_at(at),
+                weights=name_list(weights),
+            )
         if key is not None:
             art.sign(key)
         out.write("-o", art.save)
