@@ -30,6 +30,7 @@ from vjpsplit_cli.manifest import MAGIC, fingerprint
 from vjpsplit_cli.signing import generate_key, key_id, load_public_key
 from vjpsplit_cli.trust import lapack_shapes_ok
 from clihelp import opts
+from sighelp import python_with_sigint
 
 X = jax.ShapeDtypeStruct((4,), np.float32)
 XV = np.array([0.5, -1.0, 2.0, 0.25], np.float32)
@@ -545,14 +546,13 @@ def test_a_never_ending_module_ends_on_a_termination_signal(base, tmp_path, sig)
     )
     (tmp_path / "r.npz").write_bytes(b"previous")
     cache = tmp_path / "cache"
-    cmd = [
-        sys.executable,
+    cmd = python_with_sigint(
         "-m",
         "vjpsplit_cli.cli",
         "run-fwd",
         str(path),
         *opts(inputs=d / "in.npz", residuals=tmp_path / "r.npz"),
-    ]
+    )
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
