@@ -1,7 +1,10 @@
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
+
+import pytest
 
 # tests/models.py is a plain helper module, not an installed package.
 sys.path.insert(0, str(Path(__file__).parent))
@@ -17,3 +20,13 @@ collect_ignore = [] if os.environ.get("VJPSPLIT_SHARDED_SUITE") == "1" else ["sh
 # its own (tests/test_pipeline_ray.py starts it with VJPSPLIT_RAY_SUITE=1).
 if os.environ.get("VJPSPLIT_RAY_SUITE") != "1":
     collect_ignore.append("ray_suite")
+
+
+@pytest.fixture()
+def sigint_default():
+    """Python's default SIGINT handler for one test, however the run was started (a background job ignores SIGINT)."""
+    from sighelp import set_default_sigint
+
+    previous = set_default_sigint()
+    yield
+    signal.signal(signal.SIGINT, previous)

@@ -452,7 +452,6 @@ def test_existing_output_survives_a_failed_run(ws, tmp_path):
         (["nomodule:loss", "--shapes", "x=f32[3]"], ["cannot import module 'nomodule'"]),
         (["model:printing", "--shapes", "x=f32[3]"], ["host callback"]),
         (["model:broken", "--shapes", "x=f32[3]"], ["model bug"]),
-        (["model:vector", "--shapes", "x=missing.npz"], ["missing.npz", "no such"]),
         (["model:vector", "--shapes", "x=f32[3]", "--platforms", "cpu,gpu9"], ["unknown platform 'gpu9'"]),
         (["model:vector", "--shapes", "x=f32[3]", "--policy", "most"], ["unknown policy 'most'"]),
     ],
@@ -473,6 +472,7 @@ def test_export_errors(ws, tmp_path, args, needles):
         (["model:loss", "--shapes", "x=f32[3,6]"], "missing --shapes for parameter(s) params, labels"),
         (["model:vector"], "Missing option '--shapes'"),
         (["vector", "--shapes", "x=f32[3]"], "not MODULE:FN"),
+        (["model:vector", "--shapes", "x=missing.npz"], "--shapes x=missing.npz: no such"),
     ],
 )
 def test_usage_errors_exit_2(ws, tmp_path, args, needle):

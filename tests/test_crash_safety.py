@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from clihelp import opts
+from sighelp import python_with_sigint
 
 import vjpsplit_cli as vs
 
@@ -139,15 +140,14 @@ def test_a_signal_during_a_write_removes_temp_files_and_keeps_every_previous_out
     res.write_bytes(b"previous residuals")
     out.write_bytes(b"previous outputs")
     before = _snapshot(tmp_path)
-    cmd = [
-        sys.executable,
+    cmd = python_with_sigint(
         "-m",
         "vjpsplit_cli",
         "--no-cache",
         "run-fwd",
         str(big / "art.vjps"),
         *opts(inputs=big / "in1.npz", residuals=res, outputs=out),
-    ]
+    )
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     signum = getattr(signal, sig)
     try:
@@ -247,6 +247,7 @@ def test_a_write_sweeps_its_directory_once_per_process(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["r.npz"]
 
 
+@pytest.mark.usefixtures("sigint_default")
 def test_an_interrupt_held_during_the_commit_says_the_outputs_were_written(tmp_path, monkeypatch):
     """SIGINT during the renames is held until they finish; the message must not claim nothing was written."""
     import signal

@@ -25,14 +25,14 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from jax import export as jexport
+from vjpsplit_cli.artifact.artifact.manifest import MAGIC, fingerprint_json
+from vjpsplit_cli.safeio.terminal import printable
 
 import vjpsplit_cli as vs
-from vjpsplit_cli.artifact.manifest import MAGIC, fingerprint_json
 from vjpsplit_cli.cli import main
 from vjpsplit_cli.safeio import filesystem, signals
 from vjpsplit_cli.safeio.outputs import StagedOutputs, UsageError, check_outputs
 from vjpsplit_cli.safeio.reading import os_error_message
-from vjpsplit_cli.safeio.terminal import printable
 
 MODEL = textwrap.dedent(
     """
@@ -663,6 +663,7 @@ CASES = (
 )
 
 
+@pytest.mark.usefixtures("sigint_default")
 def test_sigint_inside_staged_outputs_removes_temps_then_raises_keyboard_interrupt(tmp_path):
     import signal
 
@@ -676,6 +677,7 @@ def test_sigint_inside_staged_outputs_removes_temps_then_raises_keyboard_interru
     assert not signals.live_temps() and not signals.staged_temps()
 
 
+@pytest.mark.usefixtures("sigint_default")
 @pytest.mark.parametrize("where", ["gc callback", "__del__"])
 def test_a_signal_handled_where_python_drops_exceptions_still_stops_the_write(tmp_path, capfd, where):
     # Python runs the handler between any two bytecodes, also inside a garbage-collector

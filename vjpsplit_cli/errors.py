@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from .terminal import printable
+
 
 class VjpsplitError(ValueError):
     """Bad input to vjpsplit: a malformed file, a wrong shape or dtype, a mismatched artifact.
@@ -11,7 +13,14 @@ class VjpsplitError(ValueError):
     The message is one line that names the file or leaf at fault and says what to
     do. The CLI prints it as ``error: <message>`` and exits 1. It subclasses
     ``ValueError`` so callers that already catch that keep working.
+
+    Names in a message may come from a file (a forged manifest's argument names):
+    control characters are escaped (``terminal.printable``), so no file can break
+    the line or write a line of its own.
     """
+
+    def __init__(self, *args):
+        super().__init__(*(printable(a) if isinstance(a, str) else a for a in args))
 
 
 def one_line(e: BaseException, limit: int = 200) -> str:

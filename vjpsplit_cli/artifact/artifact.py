@@ -28,6 +28,7 @@ from ..safeio.system import current_platform
 from ..tracing.residuals import Intermediates, Residuals, SplitResiduals
 from ..trust import checks as _trust_mod
 from ..trust import signing
+from ..trust.kernelcheck import check_at_call
 from .manifest import MAGIC, Leaf, Manifest, check_array, check_keys, flatten_args, grads_per_arg, recorded_dims
 from .sharding import host_mesh, named, place
 
@@ -65,6 +66,14 @@ class Artifact:
         self._siblings: dict[tuple, "Artifact"] = {}
         # How export chose the manifest's policy (auto's measurements, a budget's pick); None when loaded.
         self.policy_choice = None
+        # Modules whose LAPACK calls have symbolic dims: checked at each call's shapes (module kernelcheck).
+        self._check_at_call: frozenset[str] = frozenset()
+        self._verdicts: Any = _trust_mod.DEFAULT
+
+    def check_kernels_at_call(self, modules, cache_dir=_trust_mod.DEFAULT) -> None:
+        """Check ``modules``' kernel calls at each call's concrete shapes, before they compile (``load`` sets it)."""
+        self._check_at_call = frozenset(modules)
+        self._verdicts = cache_dir
 
     def on_devices(self, devices) -> "Artifact":
         """This artifact running on ``devices`` (exactly ``nr_devices`` of them, in mesh order).
@@ -84,6 +93,7 @@ class Artifact:
             other._mesh = host_mesh(self.manifest.mesh, devices, self.source)
             other._devices = devices
             other.executable_cache = self.executable_cache
+            other.check_kernels_at_call(self._check_at_call, self._verdicts)
             self._siblings[key] = other
         return other
 
@@ -299,6 +309,8 @@ class Artifact:
         """
         try:
             call = self._calls[module]
+            if module in self._check_at_call:
+                check_at_call(self.source, module, call, args, self.modules[module], self._verdicts)
             # LAPACK custom calls need jax's lowering to register their kernels first: no shortcut.
             # Serialized executables are keyed by avals, not by devices: sharded modules compile each process.
             if (

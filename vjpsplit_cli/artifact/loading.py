@@ -111,9 +111,10 @@ def _loads(data: bytes, source: str, trust, allow_kernels: bool, cache_dir: str 
         if not e.unreadable or manifest.jax_version == jax.__version__:
             raise
         raise VjpsplitError(unreadable_module(source, manifest, e.module)) from e
-    _trust_mod.check_modules(
+    deferred = _trust_mod.check_modules(
         source, manifest, art.exported, probes, trusted_signer=vouched, allow_kernels=allow_kernels
     )
+    art.check_kernels_at_call(deferred, cache_dir)
     _trust_mod.prepare_kernels(probes)
     art.signature, art.signer = signature, signer
     return art

@@ -21,10 +21,10 @@ from ..files.dtypes import dtype_name
 from ..files.prng import data_struct, from_data, impl_name, is_key, to_data
 from ..files.shapes import DIM_FUNCS, IDENTIFIER, concrete_shape, dim_str, to_struct
 from ..files.trees import encode_structure, flatten_with_keys
-from ..tracing.choice import resolve_policy
+from ..tracing.choice import PolicyChoice, resolve_policy
 from ..tracing.jaxprs import iter_eqns
 from ..tracing.policies import apply_policy, parse_at
-from ..tracing.vjp import positional_names, run_backward, trace_vjp, wrt_positions
+from ..tracing.vjp import fn_name, not_traceable, positional_names, run_backward, trace_vjp, wrt_positions
 from ..tracing.zerobubble import keep_inputs, partition
 from .artifact import Artifact
 from .manifest import FORMAT_VERSION, Leaf, Manifest, fingerprint
@@ -310,6 +310,11 @@ def export(
     ``bwd_input`` (gradients of the other arguments, on the critical path) and
     ``bwd_weight`` (the weight gradients, schedulable later).
     """
+    problem = not_traceable(fn)
+    if problem:
+        raise VjpsplitError(
+            f"cannot export {fn_name(fn)}: it is {problem}; export needs a Python function that JAX can trace"
+        )
     platforms = _platforms(platforms)
     names = tuple(arg_names) if arg_names is not None else tuple(positional_names(fn, len(specs)))
     if len(names) != len(specs):
@@ -333,7 +338,8 @@ def export(
     if in_specs is not None:
         inputs = tuple(dataclasses.replace(leaf, sharding=spec_to_json(spec)) for leaf, spec in zip(inputs, in_specs))
 
-    fwd_flat = _Forward(apply_policy(fn, choice.policy), in_tree, in_impls, wrt_pos, single, has_aux)
+    policied = apply_policy(fn, choice.policy)
+    fwd_flat = _Forward(policied, in_tree, in_impls, wrt_pos, single, has_aux)
     fwd_sh = out_specs = stored_specs = aux_specs = None
     if sh is not None:
         chosen = sh.probe("forward", fwd_flat, data_structs, in_specs, None)
@@ -341,6 +347,12 @@ def export(
         out_specs, stored_specs, aux_specs = chosen[:n_out], chosen[n_out : n_out + n_st], chosen[n_out + n_st :]
         fwd_sh = (sh.shardings(in_specs), sh.shardings((tuple(out_specs), tuple(stored_specs), tuple(aux_specs))))
     fwd_exp = _lower("forward", fwd_flat, platforms, data_structs, fwd_sh)
+    if getattr(policied, "fell_back", ""):  # JAX could not apply the policy: the artifact keeps everything
+        choice = PolicyChoice(
+            "everything",
+            f"policy {choice.policy} cannot be applied to this function (JAX's checkpoint fails on it: "
+            f"{policied.fell_back[:160]}); exported with policy everything instead",
+        )
     plan = fwd_flat.plan
     n_out, n_stored = len(plan.out_avals), plan.n_stored
     stored_avals = list(fwd_exp.out_avals[n_out : n_out + n_stored])
@@ -397,7 +409,11 @@ def export(
         + tuple(
             dataclasses.replace(inputs[k], key=f"in/{input_keys[k]}", input_backed=True) for k in plan.input_backed
         ),
-        grads=tuple(inputs[i] for i in plan.diff_leaves),
+        # Dtypes as the backward returns them: a custom_vjp may give another dtype than its input's (jax.vjp does).
+        grads=tuple(
+            dataclasses.replace(inputs[i], dtype=dtype_name(g.dtype)) if not inputs[i].prng_impl else inputs[i]
+            for i, g in zip(plan.diff_leaves, bwd_exp.out_avals)
+        ),
         structure={
             "args": {n: encode_structure(s, n) for n, s in zip(names, structs)},
             "out": encode_structure(fwd_flat.out, "out"),

@@ -192,11 +192,15 @@ class Manifest:
                 f"{source}: artifact format version {v} is newer than this vjpsplit ({__version__}) reads "
                 f"(up to {FORMAT_VERSION}); upgrade vjpsplit on this host"
             )
+        field = ""
         try:
             kw = {}
             for f in dataclasses.fields(cls):
                 if f.name not in d and f.default is not dataclasses.MISSING:
                     continue
+                field = f.name
+                if f.name not in d:
+                    raise ValueError(f"'{f.name}' is missing")
                 val = d[f.name]
                 if f.name in ("residuals", "inputs", "outputs", "grads", "intermediates"):
                     val = tuple(Leaf.from_json(x) for x in val)
@@ -222,12 +226,16 @@ class Manifest:
                     if not isinstance(val, want) or (want is int and isinstance(val, bool)):
                         raise ValueError(f"{f.name} is not {_SCALAR_NAMES[want]}")
                 kw[f.name] = val
+            field = ""
             manifest = cls(**kw)
             manifest._check_sharding()
             manifest._check_references()
             return manifest
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise VjpsplitError(f"{source}: malformed artifact manifest ({e}); re-export it") from e
+            # Our own checks say what is wrong; Python's errors on a forged value would quote its internals.
+            own = type(e) is ValueError or isinstance(e, VjpsplitError)
+            what = str(e) if own else f"'{field}' has the wrong type or misses an entry" if field else "a wrong type"
+            raise VjpsplitError(f"{source}: malformed artifact manifest ({what}); re-export it") from e
 
     def _check_sharding(self) -> None:
         """The mesh, device count and leaf shardings agree; raises ValueError otherwise."""
@@ -258,8 +266,24 @@ class Manifest:
         for k in self.weight_inputs:
             if k not in self.input_backed_keys:
                 raise ValueError(f"weight input '{k}' is not an input-backed residual")
-        if any(g.key not in inputs for g in self.grads):
-            raise ValueError("a gradient names no input")
+        bad = next((g.key for g in self.grads if g.key not in inputs), None)
+        if bad is not None:
+            raise ValueError(f"gradient '{bad}' names no input")
+        for what, keys in (("gradient", [g.key for g in self.grads]), ("input", list(inputs))):
+            if len(set(keys)) != len(keys):
+                raise ValueError(f"an {what} key appears twice" if what == "input" else "a gradient appears twice")
+        if len(set(self.arg_names)) != len(self.arg_names):
+            raise ValueError("an argument name appears twice")
+        for names, what in ((self.wrt, "differentiated argument"), (self.weights, "weight")):
+            bad = next((n for n in names if n not in self.arg_names), None)
+            if bad is not None:
+                raise ValueError(f"{what} '{bad}' is not an argument")
+        args = self.structure.get("args")
+        if not isinstance(args, dict) or any(n not in args for n in self.arg_names):
+            raise ValueError("the structure does not describe every argument")
+        keys = [k for n in self.arg_names for k in structure_keys(n, args[n])]
+        if keys != [leaf.key for leaf in self.inputs]:
+            raise ValueError("the argument structure's keys are not the inputs'")
 
     @property
     def all_leaves(self) -> tuple[Leaf, ...]:
@@ -380,11 +404,16 @@ def _weak_scalar_fits(value, want: np.dtype) -> bool:
     return False
 
 
+def as_computed(value, want):
+    """``value`` as an artifact computes on it: a Python scalar (weakly typed in JAX) takes the dtype ``want``."""
+    want = np.dtype(want)
+    return np.asarray(value, want) if _weak_scalar_fits(value, want) else value
+
+
 def check_array(source: str, what: str, leaf: Leaf, value, dims: dict[str, int]):
     """``value`` as an array of ``leaf``'s dtype and shape, binding dims; else a clear error."""
     want = dtype_from_name(leaf.dtype)
-    if _weak_scalar_fits(value, want):
-        value = np.asarray(value, want)  # Python scalars are weakly typed in JAX: take the expected dtype
+    value = as_computed(value, want)
     a = value if hasattr(value, "dtype") and hasattr(value, "shape") else np.asarray(value)
     got = np.dtype(a.dtype)
     if got != want:

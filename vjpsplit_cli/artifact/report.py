@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from ..safeio.terminal import printable
+from ..terminal import printable
 from ..tracing.policies import byte_terms, evaluate_terms, format_bytes_terms, human_bytes, total_bytes
 from .artifact import Artifact
 from .manifest import Leaf

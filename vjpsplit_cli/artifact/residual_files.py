@@ -10,12 +10,13 @@ import numpy as np
 
 from ..errors import VjpsplitError
 from ..files import load_arrays, save_arrays
+from ..files.dtypes import dtype_from_name, dtype_name
 from ..files.prng import data_struct, from_data, impl_name, is_key, to_data
 from ..files.shapes import MAX_DIM, format_shape
 from ..safeio import checksum
 from ..tracing.residuals import Intermediates, Residuals, SplitResiduals
 from ..tracing.vjp import plan_for_token
-from .manifest import flatten_args
+from .manifest import as_computed, flatten_args
 from .sharding import format_spec, spec_from_json, spec_of
 
 KIND_ARTIFACT = "vjpsplit-residuals"
@@ -85,6 +86,10 @@ def _is_shapes(v) -> bool:
     )
 
 
+def _is_names(v) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items())
+
+
 def _is_shardings(v) -> bool:
     if not isinstance(v, dict):
         return False
@@ -110,6 +115,7 @@ _SCHEMA = {
         "residuals_id": (lambda v: isinstance(v, str), False),
         "input_crc32": (_is_crcs, False),
         "input_shapes": (_is_shapes, False),
+        "input_dtypes": (_is_names, False),
         "shardings": (_is_shardings, False),
     },
     KIND_SPLIT: {
@@ -119,6 +125,7 @@ _SCHEMA = {
         "self_contained": (lambda v: isinstance(v, bool), False),
         "input_crc32": (_is_crcs, False),
         "input_shapes": (_is_shapes, False),
+        "input_dtypes": (_is_names, False),
     },
     KIND_INTERMEDIATES: {
         "fingerprint": (lambda v: isinstance(v, str), True),
@@ -127,6 +134,7 @@ _SCHEMA = {
         "arg_names": (_is_str_list, False),
         "needs_inputs": (_is_str_list, False),
         "input_crc32": (_is_crcs, False),
+        "input_dtypes": (_is_names, False),
         "shardings": (_is_shardings, False),
     },
 }
@@ -183,6 +191,7 @@ def save_intermediates(
         "arg_names": list(arg_names),
         "needs_inputs": [] if self_contained else sorted(inter.inputs),
         "input_crc32": {} if self_contained else {k: input_crc32(v) for k, v in inter.inputs.items()},
+        "input_dtypes": {} if self_contained else {k: dtype_name(np.asarray(v).dtype) for k, v in inter.inputs.items()},
         **_shardings_meta({**inter.arrays, **inter.stored}),
     }
     _save_checked(path, arrays, meta, fsync)
@@ -221,7 +230,8 @@ def load_intermediates(
         )
         given.update({k: flat[k] for k in needs})
         if verify:
-            _check_bound_inputs(path, meta, {k: given[k] for k in needs}, inputs_source or "inputs")
+            given_needs = {k: given[k] for k in needs}
+            _check_bound_inputs(path, meta, given_needs, inputs_source or "inputs", _computed_dtypes(meta, artifact))
     return Intermediates(computed, dims, fingerprint, meta.get("residuals_id", "") if verify else "", stored, given)
 
 
@@ -315,7 +325,21 @@ def _binding(res: Residuals) -> dict:
     return {
         "input_crc32": {k: input_crc32(a) for k, a in bound.items()},
         "input_shapes": {k: [int(d) for d in a.shape] for k, a in bound.items()},
+        "input_dtypes": {k: dtype_name(a.dtype) for k, a in bound.items()},
     }
+
+
+def _computed_dtypes(meta: Mapping, artifact) -> dict:
+    """The dtype the forward computed on, per input key: the artifact's, else the one the file records."""
+    if artifact is not None:
+        return {leaf.key: dtype_from_name(leaf.dtype) for leaf in artifact.manifest.inputs if not leaf.prng_impl}
+    out = {}
+    for k, name in (meta.get("input_dtypes") or {}).items():
+        try:
+            out[k] = dtype_from_name(name)
+        except VjpsplitError:
+            pass  # unknown here: the value is compared as given
+    return out
 
 
 def load_residuals(
@@ -349,7 +373,7 @@ def load_residuals(
         res, flat = _load_artifact_residuals(path, arrays, meta, needs, inputs, artifact)
         res = res.replace(inputs_source=(inputs_source or "inputs") if needs else str(path), source=str(path))
         if verify:
-            _check_bound_inputs(path, meta, flat, inputs_source or "inputs")
+            _check_bound_inputs(path, meta, flat, inputs_source or "inputs", _computed_dtypes(meta, artifact))
         return res
     if kind == KIND_SPLIT:
         res = _load_split_residuals(path, arrays, meta, needs, inputs)
@@ -362,14 +386,19 @@ def load_residuals(
     )
 
 
-def _check_bound_inputs(path, meta: Mapping, given: Mapping[str, Any], source: str) -> None:
+def _check_bound_inputs(path, meta: Mapping, given: Mapping[str, Any], source: str, dtypes=None) -> None:
     """Refuse inputs whose dims or content differ from those the forward ran on, read by the backward or not.
 
-    Files written before this rule record CRC-32s of the inputs they left out only, and no shapes.
+    A Python scalar is compared as the forward computed on it (``dtypes``: its dtype
+    per key, the artifact's or the file's). Files written before this rule record
+    CRC-32s of the inputs they left out only, and no shapes.
     """
     sums = meta.get("input_crc32") or {}
     shapes = meta.get("input_shapes") or {}
+    dtypes = dtypes or {}
     for key, value in given.items():
+        if key in dtypes:
+            value = as_computed(value, dtypes[key])
         value = np.asarray(to_data(value)) if key in sums or key in shapes else value
         if key in shapes and list(value.shape) != shapes[key]:
             raise VjpsplitError(

@@ -21,7 +21,7 @@ from ..errors import VjpsplitError, one_line
 from ..safeio.outputs import UsageError
 from ..safeio.reading import os_error_message
 from ..safeio.signals import Interrupted, outputs_committed
-from ..safeio.terminal import printable
+from ..terminal import printable
 
 EXISTING = click.Path(dir_okay=True, path_type=str)  # existence is checked by our loaders, with our message
 EXISTING.name = "file"  # shown as FILE in --help, as the files commands write are

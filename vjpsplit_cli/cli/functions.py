@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import click
 
-from ..errors import VjpsplitError
 from ..safeio.outputs import StagedOutputs
 from .app import (
     ARRAY_SUFFIXES,
@@ -66,9 +66,9 @@ from .app import (
 def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, at, weights, output, sign_key):
     """Export FN's forward and backward into one portable artifact."""
     from ..artifact.lowering import export
-    from ..tracing.policies import parse_at
+    from ..tracing.policies import PolicyFallbackWarning, parse_at
     from ..trust.signing import load_private_key
-    from .specs import check_fits, load_object, resolve_shapes
+    from .specs import check_fits, load_function, resolve_shapes
 
     key = load_private_key(sign_key) if sign_key else None  # a bad key fails before any tracing
 
@@ -77,28 +77,28 @@ def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, a
         raise click.UsageError("give either --policy or --memory-budget (or both with --policy auto), not both")
 
     with StagedOutputs({"-o": output}, {"MODULE:FN": _module_files(target), "--shapes": _shape_files(shapes)}) as out:
-        fn, name = load_object(target)
-        if not callable(fn):
-            raise VjpsplitError(f"{target} is not callable; point MODULE:FN at a function")
+        fn, name = load_function(target)
         names, specs = resolve_shapes(fn, shapes)
         check_at(at, specs)
         enable_x64_if(wants_x64(specs))
         check_fits(fn, target, names, specs, shapes)
         if policy == "auto":
             _log_timing(at)
-        art = export(
-            fn,
-            *specs,
-            wrt=name_list(wrt),
-            has_aux=has_aux,
-            platforms=platforms,
-            policy=None if memory_budget is not None and policy != "auto" else policy,
-            arg_names=names,
-            name=name,
-            memory_budget=memory_budget,
-            at=parse_at(at),
-            weights=name_list(weights),
-        )
+        with warnings.catch_warnings():  # a policy that falls back is said once, in the log lines below
+            warnings.simplefilter("ignore", PolicyFallbackWarning)
+            art = export(
+                fn,
+                *specs,
+                wrt=name_list(wrt),
+                has_aux=has_aux,
+                platforms=platforms,
+                policy=None if memory_budget is not None and policy != "auto" else policy,
+                arg_names=names,
+                name=name,
+                memory_budget=memory_budget,
+                at=parse_at(at),
+                weights=name_list(weights),
+            )
         if key is not None:
             art.sign(key)
         out.write("-o", art.save)
@@ -161,9 +161,9 @@ def plan_cmd(target, shapes, wrt, has_aux, at, policies, memory_budget, as_json)
     """Compare policies before exporting: stored residual bytes and backward recompute per policy."""
     from ..artifact.report import format_plan
     from ..tracing.policies import plan_policies
-    from .specs import check_fits, load_object, resolve_shapes
+    from .specs import check_fits, load_function, resolve_shapes
 
-    fn, _ = load_object(target)
+    fn, _ = load_function(target)
     names, specs = resolve_shapes(fn, shapes)
     sizes = check_at(at, specs)
     enable_x64_if(wants_x64(specs))

@@ -18,7 +18,7 @@ from ..files import load_arrays
 from ..files.shapes import new_scope, parse_array_spec, to_struct
 from ..files.trees import unflatten_keys
 from ..safeio.reading import open_for_read
-from ..tracing.vjp import signature_positionals
+from ..tracing.vjp import not_traceable, signature_positionals
 
 
 def load_object(target: str, label: str = "FN") -> tuple[Any, str]:
@@ -71,6 +71,18 @@ def load_object(target: str, label: str = "FN") -> tuple[Any, str]:
     return obj, f"{module_part}:{attr}"
 
 
+def load_function(target: str) -> tuple[Callable, str]:
+    """``load_object`` for ``MODULE:FN``, refusing what is not a Python function JAX can trace, saying what it is."""
+    fn, name = load_object(target)
+    problem = not_traceable(fn)
+    if problem:
+        raise VjpsplitError(
+            f"{target} is {problem}; export needs a Python function that JAX can trace, taking arrays "
+            "(or pytrees of arrays) and returning them, e.g. def loss(w, x): return jnp.sum(jnp.tanh(x @ w))"
+        )
+    return fn, name
+
+
 def parameter_names(fn: Callable) -> tuple[list[str], int]:
     """Positional parameter names of ``fn`` and how many of them are required."""
     try:
@@ -120,6 +132,10 @@ def parse_spec(name: str, text: str, scope) -> Any:
         except VjpsplitError as e:
             raise VjpsplitError(f"--shapes {name}=@{where}: {e}") from e
     if text.lower().endswith((".npz", ".msgpack")):  # as load_arrays reads them: any case
+        try:  # a file that is not there (or cannot be opened) is a mistake in the command line
+            open_for_read(text, "--shapes arrays").close()
+        except VjpsplitError as e:
+            raise UsageError(f"--shapes {name}={text}: {str(e).removeprefix(text + ': ')}") from e
         arrays, _ = load_arrays(text)
         mine = {k: v for k, v in arrays.items() if k == name or k.startswith(name + "/")}
         if mine:

@@ -25,6 +25,7 @@ from typing import BinaryIO, Callable, Iterable, Literal, Mapping
 
 from .. import config
 from ..errors import UsageError, VjpsplitError  # noqa: F401 - UsageError: writers refuse with it
+from ..terminal import printable
 from .filesystem import finish_removals, fsync_dir, fsync_file, keep_mode, preallocated, replace_file
 from .reading import os_error_message
 from .signals import (
@@ -38,7 +39,6 @@ from .signals import (
     unstage,
 )
 from .temps import new_temp
-from .terminal import printable
 
 
 def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import VjpsplitError
-from .terminal import printable
+from ..terminal import printable
 
 # What an OS error means for the user, and what to do; "{doing}" is what was being done.
 _OS_ERRORS = {

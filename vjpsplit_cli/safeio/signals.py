@@ -201,7 +201,7 @@ def time_limit(seconds: float | None, message: str) -> Iterator[None]:
     if not seconds:
         yield
         return
-    from .terminal import printable
+    from ..terminal import printable
 
     def expire() -> None:
         remove_live_temps()

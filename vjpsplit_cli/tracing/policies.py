@@ -11,7 +11,9 @@ a budget and picks the fastest forward + backward.
 
 from __future__ import annotations
 
+import functools
 import re
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -19,7 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from ..errors import UsageError, VjpsplitError
+from ..errors import UsageError, VjpsplitError, first_line
 from ..files.dtypes import dtype_from_name
 from ..files.shapes import DIM_FUNCS, IDENTIFIER, MAX_DIM, eval_dim, is_symbolic_shape
 from .jaxprs import iter_eqns, sub_jaxprs
@@ -61,7 +63,43 @@ def apply_policy(fn: Callable, policy: str | None) -> Callable:
         saveable = cp.nothing_saveable
     else:
         saveable = cp.save_only_these_names(*policy[len("names:") :].split(","))
-    return jax.checkpoint(fn, policy=saveable)
+    return PolicyFallback(fn, jax.checkpoint(fn, policy=saveable), policy)
+
+
+class PolicyFallbackWarning(UserWarning):
+    """A policy JAX cannot apply to a function that differentiates without it: the function ran as ``everything``."""
+
+
+class PolicyFallback:
+    """``jax.checkpoint(fn, policy)``, or ``fn`` itself where JAX fails to apply the policy but not to ``fn``.
+
+    JAX's rematerialisation can fail on functions ``jax.vjp`` differentiates, e.g.
+    a ``custom_jvp`` under ``vmap`` whose primal output is a constant (JAX's
+    ``hard_stuff2`` case: ``broadcast_in_dim`` refuses the unbatched zeros). The
+    error is raised while the checkpointed function is traced, so this falls back
+    to ``fn`` in the same trace (every value kept, as ``everything`` keeps them),
+    warns, and records it in ``fell_back``. If ``fn`` fails too, that error is raised.
+    """
+
+    def __init__(self, fn: Callable, checkpointed: Callable, policy: str):
+        self.fn, self.checkpointed, self.policy = fn, checkpointed, policy
+        self.fell_back = ""  # JAX's error, once the policy could not be applied
+        functools.update_wrapper(self, fn, updated=())
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return self.checkpointed(*args, **kwargs)
+        except (TypeError, ValueError, NotImplementedError) as e:
+            out = self.fn(*args, **kwargs)  # the function's own error, if it fails without the policy too
+            self.fell_back = first_line(e)
+            warnings.warn(
+                f"policy {self.policy!r} cannot be applied to {getattr(self.fn, '__name__', 'the function')} "
+                f"(JAX's checkpoint fails on it: {self.fell_back[:160]}); it keeps every residual instead, "
+                "as policy 'everything'",
+                PolicyFallbackWarning,
+                stacklevel=2,
+            )
+            return out
 
 
 def byte_terms_of_shape(dtype, shape: Sequence[int | str]) -> dict[str, int]:

@@ -131,6 +131,24 @@ def positional_names(fn: Callable, nargs: int) -> list[str]:
     return names[:nargs]
 
 
+def not_traceable(fn) -> str | None:
+    """What ``fn`` is, when it is not a Python function JAX can trace (None when it may be one).
+
+    A NumPy function (a ufunc such as ``numpy.sin`` included) computes on NumPy
+    arrays and cannot take JAX's tracers; a class makes an object, not an output.
+    """
+    if not callable(fn):
+        return f"an object of type {type(fn).__name__}, not a function"
+    if isinstance(fn, type):
+        return f"a class ({fn.__name__}), not a function; construct it inside a function that computes the output"
+    module = getattr(fn, "__module__", None) or type(fn).__module__ or ""
+    if module == "numpy" or module.startswith("numpy."):
+        name = getattr(fn, "__name__", type(fn).__name__)
+        kind = "NumPy ufunc" if type(fn).__name__ == "ufunc" else "NumPy function"
+        return f"a {kind} (numpy.{name}), which JAX cannot trace; use jax.numpy.{name} instead"
+    return None
+
+
 def fn_name(fn) -> str:
     """A function's name for messages."""
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)

@@ -35,6 +35,7 @@ from .. import config
 from ..errors import CorruptModule, VjpsplitError, cannot_deserialize
 from ..files.dtypes import dtype_from_name
 from ..safeio.outputs import atomic_write
+from ..terminal import printable
 
 # ------------------------------------------------------------------------------ module probes
 
@@ -154,6 +155,29 @@ def _read_verdict(directory: str, name: str) -> dict | None:
 
 DEFAULT = "default"  # ``cache_dir`` sentinel: the default cache location (``default_cache_dir``)
 _SEEN: dict[str, dict] = {}  # verdict name -> probe, for modules this process has probed already
+
+
+def known_verdict(name: str, cache_dir: str | None = DEFAULT) -> bool:
+    """Whether a clean verdict named ``name`` is kept, in this process or in ``cache_dir``'s private directory."""
+    if name in _SEEN:
+        return True
+    directory = _verdict_dir(default_cache_dir() if cache_dir == DEFAULT else cache_dir)
+    value = _read_verdict(directory, name) if directory else None
+    if value is not None:
+        _SEEN[name] = value
+    return value is not None
+
+
+def keep_verdict(name: str, value: dict, cache_dir: str | None = DEFAULT) -> None:
+    """Keep a clean verdict, in this process and (best effort) in ``cache_dir``'s private directory."""
+    _SEEN[name] = value
+    directory = _verdict_dir(default_cache_dir() if cache_dir == DEFAULT else cache_dir)
+    if directory:
+        try:
+            text = json.dumps(value).encode()
+            atomic_write(os.path.join(directory, name), lambda f: f.write(text))
+        except (OSError, VjpsplitError):
+            pass  # a cache: the next call checks again
 
 
 def forget_verdicts() -> None:
@@ -420,24 +444,54 @@ def _is_extended(dtype) -> bool:
         return True
 
 
+def symbolic_lapack(call: Mapping) -> bool:
+    """Whether ``call`` is a LAPACK (or cuSOLVER) kernel JAX emits with some dim only known at call time.
+
+    Its shapes are checked once the module is refined to the call's shapes (module
+    ``kernelcheck``), before it compiles.
+    """
+    target = str(call.get("target", ""))
+    if not (_LAPACK.match(target) or _PIVOTS.match(target)):
+        return False
+    types = [*call.get("operands", ()), *call.get("results", ())]
+    return any(t[1] is None or any(d is None for d in t[1]) for t in types)
+
+
 def check_calls(
-    source: str, module: str, calls: Iterable[Mapping], *, trusted_signer: bool, allow_kernels: bool
-) -> None:
-    """Refuse host callbacks always; kernels unless signed by a trusted key, allowed, or shape-checked."""
+    source: str,
+    module: str,
+    calls: Iterable[Mapping],
+    *,
+    trusted_signer: bool,
+    allow_kernels: bool,
+    refined: bool = False,
+) -> bool:
+    """Refuse host callbacks always; kernels unless signed by a trusted key, allowed, or shape-checked.
+
+    Returns whether the module must be checked again at the call's shapes: a LAPACK
+    kernel with a symbolic dim (``symbolic_lapack``) is vouched for only then.
+    ``refined``: the calls are those of a module refined to concrete shapes.
+    """
+    deferred = False
     for call in calls:
         target = str(call.get("target", ""))
         kind = classify(target)
         if kind == "callback":
             raise VjpsplitError(
-                f"{source}: the {module} module calls a host callback ({target!r}), which vjpsplit "
+                f"{source}: the {module} module calls a host callback ({printable(target)!r}), which vjpsplit "
                 "never exports and never runs; the artifact was forged: do not run it"
             )
         if kind == "kernel" and not (trusted_signer or allow_kernels or lapack_shapes_ok(call)):
+            if not refined and symbolic_lapack(call):
+                deferred = True
+                continue
+            at = " at the call's shapes" if refined else ""
             raise VjpsplitError(
-                f"{source}: the {module} module calls the kernel {target!r} with operand/result shapes this "
-                "vjpsplit cannot vouch for; if you trust the file, sign it and pass --trust-key, or pass "
+                f"{source}: the {module} module calls the kernel {printable(target)!r} with operand/result shapes "
+                f"this vjpsplit cannot vouch for{at}; if you trust the file, sign it and pass --trust-key, or pass "
                 "--allow-kernels (allow_kernels=True)"
             )
+    return deferred
 
 
 def expected_leaves(leaves) -> list[tuple[str, tuple]]:
@@ -503,13 +557,20 @@ def check_modules(
     *,
     trusted_signer: bool,
     allow_kernels: bool,
-) -> None:
-    """Every check before compiling: each module's avals against the manifest, then its custom calls."""
+) -> frozenset[str]:
+    """Every check before compiling: each module's avals against the manifest, then its custom calls.
+
+    Returns the modules whose kernels are checked again at each call's shapes (``check_calls``).
+    """
+    deferred = set()
     for module, exp in exps.items():
         info = probes.get(module) or {}
         want_in, want_out = manifest_avals(manifest, module)
         check_avals(source, module, exp, want_in, want_out, info.get("main"))
-        check_calls(source, module, info.get("calls", ()), trusted_signer=trusted_signer, allow_kernels=allow_kernels)
+        calls = info.get("calls", ())
+        if check_calls(source, module, calls, trusted_signer=trusted_signer, allow_kernels=allow_kernels):
+            deferred.add(module)
+    return frozenset(deferred)
 
 
 def prepare_kernels(probes: Mapping[str, Mapping]) -> None:

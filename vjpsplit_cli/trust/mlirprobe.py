@@ -51,35 +51,61 @@ def probe(bytecode: bytes) -> dict:
     import jaxlib._jax as _jax
     from jaxlib.mlir import ir
 
-    out: dict = {"calls": [], "main": None}
     with _context():
         module = _jax.mlir.deserialize_portable_artifact(bytes(bytecode))
         if isinstance(module, str):  # jaxlib < 0.7 returns the module's text, as jax then parsed it
             module = ir.Module.parse(module)
-        stack = [module.operation]
-        while stack:  # iterative: a forged module may nest regions deeper than Python's recursion limit
-            op = stack.pop().operation  # the generic Operation: an OpView may rename .name
-            if op.name == "stablehlo.custom_call":
-                attrs = op.attributes
-                extra = {
-                    k: str(attrs[k])[:200]
-                    for k in ("mhlo.backend_config", "backend_config", "mhlo.frontend_attributes")
-                    if k in attrs
+        return describe(module)
+
+
+def probe_refined(bytecode: bytes, *, shardy: bool = True) -> dict:
+    """``probe``'s description of a module with static inputs after shape refinement, as XLA compiles it.
+
+    ``bytecode`` is a lowered (not portable) module whose main takes static shapes, such as
+    ``jax.jit(exported.call).lower(...)``'s: refinement gives every symbolic dim inside it the
+    call's size, as ``jax`` does before it compiles, so custom calls carry concrete shapes.
+    """
+    import jaxlib._jax as _jax
+    from jaxlib.mlir import ir
+
+    refine = _jax.mlir.refine_polymorphic_shapes
+    try:
+        text = refine(bytes(bytecode), enable_shape_assertions=True, validate_static_shapes=True, enable_shardy=shardy)
+    except TypeError:  # jaxlib without the enable_shardy keyword
+        text = refine(bytes(bytecode), enable_shape_assertions=True, validate_static_shapes=True)
+    with _context():
+        return describe(ir.Module.parse(text))
+
+
+def describe(module) -> dict:
+    """The main signature and every custom call (with operand and result types) of a parsed ``ir.Module``."""
+    from jaxlib.mlir import ir
+
+    out: dict = {"calls": [], "main": None}
+    stack = [module.operation]
+    while stack:  # iterative: a forged module may nest regions deeper than Python's recursion limit
+        op = stack.pop().operation  # the generic Operation: an OpView may rename .name
+        if op.name == "stablehlo.custom_call":
+            attrs = op.attributes
+            extra = {
+                k: str(attrs[k])[:200]
+                for k in ("mhlo.backend_config", "backend_config", "mhlo.frontend_attributes")
+                if k in attrs
+            }
+            out["calls"].append(
+                {
+                    "target": ir.StringAttr(attrs["call_target_name"]).value,
+                    "operands": [_type(v.type) for v in op.operands],
+                    "results": [_type(v.type) for v in op.results],
+                    "attrs": extra,
                 }
-                out["calls"].append(
-                    {
-                        "target": ir.StringAttr(attrs["call_target_name"]).value,
-                        "operands": [_type(v.type) for v in op.operands],
-                        "results": [_type(v.type) for v in op.results],
-                        "attrs": extra,
-                    }
-                )
-            elif op.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == "main":
-                ft = ir.FunctionType(ir.TypeAttr(op.attributes["function_type"]).value)
-                out["main"] = {"inputs": [_type(t) for t in ft.inputs], "results": [_type(t) for t in ft.results]}
-            for region in op.regions:
-                for block in region.blocks:
-                    stack.extend(block.operations)
+            )
+        elif op.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == "main":
+            ft = ir.FunctionType(ir.TypeAttr(op.attributes["function_type"]).value)
+            out["main"] = {"inputs": [_type(t) for t in ft.inputs], "results": [_type(t) for t in ft.results]}
+        for region in op.regions:
+            for block in region.blocks:
+                stack.extend(block.operations)
     return out
 
 

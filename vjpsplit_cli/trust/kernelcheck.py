@@ -1,0 +1,94 @@
+"""Kernel checks at the call's shapes: a symbolic artifact's LAPACK calls, vouched for once the shapes are known.
+
+A shape-polymorphic module's LAPACK (and cuSOLVER) calls carry symbolic dims when
+it is loaded, so their operand and result shapes cannot be compared then (module
+``trust`` defers them). JAX refines every symbolic module to the call's concrete
+shapes before it compiles; this module does the same refinement first, walks the
+refined module's custom calls and applies ``trust``'s shape rule to them, before
+anything compiles. The verdict is kept per module and refined signature (the
+arguments' shapes and dtypes), in this process and in vjpsplit's private cache
+directory, so a repeated call at the same shapes costs a dictionary look-up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from ..errors import VjpsplitError, first_line
+from . import checks as trust
+
+
+def signature_of(args: Sequence) -> str:
+    """The refined signature of a call: every argument leaf's dtype and shape (and sharding spec, if any)."""
+    parts = []
+    for a in jax.tree_util.tree_leaves(args):
+        spec = getattr(getattr(a, "sharding", None), "spec", None)
+        parts.append(f"{np.dtype(a.dtype).name}{list(np.shape(a))}{'' if spec is None else spec}")
+    return ";".join(parts)
+
+
+def verdict_name(data: bytes, args: Sequence) -> str:
+    """The cache name of the verdict on module bytes ``data`` at the call signature of ``args``."""
+    import jaxlib
+
+    h = hashlib.sha256()
+    for part in (b"refined", getattr(jaxlib, "__version__", "?").encode(), bytes(data), signature_of(args).encode()):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest() + ".json"
+
+
+def _bytecode(module) -> bytes:
+    buf = io.BytesIO()
+    module.operation.write_bytecode(file=buf)
+    return buf.getvalue()
+
+
+def refined_calls(jitted: Callable, args: Sequence, source: str, module: str) -> list:
+    """The custom calls of ``jitted``'s module lowered for ``args`` and refined to their shapes.
+
+    The module was parsed safely when it was loaded; this lowers it as a call would
+    and refines it as JAX does before compiling (MLIR's diagnostics kept off the
+    terminal). A failure is one ``VjpsplitError``.
+    """
+    from .mlirprobe import probe_refined
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        lowered = jitted.lower(*args)
+        shardy = bool(getattr(jax.config, "jax_use_shardy_partitioner", True))
+        return probe_refined(_bytecode(lowered.compiler_ir("stablehlo")), shardy=shardy)["calls"]
+    except VjpsplitError:
+        raise
+    except Exception as e:
+        raise VjpsplitError(
+            f"{source}: the {module} module could not be refined to these shapes to check its kernels "
+            f"({first_line(e)[:160]}); the artifact is damaged or forged: export it again"
+        ) from e
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def check_at_call(source: str, module: str, jitted: Callable, args: Sequence, data: bytes, cache_dir: Any) -> None:
+    """Vouch for ``module``'s kernels at the shapes of ``args`` before it compiles, or refuse it in one line.
+
+    ``data``: the module's serialized bytes (the verdict's key, with the signature);
+    ``cache_dir``: where verdicts persist (``trust.DEFAULT``, a directory, or None).
+    """
+    name = verdict_name(data, args)
+    if trust.known_verdict(name, cache_dir):
+        return
+    calls = refined_calls(jitted, args, source, module)
+    trust.check_calls(source, module, calls, trusted_signer=False, allow_kernels=False, refined=True)
+    trust.keep_verdict(name, {"refined": True, "calls": len(calls)}, cache_dir)
