@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from jax import export as jexport
-from vjpsplit_cli.artifact.artifact.manifest import MAGIC, fingerprint_json
-from vjpsplit_cli.safeio.terminal import printable
+from vjpsplit_cli.artifact.manifest import MAGIC, fingerprint_json
+from vjpsplit_cli.terminal import printable
 
 import vjpsplit_cli as vs
 from vjpsplit_cli.cli import main

@@ -149,7 +149,7 @@ def test_symbolic_linear_algebra_runs_unsigned_through_the_cli(name, tmp_path, m
 
 
 def test_the_verdict_is_kept_per_refined_signature(tmp_path, monkeypatch):
-    from vjpsplit_cli import kernelcheck
+    from vjpsplit_cli.trust import kernelcheck
 
     fn, specs = CASES["cholesky"]
     data = vs.export(fn, *_structs(specs), platforms="cpu").to_bytes()

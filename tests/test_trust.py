@@ -1,7 +1,7 @@
 """Trusted artifacts (issue 19): signatures, module checks before compiling, caches, signals, messages.
 
 Every forged artifact is made with public JAX APIs (``jax.export``, ``jax.ffi.ffi_call``)
-and re-fingerprinted with ``vjpsplit_cli.artifact.artifact.manifest.fingerprint``, as an attacker would.
+and re-fingerprinted with ``vjpsplit_cli.artifact.manifest.fingerprint``, as an attacker would.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from click.testing import CliRunner
 from clihelp import opts
 from jax import export as jexport
 from sighelp import python_with_sigint
-from vjpsplit_cli.artifact.artifact.manifest import MAGIC, fingerprint
-from vjpsplit_cli.trust.checks.checks import lapack_shapes_ok
-from vjpsplit_cli.trust.checks.signing import generate_key, key_id, load_public_key
+from vjpsplit_cli.artifact.manifest import MAGIC, fingerprint
+from vjpsplit_cli.trust.checks import lapack_shapes_ok
+from vjpsplit_cli.trust.signing import generate_key, key_id, load_public_key
 
 import vjpsplit_cli as vs
 from vjpsplit_cli.cli import main
@@ -147,9 +147,9 @@ def test_sign_verify_round_trip_and_signer_shown(base, tmp_path):
 
 def test_unsigned_and_other_signers_are_refused_before_any_module_is_read(base, tmp_path, monkeypatch):
     d, art = base
-    import vjpsplit_cli.artifact.artifact.artifact as artifact_mod
+    import vjpsplit_cli.artifact.artifact as artifact_mod
 
-    from vjpsplit_cli.trust.checks import checks as trust
+    from vjpsplit_cli.trust import checks as trust
 
     def no_module_reads(*a, **k):
         raise AssertionError("a module was read before the signature was checked")
@@ -434,7 +434,7 @@ FLIPPER = r"""
 import dataclasses, sys
 from jax import export as jexport
 import vjpsplit_cli as vs
-from vjpsplit_cli.artifact.artifact.manifest import MAGIC, fingerprint
+from vjpsplit_cli.artifact.manifest import MAGIC, fingerprint
 import msgpack
 art = vs.load(sys.argv[1], cache_dir=None)
 exp = art._exps["fwd"]
