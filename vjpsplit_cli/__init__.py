@@ -49,6 +49,10 @@ _EXPORTS = {
     "resolve_policy": "choice",
     "PolicyChoice": "choice",
     "VjpsplitError": "errors",
+    "stage_boundary": "pipeline.boundary",
+    "export_stages": "pipeline.exporting",
+    "Stages": "pipeline.stagedir",
+    "load_stages": "pipeline.stagedir",
     "pipeline": None,
 }
 
@@ -87,3 +91,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the eager spelling of the lazy 
     from .residuals import Intermediates, Residuals, SplitResiduals
     from .templates import save_template, template
     from .trees import file_arrays, tree_from_file
+    from .pipeline.boundary import stage_boundary
+    from .pipeline.exporting import export_stages
+    from .pipeline.stagedir import Stages, load_stages

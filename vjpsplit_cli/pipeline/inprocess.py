@@ -16,7 +16,9 @@ import numpy as np
 
 from ..errors import VjpsplitError
 from .dispatch import progress_bar, walk
+from .fromone import run_stages
 from .schedules import SPLIT_BACKWARD, schedule
+from .stagedir import is_stages
 from .stage import StageWorker, check_stages, run_op, split_batch, stage_devices
 from .timeline import PipelineResult
 
@@ -57,8 +59,13 @@ def run_inprocess(
 
     Sharded stages run on their device groups (``devices``, one per stage; see
     ``stage_devices`` for the default); activations and cotangents are moved
-    onto the next stage's shardings.
+    onto the next stage's shardings. ``artifacts`` may be a ``Stages``
+    (``export_stages``): ``params`` is then the whole parameter pytree, ``x`` the
+    batch tuple, and the result's ``grads`` have ``params``' structure.
     """
+    if is_stages(artifacts):
+        kw = {"schedule_name": schedule_name, "progress": progress, "devices": devices}
+        return run_stages(run_inprocess, artifacts, params, x, microbatches=microbatches, **kw)
     S = len(artifacts)
     if len(params) != S:
         raise VjpsplitError(f"{S} stages but {len(params)} parameter sets")

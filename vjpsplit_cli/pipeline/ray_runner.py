@@ -8,6 +8,7 @@ driver's at start, and its events are moved onto the driver's clock.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any, Mapping, Sequence
@@ -16,10 +17,11 @@ import numpy as np
 
 from ..errors import VjpsplitError
 from .compiled import compile_step
-from .dispatch import progress_bar, walk
+from .dispatch import PreSplit, progress_bar, walk
 from .ray_actor import StageActor, devices_for
 from .schedules import LABELS, SPLIT_BACKWARD, layout, placement, schedule
 from .stage import check_stages, split_batch
+from .stagedir import is_stages
 from .timeline import PipelineResult
 
 SCHEDULE_TIMEOUT = 60.0  # seconds for Ray to place and start every actor
@@ -44,7 +46,10 @@ class RayPipeline:
     clock minus the driver's (seconds). ``compiled=True`` runs each step as a Ray
     Compiled Graph (``None``: where Ray can compile it, else actor calls; default
     False: one actor call per operation). A step whose results are not back within
-    ``step_timeout`` seconds is an error.
+    ``step_timeout`` seconds is an error. ``artifacts`` may be a ``Stages``
+    (``export_stages``): ``params`` is then the whole parameter pytree, ``run``
+    takes the batch tuple, and the result's ``grads`` have ``params``' structure
+    (its steps run as actor calls: each stage's batch inputs go to it directly).
     """
 
     def __init__(
@@ -67,6 +72,9 @@ class RayPipeline:
             raise VjpsplitError("the Ray runner needs Ray; pip install 'vjpsplit[ray]'") from e
         if layout not in ("stage", "v"):
             raise VjpsplitError(f"unknown layout {layout!r}; use stage or v")
+        self.from_one = (artifacts, params) if is_stages(artifacts) else None
+        if self.from_one is not None:
+            artifacts, params = list(artifacts.artifacts), artifacts.stage_params(params)
         if len(params) != len(artifacts):
             raise VjpsplitError(f"{len(artifacts)} stages but {len(params)} parameter sets")
         self.ray = ray
@@ -141,6 +149,15 @@ class RayPipeline:
         self, x, side=(), *, microbatches: int, schedule_name: str = "1f1b", progress: bool = False
     ) -> PipelineResult:
         """One training step under ``schedule_name``; gradients accumulate over microbatches."""
+        if self.from_one is not None:
+            stages, params = self.from_one
+            mbs = PreSplit(stages.stage_batch(x, microbatches))
+            self.from_one, compiled, self.compiled = None, self.compiled, False
+            try:
+                r = self.run(mbs, (), microbatches=microbatches, schedule_name=schedule_name, progress=progress)
+            finally:
+                self.from_one, self.compiled = (stages, params), compiled
+            return dataclasses.replace(r, grads=stages.gather_grads(r.grads, params))
         ray = self.ray
         S = self.stages
         check_stages(self.artifacts, schedule_name)
