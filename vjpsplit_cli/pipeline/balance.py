@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from jax.extend import core as jcore
+
 from ..errors import VjpsplitError
 from .cut import Traced, eqn_cost, nbytes
 
@@ -27,10 +29,10 @@ def crossing_bytes(traced: Traced) -> list[int]:
     last: dict = {}
     for i, e in enumerate(eqns):
         for v in e.invars:
-            if v in made:
+            if not isinstance(v, jcore.Literal) and v in made:
                 last[v] = i
     for v in traced.closed.jaxpr.outvars:
-        if v in made:
+        if not isinstance(v, jcore.Literal) and v in made:
             last[v] = len(eqns)
     delta = [0] * (len(eqns) + 1)
     for v, i in made.items():

@@ -14,6 +14,7 @@ into a function of ``(params, x, batch)`` tuples for ``export``.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Callable, Sequence
 
 import jax
@@ -51,8 +52,9 @@ class StageCut:
 
 def trace(flat_fn: Callable, param_structs: Sequence, batch_structs: Sequence) -> Traced:
     """Trace ``flat_fn(*params, *batch)``; refuse a non-scalar loss and marks inside control flow."""
-    with jax.disable_jit():  # the user's jits inlined: a mark inside one is a top-level mark
-        closed = jax.make_jaxpr(flat_fn)(*param_structs, *batch_structs)
+    closed = jax.make_jaxpr(flat_fn)(*param_structs, *batch_structs)
+    if any(_inlinable(e) for e in closed.jaxpr.eqns):  # the user's jits inlined: a mark inside one counts
+        closed = jax.make_jaxpr(lambda *a: _inline_eval(closed, a))(*param_structs, *batch_structs)
     outs = closed.jaxpr.outvars
     if len(outs) != 1 or outs[0].aval.shape != () or not np.issubdtype(outs[0].aval.dtype, np.floating):
         got = ", ".join(f"{v.aval.dtype}[{','.join(map(str, v.aval.shape))}]" for v in outs)
@@ -63,12 +65,47 @@ def trace(flat_fn: Callable, param_structs: Sequence, batch_structs: Sequence) -
     for i, eqn in enumerate(closed.jaxpr.eqns):
         if is_boundary(eqn):
             marks.append(i)
-        elif any(is_boundary(e) for sub in sub_jaxprs(eqn) for e in iter_eqns(sub)):
+        elif _has_mark(eqn):
             raise VjpsplitError(
                 f"{NAME} inside a {eqn.primitive.name} body cannot end a stage; "
                 "move it out of the scan/cond/while_loop/custom_vjp/checkpoint, between top-level computations"
             )
     return Traced(closed, len(param_structs), marks)
+
+
+_CALLS = ("pjit", "jit", "closed_call", "core_call")
+
+
+def _has_mark(eqn) -> bool:
+    return any(is_boundary(e) for sub in sub_jaxprs(eqn) for e in iter_eqns(sub))
+
+
+def _inlinable(eqn) -> bool:
+    return eqn.primitive.name in _CALLS and _has_mark(eqn)
+
+
+def _inline_eval(closed, args) -> list:
+    """Evaluate ``closed`` on ``args`` (under a trace), inlining the calls that contain a stage mark."""
+    env = dict(zip(closed.jaxpr.constvars, closed.consts))
+    env.update(zip(closed.jaxpr.invars, args))
+
+    def read(a):
+        return a.val if isinstance(a, jcore.Literal) else env[a]
+
+    for eqn in closed.jaxpr.eqns:
+        if _inlinable(eqn):
+            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            if not hasattr(inner, "consts"):
+                inner = jcore.ClosedJaxpr(inner, [])
+            outs = _inline_eval(inner, [read(a) for a in eqn.invars])
+        else:  # the equation alone, as a jaxpr: jax binds it as eval_jaxpr would
+            ins = list(dict.fromkeys(_vars(eqn.invars)))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                one = jcore.Jaxpr([], ins, list(eqn.outvars), [eqn], eqn.effects)
+            outs = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(one, []))(*[env[v] for v in ins])
+        env.update(zip(eqn.outvars, outs))
+    return [read(a) for a in closed.jaxpr.outvars]
 
 
 def _vars(atoms) -> list:
@@ -137,7 +174,9 @@ def stage_function(traced: Traced, st: StageCut, first: bool, last: bool) -> Cal
     effects = set()
     for eqn in st.eqns:
         effects |= set(eqn.effects)
-    sub = jcore.Jaxpr(c_vars, [*p_vars, *st.recv, *b_vars], list(st.sent), list(st.eqns), effects)
+    with warnings.catch_warnings():  # a slice of a traced jaxpr has no DebugInfo of its own
+        warnings.simplefilter("ignore", DeprecationWarning)
+        sub = jcore.Jaxpr(c_vars, [*p_vars, *st.recv, *b_vars], list(st.sent), list(st.eqns), effects)
     run = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(sub, [traced.closed.consts[i] for i in st.consts]))
 
     def call(params, x, batch):
