@@ -90,7 +90,11 @@ def test_save_load_round_trip_signed(gpt_stages, tmp_path):
     vs_keygen(key)
     stages.save(tmp_path / "gpt.stages", sign_key=key)
     assert sorted(p.name for p in (tmp_path / "gpt.stages").iterdir()) == [
-        "stage0.vjp", "stage1.vjp", "stage2.vjp", "stage3.vjp", "stages.json"
+        "stage0.vjp",
+        "stage1.vjp",
+        "stage2.vjp",
+        "stage3.vjp",
+        "stages.json",
     ]
     back = vs.load_stages(tmp_path / "gpt.stages", trust=str(key) + ".pub")
     assert isinstance(back, vs.Stages) and len(back) == 4 and back.index["stages"] == stages.index["stages"]

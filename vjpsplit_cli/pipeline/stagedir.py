@@ -161,7 +161,9 @@ def _check_leaves(what: str, recorded: Sequence[dict], entries, per_microbatch: 
         shape, dtype = np.shape(v), str(np.asarray(v).dtype) if not hasattr(v, "dtype") else str(v.dtype)
         fixed = [d for d in r["shape"]]
         ok = dtype == r["dtype"] and len(shape) == len(fixed)
-        ok = ok and all(isinstance(d, str) or d == s or (per_microbatch and j == 0) for j, (d, s) in enumerate(zip(fixed, shape)))
+        ok = ok and all(
+            isinstance(d, str) or d == s or (per_microbatch and j == 0) for j, (d, s) in enumerate(zip(fixed, shape))
+        )
         if not ok:
             raise VjpsplitError(
                 f"{what} leaf {k!r} is {dtype}{list(shape)}, the stages were exported for {r['dtype']}{r['shape']}"
