@@ -54,8 +54,16 @@ def keygen_cmd(output):
 @trust_options
 @cli_command
 def inspect_cmd(artifact, as_json, at, trust_keys, allow_kernels):
-    """Describe an artifact: keys, dtypes, shapes, residual bytes, platforms, versions."""
+    """Describe an artifact: keys, dtypes, shapes, residual bytes, platforms, versions (a stages directory: per stage)."""
+    import os
+
     from ..policies import check_at_names, parse_at
+
+    if os.path.isdir(artifact):
+        from .stagecmds import inspect_stages_cmd
+
+        inspect_stages_cmd(artifact, as_json, at, trust_keys, allow_kernels)
+        return
     from ..report import describe, format_table
 
     art = load_artifact(artifact, trust_keys, allow_kernels, x64=False)

@@ -70,7 +70,31 @@ def trace(flat_fn: Callable, param_structs: Sequence, batch_structs: Sequence) -
                 f"{NAME} inside a {eqn.primitive.name} body cannot end a stage; "
                 "move it out of the scan/cond/while_loop/custom_vjp/checkpoint, between top-level computations"
             )
-    return Traced(closed, len(param_structs), marks)
+    return Traced(_read_marked(closed, marks), len(param_structs), marks)
+
+
+def _read_marked(closed, marks: Sequence[int]):
+    """``closed`` with every read after a mark of a value it marks reading the mark's output instead.
+
+    The two are one value; without this, a value both marked and read unmarked later (a skip
+    around the boundary) would cross the cut twice.
+    """
+    if not marks:
+        return closed
+    jaxpr = closed.jaxpr
+    alias: dict = {}
+    eqns = []
+    for i, eqn in enumerate(jaxpr.eqns):
+        if alias:
+            eqn = eqn.replace(invars=[alias.get(a, a) if not isinstance(a, jcore.Literal) else a for a in eqn.invars])
+        eqns.append(eqn)
+        if i in marks:
+            alias.update({a: o for a, o in zip(eqn.invars, eqn.outvars) if not isinstance(a, jcore.Literal)})
+    outs = [alias.get(a, a) if not isinstance(a, jcore.Literal) else a for a in jaxpr.outvars]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        new = jcore.Jaxpr(jaxpr.constvars, jaxpr.invars, outs, eqns, jaxpr.effects)
+    return jcore.ClosedJaxpr(new, closed.consts)
 
 
 _CALLS = ("pjit", "jit", "closed_call", "core_call")
