@@ -254,3 +254,24 @@ def test_cli_export_stages_and_inspect_dir(tmp_path, monkeypatch):
     res = P.run(stages, params, (x, labels), microbatches=2, schedule_name="zbh1")
     np.testing.assert_allclose(res.loss, loss, rtol=1e-5)
     assert_trees_close(res.grads, grads, rtol=1e-4, atol=1e-6)
+
+
+def test_balanced_cut_of_the_sample_gpt_is_within_1_25_of_the_mean(monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "samples" / "pipeline"))
+    sample = __import__("gpt")
+    monkeypatch.setattr(vs, "stage_boundary", lambda x: x)  # the sample's GPT without its marks
+    params = sample.init()
+    n = sample.SEQ
+    specs = [jax.ShapeDtypeStruct((2, n), d) for d in (jnp.int32, jnp.float32, jnp.int32)]
+    stages = vs.export_stages(sample.loss, specs_like(params), *specs, wrt="params", stages=4, platforms="cpu")
+    costs = [st["cost"] for st in stages.info]
+    assert stages.index["cut"] == "balanced" and max(costs) <= 1.25 * np.mean(costs), costs
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, sample.VOCAB, (4, n)).astype(np.int32)
+    batch = (tokens, np.ones((4, n), np.float32), np.roll(tokens, -1, 1))
+    loss, grads = jax.value_and_grad(sample.loss)(params, *batch)
+    r = P.run(stages, params, batch, microbatches=2, schedule_name="1f1b")
+    np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
+    assert_trees_close(r.grads, grads, rtol=1e-4, atol=1e-6)

@@ -19,7 +19,7 @@ from jax.extend import core as jcore
 from ..errors import VjpsplitError
 from .cut import Traced, eqn_cost, nbytes
 
-TOLERANCE = 0.05  # how much above the best largest-stage cost a cut may go to cross fewer bytes
+TOLERANCE = 0.0  # how far above the best largest-stage cost a cut may go to cross fewer bytes
 
 
 def crossing_bytes(traced: Traced) -> list[int]:
