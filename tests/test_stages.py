@@ -151,6 +151,8 @@ def test_refusals(gpt_stages):
         vs.export_stages(lambda p, a: vs.stage_boundary(a @ p) * 2, w, x, platforms="cpu")
     with pytest.raises(vs.VjpsplitError, match="4 specs given .* takes 2"):
         vs.export_stages(lambda p, a: jnp.mean(a @ p), w, x, x, x, platforms="cpu")
+    with pytest.raises(vs.VjpsplitError, match="stage 1 computes nothing"):
+        vs.export_stages(lambda p, a: jnp.mean(vs.stage_boundary(vs.stage_boundary(a @ p)) @ p), w, x, platforms="cpu")
     marked_in_jit = jax.jit(lambda p, a: vs.stage_boundary(jnp.tanh(a @ p)))  # a user's jit is inlined
     assert len(vs.export_stages(lambda p, a: jnp.mean(marked_in_jit(p, a) @ p), w, x, platforms="cpu")) == 2
     with pytest.raises(vs.VjpsplitError, match="no stage_boundary marks"):

@@ -143,7 +143,7 @@ def cut(traced: Traced, ends: Sequence[int]) -> list[StageCut]:
     bounds = [0, *[e + 1 for e in ends], len(eqns)]
     groups = [eqns[a:b] for a, b in zip(bounds, bounds[1:])]
     for k, g in enumerate(groups):
-        if not g:
+        if all(is_boundary(e) for e in g):  # empty, or only a mark
             raise VjpsplitError(
                 f"stage {k} computes nothing: two stage marks (or a mark and the function's end) with nothing "
                 "between them; remove one"
