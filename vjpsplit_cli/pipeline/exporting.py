@@ -111,40 +111,11 @@ def export_stages(
         raise VjpsplitError(f"{fn_name(fn)} has no stage_boundary marks; add some, or pass stages=N to cut by cost")
     cuts = cut(traced, ends)
     label = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
-    arts, info = [], []
-    for k, st in enumerate(cuts):
-        first, last = k == 0, k == len(cuts) - 1
-        sfn = stage_function(traced, st, first, last)
-        p_spec = tuple(p_entries[i][1] for i in st.params)
-        x_spec = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in st.recv)
-        b_spec = tuple(b_entries[i][1] for i in st.batch)
-        arg_specs = (p_spec, b_spec) if first else ((p_spec, x_spec, b_spec) if st.batch else (p_spec, x_spec))
-        arg_names = ("params", "batch") if first else (("params", "x", "batch") if st.batch else ("params", "x"))
-        art = export(
-            sfn,
-            *arg_specs,
-            wrt=("params",) if first else ("params", "x"),
-            platforms=platforms,
-            policy=policy,
-            arg_names=arg_names,
-            name=f"{label} stage {k}",
-            weights="params" if weights else None,
-        )
-        arts.append(art)
-        est = sum(eqn_cost(e) for e in st.eqns)
-        xla = _xla_flops(art)
-        info.append(
-            {
-                "file": f"stage{k}.vjp",
-                "params": st.params,
-                "batch": st.batch,
-                "receives": [_leaf_entry(f"x/{j}", v.aval) for j, v in enumerate(st.recv)],
-                "sends": [] if last else [_leaf_entry(f"out/{j}", v.aval) for j, v in enumerate(st.sent)],
-                "cost": xla if xla is not None else est,
-                "cost_source": "xla" if xla is not None else "estimate",
-                "cut_after": None if last else _describe(st.eqns[-1]),
-            }
-        )
+    exported = [
+        _export_stage(traced, st, k, len(cuts), p_entries, b_entries, label, platforms, policy, weights)
+        for k, st in enumerate(cuts)
+    ]
+    arts, info = [a for a, _ in exported], [i for _, i in exported]
     index = {
         "format": FORMAT,
         "version": VERSION,
@@ -160,6 +131,38 @@ def export_stages(
         "stages": info,
     }
     return Stages(arts, index)
+
+
+def _export_stage(traced, st, k: int, n: int, p_entries, b_entries, label, platforms, policy, weights):
+    """Stage ``k`` of ``n`` as an artifact, and its entry in ``stages.json``."""
+    first, last = k == 0, k == n - 1
+    sfn = stage_function(traced, st, first, last)
+    p_spec = tuple(p_entries[i][1] for i in st.params)
+    x_spec = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in st.recv)
+    b_spec = tuple(b_entries[i][1] for i in st.batch)
+    arg_specs = (p_spec, b_spec) if first else ((p_spec, x_spec, b_spec) if st.batch else (p_spec, x_spec))
+    arg_names = ("params", "batch") if first else (("params", "x", "batch") if st.batch else ("params", "x"))
+    art = export(
+        sfn,
+        *arg_specs,
+        wrt=("params",) if first else ("params", "x"),
+        platforms=platforms,
+        policy=policy,
+        arg_names=arg_names,
+        name=f"{label} stage {k}",
+        weights="params" if weights else None,
+    )
+    xla = _xla_flops(art)
+    return art, {
+        "file": f"stage{k}.vjp",
+        "params": st.params,
+        "batch": st.batch,
+        "receives": [_leaf_entry(f"x/{j}", v.aval) for j, v in enumerate(st.recv)],
+        "sends": [] if last else [_leaf_entry(f"out/{j}", v.aval) for j, v in enumerate(st.sent)],
+        "cost": xla if xla is not None else sum(eqn_cost(e) for e in st.eqns),
+        "cost_source": "xla" if xla is not None else "estimate",
+        "cut_after": None if last else _describe(st.eqns[-1]),
+    }
 
 
 def _describe(eqn) -> str:

@@ -59,11 +59,9 @@ def run_inprocess(
 
     Sharded stages run on their device groups (``devices``, one per stage; see
     ``stage_devices`` for the default); activations and cotangents are moved
-    onto the next stage's shardings. ``artifacts`` may be a ``Stages``
-    (``export_stages``): ``params`` is then the whole parameter pytree, ``x`` the
-    batch tuple, and the result's ``grads`` have ``params``' structure.
+    onto the next stage's shardings. A ``Stages`` takes the whole ``params`` and the batch tuple as ``x``.
     """
-    if is_stages(artifacts):
+    if is_stages(artifacts):  # grads come back in params' structure
         kw = {"schedule_name": schedule_name, "progress": progress, "devices": devices}
         return run_stages(run_inprocess, artifacts, params, x, microbatches=microbatches, **kw)
     S = len(artifacts)
