@@ -25,11 +25,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from jax import export as jexport
-from vjpsplit_cli.artifact.manifest import MAGIC
-from vjpsplit_cli.artifact.manifest import fingerprint as _fingerprint
 
 import vjpsplit_cli as vs
 import vjpsplit_cli.safeio.reading as reading_mod
+from vjpsplit_cli.artifact.manifest import MAGIC
+from vjpsplit_cli.artifact.manifest import fingerprint as _fingerprint
 from vjpsplit_cli.cli import main
 
 MODEL = textwrap.dedent(

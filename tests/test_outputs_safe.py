@@ -25,14 +25,14 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from jax import export as jexport
-from vjpsplit_cli.artifact.manifest import MAGIC, fingerprint_json
-from vjpsplit_cli.terminal import printable
 
 import vjpsplit_cli as vs
+from vjpsplit_cli.artifact.manifest import MAGIC, fingerprint_json
 from vjpsplit_cli.cli import main
 from vjpsplit_cli.safeio import filesystem, signals
 from vjpsplit_cli.safeio.outputs import StagedOutputs, UsageError, check_outputs
 from vjpsplit_cli.safeio.reading import os_error_message
+from vjpsplit_cli.terminal import printable
 
 MODEL = textwrap.dedent(
     """

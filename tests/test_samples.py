@@ -82,3 +82,17 @@ def test_model_library_samples(name, library, tmp_path):
     assert last.startswith("OK:") and "gradients vs jax.grad" in last, proc.stdout
     grads = np.load(tmp_path / "grads.npz")
     assert grads.files and all(k.startswith("params/") for k in grads.files)
+
+
+def test_pipeline_gpt_sample_one_function(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "samples/pipeline/gpt.py", *opts(schedule="zbh1", out=tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines()[-1].startswith("OK: loss"), r.stdout
+    assert "stage 1: 6 parameter leaves, reads mask" in r.stdout
+    assert (tmp_path / "gpt.stages" / "stages.json").is_file()

@@ -25,12 +25,12 @@ from click.testing import CliRunner
 from clihelp import opts
 from jax import export as jexport
 from sighelp import python_with_sigint
-from vjpsplit_cli.artifact.manifest import MAGIC, fingerprint
-from vjpsplit_cli.trust.checks import lapack_shapes_ok
-from vjpsplit_cli.trust.signing import generate_key, key_id, load_public_key
 
 import vjpsplit_cli as vs
+from vjpsplit_cli.artifact.manifest import MAGIC, fingerprint
 from vjpsplit_cli.cli import main
+from vjpsplit_cli.trust.checks import lapack_shapes_ok
+from vjpsplit_cli.trust.signing import generate_key, key_id, load_public_key
 
 X = jax.ShapeDtypeStruct((4,), np.float32)
 XV = np.array([0.5, -1.0, 2.0, 0.25], np.float32)
@@ -148,7 +148,6 @@ def test_sign_verify_round_trip_and_signer_shown(base, tmp_path):
 def test_unsigned_and_other_signers_are_refused_before_any_module_is_read(base, tmp_path, monkeypatch):
     d, art = base
     import vjpsplit_cli.artifact.artifact as artifact_mod
-
     from vjpsplit_cli.trust import checks as trust
 
     def no_module_reads(*a, **k):

@@ -49,6 +49,10 @@ _EXPORTS = {
     "resolve_policy": "tracing.choice",
     "PolicyChoice": "tracing.choice",
     "VjpsplitError": "errors",
+    "stage_boundary": "pipeline.boundary",
+    "export_stages": "pipeline.exporting",
+    "Stages": "pipeline.stagedir",
+    "load_stages": "pipeline.stagedir",
     "pipeline": None,
 }
 
@@ -83,6 +87,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the eager spelling of the lazy 
     from .errors import VjpsplitError
     from .files import load_arrays, save_arrays
     from .files.trees import file_arrays, tree_from_file
+    from .pipeline.boundary import stage_boundary
+    from .pipeline.exporting import export_stages
+    from .pipeline.stagedir import Stages, load_stages
     from .tracing.choice import AutoChoice, PolicyChoice, choose_auto, resolve_policy
     from .tracing.policies import POLICIES, PolicyCost, choose_policy, plan_policies
     from .tracing.residuals import Intermediates, Residuals, SplitResiduals

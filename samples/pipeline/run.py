@@ -42,8 +42,7 @@ def note(msg: str) -> None:
 def check(result, loss, grads) -> str | None:
     if not np.allclose(result.loss, loss, rtol=1e-4):
         return f"loss {result.loss} != {float(loss)}"
-    per_layer = [g for stage in result.grads for g in stage]
-    for a, b in zip(jax.tree_util.tree_leaves(per_layer), jax.tree_util.tree_leaves(grads), strict=True):
+    for a, b in zip(jax.tree_util.tree_leaves(result.grads), jax.tree_util.tree_leaves(grads), strict=True):
         if not np.allclose(a, b, rtol=1e-3, atol=1e-5):
             return f"gradients differ by {float(np.max(np.abs(np.asarray(a) - np.asarray(b)))):.2e}"
     return None
@@ -82,7 +81,7 @@ def main(argv=None) -> int:
 
     note(f"exporting the {WORKERS} and {2 * WORKERS} stage artifacts")
     params = model.init()
-    cuts = {n: (model.export_stages(params, n), model.group(params, n)) for n in (WORKERS, 2 * WORKERS)}
+    cuts = {n: model.export_stages(params, n) for n in (WORKERS, 2 * WORKERS)}  # one function, cut at its marks
     rng = np.random.default_rng(1)
     x = rng.normal(size=(args.batch, model.WIDTH)).astype(np.float32)
     labels = rng.integers(0, model.CLASSES, args.batch).astype(np.int32)
@@ -92,20 +91,19 @@ def main(argv=None) -> int:
     for runner in runners:
         for name in args.schedules.split(","):
             note(f"{RUNNERS[runner]}, {P.LABELS[name]}: a warm-up step, then {args.steps} measured")
-            arts, stage_params = cuts[WORKERS if P.layout(name) == "stage" else 2 * WORKERS]
-            rp = P.RayPipeline(arts, stage_params, layout=P.layout(name)) if runner == "ray" else None
+            stages = cuts[WORKERS if P.layout(name) == "stage" else 2 * WORKERS]
+            rp = P.RayPipeline(stages, params, layout=P.layout(name)) if runner == "ray" else None
             try:
 
                 def step():
                     if rp is not None:
                         return rp.run(
-                            x, [labels], microbatches=args.microbatches, schedule_name=name, progress=args.progress
+                            (x, labels), microbatches=args.microbatches, schedule_name=name, progress=args.progress
                         )
                     return P.run_inprocess(
-                        arts,
-                        stage_params,
-                        x,
-                        [labels],
+                        stages,
+                        params,
+                        (x, labels),
                         microbatches=args.microbatches,
                         schedule_name=name,
                         progress=args.progress,
@@ -128,7 +126,7 @@ def main(argv=None) -> int:
                 (
                     runner,
                     name,
-                    len(arts),
+                    len(stages),
                     statistics.median(r.step_time for r in results),
                     statistics.median(r.bubble_ratio for r in results),
                     statistics.median(r.modeled_bubble_ratio for r in results),

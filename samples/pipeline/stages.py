@@ -1,4 +1,9 @@
-"""An 8-layer MLP cut for pipeline parallelism: into 4 stages of 2 layers, or (ZB-V) 8 stages of 1 layer."""
+"""An 8-layer MLP cut for pipeline parallelism: into 4 stages of 2 layers, or (ZB-V) 8 stages of 1 layer.
+
+``export_stages`` writes the model once (``one_function``) and cuts it at its
+``stage_boundary`` marks; ``export_hand_written`` is the older form, one
+function per stage, kept to compare.
+"""
 
 from __future__ import annotations
 
@@ -49,11 +54,38 @@ def group(params, stages: int):
     return [params[i * k : (i + 1) * k] for i in range(stages)]
 
 
-def export_stages(params, stages: int, platforms="cpu"):
-    """One artifact per stage, batch symbolic, with the zero-bubble split backward.
+def one_function(every: int):
+    """The whole model as one function, with a ``stage_boundary`` after every ``every`` layers."""
+    import vjpsplit_cli as vs
 
-    Stage 0 differentiates only its weights: nobody uses its input's gradient.
+    def loss(params, x, labels):
+        for i, p in enumerate(params[:-1]):
+            x = jax.nn.gelu(x @ p["w"] + p["b"])
+            if (i + 1) % every == 0:
+                x = vs.stage_boundary(x)
+        logits = x @ params[-1]["w"] + params[-1]["b"]
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
+
+    return loss
+
+
+def export_stages(params, stages: int, platforms="cpu"):
+    """``stages`` stages of the one-function model (``vs.export_stages``), batch symbolic, zero-bubble split.
+
+    The function is written once; the marks put ``LAYERS // stages`` layers in each stage.
     """
+    import vjpsplit_cli as vs
+
+    (b,) = jexport.symbolic_shape("b")
+    s = jax.ShapeDtypeStruct
+    spec = jax.tree_util.tree_map(lambda a: s(a.shape, a.dtype), params)
+    group(params, stages)  # refuses a layer count that does not split evenly
+    fn = one_function(len(params) // stages)
+    return vs.export_stages(fn, spec, s((b, WIDTH), jnp.float32), s((b,), jnp.int32), wrt="params", platforms=platforms)
+
+
+def export_hand_written(params, stages: int, platforms="cpu"):
+    """The same stages written by hand, one function per stage (what ``export_stages`` replaces)."""
     import vjpsplit_cli as vs
 
     (b,) = jexport.symbolic_shape("b")

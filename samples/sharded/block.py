@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import export
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 D, H, HEADS = 16, 64, 4
 

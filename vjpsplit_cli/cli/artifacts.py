@@ -54,9 +54,17 @@ def keygen_cmd(output):
 @trust_options
 @cli_command
 def inspect_cmd(artifact, as_json, at, trust_keys, allow_kernels):
-    """Describe an artifact: keys, dtypes, shapes, residual bytes, platforms, versions."""
-    from ..artifact.report import describe, format_table
+    """Describe an artifact: keys, dtypes, shapes, residual bytes, platforms, versions (a stages directory: per stage)."""
+    import os
+
     from ..tracing.policies import check_at_names, parse_at
+
+    if os.path.isdir(artifact):
+        from .stagecmds import inspect_stages_cmd
+
+        inspect_stages_cmd(artifact, as_json, at, trust_keys, allow_kernels)
+        return
+    from ..artifact.report import describe, format_table
 
     art = load_artifact(artifact, trust_keys, allow_kernels, x64=False)
     sizes = parse_at(at)

@@ -62,15 +62,51 @@ from .app import (
     metavar="KEY",
     help="Sign the artifact with this Ed25519 private key (from `vjpsplit keygen`).",
 )
+@click.option(
+    "--stages",
+    "as_stages",
+    is_flag=True,
+    help="Cut FN at its stage_boundary marks into pipeline stages: -o is a directory (one artifact per stage "
+    "and stages.json), every stage with the zero-bubble split backward.",
+)
+@click.option(
+    "--stage-count",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="With --stages, for FN without marks: cut it into N stages of balanced estimated cost.",
+)
 @cli_command
-def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, at, weights, output, sign_key):
-    """Export FN's forward and backward into one portable artifact."""
+def export_cmd(
+    target,
+    shapes,
+    wrt,
+    has_aux,
+    platforms,
+    policy,
+    memory_budget,
+    at,
+    weights,
+    output,
+    sign_key,
+    as_stages,
+    stage_count,
+):
+    """Export FN's forward and backward into one portable artifact (or, with --stages, one per stage)."""
     from ..artifact.lowering import export
     from ..tracing.policies import PolicyFallbackWarning, parse_at
     from ..trust.signing import load_private_key
     from .specs import check_fits, load_function, resolve_shapes
 
     key = load_private_key(sign_key) if sign_key else None  # a bad key fails before any tracing
+    if as_stages or stage_count is not None:
+        from .stagecmds import export_stages_cmd
+
+        if has_aux or memory_budget is not None or weights is not None or at:
+            raise click.UsageError("--stages takes none of --has-aux, --memory-budget, --weights, --at")
+        pol = None if policy == "everything" else policy
+        export_stages_cmd(target, shapes, wrt, platforms, pol, True, output, key, stage_count)
+        return
 
     source = click.get_current_context().get_parameter_source("policy")
     if memory_budget is not None and source != click.core.ParameterSource.DEFAULT and policy != "auto":

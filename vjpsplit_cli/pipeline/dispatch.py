@@ -16,6 +16,24 @@ from ..errors import VjpsplitError
 from .schedules import Op
 
 
+class PerStage(dict):
+    """A microbatch's side inputs for several stages (stage index -> list), not only the last's."""
+
+
+class PreSplit:
+    """A batch already cut into ``(x, side)`` microbatches (``Stages.stage_batch``), passed where ``x`` goes."""
+
+    def __init__(self, mbs: Sequence[tuple[Any, Any]]):
+        self.mbs = list(mbs)
+
+
+def side_for(side, chunk: int, stages: int) -> list:
+    """Stage ``chunk``'s side inputs: its own from a ``PerStage``, else the microbatch's for the last stage."""
+    if isinstance(side, PerStage):
+        return side.get(chunk, [])
+    return side if chunk == stages - 1 else []
+
+
 def walk(
     plans: Sequence[Sequence[Op]],
     stages: int,
@@ -27,7 +45,8 @@ def walk(
     ``data`` is the microbatch itself (F of the first stage), the handle that
     ``submit`` returned for the activation (F) or cotangent (B) this operation
     reads, or None (B of the last stage, which starts from its loss; W). ``side``
-    is the microbatch's side inputs for the last stage's F, else empty. Returns
+    is the microbatch's side inputs for the last stage's F (or each stage's own,
+    from a ``PerStage``), else empty. Returns
     the handles in submission order.
     """
     S = stages
@@ -45,7 +64,7 @@ def walk(
                     if c > 0 and (c, mb) not in acts:
                         break
                     data = mbs[mb][0] if c == 0 else acts.pop((c, mb))
-                    h = submit(w, op, data, mbs[mb][1] if c == S - 1 else [])
+                    h = submit(w, op, data, side_for(mbs[mb][1], c, S))
                     if c < S - 1:
                         acts[(c + 1, mb)] = h
                 elif op.kind == "B":

@@ -16,9 +16,11 @@ import numpy as np
 
 from ..errors import VjpsplitError
 from .dispatch import progress_bar, walk
+from .fromone import run_stages
 from .plans import resolve, split_ops
 from .schedules import Op
 from .stage import StageWorker, check_stages, run_op, split_batch, stage_devices
+from .stagedir import is_stages
 from .timeline import PipelineResult
 
 
@@ -61,8 +63,11 @@ def run_inprocess(
 
     Sharded stages run on their device groups (``devices``, one per stage; see
     ``stage_devices`` for the default); activations and cotangents are moved
-    onto the next stage's shardings.
+    onto the next stage's shardings. A ``Stages`` takes the whole ``params`` and the batch tuple as ``x``.
     """
+    if is_stages(artifacts):  # grads come back in params' structure
+        kw = {"schedule_name": schedule_name, "progress": progress, "devices": devices, "schedule": schedule}
+        return run_stages(run_inprocess, artifacts, params, x, microbatches=microbatches, **kw)
     S = len(artifacts)
     if len(params) != S:
         raise VjpsplitError(f"{S} stages but {len(params)} parameter sets")

@@ -65,7 +65,10 @@ class StageActor:
             return None
         try:
             out = run_op(st, Op(kind, mb, chunk), data, side, microbatches, split, self.worker)
-            return None if out is None else np.asarray(out)
+            import jax
+
+            # An activation may be a tuple of arrays (stages from one function).
+            return None if out is None else jax.tree_util.tree_map(np.asarray, out)
         except BaseException as e:  # noqa: BLE001 - handed to the driver by state()
             self.error = picklable(e)
             return None

@@ -8,6 +8,7 @@ driver's at start, and its events are moved onto the driver's clock.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any, Mapping, Sequence
@@ -16,11 +17,12 @@ import numpy as np
 
 from ..errors import VjpsplitError
 from .compiled import compile_step
-from .dispatch import progress_bar, walk
+from .dispatch import PreSplit, progress_bar, walk
 from .plans import describe, layout_of, layout_placement, resolve, split_ops
 from .ray_actor import StageActor, devices_for
 from .schedules import Op
 from .stage import check_stages, split_batch
+from .stagedir import is_stages
 from .timeline import PipelineResult
 
 SCHEDULE_TIMEOUT = 60.0  # seconds for Ray to place and start every actor
@@ -47,7 +49,10 @@ class RayPipeline:
     clock minus the driver's (seconds). ``compiled=True`` runs each step as a Ray
     Compiled Graph (``None``: where Ray can compile it, else actor calls; default
     False: one actor call per operation). A step whose results are not back within
-    ``step_timeout`` seconds is an error.
+    ``step_timeout`` seconds is an error. ``artifacts`` may be a ``Stages``
+    (``export_stages``): ``params`` is then the whole parameter pytree, ``run``
+    takes the batch tuple, and the result's ``grads`` have ``params``' structure
+    (its steps run as actor calls: each stage's batch inputs go to it directly).
     """
 
     def __init__(
@@ -68,6 +73,9 @@ class RayPipeline:
             import ray
         except ImportError as e:
             raise VjpsplitError("the Ray runner needs Ray; pip install 'vjpsplit[ray]'") from e
+        self.from_one = (artifacts, params) if is_stages(artifacts) else None
+        if self.from_one is not None:
+            artifacts, params = list(artifacts.artifacts), artifacts.stage_params(params)
         if len(params) != len(artifacts):
             raise VjpsplitError(f"{len(artifacts)} stages but {len(params)} parameter sets")
         self.ray = ray
@@ -149,6 +157,22 @@ class RayPipeline:
         schedule: Sequence[Sequence[Op]] | None = None,
     ) -> PipelineResult:
         """One training step under ``schedule_name`` (or the checked plans ``schedule``); gradients accumulate."""
+        if self.from_one is not None:
+            stages, params = self.from_one
+            mbs = PreSplit(stages.stage_batch(x, microbatches))
+            self.from_one, compiled, self.compiled = None, self.compiled, False
+            try:
+                r = self.run(
+                    mbs,
+                    (),
+                    microbatches=microbatches,
+                    schedule_name=schedule_name,
+                    progress=progress,
+                    schedule=schedule,
+                )
+            finally:
+                self.from_one, self.compiled = (stages, params), compiled
+            return dataclasses.replace(r, grads=stages.gather_grads(r.grads, params))
         ray = self.ray
         S = self.stages
         schedule_name, plans, where = resolve(schedule_name, schedule, S, microbatches)

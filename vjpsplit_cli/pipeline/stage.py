@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import VjpsplitError
 from ..tracing.residuals import Intermediates
+from .dispatch import PreSplit
 from .schedules import LABELS, SPLIT_BACKWARD, Op, check_schedule
 from .timeline import Event
 
@@ -232,6 +233,10 @@ class StageWorker:
 
 def split_batch(x, side: Mapping[str, Any] | Sequence, microbatches: int) -> list[tuple[Any, list]]:
     """The batch and its side inputs cut into ``microbatches`` equal ``(x, side)`` pieces along axis 0."""
+    if isinstance(x, PreSplit):
+        if len(x.mbs) != microbatches:
+            raise VjpsplitError(f"{len(x.mbs)} microbatches prepared, {microbatches} asked for")
+        return list(x.mbs)
     n = np.shape(x)[0]
     if n % microbatches:
         raise VjpsplitError(f"batch of {n} does not split into {microbatches} equal microbatches")

@@ -1,0 +1,57 @@
+"""``export --stages`` and ``inspect DIR``: the command line's side of stages from one function."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from ..errors import VjpsplitError
+from .app import check_at, enable_x64_if, log, name_list, wants_x64
+
+
+def export_stages_cmd(target, shapes, wrt, platforms, policy, weights: bool, output, key, count) -> None:
+    """Trace MODULE:FN once, cut it at its marks (or into ``count`` balanced stages) and save the directory."""
+    from ..cli.specs import check_fits, load_object, resolve_shapes
+    from ..pipeline.exporting import export_stages
+
+    fn, name = load_object(target)
+    if not callable(fn):
+        raise VjpsplitError(f"{target} is not callable; point MODULE:FN at a function")
+    names, specs = resolve_shapes(fn, shapes)
+    check_at((), specs)
+    enable_x64_if(wants_x64(specs))
+    check_fits(fn, target, names, specs, shapes)
+    wrt_names = name_list(wrt)
+    if wrt_names is None or len(wrt_names) != 1:
+        raise click.UsageError("--stages needs --wrt NAME: the one parameter argument (the rest are batch inputs)")
+    stages = export_stages(
+        fn,
+        *specs,
+        wrt=wrt_names[0],
+        platforms=platforms,
+        policy=policy,
+        weights=weights,
+        stages=count,
+        name=name,
+    )
+    stages.save(output, sign_key=key)
+    signed = f", signed by {stages.artifacts[0].signer}" if key is not None else ""
+    log(f"wrote {output}: {name}, {len(stages)} stages ({stages.index['cut']}), platforms {platforms}{signed}")
+
+
+def inspect_stages_cmd(directory, as_json: bool, at, trust_keys, allow_kernels) -> None:
+    """Print a stages directory's table (or JSON): one row per stage."""
+    from ..pipeline.stagedir import load_stages
+    from ..pipeline.stagereport import format_stages, stage_rows
+    from ..tracing.policies import parse_at
+
+    stages = load_stages(directory, trust=list(trust_keys) or None, allow_kernels=allow_kernels)
+    sizes = parse_at(at)
+    if as_json:
+        rows = stage_rows(stages, sizes)
+        costs = [r["cost"] for r in rows]
+        imbalance = max(costs) / (sum(costs) / len(costs))
+        click.echo(json.dumps({"function": stages.index["function"], "stages": rows, "imbalance": imbalance}, indent=2))
+    else:
+        click.echo(format_stages(stages, sizes))
