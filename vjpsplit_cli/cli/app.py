@@ -131,13 +131,13 @@ def _global_options(fn):
     return fn
 
 
-def _global_flag(ctx: click.Context, name: str) -> bool:
+def global_flag(ctx: click.Context, name: str) -> bool:
     """A global flag, given before the subcommand (the group's) or after it (the command's)."""
     return bool(ctx.find_root().params.get(name)) or bool(ctx.params.get(name))
 
 
-def _debug_enabled(ctx: click.Context) -> bool:
-    return _global_flag(ctx, "debug") or config.debug()
+def debug_enabled(ctx: click.Context) -> bool:
+    return global_flag(ctx, "debug") or config.debug()
 
 
 def cli_command(fn):
@@ -148,7 +148,7 @@ def cli_command(fn):
     def wrapper(*args, debug: bool = False, no_cache: bool = False, **kwargs):
         ctx = click.get_current_context()
         try:
-            show = debug or _debug_enabled(ctx)
+            show = debug or debug_enabled(ctx)
         except VjpsplitError as e:  # VJPSPLIT_DEBUG set to a value that is neither on nor off
             raise click.UsageError(printable(e)) from e
         try:
@@ -259,76 +259,9 @@ def main(debug: bool, no_cache: bool) -> None:
     """Run a JAX function's forward now and its backward later, from exported artifacts."""
 
 
-def cache_dir() -> str | None:
-    """Where run-fwd/run-bwd keep compiled executables; None when caching is off.
-
-    ``VJPSPLIT_CACHE_DIR`` moves it (empty or off turns it off); the default is
-    ``vjpsplit/jax`` under ``$XDG_CACHE_HOME`` (``~/.cache``): see :mod:`vjpsplit_cli.config`.
-    """
-    return config.cache_dir()
-
-
-def _active_cache_dir() -> str | None:
-    """``cache_dir()`` when caching is on and the directory is private to this user; else None (no cache at all)."""
-    if _global_flag(click.get_current_context(), "no_cache"):
-        return None
-    path = cache_dir()
-    return path if path is not None and config.ensure_private_dir(path)[0] else None
-
-
-def executable_cache() -> str | None:
-    """Where run-fwd/run-bwd keep serialized executables (``executables`` under ``cache_dir()``); None when off."""
-    path = _active_cache_dir()
-    return None if path is None else os.path.join(path, "executables")
-
-
-def use_compilation_cache() -> None:
-    """Turn on JAX's persistent compilation cache, so a repeated run skips XLA compilation."""
-    if _global_flag(click.get_current_context(), "no_cache"):
-        return
-    import jax
-
-    configured = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # jax.config is dynamic
-    if configured:  # the user configured JAX's own cache: keep it, if it is safe to read programs from
-        if "://" in str(configured) or config.ensure_private_dir(str(configured))[0]:
-            return
-        jax.config.update("jax_enable_compilation_cache", False)
-        if _debug_enabled(click.get_current_context()):
-            log(
-                f"debug: compilation cache {configured} unusable ({config.ensure_private_dir(str(configured))[1]}); "
-                "running without it"
-            )
-        return
-    path = cache_dir()
-    if path is None:
-        return
-    usable, problem = config.ensure_private_dir(path)
-    if not usable:
-        # A cache is an optimisation: without one the command still works, so say so only when asked.
-        if _debug_enabled(click.get_current_context()):
-            log(f"debug: compilation cache {path} unusable ({problem}); running without it")
-        return
-    if not _debug_enabled(click.get_current_context()):
-        import warnings
-
-        # JAX warns per entry when the cache fails later (disk full, removed); the run is fine without it.
-        warnings.filterwarnings("ignore", message=".*persistent compilation cache.*")
-    jax.config.update("jax_compilation_cache_dir", path)
-    # Small programs compile fast but a CLI pays for every one: cache them all.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
 def name_list(text: str | None) -> list[str] | None:
     """``"a, b"`` -> ``["a", "b"]``; None stays None (the option was not given)."""
     return None if text is None else [w.strip() for w in text.split(",") if w.strip()]
-
-
-def enable_x64_if(needed: bool) -> None:
-    if needed:
-        import jax
-
-        jax.config.update("jax_enable_x64", True)
 
 
 def function_options(fn):
@@ -383,38 +316,3 @@ def check_at(at, specs) -> dict[str, int]:
     sizes = parse_at(at)
     check_at_names(sizes, symbolic_dim_names(specs), "the --shapes")
     return sizes
-
-
-def wants_x64(specs) -> bool:
-    import jax
-    import numpy as np
-
-    wide = {np.dtype(n) for n in ("float64", "int64", "uint64", "complex128")}
-    from ..files.prng import is_key
-
-    return any(not is_key(s) and np.dtype(s.dtype) in wide for s in jax.tree_util.tree_leaves(specs))
-
-
-def load_artifact(path, trust_keys=(), allow_kernels: bool = False, *, x64: bool = True):
-    """Load an artifact; a manifest that decodes but does not fit the format is one line naming the file."""
-    from ..artifact.loading import load
-
-    try:
-        art = load(path, trust=list(trust_keys) or None, allow_kernels=allow_kernels, cache_dir=_active_cache_dir())
-    except (VjpsplitError, MemoryError, OSError):
-        raise
-    except Exception as e:  # e.g. a hand-edited manifest whose fingerprint was recomputed
-        raise VjpsplitError(
-            f"{path}: the artifact's manifest is malformed ({type(e).__name__} {one_line(e, 80)}); "
-            "re-export it with vjpsplit export"
-        ) from e
-    if x64:
-        # Read the manifest's x64 flag before jax touches any array.
-        enable_x64_if(art.manifest.x64)
-    return art
-
-
-def to_numpy(values: dict) -> dict:
-    import numpy as np
-
-    return {k: np.asarray(v) for k, v in values.items()}

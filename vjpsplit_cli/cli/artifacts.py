@@ -7,18 +7,8 @@ import json
 import click
 
 from ..safeio.outputs import StagedOutputs
-from .app import (
-    ARRAY_OUT,
-    ARTIFACT_OUT,
-    EXISTING,
-    at_option,
-    cli_command,
-    load_artifact,
-    log,
-    main,
-    plural_count,
-    trust_options,
-)
+from .app import ARRAY_OUT, ARTIFACT_OUT, EXISTING, at_option, cli_command, log, main, plural_count, trust_options
+from .runtime import load_artifact
 
 
 @main.command(

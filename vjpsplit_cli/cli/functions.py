@@ -16,14 +16,13 @@ from .app import (
     at_option,
     check_at,
     cli_command,
-    enable_x64_if,
     function_options,
     log,
     main,
     name_list,
     plural_count,
-    wants_x64,
 )
+from .runtime import enable_x64_if, wants_x64
 
 
 @main.command(

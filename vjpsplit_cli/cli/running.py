@@ -8,19 +8,8 @@ import click
 
 from ..safeio.outputs import StagedOutputs
 from ..safeio.signals import time_limit
-from .app import (
-    ARRAY_OUT,
-    EXISTING,
-    cli_command,
-    executable_cache,
-    load_artifact,
-    log,
-    main,
-    plural_count,
-    to_numpy,
-    trust_options,
-    use_compilation_cache,
-)
+from .app import ARRAY_OUT, EXISTING, cli_command, log, main, plural_count, trust_options
+from .runtime import executable_cache, load_artifact, to_numpy, use_compilation_cache
 
 _timeout_option = click.option(
     "--timeout",
@@ -174,16 +163,7 @@ def run_bwd_cmd(
     from ..artifact.residual_files import load_residuals
     from ..files import load_arrays, save_arrays
 
-    if part != "all" and not inter_path:
-        raise click.UsageError(f"--part {part} needs --intermediates FILE")
-    if part != "weight" and not residuals_path:
-        raise click.UsageError("--residuals FILE is required (only --part weight can do without)")
-    if part == "weight" and cotangents_path:
-        raise click.UsageError("--part weight reads no cotangents: they are inside the intermediates")
-    if part == "all" and inter_path:
-        raise click.UsageError(
-            "--intermediates goes with --part input (which writes it) or --part weight (which reads it)"
-        )
+    _check_part(part, residuals_path, cotangents_path, inter_path)
     writes_inter = part == "input"
     staged = StagedOutputs(
         {"--grads": grads_path, "--intermediates": inter_path if writes_inter else None},
@@ -211,23 +191,8 @@ def run_bwd_cmd(
                 res = load_residuals(
                     residuals_path, inputs=inputs, artifact=art, inputs_source=inputs_path, verify=not no_verify
                 )
-            if part == "weight":
-                from ..artifact.residual_files import load_intermediates
-
-                inter = load_intermediates(
-                    inter_path, inputs=inputs, artifact=art, inputs_source=inputs_path, verify=not no_verify
-                )
-                grads = art.run_bwd_weight_arrays(
-                    res, inter, source=residuals_path or "residuals", inter_source=inter_path
-                )
-                inter = None
-            else:
-                cts = load_arrays(cotangents_path)[0] if cotangents_path else None
-                ct_source = cotangents_path or "cotangents"
-                if part == "input":
-                    grads, inter = art.run_bwd_input_arrays(res, cts, source=residuals_path, ct_source=ct_source)
-                else:
-                    grads, inter = art.run_bwd_arrays(res, cts, source=residuals_path, ct_source=ct_source), None
+            paths = {"residuals": residuals_path, "inputs": inputs_path, "cotangents": cotangents_path}
+            grads, inter = _backward(art, part, res, inputs, paths, inter_path, verify=not no_verify)
             grads = to_numpy(grads)  # finish the compute before any file is written
         if inter is not None:
             from ..artifact.residual_files import save_intermediates
@@ -240,3 +205,37 @@ def run_bwd_cmd(
         f"wrote {grads_path}: {plural_count(len(grads), 'gradient')}"
         + (f"; {inter_path}: {plural_count(len(inter.arrays), 'intermediate')}" if inter else "")
     )
+
+
+def _check_part(part: str, residuals_path, cotangents_path, inter_path) -> None:
+    """The files each --part reads and writes: a missing or extra one is a usage error."""
+    if part != "all" and not inter_path:
+        raise click.UsageError(f"--part {part} needs --intermediates FILE")
+    if part != "weight" and not residuals_path:
+        raise click.UsageError("--residuals FILE is required (only --part weight can do without)")
+    if part == "weight" and cotangents_path:
+        raise click.UsageError("--part weight reads no cotangents: they are inside the intermediates")
+    if part == "all" and inter_path:
+        raise click.UsageError(
+            "--intermediates goes with --part input (which writes it) or --part weight (which reads it)"
+        )
+
+
+def _backward(art, part: str, res, inputs, paths: dict, inter_path, *, verify: bool):
+    """Run ``--part`` of the backward: ``(grads, intermediates to write or None)``."""
+    from ..files import load_arrays
+
+    if part == "weight":
+        from ..artifact.residual_files import load_intermediates
+
+        inter = load_intermediates(
+            inter_path, inputs=inputs, artifact=art, inputs_source=paths["inputs"], verify=verify
+        )
+        return art.run_bwd_weight_arrays(
+            res, inter, source=paths["residuals"] or "residuals", inter_source=inter_path
+        ), None
+    cts = load_arrays(paths["cotangents"])[0] if paths["cotangents"] else None
+    ct_source = paths["cotangents"] or "cotangents"
+    if part == "input":
+        return art.run_bwd_input_arrays(res, cts, source=paths["residuals"], ct_source=ct_source)
+    return art.run_bwd_arrays(res, cts, source=paths["residuals"], ct_source=ct_source), None

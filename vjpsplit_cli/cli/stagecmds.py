@@ -7,7 +7,8 @@ import json
 import click
 
 from ..errors import VjpsplitError
-from .app import check_at, enable_x64_if, log, name_list, wants_x64
+from .app import check_at, log, name_list
+from .runtime import enable_x64_if, wants_x64
 
 
 def export_stages_cmd(target, shapes, wrt, platforms, policy, weights: bool, output, key, count) -> None:

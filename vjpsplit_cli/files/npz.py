@@ -177,6 +177,32 @@ def read(src: Source) -> tuple[dict[str, np.ndarray], dict]:
     path = src.path
     zf = zipfile.ZipFile(src.f)  # reads the central directory only
     version, meta, names = _header(src, zf)
+    members = _members(src, zf, version, names)
+    plan, ends = [], []  # first check every member, then read
+    for key, info in members.items():
+        entry = _plan_member(src, zf, key, info, version, names)
+        if entry[2] is not None:  # stored: its bytes lie in the file
+            ends.append((info.header_offset, entry[2] + info.compress_size, key))
+        plan.append(entry)
+    _check_no_overlap(path, ends, src.size)
+    src.start([p[5] for p in plan])
+    arrays, reads = {}, []
+    for key, info, start, member, head_len, nbytes, shape, fortran, dtype, seed in plan:
+        buf = next(src.slots)
+        if start is not None:
+            reads.append((key, buf, start + head_len, seed, info.CRC))
+        else:  # deflated (np.savez_compressed): through zipfile, which checks the CRC-32 at the end
+            if member.readinto(buf) != nbytes or member.read(1):  # type: ignore[attr-defined]
+                raise EOFError(f"array {key!r} is shorter or longer than its header says")
+            member.close()
+        arrays[key] = (buf, shape, dtype, fortran)
+    src.fill(reads)
+    return {k: finish(path, k, *v) for k, v in arrays.items()}, meta
+
+
+def _members(src: Source, zf: zipfile.ZipFile, version: int, names) -> dict[str, zipfile.ZipInfo]:
+    """The archive's arrays by key: every entry a ``.npy``, none twice, as the metadata lists them."""
+    path = src.path
     members: dict[str, zipfile.ZipInfo] = {}
     for info in zf.infolist():
         if not info.filename.endswith(".npy"):
@@ -193,75 +219,65 @@ def read(src: Source) -> tuple[dict[str, np.ndarray], dict]:
         odd = sorted(set(names) ^ set(members))[0]
         which = f"lists {odd!r}, which the archive lacks" if odd in names else f"does not list {odd!r}"
         raise VjpsplitError(f"{path}: the metadata {which}; the file is corrupt or was edited, re-create it")
+    return members
 
-    plan, ends = [], []  # first check every member, then read
-    for key, info in members.items():
-        if info.flag_bits & 0x1:
-            raise VjpsplitError(f"{path}: array {key!r} is encrypted; save it without a password")
-        stored = info.compress_type == zipfile.ZIP_STORED
-        # Deflate cannot shrink more than ~1032:1, so a bigger claim is forged; bzip2 and lzma
-        # can (zeros), so there the bound is what this host could hold at all.
-        deflated = info.compress_type == zipfile.ZIP_DEFLATED
-        if (
-            info.compress_size > src.size
-            or (stored and info.file_size != info.compress_size)
-            or (deflated and info.file_size > info.compress_size * _MAX_RATIO + 1024)
-        ):
-            raise VjpsplitError(f"{path}: array {key!r} has impossible sizes in its zip entry; {CORRUPT}")
-        if info.file_size > host_memory():
-            raise VjpsplitError(
-                f"{path}: array {key!r} would take {info.file_size / 2**30:.1f} GiB, more than this "
-                f"host's memory; {CORRUPT}"
-            )
-        if stored:  # its data lies in the file as is: read it straight into the array
-            magic, name_len, extra_len = _LOCAL_HEADER.unpack(src.read(info.header_offset, _LOCAL_HEADER.size))
-            if magic != b"PK\x03\x04":
-                raise VjpsplitError(
-                    f"{path}: array {key!r} has no zip local header where the directory says; {CORRUPT}"
-                )
-            # As zipfile (and so np.load) does: the local header must name the same member.
-            local = src.read(info.header_offset + _LOCAL_HEADER.size, name_len)
-            if local != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace"):
-                raise VjpsplitError(f"{path}: array {key!r} is named {local[:40]!r} in its zip local header; {CORRUPT}")
-            start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-            ends.append((info.header_offset, start + info.compress_size, key))
-            src.f.seek(start)
-            member: IO[bytes] = src.f
-        else:
-            start, member = None, zf.open(info)
-        shape, fortran, dtype, head_len = _npy_header_of(src, member, key)
-        dtype_ = _dtype(
-            src,
-            key,
-            dtype,
-            (names or {}).get(key)
-            or (info.comment.decode("ascii", "replace") if version >= 2 and info.comment else None),
+
+def _plan_member(src: Source, zf: zipfile.ZipFile, key: str, info: zipfile.ZipInfo, version: int, names) -> tuple:
+    """One member checked against the file before anything is allocated: how to read it."""
+    path = src.path
+    if info.flag_bits & 0x1:
+        raise VjpsplitError(f"{path}: array {key!r} is encrypted; save it without a password")
+    stored = info.compress_type == zipfile.ZIP_STORED
+    # Deflate cannot shrink more than ~1032:1, so a bigger claim is forged; bzip2 and lzma
+    # can (zeros), so there the bound is what this host could hold at all.
+    deflated = info.compress_type == zipfile.ZIP_DEFLATED
+    if (
+        info.compress_size > src.size
+        or (stored and info.file_size != info.compress_size)
+        or (deflated and info.file_size > info.compress_size * _MAX_RATIO + 1024)
+    ):
+        raise VjpsplitError(f"{path}: array {key!r} has impossible sizes in its zip entry; {CORRUPT}")
+    if info.file_size > host_memory():
+        raise VjpsplitError(
+            f"{path}: array {key!r} would take {info.file_size / 2**30:.1f} GiB, more than this "
+            f"host's memory; {CORRUPT}"
         )
-        nbytes = math.prod(shape) * dtype.itemsize
-        if head_len + nbytes != info.file_size:
-            raise VjpsplitError(
-                f"{path}: array {key!r} is corrupt (its size does not match its shape {shape}); re-create the file"
-            )
-        seed = checksum.crc32(src.read(start, head_len)) if start is not None and src.verify else None
-        plan.append((key, info, start, member, head_len, nbytes, shape, fortran, dtype_, seed))
-    # Stored members must lie one after the other inside the file: one stretch read as
-    # many arrays would let a small file claim far more memory than it holds.
+    if stored:  # its data lies in the file as is: read it straight into the array
+        magic, name_len, extra_len = _LOCAL_HEADER.unpack(src.read(info.header_offset, _LOCAL_HEADER.size))
+        if magic != b"PK\x03\x04":
+            raise VjpsplitError(f"{path}: array {key!r} has no zip local header where the directory says; {CORRUPT}")
+        # As zipfile (and so np.load) does: the local header must name the same member.
+        local = src.read(info.header_offset + _LOCAL_HEADER.size, name_len)
+        if local != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace"):
+            raise VjpsplitError(f"{path}: array {key!r} is named {local[:40]!r} in its zip local header; {CORRUPT}")
+        start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        src.f.seek(start)
+        member: IO[bytes] = src.f
+    else:
+        start, member = None, zf.open(info)
+    shape, fortran, dtype, head_len = _npy_header_of(src, member, key)
+    dtype_ = _dtype(
+        src,
+        key,
+        dtype,
+        (names or {}).get(key) or (info.comment.decode("ascii", "replace") if version >= 2 and info.comment else None),
+    )
+    nbytes = math.prod(shape) * dtype.itemsize
+    if head_len + nbytes != info.file_size:
+        raise VjpsplitError(
+            f"{path}: array {key!r} is corrupt (its size does not match its shape {shape}); re-create the file"
+        )
+    seed = checksum.crc32(src.read(start, head_len)) if start is not None and src.verify else None
+    return (key, info, start, member, head_len, nbytes, shape, fortran, dtype_, seed)
+
+
+def _check_no_overlap(path, ends: list, size: int) -> None:
+    """Stored members must lie one after the other inside the file.
+
+    One stretch read as many arrays would let a small file claim far more memory than it holds.
+    """
     ends.sort()
-    for (_, end, a), (begin, _, b) in zip(ends, ends[1:] + [(src.size, 0, None)]):
+    for (_, end, a), (begin, _, b) in zip(ends, ends[1:] + [(size, 0, None)]):
         if end > begin:
             where = f"arrays {a!r} and {b!r} overlap in the archive" if b else f"array {a!r} runs past the end"
             raise VjpsplitError(f"{path}: {where}; {CORRUPT}")
-
-    src.start([p[5] for p in plan])
-    arrays, reads = {}, []
-    for key, info, start, member, head_len, nbytes, shape, fortran, dtype, seed in plan:
-        buf = next(src.slots)
-        if start is not None:
-            reads.append((key, buf, start + head_len, seed, info.CRC))
-        else:  # deflated (np.savez_compressed): through zipfile, which checks the CRC-32 at the end
-            if member.readinto(buf) != nbytes or member.read(1):  # type: ignore[attr-defined]
-                raise EOFError(f"array {key!r} is shorter or longer than its header says")
-            member.close()
-        arrays[key] = (buf, shape, dtype, fortran)
-    src.fill(reads)
-    return {k: finish(path, k, *v) for k, v in arrays.items()}, meta
