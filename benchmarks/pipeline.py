@@ -125,6 +125,15 @@ def table(data: dict) -> str:
             f"In-process cost per operation, 8 stages / 2 stages: "
             f"{per[('in-process', 8)] / per[('in-process', 2)]:.2f}×",
         ]
+    one = data.get("from_one")
+    if one:
+        lines += [
+            "",
+            f"The same MLP from one function (`stage_boundary` after layer {c['layers'] // 2}, `export_stages`) "
+            f"against the hand-written stages, in-process 1F1B on 2 stages, medians of {c['rounds']} interleaved "
+            f"steps: hand-written {one['hand'] * 1e3:.1f} ms, from one function {one['one'] * 1e3:.1f} ms "
+            f"({one['one'] / one['hand']:.2f}×).",
+        ]
     fails = data.get("failures", []) + (t or {}).get("failures", [])
     if fails:
         lines += ["", "Did not finish (left out above): " + "; ".join(fails)]
@@ -205,6 +214,7 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
     params, x, labels, loss = model(W, L, M, R)
     model_params = params
     cuts = {2: cut(2), 4: cut(4)}
+    from_one = _from_one_function(cfg, params, x, labels, loss, hidden, head, cuts[2], P, platform)
 
     # B + W against the fused backward, through the pipeline's own per-op calls.
     bw = []
@@ -323,9 +333,47 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
         "bw": bw,
         "rows": rows,
         "tiny": tiny,
+        "from_one": from_one,
         "load": os.getloadavg()[0],
         "failures": [f"{r} {n}: {e}" for (r, n), e in failures.items()],
     }
+
+
+def _from_one_function(cfg: dict, params, x, labels, loss, hidden, head, hand, P, platform) -> dict:
+    """Step time of the MLP cut by ``export_stages`` at one mark against the hand-written cut, interleaved."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import export as jexport
+
+    import vjpsplit_cli as vs
+    from benchmarks.timing import interleaved
+
+    half = len(params) // 2
+
+    def marked(params, x, labels):
+        x = vs.stage_boundary(hidden(params[:half], x))
+        return head(params[half:], x, labels)
+
+    (b,) = jexport.symbolic_shape("b")
+    spec = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    batch = (jax.ShapeDtypeStruct((b, x.shape[1]), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32))
+    stages = vs.export_stages(marked, spec, *batch, wrt="params", platforms=platform)
+    M = cfg["microbatches"]
+    for r in (
+        P.run_inprocess(stages, params, (x, labels), microbatches=M, schedule_name="1f1b"),
+        P.run_inprocess(*hand, x, [labels], microbatches=M, schedule_name="1f1b"),
+    ):
+        if not np.isclose(r.loss, loss, rtol=1e-4):
+            raise RuntimeError(f"from one function: loss {r.loss} != {loss}")
+    t = interleaved(
+        {
+            "hand": lambda: P.run_inprocess(*hand, x, [labels], microbatches=M, schedule_name="1f1b").loss,
+            "one": lambda: P.run_inprocess(stages, params, (x, labels), microbatches=M, schedule_name="1f1b").loss,
+        },
+        cfg["rounds"],
+    )
+    return {"hand": t["hand"], "one": t["one"]}
 
 
 def _phases(phases: list, rounds: int, record, ray_too: bool, failures: dict) -> None:
