@@ -105,7 +105,7 @@ def mesh_of(shardings: Sequence[Any]) -> Mesh | AbstractMesh | None:
     return mesh
 
 
-def mesh_axes(mesh: Mesh) -> tuple[tuple[str, int], ...]:
+def mesh_axes(mesh: Mesh | AbstractMesh) -> tuple[tuple[str, int], ...]:
     """The abstract mesh: ``(axis name, size)`` pairs in the mesh's order."""
     return tuple((str(k), int(v)) for k, v in mesh.shape.items())
 

@@ -52,7 +52,8 @@ def _fill(costs: Sequence[float], allowed: Sequence[bool], bound: float, n: int)
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
-    ends, start, last = [], 0, len(costs)
+    ends: list[int] = []
+    start, last = 0, len(costs)
     while prefix[last] - prefix[start] > bound:
         if len(ends) == n - 1:
             return None

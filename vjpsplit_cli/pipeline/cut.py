@@ -159,10 +159,10 @@ def cut(traced: Traced, ends: Sequence[int]) -> list[StageCut]:
     loss = jaxpr.outvars[0]
     reads = []
     for k, g in enumerate(groups):
-        r = {v: None for eqn in g for v in _vars(eqn.invars)}
+        read = {v: None for eqn in g for v in _vars(eqn.invars)}  # a dict keeps the order values are first read
         if k == len(groups) - 1 and not isinstance(loss, jcore.Literal):
-            r[loss] = None
-        reads.append(list(r))
+            read[loss] = None
+        reads.append(list(read))
     order = {v: i for i, v in enumerate(made)}
     sent = []
     for k in range(len(groups) - 1):

@@ -88,7 +88,7 @@ def export_stages(
     p_entries = [kv for i in wrt_pos for kv in _structs(names[i], specs[i])]
     b_entries = [kv for i in batch_pos for kv in _structs(names[i], specs[i])]
     trees = {i: jax.tree_util.tree_structure(specs[i]) for i in range(len(specs))}
-    sizes = {i: trees[i].num_leaves for i in trees}
+    sizes = {i: trees[i].num_leaves for i in trees}  # type: ignore[attr-defined]  # PyTreeDef's stub lacks it
 
     def flat_fn(*leaves):
         it = iter(leaves)
@@ -169,7 +169,7 @@ def _describe(eqn) -> str:
     src = eqn.source_info
     where = ""
     try:
-        frame = jax.extend.source_info_util.user_frame(src) if hasattr(jax, "extend") else None
+        frame = jax.extend.source_info_util.user_frame(src) if hasattr(jax, "extend") else None  # type: ignore[attr-defined]
         if frame is not None:
             where = f" ({frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line})"
     except Exception:  # noqa: BLE001 - where a cut is, in words, is a nicety

@@ -13,6 +13,7 @@ and batch tuple and the runners' per-stage form.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any, Sequence
@@ -79,7 +80,7 @@ class Stages:
         with StagedOutputs(files, fsync=fsync) as out:
             for i, a in enumerate(self.artifacts):
                 data = a.to_bytes()
-                out.write(f"stage{i}", lambda tmp, data=data: _write(tmp, data))
+                out.write(f"stage{i}", functools.partial(_write, data=data))
             out.write(INDEX, lambda tmp: _write(tmp, _pack(index)))
 
     def stage_params(self, params) -> list[tuple]:
