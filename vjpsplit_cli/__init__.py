@@ -43,7 +43,7 @@ _EXPORTS = {
     "POLICIES": "tracing.policies",
     "PolicyCost": "tracing.policies",
     "plan_policies": "tracing.policies",
-    "choose_policy": "tracing.policies",
+    "choose_policy": "tracing.choice",
     "choose_auto": "tracing.choice",
     "AutoChoice": "tracing.choice",
     "resolve_policy": "tracing.choice",
@@ -83,7 +83,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the eager spelling of the lazy 
     from .errors import VjpsplitError
     from .files import load_arrays, save_arrays
     from .files.trees import file_arrays, tree_from_file
-    from .tracing.choice import AutoChoice, PolicyChoice, choose_auto, resolve_policy
-    from .tracing.policies import POLICIES, PolicyCost, choose_policy, plan_policies
+    from .tracing.choice import AutoChoice, PolicyChoice, choose_auto, choose_policy, resolve_policy
+    from .tracing.policies import POLICIES, PolicyCost, plan_policies
     from .tracing.residuals import Intermediates, Residuals, SplitResiduals
     from .tracing.split import split

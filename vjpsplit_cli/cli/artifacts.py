@@ -56,7 +56,7 @@ def keygen_cmd(output):
 def inspect_cmd(artifact, as_json, at, trust_keys, allow_kernels):
     """Describe an artifact: keys, dtypes, shapes, residual bytes, platforms, versions."""
     from ..artifact.report import describe, format_table
-    from ..tracing.policies import check_at_names, parse_at
+    from ..files.sizes import check_at_names, parse_at
 
     art = load_artifact(artifact, trust_keys, allow_kernels, x64=False)
     sizes = parse_at(at)

@@ -66,7 +66,8 @@ from .app import (
 def export_cmd(target, shapes, wrt, has_aux, platforms, policy, memory_budget, at, weights, output, sign_key):
     """Export FN's forward and backward into one portable artifact."""
     from ..artifact.lowering import export
-    from ..tracing.policies import PolicyFallbackWarning, parse_at
+    from ..files.sizes import parse_at
+    from ..tracing.policies import PolicyFallbackWarning
     from ..trust.signing import load_private_key
     from .specs import check_fits, load_function, resolve_shapes
 
