@@ -15,7 +15,9 @@ from models import MODELS, assert_trees_close, ref_vjp
 
 import vjpsplit_cli as vs
 from vjpsplit_cli.cli import main
-from vjpsplit_cli.tracing.policies import choose_policy, parse_at, parse_bytes, plan_policies, policy_cost
+from vjpsplit_cli.files.sizes import parse_at, parse_bytes
+from vjpsplit_cli.tracing.choice import choose_policy
+from vjpsplit_cli.tracing.policies import plan_policies, policy_cost
 
 POLICIES = ["everything", "dots", "nothing", "names:hidden"]
 
@@ -149,7 +151,7 @@ def test_policy_cost_symbolic_formula():
     cost = policy_cost(big_mlp, params, jax.ShapeDtypeStruct((b, 8), jnp.float32))
     assert cost.stored_bytes is None and cost.backward_flops is None
     at = policy_cost(big_mlp, params, jax.ShapeDtypeStruct((b, 8), jnp.float32), at={"b": 10})
-    from vjpsplit_cli.tracing.policies import evaluate_terms
+    from vjpsplit_cli.files.sizes import evaluate_terms
 
     # With b symbolic, scalars like 1/b are residuals; with b known they fold into constants.
     assert 0 <= evaluate_terms(cost.stored_terms, {"b": 10}) - at.stored_bytes <= 8

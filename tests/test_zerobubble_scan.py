@@ -26,7 +26,7 @@ from vjpsplit_cli.artifact.report import weight_part_bytes
 from vjpsplit_cli.cli import main
 from vjpsplit_cli.tracing.fission import cut_inside
 from vjpsplit_cli.tracing.jaxprs import iter_eqns
-from vjpsplit_cli.tracing.policies import format_bytes_terms, total_bytes
+from vjpsplit_cli.files.sizes import format_bytes_terms, total_bytes
 
 D, T, LAYERS = 12, 5, 4
 

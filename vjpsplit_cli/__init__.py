@@ -43,7 +43,7 @@ _EXPORTS = {
     "POLICIES": "tracing.policies",
     "PolicyCost": "tracing.policies",
     "plan_policies": "tracing.policies",
-    "choose_policy": "tracing.policies",
+    "choose_policy": "tracing.choice",
     "choose_auto": "tracing.choice",
     "AutoChoice": "tracing.choice",
     "resolve_policy": "tracing.choice",
@@ -90,7 +90,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the eager spelling of the lazy 
     from .pipeline.boundary import stage_boundary
     from .pipeline.exporting import export_stages
     from .pipeline.stagedir import Stages, load_stages
-    from .tracing.choice import AutoChoice, PolicyChoice, choose_auto, resolve_policy
-    from .tracing.policies import POLICIES, PolicyCost, choose_policy, plan_policies
+    from .tracing.choice import AutoChoice, PolicyChoice, choose_auto, choose_policy, resolve_policy
+    from .tracing.policies import POLICIES, PolicyCost, plan_policies
     from .tracing.residuals import Intermediates, Residuals, SplitResiduals
     from .tracing.split import split

@@ -1,7 +1,8 @@
-"""The artifact's manifest: what every key, dtype and shape is, and the checks that hold arrays to it.
+"""The artifact's manifest: its schema (every key, dtype and shape), the format versions and the fingerprint.
 
 Like ``jax.export``'s own ``Exported``, the manifest is a frozen dataclass with an
-explicit format version; a reader refuses a newer version, naming both.
+explicit format version; a reader refuses a newer version, naming both. Holding
+the caller's arrays to it at run time is module ``arguments``.
 """
 
 from __future__ import annotations
@@ -13,18 +14,22 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 from .._version import __version__
 from ..errors import VjpsplitError
+from ..files import keys
 from ..files.dtypes import dtype_from_name
-from ..files.prng import impl_name, is_key, key_ndim, to_data
-from ..files.shapes import bind_dims, concrete_shape, format_shape
-from ..files.trees import ArgTrees, decode_structure, flatten_with_keys, structure_keys
-from ..safeio.system import host_memory
+from ..files.prng import key_ndim
+from ..files.shapes import format_shape
+from ..files.trees import structure_keys
 from ..tracing.vjp import is_differentiable
+
+# The run-time checks moved to ``arguments`` (issue 28); importable from here until their callers move.
+from .arguments import as_computed as as_computed
+from .arguments import check_array as check_array
+from .arguments import check_keys as check_keys
+from .arguments import flatten_args as flatten_args
+from .arguments import grads_per_arg as grads_per_arg
+from .arguments import recorded_dims as recorded_dims
 from .sharding import SpecJSON, spec_from_json
 
 # Artifact format versions. Bump on any change a reader must know about, and keep
@@ -82,7 +87,7 @@ class Leaf:
         return self.shape[: len(self.shape) - key_ndim(self.prng_impl)]
 
     def to_json(self, residual: bool = False) -> dict:
-        d = {"key": self.key, "dtype": self.dtype, "shape": list(self.shape)}
+        d: dict[str, Any] = {"key": self.key, "dtype": self.dtype, "shape": list(self.shape)}
         if residual:
             d["input_backed"] = self.input_backed
         if self.prng_impl:
@@ -150,12 +155,12 @@ class Manifest:
     dim_vars: tuple[str, ...]
     inputs: tuple[Leaf, ...]
     outputs: tuple[Leaf, ...]  # "out..." then "aux..." keys
-    residuals: tuple[Leaf, ...]  # stored "r/i" in module order, then input-backed "in/<key>"
+    residuals: tuple[Leaf, ...]  # stored (keys.stored) in module order, then input-backed
     grads: tuple[Leaf, ...]
     structure: Mapping[str, Any]  # {"args": {name: ...}, "out": ..., "aux": ...} (trees.encode_structure)
     weights: tuple[str, ...] = ()  # zero-bubble split: arguments whose gradients bwd_weight computes
-    intermediates: tuple[Leaf, ...] = ()  # what bwd_input hands to bwd_weight ("c/i" keys)
-    weight_residuals: tuple[str, ...] = ()  # format >= 3: the stored residuals ("r/i") bwd_weight reads
+    intermediates: tuple[Leaf, ...] = ()  # what bwd_input hands to bwd_weight (keys.intermediate)
+    weight_residuals: tuple[str, ...] = ()  # format >= 3: the stored residuals bwd_weight reads
     weight_inputs: tuple[str, ...] = ()  # format >= 3: the input-backed residuals (input keys) it reads
     nr_devices: int = 1  # format >= 4: devices the modules run on (jax.export's)
     mesh: tuple[tuple[str, int], ...] = ()  # format >= 4: (axis name, size) of a sharded artifact's mesh
@@ -258,7 +263,7 @@ class Manifest:
         inputs = {leaf.key for leaf in self.inputs}
         stored = {r.key for r in self.stored_residuals}
         for r in self.residuals:
-            if r.input_backed and (not r.key.startswith("in/") or r.key[3:] not in inputs):
+            if r.input_backed and (not keys.is_input_backed(r.key) or keys.input_of(r.key) not in inputs):
                 raise ValueError(f"input-backed residual '{r.key}' names no input")
         for k in self.weight_residuals:
             if k not in stored:
@@ -269,8 +274,8 @@ class Manifest:
         bad = next((g.key for g in self.grads if g.key not in inputs), None)
         if bad is not None:
             raise ValueError(f"gradient '{bad}' names no input")
-        for what, keys in (("gradient", [g.key for g in self.grads]), ("input", list(inputs))):
-            if len(set(keys)) != len(keys):
+        for what, listed in (("gradient", [g.key for g in self.grads]), ("input", list(inputs))):
+            if len(set(listed)) != len(listed):
                 raise ValueError(f"an {what} key appears twice" if what == "input" else "a gradient appears twice")
         if len(set(self.arg_names)) != len(self.arg_names):
             raise ValueError("an argument name appears twice")
@@ -281,8 +286,8 @@ class Manifest:
         args = self.structure.get("args")
         if not isinstance(args, dict) or any(n not in args for n in self.arg_names):
             raise ValueError("the structure does not describe every argument")
-        keys = [k for n in self.arg_names for k in structure_keys(n, args[n])]
-        if keys != [leaf.key for leaf in self.inputs]:
+        arg_keys = [k for n in self.arg_names for k in structure_keys(n, args[n])]
+        if arg_keys != [leaf.key for leaf in self.inputs]:
             raise ValueError("the argument structure's keys are not the inputs'")
 
     @property
@@ -297,7 +302,7 @@ class Manifest:
 
     def grads_of(self, names: Sequence[str]) -> tuple[Leaf, ...]:
         """The gradient leaves of the arguments ``names``, in manifest order."""
-        return tuple(g for g in self.grads if g.key.split("/", 1)[0] in names)
+        return tuple(g for g in self.grads if keys.arg_of(g.key) in names)
 
     @property
     def non_weight_wrt(self) -> tuple[str, ...]:
@@ -315,7 +320,7 @@ class Manifest:
     @property
     def input_backed_keys(self) -> tuple[str, ...]:
         """Input keys the backward reads directly (``in/x`` residuals name input ``x``)."""
-        return tuple(r.key[3:] for r in self.residuals if r.input_backed)
+        return tuple(keys.input_of(r.key) for r in self.residuals if r.input_backed)
 
     @property
     def out_keys(self) -> tuple[str, ...]:
@@ -352,159 +357,3 @@ def fingerprint_json(body: Mapping[str, Any], modules: Mapping[str, bytes]) -> s
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     return h.hexdigest()
-
-
-def flatten_args(
-    manifest: "Manifest | None", args: Sequence, source: str = "args", arg_names: Sequence[str] = ()
-) -> tuple[dict[str, Any], tuple]:
-    """The caller's argument pytrees as ``{file key: array}`` plus their structure.
-
-    Typed PRNG keys become their key data, after checking the impl against the
-    manifest; every refusal names the leaf by its key. Without a manifest the
-    arguments are named by ``arg_names`` and keys are not checked.
-    """
-    specs = {leaf.key: leaf for leaf in manifest.inputs} if manifest is not None else None
-    flat: dict[str, Any] = {}
-    trees = []
-    for name, arg in zip(manifest.arg_names if manifest is not None else arg_names, args):
-        entries = flatten_with_keys(name, arg)
-        trees.append((name, jax.tree_util.tree_structure(arg), tuple(k for k, _ in entries)))
-        for key, value in entries:
-            if specs is None:
-                flat[key] = to_data(value)
-                continue
-            leaf = specs.get(key)
-            if is_key(value):
-                if leaf is None or not leaf.prng_impl:
-                    want = f"expected {leaf.describe()}" if leaf is not None else "not an input of the artifact"
-                    raise VjpsplitError(
-                        f"{source}: input '{key}': got a typed PRNG key ({value.dtype}), {want}; "
-                        "pass jax.random.key_data(key) for a legacy uint32 key"
-                    )
-                got = impl_name(value)
-                if got != leaf.prng_impl:
-                    raise VjpsplitError(
-                        f"{source}: input '{key}': expected a {leaf.prng_impl} key, got a {got} key; "
-                        f"make it with jax.random.key(seed, impl='{leaf.prng_impl}')"
-                    )
-                value = to_data(value)
-            flat[key] = value
-    return flat, tuple(trees)
-
-
-def _weak_scalar_fits(value, want: np.dtype) -> bool:
-    if isinstance(value, bool):
-        return want == np.bool_
-    if isinstance(value, int):
-        return want.kind in "iufc"
-    if isinstance(value, float):
-        return want.kind in "fc" or jnp.issubdtype(want, jnp.floating)
-    if isinstance(value, complex):
-        return want.kind == "c"
-    return False
-
-
-def as_computed(value, want):
-    """``value`` as an artifact computes on it: a Python scalar (weakly typed in JAX) takes the dtype ``want``."""
-    want = np.dtype(want)
-    return np.asarray(value, want) if _weak_scalar_fits(value, want) else value
-
-
-def check_array(source: str, what: str, leaf: Leaf, value, dims: dict[str, int]):
-    """``value`` as an array of ``leaf``'s dtype and shape, binding dims; else a clear error."""
-    want = dtype_from_name(leaf.dtype)
-    value = as_computed(value, want)
-    a = value if hasattr(value, "dtype") and hasattr(value, "shape") else np.asarray(value)
-    got = np.dtype(a.dtype)
-    if got != want:
-        # npz written by plain numpy holds bfloat16 & co. as raw void of the same width.
-        if got.kind == "V" and got.itemsize == want.itemsize and not got.fields and isinstance(a, np.ndarray):
-            a = a.view(want)
-        else:
-            raise VjpsplitError(
-                f"{source}: {what} '{leaf.key}': expected {leaf.describe()}, got {format_shape(got, a.shape)}; "
-                "write it with the expected dtype (no implicit casting)"
-            )
-    shape = tuple(int(d) for d in a.shape)
-    ok = bind_dims(f"{source}: {what} '{leaf.key}'", leaf.shape, shape, dims)
-    conc = concrete_shape(leaf.shape, dims) if ok else None
-    if not ok or (conc is not None and conc != shape):
-        bound = ", ".join(f"{k}={v}" for k, v in dims.items())
-        raise VjpsplitError(
-            f"{source}: {what} '{leaf.key}': expected {leaf.describe()}"
-            f"{f' (with {bound})' if bound else ''}, got {format_shape(got, shape)}"
-        )
-    return a
-
-
-def check_keys(source: str, what: str, expected: Sequence[str], given: Mapping[str, Any], allow_extra: bool = False):
-    """Refuse missing keys and (unless ``allow_extra``) unknown ones, naming them and the expected set."""
-    missing = [k for k in expected if k not in given]
-    if missing:
-        raise VjpsplitError(
-            f"{source}: missing {what} key{'s' if len(missing) > 1 else ''} {', '.join(repr(k) for k in missing)}; "
-            f"expected keys: {', '.join(expected) or '(none)'}"
-        )
-    if not allow_extra:
-        extra = [k for k in given if k not in expected]
-        if extra:
-            raise VjpsplitError(
-                f"{source}: unknown {what} key{'s' if len(extra) > 1 else ''} {', '.join(repr(k) for k in extra)}; "
-                f"expected keys: {', '.join(expected) or '(none)'}"
-            )
-
-
-def recorded_dims(manifest: Manifest, recorded: Mapping[str, Any], source: str, what: str, fix: str) -> dict[str, int]:
-    """The symbolic dims a residuals or intermediates file (``what``) records: each >= 1, all within memory.
-
-    Dim sizes read from a file bound what the backward allocates. A dim that no
-    stored residual mentions is checked against nothing else, so an edited file
-    could otherwise ask for any amount of memory: refuse what no host could hold.
-    """
-    dims = {}
-    for name in manifest.dim_vars:
-        v = recorded.get(name)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise VjpsplitError(f"{source}: symbolic dim {name!r} is missing or invalid in the {what}; {fix}")
-        dims[name] = v
-    total = 0
-    for leaf in (*manifest.grads, *manifest.intermediates):
-        shape = concrete_shape(leaf.shape, dims)
-        if shape is not None:
-            total += int(np.prod(shape, dtype=object)) * dtype_from_name(leaf.dtype).itemsize
-    limit = host_memory()
-    if total > limit:
-        bound = ", ".join(f"{k}={v}" for k, v in dims.items())
-        raise VjpsplitError(
-            f"{source}: the recorded dims ({bound}) would make the backward's results {total / 2**30:.1f} GiB, "
-            f"more than this host's {limit / 2**30:.1f} GiB of memory; the residuals metadata is corrupt, "
-            "rerun the forward"
-        )
-    return dims
-
-
-def grads_per_arg(
-    manifest: Manifest, grads: Mapping[str, Any], names: Sequence[str], dims, arg_trees: ArgTrees = ()
-) -> dict:
-    """Flat gradient keys -> per-argument pytrees (float0 zeros for integer leaves).
-
-    With ``arg_trees`` (from ``fwd``'s arguments) each gradient has the caller's
-    own pytree type; otherwise the manifest's structure (user classes as dicts).
-    """
-    spec = {leaf.key: leaf for leaf in manifest.inputs}
-    known = {name: (treedef, keys) for name, treedef, keys in arg_trees}
-
-    def leaf_grad(k):
-        if k in grads:
-            return grads[k]
-        return np.zeros(concrete_shape(spec[k].key_shape, dims), jax.dtypes.float0)
-
-    out = {}
-    for name in names:
-        if name in known:
-            treedef, keys = known[name]
-            out[name] = jax.tree_util.tree_unflatten(treedef, [leaf_grad(k) for k in keys])
-        else:
-            keys = structure_keys(name, manifest.structure["args"][name])
-            out[name] = decode_structure(manifest.structure["args"][name], iter(leaf_grad(k) for k in keys))
-    return out

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+from ..files.sizes import byte_terms, evaluate_terms, format_bytes_terms, human_bytes, total_bytes
 from ..terminal import printable
-from ..tracing.policies import byte_terms, evaluate_terms, format_bytes_terms, human_bytes, total_bytes
 from .artifact import Artifact
 from .manifest import Leaf
 from .sharding import format_spec

@@ -16,7 +16,7 @@ from ..errors import UsageError
 from ..files import save_arrays
 from ..files.dtypes import dtype_from_name
 from ..files.shapes import concrete_shape, eval_dim
-from ..tracing.policies import check_at_names, parse_at
+from ..files.sizes import check_at_names, parse_at
 from .artifact import Artifact
 from .loading import load
 from .manifest import Leaf

@@ -101,7 +101,7 @@ class AtSizes(click.ParamType):
     name = "NAME=SIZE"
 
     def convert(self, value, param, ctx):
-        from ..tracing.policies import parse_at
+        from ..files.sizes import parse_at
 
         try:
             parse_at([str(value)])
@@ -311,7 +311,8 @@ def trust_options(fn):
 
 def check_at(at, specs) -> dict[str, int]:
     """--at sizes for the traced function: a name that is no symbolic dim of the --shapes is a usage error."""
-    from ..tracing.policies import check_at_names, parse_at, symbolic_dim_names
+    from ..files.sizes import check_at_names, parse_at
+    from ..tracing.specs import symbolic_dim_names
 
     sizes = parse_at(at)
     check_at_names(sizes, symbolic_dim_names(specs), "the --shapes")

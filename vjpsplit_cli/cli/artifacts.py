@@ -47,7 +47,7 @@ def inspect_cmd(artifact, as_json, at, trust_keys, allow_kernels):
     """Describe an artifact: keys, dtypes, shapes, residual bytes, platforms, versions (a stages directory: per stage)."""
     import os
 
-    from ..tracing.policies import check_at_names, parse_at
+    from ..files.sizes import check_at_names, parse_at
 
     if os.path.isdir(artifact):
         from .stagecmds import inspect_stages_cmd

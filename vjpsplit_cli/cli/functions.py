@@ -93,7 +93,8 @@ def export_cmd(
 ):
     """Export FN's forward and backward into one portable artifact (or, with --stages, one per stage)."""
     from ..artifact.lowering import export
-    from ..tracing.policies import PolicyFallbackWarning, parse_at
+    from ..files.sizes import parse_at
+    from ..tracing.policies import PolicyFallbackWarning
     from ..trust.signing import load_private_key
     from .specs import check_fits, load_function, resolve_shapes
 

@@ -159,7 +159,7 @@ def run_bwd_cmd(
     timeout,
 ):
     """Run the backward: residuals (+ cotangents) -> gradients, without the forward."""
-    from ..artifact.manifest import check_keys
+    from ..artifact.arguments import check_keys
     from ..artifact.residual_files import load_residuals
     from ..files import load_arrays, save_arrays
 

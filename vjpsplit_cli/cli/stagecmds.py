@@ -43,9 +43,9 @@ def export_stages_cmd(target, shapes, wrt, platforms, policy, weights: bool, out
 
 def inspect_stages_cmd(directory, as_json: bool, at, trust_keys, allow_kernels) -> None:
     """Print a stages directory's table (or JSON): one row per stage."""
+    from ..files.sizes import parse_at
     from ..pipeline.stagedir import load_stages
     from ..pipeline.stagereport import format_stages, stage_rows
-    from ..tracing.policies import parse_at
 
     stages = load_stages(directory, trust=list(trust_keys) or None, allow_kernels=allow_kernels)
     sizes = parse_at(at)

@@ -7,7 +7,7 @@ from typing import Mapping
 import numpy as np
 
 from ..files.shapes import concrete_shape
-from ..tracing.policies import human_bytes
+from ..files.sizes import human_bytes
 from .cut import ANY_DIM, AnyDim
 
 

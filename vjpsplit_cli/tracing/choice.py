@@ -1,8 +1,10 @@
-"""``policy="auto"`` and one resolution of policy, budget and auto for split, export and the CLI.
+"""Choosing a policy: under a memory budget, by measuring (``auto``), and one resolution of both.
 
-``choose_auto`` compiles and times the fixed policies that fit a memory budget
-and picks the fastest forward + backward; ``resolve_policy`` turns what a caller
-gave (a policy, a budget, auto, sizes) into the concrete policy and why.
+``choose_policy`` takes the policy that recomputes least among those whose stored
+residuals fit a memory budget; ``choose_auto`` compiles and times the fixed
+policies that fit and picks the fastest forward + backward; ``resolve_policy``
+turns what a caller gave (a policy, a budget, auto, sizes) into the concrete
+policy and why, for split, export and the CLI.
 """
 
 from __future__ import annotations
@@ -15,19 +17,10 @@ import numpy as np
 
 from ..errors import VjpsplitError
 from ..files.shapes import is_symbolic_shape
-from .policies import (
-    AUTO,
-    BUDGET_ORDER,
-    Candidate,
-    bytes_known,
-    choose_policy,
-    concrete_specs,
-    human_bytes,
-    normalize_policy,
-    parse_at,
-    parse_bytes,
-    policy_cost,
-)
+from ..files.sizes import human_bytes, parse_at, parse_bytes
+from .policies import AUTO, BUDGET_ORDER, PolicyCost, candidate, normalize_policy, policy_cost
+from .specs import concrete_specs
+from .traced import TracedVjp
 from .vjp import fn_wrt_positions
 
 
@@ -94,6 +87,16 @@ def _example(spec, rng: np.random.Generator):
     return np.zeros(spec.shape, dt)
 
 
+def _out_and_stored(cand: TracedVjp) -> Callable:
+    """The candidate's forward as timed: outputs and stored residuals (aux is not part of the step)."""
+
+    def fwd(*args):
+        out, stored, _ = cand.forward(*args)
+        return out, stored
+
+    return fwd
+
+
 def _measure(fn, specs, policies, wrt_pos, single, has_aux, seconds_per_candidate: float) -> dict[str, float]:
     """Median forward + backward seconds of each policy, compiled and run here, rounds interleaved."""
     import statistics
@@ -104,11 +107,13 @@ def _measure(fn, specs, policies, wrt_pos, single, has_aux, seconds_per_candidat
     flat = jax.tree_util.tree_leaves(args)
     steps = {}
     for p in policies:
-        cand = Candidate(fn, p, wrt_pos, single, has_aux)
+        cand = candidate(fn, p, wrt_pos, single, has_aux)
         # Compiled objects run eagerly even while split() is tracing, where a jit call would be staged.
-        fwd_c = jax.jit(cand.fwd).lower(*args).compile()
-        stored, inputs, cts = cand.bwd_args(flat, cand.plan.stored_avals, lambda aval: np.ones(aval.shape, aval.dtype))
-        bwd_c = jax.jit(cand.bwd).lower(stored, inputs, cts).compile()
+        fwd_c = jax.jit(_out_and_stored(cand)).lower(*args).compile()
+        stored, inputs, cts = cand.backward_args(
+            flat, cand.plan.stored_avals, lambda aval: np.ones(aval.shape, aval.dtype)
+        )
+        bwd_c = jax.jit(cand.backward).lower(stored, inputs, cts).compile()
 
         def step(fwd=fwd_c, bwd=bwd_c, inputs=inputs, cts=cts):
             _, stored = fwd(*args)
@@ -133,11 +138,11 @@ def _estimate(fn, specs, policies, wrt_pos, single, has_aux) -> dict[str, float]
     """XLA's cost analysis of each policy's forward + backward: FLOPs plus bytes accessed (a relative score)."""
     out = {}
     for p in policies:
-        cand = Candidate(fn, p, wrt_pos, single, has_aux)
+        cand = candidate(fn, p, wrt_pos, single, has_aux)
         score = 0.0
-        fc = jax.jit(cand.fwd).lower(*specs).compile()
-        args = cand.bwd_args(jax.tree_util.tree_leaves(specs), cand.plan.stored_avals)
-        for c in (fc, jax.jit(cand.bwd).lower(*args).compile()):
+        fc = jax.jit(_out_and_stored(cand)).lower(*specs).compile()
+        args = cand.backward_args(jax.tree_util.tree_leaves(specs), cand.plan.stored_avals)
+        for c in (fc, jax.jit(cand.backward).lower(*args).compile()):
             a: Any = c.cost_analysis()
             if isinstance(a, list):  # older jax: one dict per computation
                 a = a[0] if a else {}
@@ -145,6 +150,18 @@ def _estimate(fn, specs, policies, wrt_pos, single, has_aux) -> dict[str, float]
             score += float(a.get("flops", 0.0)) + 10.0 * float(a.get("bytes accessed", 0.0))
         out[p] = score
     return out
+
+
+def _time(
+    fn, specs, fitting, how: tuple[tuple[int, ...], bool, bool], method: str, seconds_per_candidate: float
+) -> tuple[dict[str, float], str]:
+    """Each fitting policy's seconds (measured, or XLA's estimate where running fails) and how they were had."""
+    if method == "measure":
+        try:
+            return _measure(fn, specs, fitting, *how, seconds_per_candidate), "measured"
+        except Exception:  # inputs it cannot synthesize, or a backend that cannot run here: estimate
+            pass
+    return _estimate(fn, specs, fitting, *how), "estimated"
 
 
 def choose_auto(
@@ -179,17 +196,9 @@ def choose_auto(
         specs = concrete_specs(specs, at)
     specs = tuple(jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(np.shape(s), s.dtype), s) for s in specs)
     wrt_pos, single = fn_wrt_positions(fn, wrt, len(specs))
-    key: tuple | None = (
-        fn,
-        str(jax.tree_util.tree_structure(specs)),
-        tuple((tuple(s.shape), str(s.dtype)) for s in jax.tree_util.tree_leaves(specs)),
-        wrt_pos,
-        single,
-        has_aux,
-        budget,
-        tuple(policies),
-        method,
-    )
+    shapes = tuple((tuple(s.shape), str(s.dtype)) for s in jax.tree_util.tree_leaves(specs))
+    tree = str(jax.tree_util.tree_structure(specs))
+    key: tuple | None = (fn, tree, shapes, wrt_pos, single, has_aux, budget, tuple(policies), method)
     try:
         hit = _AUTO_CACHE.get(key)
     except TypeError:  # an unhashable callable: no memo
@@ -207,17 +216,10 @@ def choose_auto(
             f"no policy fits a memory budget of {human_bytes(budget or 0)}: the smallest is {best!r} storing "
             f"{human_bytes(stored[best])}; raise the budget or use smaller sizes"
         )
-    used = method
     if len(fitting) == 1:
         seconds, used = {fitting[0]: 1.0}, "only fit"
-    elif method == "measure":
-        try:
-            seconds = _measure(fn, specs, fitting, wrt_pos, single, has_aux, seconds_per_candidate)
-            used = "measured"
-        except Exception:  # inputs it cannot synthesize, or a backend that cannot run here: estimate
-            seconds, used = _estimate(fn, specs, fitting, wrt_pos, single, has_aux), "estimated"
     else:
-        seconds, used = _estimate(fn, specs, fitting, wrt_pos, single, has_aux), "estimated"
+        seconds, used = _time(fn, specs, fitting, (wrt_pos, single, has_aux), method, seconds_per_candidate)
     fastest = min(seconds.values())
     # Within 1% of the fastest is a tie (timer noise): the one that stores least wins it.
     chosen = min((p for p in fitting if seconds[p] <= fastest * 1.01), key=lambda p: (stored[p], seconds[p]))
@@ -225,6 +227,47 @@ def choose_auto(
     if key is not None:
         _AUTO_CACHE[key] = choice
     return choice
+
+
+def choose_policy(
+    fn: Callable,
+    *specs,
+    memory_budget,
+    wrt=None,
+    has_aux: bool = False,
+    at=None,
+    policies: Sequence[str] = BUDGET_ORDER,
+) -> tuple[str, PolicyCost]:
+    """The policy that recomputes least among those whose stored residual bytes fit the budget."""
+    budget = parse_bytes(memory_budget)
+    at = parse_at(at)
+    symbolic = any(is_symbolic_shape(s.shape) for s in jax.tree_util.tree_leaves(specs))
+    if symbolic and not at:
+        raise VjpsplitError(
+            "a memory budget needs sizes for the symbolic dims to weigh the residuals; pass --at NAME=SIZE "
+            "(the at= argument in Python), e.g. b=256, with the largest sizes you will run"
+        )
+    costs = []
+    for p in policies:
+        cost = policy_cost(fn, *specs, policy=p, wrt=wrt, has_aux=has_aux, at=at, flops=False)
+        if bytes_known(cost) <= budget:
+            return p, cost
+        costs.append(cost)
+    best = min(costs, key=bytes_known)
+    where = f" at {', '.join(f'{k}={v}' for k, v in at.items())}" if at else ""
+    raise VjpsplitError(
+        f"no policy fits a memory budget of {human_bytes(budget)}{where}: the smallest is {best.policy!r} "
+        f"storing {human_bytes(bytes_known(best))}; raise the budget or use smaller sizes"
+    )
+
+
+def bytes_known(cost: PolicyCost) -> int:
+    """``cost.stored_bytes``, which is known once every symbolic dim has a size."""
+    if cost.stored_bytes is None:
+        raise VjpsplitError(
+            "a memory budget needs a size for every symbolic dim; pass --at NAME=SIZE (at= in Python) for each"
+        )
+    return cost.stored_bytes
 
 
 @dataclass(frozen=True)

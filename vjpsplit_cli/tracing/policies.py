@@ -1,34 +1,39 @@
-"""Save versus recompute: the policies, what each costs, the choice under a memory budget, byte arithmetic.
+"""Save versus recompute: the policies, applying one to a function, and what each costs.
 
 A policy is a ``jax.checkpoint`` policy applied to the whole function:
 ``everything`` (what ``jax.vjp`` keeps), ``dots`` (matmul and convolution outputs),
 ``nothing`` (inputs only) and ``names:a,b`` (values tagged with
 ``jax.ad_checkpoint.checkpoint_name``). ``policy_cost`` traces, never runs, a
 function under one and measures its stored residuals and its backward's work.
-``policy="auto"`` (module ``choice``) compiles and times the fixed policies that fit
-a budget and picks the fastest forward + backward.
+Choosing among them (under a memory budget, or ``policy="auto"``, which compiles and
+times the fixed policies that fit) is module ``choice``; sizes and byte counts are
+``files.sizes``.
 """
 
 from __future__ import annotations
 
 import functools
-import re
 import warnings
-from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 
-from ..errors import UsageError, VjpsplitError, first_line
-from ..files.dtypes import dtype_from_name
-from ..files.shapes import DIM_FUNCS, IDENTIFIER, MAX_DIM, eval_dim, is_symbolic_shape
+from ..errors import VjpsplitError, first_line
+from ..files.shapes import is_symbolic_shape
+
+# Moved to files.sizes and tracing.specs (issue 28); still importable from here for callers written before.
+from ..files.sizes import byte_terms_of_shape, evaluate_terms
 from .jaxprs import iter_eqns, sub_jaxprs
-from .vjp import Plan, fn_wrt_positions, run_backward, trace_vjp
+from .specs import concrete_specs
+from .specs import symbolic_dim_names as symbolic_dim_names
+from .traced import TracedVjp
+from .vjp import fn_wrt_positions
 
 # The fixed policies; ``names:a,b`` (any names) is the fourth form.
 POLICIES = ("everything", "dots", "nothing")
+AUTO = "auto"  # resolved to one of them by measuring (module choice)
 
 
 def normalize_policy(policy: str | None) -> str:
@@ -42,7 +47,7 @@ def normalize_policy(policy: str | None) -> str:
         if not names:
             raise VjpsplitError("policy 'names:' needs at least one name, e.g. names:h1,h2")
         return "names:" + ",".join(names)
-    if policy == "auto":
+    if policy == AUTO:
         raise VjpsplitError("policy 'auto' is resolved by split or export (choose_auto) to a concrete policy first")
     raise VjpsplitError(f"unknown policy {policy!r}; use everything, dots, nothing, auto or names:a,b")
 
@@ -102,174 +107,13 @@ class PolicyFallback:
             return out
 
 
-def byte_terms_of_shape(dtype, shape: Sequence[int | str]) -> dict[str, int]:
-    """Bytes of an array as ``{symbolic factor: coefficient}``; ``""`` is the constant term."""
-    coeff = dtype_from_name(dtype).itemsize if isinstance(dtype, str) else np.dtype(dtype).itemsize
-    factors = []
-    for d in shape:
-        if isinstance(d, int):
-            coeff *= d
-        else:
-            factors.append(d if d.replace("_", "").isalnum() else f"({d})")
-    return {"·".join(sorted(factors)): coeff}
-
-
-def byte_terms(leaf) -> dict[str, int]:
-    """Bytes of one manifest leaf as ``{symbolic factor: coefficient}``."""
-    return byte_terms_of_shape(leaf.dtype, leaf.shape)
-
-
-def total_bytes(leaves: Sequence) -> dict[str, int]:
-    """Summed ``byte_terms`` of ``leaves``."""
-    total: dict[str, int] = defaultdict(int)
-    for leaf in leaves:
-        for k, v in byte_terms(leaf).items():
-            total[k] += v
-    return dict(total)
-
-
-def evaluate_terms(terms: Mapping[str, int], at: Mapping[str, int]) -> int | None:
-    """The byte count of ``terms`` with symbolic dims sized by ``at``; None if some are unbound."""
-    total = 0
-    for k, coeff in terms.items():
-        value = coeff
-        for factor in filter(None, k.split("·")):
-            v = eval_dim(factor.strip("()"), at)
-            if v is None:
-                return None
-            value *= v
-        total += value
-    return total
-
-
-def human_bytes(n: int) -> str:
-    """``1536`` -> ``1.5 KiB``."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError
-
-
-def format_bytes_terms(terms: dict[str, int]) -> str:
-    """``{"": 12288, "b": 8192}`` -> ``12.0 KiB + 8.0 KiB·b``."""
-    if not terms:
-        return "0 B"
-    parts = []
-    for k in sorted(terms, key=lambda k: (k != "", k)):
-        if terms[k] == 0:
-            continue
-        parts.append(human_bytes(terms[k]) + (f"·{k}" if k else ""))
-    return " + ".join(parts) or "0 B"
-
-
 # Cheapest recompute first: a budget takes the first of these that fits.
 BUDGET_ORDER = ("everything", "dots", "nothing")
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
 
-
-def parse_bytes(text: str | int) -> int:
-    """``'64MiB'`` -> 67108864; also plain integers, ``kB``/``MB``/``GB`` (powers of 1000) and ``KiB``/``GiB``."""
-    if isinstance(text, (int, np.integer)) and not isinstance(text, bool):
-        if text < 0:
-            raise VjpsplitError(f"memory budget {text} is negative")
-        return int(text)
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise VjpsplitError(f"memory budget {text!r} is not a size; write e.g. 64MiB, 1.5GB or 1048576")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def parse_at(items: Sequence[str] | Mapping[str, int] | None) -> dict[str, int]:
-    """``['b=256', 't=128']`` (or a mapping) -> ``{'b': 256, 't': 128}``; sizes must be >= 1."""
-    if items is None:
-        return {}
-    pairs: list[tuple[str, Any]]
-    if isinstance(items, Mapping):
-        pairs = list(items.items())
-    else:
-        pairs = []
-        for item in items:
-            for part in str(item).split(","):
-                name, eq, value = part.partition("=")
-                # ASCII digits only: str.isdigit() also accepts '²', which int() refuses.
-                if not eq or not _AT_NAME.match(name.strip()) or not _AT_SIZE.match(value.strip()):
-                    raise VjpsplitError(f"--at {part!r} is not NAME=SIZE; write e.g. b=256")
-                pairs.append((name.strip(), int(value)))
-    out: dict[str, int] = {}
-    for name, value in pairs:
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise VjpsplitError(f"--at {name}={value!r}: a size must be an integer, e.g. b=256")
-        if int(value) < 1:
-            raise VjpsplitError(f"--at {name}={value}: symbolic dims are >= 1")
-        if int(value) > MAX_DIM:
-            raise VjpsplitError(f"--at {name}={value}: too large (at most 2**40); check the number")
-        out[str(name)] = int(value)
-    return out
-
-
-def check_at_names(at: Mapping[str, int], known: Sequence[str], source: str) -> None:
-    """Refuse ``--at`` names that are not symbolic dims of ``source`` (a usage error naming them)."""
-    unknown = [n for n in at if n not in known]
-    if unknown:
-        have = f"its symbolic dims are {', '.join(known)}" if known else "it has no symbolic dims"
-        raise UsageError(f"--at {', '.join(unknown)}: no such symbolic dim in {source}; {have}")
-
-
-def symbolic_dim_names(specs) -> list[str]:
-    """The symbolic dim names in ``specs`` (pytrees of ShapeDtypeStructs), in first-seen order."""
-    names: list[str] = []
-    for s in jax.tree_util.tree_leaves(specs):
-        for d in getattr(s, "shape", ()):
-            if not isinstance(d, (int, np.integer)):
-                names += [n for n in IDENTIFIER.findall(str(d)) if n not in names and n not in DIM_FUNCS]
-    return names
-
-
-_AT_NAME = re.compile(rf"^{IDENTIFIER.pattern}$")
-_AT_SIZE = re.compile(r"^[0-9]{1,30}$")
-
-
-def concrete_specs(specs: tuple, at: Mapping[str, int]) -> tuple:
-    """``specs`` with every symbolic dim replaced by its size from ``at``."""
-    missing: list[str] = []
-
-    def fix(s):
-        if not is_symbolic_shape(s.shape):
-            return s
-        dims = []
-        for d in s.shape:
-            v = eval_dim(d if isinstance(d, int) else str(d), at)
-            if v is None:
-                missing.append(str(d))
-                v = 1
-            dims.append(v)
-        return jax.ShapeDtypeStruct(tuple(dims), s.dtype)
-
-    out = tuple(jax.tree_util.tree_map(fix, s) for s in specs)
-    if missing:
-        raise VjpsplitError(
-            f"sizes needed for symbolic dim{'s' if len(set(missing)) > 1 else ''} {', '.join(sorted(set(missing)))}; "
-            f"pass --at {','.join(f'{n}=SIZE' for n in sorted(set(missing)))} (the at= argument in Python)"
-        )
-    return out
+def candidate(fn: Callable, policy: str | None, wrt_pos: tuple[int, ...], single: bool, has_aux: bool) -> TracedVjp:
+    """``fn`` under ``policy`` as a traceable forward and backward: what a policy is measured on."""
+    return TracedVjp(apply_policy(fn, policy), wrt_pos, single, has_aux)
 
 
 def _nbytes(structs) -> int:
@@ -326,10 +170,10 @@ def policy_cost(
     wrt_pos, single = fn_wrt_positions(fn, wrt, len(specs))
 
     def traced(specs_):
-        cand = Candidate(fn, policy, wrt_pos, single, has_aux)
-        stored_ = jax.eval_shape(lambda *a: cand.fwd(*a)[1], *specs_)
-        stored_, inputs_, cts_ = cand.bwd_args(jax.tree_util.tree_leaves(specs_), stored_)
-        return stored_, cand.plan, cand.bwd, inputs_, cts_
+        cand = candidate(fn, policy, wrt_pos, single, has_aux)
+        stored_ = jax.eval_shape(lambda *a: cand.forward(*a)[1], *specs_)
+        stored_, inputs_, cts_ = cand.backward_args(jax.tree_util.tree_leaves(specs_), stored_)
+        return stored_, cand.plan, cand.backward, inputs_, cts_
 
     # Counted on the symbolic trace, as export lowers it (at concrete sizes JAX folds values
     # such as 1/b into constants, so an artifact would store more than such a count says).
@@ -369,88 +213,3 @@ def plan_policies(
 ) -> list[PolicyCost]:
     """``policy_cost`` for each policy, cheapest recompute first."""
     return [policy_cost(fn, *specs, policy=p, wrt=wrt, has_aux=has_aux, at=at, flops=flops) for p in policies]
-
-
-def choose_policy(
-    fn: Callable,
-    *specs,
-    memory_budget,
-    wrt=None,
-    has_aux: bool = False,
-    at=None,
-    policies: Sequence[str] = BUDGET_ORDER,
-) -> tuple[str, PolicyCost]:
-    """The policy that recomputes least among those whose stored residual bytes fit the budget."""
-    budget = parse_bytes(memory_budget)
-    at = parse_at(at)
-    symbolic = any(is_symbolic_shape(s.shape) for s in jax.tree_util.tree_leaves(specs))
-    if symbolic and not at:
-        raise VjpsplitError(
-            "a memory budget needs sizes for the symbolic dims to weigh the residuals; pass --at NAME=SIZE "
-            "(the at= argument in Python), e.g. b=256, with the largest sizes you will run"
-        )
-    costs = []
-    for p in policies:
-        cost = policy_cost(fn, *specs, policy=p, wrt=wrt, has_aux=has_aux, at=at, flops=False)
-        if bytes_known(cost) <= budget:
-            return p, cost
-        costs.append(cost)
-    best = min(costs, key=bytes_known)
-    where = f" at {', '.join(f'{k}={v}' for k, v in at.items())}" if at else ""
-    raise VjpsplitError(
-        f"no policy fits a memory budget of {human_bytes(budget)}{where}: the smallest is {best.policy!r} "
-        f"storing {human_bytes(bytes_known(best))}; raise the budget or use smaller sizes"
-    )
-
-
-def bytes_known(cost: PolicyCost) -> int:
-    """``cost.stored_bytes``, which is known once every symbolic dim has a size."""
-    if cost.stored_bytes is None:
-        raise VjpsplitError(
-            "a memory budget needs a size for every symbolic dim; pass --at NAME=SIZE (at= in Python) for each"
-        )
-    return cost.stored_bytes
-
-
-# ---------------------------------------------------------------------------------------------
-# policy="auto" (module choice) picks among the fixed policies by measuring them.
-
-AUTO = "auto"
-
-
-class Candidate:
-    """``fn`` under one policy as a traceable forward ``(out, stored)`` and backward.
-
-    The backward's plan comes from the forward's trace, so trace (or lower) the
-    forward first; ``bwd_args`` then gives the backward's arguments.
-    """
-
-    def __init__(self, fn: Callable, policy: str | None, wrt_pos, single: bool, has_aux: bool):
-        inner = apply_policy(fn, policy)
-        self._plan: Plan | None = None
-
-        def fwd(*args):
-            out, stored, _, plan = trace_vjp(inner, args, wrt_pos, single, has_aux)
-            self._plan = plan
-            return out, stored
-
-        def bwd(stored, inputs, cts):
-            return run_backward(self.plan, stored, inputs, cts)
-
-        self.fwd, self.bwd = fwd, bwd
-
-    @property
-    def plan(self) -> Plan:
-        """The backward's plan, from the forward's trace (trace or lower ``fwd`` first)."""
-        if self._plan is None:
-            raise AssertionError("Candidate.plan is known once fwd has been traced")
-        return self._plan
-
-    def bwd_args(self, flat_args: Sequence, stored: Sequence, cotangent: Callable = lambda aval: aval) -> tuple:
-        """``(stored, input-backed leaves of flat_args, one cotangent per floating output)``."""
-        plan = self.plan
-        return (
-            list(stored),
-            [flat_args[k] for k in plan.input_backed],
-            [cotangent(plan.out_avals[i]) for i in plan.out_diff],
-        )

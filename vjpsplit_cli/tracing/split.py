@@ -15,16 +15,8 @@ from ..files import keys
 from .choice import resolve_policy
 from .policies import AUTO, apply_policy
 from .residuals import Residuals, SplitResiduals
-from .vjp import (
-    Plan,
-    assemble_grads,
-    cotangent_leaves,
-    fn_wrt_positions,
-    register_plan,
-    run_backward,
-    struct_of,
-    trace_vjp,
-)
+from .traced import TracedVjp
+from .vjp import Plan, assemble_grads, cotangent_leaves, fn_wrt_positions, register_plan, struct_of
 
 
 class _Static:
@@ -67,10 +59,11 @@ def split(fn: Callable, wrt=None, has_aux: bool = False, policy: str | None = No
                 fn, *specs, policy=policy, memory_budget=memory_budget, wrt=wrt_pos, has_aux=has_aux
             )
             body = apply_policy(fn, chosen.policy)
-        out, stored, aux, plan = trace_vjp(body, args, wrt_pos, single, has_aux)
-        register_plan(plan)
+        traced = TracedVjp(body, wrt_pos, single, has_aux)
+        out, stored, aux = traced.forward(*args)
+        register_plan(traced.plan)
         traces[0] += 1
-        return out, stored, aux, _Static(plan)
+        return out, stored, aux, _Static(traced.plan)
 
     jit_fwd = jax.jit(_fwd_impl)
 
@@ -78,7 +71,7 @@ def split(fn: Callable, wrt=None, has_aux: bool = False, policy: str | None = No
         plan = res.plan
         stored = [res.stored[keys.stored(i)] for i in range(plan.n_stored)]
         inputs = [res.inputs[str(k)] for k in plan.input_backed]
-        return run_backward(plan, stored, inputs, ct_leaves)
+        return TracedVjp.of_plan(plan).backward(stored, inputs, ct_leaves)
 
     jit_bwd = jax.jit(_bwd_impl)
 

@@ -200,20 +200,7 @@ def trace_vjp(fn: Callable, args: tuple, wrt: tuple[int, ...], single: bool, has
     out = jax.tree_util.tree_unflatten(out_tree, out_leaves)
 
     vjp_leaves, vjp_tree = jax.tree_util.tree_flatten(vjp_fn)
-    by_id = {id(a): k for k, a in enumerate(flat_args)}
-    stored: list = []
-    slots: list = []
-    seen: dict = {}
-    for leaf in vjp_leaves:
-        k = by_id.get(id(leaf))
-        if k is not None and flat_args[k] is leaf:
-            slots.append(("input", k))
-        elif id(leaf) in seen:  # one value kept twice by jax.vjp: store it once
-            slots.append(("stored", seen[id(leaf)]))
-        else:
-            seen[id(leaf)] = len(stored)
-            slots.append(("stored", len(stored)))
-            stored.append(leaf)
+    stored, slots = _slots(vjp_leaves, flat_args)
     stored, slots, unused = _drop_unused(vjp_tree, vjp_leaves, slots, stored, list(d_out))
     plan = Plan(
         vjp_tree=vjp_tree,
@@ -231,6 +218,25 @@ def trace_vjp(fn: Callable, args: tuple, wrt: tuple[int, ...], single: bool, has
         unused_avals=tuple(unused),
     )
     return out, tuple(stored), aux, plan
+
+
+def _slots(vjp_leaves: Sequence, flat_args: Sequence) -> tuple[list, list]:
+    """The values to store, and where each vjp leaf comes from: an input (the caller's array) or a stored value."""
+    by_id = {id(a): k for k, a in enumerate(flat_args)}
+    stored: list = []
+    slots: list = []
+    seen: dict = {}
+    for leaf in vjp_leaves:
+        k = by_id.get(id(leaf))
+        if k is not None and flat_args[k] is leaf:
+            slots.append(("input", k))
+        elif id(leaf) in seen:  # one value kept twice by jax.vjp: store it once
+            slots.append(("stored", seen[id(leaf)]))
+        else:
+            seen[id(leaf)] = len(stored)
+            slots.append(("stored", len(stored)))
+            stored.append(leaf)
+    return stored, slots
 
 
 # Call-like primitives whose body maps inputs and outputs one to one: liveness looks inside them.

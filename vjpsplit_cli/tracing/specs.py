@@ -1,0 +1,46 @@
+"""Pytrees of ``jax.ShapeDtypeStruct``: the symbolic dims they name, and the same specs at concrete sizes."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import numpy as np
+
+from ..errors import VjpsplitError
+from ..files.shapes import DIM_FUNCS, IDENTIFIER, eval_dim, is_symbolic_shape
+
+
+def symbolic_dim_names(specs) -> list[str]:
+    """The symbolic dim names in ``specs`` (pytrees of ShapeDtypeStructs), in first-seen order."""
+    names: list[str] = []
+    for s in jax.tree_util.tree_leaves(specs):
+        for d in getattr(s, "shape", ()):
+            if not isinstance(d, (int, np.integer)):
+                names += [n for n in IDENTIFIER.findall(str(d)) if n not in names and n not in DIM_FUNCS]
+    return names
+
+
+def concrete_specs(specs: tuple, at: Mapping[str, int]) -> tuple:
+    """``specs`` with every symbolic dim replaced by its size from ``at``."""
+    missing: list[str] = []
+
+    def fix(s):
+        if not is_symbolic_shape(s.shape):
+            return s
+        dims = []
+        for d in s.shape:
+            v = eval_dim(d if isinstance(d, int) else str(d), at)
+            if v is None:
+                missing.append(str(d))
+                v = 1
+            dims.append(v)
+        return jax.ShapeDtypeStruct(tuple(dims), s.dtype)
+
+    out = tuple(jax.tree_util.tree_map(fix, s) for s in specs)
+    if missing:
+        raise VjpsplitError(
+            f"sizes needed for symbolic dim{'s' if len(set(missing)) > 1 else ''} {', '.join(sorted(set(missing)))}; "
+            f"pass --at {','.join(f'{n}=SIZE' for n in sorted(set(missing)))} (the at= argument in Python)"
+        )
+    return out
