@@ -23,11 +23,9 @@ import numpy as np
 from ..errors import VjpsplitError, first_line
 from ..files.shapes import is_symbolic_shape
 
-# Moved to files.sizes and tracing.specs (issue 28); still importable from here for callers written before.
 from ..files.sizes import byte_terms_of_shape, evaluate_terms
 from .jaxprs import iter_eqns, sub_jaxprs
 from .specs import concrete_specs
-from .specs import symbolic_dim_names as symbolic_dim_names
 from .traced import TracedVjp
 from .vjp import fn_wrt_positions
 
