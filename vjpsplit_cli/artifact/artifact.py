@@ -21,7 +21,7 @@ from ..errors import VjpsplitError
 from ..files.trees import decode_structure, flatten_with_keys
 from ..tracing.residuals import Intermediates, Residuals
 from ..trust import signing
-from ..trust.module_io import AUX, COTANGENTS, GRADS, INPUT_BACKED, INPUTS, INTERMEDIATES, OUT, STORED, module_io
+from ..trust.module_io import AUX, COTANGENTS, GRADS, INPUT_BACKED, INPUTS, INTERMEDIATES, OUT, STORED
 from ..trust.verdicts import DEFAULT
 from . import artifact_file
 from .binding import Binding, wrap_keys
@@ -162,8 +162,7 @@ class Artifact:
         """Forward on flat-keyed inputs: ``({out/aux key: array}, residuals)``."""
         self._check_runnable()
         m = self.manifest
-        io = module_io(m, "fwd")
-        assert io is not None
+        io = self._runner.signatures["fwd"]
         arrays, dims = self._binding.inputs(inputs, source)
         arrays = self._placement.place(m.inputs, arrays)
         # Format 1 lowered the forward over one pytree per argument; 2 over the flat leaves.
@@ -195,8 +194,7 @@ class Artifact:
 
     def _backward(self, module: str, bound: Mapping[str, list], dims: Mapping[str, int], refused: str) -> dict:
         """Run a backward module on checked arguments by slot: placed, with the carrier; results by slot."""
-        io = module_io(self.manifest, module)
-        assert io is not None
+        io = self._runner.signatures[module]
         return self._runner.run_by_slot(module, self._placement.arguments(io, bound, dims), refused, dims)
 
     def run_bwd_arrays(
@@ -230,8 +228,7 @@ class Artifact:
         cts = self._binding.cotangents(cotangents, dims, ct_source)
         bound = {STORED: stored, INPUT_BACKED: inputs, COTANGENTS: cts}
         out = self._backward("bwd_input", bound, dims, f"{source}: the backward refused these residuals")
-        io = module_io(m, "bwd_input")
-        assert io is not None
+        io = self._runner.signatures["bwd_input"]
         grads = {g.key: v for g, v in zip(io.output(GRADS), out[GRADS])}
         computed = {leaf.key: v for leaf, v in zip(io.output(INTERMEDIATES), out[INTERMEDIATES])}
         # W's own residuals ride with the intermediates; the caller may drop res now.
@@ -266,8 +263,7 @@ class Artifact:
         bound, dims = self._binding.weight_part(res, inter, source, inter_source)
         refused = f"{inter_source}: the weight backward refused these intermediates"
         out = self._backward("bwd_weight", bound, dims, refused)
-        io = module_io(self.manifest, "bwd_weight")
-        assert io is not None
+        io = self._runner.signatures["bwd_weight"]
         return {g.key: v for g, v in zip(io.output(GRADS), out[GRADS])}
 
     def bwd_input(self, res: Residuals, ct=None) -> tuple[dict, "Intermediates"]:

@@ -19,7 +19,7 @@ from ..safeio.system import current_platform
 from ..trust import verdicts
 from ..trust.checks import check_outputs
 from ..trust.kernelcheck import check_at_call
-from ..trust.module_io import module_io
+from ..trust.module_io import ModuleIO, module_table
 from . import artifact_file
 from .manifest import Manifest
 
@@ -37,6 +37,7 @@ class ModuleRunner:
         self.manifest = manifest
         self.modules = modules
         self.source = source
+        self.signatures: dict[str, ModuleIO] = module_table(manifest)  # each module's inputs and outputs, in order
         exps = dict(exported or {})
         for k in modules:
             if k not in exps:
@@ -120,7 +121,5 @@ class ModuleRunner:
         self, module: str, by_slot: Mapping[str, Any], refused: str, dims: Mapping[str, int]
     ) -> dict[str, list]:
         """Call a backward module on its arguments by slot; its results by slot (``trust.module_io``)."""
-        io = module_io(self.manifest, module)
-        if io is None:
-            raise KeyError(module)
+        io = self.signatures[module]
         return io.results(self.run(module, io.arguments(by_slot), refused, dims))

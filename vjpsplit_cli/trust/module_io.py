@@ -127,34 +127,53 @@ def weight_part_residuals(manifest: Any) -> tuple[tuple[Any, ...], tuple[Any, ..
     )
 
 
+def _forward(m: Any) -> ModuleIO:
+    outs = tuple(o for o in m.outputs if is_out_key(o.key))
+    aux = tuple(o for o in m.outputs if not is_out_key(o.key))
+    # Format 1 lowered the forward over one pytree per argument: its inputs are not fixed here.
+    ins = (Slot(INPUTS, tuple(m.inputs)),) if m.format_version >= 2 else None
+    return ModuleIO("fwd", ins, (Slot(OUT, outs), Slot(STORED, tuple(m.stored_residuals)), Slot(AUX, aux)))
+
+
+def _backward(m: Any, module: str) -> ModuleIO:
+    ins = (
+        Slot(STORED, tuple(m.stored_residuals)),
+        Slot(INPUT_BACKED, input_backed_leaves(m)),
+        Slot(COTANGENTS, tuple(m.cotangent_leaves)),
+        Slot(CARRIER, carrier_leaves(m)),
+    )
+    if module == "bwd":
+        return ModuleIO(module, ins, (Slot(GRADS, tuple(m.grads)),))
+    outs = (Slot(GRADS, tuple(m.grads_of(m.non_weight_wrt))), Slot(INTERMEDIATES, tuple(m.intermediates)))
+    return ModuleIO(module, ins, outs)
+
+
+def _weight_part(m: Any) -> ModuleIO:
+    stored, backed = weight_part_residuals(m)
+    ins = (
+        Slot(STORED, stored),
+        Slot(INPUT_BACKED, backed),
+        Slot(INTERMEDIATES, tuple(m.intermediates)),
+        Slot(CARRIER, carrier_leaves(m)),
+    )
+    return ModuleIO("bwd_weight", ins, (Slot(GRADS, tuple(m.grads_of(m.weights))),))
+
+
 def module_io(manifest: Any, module: str) -> ModuleIO | None:
-    """The signature of ``module`` as manifest ``manifest`` fixes it; None for a module it does not know."""
-    m = manifest
-    carrier = Slot(CARRIER, carrier_leaves(m))
+    """The signature of ``module`` as ``manifest`` fixes it; None for a module it does not know."""
     if module == "fwd":
-        outs = tuple(o for o in m.outputs if is_out_key(o.key))
-        aux = tuple(o for o in m.outputs if not is_out_key(o.key))
-        # Format 1 lowered the forward over one pytree per argument: its inputs are not fixed here.
-        ins = (Slot(INPUTS, tuple(m.inputs)),) if m.format_version >= 2 else None
-        return ModuleIO(module, ins, (Slot(OUT, outs), Slot(STORED, tuple(m.stored_residuals)), Slot(AUX, aux)))
+        return _forward(manifest)
     if module in ("bwd", "bwd_input"):
-        ins = (
-            Slot(STORED, tuple(m.stored_residuals)),
-            Slot(INPUT_BACKED, input_backed_leaves(m)),
-            Slot(COTANGENTS, tuple(m.cotangent_leaves)),
-            carrier,
-        )
-        if module == "bwd":
-            return ModuleIO(module, ins, (Slot(GRADS, tuple(m.grads)),))
-        outs = (Slot(GRADS, tuple(m.grads_of(m.non_weight_wrt))), Slot(INTERMEDIATES, tuple(m.intermediates)))
-        return ModuleIO(module, ins, outs)
+        return _backward(manifest, module)
     if module == "bwd_weight":
-        stored, backed = weight_part_residuals(m)
-        ins = (
-            Slot(STORED, stored),
-            Slot(INPUT_BACKED, backed),
-            Slot(INTERMEDIATES, tuple(m.intermediates)),
-            carrier,
-        )
-        return ModuleIO(module, ins, (Slot(GRADS, tuple(m.grads_of(m.weights))),))
+        return _weight_part(manifest)
     return None
+
+
+MODULE_NAMES = ("fwd", "bwd", "bwd_input", "bwd_weight")
+
+
+def module_table(manifest: Any) -> dict[str, ModuleIO]:
+    """Every module's signature by name (``module_io`` of each), computed once for an artifact."""
+    table = {name: module_io(manifest, name) for name in MODULE_NAMES}
+    return {name: io for name, io in table.items() if io is not None}
