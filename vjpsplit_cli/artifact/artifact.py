@@ -210,7 +210,7 @@ class Artifact:
         cts = self._binding.cotangents(cotangents, dims, ct_source)
         bound = {STORED: stored, INPUT_BACKED: inputs, COTANGENTS: cts}
         out = self._backward("bwd", bound, dims, f"{source}: the backward refused these residuals")
-        return {leaf.key: g for leaf, g in zip(self.manifest.grads, out[GRADS])}
+        return {leaf.key: g for leaf, g in zip(self._runner.signatures["bwd"].output(GRADS), out[GRADS])}
 
     # -- zero-bubble split backward ----------------------------------------------
     def run_bwd_input_arrays(

@@ -53,8 +53,8 @@ def loads(
         ) from e
 
 
-def _loads(data: bytes, source: str, trust, allow_kernels: bool, cache_dir: str | None) -> Artifact:
-    trusted = signing.trusted_keys(trust)
+def _read_top(data: bytes, source: str) -> tuple[dict, bytes]:
+    """The artifact's top-level map and the bytes it was decoded from; refused when not an artifact's."""
     if not data.startswith(MAGIC):
         raise VjpsplitError(f"{source}: not a vjpsplit artifact (bad header); pass a file written by `vjpsplit export`")
     body = data[len(MAGIC) :]
@@ -75,9 +75,10 @@ def _loads(data: bytes, source: str, trust, allow_kernels: bool, cache_dir: str 
         ) from e
     if not isinstance(top, dict) or not {"manifest", "fwd", "bwd"} <= set(top):
         raise VjpsplitError(f"{source}: the artifact is missing its manifest or modules; export it again")
-    signature = top.get(signing.SIGNATURE)
-    signer = signing.verify(top, body, source, trusted, pack)  # before any module is read
-    manifest = Manifest.from_json(top["manifest"], source)
+    return top, body
+
+
+def _check_calling_convention(manifest: Manifest, source: str) -> None:
     lo = jexport.minimum_supported_calling_convention_version
     hi = jexport.maximum_supported_calling_convention_version
     if not lo <= manifest.calling_convention_version <= hi:
@@ -91,6 +92,15 @@ def _loads(data: bytes, source: str, trust, allow_kernels: bool, cache_dir: str 
                 else f"re-export the artifact, or install a jax near {manifest.jax_version}"
             )
         )
+
+
+def _loads(data: bytes, source: str, trust, allow_kernels: bool, cache_dir: str | None) -> Artifact:
+    trusted = signing.trusted_keys(trust)
+    top, body = _read_top(data, source)
+    signature = top.get(signing.SIGNATURE)
+    signer = signing.verify(top, body, source, trusted, pack)  # before any module is read
+    manifest = Manifest.from_json(top["manifest"], source)
+    _check_calling_convention(manifest, source)
     modules = {k: top[k] for k in MODULES if k in top}
     if not all(isinstance(v, bytes) for v in modules.values()) or bool(manifest.weights) != ("bwd_input" in modules):
         raise VjpsplitError(f"{source}: the artifact's modules are malformed; export it again")
