@@ -18,7 +18,7 @@ from jax import export as jexport
 
 import vjpsplit_cli as vs
 from vjpsplit_cli.cli import main
-from vjpsplit_cli.trust import checks as trust
+from vjpsplit_cli.trust import verdicts as trust
 
 
 def _spd(x):

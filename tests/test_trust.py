@@ -147,8 +147,9 @@ def test_sign_verify_round_trip_and_signer_shown(base, tmp_path):
 
 def test_unsigned_and_other_signers_are_refused_before_any_module_is_read(base, tmp_path, monkeypatch):
     d, art = base
-    import vjpsplit_cli.artifact.artifact as artifact_mod
-    from vjpsplit_cli.trust import checks as trust
+    import vjpsplit_cli.artifact.artifact_file as artifact_mod
+
+    from vjpsplit_cli.trust import probes as trust
 
     def no_module_reads(*a, **k):
         raise AssertionError("a module was read before the signature was checked")

@@ -15,7 +15,7 @@ import pytest
 from jax import export as jexport
 
 import vjpsplit_cli as vs
-from vjpsplit_cli.artifact.artifact import deserialize_module
+from vjpsplit_cli.artifact.artifact_file import deserialize_module
 from vjpsplit_cli.artifact.manifest import MAGIC, Manifest
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "sharded-cc9"

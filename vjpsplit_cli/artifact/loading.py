@@ -2,7 +2,7 @@
 
 ``load`` and ``loads`` refuse a file before any module is deserialized when its
 signature does not satisfy the trust keys (module ``signing``), and check every
-module (module ``trust``) before anything compiles.
+module (module ``trust.checks``) before anything compiles.
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from jax import export as jexport
 
 from ..errors import CorruptModule, VjpsplitError, first_line
 from ..safeio.reading import read_bytes
-from ..trust import checks as _trust_mod
-from ..trust import signing
-from .artifact import Artifact, pack, unreadable_module
+from ..trust import checks, probes, signing
+from ..trust.verdicts import DEFAULT
+from .artifact import Artifact
+from .artifact_file import pack, unreadable_module
 from .manifest import MAGIC, MODULES, Manifest, fingerprint
 
 
-def load(path, *, trust=None, allow_kernels: bool = False, cache_dir: str | None = _trust_mod.DEFAULT) -> Artifact:
+def load(path, *, trust=None, allow_kernels: bool = False, cache_dir: str | None = DEFAULT) -> Artifact:
     """Read an artifact file, checking its magic, format version, fingerprint, signature and modules.
 
     ``trust``: trusted Ed25519 public keys (paths to ``KEY.pub`` or raw bytes; also
@@ -40,7 +41,7 @@ def loads(
     *,
     trust=None,
     allow_kernels: bool = False,
-    cache_dir: str | None = _trust_mod.DEFAULT,
+    cache_dir: str | None = DEFAULT,
 ) -> Artifact:
     """An artifact from its file's bytes (``Artifact.to_bytes``), checked like ``load``."""
     try:
@@ -52,8 +53,8 @@ def loads(
         ) from e
 
 
-def _loads(data: bytes, source: str, trust, allow_kernels: bool, cache_dir: str | None) -> Artifact:
-    trusted = signing.trusted_keys(trust)
+def _read_top(data: bytes, source: str) -> tuple[dict, bytes]:
+    """The artifact's top-level map and the bytes it was decoded from; refused when not an artifact's."""
     if not data.startswith(MAGIC):
         raise VjpsplitError(f"{source}: not a vjpsplit artifact (bad header); pass a file written by `vjpsplit export`")
     body = data[len(MAGIC) :]
@@ -74,9 +75,10 @@ def _loads(data: bytes, source: str, trust, allow_kernels: bool, cache_dir: str 
         ) from e
     if not isinstance(top, dict) or not {"manifest", "fwd", "bwd"} <= set(top):
         raise VjpsplitError(f"{source}: the artifact is missing its manifest or modules; export it again")
-    signature = top.get(signing.SIGNATURE)
-    signer = signing.verify(top, body, source, trusted, pack)  # before any module is read
-    manifest = Manifest.from_json(top["manifest"], source)
+    return top, body
+
+
+def _check_calling_convention(manifest: Manifest, source: str) -> None:
     lo = jexport.minimum_supported_calling_convention_version
     hi = jexport.maximum_supported_calling_convention_version
     if not lo <= manifest.calling_convention_version <= hi:
@@ -90,6 +92,15 @@ def _loads(data: bytes, source: str, trust, allow_kernels: bool, cache_dir: str 
                 else f"re-export the artifact, or install a jax near {manifest.jax_version}"
             )
         )
+
+
+def _loads(data: bytes, source: str, trust, allow_kernels: bool, cache_dir: str | None) -> Artifact:
+    trusted = signing.trusted_keys(trust)
+    top, body = _read_top(data, source)
+    signature = top.get(signing.SIGNATURE)
+    signer = signing.verify(top, body, source, trusted, pack)  # before any module is read
+    manifest = Manifest.from_json(top["manifest"], source)
+    _check_calling_convention(manifest, source)
     modules = {k: top[k] for k in MODULES if k in top}
     if not all(isinstance(v, bytes) for v in modules.values()) or bool(manifest.weights) != ("bwd_input" in modules):
         raise VjpsplitError(f"{source}: the artifact's modules are malformed; export it again")
@@ -100,7 +111,7 @@ def _loads(data: bytes, source: str, trust, allow_kernels: bool, cache_dir: str 
         raise VjpsplitError(f"{source}: the modules' platforms do not match the manifest; export it again")
     vouched = signer is not None and trusted is not None  # signed by a key the caller trusts
     try:
-        probes = _trust_mod.probe_modules(
+        probed = probes.probe_modules(
             {k: e.mlir_module_serialized for k, e in art.exported.items()},
             source,
             in_process=vouched,
@@ -111,10 +122,10 @@ def _loads(data: bytes, source: str, trust, allow_kernels: bool, cache_dir: str 
         if not e.unreadable or manifest.jax_version == jax.__version__:
             raise
         raise VjpsplitError(unreadable_module(source, manifest, e.module)) from e
-    deferred = _trust_mod.check_modules(
-        source, manifest, art.exported, probes, trusted_signer=vouched, allow_kernels=allow_kernels
+    deferred = checks.check_modules(
+        source, manifest, art.exported, probed, trusted_signer=vouched, allow_kernels=allow_kernels
     )
     art.check_kernels_at_call(deferred, cache_dir)
-    _trust_mod.prepare_kernels(probes)
+    checks.prepare_kernels(probed)
     art.signature, art.signer = signature, signer
     return art

@@ -2,9 +2,9 @@
 
 A shape-polymorphic module's LAPACK (and cuSOLVER) calls carry symbolic dims when
 it is loaded, so their operand and result shapes cannot be compared then (module
-``trust`` defers them). JAX refines every symbolic module to the call's concrete
+``custom_calls`` defers them). JAX refines every symbolic module to the call's concrete
 shapes before it compiles; this module does the same refinement first, walks the
-refined module's custom calls and applies ``trust``'s shape rule to them, before
+refined module's custom calls and applies ``custom_calls``' shape rule to them, before
 anything compiles. The verdict is kept per module and refined signature (the
 arguments' shapes and dtypes), in this process and in vjpsplit's private cache
 directory, so a repeated call at the same shapes costs a dictionary look-up.
@@ -16,13 +16,20 @@ import hashlib
 import io
 import os
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Protocol, Sequence
 
 import jax
 import numpy as np
 
 from ..errors import VjpsplitError, first_line
-from . import checks as trust
+from . import verdicts
+from .custom_calls import check_calls
+
+
+class Lowerable(Protocol):
+    """A ``jax.jit``-wrapped function: it can be lowered for arguments."""
+
+    def lower(self, *args: Any) -> Any: ...
 
 
 def signature_of(args: Sequence) -> str:
@@ -51,7 +58,7 @@ def _bytecode(module) -> bytes:
     return buf.getvalue()
 
 
-def refined_calls(jitted: Callable, args: Sequence, source: str, module: str) -> list:
+def refined_calls(jitted: Lowerable, args: Sequence, source: str, module: str) -> list:
     """The custom calls of ``jitted``'s module lowered for ``args`` and refined to their shapes.
 
     The module was parsed safely when it was loaded; this lowers it as a call would
@@ -80,15 +87,15 @@ def refined_calls(jitted: Callable, args: Sequence, source: str, module: str) ->
         os.close(saved)
 
 
-def check_at_call(source: str, module: str, jitted: Callable, args: Sequence, data: bytes, cache_dir: Any) -> None:
+def check_at_call(source: str, module: str, jitted: Lowerable, args: Sequence, data: bytes, cache_dir: Any) -> None:
     """Vouch for ``module``'s kernels at the shapes of ``args`` before it compiles, or refuse it in one line.
 
     ``data``: the module's serialized bytes (the verdict's key, with the signature);
-    ``cache_dir``: where verdicts persist (``trust.DEFAULT``, a directory, or None).
+    ``cache_dir``: where verdicts persist (``verdicts.DEFAULT``, a directory, or None).
     """
     name = verdict_name(data, args)
-    if trust.known_verdict(name, cache_dir):
+    if verdicts.known_verdict(name, cache_dir):
         return
     calls = refined_calls(jitted, args, source, module)
-    trust.check_calls(source, module, calls, trusted_signer=False, allow_kernels=False, refined=True)
-    trust.keep_verdict(name, {"refined": True, "calls": len(calls)}, cache_dir)
+    check_calls(source, module, calls, trusted_signer=False, allow_kernels=False, refined=True)
+    verdicts.keep_verdict(name, {"refined": True, "calls": len(calls)}, cache_dir)

@@ -1,0 +1,93 @@
+"""Device placement: where a sharded artifact's arrays go before a module runs.
+
+``Placement`` owns an artifact's device group and mesh (this host's first ``nr_devices``
+devices by default) and lays arrays out as the manifest's leaves record; an unsharded
+artifact's arrays stay where JAX puts them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from ..errors import VjpsplitError
+from ..files.prng import to_data
+from ..files.trees import flatten_with_keys
+from ..trust.module_io import CARRIER, ModuleIO
+from .binding import wrap_keys
+from .manifest import Manifest
+from .sharding import host_mesh, named, place
+
+
+class Placement:
+    """An artifact's device group and mesh, and its arrays laid out on them."""
+
+    def __init__(self, manifest: Manifest, source: str, devices: tuple | None = None):
+        self.manifest = manifest
+        self.source = source
+        self.devices = devices  # a sharded artifact's device group; None: this host's first devices
+        self._mesh: Mesh | None = None if devices is None else host_mesh(manifest.mesh, devices, source)
+
+    @property
+    def mesh(self) -> Mesh | None:
+        """The mesh a sharded artifact runs on; None when unsharded."""
+        if self._mesh is None and self.manifest.sharded:
+            self._mesh = host_mesh(self.manifest.mesh, self.devices, self.source)
+        return self._mesh
+
+    def place(self, leaves: Sequence[Any], values: Sequence) -> list:
+        """``values`` laid out as the manifest's ``leaves`` say (sharded artifacts); unchanged otherwise."""
+        mesh = self.mesh
+        if mesh is None:
+            return list(values)
+        return [place(v, named(mesh, leaf.sharding)) for leaf, v in zip(leaves, values)]
+
+    def place_arg(self, name: str | int, value: Any) -> Any:
+        """Argument ``name`` (or position) laid out as the forward takes it (see ``Artifact.place_arg``)."""
+        m = self.manifest
+        arg = m.arg_names[name] if isinstance(name, int) else name
+        if self.mesh is None:
+            return jax.device_put(value)
+        by_key = {leaf.key: leaf for leaf in m.inputs}
+        entries = flatten_with_keys(arg, value)
+        try:
+            leaves = [by_key[k] for k, _ in entries]
+        except KeyError as e:
+            raise VjpsplitError(
+                f"{self.source}: argument {arg!r} has leaf {e.args[0]!r}, which is not an input of the artifact"
+            ) from e
+        placed = wrap_keys(leaves, self.place(leaves, [to_data(v) for _, v in entries]))
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(value), placed)
+
+    def place_cotangent(self, ct: Any) -> Any:
+        """A cotangent of the output laid out as the backward takes it (see ``place_arg``)."""
+        mesh = self.mesh
+        if mesh is None or ct is None:
+            return ct
+        by_key = {leaf.key: leaf for leaf in self.manifest.cotangent_leaves}
+        entries = flatten_with_keys("out", ct)
+        placed = [place(v, named(mesh, by_key[k].sharding)) if k in by_key else v for k, v in entries]
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(ct), placed)
+
+    def carrier(self, dims: Mapping[str, int]) -> Any:
+        """The zero-size array whose shape carries the symbolic dims to a backward module; None without them."""
+        m = self.manifest
+        if not m.dim_vars:
+            return None
+        carrier = np.zeros((0, *(dims[n] for n in m.dim_vars)), np.bool_)
+        return carrier if self.mesh is None else jax.device_put(carrier, named(self.mesh, ()))
+
+    def arguments(self, io: ModuleIO, bound: Mapping[str, Sequence], dims: Mapping[str, int]) -> dict[str, Any]:
+        """A backward module's arguments by slot: ``bound``'s arrays placed, and the carrier for ``dims``."""
+        inputs = io.inputs or ()
+        out: dict[str, Any] = {}
+        for slot in inputs:
+            if slot.name != CARRIER:
+                out[slot.name] = (
+                    self.place(slot.leaves, bound[slot.name]) if self.manifest.sharded else bound[slot.name]
+                )
+        out[CARRIER] = self.carrier(dims)
+        return out
