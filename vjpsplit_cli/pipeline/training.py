@@ -36,6 +36,7 @@ from .dispatch import PreSplit
 from .inprocess import run_inprocess
 from .optimizer import export_optimizer
 from .plans import layout_of, resolve
+from .ray_train import RayBackend
 from .ray_runner import SCHEDULE_TIMEOUT, STEP_TIMEOUT
 from .stage import StageWorker, split_batch, stage_devices
 from .stagedir import is_stages
@@ -137,12 +138,10 @@ class _Rendezvous:
 class InProcess:
     """The workers as threads of this process: one ``StageTrainer`` per stage, kept across steps."""
 
-    def __init__(self, layout: Layout, optimizer, states, devices=None, **_):
+    def __init__(self, layout: Layout, arts: Sequence, programs: Sequence[bytes], states: Sequence):
         self.layout = layout
-        S = len(layout.artifacts)
-        arts = stage_devices(layout.artifacts, devices)
+        S = len(arts)
         workers = [StageWorker(a, p, i, S) for i, (a, p) in enumerate(zip(arts, layout.stage_params))]
-        programs = optimizer_programs(optimizer, arts, layout.names, [w.params for w in workers])
         self.trainers = [
             StageTrainer(w, layout.names[s], programs[s], layout.holders[s], layout.counted[s], states[s])
             for s, w in enumerate(workers)
@@ -234,15 +233,18 @@ class Trainer:
         resolve(schedule_name, schedule, S, microbatches)  # an unknown schedule is refused before any export
         self.clip_global_norm, self.progress, self.runner = clip_global_norm, progress, runner
         self.optimizer_name = getattr(getattr(optimizer, "init", None), "__qualname__", type(optimizer).__name__)
+        if runner not in ("inprocess", "ray"):
+            raise VjpsplitError(f"unknown runner {runner!r}; use inprocess or ray")
         states = [None] * S if _restored is None else [st for _, st in _restored[0]]
+        arts = stage_devices(self.layout.artifacts, devices)
+        placed = [a.place_arg(0, p) for a, p in zip(arts, self.layout.stage_params)]
+        programs = optimizer_programs(optimizer, arts, self.layout.names, placed)
         if runner == "inprocess":
-            self.backend: Any = InProcess(self.layout, optimizer, states, devices=devices)
-        elif runner == "ray":
-            from .ray_train import RayBackend
-
+            self.backend: Any = InProcess(self.layout, arts, programs, states)
+        else:
             self.backend = RayBackend(
                 self.layout,
-                optimizer,
+                programs,
                 states,
                 layout=layout_of(schedule_name, schedule, S),
                 address=address,
@@ -251,8 +253,6 @@ class Trainer:
                 step_timeout=step_timeout,
                 schedule_timeout=schedule_timeout,
             )
-        else:
-            raise VjpsplitError(f"unknown runner {runner!r}; use inprocess or ray")
         self.step_count = 0 if _restored is None else _restored[1]
         self.history: list[dict] = []
         self._bar = None
@@ -266,7 +266,12 @@ class Trainer:
         """One optimizer step on ``batch`` (the function's batch inputs as a tuple); returns the step's loss."""
         t0 = time.monotonic()
         r, sums = self.backend.step(
-            self._microbatches(batch), self.schedule_name, self.schedule, self.microbatches, self.clip_global_norm, False
+            self._microbatches(batch),
+            self.schedule_name,
+            self.schedule,
+            self.microbatches,
+            self.clip_global_norm,
+            False,
         )
         _, norm = clip_scale(sums, None)
         self.step_count += 1
@@ -334,7 +339,9 @@ class Trainer:
             keys = [r["key"] for r in stages.index["params"]]
             params = decode_structure(meta.get("structure"), iter([flat[k] for k in keys]))
         else:
-            params = [decode_structure(param_node(a), iter([p[k] for k in n])) for a, n, (p, _) in zip(arts, names, saved)]
+            params = [
+                decode_structure(param_node(a), iter([p[k] for k in n])) for a, n, (p, _) in zip(arts, names, saved)
+            ]
         return cls(stages, params, _restored=(saved, step), **kwargs)
 
     def close(self) -> None:
