@@ -130,7 +130,9 @@ def train(steps: int, runner: str = "inprocess", schedule: str = "1f1b", out: Pa
     reference = single_process(params, tx, data)
     t_ref = time.monotonic() - t0
     t0 = time.monotonic()
-    with P.Trainer(stages, params, optimizer=tx, schedule_name=schedule, microbatches=MICROBATCHES, runner=runner) as tr:
+    with P.Trainer(
+        stages, params, optimizer=tx, schedule_name=schedule, microbatches=MICROBATCHES, runner=runner
+    ) as tr:
         piped = [tr.step(batch) for batch in data]
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)

@@ -255,7 +255,7 @@ class Trainer:
             )
         self.step_count = 0 if _restored is None else _restored[1]
         self.history: list[dict] = []
-        self._bar = None
+        self._bar: Any = None
 
     def _microbatches(self, batch) -> PreSplit:
         if self.layout.from_one:
