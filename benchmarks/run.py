@@ -32,6 +32,7 @@ SECTIONS = {
     "economy": ("Residual economy (policies)", "benchmarks.economy"),
     "cli": ("CLI wall time", "benchmarks.cli"),
     "pipeline": ("Pipeline schedules on 2 workers", "benchmarks.pipeline"),
+    "train": ("Training steps: Trainer vs one process", "benchmarks.train"),
     "sharded": ("Sharded stages on 8 CPU devices", "benchmarks.sharded"),
     # On a CPU-only machine, the accelerator command's own smoke test.
     "accelerator": ("The one-shot accelerator run, on this machine's default device", "benchmarks.accelerator"),

@@ -96,3 +96,14 @@ def test_pipeline_gpt_sample_one_function(tmp_path):
     assert r.stdout.splitlines()[-1].startswith("OK: loss"), r.stdout
     assert "stage 1: 6 parameter leaves, reads mask" in r.stdout
     assert (tmp_path / "gpt.stages" / "stages.json").is_file()
+
+
+def test_train_gpt_sample_pipeline_equals_one_process(tmp_path):
+    proc = run(
+        [sys.executable, "samples/pipeline/train_gpt.py", *opts(steps=12, schedule="zbh1", out=tmp_path)], timeout=600
+    )
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("largest relative difference"))
+    assert float(line.rsplit(" ", 1)[1]) < 1e-4, proc.stdout  # the curves agree (the script also exits 1 if not)
+    first, last = proc.stdout.splitlines()[0].split("->")[:2]
+    assert float(last.split()[2]) < float(first.split()[-1]), proc.stdout  # it trained
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"

@@ -23,7 +23,10 @@ The package's modules: ``schedules`` (pure lists of operations), ``plans``
 (schedules as CSV, and the checks of user plans), ``timeline``
 (events, simulation, bubbles, plots), ``stage`` (one stage's operations),
 ``dispatch`` (the one walker every runner hands its operations to),
-``inprocess`` and ``ray_runner`` (the runners; ``ray_actor`` is the actor).
+``inprocess`` and ``ray_runner`` (the runners; ``ray_actor`` is the actor),
+``training`` (``Trainer``: the optimizer step where the parameters live;
+``trainstage`` its per-stage state, ``ray_train`` its Ray actors, ``optimizer``
+the optimizer as exported programs, ``clipping`` and ``checkpoint``).
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from .ray_actor import StageActor
 from .ray_runner import SCHEDULE_TIMEOUT, STEP_TIMEOUT, RayPipeline, placement_group_options
 from .schedules import LABELS, SCHEDULES, SPLIT_BACKWARD, Op, check_schedule, dependencies, layout, placement, schedule
 from .stage import StageWorker, check_stages, run_op, split_batch, stage_devices
-from .timeline import Event, PipelineResult, bubble_ratio, plot_timeline, replay, simulate
+from .timeline import Event, PipelineResult, bubble_ratio, plot_loss, plot_timeline, replay, simulate
+from .training import Trainer
 
 __all__ = [
     "LABELS",
@@ -52,6 +56,7 @@ __all__ = [
     "RayPipeline",
     "StageActor",
     "StageWorker",
+    "Trainer",
     "bubble_ratio",
     "check_plans",
     "check_schedule",
@@ -60,6 +65,7 @@ __all__ = [
     "layout",
     "placement",
     "placement_group_options",
+    "plot_loss",
     "plot_timeline",
     "progress_bar",
     "read_schedule",

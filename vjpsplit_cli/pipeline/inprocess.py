@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -56,8 +56,15 @@ def run_inprocess(
     progress: bool = False,
     devices: Sequence[Sequence] | None = None,
     schedule: Sequence[Sequence[Op]] | None = None,
+    workers: Sequence[StageWorker] | None = None,
+    tail: Callable[[int, bool], None] | None = None,
 ) -> PipelineResult:
     """Run one training step in this process: one thread per worker, mailboxes between stages.
+
+    ``workers``: the stages' ``StageWorker``s to run on (kept across steps, as a
+    ``Trainer`` does; reset here) instead of new ones from ``params``. ``tail(w,
+    failed)`` runs in worker ``w``'s thread after its last operation (``failed``:
+    some operation of the step failed); what it raises is the step's error.
 
     ``schedule`` (plans, e.g. from ``read_schedule``) runs instead of ``schedule_name``, once checked.
 
@@ -76,7 +83,12 @@ def run_inprocess(
     check_stages(artifacts, schedule_name, plans)
     split = split_ops(plans)
     mbs = split_batch(x, side, microbatches)
-    stages = [StageWorker(a, p, i, S) for i, (a, p) in enumerate(zip(artifacts, params))]
+    if workers is None:
+        stages = [StageWorker(a, p, i, S) for i, (a, p) in enumerate(zip(artifacts, params))]
+    else:
+        stages = list(workers)
+        for st in stages:
+            st.reset()
     inboxes = [queue.SimpleQueue() for _ in plans]
     errors: list[BaseException] = []
     bar = progress_bar(sum(len(p) for p in plans), progress)
@@ -103,6 +115,11 @@ def run_inprocess(
             if bar is not None:
                 with bar_lock:
                     bar.update(1)
+        if tail is not None:
+            try:
+                tail(w, bool(errors))
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                errors.append(e)
 
     t0 = time.monotonic()
     threads = [threading.Thread(target=run_worker, args=(w,), name=f"worker-{w}") for w in range(len(plans))]

@@ -55,6 +55,8 @@ class RayPipeline:
     (its steps run as actor calls: each stage's batch inputs go to it directly).
     """
 
+    actor_class: type = StageActor  # ray_train's Trainer actors extend it
+
     def __init__(
         self,
         artifacts: Sequence,
@@ -98,7 +100,7 @@ class RayPipeline:
             opts = {"num_cpus": num_cpus_per_stage, **(dict(actor_options[w]) if actor_options else {})}
             devices_for(opts, max(artifacts[c].manifest.nr_devices for c in chunks))
             self.options.append(opts)
-            self.actors.append(ray.remote(StageActor).options(**opts).remote())
+            self.actors.append(ray.remote(self.actor_class).options(**opts).remote())
         try:
             self.nodes = self._wait_placed(schedule_timeout)
             self.clock_offsets = [_clock_offset(ray, a) for a in self.actors]

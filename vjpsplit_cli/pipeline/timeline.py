@@ -205,3 +205,28 @@ def plot_timeline(events: Sequence[Event], workers: int, path, title: str) -> No
     fig.savefig(tmp)
     plt.close(fig)
     os.replace(tmp, path)
+
+
+def plot_loss(curves, path, title: str) -> None:
+    """A loss-per-step PNG (needs matplotlib): ``curves`` is one list of losses, or ``{label: losses}``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise VjpsplitError("plotting needs matplotlib; pip install 'vjpsplit[pipeline]'") from e
+    curves = curves if isinstance(curves, dict) else {"loss": list(curves)}
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
+    for i, (label, ys) in enumerate(curves.items()):
+        ax.plot(range(1, len(ys) + 1), ys, label=label, linewidth=1.2, linestyle="-" if i == 0 else "--")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title, fontsize=9)
+    if len(curves) > 1:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    tmp = f"{path}.tmp.png"
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)

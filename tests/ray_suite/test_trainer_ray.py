@@ -1,0 +1,110 @@
+"""pipeline.Trainer on Ray: parameters and optimizer state live in the actors; N steps equal single-process optax."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+from models import assert_trees_close
+from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
+
+import vjpsplit_cli as vs
+from vjpsplit_cli import pipeline as P
+from vjpsplit_cli.errors import VjpsplitError
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def stages():
+    return vs.export_stages(gpt, *gpt_specs(gpt_params()), wrt="params", platforms="cpu")
+
+
+def _reference(params, tx, batches):
+    state, losses = tx.init(params), []
+    step = jax.jit(jax.value_and_grad(gpt))
+    for b in batches:
+        loss, g = step(params, *b)
+        u, state = tx.update(g, state, params)
+        params = optax.apply_updates(params, u)
+        losses.append(float(loss))
+    return losses, jax.tree_util.tree_map(np.asarray, params)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbh1", "zbv"])
+def test_ray_trainer_equals_single_process_optax(ray_session, stages, schedule):
+    params = gpt_params()
+    batches = [gpt_batch(8, seed=20 + i) for i in range(3)]
+    tx, clip = optax.adamw(1e-2), (0.5 if schedule == "1f1b" else None)
+    with P.Trainer(
+        stages, params, optimizer=tx, schedule_name=schedule, microbatches=4, runner="ray", clip_global_norm=clip
+    ) as tr:
+        losses = [tr.step(b) for b in batches]
+        got = tr.params()
+        copies = [p["params/embed"] for p, _ in tr.backend.snapshots() if "params/embed" in p]
+        assert tr.last_result.runner == "ray" and len(tr.backend.rp.actors) == (2 if schedule == "zbv" else 4)
+    ref_tx = tx if clip is None else optax.chain(optax.clip_by_global_norm(clip), tx)
+    ref_losses, ref_params = _reference(params, ref_tx, batches)
+    if clip is not None:
+        assert min(h["grad_norm"] for h in tr.history) > clip  # clipping acted
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-6)
+    assert len(copies) == 2
+    np.testing.assert_array_equal(copies[0], copies[1])
+
+
+def test_ray_workers_without_optax_train_and_restore(ray_session, stages, tmp_path):
+    shim = tmp_path / "no_optax"
+    shim.mkdir()
+    (shim / "optax.py").write_text("raise ImportError('optax is not installed on this worker')\n")
+    path = os.pathsep.join([str(shim), os.environ.get("PYTHONPATH", ""), *sys.path[1:3]])
+    no_optax = [{"runtime_env": {"env_vars": {"PYTHONPATH": path}}} for _ in range(4)]
+    params, tx = gpt_params(), optax.adam(1e-2)
+    batches = [gpt_batch(8, seed=30 + i) for i in range(4)]
+    kw = dict(optimizer=tx, schedule_name="1f1b", microbatches=2, runner="ray", actor_options=no_optax)
+    with P.Trainer(stages, params, **kw) as tr:
+        losses = [tr.step(b) for b in batches[:2]]
+
+        def probe(actor):
+            import importlib
+
+            try:
+                importlib.import_module("optax")
+            except ImportError as e:
+                return str(e), "optax" in sys.modules
+            return "imported", True
+
+        for a in tr.backend.rp.actors:
+            assert ray_session.get(a.__ray_call__.remote(probe)) == ("optax is not installed on this worker", False)
+        tr.save(tmp_path / "ck")
+    with P.Trainer.restore(tmp_path / "ck", stages, **kw) as again:
+        assert again.step_count == 2
+        losses += [again.step(b) for b in batches[2:]]
+        got = again.params()
+    ref_losses, ref_params = _reference(params, tx, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-6)
+
+
+def test_ray_trainer_dead_actor_and_timeout_are_one_error(ray_session, stages):
+    params, batch = gpt_params(), gpt_batch(8)
+    kw = dict(optimizer=optax.sgd(0.1), schedule_name="gpipe", microbatches=2, runner="ray")
+    with P.Trainer(stages, params, **kw) as tr:
+        tr.step(batch)
+        ray_session.kill(tr.backend.rp.actors[2])
+        with pytest.raises(VjpsplitError, match=r"stage 2: its Ray actor died"):
+            tr.step(batch)
+    with P.Trainer(stages, params, step_timeout=1e-3, **kw) as tr:
+        with pytest.raises(VjpsplitError, match=r"stage \d: the step did not finish within step_timeout=0.001 s"):
+            tr.step(batch)

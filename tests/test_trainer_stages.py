@@ -1,0 +1,120 @@
+"""pipeline.Trainer on a Stages (export_stages' GPT, tied embedding): N steps equal N steps of optax in one process."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+from models import assert_trees_close
+from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
+
+import vjpsplit_cli as vs
+from vjpsplit_cli import pipeline as P
+from vjpsplit_cli.errors import VjpsplitError
+
+
+@functools.lru_cache(maxsize=None)
+def _stages():
+    return vs.export_stages(gpt, *gpt_specs(gpt_params()), wrt="params", platforms="cpu")
+
+
+def _batches(n, size=8):
+    return [gpt_batch(size, seed=10 + i) for i in range(n)]
+
+
+def reference(loss_fn, params, tx, batches):
+    """N steps of ``tx`` on ``jax.value_and_grad(loss_fn)`` in one process: (losses, params)."""
+    state, losses = tx.init(params), []
+    step = jax.jit(jax.value_and_grad(loss_fn))
+    for b in batches:
+        loss, g = step(params, *b)
+        u, state = tx.update(g, state, params)
+        params = optax.apply_updates(params, u)
+        losses.append(float(loss))
+    return losses, jax.tree_util.tree_map(np.asarray, params)
+
+
+def _tied_copies(trainer):
+    return [p["params/embed"] for p, _ in trainer.backend.snapshots() if "params/embed" in p]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbh1", "zbv"])
+def test_steps_equal_single_process_optax(schedule):
+    params, batches, tx = gpt_params(), _batches(3), optax.adamw(1e-2)
+    tr = P.Trainer(_stages(), params, optimizer=tx, schedule_name=schedule, microbatches=4)
+    losses = [tr.step(b) for b in batches]
+    ref_losses, ref_params = reference(gpt, params, tx, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert losses[0] != losses[-1]
+    got = tr.params()
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(params)
+    assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-6)
+    copies = _tied_copies(tr)
+    assert len(copies) == 2  # the first and the last stage hold the embedding
+    np.testing.assert_array_equal(copies[0], copies[1])  # bitwise
+    assert not np.array_equal(copies[0], params["embed"])
+    assert len(tr.backend.trainers) == 4 and tr.last_result.workers == (2 if schedule == "zbv" else 4)
+    h = tr.history
+    assert [e["step"] for e in h] == [1, 2, 3] and all(e["grad_norm"] > 0 and e["step_time"] > 0 for e in h)
+    assert all(0 <= e["bubble"] < 1 and 0 <= e["modeled_bubble"] < 1 for e in h)
+
+
+def test_global_norm_clipping_equals_optax_chain():
+    params, batches, c = gpt_params(), _batches(3), 0.5
+    tx = optax.sgd(0.1, momentum=0.9)
+    tr = P.Trainer(_stages(), params, optimizer=tx, schedule_name="1f1b", microbatches=2, clip_global_norm=c)
+    losses = [tr.step(b) for b in batches]
+    assert min(h["grad_norm"] for h in tr.history) > 2 * c  # clipping acts on every step, so this can fail
+    ref_losses, ref_params = reference(gpt, params, optax.chain(optax.clip_by_global_norm(c), tx), batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(tr.params(), ref_params, rtol=1e-4, atol=1e-6)
+    # The norm counts the tied embedding once: it equals optax's over params' structure.
+    g = jax.grad(gpt)(params, *batches[0])
+    np.testing.assert_allclose(tr.history[0]["grad_norm"], float(optax.tree.norm(g)), rtol=1e-5)
+    unclipped = reference(gpt, params, tx, batches)[0]
+    assert not np.allclose(unclipped[1:], ref_losses[1:], rtol=1e-5)  # the clipping changed the run
+
+
+def test_save_after_3_steps_and_restore_continue_the_run(tmp_path):
+    params, batches = gpt_params(), _batches(5)
+    kw = dict(optimizer=optax.adamw(optax.linear_schedule(1e-2, 1e-3, 5)), schedule_name="zbh1", microbatches=4)
+    never_stopped = P.Trainer(_stages(), params, **kw)
+    losses = [never_stopped.step(b) for b in batches]
+    first = P.Trainer(_stages(), params, **kw)
+    for b in batches[:3]:
+        first.step(b)
+    first.save(tmp_path / "ck")
+    first.save(tmp_path / "ck")  # an existing checkpoint is replaced whole
+    again = P.Trainer.restore(tmp_path / "ck", _stages(), **kw)
+    assert again.step_count == 3
+    later = [again.step(b) for b in batches[3:]]
+    np.testing.assert_array_equal(later, losses[3:])  # the same programs on the same arrays: bitwise
+    assert_trees_close(again.params(), never_stopped.params(), rtol=0, atol=0)
+    ref_losses, _ = reference(gpt, params, optax.adamw(optax.linear_schedule(1e-2, 1e-3, 5)), batches)
+    np.testing.assert_allclose(later, ref_losses[3:], rtol=1e-5)
+
+
+def test_bad_arguments_are_one_clear_error(tmp_path):
+    params = gpt_params()
+    with pytest.raises(VjpsplitError, match="unknown runner 'mpi'"):
+        P.Trainer(_stages(), params, optimizer=optax.sgd(0.1), microbatches=2, runner="mpi")
+    with pytest.raises(VjpsplitError, match="clip_global_norm=-1"):
+        P.Trainer(_stages(), params, optimizer=optax.sgd(0.1), microbatches=2, clip_global_norm=-1)
+    with pytest.raises(VjpsplitError, match="not an optax GradientTransformation"):
+        P.Trainer(_stages(), params, optimizer=object(), microbatches=2)
+    with pytest.raises(VjpsplitError, match="is not a vjpsplit checkpoint"):
+        P.Trainer.restore(tmp_path, _stages(), optimizer=optax.sgd(0.1), microbatches=2)
+
+
+def test_progress_bar_and_loss_plot(tmp_path, capsys):
+    params, batches = gpt_params(), _batches(2)
+    with P.Trainer(_stages(), params, optimizer=optax.adam(1e-2), microbatches=2, progress=True) as tr:
+        for b in batches:
+            tr.step(b)
+        tr.plot_loss(tmp_path / "loss.png")
+    err = capsys.readouterr().err
+    assert "train" in err and "loss=" in err
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
