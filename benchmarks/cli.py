@@ -207,9 +207,9 @@ def _trust_costs(path: Path, signed: Path, pub: Path, cache: Path, rounds: int) 
     """Seconds of each trust step of a load (median), in this process, on the benchmark's artifact."""
     import msgpack
 
-    from vjpsplit_cli.trust import signing, checks as trust
     from vjpsplit_cli.artifact.loading import load
     from vjpsplit_cli.artifact.manifest import MAGIC
+    from vjpsplit_cli.trust import checks, probes, signing, verdicts
 
     data = signed.read_bytes()
     body = data[len(MAGIC) :]
@@ -227,17 +227,17 @@ def _trust_costs(path: Path, signed: Path, pub: Path, cache: Path, rounds: int) 
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
-    def checks(in_process=False, cache_dir=str(cache)):
-        probes = trust.probe_modules(modules, "bench", in_process=in_process, cache_dir=cache_dir)
-        trust.check_modules("bench", art.manifest, art._exps, probes, trusted_signer=in_process, allow_kernels=False)
+    def module_checks(in_process=False, cache_dir=str(cache)):
+        found = probes.probe_modules(modules, "bench", in_process=in_process, cache_dir=cache_dir)
+        checks.check_modules("bench", art.manifest, art._exps, found, trusted_signer=in_process, allow_kernels=False)
 
     def cached_checks():
-        trust.forget_verdicts()  # as in a fresh command: the verdicts come from the cache directory
-        checks()
+        verdicts.forget_verdicts()  # as in a fresh command: the verdicts come from the cache directory
+        module_checks()
 
     def trusted_checks():
-        trust.forget_verdicts()
-        checks(in_process=True, cache_dir=None)  # a first load of a signed, trusted artifact
+        verdicts.forget_verdicts()
+        module_checks(in_process=True, cache_dir=None)  # a first load of a signed, trusted artifact
 
     def pack(obj):
         return msgpack.packb(obj, use_bin_type=True)
@@ -246,8 +246,8 @@ def _trust_costs(path: Path, signed: Path, pub: Path, cache: Path, rounds: int) 
     out["module checks, verdicts cached"] = median(cached_checks)
     out["module checks, first load, signed and trusted (in process)"] = median(trusted_checks)
     t0 = time.perf_counter()
-    trust.forget_verdicts()
-    checks(cache_dir=None)
+    verdicts.forget_verdicts()
+    module_checks(cache_dir=None)
     out["module checks, first load (child process)"] = time.perf_counter() - t0
     # Once per command that verifies a signature: importing the Ed25519 code, in a fresh process.
     code = (

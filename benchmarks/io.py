@@ -35,8 +35,7 @@ import numpy as np
 
 import vjpsplit_cli as vs
 from benchmarks.workloads import transformer
-from vjpsplit_cli.safeio import checksum
-from vjpsplit_cli.safeio import filesystem
+from vjpsplit_cli.safeio import checksum, filesystem
 
 # Peak RSS growth while loading, in a fresh process. ru_maxrss cannot be used: its
 # high-water mark is set by the imports (jax), far above what a load adds. Writing

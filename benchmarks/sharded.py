@@ -27,7 +27,8 @@ def _child(quick: bool) -> dict:
     import jax.numpy as jnp
     import numpy as np
     from jax import export as jexport
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import vjpsplit_cli as vs
     from benchmarks.timing import interleaved

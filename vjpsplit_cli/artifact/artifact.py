@@ -24,8 +24,9 @@ from ..trust import signing
 from ..trust.module_io import AUX, COTANGENTS, GRADS, INPUT_BACKED, INPUTS, INTERMEDIATES, OUT, STORED
 from ..trust.verdicts import DEFAULT
 from . import artifact_file
+from .arguments import flatten_args, grads_per_arg
 from .binding import Binding, wrap_keys
-from .manifest import Manifest, flatten_args, grads_per_arg
+from .manifest import Manifest
 from .placement import Placement
 from .runner import ModuleRunner
 

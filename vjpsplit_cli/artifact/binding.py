@@ -21,7 +21,8 @@ from ..files.dtypes import dtype_from_name
 from ..files.prng import from_data
 from ..tracing.residuals import Intermediates, Residuals, SplitResiduals
 from ..trust.module_io import INPUT_BACKED, INTERMEDIATES, STORED, input_backed_leaves, module_io
-from .manifest import Manifest, check_array, check_keys, recorded_dims
+from .arguments import check_array, check_keys, recorded_dims
+from .manifest import Manifest
 
 _MADE_KEPT = 256  # residuals ids remembered (ids and signatures only, never arrays: bounded, keeps no memory alive)
 

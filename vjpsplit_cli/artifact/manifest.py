@@ -22,14 +22,6 @@ from ..files.prng import key_ndim
 from ..files.shapes import format_shape
 from ..files.trees import structure_keys
 from ..tracing.vjp import is_differentiable
-
-# The run-time checks moved to ``arguments`` (issue 28); importable from here until their callers move.
-from .arguments import as_computed as as_computed
-from .arguments import check_array as check_array
-from .arguments import check_keys as check_keys
-from .arguments import flatten_args as flatten_args
-from .arguments import grads_per_arg as grads_per_arg
-from .arguments import recorded_dims as recorded_dims
 from .sharding import SpecJSON, spec_from_json
 
 # Artifact format versions. Bump on any change a reader must know about, and keep

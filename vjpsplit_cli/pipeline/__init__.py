@@ -31,14 +31,15 @@ the optimizer as exported programs, ``clipping`` and ``checkpoint``).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..errors import VjpsplitError
 from .dispatch import progress_bar, walk
 from .inprocess import run_inprocess
 from .plans import check_plans, layout_of, read_schedule, split_ops, write_schedule
 from .ray_actor import StageActor
-from .ray_runner import SCHEDULE_TIMEOUT, STEP_TIMEOUT, RayPipeline, placement_group_options
+from .ray_runner import STEP_TIMEOUT, RayPipeline
+from .ray_setup import SCHEDULE_TIMEOUT, placement_group_options
 from .schedules import LABELS, SCHEDULES, SPLIT_BACKWARD, Op, check_schedule, dependencies, layout, placement, schedule
 from .stage import StageWorker, check_stages, run_op, split_batch, stage_devices
 from .timeline import Event, PipelineResult, bubble_ratio, plot_loss, plot_timeline, replay, simulate
@@ -100,7 +101,12 @@ def run(
 
     ``schedule`` (plans, e.g. from ``read_schedule``) runs instead of ``schedule_name``, once checked.
     """
-    kw = {"microbatches": microbatches, "schedule_name": schedule_name, "progress": progress, "schedule": schedule}
+    kw: dict[str, Any] = {
+        "microbatches": microbatches,
+        "schedule_name": schedule_name,
+        "progress": progress,
+        "schedule": schedule,
+    }
     if runner == "inprocess":
         return run_inprocess(artifacts, params, x, side, **kw)
     if runner == "ray":

@@ -81,7 +81,6 @@ def run_inprocess(
     artifacts = stage_devices(artifacts, devices)
     schedule_name, plans, _ = resolve(schedule_name, schedule, S, microbatches)
     check_stages(artifacts, schedule_name, plans)
-    split = split_ops(plans)
     mbs = split_batch(x, side, microbatches)
     if workers is None:
         stages = [StageWorker(a, p, i, S) for i, (a, p) in enumerate(zip(artifacts, params))]
@@ -89,56 +88,9 @@ def run_inprocess(
         stages = list(workers)
         for st in stages:
             st.reset()
-    inboxes = [queue.SimpleQueue() for _ in plans]
-    errors: list[BaseException] = []
-    bar = progress_bar(sum(len(p) for p in plans), progress)
-    bar_lock = threading.Lock()
-
-    def submit(w, op, data, side_):
-        box = _Mailbox()
-        inboxes[w].put((op, data, side_, box))
-        return box
-
-    def run_worker(w):
-        for _ in range(len(plans[w])):
-            op, data, side_, box = inboxes[w].get()
-            if isinstance(data, _Mailbox):
-                data = data.get()
-            if errors or data is _FAILED:  # drain the list without running on missing inputs
-                box.put(_FAILED)
-                continue
-            try:
-                box.put(run_op(stages[op.chunk], op, data, side_, microbatches, (op.chunk, op.mb) in split, w))
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-                errors.append(e)
-                box.put(_FAILED)
-            if bar is not None:
-                with bar_lock:
-                    bar.update(1)
-        if tail is not None:
-            try:
-                tail(w, bool(errors))
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-                errors.append(e)
-
+    threads = _Threads(plans, stages, split_ops(plans), microbatches, progress, tail)
     t0 = time.monotonic()
-    threads = [threading.Thread(target=run_worker, args=(w,), name=f"worker-{w}") for w in range(len(plans))]
-    for t in threads:
-        t.start()
-    try:
-        walk(plans, S, mbs, submit)
-    except BaseException:
-        for w, box in enumerate(inboxes):  # let every thread drain its list and end
-            for _ in plans[w]:
-                box.put((None, _FAILED, [], _Mailbox()))
-        raise
-    finally:
-        for t in threads:
-            t.join()
-        if bar is not None:
-            bar.close()
-    if errors:
-        raise errors[0]
+    threads.run(lambda submit: walk(plans, S, mbs, submit))
     step = time.monotonic() - t0
     last = stages[-1]
     return PipelineResult(
@@ -152,3 +104,64 @@ def run_inprocess(
         step,
         plans=plans,
     )
+
+
+class _Threads:
+    """One thread per worker, each running its list of operations, in order, from its inbox."""
+
+    def __init__(self, plans, stages, split, microbatches: int, progress: bool, tail):
+        self.plans, self.stages, self.split, self.microbatches, self.tail = plans, stages, split, microbatches, tail
+        self.inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in plans]
+        self.errors: list[BaseException] = []
+        self.bar = progress_bar(sum(len(p) for p in plans), progress)
+        self.bar_lock = threading.Lock()
+
+    def submit(self, w: int, op, data, side) -> _Mailbox:
+        """Queue ``op`` for worker ``w``; its result arrives in the returned mailbox."""
+        box = _Mailbox()
+        self.inboxes[w].put((op, data, side, box))
+        return box
+
+    def run(self, drive: Callable) -> None:
+        """Start the threads, ``drive(submit)`` hands them the step, wait; the first error is raised here."""
+        threads = [threading.Thread(target=self._worker, args=(w,), name=f"worker-{w}") for w in range(len(self.plans))]
+        for t in threads:
+            t.start()
+        try:
+            drive(self.submit)
+        except BaseException:
+            for w, box in enumerate(self.inboxes):  # let every thread drain its list and end
+                for _ in self.plans[w]:
+                    box.put((None, _FAILED, [], _Mailbox()))
+            raise
+        finally:
+            for t in threads:
+                t.join()
+            if self.bar is not None:
+                self.bar.close()
+        if self.errors:
+            raise self.errors[0]
+
+    def _worker(self, w: int) -> None:
+        errors = self.errors
+        for _ in range(len(self.plans[w])):
+            op, data, side, box = self.inboxes[w].get()
+            if isinstance(data, _Mailbox):
+                data = data.get()
+            if errors or data is _FAILED:  # drain the list without running on missing inputs
+                box.put(_FAILED)
+                continue
+            try:
+                split = (op.chunk, op.mb) in self.split
+                box.put(run_op(self.stages[op.chunk], op, data, side, self.microbatches, split, w))
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                errors.append(e)
+                box.put(_FAILED)
+            if self.bar is not None:
+                with self.bar_lock:
+                    self.bar.update(1)
+        if self.tail is not None:
+            try:
+                self.tail(w, bool(errors))
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                errors.append(e)

@@ -41,6 +41,7 @@ from ..files.dtypes import dtype_from_name, dtype_name
 from ..files.prng import data_struct, from_data, impl_name, is_key, to_data
 from ..files.trees import escape_segment, flatten_with_keys
 from ..trust import checks as _trust_mod
+from ..trust import custom_calls, probes
 
 MAGIC = "vjpsplit-optimizer"
 FORMAT = 1
@@ -248,14 +249,14 @@ class OptimizerProgram:
 
     def _check(self, exps) -> None:
         """What loading an artifact checks: signatures against the recorded leaves, custom calls."""
-        probes = _trust_mod.probe_modules({k: e.mlir_module_serialized for k, e in exps.items()}, self.source)
+        found = probes.probe_modules({k: e.mlir_module_serialized for k, e in exps.items()}, self.source)
         p = _trust_mod.expected_leaves(self.param_leaves)
         s = _trust_mod.expected_leaves(self.state_leaves)
         want = {"init": (p, s), "update": (p + s + p + [("float32", ())], p + s)}
         for module, exp in exps.items():
-            info = probes.get(module) or {}
+            info = found.get(module) or {}
             _trust_mod.check_avals(self.source, module, exp, *want[module], info.get("main"))
-            _trust_mod.check_calls(
+            custom_calls.check_calls(
                 self.source, module, info.get("calls", ()), trusted_signer=False, allow_kernels=False
             )
 

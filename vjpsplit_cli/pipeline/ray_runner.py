@@ -9,7 +9,6 @@ driver's at start, and its events are moved onto the driver's clock.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from typing import Any, Mapping, Sequence
 
@@ -20,12 +19,12 @@ from .compiled import compile_step
 from .dispatch import PreSplit, progress_bar, walk
 from .plans import describe, layout_of, layout_placement, resolve, split_ops
 from .ray_actor import StageActor, devices_for
+from .ray_setup import SCHEDULE_TIMEOUT, clock_offset, init_ray, lack
 from .schedules import Op
 from .stage import check_stages, split_batch
 from .stagedir import is_stages
 from .timeline import PipelineResult
 
-SCHEDULE_TIMEOUT = 60.0  # seconds for Ray to place and start every actor
 STEP_TIMEOUT = 600.0  # seconds for one step's results, after which the step is an error, not a hang
 
 
@@ -75,15 +74,16 @@ class RayPipeline:
             import ray
         except ImportError as e:
             raise VjpsplitError("the Ray runner needs Ray; pip install 'vjpsplit[ray]'") from e
-        self.from_one = (artifacts, params) if is_stages(artifacts) else None
+        given: Any = artifacts  # a Stages, or the per-stage list
+        self.from_one: tuple[Any, Any] | None = (given, params) if is_stages(given) else None
         if self.from_one is not None:
-            artifacts, params = list(artifacts.artifacts), artifacts.stage_params(params)
+            artifacts, params = list(given.artifacts), given.stage_params(params)
         if len(params) != len(artifacts):
             raise VjpsplitError(f"{len(artifacts)} stages but {len(params)} parameter sets")
         self.ray = ray
         self.compiled = compiled
         self.step_timeout = step_timeout
-        self.graph = None  # (key, compiled graph) of the last compiled step
+        self.graph: tuple | None = None  # (key, compiled graph) of the last compiled step
         self.layout = layout
         self.stages = len(artifacts)
         self.artifacts = list(artifacts)
@@ -93,7 +93,7 @@ class RayPipeline:
                 f"actor_options has {len(actor_options)} entries for {len(self.placement)} workers; "
                 "give one dict of Ray actor options per worker"
             )
-        self.started = _init_ray(ray, address, runtime_env, len(self.placement))
+        self.started = init_ray(ray, address, runtime_env, len(self.placement))
         self.actors: list = []
         self.options = []
         for w, chunks in enumerate(self.placement):
@@ -103,7 +103,7 @@ class RayPipeline:
             self.actors.append(ray.remote(self.actor_class).options(**opts).remote())
         try:
             self.nodes = self._wait_placed(schedule_timeout)
-            self.clock_offsets = [_clock_offset(ray, a) for a in self.actors]
+            self.clock_offsets = [clock_offset(ray, a) for a in self.actors]
             self._get(
                 [
                     a.load.remote([(c, artifacts[c].to_bytes(), params[c]) for c in chunks], self.stages, w)
@@ -125,7 +125,7 @@ class RayPipeline:
         if pending:
             w = refs.index(pending[0])
             raise VjpsplitError(
-                f"{self._name(w)}: Ray did not place its actor within {timeout:g} s: {_lack(ray, self.options[w])}"
+                f"{self._name(w)}: Ray did not place its actor within {timeout:g} s: {lack(ray, self.options[w])}"
             )
         return self._get(refs)
 
@@ -161,11 +161,11 @@ class RayPipeline:
         """One training step under ``schedule_name`` (or the checked plans ``schedule``); gradients accumulate."""
         if self.from_one is not None:
             stages, params = self.from_one
-            mbs = PreSplit(stages.stage_batch(x, microbatches))
+            pre = PreSplit(stages.stage_batch(x, microbatches))
             self.from_one, compiled, self.compiled = None, self.compiled, False
             try:
                 r = self.run(
-                    mbs,
+                    pre,
                     (),
                     microbatches=microbatches,
                     schedule_name=schedule_name,
@@ -302,104 +302,3 @@ class RayPipeline:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _init_ray(ray, address: str | None, runtime_env: dict | None, workers: int) -> bool:
-    """Start or join Ray; True when this call started it. Refuses settings a running Ray would ignore."""
-    if not ray.is_initialized():
-        kwargs = {"address": address} if address else {"num_cpus": max(workers, os.cpu_count() or 1)}
-        ray.init(include_dashboard=False, log_to_driver=False, runtime_env=runtime_env, **kwargs)
-        return True
-    ctx = ray.get_runtime_context()
-    current = ctx.gcs_address
-    if address and address != "auto" and address.removeprefix("ray://") != current:
-        raise VjpsplitError(
-            f"Ray is already initialised, connected to {current}; address={address!r} would be "
-            "ignored: leave address out, or call ray.shutdown() first"
-        )
-    if runtime_env and dict(runtime_env) != dict(ctx.runtime_env or {}):
-        raise VjpsplitError(
-            "Ray is already initialised with another runtime_env; runtime_env would be ignored: "
-            "give it per worker in actor_options, or call ray.shutdown() first"
-        )
-    return False
-
-
-def _clock_offset(ray, actor, pings: int = 5) -> float:
-    """The actor's monotonic clock minus the driver's, from the ping with the shortest round trip."""
-    best = None
-    for _ in range(pings):
-        t0 = time.monotonic()
-        theirs = ray.get(actor.clock.remote())
-        t1 = time.monotonic()
-        if best is None or t1 - t0 < best[0]:
-            best = (t1 - t0, theirs - (t0 + t1) / 2)
-    return best[1]
-
-
-def _asks(opts: Mapping[str, Any]) -> dict[str, float]:
-    asks = {
-        "CPU": opts.get("num_cpus", 1),
-        "GPU": opts.get("num_gpus", 0),
-        "memory": opts.get("memory", 0),
-        **(opts.get("resources") or {}),
-    }
-    return {k: float(v) for k, v in asks.items() if v}
-
-
-def _lack(ray, opts: Mapping[str, Any]) -> str:
-    """Why an actor with options ``opts`` is still waiting, in words."""
-    asks, free, total = _asks(opts), ray.available_resources(), ray.cluster_resources()
-    short = [
-        f"{k} (asks {v:g}, {free.get(k, 0):g} free of {total.get(k, 0):g} in the cluster)"
-        for k, v in asks.items()
-        if free.get(k, 0) < v
-    ]
-    if short:
-        return "missing " + ", ".join(short)
-    strategy = opts.get("scheduling_strategy")
-    if strategy is not None and not isinstance(strategy, str):
-        return (
-            f"its scheduling_strategy ({type(strategy).__name__}) cannot be met: a node that is gone or full, "
-            "or a placement group not ready"
-        )
-    return "the cluster has what it asks for, but it did not start in time; raise schedule_timeout on a slow cluster"
-
-
-def placement_group_options(
-    workers: int,
-    bundle: Mapping[str, float] | None = None,
-    *,
-    strategy: str = "STRICT_SPREAD",
-    timeout: float = SCHEDULE_TIMEOUT,
-) -> list[dict]:
-    """``actor_options`` putting each worker in its own bundle of one new placement group.
-
-    ``bundle`` is what each worker reserves (default one CPU); ``strategy`` is Ray's:
-    ``STRICT_SPREAD`` gives one worker per node, ``{"GPU": 1}`` with ``PACK`` one
-    per GPU. The group lives until ``ray.util.remove_placement_group`` (or Ray's
-    shutdown). A group Ray cannot reserve within ``timeout`` is an error naming
-    what the bundles ask.
-    """
-    import ray
-    from ray.util import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    bundle = dict(bundle or {"CPU": 1})
-    pg = placement_group([dict(bundle) for _ in range(workers)], strategy=strategy)
-    ready, _ = ray.wait([pg.ready()], timeout=timeout)
-    if not ready:
-        remove_placement_group(pg)
-        raise VjpsplitError(
-            f"Ray could not reserve {workers} bundles of {bundle} ({strategy}) within {timeout:g} s; "
-            f"the cluster has {ray.available_resources()} free"
-        )
-    # The actor's own CPU ask must fit its bundle (Ray's default, 1 CPU, may not).
-    cpus = bundle.get("CPU", 0)
-    return [
-        {
-            "num_cpus": min(cpus, 1) if cpus else 0,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-        }
-        for i in range(workers)
-    ]

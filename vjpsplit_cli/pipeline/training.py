@@ -36,8 +36,9 @@ from .dispatch import PreSplit
 from .inprocess import run_inprocess
 from .optimizer import export_optimizer
 from .plans import layout_of, resolve
+from .ray_runner import STEP_TIMEOUT
+from .ray_setup import SCHEDULE_TIMEOUT
 from .ray_train import RayBackend
-from .ray_runner import SCHEDULE_TIMEOUT, STEP_TIMEOUT
 from .stage import StageWorker, split_batch, stage_devices
 from .stagedir import is_stages
 from .timeline import plot_loss

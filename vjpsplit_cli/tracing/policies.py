@@ -22,7 +22,6 @@ import numpy as np
 
 from ..errors import VjpsplitError, first_line
 from ..files.shapes import is_symbolic_shape
-
 from ..files.sizes import byte_terms_of_shape, evaluate_terms
 from .jaxprs import iter_eqns, sub_jaxprs
 from .specs import concrete_specs

@@ -22,9 +22,6 @@ from .custom_calls import lapack_shapes_ok as lapack_shapes_ok
 from .module_io import module_io
 
 # Read here by ``pipeline.optimizer`` and the benchmarks; their home is ``probes`` and ``verdicts``.
-from .probes import probe_modules as probe_modules
-from .verdicts import DEFAULT as DEFAULT
-from .verdicts import forget_verdicts as forget_verdicts
 
 # ------------------------------------------------------------------------------ avals
 
