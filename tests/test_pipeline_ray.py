@@ -12,6 +12,6 @@ import pytest
 from suites import run_own_process_suite
 
 
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(2500)
 def test_ray_suite_passes_in_its_own_process():
     run_own_process_suite("ray_suite", "VJPSPLIT_RAY_SUITE", at_least=21, timeout=2400)
