@@ -210,3 +210,17 @@ def test_environment_variables_are_read_in_config_only():
                 if ("environ" in line or "getenv" in line) and "VJPSPLIT_" in line:
                     offenders.append(f"{name}: {line.strip()}")
     assert not offenders, offenders
+
+
+def test_architecture_doc_names_every_module():
+    """docs/architecture.md's table lists every module of the package, so it cannot drift from the folders."""
+    text = (README.parent / "docs" / "architecture.md").read_text()
+    missing = [
+        name
+        for name in _modules()
+        if name
+        and name.split(".")[-1] != "__main__"
+        and f"`{name.split('.')[-1]}`" not in text
+        and f"`{name}/`" not in text  # a subpackage
+    ]
+    assert not missing, missing

@@ -1,11 +1,13 @@
 """Artifacts: both halves of a split as portable ``jax.export`` modules, and what they run on.
 
-Owns the manifest and its format versions (``manifest``), ``export`` (``lowering``), reading an
-artifact back with every check (``loading``), running one (``artifact``), residuals and
-intermediates and their files (``residuals``, ``residual_files``), shardings (``sharding``),
-templates (``templates``), what ``inspect``/``plan`` print (``report``) and the cache of
-compiled executables (``execcache``).
+Owns the manifest and its format versions (``manifest``); ``export`` as named steps
+(``lowering``, with ``jaxexport``, ``flatforward`` and ``weightsplit``); the artifact and its
+file (``artifact``, ``artifact_file``); reading one back with every check (``loading``); the
+caller's arrays against a manifest (``arguments``, ``binding``), placed (``placement``) and run
+(``runner``); residual and intermediates files (``residual_files``, ``residual_meta``);
+shardings (``sharding``); templates (``templates``); what ``inspect``/``plan`` print
+(``report``); and the cache of compiled executables (``execcache``).
 
-May import: ``errors``, ``config``, ``safeio``, ``files``, ``tracing``, ``trust``. Not ``cli``
-or ``pipeline``.
+May import: ``errors``, ``config``, ``terminal``, ``safeio``, ``files``, ``tracing``, ``trust``.
+Not ``cli`` or ``pipeline``.
 """

@@ -19,14 +19,19 @@ ZB-H1 and ZB-V only its input part, which the previous stage waits for) and ``W`
 their worker; activations and cotangents go between stages (through Ray's object
 store with the Ray runner).
 
-The package's modules: ``schedules`` (pure lists of operations), ``plans``
-(schedules as CSV, and the checks of user plans), ``timeline``
-(events, simulation, bubbles, plots), ``stage`` (one stage's operations),
-``dispatch`` (the one walker every runner hands its operations to),
-``inprocess`` and ``ray_runner`` (the runners; ``ray_actor`` is the actor),
-``training`` (``Trainer``: the optimizer step where the parameters live;
-``trainstage`` its per-stage state, ``ray_train`` its Ray actors, ``optimizer``
-the optimizer as exported programs, ``clipping`` and ``checkpoint``).
+The package's modules: ``boundary``, ``cut``, ``balance``, ``exporting``, ``stagedir``,
+``stagereport`` and ``fromone`` (stages from one function: the mark, the cut, the
+balanced cut, the export, the directory, what ``inspect DIR`` shows, the runners'
+``Stages`` form); ``schedules`` (pure lists of operations), ``plans`` (schedules as
+CSV, and the checks of user plans), ``timeline`` (events, simulation, bubbles,
+plots), ``stage`` (one stage's operations), ``dispatch`` (the one walker every runner
+hands its operations to), ``inprocess`` and ``ray_runner`` (the runners; ``ray_actor``
+is the actor, ``ray_setup`` starts Ray and places actors, ``compiled`` the Compiled
+Graph), ``training`` (``Trainer``: the optimizer step where the parameters live;
+``trainstage`` its per-stage state, ``ray_train`` its Ray actors, ``optimizer`` the
+optimizer as exported programs, ``clipping`` and ``checkpoint``).
+
+May import every layer but ``cli``.
 """
 
 from __future__ import annotations
