@@ -1,0 +1,98 @@
+"""Trainer on sharded stages: 2 stages x 4 devices; parameters and optimizer state stay sharded on each stage's group.
+
+The model is written once with a ``stage_boundary``; its parameter specs carry
+``NamedSharding``s on a (data, model) mesh of 4 devices. ``stage_devices`` puts
+stage 0 on devices 0-3 and stage 1 on devices 4-7. Three Trainer steps give the
+losses and parameters of three optax steps on ``jax.value_and_grad`` in one
+process.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import export as jexport
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import vjpsplit_cli as vs
+from vjpsplit_cli import pipeline
+
+D, H, CLASSES = 8, 8, 4
+SPECS = {"w0": P(None, "model"), "b0": P("model"), "w1": P("model", None), "b1": P()}
+
+
+def _same(a: P, b: P) -> bool:
+    """Two PartitionSpecs that shard alike (``P('model')`` is ``P('model', None)``)."""
+    strip = lambda s: tuple(s)[: max((i + 1 for i, e in enumerate(s) if e is not None), default=0)]  # noqa: E731
+    return strip(a) == strip(b)
+
+
+def loss(params, x, labels):
+    h = jnp.tanh(x @ params["w0"] + params["b0"])
+    h = vs.stage_boundary(h)
+    logits = h @ params["w1"] + params["b1"]
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
+
+
+def _setup():
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    (b,) = jexport.symbolic_shape("b", constraints=("mod(b, 2) == 0",))
+    rng = np.random.default_rng(3)
+    params = {
+        "w0": (rng.normal(size=(D, H)) / 3).astype(np.float32),
+        "b0": rng.normal(size=H).astype(np.float32),
+        "w1": (rng.normal(size=(H, CLASSES)) / 3).astype(np.float32),
+        "b1": np.zeros(CLASSES, np.float32),
+    }
+    pspecs = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, SPECS[k])) for k, v in params.items()
+    }
+    x = jax.ShapeDtypeStruct((b, D), jnp.float32, sharding=NamedSharding(mesh, P("data", None)))
+    y = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+    stages = vs.export_stages(loss, pspecs, x, y, wrt="params", platforms="cpu")
+    batches = [
+        (rng.normal(size=(8, D)).astype(np.float32), rng.integers(0, CLASSES, 8).astype(np.int32)) for _ in range(3)
+    ]
+    return stages, params, batches
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
+def test_sharded_stages_train_like_one_process(schedule):
+    stages, params, batches = _setup()
+    assert all(a.manifest.sharded and a.manifest.nr_devices == 4 for a in stages.artifacts)
+    tx = optax.adam(1e-2)
+    tr = pipeline.Trainer(stages, params, optimizer=tx, schedule_name=schedule, microbatches=2)
+    losses = [tr.step(b) for b in batches]
+
+    ref, state, ref_losses = dict(params), tx.init(params), []
+    step = jax.jit(jax.value_and_grad(loss))
+    for bx, by in batches:
+        value, g = step(ref, bx, by)
+        u, state = tx.update(g, state, ref)
+        ref = optax.apply_updates(ref, u)
+        ref_losses.append(float(value))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert losses[0] != losses[-1]
+    got = tr.params()
+    for k in params:
+        np.testing.assert_allclose(got[k], np.asarray(ref[k]), rtol=1e-4, atol=1e-6)
+
+    # Where the state lives: each stage's parameters and optimizer state on its own 4 devices, sharded as specified.
+    for i, t in enumerate(tr.backend.trainers):
+        group = {d.id for d in jax.devices()[4 * i : 4 * i + 4]}
+        assert t.params, f"stage {i} holds no parameters"
+        for key, arr in t.params.items():
+            leaf = key.split("/")[-1]
+            assert {d.id for d in arr.sharding.device_set} == group, (i, key)
+            assert _same(arr.sharding.spec, SPECS[leaf]), (i, key, arr.sharding.spec)
+        # Adam's moments are keyed by the parameter's key as one segment: ``0/mu/params%2Fw0``.
+        moments = {k: v for k, v in t.state.items() if k.split("/")[1] in ("mu", "nu")}
+        assert len(moments) == 2 * len(t.params), (i, list(t.state))
+        for key, arr in moments.items():
+            leaf = key.split("/")[-1].split("%2F")[-1]
+            assert {d.id for d in arr.sharding.device_set} == group, (i, key)
+            assert _same(arr.sharding.spec, SPECS[leaf]), (i, key, arr.sharding.spec)
