@@ -132,3 +132,20 @@ MODELS = {
     "attention": (attention, attention_inputs),
     "nested": (nested, nested_inputs),
 }
+
+
+def optax_reference(loss_fn, params, tx, batches):
+    """N steps of optax ``tx`` on ``jax.value_and_grad(loss_fn)`` in one process: ``(losses, params)``.
+
+    What every Trainer test compares against; each batch is a tuple of ``loss_fn``'s batch arguments.
+    """
+    import optax
+
+    state, losses = tx.init(params), []
+    step = jax.jit(jax.value_and_grad(loss_fn))
+    for b in batches:
+        loss, g = step(params, *b)
+        u, state = tx.update(g, state, params)
+        params = optax.apply_updates(params, u)
+        losses.append(float(loss))
+    return losses, jax.tree_util.tree_map(np.asarray, params)

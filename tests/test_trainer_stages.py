@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from models import assert_trees_close
+from models import assert_trees_close, optax_reference
 from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
 
 import vjpsplit_cli as vs
@@ -25,18 +25,6 @@ def _batches(n, size=8):
     return [gpt_batch(size, seed=10 + i) for i in range(n)]
 
 
-def reference(loss_fn, params, tx, batches):
-    """N steps of ``tx`` on ``jax.value_and_grad(loss_fn)`` in one process: (losses, params)."""
-    state, losses = tx.init(params), []
-    step = jax.jit(jax.value_and_grad(loss_fn))
-    for b in batches:
-        loss, g = step(params, *b)
-        u, state = tx.update(g, state, params)
-        params = optax.apply_updates(params, u)
-        losses.append(float(loss))
-    return losses, jax.tree_util.tree_map(np.asarray, params)
-
-
 def _tied_copies(trainer):
     return [p["params/embed"] for p, _ in trainer.backend.snapshots() if "params/embed" in p]
 
@@ -46,7 +34,7 @@ def test_steps_equal_single_process_optax(schedule):
     params, batches, tx = gpt_params(), _batches(3), optax.adamw(1e-2)
     tr = P.Trainer(_stages(), params, optimizer=tx, schedule_name=schedule, microbatches=4)
     losses = [tr.step(b) for b in batches]
-    ref_losses, ref_params = reference(gpt, params, tx, batches)
+    ref_losses, ref_params = optax_reference(gpt, params, tx, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert losses[0] != losses[-1]
     got = tr.params()
@@ -68,13 +56,13 @@ def test_global_norm_clipping_equals_optax_chain():
     tr = P.Trainer(_stages(), params, optimizer=tx, schedule_name="1f1b", microbatches=2, clip_global_norm=c)
     losses = [tr.step(b) for b in batches]
     assert min(h["grad_norm"] for h in tr.history) > 2 * c  # clipping acts on every step, so this can fail
-    ref_losses, ref_params = reference(gpt, params, optax.chain(optax.clip_by_global_norm(c), tx), batches)
+    ref_losses, ref_params = optax_reference(gpt, params, optax.chain(optax.clip_by_global_norm(c), tx), batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(tr.params(), ref_params, rtol=1e-4, atol=1e-6)
     # The norm counts the tied embedding once: it equals optax's over params' structure.
     g = jax.grad(gpt)(params, *batches[0])
     np.testing.assert_allclose(tr.history[0]["grad_norm"], float(optax.tree.norm(g)), rtol=1e-5)
-    unclipped = reference(gpt, params, tx, batches)[0]
+    unclipped = optax_reference(gpt, params, tx, batches)[0]
     assert not np.allclose(unclipped[1:], ref_losses[1:], rtol=1e-5)  # the clipping changed the run
 
 
@@ -93,7 +81,7 @@ def test_save_after_3_steps_and_restore_continue_the_run(tmp_path):
     later = [again.step(b) for b in batches[3:]]
     np.testing.assert_array_equal(later, losses[3:])  # the same programs on the same arrays: bitwise
     assert_trees_close(again.params(), never_stopped.params(), rtol=0, atol=0)
-    ref_losses, _ = reference(gpt, params, optax.adamw(optax.linear_schedule(1e-2, 1e-3, 5)), batches)
+    ref_losses, _ = optax_reference(gpt, params, optax.adamw(optax.linear_schedule(1e-2, 1e-3, 5)), batches)
     np.testing.assert_allclose(later, ref_losses[3:], rtol=1e-5)
 
 

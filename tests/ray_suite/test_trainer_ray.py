@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 import sys
 
-import jax
 import numpy as np
 import optax
 import pytest
-from models import assert_trees_close
+from models import assert_trees_close, optax_reference
 from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
 
 import vjpsplit_cli as vs
@@ -31,18 +30,6 @@ def stages():
     return vs.export_stages(gpt, *gpt_specs(gpt_params()), wrt="params", platforms="cpu")
 
 
-def _reference(params, tx, batches):
-    state, losses = tx.init(params), []
-    step = jax.jit(jax.value_and_grad(gpt))
-    for b in batches:
-        loss, g = step(params, *b)
-        u, state = tx.update(g, state, params)
-        params = optax.apply_updates(params, u)
-        losses.append(float(loss))
-    return losses, jax.tree_util.tree_map(np.asarray, params)
-
-
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbh1", "zbv"])
 def test_ray_trainer_equals_single_process_optax(ray_session, stages, schedule):
     params = gpt_params()
     batches = [gpt_batch(8, seed=20 + i) for i in range(3)]
@@ -55,7 +42,7 @@ def test_ray_trainer_equals_single_process_optax(ray_session, stages, schedule):
         copies = [p["params/embed"] for p, _ in tr.backend.snapshots() if "params/embed" in p]
         assert tr.last_result.runner == "ray" and len(tr.backend.rp.actors) == (2 if schedule == "zbv" else 4)
     ref_tx = tx if clip is None else optax.chain(optax.clip_by_global_norm(clip), tx)
-    ref_losses, ref_params = _reference(params, ref_tx, batches)
+    ref_losses, ref_params = optax_reference(gpt, params, ref_tx, batches)
     if clip is not None:
         assert min(h["grad_norm"] for h in tr.history) > clip  # clipping acted
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -92,7 +79,7 @@ def test_ray_workers_without_optax_train_and_restore(ray_session, stages, tmp_pa
         assert again.step_count == 2
         losses += [again.step(b) for b in batches[2:]]
         got = again.params()
-    ref_losses, ref_params = _reference(params, tx, batches)
+    ref_losses, ref_params = optax_reference(gpt, params, tx, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-6)
 

@@ -17,6 +17,7 @@ import pytest
 from jax import export as jexport
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from models import optax_reference
 
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline
@@ -68,13 +69,7 @@ def test_sharded_stages_train_like_one_process(schedule):
     tr = pipeline.Trainer(stages, params, optimizer=tx, schedule_name=schedule, microbatches=2)
     losses = [tr.step(b) for b in batches]
 
-    ref, state, ref_losses = dict(params), tx.init(params), []
-    step = jax.jit(jax.value_and_grad(loss))
-    for bx, by in batches:
-        value, g = step(ref, bx, by)
-        u, state = tx.update(g, state, ref)
-        ref = optax.apply_updates(ref, u)
-        ref_losses.append(float(value))
+    ref_losses, ref = optax_reference(loss, params, tx, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert losses[0] != losses[-1]
     got = tr.params()
