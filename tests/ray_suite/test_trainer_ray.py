@@ -30,6 +30,7 @@ def stages():
     return vs.export_stages(gpt, *gpt_specs(gpt_params()), wrt="params", platforms="cpu")
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbh1", "zbv"])
 def test_ray_trainer_equals_single_process_optax(ray_session, stages, schedule):
     params = gpt_params()
     batches = [gpt_batch(8, seed=20 + i) for i in range(3)]
