@@ -338,8 +338,33 @@ def test_pipeline_of_scanned_stages_equals_value_and_grad(kind, schedule, stages
     r = P.run(arts, params, x, [labels], microbatches=4, schedule_name=schedule)
     loss, grads = jax.value_and_grad(whole)(params, x, labels)
     np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
-    assert_trees_close(r.grads, grads, rtol=2e-4, atol=2e-5)
+    # Three scanned stages of growing weights are ill-conditioned: float32 itself is off by
+    # ~2.5e-4 of the largest gradient here, and jax 0.6.2 orders the stages' sums differently from
+    # the whole model's. So both are held to the float64 truth: the pipeline must be as close to
+    # it as one process's value_and_grad is (a wrong gradient is off by far more).
+    truth = _float64_grads(whole, params, x, labels)
+    scale = max(float(np.max(np.abs(t))) for t in jax.tree_util.tree_leaves(truth))
+    ref_err, pipe_err = (_max_error(g, truth) / scale for g in (grads, r.grads))
+    assert pipe_err <= 2 * ref_err + 2e-5, (pipe_err, ref_err)
     assert {e.kind for e in r.events} == {"F", "B", "W"}
+
+
+def _float64_grads(whole, params, x, labels):
+    """The gradients of ``whole`` in float64: the truth that both float32 computations approximate."""
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        p64 = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+        return jax.tree_util.tree_map(np.asarray, jax.grad(whole)(p64, np.asarray(x, np.float64), labels))
+    finally:
+        jax.config.update("jax_enable_x64", before)
+
+
+def _max_error(got, want) -> float:
+    return max(
+        float(np.max(np.abs(np.asarray(g, np.float64) - w)))
+        for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want))
+    )
 
 
 def test_nested_scans_are_cut_through_both_loops():
