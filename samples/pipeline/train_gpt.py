@@ -148,9 +148,11 @@ def train(steps: int, runner: str = "inprocess", schedule: str = "1f1b", out: Pa
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--runner", choices=["inprocess", "ray"], default="inprocess")
-    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--steps", type=int, default=200, help="optimizer steps to train (default 200)")
+    ap.add_argument(
+        "--runner", choices=["inprocess", "ray"], default="inprocess", help="threads in this process, or Ray actors"
+    )
+    ap.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, zbh1, zbv, interleaved1f1b or dualpipev")
     ap.add_argument("--out", type=Path, default=None, help="where loss.png goes (default: a temp directory)")
     a = ap.parse_args(argv)
     out = a.out or Path(tempfile.mkdtemp(prefix="train_gpt."))
