@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--runner", choices=["inprocess", "ray"], default="inprocess", help="threads in this process, or Ray actors"
     )
-    ap.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, zbh1, zbv, interleaved1f1b or dualpipev")
+    ap.add_argument("--schedule", default="1f1b", help="the schedule name (gpipe, 1f1b, zbh1, zbv, ...; default 1f1b)")
     ap.add_argument("--out", type=Path, default=None, help="where loss.png goes (default: a temp directory)")
     a = ap.parse_args(argv)
     out = a.out or Path(tempfile.mkdtemp(prefix="train_gpt."))
