@@ -149,3 +149,46 @@ def optax_reference(loss_fn, params, tx, batches):
         params = optax.apply_updates(params, u)
         losses.append(float(loss))
     return losses, jax.tree_util.tree_map(np.asarray, params)
+
+
+def mlp_stage_artifacts(stages: int, rng, d: int = 8, classes: int = 5, scale: float = 3.0):
+    """An MLP cut by hand into ``stages`` artifacts (``stage_hidden`` ones, then ``stage_head``), with their params.
+
+    Each exported for the split backward over a symbolic batch; stage 0 differentiates only its
+    parameters (its input gradient would be dropped), the others their input too.
+    """
+    from jax import export as jexport
+
+    import vjpsplit_cli as vs
+
+    params = [
+        {"w": (rng.normal(size=(d, d)) / scale).astype(np.float32), "b": rng.normal(size=d).astype(np.float32)}
+        for _ in range(stages - 1)
+    ]
+    params.append({"w": (rng.normal(size=(d, classes)) / scale).astype(np.float32), "b": np.zeros(classes, np.float32)})
+    (b,) = jexport.symbolic_shape("b")
+    s = jax.ShapeDtypeStruct
+    spec = lambda p: jax.tree_util.tree_map(lambda a: s(a.shape, a.dtype), p)  # noqa: E731
+    arts = [
+        vs.export(
+            stage_hidden,
+            spec(p),
+            s((b, d), jnp.float32),
+            weights="params",
+            wrt=("params",) if i == 0 else ("params", "x"),
+            platforms="cpu",
+        )
+        for i, p in enumerate(params[:-1])
+    ]
+    arts.append(
+        vs.export(
+            stage_head,
+            spec(params[-1]),
+            s((b, d), jnp.float32),
+            s((b,), jnp.int32),
+            weights="params",
+            wrt=("params", "x") if stages > 1 else ("params",),
+            platforms="cpu",
+        )
+    )
+    return arts, params

@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export as jexport
-from models import assert_trees_close
+from models import assert_trees_close, mlp_stage_artifacts
 from models import stage_head as head
 from models import stage_hidden as hidden
 from models import stages_whole as whole
@@ -23,37 +22,7 @@ D, CLASSES, BATCH = 8, 5, 24
 @functools.lru_cache(maxsize=None)  # exporting dominates; tests never mutate what it returns
 def make(stages, seed=0):
     rng = np.random.default_rng(seed)
-    params = [
-        {"w": (rng.normal(size=(D, D)) / 3).astype(np.float32), "b": rng.normal(size=D).astype(np.float32)}
-        for _ in range(stages - 1)
-    ]
-    params.append({"w": (rng.normal(size=(D, CLASSES)) / 3).astype(np.float32), "b": np.zeros(CLASSES, np.float32)})
-    (b,) = jexport.symbolic_shape("b")
-    s = jax.ShapeDtypeStruct
-    spec = lambda p: jax.tree_util.tree_map(lambda a: s(a.shape, a.dtype), p)  # noqa: E731
-    # Stage 0's input gradient would be dropped, so it is not exported; the others feed back.
-    arts = [
-        vs.export(
-            hidden,
-            spec(p),
-            s((b, D), jnp.float32),
-            weights="params",
-            wrt=("params",) if i == 0 else ("params", "x"),
-            platforms="cpu",
-        )
-        for i, p in enumerate(params[:-1])
-    ]
-    arts.append(
-        vs.export(
-            head,
-            spec(params[-1]),
-            s((b, D), jnp.float32),
-            s((b,), jnp.int32),
-            weights="params",
-            wrt=("params", "x") if stages > 1 else ("params",),
-            platforms="cpu",
-        )
-    )
+    arts, params = mlp_stage_artifacts(stages, rng, D, CLASSES, scale=3.0)
     x = rng.normal(size=(BATCH, D)).astype(np.float32)
     labels = rng.integers(0, CLASSES, BATCH).astype(np.int32)
     return arts, params, x, labels

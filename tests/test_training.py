@@ -5,17 +5,12 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax import export as jexport
-from models import assert_trees_close
-from models import stage_head as head
-from models import stage_hidden as hidden
+from models import assert_trees_close, mlp_stage_artifacts
 from models import stages_whole as whole
 
-import vjpsplit_cli as vs
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.pipeline.training import Trainer
 
@@ -24,38 +19,7 @@ D, CLASSES, BATCH, STAGES = 8, 5, 16, 3
 
 @functools.lru_cache(maxsize=None)
 def _make():
-    rng = np.random.default_rng(0)
-    params = [
-        {"w": (rng.normal(size=(D, D)) / 2).astype(np.float32), "b": rng.normal(size=D).astype(np.float32)}
-        for _ in range(STAGES - 1)
-    ]
-    params.append({"w": (rng.normal(size=(D, CLASSES)) / 2).astype(np.float32), "b": np.zeros(CLASSES, np.float32)})
-    (b,) = jexport.symbolic_shape("b")
-    s = jax.ShapeDtypeStruct
-    spec = lambda p: jax.tree_util.tree_map(lambda a: s(a.shape, a.dtype), p)  # noqa: E731
-    arts = [
-        vs.export(
-            hidden,
-            spec(p),
-            s((b, D), jnp.float32),
-            weights="params",
-            wrt=("params",) if i == 0 else ("params", "x"),
-            platforms="cpu",
-        )
-        for i, p in enumerate(params[:-1])
-    ]
-    arts.append(
-        vs.export(
-            head,
-            spec(params[-1]),
-            s((b, D), jnp.float32),
-            s((b,), jnp.int32),
-            weights="params",
-            wrt=("params", "x"),
-            platforms="cpu",
-        )
-    )
-    return arts, params
+    return mlp_stage_artifacts(STAGES, np.random.default_rng(0), D, CLASSES, scale=2.0)
 
 
 def _batches(n):
