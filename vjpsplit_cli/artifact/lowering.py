@@ -28,6 +28,7 @@ from ..tracing.choice import PolicyChoice, resolve_policy
 from ..tracing.policies import apply_policy
 from ..tracing.traced import TracedVjp
 from ..tracing.vjp import fn_name, not_traceable, positional_names, wrt_positions
+from ..trust import checks
 from .artifact import Artifact
 from .flatforward import FlatForward, dims_carrier
 from .jaxexport import Sharded, lower, platforms_of, refuse_host_callbacks
@@ -191,6 +192,7 @@ def export(
     _build_manifest(st, name)
     if weights:
         _zero_bubble(st, weights)
+    _check_signatures(st)
     modules = {k: bytes(e.serialize()) for k, e in st.exps.items()}
     art = Artifact(dataclasses.replace(st.manifest, fingerprint=fingerprint(st.manifest, modules)), modules, st.exps)
     art.policy_choice = st.choice
@@ -364,3 +366,16 @@ def _zero_bubble(st: _Export, weights: Sequence[str] | str) -> None:
         weight_residuals=tuple(keys.stored(i) for i in split.weight_stored),
         weight_inputs=tuple(backed[j] for j in split.weight_inputs),
     )
+
+
+def _check_signatures(st: _Export) -> None:
+    """Every lowered module against the table of module signatures that loading and running read.
+
+    ``trust.module_io`` is the one place the order of each module's inputs and outputs is
+    written; holding the modules to it here means an artifact export writes is one its
+    loader accepts, and a change to either side that breaks that fails at export.
+    """
+    for module, exp in st.exps.items():
+        wrong = checks.avals_mismatch(exp, *checks.manifest_avals(st.manifest, module))
+        if wrong:
+            raise AssertionError(f"vjpsplit bug, please report: the {module} module's {wrong} differ from its manifest")

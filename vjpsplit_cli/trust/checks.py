@@ -48,6 +48,23 @@ def _dims_match(want: Sequence, got: Sequence) -> bool:
     return len(want) == len(got) and all(str(w) == str(g) for w, g in zip(want, got))
 
 
+def avals_mismatch(
+    exp, want_in: Sequence[tuple[str, tuple]] | None, want_out: Sequence[tuple[str, tuple]] | None
+) -> str:
+    """Which of ``exp``'s avals ("inputs" or "outputs") differ from the manifest's (as ``expected_leaves``); "" if none."""
+
+    def avals(xs):
+        return [(np.dtype(a.dtype).name if not _is_extended(a.dtype) else str(a.dtype), tuple(a.shape)) for a in xs]
+
+    for want, got, what in ((want_in, exp.in_avals, "inputs"), (want_out, exp.out_avals, "outputs")):
+        if want is None:
+            continue
+        got = avals(got)
+        if len(want) != len(got) or any(w[0] != g[0] or not _dims_match(w[1], g[1]) for w, g in zip(want, got)):
+            return what
+    return ""
+
+
 def check_avals(
     source: str,
     module: str,
@@ -68,15 +85,9 @@ def check_avals(
             "forged or damaged: export it again"
         )
 
-    def avals(xs):
-        return [(np.dtype(a.dtype).name if not _is_extended(a.dtype) else str(a.dtype), tuple(a.shape)) for a in xs]
-
-    for want, got, what in ((want_in, exp.in_avals, "inputs"), (want_out, exp.out_avals, "outputs")):
-        if want is None:
-            continue
-        got = avals(got)
-        if len(want) != len(got) or any(w[0] != g[0] or not _dims_match(w[1], g[1]) for w, g in zip(want, got)):
-            bad(what)
+    wrong = avals_mismatch(exp, want_in, want_out)
+    if wrong:
+        bad(wrong)
     if main is None:
         bad("StableHLO signature")
     kept = [exp.in_avals[i] for i in exp.module_kept_var_idx]
