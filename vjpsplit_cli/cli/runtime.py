@@ -16,25 +16,16 @@ from ..errors import VjpsplitError, one_line
 from .app import debug_enabled, global_flag, log
 
 
-def cache_dir() -> str | None:
-    """Where run-fwd/run-bwd keep compiled executables; None when caching is off.
-
-    ``VJPSPLIT_CACHE_DIR`` moves it (empty or off turns it off); the default is
-    ``vjpsplit/jax`` under ``$XDG_CACHE_HOME`` (``~/.cache``): see :mod:`vjpsplit_cli.config`.
-    """
-    return config.cache_dir()
-
-
 def _active_cache_dir() -> str | None:
-    """``cache_dir()`` when caching is on and the directory is private to this user; else None (no cache at all)."""
+    """``config.cache_dir()`` when caching is on and the directory is private to this user; else None (no cache at all)."""
     if global_flag(click.get_current_context(), "no_cache"):
         return None
-    path = cache_dir()
+    path = config.cache_dir()
     return path if path is not None and config.ensure_private_dir(path)[0] else None
 
 
 def executable_cache() -> str | None:
-    """Where run-fwd/run-bwd keep serialized executables (``executables`` under ``cache_dir()``); None when off."""
+    """Where run-fwd/run-bwd keep serialized executables (``executables`` under ``config.cache_dir()``); None when off."""
     path = _active_cache_dir()
     return None if path is None else os.path.join(path, "executables")
 
@@ -56,7 +47,7 @@ def use_compilation_cache() -> None:
                 "running without it"
             )
         return
-    path = cache_dir()
+    path = config.cache_dir()
     if path is None:
         return
     usable, problem = config.ensure_private_dir(path)

@@ -19,19 +19,14 @@ from .. import config
 from ..errors import VjpsplitError
 from ..safeio.outputs import atomic_write
 
-DEFAULT = "default"  # ``cache_dir`` sentinel: the default cache location (``default_cache_dir``)
+DEFAULT = "default"  # ``cache_dir`` sentinel: the default cache location (``config.cache_dir``)
 _SEEN: dict[str, dict] = {}  # verdict name -> verdict, for modules this process has checked already
-
-
-def default_cache_dir() -> str | None:
-    """vjpsplit's cache directory (:func:`vjpsplit_cli.config.cache_dir`)."""
-    return config.cache_dir()
 
 
 def verdict_dir(cache_dir: str | None) -> str | None:
     """``<cache_dir>/checked`` (``DEFAULT``: under the default location) when private to this user; else None."""
     if cache_dir == DEFAULT:
-        cache_dir = default_cache_dir()
+        cache_dir = config.cache_dir()
     if not cache_dir:
         return None
     path = os.path.join(cache_dir, "checked")
