@@ -91,16 +91,17 @@ def test_export_stages_refuses_by_the_users_key_before_cutting():
         vs.export_stages(staged, p, x, S(y.shape, np.float64), wrt="params", platforms="cpu")
 
 
-def test_split_takes_float64_numpy_as_jax_does_without_x64():
-    # jax.jit and jax.grad compute float64 numpy arguments in float32 without x64; split does the same
-    x = np.linspace(0.0, 1.0, 5)
+@pytest.mark.parametrize("x", [np.linspace(0.0, 1.0, 5), np.arange(5, dtype=np.int64)], ids=["float64", "int64"])
+def test_split_takes_64bit_numpy_as_jax_does_without_x64(x):
+    # jax.jit and jax.grad compute 64-bit numpy arguments in 32 bits without x64; split does the same
     params = {"w": np.linspace(-1.0, 1.0, 5), "b": np.ones(2)}
     fwd, bwd = vs.split(loss)
     out, res = fwd(params, x)
-    grads, _ = bwd(res)
-    want, want_g = jax.value_and_grad(loss)(params, x)
+    grads = bwd(res)
+    want, want_g = jax.value_and_grad(loss, argnums=(0, 1), allow_int=True)(params, x)
     assert out.dtype == want.dtype == np.float32
-    assert grads["w"].dtype == want_g["w"].dtype == np.float32
+    assert grads[0]["w"].dtype == want_g[0]["w"].dtype == np.float32
+    assert grads[1].dtype == want_g[1].dtype  # float32, or float0 for the integers
     np.testing.assert_allclose(out, want, rtol=1e-6)
     assert_trees_close(grads, want_g, rtol=1e-6, atol=1e-7)
 
