@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ..errors import VjpsplitError
+from ..files.dtypes import dtype_from_name
 from ..tracing.residuals import Intermediates
 from .dispatch import PreSplit
 from .schedules import LABELS, SPLIT_BACKWARD, Op, check_schedule
@@ -165,7 +166,10 @@ class StageWorker:
         return out
 
     def _ct(self, ct, microbatches: int):
-        return np.float32(1.0 / microbatches) if self.index == self.stages - 1 else ct
+        if self.index != self.stages - 1:
+            return ct
+        # In the loss's own dtype (float64 under x64): the artifact casts no cotangent.
+        return np.asarray(1.0 / microbatches, dtype_from_name(self.art.manifest.cotangent_leaves[0].dtype))
 
     def forward(self, mb: int, x, side: Sequence, worker: int | None = None):
         """F: run the forward, keep the residuals; return the activation (the loss on the last stage)."""
