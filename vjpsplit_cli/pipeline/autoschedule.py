@@ -68,6 +68,10 @@ def policies(stages: int) -> list[Policy]:
     return out if stages > 1 else [Policy()]
 
 
+class _Stuck(Exception):
+    """A policy whose rules leave every worker waiting for another (the search drops it)."""
+
+
 class _Builder:
     """One run of the list scheduler: per worker, counts of F, B and W so far, clocks, and when each op ends."""
 
@@ -80,6 +84,9 @@ class _Builder:
         self.clock = [0.0] * S  # when worker s next chooses
         self.free = [0.0] * S  # when worker s's last operation ends
         self.makespan = 0.0
+        # Unless stuck, some operation runs or some value travels at every moment: nothing ends later than this.
+        work = sum(costs.F) + sum(costs.B) + sum(costs.W) + 2 * S * costs.comm
+        self.horizon = (m * work + 1.0) * (1.0 + 1e-9)
         self.plans: list[list[Op]] = [[] for _ in range(S)]
 
     def build(self) -> list[list[Op]]:
@@ -95,6 +102,8 @@ class _Builder:
             if s < 0:
                 self.makespan = max(self.free)
                 return self.plans
+            if t > self.horizon:
+                raise _Stuck(self.policy)
             self._choose(s, t)
 
     def _b_arrival(self, s: int) -> tuple[float, float]:
@@ -131,9 +140,14 @@ class _Builder:
         return memory, ok
 
     def _b_allowed(self, s: int, memory: bool) -> bool:
-        """``paired``: a B waits for the F that 1F1B pairs with it (all forwards in flight), unless memory stops that F."""
+        """``paired``: a B waits for the F that 1F1B pairs with it (all forwards in flight), unless memory stops that F.
+
+        No more forwards are awaited than every worker up to s may hold (more could never come before this B).
+        """
         p = self.policy
-        if not p.paired or p.ahead is None or self.nf[s] >= self.m or self.nf[s] - self.nb[s] >= self.S - s + p.ahead:
+        if not p.paired or p.ahead is None or self.nf[s] >= self.m:
+            return True
+        if self.nf[s] - self.nb[s] >= min(self.S - s + p.ahead, *self.limits[: s + 1]):
             return True
         return not memory and self.nw[s] == self.nb[s]  # no W can free the memory the F waits for
 
@@ -221,11 +235,15 @@ def search(
     best: tuple[list[list[Op]], float, Policy] | None = None
     for policy in policies(costs.stages):
         builder = _Builder(costs, microbatches, limits, split, policy)
-        plans = builder.build()
+        try:
+            plans = builder.build()
+        except _Stuck:
+            continue
         span = builder.makespan
         if best is None or span < best[1] - 1e-12:
             best = (plans, span, policy)
-    assert best is not None
+    if best is None:
+        raise VjpsplitError("internal: every policy of the list scheduler got stuck")  # Policy() cannot
     return best
 
 
