@@ -220,6 +220,16 @@ def test_limit_one_and_per_worker_limits_stay_valid():
     assert all(p <= lim for p, lim in zip(peaks(plans), limits))
 
 
+@pytest.mark.parametrize(
+    "costs", [{"F": 0, "B": 0, "W": 0}, {"F": 1, "B": 0, "W": 0, "comm": 0}, {"F": 0, "B": 1, "W": 0}]
+)
+def test_zero_time_operations_still_give_valid_plans(costs):
+    for S, m, limit in [(1, 3, 1), (2, 5, 1), (4, 5, [1, 3, 2, 1]), (3, 6, None)]:
+        plans = P.auto_schedule(S, m, costs=costs, memory_limit=limit)
+        assert_valid(plans, S, m)
+        assert all(p <= lim for p, lim in zip(peaks(plans), memory_limits(limit, S, m)))
+
+
 def test_more_memory_never_makes_a_plan_slower():
     F, B, W = [1.0, 1.2, 0.8, 1.5], [1.6, 2.0, 1.2, 2.5], [0.6, 0.4, 0.9, 0.7]
     costs = {"F": F, "B": B, "W": W, "comm": 0.2}

@@ -88,6 +88,11 @@ class _Builder:
         work = sum(costs.F) + sum(costs.B) + sum(costs.W) + 2 * S * costs.comm
         self.horizon = (m * work + 1.0) * (1.0 + 1e-9)
         self.plans: list[list[Op]] = [[] for _ in range(S)]
+        # Zero-time operations let a worker wait without its clock moving: it then yields to the others at
+        # that time, the one stalled last going last (stalled: when, 0 if not), and more waits in a row than
+        # two rounds of every worker, with nothing run between them, mean every worker is stuck.
+        self.stalled = [0] * S
+        self.stalls = self.stamp = 0
 
     def build(self) -> list[list[Op]]:
         """Choose until every worker has run all its operations; the plans, one list per worker.
@@ -95,16 +100,16 @@ class _Builder:
         ``makespan`` is then the plans' time under the costs, as ``modeled_makespan`` plays them.
         """
         while True:
-            s, t = -1, INF
+            s, key = -1, (INF, 0)
             for k in range(self.S):
-                if self.nw[k] < self.m and self.clock[k] < t:
-                    s, t = k, self.clock[k]
+                if self.nw[k] < self.m and (self.clock[k], self.stalled[k]) < key:
+                    s, key = k, (self.clock[k], self.stalled[k])
             if s < 0:
                 self.makespan = max(self.free)
                 return self.plans
-            if t > self.horizon:
+            if key[0] > self.horizon or self.stalls > 2 * self.S:
                 raise _Stuck(self.policy)
-            self._choose(s, t)
+            self._choose(s, key[0])
 
     def _b_arrival(self, s: int) -> tuple[float, float]:
         """When stage s's next B can start: (known time or INF, a lower bound while the next stage is undecided)."""
@@ -170,7 +175,13 @@ class _Builder:
             return self._put(s, "W", 0.0, t)
         if not nxt < INF:
             raise VjpsplitError(f"internal: the list scheduler found worker {s} with nothing to wait for")
-        self.clock[s] = nxt
+        if nxt <= t:
+            self.stalls += 1
+            self.stamp += 1
+            self.stalled[s] = self.stamp
+        else:
+            self.stalled[s] = 0
+        self.clock[s] = max(nxt, t)
 
     def _put(self, s: int, kind: str, ready: float, t: float) -> None:
         """Append ``kind`` to worker s's list, timed as the runners play it: once the worker is free and it is ready."""
@@ -190,6 +201,7 @@ class _Builder:
             i, d = self.nw[s], c.W[s]
             self.nw[s] += 1
         self.plans[s].append(Op(kind, i, s))
+        self.stalled[s], self.stalls = 0, 0
         self.free[s] = start + d
         self.clock[s] = max(t, start + d)  # decisions go on in time order, even after a W timed into the past
 
