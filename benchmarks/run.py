@@ -32,6 +32,7 @@ SECTIONS = {
     "economy": ("Residual economy (policies)", "benchmarks.economy"),
     "cli": ("CLI wall time", "benchmarks.cli"),
     "pipeline": ("Pipeline schedules on 2 workers", "benchmarks.pipeline"),
+    "autoschedule": ("Automatic schedules on the grid (modeled)", "benchmarks.autoschedule"),
     "train": ("Training steps: Trainer vs one process", "benchmarks.train"),
     "sharded": ("Sharded stages on 8 CPU devices", "benchmarks.sharded"),
     # On a CPU-only machine, the accelerator command's own smoke test.

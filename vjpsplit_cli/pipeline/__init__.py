@@ -39,6 +39,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..errors import VjpsplitError
+from .autoschedule import auto_schedule
 from .dispatch import progress_bar, walk
 from .inprocess import run_inprocess
 from .plans import check_plans, layout_of, read_schedule, split_ops, write_schedule
@@ -63,6 +64,7 @@ __all__ = [
     "StageActor",
     "StageWorker",
     "Trainer",
+    "auto_schedule",
     "bubble_ratio",
     "check_plans",
     "check_schedule",
