@@ -196,13 +196,13 @@ def grads_per_arg(
     With ``arg_trees`` (from ``fwd``'s arguments) each gradient has the caller's
     own pytree type; otherwise the manifest's structure (user classes as dicts).
     """
-    spec = {leaf.key: leaf for leaf in manifest.inputs}
     known = {name: (treedef, keys) for name, treedef, keys in arg_trees}
 
-    def leaf_grad(k):
+    def leaf_grad(k: str) -> Any:
         if k in grads:
             return grads[k]
-        return np.zeros(concrete_shape(spec[k].key_shape, dims), jax.dtypes.float0)
+        leaf = next(leaf for leaf in manifest.inputs if leaf.key == k)  # an integer input: rare, not per leaf
+        return np.zeros(concrete_shape(leaf.key_shape, dims), jax.dtypes.float0)
 
     out = {}
     for name in names:

@@ -11,24 +11,24 @@ reads them back.
 
 from __future__ import annotations
 
-import uuid
 from types import MappingProxyType
 from typing import Any, Mapping
 
 from jax.sharding import Mesh
 
 from ..errors import VjpsplitError
-from ..files.trees import decode_structure, flatten_with_keys
+from ..files.trees import ArgTrees, decode_structure, flatten_with_keys
 from ..tracing.residuals import Intermediates, Residuals
 from ..trust import signing
 from ..trust.module_io import AUX, COTANGENTS, GRADS, INPUT_BACKED, INPUTS, INTERMEDIATES, OUT, STORED
 from ..trust.verdicts import DEFAULT
 from . import artifact_file
-from .arguments import flatten_args, grads_per_arg
+from .arguments import grads_per_arg
 from .binding import Binding, wrap_keys
 from .manifest import Manifest
 from .placement import Placement
 from .runner import ModuleRunner
+from .seen import new_run_id
 
 
 class Artifact:
@@ -162,27 +162,36 @@ class Artifact:
     def run_fwd_arrays(self, inputs: Mapping[str, Any], source: str = "inputs") -> tuple[dict, Residuals]:
         """Forward on flat-keyed inputs: ``({out/aux key: array}, residuals)``."""
         self._check_runnable()
+        arrays, dims = self._binding.inputs(inputs, source)
+        by_slot, res = self._forward(arrays, dims, (), source)
+        io = self._runner.signatures["fwd"]
+        return {leaf.key: v for slot in (OUT, AUX) for leaf, v in zip(io.output(slot), by_slot[slot])}, res
+
+    def _forward(
+        self, arrays: list, dims: dict[str, int], trees: ArgTrees, source: str
+    ) -> tuple[dict[str, list], Residuals]:
+        """Run the forward on checked input arrays (manifest order): its results by slot, and the residuals."""
         m = self.manifest
         io = self._runner.signatures["fwd"]
-        arrays, dims = self._binding.inputs(inputs, source)
-        arrays = self._placement.place(m.inputs, arrays)
+        if m.sharded:
+            arrays = self._placement.place(m.inputs, arrays)
         # Format 1 lowered the forward over one pytree per argument; 2 over the flat leaves.
         call_args = io.arguments({INPUTS: arrays}) if io.inputs is not None else self._args_tree(arrays)
-        result = self._runner.run("fwd", call_args, f"{source}: the forward refused these inputs", dims)
-        by_slot = io.results(result)
-        outputs = {leaf.key: v for slot in (OUT, AUX) for leaf, v in zip(io.output(slot), by_slot[slot])}
-        by_key = dict(zip((leaf.key for leaf in m.inputs), arrays))
+        by_slot = io.results(self._runner.run("fwd", call_args, f"{source}: the forward refused these inputs", dims))
+        binding = self._binding
+        by_key = dict(zip(binding.input_keys, arrays))
         res = Residuals(
-            {leaf.key: v for leaf, v in zip(io.output(STORED), by_slot[STORED])},
-            {k: by_key[k] for k in m.input_backed_keys},
+            dict(zip(binding.stored_keys, by_slot[STORED])),
+            {k: by_key[k] for k in binding.backed_keys},
             dims=dims,
             fingerprint=m.fingerprint,
             arg_names=m.arg_names,
-            residuals_id=uuid.uuid4().hex,
+            arg_trees=trees,
+            residuals_id=new_run_id(),
             bound_inputs=by_key,
         )
-        self._binding.remember(res)
-        return outputs, res
+        binding.remember(res)
+        return by_slot, res
 
     def _args_tree(self, arrays: list) -> list:
         m = self.manifest
@@ -297,15 +306,13 @@ class Artifact:
             raise VjpsplitError(
                 f"{self.source}: fwd takes {len(m.arg_names)} arguments ({', '.join(m.arg_names)}), got {len(args)}"
             )
-        flat, trees = flatten_args(m, args)
-        outputs, res = self.run_fwd_arrays(flat, source="args")
-        res = res.replace(arg_trees=trees)
-        values = wrap_keys(m.outputs, [outputs[leaf.key] for leaf in m.outputs])
-        by_key = dict(zip((leaf.key for leaf in m.outputs), values))
-        out = decode_structure(m.structure["out"], iter(by_key[k] for k in m.out_keys))
+        arrays, dims, trees = self._binding.arguments(args, self._check_runnable)
+        by_slot, res = self._forward(arrays, dims, trees, "args")
+        io = self._runner.signatures["fwd"]
+        # ``out``'s leaves, then ``aux``'s, each in manifest order; typed keys wrapped back from their data.
+        out = decode_structure(m.structure["out"], iter(wrap_keys(io.output(OUT), by_slot[OUT])))
         if m.has_aux:
-            aux = decode_structure(m.structure["aux"], iter(v for k, v in by_key.items() if k not in m.out_keys))
-            return out, res, aux
+            return out, res, decode_structure(m.structure["aux"], iter(wrap_keys(io.output(AUX), by_slot[AUX])))
         return out, res
 
     def bwd(self, res: Residuals, ct=None):
