@@ -198,18 +198,17 @@ def grads_per_arg(
     """
     known = {name: (treedef, keys) for name, treedef, keys in arg_trees}
 
-    def leaf_grad(k: str) -> Any:
-        if k in grads:
-            return grads[k]
-        leaf = next(leaf for leaf in manifest.inputs if leaf.key == k)  # an integer input: rare, not per leaf
+    def zeros(k: str) -> Any:  # an integer input's gradient
+        leaf = next(leaf for leaf in manifest.inputs if leaf.key == k)
         return np.zeros(concrete_shape(leaf.key_shape, dims), jax.dtypes.float0)
 
     out = {}
     for name in names:
         if name in known:
             treedef, keys = known[name]
-            out[name] = jax.tree_util.tree_unflatten(treedef, [leaf_grad(k) for k in keys])
+            out[name] = treedef.unflatten([grads[k] if k in grads else zeros(k) for k in keys])
         else:
             arg_keys = structure_keys(name, manifest.structure["args"][name])
-            out[name] = decode_structure(manifest.structure["args"][name], iter(leaf_grad(k) for k in arg_keys))
+            values = (grads[k] if k in grads else zeros(k) for k in arg_keys)
+            out[name] = decode_structure(manifest.structure["args"][name], values)
     return out

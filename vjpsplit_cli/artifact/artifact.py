@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from ..errors import VjpsplitError
 from ..files.trees import ArgTrees, decode_structure, flatten_with_keys
-from ..tracing.residuals import Intermediates, Residuals
+from ..tracing.residuals import FrozenDict, Intermediates, Residuals
 from ..trust import signing
 from ..trust.module_io import AUX, COTANGENTS, GRADS, INPUT_BACKED, INPUTS, INTERMEDIATES, OUT, STORED
 from ..trust.verdicts import DEFAULT
@@ -179,16 +179,16 @@ class Artifact:
         call_args = io.arguments({INPUTS: arrays}) if io.inputs is not None else self._args_tree(arrays)
         by_slot = io.results(self._runner.run("fwd", call_args, f"{source}: the forward refused these inputs", dims))
         binding = self._binding
-        by_key = dict(zip(binding.input_keys, arrays))
-        res = Residuals(
-            dict(zip(binding.stored_keys, by_slot[STORED])),
-            {k: by_key[k] for k in binding.backed_keys},
-            dims=dims,
-            fingerprint=m.fingerprint,
-            arg_names=m.arg_names,
-            arg_trees=trees,
-            residuals_id=new_run_id(),
-            bound_inputs=by_key,
+        by_key = FrozenDict(zip(binding.input_keys, arrays))
+        res = Residuals.of_forward(
+            FrozenDict(zip(binding.stored_keys, by_slot[STORED])),
+            FrozenDict([(k, by_key[k]) for k in binding.backed_keys]),
+            dims if type(dims) is FrozenDict else FrozenDict(dims),  # a seen signature's dims: frozen already
+            by_key,
+            m.fingerprint,
+            m.arg_names,
+            tuple(trees),
+            new_run_id(),
         )
         binding.remember(res)
         return by_slot, res
@@ -220,7 +220,7 @@ class Artifact:
         cts = self._binding.cotangents(cotangents, dims, ct_source)
         bound = {STORED: stored, INPUT_BACKED: inputs, COTANGENTS: cts}
         out = self._backward("bwd", bound, dims, f"{source}: the backward refused these residuals")
-        return {leaf.key: g for leaf, g in zip(self._runner.signatures["bwd"].output(GRADS), out[GRADS])}
+        return dict(zip(self._binding.grad_keys, out[GRADS]))
 
     # -- zero-bubble split backward ----------------------------------------------
     def run_bwd_input_arrays(
@@ -310,10 +310,11 @@ class Artifact:
         by_slot, res = self._forward(arrays, dims, trees, "args")
         io = self._runner.signatures["fwd"]
         # ``out``'s leaves, then ``aux``'s, each in manifest order; typed keys wrapped back from their data.
-        out = decode_structure(m.structure["out"], iter(wrap_keys(io.output(OUT), by_slot[OUT])))
-        if m.has_aux:
-            return out, res, decode_structure(m.structure["aux"], iter(wrap_keys(io.output(AUX), by_slot[AUX])))
-        return out, res
+        outs, auxs = by_slot[OUT], by_slot[AUX]
+        if self._binding.typed_outputs:
+            outs, auxs = wrap_keys(io.output(OUT), outs), wrap_keys(io.output(AUX), auxs)
+        out = decode_structure(m.structure["out"], iter(outs))
+        return (out, res, decode_structure(m.structure["aux"], iter(auxs))) if m.has_aux else (out, res)
 
     def bwd(self, res: Residuals, ct=None):
         """Backward from residuals: gradients shaped like the ``wrt`` arguments (float0 for ints)."""
@@ -321,4 +322,4 @@ class Artifact:
         cts = None if ct is None else dict(flatten_with_keys("out", ct))
         grads = self.run_bwd_arrays(res, cts, source=getattr(res, "source", None) or "residuals", ct_source="cotangent")
         per_arg = grads_per_arg(self.manifest, grads, m.wrt, res.dims, res.arg_trees)
-        return per_arg[m.wrt[0]] if m.single_grad else tuple(per_arg[n] for n in m.wrt)
+        return per_arg[m.wrt[0]] if m.single_grad else tuple([per_arg[n] for n in m.wrt])

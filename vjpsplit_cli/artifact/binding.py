@@ -12,6 +12,7 @@ residuals is checked on every call.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -23,13 +24,13 @@ from ..files import keys
 from ..files.dtypes import dtype_from_name
 from ..files.prng import from_data, is_key, to_data
 from ..files.trees import ArgTrees
-from ..tracing.residuals import Intermediates, Residuals, SplitResiduals
+from ..tracing.residuals import FrozenDict, Intermediates, Residuals, SplitResiduals
 from ..trust.module_io import INPUT_BACKED, INTERMEDIATES, STORED, input_backed_leaves, module_io
 from .arguments import check_array, check_keys, flatten_args, recorded_dims
 from .manifest import Manifest
-from .seen import Seen, leaves_signature, mapping_signature, residuals_signature
+from .seen import Seen, dims_signature, leaves_signature, mapping_signature, mutable_signature, residuals_signature
 
-_MADE_KEPT = 256  # residuals ids remembered (ids and signatures only, never arrays: bounded, keeps no memory alive)
+_MADE_KEPT = 256  # residuals ids remembered (weak references and signatures, never arrays: keeps no memory alive)
 
 
 def wrap_keys(leaves: Sequence[Any], values: Sequence) -> Sequence:
@@ -50,12 +51,14 @@ class Binding:
     def __init__(self, manifest: Manifest, source: str):
         self.manifest = manifest
         self.source = source
-        self._made = Seen(_MADE_KEPT)  # residuals_id -> signature, of residuals this artifact's fwd made
+        self._made = Seen(_MADE_KEPT)  # residuals_id -> (weak reference, mutable inputs), of this fwd's residuals
         self._seen = Seen()  # signatures whose checks passed -> what they worked out
         # The manifest's keys in order, read on every call.
         self.input_keys = tuple(leaf.key for leaf in manifest.inputs)
         self.stored_keys = tuple(r.key for r in manifest.stored_residuals)
         self.backed_keys = manifest.input_backed_keys  # input keys of the input-backed residuals
+        self.grad_keys = tuple(g.key for g in manifest.grads)  # what ``bwd`` returns, in order
+        self.typed_outputs = any(leaf.prng_impl for leaf in manifest.outputs)  # some output is a typed key
         self._weight_leaves: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
         self._unit: np.ndarray | None = None  # the cotangent 1 of a scalar output
 
@@ -68,8 +71,8 @@ class Binding:
         ``runnable`` refuses a host that cannot run the artifact; it is called after the
         arguments are flattened and before their arrays are checked, the order in which
         their errors have always come. A signature (tree structure, leaf types, shapes,
-        dtypes, weak types, shardings) seen before skips the key paths and checks: its
-        leaves are taken in the order worked out then, typed keys made key data.
+        dtypes) seen before skips the key paths and checks: its leaves are taken in the
+        order worked out then, typed keys made key data.
         """
         try:
             leaves, treedef = jax.tree_util.tree_flatten(tuple(args))
@@ -81,7 +84,9 @@ class Binding:
         if plan is not None:
             runnable()
             order, keyed, dims, trees = plan
-            return [to_data(leaves[i]) if i in keyed else leaves[i] for i in order], dict(dims), trees
+            if order is None:  # the leaves as they are, in order: the common case
+                return leaves, dims, trees
+            return [to_data(leaves[i]) if i in keyed else leaves[i] for i in order], dims, trees
         flat, trees = flatten_args(self.manifest, args, source)
         runnable()
         arrays, dims = self._check_inputs(flat, source)
@@ -100,7 +105,10 @@ class Binding:
                     return None
                 keyed.append(i)  # a typed key, passed as its key data
         position = {k: i for i, k in enumerate(flat)}
-        return tuple(position[k] for k in self.input_keys), frozenset(keyed), tuple(dims.items()), tuple(trees)
+        order: tuple[int, ...] | None = tuple(position[k] for k in self.input_keys)
+        if not keyed and order == tuple(range(len(leaves))):
+            order = None
+        return order, frozenset(keyed), FrozenDict(dims), tuple(trees)
 
     def inputs(self, inputs: Mapping[str, Any], source: str = "inputs") -> tuple[list, dict[str, int]]:
         """Check ``inputs`` (flat keys) against the manifest; return the arrays in order and the dims."""
@@ -122,8 +130,21 @@ class Binding:
         return arrays, dims
 
     def remember(self, res: Residuals) -> None:
-        """Note residuals this artifact's forward just made: a backward on them unchanged skips the checks."""
-        self._made.add(res.residuals_id, res.signature())  # residuals are immutable: this stays true
+        """Note residuals this artifact's forward just made: a backward on them unchanged skips the checks.
+
+        Unchanged means the very object (residuals are immutable: ``replace`` makes
+        another) and, for input arrays that can change in place (a NumPy array's shape
+        and dtype can be set), the same keys, types, shapes and dtypes. A weak
+        reference: the residuals are freed when the caller drops them.
+        """
+        mutable = mutable_signature(res.inputs)
+        if mutable is not None:
+            self._made.add(res.residuals_id, (weakref.ref(res), mutable))
+
+    def _made_here(self, res: Residuals) -> bool:
+        """Whether ``res`` is residuals this artifact's forward made, unchanged since (``remember``)."""
+        made = self._made.get(res.residuals_id)
+        return made is not None and made[0]() is res and mutable_signature(res.inputs) == made[1]
 
     def _check_origin(self, res: Any, source: str) -> None:
         m = self.manifest
@@ -144,14 +165,9 @@ class Binding:
         """Validate residuals against this artifact; return stored, input-backed arrays and dims."""
         m = self.manifest
         self._check_origin(res, source)
-        made = self._made.get(res.residuals_id)
-        if made is not None and made == res.signature():
-            # Exactly what this artifact's fwd returned (keys, shapes, dtypes, dims): already checked.
-            return (
-                list(res.stored.values()),
-                [res.inputs[k] for k in self.backed_keys],
-                {n: res.dims[n] for n in m.dim_vars},
-            )
+        if self._made_here(res):
+            # Exactly what this artifact's fwd returned, in its order (keys, shapes, dtypes, dims): checked then.
+            return list(res.stored.values()), list(res.inputs.values()), res.dims
         sig = residuals_signature(res.stored, res.inputs, res.dims)
         key = None if sig is None else ("residuals", sig)
         if self._seen.get(key) is not None:
@@ -205,7 +221,7 @@ class Binding:
                 self._unit = unit
             return [self._unit]
         sig = mapping_signature(cotangents)
-        key = None if sig is None else ("cotangents", sig, tuple(dims.items()))
+        key = None if sig is None else ("cotangents", sig, dims_signature(dims))
         if self._seen.get(key) is not None:
             return [cotangents[leaf.key] for leaf in ct_leaves]
         check_keys(ct_source, "cotangent", list(m.out_keys), cotangents)

@@ -82,15 +82,18 @@ class Placement:
         if not m.dim_vars:
             return None
         shape = (0, *(dims[n] for n in m.dim_vars))
-        carrier = self._carriers.get(shape)
+        # Kept by shape only for int dims: 5.0 == 5 as a key, but numpy refuses a float dim.
+        kept = all(type(d) is int for d in shape)
+        carrier = self._carriers.get(shape) if kept else None
         if carrier is None:
             carrier = np.zeros(shape, np.bool_)
             carrier.flags.writeable = False  # holds no element; shared by the calls at these dims
             if self.mesh is not None:
                 carrier = jax.device_put(carrier, named(self.mesh, ()))
-            if len(self._carriers) >= _CARRIERS_KEPT:
-                self._carriers.clear()
-            self._carriers[shape] = carrier
+            if kept:
+                if len(self._carriers) >= _CARRIERS_KEPT:
+                    self._carriers.clear()
+                self._carriers[shape] = carrier
         return carrier
 
     def arguments(self, io: ModuleIO, bound: Mapping[str, Sequence], dims: Mapping[str, int]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from ..trust.kernelcheck import check_at_call
 from ..trust.module_io import ModuleIO, module_table
 from . import artifact_file
 from .manifest import Manifest
-from .seen import Seen, placed_signature
+from .seen import Seen, dims_signature, placed_signature
 
 
 class ModuleRunner:
@@ -154,7 +154,7 @@ class ModuleRunner:
         """What a call's checks depend on: the module and dims, and the shardings where kernels are checked."""
         if self.executable_cache is not None:
             return None
-        key = (module, tuple(dims.items()) if dims else ())
+        key = (module, dims_signature(dims) if dims else ())
         if module not in self._check_at_call:
             return key
         sig = placed_signature(jax.tree_util.tree_leaves(args))

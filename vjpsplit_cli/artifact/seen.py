@@ -75,6 +75,36 @@ def placed_signature(leaves: Sequence[Any]) -> tuple | None:
     return None if sig is None else (sig, tuple(getattr(v, "sharding", None) for v in leaves))
 
 
+_IMMUTABLE: dict[type, bool] = {}  # type -> whether its arrays never change shape or dtype
+
+
+def _immutable(t: type) -> bool:
+    ok = _IMMUTABLE.get(t)
+    if ok is None:
+        ok = issubclass(t, jax.Array) and not issubclass(t, jax.core.Tracer)
+        if len(_IMMUTABLE) < 256:
+            _IMMUTABLE[t] = ok
+    return ok
+
+
+def mutable_signature(values: Any) -> tuple | None:
+    """``(key, type, shape, dtype)`` of the values that can change in place (all but concrete jax arrays).
+
+    A NumPy array's shape and dtype can be set on the array itself; a ``jax.Array``'s
+    never change. None when some value has no shape or dtype.
+    """
+    out = []
+    for k, v in values.items():
+        t = type(v)
+        if _IMMUTABLE.get(t) or _immutable(t):
+            continue
+        try:
+            out.append((k, t, v.shape, v.dtype))
+        except AttributeError:
+            return None
+    return tuple(out)
+
+
 def mapping_signature(values: Any) -> tuple | None:
     """``(key, leaf_signature)`` of every item of a plain dict, in its order; None for any other mapping.
 

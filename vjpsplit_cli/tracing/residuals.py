@@ -89,7 +89,7 @@ class Residuals(_Frozen):
         "source",
         "bound_inputs",
     )
-    __slots__ = _FIELDS
+    __slots__ = (*_FIELDS, "__weakref__")  # an artifact notes the residuals its fwd made without keeping them
     stored: FrozenDict
     inputs: FrozenDict
     dims: FrozenDict
@@ -139,6 +139,28 @@ class Residuals(_Frozen):
         # Not pytree data: residuals rebuilt by a pytree operation bind only ``inputs``.
         put(self, "bound_inputs", FrozenDict(bound_inputs or ()))
 
+    @classmethod
+    def of_forward(
+        cls,
+        stored: FrozenDict,
+        inputs: FrozenDict,
+        dims: FrozenDict,
+        bound_inputs: FrozenDict,
+        fingerprint: str,
+        arg_names: tuple[str, ...],
+        arg_trees: tuple,
+        residuals_id: str,
+    ) -> "Residuals":
+        """Residuals an artifact's forward just made, from mappings it froze itself: nothing is copied.
+
+        The same fields as ``Residuals(...)`` gives (no plan, no sources); a forward makes one per call.
+        """
+        res = object.__new__(cls)
+        values = (stored, inputs, dims, bound_inputs, fingerprint, arg_names, arg_trees, residuals_id, None, None, None)
+        for put, value in zip(_SETTERS, values):
+            put(res, value)
+        return res
+
     def __repr__(self) -> str:
         owner = (
             "split"
@@ -162,6 +184,24 @@ class Residuals(_Frozen):
     def stored_nbytes(self) -> int:
         """Bytes of the stored (not input-backed) residuals."""
         return sum(int(np.prod(np.shape(a))) * np.dtype(a.dtype).itemsize for a in self.stored.values())
+
+
+# The slot setters ``of_forward`` fills a new object with, every field once, in this order.
+_FORWARD_FIELDS = (
+    "stored",
+    "inputs",
+    "dims",
+    "bound_inputs",
+    "fingerprint",
+    "arg_names",
+    "arg_trees",
+    "residuals_id",
+    "plan",
+    "inputs_source",
+    "source",
+)
+assert sorted(_FORWARD_FIELDS) == sorted(Residuals._FIELDS)
+_SETTERS = tuple(getattr(Residuals, name).__set__ for name in _FORWARD_FIELDS)
 
 
 class SplitResiduals(Residuals):
