@@ -12,7 +12,8 @@ reads them back.
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Any, Mapping
+import os
+from typing import Any, Iterable, Mapping, Sequence
 
 from jax.sharding import Mesh
 
@@ -40,7 +41,7 @@ class Artifact:
         modules: Mapping[str, bytes],
         exps: Mapping[str, Any] | None = None,
         source: str = "artifact",
-    ):
+    ) -> None:
         self.manifest = manifest
         self.modules = dict(modules)
         self.source = source
@@ -76,13 +77,13 @@ class Artifact:
     def _check_at_call(self) -> frozenset[str]:
         return self._runner.check_at_call
 
-    def check_kernels_at_call(self, modules, cache_dir=DEFAULT) -> None:
+    def check_kernels_at_call(self, modules: Iterable[str], cache_dir: Any = DEFAULT) -> None:
         """Check ``modules``' kernel calls at each call's concrete shapes, before they compile (``load`` sets it)."""
         self._runner.check_at_call = frozenset(modules)
         self._runner.verdict_cache = cache_dir
 
     # -- placement -----------------------------------------------------------------------
-    def on_devices(self, devices) -> "Artifact":
+    def on_devices(self, devices: Iterable[Any]) -> "Artifact":
         """This artifact running on ``devices`` (exactly ``nr_devices`` of them, in mesh order).
 
         Pipeline stages use it to put each stage on its own device group. The
@@ -114,7 +115,7 @@ class Artifact:
         """The mesh a sharded artifact runs on (this host's first ``nr_devices`` devices by default); None when unsharded."""
         return self._placement.mesh
 
-    def place_arg(self, name: str | int, value):
+    def place_arg(self, name: str | int, value: Any) -> Any:
         """Argument ``name`` (or position) laid out as the artifact's forward takes it.
 
         On a sharded artifact each leaf goes to its recorded sharding on ``mesh``
@@ -123,7 +124,7 @@ class Artifact:
         """
         return self._placement.place_arg(name, value)
 
-    def place_cotangent(self, ct):
+    def place_cotangent(self, ct: Any) -> Any:
         """A cotangent of the output laid out as the backward takes it (see ``place_arg``)."""
         return self._placement.place_cotangent(ct)
 
@@ -141,13 +142,13 @@ class Artifact:
         """The artifact file's bytes (with its signature, if signed)."""
         return artifact_file.file_bytes(self.manifest, self.modules, self.signature)
 
-    def sign(self, key) -> str:
+    def sign(self, key: Any) -> str:
         """Sign the artifact (manifest and every module) with an Ed25519 private key or its file; return the key id."""
         self.signature = artifact_file.signature_of(self.manifest, self.modules, key)
         self.signer = signing.key_id(self.signature["key"])
         return self.signer
 
-    def save(self, path) -> None:
+    def save(self, path: str | os.PathLike) -> None:
         """Write the artifact to ``path`` (atomically: no partial file on failure)."""
         artifact_file.save_file(path, self.to_bytes())
 
@@ -276,7 +277,7 @@ class Artifact:
         io = self._runner.signatures["bwd_weight"]
         return {g.key: v for g, v in zip(io.output(GRADS), out[GRADS])}
 
-    def bwd_input(self, res: Residuals, ct=None) -> tuple[dict, "Intermediates"]:
+    def bwd_input(self, res: Residuals, ct: Any = None) -> tuple[dict, "Intermediates"]:
         """Input part of the backward: ``({arg name: grad} for non-weight args, intermediates)``.
 
         The intermediates hold what the weight part reads (including its share of
@@ -299,7 +300,7 @@ class Artifact:
         grads = self.run_bwd_weight_arrays(res, inter)
         return grads_per_arg(self.manifest, grads, self.manifest.weights, inter.dims, getattr(inter, "arg_trees", ()))
 
-    def fwd(self, *args):
+    def fwd(self, *args: Any) -> tuple[Any, ...]:
         """Forward on pytree arguments: ``(out, res)``, or ``(out, res, aux)`` with has_aux."""
         m = self.manifest
         if len(args) != len(m.arg_names):
@@ -310,13 +311,14 @@ class Artifact:
         by_slot, res = self._forward(arrays, dims, trees, "args")
         io = self._runner.signatures["fwd"]
         # ``out``'s leaves, then ``aux``'s, each in manifest order; typed keys wrapped back from their data.
-        outs, auxs = by_slot[OUT], by_slot[AUX]
+        outs: Sequence[Any] = by_slot[OUT]
+        auxs: Sequence[Any] = by_slot[AUX]
         if self._binding.typed_outputs:
             outs, auxs = wrap_keys(io.output(OUT), outs), wrap_keys(io.output(AUX), auxs)
         out = decode_structure(m.structure["out"], iter(outs))
         return (out, res, decode_structure(m.structure["aux"], iter(auxs))) if m.has_aux else (out, res)
 
-    def bwd(self, res: Residuals, ct=None):
+    def bwd(self, res: Residuals, ct: Any = None) -> Any:
         """Backward from residuals: gradients shaped like the ``wrt`` arguments (float0 for ints)."""
         m = self.manifest
         cts = None if ct is None else dict(flatten_with_keys("out", ct))

@@ -48,7 +48,7 @@ def _as_input(leaf: Any) -> Any:
 class Binding:
     """Checks of a module's arguments against one artifact's manifest (``source`` names the artifact)."""
 
-    def __init__(self, manifest: Manifest, source: str):
+    def __init__(self, manifest: Manifest, source: str) -> None:
         self.manifest = manifest
         self.source = source
         self._made = Seen(_MADE_KEPT)  # residuals_id -> (weak reference, mutable inputs), of this fwd's residuals

@@ -28,7 +28,7 @@ _CARRIERS_KEPT = 64
 class Placement:
     """An artifact's device group and mesh, and its arrays laid out on them."""
 
-    def __init__(self, manifest: Manifest, source: str, devices: tuple | None = None):
+    def __init__(self, manifest: Manifest, source: str, devices: tuple | None = None) -> None:
         self.manifest = manifest
         self.source = source
         self.devices = devices  # a sharded artifact's device group; None: this host's first devices

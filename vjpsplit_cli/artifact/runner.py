@@ -34,7 +34,7 @@ class ModuleRunner:
         modules: Mapping[str, bytes],
         exported: Mapping[str, Any] | None,
         source: str,
-    ):
+    ) -> None:
         self.manifest = manifest
         self.modules = modules
         self.source = source

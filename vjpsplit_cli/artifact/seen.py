@@ -148,7 +148,7 @@ class Seen:
     past ``limit``. Two threads checking one new signature at once both check it.
     """
 
-    def __init__(self, limit: int = SEEN_KEPT):
+    def __init__(self, limit: int = SEEN_KEPT) -> None:
         self._limit = limit
         self._entries: dict[Hashable, Any] = {}
         self._lock = threading.Lock()
