@@ -297,3 +297,15 @@ def test_typed_keys_of_another_impl_are_refused_after_good_calls():
         art.fwd(x, rbg)
     assert str(later.value) == str(first.value)
     assert "key" in str(first.value)
+
+
+def test_calls_under_a_callers_jit_keep_no_tracer(art):
+    """The pipeline wraps artifact methods in jit: what a trace checked must not leak into later calls."""
+    a = fresh(art)
+    step = jax.jit(lambda p, x: a.bwd(a.fwd(p, x)[1]))
+    for rows in (5, 3, 5):
+        params, x = batch(rows, rows)
+        for grads in (step(params, x), a.bwd(a.fwd(params, x)[1])):  # traced, then eager, alternately
+            want = jax.grad(loss, argnums=(0, 1))(params, x)
+            np.testing.assert_allclose(grads[1], want[1], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(grads[0]["w"], want[0]["w"], rtol=1e-5, atol=1e-6)

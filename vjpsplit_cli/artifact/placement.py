@@ -88,13 +88,12 @@ class Placement:
         if carrier is None:
             carrier = np.zeros(shape, np.bool_)
             carrier.flags.writeable = False  # holds no element; shared by the calls at these dims
-            if self.mesh is not None:
-                carrier = jax.device_put(carrier, named(self.mesh, ()))
             if kept:
                 if len(self._carriers) >= _CARRIERS_KEPT:
                     self._carriers.clear()
                 self._carriers[shape] = carrier
-        return carrier
+        # Placed per call: under a caller's jit (the pipeline's) device_put gives a tracer, never kept.
+        return carrier if self.mesh is None else jax.device_put(carrier, named(self.mesh, ()))
 
     def arguments(self, io: ModuleIO, bound: Mapping[str, Sequence], dims: Mapping[str, int]) -> dict[str, Any]:
         """A backward module's arguments by slot: ``bound``'s arrays placed, and the carrier for ``dims``."""
