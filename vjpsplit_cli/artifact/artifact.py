@@ -11,8 +11,8 @@ reads them back.
 
 from __future__ import annotations
 
-from types import MappingProxyType
 import os
+from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
 
 from jax.sharding import Mesh

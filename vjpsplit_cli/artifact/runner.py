@@ -48,7 +48,8 @@ class ModuleRunner:
         # A directory of serialized executables (the CLI sets it): a fresh process then
         # neither lowers nor compiles a module it ran before. None: jit's own caches only.
         self.executable_cache: str | None = None
-        # Calls (module, argument signature, dims) whose kernels and results were checked.
+        # Calls whose results (and kernels) were checked: by module and dims, and by the arguments'
+        # signature for the modules whose kernels are checked at call shapes.
         self._seen = Seen()
         self._platform = ""  # this host's platform, once it passed
         self._check_at_call: frozenset[str] = frozenset()

@@ -3,16 +3,17 @@
 Every check a call gets before and after a module runs (keys, dtypes, shapes, the dims
 they bind, typed keys' impls; the module's results against its declared avals) is a
 function of the call's *signature*: the pytree structure (with a dict's keys), each
-leaf's array type, shape and dtype, the dims; and, for the kernel checks at call shapes,
-each argument's sharding. Weak types and committed devices change no check (the module's
-results have the dtypes it declares either way), so they are not part of it. ``Seen`` keeps the signatures whose checks
-passed, and what those checks worked out (the arrays' order, the dims), so a call
-with a signature seen before runs its module straight away. A signature that failed
-is never kept: a repeated bad call gets every check again, and the same error.
+leaf's array type, shape and dtype, the dims; and, for the kernel checks at call
+shapes, each argument's sharding. Weak types and committed devices change no check
+(the module's results have the dtypes it declares either way): they are not part of
+it. ``Seen`` keeps the signatures whose checks passed, and what those checks worked
+out (the arrays' order, the dims), so a call with a signature seen before runs its
+module straight away. A signature that failed is never kept: a repeated bad call gets
+every check again, and the same error.
 
 A signature holds values only, never an object's ``id``: an id is reused once its
 object is collected, so a cache keyed on one could take a new object for an old one.
-Only NumPy and concrete ``jax.Array`` leaves make a signature (``leaf_signature``);
+Only NumPy and concrete ``jax.Array`` leaves make a signature (``leaves_signature``);
 anything else (Python scalars, tracers, array-likes) is checked on every call, as is a
 signature whose checks changed an array (a cast Python scalar, a bfloat16 read as void).
 
@@ -46,20 +47,11 @@ def _makes_signature(t: type) -> bool:
     return ok
 
 
-def leaf_signature(value: Any) -> tuple | None:
-    """What every check of one leaf depends on: its array type, shape and dtype; None if it makes no signature.
-
-    Only a NumPy array or a concrete ``jax.Array`` makes one: a Python scalar, a tracer
-    or an array-like is checked on every call.
-    """
-    t = type(value)
-    if not (_ARRAY_TYPES.get(t) or _makes_signature(t)):
-        return None
-    return (t, value.shape, value.dtype)
-
-
 def leaves_signature(leaves: Iterable[Any]) -> tuple | None:
-    """``leaf_signature`` of every leaf; None if some leaf makes none."""
+    """What every check of these leaves depends on: each one's array type, shape and dtype.
+
+    None if some leaf makes no signature (only a NumPy array or a concrete ``jax.Array`` does).
+    """
     out = []
     for v in leaves:
         t = type(v)
@@ -106,7 +98,7 @@ def mutable_signature(values: Any) -> tuple | None:
 
 
 def mapping_signature(values: Any) -> tuple | None:
-    """``(key, leaf_signature)`` of every item of a plain dict, in its order; None for any other mapping.
+    """``(key, type, shape, dtype)`` of every item of a plain dict, in its order; None for any other mapping.
 
     Only a dict: another mapping (an ``.npz`` file) may make its values afresh on each read.
     """
@@ -178,9 +170,6 @@ class Seen:
         """Forget every signature (what the checks depend on changed)."""
         with self._lock:
             self._entries.clear()
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
 
 # One forward run's id: unique in this process (a counter) and across processes (a random
