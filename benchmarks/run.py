@@ -24,6 +24,7 @@ import jax  # noqa: E402
 
 SECTIONS = {
     "overhead": ("Forward + backward: split and artifact vs fused", "benchmarks.overhead"),
+    "calls": ("One artifact call: fwd + bwd on a tiny function vs one jit call", "benchmarks.calls"),
     "auto": ("policy=\"auto\" vs the fixed policies", "benchmarks.auto"),
     "conv": ("The conv gap: where split fwd+bwd loses to fused", "benchmarks.conv"),
     "schedule": ("F1 F2 B2 B1 vs recompute", "benchmarks.schedule"),

@@ -95,7 +95,7 @@ def flatten_args(
     return flat, tuple(trees)
 
 
-def _weak_scalar_fits(value, want: np.dtype) -> bool:
+def _weak_scalar_fits(value: Any, want: np.dtype) -> bool:
     if isinstance(value, bool):
         return want == np.bool_
     if isinstance(value, int):
@@ -107,13 +107,13 @@ def _weak_scalar_fits(value, want: np.dtype) -> bool:
     return False
 
 
-def as_computed(value, want):
+def as_computed(value: Any, want: Any) -> Any:
     """``value`` as an artifact computes on it: a Python scalar (weakly typed in JAX) takes the dtype ``want``."""
     want = np.dtype(want)
     return np.asarray(value, want) if _weak_scalar_fits(value, want) else value
 
 
-def check_array(source: str, what: str, leaf: LeafLike, value, dims: dict[str, int]):
+def check_array(source: str, what: str, leaf: LeafLike, value: Any, dims: dict[str, int]) -> Any:
     """``value`` as an array of ``leaf``'s dtype and shape, binding dims; else a clear error."""
     want = dtype_from_name(leaf.dtype)
     value = as_computed(value, want)
@@ -140,7 +140,9 @@ def check_array(source: str, what: str, leaf: LeafLike, value, dims: dict[str, i
     return a
 
 
-def check_keys(source: str, what: str, expected: Sequence[str], given: Mapping[str, Any], allow_extra: bool = False):
+def check_keys(
+    source: str, what: str, expected: Sequence[str], given: Mapping[str, Any], allow_extra: bool = False
+) -> None:
     """Refuse missing keys and (unless ``allow_extra``) unknown ones, naming them and the expected set."""
     missing = [k for k in expected if k not in given]
     if missing:
@@ -189,27 +191,30 @@ def recorded_dims(
 
 
 def grads_per_arg(
-    manifest: ManifestLike, grads: Mapping[str, Any], names: Sequence[str], dims, arg_trees: ArgTrees = ()
-) -> dict:
+    manifest: ManifestLike,
+    grads: Mapping[str, Any],
+    names: Sequence[str],
+    dims: Mapping[str, int],
+    arg_trees: ArgTrees = (),
+) -> dict[str, Any]:
     """Flat gradient keys -> per-argument pytrees (float0 zeros for integer leaves).
 
     With ``arg_trees`` (from ``fwd``'s arguments) each gradient has the caller's
     own pytree type; otherwise the manifest's structure (user classes as dicts).
     """
-    spec = {leaf.key: leaf for leaf in manifest.inputs}
     known = {name: (treedef, keys) for name, treedef, keys in arg_trees}
 
-    def leaf_grad(k):
-        if k in grads:
-            return grads[k]
-        return np.zeros(concrete_shape(spec[k].key_shape, dims), jax.dtypes.float0)
+    def zeros(k: str) -> Any:  # an integer input's gradient
+        leaf = next(leaf for leaf in manifest.inputs if leaf.key == k)
+        return np.zeros(concrete_shape(leaf.key_shape, dims), jax.dtypes.float0)
 
     out = {}
     for name in names:
         if name in known:
             treedef, keys = known[name]
-            out[name] = jax.tree_util.tree_unflatten(treedef, [leaf_grad(k) for k in keys])
+            out[name] = treedef.unflatten([grads[k] if k in grads else zeros(k) for k in keys])
         else:
             arg_keys = structure_keys(name, manifest.structure["args"][name])
-            out[name] = decode_structure(manifest.structure["args"][name], iter(leaf_grad(k) for k in arg_keys))
+            values = (grads[k] if k in grads else zeros(k) for k in arg_keys)
+            out[name] = decode_structure(manifest.structure["args"][name], values)
     return out

@@ -11,24 +11,25 @@ reads them back.
 
 from __future__ import annotations
 
-import uuid
+import os
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from jax.sharding import Mesh
 
 from ..errors import VjpsplitError
-from ..files.trees import decode_structure, flatten_with_keys
-from ..tracing.residuals import Intermediates, Residuals
+from ..files.trees import ArgTrees, decode_structure, flatten_with_keys
+from ..tracing.residuals import FrozenDict, Intermediates, Residuals
 from ..trust import signing
 from ..trust.module_io import AUX, COTANGENTS, GRADS, INPUT_BACKED, INPUTS, INTERMEDIATES, OUT, STORED
 from ..trust.verdicts import DEFAULT
 from . import artifact_file
-from .arguments import flatten_args, grads_per_arg
+from .arguments import grads_per_arg
 from .binding import Binding, wrap_keys
 from .manifest import Manifest
 from .placement import Placement
 from .runner import ModuleRunner
+from .seen import new_run_id
 
 
 class Artifact:
@@ -40,7 +41,7 @@ class Artifact:
         modules: Mapping[str, bytes],
         exps: Mapping[str, Any] | None = None,
         source: str = "artifact",
-    ):
+    ) -> None:
         self.manifest = manifest
         self.modules = dict(modules)
         self.source = source
@@ -76,13 +77,13 @@ class Artifact:
     def _check_at_call(self) -> frozenset[str]:
         return self._runner.check_at_call
 
-    def check_kernels_at_call(self, modules, cache_dir=DEFAULT) -> None:
+    def check_kernels_at_call(self, modules: Iterable[str], cache_dir: Any = DEFAULT) -> None:
         """Check ``modules``' kernel calls at each call's concrete shapes, before they compile (``load`` sets it)."""
         self._runner.check_at_call = frozenset(modules)
         self._runner.verdict_cache = cache_dir
 
     # -- placement -----------------------------------------------------------------------
-    def on_devices(self, devices) -> "Artifact":
+    def on_devices(self, devices: Iterable[Any]) -> "Artifact":
         """This artifact running on ``devices`` (exactly ``nr_devices`` of them, in mesh order).
 
         Pipeline stages use it to put each stage on its own device group. The
@@ -114,7 +115,7 @@ class Artifact:
         """The mesh a sharded artifact runs on (this host's first ``nr_devices`` devices by default); None when unsharded."""
         return self._placement.mesh
 
-    def place_arg(self, name: str | int, value):
+    def place_arg(self, name: str | int, value: Any) -> Any:
         """Argument ``name`` (or position) laid out as the artifact's forward takes it.
 
         On a sharded artifact each leaf goes to its recorded sharding on ``mesh``
@@ -123,7 +124,7 @@ class Artifact:
         """
         return self._placement.place_arg(name, value)
 
-    def place_cotangent(self, ct):
+    def place_cotangent(self, ct: Any) -> Any:
         """A cotangent of the output laid out as the backward takes it (see ``place_arg``)."""
         return self._placement.place_cotangent(ct)
 
@@ -141,13 +142,13 @@ class Artifact:
         """The artifact file's bytes (with its signature, if signed)."""
         return artifact_file.file_bytes(self.manifest, self.modules, self.signature)
 
-    def sign(self, key) -> str:
+    def sign(self, key: Any) -> str:
         """Sign the artifact (manifest and every module) with an Ed25519 private key or its file; return the key id."""
         self.signature = artifact_file.signature_of(self.manifest, self.modules, key)
         self.signer = signing.key_id(self.signature["key"])
         return self.signer
 
-    def save(self, path) -> None:
+    def save(self, path: str | os.PathLike) -> None:
         """Write the artifact to ``path`` (atomically: no partial file on failure)."""
         artifact_file.save_file(path, self.to_bytes())
 
@@ -162,27 +163,36 @@ class Artifact:
     def run_fwd_arrays(self, inputs: Mapping[str, Any], source: str = "inputs") -> tuple[dict, Residuals]:
         """Forward on flat-keyed inputs: ``({out/aux key: array}, residuals)``."""
         self._check_runnable()
+        arrays, dims = self._binding.inputs(inputs, source)
+        by_slot, res = self._forward(arrays, dims, (), source)
+        io = self._runner.signatures["fwd"]
+        return {leaf.key: v for slot in (OUT, AUX) for leaf, v in zip(io.output(slot), by_slot[slot])}, res
+
+    def _forward(
+        self, arrays: list, dims: dict[str, int], trees: ArgTrees, source: str
+    ) -> tuple[dict[str, list], Residuals]:
+        """Run the forward on checked input arrays (manifest order): its results by slot, and the residuals."""
         m = self.manifest
         io = self._runner.signatures["fwd"]
-        arrays, dims = self._binding.inputs(inputs, source)
-        arrays = self._placement.place(m.inputs, arrays)
+        if m.sharded:
+            arrays = self._placement.place(m.inputs, arrays)
         # Format 1 lowered the forward over one pytree per argument; 2 over the flat leaves.
         call_args = io.arguments({INPUTS: arrays}) if io.inputs is not None else self._args_tree(arrays)
-        result = self._runner.run("fwd", call_args, f"{source}: the forward refused these inputs", dims)
-        by_slot = io.results(result)
-        outputs = {leaf.key: v for slot in (OUT, AUX) for leaf, v in zip(io.output(slot), by_slot[slot])}
-        by_key = dict(zip((leaf.key for leaf in m.inputs), arrays))
-        res = Residuals(
-            {leaf.key: v for leaf, v in zip(io.output(STORED), by_slot[STORED])},
-            {k: by_key[k] for k in m.input_backed_keys},
-            dims=dims,
-            fingerprint=m.fingerprint,
-            arg_names=m.arg_names,
-            residuals_id=uuid.uuid4().hex,
-            bound_inputs=by_key,
+        by_slot = io.results(self._runner.run("fwd", call_args, f"{source}: the forward refused these inputs", dims))
+        binding = self._binding
+        by_key = FrozenDict(zip(binding.input_keys, arrays))
+        res = Residuals.of_forward(
+            FrozenDict(zip(binding.stored_keys, by_slot[STORED])),
+            FrozenDict([(k, by_key[k]) for k in binding.backed_keys]),
+            dims if type(dims) is FrozenDict else FrozenDict(dims),  # a seen signature's dims: frozen already
+            by_key,
+            m.fingerprint,
+            m.arg_names,
+            tuple(trees),
+            new_run_id(),
         )
-        self._binding.remember(res)
-        return outputs, res
+        binding.remember(res)
+        return by_slot, res
 
     def _args_tree(self, arrays: list) -> list:
         m = self.manifest
@@ -211,7 +221,7 @@ class Artifact:
         cts = self._binding.cotangents(cotangents, dims, ct_source)
         bound = {STORED: stored, INPUT_BACKED: inputs, COTANGENTS: cts}
         out = self._backward("bwd", bound, dims, f"{source}: the backward refused these residuals")
-        return {leaf.key: g for leaf, g in zip(self._runner.signatures["bwd"].output(GRADS), out[GRADS])}
+        return dict(zip(self._binding.grad_keys, out[GRADS]))
 
     # -- zero-bubble split backward ----------------------------------------------
     def run_bwd_input_arrays(
@@ -267,7 +277,7 @@ class Artifact:
         io = self._runner.signatures["bwd_weight"]
         return {g.key: v for g, v in zip(io.output(GRADS), out[GRADS])}
 
-    def bwd_input(self, res: Residuals, ct=None) -> tuple[dict, "Intermediates"]:
+    def bwd_input(self, res: Residuals, ct: Any = None) -> tuple[dict, "Intermediates"]:
         """Input part of the backward: ``({arg name: grad} for non-weight args, intermediates)``.
 
         The intermediates hold what the weight part reads (including its share of
@@ -290,28 +300,28 @@ class Artifact:
         grads = self.run_bwd_weight_arrays(res, inter)
         return grads_per_arg(self.manifest, grads, self.manifest.weights, inter.dims, getattr(inter, "arg_trees", ()))
 
-    def fwd(self, *args):
+    def fwd(self, *args: Any) -> tuple[Any, ...]:
         """Forward on pytree arguments: ``(out, res)``, or ``(out, res, aux)`` with has_aux."""
         m = self.manifest
         if len(args) != len(m.arg_names):
             raise VjpsplitError(
                 f"{self.source}: fwd takes {len(m.arg_names)} arguments ({', '.join(m.arg_names)}), got {len(args)}"
             )
-        flat, trees = flatten_args(m, args)
-        outputs, res = self.run_fwd_arrays(flat, source="args")
-        res = res.replace(arg_trees=trees)
-        values = wrap_keys(m.outputs, [outputs[leaf.key] for leaf in m.outputs])
-        by_key = dict(zip((leaf.key for leaf in m.outputs), values))
-        out = decode_structure(m.structure["out"], iter(by_key[k] for k in m.out_keys))
-        if m.has_aux:
-            aux = decode_structure(m.structure["aux"], iter(v for k, v in by_key.items() if k not in m.out_keys))
-            return out, res, aux
-        return out, res
+        arrays, dims, trees = self._binding.arguments(args, self._check_runnable)
+        by_slot, res = self._forward(arrays, dims, trees, "args")
+        io = self._runner.signatures["fwd"]
+        # ``out``'s leaves, then ``aux``'s, each in manifest order; typed keys wrapped back from their data.
+        outs: Sequence[Any] = by_slot[OUT]
+        auxs: Sequence[Any] = by_slot[AUX]
+        if self._binding.typed_outputs:
+            outs, auxs = wrap_keys(io.output(OUT), outs), wrap_keys(io.output(AUX), auxs)
+        out = decode_structure(m.structure["out"], iter(outs))
+        return (out, res, decode_structure(m.structure["aux"], iter(auxs))) if m.has_aux else (out, res)
 
-    def bwd(self, res: Residuals, ct=None):
+    def bwd(self, res: Residuals, ct: Any = None) -> Any:
         """Backward from residuals: gradients shaped like the ``wrt`` arguments (float0 for ints)."""
         m = self.manifest
         cts = None if ct is None else dict(flatten_with_keys("out", ct))
         grads = self.run_bwd_arrays(res, cts, source=getattr(res, "source", None) or "residuals", ct_source="cotangent")
         per_arg = grads_per_arg(self.manifest, grads, m.wrt, res.dims, res.arg_trees)
-        return per_arg[m.wrt[0]] if m.single_grad else tuple(per_arg[n] for n in m.wrt)
+        return per_arg[m.wrt[0]] if m.single_grad else tuple([per_arg[n] for n in m.wrt])

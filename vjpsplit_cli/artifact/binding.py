@@ -4,31 +4,39 @@
 dtypes, shapes, the dims they bind, and whose forward made them), and returns each
 module's arguments by slot of its signature (``trust.module_io``). It remembers the
 residuals its own artifact's forward made, so a backward on them unchanged skips the
-per-leaf checks.
+per-leaf checks, and every signature whose checks passed (module ``seen``), so a call
+like one before skips them too; which artifact, forward run and microbatch made the
+residuals is checked on every call.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+import weakref
+from typing import Any, Callable, Mapping, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..errors import VjpsplitError
 from ..files import keys
 from ..files.dtypes import dtype_from_name
-from ..files.prng import from_data
-from ..tracing.residuals import Intermediates, Residuals, SplitResiduals
+from ..files.prng import from_data, is_key, to_data
+from ..files.trees import ArgTrees
+from ..tracing.residuals import FrozenDict, Intermediates, Residuals, SplitResiduals
 from ..trust.module_io import INPUT_BACKED, INTERMEDIATES, STORED, input_backed_leaves, module_io
-from .arguments import check_array, check_keys, recorded_dims
+from .arguments import check_array, check_keys, flatten_args, recorded_dims
 from .manifest import Manifest
+from .seen import Seen, dims_signature, leaves_signature, mapping_signature, mutable_signature, residuals_signature
 
-_MADE_KEPT = 256  # residuals ids remembered (ids and signatures only, never arrays: bounded, keeps no memory alive)
+_MADE_KEPT = 256  # residuals ids remembered (weak references and signatures, never arrays: keeps no memory alive)
 
 
-def wrap_keys(leaves: Sequence[Any], values: Sequence) -> list:
-    """Typed PRNG keys back from their key data, where the manifest's ``leaves`` say so."""
+def wrap_keys(leaves: Sequence[Any], values: Sequence) -> Sequence:
+    """Typed PRNG keys back from their key data, where the manifest's ``leaves`` say so (else ``values`` itself)."""
+    if not any(leaf.prng_impl for leaf in leaves):
+        return values
     return [from_data(jnp.asarray(v), leaf.prng_impl) if leaf.prng_impl else v for leaf, v in zip(leaves, values)]
 
 
@@ -40,28 +48,103 @@ def _as_input(leaf: Any) -> Any:
 class Binding:
     """Checks of a module's arguments against one artifact's manifest (``source`` names the artifact)."""
 
-    def __init__(self, manifest: Manifest, source: str):
+    def __init__(self, manifest: Manifest, source: str) -> None:
         self.manifest = manifest
         self.source = source
-        self._made: dict[str, tuple] = {}  # residuals_id -> signature, of residuals this artifact's fwd made
+        self._made = Seen(_MADE_KEPT)  # residuals_id -> (weak reference, mutable inputs), of this fwd's residuals
+        self._seen = Seen()  # signatures whose checks passed -> what they worked out
+        # The manifest's keys in order, read on every call.
+        self.input_keys = tuple(leaf.key for leaf in manifest.inputs)
+        self.stored_keys = tuple(r.key for r in manifest.stored_residuals)
+        self.backed_keys = manifest.input_backed_keys  # input keys of the input-backed residuals
+        self.grad_keys = tuple(g.key for g in manifest.grads)  # what ``bwd`` returns, in order
+        self.typed_outputs = any(leaf.prng_impl for leaf in manifest.outputs)  # some output is a typed key
+        self._weight_leaves: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
+        self._unit: np.ndarray | None = None  # the cotangent 1 of a scalar output
 
     # -- inputs and residuals ------------------------------------------------------------
+    def arguments(
+        self, args: Sequence, runnable: Callable[[], None], source: str = "args"
+    ) -> tuple[list, dict[str, int], ArgTrees]:
+        """``fwd``'s argument pytrees checked: the arrays in manifest order, the dims, the arguments' trees.
+
+        ``runnable`` refuses a host that cannot run the artifact; it is called after the
+        arguments are flattened and before their arrays are checked, the order in which
+        their errors have always come. A signature (tree structure, leaf types, shapes,
+        dtypes) seen before skips the key paths and checks: its leaves are taken in the
+        order worked out then, typed keys made key data.
+        """
+        try:
+            leaves, treedef = jax.tree_util.tree_flatten(tuple(args))
+        except (TypeError, ValueError):  # flatten_args says why, naming the argument
+            leaves, treedef = [], None
+        sig = leaves_signature(leaves) if treedef is not None else None
+        key = None if sig is None else ("args", treedef, sig)
+        plan = self._seen.get(key)
+        if plan is not None:
+            runnable()
+            order, keyed, dims, trees = plan
+            if order is None:  # the leaves as they are, in order: the common case
+                return leaves, dims, trees
+            return [to_data(leaves[i]) if i in keyed else leaves[i] for i in order], dims, trees
+        flat, trees = flatten_args(self.manifest, args, source)
+        runnable()
+        arrays, dims = self._check_inputs(flat, source)
+        if key is not None:
+            self._seen.add(key, self._arguments_plan(leaves, flat, arrays, dims, trees))
+        return arrays, dims, trees
+
+    def _arguments_plan(self, leaves: list, flat: dict, arrays: list, dims: dict, trees: ArgTrees) -> tuple | None:
+        """How ``arguments`` takes a seen signature's leaves; None where the checks changed an array."""
+        if len(flat) != len(leaves) or any(a is not flat[k] for a, k in zip(arrays, self.input_keys)):
+            return None
+        keyed = []
+        for i, value in enumerate(flat.values()):
+            if value is not leaves[i]:
+                if not is_key(leaves[i]):
+                    return None
+                keyed.append(i)  # a typed key, passed as its key data
+        position = {k: i for i, k in enumerate(flat)}
+        order: tuple[int, ...] | None = tuple(position[k] for k in self.input_keys)
+        if not keyed and order == tuple(range(len(leaves))):
+            order = None
+        return order, frozenset(keyed), FrozenDict(dims), tuple(trees)
+
     def inputs(self, inputs: Mapping[str, Any], source: str = "inputs") -> tuple[list, dict[str, int]]:
         """Check ``inputs`` (flat keys) against the manifest; return the arrays in order and the dims."""
+        sig = mapping_signature(inputs)
+        key = None if sig is None else ("inputs", sig)
+        dims = self._seen.get(key)
+        if dims is not None:
+            return [inputs[k] for k in self.input_keys], dict(dims)
+        arrays, bound = self._check_inputs(inputs, source)
+        if key is not None and all(a is inputs[k] for a, k in zip(arrays, self.input_keys)):
+            self._seen.add(key, tuple(bound.items()))
+        return arrays, bound
+
+    def _check_inputs(self, inputs: Mapping[str, Any], source: str) -> tuple[list, dict[str, int]]:
         m = self.manifest
-        check_keys(source, "input", [leaf.key for leaf in m.inputs], inputs)
+        check_keys(source, "input", list(self.input_keys), inputs)
         dims: dict[str, int] = {}
         arrays = [check_array(source, "input", leaf, inputs[leaf.key], dims) for leaf in m.inputs]
         return arrays, dims
 
     def remember(self, res: Residuals) -> None:
-        """Note residuals this artifact's forward just made: a backward on them unchanged skips the checks."""
-        signature = res.signature()
-        if signature is None:
-            return
-        if len(self._made) >= _MADE_KEPT:
-            self._made.pop(next(iter(self._made)))
-        self._made[res.residuals_id] = signature  # residuals are immutable: this stays true
+        """Note residuals this artifact's forward just made: a backward on them unchanged skips the checks.
+
+        Unchanged means the very object (residuals are immutable: ``replace`` makes
+        another) and, for input arrays that can change in place (a NumPy array's shape
+        and dtype can be set), the same keys, types, shapes and dtypes. A weak
+        reference: the residuals are freed when the caller drops them.
+        """
+        mutable = mutable_signature(res.inputs)
+        if mutable is not None:
+            self._made.add(res.residuals_id, (weakref.ref(res), mutable))
+
+    def _made_here(self, res: Residuals) -> bool:
+        """Whether ``res`` is residuals this artifact's forward made, unchanged since (``remember``)."""
+        made = self._made.get(res.residuals_id)
+        return made is not None and made[0]() is res and mutable_signature(res.inputs) == made[1]
 
     def _check_origin(self, res: Any, source: str) -> None:
         m = self.manifest
@@ -82,16 +165,30 @@ class Binding:
         """Validate residuals against this artifact; return stored, input-backed arrays and dims."""
         m = self.manifest
         self._check_origin(res, source)
-        made = self._made.get(res.residuals_id)
-        if made is not None and made == res.signature():
-            # Exactly what this artifact's fwd returned (keys, shapes, dtypes, dims): already checked.
+        if self._made_here(res):
+            # Exactly what this artifact's fwd returned, in its order (keys, shapes, dtypes, dims): checked then.
+            return list(res.stored.values()), list(res.inputs.values()), res.dims
+        sig = residuals_signature(res.stored, res.inputs, res.dims)
+        key = None if sig is None else ("residuals", sig)
+        if self._seen.get(key) is not None:
             return (
-                list(res.stored.values()),
-                [res.inputs[k] for k in m.input_backed_keys],
+                [res.stored[k] for k in self.stored_keys],
+                [res.inputs[k] for k in self.backed_keys],
                 {n: res.dims[n] for n in m.dim_vars},
             )
+        stored, inputs, dims = self._check_residuals(res, source)
+        if (
+            key is not None
+            and all(a is res.stored[k] for a, k in zip(stored, self.stored_keys))
+            and all(a is res.inputs[k] for a, k in zip(inputs, self.backed_keys))
+        ):
+            self._seen.add(key, True)
+        return stored, inputs, dims
+
+    def _check_residuals(self, res: Residuals, source: str) -> tuple[list, list, dict[str, int]]:
+        m = self.manifest
         dims = recorded_dims(m, res.dims, source, "residuals", "rerun the forward")
-        check_keys(source, "residual", [r.key for r in m.stored_residuals], res.stored)
+        check_keys(source, "residual", list(self.stored_keys), res.stored)
         stored = [
             check_array(source, "residual", leaf, res.stored[leaf.key], dict(dims)) for leaf in m.stored_residuals
         ]
@@ -118,9 +215,20 @@ class Binding:
                     f"{self.source}: the output is not a single floating-point scalar, so cotangents are required; "
                     f"pass --cotangents FILE with keys {', '.join(m.out_keys)}"
                 )
-            return [np.ones((), dtype_from_name(ct_leaves[0].dtype))]
+            if self._unit is None:
+                unit = np.ones((), dtype_from_name(ct_leaves[0].dtype))
+                unit.flags.writeable = False  # one for every call: it never leaves the module's arguments
+                self._unit = unit
+            return [self._unit]
+        sig = mapping_signature(cotangents)
+        key = None if sig is None else ("cotangents", sig, dims_signature(dims))
+        if self._seen.get(key) is not None:
+            return [cotangents[leaf.key] for leaf in ct_leaves]
         check_keys(ct_source, "cotangent", list(m.out_keys), cotangents)
-        return [check_array(ct_source, "cotangent", leaf, cotangents[leaf.key], dict(dims)) for leaf in ct_leaves]
+        cts = [check_array(ct_source, "cotangent", leaf, cotangents[leaf.key], dict(dims)) for leaf in ct_leaves]
+        if key is not None and all(a is cotangents[leaf.key] for a, leaf in zip(cts, ct_leaves)):
+            self._seen.add(key, True)
+        return cts
 
     # -- the split backward's weight part ------------------------------------------------------
     def require_split(self) -> None:
@@ -164,24 +272,59 @@ class Binding:
                     "(another forward run or microbatch); pass the pair from one microbatch"
                 )
             from_res = res_stored, res_inputs
+        values, carried, dims = self._intermediates(inter, inter_source)
+        if carried is None:  # formats <= 2: W reads every residual, checked above
+            assert from_res is not None  # refused above when missing
+            carried = from_res
+        return {STORED: carried[0], INPUT_BACKED: carried[1], INTERMEDIATES: values}, dims
+
+    def _intermediates(
+        self, inter: Intermediates, inter_source: str
+    ) -> tuple[list, tuple[list, list] | None, dict[str, int]]:
+        """The intermediates checked, the residuals they carry (format >= 3; else None), and the dims."""
+        m = self.manifest
+        sig = residuals_signature(inter.stored, inter.inputs, inter.dims, inter.arrays)
+        key = None if sig is None else ("intermediates", sig)
+        if self._seen.get(key) is not None:
+            carried = None
+            if m.weight_reads_subset:
+                stored_leaves, backed_leaves = self._weight_part_leaves()
+                carried = (
+                    [inter.stored[leaf.key] for leaf in stored_leaves],
+                    [inter.inputs[keys.input_of(leaf.key)] for leaf in backed_leaves],
+                )
+            values = [inter.arrays[leaf.key] for leaf in m.intermediates]
+            return values, carried, {n: inter.dims[n] for n in m.dim_vars}
         dims = recorded_dims(m, inter.dims, inter_source, "intermediates", "rerun run-bwd --part input")
         check_keys(inter_source, "intermediate", [leaf.key for leaf in m.intermediates], inter.arrays)
         values = [
             check_array(inter_source, "intermediate", leaf, inter.arrays[leaf.key], dict(dims))
             for leaf in m.intermediates
         ]
-        if m.weight_reads_subset:
-            w_stored, w_inputs = self._carried_residuals(inter, inter_source, dims)
-        else:  # formats <= 2: W reads every residual, checked above
-            assert from_res is not None  # refused above when missing
-            w_stored, w_inputs = from_res
-        return {STORED: w_stored, INPUT_BACKED: w_inputs, INTERMEDIATES: values}, dims
+        carried = self._carried_residuals(inter, inter_source, dims) if m.weight_reads_subset else None
+        unchanged = all(a is inter.arrays[leaf.key] for a, leaf in zip(values, m.intermediates))
+        if carried is not None:
+            stored_leaves, backed_leaves = self._weight_part_leaves()
+            unchanged = (
+                unchanged
+                and all(a is inter.stored[leaf.key] for a, leaf in zip(carried[0], stored_leaves))
+                and all(a is inter.inputs[keys.input_of(leaf.key)] for a, leaf in zip(carried[1], backed_leaves))
+            )
+        if key is not None and unchanged:
+            self._seen.add(key, True)
+        return values, carried, dims
+
+    def _weight_part_leaves(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """The stored and input-backed residual leaves ``bwd_weight`` takes, in order."""
+        if self._weight_leaves is None:
+            io = module_io(self.manifest, "bwd_weight")
+            assert io is not None
+            self._weight_leaves = io.input(STORED), io.input(INPUT_BACKED)
+        return self._weight_leaves
 
     def _carried_residuals(self, inter: Intermediates, inter_source: str, dims: dict[str, int]) -> tuple[list, list]:
         """The residuals the weight part reads, from the intermediates that carry them (format >= 3)."""
-        io = module_io(self.manifest, "bwd_weight")
-        assert io is not None
-        stored_leaves, backed_leaves = io.input(STORED), io.input(INPUT_BACKED)
+        stored_leaves, backed_leaves = self._weight_part_leaves()
         check_keys(inter_source, "residual", [leaf.key for leaf in stored_leaves], inter.stored)
         w_stored = [
             check_array(inter_source, "residual", leaf, inter.stored[leaf.key], dict(dims)) for leaf in stored_leaves

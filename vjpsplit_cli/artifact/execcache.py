@@ -33,10 +33,10 @@ _MAGIC = b"VJPSPLIT-EXEC-1\n"
 _MAX_ENTRY = 1 << 30  # an executable is MiBs; anything bigger is not ours
 
 
-def _encode_tree(treedef) -> Any:
+def _encode_tree(treedef: Any) -> Any:
     """A treedef of tuples, lists, str-keyed dicts and None as JSON; raises ValueError otherwise."""
 
-    def enc(x):
+    def enc(x: Any) -> Any:
         if x is None:
             return {"n": 0}
         if type(x) is tuple:
@@ -52,8 +52,8 @@ def _encode_tree(treedef) -> Any:
     return enc(jax.tree_util.tree_unflatten(treedef, [_LEAF] * treedef.num_leaves))
 
 
-def _decode_tree(data: Any):
-    def dec(x):
+def _decode_tree(data: Any) -> Any:
+    def dec(x: Any) -> Any:
         if x == 0:
             return _LEAF
         ((kind, v),) = x.items()
@@ -141,7 +141,7 @@ def _write(directory: str, name: str, header: dict, payload: bytes) -> None:
         raise
 
 
-def compiled_call(jitted, args: Sequence, parts: Sequence[str], directory: str) -> Callable:
+def compiled_call(jitted: Any, args: Sequence, parts: Sequence[str], directory: str) -> Callable:
     """``jitted``'s compiled program for ``args``, from ``directory`` if cached there, else compiled and saved.
 
     Errors of lowering or compiling (a refused shape) propagate as from calling
@@ -185,10 +185,10 @@ def compiled_call(jitted, args: Sequence, parts: Sequence[str], directory: str) 
     return compiled
 
 
-def _guarded(loaded, jitted, path: str) -> Callable:
+def _guarded(loaded: Callable, jitted: Callable, path: str) -> Callable:
     """``loaded``, but if running it fails (an entry the checks could not catch), drop the entry and use ``jitted``."""
 
-    def call(*args):
+    def call(*args: Any) -> Any:
         try:
             # Blocking here makes an execution failure of a bad entry surface now, not at a later read.
             return jax.block_until_ready(loaded(*args))

@@ -19,7 +19,7 @@ from ..tracing.traced import TracedVjp
 from ..tracing.vjp import Plan
 
 
-def _impls(leaves) -> list[str]:
+def _impls(leaves: Sequence[Any]) -> list[str]:
     return [impl_name(x) if is_key(x) else "" for x in leaves]
 
 
@@ -31,7 +31,7 @@ class FlatForward:
     ``plan``, ``out``, ``aux`` and the PRNG impls of its outputs from here.
     """
 
-    def __init__(self, traced: TracedVjp, in_tree, in_impls: Sequence[str]):
+    def __init__(self, traced: TracedVjp, in_tree: Any, in_impls: Sequence[str]) -> None:
         self.traced, self.in_tree, self.in_impls = traced, in_tree, list(in_impls)
         self.out: Any = None
         self.aux: Any = None
@@ -44,7 +44,7 @@ class FlatForward:
         """The plan of the last trace."""
         return self.traced.plan
 
-    def __call__(self, *leaves):
+    def __call__(self, *leaves: Any) -> tuple[tuple, tuple, tuple]:
         args = jax.tree_util.tree_unflatten(self.in_tree, [from_data(x, i) for x, i in zip(leaves, self.in_impls)])
         out, stored, aux = self.traced.forward(*args)
         out_leaves, aux_leaves = jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(aux)
@@ -60,7 +60,7 @@ class FlatForward:
         """The backward of the last trace over flat leaves: ``(stored, input-backed, cts, carrier) -> grads``."""
         replay, stored_impls = TracedVjp.of_plan(self.plan), self.stored_impls
 
-        def bwd_flat(stored, inputs_, cts, carrier_):
+        def bwd_flat(stored: Sequence[Any], inputs_: Sequence[Any], cts: Sequence[Any], carrier_: Any) -> Any:
             # carrier_ is a zero-size array whose dims are the symbolic dims: it makes
             # them solvable even when no other backward input mentions them.
             del carrier_
@@ -71,7 +71,7 @@ class FlatForward:
         return bwd_flat
 
 
-def dims_carrier(dim_vars: Sequence[str], flat_structs) -> jax.ShapeDtypeStruct | None:
+def dims_carrier(dim_vars: Sequence[str], flat_structs: Sequence[Any]) -> jax.ShapeDtypeStruct | None:
     """A zero-size bool array whose dims are the symbolic dims (None without any)."""
     if not dim_vars:
         return None

@@ -8,11 +8,14 @@ values no spec fixes; ``platforms_of`` checks the ``--platforms`` list and
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
 from jax import export as jexport
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+if TYPE_CHECKING:
+    from jax.sharding import AbstractMesh
 
 from ..errors import VjpsplitError, first_line, jax_message
 from ..files.shapes import concrete_shape, dim_str
@@ -26,12 +29,12 @@ KNOWN_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 _CALLBACK_PRIMITIVES = ("debug_callback", "debug_print", "pure_callback", "io_callback", "callback")
 
 
-def _host_callbacks(jaxpr) -> list[str]:
+def _host_callbacks(jaxpr: Any) -> list[str]:
     """Names of host-callback primitives anywhere in ``jaxpr`` (sub-jaxprs included)."""
     return [e.primitive.name for e in iter_eqns(jaxpr) if e.primitive.name in _CALLBACK_PRIMITIVES]
 
 
-def refuse_host_callbacks(fn: Callable, structs) -> None:
+def refuse_host_callbacks(fn: Callable, structs: Sequence[Any]) -> None:
     """jax.export cannot serialize host callbacks: say so before lowering fails obscurely."""
     try:
         jaxpr = jax.make_jaxpr(fn)(*structs)
@@ -46,7 +49,9 @@ def refuse_host_callbacks(fn: Callable, structs) -> None:
         )
 
 
-def lower(what: str, fn: Callable, platforms: tuple[str, ...], args: Sequence, shardings=None):
+def lower(
+    what: str, fn: Callable, platforms: tuple[str, ...], args: Sequence, shardings: tuple[Any, Any] | None = None
+) -> jexport.Exported:
     """``jax.export`` with errors that say what went wrong and, if one platform failed, which.
 
     ``shardings`` is ``(in_shardings, out_shardings)`` for a sharded artifact.
@@ -82,7 +87,7 @@ class Sharded:
     backward takes residuals as the forward leaves them.
     """
 
-    def __init__(self, mesh, dim_vars: Sequence[str], at):
+    def __init__(self, mesh: Mesh | AbstractMesh, dim_vars: Sequence[str], at: Any) -> None:
         self.mesh = mesh
         self.axes = mesh_axes(mesh)
         self.nr_devices = int(mesh.devices.size)
@@ -91,13 +96,13 @@ class Sharded:
         d = jax.devices()[0]
         self.platform = "cuda" if d.platform == "gpu" else d.platform
 
-    def shardings(self, specs):
+    def shardings(self, specs: Any) -> Any:
         """NamedShardings for a pytree of PartitionSpecs (``None``, unspecified, stays None)."""
         return jax.tree_util.tree_map(
             lambda sp: None if sp is None else NamedSharding(self.mesh, sp), specs, is_leaf=is_spec
         )
 
-    def probe(self, what: str, fn: Callable, args, in_specs, out_specs) -> list:
+    def probe(self, what: str, fn: Callable, args: Sequence[Any], in_specs: Any, out_specs: Any) -> list:
         """The spec of every output of ``fn``: ``out_specs``'s where given, XLA's choice where None."""
         exp = lower(what, fn, (self.platform,), args, (self.shardings(in_specs), self.shardings(out_specs)))
         flat_args = jax.tree_util.tree_leaves(args)
@@ -119,12 +124,12 @@ class Sharded:
         ]
 
 
-def is_spec(x) -> bool:
+def is_spec(x: Any) -> bool:
     """A PartitionSpec, or None (a value no spec fixes): the leaves of a specs pytree."""
     return x is None or isinstance(x, PartitionSpec)
 
 
-def format_struct(a) -> str:
+def format_struct(a: Any) -> str:
     """``f32[b,4]``: an array or struct's dtype and (symbolic) shape, for messages."""
     return f"{a.dtype}[{','.join(str(d) for d in a.shape)}]"
 

@@ -7,6 +7,9 @@ module (module ``trust.checks``) before anything compiles.
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import jax
 import msgpack
 from jax import export as jexport
@@ -20,7 +23,9 @@ from .artifact_file import pack, unreadable_module
 from .manifest import MAGIC, MODULES, Manifest, fingerprint
 
 
-def load(path, *, trust=None, allow_kernels: bool = False, cache_dir: str | None = DEFAULT) -> Artifact:
+def load(
+    path: str | os.PathLike, *, trust: Any = None, allow_kernels: bool = False, cache_dir: str | None = DEFAULT
+) -> Artifact:
     """Read an artifact file, checking its magic, format version, fingerprint, signature and modules.
 
     ``trust``: trusted Ed25519 public keys (paths to ``KEY.pub`` or raw bytes; also
@@ -39,7 +44,7 @@ def loads(
     data: bytes,
     source: str = "artifact",
     *,
-    trust=None,
+    trust: Any = None,
     allow_kernels: bool = False,
     cache_dir: str | None = DEFAULT,
 ) -> Artifact:
@@ -94,7 +99,7 @@ def _check_calling_convention(manifest: Manifest, source: str) -> None:
         )
 
 
-def _loads(data: bytes, source: str, trust, allow_kernels: bool, cache_dir: str | None) -> Artifact:
+def _loads(data: bytes, source: str, trust: Any, allow_kernels: bool, cache_dir: str | None) -> Artifact:
     trusted = signing.trusted_keys(trust)
     top, body = _read_top(data, source)
     signature = top.get(signing.SIGNATURE)

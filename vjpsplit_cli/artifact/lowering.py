@@ -40,7 +40,10 @@ DEFAULT_PLATFORMS = ("cpu", "cuda", "tpu")
 
 
 def _leaves_json_safe(
-    entries, what: str = "leaf", impls: Sequence[str] | None = None, specs: Sequence | None = None
+    entries: Sequence[tuple[str, Any]],
+    what: str = "leaf",
+    impls: Sequence[str] | None = None,
+    specs: Sequence | None = None,
 ) -> tuple[Leaf, ...]:
     """Manifest leaves for ``(key, struct)`` pairs; typed keys become their key data.
 
@@ -68,7 +71,7 @@ def _leaves_json_safe(
     return tuple(out)
 
 
-def _spec_structs(name: str, spec) -> Any:
+def _spec_structs(name: str, spec: Any) -> Any:
     """``spec`` with every leaf a ShapeDtypeStruct; a bad leaf is refused by its file key."""
     entries = flatten_with_keys(name, spec)
     leaves, treedef = jax.tree_util.tree_flatten(spec)
@@ -101,7 +104,7 @@ def _dim_vars(inputs: Sequence[Leaf]) -> tuple[str, ...]:
     return tuple(plain)
 
 
-def _input_specs(sh: Sharded, inputs: Sequence[Leaf], flat_structs, data_structs) -> list:
+def _input_specs(sh: Sharded, inputs: Sequence[Leaf], flat_structs: Sequence[Any], data_structs: Sequence[Any]) -> list:
     """Each input's PartitionSpec (replicated where the spec has none), refusing splits that do not divide."""
     specs = [st.sharding.spec if st.sharding is not None else PartitionSpec() for st in flat_structs]
     sizes = dict(sh.axes)
@@ -157,8 +160,8 @@ class _Export:
 
 def export(
     fn: Callable,
-    *specs,
-    wrt=None,
+    *specs: Any,
+    wrt: int | str | Sequence[int | str] | None = None,
     has_aux: bool = False,
     platforms: Sequence[str] | str = DEFAULT_PLATFORMS,
     policy: str | None = None,

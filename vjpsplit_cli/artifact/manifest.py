@@ -8,6 +8,7 @@ the caller's arrays to it at run time is module ``arguments``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -296,11 +297,11 @@ class Manifest:
         """The gradient leaves of the arguments ``names``, in manifest order."""
         return tuple(g for g in self.grads if keys.arg_of(g.key) in names)
 
-    @property
+    @functools.cached_property  # read on every call: the manifest is frozen
     def non_weight_wrt(self) -> tuple[str, ...]:
         return tuple(n for n in self.wrt if n not in self.weights)
 
-    @property
+    @functools.cached_property  # read on every call: the manifest is frozen
     def stored_residuals(self) -> tuple[Leaf, ...]:
         return tuple(r for r in self.residuals if not r.input_backed)
 
@@ -309,16 +310,16 @@ class Manifest:
         """Whether ``bwd_weight`` takes only its own residuals (format >= 3) rather than all of them."""
         return bool(self.weights) and self.format_version >= 3
 
-    @property
+    @functools.cached_property  # read on every call: the manifest is frozen
     def input_backed_keys(self) -> tuple[str, ...]:
         """Input keys the backward reads directly (``in/x`` residuals name input ``x``)."""
         return tuple(keys.input_of(r.key) for r in self.residuals if r.input_backed)
 
-    @property
+    @functools.cached_property  # read on every call: the manifest is frozen
     def out_keys(self) -> tuple[str, ...]:
         return tuple(o.key for o in self.outputs if o.key == "out" or o.key.startswith("out/"))
 
-    @property
+    @functools.cached_property  # read on every call: the manifest is frozen
     def cotangent_leaves(self) -> tuple[Leaf, ...]:
         """Outputs that take a cotangent: the floating leaves of ``out``."""
         return tuple(

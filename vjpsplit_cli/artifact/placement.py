@@ -22,14 +22,18 @@ from .manifest import Manifest
 from .sharding import host_mesh, named, place
 
 
+_CARRIERS_KEPT = 64
+
+
 class Placement:
     """An artifact's device group and mesh, and its arrays laid out on them."""
 
-    def __init__(self, manifest: Manifest, source: str, devices: tuple | None = None):
+    def __init__(self, manifest: Manifest, source: str, devices: tuple | None = None) -> None:
         self.manifest = manifest
         self.source = source
         self.devices = devices  # a sharded artifact's device group; None: this host's first devices
         self._mesh: Mesh | None = None if devices is None else host_mesh(manifest.mesh, devices, source)
+        self._carriers: dict[tuple[int, ...], Any] = {}  # carrier arrays by shape
 
     @property
     def mesh(self) -> Mesh | None:
@@ -77,17 +81,27 @@ class Placement:
         m = self.manifest
         if not m.dim_vars:
             return None
-        carrier = np.zeros((0, *(dims[n] for n in m.dim_vars)), np.bool_)
+        shape = (0, *(dims[n] for n in m.dim_vars))
+        # Kept by shape only for int dims: 5.0 == 5 as a key, but numpy refuses a float dim.
+        kept = all(type(d) is int for d in shape)
+        carrier = self._carriers.get(shape) if kept else None
+        if carrier is None:
+            carrier = np.zeros(shape, np.bool_)
+            carrier.flags.writeable = False  # holds no element; shared by the calls at these dims
+            if kept:
+                if len(self._carriers) >= _CARRIERS_KEPT:
+                    self._carriers.clear()
+                self._carriers[shape] = carrier
+        # Placed per call: under a caller's jit (the pipeline's) device_put gives a tracer, never kept.
         return carrier if self.mesh is None else jax.device_put(carrier, named(self.mesh, ()))
 
     def arguments(self, io: ModuleIO, bound: Mapping[str, Sequence], dims: Mapping[str, int]) -> dict[str, Any]:
         """A backward module's arguments by slot: ``bound``'s arrays placed, and the carrier for ``dims``."""
         inputs = io.inputs or ()
-        out: dict[str, Any] = {}
-        for slot in inputs:
-            if slot.name != CARRIER:
-                out[slot.name] = (
-                    self.place(slot.leaves, bound[slot.name]) if self.manifest.sharded else bound[slot.name]
-                )
+        out: dict[str, Any]
+        if self.manifest.sharded:
+            out = {s.name: self.place(s.leaves, bound[s.name]) for s in inputs if s.name != CARRIER}
+        else:
+            out = {s.name: bound[s.name] for s in inputs if s.name != CARRIER}
         out[CARRIER] = self.carrier(dims)
         return out

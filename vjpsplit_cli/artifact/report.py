@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from ..files.sizes import byte_terms, evaluate_terms, format_bytes_terms, human_bytes, total_bytes
 from ..terminal import printable
+from ..tracing.policies import PolicyCost
 from .artifact import Artifact
-from .manifest import Leaf
+from .manifest import Leaf, Manifest
 from .sharding import format_spec
 
 
-def weight_part_bytes(m) -> dict[str, dict[str, int]]:
+def weight_part_bytes(m: Manifest) -> dict[str, dict[str, int]]:
     """What a stage holds per microbatch between B and W, as byte terms of the symbolic dims.
 
     ``intermediates``: what bwd_input hands over (for a scan, its per-iteration stacks);
@@ -33,7 +34,7 @@ def describe(art: Artifact, at: Mapping[str, int] | None = None) -> dict:
     stored = total_bytes(m.stored_residuals)
     extra = {"at": dict(at), "stored_residual_bytes_at": evaluate_terms(stored, at)} if at else {}
 
-    def leaves(items, residual=False):
+    def leaves(items: Sequence[Leaf], residual: bool = False) -> list[dict]:
         # A sharded artifact's leaves say their sharding (a PartitionSpec as a list, null where
         # unspecified); an unsharded one's keep the plain {key, dtype, shape} entries.
         if not m.sharded:
@@ -91,7 +92,7 @@ def _rows(title: str, leaves: Sequence[Leaf], residual: bool = False, sharded: b
     return lines
 
 
-def _wrt(m) -> str:
+def _wrt(m: Manifest) -> str:
     """The differentiated arguments; integer and bool ones get no gradient, so they are listed apart."""
 
     def has_grad(name: str) -> bool:
@@ -154,7 +155,7 @@ def format_table(art: Artifact, at: Mapping[str, int] | None = None) -> str:
     return "\n".join(printable(line) for line in lines)
 
 
-def _held_line(m) -> str:
+def _held_line(m: Manifest) -> str:
     held = {k: format_bytes_terms(v) for k, v in weight_part_bytes(m).items()}
     return (
         f"  held between B and W per microbatch: {held['total']} "
@@ -165,7 +166,7 @@ def _held_line(m) -> str:
 __all__ = ["describe", "format_table", "format_plan", "weight_part_bytes"]
 
 
-def format_plan(costs, at: Mapping[str, int] | None = None) -> str:
+def format_plan(costs: Iterable[PolicyCost], at: Mapping[str, int] | None = None) -> str:
     """The ``plan`` table: per policy, stored residual bytes and the backward's recompute."""
     head = f"{'policy':<12} {'stored arrays':>13} {'stored bytes':>22} {'bwd ops':>8} {'bwd dots':>8} {'bwd GFLOP':>10}"
     lines = [head, "-" * len(head)]

@@ -19,6 +19,7 @@ from ..files.shapes import format_shape
 from ..tracing.residuals import Intermediates, Residuals, SplitResiduals
 from ..tracing.vjp import plan_for_token
 from .arguments import flatten_args
+from .artifact import Artifact
 from .residual_meta import (
     KIND_ARTIFACT,
     KIND_INTERMEDIATES,
@@ -35,6 +36,10 @@ from .residual_meta import (
 )
 
 __all__ = ["input_crc32", "load_intermediates", "load_residuals", "save_intermediates", "save_residuals"]
+
+
+# The forward's arguments (a tuple of pytrees) or a flat ``{key: array}`` mapping; None: not given.
+Inputs = Sequence[Any] | Mapping[str, Any] | None
 
 
 def save_intermediates(
@@ -76,7 +81,12 @@ def save_intermediates(
 
 
 def load_intermediates(
-    path: str | os.PathLike, inputs=None, *, artifact=None, inputs_source: str | None = None, verify: bool = True
+    path: str | os.PathLike,
+    inputs: Inputs = None,
+    *,
+    artifact: Artifact | None = None,
+    inputs_source: str | None = None,
+    verify: bool = True,
 ) -> Intermediates:
     """Read intermediates written by ``save_intermediates`` (or ``run-bwd --part input``).
 
@@ -113,7 +123,9 @@ def load_intermediates(
     return Intermediates(computed, dims, fingerprint, meta.get("residuals_id", "") if verify else "", stored, given)
 
 
-def save_residuals(path: str | os.PathLike, res, *, self_contained: bool = False, fsync: bool = False) -> None:
+def save_residuals(
+    path: str | os.PathLike, res: Residuals, *, self_contained: bool = False, fsync: bool = False
+) -> None:
     """Write residuals (from ``Artifact.fwd`` or ``split``'s ``fwd``) to ``.npz``/``.msgpack``.
 
     Input-backed residuals are left out unless ``self_contained``: the file records
@@ -154,8 +166,13 @@ def save_residuals(path: str | os.PathLike, res, *, self_contained: bool = False
 
 
 def load_residuals(
-    path: str | os.PathLike, inputs=None, *, artifact=None, inputs_source: str | None = None, verify: bool = True
-):
+    path: str | os.PathLike,
+    inputs: Inputs = None,
+    *,
+    artifact: Artifact | None = None,
+    inputs_source: str | None = None,
+    verify: bool = True,
+) -> Residuals:
     """Read a residuals file; ``inputs`` supplies the input-backed residuals it left out.
 
     ``inputs`` is the forward's arguments tuple, or a flat ``{key: array}`` mapping
@@ -197,7 +214,14 @@ def load_residuals(
     )
 
 
-def _load_artifact_residuals(path, arrays, meta, needs, inputs, artifact) -> tuple[Residuals, Mapping[str, Any]]:
+def _load_artifact_residuals(
+    path: str | os.PathLike,
+    arrays: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    needs: Sequence[str],
+    inputs: Inputs,
+    artifact: Artifact | None,
+) -> tuple[Residuals, Mapping[str, Any]]:
     """The residuals, and the given inputs as flat ``{key: array}`` (empty when none were given)."""
     fingerprint, dims, arg_names = meta["fingerprint"], meta["dims"], meta["arg_names"]
     stored = {k: v for k, v in arrays.items() if not keys.is_input_backed(k)}
@@ -223,7 +247,15 @@ def _load_artifact_residuals(path, arrays, meta, needs, inputs, artifact) -> tup
     return res, flat
 
 
-def _left_out_inputs(path, what: str, loader: str, needs, inputs, arg_names, artifact):
+def _left_out_inputs(
+    path: str | os.PathLike,
+    what: str,
+    loader: str,
+    needs: Sequence[str],
+    inputs: Inputs,
+    arg_names: Sequence[str],
+    artifact: Artifact | None,
+) -> tuple[Mapping[str, Any], tuple]:
     """``_flat_inputs`` of the inputs a file of ``what`` left out (``needs``), refusing absent or missing ones."""
     if inputs is None:
         raise VjpsplitError(
@@ -240,7 +272,9 @@ def _left_out_inputs(path, what: str, loader: str, needs, inputs, arg_names, art
     return flat, trees
 
 
-def _flat_inputs(path, inputs, arg_names, artifact=None) -> tuple[Mapping[str, Any], tuple]:
+def _flat_inputs(
+    path: str | os.PathLike, inputs: Inputs, arg_names: Sequence[str], artifact: Artifact | None = None
+) -> tuple[Mapping[str, Any], tuple]:
     """Flat ``{key: array}`` inputs, and the arguments' structure when given as pytrees."""
     if isinstance(inputs, Mapping):
         return inputs, ()
@@ -257,7 +291,9 @@ def _input_backed_arrays(arrays: Mapping[str, Any]) -> dict[str, Any]:
     return {keys.input_of(k): v for k, v in arrays.items() if keys.is_input_backed(k)}
 
 
-def _load_split_residuals(path, arrays, meta, needs, inputs) -> Residuals:
+def _load_split_residuals(
+    path: str | os.PathLike, arrays: Mapping[str, Any], meta: Mapping[str, Any], needs: Sequence[str], inputs: Inputs
+) -> Residuals:
     plan = plan_for_token(str(meta.get("token")))
     if plan is None:
         raise VjpsplitError(
@@ -301,7 +337,7 @@ def _load_split_residuals(path, arrays, meta, needs, inputs) -> Residuals:
     )
 
 
-def _from_file(path, key: str, v, aval):
+def _from_file(path: str | os.PathLike, key: str, v: Any, aval: Any) -> Any:
     """A split residual as the backward wants it: checked, typed PRNG keys rewrapped."""
     want = data_struct(aval) if is_key(aval) else aval
     if tuple(v.shape) != tuple(want.shape) or np.dtype(v.dtype) != np.dtype(want.dtype):

@@ -8,6 +8,7 @@ before it is used, and every refusal names the file and what to do.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping
 
 import numpy as np
@@ -20,6 +21,8 @@ from ..files.shapes import MAX_DIM, format_shape
 from ..safeio import checksum
 from ..tracing.residuals import Residuals
 from .arguments import as_computed
+from .artifact import Artifact
+from .manifest import Manifest
 from .sharding import format_spec, spec_from_json, spec_of
 
 KIND_ARTIFACT = "vjpsplit-residuals"
@@ -27,12 +30,12 @@ KIND_SPLIT = "vjpsplit-split-residuals"
 KIND_INTERMEDIATES = "vjpsplit-intermediates"
 
 
-def _crc32(a) -> int:
+def _crc32(a: Any) -> int:
     a = np.ascontiguousarray(a) if np.ndim(a) else np.asarray(a)
     return checksum.crc32(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
 
 
-def save_checked(path, arrays: dict, meta: dict, fsync: bool = False) -> None:
+def save_checked(path: str | os.PathLike, arrays: dict, meta: dict, fsync: bool = False) -> None:
     """Save with a CRC-32 per array: residuals travel between hosts, and a flipped bit in
     transit must fail loudly, not give quietly wrong gradients. Both formats keep one
     (zip's own per ``.npz`` member, a table beside the arrays in ``.msgpack``). No fsync
@@ -41,7 +44,7 @@ def save_checked(path, arrays: dict, meta: dict, fsync: bool = False) -> None:
     save_arrays(path, arrays, meta, fsync=fsync)
 
 
-def load_checked(path, verify: bool):
+def load_checked(path: str | os.PathLike, verify: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """``load_arrays``, with every array's CRC-32 checked when ``verify``."""
     arrays, meta = load_arrays(path, verify=verify)
     if verify and "crc32" in meta:  # a .msgpack of the old layout kept its CRCs in meta
@@ -49,7 +52,7 @@ def load_checked(path, verify: bool):
     return arrays, meta
 
 
-def _verify(path, arrays: Mapping[str, Any], meta: Mapping) -> None:
+def _verify(path: str | os.PathLike, arrays: Mapping[str, Any], meta: Mapping) -> None:
     sums = meta.get("crc32")
     if not isinstance(sums, dict) or set(sums) != set(arrays):
         raise VjpsplitError(
@@ -63,24 +66,24 @@ def _verify(path, arrays: Mapping[str, Any], meta: Mapping) -> None:
             )
 
 
-def _is_str_list(v) -> bool:
+def _is_str_list(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(x, str) for x in v)
 
 
-def _is_dims(v) -> bool:
+def _is_dims(v: Any) -> bool:
     return isinstance(v, dict) and all(
         isinstance(k, str) and isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= MAX_DIM
         for k, x in v.items()
     )
 
 
-def _is_crcs(v) -> bool:
+def _is_crcs(v: Any) -> bool:
     return isinstance(v, dict) and all(
         isinstance(k, str) and isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**32 for k, x in v.items()
     )
 
 
-def _is_shapes(v) -> bool:
+def _is_shapes(v: Any) -> bool:
     return isinstance(v, dict) and all(
         isinstance(k, str)
         and isinstance(x, list)
@@ -89,11 +92,11 @@ def _is_shapes(v) -> bool:
     )
 
 
-def _is_names(v) -> bool:
+def _is_names(v: Any) -> bool:
     return isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items())
 
 
-def _is_shardings(v) -> bool:
+def _is_shardings(v: Any) -> bool:
     if not isinstance(v, dict):
         return False
     try:
@@ -143,7 +146,7 @@ _SCHEMA = {
 }
 
 
-def check_meta(path, meta: Mapping, kind: str, fix: str) -> None:
+def check_meta(path: str | os.PathLike, meta: Mapping, kind: str, fix: str) -> None:
     """Refuse metadata that does not match ``kind``'s schema, naming the field."""
     for name, (ok, required) in _SCHEMA[kind].items():
         if name not in meta:
@@ -153,7 +156,7 @@ def check_meta(path, meta: Mapping, kind: str, fix: str) -> None:
             raise VjpsplitError(f"{path}: malformed metadata: '{name}' has the wrong type or range; {fix}")
 
 
-def input_crc32(a) -> int:
+def input_crc32(a: Any) -> int:
     """CRC-32 (zlib's polynomial, :mod:`.checksum`) of an array's bytes: binds a residuals file to its inputs.
 
     Not a defence against forgery; it catches the easy slip of pairing one
@@ -162,7 +165,14 @@ def input_crc32(a) -> int:
     return _crc32(np.asarray(a))
 
 
-def refuse_other_artifact(path, what: str, fingerprint, artifact, fix: str, meta: Mapping | None = None) -> None:
+def refuse_other_artifact(
+    path: str | os.PathLike,
+    what: str,
+    fingerprint: Any,
+    artifact: Artifact | None,
+    fix: str,
+    meta: Mapping | None = None,
+) -> None:
     """A file tied to one artifact must not feed another: say so before anything else.
 
     Arrays saved from a sharded run record their shardings; one that differs from
@@ -188,7 +198,7 @@ def shardings_meta(arrays: Mapping[str, Any]) -> dict:
     )
 
 
-def _sharding_difference(meta: Mapping, manifest) -> str:
+def _sharding_difference(meta: Mapping, manifest: Manifest) -> str:
     """The first array whose recorded sharding is not the manifest's, described; "" when all agree.
 
     Files from one-device runs record none: nothing to compare, they are placed when the backward runs.
@@ -216,7 +226,7 @@ def binding(res: Residuals) -> dict:
     }
 
 
-def computed_dtypes(meta: Mapping, artifact) -> dict:
+def computed_dtypes(meta: Mapping, artifact: Artifact | None) -> dict:
     """The dtype the forward computed on, per input key: the artifact's, else the one the file records."""
     if artifact is not None:
         return {leaf.key: dtype_from_name(leaf.dtype) for leaf in artifact.manifest.inputs if not leaf.prng_impl}
@@ -229,7 +239,9 @@ def computed_dtypes(meta: Mapping, artifact) -> dict:
     return out
 
 
-def check_bound_inputs(path, meta: Mapping, given: Mapping[str, Any], source: str, dtypes=None) -> None:
+def check_bound_inputs(
+    path: str | os.PathLike, meta: Mapping, given: Mapping[str, Any], source: str, dtypes: Mapping | None = None
+) -> None:
     """Refuse inputs whose dims or content differ from those the forward ran on, read by the backward or not.
 
     A Python scalar is compared as the forward computed on it (``dtypes``: its dtype

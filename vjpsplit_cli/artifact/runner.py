@@ -22,6 +22,7 @@ from ..trust.kernelcheck import check_at_call
 from ..trust.module_io import ModuleIO, module_table
 from . import artifact_file
 from .manifest import Manifest
+from .seen import Seen, dims_signature, placed_signature
 
 
 class ModuleRunner:
@@ -33,7 +34,7 @@ class ModuleRunner:
         modules: Mapping[str, bytes],
         exported: Mapping[str, Any] | None,
         source: str,
-    ):
+    ) -> None:
         self.manifest = manifest
         self.modules = modules
         self.source = source
@@ -47,9 +48,32 @@ class ModuleRunner:
         # A directory of serialized executables (the CLI sets it): a fresh process then
         # neither lowers nor compiles a module it ran before. None: jit's own caches only.
         self.executable_cache: str | None = None
-        # Modules whose LAPACK calls have symbolic dims: checked at each call's shapes (module kernelcheck).
-        self.check_at_call: frozenset[str] = frozenset()
-        self.verdict_cache: Any = verdicts.DEFAULT  # where those checks keep their verdicts
+        # Calls whose results (and kernels) were checked: by module and dims, and by the arguments'
+        # signature for the modules whose kernels are checked at call shapes.
+        self._seen = Seen()
+        self._platform = ""  # this host's platform, once it passed
+        self._check_at_call: frozenset[str] = frozenset()
+        self._verdict_cache: Any = verdicts.DEFAULT
+
+    @property
+    def check_at_call(self) -> frozenset[str]:
+        """Modules whose LAPACK calls have symbolic dims: checked at each call's shapes (module kernelcheck)."""
+        return self._check_at_call
+
+    @check_at_call.setter
+    def check_at_call(self, modules: frozenset[str]) -> None:
+        self._check_at_call = frozenset(modules)
+        self._seen.clear()  # calls seen before were not checked so
+
+    @property
+    def verdict_cache(self) -> Any:
+        """Where the kernel checks at call keep their verdicts (``verdicts.DEFAULT``, a directory, or None)."""
+        return self._verdict_cache
+
+    @verdict_cache.setter
+    def verdict_cache(self, cache_dir: Any) -> None:
+        self._verdict_cache = cache_dir
+        self._seen.clear()
 
     def check_runnable(self, mesh: Callable[[], Any]) -> None:
         """Refuse a host of another platform, without 64-bit types the artifact needs, or with too few devices.
@@ -57,7 +81,7 @@ class ModuleRunner:
         ``mesh``: makes the artifact's mesh, which refuses a host with too few devices, naming both counts.
         """
         m = self.manifest
-        plat = current_platform()
+        plat = self._platform or current_platform()
         if plat not in m.platforms:
             raise VjpsplitError(
                 f"{self.source}: this host runs on {plat}, but the artifact was exported for "
@@ -69,6 +93,7 @@ class ModuleRunner:
                 f"{self.source}: the artifact was exported with 64-bit types enabled; "
                 "set JAX_ENABLE_X64=1 (or jax.config.update('jax_enable_x64', True)) before running it"
             )
+        self._platform = plat  # jax's backend is fixed once it has started
         if m.nr_devices > 1:
             mesh()
 
@@ -89,14 +114,20 @@ class ModuleRunner:
         return call
 
     def run(self, module: str, args: Sequence, refused: str, dims: Mapping[str, int] | None = None) -> Any:
-        """Call one module; jax's own shape/dtype refusals become one-line errors prefixed ``refused``.
+        """Call one module on arguments checked against its signature under ``dims`` (``Binding``).
 
-        Its outputs are checked against the module's declared avals (``dims`` binds
-        the symbolic ones). Under the CLI's signal guard the run finishes here, with
-        termination signals ending the process (a module may never return).
+        jax's own shape/dtype refusals become one-line errors prefixed ``refused``. The
+        outputs are checked against the module's declared avals (``dims`` binds the
+        symbolic ones), and its kernels at these shapes where they need it, once per
+        signature: the dims fix the checked arguments' avals and so the results', and
+        the kernel checks depend on those avals and the arguments' shardings. Under the
+        CLI's signal guard the run finishes here, with termination signals ending the
+        process (a module may never return).
         """
+        key = self._call_key(module, args, dims)
+        seen = self._seen.get(key) is not None
         try:
-            call = self._call_of(module, args)
+            call = self.jitted[module] if seen else self._call_of(module, args)
             with signals_end_process() as ends:
                 result = call(*args)
                 if ends:
@@ -114,8 +145,21 @@ class ModuleRunner:
             if not cannot_deserialize(e):
                 raise
             raise VjpsplitError(artifact_file.unreadable_module(self.source, self.manifest, module)) from e
-        check_outputs(self.source, module, jax.tree_util.tree_leaves(result), self.exported[module], dims or {})
+        if not seen:
+            check_outputs(self.source, module, jax.tree_util.tree_leaves(result), self.exported[module], dims or {})
+            if call is self.jitted[module]:  # a program read from the executable cache is checked on every call
+                self._seen.add(key, True)
         return result
+
+    def _call_key(self, module: str, args: Sequence, dims: Mapping[str, int] | None) -> tuple | None:
+        """What a call's checks depend on: the module and dims, and the shardings where kernels are checked."""
+        if self.executable_cache is not None:
+            return None
+        key = (module, dims_signature(dims) if dims else ())
+        if module not in self._check_at_call:
+            return key
+        sig = placed_signature(jax.tree_util.tree_leaves(args))
+        return None if sig is None else (*key, sig)
 
     def run_by_slot(
         self, module: str, by_slot: Mapping[str, Any], refused: str, dims: Mapping[str, int]

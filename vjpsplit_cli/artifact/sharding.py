@@ -144,7 +144,7 @@ def named(mesh: Mesh, spec: SpecJSON | None) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*(spec or ())))
 
 
-def place(value, sharding: NamedSharding):
+def place(value: Any, sharding: NamedSharding) -> Any:
     """``value`` laid out by ``sharding``: a matching ``jax.Array`` as it is, anything else moved or copied there."""
     if isinstance(value, jax.core.Tracer):
         return value  # inside a caller's jit: the module's own shardings lay it out
@@ -185,7 +185,7 @@ def divisibility_problem(what: str, shape: Sequence, spec: SpecJSON, mesh_sizes:
     return None
 
 
-def spec_of(value) -> SpecJSON | None:
+def spec_of(value: Any) -> SpecJSON | None:
     """The recorded spec of an array laid out over several devices by a ``NamedSharding``; None otherwise."""
     sharding = getattr(value, "sharding", None)
     if not isinstance(sharding, NamedSharding) or len(sharding.device_set) < 2:

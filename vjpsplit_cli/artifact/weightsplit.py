@@ -69,11 +69,11 @@ def lower_weight_split(
     input_fn = jcore.jaxpr_as_fun(part.input_part)
     weight_fn = jcore.jaxpr_as_fun(keep_inputs(part.weight_part, keep))
 
-    def bwd_input(stored, inputs_, cts, carrier_):
+    def bwd_input(stored: Sequence, inputs_: Sequence, cts: Sequence, carrier_: Any) -> tuple[tuple, tuple]:
         outs = input_fn(*stored, *inputs_, *cts)
         return tuple(outs[:n_in_grads]), tuple(outs[n_in_grads:])
 
-    def bwd_weight(w_stored, w_inputs, inter, carrier_):
+    def bwd_weight(w_stored: Sequence, w_inputs: Sequence, inter: Sequence, carrier_: Any) -> tuple:
         return tuple(weight_fn(*w_stored, *w_inputs, *inter))
 
     in_sh = w_sh = inter_specs = None
@@ -86,7 +86,15 @@ def lower_weight_split(
     return WeightSplit(in_exp, w_exp, inter_avals, inter_specs, w_st, w_ib)
 
 
-def _split_shardings(sh: Sharded, bwd: BackwardCall, bwd_input, weight_outs, n_in_grads, w_st, w_ib):
+def _split_shardings(
+    sh: Sharded,
+    bwd: BackwardCall,
+    bwd_input: Callable,
+    weight_outs: Sequence[int],
+    n_in_grads: int,
+    w_st: Sequence[int],
+    w_ib: Sequence[int],
+) -> tuple[tuple[Any, Any], tuple[Any, Any], list]:
     """Both halves' ``(in, out)`` shardings and the intermediates' specs, which XLA picks (probed)."""
     grad_specs, in_specs = bwd.grad_specs or [], bwd.in_specs or ()
     weight_set = set(weight_outs)

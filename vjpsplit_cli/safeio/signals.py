@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Iterator
+from typing import Any, ContextManager, Iterator
 
 
 class Interrupted(BaseException):
@@ -161,25 +161,32 @@ def cleanup_on_signals() -> Iterator[None]:
                 signal.raise_signal(pending)
 
 
-@contextlib.contextmanager
-def signals_end_process() -> Iterator[bool]:
-    """While XLA runs a module: SIGINT, SIGTERM and SIGHUP end the process at once (yields whether they do).
+_NOT_ENDING = contextlib.nullcontext(False)  # reusable: most module runs are outside the guard
+
+
+def signals_end_process() -> ContextManager[bool]:
+    """While XLA runs a module: SIGINT, SIGTERM and SIGHUP end the process at once (gives whether they do).
 
     Python runs signal handlers only between bytecodes, and a module can run in C++
     for ever (a forged never-ending loop): ``cleanup_on_signals``'s handler would
     wait for it. So, under that guard and while this process has no temp file to
     remove, the default actions come back for the duration: the process ends, and
     there is no output to tidy. Signals the user set to be ignored stay ignored.
+    Outside the guard (every call from Python code) it costs a few attribute reads.
     """
     if (
-        threading.current_thread() is not threading.main_thread()
-        or _Guard.depth == 0
+        _Guard.depth == 0
+        or threading.current_thread() is not threading.main_thread()
         or _LIVE
         or _Guard.defer
         or _Guard.pending is not None
     ):
-        yield False
-        return
+        return _NOT_ENDING
+    return _default_actions()
+
+
+@contextlib.contextmanager
+def _default_actions() -> Iterator[bool]:
     installed = {}
     try:
         for s in _Guard.previous:

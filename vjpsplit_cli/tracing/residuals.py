@@ -89,7 +89,7 @@ class Residuals(_Frozen):
         "source",
         "bound_inputs",
     )
-    __slots__ = _FIELDS
+    __slots__ = (*_FIELDS, "__weakref__")  # an artifact notes the residuals its fwd made without keeping them
     stored: FrozenDict
     inputs: FrozenDict
     dims: FrozenDict
@@ -117,28 +117,49 @@ class Residuals(_Frozen):
         source: str | None = None,
         bound_inputs: Mapping[str, Any] | None = None,
     ):
-        self._set(
-            stored=FrozenDict(dict(stored)),
-            inputs=FrozenDict(dict(inputs)),
-            dims=FrozenDict(dict(dims or {})),
-            fingerprint=fingerprint,
-            arg_names=tuple(arg_names),
-            # The structure of the arguments fwd was called with, so bwd can give
-            # gradients in the caller's own pytree types; () when not known (files).
-            arg_trees=tuple(arg_trees),
-            plan=plan,
-            # Names one forward run, so the weight part can refuse another run's
-            # intermediates; "" where unknown. Not part of the pytree's static data,
-            # where a per-run value would make every jit over residuals retrace.
-            residuals_id=residuals_id,
-            inputs_source=inputs_source,  # where the input-backed arrays came from, for messages
-            source=source,  # the file they were loaded from, for messages
-            # Every input the forward ran on (references, keyed like ``inputs``), read by the
-            # backward or not: a residuals file records each one's shape and CRC-32, so the
-            # backward refuses another microbatch's inputs even where it never reads them.
-            # Not pytree data: residuals rebuilt by a pytree operation bind only ``inputs``.
-            bound_inputs=FrozenDict(dict(bound_inputs or {})),
-        )
+        put = object.__setattr__  # field by field, not through _set: an artifact's fwd makes one per call
+        put(self, "stored", FrozenDict(stored))
+        put(self, "inputs", FrozenDict(inputs))
+        put(self, "dims", FrozenDict(dims or ()))
+        put(self, "fingerprint", fingerprint)
+        put(self, "arg_names", tuple(arg_names))
+        # The structure of the arguments fwd was called with, so bwd can give
+        # gradients in the caller's own pytree types; () when not known (files).
+        put(self, "arg_trees", tuple(arg_trees))
+        put(self, "plan", plan)
+        # Names one forward run, so the weight part can refuse another run's
+        # intermediates; "" where unknown. Not part of the pytree's static data,
+        # where a per-run value would make every jit over residuals retrace.
+        put(self, "residuals_id", residuals_id)
+        put(self, "inputs_source", inputs_source)  # where the input-backed arrays came from, for messages
+        put(self, "source", source)  # the file they were loaded from, for messages
+        # Every input the forward ran on (references, keyed like ``inputs``), read by the
+        # backward or not: a residuals file records each one's shape and CRC-32, so the
+        # backward refuses another microbatch's inputs even where it never reads them.
+        # Not pytree data: residuals rebuilt by a pytree operation bind only ``inputs``.
+        put(self, "bound_inputs", FrozenDict(bound_inputs or ()))
+
+    @classmethod
+    def of_forward(
+        cls,
+        stored: FrozenDict,
+        inputs: FrozenDict,
+        dims: FrozenDict,
+        bound_inputs: FrozenDict,
+        fingerprint: str,
+        arg_names: tuple[str, ...],
+        arg_trees: tuple,
+        residuals_id: str,
+    ) -> "Residuals":
+        """Residuals an artifact's forward just made, from mappings it froze itself: nothing is copied.
+
+        The same fields as ``Residuals(...)`` gives (no plan, no sources); a forward makes one per call.
+        """
+        res = object.__new__(cls)
+        values = (stored, inputs, dims, bound_inputs, fingerprint, arg_names, arg_trees, residuals_id, None, None, None)
+        for put, value in zip(_SETTERS, values):
+            put(res, value)
+        return res
 
     def __repr__(self) -> str:
         owner = (
@@ -152,8 +173,8 @@ class Residuals(_Frozen):
         """Keys, shapes, dtypes and array types of the arrays, and the dims; None if some value is not an array."""
         try:
             return (
-                tuple((k, v.shape, v.dtype, type(v)) for k, v in self.stored.items()),
-                tuple((k, v.shape, v.dtype, type(v)) for k, v in self.inputs.items()),
+                tuple([(k, v.shape, v.dtype, type(v)) for k, v in self.stored.items()]),
+                tuple([(k, v.shape, v.dtype, type(v)) for k, v in self.inputs.items()]),
                 tuple(self.dims.items()),
             )
         except AttributeError:
@@ -163,6 +184,24 @@ class Residuals(_Frozen):
     def stored_nbytes(self) -> int:
         """Bytes of the stored (not input-backed) residuals."""
         return sum(int(np.prod(np.shape(a))) * np.dtype(a.dtype).itemsize for a in self.stored.values())
+
+
+# The slot setters ``of_forward`` fills a new object with, every field once, in this order.
+_FORWARD_FIELDS = (
+    "stored",
+    "inputs",
+    "dims",
+    "bound_inputs",
+    "fingerprint",
+    "arg_names",
+    "arg_trees",
+    "residuals_id",
+    "plan",
+    "inputs_source",
+    "source",
+)
+assert sorted(_FORWARD_FIELDS) == sorted(Residuals._FIELDS)
+_SETTERS = tuple(getattr(Residuals, name).__set__ for name in _FORWARD_FIELDS)
 
 
 class SplitResiduals(Residuals):

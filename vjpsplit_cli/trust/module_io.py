@@ -12,6 +12,7 @@ this layer judges artifacts and may not import ``artifact``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping
 
 from ..files import keys
@@ -73,14 +74,23 @@ class ModuleIO:
             raise ValueError(f"the manifest does not fix the {self.module} module's arguments")
         if self.module == "fwd":
             return tuple(by_slot[INPUTS])
-        return tuple(by_slot[s.name] for s in self.inputs)
+        return tuple([by_slot[name] for name in self._input_names])
 
     def results(self, result: Any) -> dict[str, list]:
         """A call's results by slot name: a module with one result slot returns that slot's list itself."""
-        parts = (result,) if len(self.outputs) == 1 else tuple(result)
-        if len(parts) != len(self.outputs):
-            raise ValueError(f"the {self.module} module returned {len(parts)} groups, not {len(self.outputs)}")
-        return {s.name: list(part) for s, part in zip(self.outputs, parts)}
+        names = self._output_names
+        parts = (result,) if len(names) == 1 else tuple(result)
+        if len(parts) != len(names):
+            raise ValueError(f"the {self.module} module returned {len(parts)} groups, not {len(names)}")
+        return {name: list(part) for name, part in zip(names, parts)}
+
+    @functools.cached_property  # both are read on every call
+    def _input_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.inputs or ())
+
+    @functools.cached_property
+    def _output_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.outputs)
 
     @property
     def input_leaves(self) -> tuple[Any, ...] | None:

@@ -1,0 +1,193 @@
+"""Calls already checked: the signatures whose checks passed, so that a repeated call skips them.
+
+Every check a call gets before and after a module runs (keys, dtypes, shapes, the dims
+they bind, typed keys' impls; the module's results against its declared avals) is a
+function of the call's *signature*: the pytree structure (with a dict's keys), each
+leaf's array type, shape and dtype, the dims; and, for the kernel checks at call
+shapes, each argument's sharding. Weak types and committed devices change no check
+(the module's results have the dtypes it declares either way): they are not part of
+it. ``Seen`` keeps the signatures whose checks passed, and what those checks worked
+out (the arrays' order, the dims), so a call with a signature seen before runs its
+module straight away. A signature that failed is never kept: a repeated bad call gets
+every check again, and the same error.
+
+A signature holds values only, never an object's ``id``: an id is reused once its
+object is collected, so a cache keyed on one could take a new object for an old one.
+Only NumPy and concrete ``jax.Array`` leaves make a signature (``leaves_signature``);
+anything else (Python scalars, tracers, array-likes) is checked on every call, as is a
+signature whose checks changed an array (a cast Python scalar, a bfloat16 read as void).
+
+What stays per call is what no signature can say: which artifact made a set of
+residuals (its fingerprint), which forward run and microbatch (``residuals_id``, the
+dims), whether this host can run the artifact now.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from typing import Any, Hashable, Iterable, Sequence
+
+import jax
+import numpy as np
+
+SEEN_KEPT = 128  # signatures remembered per artifact: a handful of shapes in a loop; bounded all the same
+
+_ARRAY_TYPES: dict[type, bool] = {}  # type -> whether it makes a signature; types live as long as the process
+
+
+def _makes_signature(t: type) -> bool:
+    ok = _ARRAY_TYPES.get(t)
+    if ok is None:
+        # A tracer is inside a caller's jit: checked at trace time, once per trace anyway.
+        ok = issubclass(t, (np.ndarray, jax.Array)) and not issubclass(t, jax.core.Tracer)
+        if len(_ARRAY_TYPES) < 256:
+            _ARRAY_TYPES[t] = ok
+    return ok
+
+
+def leaves_signature(leaves: Iterable[Any]) -> tuple | None:
+    """What every check of these leaves depends on: each one's array type, shape and dtype.
+
+    None if some leaf makes no signature (only a NumPy array or a concrete ``jax.Array`` does).
+    """
+    out = []
+    for v in leaves:
+        t = type(v)
+        if not (_ARRAY_TYPES.get(t) or _makes_signature(t)):
+            return None
+        out.append((t, v.shape, v.dtype))
+    return tuple(out)
+
+
+def placed_signature(leaves: Sequence[Any]) -> tuple | None:
+    """``leaves_signature`` with each array's sharding: what a check of kernels at call shapes also reads."""
+    sig = leaves_signature(leaves)
+    return None if sig is None else (sig, tuple(getattr(v, "sharding", None) for v in leaves))
+
+
+_IMMUTABLE: dict[type, bool] = {}  # type -> whether its arrays never change shape or dtype
+
+
+def _immutable(t: type) -> bool:
+    ok = _IMMUTABLE.get(t)
+    if ok is None:
+        ok = issubclass(t, jax.Array) and not issubclass(t, jax.core.Tracer)
+        if len(_IMMUTABLE) < 256:
+            _IMMUTABLE[t] = ok
+    return ok
+
+
+def mutable_signature(values: Any) -> tuple | None:
+    """``(key, type, shape, dtype)`` of the values that can change in place (all but concrete jax arrays).
+
+    A NumPy array's shape and dtype can be set on the array itself; a ``jax.Array``'s
+    never change. None when some value has no shape or dtype.
+    """
+    out = []
+    for k, v in values.items():
+        t = type(v)
+        if _IMMUTABLE.get(t) or _immutable(t):
+            continue
+        try:
+            out.append((k, t, v.shape, v.dtype))
+        except AttributeError:
+            return None
+    return tuple(out)
+
+
+def mapping_signature(values: Any) -> tuple | None:
+    """``(key, type, shape, dtype)`` of every item of a plain dict, in its order; None for any other mapping.
+
+    Only a dict: another mapping (an ``.npz`` file) may make its values afresh on each read.
+    """
+    if not isinstance(values, dict):
+        return None
+    out = []
+    for k, v in values.items():
+        t = type(v)
+        if not (_ARRAY_TYPES.get(t) or _makes_signature(t)):
+            return None
+        out.append((k, t, v.shape, v.dtype))
+    return tuple(out)
+
+
+def dims_signature(dims: Any) -> tuple | None:
+    """Recorded dims with each value's type: ``2.0 == 2`` and ``True == 1``, but only an int is a valid dim."""
+    try:
+        return tuple((k, type(v), v) for k, v in dims.items())
+    except (AttributeError, TypeError):
+        return None
+
+
+def residuals_signature(stored: Any, inputs: Any, dims: Any, *more: Any) -> tuple | None:
+    """The signature of residuals (or intermediates): each mapping's items, then the dims with their types."""
+    parts = []
+    for values in (stored, inputs, *more):
+        s = mapping_signature(values)
+        if s is None:
+            return None
+        parts.append(s)
+    d = dims_signature(dims)
+    return None if d is None else (*parts, d)
+
+
+class Seen:
+    """Signatures whose checks passed, each with what the checks worked out; bounded, safe across threads.
+
+    Look-ups are plain dict reads; additions take a lock and drop the oldest entry
+    past ``limit``. Two threads checking one new signature at once both check it.
+    """
+
+    def __init__(self, limit: int = SEEN_KEPT) -> None:
+        self._limit = limit
+        self._entries: dict[Hashable, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable | None) -> Any:
+        """What was kept for ``key``; None when it was never seen, failed, or was dropped (or ``key`` is None)."""
+        if key is None:
+            return None
+        try:
+            return self._entries.get(key)
+        except TypeError:  # an unhashable part (a sharding of a type without __hash__): not seen
+            return None
+
+    def add(self, key: Hashable | None, value: Any) -> None:
+        """Keep ``value`` for ``key`` (a signature whose checks just passed); None keys are ignored."""
+        if key is None or value is None:
+            return
+        with self._lock:
+            try:
+                self._entries[key] = value
+            except TypeError:
+                return
+            while len(self._entries) > self._limit:
+                del self._entries[next(iter(self._entries))]
+
+    def clear(self) -> None:
+        """Forget every signature (what the checks depend on changed)."""
+        with self._lock:
+            self._entries.clear()
+
+
+# One forward run's id: unique in this process (a counter) and across processes (a random
+# prefix), 32 hex digits like the uuid4 it replaces, without a system call per forward.
+class _Runs:
+    prefix = os.urandom(8).hex()
+    count = itertools.count()
+    lock = threading.Lock()
+
+
+def _new_prefix() -> None:
+    _Runs.prefix, _Runs.count, _Runs.lock = os.urandom(8).hex(), itertools.count(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_prefix)  # a forked child must not repeat its parent's ids
+
+
+def new_run_id() -> str:
+    """A fresh ``residuals_id``: 32 hex digits, never the same twice."""
+    with _Runs.lock:
+        return f"{_Runs.prefix}{next(_Runs.count):016x}"
