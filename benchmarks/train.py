@@ -42,7 +42,7 @@ def measure(quick: bool) -> dict:
 
     import vjpsplit_cli as vs
     from vjpsplit_cli import pipeline as P
-    from vjpsplit_cli.pipeline.timeline import replay
+    from vjpsplit_cli.pipeline.schedules.timeline import replay
 
     g = _sample()
     rounds = 5 if quick else 20

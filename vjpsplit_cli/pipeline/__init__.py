@@ -39,16 +39,26 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..errors import VjpsplitError
-from .dispatch import progress_bar, walk
-from .inprocess import run_inprocess
-from .plans import check_plans, layout_of, read_schedule, split_ops, write_schedule
-from .ray_actor import StageActor
-from .ray_runner import STEP_TIMEOUT, RayPipeline
-from .ray_setup import SCHEDULE_TIMEOUT, placement_group_options
-from .schedules import LABELS, SCHEDULES, SPLIT_BACKWARD, Op, check_schedule, dependencies, layout, placement, schedule
-from .stage import StageWorker, check_stages, run_op, split_batch, stage_devices
-from .timeline import Event, PipelineResult, bubble_ratio, plot_loss, plot_timeline, replay, simulate
-from .training import Trainer
+from .runtime.dispatch import progress_bar, walk
+from .runtime.inprocess import run_inprocess
+from .schedules.plans import check_plans, layout_of, read_schedule, split_ops, write_schedule
+from .runtime.ray.actor import StageActor
+from .runtime.ray.pipeline import STEP_TIMEOUT, RayPipeline
+from .runtime.ray.setup import SCHEDULE_TIMEOUT, placement_group_options
+from .schedules.builtins import (
+    LABELS,
+    SCHEDULES,
+    SPLIT_BACKWARD,
+    Op,
+    check_schedule,
+    dependencies,
+    layout,
+    placement,
+    schedule,
+)
+from .runtime.worker import StageWorker, check_stages, run_op, split_batch, stage_devices
+from .schedules.timeline import Event, PipelineResult, bubble_ratio, plot_loss, plot_timeline, replay, simulate
+from .training.trainer import Trainer
 
 __all__ = [
     "LABELS",

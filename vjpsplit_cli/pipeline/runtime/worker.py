@@ -14,11 +14,11 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import VjpsplitError
-from ..tracing.residuals import Intermediates
+from ...errors import VjpsplitError
+from ...tracing.residuals import Intermediates
 from .dispatch import PreSplit
-from .schedules import LABELS, SPLIT_BACKWARD, Op, check_schedule
-from .timeline import Event
+from ..schedules.builtins import LABELS, SPLIT_BACKWARD, Op, check_schedule
+from ..schedules.timeline import Event
 
 
 class _Forward:

@@ -20,13 +20,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..artifact.loading import load
-from ..errors import VjpsplitError
-from ..files.trees import flatten_with_keys
-from ..safeio.outputs import StagedOutputs
-from ..safeio.reading import read_bytes
-from ..trust import signing
-from .dispatch import PerStage
+from ...artifact.loading import load
+from ...errors import VjpsplitError
+from ...files.trees import flatten_with_keys
+from ...safeio.outputs import StagedOutputs
+from ...safeio.reading import read_bytes
+from ...trust import signing
+from ..runtime.dispatch import PerStage
 
 INDEX = "stages.json"
 FORMAT = "vjpsplit-stages"

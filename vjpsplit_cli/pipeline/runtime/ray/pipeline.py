@@ -14,16 +14,16 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import VjpsplitError
+from ....errors import VjpsplitError
 from .compiled import compile_step
-from .dispatch import PreSplit, progress_bar, walk
-from .plans import describe, layout_of, layout_placement, resolve, split_ops
-from .ray_actor import StageActor, devices_for
-from .ray_setup import SCHEDULE_TIMEOUT, clock_offset, init_ray, lack
-from .schedules import Op
-from .stage import check_stages, split_batch
-from .stagedir import is_stages
-from .timeline import PipelineResult
+from ..dispatch import PreSplit, progress_bar, walk
+from ...schedules.plans import describe, layout_of, layout_placement, resolve, split_ops
+from .actor import StageActor, devices_for
+from .setup import SCHEDULE_TIMEOUT, clock_offset, init_ray, lack
+from ...schedules.builtins import Op
+from ..worker import check_stages, split_batch
+from ...stages.directory import is_stages
+from ...schedules.timeline import PipelineResult
 
 STEP_TIMEOUT = 600.0  # seconds for one step's results, after which the step is an error, not a hang
 

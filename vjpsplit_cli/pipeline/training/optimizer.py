@@ -35,13 +35,13 @@ import numpy as np
 from jax import export as jexport
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..artifact.sharding import host_mesh, mesh_axes, mesh_of, named, place, spec_from_json, spec_to_json
-from ..errors import VjpsplitError, first_line, jax_message
-from ..files.dtypes import dtype_from_name, dtype_name
-from ..files.prng import data_struct, from_data, impl_name, is_key, to_data
-from ..files.trees import escape_segment, flatten_with_keys
-from ..trust import checks as _trust_mod
-from ..trust import custom_calls, probes
+from ...artifact.sharding import host_mesh, mesh_axes, mesh_of, named, place, spec_from_json, spec_to_json
+from ...errors import VjpsplitError, first_line, jax_message
+from ...files.dtypes import dtype_from_name, dtype_name
+from ...files.prng import data_struct, from_data, impl_name, is_key, to_data
+from ...files.trees import escape_segment, flatten_with_keys
+from ...trust import checks as _trust_mod
+from ...trust import custom_calls, probes
 
 MAGIC = "vjpsplit-optimizer"
 FORMAT = 1

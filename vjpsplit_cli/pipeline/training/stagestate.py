@@ -23,11 +23,11 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import VjpsplitError
-from ..files.trees import decode_structure, flatten_with_keys, structure_keys
+from ...errors import VjpsplitError
+from ...files.trees import decode_structure, flatten_with_keys, structure_keys
 from .clipping import sum_of_squares
 from .optimizer import load_optimizer
-from .stage import StageWorker
+from ..runtime.worker import StageWorker
 
 
 def param_node(artifact):

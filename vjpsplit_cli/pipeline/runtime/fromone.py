@@ -11,7 +11,7 @@ import dataclasses
 from typing import Callable
 
 from .dispatch import PreSplit
-from .timeline import PipelineResult
+from ..schedules.timeline import PipelineResult
 
 
 def run_stages(runner: Callable, stages, params, batch, *, microbatches: int, **kwargs) -> PipelineResult:

@@ -16,7 +16,7 @@ from typing import Sequence
 
 from jax.extend import core as jcore
 
-from ..errors import VjpsplitError
+from ...errors import VjpsplitError
 from .cut import Traced, eqn_cost, nbytes
 
 TOLERANCE = 0.0  # how far above the best largest-stage cost a cut may go to cross fewer bytes

@@ -21,9 +21,9 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from ..errors import VjpsplitError
-from ..files.shapes import concrete_shape, dim_str, eval_dim
-from ..tracing.jaxprs import iter_eqns, sub_jaxprs
+from ...errors import VjpsplitError
+from ...files.shapes import concrete_shape, dim_str, eval_dim
+from ...tracing.jaxprs import iter_eqns, sub_jaxprs
 from .boundary import NAME, is_boundary
 
 COST_DIM = 8  # the size symbolic dims take in cost and byte estimates

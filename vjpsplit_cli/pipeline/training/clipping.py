@@ -27,7 +27,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import VjpsplitError
+from ...errors import VjpsplitError
 
 
 def norm_owners(holdings: Sequence[Iterable[str]]) -> list[set[str]]:

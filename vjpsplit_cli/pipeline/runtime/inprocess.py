@@ -14,14 +14,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..errors import VjpsplitError
+from ...errors import VjpsplitError
 from .dispatch import progress_bar, walk
 from .fromone import run_stages
-from .plans import resolve, split_ops
-from .schedules import Op
-from .stage import StageWorker, check_stages, run_op, split_batch, stage_devices
-from .stagedir import is_stages
-from .timeline import PipelineResult
+from ..schedules.plans import resolve, split_ops
+from ..schedules.builtins import Op
+from .worker import StageWorker, check_stages, run_op, split_batch, stage_devices
+from ..stages.directory import is_stages
+from ..schedules.timeline import PipelineResult
 
 
 class _Mailbox:

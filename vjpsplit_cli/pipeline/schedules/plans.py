@@ -16,8 +16,8 @@ import os
 import re
 from typing import Sequence
 
-from ..errors import VjpsplitError
-from .schedules import LABELS, Op, check_schedule, dependencies, layout, placement, schedule
+from ...errors import VjpsplitError
+from .builtins import LABELS, Op, check_schedule, dependencies, layout, placement, schedule
 
 _ACTION = re.compile(r"(\d+)([FIBW])(\d+)")
 _OVERLAP = re.compile(r"\((.*);(.*)\)OVERLAP_F_B")

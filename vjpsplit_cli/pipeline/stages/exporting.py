@@ -16,15 +16,15 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from ..artifact.lowering import DEFAULT_PLATFORMS, export
-from ..errors import VjpsplitError
-from ..files.dtypes import dtype_name
-from ..files.shapes import concrete_shape, dim_str, to_struct
-from ..files.trees import flatten_with_keys
-from ..tracing.vjp import fn_name, positional_names, signature_positionals, wrt_positions
+from ...artifact.lowering import DEFAULT_PLATFORMS, export
+from ...errors import VjpsplitError
+from ...files.dtypes import dtype_name
+from ...files.shapes import concrete_shape, dim_str, to_struct
+from ...files.trees import flatten_with_keys
+from ...tracing.vjp import fn_name, positional_names, signature_positionals, wrt_positions
 from .balance import balanced_ends
 from .cut import ANY_DIM, COST_DIM, cut, eqn_cost, stage_function, trace
-from .stagedir import FORMAT, VERSION, Stages
+from .directory import FORMAT, VERSION, Stages
 
 
 def _leaf_entry(key: str, s) -> dict:

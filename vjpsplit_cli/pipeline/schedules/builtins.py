@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import VjpsplitError
+from ...errors import VjpsplitError
 
 SCHEDULES = ("gpipe", "1f1b", "zbh1", "zbv", "interleaved1f1b", "dualpipev")
 SPLIT_BACKWARD = ("zbh1", "zbv", "dualpipev")  # schedules that run (some) B and W as separate operations

@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from ..errors import VjpsplitError
-from .schedules import LABELS, SPLIT_BACKWARD, Op, dependencies, placement, schedule
+from ...errors import VjpsplitError
+from .builtins import LABELS, SPLIT_BACKWARD, Op, dependencies, placement, schedule
 
 
 @dataclass(frozen=True)

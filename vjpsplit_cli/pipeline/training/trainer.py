@@ -28,21 +28,21 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from ..errors import VjpsplitError
-from ..files.trees import decode_structure, encode_structure, flatten_with_keys, structure_keys
+from ...errors import VjpsplitError
+from ...files.trees import decode_structure, encode_structure, flatten_with_keys, structure_keys
 from .checkpoint import load_checkpoint, save_checkpoint
 from .clipping import clip_scale, norm_owners
-from .dispatch import PreSplit
-from .inprocess import run_inprocess
+from ..runtime.dispatch import PreSplit
+from ..runtime.inprocess import run_inprocess
 from .optimizer import export_optimizer
-from .plans import layout_of, resolve
-from .ray_runner import STEP_TIMEOUT
-from .ray_setup import SCHEDULE_TIMEOUT
-from .ray_train import RayBackend
-from .stage import StageWorker, split_batch, stage_devices
-from .stagedir import is_stages
-from .timeline import plot_loss
-from .trainstage import StageTrainer, finish_stages, param_node
+from ..schedules.plans import layout_of, resolve
+from ..runtime.ray.pipeline import STEP_TIMEOUT
+from ..runtime.ray.setup import SCHEDULE_TIMEOUT
+from .ray import RayBackend
+from ..runtime.worker import StageWorker, split_batch, stage_devices
+from ..stages.directory import is_stages
+from ..schedules.timeline import plot_loss
+from .stagestate import StageTrainer, finish_stages, param_node
 
 
 class Layout:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .dispatch import walk
-from .schedules import Op
+from ..dispatch import walk
+from ...schedules.builtins import Op
 
 
 def compile_step(actors: Sequence, plans: Sequence[Sequence[Op]], stages: int, microbatches: int, split):

@@ -17,14 +17,14 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import VjpsplitError
+from ...errors import VjpsplitError
 from .clipping import clip_scale
-from .dispatch import PreSplit, walk
-from .plans import describe, resolve, split_ops
-from .ray_actor import StageActor, picklable
-from .ray_runner import RayPipeline
-from .timeline import PipelineResult
-from .trainstage import StageTrainer
+from ..runtime.dispatch import PreSplit, walk
+from ..schedules.plans import describe, resolve, split_ops
+from ..runtime.ray.actor import StageActor, picklable
+from ..runtime.ray.pipeline import RayPipeline
+from ..schedules.timeline import PipelineResult
+from .stagestate import StageTrainer
 
 
 class TrainActor(StageActor):

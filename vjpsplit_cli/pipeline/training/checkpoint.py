@@ -33,12 +33,12 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import VjpsplitError, one_line
-from ..files import load_arrays, save_arrays
-from ..files.prng import from_data, impl_name, is_key, to_data
-from ..safeio.filesystem import fsync_dir, renameat2
-from ..safeio.signals import cleanup_on_signals
-from ..safeio.temps import writer_tag
+from ...errors import VjpsplitError, one_line
+from ...files import load_arrays, save_arrays
+from ...files.prng import from_data, impl_name, is_key, to_data
+from ...safeio.filesystem import fsync_dir, renameat2
+from ...safeio.signals import cleanup_on_signals
+from ...safeio.temps import writer_tag
 
 KIND = "vjpsplit-trainer-checkpoint"
 FORMAT = 1

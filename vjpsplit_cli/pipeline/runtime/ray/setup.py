@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any, Mapping
 
-from ..errors import VjpsplitError
+from ....errors import VjpsplitError
 
 SCHEDULE_TIMEOUT = 60.0  # seconds for Ray to place and start every actor
 

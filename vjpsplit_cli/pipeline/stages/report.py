@@ -6,8 +6,8 @@ from typing import Mapping
 
 import numpy as np
 
-from ..files.shapes import concrete_shape
-from ..files.sizes import human_bytes
+from ...files.shapes import concrete_shape
+from ...files.sizes import human_bytes
 from .cut import ANY_DIM, AnyDim
 
 

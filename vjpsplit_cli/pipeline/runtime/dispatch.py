@@ -12,8 +12,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Sequence
 
-from ..errors import VjpsplitError
-from .schedules import Op
+from ...errors import VjpsplitError
+from ..schedules.builtins import Op
 
 
 class PerStage(dict):

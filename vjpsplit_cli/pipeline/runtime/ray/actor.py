@@ -12,8 +12,8 @@ import time
 
 import numpy as np
 
-from .schedules import Op
-from .stage import StageWorker, run_op
+from ...schedules.builtins import Op
+from ..worker import StageWorker, run_op
 
 
 class StageActor:
@@ -41,7 +41,7 @@ class StageActor:
 
     def load(self, chunks, stages: int, worker: int | None = None) -> None:
         """Load ``(stage index, artifact bytes, params)`` for each stage this worker holds (worker ``worker``)."""
-        from ..artifact.loading import loads
+        from ....artifact.loading import loads
 
         self.stages = {
             c: StageWorker(loads(data, source=f"stage {c}"), params, c, stages) for c, data, params in chunks
