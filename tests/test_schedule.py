@@ -47,12 +47,12 @@ def play(plans, S, duration):
     worker = {}
     for w, ops in enumerate(plans):
         for i, o in enumerate(ops):
-            key = (o.kind, o.mb, o.chunk)
+            key = (o.kind, o.mb, o.stage)
             worker[key] = w
             preds[key] += deps(*key, S)
             if i:
                 prev = ops[i - 1]
-                preds[key].append((prev.kind, prev.mb, prev.chunk))
+                preds[key].append((prev.kind, prev.mb, prev.stage))
     succs = defaultdict(list)
     indeg = {k: len(v) for k, v in preds.items()}
     for k, v in preds.items():
@@ -106,20 +106,20 @@ def test_every_op_once_on_its_worker_in_order(name):
         plans = P.schedule(name, S, m)
         assert len(plans) == p
         kinds = "FBW" if name in P.SPLIT_BACKWARD else "FB"
-        every = sorted((o.kind, o.mb, o.chunk) for ops in plans for o in ops)
+        every = sorted((o.kind, o.mb, o.stage) for ops in plans for o in ops)
         assert every == sorted((k, mb, c) for k in kinds for mb in range(m) for c in range(S)), (p, m)
         for w, ops in enumerate(plans):
-            assert {o.chunk for o in ops} == set(P.placement(name, S)[w])
-            pos = {(o.kind, o.mb, o.chunk): i for i, o in enumerate(ops)}
+            assert {o.stage for o in ops} == set(P.worker_stages(name, S)[w])
+            pos = {(o.kind, o.mb, o.stage): i for i, o in enumerate(ops)}
             for o in ops:
-                for d in deps(o.kind, o.mb, o.chunk, S):
+                for d in deps(o.kind, o.mb, o.stage, S):
                     if d in pos:  # a dependency on this worker must come earlier in its list
-                        assert pos[d] < pos[(o.kind, o.mb, o.chunk)], (p, m, w, o, d)
+                        assert pos[d] < pos[(o.kind, o.mb, o.stage)], (p, m, w, o, d)
 
 
 def test_zbv_places_two_stages_per_worker_in_a_v():
-    assert P.placement("zbv", 8) == [(0, 7), (1, 6), (2, 5), (3, 4)]
-    assert P.placement("1f1b", 3) == [(0,), (1,), (2,)]
+    assert P.worker_stages("zbv", 8) == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert P.worker_stages("1f1b", 3) == [(0,), (1,), (2,)]
 
 
 @pytest.mark.parametrize("name", CLASSIC)
@@ -136,10 +136,10 @@ def test_no_deadlock_under_random_op_times(name):
             for k in start:
                 assert all(start[k] >= end[d] for d in deps(*k, S))
             # The module's own replay agrees with this independent model.
-            events = P.simulate(plans, S, lambda o: times[(o.kind, o.mb, o.chunk)])
+            events = P.simulate(plans, S, lambda o: times[(o.kind, o.mb, o.stage)])
             assert len(events) == len(start)
             for e in events:
-                k = (e.kind, e.mb, e.chunk)
+                k = (e.kind, e.mb, e.stage)
                 assert (e.start, e.end) == pytest.approx((start[k], end[k])), (p, m, k)
 
 
@@ -233,7 +233,7 @@ TORCH_DUALPIPEV_4RANK_10MB = "16ce4a29936e4c5ad774098add32489b4937942e3f5ab0108f
 
 
 def split_pairs(plans):
-    return {(o.chunk, o.mb) for ops in plans for o in ops if o.kind == "W"}
+    return {(o.stage, o.mb) for ops in plans for o in ops if o.kind == "W"}
 
 
 def chunk_time(plans, v):
@@ -252,7 +252,7 @@ def chunk_memory(ops, split):
     for o in ops:
         if o.kind == "F":
             held += 1
-        elif o.kind == "W" or (o.chunk, o.mb) not in split:
+        elif o.kind == "W" or (o.stage, o.mb) not in split:
             held -= 1
         peak = max(peak, held)
     return peak, held
@@ -260,16 +260,16 @@ def chunk_memory(ops, split):
 
 def check_complete(plans, S, m, placement):
     split = split_pairs(plans)
-    every = sorted((o.kind, o.mb, o.chunk) for ops in plans for o in ops)
+    every = sorted((o.kind, o.mb, o.stage) for ops in plans for o in ops)
     want = sorted([(k, mb, c) for k in "FB" for mb in range(m) for c in range(S)] + [("W", mb, c) for c, mb in split])
     assert every == want
     for w, ops in enumerate(plans):
-        assert {o.chunk for o in ops} == set(placement[w])
-        pos = {(o.kind, o.mb, o.chunk): i for i, o in enumerate(ops)}
+        assert {o.stage for o in ops} == set(placement[w])
+        pos = {(o.kind, o.mb, o.stage): i for i, o in enumerate(ops)}
         for o in ops:
-            for d in deps(o.kind, o.mb, o.chunk, S):
+            for d in deps(o.kind, o.mb, o.stage, S):
                 if d in pos:
-                    assert pos[d] < pos[(o.kind, o.mb, o.chunk)], (w, o, d)
+                    assert pos[d] < pos[(o.kind, o.mb, o.stage)], (w, o, d)
 
 
 def test_interleaved_1f1b_makespan_memory_and_order():
@@ -280,7 +280,7 @@ def test_interleaved_1f1b_makespan_memory_and_order():
                 P.schedule("interleaved1f1b", S, m, chunks=v)
             continue
         plans = P.schedule("interleaved1f1b", S, m, chunks=v)
-        placement = P.placement("interleaved1f1b", S, chunks=v)
+        placement = P.worker_stages("interleaved1f1b", S, chunks=v)
         assert placement == [tuple(range(r, S, p)) for r in range(p)]  # stage s on worker s mod p
         check_complete(plans, S, m, placement)
         start, end, _ = play(plans, S, chunk_time(plans, v))
@@ -297,7 +297,7 @@ def test_interleaved_1f1b_makespan_memory_and_order():
 
 def test_interleaved_1f1b_by_name_has_two_chunks():
     assert P.schedule("interleaved1f1b", 6, 6) == P.schedule("interleaved1f1b", 6, 6, chunks=2)
-    assert P.placement("interleaved1f1b", 6) == [(0, 3), (1, 4), (2, 5)]
+    assert P.worker_stages("interleaved1f1b", 6) == [(0, 3), (1, 4), (2, 5)]
 
 
 def test_dualpipev_makespan_memory_and_order():
@@ -308,8 +308,8 @@ def test_dualpipev_makespan_memory_and_order():
                 P.schedule("dualpipev", S, m)
             continue
         plans = P.schedule("dualpipev", S, m)
-        assert P.placement("dualpipev", S) == [(w, S - 1 - w) for w in range(p)]
-        check_complete(plans, S, m, P.placement("dualpipev", S))
+        assert P.worker_stages("dualpipev", S) == [(w, S - 1 - w) for w in range(p)]
+        check_complete(plans, S, m, P.worker_stages("dualpipev", S))
         split = split_pairs(plans)
         assert split and len(split) < S * m  # B split into I and W for some microbatches, whole for others
         start, end, worker = play(plans, S, chunk_time(plans, 2))

@@ -44,7 +44,7 @@ def test_steps_equal_single_process_optax(schedule):
     assert len(copies) == 2  # the first and the last stage hold the embedding
     np.testing.assert_array_equal(copies[0], copies[1])  # bitwise
     assert not np.array_equal(copies[0], params["embed"])
-    assert len(tr.backend.trainers) == 4 and tr.last_result.workers == (2 if schedule == "zbv" else 4)
+    assert len(tr.backend.trainers) == 4 and tr.last_result.num_workers == (2 if schedule == "zbv" else 4)
     h = tr.history
     assert [e["step"] for e in h] == [1, 2, 3] and all(e["grad_norm"] > 0 and e["step_time"] > 0 for e in h)
     assert all(0 <= e["bubble"] < 1 and 0 <= e["modeled_bubble"] < 1 for e in h)

@@ -38,7 +38,7 @@ def export_stages_cmd(target, shapes, wrt, platforms, policy, weights: bool, out
     )
     stages.save(output, sign_key=key)
     signed = f", signed by {stages.artifacts[0].signer}" if key is not None else ""
-    log(f"wrote {output}: {name}, {len(stages)} stages ({stages.index['cut']}), platforms {platforms}{signed}")
+    log(f"wrote {output}: {name}, {len(stages)} stages ({stages.index.cut}), platforms {platforms}{signed}")
 
 
 def inspect_stages_cmd(directory, as_json: bool, at, trust_keys, allow_kernels) -> None:
@@ -53,6 +53,6 @@ def inspect_stages_cmd(directory, as_json: bool, at, trust_keys, allow_kernels) 
         rows = stage_rows(stages, sizes)
         costs = [r["cost"] for r in rows]
         imbalance = max(costs) / (sum(costs) / len(costs))
-        click.echo(json.dumps({"function": stages.index["function"], "stages": rows, "imbalance": imbalance}, indent=2))
+        click.echo(json.dumps({"function": stages.index.function, "stages": rows, "imbalance": imbalance}, indent=2))
     else:
         click.echo(format_stages(stages, sizes))

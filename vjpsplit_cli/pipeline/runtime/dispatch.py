@@ -1,10 +1,11 @@
-"""The one dispatch walker every runner uses, and the progress bar.
+"""The one dispatcher every runner uses, and the progress bar.
 
 A step is the workers' lists of F, B and W operations. ``walk`` hands them to a
-runner's ``submit`` in one global order that keeps each worker's own order and
-lets every operation follow the operations whose results it reads; what flows
-between stages is whatever ``submit`` returns (a mailbox in-process, an object
-reference or a graph node on Ray), so a runner never repeats this bookkeeping.
+runner's ``submit`` in the order of the one play of plans (``schedules.play.sweep``:
+each worker's own order, every operation after those whose results it reads);
+what flows between stages is whatever ``submit`` returns (a mailbox in-process,
+an object reference or a graph node on Ray), so a runner never repeats this
+bookkeeping.
 """
 
 from __future__ import annotations
@@ -12,78 +13,41 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Sequence
 
-from ...errors import VjpsplitError
-from ..schedules.builtins import Op
+from ..schedules.ops import Kind, Op, OpKey, received
+from ..schedules.play import sweep
+from .model import Microbatch, side_for
+
+Submit = Callable[[int, Op, Any, list[Any]], Any]
 
 
-class PerStage(dict):
-    """A microbatch's side inputs for several stages (stage index -> list), not only the last's."""
-
-
-class PreSplit:
-    """A batch already cut into ``(x, side)`` microbatches (``Stages.stage_batch``), passed where ``x`` goes."""
-
-    def __init__(self, mbs: Sequence[tuple[Any, Any]]):
-        self.mbs = list(mbs)
-
-
-def side_for(side, chunk: int, stages: int) -> list:
-    """Stage ``chunk``'s side inputs: its own from a ``PerStage``, else the microbatch's for the last stage."""
-    if isinstance(side, PerStage):
-        return side.get(chunk, [])
-    return side if chunk == stages - 1 else []
-
-
-def walk(
-    plans: Sequence[Sequence[Op]],
-    stages: int,
-    mbs: Sequence[tuple[Any, list]],
-    submit: Callable[[int, Op, Any, list], Any],
-) -> list:
+def walk(plans: Sequence[Sequence[Op]], num_stages: int, mbs: Sequence[Microbatch], submit: Submit) -> list[Any]:
     """Call ``submit(worker, op, data, side)`` once per operation, in an order that respects every dependency.
 
-    ``data`` is the microbatch itself (F of the first stage), the handle that
-    ``submit`` returned for the activation (F) or cotangent (B) this operation
-    reads, or None (B of the last stage, which starts from its loss; W). ``side``
-    is the microbatch's side inputs for the last stage's F (or each stage's own,
-    from a ``PerStage``), else empty. Returns
-    the handles in submission order.
+    ``data`` is what ``submit`` returned for the operation of another stage whose
+    result ``op`` takes (``ops.received``: the activation for F, the cotangent for
+    B), the microbatch itself for the first stage's F, or None (the last stage's B,
+    which starts from its loss; W). ``side`` is the stage's side inputs for F
+    (``model.side_for``), else empty. Returns the handles in submission order.
     """
-    S = stages
-    acts: dict[tuple, Any] = {}
-    cts: dict[tuple, Any] = {}
+    S = num_stages
+    sent: dict[OpKey, Any] = {}  # by operation, the handles no other stage's operation has taken yet
     handles = []
-    idx = [0] * len(plans)
-    while any(idx[w] < len(plans[w]) for w in range(len(plans))):
-        moved = False
-        for w, ops in enumerate(plans):
-            while idx[w] < len(ops):
-                op = ops[idx[w]]
-                c, mb = op.chunk, op.mb
-                if op.kind == "F":
-                    if c > 0 and (c, mb) not in acts:
-                        break
-                    data = mbs[mb][0] if c == 0 else acts.pop((c, mb))
-                    h = submit(w, op, data, side_for(mbs[mb][1], c, S))
-                    if c < S - 1:
-                        acts[(c + 1, mb)] = h
-                elif op.kind == "B":
-                    if c < S - 1 and (c, mb) not in cts:
-                        break
-                    h = submit(w, op, None if c == S - 1 else cts.pop((c, mb)), [])
-                    if c > 0:
-                        cts[(c - 1, mb)] = h
-                else:
-                    h = submit(w, op, None, [])
-                handles.append(h)
-                idx[w] += 1
-                moved = True
-        if not moved:
-            raise VjpsplitError("the schedule deadlocks: some operation waits for one that runs after it")
+    for w, op, _, _ in sweep(plans, S):
+        source = received(op, S)
+        if source is not None:
+            data = sent.pop(source)
+        elif op.kind == Kind.F:
+            data = mbs[op.mb][0]
+        else:
+            data = None
+        side = side_for(mbs[op.mb][1], op.stage, S) if op.kind == Kind.F else []
+        h = submit(w, op, data, side)
+        sent[op.key] = h
+        handles.append(h)
     return handles
 
 
-def progress_bar(total: int, enabled: bool):
+def progress_bar(total: int, enabled: bool) -> Any:
     """A tqdm bar over ``total`` operations on stderr, or None when not asked for (or tqdm is missing)."""
     if not enabled:
         return None

@@ -10,18 +10,18 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
-import numpy as np
+from ..schedules.ops import Op, split_ops
+from ..schedules.plans import resolve
+from ..stages.directory import Stages
+from .devices import stage_devices
+from .dispatch import Submit, progress_bar, walk
+from .model import Microbatch, model_of
+from .result import PipelineResult, step_result
+from .worker import StageWorker, run_op
 
-from ...errors import VjpsplitError
-from .dispatch import progress_bar, walk
-from .fromone import run_stages
-from ..schedules.plans import resolve, split_ops
-from ..schedules.builtins import Op
-from .worker import StageWorker, check_stages, run_op, split_batch, stage_devices
-from ..stages.directory import is_stages
-from ..schedules.timeline import PipelineResult
+RUNNER = "in-process"
 
 
 class _Mailbox:
@@ -29,15 +29,15 @@ class _Mailbox:
 
     __slots__ = ("event", "value")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.event = threading.Event()
-        self.value = None
+        self.value: Any = None
 
-    def put(self, value) -> None:
+    def put(self, value: Any) -> None:
         self.value = value
         self.event.set()
 
-    def get(self):
+    def get(self) -> Any:
         self.event.wait()
         return self.value
 
@@ -46,83 +46,95 @@ _FAILED = object()  # posted in place of a value whose operation failed or was s
 
 
 def run_inprocess(
-    artifacts: Sequence,
-    params: Sequence,
-    x,
-    side=(),
+    artifacts: Sequence[Any] | Stages,
+    params: Any,
+    x: Any,
+    side: Any = (),
     *,
     microbatches: int,
     schedule_name: str = "1f1b",
     progress: bool = False,
-    devices: Sequence[Sequence] | None = None,
+    devices: Sequence[Sequence[Any]] | None = None,
     schedule: Sequence[Sequence[Op]] | None = None,
-    workers: Sequence[StageWorker] | None = None,
-    tail: Callable[[int, bool], None] | None = None,
 ) -> PipelineResult:
     """Run one training step in this process: one thread per worker, mailboxes between stages.
 
-    ``workers``: the stages' ``StageWorker``s to run on (kept across steps, as a
-    ``Trainer`` does; reset here) instead of new ones from ``params``. ``tail(w,
-    failed)`` runs in worker ``w``'s thread after its last operation (``failed``:
-    some operation of the step failed); what it raises is the step's error.
-
     ``schedule`` (plans, e.g. from ``read_schedule``) runs instead of ``schedule_name``, once checked.
 
-    Sharded stages run on their device groups (``devices``, one per stage; see
-    ``stage_devices`` for the default); activations and cotangents are moved
-    onto the next stage's shardings. A ``Stages`` takes the whole ``params`` and the batch tuple as ``x``.
+    Sharded stages run on their device groups (``devices``, one per stage; by
+    default consecutive groups of this host's devices where there are enough);
+    activations and cotangents are moved onto the next stage's shardings. A
+    ``Stages`` takes the whole ``params`` and the batch tuple as ``x``, and its
+    gradients come back in ``params``' structure.
     """
-    if is_stages(artifacts):  # grads come back in params' structure
-        kw = {"schedule_name": schedule_name, "progress": progress, "devices": devices, "schedule": schedule}
-        return run_stages(run_inprocess, artifacts, params, x, microbatches=microbatches, **kw)
-    S = len(artifacts)
-    if len(params) != S:
-        raise VjpsplitError(f"{S} stages but {len(params)} parameter sets")
-    artifacts = stage_devices(artifacts, devices)
-    schedule_name, plans, _ = resolve(schedule_name, schedule, S, microbatches)
-    check_stages(artifacts, schedule_name, plans)
-    mbs = split_batch(x, side, microbatches)
-    if workers is None:
-        stages = [StageWorker(a, p, i, S) for i, (a, p) in enumerate(zip(artifacts, params))]
-    else:
-        stages = list(workers)
-        for st in stages:
-            st.reset()
-    threads = _Threads(plans, stages, split_ops(plans), microbatches, progress, tail)
-    t0 = time.monotonic()
-    threads.run(lambda submit: walk(plans, S, mbs, submit))
-    step = time.monotonic() - t0
-    last = stages[-1]
-    return PipelineResult(
-        schedule_name,
-        float(np.mean([last.losses[m] for m in range(microbatches)])),
-        [st.grads for st in stages],
-        sorted((e for st in stages for e in st.events), key=lambda e: e.start),
-        S,
-        microbatches,
-        "in-process",
-        step,
+    model = model_of(artifacts, params)
+    S = model.num_stages
+    name, plans, _ = resolve(schedule_name, schedule, S, microbatches)
+    arts = stage_devices(model.artifacts, devices)
+    model.check_plans(name, plans)
+    mbs = model.microbatches(x, side, microbatches)
+    workers = [StageWorker(a, p, i, S) for i, (a, p) in enumerate(zip(arts, model.stage_params))]
+    step_time = run_threads(workers, plans, mbs, microbatches, progress=progress)
+    return step_result(
+        schedule=name,
         plans=plans,
+        num_stages=S,
+        microbatches=microbatches,
+        runner=RUNNER,
+        step_time=step_time,
+        losses=workers[-1].losses,
+        grads=model.gather([st.grads for st in workers]),
+        events=[e for st in workers for e in st.events],
     )
+
+
+def run_threads(
+    workers: Sequence[StageWorker],
+    plans: Sequence[Sequence[Op]],
+    mbs: Sequence[Microbatch],
+    microbatches: int,
+    *,
+    progress: bool = False,
+    tail: Callable[[int, bool], None] | None = None,
+) -> float:
+    """One step of ``plans`` on the stages' ``workers`` (reset first), one thread per worker; its seconds.
+
+    ``tail(w, failed)`` runs in worker ``w``'s thread after its last operation
+    (``failed``: some operation of the step failed); what it raises is the step's error.
+    """
+    for st in workers:
+        st.reset()
+    threads = _Threads(plans, workers, split_ops(plans), microbatches, progress, tail)
+    t0 = time.monotonic()
+    threads.run(lambda submit: walk(plans, len(workers), mbs, submit))
+    return time.monotonic() - t0
 
 
 class _Threads:
     """One thread per worker, each running its list of operations, in order, from its inbox."""
 
-    def __init__(self, plans, stages, split, microbatches: int, progress: bool, tail):
-        self.plans, self.stages, self.split, self.microbatches, self.tail = plans, stages, split, microbatches, tail
-        self.inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in plans]
+    def __init__(
+        self,
+        plans: Sequence[Sequence[Op]],
+        workers: Sequence[StageWorker],
+        split: set[tuple[int, int]],
+        microbatches: int,
+        progress: bool,
+        tail: Callable[[int, bool], None] | None,
+    ):
+        self.plans, self.workers, self.split, self.microbatches, self.tail = plans, workers, split, microbatches, tail
+        self.inboxes: list[queue.SimpleQueue[tuple[Any, Any, Any, _Mailbox]]] = [queue.SimpleQueue() for _ in plans]
         self.errors: list[BaseException] = []
         self.bar = progress_bar(sum(len(p) for p in plans), progress)
         self.bar_lock = threading.Lock()
 
-    def submit(self, w: int, op, data, side) -> _Mailbox:
+    def submit(self, w: int, op: Op, data: Any, side: list[Any]) -> _Mailbox:
         """Queue ``op`` for worker ``w``; its result arrives in the returned mailbox."""
         box = _Mailbox()
         self.inboxes[w].put((op, data, side, box))
         return box
 
-    def run(self, drive: Callable) -> None:
+    def run(self, drive: Callable[[Submit], Any]) -> None:
         """Start the threads, ``drive(submit)`` hands them the step, wait; the first error is raised here."""
         threads = [threading.Thread(target=self._worker, args=(w,), name=f"worker-{w}") for w in range(len(self.plans))]
         for t in threads:
@@ -152,8 +164,8 @@ class _Threads:
                 box.put(_FAILED)
                 continue
             try:
-                split = (op.chunk, op.mb) in self.split
-                box.put(run_op(self.stages[op.chunk], op, data, side, self.microbatches, split, w))
+                split = (op.stage, op.mb) in self.split
+                box.put(run_op(self.workers[op.stage], op, data, side, self.microbatches, split, w))
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 errors.append(e)
                 box.put(_FAILED)

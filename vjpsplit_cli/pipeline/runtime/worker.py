@@ -10,14 +10,13 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ...errors import VjpsplitError
 from ...tracing.residuals import Intermediates
-from .dispatch import PreSplit
-from ..schedules.builtins import LABELS, SPLIT_BACKWARD, Op, check_schedule
+from ..schedules.ops import Kind, Op
 from ..schedules.timeline import Event
 
 
@@ -31,11 +30,11 @@ class _Forward:
     from the arguments, since returning them from ``jit`` would copy them.
     """
 
-    def __init__(self, art):
+    def __init__(self, art: Any):
         self.art = art
-        self.cache: dict = {}
+        self.cache: dict[Any, Any] = {}
 
-    def __call__(self, *args):
+    def __call__(self, *args: Any) -> tuple[Any, Any]:
         import jax
 
         leaves, tree = jax.tree_util.tree_flatten(args)
@@ -46,9 +45,9 @@ class _Forward:
             res_leaves = jax.tree_util.tree_leaves(res)
             where = {id(a): i for i, a in enumerate(leaves)}
             backed = {j: where[id(r)] for j, r in enumerate(res_leaves) if id(r) in where}
-            traced: dict = {}
+            traced: dict[str, Any] = {}
 
-            def run(*a):
+            def run(*a: Any) -> tuple[Any, list[Any]]:
                 o, r = self.art.fwd(*a)
                 flat, traced["tree"] = jax.tree_util.tree_flatten(r)
                 return o, [x for j, x in enumerate(flat) if j not in backed]
@@ -70,47 +69,47 @@ class _Calls:
     sum is in the same call as the weight gradient.
     """
 
-    def __init__(self, artifact, feeds_back: bool):
+    def __init__(self, artifact: Any, feeds_back: bool):
         import jax
 
         m = artifact.manifest
         w, x = m.arg_names[0], (m.arg_names[1] if feeds_back else None)
 
-        def add(acc, g):
+        def add(acc: Any, g: Any) -> Any:
             return jax.tree_util.tree_map(lambda a, b: a + b, acc, g)
 
-        def fused(res, ct):
+        def fused(res: Any, ct: Any) -> tuple[Any, Any]:
             g = artifact.bwd(res, ct)
             g = {m.wrt[0]: g} if m.single_grad else dict(zip(m.wrt, g))
             return g[w], (g[x] if x else None)
 
-        def fused_acc(acc, res, ct):
+        def fused_acc(acc: Any, res: Any, ct: Any) -> tuple[Any, Any]:
             gw, gx = fused(res, ct)
             return add(acc, gw), gx
 
-        def b_input(res, ct):
+        def b_input(res: Any, ct: Any) -> tuple[Any, Intermediates]:
             g, inter = artifact.bwd_input(res, ct)
             # Without the residuals W reads: out of a jitted call they would come back as copies
             # (XLA copies an argument it returns), the stage's own arrays are put back below.
             return (g[x] if x else None), Intermediates(inter.arrays, inter.dims, inter.fingerprint)
 
-        def b_input_with_residuals(res, ct):
+        def b_input_with_residuals(res: Any, ct: Any) -> tuple[Any, Intermediates]:
             gx, inter = self.backward_input_jitted(res, ct)
             stored, inputs = artifact.weight_part_residuals(res)
             return gx, Intermediates(
                 inter.arrays, inter.dims, inter.fingerprint, res.residuals_id, stored, inputs, res.arg_trees
             )
 
-        def b_weight(inter):
+        def b_weight(inter: Intermediates) -> Any:
             # The intermediates carry the residuals W reads: the rest were freed after B.
             return artifact.bwd_weight(inter)[w]
 
         self.forward = _Forward(artifact)
         self.backward, self.backward_acc = jax.jit(fused), jax.jit(fused_acc)
-        self.backward_input_jitted = jax.jit(b_input) if m.weights else None  # the compiled part (FLOPs, HLO)
-        self.backward_input = b_input_with_residuals if m.weights else None
-        self.backward_weight = jax.jit(b_weight) if m.weights else None
-        self.backward_weight_acc = jax.jit(lambda acc, inter: add(acc, b_weight(inter))) if m.weights else None
+        self.backward_input_jitted: Any = jax.jit(b_input) if m.weights else None  # the compiled part (FLOPs, HLO)
+        self.backward_input: Any = b_input_with_residuals if m.weights else None
+        self.backward_weight: Any = jax.jit(b_weight) if m.weights else None
+        self.backward_weight_acc: Any = jax.jit(lambda acc, inter: add(acc, b_weight(inter))) if m.weights else None
 
 
 # Compiled calls live as long as their artifact, so repeated steps (and run_inprocess
@@ -119,7 +118,7 @@ _CALLS: "weakref.WeakKeyDictionary[Any, dict[bool, _Calls]]" = weakref.WeakKeyDi
 _CALLS_LOCK = threading.Lock()
 
 
-def _calls_for(artifact, feeds_back: bool) -> _Calls:
+def _calls_for(artifact: Any, feeds_back: bool) -> _Calls:
     with _CALLS_LOCK:
         per = _CALLS.setdefault(artifact, {})
         if feeds_back not in per:
@@ -128,52 +127,59 @@ def _calls_for(artifact, feeds_back: bool) -> _Calls:
 
 
 class StageWorker:
-    """One stage: its artifact, parameters, residuals in flight and accumulated gradients."""
+    """One stage's F, B and W with their bookkeeping: its artifact, parameters, residuals in flight and
+    accumulated gradients. The runners' building block (threads and Ray actors run the same)."""
 
-    def __init__(self, artifact, params, index: int, stages: int):
+    def __init__(self, artifact: Any, params: Any, stage_index: int, num_stages: int):
         self.art = artifact
         # Once, not on every microbatch: on a sharded stage, by its recorded shardings on its devices.
         self.params = artifact.place_arg(0, params)
-        self.index = index
-        self.stages = stages
+        self.stage_index = stage_index
+        self.num_stages = num_stages
         m = artifact.manifest
         names = m.arg_names
         if names[0] not in m.wrt:
-            raise VjpsplitError(f"stage {index}: its first argument ({names[0]}) must be differentiated")
-        self.feeds_back = index > 0
+            raise VjpsplitError(f"stage {stage_index}: its first argument ({names[0]}) must be differentiated")
+        self.feeds_back = stage_index > 0
         if self.feeds_back and (len(names) < 2 or names[1] not in m.wrt):
             raise VjpsplitError(
-                f"stage {index}: export it with wrt including its input "
+                f"stage {stage_index}: export it with wrt including its input "
                 f"({names[1] if len(names) > 1 else 'the second argument'}): the stage before "
                 "waits for that gradient"
             )
         self.calls = _calls_for(artifact, self.feeds_back)
         self.reset()
 
-    def reset(self):
+    @property
+    def is_last(self) -> bool:
+        """Whether this is the pipeline's last stage (its F gives the loss)."""
+        return self.stage_index == self.num_stages - 1
+
+    def reset(self) -> None:
         """Forget residuals, gradients and timings: ready for the next step."""
         self.res: dict[int, Any] = {}
         self.inter: dict[int, Any] = {}
-        self.grads = None
+        self.grads: Any = None
         self.events: list[Event] = []
         self.losses: dict[int, float] = {}
 
-    def _timed(self, worker, kind, mb, fn):
+    def _timed(self, worker: int | None, kind: Kind, mb: int, fn: Callable[[], Any]) -> Any:
         t0 = time.monotonic()
         out = fn()
-        self.events.append(Event(worker, kind, mb, t0, time.monotonic(), self.index))
+        w = self.stage_index if worker is None else worker
+        self.events.append(Event(w, kind, mb, t0, time.monotonic(), self.stage_index))
         return out
 
-    def _ct(self, ct, microbatches: int):
-        return np.float32(1.0 / microbatches) if self.index == self.stages - 1 else ct
+    def _ct(self, ct: Any, microbatches: int) -> Any:
+        return np.float32(1.0 / microbatches) if self.is_last else ct
 
-    def forward(self, mb: int, x, side: Sequence, worker: int | None = None):
+    def forward(self, mb: int, x: Any, side: Sequence[Any], worker: int | None = None) -> Any:
         """F: run the forward, keep the residuals; return the activation (the loss on the last stage)."""
 
-        def run():
+        def run() -> Any:
             import jax
 
-            xs = (x, *side)
+            xs = [x, *side]
             if self.art.manifest.sharded:
                 # Activations arrive from the previous stage's devices: lay them out for this one first.
                 xs = [self.art.place_arg(i + 1, v) for i, v in enumerate(xs)]
@@ -182,15 +188,15 @@ class StageWorker:
             self.res[mb] = res
             return out
 
-        out = self._timed(self.index if worker is None else worker, "F", mb, run)
-        if self.index == self.stages - 1:
+        out = self._timed(worker, Kind.F, mb, run)
+        if self.is_last:
             self.losses[mb] = float(out)
         return out
 
-    def backward(self, mb: int, ct, microbatches: int, worker: int | None = None):
+    def backward(self, mb: int, ct: Any, microbatches: int, worker: int | None = None) -> Any:
         """Whole backward (GPipe, 1F1B): accumulate the weight gradient, return the input cotangent."""
 
-        def run():
+        def run() -> Any:
             import jax
 
             res, c = self.res.pop(mb), self.art.place_cotangent(self._ct(ct, microbatches))
@@ -200,12 +206,12 @@ class StageWorker:
                 self.grads, gx = jax.block_until_ready(self.calls.backward_acc(self.grads, res, c))
             return gx
 
-        return self._timed(self.index if worker is None else worker, "B", mb, run)
+        return self._timed(worker, Kind.B, mb, run)
 
-    def backward_input(self, mb: int, ct, microbatches: int, worker: int | None = None):
+    def backward_input(self, mb: int, ct: Any, microbatches: int, worker: int | None = None) -> Any:
         """Split schedules' B: the input cotangent now, the weight part later."""
 
-        def run():
+        def run() -> Any:
             import jax
 
             # B is the last reader of most residuals: drop them, keeping only W's share (in inter).
@@ -214,12 +220,12 @@ class StageWorker:
             self.inter[mb] = inter
             return gx
 
-        return self._timed(self.index if worker is None else worker, "B", mb, run)
+        return self._timed(worker, Kind.B, mb, run)
 
-    def backward_weight(self, mb: int, worker: int | None = None):
+    def backward_weight(self, mb: int, worker: int | None = None) -> None:
         """Split schedules' W: the weight gradient of a microbatch whose B already ran."""
 
-        def run():
+        def run() -> Any:
             import jax
 
             inter = self.inter.pop(mb)
@@ -228,79 +234,20 @@ class StageWorker:
             else:
                 self.grads = jax.block_until_ready(self.calls.backward_weight_acc(self.grads, inter))
 
-        self._timed(self.index if worker is None else worker, "W", mb, run)
+        self._timed(worker, Kind.W, mb, run)
 
 
-def split_batch(x, side: Mapping[str, Any] | Sequence, microbatches: int) -> list[tuple[Any, list]]:
-    """The batch and its side inputs cut into ``microbatches`` equal ``(x, side)`` pieces along axis 0."""
-    if isinstance(x, PreSplit):
-        if len(x.mbs) != microbatches:
-            raise VjpsplitError(f"{len(x.mbs)} microbatches prepared, {microbatches} asked for")
-        return list(x.mbs)
-    n = np.shape(x)[0]
-    if n % microbatches:
-        raise VjpsplitError(f"batch of {n} does not split into {microbatches} equal microbatches")
-    k = n // microbatches
-    sides = list(side.values()) if isinstance(side, Mapping) else list(side)
-    return [(x[i * k : (i + 1) * k], [s[i * k : (i + 1) * k] for s in sides]) for i in range(microbatches)]
-
-
-def check_stages(artifacts: Sequence, name: str, plans: Sequence[Sequence[Op]] | None = None) -> None:
-    """Refuse a schedule the stages cannot run (split schedules need artifacts with the split backward).
-
-    With ``plans`` (a checked schedule), the stages that have a W in them need it.
-    """
-    if plans is not None:
-        need = {o.chunk for ops in plans for o in ops if o.kind == "W"}
-    else:
-        check_schedule(name, len(artifacts))
-        need = set(range(len(artifacts))) if name in SPLIT_BACKWARD else set()
-    if need:
-        for i, a in enumerate(artifacts):
-            if i in need and not a.manifest.weights:
-                raise VjpsplitError(
-                    f"{LABELS.get(name, name)} needs the split backward: export stage {i} with "
-                    f"weights=('{a.manifest.arg_names[0]}',)"
-                )
-
-
-def stage_devices(artifacts: Sequence, devices: Sequence[Sequence] | None = None) -> list:
-    """Each stage's artifact on its device group (sharded stages); unsharded stages as they are.
-
-    ``devices`` gives one group per stage. By default, stages take consecutive
-    disjoint groups of this host's devices when there are enough (stage s on
-    devices n*s ... n*s+n-1), else all share the first ones (one mesh).
-    """
-    import jax
-
-    if devices is not None:
-        if len(devices) != len(artifacts):
-            raise VjpsplitError(f"{len(artifacts)} stages but {len(devices)} device groups")
-        return [a.on_devices(g) if a.manifest.sharded else a for a, g in zip(artifacts, devices)]
-    have = jax.devices()
-    need = [a.manifest.nr_devices if a.manifest.sharded else 0 for a in artifacts]
-    if not any(need):
-        return list(artifacts)
-    out, start = [], 0
-    disjoint = sum(need) <= len(have)
-    for a, n in zip(artifacts, need):
-        if not n:
-            out.append(a)
-            continue
-        out.append(a.on_devices(have[start : start + n]) if disjoint else a)
-        start += n if disjoint else 0
-    return out
-
-
-def run_op(stage: StageWorker, op: Op, data, side: Sequence, microbatches: int, split: bool, worker: int):
+def run_op(
+    stage: StageWorker, op: Op, data: Any, side: Sequence[Any], microbatches: int, split: bool, worker: int
+) -> Any:
     """Execute scheduled operation ``op`` on ``stage``: F takes the activation, B the cotangent; W takes nothing.
 
     Returns what the operation hands on: the activation (or loss), the input
     cotangent, or None for W.
     """
-    if op.kind == "F":
+    if op.kind == Kind.F:
         return stage.forward(op.mb, data, side, worker=worker)
-    if op.kind == "B":
+    if op.kind == Kind.B:
         return (stage.backward_input if split else stage.backward)(op.mb, data, microbatches, worker=worker)
     stage.backward_weight(op.mb, worker=worker)
     return None

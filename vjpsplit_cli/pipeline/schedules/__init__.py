@@ -1,1 +1,12 @@
-"""TODO room docstring."""
+"""Schedules, pure data: which worker runs which F, B and W operations, in what order, and how that plays.
+
+Owns the operation and its one dependency rule (``ops``), the built-in schedules
+by name (``catalog``, ``builtins``), layouts (``layout``: which worker runs which
+stage), the one play of plans (``play``: the order the dispatcher submits in,
+the deadlock check, the simulator with per-stage costs and send delays, ZB-H1's
+W placement), the checks and resolution of a step's plans (``plans``), plans as
+torch's CSV (``csvformat``), timelines (``timeline``) and plots (``plots``).
+
+Nothing here runs a model. May import the base modules and the layers below
+``pipeline``; inside ``pipeline``, nothing (it is the first room).
+"""

@@ -1,115 +1,21 @@
-"""Pipeline schedules, pure: which worker runs which F, B and W operations, in what order.
+"""The built-in schedules as pure lists: which worker runs which F, B and W operations, in what order.
 
 GPipe, 1F1B and ZB-H1 put one stage on each worker; ZB-V and DualPipeV put two on
 each, in a V; interleaved 1F1B puts ``v`` on each, round robin. Nothing here runs
-a model: the lists are data, played by ``timeline.simulate`` and executed by the
-runners through ``dispatch.walk``. A B whose microbatch has a W in the lists is
-the input part of the backward; one without is the whole backward (DualPipeV
-mixes both).
+a model: the lists are data, played by ``play`` and executed by the runners. A B
+whose microbatch has a W in the lists is the input part of the backward; one
+without is the whole backward (DualPipeV mixes both).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from ...errors import VjpsplitError
-
-SCHEDULES = ("gpipe", "1f1b", "zbh1", "zbv", "interleaved1f1b", "dualpipev")
-SPLIT_BACKWARD = ("zbh1", "zbv", "dualpipev")  # schedules that run (some) B and W as separate operations
-LABELS = {
-    "gpipe": "GPipe",
-    "1f1b": "1F1B",
-    "zbh1": "ZB-H1",
-    "zbv": "ZB-V",
-    "interleaved1f1b": "Interleaved 1F1B",
-    "dualpipev": "DualPipeV",
-    "custom": "Custom schedule",
-}
-V_SHAPED = ("zbv", "dualpipev")  # worker w holds stages w and 2p-1-w
-CHUNKS = 2  # interleaved 1F1B's stages per worker when only a name is given (Megatron-LM's usual choice)
+from .catalog import CHUNKS, check_schedule
+from .ops import Kind, Op
+from .play import play
 
 
-@dataclass(frozen=True)
-class Op:
-    """One operation of a worker: ``kind`` F, B or W on microbatch ``mb`` of stage ``chunk``.
-
-    ``chunk`` indexes the pipeline's stages (its artifacts). It equals the worker's
-    index except where a worker runs several stages (ZB-V, DualPipeV, interleaved).
-    ``overlap`` marks the first of two operations that torch's runtime runs as one
-    ``OVERLAP_F_B`` action (DualPipeV); vjpsplit runs them one after the other.
-    """
-
-    kind: str
-    mb: int
-    chunk: int
-    overlap: bool = False
-
-
-def check_schedule(name: str, stages: int, microbatches: int | None = None, chunks: int = CHUNKS) -> None:
-    """Refuse an unknown schedule, an empty pipeline, or stages and microbatches the schedule cannot run.
-
-    ``microbatches=None`` checks only what the stages decide.
-    """
-    if name not in SCHEDULES:
-        raise VjpsplitError(f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}")
-    if stages < 1 or (microbatches is not None and microbatches < 1):
-        raise VjpsplitError("a pipeline needs at least one stage and one microbatch")
-    if name in V_SHAPED and stages % 2:
-        raise VjpsplitError(
-            f"{LABELS[name]} runs two stages per worker in a V: it needs an even number of stages, not {stages}"
-        )
-    if name == "interleaved1f1b":
-        if chunks < 1 or stages % chunks:
-            raise VjpsplitError(
-                f"interleaved 1F1B with {chunks} stages per worker needs a multiple of {chunks} stages, not "
-                f"{stages}; for another count pass schedule=schedule('interleaved1f1b', S, m, chunks=v)"
-            )
-        p = stages // chunks
-        if microbatches is not None and microbatches % p:
-            raise VjpsplitError(
-                f"interleaved 1F1B on {p} workers needs a multiple of {p} microbatches, not {microbatches}"
-            )
-    if name == "dualpipev" and microbatches is not None and microbatches < stages:
-        raise VjpsplitError(
-            f"DualPipeV on {stages // 2} workers needs at least {stages} microbatches (2 per worker), not {microbatches}"
-        )
-
-
-def placement(name: str, stages: int, chunks: int = CHUNKS) -> list[tuple[int, ...]]:
-    """The stages each worker holds under schedule ``name``.
-
-    ``(s,)`` each; the V ``(w, 2p-1-w)`` for ZB-V and DualPipeV; ``(w, w+p, ...)``
-    (``chunks`` of them) for interleaved 1F1B.
-    """
-    check_schedule(name, stages, chunks=chunks)
-    if name in V_SHAPED:
-        p = stages // 2
-        return [(w, 2 * p - 1 - w) for w in range(p)]
-    if name == "interleaved1f1b":
-        p = stages // chunks
-        return [tuple(range(w, stages, p)) for w in range(p)]
-    return [(s,) for s in range(stages)]
-
-
-def dependencies(op: Op, stages: int, split: bool) -> list[tuple[str, int, int]]:
-    """The ``(kind, mb, chunk)`` operations whose results ``op`` reads.
-
-    F reads the previous stage's activation; B reads its own stage's residuals and
-    the next stage's cotangent (the last stage starts from its loss); W (``split``
-    schedules only) reads what its B left.
-    """
-    k, mb, c = op.kind, op.mb, op.chunk
-    if k == "F":
-        return [("F", mb, c - 1)] if c > 0 else []
-    if k == "B":
-        return [("F", mb, c)] + ([("B", mb, c + 1)] if c < stages - 1 else [])
-    if not split:
-        raise VjpsplitError("a W operation in a schedule without the split backward")
-    return [("B", mb, c)]
-
-
-def schedule(name: str, stages: int, microbatches: int, chunks: int = CHUNKS) -> list[list[Op]]:
-    """Per worker, the ordered operations of schedule ``name`` for ``stages`` stages and ``microbatches``.
+def schedule(name: str, num_stages: int, microbatches: int, chunks: int = CHUNKS) -> list[list[Op]]:
+    """Per worker, the ordered operations of schedule ``name`` for ``num_stages`` stages and ``microbatches``.
 
     * ``gpipe``: every forward, then every backward.
     * ``1f1b``: worker ``s`` runs ``S-s-1`` forwards ahead, then alternates one
@@ -131,12 +37,12 @@ def schedule(name: str, stages: int, microbatches: int, chunks: int = CHUNKS) ->
     * ``dualpipev`` (DeepSeek's ``dualpipev.py``; PyTorch's ``ScheduleDualPipeV``):
       ``S = 2p`` stages in ZB-V's V, its eight phases, ``m >= 2p``.
 
-    Worker ``i``'s list is ``schedule(...)[i]``; ``placement`` says which stages it holds.
+    Worker ``i``'s list is ``schedule(...)[i]``; ``worker_stages`` says which stages it holds.
     """
-    check_schedule(name, stages, microbatches, chunks)
-    S, M = stages, microbatches
+    check_schedule(name, num_stages, microbatches, chunks)
+    S, M = num_stages, microbatches
     if name == "gpipe":
-        return [[Op("F", m, s) for m in range(M)] + [Op("B", m, s) for m in range(M)] for s in range(S)]
+        return [[Op(Kind.F, m, s) for m in range(M)] + [Op(Kind.B, m, s) for m in range(M)] for s in range(S)]
     if name == "zbv":
         return _zbv(S // 2, M)
     if name == "interleaved1f1b":
@@ -146,53 +52,53 @@ def schedule(name: str, stages: int, microbatches: int, chunks: int = CHUNKS) ->
     plans = []
     for s in range(S):
         warm = min(S - s - 1, M)
-        ops = [Op("F", m, s) for m in range(warm)]
+        ops = [Op(Kind.F, m, s) for m in range(warm)]
         f = warm
         for b in range(M):
             if f < M:
-                ops.append(Op("F", f, s))
+                ops.append(Op(Kind.F, f, s))
                 f += 1
-            ops.append(Op("B", b, s))
+            ops.append(Op(Kind.B, b, s))
         plans.append(ops)
     return plans if name == "1f1b" else _place_weight_passes(plans, S)
 
 
-def _place_weight_passes(fb: list[list[Op]], S: int) -> list[list[Op]]:
-    """ZB-H1: insert W passes into 1F1B's F/B lists where a unit-time play shows the worker idle.
+class _WeightPasses:
+    """ZB-H1's rule for W: run the oldest pending W where the worker would wait, or where a forward
+    would make it hold ``limit`` microbatches between F and W.
 
-    A forward waits while the worker holds ``S`` microbatches between F and W: the
-    first worker's 1F1B peak, which bounds every worker (the paper's memory rule:
-    W holds less than B, so the first worker, which holds most, stays at 1F1B's
-    peak). Bounding each worker by its *own* 1F1B count (``S-s``) instead forces
-    W right behind B wherever a forward follows, and costs ``p-1`` more units.
+    ``limit`` is the first worker's 1F1B peak, ``S``, which bounds every worker (the paper's
+    memory rule: W holds less than B, so the first worker, which holds most, stays at 1F1B's
+    peak). Bounding each worker by its *own* 1F1B count (``S-s``) instead forces W right
+    behind B wherever a forward follows, and costs ``p-1`` more units.
     """
-    done: dict[tuple, int] = {}
-    nxt = [0] * S
-    pending: list[list[int]] = [[] for _ in range(S)]
-    out: list[list[Op]] = [[] for _ in range(S)]
-    live = [0] * S
-    t = 0
-    while any(nxt[s] < len(fb[s]) or pending[s] for s in range(S)):
-        for s in range(S):
-            op = fb[s][nxt[s]] if nxt[s] < len(fb[s]) else None
-            ready = op is not None and all(done.get(d, t + 1) <= t for d in dependencies(op, S, True))
-            if op is not None and ready and op.kind == "F" and live[s] >= S:
-                ready = False
-            if op is not None and ready:
-                out[s].append(op)
-                done[(op.kind, op.mb, op.chunk)] = t + 1
-                nxt[s] += 1
-                if op.kind == "F":
-                    live[s] += 1
-                else:
-                    pending[s].append(op.mb)
-            elif pending[s]:
-                mb = pending[s].pop(0)
-                out[s].append(Op("W", mb, s))
-                done[("W", mb, s)] = t + 1
-                live[s] -= 1
-        t += 1
-    return out
+
+    def __init__(self, num_workers: int, limit: int):
+        self.limit = limit
+        self.live = [0] * num_workers  # microbatches between F and W
+        self.pending: list[list[Op]] = [[] for _ in range(num_workers)]
+
+    def insert(self, worker: int, next_op: Op | None, free: float, ready: float) -> Op | None:
+        """The oldest pending W when the worker would otherwise wait (or its list is done)."""
+        pending = self.pending[worker]
+        if not pending:
+            return None
+        held = next_op is not None and next_op.kind == Kind.F and self.live[worker] >= self.limit
+        return pending.pop(0) if next_op is None or free < ready or held else None
+
+    def ran(self, worker: int, op: Op) -> None:
+        """Count what ``op`` holds or frees; a B queues its W."""
+        if op.kind == Kind.F:
+            self.live[worker] += 1
+        elif op.kind == Kind.B:
+            self.pending[worker].append(Op(Kind.W, op.mb, op.stage))
+        else:
+            self.live[worker] -= 1
+
+
+def _place_weight_passes(fb: list[list[Op]], S: int) -> list[list[Op]]:
+    """ZB-H1: 1F1B's F/B lists with each W inserted where a unit-time play shows the worker idle."""
+    return play(fb, S, lambda op: 1.0, fill=_WeightPasses(len(fb), S)).plans
 
 
 def _zbv(p: int, M: int) -> list[list[Op]]:
@@ -209,9 +115,9 @@ def _zbv(p: int, M: int) -> list[list[Op]]:
         count = {k: {lo: 0, hi: 0} for k in "FBW"}
         ops: list[Op] = []
 
-        def add(kind, chunk):
-            ops.append(Op(kind, count[kind][chunk], chunk))
-            count[kind][chunk] += 1
+        def add(kind: str, stage: int) -> None:
+            ops.append(Op(Kind(kind), count[kind][stage], stage))
+            count[kind][stage] += 1
 
         for _ in range(2 * (p - w) - 1):  # forwards of the first chunk, down the V
             add("F", lo)
@@ -236,9 +142,9 @@ def _zbv(p: int, M: int) -> list[list[Op]]:
         for _ in range(p - w):
             add("B", lo)
             add("W", lo)
-        for chunk in (hi, lo):
-            while count["W"][chunk] < count["B"][chunk]:
-                add("W", chunk)
+        for stage in (hi, lo):
+            while count["W"][stage] < count["B"][stage]:
+                add("W", stage)
         plans.append([o for o in ops if o.mb < M])
     return plans
 
@@ -253,14 +159,14 @@ def _interleaved_rank(r: int, p: int, v: int, M: int) -> list[Op]:
     total = M * v
     warm = min(2 * (p - r - 1) + (v - 1) * p, total)
 
-    def op(kind: str, k: int) -> Op:
+    def op(kind: Kind, k: int) -> Op:
         c = (k // p) % v
-        return Op(kind, (k // (p * v)) * p + k % p, (c if kind == "F" else v - 1 - c) * p + r)
+        return Op(kind, (k // (p * v)) * p + k % p, (c if kind == Kind.F else v - 1 - c) * p + r)
 
-    ops = [op("F", k) for k in range(warm)]
+    ops = [op(Kind.F, k) for k in range(warm)]
     for i in range(total - warm):
-        ops += [op("F", warm + i), op("B", i)]
-    return ops + [op("B", i) for i in range(total - warm, total)]
+        ops += [op(Kind.F, warm + i), op(Kind.B, i)]
+    return ops + [op(Kind.B, i) for i in range(total - warm, total)]
 
 
 def _dualpipev_rank(r: int, p: int, M: int) -> list[Op]:
@@ -274,17 +180,17 @@ def _dualpipev_rank(r: int, p: int, M: int) -> list[Op]:
     queued: list[Op] = []
     ops: list[Op] = []
 
-    def f(c, overlap=False):
-        ops.append(Op("F", nxt["F", c], c, overlap))
+    def f(c: int, overlap: bool = False) -> None:
+        ops.append(Op(Kind.F, nxt["F", c], c, overlap))
         nxt["F", c] += 1
 
-    def b(c, split=False):
-        ops.append(Op("B", nxt["B", c], c))
+    def b(c: int, split: bool = False) -> None:
+        ops.append(Op(Kind.B, nxt["B", c], c))
         if split:
-            queued.append(Op("W", nxt["B", c], c))
+            queued.append(Op(Kind.W, nxt["B", c], c))
         nxt["B", c] += 1
 
-    def w():
+    def w() -> None:
         if queued:
             ops.append(queued.pop(0))
 
@@ -318,12 +224,3 @@ def _dualpipev_rank(r: int, p: int, M: int) -> list[Op]:
     for _ in range(r + 1):  # 8: the remaining W
         w()
     return ops
-
-
-def layout(schedule_name: str) -> str:
-    """How a schedule places stages on workers: ``"v"`` (two per worker, ZB-V, DualPipeV),
-    ``"interleaved"`` (``CHUNKS`` per worker, round robin) or ``"stage"`` (one each)."""
-    check_schedule(schedule_name, 2)
-    if schedule_name in V_SHAPED:
-        return "v"
-    return "interleaved" if schedule_name == "interleaved1f1b" else "stage"

@@ -17,7 +17,8 @@ from typing import Sequence
 from jax.extend import core as jcore
 
 from ...errors import VjpsplitError
-from .cut import Traced, eqn_cost, nbytes
+from .costmodel import eqn_cost, nbytes
+from .cut import Traced
 
 TOLERANCE = 0.0  # how far above the best largest-stage cost a cut may go to cross fewer bytes
 

@@ -10,11 +10,14 @@ in the function's jaxpr.
 
 from __future__ import annotations
 
+from typing import Any, Sequence, TypeVar
+
 import jax
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
 NAME = "stage_boundary"
+T = TypeVar("T")
 
 boundary_p = jcore.Primitive(NAME)
 boundary_p.multiple_results = True
@@ -22,12 +25,12 @@ boundary_p.def_impl(lambda *xs: list(xs))
 boundary_p.def_abstract_eval(lambda *avals: list(avals))
 
 
-def _jvp(primals, tangents):
+def _jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[Any, list[Any]]:
     # Tangents bypass the mark: linearised and transposed code never contains it.
     return boundary_p.bind(*primals), list(tangents)
 
 
-def _batch(args, dims):
+def _batch(args: Sequence[Any], dims: Sequence[Any]) -> tuple[Any, list[Any]]:
     return boundary_p.bind(*args), list(dims)
 
 
@@ -36,7 +39,7 @@ batching.primitive_batchers[boundary_p] = _batch
 mlir.register_lowering(boundary_p, lambda ctx, *xs: list(xs))
 
 
-def stage_boundary(x):
+def stage_boundary(x: T) -> T:
     """Return ``x`` (any pytree) unchanged, marking the end of a pipeline stage for ``export_stages``."""
     leaves, tree = jax.tree_util.tree_flatten(x)
     if not leaves:
@@ -44,6 +47,6 @@ def stage_boundary(x):
     return jax.tree_util.tree_unflatten(tree, boundary_p.bind(*leaves))
 
 
-def is_boundary(eqn) -> bool:
+def is_boundary(eqn: Any) -> bool:
     """Whether a jaxpr equation is a stage mark."""
     return eqn.primitive is boundary_p

@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 from jax.extend import core as jcore
 
 from ...errors import VjpsplitError
-from ...files.shapes import concrete_shape, dim_str, eval_dim
 from ...tracing.jaxprs import iter_eqns, sub_jaxprs
 from .boundary import NAME, is_boundary
-
-COST_DIM = 8  # the size symbolic dims take in cost and byte estimates
 
 
 @dataclasses.dataclass
@@ -73,7 +70,7 @@ def trace(flat_fn: Callable, param_structs: Sequence, batch_structs: Sequence) -
     return Traced(_read_marked(closed, marks), len(param_structs), marks)
 
 
-def _read_marked(closed, marks: Sequence[int]):
+def _read_marked(closed: jcore.ClosedJaxpr, marks: Sequence[int]) -> jcore.ClosedJaxpr:
     """``closed`` with every read after a mark of a value it marks reading the mark's output instead.
 
     The two are one value; without this, a value both marked and read unmarked later (a skip
@@ -100,20 +97,20 @@ def _read_marked(closed, marks: Sequence[int]):
 _CALLS = ("pjit", "jit", "closed_call", "core_call")
 
 
-def _has_mark(eqn) -> bool:
+def _has_mark(eqn: Any) -> bool:
     return any(is_boundary(e) for sub in sub_jaxprs(eqn) for e in iter_eqns(sub))
 
 
-def _inlinable(eqn) -> bool:
+def _inlinable(eqn: Any) -> bool:
     return eqn.primitive.name in _CALLS and _has_mark(eqn)
 
 
-def _inline_eval(closed, args) -> list:
+def _inline_eval(closed: Any, args: Sequence[Any]) -> list[Any]:
     """Evaluate ``closed`` on ``args`` (under a trace), inlining the calls that contain a stage mark."""
     env = dict(zip(closed.jaxpr.constvars, closed.consts))
     env.update(zip(closed.jaxpr.invars, args))
 
-    def read(a):
+    def read(a: Any) -> Any:
         return a.val if isinstance(a, jcore.Literal) else env[a]
 
     for eqn in closed.jaxpr.eqns:
@@ -132,7 +129,7 @@ def _inline_eval(closed, args) -> list:
     return [read(a) for a in closed.jaxpr.outvars]
 
 
-def _vars(atoms) -> list:
+def _vars(atoms: Sequence[Any]) -> list[Any]:
     return [a for a in atoms if not isinstance(a, jcore.Literal)]
 
 
@@ -203,7 +200,7 @@ def stage_function(traced: Traced, st: StageCut, first: bool, last: bool) -> Cal
         sub = jcore.Jaxpr(c_vars, [*p_vars, *st.recv, *b_vars], list(st.sent), list(st.eqns), effects)
     run = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(sub, [traced.closed.consts[i] for i in st.consts]))
 
-    def call(params, x, batch):
+    def call(params: Sequence[Any], x: Sequence[Any], batch: Sequence[Any]) -> Any:
         outs = run(*params, *x, *batch)
         return outs[0] if last else tuple(outs)
 
@@ -212,43 +209,3 @@ def stage_function(traced: Traced, st: StageCut, first: bool, last: bool) -> Cal
     if st.batch:
         return lambda params, x, batch: call(params, x, batch)
     return lambda params, x: call(params, x, ())
-
-
-def nbytes(aval, dims=None) -> int:
-    """An abstract value's bytes, symbolic dims at ``COST_DIM`` (or ``dims``)."""
-    shape = concrete_shape(tuple(dim_str(d) for d in aval.shape), dims or ANY_DIM)
-    return int(np.prod(shape or (), dtype=np.int64)) * np.dtype(aval.dtype).itemsize
-
-
-class AnyDim(dict):
-    """Every symbolic dim at ``COST_DIM``."""
-
-    def __missing__(self, key):
-        return COST_DIM
-
-    def __contains__(self, key):
-        return True
-
-    def get(self, key, default=None):
-        return COST_DIM
-
-
-ANY_DIM = AnyDim()
-
-
-def eqn_cost(eqn) -> float:
-    """An equation's estimated FLOPs: 2·M·N·K for a dot, one per output element otherwise (sub-jaxprs summed)."""
-    out = sum(nbytes(v.aval) / max(np.dtype(v.aval.dtype).itemsize, 1) for v in eqn.outvars if hasattr(v, "aval"))
-    name = eqn.primitive.name
-    if name == "dot_general":
-        (contract, _), _ = eqn.params["dimension_numbers"]
-        lhs = eqn.invars[0].aval
-        k = 1
-        for d in contract:
-            k *= eval_dim(dim_str(lhs.shape[d]), ANY_DIM) or COST_DIM
-        return 2.0 * out * k
-    subs = sub_jaxprs(eqn)
-    if subs:
-        inner = sum(eqn_cost(e) for s in subs for e in getattr(getattr(s, "jaxpr", s), "eqns", ()))
-        return inner * (int(eqn.params.get("length", 1)) if name == "scan" else 1)
-    return float(out)

@@ -11,7 +11,7 @@ differentiates ``params`` (and ``x`` after the first), never the batch.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -23,15 +23,17 @@ from ...files.shapes import concrete_shape, dim_str, to_struct
 from ...files.trees import flatten_with_keys
 from ...tracing.vjp import fn_name, positional_names, signature_positionals, wrt_positions
 from .balance import balanced_ends
-from .cut import ANY_DIM, COST_DIM, cut, eqn_cost, stage_function, trace
-from .directory import FORMAT, VERSION, Stages
+from .costmodel import ANY_DIM, COST_DIM, eqn_cost
+from .cut import StageCut, Traced, cut, stage_function, trace
+from .directory import Stages
+from .index import LeafEntry, StageEntry, StagesIndex
 
 
-def _leaf_entry(key: str, s) -> dict:
-    return {"key": key, "dtype": dtype_name(s.dtype), "shape": [dim_str(d) for d in s.shape]}
+def _leaf_entry(key: str, s: Any) -> LeafEntry:
+    return LeafEntry(key, dtype_name(s.dtype), tuple(dim_str(d) for d in s.shape))
 
 
-def _check_arity(fn: Callable, n: int) -> list[str]:
+def _check_arity(fn: Callable[..., Any], n: int) -> list[str]:
     try:
         names, required, varargs = signature_positionals(fn)
     except (TypeError, ValueError):
@@ -45,7 +47,7 @@ def _check_arity(fn: Callable, n: int) -> list[str]:
     return positional_names(fn, n)
 
 
-def _structs(name: str, spec) -> list[tuple[str, jax.ShapeDtypeStruct]]:
+def _structs(name: str, spec: Any) -> list[tuple[str, jax.ShapeDtypeStruct]]:
     out = []
     for key, leaf in flatten_with_keys(name, spec):
         try:
@@ -56,9 +58,9 @@ def _structs(name: str, spec) -> list[tuple[str, jax.ShapeDtypeStruct]]:
 
 
 def export_stages(
-    fn: Callable,
-    *specs,
-    wrt=0,
+    fn: Callable[..., Any],
+    *specs: Any,
+    wrt: int | str | Sequence[int | str] = 0,
     platforms: Sequence[str] | str = DEFAULT_PLATFORMS,
     policy: str | None = None,
     weights: bool = True,
@@ -90,7 +92,7 @@ def export_stages(
     trees = {i: jax.tree_util.tree_structure(specs[i]) for i in range(len(specs))}
     sizes = {i: trees[i].num_leaves for i in trees}  # type: ignore[attr-defined]  # PyTreeDef's stub lacks it
 
-    def flat_fn(*leaves):
+    def flat_fn(*leaves: Any) -> Any:
         it = iter(leaves)
         args = [None] * len(names)
         for i in [*wrt_pos, *batch_pos]:
@@ -116,24 +118,33 @@ def export_stages(
         for k, st in enumerate(cuts)
     ]
     arts, info = [a for a, _ in exported], [i for _, i in exported]
-    index = {
-        "format": FORMAT,
-        "version": VERSION,
-        "function": label,
-        "cut": how,
-        "cost_dim": COST_DIM,
-        "arg_names": list(names),
-        "wrt": [names[i] for i in wrt_pos],
-        "params_name": names[wrt_pos[0]],
-        "batch_names": [names[i] for i in batch_pos],
-        "params": [_leaf_entry(k, s) for k, s in p_entries],
-        "batch": [_leaf_entry(k, s) for k, s in b_entries],
-        "stages": info,
-    }
+    index = StagesIndex(
+        function=label,
+        cut=how,
+        cost_dim=COST_DIM,
+        arg_names=tuple(names),
+        wrt=tuple(names[i] for i in wrt_pos),
+        params_name=names[wrt_pos[0]],
+        batch_names=tuple(names[i] for i in batch_pos),
+        params=tuple(_leaf_entry(k, s) for k, s in p_entries),
+        batch=tuple(_leaf_entry(k, s) for k, s in b_entries),
+        per_stage=tuple(info),
+    )
     return Stages(arts, index)
 
 
-def _export_stage(traced, st, k: int, n: int, p_entries, b_entries, label, platforms, policy, weights):
+def _export_stage(
+    traced: Traced,
+    st: StageCut,
+    k: int,
+    n: int,
+    p_entries: Sequence[tuple[str, jax.ShapeDtypeStruct]],
+    b_entries: Sequence[tuple[str, jax.ShapeDtypeStruct]],
+    label: str,
+    platforms: Sequence[str] | str,
+    policy: str | None,
+    weights: bool,
+) -> tuple[Any, StageEntry]:
     """Stage ``k`` of ``n`` as an artifact, and its entry in ``stages.json``."""
     first, last = k == 0, k == n - 1
     sfn = stage_function(traced, st, first, last)
@@ -153,19 +164,20 @@ def _export_stage(traced, st, k: int, n: int, p_entries, b_entries, label, platf
         weights="params" if weights else None,
     )
     xla = _xla_flops(art)
-    return art, {
-        "file": f"stage{k}.vjp",
-        "params": st.params,
-        "batch": st.batch,
-        "receives": [_leaf_entry(f"x/{j}", v.aval) for j, v in enumerate(st.recv)],
-        "sends": [] if last else [_leaf_entry(f"out/{j}", v.aval) for j, v in enumerate(st.sent)],
-        "cost": xla if xla is not None else sum(eqn_cost(e) for e in st.eqns),
-        "cost_source": "xla" if xla is not None else "estimate",
-        "cut_after": None if last else _describe(st.eqns[-1]),
-    }
+    entry = StageEntry(
+        file=f"stage{k}.vjp",
+        params=tuple(st.params),
+        batch=tuple(st.batch),
+        receives=tuple(_leaf_entry(f"x/{j}", v.aval) for j, v in enumerate(st.recv)),
+        sends=() if last else tuple(_leaf_entry(f"out/{j}", v.aval) for j, v in enumerate(st.sent)),
+        cost=xla if xla is not None else sum(eqn_cost(e) for e in st.eqns),
+        cost_source="xla" if xla is not None else "estimate",
+        cut_after=None if last else _describe(st.eqns[-1]),
+    )
+    return art, entry
 
 
-def _describe(eqn) -> str:
+def _describe(eqn: Any) -> str:
     src = eqn.source_info
     where = ""
     try:
@@ -177,7 +189,7 @@ def _describe(eqn) -> str:
     return f"{eqn.primitive.name}{where}"
 
 
-def _xla_flops(art) -> float | None:
+def _xla_flops(art: Any) -> float | None:
     """XLA's FLOP count for the stage's forward at symbolic dims = COST_DIM; None where the backend has none."""
     exp = art.exported["fwd"]
     try:

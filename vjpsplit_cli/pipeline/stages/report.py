@@ -2,45 +2,46 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+import math
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from ...files.shapes import concrete_shape
 from ...files.sizes import human_bytes
-from .cut import ANY_DIM, AnyDim
+from .costmodel import ANY_DIM, AnyDim
+from .directory import Stages
 
 
-def _bytes(entries, dims) -> int:
+def _bytes(entries: Sequence[Any], dims: Mapping[str, int]) -> int:
     total = 0
     for e in entries:
-        shape = e["shape"] if isinstance(e, dict) else e.shape
-        dtype = e["dtype"] if isinstance(e, dict) else e.dtype
+        shape, dtype = e.shape, e.dtype
         size = concrete_shape(tuple(shape), dims) or ()
         total += int(np.prod(size, dtype=np.int64)) * np.dtype(dtype).itemsize
     return total
 
 
-def stage_rows(stages, at: Mapping[str, int] | None = None) -> list[dict]:
+def stage_rows(stages: Stages, at: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
     """Per stage: parameter count and bytes, batch inputs read, bytes sent on and residual bytes per microbatch, cost."""
     dims = _Sized(at or {})
-    params, batch = stages.index["params"], stages.index["batch"]
+    params, batch = stages.index.params, stages.index.batch
     rows = []
-    for i, (st, art) in enumerate(zip(stages.info, stages.artifacts)):
-        held = [params[j] for j in st["params"]]
+    for i, (st, art) in enumerate(zip(stages.index.per_stage, stages.artifacts)):
+        held = [params[j] for j in st.params]
         rows.append(
             {
                 "stage": i,
-                "params": [p["key"] for p in held],
-                "param_count": sum(int(np.prod(p["shape"], dtype=np.int64)) for p in held),
+                "params": [p.key for p in held],
+                "param_count": sum(math.prod(int(d) for d in p.shape) for p in held),
                 "param_bytes": _bytes(held, dims),
-                "batch": [batch[j]["key"] for j in st["batch"]],
-                "receives": len(st["receives"]),
-                "sent_bytes": _bytes(st["sends"], dims),
+                "batch": [batch[j].key for j in st.batch],
+                "receives": len(st.receives),
+                "sent_bytes": _bytes(st.sends, dims),
                 "residual_bytes": _bytes(art.manifest.stored_residuals, dims),
-                "cost": st["cost"],
-                "cost_source": st["cost_source"],
-                "cut_after": st["cut_after"],
+                "cost": st.cost,
+                "cost_source": st.cost_source,
+                "cut_after": st.cut_after,
             }
         )
     return rows
@@ -52,16 +53,16 @@ class _Sized(AnyDim):
     def __init__(self, at: Mapping[str, int]):
         super().__init__(at)
 
-    def __missing__(self, key):
+    def __missing__(self, key: str) -> int:
         return ANY_DIM[key]
 
 
-def format_stages(stages, at: Mapping[str, int] | None = None) -> str:
+def format_stages(stages: Stages, at: Mapping[str, int] | None = None) -> str:
     """The stages table, with the cost imbalance (largest stage over the mean) under it."""
     rows = stage_rows(stages, at)
     idx = stages.index
-    sized = ", ".join(f"{k}={v}" for k, v in (at or {}).items()) or f"symbolic dims at {idx.get('cost_dim', 8)}"
-    head = f"{idx['function']}: {len(rows)} stages ({idx['cut']}); bytes per microbatch with {sized}"
+    sized = ", ".join(f"{k}={v}" for k, v in (at or {}).items()) or f"symbolic dims at {idx.cost_dim}"
+    head = f"{idx.function}: {len(rows)} stages ({idx.cut}); bytes per microbatch with {sized}"
     cols = ["stage", "params", "param bytes", "batch inputs", "sends", "residuals", "est. cost", "cut after"]
     table = [
         [

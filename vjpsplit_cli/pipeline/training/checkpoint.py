@@ -45,11 +45,11 @@ FORMAT = 1
 INDEX = "checkpoint.json"
 
 
-def _host(v) -> np.ndarray:
+def _host(v: Any) -> np.ndarray:
     return np.asarray(to_data(v))
 
 
-def _stage_file(path: str, params: Mapping[str, Any], state: Mapping[str, Any]) -> dict:
+def _stage_file(path: str, params: Mapping[str, Any], state: Mapping[str, Any]) -> dict[str, Any]:
     arrays = {f"params/{k}": _host(v) for k, v in params.items()}
     arrays.update({f"state/{k}": _host(v) for k, v in state.items()})
     save_arrays(path, arrays, fsync=True)

@@ -57,7 +57,7 @@ class OptLeaf:
     sharding: tuple | None = None
     prng_impl: str = ""
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "key": self.key,
             "dtype": self.dtype,
@@ -67,7 +67,7 @@ class OptLeaf:
         }
 
     @classmethod
-    def from_json(cls, d: Mapping) -> "OptLeaf":
+    def from_json(cls, d: Mapping[str, Any]) -> OptLeaf:
         sh = d.get("sharding")
         return cls(
             str(d["key"]),
@@ -82,28 +82,28 @@ class OptLeaf:
         return jax.ShapeDtypeStruct(self.shape, dtype_from_name(self.dtype))
 
 
-def optimizer_name(tx) -> str:
+def optimizer_name(tx: Any) -> str:
     """A name for messages: the optax factory that built ``tx`` (``chain``, ``scale_by_adam``), or its type."""
     init = getattr(tx, "init", None)
     qual = getattr(init, "__qualname__", "") or type(tx).__name__
     return qual.split(".<locals>")[0]
 
 
-def flat_specs(specs) -> dict[str, Any]:
+def flat_specs(specs: Any) -> dict[str, Any]:
     """``{leaf key: spec}``: a flat mapping of leaves is taken as it is, any other pytree flattened to file keys."""
     if isinstance(specs, Mapping) and all(hasattr(v, "shape") and hasattr(v, "dtype") for v in specs.values()):
         return {str(k): v for k, v in specs.items()}
     return dict(flatten_with_keys("", specs))
 
 
-def _leaf(key: str, s, spec) -> OptLeaf:
+def _leaf(key: str, s: Any, spec: tuple[Any, ...] | None) -> OptLeaf:
     impl = ""
     if is_key(s):
         impl, s = impl_name(s), data_struct(s)
     return OptLeaf(key, dtype_name(s.dtype), tuple(int(d) for d in s.shape), spec, impl)
 
 
-def _state_specs(state_entries, params: Sequence[OptLeaf]) -> list:
+def _state_specs(state_entries: Sequence[tuple[str, Any]], params: Sequence[OptLeaf]) -> list[tuple[Any, ...]]:
     """A state leaf mirroring a parameter (``.../<key>``, same shape) takes its spec; the rest are replicated."""
     out = []
     for k, s in state_entries:
@@ -119,20 +119,22 @@ def _state_specs(state_entries, params: Sequence[OptLeaf]) -> list:
 class _Flat:
     """optax's init and update over flat leaf lists (keys in a fixed order): what the modules compute."""
 
-    def __init__(self, tx, param_keys: Sequence[str]):
+    def __init__(self, tx: Any, param_keys: Sequence[str]):
         self.tx, self.keys = tx, list(param_keys)
-        self.state_tree = None
+        self.state_tree: Any = None
         self.state_impls: list[str] = []
 
-    def tree(self, leaves):
+    def tree(self, leaves: Sequence[Any]) -> dict[str, Any]:
         return dict(zip(self.keys, leaves))
 
-    def init(self, params):
+    def init(self, params: Sequence[Any]) -> list[Any]:
         state = self.tx.init(self.tree(params))
         leaves, self.state_tree = jax.tree_util.tree_flatten(state)
         return [to_data(x) for x in leaves]
 
-    def update(self, params, state, grads, scale):
+    def update(
+        self, params: Sequence[Any], state: Sequence[Any], grads: Sequence[Any], scale: Any
+    ) -> tuple[list[Any], list[Any]]:
         import optax
 
         state = self.state_tree.unflatten([from_data(x, i or None) for x, i in zip(state, self.state_impls)])
@@ -144,7 +146,7 @@ class _Flat:
 
 
 def export_optimizer(
-    tx, param_specs, *, platforms: Sequence[str] | str = ("cpu", "cuda", "tpu"), name: str | None = None
+    tx: Any, param_specs: Any, *, platforms: Sequence[str] | str = ("cpu", "cuda", "tpu"), name: str | None = None
 ) -> "OptimizerProgram":
     """Export optax ``tx``'s ``init`` and applied ``update`` for one stage's parameters (``param_specs``).
 
@@ -218,12 +220,12 @@ class OptimizerProgram:
         name: str,
         params: Sequence[OptLeaf],
         state: Sequence[OptLeaf],
-        mesh: Sequence,
+        mesh: Sequence[tuple[str, int]],
         modules: Mapping[str, bytes],
         *,
         source: str = "optimizer",
         check: bool = True,
-        devices=None,
+        devices: Any = None,
     ):
         self.name, self.source = name, source
         self.param_leaves, self.state_leaves = tuple(params), tuple(state)
@@ -247,7 +249,7 @@ class OptimizerProgram:
         self._calls = {k: jax.jit(e.call) for k, e in exps.items()}
         self.mesh = host_mesh(self.mesh_axes, devices, source) if self.mesh_axes else None
 
-    def _check(self, exps) -> None:
+    def _check(self, exps: Mapping[str, Any]) -> None:
         """What loading an artifact checks: signatures against the recorded leaves, custom calls."""
         found = probes.probe_modules({k: e.mlir_module_serialized for k, e in exps.items()}, self.source)
         p = _trust_mod.expected_leaves(self.param_leaves)
@@ -270,7 +272,7 @@ class OptimizerProgram:
         """The optimizer state's leaf keys (its structure, as data)."""
         return [s.key for s in self.state_leaves]
 
-    def on_devices(self, devices) -> "OptimizerProgram":
+    def on_devices(self, devices: Any) -> OptimizerProgram:
         """This program on ``devices`` (a sharded stage's device group); unsharded: self."""
         if not self.mesh_axes:
             return self
@@ -298,7 +300,7 @@ class OptimizerProgram:
             out.append(place(v, named(self.mesh, leaf.sharding)) if self.mesh is not None else v)
         return out
 
-    def _state_out(self, leaves) -> dict[str, Any]:
+    def _state_out(self, leaves: Sequence[Any]) -> dict[str, Any]:
         return {s.key: from_data(v, s.prng_impl or None) for s, v in zip(self.state_leaves, leaves)}
 
     def init(self, params: Mapping[str, Any]) -> dict[str, Any]:
@@ -339,7 +341,7 @@ class OptimizerProgram:
         return msgpack.packb(top, use_bin_type=True)
 
 
-def load_optimizer(data: bytes, *, source: str = "optimizer", devices=None) -> OptimizerProgram:
+def load_optimizer(data: bytes, *, source: str = "optimizer", devices: Any = None) -> OptimizerProgram:
     """An ``OptimizerProgram`` from ``to_bytes`` output, checked before anything compiles; optax is not needed."""
     try:
         top = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
@@ -362,3 +364,17 @@ def load_optimizer(data: bytes, *, source: str = "optimizer", devices=None) -> O
     return OptimizerProgram(
         str(top.get("name", "optimizer")), params, state, mesh, modules, source=source, devices=devices
     )
+
+
+def stage_programs(
+    optimizer: Any, artifacts: Sequence[Any], names: Sequence[Sequence[str]], placed: Sequence[Any]
+) -> list[bytes]:
+    """Each stage's exported optimizer as bytes, its specs from the stage's (placed) parameters keyed by ``names``."""
+    out = []
+    for art, n, p in zip(artifacts, names, placed):
+        specs = {
+            k: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=v.sharding if art.manifest.sharded else None)
+            for k, v in zip(n, jax.tree_util.tree_leaves(p))
+        }
+        out.append(export_optimizer(optimizer, specs, platforms=art.manifest.platforms).to_bytes())
+    return out

@@ -1,7 +1,7 @@
 """The Trainer on Ray: actors that keep their stages' parameters and optimizer state and apply the update there.
 
 ``TrainActor`` extends the pipeline's ``StageActor`` with the step's last three
-phases (``trainstage``): its stages' tied gradients, their sums and squared
+phases (``stagestate``): its stages' tied gradients, their sums and squared
 norms, the update. The driver submits them to each actor right after the
 schedule's operations, so an actor runs them after its last W (Ray runs an
 actor's calls in submission order); tied gradients go from actor to actor as
@@ -13,31 +13,36 @@ bytes: an actor imports neither optax nor the user's code.
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
-import numpy as np
-
+from ..runtime.dispatch import walk
+from ..runtime.model import Microbatch
+from ..runtime.ray.actor import StageActor, picklable
+from ..runtime.ray.pipeline import RUNNER, RayPipeline
+from ..runtime.result import PipelineResult, step_result
+from ..schedules.catalog import describe
+from ..schedules.ops import Op, split_ops
+from ..schedules.plans import Resolved
 from ...errors import VjpsplitError
 from .clipping import clip_scale
-from ..runtime.dispatch import PreSplit, walk
-from ..schedules.plans import describe, resolve, split_ops
-from ..runtime.ray.actor import StageActor, picklable
-from ..runtime.ray.pipeline import RayPipeline
-from ..schedules.timeline import PipelineResult
+from .ownership import Ownership, Snapshot
 from .stagestate import StageTrainer
+
+RESTORE_HINT = "; restore the last checkpoint into a new Trainer to run again"
 
 
 class TrainActor(StageActor):
     """A pipeline worker's actor that also trains: one ``StageTrainer`` per stage it holds."""
 
-    def setup(self, entries) -> None:
+    def setup(self, entries: Sequence[tuple[int, list[str], bytes, dict[str, list[int]], list[str], Any]]) -> None:
         """``(stage, names, optimizer bytes, holders, counted, state or None)`` per stage this actor holds."""
+        held = self.stage_workers
         self.trainers = {
-            c: StageTrainer(self.stages[c], names, program, holders, counted, state)
-            for c, names, program, holders, counted, state in entries
+            s: StageTrainer(held[s], names, program, holders, counted, state)
+            for s, names, program, holders, counted, state in entries
         }
 
-    def _guarded(self, fn):
+    def _guarded(self, fn: Callable[[], Any]) -> Any:
         if self.error is not None:
             return None
         try:
@@ -46,31 +51,23 @@ class TrainActor(StageActor):
             self.error = picklable(e)
             return None
 
-    def tied(self, chunk: int):
-        """Stage ``chunk``'s gradients of its tied leaves (host arrays); None after an error."""
-        return self._guarded(lambda: self.trainers[chunk].tied_grads())
+    def tied(self, stage: int) -> Any:
+        """Stage ``stage``'s gradients of its tied leaves (host arrays); None after an error."""
+        return self._guarded(lambda: self.trainers[stage].tied_grads())
 
-    def prepare(self, chunk: int, sources: Sequence[int], *parts):
-        """Sum stage ``chunk``'s tied gradients with ``parts`` (the ``tied`` of stages ``sources``); its squared norm."""
+    def prepare(self, stage: int, sources: Sequence[int], *parts: Any) -> Any:
+        """Sum stage ``stage``'s tied gradients with ``parts`` (the ``tied`` of stages ``sources``); its squared norm."""
         if any(p is None for p in parts):
             return None  # another stage failed: its report says why
-        return self._guarded(lambda: self.trainers[chunk].prepare(dict(zip(sources, parts))))
+        return self._guarded(lambda: self.trainers[stage].prepare(dict(zip(sources, parts))))
 
-    def apply(self, chunk: int, scale: float) -> None:
-        """The optimizer step of stage ``chunk`` with the clip ``scale``."""
-        self._guarded(lambda: self.trainers[chunk].apply(scale))
+    def apply(self, stage: int, scale: float) -> None:
+        """The optimizer step of stage ``stage`` with the clip ``scale``."""
+        self._guarded(lambda: self.trainers[stage].apply(scale))
 
-    def report(self) -> dict:
-        """The step's losses, timings (this process's clock) and first error; no arrays."""
-        return {
-            "losses": {m: v for st in self.stages.values() for m, v in st.losses.items()},
-            "events": [e for st in self.stages.values() for e in st.events],
-            "error": self.error,
-        }
-
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[int, Snapshot]:
         """Per stage held: ``(params, optimizer state)`` as host arrays."""
-        return {c: t.snapshot() for c, t in self.trainers.items()}
+        return {s: t.snapshot() for s, t in self.trainers.items()}
 
 
 class TrainPipeline(RayPipeline):
@@ -80,110 +77,93 @@ class TrainPipeline(RayPipeline):
 
 
 class RayBackend:
-    """The Trainer's workers as Ray actors (``RayPipeline``'s placement, timeouts and dead-actor reports)."""
+    """The Trainer's workers as Ray actors (``RayPipeline``'s layout, timeouts and dead-actor reports)."""
 
-    def __init__(self, plan, programs: Sequence[bytes], states: Sequence, **options):
-        """``plan``: the Trainer's ``Layout``; ``options``: ``RayPipeline``'s keyword arguments."""
-        self.layout = layout = plan
-        self.step_timeout = options["step_timeout"]
-        self.rp = TrainPipeline(layout.artifacts, layout.stage_params, **options)
-        rp = self.rp
+    def __init__(self, ownership: Ownership, programs: Sequence[bytes], states: Sequence[Any], **options: Any):
+        """``options``: ``RayPipeline``'s keyword arguments."""
+        self.ownership = own = ownership
+        self.rp = rp = TrainPipeline(own.artifacts, own.stage_params, **options)
         try:
-            rp._get(
+            rp.get(
                 [
                     a.setup.remote(
-                        [
-                            (c, layout.names[c], programs[c], layout.holders[c], layout.counted[c], states[c])
-                            for c in chunks
-                        ]
+                        [(s, own.names[s], programs[s], own.holders[s], own.counted[s], states[s]) for s in held]
                     )
-                    for a, chunks in zip(rp.actors, rp.placement)
+                    for a, held in zip(rp.actors, rp.layout.workers)
                 ]
             )
         except BaseException:
             rp.close()
             raise
-        self.actor_of = {c: rp.actors[w] for w, chunks in enumerate(rp.placement) for c in chunks}
-        self.worker_of = {c: w for w, chunks in enumerate(rp.placement) for c in chunks}
+        self.worker_of = rp.layout.worker_of()
+        self.actor_of = {s: rp.actors[w] for s, w in self.worker_of.items()}
 
-    def _wait(self, refs: Mapping[Any, int], t0: float) -> list:
-        """The values of ``refs`` (ref -> worker), within what is left of ``step_timeout``; one error naming a stage."""
-        ray, rp = self.rp.ray, self.rp
-        order = list(refs)
-        left = max(t0 + self.step_timeout - time.monotonic(), 0)
-        _, pending = ray.wait(order, num_returns=len(order), timeout=left, fetch_local=False)
-        if pending:
-            late = sorted({refs[r] for r in pending})
-            raise VjpsplitError(
-                f"{rp._name(late[0])}: the step did not finish within step_timeout={self.step_timeout:g} s; "
-                "restore the last checkpoint into a new Trainer to run again"
-            )
-        return rp._get(order)
-
-    def step(self, mbs: PreSplit, schedule_name: str, schedule, microbatches: int, clip, progress: bool):
+    def step(
+        self, mbs: Sequence[Microbatch], schedule: Resolved, microbatches: int, clip: float | None, progress: bool
+    ) -> tuple[PipelineResult, list[float]]:
         """One step on the actors: the schedule, then each stage's tied sums, squared norm and update."""
-        rp, S = self.rp, self.rp.stages
-        name, plans, where = resolve(schedule_name, schedule, S, microbatches)
-        if [tuple(w) for w in where] != [tuple(w) for w in rp.placement]:
+        rp, S = self.rp, self.rp.num_stages
+        name, plans, layout = schedule
+        if layout != rp.layout:
             raise VjpsplitError(
-                f"{describe(name)} places the stages as {where}; this Trainer's actors hold {rp.placement}"
+                f"{describe(name)} lays the stages out as {layout.as_lists()}; "
+                f"this Trainer's actors hold {rp.layout.as_lists()}"
             )
         split = split_ops(plans)
-        rp._get([a.reset.remote() for a in rp.actors])
+        rp.get([a.reset.remote() for a in rp.actors])
         t0 = time.monotonic()
 
-        def submit(w, op, data, side_):
-            return rp.actors[w].op.remote(
-                op.kind, op.chunk, op.mb, data, side_, microbatches, (op.chunk, op.mb) in split
-            )
+        def submit(w: int, op: Op, data: Any, side: list[Any]) -> Any:
+            s = (op.stage, op.mb) in split
+            return rp.actors[w].op.remote(op.kind, op.stage, op.mb, data, side, microbatches, s)
 
-        walk(plans, S, mbs.mbs, submit)
-        holders = self.layout.holders
-        tied = {c: self.actor_of[c].tied.remote(c) for c in range(S) if holders[c]}
+        walk(plans, S, mbs, submit)
+        holders = self.ownership.holders
+        tied = {s: self.actor_of[s].tied.remote(s) for s in range(S) if holders[s]}
         sums = []
-        for c in range(S):
-            sources = sorted({s for hs in holders[c].values() for s in hs if s != c})
-            sums.append(self.actor_of[c].prepare.remote(c, sources, *[tied[s] for s in sources]))
+        for s in range(S):
+            sources = sorted({h for hs in holders[s].values() for h in hs if h != s})
+            sums.append(self.actor_of[s].prepare.remote(s, sources, *[tied[h] for h in sources]))
+        owners = [self.worker_of[s] for s in range(S)]
         scale = 1.0
         if clip is not None:
-            got = self._wait({r: self.worker_of[c] for c, r in enumerate(sums)}, t0)
+            got = rp.fetch(sums, owners, t0, hint=RESTORE_HINT)
             if all(v is not None for v in got):
                 scale = clip_scale(got, clip)[0]
-        applied = [self.actor_of[c].apply.remote(c, scale) for c in range(S)]
+        applied = [self.actor_of[s].apply.remote(s, scale) for s in range(S)]
         reports = [a.report.remote() for a in rp.actors]
-        refs = {r: w for w, r in enumerate(reports)}
-        refs.update({r: self.worker_of[c] for c, r in enumerate(sums)})
-        refs.update({r: self.worker_of[c] for c, r in enumerate(applied)})
-        values = self._wait(refs, t0)
+        everyone = list(range(rp.layout.num_workers))
+        values = rp.fetch([*reports, *sums, *applied], [*everyone, *owners, *owners], t0, hint=RESTORE_HINT)
         step_time = time.monotonic() - t0
         states = values[: len(reports)]
         failed = [st["error"] for st in states if st["error"] is not None]
         if failed:
             raise failed[0]
         totals = values[len(reports) : len(reports) + S]
-        losses = states[self.worker_of[S - 1]]["losses"]
-        events = [e.shifted(off) for st, off in zip(states, rp.clock_offsets) for e in st["events"]]
-        result = PipelineResult(
-            name,
-            float(np.mean([losses[m] for m in range(microbatches)])),
-            [None] * S,
-            sorted(events, key=lambda e: e.start),
-            S,
-            microbatches,
-            "ray",
-            step_time,
-            {"compiled": False},
-            plans,
+        result = step_result(
+            schedule=name,
+            plans=plans,
+            num_stages=S,
+            microbatches=microbatches,
+            runner=RUNNER,
+            step_time=step_time,
+            losses=states[self.worker_of[S - 1]]["losses"],
+            grads=[None] * S,  # applied where they live
+            events=rp.driver_events(states),
+            extra={"compiled": False},
         )
         return result, list(totals)
 
-    def snapshots(self) -> list[tuple[dict, dict]]:
+    def snapshots(self) -> list[Snapshot]:
         """Every stage's ``(params, optimizer state)``, fetched from its actor."""
-        got: dict[int, tuple] = {}
-        for part in self.rp._get([a.snapshot.remote() for a in self.rp.actors], self.step_timeout):
+        rp = self.rp
+        got: dict[int, Snapshot] = {}
+        everyone = list(range(rp.layout.num_workers))
+        for part in rp.fetch([a.snapshot.remote() for a in rp.actors], everyone, time.monotonic()):
             got.update(part)
-        return [got[c] for c in range(self.rp.stages)]
+        return [got[s] for s in range(rp.num_stages)]
 
     def close(self) -> None:
         """End the actors (and a Ray instance the Trainer started)."""
-        self.rp.close()
+        rp = self.rp
+        rp.close()

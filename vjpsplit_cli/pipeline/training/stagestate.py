@@ -19,7 +19,7 @@ here: neither optax nor the user's code is imported.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from .optimizer import load_optimizer
 from ..runtime.worker import StageWorker
 
 
-def param_node(artifact):
+def param_node(artifact: Any) -> Any:
     """The encoded structure of a stage artifact's parameter argument (its first)."""
     m = artifact.manifest
     return m.structure["args"][m.arg_names[0]]
@@ -59,25 +59,27 @@ class StageTrainer:
         self.node = param_node(worker.art)
         local = structure_keys("", self.node)
         if len(local) != len(self.names):
-            raise VjpsplitError(f"stage {worker.index}: {len(self.names)} parameter names for {len(local)} leaves")
+            raise VjpsplitError(
+                f"stage {worker.stage_index}: {len(self.names)} parameter names for {len(local)} leaves"
+            )
         self.local = dict(zip(local, self.names))
         self.holders = {k: [int(s) for s in v] for k, v in holders.items()}
         self.counted = set(counted)
         self.program = load_optimizer(
-            program, source=f"stage {worker.index}'s optimizer", devices=worker.art.devices or None
+            program, source=f"stage {worker.stage_index}'s optimizer", devices=worker.art.devices or None
         )
         self.params = {self.local[k]: v for k, v in flatten_with_keys("", worker.params)}
         self.state = self.program.init(self.params) if state is None else dict(state)
         self.grads: dict[str, Any] = {}
 
     @property
-    def index(self) -> int:
+    def stage_index(self) -> int:
         """The stage's index."""
-        return self.worker.index
+        return self.worker.stage_index
 
     def _flat_grads(self) -> dict[str, Any]:
         if self.worker.grads is None:
-            raise VjpsplitError(f"stage {self.index}: the step computed no gradients; run the schedule first")
+            raise VjpsplitError(f"stage {self.stage_index}: the step computed no gradients; run the schedule first")
         return {self.local[k]: v for k, v in flatten_with_keys("", self.worker.grads)}
 
     def tied_grads(self) -> dict[str, np.ndarray]:
@@ -89,8 +91,8 @@ class StageTrainer:
         """Sum each tied leaf's gradient over its holders (``contributions``: stage -> its ``tied_grads``),
         in stage order; return this stage's share of the squared global norm."""
         g = self._flat_grads()
-        for k, stages in self.holders.items():
-            parts = [np.asarray(g[k]) if s == self.index else contributions[s][k] for s in stages]
+        for k, holding in self.holders.items():
+            parts = [np.asarray(g[k]) if s == self.stage_index else contributions[s][k] for s in holding]
             total = parts[0].copy()
             for p in parts[1:]:
                 total = total + p
@@ -101,7 +103,7 @@ class StageTrainer:
     def apply(self, scale: float = 1.0) -> None:
         """One optimizer step on the prepared gradients times ``scale``; the worker runs the new parameters."""
         if not self.grads:
-            raise VjpsplitError(f"stage {self.index}: apply before prepare; the step's gradients are not summed")
+            raise VjpsplitError(f"stage {self.stage_index}: apply before prepare; the step's gradients are not summed")
         self.params, self.state = self.program.update(self.params, self.state, self.grads, scale)
         self.grads = {}
         self.worker.params = decode_structure(self.node, iter([self.params[n] for n in self.names]))
@@ -109,11 +111,19 @@ class StageTrainer:
 
     def snapshot(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """``(params, optimizer state)`` as host arrays (a checkpoint's share, or ``params()``')."""
-        host = lambda d: {k: np.asarray(v) for k, v in d.items()}  # noqa: E731
-        return host(self.params), host(self.state)
+        return _host(self.params), _host(self.state)
 
 
-def finish_stages(trainers: Sequence[StageTrainer], exchange, clip, tied: bool) -> list[float]:
+def _host(d: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in d.items()}
+
+
+def finish_stages(
+    trainers: Sequence[StageTrainer],
+    exchange: Callable[[Mapping[int, Any]], Mapping[int, Any]],
+    clip: Callable[[list[float]], float],
+    tied: bool,
+) -> list[float]:
     """Phases 1-3 for one worker's stages; ``exchange(worker_part) -> everyone's`` joins the workers.
 
     ``exchange`` is called with a dict and returns the merged dict of every
@@ -122,10 +132,10 @@ def finish_stages(trainers: Sequence[StageTrainer], exchange, clip, tied: bool) 
     ``clip(sums) -> scale`` turns every stage's squared sums (in stage order)
     into the clip scale.
     """
-    tied_parts = exchange({t.index: t.tied_grads() for t in trainers}) if tied else {}
-    sums = {t.index: t.prepare(tied_parts) for t in trainers}
+    tied_parts = exchange({t.stage_index: t.tied_grads() for t in trainers}) if tied else {}
+    sums = {t.stage_index: t.prepare(tied_parts) for t in trainers}
     everyone = exchange(sums)
     scale = clip([everyone[s] for s in sorted(everyone)])
     for t in trainers:
         t.apply(scale)
-    return [sums[t.index] for t in trainers]
+    return [sums[t.stage_index] for t in trainers]

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any, Sequence
 
 import numpy as np
 
-from ...schedules.builtins import Op
+from ...schedules.ops import Kind, Op
 from ..worker import StageWorker, run_op
 
 
@@ -24,8 +25,8 @@ class StageActor:
     error and nothing downstream runs on garbage.
     """
 
-    def __init__(self):
-        self.stages: dict[int, StageWorker] = {}
+    def __init__(self) -> None:
+        self.stage_workers: dict[int, StageWorker] = {}  # by stage index
         self.worker = -1
         self.error: BaseException | None = None
 
@@ -39,32 +40,42 @@ class StageActor:
         """This process's ``time.monotonic()``, for the driver's clock offset."""
         return time.monotonic()
 
-    def load(self, chunks, stages: int, worker: int | None = None) -> None:
-        """Load ``(stage index, artifact bytes, params)`` for each stage this worker holds (worker ``worker``)."""
+    def load(self, held: Sequence[tuple[int, bytes, Any]], num_stages: int, worker: int) -> None:
+        """Load ``(stage index, artifact bytes, params)`` for each stage this worker (``worker``) holds."""
         from ....artifact.loading import loads
 
-        self.stages = {
-            c: StageWorker(loads(data, source=f"stage {c}"), params, c, stages) for c, data, params in chunks
+        self.stage_workers = {
+            s: StageWorker(loads(data, source=f"stage {s}"), params, s, num_stages) for s, data, params in held
         }
-        self.worker = min(self.stages) if worker is None else worker  # the built-in layouts: its first stage
+        self.worker = worker
 
     def reset(self) -> None:
         """Forget the last step's residuals, gradients, timings and error."""
-        for st in self.stages.values():
+        for st in self.stage_workers.values():
             st.reset()
         self.error = None
 
-    def op(self, kind: str, chunk: int, mb: int, data, side, microbatches: int, split: bool, after=None):
-        """Run one scheduled operation (see ``stage.run_op``); None when skipped or failed.
+    def op(
+        self,
+        kind: str,
+        stage: int,
+        mb: int,
+        data: Any,
+        side: list[Any],
+        microbatches: int,
+        split: bool,
+        after: Any = None,
+    ) -> Any:
+        """Run one scheduled operation (see ``worker.run_op``); None when skipped or failed.
 
         ``after`` is ignored: a compiled graph passes the worker's previous result to order its calls.
         """
-        st = self.stages[chunk]
-        needed = data is not None or (kind == "B" and chunk == st.stages - 1) or (kind == "W" and mb in st.inter)
+        st = self.stage_workers[stage]
+        needed = data is not None or (kind == Kind.B and st.is_last) or (kind == Kind.W and mb in st.inter)
         if self.error is not None or not needed:
             return None
         try:
-            out = run_op(st, Op(kind, mb, chunk), data, side, microbatches, split, self.worker)
+            out = run_op(st, Op(Kind(kind), mb, stage), data, side, microbatches, split, self.worker)
             import jax
 
             # An activation may be a tuple of arrays (stages from one function).
@@ -73,20 +84,28 @@ class StageActor:
             self.error = picklable(e)
             return None
 
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         """Gradients, losses, timings (this process's clock) and the first error of the step."""
         import jax
 
+        held = self.stage_workers
         return {
-            "grads": {c: jax.tree_util.tree_map(np.asarray, st.grads) for c, st in self.stages.items()},
+            "grads": {s: jax.tree_util.tree_map(np.asarray, st.grads) for s, st in held.items()},
             "device_count": jax.device_count(),
-            "devices": {c: [d.id for d in st.art.devices] for c, st in self.stages.items()},
-            "events": [e for st in self.stages.values() for e in st.events],
-            "losses": {m: v for st in self.stages.values() for m, v in st.losses.items()},
+            "devices": {s: [d.id for d in st.art.devices] for s, st in held.items()},
+            **self.report(),
+        }
+
+    def report(self) -> dict[str, Any]:
+        """The step's losses, timings (this process's clock) and first error; no arrays."""
+        held = self.stage_workers.values()
+        return {
+            "losses": {m: v for st in held for m, v in st.losses.items()},
+            "events": [e for st in held for e in st.events],
             "error": self.error,
         }
 
-    def collect(self, after) -> dict:
+    def collect(self, after: Any) -> dict[str, Any]:
         """``state``, then ``reset``: the end of a compiled step (``after``: the worker's last result)."""
         out = self.state()
         self.reset()
@@ -104,7 +123,7 @@ def picklable(e: BaseException) -> BaseException:
         return RuntimeError(f"{type(e).__name__}: {e}")
 
 
-def devices_for(opts: dict, n: int) -> None:
+def devices_for(opts: dict[str, Any], n: int) -> None:
     """Let an actor that drives an ``n``-device sharded stage see ``n`` devices.
 
     Accelerators come from the actor options (``num_gpus``, ``resources``); on

@@ -10,16 +10,22 @@ only those.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
+from ...schedules.ops import Op
 from ..dispatch import walk
-from ...schedules.builtins import Op
 
 
-def compile_step(actors: Sequence, plans: Sequence[Sequence[Op]], stages: int, microbatches: int, split):
+def compile_step(
+    actors: Sequence[Any],
+    plans: Sequence[Sequence[Op]],
+    num_stages: int,
+    microbatches: int,
+    split: set[tuple[int, int]],
+) -> Any:
     """The compiled graph of one step: ``execute(*xs, *sides)`` (one x and one side list per microbatch).
 
-    ``split``: the ``(stage, microbatch)`` pairs whose B is the input part (``plans.split_ops``).
+    ``split``: the ``(stage, microbatch)`` pairs whose B is the input part (``ops.split_ops``).
 
     Raises whatever Ray raises where Compiled Graphs are unavailable or refuse
     the graph; the caller falls back to actor calls.
@@ -27,17 +33,17 @@ def compile_step(actors: Sequence, plans: Sequence[Sequence[Op]], stages: int, m
     from ray.dag import InputNode, MultiOutputNode
 
     M = microbatches
-    last: list = [None] * len(plans)
+    last: list[Any] = [None] * len(plans)
 
     with InputNode() as inp:
         mbs = [(inp[m], inp[M + m]) for m in range(M)]
 
-        def submit(w, op, data, side):
+        def submit(w: int, op: Op, data: Any, side: list[Any]) -> Any:
             # Chained to the worker's previous node: every node then hangs off the input
             # (Ray requires it) and each actor runs exactly its list's order.
-            last[w] = actors[w].op.bind(op.kind, op.chunk, op.mb, data, side, M, (op.chunk, op.mb) in split, last[w])
+            last[w] = actors[w].op.bind(op.kind, op.stage, op.mb, data, side, M, (op.stage, op.mb) in split, last[w])
             return last[w]
 
-        walk(plans, stages, mbs, submit)
+        walk(plans, num_stages, mbs, submit)
         dag = MultiOutputNode([actors[w].collect.bind(node) for w, node in enumerate(last)])
     return dag.experimental_compile()

@@ -8,24 +8,26 @@ driver's at start, and its events are moved onto the driver's clock.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any, Mapping, Sequence
 
-import numpy as np
-
 from ....errors import VjpsplitError
-from .compiled import compile_step
-from ..dispatch import PreSplit, progress_bar, walk
-from ...schedules.plans import describe, layout_of, layout_placement, resolve, split_ops
+from ...schedules.catalog import describe
+from ...schedules.layout import Layout
+from ...schedules.layout import layout as kind_of
+from ...schedules.ops import Op, split_ops
+from ...schedules.plans import resolve
+from ...stages.directory import Stages
+from ..dispatch import progress_bar, walk
+from ..model import Microbatch, model_of
+from ..result import PipelineResult, step_result
+from . import waiting
 from .actor import StageActor, devices_for
+from .compiled import compile_step
 from .setup import SCHEDULE_TIMEOUT, clock_offset, init_ray, lack
-from ...schedules.builtins import Op
-from ..worker import check_stages, split_batch
-from ...stages.directory import is_stages
-from ...schedules.timeline import PipelineResult
 
 STEP_TIMEOUT = 600.0  # seconds for one step's results, after which the step is an error, not a hang
+RUNNER = "ray"
 
 
 class RayPipeline:
@@ -34,7 +36,7 @@ class RayPipeline:
     ``layout="stage"`` (default) puts one stage on each actor, for GPipe, 1F1B and
     ZB-H1; ``layout="v"`` puts two on each in ZB-V's (and DualPipeV's) V;
     ``layout="interleaved"`` two on each, round robin (interleaved 1F1B); a list of
-    stage tuples, one per worker, places them as given (for ``schedule=`` plans). ``address=None`` starts (or
+    stage tuples, one per worker, lays them out as given (for ``schedule=`` plans). ``address=None`` starts (or
     joins) a local Ray instance; pass a cluster address (``ray://host:10001`` or
     ``auto``) for multi-host. ``actor_options`` gives one dict of Ray actor options
     per worker (``num_cpus``, ``num_gpus``, ``resources``, ``scheduling_strategy``
@@ -54,15 +56,15 @@ class RayPipeline:
     (its steps run as actor calls: each stage's batch inputs go to it directly).
     """
 
-    actor_class: type = StageActor  # ray_train's Trainer actors extend it
+    actor_class: type = StageActor  # the Trainer's actors extend it
 
     def __init__(
         self,
-        artifacts: Sequence,
-        params: Sequence,
+        artifacts: Sequence[Any] | Stages,
+        params: Any,
         *,
         address: str | None = None,
-        runtime_env: dict | None = None,
+        runtime_env: Mapping[str, Any] | None = None,
         num_cpus_per_stage: float = 0,
         layout: str | Sequence[Sequence[int]] = "stage",
         actor_options: Sequence[Mapping[str, Any]] | None = None,
@@ -74,49 +76,40 @@ class RayPipeline:
             import ray
         except ImportError as e:
             raise VjpsplitError("the Ray runner needs Ray; pip install 'vjpsplit[ray]'") from e
-        given: Any = artifacts  # a Stages, or the per-stage list
-        self.from_one: tuple[Any, Any] | None = (given, params) if is_stages(given) else None
-        if self.from_one is not None:
-            artifacts, params = list(given.artifacts), given.stage_params(params)
-        if len(params) != len(artifacts):
-            raise VjpsplitError(f"{len(artifacts)} stages but {len(params)} parameter sets")
+        self.model = model_of(artifacts, params)
         self.ray = ray
-        self.compiled = compiled
+        # A Stages feeds each stage its own batch inputs: actor calls, not the graph's one side list.
+        self.compiled = False if self.model.sides_per_stage else compiled
         self.step_timeout = step_timeout
-        self.graph: tuple | None = None  # (key, compiled graph) of the last compiled step
-        self.layout = layout
-        self.stages = len(artifacts)
-        self.artifacts = list(artifacts)
-        self.placement = layout_placement(layout, self.stages)
-        if actor_options is not None and len(actor_options) != len(self.placement):
+        self.graph: tuple[Any, Any] | None = None  # (key, compiled graph) of the last compiled step
+        self.num_stages = self.model.num_stages
+        self.layout = Layout.of(layout, self.num_stages)
+        if actor_options is not None and len(actor_options) != self.layout.num_workers:
             raise VjpsplitError(
-                f"actor_options has {len(actor_options)} entries for {len(self.placement)} workers; "
+                f"actor_options has {len(actor_options)} entries for {self.layout.num_workers} workers; "
                 "give one dict of Ray actor options per worker"
             )
-        self.started = init_ray(ray, address, runtime_env, len(self.placement))
-        self.actors: list = []
-        self.options = []
-        for w, chunks in enumerate(self.placement):
+        self.started = init_ray(ray, address, runtime_env, self.layout.num_workers)
+        self.actors: list[Any] = []
+        self.options: list[dict[str, Any]] = []
+        arts = self.model.artifacts
+        for w, held in enumerate(self.layout.workers):
             opts = {"num_cpus": num_cpus_per_stage, **(dict(actor_options[w]) if actor_options else {})}
-            devices_for(opts, max(artifacts[c].manifest.nr_devices for c in chunks))
+            devices_for(opts, max(arts[s].manifest.nr_devices for s in held))
             self.options.append(opts)
             self.actors.append(ray.remote(self.actor_class).options(**opts).remote())
         try:
             self.nodes = self._wait_placed(schedule_timeout)
             self.clock_offsets = [clock_offset(ray, a) for a in self.actors]
-            self._get(
-                [
-                    a.load.remote([(c, artifacts[c].to_bytes(), params[c]) for c in chunks], self.stages, w)
-                    for w, (a, chunks) in enumerate(zip(self.actors, self.placement))
-                ]
-            )
+            params_ = self.model.stage_params
+            loads = [
+                a.load.remote([(s, arts[s].to_bytes(), params_[s]) for s in held], self.num_stages, w)
+                for w, (a, held) in enumerate(zip(self.actors, self.layout.workers))
+            ]
+            self.get(loads)
         except BaseException:
             self.close()
             raise
-
-    def _name(self, w: int) -> str:
-        chunks = self.placement[w]
-        return f"stage {chunks[0]}" if len(chunks) == 1 else f"stages {' and '.join(map(str, chunks))} (worker {w})"
 
     def _wait_placed(self, timeout: float) -> list[str]:
         ray = self.ray
@@ -125,33 +118,28 @@ class RayPipeline:
         if pending:
             w = refs.index(pending[0])
             raise VjpsplitError(
-                f"{self._name(w)}: Ray did not place its actor within {timeout:g} s: {lack(ray, self.options[w])}"
+                f"{self.layout.label(w)}: Ray did not place its actor within {timeout:g} s: "
+                f"{lack(ray, self.options[w])}"
             )
-        return self._get(refs)
+        return self.get(refs)
 
-    def _get(self, refs, timeout: float | None = None):
-        """``ray.get``, with a dead actor reported by the stages it held, and a step past ``timeout`` an error."""
-        ray = self.ray
-        try:
-            return ray.get(refs, timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise VjpsplitError(f"the step did not finish within step_timeout={timeout:g} s") from None
-        except ray.exceptions.RayActorError as e:
-            dead = []
-            for w, a in enumerate(self.actors):
-                try:
-                    ray.get(a.clock.remote(), timeout=30)
-                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                    dead.append(self._name(w))
-            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise VjpsplitError(
-                f"{', '.join(dead) or 'a stage'}: its Ray actor died ({why}); build a new RayPipeline to run again"
-            ) from None
+    def get(self, refs: Sequence[Any]) -> list[Any]:
+        """The values of ``refs``; a dead actor is one error naming the stages it held."""
+        return waiting.get(self.ray, refs, self.actors, self.layout)
+
+    def fetch(
+        self, refs: Sequence[Any], owners: Sequence[int], t0: float, *, hint: str = "", bar: Any = None
+    ) -> list[Any]:
+        """The values of ``refs`` (worker ``owners[i]``'s) once all are done, within ``step_timeout`` of ``t0``."""
+        waiting.wait_step(
+            self.ray, refs, owners, t0 + self.step_timeout, self.step_timeout, self.layout, hint=hint, bar=bar
+        )
+        return self.get(refs)
 
     def run(
         self,
-        x,
-        side=(),
+        x: Any,
+        side: Any = (),
         *,
         microbatches: int,
         schedule_name: str = "1f1b",
@@ -159,74 +147,56 @@ class RayPipeline:
         schedule: Sequence[Sequence[Op]] | None = None,
     ) -> PipelineResult:
         """One training step under ``schedule_name`` (or the checked plans ``schedule``); gradients accumulate."""
-        if self.from_one is not None:
-            stages, params = self.from_one
-            pre = PreSplit(stages.stage_batch(x, microbatches))
-            self.from_one, compiled, self.compiled = None, self.compiled, False
-            try:
-                r = self.run(
-                    pre,
-                    (),
-                    microbatches=microbatches,
-                    schedule_name=schedule_name,
-                    progress=progress,
-                    schedule=schedule,
-                )
-            finally:
-                self.from_one, self.compiled = (stages, params), compiled
-            return dataclasses.replace(r, grads=stages.gather_grads(r.grads, params))
-        ray = self.ray
-        S = self.stages
-        schedule_name, plans, where = resolve(schedule_name, schedule, S, microbatches)
-        check_stages(self.artifacts, schedule_name, plans)
-        if where != self.placement:
+        S = self.num_stages
+        name, plans, layout = resolve(schedule_name, schedule, S, microbatches)
+        self.model.check_plans(name, plans)
+        if layout != self.layout:
+            need = kind_of(schedule_name) if schedule is None else layout.as_lists()
             raise VjpsplitError(
-                f"{describe(schedule_name)} needs RayPipeline(layout={layout_of(schedule_name, schedule, S)!r}): "
-                f"it places the stages as {where}, this one holds them as {self.placement}"
+                f"{describe(name)} needs RayPipeline(layout={need!r}): "
+                f"it lays the stages out as {layout.as_lists()}, this one holds them as {self.layout.as_lists()}"
             )
         if not self.actors:
             raise VjpsplitError("this RayPipeline is closed; build a new one")
         split = split_ops(plans)
-        mbs = split_batch(x, side, microbatches)
+        mbs = self.model.microbatches(x, side, microbatches)
         if self.compiled is not False and not progress:
-            graph = self._graph(plans, microbatches, split, schedule_name)
+            graph = self._graph(plans, microbatches, split)
             if graph is not None:
-                return self._run_graph(graph, mbs, schedule_name, microbatches, plans)
+                return self._run_graph(graph, mbs, name, microbatches, plans)
         self._drop_graph()  # its actors take ordinary calls again
-        self._get([a.reset.remote() for a in self.actors])
+        self.get([a.reset.remote() for a in self.actors])
         t0 = time.monotonic()
+        owners: list[int] = []
 
-        def submit(w, op, data, side_):
+        def submit(w: int, op: Op, data: Any, side_: list[Any]) -> Any:
             # Each actor runs its tasks in submission order, which walk keeps to its list.
-            s = (op.chunk, op.mb) in split
-            return self.actors[w].op.remote(op.kind, op.chunk, op.mb, data, side_, microbatches, s)
+            owners.append(w)
+            s = (op.stage, op.mb) in split
+            return self.actors[w].op.remote(op.kind, op.stage, op.mb, data, side_, microbatches, s)
 
         refs = walk(plans, S, mbs, submit)
         if progress:
             bar = progress_bar(len(refs), progress)
-            pending = list(refs)
-            while pending:
-                # fetch_local=False: wait for completion without copying the values here
-                left = t0 + self.step_timeout - time.monotonic()
-                ready, pending = ray.wait(pending, num_returns=1, fetch_local=False, timeout=max(left, 0))
-                if not ready and left <= 0:
-                    raise VjpsplitError(f"the step did not finish within step_timeout={self.step_timeout:g} s")
+            try:
+                waiting.wait_step(
+                    self.ray, refs, owners, t0 + self.step_timeout, self.step_timeout, self.layout, bar=bar
+                )
+            finally:
                 if bar is not None:
-                    bar.update(len(ready))
-            if bar is not None:
-                bar.close()
-        states = self._get([a.state.remote() for a in self.actors], self.step_timeout)  # after each one's last op
-        step = time.monotonic() - t0
-        return self._result(states, schedule_name, microbatches, step, False, plans)
+                    bar.close()
+        everyone = list(range(self.layout.num_workers))
+        states = self.fetch([a.state.remote() for a in self.actors], everyone, t0)  # after each one's last op
+        return self._result(states, name, microbatches, time.monotonic() - t0, False, plans)
 
-    def _graph(self, plans, microbatches: int, split: set, schedule_name: str):
+    def _graph(self, plans: Sequence[Sequence[Op]], microbatches: int, split: set[tuple[int, int]]) -> Any:
         """The step's compiled graph, built once per (plans, microbatches); None where unavailable."""
         key = (tuple(map(tuple, plans)), microbatches)
         if self.graph is not None and self.graph[0] == key:
             return self.graph[1]
         self._drop_graph()  # an actor takes part in one compiled graph at a time
         try:
-            graph = compile_step(self.actors, plans, self.stages, microbatches, split)
+            graph = compile_step(self.actors, plans, self.num_stages, microbatches, split)
         except Exception as e:  # noqa: BLE001 - no Compiled Graphs here: actor calls do the same work
             if self.compiled:
                 raise VjpsplitError(
@@ -246,7 +216,9 @@ class RayPipeline:
             except Exception:  # noqa: BLE001 - a graph whose actor died tears down with an error
                 pass
 
-    def _run_graph(self, graph, mbs, schedule_name: str, microbatches: int, plans) -> PipelineResult:
+    def _run_graph(
+        self, graph: Any, mbs: Sequence[Microbatch], name: str, microbatches: int, plans: Sequence[Sequence[Op]]
+    ) -> PipelineResult:
         ray = self.ray
         t0 = time.monotonic()
         try:
@@ -260,32 +232,42 @@ class RayPipeline:
             ) from None
         except ray.exceptions.RayError as e:
             self._drop_graph()
-            self._get([a.clock.remote() for a in self.actors])  # names a dead actor's stages
+            self.get([a.clock.remote() for a in self.actors])  # names a dead actor's stages
             raise VjpsplitError(
                 f"the compiled step failed ({type(e).__name__}: {e}); build a new RayPipeline to run again"
             ) from None
-        return self._result(states, schedule_name, microbatches, time.monotonic() - t0, True, plans)
+        return self._result(states, name, microbatches, time.monotonic() - t0, True, plans)
 
-    def _result(self, states, schedule_name, microbatches, step, compiled: bool, plans=None) -> PipelineResult:
-        S = self.stages
+    def _result(
+        self,
+        states: Sequence[Mapping[str, Any]],
+        name: str,
+        microbatches: int,
+        step_time: float,
+        compiled: bool,
+        plans: Sequence[Sequence[Op]],
+    ) -> PipelineResult:
+        S = self.num_stages
         failed = [st["error"] for st in states if st["error"] is not None]
         if failed:
             raise failed[0]
-        grads = {c: g for st in states for c, g in st["grads"].items()}
-        losses = next(st["losses"] for st in states if S - 1 in st["grads"])
-        events = [e.shifted(off) for st, off in zip(states, self.clock_offsets) for e in st["events"]]
-        return PipelineResult(
-            schedule_name,
-            float(np.mean([losses[m] for m in range(microbatches)])),
-            [grads[c] for c in range(S)],
-            sorted(events, key=lambda e: e.start),
-            S,
-            microbatches,
-            "ray",
-            step,
-            {"compiled": compiled},
-            plans,
+        grads = {s: g for st in states for s, g in st["grads"].items()}
+        return step_result(
+            schedule=name,
+            plans=plans,
+            num_stages=S,
+            microbatches=microbatches,
+            runner=RUNNER,
+            step_time=step_time,
+            losses=states[self.layout.worker_of()[S - 1]]["losses"],
+            grads=self.model.gather([grads[s] for s in range(S)]),
+            events=self.driver_events(states),
+            extra={"compiled": compiled},
         )
+
+    def driver_events(self, states: Sequence[Mapping[str, Any]]) -> list[Any]:
+        """The events in each worker's ``state`` (or ``report``), moved onto the driver's clock."""
+        return [e.shifted(off) for st, off in zip(states, self.clock_offsets) for e in st["events"]]
 
     def close(self) -> None:
         """End the actors (and the local Ray instance, if this object started it)."""
@@ -297,8 +279,8 @@ class RayPipeline:
             self.ray.shutdown()
             self.started = False
 
-    def __enter__(self):
+    def __enter__(self) -> RayPipeline:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -16,10 +16,12 @@ from ....errors import VjpsplitError
 SCHEDULE_TIMEOUT = 60.0  # seconds for Ray to place and start every actor
 
 
-def init_ray(ray, address: str | None, runtime_env: dict | None, workers: int) -> bool:
+def init_ray(ray: Any, address: str | None, runtime_env: Mapping[str, Any] | None, num_workers: int) -> bool:
     """Start or join Ray; True when this call started it. Refuses settings a running Ray would ignore."""
     if not ray.is_initialized():
-        kwargs = {"address": address} if address else {"num_cpus": max(workers, os.cpu_count() or 1)}
+        kwargs: dict[str, Any] = (
+            {"address": address} if address else {"num_cpus": max(num_workers, os.cpu_count() or 1)}
+        )
         ray.init(include_dashboard=False, log_to_driver=False, runtime_env=runtime_env, **kwargs)
         return True
     ctx = ray.get_runtime_context()
@@ -37,7 +39,7 @@ def init_ray(ray, address: str | None, runtime_env: dict | None, workers: int) -
     return False
 
 
-def clock_offset(ray, actor, pings: int = 5) -> float:
+def clock_offset(ray: Any, actor: Any, pings: int = 5) -> float:
     """The actor's monotonic clock minus the driver's, from the ping with the shortest round trip."""
     best: tuple[float, float] | None = None
     for _ in range(pings):
@@ -62,7 +64,7 @@ def asks_of(opts: Mapping[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in asks.items() if v}
 
 
-def lack(ray, opts: Mapping[str, Any]) -> str:
+def lack(ray: Any, opts: Mapping[str, Any]) -> str:
     """Why an actor with options ``opts`` is still waiting, in words."""
     asks, free, total = asks_of(opts), ray.available_resources(), ray.cluster_resources()
     short = [
@@ -82,12 +84,12 @@ def lack(ray, opts: Mapping[str, Any]) -> str:
 
 
 def placement_group_options(
-    workers: int,
+    num_workers: int,
     bundle: Mapping[str, float] | None = None,
     *,
     strategy: str = "STRICT_SPREAD",
     timeout: float = SCHEDULE_TIMEOUT,
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """``actor_options`` putting each worker in its own bundle of one new placement group.
 
     ``bundle`` is what each worker reserves (default one CPU); ``strategy`` is Ray's:
@@ -101,12 +103,12 @@ def placement_group_options(
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     bundle = dict(bundle or {"CPU": 1})
-    pg = placement_group([dict(bundle) for _ in range(workers)], strategy=strategy)
+    pg = placement_group([dict(bundle) for _ in range(num_workers)], strategy=strategy)
     ready, _ = ray.wait([pg.ready()], timeout=timeout)
     if not ready:
         remove_placement_group(pg)
         raise VjpsplitError(
-            f"Ray could not reserve {workers} bundles of {bundle} ({strategy}) within {timeout:g} s; "
+            f"Ray could not reserve {num_workers} bundles of {bundle} ({strategy}) within {timeout:g} s; "
             f"the cluster has {ray.available_resources()} free"
         )
     # The actor's own CPU ask must fit its bundle (Ray's default, 1 CPU, may not).
@@ -116,5 +118,5 @@ def placement_group_options(
             "num_cpus": min(cpus, 1) if cpus else 0,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
         }
-        for i in range(workers)
+        for i in range(num_workers)
     ]
