@@ -38,10 +38,11 @@ def deps(kind, mb, c, S):
     return [("B", mb, c)]
 
 
-def play(plans, S, duration):
+def play(plans, S, duration, comm=0.0):
     """Start and end of every op: a longest path over the DAG of list order plus data edges (Kahn's algorithm).
 
-    Returns None if the graph has a cycle, i.e. the lists deadlock.
+    A result read on another worker arrives ``comm`` after it ends. Returns None if the graph has a cycle,
+    i.e. the lists deadlock.
     """
     preds = defaultdict(list)
     worker = {}
@@ -62,7 +63,7 @@ def play(plans, S, duration):
     start, end = {}, {}
     while ready:
         k = ready.pop()
-        start[k] = max((end[d] for d in preds[k]), default=0.0)
+        start[k] = max((end[d] + (comm if worker[d] != worker[k] else 0.0) for d in preds[k]), default=0.0)
         end[k] = start[k] + duration(k)
         for s in succs[k]:
             indeg[s] -= 1
@@ -141,6 +142,66 @@ def test_no_deadlock_under_random_op_times(name):
             for e in events:
                 k = (e.kind, e.mb, e.stage)
                 assert (e.start, e.end) == pytest.approx((start[k], end[k])), (p, m, k)
+
+
+@pytest.mark.parametrize("name", P.SCHEDULES)
+def test_simulate_takes_per_stage_costs_and_a_send_delay(name):
+    """Costs per stage and kind (a whole backward costs B + W) and a delay per send between workers, as an
+    automatic scheduler evaluates plans, against the independent model."""
+    rng = random.Random(7)
+    for p in (2, 3, 4):
+        S = p if name in ("gpipe", "1f1b", "zbh1") else 2 * p
+        for m in (2 * p, 3 * p):
+            plans = P.schedule(name, S, m)
+            split = {(o.stage, o.mb) for ops in plans for o in ops if o.kind == "W"}
+            costs = {k: [rng.uniform(0.1, 2.0) for _ in range(S)] for k in "FBW"}
+            comm = rng.uniform(0.05, 0.5)
+
+            def duration(key, costs=costs, split=split):
+                kind, mb, s = key
+                if kind == "B" and (s, mb) not in split:
+                    return costs["B"][s] + costs["W"][s]
+                return costs[kind][s]
+
+            start, end, worker = play(plans, S, duration, comm)
+            events = P.simulate(plans, S, {**costs, "comm": comm})
+            assert len(events) == len(start)
+            for e in events:
+                k = (e.kind, e.mb, e.stage)
+                assert e.worker == worker[k]
+                assert (e.start, e.end) == pytest.approx((start[k], end[k])), (p, m, k)
+            # A delay given beside the costs replaces theirs; no delay at all is the model without it.
+            assert P.simulate(plans, S, costs, comm=comm) == events
+            start0, end0, _ = play(plans, S, duration)
+            assert max(e.end for e in P.simulate(plans, S, costs)) == pytest.approx(max(end0.values()))
+            assert max(e.end for e in events) > max(end0.values())  # the sends cost something
+
+
+def test_costs_are_checked():
+    plans = P.schedule("1f1b", 2, 2)
+    with pytest.raises(vs.VjpsplitError, match=r"costs\['F'\] has 3 entries for 2 stages"):
+        P.simulate(plans, 2, {"F": [1, 1, 1], "B": [1, 1]})
+    with pytest.raises(vs.VjpsplitError, match="give 'F' and 'B'"):
+        P.simulate(plans, 2, {"F": [1, 1]})
+    with pytest.raises(vs.VjpsplitError, match=r"costs\['comm'\]"):
+        P.simulate(plans, 2, {"F": 1.0, "B": 1.0, "comm": -1})
+    # One number serves every stage; W defaults to 0: 1F1B's whole backward costs B + W = 1.
+    assert max(e.end for e in P.simulate(plans, 2, {"F": 1, "B": 1})) == 2 * (2 + 2 - 1)
+
+
+def test_walk_and_simulate_name_the_deadlock():
+    """The dispatcher and the simulator play plans as the check does: the same error names the rank and action."""
+    F, B = (lambda mb, c, k=k: P.Op(k, mb, c) for k in "FB")
+    plans = [[F(0, 0), B(0, 0), F(1, 0), B(1, 0)], [F(0, 1), F(1, 1), B(0, 1), B(1, 1)]]
+    match = r"deadlocks: rank 0's action 0B0 waits for 1B0"
+    with pytest.raises(vs.VjpsplitError, match=match):
+        P.simulate(plans, 2, lambda o: 1.0)
+    from vjpsplit_cli.pipeline.runtime.dispatch import walk
+
+    submitted = []
+    with pytest.raises(vs.VjpsplitError, match=match):
+        walk(plans, 2, [(0, []), (1, [])], lambda w, op, data, side: submitted.append(op))
+    assert submitted == [F(0, 0), F(0, 1)]  # what can run before the cycle, nothing after
 
 
 def makespan(name, p, m):
@@ -399,3 +460,9 @@ def test_bad_plans_are_one_error_naming_rank_and_action():
     for plans, match in cases:
         with pytest.raises(vs.VjpsplitError, match=match):
             P.check_plans(plans, 2, 2)
+
+
+def test_an_op_of_an_unknown_kind_is_refused():
+    with pytest.raises(vs.VjpsplitError, match=r"Op kind 'X': use 'F', 'B' or 'W'"):
+        P.Op("X", 0, 0)
+    assert P.Op("F", 0, 1) == P.Op(P.Kind.F, 0, 1) and P.Op("W", 2, 0).kind == "W"

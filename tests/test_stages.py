@@ -58,7 +58,10 @@ def test_stages_read_exactly_what_they_use(gpt_stages):
     # stage 0 sends h (the embedding) and aux; stage 1 carries the embedding on to stage 2 (the skip),
     # once: the marked value and the unmarked one read later are one value
     assert [len(st.receives) for st in stages.index.per_stage] == [0, 2, 3, 2]
-    assert [list(r.shape[:1]) for r in stages.index.per_stage[1].receives] == [[], ["b"]]  # aux, and h with a symbolic batch
+    assert [list(r.shape[:1]) for r in stages.index.per_stage[1].receives] == [
+        [],
+        ["b"],
+    ]  # aux, and h with a symbolic batch
     for i, a in enumerate(stages):
         assert a.manifest.wrt == (("params",) if i == 0 else ("params", "x")) and a.manifest.weights == ("params",)
 

@@ -2,7 +2,7 @@
 
 Versions of the index (``version``):
 
-* 1 (2025-06, the first stages directory): the function, how it was cut, the
+* 1 (2026-12-01, the first stages directory): the function, how it was cut, the
   parameter and batch leaves (key, dtype, shape with symbolic dims as text), and
   per stage its artifact file and fingerprint, the leaf positions it reads, the
   values it receives and sends, its estimated cost and the equation cut after.

@@ -41,6 +41,10 @@ from ...safeio.signals import cleanup_on_signals
 from ...safeio.temps import writer_tag
 
 KIND = "vjpsplit-trainer-checkpoint"
+# 1 (2026-12-01): the first checkpoint. Its free-form ``meta`` holds the schedule, the optimizer's name and
+#   ``params``' structure; from 2026-12-02 also ``microbatches``, ``clip_global_norm`` and, for the caller's
+#   plans, ``plans`` (their CSV text), which ``Trainer.restore`` uses where they are not given. Older
+#   checkpoints lack those and still load.
 FORMAT = 1
 INDEX = "checkpoint.json"
 
