@@ -159,9 +159,8 @@ def sweep(
             fill.ran(w, op)
         return w, op, start, end
 
-    def filled(w: int, op: Op | None, ready: float) -> Iterator[tuple[int, Op, float, float]]:
-        assert fill is not None
-        while (extra := fill.insert(w, op, free[w], ready)) is not None:
+    def filled(f: Fill, w: int, op: Op | None, ready: float) -> Iterator[tuple[int, Op, float, float]]:
+        while (extra := f.insert(w, op, free[w], ready)) is not None:
             r = _ready(extra, S, ends, where, w, comm)
             if r is None:
                 raise VjpsplitError(f"worker {w}: a filled-in {action_name(extra, set())} runs before its inputs")
@@ -178,7 +177,7 @@ def sweep(
                 if ready is None:
                     break
                 if fill is not None:
-                    yield from filled(w, op, ready)
+                    yield from filled(fill, w, op, ready)
                 yield place(w, op, ready)
                 idx[w] += 1
                 moved = True
@@ -186,7 +185,7 @@ def sweep(
         raise _deadlock(plans, S, idx, ends)
     if fill is not None:
         for w in range(n):
-            yield from filled(w, None, free[w])
+            yield from filled(fill, w, None, free[w])
 
 
 def _deadlock(plans: Sequence[Sequence[Op]], S: int, idx: Sequence[int], ends: Mapping[OpKey, float]) -> VjpsplitError:

@@ -63,11 +63,11 @@ def _stage_file(path: str, params: Mapping[str, Any], state: Mapping[str, Any]) 
 
 def save_checkpoint(
     directory: str | os.PathLike,
-    stages: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]],
+    snapshots: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]],
     step: int,
     meta: Mapping | None = None,
 ) -> None:
-    """Write ``stages`` (per stage: ``(params, optimizer state)``, flat ``{key: array}``) and ``step`` to ``directory``.
+    """Write ``snapshots`` (per stage: ``(params, optimizer state)``, flat ``{key: array}``) and ``step`` to ``directory``.
 
     All-or-nothing: the directory is replaced in one rename (see the module docstring).
     ``meta`` is a small JSON-able dict kept in the index (optimizer names, schedule).
@@ -89,7 +89,7 @@ def save_checkpoint(
             raise VjpsplitError(f"{directory}: cannot create a directory in {parent} ({one_line(e)})") from e
         try:
             entries = []
-            for i, (params, state) in enumerate(stages):
+            for i, (params, state) in enumerate(snapshots):
                 name = f"stage-{i}.npz"
                 entries.append({"file": name, **_stage_file(os.path.join(tmp, name), params, state)})
             index = {"kind": KIND, "format": FORMAT, "step": int(step), "stages": entries, "meta": dict(meta or {})}
@@ -122,7 +122,7 @@ def _swap_in(tmp: str, target: str) -> None:
 
 
 def load_checkpoint(directory: str | os.PathLike) -> tuple[list[tuple[dict, dict]], int, dict]:
-    """``(stages, step, meta)`` as ``save_checkpoint`` wrote them; each array checked against its CRC-32."""
+    """``(snapshots, step, meta)`` as ``save_checkpoint`` wrote them; each array checked against its CRC-32."""
     d = os.fspath(directory)
     try:
         with open(os.path.join(d, INDEX)) as f:
@@ -135,7 +135,7 @@ def load_checkpoint(directory: str | os.PathLike) -> tuple[list[tuple[dict, dict
         raise VjpsplitError(f"{d}: {INDEX} is not a vjpsplit trainer checkpoint's index")
     if index.get("format") != FORMAT:
         raise VjpsplitError(f"{d}: checkpoint format {index.get('format')!r}; this vjpsplit reads {FORMAT}")
-    stages = []
+    snapshots = []
     for i, entry in enumerate(index["stages"]):
         name = str(entry["file"])
         if os.path.basename(name) != name or not name.endswith(".npz"):
@@ -147,5 +147,5 @@ def load_checkpoint(directory: str | os.PathLike) -> tuple[list[tuple[dict, dict
         impls = entry.get("prng_impls") or {}
         params = {k: arrays[f"params/{k}"] for k in entry["params"]}
         state = {k: from_data(arrays[f"state/{k}"], impls.get(k)) for k in entry["state"]}
-        stages.append((params, state))
-    return stages, int(index["step"]), dict(index.get("meta") or {})
+        snapshots.append((params, state))
+    return snapshots, int(index["step"]), dict(index.get("meta") or {})
