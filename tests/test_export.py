@@ -112,6 +112,17 @@ def test_has_aux_artifact():
     np.testing.assert_allclose(art.bwd(res), np.cos(x), rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "returns, says",
+    [(lambda x: jnp.sum(x), "f32[]"), (lambda x: (jnp.sum(x), x, x), "a 3-tuple")],
+    ids=["one-array", "three-tuple"],
+)
+def test_has_aux_without_a_pair_is_one_line(returns, says):
+    with pytest.raises(vs.VjpsplitError) as e:
+        vs.export(returns, jax.ShapeDtypeStruct((4,), jnp.float32), has_aux=True, platforms="cpu")
+    assert e.value.args[0] == f"has_aux is set, so <lambda> must return a pair (out, aux); it returned {says}"
+
+
 @pytest.mark.parametrize("ext", ["npz", "msgpack"])
 @pytest.mark.parametrize("self_contained", [False, True])
 def test_artifact_residual_files(artifacts, tmp_path, ext, self_contained):

@@ -106,4 +106,6 @@ def test_train_gpt_sample_pipeline_equals_one_process(tmp_path):
     assert float(line.rsplit(" ", 1)[1]) < 1e-4, proc.stdout  # the curves agree (the script also exits 1 if not)
     first, last = proc.stdout.splitlines()[0].split("->")[:2]
     assert float(last.split()[2]) < float(first.split()[-1]), proc.stdout  # it trained
+    uniform = float(proc.stdout.splitlines()[1].rsplit(" ", 1)[1])  # ln(vocab)
+    assert abs(float(first.split()[-1]) - uniform) < 0.1, proc.stdout  # it starts at a uniform guess
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"

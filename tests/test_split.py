@@ -87,6 +87,13 @@ def test_has_aux_with_integer_aux():
     assert_trees_close(bwd(res), vjp(jnp.float32(1)))
 
 
+def test_has_aux_without_a_pair_is_one_line():
+    fwd, _ = vs.split(lambda x: jnp.sum(x), has_aux=True)
+    with pytest.raises(vs.VjpsplitError) as e:
+        fwd(jnp.ones(3))
+    assert e.value.args[0].endswith("<lambda> must return a pair (out, aux); it returned f32[]")
+
+
 def test_integer_output_leaves_take_no_cotangent():
     def f(x):
         return {"y": jnp.sin(x), "i": jnp.argmax(x)}

@@ -22,7 +22,7 @@ from ..errors import VjpsplitError
 from ..files import keys
 from ..files.dtypes import dtype_name
 from ..files.prng import data_struct, impl_name, is_key
-from ..files.shapes import DIM_FUNCS, IDENTIFIER, dim_str, to_struct
+from ..files.shapes import DIM_FUNCS, IDENTIFIER, dim_str, refuse_64bit_without_x64, to_struct
 from ..files.trees import encode_structure, flatten_with_keys
 from ..tracing.choice import PolicyChoice, resolve_policy
 from ..tracing.policies import apply_policy
@@ -213,6 +213,7 @@ def _names_and_specs(st: _Export, platforms: Sequence[str] | str, arg_names: Seq
     st.names = names
     st.structs = tuple(_spec_structs(n, s) for n, s in zip(names, st.specs))
     input_entries = [kv for n, s in zip(names, st.structs) for kv in flatten_with_keys(n, s)]
+    refuse_64bit_without_x64(input_entries)
     st.input_keys = [k for k, _ in input_entries]
     st.inputs = _leaves_json_safe(input_entries, "input")
     st.flat_structs, st.in_tree = jax.tree_util.tree_flatten(st.structs)

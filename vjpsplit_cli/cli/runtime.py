@@ -75,13 +75,14 @@ def enable_x64_if(needed: bool) -> None:
 
 
 def wants_x64(specs) -> bool:
+    """Whether any leaf of ``specs`` has a dtype that needs ``jax_enable_x64`` (the CLI then turns it on)."""
     import jax
     import numpy as np
 
-    wide = {np.dtype(n) for n in ("float64", "int64", "uint64", "complex128")}
+    from ..files.dtypes import NARROWED
     from ..files.prng import is_key
 
-    return any(not is_key(s) and np.dtype(s.dtype) in wide for s in jax.tree_util.tree_leaves(specs))
+    return any(not is_key(s) and np.dtype(s.dtype).name in NARROWED for s in jax.tree_util.tree_leaves(specs))
 
 
 def load_artifact(path, trust_keys=(), allow_kernels: bool = False, *, x64: bool = True):

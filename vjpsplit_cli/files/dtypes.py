@@ -26,6 +26,9 @@ SHORT_NAMES: dict[str, str] = {
 }
 _LONG_TO_SHORT = {v: k for k, v in SHORT_NAMES.items()}
 
+# The dtypes JAX holds only with jax_enable_x64, each with the 32-bit dtype JAX computes in without it.
+NARROWED = {"float64": "float32", "int64": "int32", "uint64": "uint32", "complex128": "complex64"}
+
 # Every dtype a JAX array can have. Files may name only these: anything else
 # (object, str, void, datetime) is refused before any byte is interpreted.
 _ALLOWED = frozenset(

@@ -11,7 +11,8 @@ from jax import export as jexport
 from jax.sharding import NamedSharding
 
 from ..errors import VjpsplitError
-from .dtypes import dtype_from_name, short_name
+from .dtypes import NARROWED, dtype_from_name, short_name
+from .prng import is_key
 
 _SPEC_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\[\s*([^\]]*)\]\s*$")
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # a symbolic dim's (or --at entry's) name
@@ -149,11 +150,33 @@ def to_struct(leaf) -> jax.ShapeDtypeStruct:
         if not isinstance(sharding, NamedSharding) or len(sharding.device_set) < 2:
             sharding = None
         return jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype, sharding=sharding)
-    if isinstance(leaf, (bool, int, float, complex, np.generic)):
-        a = np.asarray(leaf)
-        if a.dtype == np.float64:
-            a = a.astype(np.float32)  # what jnp.asarray gives a Python float without x64
-        elif a.dtype == np.int64:
-            a = a.astype(np.int32)
-        return jax.ShapeDtypeStruct(a.shape, a.dtype)
+    if isinstance(leaf, (bool, int, float, complex)):
+        # What jnp.asarray gives a Python scalar: 32-bit without x64 (complex included), 64-bit with it.
+        return jax.ShapeDtypeStruct((), jax.dtypes.canonicalize_dtype(np.asarray(leaf).dtype))
     raise VjpsplitError(f"spec leaf {leaf!r} is not an array or jax.ShapeDtypeStruct")
+
+
+def refuse_64bit_without_x64(entries: Sequence[tuple[str, Any]], what: str = "input") -> None:
+    """Refuse a 64-bit spec leaf while ``jax_enable_x64`` is off, naming its file key, dtype and the fixes.
+
+    ``entries`` are ``(file key, ShapeDtypeStruct)`` pairs. Without x64, ``jax.export``
+    would lower such a leaf in its 32-bit kin, an artifact that takes f32 where the spec
+    (and a file written for it) says f64. A spec declares the artifact's interface, files
+    are never cast implicitly, and the CLI exports the same spec as a 64-bit artifact
+    (it turns x64 on for it): so a refusal, before anything is traced, rather than an
+    artifact that differs from what was asked for.
+    """
+    # jax defines its options at run time: the stub does not declare jax_enable_x64.
+    if jax.config.jax_enable_x64:  # type: ignore[attr-defined]
+        return
+    wide = [(k, np.dtype(s.dtype).name) for k, s in entries if not is_key(s) and np.dtype(s.dtype).name in NARROWED]
+    if not wide:
+        return
+    key, name = wide[0]
+    n = len(wide) - 1
+    more = f" (and {n} other 64-bit {'leaf' if n == 1 else 'leaves'})" if n else ""
+    raise VjpsplitError(
+        f"{what} '{key}' is {name}{more}, but jax_enable_x64 is off, so JAX would compute it in "
+        f"{NARROWED[name]}; turn 64-bit types on before exporting (jax.config.update('jax_enable_x64', True) "
+        f"or JAX_ENABLE_X64=1), or declare the leaf {NARROWED[name]}"
+    )

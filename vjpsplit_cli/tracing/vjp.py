@@ -184,6 +184,13 @@ def trace_vjp(fn: Callable, args: tuple, wrt: tuple[int, ...], single: bool, has
 
     def f_split(*diff_leaves):
         res = f_diff(*diff_leaves)
+        if has_aux and not (isinstance(res, (tuple, list)) and len(res) == 2):
+            got = (
+                f"a {len(res)}-tuple"
+                if isinstance(res, (tuple, list))
+                else (format_shape(res.dtype, res.shape) if hasattr(res, "shape") else type(res).__name__)
+            )
+            raise VjpsplitError(f"has_aux is set, so {fn_name(fn)} must return a pair (out, aux); it returned {got}")
         out, aux = res if has_aux else (res, None)
         leaves, tree = jax.tree_util.tree_flatten(out)
         shape_of_out["tree"] = tree

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ...errors import VjpsplitError
+from ...files.dtypes import dtype_from_name
 from ...tracing.residuals import Intermediates
 from ..schedules.ops import Kind, Op
 from ..schedules.timeline import Event
@@ -171,7 +172,10 @@ class StageWorker:
         return out
 
     def _ct(self, ct: Any, microbatches: int) -> Any:
-        return np.float32(1.0 / microbatches) if self.is_last else ct
+        if not self.is_last:
+            return ct
+        # In the loss's own dtype (float64 under x64): the artifact casts no cotangent.
+        return np.asarray(1.0 / microbatches, dtype_from_name(self.art.manifest.cotangent_leaves[0].dtype))
 
     def forward(self, mb: int, x: Any, side: Sequence[Any], worker: int | None = None) -> Any:
         """F: run the forward, keep the residuals; return the activation (the loss on the last stage)."""

@@ -19,7 +19,7 @@ import numpy as np
 from ...artifact.lowering import DEFAULT_PLATFORMS, export
 from ...errors import VjpsplitError
 from ...files.dtypes import dtype_name
-from ...files.shapes import concrete_shape, dim_str, to_struct
+from ...files.shapes import concrete_shape, dim_str, refuse_64bit_without_x64, to_struct
 from ...files.trees import flatten_with_keys
 from ...tracing.vjp import fn_name, positional_names, signature_positionals, wrt_positions
 from .balance import balanced_ends
@@ -89,6 +89,7 @@ def export_stages(
         )
     p_entries = [kv for i in wrt_pos for kv in _structs(names[i], specs[i])]
     b_entries = [kv for i in batch_pos for kv in _structs(names[i], specs[i])]
+    refuse_64bit_without_x64(p_entries + b_entries)  # by the user's keys, before the stages' own exports
     trees = {i: jax.tree_util.tree_structure(specs[i]) for i in range(len(specs))}
     sizes = {i: trees[i].num_leaves for i in trees}  # type: ignore[attr-defined]  # PyTreeDef's stub lacks it
 
