@@ -163,3 +163,14 @@ def test_restore_of_a_checkpoint_that_records_no_microbatches(tmp_path):
     again = P.Trainer.restore(tmp_path / "old", stages, optimizer=tx, microbatches=2)
     assert (again.step_count, again.plan.name, again.clip_global_norm) == (1, "1f1b", None)
     np.testing.assert_array_equal(again.step(batches[1]), trainer.step(batches[1]))
+
+
+def test_restore_runs_the_callers_plans_it_recorded(tmp_path):
+    params, batches, tx = gpt_params(), _batches(2), optax.sgd(0.1)
+    plans = P.schedule("zbh1", 4, 2)
+    trainer = P.Trainer(_stages(), params, optimizer=tx, schedule=plans, microbatches=2)
+    trainer.step(batches[0])
+    trainer.save(tmp_path / "ck")
+    again = P.Trainer.restore(tmp_path / "ck", _stages(), optimizer=tx)
+    assert again.plan.name == "custom" and again.plan.plans == plans
+    np.testing.assert_array_equal(again.step(batches[1]), trainer.step(batches[1]))

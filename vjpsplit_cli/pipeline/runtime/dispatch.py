@@ -24,16 +24,16 @@ def walk(plans: Sequence[Sequence[Op]], num_stages: int, mbs: Sequence[Microbatc
     """Call ``submit(worker, op, data, side)`` once per operation, in an order that respects every dependency.
 
     ``data`` is what ``submit`` returned for the operation of another stage whose
-    result ``op`` takes (``ops.received``: the activation for F, the cotangent for
-    B), the microbatch itself for the first stage's F, or None (the last stage's B,
+    result ``op`` takes (``ops.received`` of its dependencies: the activation for F,
+    the cotangent for B), the microbatch itself for the first stage's F, or None (the last stage's B,
     which starts from its loss; W). ``side`` is the stage's side inputs for F
     (``model.side_for``), else empty. Returns the handles in submission order.
     """
     S = num_stages
     sent: dict[OpKey, Any] = {}  # by operation, the handles no other stage's operation has taken yet
     handles = []
-    for w, op, _, _ in sweep(plans, S):
-        source = received(op, S)
+    for w, op, _, _, deps in sweep(plans, S):
+        source = received(op, deps)
         if source is not None:
             data = sent.pop(source)
         elif op.kind == Kind.F:

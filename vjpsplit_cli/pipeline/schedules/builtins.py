@@ -9,6 +9,8 @@ without is the whole backward (DualPipeV mixes both).
 
 from __future__ import annotations
 
+import functools
+
 from .catalog import CHUNKS, check_schedule
 from .ops import Kind, Op
 from .play import play
@@ -40,7 +42,16 @@ def schedule(name: str, num_stages: int, microbatches: int, chunks: int = CHUNKS
     Worker ``i``'s list is ``schedule(...)[i]``; ``worker_stages`` says which stages it holds.
     """
     check_schedule(name, num_stages, microbatches, chunks)
-    S, M = num_stages, microbatches
+    return [list(ops) for ops in _built(name, num_stages, microbatches, chunks)]
+
+
+@functools.lru_cache(maxsize=64)
+def _built(name: str, S: int, M: int, chunks: int) -> tuple[tuple[Op, ...], ...]:
+    """The lists, built once per arguments: every runner asks for its step's, each step (``Op`` is frozen)."""
+    return tuple(tuple(ops) for ops in _lists(name, S, M, chunks))
+
+
+def _lists(name: str, S: int, M: int, chunks: int) -> list[list[Op]]:
     if name == "gpipe":
         return [[Op(Kind.F, m, s) for m in range(M)] + [Op(Kind.B, m, s) for m in range(M)] for s in range(S)]
     if name == "zbv":

@@ -9,7 +9,7 @@ the deadlock check, the simulator and ZB-H1's W placement, all ask it.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 from ...errors import VjpsplitError
@@ -46,6 +46,7 @@ class Op:
     mb: int
     stage: int
     overlap: bool = False
+    key: OpKey = field(init=False, repr=False, compare=False)  # ``(kind, mb, stage)``, as dependencies name it
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, Kind):
@@ -53,11 +54,8 @@ class Op:
                 object.__setattr__(self, "kind", Kind(self.kind))
             except ValueError:
                 raise VjpsplitError(f"Op kind {self.kind!r}: use 'F', 'B' or 'W'") from None
-
-    @property
-    def key(self) -> OpKey:
-        """``(kind, mb, stage)``: this operation as ``dependencies`` names it."""
-        return OpKey(self.kind, self.mb, self.stage)
+        # Made once: the play of plans looks operations up by it many times per step.
+        object.__setattr__(self, "key", OpKey(self.kind, self.mb, self.stage))
 
 
 def dependencies(op: Op, num_stages: int) -> tuple[OpKey, ...]:
@@ -75,14 +73,15 @@ def dependencies(op: Op, num_stages: int) -> tuple[OpKey, ...]:
     return (OpKey(Kind.B, mb, s),)
 
 
-def received(op: Op, num_stages: int) -> OpKey | None:
-    """The operation of another stage whose result ``op`` takes as its input, if any.
+def received(op: Op, deps: Sequence[OpKey]) -> OpKey | None:
+    """The operation of another stage whose result ``op`` takes as its input, if any, among ``op``'s
+    ``dependencies``.
 
-    That is the one of ``dependencies`` on another stage: F's activation from the stage
-    before, B's cotangent from the stage after. What an operation reads from its own
-    stage (residuals, intermediates) stays with the stage.
+    That is the one on another stage: F's activation from the stage before, B's
+    cotangent from the stage after. What an operation reads from its own stage
+    (residuals, intermediates) stays with the stage.
     """
-    for d in dependencies(op, num_stages):
+    for d in deps:
         if d.stage != op.stage:
             return d
     return None

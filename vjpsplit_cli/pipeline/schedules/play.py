@@ -28,6 +28,7 @@ from .ops import Kind, Op, OpKey, action_name, dependencies, split_ops
 from .timeline import Event, makespan
 
 Duration = Callable[[Op], float]
+Step = tuple[int, Op, float, float, tuple[OpKey, ...]]  # worker, op, start, end, what it waited for
 
 
 @dataclass(frozen=True)
@@ -115,10 +116,12 @@ def _zero(op: Op) -> float:
     return 0.0
 
 
-def _ready(op: Op, S: int, ends: Mapping[OpKey, float], where: Mapping[int, int], w: int, comm: float) -> float | None:
-    """When ``op``'s inputs are all on worker ``w``; None while one of them has not run."""
+def _ready(
+    deps: Sequence[OpKey], ends: Mapping[OpKey, float], where: Mapping[int, int], w: int, comm: float
+) -> float | None:
+    """When all of ``deps`` (an operation's dependencies) are on worker ``w``; None while one has not run."""
     t = 0.0
-    for d in dependencies(op, S):
+    for d in deps:
         e = ends.get(d)
         if e is None:
             return None
@@ -135,50 +138,53 @@ def sweep(
     duration: Duration = _zero,
     comm: float = 0.0,
     fill: Fill | None = None,
-) -> Iterator[tuple[int, Op, float, float]]:
-    """``(worker, op, start, end)`` for every operation, in an order that respects every dependency.
+) -> Iterator[Step]:
+    """``(worker, op, start, end, deps)`` for every operation, in an order that respects every dependency.
 
     Each worker's list runs in its order; an operation starts when its worker is free and
     every result it reads exists (plus ``comm`` when that came from another worker).
-    Raises one ``VjpsplitError`` naming the rank and action where the plans deadlock.
+    ``deps`` is ``ops.dependencies(op)``. Raises one ``VjpsplitError`` naming the rank and
+    action where the plans deadlock.
     """
     S, n = num_stages, len(plans)
     where: dict[int, int] = {}
     for w, ops in enumerate(plans):
         for o in ops:
             where.setdefault(o.stage, w)
+    deps = [[dependencies(op, S) for op in ops] for ops in plans]
     ends: dict[OpKey, float] = {}
     free = [0.0] * n
     idx = [0] * n
 
-    def place(w: int, op: Op, ready: float) -> tuple[int, Op, float, float]:
+    def place(w: int, op: Op, ready: float, needs: tuple[OpKey, ...]) -> Step:
         start = max(free[w], ready)
         end = start + duration(op)
         ends[op.key] = free[w] = end
         if fill is not None:
             fill.ran(w, op)
-        return w, op, start, end
+        return w, op, start, end, needs
 
-    def filled(f: Fill, w: int, op: Op | None, ready: float) -> Iterator[tuple[int, Op, float, float]]:
+    def filled(f: Fill, w: int, op: Op | None, ready: float) -> Iterator[Step]:
         while (extra := f.insert(w, op, free[w], ready)) is not None:
-            r = _ready(extra, S, ends, where, w, comm)
+            needs = dependencies(extra, S)
+            r = _ready(needs, ends, where, w, comm)
             if r is None:
                 raise VjpsplitError(f"worker {w}: a filled-in {action_name(extra, set())} runs before its inputs")
-            yield place(w, extra, r)
+            yield place(w, extra, r, needs)
 
     moved = True
     while moved:
         moved = False
         for w in range(n):
-            ops = plans[w]
+            ops, wdeps = plans[w], deps[w]
             while idx[w] < len(ops):
-                op = ops[idx[w]]
-                ready = _ready(op, S, ends, where, w, comm)
+                op, needs = ops[idx[w]], wdeps[idx[w]]
+                ready = _ready(needs, ends, where, w, comm)
                 if ready is None:
                     break
                 if fill is not None:
                     yield from filled(fill, w, op, ready)
-                yield place(w, op, ready)
+                yield place(w, op, ready, needs)
                 idx[w] += 1
                 moved = True
     if any(idx[w] < len(plans[w]) for w in range(n)):
@@ -237,7 +243,7 @@ def play(
     delay = own_comm if comm is None else float(comm)
     events: list[Event] = []
     ran: list[list[Op]] = [[] for _ in plans]
-    for w, op, start, end in sweep(plans, num_stages, duration, delay, fill):
+    for w, op, start, end, _ in sweep(plans, num_stages, duration, delay, fill):
         events.append(Event(w, op.kind, op.mb, start, end, op.stage))
         ran[w].append(op)
     return Played(events, ran)
