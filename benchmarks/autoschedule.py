@@ -23,11 +23,11 @@ import sys
 import time
 from pathlib import Path
 
-from vjpsplit_cli.pipeline import auto_schedule, plot_timeline
-from vjpsplit_cli.pipeline.autoschedule import BUILT_INS, search
-from vjpsplit_cli.pipeline.costmodel import as_costs, lower_bound, memory_limits, memory_peaks, modeled_times
-from vjpsplit_cli.pipeline.schedules import LABELS, schedule
-from vjpsplit_cli.pipeline.timeline import Event
+from vjpsplit_cli.pipeline import Costs, auto_schedule, plot_timeline, simulate
+from vjpsplit_cli.pipeline.schedules.auto import BUILT_INS, search
+from vjpsplit_cli.pipeline.schedules.modeled import lower_bound, memory_limits, memory_peaks, modeled_makespan
+from vjpsplit_cli.pipeline import LABELS, schedule
+from vjpsplit_cli.pipeline import Event
 
 SHAPES = ("uniform", "B > F > W", "heavy ends")
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -43,12 +43,12 @@ def costs_of(shape: str, S: int, comm: float) -> dict:
 
 
 def span(plans, costs) -> float:
-    return max(end for _, end in modeled_times(plans, costs).values())
+    return modeled_makespan(plans, costs)
 
 
 def cell(S: int, m: int, shape: str, comm: float, limit: int | None) -> dict:
     """One grid cell: auto's makespan (and the list scheduler's alone), the best fitting built-in, the bound."""
-    costs = as_costs(costs_of(shape, S, comm), S)
+    costs = Costs.of(costs_of(shape, S, comm), S)
     limits = memory_limits(limit, S, m)
     plans = auto_schedule(S, m, costs=costs, memory_limit=limit)
     _, raw, _ = search(costs, m, limits, [True] * S)
@@ -134,7 +134,7 @@ def random_costs(trials: int = 300, seed: int = 0) -> str:
             "comm": rng.choice([0, 0.1, 0.3, 1.0]),
         }
         limit = rng.choice([S, 2 * S, None, max(1, S // 2)])
-        costs, limits = as_costs(c, S), memory_limits(limit, S, m)
+        costs, limits = Costs.of(c, S), memory_limits(limit, S, m)
         _, raw, _ = search(costs, m, limits, [True] * S)
         fits = [span(p, costs) for n in BUILT_INS if max(memory_peaks(p := schedule(n, S, m))) <= (limit or m)]
         if fits:
@@ -165,7 +165,7 @@ def planning_times(repeats: int) -> list[str]:
 def timelines(directory: Path) -> list[str]:
     """PNG timelines of one case (4 stages, 8 microbatches, B > F > W, sends 0.25): ZB-H1 and auto's plans."""
     S, m = 4, 8
-    costs = as_costs(costs_of("B > F > W", S, 0.25), S)
+    costs = Costs.of(costs_of("B > F > W", S, 0.25), S)
     cases = {
         "zbh1": ("ZB-H1", schedule("zbh1", S, m)),
         "auto8": ("auto, limit 8 (2S)", auto_schedule(S, m, costs=costs, memory_limit=8)),
@@ -174,13 +174,8 @@ def timelines(directory: Path) -> list[str]:
     }
     out = []
     for key, (label, plans) in cases.items():
-        times = modeled_times(plans, costs)
         # plot_timeline draws seconds as ms: one forward (the time unit here) is drawn as 1 "ms".
-        events = [
-            Event(w, o.kind, o.mb, *(t / 1e3 for t in times[(o.kind, o.mb, o.chunk)]), o.chunk)
-            for w, ops in enumerate(plans)
-            for o in ops
-        ]
+        events = [Event(e.worker, e.kind, e.mb, e.start / 1e3, e.end / 1e3, e.stage) for e in simulate(plans, S, costs)]
         path = directory / f"autoschedule_{key}.png"
         title = (
             f"{label}: 4 stages, 8 microbatches, F=1 B=1.5 W=0.5, sends 0.25; makespan "

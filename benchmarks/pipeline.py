@@ -306,8 +306,8 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
                 for e in r.events:
                     dur.setdefault((e.stage, e.kind, e.mb), []).append(e.end - e.start)
             med = {k: statistics.median(v) for k, v in dur.items()}
-            S = rs[0].stages
-            modeled = P.simulate(P.schedule(name, S, M), S, lambda o: med[(o.chunk, o.kind, o.mb)])
+            S = rs[0].num_stages
+            modeled = P.simulate(P.schedule(name, S, M), S, lambda o: med[(o.stage, o.kind, o.mb)])
             ops = {
                 k: statistics.median(v for (c, kk, _), v in med.items() if kk == k)
                 for k in "FBW"

@@ -42,7 +42,6 @@ def measure(quick: bool) -> dict:
 
     import vjpsplit_cli as vs
     from vjpsplit_cli import pipeline as P
-    from vjpsplit_cli.pipeline.timeline import replay
 
     g = _sample()
     rounds = 5 if quick else 20
@@ -92,7 +91,7 @@ def measure(quick: bool) -> dict:
                 times[k].append(time.perf_counter() - t0)
         for r, t in trainers.items():
             res = t.last_result
-            ev = replay(res.events, res.schedule, res.stages, res.microbatches, res.plans)
+            ev = res.modeled_timeline()
             if i >= 2:
                 modeled[r].append(max(e.end for e in ev) - min(e.start for e in ev))
     for t in trainers.values():

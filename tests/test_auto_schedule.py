@@ -30,8 +30,8 @@ from stage_models import gpt, gpt_batch, gpt_params, gpt_specs, mean_over_microb
 
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
-from vjpsplit_cli.pipeline.autoschedule import search
-from vjpsplit_cli.pipeline.costmodel import as_costs, lower_bound, memory_limits, modeled_makespan
+from vjpsplit_cli.pipeline.schedules.auto import search
+from vjpsplit_cli.pipeline.schedules.modeled import lower_bound, memory_limits, modeled_makespan
 
 BUILT_INS = ("gpipe", "1f1b", "zbh1")
 # Measured on this grid: 0.9796 (the lower bound's own mean is 0.9616, see test_the_lower_bound_holds...).
@@ -41,8 +41,8 @@ GEOMEAN_BOUND = 0.985
 def play(plans, F, B, W, comm):
     """This test's clock: each op's end time, or None if the lists deadlock."""
     S = len(F)
-    split = {(o.chunk, o.mb) for ops in plans for o in ops if o.kind == "W"}
-    where = {o.chunk: w for w, ops in enumerate(plans) for o in ops}
+    split = {(o.stage, o.mb) for ops in plans for o in ops if o.kind == "W"}
+    where = {o.stage: w for w, ops in enumerate(plans) for o in ops}
     end, free, nxt = {}, [0.0] * len(plans), [0] * len(plans)
     moved = True
     while moved:
@@ -50,7 +50,7 @@ def play(plans, F, B, W, comm):
         for w, ops in enumerate(plans):
             while nxt[w] < len(ops):
                 o = ops[nxt[w]]
-                s, i = o.chunk, o.mb
+                s, i = o.stage, o.mb
                 if o.kind == "F":
                     inputs = [("F", i, s - 1)] if s > 0 else []
                 elif o.kind == "B":
@@ -75,13 +75,13 @@ def makespan(plans, F, B, W, comm):
 
 def peaks(plans):
     """Per worker, the most microbatches held at once (F until W, or until a whole B)."""
-    split = {(o.chunk, o.mb) for ops in plans for o in ops if o.kind == "W"}
+    split = {(o.stage, o.mb) for ops in plans for o in ops if o.kind == "W"}
     out = []
     for ops in plans:
         held = peak = 0
         for o in ops:
             held += o.kind == "F"
-            held -= o.kind == "W" or (o.kind == "B" and (o.chunk, o.mb) not in split)
+            held -= o.kind == "W" or (o.kind == "B" and (o.stage, o.mb) not in split)
             peak = max(peak, held)
         out.append(peak)
     return out
@@ -91,7 +91,7 @@ def assert_valid(plans, S, m):
     """Worker w holds stage w; every F and B once, F before B before W; and the project's own checks pass."""
     assert len(plans) == S
     for w, ops in enumerate(plans):
-        assert {o.chunk for o in ops} == {w} and all(isinstance(o, P.Op) for o in ops)
+        assert {o.stage for o in ops} == {w} and all(isinstance(o, P.Op) for o in ops)
         pos = {(o.kind, o.mb): j for j, o in enumerate(ops)}
         assert len(pos) == len(ops), f"worker {w} repeats an operation"
         assert {k for k in pos if k[0] != "W"} == {(k, i) for k in "FB" for i in range(m)}
@@ -132,7 +132,7 @@ def grid():
         F, B, W = shape(name, S)
         costs = {"F": F, "B": B, "W": W, "comm": comm}
         plans = P.auto_schedule(S, m, costs=costs, memory_limit=limit)
-        _, raw, _ = search(as_costs(costs, S), m, memory_limits(limit, S, m), [True] * S)
+        _, raw, _ = search(P.Costs.of(costs, S), m, memory_limits(limit, S, m), [True] * S)
         others = {n: (makespan(p, F, B, W, comm), max(peaks(p))) for n, p in built_ins(S, m).items()}
         rows.append(dict(cell=(S, m, name, comm, limit), plans=plans, span=makespan(plans, F, B, W, comm)))
         rows[-1].update(raw=raw, others=others, costs=costs)
@@ -177,7 +177,7 @@ def test_the_lower_bound_holds_and_puts_0_95_out_of_reach(grid):
     ratios = []
     for row in grid:
         S, m, name, comm, limit = row["cell"]
-        bound = lower_bound(as_costs(row["costs"], S), m, memory_limits(limit, S, m))
+        bound = lower_bound(P.Costs.of(row["costs"], S), m, memory_limits(limit, S, m))
         assert row["span"] >= bound - 1e-9, row["cell"]
         if fitting(row):
             ratios.append(bound / min(fitting(row).values()))
@@ -368,7 +368,7 @@ def check_run(r, plans, loss, grads):
     assert_trees_close(r.grads, grads, rtol=1e-4, atol=1e-6)
     for w, ops in enumerate(plans):  # each worker ran exactly its list, in order
         mine = sorted((e for e in r.events if e.worker == w), key=lambda e: e.start)
-        assert [(e.kind, e.mb, e.stage) for e in mine] == [(o.kind, o.mb, o.chunk) for o in ops]
+        assert [(e.kind, e.mb, e.stage) for e in mine] == [(o.kind, o.mb, o.stage) for o in ops]
 
 
 @pytest.mark.parametrize(
@@ -395,7 +395,7 @@ def test_a_stage_without_the_split_backward_gets_a_whole_backward():
     plain = vs.export(hidden, spec, jax.ShapeDtypeStruct((b, D), jnp.float32), platforms="cpu")
     mixed = [arts[0], plain, arts[2]]
     plans = P.auto_schedule(mixed, 4, costs={"F": 1, "B": 1.5, "W": 0.5, "comm": 0.1}, memory_limit=2)
-    assert {o.chunk for ops in plans for o in ops if o.kind == "W"} == {0, 2}
+    assert {o.stage for ops in plans for o in ops if o.kind == "W"} == {0, 2}
     assert max(peaks(plans)) <= 2
     loss, grads = jax.value_and_grad(whole)(params, x, labels)
     check_run(P.run(mixed, params, x, [labels], microbatches=4, schedule=plans), plans, loss, grads)

@@ -17,7 +17,7 @@ import pytest
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.files import load_arrays, save_arrays
 from vjpsplit_cli.files.trees import flatten_with_keys
-from vjpsplit_cli.pipeline.optimizer import export_optimizer, load_optimizer
+from vjpsplit_cli.pipeline.training.optimizer import export_optimizer, load_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,7 +92,7 @@ sys.modules["optax"] = None  # importing optax now fails: the worker has no opta
 sys.modules["flax"] = None
 import numpy as np
 from vjpsplit_cli.files import load_arrays, save_arrays
-from vjpsplit_cli.pipeline.optimizer import load_optimizer
+from vjpsplit_cli.pipeline.training.optimizer import load_optimizer
 try:
     import optax  # noqa: F401
     raise SystemExit("optax importable")

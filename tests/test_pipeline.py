@@ -15,6 +15,7 @@ from models import stages_whole as whole
 
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
+from vjpsplit_cli.pipeline.runtime.dispatch import progress_bar
 
 D, CLASSES, BATCH = 8, 5, 24
 
@@ -45,7 +46,7 @@ def test_inprocess_gradients_equal_value_and_grad(name, stages):
     # Each worker ran exactly its own list, in order.
     for w, ops in enumerate(P.schedule(name, stages, 4)):
         mine = sorted((e for e in r.events if e.worker == w), key=lambda e: e.start)
-        assert [(e.kind, e.mb, e.stage) for e in mine] == [(o.kind, o.mb, o.chunk) for o in ops]
+        assert [(e.kind, e.mb, e.stage) for e in mine] == [(o.kind, o.mb, o.stage) for o in ops]
 
 
 def test_timeline_plot_is_written(tmp_path):
@@ -59,7 +60,7 @@ def test_timeline_plot_is_written(tmp_path):
     arts, params, x, labels = make(4)
     r = P.run(arts, params, x, [labels], microbatches=4, schedule_name="zbv")
     r.plot(tmp_path / "v.png")
-    assert (tmp_path / "v.png").read_bytes()[:4] == b"\x89PNG" and r.workers == 2
+    assert (tmp_path / "v.png").read_bytes()[:4] == b"\x89PNG" and r.num_workers == 2
 
 
 def test_bad_pipelines_are_refused():
@@ -150,20 +151,20 @@ def test_progress_bar_counts_every_op(monkeypatch):
 def test_progress_bar_is_tqdm_when_asked():
     from tqdm import tqdm
 
-    bar = P.progress_bar(3, True)
+    bar = progress_bar(3, True)
     assert isinstance(bar, tqdm)
     bar.close()
-    assert P.progress_bar(3, False) is None
+    assert progress_bar(3, False) is None
 
 
 def check_run(r, plans, params, x, labels):
     loss, grads = jax.value_and_grad(whole)(params, x, labels)
     np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
     assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
-    assert r.schedule == "custom" and r.workers == len(plans) and 0.0 <= r.modeled_bubble_ratio < 1.0
+    assert r.schedule == "custom" and r.num_workers == len(plans) and 0.0 <= r.modeled_bubble_ratio < 1.0
     for w, ops in enumerate(plans):  # each worker ran exactly its list, in order
         mine = sorted((e for e in r.events if e.worker == w), key=lambda e: e.start)
-        assert [(e.kind, e.mb, e.stage) for e in mine] == [(o.kind, o.mb, o.chunk) for o in ops]
+        assert [(e.kind, e.mb, e.stage) for e in mine] == [(o.kind, o.mb, o.stage) for o in ops]
 
 
 def test_schedule_read_from_csv_runs_and_equals_value_and_grad(tmp_path):

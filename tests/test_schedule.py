@@ -38,21 +38,22 @@ def deps(kind, mb, c, S):
     return [("B", mb, c)]
 
 
-def play(plans, S, duration):
+def play(plans, S, duration, comm=0.0):
     """Start and end of every op: a longest path over the DAG of list order plus data edges (Kahn's algorithm).
 
-    Returns None if the graph has a cycle, i.e. the lists deadlock.
+    A result read on another worker arrives ``comm`` after it ends. Returns None if the graph has a cycle,
+    i.e. the lists deadlock.
     """
     preds = defaultdict(list)
     worker = {}
     for w, ops in enumerate(plans):
         for i, o in enumerate(ops):
-            key = (o.kind, o.mb, o.chunk)
+            key = (o.kind, o.mb, o.stage)
             worker[key] = w
             preds[key] += deps(*key, S)
             if i:
                 prev = ops[i - 1]
-                preds[key].append((prev.kind, prev.mb, prev.chunk))
+                preds[key].append((prev.kind, prev.mb, prev.stage))
     succs = defaultdict(list)
     indeg = {k: len(v) for k, v in preds.items()}
     for k, v in preds.items():
@@ -62,7 +63,7 @@ def play(plans, S, duration):
     start, end = {}, {}
     while ready:
         k = ready.pop()
-        start[k] = max((end[d] for d in preds[k]), default=0.0)
+        start[k] = max((end[d] + (comm if worker[d] != worker[k] else 0.0) for d in preds[k]), default=0.0)
         end[k] = start[k] + duration(k)
         for s in succs[k]:
             indeg[s] -= 1
@@ -106,20 +107,20 @@ def test_every_op_once_on_its_worker_in_order(name):
         plans = P.schedule(name, S, m)
         assert len(plans) == p
         kinds = "FBW" if name in P.SPLIT_BACKWARD else "FB"
-        every = sorted((o.kind, o.mb, o.chunk) for ops in plans for o in ops)
+        every = sorted((o.kind, o.mb, o.stage) for ops in plans for o in ops)
         assert every == sorted((k, mb, c) for k in kinds for mb in range(m) for c in range(S)), (p, m)
         for w, ops in enumerate(plans):
-            assert {o.chunk for o in ops} == set(P.placement(name, S)[w])
-            pos = {(o.kind, o.mb, o.chunk): i for i, o in enumerate(ops)}
+            assert {o.stage for o in ops} == set(P.worker_stages(name, S)[w])
+            pos = {(o.kind, o.mb, o.stage): i for i, o in enumerate(ops)}
             for o in ops:
-                for d in deps(o.kind, o.mb, o.chunk, S):
+                for d in deps(o.kind, o.mb, o.stage, S):
                     if d in pos:  # a dependency on this worker must come earlier in its list
-                        assert pos[d] < pos[(o.kind, o.mb, o.chunk)], (p, m, w, o, d)
+                        assert pos[d] < pos[(o.kind, o.mb, o.stage)], (p, m, w, o, d)
 
 
 def test_zbv_places_two_stages_per_worker_in_a_v():
-    assert P.placement("zbv", 8) == [(0, 7), (1, 6), (2, 5), (3, 4)]
-    assert P.placement("1f1b", 3) == [(0,), (1,), (2,)]
+    assert P.worker_stages("zbv", 8) == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert P.worker_stages("1f1b", 3) == [(0,), (1,), (2,)]
 
 
 @pytest.mark.parametrize("name", CLASSIC)
@@ -136,11 +137,71 @@ def test_no_deadlock_under_random_op_times(name):
             for k in start:
                 assert all(start[k] >= end[d] for d in deps(*k, S))
             # The module's own replay agrees with this independent model.
-            events = P.simulate(plans, S, lambda o: times[(o.kind, o.mb, o.chunk)])
+            events = P.simulate(plans, S, lambda o: times[(o.kind, o.mb, o.stage)])
             assert len(events) == len(start)
             for e in events:
-                k = (e.kind, e.mb, e.chunk)
+                k = (e.kind, e.mb, e.stage)
                 assert (e.start, e.end) == pytest.approx((start[k], end[k])), (p, m, k)
+
+
+@pytest.mark.parametrize("name", P.SCHEDULES)
+def test_simulate_takes_per_stage_costs_and_a_send_delay(name):
+    """Costs per stage and kind (a whole backward costs B + W) and a delay per send between workers, as an
+    automatic scheduler evaluates plans, against the independent model."""
+    rng = random.Random(7)
+    for p in (2, 3, 4):
+        S = p if name in ("gpipe", "1f1b", "zbh1") else 2 * p
+        for m in (2 * p, 3 * p):
+            plans = P.schedule(name, S, m)
+            split = {(o.stage, o.mb) for ops in plans for o in ops if o.kind == "W"}
+            costs = {k: [rng.uniform(0.1, 2.0) for _ in range(S)] for k in "FBW"}
+            comm = rng.uniform(0.05, 0.5)
+
+            def duration(key, costs=costs, split=split):
+                kind, mb, s = key
+                if kind == "B" and (s, mb) not in split:
+                    return costs["B"][s] + costs["W"][s]
+                return costs[kind][s]
+
+            start, end, worker = play(plans, S, duration, comm)
+            events = P.simulate(plans, S, {**costs, "comm": comm})
+            assert len(events) == len(start)
+            for e in events:
+                k = (e.kind, e.mb, e.stage)
+                assert e.worker == worker[k]
+                assert (e.start, e.end) == pytest.approx((start[k], end[k])), (p, m, k)
+            # A delay given beside the costs replaces theirs; no delay at all is the model without it.
+            assert P.simulate(plans, S, costs, comm=comm) == events
+            start0, end0, _ = play(plans, S, duration)
+            assert max(e.end for e in P.simulate(plans, S, costs)) == pytest.approx(max(end0.values()))
+            assert max(e.end for e in events) > max(end0.values())  # the sends cost something
+
+
+def test_costs_are_checked():
+    plans = P.schedule("1f1b", 2, 2)
+    with pytest.raises(vs.VjpsplitError, match=r"costs\['F'\] must be one time per stage \(2\)"):
+        P.simulate(plans, 2, {"F": [1, 1, 1], "B": [1, 1]})
+    with pytest.raises(vs.VjpsplitError, match="costs has no 'B'"):
+        P.simulate(plans, 2, {"F": [1, 1]})
+    with pytest.raises(vs.VjpsplitError, match=r"costs\['comm'\]"):
+        P.simulate(plans, 2, {"F": 1.0, "B": 1.0, "comm": -1})
+    # One number serves every stage; W defaults to 0: 1F1B's whole backward costs B + W = 1.
+    assert max(e.end for e in P.simulate(plans, 2, {"F": 1, "B": 1})) == 2 * (2 + 2 - 1)
+
+
+def test_walk_and_simulate_name_the_deadlock():
+    """The dispatcher and the simulator play plans as the check does: the same error names the rank and action."""
+    F, B = (lambda mb, c, k=k: P.Op(k, mb, c) for k in "FB")
+    plans = [[F(0, 0), B(0, 0), F(1, 0), B(1, 0)], [F(0, 1), F(1, 1), B(0, 1), B(1, 1)]]
+    match = r"deadlocks: rank 0's action 0B0 waits for 1B0"
+    with pytest.raises(vs.VjpsplitError, match=match):
+        P.simulate(plans, 2, lambda o: 1.0)
+    from vjpsplit_cli.pipeline.runtime.dispatch import walk
+
+    submitted = []
+    with pytest.raises(vs.VjpsplitError, match=match):
+        walk(plans, 2, [(0, []), (1, [])], lambda w, op, data, side: submitted.append(op))
+    assert submitted == [F(0, 0), F(0, 1)]  # what can run before the cycle, nothing after
 
 
 def makespan(name, p, m):
@@ -233,7 +294,7 @@ TORCH_DUALPIPEV_4RANK_10MB = "16ce4a29936e4c5ad774098add32489b4937942e3f5ab0108f
 
 
 def split_pairs(plans):
-    return {(o.chunk, o.mb) for ops in plans for o in ops if o.kind == "W"}
+    return {(o.stage, o.mb) for ops in plans for o in ops if o.kind == "W"}
 
 
 def chunk_time(plans, v):
@@ -252,7 +313,7 @@ def chunk_memory(ops, split):
     for o in ops:
         if o.kind == "F":
             held += 1
-        elif o.kind == "W" or (o.chunk, o.mb) not in split:
+        elif o.kind == "W" or (o.stage, o.mb) not in split:
             held -= 1
         peak = max(peak, held)
     return peak, held
@@ -260,16 +321,16 @@ def chunk_memory(ops, split):
 
 def check_complete(plans, S, m, placement):
     split = split_pairs(plans)
-    every = sorted((o.kind, o.mb, o.chunk) for ops in plans for o in ops)
+    every = sorted((o.kind, o.mb, o.stage) for ops in plans for o in ops)
     want = sorted([(k, mb, c) for k in "FB" for mb in range(m) for c in range(S)] + [("W", mb, c) for c, mb in split])
     assert every == want
     for w, ops in enumerate(plans):
-        assert {o.chunk for o in ops} == set(placement[w])
-        pos = {(o.kind, o.mb, o.chunk): i for i, o in enumerate(ops)}
+        assert {o.stage for o in ops} == set(placement[w])
+        pos = {(o.kind, o.mb, o.stage): i for i, o in enumerate(ops)}
         for o in ops:
-            for d in deps(o.kind, o.mb, o.chunk, S):
+            for d in deps(o.kind, o.mb, o.stage, S):
                 if d in pos:
-                    assert pos[d] < pos[(o.kind, o.mb, o.chunk)], (w, o, d)
+                    assert pos[d] < pos[(o.kind, o.mb, o.stage)], (w, o, d)
 
 
 def test_interleaved_1f1b_makespan_memory_and_order():
@@ -280,7 +341,7 @@ def test_interleaved_1f1b_makespan_memory_and_order():
                 P.schedule("interleaved1f1b", S, m, chunks=v)
             continue
         plans = P.schedule("interleaved1f1b", S, m, chunks=v)
-        placement = P.placement("interleaved1f1b", S, chunks=v)
+        placement = P.worker_stages("interleaved1f1b", S, chunks=v)
         assert placement == [tuple(range(r, S, p)) for r in range(p)]  # stage s on worker s mod p
         check_complete(plans, S, m, placement)
         start, end, _ = play(plans, S, chunk_time(plans, v))
@@ -297,7 +358,7 @@ def test_interleaved_1f1b_makespan_memory_and_order():
 
 def test_interleaved_1f1b_by_name_has_two_chunks():
     assert P.schedule("interleaved1f1b", 6, 6) == P.schedule("interleaved1f1b", 6, 6, chunks=2)
-    assert P.placement("interleaved1f1b", 6) == [(0, 3), (1, 4), (2, 5)]
+    assert P.worker_stages("interleaved1f1b", 6) == [(0, 3), (1, 4), (2, 5)]
 
 
 def test_dualpipev_makespan_memory_and_order():
@@ -308,8 +369,8 @@ def test_dualpipev_makespan_memory_and_order():
                 P.schedule("dualpipev", S, m)
             continue
         plans = P.schedule("dualpipev", S, m)
-        assert P.placement("dualpipev", S) == [(w, S - 1 - w) for w in range(p)]
-        check_complete(plans, S, m, P.placement("dualpipev", S))
+        assert P.worker_stages("dualpipev", S) == [(w, S - 1 - w) for w in range(p)]
+        check_complete(plans, S, m, P.worker_stages("dualpipev", S))
         split = split_pairs(plans)
         assert split and len(split) < S * m  # B split into I and W for some microbatches, whole for others
         start, end, worker = play(plans, S, chunk_time(plans, 2))
@@ -399,3 +460,9 @@ def test_bad_plans_are_one_error_naming_rank_and_action():
     for plans, match in cases:
         with pytest.raises(vs.VjpsplitError, match=match):
             P.check_plans(plans, 2, 2)
+
+
+def test_an_op_of_an_unknown_kind_is_refused():
+    with pytest.raises(vs.VjpsplitError, match=r"Op kind 'X': use 'F', 'B' or 'W'"):
+        P.Op("X", 0, 0)
+    assert P.Op("F", 0, 1) == P.Op(P.Kind.F, 0, 1) and P.Op("W", 2, 0).kind == "W"

@@ -12,9 +12,9 @@ import pytest
 
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.files.prng import is_key
-from vjpsplit_cli.pipeline import checkpoint as C
-from vjpsplit_cli.pipeline.clipping import clip_scale, norm_owners, shared_keys, sum_of_squares, sum_tied
-from vjpsplit_cli.pipeline.optimizer import export_optimizer
+from vjpsplit_cli.pipeline.training import checkpoint as C
+from vjpsplit_cli.pipeline.training.clipping import clip_scale, norm_owners, shared_keys, sum_of_squares, sum_tied
+from vjpsplit_cli.pipeline.training.optimizer import export_optimizer
 
 # A whole model's parameters, held by three stages: "embed" is tied (stages 0 and 2).
 SHAPES = {"embed": (6, 4), "h0/w": (4, 4), "h1/w": (4, 4), "h1/b": (4,), "head/b": (6,)}

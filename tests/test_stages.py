@@ -11,6 +11,7 @@ from stage_models import gpt, gpt_batch, gpt_params, gpt_specs, mean_over_microb
 
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
+from vjpsplit_cli.pipeline.runtime.model import PreSplit
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +50,18 @@ def test_stage_boundary_changes_nothing_outside_export_stages():
 
 def test_stages_read_exactly_what_they_use(gpt_stages):
     stages, _ = gpt_stages
-    keys = [p["key"] for p in stages.index["params"]]
-    held = [[keys[i] for i in st["params"]] for st in stages.info]
+    keys = stages.index.param_keys
+    held = [[keys[i] for i in st.params] for st in stages.index.per_stage]
     assert held == [["params/embed"], ["params/blocks/0/w"], ["params/blocks/1/w"], ["params/embed"]]
-    batch = [[stages.index["batch"][i]["key"] for i in st["batch"]] for st in stages.info]
+    batch = [[stages.index.batch[i].key for i in st.batch] for st in stages.index.per_stage]
     assert batch == [["tokens"], ["mask"], [], ["labels"]]
     # stage 0 sends h (the embedding) and aux; stage 1 carries the embedding on to stage 2 (the skip),
     # once: the marked value and the unmarked one read later are one value
-    assert [len(st["receives"]) for st in stages.info] == [0, 2, 3, 2]
-    assert [r["shape"][:1] for r in stages.info[1]["receives"]] == [[], ["b"]]  # aux, and h with a symbolic batch
+    assert [len(st.receives) for st in stages.index.per_stage] == [0, 2, 3, 2]
+    assert [list(r.shape[:1]) for r in stages.index.per_stage[1].receives] == [
+        [],
+        ["b"],
+    ]  # aux, and h with a symbolic batch
     for i, a in enumerate(stages):
         assert a.manifest.wrt == (("params",) if i == 0 else ("params", "x")) and a.manifest.weights == ("params",)
 
@@ -68,7 +72,7 @@ def test_gpt_gradients_equal_value_and_grad(gpt_stages, schedule):
     batch = gpt_batch(8)
     loss, grads = jax.value_and_grad(mean_over_microbatches, argnums=1)(gpt, params, batch, 4)
     r = P.run(stages, params, batch, microbatches=4, schedule_name=schedule)
-    assert r.workers == (2 if schedule == "zbv" else 4)
+    assert r.num_workers == (2 if schedule == "zbv" else 4)
     np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
     assert jax.tree_util.tree_structure(r.grads) == jax.tree_util.tree_structure(params)
     assert_trees_close(r.grads, grads, rtol=1e-4, atol=1e-6)
@@ -98,7 +102,7 @@ def test_save_load_round_trip_signed(gpt_stages, tmp_path):
         "stages.json",
     ]
     back = vs.load_stages(tmp_path / "gpt.stages", trust=str(key) + ".pub")
-    assert isinstance(back, vs.Stages) and len(back) == 4 and back.index["stages"] == stages.index["stages"]
+    assert isinstance(back, vs.Stages) and len(back) == 4 and back.index.per_stage == stages.index.per_stage
     batch = gpt_batch(4)
     loss, grads = jax.value_and_grad(gpt)(params, *batch)
     r = P.run(back, params, batch, microbatches=2, schedule_name="zbh1")
@@ -115,7 +119,7 @@ def test_list_of_artifacts_form_still_works(gpt_stages):
     batch = gpt_batch(4)
     per_stage = stages.stage_params(params)
     r1 = P.run(stages, params, batch, microbatches=2)
-    r2 = P.run_inprocess(list(stages), per_stage, P.dispatch.PreSplit(stages.stage_batch(batch, 2)), microbatches=2)
+    r2 = P.run_inprocess(list(stages), per_stage, PreSplit(stages.stage_batch(batch, 2)), microbatches=2)
     np.testing.assert_allclose(r1.loss, r2.loss)
     assert len(r2.grads) == 4
 
@@ -171,9 +175,9 @@ def test_balanced_cut_of_the_mlp_is_after_layers_2_4_6():
     params = mlp_params()
     x, labels = np.ones((8, 16), np.float32), np.arange(8, dtype=np.int32) % 4
     stages = vs.export_stages(mlp, *specs_like((params, x[:2], labels[:2])), wrt="params", stages=4, platforms="cpu")
-    keys = [p["key"] for p in stages.index["params"]]
-    layers = [sorted({int(keys[i].split("/")[1]) for i in st["params"]}) for st in stages.info]
-    assert layers == [[0, 1], [2, 3], [4, 5], [6, 7]] and stages.index["cut"] == "balanced"
+    keys = stages.index.param_keys
+    layers = [sorted({int(keys[i].split("/")[1]) for i in st.params}) for st in stages.index.per_stage]
+    assert layers == [[0, 1], [2, 3], [4, 5], [6, 7]] and stages.index.cut == "balanced"
     loss, grads = jax.value_and_grad(mlp)(params, x, labels)
     r = P.run(stages, params, (x, labels), microbatches=4, schedule_name="zbh1")
     np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
@@ -268,8 +272,8 @@ def test_balanced_cut_of_the_sample_gpt_is_within_1_25_of_the_mean(monkeypatch):
     n = sample.SEQ
     specs = [jax.ShapeDtypeStruct((2, n), d) for d in (jnp.int32, jnp.float32, jnp.int32)]
     stages = vs.export_stages(sample.loss, specs_like(params), *specs, wrt="params", stages=4, platforms="cpu")
-    costs = [st["cost"] for st in stages.info]
-    assert stages.index["cut"] == "balanced" and max(costs) <= 1.25 * np.mean(costs), costs
+    costs = [st.cost for st in stages.index.per_stage]
+    assert stages.index.cut == "balanced" and max(costs) <= 1.25 * np.mean(costs), costs
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, sample.VOCAB, (4, n)).astype(np.int32)
     batch = (tokens, np.ones((4, n), np.float32), np.roll(tokens, -1, 1))

@@ -222,5 +222,74 @@ def test_architecture_doc_names_every_module():
         and name.split(".")[-1] != "__main__"
         and f"`{name.split('.')[-1]}`" not in text
         and f"`{name}/`" not in text  # a subpackage
+        and f"`{name.split('.')[-1]}/`" not in text  # a room inside a subpackage (`pipeline`'s `schedules/`)
     ]
     assert not missing, missing
+
+
+# The pipeline's rooms, in their dependency order: a module may import modules of its own room and of the
+# rooms before it, never one after. Inside runtime, ray/ sits above the in-process modules and `runners`
+# (`run`, which picks one) above both. docs/architecture.md draws the same picture.
+PIPELINE_ROOMS = ["schedules", "stages", "runtime", "runtime.ray", "runtime.runners", "training"]
+
+
+def _room(mod: str) -> int | None:
+    """The rank of ``mod``'s room (the longest room prefix it falls under); None outside the rooms."""
+    if not mod.startswith("pipeline."):
+        return None
+    inner = mod[len("pipeline.") :]
+    best = None
+    for i, room in enumerate(PIPELINE_ROOMS):
+        if (inner == room or inner.startswith(room + ".")) and (best is None or len(room) > len(PIPELINE_ROOMS[best])):
+            best = i
+    return best
+
+
+def _room_violations(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    bad = []
+    for mod, deps in edges.items():
+        rank = _room(mod)
+        if rank is None:
+            continue
+        bad += [(mod, d) for d in deps if (_room(d) is not None and _room(d) > rank) or d == "pipeline"]
+    return sorted(bad)
+
+
+def test_pipeline_rooms_import_only_the_rooms_before_them():
+    edges, _ = _imports()
+    rooms = {m for m in _modules() if m.startswith("pipeline.")}
+    assert all(_room(m) is not None for m in rooms), "every pipeline module lives in a room"
+    assert not _room_violations(edges)
+
+
+def test_the_room_check_can_fail():
+    edges, _ = _imports()
+    edges["pipeline.schedules.ops"].add("pipeline.runtime.worker")  # schedules reaching into the runtime
+    edges["pipeline.runtime.inprocess"].add("pipeline.runtime.ray.pipeline")  # the in-process runner needing Ray
+    edges["pipeline.stages.cut"].add("pipeline")  # a room reaching up to the package's surface
+    assert _room_violations(edges) == [
+        ("pipeline.runtime.inprocess", "pipeline.runtime.ray.pipeline"),
+        ("pipeline.schedules.ops", "pipeline.runtime.worker"),
+        ("pipeline.stages.cut", "pipeline"),
+    ]
+
+
+def test_every_pipeline_room_says_what_it_owns_and_may_import():
+    for room in ["pipeline", *(f"pipeline.{r}" for r in PIPELINE_ROOMS if r != "runtime.runners")]:
+        doc = importlib.import_module(f"vjpsplit_cli.{room}").__doc__ or ""
+        assert "May import" in doc, room
+
+
+def test_the_pipeline_surface_is_curated_and_documented():
+    """``pipeline.__all__`` holds what users call, each documented; the runners' internals stay in their rooms."""
+    from vjpsplit_cli import pipeline as P
+
+    for name in P.__all__:
+        obj = getattr(P, name)
+        if inspect.isfunction(obj) or inspect.isclass(obj):
+            assert (obj.__doc__ or "").strip(), f"pipeline.{name} has no docstring"
+    internal = {"run_op", "walk", "progress_bar", "split_ops", "StageActor", "stage_devices", "dependencies"}
+    assert not internal & set(P.__all__)
+    init = PKG / "pipeline" / "__init__.py"
+    body = [n for n in ast.parse(init.read_text()).body if not isinstance(n, (ast.Import, ast.ImportFrom, ast.Expr))]
+    assert [type(n).__name__ for n in body] == ["Assign"], "pipeline/__init__ holds no logic of its own"

@@ -44,7 +44,7 @@ def test_steps_equal_single_process_optax(schedule):
     assert len(copies) == 2  # the first and the last stage hold the embedding
     np.testing.assert_array_equal(copies[0], copies[1])  # bitwise
     assert not np.array_equal(copies[0], params["embed"])
-    assert len(tr.backend.trainers) == 4 and tr.last_result.workers == (2 if schedule == "zbv" else 4)
+    assert len(tr.backend.trainers) == 4 and tr.last_result.num_workers == (2 if schedule == "zbv" else 4)
     h = tr.history
     assert [e["step"] for e in h] == [1, 2, 3] and all(e["grad_norm"] > 0 and e["step_time"] > 0 for e in h)
     assert all(0 <= e["bubble"] < 1 and 0 <= e["modeled_bubble"] < 1 for e in h)
@@ -106,3 +106,71 @@ def test_progress_bar_and_loss_plot(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "train" in err and "loss=" in err
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_restore_as_the_contract_writes_it_uses_the_recorded_settings(tmp_path):
+    """SPEC: ``trainer.save(DIR); trainer = P.Trainer.restore(DIR, stages, optimizer=..., runner=...)``."""
+    params, batches, tx, c = gpt_params(), _batches(4), optax.sgd(0.1, momentum=0.9), 0.5
+    stages = _stages()
+    kw = dict(optimizer=tx, schedule_name="zbh1", microbatches=2, runner="inprocess", clip_global_norm=c)
+    never_stopped = P.Trainer(stages, params, **kw)
+    losses = [never_stopped.step(b) for b in batches]
+    trainer = P.Trainer(stages, params, **kw)
+    for b in batches[:2]:
+        trainer.step(b)
+    trainer.save(tmp_path / "ck")
+    trainer = P.Trainer.restore(tmp_path / "ck", stages, optimizer=tx, runner="inprocess")
+    assert (trainer.microbatches, trainer.plan.name, trainer.clip_global_norm) == (2, "zbh1", c)
+    later = [trainer.step(b) for b in batches[2:]]
+    np.testing.assert_array_equal(later, losses[2:])  # clipped as before: the very same run
+    assert min(h["grad_norm"] for h in trainer.history) > c
+
+
+def test_restore_values_given_win_over_the_recorded_ones(tmp_path):
+    params, batches, tx = gpt_params(), _batches(3), optax.sgd(0.1)
+    stages = _stages()
+    trainer = P.Trainer(stages, params, optimizer=tx, schedule_name="zbh1", microbatches=2, clip_global_norm=0.5)
+    trainer.step(batches[0])
+    trainer.save(tmp_path / "ck")
+    again = P.Trainer.restore(
+        tmp_path / "ck", stages, optimizer=tx, microbatches=4, schedule_name="gpipe", clip_global_norm=None
+    )
+    assert (again.microbatches, again.plan.name, again.clip_global_norm) == (4, "gpipe", None)
+    loss = again.step(batches[1])
+    assert again.last_result.microbatches == 4 and again.last_result.schedule == "gpipe"
+    # Unclipped from the saved parameters: plain SGD on the whole batch's gradient.
+    saved = trainer.params()
+    want, g = jax.value_and_grad(gpt)(saved, *batches[1])
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    step = jax.tree_util.tree_map(lambda p, d: p - 0.1 * d, saved, g)
+    assert_trees_close(again.params(), step, rtol=1e-4, atol=1e-6)
+
+
+def test_restore_of_a_checkpoint_that_records_no_microbatches(tmp_path):
+    """A checkpoint as vjpsplit wrote it before microbatches and clipping were recorded."""
+    from vjpsplit_cli.pipeline.training.checkpoint import save_checkpoint
+
+    params, batches, tx = gpt_params(), _batches(3), optax.sgd(0.1)
+    stages = _stages()
+    trainer = P.Trainer(stages, params, optimizer=tx, schedule_name="1f1b", microbatches=2)
+    trainer.step(batches[0])
+    old_meta = {"schedule": "1f1b", "optimizer": "sgd", "structure": trainer.ownership.structure}
+    save_checkpoint(tmp_path / "old", trainer.backend.snapshots(), trainer.step_count, old_meta)
+    with pytest.raises(
+        VjpsplitError, match=r"old: this checkpoint does not record its microbatches.*pass microbatches="
+    ):
+        P.Trainer.restore(tmp_path / "old", stages, optimizer=tx)
+    again = P.Trainer.restore(tmp_path / "old", stages, optimizer=tx, microbatches=2)
+    assert (again.step_count, again.plan.name, again.clip_global_norm) == (1, "1f1b", None)
+    np.testing.assert_array_equal(again.step(batches[1]), trainer.step(batches[1]))
+
+
+def test_restore_runs_the_callers_plans_it_recorded(tmp_path):
+    params, batches, tx = gpt_params(), _batches(2), optax.sgd(0.1)
+    plans = P.schedule("zbh1", 4, 2)
+    trainer = P.Trainer(_stages(), params, optimizer=tx, schedule=plans, microbatches=2)
+    trainer.step(batches[0])
+    trainer.save(tmp_path / "ck")
+    again = P.Trainer.restore(tmp_path / "ck", _stages(), optimizer=tx)
+    assert again.plan.name == "custom" and again.plan.plans == plans
+    np.testing.assert_array_equal(again.step(batches[1]), trainer.step(batches[1]))

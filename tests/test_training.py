@@ -12,7 +12,7 @@ from models import assert_trees_close, mlp_stage_artifacts
 from models import stages_whole as whole
 
 from vjpsplit_cli.errors import VjpsplitError
-from vjpsplit_cli.pipeline.training import Trainer
+from vjpsplit_cli.pipeline.training.trainer import Trainer
 
 D, CLASSES, BATCH, STAGES = 8, 5, 16, 3
 

@@ -49,10 +49,10 @@ _EXPORTS = {
     "resolve_policy": "tracing.choice",
     "PolicyChoice": "tracing.choice",
     "VjpsplitError": "errors",
-    "stage_boundary": "pipeline.boundary",
-    "export_stages": "pipeline.exporting",
-    "Stages": "pipeline.stagedir",
-    "load_stages": "pipeline.stagedir",
+    "stage_boundary": "pipeline.stages.boundary",
+    "export_stages": "pipeline.stages.exporting",
+    "Stages": "pipeline.stages.directory",
+    "load_stages": "pipeline.stages.directory",
     "pipeline": None,
 }
 
@@ -87,9 +87,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the eager spelling of the lazy 
     from .errors import VjpsplitError
     from .files import load_arrays, save_arrays
     from .files.trees import file_arrays, tree_from_file
-    from .pipeline.boundary import stage_boundary
-    from .pipeline.exporting import export_stages
-    from .pipeline.stagedir import Stages, load_stages
+    from .pipeline.stages.boundary import stage_boundary
+    from .pipeline.stages.exporting import export_stages
+    from .pipeline.stages.directory import Stages, load_stages
     from .tracing.choice import AutoChoice, PolicyChoice, choose_auto, choose_policy, resolve_policy
     from .tracing.policies import POLICIES, PolicyCost, plan_policies
     from .tracing.residuals import Intermediates, Residuals, SplitResiduals

@@ -114,12 +114,12 @@ def main(argv=None) -> int:
         float(np.max(np.abs(np.asarray(a) - np.asarray(g))))
         for a, g in zip(jax.tree_util.tree_leaves(r.grads), jax.tree_util.tree_leaves(grads), strict=True)
     )
-    for i, st in enumerate(stages.info):
-        held = [stages.index["params"][j]["key"] for j in st["params"]]
-        reads = [stages.index["batch"][j]["key"] for j in st["batch"]]
+    for i, st in enumerate(stages.index.per_stage):
+        held = [stages.index.params[j].key for j in st.params]
+        reads = [stages.index.batch[j].key for j in st.batch]
         print(
             f"stage {i}: {len(held)} parameter leaves, reads {', '.join(reads) or 'no batch input'}, "
-            f"receives {len(st['receives'])} values"
+            f"receives {len(st.receives)} values"
         )
     ok = np.isclose(r.loss, want, rtol=1e-4) and worst < 1e-4
     print(

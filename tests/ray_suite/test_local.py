@@ -35,7 +35,7 @@ def test_ray_gradients_equal_value_and_grad(ray_session, stages):
                 np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
                 assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
                 assert {e.stage for e in r.events} == set(range(stages))
-                assert {e.worker for e in r.events} == set(range(r.workers))
+                assert {e.worker for e in r.events} == set(range(r.num_workers))
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -147,7 +147,7 @@ def test_ray_runs_plans_read_from_csv(ray_session, tmp_path):
             assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
             for w, ops in enumerate(plans):  # each actor ran its own list, under its own worker index
                 mine = sorted((e for e in r.events if e.worker == w), key=lambda e: e.start)
-                assert [(e.kind, e.mb, e.stage) for e in mine] == [(o.kind, o.mb, o.chunk) for o in ops]
+                assert [(e.kind, e.mb, e.stage) for e in mine] == [(o.kind, o.mb, o.stage) for o in ops]
     # Interleaved 1F1B with 3 chunks per worker, via pipeline.run: the layout comes from the plans.
     arts, params, x, labels = make(6)
     loss, grads = jax.value_and_grad(whole)(params, x, labels)
@@ -155,4 +155,4 @@ def test_ray_runs_plans_read_from_csv(ray_session, tmp_path):
     r = P.run(arts, params, x, [labels], microbatches=4, runner="ray", schedule=P.read_schedule(tmp_path / "i3.csv"))
     np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
     assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
-    assert r.workers == 2 and {e.worker for e in r.events} == {0, 1}
+    assert r.num_workers == 2 and {e.worker for e in r.events} == {0, 1}

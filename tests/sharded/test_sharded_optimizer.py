@@ -8,7 +8,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vjpsplit_cli.pipeline.optimizer import export_optimizer, load_optimizer
+from vjpsplit_cli.pipeline.training.optimizer import export_optimizer, load_optimizer
 
 
 def test_sharded_program_keeps_state_sharded_and_equals_optax():

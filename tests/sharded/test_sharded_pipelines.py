@@ -18,6 +18,7 @@ from models import stages_whole as whole
 
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline
+from vjpsplit_cli.pipeline.runtime.devices import stage_devices
 
 D, CLASSES, BATCH = 8, 6, 24
 
@@ -77,7 +78,7 @@ def _check(result, params, x, labels):
 @pytest.mark.parametrize("name", ["1f1b", "zbh1"])
 def test_inprocess_stages_on_disjoint_device_groups(name, stages):
     arts, params, x, labels = make(stages)
-    placed = pipeline.stage_devices(arts)
+    placed = stage_devices(arts)
     groups = [set(d.id for d in a.devices) for a in placed]
     n = 8 // stages
     assert groups == [set(range(n * s, n * s + n)) for s in range(stages)]  # disjoint, consecutive

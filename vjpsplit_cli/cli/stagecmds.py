@@ -13,8 +13,8 @@ from .runtime import enable_x64_if, wants_x64
 
 def export_stages_cmd(target, shapes, wrt, platforms, policy, weights: bool, output, key, count) -> None:
     """Trace MODULE:FN once, cut it at its marks (or into ``count`` balanced stages) and save the directory."""
-    from ..cli.specs import check_fits, load_object, resolve_shapes
-    from ..pipeline.exporting import export_stages
+    from .specs import check_fits, load_object, resolve_shapes
+    from ..pipeline.stages.exporting import export_stages
 
     fn, name = load_object(target)
     if not callable(fn):
@@ -38,14 +38,14 @@ def export_stages_cmd(target, shapes, wrt, platforms, policy, weights: bool, out
     )
     stages.save(output, sign_key=key)
     signed = f", signed by {stages.artifacts[0].signer}" if key is not None else ""
-    log(f"wrote {output}: {name}, {len(stages)} stages ({stages.index['cut']}), platforms {platforms}{signed}")
+    log(f"wrote {output}: {name}, {len(stages)} stages ({stages.index.cut}), platforms {platforms}{signed}")
 
 
 def inspect_stages_cmd(directory, as_json: bool, at, trust_keys, allow_kernels) -> None:
     """Print a stages directory's table (or JSON): one row per stage."""
     from ..files.sizes import parse_at
-    from ..pipeline.stagedir import load_stages
-    from ..pipeline.stagereport import format_stages, stage_rows
+    from ..pipeline.stages.directory import load_stages
+    from ..pipeline.stages.report import format_stages, stage_rows
 
     stages = load_stages(directory, trust=list(trust_keys) or None, allow_kernels=allow_kernels)
     sizes = parse_at(at)
@@ -53,6 +53,6 @@ def inspect_stages_cmd(directory, as_json: bool, at, trust_keys, allow_kernels) 
         rows = stage_rows(stages, sizes)
         costs = [r["cost"] for r in rows]
         imbalance = max(costs) / (sum(costs) / len(costs))
-        click.echo(json.dumps({"function": stages.index["function"], "stages": rows, "imbalance": imbalance}, indent=2))
+        click.echo(json.dumps({"function": stages.index.function, "stages": rows, "imbalance": imbalance}, indent=2))
     else:
         click.echo(format_stages(stages, sizes))

@@ -1,0 +1,58 @@
+"""The one dispatcher every runner uses, and the progress bar.
+
+A step is the workers' lists of F, B and W operations. ``walk`` hands them to a
+runner's ``submit`` in the order of the one play of plans (``schedules.play.sweep``:
+each worker's own order, every operation after those whose results it reads);
+what flows between stages is whatever ``submit`` returns (a mailbox in-process,
+an object reference or a graph node on Ray), so a runner never repeats this
+bookkeeping.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Sequence
+
+from ..schedules.ops import Kind, Op, OpKey, received
+from ..schedules.play import sweep
+from .model import Microbatch, side_for
+
+Submit = Callable[[int, Op, Any, list[Any]], Any]
+
+
+def walk(plans: Sequence[Sequence[Op]], num_stages: int, mbs: Sequence[Microbatch], submit: Submit) -> list[Any]:
+    """Call ``submit(worker, op, data, side)`` once per operation, in an order that respects every dependency.
+
+    ``data`` is what ``submit`` returned for the operation of another stage whose
+    result ``op`` takes (``ops.received`` of its dependencies: the activation for F,
+    the cotangent for B), the microbatch itself for the first stage's F, or None (the last stage's B,
+    which starts from its loss; W). ``side`` is the stage's side inputs for F
+    (``model.side_for``), else empty. Returns the handles in submission order.
+    """
+    S = num_stages
+    sent: dict[OpKey, Any] = {}  # by operation, the handles no other stage's operation has taken yet
+    handles = []
+    for w, op, _, _, deps in sweep(plans, S):
+        source = received(op, deps)
+        if source is not None:
+            data = sent.pop(source)
+        elif op.kind == Kind.F:
+            data = mbs[op.mb][0]
+        else:
+            data = None
+        side = side_for(mbs[op.mb][1], op.stage, S) if op.kind == Kind.F else []
+        h = submit(w, op, data, side)
+        sent[op.key] = h
+        handles.append(h)
+    return handles
+
+
+def progress_bar(total: int, enabled: bool) -> Any:
+    """A tqdm bar over ``total`` operations on stderr, or None when not asked for (or tqdm is missing)."""
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="pipeline ops", file=sys.stderr, leave=False)

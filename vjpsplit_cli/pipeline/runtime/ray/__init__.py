@@ -1,0 +1,9 @@
+"""The Ray runner: workers as Ray actors that load their stages from bytes and never import the user's code.
+
+Owns starting or joining Ray, clocks, placement groups and why an actor waits
+(``setup``), the actor (``actor``), the one step-timeout wait and dead-actor
+reports (``waiting``), a step as a Compiled Graph (``compiled``) and
+``RayPipeline`` (``pipeline``).
+
+May import what ``runtime`` may, and ``runtime``'s in-process modules.
+"""

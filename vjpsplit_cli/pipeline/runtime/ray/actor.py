@@ -1,0 +1,146 @@
+"""The Ray actor of one pipeline worker, and the actor options a sharded stage needs.
+
+The actor imports no user code: it loads its stages' artifacts from bytes. Its
+``__init__`` does nothing, so the time an actor takes to become ready is the time
+Ray takes to place and start it (which the driver bounds); ``load`` does the work.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from ...schedules.ops import Kind, Op
+from ..worker import StageWorker, run_op
+
+
+class StageActor:
+    """The Ray actor around one worker's StageWorkers (one, or ZB-V's two).
+
+    An operation that fails records its error and returns None; operations that get
+    None in place of an activation or cotangent skip, so ``state`` reports the first
+    error and nothing downstream runs on garbage.
+    """
+
+    def __init__(self) -> None:
+        self.stage_workers: dict[int, StageWorker] = {}  # by stage index
+        self.worker = -1
+        self.error: BaseException | None = None
+
+    def ready(self) -> str:
+        """This actor's Ray node id (answered as soon as the actor runs)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def clock(self) -> float:
+        """This process's ``time.monotonic()``, for the driver's clock offset."""
+        return time.monotonic()
+
+    def load(self, held: Sequence[tuple[int, bytes, Any]], num_stages: int, worker: int) -> None:
+        """Load ``(stage index, artifact bytes, params)`` for each stage this worker (``worker``) holds."""
+        from ....artifact.loading import loads
+
+        self.stage_workers = {
+            s: StageWorker(loads(data, source=f"stage {s}"), params, s, num_stages) for s, data, params in held
+        }
+        self.worker = worker
+
+    def reset(self) -> None:
+        """Forget the last step's residuals, gradients, timings and error."""
+        for st in self.stage_workers.values():
+            st.reset()
+        self.error = None
+
+    def op(
+        self,
+        kind: str,
+        stage: int,
+        mb: int,
+        data: Any,
+        side: list[Any],
+        microbatches: int,
+        split: bool,
+        after: Any = None,
+    ) -> Any:
+        """Run one scheduled operation (see ``worker.run_op``); None when skipped or failed.
+
+        ``after`` is ignored: a compiled graph passes the worker's previous result to order its calls.
+        """
+        st = self.stage_workers[stage]
+        needed = data is not None or (kind == Kind.B and st.is_last) or (kind == Kind.W and mb in st.inter)
+        if self.error is not None or not needed:
+            return None
+        try:
+            out = run_op(st, Op(Kind(kind), mb, stage), data, side, microbatches, split, self.worker)
+            import jax
+
+            # An activation may be a tuple of arrays (stages from one function).
+            return None if out is None else jax.tree_util.tree_map(np.asarray, out)
+        except BaseException as e:  # noqa: BLE001 - handed to the driver by state()
+            self.error = picklable(e)
+            return None
+
+    def state(self) -> dict[str, Any]:
+        """Gradients, losses, timings (this process's clock) and the first error of the step."""
+        import jax
+
+        held = self.stage_workers
+        return {
+            "grads": {s: jax.tree_util.tree_map(np.asarray, st.grads) for s, st in held.items()},
+            "device_count": jax.device_count(),
+            "devices": {s: [d.id for d in st.art.devices] for s, st in held.items()},
+            **self.report(),
+        }
+
+    def report(self) -> dict[str, Any]:
+        """The step's losses, timings (this process's clock) and first error; no arrays."""
+        held = self.stage_workers.values()
+        return {
+            "losses": {m: v for st in held for m, v in st.losses.items()},
+            "events": [e for st in held for e in st.events],
+            "error": self.error,
+        }
+
+    def collect(self, after: Any) -> dict[str, Any]:
+        """``state``, then ``reset``: the end of a compiled step (``after``: the worker's last result)."""
+        out = self.state()
+        self.reset()
+        return out
+
+
+def picklable(e: BaseException) -> BaseException:
+    """``e`` itself if it survives Ray's serialization, else a RuntimeError with its text."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - some runtime errors do not survive pickling; keep their text
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def devices_for(opts: dict[str, Any], n: int) -> None:
+    """Let an actor that drives an ``n``-device sharded stage see ``n`` devices.
+
+    Accelerators come from the actor options (``num_gpus``, ``resources``); on
+    CPU, XLA makes ``n`` host devices when the actor's process starts with
+    ``XLA_FLAGS=--xla_force_host_platform_device_count=n`` (added unless the
+    options set XLA_FLAGS themselves). It only affects JAX's CPU platform.
+    """
+    if n <= 1:
+        return
+    env = dict(opts.get("runtime_env") or {})
+    env_vars = dict(env.get("env_vars") or {})
+    if "XLA_FLAGS" not in env_vars:
+        flags = [
+            f
+            for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")
+        ]
+        env_vars["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
+    env["env_vars"] = env_vars
+    opts["runtime_env"] = env

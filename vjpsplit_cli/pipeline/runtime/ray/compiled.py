@@ -1,0 +1,49 @@
+"""A step as a Ray Compiled Graph: the static graph of F, B and W calls, built once and executed per step.
+
+The same ``dispatch.walk`` that submits actor calls binds graph nodes here: an
+operation's node reads the node of the activation or cotangent it needs, so
+those travel actor to actor through the graph's channels. Each actor ends the
+step with ``collect``, which reads its unconsumed results (to run after them)
+and returns its gradients, losses and timings, then resets; the driver gets
+only those.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ...schedules.ops import Op
+from ..dispatch import walk
+
+
+def compile_step(
+    actors: Sequence[Any],
+    plans: Sequence[Sequence[Op]],
+    num_stages: int,
+    microbatches: int,
+    split: set[tuple[int, int]],
+) -> Any:
+    """The compiled graph of one step: ``execute(*xs, *sides)`` (one x and one side list per microbatch).
+
+    ``split``: the ``(stage, microbatch)`` pairs whose B is the input part (``ops.split_ops``).
+
+    Raises whatever Ray raises where Compiled Graphs are unavailable or refuse
+    the graph; the caller falls back to actor calls.
+    """
+    from ray.dag import InputNode, MultiOutputNode
+
+    M = microbatches
+    last: list[Any] = [None] * len(plans)
+
+    with InputNode() as inp:
+        mbs = [(inp[m], inp[M + m]) for m in range(M)]
+
+        def submit(w: int, op: Op, data: Any, side: list[Any]) -> Any:
+            # Chained to the worker's previous node: every node then hangs off the input
+            # (Ray requires it) and each actor runs exactly its list's order.
+            last[w] = actors[w].op.bind(op.kind, op.stage, op.mb, data, side, M, (op.stage, op.mb) in split, last[w])
+            return last[w]
+
+        walk(plans, num_stages, mbs, submit)
+        dag = MultiOutputNode([actors[w].collect.bind(node) for w, node in enumerate(last)])
+    return dag.experimental_compile()

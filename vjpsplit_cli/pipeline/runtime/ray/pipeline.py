@@ -1,0 +1,286 @@
+"""The Ray runner: workers as Ray actors placed by per-worker actor options, on the driver's clock.
+
+Actors that Ray cannot place within ``schedule_timeout`` are one error naming
+the stage and the resource it lacks; an actor that dies during a step is one
+error naming its stages. Each actor's monotonic clock is measured against the
+driver's at start, and its events are moved onto the driver's clock.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping, Sequence
+
+from ....errors import VjpsplitError
+from ...schedules.catalog import describe
+from ...schedules.layout import Layout
+from ...schedules.layout import layout as kind_of
+from ...schedules.ops import Op, split_ops
+from ...schedules.plans import resolve
+from ...stages.directory import Stages
+from ..dispatch import progress_bar, walk
+from ..model import Microbatch, model_of
+from ..result import PipelineResult, step_result
+from . import waiting
+from .actor import StageActor, devices_for
+from .compiled import compile_step
+from .setup import SCHEDULE_TIMEOUT, clock_offset, init_ray, lack
+
+STEP_TIMEOUT = 600.0  # seconds for one step's results, after which the step is an error, not a hang
+RUNNER = "ray"
+
+
+class RayPipeline:
+    """Workers as Ray actors (one process each); activations and cotangents go through Ray's object store.
+
+    ``layout="stage"`` (default) puts one stage on each actor, for GPipe, 1F1B and
+    ZB-H1; ``layout="v"`` puts two on each in ZB-V's (and DualPipeV's) V;
+    ``layout="interleaved"`` two on each, round robin (interleaved 1F1B); a list of
+    stage tuples, one per worker, lays them out as given (for ``schedule=`` plans). ``address=None`` starts (or
+    joins) a local Ray instance; pass a cluster address (``ray://host:10001`` or
+    ``auto``) for multi-host. ``actor_options`` gives one dict of Ray actor options
+    per worker (``num_cpus``, ``num_gpus``, ``resources``, ``scheduling_strategy``
+    such as a placement group bundle or ``NodeAffinitySchedulingStrategy``; see
+    ``placement_group_options``). Actors not placed and started within
+    ``schedule_timeout`` seconds are an error naming the stage and what it lacks.
+    Actors persist across ``run`` calls; ``close()`` (or ``with``) ends them. The
+    driver sends the batch and fetches the gradients, losses and timings once per
+    step; activations and cotangents pass from actor to actor without reaching it.
+    ``nodes[w]`` is the Ray node id worker ``w`` runs on; ``clock_offsets[w]`` its
+    clock minus the driver's (seconds). ``compiled=True`` runs each step as a Ray
+    Compiled Graph (``None``: where Ray can compile it, else actor calls; default
+    False: one actor call per operation). A step whose results are not back within
+    ``step_timeout`` seconds is an error. ``artifacts`` may be a ``Stages``
+    (``export_stages``): ``params`` is then the whole parameter pytree, ``run``
+    takes the batch tuple, and the result's ``grads`` have ``params``' structure
+    (its steps run as actor calls: each stage's batch inputs go to it directly).
+    """
+
+    actor_class: type = StageActor  # the Trainer's actors extend it
+
+    def __init__(
+        self,
+        artifacts: Sequence[Any] | Stages,
+        params: Any,
+        *,
+        address: str | None = None,
+        runtime_env: Mapping[str, Any] | None = None,
+        num_cpus_per_stage: float = 0,
+        layout: str | Sequence[Sequence[int]] = "stage",
+        actor_options: Sequence[Mapping[str, Any]] | None = None,
+        schedule_timeout: float = SCHEDULE_TIMEOUT,
+        compiled: bool | None = False,
+        step_timeout: float = STEP_TIMEOUT,
+    ):
+        try:
+            import ray
+        except ImportError as e:
+            raise VjpsplitError("the Ray runner needs Ray; pip install 'vjpsplit[ray]'") from e
+        self.model = model_of(artifacts, params)
+        self.ray = ray
+        # A Stages feeds each stage its own batch inputs: actor calls, not the graph's one side list.
+        self.compiled = False if self.model.sides_per_stage else compiled
+        self.step_timeout = step_timeout
+        self.graph: tuple[Any, Any] | None = None  # (key, compiled graph) of the last compiled step
+        self.num_stages = self.model.num_stages
+        self.layout = Layout.of(layout, self.num_stages)
+        if actor_options is not None and len(actor_options) != self.layout.num_workers:
+            raise VjpsplitError(
+                f"actor_options has {len(actor_options)} entries for {self.layout.num_workers} workers; "
+                "give one dict of Ray actor options per worker"
+            )
+        self.started = init_ray(ray, address, runtime_env, self.layout.num_workers)
+        self.actors: list[Any] = []
+        self.options: list[dict[str, Any]] = []
+        arts = self.model.artifacts
+        for w, held in enumerate(self.layout.workers):
+            opts = {"num_cpus": num_cpus_per_stage, **(dict(actor_options[w]) if actor_options else {})}
+            devices_for(opts, max(arts[s].manifest.nr_devices for s in held))
+            self.options.append(opts)
+            self.actors.append(ray.remote(self.actor_class).options(**opts).remote())
+        try:
+            self.nodes = self._wait_placed(schedule_timeout)
+            self.clock_offsets = [clock_offset(ray, a) for a in self.actors]
+            params_ = self.model.stage_params
+            loads = [
+                a.load.remote([(s, arts[s].to_bytes(), params_[s]) for s in held], self.num_stages, w)
+                for w, (a, held) in enumerate(zip(self.actors, self.layout.workers))
+            ]
+            self.get(loads)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_placed(self, timeout: float) -> list[str]:
+        ray = self.ray
+        refs = [a.ready.remote() for a in self.actors]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        if pending:
+            w = refs.index(pending[0])
+            raise VjpsplitError(
+                f"{self.layout.label(w)}: Ray did not place its actor within {timeout:g} s: "
+                f"{lack(ray, self.options[w])}"
+            )
+        return self.get(refs)
+
+    def get(self, refs: Sequence[Any]) -> list[Any]:
+        """The values of ``refs``; a dead actor is one error naming the stages it held."""
+        return waiting.get(self.ray, refs, self.actors, self.layout)
+
+    def fetch(
+        self, refs: Sequence[Any], owners: Sequence[int], t0: float, *, hint: str = "", bar: Any = None
+    ) -> list[Any]:
+        """The values of ``refs`` (worker ``owners[i]``'s) once all are done, within ``step_timeout`` of ``t0``."""
+        waiting.wait_step(
+            self.ray, refs, owners, t0 + self.step_timeout, self.step_timeout, self.layout, hint=hint, bar=bar
+        )
+        return self.get(refs)
+
+    def run(
+        self,
+        x: Any,
+        side: Any = (),
+        *,
+        microbatches: int,
+        schedule_name: str = "1f1b",
+        progress: bool = False,
+        schedule: Sequence[Sequence[Op]] | None = None,
+    ) -> PipelineResult:
+        """One training step under ``schedule_name`` (or the checked plans ``schedule``); gradients accumulate."""
+        S = self.num_stages
+        name, plans, layout = resolve(schedule_name, schedule, S, microbatches)
+        self.model.check_plans(name, plans)
+        if layout != self.layout:
+            need = kind_of(schedule_name) if schedule is None else layout.as_lists()
+            raise VjpsplitError(
+                f"{describe(name)} needs RayPipeline(layout={need!r}): "
+                f"it lays the stages out as {layout.as_lists()}, this one holds them as {self.layout.as_lists()}"
+            )
+        if not self.actors:
+            raise VjpsplitError("this RayPipeline is closed; build a new one")
+        split = split_ops(plans)
+        mbs = self.model.microbatches(x, side, microbatches)
+        if self.compiled is not False and not progress:
+            graph = self._graph(plans, microbatches, split)
+            if graph is not None:
+                return self._run_graph(graph, mbs, name, microbatches, plans)
+        self._drop_graph()  # its actors take ordinary calls again
+        self.get([a.reset.remote() for a in self.actors])
+        t0 = time.monotonic()
+        owners: list[int] = []
+
+        def submit(w: int, op: Op, data: Any, side_: list[Any]) -> Any:
+            # Each actor runs its tasks in submission order, which walk keeps to its list.
+            owners.append(w)
+            s = (op.stage, op.mb) in split
+            return self.actors[w].op.remote(op.kind, op.stage, op.mb, data, side_, microbatches, s)
+
+        refs = walk(plans, S, mbs, submit)
+        if progress:
+            bar = progress_bar(len(refs), progress)
+            try:
+                waiting.wait_step(
+                    self.ray, refs, owners, t0 + self.step_timeout, self.step_timeout, self.layout, bar=bar
+                )
+            finally:
+                if bar is not None:
+                    bar.close()
+        everyone = list(range(self.layout.num_workers))
+        states = self.fetch([a.state.remote() for a in self.actors], everyone, t0)  # after each one's last op
+        return self._result(states, name, microbatches, time.monotonic() - t0, False, plans)
+
+    def _graph(self, plans: Sequence[Sequence[Op]], microbatches: int, split: set[tuple[int, int]]) -> Any:
+        """The step's compiled graph, built once per (plans, microbatches); None where unavailable."""
+        key = (tuple(map(tuple, plans)), microbatches)
+        if self.graph is not None and self.graph[0] == key:
+            return self.graph[1]
+        self._drop_graph()  # an actor takes part in one compiled graph at a time
+        try:
+            graph = compile_step(self.actors, plans, self.num_stages, microbatches, split)
+        except Exception as e:  # noqa: BLE001 - no Compiled Graphs here: actor calls do the same work
+            if self.compiled:
+                raise VjpsplitError(
+                    f"Ray could not compile the step's graph ({type(e).__name__}: {e}); "
+                    "use compiled=False (or None) for actor calls"
+                ) from e
+            self.compiled = False
+            return None
+        self.graph = (key, graph)
+        return graph
+
+    def _drop_graph(self) -> None:
+        if self.graph is not None:
+            graph, self.graph = self.graph[1], None
+            try:
+                graph.teardown()
+            except Exception:  # noqa: BLE001 - a graph whose actor died tears down with an error
+                pass
+
+    def _run_graph(
+        self, graph: Any, mbs: Sequence[Microbatch], name: str, microbatches: int, plans: Sequence[Sequence[Op]]
+    ) -> PipelineResult:
+        ray = self.ray
+        t0 = time.monotonic()
+        try:
+            # Our own limit, not Compiled Graphs' default 10 s, which a long step exceeds.
+            states = ray.get(graph.execute(*[x for x, _ in mbs], *[side for _, side in mbs]), timeout=self.step_timeout)
+        except ray.exceptions.RayChannelTimeoutError:
+            self._drop_graph()
+            raise VjpsplitError(
+                f"the compiled step did not finish within step_timeout={self.step_timeout:g} s; "
+                "build a new RayPipeline (compiled=False for actor calls) to run again"
+            ) from None
+        except ray.exceptions.RayError as e:
+            self._drop_graph()
+            self.get([a.clock.remote() for a in self.actors])  # names a dead actor's stages
+            raise VjpsplitError(
+                f"the compiled step failed ({type(e).__name__}: {e}); build a new RayPipeline to run again"
+            ) from None
+        return self._result(states, name, microbatches, time.monotonic() - t0, True, plans)
+
+    def _result(
+        self,
+        states: Sequence[Mapping[str, Any]],
+        name: str,
+        microbatches: int,
+        step_time: float,
+        compiled: bool,
+        plans: Sequence[Sequence[Op]],
+    ) -> PipelineResult:
+        S = self.num_stages
+        failed = [st["error"] for st in states if st["error"] is not None]
+        if failed:
+            raise failed[0]
+        grads = {s: g for st in states for s, g in st["grads"].items()}
+        return step_result(
+            schedule=name,
+            plans=plans,
+            num_stages=S,
+            microbatches=microbatches,
+            runner=RUNNER,
+            step_time=step_time,
+            losses=states[self.layout.worker_of()[S - 1]]["losses"],
+            grads=self.model.gather([grads[s] for s in range(S)]),
+            events=self.driver_events(states),
+            extra={"compiled": compiled},
+        )
+
+    def driver_events(self, states: Sequence[Mapping[str, Any]]) -> list[Any]:
+        """The events in each worker's ``state`` (or ``report``), moved onto the driver's clock."""
+        return [e.shifted(off) for st, off in zip(states, self.clock_offsets) for e in st["events"]]
+
+    def close(self) -> None:
+        """End the actors (and the local Ray instance, if this object started it)."""
+        self._drop_graph()
+        for a in self.actors:
+            self.ray.kill(a)
+        self.actors = []
+        if self.started:
+            self.ray.shutdown()
+            self.started = False
+
+    def __enter__(self) -> RayPipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,63 @@
+"""Waiting on Ray for a step: the one step-timeout wait, and a dead actor named by the stages it held.
+
+``wait_step`` waits for a step's object references until its deadline (updating a
+progress bar, if given, as each completes) and names the worker of the first one
+still pending when time is up; ``get`` fetches values, turning Ray's actor error
+into one line naming the stages of every actor that is gone.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from ....errors import VjpsplitError
+from ...schedules.layout import Layout
+
+
+def wait_step(
+    ray: Any,
+    refs: Sequence[Any],
+    owners: Sequence[int],
+    deadline: float,
+    step_timeout: float,
+    layout: Layout,
+    *,
+    hint: str = "",
+    bar: Any = None,
+) -> None:
+    """Wait until every ref in ``refs`` (worker ``owners[i]``'s) is done or ``deadline`` (``time.monotonic``) passes.
+
+    Past the deadline: one error naming the first late worker's stages and ``step_timeout``, then ``hint``.
+    ``fetch_local=False``: completion only, no values copied here.
+    """
+    owner = {id(r): w for r, w in zip(refs, owners)}
+    pending = list(refs)
+    while pending:
+        want = 1 if bar is not None else len(pending)
+        left = max(deadline - time.monotonic(), 0.0)
+        ready, pending = ray.wait(pending, num_returns=want, fetch_local=False, timeout=left)
+        if bar is not None:
+            bar.update(len(ready))
+        if pending and len(ready) < want:
+            late = sorted({owner[id(r)] for r in pending})
+            raise VjpsplitError(
+                f"{layout.label(late[0])}: the step did not finish within step_timeout={step_timeout:g} s{hint}"
+            )
+
+
+def get(ray: Any, refs: Sequence[Any], actors: Sequence[Any], layout: Layout) -> list[Any]:
+    """``ray.get(refs)``, with a dead actor reported by the stages it held."""
+    try:
+        return list(ray.get(list(refs)))
+    except ray.exceptions.RayActorError as e:
+        dead = []
+        for w, a in enumerate(actors):
+            try:
+                ray.get(a.clock.remote(), timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                dead.append(layout.label(w))
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise VjpsplitError(
+            f"{', '.join(dead) or 'a stage'}: its Ray actor died ({why}); build a new RayPipeline to run again"
+        ) from None

@@ -1,0 +1,114 @@
+"""One step's result, the same from every runner: loss, gradients, the timeline and the plans that ran.
+
+``step_result`` is the one place a ``PipelineResult`` is built: the runners hand
+it what their workers measured (per-microbatch losses, per-stage gradients,
+events), and it takes the loss as the mean over microbatches and orders the
+events in time.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ..schedules.catalog import describe
+from ..schedules.ops import Op
+from ..schedules.play import replay
+from ..schedules.plots import plot_timeline
+from ..schedules.timeline import Event, bubble_ratio
+
+
+@dataclass
+class PipelineResult:
+    """Loss, accumulated gradients, and the recorded timeline of one pipelined step.
+
+    ``grads``: per stage, or in ``params``' structure for a ``Stages`` (None per stage
+    when a ``Trainer`` applied them where they live). ``plans``: the per-worker lists
+    that ran (a named schedule's, or the caller's; ``schedule`` is then ``"custom"``).
+    """
+
+    schedule: str
+    loss: float
+    grads: Any
+    events: list[Event]
+    num_stages: int
+    microbatches: int
+    runner: str
+    step_time: float
+    plans: list[list[Op]]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_workers(self) -> int:
+        """How many workers (threads or actors) ran the stages."""
+        return len(self.plans)
+
+    @property
+    def bubble_ratio(self) -> float:
+        """Idle share of the workers' time between the first start and the last end."""
+        return bubble_ratio(self.events, self.num_workers)
+
+    def modeled_timeline(self) -> list[Event]:
+        """The timeline if every worker had a device of its own: the measured op times, replayed."""
+        return replay(self.events, self.plans, self.num_stages)
+
+    @property
+    def modeled_bubble_ratio(self) -> float:
+        """The bubble ratio if every worker had a device of its own: measured op times, replayed."""
+        return bubble_ratio(self.modeled_timeline(), self.num_workers)
+
+    def per_worker(self) -> list[dict[str, float]]:
+        """Busy seconds per worker and kind, and idle seconds."""
+        t0 = min(e.start for e in self.events)
+        t1 = max(e.end for e in self.events)
+        rows = []
+        for w in range(self.num_workers):
+            row = {"worker": w, "F": 0.0, "B": 0.0, "W": 0.0}
+            for e in self.events:
+                if e.worker == w:
+                    row[e.kind] += e.end - e.start
+            row["idle"] = (t1 - t0) - row["F"] - row["B"] - row["W"]
+            rows.append(row)
+        return rows
+
+    def plot(self, path: str | os.PathLike[str], title: str | None = None) -> None:
+        """Write a PNG timeline (workers as rows; F, B, W coloured; idle left blank)."""
+        plot_timeline(
+            self.events,
+            self.num_workers,
+            path,
+            title
+            or f"{describe(self.schedule)}: {self.num_stages} stages on {self.num_workers} workers, "
+            f"{self.microbatches} microbatches, bubble {self.bubble_ratio:.0%} ({self.runner})",
+        )
+
+
+def step_result(
+    *,
+    schedule: str,
+    plans: Sequence[Sequence[Op]],
+    num_stages: int,
+    microbatches: int,
+    runner: str,
+    step_time: float,
+    losses: Mapping[int, float],
+    grads: Any,
+    events: Sequence[Event],
+    extra: Mapping[str, Any] | None = None,
+) -> PipelineResult:
+    """The step's ``PipelineResult``: the loss is the mean of the last stage's per-microbatch ``losses``."""
+    return PipelineResult(
+        schedule=schedule,
+        loss=float(np.mean([losses[m] for m in range(microbatches)])),
+        grads=grads,
+        events=sorted(events, key=lambda e: e.start),
+        num_stages=num_stages,
+        microbatches=microbatches,
+        runner=runner,
+        step_time=step_time,
+        plans=[list(ops) for ops in plans],
+        extra=dict(extra or {}),
+    )

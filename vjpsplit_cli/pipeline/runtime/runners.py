@@ -1,0 +1,56 @@
+"""``run``: one pipelined training step on the runner named, in-process or on a Ray pipeline made for it."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ...errors import VjpsplitError
+from ..schedules.ops import Op
+from ..schedules.plans import layout_for
+from ..stages.directory import Stages
+from .inprocess import run_inprocess
+from .ray.pipeline import RayPipeline
+from .result import PipelineResult
+
+RUNNERS = ("inprocess", "ray")
+
+
+def check_runner(runner: str) -> None:
+    """Refuse a runner name other than ``inprocess`` and ``ray``."""
+    if runner not in RUNNERS:
+        raise VjpsplitError(f"unknown runner {runner!r}; use inprocess or ray")
+
+
+def run(
+    artifacts: Sequence[Any] | Stages,
+    params: Any,
+    x: Any,
+    side: Any = (),
+    *,
+    microbatches: int,
+    schedule_name: str = "1f1b",
+    runner: str = "inprocess",
+    address: str | None = None,
+    progress: bool = False,
+    schedule: Sequence[Sequence[Op]] | None = None,
+) -> PipelineResult:
+    """One pipelined training step: ``runner`` is ``inprocess`` (default) or ``ray``.
+
+    ``artifacts`` is a ``Stages`` (then ``params`` is the whole parameter pytree and
+    ``x`` the batch tuple; ``grads`` come back in ``params``' structure) or one
+    artifact per stage with one parameter pytree each, ``x`` the first stage's input
+    and ``side`` the last stage's. ``schedule`` (plans, e.g. from ``read_schedule``)
+    runs instead of ``schedule_name``, once checked.
+    """
+    check_runner(runner)
+    kw: dict[str, Any] = {
+        "microbatches": microbatches,
+        "schedule_name": schedule_name,
+        "progress": progress,
+        "schedule": schedule,
+    }
+    if runner == "inprocess":
+        return run_inprocess(artifacts, params, x, side, **kw)
+    layout = layout_for(schedule_name, schedule, len(artifacts))
+    with RayPipeline(artifacts, params, address=address, layout=layout.workers) as rp:
+        return rp.run(x, side, **kw)

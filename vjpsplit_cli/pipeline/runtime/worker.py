@@ -1,0 +1,257 @@
+"""Stage execution, shared by every runner: one stage's F, B and W calls and their bookkeeping.
+
+A ``StageWorker`` holds a stage's artifact, parameters, the residuals of
+microbatches in flight and the accumulated gradients; ``run_op`` executes one
+scheduled operation on it. Threads (in-process) and Ray actors call the same.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ...errors import VjpsplitError
+from ...files.dtypes import dtype_from_name
+from ...tracing.residuals import Intermediates
+from ..schedules.ops import Kind, Op
+from ..schedules.timeline import Event
+
+
+class _Forward:
+    """``art.fwd`` as one dispatch per microbatch.
+
+    The first call for an input signature goes through the public ``fwd`` and all
+    its checks. It also notes which residual leaves are the caller's own arrays
+    (input-backed: ``fwd`` never copies them). Later calls run one jitted
+    function that returns the other leaves; the input-backed ones are put back
+    from the arguments, since returning them from ``jit`` would copy them.
+    """
+
+    def __init__(self, art: Any):
+        self.art = art
+        self.cache: dict[Any, Any] = {}
+
+    def __call__(self, *args: Any) -> tuple[Any, Any]:
+        import jax
+
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        key = (tree, tuple((np.shape(a), str(getattr(a, "dtype", type(a)))) for a in leaves))
+        hit = self.cache.get(key)
+        if hit is None:
+            out, res = self.art.fwd(*args)
+            res_leaves = jax.tree_util.tree_leaves(res)
+            where = {id(a): i for i, a in enumerate(leaves)}
+            backed = {j: where[id(r)] for j, r in enumerate(res_leaves) if id(r) in where}
+            traced: dict[str, Any] = {}
+
+            def run(*a: Any) -> tuple[Any, list[Any]]:
+                o, r = self.art.fwd(*a)
+                flat, traced["tree"] = jax.tree_util.tree_flatten(r)
+                return o, [x for j, x in enumerate(flat) if j not in backed]
+
+            self.cache[key] = (jax.jit(run), backed, len(res_leaves), traced)
+            return out, res
+        fn, backed, n, traced = hit
+        out, kept = fn(*args)
+        it = iter(kept)
+        flat = [leaves[backed[j]] if j in backed else next(it) for j in range(n)]
+        return out, traced["tree"].unflatten(flat)
+
+
+class _Calls:
+    """One stage artifact's operations, each one jitted call around the artifact's public methods.
+
+    The checks those methods make (keys, shapes, dtypes, fingerprints) run when a
+    signature is first traced rather than on every microbatch, and the gradient
+    sum is in the same call as the weight gradient.
+    """
+
+    def __init__(self, artifact: Any, feeds_back: bool):
+        import jax
+
+        m = artifact.manifest
+        w, x = m.arg_names[0], (m.arg_names[1] if feeds_back else None)
+
+        def add(acc: Any, g: Any) -> Any:
+            return jax.tree_util.tree_map(lambda a, b: a + b, acc, g)
+
+        def fused(res: Any, ct: Any) -> tuple[Any, Any]:
+            g = artifact.bwd(res, ct)
+            g = {m.wrt[0]: g} if m.single_grad else dict(zip(m.wrt, g))
+            return g[w], (g[x] if x else None)
+
+        def fused_acc(acc: Any, res: Any, ct: Any) -> tuple[Any, Any]:
+            gw, gx = fused(res, ct)
+            return add(acc, gw), gx
+
+        def b_input(res: Any, ct: Any) -> tuple[Any, Intermediates]:
+            g, inter = artifact.bwd_input(res, ct)
+            # Without the residuals W reads: out of a jitted call they would come back as copies
+            # (XLA copies an argument it returns), the stage's own arrays are put back below.
+            return (g[x] if x else None), Intermediates(inter.arrays, inter.dims, inter.fingerprint)
+
+        def b_input_with_residuals(res: Any, ct: Any) -> tuple[Any, Intermediates]:
+            gx, inter = self.backward_input_jitted(res, ct)
+            stored, inputs = artifact.weight_part_residuals(res)
+            return gx, Intermediates(
+                inter.arrays, inter.dims, inter.fingerprint, res.residuals_id, stored, inputs, res.arg_trees
+            )
+
+        def b_weight(inter: Intermediates) -> Any:
+            # The intermediates carry the residuals W reads: the rest were freed after B.
+            return artifact.bwd_weight(inter)[w]
+
+        self.forward = _Forward(artifact)
+        self.backward, self.backward_acc = jax.jit(fused), jax.jit(fused_acc)
+        self.backward_input_jitted: Any = jax.jit(b_input) if m.weights else None  # the compiled part (FLOPs, HLO)
+        self.backward_input: Any = b_input_with_residuals if m.weights else None
+        self.backward_weight: Any = jax.jit(b_weight) if m.weights else None
+        self.backward_weight_acc: Any = jax.jit(lambda acc, inter: add(acc, b_weight(inter))) if m.weights else None
+
+
+# Compiled calls live as long as their artifact, so repeated steps (and run_inprocess
+# calls) reuse them instead of tracing and compiling again.
+_CALLS: "weakref.WeakKeyDictionary[Any, dict[bool, _Calls]]" = weakref.WeakKeyDictionary()
+_CALLS_LOCK = threading.Lock()
+
+
+def _calls_for(artifact: Any, feeds_back: bool) -> _Calls:
+    with _CALLS_LOCK:
+        per = _CALLS.setdefault(artifact, {})
+        if feeds_back not in per:
+            per[feeds_back] = _Calls(artifact, feeds_back)
+        return per[feeds_back]
+
+
+class StageWorker:
+    """One stage's F, B and W with their bookkeeping: its artifact, parameters, residuals in flight and
+    accumulated gradients. The runners' building block (threads and Ray actors run the same)."""
+
+    def __init__(self, artifact: Any, params: Any, stage_index: int, num_stages: int):
+        self.art = artifact
+        # Once, not on every microbatch: on a sharded stage, by its recorded shardings on its devices.
+        self.params = artifact.place_arg(0, params)
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        m = artifact.manifest
+        names = m.arg_names
+        if names[0] not in m.wrt:
+            raise VjpsplitError(f"stage {stage_index}: its first argument ({names[0]}) must be differentiated")
+        self.feeds_back = stage_index > 0
+        if self.feeds_back and (len(names) < 2 or names[1] not in m.wrt):
+            raise VjpsplitError(
+                f"stage {stage_index}: export it with wrt including its input "
+                f"({names[1] if len(names) > 1 else 'the second argument'}): the stage before "
+                "waits for that gradient"
+            )
+        self.calls = _calls_for(artifact, self.feeds_back)
+        self.reset()
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this is the pipeline's last stage (its F gives the loss)."""
+        return self.stage_index == self.num_stages - 1
+
+    def reset(self) -> None:
+        """Forget residuals, gradients and timings: ready for the next step."""
+        self.res: dict[int, Any] = {}
+        self.inter: dict[int, Any] = {}
+        self.grads: Any = None
+        self.events: list[Event] = []
+        self.losses: dict[int, float] = {}
+
+    def _timed(self, worker: int | None, kind: Kind, mb: int, fn: Callable[[], Any]) -> Any:
+        t0 = time.monotonic()
+        out = fn()
+        w = self.stage_index if worker is None else worker
+        self.events.append(Event(w, kind, mb, t0, time.monotonic(), self.stage_index))
+        return out
+
+    def _ct(self, ct: Any, microbatches: int) -> Any:
+        if not self.is_last:
+            return ct
+        # In the loss's own dtype (float64 under x64): the artifact casts no cotangent.
+        return np.asarray(1.0 / microbatches, dtype_from_name(self.art.manifest.cotangent_leaves[0].dtype))
+
+    def forward(self, mb: int, x: Any, side: Sequence[Any], worker: int | None = None) -> Any:
+        """F: run the forward, keep the residuals; return the activation (the loss on the last stage)."""
+
+        def run() -> Any:
+            import jax
+
+            xs = [x, *side]
+            if self.art.manifest.sharded:
+                # Activations arrive from the previous stage's devices: lay them out for this one first.
+                xs = [self.art.place_arg(i + 1, v) for i, v in enumerate(xs)]
+            out, res = self.calls.forward(self.params, *xs)
+            out = jax.block_until_ready(out)
+            self.res[mb] = res
+            return out
+
+        out = self._timed(worker, Kind.F, mb, run)
+        if self.is_last:
+            self.losses[mb] = float(out)
+        return out
+
+    def backward(self, mb: int, ct: Any, microbatches: int, worker: int | None = None) -> Any:
+        """Whole backward (GPipe, 1F1B): accumulate the weight gradient, return the input cotangent."""
+
+        def run() -> Any:
+            import jax
+
+            res, c = self.res.pop(mb), self.art.place_cotangent(self._ct(ct, microbatches))
+            if self.grads is None:
+                self.grads, gx = jax.block_until_ready(self.calls.backward(res, c))
+            else:
+                self.grads, gx = jax.block_until_ready(self.calls.backward_acc(self.grads, res, c))
+            return gx
+
+        return self._timed(worker, Kind.B, mb, run)
+
+    def backward_input(self, mb: int, ct: Any, microbatches: int, worker: int | None = None) -> Any:
+        """Split schedules' B: the input cotangent now, the weight part later."""
+
+        def run() -> Any:
+            import jax
+
+            # B is the last reader of most residuals: drop them, keeping only W's share (in inter).
+            c = self.art.place_cotangent(self._ct(ct, microbatches))
+            gx, inter = jax.block_until_ready(self.calls.backward_input(self.res.pop(mb), c))
+            self.inter[mb] = inter
+            return gx
+
+        return self._timed(worker, Kind.B, mb, run)
+
+    def backward_weight(self, mb: int, worker: int | None = None) -> None:
+        """Split schedules' W: the weight gradient of a microbatch whose B already ran."""
+
+        def run() -> Any:
+            import jax
+
+            inter = self.inter.pop(mb)
+            if self.grads is None:
+                self.grads = jax.block_until_ready(self.calls.backward_weight(inter))
+            else:
+                self.grads = jax.block_until_ready(self.calls.backward_weight_acc(self.grads, inter))
+
+        self._timed(worker, Kind.W, mb, run)
+
+
+def run_op(
+    stage: StageWorker, op: Op, data: Any, side: Sequence[Any], microbatches: int, split: bool, worker: int
+) -> Any:
+    """Execute scheduled operation ``op`` on ``stage``: F takes the activation, B the cotangent; W takes nothing.
+
+    Returns what the operation hands on: the activation (or loss), the input
+    cotangent, or None for W.
+    """
+    if op.kind == Kind.F:
+        return stage.forward(op.mb, data, side, worker=worker)
+    if op.kind == Kind.B:
+        return (stage.backward_input if split else stage.backward)(op.mb, data, microbatches, worker=worker)
+    stage.backward_weight(op.mb, worker=worker)
+    return None

@@ -1,0 +1,129 @@
+"""Schedules as data: torch.distributed.pipelining's compute-only CSV schedule format.
+
+A CSV schedule has no header and one row per rank; each cell is one action
+written stage-kind-microbatch (``0F3``: stage 0's forward of microbatch 3; ``1I2``
+the input part of a backward, ``1W2`` its weight part, ``2B0`` a whole backward),
+``(0F7;7B3)OVERLAP_F_B`` two actions torch runs overlapped, and an empty cell an
+idle step (the runners here are driven by data, so idle steps are dropped).
+vjpsplit's ``Op("B")`` is torch's ``I`` when the same stage and microbatch has a
+``W`` in the plans, else its ``B``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from typing import Sequence
+
+from ...errors import VjpsplitError
+from .ops import Kind, Op, action_name, split_ops
+
+_ACTION = re.compile(r"(\d+)([FIBW])(\d+)")
+_OVERLAP = re.compile(r"\((.*);(.*)\)OVERLAP_F_B")
+
+
+def format_schedule(plans: Sequence[Sequence[Op]]) -> str:
+    """``plans`` (one list of operations per rank) as the text of torch's compute-only CSV schedule."""
+    split = split_ops(plans)
+    lines = []
+    for r, ops in enumerate(plans):
+        cells: list[str] = []
+        i = 0
+        while i < len(ops):
+            op = ops[i]
+            if op.overlap:
+                if i + 1 == len(ops):
+                    raise VjpsplitError(
+                        f"rank {r}: action {action_name(op, split)} overlaps with nothing: it ends the list"
+                    )
+                cells.append(f"({action_name(op, split)};{action_name(ops[i + 1], split)})OVERLAP_F_B")
+                i += 2
+            else:
+                cells.append(action_name(op, split))
+                i += 1
+        lines.append(",".join(cells) + "\n")
+    return "".join(lines)
+
+
+def write_schedule(path: str | os.PathLike[str], plans: Sequence[Sequence[Op]]) -> None:
+    """Write ``plans`` (one list of operations per rank) as torch's compute-only CSV schedule."""
+    text = format_schedule(plans)
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _parse(cell: str, r: int, col: int) -> list[Op]:
+    m = _OVERLAP.fullmatch(cell)
+    if m:
+        first, second = (_parse(part.strip(), r, col) for part in m.groups())
+        if len(first) != 1 or len(second) != 1:
+            raise VjpsplitError(f"rank {r}, step {col}: {cell!r} must overlap exactly two actions")
+        return [Op(first[0].kind, first[0].mb, first[0].stage, True), second[0]]
+    m = _ACTION.fullmatch(cell)
+    if not m:
+        raise VjpsplitError(
+            f"rank {r}, step {col}: {cell!r} is not a compute action; write stage, F/I/B/W and microbatch, "
+            "as 0F3 (communication actions are not part of a compute-only schedule)"
+        )
+    stage, kind, mb = int(m.group(1)), m.group(2), int(m.group(3))
+    return [Op(Kind.B if kind == "I" else Kind(kind), mb, stage)]
+
+
+def read_schedule(path: str | os.PathLike[str]) -> list[list[Op]]:
+    """The plans in a compute-only CSV schedule (torch's format): one list of operations per rank.
+
+    Checks each action's syntax and that a stage's I has its W and its B none;
+    ``check_plans`` (every runner, through ``resolve``) checks the rest against the stages given.
+    """
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            text = f.read()
+    except OSError as e:
+        raise VjpsplitError(f"cannot read schedule {os.fspath(path)!r}: {e.strerror or e}") from e
+    return parse_schedule(text)
+
+
+def parse_schedule(text: str) -> list[list[Op]]:
+    """The plans in the text of a compute-only CSV schedule (what ``read_schedule`` reads from a file)."""
+    rows = [line.rstrip("\r\n") for line in io.StringIO(text, newline="")]
+    while rows and not rows[-1].strip():
+        rows.pop()
+    plans: list[list[Op]] = []
+    kinds: dict[tuple[int, int], tuple[int, str]] = {}  # (stage, mb) -> (rank, "I" or "B")
+    for r, row in enumerate(rows):
+        ops: list[Op] = []
+        for col, cell in enumerate(_cells(row)):
+            cell = cell.strip()
+            if not cell:
+                continue
+            for a in _ACTION.finditer(cell):
+                if a.group(2) in "IB":
+                    kinds[(int(a.group(1)), int(a.group(3)))] = (r, a.group(2))
+            ops += _parse(cell, r, col)
+        plans.append(ops)
+    split = split_ops(plans)
+    for (stage, mb), (r, kind) in kinds.items():
+        if kind == "I" and (stage, mb) not in split:
+            raise VjpsplitError(f"rank {r}: action {stage}I{mb} has no {stage}W{mb}; add it, or write {stage}B{mb}")
+        if kind == "B" and (stage, mb) in split:
+            raise VjpsplitError(f"rank {r}: action {stage}B{mb} is a whole backward, yet {stage}W{mb} follows; use I")
+    return plans
+
+
+def _cells(row: str) -> list[str]:
+    """A row's cells: commas split, except inside an overlapped pair's parentheses."""
+    cells: list[str] = []
+    cur: list[str] = []
+    depth = 0
+    for ch in row:
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            cells.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    return cells + ["".join(cur)]

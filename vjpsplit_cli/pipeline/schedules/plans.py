@@ -1,0 +1,83 @@
+"""Plans a step runs: the checks user plans pass, and ``resolve``, which every runner asks for its step's plans.
+
+Plans are one list of ``Op`` per worker (rank), from a built-in schedule or from
+the caller (``read_schedule``, or built by hand). ``check_plans`` holds user
+plans to the stages given and plays them (``play.sweep``) to refuse a deadlock
+before anything runs.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+from ...errors import VjpsplitError
+from .builtins import schedule
+from .catalog import check_schedule
+from .layout import Layout
+from .ops import Kind, Op, action_name, split_ops
+from .play import sweep
+
+
+def check_plans(plans: Sequence[Sequence[Op]], num_stages: int, microbatches: int) -> list[tuple[int, ...]]:
+    """Check user plans against the stages given; return their layout (the stages each rank holds).
+
+    Every stage's F and B of every microbatch exactly once (W at most once, after
+    its B's split), each stage on one rank, and no deadlock: the plans are played
+    first. Each failure is one error naming the rank and the action.
+    """
+    S, M = num_stages, microbatches
+    where: dict[int, int] = {}
+    seen: set[tuple] = set()
+    split = split_ops(plans)
+    for r, ops in enumerate(plans):
+        for o in ops:
+            if not isinstance(o, Op):
+                raise VjpsplitError(f"rank {r}: {o!r} is not an Op('F'|'B'|'W', microbatch, stage)")
+            name = action_name(o, split)
+            if not (0 <= o.stage < S and 0 <= o.mb < M):
+                raise VjpsplitError(f"rank {r}: action {name} is outside the {S} stages and {M} microbatches given")
+            if where.setdefault(o.stage, r) != r:
+                raise VjpsplitError(
+                    f"rank {r}: action {name} runs stage {o.stage}, which rank {where[o.stage]} holds; "
+                    "a stage lives on one rank"
+                )
+            if o.key in seen:
+                raise VjpsplitError(f"rank {r}: action {name} appears twice")
+            seen.add(o.key)
+    for s in range(S):
+        for mb in range(M):
+            for kind in (Kind.F, Kind.B):
+                if (kind, mb, s) not in seen:
+                    owner = f"rank {where[s]}" if s in where else "no rank"
+                    raise VjpsplitError(f"{owner}: action {s}{kind}{mb} is missing (stage {s}, microbatch {mb})")
+    for _ in sweep(plans, S):  # raises where the plans deadlock
+        pass
+    return Layout.of_plans(plans).as_lists()
+
+
+class Resolved(NamedTuple):
+    """One step's schedule: its name (``"custom"`` for plans), the checked plans and the layout they run on."""
+
+    name: str
+    plans: list[list[Op]]
+    layout: Layout
+
+
+def resolve(schedule_name: str, plans: Sequence[Sequence[Op]] | None, num_stages: int, microbatches: int) -> Resolved:
+    """The name, checked plans and layout of one step: the named schedule's, or ``plans`` after ``check_plans``.
+
+    ``plans`` (``schedule=`` of the runners) wins over ``schedule_name``; its name is ``"custom"``.
+    """
+    if plans is None:
+        check_schedule(schedule_name, num_stages, microbatches)
+        named = schedule(schedule_name, num_stages, microbatches)
+        return Resolved(schedule_name, named, Layout.of_schedule(schedule_name, num_stages))
+    checked = [list(ops) for ops in plans]
+    return Resolved("custom", checked, Layout(tuple(check_plans(checked, num_stages, microbatches))))
+
+
+def layout_for(schedule_name: str, plans: Sequence[Sequence[Op]] | None, num_stages: int) -> Layout:
+    """The layout a step needs: the named schedule's, or the one ``plans`` imply."""
+    if plans is None:
+        return Layout.of_schedule(schedule_name, num_stages)
+    return Layout.of_plans(plans)

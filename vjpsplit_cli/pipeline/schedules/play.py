@@ -1,0 +1,212 @@
+"""The one play of plans: every worker runs its list in order, each operation once what it reads exists.
+
+``sweep`` walks the per-worker lists in one global order that keeps each
+worker's own order and puts every operation after those it depends on
+(``ops.dependencies``, the only statement of that rule), and gives each a start
+and an end: it starts when its worker is free and its inputs have arrived, a
+result from another worker ``comm`` later. Everything that plays plans is built
+on it:
+
+* the dispatcher (``runtime.dispatch.walk``) submits the operations in its order;
+* ``check_plans`` learns from it whether user plans deadlock, and where;
+* ``simulate`` / ``play`` give the timeline under any op times: a function of the
+  operation, or ``Costs`` per stage and kind (a whole backward costs B + W) with a
+  delay per send between workers, the form an automatic scheduler evaluates
+  plans with;
+* ZB-H1 places its W passes with a ``Fill``: a rule that may run another
+  operation where the worker would wait.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+
+from ...errors import VjpsplitError
+from .costs import Costs
+from .ops import Op, OpKey, action_name, dependencies, split_ops
+from .timeline import Event, makespan
+
+Duration = Callable[[Op], float]
+Step = tuple[int, Op, float, float, tuple[OpKey, ...]]  # worker, op, start, end, what it waited for
+
+
+class Fill(Protocol):
+    """A rule that may run another operation on a worker before its next one (ZB-H1's W placement)."""
+
+    def insert(self, worker: int, next_op: Op | None, free: float, ready: float) -> Op | None:
+        """The operation to run first on ``worker``, free at ``free``, whose ``next_op`` (None: its list is
+        done) could start at ``ready``; None to run ``next_op`` now."""
+        ...
+
+    def ran(self, worker: int, op: Op) -> None:
+        """``op`` ran on ``worker``."""
+        ...
+
+
+@dataclass(frozen=True)
+class Played:
+    """Plans played: every operation's ``Event`` in play order, and what each worker ran (with any filled in)."""
+
+    events: list[Event]
+    plans: list[list[Op]]
+
+    @property
+    def makespan(self) -> float:
+        """From the first start to the last end."""
+        return makespan(self.events)
+
+
+def _zero(op: Op) -> float:
+    return 0.0
+
+
+def _ready(
+    deps: Sequence[OpKey], ends: Mapping[OpKey, float], where: Mapping[int, int], w: int, comm: float
+) -> float | None:
+    """When all of ``deps`` (an operation's dependencies) are on worker ``w``; None while one has not run."""
+    t = 0.0
+    for d in deps:
+        e = ends.get(d)
+        if e is None:
+            return None
+        if comm and where.get(d.stage, w) != w:
+            e += comm
+        if e > t:
+            t = e
+    return t
+
+
+def sweep(
+    plans: Sequence[Sequence[Op]],
+    num_stages: int,
+    duration: Duration = _zero,
+    comm: float = 0.0,
+    fill: Fill | None = None,
+) -> Iterator[Step]:
+    """``(worker, op, start, end, deps)`` for every operation, in an order that respects every dependency.
+
+    Each worker's list runs in its order; an operation starts when its worker is free and
+    every result it reads exists (plus ``comm`` when that came from another worker).
+    ``deps`` is ``ops.dependencies(op)``. Raises one ``VjpsplitError`` naming the rank and
+    action where the plans deadlock.
+    """
+    S, n = num_stages, len(plans)
+    where: dict[int, int] = {}
+    for w, ops in enumerate(plans):
+        for o in ops:
+            where.setdefault(o.stage, w)
+    deps = [[dependencies(op, S) for op in ops] for ops in plans]
+    ends: dict[OpKey, float] = {}
+    free = [0.0] * n
+    idx = [0] * n
+
+    def place(w: int, op: Op, ready: float, needs: tuple[OpKey, ...]) -> Step:
+        start = max(free[w], ready)
+        end = start + duration(op)
+        ends[op.key] = free[w] = end
+        if fill is not None:
+            fill.ran(w, op)
+        return w, op, start, end, needs
+
+    def filled(f: Fill, w: int, op: Op | None, ready: float) -> Iterator[Step]:
+        while (extra := f.insert(w, op, free[w], ready)) is not None:
+            needs = dependencies(extra, S)
+            r = _ready(needs, ends, where, w, comm)
+            if r is None:
+                raise VjpsplitError(f"worker {w}: a filled-in {action_name(extra, set())} runs before its inputs")
+            yield place(w, extra, r, needs)
+
+    moved = True
+    while moved:
+        moved = False
+        for w in range(n):
+            ops, wdeps = plans[w], deps[w]
+            while idx[w] < len(ops):
+                op, needs = ops[idx[w]], wdeps[idx[w]]
+                ready = _ready(needs, ends, where, w, comm)
+                if ready is None:
+                    break
+                if fill is not None:
+                    yield from filled(fill, w, op, ready)
+                yield place(w, op, ready, needs)
+                idx[w] += 1
+                moved = True
+    if any(idx[w] < len(plans[w]) for w in range(n)):
+        raise _deadlock(plans, S, idx, ends)
+    if fill is not None:
+        for w in range(n):
+            yield from filled(fill, w, None, free[w])
+
+
+def _deadlock(plans: Sequence[Sequence[Op]], S: int, idx: Sequence[int], ends: Mapping[OpKey, float]) -> VjpsplitError:
+    """The error for plans stuck at ``idx``: a rank waiting on its own later action is the cause, else the first."""
+    split = split_ops(plans)
+    stuck = []
+    for r, ops in enumerate(plans):
+        if idx[r] < len(ops):
+            o = ops[idx[r]]
+            need = next(d for d in dependencies(o, S) if d not in ends)
+            own = any(x.key == need for x in ops)
+            stuck.append((not own, r, o, need))
+    _, r, o, need = min(stuck, key=lambda t: (t[0], t[1]))
+    return VjpsplitError(
+        f"the schedule deadlocks: rank {r}'s action {action_name(o, split)} waits for "
+        f"{action_name(need, split)}, which never runs before it; reorder the plans"
+    )
+
+
+def _duration_of(
+    plans: Sequence[Sequence[Op]], num_stages: int, costs: Duration | Costs | Mapping[str, Any] | None
+) -> tuple[Duration, float]:
+    """A duration function and the send delay from whatever form the times come in."""
+    if costs is None:
+        return _zero, 0.0
+    if callable(costs) and not isinstance(costs, Costs):
+        return costs, 0.0
+    c = Costs.of(costs, num_stages)
+    split = split_ops(plans)
+    return (lambda op: c.duration(op, (op.stage, op.mb) not in split)), c.comm
+
+
+def play(
+    plans: Sequence[Sequence[Op]],
+    num_stages: int,
+    costs: Duration | Costs | Mapping[str, Any] | None = None,
+    *,
+    comm: float | None = None,
+    fill: Fill | None = None,
+) -> Played:
+    """Play ``plans`` on one device per worker; see ``sweep``.
+
+    ``costs``: each operation's time, as a function of the ``Op``, as ``Costs``, or as
+    ``{"F": [...], "B": [...], "W": [...], "comm": c}`` per stage (a whole backward costs
+    B + W); None: every operation takes no time. ``comm`` (default: the costs' own, else
+    0) is the delay of one result sent to another worker. ``fill``: see ``Fill``.
+    """
+    duration, own_comm = _duration_of(plans, num_stages, costs)
+    delay = own_comm if comm is None else float(comm)
+    events: list[Event] = []
+    ran: list[list[Op]] = [[] for _ in plans]
+    for w, op, start, end, _ in sweep(plans, num_stages, duration, delay, fill):
+        events.append(Event(w, op.kind, op.mb, start, end, op.stage))
+        ran[w].append(op)
+    return Played(events, ran)
+
+
+def simulate(
+    plans: Sequence[Sequence[Op]],
+    num_stages: int,
+    costs: Duration | Costs | Mapping[str, Any],
+    *,
+    comm: float | None = None,
+) -> list[Event]:
+    """The timeline of ``plans`` with one device per worker: each op starts when its worker is free and its
+    inputs exist (``play``'s events). Raises if the lists deadlock."""
+    return play(plans, num_stages, costs, comm=comm).events
+
+
+def replay(events: Sequence[Event], plans: Sequence[Sequence[Op]], num_stages: int) -> list[Event]:
+    """The timeline ``plans`` would have with one device per worker, given each operation's measured time."""
+    dur = {(e.stage, e.kind, e.mb): e.end - e.start for e in events}
+    return simulate(plans, num_stages, lambda op: dur.get((op.stage, op.kind, op.mb), 0.0))

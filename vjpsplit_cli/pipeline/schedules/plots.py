@@ -1,0 +1,92 @@
+"""Plots: a step's timeline as a Gantt chart, and a loss curve (matplotlib, ``pip install 'vjpsplit[pipeline]'``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Sequence
+
+from ...errors import VjpsplitError
+from .timeline import Event
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise VjpsplitError("plotting needs matplotlib; pip install 'vjpsplit[pipeline]'") from e
+    return plt
+
+
+def _save(fig: Any, path: str | os.PathLike[str]) -> None:
+    tmp = f"{os.fspath(path)}.tmp.png"
+    fig.savefig(tmp)
+    _pyplot().close(fig)
+    os.replace(tmp, path)
+
+
+def plot_timeline(events: Sequence[Event], num_workers: int, path: str | os.PathLike[str], title: str) -> None:
+    """A Gantt chart of ``events`` as a PNG (needs matplotlib: ``pip install vjpsplit[pipeline]``).
+
+    Where a worker holds two stages (ZB-V), the second one's operations are hatched.
+    """
+    plt = _pyplot()
+    colors = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+    first: dict[int, int] = {}
+    for ev in events:
+        first[ev.worker] = min(first.get(ev.worker, ev.stage), ev.stage)
+    t0 = min(ev.start for ev in events)
+    fig, ax = plt.subplots(figsize=(10, 0.6 * num_workers + 1.2), dpi=110)
+    for ev in events:
+        second = ev.stage != first[ev.worker]
+        ax.barh(
+            ev.worker,
+            (ev.end - ev.start) * 1e3,
+            left=(ev.start - t0) * 1e3,
+            color=colors[ev.kind],
+            edgecolor="white",
+            linewidth=0.5,
+            hatch="///" if second else None,
+        )
+        if (ev.end - ev.start) * 1e3 > 0:
+            ax.text(
+                (ev.start - t0 + (ev.end - ev.start) / 2) * 1e3,
+                ev.worker,
+                f"{ev.kind}{ev.mb}",
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white",
+            )
+    ax.set_yticks(range(num_workers), [f"worker {w}" for w in range(num_workers)])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    ax.set_title(title, fontsize=9)
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=c, label=k) for k, c in colors.items()]
+    if any(ev.stage != first[ev.worker] for ev in events):
+        handles.append(Patch(facecolor="white", edgecolor="grey", hatch="///", label="2nd stage"))
+    ax.legend(handles=handles, loc="upper right", fontsize=7)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def plot_loss(
+    curves: Sequence[float] | Mapping[str, Sequence[float]], path: str | os.PathLike[str], title: str
+) -> None:
+    """A loss-per-step PNG (needs matplotlib): ``curves`` is one list of losses, or ``{label: losses}``."""
+    plt = _pyplot()
+    named = dict(curves) if isinstance(curves, Mapping) else {"loss": list(curves)}
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
+    for i, (label, ys) in enumerate(named.items()):
+        ax.plot(range(1, len(ys) + 1), ys, label=label, linewidth=1.2, linestyle="-" if i == 0 else "--")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title, fontsize=9)
+    if len(named) > 1:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    _save(fig, path)

@@ -1,0 +1,52 @@
+"""The cost model of a cut: an equation's estimated FLOPs and a value's bytes, symbolic dims at ``COST_DIM``."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from ...files.shapes import concrete_shape, dim_str, eval_dim
+from ...tracing.jaxprs import sub_jaxprs
+
+COST_DIM = 8  # the size symbolic dims take in cost and byte estimates
+
+
+def nbytes(aval: Any, dims: Mapping[str, int] | None = None) -> int:
+    """An abstract value's bytes, symbolic dims at ``COST_DIM`` (or ``dims``)."""
+    shape = concrete_shape(tuple(dim_str(d) for d in aval.shape), dims or ANY_DIM)
+    return int(np.prod(shape or (), dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+class AnyDim(dict[str, int]):
+    """Every symbolic dim at ``COST_DIM``."""
+
+    def __missing__(self, key: str) -> int:
+        return COST_DIM
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def get(self, key: str, default: Any = None) -> int:  # type: ignore[override]  # every dim has a size
+        return COST_DIM
+
+
+ANY_DIM = AnyDim()
+
+
+def eqn_cost(eqn: Any) -> float:
+    """An equation's estimated FLOPs: 2·M·N·K for a dot, one per output element otherwise (sub-jaxprs summed)."""
+    out = sum(nbytes(v.aval) / max(np.dtype(v.aval.dtype).itemsize, 1) for v in eqn.outvars if hasattr(v, "aval"))
+    name = eqn.primitive.name
+    if name == "dot_general":
+        (contract, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval
+        k = 1
+        for d in contract:
+            k *= eval_dim(dim_str(lhs.shape[d]), ANY_DIM) or COST_DIM
+        return 2.0 * out * k
+    subs = sub_jaxprs(eqn)
+    if subs:
+        inner = sum(eqn_cost(e) for s in subs for e in getattr(getattr(s, "jaxpr", s), "eqns", ()))
+        return inner * (int(eqn.params.get("length", 1)) if name == "scan" else 1)
+    return float(out)

@@ -1,0 +1,219 @@
+"""``Stages``: one function's pipeline stages (artifacts plus what each takes and sends), and its directory.
+
+A stages directory holds ``stage0.vjp`` ... one artifact per stage and
+``stages.json`` (``index.StagesIndex``): the parameter leaves (keys, dtypes,
+shapes), the batch leaves, and per stage the leaves it reads, the values it
+receives and sends, its estimated cost and each artifact's fingerprint. ``save`` writes every file to
+a temp file and renames them all at the end (``StagedOutputs``); with
+``sign_key`` each artifact and the index are signed, and ``load_stages(trust=)``
+refuses a directory any of whose files another key (or no key) signed.
+``stage_params``, ``stage_batch`` and ``gather_grads`` translate between the
+user's ``params`` and batch tuple and the runners' per-stage form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from ...artifact.loading import load
+from ...errors import VjpsplitError
+from ...files.trees import flatten_with_keys
+from ...safeio.outputs import StagedOutputs
+from ...safeio.reading import read_bytes
+from ...trust import signing
+from .index import LeafEntry, StagesIndex
+
+if TYPE_CHECKING:
+    from ...artifact.artifact import Artifact
+
+INDEX = "stages.json"
+
+
+class PerStage(dict[int, list[Any]]):
+    """A microbatch's side inputs for several stages (stage index -> its inputs), not only the last's."""
+
+
+class Stages:
+    """A model's pipeline stages: ``artifacts`` (one per stage) and ``index`` (``stages.json``, a ``StagesIndex``)."""
+
+    def __init__(self, artifacts: Sequence[Artifact], index: StagesIndex):
+        self.artifacts = list(artifacts)
+        self.index = index
+
+    def __len__(self) -> int:
+        return len(self.artifacts)
+
+    def __getitem__(self, i: int) -> Artifact:
+        return self.artifacts[i]
+
+    def __iter__(self) -> Iterator[Artifact]:
+        return iter(self.artifacts)
+
+    def __repr__(self) -> str:
+        return f"Stages({self.index.function}, {len(self)} stages)"
+
+    def save(self, directory: str | os.PathLike[str], *, sign_key: Any = None, fsync: bool = True) -> None:
+        """Write ``directory``: one artifact per stage and ``stages.json``, all replaced together or none."""
+        directory = os.fspath(directory)
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            raise VjpsplitError(f"{directory}: cannot create the stages directory ({e.strerror})") from e
+        key = None
+        if sign_key is not None:
+            key = sign_key if hasattr(sign_key, "sign") else signing.load_private_key(sign_key)
+            for a in self.artifacts:
+                a.sign(key)
+        index = self.index.with_fingerprints([a.manifest.fingerprint for a in self.artifacts])
+        if key is not None:
+            index = dataclasses.replace(index, signature=signing.sign(_pack(index.to_json()), key))
+        self.index = index
+        files = {f"stage{i}": os.path.join(directory, st.file) for i, st in enumerate(index.per_stage)}
+        files[INDEX] = os.path.join(directory, INDEX)
+        packed = _pack(index.to_json())
+        with StagedOutputs(files, fsync=fsync) as out:
+            for i, a in enumerate(self.artifacts):
+                data = a.to_bytes()
+                out.write(f"stage{i}", functools.partial(_write, data=data))
+            out.write(INDEX, functools.partial(_write, data=packed))
+
+    def stage_params(self, params: Any) -> list[tuple[Any, ...]]:
+        """Each stage's parameter tuple from the user's whole ``params`` (checked against the export)."""
+        idx = self.index
+        leaves = _check_leaves("params", idx.params, flatten_with_keys(idx.params_name, params))
+        return [tuple(leaves[i] for i in st.params) for st in idx.per_stage]
+
+    def stage_batch(self, batch: tuple[Any, ...], microbatches: int) -> list[tuple[Any, PerStage]]:
+        """The batch tuple as the runners' microbatches: stage 0's inputs as ``x``, the others' as per-stage sides."""
+        names = self.index.batch_names
+        if not isinstance(batch, tuple) or len(batch) != len(names):
+            raise VjpsplitError(
+                f"the batch must be a tuple of {len(names)} inputs ({', '.join(names)}) in the function's argument "
+                f"order (a 1-tuple for one input); got {type(batch).__name__}"
+                + (f" of {len(batch)}" if isinstance(batch, tuple) else "")
+            )
+        entries = [kv for n, b in zip(names, batch) for kv in flatten_with_keys(n, b)]
+        leaves = _check_leaves("batch", self.index.batch, entries, per_microbatch=True)
+        n = np.shape(leaves[0])[0] if leaves else 0
+        if any(np.shape(x)[0] != n for x in leaves) or n % microbatches:
+            raise VjpsplitError(
+                f"the batch inputs must share their first dim, a multiple of microbatches={microbatches}; "
+                f"got {sorted({np.shape(x)[0] for x in leaves})}"
+            )
+        k = n // microbatches
+        out = []
+        for m in range(microbatches):
+            mb = [x[m * k : (m + 1) * k] for x in leaves]
+            reads = [tuple(mb[i] for i in st.batch) for st in self.index.per_stage]
+            out.append((reads[0], PerStage({c: [r] for c, r in enumerate(reads) if c and r})))
+        return out
+
+    def gather_grads(self, stage_grads: Sequence[Any], params: Any) -> Any:
+        """Per-stage gradients as one pytree like ``params``: a tied leaf's gradient summed over its stages."""
+        import jax
+
+        leaves, tree = jax.tree_util.tree_flatten(params)
+        total: list[Any] = [None] * len(leaves)
+        for st, g in zip(self.index.per_stage, stage_grads):
+            for i, gi in zip(st.params, g):
+                total[i] = gi if total[i] is None else total[i] + gi
+        out = [np.zeros(np.shape(x), np.asarray(x).dtype) if t is None else t for x, t in zip(leaves, total)]
+        return jax.tree_util.tree_unflatten(tree, out)
+
+
+def _write(tmp: str, data: bytes) -> None:
+    with open(tmp, "wb") as f:
+        f.write(data)
+
+
+def _hexed(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, dict):
+        return {k: _hexed(v) for k, v in value.items()}
+    return value
+
+
+def _pack(index: Mapping[str, Any]) -> bytes:
+    """``stages.json``'s canonical bytes (what its signature covers, without the signature)."""
+    return (json.dumps(_hexed(index), sort_keys=True, indent=1) + "\n").encode()
+
+
+def _check_leaves(
+    what: str, recorded: Sequence[LeafEntry], entries: Sequence[tuple[str, Any]], per_microbatch: bool = False
+) -> list[Any]:
+    """The arrays of ``entries`` (key, value), refused unless keys, dtypes and ranks match the export."""
+    keys = [k for k, _ in entries]
+    want = [r.key for r in recorded]
+    if keys != want:
+        missing = [k for k in want if k not in keys] or want
+        extra = [k for k in keys if k not in want] or keys
+        raise VjpsplitError(
+            f"{what} do not match the stages' export: expected leaves {', '.join(want[:6])}"
+            f"{' ...' if len(want) > 6 else ''}; missing {missing[0]!r}, unexpected {extra[0]!r}"
+            if missing != want or extra != keys
+            else f"{what} do not match the stages' export: leaves in another order or structure"
+        )
+    out = []
+    for (k, v), r in zip(entries, recorded):
+        shape, dtype = np.shape(v), str(np.asarray(v).dtype) if not hasattr(v, "dtype") else str(v.dtype)
+        fixed = list(r.shape)
+        ok = dtype == r.dtype and len(shape) == len(fixed)
+        ok = ok and all(
+            isinstance(d, str) or d == s or (per_microbatch and j == 0) for j, (d, s) in enumerate(zip(fixed, shape))
+        )
+        if not ok:
+            raise VjpsplitError(
+                f"{what} leaf {k!r} is {dtype}{list(shape)}, the stages were exported for {r.dtype}{list(r.shape)}"
+                f"{' per microbatch' if per_microbatch else ''}; pass matching arrays or export again"
+            )
+        out.append(v)
+    return out
+
+
+def load_stages(directory: str | os.PathLike[str], *, trust: Any = None, allow_kernels: bool = False) -> Stages:
+    """Read a stages directory (``Stages.save``): ``stages.json`` and each stage's artifact, all checked.
+
+    ``trust``: as for ``load``: every artifact and the index must be signed by a trusted key.
+    """
+    directory = os.fspath(directory)
+    path = os.path.join(directory, INDEX)
+    raw = read_bytes(path, "stages index")
+    try:
+        index = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise VjpsplitError(f"{path}: not a stages index ({e}); save the stages again") from e
+    typed = StagesIndex.from_json(index, path)  # the format and version first, before any signature or artifact
+    trusted = signing.trusted_keys(trust)
+    entry = index.get(signing.SIGNATURE)
+    if entry is not None or trusted is not None:
+        top = dict(index)
+        if isinstance(entry, dict):
+            try:
+                top[signing.SIGNATURE] = {k: bytes.fromhex(v) if k != "alg" else v for k, v in entry.items()}
+            except (TypeError, ValueError, AttributeError):
+                raise VjpsplitError(f"{path}: the index's signature is malformed; save the stages again") from None
+        signing.verify(top, _pack({k: v for k, v in index.items()}), path, trusted, lambda m: _pack(m))
+    arts = []
+    for i, st in enumerate(typed.per_stage):
+        name = st.file
+        if os.path.basename(name) != name or not name:
+            raise VjpsplitError(f"{path}: stage {i} names no artifact file in this directory; save the stages again")
+        a = load(os.path.join(directory, name), trust=trust, allow_kernels=allow_kernels)
+        if a.manifest.fingerprint != st.fingerprint:
+            raise VjpsplitError(
+                f"{path}: {name} is not the artifact this index was saved with (fingerprint differs); save again"
+            )
+        arts.append(a)
+    return Stages(arts, typed)
+
+
+def is_stages(obj: object) -> bool:
+    """Whether ``obj`` is a ``Stages`` (the runners' one-function form)."""
+    return isinstance(obj, Stages)

@@ -1,0 +1,208 @@
+"""``export_stages``: one function, traced once, cut at its ``stage_boundary`` marks (or by cost) into artifacts.
+
+Each stage is exported by ``export`` as an ordinary artifact over tuples:
+``stage(params, batch)`` for the first, ``stage(params, x)`` or
+``stage(params, x, batch)`` for the others, where ``params`` are exactly the
+parameter leaves it reads, ``x`` the values the stage before sends (boundary
+values, plus any made earlier and read later: carried through), and ``batch``
+exactly the batch leaves it reads, straight from the driver. Every stage
+differentiates ``params`` (and ``x`` after the first), never the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from ...artifact.lowering import DEFAULT_PLATFORMS, export
+from ...errors import VjpsplitError
+from ...files.dtypes import dtype_name
+from ...files.shapes import concrete_shape, dim_str, refuse_64bit_without_x64, to_struct
+from ...files.trees import flatten_with_keys
+from ...tracing.vjp import fn_name, positional_names, signature_positionals, wrt_positions
+from .balance import balanced_ends
+from .costmodel import ANY_DIM, COST_DIM, eqn_cost
+from .cut import StageCut, Traced, cut, stage_function, trace
+from .directory import Stages
+from .index import LeafEntry, StageEntry, StagesIndex
+
+
+def _leaf_entry(key: str, s: Any) -> LeafEntry:
+    return LeafEntry(key, dtype_name(s.dtype), tuple(dim_str(d) for d in s.shape))
+
+
+def _check_arity(fn: Callable[..., Any], n: int) -> list[str]:
+    try:
+        names, required, varargs = signature_positionals(fn)
+    except (TypeError, ValueError):
+        return positional_names(fn, n)
+    if n < required or (varargs is None and n > len(names)):
+        raise VjpsplitError(
+            f"{n} specs given for {fn_name(fn)}, which takes {required}"
+            + (f"..{len(names)}" if len(names) != required else "")
+            + f" positional arguments ({', '.join(names)}); give one spec per argument"
+        )
+    return positional_names(fn, n)
+
+
+def _structs(name: str, spec: Any) -> list[tuple[str, jax.ShapeDtypeStruct]]:
+    out = []
+    for key, leaf in flatten_with_keys(name, spec):
+        try:
+            out.append((key, to_struct(leaf)))
+        except VjpsplitError as e:
+            raise VjpsplitError(f"input '{key}': {e}") from e
+    return out
+
+
+def export_stages(
+    fn: Callable[..., Any],
+    *specs: Any,
+    wrt: int | str | Sequence[int | str] = 0,
+    platforms: Sequence[str] | str = DEFAULT_PLATFORMS,
+    policy: str | None = None,
+    weights: bool = True,
+    stages: int | None = None,
+    name: str | None = None,
+) -> Stages:
+    """Trace ``fn(*specs)`` once and export one artifact per stage; see the module docstring.
+
+    ``wrt`` names the parameter argument(s); every other argument is a batch input
+    whose spec describes **one microbatch**. Stages end at ``stage_boundary`` marks,
+    or, with ``stages=N`` and no marks, at N-1 points of balanced estimated cost
+    where few bytes cross. ``weights`` gives each stage the zero-bubble split backward.
+    """
+    names = _check_arity(fn, len(specs))
+    wrt_pos, single = wrt_positions(names, wrt, fn_name(fn))
+    if len(wrt_pos) != 1:
+        raise VjpsplitError(
+            f"wrt names {len(wrt_pos)} arguments; export_stages takes one parameter argument "
+            "(put the parameters in one pytree)"
+        )
+    batch_pos = [i for i in range(len(names)) if i not in wrt_pos]
+    if not batch_pos:
+        raise VjpsplitError(
+            f"every argument of {fn_name(fn)} is differentiated; leave the batch inputs out of wrt "
+            "(the pipeline splits them into microbatches)"
+        )
+    p_entries = [kv for i in wrt_pos for kv in _structs(names[i], specs[i])]
+    b_entries = [kv for i in batch_pos for kv in _structs(names[i], specs[i])]
+    refuse_64bit_without_x64(p_entries + b_entries)  # by the user's keys, before the stages' own exports
+    trees = {i: jax.tree_util.tree_structure(specs[i]) for i in range(len(specs))}
+    sizes = {i: trees[i].num_leaves for i in trees}  # type: ignore[attr-defined]  # PyTreeDef's stub lacks it
+
+    def flat_fn(*leaves: Any) -> Any:
+        it = iter(leaves)
+        args = [None] * len(names)
+        for i in [*wrt_pos, *batch_pos]:
+            args[i] = jax.tree_util.tree_unflatten(trees[i], [next(it) for _ in range(sizes[i])])
+        return fn(*args)
+
+    traced = trace(flat_fn, [s for _, s in p_entries], [s for _, s in b_entries])
+    if traced.marks and stages is not None:
+        raise VjpsplitError(
+            f"{fn_name(fn)} has {len(traced.marks)} stage_boundary marks and stages={stages} was given; "
+            "use one or the other"
+        )
+    if traced.marks:
+        ends, how = traced.marks, "marks"
+    elif stages is not None:
+        ends, how = balanced_ends(traced, stages), "balanced"
+    else:
+        raise VjpsplitError(f"{fn_name(fn)} has no stage_boundary marks; add some, or pass stages=N to cut by cost")
+    cuts = cut(traced, ends)
+    label = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+    exported = [
+        _export_stage(traced, st, k, len(cuts), p_entries, b_entries, label, platforms, policy, weights)
+        for k, st in enumerate(cuts)
+    ]
+    arts, info = [a for a, _ in exported], [i for _, i in exported]
+    index = StagesIndex(
+        function=label,
+        cut=how,
+        cost_dim=COST_DIM,
+        arg_names=tuple(names),
+        wrt=tuple(names[i] for i in wrt_pos),
+        params_name=names[wrt_pos[0]],
+        batch_names=tuple(names[i] for i in batch_pos),
+        params=tuple(_leaf_entry(k, s) for k, s in p_entries),
+        batch=tuple(_leaf_entry(k, s) for k, s in b_entries),
+        per_stage=tuple(info),
+    )
+    return Stages(arts, index)
+
+
+def _export_stage(
+    traced: Traced,
+    st: StageCut,
+    k: int,
+    n: int,
+    p_entries: Sequence[tuple[str, jax.ShapeDtypeStruct]],
+    b_entries: Sequence[tuple[str, jax.ShapeDtypeStruct]],
+    label: str,
+    platforms: Sequence[str] | str,
+    policy: str | None,
+    weights: bool,
+) -> tuple[Any, StageEntry]:
+    """Stage ``k`` of ``n`` as an artifact, and its entry in ``stages.json``."""
+    first, last = k == 0, k == n - 1
+    sfn = stage_function(traced, st, first, last)
+    p_spec = tuple(p_entries[i][1] for i in st.params)
+    x_spec = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in st.recv)
+    b_spec = tuple(b_entries[i][1] for i in st.batch)
+    arg_specs = (p_spec, b_spec) if first else ((p_spec, x_spec, b_spec) if st.batch else (p_spec, x_spec))
+    arg_names = ("params", "batch") if first else (("params", "x", "batch") if st.batch else ("params", "x"))
+    art = export(
+        sfn,
+        *arg_specs,
+        wrt=("params",) if first else ("params", "x"),
+        platforms=platforms,
+        policy=policy,
+        arg_names=arg_names,
+        name=f"{label} stage {k}",
+        weights="params" if weights else None,
+    )
+    xla = _xla_flops(art)
+    entry = StageEntry(
+        file=f"stage{k}.vjp",
+        params=tuple(st.params),
+        batch=tuple(st.batch),
+        receives=tuple(_leaf_entry(f"x/{j}", v.aval) for j, v in enumerate(st.recv)),
+        sends=() if last else tuple(_leaf_entry(f"out/{j}", v.aval) for j, v in enumerate(st.sent)),
+        cost=xla if xla is not None else sum(eqn_cost(e) for e in st.eqns),
+        cost_source="xla" if xla is not None else "estimate",
+        cut_after=None if last else _describe(st.eqns[-1]),
+    )
+    return art, entry
+
+
+def _describe(eqn: Any) -> str:
+    src = eqn.source_info
+    where = ""
+    try:
+        frame = jax.extend.source_info_util.user_frame(src) if hasattr(jax, "extend") else None  # type: ignore[attr-defined]
+        if frame is not None:
+            where = f" ({frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line})"
+    except Exception:  # noqa: BLE001 - where a cut is, in words, is a nicety
+        where = ""
+    return f"{eqn.primitive.name}{where}"
+
+
+def _xla_flops(art: Any) -> float | None:
+    """XLA's FLOP count for the stage's forward at symbolic dims = COST_DIM; None where the backend has none."""
+    exp = art.exported["fwd"]
+    try:
+        args = [
+            jax.ShapeDtypeStruct(concrete_shape(tuple(dim_str(d) for d in a.shape), ANY_DIM), a.dtype)
+            for a in exp.in_avals
+        ]
+        # compiled: a shape-polymorphic module is refined to these sizes only when it compiles
+        cost = jax.jit(exp.call).lower(*args).compile().cost_analysis()
+    except Exception:  # noqa: BLE001 - the estimate stands in
+        return None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    flops = (cost or {}).get("flops")
+    return float(flops) if flops is not None and np.isfinite(flops) and flops > 0 else None

@@ -1,0 +1,165 @@
+"""``stages.json`` as typed, frozen data: what each stage of one function holds, reads, receives and sends.
+
+Versions of the index (``version``):
+
+* 1 (2026-12-01, the first stages directory): the function, how it was cut, the
+  parameter and batch leaves (key, dtype, shape with symbolic dims as text), and
+  per stage its artifact file and fingerprint, the leaf positions it reads, the
+  values it receives and sends, its estimated cost and the equation cut after.
+
+``StagesIndex.to_json`` writes exactly the map version 1 reads (``from_json``),
+so a signed directory's canonical bytes do not change with this code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from ...errors import VjpsplitError
+from ...trust import signing
+
+FORMAT = "vjpsplit-stages"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class LeafEntry:
+    """One array leaf: its file key, dtype name and shape (a symbolic dim as its text)."""
+
+    key: str
+    dtype: str
+    shape: tuple[int | str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """The leaf as ``stages.json`` writes it."""
+        return {"key": self.key, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> LeafEntry:
+        """The leaf ``to_json`` wrote."""
+        return cls(str(d["key"]), str(d["dtype"]), tuple(s if isinstance(s, str) else int(s) for s in d["shape"]))
+
+
+@dataclass(frozen=True)
+class StageEntry:
+    """One stage: its artifact file, the parameter and batch leaves it reads (positions in the index's
+    lists), what it receives and sends, its estimated cost and where it was cut."""
+
+    file: str
+    params: tuple[int, ...]
+    batch: tuple[int, ...]
+    receives: tuple[LeafEntry, ...]
+    sends: tuple[LeafEntry, ...]
+    cost: float
+    cost_source: str
+    cut_after: str | None
+    fingerprint: str | None = None  # the artifact's, recorded when the directory is saved
+
+    def to_json(self) -> dict[str, Any]:
+        """The entry as ``stages.json`` writes it."""
+        out: dict[str, Any] = {
+            "file": self.file,
+            "params": list(self.params),
+            "batch": list(self.batch),
+            "receives": [r.to_json() for r in self.receives],
+            "sends": [s.to_json() for s in self.sends],
+            "cost": self.cost,
+            "cost_source": self.cost_source,
+            "cut_after": self.cut_after,
+        }
+        if self.fingerprint is not None:
+            out["fingerprint"] = self.fingerprint
+        return out
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> StageEntry:
+        """The entry ``to_json`` wrote."""
+        return cls(
+            str(d["file"]),
+            tuple(int(i) for i in d["params"]),
+            tuple(int(i) for i in d["batch"]),
+            tuple(LeafEntry.from_json(r) for r in d["receives"]),
+            tuple(LeafEntry.from_json(s) for s in d["sends"]),
+            float(d["cost"]),
+            str(d["cost_source"]),
+            None if d.get("cut_after") is None else str(d["cut_after"]),
+            None if d.get("fingerprint") is None else str(d["fingerprint"]),
+        )
+
+
+@dataclass(frozen=True)
+class StagesIndex:
+    """What ``stages.json`` holds: the function, its cut, its parameter and batch leaves, and one entry per stage."""
+
+    function: str
+    cut: str  # "marks" or "balanced"
+    cost_dim: int  # the size symbolic dims take in the cost estimates
+    arg_names: tuple[str, ...]
+    wrt: tuple[str, ...]
+    params_name: str
+    batch_names: tuple[str, ...]
+    params: tuple[LeafEntry, ...]
+    batch: tuple[LeafEntry, ...]
+    per_stage: tuple[StageEntry, ...]
+    signature: Mapping[str, Any] | None = None  # signing's entry, when the directory is signed
+
+    @property
+    def param_keys(self) -> list[str]:
+        """Every parameter leaf's file key, in the parameters' leaf order."""
+        return [p.key for p in self.params]
+
+    def stage_param_keys(self) -> list[list[str]]:
+        """Per stage, the file keys of the parameter leaves it holds."""
+        keys = self.param_keys
+        return [[keys[i] for i in st.params] for st in self.per_stage]
+
+    def with_fingerprints(self, fingerprints: Sequence[str]) -> StagesIndex:
+        """This index with each stage's artifact fingerprint recorded, unsigned."""
+        entries = tuple(dataclasses.replace(st, fingerprint=f) for st, f in zip(self.per_stage, fingerprints))
+        return dataclasses.replace(self, per_stage=entries, signature=None)
+
+    def to_json(self) -> dict[str, Any]:
+        """The map ``stages.json`` holds (with the signature entry when signed)."""
+        out: dict[str, Any] = {
+            "format": FORMAT,
+            "version": VERSION,
+            "function": self.function,
+            "cut": self.cut,
+            "cost_dim": self.cost_dim,
+            "arg_names": list(self.arg_names),
+            "wrt": list(self.wrt),
+            "params_name": self.params_name,
+            "batch_names": list(self.batch_names),
+            "params": [p.to_json() for p in self.params],
+            "batch": [b.to_json() for b in self.batch],
+            "stages": [st.to_json() for st in self.per_stage],
+        }
+        if self.signature is not None:
+            out[signing.SIGNATURE] = dict(self.signature)
+        return out
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any], source: str) -> StagesIndex:
+        """The index in a ``stages.json`` map; a map of another format or version is one error naming ``source``."""
+        if not isinstance(d, Mapping) or d.get("format") != FORMAT or not isinstance(d.get("stages"), list):
+            raise VjpsplitError(f"{source}: not a vjpsplit stages index; pass a directory written by Stages.save")
+        if d.get("version") != VERSION:
+            raise VjpsplitError(f"{source}: stages index version {d.get('version')!r}; this vjpsplit reads {VERSION}")
+        try:
+            return cls(
+                str(d["function"]),
+                str(d["cut"]),
+                int(d.get("cost_dim", 8)),
+                tuple(str(n) for n in d["arg_names"]),
+                tuple(str(n) for n in d["wrt"]),
+                str(d["params_name"]),
+                tuple(str(n) for n in d["batch_names"]),
+                tuple(LeafEntry.from_json(p) for p in d["params"]),
+                tuple(LeafEntry.from_json(b) for b in d["batch"]),
+                tuple(StageEntry.from_json(st) for st in d["stages"]),
+                d.get(signing.SIGNATURE),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise VjpsplitError(f"{source}: the stages index lacks or garbles {e}; save the stages again") from e

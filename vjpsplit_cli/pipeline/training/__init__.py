@@ -1,0 +1,12 @@
+"""Training over stages: the Trainer, the optimizer step where each stage's parameters live.
+
+Owns ``Trainer`` (``trainer``), parameter ownership (``ownership``: which stage
+holds which leaf, tied leaves, ``params`` back), the backends behind one
+``Backend`` protocol (``backend``; ``inprocess`` threads, ``ray`` actors), each
+stage's training state (``stagestate``), the optimizer as exported programs
+(``optimizer``), clipping by the global norm (``clipping``), checkpoints
+(``checkpoint``) and the step history (``history``).
+
+May import everything in ``pipeline`` before it (``schedules``, ``stages``,
+``runtime``) and the layers below ``pipeline``.
+"""

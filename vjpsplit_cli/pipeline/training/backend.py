@@ -1,0 +1,59 @@
+"""The one interface the Trainer runs its workers through, in-process or on Ray.
+
+A backend owns the workers and, on each, one ``StageTrainer`` per stage it holds;
+``step`` runs the schedule and every stage's optimizer update where it lives and
+returns the step's result with every stage's squared gradient norm.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+from ..runtime.devices import stage_devices
+from ..runtime.model import Microbatch
+from ..runtime.result import PipelineResult
+from ..schedules.layout import Layout
+from ..schedules.plans import Resolved
+from .inprocess import InProcessBackend
+from .optimizer import stage_programs
+from .ownership import Ownership, Snapshot
+from .ray import RayBackend
+
+
+class Backend(Protocol):
+    """Where the Trainer's stages live and run."""
+
+    def step(
+        self, mbs: Sequence[Microbatch], schedule: Resolved, microbatches: int, clip: float | None, progress: bool
+    ) -> tuple[PipelineResult, list[float]]:
+        """One optimizer step: ``schedule``'s plans on ``mbs``, then every stage's update; the result and
+        each stage's squared sum of the gradients it counts in the global norm (before clipping)."""
+        ...
+
+    def snapshots(self) -> list[Snapshot]:
+        """Every stage's ``(params, optimizer state)``, flat by global key, as host arrays."""
+        ...
+
+    def close(self) -> None:
+        """End the workers."""
+        ...
+
+
+def open_backend(
+    runner: str,
+    ownership: Ownership,
+    optimizer: Any,
+    states: Sequence[Any],
+    *,
+    layout: Layout,
+    devices: Sequence[Sequence[Any]] | None = None,
+    **ray_options: Any,
+) -> Backend:
+    """The backend ``runner`` names, its workers holding the stages of ``ownership`` and each stage's
+    exported ``optimizer`` (specs from the stage's parameters where they are placed) and ``states``."""
+    arts = stage_devices(ownership.artifacts, devices)
+    placed = [a.place_arg(0, p) for a, p in zip(arts, ownership.stage_params)]
+    programs = stage_programs(optimizer, arts, ownership.names, placed)
+    if runner == "inprocess":
+        return InProcessBackend(ownership, arts, programs, states)
+    return RayBackend(ownership, programs, states, layout=layout.workers, **ray_options)

@@ -1,0 +1,93 @@
+"""Gradients across stages: the global norm (a tied leaf counted once), the clip scale, and tied-leaf sums.
+
+Each stage holds a flat ``{leaf key: array}`` of parameters; a key held by
+several stages is a tied leaf (one parameter, a copy on each). Clipping by the
+global norm over all stages is three small steps, so that only scalars cross
+between workers and the driver:
+
+1. every stage reports ``sum_of_squares(grads, counted)`` over the leaves
+   ``norm_owners`` gives it (a tied leaf is counted by its first holder only);
+2. the driver turns the reports into one ``clip_scale`` (``min(1, c / norm)``);
+3. every stage's optimizer program scales its gradients by it (``update(...,
+   scale)``).
+
+That equals ``optax.chain(optax.clip_by_global_norm(c), optimizer)`` on one
+device. A clipping transformation inside the optimizer itself would act per
+stage, on that stage's gradients only.
+
+Tied leaves: ``sum_tied`` adds a tied leaf's gradients over its holders (in
+stage order, on the host) and hands every holder the very same array, so each
+applies the same update to the same copy and the copies stay bitwise equal.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from ...errors import VjpsplitError
+
+
+def norm_owners(holdings: Sequence[Iterable[str]]) -> list[set[str]]:
+    """Per stage, the keys whose gradients it counts in the global norm: every key by its first holder."""
+    seen: set[str] = set()
+    out = []
+    for keys in holdings:
+        mine = {k for k in keys if k not in seen}
+        seen |= mine
+        out.append(mine)
+    return out
+
+
+def shared_keys(holdings: Sequence[Iterable[str]]) -> list[set[str]]:
+    """Per stage, its keys that another stage holds too (tied leaves)."""
+    sets = [set(k) for k in holdings]
+    return [
+        {k for k in mine if any(k in other for j, other in enumerate(sets) if j != i)} for i, mine in enumerate(sets)
+    ]
+
+
+def sum_of_squares(grads: Mapping[str, Any], counted: Iterable[str]) -> float:
+    """The sum of squares of the ``counted`` leaves of one stage's gradients, as a Python float.
+
+    Each leaf's sum is taken in its own dtype (float32 as optax does), on the
+    device where it lives; only the scalars come to the host.
+    """
+    import jax.numpy as jnp
+
+    total = 0.0
+    for k in sorted(counted):
+        if k not in grads:
+            raise VjpsplitError(f"gradient of '{k}' is missing from the stage's gradients; pass every leaf it holds")
+        g = grads[k]
+        total += float(jnp.sum(jnp.square(jnp.abs(g) if jnp.iscomplexobj(g) else g)))
+    return total
+
+
+def clip_scale(sums: Sequence[float], max_norm: float | None) -> tuple[float, float]:
+    """``(scale, norm)``: the global norm of gradients whose per-stage squared sums are ``sums``, and
+    ``min(1, max_norm / norm)`` (1 when ``max_norm`` is None)."""
+    norm = math.sqrt(math.fsum(sums))
+    if max_norm is None:
+        return 1.0, norm
+    if not max_norm > 0:
+        raise VjpsplitError(f"clip_global_norm={max_norm!r}: give a positive number (or None for no clipping)")
+    return (1.0 if not norm > max_norm else float(max_norm) / norm), norm
+
+
+def sum_tied(grads: Sequence[Mapping[str, Any]], shared: Sequence[Iterable[str]]) -> list[dict[str, Any]]:
+    """Every stage's gradients with each tied leaf replaced by its sum over the holders (one host array)."""
+    totals: dict[str, np.ndarray] = {}
+    for g, keys in zip(grads, shared):
+        for k in sorted(keys):
+            v = np.asarray(g[k])
+            totals[k] = v.copy() if k not in totals else totals[k] + v
+    out = []
+    for g, keys in zip(grads, shared):
+        mine = dict(g)
+        for k in keys:
+            mine[k] = totals[k]
+        out.append(mine)
+    return out

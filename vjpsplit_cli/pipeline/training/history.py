@@ -1,0 +1,57 @@
+"""What a Trainer keeps of its steps: one row per step, a progress bar over steps, the loss curve."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from ..runtime.result import PipelineResult
+from ..schedules.plots import plot_loss
+
+
+class History:
+    """Per step: the loss, the gradients' global norm (before clipping), the step time, the measured and
+    modeled bubble; ``progress=True`` shows a tqdm bar over steps with the loss (where tqdm is installed)."""
+
+    def __init__(self, progress: bool, first_step: int):
+        self.rows: list[dict[str, float]] = []
+        self.progress, self.first_step = progress, first_step
+        self._bar: Any = None
+
+    def record(self, step: int, result: PipelineResult, grad_norm: float, step_time: float) -> None:
+        """Step ``step``'s row, and the bar moved on."""
+        self.rows.append(
+            {
+                "step": step,
+                "loss": result.loss,
+                "grad_norm": grad_norm,
+                "step_time": step_time,
+                "bubble": result.bubble_ratio,
+                "modeled_bubble": result.modeled_bubble_ratio,
+            }
+        )
+        self._show(result.loss)
+
+    def _show(self, loss: float) -> None:
+        if not self.progress:
+            return
+        if self._bar is None:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                self.progress = False
+                return
+            self._bar = tqdm(desc="train", unit="step", file=sys.stderr, initial=self.first_step + len(self.rows) - 1)
+        self._bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+        self._bar.update(1)
+
+    def plot(self, path: str | os.PathLike[str], title: str) -> None:
+        """A PNG of the loss per step (needs matplotlib)."""
+        plot_loss([row["loss"] for row in self.rows], path, title)
+
+    def close(self) -> None:
+        """Close the progress bar."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

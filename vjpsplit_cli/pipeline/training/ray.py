@@ -1,0 +1,169 @@
+"""The Trainer on Ray: actors that keep their stages' parameters and optimizer state and apply the update there.
+
+``TrainActor`` extends the pipeline's ``StageActor`` with the step's last three
+phases (``stagestate``): its stages' tied gradients, their sums and squared
+norms, the update. The driver submits them to each actor right after the
+schedule's operations, so an actor runs them after its last W (Ray runs an
+actor's calls in submission order); tied gradients go from actor to actor as
+object references, and only the squared norms (when clipping needs their sum),
+the loss and the timings reach the driver. The optimizer arrives as exported
+bytes: an actor imports neither optax nor the user's code.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+from ..runtime.dispatch import walk
+from ..runtime.model import Microbatch
+from ..runtime.ray.actor import StageActor, picklable
+from ..runtime.ray.pipeline import RUNNER, RayPipeline
+from ..runtime.result import PipelineResult, step_result
+from ..schedules.catalog import describe
+from ..schedules.ops import Op, split_ops
+from ..schedules.plans import Resolved
+from ...errors import VjpsplitError
+from .clipping import clip_scale
+from .ownership import Ownership, Snapshot
+from .stagestate import StageTrainer
+
+RESTORE_HINT = "; restore the last checkpoint into a new Trainer to run again"
+
+
+class TrainActor(StageActor):
+    """A pipeline worker's actor that also trains: one ``StageTrainer`` per stage it holds."""
+
+    def setup(self, entries: Sequence[tuple[int, list[str], bytes, dict[str, list[int]], list[str], Any]]) -> None:
+        """``(stage, names, optimizer bytes, holders, counted, state or None)`` per stage this actor holds."""
+        held = self.stage_workers
+        self.trainers = {
+            s: StageTrainer(held[s], names, program, holders, counted, state)
+            for s, names, program, holders, counted, state in entries
+        }
+
+    def _guarded(self, fn: Callable[[], Any]) -> Any:
+        if self.error is not None:
+            return None
+        try:
+            return fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the driver by report()
+            self.error = picklable(e)
+            return None
+
+    def tied(self, stage: int) -> Any:
+        """Stage ``stage``'s gradients of its tied leaves (host arrays); None after an error."""
+        return self._guarded(lambda: self.trainers[stage].tied_grads())
+
+    def prepare(self, stage: int, sources: Sequence[int], *parts: Any) -> Any:
+        """Sum stage ``stage``'s tied gradients with ``parts`` (the ``tied`` of stages ``sources``); its squared norm."""
+        if any(p is None for p in parts):
+            return None  # another stage failed: its report says why
+        return self._guarded(lambda: self.trainers[stage].prepare(dict(zip(sources, parts))))
+
+    def apply(self, stage: int, scale: float) -> None:
+        """The optimizer step of stage ``stage`` with the clip ``scale``."""
+        self._guarded(lambda: self.trainers[stage].apply(scale))
+
+    def snapshot(self) -> dict[int, Snapshot]:
+        """Per stage held: ``(params, optimizer state)`` as host arrays."""
+        return {s: t.snapshot() for s, t in self.trainers.items()}
+
+
+class TrainPipeline(RayPipeline):
+    """A ``RayPipeline`` whose actors are ``TrainActor``s."""
+
+    actor_class = TrainActor
+
+
+class RayBackend:
+    """The Trainer's workers as Ray actors (``RayPipeline``'s layout, timeouts and dead-actor reports)."""
+
+    def __init__(self, ownership: Ownership, programs: Sequence[bytes], states: Sequence[Any], **options: Any):
+        """``options``: ``RayPipeline``'s keyword arguments."""
+        self.ownership = own = ownership
+        self.rp = rp = TrainPipeline(own.artifacts, own.stage_params, **options)
+        try:
+            rp.get(
+                [
+                    a.setup.remote(
+                        [(s, own.names[s], programs[s], own.holders[s], own.counted[s], states[s]) for s in held]
+                    )
+                    for a, held in zip(rp.actors, rp.layout.workers)
+                ]
+            )
+        except BaseException:
+            rp.close()
+            raise
+        self.worker_of = rp.layout.worker_of()
+        self.actor_of = {s: rp.actors[w] for s, w in self.worker_of.items()}
+
+    def step(
+        self, mbs: Sequence[Microbatch], schedule: Resolved, microbatches: int, clip: float | None, progress: bool
+    ) -> tuple[PipelineResult, list[float]]:
+        """One step on the actors: the schedule, then each stage's tied sums, squared norm and update."""
+        rp, S = self.rp, self.rp.num_stages
+        name, plans, layout = schedule
+        if layout != rp.layout:
+            raise VjpsplitError(
+                f"{describe(name)} lays the stages out as {layout.as_lists()}; "
+                f"this Trainer's actors hold {rp.layout.as_lists()}"
+            )
+        split = split_ops(plans)
+        rp.get([a.reset.remote() for a in rp.actors])
+        t0 = time.monotonic()
+
+        def submit(w: int, op: Op, data: Any, side: list[Any]) -> Any:
+            s = (op.stage, op.mb) in split
+            return rp.actors[w].op.remote(op.kind, op.stage, op.mb, data, side, microbatches, s)
+
+        walk(plans, S, mbs, submit)
+        holders = self.ownership.holders
+        tied = {s: self.actor_of[s].tied.remote(s) for s in range(S) if holders[s]}
+        sums = []
+        for s in range(S):
+            sources = sorted({h for hs in holders[s].values() for h in hs if h != s})
+            sums.append(self.actor_of[s].prepare.remote(s, sources, *[tied[h] for h in sources]))
+        owners = [self.worker_of[s] for s in range(S)]
+        scale = 1.0
+        if clip is not None:
+            got = rp.fetch(sums, owners, t0, hint=RESTORE_HINT)
+            if all(v is not None for v in got):
+                scale = clip_scale(got, clip)[0]
+        applied = [self.actor_of[s].apply.remote(s, scale) for s in range(S)]
+        reports = [a.report.remote() for a in rp.actors]
+        everyone = list(range(rp.layout.num_workers))
+        values = rp.fetch([*reports, *sums, *applied], [*everyone, *owners, *owners], t0, hint=RESTORE_HINT)
+        step_time = time.monotonic() - t0
+        states = values[: len(reports)]
+        failed = [st["error"] for st in states if st["error"] is not None]
+        if failed:
+            raise failed[0]
+        totals = values[len(reports) : len(reports) + S]
+        result = step_result(
+            schedule=name,
+            plans=plans,
+            num_stages=S,
+            microbatches=microbatches,
+            runner=RUNNER,
+            step_time=step_time,
+            losses=states[self.worker_of[S - 1]]["losses"],
+            grads=[None] * S,  # applied where they live
+            events=rp.driver_events(states),
+            extra={"compiled": False},
+        )
+        return result, list(totals)
+
+    def snapshots(self) -> list[Snapshot]:
+        """Every stage's ``(params, optimizer state)``, fetched from its actor."""
+        rp = self.rp
+        got: dict[int, Snapshot] = {}
+        everyone = list(range(rp.layout.num_workers))
+        for part in rp.fetch([a.snapshot.remote() for a in rp.actors], everyone, time.monotonic()):
+            got.update(part)
+        return [got[s] for s in range(rp.num_stages)]
+
+    def close(self) -> None:
+        """End the actors (and a Ray instance the Trainer started)."""
+        rp = self.rp
+        rp.close()

@@ -1,0 +1,141 @@
+"""One stage's training state where it lives: parameters, optimizer state and the optimizer program (no optax).
+
+A ``StageTrainer`` wraps a ``StageWorker`` (a thread's or a Ray actor's) and
+keeps its stage's parameters and optimizer state as flat ``{global key: array}``
+mappings on the stage's devices. After the schedule's last operation for the
+stage, three small phases finish the step there:
+
+1. ``tied_grads()``: the gradients of the leaves other stages hold too (host arrays);
+2. ``prepare(contributions)``: each tied leaf's gradient becomes the sum of every
+   holder's contribution, added in stage order (so every holder computes the very
+   same array), and the stage's share of the squared global norm comes back;
+3. ``apply(scale)``: the exported update on ``grads * scale``, in place; the
+   worker's parameters are the new ones for the next step.
+
+Only the scalars of step 2 (and, for tied leaves, their gradients) leave the
+worker. The optimizer arrives as ``OptimizerProgram.to_bytes`` and is loaded
+here: neither optax nor the user's code is imported.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from ...errors import VjpsplitError
+from ...files.trees import decode_structure, flatten_with_keys, structure_keys
+from .clipping import sum_of_squares
+from .optimizer import load_optimizer
+from ..runtime.worker import StageWorker
+
+
+def param_node(artifact: Any) -> Any:
+    """The encoded structure of a stage artifact's parameter argument (its first)."""
+    m = artifact.manifest
+    return m.structure["args"][m.arg_names[0]]
+
+
+class StageTrainer:
+    """One stage's parameters, optimizer state and program, next to the ``StageWorker`` that runs its schedule.
+
+    ``names``: the global key of each of the stage's parameter leaves, in the
+    artifact's leaf order. ``holders``: for each tied key of this stage, the
+    stages holding it (ascending). ``counted``: the keys this stage counts in the
+    global norm (a tied leaf by its first holder only). ``state``: a restored
+    optimizer state, else the program's ``init``.
+    """
+
+    def __init__(
+        self,
+        worker: StageWorker,
+        names: Sequence[str],
+        program: bytes,
+        holders: Mapping[str, Sequence[int]],
+        counted: Sequence[str],
+        state: Mapping[str, Any] | None = None,
+    ):
+        self.worker, self.names = worker, list(names)
+        self.node = param_node(worker.art)
+        local = structure_keys("", self.node)
+        if len(local) != len(self.names):
+            raise VjpsplitError(
+                f"stage {worker.stage_index}: {len(self.names)} parameter names for {len(local)} leaves"
+            )
+        self.local = dict(zip(local, self.names))
+        self.holders = {k: [int(s) for s in v] for k, v in holders.items()}
+        self.counted = set(counted)
+        self.program = load_optimizer(
+            program, source=f"stage {worker.stage_index}'s optimizer", devices=worker.art.devices or None
+        )
+        self.params = {self.local[k]: v for k, v in flatten_with_keys("", worker.params)}
+        self.state = self.program.init(self.params) if state is None else dict(state)
+        self.grads: dict[str, Any] = {}
+
+    @property
+    def stage_index(self) -> int:
+        """The stage's index."""
+        return self.worker.stage_index
+
+    def _flat_grads(self) -> dict[str, Any]:
+        if self.worker.grads is None:
+            raise VjpsplitError(f"stage {self.stage_index}: the step computed no gradients; run the schedule first")
+        return {self.local[k]: v for k, v in flatten_with_keys("", self.worker.grads)}
+
+    def tied_grads(self) -> dict[str, np.ndarray]:
+        """This stage's gradients of its tied leaves, as host arrays (what the other holders add)."""
+        g = self._flat_grads()
+        return {k: np.asarray(g[k]) for k in sorted(self.holders)}
+
+    def prepare(self, contributions: Mapping[int, Mapping[str, Any]]) -> float:
+        """Sum each tied leaf's gradient over its holders (``contributions``: stage -> its ``tied_grads``),
+        in stage order; return this stage's share of the squared global norm."""
+        g = self._flat_grads()
+        for k, holding in self.holders.items():
+            parts = [np.asarray(g[k]) if s == self.stage_index else contributions[s][k] for s in holding]
+            total = parts[0].copy()
+            for p in parts[1:]:
+                total = total + p
+            g[k] = total
+        self.grads = g
+        return sum_of_squares(g, self.counted)
+
+    def apply(self, scale: float = 1.0) -> None:
+        """One optimizer step on the prepared gradients times ``scale``; the worker runs the new parameters."""
+        if not self.grads:
+            raise VjpsplitError(f"stage {self.stage_index}: apply before prepare; the step's gradients are not summed")
+        self.params, self.state = self.program.update(self.params, self.state, self.grads, scale)
+        self.grads = {}
+        self.worker.params = decode_structure(self.node, iter([self.params[n] for n in self.names]))
+        self.worker.grads = None
+
+    def snapshot(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """``(params, optimizer state)`` as host arrays (a checkpoint's share, or ``params()``')."""
+        return _host(self.params), _host(self.state)
+
+
+def _host(d: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in d.items()}
+
+
+def finish_stages(
+    trainers: Sequence[StageTrainer],
+    exchange: Callable[[Mapping[int, Any]], Mapping[int, Any]],
+    clip: Callable[[list[float]], float],
+    tied: bool,
+) -> list[float]:
+    """Phases 1-3 for one worker's stages; ``exchange(worker_part) -> everyone's`` joins the workers.
+
+    ``exchange`` is called with a dict and returns the merged dict of every
+    worker (a barrier in-process; every worker calls it equally often, so
+    ``tied`` says for all of them whether any stage holds a tied leaf);
+    ``clip(sums) -> scale`` turns every stage's squared sums (in stage order)
+    into the clip scale.
+    """
+    tied_parts = exchange({t.stage_index: t.tied_grads() for t in trainers}) if tied else {}
+    sums = {t.stage_index: t.prepare(tied_parts) for t in trainers}
+    everyone = exchange(sums)
+    scale = clip([everyone[s] for s in sorted(everyone)])
+    for t in trainers:
+        t.apply(scale)
+    return [sums[t.stage_index] for t in trainers]
