@@ -127,7 +127,7 @@ def fit(
     losses: list[float] = []
     lost: set[int] = set()  # workers to replace before the next step
     try:
-        while trainer.step_count < steps:
+        while trainer.step_count < steps or lost:  # a worker lost after the last step: its checkpoint too
             k = trainer.step_count
             try:
                 if lost:
@@ -139,19 +139,18 @@ def fit(
                 if writer is not None:
                     writer.check()
                 loss = trainer.step(batch(k))
+                losses.append(loss)
+                if callback is not None:
+                    callback(k, loss)
+                done = k + 1
+                if writer is not None and (
+                    done == steps or (checkpoint_every is not None and done % checkpoint_every == 0)
+                ):
+                    writer.submit(trainer.host_checkpoint)  # the copy to host: on Ray, from every actor
             except WorkerLost as e:
                 failures += 1
-                _refuse_or_accept(trainer, e, k, failures, max_restarts, writer)
+                _refuse_or_accept(trainer, e, trainer.step_count, failures, max_restarts, writer)
                 lost |= set(e.workers)
-                continue
-            losses.append(loss)
-            if callback is not None:
-                callback(k, loss)
-            done = k + 1
-            if writer is not None and (
-                done == steps or (checkpoint_every is not None and done % checkpoint_every == 0)
-            ):
-                writer.submit(trainer.host_checkpoint)
     except BaseException:
         if writer is not None:
             writer.wait(check=False)  # the error on its way out is the one to see; the write still finishes
