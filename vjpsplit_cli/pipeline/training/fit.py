@@ -126,12 +126,13 @@ def fit(
     start, failures = trainer.step_count, 0
     losses: list[float] = []
     lost: set[int] = set()  # workers to replace before the next step
+    found = 0.0  # when the first of them was found lost (time.monotonic)
     try:
         while trainer.step_count < steps or lost:  # a worker lost after the last step: its checkpoint too
             k = trainer.step_count
             try:
                 if lost:
-                    _return(trainer, sorted(lost), k, writer)
+                    _return(trainer, sorted(lost), k, writer, found)
                     lost = set()
                     start = min(start, trainer.step_count)
                     del losses[trainer.step_count - start :]
@@ -148,6 +149,7 @@ def fit(
                 ):
                     writer.submit(trainer.host_checkpoint)  # the copy to host: on Ray, from every actor
             except WorkerLost as e:
+                found = found if lost else time.monotonic()
                 failures += 1
                 _refuse_or_accept(trainer, e, trainer.step_count, failures, max_restarts, writer)
                 lost |= set(e.workers)
@@ -181,8 +183,9 @@ def _refuse_or_accept(
         raise VjpsplitError(f"{what}; Ray does not say which worker it was, so none can be replaced") from None
 
 
-def _return(trainer: Any, workers: Sequence[int], step: int, writer: CheckpointWriter | None) -> None:
-    """Replace the lost workers and take every worker back to the last checkpoint."""
+def _return(trainer: Any, workers: Sequence[int], step: int, writer: CheckpointWriter | None, found: float) -> None:
+    """Replace the lost workers and take every worker back to the last checkpoint (``found``: when the loss was
+    seen, on ``time.monotonic``'s clock)."""
     if writer is None:
         raise VjpsplitError("a lost worker with no checkpoint_dir: nothing to return to")  # refused before
     t0 = time.monotonic()
@@ -193,6 +196,7 @@ def _return(trainer: Any, workers: Sequence[int], step: int, writer: CheckpointW
             "step": step,
             "workers": list(workers),
             "returned_to": trainer.step_count,
+            "found_at": found,
             "recovery_time": time.monotonic() - t0,
         }
     )
