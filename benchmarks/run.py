@@ -35,6 +35,7 @@ SECTIONS = {
     "pipeline": ("Pipeline schedules on 2 workers", "benchmarks.pipeline"),
     "autoschedule": ("Automatic schedules on the grid (modeled)", "benchmarks.autoschedule"),
     "train": ("Training steps: Trainer vs one process", "benchmarks.train"),
+    "survive": ("Training that survives: checkpoint waits and restarts", "benchmarks.survive"),
     "sharded": ("Sharded stages on 8 CPU devices", "benchmarks.sharded"),
     # On a CPU-only machine, the accelerator command's own smoke test.
     "accelerator": ("The one-shot accelerator run, on this machine's default device", "benchmarks.accelerator"),

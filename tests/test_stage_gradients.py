@@ -11,7 +11,8 @@ import optax
 import pytest
 
 from vjpsplit_cli.errors import VjpsplitError
-from vjpsplit_cli.files.prng import is_key
+from vjpsplit_cli.files.prng import is_key, to_data
+from vjpsplit_cli.files.trees import encode_structure, flatten_with_keys
 from vjpsplit_cli.pipeline.training import checkpoint as C
 from vjpsplit_cli.pipeline.training.clipping import clip_scale, norm_owners, shared_keys, sum_of_squares, sum_tied
 from vjpsplit_cli.pipeline.training.optimizer import export_optimizer
@@ -120,47 +121,43 @@ def test_bad_clip_value_is_refused():
 # ---------------------------------------------------------------------------------------------- checkpoints
 
 
-def _stage_states():
+def _checkpoint(step=7, shift=0.0):
+    """A whole model's parameters (one bfloat16) and optax state with a typed PRNG key, as a Trainer saves them."""
     tx = optax.noisy_sgd(0.1, key=jax.random.key(1))  # a typed PRNG key in the state
-    whole = _whole()
-    out = []
-    for keys in HOLD:
-        p = {k: whole[k] for k in keys}
-        prog = export_optimizer(tx, {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in p.items()}, platforms="cpu")
-        out.append((p, prog.init(p)))
-    out[1][0]["h1/b"] = jnp.asarray(out[1][0]["h1/b"], jnp.bfloat16)
-    return out
+    params = {k: v + shift for k, v in _whole().items()}
+    params["h1/b"] = jnp.asarray(params["h1/b"], jnp.bfloat16)
+    return C.HostCheckpoint(params, list(params), encode_structure(params), tx.init(params), step, {"schedule": "1f1b"})
 
 
-def _assert_same(a, b):
-    for (pa, sa), (pb, sb) in zip(a, b, strict=True):
-        for x, y in ((pa, pb), (sa, sb)):
-            assert list(x) == list(y)
-            for k in x:
-                assert x[k].dtype == y[k].dtype, k
-                np.testing.assert_array_equal(
-                    np.asarray(jax.random.key_data(x[k]) if is_key(x[k]) else x[k]),
-                    np.asarray(jax.random.key_data(y[k]) if is_key(y[k]) else y[k]),
-                )
+def _assert_same(ck, saved):
+    assert saved.layout == 2 and saved.step == ck.step and saved.meta == dict(ck.meta)
+    assert list(saved.params) == list(ck.params) and saved.leaves == list(ck.leaves)
+    for k, v in ck.params.items():
+        assert saved.params[k].dtype == v.dtype, k
+        np.testing.assert_array_equal(saved.params[k], np.asarray(v))
+    state = dict(flatten_with_keys("", ck.opt_state))
+    assert list(saved.opt_state) == list(state)
+    for k, v in state.items():
+        got = saved.opt_state[k]
+        assert got.dtype == v.dtype and is_key(got) == is_key(v), k
+        np.testing.assert_array_equal(
+            np.asarray(jax.random.key_data(got) if is_key(got) else got),
+            np.asarray(jax.random.key_data(v) if is_key(v) else v),
+        )
 
 
 def test_checkpoint_round_trips_every_leaf_and_the_step(tmp_path):
-    stages = _stage_states()
-    C.save_checkpoint(tmp_path / "ck", stages, 7, {"schedule": "1f1b"})
-    back, step, meta = C.load_checkpoint(tmp_path / "ck")
-    assert step == 7 and meta == {"schedule": "1f1b"}
-    _assert_same(stages, back)
-    assert sorted(os.listdir(tmp_path / "ck")) == ["checkpoint.json", "stage-0.npz", "stage-1.npz", "stage-2.npz"]
+    ck = _checkpoint()
+    C.save_checkpoint(tmp_path / "ck", ck)
+    _assert_same(ck, C.read_checkpoint(tmp_path / "ck"))
+    assert sorted(os.listdir(tmp_path / "ck")) == ["checkpoint.json", "opt_state.npz", "params.npz"]
 
 
 def test_checkpoint_replaces_a_previous_one_whole_or_not_at_all(tmp_path, monkeypatch):
-    stages = _stage_states()
-    C.save_checkpoint(tmp_path / "ck", stages, 1)
-    changed = [({k: v + 1 for k, v in p.items()}, s) for p, s in stages]
-    C.save_checkpoint(tmp_path / "ck", changed, 2)
-    back, step, _ = C.load_checkpoint(tmp_path / "ck")
-    assert step == 2
-    _assert_same(changed, back)
+    C.save_checkpoint(tmp_path / "ck", _checkpoint(1))
+    changed = _checkpoint(2, shift=1.0)
+    C.save_checkpoint(tmp_path / "ck", changed)
+    _assert_same(changed, C.read_checkpoint(tmp_path / "ck"))
     real = C.save_arrays
     calls = []
 
@@ -172,10 +169,8 @@ def test_checkpoint_replaces_a_previous_one_whole_or_not_at_all(tmp_path, monkey
 
     monkeypatch.setattr(C, "save_arrays", failing)
     with pytest.raises(VjpsplitError, match="disk full"):
-        C.save_checkpoint(tmp_path / "ck", stages, 3)
-    back, step, _ = C.load_checkpoint(tmp_path / "ck")
-    assert step == 2  # the previous checkpoint, whole
-    _assert_same(changed, back)
+        C.save_checkpoint(tmp_path / "ck", _checkpoint(3))
+    _assert_same(changed, C.read_checkpoint(tmp_path / "ck"))  # the previous checkpoint, whole
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # no temp directory left
 
 
@@ -183,14 +178,83 @@ def test_checkpoint_refuses_to_replace_what_is_not_one_and_reports_damage(tmp_pa
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     with pytest.raises(VjpsplitError, match="not a vjpsplit checkpoint"):
-        C.save_checkpoint(tmp_path / "mine", _stage_states(), 1)
+        C.save_checkpoint(tmp_path / "mine", _checkpoint())
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     with pytest.raises(VjpsplitError, match="no checkpoint.json"):
-        C.load_checkpoint(tmp_path / "mine")
-    C.save_checkpoint(tmp_path / "ck", _stage_states(), 1)
-    f = tmp_path / "ck" / "stage-1.npz"
+        C.read_checkpoint(tmp_path / "mine")
+    C.save_checkpoint(tmp_path / "ck", _checkpoint())
+    f = tmp_path / "ck" / "opt_state.npz"
     data = bytearray(f.read_bytes())
     data[len(data) // 3] ^= 0xFF
     f.write_bytes(bytes(data))
-    with pytest.raises(VjpsplitError, match="stage-1.npz"):
-        C.load_checkpoint(tmp_path / "ck")
+    with pytest.raises(VjpsplitError, match="opt_state.npz"):
+        C.read_checkpoint(tmp_path / "ck")
+
+
+# ---------------------------------------------------------------------------------------------- the whole model's state
+
+OPTIMIZERS = {
+    "adamw": lambda: optax.adamw(1e-2),
+    "sgd-momentum-schedule": lambda: optax.sgd(optax.linear_schedule(0.1, 0.01, 3), momentum=0.9),
+    "noisy-sgd-key": lambda: optax.noisy_sgd(0.1, key=jax.random.key(1)),  # a typed PRNG key, tied to no leaf
+    "masked": lambda: optax.masked(optax.adam(1e-2), lambda p: {k: v.ndim > 1 for k, v in p.items()}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_state_map_joins_the_stages_states_into_optax_structure(name):
+    """Three stages' programs (one tied leaf) stepped as a pipeline: their states joined equal one device's."""
+    from vjpsplit_cli.pipeline.training.state import StateMap
+
+    tx, whole = OPTIMIZERS[name](), _whole()
+    progs = _programs(tx, whole)
+    params = [{k: whole[k] for k in keys} for keys in HOLD]
+    states = [p.init(ps) for p, ps in zip(progs, params)]
+    shared = shared_keys(HOLD)
+    for i in range(3):
+        grads = sum_tied(_stage_grads(i), shared)
+        for s, prog in enumerate(progs):
+            params[s], states[s] = prog.update(params[s], states[s], grads[s])
+    one = tx.init(whole)
+    p = _whole()
+    for i in range(3):
+        g = {}
+        for part in _stage_grads(i):
+            for k, v in part.items():
+                g[k] = g[k] + v if k in g else v
+        u, one = tx.update(g, one, p)
+        p = optax.apply_updates(p, u)
+    smap = StateMap(tx, whole, {k: k for k in whole}, HOLD)
+    joined = smap.gather(states)
+    assert jax.tree_util.tree_structure(joined) == jax.tree_util.tree_structure(one)
+    for (k, a), (_, b) in zip(flatten_with_keys("", joined), flatten_with_keys("", one), strict=True):
+        a, b = (np.asarray(jax.random.key_data(x) if is_key(x) else x) for x in (a, b))
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6, err_msg=k)
+    # Back to the stages: the same arrays as each program holds, a tied leaf's state on both holders.
+    back = smap.scatter(joined)
+    for s, prog in enumerate(progs):
+        assert sorted(back[s]) == sorted(prog.state_keys)
+        for k in prog.state_keys:
+            np.testing.assert_array_equal(back[s][k], np.asarray(to_data(states[s][k])))
+
+
+def test_state_map_refuses_a_state_that_is_not_optax_own_and_stages_that_disagree():
+    from vjpsplit_cli.pipeline.training.state import StateMap
+
+    tx, whole = optax.adamw(1e-2), _whole()
+    smap = StateMap(tx, whole, {k: k for k in whole}, HOLD)
+    with pytest.raises(
+        VjpsplitError,
+        match=r"opt_state: has 3 leaves, chain's init gives these parameters 11; leaf 0 is '0/trace/embed', not '0/count'",
+    ):
+        smap.scatter(optax.sgd(0.1, momentum=0.9).init({k: whole[k] for k in ["embed", "h0/w", "h1/b"]}))
+    bad = jax.tree_util.tree_map(lambda x: x, tx.init(whole))
+    bad[0].mu["h0/w"] = np.zeros((2, 2), np.float32)
+    with pytest.raises(
+        VjpsplitError, match=r"opt_state '0/mu/h0%2Fw' is float32\[2, 2\]; chain's init gives float32\[4, 4\]"
+    ):
+        smap.scatter(bad)
+    states = smap.scatter(tx.init(whole))
+    states[2]["0/mu/embed"] = states[2]["0/mu/embed"] + 1  # the tied leaf's second holder
+    with pytest.raises(VjpsplitError, match=r"optimizer state '0/mu/embed' differs between stages 0 and 2"):
+        smap.gather(states)

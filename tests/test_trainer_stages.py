@@ -147,15 +147,15 @@ def test_restore_values_given_win_over_the_recorded_ones(tmp_path):
 
 
 def test_restore_of_a_checkpoint_that_records_no_microbatches(tmp_path):
-    """A checkpoint as vjpsplit wrote it before microbatches and clipping were recorded."""
-    from vjpsplit_cli.pipeline.training.checkpoint import save_checkpoint
+    """A checkpoint as vjpsplit wrote it before microbatches and clipping were recorded (per stage, layout 1)."""
+    from checkpoint_v1 import write_per_stage_checkpoint
 
     params, batches, tx = gpt_params(), _batches(3), optax.sgd(0.1)
     stages = _stages()
     trainer = P.Trainer(stages, params, optimizer=tx, schedule_name="1f1b", microbatches=2)
     trainer.step(batches[0])
     old_meta = {"schedule": "1f1b", "optimizer": "sgd", "structure": trainer.ownership.structure}
-    save_checkpoint(tmp_path / "old", trainer.backend.snapshots(), trainer.step_count, old_meta)
+    write_per_stage_checkpoint(tmp_path / "old", trainer.backend.snapshots(), trainer.step_count, old_meta)
     with pytest.raises(
         VjpsplitError, match=r"old: this checkpoint does not record its microbatches.*pass microbatches="
     ):

@@ -91,3 +91,25 @@ def test_sharded_stages_train_like_one_process(schedule):
             leaf = key.split("/")[-1].split("%2F")[-1]
             assert {d.id for d in arr.sharding.device_set} == group, (i, key)
             assert _same(arr.sharding.spec, SPECS[leaf]), (i, key, arr.sharding.spec)
+
+
+def test_sharded_state_is_optax_own_and_a_checkpoint_continues_sharded(tmp_path):
+    stages, params, batches = _setup()
+    tx = optax.adam(1e-2)
+    tr = pipeline.Trainer(stages, params, optimizer=tx, schedule_name="1f1b", microbatches=2)
+    tr.step(batches[0])
+    tr.save(tmp_path / "ck")
+    _, opt_state = tr.state()
+    state, p = tx.init(params), params
+    g = jax.grad(loss)(p, *batches[0])
+    _, state = tx.update(g, state, p)
+    assert jax.tree_util.tree_structure(opt_state) == jax.tree_util.tree_structure(state)
+    for a, b in zip(jax.tree_util.tree_leaves(opt_state), jax.tree_util.tree_leaves(state), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    ref_losses, _ = optax_reference(loss, params, tx, batches)
+    again = pipeline.Trainer.restore(tmp_path / "ck", stages, optimizer=tx)
+    np.testing.assert_allclose([again.step(b) for b in batches[1:]], ref_losses[1:], rtol=1e-5)
+    for i, t in enumerate(again.backend.trainers):  # the restored state went back onto each stage's devices
+        group = {d.id for d in jax.devices()[4 * i : 4 * i + 4]}
+        for arr in [*t.params.values(), *(v for k, v in t.state.items() if k.split("/")[1] in ("mu", "nu"))]:
+            assert {d.id for d in arr.sharding.device_set} == group

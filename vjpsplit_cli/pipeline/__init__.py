@@ -10,7 +10,8 @@ Residuals never leave their worker; activations and cotangents go between stages
 A schedule can also be data: ``read_schedule``/``write_schedule`` use
 torch.distributed.pipelining's CSV, and every runner takes such plans as
 ``schedule=`` after checking them. ``Trainer`` trains the stages, applying the
-optimizer where each stage's parameters live.
+optimizer where each stage's parameters live; its checkpoints are keyed by the
+model, so another cut, or one process (``load_checkpoint``), continues the run.
 
 Words: a *layout* is which worker runs which stage (``layout``,
 ``worker_stages``); *ownership* is which stage holds which parameter leaf (a leaf
@@ -51,6 +52,7 @@ from .schedules.play import Costs, simulate
 from .schedules.plans import check_plans
 from .schedules.plots import plot_loss, plot_timeline
 from .schedules.timeline import Event, bubble_ratio
+from .training.resume import load_checkpoint
 from .training.trainer import Trainer
 
 __all__ = [
@@ -69,6 +71,7 @@ __all__ = [
     "bubble_ratio",
     "check_plans",
     "layout",
+    "load_checkpoint",
     "placement_group_options",
     "plot_loss",
     "plot_timeline",

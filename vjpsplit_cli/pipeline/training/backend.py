@@ -34,6 +34,14 @@ class Backend(Protocol):
         """Every stage's ``(params, optimizer state)``, flat by global key, as host arrays."""
         ...
 
+    def load(self, snapshots: Sequence[Snapshot]) -> None:
+        """Every stage holds its ``(params, optimizer state)`` of ``snapshots`` from now on (a checkpoint's)."""
+        ...
+
+    def workers(self) -> list[Any]:
+        """The Ray actor handle of each worker (an error in-process)."""
+        ...
+
     def close(self) -> None:
         """End the workers."""
         ...

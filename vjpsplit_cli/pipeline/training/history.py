@@ -33,6 +33,10 @@ class History:
         )
         self._show(result.loss)
 
+    def rewind(self, step: int) -> None:
+        """Forget the rows after step ``step`` (the run returned to a checkpoint there)."""
+        self.rows = [row for row in self.rows if row["step"] <= step]
+
     def _show(self, loss: float) -> None:
         if not self.progress:
             return

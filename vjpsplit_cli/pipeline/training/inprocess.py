@@ -11,6 +11,7 @@ import itertools
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
+from ...errors import VjpsplitError
 from ..runtime.inprocess import RUNNER, run_threads
 from ..runtime.model import Microbatch
 from ..runtime.result import PipelineResult, step_result
@@ -96,6 +97,15 @@ class InProcessBackend:
     def snapshots(self) -> list[Snapshot]:
         """Every stage's ``(params, optimizer state)`` as host arrays."""
         return [t.snapshot() for t in self.trainers]
+
+    def load(self, snapshots: Sequence[Snapshot]) -> None:
+        """Every stage holds its ``(params, optimizer state)`` of ``snapshots`` from now on."""
+        for t, (params, state) in zip(self.trainers, snapshots):
+            t.assign(params, state)
+
+    def workers(self) -> list[Any]:
+        """Ray actor handles: none in-process."""
+        raise VjpsplitError("workers() gives the Ray actor of each worker; this Trainer runs in-process")
 
     def close(self) -> None:
         """Nothing to end in-process."""

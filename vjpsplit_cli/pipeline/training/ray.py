@@ -19,6 +19,7 @@ from ..runtime.dispatch import walk
 from ..runtime.model import Microbatch
 from ..runtime.ray.actor import StageActor, picklable
 from ..runtime.ray.pipeline import RUNNER, RayPipeline
+from ..runtime.ray.setup import SCHEDULE_TIMEOUT, clock_offset, lack
 from ..runtime.result import PipelineResult, step_result
 from ..schedules.catalog import describe
 from ..schedules.ops import Op, split_ops
@@ -69,6 +70,12 @@ class TrainActor(StageActor):
         """Per stage held: ``(params, optimizer state)`` as host arrays."""
         return {s: t.snapshot() for s, t in self.trainers.items()}
 
+    def assign(self, parts: dict[int, Snapshot]) -> None:
+        """Each stage held: its ``(params, optimizer state)`` of ``parts`` from now on; the last error forgotten."""
+        for s, (params, state) in parts.items():
+            self.trainers[s].assign(params, state)
+        self.error = None
+
 
 class TrainPipeline(RayPipeline):
     """A ``RayPipeline`` whose actors are ``TrainActor``s."""
@@ -81,22 +88,24 @@ class RayBackend:
 
     def __init__(self, ownership: Ownership, programs: Sequence[bytes], states: Sequence[Any], **options: Any):
         """``options``: ``RayPipeline``'s keyword arguments."""
-        self.ownership = own = ownership
-        self.rp = rp = TrainPipeline(own.artifacts, own.stage_params, **options)
+        self.ownership, self.programs = ownership, list(programs)
+        self.schedule_timeout = float(options.get("schedule_timeout", SCHEDULE_TIMEOUT))
+        self.rp = rp = TrainPipeline(ownership.artifacts, ownership.stage_params, **options)
         try:
-            rp.get(
-                [
-                    a.setup.remote(
-                        [(s, own.names[s], programs[s], own.holders[s], own.counted[s], states[s]) for s in held]
-                    )
-                    for a, held in zip(rp.actors, rp.layout.workers)
-                ]
-            )
+            rp.get([a.setup.remote(self._entries(w, states)) for w, a in enumerate(rp.actors)])
         except BaseException:
             rp.close()
             raise
         self.worker_of = rp.layout.worker_of()
         self.actor_of = {s: rp.actors[w] for s, w in self.worker_of.items()}
+
+    def _entries(self, worker: int, states: Sequence[Any]) -> list[tuple[Any, ...]]:
+        """What ``TrainActor.setup`` takes for ``worker``'s stages."""
+        own = self.ownership
+        return [
+            (s, own.names[s], self.programs[s], own.holders[s], own.counted[s], states[s])
+            for s in self.rp.layout.workers[worker]
+        ]
 
     def step(
         self, mbs: Sequence[Microbatch], schedule: Resolved, microbatches: int, clip: float | None, progress: bool
@@ -162,6 +171,43 @@ class RayBackend:
         for part in rp.fetch([a.snapshot.remote() for a in rp.actors], everyone, time.monotonic()):
             got.update(part)
         return [got[s] for s in range(rp.num_stages)]
+
+    def load(self, snapshots: Sequence[Snapshot]) -> None:
+        """Every actor's stages hold their ``(params, optimizer state)`` of ``snapshots`` from now on (after any
+        calls still queued on it: Ray runs an actor's calls in order)."""
+        rp = self.rp
+        rp.get([a.assign.remote({s: snapshots[s] for s in held}) for a, held in zip(rp.actors, rp.layout.workers)])
+
+    def workers(self) -> list[Any]:
+        """The Ray actor handle of each worker, in the layout's order."""
+        return list(self.rp.actors)
+
+    def replace(self, workers: Sequence[int]) -> None:
+        """New actors, with the same actor options, in place of ``workers``' (dead ones): each loads its stages
+        and optimizer programs as this Trainer began; ``load`` then sets every stage to a checkpoint."""
+        rp = self.rp
+        ray, S = rp.ray, rp.num_stages
+        for w in workers:
+            try:
+                ray.kill(rp.actors[w])  # a worker named dead that still runs must not run on
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            rp.actors[w] = ray.remote(rp.actor_class).options(**rp.options[w]).remote()
+        ready = [rp.actors[w].ready.remote() for w in workers]
+        _, pending = ray.wait(ready, num_returns=len(ready), timeout=self.schedule_timeout)
+        if pending:
+            w = workers[ready.index(pending[0])]
+            raise VjpsplitError(
+                f"{rp.layout.label(w)}: Ray did not place the actor replacing its lost one within "
+                f"{self.schedule_timeout:g} s: {lack(ray, rp.options[w])}"
+            )
+        arts, params = rp.model.artifacts, rp.model.stage_params
+        for w, node in zip(workers, rp.get(ready)):
+            rp.nodes[w], rp.clock_offsets[w] = node, clock_offset(ray, rp.actors[w])
+        held = rp.layout.workers
+        rp.get([rp.actors[w].load.remote([(s, arts[s].to_bytes(), params[s]) for s in held[w]], S, w) for w in workers])
+        rp.get([rp.actors[w].setup.remote(self._entries(w, [None] * S)) for w in workers])
+        self.actor_of = {s: rp.actors[w] for s, w in self.worker_of.items()}
 
     def close(self) -> None:
         """End the actors (and a Ray instance the Trainer started)."""

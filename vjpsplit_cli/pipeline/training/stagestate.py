@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from ...errors import VjpsplitError
+from ...files.prng import to_data
 from ...files.trees import decode_structure, flatten_with_keys, structure_keys
 from .clipping import sum_of_squares
 from .optimizer import load_optimizer
@@ -110,12 +111,27 @@ class StageTrainer:
         self.worker.grads = None
 
     def snapshot(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """``(params, optimizer state)`` as host arrays (a checkpoint's share, or ``params()``')."""
+        """``(params, optimizer state)`` as host arrays, typed PRNG keys as their key data (a checkpoint's
+        share, or ``params()``')."""
         return _host(self.params), _host(self.state)
+
+    def assign(self, params: Mapping[str, Any], state: Mapping[str, Any]) -> None:
+        """Hold ``params`` and optimizer ``state`` (flat by global key, as ``snapshot`` gives them) from now on:
+        a checkpoint's, when the run returns to it."""
+        missing = [k for k in self.names if k not in params] or [k for k in self.program.state_keys if k not in state]
+        if missing:
+            raise VjpsplitError(f"stage {self.stage_index}: the state to return to lacks '{missing[0]}'")
+        self.worker.params = self.worker.art.place_arg(
+            0, decode_structure(self.node, iter([params[n] for n in self.names]))
+        )
+        self.params = {self.local[k]: v for k, v in flatten_with_keys("", self.worker.params)}
+        self.state = {k: state[k] for k in self.program.state_keys}
+        self.grads = {}
+        self.worker.grads = None
 
 
 def _host(d: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    return {k: np.asarray(v) for k, v in d.items()}
+    return {k: np.asarray(to_data(v)) for k, v in d.items()}
 
 
 def finish_stages(

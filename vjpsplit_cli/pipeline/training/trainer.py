@@ -8,7 +8,10 @@ starts the workers (threads in this process, or Ray actors) behind one
 ``Backend`` interface, ``history.History`` keeps the steps, and ``checkpoint``
 writes and reads the state. Each worker keeps its stages' parameters and
 optimizer state (``stagestate.StageTrainer``); only the loss and the stages'
-squared gradient norms reach the driver.
+squared gradient norms reach the driver. ``state`` joins the stages' optimizer
+states into optax's structure for the whole model (``state.StateMap``), which is
+also what ``save`` writes and ``opt_state=`` takes; ``fit`` runs many steps with
+checkpoints and restarts (``fit``).
 
 The older per-stage form (a list of artifacts and one parameter pytree per stage,
 ``tied=`` naming ``(stage, key)`` groups, keys ``"s/k"``) is accepted too.
@@ -31,10 +34,14 @@ from ..schedules.ops import Op
 from ..schedules.plans import resolve
 from ..stages.directory import Stages
 from .backend import Backend, open_backend
-from .checkpoint import load_checkpoint, save_checkpoint
+from ...files.trees import encode_structure
+from .checkpoint import HostCheckpoint, read_checkpoint, save_checkpoint
 from .clipping import clip_scale
+from .fit import fit as fit_steps
 from .history import History
-from .ownership import Ownership, Snapshot, Tied, saved_params
+from .ownership import Ownership, Tied
+from .resume import restored_model, stage_snapshots
+from .state import StateMap, state_map
 
 
 class _Recorded:
@@ -61,7 +68,9 @@ class Trainer:
     ``step_timeout``, ``schedule_timeout`` as ``RayPipeline`` takes them).
     ``progress=True`` shows a bar over steps with the loss. ``history`` keeps per
     step the loss, the gradients' global norm (before clipping), the step time and
-    the measured and modeled bubble.
+    the measured and modeled bubble. ``opt_state``: optax's state for the whole
+    model to start from (``tx.init(params)``'s structure: from one process,
+    another Trainer's ``state()``, or orbax) instead of ``optimizer.init``.
     """
 
     def __init__(
@@ -83,7 +92,8 @@ class Trainer:
         actor_options: Sequence[Mapping[str, Any]] | None = None,
         step_timeout: float = STEP_TIMEOUT,
         schedule_timeout: float = SCHEDULE_TIMEOUT,
-        _restored: tuple[Sequence[Snapshot], int] | None = None,
+        opt_state: Any = None,
+        _restored: tuple[Sequence[Any] | None, int] | None = None,
     ):
         clip_scale([], clip_global_norm)  # a bad value is refused now, not after the first step
         check_runner(runner)
@@ -95,7 +105,10 @@ class Trainer:
         self.plan = resolve(schedule_name, schedule, S, microbatches)  # a bad schedule is refused before any export
         self.clip_global_norm, self.runner = clip_global_norm, runner
         self.optimizer_name = getattr(getattr(optimizer, "init", None), "__qualname__", type(optimizer).__name__)
-        states = [None] * S if _restored is None else [st for _, st in _restored[0]]
+        self.optimizer, self._state_map = optimizer, None if opt_state is None else state_map(optimizer, self.ownership)
+        states: list[Any] = [None] * S if _restored is None or _restored[0] is None else list(_restored[0])
+        if self._state_map is not None:
+            states = self._state_map.scatter(opt_state)
         self.backend: Backend = open_backend(
             runner,
             self.ownership,
@@ -112,6 +125,8 @@ class Trainer:
         self.step_count = 0 if _restored is None else _restored[1]
         self._history = History(progress, self.step_count)
         self.last_result: PipelineResult | None = None
+        self.checkpoint_times: list[dict[str, float]] = []  # fit's: per checkpoint, the step's wait and the write
+        self.restarts: list[dict[str, Any]] = []  # fit's: per lost worker, the step, where it returned, how long
 
     @property
     def history(self) -> list[dict[str, float]]:
@@ -137,12 +152,32 @@ class Trainer:
         """A PNG of the loss per step (needs matplotlib), beside ``plot_timeline``'s chart of one step."""
         self._history.plot(path, title or f"{self.schedule_name}, {self.runner}")
 
-    def save(self, directory: str | os.PathLike[str]) -> None:
-        """Write every stage's parameters, optimizer state and the step count to ``directory`` (all or nothing).
+    def state(self) -> tuple[Any, Any]:
+        """``(params, opt_state)`` now: ``params`` as ``params()`` gives them, ``opt_state`` optax's own state for
+        the whole model, as ``optimizer.init(params)`` and the same updates give it in one process (its
+        structure, its values; a value tied to no parameter, such as a step count, once). Host arrays."""
+        snaps = self.backend.snapshots()
+        return self.ownership.gather([p for p, _ in snaps]), self._states().gather([st for _, st in snaps])
 
-        The checkpoint also records what ``restore`` needs to go on: the schedule (its plans,
-        when they were the caller's), the microbatches and ``clip_global_norm``.
-        """
+    def _states(self) -> StateMap:
+        if self._state_map is None:
+            self._state_map = state_map(self.optimizer, self.ownership)
+        return self._state_map
+
+    def host_checkpoint(self) -> HostCheckpoint:
+        """What ``save`` writes, copied to host memory: the parameters by key, ``state()``'s ``opt_state``, the
+        step count and the settings ``restore`` uses (the copy ``fit`` waits for before writing in the background)."""
+        snaps = self.backend.snapshots()
+        flat: dict[str, Any] = {}
+        for p, _ in snaps:
+            for k, v in p.items():
+                flat.setdefault(k, v)
+        params = self.ownership.gather([p for p, _ in snaps])
+        smap = self._states()
+        opt_state = smap.gather([st for _, st in snaps])
+        return HostCheckpoint(flat, smap.leaf_keys, encode_structure(params), opt_state, self.step_count, self._meta())
+
+    def _meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "schedule": self.plan.name,
             "optimizer": self.optimizer_name,
@@ -152,7 +187,62 @@ class Trainer:
         }
         if self.schedule is not None:
             meta["plans"] = format_schedule(self.plan.plans)
-        save_checkpoint(directory, self.backend.snapshots(), self.step_count, meta)
+        return meta
+
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        """Write the parameters, optax's whole-model optimizer state and the step count to ``directory`` (all or
+        nothing), keyed by the model's parameter paths, not by stage: any ``Stages`` of the same function
+        restores it (``restore``), and so does a one-process loop (``load_checkpoint``).
+
+        The checkpoint also records what ``restore`` needs to go on: the schedule (its plans,
+        when they were the caller's), the microbatches and ``clip_global_norm``.
+        """
+        save_checkpoint(directory, self.host_checkpoint())
+
+    def load(self, directory: str | os.PathLike[str]) -> None:
+        """Set every stage, and the step count, to the checkpoint in ``directory`` (saved by any cut of the same
+        function; one an older vjpsplit wrote per stage only by this cut). This Trainer's settings stay."""
+        snapshots, step = stage_snapshots(directory, self.ownership, self._states(), self.optimizer)
+        self.backend.load(snapshots)
+        self.step_count = step
+        self._history.rewind(step)
+
+    def workers(self) -> list[Any]:
+        """The Ray actor handle of each worker (``runner="ray"``), in the layout's worker order."""
+        return self.backend.workers()
+
+    def fit(
+        self,
+        data: Any,
+        steps: int,
+        *,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int | None = None,
+        max_restarts: int = 0,
+        callback: Any = None,
+    ) -> list[float]:
+        """Run the steps ``step_count`` ... ``steps - 1`` of a run; return their losses.
+
+        ``data``: ``data(step) -> batch`` or a sequence indexed by step (steps count from 0 of the run).
+        With ``checkpoint_dir``, a checkpoint already there is where the run begins (``load``), and one is
+        saved after every ``checkpoint_every``-th step and after the last, written by a thread while the next
+        steps run (a step waits only for the copy to host memory; a failed write is an error at the next step
+        or at the end; the last checkpoint is complete when ``fit`` returns). ``callback(step, loss)`` after
+        each step. On Ray, a worker whose actor dies is replaced (same actor options), every worker returns
+        to the last checkpoint and the steps since run again: the losses and parameters are those of a run
+        that never failed. More than ``max_restarts`` failures, or none to return to, is one error naming the
+        worker and the step. ``checkpoint_times`` and ``restarts`` record what the checkpoints and restarts
+        cost.
+        """
+        return fit_steps(
+            self,
+            data,
+            steps,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            max_restarts=max_restarts,
+            callback=callback,
+        )
 
     @classmethod
     def restore(
@@ -169,13 +259,17 @@ class Trainer:
     ) -> Trainer:
         """A Trainer continuing the run saved in ``directory``; takes ``Trainer``'s keyword arguments but ``params``.
 
+        ``stages``: any ``Stages`` of the function the run trained (another number of stages, other
+        marks, ``stages=N``); a checkpoint an older vjpsplit wrote per stage, only the stages that wrote it.
+
         ``microbatches``, the schedule (``schedule_name`` or ``schedule``) and
         ``clip_global_norm`` default to the values the checkpoint recorded; a value
         given here wins. A checkpoint written before they were recorded needs
         ``microbatches`` given (its clipping then defaults to none, as ``Trainer``'s).
         """
-        saved, step, meta = load_checkpoint(directory)
-        params = saved_params(directory, stages, saved, meta.get("structure"), options.get("tied"))
+        saved = read_checkpoint(directory)
+        meta, step = saved.meta, saved.step
+        params, opt_state, states = restored_model(saved, stages, optimizer, options.get("tied"))
         if microbatches is None:
             if "microbatches" not in meta:
                 raise VjpsplitError(
@@ -202,7 +296,8 @@ class Trainer:
             schedule_name=schedule_name or "1f1b",
             schedule=schedule,
             clip_global_norm=clip_global_norm,
-            _restored=(saved, step),
+            opt_state=opt_state,
+            _restored=(states, step),
             **options,
         )
 

@@ -3,7 +3,8 @@
 ``wait_step`` waits for a step's object references until its deadline (updating a
 progress bar, if given, as each completes) and names the worker of the first one
 still pending when time is up; ``get`` fetches values, turning Ray's actor error
-into one line naming the stages of every actor that is gone.
+into one line naming the stages of every actor that is gone (a ``WorkerLost``,
+which also says which workers they were, for the Trainer to replace them).
 """
 
 from __future__ import annotations
@@ -13,6 +14,14 @@ from typing import Any, Sequence
 
 from ....errors import VjpsplitError
 from ...schedules.layout import Layout
+
+
+class WorkerLost(VjpsplitError):
+    """A Ray actor died: ``workers`` are the indices of those gone, ``reason`` Ray's word for it."""
+
+    def __init__(self, message: str, workers: Sequence[int], reason: str):
+        super().__init__(message)
+        self.workers, self.reason = list(workers), reason
 
 
 def wait_step(
@@ -51,13 +60,16 @@ def get(ray: Any, refs: Sequence[Any], actors: Sequence[Any], layout: Layout) ->
     try:
         return list(ray.get(list(refs)))
     except ray.exceptions.RayActorError as e:
+        pings = [a.clock.remote() for a in actors]  # all at once: a live actor still busy answers in turn
+        deadline = time.monotonic() + 30
         dead = []
-        for w, a in enumerate(actors):
+        for w, ping in enumerate(pings):
             try:
-                ray.get(a.clock.remote(), timeout=30)
+                ray.get(ping, timeout=max(deadline - time.monotonic(), 0.1))
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                dead.append(layout.label(w))
+                dead.append(w)
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise VjpsplitError(
-            f"{', '.join(dead) or 'a stage'}: its Ray actor died ({why}); build a new RayPipeline to run again"
+        names = ", ".join(layout.label(w) for w in dead) or "a stage"
+        raise WorkerLost(
+            f"{names}: its Ray actor died ({why}); build a new RayPipeline to run again", dead, why
         ) from None

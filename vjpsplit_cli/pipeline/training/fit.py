@@ -1,0 +1,202 @@
+"""``Trainer.fit``: the steps of a run from ``data``, checkpoints written beside the next steps, restarts after a
+lost Ray worker.
+
+* ``data(step)`` (or ``data[step]``) gives step ``step``'s batch, steps counted
+  from 0 of the run; ``steps`` is the run's total, so a Trainer at step k runs
+  k ... steps-1, and ``fit`` returns the losses of the steps it ran.
+* With ``checkpoint_dir``, a checkpoint already there is where ``fit`` begins
+  (``Trainer.load``: any cut of the same function), and one is saved after every
+  ``checkpoint_every``-th step and after the last. The step only waits for the
+  copy of the state to host memory (``Trainer.host_checkpoint``); a thread
+  writes the files while the next steps run (``CheckpointWriter``: one write at a
+  time; an error comes back at the next step, or when ``fit`` ends; the last
+  checkpoint is complete when ``fit`` returns).
+* On Ray, a worker whose actor dies (``WorkerLost``: Ray reports it, so nothing
+  waits for ``step_timeout``) is replaced with the same actor options, every
+  worker returns to the last checkpoint, and the steps since run again from
+  ``data``: the losses and parameters are those of a run that never failed.
+  More failures than ``max_restarts``, or no checkpoint to return to, is one
+  error naming the worker and the step.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from ...errors import VjpsplitError, one_line
+from ..runtime.ray.waiting import WorkerLost
+from .checkpoint import HostCheckpoint, has_checkpoint, save_checkpoint
+
+
+class CheckpointWriter:
+    """Writes checkpoints to ``directory`` in a thread of its own, one at a time, from host copies.
+
+    ``times`` (a list it appends to) keeps, per checkpoint, the step it follows,
+    how long the step waited (the host copy, and any write still running) and how
+    long the files took to write.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], times: list[dict[str, float]]):
+        self.directory = directory
+        self.thread: threading.Thread | None = None
+        self.error: tuple[int, BaseException] | None = None
+        self.times = times
+
+    def submit(self, host_copy: Callable[[], HostCheckpoint]) -> None:
+        """Wait for the write before (raising its error), copy the state to host memory, write it in a thread."""
+        t0 = time.monotonic()
+        self.wait()
+        ck = host_copy()
+        row = {"step": ck.step, "wait": time.monotonic() - t0, "write": float("nan")}
+        self.times.append(row)
+
+        def write() -> None:
+            t1 = time.monotonic()
+            try:
+                save_checkpoint(self.directory, ck)
+            except BaseException as e:  # noqa: BLE001 - handed to the thread that runs the steps
+                self.error = (ck.step, e)
+            row["write"] = time.monotonic() - t1
+
+        self.thread = threading.Thread(target=write, name="vjpsplit-checkpoint")
+        self.thread.start()
+
+    def check(self) -> None:
+        """Raise the error of a write that failed (once)."""
+        if self.error is not None:
+            (step, e), self.error = self.error, None
+            raise VjpsplitError(
+                f"{os.fspath(self.directory)}: the checkpoint after step {step} was not written ({one_line(e)})"
+            ) from e
+
+    def wait(self, *, check: bool = True) -> None:
+        """Until the write in flight is done; then its error, if any (``check``)."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if check:
+            self.check()
+
+
+def _batch_source(data: Any, steps: int) -> Callable[[int], Any]:
+    if callable(data):
+        return data  # type: ignore[no-any-return]
+    if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
+        if len(data) < steps:
+            raise VjpsplitError(
+                f"data holds {len(data)} batches and steps={steps}; give one batch per step, or a function of the step"
+            )
+        return data.__getitem__
+    raise VjpsplitError(
+        f"data is a {type(data).__name__}; pass a function of the step number (data(step) -> batch) or a sequence of batches"
+    )
+
+
+def _check_options(steps: int, checkpoint_dir: Any, checkpoint_every: int | None, max_restarts: int) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise VjpsplitError(f"steps={steps!r}; pass the run's total number of steps, an int >= 0")
+    if checkpoint_every is not None:
+        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
+            raise VjpsplitError(f"checkpoint_every={checkpoint_every!r}; pass a number of steps >= 1, or None")
+        if checkpoint_dir is None:
+            raise VjpsplitError("checkpoint_every is given without checkpoint_dir; say where the checkpoints go")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise VjpsplitError(f"max_restarts={max_restarts!r}; pass an int >= 0")
+
+
+def fit(
+    trainer: Any,
+    data: Any,
+    steps: int,
+    *,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    checkpoint_every: int | None = None,
+    max_restarts: int = 0,
+    callback: Callable[[int, float], Any] | None = None,
+) -> list[float]:
+    """``trainer.fit``'s work (see ``Trainer.fit`` and the module docstring); returns the losses of the steps run."""
+    _check_options(steps, checkpoint_dir, checkpoint_every, max_restarts)
+    batch = _batch_source(data, steps)
+    writer = None if checkpoint_dir is None else CheckpointWriter(checkpoint_dir, trainer.checkpoint_times)
+    if checkpoint_dir is not None and has_checkpoint(checkpoint_dir):
+        trainer.load(checkpoint_dir)
+    start, failures = trainer.step_count, 0
+    losses: list[float] = []
+    lost: set[int] = set()  # workers to replace before the next step
+    found = 0.0  # when the first of them was found lost (time.monotonic)
+    try:
+        while trainer.step_count < steps or lost:  # a worker lost after the last step: its checkpoint too
+            k = trainer.step_count
+            try:
+                if lost:
+                    _return(trainer, sorted(lost), k, writer, found)
+                    lost = set()
+                    start = min(start, trainer.step_count)
+                    del losses[trainer.step_count - start :]
+                    continue
+                if writer is not None:
+                    writer.check()
+                loss = trainer.step(batch(k))
+                losses.append(loss)
+                if callback is not None:
+                    callback(k, loss)
+                done = k + 1
+                if writer is not None and (
+                    done == steps or (checkpoint_every is not None and done % checkpoint_every == 0)
+                ):
+                    writer.submit(trainer.host_checkpoint)  # the copy to host: on Ray, from every actor
+            except WorkerLost as e:
+                found = found if lost else time.monotonic()
+                failures += 1
+                _refuse_or_accept(trainer, e, trainer.step_count, failures, max_restarts, writer)
+                lost |= set(e.workers)
+    except BaseException:
+        if writer is not None:
+            writer.wait(check=False)  # the error on its way out is the one to see; the write still finishes
+        raise
+    if writer is not None:
+        writer.wait()
+    return losses
+
+
+def _refuse_or_accept(
+    trainer: Any, e: WorkerLost, step: int, failures: int, max_restarts: int, writer: CheckpointWriter | None
+) -> None:
+    """The one error when a lost worker is not to be replaced: too many failures, or no checkpoint."""
+    names = ", ".join(trainer.plan.layout.label(w) for w in e.workers) or "a stage"
+    what = f"{names}: its Ray actor was lost at step {step} ({e.reason})"
+    if failures > max_restarts:
+        allowed = "allows no restart" if max_restarts == 0 else f"allows {max_restarts}, and this is failure {failures}"
+        raise VjpsplitError(f"{what}; max_restarts={max_restarts} {allowed}") from None
+    if writer is None:
+        raise VjpsplitError(f"{what}; there is no checkpoint to return to: pass fit checkpoint_dir=") from None
+    writer.wait()
+    if not has_checkpoint(writer.directory):
+        raise VjpsplitError(
+            f"{what}; there is no checkpoint in {os.fspath(writer.directory)} to return to yet "
+            "(a smaller checkpoint_every writes one sooner)"
+        ) from None
+    if not e.workers:
+        raise VjpsplitError(f"{what}; Ray does not say which worker it was, so none can be replaced") from None
+
+
+def _return(trainer: Any, workers: Sequence[int], step: int, writer: CheckpointWriter | None, found: float) -> None:
+    """Replace the lost workers and take every worker back to the last checkpoint (``found``: when the loss was
+    seen, on ``time.monotonic``'s clock)."""
+    if writer is None:
+        raise VjpsplitError("a lost worker with no checkpoint_dir: nothing to return to")  # refused before
+    t0 = time.monotonic()
+    trainer.backend.replace(workers)
+    trainer.load(writer.directory)
+    trainer.restarts.append(
+        {
+            "step": step,
+            "workers": list(workers),
+            "returned_to": trainer.step_count,
+            "found_at": found,
+            "recovery_time": time.monotonic() - t0,
+        }
+    )

@@ -1,0 +1,97 @@
+"""From a checkpoint to a run: the parameters and optax state it holds, for any cut of the model or for one process.
+
+A checkpoint of layout 2 (``checkpoint``) is keyed by the model: its parameters
+by key, optax's whole-model state by its own keys. ``load_checkpoint`` gives
+them to a one-process optax loop; ``restored_model`` gives ``Trainer.restore``
+the parameters (in the structure the Trainer takes for the given stages) and the
+state; ``stage_snapshots`` gives a running Trainer's stages their share
+(``Trainer.load``, and ``fit`` after a lost worker). A checkpoint of layout 1
+(per stage) loads only into the cut that wrote it; any other use names it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+from ...errors import VjpsplitError
+from ...files.trees import decode_structure
+from ..stages.directory import Stages
+from .checkpoint import Saved, read_checkpoint
+from .ownership import Ownership, Snapshot, Tied, saved_params, stage_keys
+from .stagestate import param_node
+from .state import StateMap, opt_state_from_file
+
+
+def _per_stage(saved: Saved) -> VjpsplitError:
+    return VjpsplitError(
+        f"{saved.directory}: an older vjpsplit wrote this checkpoint per stage ({len(saved.stages)} stages, layout 1); "
+        "it loads only into the stages that wrote it: restore it there with Trainer.restore and save it again"
+    )
+
+
+def _check_keys(saved: Saved, held: Sequence[Sequence[str]]) -> None:
+    need = {k for names in held for k in names}
+    missing, extra = sorted(need - set(saved.params)), sorted(set(saved.params) - need)
+    if missing or extra:
+        what = f"has no parameter '{missing[0]}'" if missing else f"holds a parameter '{extra[0]}' the stages lack"
+        raise VjpsplitError(f"{saved.directory}: {what}; pass stages of the function it was saved from")
+
+
+def saved_whole_params(saved: Saved) -> Any:
+    """The parameters as the saving Trainer took them (user classes come back as dicts, as in artifacts)."""
+    if saved.layout == 1:
+        raise _per_stage(saved)
+    return decode_structure(saved.structure, iter([saved.params[k] for k in saved.leaves]))
+
+
+def load_checkpoint(directory: str | os.PathLike[str], *, optimizer: Any) -> tuple[Any, Any, int]:
+    """``(params, opt_state, step)`` of a Trainer's checkpoint, for a one-process optax loop.
+
+    ``params`` has the structure the Trainer was given, ``opt_state`` optax's own
+    structure for ``optimizer`` (``optimizer.init(params)``'s; pass the optimizer
+    the run was saved with) and ``step`` the count of steps taken::
+
+        params, opt_state, step = P.load_checkpoint("ck", optimizer=tx)
+        updates, opt_state = tx.update(grads, opt_state, params)
+
+    Arrays are host (NumPy) arrays, typed PRNG keys typed. A checkpoint an older
+    vjpsplit wrote per stage is refused by name (restore it into the stages that
+    wrote it, and save it again).
+    """
+    saved = read_checkpoint(directory)
+    params = saved_whole_params(saved)
+    return params, opt_state_from_file(optimizer, params, saved.opt_state, saved.directory), saved.step
+
+
+def restored_model(
+    saved: Saved, stages: Stages | Sequence[Any], optimizer: Any, tied: Tied | None
+) -> tuple[Any, Any, list[Any] | None]:
+    """``(params, opt_state, per-stage states)`` for ``Trainer.restore`` on ``stages``: layout 2 gives the whole
+    model's opt_state (any cut of the same function), layout 1 the saving cut's own per-stage states."""
+    if saved.layout == 1:
+        params = saved_params(saved.directory, stages, saved.stages, saved.meta.get("structure"), tied)
+        return params, None, [st for _, st in saved.stages]
+    held = stage_keys(stages, tied)
+    _check_keys(saved, held)
+    if isinstance(stages, Stages):
+        params = saved_whole_params(saved)
+    else:
+        params = [decode_structure(param_node(a), iter([saved.params[k] for k in n])) for a, n in zip(stages, held)]
+    return params, opt_state_from_file(optimizer, params, saved.opt_state, saved.directory), None
+
+
+def stage_snapshots(
+    directory: str | os.PathLike[str], ownership: Ownership, smap: StateMap, optimizer: Any
+) -> tuple[list[Snapshot], int]:
+    """Each stage's ``(params, optimizer state)`` of the checkpoint in ``directory``, and its step count."""
+    saved = read_checkpoint(directory)
+    names = ownership.names
+    if saved.layout == 1:
+        if [sorted(p) for p, _ in saved.stages] != [sorted(n) for n in names]:
+            raise _per_stage(saved)
+        return list(saved.stages), saved.step
+    _check_keys(saved, names)
+    params = ownership.gather([{k: saved.params[k] for k in n} for n in names])
+    states = smap.scatter(opt_state_from_file(optimizer, params, saved.opt_state, saved.directory))
+    return [({k: saved.params[k] for k in n}, st) for n, st in zip(names, states)], saved.step

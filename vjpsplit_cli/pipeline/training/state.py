@@ -1,0 +1,223 @@
+"""The whole model's optimizer state in optax's own structure, gathered from the stages and handed back to them.
+
+Each stage's exported optimizer runs optax's ``init`` and ``update`` over a flat
+``{global key: array}`` mapping of the parameter leaves it holds (``optimizer``),
+so a stage's state is optax's state *for those leaves*. ``StateMap`` relates it
+to ``tx.init(params)`` for the whole model from optax's state structure alone
+(``jax.eval_shape`` on the driver, where optax is installed; no key string is
+parsed):
+
+* ``tx.init`` on the flat mapping of every parameter leaf gives the *skeleton*:
+  each subtree with that mapping's structure is one *slot* of per-leaf state
+  (Adam's ``mu`` and ``nu``, momentum's ``trace``), every other leaf a value of
+  its own (a step count, a PRNG key);
+* each stage's state, evaluated the same way on its own leaves, must have that
+  skeleton, its slots holding its own leaves;
+* ``tx.init(params)`` must be that skeleton with each slot in ``params``' structure.
+
+Every state leaf is then named by ``(slot, parameter key)``, or ``(slot, None)``
+for a value of its own. ``gather`` builds the whole model's state from the
+stages' (the entries of a tied leaf and the values of their own are the same on
+every stage that holds them: checked, not assumed); ``scatter`` does the reverse.
+A transformation whose state's shape depends on which leaves it sees
+(``optax.masked``, ``optax.multi_transform``) is one error naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from ...errors import VjpsplitError, jax_message
+from ...files.prng import from_data, impl_name, is_key, to_data
+from ...files.trees import flatten_with_keys
+from .optimizer import optimizer_name
+from .ownership import Ownership
+
+
+@dataclasses.dataclass(frozen=True)
+class _At:
+    """Where a state leaf belongs: its slot in the skeleton, the parameter's global key (None for a value of its
+    own) and its place among that parameter's entries in the slot (a transformation may keep several, or none)."""
+
+    slot: int
+    key: str | None
+    index: int = 0
+
+
+def _spec(v: Any) -> jax.ShapeDtypeStruct:
+    return v if isinstance(v, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(np.shape(v), v.dtype)
+
+
+def _init_shape(tx: Any, params: Any, label: str) -> Any:
+    try:
+        return jax.eval_shape(tx.init, params)
+    except Exception as e:
+        raise VjpsplitError(f"optimizer {label!r}: its init fails on the parameters ({jax_message(e)})") from e
+
+
+def _slots(state: Any, keys: Sequence[str]) -> tuple[Any, list[dict[str, Any] | None]]:
+    """``state``'s skeleton, each dict keyed by exactly ``keys`` (optax's map over the flat parameters) one leaf
+    of it, and per skeleton leaf that dict (a slot) or None (a value of its own)."""
+    want = set(keys)
+
+    def is_slot(x: Any) -> bool:
+        return type(x) is dict and set(x) == want
+
+    parts, skeleton = jax.tree_util.tree_flatten(state, is_leaf=is_slot)
+    return skeleton, [p if is_slot(p) else None for p in parts]
+
+
+def _entry(i: int, k: str, entry: Any) -> Any:
+    """``entry`` (one parameter's part of slot ``i``) with an ``_At`` in place of each of its leaves."""
+    n = len(jax.tree_util.tree_leaves(entry))
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(entry), [_At(i, k, j) for j in range(n)])
+
+
+def _same_entries(mine: dict[str, Any] | None, whole: dict[str, Any] | None, names: Sequence[str]) -> bool:
+    """Whether a stage's slot (or value) matches the whole model's: each of its parameters' entries alike."""
+    if mine is None or whole is None:
+        return mine is None and whole is None
+    return all(jax.tree_util.tree_structure(mine[k]) == whole[k] for k in names)
+
+
+class StateMap:
+    """optax's whole-model state of ``tx`` against the stages' states; see the module docstring.
+
+    ``params``: the whole parameter pytree (arrays or specs); ``keys``: the same
+    structure with each leaf's global key; ``stage_names``: per stage, the global
+    keys it holds (the mapping its optimizer program runs over).
+    """
+
+    def __init__(self, tx: Any, params: Any, keys: Any, stage_names: Sequence[Sequence[str]]):
+        self.name = label = optimizer_name(tx)
+        if not callable(getattr(tx, "init", None)):
+            raise VjpsplitError(
+                f"optimizer {label!r} is not an optax GradientTransformation (init and update); pass one, e.g. optax.adamw(1e-3)"
+            )
+        specs = jax.tree_util.tree_map(_spec, params)
+        self.leaf_keys: list[str] = jax.tree_util.tree_leaves(keys)
+        flat = dict(zip(self.leaf_keys, jax.tree_util.tree_leaves(specs)))
+        skeleton, slots = _slots(_init_shape(tx, flat, label), list(flat))
+        whole = _init_shape(tx, specs, label)
+        self.treedef: Any = jax.tree_util.tree_structure(whole)
+        self.specs: list[Any] = jax.tree_util.tree_leaves(whole)
+        self.entries = [k for k, _ in flatten_with_keys("", whole)]  # file keys, for messages and checkpoints
+        entry_of = [None if sl is None else {k: jax.tree_util.tree_structure(v) for k, v in sl.items()} for sl in slots]
+
+        def in_params(i: int, sl: dict[str, Any] | None) -> Any:
+            if sl is None:
+                return _At(i, None)
+            return jax.tree_util.tree_map(lambda k: _entry(i, k, sl[k]), keys)
+
+        placed = skeleton.unflatten([in_params(i, sl) for i, sl in enumerate(slots)])
+        placed_tree: Any = jax.tree_util.tree_structure(placed)
+        if self.treedef != placed_tree:
+            raise self._unmappable("the whole model's")
+        self.whole: list[_At] = jax.tree_util.tree_leaves(placed)
+        self.label: dict[_At, str] = {}
+        for at, entry in zip(self.whole, self.entries):
+            self.label.setdefault(at, entry)
+        self.stages: list[tuple[list[str], list[_At]]] = []  # per stage: its state keys, and where each belongs
+        for s, names in enumerate(stage_names):
+            state = _init_shape(tx, {k: flat[k] for k in names}, label)
+            sk, mine = _slots(state, names)
+            if sk != skeleton or not all(_same_entries(m, e, names) for m, e in zip(mine, entry_of)):
+                raise self._unmappable(f"stage {s}'s")
+            marked = sk.unflatten(
+                [_At(i, None) if m is None else {k: _entry(i, k, m[k]) for k in names} for i, m in enumerate(mine)]
+            )
+            self.stages.append(([k for k, _ in flatten_with_keys("", state)], jax.tree_util.tree_leaves(marked)))
+
+    def _unmappable(self, whose: str) -> VjpsplitError:
+        return VjpsplitError(
+            f"optimizer {self.name!r}: {whose} state does not have the shape of its state for all parameters "
+            "(per-leaf entries in params' structure, other values once): its stages' states cannot be joined "
+            "into optax's structure; transformations such as optax.masked or multi_transform do this"
+        )
+
+    def gather(self, states: Sequence[Mapping[str, Any]]) -> Any:
+        """The whole model's state (host arrays, typed PRNG keys as such) from each stage's ``{state key: array}``."""
+        got: dict[_At, tuple[int, Any]] = {}
+        for s, ((keys, where), state) in enumerate(zip(self.stages, states)):
+            for k, at in zip(keys, where):
+                v = np.asarray(to_data(state[k]))
+                if at not in got:
+                    got[at] = (s, v)
+                    continue
+                s0, v0 = got[at]
+                if v0.shape != v.shape or not np.array_equal(v0, v, equal_nan=v.dtype.kind in "fc"):
+                    raise VjpsplitError(
+                        f"optimizer state '{self.label[at]}' differs between stages {s0} and {s}, which must hold "
+                        "the same value; this is a vjpsplit bug, please report it"
+                    )
+        leaves = [got[at][1] for at in self.whole]
+        leaves = [from_data(v, impl_name(sp)) if is_key(sp) else v for v, sp in zip(leaves, self.specs)]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def scatter(self, opt_state: Any) -> list[dict[str, Any]]:
+        """Each stage's ``{state key: array}`` (host arrays, PRNG keys as key data) from the whole model's state."""
+        leaves, treedef = jax.tree_util.tree_flatten(opt_state)
+        if self.treedef != treedef:
+            raise VjpsplitError(f"opt_state: {self._difference(opt_state)}; pass tx.init(params) or trainer.state()'s")
+        by: dict[_At, Any] = {}
+        for at, entry, spec, v in zip(self.whole, self.entries, self.specs, leaves):
+            if is_key(spec) != is_key(v) or (is_key(spec) and impl_name(spec) != impl_name(v)):
+                raise VjpsplitError(
+                    f"opt_state '{entry}': {self.name}'s init gives a {spec.dtype} here, not {getattr(v, 'dtype', type(v).__name__)}"
+                )
+            data, want = np.asarray(to_data(v)), to_data(spec) if not is_key(spec) else None
+            if want is not None and (data.shape != tuple(want.shape) or data.dtype != np.dtype(want.dtype)):
+                raise VjpsplitError(
+                    f"opt_state '{entry}' is {data.dtype}{list(data.shape)}; {self.name}'s init gives "
+                    f"{np.dtype(want.dtype)}{list(want.shape)} for these parameters"
+                )
+            by.setdefault(at, data)  # a leaf of params more than once (the per-stage form's tied leaves): the first
+        return [{k: by[at] for k, at in zip(keys, where)} for keys, where in self.stages]
+
+    def _difference(self, opt_state: Any) -> str:
+        got = [k for k, _ in flatten_with_keys("", opt_state)]
+        first = next((i for i, (a, b) in enumerate(zip(got, self.entries)) if a != b), min(len(got), len(self.entries)))
+        if first < len(self.entries) or len(got) != len(self.entries):
+            where = got[first] if first < len(got) else "(none)"
+            want = self.entries[first] if first < len(self.entries) else "(none)"
+            return (
+                f"has {len(got)} leaves, {self.name}'s init gives these parameters {len(self.entries)}; "
+                f"leaf {first} is '{where}', not '{want}'"
+            )
+        return f"its leaves are named as {self.name}'s init names them, but its node types differ"
+
+
+def state_map(tx: Any, ownership: Ownership) -> StateMap:
+    """The ``StateMap`` of ``tx`` for the parameters and stages ``ownership`` describes."""
+    names = ownership.names
+    specs = [
+        dict(zip(n, (_spec(v) for v in jax.tree_util.tree_leaves(p)))) for n, p in zip(names, ownership.stage_params)
+    ]
+    keys = ownership.gather([{k: k for k in n} for n in names])
+    return StateMap(tx, ownership.gather(specs), keys, names)
+
+
+def opt_state_from_file(tx: Any, params: Any, arrays: Mapping[str, Any], source: str) -> Any:
+    """optax's whole-model state of ``tx`` for ``params`` from ``{state file key: array}`` (PRNG keys as key data)."""
+    label = optimizer_name(tx)
+    whole = _init_shape(tx, jax.tree_util.tree_map(_spec, params), label)
+    leaves = []
+    entries = flatten_with_keys("", whole)
+    for key, spec in entries:
+        if key not in arrays:
+            raise VjpsplitError(
+                f"{source}: its optimizer state has no '{key}', which {label}'s init gives these parameters; "
+                "pass the optimizer the run was saved with"
+            )
+        leaves.append(from_data(arrays[key], impl_name(spec)) if is_key(spec) else arrays[key])
+    extra = sorted(set(arrays) - {k for k, _ in entries})
+    if extra:
+        raise VjpsplitError(
+            f"{source}: its optimizer state has '{extra[0]}', which {label}'s init does not give; "
+            "pass the optimizer the run was saved with"
+        )
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(whole), leaves)
