@@ -22,6 +22,15 @@ if os.environ.get("VJPSPLIT_RAY_SUITE") != "1":
     collect_ignore.append("ray_suite")
 
 
+# The suites run in their own processes take minutes each: handed out first, they run beside the rest when
+# pytest-xdist spreads the tests over the cores, instead of alone at the end.
+_LONG_FIRST = ("tests/test_pipeline_ray.py", "tests/test_sharded.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not item.nodeid.startswith(_LONG_FIRST))
+
+
 @pytest.fixture()
 def sigint_default():
     """Python's default SIGINT handler for one test, however the run was started (a background job ignores SIGINT)."""

@@ -31,6 +31,9 @@ def run_own_process_suite(folder: str, env_var: str, at_least: int, timeout: flo
             "-q",
             "-p",
             "no:cacheprovider",
+            # One process: the suite is one test of the run that started it, which may spread over cores.
+            "-n",
+            "0",
             str(ROOT / "tests" / folder),
         ],
         cwd=ROOT,
