@@ -5,7 +5,8 @@ holds which leaf, tied leaves, ``params`` back), the backends behind one
 ``Backend`` protocol (``backend``; ``inprocess`` threads, ``ray`` actors), each
 stage's training state (``stagestate``), the optimizer as exported programs
 (``optimizer``), clipping by the global norm (``clipping``), checkpoints
-(``checkpoint``) and the step history (``history``).
+(``checkpoint``), the step history (``history``), measured costs from timed
+steps (``measured``) and ``schedule_name="auto"`` (``autoplan``).
 
 May import everything in ``pipeline`` before it (``schedules``, ``stages``,
 ``runtime``) and the layers below ``pipeline``.

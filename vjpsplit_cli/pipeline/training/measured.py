@@ -1,0 +1,136 @@
+"""Measured costs: every stage's F, B and W seconds and the send time, from the timelines of timed steps.
+
+``CostSamples`` keeps, for the last ``COST_STEPS`` timed steps (steps whose
+events are the operations' compute times), each operation's seconds by stage
+and kind, and the send gaps; ``costs`` gives them in the form
+``auto_schedule`` takes: medians over those steps' microbatches.
+
+* **F, B, W.** A split B (a W follows it in the plans) and its W are timed as
+  they ran. A whole backward timed on a stage that has the split backward is
+  cut into B and W by the stage's own FLOPs: XLA's count of its ``bwd_input``
+  and ``bwd_weight`` modules (half each where the backend counts none). A stage
+  without the split has only whole backwards: ``B`` is all of it and ``W`` is 0,
+  which is what ``auto_schedule`` charges such a stage (B + W).
+* **Compiling.** A Trainer's first step traces and compiles the stages' calls
+  on its first two microbatches of each kind (the first F runs the artifact's
+  checked forward, the second compiles the jitted one; the first B and W compile
+  the calls that start the gradient sum, the second those that add to it), so in
+  that step the first two operations of each stage and kind are left out where
+  the step has more.
+* **Sends.** ``comm`` is the median gap from the end of an operation to the start
+  of the one on the next worker that reads its result (F to the next stage's F,
+  B to the previous stage's B), counted only where that worker was idle
+  (its previous operation had ended): the time from a result existing to the
+  next worker computing on it, which is how ``auto_schedule``'s plans are
+  played. It costs nothing beyond the timeline the step keeps anyway. On Ray it
+  includes the object store and the actor call, and the clock offsets measured
+  at start (a negative gap counts as 0).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from typing import Any, Sequence
+
+from ...errors import VjpsplitError
+from ..runtime.result import PipelineResult
+from ..schedules.ops import Kind, split_ops
+from ..schedules.timeline import Event
+from ..stages.exporting import module_flops
+
+COST_STEPS = 16  # the timed steps whose operation times ``costs`` takes medians over
+COMPILING = 2  # the operations of each stage and kind that compile in a Trainer's first step
+
+# One timed step: per (stage, kind) the operations' seconds, kind "BW" for a whole backward; the send gaps.
+_Step = tuple[dict[tuple[int, str], list[float]], list[float]]
+
+
+def step_samples(result: PipelineResult, first: bool) -> _Step:
+    """One timed step's operation seconds by stage and kind (``"BW"``: a whole backward) and send gaps.
+
+    ``first``: the Trainer's first step, whose first two operations of each stage and kind compiled.
+    """
+    split = split_ops(result.plans)
+    ops: dict[tuple[int, str], list[float]] = {}
+    for e in sorted(result.events, key=lambda e: e.start):
+        kind = "BW" if e.kind == Kind.B and (e.stage, e.mb) not in split else str(e.kind)
+        ops.setdefault((e.stage, kind), []).append(e.end - e.start)
+    if first:
+        ops = {k: v[COMPILING:] if len(v) > COMPILING else v[-1:] for k, v in ops.items()}
+    return ops, send_gaps(result.events, result.num_stages)
+
+
+def send_gaps(events: Sequence[Event], num_stages: int) -> list[float]:
+    """Seconds from a result's end to the next worker starting on it, where that worker was idle."""
+    by_op = {(e.kind, e.mb, e.stage): e for e in events}
+    before: dict[tuple[str, int, int], float] = {}  # each op's worker's previous op's end (-inf: none)
+    last: dict[int, float] = {}
+    for e in sorted(events, key=lambda e: e.start):
+        before[(e.kind, e.mb, e.stage)] = last.get(e.worker, float("-inf"))
+        last[e.worker] = e.end
+    gaps = []
+    for (kind, mb, s), e in by_op.items():
+        if kind == Kind.F and s > 0:
+            src = by_op.get((Kind.F, mb, s - 1))
+        elif kind == Kind.B and s < num_stages - 1:
+            src = by_op.get((Kind.B, mb, s + 1))
+        else:
+            continue
+        if src is not None and src.worker != e.worker and before[(kind, mb, s)] <= src.end:
+            gaps.append(max(0.0, e.start - src.end))
+    return gaps
+
+
+class CostSamples:
+    """The operation times of the last ``COST_STEPS`` timed steps; ``costs`` gives their medians per stage."""
+
+    def __init__(self, artifacts: Sequence[Any]):
+        self.artifacts = list(artifacts)
+        self.steps: deque[_Step] = deque(maxlen=COST_STEPS)
+        self._shares: dict[int, float] = {}
+
+    def add(self, result: PipelineResult, first: bool) -> None:
+        """Keep a timed step's samples (``first``: the Trainer's first step)."""
+        self.steps.append(step_samples(result, first))
+
+    def input_share(self, stage: int) -> float:
+        """The share of stage ``stage``'s backward FLOPs in its input part (``bwd_input``), by XLA; 0.5 if unknown."""
+        if stage not in self._shares:
+            art = self.artifacts[stage]
+            b, w = module_flops(art, "bwd_input"), module_flops(art, "bwd_weight")
+            self._shares[stage] = b / (b + w) if b is not None and w is not None and b + w > 0 else 0.5
+        return self._shares[stage]
+
+    def costs(self) -> dict[str, Any]:
+        """``{"F": [...], "B": [...], "W": [...], "comm": c}`` in seconds: medians over the kept steps."""
+        if not self.steps:
+            raise VjpsplitError(
+                "no timed step has run yet: run trainer.step(batch, timed=True) first "
+                "(schedule_name='auto' times its first step itself)"
+            )
+        merged: dict[tuple[int, str], list[float]] = {}
+        gaps: list[float] = []
+        for ops, g in self.steps:
+            for k, v in ops.items():
+                merged.setdefault(k, []).extend(v)
+            gaps.extend(g)
+
+        def median(stage: int, kind: str) -> float | None:
+            v = merged.get((stage, kind))
+            return statistics.median(v) if v else None
+
+        F, B, W = [], [], []
+        for s, art in enumerate(self.artifacts):
+            F.append(median(s, "F") or 0.0)
+            b, w, whole = median(s, "B"), median(s, "W"), median(s, "BW")
+            if b is not None and w is not None:
+                pass  # the split backward, timed as it ran
+            elif whole is not None and art.manifest.weights:
+                share = self.input_share(s)
+                b, w = whole * share, whole * (1.0 - share)
+            else:
+                b, w = (whole if whole is not None else b or 0.0), 0.0
+            B.append(b)
+            W.append(w)
+        return {"F": F, "B": B, "W": W, "comm": statistics.median(gaps) if gaps else 0.0}
