@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+import types
 
 import numpy as np
 import optax
@@ -20,9 +21,11 @@ from vjpsplit_cli import pipeline as P
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.files.dtypes import dtype_from_name
 from vjpsplit_cli.files.shapes import concrete_shape
+from vjpsplit_cli.pipeline.runtime.result import step_result
 from vjpsplit_cli.pipeline.schedules.modeled import memory_peaks, modeled_makespan
 from vjpsplit_cli.pipeline.stages.exporting import module_flops
 from vjpsplit_cli.pipeline.stages.report import stage_rows
+from vjpsplit_cli.pipeline.training.measured import CostSamples, send_gaps
 
 M, ROWS = 4, 2  # microbatches of 2 rows: batches of 8
 
@@ -64,6 +67,13 @@ def test_auto_trains_equal_to_one_process_and_records_its_plans():
     assert later[0]["modeled_makespan"] == later[1]["modeled_makespan"] == pytest.approx(span)
     assert first["modeled_makespan"] == pytest.approx(modeled_makespan(P.schedule("zbh1", 4, M), costs))
     assert span <= first["modeled_makespan"] + 1e-12  # never slower than the built-in it measured with
+    # A later timed step adds its times to the first's, and auto plans again for them.
+    ran, before = tr.plan.plans, costs
+    tr.step(_batches(1, seed=45)[0], timed=True)
+    costs = tr.costs()
+    assert costs != before and tr.history[-1]["schedule"] == "auto" and "measuring" not in tr.history[-1]
+    assert tr.history[-1]["modeled_makespan"] == pytest.approx(modeled_makespan(ran, costs))
+    assert tr.auto.makespan == pytest.approx(modeled_makespan(tr.plan.plans, costs))
 
 
 def test_costs_medians_and_a_whole_backward_cut_by_its_flops():
@@ -167,3 +177,34 @@ def test_bad_limits_are_one_clear_error():
         P.Trainer(_stages(), params, schedule_name="auto", memory_limit_bytes=[10**6] * 3, **kw)
     with pytest.raises(VjpsplitError, match="is not a size"):
         P.Trainer(_stages(), params, schedule_name="auto", memory_limit_bytes="lots", **kw)
+
+
+def test_send_time_is_the_gap_to_an_idle_worker_and_compiling_operations_are_left_out():
+    E = P.Event  # worker, kind, microbatch, start, end, stage
+    events = [
+        E(0, "F", 0, 0.0, 1.0, 0),
+        E(1, "F", 0, 1.5, 2.5, 1),  # worker 1 idle since the start: a gap of 0.5
+        E(0, "F", 1, 1.0, 2.0, 0),
+        E(1, "B", 0, 2.5, 3.0, 1),
+        E(1, "F", 1, 3.0, 4.0, 1),  # worker 1 was busy when F1 of stage 0 ended: not a send time
+        E(0, "B", 0, 3.2, 4.0, 0),  # worker 0 idle since 2.0: a gap of 0.2
+    ]
+    assert sorted(send_gaps(events, 2)) == pytest.approx([0.2, 0.5])
+    # One stage without the split backward, 4 microbatches; in a first step the first two of each kind compiled.
+    plans = P.schedule("1f1b", 1, 4)
+    took = {"F": [9.0, 8.0, 1.0, 3.0], "B": [7.0, 6.0, 2.0, 4.0]}
+    timeline, t = [], 0.0
+    for op in plans[0]:
+        d = took[op.kind][op.mb]
+        timeline.append(E(0, op.kind, op.mb, t, t + d, 0))
+        t += d
+    result = step_result(
+        schedule="1f1b", plans=plans, num_stages=1, microbatches=4, runner="test", step_time=t,
+        losses=dict.fromkeys(range(4), 0.0), grads=[None], events=timeline,
+    )  # fmt: skip
+    whole = types.SimpleNamespace(manifest=types.SimpleNamespace(weights=()))
+    samples = CostSamples([whole])
+    samples.add(result, first=True)
+    assert samples.costs() == {"F": [2.0], "B": [3.0], "W": [0.0], "comm": 0.0}
+    samples.add(result, first=False)  # a later step: every microbatch counts, medians over both steps
+    assert samples.costs() == {"F": [3.0], "B": [4.0], "W": [0.0], "comm": 0.0}

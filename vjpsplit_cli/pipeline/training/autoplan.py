@@ -15,6 +15,12 @@ step, what runs:
 3. Every following step runs those plans. The history records which schedule
    ran and its modeled makespan under the measured costs (seconds).
 
+The first step's times are those of a first step: each call compiles on its
+first microbatches (``measured`` leaves those out), and on a host with fewer
+cores than workers, one worker compiling slows the others down. With few
+microbatches that can leave little to measure; a later ``step(batch,
+timed=True)`` adds its times to the kept ones and auto plans again.
+
 A limit in bytes counts what a worker holds per microbatch in flight from its
 stage's manifest: the stored residuals from F until B (the "residuals" column of
 ``vjpsplit inspect DIR``), or, between a split B and its W, the stored residuals
@@ -25,7 +31,7 @@ in transit are not counted.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -141,14 +147,16 @@ class AutoPlan:
             return self.measuring(mbs[0]), True
         return self.current, False
 
-    def after(self, ran: Resolved, costs: Any) -> dict[str, Any]:
-        """The history's entries for the step that ran ``ran`` (``costs()`` gives the measured costs); after the
-        measuring step, auto's plans for them. ``modeled_makespan``: seconds, under the measured costs."""
-        if self.plans is not None:
+    def after(self, ran: Resolved, costs: Callable[[], dict[str, Any]], timed: bool) -> dict[str, Any]:
+        """The history's entries for the step that ran ``ran``: its schedule and ``modeled_makespan`` (seconds,
+        under the measured costs). After a timed step (the first, or ``step(batch, timed=True)``) auto plans again
+        for the costs ``costs()`` gives (medians over the timed steps kept)."""
+        if not timed:
             return {"schedule": AUTO, "modeled_makespan": self.makespan}
-        measured = costs()
+        first, measured = self.plans is None, costs()
+        row = {"schedule": ran.name, "modeled_makespan": modeled_makespan(ran.plans, measured)}
         self.choose(measured)
-        return {"schedule": ran.name, "measuring": True, "modeled_makespan": modeled_makespan(ran.plans, measured)}
+        return {**row, "measuring": True} if first else row
 
     def limits_for(self, mb: Microbatch) -> tuple[int, ...]:
         """Per worker, the most microbatches it may hold: the limit given, or bytes over what one microbatch holds."""

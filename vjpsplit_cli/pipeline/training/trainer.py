@@ -142,7 +142,8 @@ class Trainer:
         """One optimizer step on ``batch`` (the function's batch inputs as a tuple); returns the step's loss.
 
         ``timed=True``: the step's timeline holds every operation's compute time (the runtime waits for each
-        result), and ``costs()`` counts it; ``schedule_name="auto"`` times its first step itself.
+        result), and ``costs()`` counts it; ``schedule_name="auto"`` times its first step itself, and plans
+        again after each timed step.
         """
         t0 = time.monotonic()
         mbs = self.model.batch_microbatches(batch, self.microbatches)
@@ -156,7 +157,7 @@ class Trainer:
         self._steps_run += 1
         extra = None
         if self.auto is not None:
-            extra = self.auto.after(plan, self.costs)
+            extra = self.auto.after(plan, self.costs, timed)
             self.plan = self.auto.current
         self.step_count += 1
         self._history.record(self.step_count, r, norm, step_time, extra)
