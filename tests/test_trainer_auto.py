@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import functools
 import statistics
+import time
 import types
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -25,7 +27,7 @@ from vjpsplit_cli.pipeline.runtime.result import step_result
 from vjpsplit_cli.pipeline.schedules.modeled import memory_peaks, modeled_makespan
 from vjpsplit_cli.pipeline.stages.exporting import module_flops
 from vjpsplit_cli.pipeline.stages.report import stage_rows
-from vjpsplit_cli.pipeline.training.measured import CostSamples, send_gaps
+from vjpsplit_cli.pipeline.training.measured import CostSamples, counted, send_gaps
 
 M, ROWS = 4, 2  # microbatches of 2 rows: batches of 8
 
@@ -81,10 +83,11 @@ def test_costs_medians_and_a_whole_backward_cut_by_its_flops():
     stage's ``bwd_input`` and ``bwd_weight``; F is the median of the step's forwards."""
     params, batches = gpt_params(), _batches(2)
     tr = P.Trainer(_stages(), params, optimizer=optax.sgd(0.1), schedule_name="1f1b", microbatches=M)
-    tr.step(batches[0])  # untimed
+    for b in batches[:2]:  # untimed; the calls compile in these (the second step's for placed parameters)
+        tr.step(b)
     with pytest.raises(VjpsplitError, match=r"no timed step has run yet: run trainer.step\(batch, timed=True\)"):
         tr.costs()
-    tr.step(batches[1], timed=True)
+    tr.step(batches[0], timed=True)
     costs, events = tr.costs(), tr.last_result.events
     _check_costs(costs, 4, split_timed=False)
     for s, art in enumerate(_stages()):
@@ -208,3 +211,10 @@ def test_send_time_is_the_gap_to_an_idle_worker_and_compiling_operations_are_lef
     assert samples.costs() == {"F": [2.0], "B": [3.0], "W": [0.0], "comm": 0.0}
     samples.add(result, first=False)  # a later step: every microbatch counts, medians over both steps
     assert samples.costs() == {"F": [3.0], "B": [4.0], "W": [0.0], "comm": 0.0}
+    # An operation that ran while this process compiled is left out, in any step.
+    t0 = time.monotonic()
+    jax.jit(lambda x: x * 3 + 1)(np.float32(t0))  # traces and compiles now
+    t1 = time.monotonic()
+    ops = [E(0, "F", 0, t0, t1, 0), E(0, "F", 1, t1 + 1, t1 + 2, 0), E(0, "F", 2, t1 + 2, t1 + 5, 0)]
+    assert [e.mb for e in counted(ops, set(), first=False)[(0, "F")]] == [1, 2]
+    assert [e.mb for e in counted(ops[:1], set(), first=False)[(0, "F")]] == [0]  # none left: the last counts

@@ -11,12 +11,15 @@ and kind, and the send gaps; ``costs`` gives them in the form
   and ``bwd_weight`` modules (half each where the backend counts none). A stage
   without the split has only whole backwards: ``B`` is all of it and ``W`` is 0,
   which is what ``auto_schedule`` charges such a stage (B + W).
-* **Compiling.** A Trainer's first step traces and compiles the stages' calls
-  on its first two microbatches of each kind (the first F runs the artifact's
-  checked forward, the second compiles the jitted one; the first B and W compile
-  the calls that start the gradient sum, the second those that add to it), so in
-  that step the first two operations of each stage and kind are left out where
-  the step has more.
+* **Compiling.** A step that traces or compiles is slower for it, and on a
+  shared host so are the operations of other workers meanwhile. An operation
+  that ran while this process traced, lowered or compiled (``jax.monitoring``'s
+  compile events) is left out. So are, in a Trainer's first step, the first two
+  operations of each stage and kind: they compile the calls (the first F runs
+  the artifact's checked forward, the second compiles the jitted one; the first
+  B and W the calls that start the gradient sum, the second those that add to
+  it), which on Ray happens in the actors, out of this process's sight. Where
+  that leaves none of a stage and kind, its last one counts.
 * **Sends.** ``comm`` is the median gap from the end of an operation to the start
   of the one on the next worker that reads its result (F to the next stage's F,
   B to the previous stage's B), counted only where that worker was idle
@@ -29,9 +32,13 @@ and kind, and the send gaps; ``costs`` gives them in the form
 
 from __future__ import annotations
 
+import functools
 import statistics
+import time
 from collections import deque
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
+
+import jax
 
 from ...errors import VjpsplitError
 from ..runtime.result import PipelineResult
@@ -41,28 +48,62 @@ from ..stages.exporting import module_flops
 
 COST_STEPS = 16  # the timed steps whose operation times ``costs`` takes medians over
 COMPILING = 2  # the operations of each stage and kind that compile in a Trainer's first step
+COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+_compiles: deque[tuple[float, float]] = deque(maxlen=4096)  # this process's latest compile phases, monotonic seconds
 
 # One timed step: per (stage, kind) the operations' seconds, kind "BW" for a whole backward; the send gaps.
 _Step = tuple[dict[tuple[int, str], list[float]], list[float]]
 
 
-def step_samples(result: PipelineResult, first: bool) -> _Step:
-    """One timed step's operation seconds by stage and kind (``"BW"``: a whole backward) and send gaps.
+@functools.cache
+def listen_for_compiles() -> None:
+    """From now on, note when this process traces, lowers or compiles (once per process)."""
+    jax.monitoring.register_event_duration_secs_listener(_noted)
 
-    ``first``: the Trainer's first step, whose first two operations of each stage and kind compiled.
-    """
-    split = split_ops(result.plans)
-    ops: dict[tuple[int, str], list[float]] = {}
-    for e in sorted(result.events, key=lambda e: e.start):
+
+def _noted(event: str, duration_secs: float, **kwargs: str | int) -> None:
+    if event in COMPILE_EVENTS:
+        end = time.monotonic()
+        _compiles.append((end - duration_secs, end))
+
+
+def counted(events: Sequence[Event], split: set[tuple[int, int]], first: bool) -> dict[tuple[int, str], list[Event]]:
+    """The operations whose times count, by stage and kind (``"BW"``: a whole backward); see the module docstring."""
+    t0, t1 = min((e.start for e in events), default=0.0), max((e.end for e in events), default=0.0)
+    spans = [(a, b) for a, b in list(_compiles) if b > t0 and a < t1]
+    groups: dict[tuple[int, str], list[Event]] = {}
+    for e in sorted(events, key=lambda e: e.start):
         kind = "BW" if e.kind == Kind.B and (e.stage, e.mb) not in split else str(e.kind)
-        ops.setdefault((e.stage, kind), []).append(e.end - e.start)
-    if first:
-        ops = {k: v[COMPILING:] if len(v) > COMPILING else v[-1:] for k, v in ops.items()}
-    return ops, send_gaps(result.events, result.num_stages)
+        groups.setdefault((e.stage, kind), []).append(e)
+    out = {}
+    for key, group in groups.items():
+        keep = [
+            e
+            for j, e in enumerate(group)
+            if not (first and j < COMPILING) and not any(a < e.end and e.start < b for a, b in spans)
+        ]
+        out[key] = keep or group[-1:]
+    return out
 
 
-def send_gaps(events: Sequence[Event], num_stages: int) -> list[float]:
-    """Seconds from a result's end to the next worker starting on it, where that worker was idle."""
+def step_samples(result: PipelineResult, first: bool) -> _Step:
+    """One timed step's counted operation seconds by stage and kind and its send gaps (``first``: the Trainer's
+    first step)."""
+    ops = counted(result.events, split_ops(result.plans), first)
+    keys = {(e.kind, e.mb, e.stage) for group in ops.values() for e in group}
+    times = {k: [e.end - e.start for e in group] for k, group in ops.items()}
+    return times, send_gaps(result.events, result.num_stages, keys)
+
+
+def send_gaps(
+    events: Sequence[Event], num_stages: int, counted: Collection[tuple[str, int, int]] | None = None
+) -> list[float]:
+    """Seconds from a result's end to the next worker starting on it, where that worker was idle (and, given
+    ``counted``, its operation's ``(kind, mb, stage)`` is among them)."""
     by_op = {(e.kind, e.mb, e.stage): e for e in events}
     before: dict[tuple[str, int, int], float] = {}  # each op's worker's previous op's end (-inf: none)
     last: dict[int, float] = {}
@@ -77,6 +118,8 @@ def send_gaps(events: Sequence[Event], num_stages: int) -> list[float]:
             src = by_op.get((Kind.B, mb, s + 1))
         else:
             continue
+        if counted is not None and (kind, mb, s) not in counted:
+            continue
         if src is not None and src.worker != e.worker and before[(kind, mb, s)] <= src.end:
             gaps.append(max(0.0, e.start - src.end))
     return gaps
@@ -88,6 +131,7 @@ class CostSamples:
     def __init__(self, artifacts: Sequence[Any]):
         self.artifacts = list(artifacts)
         self.steps: deque[_Step] = deque(maxlen=COST_STEPS)
+        listen_for_compiles()
         self._shares: dict[int, float] = {}
 
     def add(self, result: PipelineResult, first: bool) -> None:
