@@ -62,7 +62,9 @@ def test_ray_trainer_auto_measures_then_plans_and_equals_single_process_optax(ra
     ref_losses, ref_params = optax_reference(gpt, params, tx, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-6)
-    assert [h["schedule"] for h in tr.history] == ["zbh1", "auto", "auto"] and tr.history[0]["measuring"]
+    assert [(h["schedule"], h.get("measuring", False)) for h in tr.history] == [
+        ("zbh1", True), ("auto", True), ("auto", False)
+    ]  # fmt: skip
     assert all(len(costs[k]) == 4 and min(costs[k]) >= 0 for k in "FBW") and costs["comm"] > 0  # actor calls
     assert tr.history[1]["modeled_makespan"] <= tr.history[0]["modeled_makespan"]
 

@@ -1,4 +1,4 @@
-"""``schedule_name="auto"`` for the Trainer: a timed first step, then ``auto_schedule``'s plans for what it measured.
+"""``schedule_name="auto"`` for the Trainer: timed first steps, then ``auto_schedule``'s plans for what they measured.
 
 ``AutoPlan`` holds the memory limit (microbatches per worker, or bytes per
 worker turned into microbatches by the stages' manifests) and decides, step by
@@ -12,14 +12,13 @@ step, what runs:
 2. From its timeline (``measured.CostSamples``) every stage's F, B and W and the
    send time; ``auto_schedule`` plans for them within the limit. Where the
    measuring step's own plans are faster under those costs, they stay.
-3. Every following step runs those plans. The history records which schedule
-   ran and its modeled makespan under the measured costs (seconds).
-
-The first step's times are those of a first step: each call compiles on its
-first microbatches (``measured`` leaves those out), and on a host with fewer
-cores than workers, one worker compiling slows the others down. With few
-microbatches that can leave little to measure; a later ``step(batch,
-timed=True)`` adds its times to the kept ones and auto plans again.
+3. The second step runs those plans, timed too: a first step is the first run
+   of every call, slower than the steps after it even with its compiling left
+   out (``measured``). ``auto_schedule`` plans again for the second step's costs.
+4. Every following step runs those plans, untimed; a ``step(batch, timed=True)``
+   adds its times to the kept ones and auto plans again. The history records
+   which schedule ran and its modeled makespan under the measured costs
+   (seconds); ``measuring`` marks the two timed steps.
 
 A limit in bytes counts what a worker holds per microbatch in flight from its
 stage's manifest: the stored residuals from F until B (the "residuals" column of
@@ -50,6 +49,7 @@ from ..schedules.ops import Op
 from ..schedules.plans import Resolved, check_plans
 
 AUTO = "auto"
+MEASURING_STEPS = 2  # the timed steps an auto Trainer starts with: the first measures, the second again
 UNIT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0}  # what the measuring step's plans assume, before anything is measured
 
 
@@ -135,6 +135,7 @@ class AutoPlan:
         self.plans: list[list[Op]] | None = None  # auto's plans, once measured
         self.makespan: float | None = None
         self.measured_with: Resolved | None = None
+        self.steps_timed = 0
 
     @property
     def current(self) -> Resolved:
@@ -145,7 +146,7 @@ class AutoPlan:
         """What the next step runs on ``mbs``, and whether it is the timed measuring step."""
         if self.plans is None:
             return self.measuring(mbs[0]), True
-        return self.current, False
+        return self.current, self.steps_timed < MEASURING_STEPS
 
     def after(self, ran: Resolved, costs: Callable[[], dict[str, Any]], timed: bool) -> dict[str, Any]:
         """The history's entries for the step that ran ``ran``: its schedule and ``modeled_makespan`` (seconds,
@@ -153,10 +154,11 @@ class AutoPlan:
         for the costs ``costs()`` gives (medians over the timed steps kept)."""
         if not timed:
             return {"schedule": AUTO, "modeled_makespan": self.makespan}
-        first, measured = self.plans is None, costs()
+        measuring, measured = self.steps_timed < MEASURING_STEPS, costs()
+        self.steps_timed += 1
         row = {"schedule": ran.name, "modeled_makespan": modeled_makespan(ran.plans, measured)}
         self.choose(measured)
-        return {**row, "measuring": True} if first else row
+        return {**row, "measuring": True} if measuring else row
 
     def limits_for(self, mb: Microbatch) -> tuple[int, ...]:
         """Per worker, the most microbatches it may hold: the limit given, or bytes over what one microbatch holds."""

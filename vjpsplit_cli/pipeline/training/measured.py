@@ -3,7 +3,10 @@
 ``CostSamples`` keeps, for the last ``COST_STEPS`` timed steps (steps whose
 events are the operations' compute times), each operation's seconds by stage
 and kind, and the send gaps; ``costs`` gives them in the form
-``auto_schedule`` takes: medians over those steps' microbatches.
+``auto_schedule`` takes: medians over those steps' microbatches. A Trainer's
+first step counts only until another step is timed: it is the first run of
+every call (measured on 2 shared cores, the mid GPT's first step timed its
+operations 1.1 to 1.8 times as long as later steps did, compiling left out).
 
 * **F, B, W.** A split B (a W follows it in the plans) and its W are timed as
   they ran. A whole backward timed on a stage that has the split backward is
@@ -131,12 +134,16 @@ class CostSamples:
     def __init__(self, artifacts: Sequence[Any]):
         self.artifacts = list(artifacts)
         self.steps: deque[_Step] = deque(maxlen=COST_STEPS)
+        self.first: _Step | None = None  # the Trainer's first step, while it is the only one timed
         listen_for_compiles()
         self._shares: dict[int, float] = {}
 
     def add(self, result: PipelineResult, first: bool) -> None:
         """Keep a timed step's samples (``first``: the Trainer's first step)."""
-        self.steps.append(step_samples(result, first))
+        if first:
+            self.first = step_samples(result, first)
+        else:
+            self.steps.append(step_samples(result, first))
 
     def input_share(self, stage: int) -> float:
         """The share of stage ``stage``'s backward FLOPs in its input part (``bwd_input``), by XLA; 0.5 if unknown."""
@@ -148,14 +155,15 @@ class CostSamples:
 
     def costs(self) -> dict[str, Any]:
         """``{"F": [...], "B": [...], "W": [...], "comm": c}`` in seconds: medians over the kept steps."""
-        if not self.steps:
+        kept = list(self.steps) or ([self.first] if self.first is not None else [])
+        if not kept:
             raise VjpsplitError(
                 "no timed step has run yet: run trainer.step(batch, timed=True) first "
                 "(schedule_name='auto' times its first step itself)"
             )
         merged: dict[tuple[int, str], list[float]] = {}
         gaps: list[float] = []
-        for ops, g in self.steps:
+        for ops, g in kept:
             for k, v in ops.items():
                 merged.setdefault(k, []).extend(v)
             gaps.extend(g)

@@ -66,9 +66,10 @@ class Trainer:
     the measured and modeled bubble.
 
     ``schedule_name="auto"`` times the first step and runs ``auto_schedule``'s plans
-    for the measured costs from the second (``autoplan``), within ``memory_limit``
-    (microbatches a worker holds at once: an int or one per worker) or
-    ``memory_limit_bytes`` (bytes per worker, counted from the stages' manifests).
+    for the measured costs from the second (timed too, and planned again after it:
+    ``autoplan``), within ``memory_limit`` (microbatches a worker holds at once: an
+    int or one per worker) or ``memory_limit_bytes`` (bytes per worker, counted from
+    the stages' manifests).
     """
 
     def __init__(
@@ -135,15 +136,15 @@ class Trainer:
     def history(self) -> list[dict[str, Any]]:
         """Per step: ``step``, ``loss``, ``grad_norm`` (before clipping), ``step_time``, ``bubble``, ``modeled_bubble``;
         under ``schedule_name="auto"`` also ``schedule`` (what ran: the measuring step's schedule, then ``"auto"``),
-        ``modeled_makespan`` (its plans under the measured costs, seconds) and ``measuring`` on the timed first step."""
+        ``modeled_makespan`` (its plans under the measured costs, seconds) and ``measuring`` on the two timed first steps."""
         return self._history.rows
 
     def step(self, batch: tuple[Any, ...], *, timed: bool = False) -> float:
         """One optimizer step on ``batch`` (the function's batch inputs as a tuple); returns the step's loss.
 
         ``timed=True``: the step's timeline holds every operation's compute time (the runtime waits for each
-        result), and ``costs()`` counts it; ``schedule_name="auto"`` times its first step itself, and plans
-        again after each timed step.
+        result), and ``costs()`` counts it; ``schedule_name="auto"`` times its first two steps itself, and
+        plans again after each timed step.
         """
         t0 = time.monotonic()
         mbs = self.model.batch_microbatches(batch, self.microbatches)
@@ -167,8 +168,9 @@ class Trainer:
     def costs(self) -> dict[str, Any]:
         """Every stage's measured F, B and W seconds and the send time, as ``auto_schedule``'s ``costs`` take them.
 
-        Medians over the microbatches of the last timed steps (``step(batch, timed=True)``, or ``auto``'s first);
-        see ``measured`` for how a whole backward splits into B and W and how sends are timed.
+        Medians over the microbatches of the last timed steps (``step(batch, timed=True)``, or ``auto``'s first
+        two), the Trainer's first step only while no other is timed; see ``measured`` for what is left out, how a
+        whole backward splits into B and W and how sends are timed.
         """
         return self._samples.costs()
 
