@@ -32,7 +32,7 @@ from benchmarks.timing import run_section
 def _config(quick: bool) -> dict:
     if quick:
         return {"width": 32, "blocks": 2, "seq": 16, "batch": 8, "microbatches": 4, "rounds": 3, "heads": 4}
-    return {"width": 256, "blocks": 4, "seq": 64, "batch": 16, "microbatches": 8, "rounds": 15, "heads": 4}
+    return {"width": 256, "blocks": 4, "seq": 64, "batch": 16, "microbatches": 8, "rounds": 25, "heads": 4}
 
 
 def _model(c: dict):

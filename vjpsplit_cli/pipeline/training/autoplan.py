@@ -24,8 +24,9 @@ A limit in bytes counts what a worker holds per microbatch in flight from its
 stage's manifest: the stored residuals from F until B (the "residuals" column of
 ``vjpsplit inspect DIR``), or, between a split B and its W, the stored residuals
 W reads plus the intermediates B hands it, whichever is larger; symbolic dims
-sized by the actual microbatch. Parameters, optimizer state and the activations
-in transit are not counted.
+sized by the actual microbatch. Parameters, optimizer state and the stage's
+inputs (the activation it received, which the backward reads in place) are not
+counted.
 """
 
 from __future__ import annotations
@@ -53,14 +54,18 @@ MEASURING_STEPS = 2  # the timed steps an auto Trainer starts with: the first me
 UNIT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0}  # what the measuring step's plans assume, before anything is measured
 
 
-def _leaf_bytes(leaf: Any, dims: dict[str, int], stage: int) -> int:
+def _shape(leaf: Any, dims: dict[str, int], stage: int) -> tuple[int, ...]:
     shape = concrete_shape(leaf.shape, dims)
     if shape is None:
         raise VjpsplitError(
             f"memory_limit_bytes: stage {stage}'s leaf '{leaf.key}' {list(leaf.shape)} has a dim the batch does not "
             "size; give memory_limit= in microbatches instead"
         )
-    return int(np.prod(shape, dtype=np.int64)) * dtype_from_name(leaf.dtype).itemsize
+    return shape
+
+
+def _leaf_bytes(leaf: Any, dims: dict[str, int], stage: int) -> int:
+    return int(np.prod(_shape(leaf, dims, stage), dtype=np.int64)) * dtype_from_name(leaf.dtype).itemsize
 
 
 def _bind(stage: int, leaves: Sequence[Any], shapes: Sequence[tuple[int, ...]], dims: dict[str, int]) -> None:
@@ -96,7 +101,7 @@ def microbatch_bytes(artifacts: Sequence[Any], mb: Microbatch) -> list[int]:
             held = max(held, w_part)
         out.append(held)
         outs = [o for o in m.outputs if o.key in m.out_keys]
-        sent = [concrete_shape(o.shape, dims) or () for o in outs]
+        sent = [_shape(o, dims, s) for o in outs]
     return out
 
 

@@ -176,13 +176,10 @@ class CostSamples:
         for s, art in enumerate(self.artifacts):
             F.append(median(s, "F") or 0.0)
             b, w, whole = median(s, "B"), median(s, "W"), median(s, "BW")
-            if b is not None and w is not None:
-                pass  # the split backward, timed as it ran
-            elif whole is not None and art.manifest.weights:
-                share = self.input_share(s)
+            if b is None or w is None:  # no split backward timed: the whole one, cut where the stage can split
+                whole = whole if whole is not None else b or 0.0
+                share = self.input_share(s) if art.manifest.weights else 1.0
                 b, w = whole * share, whole * (1.0 - share)
-            else:
-                b, w = (whole if whole is not None else b or 0.0), 0.0
             B.append(b)
             W.append(w)
         return {"F": F, "B": B, "W": W, "comm": statistics.median(gaps) if gaps else 0.0}
