@@ -5,8 +5,8 @@ events are the operations' compute times), each operation's seconds by stage
 and kind, and the send gaps; ``costs`` gives them in the form
 ``auto_schedule`` takes: medians over those steps' microbatches. A Trainer's
 first step counts only until another step is timed: it is the first run of
-every call (measured on 2 shared cores, the mid GPT's first step timed its
-operations 1.1 to 1.8 times as long as later steps did, compiling left out).
+every call (on 2 shared cores the mid GPT's first step timed its operations at
+up to 1.9 times what later steps did, compiling left out; docs/pipeline.md).
 
 * **F, B, W.** A split B (a W follows it in the plans) and its W are timed as
   they ran. A whole backward timed on a stage that has the split backward is
