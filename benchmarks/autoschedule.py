@@ -1,6 +1,6 @@
 """Automatic schedules on issue #37's grid: auto_schedule's modeled makespan vs the best fitting built-in vs a bound.
 
-    python -m benchmarks --only autoschedule          # the table, the planning times, the timelines
+    python -m benchmarks --only autoschedule          # the table, the planning times, the timelines, measured
     python -m benchmarks.autoschedule [--quick] [--png DIR]
 
 The grid: 2, 4 and 8 stages; S, 2S and 4S microbatches; costs uniform (F = B = W
@@ -11,7 +11,9 @@ model of ``vjpsplit_cli.pipeline.costmodel``, time in units of one forward), not
 measured: these are plans, compared under the costs they were made for. A
 built-in fits when its memory peak (F until W, or until a whole B) is within the
 limit. Planning times are CPU seconds (``time.process_time``) of whole
-``auto_schedule`` calls, the median of a few.
+``auto_schedule`` calls, the median of a few. Then, measured: the Trainer with
+``schedule_name="auto"`` against 1F1B and ZB-H1 on a mid-size GPT
+(``benchmarks.autotrain``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import autotrain
 from vjpsplit_cli.pipeline import Costs, auto_schedule, plot_timeline, simulate
 from vjpsplit_cli.pipeline.schedules.auto import BUILT_INS, search
 from vjpsplit_cli.pipeline.schedules.modeled import lower_bound, memory_limits, memory_peaks, modeled_makespan
@@ -193,6 +196,9 @@ def run(quick: bool, png: Path | None = DOCS) -> tuple[str, list[dict]]:
     parts += planning_times(1 if quick else 5)
     if png is not None:
         parts += [""] + timelines(png)
+    measured, _ = autotrain.run(quick)
+    parts += ["", 'Measured: `Trainer(schedule_name="auto")` against 1F1B and ZB-H1 (`benchmarks/autotrain.py`):', ""]
+    parts += [measured]
     records = [dict(zip(("S", "m", "costs", "comm", "limit"), k), **r) for k, r in rows]
     return "\n".join(parts), records
 

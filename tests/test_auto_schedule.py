@@ -16,7 +16,9 @@ sends of 0 and 0.25 F; limits S, 2S, none and S/2.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import random
 
 import jax
 import jax.numpy as jnp
@@ -186,6 +188,57 @@ def test_the_lower_bound_holds_and_puts_0_95_out_of_reach(grid):
     assert math.exp(sum(map(math.log, ratios)) / len(ratios)) > 0.96
 
 
+def every_order(stage, m, kinds):
+    """Every list of one worker's operations keeping each microbatch's ``kinds`` in order (F, B, then W)."""
+
+    def extend(done, seq):
+        if all(d == len(kinds) for d in done):
+            yield list(seq)
+            return
+        for i in range(m):
+            if done[i] < len(kinds):
+                seq.append(P.Op(kinds[done[i]], i, stage))
+                done[i] += 1
+                yield from extend(done, seq)
+                done[i] -= 1
+                seq.pop()
+
+    return list(extend([0] * m, []))
+
+
+def exhaustive_optimum(S, m, F, B, W, comm, limit, split):
+    """The fastest of all plans with one stage per worker (every order of every worker's list) within ``limit``.
+
+    Playing a list with each operation as early as it can start is the fastest timing of that order,
+    so the least makespan over every order is the optimum over all such plans.
+    """
+    best = math.inf
+    for plans in itertools.product(*(every_order(s, m, "FBW" if split else "FB") for s in range(S))):
+        if limit is None or max(peaks(plans)) <= limit:
+            end = play(plans, F, B, W, comm)
+            best = best if end is None else min(best, max(end.values()))
+    return best
+
+
+def test_the_lower_bound_holds_against_the_optimum_over_all_plans_and_auto_reaches_it():
+    """``lower_bound`` against the true optimum (every plan played) on tiny cases with random costs,
+    split and whole backwards, sends and limits; on every one of them auto's plans are that optimum."""
+    rng, cases = random.Random(0), 0
+    for S, m, split, trials in [(2, 2, True, 6), (3, 2, True, 1), (2, 3, False, 2)]:
+        for _ in range(trials):
+            F, B = [rng.uniform(0.2, 2) for _ in range(S)], [rng.uniform(0.2, 3) for _ in range(S)]
+            W = [rng.uniform(0.1, 1.5) for _ in range(S)] if split else [0.0] * S
+            comm = rng.choice([0.0, 0.3, 1.0])
+            costs = {"F": F, "B": B, "comm": comm, **({"W": W} if split else {})}
+            for limit in (1, 2, None):
+                best = exhaustive_optimum(S, m, F, B, W, comm, limit, split)
+                bound = lower_bound(P.Costs.of(costs, S), m, memory_limits(limit, S, m))
+                auto = makespan(P.auto_schedule(S, m, costs=costs, memory_limit=limit), F, B, W, comm)
+                assert bound <= best + 1e-9 and auto == pytest.approx(best), (S, m, split, limit, bound, best, auto)
+                cases += 1
+    assert cases == 27
+
+
 @pytest.mark.parametrize("F,B,W", [(1.0, 1.0, 1.0), (1.0, 1.5, 0.5), (1.0, 2.0, 1.0), (2.0, 1.0, 1.0)])
 def test_built_ins_on_this_clock_match_their_published_formulas(F, B, W):
     """GPipe and 1F1B: (m + S - 1)(F + B + W), a whole backward costing B + W (GPipe: plus 2(S-1) sends);
@@ -321,8 +374,11 @@ def ilp_optimum(S, m, F, B, W, comm, limit):
     ],
 )
 def test_small_cases_are_optimal_against_an_exact_ilp(S, m, F, B, W, comm, limit):
-    plans = P.auto_schedule(S, m, costs={"F": F, "B": B, "W": W, "comm": comm}, memory_limit=limit)
-    assert makespan(plans, F, B, W, comm) == pytest.approx(ilp_optimum(S, m, F, B, W, comm, limit), abs=1e-6)
+    costs = {"F": F, "B": B, "W": W, "comm": comm}
+    plans = P.auto_schedule(S, m, costs=costs, memory_limit=limit)
+    optimum = ilp_optimum(S, m, F, B, W, comm, limit)
+    assert makespan(plans, F, B, W, comm) == pytest.approx(optimum, abs=1e-6)
+    assert lower_bound(P.Costs.of(costs, S), m, memory_limits(limit, S, m)) <= optimum + 1e-6
 
 
 @pytest.mark.parametrize(

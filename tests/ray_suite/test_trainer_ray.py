@@ -52,6 +52,23 @@ def test_ray_trainer_equals_single_process_optax(ray_session, stages, schedule):
     np.testing.assert_array_equal(copies[0], copies[1])
 
 
+def test_ray_trainer_auto_measures_then_plans_and_equals_single_process_optax(ray_session, stages):
+    params, tx = gpt_params(), optax.adamw(1e-2)
+    batches = [gpt_batch(8, seed=25 + i) for i in range(3)]
+    with P.Trainer(stages, params, optimizer=tx, schedule_name="auto", microbatches=4, runner="ray") as tr:
+        losses = [tr.step(b) for b in batches]
+        got, costs = tr.params(), tr.costs()
+        assert tr.last_result.runner == "ray" and tr.last_result.schedule == "auto"
+    ref_losses, ref_params = optax_reference(gpt, params, tx, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-6)
+    assert [(h["schedule"], h.get("measuring", False)) for h in tr.history] == [
+        ("zbh1", True), ("auto", True), ("auto", False)
+    ]  # fmt: skip
+    assert all(len(costs[k]) == 4 and min(costs[k]) >= 0 for k in "FBW") and costs["comm"] > 0  # actor calls
+    assert tr.history[1]["modeled_makespan"] <= tr.history[0]["modeled_makespan"]
+
+
 def test_ray_workers_without_optax_train_and_restore(ray_session, stages, tmp_path):
     shim = tmp_path / "no_optax"
     shim.mkdir()

@@ -192,17 +192,30 @@ def _describe(eqn: Any) -> str:
 
 def _xla_flops(art: Any) -> float | None:
     """XLA's FLOP count for the stage's forward at symbolic dims = COST_DIM; None where the backend has none."""
-    exp = art.exported["fwd"]
+    flops = module_flops(art, "fwd")
+    return flops if flops else None
+
+
+def module_flops(art: Any, module: str) -> float | None:
+    """XLA's FLOP count for one of ``art``'s modules (``fwd``, ``bwd``, ``bwd_input``, ``bwd_weight``) at
+    symbolic dims = COST_DIM (0 for a module that computes nothing, such as the first stage's input part); None
+    where the backend gives none or the module cannot compile here."""
     try:
-        args = [
-            jax.ShapeDtypeStruct(concrete_shape(tuple(dim_str(d) for d in a.shape), ANY_DIM), a.dtype)
-            for a in exp.in_avals
-        ]
+        exp = art.exported[module]
+        args, kwargs = jax.tree_util.tree_unflatten(
+            exp.in_tree,
+            [
+                jax.ShapeDtypeStruct(concrete_shape(tuple(dim_str(d) for d in a.shape), ANY_DIM), a.dtype)
+                for a in exp.in_avals
+            ],
+        )
         # compiled: a shape-polymorphic module is refined to these sizes only when it compiles
-        cost = jax.jit(exp.call).lower(*args).compile().cost_analysis()
+        cost = jax.jit(exp.call).lower(*args, **kwargs).compile().cost_analysis()
     except Exception:  # noqa: BLE001 - the estimate stands in
         return None
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else None
-    flops = (cost or {}).get("flops")
-    return float(flops) if flops is not None and np.isfinite(flops) and flops > 0 else None
+    if not cost:
+        return None
+    flops = cost.get("flops", 0.0)  # XLA leaves out a count of 0
+    return max(0.0, float(flops)) if np.isfinite(flops) else None

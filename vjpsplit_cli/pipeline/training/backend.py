@@ -24,10 +24,20 @@ class Backend(Protocol):
     """Where the Trainer's stages live and run."""
 
     def step(
-        self, mbs: Sequence[Microbatch], schedule: Resolved, microbatches: int, clip: float | None, progress: bool
+        self,
+        mbs: Sequence[Microbatch],
+        schedule: Resolved,
+        microbatches: int,
+        clip: float | None,
+        progress: bool,
+        *,
+        timed: bool = False,
     ) -> tuple[PipelineResult, list[float]]:
         """One optimizer step: ``schedule``'s plans on ``mbs``, then every stage's update; the result and
-        each stage's squared sum of the gradients it counts in the global norm (before clipping)."""
+        each stage's squared sum of the gradients it counts in the global norm (before clipping).
+
+        ``timed=True``: the result's events are the operations' compute times (each one waited for), as
+        measured costs need."""
         ...
 
     def snapshots(self) -> list[Snapshot]:

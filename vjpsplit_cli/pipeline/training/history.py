@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Any, Mapping
 
 from ..runtime.result import PipelineResult
 from ..schedules.plots import plot_loss
@@ -15,12 +15,19 @@ class History:
     modeled bubble; ``progress=True`` shows a tqdm bar over steps with the loss (where tqdm is installed)."""
 
     def __init__(self, progress: bool, first_step: int):
-        self.rows: list[dict[str, float]] = []
+        self.rows: list[dict[str, Any]] = []
         self.progress, self.first_step = progress, first_step
         self._bar: Any = None
 
-    def record(self, step: int, result: PipelineResult, grad_norm: float, step_time: float) -> None:
-        """Step ``step``'s row, and the bar moved on."""
+    def record(
+        self,
+        step: int,
+        result: PipelineResult,
+        grad_norm: float,
+        step_time: float,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Step ``step``'s row (with ``extra``'s entries: an automatic schedule's), and the bar moved on."""
         self.rows.append(
             {
                 "step": step,
@@ -29,6 +36,7 @@ class History:
                 "step_time": step_time,
                 "bubble": result.bubble_ratio,
                 "modeled_bubble": result.modeled_bubble_ratio,
+                **(extra or {}),
             }
         )
         self._show(result.loss)

@@ -58,9 +58,21 @@ class InProcessBackend:
         ]
 
     def step(
-        self, mbs: Sequence[Microbatch], schedule: Resolved, microbatches: int, clip: float | None, progress: bool
+        self,
+        mbs: Sequence[Microbatch],
+        schedule: Resolved,
+        microbatches: int,
+        clip: float | None,
+        progress: bool,
+        *,
+        timed: bool = False,
     ) -> tuple[PipelineResult, list[float]]:
-        """One step: the schedule in the workers' threads, each finishing with its stages' updates."""
+        """One step: the schedule in the workers' threads, each finishing with its stages' updates.
+
+        ``timed`` asks for events that are compute times. Every operation here waits for its result
+        before the next is dispatched, so every step already is one: the flag is for a runtime that
+        does not wait (issue #35), which must honour it.
+        """
         S = len(self.trainers)
         held = schedule.layout.workers
         rv, sums = _Rendezvous(len(held)), {}

@@ -108,9 +108,19 @@ class RayBackend:
         ]
 
     def step(
-        self, mbs: Sequence[Microbatch], schedule: Resolved, microbatches: int, clip: float | None, progress: bool
+        self,
+        mbs: Sequence[Microbatch],
+        schedule: Resolved,
+        microbatches: int,
+        clip: float | None,
+        progress: bool,
+        *,
+        timed: bool = False,
     ) -> tuple[PipelineResult, list[float]]:
-        """One step on the actors: the schedule, then each stage's tied sums, squared norm and update."""
+        """One step on the actors: the schedule, then each stage's tied sums, squared norm and update.
+
+        ``timed``: see ``InProcessBackend.step``; every actor operation waits for its result today.
+        """
         rp, S = self.rp, self.rp.num_stages
         name, plans, layout = schedule
         if layout != rp.layout:

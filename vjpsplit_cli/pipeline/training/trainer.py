@@ -33,6 +33,7 @@ from ..schedules.csvformat import format_schedule, parse_schedule
 from ..schedules.ops import Op
 from ..schedules.plans import resolve
 from ..stages.directory import Stages
+from .autoplan import AUTO, AutoPlan
 from .backend import Backend, open_backend
 from ...files.trees import encode_structure
 from .checkpoint import HostCheckpoint, read_checkpoint, save_checkpoint
@@ -42,6 +43,7 @@ from .history import History
 from .ownership import Ownership, Tied
 from .resume import restored_model, stage_snapshots
 from .state import StateMap, state_map
+from .measured import CostSamples
 
 
 class _Recorded:
@@ -71,6 +73,12 @@ class Trainer:
     the measured and modeled bubble. ``opt_state``: optax's state for the whole
     model to start from (``tx.init(params)``'s structure: from one process,
     another Trainer's ``state()``, or orbax) instead of ``optimizer.init``.
+
+    ``schedule_name="auto"`` times the first step and runs ``auto_schedule``'s plans
+    for the measured costs from the second (timed too, and planned again after it:
+    ``autoplan``), within ``memory_limit`` (microbatches a worker holds at once: an
+    int or one per worker) or ``memory_limit_bytes`` (bytes per worker, counted from
+    the stages' manifests).
     """
 
     def __init__(
@@ -93,6 +101,8 @@ class Trainer:
         step_timeout: float = STEP_TIMEOUT,
         schedule_timeout: float = SCHEDULE_TIMEOUT,
         opt_state: Any = None,
+        memory_limit: int | Sequence[int] | None = None,
+        memory_limit_bytes: int | str | Sequence[int | str] | None = None,
         _restored: tuple[Sequence[Any] | None, int] | None = None,
     ):
         clip_scale([], clip_global_norm)  # a bad value is refused now, not after the first step
@@ -102,7 +112,14 @@ class Trainer:
         self.ownership = Ownership(self.model, tied)
         S = self.model.num_stages
         self.microbatches, self.schedule_name, self.schedule = microbatches, schedule_name, schedule
-        self.plan = resolve(schedule_name, schedule, S, microbatches)  # a bad schedule is refused before any export
+        self.auto: AutoPlan | None = None
+        if schedule_name == AUTO and schedule is None:
+            self.auto = AutoPlan(self.model.artifacts, microbatches, memory_limit, memory_limit_bytes)
+            self.plan = self.auto.current
+        elif memory_limit is not None or memory_limit_bytes is not None:
+            raise VjpsplitError("memory_limit and memory_limit_bytes apply to schedule_name='auto'")
+        else:
+            self.plan = resolve(schedule_name, schedule, S, microbatches)  # a bad schedule is refused before any export
         self.clip_global_norm, self.runner = clip_global_norm, runner
         self.optimizer_name = getattr(getattr(optimizer, "init", None), "__qualname__", type(optimizer).__name__)
         self.optimizer, self._state_map = optimizer, None if opt_state is None else state_map(optimizer, self.ownership)
@@ -124,25 +141,53 @@ class Trainer:
         )
         self.step_count = 0 if _restored is None else _restored[1]
         self._history = History(progress, self.step_count)
+        self._samples = CostSamples(self.model.artifacts)
+        self._steps_run = 0
         self.last_result: PipelineResult | None = None
         self.checkpoint_times: list[dict[str, float]] = []  # fit's: per checkpoint, the step's wait and the write
         self.restarts: list[dict[str, Any]] = []  # fit's: per lost worker, the step, where it returned, how long
 
     @property
-    def history(self) -> list[dict[str, float]]:
-        """Per step: ``step``, ``loss``, ``grad_norm`` (before clipping), ``step_time``, ``bubble``, ``modeled_bubble``."""
+    def history(self) -> list[dict[str, Any]]:
+        """Per step: ``step``, ``loss``, ``grad_norm`` (before clipping), ``step_time``, ``bubble``, ``modeled_bubble``;
+        under ``schedule_name="auto"`` also ``schedule`` (what ran: the measuring step's schedule, then ``"auto"``),
+        ``modeled_makespan`` (its plans under the measured costs, seconds) and ``measuring`` on the two timed first steps."""
         return self._history.rows
 
-    def step(self, batch: tuple[Any, ...]) -> float:
-        """One optimizer step on ``batch`` (the function's batch inputs as a tuple); returns the step's loss."""
+    def step(self, batch: tuple[Any, ...], *, timed: bool = False) -> float:
+        """One optimizer step on ``batch`` (the function's batch inputs as a tuple); returns the step's loss.
+
+        ``timed=True``: the step's timeline holds every operation's compute time (the runtime waits for each
+        result), and ``costs()`` counts it; ``schedule_name="auto"`` times its first two steps itself, and
+        plans again after each timed step.
+        """
         t0 = time.monotonic()
         mbs = self.model.batch_microbatches(batch, self.microbatches)
-        r, sums = self.backend.step(mbs, self.plan, self.microbatches, self.clip_global_norm, False)
+        plan, measuring = (self.plan, False) if self.auto is None else self.auto.next_step(mbs)
+        timed = timed or measuring
+        r, sums = self.backend.step(mbs, plan, self.microbatches, self.clip_global_norm, False, timed=timed)
         _, norm = clip_scale(sums, None)
+        step_time = time.monotonic() - t0
+        if timed:
+            self._samples.add(r, first=self._steps_run == 0)
+        self._steps_run += 1
+        extra = None
+        if self.auto is not None:
+            extra = self.auto.after(plan, self.costs, timed)
+            self.plan = self.auto.current
         self.step_count += 1
-        self._history.record(self.step_count, r, norm, time.monotonic() - t0)
+        self._history.record(self.step_count, r, norm, step_time, extra)
         self.last_result = r
         return r.loss
+
+    def costs(self) -> dict[str, Any]:
+        """Every stage's measured F, B and W seconds and the send time, as ``auto_schedule``'s ``costs`` take them.
+
+        Medians over the microbatches of the last timed steps (``step(batch, timed=True)``, or ``auto``'s first
+        two), the Trainer's first step only while no other is timed; see ``measured`` for what is left out, how a
+        whole backward splits into B and W and how sends are timed.
+        """
+        return self._samples.costs()
 
     def params(self) -> Any:
         """The parameters now, in ``params``' structure (host arrays; per stage in the per-stage form)."""
@@ -187,6 +232,8 @@ class Trainer:
         }
         if self.schedule is not None:
             meta["plans"] = format_schedule(self.plan.plans)
+        if self.auto is not None:
+            meta.update(self.auto.record())  # restore measures again, on its own hosts
         return meta
 
     def save(self, directory: str | os.PathLike[str]) -> None:
@@ -288,6 +335,8 @@ class Trainer:
                 schedule_name = recorded
         if clip_global_norm is RECORDED:
             clip_global_norm = meta.get("clip_global_norm")
+        if schedule_name == AUTO and schedule is None and not {"memory_limit", "memory_limit_bytes"} & set(options):
+            options.update({k: meta[k] for k in ("memory_limit", "memory_limit_bytes") if meta.get(k) is not None})
         return cls(
             stages,
             params,

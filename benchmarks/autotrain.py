@@ -1,0 +1,237 @@
+"""Trainer(schedule_name="auto") against 1F1B and ZB-H1 on a mid-size GPT, measured side by side.
+
+    python -m benchmarks --only autoschedule        # runs this after the modeled grid
+    python -m benchmarks.autotrain [--quick]        # this part alone
+
+The model: a character GPT on this repository's docs (tied embedding, width 256,
+4 blocks of causal attention and an MLP, sequence 64), batch 16 in 8
+microbatches, AdamW, cut into 2 stages after block 1 (2 workers, one core each:
+the work runs in a child process with single-threaded XLA). The Trainers
+(1F1B, ZB-H1, auto with no limit, auto within ZB-H1's memory of S microbatches)
+step on the same batches, interleaved round by round; the auto ones run first in
+round 0, so their timed first step is a first step (every call compiles). The 2
+warm-up rounds are the auto Trainers' two timed steps. Reported: median step
+times of the rounds after them, the plans each ran modeled under the costs of 3
+later timed steps of the auto Trainer, and its costs as measured in its first
+step, in its second (what it planned for) and in those later steps. Every
+candidate's losses are checked against the others' (one computation, several
+schedules).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+from benchmarks.timing import run_section
+
+
+def _config(quick: bool) -> dict:
+    if quick:
+        return {"width": 32, "blocks": 2, "seq": 16, "batch": 8, "microbatches": 4, "rounds": 3, "heads": 4}
+    return {"width": 256, "blocks": 4, "seq": 64, "batch": 16, "microbatches": 8, "rounds": 25, "heads": 4}
+
+
+def _model(c: dict):
+    """``(loss, params, batches)``: the mid GPT, its parameters and a batch maker."""
+    import importlib.util
+    from pathlib import Path
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import vjpsplit_cli as vs
+
+    path = Path(__file__).resolve().parents[1] / "samples" / "pipeline" / "train_gpt.py"
+    spec = importlib.util.spec_from_file_location("train_gpt", path)
+    g = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(g)
+    ids, vocab = g.corpus()
+    W, T, H, nb = c["width"], c["seq"], c["heads"], c["blocks"]
+
+    def block(p, h):
+        x = g.rms(h)
+        q, k, v = (jnp.einsum("btd,dhe->bthe", x, p[n]) for n in ("q", "k", "v"))
+        scores = jnp.einsum("bqhe,bkhe->bhqk", q, k) / np.sqrt(q.shape[-1])
+        att = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((T, T), bool))[None, None], scores, -1e9), -1)
+        h = h + jnp.einsum("bhqk,bkhe,hed->bqd", att, v, p["o"])
+        return h + jax.nn.gelu(g.rms(h) @ p["up"]) @ p["down"]
+
+    def loss(params, tokens, labels):
+        h = jnp.take(params["embed"], tokens, axis=0) + params["pos"]
+        for i, p in enumerate(params["blocks"]):
+            h = block(p, h)
+            if i == nb // 2 - 1:
+                h = vs.stage_boundary(h)
+        lp = jax.nn.log_softmax(g.rms(h) @ params["embed"].T)
+        return -jnp.mean(jnp.take_along_axis(lp, labels[..., None], -1))
+
+    rng = np.random.default_rng(0)
+
+    def n(*shape, scale):
+        return (rng.normal(size=shape) * scale).astype(np.float32)
+
+    e = W // H
+    blocks = [
+        {
+            **{k: n(W, H, e, scale=W**-0.5) for k in ("q", "k", "v")},
+            "o": n(H, e, W, scale=W**-0.5 / 2),
+            "up": n(W, 4 * W, scale=W**-0.5),
+            "down": n(4 * W, W, scale=(4 * W) ** -0.5 / 2),
+        }
+        for _ in range(nb)
+    ]
+    params = {"embed": n(vocab, W, scale=0.02), "pos": n(T, W, scale=0.01), "blocks": blocks}
+    data = np.random.default_rng(1)
+
+    def batch():
+        starts = data.integers(0, len(ids) - T - 1, c["batch"])
+        win = np.stack([ids[s : s + T + 1] for s in starts])
+        return win[:, :-1], win[:, 1:]
+
+    return loss, params, batch
+
+
+def measure(quick: bool) -> dict:
+    """Step times of each Trainer (interleaved rounds), the auto Trainer's costs, each schedule's modeled makespan."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax import export as jexport
+
+    import vjpsplit_cli as vs
+    from vjpsplit_cli import pipeline as P
+    from vjpsplit_cli.pipeline.schedules.modeled import modeled_makespan
+
+    c = _config(quick)
+    loss, params, batch = _model(c)
+    (b,) = jexport.symbolic_shape("b")
+    spec = jax.ShapeDtypeStruct
+    tree = jax.tree_util.tree_map(lambda a: spec(a.shape, a.dtype), params)
+    tokens = spec((b, c["seq"]), jnp.int32)
+    stages = vs.export_stages(loss, tree, tokens, tokens, wrt="params", platforms="cpu")
+    S, m = len(stages), c["microbatches"]
+    kw = dict(optimizer=optax.adamw(1e-3), microbatches=m)
+    trainers = {
+        "auto": P.Trainer(stages, params, schedule_name="auto", **kw),
+        f"auto, limit {S}": P.Trainer(stages, params, schedule_name="auto", memory_limit=S, **kw),
+        "1F1B": P.Trainer(stages, params, schedule_name="1f1b", **kw),
+        "ZB-H1": P.Trainer(stages, params, schedule_name="zbh1", **kw),
+    }
+    warmup, rounds = 2, c["rounds"]
+    times: dict[str, list[float]] = {k: [] for k in trainers}
+    losses: dict[str, list[float]] = {k: [] for k in trainers}
+    measured = {}
+    for i in range(warmup + rounds):
+        x = batch()
+        for k, tr in trainers.items():
+            t0 = time.perf_counter()
+            losses[k].append(tr.step(x))
+            if i >= warmup:
+                times[k].append(time.perf_counter() - t0)
+        if i < 2:  # the auto Trainer's two timed steps: it planned for the second's costs
+            measured["first step" if i == 0 else "second step"] = trainers["auto"].costs()
+    ran = {k: tr.last_result.plans for k, tr in trainers.items()}
+    auto = trainers["auto"]
+    for _ in range(3):  # later timed steps: times without compiling; auto plans again for them
+        auto.step(batch(), timed=True)
+    later = measured["later timed steps"] = auto.costs()
+    one = trainers["1F1B"]
+    one.step(batch(), timed=True)  # its whole backwards, against the split ones' B + W
+    whole = [
+        statistics.median(e.end - e.start for e in one.last_result.events if e.stage == s and e.kind == "B")
+        for s in range(S)
+    ]
+    for k in losses:
+        np.testing.assert_allclose(losses[k], losses["1F1B"], rtol=1e-4)
+    rows = [
+        {
+            "candidate": k,
+            "step": statistics.median(times[k]),
+            "modeled": modeled_makespan(ran[k], later),
+        }
+        for k in trainers
+    ]
+    replanned = modeled_makespan(auto.plan.plans, later)
+    for tr in trainers.values():
+        tr.close()
+    return {
+        "config": {**c, "stages": S},
+        "rows": rows,
+        "costs": measured,
+        "replanned": replanned,
+        "whole": whole,
+        "load": os.getloadavg()[0],
+    }
+
+
+def _ms(v: float) -> str:
+    return f"{v * 1e3:.2f}"
+
+
+def table(data: dict) -> str:
+    """The markdown report of one run."""
+    c = data["config"]
+    base = next(r for r in data["rows"] if r["candidate"] == "1F1B")
+    lines = [
+        f"Char GPT (width {c['width']}, {c['blocks']} blocks, sequence {c['seq']}, tied embedding), batch "
+        f"{c['batch']} in {c['microbatches']} microbatches, AdamW, {c['stages']} stages on 2 workers of one core "
+        f"each; medians of {c['rounds']} interleaved steps after 2 warm-up rounds; load average "
+        f"{data['load']:.1f} when done.",
+        "",
+        "| candidate | step time | vs 1F1B | modeled makespan (costs of 3 later timed steps) | vs 1F1B |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in data["rows"]:
+        lines.append(
+            f"| {r['candidate']} | {_ms(r['step'])} ms | {r['step'] / base['step']:.2f}× | {_ms(r['modeled'])} ms | "
+            f"{r['modeled'] / base['modeled']:.2f}× |"
+        )
+    lines += [
+        "",
+        f"The auto Trainer planned again after 3 later timed steps: {_ms(data['replanned'])} ms modeled under "
+        "their costs.",
+    ]
+    lines += [
+        "",
+        "| costs (ms) | stage | F | B | W | send | a whole backward (1F1B's, timed at the end) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for when, costs in data["costs"].items():
+        for s in range(c["stages"]):
+            send = _ms(costs["comm"]) if s == 0 else ""
+            fused = _ms(data["whole"][s]) if when == "later timed steps" else ""
+            lines.append(
+                f"| {when} | {s} | {_ms(costs['F'][s])} | {_ms(costs['B'][s])} | {_ms(costs['W'][s])} | {send} | "
+                f"{fused} |"
+            )
+    return "\n".join(lines)
+
+
+def run(quick: bool) -> tuple[str, list[dict]]:
+    """Measure in a single-threaded child process; return the markdown report and the rows."""
+    return run_section("benchmarks.autotrain", quick, table)
+
+
+def main(argv=None) -> int:
+    """``--child``: measure and print JSON (run by ``run``); otherwise run the section and print its report."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(measure(args.quick)))
+        return 0
+    print(run(args.quick)[0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

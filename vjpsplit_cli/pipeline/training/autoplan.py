@@ -1,0 +1,210 @@
+"""``schedule_name="auto"`` for the Trainer: timed first steps, then ``auto_schedule``'s plans for what they measured.
+
+``AutoPlan`` holds the memory limit (microbatches per worker, or bytes per
+worker turned into microbatches by the stages' manifests) and decides, step by
+step, what runs:
+
+1. The first step runs the best built-in schedule that fits the limit and times
+   every stage's W: ZB-H1 where every stage has the split backward, 1F1B where
+   none has it; otherwise, or where neither fits the limit, ``auto_schedule``'s
+   plans for equal costs (F = B = W), which split exactly the stages that can.
+   The backend runs it as a timed step (``timed=True``).
+2. From its timeline (``measured.CostSamples``) every stage's F, B and W and the
+   send time; ``auto_schedule`` plans for them within the limit. Where the
+   measuring step's own plans are faster under those costs, they stay.
+3. The second step runs those plans, timed too: a first step is the first run
+   of every call, slower than the steps after it even with its compiling left
+   out (``measured``). ``auto_schedule`` plans again for the second step's costs.
+4. Every following step runs those plans, untimed; a ``step(batch, timed=True)``
+   adds its times to the kept ones and auto plans again. The history records
+   which schedule ran and its modeled makespan under the measured costs
+   (seconds); ``measuring`` marks the two timed steps.
+
+A limit in bytes counts what a worker holds per microbatch in flight from its
+stage's manifest: the stored residuals from F until B (the "residuals" column of
+``vjpsplit inspect DIR``), or, between a split B and its W, the stored residuals
+W reads plus the intermediates B hands it, whichever is larger; symbolic dims
+sized by the actual microbatch. Parameters, optimizer state and the stage's
+inputs (the activation it received, which the backward reads in place) are not
+counted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from ...errors import VjpsplitError
+from ...files import keys
+from ...files.dtypes import dtype_from_name
+from ...files.shapes import bind_dims, concrete_shape
+from ...files.sizes import human_bytes, parse_bytes
+from ..runtime.model import Microbatch, side_for
+from ..schedules.auto import auto_schedule, built_in_candidates
+from ..schedules.builtins import schedule
+from ..schedules.layout import Layout
+from ..schedules.modeled import memory_limits, modeled_makespan
+from ..schedules.ops import Op
+from ..schedules.plans import Resolved, check_plans
+
+AUTO = "auto"
+MEASURING_STEPS = 2  # the timed steps an auto Trainer starts with: the first measures, the second again
+UNIT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0}  # what the measuring step's plans assume, before anything is measured
+
+
+def _shape(leaf: Any, dims: dict[str, int], stage: int) -> tuple[int, ...]:
+    shape = concrete_shape(leaf.shape, dims)
+    if shape is None:
+        raise VjpsplitError(
+            f"memory_limit_bytes: stage {stage}'s leaf '{leaf.key}' {list(leaf.shape)} has a dim the batch does not "
+            "size; give memory_limit= in microbatches instead"
+        )
+    return shape
+
+
+def _leaf_bytes(leaf: Any, dims: dict[str, int], stage: int) -> int:
+    return int(np.prod(_shape(leaf, dims, stage), dtype=np.int64)) * dtype_from_name(leaf.dtype).itemsize
+
+
+def _bind(stage: int, leaves: Sequence[Any], shapes: Sequence[tuple[int, ...]], dims: dict[str, int]) -> None:
+    for leaf, shape in zip(leaves, shapes):
+        if not bind_dims(f"stage {stage}: input '{leaf.key}'", leaf.shape, shape, dims):
+            raise VjpsplitError(
+                f"stage {stage}: input '{leaf.key}' is {list(shape)}, its manifest says {list(leaf.shape)}"
+            )
+
+
+def microbatch_bytes(artifacts: Sequence[Any], mb: Microbatch) -> list[int]:
+    """Per stage, the bytes one microbatch ``mb`` in flight holds (see the module docstring).
+
+    The dims come from the microbatch's arrays and, stage by stage, from the shapes
+    each stage's outputs take (what the next stage receives).
+    """
+    x, side = mb
+    S, out = len(artifacts), []
+    sent: list[tuple[int, ...]] = []
+    for s, art in enumerate(artifacts):
+        m = art.manifest
+        given = [
+            tuple(np.shape(v))
+            for v in jax.tree_util.tree_leaves((x, *side_for(side, 0, S)) if s == 0 else side_for(side, s, S))
+        ]
+        inputs = [leaf for leaf in m.inputs if keys.arg_of(leaf.key) != m.arg_names[0]]
+        dims: dict[str, int] = {}
+        _bind(s, inputs, given if s == 0 else [*sent, *given], dims)
+        stored = {r.key: _leaf_bytes(r, dims, s) for r in m.stored_residuals}
+        held = sum(stored.values())
+        if m.weights:
+            w_part = sum(stored[k] for k in m.weight_residuals) + sum(_leaf_bytes(c, dims, s) for c in m.intermediates)
+            held = max(held, w_part)
+        out.append(held)
+        outs = [o for o in m.outputs if o.key in m.out_keys]
+        sent = [_shape(o, dims, s) for o in outs]
+    return out
+
+
+def _per_worker(value: Any, n: int, what: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise VjpsplitError(f"{what} must be one value or one per worker ({n}), not {len(value)} values")
+        return list(value)
+    return [value] * n
+
+
+class AutoPlan:
+    """What an ``auto`` Trainer runs: a timed measuring step, then ``auto_schedule``'s plans for its costs."""
+
+    def __init__(
+        self,
+        artifacts: Sequence[Any],
+        microbatches: int,
+        memory_limit: int | Sequence[int] | None,
+        memory_limit_bytes: int | str | Sequence[int | str] | None,
+    ):
+        self.artifacts = list(artifacts)
+        S = self.num_stages = len(self.artifacts)
+        self.microbatches = microbatches
+        if memory_limit is not None and memory_limit_bytes is not None:
+            raise VjpsplitError("give memory_limit (microbatches) or memory_limit_bytes, not both")
+        self.memory_limit, self.memory_limit_bytes = memory_limit, memory_limit_bytes
+        self.limits: tuple[int, ...] | None = None
+        if memory_limit_bytes is None:
+            self.limits = memory_limits(memory_limit, S, microbatches)  # a bad limit is refused now
+            self.byte_limits: list[int] = []
+        else:
+            self.byte_limits = [parse_bytes(v) for v in _per_worker(memory_limit_bytes, S, "memory_limit_bytes")]
+        self.split = [bool(a.manifest.weights) for a in self.artifacts]
+        self.layout = Layout.of_schedule("1f1b", S)  # worker w runs stage w
+        self.plans: list[list[Op]] | None = None  # auto's plans, once measured
+        self.makespan: float | None = None
+        self.measured_with: Resolved | None = None
+        self.steps_timed = 0
+
+    @property
+    def current(self) -> Resolved:
+        """The Trainer's plan: named ``auto``, its plans once measured (none before)."""
+        return Resolved(AUTO, self.plans or [], self.layout)
+
+    def next_step(self, mbs: Sequence[Microbatch]) -> tuple[Resolved, bool]:
+        """What the next step runs on ``mbs``, and whether it is the timed measuring step."""
+        if self.plans is None:
+            return self.measuring(mbs[0]), True
+        return self.current, self.steps_timed < MEASURING_STEPS
+
+    def after(self, ran: Resolved, costs: Callable[[], dict[str, Any]], timed: bool) -> dict[str, Any]:
+        """The history's entries for the step that ran ``ran``: its schedule and ``modeled_makespan`` (seconds,
+        under the measured costs). After a timed step (the first, or ``step(batch, timed=True)``) auto plans again
+        for the costs ``costs()`` gives (medians over the timed steps kept)."""
+        if not timed:
+            return {"schedule": AUTO, "modeled_makespan": self.makespan}
+        measuring, measured = self.steps_timed < MEASURING_STEPS, costs()
+        self.steps_timed += 1
+        row = {"schedule": ran.name, "modeled_makespan": modeled_makespan(ran.plans, measured)}
+        self.choose(measured)
+        return {**row, "measuring": True} if measuring else row
+
+    def limits_for(self, mb: Microbatch) -> tuple[int, ...]:
+        """Per worker, the most microbatches it may hold: the limit given, or bytes over what one microbatch holds."""
+        if self.limits is None:
+            held = microbatch_bytes(self.artifacts, mb)
+            counts = []
+            for s, (limit, b) in enumerate(zip(self.byte_limits, held)):
+                if b > limit:
+                    raise VjpsplitError(
+                        f"memory_limit_bytes={limit} ({human_bytes(limit)}) on worker {s}: one microbatch of stage {s} "
+                        f"holds {b} bytes ({human_bytes(b)}); no plan fits. Give at least {b} bytes, or more "
+                        "(smaller) microbatches"
+                    )
+                counts.append(self.microbatches if b == 0 else min(self.microbatches, limit // b))
+            self.limits = tuple(counts)
+        return self.limits
+
+    def measuring(self, mb: Microbatch) -> Resolved:
+        """The first step's schedule: the best built-in that fits and times every W, else auto for equal costs."""
+        S, m = self.num_stages, self.microbatches
+        limits = self.limits_for(mb)
+        fits = built_in_candidates(S, m, limits)
+        name = "zbh1" if all(self.split) else ("1f1b" if not any(self.split) else None)
+        if name in fits:
+            plans = schedule(name, S, m)
+        else:
+            name, plans = AUTO, auto_schedule(self.artifacts, m, costs=UNIT_COSTS, memory_limit=list(limits))
+        self.measured_with = Resolved(name, plans, self.layout)
+        return self.measured_with
+
+    def choose(self, costs: dict[str, Any]) -> None:
+        """``auto_schedule``'s plans for the measured ``costs`` within the limit (the measuring plans if faster)."""
+        assert self.limits is not None and self.measured_with is not None  # the measuring step ran
+        plans = auto_schedule(self.artifacts, self.microbatches, costs=costs, memory_limit=list(self.limits))
+        span = modeled_makespan(plans, costs)
+        theirs = modeled_makespan(self.measured_with.plans, costs)
+        if theirs < span:
+            plans, span = self.measured_with.plans, theirs
+        check_plans(plans, self.num_stages, self.microbatches)
+        self.plans, self.makespan = plans, span
+
+    def record(self) -> dict[str, Any]:
+        """What a checkpoint records to go on: the limit as given (``restore`` measures again)."""
+        return {"memory_limit": self.memory_limit, "memory_limit_bytes": self.memory_limit_bytes}

@@ -1,0 +1,185 @@
+"""Measured costs: every stage's F, B and W seconds and the send time, from the timelines of timed steps.
+
+``CostSamples`` keeps, for the last ``COST_STEPS`` timed steps (steps whose
+events are the operations' compute times), each operation's seconds by stage
+and kind, and the send gaps; ``costs`` gives them in the form
+``auto_schedule`` takes: medians over those steps' microbatches. A Trainer's
+first step counts only until another step is timed: it is the first run of
+every call (on 2 shared cores the mid GPT's first step timed its operations at
+up to 1.9 times what later steps did, compiling left out; docs/pipeline.md).
+
+* **F, B, W.** A split B (a W follows it in the plans) and its W are timed as
+  they ran. A whole backward timed on a stage that has the split backward is
+  cut into B and W by the stage's own FLOPs: XLA's count of its ``bwd_input``
+  and ``bwd_weight`` modules (half each where the backend counts none). A stage
+  without the split has only whole backwards: ``B`` is all of it and ``W`` is 0,
+  which is what ``auto_schedule`` charges such a stage (B + W).
+* **Compiling.** A step that traces or compiles is slower for it, and on a
+  shared host so are the operations of other workers meanwhile. An operation
+  that ran while this process traced, lowered or compiled (``jax.monitoring``'s
+  compile events) is left out. So are, in a Trainer's first step, the first two
+  operations of each stage and kind: they compile the calls (the first F runs
+  the artifact's checked forward, the second compiles the jitted one; the first
+  B and W the calls that start the gradient sum, the second those that add to
+  it), which on Ray happens in the actors, out of this process's sight. Where
+  that leaves none of a stage and kind, its last one counts.
+* **Sends.** ``comm`` is the median gap from the end of an operation to the start
+  of the one on the next worker that reads its result (F to the next stage's F,
+  B to the previous stage's B), counted only where that worker was idle
+  (its previous operation had ended): the time from a result existing to the
+  next worker computing on it, which is how ``auto_schedule``'s plans are
+  played. It costs nothing beyond the timeline the step keeps anyway. On Ray it
+  includes the object store and the actor call, and the clock offsets measured
+  at start (a negative gap counts as 0).
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections import deque
+from typing import Any, Collection, Sequence
+
+import jax
+
+from ...errors import VjpsplitError
+from ..runtime.result import PipelineResult
+from ..schedules.ops import Kind, split_ops
+from ..schedules.timeline import Event
+from ..stages.exporting import module_flops
+
+COST_STEPS = 16  # the timed steps whose operation times ``costs`` takes medians over
+COMPILING = 2  # the operations of each stage and kind that compile in a Trainer's first step
+COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+_compiles: deque[tuple[float, float]] = deque(maxlen=4096)  # this process's latest compile phases, monotonic seconds
+
+# One timed step: per (stage, kind) the operations' seconds, kind "BW" for a whole backward; the send gaps.
+_Step = tuple[dict[tuple[int, str], list[float]], list[float]]
+
+
+@functools.cache
+def listen_for_compiles() -> None:
+    """From now on, note when this process traces, lowers or compiles (once per process)."""
+    jax.monitoring.register_event_duration_secs_listener(_noted)
+
+
+def _noted(event: str, duration_secs: float, **kwargs: str | int) -> None:
+    if event in COMPILE_EVENTS:
+        end = time.monotonic()
+        _compiles.append((end - duration_secs, end))
+
+
+def counted(events: Sequence[Event], split: set[tuple[int, int]], first: bool) -> dict[tuple[int, str], list[Event]]:
+    """The operations whose times count, by stage and kind (``"BW"``: a whole backward); see the module docstring."""
+    t0, t1 = min((e.start for e in events), default=0.0), max((e.end for e in events), default=0.0)
+    spans = [(a, b) for a, b in list(_compiles) if b > t0 and a < t1]
+    groups: dict[tuple[int, str], list[Event]] = {}
+    for e in sorted(events, key=lambda e: e.start):
+        kind = "BW" if e.kind == Kind.B and (e.stage, e.mb) not in split else str(e.kind)
+        groups.setdefault((e.stage, kind), []).append(e)
+    out = {}
+    for key, group in groups.items():
+        keep = [
+            e
+            for j, e in enumerate(group)
+            if not (first and j < COMPILING) and not any(a < e.end and e.start < b for a, b in spans)
+        ]
+        out[key] = keep or group[-1:]
+    return out
+
+
+def step_samples(result: PipelineResult, first: bool) -> _Step:
+    """One timed step's counted operation seconds by stage and kind and its send gaps (``first``: the Trainer's
+    first step)."""
+    ops = counted(result.events, split_ops(result.plans), first)
+    keys = {(e.kind, e.mb, e.stage) for group in ops.values() for e in group}
+    times = {k: [e.end - e.start for e in group] for k, group in ops.items()}
+    return times, send_gaps(result.events, result.num_stages, keys)
+
+
+def send_gaps(
+    events: Sequence[Event], num_stages: int, counted: Collection[tuple[str, int, int]] | None = None
+) -> list[float]:
+    """Seconds from a result's end to the next worker starting on it, where that worker was idle (and, given
+    ``counted``, its operation's ``(kind, mb, stage)`` is among them)."""
+    by_op = {(e.kind, e.mb, e.stage): e for e in events}
+    before: dict[tuple[str, int, int], float] = {}  # each op's worker's previous op's end (-inf: none)
+    last: dict[int, float] = {}
+    for e in sorted(events, key=lambda e: e.start):
+        before[(e.kind, e.mb, e.stage)] = last.get(e.worker, float("-inf"))
+        last[e.worker] = e.end
+    gaps = []
+    for (kind, mb, s), e in by_op.items():
+        if kind == Kind.F and s > 0:
+            src = by_op.get((Kind.F, mb, s - 1))
+        elif kind == Kind.B and s < num_stages - 1:
+            src = by_op.get((Kind.B, mb, s + 1))
+        else:
+            continue
+        if counted is not None and (kind, mb, s) not in counted:
+            continue
+        if src is not None and src.worker != e.worker and before[(kind, mb, s)] <= src.end:
+            gaps.append(max(0.0, e.start - src.end))
+    return gaps
+
+
+class CostSamples:
+    """The operation times of the last ``COST_STEPS`` timed steps; ``costs`` gives their medians per stage."""
+
+    def __init__(self, artifacts: Sequence[Any]):
+        self.artifacts = list(artifacts)
+        self.steps: deque[_Step] = deque(maxlen=COST_STEPS)
+        self.first: _Step | None = None  # the Trainer's first step, while it is the only one timed
+        listen_for_compiles()
+        self._shares: dict[int, float] = {}
+
+    def add(self, result: PipelineResult, first: bool) -> None:
+        """Keep a timed step's samples (``first``: the Trainer's first step)."""
+        if first:
+            self.first = step_samples(result, first)
+        else:
+            self.steps.append(step_samples(result, first))
+
+    def input_share(self, stage: int) -> float:
+        """The share of stage ``stage``'s backward FLOPs in its input part (``bwd_input``), by XLA; 0.5 if unknown."""
+        if stage not in self._shares:
+            art = self.artifacts[stage]
+            b, w = module_flops(art, "bwd_input"), module_flops(art, "bwd_weight")
+            self._shares[stage] = b / (b + w) if b is not None and w is not None and b + w > 0 else 0.5
+        return self._shares[stage]
+
+    def costs(self) -> dict[str, Any]:
+        """``{"F": [...], "B": [...], "W": [...], "comm": c}`` in seconds: medians over the kept steps."""
+        kept = list(self.steps) or ([self.first] if self.first is not None else [])
+        if not kept:
+            raise VjpsplitError(
+                "no timed step has run yet: run trainer.step(batch, timed=True) first "
+                "(schedule_name='auto' times its first step itself)"
+            )
+        merged: dict[tuple[int, str], list[float]] = {}
+        gaps: list[float] = []
+        for ops, g in kept:
+            for k, v in ops.items():
+                merged.setdefault(k, []).extend(v)
+            gaps.extend(g)
+
+        def median(stage: int, kind: str) -> float | None:
+            v = merged.get((stage, kind))
+            return statistics.median(v) if v else None
+
+        F, B, W = [], [], []
+        for s, art in enumerate(self.artifacts):
+            F.append(median(s, "F") or 0.0)
+            b, w, whole = median(s, "B"), median(s, "W"), median(s, "BW")
+            if b is None or w is None:  # no split backward timed: the whole one, cut where the stage can split
+                whole = whole if whole is not None else b or 0.0
+                share = self.input_share(s) if art.manifest.weights else 1.0
+                b, w = whole * share, whole * (1.0 - share)
+            B.append(b)
+            W.append(w)
+        return {"F": F, "B": B, "W": W, "comm": statistics.median(gaps) if gaps else 0.0}
