@@ -33,7 +33,7 @@ def _tied_copies(trainer):
 def test_steps_equal_single_process_optax(schedule):
     params, batches, tx = gpt_params(), _batches(3), optax.adamw(1e-2)
     tr = P.Trainer(_stages(), params, optimizer=tx, schedule_name=schedule, microbatches=4)
-    losses = [tr.step(b) for b in batches]
+    losses = [tr.step(b, timed=i == 2) for i, b in enumerate(batches)]  # the last step timed: the same numbers
     ref_losses, ref_params = optax_reference(gpt, params, tx, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert losses[0] != losses[-1]
@@ -47,7 +47,9 @@ def test_steps_equal_single_process_optax(schedule):
     assert len(tr.backend.trainers) == 4 and tr.last_result.num_workers == (2 if schedule == "zbv" else 4)
     h = tr.history
     assert [e["step"] for e in h] == [1, 2, 3] and all(e["grad_norm"] > 0 and e["step_time"] > 0 for e in h)
-    assert all(0 <= e["bubble"] < 1 and 0 <= e["modeled_bubble"] < 1 for e in h)
+    assert all(np.isnan(e["bubble"]) and np.isnan(e["modeled_bubble"]) for e in h[:2])  # untimed: no timeline
+    assert 0 <= h[2]["bubble"] < 1 and 0 <= h[2]["modeled_bubble"] < 1
+    assert {e.stage for e in tr.last_result.events} == {0, 1, 2, 3} and tr.last_result.timed
 
 
 def test_global_norm_clipping_equals_optax_chain():

@@ -98,8 +98,22 @@ class RayBackend:
         self.worker_of = rp.layout.worker_of()
         self.actor_of = {s: rp.actors[w] for s, w in self.worker_of.items()}
 
+    @property
+    def placement(self) -> list[tuple[str, ...]]:
+        """Per stage, the devices that hold its parameters, as its actor's JAX names them."""
+        got: dict[int, list[str]] = {}
+        for part in self.rp.get([a.placement.remote() for a in self.rp.actors]):
+            got.update(part)
+        return [tuple(got[s]) for s in range(self.rp.num_stages)]
+
     def step(
-        self, mbs: Sequence[Microbatch], schedule: Resolved, microbatches: int, clip: float | None, progress: bool
+        self,
+        mbs: Sequence[Microbatch],
+        schedule: Resolved,
+        microbatches: int,
+        clip: float | None,
+        progress: bool,
+        timed: bool = False,
     ) -> tuple[PipelineResult, list[float]]:
         """One step on the actors: the schedule, then each stage's tied sums, squared norm and update."""
         rp, S = self.rp, self.rp.num_stages
@@ -110,7 +124,7 @@ class RayBackend:
                 f"this Trainer's actors hold {rp.layout.as_lists()}"
             )
         split = split_ops(plans)
-        rp.get([a.reset.remote() for a in rp.actors])
+        rp.get([a.reset.remote(timed) for a in rp.actors])
         t0 = time.monotonic()
 
         def submit(w: int, op: Op, data: Any, side: list[Any]) -> Any:
@@ -151,6 +165,7 @@ class RayBackend:
             grads=[None] * S,  # applied where they live
             events=rp.driver_events(states),
             extra={"compiled": False},
+            timed=timed,
         )
         return result, list(totals)
 

@@ -61,7 +61,14 @@ class Trainer:
     ``step_timeout``, ``schedule_timeout`` as ``RayPipeline`` takes them).
     ``progress=True`` shows a bar over steps with the loss. ``history`` keeps per
     step the loss, the gradients' global norm (before clipping), the step time and
-    the measured and modeled bubble.
+    the measured and modeled bubble (NaN for an untimed step).
+
+    In-process, every stage runs on a device of its own: ``devices`` gives one list
+    per stage (one device, or a sharded stage's mesh devices); by default worker k's
+    stages go to ``jax.local_devices()[k]`` where there are enough, else all share
+    the default device. ``placement`` says where each stage is. ``timeline=True``
+    times every step (``step(batch, timed=True)`` one step): each operation waits
+    for its results, and ``last_result`` holds their compute times.
     """
 
     def __init__(
@@ -83,6 +90,7 @@ class Trainer:
         actor_options: Sequence[Mapping[str, Any]] | None = None,
         step_timeout: float = STEP_TIMEOUT,
         schedule_timeout: float = SCHEDULE_TIMEOUT,
+        timeline: bool = False,
         _restored: tuple[Sequence[Snapshot], int] | None = None,
     ):
         clip_scale([], clip_global_norm)  # a bad value is refused now, not after the first step
@@ -109,6 +117,7 @@ class Trainer:
             step_timeout=step_timeout,
             schedule_timeout=schedule_timeout,
         )
+        self.timeline = timeline
         self.step_count = 0 if _restored is None else _restored[1]
         self._history = History(progress, self.step_count)
         self.last_result: PipelineResult | None = None
@@ -118,11 +127,23 @@ class Trainer:
         """Per step: ``step``, ``loss``, ``grad_norm`` (before clipping), ``step_time``, ``bubble``, ``modeled_bubble``."""
         return self._history.rows
 
-    def step(self, batch: tuple[Any, ...]) -> float:
-        """One optimizer step on ``batch`` (the function's batch inputs as a tuple); returns the step's loss."""
+    @property
+    def placement(self) -> list[tuple[Any, ...]]:
+        """Per stage, the devices that hold its parameters (``jax.Device``s in-process; on Ray, as each
+        actor's JAX names them)."""
+        return self.backend.placement
+
+    def step(self, batch: tuple[Any, ...], *, timed: bool | None = None) -> float:
+        """One optimizer step on ``batch`` (the function's batch inputs as a tuple); returns the step's loss.
+
+        ``timed=True`` waits for every operation and records its compute time in
+        ``last_result.events`` (for its timeline, or to measure the stages' costs);
+        it costs the overlap of dispatch with compute. Default: the Trainer's ``timeline``.
+        """
         t0 = time.monotonic()
         mbs = self.model.batch_microbatches(batch, self.microbatches)
-        r, sums = self.backend.step(mbs, self.plan, self.microbatches, self.clip_global_norm, False)
+        timed = self.timeline if timed is None else timed
+        r, sums = self.backend.step(mbs, self.plan, self.microbatches, self.clip_global_norm, False, timed=timed)
         _, norm = clip_scale(sums, None)
         self.step_count += 1
         self._history.record(self.step_count, r, norm, time.monotonic() - t0)

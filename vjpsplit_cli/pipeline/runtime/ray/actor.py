@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ...schedules.ops import Kind, Op
+from ..devices import placed, placement
 from ..worker import StageWorker, run_op
 
 
@@ -44,15 +45,23 @@ class StageActor:
         """Load ``(stage index, artifact bytes, params)`` for each stage this worker (``worker``) holds."""
         from ....artifact.loading import loads
 
+        arts = [loads(data, source=f"stage {s}") for s, data, _ in held]
+        # This actor is one worker: its stages on its first device (first devices, sharded), as in-process.
+        where = placement(arts, [tuple(range(len(arts)))])
         self.stage_workers = {
-            s: StageWorker(loads(data, source=f"stage {s}"), params, s, num_stages) for s, data, params in held
+            s: StageWorker(a, params, s, num_stages, g[0])
+            for (s, _, params), a, g in zip(held, placed(arts, where), where)
         }
         self.worker = worker
 
-    def reset(self) -> None:
-        """Forget the last step's residuals, gradients, timings and error."""
+    def placement(self) -> dict[int, list[str]]:
+        """Per stage held, the devices that hold its parameters, as this actor's JAX names them."""
+        return {s: [str(d) for d in st.devices] for s, st in self.stage_workers.items()}
+
+    def reset(self, timed: bool = True) -> None:
+        """Forget the last step's residuals, gradients, timings and error; ``timed``: the next step's mode."""
         for st in self.stage_workers.values():
-            st.reset()
+            st.reset(timed)
         self.error = None
 
     def op(
@@ -100,7 +109,7 @@ class StageActor:
         """The step's losses, timings (this process's clock) and first error; no arrays."""
         held = self.stage_workers.values()
         return {
-            "losses": {m: v for st in held for m, v in st.losses.items()},
+            "losses": {m: v for st in held for m, v in st.fetch_losses().items()},
             "events": [e for st in held for e in st.events],
             "error": self.error,
         }

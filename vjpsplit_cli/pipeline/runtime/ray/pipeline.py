@@ -145,8 +145,14 @@ class RayPipeline:
         schedule_name: str = "1f1b",
         progress: bool = False,
         schedule: Sequence[Sequence[Op]] | None = None,
+        timed: bool = True,
     ) -> PipelineResult:
-        """One training step under ``schedule_name`` (or the checked plans ``schedule``); gradients accumulate."""
+        """One training step under ``schedule_name`` (or the checked plans ``schedule``); gradients accumulate.
+
+        ``timed`` (default): each operation waits for its results and the result's
+        timeline holds their compute times; ``timed=False`` records none (a compiled
+        graph's steps are always timed).
+        """
         S = self.num_stages
         name, plans, layout = resolve(schedule_name, schedule, S, microbatches)
         self.model.check_plans(name, plans)
@@ -165,7 +171,7 @@ class RayPipeline:
             if graph is not None:
                 return self._run_graph(graph, mbs, name, microbatches, plans)
         self._drop_graph()  # its actors take ordinary calls again
-        self.get([a.reset.remote() for a in self.actors])
+        self.get([a.reset.remote(timed) for a in self.actors])
         t0 = time.monotonic()
         owners: list[int] = []
 
@@ -187,7 +193,7 @@ class RayPipeline:
                     bar.close()
         everyone = list(range(self.layout.num_workers))
         states = self.fetch([a.state.remote() for a in self.actors], everyone, t0)  # after each one's last op
-        return self._result(states, name, microbatches, time.monotonic() - t0, False, plans)
+        return self._result(states, name, microbatches, time.monotonic() - t0, False, plans, timed)
 
     def _graph(self, plans: Sequence[Sequence[Op]], microbatches: int, split: set[tuple[int, int]]) -> Any:
         """The step's compiled graph, built once per (plans, microbatches); None where unavailable."""
@@ -246,6 +252,7 @@ class RayPipeline:
         step_time: float,
         compiled: bool,
         plans: Sequence[Sequence[Op]],
+        timed: bool = True,
     ) -> PipelineResult:
         S = self.num_stages
         failed = [st["error"] for st in states if st["error"] is not None]
@@ -263,6 +270,7 @@ class RayPipeline:
             grads=self.model.gather([grads[s] for s in range(S)]),
             events=self.driver_events(states),
             extra={"compiled": compiled},
+            timed=timed,
         )
 
     def driver_events(self, states: Sequence[Mapping[str, Any]]) -> list[Any]:
