@@ -15,13 +15,12 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
-from ..runtime.dispatch import walk
 from ..runtime.model import Microbatch
 from ..runtime.ray.actor import StageActor, picklable
 from ..runtime.ray.pipeline import RUNNER, RayPipeline
 from ..runtime.result import PipelineResult, step_result
 from ..schedules.catalog import describe
-from ..schedules.ops import Op, split_ops
+from ..schedules.ops import split_ops
 from ..schedules.plans import Resolved
 from ...errors import VjpsplitError
 from .clipping import clip_scale
@@ -123,15 +122,8 @@ class RayBackend:
                 f"{describe(name)} lays the stages out as {layout.as_lists()}; "
                 f"this Trainer's actors hold {rp.layout.as_lists()}"
             )
-        split = split_ops(plans)
-        rp.get([a.reset.remote(timed) for a in rp.actors])
         t0 = time.monotonic()
-
-        def submit(w: int, op: Op, data: Any, side: list[Any]) -> Any:
-            s = (op.stage, op.mb) in split
-            return rp.actors[w].op.remote(op.kind, op.stage, op.mb, data, side, microbatches, s)
-
-        walk(plans, S, mbs, submit)
+        lists = rp.start_step(plans, mbs, microbatches, split_ops(plans), timed)
         holders = self.ownership.holders
         tied = {s: self.actor_of[s].tied.remote(s) for s in range(S) if holders[s]}
         sums = []
@@ -141,13 +133,15 @@ class RayBackend:
         owners = [self.worker_of[s] for s in range(S)]
         scale = 1.0
         if clip is not None:
-            got = rp.fetch(sums, owners, t0, hint=RESTORE_HINT)
+            got = rp.fetch(sums, owners, t0, hint=RESTORE_HINT, watch=lists)
             if all(v is not None for v in got):
                 scale = clip_scale(got, clip)[0]
         applied = [self.actor_of[s].apply.remote(s, scale) for s in range(S)]
         reports = [a.report.remote() for a in rp.actors]
         everyone = list(range(rp.layout.num_workers))
-        values = rp.fetch([*reports, *sums, *applied], [*everyone, *owners, *owners], t0, hint=RESTORE_HINT)
+        values = rp.fetch(
+            [*reports, *sums, *applied], [*everyone, *owners, *owners], t0, hint=RESTORE_HINT, watch=lists
+        )
         step_time = time.monotonic() - t0
         states = values[: len(reports)]
         failed = [st["error"] for st in states if st["error"] is not None]

@@ -16,6 +16,7 @@ import numpy as np
 from ...schedules.ops import Kind, Op
 from ..devices import placed, placement
 from ..worker import StageWorker, run_op
+from .lists import Inbox, Sender, run_list
 
 
 class StageActor:
@@ -29,7 +30,11 @@ class StageActor:
     def __init__(self) -> None:
         self.stage_workers: dict[int, StageWorker] = {}  # by stage index
         self.worker = -1
+        self.num_stages = 0
         self.error: BaseException | None = None
+        self.inbox = Inbox()
+        self.sender: Sender | None = None
+        self.worker_of: dict[int, int] = {}
 
     def ready(self) -> str:
         """This actor's Ray node id (answered as soon as the actor runs)."""
@@ -52,7 +57,42 @@ class StageActor:
             s: StageWorker(a, params, s, num_stages, g[0])
             for (s, _, params), a, g in zip(held, placed(arts, where), where)
         }
-        self.worker = worker
+        self.worker, self.num_stages = worker, num_stages
+
+    def connect(self, peers: Sequence[Any], worker_of: dict[int, int]) -> None:
+        """Every worker's actor handle and which worker holds each stage: where this one's results go."""
+        if self.sender is not None:
+            self.sender.connect(peers)
+        else:
+            self.sender = Sender(peers, self.fail)
+        self.worker_of = {int(s): int(w) for s, w in worker_of.items()}
+
+    def fail(self, e: BaseException) -> None:
+        """Record ``e`` as the step's error unless one came first (what ``report`` hands the driver)."""
+        if self.error is None:
+            self.error = picklable(e)
+
+    def run_step(
+        self,
+        step: int,
+        ops: Sequence[tuple[str, int, int]],
+        batch: dict[tuple[int, int], tuple[Any, list[Any]]],
+        microbatches: int,
+        split: set[tuple[int, int]],
+        timed: bool,
+    ) -> None:
+        """Step ``step``: reset, then this worker's list of operations (see ``lists.run_list``)."""
+        self.reset(timed)
+        self.inbox.begin(step)
+        run_list(self, step, ops, batch, microbatches, split)
+
+    def deliver(self, step: int, items: Sequence[tuple[tuple[str, int, int], Any]]) -> None:
+        """Results another worker sent for step ``step`` (runs in the ``inbox`` concurrency group)."""
+        self.inbox.put(step, items)
+
+    def abort(self, step: int) -> None:
+        """Stop waiting for step ``step``'s inputs: a worker is gone (runs in the ``inbox`` group)."""
+        self.inbox.abort(step)
 
     def placement(self) -> dict[int, list[str]]:
         """Per stage held, the devices that hold its parameters, as this actor's JAX names them."""
