@@ -50,6 +50,9 @@ def test_steps_equal_single_process_optax(schedule):
     assert all(np.isnan(e["bubble"]) and np.isnan(e["modeled_bubble"]) for e in h[:2])  # untimed: no timeline
     assert 0 <= h[2]["bubble"] < 1 and 0 <= h[2]["modeled_bubble"] < 1
     assert {e.stage for e in tr.last_result.events} == {0, 1, 2, 3} and tr.last_result.timed
+    # One device here: every stage shares it (tests/devices checks a device each).
+    assert tr.placement == [(jax.devices()[0],)] * 4
+    assert all(a.devices() == {jax.devices()[0]} for t in tr.backend.trainers for a in t.params.values())
 
 
 def test_global_norm_clipping_equals_optax_chain():
