@@ -22,7 +22,7 @@ from ..schedules.ops import Op, split_ops
 from ..schedules.plans import resolve
 from ..stages.directory import PerStage, Stages
 from .devices import placed, placement
-from .dispatch import Submit, progress_bar, walk
+from .dispatch import Order, Submit, progress_bar, walk
 from .model import Microbatch, model_of, side_for
 from .result import PipelineResult, step_result
 from .worker import StageWorker, run_op
@@ -115,13 +115,17 @@ def run_inprocess(
 
 
 def dispatch(
-    workers: Sequence[StageWorker], plans: Sequence[Sequence[Op]], mbs: Sequence[Microbatch], microbatches: int
+    workers: Sequence[StageWorker],
+    plans: Sequence[Sequence[Op]],
+    mbs: Sequence[Microbatch],
+    microbatches: int,
+    order: Order | None = None,
 ) -> None:
     """One step of ``plans`` on the stages' ``workers`` (reset first), every operation dispatched from this thread.
 
     Nothing waits: each operation is handed to its stage's device as soon as the
     operations it reads are (the one play of plans' order), and ``jit``'s
-    asynchronous dispatch runs the devices side by side.
+    asynchronous dispatch runs the devices side by side. ``order``: ``dispatch.order_of(plans)``, if kept.
     """
     for st in workers:
         st.reset(timed=False)
@@ -131,7 +135,7 @@ def dispatch(
     def submit(w: int, op: Op, data: Any, side: list[Any]) -> Any:
         return run_op(workers[op.stage], op, data, side, microbatches, (op.stage, op.mb) in split, w)
 
-    walk(plans, len(workers), mbs, submit)
+    walk(plans, len(workers), mbs, submit, order)
 
 
 def run_threads(

@@ -14,12 +14,12 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 from ..runtime.devices import Devices
+from ..runtime.dispatch import Order, order_of
 from ..runtime.inprocess import RUNNER, WorkerThreads, dispatch, run_threads
 from ..runtime.model import Microbatch
 from ..runtime.result import PipelineResult, step_result
 from ..runtime.worker import StageWorker
 from ..schedules.ops import Op
-from ..schedules.play import sweep
 from ..schedules.plans import Resolved
 from .clipping import clip_scale
 from .ownership import Ownership, Snapshot
@@ -75,6 +75,7 @@ class InProcessBackend:
             for s, w in enumerate(workers)
         ]
         self.threads: WorkerThreads | None = None
+        self.orders: tuple[Any, Order, list[int]] | None = None  # plans, their dispatch order, the finishing order
 
     @property
     def placement(self) -> list[tuple[Any, ...]]:
@@ -98,8 +99,9 @@ class InProcessBackend:
         if timed:
             sums = self._threaded(mbs, schedule, microbatches, clip, progress)
         else:
-            dispatch(workers, schedule.plans, mbs, microbatches)
-            sums = self._finish(schedule, clip)
+            order, finishing = self._orders(schedule.plans)
+            dispatch(workers, schedule.plans, mbs, microbatches, order)
+            sums = self._finish(finishing, clip)
         losses = workers[-1].fetch_losses()
         step_time = time.monotonic() - t0
         result = step_result(
@@ -116,14 +118,22 @@ class InProcessBackend:
         )
         return result, [sums[s] for s in range(S)]
 
-    def _finish(self, schedule: Resolved, clip: float | None) -> dict[int, float]:
+    def _orders(self, plans: list[list[Op]]) -> tuple[Order, list[int]]:
+        """The plans' dispatch order and the stages' finishing order, worked out once for the same plans."""
+        if self.orders is None or self.orders[0] is not plans:  # held here, so their id is not reused
+            order = order_of(plans, len(self.trainers))
+            last = {op.stage: i for i, (_, op, _) in enumerate(order)}
+            self.orders = (plans, order, sorted(last, key=last.__getitem__))
+        return self.orders[1], self.orders[2]
+
+    def _finish(self, finishing: Sequence[int], clip: float | None) -> dict[int, float]:
         """The untimed step's last phases, from this thread: each stage's update as soon as it can go."""
         own, trainers = self.ownership, self.trainers
         scale = (lambda v: 1.0) if clip is None else (lambda v: clip_scale(v, clip)[0])
         if own.tied or clip is not None:  # every stage needs the others' parts first
             return dict(zip(range(len(trainers)), finish_stages(trainers, lambda part: part, scale, own.tied)))
         sums: dict[int, float] = {}
-        for s in finishing_order(schedule.plans, len(trainers)):  # the stage done first updates first
+        for s in finishing:  # the stage whose last operation comes first updates first
             sums[s] = finish_stages([trainers[s]], lambda part: part, scale, False)[0]
         return sums
 
@@ -164,11 +174,3 @@ class InProcessBackend:
         if self.threads is not None:
             self.threads.close()
             self.threads = None
-
-
-def finishing_order(plans: Sequence[Sequence[Op]], num_stages: int) -> list[int]:
-    """The stages in the order their last operation comes in the one play of ``plans``."""
-    last: dict[int, int] = {}
-    for i, (_, op, _, _, _) in enumerate(sweep(plans, num_stages)):
-        last[op.stage] = i
-    return sorted(last, key=last.__getitem__)
