@@ -88,41 +88,58 @@ class Sender:
         self.deliveries = [p.deliver.options(concurrency_group=INBOX) for p in peers]
 
     def send(self, step: int, worker: int, key: Key, value: Any) -> None:
-        """Deliver ``value`` (None: failed or skipped) to ``worker`` as step ``step``'s ``key``."""
-        self.queue.put((step, worker, key, value))
+        """Deliver ``value`` (None: failed or skipped) to ``worker`` as step ``step``'s ``key``.
+
+        A value already computed (a timed step's) goes at once from this thread; one still
+        being computed goes from the sender's, so that this thread dispatches on meanwhile.
+        """
+        if _ready(value):
+            self._deliver([(step, worker, key, value)])
+        else:
+            self.queue.put((step, worker, key, value))
 
     def flush(self) -> None:
         """Wait until everything sent so far has been handed to Ray."""
         self.queue.join()
 
     def _serve(self) -> None:
-        import jax
-        import numpy as np
-
         while True:
-            first = self.queue.get()
-            batch = [first]
+            batch = [self.queue.get()]
             while True:
                 try:
                     batch.append(self.queue.get_nowait())
                 except queue.Empty:
                     break
-            calls: dict[tuple[int, int], list[tuple[Key, Any]]] = {}
-            for step, worker, key, value in batch:
-                if value is not None:
-                    try:
-                        value = jax.tree_util.tree_map(np.asarray, value)  # the object store holds host arrays
-                    except BaseException as e:  # noqa: BLE001 - reported by the actor; the receiver skips
-                        self.on_error(e)
-                        value = None
-                calls.setdefault((step, worker), []).append((key, value))
-            for (step, worker), items in calls.items():
-                try:
-                    self.deliveries[worker].remote(step, items)
-                except BaseException as e:  # noqa: BLE001 - a dead peer: the driver names it
-                    self.on_error(e)
+            self._deliver(batch)
             for _ in batch:
                 self.queue.task_done()
+
+    def _deliver(self, batch: Sequence[tuple[int, int, Key, Any]]) -> None:
+        """One call per receiving worker for ``batch``'s values, copied to the host first."""
+        import jax
+        import numpy as np
+
+        calls: dict[tuple[int, int], list[tuple[Key, Any]]] = {}
+        for step, worker, key, value in batch:
+            if value is not None:
+                try:
+                    value = jax.tree_util.tree_map(np.asarray, value)  # the object store holds host arrays
+                except BaseException as e:  # noqa: BLE001 - reported by the actor; the receiver skips
+                    self.on_error(e)
+                    value = None
+            calls.setdefault((step, worker), []).append((key, value))
+        for (step, worker), items in calls.items():
+            try:
+                self.deliveries[worker].remote(step, items)
+            except BaseException as e:  # noqa: BLE001 - a dead peer: the driver names it
+                self.on_error(e)
+
+
+def _ready(value: Any) -> bool:
+    """Whether every array of ``value`` is computed (None counts as ready)."""
+    import jax
+
+    return all(a.is_ready() for a in jax.tree_util.tree_leaves(value) if isinstance(a, jax.Array))
 
 
 def destination(op: Op, num_stages: int) -> int | None:
