@@ -16,7 +16,7 @@ import numpy as np
 from ...schedules.ops import Kind, Op
 from ..devices import placed, placement
 from ..worker import StageWorker, run_op
-from .lists import Inbox, Sender, run_list
+from .lists import Inbox, Sender, run_list, unpack
 
 
 class StageActor:
@@ -86,9 +86,10 @@ class StageActor:
         self.inbox.begin(step)
         run_list(self, step, ops, batch, microbatches, split)
 
-    def deliver(self, step: int, items: Sequence[tuple[tuple[str, int, int], Any]]) -> None:
-        """Results another worker sent for step ``step`` (runs in the ``inbox`` concurrency group)."""
-        self.inbox.put(step, items)
+    def deliver(self, step: int, items: Sequence[tuple[tuple[str, int, int], Any]], *pieces: bytes) -> None:
+        """Results another worker sent for step ``step`` (runs in the ``inbox`` concurrency group); ``pieces``:
+        its arrays' bytes, where ``lists.pack`` cut them."""
+        self.inbox.put(step, unpack(items, pieces) if pieces else items)
 
     def abort(self, step: int) -> None:
         """Stop waiting for step ``step``'s inputs: a worker is gone (runs in the ``inbox`` group)."""

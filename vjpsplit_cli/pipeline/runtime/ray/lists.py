@@ -17,6 +17,7 @@ for it; ``abort`` releases a step's waits when a worker is gone.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 from typing import Any, Mapping, Sequence
@@ -130,16 +131,66 @@ class Sender:
             calls.setdefault((step, worker), []).append((key, value))
         for (step, worker), items in calls.items():
             try:
-                self.deliveries[worker].remote(step, items)
+                packed, pieces = pack(items)
+                self.deliveries[worker].remote(step, packed, *pieces)
             except BaseException as e:  # noqa: BLE001 - a dead peer: the driver names it
                 self.on_error(e)
+
+
+PIECE = 64 << 10  # below Ray's max_direct_call_object_size (100 KiB): such an argument rides inside the call
+PIECES_AT_MOST = 4 << 20  # a call's bytes sent as pieces; beyond them, arrays go through the object store
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pieces:
+    """An array sent as bytes in positional arguments ``first`` ... ``first + count - 1`` of the call."""
+
+    dtype: Any
+    shape: tuple[int, ...]
+    first: int
+    count: int
+
+
+def pack(items: Sequence[tuple[Key, Any]]) -> tuple[list[tuple[Key, Any]], list[bytes]]:
+    """``items`` with each array of a mid-size call cut into pieces small enough for Ray to send inside the
+    call rather than through its object store (on one host that saves a round trip per delivery)."""
+    import jax
+    import numpy as np
+
+    pieces: list[bytes] = []
+
+    def cut(a: Any) -> Any:
+        if not isinstance(a, np.ndarray) or a.nbytes <= PIECE or len(pieces) * PIECE + a.nbytes > PIECES_AT_MOST:
+            return a
+        raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        first = len(pieces)
+        pieces.extend(raw[i : i + PIECE].tobytes() for i in range(0, raw.size, PIECE))
+        return _Pieces(a.dtype, tuple(a.shape), first, len(pieces) - first)
+
+    return [(key, jax.tree_util.tree_map(cut, value)) for key, value in items], pieces
+
+
+def unpack(items: Sequence[tuple[Key, Any]], pieces: Sequence[bytes]) -> list[tuple[Key, Any]]:
+    """``pack``'s items back, each array whole."""
+    import jax
+    import numpy as np
+
+    def join(a: Any) -> Any:
+        if not isinstance(a, _Pieces):
+            return a
+        return np.frombuffer(b"".join(pieces[a.first : a.first + a.count]), a.dtype).reshape(a.shape)
+
+    return [
+        (key, jax.tree_util.tree_map(join, value, is_leaf=lambda x: isinstance(x, _Pieces))) for key, value in items
+    ]
 
 
 def _ready(value: Any) -> bool:
     """Whether every array of ``value`` is computed (None counts as ready)."""
     import jax
 
-    return all(a.is_ready() for a in jax.tree_util.tree_leaves(value) if isinstance(a, jax.Array))
+    arrays: list[Any] = [a for a in jax.tree_util.tree_leaves(value) if isinstance(a, jax.Array)]
+    return all(a.is_ready() for a in arrays)
 
 
 def destination(op: Op, num_stages: int) -> int | None:
