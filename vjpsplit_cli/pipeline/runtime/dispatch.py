@@ -11,7 +11,7 @@ bookkeeping.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ..schedules.ops import Kind, Op, OpKey, received
 from ..schedules.play import sweep
@@ -26,7 +26,12 @@ Order = list[tuple[int, Op, "OpKey | None"]]  # per operation in dispatch order:
 def order_of(plans: Sequence[Sequence[Op]], num_stages: int) -> Order:
     """The operations in the one play of plans' order, each with its worker and the operation whose result it
     takes (``ops.received``): what ``walk`` goes through, worth keeping where the same plans run every step."""
-    return [(w, op, received(op, deps)) for w, op, _, _, deps in sweep(plans, num_stages)]
+    return list(_order(plans, num_stages))
+
+
+def _order(plans: Sequence[Sequence[Op]], num_stages: int) -> Iterator[tuple[int, Op, OpKey | None]]:
+    for w, op, _, _, deps in sweep(plans, num_stages):
+        yield w, op, received(op, deps)
 
 
 def walk(
@@ -48,7 +53,8 @@ def walk(
     S = num_stages
     sent: dict[OpKey, Any] = {}  # by operation, the handles no other stage's operation has taken yet
     handles = []
-    for w, op, source in order_of(plans, S) if order is None else order:
+    # Played as it goes: plans that deadlock fail after what can run before the cycle.
+    for w, op, source in _order(plans, S) if order is None else order:
         if source is not None:
             data = sent.pop(source)
         elif op.kind == Kind.F:

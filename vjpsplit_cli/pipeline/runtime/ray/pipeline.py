@@ -50,7 +50,9 @@ class RayPipeline:
     ``nodes[w]`` is the Ray node id worker ``w`` runs on; ``clock_offsets[w]`` its
     clock minus the driver's (seconds). ``compiled=True`` runs each step as a Ray
     Compiled Graph (``None``: where Ray can compile it, else actor calls; default
-    False: one actor call per operation). A step whose results are not back within
+    False: one call per actor per step, its list of operations, whose results it
+    sends to the other actors itself; ``lists``). Each actor runs its stages on its
+    first device(s), as a worker in-process does. A step whose results are not back within
     ``step_timeout`` seconds is an error. ``artifacts`` may be a ``Stages``
     (``export_stages``): ``params`` is then the whole parameter pytree, ``run``
     takes the batch tuple, and the result's ``grads`` have ``params``' structure
