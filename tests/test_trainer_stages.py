@@ -179,3 +179,18 @@ def test_restore_runs_the_callers_plans_it_recorded(tmp_path):
     again = P.Trainer.restore(tmp_path / "ck", _stages(), optimizer=tx)
     assert again.plan.name == "custom" and again.plan.plans == plans
     np.testing.assert_array_equal(again.step(batches[1]), trainer.step(batches[1]))
+
+
+def test_timeline_times_every_step_and_an_untimed_step_says_how_to_time_it(tmp_path):
+    params, batches, tx = gpt_params(), _batches(2), optax.sgd(0.1)
+    timed = P.Trainer(_stages(), params, optimizer=tx, schedule_name="zbh1", microbatches=2, timeline=True)
+    plain = P.Trainer(_stages(), params, optimizer=tx, schedule_name="zbh1", microbatches=2)
+    assert [timed.step(b) for b in batches] == [plain.step(b) for b in batches]  # the same numbers
+    assert all(0 <= h["bubble"] < 1 for h in timed.history) and timed.last_result.timed
+    timed.last_result.plot(tmp_path / "t.png")
+    assert (tmp_path / "t.png").stat().st_size > 0
+    assert not plain.last_result.timed and plain.last_result.events == []
+    with pytest.raises(VjpsplitError, match=r"not timed.*trainer.step\(batch, timed=True\)"):
+        plain.last_result.plot(tmp_path / "u.png")
+    timed.close()
+    assert timed.backend.threads is None  # the timed steps' worker threads ended with the Trainer
