@@ -1,15 +1,17 @@
 """One prepared run for a machine with a GPU or TPU: correctness on the device, then the fwd+bwd,
-residual I/O and pipeline benchmarks, written as one JSON and one markdown report.
+residual I/O, pipeline and training benchmarks, written as one JSON and one markdown report.
 
-    bash benchmarks/accelerator.sh [OUTDIR]      # installs what is missing, then the run below; <= 8 min
+    bash benchmarks/accelerator.sh [OUTDIR]      # installs what is missing, then the run below; <= 10 min
     python -m benchmarks --accelerator [--quick] [--out OUTDIR] [--budget SECONDS]
 
 Steps, in order of worth: the environment (which device jax sees), a correctness pass
 (every benchmark workload exported, saved, loaded and run on the device under each
 policy, outputs and gradients against ``jax.value_and_grad`` there, plus a residual
 file round trip and a symbolic batch size), fwd+bwd against fused, residual I/O (host
-files, and the device-to-file path), and the pipeline schedules (in-process, stages
-exported for the device). A step that would not fit in what is left of the budget is
+files, and the device-to-file path), the pipeline schedules (in-process, stages
+exported for the device), and training across every visible device (a GPT cut into one
+stage per device, the Trainer's step against the ideal pipelined step, and the runner's
+own cost per operation; ``benchmarks/train.py``). A step that would not fit in what is left of the budget is
 skipped; a step that fails is reported and the next one runs. The report is rewritten
 after every step, so a run cut short still leaves what it measured.
 
@@ -37,15 +39,15 @@ import numpy as np
 
 import vjpsplit_cli as vs
 from benchmarks import io as io_bench
-from benchmarks import overhead, pipeline
+from benchmarks import overhead, pipeline, train
 from benchmarks.timing import interleaved
 from benchmarks.workloads import ALL, PERF
 
-BUDGET_S = 420  # the Python part; accelerator.sh keeps the whole command within 8 minutes
+BUDGET_S = 540  # the Python part; accelerator.sh keeps the whole command within 10 minutes
 POLICIES = ("everything", "dots", "nothing")
 RTOL = 1e-4  # of the largest magnitude, with matmuls at full f32 precision on both sides
 # Seconds each step is expected to take at most on an accelerator (compiles dominate), full and --quick.
-ESTIMATE = {"correctness": (90, 45), "overhead": (150, 60), "io": (60, 25), "pipeline": (120, 45)}
+ESTIMATE = {"correctness": (90, 45), "overhead": (150, 60), "io": (60, 25), "pipeline": (120, 45), "train": (120, 60)}
 
 
 def export_platform() -> str:
@@ -274,11 +276,27 @@ def pipeline_step(quick: bool) -> tuple[str, list[dict]]:
     return pipeline.table(data), data["rows"] + [dict(r, part="B+W") for r in data["bw"]]
 
 
+def train_step(quick: bool) -> tuple[str, list[dict]]:
+    """The Trainer across every visible device (one stage each, at least 2 stages), in-process, against the ideal."""
+    p = max(2, len(jax.local_devices()))
+    cfg = {
+        "tiny_rounds": 3 if quick else 6,
+        "tiny_block": 2,
+        "widths": [64] if quick else [256, 1024],
+        "gpt_rounds": 2 if quick else 4,
+        "gpt_block": 1,
+        "devices": p,
+    }
+    data = train.measure(quick, platform=export_platform(), ray=False, cfg=cfg)
+    return train.table(data), data["rows"] + [dict(r, part="tiny") for r in data["tiny"]["rows"]]
+
+
 STEPS = {
     "correctness": ("Correctness on the device (artifacts vs jax.value_and_grad)", correctness),
     "overhead": ("Forward + backward: split and artifact vs fused", overhead.run),
     "io": ("Residual file I/O", io_step),
     "pipeline": ("Pipeline schedules, stages exported for the device (in-process, no Ray)", pipeline_step),
+    "train": ("Training across every visible device: the Trainer against the ideal pipelined step", train_step),
 }
 
 

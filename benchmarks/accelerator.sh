@@ -8,19 +8,20 @@
 #    device is present and jax does not see it yet: jax[cuda12] for an NVIDIA GPU
 #    (JAX_CUDA_EXTRA=cuda13 for CUDA 13 drivers), jax[tpu] for a TPU.
 # 2. Runs `python -m benchmarks --accelerator --out OUTDIR`: a correctness pass of the artifacts
-#    on the device, then fwd+bwd, residual I/O and pipeline benchmarks (benchmarks/accelerator.py).
+#    on the device, then fwd+bwd, residual I/O, pipeline and training benchmarks, the last across
+#    every visible GPU, one pipeline stage on each (benchmarks/accelerator.py).
 # 3. Leaves OUTDIR/accelerator.json and OUTDIR/accelerator.md (rewritten after every step, so a run
 #    cut short keeps what it measured; a run that could not start says why), OUTDIR/install.log
 #    and OUTDIR/run.log.
 #
-# All within BUDGET_S seconds (default 480, 8 minutes): installs are time-boxed and the run gets
+# All within BUDGET_S seconds (default 600, 10 minutes): installs are time-boxed and the run gets
 # what is left. Exit status 0 when correctness passed and every step ran; 1 otherwise.
 # PYTHON picks the interpreter (default: python3).
 set -uo pipefail
 start=$SECONDS
 root="$(cd "$(dirname "$0")/.." && pwd)"
 out="${1:-accelerator-report}"
-budget="${BUDGET_S:-480}"
+budget="${BUDGET_S:-600}"
 py="${PYTHON:-python3}"
 cd "$root"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"

@@ -48,12 +48,16 @@ def ms(seconds: float) -> str:
 SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
-def run_child(module: str, quick: bool) -> dict:
+def run_child(module: str, quick: bool, devices: int | None = None) -> dict:
     """``python -m MODULE --child [--quick]`` with single-threaded XLA (one core, as one device per stage).
 
+    ``devices``: that many host CPU devices in the child (``--xla_force_host_platform_device_count``).
     Returns the JSON object the child prints as its last line.
     """
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {SINGLE_THREAD}".strip())
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if devices is None or "device_count" not in f]
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    env = dict(os.environ, XLA_FLAGS=" ".join([*flags, SINGLE_THREAD]))
     cmd = [sys.executable, "-m", module, "--child"] + (["--quick"] if quick else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     if proc.returncode != 0:
@@ -61,7 +65,7 @@ def run_child(module: str, quick: bool) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run_section(module: str, quick: bool, table) -> tuple[str, list[dict]]:
+def run_section(module: str, quick: bool, table, devices: int | None = None) -> tuple[str, list[dict]]:
     """A section measured by ``run_child``: its markdown ``table(data)`` and its rows."""
-    data = run_child(module, quick)
+    data = run_child(module, quick, devices)
     return table(data), data["rows"]

@@ -20,6 +20,9 @@ collect_ignore = [] if os.environ.get("VJPSPLIT_SHARDED_SUITE") == "1" else ["sh
 # its own (tests/test_pipeline_ray.py starts it with VJPSPLIT_RAY_SUITE=1).
 if os.environ.get("VJPSPLIT_RAY_SUITE") != "1":
     collect_ignore.append("ray_suite")
+# tests/devices needs 4 CPU devices (every stage on its own): its own process too (tests/test_devices.py).
+if os.environ.get("VJPSPLIT_DEVICES_SUITE") != "1":
+    collect_ignore.append("devices")
 
 
 # The suites run in their own processes take minutes each: handed out first, they run beside the rest when

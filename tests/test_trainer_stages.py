@@ -33,7 +33,7 @@ def _tied_copies(trainer):
 def test_steps_equal_single_process_optax(schedule):
     params, batches, tx = gpt_params(), _batches(3), optax.adamw(1e-2)
     tr = P.Trainer(_stages(), params, optimizer=tx, schedule_name=schedule, microbatches=4)
-    losses = [tr.step(b) for b in batches]
+    losses = [tr.step(b, timed=i == 2) for i, b in enumerate(batches)]  # the last step timed: the same numbers
     ref_losses, ref_params = optax_reference(gpt, params, tx, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert losses[0] != losses[-1]
@@ -47,7 +47,12 @@ def test_steps_equal_single_process_optax(schedule):
     assert len(tr.backend.trainers) == 4 and tr.last_result.num_workers == (2 if schedule == "zbv" else 4)
     h = tr.history
     assert [e["step"] for e in h] == [1, 2, 3] and all(e["grad_norm"] > 0 and e["step_time"] > 0 for e in h)
-    assert all(0 <= e["bubble"] < 1 and 0 <= e["modeled_bubble"] < 1 for e in h)
+    assert all(np.isnan(e["bubble"]) and np.isnan(e["modeled_bubble"]) for e in h[:2])  # untimed: no timeline
+    assert 0 <= h[2]["bubble"] < 1 and 0 <= h[2]["modeled_bubble"] < 1
+    assert {e.stage for e in tr.last_result.events} == {0, 1, 2, 3} and tr.last_result.timed
+    # One device here: every stage shares it (tests/devices checks a device each).
+    assert tr.placement == [(jax.devices()[0],)] * 4
+    assert all(a.devices() == {jax.devices()[0]} for t in tr.backend.trainers for a in t.params.values())
 
 
 def test_global_norm_clipping_equals_optax_chain():
@@ -174,3 +179,18 @@ def test_restore_runs_the_callers_plans_it_recorded(tmp_path):
     again = P.Trainer.restore(tmp_path / "ck", _stages(), optimizer=tx)
     assert again.plan.name == "custom" and again.plan.plans == plans
     np.testing.assert_array_equal(again.step(batches[1]), trainer.step(batches[1]))
+
+
+def test_timeline_times_every_step_and_an_untimed_step_says_how_to_time_it(tmp_path):
+    params, batches, tx = gpt_params(), _batches(2), optax.sgd(0.1)
+    timed = P.Trainer(_stages(), params, optimizer=tx, schedule_name="zbh1", microbatches=2, timeline=True)
+    plain = P.Trainer(_stages(), params, optimizer=tx, schedule_name="zbh1", microbatches=2)
+    assert [timed.step(b) for b in batches] == [plain.step(b) for b in batches]  # the same numbers
+    assert all(0 <= h["bubble"] < 1 for h in timed.history) and timed.last_result.timed
+    timed.last_result.plot(tmp_path / "t.png")
+    assert (tmp_path / "t.png").stat().st_size > 0
+    assert not plain.last_result.timed and plain.last_result.events == []
+    with pytest.raises(VjpsplitError, match=r"not timed.*trainer.step\(batch, timed=True\)"):
+        plain.last_result.plot(tmp_path / "u.png")
+    timed.close()
+    assert timed.backend.threads is None  # the timed steps' worker threads ended with the Trainer

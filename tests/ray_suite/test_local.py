@@ -55,9 +55,9 @@ def test_ray_driver_fetches_only_gradients_and_timings(ray_session, monkeypatch,
         with pytest.raises(vs.VjpsplitError, match="needs RayPipeline"):
             rp.run(x, [labels], microbatches=4, schedule_name="zbh1")
         r = rp.run(x, [labels], microbatches=4, schedule_name="zbv")
-        # Actor calls: one get for the actors' reset, one for their final state; a compiled step: one get of
-        # the actors' states. No activation or cotangent reaches the driver.
-        assert fetched == ([2] if compiled else [2, 2]) and r.extra["compiled"] is compiled
+        # Each actor's list: one get of the lists (None each) with the actors' final states; a compiled step:
+        # one get of the actors' states. No activation or cotangent reaches the driver.
+        assert fetched == ([2] if compiled else [4]) and r.extra["compiled"] is compiled
         assert len(r.events) == sum(len(p) for p in P.schedule("zbv", 4, 4))
 
 

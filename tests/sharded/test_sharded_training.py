@@ -4,7 +4,7 @@ The model is written once with a ``stage_boundary``; its parameter specs carry
 ``NamedSharding``s on a (data, model) mesh of 4 devices. ``stage_devices`` puts
 stage 0 on devices 0-3 and stage 1 on devices 4-7. Three Trainer steps give the
 losses and parameters of three optax steps on ``jax.value_and_grad`` in one
-process.
+process, in-process and on Ray (each actor a process with its stage's 4 devices).
 """
 
 from __future__ import annotations
@@ -113,3 +113,42 @@ def test_sharded_state_is_optax_own_and_a_checkpoint_continues_sharded(tmp_path)
         group = {d.id for d in jax.devices()[4 * i : 4 * i + 4]}
         for arr in [*t.params.values(), *(v for k, v in t.state.items() if k.split("/")[1] in ("mu", "nu"))]:
             assert {d.id for d in arr.sharding.device_set} == group
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_ray_trainer_with_sharded_stages_equals_one_process(ray_session):
+    stages, params, batches = _setup()
+    tx = optax.adam(1e-2)
+    with pipeline.Trainer(stages, params, optimizer=tx, schedule_name="zbh1", microbatches=2, runner="ray") as tr:
+        losses = [tr.step(b) for b in batches]
+        got = tr.params()
+        placement = tr.placement
+
+        def where(actor):  # in each actor: every parameter and Adam moment on the actor's 4 devices, as specified
+            out = {}
+            for t in actor.trainers.values():
+                moments = {k: v for k, v in t.state.items() if k.split("/")[1] in ("mu", "nu")}
+                assert len(moments) == 2 * len(t.params)
+                for k, v in {**t.params, **moments}.items():
+                    out[k] = (sorted(d.id for d in v.sharding.device_set), tuple(v.sharding.spec))
+            return out
+
+        inside = ray_session.get([a.__ray_call__.remote(where) for a in tr.backend.rp.actors])
+    ref_losses, ref = optax_reference(loss, params, tx, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for k in params:
+        np.testing.assert_allclose(got[k], np.asarray(ref[k]), rtol=1e-4, atol=1e-6)
+    assert [len(set(p)) for p in placement] == [4, 4]  # each actor's own 4 devices
+    assert [len(part) for part in inside] == [6, 6]  # two parameters and their two moments each
+    for part in inside:
+        for key, (ids, spec) in part.items():
+            leaf = key.split("/")[-1].split("%2F")[-1]
+            assert ids == [0, 1, 2, 3] and _same(P(*spec), SPECS[leaf]), (key, ids, spec)

@@ -1,4 +1,12 @@
-"""Where each stage runs: a sharded stage's artifact on its own group of this host's devices."""
+"""Where each stage runs: every stage on a device of its own, a sharded stage on its own device group.
+
+``placement`` says, per stage, the devices it runs on: those the caller gives
+(``devices=``, one list per stage), or by default worker k's stages on this host's
+k-th device (k-th group of devices for sharded stages) where there are enough,
+else all on the first ones. ``placed`` gives each sharded stage's artifact on its
+group; an unsharded stage's arrays are committed to its device by its
+``StageWorker`` (``jax.device_put``), and ``jit`` runs where its inputs are.
+"""
 
 from __future__ import annotations
 
@@ -6,31 +14,73 @@ from typing import Any, Sequence
 
 from ...errors import VjpsplitError
 
+Devices = tuple[Any, ...]  # one stage's devices: one for an unsharded stage, a sharded stage's mesh devices
 
-def stage_devices(artifacts: Sequence[Any], devices: Sequence[Sequence[Any]] | None = None) -> list[Any]:
-    """Each stage's artifact on its device group (sharded stages); unsharded stages as they are.
 
-    ``devices`` gives one group per stage. By default, stages take consecutive
-    disjoint groups of this host's devices when there are enough (stage s on
-    devices n*s ... n*s+n-1), else all share the first ones (one mesh).
+def _need(artifact: Any) -> int:
+    return int(artifact.manifest.nr_devices) if artifact.manifest.sharded else 1
+
+
+def placement(
+    artifacts: Sequence[Any],
+    workers: Sequence[Sequence[int]] | None = None,
+    devices: Sequence[Sequence[Any]] | None = None,
+) -> list[Devices]:
+    """Per stage, the devices it runs on (in mesh order for a sharded stage).
+
+    ``workers``: the stages each worker holds (default: one stage per worker).
+    ``devices``: one list per stage, taken as given (a sharded stage's list has
+    its ``nr_devices`` devices; an unsharded stage's has one). By default, where
+    this host's local devices cover every worker's need (one device, or a sharded
+    stage's count), worker k takes the k-th consecutive group and each of its
+    stages the group's first devices; otherwise every stage shares the first
+    devices (the default device for an unsharded stage).
     """
     import jax
 
     if devices is not None:
         if len(devices) != len(artifacts):
             raise VjpsplitError(f"{len(artifacts)} stages but {len(devices)} device groups")
-        return [a.on_devices(g) if a.manifest.sharded else a for a, g in zip(artifacts, devices)]
-    have = jax.devices()
-    need = [a.manifest.nr_devices if a.manifest.sharded else 0 for a in artifacts]
-    if not any(need):
-        return list(artifacts)
-    out: list[Any] = []
+        out = [tuple(g) for g in devices]
+        for s, (a, g) in enumerate(zip(artifacts, out)):
+            if not a.manifest.sharded and len(g) != 1:
+                raise VjpsplitError(
+                    f"stage {s} is not sharded: give it one device, not {len(g)} (devices=[[d0], [d1], ...])"
+                )
+        return out
+    if workers is None:
+        workers = [(s,) for s in range(len(artifacts))]
+    have = jax.local_devices()
+    need = [max(_need(artifacts[s]) for s in held) for held in workers]
+    out_by_stage: dict[int, Devices] = {}
     start = 0
     disjoint = sum(need) <= len(have)
-    for a, n in zip(artifacts, need):
-        if not n:
-            out.append(a)
-            continue
-        out.append(a.on_devices(have[start : start + n]) if disjoint else a)
-        start += n if disjoint else 0
-    return out
+    for held, n in zip(workers, need):
+        if disjoint:
+            group = have[start : start + n]
+        else:  # too few devices: all share, an unsharded worker on the default device
+            group = [default_device()] if n == 1 else have[:n]
+        for s in held:
+            out_by_stage[s] = tuple(group[: _need(artifacts[s])])
+        start += n
+    return [out_by_stage[s] for s in range(len(artifacts))]
+
+
+def default_device() -> Any:
+    """The device JAX puts uncommitted arrays on (``jax_default_device``, else the first device)."""
+    import jax
+
+    d = getattr(jax.config, "jax_default_device", None)
+    if d is None:
+        return jax.devices()[0]
+    return jax.devices(d)[0] if isinstance(d, str) else d
+
+
+def placed(artifacts: Sequence[Any], where: Sequence[Devices]) -> list[Any]:
+    """Each sharded stage's artifact on its devices; unsharded artifacts as they are."""
+    return [a.on_devices(g) if a.manifest.sharded else a for a, g in zip(artifacts, where)]
+
+
+def stage_devices(artifacts: Sequence[Any], devices: Sequence[Sequence[Any]] | None = None) -> list[Any]:
+    """Each stage's artifact on its device group (sharded stages), one stage per worker; see ``placement``."""
+    return placed(artifacts, placement(artifacts, None, devices))

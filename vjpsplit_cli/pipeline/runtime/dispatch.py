@@ -11,7 +11,7 @@ bookkeeping.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ..schedules.ops import Kind, Op, OpKey, received
 from ..schedules.play import sweep
@@ -20,20 +20,41 @@ from .model import Microbatch, side_for
 Submit = Callable[[int, Op, Any, list[Any]], Any]
 
 
-def walk(plans: Sequence[Sequence[Op]], num_stages: int, mbs: Sequence[Microbatch], submit: Submit) -> list[Any]:
+Order = list[tuple[int, Op, "OpKey | None"]]  # per operation in dispatch order: its worker, it, what it receives
+
+
+def order_of(plans: Sequence[Sequence[Op]], num_stages: int) -> Order:
+    """The operations in the one play of plans' order, each with its worker and the operation whose result it
+    takes (``ops.received``): what ``walk`` goes through, worth keeping where the same plans run every step."""
+    return list(_order(plans, num_stages))
+
+
+def _order(plans: Sequence[Sequence[Op]], num_stages: int) -> Iterator[tuple[int, Op, OpKey | None]]:
+    for w, op, _, _, deps in sweep(plans, num_stages):
+        yield w, op, received(op, deps)
+
+
+def walk(
+    plans: Sequence[Sequence[Op]],
+    num_stages: int,
+    mbs: Sequence[Microbatch],
+    submit: Submit,
+    order: Order | None = None,
+) -> list[Any]:
     """Call ``submit(worker, op, data, side)`` once per operation, in an order that respects every dependency.
 
     ``data`` is what ``submit`` returned for the operation of another stage whose
     result ``op`` takes (``ops.received`` of its dependencies: the activation for F,
     the cotangent for B), the microbatch itself for the first stage's F, or None (the last stage's B,
     which starts from its loss; W). ``side`` is the stage's side inputs for F
-    (``model.side_for``), else empty. Returns the handles in submission order.
+    (``model.side_for``), else empty. ``order``: ``order_of(plans, num_stages)``, if
+    kept. Returns the handles in submission order.
     """
     S = num_stages
     sent: dict[OpKey, Any] = {}  # by operation, the handles no other stage's operation has taken yet
     handles = []
-    for w, op, _, _, deps in sweep(plans, S):
-        source = received(op, deps)
+    # Played as it goes: plans that deadlock fail after what can run before the cycle.
+    for w, op, source in _order(plans, S) if order is None else order:
         if source is not None:
             data = sent.pop(source)
         elif op.kind == Kind.F:

@@ -1,12 +1,18 @@
-"""The in-process runner: one thread per worker, one mailbox per activation or cotangent.
+"""The in-process runner: every operation dispatched from one thread, or, timed, one thread per worker.
 
-Each mailbox has its own event, and each worker its own queue of operations, so
-a message wakes only the thread that reads it: the cost of an operation does not
-grow with the number of stages.
+Untimed (``dispatch``), the driver hands each operation to its stage's device in
+the one play of plans' order and nothing waits: ``jit`` dispatches asynchronously,
+so the devices run side by side while the driver is already further on. Timed
+(``run_threads``), each worker runs its list in a thread of its own
+(``WorkerThreads``, kept across steps) and waits for each operation's results, so
+its events are compute times. There each mailbox has its own event, and each
+worker its own queue of operations, so a message wakes only the thread that reads
+it: the cost of an operation does not grow with the number of stages.
 """
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -14,10 +20,10 @@ from typing import Any, Callable, Sequence
 
 from ..schedules.ops import Op, split_ops
 from ..schedules.plans import resolve
-from ..stages.directory import Stages
-from .devices import stage_devices
-from .dispatch import Submit, progress_bar, walk
-from .model import Microbatch, model_of
+from ..stages.directory import PerStage, Stages
+from .devices import placed, placement
+from .dispatch import Order, Submit, progress_bar, walk
+from .model import Microbatch, model_of, side_for
 from .result import PipelineResult, step_result
 from .worker import StageWorker, run_op
 
@@ -56,39 +62,84 @@ def run_inprocess(
     progress: bool = False,
     devices: Sequence[Sequence[Any]] | None = None,
     schedule: Sequence[Sequence[Op]] | None = None,
+    timed: bool = True,
 ) -> PipelineResult:
-    """Run one training step in this process: one thread per worker, mailboxes between stages.
+    """Run one training step in this process, every stage on its own device where this host has enough.
 
     ``schedule`` (plans, e.g. from ``read_schedule``) runs instead of ``schedule_name``, once checked.
 
-    Sharded stages run on their device groups (``devices``, one per stage; by
-    default consecutive groups of this host's devices where there are enough);
-    activations and cotangents are moved onto the next stage's shardings. A
-    ``Stages`` takes the whole ``params`` and the batch tuple as ``x``, and its
-    gradients come back in ``params``' structure.
+    ``devices``: one list of devices per stage (one device for an unsharded stage, a
+    sharded stage's mesh devices); by default worker k's stages run on
+    ``jax.local_devices()[k]`` (the k-th group for sharded stages) where there are
+    enough, else all on the default device (``devices.placement``). Parameters and
+    residuals stay on their stage's device; activations and cotangents are moved
+    device to device. ``timed=True`` (the default) runs one thread per worker and
+    waits for each operation, so the result's timeline holds real compute times;
+    ``timed=False`` dispatches every operation from this thread without waiting (no
+    timeline), as ``Trainer`` does. ``progress=True`` (a bar over operations) times
+    the step too. A ``Stages`` takes the whole ``params`` and the batch tuple as
+    ``x``, and its gradients come back in ``params``' structure.
     """
     model = model_of(artifacts, params)
     S = model.num_stages
-    name, plans, _ = resolve(schedule_name, schedule, S, microbatches)
-    arts = stage_devices(model.artifacts, devices)
+    name, plans, layout = resolve(schedule_name, schedule, S, microbatches)
+    where = placement(model.artifacts, layout.workers, devices)
+    arts = placed(model.artifacts, where)
     model.check_plans(name, plans)
     mbs = model.microbatches(x, side, microbatches)
-    workers = [StageWorker(a, p, i, S) for i, (a, p) in enumerate(zip(arts, model.stage_params))]
-    step_time = run_threads(workers, plans, mbs, microbatches, progress=progress)
+    workers = [StageWorker(a, p, i, S, g[0]) for i, (a, p, g) in enumerate(zip(arts, model.stage_params, where))]
+    timed = timed or progress
+    t0 = time.monotonic()
+    if timed:
+        with WorkerThreads(len(plans)) as pool:
+            run_threads(pool, workers, plans, mbs, microbatches, progress=progress)
+    else:
+        dispatch(workers, plans, mbs, microbatches)
+    grads = [st.grads for st in workers]
+    losses = workers[-1].fetch_losses()
+    import jax
+
+    jax.block_until_ready(grads)
     return step_result(
         schedule=name,
         plans=plans,
         num_stages=S,
         microbatches=microbatches,
         runner=RUNNER,
-        step_time=step_time,
-        losses=workers[-1].losses,
-        grads=model.gather([st.grads for st in workers]),
+        step_time=time.monotonic() - t0,
+        losses=losses,
+        grads=model.gather(grads),
         events=[e for st in workers for e in st.events],
+        timed=timed,
     )
 
 
+def dispatch(
+    workers: Sequence[StageWorker],
+    plans: Sequence[Sequence[Op]],
+    mbs: Sequence[Microbatch],
+    microbatches: int,
+    order: Order | None = None,
+) -> None:
+    """One step of ``plans`` on the stages' ``workers`` (reset first), every operation dispatched from this thread.
+
+    Nothing waits: each operation is handed to its stage's device as soon as the
+    operations it reads are (the one play of plans' order), and ``jit``'s
+    asynchronous dispatch runs the devices side by side. ``order``: ``dispatch.order_of(plans)``, if kept.
+    """
+    for st in workers:
+        st.reset(timed=False)
+    split = split_ops(plans)
+    mbs = placed_microbatches(mbs, workers)
+
+    def submit(w: int, op: Op, data: Any, side: list[Any]) -> Any:
+        return run_op(workers[op.stage], op, data, side, microbatches, (op.stage, op.mb) in split, w)
+
+    walk(plans, len(workers), mbs, submit, order)
+
+
 def run_threads(
+    pool: WorkerThreads,
     workers: Sequence[StageWorker],
     plans: Sequence[Sequence[Op]],
     mbs: Sequence[Microbatch],
@@ -97,21 +148,82 @@ def run_threads(
     progress: bool = False,
     tail: Callable[[int, bool], None] | None = None,
 ) -> float:
-    """One step of ``plans`` on the stages' ``workers`` (reset first), one thread per worker; its seconds.
+    """One timed step of ``plans`` on the stages' ``workers`` (reset first), worker w in ``pool``'s thread w.
 
-    ``tail(w, failed)`` runs in worker ``w``'s thread after its last operation
-    (``failed``: some operation of the step failed); what it raises is the step's error.
+    Each operation waits for its results and records its ``Event``. ``tail(w,
+    failed)`` runs in worker ``w``'s thread after its last operation (``failed``:
+    some operation of the step failed); what it raises is the step's error.
+    Returns the step's seconds.
     """
     for st in workers:
-        st.reset()
+        st.reset(timed=True)
+    mbs = placed_microbatches(mbs, workers)
     threads = _Threads(plans, workers, split_ops(plans), microbatches, progress, tail)
     t0 = time.monotonic()
-    threads.run(lambda submit: walk(plans, len(workers), mbs, submit))
+    threads.run(pool, lambda submit: walk(plans, len(workers), mbs, submit))
     return time.monotonic() - t0
 
 
+def placed_microbatches(mbs: Sequence[Microbatch], workers: Sequence[StageWorker]) -> list[Microbatch]:
+    """The microbatches' batch inputs on the device of the stage that reads each: one transfer per stage."""
+    S = len(workers)
+    reads = [[(x if s == 0 else None, side_for(side, s, S)) for x, side in mbs] for s in range(S)]
+    moved = [w.to_device(r) for w, r in zip(workers, reads)]
+    out: list[Microbatch] = []
+    for m, (_, side) in enumerate(mbs):
+        placed_side = PerStage({s: moved[s][m][1] for s in side}) if isinstance(side, PerStage) else moved[S - 1][m][1]
+        out.append((moved[0][m][0], placed_side))
+    return out
+
+
+class WorkerThreads:
+    """One thread per worker, started once and reused by every step until ``close`` (a Trainer's lifetime)."""
+
+    def __init__(self, n: int):
+        self.queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(n)]
+        self.threads = [
+            threading.Thread(target=_serve, args=(q,), name=f"vjpsplit-worker-{w}", daemon=True)
+            for w, q in enumerate(self.queues)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def start(self, jobs: Sequence[Callable[[], None]]) -> list[threading.Event]:
+        """Run ``jobs[w]`` in thread ``w``; each returned event is set when its job is done."""
+        if not self.threads:
+            raise RuntimeError("these worker threads are closed")
+        done = [threading.Event() for _ in jobs]
+        for q, job, d in zip(self.queues, jobs, done):
+            q.put((job, d))
+        return done
+
+    def close(self) -> None:
+        """End the threads (after the jobs they hold)."""
+        for q in self.queues:
+            q.put(None)
+        for t in self.threads:
+            t.join()
+        self.threads = []
+
+    def __enter__(self) -> WorkerThreads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _serve(jobs: queue.SimpleQueue[Any]) -> None:
+    while (item := jobs.get()) is not None:
+        job, done = item
+        try:
+            job()
+        finally:
+            done.set()
+            del job, item  # hold nothing of a step between steps
+
+
 class _Threads:
-    """One thread per worker, each running its list of operations, in order, from its inbox."""
+    """One step on the worker threads: each worker runs its list of operations, in order, from its inbox."""
 
     def __init__(
         self,
@@ -134,11 +246,9 @@ class _Threads:
         self.inboxes[w].put((op, data, side, box))
         return box
 
-    def run(self, drive: Callable[[Submit], Any]) -> None:
-        """Start the threads, ``drive(submit)`` hands them the step, wait; the first error is raised here."""
-        threads = [threading.Thread(target=self._worker, args=(w,), name=f"worker-{w}") for w in range(len(self.plans))]
-        for t in threads:
-            t.start()
+    def run(self, pool: WorkerThreads, drive: Callable[[Submit], Any]) -> None:
+        """The workers' lists in ``pool``'s threads, ``drive(submit)`` hands them the step; wait; the first error is raised here."""
+        done = pool.start([functools.partial(self._worker, w) for w in range(len(self.plans))])
         try:
             drive(self.submit)
         except BaseException:
@@ -147,8 +257,8 @@ class _Threads:
                     box.put((None, _FAILED, [], _Mailbox()))
             raise
         finally:
-            for t in threads:
-                t.join()
+            for d in done:
+                d.wait()
             if self.bar is not None:
                 self.bar.close()
         if self.errors:

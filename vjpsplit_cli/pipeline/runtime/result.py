@@ -8,12 +8,14 @@ events in time.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ...errors import VjpsplitError
 from ..schedules.catalog import describe
 from ..schedules.ops import Op
 from ..schedules.play import replay
@@ -28,6 +30,9 @@ class PipelineResult:
     ``grads``: per stage, or in ``params``' structure for a ``Stages`` (None per stage
     when a ``Trainer`` applied them where they live). ``plans``: the per-worker lists
     that ran (a named schedule's, or the caller's; ``schedule`` is then ``"custom"``).
+    ``timed``: the step waited for each operation, and ``events`` are their compute
+    times; an untimed step (the Trainer's default) has no events, and its bubble
+    ratios are NaN.
     """
 
     schedule: str
@@ -40,6 +45,7 @@ class PipelineResult:
     step_time: float
     plans: list[list[Op]]
     extra: dict[str, Any] = field(default_factory=dict)
+    timed: bool = True  # whether each operation was waited for: only then do ``events`` hold compute times
 
     @property
     def num_workers(self) -> int:
@@ -48,20 +54,33 @@ class PipelineResult:
 
     @property
     def bubble_ratio(self) -> float:
-        """Idle share of the workers' time between the first start and the last end."""
+        """Idle share of the workers' time between the first start and the last end (NaN untimed)."""
+        if not self.timed:
+            return math.nan
         return bubble_ratio(self.events, self.num_workers)
+
+    def _need_timeline(self) -> None:
+        if not self.timed:
+            raise VjpsplitError(
+                "this step was not timed, so it has no timeline: run it with timed=True "
+                "(trainer.step(batch, timed=True), or Trainer(..., timeline=True))"
+            )
 
     def modeled_timeline(self) -> list[Event]:
         """The timeline if every worker had a device of its own: the measured op times, replayed."""
+        self._need_timeline()
         return replay(self.events, self.plans, self.num_stages)
 
     @property
     def modeled_bubble_ratio(self) -> float:
-        """The bubble ratio if every worker had a device of its own: measured op times, replayed."""
+        """The bubble ratio if every worker had a device of its own: measured op times, replayed (NaN untimed)."""
+        if not self.timed:
+            return math.nan
         return bubble_ratio(self.modeled_timeline(), self.num_workers)
 
     def per_worker(self) -> list[dict[str, float]]:
         """Busy seconds per worker and kind, and idle seconds."""
+        self._need_timeline()
         t0 = min(e.start for e in self.events)
         t1 = max(e.end for e in self.events)
         rows = []
@@ -75,7 +94,8 @@ class PipelineResult:
         return rows
 
     def plot(self, path: str | os.PathLike[str], title: str | None = None) -> None:
-        """Write a PNG timeline (workers as rows; F, B, W coloured; idle left blank)."""
+        """Write a PNG timeline (workers as rows; F, B, W coloured; idle left blank); a timed step's only."""
+        self._need_timeline()
         plot_timeline(
             self.events,
             self.num_workers,
@@ -98,6 +118,7 @@ def step_result(
     grads: Any,
     events: Sequence[Event],
     extra: Mapping[str, Any] | None = None,
+    timed: bool = True,
 ) -> PipelineResult:
     """The step's ``PipelineResult``: the loss is the mean of the last stage's per-microbatch ``losses``."""
     return PipelineResult(
@@ -111,4 +132,5 @@ def step_result(
         step_time=step_time,
         plans=[list(ops) for ops in plans],
         extra=dict(extra or {}),
+        timed=timed,
     )

@@ -33,6 +33,8 @@ def run(
     address: str | None = None,
     progress: bool = False,
     schedule: Sequence[Sequence[Op]] | None = None,
+    devices: Sequence[Sequence[Any]] | None = None,
+    timed: bool = True,
 ) -> PipelineResult:
     """One pipelined training step: ``runner`` is ``inprocess`` (default) or ``ray``.
 
@@ -40,7 +42,10 @@ def run(
     ``x`` the batch tuple; ``grads`` come back in ``params``' structure) or one
     artifact per stage with one parameter pytree each, ``x`` the first stage's input
     and ``side`` the last stage's. ``schedule`` (plans, e.g. from ``read_schedule``)
-    runs instead of ``schedule_name``, once checked.
+    runs instead of ``schedule_name``, once checked. In-process, ``devices`` gives
+    one list of devices per stage (see ``run_inprocess``); a Ray worker runs on the
+    devices its actor sees. ``timed`` (default): the result's timeline holds each
+    operation's compute time; ``timed=False`` waits for no operation and records none.
     """
     check_runner(runner)
     kw: dict[str, Any] = {
@@ -48,9 +53,14 @@ def run(
         "schedule_name": schedule_name,
         "progress": progress,
         "schedule": schedule,
+        "timed": timed,
     }
     if runner == "inprocess":
-        return run_inprocess(artifacts, params, x, side, **kw)
+        return run_inprocess(artifacts, params, x, side, devices=devices, **kw)
+    if devices is not None:
+        raise VjpsplitError(
+            "devices= places the stages of this process; a Ray worker runs on the devices its actor sees"
+        )
     layout = layout_for(schedule_name, schedule, len(artifacts))
     with RayPipeline(artifacts, params, address=address, layout=layout.workers) as rp:
         return rp.run(x, side, **kw)

@@ -39,7 +39,7 @@ class _Forward:
         import jax
 
         leaves, tree = jax.tree_util.tree_flatten(args)
-        key = (tree, tuple((np.shape(a), str(getattr(a, "dtype", type(a)))) for a in leaves))
+        key = (tree, tuple(map(_signature, leaves)))
         hit = self.cache.get(key)
         if hit is None:
             out, res = self.art.fwd(*args)
@@ -60,6 +60,13 @@ class _Forward:
         it = iter(kept)
         flat = [leaves[backed[j]] if j in backed else next(it) for j in range(n)]
         return out, traced["tree"].unflatten(flat)
+
+
+def _signature(a: Any) -> tuple[Any, Any]:
+    try:
+        return a.shape, a.dtype
+    except AttributeError:  # a Python scalar
+        return np.shape(a), type(a)
 
 
 class _Calls:
@@ -129,15 +136,25 @@ def _calls_for(artifact: Any, feeds_back: bool) -> _Calls:
 
 class StageWorker:
     """One stage's F, B and W with their bookkeeping: its artifact, parameters, residuals in flight and
-    accumulated gradients. The runners' building block (threads and Ray actors run the same)."""
+    accumulated gradients. The runners' building block (threads and Ray actors run the same).
 
-    def __init__(self, artifact: Any, params: Any, stage_index: int, num_stages: int):
+    ``device``: where an unsharded stage runs (its parameters are committed there,
+    arriving activations and cotangents moved there; ``jit`` runs where its inputs
+    are); None leaves them where JAX puts them. A sharded stage runs on its
+    artifact's devices (``Artifact.on_devices``). ``timed`` (per step, see
+    ``reset``): each operation waits for its results and records an ``Event`` of
+    its compute time; otherwise operations are dispatched and nothing waits.
+    """
+
+    def __init__(self, artifact: Any, params: Any, stage_index: int, num_stages: int, device: Any = None):
         self.art = artifact
+        m = artifact.manifest
+        self.device = None if m.sharded else device
+        self._sharding = None if self.device is None else _single(self.device)
         # Once, not on every microbatch: on a sharded stage, by its recorded shardings on its devices.
-        self.params = artifact.place_arg(0, params)
+        self.params = self.to_device(params) if self._sharding is not None else artifact.place_arg(0, params)
         self.stage_index = stage_index
         self.num_stages = num_stages
-        m = artifact.manifest
         names = m.arg_names
         if names[0] not in m.wrt:
             raise VjpsplitError(f"stage {stage_index}: its first argument ({names[0]}) must be differentiated")
@@ -149,6 +166,7 @@ class StageWorker:
                 "waits for that gradient"
             )
         self.calls = _calls_for(artifact, self.feeds_back)
+        self.timed = True
         self.reset()
 
     @property
@@ -156,89 +174,129 @@ class StageWorker:
         """Whether this is the pipeline's last stage (its F gives the loss)."""
         return self.stage_index == self.num_stages - 1
 
-    def reset(self) -> None:
-        """Forget residuals, gradients and timings: ready for the next step."""
+    @property
+    def devices(self) -> tuple[Any, ...]:
+        """The devices that hold this stage's parameters (a sharded stage's mesh devices, in order)."""
+        if self.art.manifest.sharded:
+            return tuple(self.art.devices)
+        if self.device is not None:
+            return (self.device,)
+        import jax
+
+        leaves = [a for a in jax.tree_util.tree_leaves(self.params) if isinstance(a, jax.Array)]
+        return tuple(sorted(leaves[0].devices(), key=lambda d: d.id)) if leaves else (jax.devices()[0],)
+
+    def reset(self, timed: bool | None = None) -> None:
+        """Forget residuals, gradients and timings: ready for the next step (``timed``: see the class)."""
+        if timed is not None:
+            self.timed = timed
         self.res: dict[int, Any] = {}
         self.inter: dict[int, Any] = {}
         self.grads: Any = None
         self.events: list[Event] = []
-        self.losses: dict[int, float] = {}
+        self.losses: dict[int, Any] = {}  # the last stage's per microbatch: device scalars until fetched
 
-    def _timed(self, worker: int | None, kind: Kind, mb: int, fn: Callable[[], Any]) -> Any:
+    def to_device(self, tree: Any) -> Any:
+        """``tree``'s arrays on this stage's device (those already there as they are); unchanged without one."""
+        s = self._sharding
+        if s is None:
+            return tree
+        import jax
+
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        move = [i for i, a in enumerate(leaves) if not (isinstance(a, jax.Array) and a.sharding == s)]
+        if move:
+            moved = jax.device_put([leaves[i] for i in move], s)
+            for i, a in zip(move, moved):
+                leaves[i] = a
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def fetch_losses(self) -> dict[int, float]:
+        """The per-microbatch losses on the host, all in one transfer."""
+        import jax
+
+        keys = sorted(self.losses)
+        return {m: float(v) for m, v in zip(keys, jax.device_get([self.losses[m] for m in keys]))}
+
+    def _run(self, worker: int | None, kind: Kind, mb: int, fn: Callable[[], Any]) -> Any:
+        """``fn()``'s results, when timed waited for and recorded as an ``Event``."""
+        if not self.timed:
+            return fn()
+        import jax
+
         t0 = time.monotonic()
-        out = fn()
+        out = jax.block_until_ready(fn())
         w = self.stage_index if worker is None else worker
         self.events.append(Event(w, kind, mb, t0, time.monotonic(), self.stage_index))
         return out
 
     def _ct(self, ct: Any, microbatches: int) -> Any:
-        if not self.is_last:
-            return ct
-        # In the loss's own dtype (float64 under x64): the artifact casts no cotangent.
-        return np.asarray(1.0 / microbatches, dtype_from_name(self.art.manifest.cotangent_leaves[0].dtype))
+        if self.is_last:
+            # In the loss's own dtype (float64 under x64): the artifact casts no cotangent.
+            ct = np.asarray(1.0 / microbatches, dtype_from_name(self.art.manifest.cotangent_leaves[0].dtype))
+        else:
+            ct = self.to_device(ct)
+        return self.art.place_cotangent(ct)
 
     def forward(self, mb: int, x: Any, side: Sequence[Any], worker: int | None = None) -> Any:
         """F: run the forward, keep the residuals; return the activation (the loss on the last stage)."""
 
         def run() -> Any:
-            import jax
-
-            xs = [x, *side]
+            xs = self.to_device([x, *side])
             if self.art.manifest.sharded:
                 # Activations arrive from the previous stage's devices: lay them out for this one first.
                 xs = [self.art.place_arg(i + 1, v) for i, v in enumerate(xs)]
             out, res = self.calls.forward(self.params, *xs)
-            out = jax.block_until_ready(out)
             self.res[mb] = res
             return out
 
-        out = self._timed(worker, Kind.F, mb, run)
+        out = self._run(worker, Kind.F, mb, run)
         if self.is_last:
-            self.losses[mb] = float(out)
+            self.losses[mb] = out
         return out
 
     def backward(self, mb: int, ct: Any, microbatches: int, worker: int | None = None) -> Any:
         """Whole backward (GPipe, 1F1B): accumulate the weight gradient, return the input cotangent."""
 
         def run() -> Any:
-            import jax
-
-            res, c = self.res.pop(mb), self.art.place_cotangent(self._ct(ct, microbatches))
+            res, c = self.res.pop(mb), self._ct(ct, microbatches)
             if self.grads is None:
-                self.grads, gx = jax.block_until_ready(self.calls.backward(res, c))
+                self.grads, gx = self.calls.backward(res, c)
             else:
-                self.grads, gx = jax.block_until_ready(self.calls.backward_acc(self.grads, res, c))
-            return gx
+                self.grads, gx = self.calls.backward_acc(self.grads, res, c)
+            return self.grads, gx
 
-        return self._timed(worker, Kind.B, mb, run)
+        return self._run(worker, Kind.B, mb, run)[1]
 
     def backward_input(self, mb: int, ct: Any, microbatches: int, worker: int | None = None) -> Any:
         """Split schedules' B: the input cotangent now, the weight part later."""
 
         def run() -> Any:
-            import jax
-
             # B is the last reader of most residuals: drop them, keeping only W's share (in inter).
-            c = self.art.place_cotangent(self._ct(ct, microbatches))
-            gx, inter = jax.block_until_ready(self.calls.backward_input(self.res.pop(mb), c))
+            gx, inter = self.calls.backward_input(self.res.pop(mb), self._ct(ct, microbatches))
             self.inter[mb] = inter
-            return gx
+            return gx, inter
 
-        return self._timed(worker, Kind.B, mb, run)
+        return self._run(worker, Kind.B, mb, run)[0]
 
     def backward_weight(self, mb: int, worker: int | None = None) -> None:
         """Split schedules' W: the weight gradient of a microbatch whose B already ran."""
 
         def run() -> Any:
-            import jax
-
             inter = self.inter.pop(mb)
             if self.grads is None:
-                self.grads = jax.block_until_ready(self.calls.backward_weight(inter))
+                self.grads = self.calls.backward_weight(inter)
             else:
-                self.grads = jax.block_until_ready(self.calls.backward_weight_acc(self.grads, inter))
+                self.grads = self.calls.backward_weight_acc(self.grads, inter)
+            return self.grads
 
-        self._timed(worker, Kind.W, mb, run)
+        self._run(worker, Kind.W, mb, run)
+
+
+def _single(device: Any) -> Any:
+    from jax.sharding import SingleDeviceSharding
+
+    return SingleDeviceSharding(device)
 
 
 def run_op(

@@ -122,9 +122,18 @@ class Stages:
         total: list[Any] = [None] * len(leaves)
         for st, g in zip(self.index.per_stage, stage_grads):
             for i, gi in zip(st.params, g):
-                total[i] = gi if total[i] is None else total[i] + gi
+                total[i] = gi if total[i] is None else total[i] + _beside(total[i], gi)
         out = [np.zeros(np.shape(x), np.asarray(x).dtype) if t is None else t for x, t in zip(leaves, total)]
         return jax.tree_util.tree_unflatten(tree, out)
+
+
+def _beside(a: Any, b: Any) -> Any:
+    """``b`` where ``a`` lives: stages on devices of their own hold a tied leaf's parts on different ones."""
+    import jax
+
+    if isinstance(a, jax.Array) and isinstance(b, jax.Array) and a.sharding != b.sharding:
+        return jax.device_put(b, a.sharding)
+    return b
 
 
 def _write(tmp: str, data: bytes) -> None:

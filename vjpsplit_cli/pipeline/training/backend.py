@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Protocol, Sequence
 
-from ..runtime.devices import stage_devices
+import jax
+import numpy as np
+
+from ...errors import VjpsplitError
+from ..runtime.devices import placed, placement
 from ..runtime.model import Microbatch
 from ..runtime.result import PipelineResult
 from ..schedules.layout import Layout
@@ -36,8 +40,14 @@ class Backend(Protocol):
         """One optimizer step: ``schedule``'s plans on ``mbs``, then every stage's update; the result and
         each stage's squared sum of the gradients it counts in the global norm (before clipping).
 
-        ``timed=True``: the result's events are the operations' compute times (each one waited for), as
-        measured costs need."""
+        ``timed``: every operation waits for its results and the result's events are
+        their compute times (what measuring a schedule's costs needs); otherwise
+        nothing waits that the step does not need, and the result has no events."""
+        ...
+
+    @property
+    def placement(self) -> list[tuple[Any, ...]]:
+        """Per stage, the devices that hold its parameters."""
         ...
 
     def snapshots(self) -> list[Snapshot]:
@@ -69,9 +79,21 @@ def open_backend(
 ) -> Backend:
     """The backend ``runner`` names, its workers holding the stages of ``ownership`` and each stage's
     exported ``optimizer`` (specs from the stage's parameters where they are placed) and ``states``."""
-    arts = stage_devices(ownership.artifacts, devices)
-    placed = [a.place_arg(0, p) for a, p in zip(arts, ownership.stage_params)]
-    programs = stage_programs(optimizer, arts, ownership.names, placed)
+    if runner != "inprocess" and devices is not None:
+        raise VjpsplitError(
+            "devices= places the stages of this process; a Ray worker runs on the devices its actor sees "
+            "(give each worker num_gpus or resources in actor_options)"
+        )
+    where = placement(ownership.artifacts, layout.workers, devices)
+    arts = placed(ownership.artifacts, where)
+    # Specs only: an unsharded stage's parameters go to its own device, never all to the default one first.
+    specs = [a.place_arg(0, p) if a.manifest.sharded else _specs(p) for a, p in zip(arts, ownership.stage_params)]
+    programs = stage_programs(optimizer, arts, ownership.names, specs)
     if runner == "inprocess":
-        return InProcessBackend(ownership, arts, programs, states)
+        return InProcessBackend(ownership, arts, where, programs, states)
     return RayBackend(ownership, programs, states, layout=layout.workers, **ray_options)
+
+
+def _specs(tree: Any) -> Any:
+    """The shapes and dtypes of ``tree``'s leaves, as ``jax.device_put`` would make them."""
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jax.numpy.result_type(a)), tree)

@@ -22,6 +22,7 @@ applies the same update to the same copy and the copies stay bitwise equal.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -53,17 +54,37 @@ def sum_of_squares(grads: Mapping[str, Any], counted: Iterable[str]) -> float:
     """The sum of squares of the ``counted`` leaves of one stage's gradients, as a Python float.
 
     Each leaf's sum is taken in its own dtype (float32 as optax does), on the
-    device where it lives; only the scalars come to the host.
+    device where it lives, in one jitted call; only the scalars come to the host, in one transfer.
     """
-    import jax.numpy as jnp
+    import jax
 
-    total = 0.0
+    leaves = []
     for k in sorted(counted):
         if k not in grads:
             raise VjpsplitError(f"gradient of '{k}' is missing from the stage's gradients; pass every leaf it holds")
-        g = grads[k]
-        total += float(jnp.sum(jnp.square(jnp.abs(g) if jnp.iscomplexobj(g) else g)))
+        leaves.append(grads[k])
+    total = 0.0
+    for v in jax.device_get(_squares(leaves)):  # one call and one transfer for the stage, not one per leaf
+        total += float(v)
     return total
+
+
+def _leaf_squares(leaves: list[Any]) -> list[Any]:
+    import jax.numpy as jnp
+
+    return [jnp.sum(jnp.square(jnp.abs(g) if jnp.iscomplexobj(g) else g)) for g in leaves]
+
+
+@functools.lru_cache(maxsize=1)
+def _squares_call() -> Any:
+    import jax
+
+    return jax.jit(_leaf_squares)
+
+
+def _squares(leaves: list[Any]) -> list[Any]:
+    """Each leaf's sum of squares, in one jitted call (compiled once per signature)."""
+    return list(_squares_call()(leaves)) if leaves else []
 
 
 def clip_scale(sums: Sequence[float], max_norm: float | None) -> tuple[float, float]:

@@ -1,22 +1,27 @@
-"""The Trainer's workers as threads of this process: one ``StageTrainer`` per stage, kept across steps.
+"""The Trainer's workers in this process: one ``StageTrainer`` per stage, kept across steps, each on its device.
 
-After each worker's last operation, its thread finishes its stages' step
-(``stagestate.finish_stages``), swapping tied gradients and squared sums with the
-other threads at a barrier.
+An untimed step is dispatched from the driver's thread, then each stage's step is
+finished (``stagestate.finish_stages``) as soon as it can be. In a timed step each
+worker's thread finishes its stages after its last operation, swapping tied
+gradients and squared sums with the other threads at a barrier.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 from ...errors import VjpsplitError
-from ..runtime.inprocess import RUNNER, run_threads
+from ..runtime.devices import Devices
+from ..runtime.dispatch import Order, order_of
+from ..runtime.inprocess import RUNNER, WorkerThreads, dispatch, run_threads
 from ..runtime.model import Microbatch
 from ..runtime.result import PipelineResult, step_result
-from ..schedules.plans import Resolved
 from ..runtime.worker import StageWorker
+from ..schedules.ops import Op
+from ..schedules.plans import Resolved
 from .clipping import clip_scale
 from .ownership import Ownership, Snapshot
 from .stagestate import StageTrainer, finish_stages
@@ -46,16 +51,37 @@ class _Rendezvous:
 
 
 class InProcessBackend:
-    """The workers as threads of this process: one ``StageTrainer`` per stage, kept across steps."""
+    """The workers of this process: one ``StageTrainer`` per stage, kept across steps, each on its device.
 
-    def __init__(self, ownership: Ownership, arts: Sequence[Any], programs: Sequence[bytes], states: Sequence[Any]):
+    An untimed step (the default) dispatches every operation and update from the
+    driver's thread, waiting for nothing until the loss and the norms are fetched,
+    once. A timed step runs each worker in a thread of its own (started at the first
+    timed step, kept until ``close``) that waits for each operation, so the step's
+    events are compute times.
+    """
+
+    def __init__(
+        self,
+        ownership: Ownership,
+        arts: Sequence[Any],
+        where: Sequence[Devices],
+        programs: Sequence[bytes],
+        states: Sequence[Any],
+    ):
         self.ownership = own = ownership
         S = len(arts)
-        workers = [StageWorker(a, p, i, S) for i, (a, p) in enumerate(zip(arts, own.stage_params))]
+        workers = [StageWorker(a, p, i, S, g[0]) for i, (a, p, g) in enumerate(zip(arts, own.stage_params, where))]
         self.trainers = [
             StageTrainer(w, own.names[s], programs[s], own.holders[s], own.counted[s], states[s])
             for s, w in enumerate(workers)
         ]
+        self.threads: WorkerThreads | None = None
+        self.orders: tuple[Any, Order, list[int]] | None = None  # plans, their dispatch order, the finishing order
+
+    @property
+    def placement(self) -> list[tuple[Any, ...]]:
+        """Per stage, the devices that hold its parameters."""
+        return [t.worker.devices for t in self.trainers]
 
     def step(
         self,
@@ -67,13 +93,56 @@ class InProcessBackend:
         *,
         timed: bool = False,
     ) -> tuple[PipelineResult, list[float]]:
-        """One step: the schedule in the workers' threads, each finishing with its stages' updates.
-
-        ``timed`` asks for events that are compute times. Every operation here waits for its result
-        before the next is dispatched, so every step already is one: the flag is for a runtime that
-        does not wait (issue #35), which must honour it.
-        """
+        """One step: the schedule, then each stage's update where it lives (``timed``: see the class)."""
         S = len(self.trainers)
+        workers = [t.worker for t in self.trainers]
+        timed = timed or progress
+        t0 = time.monotonic()
+        if timed:
+            sums = self._threaded(mbs, schedule, microbatches, clip, progress)
+        else:
+            order, finishing = self._orders(schedule.plans)
+            dispatch(workers, schedule.plans, mbs, microbatches, order)
+            sums = self._finish(finishing, clip)
+        losses = workers[-1].fetch_losses()
+        step_time = time.monotonic() - t0
+        result = step_result(
+            schedule=schedule.name,
+            plans=schedule.plans,
+            num_stages=S,
+            microbatches=microbatches,
+            runner=RUNNER,
+            step_time=step_time,
+            losses=losses,
+            grads=[None] * S,  # applied where they live
+            events=[e for st in workers for e in st.events],
+            timed=timed,
+        )
+        return result, [sums[s] for s in range(S)]
+
+    def _orders(self, plans: list[list[Op]]) -> tuple[Order, list[int]]:
+        """The plans' dispatch order and the stages' finishing order, worked out once for the same plans."""
+        if self.orders is None or self.orders[0] is not plans:  # held here, so their id is not reused
+            order = order_of(plans, len(self.trainers))
+            last = {op.stage: i for i, (_, op, _) in enumerate(order)}
+            self.orders = (plans, order, sorted(last, key=last.__getitem__))
+        return self.orders[1], self.orders[2]
+
+    def _finish(self, finishing: Sequence[int], clip: float | None) -> dict[int, float]:
+        """The untimed step's last phases, from this thread: each stage's update as soon as it can go."""
+        own, trainers = self.ownership, self.trainers
+        scale = (lambda v: 1.0) if clip is None else (lambda v: clip_scale(v, clip)[0])
+        if own.tied or clip is not None:  # every stage needs the others' parts first
+            return dict(zip(range(len(trainers)), finish_stages(trainers, lambda part: part, scale, own.tied)))
+        sums: dict[int, float] = {}
+        for s in finishing:  # the stage whose last operation comes first updates first
+            sums[s] = finish_stages([trainers[s]], lambda part: part, scale, False)[0]
+        return sums
+
+    def _threaded(
+        self, mbs: Sequence[Microbatch], schedule: Resolved, microbatches: int, clip: float | None, progress: bool
+    ) -> dict[int, float]:
+        """A timed step in the workers' threads, each finishing with its stages' updates (at a barrier)."""
         held = schedule.layout.workers
         rv, sums = _Rendezvous(len(held)), {}
 
@@ -91,20 +160,12 @@ class InProcessBackend:
                 raise
             sums.update({t.stage_index: v for t, v in zip(mine, got)})
 
+        if self.threads is None or len(self.threads.threads) != len(held):
+            self.close()
+            self.threads = WorkerThreads(len(held))
         workers = [t.worker for t in self.trainers]
-        step_time = run_threads(workers, schedule.plans, mbs, microbatches, progress=progress, tail=tail)
-        result = step_result(
-            schedule=schedule.name,
-            plans=schedule.plans,
-            num_stages=S,
-            microbatches=microbatches,
-            runner=RUNNER,
-            step_time=step_time,
-            losses=workers[-1].losses,
-            grads=[None] * S,  # applied where they live
-            events=[e for st in workers for e in st.events],
-        )
-        return result, [sums[s] for s in range(S)]
+        run_threads(self.threads, workers, schedule.plans, mbs, microbatches, progress=progress, tail=tail)
+        return sums
 
     def snapshots(self) -> list[Snapshot]:
         """Every stage's ``(params, optimizer state)`` as host arrays."""
@@ -120,4 +181,7 @@ class InProcessBackend:
         raise VjpsplitError("workers() gives the Ray actor of each worker; this Trainer runs in-process")
 
     def close(self) -> None:
-        """Nothing to end in-process."""
+        """End the worker threads of timed steps, if any ran."""
+        if self.threads is not None:
+            self.threads.close()
+            self.threads = None

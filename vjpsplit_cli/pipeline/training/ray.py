@@ -15,14 +15,13 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
-from ..runtime.dispatch import walk
 from ..runtime.model import Microbatch
 from ..runtime.ray.actor import StageActor, picklable
 from ..runtime.ray.pipeline import RUNNER, RayPipeline
 from ..runtime.ray.setup import SCHEDULE_TIMEOUT, clock_offset, lack
 from ..runtime.result import PipelineResult, step_result
 from ..schedules.catalog import describe
-from ..schedules.ops import Op, split_ops
+from ..schedules.ops import split_ops
 from ..schedules.plans import Resolved
 from ...errors import VjpsplitError
 from .clipping import clip_scale
@@ -107,6 +106,14 @@ class RayBackend:
             for s in self.rp.layout.workers[worker]
         ]
 
+    @property
+    def placement(self) -> list[tuple[str, ...]]:
+        """Per stage, the devices that hold its parameters, as its actor's JAX names them."""
+        got: dict[int, list[str]] = {}
+        for part in self.rp.get([a.placement.remote() for a in self.rp.actors]):
+            got.update(part)
+        return [tuple(got[s]) for s in range(self.rp.num_stages)]
+
     def step(
         self,
         mbs: Sequence[Microbatch],
@@ -119,7 +126,7 @@ class RayBackend:
     ) -> tuple[PipelineResult, list[float]]:
         """One step on the actors: the schedule, then each stage's tied sums, squared norm and update.
 
-        ``timed``: see ``InProcessBackend.step``; every actor operation waits for its result today.
+        ``timed``: see ``Backend.step``.
         """
         rp, S = self.rp, self.rp.num_stages
         name, plans, layout = schedule
@@ -128,15 +135,8 @@ class RayBackend:
                 f"{describe(name)} lays the stages out as {layout.as_lists()}; "
                 f"this Trainer's actors hold {rp.layout.as_lists()}"
             )
-        split = split_ops(plans)
-        rp.get([a.reset.remote() for a in rp.actors])
         t0 = time.monotonic()
-
-        def submit(w: int, op: Op, data: Any, side: list[Any]) -> Any:
-            s = (op.stage, op.mb) in split
-            return rp.actors[w].op.remote(op.kind, op.stage, op.mb, data, side, microbatches, s)
-
-        walk(plans, S, mbs, submit)
+        lists = rp.start_step(plans, mbs, microbatches, split_ops(plans), timed)
         holders = self.ownership.holders
         tied = {s: self.actor_of[s].tied.remote(s) for s in range(S) if holders[s]}
         sums = []
@@ -146,13 +146,15 @@ class RayBackend:
         owners = [self.worker_of[s] for s in range(S)]
         scale = 1.0
         if clip is not None:
-            got = rp.fetch(sums, owners, t0, hint=RESTORE_HINT)
+            got = rp.fetch(sums, owners, t0, hint=RESTORE_HINT, watch=lists)
             if all(v is not None for v in got):
                 scale = clip_scale(got, clip)[0]
         applied = [self.actor_of[s].apply.remote(s, scale) for s in range(S)]
         reports = [a.report.remote() for a in rp.actors]
         everyone = list(range(rp.layout.num_workers))
-        values = rp.fetch([*reports, *sums, *applied], [*everyone, *owners, *owners], t0, hint=RESTORE_HINT)
+        values = rp.fetch(
+            [*reports, *sums, *applied], [*everyone, *owners, *owners], t0, hint=RESTORE_HINT, watch=lists
+        )
         step_time = time.monotonic() - t0
         states = values[: len(reports)]
         failed = [st["error"] for st in states if st["error"] is not None]
@@ -170,6 +172,7 @@ class RayBackend:
             grads=[None] * S,  # applied where they live
             events=rp.driver_events(states),
             extra={"compiled": False},
+            timed=timed,
         )
         return result, list(totals)
 
@@ -202,7 +205,7 @@ class RayBackend:
                 ray.kill(rp.actors[w])  # a worker named dead that still runs must not run on
             except Exception:  # noqa: BLE001 - already gone
                 pass
-            rp.actors[w] = ray.remote(rp.actor_class).options(**rp.options[w]).remote()
+            rp.actors[w] = rp.new_actor(w)
         ready = [rp.actors[w].ready.remote() for w in workers]
         _, pending = ray.wait(ready, num_returns=len(ready), timeout=self.schedule_timeout)
         if pending:
@@ -217,6 +220,7 @@ class RayBackend:
         held = rp.layout.workers
         rp.get([rp.actors[w].load.remote([(s, arts[s].to_bytes(), params[s]) for s in held[w]], S, w) for w in workers])
         rp.get([rp.actors[w].setup.remote(self._entries(w, [None] * S)) for w in workers])
+        rp.connect()  # every actor sends its results to the new handles from now on
         self.actor_of = {s: rp.actors[w] for s, w in self.worker_of.items()}
 
     def close(self) -> None:

@@ -70,7 +70,8 @@ class StageTrainer:
             program, source=f"stage {worker.stage_index}'s optimizer", devices=worker.art.devices or None
         )
         self.params = {self.local[k]: v for k, v in flatten_with_keys("", worker.params)}
-        self.state = self.program.init(self.params) if state is None else dict(state)
+        # A restored state arrives from host memory: onto the stage's device, beside its parameters.
+        self.state = self.program.init(self.params) if state is None else self.worker.to_device(dict(state))
         self.grads: dict[str, Any] = {}
 
     @property
@@ -121,11 +122,11 @@ class StageTrainer:
         missing = [k for k in self.names if k not in params] or [k for k in self.program.state_keys if k not in state]
         if missing:
             raise VjpsplitError(f"stage {self.stage_index}: the state to return to lacks '{missing[0]}'")
-        self.worker.params = self.worker.art.place_arg(
-            0, decode_structure(self.node, iter([params[n] for n in self.names]))
-        )
-        self.params = {self.local[k]: v for k, v in flatten_with_keys("", self.worker.params)}
-        self.state = {k: state[k] for k in self.program.state_keys}
+        tree = decode_structure(self.node, iter([params[n] for n in self.names]))
+        w = self.worker
+        w.params = w.to_device(tree) if w.device is not None else w.art.place_arg(0, tree)
+        self.params = {self.local[k]: v for k, v in flatten_with_keys("", w.params)}
+        self.state = w.to_device({k: state[k] for k in self.program.state_keys})
         self.grads = {}
         self.worker.grads = None
 

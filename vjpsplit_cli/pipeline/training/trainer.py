@@ -70,15 +70,23 @@ class Trainer:
     ``step_timeout``, ``schedule_timeout`` as ``RayPipeline`` takes them).
     ``progress=True`` shows a bar over steps with the loss. ``history`` keeps per
     step the loss, the gradients' global norm (before clipping), the step time and
-    the measured and modeled bubble. ``opt_state``: optax's state for the whole
+    the measured and modeled bubble (NaN for an untimed step). ``opt_state``: optax's state for the whole
     model to start from (``tx.init(params)``'s structure: from one process,
-    another Trainer's ``state()``, or orbax) instead of ``optimizer.init``.
+    another Trainer's ``state()``, or orbax) instead of ``optimizer.init``, and
+    ``step_count`` the run's step it is at (``fit`` goes on from there).
 
     ``schedule_name="auto"`` times the first step and runs ``auto_schedule``'s plans
     for the measured costs from the second (timed too, and planned again after it:
     ``autoplan``), within ``memory_limit`` (microbatches a worker holds at once: an
     int or one per worker) or ``memory_limit_bytes`` (bytes per worker, counted from
     the stages' manifests).
+
+    In-process, every stage runs on a device of its own: ``devices`` gives one list
+    per stage (one device, or a sharded stage's mesh devices); by default worker k's
+    stages go to ``jax.local_devices()[k]`` where there are enough, else all share
+    the default device. ``placement`` says where each stage is. ``timeline=True``
+    times every step (``step(batch, timed=True)`` one step): each operation waits
+    for its results, and ``last_result`` holds their compute times.
     """
 
     def __init__(
@@ -103,9 +111,13 @@ class Trainer:
         opt_state: Any = None,
         memory_limit: int | Sequence[int] | None = None,
         memory_limit_bytes: int | str | Sequence[int | str] | None = None,
+        timeline: bool = False,
+        step_count: int = 0,
         _restored: tuple[Sequence[Any] | None, int] | None = None,
     ):
         clip_scale([], clip_global_norm)  # a bad value is refused now, not after the first step
+        if isinstance(step_count, bool) or not isinstance(step_count, int) or step_count < 0:
+            raise VjpsplitError(f"step_count={step_count!r}: give the run's step this state is at, an int >= 0")
         check_runner(runner)
         self.stages = stages
         self.model = model_of(stages, params)
@@ -139,7 +151,8 @@ class Trainer:
             step_timeout=step_timeout,
             schedule_timeout=schedule_timeout,
         )
-        self.step_count = 0 if _restored is None else _restored[1]
+        self.timeline = timeline
+        self.step_count = step_count if _restored is None else _restored[1]
         self._history = History(progress, self.step_count)
         self._samples = CostSamples(self.model.artifacts)
         self._steps_run = 0
@@ -154,17 +167,25 @@ class Trainer:
         ``modeled_makespan`` (its plans under the measured costs, seconds) and ``measuring`` on the two timed first steps."""
         return self._history.rows
 
-    def step(self, batch: tuple[Any, ...], *, timed: bool = False) -> float:
+    @property
+    def placement(self) -> list[tuple[Any, ...]]:
+        """Per stage, the devices that hold its parameters (``jax.Device``s in-process; on Ray, as each
+        actor's JAX names them)."""
+        return self.backend.placement
+
+    def step(self, batch: tuple[Any, ...], *, timed: bool | None = None) -> float:
         """One optimizer step on ``batch`` (the function's batch inputs as a tuple); returns the step's loss.
 
-        ``timed=True``: the step's timeline holds every operation's compute time (the runtime waits for each
-        result), and ``costs()`` counts it; ``schedule_name="auto"`` times its first two steps itself, and
-        plans again after each timed step.
+        ``timed=True`` waits for every operation and records its compute time in
+        ``last_result.events`` (for its timeline, or to measure the stages' costs);
+        it costs the overlap of dispatch with compute. Default: the Trainer's ``timeline``.
+        ``costs()`` counts timed steps; ``schedule_name="auto"`` times its first two steps itself, and plans
+        again after each timed step.
         """
         t0 = time.monotonic()
         mbs = self.model.batch_microbatches(batch, self.microbatches)
         plan, measuring = (self.plan, False) if self.auto is None else self.auto.next_step(mbs)
-        timed = timed or measuring
+        timed = (self.timeline if timed is None else timed) or measuring
         r, sums = self.backend.step(mbs, plan, self.microbatches, self.clip_global_norm, False, timed=timed)
         _, norm = clip_scale(sums, None)
         step_time = time.monotonic() - t0

@@ -14,7 +14,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from ...schedules.ops import Kind, Op
+from ..devices import placed, placement
 from ..worker import StageWorker, run_op
+from .lists import Inbox, Sender, run_list, unpack
 
 
 class StageActor:
@@ -28,7 +30,11 @@ class StageActor:
     def __init__(self) -> None:
         self.stage_workers: dict[int, StageWorker] = {}  # by stage index
         self.worker = -1
+        self.num_stages = 0
         self.error: BaseException | None = None
+        self.inbox = Inbox()
+        self.sender: Sender | None = None
+        self.worker_of: dict[int, int] = {}
 
     def ready(self) -> str:
         """This actor's Ray node id (answered as soon as the actor runs)."""
@@ -44,15 +50,59 @@ class StageActor:
         """Load ``(stage index, artifact bytes, params)`` for each stage this worker (``worker``) holds."""
         from ....artifact.loading import loads
 
+        arts = [loads(data, source=f"stage {s}") for s, data, _ in held]
+        # This actor is one worker: its stages on its first device (first devices, sharded), as in-process.
+        where = placement(arts, [tuple(range(len(arts)))])
         self.stage_workers = {
-            s: StageWorker(loads(data, source=f"stage {s}"), params, s, num_stages) for s, data, params in held
+            s: StageWorker(a, params, s, num_stages, g[0])
+            for (s, _, params), a, g in zip(held, placed(arts, where), where)
         }
-        self.worker = worker
+        self.worker, self.num_stages = worker, num_stages
 
-    def reset(self) -> None:
-        """Forget the last step's residuals, gradients, timings and error."""
+    def connect(self, peers: Sequence[Any], worker_of: dict[int, int]) -> None:
+        """Every worker's actor handle and which worker holds each stage: where this one's results go."""
+        if self.sender is not None:
+            self.sender.connect(peers)
+        else:
+            self.sender = Sender(peers, self.fail)
+        self.worker_of = {int(s): int(w) for s, w in worker_of.items()}
+
+    def fail(self, e: BaseException) -> None:
+        """Record ``e`` as the step's error unless one came first (what ``report`` hands the driver)."""
+        if self.error is None:
+            self.error = picklable(e)
+
+    def run_step(
+        self,
+        step: int,
+        ops: Sequence[tuple[str, int, int]],
+        batch: dict[tuple[int, int], tuple[Any, list[Any]]],
+        microbatches: int,
+        split: set[tuple[int, int]],
+        timed: bool,
+    ) -> None:
+        """Step ``step``: reset, then this worker's list of operations (see ``lists.run_list``)."""
+        self.reset(timed)
+        self.inbox.begin(step)
+        run_list(self, step, ops, batch, microbatches, split)
+
+    def deliver(self, step: int, items: Sequence[tuple[tuple[str, int, int], Any]], *pieces: bytes) -> None:
+        """Results another worker sent for step ``step`` (runs in the ``inbox`` concurrency group); ``pieces``:
+        its arrays' bytes, where ``lists.pack`` cut them."""
+        self.inbox.put(step, unpack(items, pieces) if pieces else items)
+
+    def abort(self, step: int) -> None:
+        """Stop waiting for step ``step``'s inputs: a worker is gone (runs in the ``inbox`` group)."""
+        self.inbox.abort(step)
+
+    def placement(self) -> dict[int, list[str]]:
+        """Per stage held, the devices that hold its parameters, as this actor's JAX names them."""
+        return {s: [str(d) for d in st.devices] for s, st in self.stage_workers.items()}
+
+    def reset(self, timed: bool = True) -> None:
+        """Forget the last step's residuals, gradients, timings and error; ``timed``: the next step's mode."""
         for st in self.stage_workers.values():
-            st.reset()
+            st.reset(timed)
         self.error = None
 
     def op(
@@ -100,7 +150,7 @@ class StageActor:
         """The step's losses, timings (this process's clock) and first error; no arrays."""
         held = self.stage_workers.values()
         return {
-            "losses": {m: v for st in held for m, v in st.losses.items()},
+            "losses": {m: v for st in held for m, v in st.fetch_losses().items()},
             "events": [e for st in held for e in st.events],
             "error": self.error,
         }

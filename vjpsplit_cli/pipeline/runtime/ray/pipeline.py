@@ -18,12 +18,13 @@ from ...schedules.layout import layout as kind_of
 from ...schedules.ops import Op, split_ops
 from ...schedules.plans import resolve
 from ...stages.directory import Stages
-from ..dispatch import progress_bar, walk
+from ..dispatch import progress_bar
 from ..model import Microbatch, model_of
 from ..result import PipelineResult, step_result
 from . import waiting
 from .actor import StageActor, devices_for
 from .compiled import compile_step
+from .lists import CONCURRENCY_GROUPS, INBOX, submit_lists
 from .setup import SCHEDULE_TIMEOUT, clock_offset, init_ray, lack
 
 STEP_TIMEOUT = 600.0  # seconds for one step's results, after which the step is an error, not a hang
@@ -49,7 +50,9 @@ class RayPipeline:
     ``nodes[w]`` is the Ray node id worker ``w`` runs on; ``clock_offsets[w]`` its
     clock minus the driver's (seconds). ``compiled=True`` runs each step as a Ray
     Compiled Graph (``None``: where Ray can compile it, else actor calls; default
-    False: one actor call per operation). A step whose results are not back within
+    False: one call per actor per step, its list of operations, whose results it
+    sends to the other actors itself; ``lists``). Each actor runs its stages on its
+    first device(s), as a worker in-process does. A step whose results are not back within
     ``step_timeout`` seconds is an error. ``artifacts`` may be a ``Stages``
     (``export_stages``): ``params`` is then the whole parameter pytree, ``run``
     takes the batch tuple, and the result's ``grads`` have ``params``' structure
@@ -93,11 +96,13 @@ class RayPipeline:
         self.actors: list[Any] = []
         self.options: list[dict[str, Any]] = []
         arts = self.model.artifacts
+        make: Any = ray.remote  # its typed overloads lack concurrency_groups
+        self._remote_class = make(concurrency_groups=CONCURRENCY_GROUPS)(self.actor_class)  # deliveries beside the list
         for w, held in enumerate(self.layout.workers):
             opts = {"num_cpus": num_cpus_per_stage, **(dict(actor_options[w]) if actor_options else {})}
             devices_for(opts, max(arts[s].manifest.nr_devices for s in held))
             self.options.append(opts)
-            self.actors.append(ray.remote(self.actor_class).options(**opts).remote())
+            self.actors.append(self.new_actor(w))
         try:
             self.nodes = self._wait_placed(schedule_timeout)
             self.clock_offsets = [clock_offset(ray, a) for a in self.actors]
@@ -107,9 +112,20 @@ class RayPipeline:
                 for w, (a, held) in enumerate(zip(self.actors, self.layout.workers))
             ]
             self.get(loads)
+            self.connect()
         except BaseException:
             self.close()
             raise
+        self.steps = 0  # steps started: what an actor's inbox tells one step's deliveries from another's
+
+    def new_actor(self, worker: int) -> Any:
+        """A new actor for ``worker``, with its actor options: at the start, or in place of one that was lost."""
+        return self._remote_class.options(**self.options[worker]).remote()
+
+    def connect(self) -> None:
+        """Tell every actor every worker's handle and which worker holds each stage (after any replaced)."""
+        worker_of = self.layout.worker_of()
+        self.get([a.connect.remote(self.actors, worker_of) for a in self.actors])
 
     def _wait_placed(self, timeout: float) -> list[str]:
         ray = self.ray
@@ -128,13 +144,52 @@ class RayPipeline:
         return waiting.get(self.ray, refs, self.actors, self.layout)
 
     def fetch(
-        self, refs: Sequence[Any], owners: Sequence[int], t0: float, *, hint: str = "", bar: Any = None
+        self,
+        refs: Sequence[Any],
+        owners: Sequence[int],
+        t0: float,
+        *,
+        hint: str = "",
+        bar: Any = None,
+        watch: Sequence[Any] = (),
     ) -> list[Any]:
-        """The values of ``refs`` (worker ``owners[i]``'s) once all are done, within ``step_timeout`` of ``t0``."""
+        """The values of ``refs`` (worker ``owners[i]``'s) once all are done, within ``step_timeout`` of ``t0``.
+
+        ``watch``: the step's lists (``start_step``); one whose actor died ends the wait at once and
+        releases the other workers, and ``get`` names the stages it held.
+        """
         waiting.wait_step(
-            self.ray, refs, owners, t0 + self.step_timeout, self.step_timeout, self.layout, hint=hint, bar=bar
+            self.ray,
+            refs,
+            owners,
+            t0 + self.step_timeout,
+            self.step_timeout,
+            self.layout,
+            hint=hint,
+            bar=bar,
+            watch=watch,
+            on_stop=lambda: self._abort(self.steps),
         )
-        return self.get(refs)
+        return self.get([*watch, *refs])[len(watch) :]
+
+    def start_step(
+        self,
+        plans: Sequence[Sequence[Op]],
+        mbs: Sequence[Microbatch],
+        microbatches: int,
+        split: set[tuple[int, int]],
+        timed: bool,
+    ) -> list[Any]:
+        """Hand every actor its list of the next step (``lists.submit_lists``); the refs of the lists."""
+        self.steps += 1
+        return submit_lists(self.actors, self.steps, plans, mbs, self.num_stages, microbatches, split, timed)
+
+    def _abort(self, step: int) -> None:
+        for a in self.actors:
+            try:
+                a.abort.options(concurrency_group=INBOX).remote(step)
+            except Exception:  # noqa: BLE001 - a dead actor: nothing of it waits
+                pass
 
     def run(
         self,
@@ -145,8 +200,14 @@ class RayPipeline:
         schedule_name: str = "1f1b",
         progress: bool = False,
         schedule: Sequence[Sequence[Op]] | None = None,
+        timed: bool = True,
     ) -> PipelineResult:
-        """One training step under ``schedule_name`` (or the checked plans ``schedule``); gradients accumulate."""
+        """One training step under ``schedule_name`` (or the checked plans ``schedule``); gradients accumulate.
+
+        ``timed`` (default): each operation waits for its results and the result's
+        timeline holds their compute times; ``timed=False`` records none (a compiled
+        graph's steps are always timed).
+        """
         S = self.num_stages
         name, plans, layout = resolve(schedule_name, schedule, S, microbatches)
         self.model.check_plans(name, plans)
@@ -165,29 +226,18 @@ class RayPipeline:
             if graph is not None:
                 return self._run_graph(graph, mbs, name, microbatches, plans)
         self._drop_graph()  # its actors take ordinary calls again
-        self.get([a.reset.remote() for a in self.actors])
         t0 = time.monotonic()
-        owners: list[int] = []
-
-        def submit(w: int, op: Op, data: Any, side_: list[Any]) -> Any:
-            # Each actor runs its tasks in submission order, which walk keeps to its list.
-            owners.append(w)
-            s = (op.stage, op.mb) in split
-            return self.actors[w].op.remote(op.kind, op.stage, op.mb, data, side_, microbatches, s)
-
-        refs = walk(plans, S, mbs, submit)
-        if progress:
-            bar = progress_bar(len(refs), progress)
-            try:
-                waiting.wait_step(
-                    self.ray, refs, owners, t0 + self.step_timeout, self.step_timeout, self.layout, bar=bar
-                )
-            finally:
-                if bar is not None:
-                    bar.close()
+        lists = self.start_step(plans, mbs, microbatches, split, timed or progress)
         everyone = list(range(self.layout.num_workers))
-        states = self.fetch([a.state.remote() for a in self.actors], everyone, t0)  # after each one's last op
-        return self._result(states, name, microbatches, time.monotonic() - t0, False, plans)
+        bar = progress_bar(len(lists), progress)  # over the workers' lists, as each is done
+        try:
+            if bar is not None:
+                self.fetch(lists, everyone, t0, bar=bar, watch=lists)
+        finally:
+            if bar is not None:
+                bar.close()
+        states = self.fetch([a.state.remote() for a in self.actors], everyone, t0, watch=lists)
+        return self._result(states, name, microbatches, time.monotonic() - t0, False, plans, timed or progress)
 
     def _graph(self, plans: Sequence[Sequence[Op]], microbatches: int, split: set[tuple[int, int]]) -> Any:
         """The step's compiled graph, built once per (plans, microbatches); None where unavailable."""
@@ -246,6 +296,7 @@ class RayPipeline:
         step_time: float,
         compiled: bool,
         plans: Sequence[Sequence[Op]],
+        timed: bool = True,
     ) -> PipelineResult:
         S = self.num_stages
         failed = [st["error"] for st in states if st["error"] is not None]
@@ -263,6 +314,7 @@ class RayPipeline:
             grads=self.model.gather([grads[s] for s in range(S)]),
             events=self.driver_events(states),
             extra={"compiled": compiled},
+            timed=timed,
         )
 
     def driver_events(self, states: Sequence[Mapping[str, Any]]) -> list[Any]:

@@ -10,7 +10,7 @@ which also says which workers they were, for the Trainer to replace them).
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ....errors import VjpsplitError
 from ...schedules.layout import Layout
@@ -34,25 +34,48 @@ def wait_step(
     *,
     hint: str = "",
     bar: Any = None,
+    watch: Sequence[Any] = (),
+    on_stop: Callable[[], None] | None = None,
 ) -> None:
     """Wait until every ref in ``refs`` (worker ``owners[i]``'s) is done or ``deadline`` (``time.monotonic``) passes.
 
     Past the deadline: one error naming the first late worker's stages and ``step_timeout``, then ``hint``.
+    ``watch``: refs that fail when their actor dies (each worker's list of the step), checked as they
+    complete; one that failed ends the wait at once, so that ``get`` names the actor. Before either,
+    ``on_stop()`` releases the other workers (which may be waiting for the one gone).
     ``fetch_local=False``: completion only, no values copied here.
     """
     owner = {id(r): w for r, w in zip(refs, owners)}
-    pending = list(refs)
+    watched = {id(r) for r in watch}
+    pending = [*refs, *(r for r in watch if id(r) not in owner)]
+    for w, r in enumerate(watch):  # worker w's list
+        owner.setdefault(id(r), w)
     while pending:
-        want = 1 if bar is not None else len(pending)
+        want = 1 if bar is not None or watched else len(pending)
         left = max(deadline - time.monotonic(), 0.0)
-        ready, pending = ray.wait(pending, num_returns=want, fetch_local=False, timeout=left)
+        ready, pending = ray.wait(pending, num_returns=min(want, len(pending)), fetch_local=False, timeout=left)
         if bar is not None:
             bar.update(len(ready))
-        if pending and len(ready) < want:
+        if any(id(r) in watched and _failed(ray, r) for r in ready):
+            if on_stop is not None:
+                on_stop()
+            return
+        if pending and not ready:
+            if on_stop is not None:
+                on_stop()
             late = sorted({owner[id(r)] for r in pending})
             raise VjpsplitError(
                 f"{layout.label(late[0])}: the step did not finish within step_timeout={step_timeout:g} s{hint}"
             )
+
+
+def _failed(ray: Any, ref: Any) -> bool:
+    """Whether a completed ``ref`` holds an error (its actor died) rather than a value."""
+    try:
+        ray.get(ref)
+    except ray.exceptions.RayError:
+        return True
+    return False
 
 
 def get(ray: Any, refs: Sequence[Any], actors: Sequence[Any], layout: Layout) -> list[Any]:

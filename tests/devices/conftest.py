@@ -1,0 +1,23 @@
+"""The device-placement suite runs in its own pytest process (tests/test_devices.py starts it) with 4 CPU devices.
+
+XLA reads the device count once, when JAX first starts its CPU backend: the flag
+must be in the environment before that, so this suite cannot share a process with
+the single-device tests.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+os.environ["XLA_FLAGS"] = " ".join([*flags, "--xla_force_host_platform_device_count=4"])
+
+import jax  # noqa: E402
+
+if jax.device_count() != 4:
+    raise RuntimeError(
+        "the device-placement suite needs 4 devices: JAX started before tests/devices/conftest.py set XLA_FLAGS; "
+        "run it alone: python -m pytest tests/devices"
+    )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/models.py, tests/stage_models.py

@@ -1,0 +1,268 @@
+"""A step on Ray as each worker's own list: one call per actor per step, activations sent actor to actor.
+
+The driver hands every actor its list of operations and the batch inputs its
+stages read (``submit_lists``), once per step. An actor runs its list in order
+(``run_list``): an operation whose input another worker makes waits for it in the
+actor's ``Inbox``; a result another worker reads goes to that worker's inbox
+straight from this actor (``Sender``, a thread of its own, so the next operation
+is dispatched while the last one's result is copied off the device and sent).
+The driver takes no part in a step's traffic; it only learns when each list is
+done, and the losses, timings (and gradients) afterwards.
+
+Deliveries run in the actor's ``inbox`` concurrency group (Ray runs them beside
+the list; every other call of the actor stays in order in the default group). A
+failed or skipped operation sends None in place of its result, so no worker waits
+for it; ``abort`` releases a step's waits when a worker is gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from typing import Any, Mapping, Sequence
+
+from ...schedules.ops import Kind, Op, OpKey, dependencies, received
+from ..model import Microbatch, side_for
+from ..worker import run_op
+
+INBOX = "inbox"  # the actors' concurrency group for deliveries and aborts
+CONCURRENCY_GROUPS = {INBOX: 1}
+Key = tuple[str, int, int]  # an operation as (kind, microbatch, stage): what a delivery is keyed by
+
+
+class Inbox:
+    """What other workers sent this one for a step, by the sending operation; every method thread-safe."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._values: dict[tuple[int, Key], Any] = {}
+        self._step = -1
+        self._aborted = -1  # every step up to this one is aborted
+
+    def begin(self, step: int) -> None:
+        """Step ``step`` starts here: forget what older steps left."""
+        with self._cond:
+            self._step = step
+            self._values = {k: v for k, v in self._values.items() if k[0] >= step}
+
+    def put(self, step: int, items: Sequence[tuple[Key, Any]]) -> None:
+        """``items`` for step ``step`` (dropped when that step is over here)."""
+        with self._cond:
+            if step >= self._step:
+                for (kind, mb, stage), value in items:
+                    self._values[(step, (str(kind), int(mb), int(stage)))] = value
+                self._cond.notify_all()
+
+    def take(self, step: int, key: Key) -> Any:
+        """The value sent for ``key`` in step ``step``, once it is here; None when the step was aborted."""
+        with self._cond:
+            while (step, key) not in self._values:
+                if step <= self._aborted:
+                    return None
+                self._cond.wait()
+            return self._values.pop((step, key))
+
+    def abort(self, step: int) -> None:
+        """Release every wait of step ``step`` (and older): a worker is gone."""
+        with self._cond:
+            self._aborted = max(self._aborted, step)
+            self._cond.notify_all()
+
+
+class Sender:
+    """A thread that copies results to the host and delivers them to other workers' actors.
+
+    Whatever has queued up by the time the thread gets to it goes in one call per
+    receiving worker, so a busy sender makes fewer, larger calls.
+    """
+
+    def __init__(self, peers: Sequence[Any], on_error: Any):
+        self.on_error = on_error
+        self.connect(peers)
+        self.queue: queue.Queue[Any] = queue.Queue()
+        self.thread = threading.Thread(target=self._serve, name="vjpsplit-sender", daemon=True)
+        self.thread.start()
+
+    def connect(self, peers: Sequence[Any]) -> None:
+        """Every worker's actor, by worker index: where ``send`` delivers."""
+        self.deliveries = [p.deliver.options(concurrency_group=INBOX) for p in peers]
+
+    def send(self, step: int, worker: int, key: Key, value: Any) -> None:
+        """Deliver ``value`` (None: failed or skipped) to ``worker`` as step ``step``'s ``key``.
+
+        A value already computed (a timed step's) goes at once from this thread; one still
+        being computed goes from the sender's, so that this thread dispatches on meanwhile.
+        """
+        if _ready(value):
+            self._deliver([(step, worker, key, value)])
+        else:
+            self.queue.put((step, worker, key, value))
+
+    def flush(self) -> None:
+        """Wait until everything sent so far has been handed to Ray."""
+        self.queue.join()
+
+    def _serve(self) -> None:
+        while True:
+            batch = [self.queue.get()]
+            while True:
+                try:
+                    batch.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._deliver(batch)
+            for _ in batch:
+                self.queue.task_done()
+
+    def _deliver(self, batch: Sequence[tuple[int, int, Key, Any]]) -> None:
+        """One call per receiving worker for ``batch``'s values, copied to the host first."""
+        import jax
+        import numpy as np
+
+        calls: dict[tuple[int, int], list[tuple[Key, Any]]] = {}
+        for step, worker, key, value in batch:
+            if value is not None:
+                try:
+                    value = jax.tree_util.tree_map(np.asarray, value)  # the object store holds host arrays
+                except BaseException as e:  # noqa: BLE001 - reported by the actor; the receiver skips
+                    self.on_error(e)
+                    value = None
+            calls.setdefault((step, worker), []).append((key, value))
+        for (step, worker), items in calls.items():
+            try:
+                packed, pieces = pack(items)
+                self.deliveries[worker].remote(step, packed, *pieces)
+            except BaseException as e:  # noqa: BLE001 - a dead peer: the driver names it
+                self.on_error(e)
+
+
+PIECE = 64 << 10  # below Ray's max_direct_call_object_size (100 KiB): such an argument rides inside the call
+PIECES_AT_MOST = 4 << 20  # a call's bytes sent as pieces; beyond them, arrays go through the object store
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pieces:
+    """An array sent as bytes in positional arguments ``first`` ... ``first + count - 1`` of the call."""
+
+    dtype: Any
+    shape: tuple[int, ...]
+    first: int
+    count: int
+
+
+def pack(items: Sequence[tuple[Key, Any]]) -> tuple[list[tuple[Key, Any]], list[bytes]]:
+    """``items`` with each array of a mid-size call cut into pieces small enough for Ray to send inside the
+    call rather than through its object store (on one host that saves a round trip per delivery)."""
+    import jax
+    import numpy as np
+
+    pieces: list[bytes] = []
+
+    def cut(a: Any) -> Any:
+        if not isinstance(a, np.ndarray) or a.nbytes <= PIECE or len(pieces) * PIECE + a.nbytes > PIECES_AT_MOST:
+            return a
+        raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        first = len(pieces)
+        pieces.extend(raw[i : i + PIECE].tobytes() for i in range(0, raw.size, PIECE))
+        return _Pieces(a.dtype, tuple(a.shape), first, len(pieces) - first)
+
+    return [(key, jax.tree_util.tree_map(cut, value)) for key, value in items], pieces
+
+
+def unpack(items: Sequence[tuple[Key, Any]], pieces: Sequence[bytes]) -> list[tuple[Key, Any]]:
+    """``pack``'s items back, each array whole."""
+    import jax
+    import numpy as np
+
+    def join(a: Any) -> Any:
+        if not isinstance(a, _Pieces):
+            return a
+        return np.frombuffer(b"".join(pieces[a.first : a.first + a.count]), a.dtype).reshape(a.shape)
+
+    return [
+        (key, jax.tree_util.tree_map(join, value, is_leaf=lambda x: isinstance(x, _Pieces))) for key, value in items
+    ]
+
+
+def _ready(value: Any) -> bool:
+    """Whether every array of ``value`` is computed (None counts as ready)."""
+    import jax
+
+    arrays: list[Any] = [a for a in jax.tree_util.tree_leaves(value) if isinstance(a, jax.Array)]
+    return all(a.is_ready() for a in arrays)
+
+
+def destination(op: Op, num_stages: int) -> int | None:
+    """The stage that reads ``op``'s result: the next for an F, the previous for a B; None (the loss, W, stage 0's B)."""
+    if op.kind == Kind.F:
+        return op.stage + 1 if op.stage < num_stages - 1 else None
+    if op.kind == Kind.B:
+        return op.stage - 1 if op.stage > 0 else None
+    return None
+
+
+def run_list(
+    actor: Any,
+    step: int,
+    ops: Sequence[Key],
+    batch: Mapping[tuple[int, int], tuple[Any, list[Any]]],
+    microbatches: int,
+    split: set[tuple[int, int]],
+) -> None:
+    """Run this worker's ``ops`` of step ``step`` on ``actor`` (a ``StageActor``, reset for the step).
+
+    ``batch[(stage, mb)]`` is what the F of that stage and microbatch takes from the
+    batch: the first stage's input (else None) and its side inputs.
+    """
+    S, me, worker_of = actor.num_stages, actor.worker, actor.worker_of
+    local: dict[OpKey, Any] = {}  # results this worker's own later operations read (a V's two stages)
+    for kind, mb, stage in ops:
+        op = Op(Kind(kind), mb, stage)
+        st = actor.stage_workers[stage]
+        src = received(op, dependencies(op, S))
+        if src is None:
+            data = batch[(stage, mb)][0] if op.kind == Kind.F else None
+        elif worker_of[src.stage] == me:
+            data = local.pop(src, None)
+        else:
+            data = actor.inbox.take(step, tuple(src))
+        needed = data is not None or src is None and (op.kind != Kind.W or mb in st.inter)
+        out = None
+        if actor.error is None and needed:
+            try:
+                side = batch[(stage, mb)][1] if op.kind == Kind.F else []
+                out = run_op(st, op, data, side, microbatches, (stage, mb) in split, me)
+            except BaseException as e:  # noqa: BLE001 - handed to the driver by report()
+                actor.fail(e)
+        dest = destination(op, S)
+        if dest is not None:
+            if worker_of[dest] == me:
+                local[op.key] = out
+            else:
+                actor.sender.send(step, worker_of[dest], tuple(op.key), out)
+    actor.sender.flush()
+
+
+def submit_lists(
+    actors: Sequence[Any],
+    step: int,
+    plans: Sequence[Sequence[Op]],
+    mbs: Sequence[Microbatch],
+    num_stages: int,
+    microbatches: int,
+    split: set[tuple[int, int]],
+    timed: bool,
+) -> list[Any]:
+    """Every actor's ``run_step`` of step ``step``: its list and the batch inputs its stages read; the refs."""
+    refs = []
+    for actor, ops in zip(actors, plans):
+        batch = {
+            (o.stage, o.mb): (mbs[o.mb][0] if o.stage == 0 else None, side_for(mbs[o.mb][1], o.stage, num_stages))
+            for o in ops
+            if o.kind == Kind.F
+        }
+        mine = {(s, m) for s, m in split if any(o.stage == s for o in ops)}
+        keys = [(str(o.kind), o.mb, o.stage) for o in ops]
+        refs.append(actor.run_step.remote(step, keys, batch, microbatches, mine, timed))
+    return refs
