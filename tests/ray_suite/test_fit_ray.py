@@ -49,7 +49,7 @@ KW = dict(optimizer=optax.adamw(1e-2), schedule_name="1f1b", microbatches=2)
 def test_fit_survives_a_killed_actor_and_a_killed_process(ray_session, stages, tmp_path):
     def _die_at_next_backward(actor):
         """Run inside the actor: its process ends (SIGKILL) when it starts its next B, in the middle of a step."""
-        from vjpsplit_cli.pipeline.runtime.ray import actor as module
+        from vjpsplit_cli.pipeline.runtime.ray import lists as module  # each step's list runs its ops there
         from vjpsplit_cli.pipeline.schedules.ops import Kind
 
         real = module.run_op
