@@ -20,13 +20,12 @@ schedules).
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
 import time
 
-from benchmarks.timing import run_section
+from benchmarks.timing import run_section, section_main
 
 
 def _config(quick: bool) -> dict:
@@ -220,17 +219,7 @@ def run(quick: bool) -> tuple[str, list[dict]]:
 
 def main(argv=None) -> int:
     """``--child``: measure and print JSON (run by ``run``); otherwise run the section and print its report."""
-    import argparse
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.child:
-        print(json.dumps(measure(args.quick)))
-        return 0
-    print(run(args.quick)[0])
-    return 0
+    return section_main(__doc__, measure, run, argv)
 
 
 if __name__ == "__main__":

@@ -19,13 +19,12 @@ median measured op times and one device per worker.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
 import time
 
-from benchmarks.timing import SINGLE_THREAD, run_section
+from benchmarks.timing import SINGLE_THREAD, run_section, section_main
 
 
 def _config(quick: bool) -> dict:
@@ -462,26 +461,18 @@ def _tiny(tc: dict, model, cut, P, ray_too: bool) -> dict:
     return {"rows": rows, "failures": [f"{r} ({n} stages): {e}" for (r, n), e in failures.items()]}
 
 
-def main(argv=None) -> int:
-    """``--child``: measure and print JSON (run by ``run``); otherwise run the section and print its table."""
-    import argparse
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.child:
-        print(json.dumps(measure(args.quick)))
-        return 0
-    text, rows = run(args.quick)
-    print(text)
-    print()
+def _print_ops(rows: list[dict]) -> None:
     for r in rows:
         ops = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in r["op_medians"].items())
         print(
             f"{r['runner']:>10} {r['label']:>5}: median ops {ops}; modeled makespan {r['modeled_makespan'] * 1e3:.1f} ms"
         )
-    return 0
+
+
+def main(argv=None) -> int:
+    """``--child``: measure and print JSON (run by ``run``); otherwise run the section, print its table and each
+    row's median operation times."""
+    return section_main(__doc__, measure, run, argv, report=_print_ops)
 
 
 if __name__ == "__main__":

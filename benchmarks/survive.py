@@ -23,7 +23,6 @@ with single-threaded XLA, as do the Ray actors.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -31,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.timing import run_section
+from benchmarks.timing import run_section, section_main
 
 ROOT = Path(__file__).resolve().parents[1]
 MID = {"width": 256, "blocks": 4, "seq": 64, "batch": 16, "microbatches": 8}
@@ -219,18 +218,8 @@ def run(quick: bool) -> tuple[str, list[dict]]:
 
 
 def main(argv=None) -> int:
-    """``--child``: measure and print JSON (run by ``run``); otherwise run the section and print its table."""
-    import argparse
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.child:
-        print(json.dumps(measure(args.quick)))
-        return 0
-    print(run(args.quick)[0])
-    return 0
+    """``--child``: measure and print JSON (run by ``run``); otherwise run the section and print its report."""
+    return section_main(__doc__, measure, run, argv)
 
 
 if __name__ == "__main__":

@@ -69,3 +69,29 @@ def run_section(module: str, quick: bool, table, devices: int | None = None) -> 
     """A section measured by ``run_child``: its markdown ``table(data)`` and its rows."""
     data = run_child(module, quick, devices)
     return table(data), data["rows"]
+
+
+def section_main(
+    doc: str | None,
+    measure: Callable[[bool], dict],
+    run: Callable[[bool], tuple[str, list[dict]]],
+    argv: list[str] | None = None,
+    report: Callable[[list[dict]], None] | None = None,
+) -> int:
+    """A ``run_child`` section's command line: ``--child`` measures and prints JSON (what ``run`` reads);
+    otherwise run the section and print its markdown, then ``report(rows)`` where given."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="the short run CI makes")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(measure(args.quick)))
+        return 0
+    text, rows = run(args.quick)
+    print(text)
+    if report is not None:
+        print()
+        report(rows)
+    return 0

@@ -28,7 +28,6 @@ steps is one sample, and the tables give medians.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.timing import run_section
+from benchmarks.timing import run_section, section_main
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 PNG = DOCS / "train_gpt256_timeline.png"
@@ -336,18 +335,8 @@ def run(quick: bool) -> tuple[str, list[dict]]:
 
 
 def main(argv=None) -> int:
-    """``--child``: measure and print JSON (run by ``run``); otherwise run the section and print its tables."""
-    import argparse
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.child:
-        print(json.dumps(measure(args.quick, png=None if args.quick else PNG)))
-        return 0
-    print(run(args.quick)[0])
-    return 0
+    """``--child``: measure and print JSON (run by ``run``); otherwise run the section and print its report."""
+    return section_main(__doc__, lambda quick: measure(quick, png=None if quick else PNG), run, argv)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from ..runtime.model import Microbatch
-from ..runtime.ray.actor import StageActor, picklable
+from ..runtime.ray.actor import StageActor, picklable, raise_first_error
 from ..runtime.ray.pipeline import RUNNER, RayPipeline
 from ..runtime.ray.setup import SCHEDULE_TIMEOUT, clock_offset, lack
 from ..runtime.result import PipelineResult, step_result
@@ -157,9 +157,7 @@ class RayBackend:
         )
         step_time = time.monotonic() - t0
         states = values[: len(reports)]
-        failed = [st["error"] for st in states if st["error"] is not None]
-        if failed:
-            raise failed[0]
+        raise_first_error(states)
         totals = values[len(reports) : len(reports) + S]
         result = step_result(
             schedule=name,

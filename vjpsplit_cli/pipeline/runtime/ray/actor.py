@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -160,6 +160,13 @@ class StageActor:
         out = self.state()
         self.reset()
         return out
+
+
+def raise_first_error(reports: Sequence[Mapping[str, Any]]) -> None:
+    """Raise the first error the workers' ``report`` (or ``state``) dicts hold, in worker order; none: return."""
+    for report in reports:
+        if report["error"] is not None:
+            raise report["error"]
 
 
 def picklable(e: BaseException) -> BaseException:

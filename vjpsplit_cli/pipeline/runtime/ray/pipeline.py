@@ -22,7 +22,7 @@ from ..dispatch import progress_bar
 from ..model import Microbatch, model_of
 from ..result import PipelineResult, step_result
 from . import waiting
-from .actor import StageActor, devices_for
+from .actor import StageActor, devices_for, raise_first_error
 from .compiled import compile_step
 from .lists import CONCURRENCY_GROUPS, INBOX, submit_lists
 from .setup import SCHEDULE_TIMEOUT, clock_offset, init_ray, lack
@@ -299,9 +299,7 @@ class RayPipeline:
         timed: bool = True,
     ) -> PipelineResult:
         S = self.num_stages
-        failed = [st["error"] for st in states if st["error"] is not None]
-        if failed:
-            raise failed[0]
+        raise_first_error(states)
         grads = {s: g for st in states for s, g in st["grads"].items()}
         return step_result(
             schedule=name,
