@@ -84,7 +84,19 @@ OPTIMIZERS = {
     # share already within it, so the run is the chain's on one device, and its state the chain's structure.
     "clip-adamw": (lambda: optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(1e-2)), CLIP),
     "sgd-schedule-momentum": (lambda: optax.sgd(optax.linear_schedule(0.1, 0.01, 3), momentum=0.9), None),
+    # Labels as a function of the parameters: each stage's optimizer labels its own share of them.
+    "multi-transform": (lambda: optax.multi_transform(TRANSFORMS, _labels), None),
 }
+
+
+TRANSFORMS = {"adam": optax.adamw(1e-2), "sgd": optax.sgd(0.1, momentum=0.9)}
+
+
+def _labels(params):
+    """The embedding under AdamW, the blocks under SGD with momentum."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: "adam" if "embed" in jax.tree_util.keystr(path) else "sgd", params
+    )
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -103,6 +115,12 @@ def test_state_is_optax_own_for_the_whole_model(name):
     assert counts and all(int(c) == 3 for c in counts)  # the step counts, once each, not once per stage
     if clip is not None:
         assert min(h["grad_norm"] for h in tr.history) > clip  # the clipping acted on every step
+
+
+def test_a_pytree_built_for_the_whole_model_is_one_error_saying_to_pass_a_function():
+    tx = optax.multi_transform(TRANSFORMS, _labels(gpt_params()))
+    with pytest.raises(VjpsplitError, match=r"optimizer 'partition'.*whole model's parameters.*function of the param"):
+        P.Trainer(_stages(), gpt_params(), optimizer=tx, schedule_name="1f1b", microbatches=2)
 
 
 def test_a_one_process_opt_state_continues_in_a_trainer_and_state_gives_it_back():

@@ -182,7 +182,9 @@ def export_optimizer(
     except Exception as e:
         raise VjpsplitError(
             f"cannot export the optimizer {label!r}: its init fails on the stage's parameters ({jax_message(e)}); "
-            "its state must be a pytree of arrays"
+            "its state must be a pytree of arrays, and a pytree it was built with for the whole model's parameters "
+            "(a mask, multi_transform's labels) must be a function of the parameters instead (e.g. "
+            "mask=lambda params: ...), since each stage's optimizer sees only that stage's share of them"
         ) from e
     specs_state = _state_specs(entries, params) if mesh is not None else [None] * len(entries)
     state = tuple(_leaf(k, s, None if sp is None else tuple(sp)) for (k, s), sp in zip(entries, specs_state))
