@@ -147,21 +147,20 @@ def run_threads(
     *,
     progress: bool = False,
     tail: Callable[[int, bool], None] | None = None,
-) -> float:
+    order: Order | None = None,
+) -> None:
     """One timed step of ``plans`` on the stages' ``workers`` (reset first), worker w in ``pool``'s thread w.
 
     Each operation waits for its results and records its ``Event``. ``tail(w,
     failed)`` runs in worker ``w``'s thread after its last operation (``failed``:
-    some operation of the step failed); what it raises is the step's error.
-    Returns the step's seconds.
+    some operation of the step failed, or handing the step out did); what it
+    raises is the step's error. ``order``: ``dispatch.order_of(plans)``, if kept.
     """
     for st in workers:
         st.reset(timed=True)
     mbs = placed_microbatches(mbs, workers)
     threads = _Threads(plans, workers, split_ops(plans), microbatches, progress, tail)
-    t0 = time.monotonic()
-    threads.run(pool, lambda submit: walk(plans, len(workers), mbs, submit))
-    return time.monotonic() - t0
+    threads.run(pool, lambda submit: walk(plans, len(workers), mbs, submit, order))
 
 
 def placed_microbatches(mbs: Sequence[Microbatch], workers: Sequence[StageWorker]) -> list[Microbatch]:
@@ -251,7 +250,9 @@ class _Threads:
         done = pool.start([functools.partial(self._worker, w) for w in range(len(self.plans))])
         try:
             drive(self.submit)
-        except BaseException:
+        except BaseException as e:
+            # Counted as the step's failure, so no worker's tail updates its stages from a partial step.
+            self.errors.append(e)
             for w, box in enumerate(self.inboxes):  # let every thread drain its list and end
                 for _ in self.plans[w]:
                     box.put((None, _FAILED, [], _Mailbox()))

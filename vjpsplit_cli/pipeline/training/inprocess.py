@@ -164,7 +164,8 @@ class InProcessBackend:
             self.close()
             self.threads = WorkerThreads(len(held))
         workers = [t.worker for t in self.trainers]
-        run_threads(self.threads, workers, schedule.plans, mbs, microbatches, progress=progress, tail=tail)
+        order, _ = self._orders(schedule.plans)
+        run_threads(self.threads, workers, schedule.plans, mbs, microbatches, progress=progress, tail=tail, order=order)
         return sums
 
     def snapshots(self) -> list[Snapshot]:
