@@ -123,6 +123,25 @@ def test_a_pytree_built_for_the_whole_model_is_one_error_saying_to_pass_a_functi
         P.Trainer(_stages(), gpt_params(), optimizer=tx, schedule_name="1f1b", microbatches=2)
 
 
+def _leaf_counting_tx():
+    """A state sized by the number of leaves it sees: a stage's cannot be joined into the whole model's."""
+    return optax.GradientTransformation(
+        lambda p: {"seen": jnp.zeros(len(jax.tree_util.tree_leaves(p)))}, lambda g, s, p=None: (g, s)
+    )
+
+
+def test_a_state_that_is_not_per_leaf_is_one_error_naming_the_optimizer():
+    """Such a Trainer trains (each stage's state is its own), but its state has no whole-model form."""
+    tx, batch = _leaf_counting_tx(), _batches(1)[0]
+    tr = P.Trainer(_stages(), gpt_params(), optimizer=tx, schedule_name="1f1b", microbatches=2)
+    tr.step(batch)
+    match = r"optimizer '_leaf_counting_tx'.*cannot be joined.*sized by the leaves"
+    with pytest.raises(VjpsplitError, match=match):
+        tr.state()
+    with pytest.raises(VjpsplitError, match=match):
+        P.Trainer(_stages(), gpt_params(), optimizer=tx, schedule_name="1f1b", microbatches=2, opt_state=tx.init({}))
+
+
 def test_a_one_process_opt_state_continues_in_a_trainer_and_state_gives_it_back():
     tx, batches = optax.adamw(1e-2), _batches(4)
     ref_losses, ref_params, ref_state = _one_process(tx, batches)

@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 
 from ...errors import VjpsplitError
 from .costs import Costs
-from .ops import Op
+from .ops import Op, split_ops
 from .play import play
 
 
@@ -36,7 +36,7 @@ def memory_limits(limit: int | Sequence[int] | None, workers: int, microbatches:
 
 def memory_peaks(plans: Sequence[Sequence[Op]]) -> list[int]:
     """Per worker, the most microbatches it holds at once: each from its F until its W, or its whole B."""
-    split = {(o.stage, o.mb) for ops in plans for o in ops if o.kind == "W"}
+    split = split_ops(plans)
     peaks = []
     for ops in plans:
         held = peak = 0

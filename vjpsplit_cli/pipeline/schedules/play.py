@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 from ...errors import VjpsplitError
 from .costs import Costs
 from .ops import Op, OpKey, action_name, dependencies, split_ops
-from .timeline import Event, makespan
+from .timeline import Event
 
 Duration = Callable[[Op], float]
 Step = tuple[int, Op, float, float, tuple[OpKey, ...]]  # worker, op, start, end, what it waited for
@@ -50,11 +50,6 @@ class Played:
 
     events: list[Event]
     plans: list[list[Op]]
-
-    @property
-    def makespan(self) -> float:
-        """From the first start to the last end."""
-        return makespan(self.events)
 
 
 def _zero(op: Op) -> float:

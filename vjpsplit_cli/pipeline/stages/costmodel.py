@@ -28,7 +28,8 @@ class AnyDim(dict[str, int]):
         return True
 
     def get(self, key: str, default: Any = None) -> int:  # type: ignore[override]  # every dim has a size
-        return COST_DIM
+        """The dim's size: the one given, else ``COST_DIM`` (never ``default``)."""
+        return self[key]
 
 
 ANY_DIM = AnyDim()

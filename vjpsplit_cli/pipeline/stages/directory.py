@@ -221,8 +221,3 @@ def load_stages(directory: str | os.PathLike[str], *, trust: Any = None, allow_k
             )
         arts.append(a)
     return Stages(arts, typed)
-
-
-def is_stages(obj: object) -> bool:
-    """Whether ``obj`` is a ``Stages`` (the runners' one-function form)."""
-    return isinstance(obj, Stages)

@@ -5,26 +5,19 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
-import numpy as np
 
-from ...files.shapes import concrete_shape
 from ...files.sizes import human_bytes
-from .costmodel import ANY_DIM, AnyDim
+from .costmodel import AnyDim, nbytes
 from .directory import Stages
 
 
 def _bytes(entries: Sequence[Any], dims: Mapping[str, int]) -> int:
-    total = 0
-    for e in entries:
-        shape, dtype = e.shape, e.dtype
-        size = concrete_shape(tuple(shape), dims) or ()
-        total += int(np.prod(size, dtype=np.int64)) * np.dtype(dtype).itemsize
-    return total
+    return sum(nbytes(e, dims) for e in entries)
 
 
 def stage_rows(stages: Stages, at: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
     """Per stage: parameter count and bytes, batch inputs read, bytes sent on and residual bytes per microbatch, cost."""
-    dims = _Sized(at or {})
+    dims = AnyDim(at or {})  # the sizes given, every other symbolic dim at the cost size
     params, batch = stages.index.params, stages.index.batch
     rows = []
     for i, (st, art) in enumerate(zip(stages.index.per_stage, stages.artifacts)):
@@ -45,16 +38,6 @@ def stage_rows(stages: Stages, at: Mapping[str, int] | None = None) -> list[dict
             }
         )
     return rows
-
-
-class _Sized(AnyDim):
-    """The sizes given, every other symbolic dim at the cost size."""
-
-    def __init__(self, at: Mapping[str, int]):
-        super().__init__(at)
-
-    def __missing__(self, key: str) -> int:
-        return ANY_DIM[key]
 
 
 def format_stages(stages: Stages, at: Mapping[str, int] | None = None) -> str:

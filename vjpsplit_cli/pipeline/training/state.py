@@ -19,8 +19,10 @@ Every state leaf is then named by ``(slot, parameter key)``, or ``(slot, None)``
 for a value of its own. ``gather`` builds the whole model's state from the
 stages' (the entries of a tied leaf and the values of their own are the same on
 every stage that holds them: checked, not assumed); ``scatter`` does the reverse.
-A transformation whose state's shape depends on which leaves it sees
-(``optax.masked``, ``optax.multi_transform``) is one error naming it.
+``optax.masked`` and ``optax.multi_transform`` (masks and labels given as
+functions of the parameters) follow this: a stage's state holds masked-out
+placeholders where the whole model's does. A transformation whose state does
+not (a value sized by the number of leaves it sees, say) is one error naming it.
 """
 
 from __future__ import annotations
@@ -121,6 +123,9 @@ class StateMap:
         self.label: dict[_At, str] = {}
         for at, entry in zip(self.whole, self.entries):
             self.label.setdefault(at, entry)
+        whole_spec: dict[_At, Any] = {}
+        for at, sp in zip(self.whole, self.specs):
+            whole_spec.setdefault(at, sp)
         self.stages: list[tuple[list[str], list[_At]]] = []  # per stage: its state keys, and where each belongs
         for s, names in enumerate(stage_names):
             state = _init_shape(tx, {k: flat[k] for k in names}, label)
@@ -130,13 +135,20 @@ class StateMap:
             marked = sk.unflatten(
                 [_At(i, None) if m is None else {k: _entry(i, k, m[k]) for k in names} for i, m in enumerate(mine)]
             )
-            self.stages.append(([k for k, _ in flatten_with_keys("", state)], jax.tree_util.tree_leaves(marked)))
+            where = jax.tree_util.tree_leaves(marked)
+            # Same structure is not enough: a value of its own sized by the leaves a stage sees differs in shape.
+            if any(
+                (sp.shape, sp.dtype) != (whole_spec[at].shape, whole_spec[at].dtype)
+                for at, sp in zip(where, jax.tree_util.tree_leaves(state))
+            ):
+                raise self._unmappable(f"stage {s}'s")
+            self.stages.append(([k for k, _ in flatten_with_keys("", state)], where))
 
     def _unmappable(self, whose: str) -> VjpsplitError:
         return VjpsplitError(
             f"optimizer {self.name!r}: {whose} state does not have the shape of its state for all parameters "
             "(per-leaf entries in params' structure, other values once): its stages' states cannot be joined "
-            "into optax's structure; transformations such as optax.masked or multi_transform do this"
+            "into optax's structure; a state sized by the leaves it sees does this"
         )
 
     def gather(self, states: Sequence[Mapping[str, Any]]) -> Any:
