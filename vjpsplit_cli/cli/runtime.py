@@ -77,12 +77,10 @@ def enable_x64_if(needed: bool) -> None:
 def wants_x64(specs) -> bool:
     """Whether any leaf of ``specs`` has a dtype that needs ``jax_enable_x64`` (the CLI then turns it on)."""
     import jax
-    import numpy as np
 
-    from ..files.dtypes import NARROWED
-    from ..files.prng import is_key
+    from ..files.shapes import is_64bit
 
-    return any(not is_key(s) and np.dtype(s.dtype).name in NARROWED for s in jax.tree_util.tree_leaves(specs))
+    return any(is_64bit(s) for s in jax.tree_util.tree_leaves(specs))
 
 
 def load_artifact(path, trust_keys=(), allow_kernels: bool = False, *, x64: bool = True):

@@ -156,6 +156,11 @@ def to_struct(leaf) -> jax.ShapeDtypeStruct:
     raise VjpsplitError(f"spec leaf {leaf!r} is not an array or jax.ShapeDtypeStruct")
 
 
+def is_64bit(spec: Any) -> bool:
+    """Whether ``spec``'s dtype is one that needs ``jax_enable_x64`` (a PRNG key never is)."""
+    return not is_key(spec) and np.dtype(spec.dtype).name in NARROWED
+
+
 def refuse_64bit_without_x64(entries: Sequence[tuple[str, Any]], what: str = "input") -> None:
     """Refuse a 64-bit spec leaf while ``jax_enable_x64`` is off, naming its file key, dtype and the fixes.
 
@@ -169,7 +174,7 @@ def refuse_64bit_without_x64(entries: Sequence[tuple[str, Any]], what: str = "in
     # jax defines its options at run time: the stub does not declare jax_enable_x64.
     if jax.config.jax_enable_x64:  # type: ignore[attr-defined]
         return
-    wide = [(k, np.dtype(s.dtype).name) for k, s in entries if not is_key(s) and np.dtype(s.dtype).name in NARROWED]
+    wide = [(k, np.dtype(s.dtype).name) for k, s in entries if is_64bit(s)]
     if not wide:
         return
     key, name = wide[0]

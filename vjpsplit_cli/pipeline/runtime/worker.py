@@ -18,6 +18,7 @@ from ...errors import VjpsplitError
 from ...files.dtypes import dtype_from_name
 from ...tracing.residuals import Intermediates
 from ..schedules.ops import Kind, Op
+from .devices import default_device
 from ..schedules.timeline import Event
 
 
@@ -151,8 +152,7 @@ class StageWorker:
         m = artifact.manifest
         self.device = None if m.sharded else device
         self._sharding = None if self.device is None else _single(self.device)
-        # Once, not on every microbatch: on a sharded stage, by its recorded shardings on its devices.
-        self.params = self.to_device(params) if self._sharding is not None else artifact.place_arg(0, params)
+        self.params = self.place_params(params)
         self.stage_index = stage_index
         self.num_stages = num_stages
         names = m.arg_names
@@ -169,6 +169,11 @@ class StageWorker:
         self.timed = True
         self.reset()
 
+    def place_params(self, params: Any) -> Any:
+        """``params`` where this stage keeps them: on its device, or a sharded stage's by its recorded
+        shardings on its devices (once, not on every microbatch)."""
+        return self.to_device(params) if self._sharding is not None else self.art.place_arg(0, params)
+
     @property
     def is_last(self) -> bool:
         """Whether this is the pipeline's last stage (its F gives the loss)."""
@@ -184,7 +189,7 @@ class StageWorker:
         import jax
 
         leaves = [a for a in jax.tree_util.tree_leaves(self.params) if isinstance(a, jax.Array)]
-        return tuple(sorted(leaves[0].devices(), key=lambda d: d.id)) if leaves else (jax.devices()[0],)
+        return tuple(sorted(leaves[0].devices(), key=lambda d: d.id)) if leaves else (default_device(),)
 
     def reset(self, timed: bool | None = None) -> None:
         """Forget residuals, gradients and timings: ready for the next step (``timed``: see the class)."""

@@ -29,6 +29,7 @@ from .costs import Costs
 from .modeled import memory_limits, memory_peaks, modeled_makespan
 from .plans import check_plans
 from .builtins import schedule
+from .catalog import SPLIT_BACKWARD
 from .ops import Kind, Op
 
 BUILT_INS = ("gpipe", "1f1b", "zbh1")  # the one-stage-per-worker schedules the result never loses to
@@ -232,10 +233,18 @@ def _split_stages(stages: object, costs: Mapping[str, object] | Costs, n: int) -
     return tuple(bool(getattr(getattr(a, "manifest", None), "weights", True)) for a in stages)
 
 
-def built_in_candidates(stages: int, microbatches: int, limits: Sequence[int]) -> dict[str, list[list[Op]]]:
-    """The built-in schedules (``BUILT_INS``) whose memory peak fits ``limits`` on every worker."""
+def built_in_candidates(
+    stages: int, microbatches: int, limits: Sequence[int], split: Sequence[bool] | None = None
+) -> dict[str, list[list[Op]]]:
+    """The built-in schedules (``BUILT_INS``) whose memory peak fits ``limits`` on every worker.
+
+    ``split``: per stage, whether it has the split backward; where one lacks it, the schedules
+    that need it (``SPLIT_BACKWARD``) are left out.
+    """
     out = {}
     for name in BUILT_INS:
+        if split is not None and not all(split) and name in SPLIT_BACKWARD:
+            continue
         plans = schedule(name, stages, microbatches)
         if all(p <= lim for p, lim in zip(memory_peaks(plans), limits)):
             out[name] = plans
@@ -289,9 +298,7 @@ def auto_schedule(
     c = Costs.of(costs, S)
     limits = memory_limits(memory_limit, S, microbatches)
     plans, span, _ = search(c, microbatches, limits, split)
-    for name, built in built_in_candidates(S, microbatches, limits).items():
-        if name == "zbh1" and not all(split):
-            continue  # its W needs every stage's split backward
+    for built in built_in_candidates(S, microbatches, limits, split).values():
         other = modeled_makespan(built, c)
         if other < span - 1e-9:
             plans, span = built, other

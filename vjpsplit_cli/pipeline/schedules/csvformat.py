@@ -14,9 +14,10 @@ from __future__ import annotations
 import io
 import os
 import re
-from typing import Sequence
+from typing import BinaryIO, Sequence
 
 from ...errors import VjpsplitError
+from ...safeio.outputs import atomic_write
 from .ops import Kind, Op, action_name, split_ops
 
 _ACTION = re.compile(r"(\d+)([FIBW])(\d+)")
@@ -48,11 +49,12 @@ def format_schedule(plans: Sequence[Sequence[Op]]) -> str:
 
 def write_schedule(path: str | os.PathLike[str], plans: Sequence[Sequence[Op]]) -> None:
     """Write ``plans`` (one list of operations per rank) as torch's compute-only CSV schedule."""
-    text = format_schedule(plans)
-    tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    data = format_schedule(plans).encode("utf-8")
+
+    def write(f: BinaryIO) -> None:
+        f.write(data)
+
+    atomic_write(path, write, size=len(data))
 
 
 def _parse(cell: str, r: int, col: int) -> list[Op]:

@@ -6,6 +6,7 @@ import os
 from typing import Any, Mapping, Sequence
 
 from ...errors import VjpsplitError
+from ...safeio.outputs import atomic_write
 from .timeline import Event
 
 
@@ -21,10 +22,10 @@ def _pyplot() -> Any:
 
 
 def _save(fig: Any, path: str | os.PathLike[str]) -> None:
-    tmp = f"{os.fspath(path)}.tmp.png"
-    fig.savefig(tmp)
-    _pyplot().close(fig)
-    os.replace(tmp, path)
+    try:
+        atomic_write(path, lambda f: fig.savefig(f, format="png"))
+    finally:
+        _pyplot().close(fig)
 
 
 def plot_timeline(events: Sequence[Event], num_workers: int, path: str | os.PathLike[str], title: str) -> None:

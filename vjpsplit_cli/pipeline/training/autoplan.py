@@ -185,7 +185,7 @@ class AutoPlan:
         """The first step's schedule: the best built-in that fits and times every W, else auto for equal costs."""
         S, m = self.num_stages, self.microbatches
         limits = self.limits_for(mb)
-        fits = built_in_candidates(S, m, limits)
+        fits = built_in_candidates(S, m, limits, self.split)
         name = "zbh1" if all(self.split) else ("1f1b" if not any(self.split) else None)
         if name in fits:
             plans = schedule(name, S, m)

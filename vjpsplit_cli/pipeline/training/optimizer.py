@@ -89,6 +89,16 @@ def optimizer_name(tx: Any) -> str:
     return qual.split(".<locals>")[0]
 
 
+def checked_name(tx: Any) -> str:
+    """``optimizer_name(tx)``, once ``tx`` is an optax ``GradientTransformation`` (else one error saying so)."""
+    label = optimizer_name(tx)
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise VjpsplitError(
+            f"optimizer {label!r} is not an optax GradientTransformation (init and update); pass one, e.g. optax.adamw(1e-3)"
+        )
+    return label
+
+
 def flat_specs(specs: Any) -> dict[str, Any]:
     """``{leaf key: spec}``: a flat mapping of leaves is taken as it is, any other pytree flattened to file keys."""
     if isinstance(specs, Mapping) and all(hasattr(v, "shape") and hasattr(v, "dtype") for v in specs.values()):
@@ -155,11 +165,8 @@ def export_optimizer(
     an optax ``GradientTransformation``, or whose state is not a pytree of arrays, or whose
     code ``jax.export`` refuses, is one ``VjpsplitError`` naming it.
     """
-    label = name or optimizer_name(tx)
-    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
-        raise VjpsplitError(
-            f"optimizer {label!r} is not an optax GradientTransformation (init and update); pass one, e.g. optax.adamw(1e-3)"
-        )
+    own_name = checked_name(tx)
+    label = name or own_name
     platforms = (platforms,) if isinstance(platforms, str) else tuple(platforms)
     specs = flat_specs(param_specs)
     named_ = {k: s.sharding for k, s in specs.items() if isinstance(getattr(s, "sharding", None), NamedSharding)}

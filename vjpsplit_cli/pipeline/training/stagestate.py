@@ -124,7 +124,7 @@ class StageTrainer:
             raise VjpsplitError(f"stage {self.stage_index}: the state to return to lacks '{missing[0]}'")
         tree = decode_structure(self.node, iter([params[n] for n in self.names]))
         w = self.worker
-        w.params = w.to_device(tree) if w.device is not None else w.art.place_arg(0, tree)
+        w.params = w.place_params(tree)
         self.params = {self.local[k]: v for k, v in flatten_with_keys("", w.params)}
         self.state = w.to_device({k: state[k] for k in self.program.state_keys})
         self.grads = {}

@@ -36,7 +36,7 @@ import numpy as np
 from ...errors import VjpsplitError, jax_message
 from ...files.prng import from_data, impl_name, is_key, to_data
 from ...files.trees import flatten_with_keys
-from .optimizer import optimizer_name
+from .optimizer import checked_name, optimizer_name
 from .ownership import Ownership
 
 
@@ -95,11 +95,7 @@ class StateMap:
     """
 
     def __init__(self, tx: Any, params: Any, keys: Any, stage_names: Sequence[Sequence[str]]):
-        self.name = label = optimizer_name(tx)
-        if not callable(getattr(tx, "init", None)):
-            raise VjpsplitError(
-                f"optimizer {label!r} is not an optax GradientTransformation (init and update); pass one, e.g. optax.adamw(1e-3)"
-            )
+        self.name = label = checked_name(tx)
         specs = jax.tree_util.tree_map(_spec, params)
         self.leaf_keys: list[str] = jax.tree_util.tree_leaves(keys)
         flat = dict(zip(self.leaf_keys, jax.tree_util.tree_leaves(specs)))

@@ -40,6 +40,7 @@ from .checkpoint import HostCheckpoint, read_checkpoint, save_checkpoint
 from .clipping import clip_scale
 from .fit import fit as fit_steps
 from .history import History
+from .optimizer import optimizer_name
 from .ownership import Ownership, Tied
 from .resume import restored_model, stage_snapshots
 from .state import StateMap, state_map
@@ -133,7 +134,7 @@ class Trainer:
         else:
             self.plan = resolve(schedule_name, schedule, S, microbatches)  # a bad schedule is refused before any export
         self.clip_global_norm, self.runner = clip_global_norm, runner
-        self.optimizer_name = getattr(getattr(optimizer, "init", None), "__qualname__", type(optimizer).__name__)
+        self.optimizer_name = optimizer_name(optimizer)
         self.optimizer, self._state_map = optimizer, None if opt_state is None else state_map(optimizer, self.ownership)
         states: list[Any] = [None] * S if _restored is None or _restored[0] is None else list(_restored[0])
         if self._state_map is not None:

@@ -32,7 +32,9 @@ RUNNER = "ray"
 
 
 class RayPipeline:
-    """Workers as Ray actors (one process each); activations and cotangents go through Ray's object store.
+    """Workers as Ray actors (one process each); a step is one call per actor running its own list of
+    operations, activations and cotangents sent actor to actor (``lists``; mid-size ones in pieces inside
+    the call rather than through Ray's object store).
 
     ``layout="stage"`` (default) puts one stage on each actor, for GPipe, 1F1B and
     ZB-H1; ``layout="v"`` puts two on each in ZB-V's (and DualPipeV's) V;
