@@ -93,8 +93,12 @@ class StageTrainer:
         """Sum each tied leaf's gradient over its holders (``contributions``: stage -> its ``tied_grads``),
         in stage order; return this stage's share of the squared global norm."""
         g = self._flat_grads()
+        own = contributions.get(self.stage_index, {})  # in-process, the host copy tied_grads already made
         for k, holding in self.holders.items():
-            parts = [np.asarray(g[k]) if s == self.stage_index else contributions[s][k] for s in holding]
+            parts = [
+                (own[k] if k in own else np.asarray(g[k])) if s == self.stage_index else contributions[s][k]
+                for s in holding
+            ]
             total = parts[0].copy()
             for p in parts[1:]:
                 total = total + p
