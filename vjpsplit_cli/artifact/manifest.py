@@ -299,10 +299,12 @@ class Manifest:
 
     @functools.cached_property  # read on every call: the manifest is frozen
     def non_weight_wrt(self) -> tuple[str, ...]:
+        """The differentiated arguments that are not weights (the input part of a split backward gives their grads)."""
         return tuple(n for n in self.wrt if n not in self.weights)
 
     @functools.cached_property  # read on every call: the manifest is frozen
     def stored_residuals(self) -> tuple[Leaf, ...]:
+        """The residuals a residual file stores (the input-backed ones are read from the inputs)."""
         return tuple(r for r in self.residuals if not r.input_backed)
 
     @property
@@ -317,6 +319,7 @@ class Manifest:
 
     @functools.cached_property  # read on every call: the manifest is frozen
     def out_keys(self) -> tuple[str, ...]:
+        """The keys of the function's outputs (``out`` or ``out/...``), without the ``aux`` ones."""
         return tuple(o.key for o in self.outputs if o.key == "out" or o.key.startswith("out/"))
 
     @functools.cached_property  # read on every call: the manifest is frozen

@@ -36,6 +36,7 @@ class _Rendezvous:
         self.lock = threading.Lock()
 
     def exchanger(self) -> Callable[[Mapping[int, Any]], dict[int, Any]]:
+        """An ``exchange`` for ``finish_stages``: each call waits for every worker's part and returns them all."""
         count = itertools.count()
 
         def exchange(part: Mapping[int, Any]) -> dict[int, Any]:
@@ -54,8 +55,9 @@ class InProcessBackend:
     """The workers of this process: one ``StageTrainer`` per stage, kept across steps, each on its device.
 
     An untimed step (the default) dispatches every operation and update from the
-    driver's thread, waiting for nothing until the loss and the norms are fetched,
-    once. A timed step runs each worker in a thread of its own (started at the first
+    driver's thread, waiting for nothing but each stage's squared norm (fetched
+    before its update, the stages in the order they finish, while the others go on
+    computing) and the loss. A timed step runs each worker in a thread of its own (started at the first
     timed step, kept until ``close``) that waits for each operation, so the step's
     events are compute times.
     """
