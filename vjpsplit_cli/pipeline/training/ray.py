@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 from ..runtime.model import Microbatch
 from ..runtime.ray.actor import StageActor, picklable, raise_first_error
 from ..runtime.ray.pipeline import RUNNER, RayPipeline
-from ..runtime.ray.setup import SCHEDULE_TIMEOUT, clock_offset, lack
+from ..runtime.ray.setup import SCHEDULE_TIMEOUT
 from ..runtime.result import PipelineResult, step_result
 from ..schedules.catalog import describe
 from ..schedules.ops import split_ops
@@ -204,19 +204,7 @@ class RayBackend:
             except Exception:  # noqa: BLE001 - already gone
                 pass
             rp.actors[w] = rp.new_actor(w)
-        ready = [rp.actors[w].ready.remote() for w in workers]
-        _, pending = ray.wait(ready, num_returns=len(ready), timeout=self.schedule_timeout)
-        if pending:
-            w = workers[ready.index(pending[0])]
-            raise VjpsplitError(
-                f"{rp.layout.label(w)}: Ray did not place the actor replacing its lost one within "
-                f"{self.schedule_timeout:g} s: {lack(ray, rp.options[w])}"
-            )
-        arts, params = rp.model.artifacts, rp.model.stage_params
-        for w, node in zip(workers, rp.get(ready)):
-            rp.nodes[w], rp.clock_offsets[w] = node, clock_offset(ray, rp.actors[w])
-        held = rp.layout.workers
-        rp.get([rp.actors[w].load.remote([(s, arts[s].to_bytes(), params[s]) for s in held[w]], S, w) for w in workers])
+        rp.start_workers(workers, self.schedule_timeout, "the actor replacing its lost one")
         rp.get([rp.actors[w].setup.remote(self._entries(w, [None] * S)) for w in workers])
         rp.connect()  # every actor sends its results to the new handles from now on
         self.actor_of = {s: rp.actors[w] for s, w in self.worker_of.items()}

@@ -105,15 +105,11 @@ class RayPipeline:
             devices_for(opts, max(arts[s].manifest.nr_devices for s in held))
             self.options.append(opts)
             self.actors.append(self.new_actor(w))
+        n = self.layout.num_workers
+        self.nodes: list[str] = [""] * n
+        self.clock_offsets: list[float] = [0.0] * n
         try:
-            self.nodes = self._wait_placed(schedule_timeout)
-            self.clock_offsets = [clock_offset(ray, a) for a in self.actors]
-            params_ = self.model.stage_params
-            loads = [
-                a.load.remote([(s, arts[s].to_bytes(), params_[s]) for s in held], self.num_stages, w)
-                for w, (a, held) in enumerate(zip(self.actors, self.layout.workers))
-            ]
-            self.get(loads)
+            self.start_workers(range(n), schedule_timeout)
             self.connect()
         except BaseException:
             self.close()
@@ -129,17 +125,27 @@ class RayPipeline:
         worker_of = self.layout.worker_of()
         self.get([a.connect.remote(self.actors, worker_of) for a in self.actors])
 
-    def _wait_placed(self, timeout: float) -> list[str]:
+    def start_workers(self, workers: Sequence[int], timeout: float, what: str = "its actor") -> None:
+        """Wait until Ray has placed ``workers``' actors (within ``timeout``: else one error naming the worker
+        and what its options lack), note their nodes and clocks, and load each its stages as this pipeline began:
+        at the start, or for actors replacing lost ones (``what`` says which, in the error)."""
         ray = self.ray
-        refs = [a.ready.remote() for a in self.actors]
+        refs = [self.actors[w].ready.remote() for w in workers]
         _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
         if pending:
-            w = refs.index(pending[0])
+            w = list(workers)[refs.index(pending[0])]
             raise VjpsplitError(
-                f"{self.layout.label(w)}: Ray did not place its actor within {timeout:g} s: "
-                f"{lack(ray, self.options[w])}"
+                f"{self.layout.label(w)}: Ray did not place {what} within {timeout:g} s: {lack(ray, self.options[w])}"
             )
-        return self.get(refs)
+        for w, node in zip(workers, self.get(refs)):
+            self.nodes[w], self.clock_offsets[w] = node, clock_offset(ray, self.actors[w])
+        arts, params, held = self.model.artifacts, self.model.stage_params, self.layout.workers
+        self.get(
+            [
+                self.actors[w].load.remote([(s, arts[s].to_bytes(), params[s]) for s in held[w]], self.num_stages, w)
+                for w in workers
+            ]
+        )
 
     def get(self, refs: Sequence[Any]) -> list[Any]:
         """The values of ``refs``; a dead actor is one error naming the stages it held."""
