@@ -35,3 +35,10 @@ def test_ray_gpt_stages_equal_value_and_grad(ray_session):
                 assert_trees_close(r.grads, grads, rtol=1e-4, atol=1e-6)
     r = P.run(stages, params, batch, microbatches=2, schedule_name="1f1b", runner="ray")
     np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
+
+
+def test_compiled_true_with_stages_is_one_error_not_a_silent_fallback():
+    params = gpt_params()
+    stages = vs.export_stages(gpt, *gpt_specs(params), wrt="params", platforms="cpu")
+    with pytest.raises(vs.VjpsplitError, match=r"compiled=True runs a list of artifacts.*use compiled=False"):
+        P.RayPipeline(stages, params, compiled=True)

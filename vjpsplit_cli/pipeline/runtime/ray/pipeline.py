@@ -56,7 +56,7 @@ class RayPipeline:
     sends to the other actors itself; ``lists``). Each actor runs its stages on its
     first device(s), as a worker in-process does. A step whose results are not back within
     ``step_timeout`` seconds is an error. ``artifacts`` may be a ``Stages``
-    (``export_stages``): ``params`` is then the whole parameter pytree, ``run``
+    (``export_stages``; ``compiled`` False or None): ``params`` is then the whole parameter pytree, ``run``
     takes the batch tuple, and the result's ``grads`` have ``params``' structure
     (its steps run as actor calls: each stage's batch inputs go to it directly).
     """
@@ -84,6 +84,11 @@ class RayPipeline:
         self.model = model_of(artifacts, params)
         self.ray = ray
         # A Stages feeds each stage its own batch inputs: actor calls, not the graph's one side list.
+        if compiled and self.model.sides_per_stage:
+            raise VjpsplitError(
+                "compiled=True runs a list of artifacts (one side input list for the graph); a Stages feeds "
+                "each stage its own batch inputs through actor calls: use compiled=False (or None)"
+            )
         self.compiled = False if self.model.sides_per_stage else compiled
         self.step_timeout = step_timeout
         self.graph: tuple[Any, Any] | None = None  # (key, compiled graph) of the last compiled step
