@@ -262,7 +262,8 @@ def submit_lists(
             for o in ops
             if o.kind == Kind.F
         }
-        mine = {(s, m) for s, m in split if any(o.stage == s for o in ops)}
+        held = {o.stage for o in ops}
+        mine = {(s, m) for s, m in split if s in held}
         keys = [(str(o.kind), o.mb, o.stage) for o in ops]
         refs.append(actor.run_step.remote(step, keys, batch, microbatches, mine, timed))
     return refs
