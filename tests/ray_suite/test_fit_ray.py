@@ -28,15 +28,6 @@ def _two(params, tokens, mask, labels):
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def stages():
     return vs.export_stages(_two, *gpt_specs(gpt_params()), wrt="params", platforms="cpu")
 

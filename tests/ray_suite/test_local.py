@@ -13,15 +13,6 @@ import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray  # a test dependency (pip install -e '.[test]'): missing Ray is a failure, not a skip
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 @pytest.mark.parametrize("stages", [2, 3, 4])
 def test_ray_gradients_equal_value_and_grad(ray_session, stages):
     arts, params, x, labels = make(stages, seed=stages)

@@ -12,15 +12,6 @@ import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_ray_gpt_stages_equal_value_and_grad(ray_session):
     params = gpt_params()
     stages = vs.export_stages(gpt, *gpt_specs(params), wrt="params", platforms="cpu")

@@ -17,15 +17,6 @@ from vjpsplit_cli.errors import VjpsplitError
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def stages():
     return vs.export_stages(gpt, *gpt_specs(gpt_params()), wrt="params", platforms="cpu")
 

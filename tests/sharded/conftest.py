@@ -21,3 +21,5 @@ if jax.device_count() < 8:
     )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "samples" / "sharded"))
+
+from ray_local import ray_session  # noqa: E402, F401 - the suites' one local Ray fixture

@@ -103,15 +103,6 @@ def test_device_groups_must_match_the_stages():
         pipeline.run_inprocess(arts, params, x, [labels], microbatches=2, devices=[jax.devices()[:4]])
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 @pytest.mark.parametrize("stages", [2, 4])
 def test_ray_actors_drive_multi_device_stages(ray_session, stages):
     arts, params, x, labels = make(stages)

@@ -115,15 +115,6 @@ def test_sharded_state_is_optax_own_and_a_checkpoint_continues_sharded(tmp_path)
             assert {d.id for d in arr.sharding.device_set} == group
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_ray_trainer_with_sharded_stages_equals_one_process(ray_session):
     stages, params, batches = _setup()
     tx = optax.adam(1e-2)

@@ -1,0 +1,13 @@
+"""A local Ray instance per test module: the ``ray_session`` fixture of the Ray and sharded suites."""
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """Ray started with 4 CPUs for one module's tests, shut down after them."""
+    import ray  # a test dependency (pip install -e '.[test]'): missing Ray is a failure, not a skip
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
