@@ -75,13 +75,19 @@ class Ownership:
         self.counted = [sorted(c) for c in norm_owners(self.names)]
         self.tied = any(self.holders)
 
+    @staticmethod
+    def flat(snapshots: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """Every parameter by key from each stage's flat ``{key: array}`` (a tied leaf: its first holder's)."""
+        flat: dict[str, Any] = {}
+        for snap in snapshots:
+            for k, v in snap.items():
+                flat.setdefault(k, v)
+        return flat
+
     def gather(self, snapshots: Sequence[Mapping[str, Any]]) -> Any:
         """The parameters in the user's structure from each stage's flat ``{key: array}``."""
         if self.stages is not None:
-            flat: dict[str, Any] = {}
-            for snap in snapshots:
-                for k, v in snap.items():
-                    flat.setdefault(k, v)
+            flat = self.flat(snapshots)
             return jax.tree_util.tree_unflatten(self.tree, [flat[k] for k in self.keys])
         return [
             decode_structure(param_node(a), iter([snap[n] for n in names]))

@@ -235,10 +235,7 @@ class Trainer:
         """What ``save`` writes, copied to host memory: the parameters by key, ``state()``'s ``opt_state``, the
         step count and the settings ``restore`` uses (the copy ``fit`` waits for before writing in the background)."""
         snaps = self.backend.snapshots()
-        flat: dict[str, Any] = {}
-        for p, _ in snaps:
-            for k, v in p.items():
-                flat.setdefault(k, v)
+        flat = self.ownership.flat([p for p, _ in snaps])
         params = self.ownership.gather([p for p, _ in snaps])
         smap = self._states()
         opt_state = smap.gather([st for _, st in snaps])
