@@ -33,7 +33,6 @@ class Backend(Protocol):
         schedule: Resolved,
         microbatches: int,
         clip: float | None,
-        progress: bool,
         *,
         timed: bool = False,
     ) -> tuple[PipelineResult, list[float]]:

@@ -91,17 +91,15 @@ class InProcessBackend:
         schedule: Resolved,
         microbatches: int,
         clip: float | None,
-        progress: bool,
         *,
         timed: bool = False,
     ) -> tuple[PipelineResult, list[float]]:
         """One step: the schedule, then each stage's update where it lives (``timed``: see the class)."""
         S = len(self.trainers)
         workers = [t.worker for t in self.trainers]
-        timed = timed or progress
         t0 = time.monotonic()
         if timed:
-            sums = self._threaded(mbs, schedule, microbatches, clip, progress)
+            sums = self._threaded(mbs, schedule, microbatches, clip)
         else:
             order, finishing = self._orders(schedule.plans)
             dispatch(workers, schedule.plans, mbs, microbatches, order)
@@ -142,7 +140,7 @@ class InProcessBackend:
         return sums
 
     def _threaded(
-        self, mbs: Sequence[Microbatch], schedule: Resolved, microbatches: int, clip: float | None, progress: bool
+        self, mbs: Sequence[Microbatch], schedule: Resolved, microbatches: int, clip: float | None
     ) -> dict[int, float]:
         """A timed step in the workers' threads, each finishing with its stages' updates (at a barrier)."""
         held = schedule.layout.workers
@@ -167,7 +165,7 @@ class InProcessBackend:
             self.threads = WorkerThreads(len(held))
         workers = [t.worker for t in self.trainers]
         order, _ = self._orders(schedule.plans)
-        run_threads(self.threads, workers, schedule.plans, mbs, microbatches, progress=progress, tail=tail, order=order)
+        run_threads(self.threads, workers, schedule.plans, mbs, microbatches, tail=tail, order=order)
         return sums
 
     def snapshots(self) -> list[Snapshot]:

@@ -120,7 +120,6 @@ class RayBackend:
         schedule: Resolved,
         microbatches: int,
         clip: float | None,
-        progress: bool,
         *,
         timed: bool = False,
     ) -> tuple[PipelineResult, list[float]]:

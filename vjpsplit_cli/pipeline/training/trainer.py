@@ -187,7 +187,7 @@ class Trainer:
         mbs = self.model.batch_microbatches(batch, self.microbatches)
         plan, measuring = (self.plan, False) if self.auto is None else self.auto.next_step(mbs)
         timed = (self.timeline if timed is None else timed) or measuring
-        r, sums = self.backend.step(mbs, plan, self.microbatches, self.clip_global_norm, False, timed=timed)
+        r, sums = self.backend.step(mbs, plan, self.microbatches, self.clip_global_norm, timed=timed)
         _, norm = clip_scale(sums, None)
         step_time = time.monotonic() - t0
         if timed:
