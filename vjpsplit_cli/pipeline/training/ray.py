@@ -13,10 +13,10 @@ bytes: an actor imports neither optax nor the user's code.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from ..runtime.model import Microbatch
-from ..runtime.ray.actor import StageActor, picklable, raise_first_error
+from ..runtime.ray.actor import StageActor, raise_first_error
 from ..runtime.ray.pipeline import RUNNER, RayPipeline
 from ..runtime.ray.setup import SCHEDULE_TIMEOUT
 from ..runtime.result import PipelineResult, step_result
@@ -42,28 +42,19 @@ class TrainActor(StageActor):
             for s, names, program, holders, counted, state in entries
         }
 
-    def _guarded(self, fn: Callable[[], Any]) -> Any:
-        if self.error is not None:
-            return None
-        try:
-            return fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the driver by report()
-            self.error = picklable(e)
-            return None
-
     def tied(self, stage: int) -> Any:
         """Stage ``stage``'s gradients of its tied leaves (host arrays); None after an error."""
-        return self._guarded(lambda: self.trainers[stage].tied_grads())
+        return self.guarded(lambda: self.trainers[stage].tied_grads())
 
     def prepare(self, stage: int, sources: Sequence[int], *parts: Any) -> Any:
         """Sum stage ``stage``'s tied gradients with ``parts`` (the ``tied`` of stages ``sources``); its squared norm."""
         if any(p is None for p in parts):
             return None  # another stage failed: its report says why
-        return self._guarded(lambda: self.trainers[stage].prepare(dict(zip(sources, parts))))
+        return self.guarded(lambda: self.trainers[stage].prepare(dict(zip(sources, parts))))
 
     def apply(self, stage: int, scale: float) -> None:
         """The optimizer step of stage ``stage`` with the clip ``scale``."""
-        self._guarded(lambda: self.trainers[stage].apply(scale))
+        self.guarded(lambda: self.trainers[stage].apply(scale))
 
     def snapshot(self) -> dict[int, Snapshot]:
         """Per stage held: ``(params, optimizer state)`` as host arrays."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -72,6 +72,17 @@ class StageActor:
         if self.error is None:
             self.error = picklable(e)
 
+    def guarded(self, fn: Callable[[], Any]) -> Any:
+        """``fn()``, unless the step has already failed (then None); what it raises becomes the step's error
+        (``fail``) and gives None, so the rest of the step runs on without it."""
+        if self.error is not None:
+            return None
+        try:
+            return fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the driver by report()
+            self.fail(e)
+            return None
+
     def run_step(
         self,
         step: int,
@@ -122,17 +133,17 @@ class StageActor:
         """
         st = self.stage_workers[stage]
         needed = data is not None or (kind == Kind.B and st.is_last) or (kind == Kind.W and mb in st.inter)
-        if self.error is not None or not needed:
+        if not needed:
             return None
-        try:
-            out = run_op(st, Op(Kind(kind), mb, stage), data, side, microbatches, split, self.worker)
+
+        def run() -> Any:
             import jax
 
+            out = run_op(st, Op(Kind(kind), mb, stage), data, side, microbatches, split, self.worker)
             # An activation may be a tuple of arrays (stages from one function).
             return None if out is None else jax.tree_util.tree_map(np.asarray, out)
-        except BaseException as e:  # noqa: BLE001 - handed to the driver by state()
-            self.error = picklable(e)
-            return None
+
+        return self.guarded(run)
 
     def state(self) -> dict[str, Any]:
         """Gradients, losses, timings (this process's clock) and the first error of the step."""

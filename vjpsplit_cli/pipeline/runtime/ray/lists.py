@@ -229,12 +229,9 @@ def run_list(
             data = actor.inbox.take(step, tuple(src))
         needed = data is not None or src is None and (op.kind != Kind.W or mb in st.inter)
         out = None
-        if actor.error is None and needed:
-            try:
-                side = batch[(stage, mb)][1] if op.kind == Kind.F else []
-                out = run_op(st, op, data, side, microbatches, (stage, mb) in split, me)
-            except BaseException as e:  # noqa: BLE001 - handed to the driver by report()
-                actor.fail(e)
+        if needed:  # called at once, in this iteration: the lambda's loop variables are this operation's
+            side = batch[(stage, mb)][1] if op.kind == Kind.F else []
+            out = actor.guarded(lambda: run_op(st, op, data, side, microbatches, (stage, mb) in split, me))
         dest = destination(op, S)
         if dest is not None:
             if worker_of[dest] == me:
