@@ -35,85 +35,26 @@ def _config(quick: bool) -> dict:
 
 
 def _model(c: dict):
-    """``(loss, params, batches)``: the mid GPT, its parameters and a batch maker."""
-    import importlib.util
-    from pathlib import Path
+    """``(stages, params, batches)``: the mid GPT (``benchmarks/gpt.py``) cut after half its blocks, its
+    parameters, and an iterator of enough batches of windows of the docs."""
+    from benchmarks.gpt import GPT, docs_batches
 
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    import vjpsplit_cli as vs
-
-    path = Path(__file__).resolve().parents[1] / "samples" / "pipeline" / "train_gpt.py"
-    spec = importlib.util.spec_from_file_location("train_gpt", path)
-    g = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(g)
-    ids, vocab = g.corpus()
-    W, T, H, nb = c["width"], c["seq"], c["heads"], c["blocks"]
-
-    def block(p, h):
-        x = g.rms(h)
-        q, k, v = (jnp.einsum("btd,dhe->bthe", x, p[n]) for n in ("q", "k", "v"))
-        scores = jnp.einsum("bqhe,bkhe->bhqk", q, k) / np.sqrt(q.shape[-1])
-        att = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((T, T), bool))[None, None], scores, -1e9), -1)
-        h = h + jnp.einsum("bhqk,bkhe,hed->bqd", att, v, p["o"])
-        return h + jax.nn.gelu(g.rms(h) @ p["up"]) @ p["down"]
-
-    def loss(params, tokens, labels):
-        h = jnp.take(params["embed"], tokens, axis=0) + params["pos"]
-        for i, p in enumerate(params["blocks"]):
-            h = block(p, h)
-            if i == nb // 2 - 1:
-                h = vs.stage_boundary(h)
-        lp = jax.nn.log_softmax(g.rms(h) @ params["embed"].T)
-        return -jnp.mean(jnp.take_along_axis(lp, labels[..., None], -1))
-
-    rng = np.random.default_rng(0)
-
-    def n(*shape, scale):
-        return (rng.normal(size=shape) * scale).astype(np.float32)
-
-    e = W // H
-    blocks = [
-        {
-            **{k: n(W, H, e, scale=W**-0.5) for k in ("q", "k", "v")},
-            "o": n(H, e, W, scale=W**-0.5 / 2),
-            "up": n(W, 4 * W, scale=W**-0.5),
-            "down": n(4 * W, W, scale=(4 * W) ** -0.5 / 2),
-        }
-        for _ in range(nb)
-    ]
-    params = {"embed": n(vocab, W, scale=0.02), "pos": n(T, W, scale=0.01), "blocks": blocks}
-    data = np.random.default_rng(1)
-
-    def batch():
-        starts = data.integers(0, len(ids) - T - 1, c["batch"])
-        win = np.stack([ids[s : s + T + 1] for s in starts])
-        return win[:, :-1], win[:, 1:]
-
-    return loss, params, batch
+    g = GPT(width=c["width"], blocks=c["blocks"], seq=c["seq"], heads=c["heads"], stages=2)
+    vocab, batches = docs_batches(g.seq, c["batch"], 2 + c["rounds"] + 4)
+    params = g.init(vocab)
+    return g.export(params), params, iter(batches)
 
 
 def measure(quick: bool) -> dict:
     """Step times of each Trainer (interleaved rounds), the auto Trainer's costs, each schedule's modeled makespan."""
-    import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
-    from jax import export as jexport
 
-    import vjpsplit_cli as vs
     from vjpsplit_cli import pipeline as P
     from vjpsplit_cli.pipeline.schedules.modeled import modeled_makespan
 
     c = _config(quick)
-    loss, params, batch = _model(c)
-    (b,) = jexport.symbolic_shape("b")
-    spec = jax.ShapeDtypeStruct
-    tree = jax.tree_util.tree_map(lambda a: spec(a.shape, a.dtype), params)
-    tokens = spec((b, c["seq"]), jnp.int32)
-    stages = vs.export_stages(loss, tree, tokens, tokens, wrt="params", platforms="cpu")
+    stages, params, batches = _model(c)
     S, m = len(stages), c["microbatches"]
     kw = dict(optimizer=optax.adamw(1e-3), microbatches=m)
     trainers = {
@@ -127,7 +68,7 @@ def measure(quick: bool) -> dict:
     losses: dict[str, list[float]] = {k: [] for k in trainers}
     measured = {}
     for i in range(warmup + rounds):
-        x = batch()
+        x = next(batches)
         for k, tr in trainers.items():
             t0 = time.perf_counter()
             losses[k].append(tr.step(x))
@@ -138,10 +79,10 @@ def measure(quick: bool) -> dict:
     ran = {k: tr.last_result.plans for k, tr in trainers.items()}
     auto = trainers["auto"]
     for _ in range(3):  # later timed steps: times without compiling; auto plans again for them
-        auto.step(batch(), timed=True)
+        auto.step(next(batches), timed=True)
     later = measured["later timed steps"] = auto.costs()
     one = trainers["1F1B"]
-    one.step(batch(), timed=True)  # its whole backwards, against the split ones' B + W
+    one.step(next(batches), timed=True)  # its whole backwards, against the split ones' B + W
     whole = [
         statistics.median(e.end - e.start for e in one.last_result.events if e.stage == s and e.kind == "B")
         for s in range(S)

@@ -4,8 +4,8 @@
     python -m benchmarks.survive [--quick]       # this section alone
 
 The model is a mid-size GPT (width 256, 4 blocks, sequence 64, batch 16 in 8
-microbatches, AdamW, 2 stages; the sample's blocks, ``samples/pipeline/train_gpt.py``)
-on the sample's batches of the repository's docs; ``--quick`` runs the sample's
+microbatches, AdamW, 2 stages; ``benchmarks/gpt.py``, the sample's model) on
+windows of the repository's docs; ``--quick`` runs the sample's
 small GPT (width 32) to prove the section runs. The work runs in a child process
 with single-threaded XLA, as do the Ray actors.
 
@@ -22,7 +22,6 @@ with single-threaded XLA, as do the Ray actors.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import statistics
 import sys
@@ -32,62 +31,19 @@ from pathlib import Path
 
 from benchmarks.timing import run_section, section_main
 
-ROOT = Path(__file__).resolve().parents[1]
 MID = {"width": 256, "blocks": 4, "seq": 64, "batch": 16, "microbatches": 8}
 SMALL = {"width": 32, "blocks": 2, "seq": 32, "batch": 16, "microbatches": 4}
 
 
-def _sample():
-    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "samples" / "pipeline" / "train_gpt.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def model(cfg: dict):
-    """``(stages, params, batches(n))`` of the GPT ``cfg`` describes, cut into 2 stages after half its blocks."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax import export as jexport
+    """``(stages, params, batches(n))`` of the GPT ``cfg`` describes (``benchmarks/gpt.py``), cut into 2 stages
+    after half its blocks; ``batches(n)``: n batches of windows of the docs."""
+    from benchmarks.gpt import GPT, docs_batches
 
-    import vjpsplit_cli as vs
-
-    g = _sample()
-    g.WIDTH, g.SEQ, g.BATCH = cfg["width"], cfg["seq"], cfg["batch"]  # the sample's block reads SEQ
-    ids, vocab = g.corpus()
-    rng, w, half = np.random.default_rng(0), cfg["width"], cfg["blocks"] // 2
-
-    def n(*shape, scale):
-        return (rng.normal(size=shape) * scale).astype(np.float32)
-
-    e = w // g.HEADS
-    blocks = [
-        {
-            **{k: n(w, g.HEADS, e, scale=w**-0.5) for k in ("q", "k", "v")},
-            "o": n(g.HEADS, e, w, scale=w**-0.5 / 2),
-            "up": n(w, 4 * w, scale=w**-0.5),
-            "down": n(4 * w, w, scale=(4 * w) ** -0.5 / 2),
-        }
-        for _ in range(cfg["blocks"])
-    ]
-    params = {"embed": n(vocab, w, scale=0.02), "pos": n(cfg["seq"], w, scale=0.01), "blocks": blocks}
-
-    def loss(params, tokens, labels):
-        h = jnp.take(params["embed"], tokens, axis=0) + params["pos"]
-        for i, p in enumerate(params["blocks"]):
-            h = g.block(p, h)
-            if i == half - 1:
-                h = vs.stage_boundary(h)
-        lp = jax.nn.log_softmax(g.rms(h) @ params["embed"].T)  # the tied embedding again
-        return -jnp.mean(jnp.take_along_axis(lp, labels[..., None], -1))
-
-    (b,) = jexport.symbolic_shape("b")
-    spec = jax.ShapeDtypeStruct
-    tree = jax.tree_util.tree_map(lambda a: spec(a.shape, a.dtype), params)
-    tok = spec((b, cfg["seq"]), jnp.int32)
-    stages = vs.export_stages(loss, tree, tok, tok, wrt="params", platforms="cpu")
-    return stages, params, lambda steps: list(g.batches(ids, steps))
+    g = GPT(width=cfg["width"], blocks=cfg["blocks"], seq=cfg["seq"], stages=2)
+    vocab, _ = docs_batches(g.seq, cfg["batch"], 0)
+    params = g.init(vocab)
+    return g.export(params), params, lambda steps: docs_batches(g.seq, cfg["batch"], steps)[1]
 
 
 def _checkpoints(trainer, data, blocks: int, per_block: int) -> dict:
