@@ -152,7 +152,8 @@ def _nonfinite(trainer: Any, k: int, loss: float, writer: CheckpointWriter | Non
     if writer is not None:
         last = writer.last_step
         where = (
-            f"; the checkpoint in {os.fspath(writer.directory)} keeps step {last}'s state (trainer.load goes back to it)"
+            f"; the checkpoint in {os.fspath(writer.directory)} keeps the state after {last} steps (trainer.load goes "
+            "back to it)"
             if last is not None
             else "; no checkpoint was written in this run"
         )

@@ -264,7 +264,8 @@ class Trainer:
         restores it (``restore``), and so does a one-process loop (``load_checkpoint``).
 
         The checkpoint also records what ``restore`` needs to go on: the schedule (its plans,
-        when they were the caller's), the microbatches and ``clip_global_norm``.
+        when they were the caller's), the microbatches and ``clip_global_norm``. A save replaces the whole
+        directory, so a ``directory`` holding files no save wrote is refused (naming one), never emptied.
         """
         save_checkpoint(directory, self.host_checkpoint())
 
@@ -347,7 +348,8 @@ class Trainer:
         ``microbatches``, the schedule (``schedule_name`` or ``schedule``) and
         ``clip_global_norm`` default to the values the checkpoint recorded; a value
         given here wins. A checkpoint written before they were recorded needs
-        ``microbatches`` given (its clipping then defaults to none, as ``Trainer``'s).
+        ``microbatches`` given (its clipping then defaults to none, as ``Trainer``'s). Each saved parameter's
+        dtype and shape is checked against the stages' export first (one error naming the leaf).
         """
         saved = read_checkpoint(directory)
         meta, step = saved.meta, saved.step
