@@ -149,7 +149,10 @@ def remove_stale_temps(
 
 def clear_temp_dir(path: str, owned: Callable[[str], bool]) -> bool:
     """Remove the files in the temp directory ``path`` that ``owned`` claims (and vjpsplit temps), then ``path``
-    if it is empty; whether it was removed. Anything else in it (and so the directory) stays. Errors are ignored."""
+    if it is empty; whether it was removed. Anything else in it (and so the directory) stays, and a symlink is
+    not followed (a swap may have put a user's link to a directory there). Errors are ignored."""
+    if os.path.islink(path):
+        return False
     try:
         entries = list(os.scandir(path))
     except OSError:
