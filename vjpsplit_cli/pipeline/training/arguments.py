@@ -45,7 +45,6 @@ def checked_clip(value: Any) -> float | None:
         raise VjpsplitError(
             f"clip_global_norm={value!r} is a {type(value).__name__}; give a positive number (or None for no clipping)"
         )
-    value = float(value)
-    if not value > 0 or math.isnan(value):
+    if not float(value) > 0 or math.isnan(value):
         raise VjpsplitError(f"clip_global_norm={value!r}: give a positive number (or None for no clipping)")
-    return value
+    return float(value)
