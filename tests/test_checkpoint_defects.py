@@ -422,3 +422,23 @@ def test_the_callback_hears_which_steps_run_again_after_a_restart(tmp_path, monk
         callback=lambda k, v: old.append(k),
     )
     assert old == [0, 1, 2, 2, 3, 4]
+
+
+def test_restore_in_the_per_stage_form_refuses_a_wrong_shaped_parameter(tmp_path):
+    from models import mlp_stage_artifacts
+
+    arts, params = mlp_stage_artifacts(2, np.random.default_rng(0), D, OUT, scale=2.0)
+    tr = P.Trainer(arts, params, optimizer=optax.sgd(0.1), microbatches=2)
+    tr.save(tmp_path / "ck")
+    index = json.loads((tmp_path / "ck" / ckpt.INDEX).read_text())
+    flat, _ = load_arrays(tmp_path / "ck" / ckpt.PARAMS)
+    key = sorted(flat)[0]
+    flat[key] = np.zeros(flat[key].shape + (1,), flat[key].dtype)
+    opt, _ = load_arrays(tmp_path / "ck" / ckpt.OPT_STATE)
+    ckpt.write_directory(
+        tmp_path / "ck", {ckpt.PARAMS: flat, ckpt.OPT_STATE: opt}, {k: v for k, v in index.items() if k != "id"}
+    )
+    with pytest.raises(VjpsplitError, match=f"parameter '{key}' is float32\\[.*, 1\\], the stages take float32"):
+        P.Trainer.restore(tmp_path / "ck", arts, optimizer=optax.sgd(0.1))
+    with pytest.raises(VjpsplitError, match=f"parameter '{key}' is float32"):
+        tr.load(tmp_path / "ck")
