@@ -2,7 +2,8 @@
 
 A temp file left by a writer that could not clean up (SIGKILL, a crash) names its
 writer's process, and the next write into that directory removes it once that
-process is gone (``remove_stale_temps``).
+process is gone (``remove_stale_temps``); temp directories (``new_temp_dir``) are
+named the same way and swept by a caller that says which files its writer makes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 import secrets
 import socket
 import time
+from typing import Callable
 
 from .signals import discard_live, live_temps, register_live
 
@@ -85,26 +87,13 @@ def _writer_alive(pid: int, start: int, host: str) -> bool | None:
     return not (start and now and now != start)  # same pid, other start time: the pid was reused
 
 
-def remove_stale_temps(directory: str | os.PathLike, *, once: bool = False) -> list[str]:
-    """Remove vjpsplit temp files in ``directory`` whose writer is gone; return their paths.
-
-    A temp file is vjpsplit's only if its name has vjpsplit's pattern (``.<target>.
-    <random>.vjps<pid>-<start>-<host>.tmp``); it is stale when that process no longer
-    runs on this host (or the pid now belongs to a later process), or, for a writer on
-    another host or boot, when it has not been modified for a day. Other files, and
-    temps of live writers, are never touched. Errors are ignored: this is tidying.
-    ``once=True`` sweeps each directory at most once per process (every write calls it).
-    """
-    directory = os.path.abspath(os.fspath(directory))
-    if once:
-        if directory in _SWEPT:
-            return []
-        _SWEPT.add(directory)
-    removed: list[str] = []
+def stale_temps(directory: str | os.PathLike) -> list[os.DirEntry[str]]:
+    """The vjpsplit temp files and directories in ``directory`` whose writer is gone (see ``remove_stale_temps``)."""
     try:
-        entries = list(os.scandir(directory))
+        entries = list(os.scandir(os.path.abspath(os.fspath(directory))))
     except OSError:
-        return removed
+        return []
+    stale = []
     for entry in entries:
         m = _TEMP_NAME.match(entry.name)
         if m is None or entry.path in live_temps():
@@ -118,15 +107,83 @@ def remove_stale_temps(directory: str | os.PathLike, *, once: bool = False) -> l
                 alive = time.time() - entry.stat(follow_symlinks=False).st_mtime < _FOREIGN_STALE_S
             except OSError:
                 continue
-        if alive:
-            continue
+        if not alive:
+            stale.append(entry)
+    return stale
+
+
+def remove_stale_temps(
+    directory: str | os.PathLike, *, once: bool = False, owned: Callable[[str], bool] | None = None
+) -> list[str]:
+    """Remove vjpsplit temp files in ``directory`` whose writer is gone; return their paths.
+
+    A temp file is vjpsplit's only if its name has vjpsplit's pattern (``.<target>.
+    <random>.vjps<pid>-<start>-<host>.tmp``); it is stale when that process no longer
+    runs on this host (or the pid now belongs to a later process), or, for a writer on
+    another host or boot, when it has not been modified for a day. Other files, and
+    temps of live writers, are never touched. Errors are ignored: this is tidying.
+    ``once=True`` sweeps each directory at most once per process (every write calls it).
+
+    A stale temp *directory* (``new_temp_dir``'s) is swept only where the caller says
+    which of its entries its writer makes (``owned(name)``): those, and vjpsplit temp
+    files in it, are removed, then the directory if nothing else is left in it; a
+    directory holding anything else is left whole.
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    if once:
+        if directory in _SWEPT:
+            return []
+        _SWEPT.add(directory)
+    removed: list[str] = []
+    for entry in stale_temps(directory):
         try:
             if entry.is_file(follow_symlinks=False):
                 os.unlink(entry.path)
                 removed.append(entry.path)
+            elif owned is not None and entry.is_dir(follow_symlinks=False) and clear_temp_dir(entry.path, owned):
+                removed.append(entry.path)
         except OSError:
             pass
     return removed
+
+
+def clear_temp_dir(path: str, owned: Callable[[str], bool]) -> bool:
+    """Remove the files in the temp directory ``path`` that ``owned`` claims (and vjpsplit temps), then ``path``
+    if it is empty; whether it was removed. Anything else in it (and so the directory) stays, and a symlink is
+    not followed (a swap may have put a user's link to a directory there). Errors are ignored."""
+    if os.path.islink(path):
+        return False
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return False
+    for entry in entries:
+        if (owned(entry.name) or _TEMP_NAME.match(entry.name)) and entry.is_file(follow_symlinks=False):
+            try:
+                os.unlink(entry.path)
+            except OSError:
+                pass
+    try:
+        os.rmdir(path)
+    except OSError:
+        return False
+    return True
+
+
+def new_temp_dir(directory: str, name: str) -> str:
+    """Create a fresh temp directory for ``name`` in ``directory`` (named as ``new_temp`` names files); its path.
+
+    Raises:
+        OSError: the directory cannot be created.
+    """
+    stem = name[:80]
+    while True:
+        tmp = os.path.join(directory, f".{stem}.{secrets.token_hex(4)}.{writer_tag()}.tmp")
+        try:
+            os.mkdir(tmp, 0o777)
+            return tmp
+        except FileExistsError:
+            continue
 
 
 def new_temp(directory: str, name: str, suffix: str = ".tmp") -> tuple[int, str]:

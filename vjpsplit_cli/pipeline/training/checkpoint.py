@@ -19,8 +19,17 @@ load. The directory is written all-or-nothing: every file is written and flushed
 into a fresh temp directory beside ``DIR``, which is then swapped into place in
 one rename (``renameat2(RENAME_EXCHANGE)`` where ``DIR`` exists, the old copy
 then removed); a crash or signal at any point leaves the previous checkpoint, or
-none, never a mix. An existing ``DIR`` that is not a checkpoint is refused
-rather than replaced.
+none, never a mix. An existing ``DIR`` that is not a checkpoint (or is one beside
+files no save wrote) is refused rather than replaced: nothing a user put there is
+deleted (``check_directory``); an empty directory is taken. The temp directory is
+named like the project's temp files (``safeio.temps``), so one a killed writer
+left is swept by the next save or read once that process is gone, and the old
+copy a killed fallback swap left aside is renamed back (``tidy``).
+
+The index is checked field by field on reading, each array file against its
+CRC-32 and against the index's save id (``id``, repeated in every file's
+metadata): a read that races a save reads again, never pairing one save's index
+with another's arrays.
 
 Why not orbax for these files: a worker or a one-process loop reads them with
 vjpsplit alone, and the project's writer already gives atomic, checksummed,
@@ -34,8 +43,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
+import re
+import secrets
+import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -43,10 +53,10 @@ import numpy as np
 from ...errors import VjpsplitError, one_line
 from ...files import load_arrays, save_arrays
 from ...files.prng import from_data, impl_name, is_key, to_data
-from ...files.trees import flatten_with_keys
+from ...files.trees import flatten_with_keys, structure_keys
 from ...safeio.filesystem import fsync_dir, renameat2
 from ...safeio.signals import cleanup_on_signals
-from ...safeio.temps import writer_tag
+from ...safeio.temps import clear_temp_dir, new_temp_dir, stale_temps
 
 KIND = "vjpsplit-trainer-checkpoint"
 # 1 (2026-12-01): per stage, ``stage-<s>.npz`` of its ``params/<key>`` and ``state/<key>`` (its own optax state).
@@ -55,7 +65,8 @@ KIND = "vjpsplit-trainer-checkpoint"
 #   ``Trainer.restore`` uses where they are not given. Older checkpoints lack those and still load.
 # 2 (2026-12-01, issue 36): keyed by the model: ``params.npz`` by parameter key, ``opt_state.npz`` by the keys of
 #   optax's whole-model state; the index records the parameters' structure and each leaf's key (``params``), the
-#   state's keys and PRNG impls (``opt_state``). ``meta`` as in 1.
+#   state's keys and PRNG impls (``opt_state``). ``meta`` as in 1. From 2026-12-02 (issue 43) also ``id``, one
+#   per save, which every array file's metadata repeats (``checkpoint``); read without it as before.
 FORMAT = 2
 READS = (1, 2)
 INDEX = "checkpoint.json"
@@ -96,6 +107,81 @@ def has_checkpoint(directory: str | os.PathLike[str]) -> bool:
     return os.path.isfile(os.path.join(os.fspath(directory), INDEX))
 
 
+def owned(name: str) -> bool:
+    """Whether a file named ``name`` in a checkpoint directory is one a checkpoint save writes (any layout)."""
+    return _OWNED.match(name) is not None
+
+
+_OWNED = re.compile(r"(checkpoint\.json|params\.npz|opt_state\.npz|stage-\d+\.npz)\Z")
+READ_TRIES = 5  # a read that races a save reads again (the save's swap takes one rename)
+
+
+def tidy(directory: str | os.PathLike[str]) -> None:
+    """Before a save or a read: take back a checkpoint a dead writer's fallback swap left aside, and sweep the
+    temp directories of dead writers beside ``directory``.
+
+    Where ``RENAME_EXCHANGE`` is missing, a save moves the old copy aside (``<tmp>.old``), renames the new one
+    in, then removes the old; a writer killed between the first two renames leaves no ``directory``, the old
+    (complete) checkpoint under ``<tmp>.old`` and the new one under ``<tmp>``: the old copy is renamed back, so
+    the run goes on from it (the steps since run again), and the new one is swept.
+    """
+    target = os.path.abspath(os.fspath(directory))
+    parent, base = os.path.dirname(target), os.path.basename(target)
+    mine = f".{base[:80]}."
+    stale = [e for e in stale_temps(parent) if e.name.startswith(mine) and e.is_dir(follow_symlinks=False)]
+    if not os.path.lexists(target):
+        aside = [e for e in stale if e.name.endswith(".tmp.old") and os.path.isfile(os.path.join(e.path, INDEX))]
+        if aside:
+            newest = max(aside, key=lambda e: e.stat(follow_symlinks=False).st_mtime)
+            try:
+                os.rename(newest.path, target)
+            except OSError as err:
+                raise VjpsplitError(
+                    f"{directory}: a save cut short left the previous checkpoint at {newest.path}, and it cannot be "
+                    f"moved back ({one_line(err)}); rename it to {target}"
+                ) from err
+            fsync_dir(parent)
+    for entry in stale:
+        clear_temp_dir(entry.path, owned)  # one renamed back just now is gone from there
+
+
+def check_directory(directory: str | os.PathLike[str]) -> None:
+    """Refuse a place no checkpoint can be saved to without loss, before any step runs (``fit``) or any file is
+    written (``save``): a file, a parent that does not exist or cannot be written, a directory holding files
+    that are not a checkpoint, or a checkpoint with files a save did not write (a save replaces the whole
+    directory, so it would delete them). A new name, an empty directory and a previous checkpoint pass."""
+    target = os.path.abspath(os.fspath(directory))
+    parent = os.path.dirname(target)
+    if os.path.lexists(target) and not os.path.isdir(target):
+        raise VjpsplitError(f"{directory}: is a file, not a directory; give a directory for the checkpoint")
+    if not os.path.isdir(parent):
+        raise VjpsplitError(f"{directory}: directory {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise VjpsplitError(
+            f"{directory}: cannot write in {parent} (a checkpoint is written beside its directory, then renamed "
+            "into place); give a directory in a place you can write"
+        )
+    if not os.path.isdir(target):
+        return
+    try:
+        entries = sorted(os.listdir(target))
+    except OSError as e:
+        raise VjpsplitError(f"{directory}: cannot list the directory ({one_line(e)})") from e
+    if entries and INDEX not in entries:
+        raise VjpsplitError(
+            f"{directory}: exists and is not a vjpsplit checkpoint (it holds {entries[0]!r}); give a new or empty "
+            "directory, or a previous checkpoint's"
+        )
+    foreign = [n for n in entries if not owned(n)]
+    if foreign:
+        raise VjpsplitError(
+            f"{directory}: holds {foreign[0]!r}, which no checkpoint save wrote; a save replaces the whole "
+            "directory and would delete it: move it elsewhere"
+        )
+    if entries and not os.access(target, os.W_OK | os.X_OK):
+        raise VjpsplitError(f"{directory}: cannot write in it (a save removes the previous checkpoint's files)")
+
+
 def save_checkpoint(directory: str | os.PathLike[str], ck: HostCheckpoint) -> None:
     """Write ``ck`` to ``directory`` in layout 2, all or nothing (see the module docstring)."""
     state = flatten_with_keys("", ck.opt_state)
@@ -114,30 +200,49 @@ def save_checkpoint(directory: str | os.PathLike[str], ck: HostCheckpoint) -> No
     write_directory(directory, files, index)
 
 
+def _index_text(directory: str | os.PathLike[str], index: Mapping[str, Any]) -> str:
+    """``index`` as JSON; a value JSON cannot hold is one error naming its field."""
+    try:
+        return json.dumps(index, indent=1)
+    except (TypeError, ValueError) as e:
+        fields = [(f"meta {k!r}", v) for k, v in dict(index.get("meta") or {}).items()]
+        fields += [(repr(k), v) for k, v in index.items() if k != "meta"]
+        for name, value in fields:
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError):
+                raise VjpsplitError(
+                    f"{directory}: cannot record {name} = {value!r} ({type(value).__name__}) in {INDEX}; "
+                    "pass plain Python numbers and strings"
+                ) from e
+        raise VjpsplitError(f"{directory}: cannot write {INDEX} ({one_line(e)})") from e
+
+
 def write_directory(
     directory: str | os.PathLike[str], files: Mapping[str, Mapping[str, Any]], index: Mapping[str, Any]
 ) -> None:
-    """``files`` (name -> arrays) and ``index`` as ``checkpoint.json`` in ``directory``, swapped in whole."""
+    """``files`` (name -> arrays) and ``index`` as ``checkpoint.json`` in ``directory``, swapped in whole.
+
+    Each file and the index carry one id of this write (``id``), so a reader can tell a file of another save
+    (``read_checkpoint``). A file in ``directory`` that no save wrote is refused, not deleted (``check_directory``).
+    """
     target = os.path.abspath(os.fspath(directory))
     parent = os.path.dirname(target)
-    if os.path.exists(target) and not (os.path.isdir(target) and os.path.isfile(os.path.join(target, INDEX))):
-        raise VjpsplitError(
-            f"{directory}: exists and is not a vjpsplit checkpoint; give a new directory or a previous checkpoint's"
-        )
-    if not os.path.isdir(parent):
-        raise VjpsplitError(f"{directory}: directory {parent} does not exist; create it first")
+    if os.path.isdir(parent):
+        tidy(target)
+    check_directory(directory)
+    write_id = secrets.token_hex(8)
+    text = _index_text(directory, {**index, "id": write_id})
     with cleanup_on_signals():
         try:
-            tmp = tempfile.mkdtemp(
-                prefix=f".{os.path.basename(target)[:80]}.", suffix=f".{writer_tag()}.tmp", dir=parent
-            )
+            tmp = new_temp_dir(parent, os.path.basename(target))
         except OSError as e:
             raise VjpsplitError(f"{directory}: cannot create a directory in {parent} ({one_line(e)})") from e
         try:
             for name, arrays in files.items():
-                save_arrays(os.path.join(tmp, name), arrays, fsync=True)
+                save_arrays(os.path.join(tmp, name), arrays, {"checkpoint": write_id}, fsync=True)
             with open(os.path.join(tmp, INDEX), "w") as f:
-                json.dump(index, f, indent=1)
+                f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
             fsync_dir(tmp)
@@ -145,7 +250,9 @@ def write_directory(
         except OSError as e:
             raise VjpsplitError(f"{directory}: cannot write the checkpoint ({one_line(e)})") from e
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)  # the new files (on failure) or the old checkpoint (swapped out)
+            # The new files (on failure) or the old checkpoint (swapped out); a file someone put in the old
+            # directory meanwhile keeps it (under the temp name), never deleted.
+            clear_temp_dir(tmp, owned)
 
 
 def _swap_in(tmp: str, target: str) -> None:
@@ -153,8 +260,8 @@ def _swap_in(tmp: str, target: str) -> None:
     exchange = renameat2()
     if os.path.exists(target):
         if exchange is None or not exchange(tmp, target):
-            # No atomic exchange here: move the old copy aside first (a crash between leaves no DIR, the
-            # old copy beside it under the temp name).
+            # No atomic exchange here: move the old copy aside first (a crash between leaves no DIR and the
+            # old copy beside it as <tmp>.old, which ``tidy`` renames back).
             old = tmp + ".old"
             os.rename(target, old)
             os.rename(tmp, target)
@@ -164,9 +271,83 @@ def _swap_in(tmp: str, target: str) -> None:
     fsync_dir(os.path.dirname(target))
 
 
+def _damaged(d: str, field: str, value: Any, want: str) -> VjpsplitError:
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return VjpsplitError(f"{d}: {INDEX}'s {field} is {shown}, not {want}; the checkpoint is damaged")
+
+
+def _count(d: str, field: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _damaged(d, field, value, "an int >= 0")
+    return value
+
+
+def _strings(d: str, field: str, value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _damaged(d, field, value, "a list of strings")
+    return value
+
+
+def _object(d: str, field: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _damaged(d, field, value, "an object")
+    return value
+
+
+def _check_meta(d: str, meta: Mapping[str, Any]) -> None:
+    """The settings ``restore`` takes from ``meta``, each of its type (missing ones are left to the caller)."""
+    m = meta.get("microbatches")
+    if "microbatches" in meta and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+        raise _damaged(d, "meta.microbatches", m, "an int >= 1")
+    c = meta.get("clip_global_norm")
+    if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0):
+        raise _damaged(d, "meta.clip_global_norm", c, "a positive number or null")
+    for key in ("schedule", "plans"):
+        if key in meta and not isinstance(meta[key], str):
+            raise _damaged(d, f"meta.{key}", meta[key], "a string")
+    for key, kinds in (("memory_limit", (int,)), ("memory_limit_bytes", (int, str))):
+        v = meta.get(key)
+        if v is None:
+            continue
+        if not all(isinstance(x, kinds) and not isinstance(x, bool) for x in (v if isinstance(v, list) else [v])):
+            raise _damaged(d, f"meta.{key}", v, "a limit or one per worker")
+
+
 def read_checkpoint(directory: str | os.PathLike[str]) -> Saved:
-    """The checkpoint in ``directory`` (layout 1 or 2); each array checked against its CRC-32."""
+    """The checkpoint in ``directory`` (layout 1 or 2); its index checked field by field, each array against its
+    CRC-32, and every file against the index's write id (a read that races a save reads again).
+
+    Raises:
+        VjpsplitError: no checkpoint there, or a damaged one (naming the field or the file).
+    """
     d = os.fspath(directory)
+    if os.path.isdir(os.path.dirname(os.path.abspath(d))):
+        tidy(d)
+    for attempt in range(READ_TRIES):
+        index = _read_index(d)
+        try:
+            return _read_arrays(d, index)
+        except _Raced:
+            time.sleep(0.01 * (attempt + 1))
+        except VjpsplitError:
+            try:
+                again = _read_index(d)
+            except VjpsplitError:
+                again = None
+            if again is None or again.get("id") == index.get("id"):
+                raise  # the files are damaged, not replaced meanwhile
+    raise VjpsplitError(
+        f"{d}: its files changed while they were read, {READ_TRIES} times (another process is saving into it); "
+        "read it again when that save is done"
+    )
+
+
+class _Raced(Exception):
+    """A file of the checkpoint belongs to another save than the index read (a save swapped it in meanwhile)."""
+
+
+def _read_index(d: str) -> dict[str, Any]:
     try:
         with open(os.path.join(d, INDEX)) as f:
             index = json.load(f)
@@ -179,38 +360,82 @@ def read_checkpoint(directory: str | os.PathLike[str]) -> Saved:
     layout = index.get("format")
     if layout not in READS:
         raise VjpsplitError(f"{d}: checkpoint layout {layout!r}; this vjpsplit reads layouts {list(READS)}")
-    meta = dict(index.get("meta") or {})
+    _count(d, "step", index.get("step"))
+    meta = _object(d, "meta", index.get("meta", {}))
+    _check_meta(d, meta)
+    if layout == 1:
+        for i, entry in enumerate(_strings_of_objects(d, "stages", index.get("stages"))):
+            file = entry.get("file")
+            if not isinstance(file, str) or os.path.basename(file) != file or not file.endswith(".npz"):
+                raise _damaged(d, f"stages[{i}].file", file, "a .npz file name in the checkpoint")
+            _strings(d, f"stages[{i}].params", entry.get("params"))
+            _strings(d, f"stages[{i}].state", entry.get("state"))
+            _object(d, f"stages[{i}].prng_impls", entry.get("prng_impls") or {})
+        return index
+    p = _object(d, "params", index.get("params"))
+    keys = _strings(d, "params.keys", p.get("keys"))
+    leaves = _strings(d, "params.leaves", p.get("leaves"))
+    missing = sorted(set(keys) - set(leaves))
+    unknown = sorted(set(leaves) - set(keys))
+    if missing or unknown:
+        what = f"lacks '{missing[0]}'" if missing else f"names '{unknown[0]}', which params.keys lacks"
+        raise VjpsplitError(f"{d}: {INDEX}'s params.leaves {what}; the checkpoint is damaged")
     try:
-        if layout == 1:
-            return Saved(d, 1, int(index["step"]), meta, stages=_read_stages(d, index["stages"]))
-        p, s = index["params"], index["opt_state"]
-        params = _read(d, PARAMS, [str(k) for k in p["keys"]])
-        arrays = _read(d, OPT_STATE, [str(k) for k in s["keys"]])
-        impls = dict(s.get("prng_impls") or {})
-        state = {k: from_data(v, impls.get(k)) for k, v in arrays.items()}
-        leaves = [str(k) for k in p["leaves"]]
-        return Saved(d, 2, int(index["step"]), meta, params, leaves, p["structure"], state)
-    except (KeyError, TypeError, ValueError) as e:
-        raise VjpsplitError(f"{d}: {INDEX} lacks or garbles {one_line(e)}; the checkpoint is damaged") from e
+        n = len(structure_keys("", p.get("structure")))
+    except VjpsplitError:
+        n = -1
+    if n != len(leaves):
+        raise _damaged(d, "params.structure", p.get("structure"), f"a pytree of {len(leaves)} leaves")
+    s = _object(d, "opt_state", index.get("opt_state"))
+    _strings(d, "opt_state.keys", s.get("keys"))
+    impls = _object(d, "opt_state.prng_impls", s.get("prng_impls") or {})
+    if not all(isinstance(v, str) for v in impls.values()):
+        raise _damaged(d, "opt_state.prng_impls", impls, "an object of PRNG impl names")
+    return index
 
 
-def _read(d: str, name: str, keys: Sequence[str]) -> dict[str, np.ndarray]:
-    arrays, _ = load_arrays(os.path.join(d, name))
+def _strings_of_objects(d: str, field: str, value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise _damaged(d, field, value, "a list of objects")
+    return value
+
+
+def _read_arrays(d: str, index: Mapping[str, Any]) -> Saved:
+    step, meta, wid = index["step"], dict(index.get("meta", {})), index.get("id")
+    if index["format"] == 1:
+        return Saved(d, 1, step, meta, stages=_read_stages(d, index["stages"], wid))
+    p, s = index["params"], index["opt_state"]
+    params = _read(d, PARAMS, p["keys"], wid)
+    arrays = _read(d, OPT_STATE, s["keys"], wid)
+    impls = dict(s.get("prng_impls") or {})
+    state = {k: _key(d, OPT_STATE, k, v, impls.get(k)) for k, v in arrays.items()}
+    return Saved(d, 2, step, meta, params, list(p["leaves"]), p["structure"], state)
+
+
+def _key(d: str, name: str, key: str, data: np.ndarray, impl: str | None) -> Any:
+    try:
+        return from_data(data, impl)
+    except (TypeError, ValueError) as e:
+        raise VjpsplitError(f"{d}/{name}: '{key}' is not {impl} key data ({one_line(e)}); the file is damaged") from e
+
+
+def _read(d: str, name: str, keys: Sequence[str], wid: Any) -> dict[str, np.ndarray]:
+    arrays, file_meta = load_arrays(os.path.join(d, name))
+    if wid is not None and file_meta.get("checkpoint") != wid:
+        raise _Raced(name)
     if sorted(arrays) != sorted(keys):
         raise VjpsplitError(f"{d}/{name}: holds other arrays than its index lists; the checkpoint is damaged")
     return {k: arrays[k] for k in keys}
 
 
-def _read_stages(d: str, entries: Sequence[Mapping[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+def _read_stages(d: str, entries: Sequence[Mapping[str, Any]], wid: Any) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """Layout 1: per stage, its ``(params, optimizer state)``."""
     snapshots = []
-    for i, entry in enumerate(entries):
+    for entry in entries:
         name = str(entry["file"])
-        if os.path.basename(name) != name or not name.endswith(".npz"):
-            raise VjpsplitError(f"{d}: stage {i}'s file {name!r} is not a file name in the checkpoint")
-        arrays = _read(d, name, [f"params/{k}" for k in entry["params"]] + [f"state/{k}" for k in entry["state"]])
+        arrays = _read(d, name, [f"params/{k}" for k in entry["params"]] + [f"state/{k}" for k in entry["state"]], wid)
         impls = entry.get("prng_impls") or {}
         params = {k: arrays[f"params/{k}"] for k in entry["params"]}
-        state = {k: from_data(arrays[f"state/{k}"], impls.get(k)) for k in entry["state"]}
+        state = {k: _key(d, name, k, arrays[f"state/{k}"], impls.get(k)) for k in entry["state"]}
         snapshots.append((params, state))
     return snapshots

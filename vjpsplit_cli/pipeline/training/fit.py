@@ -17,10 +17,18 @@ lost Ray worker.
   ``data``: the losses and parameters are those of a run that never failed.
   More failures than ``max_restarts``, or no checkpoint to return to, is one
   error naming the worker and the step.
+* ``checkpoint_dir`` is checked before the first step (``checkpoint.check_directory``),
+  after taking back a checkpoint a cut-short save left aside (``checkpoint.tidy``).
+* A loss or gradient norm that is not finite stops the run (``stop_on_nonfinite``)
+  before its checkpoint is submitted, so the last checkpoint stays the last finite step.
+* ``callback(step, loss, rerun=...)`` where the callback takes ``rerun``: True for a
+  step this call already ran (it returned to a checkpoint after a lost worker).
 """
 
 from __future__ import annotations
 
+import inspect
+import math
 import os
 import threading
 import time
@@ -28,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 from ...errors import VjpsplitError, one_line
 from ..runtime.ray.waiting import WorkerLost
-from .checkpoint import HostCheckpoint, has_checkpoint, save_checkpoint
+from .checkpoint import HostCheckpoint, check_directory, has_checkpoint, save_checkpoint, tidy
 
 
 class CheckpointWriter:
@@ -42,8 +50,11 @@ class CheckpointWriter:
     def __init__(self, directory: str | os.PathLike[str], times: list[dict[str, float]]):
         self.directory = directory
         self.thread: threading.Thread | None = None
+        self.done = threading.Event()
+        self.done.set()
         self.error: tuple[int, BaseException] | None = None
         self.times = times
+        self.last_step: int | None = None  # the step of the last checkpoint submitted
 
     def submit(self, host_copy: Callable[[], HostCheckpoint]) -> None:
         """Wait for the write before (raising its error), copy the state to host memory, write it in a thread."""
@@ -51,7 +62,10 @@ class CheckpointWriter:
         self.wait()
         ck = host_copy()
         row = {"step": ck.step, "wait": time.monotonic() - t0, "write": float("nan")}
+        self.last_step = ck.step
         self.times.append(row)
+
+        done = self.done = threading.Event()
 
         def write() -> None:
             t1 = time.monotonic()
@@ -59,7 +73,9 @@ class CheckpointWriter:
                 save_checkpoint(self.directory, ck)
             except BaseException as e:  # noqa: BLE001 - handed to the thread that runs the steps
                 self.error = (ck.step, e)
-            row["write"] = time.monotonic() - t1
+            finally:
+                row["write"] = time.monotonic() - t1
+                done.set()
 
         self.thread = threading.Thread(target=write, name="vjpsplit-checkpoint")
         self.thread.start()
@@ -73,12 +89,25 @@ class CheckpointWriter:
             ) from e
 
     def wait(self, *, check: bool = True) -> None:
-        """Until the write in flight is done; then its error, if any (``check``)."""
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
+        """Until the write in flight is done; then its error, if any (``check``).
+
+        Waits on an event the write sets last, not on ``Thread.join``: Python 3.11's join, interrupted
+        (Ctrl-C), marks a thread still running as stopped, and a second join then returns at once.
+        """
+        self.done.wait()
+        self.thread = None
         if check:
             self.check()
+
+    def finish(self) -> None:
+        """While an error leaves ``fit``: until the write in flight is done, through further Ctrl-Cs (a write
+        takes seconds; cut short, its temp directory would stay until the next save sweeps it)."""
+        while not self.done.is_set():
+            try:
+                self.done.wait()
+            except KeyboardInterrupt:
+                continue
+        self.thread = None
 
 
 def _batch_source(data: Any, steps: int) -> Callable[[int], Any]:
@@ -92,6 +121,46 @@ def _batch_source(data: Any, steps: int) -> Callable[[int], Any]:
         return data.__getitem__
     raise VjpsplitError(
         f"data is a {type(data).__name__}; pass a function of the step number (data(step) -> batch) or a sequence of batches"
+    )
+
+
+def _reported(callback: Callable[..., Any] | None) -> Callable[[int, float, bool], Any] | None:
+    """``callback`` as ``fit`` calls it, ``(step, loss, rerun)``: ``rerun=`` by keyword to a callback that takes
+    it (a parameter ``rerun``, or ``**kwargs``), else ``callback(step, loss)`` as before."""
+    if callback is None:
+        return None
+    if not callable(callback):
+        raise VjpsplitError(f"callback is a {type(callback).__name__}; pass a function callback(step, loss)")
+    try:
+        params = inspect.signature(callback).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: the old two arguments
+        params = ()  # type: ignore[assignment]
+    if any(
+        p.kind is p.VAR_KEYWORD or (p.name == "rerun" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+        for p in params
+    ):
+        return lambda k, loss, rerun: callback(k, loss, rerun=rerun)
+    return lambda k, loss, rerun: callback(k, loss)
+
+
+def _nonfinite(trainer: Any, k: int, loss: float, writer: CheckpointWriter | None) -> VjpsplitError | None:
+    """The error that stops ``fit`` at step ``k`` if its loss or gradient norm is not finite."""
+    norm = trainer.history[-1]["grad_norm"] if trainer.history else 0.0
+    if math.isfinite(loss) and math.isfinite(norm):
+        return None
+    where = ""
+    if writer is not None:
+        last = writer.last_step
+        where = (
+            f"; the checkpoint in {os.fspath(writer.directory)} keeps the state after {last} steps (trainer.load goes "
+            "back to it)"
+            if last is not None
+            else "; no checkpoint was written in this run"
+        )
+    return VjpsplitError(
+        f"step {k}: the loss is {loss} and the gradients' global norm {norm}: training stopped, this Trainer "
+        f"holds the parameters that step gave{where}; lower the learning rate, clip (clip_global_norm=), or pass "
+        "stop_on_nonfinite=False to train on"
     )
 
 
@@ -115,15 +184,24 @@ def fit(
     checkpoint_dir: str | os.PathLike[str] | None = None,
     checkpoint_every: int | None = None,
     max_restarts: int = 0,
-    callback: Callable[[int, float], Any] | None = None,
+    callback: Callable[..., Any] | None = None,
+    stop_on_nonfinite: bool = True,
 ) -> list[float]:
     """``trainer.fit``'s work (see ``Trainer.fit`` and the module docstring); returns the losses of the steps run."""
     _check_options(steps, checkpoint_dir, checkpoint_every, max_restarts)
     batch = _batch_source(data, steps)
+    report = _reported(callback)
     writer = None if checkpoint_dir is None else CheckpointWriter(checkpoint_dir, trainer.checkpoint_times)
-    if checkpoint_dir is not None and has_checkpoint(checkpoint_dir):
-        trainer.load(checkpoint_dir)
+    if checkpoint_dir is not None:
+        if os.path.isdir(os.path.dirname(os.path.abspath(os.fspath(checkpoint_dir)))):
+            tidy(checkpoint_dir)  # a checkpoint a cut-short save left aside comes back first
+        check_directory(checkpoint_dir)  # before the first step, not at the first save
+        if has_checkpoint(checkpoint_dir):
+            trainer.load(checkpoint_dir)
+            if writer is not None:
+                writer.last_step = trainer.step_count
     start, failures = trainer.step_count, 0
+    reached = start  # steps below this one ran already in this call (a restart runs them again)
     losses: list[float] = []
     lost: set[int] = set()  # workers to replace before the next step
     found = 0.0  # when the first of them was found lost (time.monotonic)
@@ -141,8 +219,13 @@ def fit(
                     writer.check()
                 loss = trainer.step(batch(k))
                 losses.append(loss)
-                if callback is not None:
-                    callback(k, loss)
+                if report is not None:
+                    report(k, loss, k < reached)
+                reached = max(reached, k + 1)
+                if stop_on_nonfinite:
+                    bad = _nonfinite(trainer, k, loss, writer)
+                    if bad is not None:
+                        raise bad
                 done = k + 1
                 if writer is not None and (
                     done == steps or (checkpoint_every is not None and done % checkpoint_every == 0)
@@ -155,7 +238,7 @@ def fit(
                 lost |= set(e.workers)
     except BaseException:
         if writer is not None:
-            writer.wait(check=False)  # the error on its way out is the one to see; the write still finishes
+            writer.finish()  # the error on its way out is the one to see; the write still finishes
         raise
     if writer is not None:
         writer.wait()

@@ -12,10 +12,13 @@ state; ``stage_snapshots`` gives a running Trainer's stages their share
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
 
 from ...errors import VjpsplitError
-from ...files.trees import decode_structure
+from ...files.trees import decode_structure, structure_keys
 from ..stages.directory import Stages
 from .checkpoint import Saved, read_checkpoint
 from .ownership import Ownership, Snapshot, Tied, saved_params, stage_keys
@@ -36,6 +39,47 @@ def _check_keys(saved: Saved, held: Sequence[Sequence[str]]) -> None:
     if missing or extra:
         what = f"has no parameter '{missing[0]}'" if missing else f"holds a parameter '{extra[0]}' the stages lack"
         raise VjpsplitError(f"{saved.directory}: {what}; pass stages of the function it was saved from")
+
+
+Spec = tuple[str, tuple[int | str, ...]]  # a leaf's dtype name and shape (a symbolic dim as its text)
+
+
+def stages_specs(stages: Stages | Sequence[Any], tied: Tied | None) -> dict[str, Spec]:
+    """Each parameter's dtype and shape by global key, as the stages were exported for them."""
+    if isinstance(stages, Stages):
+        return {leaf.key: (leaf.dtype, tuple(leaf.shape)) for leaf in stages.index.params}
+    specs: dict[str, Spec] = {}
+    for a, names in zip(stages, stage_keys(stages, tied)):
+        m = a.manifest
+        inputs = {leaf.key: leaf for leaf in m.inputs}
+        for name, key in zip(names, structure_keys(m.arg_names[0], param_node(a))):
+            if key in inputs:
+                specs.setdefault(name, (inputs[key].dtype, tuple(inputs[key].shape)))
+    return specs
+
+
+def ownership_specs(ownership: Ownership) -> dict[str, Spec]:
+    """Each parameter's dtype and shape by global key, as the running Trainer holds them."""
+    specs: dict[str, Spec] = {}
+    for names, p in zip(ownership.names, ownership.stage_params):
+        for k, v in zip(names, jax.tree_util.tree_leaves(p)):
+            specs.setdefault(k, (str(np.asarray(v).dtype if not hasattr(v, "dtype") else v.dtype), tuple(np.shape(v))))
+    return specs
+
+
+def check_specs(directory: str, params: Mapping[str, Any], want: Mapping[str, Spec]) -> None:
+    """Refuse a saved parameter whose dtype or shape is not the stages' (before any stage holds it)."""
+    for k, (dtype, shape) in want.items():
+        if k not in params:
+            continue  # a missing key is _check_keys' to name
+        v = params[k]
+        got_dtype, got_shape = str(v.dtype), tuple(np.shape(v))
+        fits = len(got_shape) == len(shape) and all(isinstance(d, str) or d == g for d, g in zip(shape, got_shape))
+        if got_dtype != dtype or not fits:
+            raise VjpsplitError(
+                f"{directory}: parameter '{k}' is {got_dtype}{list(got_shape)}, the stages take {dtype}{list(shape)}; "
+                "pass stages of the function and parameters it was saved from"
+            )
 
 
 def saved_whole_params(saved: Saved) -> Any:
@@ -71,9 +115,14 @@ def restored_model(
     model's opt_state (any cut of the same function), layout 1 the saving cut's own per-stage states."""
     if saved.layout == 1:
         params = saved_params(saved.directory, stages, saved.stages, saved.meta.get("structure"), tied)
+        names = stage_keys(stages, tied)
+        specs = stages_specs(stages, tied)
+        for n, (p, _) in zip(names, saved.stages):
+            check_specs(saved.directory, {k: p[k] for k in n}, {k: specs[k] for k in n if k in specs})
         return params, None, [st for _, st in saved.stages]
     held = stage_keys(stages, tied)
     _check_keys(saved, held)
+    check_specs(saved.directory, saved.params, stages_specs(stages, tied))
     if isinstance(stages, Stages):
         params = saved_whole_params(saved)
     else:
@@ -90,8 +139,12 @@ def stage_snapshots(
     if saved.layout == 1:
         if [sorted(p) for p, _ in saved.stages] != [sorted(n) for n in names]:
             raise _per_stage(saved)
+        specs = ownership_specs(ownership)
+        for p, _ in saved.stages:
+            check_specs(saved.directory, p, specs)
         return list(saved.stages), saved.step
     _check_keys(saved, names)
+    check_specs(saved.directory, saved.params, ownership_specs(ownership))
     params = ownership.gather([{k: saved.params[k] for k in n} for n in names])
     states = smap.scatter(opt_state_from_file(optimizer, params, saved.opt_state, saved.directory))
     return [({k: saved.params[k] for k in n}, st) for n, st in zip(names, states)], saved.step

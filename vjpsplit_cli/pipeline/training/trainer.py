@@ -37,6 +37,7 @@ from .autoplan import AUTO, AutoPlan
 from .backend import Backend, open_backend
 from ...files.trees import encode_structure
 from .checkpoint import HostCheckpoint, read_checkpoint, save_checkpoint
+from .arguments import checked_clip, plain
 from .clipping import clip_scale
 from .fit import fit as fit_steps
 from .history import History
@@ -116,7 +117,9 @@ class Trainer:
         step_count: int = 0,
         _restored: tuple[Sequence[Any] | None, int] | None = None,
     ):
-        clip_scale([], clip_global_norm)  # a bad value is refused now, not after the first step
+        clip_global_norm = checked_clip(clip_global_norm)  # a bad value is refused now, not after the first step
+        microbatches, step_count = plain(microbatches), plain(step_count)
+        memory_limit, memory_limit_bytes = plain(memory_limit), plain(memory_limit_bytes)
         if isinstance(step_count, bool) or not isinstance(step_count, int) or step_count < 0:
             raise VjpsplitError(f"step_count={step_count!r}: give the run's step this state is at, an int >= 0")
         check_runner(runner)
@@ -261,13 +264,17 @@ class Trainer:
         restores it (``restore``), and so does a one-process loop (``load_checkpoint``).
 
         The checkpoint also records what ``restore`` needs to go on: the schedule (its plans,
-        when they were the caller's), the microbatches and ``clip_global_norm``.
+        when they were the caller's), the microbatches and ``clip_global_norm``. A save replaces the whole
+        directory, so a ``directory`` holding files no save wrote is refused (naming one), never emptied.
         """
         save_checkpoint(directory, self.host_checkpoint())
 
     def load(self, directory: str | os.PathLike[str]) -> None:
         """Set every stage, and the step count, to the checkpoint in ``directory`` (saved by any cut of the same
-        function; one an older vjpsplit wrote per stage only by this cut). This Trainer's settings stay."""
+        function; one an older vjpsplit wrote per stage only by this cut). This Trainer's settings stay.
+
+        Every saved parameter is checked against the dtype and shape this Trainer holds first: a mismatch is
+        one error naming the leaf, and the Trainer keeps its parameters."""
         snapshots, step = stage_snapshots(directory, self.ownership, self._states(), self.optimizer)
         self.backend.load(snapshots)
         self.step_count = step
@@ -286,6 +293,7 @@ class Trainer:
         checkpoint_every: int | None = None,
         max_restarts: int = 0,
         callback: Any = None,
+        stop_on_nonfinite: bool = True,
     ) -> list[float]:
         """Run the steps ``step_count`` ... ``steps - 1`` of a run; return their losses.
 
@@ -293,8 +301,16 @@ class Trainer:
         With ``checkpoint_dir``, a checkpoint already there is where the run begins (``load``), and one is
         saved after every ``checkpoint_every``-th step and after the last, written by a thread while the next
         steps run (a step waits only for the copy to host memory; a failed write is an error at the next step
-        or at the end; the last checkpoint is complete when ``fit`` returns). ``callback(step, loss)`` after
-        each step. On Ray, a worker whose actor dies is replaced (same actor options), every worker returns
+        or at the end; the last checkpoint is complete when ``fit`` returns). ``checkpoint_dir`` is checked
+        before the first step: a file, a place that cannot be written, or a directory holding files no save
+        wrote is refused (a save replaces the whole directory; an empty directory is fine).
+
+        ``callback(step, loss)`` after each step; a callback that takes ``rerun`` (or ``**kwargs``) gets
+        ``rerun=True`` for a step this call runs again after returning to a checkpoint (a lost Ray worker), so
+        a logger can skip what it saw. A run resumed in a new process (``fit`` begins from the checkpoint)
+        runs the steps after the checkpoint again too, which this call cannot know: they come with
+        ``rerun=False``. A loss or gradient norm that is not finite stops the run with one error naming the
+        step, before any checkpoint after it is written (``stop_on_nonfinite=False`` trains on). On Ray, a worker whose actor dies is replaced (same actor options), every worker returns
         to the last checkpoint and the steps since run again: the losses and parameters are those of a run
         that never failed. More than ``max_restarts`` failures, or none to return to, is one error naming the
         worker and the step. ``checkpoint_times`` and ``restarts`` record what the checkpoints and restarts
@@ -308,6 +324,7 @@ class Trainer:
             checkpoint_every=checkpoint_every,
             max_restarts=max_restarts,
             callback=callback,
+            stop_on_nonfinite=stop_on_nonfinite,
         )
 
     @classmethod
@@ -331,7 +348,8 @@ class Trainer:
         ``microbatches``, the schedule (``schedule_name`` or ``schedule``) and
         ``clip_global_norm`` default to the values the checkpoint recorded; a value
         given here wins. A checkpoint written before they were recorded needs
-        ``microbatches`` given (its clipping then defaults to none, as ``Trainer``'s).
+        ``microbatches`` given (its clipping then defaults to none, as ``Trainer``'s). Each saved parameter's
+        dtype and shape is checked against the stages' export first (one error naming the leaf).
         """
         saved = read_checkpoint(directory)
         meta, step = saved.meta, saved.step

@@ -1,0 +1,50 @@
+"""The Trainer's numeric arguments as plain Python numbers: NumPy scalars taken, strings refused by name.
+
+A NumPy scalar (``np.float32(0.5)``, ``np.int64(4)``, what a config read with
+NumPy gives) is a number to the user; the checks downstream (``isinstance(v,
+int)``) and the checkpoint's JSON index are not, so each numeric argument is
+made a Python ``int`` or ``float`` once, where the Trainer takes it.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+
+from ...errors import VjpsplitError
+
+
+def plain(value: Any) -> Any:
+    """``value`` with NumPy integer and floating scalars (also in a list or tuple) as Python ints and floats."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain(v) for v in value)
+    if isinstance(value, np.bool_):
+        return value  # not a number: left for the check that refuses it
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf":
+        return plain(value[()])
+    return value
+
+
+def checked_clip(value: Any) -> float | None:
+    """``clip_global_norm`` as a positive float (or None for no clipping).
+
+    Raises:
+        VjpsplitError: not a real number (a string, a bool), or not > 0.
+    """
+    if value is None:
+        return None
+    value = plain(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise VjpsplitError(
+            f"clip_global_norm={value!r} is a {type(value).__name__}; give a positive number (or None for no clipping)"
+        )
+    if not float(value) > 0 or math.isnan(value):
+        raise VjpsplitError(f"clip_global_norm={value!r}: give a positive number (or None for no clipping)")
+    return float(value)
