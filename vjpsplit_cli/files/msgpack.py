@@ -26,7 +26,9 @@ from .common import (
     FORMAT,
     MAX_NDIM,
     VERSION,
+    Prepared,
     Source,
+    Write,
     byte_view,
     check_stored_key,
     check_version,
@@ -70,12 +72,12 @@ def _ext_header(size: int) -> bytes:
     return head + struct.pack(">b", EXT_NDARRAY)
 
 
-def writer(path: Path, prepared: list, meta: dict):
+def writer(path: Path, prepared: Prepared, meta: dict[str, Any]) -> Write:
     """Return ``write(f)`` that writes the map, computing each array's CRC-32 as it goes."""
 
     def write(f: BinaryIO) -> None:
         p = msgpack.Packer(use_bin_type=True)
-        parts = [
+        parts: list[bytes | memoryview] = [
             p.pack_map_header(6)
             + p.pack("format")
             + p.pack(FORMAT)

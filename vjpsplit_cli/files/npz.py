@@ -14,6 +14,7 @@ import math
 import re
 import struct
 import zipfile
+from pathlib import Path
 from typing import IO
 
 import numpy as np
@@ -200,7 +201,9 @@ def read(src: Source) -> tuple[dict[str, np.ndarray], dict]:
     return {k: finish(path, k, *v) for k, v in arrays.items()}, meta
 
 
-def _members(src: Source, zf: zipfile.ZipFile, version: int, names) -> dict[str, zipfile.ZipInfo]:
+def _members(
+    src: Source, zf: zipfile.ZipFile, version: int, names: dict[str, str] | None
+) -> dict[str, zipfile.ZipInfo]:
     """The archive's arrays by key: every entry a ``.npy``, none twice, as the metadata lists them."""
     path = src.path
     members: dict[str, zipfile.ZipInfo] = {}
@@ -222,7 +225,9 @@ def _members(src: Source, zf: zipfile.ZipFile, version: int, names) -> dict[str,
     return members
 
 
-def _plan_member(src: Source, zf: zipfile.ZipFile, key: str, info: zipfile.ZipInfo, version: int, names) -> tuple:
+def _plan_member(
+    src: Source, zf: zipfile.ZipFile, key: str, info: zipfile.ZipInfo, version: int, names: dict[str, str] | None
+) -> tuple:
     """One member checked against the file before anything is allocated: how to read it."""
     path = src.path
     if info.flag_bits & 0x1:
@@ -271,7 +276,7 @@ def _plan_member(src: Source, zf: zipfile.ZipFile, key: str, info: zipfile.ZipIn
     return (key, info, start, member, head_len, nbytes, shape, fortran, dtype_, seed)
 
 
-def _check_no_overlap(path, ends: list, size: int) -> None:
+def _check_no_overlap(path: Path, ends: list[tuple[int, int, str]], size: int) -> None:
     """Stored members must lie one after the other inside the file.
 
     One stretch read as many arrays would let a small file claim far more memory than it holds.
