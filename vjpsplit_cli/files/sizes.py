@@ -122,7 +122,11 @@ def parse_bytes(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def parse_at(items: Sequence[str] | Mapping[str, int] | None) -> dict[str, int]:
+# Sizes of symbolic dims as callers give them: ``['b=256', 't=128']`` (``--at``), a mapping, or None.
+AtSizes = Sequence[str] | Mapping[str, int] | None
+
+
+def parse_at(items: AtSizes) -> dict[str, int]:
     """``['b=256', 't=128']`` (or a mapping) -> ``{'b': 256, 't': 128}``; sizes must be >= 1."""
     if items is None:
         return {}

@@ -24,8 +24,9 @@ from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, PyTreeDef, Seq
 from ..errors import VjpsplitError
 from .prng import from_data, impl_name, is_key, to_data
 
-# Per argument: (name, treedef, file key of each leaf in the treedef's leaf order).
-ArgTrees = Sequence[tuple[str, PyTreeDef, tuple[str, ...]]]
+# One argument: (name, treedef, file key of each leaf in the treedef's leaf order).
+ArgTree = tuple[str, PyTreeDef, tuple[str, ...]]
+ArgTrees = Sequence[ArgTree]
 
 
 def escape_segment(name: str) -> str:
