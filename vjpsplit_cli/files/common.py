@@ -18,6 +18,7 @@ from typing import Any, BinaryIO, Callable, Mapping, Sequence
 
 import msgpack
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ..errors import VjpsplitError, one_line
 from ..safeio import checksum, workers
@@ -91,7 +92,7 @@ def check_version(path: Path, version: Any) -> None:
         )
 
 
-def unique_map(pairs: list[tuple[Any, Any]]) -> dict:
+def unique_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
     """A dict from JSON or msgpack pairs; a repeated key (which would hide an array) is an error."""
     out = dict(pairs)
     if len(out) != len(pairs):
@@ -139,7 +140,7 @@ def plain(value: Any, where: str, depth: int = 0) -> Any:
     raise MetaError(f"{where} is a {type(value).__name__}, which is not JSON-able")
 
 
-def checked_meta(path: Path, meta: Mapping | None) -> dict[str, Any]:
+def checked_meta(path: Path, meta: Mapping[str, Any] | None) -> dict[str, Any]:
     if meta is None:
         return {}
     if not isinstance(meta, Mapping):
@@ -173,7 +174,7 @@ Prepared = list[tuple[str, str, np.ndarray]]
 Write = Callable[[BinaryIO], None]
 
 
-def prepare(path: Path, arrays: Mapping, max_bytes: int | None = None) -> Prepared:
+def prepare(path: Path, arrays: Mapping[str, ArrayLike], max_bytes: int | None = None) -> Prepared:
     """``(key, dtype name, little-endian C-order array)`` for each entry; any bad one fails before a file exists."""
     if not isinstance(arrays, Mapping):
         raise VjpsplitError(
@@ -371,7 +372,9 @@ def open_source(path: Path, verify: bool) -> Source:
     return Source(path, f, size, verify)
 
 
-def finish(path: Path, key: str, buf: np.ndarray, shape: tuple, dtype: np.dtype, fortran: bool = False) -> np.ndarray:
+def finish(
+    path: Path, key: str, buf: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, fortran: bool = False
+) -> np.ndarray:
     """The array over ``buf``: bool bytes checked, native byte order."""
     if dtype == np.bool_ and buf.size and buf.max() > 1:
         raise VjpsplitError(

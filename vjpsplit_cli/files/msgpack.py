@@ -134,7 +134,7 @@ class _Walk:
             raise ValueError(f"a map claims {count} entries, more than the file can hold")
         return count
 
-    def top(self) -> dict:
+    def top(self) -> dict[str, Any]:
         """The top-level map with "arrays" as ``{key: (shape, dtype, offset, nbytes)}``."""
         kind = self.src.read(0, 1)[0]
         if not is_map(kind):
@@ -174,7 +174,8 @@ class _Walk:
             self.u = self._at(end)
         return unique_map(pairs)
 
-    def _array(self, key: str, pos: int) -> tuple[tuple, int]:
+    def _array(self, key: str, pos: int) -> tuple[tuple[tuple[int, ...], np.dtype, int, int], int]:
+        """``((shape, dtype, where its bytes start, their length), where the value ends)`` of the array at ``pos``."""
         path, src = self.src.path, self.src
         bad = f"{path}: array {key!r}"
         kind = src.read(pos, 1)[0]
@@ -222,7 +223,7 @@ class _Walk:
         return (tuple(shape), dtype, data, nbytes), end
 
 
-def read(src: Source) -> tuple[dict[str, np.ndarray], dict]:
+def read(src: Source) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Every array and the meta of a ``.msgpack`` arrays file; CRC-32s checked where recorded."""
     path = src.path
     top = _Walk(src).top()
