@@ -73,7 +73,7 @@ def split(
 
     jit_fwd = jax.jit(_fwd_impl)
 
-    def _bwd_impl(res: SplitResiduals, ct_leaves: list[Any]) -> tuple[Any, ...]:
+    def _bwd_impl(res: SplitResiduals, ct_leaves: list[Any]) -> tuple[jax.Array, ...]:
         plan = res.plan
         stored = [res.stored[keys.stored(i)] for i in range(plan.n_stored)]
         inputs = [res.inputs[str(k)] for k in plan.input_backed]

@@ -57,7 +57,9 @@ class TracedVjp:
         out, stored, aux, self._plan = trace_vjp(self.fn, tuple(args), self.wrt, self.single, self.has_aux)
         return out, stored, aux
 
-    def backward(self, stored: Sequence[Any], inputs: Sequence[Any], cts: Sequence[Any]) -> tuple[Any, ...]:
+    def backward(
+        self, stored: Sequence[jax.Array], inputs: Sequence[jax.Array], cts: Sequence[jax.Array]
+    ) -> tuple[jax.Array, ...]:
         """Gradients of the differentiated leaves from the stored and input-backed residuals and cotangents."""
         return run_backward(self.plan, stored, inputs, cts)
 

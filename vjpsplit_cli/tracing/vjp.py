@@ -245,10 +245,10 @@ def trace_vjp(
     return out, tuple(stored), aux, plan
 
 
-def _slots(vjp_leaves: Sequence[Any], flat_args: Sequence[Any]) -> tuple[list[Any], list[Slot]]:
+def _slots(vjp_leaves: Sequence[jax.Array], flat_args: Sequence[jax.Array]) -> tuple[list[jax.Array], list[Slot]]:
     """The values to store, and where each vjp leaf comes from: an input (the caller's array) or a stored value."""
     by_id = {id(a): k for k, a in enumerate(flat_args)}
-    stored: list[Any] = []
+    stored: list[jax.Array] = []
     slots: list[Slot] = []
     seen: dict[int, int] = {}
     for leaf in vjp_leaves:
@@ -291,8 +291,12 @@ def _live_inputs(jaxpr: Jaxpr, live_out: Sequence[bool]) -> list[bool]:
 
 
 def _drop_unused(
-    vjp_tree: PyTreeDef, vjp_leaves: list[Any], slots: list[Slot], stored: list[Any], d_out: list[Any]
-) -> tuple[list[Any], list[Slot], list[jax.ShapeDtypeStruct]]:
+    vjp_tree: PyTreeDef,
+    vjp_leaves: list[jax.Array],
+    slots: list[Slot],
+    stored: list[jax.Array],
+    d_out: list[jax.Array],
+) -> tuple[list[jax.Array], list[Slot], list[jax.ShapeDtypeStruct]]:
     """Stored residuals the backward never reads (jax.vjp keeps, e.g., the zeros of relu's select) are dropped.
 
     The forward would write them for nothing: 2 MiB of zeros per step in the
@@ -315,7 +319,7 @@ def _drop_unused(
     if all(used):
         return stored, slots, []
     renumber: dict[int, int] = {}
-    kept: list[Any] = []
+    kept: list[jax.Array] = []
     unused: list[jax.ShapeDtypeStruct] = []
     new_slots: list[Slot] = []
     for j, (v, u) in enumerate(zip(stored, used)):
@@ -336,7 +340,9 @@ def _drop_unused(
     return kept, new_slots, unused
 
 
-def run_backward(plan: Plan, stored: Sequence[Any], inputs: Sequence[Any], cts: Sequence[Any]) -> tuple[Any, ...]:
+def run_backward(
+    plan: Plan, stored: Sequence[jax.Array], inputs: Sequence[jax.Array], cts: Sequence[jax.Array]
+) -> tuple[jax.Array, ...]:
     """Gradients of the differentiated leaves, from residuals alone (no forward).
 
     ``inputs`` are the input-backed leaves in ``plan.input_backed`` order and
