@@ -12,7 +12,7 @@ helpers do not pay for importing JAX.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 
@@ -59,7 +59,7 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:  # a lazy name is any of the exports: a function, a class, a module
     if name not in _EXPORTS:
         raise AttributeError(f"module 'vjpsplit_cli' has no attribute {name!r}")
     module = _EXPORTS[name]
@@ -72,7 +72,7 @@ def __getattr__(name: str):
     return value
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(__all__)
 
 

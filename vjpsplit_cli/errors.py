@@ -19,7 +19,7 @@ class VjpsplitError(ValueError):
     the line or write a line of its own.
     """
 
-    def __init__(self, *args):
+    def __init__(self, *args: object) -> None:
         super().__init__(*(printable(a) if isinstance(a, str) else a for a in args))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 _ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
-def printable(text) -> str:
+def printable(text: object) -> str:
     """``text`` with control, format and separator characters escaped, so it prints as one safe line.
 
     A newline becomes ``\\n``, an escape code ``\\x1b``, a bidi override ``\\u202e``,
@@ -14,7 +14,7 @@ def printable(text) -> str:
     text = str(text)
     if text.isprintable():
         return text
-    out = []
+    out: list[str] = []
     for ch in text:
         if ch.isprintable() or ch == " ":
             out.append(ch)

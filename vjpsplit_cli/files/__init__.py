@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -51,7 +51,11 @@ def _kind(path: Path) -> str:
 
 
 def save_arrays(
-    path: str | os.PathLike, arrays: Mapping[str, ArrayLike], meta: Mapping | None = None, *, fsync: bool = False
+    path: str | os.PathLike,
+    arrays: Mapping[str, ArrayLike],
+    meta: Mapping[str, Any] | None = None,
+    *,
+    fsync: bool = False,
 ) -> None:
     """Write ``arrays`` (key -> numpy/jax array or scalar) and JSON-able ``meta`` to ``path``.
 
@@ -70,7 +74,7 @@ def save_arrays(
     atomic_write(path, write, fsync=fsync, size=size)  # atomic_write also reads VJPSPLIT_FSYNC
 
 
-def load_arrays(path: str | os.PathLike, *, verify: bool = True) -> tuple[dict[str, np.ndarray], dict]:
+def load_arrays(path: str | os.PathLike, *, verify: bool = True) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Read an array file; return ``(arrays, meta)`` (``meta == {}`` when the file has none).
 
     Arrays come back in file order, writable, each in its own memory, native byte

@@ -14,10 +14,11 @@ import zlib
 from concurrent.futures import Future
 from itertools import accumulate
 from pathlib import Path
-from typing import Any, BinaryIO, Mapping
+from typing import Any, BinaryIO, Callable, Mapping, Sequence
 
 import msgpack
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ..errors import VjpsplitError, one_line
 from ..safeio import checksum, workers
@@ -91,7 +92,7 @@ def check_version(path: Path, version: Any) -> None:
         )
 
 
-def unique_map(pairs: list[tuple[Any, Any]]) -> dict:
+def unique_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
     """A dict from JSON or msgpack pairs; a repeated key (which would hide an array) is an error."""
     out = dict(pairs)
     if len(out) != len(pairs):
@@ -139,7 +140,7 @@ def plain(value: Any, where: str, depth: int = 0) -> Any:
     raise MetaError(f"{where} is a {type(value).__name__}, which is not JSON-able")
 
 
-def checked_meta(path: Path, meta: Mapping | None) -> dict:
+def checked_meta(path: Path, meta: Mapping[str, Any] | None) -> dict[str, Any]:
     if meta is None:
         return {}
     if not isinstance(meta, Mapping):
@@ -152,7 +153,7 @@ def checked_meta(path: Path, meta: Mapping | None) -> dict:
         ) from e
 
 
-def stored_meta(path: Path, meta: Any) -> dict:
+def stored_meta(path: Path, meta: Any) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise VjpsplitError(f"{path}: stored metadata is a {type(meta).__name__}, not a map; {CORRUPT}")
     try:
@@ -167,13 +168,19 @@ def storage_dtype(name: str) -> np.dtype:
     return dtype if sys.byteorder == "little" else dtype.newbyteorder("<")
 
 
-def prepare(path: Path, arrays: Mapping, max_bytes: int | None = None) -> list[tuple[str, str, np.ndarray]]:
+# What ``prepare`` gives the writers: ``(key, dtype name, little-endian C-order array)`` per array.
+Prepared = list[tuple[str, str, np.ndarray]]
+# What a writer returns: ``write(f)``, which writes the whole file to ``f`` (``safeio.atomic_write``'s callback).
+Write = Callable[[BinaryIO], None]
+
+
+def prepare(path: Path, arrays: Mapping[str, ArrayLike], max_bytes: int | None = None) -> Prepared:
     """``(key, dtype name, little-endian C-order array)`` for each entry; any bad one fails before a file exists."""
     if not isinstance(arrays, Mapping):
         raise VjpsplitError(
             f"{path}: arrays must be a dict of string keys to arrays, got {type(arrays).__name__}; pass a dict"
         )
-    prepared = []
+    prepared: Prepared = []
     for key, value in arrays.items():
         problem = key_problem(key)
         if problem is not None:
@@ -203,7 +210,7 @@ def byte_view(arr: np.ndarray) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # numpy's stubs: no Buffer
 
 
-def crc32s(groups: list[tuple]) -> Future:
+def crc32s(groups: list[tuple[bytes | memoryview, ...]]) -> Future[list[int]]:
     """The CRC-32 of each group of buffers (as if concatenated), as a future of their list.
 
     On a big file they are computed on an I/O thread, so the caller can write the bytes
@@ -213,13 +220,13 @@ def crc32s(groups: list[tuple]) -> Future:
     nbytes = sum(memoryview(b).nbytes for g in groups for b in g)
     if workers.parallel(nbytes):
         return workers.submit_all(_crc32s, [(groups,)])[0]
-    done: Future = Future()
+    done: Future[list[int]] = Future()
     done.set_result(_crc32s(groups))
     return done
 
 
-def _crc32s(groups: list[tuple]) -> list[int]:
-    out = []
+def _crc32s(groups: list[tuple[bytes | memoryview, ...]]) -> list[int]:
+    out: list[int] = []
     for group in groups:
         value = 0
         for b in group:
@@ -231,7 +238,7 @@ def _crc32s(groups: list[tuple]) -> list[int]:
 _IOV_MAX = 1024  # Linux's limit on the buffers of one writev(2)
 
 
-def _fileno(f) -> int | None:
+def _fileno(f: BinaryIO) -> int | None:
     """``f``'s file descriptor; None for an in-memory stream."""
     try:
         return f.fileno()
@@ -239,7 +246,7 @@ def _fileno(f) -> int | None:
         return None
 
 
-def write_all(f: BinaryIO, parts: list) -> None:
+def write_all(f: BinaryIO, parts: Sequence[bytes | memoryview]) -> None:
     """Write ``parts`` (bytes and memoryviews) in order: with few ``writev`` calls where ``f`` is a file."""
     fd = _fileno(f)
     if fd is None or not hasattr(os, "writev"):
@@ -365,7 +372,9 @@ def open_source(path: Path, verify: bool) -> Source:
     return Source(path, f, size, verify)
 
 
-def finish(path: Path, key: str, buf: np.ndarray, shape: tuple, dtype: np.dtype, fortran: bool = False) -> np.ndarray:
+def finish(
+    path: Path, key: str, buf: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, fortran: bool = False
+) -> np.ndarray:
     """The array over ``buf``: bool bytes checked, native byte order."""
     if dtype == np.bool_ and buf.size and buf.max() > 1:
         raise VjpsplitError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import VjpsplitError
 
@@ -76,7 +77,7 @@ def dtype_from_name(name: str) -> np.dtype:
         raise VjpsplitError(f"dtype {name!r} is not known to the installed ml_dtypes; upgrade it") from e
 
 
-def dtype_name(dtype) -> str:
+def dtype_name(dtype: npt.DTypeLike) -> str:
     """The canonical (numpy) name stored in files and manifests, e.g. ``bfloat16``."""
     name = np.dtype(dtype).name
     if name not in _ALLOWED:
@@ -84,7 +85,7 @@ def dtype_name(dtype) -> str:
     return name
 
 
-def short_name(dtype) -> str:
+def short_name(dtype: npt.DTypeLike) -> str:
     """The short spelling used in messages and tables, e.g. ``bf16``; numpy name where none."""
     name = np.dtype(dtype).name
     return _LONG_TO_SHORT.get(name, name)

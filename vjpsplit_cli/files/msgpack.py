@@ -26,7 +26,9 @@ from .common import (
     FORMAT,
     MAX_NDIM,
     VERSION,
+    Prepared,
     Source,
+    Write,
     byte_view,
     check_stored_key,
     check_version,
@@ -70,12 +72,12 @@ def _ext_header(size: int) -> bytes:
     return head + struct.pack(">b", EXT_NDARRAY)
 
 
-def writer(path: Path, prepared: list, meta: dict):
+def writer(path: Path, prepared: Prepared, meta: dict[str, Any]) -> Write:
     """Return ``write(f)`` that writes the map, computing each array's CRC-32 as it goes."""
 
     def write(f: BinaryIO) -> None:
         p = msgpack.Packer(use_bin_type=True)
-        parts = [
+        parts: list[bytes | memoryview] = [
             p.pack_map_header(6)
             + p.pack("format")
             + p.pack(FORMAT)
@@ -132,7 +134,7 @@ class _Walk:
             raise ValueError(f"a map claims {count} entries, more than the file can hold")
         return count
 
-    def top(self) -> dict:
+    def top(self) -> dict[str, Any]:
         """The top-level map with "arrays" as ``{key: (shape, dtype, offset, nbytes)}``."""
         kind = self.src.read(0, 1)[0]
         if not is_map(kind):
@@ -172,7 +174,8 @@ class _Walk:
             self.u = self._at(end)
         return unique_map(pairs)
 
-    def _array(self, key: str, pos: int) -> tuple[tuple, int]:
+    def _array(self, key: str, pos: int) -> tuple[tuple[tuple[int, ...], np.dtype, int, int], int]:
+        """``((shape, dtype, where its bytes start, their length), where the value ends)`` of the array at ``pos``."""
         path, src = self.src.path, self.src
         bad = f"{path}: array {key!r}"
         kind = src.read(pos, 1)[0]
@@ -220,7 +223,7 @@ class _Walk:
         return (tuple(shape), dtype, data, nbytes), end
 
 
-def read(src: Source) -> tuple[dict[str, np.ndarray], dict]:
+def read(src: Source) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Every array and the meta of a ``.msgpack`` arrays file; CRC-32s checked where recorded."""
     path = src.path
     top = _Walk(src).top()

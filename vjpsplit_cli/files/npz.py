@@ -14,7 +14,8 @@ import math
 import re
 import struct
 import zipfile
-from typing import IO
+from pathlib import Path
+from typing import IO, Any, NamedTuple
 
 import numpy as np
 
@@ -48,7 +49,7 @@ _PLAIN_HEADER = re.compile(  # what np.lib.format.write_array_header_1_0 writes 
 )
 
 
-def _header(src: Source, zf: zipfile.ZipFile) -> tuple[int, dict, dict[str, str] | None]:
+def _header(src: Source, zf: zipfile.ZipFile) -> tuple[int, dict[str, Any], dict[str, str] | None]:
     """Version, meta and recorded dtype names (None: none recorded) of a vjpsplit archive."""
     path = src.path
     # zipfile accepts an archive comment cut short; a cut comment is a cut file.
@@ -79,7 +80,7 @@ def _header(src: Source, zf: zipfile.ZipFile) -> tuple[int, dict, dict[str, str]
     return _old_header(src, zf)
 
 
-def _old_header(src: Source, zf: zipfile.ZipFile) -> tuple[int, dict, dict[str, str]]:
+def _old_header(src: Source, zf: zipfile.ZipFile) -> tuple[int, dict[str, Any], dict[str, str]]:
     """Version 1: a uint8 member ``__vjpsplit__`` holding ``{"format", "version", "dtypes", "meta"}``."""
     path = src.path
     info = zf.getinfo(OLD_META_KEY + ".npy")
@@ -103,7 +104,7 @@ def _old_header(src: Source, zf: zipfile.ZipFile) -> tuple[int, dict, dict[str, 
     return 1, stored_meta(path, head.get("meta", {})), names
 
 
-def _plain_npy_header(f: IO[bytes]) -> tuple[tuple, bool, np.dtype] | None:
+def _plain_npy_header(f: IO[bytes]) -> tuple[tuple[int, ...], bool, np.dtype] | None:
     """Shape, order and dtype of a version 1.0 header exactly as numpy writes one for a plain dtype; else None.
 
     numpy parses every header with ``ast.literal_eval`` (safe, but ~20 us each: 0.7 ms
@@ -122,7 +123,7 @@ def _plain_npy_header(f: IO[bytes]) -> tuple[tuple, bool, np.dtype] | None:
     return shape, fortran == b"True", np.dtype(descr.decode("ascii"))
 
 
-def _npy_header_of(src: Source, f: IO[bytes], key: str) -> tuple[tuple, bool, np.dtype, int]:
+def _npy_header_of(src: Source, f: IO[bytes], key: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
     """Shape, order, dtype and header length of the ``.npy`` data ``f`` is positioned at."""
     start = f.tell()
     plain = _plain_npy_header(f)
@@ -172,7 +173,7 @@ def _dtype(src: Source, key: str, stored: np.dtype, name: str | None) -> np.dtyp
     return stored
 
 
-def read(src: Source) -> tuple[dict[str, np.ndarray], dict]:
+def read(src: Source) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Every array and the meta of an ``.npz`` archive; all sizes checked before anything is allocated."""
     path = src.path
     zf = zipfile.ZipFile(src.f)  # reads the central directory only
@@ -200,7 +201,9 @@ def read(src: Source) -> tuple[dict[str, np.ndarray], dict]:
     return {k: finish(path, k, *v) for k, v in arrays.items()}, meta
 
 
-def _members(src: Source, zf: zipfile.ZipFile, version: int, names) -> dict[str, zipfile.ZipInfo]:
+def _members(
+    src: Source, zf: zipfile.ZipFile, version: int, names: dict[str, str] | None
+) -> dict[str, zipfile.ZipInfo]:
     """The archive's arrays by key: every entry a ``.npy``, none twice, as the metadata lists them."""
     path = src.path
     members: dict[str, zipfile.ZipInfo] = {}
@@ -222,7 +225,24 @@ def _members(src: Source, zf: zipfile.ZipFile, version: int, names) -> dict[str,
     return members
 
 
-def _plan_member(src: Source, zf: zipfile.ZipFile, key: str, info: zipfile.ZipInfo, version: int, names) -> tuple:
+class _Member(NamedTuple):
+    """How to read one member, from checks made before anything is allocated."""
+
+    key: str
+    info: zipfile.ZipInfo
+    start: int | None  # where its .npy header lies in the file (stored); None: deflated, read through zipfile
+    member: IO[bytes]
+    head_len: int
+    nbytes: int
+    shape: tuple[int, ...]
+    fortran: bool
+    dtype: np.dtype
+    seed: int | None  # the CRC-32 of its .npy header, where the data's CRC-32 is checked
+
+
+def _plan_member(
+    src: Source, zf: zipfile.ZipFile, key: str, info: zipfile.ZipInfo, version: int, names: dict[str, str] | None
+) -> _Member:
     """One member checked against the file before anything is allocated: how to read it."""
     path = src.path
     if info.flag_bits & 0x1:
@@ -268,10 +288,10 @@ def _plan_member(src: Source, zf: zipfile.ZipFile, key: str, info: zipfile.ZipIn
             f"{path}: array {key!r} is corrupt (its size does not match its shape {shape}); re-create the file"
         )
     seed = checksum.crc32(src.read(start, head_len)) if start is not None and src.verify else None
-    return (key, info, start, member, head_len, nbytes, shape, fortran, dtype_, seed)
+    return _Member(key, info, start, member, head_len, nbytes, shape, fortran, dtype_, seed)
 
 
-def _check_no_overlap(path, ends: list, size: int) -> None:
+def _check_no_overlap(path: Path, ends: list[tuple[int, int, str]], size: int) -> None:
     """Stored members must lie one after the other inside the file.
 
     One stretch read as many arrays would let a small file claim far more memory than it holds.

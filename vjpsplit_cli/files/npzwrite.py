@@ -16,7 +16,7 @@ import json
 import struct
 import zipfile
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -25,6 +25,8 @@ from ..safeio import checksum
 from .common import (
     FORMAT,
     VERSION,
+    Prepared,
+    Write,
     byte_view,
     crc32s,
     write_all,
@@ -52,7 +54,7 @@ ZIP64_LIMIT = (1 << 31) - 1  # zipfile's limits; module-level so tests can lower
 FILECOUNT_LIMIT = (1 << 16) - 1
 
 
-def writer(path: Path, prepared: list, meta: dict):
+def writer(path: Path, prepared: Prepared, meta: dict[str, Any]) -> Write:
     """Check what will be written, then return ``write(f)`` that writes the archive."""
     # The comment has no CRC of its own in zip: it carries one of the meta.
     head = {"format": FORMAT, "version": VERSION, "meta": meta, "meta_crc32": checksum.crc32(meta_json(meta))}
@@ -81,7 +83,7 @@ def writer(path: Path, prepared: list, meta: dict):
         crcs = crc32s([(head, data) for *_, head, data in members])
         ready = crcs.done()
         known = crcs.result() if ready else [0] * len(members)
-        parts: list = []
+        parts: list[bytes | memoryview] = []
         for (_, filename, flags, _, pad, head, data), crc in zip(members, known):
             size = len(head) + len(data)
             # force_zip64, as np.savez: the sizes live in the zip64 extra field
@@ -196,7 +198,7 @@ def _end_records(count: int, size: int, offset: int, comment: bytes) -> bytes:
     return out + _END.pack(b"PK\x05\x06", 0, 0, count, count, size, offset, len(comment)) + comment
 
 
-def meta_json(value) -> bytes:
+def meta_json(value: object) -> bytes:
     """``value`` as the compact UTF-8 JSON the archive comment holds (and its CRC-32 covers)."""
     return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
 

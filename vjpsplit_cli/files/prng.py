@@ -9,13 +9,17 @@ the impl's name, and the Python API wraps the data back into typed keys. Legacy
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+_T = TypeVar("_T")
+_A = TypeVar("_A", bound=ArrayLike)
 
 
-def is_key(x) -> bool:
+def is_key(x: object) -> bool:
     """True for a typed PRNG key array, tracer or ``ShapeDtypeStruct``."""
     dtype = getattr(x, "dtype", None)
     try:
@@ -24,7 +28,7 @@ def is_key(x) -> bool:
         return False
 
 
-def impl_name(x) -> str:
+def impl_name(x: jax.Array | jax.ShapeDtypeStruct) -> str:
     """The impl of a typed key (array, tracer or struct) by name, e.g. ``threefry2x32``."""
     found: list[Any] = []
     if isinstance(x, jax.ShapeDtypeStruct):
@@ -36,20 +40,22 @@ def impl_name(x) -> str:
     return getattr(impl, "name", None) or str(impl)
 
 
-def data_struct(x) -> jax.ShapeDtypeStruct:
+def data_struct(x: jax.Array | jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     """The key data's shape and dtype for a typed key (``key<fry>[3]`` -> ``uint32[3,2]``)."""
     s = jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
     return jax.eval_shape(jax.random.key_data, s)
 
 
-def to_data(x):
+def to_data(x: _T) -> _T | jax.Array:
     """Key data for a typed key; anything else unchanged."""
-    return jax.random.key_data(x) if is_key(x) else x
+    # is_key is a runtime check mypy cannot follow: where it holds, x is a key array.
+    return jax.random.key_data(x) if is_key(x) else x  # type: ignore[arg-type]
 
 
-def from_data(x, impl: str | None):
+def from_data(x: _A, impl: str | None) -> _A | jax.Array:
     """A typed key from its data when ``impl`` is given; ``x`` unchanged otherwise."""
-    return jax.random.wrap_key_data(x, impl=impl) if impl else x
+    # jax annotates Array, and wraps numpy key data (as files hold it) just the same.
+    return jax.random.wrap_key_data(x, impl=impl) if impl else x  # type: ignore[arg-type]
 
 
 @functools.lru_cache(maxsize=None)  # traces once per impl; asked for every key leaf of every bwd

@@ -7,6 +7,7 @@ from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
+import numpy.typing as npt
 from jax import export as jexport
 from jax.sharding import NamedSharding
 
@@ -58,7 +59,7 @@ def parse_array_spec(text: str, scope: jexport.SymbolicScope) -> jax.ShapeDtypeS
     return jax.ShapeDtypeStruct(tuple(dims), dtype)
 
 
-def _symbolic_dim(name: str, text: str, scope: jexport.SymbolicScope):
+def _symbolic_dim(name: str, text: str, scope: jexport.SymbolicScope) -> object:  # jax keeps the dim class private
     """The symbolic dim ``name``; names that jax.export's shape syntax reserves (mod, max, _) are refused."""
     try:
         (dim,) = jexport.symbolic_shape(name, scope=scope)
@@ -71,17 +72,17 @@ def _symbolic_dim(name: str, text: str, scope: jexport.SymbolicScope):
     return dim
 
 
-def dim_str(d) -> int | str:
+def dim_str(d: object) -> int | str:
     """A dim as stored in manifests: an int, or the symbolic expression's text (``b``, ``2*b``)."""
     return int(d) if isinstance(d, (int, np.integer)) else str(d)
 
 
-def format_shape(dtype, shape: Sequence) -> str:
+def format_shape(dtype: npt.DTypeLike, shape: Sequence[object]) -> str:
     """``bf16[32,128]``: the spelling used in every message and table."""
     return f"{short_name(dtype)}[{','.join(str(d) for d in shape)}]"
 
 
-def is_symbolic_shape(shape: Sequence) -> bool:
+def is_symbolic_shape(shape: Sequence[object]) -> bool:
     """True when any dim is not a plain integer."""
     return any(not isinstance(d, (int, np.integer)) for d in shape)
 
@@ -131,7 +132,7 @@ def eval_dim(expr: int | str, dims: Mapping[str, int]) -> int | None:
 
 def concrete_shape(shape: Sequence[int | str], dims: Mapping[str, int]) -> tuple[int, ...] | None:
     """``shape`` with every dim evaluated, or None if some dim cannot be."""
-    out = []
+    out: list[int] = []
     for d in shape:
         v = eval_dim(d, dims)
         if v is None:
@@ -140,7 +141,7 @@ def concrete_shape(shape: Sequence[int | str], dims: Mapping[str, int]) -> tuple
     return tuple(out)
 
 
-def to_struct(leaf) -> jax.ShapeDtypeStruct:
+def to_struct(leaf: object) -> jax.ShapeDtypeStruct:
     """A ShapeDtypeStruct for a spec leaf: a ShapeDtypeStruct, an array, or a Python scalar."""
     if isinstance(leaf, jax.ShapeDtypeStruct):
         return leaf

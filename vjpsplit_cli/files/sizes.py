@@ -10,19 +10,30 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import UsageError, VjpsplitError
 from .dtypes import dtype_from_name
 from .shapes import IDENTIFIER, MAX_DIM, eval_dim
 
 
-def byte_terms_of_shape(dtype, shape: Sequence[int | str]) -> dict[str, int]:
+class ShapedLeaf(Protocol):
+    """What ``byte_terms`` reads of a leaf (a manifest ``Leaf`` is one): its dtype's name and its shape."""
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def shape(self) -> Sequence[int | str]: ...
+
+
+def byte_terms_of_shape(dtype: npt.DTypeLike, shape: Sequence[int | str]) -> dict[str, int]:
     """Bytes of an array as ``{symbolic factor: coefficient}``; ``""`` is the constant term."""
     coeff = dtype_from_name(dtype).itemsize if isinstance(dtype, str) else np.dtype(dtype).itemsize
-    factors = []
+    factors: list[str] = []
     for d in shape:
         if isinstance(d, int):
             coeff *= d
@@ -31,12 +42,12 @@ def byte_terms_of_shape(dtype, shape: Sequence[int | str]) -> dict[str, int]:
     return {"·".join(sorted(factors)): coeff}
 
 
-def byte_terms(leaf) -> dict[str, int]:
+def byte_terms(leaf: ShapedLeaf) -> dict[str, int]:
     """Bytes of one manifest leaf as ``{symbolic factor: coefficient}``."""
     return byte_terms_of_shape(leaf.dtype, leaf.shape)
 
 
-def total_bytes(leaves: Sequence) -> dict[str, int]:
+def total_bytes(leaves: Sequence[ShapedLeaf]) -> dict[str, int]:
     """Summed ``byte_terms`` of ``leaves``."""
     total: dict[str, int] = defaultdict(int)
     for leaf in leaves:
@@ -73,7 +84,7 @@ def format_bytes_terms(terms: dict[str, int]) -> str:
     """``{"": 12288, "b": 8192}`` -> ``12.0 KiB + 8.0 KiB·b``."""
     if not terms:
         return "0 B"
-    parts = []
+    parts: list[str] = []
     for k in sorted(terms, key=lambda k: (k != "", k)):
         if terms[k] == 0:
             continue
@@ -111,7 +122,11 @@ def parse_bytes(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def parse_at(items: Sequence[str] | Mapping[str, int] | None) -> dict[str, int]:
+# Sizes of symbolic dims as callers give them: ``['b=256', 't=128']`` (``--at``), a mapping, or None.
+AtSizes = Sequence[str] | Mapping[str, int] | None
+
+
+def parse_at(items: AtSizes) -> dict[str, int]:
     """``['b=256', 't=128']`` (or a mapping) -> ``{'b': 256, 't': 128}``; sizes must be >= 1."""
     if items is None:
         return {}

@@ -16,16 +16,17 @@ keyed by those segments.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
-from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, PyTreeDef, SequenceKey
 
 from ..errors import VjpsplitError
 from .prng import from_data, impl_name, is_key, to_data
 
-# Per argument: (name, treedef, file key of each leaf in the treedef's leaf order).
-ArgTrees = Sequence[tuple[str, Any, tuple[str, ...]]]
+# One argument: (name, treedef, file key of each leaf in the treedef's leaf order).
+ArgTree = tuple[str, PyTreeDef, tuple[str, ...]]
+ArgTrees = Sequence[ArgTree]
 
 
 def escape_segment(name: str) -> str:
@@ -35,7 +36,8 @@ def escape_segment(name: str) -> str:
 
 def unescape_segment(segment: str) -> str:
     """The inverse of ``escape_segment``; other ``%`` sequences are kept as they are."""
-    out, i = [], 0
+    out: list[str] = []
+    i = 0
     while i < len(segment):
         if segment.startswith("%2F", i) or segment.startswith("%2f", i):
             out.append("/")
@@ -54,7 +56,7 @@ def split_key(key: str) -> list[str]:
     return [unescape_segment(s) for s in key.split("/")]
 
 
-def _dict_key(key, where: str):
+def _dict_key(key: object, where: str) -> str | int:
     """A dict key the manifest can record (``str`` or ``int``), else a clear error naming it."""
     if isinstance(key, str):
         if not key:
@@ -69,7 +71,7 @@ def _dict_key(key, where: str):
     )
 
 
-def entry_name(entry, where: str = "pytree") -> str:
+def entry_name(entry: object, where: str = "pytree") -> str:
     """The unescaped name of one key-path entry (dict key, index, attribute or flattened index)."""
     if isinstance(entry, DictKey):
         return str(_dict_key(entry.key, where))
@@ -85,14 +87,14 @@ def entry_name(entry, where: str = "pytree") -> str:
     return name
 
 
-def join_key(prefix: str, path, where: str | None = None) -> str:
+def join_key(prefix: str, path: Sequence[object], where: str | None = None) -> str:
     """The file key of a leaf: ``prefix`` then each path entry, escaped and joined by ``/``."""
     where = where or (prefix or "pytree")
     segments = [escape_segment(entry_name(e, where)) for e in path]
     return "/".join([prefix, *segments]) if prefix else "/".join(segments)
 
 
-def flatten_with_keys(prefix: str, tree, is_leaf=None) -> list[tuple[str, Any]]:
+def flatten_with_keys(prefix: str, tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[tuple[str, Any]]:
     """``[(key, leaf), ...]`` in JAX's leaf order, keys like ``params/layers/0/w``.
 
     Two leaves whose keys would collide (``{1: a, "1": b}``) are refused, naming the key.
@@ -119,12 +121,12 @@ def flatten_with_keys(prefix: str, tree, is_leaf=None) -> list[tuple[str, Any]]:
     return out
 
 
-def _type_name(tree) -> str:
+def _type_name(tree: object) -> str:
     t = type(tree)
     return f"{t.__module__}.{t.__qualname__}"
 
 
-def encode_structure(tree, where: str = "pytree") -> Any:
+def encode_structure(tree: Any, where: str = "pytree") -> Any:
     """The structure of ``tree`` as JSON.
 
     ``"*"`` a leaf, ``None``, ``{"dict": [[key, child], ...]}`` (key a str or int),
@@ -144,7 +146,7 @@ def encode_structure(tree, where: str = "pytree") -> Any:
     if not children:
         # A node with no children (an empty NamedTuple, a module without arrays) has no leaves to place.
         return {"node": [], "type": _type_name(tree)}
-    items = []
+    items: list[list[Any]] = []
     for p, c in children:
         if len(p) != 1:
             raise VjpsplitError(f"{where}: pytree node {_type_name(tree)} has a multi-entry child path {p!r}")
@@ -152,7 +154,7 @@ def encode_structure(tree, where: str = "pytree") -> Any:
     return {"node": items, "type": _type_name(tree)}
 
 
-def decode_structure(node, leaves: Iterator) -> Any:
+def decode_structure(node: Any, leaves: Iterator[Any]) -> Any:
     """Rebuild a pytree from ``encode_structure``'s JSON, taking leaves in order from ``leaves``.
 
     ``node`` entries (user classes) come back as dicts keyed by their segments.
@@ -173,11 +175,11 @@ def decode_structure(node, leaves: Iterator) -> Any:
     raise VjpsplitError(f"malformed pytree structure {node!r} in the artifact manifest; re-export the artifact")
 
 
-def structure_keys(prefix: str, node) -> list[str]:
+def structure_keys(prefix: str, node: Any) -> list[str]:
     """The file keys of the leaves of an encoded structure, in leaf order."""
     out: list[str] = []
 
-    def walk(n, path):
+    def walk(n: Any, path: list[str]) -> None:
         if n is None:
             return
         if n == "*":
@@ -186,10 +188,10 @@ def structure_keys(prefix: str, node) -> list[str]:
         if not isinstance(n, dict):
             raise VjpsplitError(f"malformed pytree structure {n!r} in the artifact manifest; re-export the artifact")
         if "dict" in n or "node" in n:
-            for k, c in n.get("dict", n.get("node")):
+            for k, c in n["dict"] if "dict" in n else n["node"]:
                 walk(c, path + [escape_segment(str(k))])
         else:
-            for i, c in enumerate(n.get("list", n.get("tuple", []))):
+            for i, c in enumerate(n["list"] if "list" in n else n.get("tuple", [])):
                 walk(c, path + [str(i)])
 
     walk(node, [prefix] if prefix else [])
@@ -205,7 +207,7 @@ def unflatten_keys(flat: dict[str, Any]) -> Any:
     """
     if set(flat) == {""}:
         return flat[""]
-    root: dict = {}
+    root: dict[str, Any] = {}
     for key, value in flat.items():
         parts = split_key(key)
         node = root
@@ -218,7 +220,7 @@ def unflatten_keys(flat: dict[str, Any]) -> Any:
             raise VjpsplitError(f"key {key!r} is both a leaf and a subtree")
         node[parts[-1]] = value
 
-    def listify(n):
+    def listify(n: Any) -> Any:
         if not isinstance(n, dict):
             return n
         n = {k: listify(v) for k, v in n.items()}
@@ -229,7 +231,7 @@ def unflatten_keys(flat: dict[str, Any]) -> Any:
     return listify(root)
 
 
-def file_arrays(**trees) -> dict[str, Any]:
+def file_arrays(**trees: Any) -> dict[str, Any]:
     """``{file key: array}`` for named argument pytrees, as array files hold them.
 
     ``vs.save_arrays("inputs.npz", vs.file_arrays(params=params, x=x))`` writes an
@@ -238,7 +240,7 @@ def file_arrays(**trees) -> dict[str, Any]:
     return {k: to_data(v) for name, tree in trees.items() for k, v in flatten_with_keys(name, tree)}
 
 
-def tree_from_file(arrays: Mapping[str, Any], name: str, like) -> Any:
+def tree_from_file(arrays: Mapping[str, Any], name: str, like: Any) -> Any:
     """The pytree ``like`` (any pytree type) filled from a file's ``{key: array}`` under ``name``.
 
     Reads a grads, inputs or outputs file back into the caller's own structure;
@@ -246,7 +248,7 @@ def tree_from_file(arrays: Mapping[str, Any], name: str, like) -> Any:
     missing key is refused by name.
     """
     entries = flatten_with_keys(name, like)
-    leaves = []
+    leaves: list[Any] = []
     for key, leaf in entries:
         if key not in arrays:
             raise VjpsplitError(f"key '{key}' is missing from the arrays; expected keys under '{name}'")

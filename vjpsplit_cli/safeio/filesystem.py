@@ -16,7 +16,7 @@ import stat
 import sys
 import threading
 from concurrent.futures import Future
-from typing import BinaryIO
+from typing import BinaryIO, Callable, Iterator
 
 from . import workers
 from .signals import discard_live
@@ -91,7 +91,7 @@ MIN_PREALLOCATE = 2**20  # below this, reserving blocks first saves nothing meas
 
 
 @contextlib.contextmanager
-def preallocated(f: BinaryIO, size: int | None):
+def preallocated(f: BinaryIO, size: int | None) -> Iterator[None]:
     """Inside, ``f`` (empty, written in order) has ``size`` bytes of blocks reserved; on leaving, it is
     flushed and cut at what was written.
 
@@ -119,7 +119,7 @@ def _fallocate(f: BinaryIO, size: int) -> bool:
         return False
 
 
-def _libc(name: str, *argtypes: str):
+def _libc(name: str, *argtypes: str) -> Callable[..., int] | None:
     """glibc's function ``name`` through ctypes (argument types named as ctypes spells them); None off Linux."""
     if not sys.platform.startswith("linux"):
         return None
@@ -135,7 +135,7 @@ def _libc(name: str, *argtypes: str):
 
 
 @functools.cache
-def _libc_fallocate():
+def _libc_fallocate() -> Callable[..., int] | None:
     """glibc's ``fallocate`` (Linux); None elsewhere. Python has only ``posix_fallocate``."""
     return _libc("fallocate", "c_int", "c_int", "c_longlong", "c_longlong")
 
@@ -179,7 +179,7 @@ def finish_removals() -> None:
 
 
 @functools.cache
-def renameat2():
+def renameat2() -> Callable[[str, str], bool] | None:
     """``exchange(a, b) -> bool`` swapping two paths with renameat2(RENAME_EXCHANGE); None where unavailable.
 
     Python has no API for renameat2 (os.rename/os.replace take no flags), so it is

@@ -21,6 +21,7 @@ import contextlib
 import os
 import stat
 from pathlib import Path
+from types import TracebackType
 from typing import BinaryIO, Callable, Iterable, Literal, Mapping
 
 from .. import config
@@ -118,7 +119,7 @@ def write_target(path: str | os.PathLike, label: str = "") -> str:
     return target
 
 
-def _paths(value) -> list:
+def _paths(value: str | os.PathLike | Iterable | None) -> list:
     if value is None:
         return []
     if isinstance(value, (str, bytes, os.PathLike)):
@@ -290,7 +291,9 @@ class StagedOutputs:
         except MemoryError as e:
             raise VjpsplitError(f"{printable(path)}: out of memory while writing it; free memory or write less") from e
 
-    def __exit__(self, etype, exc, tb) -> Literal[False]:
+    def __exit__(
+        self, etype: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> Literal[False]:
         try:
             if etype is None:
                 self._commit()

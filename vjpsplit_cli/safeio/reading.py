@@ -29,7 +29,7 @@ _OS_ERRORS = {
 }
 
 
-def os_error_message(path, e: OSError, doing: str) -> str:
+def os_error_message(path: str | os.PathLike, e: OSError, doing: str) -> str:
     """One line for an OS error on ``path`` while ``doing`` (e.g. "writing it"): what happened and what to do."""
     known = _OS_ERRORS.get(e.errno)
     what = (

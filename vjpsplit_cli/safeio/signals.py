@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+from types import FrameType
 from typing import Any, ContextManager, Iterator
 
 
@@ -65,7 +66,7 @@ def remove_live_temps() -> None:
         forget(tmp, quiet=True)
 
 
-def _swallowed(unraisable) -> None:
+def _swallowed(unraisable: sys.UnraisableHookArgs) -> None:
     """``sys.unraisablehook`` under the guard: an ``Interrupted`` that Python dropped is sent again, not printed.
 
     Python runs a signal handler between any two bytecodes of the main thread, also
@@ -93,7 +94,7 @@ def _send_again(signum: int) -> None:
         os.kill(os.getpid(), signum)
 
 
-def _where_dropped(frame) -> bool:
+def _where_dropped(frame: FrameType | None) -> bool:
     """Whether an exception raised at ``frame`` would be dropped: inside a gc callback (jax has one) or our hook."""
     codes = {_swallowed.__code__}
     for cb in gc.callbacks:
@@ -107,7 +108,7 @@ def _where_dropped(frame) -> bool:
     return False
 
 
-def _on_signal(signum, frame) -> None:
+def _on_signal(signum: int, frame: FrameType | None) -> None:
     if _Guard.pending is None:
         _Guard.pending = signum
     if _Guard.defer or _Guard.raised:

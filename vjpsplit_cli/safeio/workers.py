@@ -51,8 +51,8 @@ class _Pool:
             except BaseException as e:  # handed to whoever waits on the future
                 future.set_exception(e)
 
-    def submit(self, fn: Callable, *args) -> Future:
-        future: Future = Future()
+    def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        future: Future[T] = Future()
         self.queue.put((future, fn, args))
         return future
 

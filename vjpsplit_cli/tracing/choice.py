@@ -17,11 +17,11 @@ import numpy as np
 
 from ..errors import VjpsplitError
 from ..files.shapes import is_symbolic_shape
-from ..files.sizes import human_bytes, parse_at, parse_bytes
+from ..files.sizes import AtSizes, human_bytes, parse_at, parse_bytes
 from .policies import AUTO, BUDGET_ORDER, PolicyCost, candidate, normalize_policy, policy_cost
 from .specs import concrete_specs
 from .traced import TracedVjp
-from .vjp import fn_wrt_positions
+from .vjp import Wrt, fn_wrt_positions
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,10 @@ class AutoChoice:
     policy: str  # the concrete policy chosen (never "auto")
     method: str  # "measured" (timed compiled candidates), "estimated" (XLA cost analysis)
     #                                      or "only fit" (one candidate fits the budget)
-    seconds: dict  # candidate -> median fwd+bwd seconds (or XLA's estimate); fitting ones only
-    stored_bytes: dict  # candidate -> stored residual bytes
+    seconds: dict[str, float]  # candidate -> median fwd+bwd seconds (or XLA's estimate); fitting ones only
+    stored_bytes: dict[str, int]  # candidate -> stored residual bytes
     budget: int | None = None
-    at: dict = field(default_factory=dict)
+    at: dict[str, int] = field(default_factory=dict)
 
     @property
     def reason(self) -> str:
@@ -45,7 +45,7 @@ class AutoChoice:
             "only fit": "the only policy that fits",
         }[self.method]
         best = self.seconds[self.policy]
-        parts = []
+        parts: list[str] = []
         for p, b in self.stored_bytes.items():
             if p in self.seconds:
                 t = self.seconds[p]
@@ -58,7 +58,7 @@ class AutoChoice:
         budget = f" within {human_bytes(self.budget)}" if self.budget is not None else ""
         return f"auto chose {self.policy}{budget}{sizes}: {what}: " + "; ".join(parts)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """A JSON-able dict."""
         return {
             "policy": self.policy,
@@ -71,10 +71,10 @@ class AutoChoice:
         }
 
 
-_AUTO_CACHE: dict = {}
+_AUTO_CACHE: dict[tuple[Any, ...], AutoChoice] = {}
 
 
-def _example(spec, rng: np.random.Generator):
+def _example(spec: jax.ShapeDtypeStruct, rng: np.random.Generator) -> np.ndarray | jax.Array:
     """A concrete array for ``spec``: small normal floats, zero integers (valid indices), typed keys from 0."""
     from ..files.prng import data_struct, from_data, impl_name, is_key
 
@@ -87,17 +87,25 @@ def _example(spec, rng: np.random.Generator):
     return np.zeros(spec.shape, dt)
 
 
-def _out_and_stored(cand: TracedVjp) -> Callable:
+def _out_and_stored(cand: TracedVjp) -> Callable[..., tuple[Any, tuple[jax.Array, ...]]]:
     """The candidate's forward as timed: outputs and stored residuals (aux is not part of the step)."""
 
-    def fwd(*args):
+    def fwd(*args: Any) -> tuple[Any, tuple[jax.Array, ...]]:
         out, stored, _ = cand.forward(*args)
         return out, stored
 
     return fwd
 
 
-def _measure(fn, specs, policies, wrt_pos, single, has_aux, seconds_per_candidate: float) -> dict[str, float]:
+def _measure(
+    fn: Callable[..., Any],
+    specs: tuple[Any, ...],
+    policies: Sequence[str],
+    wrt_pos: tuple[int, ...],
+    single: bool,
+    has_aux: bool,
+    seconds_per_candidate: float,
+) -> dict[str, float]:
     """Median forward + backward seconds of each policy, compiled and run here, rounds interleaved."""
     import statistics
     import time
@@ -105,7 +113,7 @@ def _measure(fn, specs, policies, wrt_pos, single, has_aux, seconds_per_candidat
     rng = np.random.default_rng(0)
     args = jax.tree_util.tree_map(lambda s: _example(s, rng), specs)
     flat = jax.tree_util.tree_leaves(args)
-    steps = {}
+    steps: dict[str, Callable[[], Any]] = {}
     for p in policies:
         cand = candidate(fn, p, wrt_pos, single, has_aux)
         # Compiled objects run eagerly even while split() is tracing, where a jit call would be staged.
@@ -115,7 +123,12 @@ def _measure(fn, specs, policies, wrt_pos, single, has_aux, seconds_per_candidat
         )
         bwd_c = jax.jit(cand.backward).lower(stored, inputs, cts).compile()
 
-        def step(fwd=fwd_c, bwd=bwd_c, inputs=inputs, cts=cts):
+        def step(
+            fwd: jax.stages.Compiled = fwd_c,
+            bwd: jax.stages.Compiled = bwd_c,
+            inputs: list[Any] = inputs,
+            cts: list[Any] = cts,
+        ) -> Any:
             _, stored = fwd(*args)
             return bwd(list(stored), inputs, cts)
 
@@ -126,17 +139,24 @@ def _measure(fn, specs, policies, wrt_pos, single, has_aux, seconds_per_candidat
     # At least 5 interleaved rounds, then more while the time allows (up to 25): medians of many
     # rounds keep a busy machine's noise out of the choice.
     while rounds < 25 and (rounds < 5 or time.perf_counter() - t_start < seconds_per_candidate * len(policies)):
-        for p, step in steps.items():
+        for p, run in steps.items():
             t0 = time.perf_counter()
-            jax.block_until_ready(step())
+            jax.block_until_ready(run())
             samples[p].append(time.perf_counter() - t0)
         rounds += 1
     return {p: statistics.median(v) for p, v in samples.items()}
 
 
-def _estimate(fn, specs, policies, wrt_pos, single, has_aux) -> dict[str, float]:
+def _estimate(
+    fn: Callable[..., Any],
+    specs: tuple[Any, ...],
+    policies: Sequence[str],
+    wrt_pos: tuple[int, ...],
+    single: bool,
+    has_aux: bool,
+) -> dict[str, float]:
     """XLA's cost analysis of each policy's forward + backward: FLOPs plus bytes accessed (a relative score)."""
-    out = {}
+    out: dict[str, float] = {}
     for p in policies:
         cand = candidate(fn, p, wrt_pos, single, has_aux)
         score = 0.0
@@ -153,7 +173,12 @@ def _estimate(fn, specs, policies, wrt_pos, single, has_aux) -> dict[str, float]
 
 
 def _time(
-    fn, specs, fitting, how: tuple[tuple[int, ...], bool, bool], method: str, seconds_per_candidate: float
+    fn: Callable[..., Any],
+    specs: tuple[Any, ...],
+    fitting: Sequence[str],
+    how: tuple[tuple[int, ...], bool, bool],
+    method: str,
+    seconds_per_candidate: float,
 ) -> tuple[dict[str, float], str]:
     """Each fitting policy's seconds (measured, or XLA's estimate where running fails) and how they were had."""
     if method == "measure":
@@ -165,12 +190,12 @@ def _time(
 
 
 def choose_auto(
-    fn: Callable,
-    *specs,
-    wrt=None,
+    fn: Callable[..., Any],
+    *specs: Any,
+    wrt: Wrt = None,
     has_aux: bool = False,
-    at=None,
-    memory_budget=None,
+    at: AtSizes = None,
+    memory_budget: int | str | None = None,
     policies: Sequence[str] = BUDGET_ORDER,
     method: str = "measure",
     seconds_per_candidate: float = 0.5,
@@ -198,9 +223,10 @@ def choose_auto(
     wrt_pos, single = fn_wrt_positions(fn, wrt, len(specs))
     shapes = tuple((tuple(s.shape), str(s.dtype)) for s in jax.tree_util.tree_leaves(specs))
     tree = str(jax.tree_util.tree_structure(specs))
-    key: tuple | None = (fn, tree, shapes, wrt_pos, single, has_aux, budget, tuple(policies), method)
+    memo = (fn, tree, shapes, wrt_pos, single, has_aux, budget, tuple(policies), method)
+    key: tuple[Any, ...] | None = memo
     try:
-        hit = _AUTO_CACHE.get(key)
+        hit = _AUTO_CACHE.get(memo)
     except TypeError:  # an unhashable callable: no memo
         key, hit = None, None
     if hit is not None:
@@ -230,12 +256,12 @@ def choose_auto(
 
 
 def choose_policy(
-    fn: Callable,
-    *specs,
-    memory_budget,
-    wrt=None,
+    fn: Callable[..., Any],
+    *specs: Any,
+    memory_budget: int | str,
+    wrt: Wrt = None,
     has_aux: bool = False,
-    at=None,
+    at: AtSizes = None,
     policies: Sequence[str] = BUDGET_ORDER,
 ) -> tuple[str, PolicyCost]:
     """The policy that recomputes least among those whose stored residual bytes fit the budget."""
@@ -247,7 +273,7 @@ def choose_policy(
             "a memory budget needs sizes for the symbolic dims to weigh the residuals; pass --at NAME=SIZE "
             "(the at= argument in Python), e.g. b=256, with the largest sizes you will run"
         )
-    costs = []
+    costs: list[PolicyCost] = []
     for p in policies:
         cost = policy_cost(fn, *specs, policy=p, wrt=wrt, has_aux=has_aux, at=at, flops=False)
         if bytes_known(cost) <= budget:
@@ -280,7 +306,13 @@ class PolicyChoice:
 
 
 def resolve_policy(
-    fn: Callable, *specs, policy: str | None = None, memory_budget=None, wrt=None, has_aux: bool = False, at=None
+    fn: Callable[..., Any],
+    *specs: Any,
+    policy: str | None = None,
+    memory_budget: int | str | None = None,
+    wrt: Wrt = None,
+    has_aux: bool = False,
+    at: AtSizes = None,
 ) -> PolicyChoice:
     """The one place a policy, a memory budget and ``auto`` become a concrete policy.
 

@@ -32,12 +32,18 @@ whole too.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Iterable, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
+
+# An equation's operand: a variable or a literal constant.
+Atom = Union[jcore.Var, jcore.Literal]
+# jax types a variable's aval as AbstractValue, which declares no shape or dtype; in these
+# backward jaxprs of arrays every one is a ShapedArray (or a key array's), which has both.
+Aval = Any
 
 _CALLS = ("pjit", "jit", "closed_call", "core_call")
 _REMATS = ("remat2", "checkpoint", "remat")
@@ -58,7 +64,7 @@ _LINEAR = (
 )
 
 
-def _body(eqn):
+def _body(eqn: jcore.JaxprEqn) -> tuple[jcore.Jaxpr, Sequence[Any]] | None:
     """The body (jaxpr, consts) an equation carries, or None."""
     p = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
     if p is None:
@@ -66,17 +72,17 @@ def _body(eqn):
     return (p.jaxpr, p.consts) if hasattr(p, "consts") else (p, ())
 
 
-def _unsharded(eqn) -> bool:
+def _unsharded(eqn: jcore.JaxprEqn) -> bool:
     shardings = tuple(eqn.params.get("in_shardings", ())) + tuple(eqn.params.get("out_shardings", ()))
     return all(type(s).__name__ == "UnspecifiedValue" for s in shardings)
 
 
-def _inlinable(eqn) -> bool:
+def _inlinable(eqn: jcore.JaxprEqn) -> bool:
     name = eqn.primitive.name
     return not eqn.effects and _body(eqn) is not None and (name in _REMATS or (name in _CALLS and _unsharded(eqn)))
 
 
-def _has_work(jaxpr) -> bool:
+def _has_work(jaxpr: jcore.Jaxpr) -> bool:
     """Does ``jaxpr`` hold a scan, or a body that cut_inside would inline?"""
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scan" or _inlinable(eqn):
@@ -84,7 +90,7 @@ def _has_work(jaxpr) -> bool:
     return False
 
 
-def _bind(eqn, invals: Sequence, **changes) -> list:
+def _bind(eqn: jcore.JaxprEqn, invals: Sequence[Any], **changes: Any) -> list[Any]:
     # jax < 0.7 returns (subfuns, params), later jax the params alone.
     got = eqn.primitive.get_bind_params({**eqn.params, **changes})
     subfuns, params = ((), got) if isinstance(got, dict) else got
@@ -92,16 +98,16 @@ def _bind(eqn, invals: Sequence, **changes) -> list:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _needed_vars(jaxpr, out_positions) -> set:
+def _needed_vars(jaxpr: jcore.Jaxpr, out_positions: Iterable[int]) -> set[jcore.Var]:
     """The variables the outputs at ``out_positions`` depend on (themselves included)."""
-    need = {jaxpr.outvars[i] for i in out_positions if isinstance(jaxpr.outvars[i], jcore.Var)}
+    need = {v for v in (jaxpr.outvars[i] for i in out_positions) if isinstance(v, jcore.Var)}
     for eqn in reversed(jaxpr.eqns):
         if any(v in need for v in eqn.outvars):
             need.update(v for v in eqn.invars if isinstance(v, jcore.Var))
     return need
 
 
-def _struct(aval):
+def _struct(aval: Aval) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
 
 
@@ -121,11 +127,13 @@ def cut_inside(closed: jcore.ClosedJaxpr, needed_outs: Sequence[int], merge: boo
     )
 
 
-def _interpret(jaxpr, consts, args, needed: Sequence[int], merge: bool) -> list:
+def _interpret(
+    jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Any], needed: Sequence[int], merge: bool
+) -> list[Any]:
     """Evaluate ``jaxpr`` on tracers, inlining bodies and cutting scans for outputs outside ``needed``."""
-    env: dict = {}
+    env: dict[jcore.Var, Any] = {}
 
-    def read(a):
+    def read(a: Atom) -> Any:
         return a.val if isinstance(a, jcore.Literal) else env[a]
 
     for v, x in zip(jaxpr.constvars, consts):
@@ -139,7 +147,9 @@ def _interpret(jaxpr, consts, args, needed: Sequence[int], merge: bool) -> list:
         if eqn.primitive.name == "scan" and not eqn.effects:
             outs = _cut_scan(eqn, invals, out_needed, merge)
         elif _inlinable(eqn):
-            body, body_consts = _body(eqn)
+            inner = _body(eqn)
+            assert inner is not None  # _inlinable found the body
+            body, body_consts = inner
             outs = _interpret(body, body_consts, invals, out_needed, merge)
         else:
             outs = _bind(eqn, invals)
@@ -147,9 +157,9 @@ def _interpret(jaxpr, consts, args, needed: Sequence[int], merge: bool) -> list:
     return [read(v) for v in jaxpr.outvars]
 
 
-def _accumulators(jaxpr, nc: int, nk: int, skip: Sequence[int]) -> dict:
+def _accumulators(jaxpr: jcore.Jaxpr, nc: int, nk: int, skip: Sequence[int]) -> dict[int, tuple[jcore.JaxprEqn, Atom]]:
     """Carries ``c' = c + d`` whose ``c`` nothing else reads: carry position -> (add equation, d)."""
-    uses: dict = {}
+    uses: dict[jcore.Var, int] = {}
     for eqn in jaxpr.eqns:
         for v in eqn.invars:
             if isinstance(v, jcore.Var):
@@ -158,23 +168,23 @@ def _accumulators(jaxpr, nc: int, nk: int, skip: Sequence[int]) -> dict:
         if isinstance(v, jcore.Var):
             uses[v] = uses.get(v, 0) + 1
     producer = {v: e for e in jaxpr.eqns for v in e.outvars}
-    found = {}
+    found: dict[int, tuple[jcore.JaxprEqn, Atom]] = {}
     for i in range(nk):
         c_in, c_out = jaxpr.invars[nc + i], jaxpr.outvars[i]
         if i in skip or not isinstance(c_out, jcore.Var) or uses.get(c_in) != 1 or uses.get(c_out) != 1:
             continue
-        eqn = producer.get(c_out)
-        if eqn is None or eqn.primitive.name not in ("add_any", "add") or len(eqn.invars) != 2:
+        add = producer.get(c_out)
+        if add is None or add.primitive.name not in ("add_any", "add") or len(add.invars) != 2:
             continue
-        a, b = eqn.invars
+        a, b = add.invars
         if a is c_in and b is not c_in:
-            found[i] = (eqn, b)
+            found[i] = (add, b)
         elif b is c_in:
-            found[i] = (eqn, a)
+            found[i] = (add, a)
     return found
 
 
-def _nbytes(avals, length=1):
+def _nbytes(avals: Sequence[Aval], length: Any = 1) -> Any:  # length and the result: ints or symbolic dims
     total = 0
     for a in avals:
         # a.dtype.itemsize: PRNG key dtypes (dropout keys scanned over) have one; np.dtype() refuses them
@@ -182,7 +192,7 @@ def _nbytes(avals, length=1):
     return total
 
 
-def _fits(emitted, xs_avals, length) -> bool:
+def _fits(emitted: Sequence[Aval], xs_avals: Sequence[Aval], length: Any) -> bool:
     """Are the stacks B would emit no larger than the stacked residuals the scan reads?
 
     Sizes JAX cannot compare mean no.
@@ -193,7 +203,7 @@ def _fits(emitted, xs_avals, length) -> bool:
         return False
 
 
-def _cut_scan(eqn, invals, out_needed: Sequence[int], merge: bool) -> list:
+def _cut_scan(eqn: jcore.JaxprEqn, invals: Sequence[Any], out_needed: Sequence[int], merge: bool) -> list[Any]:
     """The scan ``eqn`` on ``invals``, fissioned into a B scan and a W part outside it when that pays."""
     p = eqn.params
     nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
@@ -218,7 +228,7 @@ def _cut_scan(eqn, invals, out_needed: Sequence[int], merge: bool) -> list:
     b_need = _needed_vars(bj, kept)
     b_eqns = [e for e in bj.eqns if any(v in b_need for v in e.outvars)]
     w_need = {v for v in w_outs if isinstance(v, jcore.Var)}
-    w_eqns = []
+    w_eqns: list[jcore.JaxprEqn] = []
     for e in reversed(bj.eqns):
         if any(v in w_need for v in e.outvars) and not any(v in b_need for v in e.outvars):
             w_eqns.append(e)
@@ -230,7 +240,7 @@ def _cut_scan(eqn, invals, out_needed: Sequence[int], merge: bool) -> list:
     w_defined = {v for e in w_eqns for v in e.outvars}
     outer = {**dict(zip(bj.constvars, flat.consts)), **dict(zip(c_vars, consts))}
     stacked_in = dict(zip(x_vars, xs))
-    emitted = []
+    emitted: list[jcore.Var] = []
     for v in [v for e in w_eqns for v in e.invars] + w_outs:
         if (
             isinstance(v, jcore.Var)
@@ -246,7 +256,7 @@ def _cut_scan(eqn, invals, out_needed: Sequence[int], merge: bool) -> list:
     keep_k = [i for i in range(nk) if i not in acc]
     b_ys = [nk + j for j in range(n_ys) if j not in w_ys]
 
-    def step(carry, x):
+    def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
         env = {**outer, **dict(zip(x_vars, x)), **{k_vars[i]: c for i, c in zip(keep_k, carry)}}
         read = lambda a: a.val if isinstance(a, jcore.Literal) else env[a]  # noqa: E731
         for e in b_eqns:
@@ -259,7 +269,7 @@ def _cut_scan(eqn, invals, out_needed: Sequence[int], merge: bool) -> list:
     )
     stacks = dict(zip(emitted, ys[len(b_ys) :]))
     w = _Batched(w_eqns, {**stacked_in, **stacks}, outer, length, merge)
-    outs = [None] * (nk + n_ys)
+    outs: list[Any] = [None] * (nk + n_ys)
     for i, c in zip(keep_k, carry_out):
         outs[i] = c
     for i, (add, d) in acc.items():
@@ -279,19 +289,26 @@ class _Batched:
     ``merge``: see ``cut_inside``.
     """
 
-    def __init__(self, eqns, stacked_in: dict, outer: dict, length, merge: bool):
+    def __init__(
+        self,
+        eqns: Sequence[jcore.JaxprEqn],
+        stacked_in: dict[jcore.Var, Any],
+        outer: dict[jcore.Var, Any],
+        length: int,
+        merge: bool,
+    ) -> None:
         self.producer = {v: e for e in eqns for v in e.outvars}
         self.length = length
         self.merge = merge
         self.vals = {v: (True, x) for v, x in stacked_in.items()}
         self.vals.update({v: (False, x) for v, x in outer.items()})
-        self.sums: dict = {}
+        self.sums: dict[Atom, Any] = {}
         self.dep = {v for v in stacked_in}
         for e in eqns:
             if any(isinstance(v, jcore.Var) and v in self.dep for v in e.invars):
                 self.dep.update(e.outvars)
 
-    def _value(self, v):
+    def _value(self, v: Atom) -> tuple[bool, Any]:
         """(has an iteration axis, value)."""
         if isinstance(v, jcore.Literal):
             return False, v.val
@@ -302,7 +319,7 @@ class _Batched:
                 outs = _bind(eqn, [x for _, x in args])
             else:
 
-                def one(*sliced, eqn=eqn, args=args):
+                def one(*sliced: Any, eqn: jcore.JaxprEqn = eqn, args: list[tuple[bool, Any]] = args) -> list[Any]:
                     it = iter(sliced)
                     return _bind(eqn, [next(it) if s else x for s, x in args])
 
@@ -311,12 +328,12 @@ class _Batched:
                 self.vals[o] = (any(s for s, _ in args), val)
         return self.vals[v]
 
-    def stacked(self, v):
+    def stacked(self, v: Atom) -> Any:
         """``v`` for every iteration, stacked on a leading axis."""
         s, x = self._value(v)
         return x if s else jnp.broadcast_to(x, (self.length, *jnp.shape(x)))
 
-    def summed(self, v):
+    def summed(self, v: Atom) -> Any:
         """``sum_t v_t``, the sum pushed through linear equations into their contractions."""
         if isinstance(v, jcore.Literal) or v not in self.dep:
             return jnp.sum(self.stacked(v), axis=0)

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator, Union
+
+if TYPE_CHECKING:  # no jax import at run time: callers hand in jaxprs they already made
+    from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
+
+# An open or closed jaxpr: equations carry both kinds in their params.
+AnyJaxpr = Union["Jaxpr", "ClosedJaxpr"]
 
 
-def sub_jaxprs(eqn) -> list:
+def sub_jaxprs(eqn: JaxprEqn) -> list[AnyJaxpr]:
     """The jaxprs an equation carries in its params (empty for a plain primitive)."""
     return [
         item
@@ -15,9 +21,9 @@ def sub_jaxprs(eqn) -> list:
     ]
 
 
-def iter_eqns(jaxpr) -> Iterator:
+def iter_eqns(jaxpr: AnyJaxpr) -> Iterator[JaxprEqn]:
     """Every equation of ``jaxpr`` (Jaxpr or ClosedJaxpr) and of every jaxpr nested in it."""
-    stack = [jaxpr]
+    stack: list[AnyJaxpr] = [jaxpr]
     while stack:
         j = stack.pop()
         for eqn in getattr(getattr(j, "jaxpr", j), "eqns", ()):

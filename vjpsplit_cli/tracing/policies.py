@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -26,7 +26,10 @@ from ..files.sizes import byte_terms_of_shape, evaluate_terms
 from .jaxprs import iter_eqns, sub_jaxprs
 from .specs import concrete_specs
 from .traced import TracedVjp
-from .vjp import fn_wrt_positions
+from .vjp import Plan, Wrt, fn_wrt_positions
+
+if TYPE_CHECKING:
+    from jax.extend.core import ClosedJaxpr
 
 # The fixed policies; ``names:a,b`` (any names) is the fourth form.
 POLICIES = ("everything", "dots", "nothing")
@@ -49,7 +52,7 @@ def normalize_policy(policy: str | None) -> str:
     raise VjpsplitError(f"unknown policy {policy!r}; use everything, dots, nothing, auto or names:a,b")
 
 
-def apply_policy(fn: Callable, policy: str | None) -> Callable:
+def apply_policy(fn: Callable[..., Any], policy: str | None) -> Callable[..., Any]:
     """``fn`` wrapped so that ``jax.vjp`` keeps what ``policy`` says and nothing more.
 
     ``everything`` is ``fn`` itself: note that ``jax.checkpoint(fn, policy=None)``
@@ -83,12 +86,12 @@ class PolicyFallback:
     warns, and records it in ``fell_back``. If ``fn`` fails too, that error is raised.
     """
 
-    def __init__(self, fn: Callable, checkpointed: Callable, policy: str):
+    def __init__(self, fn: Callable[..., Any], checkpointed: Callable[..., Any], policy: str) -> None:
         self.fn, self.checkpointed, self.policy = fn, checkpointed, policy
         self.fell_back = ""  # JAX's error, once the policy could not be applied
         functools.update_wrapper(self, fn, updated=())
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return self.checkpointed(*args, **kwargs)
         except (TypeError, ValueError, NotImplementedError) as e:
@@ -108,16 +111,18 @@ class PolicyFallback:
 BUDGET_ORDER = ("everything", "dots", "nothing")
 
 
-def candidate(fn: Callable, policy: str | None, wrt_pos: tuple[int, ...], single: bool, has_aux: bool) -> TracedVjp:
+def candidate(
+    fn: Callable[..., Any], policy: str | None, wrt_pos: tuple[int, ...], single: bool, has_aux: bool
+) -> TracedVjp:
     """``fn`` under ``policy`` as a traceable forward and backward: what a policy is measured on."""
     return TracedVjp(apply_policy(fn, policy), wrt_pos, single, has_aux)
 
 
-def _nbytes(structs) -> int:
+def _nbytes(structs: Sequence[jax.ShapeDtypeStruct]) -> int:
     return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in structs)
 
 
-def _count_ops(jaxpr) -> tuple[int, int]:
+def _count_ops(jaxpr: ClosedJaxpr) -> tuple[int, int]:
     """(all primitive applications, matmuls and convolutions) in a jaxpr and its sub-jaxprs."""
     # A call-like wrapper (jit, remat, custom_vjp) is not an op: what it runs is counted.
     prims = [e.primitive.name for e in iter_eqns(jaxpr) if not sub_jaxprs(e)]
@@ -131,13 +136,13 @@ class PolicyCost:
     policy: str
     stored_arrays: int
     stored_bytes: int | None  # None when symbolic dims are unbound
-    stored_terms: dict = field(default_factory=dict)  # bytes as {symbolic factor: coefficient}
+    stored_terms: dict[str, int] = field(default_factory=dict)  # bytes as {symbolic factor: coefficient}
     input_backed: int = 0
     backward_ops: int = 0  # primitive applications in the backward
     backward_dots: int = 0  # of which matmuls / convolutions
     backward_flops: float | None = None  # XLA's cost analysis, with concrete sizes only
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """A JSON-able dict."""
         return {
             "policy": self.policy,
@@ -152,10 +157,10 @@ class PolicyCost:
 
 
 def policy_cost(
-    fn: Callable,
-    *specs,
+    fn: Callable[..., Any],
+    *specs: Any,
     policy: str | None = None,
-    wrt=None,
+    wrt: Wrt = None,
     has_aux: bool = False,
     at: Mapping[str, int] | None = None,
     flops: bool = True,
@@ -166,7 +171,9 @@ def policy_cost(
     symbolic = any(is_symbolic_shape(s.shape) for s in jax.tree_util.tree_leaves(specs))
     wrt_pos, single = fn_wrt_positions(fn, wrt, len(specs))
 
-    def traced(specs_):
+    def traced(
+        specs_: tuple[Any, ...],
+    ) -> tuple[list[Any], Plan, Callable[..., tuple[Any, ...]], list[Any], list[Any]]:
         cand = candidate(fn, policy, wrt_pos, single, has_aux)
         stored_ = jax.eval_shape(lambda *a: cand.forward(*a)[1], *specs_)
         stored_, inputs_, cts_ = cand.backward_args(jax.tree_util.tree_leaves(specs_), stored_)
@@ -200,11 +207,11 @@ def policy_cost(
 
 
 def plan_policies(
-    fn: Callable,
-    *specs,
-    wrt=None,
+    fn: Callable[..., Any],
+    *specs: Any,
+    wrt: Wrt = None,
     has_aux: bool = False,
-    at=None,
+    at: Mapping[str, int] | None = None,
     policies: Sequence[str] = BUDGET_ORDER,
     flops: bool = True,
 ) -> list[PolicyCost]:

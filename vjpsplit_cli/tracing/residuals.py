@@ -6,7 +6,7 @@ Immutable pytrees whose key paths are the keys their files use (``r/0``,
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, NoReturn, Self, Sequence
 
 import jax
 import numpy as np
@@ -14,11 +14,11 @@ from jax.tree_util import DictKey
 
 from ..errors import VjpsplitError
 from ..files import keys
-from ..files.trees import ArgTrees
+from ..files.trees import ArgTree, ArgTrees
 from .vjp import Plan
 
 
-class FrozenDict(dict):
+class FrozenDict(dict[str, Any]):
     """A dict that refuses changes: the mappings of residuals and intermediates.
 
     A pytree like a dict (keys in insertion order), so ``jax.device_put(res.stored)``
@@ -27,20 +27,24 @@ class FrozenDict(dict):
 
     __slots__ = ()
 
-    def _refuse(self, *args, **kwargs):
+    def _refuse(self, *args: object, **kwargs: object) -> NoReturn:
         raise TypeError("residual mappings are read-only; make a changed copy with .replace(...)")
 
     __setitem__ = __delitem__ = __ior__ = _refuse
     update = pop = popitem = clear = setdefault = _refuse
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[FrozenDict], tuple[dict[str, Any]]]:
         return (FrozenDict, (dict(self),))  # pickle and copy rebuild it whole, never item by item
+
+
+def _frozen_from(keys: tuple[str, ...], values: Iterable[Any]) -> FrozenDict:
+    return FrozenDict(zip(keys, values))
 
 
 jax.tree_util.register_pytree_with_keys(
     FrozenDict,
     lambda d: ([(DictKey(k), v) for k, v in d.items()], tuple(d)),
-    lambda keys, values: FrozenDict(zip(keys, values)),
+    _frozen_from,
     lambda d: (list(d.values()), tuple(d)),
 )
 
@@ -51,14 +55,14 @@ class _Frozen:
     __slots__ = ()
     _FIELDS: tuple[str, ...] = ()
 
-    def __setattr__(self, name, value):
+    def __setattr__(self, name: str, value: object) -> NoReturn:
         raise AttributeError(f"{type(self).__name__} is immutable; make a changed copy with .replace({name}=...)")
 
-    def _set(self, **fields) -> None:
+    def _set(self, **fields: Any) -> None:
         for name, value in fields.items():
             object.__setattr__(self, name, value)
 
-    def replace(self, **changes):
+    def replace(self, **changes: Any) -> Self:
         """A copy with ``changes`` (the arrays are shared, not copied)."""
         fields = {name: getattr(self, name) for name in self._FIELDS}
         fields.update(changes)
@@ -95,7 +99,7 @@ class Residuals(_Frozen):
     dims: FrozenDict
     fingerprint: str
     arg_names: tuple[str, ...]
-    arg_trees: tuple
+    arg_trees: tuple[ArgTree, ...]
     plan: Plan | None
     residuals_id: str
     inputs_source: str | None
@@ -116,7 +120,7 @@ class Residuals(_Frozen):
         inputs_source: str | None = None,
         source: str | None = None,
         bound_inputs: Mapping[str, Any] | None = None,
-    ):
+    ) -> None:
         put = object.__setattr__  # field by field, not through _set: an artifact's fwd makes one per call
         put(self, "stored", FrozenDict(stored))
         put(self, "inputs", FrozenDict(inputs))
@@ -148,7 +152,7 @@ class Residuals(_Frozen):
         bound_inputs: FrozenDict,
         fingerprint: str,
         arg_names: tuple[str, ...],
-        arg_trees: tuple,
+        arg_trees: tuple[ArgTree, ...],
         residuals_id: str,
     ) -> "Residuals":
         """Residuals an artifact's forward just made, from mappings it froze itself: nothing is copied.
@@ -169,7 +173,7 @@ class Residuals(_Frozen):
         )
         return f"{type(self).__name__}(stored={len(self.stored)}, input_backed={len(self.inputs)}, {owner})"
 
-    def signature(self) -> tuple | None:
+    def signature(self) -> tuple[tuple[Any, ...], ...] | None:
         """Keys, shapes, dtypes and array types of the arrays, and the dims; None if some value is not an array."""
         try:
             return (
@@ -214,13 +218,13 @@ class SplitResiduals(Residuals):
     __slots__ = ()
     plan: Plan
 
-    def __init__(self, stored: Mapping[str, Any], inputs: Mapping[str, Any], *, plan: Plan, **fields):
+    def __init__(self, stored: Mapping[str, Any], inputs: Mapping[str, Any], *, plan: Plan, **fields: Any) -> None:
         if plan is None:
             raise VjpsplitError("SplitResiduals need the plan of the forward that made them")
         super().__init__(stored, inputs, plan=plan, **fields)
 
 
-def _residuals_keys(r: Residuals) -> tuple[list, tuple]:
+def _residuals_keys(r: Residuals) -> tuple[list[tuple[DictKey, Any]], tuple[Any, ...]]:
     # Key paths are the file keys: r/0 for stored residuals, in/<input key> for input-backed ones.
     children = [(DictKey(k), v) for k, v in r.stored.items()] + [
         (DictKey(keys.input_backed(k)), v) for k, v in r.inputs.items()
@@ -237,9 +241,9 @@ def _residuals_keys(r: Residuals) -> tuple[list, tuple]:
     return children, aux
 
 
-def _residuals_from(cls):
-    def unflatten(aux, children):
-        children = list(children)
+def _residuals_from(cls: type[Residuals]) -> Callable[[tuple[Any, ...], Iterable[Any]], Residuals]:
+    def unflatten(aux: tuple[Any, ...], leaves: Iterable[Any]) -> Residuals:
+        children = list(leaves)
         n = len(aux[0])
         return cls(
             dict(zip(aux[0], children[:n])),
@@ -281,7 +285,7 @@ class Intermediates(_Frozen):
     residuals_id: str
     stored: FrozenDict
     inputs: FrozenDict
-    arg_trees: tuple
+    arg_trees: tuple[ArgTree, ...]
 
     def __init__(
         self,
@@ -292,7 +296,7 @@ class Intermediates(_Frozen):
         stored: Mapping[str, Any] | None = None,
         inputs: Mapping[str, Any] | None = None,
         arg_trees: ArgTrees = (),
-    ):
+    ) -> None:
         self._set(
             arrays=FrozenDict(dict(arrays)),
             stored=FrozenDict(dict(stored or {})),
@@ -310,7 +314,7 @@ class Intermediates(_Frozen):
         )
 
 
-def _intermediates_keys(r: Intermediates) -> tuple[list, tuple]:
+def _intermediates_keys(r: Intermediates) -> tuple[list[tuple[DictKey, Any]], tuple[Any, ...]]:
     children = (
         [(DictKey(k), v) for k, v in r.arrays.items()]
         + [(DictKey(k), v) for k, v in r.stored.items()]
@@ -320,8 +324,8 @@ def _intermediates_keys(r: Intermediates) -> tuple[list, tuple]:
     return children, aux
 
 
-def _intermediates_from(aux, children) -> Intermediates:
-    children = list(children)
+def _intermediates_from(aux: tuple[Any, ...], leaves: Iterable[Any]) -> Intermediates:
+    children = list(leaves)
     a, b = len(aux[0]), len(aux[0]) + len(aux[1])
     return Intermediates(
         dict(zip(aux[0], children[:a])),

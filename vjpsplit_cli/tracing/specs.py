@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -11,7 +11,7 @@ from ..errors import VjpsplitError
 from ..files.shapes import DIM_FUNCS, IDENTIFIER, eval_dim, is_symbolic_shape
 
 
-def symbolic_dim_names(specs) -> list[str]:
+def symbolic_dim_names(specs: Any) -> list[str]:
     """The symbolic dim names in ``specs`` (pytrees of ShapeDtypeStructs), in first-seen order."""
     names: list[str] = []
     for s in jax.tree_util.tree_leaves(specs):
@@ -21,14 +21,14 @@ def symbolic_dim_names(specs) -> list[str]:
     return names
 
 
-def concrete_specs(specs: tuple, at: Mapping[str, int]) -> tuple:
+def concrete_specs(specs: tuple[Any, ...], at: Mapping[str, int]) -> tuple[Any, ...]:
     """``specs`` with every symbolic dim replaced by its size from ``at``."""
     missing: list[str] = []
 
-    def fix(s):
+    def fix(s: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         if not is_symbolic_shape(s.shape):
             return s
-        dims = []
+        dims: list[int] = []
         for d in s.shape:
             v = eval_dim(d if isinstance(d, int) else str(d), at)
             if v is None:

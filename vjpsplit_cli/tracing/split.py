@@ -6,7 +6,7 @@ wraps them in two jitted functions that retrace per signature, as ``jax.jit`` do
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 
@@ -16,7 +16,7 @@ from .choice import resolve_policy
 from .policies import AUTO, apply_policy
 from .residuals import Residuals, SplitResiduals
 from .traced import TracedVjp
-from .vjp import Plan, assemble_grads, cotangent_leaves, fn_wrt_positions, register_plan, struct_of
+from .vjp import Plan, Wrt, assemble_grads, cotangent_leaves, fn_wrt_positions, register_plan, struct_of
 
 
 class _Static:
@@ -24,14 +24,20 @@ class _Static:
 
     __slots__ = ("value",)
 
-    def __init__(self, value):
+    def __init__(self, value: Plan) -> None:
         self.value = value
 
 
 jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.value), lambda v, _: _Static(v))
 
 
-def split(fn: Callable, wrt=None, has_aux: bool = False, policy: str | None = None, memory_budget=None):
+def split(
+    fn: Callable[..., Any],
+    wrt: Wrt = None,
+    has_aux: bool = False,
+    policy: str | None = None,
+    memory_budget: int | str | None = None,
+) -> tuple[Callable[..., tuple[Any, ...]], Callable[..., Any]]:
     """Split ``fn`` into a forward that returns residuals and a backward that consumes them.
 
     ``fwd(*args)`` returns ``(out, res)`` (``(out, res, aux)`` with ``has_aux``);
@@ -50,7 +56,7 @@ def split(fn: Callable, wrt=None, has_aux: bool = False, policy: str | None = No
     inner = fn if per_signature else apply_policy(fn, policy)
     traces = [0]
 
-    def _fwd_impl(*args):
+    def _fwd_impl(*args: Any) -> tuple[Any, tuple[jax.Array, ...], Any, _Static]:
         wrt_pos, single = fn_wrt_positions(fn, wrt, len(args))
         body = inner
         specs = jax.tree_util.tree_map(struct_of, args)
@@ -67,7 +73,7 @@ def split(fn: Callable, wrt=None, has_aux: bool = False, policy: str | None = No
 
     jit_fwd = jax.jit(_fwd_impl)
 
-    def _bwd_impl(res: SplitResiduals, ct_leaves):
+    def _bwd_impl(res: SplitResiduals, ct_leaves: list[Any]) -> tuple[jax.Array, ...]:
         plan = res.plan
         stored = [res.stored[keys.stored(i)] for i in range(plan.n_stored)]
         inputs = [res.inputs[str(k)] for k in plan.input_backed]
@@ -75,7 +81,7 @@ def split(fn: Callable, wrt=None, has_aux: bool = False, policy: str | None = No
 
     jit_bwd = jax.jit(_bwd_impl)
 
-    def fwd(*args):
+    def fwd(*args: Any) -> tuple[Any, ...]:
         """Forward pass: ``(out, res)``, or ``(out, res, aux)`` when ``has_aux``."""
         out, stored, aux, static = jit_fwd(*args)
         plan: Plan = static.value
@@ -88,7 +94,7 @@ def split(fn: Callable, wrt=None, has_aux: bool = False, policy: str | None = No
         )
         return (out, res, aux) if has_aux else (out, res)
 
-    def bwd(res: Residuals, ct=None):
+    def bwd(res: Residuals, ct: Any = None) -> Any:
         """Backward pass from residuals alone: gradients with respect to ``wrt``."""
         if not isinstance(res, SplitResiduals):
             what = "an artifact's residuals" if isinstance(res, Residuals) else type(res).__name__

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import jax
+
 from .vjp import Plan, run_backward, trace_vjp
 
 
-def _as_given(aval):
+def _as_given(aval: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     return aval
 
 
@@ -27,12 +29,12 @@ class TracedVjp:
 
     def __init__(
         self,
-        fn: Callable | None,
+        fn: Callable[..., Any] | None,
         wrt: tuple[int, ...],
         single: bool,
         has_aux: bool,
         plan: Plan | None = None,
-    ):
+    ) -> None:
         self.fn, self.wrt, self.single, self.has_aux = fn, wrt, single, has_aux
         self._plan = plan
 
@@ -48,20 +50,25 @@ class TracedVjp:
             raise AssertionError("TracedVjp.plan is known once forward has been traced")
         return self._plan
 
-    def forward(self, *args) -> tuple[Any, tuple, Any]:
+    def forward(self, *args: Any) -> tuple[Any, tuple[jax.Array, ...], Any]:
         """``(out, stored residuals, aux)`` of ``fn(*args)``; records the plan for ``backward``."""
         if self.fn is None:
             raise AssertionError("a TracedVjp made from a plan has no forward")
         out, stored, aux, self._plan = trace_vjp(self.fn, tuple(args), self.wrt, self.single, self.has_aux)
         return out, stored, aux
 
-    def backward(self, stored: Sequence, inputs: Sequence, cts: Sequence) -> tuple:
+    def backward(
+        self, stored: Sequence[jax.Array], inputs: Sequence[jax.Array], cts: Sequence[jax.Array]
+    ) -> tuple[jax.Array, ...]:
         """Gradients of the differentiated leaves from the stored and input-backed residuals and cotangents."""
         return run_backward(self.plan, stored, inputs, cts)
 
     def backward_args(
-        self, flat_args: Sequence, stored: Sequence, cotangent: Callable[[Any], Any] = _as_given
-    ) -> tuple[list, list, list]:
+        self,
+        flat_args: Sequence[Any],
+        stored: Sequence[Any],
+        cotangent: Callable[[jax.ShapeDtypeStruct], Any] = _as_given,
+    ) -> tuple[list[Any], list[Any], list[Any]]:
         """``(stored, input-backed leaves of flat_args, cotangent(aval) per floating output)`` for ``backward``."""
         plan = self.plan
         return (

@@ -13,24 +13,34 @@ from __future__ import annotations
 import inspect
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.tree_util import PyTreeDef
+from jax.typing import ArrayLike, DTypeLike
 
 from ..errors import VjpsplitError
 from ..files.shapes import format_shape
 
+if TYPE_CHECKING:
+    from jax.extend.core import Jaxpr
+
 float0 = jax.dtypes.float0
 
+# What ``wrt`` may be: an argument position or name, a sequence of them, or None (every argument).
+Wrt = Union[int, np.integer, str, Sequence[Union[int, str]], None]
+# Where one vjp leaf comes from in the backward (see ``Plan.slots``).
+Slot = tuple[Literal["stored", "input", "unused"], int]
 
-def struct_of(x) -> jax.ShapeDtypeStruct:
+
+def struct_of(x: ArrayLike) -> jax.ShapeDtypeStruct:
     """The shape and dtype of an array, tracer or Python scalar (weakly typed as JAX types it)."""
     return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
 
 
-def is_differentiable(dtype) -> bool:
+def is_differentiable(dtype: DTypeLike) -> bool:
     """Floating and complex leaves get gradients; integer and bool ones get float0 zeros."""
     return jnp.issubdtype(dtype, jnp.inexact)
 
@@ -45,19 +55,19 @@ class Plan:
     reads (zeros of ``unused_avals[z]`` stand in for it).
     """
 
-    vjp_tree: Any
-    slots: tuple[tuple[str, int], ...]
-    args_tree: Any
-    arg_leaf_avals: tuple[Any, ...]
+    vjp_tree: PyTreeDef
+    slots: tuple[Slot, ...]
+    args_tree: PyTreeDef
+    arg_leaf_avals: tuple[jax.ShapeDtypeStruct, ...]
     diff_leaves: tuple[int, ...]  # flat arg-leaf indices that are differentiated
     wrt: tuple[int, ...]  # argument positions in the gradient tuple
-    out_tree: Any
-    out_avals: tuple[Any, ...]
+    out_tree: PyTreeDef
+    out_avals: tuple[jax.ShapeDtypeStruct, ...]
     out_diff: tuple[int, ...]  # output leaves that take a cotangent
     single_grad: bool
-    stored_avals: tuple[Any, ...]
+    stored_avals: tuple[jax.ShapeDtypeStruct, ...]
     token: str  # names this plan in residual files (same process only)
-    unused_avals: tuple[Any, ...] = ()
+    unused_avals: tuple[jax.ShapeDtypeStruct, ...] = ()
 
     @property
     def input_backed(self) -> tuple[int, ...]:
@@ -66,10 +76,11 @@ class Plan:
 
     @property
     def n_stored(self) -> int:
+        """How many residuals the forward stores."""
         return len(self.stored_avals)
 
 
-def wrt_positions(names: Sequence[str], wrt, owner: str = "") -> tuple[tuple[int, ...], bool]:
+def wrt_positions(names: Sequence[str], wrt: Wrt, owner: str = "") -> tuple[tuple[int, ...], bool]:
     """Normalise ``wrt`` (int, name, or sequence of them; None = all) to positions in ``names``.
 
     Also says whether one gradient (not a tuple) is wanted: a single int or name.
@@ -77,12 +88,16 @@ def wrt_positions(names: Sequence[str], wrt, owner: str = "") -> tuple[tuple[int
     n = len(names)
     if wrt is None:
         return tuple(range(n)), False
-    single = isinstance(wrt, (int, np.integer, str))
-    try:
-        items = [wrt] if single else list(wrt)
-    except TypeError:  # not a sequence (wrt=1.5): refused below as a bad entry
-        items = [wrt]
-    out = []
+    items: list[object]
+    if isinstance(wrt, (int, np.integer, str)):
+        single, items = True, [wrt]
+    else:
+        single = False
+        try:
+            items = list(wrt)
+        except TypeError:  # not a sequence (wrt=1.5): refused below as a bad entry
+            items = [wrt]
+    out: list[int] = []
     for w in items:
         if isinstance(w, str):
             if w not in names:
@@ -100,17 +115,18 @@ def wrt_positions(names: Sequence[str], wrt, owner: str = "") -> tuple[tuple[int
     return tuple(out), single
 
 
-def fn_wrt_positions(fn: Callable, wrt, nargs: int) -> tuple[tuple[int, ...], bool]:
+def fn_wrt_positions(fn: Callable[..., Any], wrt: Wrt, nargs: int) -> tuple[tuple[int, ...], bool]:
     """``wrt_positions`` against ``fn``'s own parameter names."""
     return wrt_positions(positional_names(fn, nargs), wrt, fn_name(fn))
 
 
-def signature_positionals(fn: Callable) -> tuple[list[str], int, str | None]:
+def signature_positionals(fn: Callable[..., Any]) -> tuple[list[str], int, str | None]:
     """``fn``'s positional parameter names, how many are required, and its ``*args`` name (None without).
 
     Raises TypeError or ValueError where ``fn`` has no signature to read.
     """
-    names, required, var = [], 0, None
+    names: list[str] = []
+    required, var = 0, None
     for p in inspect.signature(fn).parameters.values():
         if p.kind == p.VAR_POSITIONAL:
             var = p.name
@@ -121,7 +137,7 @@ def signature_positionals(fn: Callable) -> tuple[list[str], int, str | None]:
     return names, required, var
 
 
-def positional_names(fn: Callable, nargs: int) -> list[str]:
+def positional_names(fn: Callable[..., Any], nargs: int) -> list[str]:
     """Parameter names for ``nargs`` positional arguments; ``arg{i}`` past ``*args``."""
     try:
         names = signature_positionals(fn)[0]
@@ -131,7 +147,7 @@ def positional_names(fn: Callable, nargs: int) -> list[str]:
     return names[:nargs]
 
 
-def not_traceable(fn) -> str | None:
+def not_traceable(fn: object) -> str | None:
     """What ``fn`` is, when it is not a Python function JAX can trace (None when it may be one).
 
     A NumPy function (a ufunc such as ``numpy.sin`` included) computes on NumPy
@@ -149,12 +165,14 @@ def not_traceable(fn) -> str | None:
     return None
 
 
-def fn_name(fn) -> str:
+def fn_name(fn: object) -> str:
     """A function's name for messages."""
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
-def trace_vjp(fn: Callable, args: tuple, wrt: tuple[int, ...], single: bool, has_aux: bool):
+def trace_vjp(
+    fn: Callable[..., Any], args: tuple[Any, ...], wrt: tuple[int, ...], single: bool, has_aux: bool
+) -> tuple[Any, tuple[jax.Array, ...], Any, Plan]:
     """Run ``jax.vjp`` on ``fn(*args)`` and cut its result into forward outputs and a Plan.
 
     Call while tracing (inside jit or export): the identity test that finds
@@ -162,7 +180,7 @@ def trace_vjp(fn: Callable, args: tuple, wrt: tuple[int, ...], single: bool, has
     """
     flat_args, args_tree = jax.tree_util.tree_flatten(args)
     wrt_set = set(wrt)
-    leaf_owner = []
+    leaf_owner: list[int] = []
     for pos, a in enumerate(args):
         leaf_owner += [pos] * len(jax.tree_util.tree_leaves(a))
     diff = tuple(
@@ -171,7 +189,7 @@ def trace_vjp(fn: Callable, args: tuple, wrt: tuple[int, ...], single: bool, has
         if pos in wrt_set and is_differentiable(jnp.result_type(leaf))
     )
 
-    def f_diff(*diff_leaves):
+    def f_diff(*diff_leaves: jax.Array) -> Any:
         leaves = list(flat_args)
         for i, v in zip(diff, diff_leaves):
             leaves[i] = v
@@ -182,7 +200,7 @@ def trace_vjp(fn: Callable, args: tuple, wrt: tuple[int, ...], single: bool, has
     # along as aux, so no float0 cotangent ever crosses a jit or export boundary.
     shape_of_out: dict[str, Any] = {}
 
-    def f_split(*diff_leaves):
+    def f_split(*diff_leaves: jax.Array) -> tuple[list[Any], tuple[list[Any], Any]]:
         res = f_diff(*diff_leaves)
         if has_aux and not (isinstance(res, (tuple, list)) and len(res) == 2):
             got = (
@@ -227,12 +245,12 @@ def trace_vjp(fn: Callable, args: tuple, wrt: tuple[int, ...], single: bool, has
     return out, tuple(stored), aux, plan
 
 
-def _slots(vjp_leaves: Sequence, flat_args: Sequence) -> tuple[list, list]:
+def _slots(vjp_leaves: Sequence[jax.Array], flat_args: Sequence[jax.Array]) -> tuple[list[jax.Array], list[Slot]]:
     """The values to store, and where each vjp leaf comes from: an input (the caller's array) or a stored value."""
     by_id = {id(a): k for k, a in enumerate(flat_args)}
-    stored: list = []
-    slots: list = []
-    seen: dict = {}
+    stored: list[jax.Array] = []
+    slots: list[Slot] = []
+    seen: dict[int, int] = {}
     for leaf in vjp_leaves:
         k = by_id.get(id(leaf))
         if k is not None and flat_args[k] is leaf:
@@ -250,7 +268,7 @@ def _slots(vjp_leaves: Sequence, flat_args: Sequence) -> tuple[list, list]:
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat")
 
 
-def _live_inputs(jaxpr, live_out: Sequence[bool]) -> list[bool]:
+def _live_inputs(jaxpr: Jaxpr, live_out: Sequence[bool]) -> list[bool]:
     """Which inputs of ``jaxpr`` (a Jaxpr) the live outputs depend on; effects keep their inputs alive."""
     live = {v for v, keep in zip(jaxpr.outvars, live_out) if keep and not hasattr(v, "val")}
     for eqn in reversed(jaxpr.eqns):
@@ -272,7 +290,13 @@ def _live_inputs(jaxpr, live_out: Sequence[bool]) -> list[bool]:
     return [v in live for v in jaxpr.invars]
 
 
-def _drop_unused(vjp_tree, vjp_leaves, slots, stored, d_out):
+def _drop_unused(
+    vjp_tree: PyTreeDef,
+    vjp_leaves: list[jax.Array],
+    slots: list[Slot],
+    stored: list[jax.Array],
+    d_out: list[jax.Array],
+) -> tuple[list[jax.Array], list[Slot], list[jax.ShapeDtypeStruct]]:
     """Stored residuals the backward never reads (jax.vjp keeps, e.g., the zeros of relu's select) are dropped.
 
     The forward would write them for nothing: 2 MiB of zeros per step in the
@@ -294,7 +318,10 @@ def _drop_unused(vjp_tree, vjp_leaves, slots, stored, d_out):
             used[k] = True
     if all(used):
         return stored, slots, []
-    renumber, kept, unused, new_slots = {}, [], [], []
+    renumber: dict[int, int] = {}
+    kept: list[jax.Array] = []
+    unused: list[jax.ShapeDtypeStruct] = []
+    new_slots: list[Slot] = []
     for j, (v, u) in enumerate(zip(stored, used)):
         if u:
             renumber[j] = len(kept)
@@ -313,7 +340,9 @@ def _drop_unused(vjp_tree, vjp_leaves, slots, stored, d_out):
     return kept, new_slots, unused
 
 
-def run_backward(plan: Plan, stored: Sequence, inputs: Sequence, cts: Sequence) -> tuple:
+def run_backward(
+    plan: Plan, stored: Sequence[jax.Array], inputs: Sequence[jax.Array], cts: Sequence[jax.Array]
+) -> tuple[jax.Array, ...]:
     """Gradients of the differentiated leaves, from residuals alone (no forward).
 
     ``inputs`` are the input-backed leaves in ``plan.input_backed`` order and
@@ -327,7 +356,7 @@ def run_backward(plan: Plan, stored: Sequence, inputs: Sequence, cts: Sequence) 
     return tuple(vjp_fn(list(cts)))
 
 
-def assemble_grads(plan: Plan, diff_grads: Sequence):
+def assemble_grads(plan: Plan, diff_grads: Sequence[Any]) -> Any:
     """Per-argument gradients with the arguments' structure; float0 zeros where not differentiated."""
     flat: list[Any] = [np.zeros(a.shape, float0) for a in plan.arg_leaf_avals]
     for i, g in zip(plan.diff_leaves, diff_grads):
@@ -337,7 +366,7 @@ def assemble_grads(plan: Plan, diff_grads: Sequence):
     return grads[0] if plan.single_grad else grads
 
 
-def cotangent_leaves(plan: Plan, ct) -> list:
+def cotangent_leaves(plan: Plan, ct: Any) -> list[Any]:
     """The cotangents of the floating outputs, from a pytree shaped like the output.
 
     ``None`` means 1 for a single floating scalar output. Entries for integer or
@@ -350,7 +379,7 @@ def cotangent_leaves(plan: Plan, ct) -> list:
     leaves, tree = jax.tree_util.tree_flatten(ct)
     if tree != plan.out_tree:
         raise VjpsplitError(f"cotangent structure {tree} does not match the output structure {plan.out_tree}")
-    out = []
+    out: list[Any] = []
     for i in plan.out_diff:
         c, aval = leaves[i], plan.out_avals[i]
         if jnp.shape(c) != tuple(aval.shape) or jnp.result_type(c) != aval.dtype:

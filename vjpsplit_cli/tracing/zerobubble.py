@@ -21,11 +21,11 @@ layers, as in the paper, instead of leaving the whole backward to W.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from jax.extend import core as jcore
 
-from .fission import CONTRACTIONS, cut_inside
+from .fission import CONTRACTIONS, Atom, cut_inside
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class Partition:
     weight_reads: tuple[int, ...] = ()  # positions of the weight part's inputs that it actually reads
 
 
-def _vars(atoms) -> list:
+def _vars(atoms: Iterable[Atom]) -> list[jcore.Var]:
     return [a for a in atoms if isinstance(a, jcore.Var)]
 
 
@@ -99,14 +99,14 @@ def partition(
     )
 
 
-def _outs(eqn) -> list:
+def _outs(eqn: jcore.JaxprEqn) -> list[jcore.Var]:
     return [v for v in eqn.outvars if isinstance(v, jcore.Var)]
 
 
-def _backward_slice(jaxpr: jcore.Jaxpr, roots, exclude: set[int]) -> tuple[set[int], set]:
+def _backward_slice(jaxpr: jcore.Jaxpr, roots: Iterable[Atom], exclude: set[int]) -> tuple[set[int], set[jcore.Var]]:
     """The equations (indices) that ``roots`` depend on, less ``exclude``; and every variable they read."""
     need = set(_vars(roots))
-    picked = set()
+    picked: set[int] = set()
     for idx in range(len(jaxpr.eqns) - 1, -1, -1):
         eqn = jaxpr.eqns[idx]
         if idx in exclude:
@@ -117,7 +117,7 @@ def _backward_slice(jaxpr: jcore.Jaxpr, roots, exclude: set[int]) -> tuple[set[i
     return picked, need
 
 
-def _cotangent_chain(jaxpr: jcore.Jaxpr, ct_invars: Sequence[int], weight_only: set[int]) -> list:
+def _cotangent_chain(jaxpr: jcore.Jaxpr, ct_invars: Sequence[int], weight_only: set[int]) -> list[jcore.JaxprEqn]:
     """Equations of the weight-only slice that depend on a cotangent and feed a later contraction there.
 
     They (and what they read) join B: otherwise W would walk the cotangent back through the
@@ -127,7 +127,7 @@ def _cotangent_chain(jaxpr: jcore.Jaxpr, ct_invars: Sequence[int], weight_only: 
     for eqn in jaxpr.eqns:
         if any(v in ct_dep for v in _vars(eqn.invars)):
             ct_dep.update(_outs(eqn))
-    feeds = set()  # values that reach a contraction of the weight-only slice
+    feeds: set[jcore.Var] = set()  # values that reach a contraction of the weight-only slice
     for idx in sorted(weight_only, reverse=True):
         eqn = jaxpr.eqns[idx]
         if eqn.primitive.name in CONTRACTIONS or any(v in feeds for v in _outs(eqn)):
@@ -135,10 +135,13 @@ def _cotangent_chain(jaxpr: jcore.Jaxpr, ct_invars: Sequence[int], weight_only: 
     return [jaxpr.eqns[i] for i in sorted(weight_only) if any(v in feeds and v in ct_dep for v in _outs(jaxpr.eqns[i]))]
 
 
-def _boundary(jaxpr: jcore.Jaxpr, b_input: set[int], weight_needs: set, ct_vars: list) -> list:
+def _boundary(
+    jaxpr: jcore.Jaxpr, b_input: set[int], weight_needs: set[jcore.Var], ct_vars: list[jcore.Var]
+) -> list[jcore.Var]:
     """What B hands W: the cotangents and B's values that W reads, in the order they appear in the jaxpr."""
     defined_by_b = {v for i in b_input for v in _outs(jaxpr.eqns[i])}
-    boundary, seen = [], set()
+    boundary: list[jcore.Var] = []
+    seen: set[jcore.Var] = set()
     for v in ct_vars + [v for i in sorted(b_input) for v in _outs(jaxpr.eqns[i])]:
         if v in weight_needs and v not in seen and (v in defined_by_b or v in ct_vars):
             boundary.append(v)
@@ -146,7 +149,7 @@ def _boundary(jaxpr: jcore.Jaxpr, b_input: set[int], weight_needs: set, ct_vars:
     return boundary
 
 
-def _debug_info(jaxpr: jcore.Jaxpr, what: str, n_in: int, n_out: int):
+def _debug_info(jaxpr: jcore.Jaxpr, what: str, n_in: int, n_out: int) -> jcore.DebugInfo:
     # jax.extend.core exports DebugInfo only from jax 0.10: take the type from the
     # backward's own debug_info (a NamedTuple in every jax since 0.5) instead.
     return jaxpr.debug_info._replace(
@@ -157,8 +160,8 @@ def _debug_info(jaxpr: jcore.Jaxpr, what: str, n_in: int, n_out: int):
     )
 
 
-def _effects(eqns):
-    effects = set()
+def _effects(eqns: Iterable[jcore.JaxprEqn]) -> frozenset[jcore.Effect]:
+    effects: set[jcore.Effect] = set()
     for e in eqns:
         effects |= set(e.effects)
     return frozenset(effects)
