@@ -31,20 +31,18 @@ def eval_stage(worker: StageWorker, program: EvalProgram, x: Any, side: Sequence
 
 
 def evaluate_here(
-    workers: Sequence[StageWorker], programs: Sequence[Any], mbs: Sequence[Microbatch]
+    workers: Sequence[StageWorker], programs: Sequence[Any], mbs: Sequence[Microbatch], keep: bool = False
 ) -> tuple[list[Any], list[Any]]:
     """Every microbatch of ``mbs`` through every stage (``workers[s]`` runs ``programs[s]``): per microbatch the
-    loss (a device scalar) and what the last stage received."""
+    loss (a device scalar) and, with ``keep``, what the last stage received (else nothing is held)."""
     S = len(workers)
     losses, received = [], []
     for x, side in mbs:
-        last_in = x
         for s, (w, p) in enumerate(zip(workers, programs)):
-            if s == S - 1:
-                last_in = x
+            if keep and s == S - 1:
+                received.append(x)
             x = eval_stage(w, p, x, side_for(side, s, S))
         losses.append(x)
-        received.append(last_in)
     return losses, received
 
 

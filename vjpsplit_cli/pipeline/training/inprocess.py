@@ -176,7 +176,7 @@ class InProcessBackend:
         """Every stage's forward only, dispatched from this thread onto each stage's device (``Backend.evaluate``)."""
         import jax
 
-        losses, received = evaluate_here([t.worker for t in self.trainers], programs, mbs)
+        losses, received = evaluate_here([t.worker for t in self.trainers], programs, mbs, keep=outputs)
         return [float(v) for v in jax.device_get(losses)], (host(received) if outputs else None)
 
     def snapshots(self) -> list[Snapshot]:

@@ -189,12 +189,12 @@ class RayBackend:
         for x, side in mbs:
             value: Any = x
             for s in range(S):
-                if s == S - 1:
-                    received.append(value)
+                if outputs and s == S - 1:
+                    received.append(value)  # only then: a reference here keeps its object alive
                 value = self.actor_of[s].eval_op.remote(s, value, side_for(side, s, S))
             losses.append(value)
         last = self.worker_of[S - 1]
-        refs = [*losses, *(r for r in received if outputs and S > 1)]
+        refs = [*losses, *(received if S > 1 else [])]
         values = rp.fetch(refs, [last] * len(losses) + [self.worker_of[S - 2]] * (len(refs) - len(losses)), t0)
         got = [float(v) for v in values[: len(losses)]]
         if not outputs:
