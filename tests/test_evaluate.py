@@ -4,6 +4,7 @@ tied embedding): the one-process loss, no state changed, stage directories with 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 
@@ -92,6 +93,18 @@ def test_saved_directory_evaluates_and_an_old_one_trains_but_is_refused(tmp_path
 
     (d / "stage2.eval").write_bytes((d / "stage1.eval").read_bytes())  # another stage's program
     with pytest.raises(VjpsplitError, match=r"stage2\.eval: not the evaluation program stages\.json was saved with"):
+        vs.load_stages(d)
+    forged = json.loads(json.dumps(index))  # ... and an unsigned index that records its digest
+    forged["stages"][2]["evaluation"]["sha256"] = hashlib.sha256((d / "stage1.eval").read_bytes()).hexdigest()
+    (d / "stages.json").write_text(json.dumps(forged))
+    with pytest.raises(
+        VjpsplitError, match=r"stage2\.eval: input 'x/0': expected float32\[b,5,8\], the program takes float32\[\]"
+    ):
+        vs.load_stages(d)
+    (d / "stage2.eval").write_bytes(b"garbage")
+    forged["stages"][2]["evaluation"]["sha256"] = hashlib.sha256(b"garbage").hexdigest()
+    (d / "stages.json").write_text(json.dumps(forged))
+    with pytest.raises(VjpsplitError, match=r"stage2\.eval: not a vjpsplit evaluation program"):
         vs.load_stages(d)
 
     # A directory an older vjpsplit wrote: index version 1, no evaluation programs.

@@ -29,7 +29,7 @@ from ...files.trees import flatten_with_keys
 from ...safeio.outputs import StagedOutputs
 from ...safeio.reading import read_bytes
 from ...trust import signing
-from .evaluation import EvalProgram, load_eval
+from .evaluation import EvalProgram, check_loaded, read_eval
 from .index import LeafEntry, StagesIndex
 
 if TYPE_CHECKING:
@@ -233,7 +233,8 @@ def load_stages(directory: str | os.PathLike[str], *, trust: Any = None, allow_k
             except (TypeError, ValueError, AttributeError):
                 raise VjpsplitError(f"{path}: the index's signature is malformed; save the stages again") from None
         signing.verify(top, _pack({k: v for k, v in index.items()}), path, trusted, lambda m: _pack(m))
-    arts, programs = [], []
+    arts: list[Artifact] = []
+    programs: list[EvalProgram | None] = []
     signed = trusted is not None and signing.SIGNATURE in index  # verified above: a key the caller trusts
     for i, st in enumerate(typed.per_stage):
         name = st.file
@@ -245,9 +246,11 @@ def load_stages(directory: str | os.PathLike[str], *, trust: Any = None, allow_k
                 f"{path}: {name} is not the artifact this index was saved with (fingerprint differs); save again"
             )
         arts.append(a)
-        programs.append(
-            None
-            if st.evaluation is None
-            else load_eval(directory, *st.evaluation, a, trusted_signer=signed, allow_kernels=allow_kernels)
-        )
+        programs.append(None if st.evaluation is None else read_eval(directory, *st.evaluation))
+    named = {
+        os.path.join(directory, st.evaluation[0]): (p, a)
+        for st, p, a in zip(typed.per_stage, programs, arts)
+        if st.evaluation is not None and p is not None
+    }
+    check_loaded(named, trusted_signer=signed, allow_kernels=allow_kernels)  # every module in one child
     return Stages(arts, typed, programs)

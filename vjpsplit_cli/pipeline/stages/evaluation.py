@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 from jax import export as jexport
@@ -30,7 +30,7 @@ from ...trust import probes
 from ...trust.custom_calls import check_calls
 
 SUFFIX = ".eval"
-REEXPORT = "export the stages again with this vjpsplit (export_stages(...).save(DIR), or `vjpsplit export-stages`)"
+REEXPORT = "export the stages again with this vjpsplit (export_stages(...).save(DIR), or `vjpsplit export ... --stages -o DIR`)"
 
 
 def eval_file(stage: int) -> str:
@@ -123,11 +123,9 @@ def export_eval(stage_fn: Any, arg_specs: Sequence[Any], art: Any, source: str) 
     return program
 
 
-def load_eval(
-    directory: str, name: str, sha256: str, art: Any, *, trusted_signer: bool, allow_kernels: bool
-) -> EvalProgram:
-    """Stage ``art``'s evaluation program from ``directory/name``, refused unless its bytes have the SHA-256 that
-    ``stages.json`` records, its module passes the artifact's module checks and it fits the stage's forward."""
+def read_eval(directory: str, name: str, sha256: str) -> EvalProgram:
+    """The evaluation program in ``directory/name``, refused unless its bytes have the SHA-256 ``stages.json``
+    records (its module is not parsed yet: ``check_loaded``)."""
     if os.path.basename(name) != name or not name:
         raise VjpsplitError(f"{directory}: an evaluation program names no file in this directory; {REEXPORT}")
     path = os.path.join(directory, name)
@@ -136,21 +134,28 @@ def load_eval(
         raise VjpsplitError(
             f"{path}: not the evaluation program stages.json was saved with (SHA-256 differs); {REEXPORT}"
         )
-    program = EvalProgram.from_bytes(data, path)
+    return EvalProgram.from_bytes(data, path)
+
+
+def check_loaded(programs: Mapping[str, tuple[EvalProgram, Any]], *, trusted_signer: bool, allow_kernels: bool) -> None:
+    """Refuse any of ``programs`` (source -> (program, its stage's artifact)) whose module fails the artifact's
+    module checks (parsed in the checker's child process, all in one) or that does not fit its stage's forward."""
+    if not programs:
+        return
+    modules = {src: p.exported.mlir_module_serialized for src, (p, _) in programs.items()}
+    first = next(iter(programs))  # the directory, in the probe's own errors
     try:
-        probed = probes.probe_modules(
-            {"eval": program.exported.mlir_module_serialized}, path, in_process=trusted_signer
-        )
+        probed = probes.probe_modules(modules, os.path.dirname(first), in_process=trusted_signer)
     except CorruptModule as e:
-        raise VjpsplitError(f"{path}: its module does not parse ({e}); {REEXPORT}") from e
-    info = probed.get("eval") or {}
-    if check_calls(path, "eval", info.get("calls", ()), trusted_signer=trusted_signer, allow_kernels=allow_kernels):
-        raise VjpsplitError(
-            f"{path}: the evaluation program calls a kernel at symbolic shapes this vjpsplit cannot vouch for; sign "
-            "the stages and pass trust=, or pass allow_kernels=True"
-        )
-    check_program(program, art, path)
-    return program
+        raise VjpsplitError(f"{e.module}: the evaluation program's StableHLO is corrupt; {REEXPORT}") from e
+    for src, (program, art) in programs.items():
+        calls = (probed.get(src) or {}).get("calls", ())
+        if check_calls(src, "eval", calls, trusted_signer=trusted_signer, allow_kernels=allow_kernels):
+            raise VjpsplitError(
+                f"{src}: the evaluation program calls a kernel at symbolic shapes this vjpsplit cannot vouch for; "
+                "sign the stages and pass trust=, or pass allow_kernels=True"
+            )
+        check_program(program, art, src)
 
 
 def missing(source: str, stages: Sequence[int]) -> str:
