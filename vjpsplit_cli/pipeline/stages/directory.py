@@ -72,7 +72,8 @@ class Stages:
         return f"Stages({self.index.function}, {len(self)} stages)"
 
     def save(self, directory: str | os.PathLike[str], *, sign_key: Any = None, fsync: bool = True) -> None:
-        """Write ``directory``: one artifact per stage and ``stages.json``, all replaced together or none."""
+        """Write ``directory``: one artifact per stage, each stage's evaluation program and ``stages.json``, all
+        replaced together or none."""
         directory = os.fspath(directory)
         try:
             os.makedirs(directory, exist_ok=True)
