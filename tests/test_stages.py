@@ -95,14 +95,12 @@ def test_save_load_round_trip_signed(gpt_stages, tmp_path):
     vs_keygen(key)
     stages.save(tmp_path / "gpt.stages", sign_key=key)
     assert sorted(p.name for p in (tmp_path / "gpt.stages").iterdir()) == [
-        "stage0.vjp",
-        "stage1.vjp",
-        "stage2.vjp",
-        "stage3.vjp",
+        *[f"stage{k}.{e}" for k in range(4) for e in ("eval", "vjp")],  # each stage's evaluation program too
         "stages.json",
     ]
     back = vs.load_stages(tmp_path / "gpt.stages", trust=str(key) + ".pub")
     assert isinstance(back, vs.Stages) and len(back) == 4 and back.index.per_stage == stages.index.per_stage
+    assert [p.sha256 for p in back.evaluation] == [p.sha256 for p in stages.evaluation]
     batch = gpt_batch(4)
     loss, grads = jax.value_and_grad(gpt)(params, *batch)
     r = P.run(back, params, batch, microbatches=2, schedule_name="zbh1")

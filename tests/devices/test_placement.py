@@ -14,6 +14,7 @@ from stage_models import gpt, gpt_batch, gpt_params, gpt_specs, mlp, mlp_params
 
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
+from vjpsplit_cli.pipeline.runtime.evaluation import eval_stage
 from vjpsplit_cli.pipeline.runtime.model import side_for
 
 D = jax.local_devices()
@@ -71,6 +72,19 @@ def _one_microbatch_by_hand(tr, want) -> None:
         w.reset()
 
 
+def _evaluates_on(tr, want) -> None:
+    """evaluate: each stage's forward-only program runs on its stage's device; the one-process loss."""
+    workers, programs = [t.worker for t in tr.backend.trainers], _stages().evaluation
+    batch = gpt_batch(8, seed=4)
+    x, side = _stages().stage_batch(batch, 4)[0]
+    for s, (w, p) in enumerate(zip(workers, programs)):
+        x = eval_stage(w, p, x, side_for(side, s, 4))
+        assert _on(x, want[s]), s  # made on the stage's device, from what was moved there
+    assert all(not w.res for w in workers)
+    ref = float(gpt(tr.params(), *batch))
+    assert abs(tr.evaluate(batch) - ref) <= 1e-6 * abs(ref)
+
+
 def test_default_placement_puts_each_of_4_stages_on_its_own_device():
     tr = _train(schedule_name="1f1b")
     assert len({t.worker.device for t in tr.backend.trainers}) == 4
@@ -83,6 +97,7 @@ def test_explicit_devices_are_respected():
     tr = _train(schedule_name="zbh1", devices=[[d] for d in backwards])
     _state_lives_on(tr, backwards)
     _one_microbatch_by_hand(tr, backwards)
+    _evaluates_on(tr, backwards)
 
 
 def test_zbv_puts_each_workers_two_stages_on_its_device():

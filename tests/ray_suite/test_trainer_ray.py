@@ -14,6 +14,8 @@ from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
 from vjpsplit_cli.errors import VjpsplitError
+from vjpsplit_cli.pipeline.schedules.auto import auto_schedule
+from vjpsplit_cli.pipeline.training import autoplan
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +45,16 @@ def test_ray_trainer_equals_single_process_optax(ray_session, stages, schedule):
     np.testing.assert_array_equal(copies[0], copies[1])
 
 
-def test_ray_trainer_auto_measures_then_plans_and_equals_single_process_optax(ray_session, stages):
+def test_ray_trainer_auto_measures_then_plans_and_equals_single_process_optax(ray_session, stages, monkeypatch):
     params, tx = gpt_params(), optax.adamw(1e-2)
     batches = [gpt_batch(8, seed=25 + i) for i in range(3)]
+    planned = []  # the costs auto_schedule plans with: Ray's measured send time among them
+
+    def spy(*args, **kwargs):
+        planned.append(dict(kwargs["costs"]))
+        return auto_schedule(*args, **kwargs)
+
+    monkeypatch.setattr(autoplan, "auto_schedule", spy)
     with P.Trainer(stages, params, optimizer=tx, schedule_name="auto", microbatches=4, runner="ray") as tr:
         losses = [tr.step(b) for b in batches]
         got, costs = tr.params(), tr.costs()
@@ -57,7 +66,25 @@ def test_ray_trainer_auto_measures_then_plans_and_equals_single_process_optax(ra
         ("zbh1", True), ("auto", True), ("auto", False)
     ]  # fmt: skip
     assert all(len(costs[k]) == 4 and min(costs[k]) >= 0 for k in "FBW") and costs["comm"] > 0  # actor calls
+    assert len(planned) == 2 and planned[-1]["comm"] == costs["comm"]  # the last plan: the costs() of both steps
     assert tr.history[1]["modeled_makespan"] <= tr.history[0]["modeled_makespan"]
+
+
+def test_ray_trainer_evaluates_forward_only_equal_to_one_process(ray_session, stages):
+    params, tx, held_out = gpt_params(), optax.adam(1e-2), gpt_batch(8, seed=35)
+    with P.Trainer(stages, params, optimizer=tx, schedule_name="1f1b", microbatches=2, runner="ray") as tr:
+        tr.step(gpt_batch(8, seed=36))
+        before = tr.backend.snapshots()
+        loss, outputs = tr.evaluate(held_out, outputs=True)
+        loss4 = tr.evaluate(held_out, microbatches=4)
+        after, now = tr.backend.snapshots(), tr.params()
+        assert tr.step_count == 1 and len(tr.history) == 1
+    ref = float(gpt(now, *held_out))
+    assert abs(loss - ref) <= 1e-6 * abs(ref) and abs(loss4 - ref) <= 1e-6 * abs(ref)
+    for (p0, s0), (p1, s1) in zip(before, after):  # no parameter or optimizer state changed
+        assert p0.keys() == p1.keys() and s0.keys() == s1.keys()
+        assert all(np.array_equal(p0[k], p1[k]) for k in p0) and all(np.array_equal(s0[k], s1[k]) for k in s0)
+    assert len(outputs) == 2 and [np.shape(v) for v in outputs[0]] == [(), (4, 5, 8)]  # what the last stage got
 
 
 def test_ray_workers_without_optax_train_and_restore(ray_session, stages, tmp_path):

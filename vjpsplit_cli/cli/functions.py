@@ -65,8 +65,8 @@ from .runtime import enable_x64_if, wants_x64
     "--stages",
     "as_stages",
     is_flag=True,
-    help="Cut FN at its stage_boundary marks into pipeline stages: -o is a directory (one artifact per stage "
-    "and stages.json), every stage with the zero-bubble split backward.",
+    help="Cut FN at its stage_boundary marks into pipeline stages: -o is a directory (one artifact and one "
+    "evaluation program per stage, and stages.json), every stage with the zero-bubble split backward.",
 )
 @click.option(
     "--stage-count",

@@ -6,7 +6,9 @@ shapes), the batch leaves, and per stage the leaves it reads, the values it
 receives and sends, its estimated cost and each artifact's fingerprint. ``save`` writes every file to
 a temp file and renames them all at the end (``StagedOutputs``); with
 ``sign_key`` each artifact and the index are signed, and ``load_stages(trust=)``
-refuses a directory any of whose files another key (or no key) signed.
+refuses a directory any of whose files another key (or no key) signed. Each stage's
+evaluation program (``evaluation``) is ``stage<k>.eval``, recorded with its SHA-256 in
+the index (so the index's signature covers it).
 ``stage_params``, ``stage_batch`` and ``gather_grads`` translate between the
 user's ``params`` and batch tuple and the runners' per-stage form.
 """
@@ -27,6 +29,7 @@ from ...files.trees import flatten_with_keys
 from ...safeio.outputs import StagedOutputs
 from ...safeio.reading import read_bytes
 from ...trust import signing
+from .evaluation import EvalProgram, check_loaded, read_eval
 from .index import LeafEntry, StagesIndex
 
 if TYPE_CHECKING:
@@ -40,11 +43,21 @@ class PerStage(dict[int, list[Any]]):
 
 
 class Stages:
-    """A model's pipeline stages: ``artifacts`` (one per stage) and ``index`` (``stages.json``, a ``StagesIndex``)."""
+    """A model's pipeline stages: ``artifacts`` (one per stage), ``index`` (``stages.json``, a ``StagesIndex``) and
+    ``evaluation``: per stage its evaluation program, or None (a directory saved before there were any, a sharded
+    stage)."""
 
-    def __init__(self, artifacts: Sequence[Artifact], index: StagesIndex):
+    def __init__(
+        self,
+        artifacts: Sequence[Artifact],
+        index: StagesIndex,
+        evaluation: Sequence[EvalProgram | None] | None = None,
+    ):
         self.artifacts = list(artifacts)
         self.index = index
+        self.evaluation: list[EvalProgram | None] = (
+            [None] * len(self.artifacts) if evaluation is None else list(evaluation)
+        )
 
     def __len__(self) -> int:
         return len(self.artifacts)
@@ -59,7 +72,8 @@ class Stages:
         return f"Stages({self.index.function}, {len(self)} stages)"
 
     def save(self, directory: str | os.PathLike[str], *, sign_key: Any = None, fsync: bool = True) -> None:
-        """Write ``directory``: one artifact per stage and ``stages.json``, all replaced together or none."""
+        """Write ``directory``: one artifact per stage, each stage's evaluation program and ``stages.json``, all
+        replaced together or none."""
         directory = os.fspath(directory)
         try:
             os.makedirs(directory, exist_ok=True)
@@ -75,12 +89,23 @@ class Stages:
             index = dataclasses.replace(index, signature=signing.sign(_pack(index.to_json()), key))
         self.index = index
         files = {f"stage{i}": os.path.join(directory, st.file) for i, st in enumerate(index.per_stage)}
+        evals = {f"eval{i}": st.evaluation[0] for i, st in enumerate(index.per_stage) if st.evaluation is not None}
+        lacking = [i for i, st in enumerate(index.per_stage) if st.evaluation is not None and not self.evaluation[i]]
+        if lacking:
+            raise VjpsplitError(
+                f"{directory}: the index names stage {lacking[0]}'s evaluation program and this Stages lacks it; "
+                "save the Stages that export_stages or load_stages gave"
+            )
+        files.update({label: os.path.join(directory, name) for label, name in evals.items()})
         files[INDEX] = os.path.join(directory, INDEX)
         packed = _pack(index.to_json())
         with StagedOutputs(files, fsync=fsync) as out:
             for i, a in enumerate(self.artifacts):
                 data = a.to_bytes()
                 out.write(f"stage{i}", functools.partial(_write, data=data))
+            for i, program in enumerate(self.evaluation):
+                if program is not None and f"eval{i}" in evals:  # one the index names (it holds its digest)
+                    out.write(f"eval{i}", functools.partial(_write, data=program.data))
             out.write(INDEX, functools.partial(_write, data=packed))
 
     def stage_params(self, params: Any) -> list[tuple[Any, ...]]:
@@ -209,7 +234,9 @@ def load_stages(directory: str | os.PathLike[str], *, trust: Any = None, allow_k
             except (TypeError, ValueError, AttributeError):
                 raise VjpsplitError(f"{path}: the index's signature is malformed; save the stages again") from None
         signing.verify(top, _pack({k: v for k, v in index.items()}), path, trusted, lambda m: _pack(m))
-    arts = []
+    arts: list[Artifact] = []
+    programs: list[EvalProgram | None] = []
+    signed = trusted is not None and signing.SIGNATURE in index  # verified above: a key the caller trusts
     for i, st in enumerate(typed.per_stage):
         name = st.file
         if os.path.basename(name) != name or not name:
@@ -220,4 +247,11 @@ def load_stages(directory: str | os.PathLike[str], *, trust: Any = None, allow_k
                 f"{path}: {name} is not the artifact this index was saved with (fingerprint differs); save again"
             )
         arts.append(a)
-    return Stages(arts, typed)
+        programs.append(None if st.evaluation is None else read_eval(directory, *st.evaluation))
+    named = {
+        os.path.join(directory, st.evaluation[0]): (p, a)
+        for st, p, a in zip(typed.per_stage, programs, arts)
+        if st.evaluation is not None and p is not None
+    }
+    check_loaded(named, trusted_signer=signed, allow_kernels=allow_kernels)  # every module in one child
+    return Stages(arts, typed, programs)

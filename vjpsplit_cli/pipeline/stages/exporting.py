@@ -6,7 +6,9 @@ Each stage is exported by ``export`` as an ordinary artifact over tuples:
 parameter leaves it reads, ``x`` the values the stage before sends (boundary
 values, plus any made earlier and read later: carried through), and ``batch``
 exactly the batch leaves it reads, straight from the driver. Every stage
-differentiates ``params`` (and ``x`` after the first), never the batch.
+differentiates ``params`` (and ``x`` after the first), never the batch. Beside
+each artifact, the stage's evaluation program: the same function's forward
+alone, without residuals (``evaluation``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .balance import balanced_ends
 from .costmodel import ANY_DIM, COST_DIM, eqn_cost
 from .cut import StageCut, Traced, cut, stage_function, trace
 from .directory import Stages
+from .evaluation import EvalProgram, eval_file, export_eval
 from .index import LeafEntry, StageEntry, StagesIndex
 
 
@@ -118,7 +121,7 @@ def export_stages(
         _export_stage(traced, st, k, len(cuts), p_entries, b_entries, label, platforms, policy, weights)
         for k, st in enumerate(cuts)
     ]
-    arts, info = [a for a, _ in exported], [i for _, i in exported]
+    arts, info, programs = [a for a, _, _ in exported], [i for _, i, _ in exported], [p for _, _, p in exported]
     index = StagesIndex(
         function=label,
         cut=how,
@@ -131,7 +134,7 @@ def export_stages(
         batch=tuple(_leaf_entry(k, s) for k, s in b_entries),
         per_stage=tuple(info),
     )
-    return Stages(arts, index)
+    return Stages(arts, index, programs)
 
 
 def _export_stage(
@@ -145,8 +148,8 @@ def _export_stage(
     platforms: Sequence[str] | str,
     policy: str | None,
     weights: bool,
-) -> tuple[Any, StageEntry]:
-    """Stage ``k`` of ``n`` as an artifact, and its entry in ``stages.json``."""
+) -> tuple[Any, StageEntry, EvalProgram | None]:
+    """Stage ``k`` of ``n`` as an artifact, its entry in ``stages.json`` and its evaluation program."""
     first, last = k == 0, k == n - 1
     sfn = stage_function(traced, st, first, last)
     p_spec = tuple(p_entries[i][1] for i in st.params)
@@ -165,6 +168,7 @@ def _export_stage(
         weights="params" if weights else None,
     )
     xla = _xla_flops(art)
+    program = export_eval(sfn, arg_specs, art, f"{label} stage {k}")
     entry = StageEntry(
         file=f"stage{k}.vjp",
         params=tuple(st.params),
@@ -174,8 +178,9 @@ def _export_stage(
         cost=xla if xla is not None else sum(eqn_cost(e) for e in st.eqns),
         cost_source="xla" if xla is not None else "estimate",
         cut_after=None if last else _describe(st.eqns[-1]),
+        evaluation=None if program is None else (eval_file(k), program.sha256),
     )
-    return art, entry
+    return art, entry, program
 
 
 def _describe(eqn: Any) -> str:

@@ -6,9 +6,14 @@ Versions of the index (``version``):
   parameter and batch leaves (key, dtype, shape with symbolic dims as text), and
   per stage its artifact file and fingerprint, the leaf positions it reads, the
   values it receives and sends, its estimated cost and the equation cut after.
+* 2 (2026-12-02): per stage also ``evaluation``, its evaluation program's file
+  and SHA-256 (``evaluation``: the forward without residuals that
+  ``Trainer.evaluate`` runs). Written only when some stage has one; version 1
+  directories still load (for training; ``evaluate`` refuses them).
 
-``StagesIndex.to_json`` writes exactly the map version 1 reads (``from_json``),
-so a signed directory's canonical bytes do not change with this code.
+``StagesIndex.to_json`` writes exactly the map its version reads (``from_json``):
+an index without evaluation programs is written as version 1, so a signed
+directory's canonical bytes do not change with this code.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from ...errors import VjpsplitError
 from ...trust import signing
 
 FORMAT = "vjpsplit-stages"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # the versions from_json reads
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,7 @@ class StageEntry:
     cost_source: str
     cut_after: str | None
     fingerprint: str | None = None  # the artifact's, recorded when the directory is saved
+    evaluation: tuple[str, str] | None = None  # version 2: (file, SHA-256) of the stage's evaluation program
 
     def to_json(self) -> dict[str, Any]:
         """The entry as ``stages.json`` writes it."""
@@ -71,6 +78,8 @@ class StageEntry:
         }
         if self.fingerprint is not None:
             out["fingerprint"] = self.fingerprint
+        if self.evaluation is not None:
+            out["evaluation"] = {"file": self.evaluation[0], "sha256": self.evaluation[1]}
         return out
 
     @classmethod
@@ -86,6 +95,7 @@ class StageEntry:
             str(d["cost_source"]),
             None if d.get("cut_after") is None else str(d["cut_after"]),
             None if d.get("fingerprint") is None else str(d["fingerprint"]),
+            None if d.get("evaluation") is None else (str(d["evaluation"]["file"]), str(d["evaluation"]["sha256"])),
         )
 
 
@@ -124,7 +134,7 @@ class StagesIndex:
         """The map ``stages.json`` holds (with the signature entry when signed)."""
         out: dict[str, Any] = {
             "format": FORMAT,
-            "version": VERSION,
+            "version": VERSION if any(st.evaluation is not None for st in self.per_stage) else 1,
             "function": self.function,
             "cut": self.cut,
             "cost_dim": self.cost_dim,
@@ -145,8 +155,11 @@ class StagesIndex:
         """The index in a ``stages.json`` map; a map of another format or version is one error naming ``source``."""
         if not isinstance(d, Mapping) or d.get("format") != FORMAT or not isinstance(d.get("stages"), list):
             raise VjpsplitError(f"{source}: not a vjpsplit stages index; pass a directory written by Stages.save")
-        if d.get("version") != VERSION:
-            raise VjpsplitError(f"{source}: stages index version {d.get('version')!r}; this vjpsplit reads {VERSION}")
+        if type(d.get("version")) is not int or d.get("version") not in READS:
+            raise VjpsplitError(
+                f"{source}: stages index version {d.get('version')!r}; this vjpsplit reads "
+                f"{', '.join(map(str, READS))}: use a newer vjpsplit, or export the stages again"
+            )
         try:
             return cls(
                 str(d["function"]),

@@ -18,6 +18,7 @@ from ..runtime.model import Microbatch
 from ..runtime.result import PipelineResult
 from ..schedules.layout import Layout
 from ..schedules.plans import Resolved
+from ..stages.evaluation import EvalProgram
 from .inprocess import InProcessBackend
 from .optimizer import stage_programs
 from .ownership import Ownership, Snapshot
@@ -42,6 +43,14 @@ class Backend(Protocol):
         ``timed``: every operation waits for its results and the result's events are
         their compute times (what measuring a schedule's costs needs); otherwise
         nothing waits that the step does not need, and the result has no events."""
+        ...
+
+    def evaluate(
+        self, mbs: Sequence[Microbatch], programs: Sequence[EvalProgram], outputs: bool
+    ) -> tuple[list[float], list[Any] | None]:
+        """Every stage's forward only on ``mbs``, from its evaluation program where the stage lives: the
+        per-microbatch losses and, with ``outputs``, what the last stage received per microbatch (host arrays).
+        No residual is kept and no parameter or optimizer state changes."""
         ...
 
     @property

@@ -23,6 +23,9 @@ lost Ray worker.
   before its checkpoint is submitted, so the last checkpoint stays the last finite step.
 * ``callback(step, loss, rerun=...)`` where the callback takes ``rerun``: True for a
   step this call already ran (it returned to a checkpoint after a lost worker).
+* With ``eval_data`` and ``eval_every``, ``Trainer.evaluate`` runs after every
+  ``eval_every``-th step and after the last (``evaluations``), its loss in the
+  step's history row as ``eval_loss``.
 """
 
 from __future__ import annotations
@@ -176,6 +179,18 @@ def _check_options(steps: int, checkpoint_dir: Any, checkpoint_every: int | None
         raise VjpsplitError(f"max_restarts={max_restarts!r}; pass an int >= 0")
 
 
+def evaluations(eval_data: Any, eval_every: int | None) -> Callable[[int], Any] | None:
+    """``eval_data`` as ``batch(step)`` for the steps to evaluate after; None without it. Refuses one without the
+    other and an ``eval_every`` that is not a number of steps >= 1."""
+    if eval_data is None and eval_every is None:
+        return None
+    if eval_data is None or eval_every is None:
+        raise VjpsplitError("fit evaluates with both eval_data (a batch, or eval_data(step)) and eval_every (steps)")
+    if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1:
+        raise VjpsplitError(f"eval_every={eval_every!r}; pass a number of steps >= 1")
+    return eval_data if callable(eval_data) else (lambda step: eval_data)
+
+
 def fit(
     trainer: Any,
     data: Any,
@@ -186,9 +201,12 @@ def fit(
     max_restarts: int = 0,
     callback: Callable[..., Any] | None = None,
     stop_on_nonfinite: bool = True,
+    eval_data: Any = None,
+    eval_every: int | None = None,
 ) -> list[float]:
     """``trainer.fit``'s work (see ``Trainer.fit`` and the module docstring); returns the losses of the steps run."""
     _check_options(steps, checkpoint_dir, checkpoint_every, max_restarts)
+    eval_batch = evaluations(eval_data, eval_every)
     batch = _batch_source(data, steps)
     report = _reported(callback)
     writer = None if checkpoint_dir is None else CheckpointWriter(checkpoint_dir, trainer.checkpoint_times)
@@ -227,6 +245,8 @@ def fit(
                     if bad is not None:
                         raise bad
                 done = k + 1
+                if eval_batch is not None and (done == steps or done % (eval_every or 1) == 0):
+                    trainer.history[-1]["eval_loss"] = trainer.evaluate(eval_batch(done))
                 if writer is not None and (
                     done == steps or (checkpoint_every is not None and done % checkpoint_every == 0)
                 ):

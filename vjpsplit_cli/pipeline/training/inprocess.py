@@ -16,12 +16,14 @@ from typing import Any, Callable, Mapping, Sequence
 from ...errors import VjpsplitError
 from ..runtime.devices import Devices
 from ..runtime.dispatch import Order, order_of
+from ..runtime.evaluation import evaluate_here, host
 from ..runtime.inprocess import RUNNER, WorkerThreads, dispatch, run_threads
 from ..runtime.model import Microbatch
 from ..runtime.result import PipelineResult, step_result
 from ..runtime.worker import StageWorker
 from ..schedules.ops import Op
 from ..schedules.plans import Resolved
+from ..stages.evaluation import EvalProgram
 from .clipping import clip_scale
 from .ownership import Ownership, Snapshot
 from .stagestate import StageTrainer, finish_stages
@@ -167,6 +169,15 @@ class InProcessBackend:
         order, _ = self._orders(schedule.plans)
         run_threads(self.threads, workers, schedule.plans, mbs, microbatches, tail=tail, order=order)
         return sums
+
+    def evaluate(
+        self, mbs: Sequence[Microbatch], programs: Sequence[EvalProgram], outputs: bool
+    ) -> tuple[list[float], list[Any] | None]:
+        """Every stage's forward only, dispatched from this thread onto each stage's device (``Backend.evaluate``)."""
+        import jax
+
+        losses, received = evaluate_here([t.worker for t in self.trainers], programs, mbs, keep=outputs)
+        return [float(v) for v in jax.device_get(losses)], (host(received) if outputs else None)
 
     def snapshots(self) -> list[Snapshot]:
         """Every stage's ``(params, optimizer state)`` as host arrays."""

@@ -7,7 +7,10 @@ schedule's operations, so an actor runs them after its last W (Ray runs an
 actor's calls in submission order); tied gradients go from actor to actor as
 object references, and only the squared norms (when clipping needs their sum),
 the loss and the timings reach the driver. The optimizer arrives as exported
-bytes: an actor imports neither optax nor the user's code.
+bytes: an actor imports neither optax nor the user's code. Evaluation
+(``evaluate``) chains each microbatch's stage calls actor to actor by object
+reference; only the losses (and, when asked, the last stage's inputs) reach the
+driver.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-from ..runtime.model import Microbatch
+from ..runtime.evaluation import EvaluatingActor
+from ..runtime.model import Microbatch, side_for
 from ..runtime.ray.actor import StageActor, raise_first_error
 from ..runtime.ray.pipeline import RUNNER, RayPipeline
 from ..runtime.ray.setup import SCHEDULE_TIMEOUT
@@ -23,6 +27,7 @@ from ..runtime.result import PipelineResult, step_result
 from ..schedules.catalog import describe
 from ..schedules.ops import split_ops
 from ..schedules.plans import Resolved
+from ..stages.evaluation import EvalProgram
 from ...errors import VjpsplitError
 from .clipping import clip_scale
 from .ownership import Ownership, Snapshot
@@ -31,8 +36,8 @@ from .stagestate import StageTrainer
 RESTORE_HINT = "; restore the last checkpoint into a new Trainer to run again"
 
 
-class TrainActor(StageActor):
-    """A pipeline worker's actor that also trains: one ``StageTrainer`` per stage it holds."""
+class TrainActor(StageActor, EvaluatingActor):
+    """A pipeline worker's actor that also trains (one ``StageTrainer`` per stage it holds) and evaluates."""
 
     def setup(self, entries: Sequence[tuple[int, list[str], bytes, dict[str, list[int]], list[str], Any]]) -> None:
         """``(stage, names, optimizer bytes, holders, counted, state or None)`` per stage this actor holds."""
@@ -88,6 +93,7 @@ class RayBackend:
             raise
         self.worker_of = rp.layout.worker_of()
         self.actor_of = {s: rp.actors[w] for s, w in self.worker_of.items()}
+        self.evaluating: set[int] = set()  # the workers whose actors hold their stages' evaluation programs
 
     def _entries(self, worker: int, states: Sequence[Any]) -> list[tuple[Any, ...]]:
         """What ``TrainActor.setup`` takes for ``worker``'s stages."""
@@ -164,6 +170,37 @@ class RayBackend:
         )
         return result, list(totals)
 
+    def evaluate(
+        self, mbs: Sequence[Microbatch], programs: Sequence[EvalProgram], outputs: bool
+    ) -> tuple[list[float], list[Any] | None]:
+        """Every stage's forward only on its actor (``Backend.evaluate``): each microbatch's stage calls chained
+        by object reference, so activations go actor to actor; the programs go to each actor once."""
+        rp, S = self.rp, self.rp.num_stages
+        t0 = time.monotonic()
+        send = [w for w in range(rp.layout.num_workers) if w not in self.evaluating]
+        if send:
+            rp.fetch(
+                [rp.actors[w].load_eval.remote({s: programs[s].data for s in rp.layout.workers[w]}) for w in send],
+                send,
+                t0,
+            )
+            self.evaluating.update(send)
+        losses, received = [], []
+        for x, side in mbs:
+            value: Any = x
+            for s in range(S):
+                if outputs and s == S - 1:
+                    received.append(value)  # only then: a reference here keeps its object alive
+                value = self.actor_of[s].eval_op.remote(s, value, side_for(side, s, S))
+            losses.append(value)
+        last = self.worker_of[S - 1]
+        refs = [*losses, *(received if S > 1 else [])]
+        values = rp.fetch(refs, [last] * len(losses) + [self.worker_of[S - 2]] * (len(refs) - len(losses)), t0)
+        got = [float(v) for v in values[: len(losses)]]
+        if not outputs:
+            return got, None
+        return got, (list(values[len(losses) :]) if S > 1 else [tuple(x) for x, _ in mbs])
+
     def snapshots(self) -> list[Snapshot]:
         """Every stage's ``(params, optimizer state)``, fetched from its actor."""
         rp = self.rp
@@ -198,6 +235,7 @@ class RayBackend:
         rp.get([rp.actors[w].setup.remote(self._entries(w, [None] * S)) for w in workers])
         rp.connect()  # every actor sends its results to the new handles from now on
         self.actor_of = {s: rp.actors[w] for s, w in self.worker_of.items()}
+        self.evaluating -= set(workers)  # a new actor gets the evaluation programs at its first evaluate
 
     def close(self) -> None:
         """End the actors (and a Ray instance the Trainer started)."""

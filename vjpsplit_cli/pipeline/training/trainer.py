@@ -23,6 +23,8 @@ import os
 import time
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from ...errors import VjpsplitError
 from ..runtime.model import model_of
 from ..runtime.ray.pipeline import STEP_TIMEOUT
@@ -33,6 +35,7 @@ from ..schedules.csvformat import format_schedule, parse_schedule
 from ..schedules.ops import Op
 from ..schedules.plans import resolve
 from ..stages.directory import Stages
+from ..stages.evaluation import EvalProgram, missing
 from .autoplan import AUTO, AutoPlan
 from .backend import Backend, open_backend
 from ...files.trees import encode_structure
@@ -205,6 +208,45 @@ class Trainer:
         self.last_result = r
         return r.loss
 
+    def evaluate(self, batch: tuple[Any, ...], *, microbatches: int | None = None, outputs: bool = False) -> Any:
+        """The loss on ``batch`` from every stage's forward only: no residuals, no gradients, no update.
+
+        Each stage runs its evaluation program (``export_stages`` writes one beside each artifact: the stage's
+        forward without residual outputs) where the stage lives, in-process or on its Ray actor, with the
+        parameters it holds now; activations go from stage to stage as in a step. The loss is the mean over the
+        microbatches, as a step's is (the function's loss on the whole batch, for a mean loss). Parameters,
+        optimizer state, the step count and the history do not change.
+
+        Args:
+            batch: the function's batch inputs as a tuple, as ``step`` takes them.
+            microbatches: how many microbatches to cut ``batch`` into (default: the Trainer's).
+            outputs: also return the model's output: per microbatch, the tuple of arrays the last stage
+                received (what the stage before it sends on, e.g. the hidden state before the loss).
+
+        Returns:
+            The loss (a float); with ``outputs=True``, ``(loss, outputs)``.
+
+        Raises:
+            VjpsplitError: the Trainer runs the per-stage form, or a stage has no evaluation program (a stages
+                directory saved by an older vjpsplit, or a sharded stage): the message says how to export again.
+        """
+        programs = self._eval_programs()
+        mbs = self.model.batch_microbatches(batch, self.microbatches if microbatches is None else microbatches)
+        losses, received = self.backend.evaluate(mbs, programs, outputs)
+        loss = float(np.mean(losses))
+        return (loss, received) if outputs else loss
+
+    def _eval_programs(self) -> list[EvalProgram]:
+        if not isinstance(self.stages, Stages):
+            raise VjpsplitError(
+                "evaluate runs the evaluation programs of a Stages (export_stages); this Trainer runs a list of "
+                "artifacts: train a Stages to evaluate"
+            )
+        lacking = [s for s, p in enumerate(self.stages.evaluation) if p is None]
+        if lacking:
+            raise VjpsplitError(missing(self.stages.index.function, lacking))
+        return [p for p in self.stages.evaluation if p is not None]
+
     def costs(self) -> dict[str, Any]:
         """Every stage's measured F, B and W seconds and the send time, as ``auto_schedule``'s ``costs`` take them.
 
@@ -294,6 +336,8 @@ class Trainer:
         max_restarts: int = 0,
         callback: Any = None,
         stop_on_nonfinite: bool = True,
+        eval_data: Any = None,
+        eval_every: int | None = None,
     ) -> list[float]:
         """Run the steps ``step_count`` ... ``steps - 1`` of a run; return their losses.
 
@@ -314,7 +358,9 @@ class Trainer:
         to the last checkpoint and the steps since run again: the losses and parameters are those of a run
         that never failed. More than ``max_restarts`` failures, or none to return to, is one error naming the
         worker and the step. ``checkpoint_times`` and ``restarts`` record what the checkpoints and restarts
-        cost.
+        cost. With ``eval_data`` (a batch tuple, or ``eval_data(step) -> batch``) and ``eval_every``, the
+        model is evaluated (``evaluate``) after every ``eval_every``-th step and after the last; the loss goes
+        into that step's ``history`` row as ``eval_loss``.
         """
         return fit_steps(
             self,
@@ -325,6 +371,8 @@ class Trainer:
             max_restarts=max_restarts,
             callback=callback,
             stop_on_nonfinite=stop_on_nonfinite,
+            eval_data=eval_data,
+            eval_every=eval_every,
         )
 
     @classmethod

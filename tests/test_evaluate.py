@@ -1,0 +1,149 @@
+"""Trainer.evaluate: every stage's forward only, from evaluation programs without residuals (export_stages' GPT,
+tied embedding): the one-process loss, no state changed, stage directories with and without the programs."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+from models import assert_trees_close, optax_reference
+from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
+
+import vjpsplit_cli as vs
+from vjpsplit_cli import pipeline as P
+from vjpsplit_cli.errors import VjpsplitError
+from vjpsplit_cli.pipeline.runtime.worker import StageWorker
+from vjpsplit_cli.pipeline.stages.evaluation import forward_outputs
+
+
+@functools.lru_cache(maxsize=None)
+def _stages():
+    return vs.export_stages(gpt, *gpt_specs(gpt_params()), wrt="params", platforms="cpu")
+
+
+def _same(a, b):
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert ta == tb
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_eval_programs_return_only_what_each_stage_sends():
+    st = _stages()
+    for art, program in zip(st.artifacts, st.evaluation):
+        outs = forward_outputs(art)
+        assert [(a.shape, a.dtype) for a in program.exported.out_avals] == [(a.shape, a.dtype) for a in outs]
+        assert program.exported.in_avals == art.exported["fwd"].in_avals
+    # The training forward returns residuals beside its outputs; the evaluation programs none.
+    assert sum(len(a.exported["fwd"].out_avals) for a in st) > sum(p.num_outputs for p in st.evaluation)
+
+
+def test_evaluate_equals_one_process_loss_and_changes_no_state(monkeypatch):
+    params, tx = gpt_params(), optax.adamw(1e-2)
+    train, held_out = [gpt_batch(8, seed=40 + i) for i in range(3)], gpt_batch(8, seed=50)
+    with P.Trainer(_stages(), params, optimizer=tx, schedule_name="1f1b", microbatches=4) as tr:
+        tr.step(train[0])
+        before = tr.state()
+        history = [dict(h) for h in tr.history]
+
+        def no_training_forward(*a, **k):
+            raise AssertionError("evaluate ran a training forward")
+
+        with monkeypatch.context() as m:
+            m.setattr(StageWorker, "forward", no_training_forward)
+            loss = tr.evaluate(held_out)
+            loss2, outputs = tr.evaluate(held_out, microbatches=2, outputs=True)
+        assert all(not t.worker.res and not t.worker.inter and t.worker.grads is None for t in tr.backend.trainers)
+        _same(tr.state(), before)  # parameters and optimizer state, bitwise
+        assert tr.step_count == 1 and tr.history == history
+        ref = float(gpt(before[0], *held_out))
+        assert abs(loss - ref) <= 1e-6 * abs(ref) and abs(loss2 - ref) <= 1e-6 * abs(ref)
+        losses = [tr.step(b) for b in train[1:]]  # training goes on as if evaluate had not run
+    ref_losses, _ = optax_reference(gpt, params, tx, train)
+    np.testing.assert_allclose(losses, ref_losses[1:], rtol=1e-5)
+    # The model's output: what the last stage receives, per microbatch, as the training forwards send it.
+    st = _stages()
+    stage_params = st.stage_params(before[0])
+    x, side = st.stage_batch(held_out, 2)[1]
+    for s in range(3):
+        x, _ = st[s].fwd(stage_params[s], x, *side.get(s, []))
+    assert len(outputs) == 2
+    assert_trees_close(tuple(outputs[1]), tuple(x), rtol=1e-6, atol=1e-6)
+
+
+def test_saved_directory_evaluates_and_an_old_one_trains_but_is_refused(tmp_path):
+    params, batch = gpt_params(), gpt_batch(4, seed=7)
+    d = tmp_path / "gpt.stages"
+    _stages().save(d)
+    names = sorted(os.listdir(d))
+    assert names == [f"stage{k}.{e}" for k in range(4) for e in ("eval", "vjp")] + ["stages.json"]
+    index = json.loads((d / "stages.json").read_text())
+    assert index["version"] == 2 and index["stages"][0]["evaluation"]["file"] == "stage0.eval"
+    back = vs.load_stages(d)
+    with P.Trainer(back, params, optimizer=optax.sgd(0.1), microbatches=2) as tr:
+        loss = tr.evaluate(batch)
+    np.testing.assert_allclose(loss, gpt(params, *batch), rtol=1e-6)
+
+    (d / "stage2.eval").write_bytes((d / "stage1.eval").read_bytes())  # another stage's program
+    with pytest.raises(VjpsplitError, match=r"stage2\.eval: not the evaluation program stages\.json was saved with"):
+        vs.load_stages(d)
+    forged = json.loads(json.dumps(index))  # ... and an unsigned index that records its digest
+    forged["stages"][2]["evaluation"]["sha256"] = hashlib.sha256((d / "stage1.eval").read_bytes()).hexdigest()
+    (d / "stages.json").write_text(json.dumps(forged))
+    with pytest.raises(
+        VjpsplitError, match=r"stage2\.eval: input 'x/0': expected float32\[b,5,8\], the program takes float32\[\]"
+    ):
+        vs.load_stages(d)
+    (d / "stage2.eval").write_bytes(b"garbage")
+    forged["stages"][2]["evaluation"]["sha256"] = hashlib.sha256(b"garbage").hexdigest()
+    (d / "stages.json").write_text(json.dumps(forged))
+    with pytest.raises(VjpsplitError, match=r"stage2\.eval: not a vjpsplit evaluation program"):
+        vs.load_stages(d)
+
+    # A directory an older vjpsplit wrote: index version 1, no evaluation programs.
+    for k in range(4):
+        os.remove(d / f"stage{k}.eval")
+    index["version"] = 1
+    for entry in index["stages"]:
+        del entry["evaluation"]
+    (d / "stages.json").write_text(json.dumps(index))
+    old = vs.load_stages(d)
+    with P.Trainer(old, params, optimizer=optax.sgd(0.1), microbatches=2) as tr:
+        np.testing.assert_allclose(tr.step(batch), gpt(params, *batch), rtol=1e-5)  # trains as before
+        with pytest.raises(
+            VjpsplitError, match=r"no evaluation program for stages 0, 1, 2, 3 .*export the stages again"
+        ):
+            tr.evaluate(batch)
+    again = tmp_path / "again"
+    old.save(again)  # saved again as it is: version 1, byte for byte the index it read
+    assert json.loads((again / "stages.json").read_text())["version"] == 1
+
+
+def test_fit_evaluates_every_n_steps_and_after_the_last():
+    params, tx = gpt_params(), optax.sgd(0.1)
+    train, held_out = [gpt_batch(8, seed=60 + i) for i in range(3)], gpt_batch(8, seed=70)
+    with P.Trainer(_stages(), params, optimizer=tx, microbatches=2) as tr:
+        with pytest.raises(VjpsplitError, match="both eval_data"):
+            tr.fit(train, 3, eval_every=2)
+        with pytest.raises(VjpsplitError, match=r"eval_every=0; pass a number of steps >= 1"):
+            tr.fit(train, 3, eval_data=held_out, eval_every=0)
+        tr.fit(train, 3, eval_data=held_out, eval_every=2)
+        got = [h.get("eval_loss") for h in tr.history]
+        now = tr.params()
+    assert got[0] is None and got[1] is not None
+    np.testing.assert_allclose(got[2], gpt(now, *held_out), rtol=1e-6)
+
+
+def test_per_stage_form_is_refused():
+    st = _stages()
+    per_stage = st.stage_params(gpt_params())
+    with P.Trainer(list(st), per_stage, optimizer=optax.sgd(0.1), microbatches=2) as tr:
+        with pytest.raises(VjpsplitError, match="evaluate runs the evaluation programs of a Stages"):
+            tr.evaluate(gpt_batch(4))
