@@ -26,9 +26,7 @@ from ..schedules.plans import Resolved
 from ...errors import VjpsplitError
 from .clipping import clip_scale
 from .ownership import Ownership, Snapshot
-from .stagestate import StageTrainer
-
-RESTORE_HINT = "; restore the last checkpoint into a new Trainer to run again"
+from .stagestate import RESTORE_HINT, StageTrainer
 
 
 class TrainActor(StageActor):

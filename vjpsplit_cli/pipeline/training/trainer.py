@@ -89,6 +89,16 @@ class Trainer:
     the default device. ``placement`` says where each stage is. ``timeline=True``
     times every step (``step(batch, timed=True)`` one step): each operation waits
     for its results, and ``last_result`` holds their compute times.
+
+    ``trace_dir``: every timed step writes its trace there as ``step-<n>.trace.json`` (the Chrome/Perfetto
+    trace-event format: ``PipelineResult.write_trace``; ``n`` counts steps from 1); ``trace_every=k`` times every
+    k-th step (``fit``'s too), so ``Trainer(..., trace_dir="traces", trace_every=100)`` traces one step in 100.
+
+    ``step_timeout`` (seconds) bounds every step on Ray and every timed step in-process: a step past it,
+    or one interrupted by Ctrl-C, is one error naming what each worker is running or waiting for, and the
+    last operations of every worker are written as JSON to ``hang_report`` (default: a file in the
+    temporary directory, named in the error). The worker threads of timed steps end with ``close()``,
+    with ``with Trainer(...) as tr:``, or when a Trainer nobody closed is collected.
     """
 
     def __init__(
@@ -115,11 +125,18 @@ class Trainer:
         memory_limit_bytes: int | str | Sequence[int | str] | None = None,
         timeline: bool = False,
         step_count: int = 0,
+        hang_report: str | os.PathLike[str] | None = None,
+        trace_dir: str | os.PathLike[str] | None = None,
+        trace_every: int | None = None,
         _restored: tuple[Sequence[Any] | None, int] | None = None,
     ):
         clip_global_norm = checked_clip(clip_global_norm)  # a bad value is refused now, not after the first step
         microbatches, step_count = plain(microbatches), plain(step_count)
         memory_limit, memory_limit_bytes = plain(memory_limit), plain(memory_limit_bytes)
+        if trace_every is not None and (
+            isinstance(trace_every, bool) or not isinstance(trace_every, int) or trace_every < 1
+        ):
+            raise VjpsplitError(f"trace_every={trace_every!r}: give how often to time a step and trace it, an int >= 1")
         if isinstance(step_count, bool) or not isinstance(step_count, int) or step_count < 0:
             raise VjpsplitError(f"step_count={step_count!r}: give the run's step this state is at, an int >= 0")
         check_runner(runner)
@@ -154,8 +171,10 @@ class Trainer:
             actor_options=actor_options,
             step_timeout=step_timeout,
             schedule_timeout=schedule_timeout,
+            hang_report=None if hang_report is None else os.fspath(hang_report),
         )
         self.timeline = timeline
+        self.trace_dir, self.trace_every = trace_dir, trace_every
         self.step_count = step_count if _restored is None else _restored[1]
         self._history = History(progress, self.step_count)
         self._samples = CostSamples(self.model.artifacts)
@@ -189,7 +208,8 @@ class Trainer:
         t0 = time.monotonic()
         mbs = self.model.batch_microbatches(batch, self.microbatches)
         plan, measuring = (self.plan, False) if self.auto is None else self.auto.next_step(mbs)
-        timed = (self.timeline if timed is None else timed) or measuring
+        every = self.trace_every is not None and (self.step_count + 1) % self.trace_every == 0
+        timed = (self.timeline or every if timed is None else timed) or measuring
         r, sums = self.backend.step(mbs, plan, self.microbatches, self.clip_global_norm, timed=timed)
         _, norm = clip_scale(sums, None)
         step_time = time.monotonic() - t0
@@ -203,6 +223,9 @@ class Trainer:
         self.step_count += 1
         self._history.record(self.step_count, r, norm, step_time, extra)
         self.last_result = r
+        if timed and self.trace_dir is not None:
+            os.makedirs(self.trace_dir, exist_ok=True)
+            r.write_trace(os.path.join(os.fspath(self.trace_dir), f"step-{self.step_count}.trace.json"), self.placement)
         return r.loss
 
     def costs(self) -> dict[str, Any]:
