@@ -290,3 +290,37 @@ def test_a_trace_file_that_is_not_one_is_one_clear_error(tmp_path):
     with pytest.raises(VjpsplitError, match=r"not timed"):
         tr.last_result.write_trace(tmp_path / "x.json")
     tr.close()
+
+
+# -- stragglers ------------------------------------------------------------------------------------------------
+
+
+def test_a_worker_slowed_on_purpose_is_named_after_three_timed_steps(monkeypatch):
+    """The MLP's balanced cut gives stages 1 and 2 the same cost signature: peers. Stage 1 sleeps 20 ms per
+    operation; from the third timed step in a row after the first (which compiles) it is named in a warning and in ``history``; workers 0
+    and 3 have no peers and are never named."""
+    import numpy as np
+    from stage_models import mlp, mlp_params, specs_like
+
+    params = mlp_params()
+    x, labels = np.ones((8, 16), np.float32), np.arange(8, dtype=np.int32) % 4
+    stages = vs.export_stages(mlp, *specs_like((params, x[:2], labels[:2])), wrt="params", stages=4, platforms="cpu")
+    real = StageWorker._run
+
+    def slowed(self, worker, kind, mb, fn):
+        if self.stage_index == 1:
+            return real(self, worker, kind, mb, lambda: (time.sleep(0.01), fn())[1])
+        return real(self, worker, kind, mb, fn)
+
+    monkeypatch.setattr(StageWorker, "_run", slowed)
+    with P.Trainer(stages, params, optimizer=optax.sgd(0.1), microbatches=4, timeline=True) as tr:
+        with pytest.warns(UserWarning) as caught:
+            for _ in range(5):
+                tr.step((x, labels))
+            tr.step((x, labels), timed=False)  # untimed: no busy times, no verdict
+    rows = tr.history
+    # The first step compiles every stage: no verdict; then three in a row.
+    assert [r["stragglers"] for r in rows[:5]] == [[], [], [], [1], [1]] and "stragglers" not in rows[5]
+    assert all(len(r["busy"]) == 4 and r["busy"][1] > r["busy"][2] + 0.07 for r in rows[1:5])
+    (w,) = [str(c.message) for c in caught if "straggler" in str(c.message)]  # warned once, when first named
+    assert w.startswith("worker 1 (stages 1) is a straggler") and "peers' (worker 2, whose stages cost the same)" in w

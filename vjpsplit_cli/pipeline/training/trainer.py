@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Any, Mapping, Sequence
 
 from ...errors import VjpsplitError
@@ -40,7 +41,7 @@ from .checkpoint import HostCheckpoint, read_checkpoint, save_checkpoint
 from .arguments import checked_clip, plain
 from .clipping import clip_scale
 from .fit import fit as fit_steps
-from .history import History
+from .history import IN_A_ROW, SLOWER, History, Stragglers, cost_signature
 from .optimizer import optimizer_name
 from .ownership import Ownership, Tied
 from .resume import restored_model, stage_snapshots
@@ -179,6 +180,8 @@ class Trainer:
         self._history = History(progress, self.step_count)
         self._samples = CostSamples(self.model.artifacts)
         self._steps_run = 0
+        self._signatures = [cost_signature(a) for a in self.model.artifacts]
+        self._stragglers: Stragglers | None = None
         self.last_result: PipelineResult | None = None
         self.checkpoint_times: list[dict[str, float]] = []  # fit's: per checkpoint, the step's wait and the write
         self.restarts: list[dict[str, Any]] = []  # fit's: per lost worker, the step, where it returned, how long
@@ -187,7 +190,9 @@ class Trainer:
     def history(self) -> list[dict[str, Any]]:
         """Per step: ``step``, ``loss``, ``grad_norm`` (before clipping), ``step_time``, ``bubble``, ``modeled_bubble``;
         under ``schedule_name="auto"`` also ``schedule`` (what ran: the measuring step's schedule, then ``"auto"``),
-        ``modeled_makespan`` (its plans under the measured costs, seconds) and ``measuring`` on the two timed first steps."""
+        ``modeled_makespan`` (its plans under the measured costs, seconds) and ``measuring`` on the two timed first steps;
+        a timed step's row also has ``busy`` (each worker's compute seconds) and ``stragglers`` (the workers whose
+        compute was 15% or more above that of the workers whose stages cost the same, 3 timed steps in a row)."""
         return self._history.rows
 
     @property
@@ -221,12 +226,35 @@ class Trainer:
             extra = self.auto.after(plan, self.costs, timed)
             self.plan = self.auto.current
         self.step_count += 1
+        if timed:
+            extra = {**(extra or {}), **self._busy(r, first=self._steps_run == 1)}
         self._history.record(self.step_count, r, norm, step_time, extra)
         self.last_result = r
         if timed and self.trace_dir is not None:
             os.makedirs(self.trace_dir, exist_ok=True)
             r.write_trace(os.path.join(os.fspath(self.trace_dir), f"step-{self.step_count}.trace.json"), self.placement)
         return r.loss
+
+    def _busy(self, r: PipelineResult, first: bool) -> dict[str, Any]:
+        """A timed step's ``busy`` seconds per worker and its ``stragglers`` (warned of when first named); the
+        Trainer's first step, which compiles every stage, gives no verdict."""
+        busy = [row["F"] + row["B"] + row["W"] for row in r.per_worker()]
+        if first:
+            return {"busy": busy, "stragglers": []}
+        held = self.plan.layout.workers
+        groups = [tuple(sorted(self._signatures[s] for s in stages)) for stages in held]
+        if self._stragglers is None or self._stragglers.groups != groups:
+            self._stragglers = Stragglers(groups)
+        now, new = self._stragglers.see(busy)
+        for w in new:
+            peers = [v for v, g in enumerate(groups) if v != w and g == groups[w]]
+            warnings.warn(
+                f"worker {w} (stages {', '.join(map(str, held[w]))}) is a straggler: its compute "
+                f"({busy[w] * 1e3:.1f} ms in step {self.step_count}) was at least {SLOWER - 1:.0%} above its peers' "
+                f"(worker {', '.join(map(str, peers))}, whose stages cost the same) in {IN_A_ROW} timed steps in a row",
+                stacklevel=3,
+            )
+        return {"busy": busy, "stragglers": now}
 
     def costs(self) -> dict[str, Any]:
         """Every stage's measured F, B and W seconds and the send time, as ``auto_schedule``'s ``costs`` take them.
