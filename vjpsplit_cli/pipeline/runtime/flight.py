@@ -30,7 +30,7 @@ RING = 256  # operations each stage worker keeps: several steps of a tiny pipeli
 # None, since when on time.monotonic). States: NEXT (its next operation is not handed to it yet), WAITS
 # (for a value another stage sends), RUNS, FINISH (its stages' reductions and update), DONE.
 NEXT, WAITS, RUNS, FINISH, DONE = "next", "waits", "runs", "finish", "done"
-Now = tuple[str, "Op | None", "OpKey | None", float]
+Now = tuple[str, "Op | OpKey | None", "OpKey | None", float]
 
 
 class StepInterrupted(VjpsplitError, KeyboardInterrupt):

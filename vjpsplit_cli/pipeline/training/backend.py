@@ -92,7 +92,7 @@ def open_backend(
     programs = stage_programs(optimizer, arts, ownership.names, specs)
     if runner == "inprocess":
         return InProcessBackend(ownership, arts, where, programs, states, ray_options["step_timeout"], hang_report)
-    return RayBackend(ownership, programs, states, layout=layout.workers, **ray_options)
+    return RayBackend(ownership, programs, states, layout=layout.workers, hang_report=hang_report, **ray_options)
 
 
 def _specs(tree: Any) -> Any:
