@@ -61,6 +61,10 @@ class Backend(Protocol):
         """The Ray actor handle of each worker (an error in-process)."""
         ...
 
+    def report_hangs_to(self, path: str) -> None:
+        """Where a stuck or interrupted step's report (its workers' last operations, as JSON) goes from now on."""
+        ...
+
     def close(self) -> None:
         """End the workers."""
         ...

@@ -213,6 +213,10 @@ class InProcessBackend:
         for t, (params, state) in zip(self.trainers, snapshots):
             t.assign(params, state)
 
+    def report_hangs_to(self, path: str) -> None:
+        """Where a stuck or interrupted step's report goes from now on."""
+        self.hang_report = path
+
     def workers(self) -> list[Any]:
         """Ray actor handles: none in-process."""
         raise VjpsplitError("workers() gives the Ray actor of each worker; this Trainer runs in-process")

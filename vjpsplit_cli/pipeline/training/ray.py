@@ -192,6 +192,10 @@ class RayBackend:
         rp = self.rp
         rp.get([a.assign.remote({s: snapshots[s] for s in held}) for a, held in zip(rp.actors, rp.layout.workers)])
 
+    def report_hangs_to(self, path: str) -> None:
+        """Where a stuck or interrupted step's report goes from now on."""
+        self.rp.hang_report = path
+
     def workers(self) -> list[Any]:
         """The Ray actor handle of each worker, in the layout's order."""
         return list(self.rp.actors)

@@ -97,8 +97,9 @@ class Trainer:
 
     ``step_timeout`` (seconds) bounds every step on Ray and every timed step in-process: a step past it,
     or one interrupted by Ctrl-C, is one error naming what each worker is running or waiting for, and the
-    last operations of every worker are written as JSON to ``hang_report`` (default: a file in the
-    temporary directory, named in the error). The worker threads of timed steps end with ``close()``,
+    last operations of every worker are written as JSON to ``hang_report`` (default: in ``fit`` with a
+    ``checkpoint_dir``, ``<checkpoint_dir>.hang.json`` beside it; else a file in the temporary directory;
+    the error names it). The worker threads of timed steps end with ``close()``,
     with ``with Trainer(...) as tr:``, or when a Trainer nobody closed is collected.
     """
 
@@ -174,6 +175,7 @@ class Trainer:
             schedule_timeout=schedule_timeout,
             hang_report=None if hang_report is None else os.fspath(hang_report),
         )
+        self._hang_named = hang_report is not None
         self.timeline = timeline
         self.trace_dir, self.trace_every = trace_dir, trace_every
         self.step_count = step_count if _restored is None else _restored[1]
@@ -365,8 +367,11 @@ class Trainer:
         to the last checkpoint and the steps since run again: the losses and parameters are those of a run
         that never failed. More than ``max_restarts`` failures, or none to return to, is one error naming the
         worker and the step. ``checkpoint_times`` and ``restarts`` record what the checkpoints and restarts
-        cost.
+        cost. A stuck step's report (``hang_report``) goes beside the checkpoint directory, as
+        ``<checkpoint_dir>.hang.json``, unless the Trainer was given ``hang_report``.
         """
+        if checkpoint_dir is not None and not self._hang_named:  # a stuck step's report beside the checkpoints
+            self.backend.report_hangs_to(os.fspath(checkpoint_dir).rstrip("/" + os.sep) + ".hang.json")
         return fit_steps(
             self,
             data,
