@@ -345,3 +345,37 @@ def test_fit_writes_a_stuck_steps_report_beside_its_checkpoint_directory(monkeyp
     beside = tmp_path / "ck.hang.json"
     assert str(beside) in str(err) and json.loads(beside.read_text())["message"] == str(err)
     tr.close()
+
+
+def test_a_sharded_stage_gets_a_track_per_device_and_the_file_reads_back_once():
+    """``trace_events`` with a stage on two devices: its slices once more on each device's track; read back,
+    the file gives each operation once."""
+    from vjpsplit_cli.pipeline.schedules.timeline import Event, Phase
+    from vjpsplit_cli.pipeline.schedules.tracefile import read_trace, trace_events, write_trace
+
+    events = [
+        Event(0, "F", 0, 10.0, 10.001, 0),
+        Event(1, "F", 0, 10.0012, 10.002, 1),
+        Event(1, "B", 0, 10.003, 10.004, 1),
+    ]
+    events.append(Event(0, "B", 0, 10.0045, 10.005, 0))
+    doc = trace_events(events, [Phase(None, "hand out", 9.9995, 10.0)], 2, 2, devices={1: ["cpu:1", "cpu:2"]})
+    tracks = {ev["tid"]: ev["args"]["name"] for ev in doc["traceEvents"] if ev["name"] == "thread_name"}
+    extra = sorted(t for t in tracks if t >= 1000)
+    assert [tracks[t] for t in extra] == ["worker 1 stage 1 cpu:1", "worker 1 stage 1 cpu:2"]
+    for t in extra:
+        assert sorted(ev["name"] for ev in doc["traceEvents"] if ev["ph"] == "X" and ev["tid"] == t) == [
+            "B s1 mb0",
+            "F s1 mb0",
+        ]
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        write_trace(f"{d}/t.json", doc)
+        check_trace_file(f"{d}/t.json")
+        back = read_trace(f"{d}/t.json")
+    assert [(e.worker, e.kind, e.mb, e.stage) for e in back.events] == [
+        (e.worker, e.kind, e.mb, e.stage) for e in events
+    ]
+    assert all(abs(a.start - b.start) < 1e-8 and abs(a.end - b.end) < 1e-8 for a, b in zip(back.events, events))
+    assert [(p.worker, p.name) for p in back.phases] == [(None, "hand out")] and back.num_workers == 2
