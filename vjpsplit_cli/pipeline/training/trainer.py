@@ -135,6 +135,7 @@ class Trainer:
         clip_global_norm = checked_clip(clip_global_norm)  # a bad value is refused now, not after the first step
         microbatches, step_count = plain(microbatches), plain(step_count)
         memory_limit, memory_limit_bytes = plain(memory_limit), plain(memory_limit_bytes)
+        trace_every = plain(trace_every)
         if trace_every is not None and (
             isinstance(trace_every, bool) or not isinstance(trace_every, int) or trace_every < 1
         ):
