@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from clihelp import opts
+from tracecheck import check_trace_file, flow_pairs, op_slices
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,3 +110,9 @@ def test_train_gpt_sample_pipeline_equals_one_process(tmp_path):
     uniform = float(proc.stdout.splitlines()[1].rsplit(" ", 1)[1])  # ln(vocab)
     assert abs(float(first.split()[-1]) - uniform) < 0.1, proc.stdout  # it starts at a uniform guess
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    # The last step's trace, event by event against the trace-event format, and drawn from the file.
+    doc = check_trace_file(tmp_path / "step-12.trace.json")
+    ops = op_slices(doc)
+    assert sorted(ops) == sorted(f"{k} s{s} mb{m}" for k in "FBW" for s in range(4) for m in range(4))  # ZB-H1
+    assert len(flow_pairs(doc)) == 2 * 3 * 4  # F and B sends between 4 workers, 4 microbatches
+    assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"

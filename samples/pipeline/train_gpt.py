@@ -9,7 +9,9 @@ marks between. ``export_stages`` cuts it; ``pipeline.Trainer`` trains the stages
 (every stage's AdamW update where its parameters live); the reference trains
 the same parameters with ``jit(value_and_grad)`` and optax on the same batches.
 Prints the first and last losses (the first near ln(vocab), a uniform guess), the two loss
-curves' largest relative difference, and writes ``loss.png``.
+curves' largest relative difference, and writes ``loss.png``; the last step is timed and traced
+(``step-<n>.trace.json``: open it in ui.perfetto.dev or chrome://tracing), and ``timeline.png``
+is that step drawn from the trace file.
 """
 
 from __future__ import annotations
@@ -134,11 +136,18 @@ def train(steps: int, runner: str = "inprocess", schedule: str = "1f1b", out: Pa
     reference = single_process(params, tx, data)
     t_ref = time.monotonic() - t0
     t0 = time.monotonic()
+    traced = {"trace_dir": out, "trace_every": steps} if out is not None else {}  # the last step: timed, traced
     with P.Trainer(
-        stages, params, optimizer=tx, schedule_name=schedule, microbatches=MICROBATCHES, runner=runner
+        stages, params, optimizer=tx, schedule_name=schedule, microbatches=MICROBATCHES, runner=runner, **traced
     ) as tr:
         piped = [tr.step(batch) for batch in data]
         if out is not None:
+            P.plot_timeline(
+                out / f"step-{steps}.trace.json",
+                None,
+                out / "timeline.png",
+                f"step {steps} ({schedule}, {runner}), from its trace file",
+            )
             out.mkdir(parents=True, exist_ok=True)
             P.plot_loss(
                 {f"pipeline ({schedule}, {runner})": piped, "one process": reference},
@@ -166,7 +175,9 @@ def main(argv=None) -> int:
     print(f"a uniform guess over the {r['vocab']} characters scores ln({r['vocab']}) = {np.log(r['vocab']):.4f}")
     print(f"largest relative difference of the two loss curves: {r['max_rel_diff']:.2e}")
     print(f"time: pipeline {r['times'][0]:.1f} s (incl. export and compile), one process {r['times'][1]:.1f} s")
-    print(f"loss plot: {out / 'loss.png'}")
+    print(
+        f"loss plot: {out / 'loss.png'}; the last step's trace: {out / f'step-{a.steps}.trace.json'} ({out / 'timeline.png'})"
+    )
     return 0 if r["max_rel_diff"] < 1e-4 else 1
 
 

@@ -12,17 +12,36 @@ it: the cost of an operation does not grow with the number of stages.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
-from ..schedules.ops import Op, split_ops
+from ...errors import VjpsplitError
+from ..schedules.ops import Op, dependencies, received, split_ops
 from ..schedules.plans import resolve
+from ..schedules.timeline import Phase
 from ..stages.directory import PerStage, Stages
 from .devices import placed, placement
 from .dispatch import Order, Submit, progress_bar, walk
+from .flight import (
+    DONE,
+    FINISH,
+    NEXT,
+    RUNS,
+    WAITS,
+    Now,
+    StepInterrupted,
+    clause,
+    default_path,
+    hang_message,
+    idle,
+    ring_rows,
+    write_flight,
+)
 from .model import Microbatch, model_of, side_for
 from .result import PipelineResult, step_result
 from .worker import StageWorker, run_op
@@ -148,6 +167,7 @@ def run_threads(
     progress: bool = False,
     tail: Callable[[int, bool], None] | None = None,
     order: Order | None = None,
+    watch: Watch | None = None,
 ) -> None:
     """One timed step of ``plans`` on the stages' ``workers`` (reset first), worker w in ``pool``'s thread w.
 
@@ -155,12 +175,14 @@ def run_threads(
     failed)`` runs in worker ``w``'s thread after its last operation (``failed``:
     some operation of the step failed, or handing the step out did); what it
     raises is the step's error. ``order``: ``dispatch.order_of(plans)``, if kept.
+    ``watch``: the step's timeout and hang report (``Watch``; default: neither). A step past its timeout
+    is one ``VjpsplitError`` naming what each worker is doing; Ctrl-C, a ``StepInterrupted`` saying the same.
     """
     for st in workers:
         st.reset(timed=True)
     mbs = placed_microbatches(mbs, workers)
     threads = _Threads(plans, workers, split_ops(plans), microbatches, progress, tail)
-    threads.run(pool, lambda submit: walk(plans, len(workers), mbs, submit, order))
+    threads.run(pool, lambda submit: walk(plans, len(workers), mbs, submit, order), watch or Watch())
 
 
 def placed_microbatches(mbs: Sequence[Microbatch], workers: Sequence[StageWorker]) -> list[Microbatch]:
@@ -175,8 +197,23 @@ def placed_microbatches(mbs: Sequence[Microbatch], workers: Sequence[StageWorker
     return out
 
 
+class _Job:
+    """One job handed to a worker thread: ``event`` set when it is over, ``error`` what escaped it."""
+
+    __slots__ = ("event", "error")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.error: BaseException | None = None
+
+
 class WorkerThreads:
-    """One thread per worker, started once and reused by every step until ``close`` (a Trainer's lifetime)."""
+    """One thread per worker, started once and reused by every step until ``close`` (a Trainer's lifetime).
+
+    A pool dropped without ``close`` ends its threads when it is collected (``weakref.finalize``: the
+    threads hold their queues, never the pool), so a Trainer nobody closed leaves no thread behind.
+    A job that raises never ends its thread: its error is the job's (``_Job.error``).
+    """
 
     def __init__(self, n: int):
         self.queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(n)]
@@ -186,22 +223,27 @@ class WorkerThreads:
         ]
         for t in self.threads:
             t.start()
+        self._stop = weakref.finalize(self, _stop_threads, self.queues)
 
-    def start(self, jobs: Sequence[Callable[[], None]]) -> list[threading.Event]:
-        """Run ``jobs[w]`` in thread ``w``; each returned event is set when its job is done."""
+    def start(self, jobs: Sequence[Callable[[], None]]) -> list[_Job]:
+        """Run ``jobs[w]`` in thread ``w``; each returned job's event is set when it is done."""
         if not self.threads:
             raise RuntimeError("these worker threads are closed")
-        done = [threading.Event() for _ in jobs]
+        done = [_Job() for _ in jobs]
         for q, job, d in zip(self.queues, jobs, done):
             q.put((job, d))
         return done
 
     def close(self) -> None:
         """End the threads (after the jobs they hold)."""
-        for q in self.queues:
-            q.put(None)
+        self._stop()
         for t in self.threads:
             t.join()
+        self.threads = []
+
+    def abandon(self) -> None:
+        """Tell the threads to end after their jobs, waiting for none: one is stuck in an operation."""
+        self._stop()
         self.threads = []
 
     def __enter__(self) -> WorkerThreads:
@@ -211,14 +253,35 @@ class WorkerThreads:
         self.close()
 
 
+def _stop_threads(queues: Sequence[queue.SimpleQueue[Any]]) -> None:
+    for q in queues:
+        q.put(None)
+
+
 def _serve(jobs: queue.SimpleQueue[Any]) -> None:
     while (item := jobs.get()) is not None:
         job, done = item
         try:
             job()
+        except BaseException as e:  # noqa: BLE001 - the step's error (run checks it); the thread serves on
+            done.error = e
         finally:
-            done.set()
-            del job, item  # hold nothing of a step between steps
+            done.event.set()
+            del job, item, done  # hold nothing of a step between steps
+
+
+def _wait(event: threading.Event, deadline: float | None) -> bool:
+    """``event.wait`` until ``deadline`` (None: for good) in short slices: Ctrl-C reaches the main thread
+    between them even where the signal lands on another thread."""
+    while True:
+        left = 0.25 if deadline is None else min(deadline - time.monotonic(), 0.25)
+        if event.wait(max(left, 0.0)):
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+
+
+GRACE = 1.0  # seconds the workers get to drain a stopped step before their threads are left behind
 
 
 class _Threads:
@@ -238,53 +301,125 @@ class _Threads:
         self.errors: list[BaseException] = []
         self.bar = progress_bar(sum(len(p) for p in plans), progress)
         self.bar_lock = threading.Lock()
+        self.nows: list[Now] = [idle() for _ in plans]  # what each worker does now (flight)
+        self.boxes: list[_Mailbox] = []
+        self.worker_of = {op.stage: w for w, ops in enumerate(plans) for op in ops}
 
     def submit(self, w: int, op: Op, data: Any, side: list[Any]) -> _Mailbox:
         """Queue ``op`` for worker ``w``; its result arrives in the returned mailbox."""
         box = _Mailbox()
+        self.boxes.append(box)
         self.inboxes[w].put((op, data, side, box))
         return box
 
-    def run(self, pool: WorkerThreads, drive: Callable[[Submit], Any]) -> None:
-        """The workers' lists in ``pool``'s threads, ``drive(submit)`` hands them the step; wait; the first error is raised here."""
+    def run(self, pool: WorkerThreads, drive: Callable[[Submit], Any], watch: Watch) -> None:
+        """The workers' lists in ``pool``'s threads, ``drive(submit)`` hands them the step; wait; the first error
+        is raised here. Past ``watch.step_timeout``, or on Ctrl-C, one error says what each worker is doing."""
+        t0 = time.monotonic()
         done = pool.start([functools.partial(self._worker, w) for w in range(len(self.plans))])
         try:
-            drive(self.submit)
-        except BaseException as e:
-            # Counted as the step's failure, so no worker's tail updates its stages from a partial step.
-            self.errors.append(e)
-            for w, box in enumerate(self.inboxes):  # let every thread drain its list and end
-                for _ in self.plans[w]:
-                    box.put((None, _FAILED, [], _Mailbox()))
-            raise
+            try:
+                drive(self.submit)
+            except BaseException as e:
+                # Counted as the step's failure, so no worker's tail updates its stages from a partial step.
+                self.errors.append(e)
+                for w, box in enumerate(self.inboxes):  # let every thread drain its list and end
+                    for _ in self.plans[w]:
+                        box.put((None, _FAILED, [], _Mailbox()))
+                raise
+            watch.phases.append(Phase(None, "hand out", t0, time.monotonic()))
+            t1 = time.monotonic()
+            deadline = None if watch.step_timeout is None else t0 + watch.step_timeout
+            try:
+                for d in done:
+                    if not _wait(d.event, deadline):
+                        reason = f"the step did not finish within step_timeout={watch.step_timeout:g} s"
+                        raise VjpsplitError(self._stop(pool, done, watch, reason, t0))
+            except KeyboardInterrupt as e:
+                raise StepInterrupted(self._stop(pool, done, watch, "the step was interrupted", t0)) from e
+            watch.phases.append(Phase(None, "wait for the workers", t1, time.monotonic()))
         finally:
-            for d in done:
-                d.wait()
+            for d in done if pool.threads else []:
+                d.event.wait()
             if self.bar is not None:
                 self.bar.close()
+        for d in done:
+            if d.error is not None:
+                self.errors.append(d.error)
         if self.errors:
             raise self.errors[0]
 
+    def _stop(self, pool: WorkerThreads, done: Sequence[_Job], watch: Watch, reason: str, t0: float) -> str:
+        """Stop a step that is stuck or interrupted: what each worker does, its last operations written
+        (``flight.write_flight``), every wait released; threads still stuck after ``GRACE`` are left behind."""
+        nows = list(self.nows)  # as the step stopped, before anything is released
+        rings = [[(s, list(self.workers[s].ring)) for s in sorted({o.stage for o in ops})] for ops in self.plans]
+        self.errors.append(VjpsplitError(reason))  # every worker drains the rest of its list
+        if watch.on_stop is not None:
+            watch.on_stop()
+        for box in list(self.boxes):
+            if not box.event.is_set():
+                box.put(_FAILED)
+        end = time.monotonic() + GRACE
+        stuck = [w for w, d in enumerate(done) if not d.event.wait(max(end - time.monotonic(), 0.0))]
+        if stuck:
+            pool.abandon()
+            watch.stuck = [clause(w, nows[w], t0, self.worker_of) for w in stuck]
+        rows = []
+        for w, held in enumerate(rings):
+            ops = sorted((r for s, ring in held for r in ring_rows(ring, s, t0)), key=lambda r: r["start_ms"])
+            rows.append({"worker": w, "now": clause(w, nows[w], t0, self.worker_of), "ops": ops})
+        path = watch.report_path or default_path()
+        left = f"; still stuck after {GRACE:g} s: worker {', '.join(map(str, stuck))}{watch.hint}" if stuck else ""
+        message = hang_message(reason, nows, t0, self.worker_of, path, left)
+        if write_flight(path, message, rows) is None:
+            message = hang_message(reason, nows, t0, self.worker_of, None, f" (could not write {path}){left}")
+        return message
+
     def _worker(self, w: int) -> None:
-        errors = self.errors
+        errors, nows = self.errors, self.nows
         for _ in range(len(self.plans[w])):
             op, data, side, box = self.inboxes[w].get()
-            if isinstance(data, _Mailbox):
-                data = data.get()
-            if errors or data is _FAILED:  # drain the list without running on missing inputs
-                box.put(_FAILED)
-                continue
             try:
+                if isinstance(data, _Mailbox):
+                    if not data.event.is_set():
+                        nows[w] = (WAITS, op, received(op, dependencies(op, len(self.workers))), time.monotonic())
+                    data = data.get()
+                if errors or data is _FAILED:  # drain the list without running on missing inputs
+                    box.put(_FAILED)
+                    continue
+                nows[w] = (RUNS, op, None, time.monotonic())
                 split = (op.stage, op.mb) in self.split
                 box.put(run_op(self.workers[op.stage], op, data, side, self.microbatches, split, w))
+                nows[w] = (NEXT, None, None, time.monotonic())
+                if self.bar is not None:
+                    with self.bar_lock:
+                        self.bar.update(1)
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                # Whatever raised (the operation, or the bar), its readers must not wait for it.
                 errors.append(e)
-                box.put(_FAILED)
-            if self.bar is not None:
-                with self.bar_lock:
-                    self.bar.update(1)
+                if not box.event.is_set():
+                    box.put(_FAILED)
         if self.tail is not None:
+            nows[w] = (FINISH, None, None, time.monotonic())
             try:
                 self.tail(w, bool(errors))
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 errors.append(e)
+        nows[w] = (DONE, None, None, time.monotonic())
+
+
+@dataclasses.dataclass
+class Watch:
+    """How a timed step is watched: ``step_timeout`` (None: no limit), where a stuck step's report goes
+    (``report_path``; None: ``flight.default_path``), ``hint`` (what to do when a thread stays stuck, appended to
+    the error), ``on_stop``
+    (releases waits outside the operations, e.g. a barrier). Filled in: ``phases`` (the driver's) and
+    ``stuck`` (after a stop, the workers whose threads were left behind, each in words)."""
+
+    step_timeout: float | None = None
+    report_path: str | None = None
+    hint: str = ""
+    on_stop: Callable[[], None] | None = None
+    phases: list[Phase] = dataclasses.field(default_factory=list)
+    stuck: list[str] = dataclasses.field(default_factory=list)

@@ -20,7 +20,8 @@ from ..schedules.catalog import describe
 from ..schedules.ops import Op
 from ..schedules.play import replay
 from ..schedules.plots import plot_timeline
-from ..schedules.timeline import Event, bubble_ratio
+from ..schedules.tracefile import trace_events, write_trace
+from ..schedules.timeline import Event, Phase, bubble_ratio
 
 
 @dataclass
@@ -32,7 +33,8 @@ class PipelineResult:
     that ran (a named schedule's, or the caller's; ``schedule`` is then ``"custom"``).
     ``timed``: the step waited for each operation, and ``events`` are their compute
     times; an untimed step (the Trainer's default) has no events, and its bubble
-    ratios are NaN.
+    ratios are NaN. ``phases``: what a timed step did besides its operations (the driver's
+    phases, each worker's reductions and optimizer update), drawn in its trace (``write_trace``).
     """
 
     schedule: str
@@ -46,6 +48,7 @@ class PipelineResult:
     plans: list[list[Op]]
     extra: dict[str, Any] = field(default_factory=dict)
     timed: bool = True  # whether each operation was waited for: only then do ``events`` hold compute times
+    phases: list[Phase] = field(default_factory=list)  # a timed step's driver phases, reductions and updates
 
     @property
     def num_workers(self) -> int:
@@ -105,6 +108,38 @@ class PipelineResult:
             f"{self.microbatches} microbatches, bubble {self.bubble_ratio:.0%} ({self.runner})",
         )
 
+    def trace(self, devices: Sequence[Sequence[Any]] | None = None) -> dict[str, Any]:
+        """The step as a Chrome/Perfetto trace-event document (``schedules.tracefile``); a timed step's only.
+
+        Args:
+            devices: per stage, its devices (``Trainer.placement``); a sharded stage gets a track per device.
+
+        Returns:
+            The JSON-ready document: a track per worker and the driver's, a slice per operation, flows for sends.
+
+        Raises:
+            VjpsplitError: the step was not timed.
+        """
+        self._need_timeline()
+        names = {s: [str(d) for d in ds] for s, ds in enumerate(devices or ())}
+        meta = {"schedule": self.schedule, "runner": self.runner, "microbatches": self.microbatches, "loss": self.loss}
+        title = f"vjpsplit step: {describe(self.schedule)}, {self.runner}"
+        return trace_events(
+            self.events, self.phases, self.num_workers, self.num_stages, title=title, devices=names, meta=meta
+        )
+
+    def write_trace(self, path: str | os.PathLike[str], devices: Sequence[Sequence[Any]] | None = None) -> None:
+        """Write the step as a trace file (``trace``) that Perfetto's UI, ``chrome://tracing`` and XProf open.
+
+        Args:
+            path: the ``.json`` file to write (whole or not at all).
+            devices: per stage, its devices, as ``trace`` takes them.
+
+        Raises:
+            VjpsplitError: the step was not timed, or the file could not be written.
+        """
+        write_trace(path, self.trace(devices))
+
 
 def step_result(
     *,
@@ -119,6 +154,7 @@ def step_result(
     events: Sequence[Event],
     extra: Mapping[str, Any] | None = None,
     timed: bool = True,
+    phases: Sequence[Phase] = (),
 ) -> PipelineResult:
     """The step's ``PipelineResult``: the loss is the mean of the last stage's per-microbatch ``losses``."""
     return PipelineResult(
@@ -133,4 +169,5 @@ def step_result(
         plans=[list(ops) for ops in plans],
         extra=dict(extra or {}),
         timed=timed,
+        phases=sorted(phases, key=lambda p: p.start),
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections import deque
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -19,7 +20,8 @@ from ...files.dtypes import dtype_from_name
 from ...tracing.residuals import Intermediates
 from ..schedules.ops import Kind, Op
 from .devices import default_device
-from ..schedules.timeline import Event
+from .flight import RING
+from ..schedules.timeline import Event, op_name
 
 
 class _Forward:
@@ -167,6 +169,8 @@ class StageWorker:
             )
         self.calls = _calls_for(artifact, self.feeds_back)
         self.timed = True
+        # The last operations (kind, mb, start, end), kept across steps: what a stuck step's report shows.
+        self.ring: deque[tuple[str, int, float, float]] = deque(maxlen=RING)
         self.reset()
 
     def place_params(self, params: Any) -> Any:
@@ -224,15 +228,22 @@ class StageWorker:
         return {m: float(v) for m, v in zip(keys, jax.device_get([self.losses[m] for m in keys]))}
 
     def _run(self, worker: int | None, kind: Kind, mb: int, fn: Callable[[], Any]) -> Any:
-        """``fn()``'s results, when timed waited for and recorded as an ``Event``."""
+        """``fn()``'s results, in the ring; when timed, waited for (under a ``jax.profiler.TraceAnnotation``
+        named as the trace file's slice) and recorded as an ``Event``."""
         if not self.timed:
-            return fn()
+            t0 = time.monotonic()
+            out = fn()
+            self.ring.append((kind, mb, t0, time.monotonic()))  # the dispatch's time: nothing waited
+            return out
         import jax
 
         t0 = time.monotonic()
-        out = jax.block_until_ready(fn())
+        with jax.profiler.TraceAnnotation(op_name(kind, self.stage_index, mb)):
+            out = jax.block_until_ready(fn())
+        t1 = time.monotonic()
+        self.ring.append((kind, mb, t0, t1))
         w = self.stage_index if worker is None else worker
-        self.events.append(Event(w, kind, mb, t0, time.monotonic(), self.stage_index))
+        self.events.append(Event(w, kind, mb, t0, t1, self.stage_index))
         return out
 
     def _ct(self, ct: Any, microbatches: int) -> Any:

@@ -8,6 +8,7 @@ from typing import Any, Mapping, Sequence
 from ...errors import VjpsplitError
 from ...safeio.outputs import atomic_write
 from .timeline import Event
+from .tracefile import read_trace
 
 
 def _pyplot() -> Any:
@@ -28,11 +29,35 @@ def _save(fig: Any, path: str | os.PathLike[str]) -> None:
         _pyplot().close(fig)
 
 
-def plot_timeline(events: Sequence[Event], num_workers: int, path: str | os.PathLike[str], title: str) -> None:
-    """A Gantt chart of ``events`` as a PNG (needs matplotlib: ``pip install vjpsplit[pipeline]``).
+def plot_timeline(
+    events: Sequence[Event] | str | os.PathLike[str],
+    num_workers: int | None,
+    path: str | os.PathLike[str],
+    title: str,
+) -> list[tuple[float, float, float, float, str]]:
+    """A Gantt chart of a step's operations as a PNG (needs matplotlib: ``pip install vjpsplit[pipeline]``).
 
     Where a worker holds two stages (ZB-V), the second one's operations are hatched.
+
+    Args:
+        events: the step's ``Event``s, or the path of its trace file (``PipelineResult.write_trace``).
+        num_workers: the rows to draw; None: as many as the trace file (or the events) have.
+        path: the PNG to write.
+        title: the chart's title.
+
+    Returns:
+        The rectangles drawn, as ``(left ms, worker, width ms, height, label)``, in drawing order.
+
+    Raises:
+        VjpsplitError: matplotlib is missing, or the trace file cannot be read.
     """
+    if isinstance(events, (str, os.PathLike)):
+        trace = read_trace(events)
+        events, num_workers = trace.events, num_workers if num_workers is not None else trace.num_workers
+    if num_workers is None:
+        num_workers = 1 + max((ev.worker for ev in events), default=0)
+    if not events:
+        raise VjpsplitError("no operations to draw: the step's timeline is empty")
     plt = _pyplot()
     colors = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
     first: dict[int, int] = {}
@@ -40,6 +65,7 @@ def plot_timeline(events: Sequence[Event], num_workers: int, path: str | os.Path
         first[ev.worker] = min(first.get(ev.worker, ev.stage), ev.stage)
     t0 = min(ev.start for ev in events)
     fig, ax = plt.subplots(figsize=(10, 0.6 * num_workers + 1.2), dpi=110)
+    drawn = []
     for ev in events:
         second = ev.stage != first[ev.worker]
         ax.barh(
@@ -51,6 +77,7 @@ def plot_timeline(events: Sequence[Event], num_workers: int, path: str | os.Path
             linewidth=0.5,
             hatch="///" if second else None,
         )
+        drawn.append(f"{ev.kind}{ev.mb}" + (" 2nd" if second else ""))
         if (ev.end - ev.start) * 1e3 > 0:
             ax.text(
                 (ev.start - t0 + (ev.end - ev.start) / 2) * 1e3,
@@ -71,8 +98,10 @@ def plot_timeline(events: Sequence[Event], num_workers: int, path: str | os.Path
     if any(ev.stage != first[ev.worker] for ev in events):
         handles.append(Patch(facecolor="white", edgecolor="grey", hatch="///", label="2nd stage"))
     ax.legend(handles=handles, loc="upper right", fontsize=7)
+    bars = [(r.get_x(), r.get_y() + r.get_height() / 2, r.get_width(), r.get_height()) for r in ax.patches]
     fig.tight_layout()
     _save(fig, path)
+    return [(*bar, label) for bar, label in zip(bars, drawn)]
 
 
 def plot_loss(

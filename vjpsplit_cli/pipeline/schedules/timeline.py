@@ -27,6 +27,26 @@ class Event:
         return Event(self.worker, self.kind, self.mb, self.start - offset, self.end - offset, self.stage)
 
 
+@dataclass(frozen=True)
+class Phase:
+    """A span of a step that is not an operation: the driver's phases (``worker`` None) and a worker's
+    reductions and optimizer update; seconds on the events' clock."""
+
+    worker: int | None
+    name: str
+    start: float
+    end: float
+
+    def shifted(self, offset: float) -> Phase:
+        """The same span on a clock that reads ``offset`` seconds less."""
+        return Phase(self.worker, self.name, self.start - offset, self.end - offset)
+
+
+def op_name(kind: str, stage: int, mb: int) -> str:
+    """An operation as a trace names it (its slice, its ``jax.profiler.TraceAnnotation``): ``B s1 mb3``."""
+    return f"{kind} s{stage} mb{mb}"
+
+
 def makespan(events: Sequence[Event]) -> float:
     """The time from the first start to the last end (0 for no events)."""
     if not events:

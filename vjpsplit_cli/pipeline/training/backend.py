@@ -70,6 +70,10 @@ class Backend(Protocol):
         """The Ray actor handle of each worker (an error in-process)."""
         ...
 
+    def report_hangs_to(self, path: str) -> None:
+        """Where a stuck or interrupted step's report (its workers' last operations, as JSON) goes from now on."""
+        ...
+
     def close(self) -> None:
         """End the workers."""
         ...
@@ -83,10 +87,12 @@ def open_backend(
     *,
     layout: Layout,
     devices: Sequence[Sequence[Any]] | None = None,
+    hang_report: str | None = None,
     **ray_options: Any,
 ) -> Backend:
     """The backend ``runner`` names, its workers holding the stages of ``ownership`` and each stage's
-    exported ``optimizer`` (specs from the stage's parameters where they are placed) and ``states``."""
+    exported ``optimizer`` (specs from the stage's parameters where they are placed) and ``states``;
+    ``hang_report``: where a stuck step's report goes (in-process)."""
     if runner != "inprocess" and devices is not None:
         raise VjpsplitError(
             "devices= places the stages of this process; a Ray worker runs on the devices its actor sees "
@@ -98,8 +104,8 @@ def open_backend(
     specs = [a.place_arg(0, p) if a.manifest.sharded else _specs(p) for a, p in zip(arts, ownership.stage_params)]
     programs = stage_programs(optimizer, arts, ownership.names, specs)
     if runner == "inprocess":
-        return InProcessBackend(ownership, arts, where, programs, states)
-    return RayBackend(ownership, programs, states, layout=layout.workers, **ray_options)
+        return InProcessBackend(ownership, arts, where, programs, states, ray_options["step_timeout"], hang_report)
+    return RayBackend(ownership, programs, states, layout=layout.workers, hang_report=hang_report, **ray_options)
 
 
 def _specs(tree: Any) -> Any:

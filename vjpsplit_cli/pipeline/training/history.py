@@ -4,10 +4,43 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Mapping
+import statistics
+from typing import Any, Hashable, Mapping, Sequence
 
 from ..runtime.result import PipelineResult
 from ..schedules.plots import plot_loss
+
+
+SLOWER = 1.15  # a worker's compute this far above its peers' ...
+IN_A_ROW = 3  # ... for this many timed steps in a row is a straggler
+
+
+def cost_signature(artifact: Any) -> tuple[Any, ...]:
+    """What makes two stages cost the same: their inputs' (parameters', activations') shapes and dtypes, not their
+    names (a transformer's blocks share one signature)."""
+    return tuple((leaf.dtype, tuple(leaf.shape)) for leaf in artifact.manifest.inputs)
+
+
+class Stragglers:
+    """Workers whose compute in a timed step is ``SLOWER`` times their peers' median for ``IN_A_ROW`` timed steps
+    in a row. A worker's peers are those whose stages have the same cost signature (``cost_signature``); a
+    worker without peers is never named (a heavier stage is not a slow worker)."""
+
+    def __init__(self, groups: Sequence[Hashable]):
+        self.groups = list(groups)
+        self.streak = [0] * len(self.groups)
+
+    def see(self, busy: Sequence[float]) -> tuple[list[int], list[int]]:
+        """One timed step's busy seconds per worker: the stragglers now, and those newly named (to warn of)."""
+        now, new = [], []
+        for w, b in enumerate(busy):
+            peers = [busy[v] for v, g in enumerate(self.groups) if v != w and g == self.groups[w]]
+            self.streak[w] = self.streak[w] + 1 if peers and b >= SLOWER * statistics.median(peers) else 0
+            if self.streak[w] >= IN_A_ROW:
+                now.append(w)
+                if self.streak[w] == IN_A_ROW:
+                    new.append(w)
+        return now, new
 
 
 class History:

@@ -17,16 +17,17 @@ from ...errors import VjpsplitError
 from ..runtime.devices import Devices
 from ..runtime.dispatch import Order, order_of
 from ..runtime.evaluation import evaluate_here, host
-from ..runtime.inprocess import RUNNER, WorkerThreads, dispatch, run_threads
+from ..runtime.inprocess import RUNNER, Watch, WorkerThreads, dispatch, run_threads
 from ..runtime.model import Microbatch
 from ..runtime.result import PipelineResult, step_result
 from ..runtime.worker import StageWorker
 from ..schedules.ops import Op
 from ..schedules.plans import Resolved
 from ..stages.evaluation import EvalProgram
+from ..schedules.timeline import Phase
 from .clipping import clip_scale
 from .ownership import Ownership, Snapshot
-from .stagestate import StageTrainer, finish_stages
+from .stagestate import RESTORE_HINT, StageTrainer, finish_stages
 
 
 class _Rendezvous:
@@ -71,8 +72,12 @@ class InProcessBackend:
         where: Sequence[Devices],
         programs: Sequence[bytes],
         states: Sequence[Any],
+        step_timeout: float | None = None,
+        hang_report: str | None = None,
     ):
         self.ownership = own = ownership
+        self.step_timeout, self.hang_report = step_timeout, hang_report
+        self.broken: str | None = None  # set when a timed step left a thread stuck in an operation
         S = len(arts)
         workers = [StageWorker(a, p, i, S, g[0]) for i, (a, p, g) in enumerate(zip(arts, own.stage_params, where))]
         self.trainers = [
@@ -96,17 +101,25 @@ class InProcessBackend:
         *,
         timed: bool = False,
     ) -> tuple[PipelineResult, list[float]]:
-        """One step: the schedule, then each stage's update where it lives (``timed``: see the class)."""
+        """One step: the schedule, then each stage's update where it lives (``timed``: see the class).
+
+        A timed step past ``step_timeout`` (or interrupted) is one error saying what each worker is doing, its
+        last operations written to ``hang_report``; a thread still stuck then ends this backend's steps."""
+        if self.broken is not None:
+            raise VjpsplitError(self.broken)
         S = len(self.trainers)
         workers = [t.worker for t in self.trainers]
         t0 = time.monotonic()
+        phases: list[Phase] = []
         if timed:
-            sums = self._threaded(mbs, schedule, microbatches, clip)
+            sums = self._threaded(mbs, schedule, microbatches, clip, phases)
         else:
             order, finishing = self._orders(schedule.plans)
             dispatch(workers, schedule.plans, mbs, microbatches, order)
             sums = self._finish(finishing, clip)
+        t1 = time.monotonic()
         losses = workers[-1].fetch_losses()
+        phases.append(Phase(None, "fetch the losses", t1, time.monotonic()))
         step_time = time.monotonic() - t0
         result = step_result(
             schedule=schedule.name,
@@ -119,6 +132,7 @@ class InProcessBackend:
             grads=[None] * S,  # applied where they live
             events=[e for st in workers for e in st.events],
             timed=timed,
+            phases=phases if timed else (),
         )
         return result, [sums[s] for s in range(S)]
 
@@ -142,11 +156,17 @@ class InProcessBackend:
         return sums
 
     def _threaded(
-        self, mbs: Sequence[Microbatch], schedule: Resolved, microbatches: int, clip: float | None
+        self,
+        mbs: Sequence[Microbatch],
+        schedule: Resolved,
+        microbatches: int,
+        clip: float | None,
+        phases: list[Phase],
     ) -> dict[int, float]:
         """A timed step in the workers' threads, each finishing with its stages' updates (at a barrier)."""
         held = schedule.layout.workers
         rv, sums = _Rendezvous(len(held)), {}
+        finished: list[Phase] = []
 
         def tail(w: int, failed: bool) -> None:
             if failed:
@@ -154,7 +174,13 @@ class InProcessBackend:
                 return
             mine = [self.trainers[s] for s in held[w]]
             try:
-                got = finish_stages(mine, rv.exchanger(), lambda v: clip_scale(v, clip)[0], self.ownership.tied)
+                got = finish_stages(
+                    mine,
+                    rv.exchanger(),
+                    lambda v: clip_scale(v, clip)[0],
+                    self.ownership.tied,
+                    lambda name, a, b: finished.append(Phase(w, name, a, b)),
+                )
             except threading.BrokenBarrierError:
                 return  # another worker failed: its error is the step's
             except BaseException:
@@ -167,7 +193,17 @@ class InProcessBackend:
             self.threads = WorkerThreads(len(held))
         workers = [t.worker for t in self.trainers]
         order, _ = self._orders(schedule.plans)
-        run_threads(self.threads, workers, schedule.plans, mbs, microbatches, tail=tail, order=order)
+        watch = Watch(self.step_timeout, self.hang_report, RESTORE_HINT, rv.barrier.abort)
+        try:
+            run_threads(self.threads, workers, schedule.plans, mbs, microbatches, tail=tail, order=order, watch=watch)
+        finally:
+            phases += watch.phases + finished
+            if watch.stuck:  # its thread may yet write into a stage: no step runs on them again
+                self.threads = None
+                self.broken = (
+                    f"an earlier step timed out or was interrupted with a thread stuck ({'; '.join(watch.stuck)})"
+                    f"{RESTORE_HINT}"
+                )
         return sums
 
     def evaluate(
@@ -187,6 +223,10 @@ class InProcessBackend:
         """Every stage holds its ``(params, optimizer state)`` of ``snapshots`` from now on."""
         for t, (params, state) in zip(self.trainers, snapshots):
             t.assign(params, state)
+
+    def report_hangs_to(self, path: str) -> None:
+        """Where a stuck or interrupted step's report goes from now on."""
+        self.hang_report = path
 
     def workers(self) -> list[Any]:
         """Ray actor handles: none in-process."""

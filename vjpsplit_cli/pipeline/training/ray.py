@@ -28,12 +28,11 @@ from ..schedules.catalog import describe
 from ..schedules.ops import split_ops
 from ..schedules.plans import Resolved
 from ..stages.evaluation import EvalProgram
+from ..schedules.timeline import Phase
 from ...errors import VjpsplitError
 from .clipping import clip_scale
 from .ownership import Ownership, Snapshot
-from .stagestate import StageTrainer
-
-RESTORE_HINT = "; restore the last checkpoint into a new Trainer to run again"
+from .stagestate import RESTORE_HINT, StageTrainer
 
 
 class TrainActor(StageActor, EvaluatingActor):
@@ -47,19 +46,26 @@ class TrainActor(StageActor, EvaluatingActor):
             for s, names, program, holders, counted, state in entries
         }
 
+    def _phase(self, name: str, fn: Any) -> Any:
+        """``guarded(fn)``, recorded as a ``Phase`` of this worker (its trace's slice)."""
+        t0 = time.monotonic()
+        out = self.guarded(fn)
+        self.phases.append(Phase(self.worker, name, t0, time.monotonic()))
+        return out
+
     def tied(self, stage: int) -> Any:
         """Stage ``stage``'s gradients of its tied leaves (host arrays); None after an error."""
-        return self.guarded(lambda: self.trainers[stage].tied_grads())
+        return self._phase("reduce tied", lambda: self.trainers[stage].tied_grads())
 
     def prepare(self, stage: int, sources: Sequence[int], *parts: Any) -> Any:
         """Sum stage ``stage``'s tied gradients with ``parts`` (the ``tied`` of stages ``sources``); its squared norm."""
         if any(p is None for p in parts):
             return None  # another stage failed: its report says why
-        return self.guarded(lambda: self.trainers[stage].prepare(dict(zip(sources, parts))))
+        return self._phase("reduce norms", lambda: self.trainers[stage].prepare(dict(zip(sources, parts))))
 
     def apply(self, stage: int, scale: float) -> None:
         """The optimizer step of stage ``stage`` with the clip ``scale``."""
-        self.guarded(lambda: self.trainers[stage].apply(scale))
+        self._phase("update", lambda: self.trainers[stage].apply(scale))
 
     def snapshot(self) -> dict[int, Snapshot]:
         """Per stage held: ``(params, optimizer state)`` as host arrays."""
@@ -82,10 +88,12 @@ class RayBackend:
     """The Trainer's workers as Ray actors (``RayPipeline``'s layout, timeouts and dead-actor reports)."""
 
     def __init__(self, ownership: Ownership, programs: Sequence[bytes], states: Sequence[Any], **options: Any):
-        """``options``: ``RayPipeline``'s keyword arguments."""
+        """``options``: ``RayPipeline``'s keyword arguments, and ``hang_report`` (where a stuck step's report goes)."""
         self.ownership, self.programs = ownership, list(programs)
         self.schedule_timeout = float(options.get("schedule_timeout", SCHEDULE_TIMEOUT))
+        hang_report = options.pop("hang_report", None)
         self.rp = rp = TrainPipeline(ownership.artifacts, ownership.stage_params, **options)
+        rp.hang_report = hang_report
         try:
             rp.get([a.setup.remote(self._entries(w, states)) for w, a in enumerate(rp.actors)])
         except BaseException:
@@ -133,6 +141,7 @@ class RayBackend:
             )
         t0 = time.monotonic()
         lists = rp.start_step(plans, mbs, microbatches, split_ops(plans), timed)
+        t1 = time.monotonic()
         holders = self.ownership.holders
         tied = {s: self.actor_of[s].tied.remote(s) for s in range(S) if holders[s]}
         sums = []
@@ -151,9 +160,12 @@ class RayBackend:
         values = rp.fetch(
             [*reports, *sums, *applied], [*everyone, *owners, *owners], t0, hint=RESTORE_HINT, watch=lists
         )
-        step_time = time.monotonic() - t0
+        t2 = time.monotonic()
+        step_time = t2 - t0
         states = values[: len(reports)]
         raise_first_error(states)
+        phases = [Phase(None, "hand out", t0, t1), Phase(None, "wait for the workers", t1, t2)]
+        phases += [p.shifted(off) for st, off in zip(states, rp.clock_offsets) for p in st["phases"]]
         totals = values[len(reports) : len(reports) + S]
         result = step_result(
             schedule=name,
@@ -167,6 +179,7 @@ class RayBackend:
             events=rp.driver_events(states),
             extra={"compiled": False},
             timed=timed,
+            phases=phases if timed else (),
         )
         return result, list(totals)
 
@@ -215,6 +228,10 @@ class RayBackend:
         calls still queued on it: Ray runs an actor's calls in order)."""
         rp = self.rp
         rp.get([a.assign.remote({s: snapshots[s] for s in held}) for a, held in zip(rp.actors, rp.layout.workers)])
+
+    def report_hangs_to(self, path: str) -> None:
+        """Where a stuck or interrupted step's report goes from now on."""
+        self.rp.hang_report = path
 
     def workers(self) -> list[Any]:
         """The Ray actor handle of each worker, in the layout's order."""

@@ -19,6 +19,8 @@ here: neither optax nor the user's code is imported.
 
 from __future__ import annotations
 
+import time
+
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -35,6 +37,9 @@ def param_node(artifact: Any) -> Any:
     """The encoded structure of a stage artifact's parameter argument (its first)."""
     m = artifact.manifest
     return m.structure["args"][m.arg_names[0]]
+
+
+RESTORE_HINT = "; restore the last checkpoint into a new Trainer to run again"  # after a step that broke a worker
 
 
 class StageTrainer:
@@ -144,6 +149,7 @@ def finish_stages(
     exchange: Callable[[Mapping[int, Any]], Mapping[int, Any]],
     clip: Callable[[list[float]], float],
     tied: bool,
+    mark: Callable[[str, float, float], None] | None = None,
 ) -> list[float]:
     """Phases 1-3 for one worker's stages; ``exchange(worker_part) -> everyone's`` joins the workers.
 
@@ -151,12 +157,21 @@ def finish_stages(
     worker (a barrier in-process; every worker calls it equally often, so
     ``tied`` says for all of them whether any stage holds a tied leaf);
     ``clip(sums) -> scale`` turns every stage's squared sums (in stage order)
-    into the clip scale.
+    into the clip scale. ``mark(name, start, end)`` (``time.monotonic``), if given, hears of each
+    phase: ``reduce tied``, ``reduce norms`` (each with its wait for the other workers) and ``update``.
     """
+    clock = time.monotonic
+    at = clock()
     tied_parts = exchange({t.stage_index: t.tied_grads() for t in trainers}) if tied else {}
     sums = {t.stage_index: t.prepare(tied_parts) for t in trainers}
+    if mark is not None and tied:
+        mark("reduce tied", at, at := clock())
     everyone = exchange(sums)
     scale = clip([everyone[s] for s in sorted(everyone)])
-    for t in trainers:
-        t.apply(scale)
-    return [sums[t.stage_index] for t in trainers]
+    if mark is not None:
+        mark("reduce norms", at, at := clock())
+    for tr in trainers:
+        tr.apply(scale)
+    if mark is not None:
+        mark("update", at, clock())
+    return [sums[tr.stage_index] for tr in trainers]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -43,7 +44,7 @@ from .checkpoint import HostCheckpoint, read_checkpoint, save_checkpoint
 from .arguments import checked_clip, plain
 from .clipping import clip_scale
 from .fit import fit as fit_steps
-from .history import History
+from .history import IN_A_ROW, SLOWER, History, Stragglers, cost_signature
 from .optimizer import optimizer_name
 from .ownership import Ownership, Tied
 from .resume import restored_model, stage_snapshots
@@ -92,6 +93,17 @@ class Trainer:
     the default device. ``placement`` says where each stage is. ``timeline=True``
     times every step (``step(batch, timed=True)`` one step): each operation waits
     for its results, and ``last_result`` holds their compute times.
+
+    ``trace_dir``: every timed step writes its trace there as ``step-<n>.trace.json`` (the Chrome/Perfetto
+    trace-event format: ``PipelineResult.write_trace``; ``n`` counts steps from 1); ``trace_every=k`` times every
+    k-th step (``fit``'s too), so ``Trainer(..., trace_dir="traces", trace_every=100)`` traces one step in 100.
+
+    ``step_timeout`` (seconds) bounds every step on Ray and every timed step in-process: a step past it,
+    or one interrupted by Ctrl-C, is one error naming what each worker is running or waiting for, and the
+    last operations of every worker are written as JSON to ``hang_report`` (default: in ``fit`` with a
+    ``checkpoint_dir``, ``<checkpoint_dir>.hang.json`` beside it; else a file in the temporary directory;
+    the error names it). The worker threads of timed steps end with ``close()``,
+    with ``with Trainer(...) as tr:``, or when a Trainer nobody closed is collected.
     """
 
     def __init__(
@@ -118,11 +130,19 @@ class Trainer:
         memory_limit_bytes: int | str | Sequence[int | str] | None = None,
         timeline: bool = False,
         step_count: int = 0,
+        hang_report: str | os.PathLike[str] | None = None,
+        trace_dir: str | os.PathLike[str] | None = None,
+        trace_every: int | None = None,
         _restored: tuple[Sequence[Any] | None, int] | None = None,
     ):
         clip_global_norm = checked_clip(clip_global_norm)  # a bad value is refused now, not after the first step
         microbatches, step_count = plain(microbatches), plain(step_count)
         memory_limit, memory_limit_bytes = plain(memory_limit), plain(memory_limit_bytes)
+        trace_every = plain(trace_every)
+        if trace_every is not None and (
+            isinstance(trace_every, bool) or not isinstance(trace_every, int) or trace_every < 1
+        ):
+            raise VjpsplitError(f"trace_every={trace_every!r}: give how often to time a step and trace it, an int >= 1")
         if isinstance(step_count, bool) or not isinstance(step_count, int) or step_count < 0:
             raise VjpsplitError(f"step_count={step_count!r}: give the run's step this state is at, an int >= 0")
         check_runner(runner)
@@ -157,12 +177,17 @@ class Trainer:
             actor_options=actor_options,
             step_timeout=step_timeout,
             schedule_timeout=schedule_timeout,
+            hang_report=None if hang_report is None else os.fspath(hang_report),
         )
+        self._hang_named = hang_report is not None
         self.timeline = timeline
+        self.trace_dir, self.trace_every = trace_dir, trace_every
         self.step_count = step_count if _restored is None else _restored[1]
         self._history = History(progress, self.step_count)
         self._samples = CostSamples(self.model.artifacts)
         self._steps_run = 0
+        self._signatures = [cost_signature(a) for a in self.model.artifacts]
+        self._stragglers: Stragglers | None = None
         self.last_result: PipelineResult | None = None
         self.checkpoint_times: list[dict[str, float]] = []  # fit's: per checkpoint, the step's wait and the write
         self.restarts: list[dict[str, Any]] = []  # fit's: per lost worker, the step, where it returned, how long
@@ -171,7 +196,9 @@ class Trainer:
     def history(self) -> list[dict[str, Any]]:
         """Per step: ``step``, ``loss``, ``grad_norm`` (before clipping), ``step_time``, ``bubble``, ``modeled_bubble``;
         under ``schedule_name="auto"`` also ``schedule`` (what ran: the measuring step's schedule, then ``"auto"``),
-        ``modeled_makespan`` (its plans under the measured costs, seconds) and ``measuring`` on the two timed first steps."""
+        ``modeled_makespan`` (its plans under the measured costs, seconds) and ``measuring`` on the two timed first steps;
+        a timed step's row also has ``busy`` (each worker's compute seconds) and ``stragglers`` (the workers whose
+        compute was 15% or more above that of the workers whose stages cost the same, 3 timed steps in a row)."""
         return self._history.rows
 
     @property
@@ -192,7 +219,8 @@ class Trainer:
         t0 = time.monotonic()
         mbs = self.model.batch_microbatches(batch, self.microbatches)
         plan, measuring = (self.plan, False) if self.auto is None else self.auto.next_step(mbs)
-        timed = (self.timeline if timed is None else timed) or measuring
+        every = self.trace_every is not None and (self.step_count + 1) % self.trace_every == 0
+        timed = (self.timeline or every if timed is None else timed) or measuring
         r, sums = self.backend.step(mbs, plan, self.microbatches, self.clip_global_norm, timed=timed)
         _, norm = clip_scale(sums, None)
         step_time = time.monotonic() - t0
@@ -204,8 +232,13 @@ class Trainer:
             extra = self.auto.after(plan, self.costs, timed)
             self.plan = self.auto.current
         self.step_count += 1
+        if timed:
+            extra = {**(extra or {}), **self._busy(r, first=self._steps_run == 1)}
         self._history.record(self.step_count, r, norm, step_time, extra)
         self.last_result = r
+        if timed and self.trace_dir is not None:
+            os.makedirs(self.trace_dir, exist_ok=True)
+            r.write_trace(os.path.join(os.fspath(self.trace_dir), f"step-{self.step_count}.trace.json"), self.placement)
         return r.loss
 
     def evaluate(self, batch: tuple[Any, ...], *, microbatches: int | None = None, outputs: bool = False) -> Any:
@@ -246,6 +279,27 @@ class Trainer:
         if lacking:
             raise VjpsplitError(missing(self.stages.index.function, lacking))
         return [p for p in self.stages.evaluation if p is not None]
+
+    def _busy(self, r: PipelineResult, first: bool) -> dict[str, Any]:
+        """A timed step's ``busy`` seconds per worker and its ``stragglers`` (warned of when first named); the
+        Trainer's first step, which compiles every stage, gives no verdict."""
+        busy = [row["F"] + row["B"] + row["W"] for row in r.per_worker()]
+        if first:
+            return {"busy": busy, "stragglers": []}
+        held = self.plan.layout.workers
+        groups = [tuple(sorted(self._signatures[s] for s in stages)) for stages in held]
+        if self._stragglers is None or self._stragglers.groups != groups:
+            self._stragglers = Stragglers(groups)
+        now, new = self._stragglers.see(busy)
+        for w in new:
+            peers = [v for v, g in enumerate(groups) if v != w and g == groups[w]]
+            warnings.warn(
+                f"worker {w} (stages {', '.join(map(str, held[w]))}) is a straggler: its compute "
+                f"({busy[w] * 1e3:.1f} ms in step {self.step_count}) was at least {SLOWER - 1:.0%} above its peers' "
+                f"(worker {', '.join(map(str, peers))}, whose stages cost the same) in {IN_A_ROW} timed steps in a row",
+                stacklevel=3,
+            )
+        return {"busy": busy, "stragglers": now}
 
     def costs(self) -> dict[str, Any]:
         """Every stage's measured F, B and W seconds and the send time, as ``auto_schedule``'s ``costs`` take them.
@@ -360,8 +414,11 @@ class Trainer:
         worker and the step. ``checkpoint_times`` and ``restarts`` record what the checkpoints and restarts
         cost. With ``eval_data`` (a batch tuple, or ``eval_data(step) -> batch``) and ``eval_every``, the
         model is evaluated (``evaluate``) after every ``eval_every``-th step and after the last; the loss goes
-        into that step's ``history`` row as ``eval_loss``.
+        into that step's ``history`` row as ``eval_loss``. A stuck step's report (``hang_report``) goes beside the checkpoint directory, as
+        ``<checkpoint_dir>.hang.json``, unless the Trainer was given ``hang_report``.
         """
+        if checkpoint_dir is not None and not self._hang_named:  # a stuck step's report beside the checkpoints
+            self.backend.report_hangs_to(os.fspath(checkpoint_dir).rstrip("/" + os.sep) + ".hang.json")
         return fit_steps(
             self,
             data,

@@ -14,7 +14,9 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from ...schedules.ops import Kind, Op
+from ...schedules.timeline import Phase
 from ..devices import placed, placement
+from ..flight import Now, idle
 from ..worker import StageWorker, run_op
 from .lists import Inbox, Sender, run_list, unpack
 
@@ -35,6 +37,9 @@ class StageActor:
         self.inbox = Inbox()
         self.sender: Sender | None = None
         self.worker_of: dict[int, int] = {}
+        self.now: Now = idle()  # what this worker does now (runtime.flight), set by run_list
+        self.sent: dict[tuple[str, int, int], float] = {}  # this step's values handed to the sender, and when
+        self.phases: list[Phase] = []  # this step's reductions and updates (a TrainActor's)
 
     def ready(self) -> str:
         """This actor's Ray node id (answered as soon as the actor runs)."""
@@ -94,6 +99,7 @@ class StageActor:
     ) -> None:
         """Step ``step``: reset, then this worker's list of operations (see ``lists.run_list``)."""
         self.reset(timed)
+        self.now, self.sent = idle(), {}
         self.inbox.begin(step)
         run_list(self, step, ops, batch, microbatches, split)
 
@@ -106,6 +112,21 @@ class StageActor:
         """Stop waiting for step ``step``'s inputs: a worker is gone (runs in the ``inbox`` group)."""
         self.inbox.abort(step)
 
+    def status(self) -> dict[str, Any]:
+        """What this worker does now, the values it sent this step and each stage's last operations (this
+        process's clock; runs in the ``inbox`` group, beside a list that may be stuck)."""
+        state, op, src, since = self.now
+        return {
+            "now": (
+                state,
+                None if op is None else (str(op.kind), op.mb, op.stage),
+                None if src is None else tuple(src),
+                since,
+            ),
+            "sent": dict(self.sent),
+            "rings": {s: list(st.ring) for s, st in self.stage_workers.items()},
+        }
+
     def placement(self) -> dict[int, list[str]]:
         """Per stage held, the devices that hold its parameters, as this actor's JAX names them."""
         return {s: [str(d) for d in st.devices] for s, st in self.stage_workers.items()}
@@ -115,6 +136,7 @@ class StageActor:
         for st in self.stage_workers.values():
             st.reset(timed)
         self.error = None
+        self.phases = []
 
     def op(
         self,
@@ -163,6 +185,7 @@ class StageActor:
         return {
             "losses": {m: v for st in held for m, v in st.fetch_losses().items()},
             "events": [e for st in held for e in st.events],
+            "phases": list(self.phases),
             "error": self.error,
         }
 

@@ -20,9 +20,11 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+import time
 from typing import Any, Mapping, Sequence
 
 from ...schedules.ops import Kind, Op, OpKey, dependencies, received
+from ..flight import DONE, NEXT, RUNS, WAITS
 from ..model import Microbatch, side_for
 from ..worker import run_op
 
@@ -226,19 +228,24 @@ def run_list(
         elif worker_of[src.stage] == me:
             data = local.pop(src, None)
         else:
+            actor.now = (WAITS, op, src, time.monotonic())
             data = actor.inbox.take(step, tuple(src))
         needed = data is not None or src is None and (op.kind != Kind.W or mb in st.inter)
         out = None
         if needed:  # called at once, in this iteration: the lambda's loop variables are this operation's
             side = batch[(stage, mb)][1] if op.kind == Kind.F else []
+            actor.now = (RUNS, op, None, time.monotonic())
             out = actor.guarded(lambda: run_op(st, op, data, side, microbatches, (stage, mb) in split, me))
+        actor.now = (NEXT, None, None, time.monotonic())
         dest = destination(op, S)
         if dest is not None:
             if worker_of[dest] == me:
                 local[op.key] = out
             else:
+                actor.sent[tuple(op.key)] = time.monotonic()
                 actor.sender.send(step, worker_of[dest], tuple(op.key), out)
     actor.sender.flush()
+    actor.now = (DONE, None, None, time.monotonic())
 
 
 def submit_lists(

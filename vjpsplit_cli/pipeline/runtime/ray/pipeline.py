@@ -24,6 +24,8 @@ from ..result import PipelineResult, step_result
 from . import waiting
 from .actor import StageActor, devices_for, raise_first_error
 from .compiled import compile_step
+from ..flight import clause, default_path, ring_rows, write_flight
+from ...schedules.ops import OpKey
 from .lists import CONCURRENCY_GROUPS, INBOX, submit_lists
 from .setup import SCHEDULE_TIMEOUT, clock_offset, init_ray, lack
 
@@ -120,6 +122,7 @@ class RayPipeline:
             self.close()
             raise
         self.steps = 0  # steps started: what an actor's inbox tells one step's deliveries from another's
+        self.hang_report: str | None = None  # where a stuck step's report goes (None: flight.default_path)
 
     def new_actor(self, worker: int) -> Any:
         """A new actor for ``worker``, with its actor options: at the start, or in place of one that was lost."""
@@ -182,8 +185,49 @@ class RayPipeline:
             bar=bar,
             watch=watch,
             on_stop=lambda: self._abort(self.steps),
+            describe=lambda: self.describe(t0),
         )
         return self.get([*watch, *refs])[len(watch) :]
+
+    def describe(self, t0: float, wait: float = 1.0) -> str:
+        """What each worker is doing (``flight.clause``, on the driver's clock, ms since ``t0``), its last
+        operations written as JSON: the tail of a stuck or interrupted step's error. An actor that does not
+        answer within ``wait`` seconds is said to be so."""
+        ray = self.ray
+        refs = [a.status.options(concurrency_group=INBOX).remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait)
+        got: dict[int, Any] = {}
+        for w, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    got[w] = ray.get(ref)
+                except Exception:  # noqa: BLE001 - a dead actor: said below
+                    pass
+        sent = {
+            OpKey(*k): t - self.clock_offsets[w] for w, st in got.items() for k, t in st["sent"].items()
+        }  # each value handed to the sender, on the driver's clock
+        worker_of = self.layout.worker_of()
+        parts, rows = [], []
+        for w in range(len(self.actors)):
+            if w not in got:
+                parts.append(f"worker {w}: its actor did not answer within {wait:g} s")
+                rows.append({"worker": w, "now": parts[-1], "ops": []})
+                continue
+            state, op, src, since = got[w]["now"]
+            off = self.clock_offsets[w]
+            now = (state, None if op is None else OpKey(*op), None if src is None else OpKey(*src), since - off)
+            # A value its sender handed on but this worker never took is a delivery that hangs.
+            parts.append(clause(w, now, t0, worker_of, sent))
+            ops = [
+                r
+                for s, ring in got[w]["rings"].items()
+                for r in ring_rows([(k, m, a - off, b - off) for k, m, a, b in ring], int(s), t0)
+            ]
+            rows.append({"worker": w, "now": parts[-1], "ops": sorted(ops, key=lambda r: r["start_ms"])})
+        path = self.hang_report or default_path()
+        text = "; " + "; ".join(parts)
+        written = write_flight(path, text[2:], rows)
+        return text + (f"; the last operations of every worker: {path}" if written else f" (could not write {path})")
 
     def start_step(
         self,

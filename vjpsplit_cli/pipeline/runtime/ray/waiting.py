@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 from ....errors import VjpsplitError
 from ...schedules.layout import Layout
+from ..flight import StepInterrupted
 
 
 class WorkerLost(VjpsplitError):
@@ -36,6 +37,7 @@ def wait_step(
     bar: Any = None,
     watch: Sequence[Any] = (),
     on_stop: Callable[[], None] | None = None,
+    describe: Callable[[], str] | None = None,
 ) -> None:
     """Wait until every ref in ``refs`` (worker ``owners[i]``'s) is done or ``deadline`` (``time.monotonic``) passes.
 
@@ -43,7 +45,9 @@ def wait_step(
     ``watch``: refs that fail when their actor dies (each worker's list of the step), checked as they
     complete; one that failed ends the wait at once, so that ``get`` names the actor. Before either,
     ``on_stop()`` releases the other workers (which may be waiting for the one gone).
-    ``fetch_local=False``: completion only, no values copied here.
+    ``fetch_local=False``: completion only, no values copied here. ``describe()``: what each worker is doing
+    (asked before ``on_stop`` releases them), appended to the error past the deadline or on Ctrl-C (then a
+    ``StepInterrupted``).
     """
     owner = {id(r): w for r, w in zip(refs, owners)}
     watched = {id(r) for r in watch}
@@ -53,7 +57,13 @@ def wait_step(
     while pending:
         want = 1 if bar is not None or watched else len(pending)
         left = max(deadline - time.monotonic(), 0.0)
-        ready, pending = ray.wait(pending, num_returns=min(want, len(pending)), fetch_local=False, timeout=left)
+        try:
+            ready, pending = ray.wait(pending, num_returns=min(want, len(pending)), fetch_local=False, timeout=left)
+        except KeyboardInterrupt as e:
+            detail = describe() if describe is not None else ""
+            if on_stop is not None:
+                on_stop()
+            raise StepInterrupted(f"the step was interrupted{detail}") from e
         if bar is not None:
             bar.update(len(ready))
         if any(id(r) in watched and _failed(ray, r) for r in ready):
@@ -61,11 +71,12 @@ def wait_step(
                 on_stop()
             return
         if pending and not ready:
+            detail = describe() if describe is not None else ""
             if on_stop is not None:
                 on_stop()
             late = sorted({owner[id(r)] for r in pending})
             raise VjpsplitError(
-                f"{layout.label(late[0])}: the step did not finish within step_timeout={step_timeout:g} s{hint}"
+                f"{layout.label(late[0])}: the step did not finish within step_timeout={step_timeout:g} s{detail}{hint}"
             )
 
 

@@ -1,0 +1,86 @@
+"""Seeing a step on Ray: a timed step's trace on the driver's clock, and a stuck step that says where it is."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import optax
+import pytest
+from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
+from tracecheck import check_trace_file, flow_pairs, op_slices
+
+import vjpsplit_cli as vs
+from vjpsplit_cli import pipeline as P
+from vjpsplit_cli.errors import VjpsplitError
+from vjpsplit_cli.pipeline.training.ray import TrainActor, TrainPipeline
+
+STUCK_STEP = 2  # the actors' step count: the Trainer's second step
+
+
+class SlowActor(TrainActor):
+    """A TrainActor whose stage 1 hangs (sleeps far past the step's limit) in its F of microbatch 1 of the
+    second step: a host that blocks. Sent to the actors by value (this module is not importable there)."""
+
+    def run_step(self, step, ops, batch, microbatches, split, timed):
+        st = self.stage_workers.get(1)
+        if st is not None and step == STUCK_STEP:
+            real = type(st).forward
+
+            def forward(mb, x, side, worker=None):
+                if mb == 1:
+                    time.sleep(60)
+                return real(st, mb, x, side, worker=worker)
+
+            st.forward = forward
+        return super().run_step(step, ops, batch, microbatches, split, timed)
+
+
+@pytest.fixture(scope="module")
+def stages():
+    return vs.export_stages(gpt, *gpt_specs(gpt_params()), wrt="params", platforms="cpu")
+
+
+@pytest.mark.timeout(300)
+def test_a_ray_step_traces_on_the_drivers_clock_and_a_stuck_one_names_its_op(
+    ray_session, stages, tmp_path, monkeypatch
+):
+    ray_session.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    monkeypatch.setattr(TrainPipeline, "actor_class", SlowActor)
+    report = tmp_path / "hang.json"
+    with P.Trainer(
+        stages,
+        gpt_params(),
+        optimizer=optax.sgd(0.1),
+        microbatches=2,
+        runner="ray",
+        trace_dir=tmp_path,
+        hang_report=report,
+    ) as tr:
+        t0 = time.monotonic()
+        tr.step(gpt_batch(4), timed=True)
+        t1 = time.monotonic()
+        doc = check_trace_file(tmp_path / "step-1.trace.json")
+        r = tr.last_result
+        assert len(op_slices(doc)) == len(r.events) == 4 * 2 * 2 and len(flow_pairs(doc)) == 3 * 2 * 2
+        # The actors' clocks moved onto the driver's: every slice inside the step as the driver saw it.
+        origin = doc["otherData"]["origin_s"]
+        assert t0 <= origin and all(origin + (s["ts"] + s["dur"]) / 1e6 <= t1 for s in op_slices(doc).values())
+        names = {(ev["tid"], ev["name"]) for ev in doc["traceEvents"] if ev["ph"] == "X"}
+        assert {(w + 1, "update") for w in range(4)} <= names and (0, "wait for the workers") in names
+
+        tr.backend.rp.step_timeout = 4.0  # the stuck step: an error within step_timeout + 2 s
+        t0 = time.monotonic()
+        with pytest.raises(VjpsplitError) as info:
+            tr.step(gpt_batch(4))
+        assert time.monotonic() - t0 < 4.0 + 2.0
+    text = str(info.value)
+    assert "did not finish within step_timeout=4 s" in text and "\n" not in text
+    assert "worker 1: running F stage 1 mb 1" in text
+    assert "worker 2: F stage 2 mb 1 waits for the activation from stage 1 (worker 1 has not sent it)" in text
+    body = json.loads(report.read_text())
+    rows = {w["worker"]: w for w in body["workers"]}
+    assert rows[1]["now"].startswith("worker 1: running F stage 1 mb 1")
+    assert [(o["kind"], o["stage"], o["mb"]) for o in rows[1]["ops"]][-1] == ("F", 1, 0)
+    assert str(report) in text

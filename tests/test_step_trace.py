@@ -1,0 +1,381 @@
+"""Seeing a step: worker threads that end, a stuck step that says where it is, the trace file, stragglers."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import json
+import threading
+import time
+
+import optax
+import pytest
+from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
+from tracecheck import check_trace_file, flow_pairs, op_slices
+
+import vjpsplit_cli as vs
+from vjpsplit_cli import pipeline as P
+from vjpsplit_cli.errors import VjpsplitError
+from vjpsplit_cli.pipeline.runtime import inprocess
+from vjpsplit_cli.pipeline.runtime.worker import StageWorker
+
+
+@functools.lru_cache(maxsize=None)
+def _stages():
+    return vs.export_stages(gpt, *gpt_specs(gpt_params()), wrt="params", platforms="cpu")
+
+
+def _trainer(**kw):
+    kw = {"schedule_name": "1f1b", "microbatches": 2, **kw}
+    return P.Trainer(_stages(), gpt_params(), optimizer=optax.sgd(0.1), **kw)
+
+
+def _worker_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("vjpsplit-worker-")]
+
+
+def _gone(before, timeout=10.0):
+    """Whether every worker thread not in ``before`` has ended within ``timeout``."""
+    end = time.monotonic() + timeout
+    for t in _worker_threads():
+        if t not in before:
+            t.join(max(end - time.monotonic(), 0.0))
+    return all(t in before for t in _worker_threads())
+
+
+def _in_thread(fn, timeout=60.0):
+    """``fn()`` in a thread of its own: its value or what it raised, or a failure if it is still running."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"still running after {timeout:g} s: it hangs"
+    return out
+
+
+# -- item 11: threads ------------------------------------------------------------------------------------------
+
+
+def test_a_trainer_dropped_without_close_ends_its_worker_threads():
+    before = set(_worker_threads())
+    for _ in range(3):
+        tr = _trainer()
+        tr.step(gpt_batch(4), timed=True)
+        assert len(set(_worker_threads()) - before) >= 4  # one per worker, while the Trainer lives
+        del tr
+    gc.collect()
+    assert _gone(before)  # 3 dropped Trainers: 12 threads before, none now
+
+
+def test_a_trainer_as_a_context_manager_ends_its_worker_threads():
+    before = set(_worker_threads())
+    with _trainer() as tr:
+        tr.step(gpt_batch(4), timed=True)
+        assert set(_worker_threads()) - before
+    assert _gone(before, timeout=0.1)
+
+
+class _BadBar:
+    def update(self, n):
+        raise RuntimeError("the bar broke")
+
+    def close(self):
+        pass
+
+
+def test_a_job_that_raises_out_of_a_worker_loop_fails_the_step_and_the_next_step_runs(monkeypatch):
+    """The progress bar's update raises in a worker thread, outside its operation: the step fails with that
+    error (before: the thread died and the other workers waited for its results forever)."""
+    tr, ref = _trainer(), _trainer()
+    monkeypatch.setattr(inprocess, "progress_bar", lambda total, enabled: _BadBar())
+    out = _in_thread(lambda: tr.step(gpt_batch(4), timed=True))
+    assert "the bar broke" in str(out.get("error"))
+    monkeypatch.setattr(inprocess, "progress_bar", lambda total, enabled: None)
+    out = _in_thread(lambda: tr.step(gpt_batch(4), timed=True))  # the same threads serve the next step
+    assert out.get("value") == ref.step(gpt_batch(4), timed=True)
+    tr.close()
+    ref.close()
+
+
+def test_a_job_that_raises_never_ends_its_pool_thread():
+    pool = inprocess.WorkerThreads(1)
+
+    def bad():
+        raise RuntimeError("job failed")
+
+    (job,) = pool.start([bad])
+    assert job.event.wait(10) and "job failed" in str(job.error)
+    (job,) = pool.start([lambda: None])
+    assert job.event.wait(10) and job.error is None  # the thread still serves
+    pool.close()
+
+
+# -- a stuck step says where it is -----------------------------------------------------------------------------
+
+
+def _block_stage(monkeypatch, stage, mb, release):
+    """Stage ``stage``'s forward of microbatch ``mb`` blocks until ``release`` is set (a host that hangs)."""
+    real = StageWorker.forward
+
+    def forward(self, m, x, side, worker=None):
+        if self.stage_index == stage and m == mb:
+            release.wait()
+        return real(self, m, x, side, worker=worker)
+
+    monkeypatch.setattr(StageWorker, "forward", forward)
+
+
+def test_a_timed_step_past_step_timeout_names_the_stuck_op_and_what_each_worker_waits_for(monkeypatch, tmp_path):
+    release = threading.Event()
+    report = tmp_path / "hang.json"
+    tr = _trainer(hang_report=report)
+    tr.step(gpt_batch(4), timed=True)  # compiled: the limit below is the hang's, not a first call's
+    tr.backend.step_timeout = 1.5
+    _block_stage(monkeypatch, stage=1, mb=1, release=release)
+    unstick = threading.Timer(1.5 + inprocess.GRACE / 2, release.set)  # back within the stop's grace
+    t0 = time.monotonic()
+    unstick.start()
+    out = _in_thread(lambda: tr.step(gpt_batch(4), timed=True))
+    took = time.monotonic() - t0
+    release.set()
+    err = out.get("error")
+    assert isinstance(err, VjpsplitError), out
+    assert took < 1.5 + 2.0
+    text = str(err)
+    assert "did not finish within step_timeout=1.5 s" in text
+    assert "worker 1: running F stage 1 mb 1" in text
+    assert "worker 2: F stage 2 mb 1 waits for the activation from stage 1 (worker 1 has not sent it)" in text
+    assert str(report) in text and "\n" not in text
+    body = json.loads(report.read_text())
+    assert body["message"] == text
+    rows = {w["worker"]: w for w in body["workers"]}
+    assert rows[1]["now"].startswith("worker 1: running F stage 1 mb 1")
+    # Worker 1's ring holds the last step's operations and this step's F of mb 0, oldest first.
+    ops = [(r["kind"], r["stage"], r["mb"]) for r in rows[1]["ops"]]
+    assert ops[-1] == ("F", 1, 0) and ("B", 1, 1) in ops
+    assert [r["start_ms"] for r in rows[1]["ops"]] == sorted(r["start_ms"] for r in rows[1]["ops"])
+    # The thread came back within the grace: the Trainer steps on; nothing was applied by the failed step.
+    monkeypatch.undo()
+    ref = _trainer()
+    ref.step(gpt_batch(4), timed=True)
+    assert _in_thread(lambda: tr.step(gpt_batch(4, seed=7), timed=True)).get("value") == ref.step(gpt_batch(4, seed=7))
+    tr.close()
+    ref.close()
+
+
+def test_a_thread_stuck_for_good_ends_the_trainers_steps_and_nothing_hangs(monkeypatch, tmp_path):
+    release = threading.Event()
+    tr = _trainer(hang_report=tmp_path / "h.json")
+    tr.step(gpt_batch(4), timed=True)
+    tr.backend.step_timeout = 1.0
+    _block_stage(monkeypatch, stage=2, mb=0, release=release)
+    try:
+        err = _in_thread(lambda: tr.step(gpt_batch(4), timed=True)).get("error")
+        assert "still stuck after 1 s: worker 2" in str(err) and "restore the last checkpoint" in str(err)
+        err = _in_thread(lambda: tr.step(gpt_batch(4), timed=True)).get("error")
+        assert "an earlier step timed out" in str(err) and "running F stage 2 mb 0" in str(err)
+        _in_thread(tr.close, timeout=10)  # does not wait for the stuck thread
+    finally:
+        release.set()
+
+
+def test_ctrl_c_during_a_timed_step_is_one_error_naming_what_each_worker_does(monkeypatch, tmp_path):
+    """Ctrl-C (here SIGINT from a timer) while a stage hangs: a ``StepInterrupted`` (also a
+    ``KeyboardInterrupt``) naming the stuck op, the report written."""
+    import os
+    import signal
+
+    release = threading.Event()
+    tr = _trainer(step_timeout=60, hang_report=tmp_path / "h.json")
+    tr.step(gpt_batch(4), timed=True)
+    _block_stage(monkeypatch, stage=0, mb=1, release=release)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    t0 = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt) as info:
+            tr.step(gpt_batch(4), timed=True)
+    finally:
+        timer.cancel()
+        release.set()
+    assert isinstance(info.value, VjpsplitError)
+    assert "the step was interrupted" in str(info.value) and "worker 0: running F stage 0 mb 1" in str(info.value)
+    assert (tmp_path / "h.json").exists()
+    assert time.monotonic() - t0 < 1.0 + 2.0
+    tr.close()
+
+
+# -- the trace file --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_timed_steps_trace_file_holds_its_events_and_sends(schedule, tmp_path, monkeypatch):
+    """The trace of a timed step (written by ``trace_dir``) against the format and against the step's events:
+    one slice per operation at its microsecond times, a flow per value sent between workers (none inside
+    ZB-V's worker, whose two stages pass it locally), the reductions, updates and driver phases as slices;
+    each operation ran under a ``jax.profiler.TraceAnnotation`` of its slice's name."""
+    import jax
+
+    from vjpsplit_cli.pipeline.schedules.ops import Kind
+
+    names = []
+    real = jax.profiler.TraceAnnotation
+
+    class Recorded(real):
+        def __init__(self, name, **kw):
+            names.append(name)
+            super().__init__(name, **kw)
+
+    monkeypatch.setattr(jax.profiler, "TraceAnnotation", Recorded)
+    mbs = 4
+    tr = _trainer(schedule_name=schedule, microbatches=mbs, trace_dir=tmp_path / "traces", trace_every=2)
+    tr.step(gpt_batch(8))  # step 1: untimed, no trace
+    assert not (tmp_path / "traces").exists() and names == []
+    tr.step(gpt_batch(8, seed=3))  # step 2: the trace_every-th, timed and traced
+    r = tr.last_result
+    path = tmp_path / "traces" / "step-2.trace.json"
+    doc = check_trace_file(path)
+    ops = op_slices(doc)
+    origin = doc["otherData"]["origin_s"]
+    assert len(ops) == len(r.events) and sorted(names) == sorted(ops)
+    for e in r.events:
+        s = ops[f"{e.kind} s{e.stage} mb{e.mb}"]
+        assert s["tid"] == e.worker + 1 and s["cat"] == e.kind
+        assert s["ts"] == pytest.approx((e.start - origin) * 1e6, abs=2e-3)
+        assert s["dur"] == pytest.approx((e.end - e.start) * 1e6, abs=2e-3)
+    worker_of = {e.stage: e.worker for e in r.events}
+    want = sorted(
+        (f"{k} s{s} mb{m}", f"{k} s{t} mb{m}")
+        for k, step in ((Kind.F, 1), (Kind.B, -1))
+        for s in range(4)
+        for t in [s + step]
+        if 0 <= t < 4 and worker_of[s] != worker_of[t]
+        for m in range(mbs)
+    )
+    assert flow_pairs(doc) == want and want  # zbv: stages 1-2 share worker 1, so 2 x 2 x 4 flows
+    assert len(want) == (24 if schedule == "1f1b" else 16)
+    others = {(ev["tid"], ev["name"]) for ev in doc["traceEvents"] if ev["ph"] == "X" and ev["cat"] not in "FBW"}
+    workers = r.num_workers
+    assert {(w + 1, "update") for w in range(workers)} | {(w + 1, "reduce norms") for w in range(workers)} <= others
+    assert {(w + 1, "reduce tied") for w in range(workers)} <= others  # the tied embedding
+    assert {(0, "hand out"), (0, "wait for the workers"), (0, "fetch the losses")} <= others
+    # Per worker, no two operations overlap.
+    for w in range(workers):
+        spans = sorted((s["ts"], s["ts"] + s["dur"]) for s in ops.values() if s["tid"] == w + 1)
+        assert all(b <= c + 1e-3 for (_, b), (c, _) in zip(spans, spans[1:]))
+    # plot_timeline draws the same rectangles from the file as from the events.
+    from_events = P.plot_timeline(r.events, workers, tmp_path / "a.png", "t")
+    from_file = P.plot_timeline(path, None, tmp_path / "b.png", "t")
+    assert len(from_file) == len(from_events) == len(r.events)
+    for a, b in zip(from_events, from_file):
+        assert a[1:2] == b[1:2] and a[3:] == b[3:]
+        assert a[0] == pytest.approx(b[0], abs=1e-5) and a[2] == pytest.approx(b[2], abs=1e-5)  # ms, ns-rounded
+    tr.close()
+
+
+def test_a_trace_file_that_is_not_one_is_one_clear_error(tmp_path):
+    bad = tmp_path / "t.json"
+    bad.write_text("{not json")
+    with pytest.raises(VjpsplitError, match=r"t.json: not a JSON trace file"):
+        P.plot_timeline(bad, None, tmp_path / "p.png", "t")
+    bad.write_text(json.dumps({"traceEvents": [{"ph": "X", "tid": 1, "ts": "soon", "dur": 1}]}))
+    with pytest.raises(VjpsplitError, match=r"traceEvents\[0\]: field 'ts' is 'soon'"):
+        P.plot_timeline(bad, None, tmp_path / "p.png", "t")
+    tr = _trainer()
+    tr.step(gpt_batch(4))
+    with pytest.raises(VjpsplitError, match=r"not timed"):
+        tr.last_result.write_trace(tmp_path / "x.json")
+    tr.close()
+
+
+# -- stragglers ------------------------------------------------------------------------------------------------
+
+
+def test_a_worker_slowed_on_purpose_is_named_after_three_timed_steps(monkeypatch):
+    """The MLP's balanced cut gives stages 1 and 2 the same cost signature: peers. Stage 1 sleeps 50 ms per
+    operation; from the third timed step in a row after the first (which compiles) it is named in a warning and in ``history``; workers 0
+    and 3 have no peers and are never named."""
+    import numpy as np
+    from stage_models import mlp, mlp_params, specs_like
+
+    params = mlp_params()
+    x, labels = np.ones((8, 16), np.float32), np.arange(8, dtype=np.int32) % 4
+    stages = vs.export_stages(mlp, *specs_like((params, x[:2], labels[:2])), wrt="params", stages=4, platforms="cpu")
+    real = StageWorker._run
+
+    def slowed(self, worker, kind, mb, fn):
+        if self.stage_index == 1:
+            return real(self, worker, kind, mb, lambda: (time.sleep(0.05), fn())[1])
+        return real(self, worker, kind, mb, fn)
+
+    monkeypatch.setattr(StageWorker, "_run", slowed)
+    with P.Trainer(stages, params, optimizer=optax.sgd(0.1), microbatches=4, timeline=True) as tr:
+        with pytest.warns(UserWarning) as caught:
+            for _ in range(5):
+                tr.step((x, labels))
+            tr.step((x, labels), timed=False)  # untimed: no busy times, no verdict
+    rows = tr.history
+    # The first step compiles every stage: no verdict; then three in a row.
+    assert [r["stragglers"] for r in rows[:5]] == [[], [], [], [1], [1]] and "stragglers" not in rows[5]
+    assert all(len(r["busy"]) == 4 and r["busy"][1] > r["busy"][2] + 0.3 for r in rows[1:5])
+    (w,) = [str(c.message) for c in caught if "straggler" in str(c.message)]  # warned once, when first named
+    assert w.startswith("worker 1 (stages 1) is a straggler") and "peers' (worker 2, whose stages cost the same)" in w
+
+
+def test_fit_writes_a_stuck_steps_report_beside_its_checkpoint_directory(monkeypatch, tmp_path):
+    release = threading.Event()
+    tr = _trainer(timeline=True)
+    tr.step(gpt_batch(4))  # compiled before the limit applies
+    tr.backend.step_timeout = 1.5
+    _block_stage(monkeypatch, stage=1, mb=1, release=release)
+    unstick = threading.Timer(1.5 + inprocess.GRACE / 2, release.set)
+    unstick.start()
+    try:
+        err = _in_thread(lambda: tr.fit(lambda step: gpt_batch(4), 2, checkpoint_dir=tmp_path / "ck")).get("error")
+    finally:
+        release.set()
+    assert isinstance(err, VjpsplitError) and "running F stage 1 mb 1" in str(err)
+    beside = tmp_path / "ck.hang.json"
+    assert str(beside) in str(err) and json.loads(beside.read_text())["message"] == str(err)
+    tr.close()
+
+
+def test_a_sharded_stage_gets_a_track_per_device_and_the_file_reads_back_once():
+    """``trace_events`` with a stage on two devices: its slices once more on each device's track; read back,
+    the file gives each operation once."""
+    from vjpsplit_cli.pipeline.schedules.timeline import Event, Phase
+    from vjpsplit_cli.pipeline.schedules.tracefile import read_trace, trace_events, write_trace
+
+    events = [
+        Event(0, "F", 0, 10.0, 10.001, 0),
+        Event(1, "F", 0, 10.0012, 10.002, 1),
+        Event(1, "B", 0, 10.003, 10.004, 1),
+    ]
+    events.append(Event(0, "B", 0, 10.0045, 10.005, 0))
+    doc = trace_events(events, [Phase(None, "hand out", 9.9995, 10.0)], 2, 2, devices={1: ["cpu:1", "cpu:2"]})
+    tracks = {ev["tid"]: ev["args"]["name"] for ev in doc["traceEvents"] if ev["name"] == "thread_name"}
+    extra = sorted(t for t in tracks if t >= 1000)
+    assert [tracks[t] for t in extra] == ["worker 1 stage 1 cpu:1", "worker 1 stage 1 cpu:2"]
+    for t in extra:
+        assert sorted(ev["name"] for ev in doc["traceEvents"] if ev["ph"] == "X" and ev["tid"] == t) == [
+            "B s1 mb0",
+            "F s1 mb0",
+        ]
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        write_trace(f"{d}/t.json", doc)
+        check_trace_file(f"{d}/t.json")
+        back = read_trace(f"{d}/t.json")
+    assert [(e.worker, e.kind, e.mb, e.stage) for e in back.events] == [
+        (e.worker, e.kind, e.mb, e.stage) for e in events
+    ]
+    assert all(abs(a.start - b.start) < 1e-8 and abs(a.end - b.end) < 1e-8 for a, b in zip(back.events, events))
+    assert [(p.worker, p.name) for p in back.phases] == [(None, "hand out")] and back.num_workers == 2

@@ -1,0 +1,133 @@
+"""What every worker is doing now and did last: the ring of recent operations, and a stuck step's report.
+
+Each ``StageWorker`` keeps its last ``RING`` operations (kind, microbatch, start,
+end on this process's ``time.monotonic``) in a bounded ring, timed step or not
+(a ``deque`` append per operation: measured in ``benchmarks/train.py --ring``).
+A timed step's worker thread (or Ray actor) also says what it is doing in one
+``Now`` tuple: waiting for its next operation, waiting for the value another
+stage sends it, running an operation, finishing its stages (the reductions and
+the optimizer update), or done. When a step passes ``step_timeout`` or is
+interrupted, ``hang_message`` turns each worker's ``Now`` into one clause
+(``worker 1: B stage 1 mb 3 waits for the cotangent from stage 2 (worker 2 has
+not sent it)``) and ``write_flight`` writes every worker's ring as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from typing import Any, Mapping, Sequence
+
+from ...errors import VjpsplitError
+from ...safeio.outputs import atomic_write
+from ..schedules.ops import Kind, Op, OpKey
+
+RING = 256  # operations each stage worker keeps: several steps of a tiny pipeline, a bounded few KiB
+
+# What a worker does now, as its thread (or actor) last set it: (state, op or None, the value's source or
+# None, since when on time.monotonic). States: NEXT (its next operation is not handed to it yet), WAITS
+# (for a value another stage sends), RUNS, FINISH (its stages' reductions and update), DONE.
+NEXT, WAITS, RUNS, FINISH, DONE = "next", "waits", "runs", "finish", "done"
+Now = tuple[str, "Op | OpKey | None", "OpKey | None", float]
+
+
+class StepInterrupted(VjpsplitError, KeyboardInterrupt):
+    """A step stopped by Ctrl-C: one line naming what each worker was doing (also a ``KeyboardInterrupt``,
+    so code that stops on Ctrl-C still does)."""
+
+
+def idle() -> Now:
+    """The ``Now`` of a worker before its first operation of a step."""
+    return (NEXT, None, None, time.monotonic())
+
+
+def what(kind: str) -> str:
+    """The value an operation of ``kind`` waits for from another stage."""
+    return "the activation" if kind == Kind.F else "the cotangent"
+
+
+def _op(op: Op | OpKey) -> str:
+    return f"{op.kind} stage {op.stage} mb {op.mb}"
+
+
+def clause(
+    worker: int,
+    now: Now,
+    t0: float,
+    worker_of: Mapping[int, int],
+    sent: Mapping[OpKey, float] | None = None,
+) -> str:
+    """Worker ``worker``'s ``now`` in words, times in ms since ``t0`` (the step's start).
+
+    ``sent``: when each value was sent (Ray: a value can be sent and not yet received); without it a value
+    waited for is one its sender has not sent.
+    """
+    state, op, src, since = now
+    at = f"{(since - t0) * 1e3:.1f} ms"
+    if state == RUNS and op is not None:
+        return f"worker {worker}: running {_op(op)} since {at}"
+    if state == WAITS and op is not None and src is not None:
+        by = worker_of.get(src.stage, src.stage)
+        if sent is not None and src in sent:
+            how = f"sent by worker {by} at {(sent[src] - t0) * 1e3:.1f} ms, never received"
+        else:
+            how = f"worker {by} has not sent it"
+        return f"worker {worker}: {_op(op)} waits for {what(op.kind)} from stage {src.stage} ({how}) since {at}"
+    if state == FINISH:
+        return f"worker {worker}: in its stages' reductions and optimizer update (waits for the other workers there) since {at}"
+    if state == DONE:
+        return f"worker {worker}: done at {at}"
+    nxt = f" ({_op(op)})" if op is not None else ""
+    return f"worker {worker}: waits to be handed its next operation{nxt} since {at}"
+
+
+def hang_message(
+    reason: str,
+    nows: Sequence[Now],
+    t0: float,
+    worker_of: Mapping[int, int],
+    path: str | None,
+    hint: str = "",
+    sent: Mapping[OpKey, float] | None = None,
+) -> str:
+    """One line: ``reason``, every worker's clause, where the last operations were written, then ``hint``."""
+    parts = [clause(w, now, t0, worker_of, sent) for w, now in enumerate(nows)]
+    where = f"; the last operations of every worker: {path}" if path else ""
+    return f"{reason}; " + "; ".join(parts) + where + hint
+
+
+def ring_rows(ring: Sequence[tuple[str, int, float, float]], stage: int, t0: float) -> list[dict[str, Any]]:
+    """A stage worker's ring as JSON rows, times in ms since ``t0``."""
+    return [
+        {"kind": str(k), "stage": stage, "mb": int(mb), "start_ms": (s - t0) * 1e3, "end_ms": (e - t0) * 1e3}
+        for k, mb, s, e in ring
+    ]
+
+
+def default_path() -> str:
+    """Where a hang's report goes when neither ``hang_report`` nor a checkpoint directory names a place."""
+    return os.path.join(tempfile.gettempdir(), f"vjpsplit-hang-{os.getpid()}.json")
+
+
+def write_flight(
+    path: str | os.PathLike[str],
+    message: str,
+    workers: Sequence[Mapping[str, Any]],
+) -> str | None:
+    """Write ``{"message", "workers": [...]}`` to ``path`` (whole or not at all); the path written, or None
+    when it could not be written (the step's error says so rather than hiding what hung behind a write error).
+
+    Each worker's dict: ``worker``, ``now`` (its clause) and ``ops`` (``ring_rows``, oldest first).
+    """
+    body = json.dumps({"message": message, "workers": list(workers)}, indent=1).encode()
+
+    def write(f: Any) -> None:
+        f.write(body)
+
+    try:
+        atomic_write(path, write)
+    except (OSError, VjpsplitError):
+        return None
+    return os.fspath(path)

@@ -1,0 +1,287 @@
+"""A timed step as a trace file in the Chrome/Perfetto trace-event JSON format, and the file read back.
+
+The file (``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}``)
+opens in Perfetto's UI (ui.perfetto.dev), ``chrome://tracing`` and XProf's
+(TensorBoard's) trace viewer. One process, one track (``tid``) per worker
+(``tid`` = worker + 1) and the driver's own (``tid`` 0); a sharded stage's
+operations are drawn again on a track per device of its mesh. Each operation is
+a complete slice (``ph: "X"``) named ``B s1 mb3`` (kind, stage, microbatch, as
+``timeline.op_name`` and each operation's ``jax.profiler.TraceAnnotation`` name
+it), its category its kind; each value one worker sends another (F's activation
+to the next stage, B's cotangent to the one before) is a flow (``ph: "s"`` in the
+producing slice, ``ph: "f"`` with ``bp: "e"`` at the start of the consuming one,
+one ``id`` per pair); the driver's phases and each worker's reductions and
+optimizer update are slices of category ``driver``, ``reduce`` and ``update``.
+Timestamps and durations are microseconds since the step's first one, on the
+driver's clock (``time.monotonic``; the Ray runner moves each actor's onto it by
+the offset it measured); ``otherData.origin_s`` is that first time.
+
+``read_trace`` gives back the events and phases, so ``plots.plot_timeline`` draws
+a step from its file. Reading parses JSON and checks each field; nothing is evaluated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from ...errors import VjpsplitError
+from ...safeio.outputs import atomic_write
+from .ops import Kind
+from .timeline import Event, Phase, op_name
+
+PID = 1
+DRIVER = 0  # the driver's track; worker w's is w + 1
+DEVICE_TRACKS = 1000  # a sharded stage's per-device tracks: DEVICE_TRACKS + 100 * worker + i
+_KINDS = {str(k) for k in Kind}
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A trace file read back: its operations as ``Event``s and its other slices as ``Phase``s (seconds on the
+    step's clock), and how many workers it draws."""
+
+    events: list[Event]
+    phases: list[Phase]
+    num_workers: int
+
+
+def _phase_category(p: Phase) -> str:
+    if p.worker is None:
+        return "driver"
+    return "reduce" if p.name.startswith("reduce") else "update"
+
+
+def _consumer(e: Event, num_stages: int) -> tuple[str, int, int] | None:
+    """The operation that takes ``e``'s result from another stage: (kind, stage, mb), or None."""
+    if e.kind == Kind.F and e.stage < num_stages - 1:
+        return (str(Kind.F), e.stage + 1, e.mb)
+    if e.kind == Kind.B and e.stage > 0:
+        return (str(Kind.B), e.stage - 1, e.mb)
+    return None
+
+
+def trace_events(
+    events: Sequence[Event],
+    phases: Sequence[Phase],
+    num_workers: int,
+    num_stages: int,
+    *,
+    title: str = "vjpsplit step",
+    devices: Mapping[int, Sequence[str]] | None = None,
+    meta: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The trace document of one timed step (see the module).
+
+    Args:
+        events: the step's operations (``PipelineResult.events``).
+        phases: its other spans (``PipelineResult.phases``).
+        num_workers: how many workers ran it (one track each).
+        num_stages: the pipeline's stages (what tells a send from a loss).
+        title: the process's name in the viewer.
+        devices: per stage, its devices' names; a stage with more than one (sharded) gets a track per device.
+        meta: more entries for ``otherData`` (schedule, runner, ...).
+
+    Returns:
+        The JSON-ready document.
+    """
+    times = [e.start for e in events] + [p.start for p in phases]
+    origin = min(times) if times else 0.0
+
+    def us(t: float) -> float:
+        return round((t - origin) * 1e6, 3)
+
+    out: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": PID, "tid": DRIVER, "args": {"name": title}},
+        {"ph": "M", "name": "thread_name", "pid": PID, "tid": DRIVER, "args": {"name": "driver"}},
+        {"ph": "M", "name": "thread_sort_index", "pid": PID, "tid": DRIVER, "args": {"sort_index": 0}},
+    ]
+    held: dict[int, set[int]] = {}
+    for e in events:
+        held.setdefault(e.worker, set()).add(e.stage)
+    for w in range(num_workers):
+        stages = ", ".join(map(str, sorted(held.get(w, ())))) or "none"
+        out.append(
+            {
+                "ph": "M",
+                "name": "thread_name",
+                "pid": PID,
+                "tid": w + 1,
+                "args": {"name": f"worker {w} (stages {stages})"},
+            }
+        )
+        out.append({"ph": "M", "name": "thread_sort_index", "pid": PID, "tid": w + 1, "args": {"sort_index": w + 1}})
+    device_tracks: dict[int, list[int]] = {}  # by stage: its per-device tracks
+    for s, names in sorted((devices or {}).items()):
+        if len(names) < 2:
+            continue
+        on = [e.worker for e in events if e.stage == s]
+        if not on:
+            continue
+        w = on[0]
+        tids = [DEVICE_TRACKS + 100 * w + len(device_tracks) * 10 + i for i in range(len(names))]
+        device_tracks[s] = tids
+        for tid, name in zip(tids, names):
+            out.append(
+                {
+                    "ph": "M",
+                    "name": "thread_name",
+                    "pid": PID,
+                    "tid": tid,
+                    "args": {"name": f"worker {w} stage {s} {name}"},
+                }
+            )
+            out.append({"ph": "M", "name": "thread_sort_index", "pid": PID, "tid": tid, "args": {"sort_index": tid}})
+    by_op = {(str(e.kind), e.stage, e.mb): e for e in events}
+    for e in events:
+        args = {"kind": str(e.kind), "stage": e.stage, "mb": e.mb, "worker": e.worker}
+        for tid in [e.worker + 1, *device_tracks.get(e.stage, ())]:
+            out.append(
+                {
+                    "ph": "X",
+                    "name": op_name(e.kind, e.stage, e.mb),
+                    "cat": str(e.kind),
+                    "pid": PID,
+                    "tid": tid,
+                    "ts": us(e.start),
+                    "dur": round((e.end - e.start) * 1e6, 3),
+                    "args": args,
+                }
+            )
+    for p in phases:
+        out.append(
+            {
+                "ph": "X",
+                "name": p.name,
+                "cat": _phase_category(p),
+                "pid": PID,
+                "tid": DRIVER if p.worker is None else p.worker + 1,
+                "ts": us(p.start),
+                "dur": round((p.end - p.start) * 1e6, 3),
+                "args": {"worker": p.worker},
+            }
+        )
+    flow = 0
+    for e in events:
+        key = _consumer(e, num_stages)
+        c = by_op.get(key) if key is not None else None
+        if c is None or c.worker == e.worker:  # a V's two stages on one worker: nothing is sent
+            continue
+        flow += 1
+        name = "activation" if e.kind == Kind.F else "cotangent"
+        ts, dur = us(e.start), round((e.end - e.start) * 1e6, 3)
+        out.append(
+            {
+                "ph": "s",
+                "id": flow,
+                "name": name,
+                "cat": "send",
+                "pid": PID,
+                "tid": e.worker + 1,
+                "ts": round(ts + dur / 2, 3),
+            }
+        )
+        out.append(
+            {
+                "ph": "f",
+                "bp": "e",
+                "id": flow,
+                "name": name,
+                "cat": "send",
+                "pid": PID,
+                "tid": c.worker + 1,
+                "ts": us(c.start),
+            }
+        )
+    other = {
+        "origin_s": origin,
+        "clock": "the driver's time.monotonic",
+        "num_workers": num_workers,
+        "num_stages": num_stages,
+    }
+    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {**other, **dict(meta or {})}}
+
+
+def write_trace(path: str | os.PathLike[str], document: Mapping[str, Any]) -> None:
+    """Write ``document`` (``trace_events``) to ``path`` as JSON, whole or not at all.
+
+    Args:
+        path: the file to write (``.json``; Perfetto and ``chrome://tracing`` open it as it is).
+        document: the trace document.
+
+    Raises:
+        VjpsplitError: the file could not be written (naming it).
+    """
+    body = json.dumps(document, separators=(",", ":")).encode()
+
+    def write(f: Any) -> None:
+        f.write(body)
+
+    atomic_write(path, write)
+
+
+def _field(ev: Mapping[str, Any], name: str, kind: type | tuple[type, ...], where: str) -> Any:
+    value = ev.get(name)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise VjpsplitError(f"{where}: field {name!r} is {value!r}; a vjpsplit trace file has a number or name there")
+    return value
+
+
+def read_trace(path: str | os.PathLike[str]) -> Trace:
+    """A trace file ``write_trace`` wrote, as events and phases (seconds on the step's clock).
+
+    Args:
+        path: the trace file.
+
+    Returns:
+        Its ``Trace``: the operations (slices of category F, B or W on a worker's track; a sharded stage's
+        per-device copies are read once), the other slices, and the number of workers.
+
+    Raises:
+        VjpsplitError: the file is missing, not JSON, or not a trace of a vjpsplit step (naming what is wrong).
+    """
+    text = os.fspath(path)
+    try:
+        with open(text, "rb") as f:
+            doc = json.loads(f.read())
+    except OSError as e:
+        raise VjpsplitError(f"{text}: cannot read the trace file ({e.strerror or e})") from e
+    except ValueError as e:
+        raise VjpsplitError(f"{text}: not a JSON trace file ({e})") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
+        raise VjpsplitError(f"{text}: not a trace-event file (no traceEvents list)")
+    found = doc.get("otherData")
+    other: dict[str, Any] = found if isinstance(found, dict) else {}
+    origin = other.get("origin_s", 0.0)
+    if isinstance(origin, bool) or not isinstance(origin, (int, float)):
+        raise VjpsplitError(f"{text}: otherData.origin_s is {origin!r}; expected seconds")
+    events, phases, workers = [], [], 0
+    for i, ev in enumerate(doc["traceEvents"]):
+        where = f"{text}: traceEvents[{i}]"
+        if not isinstance(ev, dict):
+            raise VjpsplitError(f"{where}: not an object")
+        tid = ev.get("tid")
+        if ev.get("ph") == "M" and ev.get("name") == "thread_name" and isinstance(tid, int) and 0 < tid < DEVICE_TRACKS:
+            workers = max(workers, tid)
+        if ev.get("ph") != "X":
+            continue
+        tid = _field(ev, "tid", int, where)
+        start = origin + _field(ev, "ts", (int, float), where) / 1e6
+        end = start + _field(ev, "dur", (int, float), where) / 1e6
+        if tid >= DEVICE_TRACKS:
+            continue  # a sharded stage's copy on one of its devices
+        if ev.get("cat") in _KINDS:
+            args = ev.get("args")
+            if not isinstance(args, dict):
+                raise VjpsplitError(f"{where}: an operation's slice without args")
+            stage, mb = _field(args, "stage", int, where), _field(args, "mb", int, where)
+            events.append(Event(tid - 1, str(ev["cat"]), mb, start, end, stage))
+        else:
+            name = _field(ev, "name", str, where)
+            phases.append(Phase(None if tid == DRIVER else tid - 1, name, start, end))
+    n = other.get("num_workers", workers)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise VjpsplitError(f"{text}: otherData.num_workers is {n!r}; expected a count")
+    return Trace(sorted(events, key=lambda e: e.start), sorted(phases, key=lambda p: p.start), n)
