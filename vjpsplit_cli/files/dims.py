@@ -232,18 +232,20 @@ def _linear(node: Node, known: Mapping[str, int]) -> _Linear | None:
             const, coeffs = -const, {n: -k for n, k in coeffs.items()}
         return const, {n: k for n, k in coeffs.items() if k}
     if op == "*":
-        const = 1
+        # As jax.export solves: a term gives its name only as (integer) * name; a product
+        # with another name in it (b*c, even with b known) is used once all its names are.
+        coeff, others = 1, []
         for a in args:
-            part = _linear(a, known)
-            if part is None or (part[1] and coeffs):
-                return None  # a product of unknowns: not linear
-            if part[1]:
-                coeffs = {n: k * const for n, k in part[1].items()}
-                const *= part[0]
+            if isinstance(a, int):
+                coeff *= a
             else:
-                coeffs = {n: k * part[0] for n, k in coeffs.items()}
-                const *= part[0]
-        return const, {n: k for n, k in coeffs.items() if k}
+                others.append(a)
+        value = _evaluate(("*", *others), known) if others else 1
+        if value is not None:
+            return coeff * value, {}
+        if len(others) == 1 and isinstance(others[0], str):
+            return 0, {others[0]: coeff} if coeff else {}
+        return None
     value = _evaluate(node, known)  # a power or a function: linear only once every name in it is known
     return None if value is None else (value, {})
 
