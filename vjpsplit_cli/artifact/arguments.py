@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import VjpsplitError
-from ..files.dims import solve_shapes
+from ..files.dims import needs_solving, solve_shapes
 from ..files.dtypes import dtype_from_name
 from ..files.prng import impl_name, is_key, to_data
 from ..files.shapes import bind_dims, concrete_shape, format_shape
@@ -148,6 +148,8 @@ def solved_dims(source: str, what: str, leaves: Sequence[LeafLike], values: Sequ
     ``{}`` when every name is some leaf's plain dim (``check_array`` binds those, one
     leaf at a time); see ``files.dims.solve_shapes``.
     """
+    if not needs_solving(tuple(leaf.shape for leaf in leaves)):  # the common case: no array's shape is read here
+        return {}
     return solve_shapes(
         [(f"{source}: {what} '{leaf.key}'", leaf.shape, np.shape(v)) for leaf, v in zip(leaves, values)]
     )
