@@ -283,11 +283,11 @@ KERNELS = {
 }
 
 
-def _kernel_calls(fn, dtype):
+def _kernel_calls(fn, dtype, platform="cpu", prefix="lapack_"):
     from vjpsplit_cli.trust.mlirprobe import probe
 
-    exp = jexport.export(jax.jit(fn), platforms=["cpu"])(jax.ShapeDtypeStruct(_SQUARE.shape, dtype))
-    return [c for c in probe(exp.mlir_module_serialized)["calls"] if c["target"].startswith("lapack_")]
+    exp = jexport.export(jax.jit(fn), platforms=[platform])(jax.ShapeDtypeStruct(_SQUARE.shape, dtype))
+    return [c for c in probe(exp.mlir_module_serialized)["calls"] if c["target"].startswith(prefix)]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.complex64])
@@ -322,3 +322,16 @@ def test_gehrd_and_gees_attributes_are_held_to_what_jax_passes():
     assert lapack_shapes_ok(gees) and "sort = 78 : ui8" in config
     sorting = config.replace("sort = 78", "sort = 83")  # 'S': LAPACK would call a select function JAX never gives
     assert not lapack_shapes_ok({**gees, "attrs": {"mhlo.backend_config": sorting}})
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.complex64])
+def test_cusolver_sytrd_is_vouched_for_as_jax_lowers_it_for_cuda_and_lapack_only_kernels_are_not(dtype):
+    from vjpsplit_cli.trust.custom_calls import lapack_shapes_ok
+
+    (call,) = _kernel_calls(KERNELS["sytrd"], dtype, platform="cuda", prefix="cusolver_")
+    assert call["target"] == "cusolver_sytrd_ffi" and lapack_shapes_ok(call)
+    short = [*call["results"][:2], [call["results"][2][0], [2, 2]], *call["results"][3:]]
+    assert not lapack_shapes_ok({**call, "results": short})
+    # cuSOLVER's geev returns other buffers than LAPACK's: LAPACK's shapes under its name are not vouched for
+    (geev,) = _kernel_calls(KERNELS["geev"], dtype)
+    assert not lapack_shapes_ok({**geev, "target": "cusolver_geev_ffi"})
