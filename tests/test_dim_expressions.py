@@ -219,3 +219,19 @@ def test_the_cli_templates_runs_and_inspects_at_solved_dims(tmp_path, monkeypatc
     lines = r.stderr.strip().splitlines()
     assert r.exit_code == 1 and len(lines) == 1 and "no whole number 'b1' solves 2*b1 = 5" in lines[0], r.stderr
     assert not (tmp_path / "r2.npz").exists()
+
+
+def stage(params, x):
+    return jnp.tanh(x @ params)
+
+
+def test_auto_schedules_size_a_stage_s_microbatch_through_solved_dims():
+    from vjpsplit_cli.pipeline.training.autoplan import microbatch_bytes
+
+    scope = jexport.SymbolicScope()
+    p = jax.ShapeDtypeStruct((3, 4), np.float32)
+    solved = vs.export(stage, p, jax.ShapeDtypeStruct(jexport.symbolic_shape("2*b, 3", scope=scope), np.float32))
+    plain = vs.export(stage, p, jax.ShapeDtypeStruct(jexport.symbolic_shape("c, 3"), np.float32))
+    x = np.zeros((6, 3), np.float32)
+    (held,) = microbatch_bytes([solved], (x, []))
+    assert [held] == microbatch_bytes([plain], (x, [])) and held >= 6 * 4 * 4  # tanh's f32[6, 4] at least

@@ -5,9 +5,11 @@ symbolic one (``b``, ``2*b + 4``, ``floordiv(b, 2)``, ``b^2``). ``evaluate`` giv
 such a dim's value once its names are sized; ``solve`` works the names out from the
 sizes arrays actually have, as jax.export does when an exported function is called
 (``jax/_src/export/shape_poly.py``, ``solve_dim_vars``): an equation ``dim = size``
-in which exactly one name is still unknown, and appears in it only linearly
-(``2*b1 = 8``, ``b + 4 = 9``), gives that name; the names it gives are used in the
-other equations, until none gives more. A name no equation gives, an answer that is
+in which exactly one name is still unknown, and appears in it only as an integer
+times that name (``2*b1 = 8``, ``b + 4 = 9``, ``2*c + b = 7`` once ``b`` is known),
+gives that name; the names it gives are used in the other equations, until none
+gives more. Equations whose names are all known are left to the caller's shape
+check (``b*c = 12`` once ``b`` and ``c`` are). A name no equation gives, an answer that is
 not a whole number, or one below 1 is one ``VjpsplitError`` that names the dim and
 the equations. Nothing is evaluated by Python's ``eval``: the text is parsed here,
 and text this module does not read (longer than ``MAX_TEXT``, nested deeper than
