@@ -99,6 +99,11 @@ def test_sizes_no_dim_fits_and_shapes_that_leave_a_dim_open_are_one_line(dim, si
         dims.solve([dims.Equation("x dim 0", dim, size)])
 
 
+def test_the_dims_an_artifact_lists_keep_their_order_plain_ones_first():
+    assert dims.solvable([("x", ("b + c", "c")), ("y", ("b",))]) == ("c", "b")  # as before: c, then b
+    assert dims.solvable([("x", ("2*k", 3)), ("y", ("b", "2*k"))]) == ("b", "k")
+
+
 def _spec(text):
     return jax.ShapeDtypeStruct(jexport.symbolic_shape(text), np.float32)
 
@@ -171,7 +176,7 @@ def test_a_split_backward_binds_intermediates_at_solved_dims(tmp_path):
         jax.ShapeDtypeStruct(jexport.symbolic_shape(t, scope=scope), np.float32) for t in ("2*k, 3", "b, 2*k")
     )
     art = vs.export(weighted, w_spec, x_spec, platforms="cpu", weights="w")
-    assert art.manifest.dim_vars == ("k", "b")
+    assert art.manifest.dim_vars == ("b", "k")  # plain dims first, as artifacts always listed them
     art = vs.loads(art.to_bytes(), cache_dir=None)
     for k, b in [(1, 3), (3, 2)]:
         w, x = _x((2 * k, 3)), _x((b, 2 * k))

@@ -371,7 +371,10 @@ def solve_shapes(entries: Sequence[tuple[str, Sequence[int | str], Sequence[int]
 
 
 def solvable(shapes: Sequence[tuple[str, Sequence[int | str]]]) -> tuple[str, ...]:
-    """Every symbolic name in ``(what, shape)`` pairs, first-seen; refused where ``solve`` could not give it.
+    """Every symbolic name in ``(what, shape)`` pairs; refused where ``solve`` could not give it.
+
+    The names that are some dim of their own come first, in first-seen order (the
+    order artifacts have always listed them in), then those only inside expressions.
 
     The check at export, before anything is traced: ``solve`` runs on stand-in sizes
     that fit every equation exactly, so only names no equation gives are refused,
@@ -388,6 +391,8 @@ def solvable(shapes: Sequence[tuple[str, Sequence[int | str]]]) -> tuple[str, ..
                         "+ - * ^ and floordiv, mod, max, min"
                     )
                 order += [n for n in names(node) if n not in order]
+    plain = list(dict.fromkeys(d for _, shape in shapes for d in shape if isinstance(d, str) and _NAME.match(d)))
+    order = plain + [n for n in order if n not in plain]
     stand_in = {n: 1009 + 2 * i for i, n in enumerate(order)}  # odd and distinct: no coefficient cancels by chance
     equations = []
     for what, shape in shapes:
