@@ -1,9 +1,13 @@
-"""Symbolic artifacts with JAX's own LAPACK calls run unsigned (issue 27): their kernels are checked at the call's shapes.
+"""Symbolic artifacts with JAX's own LAPACK calls run unsigned (issues 27, 50): their kernels are checked at the call's shapes.
 
 Each function's symbolic dim reaches the LAPACK call's operands; every artifact is
 exported, loaded unsigned without ``allow_kernels`` and run at two sizes, through
 the Python API and the CLI, and its gradients are compared with ``jax.value_and_grad``.
-A forged kernel call whose shapes, once refined, disagree with the module is refused.
+Every LAPACK kernel jax.export serializes has a case (getrf, potrf, geqrf, orgqr,
+syevd, gesdd, trsm; geev, gees, gehrd, sytrd, gtsv since issue 50), and the shape
+rule is held to each kernel's real and complex calls as JAX lowers them: accepted
+as they are, refused with any result one element smaller. A forged kernel call
+whose shapes, once refined, disagree with the module is refused.
 """
 
 from __future__ import annotations
@@ -61,8 +65,37 @@ def det(x):
     return jnp.linalg.slogdet(_spd(x))[1]
 
 
+def eig(x):
+    return jnp.sum(jnp.abs(jnp.linalg.eigvals(x)))  # LAPACK geev
+
+
+def schur(x):  # LAPACK gees (JAX has no derivative of schur: the gradient flows around it)
+    t, z = jax.scipy.linalg.schur(jax.lax.stop_gradient(x))
+    return jnp.sum(t**2) * jnp.sum(jnp.sin(x)) + jnp.sum(jnp.abs(z))
+
+
+def hessenberg(x):  # LAPACK gehrd, at a symbolic batch: JAX's lowering needs n constant
+    h = jax.scipy.linalg.hessenberg(jax.lax.stop_gradient(x))
+    return jnp.sum(h**2) * jnp.sum(jnp.sin(x))
+
+
+def tridiagonal(x):  # LAPACK sytrd
+    _, d, e, _ = jax.lax.linalg.tridiagonal(jax.lax.stop_gradient(_spd(x)))
+    return (jnp.sum(d) + jnp.sum(e**2)) * jnp.sum(jnp.sin(x))
+
+
+def tridiagonal_solve(x):  # LAPACK gtsv
+    dl, d, du = 0.1 * x[:, 0], 4.0 + x[:, 1] ** 2, 0.1 * x[:, 2]
+    return jnp.sum(jax.lax.linalg.tridiagonal_solve(dl, d, du, x) ** 2)
+
+
 # name -> (function, argument spec templates with "n" symbolic, sizes of n to run)
 CASES = {
+    "eig": (eig, ["f32[n,n]"]),
+    "schur": (schur, ["f32[n,n]"]),
+    "hessenberg": (hessenberg, ["f32[n,4,4]"]),
+    "tridiagonal": (tridiagonal, ["f32[n,n]"]),
+    "tridiagonal_solve": (tridiagonal_solve, ["f32[n,3]"]),
     "solve": (solve, ["f32[n,n]", "f32[n,3]"]),
     "cholesky": (cholesky, ["f32[n,n]"]),
     "qr": (qr, ["f32[n,5,3]"]),  # a symbolic batch of matrices
@@ -229,3 +262,76 @@ def _replace_fwd_with(art, body_exp) -> bytes:
     m = dataclasses.replace(art.manifest, fingerprint="")
     m = dataclasses.replace(m, fingerprint=fingerprint(m, modules))
     return MAGIC + msgpack.packb({"manifest": m.to_json(), **modules}, use_bin_type=True)
+
+
+# ----------------------------------------------------------------------------- the shape rule, per kernel
+
+_SQUARE = np.linspace(-1, 1, 2 * 4 * 4, dtype=np.float32).reshape(2, 4, 4) + 3 * np.eye(4, dtype=np.float32)
+# kernel -> a function whose lowering calls it, for a [2, 4, 4] float32 input (complex: its complex64 twin)
+KERNELS = {
+    "geev": lambda x: jnp.linalg.eig(x)[1],
+    "gees": lambda x: jax.scipy.linalg.schur(x)[1],
+    "gehrd": jax.scipy.linalg.hessenberg,
+    "sytrd": lambda x: jax.lax.linalg.tridiagonal(x)[3],
+    "gtsv": lambda x: jax.lax.linalg.tridiagonal_solve(x[..., 0], x[..., 1], x[..., 2], x),
+    "getrf": lambda x: jax.scipy.linalg.lu_factor(x)[0],
+    "potrf": lambda x: jnp.linalg.cholesky(_spd(x)),
+    "geqrf": lambda x: jnp.linalg.qr(x)[1],
+    "syevd": lambda x: jnp.linalg.eigh(x)[1],
+    "gesdd": lambda x: jnp.linalg.svd(x)[0],
+    "trsm": lambda x: jax.scipy.linalg.solve_triangular(x, x),
+}
+
+
+def _kernel_calls(fn, dtype, platform="cpu", prefix="lapack_"):
+    from vjpsplit_cli.trust.mlirprobe import probe
+
+    exp = jexport.export(jax.jit(fn), platforms=[platform])(jax.ShapeDtypeStruct(_SQUARE.shape, dtype))
+    return [c for c in probe(exp.mlir_module_serialized)["calls"] if c["target"].startswith(prefix)]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.complex64])
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_each_lapack_kernel_is_vouched_for_as_jax_lowers_it_and_refused_with_a_smaller_result(kernel, dtype):
+    from vjpsplit_cli.trust.custom_calls import lapack_shapes_ok
+
+    calls = _kernel_calls(KERNELS[kernel], dtype)
+    letter = "s" if dtype == np.float32 else "c"
+    names = {"sytrd": "hetrd", "syevd": "heevd"}.get(kernel, kernel) if letter == "c" else kernel
+    assert any(c["target"] == f"lapack_{letter}{names}_ffi" for c in calls), [c["target"] for c in calls]
+    for call in calls:
+        assert lapack_shapes_ok(call), call
+        for i, (elt, dims) in enumerate(call["results"]):
+            if dims:  # one element short in the last dim: the kernel would write past its end
+                smaller = [*call["results"][:i], [elt, [*dims[:-1], dims[-1] - 1]], *call["results"][i + 1 :]]
+                assert not lapack_shapes_ok({**call, "results": smaller}), (call["target"], i)
+        batchless = {**call, "results": [[elt, dims[1:]] if dims else [elt, dims] for elt, dims in call["results"]]}
+        assert not lapack_shapes_ok(batchless), call["target"]  # results for one matrix of the two
+
+
+def test_gehrd_and_gees_attributes_are_held_to_what_jax_passes():
+    from vjpsplit_cli.trust.custom_calls import lapack_shapes_ok
+
+    (gehrd,) = _kernel_calls(KERNELS["gehrd"], np.float32)
+    config = gehrd["attrs"]["mhlo.backend_config"]
+    assert lapack_shapes_ok(gehrd) and "high = 4 : i32" in config
+    for forged in (config.replace("high = 4", "high = 9"), config.replace("low = 1", "low = 0"), "{}"):
+        assert not lapack_shapes_ok({**gehrd, "attrs": {"mhlo.backend_config": forged}}), forged
+    (gees,) = _kernel_calls(KERNELS["gees"], np.float32)
+    config = gees["attrs"]["mhlo.backend_config"]
+    assert lapack_shapes_ok(gees) and "sort = 78 : ui8" in config
+    sorting = config.replace("sort = 78", "sort = 83")  # 'S': LAPACK would call a select function JAX never gives
+    assert not lapack_shapes_ok({**gees, "attrs": {"mhlo.backend_config": sorting}})
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.complex64])
+def test_cusolver_sytrd_is_vouched_for_as_jax_lowers_it_for_cuda_and_lapack_only_kernels_are_not(dtype):
+    from vjpsplit_cli.trust.custom_calls import lapack_shapes_ok
+
+    (call,) = _kernel_calls(KERNELS["sytrd"], dtype, platform="cuda", prefix="cusolver_")
+    assert call["target"] == "cusolver_sytrd_ffi" and lapack_shapes_ok(call)
+    short = [*call["results"][:2], [call["results"][2][0], [2, 2]], *call["results"][3:]]
+    assert not lapack_shapes_ok({**call, "results": short})
+    # cuSOLVER's geev returns other buffers than LAPACK's: LAPACK's shapes under its name are not vouched for
+    (geev,) = _kernel_calls(KERNELS["geev"], dtype)
+    assert not lapack_shapes_ok({**geev, "target": "cusolver_geev_ffi"})

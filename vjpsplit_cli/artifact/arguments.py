@@ -2,7 +2,8 @@
 
 ``flatten_args`` turns argument pytrees into ``{file key: array}`` (typed PRNG keys
 checked and made key data); ``check_array`` and ``check_keys`` hold arrays and key
-sets to the manifest's leaves at run time; ``recorded_dims`` reads the dims a
+sets to the manifest's leaves at run time; ``solved_dims`` works out the symbolic dims
+that appear only inside expressions from the arrays' sizes; ``recorded_dims`` reads the dims a
 residuals file records; ``grads_per_arg`` rebuilds per-argument gradient pytrees.
 """
 
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import VjpsplitError
+from ..files.dims import needs_solving, solve_shapes
 from ..files.dtypes import dtype_from_name
 from ..files.prng import impl_name, is_key, to_data
 from ..files.shapes import bind_dims, concrete_shape, format_shape
@@ -138,6 +140,19 @@ def check_array(source: str, what: str, leaf: LeafLike, value: Any, dims: dict[s
             f"{f' (with {bound})' if bound else ''}, got {format_shape(got, shape)}"
         )
     return a
+
+
+def solved_dims(source: str, what: str, leaves: Sequence[LeafLike], values: Sequence[Any]) -> dict[str, int]:
+    """The symbolic dims of ``leaves`` solved from ``values``' sizes, where some appears only inside expressions.
+
+    ``{}`` when every name is some leaf's plain dim (``check_array`` binds those, one
+    leaf at a time); see ``files.dims.solve_shapes``.
+    """
+    if not needs_solving(tuple(leaf.shape for leaf in leaves)):  # the common case: no array's shape is read here
+        return {}
+    return solve_shapes(
+        [(f"{source}: {what} '{leaf.key}'", leaf.shape, np.shape(v)) for leaf, v in zip(leaves, values)]
+    )
 
 
 def check_keys(

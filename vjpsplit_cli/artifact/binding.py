@@ -26,7 +26,7 @@ from ..files.prng import from_data, is_key, to_data
 from ..files.trees import ArgTrees
 from ..tracing.residuals import FrozenDict, Intermediates, Residuals, SplitResiduals
 from ..trust.module_io import INPUT_BACKED, INTERMEDIATES, STORED, input_backed_leaves, module_io
-from .arguments import check_array, check_keys, flatten_args, recorded_dims
+from .arguments import check_array, check_keys, flatten_args, recorded_dims, solved_dims
 from .manifest import Manifest
 from .seen import Seen, dims_signature, leaves_signature, mapping_signature, mutable_signature, residuals_signature
 
@@ -125,7 +125,7 @@ class Binding:
     def _check_inputs(self, inputs: Mapping[str, Any], source: str) -> tuple[list, dict[str, int]]:
         m = self.manifest
         check_keys(source, "input", list(self.input_keys), inputs)
-        dims: dict[str, int] = {}
+        dims = solved_dims(source, "input", m.inputs, [inputs[k] for k in self.input_keys])
         arrays = [check_array(source, "input", leaf, inputs[leaf.key], dims) for leaf in m.inputs]
         return arrays, dims
 

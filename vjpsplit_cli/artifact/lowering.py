@@ -22,7 +22,8 @@ from ..errors import VjpsplitError
 from ..files import keys
 from ..files.dtypes import dtype_name
 from ..files.prng import data_struct, impl_name, is_key
-from ..files.shapes import DIM_FUNCS, IDENTIFIER, dim_str, refuse_64bit_without_x64, to_struct
+from ..files.dims import solvable
+from ..files.shapes import dim_str, refuse_64bit_without_x64, to_struct
 from ..files.trees import encode_structure, flatten_with_keys
 from ..tracing.choice import PolicyChoice, resolve_policy
 from ..tracing.policies import apply_policy
@@ -85,23 +86,12 @@ def _spec_structs(name: str, spec: Any) -> Any:
 
 
 def _dim_vars(inputs: Sequence[Leaf]) -> tuple[str, ...]:
-    """Symbolic dim names, in first-seen order; each must appear alone as some input dim."""
-    plain, used = [], []
-    for leaf in inputs:
-        for d in leaf.shape:
-            if isinstance(d, str):
-                if IDENTIFIER.fullmatch(d):
-                    if d not in plain:
-                        plain.append(d)
-                else:
-                    used += [n for n in IDENTIFIER.findall(d) if n not in DIM_FUNCS]
-    for n in used:
-        if n not in plain:
-            raise VjpsplitError(
-                f"symbolic dim {n!r} appears only inside expressions in the input shapes; "
-                f"give some input a plain dim {n!r} so its size can be read from the inputs"
-            )
-    return tuple(plain)
+    """Symbolic dim names, in first-seen order; each must be one the input shapes give (``files.dims.solvable``).
+
+    A name may appear only inside expressions (``2*b1``, ``b + 4``): a call solves it
+    from the arrays' sizes, as jax.export does, and the manifest lists it like any other.
+    """
+    return solvable([(f"input '{leaf.key}'", leaf.shape) for leaf in inputs])
 
 
 def _input_specs(sh: Sharded, inputs: Sequence[Leaf], flat_structs: Sequence[Any], data_structs: Sequence[Any]) -> list:

@@ -15,6 +15,7 @@ import numpy as np
 from ..errors import UsageError
 from ..files import save_arrays
 from ..files.dtypes import dtype_from_name
+from ..files.dims import names, parse
 from ..files.shapes import concrete_shape, eval_dim
 from ..files.sizes import check_at_names, parse_at
 from .artifact import Artifact
@@ -74,7 +75,9 @@ def template(
     sizes = parse_at(at)
     check_at_names(sizes, art.manifest.dim_vars, art.source)
     leaves = _leaves(art, what)
-    unsized = sorted({str(d) for leaf in leaves for d in leaf.shape if eval_dim(d, sizes) is None})
+    # The names to size, not the dims they make: ``2*b1`` asks for --at b1=SIZE.
+    dims = {str(d) for leaf in leaves for d in leaf.shape if eval_dim(d, sizes) is None}
+    unsized = sorted({n for d in dims for n in names(parse(d))} - set(sizes)) or sorted(dims)
     if unsized:
         example = ",".join(f"{n}=4" for n in unsized)
         raise UsageError(

@@ -12,18 +12,15 @@ from jax import export as jexport
 from jax.sharding import NamedSharding
 
 from ..errors import VjpsplitError
+from .dims import MAX_DIM as MAX_DIM
+from .dims import evaluate
 from .dtypes import NARROWED, dtype_from_name, short_name
 from .prng import is_key
 
 _SPEC_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\[\s*([^\]]*)\]\s*$")
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # a symbolic dim's (or --at entry's) name
-DIM_FUNCS = frozenset({"mod", "floordiv", "max", "min", "non_negative"})  # jax.export's shape syntax, not dims
 _NAME_RE = re.compile(rf"^{IDENTIFIER.pattern}$")
 _INT_RE = re.compile(r"^[0-9]+$")  # ASCII digits only: str.isdigit() also accepts '²', which int() refuses
-# No machine holds an array dim this long (a trillion elements); a larger one in a spec,
-# an --at size or a file's recorded dims is a typo or corruption. (jax.export's int64
-# shape arithmetic would overflow only past 2**62.)
-MAX_DIM = 2**40
 
 
 def new_scope() -> jexport.SymbolicScope:
@@ -110,24 +107,11 @@ def bind_dims(what: str, expected: Sequence[int | str], actual: Sequence[int], d
 def eval_dim(expr: int | str, dims: Mapping[str, int]) -> int | None:
     """The value of a stored dim under ``dims``; None when it uses an unbound name.
 
-    Only the plain forms vjpsplit writes are evaluated here: ints, names, and
-    ``+ - *`` of them (what jax.export prints for residual shapes like ``2*b + 1``).
-    Anything else returns None and is left to jax.export's own shape checks.
+    Every form jax.export prints is evaluated (``2*b + 1``, ``floordiv(b, 2)``,
+    ``b^2``: module ``dims``); text it does not read returns None and is left to
+    jax.export's own shape checks.
     """
-    if isinstance(expr, int):
-        return expr
-    total = 0
-    for sign, term in re.findall(r"([+-]?)\s*([^+-]+)", expr.replace(" ", "")):
-        value = 1
-        for factor in term.split("*"):
-            if factor.isdigit():
-                value *= int(factor)
-            elif factor in dims:
-                value *= dims[factor]
-            else:
-                return None
-        total += -value if sign == "-" else value
-    return total
+    return evaluate(expr, dims)
 
 
 def concrete_shape(shape: Sequence[int | str], dims: Mapping[str, int]) -> tuple[int, ...] | None:

@@ -62,7 +62,7 @@ def evaluate_terms(terms: Mapping[str, int], at: Mapping[str, int]) -> int | Non
     for k, coeff in terms.items():
         value = coeff
         for factor in filter(None, k.split("·")):
-            v = eval_dim(factor.strip("()"), at)
+            v = eval_dim(factor, at)  # "(2*b + 4)": parenthesised as byte_terms_of_shape wrote it
             if v is None:
                 return None
             value *= v

@@ -8,17 +8,18 @@ import jax
 import numpy as np
 
 from ..errors import VjpsplitError
-from ..files.shapes import DIM_FUNCS, IDENTIFIER, eval_dim, is_symbolic_shape
+from ..files.dims import names, parse
+from ..files.shapes import eval_dim, is_symbolic_shape
 
 
 def symbolic_dim_names(specs: Any) -> list[str]:
     """The symbolic dim names in ``specs`` (pytrees of ShapeDtypeStructs), in first-seen order."""
-    names: list[str] = []
+    out: list[str] = []
     for s in jax.tree_util.tree_leaves(specs):
         for d in getattr(s, "shape", ()):
             if not isinstance(d, (int, np.integer)):
-                names += [n for n in IDENTIFIER.findall(str(d)) if n not in names and n not in DIM_FUNCS]
-    return names
+                out += [n for n in names(parse(str(d))) if n not in out]
+    return out
 
 
 def concrete_specs(specs: tuple[Any, ...], at: Mapping[str, int]) -> tuple[Any, ...]:

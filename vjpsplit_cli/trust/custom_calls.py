@@ -56,13 +56,24 @@ def classify(target: str) -> str:
     return "kernel"
 
 
+# Every LAPACK kernel jax.export may serialize (its ``_CPU_FFI_KERNELS``, the same in
+# jax 0.6.2 and 0.10.2), and cuSOLVER's kernels of the same names.
 _LAPACK = re.compile(
     r"(?:lapack_([sdcz])|cusolver_|hipsolver_)"
-    r"(getrf|potrf|geqrf|orgqr|ungqr|syevd|heevd|gesdd|gesvdj|gesvd|trsm)_ffi\Z"
+    r"(getrf|potrf|geqrf|orgqr|ungqr|syevd|heevd|gesdd|gesvdj|gesvd|trsm|geev|gees|gehrd|sytrd|hetrd|gtsv)_ffi\Z"
 )
 _PIVOTS = re.compile(r"(?:cu|hip)_lu_pivots_to_permutation\Z")
 _REAL = {"f32": "f32", "f64": "f64", "complex<f32>": "f32", "complex<f64>": "f64"}
 _LETTER = {"s": "f32", "d": "f64", "c": "complex<f32>", "z": "complex<f64>"}
+# Kernels vouched for as LAPACK's alone: cuSOLVER's geev returns other buffers (and jax.export
+# serializes no cuSOLVER geev, gees, gehrd or gtsv); its sytrd is lowered like LAPACK's.
+_LAPACK_ONLY = frozenset({"geev", "gees", "gehrd", "hetrd", "gtsv"})
+_COMPLEX = {
+    "f32": "complex<f32>",
+    "f64": "complex<f64>",
+    "complex<f32>": "complex<f32>",
+    "complex<f64>": "complex<f64>",
+}
 
 
 _Type = tuple[str, tuple[int, ...]]  # (MLIR element type, static dims) of one operand or result
@@ -134,6 +145,10 @@ def lapack_shapes_ok(call: Mapping) -> bool:
     if not m_:
         return False
     letter, kind = m_.groups()
+    if (letter and ops[0][0] != _LETTER[letter]) or (not letter and kind in _LAPACK_ONLY):
+        return False
+    if kind == "gtsv":
+        return _gtsv_ok(ops, res)
     elt, a = ops[0]
     if elt not in _REAL or (letter and elt != _LETTER[letter]) or len(a) < 2:
         return False
@@ -167,8 +182,51 @@ def lapack_shapes_ok(call: Mapping) -> bool:
         b_elt, b = ops[1]
         return b_elt == elt and m == n and len(b) == len(a) and b[:-2] == batch and n in b[-2:] and want((elt, b))
     if kind in ("gesdd", "gesvdj", "gesvd"):
-        return _svd_ok(letter, (elt, a), res, call.get("attrs", {}).get("mhlo.backend_config", ""))
+        return _svd_ok(letter, (elt, a), res, _config(call))
+    if len(ops) != 1 or m != n:  # the rest take one square [B..., n, n] matrix
+        return False
+    if kind == "geev":  # [(wr, wi) or w, vl, vr, info]: both vector buffers full, computed or not
+        vecs = (_COMPLEX[elt], a)
+        w = [(elt, (*batch, n)), (elt, (*batch, n))] if elt == real else [(elt, (*batch, n))]
+        return want(*w, vecs, vecs, (i32, batch))
+    if kind == "gees":  # [T, Z, (wr, wi) or w, sdim, info]; LAPACK's sort needs a select function JAX never passes
+        w = [(elt, (*batch, n)), (elt, (*batch, n))] if elt == real else [(elt, (*batch, n))]
+        return _attr(_config(call), "sort") == "78 : ui8" and want((elt, a), (elt, a), *w, (i32, batch), (i32, batch))
+    if kind == "gehrd":  # [A, taus, info], reducing rows and columns low..high = 1..n, as JAX asks
+        config = _config(call)
+        return (
+            n >= 1
+            and _attr(config, "low") == "1 : i32"
+            and _attr(config, "high") == f"{n} : i32"
+            and want((elt, a), (elt, (*batch, n - 1)), (i32, batch))
+        )
+    if kind in ("sytrd", "hetrd"):  # [A, d, e, taus, info]
+        return n >= 1 and want(
+            (elt, a), (real, (*batch, n)), (real, (*batch, n - 1)), (elt, (*batch, n - 1)), (i32, batch)
+        )
     return False
+
+
+def _config(call: Mapping) -> str:
+    """The kernel's attributes as the probe printed them (``{high = 5 : i32, low = 1 : i32}``)."""
+    return str(call.get("attrs", {}).get("mhlo.backend_config", ""))
+
+
+def _attr(config: str, name: str) -> str | None:
+    """The value of one attribute in ``_config``'s text (``"5 : i32"``); None when it is not there whole."""
+    m = re.search(rf"(?:^|[{{,]) ?{name} = ([^,}}]*)(?=[,}}])", config)
+    return m.group(1).strip() if m else None
+
+
+def _gtsv_ok(ops: list[_Type], res: list[_Type]) -> bool:
+    """gtsv: dl, d, du [B..., m] and b [B..., m, r] -> the same four, and info [B...]: sized by b, as the kernel is."""
+    if len(ops) != 4:
+        return False
+    elt, b = ops[3]
+    if elt not in _REAL or len(b) < 2:
+        return False
+    diag = (elt, b[:-1])
+    return ops[:3] == [diag, diag, diag] and res == [*ops, ("i32", b[:-2])]
 
 
 def symbolic_lapack(call: Mapping) -> bool:

@@ -39,6 +39,7 @@ import numpy as np
 from ...errors import VjpsplitError
 from ...files import keys
 from ...files.dtypes import dtype_from_name
+from ...files.dims import solve_shapes
 from ...files.shapes import bind_dims, concrete_shape
 from ...files.sizes import human_bytes, parse_bytes
 from ..runtime.model import Microbatch, side_for
@@ -69,6 +70,9 @@ def _leaf_bytes(leaf: Any, dims: dict[str, int], stage: int) -> int:
 
 
 def _bind(stage: int, leaves: Sequence[Any], shapes: Sequence[tuple[int, ...]], dims: dict[str, int]) -> None:
+    dims.update(
+        solve_shapes([(f"stage {stage}: input '{leaf.key}'", leaf.shape, s) for leaf, s in zip(leaves, shapes)])
+    )
     for leaf, shape in zip(leaves, shapes):
         if not bind_dims(f"stage {stage}: input '{leaf.key}'", leaf.shape, shape, dims):
             raise VjpsplitError(
