@@ -303,3 +303,16 @@ def test_params_mismatch_names_the_leaves_each_side_lacks(gpt_stages):
     exported_wrapped = ["variables/params/Dense_0/bias", "variables/params/Dense_0/kernel"]
     given = ["variables/Dense_0/bias", "variables/Dense_0/kernel"]
     assert "pass {'params': params}" in _leaves_differ(given, exported_wrapped)
+
+
+def test_more_stages_than_devices_warns_with_the_cpu_recipe(gpt_stages):
+    """4 stages on this process's one CPU device run, but the user is told, with the XLA_FLAGS recipe."""
+    SharedDevicesWarning = P.SharedDevicesWarning
+
+    stages, params = gpt_stages
+    assert jax.local_device_count() == 1
+    recipe = "4 workers need 4 devices but this host has 1 cpu device.*xla_force_host_platform_device_count=4"
+    with pytest.warns(SharedDevicesWarning, match=recipe):
+        P.run(stages, params, gpt_batch(4), microbatches=2)
+    with pytest.warns(SharedDevicesWarning, match=recipe):
+        P.Trainer(stages, params, optimizer=pytest.importorskip("optax").sgd(0.1), microbatches=2)
