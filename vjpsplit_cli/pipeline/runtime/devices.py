@@ -12,6 +12,7 @@ group; an unsharded stage's arrays are committed to its device by its
 from __future__ import annotations
 
 import sys
+import types
 import warnings
 from typing import Any, Sequence
 
@@ -94,7 +95,8 @@ def _warn_shared(need: Sequence[int], have: Sequence[Any]) -> None:
 
 def _callers_level() -> int:
     """The ``stacklevel`` of the first frame outside this package: the warning points at the user's line."""
-    level, frame = 1, sys._getframe(1)
+    level: int = 1
+    frame: types.FrameType | None = sys._getframe(1)  # _warn_shared's frame is stacklevel 1
     while frame is not None and frame.f_globals.get("__name__", "").startswith("vjpsplit_cli."):
         level, frame = level + 1, frame.f_back
     return level
