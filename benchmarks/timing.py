@@ -41,6 +41,29 @@ def interleaved_samples(
     return samples
 
 
+def looped(
+    candidates: Mapping[str, Callable[[], object]], calls: int = 300, rounds: int = 15, warmup: int = 50
+) -> dict[str, float]:
+    """Median seconds per call of each candidate, each timed in a loop of its own ``calls`` calls.
+
+    A loop is how a user's training loop calls: one candidate after another warms caches
+    (Python's, the CPU's, XLA's thread pool) for the next call as a loop does, which calls
+    interleaved one by one do not. The loops are interleaved ``rounds`` times, so drift of
+    a shared machine hits every candidate alike; the median of the rounds is given.
+    """
+    for fn in candidates.values():
+        for _ in range(warmup):
+            jax.block_until_ready(fn())
+    per_round: dict[str, list[float]] = {k: [] for k in candidates}
+    for _ in range(rounds):
+        for name, fn in candidates.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                jax.block_until_ready(fn())
+            per_round[name].append((time.perf_counter() - t0) / calls)
+    return {k: statistics.median(v) for k, v in per_round.items()}
+
+
 def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
 

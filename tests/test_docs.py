@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import shutil
@@ -12,6 +13,7 @@ from pathlib import Path
 import click
 import pytest
 
+import vjpsplit_cli as vs
 from vjpsplit_cli.artifact.manifest import FORMAT_VERSION
 from vjpsplit_cli.cli import main
 
@@ -91,6 +93,22 @@ def test_the_drift_tests_can_fail():
     assert _mentions("run-bwd --no-verify.", "--no-verify")
     extra = click.Command("extra", params=[click.Option(["--surely-undocumented-flag"])])
     assert not any(_mentions(_text(), s) for spellings in _options(extra) for s in spellings)
+
+
+def test_readme_table_says_what_a_tuple_returning_function_returns():
+    """A public function whose docstring returns a tuple (``load_arrays``: ``(arrays, meta)``) says so in the table."""
+    rows = [line for line in README.read_text().splitlines() if line.startswith("| `")]
+    checked = []
+    for name in vs.__all__:
+        summary = (inspect.getdoc(getattr(vs, name)) or "").split("\n\n")[0]
+        returned = re.search(r"[Rr]eturns? ``(\([^`]*\))``", summary)
+        row = [r for r in rows if f"`{name}(" in r.split("|")[1]]
+        if returned and row:
+            assert any(returned.group(1) in r for r in row), f"README's row for {name} does not say it returns " + (
+                returned.group(1)
+            )
+            checked.append(name)
+    assert "load_arrays" in checked
 
 
 def _shell_blocks() -> list[str]:

@@ -279,3 +279,40 @@ def test_balanced_cut_of_the_sample_gpt_is_within_1_25_of_the_mean(monkeypatch):
     r = P.run(stages, params, batch, microbatches=2, schedule_name="1f1b")
     np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
     assert_trees_close(r.grads, grads, rtol=1e-4, atol=1e-6)
+
+
+def test_params_mismatch_names_the_leaves_each_side_lacks(gpt_stages):
+    """Dropping a layer names only its leaves (not a present one); flax's {"params": p} wrapper is said as such."""
+    stages, params = gpt_stages
+    batch = gpt_batch(4)
+    dropped = {"embed": params["embed"], "blocks": params["blocks"][:1]}
+    with pytest.raises(vs.VjpsplitError) as e:
+        P.run(stages, dropped, batch, microbatches=2)
+    msg = str(e.value)
+    assert "missing 'params/blocks/1/w'" in msg and "unexpected" not in msg, msg
+    extra = dict(params, head=np.zeros(3, np.float32))
+    with pytest.raises(vs.VjpsplitError, match="unexpected 'params/head'") as e:
+        P.run(stages, extra, batch, microbatches=2)
+    assert "missing" not in str(e.value)
+    with pytest.raises(vs.VjpsplitError, match=r"every leaf given is under 'params'.*pass variables\['params'\]"):
+        P.run(stages, {"params": params}, batch, microbatches=2)
+    with pytest.raises(vs.VjpsplitError, match=r"missing 'params/blocks/1/w'; unexpected 'params/blocks/2/w'"):
+        P.run(stages, dict(params, blocks=[params["blocks"][0], {}, params["blocks"][1]]), batch, microbatches=2)
+    from vjpsplit_cli.pipeline.stages.directory import _leaves_differ
+
+    exported_wrapped = ["variables/params/Dense_0/bias", "variables/params/Dense_0/kernel"]
+    given = ["variables/Dense_0/bias", "variables/Dense_0/kernel"]
+    assert "pass {'params': params}" in _leaves_differ(given, exported_wrapped)
+
+
+def test_more_stages_than_devices_warns_with_the_cpu_recipe(gpt_stages):
+    """4 stages on this process's one CPU device run, but the user is told, with the XLA_FLAGS recipe."""
+    SharedDevicesWarning = P.SharedDevicesWarning
+
+    stages, params = gpt_stages
+    assert jax.local_device_count() == 1
+    recipe = "4 workers need 4 devices but this host has 1 cpu device.*xla_force_host_platform_device_count=4"
+    with pytest.warns(SharedDevicesWarning, match=recipe):
+        P.run(stages, params, gpt_batch(4), microbatches=2)
+    with pytest.warns(SharedDevicesWarning, match=recipe):
+        P.Trainer(stages, params, optimizer=pytest.importorskip("optax").sgd(0.1), microbatches=2)

@@ -310,10 +310,12 @@ def test_a_worker_slowed_on_purpose_is_named_after_three_timed_steps(monkeypatch
     stages = vs.export_stages(mlp, *specs_like((params, x[:2], labels[:2])), wrt="params", stages=4, platforms="cpu")
     real = StageWorker._run
 
-    def slowed(self, worker, kind, mb, fn):
+    wrapped = {}  # one slowed call per call: a call's runs are counted by the call (warm from its second step)
+
+    def slowed(self, worker, kind, mb, args, call, warmup):
         if self.stage_index == 1:
-            return real(self, worker, kind, mb, lambda: (time.sleep(0.05), fn())[1])
-        return real(self, worker, kind, mb, fn)
+            call = wrapped.setdefault(id(call), lambda *a, c=call: (time.sleep(0.05), c(*a))[1])
+        return real(self, worker, kind, mb, args, call, warmup)
 
     monkeypatch.setattr(StageWorker, "_run", slowed)
     with P.Trainer(stages, params, optimizer=optax.sgd(0.1), microbatches=4, timeline=True) as tr:

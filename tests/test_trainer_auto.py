@@ -27,7 +27,7 @@ from vjpsplit_cli.pipeline.runtime.result import step_result
 from vjpsplit_cli.pipeline.schedules.modeled import memory_peaks, modeled_makespan
 from vjpsplit_cli.pipeline.stages.exporting import module_flops
 from vjpsplit_cli.pipeline.stages.report import stage_rows
-from vjpsplit_cli.pipeline.training.measured import CostSamples, counted, send_gaps
+from vjpsplit_cli.pipeline.training.measured import CostSamples, counted, seconds, send_gaps
 
 M, ROWS = 4, 2  # microbatches of 2 rows: batches of 8
 
@@ -97,7 +97,7 @@ def test_costs_medians_and_a_whole_backward_cut_by_its_flops():
     costs, events = tr.costs(), tr.last_result.events
     _check_costs(costs, 4, split_timed=False)
     for s, art in enumerate(_stages()):
-        times = {k: [e.end - e.start for e in events if e.stage == s and e.kind == k] for k in "FB"}
+        times = {k: [seconds(e) for e in events if e.stage == s and e.kind == k] for k in "FB"}
         assert len(times["F"]) == len(times["B"]) == M
         assert costs["F"][s] == pytest.approx(statistics.median(times["F"]))
         whole = statistics.median(times["B"])
@@ -199,28 +199,83 @@ def test_send_time_is_the_gap_to_an_idle_worker_and_compiling_operations_are_lef
         E(0, "B", 0, 3.2, 4.0, 0),  # worker 0 idle since 2.0: a gap of 0.2
     ]
     assert sorted(send_gaps(events, 2)) == pytest.approx([0.2, 0.5])
-    # One stage without the split backward, 4 microbatches; in a first step the first two of each kind compiled.
+    # One stage without the split backward, 4 microbatches; the first two of each kind were cold calls, each
+    # with its warm run's own seconds (Event.own), which count in place of their spans in any step.
     plans = P.schedule("1f1b", 1, 4)
     took = {"F": [9.0, 8.0, 1.0, 3.0], "B": [7.0, 6.0, 2.0, 4.0]}
-    timeline, t = [], 0.0
-    for op in plans[0]:
-        d = took[op.kind][op.mb]
-        timeline.append(E(0, op.kind, op.mb, t, t + d, 0))
-        t += d
-    result = step_result(
-        schedule="1f1b", plans=plans, num_stages=1, microbatches=4, runner="test", step_time=t,
-        losses=dict.fromkeys(range(4), 0.0), grads=[None], events=timeline,
-    )  # fmt: skip
+    own = {"F": [0.5, 1.5, None, None], "B": [1.0, 1.0, None, None]}
+
+    def step(with_own):
+        timeline, t = [], 0.0
+        for op in plans[0]:
+            d = took[op.kind][op.mb]
+            timeline.append(E(0, op.kind, op.mb, t, t + d, 0, own[op.kind][op.mb] if with_own else None))
+            t += d
+        return step_result(
+            schedule="1f1b", plans=plans, num_stages=1, microbatches=4, runner="test", step_time=t,
+            losses=dict.fromkeys(range(4), 0.0), grads=[None], events=timeline,
+        )  # fmt: skip
+
     whole = types.SimpleNamespace(manifest=types.SimpleNamespace(weights=()))
     samples = CostSamples([whole])
-    samples.add(result, first=True)
-    assert samples.costs() == {"F": [2.0], "B": [3.0], "W": [0.0], "comm": 0.0}
-    samples.add(result, first=False)  # a later step: the first no longer counts; every microbatch of this one does
+    samples.add(step(True), first=True)
+    assert samples.costs() == {"F": [1.25], "B": [1.5], "W": [0.0], "comm": 0.0}
+    samples.add(step(False), first=False)  # a later step: the first no longer counts; every microbatch of this one does
     assert samples.costs() == {"F": [5.5], "B": [5.0], "W": [0.0], "comm": 0.0}
     # An operation that ran while this process compiled is left out, in any step.
     t0 = time.monotonic()
     jax.jit(lambda x: x * 3 + 1)(np.float32(t0))  # traces and compiles now
     t1 = time.monotonic()
     ops = [E(0, "F", 0, t0, t1, 0), E(0, "F", 1, t1 + 1, t1 + 2, 0), E(0, "F", 2, t1 + 2, t1 + 5, 0)]
-    assert [e.mb for e in counted(ops, set(), first=False)[(0, "F")]] == [1, 2]
-    assert [e.mb for e in counted(ops[:1], set(), first=False)[(0, "F")]] == [0]  # none left: the last counts
+    assert [e.mb for e in counted(ops, set())[(0, "F")]] == [1, 2]
+    assert [e.mb for e in counted(ops[:1], set())[(0, "F")]] == [0]  # none left: the last counts
+    cold = E(0, "F", 0, t0, t1, 0, 0.25)  # a cold call's warm run, timed apart from its compile, counts
+    assert [e.mb for e in counted([cold, *ops[1:]], set())[(0, "F")]] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("schedule_name", ["1f1b", "zbh1"])
+def test_costs_are_each_operations_own_warm_time(monkeypatch, schedule_name):
+    """Costs leave out a transfer to the stage and a cold call's compile, even where every operation is cold.
+
+    On clocks (one per thread, so another worker's compile is not this one's) that jump 1000 s at each
+    compile and each move to a stage's device, a first timed step of 2 microbatches of a new size (every F,
+    B and W the first or second run of its call) must still give each operation's own time: a warm run's,
+    from inputs already in place.
+    """
+    import threading
+
+    from vjpsplit_cli.pipeline.runtime import worker as worker_module
+    from vjpsplit_cli.pipeline.training import measured
+
+    clocks, active = {}, [True]
+
+    def advance(by):
+        i = threading.get_ident()
+        clocks[i] = clocks.get(i, 0.0) + by
+        return clocks[i]
+
+    def compiled(event, secs, **kw):
+        if active[0] and event in measured.COMPILE_EVENTS:
+            advance(1000.0)
+
+    moved = worker_module.StageWorker.to_device
+
+    def to_device(self, tree):
+        advance(1000.0)  # a transfer: the stage waits for its input, the operation has not begun
+        return moved(self, tree)
+
+    clock = types.SimpleNamespace(monotonic=lambda: advance(1e-6))
+    monkeypatch.setattr(worker_module, "time", clock)
+    monkeypatch.setattr(measured, "time", clock)
+    monkeypatch.setattr(worker_module.StageWorker, "to_device", to_device)
+    measured.listen_for_compiles()
+    jax.monitoring.register_event_duration_secs_listener(compiled)
+    try:
+        tr = P.Trainer(_stages(), gpt_params(), optimizer=optax.sgd(0.1), schedule_name=schedule_name, microbatches=2)
+        tr.step(gpt_batch(6), timed=True)  # microbatches of 3 rows: a signature no other test compiled
+        costs = tr.costs()
+    finally:
+        active[0] = False
+    assert all(0 < v < 1000 for k in "FBW" for v in costs[k] if k != "B" or v), costs
+    cold = {(e.stage, e.kind) for e in tr.last_result.events if e.own is not None}
+    assert cold >= {(s, "F") for s in range(len(_stages()))}, cold  # each stage's first F is cold: run again

@@ -4,6 +4,7 @@ process and through orbax; fit equals step-by-step training and resumes from its
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -203,6 +204,25 @@ def test_orbax_round_trip_continues_the_run(tmp_path):
     assert again.fit(batches, steps=4) == pytest.approx(losses[2:], rel=1e-5)  # fit goes on from step 2
     assert again.step_count == 4
     assert_trees_close(again.params(), tr.params(), rtol=1e-4, atol=1e-6)
+
+
+def test_docs_orbax_snippet_runs(tmp_path):
+    """docs/pipeline.md's orbax block, run as written: the step it saves is the one the new Trainer starts at."""
+    pytest.importorskip("orbax.checkpoint")
+    text = (Path(__file__).resolve().parents[1] / "docs" / "pipeline.md").read_text()
+    block = text.split("### orbax", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    tx, batches = optax.adamw(1e-2), _batches(4)
+    kw = dict(optimizer=tx, schedule_name="zbh1", microbatches=2)
+    trainer = P.Trainer(_stages(), gpt_params(), **kw)
+    losses = [trainer.step(b) for b in batches[:2]]
+    scope = {"trainer": trainer, "stages": _stages("marks2"), "tx": tx, "params_like": gpt_params(), "P": P}
+    exec(compile(block.replace("/abs/path/orbax-ck", str(tmp_path / "orbax-ck")), "pipeline.md", "exec"), scope)
+    again = scope["trainer"]
+    assert again is not trainer and again.step_count == 2
+    ref = P.Trainer(_stages(), gpt_params(), **kw)
+    want = [ref.step(b) for b in batches]
+    assert losses == pytest.approx(want[:2], rel=1e-5)
+    assert again.fit(batches, steps=4) == pytest.approx(want[2:], rel=1e-5)
 
 
 def test_a_per_stage_checkpoint_loads_into_its_cut_and_is_refused_elsewhere(tmp_path):

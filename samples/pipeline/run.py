@@ -20,6 +20,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import jax
@@ -29,6 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stages as model  # noqa: E402
 
 from vjpsplit_cli import pipeline as P  # noqa: E402
+
+# The measured columns run every worker on this host's one device, sharing its cores, and the modeled
+# column replays them as one device per worker: the sharing is meant, so its warning is not shown.
+warnings.filterwarnings("ignore", category=P.SharedDevicesWarning)
 
 WORKERS = 4
 RUNNERS = {"inprocess": "in-process", "ray": f"Ray, {WORKERS} actors"}  # as docs/performance.md labels them

@@ -4,6 +4,7 @@ activations and cotangents live, and that N Trainer steps still equal N optax st
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import numpy as np
@@ -14,6 +15,7 @@ from stage_models import gpt, gpt_batch, gpt_params, gpt_specs, mlp, mlp_params
 
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
+from vjpsplit_cli.pipeline.runtime.devices import SharedDevicesWarning
 from vjpsplit_cli.pipeline.runtime.evaluation import eval_stage
 from vjpsplit_cli.pipeline.runtime.model import side_for
 
@@ -86,7 +88,9 @@ def _evaluates_on(tr, want) -> None:
 
 
 def test_default_placement_puts_each_of_4_stages_on_its_own_device():
-    tr = _train(schedule_name="1f1b")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SharedDevicesWarning)  # 4 stages on 4 devices share none
+        tr = _train(schedule_name="1f1b")
     assert len({t.worker.device for t in tr.backend.trainers}) == 4
     _state_lives_on(tr, D[:4])
     _one_microbatch_by_hand(tr, D[:4])
@@ -131,7 +135,11 @@ def test_more_workers_than_devices_share_the_default_device():
     rng = np.random.default_rng(5)
     batches = [(rng.normal(size=(8, 8)).astype(np.float32), rng.integers(0, 4, 8).astype(np.int32)) for _ in range(2)]
     tx = optax.sgd(0.1)
-    tr = P.Trainer(stages, params, optimizer=tx, schedule_name="1f1b", microbatches=2)  # 8 workers, 4 devices
+    with pytest.warns(
+        SharedDevicesWarning,
+        match="8 workers need 8 devices but this host has 4 cpu devices.*xla_force_host_platform_device_count=8",
+    ):
+        tr = P.Trainer(stages, params, optimizer=tx, schedule_name="1f1b", microbatches=2)  # 8 workers, 4 devices
     losses = [tr.step(b) for b in batches]
     assert tr.placement == [(D[0],)] * 8
     ref_losses, ref_params = optax_reference(mlp, params, tx, batches)

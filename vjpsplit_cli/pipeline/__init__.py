@@ -36,6 +36,7 @@ This module only re-exports what users call. May import every layer but ``cli``.
 
 from __future__ import annotations
 
+from .runtime.devices import SharedDevicesWarning
 from .runtime.inprocess import run_inprocess
 from .runtime.ray.pipeline import RayPipeline
 from .runtime.ray.setup import placement_group_options
@@ -65,6 +66,7 @@ __all__ = [
     "Op",
     "PipelineResult",
     "RayPipeline",
+    "SharedDevicesWarning",
     "StageWorker",
     "Trainer",
     "auto_schedule",

@@ -3,18 +3,26 @@
 ``placement`` says, per stage, the devices it runs on: those the caller gives
 (``devices=``, one list per stage), or by default worker k's stages on this host's
 k-th device (k-th group of devices for sharded stages) where there are enough,
-else all on the first ones. ``placed`` gives each sharded stage's artifact on its
+else all on the first ones, with a ``SharedDevicesWarning`` (on CPU: how to get more
+devices). ``placed`` gives each sharded stage's artifact on its
 group; an unsharded stage's arrays are committed to its device by its
 ``StageWorker`` (``jax.device_put``), and ``jit`` runs where its inputs are.
 """
 
 from __future__ import annotations
 
+import sys
+import types
+import warnings
 from typing import Any, Sequence
 
 from ...errors import VjpsplitError
 
 Devices = tuple[Any, ...]  # one stage's devices: one for an unsharded stage, a sharded stage's mesh devices
+
+
+class SharedDevicesWarning(UserWarning):
+    """Several workers' stages share devices because this host has too few: they run, but one after another."""
 
 
 def _need(artifact: Any) -> int:
@@ -55,6 +63,8 @@ def placement(
     out_by_stage: dict[int, Devices] = {}
     start = 0
     disjoint = sum(need) <= len(have)
+    if not disjoint and len(workers) > 1:
+        _warn_shared(need, have)
     for held, n in zip(workers, need):
         if disjoint:
             group = have[start : start + n]
@@ -64,6 +74,32 @@ def placement(
             out_by_stage[s] = tuple(group[: _need(artifacts[s])])
         start += n
     return [out_by_stage[s] for s in range(len(artifacts))]
+
+
+def _warn_shared(need: Sequence[int], have: Sequence[Any]) -> None:
+    """Say that the workers share devices (they would otherwise, silently, all run on the first one)."""
+    platform = getattr(have[0], "platform", "") if have else ""
+    fix = (
+        f"on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={sum(need)} before JAX starts (before "
+        "`import jax`), or pass devices= (one list per stage)"
+        if platform == "cpu"
+        else "pass devices= (one list per stage) or run on a host with more"
+    )
+    warnings.warn(
+        f"{len(need)} workers need {sum(need)} devices but this host has {len(have)} {platform} device"
+        f"{'s' if len(have) != 1 else ''}: every stage runs on the first ones, one after another; {fix}",
+        SharedDevicesWarning,
+        stacklevel=_callers_level(),
+    )
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of the first frame outside this package: the warning points at the user's line."""
+    level: int = 1
+    frame: types.FrameType | None = sys._getframe(1)  # _warn_shared's frame is stacklevel 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("vjpsplit_cli."):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def default_device() -> Any:

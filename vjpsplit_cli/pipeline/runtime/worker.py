@@ -34,6 +34,8 @@ class _Forward:
     from the arguments, since returning them from ``jit`` would copy them.
     """
 
+    WARMUP = 2  # the calls before a signature's are warm: the checked first one, then the jitted one compiles
+
     def __init__(self, art: Any):
         self.art = art
         self.cache: dict[Any, Any] = {}
@@ -168,6 +170,7 @@ class StageWorker:
                 "waits for that gradient"
             )
         self.calls = _calls_for(artifact, self.feeds_back)
+        self._runs: dict[Any, int] = {}  # timed steps: how often each call ran per input signature (warm or not)
         self.timed = True
         # The last operations (kind, mb, start, end), kept across steps: what a stuck step's report shows.
         self.ring: deque[tuple[str, int, float, float]] = deque(maxlen=RING)
@@ -227,23 +230,50 @@ class StageWorker:
         keys = sorted(self.losses)
         return {m: float(v) for m, v in zip(keys, jax.device_get([self.losses[m] for m in keys]))}
 
-    def _run(self, worker: int | None, kind: Kind, mb: int, fn: Callable[[], Any]) -> Any:
-        """``fn()``'s results, in the ring; when timed, waited for (under a ``jax.profiler.TraceAnnotation``
-        named as the trace file's slice) and recorded as an ``Event``."""
+    def _run(
+        self,
+        worker: int | None,
+        kind: Kind,
+        mb: int,
+        args: Sequence[Any],
+        call: Callable[..., Any],
+        warmup: int,
+    ) -> Any:
+        """``call(*args)``, in the ring; when timed, waited for (under a ``jax.profiler.TraceAnnotation`` named
+        as the trace file's slice) and recorded as an ``Event`` of the operation's own time.
+
+        Timed, the clock starts once the inputs exist (moved to this device, the batch's transfer and the
+        previous step's update done: not this operation's time). A call that had not yet run ``warmup``
+        times for these inputs' signature traced, compiled or took the checked first path: it is run
+        again (its results dropped; ``call`` changes nothing) until warm, and one warm run is timed as
+        the event's ``own`` seconds, what the operation costs from then on.
+        """
         if not self.timed:
             t0 = time.monotonic()
-            out = fn()
+            out = call(*args)
             self.ring.append((kind, mb, t0, time.monotonic()))  # the dispatch's time: nothing waited
             return out
         import jax
 
+        jax.block_until_ready(args)
+        key = (id(call), _signature_of(args))
+        cold = self._runs.get(key, 0) < warmup
         t0 = time.monotonic()
         with jax.profiler.TraceAnnotation(op_name(kind, self.stage_index, mb)):
-            out = jax.block_until_ready(fn())
+            out = jax.block_until_ready(call(*args))
         t1 = time.monotonic()
         self.ring.append((kind, mb, t0, t1))
+        self._runs[key] = self._runs.get(key, 0) + 1
+        own = None
+        if cold:
+            while self._runs[key] < warmup:
+                jax.block_until_ready(call(*args))
+                self._runs[key] += 1
+            a = time.monotonic()
+            jax.block_until_ready(call(*args))
+            own = time.monotonic() - a
         w = self.stage_index if worker is None else worker
-        self.events.append(Event(w, kind, mb, t0, t1, self.stage_index))
+        self.events.append(Event(w, kind, mb, t0, t1, self.stage_index, own))
         return out
 
     def _ct(self, ct: Any, microbatches: int) -> Any:
@@ -256,57 +286,48 @@ class StageWorker:
 
     def forward(self, mb: int, x: Any, side: Sequence[Any], worker: int | None = None) -> Any:
         """F: run the forward, keep the residuals; return the activation (the loss on the last stage)."""
-
-        def run() -> Any:
-            xs = self.to_device([x, *side])
-            if self.art.manifest.sharded:
-                # Activations arrive from the previous stage's devices: lay them out for this one first.
-                xs = [self.art.place_arg(i + 1, v) for i, v in enumerate(xs)]
-            out, res = self.calls.forward(self.params, *xs)
-            self.res[mb] = res
-            return out
-
-        out = self._run(worker, Kind.F, mb, run)
+        xs = self.to_device([x, *side])
+        if self.art.manifest.sharded:
+            # Activations arrive from the previous stage's devices: lay them out for this one first.
+            xs = [self.art.place_arg(i + 1, v) for i, v in enumerate(xs)]
+        f = self.calls.forward
+        out, res = self._run(worker, Kind.F, mb, (self.params, *xs), f, f.WARMUP)
+        self.res[mb] = res
         if self.is_last:
             self.losses[mb] = out
         return out
 
     def backward(self, mb: int, ct: Any, microbatches: int, worker: int | None = None) -> Any:
         """Whole backward (GPipe, 1F1B): accumulate the weight gradient, return the input cotangent."""
-
-        def run() -> Any:
-            res, c = self.res.pop(mb), self._ct(ct, microbatches)
-            if self.grads is None:
-                self.grads, gx = self.calls.backward(res, c)
-            else:
-                self.grads, gx = self.calls.backward_acc(self.grads, res, c)
-            return self.grads, gx
-
-        return self._run(worker, Kind.B, mb, run)[1]
+        res, c = self.res.pop(mb), self._ct(ct, microbatches)
+        if self.grads is None:
+            self.grads, gx = self._run(worker, Kind.B, mb, (res, c), self.calls.backward, 1)
+        else:
+            self.grads, gx = self._run(worker, Kind.B, mb, (self.grads, res, c), self.calls.backward_acc, 1)
+        return gx
 
     def backward_input(self, mb: int, ct: Any, microbatches: int, worker: int | None = None) -> Any:
         """Split schedules' B: the input cotangent now, the weight part later."""
-
-        def run() -> Any:
-            # B is the last reader of most residuals: drop them, keeping only W's share (in inter).
-            gx, inter = self.calls.backward_input(self.res.pop(mb), self._ct(ct, microbatches))
-            self.inter[mb] = inter
-            return gx, inter
-
-        return self._run(worker, Kind.B, mb, run)[0]
+        # B is the last reader of most residuals: drop them, keeping only W's share (in inter).
+        res, c = self.res.pop(mb), self._ct(ct, microbatches)
+        gx, self.inter[mb] = self._run(worker, Kind.B, mb, (res, c), self.calls.backward_input, 1)
+        return gx
 
     def backward_weight(self, mb: int, worker: int | None = None) -> None:
         """Split schedules' W: the weight gradient of a microbatch whose B already ran."""
+        inter = self.inter.pop(mb)
+        if self.grads is None:
+            self.grads = self._run(worker, Kind.W, mb, (inter,), self.calls.backward_weight, 1)
+        else:
+            self.grads = self._run(worker, Kind.W, mb, (self.grads, inter), self.calls.backward_weight_acc, 1)
 
-        def run() -> Any:
-            inter = self.inter.pop(mb)
-            if self.grads is None:
-                self.grads = self.calls.backward_weight(inter)
-            else:
-                self.grads = self.calls.backward_weight_acc(self.grads, inter)
-            return self.grads
 
-        self._run(worker, Kind.W, mb, run)
+def _signature_of(args: Sequence[Any]) -> tuple[Any, ...]:
+    """What a compiled call is cached by: the inputs' structure, and each leaf's shape, dtype and placement."""
+    import jax
+
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    return (tree, *((*_signature(a), getattr(a, "sharding", None)) for a in leaves))
 
 
 def _single(device: Any) -> Any:

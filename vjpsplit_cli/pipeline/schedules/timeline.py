@@ -13,7 +13,11 @@ from typing import Sequence
 
 @dataclass(frozen=True)
 class Event:
-    """One executed operation: worker, kind, microbatch, start and end (seconds, one clock), stage."""
+    """One executed operation: worker, kind, microbatch, start and end (seconds, one clock), stage.
+
+    ``own``: where the operation's call was cold (it traced, compiled or ran its checked first path), the
+    seconds one warm run of the same call took, measured right after it; None where ``end - start`` is warm.
+    """
 
     worker: int
     kind: str
@@ -21,10 +25,11 @@ class Event:
     start: float
     end: float
     stage: int
+    own: float | None = None
 
     def shifted(self, offset: float) -> Event:
         """The same operation on a clock that reads ``offset`` seconds less than the one it was recorded on."""
-        return Event(self.worker, self.kind, self.mb, self.start - offset, self.end - offset, self.stage)
+        return Event(self.worker, self.kind, self.mb, self.start - offset, self.end - offset, self.stage, self.own)
 
 
 @dataclass(frozen=True)

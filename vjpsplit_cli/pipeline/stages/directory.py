@@ -186,14 +186,7 @@ def _check_leaves(
     keys = [k for k, _ in entries]
     want = [r.key for r in recorded]
     if keys != want:
-        missing = [k for k in want if k not in keys] or want
-        extra = [k for k in keys if k not in want] or keys
-        raise VjpsplitError(
-            f"{what} do not match the stages' export: expected leaves {', '.join(want[:6])}"
-            f"{' ...' if len(want) > 6 else ''}; missing {missing[0]!r}, unexpected {extra[0]!r}"
-            if missing != want or extra != keys
-            else f"{what} do not match the stages' export: leaves in another order or structure"
-        )
+        raise VjpsplitError(f"{what} do not match the stages' export: {_leaves_differ(keys, want)}")
     out = []
     for (k, v), r in zip(entries, recorded):
         shape, dtype = np.shape(v), str(np.asarray(v).dtype) if not hasattr(v, "dtype") else str(v.dtype)
@@ -209,6 +202,41 @@ def _check_leaves(
             )
         out.append(v)
     return out
+
+
+def _leaves_differ(keys: Sequence[str], want: Sequence[str]) -> str:
+    """What differs between the given leaf keys and the exported ones, each side named from its own list.
+
+    Only the leaves one side lacks are named (never a leaf both have), so dropping the last layer says
+    which leaves are missing and nothing unexpected. A flax ``{"params": p}`` wrapper (every given key
+    one ``params`` segment deeper than the export's) and its reverse are said as such, with the fix.
+    """
+    for outer, inner, fix in ((keys, want, "pass variables['params']"), (want, keys, "pass {'params': params}")):
+        if outer and len(outer) == len(inner) and all(_unwrapped(k) == w for k, w in zip(outer, inner)):
+            side = "every leaf given is" if outer is keys else "the stages were exported with every leaf"
+            return f"{side} under 'params' ({outer[0]!r} for {inner[0]!r}; flax's variables dict); {fix}"
+    have, wanted = set(keys), set(want)
+    missing = [k for k in want if k not in have]
+    extra = [k for k in keys if k not in wanted]
+    parts = []
+    if missing:
+        parts.append(f"missing {_few(missing)}")
+    if extra:
+        parts.append(f"unexpected {_few(extra)}")
+    if not parts:
+        return f"the same leaves in another order (expected {_few(want)})"
+    return f"{'; '.join(parts)} (expected {len(want)} leaves: {_few(want)})"
+
+
+def _unwrapped(key: str) -> str:
+    """``key`` without a ``params`` segment right after the argument's name (flax's wrapper), else ``''``."""
+    head, _, rest = key.partition("/")
+    return f"{head}/{rest[len('params/') :]}" if rest.startswith("params/") else ""
+
+
+def _few(keys: Sequence[str], n: int = 4) -> str:
+    shown = ", ".join(repr(k) for k in keys[:n])
+    return shown + (f" and {len(keys) - n} more" if len(keys) > n else "")
 
 
 def load_stages(directory: str | os.PathLike[str], *, trust: Any = None, allow_kernels: bool = False) -> Stages:

@@ -14,15 +14,16 @@ up to 1.9 times what later steps did, compiling left out; docs/pipeline.md).
   and ``bwd_weight`` modules (half each where the backend counts none). A stage
   without the split has only whole backwards: ``B`` is all of it and ``W`` is 0,
   which is what ``auto_schedule`` charges such a stage (B + W).
-* **Compiling.** A step that traces or compiles is slower for it, and on a
-  shared host so are the operations of other workers meanwhile. An operation
-  that ran while this process traced, lowered or compiled (``jax.monitoring``'s
-  compile events) is left out. So are, in a Trainer's first step, the first two
-  operations of each stage and kind: they compile the calls (the first F runs
-  the artifact's checked forward, the second compiles the jitted one; the first
-  B and W the calls that start the gradient sum, the second those that add to
-  it), which on Ray happens in the actors, out of this process's sight. Where
-  that leaves none of a stage and kind, its last one counts.
+* **Each operation's own time.** An operation's time starts once its inputs
+  exist on its device (the activation or cotangent moved there, the batch's
+  transfer and the previous step's update done) and ends when its results do.
+  An operation whose call was cold (the first runs of a signature: ``fwd``'s
+  checked call, then the jitted one compiling; a jitted backward's compile) is
+  run again by its worker until warm, and one warm run timed (``Event.own``):
+  that is what it counts, in any step and on any runner (Ray's actors time
+  their own). An operation that ran warm while this process traced, lowered or
+  compiled (``jax.monitoring``'s compile events), slowed by it on a shared host,
+  is left out; where that leaves none of a stage and kind, its last one counts.
 * **Sends.** ``comm`` is the median gap from the end of an operation to the start
   of the one on the next worker that reads its result (F to the next stage's F,
   B to the previous stage's B), counted only where that worker was idle
@@ -50,7 +51,6 @@ from ..schedules.timeline import Event
 from ..stages.exporting import module_flops
 
 COST_STEPS = 16  # the timed steps whose operation times ``costs`` takes medians over
-COMPILING = 2  # the operations of each stage and kind that compile in a Trainer's first step
 COMPILE_EVENTS = (
     "/jax/core/compile/jaxpr_trace_duration",
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -74,7 +74,7 @@ def _noted(event: str, duration_secs: float, **kwargs: str | int) -> None:
         _compiles.append((end - duration_secs, end))
 
 
-def counted(events: Sequence[Event], split: set[tuple[int, int]], first: bool) -> dict[tuple[int, str], list[Event]]:
+def counted(events: Sequence[Event], split: set[tuple[int, int]]) -> dict[tuple[int, str], list[Event]]:
     """The operations whose times count, by stage and kind (``"BW"``: a whole backward); see the module docstring."""
     t0, t1 = min((e.start for e in events), default=0.0), max((e.end for e in events), default=0.0)
     spans = [(a, b) for a, b in list(_compiles) if b > t0 and a < t1]
@@ -84,21 +84,22 @@ def counted(events: Sequence[Event], split: set[tuple[int, int]], first: bool) -
         groups.setdefault((e.stage, kind), []).append(e)
     out = {}
     for key, group in groups.items():
-        keep = [
-            e
-            for j, e in enumerate(group)
-            if not (first and j < COMPILING) and not any(a < e.end and e.start < b for a, b in spans)
-        ]
+        # A cold call's own warm run was timed apart from its compile: it counts, though its span overlaps one.
+        keep = [e for e in group if e.own is not None or not any(a < e.end and e.start < b for a, b in spans)]
         out[key] = keep or group[-1:]
     return out
 
 
-def step_samples(result: PipelineResult, first: bool) -> _Step:
-    """One timed step's counted operation seconds by stage and kind and its send gaps (``first``: the Trainer's
-    first step)."""
-    ops = counted(result.events, split_ops(result.plans), first)
+def seconds(e: Event) -> float:
+    """An operation's own seconds: its warm run's where its call was cold, else its span."""
+    return e.own if e.own is not None else e.end - e.start
+
+
+def step_samples(result: PipelineResult) -> _Step:
+    """One timed step's counted operation seconds by stage and kind, and its send gaps."""
+    ops = counted(result.events, split_ops(result.plans))
     keys = {(e.kind, e.mb, e.stage) for group in ops.values() for e in group}
-    times = {k: [e.end - e.start for e in group] for k, group in ops.items()}
+    times = {k: [seconds(e) for e in group] for k, group in ops.items()}
     return times, send_gaps(result.events, result.num_stages, keys)
 
 
@@ -141,9 +142,9 @@ class CostSamples:
     def add(self, result: PipelineResult, first: bool) -> None:
         """Keep a timed step's samples (``first``: the Trainer's first step)."""
         if first:
-            self.first = step_samples(result, first)
+            self.first = step_samples(result)
         else:
-            self.steps.append(step_samples(result, first))
+            self.steps.append(step_samples(result))
 
     def input_share(self, stage: int) -> float:
         """The share of stage ``stage``'s backward FLOPs in its input part (``bwd_input``), by XLA; 0.5 if unknown."""
