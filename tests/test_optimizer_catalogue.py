@@ -97,8 +97,6 @@ REFUSED = {
     "lbfgs": "needs value_fn and grad",
     "contrib.sophia{'learning_rate': 0.01}": "obj_fn",
     "lookahead(sgd)": "LookaheadParams",
-    # Its finiteness check stacks every leaf's flag into one array: a spanning value, not a reduction here.
-    "apply_if_finite(adam)": "concatenate",
 }
 
 
@@ -166,3 +164,35 @@ def test_the_same_update_for_one_stage_holding_every_leaf_exports_and_equals_opt
         want = optax.apply_updates(p, u)
         for k in p:
             np.testing.assert_allclose(new_p[k], want[k], rtol=1e-6, atol=1e-7)
+
+
+def test_apply_if_finite_skips_every_stage_when_one_stage_has_a_non_finite_gradient():
+    """Its check stacks one flag per leaf and reduces them with ``all``: the reduction spans the stages, so a NaN
+    on stage 1 alone stops stage 0's update too, as in one process (each stage's own check would not)."""
+    from vjpsplit_cli.pipeline.training.optimizer import export_optimizer
+    from vjpsplit_cli.pipeline.training.separable import WholeOptimizer, combine
+    from vjpsplit_cli.pipeline.training.state import StateMap
+
+    tx = optax.apply_if_finite(optax.sgd(0.1), 3)
+    p = {"a": np.ones(3, np.float32), "b": np.ones(2, np.float32)}
+    names, keys = [["a"], ["b"]], {"a": "a", "b": "b"}
+    smap = StateMap(tx, p, keys, names)
+    where: dict = {}
+    for j, at in enumerate(smap.whole):
+        where.setdefault(at, []).append(j)
+    index = [[where[at] for at in ats] for _, ats in smap.stages]
+    whole = WholeOptimizer(tx, p, keys, names, "apply_if_finite", [at.key for at in smap.whole], smap.entries, index)
+    assert [r.op for r in whole.roots()] == ["and"]
+    progs = [export_optimizer(tx, {k: p[k]}, platforms="cpu", whole=whole, stage=s) for s, k in enumerate("ab")]
+    g = {"a": np.full(3, 0.5, np.float32), "b": np.array([np.nan, 0.5], np.float32)}
+    own = [{k: p[k]} for k in "ab"]
+    states = [prog.init(x) for prog, x in zip(progs, own)]
+    grads = [{k: g[k]} for k in "ab"]
+    unknown = [np.zeros((), np.bool_)]  # round 0 reads no reduction yet
+    parts = [prog.shares(0, x, st, gr, 1.0, 0.0, unknown) for prog, x, st, gr in zip(progs, own, states, grads)]
+    reduced = [combine("and", np.bool_, [part[0] for part in parts])]
+    new = [prog.update(x, st, gr, 1.0, 0.0, reduced)[0] for prog, x, st, gr in zip(progs, own, states, grads)]
+    u, _ = tx.update(g, tx.init(p), p)
+    want = optax.apply_updates(p, u)
+    np.testing.assert_array_equal(new[0]["a"], want["a"])
+    np.testing.assert_array_equal(new[0]["a"], p["a"])  # skipped: stage 1's gradient is not finite

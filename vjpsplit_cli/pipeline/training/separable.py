@@ -15,7 +15,8 @@ Each value of the traced program gets one label, in program order:
   free values); only the stages holding ``k`` compute it;
 * a *reduction*: an ``add``, ``max`` or ``min`` chain of scalars over several
   leaves (``optax.tree.norm``, ``tree_sum``, ``tree_max``: DoG's distance,
-  D-adaptation's sums, ``clip_by_global_norm``'s norm). Its result is free once
+  D-adaptation's sums, ``clip_by_global_norm``'s norm), or one scalar per leaf
+  stacked and reduced (``apply_if_finite``'s ``all``). Its result is free once
   known: every stage computes its share (the chain's terms of the leaves whose
   norm it counts, a tied leaf by its first holder only), the shares are combined
   across stages and handed back, and the rest of the update goes on from there.
@@ -44,6 +45,22 @@ from ...errors import VjpsplitError, jax_message
 _CALLS = ("pjit", "jit", "closed_call", "core_call")
 _CUSTOM = ("custom_jvp_call", "custom_vjp_call")
 _REDUCE = {"add": "add", "add_any": "add", "max": "max", "min": "min"}
+# A reduction over a stack of one scalar per leaf (``jnp.all(jnp.array([... for leaf in leaves]))``).
+_STACKED = {"reduce_sum": "add", "reduce_max": "max", "reduce_min": "min", "reduce_and": "and", "reduce_or": "or"}
+
+
+def _ops() -> dict[str, Callable[[Any, Any], Any]]:
+    import jax.numpy as jnp
+
+    return {
+        "add": jnp.add,
+        "max": jnp.maximum,
+        "min": jnp.minimum,
+        "and": jnp.logical_and,
+        "or": jnp.logical_or,
+    }
+
+
 FREE = ("free",)
 
 
@@ -59,10 +76,12 @@ class Root:
     round: int = 0
 
     def identity(self) -> Any:
-        """The value of no terms: 0, or the dtype's lowest (max) or highest (min) value."""
+        """The value of no terms: 0 (add), True (and), False (or), the dtype's lowest (max) or highest (min)."""
         dt = np.dtype(self.dtype)
         if self.op == "add":
             return np.zeros((), dt)
+        if self.op in ("and", "or"):
+            return np.array(self.op == "and", dt)
         info = np.finfo(dt) if dt.kind == "f" else np.iinfo(dt)
         big = np.array(np.inf, dt) if dt.kind == "f" else np.array(info.max, dt)
         return -big if self.op == "max" else big
@@ -75,6 +94,8 @@ def combine(op: str, dtype: Any, parts: Sequence[Any]) -> np.ndarray:
     if op == "add":
         wide = np.float64 if dt.kind in "fc" else np.int64
         return np.asarray(np.sum([v.astype(wide) for v in vals])).astype(dt)
+    if op in ("and", "or"):
+        return np.asarray(np.all(vals) if op == "and" else np.any(vals)).astype(dt)
     return np.asarray(np.max(vals) if op == "max" else np.min(vals)).astype(dt)
 
 
@@ -208,6 +229,7 @@ class Cut:
             uses[n] = uses.get(n, 0) + 2  # an output is always a finished value
         self.roots: dict[int, Root] = {}
         partial: dict[int, Root] = {}  # a reduction under way, at the node of its last step
+        stacks: dict[int, list[int]] = {}  # a concatenate of one scalar per leaf: its terms
         self.producer: dict[int, int] = {}
 
         def finish(n: int) -> None:
@@ -232,10 +254,32 @@ class Cut:
                     finish(n)
             labs = [lab[n] for n in ins if n not in cont]
             keys = sorted({lb[1] for lb in labs if lb[0] == "key"})
-            spanning = next((lb for lb in labs if lb[0] == "span"), None)
+            spanning = next((("span", lb[1]) for lb in labs if lb[0] in ("span", "stack")), None)
             lvl = max((level[n] for n in ins), default=0)
-            if spanning is not None:
-                out: tuple[Any, ...] = spanning
+            stacked = (
+                name in _STACKED
+                and len(ins) == 1
+                and lab[ins[0]][0] == "stack"
+                and uses.get(ins[0]) == 1
+                and tuple(eqn.params.get("axes", ())) == (0,)
+            )
+            if stacked:
+                terms = stacks[ins[0]]
+                r = Root(-1, _STACKED[name], g.avals[outs[0]].dtype, [], [])
+                r.keyed = [(n, lab[n][1]) for n in terms if lab[n][0] == "key"]
+                r.free = [n for n in terms if lab[n][0] != "key"]
+                partial[outs[0]] = r
+                out: tuple[Any, ...] = ("partial",)
+            elif spanning is not None:
+                out = spanning
+            elif (
+                name == "concatenate"
+                and len(keys) >= 2
+                and len(outs) == 1
+                and all(getattr(g.avals[n], "shape", None) == (1,) for n in ins)
+            ):
+                stacks[outs[0]] = list(ins)  # one scalar per leaf: a reduction if what reads it reduces it
+                out = ("stack", f"{name}{_where(eqn)} of leaves {keys[0]!r} and {keys[1]!r}")
             elif scalar and (cont or len(keys) >= 2):
                 assert op is not None
                 r = Root(-1, op, g.avals[outs[0]].dtype, [], [])
@@ -271,7 +315,7 @@ class Cut:
         self.problem: str | None = None
         for n, owner, nm in zip(self.outputs, owners, names):
             lb = lab[n]
-            if lb[0] == "span":
+            if lb[0] in ("span", "stack"):
                 self.problem = f"its {what} of {nm} takes {lb[1]}, which no stage holds both of"
             elif lb[0] == "key" and lb[1] != owner:
                 whose = "a value of its own" if owner is None else f"leaf {owner!r}'s"
@@ -332,15 +376,15 @@ class Cut:
         r = self.roots.get(n)
         if r is None:
             raise VjpsplitError(f"optimizer {self.label!r}: its {self.what} needs a value no stage computes")
-        fn = {"add": jnp.add, "max": jnp.maximum, "min": jnp.minimum}[r.op]
+        fn = _ops()[r.op]
         if reduced is None:
             v = jnp.asarray(r.identity())
             for m, _ in r.keyed:
-                v = fn(v, jnp.asarray(env[m], r.dtype))
+                v = fn(v, jnp.reshape(jnp.asarray(env[m], r.dtype), ()))
         else:
             v = jnp.asarray(reduced[r.index], r.dtype)
         for m in r.free:
-            v = fn(v, jnp.asarray(env[m], r.dtype))
+            v = fn(v, jnp.reshape(jnp.asarray(env[m], r.dtype), ()))
         return v
 
     def shares(self, bound: Mapping[int, Any], counted: set[str], rnd: int, reduced: Sequence[Any]) -> list[Any]:
@@ -350,13 +394,13 @@ class Cut:
         mine = [r for r in self.root_list() if r.round == rnd]
         targets = [n for r in mine for n, k in r.keyed if k in counted]
         vals = dict(zip(targets, self.evaluate(bound, targets, reduced)))
-        fn: dict[str, Callable[[Any, Any], Any]] = {"add": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
+        fn = _ops()
         out = []
         for r in mine:
             v = jnp.asarray(r.identity())
             for n, k in r.keyed:
                 if k in counted:
-                    v = fn[r.op](v, jnp.asarray(vals[n], r.dtype))
+                    v = fn[r.op](v, jnp.reshape(jnp.asarray(vals[n], r.dtype), ()))
             out.append(v)
         return out
 
