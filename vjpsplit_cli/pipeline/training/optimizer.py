@@ -7,11 +7,15 @@ user's code: a pipeline worker applies the update where the parameters live.
 
 A stage's parameters are a flat ``{leaf key: array}`` mapping (the keys a
 ``Stages`` object names; any pytree of specs is flattened to its file keys).
-``init(params) -> state`` and ``update(params, state, grads, scale) -> (params,
-state)`` take and give flat mappings too: the optimizer state is the file-keyed
-leaves of optax's state pytree (``0/mu/w``, ``0/count``), and its structure is
-recorded as those keys, never pickled. ``scale`` multiplies the gradients before
-the optimizer sees them: the global-norm clipping of ``pipeline.clipping``.
+``init(params) -> state`` and ``update(params, state, grads, scale, value,
+reduced) -> (params, state)`` take and give flat mappings too: the optimizer state
+is the file-keyed leaves of optax's state pytree (``0/mu/w``, ``0/count``), and its
+structure is recorded as those keys, never pickled. ``scale`` multiplies the
+gradients before the optimizer sees them (the global-norm clipping of
+``pipeline.clipping``), ``value`` is the step's loss (for an update taking
+``value=``), ``reduced`` the optimizer's reductions over leaves joined across
+stages, which ``shares(round, ...)`` gives this stage's part of (``separable``:
+each stage's programs are its share of the whole model's update).
 
 The serialized form is a msgpack map (no pickle): the leaves' keys, dtypes,
 shapes and shardings, and the two modules. Loading checks the modules as

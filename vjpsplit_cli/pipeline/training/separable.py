@@ -21,12 +21,15 @@ Each value of the traced program gets one label, in program order:
   norm it counts, a tied leaf by its first holder only), the shares are combined
   across stages and handed back, and the rest of the update goes on from there.
   A reduction whose terms need another one's result comes in a later *round*;
-* *spanning*: anything else that mixes leaves (stacking them, a non-scalar sum of
-  two leaves, a loop over several): refused by name, since no stage holds them all.
+* *spanning*: anything else that mixes leaves (ravelling them into one vector, a
+  non-scalar sum of two leaves, a loop over several): refused by name, since no
+  stage holds them all. A ``cond`` whose operands span leaves is first taken apart
+  into its branches and a ``select_n`` of their outputs (the same values).
 
 The outputs must fit: leaf ``k``'s new parameter and state entries *key k* or
-free, a state value of its own free. ``Cut.refusal`` is the one error naming the
-optimizer, the state entry or parameter and the operation that spans stages.
+free, a state value of its own free. ``WholeOptimizer.refusal`` is the one error
+naming the optimizer, the state entry or parameter and the operation that spans
+stages.
 """
 
 from __future__ import annotations
