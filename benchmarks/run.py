@@ -36,6 +36,7 @@ SECTIONS = {
     "autoschedule": ("Automatic schedules on the grid (modeled)", "benchmarks.autoschedule"),
     "train": ("Training steps: Trainer vs one process", "benchmarks.train"),
     "survive": ("Training that survives: checkpoint waits and restarts", "benchmarks.survive"),
+    "optimizer_cut": ("The optimizer update cut by stage: its cost on the driver", "benchmarks.optimizer_cut"),
     "sharded": ("Sharded stages on 8 CPU devices", "benchmarks.sharded"),
     # On a CPU-only machine, the accelerator command's own smoke test.
     "accelerator": ("The one-shot accelerator run, on this machine's default device", "benchmarks.accelerator"),

@@ -9,6 +9,8 @@ import numpy as np
 import optax
 import pytest
 from models import assert_trees_close, optax_reference
+from optimizer_models import MICROBATCHES, assert_as_one_process, batches, one_process, params_
+from optimizer_models import stages as tied_stages
 from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
 
 import vjpsplit_cli as vs
@@ -131,3 +133,23 @@ def test_ray_trainer_dead_actor_and_timeout_are_one_error(ray_session, stages):
     with P.Trainer(stages, params, step_timeout=1e-3, **kw) as tr:
         with pytest.raises(VjpsplitError, match=r"stage \d: the step did not finish within step_timeout=0.001 s"):
             tr.step(batch)
+
+
+def test_ray_trainer_optimizers_of_each_kind_equal_one_process_or_are_refused(ray_session):
+    """On Ray as in-process (tests/test_optimizer_catalogue.py): per leaf, a key split over the whole tree,
+    reductions over leaves across stages (the clip in the chain, DoWG's), the loss as value=; refused by name."""
+    for name, tx in [
+        ("adamw", optax.adamw(1e-2)),
+        ("noisy_sgd", optax.noisy_sgd(1e-2, eta=1e-2, key=0)),
+        ("chain(clip_by_global_norm, adamw)", optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-2))),
+        ("dowg", optax.contrib.dowg()),
+        ("polyak_sgd", optax.polyak_sgd(max_learning_rate=1.0)),
+    ]:
+        with P.Trainer(tied_stages(), params_(), optimizer=tx, microbatches=MICROBATCHES, runner="ray") as tr:
+            losses = [tr.step(b) for b in batches()]
+            params, state = tr.state()
+        assert_as_one_process(name, losses, params, state, one_process(tx, batches()))
+    with pytest.raises(
+        VjpsplitError, match=r"optimizer 'chain' \(scale_by_zoom_linesearch\): its update needs value_fn and grad"
+    ):
+        P.Trainer(tied_stages(), params_(), optimizer=optax.lbfgs(), microbatches=MICROBATCHES, runner="ray")

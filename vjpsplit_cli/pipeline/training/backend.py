@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from ...errors import VjpsplitError
+from ...files.dtypes import dtype_name
 from ..runtime.devices import placed, placement
 from ..runtime.model import Microbatch
 from ..runtime.result import PipelineResult
@@ -23,6 +24,7 @@ from .inprocess import InProcessBackend
 from .optimizer import stage_programs
 from .ownership import Ownership, Snapshot
 from .ray import RayBackend
+from .state import state_map, whole_optimizer
 
 
 class Backend(Protocol):
@@ -102,12 +104,36 @@ def open_backend(
     arts = placed(ownership.artifacts, where)
     # Specs only: an unsharded stage's parameters go to its own device, never all to the default one first.
     specs = [a.place_arg(0, p) if a.manifest.sharded else _specs(p) for a, p in zip(arts, ownership.stage_params)]
-    programs = stage_programs(optimizer, arts, ownership.names, specs)
+    smap = state_map(optimizer, ownership)
+    whole = whole_optimizer(optimizer, ownership, smap)
+    refusal = whole.refusal()
+    if refusal is not None:
+        raise refusal
+    if whole.init_whole and any(st is None for st in states):
+        # An init that reduces over leaves runs once for the whole model, on the driver, as opt_state= does.
+        params = ownership.gather([_host_flat(n, p) for n, p in zip(ownership.names, ownership.stage_params)])
+        init = smap.scatter(jax.device_get(jax.jit(optimizer.init)(params)))
+        states = [init[s] if st is None else st for s, st in enumerate(states)]
+    programs = stage_programs(optimizer, arts, ownership.names, specs, whole, ownership.counted)
     if runner == "inprocess":
         return InProcessBackend(ownership, arts, where, programs, states, ray_options["step_timeout"], hang_report)
-    return RayBackend(ownership, programs, states, layout=layout.workers, hang_report=hang_report, **ray_options)
+    reductions = [(r.op, dtype_name(np.dtype(r.dtype)), r.round) for r in whole.roots()]
+    return RayBackend(
+        ownership,
+        programs,
+        states,
+        reductions,
+        whole.uses_value,
+        layout=layout.workers,
+        hang_report=hang_report,
+        **ray_options,
+    )
 
 
 def _specs(tree: Any) -> Any:
     """The shapes and dtypes of ``tree``'s leaves, as ``jax.device_put`` would make them."""
     return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jax.numpy.result_type(a)), tree)
+
+
+def _host_flat(names: Sequence[str], tree: Any) -> dict[str, Any]:
+    return dict(zip(names, jax.tree_util.tree_leaves(tree)))

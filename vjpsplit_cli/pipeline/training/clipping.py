@@ -12,8 +12,8 @@ between workers and the driver:
    scale)``).
 
 That equals ``optax.chain(optax.clip_by_global_norm(c), optimizer)`` on one
-device. A clipping transformation inside the optimizer itself would act per
-stage, on that stage's gradients only.
+device. A ``clip_by_global_norm`` inside the optimizer is a reduction over
+leaves that ``separable`` joins across stages the same way.
 
 Tied leaves: ``sum_tied`` adds a tied leaf's gradients over its holders (in
 stage order, on the host) and hands every holder the very same array, so each

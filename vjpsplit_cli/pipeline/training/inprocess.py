@@ -13,6 +13,8 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
+
 from ...errors import VjpsplitError
 from ..runtime.devices import Devices
 from ..runtime.dispatch import Order, order_of
@@ -116,7 +118,7 @@ class InProcessBackend:
         else:
             order, finishing = self._orders(schedule.plans)
             dispatch(workers, schedule.plans, mbs, microbatches, order)
-            sums = self._finish(finishing, clip)
+            sums = self._finish(finishing, clip, self._value(microbatches))
         t1 = time.monotonic()
         losses = workers[-1].fetch_losses()
         phases.append(Phase(None, "fetch the losses", t1, time.monotonic()))
@@ -144,12 +146,24 @@ class InProcessBackend:
             self.orders = (plans, order, sorted(last, key=last.__getitem__))
         return self.orders[1], self.orders[2]
 
-    def _finish(self, finishing: Sequence[int], clip: float | None) -> dict[int, float]:
+    def _value(self, microbatches: int) -> Callable[[], float]:
+        """The step's loss as the result reports it (the mean over microbatches), for an update taking value=."""
+        last = self.trainers[-1].worker
+
+        def value() -> float:
+            losses = last.fetch_losses()
+            return float(np.mean([losses[m] for m in range(microbatches)]))
+
+        return value
+
+    def _finish(self, finishing: Sequence[int], clip: float | None, value: Callable[[], float]) -> dict[int, float]:
         """The untimed step's last phases, from this thread: each stage's update as soon as it can go."""
         own, trainers = self.ownership, self.trainers
         scale = (lambda v: 1.0) if clip is None else (lambda v: clip_scale(v, clip)[0])
-        if own.tied or clip is not None:  # every stage needs the others' parts first
-            return dict(zip(range(len(trainers)), finish_stages(trainers, lambda part: part, scale, own.tied)))
+        program = trainers[0].program
+        if own.tied or clip is not None or program.rounds or program.uses_value:  # the others' parts first
+            got = finish_stages(trainers, lambda part: part, scale, own.tied, value=value)
+            return dict(zip(range(len(trainers)), got))
         sums: dict[int, float] = {}
         for s in finishing:  # the stage whose last operation comes first updates first
             sums[s] = finish_stages([trainers[s]], lambda part: part, scale, False)[0]
@@ -167,6 +181,7 @@ class InProcessBackend:
         held = schedule.layout.workers
         rv, sums = _Rendezvous(len(held)), {}
         finished: list[Phase] = []
+        value = self._value(microbatches)
 
         def tail(w: int, failed: bool) -> None:
             if failed:
@@ -180,6 +195,7 @@ class InProcessBackend:
                     lambda v: clip_scale(v, clip)[0],
                     self.ownership.tied,
                     lambda name, a, b: finished.append(Phase(w, name, a, b)),
+                    value=value,
                 )
             except threading.BrokenBarrierError:
                 return  # another worker failed: its error is the step's

@@ -7,11 +7,15 @@ user's code: a pipeline worker applies the update where the parameters live.
 
 A stage's parameters are a flat ``{leaf key: array}`` mapping (the keys a
 ``Stages`` object names; any pytree of specs is flattened to its file keys).
-``init(params) -> state`` and ``update(params, state, grads, scale) -> (params,
-state)`` take and give flat mappings too: the optimizer state is the file-keyed
-leaves of optax's state pytree (``0/mu/w``, ``0/count``), and its structure is
-recorded as those keys, never pickled. ``scale`` multiplies the gradients before
-the optimizer sees them: the global-norm clipping of ``pipeline.clipping``.
+``init(params) -> state`` and ``update(params, state, grads, scale, value,
+reduced) -> (params, state)`` take and give flat mappings too: the optimizer state
+is the file-keyed leaves of optax's state pytree (``0/mu/w``, ``0/count``), and its
+structure is recorded as those keys, never pickled. ``scale`` multiplies the
+gradients before the optimizer sees them (the global-norm clipping of
+``pipeline.clipping``), ``value`` is the step's loss (for an update taking
+``value=``), ``reduced`` the optimizer's reductions over leaves joined across
+stages, which ``shares(round, ...)`` gives this stage's part of (``separable``:
+each stage's programs are its share of the whole model's update).
 
 The serialized form is a msgpack map (no pickle): the leaves' keys, dtypes,
 shapes and shardings, and the two modules. Loading checks the modules as
@@ -42,9 +46,10 @@ from ...files.prng import data_struct, from_data, impl_name, is_key, to_data
 from ...files.trees import escape_segment, flatten_with_keys
 from ...trust import checks as _trust_mod
 from ...trust import custom_calls, probes
+from .separable import StageShare, WholeOptimizer
 
 MAGIC = "vjpsplit-optimizer"
-FORMAT = 1
+FORMAT = 2  # 2: the update takes the loss value= and the reductions over leaves; shares/<round> modules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,43 +132,51 @@ def _state_specs(state_entries: Sequence[tuple[str, Any]], params: Sequence[OptL
 
 
 class _Flat:
-    """optax's init and update over flat leaf lists (keys in a fixed order): what the modules compute."""
+    """A stage's share of the whole model's init and update (``separable.StageShare``) over flat leaf lists:
+    what the modules compute. State leaves arrive as key data and are typed keys again inside."""
 
-    def __init__(self, tx: Any, param_keys: Sequence[str]):
-        self.tx, self.keys = tx, list(param_keys)
-        self.state_tree: Any = None
-        self.state_impls: list[str] = []
+    def __init__(self, share: StageShare, state_impls: Sequence[str]):
+        self.share, self.state_impls = share, list(state_impls)
 
-    def tree(self, leaves: Sequence[Any]) -> dict[str, Any]:
-        return dict(zip(self.keys, leaves))
+    def _state(self, state: Sequence[Any]) -> list[Any]:
+        return [from_data(x, i or None) for x, i in zip(state, self.state_impls)]
 
     def init(self, params: Sequence[Any]) -> list[Any]:
-        state = self.tx.init(self.tree(params))
-        leaves, self.state_tree = jax.tree_util.tree_flatten(state)
-        return [to_data(x) for x in leaves]
+        return [to_data(x) for x in self.share.init(list(params))]
+
+    def shares(self, rnd: int) -> Any:
+        def fn(params: Any, state: Any, grads: Any, scale: Any, value: Any, reduced: Any) -> list[Any]:
+            return self.share.shares(rnd, params, self._state(state), grads, scale, value, reduced)
+
+        return fn
 
     def update(
-        self, params: Sequence[Any], state: Sequence[Any], grads: Sequence[Any], scale: Any
+        self, params: Sequence[Any], state: Sequence[Any], grads: Sequence[Any], scale: Any, value: Any, reduced: Any
     ) -> tuple[list[Any], list[Any]]:
-        import optax
-
-        state = self.state_tree.unflatten([from_data(x, i or None) for x, i in zip(state, self.state_impls)])
-        p = self.tree(params)
-        g = {k: v * scale.astype(v.dtype) for k, v in self.tree(grads).items()}
-        updates, new_state = self.tx.update(g, state, p)
-        new_p = optax.apply_updates(p, updates)
-        return [new_p[k] for k in self.keys], [to_data(x) for x in jax.tree_util.tree_leaves(new_state)]
+        new_p, new_s = self.share.update(params, self._state(state), grads, scale, value, reduced)
+        return list(new_p), [to_data(x) for x in new_s]
 
 
 def export_optimizer(
-    tx: Any, param_specs: Any, *, platforms: Sequence[str] | str = ("cpu", "cuda", "tpu"), name: str | None = None
+    tx: Any,
+    param_specs: Any,
+    *,
+    platforms: Sequence[str] | str = ("cpu", "cuda", "tpu"),
+    name: str | None = None,
+    whole: WholeOptimizer | None = None,
+    stage: int = 0,
+    counted: Sequence[str] | None = None,
 ) -> "OptimizerProgram":
     """Export optax ``tx``'s ``init`` and applied ``update`` for one stage's parameters (``param_specs``).
 
     ``param_specs``: ShapeDtypeStructs (or arrays), possibly with ``NamedSharding``s of one
-    mesh, as a flat ``{leaf key: spec}`` mapping or any pytree. A transformation that is not
-    an optax ``GradientTransformation``, or whose state is not a pytree of arrays, or whose
-    code ``jax.export`` refuses, is one ``VjpsplitError`` naming it.
+    mesh, as a flat ``{leaf key: spec}`` mapping or any pytree. ``whole``: the whole model's
+    traced optimizer (``separable.WholeOptimizer``) of which this is stage ``stage`` (its
+    reductions' terms of the ``counted`` keys); without it, the stage is the whole model.
+
+    Raises:
+        VjpsplitError: a transformation that is not an optax ``GradientTransformation``, whose
+            state is not a pytree of arrays, or whose code ``jax.export`` refuses, naming it.
     """
     own_name = checked_name(tx)
     label = name or own_name
@@ -179,10 +192,10 @@ def export_optimizer(
         raise VjpsplitError(
             f"optimizer {label!r}: parameter '{next(p.key for p in params if p.prng_impl)}' is a PRNG key; only arrays are trained"
         )
-    flat = _Flat(tx, [p.key for p in params])
+    keys = [p.key for p in params]
     pstructs = [p.struct() for p in params]
     try:
-        raw = jax.eval_shape(tx.init, flat.tree(pstructs))
+        raw = jax.eval_shape(tx.init, dict(zip(keys, pstructs)))
         entries = flatten_with_keys("", raw)
     except VjpsplitError:
         raise
@@ -193,32 +206,46 @@ def export_optimizer(
             "(a mask, multi_transform's labels) must be a function of the parameters instead (e.g. "
             "mask=lambda params: ...), since each stage's optimizer sees only that stage's share of them"
         ) from e
+    if whole is None:
+        whole = WholeOptimizer(tx, dict(zip(keys, pstructs)), {k: k for k in keys}, [keys], label)
+        stage, counted = 0, None
     specs_state = _state_specs(entries, params) if mesh is not None else [None] * len(entries)
     state = tuple(_leaf(k, s, None if sp is None else tuple(sp)) for (k, s), sp in zip(entries, specs_state))
-    flat.state_tree, flat.state_impls = jax.tree_util.tree_structure(raw), [s.prng_impl for s in state]
+    flat = _Flat(whole.stage(stage, counted), [s.prng_impl for s in state])
     sstructs = [s.struct() for s in state]
     scale = jax.ShapeDtypeStruct((), np.float32)
+    roots = whole.roots()
+    reduced = [jax.ShapeDtypeStruct((), r.dtype) for r in roots]
     sh = None
     if mesh is not None:
         ps = [NamedSharding(mesh, PartitionSpec(*(p.sharding or ()))) for p in params]
         ss = [NamedSharding(mesh, PartitionSpec(*(s.sharding or ()))) for s in state]
         rep = NamedSharding(mesh, PartitionSpec())
-        sh = {"init": ((ps,), ss), "update": ((ps, ss, ps, rep), (ps, ss))}
+        rr = [rep] * len(roots)
+        sh = {"init": ((ps,), ss), "update": ((ps, ss, ps, rep, rep, rr), (ps, ss))}
+        for r in range(whole.rounds):
+            sh[f"shares/{r}"] = ((ps, ss, ps, rep, rep, rr), [rep for x in roots if x.round == r])
+    upd_args = (pstructs, sstructs, pstructs, scale, scale, reduced)
+    jobs: list[tuple[str, Any, tuple[Any, ...]]] = [("init", flat.init, (pstructs,)), ("update", flat.update, upd_args)]
+    jobs += [(f"shares/{r}", flat.shares(r), upd_args) for r in range(whole.rounds)]
     modules = {}
-    for module, fn, args in (
-        ("init", flat.init, (pstructs,)),
-        ("update", flat.update, (pstructs, sstructs, pstructs, scale)),
-    ):
+    for module, fn, args in jobs:
         kw: dict[str, Any] = {} if sh is None else {"in_shardings": sh[module][0], "out_shardings": sh[module][1]}
         try:
             exp = jexport.export(jax.jit(fn, **kw), platforms=platforms)(*args)
+        except VjpsplitError:
+            raise
         except Exception as e:
             raise VjpsplitError(
                 f"cannot export the optimizer {label!r}: jax.export refuses its {module} ({jax_message(e)}); use a transformation written in jax.numpy, without host callbacks"
             ) from e
         modules[module] = bytes(exp.serialize())
     axes = mesh_axes(mesh) if mesh is not None else ()
-    return OptimizerProgram(label, params, state, axes, modules, source=f"optimizer {label!r}", check=False)
+    meta = {
+        "reductions": [{"op": r.op, "dtype": dtype_name(np.dtype(r.dtype)), "round": r.round} for r in roots],
+        "uses_value": bool(whole.uses_value),
+    }
+    return OptimizerProgram(label, params, state, axes, modules, source=f"optimizer {label!r}", check=False, meta=meta)
 
 
 class OptimizerProgram:
@@ -235,14 +262,23 @@ class OptimizerProgram:
         source: str = "optimizer",
         check: bool = True,
         devices: Any = None,
+        meta: Mapping[str, Any] | None = None,
     ):
         self.name, self.source = name, source
+        meta = dict(meta or {})
+        try:
+            self.reductions = [(str(r["op"]), str(r["dtype"]), int(r["round"])) for r in meta.get("reductions", ())]
+            self.uses_value = bool(meta.get("uses_value", False))
+        except (KeyError, TypeError, ValueError) as e:
+            raise VjpsplitError(f"{source}: its reductions are not readable ({first_line(e)}); export it again") from e
+        self.rounds = 1 + max((r for _, _, r in self.reductions), default=-1)
         self.param_leaves, self.state_leaves = tuple(params), tuple(state)
         self.mesh_axes = tuple((str(a), int(n)) for a, n in mesh)
         self.modules = dict(modules)
-        if set(self.modules) != {"init", "update"}:
+        want_modules = {"init", "update", *(f"shares/{r}" for r in range(self.rounds))}
+        if set(self.modules) != want_modules:
             raise VjpsplitError(
-                f"{source}: needs the modules init and update, has {sorted(self.modules)}; export it again"
+                f"{source}: needs the modules {sorted(want_modules)}, has {sorted(self.modules)}; export it again"
             )
         exps = {}
         for k, data in self.modules.items():
@@ -263,7 +299,11 @@ class OptimizerProgram:
         found = probes.probe_modules({k: e.mlir_module_serialized for k, e in exps.items()}, self.source)
         p = _trust_mod.expected_leaves(self.param_leaves)
         s = _trust_mod.expected_leaves(self.state_leaves)
-        want = {"init": (p, s), "update": (p + s + p + [("float32", ())], p + s)}
+        red = [(dt, ()) for _, dt, _ in self.reductions]
+        args = p + s + p + [("float32", ()), ("float32", ())] + red
+        want = {"init": (p, s), "update": (args, p + s)}
+        for r in range(self.rounds):
+            want[f"shares/{r}"] = (args, [(dt, ()) for _, dt, rr in self.reductions if rr == r])
         for module, exp in exps.items():
             info = found.get(module) or {}
             _trust_mod.check_avals(self.source, module, exp, *want[module], info.get("main"))
@@ -318,20 +358,59 @@ class OptimizerProgram:
         _trust_mod.check_outputs(self.source, "init", jax.tree_util.tree_leaves(out), self._exps["init"], {})
         return self._state_out(out)
 
-    def update(
-        self, params: Mapping[str, Any], state: Mapping[str, Any], grads: Mapping[str, Any], scale: float = 1.0
-    ) -> tuple[dict, dict]:
-        """One optimizer step on ``grads * scale``: ``(new params, new state)``, keyed as given."""
-        s = np.float32(scale)
+    def _call_args(
+        self,
+        params: Mapping[str, Any],
+        state: Mapping[str, Any],
+        grads: Mapping[str, Any],
+        scale: float,
+        value: float,
+        reduced: Sequence[Any],
+    ) -> tuple[Any, ...]:
+        if len(reduced) != len(self.reductions):
+            raise VjpsplitError(
+                f"{self.source}: takes {len(self.reductions)} reductions over leaves, got {len(reduced)}"
+            )
+        scalars = [np.float32(scale), np.float32(value)]
+        red = [np.asarray(v, dtype_from_name(dt)) for v, (_, dt, _) in zip(reduced, self.reductions)]
         if self.mesh is not None:
-            s = place(s, named(self.mesh, ()))
-        args = (
+            scalars = [place(x, named(self.mesh, ())) for x in scalars]
+            red = [place(x, named(self.mesh, ())) for x in red]
+        return (
             self._args(self.param_leaves, params, "parameters"),
             self._args(self.state_leaves, state, "optimizer state"),
             self._args(self.param_leaves, grads, "gradients"),
-            s,
+            *scalars,
+            red,
         )
-        new_p, new_s = self._calls["update"](*args)
+
+    def shares(
+        self,
+        rnd: int,
+        params: Mapping[str, Any],
+        state: Mapping[str, Any],
+        grads: Mapping[str, Any],
+        scale: float = 1.0,
+        value: float = 0.0,
+        reduced: Sequence[Any] = (),
+    ) -> list[Any]:
+        """This stage's shares of the reductions of round ``rnd`` (``reduced``: every reduction's combined
+        value so far; the later ones are not read)."""
+        return list(self._calls[f"shares/{rnd}"](*self._call_args(params, state, grads, scale, value, reduced)))
+
+    def update(
+        self,
+        params: Mapping[str, Any],
+        state: Mapping[str, Any],
+        grads: Mapping[str, Any],
+        scale: float = 1.0,
+        value: float = 0.0,
+        reduced: Sequence[Any] = (),
+    ) -> tuple[dict, dict]:
+        """One optimizer step on ``grads * scale``: ``(new params, new state)``, keyed as given. ``value``: the
+        step's loss (for an update that takes ``value=``); ``reduced``: the reductions over leaves, combined
+        over the stages."""
+        new_p, new_s = self._calls["update"](*self._call_args(params, state, grads, scale, value, reduced))
         _trust_mod.check_outputs(self.source, "update", [*new_p, *new_s], self._exps["update"], {})
         return dict(zip(self.param_keys, new_p)), self._state_out(new_s)
 
@@ -346,6 +425,8 @@ class OptimizerProgram:
             "params": [p.to_json() for p in self.param_leaves],
             "state": [s.to_json() for s in self.state_leaves],
             "modules": self.modules,
+            "reductions": [{"op": o, "dtype": d, "round": r} for o, d, r in self.reductions],
+            "uses_value": self.uses_value,
         }
         return msgpack.packb(top, use_bin_type=True)
 
@@ -370,20 +451,30 @@ def load_optimizer(data: bytes, *, source: str = "optimizer", devices: Any = Non
         raise VjpsplitError(
             f"{source}: is not a vjpsplit optimizer program ({first_line(e)}); pass the bytes OptimizerProgram.to_bytes wrote"
         ) from e
+    meta = {"reductions": top.get("reductions", []), "uses_value": top.get("uses_value", False)}
     return OptimizerProgram(
-        str(top.get("name", "optimizer")), params, state, mesh, modules, source=source, devices=devices
+        str(top.get("name", "optimizer")), params, state, mesh, modules, source=source, devices=devices, meta=meta
     )
 
 
 def stage_programs(
-    optimizer: Any, artifacts: Sequence[Any], names: Sequence[Sequence[str]], placed: Sequence[Any]
+    optimizer: Any,
+    artifacts: Sequence[Any],
+    names: Sequence[Sequence[str]],
+    placed: Sequence[Any],
+    whole: WholeOptimizer,
+    counted: Sequence[Sequence[str]],
 ) -> list[bytes]:
-    """Each stage's exported optimizer as bytes, its specs from the stage's (placed) parameters keyed by ``names``."""
+    """Each stage's exported optimizer as bytes, its specs from the stage's (placed) parameters keyed by ``names``,
+    its share of ``whole`` (the reductions' terms of its ``counted`` keys)."""
     out = []
-    for art, n, p in zip(artifacts, names, placed):
+    for s, (art, n, p) in enumerate(zip(artifacts, names, placed)):
         specs = {
             k: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=v.sharding if art.manifest.sharded else None)
             for k, v in zip(n, jax.tree_util.tree_leaves(p))
         }
-        out.append(export_optimizer(optimizer, specs, platforms=art.manifest.platforms).to_bytes())
+        prog = export_optimizer(
+            optimizer, specs, platforms=art.manifest.platforms, whole=whole, stage=s, counted=counted[s]
+        )
+        out.append(prog.to_bytes())
     return out

@@ -18,6 +18,8 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
+import numpy as np
+
 from ..runtime.evaluation import EvaluatingActor
 from ..runtime.model import Microbatch, side_for
 from ..runtime.ray.actor import StageActor, raise_first_error
@@ -30,6 +32,8 @@ from ..schedules.plans import Resolved
 from ..stages.evaluation import EvalProgram
 from ..schedules.timeline import Phase
 from ...errors import VjpsplitError
+from ...files.dtypes import dtype_from_name
+from .separable import combine
 from .clipping import clip_scale
 from .ownership import Ownership, Snapshot
 from .stagestate import RESTORE_HINT, StageTrainer
@@ -63,9 +67,26 @@ class TrainActor(StageActor, EvaluatingActor):
             return None  # another stage failed: its report says why
         return self._phase("reduce norms", lambda: self.trainers[stage].prepare(dict(zip(sources, parts))))
 
-    def apply(self, stage: int, scale: float) -> None:
-        """The optimizer step of stage ``stage`` with the clip ``scale``."""
-        self._phase("update", lambda: self.trainers[stage].apply(scale))
+    def loss(self, stage: int, microbatches: int) -> Any:
+        """The step's loss (the mean over microbatches) on stage ``stage``, the last; None after an error."""
+
+        def mean() -> float:
+            got = self.stage_workers[stage].fetch_losses()
+            return float(np.mean([got[m] for m in range(microbatches)]))
+
+        return self.guarded(mean)
+
+    def shares(self, stage: int, rnd: int, scale: float, value: Any, reduced: Sequence[Any]) -> Any:
+        """Stage ``stage``'s shares of the optimizer's reductions over leaves of round ``rnd``; None after an error."""
+        if value is None:
+            return None  # the loss was not read: its report says why
+        return self._phase("reduce optimizer", lambda: self.trainers[stage].shares(rnd, scale, value, reduced))
+
+    def apply(self, stage: int, scale: float, value: Any = 0.0, reduced: Sequence[Any] = ()) -> None:
+        """The optimizer step of stage ``stage`` with the clip ``scale``, the loss ``value`` and the reductions."""
+        if value is None:
+            return  # the loss was not read: its report says why
+        self._phase("update", lambda: self.trainers[stage].apply(scale, value, reduced))
 
     def snapshot(self) -> dict[int, Snapshot]:
         """Per stage held: ``(params, optimizer state)`` as host arrays."""
@@ -87,9 +108,22 @@ class TrainPipeline(RayPipeline):
 class RayBackend:
     """The Trainer's workers as Ray actors (``RayPipeline``'s layout, timeouts and dead-actor reports)."""
 
-    def __init__(self, ownership: Ownership, programs: Sequence[bytes], states: Sequence[Any], **options: Any):
-        """``options``: ``RayPipeline``'s keyword arguments, and ``hang_report`` (where a stuck step's report goes)."""
+    def __init__(
+        self,
+        ownership: Ownership,
+        programs: Sequence[bytes],
+        states: Sequence[Any],
+        reductions: Sequence[tuple[str, str, int]] = (),
+        uses_value: bool = False,
+        **options: Any,
+    ):
+        """``options``: ``RayPipeline``'s keyword arguments, and ``hang_report`` (where a stuck step's report goes);
+        ``reductions`` (op, dtype, round) and ``uses_value``: what the optimizer programs exchange across stages
+        and take from the step (``separable``)."""
         self.ownership, self.programs = ownership, list(programs)
+        self.reductions = [(str(o), str(d), int(r)) for o, d, r in reductions]
+        self.uses_value = bool(uses_value)
+        self.rounds = 1 + max((int(r[2]) for r in self.reductions), default=-1)
         self.schedule_timeout = float(options.get("schedule_timeout", SCHEDULE_TIMEOUT))
         hang_report = options.pop("hang_report", None)
         self.rp = rp = TrainPipeline(ownership.artifacts, ownership.stage_params, **options)
@@ -154,7 +188,25 @@ class RayBackend:
             got = rp.fetch(sums, owners, t0, hint=RESTORE_HINT, watch=lists)
             if all(v is not None for v in got):
                 scale = clip_scale(got, clip)[0]
-        applied = [self.actor_of[s].apply.remote(s, scale) for s in range(S)]
+        # The loss stays an object reference: Ray hands it from the last stage's actor to the others.
+        value: Any = self.actor_of[S - 1].loss.remote(S - 1, microbatches) if self.uses_value else 0.0
+        reduced = [np.zeros((), dtype_from_name(dt)) for _, dt, _ in self.reductions]
+        for r in range(self.rounds):
+            # sums first: the shares are read after the gradients are summed (an actor runs its calls in order)
+            parts = rp.fetch(
+                [self.actor_of[s].shares.remote(s, r, scale, value, reduced) for s in range(S)],
+                owners,
+                t0,
+                hint=RESTORE_HINT,
+                watch=lists,
+            )
+            if any(p is None for p in parts):
+                break  # a stage failed: its report is the step's error
+            mine = [i for i, (_, _, rr) in enumerate(self.reductions) if rr == r]
+            for pos, i in enumerate(mine):
+                op, dt, _ = self.reductions[i]
+                reduced[i] = combine(op, dt, [parts[s][pos] for s in range(S)])
+        applied = [self.actor_of[s].apply.remote(s, scale, value, reduced) for s in range(S)]
         reports = [a.report.remote() for a in rp.actors]
         everyone = list(range(rp.layout.num_workers))
         values = rp.fetch(

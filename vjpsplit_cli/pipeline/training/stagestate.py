@@ -30,6 +30,7 @@ from ...files.prng import to_data
 from ...files.trees import decode_structure, flatten_with_keys, structure_keys
 from .clipping import sum_of_squares
 from .optimizer import load_optimizer
+from .separable import combine
 from ..runtime.worker import StageWorker
 
 
@@ -111,11 +112,19 @@ class StageTrainer:
         self.grads = g
         return sum_of_squares(g, self.counted)
 
-    def apply(self, scale: float = 1.0) -> None:
-        """One optimizer step on the prepared gradients times ``scale``; the worker runs the new parameters."""
+    def shares(self, rnd: int, scale: float, value: float, reduced: Sequence[Any]) -> list[np.ndarray]:
+        """This stage's shares of the optimizer's reductions over leaves of round ``rnd`` (host scalars)."""
+        if not self.grads:
+            raise VjpsplitError(f"stage {self.stage_index}: shares before prepare; the step's gradients are not summed")
+        got = self.program.shares(rnd, self.params, self.state, self.grads, scale, value, reduced)
+        return [np.asarray(v) for v in got]
+
+    def apply(self, scale: float = 1.0, value: float = 0.0, reduced: Sequence[Any] = ()) -> None:
+        """One optimizer step on the prepared gradients times ``scale`` (``value``: the step's loss, ``reduced``:
+        the reductions over leaves across stages); the worker runs the new parameters."""
         if not self.grads:
             raise VjpsplitError(f"stage {self.stage_index}: apply before prepare; the step's gradients are not summed")
-        self.params, self.state = self.program.update(self.params, self.state, self.grads, scale)
+        self.params, self.state = self.program.update(self.params, self.state, self.grads, scale, value, reduced)
         self.grads = {}
         self.worker.params = decode_structure(self.node, iter([self.params[n] for n in self.names]))
         self.worker.grads = None
@@ -144,21 +153,39 @@ def _host(d: Mapping[str, Any]) -> dict[str, np.ndarray]:
     return {k: np.asarray(to_data(v)) for k, v in d.items()}
 
 
+def reduce_rounds(program: Any, shares: Callable[[int, list[Any]], Mapping[int, Sequence[Any]]]) -> list[np.ndarray]:
+    """The optimizer's reductions over leaves, round by round: ``shares(round, reduced so far)`` gives every
+    stage's shares of that round's reductions (stage -> list); each is joined over the stages in stage order."""
+    reductions = program.reductions
+    reduced: list[np.ndarray] = [np.zeros((), dt) for _, dt, _ in reductions]
+    for r in range(program.rounds):
+        got = shares(r, list(reduced))
+        mine = [i for i, (_, _, rr) in enumerate(reductions) if rr == r]
+        for pos, i in enumerate(mine):
+            op, dt, _ = reductions[i]
+            reduced[i] = combine(op, dt, [got[s][pos] for s in sorted(got)])
+    return reduced
+
+
 def finish_stages(
     trainers: Sequence[StageTrainer],
     exchange: Callable[[Mapping[int, Any]], Mapping[int, Any]],
     clip: Callable[[list[float]], float],
     tied: bool,
     mark: Callable[[str, float, float], None] | None = None,
+    value: Callable[[], float] | None = None,
 ) -> list[float]:
     """Phases 1-3 for one worker's stages; ``exchange(worker_part) -> everyone's`` joins the workers.
 
     ``exchange`` is called with a dict and returns the merged dict of every
     worker (a barrier in-process; every worker calls it equally often, so
-    ``tied`` says for all of them whether any stage holds a tied leaf);
+    ``tied`` says for all of them whether any stage holds a tied leaf, and every
+    stage's program has the same reductions over leaves, one exchange a round);
     ``clip(sums) -> scale`` turns every stage's squared sums (in stage order)
     into the clip scale. ``mark(name, start, end)`` (``time.monotonic``), if given, hears of each
-    phase: ``reduce tied``, ``reduce norms`` (each with its wait for the other workers) and ``update``.
+    phase: ``reduce tied``, ``reduce norms`` (each with its wait for the other workers) and ``update``
+    (with the optimizer's reductions over leaves, a round each). ``value()`` is the step's loss, read
+    only by an optimizer whose update takes ``value=``.
     """
     clock = time.monotonic
     at = clock()
@@ -170,8 +197,13 @@ def finish_stages(
     scale = clip([everyone[s] for s in sorted(everyone)])
     if mark is not None:
         mark("reduce norms", at, at := clock())
+    program = trainers[0].program
+    loss = value() if value is not None and program.uses_value else 0.0
+    reduced = reduce_rounds(
+        program, lambda r, red: exchange({tr.stage_index: tr.shares(r, scale, loss, red) for tr in trainers})
+    )
     for tr in trainers:
-        tr.apply(scale)
+        tr.apply(scale, loss, reduced)
     if mark is not None:
         mark("update", at, clock())
     return [sums[tr.stage_index] for tr in trainers]

@@ -38,6 +38,7 @@ from ...files.prng import from_data, impl_name, is_key, to_data
 from ...files.trees import flatten_with_keys
 from .optimizer import checked_name, optimizer_name
 from .ownership import Ownership
+from .separable import WholeOptimizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +59,12 @@ def _init_shape(tx: Any, params: Any, label: str) -> Any:
     try:
         return jax.eval_shape(tx.init, params)
     except Exception as e:
-        raise VjpsplitError(f"optimizer {label!r}: its init fails on the parameters ({jax_message(e)})") from e
+        raise VjpsplitError(
+            f"optimizer {label!r}: its init fails on the parameters ({jax_message(e)}); a pytree it was built "
+            "with for the whole model's parameters (a mask, multi_transform's labels) must be a function of the "
+            "parameters instead (e.g. mask=lambda params: ...), since each stage's optimizer sees only that "
+            "stage's share of them"
+        ) from e
 
 
 def _slots(state: Any, keys: Sequence[str]) -> tuple[Any, list[dict[str, Any] | None]]:
@@ -229,3 +235,26 @@ def opt_state_from_file(tx: Any, params: Any, arrays: Mapping[str, Any], source:
             "pass the optimizer the run was saved with"
         )
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(whole), leaves)
+
+
+def whole_optimizer(tx: Any, ownership: Ownership, smap: StateMap) -> WholeOptimizer:
+    """``tx`` traced for the whole model of ``ownership``, each stage's state leaves placed by ``smap``."""
+    names = ownership.names
+    specs = [
+        dict(zip(n, (_spec(v) for v in jax.tree_util.tree_leaves(p)))) for n, p in zip(names, ownership.stage_params)
+    ]
+    keys = ownership.gather([{k: k for k in n} for n in names])
+    where: dict[_At, list[int]] = {}
+    for j, at in enumerate(smap.whole):
+        where.setdefault(at, []).append(j)
+    index = [[where[at] for at in ats] for _, ats in smap.stages]
+    return WholeOptimizer(
+        tx,
+        ownership.gather(specs),
+        keys,
+        names,
+        smap.name,
+        state_owner=[at.key for at in smap.whole],
+        state_names=smap.entries,
+        state_index=index,
+    )

@@ -70,8 +70,11 @@ class Trainer:
     ``optimizer``: an optax ``GradientTransformation``, exported per stage (the
     workers need no optax). ``clip_global_norm=c`` clips by the norm over all
     stages' gradients (a tied leaf counted once), as ``optax.chain(
-    optax.clip_by_global_norm(c), optimizer)`` on one device; a clipping
-    transformation inside ``optimizer`` acts per stage. ``runner``: ``inprocess``
+    optax.clip_by_global_norm(c), optimizer)`` on one device, and so does a
+    ``clip_by_global_norm`` inside ``optimizer``: an update that reduces over all
+    leaves gets the reductions over all stages, one that takes ``value=`` the
+    step's loss, and one the stages cannot compute as one process does is refused
+    here (``separable``). ``runner``: ``inprocess``
     or ``ray`` (then ``address``, ``runtime_env``, ``actor_options``,
     ``step_timeout``, ``schedule_timeout`` as ``RayPipeline`` takes them).
     ``progress=True`` shows a bar over steps with the loss. ``history`` keeps per
