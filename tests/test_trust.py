@@ -145,6 +145,18 @@ def test_sign_verify_round_trip_and_signer_shown(base, tmp_path):
     assert json.loads(run_cli("inspect", d / "f.vjps", "--json").stdout)["signer"] is None
 
 
+def test_raw_trust_keys_of_the_wrong_length_are_one_clear_error(base):
+    """Raw key bytes are 32 long; other lengths were handed to the file reader as a path (a TypeError)."""
+    d, _ = base
+    raw = load_public_key(d / "key.pub")
+    assert vs.load(d / "f.vjps").signer is None
+    for bad in (raw[:31], bytearray(raw + b"\0")):
+        with pytest.raises(vs.VjpsplitError, match=rf"trust key: {len(bad)} raw bytes, not an Ed25519 public key's 32"):
+            vs.load(d / "f.vjps", trust=[bad])
+    with pytest.raises(vs.VjpsplitError, match="unsigned, and trust keys were given"):
+        vs.load(d / "f.vjps", trust=[bytearray(raw)])  # 32 raw bytes are a key, as documented
+
+
 def test_unsigned_and_other_signers_are_refused_before_any_module_is_read(base, tmp_path, monkeypatch):
     d, art = base
     import vjpsplit_cli.artifact.artifact_file as artifact_mod

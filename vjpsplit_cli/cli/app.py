@@ -13,6 +13,7 @@ import contextlib
 import functools
 import os
 import traceback
+from typing import IO, Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import click
 
@@ -26,6 +27,8 @@ from ..terminal import printable
 EXISTING = click.Path(dir_okay=True, path_type=str)  # existence is checked by our loaders, with our message
 EXISTING.name = "file"  # shown as FILE in --help, as the files commands write are
 ARRAY_SUFFIXES = (".npz", ".msgpack")
+_F = TypeVar("_F", bound=Callable[..., Any])  # a command's callback, as click's decorators take and return it
+_R = TypeVar("_R")
 
 
 class CliError(click.ClickException):
@@ -33,7 +36,7 @@ class CliError(click.ClickException):
 
     exit_code = 1
 
-    def show(self, file=None) -> None:
+    def show(self, file: IO[Any] | None = None) -> None:
         click.echo(f"error: {printable(self.format_message())}", err=True)
 
 
@@ -51,10 +54,10 @@ class _OutputFile(click.ParamType):
 
     name = "FILE"
 
-    def __init__(self, arrays: bool):
+    def __init__(self, arrays: bool) -> None:
         self.arrays = arrays
 
-    def convert(self, value, param, ctx):
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
         text = os.fspath(value)
         if text == "-":
             self.fail("'-' (standard output) is not supported; give a file name", param, ctx)
@@ -80,7 +83,7 @@ class ShapeSpec(click.ParamType):
 
     name = "NAME=SPEC"
 
-    def convert(self, value, param, ctx):
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
         name, eq, spec = str(value).partition("=")
         if not eq or not name.strip() or not spec.strip():
             self.fail(f"{printable(value)!r} is not NAME=SPEC; write e.g. x=f32[b,784]", param, ctx)
@@ -100,7 +103,7 @@ class AtSizes(click.ParamType):
 
     name = "NAME=SIZE"
 
-    def convert(self, value, param, ctx):
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
         from ..files.sizes import parse_at
 
         try:
@@ -110,7 +113,7 @@ class AtSizes(click.ParamType):
         return str(value)
 
 
-def at_option(help: str):
+def at_option(help: str) -> Callable[[_F], _F]:
     """``--at NAME=SIZE`` (repeatable, or comma-separated): sizes for symbolic dims; ``help`` says what for."""
     return click.option("--at", "at", multiple=True, type=AtSizes(), metavar="NAME=SIZE", help=help)
 
@@ -125,7 +128,7 @@ _GLOBAL_OPTIONS = (
 )
 
 
-def _global_options(fn):
+def _global_options(fn: _F) -> _F:
     for option in reversed(_GLOBAL_OPTIONS):
         fn = option(fn)
     return fn
@@ -140,12 +143,12 @@ def debug_enabled(ctx: click.Context) -> bool:
     return global_flag(ctx, "debug") or config.debug()
 
 
-def cli_command(fn):
+def cli_command(fn: Callable[..., _R]) -> Callable[..., _R]:
     """Wrap a command body: library errors become one-line errors, others too unless --debug."""
 
     @_global_options
     @functools.wraps(fn)
-    def wrapper(*args, debug: bool = False, no_cache: bool = False, **kwargs):
+    def wrapper(*args: Any, debug: bool = False, no_cache: bool = False, **kwargs: Any) -> _R:
         ctx = click.get_current_context()
         try:
             show = debug or debug_enabled(ctx)
@@ -187,12 +190,12 @@ def cli_command(fn):
     return wrapper
 
 
-def _subject(kwargs) -> str:
+def _subject(kwargs: Mapping[str, Any]) -> str:
     """What a command works on, for messages that have no file of their own: the artifact, or MODULE:FN."""
     return str(kwargs.get("artifact") or kwargs.get("target") or "vjpsplit")
 
 
-def _unexpected(command: str, kwargs, e: Exception) -> str:
+def _unexpected(command: str, kwargs: Mapping[str, Any], e: Exception) -> str:
     """One line for an exception nothing mapped: name the artifact or function and say what to try."""
     what = f"{type(e).__name__} {one_line(e, 160)}".strip()
     if isinstance(e, ImportError):  # user modules are imported by specs.load_object, which says so itself
@@ -214,13 +217,13 @@ def _unexpected(command: str, kwargs, e: Exception) -> str:
 class _OneLineUsageError(click.UsageError):
     """A usage error printed as one line, ``error: <message> (see '<command> --help')``; exit 2."""
 
-    def show(self, file=None) -> None:
+    def show(self, file: IO[Any] | None = None) -> None:
         hint = f" (see '{self.ctx.command_path} --help')" if self.ctx is not None else ""
         click.echo(f"error: {printable(self.format_message())}{hint}", err=True)
 
 
 @contextlib.contextmanager
-def _one_line_usage_errors():
+def _one_line_usage_errors() -> Iterator[None]:
     """Turn click's usage errors (usage text, hint, message: several lines) into one line."""
     try:
         yield
@@ -233,11 +236,13 @@ def _one_line_usage_errors():
 class _Main(click.Group):
     """The ``vjpsplit`` group: usage errors of the group and of every command are one line."""
 
-    def make_context(self, *args, **kwargs):
+    def make_context(
+        self, info_name: str | None, args: list[str], parent: click.Context | None = None, **extra: Any
+    ) -> click.Context:
         with _one_line_usage_errors():
-            return super().make_context(*args, **kwargs)
+            return super().make_context(info_name, args, parent, **extra)
 
-    def invoke(self, ctx):
+    def invoke(self, ctx: click.Context) -> Any:
         with _one_line_usage_errors():
             return super().invoke(ctx)
 
@@ -264,7 +269,7 @@ def name_list(text: str | None) -> list[str] | None:
     return None if text is None else [w.strip() for w in text.split(",") if w.strip()]
 
 
-def function_options(fn):
+def function_options(fn: _F) -> _F:
     """The options that say which function to trace and how: shared by export and plan."""
     for option in reversed(
         [
@@ -291,7 +296,7 @@ def function_options(fn):
     return fn
 
 
-def trust_options(fn):
+def trust_options(fn: _F) -> _F:
     """--trust-key and --allow-kernels: for every command that loads an artifact."""
     fn = click.option(
         "--allow-kernels",
@@ -309,7 +314,7 @@ def trust_options(fn):
     )(fn)
 
 
-def check_at(at, specs) -> dict[str, int]:
+def check_at(at: Sequence[str], specs: Sequence[Any]) -> dict[str, int]:
     """--at sizes for the traced function: a name that is no symbolic dim of the --shapes is a usage error."""
     from ..files.sizes import check_at_names, parse_at
     from ..tracing.specs import symbolic_dim_names

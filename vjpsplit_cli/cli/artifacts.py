@@ -25,7 +25,7 @@ from .runtime import load_artifact
     help="Private key file to write (mode 0600); the public key goes to KEY.pub.",
 )
 @cli_command
-def keygen_cmd(output):
+def keygen_cmd(output: str) -> None:
     """Make an Ed25519 key pair for signing artifacts: KEY (private) and KEY.pub (give this one out)."""
     from ..trust.signing import generate_key
 
@@ -43,7 +43,9 @@ def keygen_cmd(output):
 @at_option("Size symbolic dims in the byte totals (b=256).")
 @trust_options
 @cli_command
-def inspect_cmd(artifact, as_json, at, trust_keys, allow_kernels):
+def inspect_cmd(
+    artifact: str, as_json: bool, at: tuple[str, ...], trust_keys: tuple[str, ...], allow_kernels: bool
+) -> None:
     """Describe an artifact: keys, dtypes, shapes, residual bytes, platforms, versions (a stages directory: per stage)."""
     import os
 
@@ -99,7 +101,16 @@ def inspect_cmd(artifact, as_json, at, trust_keys, allow_kernels):
 )
 @trust_options
 @cli_command
-def template_cmd(artifact, output, at, what, fill, seed, trust_keys, allow_kernels):
+def template_cmd(
+    artifact: str,
+    output: str,
+    at: tuple[str, ...],
+    what: str,
+    fill: str,
+    seed: int,
+    trust_keys: tuple[str, ...],
+    allow_kernels: bool,
+) -> None:
     """Write an inputs or cotangents file with exactly the keys, dtypes and shapes ARTIFACT expects."""
     from ..artifact.templates import template
     from ..files import save_arrays

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from typing import Sequence
 
 import click
 
@@ -77,20 +78,20 @@ from .runtime import enable_x64_if, wants_x64
 )
 @cli_command
 def export_cmd(
-    target,
-    shapes,
-    wrt,
-    has_aux,
-    platforms,
-    policy,
-    memory_budget,
-    at,
-    weights,
-    output,
-    sign_key,
-    as_stages,
-    stage_count,
-):
+    target: str,
+    shapes: tuple[str, ...],
+    wrt: str | None,
+    has_aux: bool,
+    platforms: str,
+    policy: str,
+    memory_budget: str | None,
+    at: tuple[str, ...],
+    weights: str | None,
+    output: str,
+    sign_key: str | None,
+    as_stages: bool,
+    stage_count: int | None,
+) -> None:
     """Export FN's forward and backward into one portable artifact (or, with --stages, one per stage)."""
     from ..artifact.lowering import export
     from ..files.sizes import parse_at
@@ -149,7 +150,7 @@ def export_cmd(
     )
 
 
-def _log_timing(at) -> None:
+def _log_timing(at: Sequence[str]) -> None:
     """Policy auto compiles and times every candidate: seconds each, so say so before the wait."""
     sizes = f" at {', '.join(at)}" if at else ""
     log(f"policy auto: compiling and timing fwd+bwd of each policy{sizes} (about a second each)...")
@@ -164,7 +165,7 @@ def _module_files(target: str) -> list[str]:
     return [base + ".py", os.path.join(base, "__init__.py")] if base else []
 
 
-def _shape_files(shapes) -> list[str]:
+def _shape_files(shapes: Sequence[str]) -> list[str]:
     """The files that --shapes values read: array files and @MODULE:ATTR sources."""
     files = []
     for item in shapes:
@@ -193,7 +194,16 @@ def _shape_files(shapes) -> list[str]:
 @click.option("--memory-budget", default=None, metavar="BYTES", help="With auto: only policies whose residuals fit.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
 @cli_command
-def plan_cmd(target, shapes, wrt, has_aux, at, policies, memory_budget, as_json):
+def plan_cmd(
+    target: str,
+    shapes: tuple[str, ...],
+    wrt: str | None,
+    has_aux: bool,
+    at: tuple[str, ...],
+    policies: str,
+    memory_budget: str | None,
+    as_json: bool,
+) -> None:
     """Compare policies before exporting: stored residual bytes and backward recompute per policy."""
     from ..artifact.report import format_plan
     from ..tracing.policies import plan_policies

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING, Any, ContextManager, Mapping
 
 import click
 
@@ -10,6 +11,10 @@ from ..safeio.outputs import StagedOutputs
 from ..safeio.signals import time_limit
 from .app import ARRAY_OUT, EXISTING, cli_command, log, main, plural_count, trust_options
 from .runtime import executable_cache, load_artifact, to_numpy, use_compilation_cache
+
+if TYPE_CHECKING:  # imported when a command runs: ``vjpsplit --help`` imports no JAX
+    from ..artifact.artifact import Artifact
+    from ..tracing.residuals import Intermediates, Residuals
 
 _timeout_option = click.option(
     "--timeout",
@@ -20,7 +25,7 @@ _timeout_option = click.option(
 )
 
 
-def _timed(seconds: float | None, artifact: str):
+def _timed(seconds: float | None, artifact: str) -> ContextManager[None]:
     """``time_limit`` for --timeout (None: no limit)."""
     if seconds is None:
         return contextlib.nullcontext()
@@ -57,8 +62,16 @@ _fsync_option = click.option(
 @_timeout_option
 @cli_command
 def run_fwd_cmd(
-    artifact, inputs_path, residuals_path, outputs_path, self_contained, fsync, trust_keys, allow_kernels, timeout
-):
+    artifact: str,
+    inputs_path: str,
+    residuals_path: str,
+    outputs_path: str | None,
+    self_contained: bool,
+    fsync: bool,
+    trust_keys: tuple[str, ...],
+    allow_kernels: bool,
+    timeout: float | None,
+) -> None:
     """Run the forward: inputs -> outputs and residuals."""
     from ..artifact.residual_files import save_residuals
     from ..files import load_arrays, save_arrays
@@ -145,19 +158,19 @@ def run_fwd_cmd(
 @_timeout_option
 @cli_command
 def run_bwd_cmd(
-    artifact,
-    residuals_path,
-    inputs_path,
-    cotangents_path,
-    grads_path,
-    part,
-    inter_path,
-    no_verify,
-    fsync,
-    trust_keys,
-    allow_kernels,
-    timeout,
-):
+    artifact: str,
+    residuals_path: str | None,
+    inputs_path: str | None,
+    cotangents_path: str | None,
+    grads_path: str,
+    part: str,
+    inter_path: str | None,
+    no_verify: bool,
+    fsync: bool,
+    trust_keys: tuple[str, ...],
+    allow_kernels: bool,
+    timeout: float | None,
+) -> None:
     """Run the backward: residuals (+ cotangents) -> gradients, without the forward."""
     from ..artifact.arguments import check_keys
     from ..artifact.residual_files import load_residuals
@@ -207,7 +220,7 @@ def run_bwd_cmd(
     )
 
 
-def _check_part(part: str, residuals_path, cotangents_path, inter_path) -> None:
+def _check_part(part: str, residuals_path: str | None, cotangents_path: str | None, inter_path: str | None) -> None:
     """The files each --part reads and writes: a missing or extra one is a usage error."""
     if part != "all" and not inter_path:
         raise click.UsageError(f"--part {part} needs --intermediates FILE")
@@ -221,21 +234,33 @@ def _check_part(part: str, residuals_path, cotangents_path, inter_path) -> None:
         )
 
 
-def _backward(art, part: str, res, inputs, paths: dict, inter_path, *, verify: bool):
+def _backward(
+    art: Artifact,
+    part: str,
+    res: Residuals | None,
+    inputs: Mapping[str, Any] | None,
+    paths: Mapping[str, str | None],
+    inter_path: str | None,
+    *,
+    verify: bool,
+) -> tuple[dict[str, Any], Intermediates | None]:
     """Run ``--part`` of the backward: ``(grads, intermediates to write or None)``."""
     from ..files import load_arrays
 
     if part == "weight":
         from ..artifact.residual_files import load_intermediates
 
+        assert inter_path is not None  # _check_part: every --part but all has --intermediates
         inter = load_intermediates(
             inter_path, inputs=inputs, artifact=art, inputs_source=paths["inputs"], verify=verify
         )
         return art.run_bwd_weight_arrays(
             res, inter, source=paths["residuals"] or "residuals", inter_source=inter_path
         ), None
+    source = paths["residuals"]
+    assert res is not None and source is not None  # _check_part: every --part but weight has --residuals
     cts = load_arrays(paths["cotangents"])[0] if paths["cotangents"] else None
     ct_source = paths["cotangents"] or "cotangents"
     if part == "input":
-        return art.run_bwd_input_arrays(res, cts, source=paths["residuals"], ct_source=ct_source)
-    return art.run_bwd_arrays(res, cts, source=paths["residuals"], ct_source=ct_source), None
+        return art.run_bwd_input_arrays(res, cts, source=source, ct_source=ct_source)
+    return art.run_bwd_arrays(res, cts, source=source, ct_source=ct_source), None

@@ -8,12 +8,18 @@ rule (:func:`vjpsplit_cli.config.ensure_private_dir`), since its entries become 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import click
 
 from .. import config
 from ..errors import VjpsplitError, one_line
 from .app import debug_enabled, global_flag, log
+
+if TYPE_CHECKING:  # imported when a command runs: ``vjpsplit --help`` imports neither JAX nor numpy
+    import numpy as np
+
+    from ..artifact.artifact import Artifact
 
 
 def _active_cache_dir() -> str | None:
@@ -74,7 +80,7 @@ def enable_x64_if(needed: bool) -> None:
         jax.config.update("jax_enable_x64", True)
 
 
-def wants_x64(specs) -> bool:
+def wants_x64(specs: Sequence[Any]) -> bool:
     """Whether any leaf of ``specs`` has a dtype that needs ``jax_enable_x64`` (the CLI then turns it on)."""
     import jax
 
@@ -83,7 +89,9 @@ def wants_x64(specs) -> bool:
     return any(is_64bit(s) for s in jax.tree_util.tree_leaves(specs))
 
 
-def load_artifact(path, trust_keys=(), allow_kernels: bool = False, *, x64: bool = True):
+def load_artifact(
+    path: str | os.PathLike[str], trust_keys: Sequence[str] = (), allow_kernels: bool = False, *, x64: bool = True
+) -> Artifact:
     """Load an artifact; a manifest that decodes but does not fit the format is one line naming the file."""
     from ..artifact.loading import load
 
@@ -102,7 +110,7 @@ def load_artifact(path, trust_keys=(), allow_kernels: bool = False, *, x64: bool
     return art
 
 
-def to_numpy(values: dict) -> dict:
+def to_numpy(values: Mapping[str, Any]) -> dict[str, np.ndarray]:
     import numpy as np
 
     return {k: np.asarray(v) for k, v in values.items()}

@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
+from jax import export as jexport
 
 from ..errors import UsageError, VjpsplitError, jax_message
 from ..files import load_arrays
@@ -118,7 +119,7 @@ def resolve_shapes(fn: Callable, shapes: Sequence[str]) -> tuple[list[str], tupl
     return names[:count], tuple(parse_spec(n, given[n], scope) for n in names[:count])
 
 
-def parse_spec(name: str, text: str, scope) -> Any:
+def parse_spec(name: str, text: str, scope: jexport.SymbolicScope) -> Any:
     """One ``--shapes`` value: ``DTYPE[DIMS]``, ``@MODULE:ATTR`` or an array file."""
     if text.startswith("@"):
         obj, where = load_object(text[1:], label="ATTR")

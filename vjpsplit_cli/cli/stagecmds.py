@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING, Sequence
 
 import click
 
@@ -10,8 +11,21 @@ from ..errors import VjpsplitError
 from .app import check_at, log, name_list
 from .runtime import enable_x64_if, wants_x64
 
+if TYPE_CHECKING:  # cryptography is imported only by a command that signs
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-def export_stages_cmd(target, shapes, wrt, platforms, policy, weights: bool, output, key, count) -> None:
+
+def export_stages_cmd(
+    target: str,
+    shapes: Sequence[str],
+    wrt: str | None,
+    platforms: str,
+    policy: str | None,
+    weights: bool,
+    output: str,
+    key: Ed25519PrivateKey | None,
+    count: int | None,
+) -> None:
     """Trace MODULE:FN once, cut it at its marks (or into ``count`` balanced stages) and save the directory."""
     from .specs import check_fits, load_object, resolve_shapes
     from ..pipeline.stages.exporting import export_stages
@@ -41,7 +55,9 @@ def export_stages_cmd(target, shapes, wrt, platforms, policy, weights: bool, out
     log(f"wrote {output}: {name}, {len(stages)} stages ({stages.index.cut}), platforms {platforms}{signed}")
 
 
-def inspect_stages_cmd(directory, as_json: bool, at, trust_keys, allow_kernels) -> None:
+def inspect_stages_cmd(
+    directory: str, as_json: bool, at: Sequence[str], trust_keys: Sequence[str], allow_kernels: bool
+) -> None:
     """Print a stages directory's table (or JSON): one row per stage."""
     from ..files.sizes import parse_at
     from ..pipeline.stages.directory import load_stages

@@ -11,7 +11,7 @@ Signatures (who made a file) live in ``signing``.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NoReturn, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, NoReturn, Protocol, Sequence
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from ..files.dtypes import dtype_from_name
 from .custom_calls import check_calls as check_calls
 from .custom_calls import lapack_shapes_ok as lapack_shapes_ok
 from .module_io import module_io
+
+if TYPE_CHECKING:  # jax is imported by what calls these checks, not by this module
+    from jax import export as jexport
 
 # Read here by ``pipeline.optimizer`` and the benchmarks; their home is ``probes`` and ``verdicts``.
 
@@ -44,23 +47,45 @@ _MLIR_ELT = {
 }
 
 
-def _dims_match(want: Sequence, got: Sequence) -> bool:
+Aval = tuple[str, tuple[int | str, ...]]  # (numpy dtype name, shape with dim names) of one manifest leaf
+_MlirType = Sequence[Any]  # the probe's [MLIR element type, dims or None] (JSON: a list)
+
+
+class _LeafSpec(Protocol):
+    """What the checks read of a manifest leaf (``artifact.manifest.Leaf``)."""
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int | str, ...]: ...
+
+
+class _Array(Protocol):
+    """What ``check_outputs`` reads of a returned array."""
+
+    @property
+    def dtype(self) -> Any: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+def _dims_match(want: Sequence[object], got: Sequence[object]) -> bool:
     return len(want) == len(got) and all(str(w) == str(g) for w, g in zip(want, got))
 
 
-def avals_mismatch(
-    exp, want_in: Sequence[tuple[str, tuple]] | None, want_out: Sequence[tuple[str, tuple]] | None
-) -> str:
+def avals_mismatch(exp: jexport.Exported, want_in: Sequence[Aval] | None, want_out: Sequence[Aval] | None) -> str:
     """Which of ``exp``'s avals ("inputs" or "outputs") differ from the manifest's (as ``expected_leaves``); "" if none."""
 
-    def avals(xs):
+    def avals(xs: Iterable[Any]) -> list[tuple[str, tuple[Any, ...]]]:
         return [(np.dtype(a.dtype).name if not _is_extended(a.dtype) else str(a.dtype), tuple(a.shape)) for a in xs]
 
     for want, got, what in ((want_in, exp.in_avals, "inputs"), (want_out, exp.out_avals, "outputs")):
         if want is None:
             continue
-        got = avals(got)
-        if len(want) != len(got) or any(w[0] != g[0] or not _dims_match(w[1], g[1]) for w, g in zip(want, got)):
+        have = avals(got)
+        if len(want) != len(have) or any(w[0] != g[0] or not _dims_match(w[1], g[1]) for w, g in zip(want, have)):
             return what
     return ""
 
@@ -68,10 +93,10 @@ def avals_mismatch(
 def check_avals(
     source: str,
     module: str,
-    exp,
-    want_in: Sequence[tuple[str, tuple]] | None,
-    want_out: Sequence[tuple[str, tuple]] | None,
-    main: Mapping | None,
+    exp: jexport.Exported,
+    want_in: Sequence[Aval] | None,
+    want_out: Sequence[Aval] | None,
+    main: Mapping[str, Any] | None,
 ) -> None:
     """The module's avals are what the manifest promises, and its StableHLO main says the same.
 
@@ -95,7 +120,7 @@ def check_avals(
     if len(exp.platforms) > 1 and ins and ins[0] == ["i32", []]:
         ins = ins[1:]  # the platform index jax.export adds for multi-platform modules
 
-    def same(mlir_t, aval) -> bool:
+    def same(mlir_t: _MlirType, aval: Any) -> bool:
         elt, dims = mlir_t
         name = np.dtype(aval.dtype).name if not _is_extended(aval.dtype) else ""
         if name in _MLIR_ELT and _MLIR_ELT[name] != elt:
@@ -111,7 +136,7 @@ def check_avals(
         bad("StableHLO outputs")
 
 
-def _is_extended(dtype) -> bool:
+def _is_extended(dtype: Any) -> bool:
     try:
         np.dtype(dtype)
         return False
@@ -119,12 +144,14 @@ def _is_extended(dtype) -> bool:
         return True
 
 
-def expected_leaves(leaves) -> list[tuple[str, tuple]]:
+def expected_leaves(leaves: Iterable[_LeafSpec]) -> list[Aval]:
     """(numpy dtype name, shape) of manifest leaves, for ``check_avals``."""
     return [(np.dtype(dtype_from_name(leaf.dtype)).name, tuple(leaf.shape)) for leaf in leaves]
 
 
-def check_outputs(source: str, module: str, values: Sequence, exp, dims: Mapping[str, int]) -> None:
+def check_outputs(
+    source: str, module: str, values: Sequence[_Array], exp: jexport.Exported, dims: Mapping[str, int]
+) -> None:
     """After a run: every output has the dtype and (concrete) shape the module declared."""
     from ..files.shapes import concrete_shape
 
@@ -147,7 +174,7 @@ def check_outputs(source: str, module: str, values: Sequence, exp, dims: Mapping
             )
 
 
-def manifest_avals(m: Any, module: str) -> tuple[list | None, list | None]:
+def manifest_avals(m: Any, module: str) -> tuple[list[Aval] | None, list[Aval] | None]:
     """(inputs, outputs) that ``module`` must have, as ``expected_leaves``, from manifest ``m``; None: not fixed."""
     io = module_io(m, module)
     if io is None:
@@ -158,9 +185,9 @@ def manifest_avals(m: Any, module: str) -> tuple[list | None, list | None]:
 
 def check_modules(
     source: str,
-    manifest,
-    exps: Mapping[str, Any],
-    probes: Mapping[str, Mapping],
+    manifest: Any,
+    exps: Mapping[str, jexport.Exported],
+    probes: Mapping[str, Mapping[str, Any]],
     *,
     trusted_signer: bool,
     allow_kernels: bool,
@@ -169,7 +196,7 @@ def check_modules(
 
     Returns the modules whose kernels are checked again at each call's shapes (``check_calls``).
     """
-    deferred = set()
+    deferred: set[str] = set()
     for module, exp in exps.items():
         info = probes.get(module) or {}
         want_in, want_out = manifest_avals(manifest, module)
@@ -180,7 +207,7 @@ def check_modules(
     return frozenset(deferred)
 
 
-def prepare_kernels(probes: Mapping[str, Mapping]) -> None:
+def prepare_kernels(probes: Mapping[str, Mapping[str, Any]]) -> None:
     """Initialise the LAPACK kernels the checked modules call (jaxlib < 0.7 fills their function table only
     when jax lowers a linear-algebra op itself: a deserialized module would call null pointers)."""
     if not any(str(c.get("target", "")).startswith("lapack_") for p in probes.values() for c in p.get("calls", ())):

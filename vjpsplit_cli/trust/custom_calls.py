@@ -11,7 +11,7 @@ is deferred to the call's concrete shapes (``kernelcheck``).
 from __future__ import annotations
 
 import re
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from ..errors import VjpsplitError
 from ..terminal import printable
@@ -77,16 +77,18 @@ _COMPLEX = {
 
 
 _Type = tuple[str, tuple[int, ...]]  # (MLIR element type, static dims) of one operand or result
+# One operand or result as the probe describes it: [MLIR element type, dims (None where dynamic) or None].
+_Described = Sequence[Any]
 
 
-def _static(t) -> _Type | None:
+def _static(t: _Described) -> _Type | None:
     elt, dims = t
     if dims is None or any(d is None or d < 0 for d in dims):
         return None
     return elt, tuple(dims)
 
 
-def _all_static(types) -> list[_Type] | None:
+def _all_static(types: Iterable[_Described]) -> list[_Type] | None:
     out = [_static(t) for t in types]
     return None if any(t is None for t in out) else [t for t in out if t is not None]
 
@@ -127,7 +129,7 @@ def _svd_ok(letter: str | None, a: _Type, res: list[_Type], mode: str) -> bool:
     return full and (m == n or "full_matrices = true" in mode)
 
 
-def lapack_shapes_ok(call: Mapping) -> bool:
+def lapack_shapes_ok(call: Mapping[str, Any]) -> bool:
     """Whether a LAPACK (or cuSOLVER) custom call's operands and results have the shapes JAX's lowering gives them.
 
     The kernels size their writes from the first operand ``[B..., m, n]``; a
@@ -156,7 +158,7 @@ def lapack_shapes_ok(call: Mapping) -> bool:
     batch, k = tuple(batch_), min(m, n)
     real, i32 = _REAL[elt], "i32"
 
-    def want(*shapes) -> bool:
+    def want(*shapes: _Type) -> bool:
         return len(res) == len(shapes) and all(r == s for r, s in zip(res, shapes))
 
     if kind == "getrf":
@@ -207,7 +209,7 @@ def lapack_shapes_ok(call: Mapping) -> bool:
     return False
 
 
-def _config(call: Mapping) -> str:
+def _config(call: Mapping[str, Any]) -> str:
     """The kernel's attributes as the probe printed them (``{high = 5 : i32, low = 1 : i32}``)."""
     return str(call.get("attrs", {}).get("mhlo.backend_config", ""))
 
@@ -229,7 +231,7 @@ def _gtsv_ok(ops: list[_Type], res: list[_Type]) -> bool:
     return ops[:3] == [diag, diag, diag] and res == [*ops, ("i32", b[:-2])]
 
 
-def symbolic_lapack(call: Mapping) -> bool:
+def symbolic_lapack(call: Mapping[str, Any]) -> bool:
     """Whether ``call`` is a LAPACK (or cuSOLVER) kernel JAX emits with some dim only known at call time.
 
     Its shapes are checked once the module is refined to the call's shapes (module
@@ -245,7 +247,7 @@ def symbolic_lapack(call: Mapping) -> bool:
 def check_calls(
     source: str,
     module: str,
-    calls: Iterable[Mapping],
+    calls: Iterable[Mapping[str, Any]],
     *,
     trusted_signer: bool,
     allow_kernels: bool,

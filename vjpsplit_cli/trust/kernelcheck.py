@@ -16,7 +16,7 @@ import hashlib
 import io
 import os
 import sys
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import jax
 import numpy as np
@@ -25,14 +25,17 @@ from ..errors import VjpsplitError, first_line
 from . import verdicts
 from .custom_calls import check_calls
 
+if TYPE_CHECKING:
+    from jaxlib.mlir import ir
+
 
 class Lowerable(Protocol):
     """A ``jax.jit``-wrapped function: it can be lowered for arguments."""
 
-    def lower(self, *args: Any) -> Any: ...
+    def lower(self, *args: Any) -> jax.stages.Lowered: ...
 
 
-def signature_of(args: Sequence) -> str:
+def signature_of(args: Sequence[Any]) -> str:
     """The refined signature of a call: every argument leaf's dtype and shape (and sharding spec, if any)."""
     parts = []
     for a in jax.tree_util.tree_leaves(args):
@@ -41,7 +44,7 @@ def signature_of(args: Sequence) -> str:
     return ";".join(parts)
 
 
-def verdict_name(data: bytes, args: Sequence) -> str:
+def verdict_name(data: bytes, args: Sequence[Any]) -> str:
     """The cache name of the verdict on module bytes ``data`` at the call signature of ``args``."""
     import jaxlib
 
@@ -52,13 +55,13 @@ def verdict_name(data: bytes, args: Sequence) -> str:
     return h.hexdigest() + ".json"
 
 
-def _bytecode(module) -> bytes:
+def _bytecode(module: ir.Module) -> bytes:
     buf = io.BytesIO()
     module.operation.write_bytecode(file=buf)
     return buf.getvalue()
 
 
-def refined_calls(jitted: Lowerable, args: Sequence, source: str, module: str) -> list:
+def refined_calls(jitted: Lowerable, args: Sequence[Any], source: str, module: str) -> list[dict[str, Any]]:
     """The custom calls of ``jitted``'s module lowered for ``args`` and refined to their shapes.
 
     The module was parsed safely when it was loaded; this lowers it as a call would
@@ -74,7 +77,11 @@ def refined_calls(jitted: Lowerable, args: Sequence, source: str, module: str) -
             os.dup2(null.fileno(), 2)
         lowered = jitted.lower(*args)
         shardy = bool(getattr(jax.config, "jax_use_shardy_partitioner", True))
-        return probe_refined(_bytecode(lowered.compiler_ir("stablehlo")), shardy=shardy)["calls"]
+        stablehlo = lowered.compiler_ir("stablehlo")
+        if stablehlo is None:  # jax gives no module for a dialect it cannot lower to: refused as below
+            raise ValueError("the lowering has no StableHLO module")
+        calls: list[dict[str, Any]] = probe_refined(_bytecode(stablehlo), shardy=shardy)["calls"]
+        return calls
     except VjpsplitError:
         raise
     except Exception as e:
@@ -87,7 +94,9 @@ def refined_calls(jitted: Lowerable, args: Sequence, source: str, module: str) -
         os.close(saved)
 
 
-def check_at_call(source: str, module: str, jitted: Lowerable, args: Sequence, data: bytes, cache_dir: Any) -> None:
+def check_at_call(
+    source: str, module: str, jitted: Lowerable, args: Sequence[Any], data: bytes, cache_dir: str | None
+) -> None:
     """Vouch for ``module``'s kernels at the shapes of ``args`` before it compiles, or refuse it in one line.
 
     ``data``: the module's serialized bytes (the verdict's key, with the signature);

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # at run time jaxlib's MLIR is imported inside the functions, after the child starts
+    from jaxlib.mlir import ir
 
 
-def _type(t) -> list:
+def _type(t: ir.Type) -> list[Any]:
     from jaxlib.mlir import ir
 
     try:
@@ -22,7 +26,7 @@ def _type(t) -> list:
     return [str(r.element_type), [None if r.is_dynamic_dim(i) else r.get_dim_size(i) for i in range(r.rank)]]
 
 
-def _context():
+def _context() -> ir.Context:
     """An MLIR context with the dialects jax's modules use (as ``jax``'s ``make_ir_context`` registers them)."""
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import chlo, mhlo, sdy, stablehlo
@@ -31,7 +35,8 @@ def _context():
     try:
         from jaxlib.mlir._mlir_libs import _jax_mlir_ext as upstream
     except ImportError:  # jaxlib < 0.7
-        from jaxlib.mlir._mlir_libs import register_jax_dialects as upstream
+        # jaxlib < 0.7's name for it; the installed jaxlib's stubs lack it.
+        from jaxlib.mlir._mlir_libs import register_jax_dialects as upstream  # type: ignore[attr-defined,no-redef]
     registry = ir.DialectRegistry()
     upstream.register_dialects(registry)  # func and the other upstream dialects
     ctx.append_dialect_registry(registry)
@@ -43,7 +48,7 @@ def _context():
     return ctx
 
 
-def probe(bytecode: bytes) -> dict:
+def probe(bytecode: bytes) -> dict[str, Any]:
     """``{"main": {"inputs", "results"}, "calls": [{"target", "operands", "results", "attrs"}]}`` of one module.
 
     ``bytecode`` is the portable StableHLO of a ``jax.export`` module (``mlir_module_serialized``).
@@ -58,7 +63,7 @@ def probe(bytecode: bytes) -> dict:
         return describe(module)
 
 
-def probe_refined(bytecode: bytes, *, shardy: bool = True) -> dict:
+def probe_refined(bytecode: bytes, *, shardy: bool = True) -> dict[str, Any]:
     """``probe``'s description of a module with static inputs after shape refinement, as XLA compiles it.
 
     ``bytecode`` is a lowered (not portable) module whose main takes static shapes, such as
@@ -77,12 +82,12 @@ def probe_refined(bytecode: bytes, *, shardy: bool = True) -> dict:
         return describe(ir.Module.parse(text))
 
 
-def describe(module) -> dict:
+def describe(module: ir.Module) -> dict[str, Any]:
     """The main signature and every custom call (with operand and result types) of a parsed ``ir.Module``."""
     from jaxlib.mlir import ir
 
-    out: dict = {"calls": [], "main": None}
-    stack = [module.operation]
+    out: dict[str, Any] = {"calls": [], "main": None}
+    stack: list[ir.Operation | ir.OpView] = [module.operation]
     while stack:  # iterative: a forged module may nest regions deeper than Python's recursion limit
         op = stack.pop().operation  # the generic Operation: an OpView may rename .name
         if op.name == "stablehlo.custom_call":
@@ -109,7 +114,7 @@ def describe(module) -> dict:
     return out
 
 
-def _probe_or_error(data: bytes) -> dict:
+def _probe_or_error(data: bytes) -> dict[str, Any]:
     try:
         return probe(data)
     except Exception as e:  # the parser refused it: report, do not crash

@@ -12,7 +12,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Mapping
+from typing import Any, Mapping
 
 from ..errors import CorruptModule, VjpsplitError, cannot_deserialize
 from . import verdicts
@@ -22,7 +22,7 @@ _MALLOC_DEBUG = "/usr/lib/x86_64-linux-gnu/libc_malloc_debug.so.0"
 PROBE_TIMEOUT_S = 60  # parsing a real module's StableHLO takes seconds, even for large models
 
 
-def probe_here(modules: Mapping[str, bytes], source: str) -> dict:
+def probe_here(modules: Mapping[str, bytes], source: str) -> dict[str, dict[str, Any]]:
     """Probe in this process (only for modules whose author is trusted: jax would parse them here anyway).
 
     The MLIR parser prints its diagnostics on file descriptor 2: they are kept off
@@ -58,7 +58,7 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _run_child(modules: Mapping[str, bytes], source: str) -> subprocess.CompletedProcess:
+def _run_child(modules: Mapping[str, bytes], source: str) -> subprocess.CompletedProcess[bytes]:
     request = json.dumps({k: bytes(v).hex() for k, v in modules.items()})
     try:
         return subprocess.run(
@@ -81,7 +81,7 @@ def _run_child(modules: Mapping[str, bytes], source: str) -> subprocess.Complete
         ) from e
 
 
-def probe_child(modules: Mapping[str, bytes], source: str) -> dict:
+def probe_child(modules: Mapping[str, bytes], source: str) -> dict[str, Any]:
     """Probe in a child process: a module that crashes the parser crashes the child, not us."""
     done = _run_child(modules, source)
     if done.returncode < 0:  # the parser crashed (or glibc caught it corrupting the heap)
@@ -112,14 +112,15 @@ def probe_child(modules: Mapping[str, bytes], source: str) -> dict:
 
 def probe_modules(
     modules: Mapping[str, bytes], source: str, *, in_process: bool = False, cache_dir: str | None = DEFAULT
-) -> dict:
+) -> dict[str, dict[str, Any]]:
     """Each module's main signature and custom calls (``{"main": ..., "calls": [...]}``), parsed safely.
 
     ``cache_dir``: where verdicts persist between processes (``DEFAULT``: the default
     location; None: nowhere). Only a directory private to this user is used.
     """
     directory = verdicts.verdict_dir(cache_dir)
-    found, todo = {}, {}
+    found: dict[str, dict[str, Any]] = {}
+    todo: dict[str, bytes] = {}
     for k, data in modules.items():
         name = verdicts.module_verdict_name(data)
         v = verdicts.seen(name) or (verdicts.read_verdict(directory, name) if directory else None)

@@ -14,25 +14,32 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any, Mapping
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Mapping
 
 from .. import config
 from ..errors import VjpsplitError
 from ..safeio.outputs import StagedOutputs, atomic_write
 from ..safeio.reading import read_bytes
 
+if TYPE_CHECKING:  # cryptography is imported when a key is used (``_crypto``), not with this module
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
 SIGNATURE = "signature"  # the top-level map entry that holds the signature
 _DOMAIN = b"vjpsplit artifact signature v1\0"
 TRUST_ENV = config.TRUST_KEYS
+# One trusted key: a path to a public key file, or the key's 32 raw bytes.
+TrustKey = str | os.PathLike[str] | bytes | bytearray
+TrustKeys = TrustKey | list[TrustKey] | tuple[TrustKey, ...] | set[TrustKey] | frozenset[TrustKey]
 
 # ------------------------------------------------------------------------------ keys
 
 
-def _write_all(f, data: bytes) -> None:
+def _write_all(f: BinaryIO, data: bytes) -> None:
     f.write(data)
 
 
-def _crypto():
+def _crypto() -> tuple[ModuleType, ModuleType]:
     try:
         from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric import ed25519
@@ -46,7 +53,7 @@ def key_id(public_raw: bytes) -> str:
     return "ed25519:" + hashlib.sha256(public_raw).hexdigest()[:32]
 
 
-def generate_key(path: str | os.PathLike) -> str:
+def generate_key(path: str | os.PathLike[str]) -> str:
     """Write a new Ed25519 pair: ``path`` (PEM private key, mode 0600) and ``path.pub``; return its key id.
 
     Both files are written or neither; an existing file is never replaced (a lost
@@ -76,12 +83,12 @@ def generate_key(path: str | os.PathLike) -> str:
     return key_id(_raw_public(key.public_key()))
 
 
-def _raw_public(public) -> bytes:
+def _raw_public(public: Ed25519PublicKey) -> bytes:
     serialization, _ = _crypto()
     return public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
-def load_private_key(path: str | os.PathLike):
+def load_private_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
     """The Ed25519 private key in ``path`` (PEM, or 32 raw bytes); a clear error for anything else."""
     serialization, ed25519 = _crypto()
     data = read_bytes(path, "signing key")
@@ -100,7 +107,7 @@ def load_private_key(path: str | os.PathLike):
     return key
 
 
-def load_public_key(path: str | os.PathLike) -> bytes:
+def load_public_key(path: str | os.PathLike[str]) -> bytes:
     """The raw 32-byte Ed25519 public key in ``path`` (PEM or raw); a clear error for anything else."""
     serialization, ed25519 = _crypto()
     data = read_bytes(path, "trust key")
@@ -118,13 +125,13 @@ def load_public_key(path: str | os.PathLike) -> bytes:
     return _raw_public(key)
 
 
-def trusted_keys(trust: Any = None, *, env: bool = True) -> dict[bytes, str] | None:
+def trusted_keys(trust: TrustKeys | None = None, *, env: bool = True) -> dict[bytes, str] | None:
     """The trusted public keys (raw bytes -> key id) from ``trust`` and ``VJPSPLIT_TRUST_KEYS``; None: none given.
 
     ``trust`` is a path, raw public key bytes, or a sequence of them; the
     environment variable holds paths separated by ``os.pathsep``.
     """
-    items: list = []
+    items: list[TrustKey] = []
     if trust is not None:
         items += list(trust) if isinstance(trust, (list, tuple, set, frozenset)) else [trust]
     if env:
@@ -133,7 +140,15 @@ def trusted_keys(trust: Any = None, *, env: bool = True) -> dict[bytes, str] | N
         return None
     keys = {}
     for item in items:
-        raw = bytes(item) if isinstance(item, (bytes, bytearray)) and len(item) == 32 else load_public_key(item)
+        if isinstance(item, (bytes, bytearray)):
+            if len(item) != 32:
+                raise VjpsplitError(
+                    f"trust key: {len(item)} raw bytes, not an Ed25519 public key's 32; pass the path of the "
+                    "KEY.pub that `vjpsplit keygen` wrote, or the key's 32 raw bytes"
+                )
+            raw = bytes(item)
+        else:
+            raw = load_public_key(item)
         keys[raw] = key_id(raw)
     return keys
 
@@ -145,12 +160,18 @@ def _message(unsigned: bytes) -> bytes:
     return _DOMAIN + hashlib.sha256(unsigned).digest()
 
 
-def sign(unsigned: bytes, private_key) -> dict:
+def sign(unsigned: bytes, private_key: Ed25519PrivateKey) -> dict[str, str | bytes]:
     """The signature entry for an artifact whose bytes without it are ``unsigned``."""
     return {"alg": "ed25519", "key": _raw_public(private_key.public_key()), "sig": private_key.sign(_message(unsigned))}
 
 
-def verify(top: Mapping, body: bytes, source: str, trusted: Mapping[bytes, str] | None, pack) -> str | None:
+def verify(
+    top: Mapping[str, Any],
+    body: bytes,
+    source: str,
+    trusted: Mapping[bytes, str] | None,
+    pack: Callable[[dict[str, Any]], bytes],
+) -> str | None:
     """Check the signature of a decoded artifact map ``top`` (``body``: its bytes); return the signer's key id.
 
     Unsigned: None, or refused when ``trusted`` is given. A signature that does not

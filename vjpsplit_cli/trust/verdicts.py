@@ -13,14 +13,14 @@ import hashlib
 import json
 import os
 import stat
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from .. import config
 from ..errors import VjpsplitError
 from ..safeio.outputs import atomic_write
 
 DEFAULT = "default"  # ``cache_dir`` sentinel: the default cache location (``config.cache_dir``)
-_SEEN: dict[str, dict] = {}  # verdict name -> verdict, for modules this process has checked already
+_SEEN: dict[str, dict[str, Any]] = {}  # verdict name -> verdict, for modules this process has checked already
 
 
 def verdict_dir(cache_dir: str | None) -> str | None:
@@ -40,7 +40,7 @@ def module_verdict_name(data: bytes) -> str:
     return hashlib.sha256(getattr(jaxlib, "__version__", "?").encode() + b"\0" + bytes(data)).hexdigest() + ".json"
 
 
-def read_verdict(directory: str, name: str) -> dict | None:
+def read_verdict(directory: str, name: str) -> dict[str, Any] | None:
     """The verdict ``name`` in ``directory``: only a regular file of this user's that no one else may write."""
     try:
         fd = os.open(os.path.join(directory, name), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
@@ -57,7 +57,7 @@ def read_verdict(directory: str, name: str) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def write_verdict(directory: str, name: str, value: dict) -> None:
+def write_verdict(directory: str, name: str, value: dict[str, Any]) -> None:
     """Write a verdict into ``directory`` (best effort: a cache, the next call checks again)."""
     text = json.dumps(value).encode()
 
@@ -70,12 +70,12 @@ def write_verdict(directory: str, name: str, value: dict) -> None:
         pass
 
 
-def seen(name: str) -> dict | None:
+def seen(name: str) -> dict[str, Any] | None:
     """The verdict ``name`` if this process holds it."""
     return _SEEN.get(name)
 
 
-def remember(name: str, value: dict) -> None:
+def remember(name: str, value: dict[str, Any]) -> None:
     """Hold verdict ``name`` in this process."""
     _SEEN[name] = value
 
@@ -91,7 +91,7 @@ def known_verdict(name: str, cache_dir: str | None = DEFAULT) -> bool:
     return value is not None
 
 
-def keep_verdict(name: str, value: dict, cache_dir: str | None = DEFAULT) -> None:
+def keep_verdict(name: str, value: dict[str, Any], cache_dir: str | None = DEFAULT) -> None:
     """Keep a clean verdict, in this process and (best effort) in ``cache_dir``'s private directory."""
     _SEEN[name] = value
     directory = verdict_dir(cache_dir)
