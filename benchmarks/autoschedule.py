@@ -140,8 +140,10 @@ def summary(rows: list[tuple[tuple, dict]]) -> list[str]:
     within = all(r["peak"] <= (k[4] or k[1]) for k, r in rows)
     proven = [(k, r) for k, r in rows if r["optimum"] is not None]
     gap = [r["auto"] / r["optimum"] for _, r in proven]
-    worst_fit = max((r["auto"] / r["optimum"], k) for k, r in proven if r["best"] is not None)
-    worst_none = max(((r["auto"] / r["optimum"], k) for k, r in proven if r["best"] is None), default=(1.0, None))
+    worst_fit = max(((r["auto"] / r["optimum"], k) for k, r in proven if r["best"] is not None), key=lambda t: t[0])
+    worst_none = max(
+        ((r["auto"] / r["optimum"], k) for k, r in proven if r["best"] is None), key=lambda t: t[0], default=(1.0, None)
+    )
     on_target = sum(r["auto"] <= r["optimum"] * (1.005 if r["best"] is not None else 1.02) + 1e-9 for _, r in proven)
     return [
         f"- a proven optimum in {len(proven)} of {len(rows)} cells ({sum(r['auto'] <= r['bound'] + 1e-9 for _, r in rows)}"
