@@ -1,12 +1,17 @@
 """Automatic schedules on issue #37's grid: auto_schedule's modeled makespan vs the best fitting built-in vs a bound.
 
     python -m benchmarks --only autoschedule          # the table, the planning times, the timelines, measured
-    python -m benchmarks.autoschedule [--quick] [--png DIR]
+    python -m benchmarks.autoschedule [--quick] [--png DIR] [--no-train]
 
 The grid: 2, 4 and 8 stages; S, 2S and 4S microbatches; costs uniform (F = B = W
-= 1), "B > F > W" (F = 1, B = 1.5, W = 0.5) and "heavy ends" (F = B = W = 2 on
-the first and last stage, 1 elsewhere); sends of 0 and 0.25; memory limits S,
-2S, none and S/2 microbatches per worker. Every makespan is modeled (the cost
+= 1), "B > F > W" (F = 1, B = 1.5, W = 0.5), "B ≈ W" (F = 1, B = 1.1, W = 0.9)
+and "heavy ends" (F = B = W = 2 on the first and last stage, 1 elsewhere); sends
+of 0 and 0.25; memory limits S, 2S, none and S/2 microbatches per worker. The
+optimum of a cell (over every plan with one stage per worker) is proven where
+auto's plans meet ``lower_bound``, else by CP-SAT (``benchmarks.exact_cpsat``,
+where ``ortools`` is installed: 10 s per cell, one worker, started from auto's
+plans), else, on cells of at most 2 stages and 4 microbatches, by HiGHS
+(``schedules.exact``); a cell no solver proves shows "—". Every makespan is modeled (the cost
 model of ``vjpsplit_cli.pipeline.costmodel``, time in units of one forward), not
 measured: these are plans, compared under the costs they were made for. A
 built-in fits when its memory peak (F until W, or until a whole B) is within the
@@ -25,14 +30,15 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import autotrain
+from benchmarks import autotrain, exact_cpsat
 from vjpsplit_cli.pipeline import Costs, auto_schedule, plot_timeline, simulate
 from vjpsplit_cli.pipeline.schedules.auto import BUILT_INS, search
+from vjpsplit_cli.pipeline.schedules.exact import optimum
 from vjpsplit_cli.pipeline.schedules.modeled import lower_bound, memory_limits, memory_peaks, modeled_makespan
 from vjpsplit_cli.pipeline import LABELS, schedule
 from vjpsplit_cli.pipeline import Event
 
-SHAPES = ("uniform", "B > F > W", "heavy ends")
+SHAPES = ("uniform", "B > F > W", "B ≈ W", "heavy ends")
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
@@ -41,6 +47,8 @@ def costs_of(shape: str, S: int, comm: float) -> dict:
         return {"F": 1.0, "B": 1.0, "W": 1.0, "comm": comm}
     if shape == "B > F > W":
         return {"F": 1.0, "B": 1.5, "W": 0.5, "comm": comm}
+    if shape == "B ≈ W":
+        return {"F": 1.0, "B": 1.1, "W": 0.9, "comm": comm}
     heavy = [2.0 if s in (0, S - 1) else 1.0 for s in range(S)]
     return {"F": heavy, "B": heavy, "W": heavy, "comm": comm}
 
@@ -61,14 +69,29 @@ def cell(S: int, m: int, shape: str, comm: float, limit: int | None) -> dict:
         if all(a <= b for a, b in zip(memory_peaks(p), limits)):
             fits[name] = span(p, costs)
     best = min(fits, key=lambda n: fits[n]) if fits else None
+    auto, bound = span(plans, costs), lower_bound(costs, m, limits)
     return {
-        "auto": span(plans, costs),
+        "auto": auto,
         "raw": raw,
         "best": best,
         "best_span": fits.get(best, math.nan) if best else math.nan,
-        "bound": lower_bound(costs, m, limits),
+        "bound": bound,
         "peak": max(memory_peaks(plans)),
+        "optimum": proven_optimum(costs, m, limit, plans, auto, bound),
     }
+
+
+def proven_optimum(costs: Costs, m: int, limit: int | None, plans, auto: float, bound: float) -> float | None:
+    """The cell's optimum where the bound, CP-SAT or HiGHS proves it, else None."""
+    if auto <= bound + 1e-9:
+        return auto
+    if exact_cpsat.available():
+        value, proven = exact_cpsat.optimum(costs, m, limit, plans)
+        return min(value, auto) if proven else None
+    if costs.num_stages <= 2 and m <= 4:
+        found = optimum(costs, m, limit, time_limit=30)
+        return found.makespan if found is not None and found.proven else None
+    return None
 
 
 def grid() -> list[tuple[tuple, dict]]:
@@ -83,9 +106,10 @@ def grid() -> list[tuple[tuple, dict]]:
 
 
 def _entry(r: dict) -> str:
+    opt = "—" if r["optimum"] is None else f"{r['optimum']:g}"
     if r["best"] is None:
-        return f"**{r['auto']:g}** · none fits · {r['bound']:g}"
-    return f"**{r['auto']:g}** · {r['best_span']:g} {LABELS[r['best']]} · {r['bound']:g}"
+        return f"**{r['auto']:g}** · none fits · {r['bound']:g} · {opt}"
+    return f"**{r['auto']:g}** · {r['best_span']:g} {LABELS[r['best']]} · {r['bound']:g} · {opt}"
 
 
 def table(rows: list[tuple[tuple, dict]]) -> str:
@@ -114,7 +138,18 @@ def summary(rows: list[tuple[tuple, dict]]) -> list[str]:
     better = sum(x < 1 - 1e-9 for x in ratios)
     at_bound = sum(abs(r["auto"] - r["bound"]) < 1e-9 for _, r in rows)
     within = all(r["peak"] <= (k[4] or k[1]) for k, r in rows)
+    proven = [(k, r) for k, r in rows if r["optimum"] is not None]
+    gap = [r["auto"] / r["optimum"] for _, r in proven]
+    worst_fit = max(((r["auto"] / r["optimum"], k) for k, r in proven if r["best"] is not None), key=lambda t: t[0])
+    worst_none = max(
+        ((r["auto"] / r["optimum"], k) for k, r in proven if r["best"] is None), key=lambda t: t[0], default=(1.0, None)
+    )
+    on_target = sum(r["auto"] <= r["optimum"] * (1.005 if r["best"] is not None else 1.02) + 1e-9 for _, r in proven)
     return [
+        f"- a proven optimum in {len(proven)} of {len(rows)} cells ({sum(r['auto'] <= r['bound'] + 1e-9 for _, r in rows)}"
+        f" by the bound); there auto / optimum: geometric mean {math.exp(sum(map(math.log, gap)) / len(gap)):.4f}, "
+        f"worst with a fitting built-in {worst_fit[0]:.4f} {worst_fit[1]}, worst without {worst_none[0]:.4f} "
+        f"{worst_none[1]}; within 0.5% (a built-in fits) or 2% (none does): {on_target} of {len(proven)}",
         f"- cells: {len(rows)}; with a fitting built-in: {len(fit)}; every plan within its limit: {within}",
         f"- geometric mean of auto / best fitting built-in: **{geo:.4f}**; of the lower bound / best: {bound:.4f}",
         f"- auto strictly faster in {better} cells, equal in {len(fit) - better}; at the lower bound in {at_bound}",
@@ -189,21 +224,24 @@ def timelines(directory: Path) -> list[str]:
     return out
 
 
-def run(quick: bool, png: Path | None = DOCS) -> tuple[str, list[dict]]:
+def run(quick: bool, png: Path | None = DOCS, train: bool = True) -> tuple[str, list[dict]]:
     rows = grid()
-    parts = ["auto · best fitting built-in · lower bound (modeled makespan, units of one F):", "", table(rows), ""]
+    parts = ["auto · best fitting built-in · lower bound · optimum (modeled makespan, units of one F):", ""]
+    parts += [table(rows), ""]
     parts += summary(rows) + [random_costs(100 if quick else 300), ""]
     parts += planning_times(1 if quick else 5)
     if png is not None:
         parts += [""] + timelines(png)
+    records = [dict(zip(("S", "m", "costs", "comm", "limit"), k), **r) for k, r in rows]
+    if not train:
+        return "\n".join(parts), records
     measured, _ = autotrain.run(quick)
     parts += ["", 'Measured: `Trainer(schedule_name="auto")` against 1F1B and ZB-H1 (`benchmarks/autotrain.py`):', ""]
     parts += [measured]
-    records = [dict(zip(("S", "m", "costs", "comm", "limit"), k), **r) for k, r in rows]
     return "\n".join(parts), records
 
 
 if __name__ == "__main__":
     quick = "--quick" in sys.argv
     png = Path(sys.argv[sys.argv.index("--png") + 1]) if "--png" in sys.argv else None
-    print(run(quick, png)[0])
+    print(run(quick, png, train="--no-train" not in sys.argv)[0])

@@ -12,10 +12,13 @@ play the lists: once its worker is free and its inputs exist.
 
 A ``Policy`` sets how far forwards run ahead of their backwards, whether a ready
 F goes before a ready B (or a B waits for the F 1F1B pairs it with), and how
-much a W may delay an arriving input; ``policies`` is the family played, and the
-fastest plans win. The built-in ``gpipe``, ``1f1b`` and ``zbh1`` that fit the
-memory limit are a safety net: under the same costs the result is never slower
-than any of them.
+much a W may delay an arriving input, or an F an arriving cotangent; ``policies``
+is the family played, and the fastest plans win. The built-in ``gpipe``,
+``1f1b`` and ``zbh1`` that fit the memory limit are a safety net: under the same
+costs the result is never slower than any of them. Where the best of these is
+above ``lower_bound`` (so possibly not optimal), ``refine``'s local search moves
+single operations while that makes the plans end sooner, within a budget of
+operations played (not of seconds: the plans are the same on every machine).
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ from typing import Iterable, Mapping, Sequence, Sized
 
 from ...errors import VjpsplitError
 from .costs import Costs
-from .modeled import memory_limits, memory_peaks, modeled_makespan
+from .modeled import lower_bound, memory_limits, memory_peaks, modeled_makespan
 from .plans import check_plans
 from .builtins import schedule
 from .catalog import SPLIT_BACKWARD
 from .ops import Kind, Op
+from .refine import refine
 
 BUILT_INS = ("gpipe", "1f1b", "zbh1")  # the one-stage-per-worker schedules the result never loses to
 INF = math.inf
@@ -49,6 +53,10 @@ class Policy:
     ``tolerance``: a W may start when it delays the next input by at most this
     share of its own time (0: only where it delays nothing; 1: wherever the
     worker would wait).
+    ``f_tolerance``: a ready F may start when it delays a B whose cotangent is
+    already on its way by at most this share of the F's time (1: always; 0: the
+    worker waits for that B instead). Where memory binds, a B held up on one
+    worker holds up the round trip every earlier worker's memory waits for.
     """
 
     ahead: int | None = None
@@ -56,6 +64,7 @@ class Policy:
     forward_first: bool = False
     tolerance: float = 1.0
     paired: bool = False
+    f_tolerance: float = 1.0
 
 
 def policies(stages: int) -> list[Policy]:
@@ -68,6 +77,9 @@ def policies(stages: int) -> list[Policy]:
                 out.append(Policy(p.ahead, p.held_ahead, forward_first, tolerance))
         for k in range(3):
             out.append(Policy(ahead=k, tolerance=tolerance, paired=True))
+    for f_tolerance in (0.5, 0.0):  # a ready F yields to a cotangent on its way, while Ws fill only idle time
+        for p in caps:
+            out.append(Policy(p.ahead, p.held_ahead, False, 0.0, f_tolerance=f_tolerance))
     return out if stages > 1 else [Policy()]
 
 
@@ -166,6 +178,9 @@ class _Builder:
         if not self._b_allowed(s, memory):
             b_at = b_bound = INF  # it waits for its F, whose arrival the worker waits for instead
         b_ready, f_ready = b_at <= t, f_at <= t and allowed
+        if f_ready and not b_ready and b_at < INF and self.policy.f_tolerance < 1.0:
+            if b_at < max(self.free[s], f_at) + self.costs.forward[s] * (1.0 - self.policy.f_tolerance):
+                f_ready = allowed = False  # the F would hold up a cotangent already on its way: wait for it
         w_ready = self.nw[s] < self.nb[s]
         if b_ready and not (f_ready and self.policy.forward_first):
             return self._put(s, "B", b_at, t)
@@ -289,7 +304,7 @@ def auto_schedule(
     (any runner takes it as ``schedule=``); checked, within the limit, and under
     ``costs`` no slower than any of ``gpipe``, ``1f1b`` and ``zbh1`` that fits it.
     Stages whose artifact lacks the split backward (or costs without ``W``) get whole
-    backwards.
+    backwards. The plans depend only on the arguments (no clock, no randomness).
     """
     S = _stage_count(stages)
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
@@ -302,5 +317,7 @@ def auto_schedule(
         other = modeled_makespan(built, c)
         if other < span - 1e-9:
             plans, span = built, other
+    if span > lower_bound(c, microbatches, limits) + 1e-9:  # at the bound the plans are already optimal
+        plans, span = refine(plans, c, microbatches, limits)
     check_plans(plans, S, microbatches)
     return plans
