@@ -147,6 +147,11 @@ def test_each_stage_reduces_its_weight_gradients_once_per_step(hlo_dump, m):
         tr.step(tied_batches(1, rows=8 * m, seed=6)[0])
         assert not [n for n in _programs(hlo_dump, before) if n not in progs]  # the second step compiles nothing
         runs2 = [t.worker.reductions for t in tr.backend.trainers]
+        # The count sees a per-microbatch reduction (benchmarks/data_parallel.py's comparison): m a step.
+        for t in tr.backend.trainers:
+            t.worker.per_microbatch = True
+        tr.step(tied_batches(1, rows=8 * m, seed=7)[0])
+        per_mb_runs = [t.worker.reductions - r for t, r in zip(tr.backend.trainers, runs2)]
     counts = {n: len(_REDUCTION.findall(t)) for n, t in progs.items()}
     reducing = {n: c for n, c in counts.items() if c}
     # The per-microbatch programs (F, B, W, run m times a step) are compiled and hold no reduction at all ...
@@ -155,7 +160,7 @@ def test_each_stage_reduces_its_weight_gradients_once_per_step(hlo_dump, m):
     # ... the one program that does is each stage's reduction: one reduce-scatter (an all-f32 model), run once a step.
     assert reducing and all("reduce_replicas" in n and c == 1 for n, c in reducing.items()), reducing
     assert all("reduce-scatter(" in progs[n] for n in reducing)
-    assert runs == [1, 1] and runs2 == [2, 2]
+    assert runs == [1, 1] and runs2 == [2, 2] and per_mb_runs == [m, m]
 
 
 def test_each_device_holds_a_quarter_of_the_optimizer_state():
@@ -214,6 +219,8 @@ def test_data_parallel_refusals():
             data_parallel=2,
             devices=[jax.devices()[:2], jax.devices()[2:3]],
         )
+    with pytest.raises(VjpsplitError, match=r"data_parallel=2 runs in-process only for now"):
+        P.Trainer(st, params, optimizer=optax.sgd(0.1), microbatches=2, data_parallel=2, runner="ray")
     with P.Trainer(st, params, optimizer=optax.sgd(0.1), microbatches=2, data_parallel=4) as tr:
         with pytest.raises(VjpsplitError, match=r"data_parallel=4: a microbatch of 6 rows does not split into 4"):
             tr.step(tied_batches(1, rows=12)[0])
