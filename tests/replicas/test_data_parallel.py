@@ -127,6 +127,18 @@ def test_pp4_dp2_gpt_with_its_tied_embedding_equals_optax(schedule):
         _on_replicas(tr, 2)
 
 
+def test_an_optimizer_that_couples_leaves_stays_exact_on_sharded_state():
+    # clip_by_global_norm inside the optimizer: a reduction over every leaf of every stage, here over shards.
+    params, batches = tied_params(), tied_batches(2, rows=16)
+    tx = optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))
+    with P.Trainer(tied_stages(), params, optimizer=tx, microbatches=2, data_parallel=4) as tr:
+        losses = [tr.step(b) for b in batches]
+        ref_losses, ref_params = optax_reference(tied, params, tx, batches)
+        np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+        assert_trees_close(tr.params(), ref_params, rtol=RTOL, atol=ATOL)
+        assert any(not v.sharding.is_fully_replicated for v in tr.backend.trainers[0].state.values())
+
+
 _REDUCTION = re.compile(r"\b(all-reduce|reduce-scatter)(-start)?\(")
 
 
