@@ -38,6 +38,7 @@ SECTIONS = {
     "survive": ("Training that survives: checkpoint waits and restarts", "benchmarks.survive"),
     "optimizer_cut": ("The optimizer update cut by stage: its cost on the driver", "benchmarks.optimizer_cut"),
     "sharded": ("Sharded stages on 8 CPU devices", "benchmarks.sharded"),
+    "data_parallel": ("Data parallel x pipeline on 8 CPU devices", "benchmarks.data_parallel"),
     # On a CPU-only machine, the accelerator command's own smoke test.
     "accelerator": ("The one-shot accelerator run, on this machine's default device", "benchmarks.accelerator"),
     "zbscan": ("Zero bubble inside scan: B then W vs fused", "benchmarks.zbscan"),

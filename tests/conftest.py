@@ -23,6 +23,9 @@ if os.environ.get("VJPSPLIT_RAY_SUITE") != "1":
 # tests/devices needs 4 CPU devices (every stage on its own): its own process too (tests/test_devices.py).
 if os.environ.get("VJPSPLIT_DEVICES_SUITE") != "1":
     collect_ignore.append("devices")
+# tests/replicas needs 8 CPU devices (data parallel x pipeline): its own process too (tests/test_replicas.py).
+if os.environ.get("VJPSPLIT_REPLICAS_SUITE") != "1":
+    collect_ignore.append("replicas")
 
 
 # The suites run in their own processes take minutes each: handed out first, they run beside the rest when

@@ -20,10 +20,11 @@ from ..runtime.result import PipelineResult
 from ..schedules.layout import Layout
 from ..schedules.plans import Resolved
 from ..stages.evaluation import EvalProgram
-from .inprocess import InProcessBackend
+from .inprocess import InProcessBackend, stage_trainers
 from .optimizer import stage_programs
 from .ownership import Ownership, Snapshot
 from .ray import RayBackend
+from .replicas import replica_trainers
 from .state import state_map, whole_optimizer
 
 
@@ -90,20 +91,23 @@ def open_backend(
     layout: Layout,
     devices: Sequence[Sequence[Any]] | None = None,
     hang_report: str | None = None,
+    data_parallel: int = 1,
     **ray_options: Any,
 ) -> Backend:
     """The backend ``runner`` names, its workers holding the stages of ``ownership`` and each stage's
     exported ``optimizer`` (specs from the stage's parameters where they are placed) and ``states``;
-    ``hang_report``: where a stuck step's report goes (in-process)."""
+    ``hang_report``: where a stuck step's report goes (in-process).
+    ``data_parallel=N``: every stage on N replicas, its optimizer state sharded across them (``replicas``)."""
+    if data_parallel > 1 and runner != "inprocess":
+        raise VjpsplitError(
+            f"data_parallel={data_parallel} runs in-process only for now; use runner='inprocess' (replicas on "
+            "this host's devices), or data_parallel=1 on Ray"
+        )
     if runner != "inprocess" and devices is not None:
         raise VjpsplitError(
             "devices= places the stages of this process; a Ray worker runs on the devices its actor sees "
             "(give each worker num_gpus or resources in actor_options)"
         )
-    where = placement(ownership.artifacts, layout.workers, devices)
-    arts = placed(ownership.artifacts, where)
-    # Specs only: an unsharded stage's parameters go to its own device, never all to the default one first.
-    specs = [a.place_arg(0, p) if a.manifest.sharded else _specs(p) for a, p in zip(arts, ownership.stage_params)]
     smap = state_map(optimizer, ownership)
     whole = whole_optimizer(optimizer, ownership, smap)
     refusal = whole.refusal()
@@ -114,9 +118,23 @@ def open_backend(
         params = ownership.gather([_host_flat(n, p) for n, p in zip(ownership.names, ownership.stage_params)])
         init = smap.scatter(jax.device_get(jax.jit(optimizer.init)(params)))
         states = [init[s] if st is None else st for s, st in enumerate(states)]
+    if data_parallel > 1:
+        trainers = replica_trainers(
+            ownership, optimizer, states, whole, n=data_parallel, workers=layout.workers, devices=devices
+        )
+        return InProcessBackend(ownership, trainers, ray_options["step_timeout"], hang_report, data_parallel)
+    where = placement(ownership.artifacts, layout.workers, devices)
+    arts = placed(ownership.artifacts, where)
+    # Specs only: an unsharded stage's parameters go to its own device, never all to the default one first.
+    specs = [a.place_arg(0, p) if a.manifest.sharded else _specs(p) for a, p in zip(arts, ownership.stage_params)]
     programs = stage_programs(optimizer, arts, ownership.names, specs, whole, ownership.counted)
     if runner == "inprocess":
-        return InProcessBackend(ownership, arts, where, programs, states, ray_options["step_timeout"], hang_report)
+        return InProcessBackend(
+            ownership,
+            stage_trainers(ownership, arts, where, programs, states),
+            ray_options["step_timeout"],
+            hang_report,
+        )
     reductions = [(r.op, dtype_name(np.dtype(r.dtype)), r.round) for r in whole.roots()]
     return RayBackend(
         ownership,

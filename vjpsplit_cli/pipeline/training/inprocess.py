@@ -21,6 +21,7 @@ from ..runtime.dispatch import Order, order_of
 from ..runtime.evaluation import evaluate_here, host
 from ..runtime.inprocess import RUNNER, Watch, WorkerThreads, dispatch, run_threads
 from ..runtime.model import Microbatch
+from ..runtime.replicas import check_split, lead
 from ..runtime.result import PipelineResult, step_result
 from ..runtime.worker import StageWorker
 from ..schedules.ops import Op
@@ -30,6 +31,22 @@ from ..schedules.timeline import Phase
 from .clipping import clip_scale
 from .ownership import Ownership, Snapshot
 from .stagestate import RESTORE_HINT, StageTrainer, finish_stages
+
+
+def stage_trainers(
+    ownership: Ownership,
+    arts: Sequence[Any],
+    where: Sequence[Devices],
+    programs: Sequence[bytes],
+    states: Sequence[Any],
+) -> list[StageTrainer]:
+    """Per stage, its ``StageTrainer`` on its device (``where``), with its exported optimizer ``programs``."""
+    own, S = ownership, len(arts)
+    workers = [StageWorker(a, p, i, S, g[0]) for i, (a, p, g) in enumerate(zip(arts, own.stage_params, where))]
+    return [
+        StageTrainer(w, own.names[s], programs[s], own.holders[s], own.counted[s], states[s])
+        for s, w in enumerate(workers)
+    ]
 
 
 class _Rendezvous:
@@ -70,22 +87,16 @@ class InProcessBackend:
     def __init__(
         self,
         ownership: Ownership,
-        arts: Sequence[Any],
-        where: Sequence[Devices],
-        programs: Sequence[bytes],
-        states: Sequence[Any],
+        trainers: Sequence[Any],
         step_timeout: float | None = None,
         hang_report: str | None = None,
+        data_parallel: int = 1,
     ):
-        self.ownership = own = ownership
+        self.ownership = ownership
         self.step_timeout, self.hang_report = step_timeout, hang_report
         self.broken: str | None = None  # set when a timed step left a thread stuck in an operation
-        S = len(arts)
-        workers = [StageWorker(a, p, i, S, g[0]) for i, (a, p, g) in enumerate(zip(arts, own.stage_params, where))]
-        self.trainers = [
-            StageTrainer(w, own.names[s], programs[s], own.holders[s], own.counted[s], states[s])
-            for s, w in enumerate(workers)
-        ]
+        self.trainers = list(trainers)  # per stage: a StageTrainer, or a ReplicaTrainer of its replicas
+        self.data_parallel = data_parallel
         self.threads: WorkerThreads | None = None
         self.orders: tuple[Any, Order, list[int]] | None = None  # plans, their dispatch order, the finishing order
 
@@ -111,6 +122,8 @@ class InProcessBackend:
             raise VjpsplitError(self.broken)
         S = len(self.trainers)
         workers = [t.worker for t in self.trainers]
+        if self.data_parallel > 1:
+            check_split(mbs, self.data_parallel)  # before any operation runs
         t0 = time.monotonic()
         phases: list[Phase] = []
         if timed:
@@ -228,7 +241,7 @@ class InProcessBackend:
         """Every stage's forward only, dispatched from this thread onto each stage's device (``Backend.evaluate``)."""
         import jax
 
-        losses, received = evaluate_here([t.worker for t in self.trainers], programs, mbs, keep=outputs)
+        losses, received = evaluate_here([lead(t.worker) for t in self.trainers], programs, mbs, keep=outputs)
         return [float(v) for v in jax.device_get(losses)], (host(received) if outputs else None)
 
     def snapshots(self) -> list[Snapshot]:

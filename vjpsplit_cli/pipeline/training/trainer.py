@@ -107,6 +107,17 @@ class Trainer:
     ``checkpoint_dir``, ``<checkpoint_dir>.hang.json`` beside it; else a file in the temporary directory;
     the error names it). The worker threads of timed steps end with ``close()``,
     with ``with Trainer(...) as tr:``, or when a Trainer nobody closed is collected.
+
+    ``data_parallel=N`` (in-process, unsharded stages) runs N replicas of every
+    stage, each on a device of its own (worker k's on ``jax.local_devices()[k*N :
+    k*N + N]``, or ``devices`` with N devices per stage), each microbatch split N
+    ways (so the batch divides by ``microbatches * N``). Each replica sums its
+    gradients over the step's microbatches alone; one reduce-scatter per stage per
+    step sums them across the replicas, each device updates its 1/N shard of the
+    stage's optimizer state (ZeRO-1), and the new parameters are gathered once.
+    Losses, parameters, ``state()`` and checkpoints are those of ``data_parallel=1``
+    (a run continues at another N). A timed step runs a stage's replicas one after
+    another and records the first replica's operations.
     """
 
     def __init__(
@@ -136,6 +147,7 @@ class Trainer:
         hang_report: str | os.PathLike[str] | None = None,
         trace_dir: str | os.PathLike[str] | None = None,
         trace_every: int | None = None,
+        data_parallel: int = 1,
         _restored: tuple[Sequence[Any] | None, int] | None = None,
     ):
         clip_global_norm = checked_clip(clip_global_norm)  # a bad value is refused now, not after the first step
@@ -149,6 +161,12 @@ class Trainer:
         if isinstance(step_count, bool) or not isinstance(step_count, int) or step_count < 0:
             raise VjpsplitError(f"step_count={step_count!r}: give the run's step this state is at, an int >= 0")
         check_runner(runner)
+        data_parallel = plain(data_parallel)
+        if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+            raise VjpsplitError(
+                f"data_parallel={data_parallel!r}: give the number of replicas of every stage, an int >= 1"
+            )
+        self.data_parallel = data_parallel
         self.stages = stages
         self.model = model_of(stages, params)
         self.ownership = Ownership(self.model, tied)
@@ -175,6 +193,7 @@ class Trainer:
             states,
             layout=self.plan.layout,
             devices=devices,
+            data_parallel=data_parallel,
             address=address,
             runtime_env=runtime_env,
             actor_options=actor_options,

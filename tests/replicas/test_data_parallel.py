@@ -1,0 +1,239 @@
+"""Data parallel x pipeline on 8 CPU devices: N replicas of every stage, one gradient reduction per stage per
+step, the optimizer state sharded across the replicas (ZeRO-1), equal to optax on the whole batch in one process."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import export as jexport
+from models import assert_trees_close, optax_reference
+from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
+
+import vjpsplit_cli as vs
+from vjpsplit_cli import VjpsplitError
+from vjpsplit_cli import pipeline as P
+
+V, D, T = 16, 8, 4
+
+
+def tied(params, tokens, labels):
+    """2 stages with a tied embedding (read by both) and a scalar leaf (no dimension to shard)."""
+    h = jnp.take(params["embed"], tokens, axis=0)
+    h = jnp.tanh(h @ params["w0"] + params["b0"])
+    h = vs.stage_boundary(h)
+    h = jnp.tanh(h @ params["w1"])
+    logits = (h @ params["embed"].T) * params["temp"]
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1))
+
+
+def tied_params(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return {
+        "embed": rng.normal(size=(V, D)).astype(np.float32),
+        "w0": (rng.normal(size=(D, D)) / 3).astype(np.float32),
+        "b0": np.full(D, 0.1, np.float32),
+        "w1": (rng.normal(size=(D, D)) / 3).astype(np.float32),
+        "temp": np.float32(1.5),
+    }
+
+
+def tied_batches(n: int, rows: int = 32, seed: int = 5):
+    rng = np.random.default_rng(seed)
+    return [
+        (rng.integers(0, V, (rows, T)).astype(np.int32), rng.integers(0, V, (rows, T)).astype(np.int32))
+        for _ in range(n)
+    ]
+
+
+@functools.lru_cache(maxsize=None)
+def tied_stages():
+    (b,) = jexport.symbolic_shape("b")
+    S = jax.ShapeDtypeStruct
+    specs = jax.tree_util.tree_map(lambda a: S(np.shape(a), a.dtype), tied_params())
+    return vs.export_stages(tied, specs, S((b, T), jnp.int32), S((b, T), jnp.int32), wrt="params", platforms="cpu")
+
+
+@functools.lru_cache(maxsize=None)
+def gpt_stages():
+    return vs.export_stages(gpt, *gpt_specs(gpt_params()), wrt="params", platforms="cpu")
+
+
+CLIP = 0.5
+RTOL, ATOL = 1e-6, 1e-7  # f32: the replicas' sums and the one-process gradient differ in rounding only
+
+
+def _reference(fn, params, tx, batches, clip=CLIP):
+    return optax_reference(fn, params, optax.chain(optax.clip_by_global_norm(clip), tx), batches)
+
+
+def _on_replicas(tr, n):
+    """Every stage's parameters whole on each of its n distinct devices, its optimizer state spread over them."""
+    seen = set()
+    for t, devs in zip(tr.backend.trainers, tr.placement):
+        assert len(devs) == n and not seen & set(devs)
+        seen |= set(devs)
+        for r, d in zip(t.worker.replicas, devs):
+            assert all(a.devices() == {d} for a in jax.tree_util.tree_leaves(r.params))
+        mu = [v for k, v in t.state.items() if "/mu/" in k]
+        assert mu and all({s.device for s in v.addressable_shards} == set(devs) for v in mu)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
+def test_pp2_dp4_tied_and_clipped_equals_optax_on_the_whole_batch(schedule):
+    params, tx, batches = tied_params(), optax.adam(1e-2), tied_batches(3)
+    with P.Trainer(
+        tied_stages(),
+        params,
+        optimizer=tx,
+        microbatches=4,
+        schedule_name=schedule,
+        clip_global_norm=CLIP,
+        data_parallel=4,
+    ) as tr:
+        # The last step timed: the worker threads' path (replicas one after another) gives the same result.
+        losses = [tr.step(b, timed=i == 2) for i, b in enumerate(batches)]
+        ref_losses, ref_params = _reference(tied, params, tx, batches)
+        np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+        assert_trees_close(tr.params(), ref_params, rtol=RTOL, atol=ATOL)
+        _on_replicas(tr, 4)
+        assert [t.worker.reductions for t in tr.backend.trainers] == [3, 3]  # one per stage per step
+        want = np.mean([float(tied(ref_params, *b)) for b in tied_batches(1, seed=9)])
+        np.testing.assert_allclose(tr.evaluate(tied_batches(1, seed=9)[0]), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
+def test_pp4_dp2_gpt_with_its_tied_embedding_equals_optax(schedule):
+    params, tx = gpt_params(), optax.adamw(1e-2, weight_decay=0.1)
+    batches = [gpt_batch(8, seed=60 + i) for i in range(2)]
+    with P.Trainer(
+        gpt_stages(),
+        params,
+        optimizer=tx,
+        microbatches=2,
+        schedule_name=schedule,
+        clip_global_norm=CLIP,
+        data_parallel=2,
+    ) as tr:
+        losses = [tr.step(b) for b in batches]
+        ref_losses, ref_params = _reference(gpt, params, tx, batches)
+        np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+        assert_trees_close(tr.params(), ref_params, rtol=RTOL, atol=ATOL)
+        _on_replicas(tr, 2)
+
+
+def test_an_optimizer_that_couples_leaves_stays_exact_on_sharded_state():
+    # clip_by_global_norm inside the optimizer: a reduction over every leaf of every stage, here over shards.
+    params, batches = tied_params(), tied_batches(2, rows=16)
+    tx = optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))
+    with P.Trainer(tied_stages(), params, optimizer=tx, microbatches=2, data_parallel=4) as tr:
+        losses = [tr.step(b) for b in batches]
+        ref_losses, ref_params = optax_reference(tied, params, tx, batches)
+        np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+        assert_trees_close(tr.params(), ref_params, rtol=RTOL, atol=ATOL)
+        assert any(not v.sharding.is_fully_replicated for v in tr.backend.trainers[0].state.values())
+
+
+_REDUCTION = re.compile(r"\b(all-reduce|reduce-scatter)(-start)?\(")
+
+
+def _programs(dump, before):
+    """The optimized HLO text of each program compiled since ``before`` (file names), by file name."""
+    return {p.name: p.read_text() for p in dump.glob("*after_optimizations.txt") if p.name not in before}
+
+
+@pytest.mark.parametrize("m", [4, 8])
+def test_each_stage_reduces_its_weight_gradients_once_per_step(hlo_dump, m):
+    before = {p.name for p in hlo_dump.iterdir()}
+    with P.Trainer(
+        tied_stages(), tied_params(), optimizer=optax.adam(1e-2), microbatches=m, data_parallel=4, schedule_name="zbh1"
+    ) as tr:
+        tr.step(tied_batches(1, rows=8 * m)[0])
+        progs = _programs(hlo_dump, before)
+        runs = [t.worker.reductions for t in tr.backend.trainers]
+        tr.step(tied_batches(1, rows=8 * m, seed=6)[0])
+        assert not [n for n in _programs(hlo_dump, before) if n not in progs]  # the second step compiles nothing
+        runs2 = [t.worker.reductions for t in tr.backend.trainers]
+        # The count sees a per-microbatch reduction (benchmarks/data_parallel.py's comparison): m a step.
+        for t in tr.backend.trainers:
+            t.worker.per_microbatch = True
+        tr.step(tied_batches(1, rows=8 * m, seed=7)[0])
+        per_mb_runs = [t.worker.reductions - r for t, r in zip(tr.backend.trainers, runs2)]
+    counts = {n: len(_REDUCTION.findall(t)) for n, t in progs.items()}
+    reducing = {n: c for n, c in counts.items() if c}
+    # The per-microbatch programs (F, B, W, run m times a step) are compiled and hold no reduction at all ...
+    per_mb = [n for n in progs if re.search(r"jit_(run|b_input|b_weight|fused|_lambda)", n)]
+    assert per_mb and not [n for n in per_mb if counts[n]], reducing
+    # ... the one program that does is each stage's reduction: one reduce-scatter (an all-f32 model), run once a step.
+    assert reducing and all("reduce_replicas" in n and c == 1 for n, c in reducing.items()), reducing
+    assert all("reduce-scatter(" in progs[n] for n in reducing)
+    assert runs == [1, 1] and runs2 == [2, 2] and per_mb_runs == [m, m]
+
+
+def test_each_device_holds_a_quarter_of_the_optimizer_state():
+    with P.Trainer(tied_stages(), tied_params(), optimizer=optax.adam(1e-2), microbatches=2, data_parallel=4) as tr:
+        tr.step(tied_batches(1, rows=16)[0])
+        for t, devs in zip(tr.backend.trainers, tr.placement):
+            whole = {k: v for k, v in t.state.items()}
+            total = sum(v.nbytes for v in whole.values())
+            # Kept whole on every device (docs/pipeline.md): the step count, and leaves with no dimension that
+            # divides by 4 (the scalar 'temp': its mu and nu).
+            kept = sum(v.nbytes for k, v in whole.items() if k.endswith("count") or k.endswith("temp"))
+            for d in devs:
+                mine = sum(s.data.nbytes for v in whole.values() for s in v.addressable_shards if s.device == d)
+                assert mine <= (total - kept) / 4 + kept, (t.stage_index, mine, total, kept)
+            assert kept < total / 4  # the bound is not the whole state
+            replicated = {k: v for k, v in t.state.items() if v.sharding.is_fully_replicated}
+            assert set(replicated) == {k for k in whole if k.endswith("count") or k.endswith("temp")}
+
+
+def test_a_checkpoint_at_dp4_continues_at_dp2_and_in_one_process(tmp_path):
+    params, tx, batches = tied_params(), optax.adam(1e-2), tied_batches(4)
+    never_stopped_losses, never_stopped = _reference(tied, params, tx, batches)
+    with P.Trainer(tied_stages(), params, optimizer=tx, microbatches=2, clip_global_norm=CLIP, data_parallel=4) as tr:
+        first = [tr.step(b) for b in batches[:2]]
+        tr.save(tmp_path / "ck")
+    np.testing.assert_allclose(first, never_stopped_losses[:2], rtol=RTOL)
+    with P.Trainer.restore(tmp_path / "ck", tied_stages(), optimizer=tx, data_parallel=2) as again:
+        assert again.step_count == 2 and again.clip_global_norm == CLIP
+        np.testing.assert_allclose([again.step(b) for b in batches[2:]], never_stopped_losses[2:], rtol=RTOL)
+        assert_trees_close(again.params(), never_stopped, rtol=RTOL, atol=ATOL)
+    p, opt_state, step = P.load_checkpoint(tmp_path / "ck", optimizer=tx)
+    assert step == 2
+    # The saved state is optax's own for the whole model: one process goes on from it.
+    ref = optax.chain(optax.clip_by_global_norm(CLIP), tx)
+    state = (optax.EmptyState(), opt_state)
+    grad = jax.jit(jax.value_and_grad(tied))
+    for b in batches[2:]:
+        _, g = grad(p, *b)
+        u, state = ref.update(g, state, p)
+        p = optax.apply_updates(p, u)
+    assert_trees_close(jax.tree_util.tree_map(np.asarray, p), never_stopped, rtol=RTOL, atol=ATOL)
+
+
+def test_data_parallel_refusals():
+    st, params = tied_stages(), tied_params()
+    with pytest.raises(VjpsplitError, match=r"data_parallel=0: give the number of replicas"):
+        P.Trainer(st, params, optimizer=optax.sgd(0.1), microbatches=2, data_parallel=0)
+    with pytest.raises(VjpsplitError, match=r"data_parallel=8 with 2 workers needs 16 devices, this host has 8"):
+        P.Trainer(st, params, optimizer=optax.sgd(0.1), microbatches=2, data_parallel=8)
+    with pytest.raises(VjpsplitError, match=r"stage 1 is given 1 devices"):
+        P.Trainer(
+            st,
+            params,
+            optimizer=optax.sgd(0.1),
+            microbatches=2,
+            data_parallel=2,
+            devices=[jax.devices()[:2], jax.devices()[2:3]],
+        )
+    with pytest.raises(VjpsplitError, match=r"data_parallel=2 runs in-process only for now"):
+        P.Trainer(st, params, optimizer=optax.sgd(0.1), microbatches=2, data_parallel=2, runner="ray")
+    with P.Trainer(st, params, optimizer=optax.sgd(0.1), microbatches=2, data_parallel=4) as tr:
+        with pytest.raises(VjpsplitError, match=r"data_parallel=4: a microbatch of 6 rows does not split into 4"):
+            tr.step(tied_batches(1, rows=12)[0])
+        tr.step(tied_batches(1, rows=8)[0])  # the Trainer goes on

@@ -1,0 +1,371 @@
+"""Data parallel x pipeline: one stage on N devices, each microbatch split N ways, one reduction per step.
+
+A ``ReplicaGroup`` is what a runner hands a stage's operations to when the stage
+has N replicas: N ``StageWorker``s over the same artifact, one per device. It
+takes the place of the stage's single worker (the same ``forward``, ``backward``,
+``backward_input``, ``backward_weight``, ``reset``, ``fetch_losses``): the first
+stage's batch inputs and every stage's side inputs are cut into N equal parts
+along axis 0 (replica r takes part r), and what a stage hands on is a ``Parts``
+(replica r's output goes to replica r of the next stage). Each replica runs the
+stage's own programs on its device, so those programs hold no collective.
+
+Each replica sums its weight gradients over the step's microbatches alone, as a
+single worker does. When the stage's last gradient operation of the step is
+dispatched (its m-th B or W), the group dispatches ``Reducer``: one program over
+the 1-D mesh of the replicas' devices (``AXIS``) that packs every leaf into one
+buffer per dtype and reduces it across replicas with **one** reduce-scatter,
+leaving each device its ``zero_spec`` shard of every gradient (the layout the
+sharded optimizer state has, ``training.replicas``). A leaf none of whose
+dimensions divides by N is packed whole into every device's row, so it comes out
+whole on every device from the same reduce-scatter.
+
+The loss is the mean over the replicas' losses (each the mean over its part), and
+each replica's seed cotangent is ``1 / (microbatches * N)``: the step computes the
+gradient of the mean over the whole batch, as one process does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from ...errors import VjpsplitError
+from .model import Microbatch
+from .worker import StageWorker
+
+AXIS = "replicas"  # the one mesh axis of a stage's replica devices
+
+
+class Parts(tuple):  # type: ignore[type-arg]
+    """Per replica, what one stage hands the next (replica r's activation or cotangent for replica r)."""
+
+
+def zero_dim(shape: Sequence[int], n: int) -> int | None:
+    """The dimension a leaf of ``shape`` is sharded along over ``n`` replicas: its largest that divides by ``n``
+    (the first of equals), or None (the leaf stays whole on every replica: a scalar, or no dimension divides)."""
+    best = None
+    for i, d in enumerate(shape):
+        if d >= n and d % n == 0 and (best is None or d > shape[best]):
+            best = i
+    return best
+
+
+def zero_spec(shape: Sequence[int], n: int) -> Any:
+    """The ``PartitionSpec`` of a leaf's gradient and optimizer state over ``n`` replicas (``zero_dim``)."""
+    from jax.sharding import PartitionSpec
+
+    d = zero_dim(shape, n)
+    return PartitionSpec() if d is None else PartitionSpec(*([None] * d), AXIS)
+
+
+def replica_mesh(devices: Sequence[Any]) -> Any:
+    """The 1-D mesh (axis ``AXIS``) over a stage's replica devices, in order."""
+    from jax.sharding import Mesh
+
+    return Mesh(np.asarray(list(devices), dtype=object), (AXIS,))
+
+
+def split_parts(tree: Any, n: int) -> list[Any]:
+    """``tree``'s arrays cut into ``n`` equal parts along axis 0: per replica, the tree of its part."""
+    import jax
+
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    parts: list[list[Any]] = [[] for _ in range(n)]
+    for a in leaves:
+        rows = int(np.shape(a)[0]) if np.ndim(a) else 0
+        if rows % n or rows == 0:
+            raise VjpsplitError(
+                f"data_parallel={n}: a microbatch of {rows} rows does not split into {n} equal replica batches; "
+                f"give a batch whose first dim divides by microbatches x {n}"
+            )
+        k = rows // n
+        for r in range(n):
+            parts[r].append(a[r * k : (r + 1) * k])
+    return [jax.tree_util.tree_unflatten(treedef, p) for p in parts]
+
+
+def check_split(mbs: Sequence[Microbatch], n: int) -> None:
+    """Refuse, before any operation runs, microbatches whose batch inputs do not split into ``n`` equal parts."""
+    if mbs:
+        x, side = mbs[0]
+        split_parts((x, list(side.values()) if isinstance(side, dict) else side), n)  # a PerStage: its lists
+
+
+def replica_placement(
+    artifacts: Sequence[Any],
+    workers: Sequence[Sequence[int]],
+    n: int,
+    devices: Sequence[Sequence[Any]] | None = None,
+) -> list[tuple[Any, ...]]:
+    """Per stage, its ``n`` replica devices: ``devices`` as given (one list of ``n`` per stage), or by default
+    worker k's stages on this host's devices ``k*n ... k*n + n - 1`` (one error when there are too few)."""
+    import jax
+
+    for s, a in enumerate(artifacts):
+        if a.manifest.sharded:
+            raise VjpsplitError(
+                f"data_parallel: stage {s} is sharded (a mesh of {a.manifest.nr_devices} devices); replicas run "
+                "unsharded stages only: export the stages without shardings, or shard over a 'data' axis instead"
+            )
+    if devices is not None:
+        if len(devices) != len(artifacts):
+            raise VjpsplitError(f"{len(artifacts)} stages but {len(devices)} device groups")
+        out = [tuple(g) for g in devices]
+        for s, g in enumerate(out):
+            if len(g) != n or len(set(g)) != n:
+                raise VjpsplitError(
+                    f"data_parallel={n}: stage {s} is given {len(g)} devices ({len(set(g))} distinct); give each "
+                    f"stage {n} distinct devices, one per replica"
+                )
+        return out
+    have = jax.local_devices()
+    if len(workers) * n > len(have):
+        hint = (
+            f" (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={len(workers) * n} before JAX starts)"
+            if have[0].platform == "cpu"
+            else ""
+        )
+        raise VjpsplitError(
+            f"data_parallel={n} with {len(workers)} workers needs {len(workers) * n} devices, this host has "
+            f"{len(have)}{hint}; or give devices= one list of {n} per stage"
+        )
+    out_by_stage = {}
+    for k, held in enumerate(workers):
+        for s in held:
+            out_by_stage[s] = tuple(have[k * n : (k + 1) * n])
+    return [out_by_stage[s] for s in range(len(artifacts))]
+
+
+class Reducer:
+    """One stage's cross-replica gradient reduction: a jitted ``shard_map`` with one reduce-scatter per dtype.
+
+    Called with, per leaf, the global array whose shard on replica r is replica r's
+    summed gradient (stacked along axis 0); returns each leaf's sum over the
+    replicas laid out by ``zero_spec`` (whole leaves replicated), and each
+    replica's squared sums of the ``squared`` leaves' shards (a whole leaf counted
+    on the first replica only), an ``(N, len(squared))`` array: the stage's share of
+    the global norm without another collective.
+    """
+
+    def __init__(self, mesh: Any, shapes: Sequence[tuple[int, ...]], squared: Sequence[bool]):
+        import jax
+        from jax.sharding import PartitionSpec
+
+        self.mesh, self.shapes, self.squared = mesh, [tuple(s) for s in shapes], list(squared)
+        n = int(mesh.size)
+        self.n = n
+        self.dims = [zero_dim(s, n) for s in self.shapes]
+        out_specs = ([zero_spec(s, n) for s in self.shapes], PartitionSpec(AXIS))
+        in_specs = tuple(PartitionSpec(AXIS) for _ in self.shapes)
+        # check_vma=False: a whole leaf comes out of the reduce-scatter equal on every replica, which the
+        # replication check cannot see.
+        body = jax.shard_map(self.reduce_replicas, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+        self.program = jax.jit(body)
+
+    def reduce_replicas(self, *blocks: Any) -> tuple[list[Any], Any]:
+        import jax
+        import jax.numpy as jnp
+
+        n = self.n
+        groups: dict[Any, list[tuple[int, Any]]] = {}
+        for i, (b, s, d) in enumerate(zip(blocks, self.shapes, self.dims)):
+            b = b.reshape(s)
+            # Row r is what replica r keeps: its slice along the sharded dim, or the whole leaf.
+            row = jnp.broadcast_to(b.reshape(1, -1), (n, b.size)) if d is None else jnp.moveaxis(b, d, 0).reshape(n, -1)
+            groups.setdefault(b.dtype, []).append((i, row))
+        out: list[Any] = [None] * len(blocks)
+        for rows in groups.values():
+            buf = jnp.concatenate([r for _, r in rows], axis=1)
+            red = jax.lax.psum_scatter(buf, AXIS, scatter_dimension=0, tiled=True)[0]
+            off = 0
+            for i, r in rows:
+                piece = red[off : off + r.shape[1]]
+                off += r.shape[1]
+                s, d = self.shapes[i], self.dims[i]
+                if d is None:
+                    out[i] = piece.reshape(s)
+                else:
+                    moved = (s[d] // n, *(x for j, x in enumerate(s) if j != d))
+                    out[i] = jnp.moveaxis(piece.reshape(moved), 0, d)
+        first = jax.lax.axis_index(AXIS) == 0
+        sq = []
+        for i, g in enumerate(out):
+            if not self.squared[i]:
+                continue
+            v = jnp.sum(jnp.square(jnp.abs(g) if jnp.iscomplexobj(g) else g))
+            sq.append(v if self.dims[i] is not None else jnp.where(first, v, jnp.zeros_like(v)))
+        wide = jnp.result_type(*[v.dtype for v in sq]) if sq else jnp.float32
+        squares = jnp.stack([v.astype(wide) for v in sq]) if sq else jnp.zeros((0,), wide)
+        return out, squares.reshape(1, -1)
+
+    def __call__(self, per_replica: Sequence[Sequence[Any]]) -> tuple[list[Any], Any]:
+        """``per_replica[r]``: replica r's gradient leaves (on its device); the reduced leaves and the squares."""
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        stacked = NamedSharding(self.mesh, PartitionSpec(AXIS))
+        args = []
+        for i, s in enumerate(self.shapes):
+            parts = [leaves[i] if s else leaves[i].reshape(1) for leaves in per_replica]
+            shape = (self.n * s[0], *s[1:]) if s else (self.n,)
+            args.append(jax.make_array_from_single_device_arrays(shape, stacked, parts))
+        return self.program(*args)
+
+
+class ReplicaGroup:
+    """A stage's N replicas, standing where its one ``StageWorker`` would (see the module).
+
+    ``devices``: one per replica (the mesh ``AXIS`` in this order). After the step's
+    last gradient operation ``grads`` holds the reduced gradients (the stage's
+    parameter structure, each leaf laid out by ``zero_spec`` over the replicas) and
+    ``squares`` the replicas' squared sums (``Reducer``); ``squared`` says, per
+    parameter leaf, whether it counts in them (set by whoever owns the norm).
+    ``reductions`` counts the cross-replica reductions run (one per step).
+    """
+
+    def __init__(self, artifact: Any, params: Any, stage_index: int, num_stages: int, devices: Sequence[Any]):
+        import jax
+
+        if artifact.manifest.sharded:
+            raise VjpsplitError(f"stage {stage_index}: replicas run unsharded stages only")
+        self.replicas = [StageWorker(artifact, params, stage_index, num_stages, d) for d in devices]
+        self.n = len(self.replicas)
+        self.mesh = replica_mesh(devices)
+        self.art = artifact
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.treedef = jax.tree_util.tree_structure(self.replicas[0].params)
+        self.squared: list[bool] = [True] * len(jax.tree_util.tree_leaves(self.replicas[0].params))
+        self.reductions = 0
+        # Reduce after every gradient operation too (results unchanged): the per-microbatch reduction that
+        # benchmarks/data_parallel.py measures this design against. Never set by the Trainer.
+        self.per_microbatch = False
+        self._reducer: Reducer | None = None
+        self.timed = True
+        self.reset()
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this is the pipeline's last stage."""
+        return self.stage_index == self.num_stages - 1
+
+    @property
+    def devices(self) -> tuple[Any, ...]:
+        """The replicas' devices, in mesh order."""
+        return tuple(r.device for r in self.replicas)
+
+    @property
+    def params(self) -> Any:
+        """The first replica's parameters (every replica holds the same)."""
+        return self.replicas[0].params
+
+    @property
+    def ring(self) -> Any:
+        """The first replica's last operations (what a stuck step's report shows)."""
+        return self.replicas[0].ring
+
+    @property
+    def events(self) -> list[Any]:
+        """A timed step's events: the first replica's (the replicas run one after another when timed)."""
+        return self.replicas[0].events
+
+    def reset(self, timed: bool | None = None) -> None:
+        """Every replica ready for the next step; no gradients yet."""
+        if timed is not None:
+            self.timed = timed
+        for r in self.replicas:
+            r.reset(timed)
+        self.grads: Any = None
+        self.squares: Any = None
+        self.done, self.m = 0, 0
+
+    def to_device(self, tree: Any) -> Any:
+        """``tree`` as it is: a microbatch is cut per replica first, and each part goes to its replica's device."""
+        return tree
+
+    def fetch_losses(self) -> dict[int, float]:
+        """Per microbatch, the mean of the replicas' losses (each the mean over its part of the microbatch)."""
+        per = [r.fetch_losses() for r in self.replicas]
+        return {m: float(np.mean([p[m] for p in per])) for m in sorted(per[0])}
+
+    def _per(self, data: Any, whole: bool) -> list[Any]:
+        if isinstance(data, Parts):
+            return list(data)
+        if data is None:
+            return [None] * self.n
+        return split_parts(data, self.n) if whole else [data] * self.n
+
+    def forward(self, mb: int, x: Any, side: Sequence[Any], worker: int | None = None) -> Parts:
+        """F on every replica, each on its part of the microbatch."""
+        xs = self._per(x, True)
+        sides = split_parts(list(side), self.n) if side else [[] for _ in range(self.n)]
+        return Parts(r.forward(mb, xs[i], sides[i], worker) for i, r in enumerate(self.replicas))
+
+    def backward(self, mb: int, ct: Any, microbatches: int, worker: int | None = None) -> Parts:
+        """Whole backward on every replica; the step's last one dispatches the reduction."""
+        cts = self._per(ct, False)
+        self.m = microbatches
+        out = Parts(r.backward(mb, cts[i], microbatches * self.n, worker) for i, r in enumerate(self.replicas))
+        self._accumulated()
+        return out
+
+    def backward_input(self, mb: int, ct: Any, microbatches: int, worker: int | None = None) -> Parts:
+        """Split schedules' B on every replica."""
+        cts = self._per(ct, False)
+        self.m = microbatches
+        return Parts(r.backward_input(mb, cts[i], microbatches * self.n, worker) for i, r in enumerate(self.replicas))
+
+    def backward_weight(self, mb: int, worker: int | None = None) -> None:
+        """Split schedules' W on every replica; the step's last one dispatches the reduction."""
+        for r in self.replicas:
+            r.backward_weight(mb, worker)
+        self._accumulated()
+
+    def _accumulated(self) -> None:
+        self.done += 1
+        if self.done == self.m:  # the step's last gradient operation of this stage: reduce now
+            self.reduce()
+        elif self.per_microbatch:  # what a program reducing in its backward does: same result, m reductions
+            self.reducer([jax_leaves(r.grads) for r in self.replicas])
+            self.reductions += 1
+
+    @property
+    def reducer(self) -> Reducer:
+        """The stage's ``Reducer`` (built on first use, kept across steps)."""
+        if self._reducer is None:
+            import jax
+
+            shapes = [tuple(np.shape(a)) for a in jax.tree_util.tree_leaves(self.replicas[0].params)]
+            self._reducer = Reducer(self.mesh, shapes, self.squared)
+        return self._reducer
+
+    def reduce(self) -> None:
+        """The one cross-replica reduction of the step's summed gradients (dispatched, not waited for)."""
+        import jax
+
+        if any(r.grads is None for r in self.replicas):
+            raise VjpsplitError(f"stage {self.stage_index}: a replica computed no gradients this step")
+        leaves, squares = self.reducer([jax.tree_util.tree_leaves(r.grads) for r in self.replicas])
+        self.grads, self.squares = jax.tree_util.tree_unflatten(self.treedef, leaves), squares
+        for r in self.replicas:
+            r.grads = None  # the per-replica sums are spent
+        self.reductions += 1
+
+    def set_params(self, per_replica: Sequence[Any]) -> None:
+        """Replica r runs ``per_replica[r]`` (the stage's parameter structure, on its device) from now on."""
+        for r, p in zip(self.replicas, per_replica):
+            r.params = p
+            r.grads = None
+        self.grads = self.squares = None
+
+
+def jax_leaves(tree: Any) -> list[Any]:
+    """``tree``'s leaves in JAX's order."""
+    import jax
+
+    return jax.tree_util.tree_leaves(tree)
+
+
+def lead(worker: Any) -> Any:
+    """The ``StageWorker`` that evaluates for ``worker``: a group's first replica, else the worker itself."""
+    return worker.replicas[0] if isinstance(worker, ReplicaGroup) else worker

@@ -1,0 +1,233 @@
+"""Data parallel x pipeline training: a stage's optimizer state sharded across its replicas (ZeRO-1).
+
+``ReplicaTrainer`` stands where a ``StageTrainer`` would (the same phases for
+``stagestate.finish_stages``) for a stage run by a ``runtime.replicas.ReplicaGroup``
+of N replicas. The stage's optimizer is exported over the 1-D mesh of the
+replicas' devices with every parameter laid out by ``zero_spec`` (its largest
+dimension that divides by N sharded, else whole), so the optimizer state that
+mirrors a parameter (Adam's ``mu`` and ``nu``) takes the same layout and each
+device holds 1/N of it; step counts and leaves no dimension of which divides by N
+stay whole on every device. The update is the exported optimizer's own program,
+partitioned by XLA over the mesh: each device updates its shard, and an optimizer
+that couples leaves (a norm over them) stays the same computation.
+
+A step, per stage: the group's one reduce-scatter leaves each device its shard of
+every summed gradient; tied leaves are summed over their holders as a single
+worker's are; the update runs on the shards; one program gathers the new
+parameters whole onto every replica. ``snapshot`` and ``assign`` speak the whole
+model's form (host arrays, whole leaves), so a checkpoint moves between any N.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ...artifact.sharding import named
+from ...errors import VjpsplitError
+from ...files.prng import to_data
+from ...files.trees import decode_structure, flatten_with_keys, structure_keys
+from ..runtime.replicas import ReplicaGroup, replica_placement, zero_spec
+from .clipping import sum_of_squares
+from .optimizer import export_optimizer, load_optimizer
+from .ownership import Ownership
+from .separable import WholeOptimizer
+from .stagestate import param_node
+
+
+def replica_program(
+    optimizer: Any, group: ReplicaGroup, names: Sequence[str], whole: WholeOptimizer, counted: Sequence[str]
+) -> bytes:
+    """The stage's optimizer exported over its replicas' mesh, every parameter laid out by ``zero_spec``
+    (its share of ``whole``, the reductions' terms of its ``counted`` keys, as ``optimizer.stage_programs``)."""
+    specs = {
+        k: jax.ShapeDtypeStruct(
+            np.shape(v), v.dtype, sharding=NamedSharding(group.mesh, zero_spec(np.shape(v), group.n))
+        )
+        for k, v in zip(names, jax.tree_util.tree_leaves(group.params))
+    }
+    prog = export_optimizer(
+        optimizer,
+        specs,
+        platforms=group.art.manifest.platforms,
+        whole=whole,
+        stage=group.stage_index,
+        counted=counted,
+    )
+    return prog.to_bytes()
+
+
+class ReplicaTrainer:
+    """One stage's parameters (whole on every replica) and optimizer state (sharded across them); see the module.
+
+    ``names``, ``holders``, ``counted`` and ``state`` as ``StageTrainer`` takes them.
+    """
+
+    def __init__(
+        self,
+        group: ReplicaGroup,
+        names: Sequence[str],
+        program: bytes,
+        holders: Mapping[str, Sequence[int]],
+        counted: Sequence[str],
+        state: Mapping[str, Any] | None = None,
+    ):
+        self.worker, self.names = group, list(names)
+        self.node = param_node(group.art)
+        local = structure_keys("", self.node)
+        if len(local) != len(self.names):
+            raise VjpsplitError(f"stage {group.stage_index}: {len(self.names)} parameter names for {len(local)} leaves")
+        self.local = dict(zip(local, self.names))
+        self.holders = {k: [int(s) for s in v] for k, v in holders.items()}
+        self.counted = set(counted)
+        # The group's squares: the counted leaves no other stage holds (a tied leaf's sum is known only later).
+        order = [self.local[k] for k, _ in flatten_with_keys("", group.params)]
+        group.squared = [k in self.counted and k not in self.holders for k in order]
+        self.program = load_optimizer(
+            program, source=f"stage {group.stage_index}'s optimizer", devices=list(group.devices)
+        )
+        if self.program.mesh is None:  # exported over the replicas' mesh just above
+            raise VjpsplitError(f"stage {group.stage_index}: its optimizer program has no mesh; export it again")
+        self.mesh = self.program.mesh
+        self._whole = NamedSharding(self.mesh, PartitionSpec())
+        self._gather = jax.jit(lambda xs: xs, out_shardings=self._whole)
+        self.params = self._joined()
+        self.state = self.program.init(self.params) if state is None else self._placed_state(state)
+        self.grads: dict[str, Any] = {}
+
+    @property
+    def stage_index(self) -> int:
+        """The stage's index."""
+        return self.worker.stage_index
+
+    def _joined(self) -> dict[str, Any]:
+        """The replicas' parameters as one whole (replicated) array per key over the mesh: no copy."""
+        per = [dict(flatten_with_keys("", r.params)) for r in self.worker.replicas]
+        out = {}
+        for k in per[0]:
+            a = per[0][k]
+            out[self.local[k]] = jax.make_array_from_single_device_arrays(np.shape(a), self._whole, [p[k] for p in per])
+        return out
+
+    def _placed_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        missing = [k for k in self.program.state_keys if k not in state]
+        if missing:
+            raise VjpsplitError(f"stage {self.stage_index}: the state to return to lacks '{missing[0]}'")
+        return {
+            leaf.key: jax.device_put(np.asarray(to_data(state[leaf.key])), named(self.mesh, leaf.sharding))
+            for leaf in self.program.state_leaves
+        }
+
+    def _flat_grads(self) -> dict[str, Any]:
+        if self.worker.grads is None:
+            raise VjpsplitError(f"stage {self.stage_index}: the step computed no gradients; run the schedule first")
+        return {self.local[k]: v for k, v in flatten_with_keys("", self.worker.grads)}
+
+    def tied_grads(self) -> dict[str, np.ndarray]:
+        """This stage's gradients of its tied leaves (summed over the replicas), as host arrays."""
+        g = self._flat_grads()
+        return {k: np.asarray(g[k]) for k in sorted(self.holders)}
+
+    def prepare(self, contributions: Mapping[int, Mapping[str, Any]]) -> float:
+        """Each tied leaf's gradient summed over its holders in stage order (as ``StageTrainer.prepare``); this
+        stage's share of the squared global norm (its replicas' shards, from the reduction, and tied leaves)."""
+        g = self._flat_grads()
+        own = contributions.get(self.stage_index, {})
+        for k, holding in self.holders.items():
+            parts = [
+                (own[k] if k in own else np.asarray(g[k])) if s == self.stage_index else contributions[s][k]
+                for s in holding
+            ]
+            total = parts[0].copy()
+            for p in parts[1:]:
+                total = total + p
+            g[k] = total
+        self.grads = g
+        squares = np.asarray(jax.device_get(self.worker.squares)).ravel()
+        tied = sum_of_squares(g, [k for k in self.counted if k in self.holders])
+        return math.fsum([*(float(v) for v in squares), tied])
+
+    def shares(self, rnd: int, scale: float, value: float, reduced: Sequence[Any]) -> list[np.ndarray]:
+        """This stage's shares of the optimizer's reductions over leaves of round ``rnd`` (host scalars), from
+        its replicas' shards (the exported program, partitioned over the mesh)."""
+        if not self.grads:
+            raise VjpsplitError(f"stage {self.stage_index}: shares before prepare; the step's gradients are not summed")
+        got = self.program.shares(rnd, self.params, self.state, self.grads, scale, value, reduced)
+        return [np.asarray(v) for v in got]
+
+    def apply(self, scale: float = 1.0, value: float = 0.0, reduced: Sequence[Any] = ()) -> None:
+        """The exported update on every replica's shards (``value``, ``reduced``: as ``StageTrainer.apply``),
+        then the new parameters gathered whole onto each."""
+        if not self.grads:
+            raise VjpsplitError(f"stage {self.stage_index}: apply before prepare; the step's gradients are not summed")
+        new, self.state = self.program.update(self.params, self.state, self.grads, scale, value, reduced)
+        self.grads = {}
+        whole = self._gather([new[n] for n in self.names])  # the one all-gather of the step's parameters
+        self.params = dict(zip(self.names, whole))
+        self._spread(whole)
+
+    def _spread(self, whole: Sequence[Any]) -> None:
+        per_device = [{s.device: s.data for s in a.addressable_shards} for a in whole]
+        self.worker.set_params(
+            [decode_structure(self.node, iter([d[r.device] for d in per_device])) for r in self.worker.replicas]
+        )
+
+    def snapshot(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """``(params, optimizer state)`` as whole host arrays (the state's shards joined)."""
+        return _host(self.params), _host(self.state)
+
+    def assign(self, params: Mapping[str, Any], state: Mapping[str, Any]) -> None:
+        """Hold ``params`` and ``state`` (whole, flat by global key, as ``snapshot`` gives them) from now on."""
+        missing = [k for k in self.names if k not in params]
+        if missing:
+            raise VjpsplitError(f"stage {self.stage_index}: the state to return to lacks '{missing[0]}'")
+        tree = decode_structure(self.node, iter([np.asarray(params[n]) for n in self.names]))
+        self.state = self._placed_state(state)
+        self.worker.set_params([r.place_params(tree) for r in self.worker.replicas])
+        self.params = self._joined()
+        self.grads = {}
+
+    def optimizer_bytes(self) -> tuple[int, int]:
+        """``(most bytes of optimizer state on one device, bytes of the whole state)``, from the arrays' shards."""
+        per: dict[Any, int] = {}
+        for a in self.state.values():
+            for s in a.addressable_shards:
+                per[s.device] = per.get(s.device, 0) + int(s.data.nbytes)
+        whole = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in self.state.values())
+        return max(per.values(), default=0), whole
+
+
+def _host(d: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    return {k: np.asarray(to_data(v)) for k, v in d.items()}
+
+
+def replica_trainers(
+    ownership: Ownership,
+    optimizer: Any,
+    states: Sequence[Any],
+    whole: WholeOptimizer,
+    *,
+    n: int,
+    workers: Sequence[Sequence[int]],
+    devices: Sequence[Sequence[Any]] | None = None,
+) -> list[ReplicaTrainer]:
+    """Per stage, its ``n`` replicas (``replica_placement``) and their ``ReplicaTrainer``."""
+    own = ownership
+    where = replica_placement(own.artifacts, workers, n, devices)
+    S = len(own.artifacts)
+    groups = [ReplicaGroup(a, p, s, S, g) for s, (a, p, g) in enumerate(zip(own.artifacts, own.stage_params, where))]
+    return [
+        ReplicaTrainer(
+            g,
+            own.names[s],
+            replica_program(optimizer, g, own.names[s], whole, own.counted[s]),
+            own.holders[s],
+            own.counted[s],
+            states[s],
+        )
+        for s, g in enumerate(groups)
+    ]
