@@ -164,8 +164,14 @@ class _Graph:
                 invars = list(dict.fromkeys(a for a in eqn.invars if not isinstance(a, jcore.Literal)))
                 outs = [self.node(v.aval) for v in eqn.outvars]
                 self.eqns.append((eqn, invars, [env[v] for v in invars], outs))
-            env.update((v, o) for v, o in zip(eqn.outvars, outs) if not isinstance(v, jcore.DropVar))
+            env.update((v, o) for v, o in zip(eqn.outvars, outs) if not _dropped(v))
         return [read(a) for a in closed.jaxpr.outvars]
+
+
+def _dropped(v: Any) -> bool:
+    """Whether ``v`` is an equation's unused output (``DropVar``): named by its type, since ``jax.extend.core``
+    has no ``DropVar`` before jax 0.7 and the oldest supported jax is 0.6.2."""
+    return type(v).__name__ == "DropVar"
 
 
 def _where(eqn: Any) -> str:
