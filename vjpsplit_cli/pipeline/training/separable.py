@@ -186,7 +186,7 @@ def _where(eqn: Any) -> str:
 def _run_eqn(eqn: Any, invars: Sequence[Any], vals: Sequence[Any]) -> list[Any]:
     if eqn is _SELECT:
         return [jax.lax.select_n(vals[0], *vals[1:])]
-    outs = [v for v in eqn.outvars if not isinstance(v, jcore.DropVar)]
+    outs = [v for v in eqn.outvars if not _dropped(v)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         one = jcore.Jaxpr([], list(invars), outs, [eqn], eqn.effects)
