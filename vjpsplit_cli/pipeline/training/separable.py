@@ -191,7 +191,7 @@ def _run_eqn(eqn: Any, invars: Sequence[Any], vals: Sequence[Any]) -> list[Any]:
         warnings.simplefilter("ignore", DeprecationWarning)
         one = jcore.Jaxpr([], list(invars), outs, [eqn], eqn.effects)
     got = iter(jcore.jaxpr_as_fun(jcore.ClosedJaxpr(one, []))(*vals))
-    return [None if isinstance(v, jcore.DropVar) else next(got) for v in eqn.outvars]
+    return [None if _dropped(v) else next(got) for v in eqn.outvars]
 
 
 class Cut:
