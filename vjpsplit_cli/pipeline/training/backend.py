@@ -16,6 +16,7 @@ from ...errors import VjpsplitError
 from ...files.dtypes import dtype_name
 from ..runtime.devices import placed, placement
 from ..runtime.model import Microbatch
+from ..runtime.offload import Offload
 from ..runtime.result import PipelineResult
 from ..schedules.layout import Layout
 from ..schedules.plans import Resolved
@@ -90,11 +91,13 @@ def open_backend(
     layout: Layout,
     devices: Sequence[Sequence[Any]] | None = None,
     hang_report: str | None = None,
+    offload: Offload | None = None,
     **ray_options: Any,
 ) -> Backend:
     """The backend ``runner`` names, its workers holding the stages of ``ownership`` and each stage's
     exported ``optimizer`` (specs from the stage's parameters where they are placed) and ``states``;
-    ``hang_report``: where a stuck step's report goes (in-process)."""
+    ``hang_report``: where a stuck step's report goes (in-process); ``offload``: residuals off the device between
+    F and B (``offload.Offload``)."""
     if runner != "inprocess" and devices is not None:
         raise VjpsplitError(
             "devices= places the stages of this process; a Ray worker runs on the devices its actor sees "
@@ -116,7 +119,9 @@ def open_backend(
         states = [init[s] if st is None else st for s, st in enumerate(states)]
     programs = stage_programs(optimizer, arts, ownership.names, specs, whole, ownership.counted)
     if runner == "inprocess":
-        return InProcessBackend(ownership, arts, where, programs, states, ray_options["step_timeout"], hang_report)
+        return InProcessBackend(
+            ownership, arts, where, programs, states, ray_options["step_timeout"], hang_report, offload
+        )
     reductions = [(r.op, dtype_name(np.dtype(r.dtype)), r.round) for r in whole.roots()]
     return RayBackend(
         ownership,
@@ -126,6 +131,7 @@ def open_backend(
         whole.uses_value,
         layout=layout.workers,
         hang_report=hang_report,
+        offload=offload,
         **ray_options,
     )
 

@@ -22,6 +22,7 @@ from ..runtime.evaluation import evaluate_here, host
 from ..runtime.inprocess import RUNNER, Watch, WorkerThreads, dispatch, run_threads
 from ..runtime.model import Microbatch
 from ..runtime.result import PipelineResult, step_result
+from ..runtime.offload import Offload
 from ..runtime.worker import StageWorker
 from ..schedules.ops import Op
 from ..schedules.plans import Resolved
@@ -76,12 +77,15 @@ class InProcessBackend:
         states: Sequence[Any],
         step_timeout: float | None = None,
         hang_report: str | None = None,
+        offload: Offload | None = None,
     ):
         self.ownership = own = ownership
         self.step_timeout, self.hang_report = step_timeout, hang_report
         self.broken: str | None = None  # set when a timed step left a thread stuck in an operation
         S = len(arts)
-        workers = [StageWorker(a, p, i, S, g[0]) for i, (a, p, g) in enumerate(zip(arts, own.stage_params, where))]
+        workers = [
+            StageWorker(a, p, i, S, g[0], offload) for i, (a, p, g) in enumerate(zip(arts, own.stage_params, where))
+        ]
         self.trainers = [
             StageTrainer(w, own.names[s], programs[s], own.holders[s], own.counted[s], states[s])
             for s, w in enumerate(workers)
