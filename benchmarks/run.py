@@ -42,6 +42,7 @@ SECTIONS = {
     # On a CPU-only machine, the accelerator command's own smoke test.
     "accelerator": ("The one-shot accelerator run, on this machine's default device", "benchmarks.accelerator"),
     "zbscan": ("Zero bubble inside scan: B then W vs fused", "benchmarks.zbscan"),
+    "offload": ("Residuals off the device: peak residual bytes and step time", "benchmarks.offload"),
 }
 
 

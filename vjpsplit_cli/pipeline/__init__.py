@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from .runtime.devices import SharedDevicesWarning
 from .runtime.inprocess import run_inprocess
+from .runtime.offload import Offload
 from .runtime.ray.pipeline import RayPipeline
 from .runtime.ray.setup import placement_group_options
 from .runtime.result import PipelineResult
@@ -63,6 +64,7 @@ __all__ = [
     "Costs",
     "Event",
     "Kind",
+    "Offload",
     "Op",
     "PipelineResult",
     "RayPipeline",

@@ -43,6 +43,7 @@ from .flight import (
     write_flight,
 )
 from .model import Microbatch, model_of, side_for
+from .offload import Offload, offload_of
 from .result import PipelineResult, step_result
 from .worker import StageWorker, run_op
 
@@ -82,6 +83,7 @@ def run_inprocess(
     devices: Sequence[Sequence[Any]] | None = None,
     schedule: Sequence[Sequence[Op]] | None = None,
     timed: bool = True,
+    offload: Offload | str | None = None,
 ) -> PipelineResult:
     """Run one training step in this process, every stage on its own device where this host has enough.
 
@@ -96,7 +98,8 @@ def run_inprocess(
     waits for each operation, so the result's timeline holds real compute times;
     ``timed=False`` dispatches every operation from this thread without waiting (no
     timeline), as ``Trainer`` does. ``progress=True`` (a bar over operations) times
-    the step too. A ``Stages`` takes the whole ``params`` and the batch tuple as
+    the step too. ``offload`` (``"host"`` or an ``offload.Offload``): residuals leave their device between
+    F and B (bitwise the same gradients). A ``Stages`` takes the whole ``params`` and the batch tuple as
     ``x``, and its gradients come back in ``params``' structure.
     """
     model = model_of(artifacts, params)
@@ -106,7 +109,8 @@ def run_inprocess(
     arts = placed(model.artifacts, where)
     model.check_plans(name, plans)
     mbs = model.microbatches(x, side, microbatches)
-    workers = [StageWorker(a, p, i, S, g[0]) for i, (a, p, g) in enumerate(zip(arts, model.stage_params, where))]
+    spec = offload_of(offload)
+    workers = [StageWorker(a, p, i, S, g[0], spec) for i, (a, p, g) in enumerate(zip(arts, model.stage_params, where))]
     timed = timed or progress
     t0 = time.monotonic()
     if timed:
@@ -147,7 +151,7 @@ def dispatch(
     asynchronous dispatch runs the devices side by side. ``order``: ``dispatch.order_of(plans)``, if kept.
     """
     for st in workers:
-        st.reset(timed=False)
+        st.reset(timed=False, plans=plans)
     split = split_ops(plans)
     mbs = placed_microbatches(mbs, workers)
 
@@ -179,7 +183,7 @@ def run_threads(
     is one ``VjpsplitError`` naming what each worker is doing; Ctrl-C, a ``StepInterrupted`` saying the same.
     """
     for st in workers:
-        st.reset(timed=True)
+        st.reset(timed=True, plans=plans)
     mbs = placed_microbatches(mbs, workers)
     threads = _Threads(plans, workers, split_ops(plans), microbatches, progress, tail)
     threads.run(pool, lambda submit: walk(plans, len(workers), mbs, submit, order), watch or Watch())

@@ -31,7 +31,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from ...errors import VjpsplitError
+from ..schedules.ops import Op
 from .model import Microbatch
+from .offload import Offload
 from .worker import StageWorker
 
 AXIS = "replicas"  # the one mesh axis of a stage's replica devices
@@ -222,14 +224,25 @@ class ReplicaGroup:
     ``squares`` the replicas' squared sums (``Reducer``); ``squared`` says, per
     parameter leaf, whether it counts in them (set by whoever owns the norm).
     ``reductions`` counts the cross-replica reductions run (one per step).
+    ``offload``: every replica's residuals off its own device between F and B, as a single worker's.
     """
 
-    def __init__(self, artifact: Any, params: Any, stage_index: int, num_stages: int, devices: Sequence[Any]):
+    def __init__(
+        self,
+        artifact: Any,
+        params: Any,
+        stage_index: int,
+        num_stages: int,
+        devices: Sequence[Any],
+        offload: Offload | None = None,
+    ):
         import jax
 
         if artifact.manifest.sharded:
             raise VjpsplitError(f"stage {stage_index}: replicas run unsharded stages only")
         self.replicas = [StageWorker(artifact, params, stage_index, num_stages, d) for d in devices]
+        for i, r in enumerate(self.replicas):
+            r.set_offload(offload, replica=i)
         self.n = len(self.replicas)
         self.mesh = replica_mesh(devices)
         self.art = artifact
@@ -269,12 +282,22 @@ class ReplicaGroup:
         """A timed step's events: the first replica's (the replicas run one after another when timed)."""
         return self.replicas[0].events
 
-    def reset(self, timed: bool | None = None) -> None:
-        """Every replica ready for the next step; no gradients yet."""
+    @property
+    def peak_residual_bytes(self) -> int:
+        """The step's most residual bytes on any one replica's device (``StageWorker.peak_residual_bytes``)."""
+        return max(r.peak_residual_bytes for r in self.replicas)
+
+    def before(self, op: Op) -> None:
+        """Before ``op``: every replica starts its copy back of the next B's residuals, if away."""
+        for r in self.replicas:
+            r.before(op)
+
+    def reset(self, timed: bool | None = None, plans: Sequence[Sequence[Op]] | None = None) -> None:
+        """Every replica ready for the next step; no gradients yet (``plans``: as ``StageWorker.reset``)."""
         if timed is not None:
             self.timed = timed
         for r in self.replicas:
-            r.reset(timed)
+            r.reset(timed, plans)
         self.grads: Any = None
         self.squares: Any = None
         self.done, self.m = 0, 0

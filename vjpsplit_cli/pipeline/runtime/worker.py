@@ -21,6 +21,7 @@ from ...tracing.residuals import Intermediates
 from ..schedules.ops import Kind, Op
 from .devices import default_device
 from .flight import RING
+from .offload import Offload, Offloader, device_bytes
 from ..schedules.timeline import Event, op_name
 
 
@@ -149,9 +150,19 @@ class StageWorker:
     artifact's devices (``Artifact.on_devices``). ``timed`` (per step, see
     ``reset``): each operation waits for its results and records an ``Event`` of
     its compute time; otherwise operations are dispatched and nothing waits.
+    ``offload``: which residuals leave the device between F and B (``offload.Offload``; None: none).
+    ``peak_residual_bytes``: the step's most stored residual bytes on the device at an operation's boundary.
     """
 
-    def __init__(self, artifact: Any, params: Any, stage_index: int, num_stages: int, device: Any = None):
+    def __init__(
+        self,
+        artifact: Any,
+        params: Any,
+        stage_index: int,
+        num_stages: int,
+        device: Any = None,
+        offload: Offload | None = None,
+    ):
         self.art = artifact
         m = artifact.manifest
         self.device = None if m.sharded else device
@@ -171,10 +182,21 @@ class StageWorker:
             )
         self.calls = _calls_for(artifact, self.feeds_back)
         self._runs: dict[Any, int] = {}  # timed steps: how often each call ran per input signature (warm or not)
+        self.set_offload(offload)
         self.timed = True
         # The last operations (kind, mb, start, end), kept across steps: what a stuck step's report shows.
         self.ring: deque[tuple[str, int, float, float]] = deque(maxlen=RING)
         self.reset()
+
+    def set_offload(self, spec: Offload | None, replica: int | None = None) -> None:
+        """Which of this stage's residuals leave its device between F and B from the next step (None: none);
+        ``replica``: this worker's index among its stage's replicas (it names their files apart)."""
+        self.offloader = None if spec is None else Offloader(spec, self.art, self.stage_index, replica)
+
+    def before(self, op: Op) -> None:
+        """Before this stage runs ``op``: start the copy back of its next B's residuals if they are away."""
+        if self.offloader is not None:
+            self.offloader.before(op)
 
     def place_params(self, params: Any) -> Any:
         """``params`` where this stage keeps them: on its device, or a sharded stage's by its recorded
@@ -198,10 +220,14 @@ class StageWorker:
         leaves = [a for a in jax.tree_util.tree_leaves(self.params) if isinstance(a, jax.Array)]
         return tuple(sorted(leaves[0].devices(), key=lambda d: d.id)) if leaves else (default_device(),)
 
-    def reset(self, timed: bool | None = None) -> None:
-        """Forget residuals, gradients and timings: ready for the next step (``timed``: see the class)."""
+    def reset(self, timed: bool | None = None, plans: Sequence[Sequence[Op]] | None = None) -> None:
+        """Forget residuals, gradients and timings: ready for the next step (``timed``: see the class;
+        ``plans``: the step's, which an offloading stage reads to start each copy back one operation early)."""
         if timed is not None:
             self.timed = timed
+        if self.offloader is not None and plans is not None:
+            self.offloader.schedule(plans)
+        self.peak_residual_bytes = 0
         self.res: dict[int, Any] = {}
         self.inter: dict[int, Any] = {}
         self.grads: Any = None
@@ -229,6 +255,21 @@ class StageWorker:
 
         keys = sorted(self.losses)
         return {m: float(v) for m, v in zip(keys, jax.device_get([self.losses[m] for m in keys]))}
+
+    def residual_bytes(self) -> int:
+        """Bytes of the stored residuals (and W's intermediates) this stage holds on its device now."""
+        held = [r.stored for r in self.res.values() if hasattr(r, "stored")]
+        held += [(i.arrays, i.stored) for i in self.inter.values()]
+        return device_bytes(held) + (0 if self.offloader is None else self.offloader.device_bytes())
+
+    def _note_peak(self) -> None:
+        """At an operation's boundary: the most residual bytes held on the device so far this step."""
+        self.peak_residual_bytes = max(self.peak_residual_bytes, self.residual_bytes())
+
+    def _residuals(self, mb: int) -> Any:
+        """Microbatch ``mb``'s residuals for its B, back on the device if they were away."""
+        held = self.res.pop(mb)
+        return held if self.offloader is None else self.offloader.take(mb, held)
 
     def _run(
         self,
@@ -292,25 +333,30 @@ class StageWorker:
             xs = [self.art.place_arg(i + 1, v) for i, v in enumerate(xs)]
         f = self.calls.forward
         out, res = self._run(worker, Kind.F, mb, (self.params, *xs), f, f.WARMUP)
-        self.res[mb] = res
+        self.res[mb] = res if self.offloader is None else self.offloader.send(mb, res)
+        self._note_peak()
         if self.is_last:
             self.losses[mb] = out
         return out
 
     def backward(self, mb: int, ct: Any, microbatches: int, worker: int | None = None) -> Any:
         """Whole backward (GPipe, 1F1B): accumulate the weight gradient, return the input cotangent."""
-        res, c = self.res.pop(mb), self._ct(ct, microbatches)
+        res, c = self._residuals(mb), self._ct(ct, microbatches)
         if self.grads is None:
             self.grads, gx = self._run(worker, Kind.B, mb, (res, c), self.calls.backward, 1)
         else:
             self.grads, gx = self._run(worker, Kind.B, mb, (self.grads, res, c), self.calls.backward_acc, 1)
+        del res
+        self._note_peak()
         return gx
 
     def backward_input(self, mb: int, ct: Any, microbatches: int, worker: int | None = None) -> Any:
         """Split schedules' B: the input cotangent now, the weight part later."""
         # B is the last reader of most residuals: drop them, keeping only W's share (in inter).
-        res, c = self.res.pop(mb), self._ct(ct, microbatches)
+        res, c = self._residuals(mb), self._ct(ct, microbatches)
         gx, self.inter[mb] = self._run(worker, Kind.B, mb, (res, c), self.calls.backward_input, 1)
+        del res
+        self._note_peak()
         return gx
 
     def backward_weight(self, mb: int, worker: int | None = None) -> None:
@@ -320,6 +366,7 @@ class StageWorker:
             self.grads = self._run(worker, Kind.W, mb, (inter,), self.calls.backward_weight, 1)
         else:
             self.grads = self._run(worker, Kind.W, mb, (self.grads, inter), self.calls.backward_weight_acc, 1)
+        self._note_peak()
 
 
 def _signature_of(args: Sequence[Any]) -> tuple[Any, ...]:
@@ -344,6 +391,7 @@ def run_op(
     Returns what the operation hands on: the activation (or loss), the input
     cotangent, or None for W.
     """
+    stage.before(op)  # the copy back of the stage's next B overlaps this operation
     if op.kind == Kind.F:
         return stage.forward(op.mb, data, side, worker=worker)
     if op.kind == Kind.B:

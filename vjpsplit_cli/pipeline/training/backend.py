@@ -16,6 +16,7 @@ from ...errors import VjpsplitError
 from ...files.dtypes import dtype_name
 from ..runtime.devices import placed, placement
 from ..runtime.model import Microbatch
+from ..runtime.offload import Offload
 from ..runtime.result import PipelineResult
 from ..schedules.layout import Layout
 from ..schedules.plans import Resolved
@@ -92,12 +93,14 @@ def open_backend(
     devices: Sequence[Sequence[Any]] | None = None,
     hang_report: str | None = None,
     data_parallel: int = 1,
+    offload: Offload | None = None,
     **ray_options: Any,
 ) -> Backend:
     """The backend ``runner`` names, its workers holding the stages of ``ownership`` and each stage's
     exported ``optimizer`` (specs from the stage's parameters where they are placed) and ``states``;
     ``hang_report``: where a stuck step's report goes (in-process).
-    ``data_parallel=N``: every stage on N replicas, its optimizer state sharded across them (``replicas``)."""
+    ``data_parallel=N``: every stage on N replicas, its optimizer state sharded across them (``replicas``).
+    ``offload``: residuals off the device between F and B (``offload.Offload``; every replica's own)."""
     if data_parallel > 1 and runner != "inprocess":
         raise VjpsplitError(
             f"data_parallel={data_parallel} runs in-process only for now; use runner='inprocess' (replicas on "
@@ -120,7 +123,14 @@ def open_backend(
         states = [init[s] if st is None else st for s, st in enumerate(states)]
     if data_parallel > 1:
         trainers = replica_trainers(
-            ownership, optimizer, states, whole, n=data_parallel, workers=layout.workers, devices=devices
+            ownership,
+            optimizer,
+            states,
+            whole,
+            n=data_parallel,
+            workers=layout.workers,
+            devices=devices,
+            offload=offload,
         )
         return InProcessBackend(ownership, trainers, ray_options["step_timeout"], hang_report, data_parallel)
     where = placement(ownership.artifacts, layout.workers, devices)
@@ -131,7 +141,7 @@ def open_backend(
     if runner == "inprocess":
         return InProcessBackend(
             ownership,
-            stage_trainers(ownership, arts, where, programs, states),
+            stage_trainers(ownership, arts, where, programs, states, offload),
             ray_options["step_timeout"],
             hang_report,
         )
@@ -144,6 +154,7 @@ def open_backend(
         whole.uses_value,
         layout=layout.workers,
         hang_report=hang_report,
+        offload=offload,
         **ray_options,
     )
 

@@ -23,6 +23,7 @@ from ..runtime.inprocess import RUNNER, Watch, WorkerThreads, dispatch, run_thre
 from ..runtime.model import Microbatch
 from ..runtime.replicas import check_split, lead
 from ..runtime.result import PipelineResult, step_result
+from ..runtime.offload import Offload
 from ..runtime.worker import StageWorker
 from ..schedules.ops import Op
 from ..schedules.plans import Resolved
@@ -39,10 +40,12 @@ def stage_trainers(
     where: Sequence[Devices],
     programs: Sequence[bytes],
     states: Sequence[Any],
+    offload: Offload | None = None,
 ) -> list[StageTrainer]:
-    """Per stage, its ``StageTrainer`` on its device (``where``), with its exported optimizer ``programs``."""
+    """Per stage, its ``StageTrainer`` on its device (``where``), with its exported optimizer ``programs``;
+    ``offload``: its residuals off the device between F and B."""
     own, S = ownership, len(arts)
-    workers = [StageWorker(a, p, i, S, g[0]) for i, (a, p, g) in enumerate(zip(arts, own.stage_params, where))]
+    workers = [StageWorker(a, p, i, S, g[0], offload) for i, (a, p, g) in enumerate(zip(arts, own.stage_params, where))]
     return [
         StageTrainer(w, own.names[s], programs[s], own.holders[s], own.counted[s], states[s])
         for s, w in enumerate(workers)

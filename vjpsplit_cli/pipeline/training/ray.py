@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..runtime.evaluation import EvaluatingActor
+from ..runtime.offload import Offload
 from ..runtime.model import Microbatch, side_for
 from ..runtime.ray.actor import StageActor, raise_first_error
 from ..runtime.ray.pipeline import RUNNER, RayPipeline
@@ -126,10 +127,13 @@ class RayBackend:
         self.rounds = 1 + max((int(r[2]) for r in self.reductions), default=-1)
         self.schedule_timeout = float(options.get("schedule_timeout", SCHEDULE_TIMEOUT))
         hang_report = options.pop("hang_report", None)
+        self.offload: Offload | None = options.pop("offload", None)
         self.rp = rp = TrainPipeline(ownership.artifacts, ownership.stage_params, **options)
         rp.hang_report = hang_report
         try:
             rp.get([a.setup.remote(self._entries(w, states)) for w, a in enumerate(rp.actors)])
+            if self.offload is not None:
+                rp.get([a.offload.remote(self.offload) for a in rp.actors])
         except BaseException:
             rp.close()
             raise
@@ -302,6 +306,8 @@ class RayBackend:
             rp.actors[w] = rp.new_actor(w)
         rp.start_workers(workers, self.schedule_timeout, "the actor replacing its lost one")
         rp.get([rp.actors[w].setup.remote(self._entries(w, [None] * S)) for w in workers])
+        if self.offload is not None:
+            rp.get([rp.actors[w].offload.remote(self.offload) for w in workers])
         rp.connect()  # every actor sends its results to the new handles from now on
         self.actor_of = {s: rp.actors[w] for s, w in self.worker_of.items()}
         self.evaluating -= set(workers)  # a new actor gets the evaluation programs at its first evaluate

@@ -31,6 +31,7 @@ from ...artifact.sharding import named
 from ...errors import VjpsplitError
 from ...files.prng import to_data
 from ...files.trees import decode_structure, flatten_with_keys, structure_keys
+from ..runtime.offload import Offload
 from ..runtime.replicas import ReplicaGroup, replica_placement, zero_spec
 from .clipping import sum_of_squares
 from .optimizer import export_optimizer, load_optimizer
@@ -214,12 +215,16 @@ def replica_trainers(
     n: int,
     workers: Sequence[Sequence[int]],
     devices: Sequence[Sequence[Any]] | None = None,
+    offload: Offload | None = None,
 ) -> list[ReplicaTrainer]:
-    """Per stage, its ``n`` replicas (``replica_placement``) and their ``ReplicaTrainer``."""
+    """Per stage, its ``n`` replicas (``replica_placement``) and their ``ReplicaTrainer``; ``offload``: every
+    replica's residuals off its device between F and B."""
     own = ownership
     where = replica_placement(own.artifacts, workers, n, devices)
     S = len(own.artifacts)
-    groups = [ReplicaGroup(a, p, s, S, g) for s, (a, p, g) in enumerate(zip(own.artifacts, own.stage_params, where))]
+    groups = [
+        ReplicaGroup(a, p, s, S, g, offload) for s, (a, p, g) in enumerate(zip(own.artifacts, own.stage_params, where))
+    ]
     return [
         ReplicaTrainer(
             g,

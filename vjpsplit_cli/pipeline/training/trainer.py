@@ -28,6 +28,7 @@ import numpy as np
 
 from ...errors import VjpsplitError
 from ..runtime.model import model_of
+from ..runtime.offload import Offload, offload_of
 from ..runtime.ray.pipeline import STEP_TIMEOUT
 from ..runtime.ray.setup import SCHEDULE_TIMEOUT
 from ..runtime.result import PipelineResult
@@ -101,6 +102,11 @@ class Trainer:
     trace-event format: ``PipelineResult.write_trace``; ``n`` counts steps from 1); ``trace_every=k`` times every
     k-th step (``fit``'s too), so ``Trainer(..., trace_dir="traces", trace_every=100)`` traces one step in 100.
 
+    ``offload``: residuals leave their stage's device between a microbatch's F and its B and come back
+    one operation ahead of the B: ``"host"`` (host memory: ``pinned_host`` where the platform has it, NumPy on
+    CPU devices) or ``Offload(to="host"|"files", directory=..., microbatches=..., stages=...)``
+    (``vjpsplit_cli.pipeline.Offload``). Gradients and training are bitwise those without offload.
+
     ``step_timeout`` (seconds) bounds every step on Ray and every timed step in-process: a step past it,
     or one interrupted by Ctrl-C, is one error naming what each worker is running or waiting for, and the
     last operations of every worker are written as JSON to ``hang_report`` (default: in ``fit`` with a
@@ -148,6 +154,7 @@ class Trainer:
         trace_dir: str | os.PathLike[str] | None = None,
         trace_every: int | None = None,
         data_parallel: int = 1,
+        offload: Offload | str | None = None,
         _restored: tuple[Sequence[Any] | None, int] | None = None,
     ):
         clip_global_norm = checked_clip(clip_global_norm)  # a bad value is refused now, not after the first step
@@ -167,6 +174,7 @@ class Trainer:
                 f"data_parallel={data_parallel!r}: give the number of replicas of every stage, an int >= 1"
             )
         self.data_parallel = data_parallel
+        self.offload = offload_of(offload)  # a bad value is refused before any export
         self.stages = stages
         self.model = model_of(stages, params)
         self.ownership = Ownership(self.model, tied)
@@ -200,6 +208,7 @@ class Trainer:
             step_timeout=step_timeout,
             schedule_timeout=schedule_timeout,
             hang_report=None if hang_report is None else os.fspath(hang_report),
+            offload=self.offload,
         )
         self._hang_named = hang_report is not None
         self.timeline = timeline

@@ -17,6 +17,7 @@ from ...schedules.ops import Kind, Op
 from ...schedules.timeline import Phase
 from ..devices import placed, placement
 from ..flight import Now, idle
+from ..offload import Offload
 from ..worker import StageWorker, run_op
 from .lists import Inbox, Sender, run_list, unpack
 
@@ -98,7 +99,7 @@ class StageActor:
         timed: bool,
     ) -> None:
         """Step ``step``: reset, then this worker's list of operations (see ``lists.run_list``)."""
-        self.reset(timed)
+        self.reset(timed, [[Op(Kind(kind), mb, stage) for kind, mb, stage in ops]])
         self.now, self.sent = idle(), {}
         self.inbox.begin(step)
         run_list(self, step, ops, batch, microbatches, split)
@@ -131,10 +132,16 @@ class StageActor:
         """Per stage held, the devices that hold its parameters, as this actor's JAX names them."""
         return {s: [str(d) for d in st.devices] for s, st in self.stage_workers.items()}
 
-    def reset(self, timed: bool = True) -> None:
-        """Forget the last step's residuals, gradients, timings and error; ``timed``: the next step's mode."""
+    def offload(self, spec: Offload | None) -> None:
+        """Residuals of this worker's stages off their device between F and B (``offload.Offload``; None: not)."""
         for st in self.stage_workers.values():
-            st.reset(timed)
+            st.set_offload(spec)
+
+    def reset(self, timed: bool = True, plans: Sequence[Sequence[Op]] | None = None) -> None:
+        """Forget the last step's residuals, gradients, timings and error; ``timed``: the next step's mode;
+        ``plans``: this worker's operations of the next step (what an offloading stage reads)."""
+        for st in self.stage_workers.values():
+            st.reset(timed, plans)
         self.error = None
         self.phases = []
 

@@ -1,0 +1,325 @@
+"""Residuals off the device between a microbatch's F and its B: to host memory or to residual files.
+
+``Offload`` is what a user asks for (``Trainer(..., offload=...)``); an ``Offloader``
+does it for one ``StageWorker``. After a microbatch's F its stored residuals go
+off the device: to the devices' ``pinned_host`` memory where they have one (GPUs,
+and CPU devices in recent JAX; asynchronous copies both ways), else host NumPy
+copies made on the offloader's own thread, or, on that thread, to the project's
+checksummed residual files in a directory the user names; when the stage
+starts the operation before that microbatch's B, the copy back starts, so it
+overlaps that operation's compute. The arrays come back with the shardings they
+left with, so B runs the same compiled call on the same bytes: gradients are
+bitwise those without offload. A file that is missing, damaged or holds another
+forward run's residuals is one ``VjpsplitError`` naming the stage, the
+microbatch and the file, never a wrong gradient.
+
+Input-backed residuals (the stage's parameters and arriving activation) stay
+where they are: they are the caller's arrays, not copies. W's share of a split
+backward (``Intermediates``) also stays on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Collection, Sequence
+
+import numpy as np
+
+from ...errors import VjpsplitError
+from ..schedules.ops import Kind, Op, OpKey
+
+HOST, FILES = "host", "files"
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload:
+    """Which residuals leave their device between F and B, and where they go.
+
+    Args:
+        to: ``"host"`` (host memory: the devices' ``pinned_host`` memory kind where they have
+            it, else host NumPy arrays) or ``"files"`` (checksummed residual files, one per stage
+            and microbatch, written with ``save_residuals`` and read back with ``load_residuals``).
+        directory: where ``to="files"`` writes (required there; created if absent). Give each
+            running Trainer its own: the files are named ``stage<s>-mb<m>.npz`` (``stage<s>-r<r>-mb<m>.npz``
+            for replica r of a ``data_parallel`` stage).
+        microbatches: the microbatch indices to offload; None: every one.
+        stages: the stage indices to offload; None: every one.
+
+    A microbatch whose B is the stage's very next operation after its F (the last
+    stage's, in most schedules) is never offloaded: there is nothing to gain.
+    """
+
+    to: str = HOST
+    directory: str | None = None
+    microbatches: Collection[int] | None = None
+    stages: Collection[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.to not in (HOST, FILES):
+            raise VjpsplitError(f"Offload(to={self.to!r}): give 'host' or 'files'")
+        if self.to == FILES and not self.directory:
+            raise VjpsplitError("Offload(to='files') needs directory=: where the residual files go")
+        if self.to == HOST and self.directory is not None:
+            raise VjpsplitError("Offload(directory=...) applies to to='files'")
+        for name in ("microbatches", "stages"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, (str, bytes)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+                raise VjpsplitError(f"Offload({name}={v!r}): give a collection of int indices, or None for all")
+            object.__setattr__(self, name, frozenset(v))
+        if self.directory is not None:
+            object.__setattr__(self, "directory", os.fspath(self.directory))
+
+    def wants(self, stage: int, mb: int) -> bool:
+        """Whether the residuals of microbatch ``mb`` of ``stage`` are to leave the device."""
+        return (self.stages is None or stage in self.stages) and (self.microbatches is None or mb in self.microbatches)
+
+
+def offload_of(value: Any) -> Offload | None:
+    """``Trainer(offload=...)``'s value as an ``Offload``: None, ``"host"``, or an ``Offload``.
+
+    Raises:
+        VjpsplitError: for anything else (``"files"`` needs ``Offload(to="files", directory=...)``).
+    """
+    if value is None or isinstance(value, Offload):
+        return value
+    if value == HOST:
+        return Offload(HOST)
+    raise VjpsplitError(
+        f"offload={value!r}: give None, 'host', or vjpsplit_cli.pipeline.Offload(to='host'|'files', directory=...)"
+    )
+
+
+def _nbytes(a: Any) -> int:
+    return int(np.prod(np.shape(a), dtype=np.int64)) * np.dtype(a.dtype).itemsize
+
+
+def on_device(a: Any) -> bool:
+    """Whether ``a`` is a JAX array in device memory (not host NumPy, not ``pinned_host``)."""
+    import jax
+
+    if not isinstance(a, jax.Array):
+        return False
+    kind = getattr(a.sharding, "memory_kind", None)
+    return kind is None or kind == "device"
+
+
+def device_bytes(arrays: Any) -> int:
+    """Bytes of the distinct device arrays among ``arrays``' leaves."""
+    import jax
+
+    seen: dict[int, int] = {}
+    for a in jax.tree_util.tree_leaves(arrays):
+        if on_device(a):
+            seen[id(a)] = _nbytes(a)
+    return sum(seen.values())
+
+
+def _movable(a: Any) -> bool:
+    """A stored leaf that can leave and come back bit for bit (typed PRNG keys stay: NumPy has no dtype for them)."""
+    import jax
+
+    return isinstance(a, jax.Array) and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+
+
+def _has_pinned_host(a: Any) -> bool:
+    try:
+        devices = a.sharding.device_set
+        return all("pinned_host" in {m.kind for m in d.addressable_memories()} for d in devices)
+    except (AttributeError, ValueError):
+        return False
+
+
+class _Away:
+    """One microbatch's residuals while they are off the device: the shell, its future, and the copy back."""
+
+    __slots__ = ("shell", "moved", "shardings", "specs", "nbytes", "out", "back", "path", "pinned")
+
+    def __init__(self, shell: Any, moved: list[str], arrays: list[Any]):
+        self.shell, self.moved = shell, moved
+        self.shardings = [a.sharding for a in arrays]
+        self.specs = [(tuple(a.shape), np.dtype(a.dtype)) for a in arrays]
+        self.nbytes = sum(map(_nbytes, arrays))
+        self.path: str | None = None
+        self.pinned: list[Any] | None = None  # the ``pinned_host`` copies, where the device has that memory
+        self.out: Future[Any] | None = None  # the host copies (host) or None (files), once away
+        self.back: Future[Any] | None = None  # the residuals on the device again
+
+
+class Offloader:
+    """One stage's residuals off its device: ``away`` after F, ``prefetch`` before B's previous operation, ``take``
+    at B. Jobs run in order on one thread of its own, so a copy back never overtakes its copy out."""
+
+    def __init__(self, spec: Offload, artifact: Any, stage: int, replica: int | None = None):
+        self.spec, self.art, self.stage, self.replica = spec, artifact, stage, replica
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"vjpsplit-offload-{stage}")
+        self._close = weakref.finalize(self, self.pool.shutdown, wait=False)
+        self.away: dict[int, _Away] = {}
+        self.next_op: dict[OpKey, Op] = {}
+        self.token, self.step = uuid.uuid4().hex[:12], 0
+        if spec.to == FILES:
+            assert spec.directory is not None
+            os.makedirs(spec.directory, exist_ok=True)
+
+    def schedule(self, plans: Sequence[Sequence[Op]]) -> None:
+        """Note the stage's operations in order for this step (what runs after each)."""
+        mine = [op for ops in plans for op in ops if op.stage == self.stage]
+        self.next_op = {a.key: b for a, b in zip(mine, mine[1:])}
+        self.away = {}
+        self.step += 1
+
+    def tag(self, mb: int) -> str:
+        """What names microbatch ``mb``'s residuals of this step in their file."""
+        rep = "" if self.replica is None else f":replica{self.replica}"
+        return f"offload:{self.token}:step{self.step}:stage{self.stage}{rep}:mb{mb}"
+
+    def path(self, mb: int) -> str:
+        """The residual file of microbatch ``mb`` (``to="files"``)."""
+        assert self.spec.directory is not None
+        rep = "" if self.replica is None else f"-r{self.replica}"
+        return os.path.join(self.spec.directory, f"stage{self.stage}{rep}-mb{mb}.npz")
+
+    def keeps(self, mb: int) -> bool:
+        """Whether microbatch ``mb``'s F residuals stay: not asked for, or its B runs next anyway."""
+        nxt = self.next_op.get(OpKey(Kind.F, mb, self.stage))
+        return not self.spec.wants(self.stage, mb) or (nxt is not None and nxt.kind == Kind.B and nxt.mb == mb)
+
+    def send(self, mb: int, res: Any) -> Any:
+        """After microbatch ``mb``'s F: start moving its residuals off the device; what the stage holds instead."""
+        if self.keeps(mb):
+            return res
+        import jax
+
+        from ...tracing.residuals import FrozenDict
+
+        moved = [k for k, a in res.stored.items() if _movable(a)]
+        if not moved:
+            return res
+        arrays = [res.stored[k] for k in moved]
+        kept = FrozenDict({k: a for k, a in res.stored.items() if k not in set(moved)})
+        away = _Away(res.replace(stored=kept), moved, arrays)
+        if self.spec.to == FILES:
+            away.path = self.path(mb)
+            # The file's residuals_id names this Trainer's step, stage and microbatch: another's file is refused.
+            tagged = res.replace(stored=FrozenDict(zip(moved, arrays)), residuals_id=self.tag(mb))
+            away.out = self.pool.submit(self._write, away.path, tagged)
+        else:
+            if all(map(_has_pinned_host, arrays)):
+                # Asynchronous both ways: the copies queue behind F and before B on the device's own streams.
+                away.pinned = [jax.device_put(a, a.sharding.with_memory_kind("pinned_host")) for a in arrays]
+                away.out = _done(away.pinned)
+            else:  # no host memory kind: NumPy copies, made on this offloader's thread once F is computed
+                away.out = self.pool.submit(_to_host, arrays)
+        self.away[mb] = away
+        return away
+
+    def before(self, op: Op) -> None:
+        """Before operation ``op`` runs: if the stage's next one is a B of residuals away, start their copy back."""
+        nxt = self.next_op.get(op.key)
+        if nxt is not None and nxt.kind == Kind.B:
+            self.prefetch(nxt.mb)
+
+    def prefetch(self, mb: int) -> None:
+        """Start bringing microbatch ``mb``'s residuals back (once)."""
+        away = self.away.get(mb)
+        if away is not None and away.back is None:
+            away.back = _done(self._back(mb, away)) if away.pinned else self.pool.submit(self._back, mb, away)
+
+    def take(self, mb: int, held: Any) -> Any:
+        """At B: ``mb``'s residuals on the device, from what the stage held (``held``, ``send``'s result).
+
+        Raises:
+            VjpsplitError: their file is missing, damaged or another run's (naming the stage, microbatch and file).
+        """
+        if not isinstance(held, _Away):
+            return held
+        self.prefetch(mb)
+        assert held.back is not None
+        try:
+            return held.back.result()
+        finally:
+            self.away.pop(mb, None)
+
+    def device_bytes(self) -> int:
+        """Bytes of offloaded residuals still (copy out not done) or again (copy back done) on the device."""
+        total = 0
+        for away in list(self.away.values()):
+            out, back = away.out, away.back
+            leaving = (out is not None and not out.done()) or (
+                away.pinned is not None and back is None and not all(a.is_ready() for a in away.pinned)
+            )
+            if leaving or (back is not None and back.done() and back.exception() is None):
+                total += away.nbytes
+        return total
+
+    def _write(self, path: str, res: Any) -> None:
+        from ...artifact.residual_files import save_residuals
+
+        # Only the stored arrays: the inputs stay with the stage (and their CRC-32 would cost a copy of the parameters).
+        save_residuals(path, res.replace(inputs={}, bound_inputs={}))
+
+    def _back(self, mb: int, away: _Away) -> Any:
+        import jax
+
+        from ...tracing.residuals import FrozenDict
+
+        assert away.out is not None
+        host = away.out.result()  # the write's or the copy's error, if any, is this B's
+        if self.spec.to == FILES:
+            host = self._read(mb, away)
+        arrays = jax.device_put(host, away.shardings)
+        return away.shell.replace(stored=FrozenDict({**away.shell.stored, **dict(zip(away.moved, arrays))}))
+
+    def _read(self, mb: int, away: _Away) -> list[Any]:
+        from ...artifact.residual_files import load_residuals
+        from ...files.shapes import format_shape
+
+        path = away.path
+        assert path is not None
+        rep = "" if self.replica is None else f" replica {self.replica}"
+        where = f"stage {self.stage}{rep} microbatch {mb}: offloaded residuals {path}"
+        try:
+            loaded = load_residuals(path, artifact=self.art)
+        except VjpsplitError as e:
+            said = str(e)
+            said = said[len(f"{path}: ") :] if said.startswith(f"{path}: ") else said
+            raise VjpsplitError(f"{where}: {said}") from e
+        except OSError as e:
+            raise VjpsplitError(f"{where}: cannot be read ({e}); keep the offload directory until the step ends") from e
+        if loaded.residuals_id != self.tag(mb):
+            raise VjpsplitError(
+                f"{where}: the file holds another forward run's residuals; keep each Trainer's files apart"
+            )
+        out = []
+        for k, (shape, dtype) in zip(away.moved, away.specs):
+            a = loaded.stored.get(k)
+            if a is None:
+                raise VjpsplitError(f"{where}: residual {k!r} is missing from the file")
+            if tuple(a.shape) != shape or np.dtype(a.dtype) != dtype:
+                raise VjpsplitError(
+                    f"{where}: residual {k!r}: expected {format_shape(dtype, shape)}, "
+                    f"file has {format_shape(a.dtype, a.shape)}"
+                )
+            out.append(a)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass  # already gone: nothing left to clean
+        return out
+
+
+def _to_host(arrays: list[Any]) -> list[Any]:
+    """Host NumPy copies of ``arrays`` (np.array copies: np.asarray of a CPU array can share its buffer and keep
+    it alive)."""
+    return [np.array(a, copy=True) for a in arrays]
+
+
+def _done(value: Any) -> Future[Any]:
+    f: Future[Any] = Future()
+    f.set_result(value)
+    return f
