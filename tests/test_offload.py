@@ -175,3 +175,110 @@ def test_host_offload_without_a_host_memory_kind_copies_to_numpy(timed, monkeypa
     got = P.run_inprocess(_stages(), params, batch, microbatches=M, schedule_name="zbh1", timed=timed, offload="host")
     _bitwise(got.grads, ref.grads)
     assert copies  # the NumPy path ran
+
+
+# Planned offload: auto chooses which (stage, microbatch) residuals leave under memory_limit_bytes.
+
+UNIT = {"F": 1.0, "B": 1.0, "W": 0.8, "comm": 0.1}
+
+
+def test_auto_schedule_offloads_under_a_tight_byte_limit_and_ends_sooner():
+    from vjpsplit_cli.pipeline.schedules.auto import auto_schedule
+    from vjpsplit_cli.pipeline.schedules.costs import Costs
+    from vjpsplit_cli.pipeline.schedules.modeled import memory_peaks, modeled_makespan
+    from vjpsplit_cli.pipeline.schedules.offloading import byte_peaks, offload_makespan
+
+    costs = {**UNIT, "transfer": 1000.0}  # 100 bytes: 0.1 each way
+    nb, limit = [100] * 4, 250
+    got = auto_schedule(4, 8, costs=costs, memory_limit_bytes=limit, microbatch_bytes=nb)
+    assert got.offloaded
+    c = Costs.of(costs, 4)
+    assert max(byte_peaks(got, nb, got.offloaded, c, c.transfer)) <= limit
+    assert max(memory_peaks(got)) > limit // 100  # more in flight than the bytes allow without offload
+    without = auto_schedule(4, 8, costs=UNIT, memory_limit=limit // 100)
+    assert offload_makespan(got, c, nb, got.offloaded, c.transfer) < modeled_makespan(without, UNIT)
+    # No transfer cost known: no offload, the plans that fit by count.
+    plain = auto_schedule(4, 8, costs=UNIT, memory_limit_bytes=limit, microbatch_bytes=nb)
+    assert not plain.offloaded and max(memory_peaks(plain)) <= 2
+    # Slow copies: offload is not worth it.
+    slow = auto_schedule(4, 8, costs={**UNIT, "transfer": 1.0}, memory_limit_bytes=limit, microbatch_bytes=nb)
+    assert not slow.offloaded
+
+
+def test_auto_schedule_names_the_smallest_byte_limit_that_fits():
+    from vjpsplit_cli.pipeline.schedules.auto import auto_schedule
+
+    with pytest.raises(VjpsplitError, match=r"the smallest limit that fits is \[100, 80\] bytes per worker"):
+        auto_schedule(2, 4, costs={**UNIT, "transfer": 1e9}, memory_limit_bytes=[150, 79], microbatch_bytes=[100, 80])
+    auto_schedule(2, 4, costs={**UNIT, "transfer": 1e9}, memory_limit_bytes=[100, 80], microbatch_bytes=[100, 80])
+
+
+def test_csv_round_trip_keeps_the_offload_marks(tmp_path):
+    from vjpsplit_cli.pipeline.schedules.auto import auto_schedule
+
+    plans = auto_schedule(4, 8, costs={**UNIT, "transfer": 1000.0}, memory_limit_bytes=250, microbatch_bytes=[100] * 4)
+    assert plans.offloaded
+    P.write_schedule(tmp_path / "a.csv", plans)
+    text = (tmp_path / "a.csv").read_text()
+    assert text.splitlines()[-1].startswith("# offload: ") and text.count("#") == 1
+    back = P.read_schedule(tmp_path / "a.csv")
+    assert back == plans and back.offloaded == plans.offloaded
+    P.write_schedule(tmp_path / "b.csv", back)
+    assert (tmp_path / "b.csv").read_bytes() == (tmp_path / "a.csv").read_bytes()
+    # Without the comment line the actions are the same: what torch's reader gets.
+    rows = [r for r in text.splitlines() if not r.startswith("#")]
+    (tmp_path / "c.csv").write_text("\n".join(rows) + "\n")
+    plain = P.read_schedule(tmp_path / "c.csv")
+    assert plain == plans and not hasattr(plain, "offloaded")
+
+
+def _held():
+    from vjpsplit_cli.pipeline.training.autoplan import microbatch_bytes
+    from vjpsplit_cli.pipeline.runtime.model import model_of
+
+    model = model_of(_stages(), gpt_params())
+    return microbatch_bytes(model.artifacts, model.batch_microbatches(_batches(1)[0], M)[0])
+
+
+def test_auto_offloads_under_a_tight_byte_limit_and_trains_bitwise_as_without(monkeypatch):
+    from vjpsplit_cli.pipeline.training.autoplan import AutoPlan
+
+    monkeypatch.setattr(P.Trainer, "costs", lambda self: {**FIXED, "transfer": 1e12})
+    limit = [2 * b + b // 2 for b in _held()]  # two microbatches and a half: more in flight only with offload
+
+    def train():
+        with P.Trainer(
+            _stages(),
+            gpt_params(),
+            optimizer=optax.adamw(1e-2),
+            schedule_name="auto",
+            microbatches=M,
+            memory_limit_bytes=limit,
+        ) as tr:
+            losses = [tr.step(b) for b in _batches(4)]
+            return losses, tr.params(), tr.planned_offload, tr.last_result.plans, tr.auto.offloaded
+
+    losses, params, planned, plans, pairs = train()
+    assert planned is not None and planned.pairs == pairs and pairs
+    monkeypatch.setattr(AutoPlan, "offload", property(lambda self: None))  # the same plans, nothing offloaded
+    ref_losses, ref_params, ref_planned, ref_plans, _ = train()
+    assert ref_planned is None and ref_plans == plans
+    assert losses == ref_losses
+    _bitwise(params, ref_params)
+
+
+def test_a_byte_limit_nothing_meets_names_the_smallest_that_fits_and_that_one_trains():
+    held = _held()
+    tight = [b - 1 for b in held]
+    with P.Trainer(
+        _stages(), gpt_params(), optimizer=optax.sgd(0.1), schedule_name="auto", microbatches=M,
+        memory_limit_bytes=tight,
+    ) as tr:  # fmt: skip
+        with pytest.raises(VjpsplitError, match=rf"The smallest limit that fits is {held[0]} bytes on worker 0"):
+            tr.step(_batches(1)[0])
+    with P.Trainer(
+        _stages(), gpt_params(), optimizer=optax.sgd(0.1), schedule_name="auto", microbatches=M,
+        memory_limit_bytes=held,
+    ) as tr:  # fmt: skip
+        losses = [tr.step(b) for b in _batches(3)]
+        assert all(np.isfinite(losses))

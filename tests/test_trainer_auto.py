@@ -24,7 +24,9 @@ from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.files.dtypes import dtype_from_name
 from vjpsplit_cli.files.shapes import concrete_shape
 from vjpsplit_cli.pipeline.runtime.result import step_result
+from vjpsplit_cli.pipeline.schedules.costs import Costs
 from vjpsplit_cli.pipeline.schedules.modeled import memory_peaks, modeled_makespan
+from vjpsplit_cli.pipeline.schedules.offloading import byte_peaks
 from vjpsplit_cli.pipeline.stages.exporting import module_flops
 from vjpsplit_cli.pipeline.stages.report import stage_rows
 from vjpsplit_cli.pipeline.training.measured import CostSamples, counted, seconds, send_gaps
@@ -42,7 +44,8 @@ def _batches(n, seed=40):
 
 
 def _check_costs(costs, S, split_timed=True):
-    assert set(costs) == {"F", "B", "W", "comm"}
+    assert set(costs) == {"F", "B", "W", "comm", "transfer"}
+    assert set(costs["transfer"]) == {"out", "back"} and all(v > 0 for v in costs["transfer"].values())
     assert all(len(costs[k]) == S and all(v >= 0 for v in costs[k]) for k in "FBW")
     assert all(v > 0 for v in costs["F"]) and all(v > 0 for v in costs["W"]) and costs["comm"] >= 0
     # Timed as they ran, every B takes time; cut by FLOPs, the first stage's input part has none.
@@ -142,7 +145,11 @@ def test_memory_limit_bytes_maps_to_microbatches_by_the_manifests():
     tr = P.Trainer(_stages(), params, optimizer=tx, schedule_name="auto", microbatches=M, memory_limit_bytes=limit)
     losses = [tr.step(b) for b in batches]
     assert tr.auto.limits == tuple(min(M, limit // h) for h in held) == (4, 2, 3, 2)
-    assert all(p <= c for p, c in zip(memory_peaks(tr.plan.plans), tr.auto.limits))
+    # Within the bytes: by count where auto offloads nothing, else with its offloaded pairs away.
+    c = Costs.of(tr.costs(), 4)
+    assert all(p <= limit for p in byte_peaks(tr.plan.plans, held, tr.auto.offloaded, c, c.transfer))
+    if not tr.auto.offloaded:
+        assert all(p <= n for p, n in zip(memory_peaks(tr.plan.plans), tr.auto.limits))
     assert tr.history[0]["schedule"] == "auto"  # ZB-H1 and 1F1B hold 3 or 4 on worker 1: neither fits
     np.testing.assert_allclose(losses, optax_reference(gpt, params, tx, batches)[0], rtol=1e-5)
     per_worker = P.Trainer(

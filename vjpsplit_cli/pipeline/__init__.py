@@ -45,6 +45,7 @@ from .runtime.result import PipelineResult
 from .runtime.runners import run
 from .runtime.worker import StageWorker
 from .schedules.auto import auto_schedule
+from .schedules.offloading import OffloadPlans
 from .schedules.builtins import schedule
 from .schedules.catalog import LABELS, SCHEDULES, SPLIT_BACKWARD
 from .schedules.csvformat import read_schedule, write_schedule
@@ -65,6 +66,7 @@ __all__ = [
     "Event",
     "Kind",
     "Offload",
+    "OffloadPlans",
     "Op",
     "PipelineResult",
     "RayPipeline",

@@ -48,6 +48,8 @@ class Offload:
             for replica r of a ``data_parallel`` stage).
         microbatches: the microbatch indices to offload; None: every one.
         stages: the stage indices to offload; None: every one.
+        pairs: the (stage, microbatch) pairs to offload (what ``auto`` plans); None: every pair
+            ``microbatches`` and ``stages`` allow.
 
     A microbatch whose B is the stage's very next operation after its F (the last
     stage's, in most schedules) is never offloaded: there is nothing to gain.
@@ -57,6 +59,7 @@ class Offload:
     directory: str | None = None
     microbatches: Collection[int] | None = None
     stages: Collection[int] | None = None
+    pairs: Collection[tuple[int, int]] | None = None
 
     def __post_init__(self) -> None:
         if self.to not in (HOST, FILES):
@@ -72,12 +75,22 @@ class Offload:
             if isinstance(v, (str, bytes)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
                 raise VjpsplitError(f"Offload({name}={v!r}): give a collection of int indices, or None for all")
             object.__setattr__(self, name, frozenset(v))
+        if self.pairs is not None:
+            try:
+                pairs = frozenset((int(s), int(m)) for s, m in self.pairs)
+            except (TypeError, ValueError) as e:
+                raise VjpsplitError(f"Offload(pairs={self.pairs!r}): give (stage, microbatch) pairs of ints") from e
+            object.__setattr__(self, "pairs", pairs)
         if self.directory is not None:
             object.__setattr__(self, "directory", os.fspath(self.directory))
 
     def wants(self, stage: int, mb: int) -> bool:
         """Whether the residuals of microbatch ``mb`` of ``stage`` are to leave the device."""
-        return (self.stages is None or stage in self.stages) and (self.microbatches is None or mb in self.microbatches)
+        return (
+            (self.stages is None or stage in self.stages)
+            and (self.microbatches is None or mb in self.microbatches)
+            and (self.pairs is None or (stage, mb) in self.pairs)
+        )
 
 
 def offload_of(value: Any) -> Offload | None:
@@ -323,3 +336,19 @@ def _done(value: Any) -> Future[Any]:
     f: Future[Any] = Future()
     f.set_result(value)
     return f
+
+
+def to_host_and_back(x: Any, away: Any) -> Any:
+    """One copy as ``to="host"`` makes it, waited for: ``away=None``, ``x`` off its device (``pinned_host`` where
+    the device has it, else NumPy); else ``away`` back on ``x``'s device. What the Trainer's transfer probe times."""
+    import jax
+
+    if away is None:
+        if _has_pinned_host(x):
+            out = jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+            out.block_until_ready()
+            return out
+        return _to_host([x])[0]
+    back = jax.device_put(away, x.sharding)
+    back.block_until_ready()
+    return back

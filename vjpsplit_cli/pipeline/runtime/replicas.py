@@ -287,6 +287,11 @@ class ReplicaGroup:
         """The step's most residual bytes on any one replica's device (``StageWorker.peak_residual_bytes``)."""
         return max(r.peak_residual_bytes for r in self.replicas)
 
+    def set_offload(self, spec: Offload | None) -> None:
+        """Every replica's residuals off its device between F and B from the next step (None: none)."""
+        for i, r in enumerate(self.replicas):
+            r.set_offload(spec, replica=i)
+
     def before(self, op: Op) -> None:
         """Before ``op``: every replica starts its copy back of the next B's residuals, if away."""
         for r in self.replicas:

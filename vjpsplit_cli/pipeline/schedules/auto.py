@@ -33,6 +33,7 @@ from .modeled import lower_bound, memory_limits, memory_peaks, modeled_makespan
 from .plans import check_plans
 from .builtins import schedule
 from .catalog import SPLIT_BACKWARD
+from .offloading import OffloadPlans, choose_offload, offload_makespan
 from .ops import Kind, Op
 from .refine import refine
 
@@ -291,6 +292,8 @@ def auto_schedule(
     *,
     costs: Mapping[str, object] | Costs,
     memory_limit: int | Sequence[int] | None = None,
+    memory_limit_bytes: int | Sequence[int] | None = None,
+    microbatch_bytes: Sequence[int] | None = None,
 ) -> list[list[Op]]:
     """Plans for ``stages`` (a count, or a ``Stages``/artifacts: its length) fastest under ``costs`` within ``memory_limit``.
 
@@ -305,13 +308,32 @@ def auto_schedule(
     ``costs`` no slower than any of ``gpipe``, ``1f1b`` and ``zbh1`` that fits it.
     Stages whose artifact lacks the split backward (or costs without ``W``) get whole
     backwards. The plans depend only on the arguments (no clock, no randomness).
+
+    ``memory_limit_bytes`` (instead of ``memory_limit``; an int or one per worker) with
+    ``microbatch_bytes`` (per stage, the bytes one microbatch holds): plans within those bytes,
+    offloading residuals where ``costs["transfer"]`` (bytes per second off the device and back:
+    one number, or ``{"out": .., "back": ..}``) lets more microbatches be in flight and the plans
+    end sooner (``offloading``). Returns an ``OffloadPlans``: the plans and, in ``offloaded``,
+    the (stage, microbatch) pairs whose residuals leave their device.
+
+    Raises:
+        VjpsplitError: bad arguments; a byte limit below one microbatch's bytes of its stage
+            (no plan fits it, offload or not: the message names the smallest limit that fits).
     """
     S = _stage_count(stages)
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise VjpsplitError(f"microbatches must be an int >= 1, not {microbatches!r}")
     split = _split_stages(stages, costs, S)
     c = Costs.of(costs, S)
-    limits = memory_limits(memory_limit, S, microbatches)
+    if memory_limit_bytes is not None or microbatch_bytes is not None:
+        if memory_limit is not None:
+            raise VjpsplitError("give memory_limit (microbatches) or memory_limit_bytes, not both")
+        return _within_bytes(c, microbatches, split, memory_limit_bytes, microbatch_bytes)
+    return _plans(c, microbatches, memory_limits(memory_limit, S, microbatches), split)
+
+
+def _plans(c: Costs, microbatches: int, limits: Sequence[int], split: Sequence[bool]) -> list[list[Op]]:
+    S = c.num_stages
     plans, span, _ = search(c, microbatches, limits, split)
     for built in built_in_candidates(S, microbatches, limits, split).values():
         other = modeled_makespan(built, c)
@@ -321,3 +343,59 @@ def auto_schedule(
         plans, span = refine(plans, c, microbatches, limits)
     check_plans(plans, S, microbatches)
     return plans
+
+
+def smallest_byte_limit(nbytes: Sequence[int]) -> list[int]:
+    """Per worker, the smallest byte limit any plan fits: one microbatch's bytes of its stage (see ``offloading``)."""
+    return [int(b) for b in nbytes]
+
+
+def _within_bytes(
+    c: Costs,
+    m: int,
+    split: Sequence[bool],
+    limit: int | Sequence[int] | None,
+    nbytes: Sequence[int] | None,
+) -> OffloadPlans:
+    """Plans within ``limit`` bytes per worker: for each count limit from what fits without offload up to ``m``
+    (every worker's raised alike), the plans for it and the offload that brings them within the bytes; the
+    soonest to end under ``c`` with the copies back charged (``offloading.offload_makespan``)."""
+    S = c.num_stages
+    if nbytes is None or limit is None:
+        raise VjpsplitError("memory_limit_bytes and microbatch_bytes go together: give both")
+    if len(nbytes) != S or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in nbytes):
+        raise VjpsplitError(f"microbatch_bytes must be one int >= 0 per stage ({S}), not {nbytes!r}")
+    raw = [limit] * S if isinstance(limit, int) and not isinstance(limit, bool) else list(limit)  # type: ignore[arg-type]
+    if len(raw) != S or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in raw):
+        raise VjpsplitError(f"memory_limit_bytes must be an int or one int per worker ({S}), not {limit!r}")
+    need = smallest_byte_limit(nbytes)
+    short = [w for w in range(S) if raw[w] < need[w]]
+    if short:
+        w = short[0]
+        raise VjpsplitError(
+            f"memory_limit_bytes={raw[w]} on worker {w}: no plan fits, with or without offload (a stage holds one "
+            f"microbatch's residuals, {need[w]} bytes, at the end of its F); the smallest limit that fits is "
+            f"{need} bytes per worker"
+        )
+    base = [m if b == 0 else max(1, min(m, lim // b)) for lim, b in zip(raw, nbytes)]
+    best: tuple[float, list[list[Op]], frozenset[tuple[int, int]]] | None = None
+    candidates = [_plans(c, m, base, split)]  # fits by its counts: no offload
+    if c.transfer is not None:  # no transfer cost measured: no offload
+        seen = {tuple(base)}
+        for k in range(1, m):
+            counts = tuple(min(m, x + k) for x in base)
+            if counts in seen:
+                break
+            seen.add(counts)
+            candidates.append(_plans(c, m, counts, split))
+        # The built-ins too: GPipe's long wait from F to B is what offload serves best.
+        candidates += list(built_in_candidates(S, m, (m,) * S, split).values())
+    for i, plans in enumerate(candidates):
+        chosen = frozenset() if i == 0 else choose_offload(plans, c, nbytes, raw, c.transfer)  # type: ignore[arg-type]
+        if chosen is None:
+            continue
+        span = offload_makespan(plans, c, nbytes, chosen, c.transfer)
+        if best is None or span < best[0] - 1e-9:
+            best = (span, plans, chosen)
+    assert best is not None  # k = 0 fits by its counts
+    return OffloadPlans(best[1], best[2])

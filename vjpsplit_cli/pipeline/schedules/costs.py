@@ -22,13 +22,15 @@ class Costs:
     backward (the input part), ``weight[s]`` its W; a whole backward (a B with no W
     in the plans) costs ``backward[s] + weight[s]``. ``comm`` delays every result
     that goes to another worker (activations and cotangents between stages on
-    different workers; none within a worker, as at ZB-V's turn).
+    different workers; none within a worker, as at ZB-V's turn). ``transfer``: bytes per
+    second of a residual copy off the device and back (``offloading``; None: not measured).
     """
 
     forward: tuple[float, ...]
     backward: tuple[float, ...]
     weight: tuple[float, ...]
     comm: float = 0.0
+    transfer: tuple[float, float] | None = None
 
     @property
     def num_stages(self) -> int:
@@ -49,9 +51,9 @@ class Costs:
             return costs
         if not isinstance(costs, Mapping):
             raise VjpsplitError(f"costs must be a dict with keys F, B, W and comm, not {type(costs).__name__}")
-        unknown = set(costs) - {"F", "B", "W", "comm"}
+        unknown = set(costs) - {"F", "B", "W", "comm", "transfer"}
         if unknown:
-            raise VjpsplitError(f"costs has unknown keys {sorted(map(str, unknown))}; use F, B, W and comm")
+            raise VjpsplitError(f"costs has unknown keys {sorted(map(str, unknown))}; use F, B, W, comm and transfer")
         for key in ("F", "B"):
             if key not in costs:
                 raise VjpsplitError(f"costs has no {key!r}: give the time of each stage's {key}")
@@ -60,6 +62,7 @@ class Costs:
             _per_stage(costs["B"], "B", num_stages),
             _per_stage(costs.get("W", 0.0), "W", num_stages),
             _number(costs.get("comm", 0.0), "'comm'"),
+            None if costs.get("transfer") is None else transfer_rates(costs["transfer"]),
         )
 
     def duration(self, op: Op, whole: bool) -> float:
@@ -86,3 +89,23 @@ def _per_stage(value: object, key: str, num_stages: int) -> tuple[float, ...]:
             f"costs[{key!r}] must be one time per stage ({num_stages}) or one number for every stage, not {value!r}"
         )
     return tuple(_number(v, f"{key!r}][{s}") for s, v in enumerate(value))
+
+
+def transfer_rates(value: object) -> tuple[float, float]:
+    """``costs["transfer"]`` as (out, back) bytes per second: one number for both ways, or ``{"out":, "back":}``.
+
+    Raises:
+        VjpsplitError: for anything else, or a rate that is not a finite number > 0.
+    """
+    if isinstance(value, Mapping):
+        if set(value) != {"out", "back"}:
+            raise VjpsplitError(
+                f"costs['transfer'] is {value!r}; give bytes/s as a number or {{'out': .., 'back': ..}}"
+            )
+        pair = (value["out"], value["back"])
+    else:
+        pair = (value, value)
+    for v in pair:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise VjpsplitError(f"costs['transfer'] has {v!r}; give bytes per second, a finite number > 0")
+    return float(pair[0]), float(pair[1])

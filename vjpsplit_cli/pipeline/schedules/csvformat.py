@@ -7,6 +7,12 @@ the input part of a backward, ``1W2`` its weight part, ``2B0`` a whole backward)
 idle step (the runners here are driven by data, so idle steps are dropped).
 vjpsplit's ``Op("B")`` is torch's ``I`` when the same stage and microbatch has a
 ``W`` in the plans, else its ``B``.
+
+Plans that offload residuals (``offloading.OffloadPlans``, what ``auto_schedule``
+returns under ``memory_limit_bytes``) get one more, last line, a comment naming the
+(stage, microbatch) pairs: ``# offload: 0:0 0:1 1:0``. Plans without offload are
+written byte for byte as before, which torch's reader reads; torch's reader does
+not skip comments, so for it drop that line (``grep -v '^#'``): it changes no action.
 """
 
 from __future__ import annotations
@@ -18,10 +24,13 @@ from typing import BinaryIO, Sequence
 
 from ...errors import VjpsplitError
 from ...safeio.outputs import atomic_write
+from .offloading import OffloadPlans
 from .ops import Kind, Op, action_name, split_ops
 
 _ACTION = re.compile(r"(\d+)([FIBW])(\d+)")
 _OVERLAP = re.compile(r"\((.*);(.*)\)OVERLAP_F_B")
+OFFLOAD_MARK = "# offload:"  # the comment line naming the offloaded (stage, microbatch) pairs
+_PAIR = re.compile(r"(\d+):(\d+)")
 
 
 def format_schedule(plans: Sequence[Sequence[Op]]) -> str:
@@ -44,6 +53,9 @@ def format_schedule(plans: Sequence[Sequence[Op]]) -> str:
                 cells.append(action_name(op, split))
                 i += 1
         lines.append(",".join(cells) + "\n")
+    offloaded = sorted(getattr(plans, "offloaded", ()))
+    if offloaded:
+        lines.append(" ".join([OFFLOAD_MARK, *(f"{s}:{m}" for s, m in offloaded)]) + "\n")
     return "".join(lines)
 
 
@@ -93,6 +105,17 @@ def parse_schedule(text: str) -> list[list[Op]]:
     rows = [line.rstrip("\r\n") for line in io.StringIO(text, newline="")]
     while rows and not rows[-1].strip():
         rows.pop()
+    offloaded: list[tuple[int, int]] | None = None
+    if rows and rows[-1].startswith(OFFLOAD_MARK):
+        marks = rows.pop()[len(OFFLOAD_MARK) :].split()
+        offloaded = []
+        for mark in marks:
+            pair = _PAIR.fullmatch(mark)
+            if not pair:
+                raise VjpsplitError(
+                    f"the offload line: {mark!r} is not a pair; write stage:microbatch, as 0:3, separated by spaces"
+                )
+            offloaded.append((int(pair.group(1)), int(pair.group(2))))
     plans: list[list[Op]] = []
     kinds: dict[tuple[int, int], tuple[int, str]] = {}  # (stage, mb) -> (rank, "I" or "B")
     for r, row in enumerate(rows):
@@ -112,7 +135,7 @@ def parse_schedule(text: str) -> list[list[Op]]:
             raise VjpsplitError(f"rank {r}: action {stage}I{mb} has no {stage}W{mb}; add it, or write {stage}B{mb}")
         if kind == "B" and (stage, mb) in split:
             raise VjpsplitError(f"rank {r}: action {stage}B{mb} is a whole backward, yet {stage}W{mb} follows; use I")
-    return plans
+    return plans if offloaded is None else OffloadPlans(plans, offloaded)
 
 
 def _cells(row: str) -> list[str]:

@@ -43,7 +43,10 @@ from ...files.dims import solve_shapes
 from ...files.shapes import bind_dims, concrete_shape
 from ...files.sizes import human_bytes, parse_bytes
 from ..runtime.model import Microbatch, side_for
+from ..runtime.offload import Offload
 from ..schedules.auto import auto_schedule, built_in_candidates
+from ..schedules.costs import Costs
+from ..schedules.offloading import offload_makespan
 from ..schedules.builtins import schedule
 from ..schedules.layout import Layout
 from ..schedules.modeled import memory_limits, modeled_makespan
@@ -145,6 +148,13 @@ class AutoPlan:
         self.makespan: float | None = None
         self.measured_with: Resolved | None = None
         self.steps_timed = 0
+        self.held: list[int] | None = None  # per stage, one microbatch's bytes (a limit in bytes)
+        self.offloaded: frozenset[tuple[int, int]] = frozenset()  # what auto's plans offload (a limit in bytes)
+
+    @property
+    def offload(self) -> Offload | None:
+        """The offload auto's plans run (to host memory, only the pairs they name), or None where they need none."""
+        return Offload(pairs=self.offloaded) if self.offloaded else None
 
     @property
     def current(self) -> Resolved:
@@ -172,13 +182,14 @@ class AutoPlan:
     def limits_for(self, mb: Microbatch) -> tuple[int, ...]:
         """Per worker, the most microbatches it may hold: the limit given, or bytes over what one microbatch holds."""
         if self.limits is None:
-            held = microbatch_bytes(self.artifacts, mb)
+            held = self.held = microbatch_bytes(self.artifacts, mb)
             counts = []
             for s, (limit, b) in enumerate(zip(self.byte_limits, held)):
                 if b > limit:
                     raise VjpsplitError(
                         f"memory_limit_bytes={limit} ({human_bytes(limit)}) on worker {s}: one microbatch of stage {s} "
-                        f"holds {b} bytes ({human_bytes(b)}); no plan fits. Give at least {b} bytes, or more "
+                        f"holds {b} bytes ({human_bytes(b)}) at the end of its F, offloaded or not; no plan fits. The "
+                        f"smallest limit that fits is {b} bytes on worker {s} ({held} per worker), or give more "
                         "(smaller) microbatches"
                     )
                 counts.append(self.microbatches if b == 0 else min(self.microbatches, limit // b))
@@ -201,13 +212,27 @@ class AutoPlan:
     def choose(self, costs: dict[str, Any]) -> None:
         """``auto_schedule``'s plans for the measured ``costs`` within the limit (the measuring plans if faster)."""
         assert self.limits is not None and self.measured_with is not None  # the measuring step ran
-        plans = auto_schedule(self.artifacts, self.microbatches, costs=costs, memory_limit=list(self.limits))
-        span = modeled_makespan(plans, costs)
+        offloaded: frozenset[tuple[int, int]] = frozenset()
+        if self.held is not None:  # a limit in bytes: auto may offload where that ends sooner
+            c = Costs.of(costs, self.num_stages)
+            planned = auto_schedule(
+                self.artifacts,
+                self.microbatches,
+                costs=costs,
+                memory_limit_bytes=self.byte_limits,
+                microbatch_bytes=self.held,
+            )
+            offloaded = planned.offloaded  # type: ignore[attr-defined]
+            plans: list[list[Op]] = [list(ops) for ops in planned]
+            span = offload_makespan(plans, c, self.held, offloaded, c.transfer)
+        else:
+            plans = auto_schedule(self.artifacts, self.microbatches, costs=costs, memory_limit=list(self.limits))
+            span = modeled_makespan(plans, costs)
         theirs = modeled_makespan(self.measured_with.plans, costs)
         if theirs < span:
-            plans, span = self.measured_with.plans, theirs
+            plans, span, offloaded = self.measured_with.plans, theirs, frozenset()
         check_plans(plans, self.num_stages, self.microbatches)
-        self.plans, self.makespan = plans, span
+        self.plans, self.makespan, self.offloaded = plans, span, offloaded
 
     def record(self) -> dict[str, Any]:
         """What a checkpoint records to go on: the limit as given (``restore`` measures again)."""

@@ -62,6 +62,10 @@ class Backend(Protocol):
         """Per stage, the devices that hold its parameters."""
         ...
 
+    def set_offload(self, spec: Offload | None) -> None:
+        """From the next step, every stage's residuals off its device between F and B as ``spec`` says (None: none)."""
+        ...
+
     def snapshots(self) -> list[Snapshot]:
         """Every stage's ``(params, optimizer state)``, flat by global key, as host arrays."""
         ...

@@ -247,6 +247,11 @@ class InProcessBackend:
         losses, received = evaluate_here([lead(t.worker) for t in self.trainers], programs, mbs, keep=outputs)
         return [float(v) for v in jax.device_get(losses)], (host(received) if outputs else None)
 
+    def set_offload(self, spec: Offload | None) -> None:
+        """From the next step, every stage's residuals off its device between F and B as ``spec`` says (None: none)."""
+        for t in self.trainers:
+            t.worker.set_offload(spec)
+
     def snapshots(self) -> list[Snapshot]:
         """Every stage's ``(params, optimizer state)`` as host arrays."""
         return [t.snapshot() for t in self.trainers]

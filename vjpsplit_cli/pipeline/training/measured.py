@@ -40,11 +40,14 @@ import functools
 import statistics
 import time
 from collections import deque
+from time import perf_counter  # the transfer probe's clock, apart from the step clock tests replace
 from typing import Any, Collection, Sequence
 
 import jax
+import numpy as np
 
 from ...errors import VjpsplitError
+from ..runtime.offload import to_host_and_back
 from ..runtime.result import PipelineResult
 from ..schedules.ops import Kind, split_ops
 from ..schedules.timeline import Event
@@ -184,3 +187,31 @@ class CostSamples:
             B.append(b)
             W.append(w)
         return {"F": F, "B": B, "W": W, "comm": statistics.median(gaps) if gaps else 0.0}
+
+
+PROBE_BYTES = 4 << 20  # what one transfer probe copies each way (a few MiB: past the fixed cost of a copy)
+
+
+def transfer_rates(device: object, nbytes: int = PROBE_BYTES, repeats: int = 3) -> dict[str, float]:
+    """Bytes per second of a copy off ``device`` and back, as offload makes them: to its ``pinned_host`` memory
+    where it has one, else to host NumPy (``runtime.offload``); the medians of ``repeats`` timed copies of
+    ``nbytes``. What ``costs()["transfer"]`` holds and ``auto_schedule`` plans offload with."""
+    if isinstance(device, str):  # a Ray actor's device, by name: this process's own stands in for it
+        device = jax.local_devices()[0]
+    x = jax.device_put(np.zeros(max(1, nbytes // 4), np.float32), device)
+    x.block_until_ready()
+    outs, backs = [], []
+    for _ in range(repeats + 1):  # the first warms the copies up
+        t0 = perf_counter()
+        away = to_host_and_back(x, None)
+        t1 = perf_counter()
+        again = to_host_and_back(x, away)
+        t2 = perf_counter()
+        del again
+        outs.append(t1 - t0)
+        backs.append(t2 - t1)
+    size = float(x.size * 4)
+    return {
+        "out": size / max(statistics.median(outs[1:]), 1e-9),
+        "back": size / max(statistics.median(backs[1:]), 1e-9),
+    }

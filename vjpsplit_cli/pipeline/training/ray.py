@@ -270,6 +270,12 @@ class RayBackend:
             return got, None
         return got, (list(values[len(losses) :]) if S > 1 else [tuple(x) for x, _ in mbs])
 
+    def set_offload(self, spec: Offload | None) -> None:
+        """From the next step, every stage's residuals off its device between F and B as ``spec`` says (None: none;
+        kept for the actors that replace lost ones)."""
+        self.offload = spec
+        self.rp.get([a.offload.remote(spec) for a in self.rp.actors])
+
     def snapshots(self) -> list[Snapshot]:
         """Every stage's ``(params, optimizer state)``, fetched from its actor."""
         rp = self.rp

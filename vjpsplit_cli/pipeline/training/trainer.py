@@ -50,7 +50,7 @@ from .optimizer import optimizer_name
 from .ownership import Ownership, Tied
 from .resume import restored_model, stage_snapshots
 from .state import StateMap, state_map
-from .measured import CostSamples
+from .measured import CostSamples, transfer_rates
 
 
 class _Recorded:
@@ -216,6 +216,8 @@ class Trainer:
         self.step_count = step_count if _restored is None else _restored[1]
         self._history = History(progress, self.step_count)
         self._samples = CostSamples(self.model.artifacts)
+        self._transfer: dict[str, float] | None = None  # measured once, at the first costs()
+        self._auto_offload: Offload | None = None
         self._steps_run = 0
         self._signatures = [cost_signature(a) for a in self.model.artifacts]
         self._stragglers: Stragglers | None = None
@@ -262,6 +264,9 @@ class Trainer:
         if self.auto is not None:
             extra = self.auto.after(plan, self.costs, timed)
             self.plan = self.auto.current
+            if self.offload is None and self.auto.offload != self._auto_offload:
+                self._auto_offload = self.auto.offload  # auto's plans under a byte limit offload these pairs
+                self.backend.set_offload(self._auto_offload)
         self.step_count += 1
         if timed:
             extra = {**(extra or {}), **self._busy(r, first=self._steps_run == 1)}
@@ -337,9 +342,20 @@ class Trainer:
 
         Medians over the microbatches of the last timed steps (``step(batch, timed=True)``, or ``auto``'s first
         two), the Trainer's first step only while no other is timed; see ``measured`` for what is left out, how a
-        whole backward splits into B and W and how sends are timed.
+        whole backward splits into B and W and how sends are timed. ``"transfer"``: bytes per second of a
+        residual copy off the first stage's device and back (``{"out": .., "back": ..}``, as offload copies:
+        ``measured.transfer_rates``, timed once, at the first call; on Ray, on this process's device).
         """
-        return self._samples.costs()
+        measured = self._samples.costs()
+        if self._transfer is None:
+            self._transfer = transfer_rates(self.placement[0][0])
+        return {**measured, "transfer": self._transfer}
+
+    @property
+    def planned_offload(self) -> Offload | None:
+        """What ``auto``'s plans offload under ``memory_limit_bytes`` now (the (stage, microbatch) pairs in
+        ``Offload.pairs``, to host memory), or None: no offload planned (or ``offload=`` given by hand)."""
+        return self._auto_offload
 
     def params(self) -> Any:
         """The parameters now, in ``params``' structure (host arrays; per stage in the per-stage form)."""
