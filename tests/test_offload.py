@@ -282,3 +282,11 @@ def test_a_byte_limit_nothing_meets_names_the_smallest_that_fits_and_that_one_tr
     ) as tr:  # fmt: skip
         losses = [tr.step(b) for b in _batches(3)]
         assert all(np.isfinite(losses))
+
+
+def test_a_microbatch_whose_b_is_its_fs_next_or_second_operation_stays():
+    # 1F1B on two stages, stage 0: F0 F1 B0 F2 B1 F3 B2 B3. Offloading mb0 (B two after F) would start its copy
+    # back at F1, as soon as it left: it stays; mb1 and mb2 are away at one boundary each; mb3 stays.
+    off = Offloader(P.Offload(), None, 0)
+    off.schedule(P.schedule("1f1b", 2, 4))
+    assert [off.keeps(mb) for mb in range(4)] == [True, False, False, True]

@@ -51,8 +51,9 @@ class Offload:
         pairs: the (stage, microbatch) pairs to offload (what ``auto`` plans); None: every pair
             ``microbatches`` and ``stages`` allow.
 
-    A microbatch whose B is the stage's very next operation after its F (the last
-    stage's, in most schedules) is never offloaded: there is nothing to gain.
+    A microbatch whose B is the stage's next or second operation after its F (the last
+    stage's, in most schedules; 1F1B's with two stages) is never offloaded: its copy back
+    would start as soon as it left, so it is away at no boundary and there is nothing to gain.
     """
 
     to: str = HOST
@@ -174,6 +175,7 @@ class Offloader:
         self._close = weakref.finalize(self, self.pool.shutdown, wait=False)
         self.away: dict[int, _Away] = {}
         self.next_op: dict[OpKey, Op] = {}
+        self.position: dict[OpKey, int] = {}  # each of the stage's operations' place in its list this step
         self.token, self.step = uuid.uuid4().hex[:12], 0
         if spec.to == FILES:
             assert spec.directory is not None
@@ -183,6 +185,7 @@ class Offloader:
         """Note the stage's operations in order for this step (what runs after each)."""
         mine = [op for ops in plans for op in ops if op.stage == self.stage]
         self.next_op = {a.key: b for a, b in zip(mine, mine[1:])}
+        self.position = {a.key: i for i, a in enumerate(mine)}
         self.away = {}
         self.step += 1
 
@@ -198,9 +201,11 @@ class Offloader:
         return os.path.join(self.spec.directory, f"stage{self.stage}{rep}-mb{mb}.npz")
 
     def keeps(self, mb: int) -> bool:
-        """Whether microbatch ``mb``'s F residuals stay: not asked for, or its B runs next anyway."""
-        nxt = self.next_op.get(OpKey(Kind.F, mb, self.stage))
-        return not self.spec.wants(self.stage, mb) or (nxt is not None and nxt.kind == Kind.B and nxt.mb == mb)
+        """Whether microbatch ``mb``'s F residuals stay: not asked for, or its B runs next or second anyway (its
+        copy back would start at once: see ``Offload``)."""
+        f = self.position.get(OpKey(Kind.F, mb, self.stage))
+        b = self.position.get(OpKey(Kind.B, mb, self.stage))
+        return not self.spec.wants(self.stage, mb) or (f is not None and b is not None and b - f <= 2)
 
     def send(self, mb: int, res: Any) -> Any:
         """After microbatch ``mb``'s F: start moving its residuals off the device; what the stage holds instead."""

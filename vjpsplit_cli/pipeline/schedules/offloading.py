@@ -8,8 +8,8 @@ are away once ``bytes[s] / out`` seconds have passed; they start coming back whe
 the operation before its B starts (the runtime's ``Offloader.before``) and B
 cannot start before they are back, ``bytes[s] / back`` seconds later. So it is
 away at the boundaries after the operations that end once its copy out is done
-and before the operation ahead of its B. A microbatch whose B follows its F
-directly is never offloaded (the runtime keeps it too).
+and before the operation ahead of its B. A microbatch whose B is its F's next or
+second operation is never offloaded (the runtime keeps it too: it would be away at no boundary).
 
 The cost: the copy back lengthens the operation before the B to at least the
 copy's time (``play`` has no other way to say "B waits for something that started
@@ -57,9 +57,10 @@ def _before_b(ops: Sequence[Op]) -> dict[int, int]:
 
 
 def offloadable(ops: Sequence[Op]) -> list[int]:
-    """The microbatches of a worker's list that can leave: those whose B does not follow their F directly."""
+    """The microbatches of a worker's list that can leave: those whose B is not its F's next or second operation
+    (the runtime keeps those: their copy back would start as soon as they left)."""
     pos = {(o.kind, o.mb): i for i, o in enumerate(ops)}
-    return [o.mb for o in ops if o.kind == Kind.F and pos.get((Kind.B, o.mb), -1) != pos[(Kind.F, o.mb)] + 1]
+    return [o.mb for o in ops if o.kind == Kind.F and pos.get((Kind.B, o.mb), -1) - pos[(Kind.F, o.mb)] > 2]
 
 
 def byte_peaks(
