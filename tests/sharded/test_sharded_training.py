@@ -143,3 +143,15 @@ def test_ray_trainer_with_sharded_stages_equals_one_process(ray_session):
         for key, (ids, spec) in part.items():
             leaf = key.split("/")[-1].split("%2F")[-1]
             assert ids == [0, 1, 2, 3] and _same(P(*spec), SPECS[leaf]), (key, ids, spec)
+
+
+@pytest.mark.parametrize("runner", ["inprocess", "ray"])
+def test_sharded_stages_with_data_parallel_are_one_clear_error(runner):
+    # Replicas run unsharded stages only: the refusal names the stage and what to do, before any actor starts.
+    stages, params, _ = _setup()
+    with pytest.raises(
+        vs.VjpsplitError,
+        match=r"data_parallel: stage 0 is sharded \(a mesh of 4 devices\); replicas "
+        r"run unsharded stages only: export the stages without shardings",
+    ):
+        pipeline.Trainer(stages, params, optimizer=optax.sgd(0.1), microbatches=2, data_parallel=2, runner=runner)

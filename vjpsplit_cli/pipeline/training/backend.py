@@ -16,6 +16,7 @@ from ...errors import VjpsplitError
 from ...files.dtypes import dtype_name
 from ..runtime.devices import placed, placement
 from ..runtime.model import Microbatch
+from ..runtime.replicas import refuse_sharded
 from ..runtime.result import PipelineResult
 from ..schedules.layout import Layout
 from ..schedules.plans import Resolved
@@ -24,7 +25,7 @@ from .inprocess import InProcessBackend, stage_trainers
 from .optimizer import stage_programs
 from .ownership import Ownership, Snapshot
 from .ray import RayBackend
-from .replicas import replica_trainers
+from .replicas import replica_program, replica_trainers
 from .state import state_map, whole_optimizer
 
 
@@ -98,11 +99,6 @@ def open_backend(
     exported ``optimizer`` (specs from the stage's parameters where they are placed) and ``states``;
     ``hang_report``: where a stuck step's report goes (in-process).
     ``data_parallel=N``: every stage on N replicas, its optimizer state sharded across them (``replicas``)."""
-    if data_parallel > 1 and runner != "inprocess":
-        raise VjpsplitError(
-            f"data_parallel={data_parallel} runs in-process only for now; use runner='inprocess' (replicas on "
-            "this host's devices), or data_parallel=1 on Ray"
-        )
     if runner != "inprocess" and devices is not None:
         raise VjpsplitError(
             "devices= places the stages of this process; a Ray worker runs on the devices its actor sees "
@@ -118,11 +114,30 @@ def open_backend(
         params = ownership.gather([_host_flat(n, p) for n, p in zip(ownership.names, ownership.stage_params)])
         init = smap.scatter(jax.device_get(jax.jit(optimizer.init)(params)))
         states = [init[s] if st is None else st for s, st in enumerate(states)]
-    if data_parallel > 1:
+    reductions = [(r.op, dtype_name(np.dtype(r.dtype)), r.round) for r in whole.roots()]
+    if data_parallel > 1 and runner == "inprocess":
         trainers = replica_trainers(
             ownership, optimizer, states, whole, n=data_parallel, workers=layout.workers, devices=devices
         )
         return InProcessBackend(ownership, trainers, ray_options["step_timeout"], hang_report, data_parallel)
+    if data_parallel > 1:  # on Ray: each actor makes its replicas on its own devices, from programs made here
+        refuse_sharded(ownership.artifacts)
+        own = ownership
+        programs = [
+            replica_program(optimizer, a, p, s, data_parallel, own.names[s], whole, own.counted[s])
+            for s, (a, p) in enumerate(zip(own.artifacts, own.stage_params))
+        ]
+        return RayBackend(
+            ownership,
+            programs,
+            states,
+            reductions,
+            whole.uses_value,
+            data_parallel=data_parallel,
+            layout=layout.workers,
+            hang_report=hang_report,
+            **ray_options,
+        )
     where = placement(ownership.artifacts, layout.workers, devices)
     arts = placed(ownership.artifacts, where)
     # Specs only: an unsharded stage's parameters go to its own device, never all to the default one first.
@@ -135,7 +150,6 @@ def open_backend(
             ray_options["step_timeout"],
             hang_report,
         )
-    reductions = [(r.op, dtype_name(np.dtype(r.dtype)), r.round) for r in whole.roots()]
     return RayBackend(
         ownership,
         programs,
