@@ -216,6 +216,25 @@ def test_a_checkpoint_at_dp4_continues_at_dp2_and_in_one_process(tmp_path):
     assert_trees_close(jax.tree_util.tree_map(np.asarray, p), never_stopped, rtol=RTOL, atol=ATOL)
 
 
+def test_stages_exported_with_data_parallel_train_on_that_many_replicas(tmp_path):
+    # export_stages(data_parallel=2) (the CLI's --data-parallel 2) records N; the Trainer takes it when not given.
+    (b,) = jexport.symbolic_shape("b")
+    S = jax.ShapeDtypeStruct
+    specs = jax.tree_util.tree_map(lambda a: S(np.shape(a), a.dtype), tied_params())
+    st = vs.export_stages(
+        tied, specs, S((b, T), jnp.int32), S((b, T), jnp.int32), wrt="params", platforms="cpu", data_parallel=2
+    )
+    st.save(tmp_path / "st")
+    params, tx, batches = tied_params(), optax.adam(1e-2), tied_batches(2, rows=8)
+    with P.Trainer(vs.load_stages(tmp_path / "st"), params, optimizer=tx, microbatches=2, clip_global_norm=CLIP) as tr:
+        assert tr.data_parallel == 2
+        losses = [tr.step(b) for b in batches]
+        _on_replicas(tr, 2)
+    ref_losses, ref_params = _reference(tied, params, tx, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_trees_close(tr.params(), ref_params, rtol=RTOL, atol=ATOL)
+
+
 def test_data_parallel_refusals():
     st, params = tied_stages(), tied_params()
     with pytest.raises(VjpsplitError, match=r"data_parallel=0: give the number of replicas"):

@@ -155,3 +155,17 @@ def test_sharded_stages_with_data_parallel_are_one_clear_error(runner):
         r"run unsharded stages only: export the stages without shardings",
     ):
         pipeline.Trainer(stages, params, optimizer=optax.sgd(0.1), microbatches=2, data_parallel=2, runner=runner)
+
+
+def test_export_stages_refuses_data_parallel_for_sharded_specs():
+    # What the Trainer would refuse, said at export (the CLI's --stages --data-parallel N goes through here).
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    shapes = {"w0": (D, H), "b0": (H,), "w1": (H, CLASSES), "b1": (CLASSES,)}
+    pspecs = {
+        k: jax.ShapeDtypeStruct(v, jnp.float32, sharding=NamedSharding(mesh, SPECS[k])) for k, v in shapes.items()
+    }
+    (b,) = jexport.symbolic_shape("b", constraints=("mod(b, 2) == 0",))
+    x = jax.ShapeDtypeStruct((b, D), jnp.float32, sharding=NamedSharding(mesh, P("data", None)))
+    y = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+    with pytest.raises(vs.VjpsplitError, match=r"data_parallel=2: stage 0 is sharded \(a mesh of 4 devices\)"):
+        vs.export_stages(loss, pspecs, x, y, wrt="params", platforms="cpu", data_parallel=2)

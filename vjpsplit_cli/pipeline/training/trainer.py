@@ -108,10 +108,14 @@ class Trainer:
     the error names it). The worker threads of timed steps end with ``close()``,
     with ``with Trainer(...) as tr:``, or when a Trainer nobody closed is collected.
 
-    ``data_parallel=N`` (in-process, unsharded stages) runs N replicas of every
-    stage, each on a device of its own (worker k's on ``jax.local_devices()[k*N :
-    k*N + N]``, or ``devices`` with N devices per stage), each microbatch split N
-    ways (so the batch divides by ``microbatches * N``). Each replica sums its
+    ``data_parallel=N`` (unsharded stages) runs N replicas of every
+    stage, each on a device of its own (in-process, worker k's on ``jax.local_devices()[k*N :
+    k*N + N]``, or ``devices`` with N devices per stage; on Ray, each worker's actor
+    runs its stages' N replicas on N devices of its own: on CPU it starts with
+    ``XLA_FLAGS=--xla_force_host_platform_device_count=N``, on GPUs give it N in
+    ``actor_options``), each microbatch split N
+    ways (so the batch divides by ``microbatches * N``). Not given: the ``data_parallel``
+    the stages' export recorded (``export_stages(data_parallel=N)``), else 1. Each replica sums its
     gradients over the step's microbatches alone; one reduce-scatter per stage per
     step sums them across the replicas, each device updates its 1/N shard of the
     stage's optimizer state (ZeRO-1), and the new parameters are gathered once.
@@ -147,7 +151,7 @@ class Trainer:
         hang_report: str | os.PathLike[str] | None = None,
         trace_dir: str | os.PathLike[str] | None = None,
         trace_every: int | None = None,
-        data_parallel: int = 1,
+        data_parallel: int | None = None,
         _restored: tuple[Sequence[Any] | None, int] | None = None,
     ):
         clip_global_norm = checked_clip(clip_global_norm)  # a bad value is refused now, not after the first step
@@ -161,7 +165,8 @@ class Trainer:
         if isinstance(step_count, bool) or not isinstance(step_count, int) or step_count < 0:
             raise VjpsplitError(f"step_count={step_count!r}: give the run's step this state is at, an int >= 0")
         check_runner(runner)
-        data_parallel = plain(data_parallel)
+        # Not given: what the export recorded (``export_stages(data_parallel=N)``, ``--data-parallel N``), else 1.
+        data_parallel = plain(data_parallel) if data_parallel is not None else recorded_replicas(stages)
         if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
             raise VjpsplitError(
                 f"data_parallel={data_parallel!r}: give the number of replicas of every stage, an int >= 1"
@@ -524,3 +529,8 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def recorded_replicas(stages: Stages | Sequence[Any]) -> int:
+    """The replicas of every stage a ``Stages`` export recorded (its index's ``data_parallel``); 1 for artifacts."""
+    return stages.index.data_parallel if isinstance(stages, Stages) else 1
