@@ -65,8 +65,8 @@ def _child(quick: bool) -> dict:
     )
     tx = optax.adam(1e-3)
 
-    once = P.Trainer(stages, params, optimizer=tx, microbatches=m, data_parallel=n)
-    every = P.Trainer(stages, params, optimizer=tx, microbatches=m, data_parallel=n)
+    once = P.Trainer(stages, params, optimizer=tx, microbatches=m, runner=P.InProcess(data_parallel=n))
+    every = P.Trainer(stages, params, optimizer=tx, microbatches=m, runner=P.InProcess(data_parallel=n))
     for t in every.backend.trainers:
         t.worker.per_microbatch = True
 

@@ -66,7 +66,7 @@ def test_sharded_stages_train_like_one_process(schedule):
     stages, params, batches = _setup()
     assert all(a.manifest.sharded and a.manifest.nr_devices == 4 for a in stages.artifacts)
     tx = optax.adam(1e-2)
-    tr = pipeline.Trainer(stages, params, optimizer=tx, schedule_name=schedule, microbatches=2)
+    tr = pipeline.Trainer(stages, params, optimizer=tx, schedule=schedule, microbatches=2)
     losses = [tr.step(b) for b in batches]
 
     ref_losses, ref = optax_reference(loss, params, tx, batches)
@@ -96,7 +96,7 @@ def test_sharded_stages_train_like_one_process(schedule):
 def test_sharded_state_is_optax_own_and_a_checkpoint_continues_sharded(tmp_path):
     stages, params, batches = _setup()
     tx = optax.adam(1e-2)
-    tr = pipeline.Trainer(stages, params, optimizer=tx, schedule_name="1f1b", microbatches=2)
+    tr = pipeline.Trainer(stages, params, optimizer=tx, schedule="1f1b", microbatches=2)
     tr.step(batches[0])
     tr.save(tmp_path / "ck")
     _, opt_state = tr.state()
@@ -118,7 +118,7 @@ def test_sharded_state_is_optax_own_and_a_checkpoint_continues_sharded(tmp_path)
 def test_ray_trainer_with_sharded_stages_equals_one_process(ray_session):
     stages, params, batches = _setup()
     tx = optax.adam(1e-2)
-    with pipeline.Trainer(stages, params, optimizer=tx, schedule_name="zbh1", microbatches=2, runner="ray") as tr:
+    with pipeline.Trainer(stages, params, optimizer=tx, schedule="zbh1", microbatches=2, runner="ray") as tr:
         losses = [tr.step(b) for b in batches]
         got = tr.params()
         placement = tr.placement

@@ -12,7 +12,6 @@ from typing import Any, Protocol, Sequence
 import jax
 import numpy as np
 
-from ...errors import VjpsplitError
 from ...files.dtypes import dtype_name
 from ..runtime.devices import placed, placement
 from ..runtime.model import Microbatch
@@ -23,6 +22,7 @@ from ..schedules.plans import Resolved
 from ..stages.evaluation import EvalProgram
 from .inprocess import InProcessBackend, stage_trainers
 from .optimizer import stage_programs
+from .options import InProcess, Ray, Runner
 from .ownership import Ownership, Snapshot
 from .ray import RayBackend
 from .replicas import replica_program, replica_trainers
@@ -84,26 +84,23 @@ class Backend(Protocol):
 
 
 def open_backend(
-    runner: str,
+    runner: Runner,
     ownership: Ownership,
     optimizer: Any,
     states: Sequence[Any],
     *,
     layout: Layout,
-    devices: Sequence[Sequence[Any]] | None = None,
-    hang_report: str | None = None,
+    step_timeout: float,
     data_parallel: int = 1,
-    **ray_options: Any,
+    hang_report: str | None = None,
 ) -> Backend:
-    """The backend ``runner`` names, its workers holding the stages of ``ownership`` and each stage's
-    exported ``optimizer`` (specs from the stage's parameters where they are placed) and ``states``;
-    ``hang_report``: where a stuck step's report goes (in-process).
-    ``data_parallel=N``: every stage on N replicas, its optimizer state sharded across them (``replicas``)."""
-    if runner != "inprocess" and devices is not None:
-        raise VjpsplitError(
-            "devices= places the stages of this process; a Ray worker runs on the devices its actor sees "
-            "(give each worker num_gpus or resources in actor_options)"
-        )
+    """The backend ``runner`` says, its workers holding the stages of ``ownership`` and each stage's
+    exported ``optimizer`` (specs from the stage's parameters where they are placed) and ``states``.
+
+    ``step_timeout``: seconds a step (in-process: a timed step) may take; ``hang_report``: where a stuck step's
+    report goes. ``data_parallel=N`` (the runner's, or what the export recorded): every stage on N replicas, its
+    optimizer state sharded across them (``replicas``), in-process or in each Ray worker's actor."""
+    devices = runner.devices if isinstance(runner, InProcess) else None
     smap = state_map(optimizer, ownership)
     whole = whole_optimizer(optimizer, ownership, smap)
     refusal = whole.refusal()
@@ -115,11 +112,11 @@ def open_backend(
         init = smap.scatter(jax.device_get(jax.jit(optimizer.init)(params)))
         states = [init[s] if st is None else st for s, st in enumerate(states)]
     reductions = [(r.op, dtype_name(np.dtype(r.dtype)), r.round) for r in whole.roots()]
-    if data_parallel > 1 and runner == "inprocess":
+    if data_parallel > 1 and isinstance(runner, InProcess):
         trainers = replica_trainers(
             ownership, optimizer, states, whole, n=data_parallel, workers=layout.workers, devices=devices
         )
-        return InProcessBackend(ownership, trainers, ray_options["step_timeout"], hang_report, data_parallel)
+        return InProcessBackend(ownership, trainers, step_timeout, hang_report, data_parallel)
     if data_parallel > 1:  # on Ray: each actor makes its replicas on its own devices, from programs made here
         refuse_sharded(ownership.artifacts)
         own = ownership
@@ -136,19 +133,16 @@ def open_backend(
             data_parallel=data_parallel,
             layout=layout.workers,
             hang_report=hang_report,
-            **ray_options,
+            **_ray_options(runner, step_timeout),
         )
     where = placement(ownership.artifacts, layout.workers, devices)
     arts = placed(ownership.artifacts, where)
     # Specs only: an unsharded stage's parameters go to its own device, never all to the default one first.
     specs = [a.place_arg(0, p) if a.manifest.sharded else _specs(p) for a, p in zip(arts, ownership.stage_params)]
     programs = stage_programs(optimizer, arts, ownership.names, specs, whole, ownership.counted)
-    if runner == "inprocess":
+    if isinstance(runner, InProcess):
         return InProcessBackend(
-            ownership,
-            stage_trainers(ownership, arts, where, programs, states),
-            ray_options["step_timeout"],
-            hang_report,
+            ownership, stage_trainers(ownership, arts, where, programs, states), step_timeout, hang_report
         )
     return RayBackend(
         ownership,
@@ -158,8 +152,21 @@ def open_backend(
         whole.uses_value,
         layout=layout.workers,
         hang_report=hang_report,
-        **ray_options,
+        **_ray_options(runner, step_timeout),
     )
+
+
+def _ray_options(runner: Runner, step_timeout: float) -> dict[str, Any]:
+    """``RayBackend``'s keywords from a ``Ray`` runner (what ``open_backend`` reaches once not in-process)."""
+    if not isinstance(runner, Ray):
+        raise TypeError(f"a Ray runner expected, got {runner!r}")
+    return {
+        "address": runner.address,
+        "runtime_env": runner.runtime_env,
+        "actor_options": runner.actor_options,
+        "step_timeout": step_timeout,
+        "schedule_timeout": runner.schedule_timeout,
+    }
 
 
 def _specs(tree: Any) -> Any:
