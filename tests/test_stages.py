@@ -293,7 +293,7 @@ def test_cli_export_stages_records_data_parallel_for_the_trainer(tmp_path, monke
     with pytest.raises(vs.VjpsplitError, match=r"data_parallel=2 with 2 workers needs 4 devices, this host has 1"):
         P.Trainer(stages, params, optimizer=optax.sgd(0.1), microbatches=2)
     # ... and one given wins.
-    with P.Trainer(stages, params, optimizer=optax.sgd(0.1), microbatches=2, data_parallel=1) as tr:
+    with P.Trainer(stages, params, optimizer=optax.sgd(0.1), microbatches=2, runner=P.InProcess(data_parallel=1)) as tr:
         assert tr.data_parallel == 1
         tr.step((rng.normal(size=(4, 6)).astype(np.float32), np.array([0, 1, 2, 0], np.int32)))
     # Without --data-parallel the index stays as it was (version 1 or 2, no data_parallel): signed bytes unchanged.

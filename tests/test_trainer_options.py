@@ -40,8 +40,11 @@ def _per_stage():
 class _Opened:
     """What ``open_backend`` was given, in place of the workers (no export, no threads, no Ray)."""
 
-    def __init__(self, runner, ownership, optimizer, states, *, layout, step_timeout, hang_report=None):
+    def __init__(
+        self, runner, ownership, optimizer, states, *, layout, step_timeout, data_parallel=1, hang_report=None
+    ):
         self.runner, self.step_timeout, self.hang_report = runner, step_timeout, hang_report
+        self.data_parallel = data_parallel
 
     def close(self):
         pass

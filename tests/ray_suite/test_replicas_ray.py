@@ -38,8 +38,8 @@ def test_ray_pp2_dp2_tied_and_clipped_equals_optax_and_its_checkpoint_continues_
         """Per stage the actor holds, the cross-replica reductions its replica group has run."""
         return {s: w.reductions for s, w in actor.stage_workers.items()}
 
-    kw = dict(optimizer=tx, microbatches=2, schedule_name=schedule, clip_global_norm=CLIP)
-    with P.Trainer(stages(), params_(), runner="ray", data_parallel=2, **kw) as tr:
+    kw = dict(optimizer=tx, microbatches=2, schedule=schedule, clip_global_norm=CLIP)
+    with P.Trainer(stages(), params_(), runner=P.Ray(data_parallel=2), **kw) as tr:
         losses = [tr.step(b) for b in batches[:2]]
         assert tr.last_result.runner == "ray"
         assert min(h["grad_norm"] for h in tr.history) > CLIP  # clipping acted

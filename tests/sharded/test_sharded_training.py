@@ -154,7 +154,8 @@ def test_sharded_stages_with_data_parallel_are_one_clear_error(runner):
         match=r"data_parallel: stage 0 is sharded \(a mesh of 4 devices\); replicas "
         r"run unsharded stages only: export the stages without shardings",
     ):
-        pipeline.Trainer(stages, params, optimizer=optax.sgd(0.1), microbatches=2, data_parallel=2, runner=runner)
+        replicated = pipeline.InProcess(data_parallel=2) if runner == "inprocess" else pipeline.Ray(data_parallel=2)
+        pipeline.Trainer(stages, params, optimizer=optax.sgd(0.1), microbatches=2, runner=replicated)
 
 
 def test_export_stages_refuses_data_parallel_for_sharded_specs():

@@ -45,7 +45,7 @@ from .clipping import clip_scale
 from .fit import fit as fit_steps
 from .history import IN_A_ROW, SLOWER, History, Stragglers, cost_signature
 from .optimizer import optimizer_name
-from .options import Deprecated, InProcess, Observe, Options, PerStage, Plans, Runner, Schedule, from_legacy
+from .options import Deprecated, Observe, Options, PerStage, Plans, Runner, Schedule, from_legacy
 from .ownership import Ownership
 from .resume import restored_model, stage_snapshots
 from .state import StateMap, state_map
