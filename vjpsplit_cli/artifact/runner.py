@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 
 from ..errors import VjpsplitError, cannot_deserialize, first_line, xla_status
-from ..safeio.signals import signals_end_process
+from ..safeio.signals import signals_end_process, signals_guarded
 from ..safeio.system import current_platform
 from ..trust import verdicts
 from ..trust.checks import check_outputs
@@ -81,6 +81,8 @@ class ModuleRunner:
         ``mesh``: makes the artifact's mesh, which refuses a host with too few devices, naming both counts.
         """
         m = self.manifest
+        if self._platform and not m.x64 and m.nr_devices == 1:
+            return  # passed before: this platform is fixed for the process, and the manifest frozen
         plat = self._platform or current_platform()
         if plat not in m.platforms:
             raise VjpsplitError(
@@ -124,14 +126,20 @@ class ModuleRunner:
         CLI's signal guard the run finishes here, with termination signals ending the
         process (a module may never return).
         """
-        key = self._call_key(module, args, dims)
+        if self.executable_cache is None and module not in self._check_at_call:  # the common key, inline
+            key: tuple | None = (module, dims_signature(dims) if dims else ())
+        else:
+            key = self._call_key(module, args, dims)
         seen = self._seen.get(key) is not None
         try:
             call = self.jitted[module] if seen else self._call_of(module, args)
-            with signals_end_process() as ends:
+            if not signals_guarded():  # outside the CLI's guard (every call from Python code): nothing to set
                 result = call(*args)
-                if ends:
-                    jax.block_until_ready(result)
+            else:
+                with signals_end_process() as ends:
+                    result = call(*args)
+                    if ends:
+                        jax.block_until_ready(result)
         except (ValueError, TypeError) as e:
             raise VjpsplitError(f"{refused}: {first_line(e)}") from e
         except Exception as e:
@@ -163,7 +171,7 @@ class ModuleRunner:
 
     def run_by_slot(
         self, module: str, by_slot: Mapping[str, Any], refused: str, dims: Mapping[str, int]
-    ) -> dict[str, list]:
+    ) -> dict[str, Sequence]:
         """Call a backward module on its arguments by slot; its results by slot (``trust.module_io``)."""
         io = self.signatures[module]
         return io.results(self.run(module, io.arguments(by_slot), refused, dims))
