@@ -327,7 +327,7 @@ class Artifact:
         arrays, dims, trees, plan = binding.arguments(args, self._runnable)
         if plan is not None and self._lean:
             # A signature seen before, on a plain artifact: the module straight, then what fwd returns.
-            got, stored, got_aux = self._runner.run("fwd", arrays, "args: the forward refused these inputs", dims)
+            got, stored, got_aux = self._run_ready("fwd", arrays, "args: the forward refused these inputs", dims)
             res = binding.forward_residuals(arrays, stored, dims, trees, plan)
             out = got[0] if self._bare_out else decode_structure(m.structure["out"], iter(got))
             return (out, res, decode_structure(m.structure["aux"], iter(got_aux))) if m.has_aux else (out, res)
@@ -340,6 +340,20 @@ class Artifact:
             outs, auxs = wrap_keys(io.output(OUT), outs), wrap_keys(io.output(AUX), auxs)
         out = decode_structure(m.structure["out"], iter(outs))
         return (out, res, decode_structure(m.structure["aux"], iter(auxs))) if m.has_aux else (out, res)
+
+    def _run_ready(self, module: str, args: Sequence, refused: str, dims: Mapping[str, int]) -> Any:
+        """``ModuleRunner.run`` on checked arguments; the jitted call itself where nothing else is due."""
+        runner = self._runner
+        call = runner.ready(module, dims)
+        if call is None:
+            return runner.run(module, args, refused, dims)
+        try:
+            return call(*args)
+        except Exception as e:
+            err = runner.refusal(e, module, refused)
+            if err is None:
+                raise
+            raise err from e
 
     def bwd(self, res: Residuals, ct: Any = None) -> Any:
         """Backward from residuals: gradients shaped like the ``wrt`` arguments (float0 for ints)."""
@@ -359,7 +373,7 @@ class Artifact:
                         self._binding.cotangents(None, dims, "cotangent"),
                         self._placement.carrier(dims) if m.dim_vars else None,
                     )
-                    values = self._runner.run("bwd", call_args, "residuals: the backward refused these residuals", dims)
+                    values = self._run_ready("bwd", call_args, "residuals: the backward refused these residuals", dims)
                     grads = tuple(
                         [
                             values[w[0]] if tree is None else tree.unflatten([values[i] for i in w])

@@ -211,7 +211,11 @@ class Binding:
             tuple(trees),
             new_run_id(),
         )
-        self.remember(res, plan)
+        mutable = plan.mutable if plan is not None else None
+        if mutable is not None:  # remember(res, plan), in this frame: a forward makes residuals on every call
+            self._made.add(res.residuals_id, (weakref.ref(res), mutable, plan))
+        else:
+            self.remember(res, plan)
         return res
 
     def remember(self, res: Residuals, plan: CallPlan | None = None) -> None:
@@ -239,7 +243,10 @@ class Binding:
         """
         if type(res) is not Residuals or res.fingerprint != self.manifest.fingerprint:
             return None
-        return self._made_here(res)
+        made = self._made.get(res.residuals_id)  # as _made_here, in one frame: bwd asks on every call
+        if made is not None and made[0]() is res and mutable_signature(res.inputs) == made[1]:
+            return made
+        return None
 
     def _made_here(self, res: Residuals) -> tuple | None:
         """``remember``'s entry if ``res`` is residuals this artifact's forward made, unchanged since; else None."""

@@ -140,24 +140,47 @@ class ModuleRunner:
                     result = call(*args)
                     if ends:
                         jax.block_until_ready(result)
-        except (ValueError, TypeError) as e:
-            raise VjpsplitError(f"{refused}: {first_line(e)}") from e
         except Exception as e:
-            if xla_status(e) == "RESOURCE_EXHAUSTED":
-                # The sizes come from the caller's arrays or a file's recorded dims: name that source.
-                raise VjpsplitError(
-                    f"{refused}: this host ran out of memory running the {module} module "
-                    f"({first_line(e)[:120]}); check the sizes (the dims a file records), or use a "
-                    "host with more memory"
-                ) from e
-            if not cannot_deserialize(e):
+            err = self.refusal(e, module, refused)
+            if err is None:
                 raise
-            raise VjpsplitError(artifact_file.unreadable_module(self.source, self.manifest, module)) from e
+            raise err from e
         if not seen:
             check_outputs(self.source, module, jax.tree_util.tree_leaves(result), self.exported[module], dims or {})
             if call is self.jitted[module]:  # a program read from the executable cache is checked on every call
                 self._seen.add(key, True)
         return result
+
+    def refusal(self, e: Exception, module: str, refused: str) -> VjpsplitError | None:
+        """The one-line error a module call's exception ``e`` becomes (prefixed ``refused``); None: raise ``e`` as is.
+
+        jax's own shape/dtype refusals, running out of memory, a module this jax cannot read.
+        """
+        if isinstance(e, (ValueError, TypeError)):
+            return VjpsplitError(f"{refused}: {first_line(e)}")
+        if xla_status(e) == "RESOURCE_EXHAUSTED":
+            # The sizes come from the caller's arrays or a file's recorded dims: name that source.
+            return VjpsplitError(
+                f"{refused}: this host ran out of memory running the {module} module "
+                f"({first_line(e)[:120]}); check the sizes (the dims a file records), or use a "
+                "host with more memory"
+            )
+        if not cannot_deserialize(e):
+            return None
+        return VjpsplitError(artifact_file.unreadable_module(self.source, self.manifest, module))
+
+    def ready(self, module: str, dims: Mapping[str, int]) -> Callable | None:
+        """``module``'s jitted call where ``run`` would call it straight: its checks at ``dims`` passed before.
+
+        None where ``run`` has more to do (a first call at these dims, kernels checked at call
+        shapes, the executable cache, the CLI's signal guard): call ``run`` then. A caller of the
+        jitted call turns its exceptions into errors with ``refusal``.
+        """
+        if self.executable_cache is not None or module in self._check_at_call or signals_guarded():
+            return None
+        if self._seen.get((module, dims_signature(dims) if dims else ())) is None:
+            return None
+        return self.jitted[module]
 
     def _call_key(self, module: str, args: Sequence, dims: Mapping[str, int] | None) -> tuple | None:
         """What a call's checks depend on: the module and dims, and the shardings where kernels are checked."""
