@@ -17,7 +17,7 @@ measured: these are plans, compared under the costs they were made for. A
 built-in fits when its memory peak (F until W, or until a whole B) is within the
 limit. Planning times are CPU seconds (``time.process_time``) of whole
 ``auto_schedule`` calls, the median of a few. Then, measured: the Trainer with
-``schedule_name="auto"`` against 1F1B and ZB-H1 on a mid-size GPT
+``schedule="auto"`` against 1F1B and ZB-H1 on a mid-size GPT
 (``benchmarks.autotrain``).
 """
 
@@ -236,7 +236,7 @@ def run(quick: bool, png: Path | None = DOCS, train: bool = True) -> tuple[str, 
     if not train:
         return "\n".join(parts), records
     measured, _ = autotrain.run(quick)
-    parts += ["", 'Measured: `Trainer(schedule_name="auto")` against 1F1B and ZB-H1 (`benchmarks/autotrain.py`):', ""]
+    parts += ["", 'Measured: `Trainer(schedule="auto")` against 1F1B and ZB-H1 (`benchmarks/autotrain.py`):', ""]
     parts += [measured]
     return "\n".join(parts), records
 

@@ -1,4 +1,4 @@
-"""Trainer(schedule_name="auto") against 1F1B and ZB-H1 on a mid-size GPT, measured side by side.
+"""Trainer(schedule="auto") against 1F1B and ZB-H1 on a mid-size GPT, measured side by side.
 
     python -m benchmarks --only autoschedule        # runs this after the modeled grid
     python -m benchmarks.autotrain [--quick]        # this part alone
@@ -58,10 +58,10 @@ def measure(quick: bool) -> dict:
     S, m = len(stages), c["microbatches"]
     kw = dict(optimizer=optax.adamw(1e-3), microbatches=m)
     trainers = {
-        "auto": P.Trainer(stages, params, schedule_name="auto", **kw),
-        f"auto, limit {S}": P.Trainer(stages, params, schedule_name="auto", memory_limit=S, **kw),
-        "1F1B": P.Trainer(stages, params, schedule_name="1f1b", **kw),
-        "ZB-H1": P.Trainer(stages, params, schedule_name="zbh1", **kw),
+        "auto": P.Trainer(stages, params, schedule="auto", **kw),
+        f"auto, limit {S}": P.Trainer(stages, params, schedule=P.Schedule("auto", memory_limit=S), **kw),
+        "1F1B": P.Trainer(stages, params, schedule="1f1b", **kw),
+        "ZB-H1": P.Trainer(stages, params, schedule="zbh1", **kw),
     }
     warmup, rounds = 2, c["rounds"]
     times: dict[str, list[float]] = {k: [] for k in trainers}

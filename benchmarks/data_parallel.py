@@ -25,10 +25,11 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks.timing import run_child
 
 ROOT = Path(__file__).resolve().parents[1]
 _REDUCTION = re.compile(r"\b(all-reduce|reduce-scatter)(-start)?\(")
@@ -64,8 +65,8 @@ def _child(quick: bool) -> dict:
     )
     tx = optax.adam(1e-3)
 
-    once = P.Trainer(stages, params, optimizer=tx, microbatches=m, data_parallel=n)
-    every = P.Trainer(stages, params, optimizer=tx, microbatches=m, data_parallel=n)
+    once = P.Trainer(stages, params, optimizer=tx, microbatches=m, runner=P.InProcess(data_parallel=n))
+    every = P.Trainer(stages, params, optimizer=tx, microbatches=m, runner=P.InProcess(data_parallel=n))
     for t in every.backend.trainers:
         t.worker.per_microbatch = True
 
@@ -148,21 +149,7 @@ def _child(quick: bool) -> dict:
 
 def run(quick: bool = False) -> tuple[str, dict]:
     """The markdown tables and the raw figures, measured in a child process with 8 CPU devices."""
-    env = {**os.environ}
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    env["XLA_FLAGS"] = " ".join([*flags, "--xla_force_host_platform_device_count=8"])
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    r = subprocess.run(
-        [sys.executable, "-m", "benchmarks.data_parallel", "--child", *(["--quick"] if quick else [])],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    if r.returncode:
-        raise RuntimeError(f"data-parallel benchmark child failed:\n{r.stderr[-3000:]}")
-    v = json.loads(r.stdout.strip().splitlines()[-1])
+    v = run_child("benchmarks.data_parallel", quick, devices=8, single_thread=False)
     lines = [
         "| stage | reduce-scatters in its reduction program | reductions per step: once (this design) / "
         "per microbatch (m = 4) | gradient bytes reduced per reduction | optimizer state per device / whole |",

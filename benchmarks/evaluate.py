@@ -55,7 +55,7 @@ def measure(quick: bool) -> dict:
     params = model.init(vocab)
     stages = model.export(params)
     M = c["microbatches"]
-    tr = P.Trainer(stages, params, optimizer=optax.adamw(1e-3), microbatches=M, schedule_name="gpipe")
+    tr = P.Trainer(stages, params, optimizer=optax.adamw(1e-3), microbatches=M, schedule="gpipe")
     tr.step(batches[0])
     tr.evaluate(batches[1])  # compiles the evaluation calls
     workers = [t.worker for t in tr.backend.trainers]

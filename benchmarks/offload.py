@@ -6,8 +6,8 @@
 The train benchmark's mid GPT (``benchmarks/gpt.py``: width 256, 4 blocks, sequence
 64, 2 rows per microbatch, AdamW, 2 stages on 2 host CPU devices, single-threaded
 XLA per operation) trained by the Trainer in-process (untimed steps: every operation
-dispatched from one thread), without offload, with ``offload="host"`` (host NumPy
-copies on these CPU devices) and with ``Offload(to="files")`` (residual files in a
+dispatched from one thread), without offload, with ``InProcess(offload="host")`` (``pinned_host``
+copies: these CPU devices have that memory kind) and with ``Offload(to="files")`` (residual files in a
 temporary directory). Candidates run in blocks of consecutive steps, interleaved
 round by round; the step time is the median block time over its steps. Each
 candidate trains on the same batches in the same order, so their parameters after
@@ -51,7 +51,14 @@ def _case(g, stages, params, m: int, schedule: str, cfg: dict, tmp: str) -> dict
         "files": P.Offload(to="files", directory=os.path.join(tmp, f"{schedule}-{m}")),
     }
     trainers = {
-        k: P.Trainer(stages, params, optimizer=optax.adamw(1e-3), schedule_name=schedule, microbatches=m, offload=o)
+        k: P.Trainer(
+            stages,
+            params,
+            optimizer=optax.adamw(1e-3),
+            schedule=schedule,
+            microbatches=m,
+            runner=P.InProcess(offload=o),
+        )
         for k, o in offloads.items()
     }
     turns = {k: 0 for k in trainers}

@@ -11,11 +11,11 @@ this machine's cores: times compare programs, not hardware.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from benchmarks.timing import run_child
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,21 +95,7 @@ def _child(quick: bool) -> dict:
 
 def run(quick: bool = False) -> tuple[str, dict]:
     """The markdown table and the raw figures, measured in a child process with 8 CPU devices."""
-    env = {**os.environ}
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    env["XLA_FLAGS"] = " ".join([*flags, "--xla_force_host_platform_device_count=8"])
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    r = subprocess.run(
-        [sys.executable, "-m", "benchmarks.sharded", "--child", *(["--quick"] if quick else [])],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    if r.returncode:
-        raise RuntimeError(f"sharded benchmark child failed:\n{r.stderr[-3000:]}")
-    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    rows = run_child("benchmarks.sharded", quick, devices=8, single_thread=False)
     lines = [
         "| block (batch 16 x 32 tokens, d=256) | fused jit(value_and_grad) | split fwd+bwd (jit) | "
         "artifact fwd+bwd | residuals, all devices | residuals, per device (max / min) | "

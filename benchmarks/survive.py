@@ -128,7 +128,7 @@ def measure(quick: bool) -> dict:
         log_to_driver=False,
         runtime_env={"env_vars": {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}},
     )
-    kw = dict(optimizer=optax.adamw(3e-3), schedule_name="1f1b", microbatches=cfg["microbatches"])
+    kw = dict(optimizer=optax.adamw(3e-3), schedule="1f1b", microbatches=cfg["microbatches"])
     rows = []
     for runner in ("inprocess", "ray"):
         with P.Trainer(stages, params, runner=runner, **kw) as tr:

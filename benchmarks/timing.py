@@ -71,16 +71,17 @@ def ms(seconds: float) -> str:
 SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
-def run_child(module: str, quick: bool, devices: int | None = None) -> dict:
-    """``python -m MODULE --child [--quick]`` with single-threaded XLA (one core, as one device per stage).
+def run_child(module: str, quick: bool, devices: int | None = None, single_thread: bool = True) -> dict:
+    """``python -m MODULE --child [--quick]``, by default with single-threaded XLA (one core, as one device per stage).
 
     ``devices``: that many host CPU devices in the child (``--xla_force_host_platform_device_count``).
+    ``single_thread=False`` leaves XLA's threading as it is (an SPMD program over the devices uses the cores).
     Returns the JSON object the child prints as its last line.
     """
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if devices is None or "device_count" not in f]
     if devices is not None:
         flags.append(f"--xla_force_host_platform_device_count={devices}")
-    env = dict(os.environ, XLA_FLAGS=" ".join([*flags, SINGLE_THREAD]))
+    env = dict(os.environ, XLA_FLAGS=" ".join([*flags, *([SINGLE_THREAD] if single_thread else [])]))
     cmd = [sys.executable, "-m", module, "--child"] + (["--quick"] if quick else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     if proc.returncode != 0:

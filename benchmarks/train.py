@@ -70,7 +70,7 @@ def _trainers(stages, params, tx, microbatches: int, ray: bool) -> dict:
 
     runners = ["inprocess", "ray"] if ray else ["inprocess"]
     return {
-        r: P.Trainer(stages, params, optimizer=tx, schedule_name="1f1b", microbatches=microbatches, runner=r)
+        r: P.Trainer(stages, params, optimizer=tx, schedule="1f1b", microbatches=microbatches, runner=r)
         for r in runners
     }
 
@@ -89,7 +89,9 @@ def tiny(cfg: dict, ray: bool, platform: str) -> dict:
     trainers = _trainers(stages, params, optax.sgd(1e-3), M, ray)
     devs = jax.local_devices()
     d0, d1 = devs[0], devs[1 % len(devs)]
-    shared = P.Trainer(stages, params, optimizer=optax.sgd(1e-3), microbatches=M, devices=[[d0], [d0]])
+    shared = P.Trainer(
+        stages, params, optimizer=optax.sgd(1e-3), microbatches=M, runner=P.InProcess(devices=[[d0], [d0]])
+    )
     hand, hand_shared = HandLoop(stages, params, M, 1e-3, [d0, d1]), HandLoop(stages, params, M, 1e-3, [d0, d0])
     label = {"inprocess": "in-process", "ray": "Ray"}
     cands = {"by hand (the floor)": lambda: hand.step(batch), "by hand, one device": lambda: hand_shared.step(batch)}

@@ -364,7 +364,7 @@ def test_numpy_scalars_work_as_numbers_and_a_string_clip_is_one_error(tmp_path):
     tr.fit(_batches(1), steps=1, checkpoint_dir=tmp_path / "ck")
     meta = json.loads((tmp_path / "ck" / ckpt.INDEX).read_text())["meta"]
     assert meta["clip_global_norm"] == 0.5 and meta["microbatches"] == 2
-    auto = _trainer(schedule_name="auto", memory_limit=np.int64(4))
+    auto = _trainer(schedule=P.Schedule("auto", memory_limit=np.int64(4)))
     auto.save(tmp_path / "auto")
     assert json.loads((tmp_path / "auto" / ckpt.INDEX).read_text())["meta"]["memory_limit"] == 4
     with pytest.raises(VjpsplitError, match="clip_global_norm='1' is a str; give a positive number"):

@@ -48,7 +48,7 @@ def test_eval_programs_return_only_what_each_stage_sends():
 def test_evaluate_equals_one_process_loss_and_changes_no_state(monkeypatch):
     params, tx = gpt_params(), optax.adamw(1e-2)
     train, held_out = [gpt_batch(8, seed=40 + i) for i in range(3)], gpt_batch(8, seed=50)
-    with P.Trainer(_stages(), params, optimizer=tx, schedule_name="1f1b", microbatches=4) as tr:
+    with P.Trainer(_stages(), params, optimizer=tx, schedule="1f1b", microbatches=4) as tr:
         tr.step(train[0])
         before = tr.state()
         history = [dict(h) for h in tr.history]

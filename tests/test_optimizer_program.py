@@ -191,3 +191,21 @@ def test_bfloat16_parameters():
     for k in p:
         assert new[k].dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(new[k], np.float32), np.asarray(ref[k], np.float32))
+
+
+def test_a_program_exported_over_an_abstract_mesh_runs_once_loaded_onto_devices():
+    # What the driver of a data-parallel Ray run exports: no devices at export, the actor's at load.
+    from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+
+    mesh = AbstractMesh((1,), ("replicas",))
+    specs = {"w": jax.ShapeDtypeStruct((4, 2), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("replicas")))}
+    prog = export_optimizer(optax.adam(0.1), specs, platforms="cpu")
+    w = {"w": np.arange(8, dtype=np.float32).reshape(4, 2)}
+    with pytest.raises(VjpsplitError, match=r"exported over an abstract mesh of \{'replicas': 1\}, it has no devices"):
+        prog.init(w)
+    placed = load_optimizer(prog.to_bytes(), devices=jax.devices()[:1])
+    tx = optax.adam(0.1)
+    g = {"w": np.ones((4, 2), np.float32)}
+    new, _ = placed.update(w, placed.init(w), g)
+    u, _ = tx.update(g, tx.init(w), w)
+    np.testing.assert_allclose(np.asarray(new["w"]), np.asarray(optax.apply_updates(w, u)["w"]), rtol=1e-6)

@@ -309,3 +309,60 @@ def test_calls_under_a_callers_jit_keep_no_tracer(art):
             want = jax.grad(loss, argnums=(0, 1))(params, x)
             np.testing.assert_allclose(grads[1], want[1], rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(grads[0]["w"], want[0]["w"], rtol=1e-5, atol=1e-6)
+
+
+def test_one_plan_per_signature_serves_fwd_and_bwd(art, monkeypatch):
+    """fwd works out a plan once per signature and bwd lays the gradients out from it; new shapes get their own.
+
+    Repeated calls of one signature make no new plan and rebuild no gradient tree the slow way
+    (``grads_per_arg``); another batch size makes one more plan; a call of another dtype after
+    them is still refused by name, word for word as on a fresh artifact, and makes no plan.
+    """
+    from vjpsplit_cli.artifact import artifact as artifact_module
+
+    slow = {"grads_per_arg": 0}
+    real = artifact_module.grads_per_arg
+
+    def counting(*args, **kwargs):
+        slow["grads_per_arg"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(artifact_module, "grads_per_arg", counting)
+    a = fresh(art)
+    made = binding.PLANS_MADE[0]
+    for rows in (5, 5, 5, 2, 2, 5):
+        for seed in range(3):
+            params, x = batch(seed, rows)
+            out, res = a.fwd(params, x)
+            gp, gx = a.bwd(res)
+            want = jax.grad(loss, argnums=(0, 1))(params, x)
+            np.testing.assert_allclose(out, loss(params, x), rtol=1e-5)
+            np.testing.assert_allclose(gx, want[1], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(gp["w"], want[0]["w"], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(gp["b"], want[0]["b"], rtol=1e-5, atol=1e-6)
+            assert type(gp) is dict and set(gp) == {"w", "b"}  # the caller's own tree
+    assert binding.PLANS_MADE[0] == made + 2  # batch sizes 5 and 2: one plan each
+    assert slow["grads_per_arg"] == 0
+    params, x = batch(0)
+    with pytest.raises(vs.VjpsplitError) as first:
+        fresh(art).fwd(params, x.astype(np.int32))
+    made = binding.PLANS_MADE[0]
+    with pytest.raises(vs.VjpsplitError) as later:
+        a.fwd(params, x.astype(np.int32))
+    assert str(later.value) == str(first.value)
+    assert "input 'x'" in str(later.value) and "expected f32[b,4]" in str(later.value)
+    assert binding.PLANS_MADE[0] == made
+    _, res = a.fwd(params, x)
+    a.bwd(res.replace(residuals_id=""))  # not this forward's own: checked, the gradients built the general way
+    assert slow["grads_per_arg"] == 1
+
+
+def test_residuals_of_one_artifact_take_no_shortcut_in_another(art):
+    """Two artifacts of one manifest: residuals of one are checked by the other, never taken as its own."""
+    a, b = fresh(art), fresh(art)
+    params, x = batch(1)
+    a.bwd(a.fwd(params, x)[1])
+    _, res_b = b.fwd(params, x)
+    gp, gx = a.bwd(res_b)  # same fingerprint, same shapes: accepted, but through a's checks
+    np.testing.assert_allclose(gx, jax.grad(loss, argnums=1)(params, x), rtol=1e-5, atol=1e-6)
+    assert a._binding.own_residuals(res_b) is None and b._binding.own_residuals(res_b) is not None

@@ -260,6 +260,52 @@ def test_cli_export_stages_and_inspect_dir(tmp_path, monkeypatch):
     assert_trees_close(res.grads, grads, rtol=1e-4, atol=1e-6)
 
 
+def test_cli_export_stages_records_data_parallel_for_the_trainer(tmp_path, monkeypatch):
+    import json
+
+    import optax
+    from click.testing import CliRunner
+
+    from vjpsplit_cli.cli import main
+
+    (tmp_path / "cmodel.py").write_text(CLI_MODEL)
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    args = ["export", "cmodel.py:loss", "--shapes", "params=@cmodel.py:shapes", "--shapes", "x=f32[b,6]"]
+    args += ["--shapes", "labels=i32[b]", "--wrt", "params", "--platforms", "cpu"]
+    r = runner.invoke(main, [*args, "-o", "m.vjp", "--data-parallel", "2"])
+    assert r.exit_code == 2 and "--data-parallel records replicas of pipeline stages: give it with --stages" in r.output
+    assert not (tmp_path / "m.vjp").exists()
+    r = runner.invoke(main, [*args, "--stages", "-o", "m.stages", "--data-parallel", "0"])
+    assert r.exit_code == 2 and "--data-parallel" in r.output and not (tmp_path / "m.stages").exists()
+    r = runner.invoke(main, [*args, "--stages", "-o", "m.stages", "--data-parallel", "2"])
+    assert r.exit_code == 0, r.output
+    assert "2 stages (marks), platforms cpu, data_parallel 2" in r.output
+    index = json.loads((tmp_path / "m.stages" / "stages.json").read_text())
+    assert index["version"] == 3 and index["data_parallel"] == 2
+    r = runner.invoke(main, ["inspect", "m.stages", "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["data_parallel"] == 2, r.output
+    stages = vs.load_stages(tmp_path / "m.stages")
+    assert stages.index.data_parallel == 2
+    rng = np.random.default_rng(0)
+    params = {"w0": rng.normal(size=(6, 8)).astype(np.float32), "w1": rng.normal(size=(8, 3)).astype(np.float32)}
+    # The Trainer takes the recorded N when none is given (this process has 1 device: the refusal shows it) ...
+    with pytest.raises(vs.VjpsplitError, match=r"data_parallel=2 with 2 workers needs 4 devices, this host has 1"):
+        P.Trainer(stages, params, optimizer=optax.sgd(0.1), microbatches=2)
+    # ... and one given wins.
+    with P.Trainer(stages, params, optimizer=optax.sgd(0.1), microbatches=2, runner=P.InProcess(data_parallel=1)) as tr:
+        assert tr.data_parallel == 1
+        tr.step((rng.normal(size=(4, 6)).astype(np.float32), np.array([0, 1, 2, 0], np.int32)))
+    # Without --data-parallel the index stays as it was (version 1 or 2, no data_parallel): signed bytes unchanged.
+    r = runner.invoke(main, [*args, "--stages", "-o", "plain.stages"])
+    plain = json.loads((tmp_path / "plain.stages" / "stages.json").read_text())
+    assert r.exit_code == 0 and "data_parallel" not in plain and plain["version"] in (1, 2)
+    bad = dict(index, data_parallel="2")
+    (tmp_path / "m.stages" / "stages.json").write_text(json.dumps(bad))
+    with pytest.raises(vs.VjpsplitError, match=r"data_parallel is '2', not an int >= 1"):
+        vs.load_stages(tmp_path / "m.stages")
+
+
 def test_balanced_cut_of_the_sample_gpt_is_within_1_25_of_the_mean(monkeypatch):
     from pathlib import Path
 

@@ -26,7 +26,7 @@ def _stages():
 
 
 def _trainer(**kw):
-    kw = {"schedule_name": "1f1b", "microbatches": 2, **kw}
+    kw = {"schedule": "1f1b", "microbatches": 2, **kw}
     return P.Trainer(_stages(), gpt_params(), optimizer=optax.sgd(0.1), **kw)
 
 
@@ -135,7 +135,7 @@ def _block_stage(monkeypatch, stage, mb, release):
 def test_a_timed_step_past_step_timeout_names_the_stuck_op_and_what_each_worker_waits_for(monkeypatch, tmp_path):
     release = threading.Event()
     report = tmp_path / "hang.json"
-    tr = _trainer(hang_report=report)
+    tr = _trainer(observe=P.Observe(hang_report=report))
     tr.step(gpt_batch(4), timed=True)  # compiled: the limit below is the hang's, not a first call's
     tr.backend.step_timeout = 1.5
     _block_stage(monkeypatch, stage=1, mb=1, release=release)
@@ -172,7 +172,7 @@ def test_a_timed_step_past_step_timeout_names_the_stuck_op_and_what_each_worker_
 
 def test_a_thread_stuck_for_good_ends_the_trainers_steps_and_nothing_hangs(monkeypatch, tmp_path):
     release = threading.Event()
-    tr = _trainer(hang_report=tmp_path / "h.json")
+    tr = _trainer(observe=P.Observe(hang_report=tmp_path / "h.json"))
     tr.step(gpt_batch(4), timed=True)
     tr.backend.step_timeout = 1.0
     _block_stage(monkeypatch, stage=2, mb=0, release=release)
@@ -193,7 +193,7 @@ def test_ctrl_c_during_a_timed_step_is_one_error_naming_what_each_worker_does(mo
     import signal
 
     release = threading.Event()
-    tr = _trainer(step_timeout=60, hang_report=tmp_path / "h.json")
+    tr = _trainer(observe=P.Observe(step_timeout=60, hang_report=tmp_path / "h.json"))
     tr.step(gpt_batch(4), timed=True)
     _block_stage(monkeypatch, stage=0, mb=1, release=release)
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
@@ -235,7 +235,7 @@ def test_a_timed_steps_trace_file_holds_its_events_and_sends(schedule, tmp_path,
 
     monkeypatch.setattr(jax.profiler, "TraceAnnotation", Recorded)
     mbs = 4
-    tr = _trainer(schedule_name=schedule, microbatches=mbs, trace_dir=tmp_path / "traces", trace_every=2)
+    tr = _trainer(schedule=schedule, microbatches=mbs, observe=P.Observe(trace_dir=tmp_path / "traces", trace_every=2))
     tr.step(gpt_batch(8))  # step 1: untimed, no trace
     assert not (tmp_path / "traces").exists() and names == []
     tr.step(gpt_batch(8, seed=3))  # step 2: the trace_every-th, timed and traced
@@ -318,7 +318,7 @@ def test_a_worker_slowed_on_purpose_is_named_after_three_timed_steps(monkeypatch
         return real(self, worker, kind, mb, args, call, warmup)
 
     monkeypatch.setattr(StageWorker, "_run", slowed)
-    with P.Trainer(stages, params, optimizer=optax.sgd(0.1), microbatches=4, timeline=True) as tr:
+    with P.Trainer(stages, params, optimizer=optax.sgd(0.1), microbatches=4, observe=P.Observe(timeline=True)) as tr:
         with pytest.warns(UserWarning) as caught:
             for _ in range(5):
                 tr.step((x, labels))
@@ -333,7 +333,7 @@ def test_a_worker_slowed_on_purpose_is_named_after_three_timed_steps(monkeypatch
 
 def test_fit_writes_a_stuck_steps_report_beside_its_checkpoint_directory(monkeypatch, tmp_path):
     release = threading.Event()
-    tr = _trainer(timeline=True)
+    tr = _trainer(observe=P.Observe(timeline=True))
     tr.step(gpt_batch(4))  # compiled before the limit applies
     tr.backend.step_timeout = 1.5
     _block_stage(monkeypatch, stage=1, mb=1, release=release)

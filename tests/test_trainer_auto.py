@@ -1,4 +1,4 @@
-"""Trainer(schedule_name="auto"): a timed first step, then auto_schedule's plans for its costs; equal to one process.
+"""Trainer(schedule="auto"): a timed first step, then auto_schedule's plans for its costs; equal to one process.
 
 Also ``trainer.costs()`` (measured F, B, W and send times) and memory limits in
 microbatches and in bytes per worker, counted from the stages' manifests.
@@ -54,7 +54,7 @@ def _check_costs(costs, S, split_timed=True):
 
 def test_auto_trains_equal_to_one_process_and_records_its_plans():
     params, batches, tx = gpt_params(), _batches(3), optax.adamw(1e-2)
-    tr = P.Trainer(_stages(), params, optimizer=tx, schedule_name="auto", microbatches=M)
+    tr = P.Trainer(_stages(), params, optimizer=tx, schedule="auto", microbatches=M)
     assert tr.plan.name == "auto" and tr.plan.plans == []  # nothing planned before the measuring step
     losses = [tr.step(batches[0])]
     # Every stage has the split backward and no limit binds: ZB-H1 times the first step, W included.
@@ -91,7 +91,7 @@ def test_costs_medians_and_a_whole_backward_cut_by_its_flops():
     """A 1F1B Trainer times whole backwards: ``costs()`` cuts each into B and W by XLA's FLOPs of the
     stage's ``bwd_input`` and ``bwd_weight``; F is the median of the step's forwards."""
     params, batches = gpt_params(), _batches(2)
-    tr = P.Trainer(_stages(), params, optimizer=optax.sgd(0.1), schedule_name="1f1b", microbatches=M)
+    tr = P.Trainer(_stages(), params, optimizer=optax.sgd(0.1), schedule="1f1b", microbatches=M)
     for b in batches[:2]:  # untimed; the calls compile in these (the second step's for placed parameters)
         tr.step(b)
     with pytest.raises(VjpsplitError, match=r"no timed step has run yet: run trainer.step\(batch, timed=True\)"):
@@ -112,7 +112,7 @@ def test_costs_medians_and_a_whole_backward_cut_by_its_flops():
 
 def test_memory_limit_one_trains_correctly_within_it():
     params, batches, tx = gpt_params(), _batches(2, seed=50), optax.adam(1e-2)
-    tr = P.Trainer(_stages(), params, optimizer=tx, schedule_name="auto", microbatches=M, memory_limit=1)
+    tr = P.Trainer(_stages(), params, optimizer=tx, schedule=P.Schedule("auto", memory_limit=1), microbatches=M)
     losses = [tr.step(b) for b in batches]
     ref_losses, ref_params = optax_reference(gpt, params, tx, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -142,7 +142,9 @@ def test_memory_limit_bytes_maps_to_microbatches_by_the_manifests():
     held = _held_bytes(_stages(), ROWS)
     assert held == [360, 1004, 640, 876]  # the residuals of stage 0 are 40 bytes, its intermediates 320
     limit = 2100  # 5, 2, 3 and 2 microbatches
-    tr = P.Trainer(_stages(), params, optimizer=tx, schedule_name="auto", microbatches=M, memory_limit_bytes=limit)
+    tr = P.Trainer(
+        _stages(), params, optimizer=tx, schedule=P.Schedule("auto", memory_limit_bytes=limit), microbatches=M
+    )
     losses = [tr.step(b) for b in batches]
     assert tr.auto.limits == tuple(min(M, limit // h) for h in held) == (4, 2, 3, 2)
     # Within the bytes: by count where auto offloads nothing, else with its offloaded pairs away.
@@ -153,17 +155,23 @@ def test_memory_limit_bytes_maps_to_microbatches_by_the_manifests():
     assert tr.history[0]["schedule"] == "auto"  # ZB-H1 and 1F1B hold 3 or 4 on worker 1: neither fits
     np.testing.assert_allclose(losses, optax_reference(gpt, params, tx, batches)[0], rtol=1e-5)
     per_worker = P.Trainer(
-        _stages(), params, optimizer=tx, schedule_name="auto", microbatches=M, memory_limit_bytes=["1KiB"] * 3 + [900]
+        _stages(),
+        params,
+        optimizer=tx,
+        schedule=P.Schedule("auto", memory_limit_bytes=["1KiB"] * 3 + [900]),
+        microbatches=M,
     )
     assert per_worker.auto.limits_for(per_worker.model.batch_microbatches(batches[0], M)[0]) == (2, 1, 1, 1)
-    small = P.Trainer(_stages(), params, optimizer=tx, schedule_name="auto", microbatches=M, memory_limit_bytes=1000)
+    small = P.Trainer(
+        _stages(), params, optimizer=tx, schedule=P.Schedule("auto", memory_limit_bytes=1000), microbatches=M
+    )
     with pytest.raises(VjpsplitError, match=r"on worker 1: one microbatch of stage 1 holds 1004 bytes .*no plan fits"):
         small.step(batches[0])
 
 
 def test_save_and_restore_measure_again_and_continue_the_run(tmp_path):
     params, batches, tx = gpt_params(), _batches(4, seed=70), optax.adamw(1e-2)
-    kw = dict(optimizer=tx, schedule_name="auto", microbatches=M, memory_limit=2)
+    kw = dict(optimizer=tx, schedule=P.Schedule("auto", memory_limit=2), microbatches=M)
     never_stopped = P.Trainer(_stages(), params, **kw)
     losses = [never_stopped.step(b) for b in batches]
     first = P.Trainer(_stages(), params, **kw)
@@ -183,16 +191,16 @@ def test_save_and_restore_measure_again_and_continue_the_run(tmp_path):
 def test_bad_limits_are_one_clear_error():
     params, tx = gpt_params(), optax.sgd(0.1)
     kw = dict(optimizer=tx, microbatches=M)
-    with pytest.raises(VjpsplitError, match="apply to schedule_name='auto'"):
-        P.Trainer(_stages(), params, schedule_name="1f1b", memory_limit=2, **kw)
+    with pytest.raises(VjpsplitError, match=r"apply to Schedule\('auto'\), not to '1f1b'"):
+        P.Trainer(_stages(), params, schedule=P.Schedule("1f1b", memory_limit=2), **kw)
     with pytest.raises(VjpsplitError, match="not both"):
-        P.Trainer(_stages(), params, schedule_name="auto", memory_limit=2, memory_limit_bytes=10**6, **kw)
+        P.Trainer(_stages(), params, schedule=P.Schedule("auto", memory_limit=2, memory_limit_bytes=10**6), **kw)
     with pytest.raises(VjpsplitError, match="memory_limit for worker 0 is 0; a worker must hold at least 1"):
-        P.Trainer(_stages(), params, schedule_name="auto", memory_limit=0, **kw)
+        P.Trainer(_stages(), params, schedule=P.Schedule("auto", memory_limit=0), **kw)
     with pytest.raises(VjpsplitError, match="one value or one per worker"):
-        P.Trainer(_stages(), params, schedule_name="auto", memory_limit_bytes=[10**6] * 3, **kw)
+        P.Trainer(_stages(), params, schedule=P.Schedule("auto", memory_limit_bytes=[10**6] * 3), **kw)
     with pytest.raises(VjpsplitError, match="is not a size"):
-        P.Trainer(_stages(), params, schedule_name="auto", memory_limit_bytes="lots", **kw)
+        P.Trainer(_stages(), params, schedule=P.Schedule("auto", memory_limit_bytes="lots"), **kw)
 
 
 def test_send_time_is_the_gap_to_an_idle_worker_and_compiling_operations_are_left_out():
@@ -278,7 +286,7 @@ def test_costs_are_each_operations_own_warm_time(monkeypatch, schedule_name):
     measured.listen_for_compiles()
     jax.monitoring.register_event_duration_secs_listener(compiled)
     try:
-        tr = P.Trainer(_stages(), gpt_params(), optimizer=optax.sgd(0.1), schedule_name=schedule_name, microbatches=2)
+        tr = P.Trainer(_stages(), gpt_params(), optimizer=optax.sgd(0.1), schedule=schedule_name, microbatches=2)
         tr.step(gpt_batch(6), timed=True)  # microbatches of 3 rows: a signature no other test compiled
         costs = tr.costs()
     finally:

@@ -32,7 +32,7 @@ def _tied_copies(trainer):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbh1", "zbv"])
 def test_steps_equal_single_process_optax(schedule):
     params, batches, tx = gpt_params(), _batches(3), optax.adamw(1e-2)
-    tr = P.Trainer(_stages(), params, optimizer=tx, schedule_name=schedule, microbatches=4)
+    tr = P.Trainer(_stages(), params, optimizer=tx, schedule=schedule, microbatches=4)
     losses = [tr.step(b, timed=i == 2) for i, b in enumerate(batches)]  # the last step timed: the same numbers
     ref_losses, ref_params = optax_reference(gpt, params, tx, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -58,7 +58,7 @@ def test_steps_equal_single_process_optax(schedule):
 def test_global_norm_clipping_equals_optax_chain():
     params, batches, c = gpt_params(), _batches(3), 0.5
     tx = optax.sgd(0.1, momentum=0.9)
-    tr = P.Trainer(_stages(), params, optimizer=tx, schedule_name="1f1b", microbatches=2, clip_global_norm=c)
+    tr = P.Trainer(_stages(), params, optimizer=tx, schedule="1f1b", microbatches=2, clip_global_norm=c)
     losses = [tr.step(b) for b in batches]
     assert min(h["grad_norm"] for h in tr.history) > 2 * c  # clipping acts on every step, so this can fail
     ref_losses, ref_params = optax_reference(gpt, params, optax.chain(optax.clip_by_global_norm(c), tx), batches)
@@ -73,7 +73,7 @@ def test_global_norm_clipping_equals_optax_chain():
 
 def test_save_after_3_steps_and_restore_continue_the_run(tmp_path):
     params, batches = gpt_params(), _batches(5)
-    kw = dict(optimizer=optax.adamw(optax.linear_schedule(1e-2, 1e-3, 5)), schedule_name="zbh1", microbatches=4)
+    kw = dict(optimizer=optax.adamw(optax.linear_schedule(1e-2, 1e-3, 5)), schedule="zbh1", microbatches=4)
     never_stopped = P.Trainer(_stages(), params, **kw)
     losses = [never_stopped.step(b) for b in batches]
     first = P.Trainer(_stages(), params, **kw)
@@ -104,7 +104,9 @@ def test_bad_arguments_are_one_clear_error(tmp_path):
 
 def test_progress_bar_and_loss_plot(tmp_path, capsys):
     params, batches = gpt_params(), _batches(2)
-    with P.Trainer(_stages(), params, optimizer=optax.adam(1e-2), microbatches=2, progress=True) as tr:
+    with P.Trainer(
+        _stages(), params, optimizer=optax.adam(1e-2), microbatches=2, observe=P.Observe(progress=True)
+    ) as tr:
         for b in batches:
             tr.step(b)
         tr.plot_loss(tmp_path / "loss.png")
@@ -117,7 +119,7 @@ def test_restore_as_the_contract_writes_it_uses_the_recorded_settings(tmp_path):
     """SPEC: ``trainer.save(DIR); trainer = P.Trainer.restore(DIR, stages, optimizer=..., runner=...)``."""
     params, batches, tx, c = gpt_params(), _batches(4), optax.sgd(0.1, momentum=0.9), 0.5
     stages = _stages()
-    kw = dict(optimizer=tx, schedule_name="zbh1", microbatches=2, runner="inprocess", clip_global_norm=c)
+    kw = dict(optimizer=tx, schedule="zbh1", microbatches=2, runner="inprocess", clip_global_norm=c)
     never_stopped = P.Trainer(stages, params, **kw)
     losses = [never_stopped.step(b) for b in batches]
     trainer = P.Trainer(stages, params, **kw)
@@ -134,11 +136,11 @@ def test_restore_as_the_contract_writes_it_uses_the_recorded_settings(tmp_path):
 def test_restore_values_given_win_over_the_recorded_ones(tmp_path):
     params, batches, tx = gpt_params(), _batches(3), optax.sgd(0.1)
     stages = _stages()
-    trainer = P.Trainer(stages, params, optimizer=tx, schedule_name="zbh1", microbatches=2, clip_global_norm=0.5)
+    trainer = P.Trainer(stages, params, optimizer=tx, schedule="zbh1", microbatches=2, clip_global_norm=0.5)
     trainer.step(batches[0])
     trainer.save(tmp_path / "ck")
     again = P.Trainer.restore(
-        tmp_path / "ck", stages, optimizer=tx, microbatches=4, schedule_name="gpipe", clip_global_norm=None
+        tmp_path / "ck", stages, optimizer=tx, microbatches=4, schedule="gpipe", clip_global_norm=None
     )
     assert (again.microbatches, again.plan.name, again.clip_global_norm) == (4, "gpipe", None)
     loss = again.step(batches[1])
@@ -157,7 +159,7 @@ def test_restore_of_a_checkpoint_that_records_no_microbatches(tmp_path):
 
     params, batches, tx = gpt_params(), _batches(3), optax.sgd(0.1)
     stages = _stages()
-    trainer = P.Trainer(stages, params, optimizer=tx, schedule_name="1f1b", microbatches=2)
+    trainer = P.Trainer(stages, params, optimizer=tx, schedule="1f1b", microbatches=2)
     trainer.step(batches[0])
     old_meta = {"schedule": "1f1b", "optimizer": "sgd", "structure": trainer.ownership.structure}
     write_per_stage_checkpoint(tmp_path / "old", trainer.backend.snapshots(), trainer.step_count, old_meta)
@@ -183,8 +185,10 @@ def test_restore_runs_the_callers_plans_it_recorded(tmp_path):
 
 def test_timeline_times_every_step_and_an_untimed_step_says_how_to_time_it(tmp_path):
     params, batches, tx = gpt_params(), _batches(2), optax.sgd(0.1)
-    timed = P.Trainer(_stages(), params, optimizer=tx, schedule_name="zbh1", microbatches=2, timeline=True)
-    plain = P.Trainer(_stages(), params, optimizer=tx, schedule_name="zbh1", microbatches=2)
+    timed = P.Trainer(
+        _stages(), params, optimizer=tx, schedule="zbh1", microbatches=2, observe=P.Observe(timeline=True)
+    )
+    plain = P.Trainer(_stages(), params, optimizer=tx, schedule="zbh1", microbatches=2)
     assert [timed.step(b) for b in batches] == [plain.step(b) for b in batches]  # the same numbers
     assert all(0 <= h["bubble"] < 1 for h in timed.history) and timed.last_result.timed
     timed.last_result.plot(tmp_path / "t.png")
@@ -202,8 +206,8 @@ def test_a_timed_step_whose_hand_out_fails_updates_nothing_and_the_next_step_run
     from vjpsplit_cli.pipeline.runtime import inprocess
 
     params, batches, tx = gpt_params(), _batches(2), optax.sgd(0.1)
-    tr = P.Trainer(_stages(), params, optimizer=tx, schedule_name="1f1b", microbatches=2, timeline=True)
-    ref = P.Trainer(_stages(), params, optimizer=tx, schedule_name="1f1b", microbatches=2, timeline=True)
+    tr = P.Trainer(_stages(), params, optimizer=tx, schedule="1f1b", microbatches=2, observe=P.Observe(timeline=True))
+    ref = P.Trainer(_stages(), params, optimizer=tx, schedule="1f1b", microbatches=2, observe=P.Observe(timeline=True))
     real_walk = inprocess.walk
 
     def half_then_fail(plans, num_stages, mbs, submit, order=None):

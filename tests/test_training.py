@@ -12,6 +12,7 @@ from models import assert_trees_close, mlp_stage_artifacts
 from models import stages_whole as whole
 
 from vjpsplit_cli.errors import VjpsplitError
+from vjpsplit_cli.pipeline import PerStage
 from vjpsplit_cli.pipeline.training.trainer import Trainer
 
 D, CLASSES, BATCH, STAGES = 8, 5, 16, 3
@@ -45,7 +46,7 @@ def _reference(loss_fn, params, tx, batches):
 def test_trainer_steps_equal_single_process_optax(schedule):
     arts, params = _make()
     batches = _batches(3)
-    tr = Trainer(arts, params, optimizer=optax.adamw(1e-2), microbatches=4, schedule_name=schedule)
+    tr = Trainer(arts, params, optimizer=optax.adamw(1e-2), microbatches=4, schedule=schedule)
     losses = [tr.step(b) for b in batches]
     ref_losses, ref_params = _reference(whole, params, optax.adamw(1e-2), batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -58,7 +59,7 @@ def test_trainer_clips_by_the_global_norm_over_stages():
     arts, params = _make()
     batches, c = _batches(3), 0.05
     tx = optax.sgd(0.1, momentum=0.9)
-    tr = Trainer(arts, params, optimizer=tx, microbatches=2, schedule_name="1f1b", clip_global_norm=c)
+    tr = Trainer(arts, params, optimizer=tx, microbatches=2, schedule="1f1b", clip_global_norm=c)
     losses = [tr.step(b) for b in batches]
     assert min(h["grad_norm"] for h in tr.history) > 2 * c  # clipping acts on every step
     ref_losses, ref_params = _reference(whole, params, optax.chain(optax.clip_by_global_norm(c), tx), batches)
@@ -77,7 +78,11 @@ def test_tied_parameters_train_as_one_and_stay_bitwise_equal():
 
     batches = _batches(3)
     tr = Trainer(
-        arts, params, optimizer=optax.adam(1e-2), microbatches=4, schedule_name="gpipe", tied=[[(0, "w"), (1, "w")]]
+        PerStage(arts, tied=[[(0, "w"), (1, "w")]]),
+        params,
+        optimizer=optax.adam(1e-2),
+        microbatches=4,
+        schedule="gpipe",
     )
     losses = [tr.step(b) for b in batches]
     ref = {"w": params[0]["w"], "b0": params[0]["b"], "b1": params[1]["b"], "head": params[2]}
@@ -88,14 +93,14 @@ def test_tied_parameters_train_as_one_and_stay_bitwise_equal():
     assert not np.array_equal(got[0]["w"], params[0]["w"])
     np.testing.assert_allclose(got[0]["w"], ref_params["w"], rtol=1e-4, atol=1e-5)
     with pytest.raises(VjpsplitError, match="tied leaf '0/b' differs between stages 0 and 1"):
-        Trainer(arts, params, optimizer=optax.sgd(0.1), microbatches=2, tied=[[(0, "b"), (1, "b")]])
+        Trainer(PerStage(arts, tied=[[(0, "b"), (1, "b")]]), params, optimizer=optax.sgd(0.1), microbatches=2)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b"])
 def test_save_and_restore_continue_the_run(tmp_path, schedule):
     arts, params = _make()
     batches = _batches(5)
-    kw = dict(optimizer=optax.adamw(optax.linear_schedule(1e-2, 1e-3, 5)), microbatches=4, schedule_name=schedule)
+    kw = dict(optimizer=optax.adamw(optax.linear_schedule(1e-2, 1e-3, 5)), microbatches=4, schedule=schedule)
     never_stopped = Trainer(arts, params, **kw)
     losses = [never_stopped.step(b) for b in batches]
     first = Trainer(arts, params, **kw)

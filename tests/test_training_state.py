@@ -104,7 +104,7 @@ def _labels(params):
 def test_state_is_optax_own_for_the_whole_model(name):
     make, clip = OPTIMIZERS[name]
     tx, batches = make(), _batches(3)
-    tr = P.Trainer(_stages(), gpt_params(), optimizer=tx, schedule_name="zbh1", microbatches=2, clip_global_norm=clip)
+    tr = P.Trainer(_stages(), gpt_params(), optimizer=tx, schedule="zbh1", microbatches=2, clip_global_norm=clip)
     losses = [tr.step(b) for b in batches]
     ref_losses, ref_params, ref_state = _one_process(tx, batches)
     params, opt_state = tr.state()
@@ -121,7 +121,7 @@ def test_state_is_optax_own_for_the_whole_model(name):
 def test_a_pytree_built_for_the_whole_model_is_one_error_saying_to_pass_a_function():
     tx = optax.multi_transform(TRANSFORMS, _labels(gpt_params()))
     with pytest.raises(VjpsplitError, match=r"optimizer 'partition'.*whole model's parameters.*function of the param"):
-        P.Trainer(_stages(), gpt_params(), optimizer=tx, schedule_name="1f1b", microbatches=2)
+        P.Trainer(_stages(), gpt_params(), optimizer=tx, schedule="1f1b", microbatches=2)
 
 
 def _leaf_counting_tx():
@@ -136,16 +136,16 @@ def test_a_state_that_is_not_per_leaf_is_one_error_naming_the_optimizer():
     tx = _leaf_counting_tx()
     match = r"optimizer '_leaf_counting_tx'.*cannot be joined.*sized by the leaves"
     with pytest.raises(VjpsplitError, match=match):
-        P.Trainer(_stages(), gpt_params(), optimizer=tx, schedule_name="1f1b", microbatches=2)
+        P.Trainer(_stages(), gpt_params(), optimizer=tx, schedule="1f1b", microbatches=2)
     with pytest.raises(VjpsplitError, match=match):
-        P.Trainer(_stages(), gpt_params(), optimizer=tx, schedule_name="1f1b", microbatches=2, opt_state=tx.init({}))
+        P.Trainer(_stages(), gpt_params(), optimizer=tx, schedule="1f1b", microbatches=2, opt_state=tx.init({}))
 
 
 def test_a_one_process_opt_state_continues_in_a_trainer_and_state_gives_it_back():
     tx, batches = optax.adamw(1e-2), _batches(4)
     ref_losses, ref_params, ref_state = _one_process(tx, batches)
     _, params2, state2 = _one_process(tx, batches[:2])
-    tr = P.Trainer(_stages(), params2, optimizer=tx, opt_state=state2, schedule_name="1f1b", microbatches=2)
+    tr = P.Trainer(_stages(), params2, optimizer=tx, opt_state=state2, schedule="1f1b", microbatches=2)
     _, back = tr.state()
     _assert_states_close(back, state2, rtol=0, atol=0)  # what it was given, exactly
     later = [tr.step(b) for b in batches[2:]]
@@ -162,7 +162,7 @@ def test_a_one_process_opt_state_continues_in_a_trainer_and_state_gives_it_back(
 def test_a_4_stage_checkpoint_continues_in_2_stages_other_marks_stages_2_and_one_process(tmp_path):
     tx = optax.adamw(optax.linear_schedule(1e-2, 1e-3, 4))
     batches = _batches(4)
-    kw = dict(optimizer=tx, schedule_name="1f1b", microbatches=2)
+    kw = dict(optimizer=tx, schedule="1f1b", microbatches=2)
     losses, never_stopped, _ = _one_process(tx, batches)  # the run never stopped
     four = P.Trainer(_stages(), gpt_params(), **kw)
     for b in batches[:2]:
@@ -186,7 +186,7 @@ def test_orbax_round_trip_continues_the_run(tmp_path):
     import orbax.checkpoint as ocp
 
     tx, batches = optax.adamw(1e-2), _batches(4)
-    kw = dict(optimizer=tx, schedule_name="zbh1", microbatches=2)
+    kw = dict(optimizer=tx, schedule="zbh1", microbatches=2)
     tr = P.Trainer(_stages(), gpt_params(), **kw)
     losses = [tr.step(b) for b in batches]
     first = P.Trainer(_stages(), gpt_params(), **kw)
@@ -210,7 +210,7 @@ def test_docs_orbax_snippet_runs(tmp_path):
     text = (Path(__file__).resolve().parents[1] / "docs" / "pipeline.md").read_text()
     block = text.split("### orbax", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     tx, batches = optax.adamw(1e-2), _batches(4)
-    kw = dict(optimizer=tx, schedule_name="zbh1", microbatches=2)
+    kw = dict(optimizer=tx, schedule="zbh1", microbatches=2)
     trainer = P.Trainer(_stages(), gpt_params(), **kw)
     losses = [trainer.step(b) for b in batches[:2]]
     scope = {"trainer": trainer, "stages": _stages("marks2"), "tx": tx, "params_like": gpt_params(), "P": P}
@@ -225,7 +225,7 @@ def test_docs_orbax_snippet_runs(tmp_path):
 
 def test_a_per_stage_checkpoint_loads_into_its_cut_and_is_refused_elsewhere(tmp_path):
     tx, batches = optax.sgd(0.1, momentum=0.9), _batches(3)
-    kw = dict(optimizer=tx, schedule_name="1f1b", microbatches=2)
+    kw = dict(optimizer=tx, schedule="1f1b", microbatches=2)
     tr = P.Trainer(_stages(), gpt_params(), **kw)
     tr.step(batches[0])
     meta = {"schedule": "1f1b", "optimizer": "sgd", "structure": tr.ownership.structure, "microbatches": 2}
@@ -243,7 +243,7 @@ def test_a_per_stage_checkpoint_loads_into_its_cut_and_is_refused_elsewhere(tmp_
 
 def test_fit_with_a_function_and_a_sequence_equals_step_by_step_and_resumes(tmp_path):
     tx, batches = optax.adam(1e-2), _batches(5)
-    kw = dict(optimizer=tx, schedule_name="1f1b", microbatches=2)
+    kw = dict(optimizer=tx, schedule="1f1b", microbatches=2)
     by_step = P.Trainer(_stages(), gpt_params(), **kw)
     losses = [by_step.step(b) for b in batches]
     np.testing.assert_array_equal(P.Trainer(_stages(), gpt_params(), **kw).fit(batches, steps=5), losses)

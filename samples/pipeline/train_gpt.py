@@ -136,9 +136,9 @@ def train(steps: int, runner: str = "inprocess", schedule: str = "1f1b", out: Pa
     reference = single_process(params, tx, data)
     t_ref = time.monotonic() - t0
     t0 = time.monotonic()
-    traced = {"trace_dir": out, "trace_every": steps} if out is not None else {}  # the last step: timed, traced
+    traced = P.Observe(trace_dir=out, trace_every=steps) if out is not None else None  # the last step: timed, traced
     with P.Trainer(
-        stages, params, optimizer=tx, schedule_name=schedule, microbatches=MICROBATCHES, runner=runner, **traced
+        stages, params, optimizer=tx, schedule=schedule, microbatches=MICROBATCHES, runner=runner, observe=traced
     ) as tr:
         piped = [tr.step(batch) for batch in data]
         if out is not None:

@@ -90,7 +90,7 @@ def _evaluates_on(tr, want) -> None:
 def test_default_placement_puts_each_of_4_stages_on_its_own_device():
     with warnings.catch_warnings():
         warnings.simplefilter("error", SharedDevicesWarning)  # 4 stages on 4 devices share none
-        tr = _train(schedule_name="1f1b")
+        tr = _train(schedule="1f1b")
     assert len({t.worker.device for t in tr.backend.trainers}) == 4
     _state_lives_on(tr, D[:4])
     _one_microbatch_by_hand(tr, D[:4])
@@ -98,28 +98,30 @@ def test_default_placement_puts_each_of_4_stages_on_its_own_device():
 
 def test_explicit_devices_are_respected():
     backwards = D[::-1]
-    tr = _train(schedule_name="zbh1", devices=[[d] for d in backwards])
+    tr = _train(schedule="zbh1", runner=P.InProcess(devices=[[d] for d in backwards]))
     _state_lives_on(tr, backwards)
     _one_microbatch_by_hand(tr, backwards)
     _evaluates_on(tr, backwards)
 
 
 def test_zbv_puts_each_workers_two_stages_on_its_device():
-    tr = _train(schedule_name="zbv")  # 2 workers: worker 0 holds stages 0 and 3, worker 1 stages 1 and 2
+    tr = _train(schedule="zbv")  # 2 workers: worker 0 holds stages 0 and 3, worker 1 stages 1 and 2
     assert tr.last_result.num_workers == 2
     _state_lives_on(tr, [D[0], D[1], D[1], D[0]])
 
 
 def test_interleaved_workers_stages_share_the_workers_device():
-    tr = _train(schedule_name="interleaved1f1b")  # 2 workers, round robin: stages 0 and 2, 1 and 3
+    tr = _train(schedule="interleaved1f1b")  # 2 workers, round robin: stages 0 and 2, 1 and 3
     _state_lives_on(tr, [D[0], D[1], D[0], D[1]])
 
 
 def test_a_restored_run_goes_back_onto_each_stages_device(tmp_path):
     """A checkpoint arrives from host memory: restore (and load, as fit does) put it on the stages' devices."""
-    tr = _train(schedule_name="1f1b", devices=[[d] for d in D[::-1]])
+    tr = _train(schedule="1f1b", runner=P.InProcess(devices=[[d] for d in D[::-1]]))
     tr.save(tmp_path / "ck")
-    again = P.Trainer.restore(tmp_path / "ck", _stages(), optimizer=optax.adam(1e-2), devices=[[d] for d in D[::-1]])
+    again = P.Trainer.restore(
+        tmp_path / "ck", _stages(), optimizer=optax.adam(1e-2), runner=P.InProcess(devices=[[d] for d in D[::-1]])
+    )
     _state_lives_on(again, D[::-1])
     again.step(gpt_batch(8, seed=50))
     again.load(tmp_path / "ck")
@@ -139,7 +141,7 @@ def test_more_workers_than_devices_share_the_default_device():
         SharedDevicesWarning,
         match="8 workers need 8 devices but this host has 4 cpu devices.*xla_force_host_platform_device_count=8",
     ):
-        tr = P.Trainer(stages, params, optimizer=tx, schedule_name="1f1b", microbatches=2)  # 8 workers, 4 devices
+        tr = P.Trainer(stages, params, optimizer=tx, schedule="1f1b", microbatches=2)  # 8 workers, 4 devices
     losses = [tr.step(b) for b in batches]
     assert tr.placement == [(D[0],)] * 8
     ref_losses, ref_params = optax_reference(mlp, params, tx, batches)

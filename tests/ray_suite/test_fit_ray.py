@@ -33,7 +33,7 @@ def stages():
 
 
 BATCHES = [gpt_batch(8, seed=60 + i) for i in range(6)]
-KW = dict(optimizer=optax.adamw(1e-2), schedule_name="1f1b", microbatches=2)
+KW = dict(optimizer=optax.adamw(1e-2), schedule="1f1b", microbatches=2)
 
 
 @pytest.mark.timeout(600)

@@ -55,8 +55,7 @@ def test_a_ray_step_traces_on_the_drivers_clock_and_a_stuck_one_names_its_op(
         optimizer=optax.sgd(0.1),
         microbatches=2,
         runner="ray",
-        trace_dir=tmp_path,
-        hang_report=report,
+        observe=P.Observe(trace_dir=tmp_path, hang_report=report),
     ) as tr:
         t0 = time.monotonic()
         tr.step(gpt_batch(4), timed=True)

@@ -1,4 +1,4 @@
-"""Residuals off the device on Ray (``Trainer(..., runner="ray", offload=...)``): bitwise the same training."""
+"""Residuals off the device on Ray (``Trainer(..., runner=Ray(offload=...))``): bitwise the same training."""
 
 from __future__ import annotations
 
@@ -14,9 +14,7 @@ from vjpsplit_cli import pipeline as P
 def _train(stages, runner, offload):
     params, tx = gpt_params(), optax.adamw(1e-2)
     batches = [gpt_batch(8, seed=70 + i) for i in range(2)]
-    with P.Trainer(
-        stages, params, optimizer=tx, schedule_name="1f1b", microbatches=4, runner=runner, offload=offload
-    ) as tr:
+    with P.Trainer(stages, params, optimizer=tx, schedule="1f1b", microbatches=4, runner=P.Ray(offload=offload)) as tr:
         return [tr.step(b) for b in batches], tr.params()
 
 

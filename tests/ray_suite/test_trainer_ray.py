@@ -31,7 +31,7 @@ def test_ray_trainer_equals_single_process_optax(ray_session, stages, schedule):
     batches = [gpt_batch(8, seed=20 + i) for i in range(3)]
     tx, clip = optax.adamw(1e-2), (0.5 if schedule == "1f1b" else None)
     with P.Trainer(
-        stages, params, optimizer=tx, schedule_name=schedule, microbatches=4, runner="ray", clip_global_norm=clip
+        stages, params, optimizer=tx, schedule=schedule, microbatches=4, runner="ray", clip_global_norm=clip
     ) as tr:
         losses = [tr.step(b) for b in batches]
         got = tr.params()
@@ -57,7 +57,7 @@ def test_ray_trainer_auto_measures_then_plans_and_equals_single_process_optax(ra
         return auto_schedule(*args, **kwargs)
 
     monkeypatch.setattr(autoplan, "auto_schedule", spy)
-    with P.Trainer(stages, params, optimizer=tx, schedule_name="auto", microbatches=4, runner="ray") as tr:
+    with P.Trainer(stages, params, optimizer=tx, schedule="auto", microbatches=4, runner="ray") as tr:
         losses = [tr.step(b) for b in batches]
         got, costs = tr.params(), tr.costs()
         assert tr.last_result.runner == "ray" and tr.last_result.schedule == "auto"
@@ -74,7 +74,7 @@ def test_ray_trainer_auto_measures_then_plans_and_equals_single_process_optax(ra
 
 def test_ray_trainer_evaluates_forward_only_equal_to_one_process(ray_session, stages):
     params, tx, held_out = gpt_params(), optax.adam(1e-2), gpt_batch(8, seed=35)
-    with P.Trainer(stages, params, optimizer=tx, schedule_name="1f1b", microbatches=2, runner="ray") as tr:
+    with P.Trainer(stages, params, optimizer=tx, schedule="1f1b", microbatches=2, runner="ray") as tr:
         tr.step(gpt_batch(8, seed=36))
         before = tr.backend.snapshots()
         loss, outputs = tr.evaluate(held_out, outputs=True)
@@ -97,7 +97,7 @@ def test_ray_workers_without_optax_train_and_restore(ray_session, stages, tmp_pa
     no_optax = [{"runtime_env": {"env_vars": {"PYTHONPATH": path}}} for _ in range(4)]
     params, tx = gpt_params(), optax.adam(1e-2)
     batches = [gpt_batch(8, seed=30 + i) for i in range(4)]
-    kw = dict(optimizer=tx, schedule_name="1f1b", microbatches=2, runner="ray", actor_options=no_optax)
+    kw = dict(optimizer=tx, schedule="1f1b", microbatches=2, runner=P.Ray(actor_options=no_optax))
     with P.Trainer(stages, params, **kw) as tr:
         losses = [tr.step(b) for b in batches[:2]]
 
@@ -124,13 +124,13 @@ def test_ray_workers_without_optax_train_and_restore(ray_session, stages, tmp_pa
 
 def test_ray_trainer_dead_actor_and_timeout_are_one_error(ray_session, stages):
     params, batch = gpt_params(), gpt_batch(8)
-    kw = dict(optimizer=optax.sgd(0.1), schedule_name="gpipe", microbatches=2, runner="ray")
+    kw = dict(optimizer=optax.sgd(0.1), schedule="gpipe", microbatches=2, runner="ray")
     with P.Trainer(stages, params, **kw) as tr:
         tr.step(batch)
         ray_session.kill(tr.backend.rp.actors[2])
         with pytest.raises(VjpsplitError, match=r"stage 2: its Ray actor died"):
             tr.step(batch)
-    with P.Trainer(stages, params, step_timeout=1e-3, **kw) as tr:
+    with P.Trainer(stages, params, observe=P.Observe(step_timeout=1e-3), **kw) as tr:
         with pytest.raises(VjpsplitError, match=r"stage \d: the step did not finish within step_timeout=0.001 s"):
             tr.step(batch)
 

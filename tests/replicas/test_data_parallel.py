@@ -93,9 +93,9 @@ def test_pp2_dp4_tied_and_clipped_equals_optax_on_the_whole_batch(schedule):
         params,
         optimizer=tx,
         microbatches=4,
-        schedule_name=schedule,
+        schedule=schedule,
         clip_global_norm=CLIP,
-        data_parallel=4,
+        runner=P.InProcess(data_parallel=4),
     ) as tr:
         # The last step timed: the worker threads' path (replicas one after another) gives the same result.
         losses = [tr.step(b, timed=i == 2) for i, b in enumerate(batches)]
@@ -117,9 +117,9 @@ def test_pp4_dp2_gpt_with_its_tied_embedding_equals_optax(schedule):
         params,
         optimizer=tx,
         microbatches=2,
-        schedule_name=schedule,
+        schedule=schedule,
         clip_global_norm=CLIP,
-        data_parallel=2,
+        runner=P.InProcess(data_parallel=2),
     ) as tr:
         losses = [tr.step(b) for b in batches]
         ref_losses, ref_params = _reference(gpt, params, tx, batches)
@@ -132,7 +132,7 @@ def test_an_optimizer_that_couples_leaves_stays_exact_on_sharded_state():
     # clip_by_global_norm inside the optimizer: a reduction over every leaf of every stage, here over shards.
     params, batches = tied_params(), tied_batches(2, rows=16)
     tx = optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))
-    with P.Trainer(tied_stages(), params, optimizer=tx, microbatches=2, data_parallel=4) as tr:
+    with P.Trainer(tied_stages(), params, optimizer=tx, microbatches=2, runner=P.InProcess(data_parallel=4)) as tr:
         losses = [tr.step(b) for b in batches]
         ref_losses, ref_params = optax_reference(tied, params, tx, batches)
         np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
@@ -152,7 +152,12 @@ def _programs(dump, before):
 def test_each_stage_reduces_its_weight_gradients_once_per_step(hlo_dump, m):
     before = {p.name for p in hlo_dump.iterdir()}
     with P.Trainer(
-        tied_stages(), tied_params(), optimizer=optax.adam(1e-2), microbatches=m, data_parallel=4, schedule_name="zbh1"
+        tied_stages(),
+        tied_params(),
+        optimizer=optax.adam(1e-2),
+        microbatches=m,
+        runner=P.InProcess(data_parallel=4),
+        schedule="zbh1",
     ) as tr:
         tr.step(tied_batches(1, rows=8 * m)[0])
         progs = _programs(hlo_dump, before)
@@ -177,7 +182,9 @@ def test_each_stage_reduces_its_weight_gradients_once_per_step(hlo_dump, m):
 
 
 def test_each_device_holds_a_quarter_of_the_optimizer_state():
-    with P.Trainer(tied_stages(), tied_params(), optimizer=optax.adam(1e-2), microbatches=2, data_parallel=4) as tr:
+    with P.Trainer(
+        tied_stages(), tied_params(), optimizer=optax.adam(1e-2), microbatches=2, runner=P.InProcess(data_parallel=4)
+    ) as tr:
         tr.step(tied_batches(1, rows=16)[0])
         for t, devs in zip(tr.backend.trainers, tr.placement):
             whole = {k: v for k, v in t.state.items()}
@@ -196,11 +203,13 @@ def test_each_device_holds_a_quarter_of_the_optimizer_state():
 def test_a_checkpoint_at_dp4_continues_at_dp2_and_in_one_process(tmp_path):
     params, tx, batches = tied_params(), optax.adam(1e-2), tied_batches(4)
     never_stopped_losses, never_stopped = _reference(tied, params, tx, batches)
-    with P.Trainer(tied_stages(), params, optimizer=tx, microbatches=2, clip_global_norm=CLIP, data_parallel=4) as tr:
+    with P.Trainer(
+        tied_stages(), params, optimizer=tx, microbatches=2, clip_global_norm=CLIP, runner=P.InProcess(data_parallel=4)
+    ) as tr:
         first = [tr.step(b) for b in batches[:2]]
         tr.save(tmp_path / "ck")
     np.testing.assert_allclose(first, never_stopped_losses[:2], rtol=RTOL)
-    with P.Trainer.restore(tmp_path / "ck", tied_stages(), optimizer=tx, data_parallel=2) as again:
+    with P.Trainer.restore(tmp_path / "ck", tied_stages(), optimizer=tx, runner=P.InProcess(data_parallel=2)) as again:
         assert again.step_count == 2 and again.clip_global_norm == CLIP
         np.testing.assert_allclose([again.step(b) for b in batches[2:]], never_stopped_losses[2:], rtol=RTOL)
         assert_trees_close(again.params(), never_stopped, rtol=RTOL, atol=ATOL)
@@ -217,24 +226,40 @@ def test_a_checkpoint_at_dp4_continues_at_dp2_and_in_one_process(tmp_path):
     assert_trees_close(jax.tree_util.tree_map(np.asarray, p), never_stopped, rtol=RTOL, atol=ATOL)
 
 
+def test_stages_exported_with_data_parallel_train_on_that_many_replicas(tmp_path):
+    # export_stages(data_parallel=2) (the CLI's --data-parallel 2) records N; the Trainer takes it when not given.
+    (b,) = jexport.symbolic_shape("b")
+    S = jax.ShapeDtypeStruct
+    specs = jax.tree_util.tree_map(lambda a: S(np.shape(a), a.dtype), tied_params())
+    st = vs.export_stages(
+        tied, specs, S((b, T), jnp.int32), S((b, T), jnp.int32), wrt="params", platforms="cpu", data_parallel=2
+    )
+    st.save(tmp_path / "st")
+    params, tx, batches = tied_params(), optax.adam(1e-2), tied_batches(2, rows=8)
+    with P.Trainer(vs.load_stages(tmp_path / "st"), params, optimizer=tx, microbatches=2, clip_global_norm=CLIP) as tr:
+        assert tr.data_parallel == 2
+        losses = [tr.step(b) for b in batches]
+        _on_replicas(tr, 2)
+    ref_losses, ref_params = _reference(tied, params, tx, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_trees_close(tr.params(), ref_params, rtol=RTOL, atol=ATOL)
+
+
 def test_data_parallel_refusals():
     st, params = tied_stages(), tied_params()
     with pytest.raises(VjpsplitError, match=r"data_parallel=0: give the number of replicas"):
-        P.Trainer(st, params, optimizer=optax.sgd(0.1), microbatches=2, data_parallel=0)
+        P.Trainer(st, params, optimizer=optax.sgd(0.1), microbatches=2, runner=P.InProcess(data_parallel=0))
     with pytest.raises(VjpsplitError, match=r"data_parallel=8 with 2 workers needs 16 devices, this host has 8"):
-        P.Trainer(st, params, optimizer=optax.sgd(0.1), microbatches=2, data_parallel=8)
+        P.Trainer(st, params, optimizer=optax.sgd(0.1), microbatches=2, runner=P.InProcess(data_parallel=8))
     with pytest.raises(VjpsplitError, match=r"stage 1 is given 1 devices"):
         P.Trainer(
             st,
             params,
             optimizer=optax.sgd(0.1),
             microbatches=2,
-            data_parallel=2,
-            devices=[jax.devices()[:2], jax.devices()[2:3]],
+            runner=P.InProcess(devices=[jax.devices()[:2], jax.devices()[2:3]], data_parallel=2),
         )
-    with pytest.raises(VjpsplitError, match=r"data_parallel=2 runs in-process only for now"):
-        P.Trainer(st, params, optimizer=optax.sgd(0.1), microbatches=2, data_parallel=2, runner="ray")
-    with P.Trainer(st, params, optimizer=optax.sgd(0.1), microbatches=2, data_parallel=4) as tr:
+    with P.Trainer(st, params, optimizer=optax.sgd(0.1), microbatches=2, runner=P.InProcess(data_parallel=4)) as tr:
         with pytest.raises(VjpsplitError, match=r"data_parallel=4: a microbatch of 6 rows does not split into 4"):
             tr.step(tied_batches(1, rows=12)[0])
         tr.step(tied_batches(1, rows=8)[0])  # the Trainer goes on
@@ -258,17 +283,19 @@ def test_offload_with_replicas_trains_bitwise_as_without(to, tmp_path, monkeypat
 
     def train(offload):
         with P.Trainer(
-            tied_stages(), tied_params(), optimizer=optax.adam(1e-2), microbatches=4, schedule_name="1f1b",
-            data_parallel=4, offload=offload,
+            tied_stages(), tied_params(), optimizer=optax.adam(1e-2), microbatches=4, schedule="gpipe",
+            runner=P.InProcess(data_parallel=4, offload=offload),
         ) as tr:  # fmt: skip
-            losses = [tr.step(b, timed=i == 1) for i, b in enumerate(tied_batches(2))]
+            # GPipe: the first stage holds every microbatch until its B, so offload lowers its peak. The last step
+            # timed and warm: the peak is what each device held.
+            losses = [tr.step(b, timed=i == 2) for i, b in enumerate(tied_batches(3))]
             return losses, tr.params(), [t.worker.peak_residual_bytes for t in tr.backend.trainers]
 
     ref_losses, ref_params, ref_peaks = train(None)
     losses, params, peaks = train(off)
     assert losses == ref_losses
     _bitwise(params, ref_params)
-    assert peaks[-1] == ref_peaks[-1]
+    assert all(p <= r for p, r in zip(peaks, ref_peaks))
     if to == "host":
         assert peaks[0] < ref_peaks[0]  # the first stage's replicas hold less (a file's write may still be under way)
     else:

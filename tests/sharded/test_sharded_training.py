@@ -66,7 +66,7 @@ def test_sharded_stages_train_like_one_process(schedule):
     stages, params, batches = _setup()
     assert all(a.manifest.sharded and a.manifest.nr_devices == 4 for a in stages.artifacts)
     tx = optax.adam(1e-2)
-    tr = pipeline.Trainer(stages, params, optimizer=tx, schedule_name=schedule, microbatches=2)
+    tr = pipeline.Trainer(stages, params, optimizer=tx, schedule=schedule, microbatches=2)
     losses = [tr.step(b) for b in batches]
 
     ref_losses, ref = optax_reference(loss, params, tx, batches)
@@ -96,7 +96,7 @@ def test_sharded_stages_train_like_one_process(schedule):
 def test_sharded_state_is_optax_own_and_a_checkpoint_continues_sharded(tmp_path):
     stages, params, batches = _setup()
     tx = optax.adam(1e-2)
-    tr = pipeline.Trainer(stages, params, optimizer=tx, schedule_name="1f1b", microbatches=2)
+    tr = pipeline.Trainer(stages, params, optimizer=tx, schedule="1f1b", microbatches=2)
     tr.step(batches[0])
     tr.save(tmp_path / "ck")
     _, opt_state = tr.state()
@@ -118,7 +118,7 @@ def test_sharded_state_is_optax_own_and_a_checkpoint_continues_sharded(tmp_path)
 def test_ray_trainer_with_sharded_stages_equals_one_process(ray_session):
     stages, params, batches = _setup()
     tx = optax.adam(1e-2)
-    with pipeline.Trainer(stages, params, optimizer=tx, schedule_name="zbh1", microbatches=2, runner="ray") as tr:
+    with pipeline.Trainer(stages, params, optimizer=tx, schedule="zbh1", microbatches=2, runner="ray") as tr:
         losses = [tr.step(b) for b in batches]
         got = tr.params()
         placement = tr.placement
@@ -143,3 +143,30 @@ def test_ray_trainer_with_sharded_stages_equals_one_process(ray_session):
         for key, (ids, spec) in part.items():
             leaf = key.split("/")[-1].split("%2F")[-1]
             assert ids == [0, 1, 2, 3] and _same(P(*spec), SPECS[leaf]), (key, ids, spec)
+
+
+@pytest.mark.parametrize("runner", ["inprocess", "ray"])
+def test_sharded_stages_with_data_parallel_are_one_clear_error(runner):
+    # Replicas run unsharded stages only: the refusal names the stage and what to do, before any actor starts.
+    stages, params, _ = _setup()
+    with pytest.raises(
+        vs.VjpsplitError,
+        match=r"data_parallel: stage 0 is sharded \(a mesh of 4 devices\); replicas "
+        r"run unsharded stages only: export the stages without shardings",
+    ):
+        replicated = pipeline.InProcess(data_parallel=2) if runner == "inprocess" else pipeline.Ray(data_parallel=2)
+        pipeline.Trainer(stages, params, optimizer=optax.sgd(0.1), microbatches=2, runner=replicated)
+
+
+def test_export_stages_refuses_data_parallel_for_sharded_specs():
+    # What the Trainer would refuse, said at export (the CLI's --stages --data-parallel N goes through here).
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    shapes = {"w0": (D, H), "b0": (H,), "w1": (H, CLASSES), "b1": (CLASSES,)}
+    pspecs = {
+        k: jax.ShapeDtypeStruct(v, jnp.float32, sharding=NamedSharding(mesh, SPECS[k])) for k, v in shapes.items()
+    }
+    (b,) = jexport.symbolic_shape("b", constraints=("mod(b, 2) == 0",))
+    x = jax.ShapeDtypeStruct((b, D), jnp.float32, sharding=NamedSharding(mesh, P("data", None)))
+    y = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+    with pytest.raises(vs.VjpsplitError, match=r"data_parallel=2: stage 0 is sharded \(a mesh of 4 devices\)"):
+        vs.export_stages(loss, pspecs, x, y, wrt="params", platforms="cpu", data_parallel=2)

@@ -11,6 +11,7 @@ reads them back.
 
 from __future__ import annotations
 
+import functools
 import os
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
@@ -19,17 +20,16 @@ from jax.sharding import Mesh
 
 from ..errors import VjpsplitError
 from ..files.trees import ArgTrees, decode_structure, flatten_with_keys
-from ..tracing.residuals import FrozenDict, Intermediates, Residuals
+from ..tracing.residuals import Intermediates, Residuals
 from ..trust import signing
-from ..trust.module_io import AUX, COTANGENTS, GRADS, INPUT_BACKED, INPUTS, INTERMEDIATES, OUT, STORED
+from ..trust.module_io import AUX, CARRIER, COTANGENTS, GRADS, INPUT_BACKED, INTERMEDIATES, OUT, STORED
 from ..trust.verdicts import DEFAULT
 from . import artifact_file
 from .arguments import grads_per_arg
-from .binding import Binding, wrap_keys
+from .binding import Binding, CallPlan, wrap_keys
 from .manifest import Manifest
 from .placement import Placement
 from .runner import ModuleRunner
-from .seen import new_run_id
 
 
 class Artifact:
@@ -54,6 +54,21 @@ class Artifact:
         self._siblings: dict[tuple, "Artifact"] = {}
         # How export chose the manifest's policy (auto's measurements, a budget's pick); None when loaded.
         self.policy_choice: Any = None
+        # fwd and bwd call their modules straight on a signature seen before where nothing lies between: no
+        # placement (unsharded), flat leaves in (format >= 2), no typed keys out, the backward's slots as
+        # ``bwd`` builds them. Else the general path, which does the same work through its slots.
+        fwd_io, bwd_io = self._runner.signatures["fwd"], self._runner.signatures.get("bwd")
+        self._lean = (
+            not manifest.sharded
+            and fwd_io.inputs is not None
+            and fwd_io.output_names == (OUT, STORED, AUX)
+            and not self._binding.typed_outputs
+            and bwd_io is not None
+            and bwd_io.input_names == (STORED, INPUT_BACKED, COTANGENTS, CARRIER)
+            and bwd_io.output_names == (GRADS,)
+        )
+        self._bare_out = manifest.structure.get("out") == "*"  # the output is one array
+        self._runnable = functools.partial(self._runner.check_runnable, self._mesh)  # no frame of our own per call
 
     # -- running, as configured by the caller ---------------------------------------------
     @property
@@ -154,7 +169,10 @@ class Artifact:
 
     # -- running on flat keys -----------------------------------------------------------
     def _check_runnable(self) -> None:
-        self._runner.check_runnable(lambda: self.mesh)
+        self._runnable()
+
+    def _mesh(self) -> Mesh | None:
+        return self.mesh
 
     def input_dims(self, inputs: Mapping[str, Any], source: str = "inputs") -> tuple[list, dict[str, int]]:
         """Check ``inputs`` (flat keys) against the manifest; return the arrays in order and the dims."""
@@ -169,30 +187,20 @@ class Artifact:
         return {leaf.key: v for slot in (OUT, AUX) for leaf, v in zip(io.output(slot), by_slot[slot])}, res
 
     def _forward(
-        self, arrays: list, dims: dict[str, int], trees: ArgTrees, source: str
-    ) -> tuple[dict[str, list], Residuals]:
-        """Run the forward on checked input arrays (manifest order): its results by slot, and the residuals."""
+        self, arrays: list, dims: dict[str, int], trees: ArgTrees, source: str, plan: CallPlan | None = None
+    ) -> tuple[dict[str, Sequence], Residuals]:
+        """Run the forward on checked input arrays (manifest order): its results by slot, and the residuals.
+
+        ``plan``: the arguments' plan (``Binding.arguments``), noted with the residuals for ``bwd``.
+        """
         m = self.manifest
         io = self._runner.signatures["fwd"]
         if m.sharded:
             arrays = self._placement.place(m.inputs, arrays)
-        # Format 1 lowered the forward over one pytree per argument; 2 over the flat leaves.
-        call_args = io.arguments({INPUTS: arrays}) if io.inputs is not None else self._args_tree(arrays)
+        # Format 1 lowered the forward over one pytree per argument; 2 over the flat leaves (in that order).
+        call_args = arrays if io.inputs is not None else self._args_tree(arrays)
         by_slot = io.results(self._runner.run("fwd", call_args, f"{source}: the forward refused these inputs", dims))
-        binding = self._binding
-        by_key = FrozenDict(zip(binding.input_keys, arrays))
-        res = Residuals.of_forward(
-            FrozenDict(zip(binding.stored_keys, by_slot[STORED])),
-            FrozenDict([(k, by_key[k]) for k in binding.backed_keys]),
-            dims if type(dims) is FrozenDict else FrozenDict(dims),  # a seen signature's dims: frozen already
-            by_key,
-            m.fingerprint,
-            m.arg_names,
-            tuple(trees),
-            new_run_id(),
-        )
-        binding.remember(res)
-        return by_slot, res
+        return by_slot, self._binding.forward_residuals(arrays, by_slot[STORED], dims, trees, plan)
 
     def _args_tree(self, arrays: list) -> list:
         m = self.manifest
@@ -203,10 +211,12 @@ class Artifact:
         """Validate residuals against this artifact; return stored, input-backed arrays and dims."""
         return self._binding.residuals(res, source)
 
-    def _backward(self, module: str, bound: Mapping[str, list], dims: Mapping[str, int], refused: str) -> dict:
+    def _backward(
+        self, module: str, bound: Mapping[str, Sequence], dims: Mapping[str, int], refused: str
+    ) -> dict[str, Sequence]:
         """Run a backward module on checked arguments by slot: placed, with the carrier; results by slot."""
         io = self._runner.signatures[module]
-        return self._runner.run_by_slot(module, self._placement.arguments(io, bound, dims), refused, dims)
+        return io.results(self._runner.run(module, self._placement.call_arguments(io, bound, dims), refused, dims))
 
     def run_bwd_arrays(
         self,
@@ -216,12 +226,18 @@ class Artifact:
         ct_source: str = "cotangents",
     ) -> dict:
         """Backward from residuals and flat-keyed cotangents (None: 1 for a scalar output): ``{key: grad}``."""
+        return dict(zip(self._binding.grad_keys, self._run_bwd(res, cotangents, source, ct_source)[0]))
+
+    def _run_bwd(
+        self, res: Residuals, cotangents: Mapping[str, Any] | None, source: str, ct_source: str
+    ) -> tuple[Sequence, CallPlan | None]:
+        """The whole backward's gradients (manifest order), and the plan of the forward call that made ``res``."""
         self._check_runnable()
-        stored, inputs, dims = self._binding.residuals(res, source)
+        stored, inputs, dims, plan = self._binding.residuals_planned(res, source)
         cts = self._binding.cotangents(cotangents, dims, ct_source)
         bound = {STORED: stored, INPUT_BACKED: inputs, COTANGENTS: cts}
         out = self._backward("bwd", bound, dims, f"{source}: the backward refused these residuals")
-        return dict(zip(self._binding.grad_keys, out[GRADS]))
+        return out[GRADS], plan
 
     # -- zero-bubble split backward ----------------------------------------------
     def run_bwd_input_arrays(
@@ -307,8 +323,15 @@ class Artifact:
             raise VjpsplitError(
                 f"{self.source}: fwd takes {len(m.arg_names)} arguments ({', '.join(m.arg_names)}), got {len(args)}"
             )
-        arrays, dims, trees = self._binding.arguments(args, self._check_runnable)
-        by_slot, res = self._forward(arrays, dims, trees, "args")
+        binding = self._binding
+        arrays, dims, trees, plan = binding.arguments(args, self._runnable)
+        if plan is not None and self._lean:
+            # A signature seen before, on a plain artifact: the module straight, then what fwd returns.
+            got, stored, got_aux = self._run_ready("fwd", arrays, "args: the forward refused these inputs", dims)
+            res = binding.forward_residuals(arrays, stored, dims, trees, plan)
+            out = got[0] if self._bare_out else decode_structure(m.structure["out"], iter(got))
+            return (out, res, decode_structure(m.structure["aux"], iter(got_aux))) if m.has_aux else (out, res)
+        by_slot, res = self._forward(arrays, dims, trees, "args", plan)
         io = self._runner.signatures["fwd"]
         # ``out``'s leaves, then ``aux``'s, each in manifest order; typed keys wrapped back from their data.
         outs: Sequence[Any] = by_slot[OUT]
@@ -318,10 +341,58 @@ class Artifact:
         out = decode_structure(m.structure["out"], iter(outs))
         return (out, res, decode_structure(m.structure["aux"], iter(auxs))) if m.has_aux else (out, res)
 
+    def _run_ready(self, module: str, args: Sequence, refused: str, dims: Mapping[str, int]) -> Any:
+        """``ModuleRunner.run`` on checked arguments; the jitted call itself where nothing else is due."""
+        runner = self._runner
+        call = runner.ready(module, dims)
+        if call is None:
+            return runner.run(module, args, refused, dims)
+        try:
+            return call(*args)
+        except Exception as e:
+            err = runner.refusal(e, module, refused)
+            if err is None:
+                raise
+            raise err from e
+
     def bwd(self, res: Residuals, ct: Any = None) -> Any:
         """Backward from residuals: gradients shaped like the ``wrt`` arguments (float0 for ints)."""
         m = self.manifest
+        if ct is None and self._lean:
+            made = self._binding.own_residuals(res)
+            if made is not None and made[2] is not None:
+                # This artifact's forward made ``res`` from a signature seen before (checked then): the
+                # module straight on them and the unit cotangent, the gradients laid out as planned.
+                layout = made[2].layout(m.wrt, self._binding.grad_keys)
+                if layout is not None:
+                    self._runnable()
+                    dims = res.dims
+                    call_args = (
+                        list(res.stored.values()),
+                        list(res.inputs.values()),
+                        self._binding.cotangents(None, dims, "cotangent"),
+                        self._placement.carrier(dims) if m.dim_vars else None,
+                    )
+                    values = self._run_ready("bwd", call_args, "residuals: the backward refused these residuals", dims)
+                    grads = tuple(
+                        [
+                            values[w[0]] if tree is None else tree.unflatten([values[i] for i in w])
+                            for _, tree, w in layout
+                        ]
+                    )
+                    return grads[0] if m.single_grad else grads
         cts = None if ct is None else dict(flatten_with_keys("out", ct))
-        grads = self.run_bwd_arrays(res, cts, source=getattr(res, "source", None) or "residuals", ct_source="cotangent")
-        per_arg = grads_per_arg(self.manifest, grads, m.wrt, res.dims, res.arg_trees)
-        return per_arg[m.wrt[0]] if m.single_grad else tuple([per_arg[n] for n in m.wrt])
+        source = getattr(res, "source", None) or "residuals"
+        values, plan = self._run_bwd(res, cts, source, "cotangent")
+        layout = None if plan is None else plan.layout(m.wrt, self._binding.grad_keys)
+        if layout is None:
+            per_arg = grads_per_arg(m, dict(zip(self._binding.grad_keys, values)), m.wrt, res.dims, res.arg_trees)
+            return per_arg[m.wrt[0]] if m.single_grad else tuple([per_arg[n] for n in m.wrt])
+        # The forward's own residuals: each argument's tree and its leaves' places, worked out once per signature.
+        grads = tuple(
+            [
+                values[where[0]] if tree is None else tree.unflatten([values[i] for i in where])
+                for _, tree, where in layout
+            ]
+        )
+        return grads[0] if m.single_grad else grads

@@ -28,7 +28,15 @@ from ..tracing.residuals import FrozenDict, Intermediates, Residuals, SplitResid
 from ..trust.module_io import INPUT_BACKED, INTERMEDIATES, STORED, input_backed_leaves, module_io
 from .arguments import check_array, check_keys, flatten_args, recorded_dims, solved_dims
 from .manifest import Manifest
-from .seen import Seen, dims_signature, leaves_signature, mapping_signature, mutable_signature, residuals_signature
+from .seen import (
+    Seen,
+    new_run_id,
+    dims_signature,
+    leaves_signature,
+    mapping_signature,
+    mutable_signature,
+    residuals_signature,
+)
 
 _MADE_KEPT = 256  # residuals ids remembered (weak references and signatures, never arrays: keeps no memory alive)
 
@@ -45,6 +53,57 @@ def _as_input(leaf: Any) -> Any:
     return dataclasses.replace(leaf, key=keys.input_of(leaf.key))
 
 
+class CallPlan:
+    """What the checks of one signature of ``fwd``'s arguments worked out, for every call like it.
+
+    Made once per signature (``Binding.arguments``): the leaves' order (None: as they
+    come), which leaves are typed keys passed as key data, the dims, the arguments'
+    trees. The residuals a forward makes from it point back to it (``remember``), so
+    that ``bwd`` on them takes the gradients' layout from it too (``layout``): what
+    depends only on the artifact and the call's signature is worked out once.
+    """
+
+    __slots__ = ("order", "keyed", "dims", "trees", "mutable", "_layouts")
+
+    def __init__(self, order: tuple[int, ...] | None, keyed: frozenset[int], dims: FrozenDict, trees: ArgTrees):
+        self.order = order
+        self.keyed = keyed
+        self.dims = dims
+        self.trees = trees
+        # The residuals' ``mutable_signature`` (a function of the leaves' types, shapes and dtypes: of the
+        # signature), worked out by the first forward; None until then.
+        self.mutable: tuple | None = None
+        self._layouts: dict[tuple[str, ...], Any] = {}
+
+    def layout(self, names: tuple[str, ...], grad_keys: tuple[str, ...]) -> tuple | None:
+        """How the gradients (``grad_keys`` order) become the pytrees of arguments ``names``; None: not by index.
+
+        Each entry ``(name, treedef, indices)``: the argument's tree from ``fwd``'s call (None
+        for a bare array) and where its leaves are among the gradients. None when some argument's tree is not
+        known or some leaf has no gradient (an integer input: float0 zeros, made per call).
+        """
+        got = self._layouts.get(names, False)
+        if got is not False:
+            return got
+        position = {k: i for i, k in enumerate(grad_keys)}
+        known = {name: (treedef, keys) for name, treedef, keys in self.trees}
+        entries: list[tuple] = []
+        for name in names:
+            if name not in known or any(k not in position for k in known[name][1]):
+                self._layouts[names] = None
+                return None
+            treedef, keys = known[name]
+            # An argument that is one array: its gradient as it comes (no tree to rebuild).
+            bare = treedef.num_nodes == 1 and treedef.num_leaves == 1
+            entries.append((name, None if bare else treedef, tuple(position[k] for k in keys)))
+        layout = tuple(entries)
+        self._layouts[names] = layout
+        return layout
+
+
+PLANS_MADE = [0]  # CallPlans made in this process: what tests count to see that a signature is prepared once
+
+
 class Binding:
     """Checks of a module's arguments against one artifact's manifest (``source`` names the artifact)."""
 
@@ -57,44 +116,47 @@ class Binding:
         self.input_keys = tuple(leaf.key for leaf in manifest.inputs)
         self.stored_keys = tuple(r.key for r in manifest.stored_residuals)
         self.backed_keys = manifest.input_backed_keys  # input keys of the input-backed residuals
+        self.all_backed = self.backed_keys == self.input_keys  # every input backs a residual, in order
         self.grad_keys = tuple(g.key for g in manifest.grads)  # what ``bwd`` returns, in order
         self.typed_outputs = any(leaf.prng_impl for leaf in manifest.outputs)  # some output is a typed key
         self._weight_leaves: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
-        self._unit: np.ndarray | None = None  # the cotangent 1 of a scalar output
+        self._unit: jax.Array | None = None  # the cotangent 1 of a scalar output
 
     # -- inputs and residuals ------------------------------------------------------------
     def arguments(
         self, args: Sequence, runnable: Callable[[], None], source: str = "args"
-    ) -> tuple[list, dict[str, int], ArgTrees]:
-        """``fwd``'s argument pytrees checked: the arrays in manifest order, the dims, the arguments' trees.
+    ) -> tuple[list, dict[str, int], ArgTrees, CallPlan | None]:
+        """``fwd``'s argument pytrees checked: the arrays in manifest order, the dims, the arguments' trees, the plan.
 
         ``runnable`` refuses a host that cannot run the artifact; it is called after the
         arguments are flattened and before their arrays are checked, the order in which
         their errors have always come. A signature (tree structure, leaf types, shapes,
         dtypes) seen before skips the key paths and checks: its leaves are taken in the
-        order worked out then, typed keys made key data.
+        order its ``CallPlan`` worked out then, typed keys made key data. The plan is
+        None where the call makes no signature (it is checked every time).
         """
         try:
-            leaves, treedef = jax.tree_util.tree_flatten(tuple(args))
+            leaves, treedef = jax.tree_util.tree_flatten(args)
         except (TypeError, ValueError):  # flatten_args says why, naming the argument
             leaves, treedef = [], None
         sig = leaves_signature(leaves) if treedef is not None else None
         key = None if sig is None else ("args", treedef, sig)
-        plan = self._seen.get(key)
+        plan: CallPlan | None = self._seen.get(key)
         if plan is not None:
             runnable()
-            order, keyed, dims, trees = plan
-            if order is None:  # the leaves as they are, in order: the common case
-                return leaves, dims, trees
-            return [to_data(leaves[i]) if i in keyed else leaves[i] for i in order], dims, trees
+            if plan.order is None:  # the leaves as they are, in order: the common case
+                return leaves, plan.dims, plan.trees, plan
+            keyed = plan.keyed
+            return [to_data(leaves[i]) if i in keyed else leaves[i] for i in plan.order], plan.dims, plan.trees, plan
         flat, trees = flatten_args(self.manifest, args, source)
         runnable()
         arrays, dims = self._check_inputs(flat, source)
-        if key is not None:
-            self._seen.add(key, self._arguments_plan(leaves, flat, arrays, dims, trees))
-        return arrays, dims, trees
+        plan = None if key is None else self._arguments_plan(leaves, flat, arrays, dims, trees)
+        if plan is not None:
+            self._seen.add(key, plan)
+        return arrays, dims, trees, plan
 
-    def _arguments_plan(self, leaves: list, flat: dict, arrays: list, dims: dict, trees: ArgTrees) -> tuple | None:
+    def _arguments_plan(self, leaves: list, flat: dict, arrays: list, dims: dict, trees: ArgTrees) -> CallPlan | None:
         """How ``arguments`` takes a seen signature's leaves; None where the checks changed an array."""
         if len(flat) != len(leaves) or any(a is not flat[k] for a, k in zip(arrays, self.input_keys)):
             return None
@@ -108,7 +170,8 @@ class Binding:
         order: tuple[int, ...] | None = tuple(position[k] for k in self.input_keys)
         if not keyed and order == tuple(range(len(leaves))):
             order = None
-        return order, frozenset(keyed), FrozenDict(dims), tuple(trees)
+        PLANS_MADE[0] += 1
+        return CallPlan(order, frozenset(keyed), FrozenDict(dims), tuple(trees))
 
     def inputs(self, inputs: Mapping[str, Any], source: str = "inputs") -> tuple[list, dict[str, int]]:
         """Check ``inputs`` (flat keys) against the manifest; return the arrays in order and the dims."""
@@ -129,22 +192,68 @@ class Binding:
         arrays = [check_array(source, "input", leaf, inputs[leaf.key], dims) for leaf in m.inputs]
         return arrays, dims
 
-    def remember(self, res: Residuals) -> None:
+    def forward_residuals(
+        self, arrays: Sequence, stored: Sequence, dims: Mapping[str, int], trees: ArgTrees, plan: CallPlan | None
+    ) -> Residuals:
+        """The residuals of a forward that ran on ``arrays`` (checked inputs, manifest order), remembered.
+
+        ``stored``: the forward's stored residuals, in order; ``plan``: the arguments' plan, if any.
+        """
+        m = self.manifest
+        by_key = FrozenDict(zip(self.input_keys, arrays))
+        res = Residuals.of_forward(
+            FrozenDict(zip(self.stored_keys, stored)),
+            by_key if self.all_backed else FrozenDict([(k, by_key[k]) for k in self.backed_keys]),
+            dims if type(dims) is FrozenDict else FrozenDict(dims),  # a seen signature's dims: frozen already
+            by_key,
+            m.fingerprint,
+            m.arg_names,
+            tuple(trees),
+            new_run_id(),
+        )
+        mutable = plan.mutable if plan is not None else None
+        if mutable is not None:  # remember(res, plan), in this frame: a forward makes residuals on every call
+            self._made.add(res.residuals_id, (weakref.ref(res), mutable, plan))
+        else:
+            self.remember(res, plan)
+        return res
+
+    def remember(self, res: Residuals, plan: CallPlan | None = None) -> None:
         """Note residuals this artifact's forward just made: a backward on them unchanged skips the checks.
 
         Unchanged means the very object (residuals are immutable: ``replace`` makes
         another) and, for input arrays that can change in place (a NumPy array's shape
         and dtype can be set), the same keys, types, shapes and dtypes. A weak
-        reference: the residuals are freed when the caller drops them.
+        reference: the residuals are freed when the caller drops them. ``plan``: the
+        arguments' plan the forward ran on (``bwd`` takes the gradients' layout from
+        it); its residuals' inputs have one mutable signature, worked out once.
         """
-        mutable = mutable_signature(res.inputs)
+        mutable = plan.mutable if plan is not None else None
+        if mutable is None:
+            mutable = mutable_signature(res.inputs)
+            if plan is not None:
+                plan.mutable = mutable
         if mutable is not None:
-            self._made.add(res.residuals_id, (weakref.ref(res), mutable))
+            self._made.add(res.residuals_id, (weakref.ref(res), mutable, plan))
 
-    def _made_here(self, res: Residuals) -> bool:
-        """Whether ``res`` is residuals this artifact's forward made, unchanged since (``remember``)."""
+    def own_residuals(self, res: Any) -> tuple | None:
+        """``remember``'s entry ``(ref, mutable, plan)`` if ``res`` is this artifact's forward's own, unchanged.
+
+        None for anything else (checked on the general path, which refuses it by name or checks it).
+        """
+        if type(res) is not Residuals or res.fingerprint != self.manifest.fingerprint:
+            return None
+        made = self._made.get(res.residuals_id)  # as _made_here, in one frame: bwd asks on every call
+        if made is not None and made[0]() is res and mutable_signature(res.inputs) == made[1]:
+            return made
+        return None
+
+    def _made_here(self, res: Residuals) -> tuple | None:
+        """``remember``'s entry if ``res`` is residuals this artifact's forward made, unchanged since; else None."""
         made = self._made.get(res.residuals_id)
-        return made is not None and made[0]() is res and mutable_signature(res.inputs) == made[1]
+        if made is not None and made[0]() is res and mutable_signature(res.inputs) == made[1]:
+            return made
+        return None
 
     def _check_origin(self, res: Any, source: str) -> None:
         m = self.manifest
@@ -163,11 +272,21 @@ class Binding:
 
     def residuals(self, res: Residuals, source: str = "residuals") -> tuple[list, list, dict[str, int]]:
         """Validate residuals against this artifact; return stored, input-backed arrays and dims."""
-        m = self.manifest
+        return self.residuals_planned(res, source)[:3]
+
+    def residuals_planned(
+        self, res: Residuals, source: str = "residuals"
+    ) -> tuple[list, list, dict[str, int], CallPlan | None]:
+        """``residuals``, and the plan of the forward call that made them (None: not this artifact's own)."""
         self._check_origin(res, source)
-        if self._made_here(res):
+        made = self._made_here(res)
+        if made is not None:
             # Exactly what this artifact's fwd returned, in its order (keys, shapes, dtypes, dims): checked then.
-            return list(res.stored.values()), list(res.inputs.values()), res.dims
+            return list(res.stored.values()), list(res.inputs.values()), res.dims, made[2]
+        return (*self._residuals_checked(res, source), None)
+
+    def _residuals_checked(self, res: Residuals, source: str) -> tuple[list, list, dict[str, int]]:
+        m = self.manifest
         sig = residuals_signature(res.stored, res.inputs, res.dims)
         key = None if sig is None else ("residuals", sig)
         if self._seen.get(key) is not None:
@@ -207,6 +326,8 @@ class Binding:
 
     def cotangents(self, cotangents: Mapping[str, Any] | None, dims: Mapping[str, int], ct_source: str) -> list:
         """The cotangents of ``out``'s floating leaves, checked; None: 1 for a floating scalar output."""
+        if cotangents is None and self._unit is not None:  # made once the manifest's checks below passed
+            return [self._unit]
         m = self.manifest
         ct_leaves = m.cotangent_leaves
         if cotangents is None:
@@ -216,9 +337,11 @@ class Binding:
                     f"pass --cotangents FILE with keys {', '.join(m.out_keys)}"
                 )
             if self._unit is None:
-                unit = np.ones((), dtype_from_name(ct_leaves[0].dtype))
-                unit.flags.writeable = False  # one for every call: it never leaves the module's arguments
-                self._unit = unit
+                # One for every call, on JAX's default device once rather than copied there by every call;
+                # uncommitted, so jax moves it beside arguments committed elsewhere. Made concrete also
+                # when the first call is traced under a caller's jit: no tracer is kept.
+                with jax.ensure_compile_time_eval():
+                    self._unit = jax.device_put(np.ones((), dtype_from_name(ct_leaves[0].dtype)))
             return [self._unit]
         sig = mapping_signature(cotangents)
         key = None if sig is None else ("cotangents", sig, dims_signature(dims))

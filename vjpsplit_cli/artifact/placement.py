@@ -105,3 +105,10 @@ class Placement:
             out = {s.name: bound[s.name] for s in inputs if s.name != CARRIER}
         out[CARRIER] = self.carrier(dims)
         return out
+
+    def call_arguments(self, io: ModuleIO, bound: Mapping[str, Sequence], dims: Mapping[str, int]) -> tuple:
+        """A backward module's positional arguments: ``arguments`` in the module's slot order."""
+        if self.manifest.sharded:
+            return io.arguments(self.arguments(io, bound, dims))
+        carrier = self.carrier(dims)
+        return tuple([carrier if name == CARRIER else bound[name] for name in io.input_names])

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 
 from ..errors import VjpsplitError, cannot_deserialize, first_line, xla_status
-from ..safeio.signals import signals_end_process
+from ..safeio.signals import signals_end_process, signals_guarded
 from ..safeio.system import current_platform
 from ..trust import verdicts
 from ..trust.checks import check_outputs
@@ -81,6 +81,8 @@ class ModuleRunner:
         ``mesh``: makes the artifact's mesh, which refuses a host with too few devices, naming both counts.
         """
         m = self.manifest
+        if self._platform and not m.x64 and m.nr_devices == 1:
+            return  # passed before: this platform is fixed for the process, and the manifest frozen
         plat = self._platform or current_platform()
         if plat not in m.platforms:
             raise VjpsplitError(
@@ -124,32 +126,61 @@ class ModuleRunner:
         CLI's signal guard the run finishes here, with termination signals ending the
         process (a module may never return).
         """
-        key = self._call_key(module, args, dims)
+        if self.executable_cache is None and module not in self._check_at_call:  # the common key, inline
+            key: tuple | None = (module, dims_signature(dims) if dims else ())
+        else:
+            key = self._call_key(module, args, dims)
         seen = self._seen.get(key) is not None
         try:
             call = self.jitted[module] if seen else self._call_of(module, args)
-            with signals_end_process() as ends:
+            if not signals_guarded():  # outside the CLI's guard (every call from Python code): nothing to set
                 result = call(*args)
-                if ends:
-                    jax.block_until_ready(result)
-        except (ValueError, TypeError) as e:
-            raise VjpsplitError(f"{refused}: {first_line(e)}") from e
+            else:
+                with signals_end_process() as ends:
+                    result = call(*args)
+                    if ends:
+                        jax.block_until_ready(result)
         except Exception as e:
-            if xla_status(e) == "RESOURCE_EXHAUSTED":
-                # The sizes come from the caller's arrays or a file's recorded dims: name that source.
-                raise VjpsplitError(
-                    f"{refused}: this host ran out of memory running the {module} module "
-                    f"({first_line(e)[:120]}); check the sizes (the dims a file records), or use a "
-                    "host with more memory"
-                ) from e
-            if not cannot_deserialize(e):
+            err = self.refusal(e, module, refused)
+            if err is None:
                 raise
-            raise VjpsplitError(artifact_file.unreadable_module(self.source, self.manifest, module)) from e
+            raise err from e
         if not seen:
             check_outputs(self.source, module, jax.tree_util.tree_leaves(result), self.exported[module], dims or {})
             if call is self.jitted[module]:  # a program read from the executable cache is checked on every call
                 self._seen.add(key, True)
         return result
+
+    def refusal(self, e: Exception, module: str, refused: str) -> VjpsplitError | None:
+        """The one-line error a module call's exception ``e`` becomes (prefixed ``refused``); None: raise ``e`` as is.
+
+        jax's own shape/dtype refusals, running out of memory, a module this jax cannot read.
+        """
+        if isinstance(e, (ValueError, TypeError)):
+            return VjpsplitError(f"{refused}: {first_line(e)}")
+        if xla_status(e) == "RESOURCE_EXHAUSTED":
+            # The sizes come from the caller's arrays or a file's recorded dims: name that source.
+            return VjpsplitError(
+                f"{refused}: this host ran out of memory running the {module} module "
+                f"({first_line(e)[:120]}); check the sizes (the dims a file records), or use a "
+                "host with more memory"
+            )
+        if not cannot_deserialize(e):
+            return None
+        return VjpsplitError(artifact_file.unreadable_module(self.source, self.manifest, module))
+
+    def ready(self, module: str, dims: Mapping[str, int]) -> Callable | None:
+        """``module``'s jitted call where ``run`` would call it straight: its checks at ``dims`` passed before.
+
+        None where ``run`` has more to do (a first call at these dims, kernels checked at call
+        shapes, the executable cache, the CLI's signal guard): call ``run`` then. A caller of the
+        jitted call turns its exceptions into errors with ``refusal``.
+        """
+        if self.executable_cache is not None or module in self._check_at_call or signals_guarded():
+            return None
+        if self._seen.get((module, dims_signature(dims) if dims else ())) is None:
+            return None
+        return self.jitted[module]
 
     def _call_key(self, module: str, args: Sequence, dims: Mapping[str, int] | None) -> tuple | None:
         """What a call's checks depend on: the module and dims, and the shardings where kernels are checked."""
@@ -163,7 +194,7 @@ class ModuleRunner:
 
     def run_by_slot(
         self, module: str, by_slot: Mapping[str, Any], refused: str, dims: Mapping[str, int]
-    ) -> dict[str, list]:
+    ) -> dict[str, Sequence]:
         """Call a backward module on its arguments by slot; its results by slot (``trust.module_io``)."""
         io = self.signatures[module]
         return io.results(self.run(module, io.arguments(by_slot), refused, dims))

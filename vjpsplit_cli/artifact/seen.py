@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from collections import OrderedDict
 from typing import Any, Hashable, Iterable, Sequence
 
 import jax
@@ -142,7 +143,7 @@ class Seen:
 
     def __init__(self, limit: int = SEEN_KEPT) -> None:
         self._limit = limit
-        self._entries: dict[Hashable, Any] = {}
+        self._entries: OrderedDict[Hashable, Any] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, key: Hashable | None) -> Any:
@@ -164,7 +165,7 @@ class Seen:
             except TypeError:
                 return
             while len(self._entries) > self._limit:
-                del self._entries[next(iter(self._entries))]
+                self._entries.popitem(last=False)  # the oldest, at once (a dict skips its deleted slots)
 
     def clear(self) -> None:
         """Forget every signature (what the checks depend on changed)."""

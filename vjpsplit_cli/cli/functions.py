@@ -76,6 +76,15 @@ from .runtime import enable_x64_if, wants_x64
     metavar="N",
     help="With --stages, for FN without marks: cut it into N stages of balanced estimated cost.",
 )
+@click.option(
+    "--data-parallel",
+    "data_parallel",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="With --stages: record N replicas of every stage in stages.json, the Trainer's data_parallel when it "
+    "is not given (the batch shapes are then one replica's part of a microbatch).",
+)
 @cli_command
 def export_cmd(
     target: str,
@@ -91,6 +100,7 @@ def export_cmd(
     sign_key: str | None,
     as_stages: bool,
     stage_count: int | None,
+    data_parallel: int | None,
 ) -> None:
     """Export FN's forward and backward into one portable artifact (or, with --stages, one per stage)."""
     from ..artifact.lowering import export
@@ -106,8 +116,10 @@ def export_cmd(
         if has_aux or memory_budget is not None or weights is not None or at:
             raise click.UsageError("--stages takes none of --has-aux, --memory-budget, --weights, --at")
         pol = None if policy == "everything" else policy
-        export_stages_cmd(target, shapes, wrt, platforms, pol, True, output, key, stage_count)
+        export_stages_cmd(target, shapes, wrt, platforms, pol, True, output, key, stage_count, data_parallel or 1)
         return
+    if data_parallel is not None:
+        raise click.UsageError("--data-parallel records replicas of pipeline stages: give it with --stages")
 
     source = click.get_current_context().get_parameter_source("policy")
     if memory_budget is not None and source != click.core.ParameterSource.DEFAULT and policy != "auto":

@@ -25,8 +25,10 @@ def export_stages_cmd(
     output: str,
     key: Ed25519PrivateKey | None,
     count: int | None,
+    data_parallel: int = 1,
 ) -> None:
-    """Trace MODULE:FN once, cut it at its marks (or into ``count`` balanced stages) and save the directory."""
+    """Trace MODULE:FN once, cut it at its marks (or into ``count`` balanced stages) and save the directory
+    (``data_parallel``: the replicas of every stage its index records)."""
     from .specs import check_fits, load_object, resolve_shapes
     from ..pipeline.stages.exporting import export_stages
 
@@ -49,10 +51,12 @@ def export_stages_cmd(
         weights=weights,
         stages=count,
         name=name,
+        data_parallel=data_parallel,
     )
     stages.save(output, sign_key=key)
     signed = f", signed by {stages.artifacts[0].signer}" if key is not None else ""
-    log(f"wrote {output}: {name}, {len(stages)} stages ({stages.index.cut}), platforms {platforms}{signed}")
+    dp = f", data_parallel {data_parallel}" if data_parallel > 1 else ""
+    log(f"wrote {output}: {name}, {len(stages)} stages ({stages.index.cut}), platforms {platforms}{dp}{signed}")
 
 
 def inspect_stages_cmd(
@@ -69,6 +73,7 @@ def inspect_stages_cmd(
         rows = stage_rows(stages, sizes)
         costs = [r["cost"] for r in rows]
         imbalance = max(costs) / (sum(costs) / len(costs))
-        click.echo(json.dumps({"function": stages.index.function, "stages": rows, "imbalance": imbalance}, indent=2))
+        top = {"function": stages.index.function, "data_parallel": stages.index.data_parallel}
+        click.echo(json.dumps({**top, "stages": rows, "imbalance": imbalance}, indent=2))
     else:
         click.echo(format_stages(stages, sizes))

@@ -10,8 +10,10 @@ Residuals never leave their worker; activations and cotangents go between stages
 A schedule can also be data: ``read_schedule``/``write_schedule`` use
 torch.distributed.pipelining's CSV, and every runner takes such plans as
 ``schedule=`` after checking them. ``Trainer`` trains the stages, applying the
-optimizer where each stage's parameters live; its checkpoints are keyed by the
-model, so another cut, or one process (``load_checkpoint``), continues the run.
+optimizer where each stage's parameters live, told its options as typed values
+(``Schedule``, ``InProcess`` or ``Ray``, ``Observe``; ``PerStage`` for the per-stage
+form); its checkpoints are keyed by the model, so another cut, or one process
+(``load_checkpoint``), continues the run.
 
 Words: a *layout* is which worker runs which stage (``layout``,
 ``worker_stages``); *ownership* is which stage holds which parameter leaf (a leaf
@@ -55,6 +57,7 @@ from .schedules.play import Costs, simulate
 from .schedules.plans import check_plans
 from .schedules.plots import plot_loss, plot_timeline
 from .schedules.timeline import Event, bubble_ratio
+from .training.options import InProcess, Observe, PerStage, Ray, Schedule
 from .training.resume import load_checkpoint
 from .training.trainer import Trainer
 
@@ -64,12 +67,17 @@ __all__ = [
     "SPLIT_BACKWARD",
     "Costs",
     "Event",
+    "InProcess",
     "Kind",
+    "Observe",
     "Offload",
     "OffloadPlans",
     "Op",
+    "PerStage",
     "PipelineResult",
+    "Ray",
     "RayPipeline",
+    "Schedule",
     "SharedDevicesWarning",
     "StageWorker",
     "Trainer",

@@ -165,6 +165,11 @@ def cleanup_on_signals() -> Iterator[None]:
 _NOT_ENDING = contextlib.nullcontext(False)  # reusable: most module runs are outside the guard
 
 
+def signals_guarded() -> bool:
+    """Whether ``cleanup_on_signals`` guards this process now (outside it ``signals_end_process`` does nothing)."""
+    return _Guard.depth != 0
+
+
 def signals_end_process() -> ContextManager[bool]:
     """While XLA runs a module: SIGINT, SIGTERM and SIGHUP end the process at once (gives whether they do).
 

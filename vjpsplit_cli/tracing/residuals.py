@@ -160,9 +160,19 @@ class Residuals(_Frozen):
         The same fields as ``Residuals(...)`` gives (no plan, no sources); a forward makes one per call.
         """
         res = object.__new__(cls)
-        values = (stored, inputs, dims, bound_inputs, fingerprint, arg_names, arg_trees, residuals_id, None, None, None)
-        for put, value in zip(_SETTERS, values):
-            put(res, value)
+        # Each slot's own setter, called in turn: a forward makes one of these per call.
+        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10 = _SETTERS
+        s0(res, stored)
+        s1(res, inputs)
+        s2(res, dims)
+        s3(res, bound_inputs)
+        s4(res, fingerprint)
+        s5(res, arg_names)
+        s6(res, arg_trees)
+        s7(res, residuals_id)
+        s8(res, None)
+        s9(res, None)
+        s10(res, None)
         return res
 
     def __repr__(self) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ..files import keys
 
@@ -74,22 +74,27 @@ class ModuleIO:
             raise ValueError(f"the manifest does not fix the {self.module} module's arguments")
         if self.module == "fwd":
             return tuple(by_slot[INPUTS])
-        return tuple([by_slot[name] for name in self._input_names])
+        return tuple([by_slot[name] for name in self.input_names])
 
-    def results(self, result: Any) -> dict[str, list]:
-        """A call's results by slot name: a module with one result slot returns that slot's list itself."""
-        names = self._output_names
+    def results(self, result: Any) -> dict[str, Sequence[Any]]:
+        """A call's results by slot name, each slot's leaves as the call returned them (a tuple or list).
+
+        A module with one result slot returns that slot's sequence itself.
+        """
+        names = self.output_names
         parts = (result,) if len(names) == 1 else tuple(result)
         if len(parts) != len(names):
             raise ValueError(f"the {self.module} module returned {len(parts)} groups, not {len(names)}")
-        return {name: list(part) for name, part in zip(names, parts)}
+        return dict(zip(names, parts))
 
     @functools.cached_property  # both are read on every call
-    def _input_names(self) -> tuple[str, ...]:
+    def input_names(self) -> tuple[str, ...]:
+        """The argument slots' names, in calling order (() where the manifest does not fix them)."""
         return tuple(s.name for s in self.inputs or ())
 
     @functools.cached_property
-    def _output_names(self) -> tuple[str, ...]:
+    def output_names(self) -> tuple[str, ...]:
+        """The result slots' names, in order."""
         return tuple(s.name for s in self.outputs)
 
     @property

@@ -81,7 +81,7 @@ def _warn_shared(need: Sequence[int], have: Sequence[Any]) -> None:
     platform = getattr(have[0], "platform", "") if have else ""
     fix = (
         f"on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={sum(need)} before JAX starts (before "
-        "`import jax`), or pass devices= (one list per stage)"
+        "`import jax`), or pass devices= (one list per stage; the Trainer's runner=InProcess(devices=...))"
         if platform == "cpu"
         else "pass devices= (one list per stage) or run on a host with more"
     )

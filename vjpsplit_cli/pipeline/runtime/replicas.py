@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 
 from ...errors import VjpsplitError
@@ -40,7 +41,13 @@ AXIS = "replicas"  # the one mesh axis of a stage's replica devices
 
 
 class Parts(tuple):  # type: ignore[type-arg]
-    """Per replica, what one stage hands the next (replica r's activation or cotangent for replica r)."""
+    """Per replica, what one stage hands the next (replica r's activation or cotangent for replica r).
+
+    A pytree node (its replicas' values are its children), so that a Ray actor's sender copies each part to the
+    host and the receiver gets a ``Parts`` back, not the parts stacked into one array."""
+
+
+jax.tree_util.register_pytree_node(Parts, lambda p: (tuple(p), None), lambda _, children: Parts(children))
 
 
 def zero_dim(shape: Sequence[int], n: int) -> int | None:
@@ -94,6 +101,20 @@ def check_split(mbs: Sequence[Microbatch], n: int) -> None:
         split_parts((x, list(side.values()) if isinstance(side, dict) else side), n)  # a PerStage: its lists
 
 
+def refuse_sharded(artifacts: Sequence[Any]) -> None:
+    """One error when a stage is sharded: replicas run unsharded stages only (on either runner).
+
+    Raises:
+        VjpsplitError: naming the first sharded stage, its mesh, and what to do instead.
+    """
+    for s, a in enumerate(artifacts):
+        if a.manifest.sharded:
+            raise VjpsplitError(
+                f"data_parallel: stage {s} is sharded (a mesh of {a.manifest.nr_devices} devices); replicas run "
+                "unsharded stages only: export the stages without shardings, or shard over a 'data' axis instead"
+            )
+
+
 def replica_placement(
     artifacts: Sequence[Any],
     workers: Sequence[Sequence[int]],
@@ -102,14 +123,7 @@ def replica_placement(
 ) -> list[tuple[Any, ...]]:
     """Per stage, its ``n`` replica devices: ``devices`` as given (one list of ``n`` per stage), or by default
     worker k's stages on this host's devices ``k*n ... k*n + n - 1`` (one error when there are too few)."""
-    import jax
-
-    for s, a in enumerate(artifacts):
-        if a.manifest.sharded:
-            raise VjpsplitError(
-                f"data_parallel: stage {s} is sharded (a mesh of {a.manifest.nr_devices} devices); replicas run "
-                "unsharded stages only: export the stages without shardings, or shard over a 'data' axis instead"
-            )
+    refuse_sharded(artifacts)
     if devices is not None:
         if len(devices) != len(artifacts):
             raise VjpsplitError(f"{len(artifacts)} stages but {len(devices)} device groups")
@@ -271,6 +285,11 @@ class ReplicaGroup:
     def params(self) -> Any:
         """The first replica's parameters (every replica holds the same)."""
         return self.replicas[0].params
+
+    @property
+    def inter(self) -> dict[int, Any]:
+        """The first replica's split-backward intermediates by microbatch (which W operations have work)."""
+        return self.replicas[0].inter
 
     @property
     def ring(self) -> Any:

@@ -66,7 +66,7 @@ class PipelineResult:
         if not self.timed:
             raise VjpsplitError(
                 "this step was not timed, so it has no timeline: run it with timed=True "
-                "(trainer.step(batch, timed=True), or Trainer(..., timeline=True))"
+                "(trainer.step(batch, timed=True), or Trainer(..., observe=Observe(timeline=True)))"
             )
 
     def modeled_timeline(self) -> list[Event]:

@@ -69,14 +69,24 @@ def export_stages(
     weights: bool = True,
     stages: int | None = None,
     name: str | None = None,
+    data_parallel: int = 1,
 ) -> Stages:
     """Trace ``fn(*specs)`` once and export one artifact per stage; see the module docstring.
 
     ``wrt`` names the parameter argument(s); every other argument is a batch input
-    whose spec describes **one microbatch**. Stages end at ``stage_boundary`` marks,
+    whose spec describes **one microbatch** (with ``data_parallel=N``, one replica's
+    part of it). Stages end at ``stage_boundary`` marks,
     or, with ``stages=N`` and no marks, at N-1 points of balanced estimated cost
     where few bytes cross. ``weights`` gives each stage the zero-bubble split backward.
+    ``data_parallel=N`` records N replicas of every stage in the index (``stages.json``):
+    the ``Trainer``'s ``data_parallel`` when it is not given.
+
+    Raises:
+        VjpsplitError: ``data_parallel`` not an int >= 1, or N > 1 with specs that carry shardings
+            (replicas run unsharded stages only).
     """
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise VjpsplitError(f"data_parallel={data_parallel!r}: give the number of replicas of every stage, an int >= 1")
     names = _check_arity(fn, len(specs))
     wrt_pos, single = wrt_positions(names, wrt, fn_name(fn))
     if len(wrt_pos) != 1:
@@ -133,7 +143,15 @@ def export_stages(
         params=tuple(_leaf_entry(k, s) for k, s in p_entries),
         batch=tuple(_leaf_entry(k, s) for k, s in b_entries),
         per_stage=tuple(info),
+        data_parallel=data_parallel,
     )
+    sharded = [k for k, a in enumerate(arts) if a.manifest.sharded]
+    if data_parallel > 1 and sharded:  # the Trainer would refuse them: say so at export, not at the first step
+        raise VjpsplitError(
+            f"data_parallel={data_parallel}: stage {sharded[0]} is sharded (a mesh of "
+            f"{arts[sharded[0]].manifest.nr_devices} devices); replicas run unsharded stages only: export the "
+            "stages without shardings, or shard over a 'data' axis instead"
+        )
     return Stages(arts, index, programs)
 
 

@@ -10,6 +10,9 @@ Versions of the index (``version``):
   and SHA-256 (``evaluation``: the forward without residuals that
   ``Trainer.evaluate`` runs). Written only when some stage has one; version 1
   directories still load (for training; ``evaluate`` refuses them).
+* 3 (2026-12-02): ``data_parallel``, the number of replicas of every stage the
+  export asked for (``export_stages(data_parallel=N)``, ``vjpsplit export --stages
+  --data-parallel N``): the ``Trainer``'s default. Written only when N > 1.
 
 ``StagesIndex.to_json`` writes exactly the map its version reads (``from_json``):
 an index without evaluation programs is written as version 1, so a signed
@@ -26,8 +29,8 @@ from ...errors import VjpsplitError
 from ...trust import signing
 
 FORMAT = "vjpsplit-stages"
-VERSION = 2
-READS = (1, 2)  # the versions from_json reads
+VERSION = 3
+READS = (1, 2, 3)  # the versions from_json reads
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,7 @@ class StagesIndex:
     batch: tuple[LeafEntry, ...]
     per_stage: tuple[StageEntry, ...]
     signature: Mapping[str, Any] | None = None  # signing's entry, when the directory is signed
+    data_parallel: int = 1  # version 3: the replicas of every stage the export asked for (the Trainer's default)
 
     @property
     def param_keys(self) -> list[str]:
@@ -134,7 +138,7 @@ class StagesIndex:
         """The map ``stages.json`` holds (with the signature entry when signed)."""
         out: dict[str, Any] = {
             "format": FORMAT,
-            "version": VERSION if any(st.evaluation is not None for st in self.per_stage) else 1,
+            "version": self._version(),
             "function": self.function,
             "cut": self.cut,
             "cost_dim": self.cost_dim,
@@ -146,9 +150,17 @@ class StagesIndex:
             "batch": [b.to_json() for b in self.batch],
             "stages": [st.to_json() for st in self.per_stage],
         }
+        if self.data_parallel > 1:
+            out["data_parallel"] = self.data_parallel
         if self.signature is not None:
             out[signing.SIGNATURE] = dict(self.signature)
         return out
+
+    def _version(self) -> int:
+        """The oldest version that holds what this index has (an older directory's bytes stay as they were)."""
+        if self.data_parallel > 1:
+            return 3
+        return 2 if any(st.evaluation is not None for st in self.per_stage) else 1
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any], source: str) -> StagesIndex:
@@ -173,6 +185,16 @@ class StagesIndex:
                 tuple(LeafEntry.from_json(b) for b in d["batch"]),
                 tuple(StageEntry.from_json(st) for st in d["stages"]),
                 d.get(signing.SIGNATURE),
+                _replicas(d.get("data_parallel", 1), source),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise VjpsplitError(f"{source}: the stages index lacks or garbles {e}; save the stages again") from e
+
+
+def _replicas(value: Any, source: str) -> int:
+    """``data_parallel`` as the index holds it: an int >= 1, else one error naming ``source``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise VjpsplitError(
+            f"{source}: data_parallel is {value!r}, not an int >= 1; export the stages again (--data-parallel N)"
+        )
+    return value

@@ -10,7 +10,7 @@ optax state joined from the stages' (``state``), checkpoints keyed by the model
 (``checkpoint``) and what resumes from them (``resume``), ``fit``'s run of many
 steps with background checkpoints and restarts after a lost Ray worker
 (``fit``), the step history (``history``), measured costs from timed
-steps (``measured``) and ``schedule_name="auto"`` (``autoplan``).
+steps (``measured``) and ``schedule="auto"`` (``autoplan``).
 
 May import everything in ``pipeline`` before it (``schedules``, ``stages``,
 ``runtime``) and the layers below ``pipeline``.

@@ -1,4 +1,4 @@
-"""``schedule_name="auto"`` for the Trainer: timed first steps, then ``auto_schedule``'s plans for what they measured.
+"""``schedule="auto"`` for the Trainer: timed first steps, then ``auto_schedule``'s plans for what they measured.
 
 ``AutoPlan`` holds the memory limit (microbatches per worker, or bytes per
 worker turned into microbatches by the stages' manifests) and decides, step by
@@ -63,7 +63,7 @@ def _shape(leaf: Any, dims: dict[str, int], stage: int) -> tuple[int, ...]:
     if shape is None:
         raise VjpsplitError(
             f"memory_limit_bytes: stage {stage}'s leaf '{leaf.key}' {list(leaf.shape)} has a dim the batch does not "
-            "size; give memory_limit= in microbatches instead"
+            "size; give Schedule('auto', memory_limit=...) in microbatches instead"
         )
     return shape
 

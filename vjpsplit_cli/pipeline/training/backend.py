@@ -12,20 +12,21 @@ from typing import Any, Protocol, Sequence
 import jax
 import numpy as np
 
-from ...errors import VjpsplitError
 from ...files.dtypes import dtype_name
 from ..runtime.devices import placed, placement
 from ..runtime.model import Microbatch
-from ..runtime.offload import Offload
+from ..runtime.offload import Offload, offload_of
+from ..runtime.replicas import refuse_sharded
 from ..runtime.result import PipelineResult
 from ..schedules.layout import Layout
 from ..schedules.plans import Resolved
 from ..stages.evaluation import EvalProgram
 from .inprocess import InProcessBackend, stage_trainers
 from .optimizer import stage_programs
+from .options import InProcess, Ray, Runner
 from .ownership import Ownership, Snapshot
 from .ray import RayBackend
-from .replicas import replica_trainers
+from .replicas import replica_program, replica_trainers
 from .state import state_map, whole_optimizer
 
 
@@ -88,33 +89,25 @@ class Backend(Protocol):
 
 
 def open_backend(
-    runner: str,
+    runner: Runner,
     ownership: Ownership,
     optimizer: Any,
     states: Sequence[Any],
     *,
     layout: Layout,
-    devices: Sequence[Sequence[Any]] | None = None,
-    hang_report: str | None = None,
+    step_timeout: float,
     data_parallel: int = 1,
-    offload: Offload | None = None,
-    **ray_options: Any,
+    hang_report: str | None = None,
 ) -> Backend:
-    """The backend ``runner`` names, its workers holding the stages of ``ownership`` and each stage's
-    exported ``optimizer`` (specs from the stage's parameters where they are placed) and ``states``;
-    ``hang_report``: where a stuck step's report goes (in-process).
-    ``data_parallel=N``: every stage on N replicas, its optimizer state sharded across them (``replicas``).
-    ``offload``: residuals off the device between F and B (``offload.Offload``; every replica's own)."""
-    if data_parallel > 1 and runner != "inprocess":
-        raise VjpsplitError(
-            f"data_parallel={data_parallel} runs in-process only for now; use runner='inprocess' (replicas on "
-            "this host's devices), or data_parallel=1 on Ray"
-        )
-    if runner != "inprocess" and devices is not None:
-        raise VjpsplitError(
-            "devices= places the stages of this process; a Ray worker runs on the devices its actor sees "
-            "(give each worker num_gpus or resources in actor_options)"
-        )
+    """The backend ``runner`` says, its workers holding the stages of ``ownership`` and each stage's
+    exported ``optimizer`` (specs from the stage's parameters where they are placed) and ``states``.
+
+    ``step_timeout``: seconds a step (in-process: a timed step) may take; ``hang_report``: where a stuck step's
+    report goes. ``data_parallel=N`` (the runner's, or what the export recorded): every stage on N replicas, its
+    optimizer state sharded across them (``replicas``), in-process or in each Ray worker's actor. The runner's
+    ``offload``: residuals off the device between F and B (``offload.Offload``; every replica its own)."""
+    devices = runner.devices if isinstance(runner, InProcess) else None
+    offload = offload_of(runner.offload)
     smap = state_map(optimizer, ownership)
     whole = whole_optimizer(optimizer, ownership, smap)
     refusal = whole.refusal()
@@ -125,7 +118,8 @@ def open_backend(
         params = ownership.gather([_host_flat(n, p) for n, p in zip(ownership.names, ownership.stage_params)])
         init = smap.scatter(jax.device_get(jax.jit(optimizer.init)(params)))
         states = [init[s] if st is None else st for s, st in enumerate(states)]
-    if data_parallel > 1:
+    reductions = [(r.op, dtype_name(np.dtype(r.dtype)), r.round) for r in whole.roots()]
+    if data_parallel > 1 and isinstance(runner, InProcess):
         trainers = replica_trainers(
             ownership,
             optimizer,
@@ -136,20 +130,34 @@ def open_backend(
             devices=devices,
             offload=offload,
         )
-        return InProcessBackend(ownership, trainers, ray_options["step_timeout"], hang_report, data_parallel)
+        return InProcessBackend(ownership, trainers, step_timeout, hang_report, data_parallel)
+    if data_parallel > 1:  # on Ray: each actor makes its replicas on its own devices, from programs made here
+        refuse_sharded(ownership.artifacts)
+        own = ownership
+        programs = [
+            replica_program(optimizer, a, p, s, data_parallel, own.names[s], whole, own.counted[s])
+            for s, (a, p) in enumerate(zip(own.artifacts, own.stage_params))
+        ]
+        return RayBackend(
+            ownership,
+            programs,
+            states,
+            reductions,
+            whole.uses_value,
+            data_parallel=data_parallel,
+            layout=layout.workers,
+            hang_report=hang_report,
+            **_ray_options(runner, step_timeout),
+        )
     where = placement(ownership.artifacts, layout.workers, devices)
     arts = placed(ownership.artifacts, where)
     # Specs only: an unsharded stage's parameters go to its own device, never all to the default one first.
     specs = [a.place_arg(0, p) if a.manifest.sharded else _specs(p) for a, p in zip(arts, ownership.stage_params)]
     programs = stage_programs(optimizer, arts, ownership.names, specs, whole, ownership.counted)
-    if runner == "inprocess":
+    if isinstance(runner, InProcess):
         return InProcessBackend(
-            ownership,
-            stage_trainers(ownership, arts, where, programs, states, offload),
-            ray_options["step_timeout"],
-            hang_report,
+            ownership, stage_trainers(ownership, arts, where, programs, states, offload), step_timeout, hang_report
         )
-    reductions = [(r.op, dtype_name(np.dtype(r.dtype)), r.round) for r in whole.roots()]
     return RayBackend(
         ownership,
         programs,
@@ -158,9 +166,22 @@ def open_backend(
         whole.uses_value,
         layout=layout.workers,
         hang_report=hang_report,
-        offload=offload,
-        **ray_options,
+        **_ray_options(runner, step_timeout),
     )
+
+
+def _ray_options(runner: Runner, step_timeout: float) -> dict[str, Any]:
+    """``RayBackend``'s keywords from a ``Ray`` runner (what ``open_backend`` reaches once not in-process)."""
+    if not isinstance(runner, Ray):
+        raise TypeError(f"a Ray runner expected, got {runner!r}")
+    return {
+        "address": runner.address,
+        "runtime_env": runner.runtime_env,
+        "actor_options": runner.actor_options,
+        "step_timeout": step_timeout,
+        "schedule_timeout": runner.schedule_timeout,
+        "offload": offload_of(runner.offload),
+    }
 
 
 def _specs(tree: Any) -> Any:

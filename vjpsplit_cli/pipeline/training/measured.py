@@ -163,7 +163,7 @@ class CostSamples:
         if not kept:
             raise VjpsplitError(
                 "no timed step has run yet: run trainer.step(batch, timed=True) first "
-                "(schedule_name='auto' times its first step itself)"
+                "(schedule='auto' times its first step itself)"
             )
         merged: dict[tuple[int, str], list[float]] = {}
         gaps: list[float] = []

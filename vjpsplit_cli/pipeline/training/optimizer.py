@@ -37,7 +37,7 @@ import jax
 import msgpack
 import numpy as np
 from jax import export as jexport
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ...artifact.sharding import host_mesh, mesh_axes, mesh_of, named, place, spec_from_json, spec_to_json
 from ...errors import VjpsplitError, first_line, jax_message
@@ -245,7 +245,17 @@ def export_optimizer(
         "reductions": [{"op": r.op, "dtype": dtype_name(np.dtype(r.dtype)), "round": r.round} for r in roots],
         "uses_value": bool(whole.uses_value),
     }
-    return OptimizerProgram(label, params, state, axes, modules, source=f"optimizer {label!r}", check=False, meta=meta)
+    return OptimizerProgram(
+        label,
+        params,
+        state,
+        axes,
+        modules,
+        source=f"optimizer {label!r}",
+        check=False,
+        meta=meta,
+        abstract=mesh is not None and not isinstance(mesh, Mesh),
+    )
 
 
 class OptimizerProgram:
@@ -263,6 +273,7 @@ class OptimizerProgram:
         check: bool = True,
         devices: Any = None,
         meta: Mapping[str, Any] | None = None,
+        abstract: bool = False,
     ):
         self.name, self.source = name, source
         meta = dict(meta or {})
@@ -292,7 +303,9 @@ class OptimizerProgram:
             self._check(exps)
         self._exps = exps
         self._calls = {k: jax.jit(e.call) for k, e in exps.items()}
-        self.mesh = host_mesh(self.mesh_axes, devices, source) if self.mesh_axes else None
+        # Exported over an AbstractMesh (``abstract``): no devices here; it runs once loaded onto some.
+        self.abstract = bool(abstract and self.mesh_axes)
+        self.mesh = host_mesh(self.mesh_axes, devices, source) if self.mesh_axes and not self.abstract else None
 
     def _check(self, exps: Mapping[str, Any]) -> None:
         """What loading an artifact checks: signatures against the recorded leaves, custom calls."""
@@ -328,9 +341,15 @@ class OptimizerProgram:
         other = OptimizerProgram.__new__(OptimizerProgram)
         other.__dict__.update(self.__dict__)
         other.mesh = host_mesh(self.mesh_axes, devices, self.source)
+        other.abstract = False
         return other
 
     def _args(self, leaves: Sequence[OptLeaf], values: Mapping[str, Any], what: str) -> list:
+        if self.abstract:
+            raise VjpsplitError(
+                f"{self.source}: exported over an abstract mesh of {dict(self.mesh_axes)}, it has no devices; "
+                "run it after load_optimizer(program.to_bytes(), devices=...) or on_devices(...)"
+            )
         keys = [leaf.key for leaf in leaves]
         if set(values) != set(keys):
             extra, missing = sorted(set(values) - set(keys)), sorted(set(keys) - set(values))

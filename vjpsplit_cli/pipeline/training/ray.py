@@ -26,6 +26,7 @@ from ..runtime.model import Microbatch, side_for
 from ..runtime.ray.actor import StageActor, raise_first_error
 from ..runtime.ray.pipeline import RUNNER, RayPipeline
 from ..runtime.ray.setup import SCHEDULE_TIMEOUT
+from ..runtime.replicas import ReplicaGroup, check_split
 from ..runtime.result import PipelineResult, step_result
 from ..schedules.catalog import describe
 from ..schedules.ops import split_ops
@@ -37,6 +38,7 @@ from ...files.dtypes import dtype_from_name
 from .separable import combine
 from .clipping import clip_scale
 from .ownership import Ownership, Snapshot
+from .replicas import ReplicaTrainer
 from .stagestate import RESTORE_HINT, StageTrainer
 
 
@@ -46,10 +48,18 @@ class TrainActor(StageActor, EvaluatingActor):
     def setup(self, entries: Sequence[tuple[int, list[str], bytes, dict[str, list[int]], list[str], Any]]) -> None:
         """``(stage, names, optimizer bytes, holders, counted, state or None)`` per stage this actor holds."""
         held = self.stage_workers
-        self.trainers = {
-            s: StageTrainer(held[s], names, program, holders, counted, state)
+        # A stage on replicas (data_parallel) keeps its optimizer state sharded across them (training.replicas).
+        self.trainers: dict[int, StageTrainer | ReplicaTrainer] = {
+            s: (ReplicaTrainer if isinstance(held[s], ReplicaGroup) else StageTrainer)(
+                held[s], names, program, holders, counted, state
+            )
             for s, names, program, holders, counted, state in entries
         }
+
+    def optimizer_bytes(self) -> dict[int, tuple[int, int]]:
+        """Per stage held on replicas: ``(most bytes of optimizer state on one device, bytes of the whole state)``,
+        from its arrays' shards (``ReplicaTrainer.optimizer_bytes``)."""
+        return {s: t.optimizer_bytes() for s, t in self.trainers.items() if isinstance(t, ReplicaTrainer)}
 
     def _phase(self, name: str, fn: Any) -> Any:
         """``guarded(fn)``, recorded as a ``Phase`` of this worker (its trace's slice)."""
@@ -101,9 +111,14 @@ class TrainActor(StageActor, EvaluatingActor):
 
 
 class TrainPipeline(RayPipeline):
-    """A ``RayPipeline`` whose actors are ``TrainActor``s."""
+    """A ``RayPipeline`` whose actors are ``TrainActor``s; ``data_parallel=N``: each actor runs N replicas of
+    each of its stages on N devices of its own."""
 
     actor_class = TrainActor
+
+    def __init__(self, *args: Any, data_parallel: int = 1, **kwargs: Any):
+        self.replicas = int(data_parallel)
+        super().__init__(*args, **kwargs)
 
 
 class RayBackend:
@@ -116,19 +131,24 @@ class RayBackend:
         states: Sequence[Any],
         reductions: Sequence[tuple[str, str, int]] = (),
         uses_value: bool = False,
+        data_parallel: int = 1,
         **options: Any,
     ):
         """``options``: ``RayPipeline``'s keyword arguments, and ``hang_report`` (where a stuck step's report goes);
         ``reductions`` (op, dtype, round) and ``uses_value``: what the optimizer programs exchange across stages
-        and take from the step (``separable``)."""
+        and take from the step (``separable``); ``data_parallel=N``: every stage on N replicas in its actor
+        (``programs`` then exported over their mesh, ``replicas.replica_program``)."""
         self.ownership, self.programs = ownership, list(programs)
+        self.data_parallel = int(data_parallel)
         self.reductions = [(str(o), str(d), int(r)) for o, d, r in reductions]
         self.uses_value = bool(uses_value)
         self.rounds = 1 + max((int(r[2]) for r in self.reductions), default=-1)
         self.schedule_timeout = float(options.get("schedule_timeout", SCHEDULE_TIMEOUT))
         hang_report = options.pop("hang_report", None)
         self.offload: Offload | None = options.pop("offload", None)
-        self.rp = rp = TrainPipeline(ownership.artifacts, ownership.stage_params, **options)
+        self.rp = rp = TrainPipeline(
+            ownership.artifacts, ownership.stage_params, data_parallel=self.data_parallel, **options
+        )
         rp.hang_report = hang_report
         try:
             rp.get([a.setup.remote(self._entries(w, states)) for w, a in enumerate(rp.actors)])
@@ -177,6 +197,8 @@ class RayBackend:
                 f"{describe(name)} lays the stages out as {layout.as_lists()}; "
                 f"this Trainer's actors hold {rp.layout.as_lists()}"
             )
+        if self.data_parallel > 1:
+            check_split(mbs, self.data_parallel)  # before any operation runs
         t0 = time.monotonic()
         lists = rp.start_step(plans, mbs, microbatches, split_ops(plans), timed)
         t1 = time.monotonic()

@@ -25,14 +25,14 @@ from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from ...artifact.sharding import named
 from ...errors import VjpsplitError
 from ...files.prng import to_data
 from ...files.trees import decode_structure, flatten_with_keys, structure_keys
 from ..runtime.offload import Offload
-from ..runtime.replicas import ReplicaGroup, replica_placement, zero_spec
+from ..runtime.replicas import AXIS, ReplicaGroup, replica_placement, zero_spec
 from .clipping import sum_of_squares
 from .optimizer import export_optimizer, load_optimizer
 from .ownership import Ownership
@@ -41,23 +41,28 @@ from .stagestate import param_node
 
 
 def replica_program(
-    optimizer: Any, group: ReplicaGroup, names: Sequence[str], whole: WholeOptimizer, counted: Sequence[str]
+    optimizer: Any,
+    art: Any,
+    params: Any,
+    stage: int,
+    n: int,
+    names: Sequence[str],
+    whole: WholeOptimizer,
+    counted: Sequence[str],
 ) -> bytes:
-    """The stage's optimizer exported over its replicas' mesh, every parameter laid out by ``zero_spec``
-    (its share of ``whole``, the reductions' terms of its ``counted`` keys, as ``optimizer.stage_programs``)."""
+    """Stage ``stage``'s optimizer exported over the mesh of its ``n`` replicas, every parameter laid out by
+    ``zero_spec`` (its share of ``whole``, the reductions' terms of its ``counted`` keys, as
+    ``optimizer.stage_programs``).
+
+    The mesh is abstract (its one axis and size, no devices): the program is the same module wherever it is
+    exported, and runs on any ``n`` devices of the artifact's platforms (a Ray actor's, not the driver's)."""
+    mesh = AbstractMesh((n,), (AXIS,))
     specs = {
-        k: jax.ShapeDtypeStruct(
-            np.shape(v), v.dtype, sharding=NamedSharding(group.mesh, zero_spec(np.shape(v), group.n))
-        )
-        for k, v in zip(names, jax.tree_util.tree_leaves(group.params))
+        k: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=NamedSharding(mesh, zero_spec(np.shape(v), n)))
+        for k, v in zip(names, jax.tree_util.tree_leaves(params))
     }
     prog = export_optimizer(
-        optimizer,
-        specs,
-        platforms=group.art.manifest.platforms,
-        whole=whole,
-        stage=group.stage_index,
-        counted=counted,
+        optimizer, specs, platforms=art.manifest.platforms, whole=whole, stage=stage, counted=counted
     )
     return prog.to_bytes()
 
@@ -229,7 +234,7 @@ def replica_trainers(
         ReplicaTrainer(
             g,
             own.names[s],
-            replica_program(optimizer, g, own.names[s], whole, own.counted[s]),
+            replica_program(optimizer, g.art, g.params, s, n, own.names[s], whole, own.counted[s]),
             own.holders[s],
             own.counted[s],
             states[s],

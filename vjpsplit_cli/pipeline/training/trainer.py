@@ -14,31 +14,30 @@ also what ``save`` writes and ``opt_state=`` takes; ``fit`` runs many steps with
 checkpoints and restarts (``fit``).
 
 The older per-stage form (a list of artifacts and one parameter pytree per stage,
-``tied=`` naming ``(stage, key)`` groups, keys ``"s/k"``) is accepted too.
+``PerStage(artifacts, tied=...)`` naming ``(stage, key)`` groups, keys ``"s/k"``) is
+accepted too. The options are typed values (``options``); the keywords they replace
+still work this release, with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import warnings
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence, Unpack
 
 import numpy as np
 
 from ...errors import VjpsplitError
 from ..runtime.model import model_of
 from ..runtime.offload import Offload, offload_of
-from ..runtime.ray.pipeline import STEP_TIMEOUT
-from ..runtime.ray.setup import SCHEDULE_TIMEOUT
 from ..runtime.result import PipelineResult
-from ..runtime.runners import check_runner
 from ..schedules.csvformat import format_schedule, parse_schedule
-from ..schedules.ops import Op
 from ..schedules.plans import resolve
 from ..stages.directory import Stages
 from ..stages.evaluation import EvalProgram, missing
-from .autoplan import AUTO, AutoPlan
+from .autoplan import AutoPlan
 from .backend import Backend, open_backend
 from ...files.trees import encode_structure
 from .checkpoint import HostCheckpoint, read_checkpoint, save_checkpoint
@@ -47,7 +46,8 @@ from .clipping import clip_scale
 from .fit import fit as fit_steps
 from .history import IN_A_ROW, SLOWER, History, Stragglers, cost_signature
 from .optimizer import optimizer_name
-from .ownership import Ownership, Tied
+from .options import Deprecated, Observe, Options, PerStage, Plans, Runner, Schedule, from_legacy
+from .ownership import Ownership
 from .resume import restored_model, stage_snapshots
 from .state import StateMap, state_map
 from .measured import CostSamples, transfer_rates
@@ -66,58 +66,47 @@ RECORDED: Any = _Recorded()
 class Trainer:
     """Pipelined training: ``step(batch)`` runs the schedule and every stage's optimizer update where it lives.
 
-    ``stages``: a ``Stages`` and ``params`` the whole parameter pytree (or the
-    per-stage form: artifacts and one pytree per stage, with ``tied``).
-    ``optimizer``: an optax ``GradientTransformation``, exported per stage (the
-    workers need no optax). ``clip_global_norm=c`` clips by the norm over all
-    stages' gradients (a tied leaf counted once), as ``optax.chain(
-    optax.clip_by_global_norm(c), optimizer)`` on one device, and so does a
-    ``clip_by_global_norm`` inside ``optimizer``: an update that reduces over all
-    leaves gets the reductions over all stages, one that takes ``value=`` the
-    step's loss, and one the stages cannot compute as one process does is refused
-    here (``separable``). ``runner``: ``inprocess``
-    or ``ray`` (then ``address``, ``runtime_env``, ``actor_options``,
-    ``step_timeout``, ``schedule_timeout`` as ``RayPipeline`` takes them).
-    ``progress=True`` shows a bar over steps with the loss. ``history`` keeps per
-    step the loss, the gradients' global norm (before clipping), the step time and
-    the measured and modeled bubble (NaN for an untimed step). ``opt_state``: optax's state for the whole
-    model to start from (``tx.init(params)``'s structure: from one process,
-    another Trainer's ``state()``, or orbax) instead of ``optimizer.init``, and
-    ``step_count`` the run's step it is at (``fit`` goes on from there).
+    ``Trainer(stages, params, optimizer=tx, microbatches=8)``, and what is not the
+    state, one value each: ``schedule=`` (a name, plans or a ``Schedule``),
+    ``runner=`` (``"inprocess"``, ``"ray"``, ``InProcess(...)``, ``Ray(...)``),
+    ``clip_global_norm=`` and ``observe=Observe(...)``; where the state starts:
+    ``opt_state=`` and ``step_count=`` (``__init__`` says each).
 
-    ``schedule_name="auto"`` times the first step and runs ``auto_schedule``'s plans
-    for the measured costs from the second (timed too, and planned again after it:
-    ``autoplan``), within ``memory_limit`` (microbatches a worker holds at once: an
-    int or one per worker) or ``memory_limit_bytes`` (bytes per worker, counted from
-    the stages' manifests).
+    ``clip_global_norm=c`` clips by the norm over all stages' gradients (a tied leaf
+    counted once), as ``optax.chain(optax.clip_by_global_norm(c), optimizer)`` on
+    one device, and so does a ``clip_by_global_norm`` inside ``optimizer``: an update
+    that reduces over all leaves gets the reductions over all stages, one that takes
+    ``value=`` the step's loss, and one the stages cannot compute as one process does
+    is refused here (``separable``). ``history`` keeps per step the loss, the
+    gradients' global norm (before clipping), the step time and the measured and
+    modeled bubble (NaN for an untimed step).
 
-    In-process, every stage runs on a device of its own: ``devices`` gives one list
-    per stage (one device, or a sharded stage's mesh devices); by default worker k's
-    stages go to ``jax.local_devices()[k]`` where there are enough, else all share
-    the default device. ``placement`` says where each stage is. ``timeline=True``
-    times every step (``step(batch, timed=True)`` one step): each operation waits
-    for its results, and ``last_result`` holds their compute times.
+    ``Schedule("auto", memory_limit=...)`` times the first step and runs
+    ``auto_schedule``'s plans for the measured costs from the second (timed too, and
+    planned again after it: ``autoplan``), within the memory limit.
 
-    ``trace_dir``: every timed step writes its trace there as ``step-<n>.trace.json`` (the Chrome/Perfetto
-    trace-event format: ``PipelineResult.write_trace``; ``n`` counts steps from 1); ``trace_every=k`` times every
-    k-th step (``fit``'s too), so ``Trainer(..., trace_dir="traces", trace_every=100)`` traces one step in 100.
+    In-process, every stage runs on a device of its own (``InProcess(devices=...)``;
+    by default worker k's stages on ``jax.local_devices()[k]`` where there are
+    enough, else all on the default device); ``placement`` says where each stage is.
+    ``Observe(timeline=True)`` times every step (``step(batch, timed=True)`` one
+    step): each operation waits for its results, and ``last_result`` holds their
+    compute times; ``Observe(trace_dir=..., trace_every=k)`` writes every k-th step's
+    trace. A step past ``Observe(step_timeout=...)``, or one interrupted by Ctrl-C, is
+    one error naming what each worker is running or waiting for (its report: the
+    error names it). The worker threads of timed steps end with ``close()``, with
+    ``with Trainer(...) as tr:``, or when a Trainer nobody closed is collected.
 
-    ``offload``: residuals leave their stage's device between a microbatch's F and its B and come back
-    one operation ahead of the B: ``"host"`` (host memory: ``pinned_host`` where the platform has it, NumPy on
-    CPU devices) or ``Offload(to="host"|"files", directory=..., microbatches=..., stages=...)``
-    (``vjpsplit_cli.pipeline.Offload``). Gradients and training are bitwise those without offload.
+    ``InProcess(offload=...)`` or ``Ray(offload=...)``: residuals leave their stage's device between a
+    microbatch's F and its B and come back one operation ahead of the B: ``"host"`` (host memory:
+    ``pinned_host`` where the platform has it, NumPy otherwise) or ``Offload(to="host"|"files",
+    directory=..., microbatches=..., stages=..., pairs=...)`` (``vjpsplit_cli.pipeline.Offload``).
+    Gradients and training are bitwise those without offload. ``Schedule("auto",
+    memory_limit_bytes=...)`` may offload on its own (``planned_offload``).
 
-    ``step_timeout`` (seconds) bounds every step on Ray and every timed step in-process: a step past it,
-    or one interrupted by Ctrl-C, is one error naming what each worker is running or waiting for, and the
-    last operations of every worker are written as JSON to ``hang_report`` (default: in ``fit`` with a
-    ``checkpoint_dir``, ``<checkpoint_dir>.hang.json`` beside it; else a file in the temporary directory;
-    the error names it). The worker threads of timed steps end with ``close()``,
-    with ``with Trainer(...) as tr:``, or when a Trainer nobody closed is collected.
-
-    ``data_parallel=N`` (in-process, unsharded stages) runs N replicas of every
-    stage, each on a device of its own (worker k's on ``jax.local_devices()[k*N :
-    k*N + N]``, or ``devices`` with N devices per stage), each microbatch split N
-    ways (so the batch divides by ``microbatches * N``). Each replica sums its
+    ``InProcess(data_parallel=N)`` or ``Ray(data_parallel=N)`` (unsharded stages) runs
+    N replicas of every stage, each microbatch split N ways (so the batch divides by
+    ``microbatches * N``); not given, the ``data_parallel`` the stages' export
+    recorded (``export_stages(data_parallel=N)``), else 1. Each replica sums its
     gradients over the step's microbatches alone; one reduce-scatter per stage per
     step sums them across the replicas, each device updates its 1/N shard of the
     stage's optimizer state (ZeRO-1), and the new parameters are gathered once.
@@ -128,93 +117,106 @@ class Trainer:
 
     def __init__(
         self,
-        stages: Stages | Sequence[Any],
+        stages: Stages | PerStage | Sequence[Any],
         params: Any,
         *,
         optimizer: Any,
         microbatches: int,
-        schedule_name: str = "1f1b",
-        runner: str = "inprocess",
+        schedule: str | Plans | Schedule | None = None,
+        runner: str | Runner = "inprocess",
         clip_global_norm: float | None = None,
-        schedule: Sequence[Sequence[Op]] | None = None,
-        progress: bool = False,
-        tied: Tied | None = None,
-        devices: Sequence[Sequence[Any]] | None = None,
-        address: str | None = None,
-        runtime_env: Mapping[str, Any] | None = None,
-        actor_options: Sequence[Mapping[str, Any]] | None = None,
-        step_timeout: float = STEP_TIMEOUT,
-        schedule_timeout: float = SCHEDULE_TIMEOUT,
+        observe: Observe | None = None,
         opt_state: Any = None,
-        memory_limit: int | Sequence[int] | None = None,
-        memory_limit_bytes: int | str | Sequence[int | str] | None = None,
-        timeline: bool = False,
         step_count: int = 0,
-        hang_report: str | os.PathLike[str] | None = None,
-        trace_dir: str | os.PathLike[str] | None = None,
-        trace_every: int | None = None,
-        data_parallel: int = 1,
-        offload: Offload | str | None = None,
-        _restored: tuple[Sequence[Any] | None, int] | None = None,
+        **deprecated: Unpack[Deprecated],
     ):
+        """A Trainer for ``stages``, starting from ``params`` (and ``opt_state``, at ``step_count``).
+
+        Args:
+            stages: a ``Stages`` (``export_stages``); or the per-stage form, a list of artifacts (``PerStage``
+                where stages share leaves), with ``params`` one pytree per stage.
+            params: the whole parameter pytree (the function's ``wrt`` argument).
+            optimizer: an optax ``GradientTransformation``, exported per stage (the workers need no optax).
+            microbatches: how many microbatches each step's batch is cut into.
+            schedule: a built-in schedule's name (default ``"1f1b"``), plans (``read_schedule``'s form), or a
+                ``Schedule`` (``Schedule("auto", memory_limit=8)``).
+            runner: ``"inprocess"`` or ``"ray"``, or ``InProcess(devices=..., data_parallel=...)`` /
+                ``Ray(address=..., runtime_env=..., actor_options=..., schedule_timeout=...)``.
+            clip_global_norm: clip by the norm over all stages' gradients (a tied leaf counted once), as
+                ``optax.chain(optax.clip_by_global_norm(c), optimizer)`` on one device; None: no clipping.
+            observe: ``Observe(progress=, timeline=, trace_dir=, trace_every=, step_timeout=, hang_report=)``.
+            opt_state: optax's state for the whole model to start from (``tx.init(params)``'s structure: from
+                one process, another Trainer's ``state()``, or orbax) instead of ``optimizer.init``.
+            step_count: the run's step this state is at (``fit`` goes on from there).
+            **deprecated: the keywords these values replace (``schedule_name=``, ``memory_limit=``,
+                ``devices=``, ``address=``, ``progress=``, ``tied=``, ...; ``Deprecated``): they work this
+                release, each group with a ``DeprecationWarning`` naming what to write instead.
+
+        Raises:
+            VjpsplitError: a bad value (named), an old keyword given with the value it goes into, an optimizer
+                the stages cannot run as one process does; a bad schedule, before anything is exported.
+        """
+        options = from_legacy("Trainer", stages, schedule, runner, observe, deprecated)
+        self._start(options, params, optimizer, microbatches, clip_global_norm, opt_state, step_count, None)
+
+    def _start(
+        self,
+        options: Options,
+        params: Any,
+        optimizer: Any,
+        microbatches: int,
+        clip_global_norm: float | None,
+        opt_state: Any,
+        step_count: int,
+        restored: Sequence[Any] | None,
+    ) -> None:
+        """Open the Trainer: ``restored`` is the per-stage optimizer states an older checkpoint holds (``restore``)."""
         clip_global_norm = checked_clip(clip_global_norm)  # a bad value is refused now, not after the first step
         microbatches, step_count = plain(microbatches), plain(step_count)
-        memory_limit, memory_limit_bytes = plain(memory_limit), plain(memory_limit_bytes)
-        trace_every = plain(trace_every)
-        if trace_every is not None and (
-            isinstance(trace_every, bool) or not isinstance(trace_every, int) or trace_every < 1
-        ):
-            raise VjpsplitError(f"trace_every={trace_every!r}: give how often to time a step and trace it, an int >= 1")
         if isinstance(step_count, bool) or not isinstance(step_count, int) or step_count < 0:
             raise VjpsplitError(f"step_count={step_count!r}: give the run's step this state is at, an int >= 0")
-        check_runner(runner)
-        data_parallel = plain(data_parallel)
-        if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
-            raise VjpsplitError(
-                f"data_parallel={data_parallel!r}: give the number of replicas of every stage, an int >= 1"
-            )
-        self.data_parallel = data_parallel
-        self.offload = offload_of(offload)  # a bad value is refused before any export
+        stages, runner, observe = options.stages, options.runner, options.observe
+        schedule = Schedule() if options.schedule is None else options.schedule
+        tied = stages.tied if isinstance(stages, PerStage) else None
+        stages = stages.artifacts if isinstance(stages, PerStage) else stages
+        # Not given: what the export recorded (``export_stages(data_parallel=N)``, ``--data-parallel N``), else 1.
+        given = runner.data_parallel
+        self.data_parallel = given if given is not None else recorded_replicas(stages)
+        self.offload = offload_of(runner.offload)  # given by hand; auto's planned offload is apart
         self.stages = stages
         self.model = model_of(stages, params)
         self.ownership = Ownership(self.model, tied)
         S = self.model.num_stages
-        self.microbatches, self.schedule_name, self.schedule = microbatches, schedule_name, schedule
+        self.microbatches, self.schedule, self.schedule_name = microbatches, schedule, schedule.label
         self.auto: AutoPlan | None = None
-        if schedule_name == AUTO and schedule is None:
-            self.auto = AutoPlan(self.model.artifacts, microbatches, memory_limit, memory_limit_bytes)
+        if schedule.auto:
+            self.auto = AutoPlan(self.model.artifacts, microbatches, schedule.memory_limit, schedule.memory_limit_bytes)
             self.plan = self.auto.current
-        elif memory_limit is not None or memory_limit_bytes is not None:
-            raise VjpsplitError("memory_limit and memory_limit_bytes apply to schedule_name='auto'")
-        else:
-            self.plan = resolve(schedule_name, schedule, S, microbatches)  # a bad schedule is refused before any export
+        else:  # a bad schedule is refused before any export
+            self.plan = resolve(schedule.label, schedule.plans, S, microbatches)
         self.clip_global_norm, self.runner = clip_global_norm, runner
         self.optimizer_name = optimizer_name(optimizer)
         self.optimizer, self._state_map = optimizer, None if opt_state is None else state_map(optimizer, self.ownership)
-        states: list[Any] = [None] * S if _restored is None or _restored[0] is None else list(_restored[0])
+        states: list[Any] = [None] * S if restored is None else list(restored)
         if self._state_map is not None:
             states = self._state_map.scatter(opt_state)
+        hang_report = observe.hang_report
         self.backend: Backend = open_backend(
             runner,
             self.ownership,
             optimizer,
             states,
             layout=self.plan.layout,
-            devices=devices,
-            data_parallel=data_parallel,
-            address=address,
-            runtime_env=runtime_env,
-            actor_options=actor_options,
-            step_timeout=step_timeout,
-            schedule_timeout=schedule_timeout,
+            step_timeout=observe.step_timeout,
+            data_parallel=self.data_parallel,
             hang_report=None if hang_report is None else os.fspath(hang_report),
-            offload=self.offload,
         )
         self._hang_named = hang_report is not None
-        self.timeline = timeline
-        self.trace_dir, self.trace_every = trace_dir, trace_every
-        self.step_count = step_count if _restored is None else _restored[1]
-        self._history = History(progress, self.step_count)
+        self.observe = observe
+        self.timeline = observe.timeline
+        self.trace_dir, self.trace_every = observe.trace_dir, observe.trace_every
+        self.step_count = step_count
+        self._history = History(observe.progress, self.step_count)
         self._samples = CostSamples(self.model.artifacts)
         self._transfer: dict[str, float] | None = None  # measured once, at the first costs()
         self._auto_offload: Offload | None = None
@@ -228,7 +230,7 @@ class Trainer:
     @property
     def history(self) -> list[dict[str, Any]]:
         """Per step: ``step``, ``loss``, ``grad_norm`` (before clipping), ``step_time``, ``bubble``, ``modeled_bubble``;
-        under ``schedule_name="auto"`` also ``schedule`` (what ran: the measuring step's schedule, then ``"auto"``),
+        under ``schedule="auto"`` also ``schedule`` (what ran: the measuring step's schedule, then ``"auto"``),
         ``modeled_makespan`` (its plans under the measured costs, seconds) and ``measuring`` on the two timed first steps;
         a timed step's row also has ``busy`` (each worker's compute seconds) and ``stragglers`` (the workers whose
         compute was 15% or more above that of the workers whose stages cost the same, 3 timed steps in a row)."""
@@ -246,7 +248,7 @@ class Trainer:
         ``timed=True`` waits for every operation and records its compute time in
         ``last_result.events`` (for its timeline, or to measure the stages' costs);
         it costs the overlap of dispatch with compute. Default: the Trainer's ``timeline``.
-        ``costs()`` counts timed steps; ``schedule_name="auto"`` times its first two steps itself, and plans
+        ``costs()`` counts timed steps; ``schedule="auto"`` times its first two steps itself, and plans
         again after each timed step.
         """
         t0 = time.monotonic()
@@ -363,7 +365,7 @@ class Trainer:
 
     def plot_loss(self, path: str | os.PathLike[str], title: str | None = None) -> None:
         """A PNG of the loss per step (needs matplotlib), beside ``plot_timeline``'s chart of one step."""
-        self._history.plot(path, title or f"{self.schedule_name}, {self.runner}")
+        self._history.plot(path, title or f"{self.schedule_name}, {self.runner.name}")
 
     def state(self) -> tuple[Any, Any]:
         """``(params, opt_state)`` now: ``params`` as ``params()`` gives them, ``opt_state`` optax's own state for
@@ -395,7 +397,7 @@ class Trainer:
             "microbatches": self.microbatches,
             "clip_global_norm": self.clip_global_norm,
         }
-        if self.schedule is not None:
+        if self.schedule.plans is not None:
             meta["plans"] = format_schedule(self.plan.plans)
         if self.auto is not None:
             meta.update(self.auto.record())  # restore measures again, on its own hosts
@@ -483,29 +485,47 @@ class Trainer:
     def restore(
         cls,
         directory: str | os.PathLike[str],
-        stages: Stages | Sequence[Any],
+        stages: Stages | PerStage | Sequence[Any],
         *,
         optimizer: Any,
         microbatches: int | None = None,
-        schedule_name: str | None = None,
-        schedule: Sequence[Sequence[Op]] | None = None,
+        schedule: str | Plans | Schedule | None = None,
+        runner: str | Runner = "inprocess",
         clip_global_norm: float | None = RECORDED,
-        **options: Any,
+        observe: Observe | None = None,
+        **deprecated: Unpack[Deprecated],
     ) -> Trainer:
-        """A Trainer continuing the run saved in ``directory``; takes ``Trainer``'s keyword arguments but ``params``.
+        """A Trainer continuing the run saved in ``directory``, at its step, with its parameters and optimizer state.
 
-        ``stages``: any ``Stages`` of the function the run trained (another number of stages, other
-        marks, ``stages=N``); a checkpoint an older vjpsplit wrote per stage, only the stages that wrote it.
+        Each saved parameter's dtype and shape is checked against the stages' export first (one error naming
+        the leaf).
 
-        ``microbatches``, the schedule (``schedule_name`` or ``schedule``) and
-        ``clip_global_norm`` default to the values the checkpoint recorded; a value
-        given here wins. A checkpoint written before they were recorded needs
-        ``microbatches`` given (its clipping then defaults to none, as ``Trainer``'s). Each saved parameter's
-        dtype and shape is checked against the stages' export first (one error naming the leaf).
+        Args:
+            directory: a checkpoint ``save`` (or ``fit``) wrote.
+            stages: any ``Stages`` of the function the run trained (another number of stages, other marks,
+                ``stages=N``); a checkpoint an older vjpsplit wrote per stage, only the stages that wrote it.
+            optimizer: the run's optax ``GradientTransformation``.
+            microbatches: default: the checkpoint's (one written before they were recorded needs it given).
+            schedule: as ``Trainer``'s; default: the checkpoint's (its plans, when they were the caller's; for
+                ``"auto"``, its memory limit too, which an ``"auto"`` given without one also takes).
+            runner: as ``Trainer``'s (not recorded: a run goes on anywhere).
+            clip_global_norm: default: the checkpoint's (none for one written before it was recorded).
+            observe: as ``Trainer``'s.
+            **deprecated: ``Trainer``'s old keywords, each group with a ``DeprecationWarning``.
+
+        Returns:
+            The Trainer, its ``step_count`` the checkpoint's.
+
+        Raises:
+            VjpsplitError: ``directory`` is no checkpoint, or lacks what it must record (naming it); a saved
+                leaf that does not match the stages; what ``Trainer`` refuses.
         """
+        options = from_legacy("Trainer.restore", stages, schedule, runner, observe, deprecated)
         saved = read_checkpoint(directory)
         meta, step = saved.meta, saved.step
-        params, opt_state, states = restored_model(saved, stages, optimizer, options.get("tied"))
+        given = options.stages
+        arts, tied = (given.artifacts, given.tied) if isinstance(given, PerStage) else (given, None)
+        params, opt_state, states = restored_model(saved, arts, optimizer, tied)
         if microbatches is None:
             if "microbatches" not in meta:
                 raise VjpsplitError(
@@ -513,31 +533,24 @@ class Trainer:
                     "vjpsplit wrote it); pass microbatches= to Trainer.restore"
                 )
             microbatches = int(meta["microbatches"])
-        if schedule_name is None and schedule is None:
-            recorded = str(meta.get("schedule", "1f1b"))
+        chosen = options.schedule
+        if chosen is None:
             if "plans" in meta:
                 try:
-                    schedule = parse_schedule(str(meta["plans"]))
+                    chosen = Schedule(plans=parse_schedule(str(meta["plans"])))
                 except VjpsplitError as e:
                     raise VjpsplitError(f"{os.fspath(directory)}: its recorded plans: {e}") from e
             else:
-                schedule_name = recorded
+                chosen = Schedule(str(meta.get("schedule", "1f1b")))
         if clip_global_norm is RECORDED:
             clip_global_norm = meta.get("clip_global_norm")
-        if schedule_name == AUTO and schedule is None and not {"memory_limit", "memory_limit_bytes"} & set(options):
-            options.update({k: meta[k] for k in ("memory_limit", "memory_limit_bytes") if meta.get(k) is not None})
-        return cls(
-            stages,
-            params,
-            optimizer=optimizer,
-            microbatches=microbatches,
-            schedule_name=schedule_name or "1f1b",
-            schedule=schedule,
-            clip_global_norm=clip_global_norm,
-            opt_state=opt_state,
-            _restored=(states, step),
-            **options,
-        )
+        if chosen.auto and chosen.memory_limit is None and chosen.memory_limit_bytes is None:
+            recorded = {k: meta[k] for k in ("memory_limit", "memory_limit_bytes") if meta.get(k) is not None}
+            chosen = dataclasses.replace(chosen, **recorded)  # restore measures again, on its own hosts
+        trainer = cls.__new__(cls)
+        options = dataclasses.replace(options, schedule=chosen)
+        trainer._start(options, params, optimizer, microbatches, clip_global_norm, opt_state, step, states)
+        return trainer
 
     def close(self) -> None:
         """End the workers (Ray actors) and the progress bar."""
@@ -549,3 +562,8 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def recorded_replicas(stages: Stages | Sequence[Any]) -> int:
+    """The replicas of every stage a ``Stages`` export recorded (its index's ``data_parallel``); 1 for artifacts."""
+    return stages.index.data_parallel if isinstance(stages, Stages) else 1

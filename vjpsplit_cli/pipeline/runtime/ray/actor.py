@@ -15,9 +15,11 @@ import numpy as np
 
 from ...schedules.ops import Kind, Op
 from ...schedules.timeline import Phase
+from ....errors import VjpsplitError
 from ..devices import placed, placement
 from ..flight import Now, idle
 from ..offload import Offload
+from ..replicas import ReplicaGroup, refuse_sharded
 from ..worker import StageWorker, run_op
 from .lists import Inbox, Sender, run_list, unpack
 
@@ -31,7 +33,7 @@ class StageActor:
     """
 
     def __init__(self) -> None:
-        self.stage_workers: dict[int, StageWorker] = {}  # by stage index
+        self.stage_workers: dict[int, Any] = {}  # by stage index: a StageWorker, or a ReplicaGroup
         self.worker = -1
         self.num_stages = 0
         self.error: BaseException | None = None
@@ -52,18 +54,35 @@ class StageActor:
         """This process's ``time.monotonic()``, for the driver's clock offset."""
         return time.monotonic()
 
-    def load(self, held: Sequence[tuple[int, bytes, Any]], num_stages: int, worker: int) -> None:
-        """Load ``(stage index, artifact bytes, params)`` for each stage this worker (``worker``) holds."""
+    def load(self, held: Sequence[tuple[int, bytes, Any]], num_stages: int, worker: int, replicas: int = 1) -> None:
+        """Load ``(stage index, artifact bytes, params)`` for each stage this worker (``worker``) holds;
+        ``replicas`` > 1: each stage as a ``ReplicaGroup`` over this actor's first ``replicas`` devices."""
         from ....artifact.loading import loads
 
         arts = [loads(data, source=f"stage {s}") for s, data, _ in held]
+        self.worker, self.num_stages = worker, num_stages
+        if replicas > 1:
+            import jax
+
+            refuse_sharded(arts)
+            have = jax.local_devices()
+            if len(have) < replicas:
+                raise VjpsplitError(
+                    f"worker {worker}: data_parallel={replicas} needs {replicas} devices in its actor, it sees "
+                    f"{len(have)}; give the actor {replicas} GPUs in actor_options (on CPU its runtime_env's "
+                    f"XLA_FLAGS sets --xla_force_host_platform_device_count={replicas})"
+                )
+            # All of this worker's stages on the same devices, as worker k's are in-process (replica_placement).
+            self.stage_workers = {
+                s: ReplicaGroup(a, params, s, num_stages, have[:replicas]) for (s, _, params), a in zip(held, arts)
+            }
+            return
         # This actor is one worker: its stages on its first device (first devices, sharded), as in-process.
         where = placement(arts, [tuple(range(len(arts)))])
         self.stage_workers = {
             s: StageWorker(a, params, s, num_stages, g[0])
             for (s, _, params), a, g in zip(held, placed(arts, where), where)
         }
-        self.worker, self.num_stages = worker, num_stages
 
     def connect(self, peers: Sequence[Any], worker_of: dict[int, int]) -> None:
         """Every worker's actor handle and which worker holds each stage: where this one's results go."""

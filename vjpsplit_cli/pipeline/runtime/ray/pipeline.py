@@ -64,6 +64,7 @@ class RayPipeline:
     """
 
     actor_class: type = StageActor  # the Trainer's actors extend it
+    replicas = 1  # replicas of every stage on each actor's devices (the Trainer's data_parallel)
 
     def __init__(
         self,
@@ -109,7 +110,7 @@ class RayPipeline:
         self._remote_class = make(concurrency_groups=CONCURRENCY_GROUPS)(self.actor_class)  # deliveries beside the list
         for w, held in enumerate(self.layout.workers):
             opts = {"num_cpus": num_cpus_per_stage, **(dict(actor_options[w]) if actor_options else {})}
-            devices_for(opts, max(arts[s].manifest.nr_devices for s in held))
+            devices_for(opts, self.replicas * max(arts[s].manifest.nr_devices for s in held))
             self.options.append(opts)
             self.actors.append(self.new_actor(w))
         n = self.layout.num_workers
@@ -150,7 +151,9 @@ class RayPipeline:
         arts, params, held = self.model.artifacts, self.model.stage_params, self.layout.workers
         self.get(
             [
-                self.actors[w].load.remote([(s, arts[s].to_bytes(), params[s]) for s in held[w]], self.num_stages, w)
+                self.actors[w].load.remote(
+                    [(s, arts[s].to_bytes(), params[s]) for s in held[w]], self.num_stages, w, self.replicas
+                )
                 for w in workers
             ]
         )

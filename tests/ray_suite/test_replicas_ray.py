@@ -1,0 +1,69 @@
+"""Data parallel x pipeline on Ray: each stage's actor holds its stage's 2 host CPU devices and runs 2 replicas on
+them, one gradient reduction per stage per step, the optimizer state sharded across the replicas (ZeRO-1)."""
+
+from __future__ import annotations
+
+import numpy as np
+import optax
+import pytest
+from models import assert_trees_close, optax_reference
+from optimizer_models import model, params_, stages, V, T
+
+from vjpsplit_cli import pipeline as P
+
+CLIP = 0.05  # below every step's gradient norm: clipping acts on each step
+RTOL, ATOL = 1e-6, 1e-7  # f32: the replicas' sums and the one-process gradient differ in rounding only
+
+
+def _batches(n, rows=8, seed=11):
+    rng = np.random.default_rng(seed)
+    return [
+        (rng.integers(0, V, (rows, T)).astype(np.int32), rng.integers(0, V, (rows, T)).astype(np.int32))
+        for _ in range(n)
+    ]
+
+
+def _reference(batches):
+    return optax_reference(model, params_(), optax.chain(optax.clip_by_global_norm(CLIP), optax.adam(1e-2)), batches)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
+def test_ray_pp2_dp2_tied_and_clipped_equals_optax_and_its_checkpoint_continues_in_one_process(
+    ray_session, schedule, tmp_path
+):
+    batches, tx = _batches(3), optax.adam(1e-2)
+    ref_losses, ref_params = _reference(batches)
+
+    def reductions(actor):  # defined here: Ray sends a test module's function by value only from inside a test
+        """Per stage the actor holds, the cross-replica reductions its replica group has run."""
+        return {s: w.reductions for s, w in actor.stage_workers.items()}
+
+    kw = dict(optimizer=tx, microbatches=2, schedule=schedule, clip_global_norm=CLIP)
+    with P.Trainer(stages(), params_(), runner=P.Ray(data_parallel=2), **kw) as tr:
+        losses = [tr.step(b) for b in batches[:2]]
+        assert tr.last_result.runner == "ray"
+        assert min(h["grad_norm"] for h in tr.history) > CLIP  # clipping acted
+        # Each actor: its stage on 2 devices of its own process, Adam's moments sharded across them.
+        assert [len(set(d)) for d in tr.placement] == [2, 2]
+        for actor in tr.backend.rp.actors:
+            got = ray_session.get(actor.optimizer_bytes.remote())
+            assert len(got) == 1, got  # its one stage, on replicas
+            for stage, (most, whole) in got.items():
+                count = 4  # the step count (int32): the one leaf kept whole on every replica
+                assert most == (whole - count) // 2 + count, (stage, most, whole)
+            runs = ray_session.get(actor.__ray_call__.remote(reductions))
+            assert list(runs.values()) == [2], runs  # one cross-replica reduction per stage per step
+        tr.save(tmp_path / "ck")
+        if schedule == "zbh1":  # the run goes on on Ray: 3 steps equal 3 of optax
+            losses.append(tr.step(batches[2]))
+            np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+            assert_trees_close(tr.params(), ref_params, rtol=RTOL, atol=ATOL)
+            want = float(np.mean([float(model(ref_params, *b)) for b in _batches(1, seed=12)]))
+            np.testing.assert_allclose(tr.evaluate(_batches(1, seed=12)[0]), want, rtol=1e-5)
+            return
+    np.testing.assert_allclose(losses, ref_losses[:2], rtol=RTOL)
+    # Saved on Ray at DP 2 in the whole model's form: one process at DP 1 continues it equal to an unbroken run.
+    with P.Trainer.restore(tmp_path / "ck", stages(), optimizer=tx) as again:
+        assert again.step_count == 2 and again.data_parallel == 1
+        np.testing.assert_allclose(again.step(batches[2]), ref_losses[2], rtol=RTOL)
+        assert_trees_close(again.params(), ref_params, rtol=RTOL, atol=ATOL)
