@@ -292,7 +292,9 @@ def auto_schedule(
     costs: Mapping[str, object] | Costs,
     memory_limit: int | Sequence[int] | None = None,
 ) -> list[list[Op]]:
-    """Plans for ``stages`` (a count, or a ``Stages``/artifacts: its length) fastest under ``costs`` within ``memory_limit``.
+    """Plans for ``stages`` fastest under ``costs`` within ``memory_limit``.
+
+    ``stages`` is a count, or a ``Stages`` or artifacts (then its length).
 
     ``costs``: ``{"F": [...], "B": [...], "W": [...], "comm": c}``, per stage the time
     of its forward, of its backward's input part and of its weight part (any unit; a
@@ -305,6 +307,23 @@ def auto_schedule(
     ``costs`` no slower than any of ``gpipe``, ``1f1b`` and ``zbh1`` that fits it.
     Stages whose artifact lacks the split backward (or costs without ``W``) get whole
     backwards. The plans depend only on the arguments (no clock, no randomness).
+
+    Args:
+        stages: The stage count, or the stages themselves (a ``Stages`` or a sequence
+            of artifacts), whose artifacts say which have the split backward.
+        microbatches: The microbatches per step.
+        costs: Per stage the times of F, B (the input part) and W, and ``comm``: a
+            ``Costs`` or a dict as ``Costs.of`` takes it.
+        memory_limit: The most microbatches a worker may hold at once: an int, one
+            int per worker, or ``None`` for no limit.
+
+    Returns:
+        One list of ``Op`` per worker (worker ``w`` holding stage ``w``), checked.
+
+    Raises:
+        VjpsplitError: If ``stages`` is neither a count >= 1 nor stages,
+            ``microbatches`` is not an int >= 1, the costs are malformed (see
+            ``Costs.of``), or ``memory_limit`` is not an int >= 1 or one per worker.
     """
     S = _stage_count(stages)
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
