@@ -199,8 +199,9 @@ def export(
     Raises:
         VjpsplitError: If ``fn`` cannot be traced, the names and specs disagree in
             number, an input is 64-bit without ``jax_enable_x64``, ``fn`` uses host
-            callbacks, a platform is unknown, ``wrt`` or ``weights`` name no argument,
-            or the policy, budget or sizes are refused (see ``resolve_policy``).
+            callbacks, a platform is unknown, ``wrt`` names no argument, ``weights``
+            are not differentiated arguments, or the policy, budget or sizes are
+            refused (see ``resolve_policy``).
     """
     st = _Export(fn, specs, wrt, has_aux, policy, memory_budget, at)
     _names_and_specs(st, platforms, arg_names)

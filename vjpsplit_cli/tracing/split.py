@@ -65,7 +65,7 @@ def split(
         The pair ``(fwd, bwd)``: ``fwd(*args)`` returns ``(out, res)`` (or
         ``(out, res, aux)``) with ``res`` a ``SplitResiduals``; ``bwd(res, ct=None)``
         returns the gradients. ``bwd`` raises ``VjpsplitError`` when ``res`` is not
-        the residuals of this split's ``fwd`` (an artifact's ``Residuals``, say).
+        a ``SplitResiduals`` (an artifact's ``Residuals``, say).
 
     Raises:
         VjpsplitError: If ``memory_budget`` is given with a policy other than
