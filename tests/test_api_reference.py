@@ -96,9 +96,10 @@ def _function_problems(name: str, fn: Any) -> list[str]:
 def _class_problems(name: str, cls: type) -> list[str]:
     sections = _sections(cls.__doc__)
     if dataclasses.is_dataclass(cls):
-        fields = [f.name for f in dataclasses.fields(cls)]
-        missing = [f for f in fields if f not in sections.get("Attributes", [])]
-        return [f"{name}: Attributes: does not document the fields {', '.join(missing)}"] if missing else []
+        # A dataclass's fields are its constructor's arguments: documented under either heading.
+        documented = sections.get("Attributes", []) + sections.get("Args", [])
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in documented]
+        return [f"{name}: neither Attributes: nor Args: documents the fields {', '.join(missing)}"] if missing else []
     if issubclass(cls, enum.Enum):
         missing = [m for m in cls.__members__ if m not in sections.get("Attributes", [])]
         return [f"{name}: Attributes: does not document the members {', '.join(missing)}"] if missing else []

@@ -87,6 +87,8 @@ class RayPipeline:
         compiled: Whether steps run as a compiled graph (``None``: where Ray can).
         step_timeout: Seconds for a step's results.
         steps: The steps started so far.
+        replicas: The replicas of every stage on each actor's devices (the Trainer's
+            ``data_parallel``; a class attribute, 1 here).
         hang_report: Where a stuck step's report of the last operations goes;
             ``None`` for ``flight.default_path``.
 
