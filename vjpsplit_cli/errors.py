@@ -17,6 +17,10 @@ class VjpsplitError(ValueError):
     Names in a message may come from a file (a forged manifest's argument names):
     control characters are escaped (``terminal.printable``), so no file can break
     the line or write a line of its own.
+
+    Args:
+        *args: The message (and any further exception arguments); strings have their
+            control characters escaped.
     """
 
     def __init__(self, *args: object) -> None:

@@ -33,7 +33,26 @@ from .runner import ModuleRunner
 
 
 class Artifact:
-    """A loaded or freshly exported artifact: manifest plus forward and backward modules."""
+    """A loaded or freshly exported artifact: manifest plus forward and backward modules.
+
+    Made by ``export`` and ``load``; not usually constructed by hand.
+
+    Args:
+        manifest: What the modules take and give (keys, dtypes, symbolic shapes).
+        modules: Each module's serialized bytes, by name (``fwd``, ``bwd``, ...).
+        exps: The modules already deserialized as ``jax.export.Exported``, by name;
+            ``None`` reads them from ``modules``.
+        source: What to call the artifact in messages (its file name, say).
+
+    Attributes:
+        manifest: The artifact's ``Manifest``.
+        modules: Each module's serialized bytes, by name.
+        source: The artifact's name in messages.
+        signature: The signature entry of a signed artifact; ``None`` if unsigned.
+        signer: The signer's key id once the signature is verified (or made by ``sign``); else ``None``.
+        policy_choice: How ``export`` chose the manifest's policy (auto's measurements, a
+            budget's pick); ``None`` when loaded.
+    """
 
     def __init__(
         self,
@@ -93,7 +112,12 @@ class Artifact:
         return self._runner.check_at_call
 
     def check_kernels_at_call(self, modules: Iterable[str], cache_dir: Any = DEFAULT) -> None:
-        """Check ``modules``' kernel calls at each call's concrete shapes, before they compile (``load`` sets it)."""
+        """Check ``modules``' kernel calls at each call's concrete shapes, before they compile (``load`` sets it).
+
+        Args:
+            modules: The names of the modules to check at each call.
+            cache_dir: Where to remember the verdicts; the default is vjpsplit's own cache.
+        """
         self._runner.check_at_call = frozenset(modules)
         self._runner.verdict_cache = cache_dir
 
@@ -105,6 +129,12 @@ class Artifact:
         result shares the modules and is cached per device group, so its
         compiled programs are reused; arrays on other devices are moved when a
         module runs. Unsharded artifacts run where JAX puts them: self.
+
+        Args:
+            devices: The devices, in mesh order.
+
+        Returns:
+            An ``Artifact`` on those devices (this one if unsharded or already there).
         """
         devices = tuple(devices)
         if not self.manifest.sharded or devices == self._placement.devices:
@@ -136,11 +166,25 @@ class Artifact:
         On a sharded artifact each leaf goes to its recorded sharding on ``mesh``
         (moved from other devices if need be); otherwise it goes to JAX's default
         device. A pipeline places parameters once, and activations as they arrive.
+
+        Args:
+            name: The argument's name or position.
+            value: The argument's pytree of arrays.
+
+        Returns:
+            The same pytree with its leaves placed.
         """
         return self._placement.place_arg(name, value)
 
     def place_cotangent(self, ct: Any) -> Any:
-        """A cotangent of the output laid out as the backward takes it (see ``place_arg``)."""
+        """A cotangent of the output laid out as the backward takes it (see ``place_arg``).
+
+        Args:
+            ct: The cotangent, a pytree shaped like the output.
+
+        Returns:
+            The same pytree with its leaves placed.
+        """
         return self._placement.place_cotangent(ct)
 
     @property
@@ -154,17 +198,32 @@ class Artifact:
 
     # -- file ---------------------------------------------------------------
     def to_bytes(self) -> bytes:
-        """The artifact file's bytes (with its signature, if signed)."""
+        """The artifact file's bytes (with its signature, if signed).
+
+        Returns:
+            The whole file's contents, as ``save`` writes them.
+        """
         return artifact_file.file_bytes(self.manifest, self.modules, self.signature)
 
     def sign(self, key: Any) -> str:
-        """Sign the artifact (manifest and every module) with an Ed25519 private key or its file; return the key id."""
+        """Sign the artifact (manifest and every module) with an Ed25519 private key or its file; return the key id.
+
+        Args:
+            key: An Ed25519 private key, or the path of its file.
+
+        Returns:
+            The signer's key id (also kept in ``signer``).
+        """
         self.signature = artifact_file.signature_of(self.manifest, self.modules, key)
         self.signer = signing.key_id(self.signature["key"])
         return self.signer
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the artifact to ``path`` (atomically: no partial file on failure)."""
+        """Write the artifact to ``path`` (atomically: no partial file on failure).
+
+        Args:
+            path: The file to write.
+        """
         artifact_file.save_file(path, self.to_bytes())
 
     # -- running on flat keys -----------------------------------------------------------
@@ -175,11 +234,34 @@ class Artifact:
         return self.mesh
 
     def input_dims(self, inputs: Mapping[str, Any], source: str = "inputs") -> tuple[list, dict[str, int]]:
-        """Check ``inputs`` (flat keys) against the manifest; return the arrays in order and the dims."""
+        """Check ``inputs`` (flat keys) against the manifest; return the arrays in order and the dims.
+
+        Args:
+            inputs: The input arrays, by flat key (``x``, ``params/w``).
+            source: What to call the inputs in messages.
+
+        Returns:
+            The pair ``(arrays, dims)``: the arrays in manifest order, and the symbolic dims' values by name.
+
+        Raises:
+            VjpsplitError: If a key is missing or extra, or an array's dtype or shape does not match, naming the leaf.
+        """
         return self._binding.inputs(inputs, source)
 
     def run_fwd_arrays(self, inputs: Mapping[str, Any], source: str = "inputs") -> tuple[dict, Residuals]:
-        """Forward on flat-keyed inputs: ``({out/aux key: array}, residuals)``."""
+        """Forward on flat-keyed inputs: ``({out/aux key: array}, residuals)``.
+
+        Args:
+            inputs: The input arrays, by flat key.
+            source: What to call the inputs in messages.
+
+        Returns:
+            The pair ``(outputs, res)``: the output (and aux) arrays by key, and the ``Residuals``.
+
+        Raises:
+            VjpsplitError: If this host's platform is not among the artifact's, the artifact
+                needs 64-bit types that are off, or the inputs do not match the manifest.
+        """
         self._check_runnable()
         arrays, dims = self._binding.inputs(inputs, source)
         by_slot, res = self._forward(arrays, dims, (), source)
@@ -208,7 +290,21 @@ class Artifact:
         return [decode_structure(m.structure["args"][n], it) for n in m.arg_names]
 
     def check_residuals(self, res: Residuals, source: str = "residuals") -> tuple[list, list, dict]:
-        """Validate residuals against this artifact; return stored, input-backed arrays and dims."""
+        """Validate residuals against this artifact; return stored, input-backed arrays and dims.
+
+        Args:
+            res: The residuals.
+            source: What to call them in messages.
+
+        Returns:
+            The triple ``(stored, inputs, dims)``: the stored arrays and the input-backed
+            arrays in manifest order, and the symbolic dims' values.
+
+        Raises:
+            VjpsplitError: If the residuals are not an artifact's, come from another
+                artifact (fingerprint), lack an input left out of their file, or do not
+                match the manifest, naming the leaf.
+        """
         return self._binding.residuals(res, source)
 
     def _backward(
@@ -225,7 +321,23 @@ class Artifact:
         source: str = "residuals",
         ct_source: str = "cotangents",
     ) -> dict:
-        """Backward from residuals and flat-keyed cotangents (None: 1 for a scalar output): ``{key: grad}``."""
+        """Backward from residuals and flat-keyed cotangents (None: 1 for a scalar output): ``{key: grad}``.
+
+        Args:
+            res: The residuals of this artifact's forward.
+            cotangents: The output's cotangents by flat key; ``None`` means 1 for a
+                floating-point scalar output.
+            source: What to call the residuals in messages.
+            ct_source: What to call the cotangents in messages.
+
+        Returns:
+            The gradients by flat key.
+
+        Raises:
+            VjpsplitError: If the host cannot run the artifact, the residuals do not
+                belong to it (see ``check_residuals``), or cotangents are missing for a
+                non-scalar output or do not match it.
+        """
         return dict(zip(self._binding.grad_keys, self._run_bwd(res, cotangents, source, ct_source)[0]))
 
     def _run_bwd(
@@ -247,7 +359,23 @@ class Artifact:
         source: str = "residuals",
         ct_source: str = "cotangents",
     ) -> tuple[dict, "Intermediates"]:
-        """Input part (B): gradients of the non-weight arguments, and what the weight part needs."""
+        """Input part (B): gradients of the non-weight arguments, and what the weight part needs.
+
+        Args:
+            res: The residuals of this artifact's forward.
+            cotangents: The output's cotangents by flat key; ``None`` means 1 for a
+                floating-point scalar output.
+            source: What to call the residuals in messages.
+            ct_source: What to call the cotangents in messages.
+
+        Returns:
+            The pair ``(grads, inter)``: the non-weight gradients by flat key, and the
+            ``Intermediates`` the weight part reads.
+
+        Raises:
+            VjpsplitError: If the artifact has no split backward (exported without
+                ``weights``), or as ``run_bwd_arrays`` raises.
+        """
         self._check_runnable()
         self._binding.require_split()
         m = self.manifest
@@ -269,6 +397,12 @@ class Artifact:
         """The stored residuals and inputs of ``res`` the weight part reads (every one for formats <= 2).
 
         The arrays themselves, not copies: what :class:`Intermediates` carries from B to W.
+
+        Args:
+            res: The residuals of this artifact's forward.
+
+        Returns:
+            The pair ``(stored, inputs)``: the stored arrays by ``r/i`` key and the input-backed ones by input key.
         """
         return self._binding.weight_part_residuals(res)
 
@@ -284,6 +418,20 @@ class Artifact:
         The intermediates carry the residuals W reads, so ``res`` may be None; when
         given, it must be the residuals the input part ran on. Artifacts of format
         2 and older read every residual: ``res`` is required for them.
+
+        Args:
+            res: The residuals the input part ran on, or ``None``.
+            inter: The input part's intermediates.
+            source: What to call the residuals in messages.
+            inter_source: What to call the intermediates in messages.
+
+        Returns:
+            The weight gradients by flat key.
+
+        Raises:
+            VjpsplitError: If the artifact has no split backward, the intermediates are
+                not this artifact's input part's, ``res`` is missing where the format
+                needs it, or ``res`` is not the residuals the input part ran on.
         """
         self._check_runnable()
         self._binding.require_split()
@@ -298,6 +446,18 @@ class Artifact:
 
         The intermediates hold what the weight part reads (including its share of
         the residuals), so ``res`` can be dropped once this returns.
+
+        Args:
+            res: The residuals of this artifact's ``fwd``.
+            ct: The output's cotangent, a pytree shaped like the output; ``None`` means
+                1 for a floating-point scalar output.
+
+        Returns:
+            The pair ``(grads, inter)``: the non-weight arguments' gradients by argument
+            name, and the ``Intermediates``.
+
+        Raises:
+            VjpsplitError: As ``run_bwd_input_arrays`` raises.
         """
         cts = None if ct is None else dict(flatten_with_keys("out", ct))
         grads, inter = self.run_bwd_input_arrays(
@@ -310,6 +470,16 @@ class Artifact:
 
         ``res`` is optional (it is checked against the intermediates when given);
         the older order ``bwd_weight(res, inter)`` is accepted too.
+
+        Args:
+            inter: The intermediates ``bwd_input`` returned.
+            res: The residuals the input part ran on, or ``None``.
+
+        Returns:
+            The weight arguments' gradients, by argument name.
+
+        Raises:
+            VjpsplitError: As ``run_bwd_weight_arrays`` raises.
         """
         if isinstance(inter, Residuals) and isinstance(res, Intermediates):
             inter, res = res, inter
@@ -317,7 +487,19 @@ class Artifact:
         return grads_per_arg(self.manifest, grads, self.manifest.weights, inter.dims, getattr(inter, "arg_trees", ()))
 
     def fwd(self, *args: Any) -> tuple[Any, ...]:
-        """Forward on pytree arguments: ``(out, res)``, or ``(out, res, aux)`` with has_aux."""
+        """Forward on pytree arguments: ``(out, res)``, or ``(out, res, aux)`` with has_aux.
+
+        Args:
+            *args: The arguments, in the exported function's order.
+
+        Returns:
+            ``(out, res)``, or ``(out, res, aux)`` when exported with ``has_aux``: the
+            output pytree, the ``Residuals``, and the aux pytree.
+
+        Raises:
+            VjpsplitError: If the number of arguments is wrong, the host cannot run the
+                artifact, or an argument does not match the manifest, naming the leaf.
+        """
         m = self.manifest
         if len(args) != len(m.arg_names):
             raise VjpsplitError(
@@ -356,7 +538,20 @@ class Artifact:
             raise err from e
 
     def bwd(self, res: Residuals, ct: Any = None) -> Any:
-        """Backward from residuals: gradients shaped like the ``wrt`` arguments (float0 for ints)."""
+        """Backward from residuals: gradients shaped like the ``wrt`` arguments (float0 for ints).
+
+        Args:
+            res: The residuals of this artifact's ``fwd``.
+            ct: The output's cotangent, a pytree shaped like the output; ``None`` means
+                1 for a floating-point scalar output.
+
+        Returns:
+            One gradient when exported with a single ``wrt``, else a tuple of gradients
+            in ``wrt`` order.
+
+        Raises:
+            VjpsplitError: As ``run_bwd_arrays`` raises.
+        """
         m = self.manifest
         if ct is None and self._lean:
             made = self._binding.own_residuals(res)

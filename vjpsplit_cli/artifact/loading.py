@@ -34,6 +34,24 @@ def load(
     custom calls (LAPACK & co.) without a signature. ``cache_dir``: a private
     directory where module check verdicts are kept between processes (default:
     vjpsplit's cache directory, ``VJPSPLIT_CACHE_DIR``; None: none).
+
+    Args:
+        path: The artifact file.
+        trust: Trusted Ed25519 public keys (paths to ``KEY.pub`` files or raw bytes);
+            ``None`` reads ``VJPSPLIT_TRUST_KEYS``, and with none there, signatures are
+            not required.
+        allow_kernels: Whether to accept the file's kernel custom calls without a signature.
+        cache_dir: A private directory for module check verdicts; by default
+            vjpsplit's cache directory; ``None`` keeps none.
+
+    Returns:
+        The loaded ``Artifact``.
+
+    Raises:
+        VjpsplitError: If the file cannot be read, is not an artifact (header), is
+            corrupt or truncated, has a newer or malformed format or manifest, fails its
+            fingerprint, signature or trust keys, or holds a module that does not parse
+            or calls what it may not.
     """
     return loads(
         read_bytes(path, "artifact"), source=str(path), trust=trust, allow_kernels=allow_kernels, cache_dir=cache_dir
@@ -48,7 +66,21 @@ def loads(
     allow_kernels: bool = False,
     cache_dir: str | None = DEFAULT,
 ) -> Artifact:
-    """An artifact from its file's bytes (``Artifact.to_bytes``), checked like ``load``."""
+    """An artifact from its file's bytes (``Artifact.to_bytes``), checked like ``load``.
+
+    Args:
+        data: The file's bytes.
+        source: What to call the artifact in messages.
+        trust: Trusted Ed25519 public keys, as ``load`` takes them.
+        allow_kernels: Whether to accept the file's kernel custom calls without a signature.
+        cache_dir: A private directory for module check verdicts, as ``load`` takes it.
+
+    Returns:
+        The ``Artifact``.
+
+    Raises:
+        VjpsplitError: As ``load`` raises, and if the manifest is nested too deeply.
+    """
     try:
         return _loads(data, source, trust, allow_kernels, cache_dir)
     except RecursionError as e:  # a manifest nested thousands deep

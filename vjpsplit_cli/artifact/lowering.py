@@ -175,6 +175,33 @@ def export(
     ``weights`` (argument names) adds the zero-bubble split of the backward:
     ``bwd_input`` (gradients of the other arguments, on the critical path) and
     ``bwd_weight`` (the weight gradients, schedulable later).
+
+    Args:
+        fn: The function to export, as ``split`` takes it.
+        *specs: One pytree of ``jax.ShapeDtypeStruct`` (or arrays) per positional argument.
+        wrt: The argument positions or names to differentiate; ``None`` means all.
+        has_aux: Whether ``fn`` returns ``(out, aux)``.
+        platforms: The platforms to lower for (a list, or one comma-separated string);
+            by default ``DEFAULT_PLATFORMS``.
+        policy: The rematerialization policy (a name in ``POLICIES``, or ``"auto"``);
+            ``None`` keeps every residual unless a budget picks.
+        arg_names: The arguments' names in the artifact; ``None`` takes ``fn``'s parameter names.
+        name: The function's name in the manifest; ``None`` takes ``fn``'s.
+        memory_budget: The most bytes the stored residuals may take (an int or a
+            string such as ``"64MiB"``); ``None`` sets no budget.
+        at: Sizes of the symbolic dims for the budget or ``auto`` (``{"b": 256}`` or ``["b=256"]``).
+        weights: Argument names (a list or a comma-separated string) whose gradients
+            the weight part computes; ``None`` exports no split backward.
+
+    Returns:
+        The ``Artifact``, in memory (``save`` writes it).
+
+    Raises:
+        VjpsplitError: If ``fn`` cannot be traced, the names and specs disagree in
+            number, an input is 64-bit without ``jax_enable_x64``, ``fn`` uses host
+            callbacks, a platform is unknown, ``wrt`` names no argument, ``weights``
+            are not differentiated arguments, or the policy, budget or sizes are
+            refused (see ``resolve_policy``).
     """
     st = _Export(fn, specs, wrt, has_aux, policy, memory_budget, at)
     _names_and_specs(st, platforms, arg_names)

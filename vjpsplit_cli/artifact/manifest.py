@@ -56,6 +56,15 @@ class Leaf:
 
     A typed PRNG key is described by its key data (``uint32[..., 2]`` for
     threefry), with ``prng_impl`` naming the impl that wraps it back.
+
+    Attributes:
+        key: The leaf's file key (``x``, ``params/w``, ``r/0``, ``in/x``).
+        dtype: The dtype's name (``float32``, ``bfloat16``).
+        shape: The dims: ints, or names of symbolic dims.
+        input_backed: For residuals only: read from the inputs, not stored.
+        prng_impl: For a typed PRNG key, the impl of its key data; ``""`` for plain arrays.
+        sharding: Format >= 4: the leaf's PartitionSpec on the artifact's mesh (one
+            entry per dim: ``None``, an axis name or a tuple of names); ``None`` unsharded.
     """
 
     key: str
@@ -66,7 +75,11 @@ class Leaf:
     sharding: SpecJSON | None = None  # format >= 4: PartitionSpec on the artifact's mesh; None unsharded
 
     def describe(self) -> str:
-        """``bf16[32,128]``, or ``key<threefry2x32>[4] as u32[4,2]`` for typed keys."""
+        """``bf16[32,128]``, or ``key<threefry2x32>[4] as u32[4,2]`` for typed keys.
+
+        Returns:
+            The leaf's dtype and shape as vjpsplit's messages write them.
+        """
         data = format_shape(self.dtype, self.shape)
         if not self.prng_impl:
             return data
@@ -80,6 +93,15 @@ class Leaf:
         return self.shape[: len(self.shape) - key_ndim(self.prng_impl)]
 
     def to_json(self, residual: bool = False) -> dict:
+        """The leaf as the manifest's JSON writes it.
+
+        Args:
+            residual: Whether the leaf is a residual, whose entry says ``input_backed``.
+
+        Returns:
+            A JSON-able dict: ``key``, ``dtype``, ``shape``, and ``input_backed``,
+            ``prng_impl`` and ``sharding`` where they apply.
+        """
         d: dict[str, Any] = {"key": self.key, "dtype": self.dtype, "shape": list(self.shape)}
         if residual:
             d["input_backed"] = self.input_backed
@@ -91,6 +113,18 @@ class Leaf:
 
     @classmethod
     def from_json(cls, d: Mapping) -> "Leaf":
+        """Read a leaf from its manifest JSON entry.
+
+        Args:
+            d: The entry, as ``to_json`` writes it.
+
+        Returns:
+            The ``Leaf``.
+
+        Raises:
+            ValueError: If the shape, dtype, ``prng_impl`` or sharding is malformed
+                (``Manifest.from_json`` turns it into a ``VjpsplitError``).
+        """
         shape = tuple(d["shape"])
         if not all(isinstance(x, (int, str)) and not isinstance(x, bool) for x in shape):
             raise ValueError(f"bad shape {shape!r}")
@@ -131,7 +165,35 @@ _SCALAR_NAMES = {int: "an integer", str: "a string", bool: "a bool"}
 
 @dataclass(frozen=True)
 class Manifest:
-    """Everything an artifact says about itself, besides its two modules."""
+    """Everything an artifact says about itself, besides its two modules.
+
+    Attributes:
+        format_version: The artifact format's version (``FORMAT_VERSION`` when written by this vjpsplit).
+        vjpsplit_version: The vjpsplit that exported it.
+        jax_version: The jax that exported it.
+        calling_convention_version: ``jax.export``'s calling convention, of both modules.
+        function: The exported function's name.
+        arg_names: The argument names, in order.
+        wrt: The differentiated arguments' names.
+        single_grad: Whether the Python API gives one gradient rather than a tuple.
+        has_aux: Whether the function returns ``(out, aux)``.
+        policy: The rematerialization policy the modules were lowered under.
+        platforms: The platforms the modules were lowered for.
+        x64: Whether it was exported with ``jax_enable_x64``.
+        dim_vars: The symbolic dims' names.
+        inputs: The input leaves.
+        outputs: The output leaves: ``out...`` then ``aux...`` keys.
+        residuals: The residual leaves: stored ones in module order, then input-backed ones.
+        grads: The gradient leaves.
+        structure: The pytree structures: ``{"args": {name: ...}, "out": ..., "aux": ...}``.
+        weights: Zero-bubble split: the arguments whose gradients ``bwd_weight`` computes; ``()`` unsplit.
+        intermediates: What ``bwd_input`` hands to ``bwd_weight``.
+        weight_residuals: Format >= 3: the stored residuals ``bwd_weight`` reads.
+        weight_inputs: Format >= 3: the input-backed residuals (input keys) it reads.
+        nr_devices: Format >= 4: the devices the modules run on.
+        mesh: Format >= 4: ``(axis name, size)`` of a sharded artifact's mesh; ``()`` unsharded.
+        fingerprint: The hash that names this manifest and its modules.
+    """
 
     format_version: int
     vjpsplit_version: str
@@ -160,7 +222,12 @@ class Manifest:
     fingerprint: str = ""
 
     def to_json(self) -> dict:
-        """A JSON-able dict (msgpack-able too)."""
+        """A JSON-able dict (msgpack-able too).
+
+        Returns:
+            The fields by name; fields added after format 2 only where set, so older
+            manifests re-serialize byte for byte.
+        """
         d = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
@@ -179,7 +246,20 @@ class Manifest:
 
     @classmethod
     def from_json(cls, d: Any, source: str) -> "Manifest":
-        """Validate and build; an unsupported format version names both versions."""
+        """Validate and build; an unsupported format version names both versions.
+
+        Args:
+            d: The manifest as read from the file.
+            source: What to call the file in messages.
+
+        Returns:
+            The ``Manifest``.
+
+        Raises:
+            VjpsplitError: If ``d`` is not a manifest, its format version is malformed or
+                newer than this vjpsplit reads, or a field is missing, mistyped or
+                inconsistent (sharding, keys that name no leaf).
+        """
         if not isinstance(d, dict) or "format_version" not in d:
             raise VjpsplitError(f"{source}: not a vjpsplit artifact (no manifest); re-export it with `vjpsplit export`")
         v = d["format_version"]
@@ -294,7 +374,14 @@ class Manifest:
         return bool(self.mesh)
 
     def grads_of(self, names: Sequence[str]) -> tuple[Leaf, ...]:
-        """The gradient leaves of the arguments ``names``, in manifest order."""
+        """The gradient leaves of the arguments ``names``, in manifest order.
+
+        Args:
+            names: Argument names.
+
+        Returns:
+            Their gradient leaves.
+        """
         return tuple(g for g in self.grads if keys.arg_of(g.key) in names)
 
     @functools.cached_property  # read on every call: the manifest is frozen

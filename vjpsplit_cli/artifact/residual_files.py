@@ -57,6 +57,17 @@ def save_intermediates(
     (their CRC-32 recorded, as in residual files) unless ``self_contained``;
     ``load_intermediates(path, inputs=...)`` supplies them. ``fsync=True`` (or
     ``VJPSPLIT_FSYNC=1``) flushes the file to disk before returning.
+
+    Args:
+        path: The file to write (``.npz`` or ``.msgpack``; written atomically).
+        inter: The intermediates ``Artifact.bwd_input`` returned.
+        self_contained: Whether to write the input arrays the weight part reads too.
+        arg_names: The artifact's argument names, recorded so the forward's arguments
+            can supply the left-out inputs on loading.
+        fsync: Whether to flush the file to disk before returning.
+
+    Raises:
+        VjpsplitError: If ``inter`` is not an ``Intermediates``, or the file cannot be written.
     """
     if not isinstance(inter, Intermediates):
         raise VjpsplitError(f"{path}: save_intermediates takes bwd_input's intermediates, got {type(inter).__name__}")
@@ -95,6 +106,23 @@ def load_intermediates(
     those inputs are the ones the forward ran on, and, in ``Artifact.bwd_weight``,
     that the intermediates come from the same forward run as any residuals given
     (on by default; see ``load_residuals``).
+
+    Args:
+        path: The intermediates file.
+        inputs: The input arrays the file left out: a flat ``{key: array}`` mapping or
+            the forward's arguments; ``None`` when none are needed.
+        artifact: The artifact whose weight part will read them; intermediates of
+            another artifact are then refused here. ``None`` skips that check.
+        inputs_source: What to call ``inputs`` in messages (their file name, say).
+        verify: Whether to check CRC-32s, the supplied inputs, and the forward run.
+
+    Returns:
+        The ``Intermediates``.
+
+    Raises:
+        VjpsplitError: If the file cannot be read or is damaged, is not an
+            intermediates file, comes from another artifact, or needs inputs that are
+            missing or not the ones the forward ran on.
     """
     arrays, meta = load_checked(path, verify)
     if meta.get("kind") != KIND_INTERMEDIATES:
@@ -132,6 +160,15 @@ def save_residuals(
     which input keys it needs, and ``load_residuals(path, inputs=...)`` supplies them.
     ``fsync=True`` (or ``VJPSPLIT_FSYNC=1``) flushes the file to disk before returning,
     so it survives a power loss; by default it is not (residuals are transient).
+
+    Args:
+        path: The file to write (``.npz`` or ``.msgpack``; written atomically).
+        res: The residuals.
+        self_contained: Whether to write the input-backed residuals too.
+        fsync: Whether to flush the file to disk before returning.
+
+    Raises:
+        VjpsplitError: If ``res`` is not a ``Residuals``, or the file cannot be written.
     """
     if not isinstance(res, Residuals):
         raise VjpsplitError(f"{path}: save_residuals takes residuals from a fwd, got {type(res).__name__}")
@@ -182,6 +219,23 @@ def load_residuals(
     so a file damaged in transit fails here instead of giving wrong gradients, and
     checks that the inputs supplied for left-out residuals are the very ones the
     forward ran on (their CRC-32 is in the file), naming the first that differs.
+
+    Args:
+        path: The residuals file.
+        inputs: The input-backed residuals the file left out: the forward's arguments
+            tuple or a flat ``{key: array}`` mapping; ``None`` when none are needed.
+        artifact: The artifact whose backward will read them; ``None`` skips the
+            other-artifact check here.
+        inputs_source: What to call ``inputs`` in messages.
+        verify: Whether to check CRC-32s and the supplied inputs.
+
+    Returns:
+        The ``Residuals`` (a ``SplitResiduals`` for ``split``'s, in the process that made them).
+
+    Raises:
+        VjpsplitError: If the file cannot be read or is damaged, is not a residuals
+            file, comes from another artifact (or another process, for ``split``'s),
+            or needs inputs that are missing or not the ones the forward ran on.
     """
     arrays, meta = load_checked(path, verify)
     kind = meta.get("kind")

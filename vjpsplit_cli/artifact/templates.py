@@ -66,6 +66,21 @@ def template(
     ``zeros``, ``ones`` or ``normal`` (standard normal floats; integers 0..7, random
     bools and random key data, from ``seed``). Typed PRNG keys are given as their key
     data, as array files hold them.
+
+    Args:
+        artifact: The artifact, or the path of its file (loaded with ``load``'s defaults).
+        what: ``"inputs"`` or ``"cotangents"``.
+        at: Sizes of the symbolic dims (``{"b": 4}`` or ``["b=4"]``); ``None`` when there are none.
+        fill: ``"zeros"``, ``"ones"`` or ``"normal"``.
+        seed: The random seed for ``fill="normal"``.
+
+    Returns:
+        The arrays by flat key, as an array file holds them.
+
+    Raises:
+        VjpsplitError: If ``what`` or ``fill`` is not one of the choices, ``at`` is
+            malformed or names a dim the artifact does not have, a symbolic dim is
+            left unsized, or the artifact file cannot be loaded.
     """
     art = artifact if isinstance(artifact, Artifact) else load(artifact)
     if what not in WHAT:
@@ -101,7 +116,23 @@ def save_template(
     seed: int = 0,
     fsync: bool = False,
 ) -> dict[str, np.ndarray]:
-    """Write ``template(...)`` to ``path`` (``.npz`` or ``.msgpack``, atomically) and return it."""
+    """Write ``template(...)`` to ``path`` (``.npz`` or ``.msgpack``, atomically) and return it.
+
+    Args:
+        path: The file to write.
+        artifact: The artifact, or the path of its file.
+        what: ``"inputs"`` or ``"cotangents"``.
+        at: Sizes of the symbolic dims; ``None`` when there are none.
+        fill: ``"zeros"``, ``"ones"`` or ``"normal"``.
+        seed: The random seed for ``fill="normal"``.
+        fsync: Whether to flush the file to disk before returning.
+
+    Returns:
+        The arrays written, by flat key.
+
+    Raises:
+        VjpsplitError: As ``template`` raises, and if the file cannot be written.
+    """
     art = artifact if isinstance(artifact, Artifact) else load(artifact)
     arrays = template(art, what, at, fill, seed)
     save_arrays(path, arrays, {"kind": f"vjpsplit-{what}", "fingerprint": art.manifest.fingerprint}, fsync=fsync)

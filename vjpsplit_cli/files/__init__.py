@@ -63,6 +63,17 @@ def save_arrays(
     file, then rename): on any failure the previous file (or none) stays. ``fsync=True``
     (or ``VJPSPLIT_FSYNC=1`` in the environment) also flushes it to disk first, so it
     survives a power loss. Arrays are stored little-endian in C order.
+
+    Args:
+        path: The file to write; ``.npz`` or ``.msgpack`` by its extension.
+        arrays: The arrays (numpy or jax arrays, or scalars), by key.
+        meta: JSON-able metadata stored with them; ``None`` stores none.
+        fsync: Whether to flush the file to disk before returning.
+
+    Raises:
+        VjpsplitError: If the extension is neither, ``meta`` is not JSON-able, an array
+            or key cannot be stored (its dtype, or the format's size limits), naming it,
+            or the file cannot be written.
     """
     path = Path(path)
     kind = _kind(path)
@@ -82,6 +93,19 @@ def load_arrays(path: str | os.PathLike, *, verify: bool = True) -> tuple[dict[s
     Files of the older layout (a ``__vjpsplit__`` member) load too. A ``.npz`` written
     by plain numpy loads with ``meta == {}``; its bfloat16/float8/int4 arrays stay raw
     void (``|V2``/``|V1``), as nothing records their real dtype.
+
+    Args:
+        path: The array file; ``.npz`` or ``.msgpack`` by its extension.
+        verify: Whether to check each array's CRC-32 where the file has one.
+
+    Returns:
+        The pair ``(arrays, meta)``: the numpy arrays by key, in file order, and the
+        metadata (``{}`` when the file has none).
+
+    Raises:
+        VjpsplitError: If the extension is neither, the file cannot be read, is not
+            of its extension's format, is truncated or corrupt, fails a CRC-32, or
+            does not fit in memory.
     """
     path = Path(path)
     kind = _kind(path)

@@ -236,6 +236,12 @@ def file_arrays(**trees: Any) -> dict[str, Any]:
 
     ``vs.save_arrays("inputs.npz", vs.file_arrays(params=params, x=x))`` writes an
     inputs file for ``run-fwd``; typed PRNG keys become their key data.
+
+    Args:
+        **trees: The argument pytrees, by argument name.
+
+    Returns:
+        The arrays by file key (``params/w``, ``x``).
     """
     return {k: to_data(v) for name, tree in trees.items() for k, v in flatten_with_keys(name, tree)}
 
@@ -246,6 +252,17 @@ def tree_from_file(arrays: Mapping[str, Any], name: str, like: Any) -> Any:
     Reads a grads, inputs or outputs file back into the caller's own structure;
     typed PRNG key leaves of ``like`` are wrapped back from their key data. A
     missing key is refused by name.
+
+    Args:
+        arrays: A file's arrays, by key.
+        name: The argument (or ``out``, ``aux``) whose keys to read.
+        like: A pytree of the wanted structure; its leaves only say where keys go.
+
+    Returns:
+        A pytree of ``like``'s structure holding the file's arrays.
+
+    Raises:
+        VjpsplitError: If a key of ``like`` under ``name`` is missing from ``arrays``.
     """
     entries = flatten_with_keys(name, like)
     leaves: list[Any] = []

@@ -26,7 +26,17 @@ from .vjp import Wrt, fn_wrt_positions
 
 @dataclass(frozen=True)
 class AutoChoice:
-    """What ``policy="auto"`` chose and why: every candidate's stored bytes and forward + backward time."""
+    """What ``policy="auto"`` chose and why: every candidate's stored bytes and forward + backward time.
+
+    Attributes:
+        policy: The concrete policy chosen (never ``"auto"``).
+        method: How the times were had: ``"measured"`` (timed compiled candidates),
+            ``"estimated"`` (XLA's cost analysis) or ``"only fit"`` (one candidate fits the budget).
+        seconds: Median forward + backward seconds (or XLA's score) by candidate; fitting ones only.
+        stored_bytes: Stored residual bytes by candidate.
+        budget: The memory budget in bytes; ``None`` when none was given.
+        at: The sizes of the symbolic dims the candidates were measured at.
+    """
 
     policy: str  # the concrete policy chosen (never "auto")
     method: str  # "measured" (timed compiled candidates), "estimated" (XLA cost analysis)
@@ -59,7 +69,11 @@ class AutoChoice:
         return f"auto chose {self.policy}{budget}{sizes}: {what}: " + "; ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-able dict."""
+        """A JSON-able dict.
+
+        Returns:
+            The fields by name, and ``reason``.
+        """
         return {
             "policy": self.policy,
             "method": self.method,
@@ -208,6 +222,27 @@ def choose_auto(
     rounds), or scored by XLA's cost analysis (``method="estimate"``, and the
     fallback when running fails). Symbolic dims need sizes in ``at``. The choice
     is remembered per function, shapes, ``wrt`` and budget for the process.
+
+    Args:
+        fn: The function, as ``split`` takes it.
+        *specs: Its arguments' shapes and dtypes (``jax.ShapeDtypeStruct`` pytrees).
+        wrt: The argument positions or names to differentiate; ``None`` means all.
+        has_aux: Whether ``fn`` returns ``(out, aux)``.
+        at: Sizes of the symbolic dims (``{"b": 256}`` or ``["b=256"]``); needed when
+            ``specs`` have symbolic dims, else ``None``.
+        memory_budget: The most bytes the stored residuals may take (an int or a string
+            such as ``"64MiB"``); ``None`` lets every candidate compete.
+        policies: The candidates (by default ``everything``, ``dots``, ``nothing``).
+        method: ``"measure"`` to time compiled candidates here, ``"estimate"`` to score
+            them by XLA's cost analysis.
+        seconds_per_candidate: About how long to time each candidate when measuring.
+
+    Returns:
+        The ``AutoChoice``: the policy chosen, how, and every candidate's bytes and times.
+
+    Raises:
+        VjpsplitError: If ``specs`` have symbolic dims and ``at`` is empty, if ``at`` or
+            ``memory_budget`` is malformed, or if no candidate fits the budget.
     """
     at = parse_at(at)
     budget = None if memory_budget is None else parse_bytes(memory_budget)
@@ -264,7 +299,25 @@ def choose_policy(
     at: AtSizes = None,
     policies: Sequence[str] = BUDGET_ORDER,
 ) -> tuple[str, PolicyCost]:
-    """The policy that recomputes least among those whose stored residual bytes fit the budget."""
+    """The policy that recomputes least among those whose stored residual bytes fit the budget.
+
+    Args:
+        fn: The function, as ``split`` takes it.
+        *specs: Its arguments' shapes and dtypes (``jax.ShapeDtypeStruct`` pytrees).
+        memory_budget: The most bytes the stored residuals may take (an int or a string such as ``"64MiB"``).
+        wrt: The argument positions or names to differentiate; ``None`` means all.
+        has_aux: Whether ``fn`` returns ``(out, aux)``.
+        at: Sizes of the symbolic dims to weigh the residuals at; needed when ``specs``
+            have symbolic dims, else ``None``.
+        policies: The candidates, least recompute first (by default ``everything``, ``dots``, ``nothing``).
+
+    Returns:
+        The pair ``(policy, cost)``: the first of ``policies`` that fits, and its ``PolicyCost``.
+
+    Raises:
+        VjpsplitError: If symbolic dims lack sizes in ``at``, if ``at`` or
+            ``memory_budget`` is malformed, or if no policy fits the budget.
+    """
     budget = parse_bytes(memory_budget)
     at = parse_at(at)
     symbolic = any(is_symbolic_shape(s.shape) for s in jax.tree_util.tree_leaves(specs))
@@ -298,7 +351,13 @@ def bytes_known(cost: PolicyCost) -> int:
 
 @dataclass(frozen=True)
 class PolicyChoice:
-    """The concrete policy a call runs under, and why: auto's measurements, the budget's pick, or as given."""
+    """The concrete policy a call runs under, and why: auto's measurements, the budget's pick, or as given.
+
+    Attributes:
+        policy: The concrete policy.
+        reason: One line for logs; ``""`` when the policy was given.
+        auto: What ``auto`` measured, when it chose; else ``None``.
+    """
 
     policy: str
     reason: str = ""  # one line for logs; "" when the policy was given
@@ -319,6 +378,22 @@ def resolve_policy(
     ``policy="auto"`` measures (within the budget, if any); a budget alone picks
     the policy that recomputes least among those that fit; otherwise the policy
     as given (default ``everything``). A budget with another fixed policy is refused.
+
+    Args:
+        fn: The function, as ``split`` takes it.
+        *specs: Its arguments' shapes and dtypes (``jax.ShapeDtypeStruct`` pytrees).
+        policy: The policy asked for (a name, ``"auto"``, or ``None`` for ``everything``).
+        memory_budget: The most bytes the stored residuals may take; ``None`` sets no budget.
+        wrt: The argument positions or names to differentiate; ``None`` means all.
+        has_aux: Whether ``fn`` returns ``(out, aux)``.
+        at: Sizes of the symbolic dims, for ``auto`` or a budget; ``None`` when not needed.
+
+    Returns:
+        The ``PolicyChoice``: the concrete policy and why.
+
+    Raises:
+        VjpsplitError: If a budget comes with a fixed policy other than ``everything``,
+            if the policy is unknown, or as ``choose_auto`` and ``choose_policy`` raise.
     """
     if memory_budget is not None and policy not in (None, "everything", AUTO):
         raise VjpsplitError("give either a policy or a memory budget (or both with policy auto), not both")

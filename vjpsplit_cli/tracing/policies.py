@@ -131,7 +131,19 @@ def _count_ops(jaxpr: ClosedJaxpr) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class PolicyCost:
-    """What one policy costs: residual bytes the forward stores, and the backward's work."""
+    """What one policy costs: residual bytes the forward stores, and the backward's work.
+
+    Attributes:
+        policy: The policy's name.
+        stored_arrays: How many arrays the forward stores.
+        stored_bytes: Their bytes; ``None`` when symbolic dims are unbound.
+        stored_terms: Their bytes as ``{symbolic factor: coefficient}``.
+        input_backed: How many residuals are references to input arrays.
+        backward_ops: Primitive applications in the backward.
+        backward_dots: Of which matmuls and convolutions.
+        backward_flops: The backward's flops by XLA's cost analysis, with concrete
+            sizes only; ``None`` otherwise or where the backend offers none.
+    """
 
     policy: str
     stored_arrays: int
@@ -143,7 +155,11 @@ class PolicyCost:
     backward_flops: float | None = None  # XLA's cost analysis, with concrete sizes only
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-able dict."""
+        """A JSON-able dict.
+
+        Returns:
+            The fields by name.
+        """
         return {
             "policy": self.policy,
             "stored_arrays": self.stored_arrays,
@@ -215,5 +231,24 @@ def plan_policies(
     policies: Sequence[str] = BUDGET_ORDER,
     flops: bool = True,
 ) -> list[PolicyCost]:
-    """``policy_cost`` for each policy, cheapest recompute first."""
+    """``policy_cost`` for each policy, cheapest recompute first.
+
+    Each policy is traced, never run.
+
+    Args:
+        fn: The function, as ``split`` takes it.
+        *specs: Its arguments' shapes and dtypes (``jax.ShapeDtypeStruct`` pytrees; symbolic dims allowed).
+        wrt: The argument positions or names to differentiate; ``None`` means all.
+        has_aux: Whether ``fn`` returns ``(out, aux)``.
+        at: Values of symbolic dims to count bytes and flops at; ``None`` leaves them symbolic.
+        policies: The policies to measure, in the order given (by default
+            ``everything``, ``dots``, ``nothing``).
+        flops: Whether to compile the backward for XLA's flop count (concrete sizes only).
+
+    Returns:
+        One ``PolicyCost`` per policy, in the order of ``policies``.
+
+    Raises:
+        VjpsplitError: If a policy is unknown, ``auto``, or ``names:`` without names.
+    """
     return [policy_cost(fn, *specs, policy=p, wrt=wrt, has_aux=has_aux, at=at, flops=flops) for p in policies]

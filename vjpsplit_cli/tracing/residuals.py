@@ -63,7 +63,14 @@ class _Frozen:
             object.__setattr__(self, name, value)
 
     def replace(self, **changes: Any) -> Self:
-        """A copy with ``changes`` (the arrays are shared, not copied)."""
+        """A copy with ``changes`` (the arrays are shared, not copied).
+
+        Args:
+            **changes: New values of fields, by field name; the other fields are kept.
+
+        Returns:
+            A new object of the same type.
+        """
         fields = {name: getattr(self, name) for name in self._FIELDS}
         fields.update(changes)
         return type(self)(**fields)
@@ -78,6 +85,36 @@ class Residuals(_Frozen):
     ``SplitResiduals``. Immutable (read-only mappings; ``replace`` makes a changed
     copy) and a pytree whose key paths are the file keys (``r/0``, ``in/x``), so
     it passes through ``jax.jit`` and ``jax.device_put``.
+
+    Args:
+        stored: The stored residuals, by ``r/i`` key.
+        inputs: The input-backed residuals, by input key: the very arrays the forward was given.
+        dims: The values of the symbolic dimensions, by name; ``None`` means none.
+        fingerprint: The fingerprint of the artifact that made them; ``""`` when not known.
+        arg_names: The artifact's argument names.
+        arg_trees: The structure of the arguments the forward was called with, so the
+            backward gives gradients in the caller's own pytree types; ``()`` when not
+            known (residuals loaded from a file).
+        plan: The in-memory backward of ``split``; ``None`` for an artifact's residuals.
+        residuals_id: Names one forward run, so the weight part can refuse another
+            run's intermediates; ``""`` when not known.
+        inputs_source: Where the input-backed arrays came from, for messages; ``None`` if not known.
+        source: The file the residuals were loaded from, for messages; ``None`` if not known.
+        bound_inputs: Every input the forward ran on (references, keyed like ``inputs``),
+            read by the backward or not; ``None`` means none.
+
+    Attributes:
+        stored: The stored residuals, a read-only mapping from ``r/i`` keys to arrays.
+        inputs: The input-backed residuals, a read-only mapping from input keys to arrays.
+        dims: The symbolic dimensions' values, a read-only mapping.
+        fingerprint: The artifact's fingerprint (``""`` when not known).
+        arg_names: The artifact's argument names.
+        arg_trees: The forward's argument structure (``()`` when not known).
+        plan: ``split``'s in-memory backward, or ``None``.
+        residuals_id: The forward run's id (``""`` when not known).
+        inputs_source: Where the input-backed arrays came from, or ``None``.
+        source: The file they were loaded from, or ``None``.
+        bound_inputs: Every input the forward ran on, a read-only mapping.
     """
 
     _FIELDS = (
@@ -158,6 +195,19 @@ class Residuals(_Frozen):
         """Residuals an artifact's forward just made, from mappings it froze itself: nothing is copied.
 
         The same fields as ``Residuals(...)`` gives (no plan, no sources); a forward makes one per call.
+
+        Args:
+            stored: The stored residuals, already frozen.
+            inputs: The input-backed residuals, already frozen.
+            dims: The symbolic dimensions' values, already frozen.
+            bound_inputs: Every input the forward ran on, already frozen.
+            fingerprint: The artifact's fingerprint.
+            arg_names: The artifact's argument names.
+            arg_trees: The structure of the arguments the forward was called with.
+            residuals_id: The id of this forward run.
+
+        Returns:
+            The new ``Residuals`` (of ``cls``), holding the given mappings themselves.
         """
         res = object.__new__(cls)
         # Each slot's own setter, called in turn: a forward makes one of these per call.
@@ -184,7 +234,13 @@ class Residuals(_Frozen):
         return f"{type(self).__name__}(stored={len(self.stored)}, input_backed={len(self.inputs)}, {owner})"
 
     def signature(self) -> tuple[tuple[Any, ...], ...] | None:
-        """Keys, shapes, dtypes and array types of the arrays, and the dims; None if some value is not an array."""
+        """Keys, shapes, dtypes and array types of the arrays, and the dims; None if some value is not an array.
+
+        Returns:
+            A tuple of three tuples: ``(key, shape, dtype, type)`` of each stored array,
+            the same of each input-backed array, and the ``(name, value)`` pairs of the
+            dims; ``None`` if some value has no shape or dtype.
+        """
         try:
             return (
                 tuple([(k, v.shape, v.dtype, type(v)) for k, v in self.stored.items()]),
@@ -223,6 +279,15 @@ class SplitResiduals(Residuals):
 
     Their input keys are flat argument positions; they load only in the process
     that made them (``load_residuals`` refuses them elsewhere).
+
+    Args:
+        stored: The stored residuals, by ``r/i`` key.
+        inputs: The input-backed residuals, by flat argument position (as a string).
+        plan: The backward of the forward that made them (required).
+        **fields: The other keyword fields of ``Residuals``.
+
+    Raises:
+        VjpsplitError: If ``plan`` is ``None``.
     """
 
     __slots__ = ()
@@ -285,6 +350,24 @@ class Intermediates(_Frozen):
     arrays), references rather than copies. Holding these alone, a stage can
     free the rest of a microbatch's residuals as soon as B has run. Immutable, and
     a pytree whose key paths are the intermediates file's keys (``c/0``, ``r/1``, ``in/x``).
+
+    Args:
+        arrays: What B computed for W, by ``c/i`` key.
+        dims: The values of the symbolic dimensions, by name.
+        fingerprint: The fingerprint of the artifact whose backward made them.
+        residuals_id: The forward run whose residuals the input part read; ``""`` when not known.
+        stored: The stored residuals W reads, by ``r/i`` key; ``None`` means none.
+        inputs: The input-backed residuals W reads, by input key; ``None`` means none.
+        arg_trees: The forward's argument structure, when known (in memory only); ``()`` otherwise.
+
+    Attributes:
+        arrays: What B computed for W, a read-only mapping.
+        dims: The symbolic dimensions' values, a read-only mapping.
+        fingerprint: The artifact's fingerprint.
+        residuals_id: The forward run's id (``""`` when not known).
+        stored: The stored residuals W reads, a read-only mapping.
+        inputs: The input-backed residuals W reads, a read-only mapping.
+        arg_trees: The forward's argument structure (``()`` when not known).
     """
 
     _FIELDS = ("arrays", "dims", "fingerprint", "residuals_id", "stored", "inputs", "arg_trees")

@@ -49,6 +49,27 @@ def split(
     ``"64MiB"``), each signature gets the policy that recomputes least among those
     whose stored residuals fit. ``policy="auto"`` times the fixed policies on each
     new signature and keeps the fastest forward + backward (within the budget, if given).
+
+    Args:
+        fn: The function to differentiate; its arguments are pytrees of arrays.
+        wrt: The argument positions (ints) or names to differentiate with respect to;
+            ``None`` (the default) means every argument.
+        has_aux: Whether ``fn`` returns ``(out, aux)``; ``aux`` is passed through the
+            forward and not differentiated.
+        policy: The rematerialization policy (a name in ``POLICIES``, or ``"auto"``);
+            ``None`` keeps every residual.
+        memory_budget: The most bytes the stored residuals may take (an int or a
+            string such as ``"64MiB"``); ``None`` sets no budget.
+
+    Returns:
+        The pair ``(fwd, bwd)``: ``fwd(*args)`` returns ``(out, res)`` (or
+        ``(out, res, aux)``) with ``res`` a ``SplitResiduals``; ``bwd(res, ct=None)``
+        returns the gradients. ``bwd`` raises ``VjpsplitError`` when ``res`` is not
+        a ``SplitResiduals`` (an artifact's ``Residuals``, say).
+
+    Raises:
+        VjpsplitError: If ``memory_budget`` is given with a policy other than
+            ``"everything"`` or ``"auto"``.
     """
     if memory_budget is not None and policy not in (None, "everything", AUTO):
         raise VjpsplitError("give either a policy or a memory budget (or both with policy auto), not both")

@@ -22,7 +22,12 @@ Devices = tuple[Any, ...]  # one stage's devices: one for an unsharded stage, a 
 
 
 class SharedDevicesWarning(UserWarning):
-    """Several workers' stages share devices because this host has too few: they run, but one after another."""
+    """Several workers' stages share devices because this host has too few: they run, but one after another.
+
+    Warned (``warnings.warn``) where stages are placed on this host's devices
+    (``run_inprocess``, the ``Trainer``), with the fix: on CPU, more host devices
+    through ``XLA_FLAGS``, or ``devices=``.
+    """
 
 
 def _need(artifact: Any) -> int:

@@ -101,6 +101,30 @@ def run_inprocess(
     the step too. ``offload`` (``"host"`` or an ``offload.Offload``): residuals leave their device between
     F and B (bitwise the same gradients). A ``Stages`` takes the whole ``params`` and the batch tuple as
     ``x``, and its gradients come back in ``params``' structure.
+
+    Args:
+        artifacts: A ``Stages``, or one artifact per stage.
+        params: The whole parameter pytree for a ``Stages``, else one parameter pytree per stage.
+        x: The batch tuple for a ``Stages``, else the first stage's input.
+        side: The last stage's side inputs (a ``Stages`` takes none).
+        microbatches: How many microbatches to split the batch into.
+        schedule_name: The built-in schedule (by default ``"1f1b"``).
+        progress: Whether to show a progress bar over operations (the step is then timed).
+        devices: One list of devices per stage; ``None`` places them as above.
+        schedule: Plans to run instead of ``schedule_name``, once checked; ``None`` for the named schedule.
+        timed: Whether to run one thread per worker and time each operation.
+        offload: Residuals off their device between F and B: ``"host"`` or an ``offload.Offload``; gradients
+            are bitwise those without; ``None``: none.
+
+    Returns:
+        The step's ``PipelineResult`` (``runner="in-process"``).
+
+    Raises:
+        VjpsplitError: If the schedule or plans cannot run on these stages and
+            microbatches, a stage lacks the split backward the plans use, the
+            artifacts and parameter sets differ in number, ``devices`` is malformed,
+            the batch does not split into ``microbatches`` equal parts, or an
+            operation fails (naming its stage).
     """
     model = model_of(artifacts, params)
     S = model.num_stages

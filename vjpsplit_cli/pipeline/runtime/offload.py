@@ -86,7 +86,15 @@ class Offload:
             object.__setattr__(self, "directory", os.fspath(self.directory))
 
     def wants(self, stage: int, mb: int) -> bool:
-        """Whether the residuals of microbatch ``mb`` of ``stage`` are to leave the device."""
+        """Whether the residuals of microbatch ``mb`` of ``stage`` are to leave the device.
+
+        Args:
+            stage: The stage's index.
+            mb: The microbatch's index.
+
+        Returns:
+            True where ``stages``, ``microbatches`` and ``pairs`` all allow it.
+        """
         return (
             (self.stages is None or stage in self.stages)
             and (self.microbatches is None or mb in self.microbatches)

@@ -35,6 +35,23 @@ class PipelineResult:
     times; an untimed step (the Trainer's default) has no events, and its bubble
     ratios are NaN. ``phases``: what a timed step did besides its operations (the driver's
     phases, each worker's reductions and optimizer update), drawn in its trace (``write_trace``).
+
+    Made by the runners (``run``, ``run_inprocess``, ``RayPipeline.run``, ``Trainer.step``).
+
+    Attributes:
+        schedule: The schedule's name, or ``"custom"`` for the caller's plans.
+        loss: The step's loss (the mean over microbatches).
+        grads: The gradients: per stage, or in ``params``' structure for a ``Stages``
+            (``None`` per stage where a ``Trainer`` applied them where they live).
+        events: The operations' compute times (empty for an untimed step).
+        num_stages: The pipeline's stage count.
+        microbatches: The microbatches of the step.
+        runner: ``"in-process"`` or ``"ray"``.
+        step_time: The step's wall-clock seconds.
+        plans: The per-worker lists of ``Op`` that ran.
+        extra: What the runner adds (the Ray runner: ``{"compiled": bool}``).
+        timed: Whether each operation was waited for: only then do ``events`` hold compute times.
+        phases: A timed step's driver phases, reductions and updates.
     """
 
     schedule: str
@@ -70,7 +87,14 @@ class PipelineResult:
             )
 
     def modeled_timeline(self) -> list[Event]:
-        """The timeline if every worker had a device of its own: the measured op times, replayed."""
+        """The timeline if every worker had a device of its own: the measured op times, replayed.
+
+        Returns:
+            One ``Event`` per operation, on a clock that starts at 0.
+
+        Raises:
+            VjpsplitError: If the step was not timed.
+        """
         self._need_timeline()
         return replay(self.events, self.plans, self.num_stages)
 
@@ -82,7 +106,15 @@ class PipelineResult:
         return bubble_ratio(self.modeled_timeline(), self.num_workers)
 
     def per_worker(self) -> list[dict[str, float]]:
-        """Busy seconds per worker and kind, and idle seconds."""
+        """Busy seconds per worker and kind, and idle seconds.
+
+        Returns:
+            One dict per worker: ``{"worker": w, "F": s, "B": s, "W": s, "idle": s}``,
+            idle being the step's span less the busy seconds.
+
+        Raises:
+            VjpsplitError: If the step was not timed.
+        """
         self._need_timeline()
         t0 = min(e.start for e in self.events)
         t1 = max(e.end for e in self.events)
@@ -97,7 +129,16 @@ class PipelineResult:
         return rows
 
     def plot(self, path: str | os.PathLike[str], title: str | None = None) -> None:
-        """Write a PNG timeline (workers as rows; F, B, W coloured; idle left blank); a timed step's only."""
+        """Write a PNG timeline (workers as rows; F, B, W coloured; idle left blank); a timed step's only.
+
+        Args:
+            path: The PNG to write.
+            title: The chart's title; ``None`` says the schedule, stages, workers,
+                microbatches, bubble and runner.
+
+        Raises:
+            VjpsplitError: If the step was not timed, matplotlib is missing, or the PNG cannot be written.
+        """
         self._need_timeline()
         plot_timeline(
             self.events,
@@ -113,6 +154,7 @@ class PipelineResult:
 
         Args:
             devices: per stage, its devices (``Trainer.placement``); a sharded stage gets a track per device.
+                ``None`` names no devices.
 
         Returns:
             The JSON-ready document: a track per worker and the driver's, a slice per operation, flows for sends.

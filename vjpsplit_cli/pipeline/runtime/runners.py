@@ -46,6 +46,28 @@ def run(
     one list of devices per stage (see ``run_inprocess``); a Ray worker runs on the
     devices its actor sees. ``timed`` (default): the result's timeline holds each
     operation's compute time; ``timed=False`` waits for no operation and records none.
+
+    Args:
+        artifacts: A ``Stages``, or one artifact per stage.
+        params: The whole parameter pytree for a ``Stages``, else one parameter pytree per stage.
+        x: The batch tuple for a ``Stages``, else the first stage's input.
+        side: The last stage's side inputs (a ``Stages`` takes none).
+        microbatches: How many microbatches to split the batch into.
+        schedule_name: The built-in schedule (by default ``"1f1b"``).
+        runner: ``"inprocess"`` (default) or ``"ray"``.
+        address: For ``ray``, the cluster address; ``None`` starts (or joins) a local instance.
+        progress: Whether to show a progress bar.
+        schedule: Plans to run instead of ``schedule_name``, once checked; ``None`` for the named schedule.
+        devices: In-process only: one list of devices per stage; ``None`` places them
+            as ``run_inprocess`` does.
+        timed: Whether to time each operation.
+
+    Returns:
+        The step's ``PipelineResult``.
+
+    Raises:
+        VjpsplitError: If ``runner`` is unknown, ``devices`` is given for ``ray``, or
+            as ``run_inprocess`` and ``RayPipeline`` raise.
     """
     check_runner(runner)
     kw: dict[str, Any] = {

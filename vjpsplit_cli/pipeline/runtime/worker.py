@@ -141,8 +141,10 @@ def _calls_for(artifact: Any, feeds_back: bool) -> _Calls:
 
 
 class StageWorker:
-    """One stage's F, B and W with their bookkeeping: its artifact, parameters, residuals in flight and
-    accumulated gradients. The runners' building block (threads and Ray actors run the same).
+    """One stage's F, B and W with their bookkeeping: its artifact, parameters, residuals and gradients.
+
+    It holds the residuals in flight and the accumulated gradients. The runners'
+    building block (threads and Ray actors run the same).
 
     ``device``: where an unsharded stage runs (its parameters are committed there,
     arriving activations and cotangents moved there; ``jit`` runs where its inputs
@@ -150,8 +152,35 @@ class StageWorker:
     artifact's devices (``Artifact.on_devices``). ``timed`` (per step, see
     ``reset``): each operation waits for its results and records an ``Event`` of
     its compute time; otherwise operations are dispatched and nothing waits.
-    ``offload``: which residuals leave the device between F and B (``offload.Offload``; None: none).
-    ``peak_residual_bytes``: the step's most stored residual bytes on the device at an operation's boundary.
+
+    Args:
+        artifact: The stage's artifact (its first argument the parameters, its second,
+            after the first stage, the activation it receives; both differentiated).
+        params: The stage's parameter pytree.
+        stage_index: The stage's index in the pipeline.
+        num_stages: The pipeline's stage count.
+        device: Where an unsharded stage runs; ``None`` leaves it where JAX puts it.
+        offload: Which residuals leave the device between F and B (``offload.Offload``); ``None``: none.
+
+    Attributes:
+        art: The stage's artifact.
+        device: Where an unsharded stage runs, or ``None``.
+        params: The parameters, placed.
+        stage_index: The stage's index.
+        num_stages: The pipeline's stage count.
+        feeds_back: Whether the stage sends a cotangent to the stage before (every stage but the first).
+        timed: Whether operations wait and record events (set per step by ``reset``).
+        ring: The last operations ``(kind, mb, start, end)``, kept across steps for a stuck step's report.
+        res: The residuals in flight, by microbatch.
+        inter: The weight part's intermediates in flight, by microbatch.
+        grads: The gradients accumulated this step; ``None`` before the first backward.
+        events: This step's ``Event``s (timed steps only).
+        losses: The last stage's loss per microbatch, device scalars until fetched.
+        peak_residual_bytes: The step's most stored residual bytes on the device at an operation's boundary.
+
+    Raises:
+        VjpsplitError: If the artifact does not differentiate its first argument, or
+            (after the first stage) its second.
     """
 
     def __init__(
@@ -189,18 +218,34 @@ class StageWorker:
         self.reset()
 
     def set_offload(self, spec: Offload | None, replica: int | None = None) -> None:
-        """Which of this stage's residuals leave its device between F and B from the next step (None: none);
-        ``replica``: this worker's index among its stage's replicas (it names their files apart)."""
+        """Which of this stage's residuals leave its device between F and B from the next step.
+
+        Args:
+            spec: What leaves and where to (``offload.Offload``); ``None``: nothing.
+            replica: This worker's index among its stage's replicas (it names their files apart); ``None``: alone.
+        """
         self.offloader = None if spec is None else Offloader(spec, self.art, self.stage_index, replica)
 
     def before(self, op: Op) -> None:
-        """Before this stage runs ``op``: start the copy back of its next B's residuals if they are away."""
+        """Before this stage runs ``op``: start the copy back of its next B's residuals if they are away.
+
+        Args:
+            op: The operation about to run on this stage.
+        """
         if self.offloader is not None:
             self.offloader.before(op)
 
     def place_params(self, params: Any) -> Any:
-        """``params`` where this stage keeps them: on its device, or a sharded stage's by its recorded
-        shardings on its devices (once, not on every microbatch)."""
+        """``params`` where this stage keeps them: on its device, or by a sharded stage's recorded shardings.
+
+        A sharded stage's go on its devices; once, not on every microbatch.
+
+        Args:
+            params: The stage's parameter pytree.
+
+        Returns:
+            The same pytree, placed.
+        """
         return self.to_device(params) if self._sharding is not None else self.art.place_arg(0, params)
 
     @property
@@ -221,8 +266,12 @@ class StageWorker:
         return tuple(sorted(leaves[0].devices(), key=lambda d: d.id)) if leaves else (default_device(),)
 
     def reset(self, timed: bool | None = None, plans: Sequence[Sequence[Op]] | None = None) -> None:
-        """Forget residuals, gradients and timings: ready for the next step (``timed``: see the class;
-        ``plans``: the step's, which an offloading stage reads to start each copy back one operation early)."""
+        """Forget residuals, gradients and timings: ready for the next step (``timed``: see the class).
+
+        Args:
+            timed: Whether the next step is timed; ``None`` keeps the current setting.
+            plans: The step's plans, which an offloading stage reads to start each copy back one operation early.
+        """
         if timed is not None:
             self.timed = timed
         if self.offloader is not None and plans is not None:
@@ -235,7 +284,14 @@ class StageWorker:
         self.losses: dict[int, Any] = {}  # the last stage's per microbatch: device scalars until fetched
 
     def to_device(self, tree: Any) -> Any:
-        """``tree``'s arrays on this stage's device (those already there as they are); unchanged without one."""
+        """``tree``'s arrays on this stage's device (those already there as they are); unchanged without one.
+
+        Args:
+            tree: A pytree of arrays.
+
+        Returns:
+            The same pytree, its arrays on this stage's device.
+        """
         s = self._sharding
         if s is None:
             return tree
@@ -250,14 +306,22 @@ class StageWorker:
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def fetch_losses(self) -> dict[int, float]:
-        """The per-microbatch losses on the host, all in one transfer."""
+        """The per-microbatch losses on the host, all in one transfer.
+
+        Returns:
+            The loss of each microbatch this step, by microbatch, as floats (empty but on the last stage).
+        """
         import jax
 
         keys = sorted(self.losses)
         return {m: float(v) for m, v in zip(keys, jax.device_get([self.losses[m] for m in keys]))}
 
     def residual_bytes(self) -> int:
-        """Bytes of the stored residuals (and W's intermediates) this stage holds on its device now."""
+        """Bytes of the stored residuals (and W's intermediates) this stage holds on its device now.
+
+        Returns:
+            The bytes, each array counted once; offloaded residuals count while leaving and once back.
+        """
         held = [r.stored for r in self.res.values() if hasattr(r, "stored")]
         held += [(i.arrays, i.stored) for i in self.inter.values()]
         return device_bytes(held) + (0 if self.offloader is None else self.offloader.device_bytes())
@@ -326,7 +390,17 @@ class StageWorker:
         return self.art.place_cotangent(ct)
 
     def forward(self, mb: int, x: Any, side: Sequence[Any], worker: int | None = None) -> Any:
-        """F: run the forward, keep the residuals; return the activation (the loss on the last stage)."""
+        """F: run the forward, keep the residuals; return the activation (the loss on the last stage).
+
+        Args:
+            mb: The microbatch.
+            x: The stage's input: the batch's first input on stage 0, else the activation received.
+            side: The stage's side inputs (batch leaves it reads directly).
+            worker: The worker recorded in the event; ``None`` means the stage's index.
+
+        Returns:
+            The activation to send on, or the loss on the last stage.
+        """
         xs = self.to_device([x, *side])
         if self.art.manifest.sharded:
             # Activations arrive from the previous stage's devices: lay them out for this one first.
@@ -340,7 +414,18 @@ class StageWorker:
         return out
 
     def backward(self, mb: int, ct: Any, microbatches: int, worker: int | None = None) -> Any:
-        """Whole backward (GPipe, 1F1B): accumulate the weight gradient, return the input cotangent."""
+        """Whole backward (GPipe, 1F1B): accumulate the weight gradient, return the input cotangent.
+
+        Args:
+            mb: The microbatch, whose forward already ran.
+            ct: The cotangent from the next stage (ignored on the last stage, which starts
+                from ``1 / microbatches``).
+            microbatches: The step's microbatch count.
+            worker: The worker recorded in the event; ``None`` means the stage's index.
+
+        Returns:
+            The cotangent of the stage's input, for the stage before; ``None`` on the first stage.
+        """
         res, c = self._residuals(mb), self._ct(ct, microbatches)
         if self.grads is None:
             self.grads, gx = self._run(worker, Kind.B, mb, (res, c), self.calls.backward, 1)
@@ -351,7 +436,17 @@ class StageWorker:
         return gx
 
     def backward_input(self, mb: int, ct: Any, microbatches: int, worker: int | None = None) -> Any:
-        """Split schedules' B: the input cotangent now, the weight part later."""
+        """Split schedules' B: the input cotangent now, the weight part later.
+
+        Args:
+            mb: The microbatch, whose forward already ran.
+            ct: The cotangent from the next stage (ignored on the last stage).
+            microbatches: The step's microbatch count.
+            worker: The worker recorded in the event; ``None`` means the stage's index.
+
+        Returns:
+            The cotangent of the stage's input, for the stage before; ``None`` on the first stage.
+        """
         # B is the last reader of most residuals: drop them, keeping only W's share (in inter).
         res, c = self._residuals(mb), self._ct(ct, microbatches)
         gx, self.inter[mb] = self._run(worker, Kind.B, mb, (res, c), self.calls.backward_input, 1)
@@ -360,7 +455,12 @@ class StageWorker:
         return gx
 
     def backward_weight(self, mb: int, worker: int | None = None) -> None:
-        """Split schedules' W: the weight gradient of a microbatch whose B already ran."""
+        """Split schedules' W: the weight gradient of a microbatch whose B already ran.
+
+        Args:
+            mb: The microbatch.
+            worker: The worker recorded in the event; ``None`` means the stage's index.
+        """
         inter = self.inter.pop(mb)
         if self.grads is None:
             self.grads = self._run(worker, Kind.W, mb, (inter,), self.calls.backward_weight, 1)

@@ -295,7 +295,9 @@ def auto_schedule(
     memory_limit_bytes: int | Sequence[int] | None = None,
     microbatch_bytes: Sequence[int] | None = None,
 ) -> list[list[Op]]:
-    """Plans for ``stages`` (a count, or a ``Stages``/artifacts: its length) fastest under ``costs`` within ``memory_limit``.
+    """Plans for ``stages`` fastest under ``costs`` within ``memory_limit``.
+
+    ``stages`` is a count, or a ``Stages`` or artifacts (then its length).
 
     ``costs``: ``{"F": [...], "B": [...], "W": [...], "comm": c}``, per stage the time
     of its forward, of its backward's input part and of its weight part (any unit; a
@@ -309,16 +311,32 @@ def auto_schedule(
     Stages whose artifact lacks the split backward (or costs without ``W``) get whole
     backwards. The plans depend only on the arguments (no clock, no randomness).
 
-    ``memory_limit_bytes`` (instead of ``memory_limit``; an int or one per worker) with
-    ``microbatch_bytes`` (per stage, the bytes one microbatch holds): plans within those bytes,
-    offloading residuals where ``costs["transfer"]`` (bytes per second off the device and back:
-    one number, or ``{"out": .., "back": ..}``) lets more microbatches be in flight and the plans
-    end sooner (``offloading``). Returns an ``OffloadPlans``: the plans and, in ``offloaded``,
-    the (stage, microbatch) pairs whose residuals leave their device.
+    Args:
+        stages: The stage count, or the stages themselves (a ``Stages`` or a sequence
+            of artifacts), whose artifacts say which have the split backward.
+        microbatches: The microbatches per step.
+        costs: Per stage the times of F, B (the input part) and W, and ``comm``: a
+            ``Costs`` or a dict as ``Costs.of`` takes it.
+        memory_limit: The most microbatches a worker may hold at once: an int, one
+            int per worker, or ``None`` for no limit.
+        memory_limit_bytes: Instead of ``memory_limit``: bytes per worker (an int or one per
+            worker), with ``microbatch_bytes``; plans within those bytes, offloading residuals where
+            ``costs["transfer"]`` (bytes per second off the device and back: one number, or
+            ``{"out": .., "back": ..}``) lets more microbatches be in flight and the plans end sooner
+            (``offloading``).
+        microbatch_bytes: Per stage, the bytes one microbatch in flight holds.
+
+    Returns:
+        One list of ``Op`` per worker (worker ``w`` holding stage ``w``), checked; with
+        ``memory_limit_bytes`` an ``OffloadPlans``, whose ``offloaded`` names the (stage, microbatch)
+        pairs whose residuals leave their device.
 
     Raises:
-        VjpsplitError: bad arguments; a byte limit below one microbatch's bytes of its stage
-            (no plan fits it, offload or not: the message names the smallest limit that fits).
+        VjpsplitError: If ``stages`` is neither a count >= 1 nor stages,
+            ``microbatches`` is not an int >= 1, the costs are malformed (see
+            ``Costs.of``), or ``memory_limit`` is not an int >= 1 or one per worker; a byte
+            limit below one microbatch's bytes of its stage (no plan fits it, offload or not:
+            the message names the smallest limit that fits).
     """
     S = _stage_count(stages)
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:

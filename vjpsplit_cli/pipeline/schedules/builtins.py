@@ -40,6 +40,21 @@ def schedule(name: str, num_stages: int, microbatches: int, chunks: int = CHUNKS
       ``S = 2p`` stages in ZB-V's V, its eight phases, ``m >= 2p``.
 
     Worker ``i``'s list is ``schedule(...)[i]``; ``worker_stages`` says which stages it holds.
+
+    Args:
+        name: The schedule, one of ``SCHEDULES``.
+        num_stages: The pipeline's stage count.
+        microbatches: The microbatches per step.
+        chunks: Interleaved 1F1B's stages per worker (by default 2); ignored by the others.
+
+    Returns:
+        One list of ``Op`` per worker, in the order it runs them.
+
+    Raises:
+        VjpsplitError: If the schedule is unknown, or cannot run these stages and
+            microbatches (no stage or microbatch, an odd stage count for a V, a stage
+            count not a multiple of ``chunks`` or microbatches not a multiple of the
+            workers for interleaved 1F1B, fewer microbatches than stages for DualPipeV).
     """
     check_schedule(name, num_stages, microbatches, chunks)
     return [list(ops) for ops in _built(name, num_stages, microbatches, chunks)]

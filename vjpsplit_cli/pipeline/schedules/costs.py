@@ -22,8 +22,15 @@ class Costs:
     backward (the input part), ``weight[s]`` its W; a whole backward (a B with no W
     in the plans) costs ``backward[s] + weight[s]``. ``comm`` delays every result
     that goes to another worker (activations and cotangents between stages on
-    different workers; none within a worker, as at ZB-V's turn). ``transfer``: bytes per
-    second of a residual copy off the device and back (``offloading``; None: not measured).
+    different workers; none within a worker, as at ZB-V's turn).
+
+    Attributes:
+        forward: Per stage, the time of its F.
+        backward: Per stage, the time of its B where the backward is split (the input part).
+        weight: Per stage, the time of its W.
+        comm: The delay of every result sent to another worker; by default 0.
+        transfer: Bytes per second of a residual copy off the device and back, ``(out, back)``
+            (``offloading``); ``None``: not measured.
     """
 
     forward: tuple[float, ...]
@@ -44,6 +51,19 @@ class Costs:
         Each of F, B and W is one time per stage or one number for every stage; a
         missing ``W`` means the backwards are whole (B is all of each); a missing
         ``comm`` means sends take no time.
+
+        Args:
+            costs: A ``Costs`` (returned as is once its stage count is checked), or a
+                dict with keys ``F``, ``B`` and optionally ``W`` and ``comm``.
+            num_stages: The pipeline's stage count.
+
+        Returns:
+            The ``Costs``.
+
+        Raises:
+            VjpsplitError: If the stage counts differ, ``costs`` is not a dict, has
+                unknown keys or lacks ``F`` or ``B``, or a time is not a finite number
+                >= 0 or not one per stage.
         """
         if isinstance(costs, Costs):
             if costs.num_stages != num_stages:
@@ -66,7 +86,15 @@ class Costs:
         )
 
     def duration(self, op: Op, whole: bool) -> float:
-        """``op``'s time; ``whole``: a B that is the whole backward (no W follows it)."""
+        """``op``'s time; ``whole``: a B that is the whole backward (no W follows it).
+
+        Args:
+            op: The operation.
+            whole: Whether a B is the whole backward (then it costs B + W).
+
+        Returns:
+            The operation's time, in the costs' unit.
+        """
         s = op.stage
         if op.kind == Kind.F:
             return self.forward[s]

@@ -60,7 +60,18 @@ def format_schedule(plans: Sequence[Sequence[Op]]) -> str:
 
 
 def write_schedule(path: str | os.PathLike[str], plans: Sequence[Sequence[Op]]) -> None:
-    """Write ``plans`` (one list of operations per rank) as torch's compute-only CSV schedule."""
+    """Write ``plans`` (one list of operations per rank) as torch's compute-only CSV schedule.
+
+    The file is written atomically (temp file, then rename).
+
+    Args:
+        path: The CSV file to write.
+        plans: One sequence of ``Op`` per rank.
+
+    Raises:
+        VjpsplitError: If an overlapped action ends its rank's list (it overlaps with
+            nothing), or the file cannot be written.
+    """
     data = format_schedule(plans).encode("utf-8")
 
     def write(f: BinaryIO) -> None:
@@ -91,6 +102,16 @@ def read_schedule(path: str | os.PathLike[str]) -> list[list[Op]]:
 
     Checks each action's syntax and that a stage's I has its W and its B none;
     ``check_plans`` (every runner, through ``resolve``) checks the rest against the stages given.
+
+    Args:
+        path: The CSV file.
+
+    Returns:
+        One list of ``Op`` per rank, idle steps dropped.
+
+    Raises:
+        VjpsplitError: If the file cannot be read, a cell is not a compute action (or
+            an overlap of exactly two), or an ``I`` lacks its ``W`` or a ``B`` has one.
     """
     try:
         with open(path, encoding="utf-8", newline="") as f:

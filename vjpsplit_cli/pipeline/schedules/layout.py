@@ -21,8 +21,20 @@ KINDS = {"stage": "1f1b", "v": "zbv", "interleaved": "interleaved1f1b"}  # a lay
 
 
 def layout(schedule_name: str) -> str:
-    """How a schedule lays stages on workers: ``"v"`` (two per worker, ZB-V, DualPipeV),
-    ``"interleaved"`` (``CHUNKS`` per worker, round robin) or ``"stage"`` (one each)."""
+    """How a schedule lays stages on workers: ``"v"``, ``"interleaved"`` or ``"stage"``.
+
+    ``"v"``: two per worker (ZB-V, DualPipeV); ``"interleaved"``: ``CHUNKS`` per
+    worker, round robin; ``"stage"``: one each.
+
+    Args:
+        schedule_name: The schedule, one of ``SCHEDULES``.
+
+    Returns:
+        The layout kind's name.
+
+    Raises:
+        VjpsplitError: If the schedule is unknown.
+    """
     check_schedule(schedule_name, 2)
     if schedule_name in V_SHAPED:
         return "v"
@@ -34,6 +46,18 @@ def worker_stages(schedule_name: str, num_stages: int, chunks: int = CHUNKS) -> 
 
     ``(s,)`` each; the V ``(w, 2p-1-w)`` for ZB-V and DualPipeV; ``(w, w+p, ...)``
     (``chunks`` of them) for interleaved 1F1B.
+
+    Args:
+        schedule_name: The schedule, one of ``SCHEDULES``.
+        num_stages: The pipeline's stage count.
+        chunks: Interleaved 1F1B's stages per worker (by default 2).
+
+    Returns:
+        One tuple of stage indices per worker.
+
+    Raises:
+        VjpsplitError: If the schedule is unknown or cannot run ``num_stages`` stages
+            (an odd count for a V, not a multiple of ``chunks`` for interleaved 1F1B).
     """
     check_schedule(schedule_name, num_stages, chunks=chunks)
     if schedule_name in V_SHAPED:

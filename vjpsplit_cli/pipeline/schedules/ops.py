@@ -16,8 +16,16 @@ from ...errors import VjpsplitError
 
 
 class Kind(enum.StrEnum):
-    """What an operation computes: ``F`` the forward, ``B`` the backward (its input part where a ``W``
-    of the same stage and microbatch is in the plans, else the whole backward), ``W`` its weight part."""
+    """What an operation computes: ``F`` the forward, ``B`` the backward, ``W`` its weight part.
+
+    ``B`` is the backward's input part where a ``W`` of the same stage and
+    microbatch is in the plans, else the whole backward.
+
+    Attributes:
+        F: The forward.
+        B: The backward (its input part where a ``W`` follows).
+        W: The backward's weight part.
+    """
 
     F = "F"
     B = "B"
@@ -40,6 +48,16 @@ class Op:
     index except where a worker runs several stages (ZB-V, DualPipeV, interleaved).
     ``overlap`` marks the first of two operations that torch's runtime runs as one
     ``OVERLAP_F_B`` action (DualPipeV); vjpsplit runs them one after the other.
+
+    Attributes:
+        kind: ``Kind.F``, ``Kind.B`` or ``Kind.W`` (a string ``"F"``, ``"B"`` or ``"W"`` is converted).
+        mb: The microbatch.
+        stage: The stage.
+        overlap: Whether this is the first of two operations torch runs as one ``OVERLAP_F_B``.
+        key: ``(kind, mb, stage)`` as dependencies name it (derived, not a constructor argument).
+
+    Raises:
+        VjpsplitError: If ``kind`` is not F, B or W.
     """
 
     kind: Kind

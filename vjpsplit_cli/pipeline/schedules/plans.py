@@ -24,6 +24,19 @@ def check_plans(plans: Sequence[Sequence[Op]], num_stages: int, microbatches: in
     Every stage's F and B of every microbatch exactly once (W at most once, after
     its B's split), each stage on one rank, and no deadlock: the plans are played
     first. Each failure is one error naming the rank and the action.
+
+    Args:
+        plans: One sequence of ``Op`` per rank (worker), in the order it runs them.
+        num_stages: The pipeline's stage count.
+        microbatches: The microbatches per step.
+
+    Returns:
+        The layout: per rank, the sorted stage indices it holds.
+
+    Raises:
+        VjpsplitError: If an entry is not an ``Op``, an action is outside the stages
+            or microbatches, runs a stage another rank holds, appears twice or is
+            missing, or the plans deadlock.
     """
     S, M = num_stages, microbatches
     where: dict[int, int] = {}

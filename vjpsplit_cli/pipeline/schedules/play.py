@@ -196,8 +196,26 @@ def simulate(
     *,
     comm: float | None = None,
 ) -> list[Event]:
-    """The timeline of ``plans`` with one device per worker: each op starts when its worker is free and its
-    inputs exist (``play``'s events). Raises if the lists deadlock."""
+    """The timeline of ``plans`` with one device per worker (``play``'s events).
+
+    Each op starts when its worker is free and its inputs exist. Raises if the lists deadlock.
+
+    Args:
+        plans: One sequence of ``Op`` per worker, in the order it runs them.
+        num_stages: The pipeline's stage count.
+        costs: Each operation's time: a function of the ``Op``, a ``Costs``, or
+            ``{"F": [...], "B": [...], "W": [...], "comm": c}`` per stage (a whole
+            backward costs B + W).
+        comm: The delay of one result sent to another worker; ``None`` takes the
+            costs' own (0 for a function).
+
+    Returns:
+        One ``Event`` per operation, in the costs' time unit.
+
+    Raises:
+        VjpsplitError: If the plans deadlock (naming the rank and the action that
+            waits), or the costs are malformed (see ``Costs.of``).
+    """
     return play(plans, num_stages, costs, comm=comm).events
 
 

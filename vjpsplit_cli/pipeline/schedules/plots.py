@@ -49,7 +49,8 @@ def plot_timeline(
         The rectangles drawn, as ``(left ms, worker, width ms, height, label)``, in drawing order.
 
     Raises:
-        VjpsplitError: matplotlib is missing, or the trace file cannot be read.
+        VjpsplitError: matplotlib is missing, the trace file cannot be read, there
+            are no events to draw, or the PNG cannot be written.
     """
     if isinstance(events, (str, os.PathLike)):
         trace = read_trace(events)
@@ -107,7 +108,16 @@ def plot_timeline(
 def plot_loss(
     curves: Sequence[float] | Mapping[str, Sequence[float]], path: str | os.PathLike[str], title: str
 ) -> None:
-    """A loss-per-step PNG (needs matplotlib): ``curves`` is one list of losses, or ``{label: losses}``."""
+    """A loss-per-step PNG (needs matplotlib): ``curves`` is one list of losses, or ``{label: losses}``.
+
+    Args:
+        curves: One list of losses (one per step), or several by label (the first drawn solid, the others dashed).
+        path: The PNG to write (atomically).
+        title: The chart's title.
+
+    Raises:
+        VjpsplitError: If matplotlib is missing, or the PNG cannot be written.
+    """
     plt = _pyplot()
     named = dict(curves) if isinstance(curves, Mapping) else {"loss": list(curves)}
     fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)

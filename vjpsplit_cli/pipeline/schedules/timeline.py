@@ -17,6 +17,15 @@ class Event:
 
     ``own``: where the operation's call was cold (it traced, compiled or ran its checked first path), the
     seconds one warm run of the same call took, measured right after it; None where ``end - start`` is warm.
+
+    Attributes:
+        worker: The worker that ran it.
+        kind: ``"F"``, ``"B"`` or ``"W"``.
+        mb: The microbatch.
+        start: When it started, in seconds on the driver's clock (a played schedule's own units).
+        end: When it ended, on the same clock.
+        stage: The stage it ran.
+        own: Where the call was cold, the seconds of one warm run of it; else ``None``.
     """
 
     worker: int
@@ -28,7 +37,14 @@ class Event:
     own: float | None = None
 
     def shifted(self, offset: float) -> Event:
-        """The same operation on a clock that reads ``offset`` seconds less than the one it was recorded on."""
+        """The same operation on a clock that reads ``offset`` seconds less than the one it was recorded on.
+
+        Args:
+            offset: The seconds to subtract from ``start`` and ``end``.
+
+        Returns:
+            A new ``Event``.
+        """
         return Event(self.worker, self.kind, self.mb, self.start - offset, self.end - offset, self.stage, self.own)
 
 
@@ -60,7 +76,15 @@ def makespan(events: Sequence[Event]) -> float:
 
 
 def bubble_ratio(events: Sequence[Event], num_workers: int) -> float:
-    """1 - busy time / (workers x makespan)."""
+    """1 - busy time / (workers x makespan).
+
+    Args:
+        events: The operations of one step (or schedule's play).
+        num_workers: How many workers ran them.
+
+    Returns:
+        The idle fraction, in [0, 1]; 0 for no events.
+    """
     span = makespan(events)
     if span <= 0:
         return 0.0

@@ -40,7 +40,14 @@ mlir.register_lowering(boundary_p, lambda ctx, *xs: list(xs))
 
 
 def stage_boundary(x: T) -> T:
-    """Return ``x`` (any pytree) unchanged, marking the end of a pipeline stage for ``export_stages``."""
+    """Return ``x`` (any pytree) unchanged, marking the end of a pipeline stage for ``export_stages``.
+
+    Args:
+        x: The values that cross to the next stage, any pytree of arrays.
+
+    Returns:
+        ``x``, with the same structure and values.
+    """
     leaves, tree = jax.tree_util.tree_flatten(x)
     if not leaves:
         return x

@@ -43,9 +43,23 @@ class PerStage(dict[int, list[Any]]):
 
 
 class Stages:
-    """A model's pipeline stages: ``artifacts`` (one per stage), ``index`` (``stages.json``, a ``StagesIndex``) and
-    ``evaluation``: per stage its evaluation program, or None (a directory saved before there were any, a sharded
-    stage)."""
+    """A model's pipeline stages: one artifact per stage, the ``stages.json`` index, and evaluation programs.
+
+    ``artifacts`` (one per stage), ``index`` (``stages.json``, a ``StagesIndex``) and
+    ``evaluation``: per stage its evaluation program, or None (a directory saved
+    before there were any, a sharded stage). Made by ``export_stages`` and
+    ``load_stages``; indexing and iterating give the artifacts.
+
+    Args:
+        artifacts: One artifact per stage, in order.
+        index: The stages' index: what each stage reads, receives and sends.
+        evaluation: Per stage its evaluation program or ``None``; ``None`` means none for any.
+
+    Attributes:
+        artifacts: The stages' artifacts, in order.
+        index: The ``StagesIndex``.
+        evaluation: Per stage its evaluation program, or ``None``.
+    """
 
     def __init__(
         self,
@@ -72,8 +86,20 @@ class Stages:
         return f"Stages({self.index.function}, {len(self)} stages)"
 
     def save(self, directory: str | os.PathLike[str], *, sign_key: Any = None, fsync: bool = True) -> None:
-        """Write ``directory``: one artifact per stage, each stage's evaluation program and ``stages.json``, all
-        replaced together or none."""
+        """Write ``directory``: each stage's artifact and evaluation program and ``stages.json``, together or none.
+
+        All files are replaced together or none.
+
+        Args:
+            directory: The directory to write (made if missing).
+            sign_key: An Ed25519 private key (or its file) to sign each artifact and the
+                index with; ``None`` leaves them unsigned.
+            fsync: Whether to flush the files to disk before renaming them into place.
+
+        Raises:
+            VjpsplitError: If the directory cannot be made or written, the key cannot be
+                read, or the index names an evaluation program this ``Stages`` lacks.
+        """
         directory = os.fspath(directory)
         try:
             os.makedirs(directory, exist_ok=True)
@@ -109,13 +135,37 @@ class Stages:
             out.write(INDEX, functools.partial(_write, data=packed))
 
     def stage_params(self, params: Any) -> list[tuple[Any, ...]]:
-        """Each stage's parameter tuple from the user's whole ``params`` (checked against the export)."""
+        """Each stage's parameter tuple from the user's whole ``params`` (checked against the export).
+
+        Args:
+            params: The whole model's parameter pytree, as exported.
+
+        Returns:
+            One tuple per stage: the parameter leaves that stage reads.
+
+        Raises:
+            VjpsplitError: If the leaves' keys, dtypes or shapes differ from the export's, naming them.
+        """
         idx = self.index
         leaves = _check_leaves("params", idx.params, flatten_with_keys(idx.params_name, params))
         return [tuple(leaves[i] for i in st.params) for st in idx.per_stage]
 
     def stage_batch(self, batch: tuple[Any, ...], microbatches: int) -> list[tuple[Any, PerStage]]:
-        """The batch tuple as the runners' microbatches: stage 0's inputs as ``x``, the others' as per-stage sides."""
+        """The batch tuple as the runners' microbatches: stage 0's inputs as ``x``, the others' as per-stage sides.
+
+        Args:
+            batch: The batch inputs, a tuple in the function's argument order (a 1-tuple for one input).
+            microbatches: How many microbatches to split the first dim into.
+
+        Returns:
+            One pair per microbatch: stage 0's batch leaves (a tuple) and the later
+            stages' batch leaves by stage index (a ``PerStage``).
+
+        Raises:
+            VjpsplitError: If ``batch`` is not a tuple of the right length, its leaves
+                differ from the export's (dtype, rank, fixed dims), or their first dims
+                differ or are not a multiple of ``microbatches``.
+        """
         names = self.index.batch_names
         if not isinstance(batch, tuple) or len(batch) != len(names):
             raise VjpsplitError(
@@ -140,7 +190,15 @@ class Stages:
         return out
 
     def gather_grads(self, stage_grads: Sequence[Any], params: Any) -> Any:
-        """Per-stage gradients as one pytree like ``params``: a tied leaf's gradient summed over its stages."""
+        """Per-stage gradients as one pytree like ``params``: a tied leaf's gradient summed over its stages.
+
+        Args:
+            stage_grads: Per stage, the gradients of its parameter tuple.
+            params: The whole model's parameter pytree (its structure, dtypes and shapes).
+
+        Returns:
+            A pytree like ``params``; leaves no stage reads get zeros.
+        """
         import jax
 
         leaves, tree = jax.tree_util.tree_flatten(params)
@@ -243,6 +301,21 @@ def load_stages(directory: str | os.PathLike[str], *, trust: Any = None, allow_k
     """Read a stages directory (``Stages.save``): ``stages.json`` and each stage's artifact, all checked.
 
     ``trust``: as for ``load``: every artifact and the index must be signed by a trusted key.
+
+    Args:
+        directory: The stages directory.
+        trust: Trusted Ed25519 public keys, as ``load`` takes them; ``None`` reads
+            ``VJPSPLIT_TRUST_KEYS``, and with none there, signatures are not required.
+        allow_kernels: Whether to accept the artifacts' kernel custom calls without a signature.
+
+    Returns:
+        The ``Stages``.
+
+    Raises:
+        VjpsplitError: If ``stages.json`` cannot be read or is malformed, a signature
+            is malformed or not by a trusted key, a stage names no file in the
+            directory or a file whose fingerprint differs from the index's, or a
+            stage's artifact or evaluation program is refused (as ``load`` raises).
     """
     directory = os.fspath(directory)
     path = os.path.join(directory, INDEX)

@@ -81,9 +81,34 @@ def export_stages(
     ``data_parallel=N`` records N replicas of every stage in the index (``stages.json``):
     the ``Trainer``'s ``data_parallel`` when it is not given.
 
+    Each stage is an ordinary artifact over tuples: ``stage(params, batch)`` for the
+    first, ``stage(params, x)`` or ``stage(params, x, batch)`` for the others, where
+    ``params`` are the parameter leaves it reads, ``x`` what the stage before sends,
+    and ``batch`` the batch leaves it reads.
+
+    Args:
+        fn: The whole model's loss, as ``fn(params, batch...)`` (any argument order).
+        *specs: One pytree of ``jax.ShapeDtypeStruct`` (or arrays) per argument; batch
+            inputs describe one microbatch.
+        wrt: The one parameter argument (position or name); by default the first.
+        platforms: The platforms to lower each stage for; by default ``DEFAULT_PLATFORMS``.
+        policy: The rematerialization policy of every stage; ``None`` keeps every residual.
+        weights: Whether each stage gets the zero-bubble split backward.
+        stages: Without marks, cut into this many stages by estimated cost; ``None``
+            cuts at the ``stage_boundary`` marks.
+        name: The model's name in the stages' manifests; ``None`` takes ``fn``'s module and name.
+        data_parallel: The replicas of every stage recorded in the index (by default 1).
+
+    Returns:
+        The ``Stages``, in memory (``save`` writes them to a directory).
+
     Raises:
-        VjpsplitError: ``data_parallel`` not an int >= 1, or N > 1 with specs that carry shardings
-            (replicas run unsharded stages only).
+        VjpsplitError: If the specs do not match ``fn``'s arguments, ``wrt`` names more
+            than one argument or every argument, an input is 64-bit without
+            ``jax_enable_x64``, both marks and ``stages`` are given or neither, or a
+            stage's export is refused (as ``export`` raises); or ``data_parallel`` is
+            not an int >= 1, or N > 1 with specs that carry shardings (replicas run
+            unsharded stages only).
     """
     if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
         raise VjpsplitError(f"data_parallel={data_parallel!r}: give the number of replicas of every stage, an int >= 1")

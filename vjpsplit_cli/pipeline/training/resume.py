@@ -102,6 +102,20 @@ def load_checkpoint(directory: str | os.PathLike[str], *, optimizer: Any) -> tup
     Arrays are host (NumPy) arrays, typed PRNG keys typed. A checkpoint an older
     vjpsplit wrote per stage is refused by name (restore it into the stages that
     wrote it, and save it again).
+
+    Args:
+        directory: The checkpoint directory (``Trainer.save``'s).
+        optimizer: The optax optimizer the run was saved with, whose ``init`` gives
+            the optimizer state's structure.
+
+    Returns:
+        The triple ``(params, opt_state, step)``: the parameters in the Trainer's
+        structure, optax's optimizer state for them, and the count of steps taken.
+
+    Raises:
+        VjpsplitError: If the directory is not a readable checkpoint (missing,
+            damaged or malformed files), was written per stage by an older vjpsplit,
+            or its optimizer state does not fit ``optimizer``'s (naming the entry).
     """
     saved = read_checkpoint(directory)
     params = saved_whole_params(saved)

@@ -243,13 +243,24 @@ class Trainer:
         return self.backend.placement
 
     def step(self, batch: tuple[Any, ...], *, timed: bool | None = None) -> float:
-        """One optimizer step on ``batch`` (the function's batch inputs as a tuple); returns the step's loss.
+        """One optimizer step on ``batch``: the schedule over its microbatches, then every stage's update.
 
-        ``timed=True`` waits for every operation and records its compute time in
-        ``last_result.events`` (for its timeline, or to measure the stages' costs);
-        it costs the overlap of dispatch with compute. Default: the Trainer's ``timeline``.
         ``costs()`` counts timed steps; ``schedule="auto"`` times its first two steps itself, and plans
         again after each timed step.
+
+        Args:
+            batch: the function's batch inputs as a tuple (a 1-tuple for one input), the whole batch; it is
+                cut into ``microbatches`` along axis 0.
+            timed: True waits for every operation and records its compute time in ``last_result.events`` (for
+                its timeline, or to measure the stages' costs); it costs the overlap of dispatch with compute.
+                None: the Trainer's ``Observe(timeline=...)`` (and its ``trace_every``).
+
+        Returns:
+            The step's loss: the mean over microbatches, as the loss function gives it on the whole batch.
+
+        Raises:
+            VjpsplitError: a batch that does not split into the microbatches (or replicas), a step past
+                ``step_timeout`` or interrupted (naming what each worker runs or waits for), a lost Ray worker.
         """
         t0 = time.monotonic()
         mbs = self.model.batch_microbatches(batch, self.microbatches)
@@ -344,9 +355,16 @@ class Trainer:
 
         Medians over the microbatches of the last timed steps (``step(batch, timed=True)``, or ``auto``'s first
         two), the Trainer's first step only while no other is timed; see ``measured`` for what is left out, how a
-        whole backward splits into B and W and how sends are timed. ``"transfer"``: bytes per second of a
-        residual copy off the first stage's device and back (``{"out": .., "back": ..}``, as offload copies:
-        ``measured.transfer_rates``, timed once, at the first call; on Ray, on this process's device).
+        whole backward splits into B and W and how sends are timed.
+
+        Returns:
+            ``{"F": [...], "B": [...], "W": [...], "comm": seconds, "transfer": {"out": .., "back": ..}}``, one
+            entry per stage in F, B and W; ``transfer`` the bytes per second of a residual copy off the first
+            stage's device and back, as offload copies (``measured.transfer_rates``, timed once, at the first
+            call; on Ray, on this process's device).
+
+        Raises:
+            VjpsplitError: no timed step has run yet.
         """
         measured = self._samples.costs()
         if self._transfer is None:
@@ -360,17 +378,34 @@ class Trainer:
         return self._auto_offload
 
     def params(self) -> Any:
-        """The parameters now, in ``params``' structure (host arrays; per stage in the per-stage form)."""
+        """The parameters now.
+
+        Returns:
+            The parameters in the structure the Trainer was given (host arrays; one pytree per stage in the
+            per-stage form).
+        """
         return self.ownership.gather([p for p, _ in self.backend.snapshots()])
 
     def plot_loss(self, path: str | os.PathLike[str], title: str | None = None) -> None:
-        """A PNG of the loss per step (needs matplotlib), beside ``plot_timeline``'s chart of one step."""
+        """A PNG of the loss per step (needs matplotlib), beside ``plot_timeline``'s chart of one step.
+
+        Args:
+            path: the PNG file to write.
+            title: the chart's title; None: the schedule's and the runner's names.
+        """
         self._history.plot(path, title or f"{self.schedule_name}, {self.runner.name}")
 
     def state(self) -> tuple[Any, Any]:
-        """``(params, opt_state)`` now: ``params`` as ``params()`` gives them, ``opt_state`` optax's own state for
-        the whole model, as ``optimizer.init(params)`` and the same updates give it in one process (its
-        structure, its values; a value tied to no parameter, such as a step count, once). Host arrays."""
+        """The training state now, in the form a one-process optax loop (or orbax) keeps it.
+
+        Returns:
+            ``(params, opt_state)``: ``params`` as ``params()`` gives them, ``opt_state`` optax's own state for
+            the whole model, as ``optimizer.init(params)`` and the same updates give it in one process (its
+            structure, its values; a value tied to no parameter, such as a step count, once). Host arrays.
+
+        Raises:
+            VjpsplitError: a tied leaf's state differs between the stages that hold it.
+        """
         snaps = self.backend.snapshots()
         return self.ownership.gather([p for p, _ in snaps]), self._states().gather([st for _, st in snaps])
 
@@ -380,8 +415,12 @@ class Trainer:
         return self._state_map
 
     def host_checkpoint(self) -> HostCheckpoint:
-        """What ``save`` writes, copied to host memory: the parameters by key, ``state()``'s ``opt_state``, the
-        step count and the settings ``restore`` uses (the copy ``fit`` waits for before writing in the background)."""
+        """What ``save`` writes, copied to host memory (the copy ``fit`` waits for before writing in the background).
+
+        Returns:
+            A ``HostCheckpoint``: the parameters by key, ``state()``'s ``opt_state``, the step count and the
+            settings ``restore`` uses.
+        """
         snaps = self.backend.snapshots()
         flat = self.ownership.flat([p for p, _ in snaps])
         params = self.ownership.gather([p for p, _ in snaps])
@@ -411,6 +450,12 @@ class Trainer:
         The checkpoint also records what ``restore`` needs to go on: the schedule (its plans,
         when they were the caller's), the microbatches and ``clip_global_norm``. A save replaces the whole
         directory, so a ``directory`` holding files no save wrote is refused (naming one), never emptied.
+
+        Args:
+            directory: the checkpoint directory (created, or replaced whole).
+
+        Raises:
+            VjpsplitError: ``directory`` is a file, cannot be written, or holds files no save wrote.
         """
         save_checkpoint(directory, self.host_checkpoint())
 
@@ -419,14 +464,26 @@ class Trainer:
         function; one an older vjpsplit wrote per stage only by this cut). This Trainer's settings stay.
 
         Every saved parameter is checked against the dtype and shape this Trainer holds first: a mismatch is
-        one error naming the leaf, and the Trainer keeps its parameters."""
+        one error naming the leaf, and the Trainer keeps its parameters.
+
+        Args:
+            directory: a checkpoint ``save`` (or ``fit``) wrote.
+
+        Raises:
+            VjpsplitError: a missing or damaged checkpoint (naming the file or field), a leaf of another dtype
+                or shape, a leaf missing or unexpected, an optimizer state of another structure.
+        """
         snapshots, step = stage_snapshots(directory, self.ownership, self._states(), self.optimizer)
         self.backend.load(snapshots)
         self.step_count = step
         self._history.rewind(step)
 
     def workers(self) -> list[Any]:
-        """The Ray actor handle of each worker (``runner="ray"``), in the layout's worker order."""
+        """The Ray actor handle of each worker.
+
+        Returns:
+            One actor handle per worker, in the layout's worker order (runner ``ray``; in-process, none).
+        """
         return self.backend.workers()
 
     def fit(
@@ -463,8 +520,28 @@ class Trainer:
         worker and the step. ``checkpoint_times`` and ``restarts`` record what the checkpoints and restarts
         cost. With ``eval_data`` (a batch tuple, or ``eval_data(step) -> batch``) and ``eval_every``, the
         model is evaluated (``evaluate``) after every ``eval_every``-th step and after the last; the loss goes
-        into that step's ``history`` row as ``eval_loss``. A stuck step's report (``hang_report``) goes beside the checkpoint directory, as
-        ``<checkpoint_dir>.hang.json``, unless the Trainer was given ``hang_report``.
+        into that step's ``history`` row as ``eval_loss``. A stuck step's report (``hang_report``) goes beside
+        the checkpoint directory, as ``<checkpoint_dir>.hang.json``, unless the Trainer was given ``hang_report``.
+
+        Args:
+            data: ``data(step) -> batch`` or a sequence indexed by step (steps count from 0 of the run).
+            steps: the run's total number of steps (a Trainer at step k runs k ... steps - 1).
+            checkpoint_dir: where checkpoints go, and where an existing one is the run's start; None: none.
+            checkpoint_every: save after every n-th step (and after the last); None: after the last only.
+            max_restarts: how many lost Ray workers the run replaces before it gives up.
+            callback: ``callback(step, loss)`` after each step (``rerun=`` too where it takes it).
+            stop_on_nonfinite: stop with an error at a loss or gradient norm that is not finite.
+            eval_data: a batch tuple, or ``eval_data(step) -> batch``, to ``evaluate`` every ``eval_every``
+                steps; None: no evaluation.
+            eval_every: how often to evaluate (steps).
+
+        Returns:
+            The losses of the steps this call ran, in order.
+
+        Raises:
+            VjpsplitError: a bad ``checkpoint_dir`` or option (named) before the first step; a failed background
+                write; a loss that is not finite; more lost workers than ``max_restarts`` (naming the worker and
+                the step).
         """
         if checkpoint_dir is not None and not self._hang_named:  # a stuck step's report beside the checkpoints
             self.backend.report_hangs_to(os.fspath(checkpoint_dir).rstrip("/" + os.sep) + ".hang.json")

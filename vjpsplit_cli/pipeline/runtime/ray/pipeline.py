@@ -34,9 +34,10 @@ RUNNER = "ray"
 
 
 class RayPipeline:
-    """Workers as Ray actors (one process each); a step is one call per actor running its own list of
-    operations, activations and cotangents sent actor to actor (``lists``; mid-size ones in pieces inside
-    the call rather than through Ray's object store).
+    """Workers as Ray actors (one process each); a step is one call per actor running its own list of operations.
+
+    Activations and cotangents are sent actor to actor (``lists``; mid-size ones in
+    pieces inside the call rather than through Ray's object store).
 
     ``layout="stage"`` (default) puts one stage on each actor, for GPipe, 1F1B and
     ZB-H1; ``layout="v"`` puts two on each in ZB-V's (and DualPipeV's) V;
@@ -61,6 +62,41 @@ class RayPipeline:
     (``export_stages``; ``compiled`` False or None): ``params`` is then the whole parameter pytree, ``run``
     takes the batch tuple, and the result's ``grads`` have ``params``' structure
     (its steps run as actor calls: each stage's batch inputs go to it directly).
+
+    Args:
+        artifacts: A ``Stages``, or one artifact per stage.
+        params: The whole parameter pytree for a ``Stages``, else one parameter pytree per stage.
+        address: A Ray cluster address (``ray://host:10001`` or ``auto``); ``None``
+            starts (or joins) a local Ray instance.
+        runtime_env: Ray's runtime environment for the actors; ``None`` for none.
+        num_cpus_per_stage: The CPUs each actor reserves (by default 0), unless its
+            ``actor_options`` say otherwise.
+        layout: ``"stage"``, ``"v"``, ``"interleaved"``, or one tuple of stages per worker.
+        actor_options: One dict of Ray actor options per worker; ``None`` for none.
+        schedule_timeout: Seconds for Ray to place and start every actor.
+        compiled: ``True`` runs steps as a Ray Compiled Graph, ``None`` where Ray can
+            compile it, ``False`` (default) as actor calls.
+        step_timeout: Seconds for a step's results (by default 600).
+
+    Attributes:
+        nodes: Per worker, the Ray node id its actor runs on.
+        clock_offsets: Per worker, its clock minus the driver's, in seconds.
+        actors: The actors' handles, one per worker (empty once closed).
+        layout: The ``Layout``: the stages each worker holds.
+        num_stages: The pipeline's stage count.
+        compiled: Whether steps run as a compiled graph (``None``: where Ray can).
+        step_timeout: Seconds for a step's results.
+        steps: The steps started so far.
+        replicas: The replicas of every stage on each actor's devices (the Trainer's
+            ``data_parallel``; a class attribute, 1 here).
+        hang_report: Where a stuck step's report of the last operations goes;
+            ``None`` for ``flight.default_path``.
+
+    Raises:
+        VjpsplitError: If Ray is not installed, ``compiled=True`` is asked for a
+            ``Stages``, the artifacts and parameter sets differ in number, the layout
+            is malformed, ``actor_options`` is not one dict per worker, or an actor is
+            not placed within ``schedule_timeout`` (naming its stage and what it lacks).
     """
 
     actor_class: type = StageActor  # the Trainer's actors extend it
@@ -126,7 +162,14 @@ class RayPipeline:
         self.hang_report: str | None = None  # where a stuck step's report goes (None: flight.default_path)
 
     def new_actor(self, worker: int) -> Any:
-        """A new actor for ``worker``, with its actor options: at the start, or in place of one that was lost."""
+        """A new actor for ``worker``, with its actor options: at the start, or in place of one that was lost.
+
+        Args:
+            worker: The worker's index.
+
+        Returns:
+            The new actor's handle (not yet ready: see ``start_workers``).
+        """
         return self._remote_class.options(**self.options[worker]).remote()
 
     def connect(self) -> None:
@@ -135,9 +178,21 @@ class RayPipeline:
         self.get([a.connect.remote(self.actors, worker_of) for a in self.actors])
 
     def start_workers(self, workers: Sequence[int], timeout: float, what: str = "its actor") -> None:
-        """Wait until Ray has placed ``workers``' actors (within ``timeout``: else one error naming the worker
-        and what its options lack), note their nodes and clocks, and load each its stages as this pipeline began:
-        at the start, or for actors replacing lost ones (``what`` says which, in the error)."""
+        """Wait until Ray has placed ``workers``' actors, note their nodes and clocks, and load each its stages.
+
+        Within ``timeout`` seconds, else one error naming the worker and what its
+        options lack. Each is loaded with its stages as this pipeline began: at the
+        start, or for actors replacing lost ones (``what`` says which, in the error).
+
+        Args:
+            workers: The workers' indices.
+            timeout: Seconds for Ray to place their actors.
+            what: What to call each actor in the error.
+
+        Raises:
+            VjpsplitError: If an actor is not placed within ``timeout``, or one dies
+                (naming the stages it held).
+        """
         ray = self.ray
         refs = [self.actors[w].ready.remote() for w in workers]
         _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
@@ -159,7 +214,17 @@ class RayPipeline:
         )
 
     def get(self, refs: Sequence[Any]) -> list[Any]:
-        """The values of ``refs``; a dead actor is one error naming the stages it held."""
+        """The values of ``refs``; a dead actor is one error naming the stages it held.
+
+        Args:
+            refs: Ray object refs of the actors' calls.
+
+        Returns:
+            Their values, in order.
+
+        Raises:
+            VjpsplitError: If an actor died, naming the stages it held.
+        """
         return waiting.get(self.ray, refs, self.actors, self.layout)
 
     def fetch(
@@ -176,6 +241,21 @@ class RayPipeline:
 
         ``watch``: the step's lists (``start_step``); one whose actor died ends the wait at once and
         releases the other workers, and ``get`` names the stages it held.
+
+        Args:
+            refs: Ray object refs of the actors' calls.
+            owners: Per ref, the worker whose call it is.
+            t0: The step's start on the driver's ``time.monotonic`` clock.
+            hint: Words added to a timeout's error.
+            bar: A progress bar to advance as refs finish; ``None`` for none.
+            watch: The step's lists, watched for a dead actor.
+
+        Returns:
+            The values of ``refs``, in order.
+
+        Raises:
+            VjpsplitError: If the step runs past ``step_timeout`` (saying what each
+                worker is doing), or an actor died (naming the stages it held).
         """
         waiting.wait_step(
             self.ray,
@@ -193,9 +273,20 @@ class RayPipeline:
         return self.get([*watch, *refs])[len(watch) :]
 
     def describe(self, t0: float, wait: float = 1.0) -> str:
-        """What each worker is doing (``flight.clause``, on the driver's clock, ms since ``t0``), its last
-        operations written as JSON: the tail of a stuck or interrupted step's error. An actor that does not
-        answer within ``wait`` seconds is said to be so."""
+        """What each worker is doing, its last operations written as JSON: the tail of a stuck step's error.
+
+        Each worker's state is said as ``flight.clause`` says it (on the driver's clock,
+        ms since ``t0``), for a stuck or interrupted step. An actor that does not answer
+        within ``wait`` seconds is said to be so.
+
+        Args:
+            t0: The step's start on the driver's ``time.monotonic`` clock.
+            wait: Seconds to wait for each actor's answer.
+
+        Returns:
+            ``"; "`` then one clause per worker, and where the last operations were
+            written (or that they could not be).
+        """
         ray = self.ray
         refs = [a.status.options(concurrency_group=INBOX).remote() for a in self.actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait)
@@ -240,7 +331,18 @@ class RayPipeline:
         split: set[tuple[int, int]],
         timed: bool,
     ) -> list[Any]:
-        """Hand every actor its list of the next step (``lists.submit_lists``); the refs of the lists."""
+        """Hand every actor its list of the next step (``lists.submit_lists``); the refs of the lists.
+
+        Args:
+            plans: One list of ``Op`` per worker.
+            mbs: The step's microbatches.
+            microbatches: Their number.
+            split: The ``(stage, microbatch)`` pairs whose backward is split (a W follows the B).
+            timed: Whether each operation waits for its results and is timed.
+
+        Returns:
+            One Ray object ref per worker: its list's call.
+        """
         self.steps += 1
         return submit_lists(self.actors, self.steps, plans, mbs, self.num_stages, microbatches, split, timed)
 
@@ -267,6 +369,26 @@ class RayPipeline:
         ``timed`` (default): each operation waits for its results and the result's
         timeline holds their compute times; ``timed=False`` records none (a compiled
         graph's steps are always timed).
+
+        Args:
+            x: The first stage's input (for a ``Stages``, the batch tuple).
+            side: The last stage's side inputs (a ``Stages`` takes none).
+            microbatches: How many microbatches to split the batch into.
+            schedule_name: The built-in schedule (by default ``"1f1b"``).
+            progress: Whether to show a progress bar over the workers' lists (then the step runs as actor calls).
+            schedule: Plans to run instead of ``schedule_name``, once checked; ``None`` for the named schedule.
+            timed: Whether to time each operation.
+
+        Returns:
+            The step's ``PipelineResult`` (``runner="ray"``, ``extra={"compiled": ...}``).
+
+        Raises:
+            VjpsplitError: If the schedule or plans cannot run on these stages and
+                microbatches or need another layout than this pipeline's, a stage lacks
+                the split backward the plans use, the pipeline is closed, the batch does
+                not split into ``microbatches``, the compiled graph cannot be built
+                (``compiled=True``) or fails, the step runs past ``step_timeout``, or an
+                operation or actor fails (naming its stage).
         """
         S = self.num_stages
         name, plans, layout = resolve(schedule_name, schedule, S, microbatches)
@@ -376,7 +498,14 @@ class RayPipeline:
         )
 
     def driver_events(self, states: Sequence[Mapping[str, Any]]) -> list[Any]:
-        """The events in each worker's ``state`` (or ``report``), moved onto the driver's clock."""
+        """The events in each worker's ``state`` (or ``report``), moved onto the driver's clock.
+
+        Args:
+            states: Per worker, the state (or report) its actor returned, with its ``"events"``.
+
+        Returns:
+            Every worker's events, shifted by its clock offset.
+        """
         return [e.shifted(off) for st, off in zip(states, self.clock_offsets) for e in st["events"]]
 
     def close(self) -> None:

@@ -97,6 +97,20 @@ def placement_group_options(
     per GPU. The group lives until ``ray.util.remove_placement_group`` (or Ray's
     shutdown). A group Ray cannot reserve within ``timeout`` is an error naming
     what the bundles ask.
+
+    Args:
+        num_workers: How many workers (bundles).
+        bundle: What each worker reserves (Ray resources); ``None`` means ``{"CPU": 1}``.
+        strategy: Ray's placement strategy (by default ``"STRICT_SPREAD"``).
+        timeout: Seconds for Ray to reserve the group.
+
+    Returns:
+        One dict of Ray actor options per worker (``num_cpus`` and a
+        ``scheduling_strategy`` on its bundle), for ``actor_options``.
+
+    Raises:
+        VjpsplitError: If Ray cannot reserve the group within ``timeout``, naming
+            the bundles and the cluster's free resources.
     """
     import ray
     from ray.util import placement_group, remove_placement_group
