@@ -1,4 +1,4 @@
-"""Data parallel x pipeline on Ray: each stage's actor holds its stage's 2 host CPU devices and runs 2 replicas on
+"""Data parallel x pipeline on Ray: each stage's actor holds its stage's N host CPU devices and runs N replicas on
 them, one gradient reduction per stage per step, the optimizer state sharded across the replicas (ZeRO-1)."""
 
 from __future__ import annotations
@@ -8,7 +8,9 @@ import optax
 import pytest
 from models import assert_trees_close, optax_reference
 from optimizer_models import model, params_, stages, V, T
+from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
 
+import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
 
 CLIP = 0.05  # below every step's gradient norm: clipping acts on each step
@@ -67,3 +69,28 @@ def test_ray_pp2_dp2_tied_and_clipped_equals_optax_and_its_checkpoint_continues_
         assert again.step_count == 2 and again.data_parallel == 1
         np.testing.assert_allclose(again.step(batches[2]), ref_losses[2], rtol=RTOL)
         assert_trees_close(again.params(), ref_params, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize(
+    "workers, replicas, schedule",
+    [(2, 4, "1f1b"), (4, 2, "zbh1")],
+    ids=["pp2-dp4-1f1b", "pp4-dp2-zbh1"],
+)
+def test_ray_pp_by_dp_as_in_process_equals_optax(ray_session, workers, replicas, schedule):
+    """PP 2 x DP 4 (the tied model) and PP 4 x DP 2 (the GPT: a tied embedding, a skip), clipped, on Ray."""
+    if workers == 2:
+        fn, params, batches, tx = model, params_(), _batches(2, rows=8), optax.adam(1e-2)
+        st = stages()
+    else:
+        fn, params, tx = gpt, gpt_params(), optax.adamw(1e-2, weight_decay=0.1)
+        batches = [gpt_batch(8, seed=60 + i) for i in range(2)]
+        st = vs.export_stages(gpt, *gpt_specs(params), wrt="params", platforms="cpu")
+    assert len(st) == workers
+    kw = dict(optimizer=tx, microbatches=2, schedule=schedule, clip_global_norm=CLIP)
+    with P.Trainer(st, params, runner=P.Ray(data_parallel=replicas), **kw) as tr:
+        losses = [tr.step(b) for b in batches]
+        assert [len(set(d)) for d in tr.placement] == [replicas] * workers
+        got = tr.params()
+    ref_losses, ref_params = optax_reference(fn, params, optax.chain(optax.clip_by_global_norm(CLIP), tx), batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_trees_close(got, ref_params, rtol=RTOL, atol=ATOL)
