@@ -91,9 +91,10 @@ def test_training_steps_bitwise_with_offload(schedule, tmp_path, monkeypatch):
         _bitwise(params, ref_params)
         _bitwise(state, ref_state)
         assert tr.last_result.plans == ref_tr.last_result.plans
-        # The first stage holds fewer residual bytes at its peak; the last (its B follows its F) the same.
-        # (files: a write still under way at a boundary counts as on the device, so only never more)
-        assert peaks[0] < ref_peaks[0] if to == "host" else peaks[0] <= ref_peaks[0], (to, peaks, ref_peaks)
+        # The first stage never holds more residual bytes at its peak; the last (its B follows its F) the same.
+        # Not "fewer" here: a copy still under way at a boundary counts as on the device, and on a loaded host a
+        # 1F1B stage's few microbatches may all be under way (a GPipe stage's many are not: the test below).
+        assert peaks[0] <= ref_peaks[0], (to, peaks, ref_peaks)
         assert peaks[-1] == ref_peaks[-1]
 
 

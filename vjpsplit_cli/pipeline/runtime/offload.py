@@ -128,7 +128,16 @@ def on_device(a: Any) -> bool:
     if not isinstance(a, jax.Array):
         return False
     kind = getattr(a.sharding, "memory_kind", None)
-    return kind is None or kind == "device"
+    if kind is None or kind == "device":
+        return True
+    if kind == "pinned_host":
+        return False
+    # Older JAX (0.6) names a CPU device's own memory "unpinned_host": its default memory, so on the device.
+    try:
+        device = next(iter(a.sharding.device_set))
+        return bool(kind == device.default_memory().kind)  # type: ignore[attr-defined]  # not in jaxlib's stub
+    except (AttributeError, ValueError, StopIteration):
+        return False
 
 
 def device_bytes(arrays: Any) -> int:
