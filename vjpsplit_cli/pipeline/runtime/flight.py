@@ -6,7 +6,10 @@ end on this process's ``time.monotonic``) in a bounded ring, timed step or not
 A timed step's worker thread (or Ray actor) also says what it is doing in one
 ``Now`` tuple: waiting for its next operation, waiting for the value another
 stage sends it, running an operation, finishing its stages (the reductions and
-the optimizer update), or done. When a step passes ``step_timeout`` or is
+the optimizer update), or done. An untimed step's ``Now`` is read off what its
+driver dispatched (``inprocess.Dispatched``): the operation whose dispatch has not
+returned, else each worker's first dispatched operation whose outputs are not
+ready (``jax.Array.is_ready``). When a step passes ``step_timeout`` or is
 interrupted, ``hang_message`` turns each worker's ``Now`` into one clause
 (``worker 1: B stage 1 mb 3 waits for the cotangent from stage 2 (worker 2 has
 not sent it)``) and ``write_flight`` writes every worker's ring as JSON.
@@ -30,6 +33,10 @@ RING = 256  # operations each stage worker keeps: several steps of a tiny pipeli
 # None, since when on time.monotonic). States: NEXT (its next operation is not handed to it yet), WAITS
 # (for a value another stage sends), RUNS, FINISH (its stages' reductions and update), DONE.
 NEXT, WAITS, RUNS, FINISH, DONE = "next", "waits", "runs", "finish", "done"
+# An untimed step's workers, read off what the driver dispatched: DISPATCHING (the driver's thread is inside
+# this operation's dispatch: on CPU a host callback runs there), PENDING (dispatched, its outputs not ready;
+# with a source: the value it reads is not ready either), FINISHED (every operation of its list finished).
+DISPATCHING, PENDING, FINISHED = "dispatching", "pending", "finished"
 Now = tuple[str, "Op | OpKey | None", "OpKey | None", float]
 
 
@@ -58,14 +65,29 @@ def clause(
     t0: float,
     worker_of: Mapping[int, int],
     sent: Mapping[OpKey, float] | None = None,
+    after: int = 0,
 ) -> str:
     """Worker ``worker``'s ``now`` in words, times in ms since ``t0`` (the step's start).
 
     ``sent``: when each value was sent (Ray: a value can be sent and not yet received); without it a value
-    waited for is one its sender has not sent.
+    waited for is one its sender has not sent. ``after``: how many of its operations were dispatched after
+    a PENDING one and have not finished either (they wait behind it).
     """
     state, op, src, since = now
     at = f"{(since - t0) * 1e3:.1f} ms"
+    if state == DISPATCHING and op is not None:
+        return f"worker {worker}: running {_op(op)} since {at} (in its dispatch, which has not returned)"
+    if state == PENDING and op is not None:
+        more = f"; {after} dispatched after it wait" if after else ""
+        if src is not None:
+            by = worker_of.get(src.stage, src.stage)
+            return (
+                f"worker {worker}: {_op(op)} waits for {what(op.kind)} from stage {src.stage} "
+                f"(worker {by} has not finished it; dispatched at {at}{more})"
+            )
+        return f"worker {worker}: running or waiting: {_op(op)} (dispatched at {at}, not finished{more})"
+    if state == FINISHED:
+        return f"worker {worker}: all its operations finished"
     if state == RUNS and op is not None:
         return f"worker {worker}: running {_op(op)} since {at}"
     if state == WAITS and op is not None and src is not None:
@@ -91,9 +113,11 @@ def hang_message(
     path: str | None,
     hint: str = "",
     sent: Mapping[OpKey, float] | None = None,
+    after: Sequence[int] | None = None,
 ) -> str:
-    """One line: ``reason``, every worker's clause, where the last operations were written, then ``hint``."""
-    parts = [clause(w, now, t0, worker_of, sent) for w, now in enumerate(nows)]
+    """One line: ``reason``, every worker's clause, where the last operations were written, then ``hint``
+    (``after``: per worker, ``clause``'s)."""
+    parts = [clause(w, now, t0, worker_of, sent, after[w] if after else 0) for w, now in enumerate(nows)]
     where = f"; the last operations of every worker: {path}" if path else ""
     return f"{reason}; " + "; ".join(parts) + where + hint
 

@@ -5,7 +5,10 @@ the one play of plans' order and nothing waits: ``jit`` dispatches asynchronousl
 so the devices run side by side while the driver is already further on. Timed
 (``run_threads``), each worker runs its list in a thread of its own
 (``WorkerThreads``, kept across steps) and waits for each operation's results, so
-its events are compute times. There each mailbox has its own event, and each
+its events are compute times. A Trainer's untimed step runs its dispatch, in the
+same order, in one kept helper thread (``run_untimed``) while the caller waits with
+``step_timeout`` and Ctrl-C; ``Dispatched`` records what was handed out, so a
+stuck step names each worker's unfinished operation. There each mailbox has its own event, and each
 worker its own queue of operations, so a message wakes only the thread that reads
 it: the cost of an operation does not grow with the number of stages.
 """
@@ -18,19 +21,22 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from ...errors import VjpsplitError
-from ..schedules.ops import Op, dependencies, received, split_ops
+from ..schedules.ops import Kind, Op, dependencies, received, split_ops
 from ..schedules.plans import resolve
 from ..schedules.timeline import Phase
 from ..stages.directory import PerStage, Stages
 from .devices import placed, placement
 from .dispatch import Order, Submit, progress_bar, walk
 from .flight import (
+    DISPATCHING,
     DONE,
     FINISH,
+    FINISHED,
     NEXT,
+    PENDING,
     RUNS,
     WAITS,
     Now,
@@ -45,6 +51,7 @@ from .flight import (
 from .model import Microbatch, model_of, side_for
 from .offload import Offload, offload_of
 from .result import PipelineResult, step_result
+from .replicas import Parts, ReplicaGroup
 from .worker import StageWorker, run_op
 
 RUNNER = "in-process"
@@ -167,12 +174,14 @@ def dispatch(
     mbs: Sequence[Microbatch],
     microbatches: int,
     order: Order | None = None,
+    record: Dispatched | None = None,
 ) -> None:
     """One step of ``plans`` on the stages' ``workers`` (reset first), every operation dispatched from this thread.
 
     Nothing waits: each operation is handed to its stage's device as soon as the
     operations it reads are (the one play of plans' order), and ``jit``'s
     asynchronous dispatch runs the devices side by side. ``order``: ``dispatch.order_of(plans)``, if kept.
+    ``record``: notes each operation as it is handed out (``Dispatched``), and stops the step once stopped.
     """
     for st in workers:
         st.reset(timed=False, plans=plans)
@@ -182,7 +191,16 @@ def dispatch(
     def submit(w: int, op: Op, data: Any, side: list[Any]) -> Any:
         return run_op(workers[op.stage], op, data, side, microbatches, (op.stage, op.mb) in split, w)
 
-    walk(plans, len(workers), mbs, submit, order)
+    def noted(w: int, op: Op, data: Any, side: list[Any]) -> Any:
+        assert record is not None
+        record.begin(w, op)
+        out = run_op(workers[op.stage], op, data, side, microbatches, (op.stage, op.mb) in split, w)
+        record.end(w, op, out, workers[op.stage])
+        return out
+
+    walk(plans, len(workers), mbs, submit if record is None else noted, order)
+    if record is not None:
+        record.dispatched()
 
 
 def run_threads(
@@ -240,13 +258,14 @@ class WorkerThreads:
 
     A pool dropped without ``close`` ends its threads when it is collected (``weakref.finalize``: the
     threads hold their queues, never the pool), so a Trainer nobody closed leaves no thread behind.
-    A job that raises never ends its thread: its error is the job's (``_Job.error``).
+    A job that raises never ends its thread: its error is the job's (``_Job.error``). ``name``: the threads'
+    names' prefix (``<name>-<w>``).
     """
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, name: str = "vjpsplit-worker"):
         self.queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(n)]
         self.threads = [
-            threading.Thread(target=_serve, args=(q,), name=f"vjpsplit-worker-{w}", daemon=True)
+            threading.Thread(target=_serve, args=(q,), name=f"{name}-{w}", daemon=True)
             for w, q in enumerate(self.queues)
         ]
         for t in self.threads:
@@ -298,15 +317,47 @@ def _serve(jobs: queue.SimpleQueue[Any]) -> None:
             del job, item, done  # hold nothing of a step between steps
 
 
-def _wait(event: threading.Event, deadline: float | None) -> bool:
+def _wait(event: threading.Event, deadline: float | None, tick: Callable[[], None] | None = None) -> bool:
     """``event.wait`` until ``deadline`` (None: for good) in short slices: Ctrl-C reaches the main thread
-    between them even where the signal lands on another thread."""
+    between them even where the signal lands on another thread. ``tick()`` runs after each slice that ends
+    without the event."""
     while True:
         left = 0.25 if deadline is None else min(deadline - time.monotonic(), 0.25)
         if event.wait(max(left, 0.0)):
             return True
         if deadline is not None and time.monotonic() >= deadline:
             return False
+        if tick is not None:
+            tick()
+
+
+def _rings(plans: Sequence[Sequence[Op]], workers: Sequence[StageWorker]) -> list[list[tuple[int, list[Any]]]]:
+    """Per worker, each of its stages' ring as it is now (stage, operations)."""
+    return [[(s, list(workers[s].ring)) for s in sorted({o.stage for o in ops})] for ops in plans]
+
+
+def _report(
+    reason: str,
+    nows: Sequence[Now],
+    rings: Sequence[Sequence[tuple[int, list[Any]]]],
+    t0: float,
+    worker_of: dict[int, int],
+    watch: Watch,
+    left: str,
+    after: Sequence[int] | None = None,
+) -> str:
+    """A stopped step's one-line error, timed or not: every worker's clause, its last operations written to
+    ``watch.report_path`` (``flight.write_flight``; the line says so, or that it could not be written)."""
+    rows = []
+    for w, held in enumerate(rings):
+        ops = sorted((r for s, ring in held for r in ring_rows(ring, s, t0)), key=lambda r: r["start_ms"])
+        now = clause(w, nows[w], t0, worker_of, None, after[w] if after else 0)
+        rows.append({"worker": w, "now": now, "ops": ops})
+    path = watch.report_path or default_path()
+    message = hang_message(reason, nows, t0, worker_of, path, left, after=after)
+    if write_flight(path, message, rows) is None:
+        message = hang_message(reason, nows, t0, worker_of, None, f" (could not write {path}){left}", after=after)
+    return message
 
 
 GRACE = 1.0  # seconds the workers get to drain a stopped step before their threads are left behind
@@ -381,7 +432,7 @@ class _Threads:
         """Stop a step that is stuck or interrupted: what each worker does, its last operations written
         (``flight.write_flight``), every wait released; threads still stuck after ``GRACE`` are left behind."""
         nows = list(self.nows)  # as the step stopped, before anything is released
-        rings = [[(s, list(self.workers[s].ring)) for s in sorted({o.stage for o in ops})] for ops in self.plans]
+        rings = _rings(self.plans, self.workers)
         self.errors.append(VjpsplitError(reason))  # every worker drains the rest of its list
         if watch.on_stop is not None:
             watch.on_stop()
@@ -393,16 +444,8 @@ class _Threads:
         if stuck:
             pool.abandon()
             watch.stuck = [clause(w, nows[w], t0, self.worker_of) for w in stuck]
-        rows = []
-        for w, held in enumerate(rings):
-            ops = sorted((r for s, ring in held for r in ring_rows(ring, s, t0)), key=lambda r: r["start_ms"])
-            rows.append({"worker": w, "now": clause(w, nows[w], t0, self.worker_of), "ops": ops})
-        path = watch.report_path or default_path()
         left = f"; still stuck after {GRACE:g} s: worker {', '.join(map(str, stuck))}{watch.hint}" if stuck else ""
-        message = hang_message(reason, nows, t0, self.worker_of, path, left)
-        if write_flight(path, message, rows) is None:
-            message = hang_message(reason, nows, t0, self.worker_of, None, f" (could not write {path}){left}")
-        return message
+        return _report(reason, nows, rings, t0, self.worker_of, watch, left)
 
     def _worker(self, w: int) -> None:
         errors, nows = self.errors, self.nows
@@ -443,7 +486,8 @@ class Watch:
     (``report_path``; None: ``flight.default_path``), ``hint`` (what to do when a thread stays stuck, appended to
     the error), ``on_stop``
     (releases waits outside the operations, e.g. a barrier). Filled in: ``phases`` (the driver's) and
-    ``stuck`` (after a stop, the workers whose threads were left behind, each in words)."""
+    ``stuck`` (after a stop, the workers whose threads were left behind, each in words), ``applied`` (an
+    untimed step stopped once its updates had begun)."""
 
     step_timeout: float | None = None
     report_path: str | None = None
@@ -451,3 +495,180 @@ class Watch:
     on_stop: Callable[[], None] | None = None
     phases: list[Phase] = dataclasses.field(default_factory=list)
     stuck: list[str] = dataclasses.field(default_factory=list)
+    applied: bool = False  # an untimed step stopped after its first update began: its stages may be half-updated
+
+
+class _Stopped(Exception):
+    """Raised in an untimed step's thread at its next operation (or update) once the step was stopped."""
+
+
+def _probe(tree: Any) -> list[Any]:
+    """Per device, the smallest array of ``tree`` on it (what asks ``is_ready`` for its operation, held at the
+    least memory): one for a stage's output, one per replica for a ``Parts`` (replica r's on its device)."""
+    import jax
+
+    if isinstance(tree, Parts):
+        return [a for part in tree for a in _probe(part)]
+    arrays = [a for a in jax.tree_util.tree_leaves(tree) if isinstance(a, jax.Array)]
+    if len(arrays) == 1:
+        return arrays
+    return [min(arrays, key=lambda a: a.size)] if arrays else []
+
+
+def _handed_on(op: Op, stage: StageWorker | ReplicaGroup) -> Any:
+    """What an operation that hands on nothing (the first stage's B, every W) left in ``stage``: a split B's
+    intermediates for W, else the summed gradients; a replica group's reduced ones once it reduced (its last
+    gradient operation), else each replica's (a ``Parts``)."""
+    if isinstance(stage, ReplicaGroup):
+        if stage.grads is not None:
+            return stage.grads
+        return Parts(_handed_on(op, r) for r in stage.replicas)
+    inter = stage.inter.get(op.mb) if op.kind == Kind.B else None
+    return stage.grads if inter is None else list(inter.arrays.values())
+
+
+class Dispatched:
+    """What an untimed step's thread handed out: per worker, each operation with its dispatch time and one
+    array it produced (``is_ready`` says whether it finished), and the operation being dispatched now.
+
+    ``nows`` reads it while that thread may be stuck; ``stop`` makes the thread end at its next operation or
+    update. Once dispatch is over, operations found finished are dropped (``prune``), so their arrays are
+    held no longer than the waiting caller's next look (a quarter second).
+    """
+
+    def __init__(self, plans: Sequence[Sequence[Op]], num_stages: int):
+        self.plans, self.num_stages = plans, num_stages
+        self.worker_of = {op.stage: w for w, ops in enumerate(plans) for op in ops}
+        self.t0 = time.monotonic()
+        self.ops: list[list[tuple[Op, float, Any]]] = [[] for _ in plans]
+        self.count = [0] * len(plans)  # operations handed out per worker (ops drops the finished ones)
+        self.last = [self.t0] * len(plans)  # when each worker's last operation was handed out
+        self.now: tuple[int, Op, float] | None = None
+        self.over = False  # dispatch is over: prune may run from the waiting thread
+        self.lock = threading.Lock()
+        self.stopped = False
+        self.committed = False  # an update began
+
+    def begin(self, w: int, op: Op) -> None:
+        """``op`` of worker ``w`` is about to be dispatched (raises once the step is stopped)."""
+        if self.stopped:
+            raise _Stopped()
+        self.now = (w, op, time.monotonic())
+
+    def end(self, w: int, op: Op, out: Any, stage: StageWorker | ReplicaGroup) -> None:
+        """``op`` was dispatched: ``out`` is what it hands on (the first stage's B and W hand on nothing: theirs
+        are in ``stage``, a split B's intermediates for W, else the gradients)."""
+        at = self.now[2] if self.now is not None else time.monotonic()
+        probe = _probe(_handed_on(op, stage) if out is None else out)
+        self.ops[w].append((op, at, probe))
+        self.count[w] += 1
+        self.last[w] = at
+        self.now = None
+
+    def dispatched(self) -> None:
+        """Every operation is handed out: drop the finished ones; from now on the waiting thread prunes too."""
+        self.prune(force=True)
+        self.over = True
+
+    def prune(self, force: bool = False) -> None:
+        """Forget the operations that finished (their arrays are not held a moment longer than needed)."""
+        if self.over or force:
+            self.ops = [[e for e in ops if not _ready(e[2])] for ops in self.ops]
+
+    def commit(self) -> None:
+        """The step's thread is about to update a stage: raises if the step was stopped, else notes the update."""
+        with self.lock:
+            if self.stopped:
+                raise _Stopped()
+            self.committed = True
+
+    def stop(self) -> bool:
+        """Stop the step at its next operation or update; whether an update had already begun."""
+        with self.lock:
+            self.stopped = True
+            return self.committed
+
+    def nows(self) -> tuple[list[Now], list[int]]:
+        """Per worker its ``Now`` (the op being dispatched; else its first dispatched op not finished, and the
+        value it waits for if that is not finished either; else its next op, or finished), and how many of its
+        dispatched operations after that one have not finished."""
+        now = self.now
+        unfinished = [[e for e in list(ops) if not _ready(e[2])] for ops in self.ops]
+        waiting = {e[0].key for ops in unfinished for e in ops}
+        if now is not None:
+            waiting.add(now[1].key)
+        out: list[Now] = []
+        after: list[int] = []
+        for w, ops in enumerate(unfinished):
+            if now is not None and now[0] == w:
+                out.append((DISPATCHING, now[1], None, now[2]))
+                after.append(0)
+            elif ops:
+                op, at, _ = ops[0]
+                src = received(op, dependencies(op, self.num_stages))
+                out.append((PENDING, op, src if src is not None and src in waiting else None, at))
+                after.append(len(ops) - 1)
+            elif self.count[w] < len(self.plans[w]):
+                out.append((NEXT, self.plans[w][self.count[w]], None, self.last[w]))
+                after.append(0)
+            else:
+                out.append((FINISHED, None, None, self.last[w]))
+                after.append(0)
+        return out, after
+
+
+def _ready(probe: Sequence[Any]) -> bool:
+    return all(a.is_ready() for a in probe)
+
+
+T = TypeVar("T")
+
+
+def run_untimed(
+    pool: WorkerThreads,
+    body: Callable[[], T],
+    record: Dispatched,
+    workers: Sequence[StageWorker],
+    watch: Watch,
+) -> T:
+    """``body()`` (an untimed step: ``dispatch`` with ``record``, then what follows it) in ``pool``'s one thread,
+    while this one waits: past ``watch.step_timeout``, or on Ctrl-C, one error names what each worker is doing
+    (as ``run_threads``' does) and the step's thread ends at its next operation; one still stuck after ``GRACE``
+    is left behind (``watch.stuck``). Returns what ``body`` returns; raises what it raises."""
+    out: list[T] = []
+    (job,) = pool.start([lambda: out.append(body())])
+    deadline = None if watch.step_timeout is None else record.t0 + watch.step_timeout
+    try:
+        if not _wait(job.event, deadline, record.prune):
+            reason = f"the step did not finish within step_timeout={watch.step_timeout:g} s"
+            raise VjpsplitError(_stop_untimed(pool, job, record, workers, watch, reason))
+    except KeyboardInterrupt as e:
+        raise StepInterrupted(_stop_untimed(pool, job, record, workers, watch, "the step was interrupted")) from e
+    if job.error is not None:
+        raise job.error
+    return out[0]
+
+
+def _stop_untimed(
+    pool: WorkerThreads, job: _Job, record: Dispatched, workers: Sequence[StageWorker], watch: Watch, reason: str
+) -> str:
+    """Stop an untimed step: what each worker does (before anything moves on), its last operations written;
+    the step's thread told to end, and left behind if it does not within ``GRACE``."""
+    nows, after = record.nows()
+    rings = _rings(record.plans, workers)
+    t0, worker_of = record.t0, record.worker_of
+    watch.applied = record.stop()
+    stuck = not job.event.wait(GRACE)
+    left = ""
+    if stuck:
+        pool.abandon()
+        held = [w for w, n in enumerate(nows) if n[0] in (DISPATCHING, PENDING)]
+        watch.stuck = [clause(w, nows[w], t0, worker_of, None, after[w]) for w in held] or ["the step's thread"]
+        inside = [w for w, n in enumerate(nows) if n[0] == DISPATCHING]
+        # Where the thread is: inside an operation's dispatch (a CPU host callback runs there), else past its
+        # dispatch, in a fetch (a stage's squared sum, the loss) that waits for an unfinished operation.
+        where = f"in worker {inside[0]}'s dispatch" if inside else "waiting for a result of the unfinished operations"
+        left = f"; still stuck after {GRACE:g} s: the step's thread ({where}){watch.hint}"
+    elif watch.applied:
+        left = f"; it was stopped during its stages' updates{watch.hint}"
+    return _report(reason, nows, rings, t0, worker_of, watch, left, after)

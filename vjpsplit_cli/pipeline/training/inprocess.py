@@ -1,7 +1,8 @@
 """The Trainer's workers in this process: one ``StageTrainer`` per stage, kept across steps, each on its device.
 
-An untimed step is dispatched from the driver's thread, then each stage's step is
-finished (``stagestate.finish_stages``) as soon as it can be. In a timed step each
+An untimed step is dispatched from one kept helper thread (``runtime.inprocess.run_untimed``: the
+caller waits with ``step_timeout`` and Ctrl-C), then each stage's step is finished
+(``stagestate.finish_stages``) as soon as it can be. In a timed step each
 worker's thread finishes its stages after its last operation, swapping tied
 gradients and squared sums with the other threads at a barrier.
 """
@@ -19,7 +20,7 @@ from ...errors import VjpsplitError
 from ..runtime.devices import Devices
 from ..runtime.dispatch import Order, order_of
 from ..runtime.evaluation import evaluate_here, host
-from ..runtime.inprocess import RUNNER, Watch, WorkerThreads, dispatch, run_threads
+from ..runtime.inprocess import RUNNER, Dispatched, Watch, WorkerThreads, dispatch, run_threads, run_untimed
 from ..runtime.model import Microbatch
 from ..runtime.replicas import check_split, lead
 from ..runtime.result import PipelineResult, step_result
@@ -79,10 +80,11 @@ class _Rendezvous:
 class InProcessBackend:
     """The workers of this process: one ``StageTrainer`` per stage, kept across steps, each on its device.
 
-    An untimed step (the default) dispatches every operation and update from the
-    driver's thread, waiting for nothing but each stage's squared norm (fetched
-    before its update, the stages in the order they finish, while the others go on
-    computing) and the loss. A timed step runs each worker in a thread of its own (started at the first
+    An untimed step (the default) dispatches every operation and update from one
+    thread (started at the first untimed step, kept until ``close``), waiting for
+    nothing but each stage's squared norm (fetched before its update, the stages in
+    the order they finish, while the others go on computing) and the loss, while the
+    caller waits for it with ``step_timeout`` and Ctrl-C. A timed step runs each worker in a thread of its own (started at the first
     timed step, kept until ``close``) that waits for each operation, so the step's
     events are compute times.
     """
@@ -97,10 +99,11 @@ class InProcessBackend:
     ):
         self.ownership = ownership
         self.step_timeout, self.hang_report = step_timeout, hang_report
-        self.broken: str | None = None  # set when a timed step left a thread stuck in an operation
+        self.broken: str | None = None  # set when a step left a thread stuck in an operation (or half-updated)
         self.trainers = list(trainers)  # per stage: a StageTrainer, or a ReplicaTrainer of its replicas
         self.data_parallel = data_parallel
         self.threads: WorkerThreads | None = None
+        self.driver: WorkerThreads | None = None  # the untimed steps' one thread
         self.orders: tuple[Any, Order, list[int]] | None = None  # plans, their dispatch order, the finishing order
 
     @property
@@ -119,8 +122,9 @@ class InProcessBackend:
     ) -> tuple[PipelineResult, list[float]]:
         """One step: the schedule, then each stage's update where it lives (``timed``: see the class).
 
-        A timed step past ``step_timeout`` (or interrupted) is one error saying what each worker is doing, its
-        last operations written to ``hang_report``; a thread still stuck then ends this backend's steps."""
+        A step past ``step_timeout`` (or interrupted) is one error saying what each worker is doing, its
+        last operations written to ``hang_report``; a thread still stuck then (or an untimed step stopped
+        during its updates) ends this backend's steps."""
         if self.broken is not None:
             raise VjpsplitError(self.broken)
         S = len(self.trainers)
@@ -131,13 +135,11 @@ class InProcessBackend:
         phases: list[Phase] = []
         if timed:
             sums = self._threaded(mbs, schedule, microbatches, clip, phases)
+            t1 = time.monotonic()
+            losses = workers[-1].fetch_losses()
+            phases.append(Phase(None, "fetch the losses", t1, time.monotonic()))
         else:
-            order, finishing = self._orders(schedule.plans)
-            dispatch(workers, schedule.plans, mbs, microbatches, order)
-            sums = self._finish(finishing, clip, self._value(microbatches))
-        t1 = time.monotonic()
-        losses = workers[-1].fetch_losses()
-        phases.append(Phase(None, "fetch the losses", t1, time.monotonic()))
+            sums, losses = self._untimed(mbs, schedule, microbatches, clip)
         step_time = time.monotonic() - t0
         result = step_result(
             schedule=schedule.name,
@@ -172,17 +174,58 @@ class InProcessBackend:
 
         return value
 
-    def _finish(self, finishing: Sequence[int], clip: float | None, value: Callable[[], float]) -> dict[int, float]:
-        """The untimed step's last phases, from this thread: each stage's update as soon as it can go."""
+    def _untimed(
+        self, mbs: Sequence[Microbatch], schedule: Resolved, microbatches: int, clip: float | None
+    ) -> tuple[dict[int, float], dict[int, float]]:
+        """An untimed step in the kept driver thread (dispatch, updates, losses), waited for here."""
+        workers = [t.worker for t in self.trainers]
+        order, finishing = self._orders(schedule.plans)
+        record = Dispatched(schedule.plans, len(workers))
+        value = self._value(microbatches)
+
+        def body() -> tuple[dict[int, float], dict[int, float]]:
+            dispatch(workers, schedule.plans, mbs, microbatches, order, record)
+            sums = self._finish(finishing, clip, value, record.commit)
+            return sums, workers[-1].fetch_losses()
+
+        if self.driver is None:
+            self.driver = WorkerThreads(1, "vjpsplit-step")
+        watch = Watch(self.step_timeout, self.hang_report, RESTORE_HINT)
+        try:
+            return run_untimed(self.driver, body, record, workers, watch)
+        finally:
+            if watch.stuck:  # its thread may yet write into a stage: no step runs on them again
+                self.driver = None
+                self.broken = (
+                    f"an earlier step timed out or was interrupted with a thread stuck ({'; '.join(watch.stuck)})"
+                    f"{RESTORE_HINT}"
+                )
+            elif watch.applied:
+                self.broken = f"an earlier step was stopped during its stages' updates{RESTORE_HINT}"
+
+    def _finish(
+        self,
+        finishing: Sequence[int],
+        clip: float | None,
+        value: Callable[[], float],
+        commit: Callable[[], None],
+    ) -> dict[int, float]:
+        """The untimed step's last phases, from its thread: each stage's update as soon as it can go
+        (``commit()`` before each: it raises once the step was stopped)."""
         own, trainers = self.ownership, self.trainers
         scale = (lambda v: 1.0) if clip is None else (lambda v: clip_scale(v, clip)[0])
+
+        def exchange(part: Mapping[int, Any]) -> Mapping[int, Any]:
+            commit()
+            return part
+
         program = trainers[0].program
         if own.tied or clip is not None or program.rounds or program.uses_value:  # the others' parts first
-            got = finish_stages(trainers, lambda part: part, scale, own.tied, value=value)
+            got = finish_stages(trainers, exchange, scale, own.tied, value=value)
             return dict(zip(range(len(trainers)), got))
         sums: dict[int, float] = {}
         for s in finishing:  # the stage whose last operation comes first updates first
-            sums[s] = finish_stages([trainers[s]], lambda part: part, scale, False)[0]
+            sums[s] = finish_stages([trainers[s]], exchange, scale, False)[0]
         return sums
 
     def _threaded(
@@ -221,7 +264,8 @@ class InProcessBackend:
             sums.update({t.stage_index: v for t, v in zip(mine, got)})
 
         if self.threads is None or len(self.threads.threads) != len(held):
-            self.close()
+            if self.threads is not None:
+                self.threads.close()
             self.threads = WorkerThreads(len(held))
         workers = [t.worker for t in self.trainers]
         order, _ = self._orders(schedule.plans)
@@ -270,7 +314,10 @@ class InProcessBackend:
         raise VjpsplitError("workers() gives the Ray actor of each worker; this Trainer runs in-process")
 
     def close(self) -> None:
-        """End the worker threads of timed steps, if any ran."""
+        """End the worker threads of timed steps and the untimed steps' thread, those that ran."""
         if self.threads is not None:
             self.threads.close()
             self.threads = None
+        if self.driver is not None:
+            self.driver.close()
+            self.driver = None

@@ -91,9 +91,10 @@ class Trainer:
     ``Observe(timeline=True)`` times every step (``step(batch, timed=True)`` one
     step): each operation waits for its results, and ``last_result`` holds their
     compute times; ``Observe(trace_dir=..., trace_every=k)`` writes every k-th step's
-    trace. A step past ``Observe(step_timeout=...)``, or one interrupted by Ctrl-C, is
-    one error naming what each worker is running or waiting for (its report: the
-    error names it). The worker threads of timed steps end with ``close()``, with
+    trace. Any step, timed or not, in-process or on Ray, past ``Observe(step_timeout=...)``,
+    or one interrupted by Ctrl-C, is one error naming what each worker is running or
+    waiting for (its report: the error names it). The worker threads of timed steps, and
+    the one thread in-process untimed steps run in, end with ``close()``, with
     ``with Trainer(...) as tr:``, or when a Trainer nobody closed is collected.
 
     ``InProcess(offload=...)`` or ``Ray(offload=...)``: residuals leave their stage's device between a
