@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import re
 import threading
 import time
 
@@ -17,6 +18,7 @@ import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.pipeline.runtime import inprocess
+from vjpsplit_cli.pipeline.runtime.flight import StepInterrupted
 from vjpsplit_cli.pipeline.runtime.worker import StageWorker
 
 
@@ -210,6 +212,199 @@ def test_ctrl_c_during_a_timed_step_is_one_error_naming_what_each_worker_does(mo
     assert (tmp_path / "h.json").exists()
     assert time.monotonic() - t0 < 1.0 + 2.0
     tr.close()
+
+
+# -- an untimed step (the Trainer's default) stuck or interrupted says the same -------------------------------
+
+
+def _callback_blocks(monkeypatch, stage, mb):
+    """Stage ``stage``'s forward of microbatch ``mb`` reads its input through a jitted ``jax.pure_callback`` that,
+    once ``hold.set()`` is called, waits for ``release`` (a host callback that never returns). Until then it
+    passes the input through, so a first step compiles it. Returns ``(hold, release)``."""
+    import jax
+
+    hold, release = threading.Event(), threading.Event()
+
+    def host(x):
+        if hold.is_set():
+            release.wait()
+        return x
+
+    def through(x):
+        like = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
+        return jax.pure_callback(host, like, x)
+
+    blocker = jax.jit(through)
+    real = StageWorker.forward
+
+    def forward(self, m, x, side, worker=None):
+        if self.stage_index == stage and m == mb:
+            x = blocker(x)
+        return real(self, m, x, side, worker=worker)
+
+    monkeypatch.setattr(StageWorker, "forward", forward)
+    return hold, release
+
+
+def _step_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("vjpsplit-step-")]
+
+
+def test_an_untimed_step_stuck_in_a_host_callback_ends_at_step_timeout_naming_the_op(monkeypatch, tmp_path):
+    """The Trainer's default step, untimed, with stage 1's forward of microbatch 1 in a host callback that never
+    returns: within step_timeout + 2 s one error names it and what the other workers wait for, the report is
+    written; the thread stays stuck, so the Trainer refuses further steps; released at the end, the thread ends.
+    (Before: the step hung for good.) XLA's CPU client runs the callback inside that operation's dispatch, or,
+    when the operation's inputs are not ready as it is dispatched, later on a thread of its own (the dispatch
+    returns, the step waits in a fetch): the report names the operation either way."""
+    before = set(_step_threads())
+    report = tmp_path / "hang.json"
+    tr = _trainer(hang_report=report)
+    hold, release = _callback_blocks(monkeypatch, stage=1, mb=1)
+    try:
+        tr.step(gpt_batch(4))  # compiled, the callback's too: the limit below is the hang's
+        first = tr.history[-1]["loss"]
+        tr.backend.step_timeout = 1.5
+        hold.set()
+        t0 = time.monotonic()
+        out = _in_thread(lambda: tr.step(gpt_batch(4)))
+        took = time.monotonic() - t0
+        err = out.get("error")
+        assert isinstance(err, VjpsplitError), out
+        assert took < 1.5 + 2.0
+        text = str(err)
+        assert "did not finish within step_timeout=1.5 s" in text
+        inside = "worker 1: running F stage 1 mb 1 since" in text
+        if inside:  # the dispatch holds the thread: the workers after it were not handed their operations
+            assert "(in its dispatch, which has not returned)" in text
+            assert "worker 0: waits to be handed its next operation (B stage 0 mb 0)" in text
+            assert "still stuck after 1 s: the step's thread (in worker 1's dispatch)" in text
+        else:  # dispatched: the first operation of each worker not finished, and what it waits for
+            assert re.search(
+                r"worker 1: running or waiting: F stage 1 mb 1 \(dispatched at [\d.]+ ms, not finished", text
+            )
+            assert "worker 0: B stage 0 mb 0 waits for the cotangent from stage 1 (worker 1 has not finished it" in text
+            assert (
+                "still stuck after 1 s: the step's thread (waiting for a result of the unfinished operations)" in text
+            )
+        assert str(report) in text and "\n" not in text
+        body = json.loads(report.read_text())
+        assert body["message"] == text
+        rows = {w["worker"]: w for w in body["workers"]}
+        assert re.match(r"worker 1: running (or waiting: )?F stage 1 mb 1", rows[1]["now"])
+        ops = [(r["kind"], r["stage"], r["mb"]) for r in rows[1]["ops"]]
+        assert ("B", 1, 1) in ops  # the first step's
+        # The ring holds each operation once its dispatch returned: inside it, this step's last is the F of mb 0.
+        assert ops[-1] == ("F", 1, 0) if inside else ("F", 1, 1) in ops[ops.index(("B", 1, 1)) + 1 :]
+        again = _in_thread(lambda: tr.step(gpt_batch(4))).get("error")
+        assert "an earlier step timed out" in str(again) and re.search(
+            r"running (or waiting: )?F stage 1 mb 1", str(again)
+        )
+        assert tr.history[-1]["loss"] == first  # no step was counted
+        _in_thread(tr.close, timeout=10)  # does not wait for the stuck thread
+    finally:
+        release.set()
+    assert _gone_threads(before, _step_threads)
+
+
+def _gone_threads(before, current, timeout=10.0):
+    end = time.monotonic() + timeout
+    for t in current():
+        if t not in before:
+            t.join(max(end - time.monotonic(), 0.0))
+    return all(t in before for t in current())
+
+
+def test_ctrl_c_during_an_untimed_step_is_a_step_interrupted_and_the_trainer_goes_on(monkeypatch, tmp_path):
+    """SIGINT while an untimed step hangs in a host callback: a ``StepInterrupted`` naming the stuck op, the
+    report written; the callback returns within the stop's grace, so the Trainer steps on, the stopped step
+    having applied nothing (its next step equals a reference Trainer's)."""
+    import os
+    import signal
+
+    tr = _trainer(step_timeout=60, hang_report=tmp_path / "h.json")
+    hold, release = _callback_blocks(monkeypatch, stage=2, mb=0)
+    ref = _trainer()
+    try:
+        tr.step(gpt_batch(4))
+        ref.step(gpt_batch(4))
+        hold.set()
+        timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+        unstick = threading.Timer(1.0 + inprocess.GRACE / 2, release.set)
+        t0 = time.monotonic()
+        timer.start()
+        unstick.start()
+        try:
+            with pytest.raises(KeyboardInterrupt) as info:
+                tr.step(gpt_batch(4))
+        finally:
+            timer.cancel()
+            release.set()
+        assert time.monotonic() - t0 < 1.0 + 2.0
+        assert isinstance(info.value, StepInterrupted) and isinstance(info.value, VjpsplitError)
+        text = str(info.value)
+        assert text.startswith("the step was interrupted; ")
+        assert re.search(r"worker 2: running (F stage 2 mb 0 since|or waiting: F stage 2 mb 0 \(dispatched)", text)
+        assert json.loads((tmp_path / "h.json").read_text())["message"] == text
+        hold.clear()
+        assert tr.step(gpt_batch(4, seed=7)) == ref.step(gpt_batch(4, seed=7))
+    finally:
+        release.set()
+        tr.close()
+        ref.close()
+
+
+class _Probe:
+    def __init__(self, ready):
+        self.ready = ready
+
+    def is_ready(self):
+        return self.ready
+
+
+def test_an_untimed_steps_workers_are_read_off_what_is_dispatched_and_not_finished():
+    """Where the dispatch returned (a GPU runs host callbacks on a thread of its own and the step waits later, in
+    a fetch), each worker is its first dispatched operation whose output is not ready: running when what it
+    reads is ready, waiting for the value otherwise, with how many dispatched after it wait; a worker with its
+    dispatched operations done and more to come waits to be handed the next; one with all done is finished."""
+    from vjpsplit_cli.pipeline.runtime import flight
+    from vjpsplit_cli.pipeline.schedules.ops import Op
+
+    F, B = (lambda m, s: Op("F", m, s)), (lambda m, s: Op("B", m, s))
+    plans = [[F(0, 0), F(1, 0), B(0, 0), B(1, 0)], [F(0, 1), B(0, 1), F(1, 1), B(1, 1)], [F(0, 2), B(0, 2)]]
+    rec = inprocess.Dispatched(plans, 3)
+    t = rec.t0
+    ready = {F(0, 0): True, F(1, 0): False, F(0, 1): True, B(0, 1): False, F(0, 2): True, B(0, 2): True}
+    order = [F(0, 0), F(1, 0), F(0, 1), F(0, 2), B(0, 2), B(0, 1)]
+    for i, op in enumerate(order):
+        w = {0: 0, 1: 1, 2: 2}[op.stage]
+        rec.ops[w].append((op, t + (i + 1) * 1e-3, [_Probe(ready[op])]))
+        rec.count[w] += 1
+        rec.last[w] = t + (i + 1) * 1e-3
+    nows, after = rec.nows()
+    text = flight.hang_message("stuck", nows, t, rec.worker_of, None, after=after)
+    assert "worker 0: running or waiting: F stage 0 mb 1 (dispatched at 2.0 ms, not finished)" in text
+    assert (
+        "worker 1: B stage 1 mb 0 waits for the cotangent from stage 2" not in text
+    )  # stage 2's B of mb 0 is ready: stage 1's B runs
+    assert "worker 1: running or waiting: B stage 1 mb 0 (dispatched at 6.0 ms, not finished)" in text
+    assert "worker 2: all its operations finished" in text
+    # One more worker-1 op waiting behind its first, and a B waiting for a cotangent not finished.
+    ready[B(0, 2)] = False
+    rec.ops[2][-1] = (B(0, 2), t + 5e-3, [_Probe(False)])
+    rec.ops[1].append((F(1, 1), t + 7e-3, [_Probe(False)]))
+    rec.count[1] += 1
+    nows, after = rec.nows()
+    text = flight.hang_message("stuck", nows, t, rec.worker_of, None, after=after)
+    assert (
+        "worker 1: B stage 1 mb 0 waits for the cotangent from stage 2 (worker 2 has not finished it; "
+        "dispatched at 6.0 ms; 1 dispatched after it wait)" in text
+    )
+    assert "worker 2: running or waiting: B stage 2 mb 0 (dispatched at 5.0 ms, not finished)" in text
+    ready[F(1, 0)] = True
+    rec.ops[0][1] = (F(1, 0), t + 2e-3, [_Probe(True)])
+    nows, _ = rec.nows()
+    assert nows[0][:2] == (flight.NEXT, B(0, 0))  # its next op is not handed out yet
 
 
 # -- the trace file --------------------------------------------------------------------------------------------

@@ -302,3 +302,91 @@ def test_offload_with_replicas_trains_bitwise_as_without(to, tmp_path, monkeypat
         # Each replica's own file: stage 0's four replicas write apart, and every file is gone once read back.
         assert {os.path.basename(p).split("-")[1] for p in written} == {"r0", "r1", "r2", "r3"}
         assert os.listdir(tmp_path / "off") == []
+
+
+def _one_replica_blocks(monkeypatch, stage, mb, device):
+    """Stage ``stage``'s forward of microbatch ``mb`` on the replica on ``device`` reads its input through a host
+    callback that, once ``hold`` is set, waits for ``release``. Returns ``(hold, release)``."""
+    import threading
+
+    from vjpsplit_cli.pipeline.runtime.worker import StageWorker
+
+    hold, release = threading.Event(), threading.Event()
+
+    def host(x):
+        if hold.is_set():
+            release.wait()
+        return x
+
+    def through(x):
+        like = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
+        return jax.pure_callback(host, like, x)
+
+    blocker = jax.jit(through)
+    real = StageWorker.forward
+
+    def forward(self, m, x, side, worker=None):
+        if self.stage_index == stage and m == mb and self.device == device:
+            x = blocker(x)
+        return real(self, m, x, side, worker=worker)
+
+    monkeypatch.setattr(StageWorker, "forward", forward)
+    return hold, release
+
+
+def test_an_untimed_step_with_a_stuck_replica_ends_at_step_timeout_naming_the_op(monkeypatch, tmp_path):
+    """data_parallel=2, the default untimed step, with one replica of stage 1 stuck in a host callback in its
+    forward of microbatch 1: within step_timeout + 2 s one error names that operation (inside its dispatch, or
+    dispatched and not finished: a replica group's operation is finished only once every replica's is) and the
+    report is written; the Trainer then refuses to step on its half-run stages."""
+    import json
+    import time
+
+    report = tmp_path / "hang.json"
+    with P.Trainer(
+        tied_stages(), tied_params(), optimizer=optax.adam(1e-2), microbatches=2, data_parallel=2, hang_report=report
+    ) as tr:
+        hold, release = _one_replica_blocks(monkeypatch, stage=1, mb=1, device=tr.placement[1][1])
+        try:
+            tr.step(tied_batches(1, rows=8)[0])  # compiled, the callback's too
+            tr.backend.step_timeout = 1.5
+            hold.set()
+            t0 = time.monotonic()
+            with pytest.raises(VjpsplitError) as info:
+                tr.step(tied_batches(1, rows=8, seed=6)[0])
+            assert time.monotonic() - t0 < 1.5 + 2.0
+            text = str(info.value)
+            assert text.startswith("the step did not finish within step_timeout=1.5 s; ")
+            assert re.search(r"worker 1: running (F stage 1 mb 1 since|or waiting: F stage 1 mb 1 \(dispatched)", text)
+            assert json.loads(report.read_text())["message"] == text
+            with pytest.raises(VjpsplitError, match="an earlier step timed out"):
+                tr.step(tied_batches(1, rows=8)[0])
+        finally:
+            release.set()
+
+
+def test_an_untimed_steps_record_asks_every_replica_whether_an_operation_finished():
+    """What a replica group hands on (a ``Parts``, one array per replica) is probed on every replica's device:
+    the operation counts as finished only when every replica's part is."""
+    from vjpsplit_cli.pipeline.runtime import inprocess
+    from vjpsplit_cli.pipeline.runtime.replicas import Parts
+    from vjpsplit_cli.pipeline.schedules.ops import Op
+
+    devs = jax.devices()[:2]
+    small, big = jax.device_put(jnp.ones(2), devs[0]), jax.device_put(jnp.ones((3, 3)), devs[1])
+    parts = Parts(({"a": small, "b": jax.device_put(jnp.ones(5), devs[0])}, big))
+    probes = inprocess._probe(parts)
+    assert [p.devices() for p in probes] == [{devs[0]}, {devs[1]}] and probes[0] is small
+
+    class NotYet:
+        def is_ready(self):
+            return False
+
+    rec = inprocess.Dispatched([[Op("F", 0, 0)]], 1)
+    rec.ops[0].append((Op("F", 0, 0), rec.t0, [small, NotYet()]))  # replica 0's part ready, replica 1's not
+    rec.count[0] = 1
+    (now,), _ = rec.nows()
+    assert now[0] == "pending" and now[1] == Op("F", 0, 0)
+    rec.ops[0][0] = (Op("F", 0, 0), rec.t0, probes)
+    (now,), _ = rec.nows()
+    assert now[0] == "finished"
