@@ -407,6 +407,28 @@ def test_an_untimed_steps_workers_are_read_off_what_is_dispatched_and_not_finish
     assert nows[0][:2] == (flight.NEXT, B(0, 0))  # its next op is not handed out yet
 
 
+def test_an_untimed_steps_record_holds_the_finished_operations_outputs_no_longer_than_a_few_more_ops():
+    """The record holds one output array of each operation it hands out, to ask whether it finished: those found
+    finished are dropped as the queue grows (at most ``PRUNE`` more held), every one once dispatch is over,
+    while the unfinished stay (their buffers are alive anyway)."""
+    import jax.numpy as jnp
+
+    from vjpsplit_cli.pipeline.schedules.ops import Op
+
+    ops = [Op("F", m, 0) for m in range(100)]
+    rec = inprocess.Dispatched([ops], 1)
+    done = jnp.ones(3)
+    done.block_until_ready()
+    for op in ops:
+        rec.begin(0, op)
+        rec.end(0, op, (done, done), None)
+        assert len(rec.ops[0]) <= inprocess.PRUNE
+    assert rec.count == [100] and rec.nows()[0][0][0] == "finished"
+    rec.ops[0].append((Op("F", 100, 0), rec.t0, [_Probe(False)]))
+    rec.dispatched()
+    assert [e[0] for e in rec.ops[0]] == [Op("F", 100, 0)]
+
+
 # -- the trace file --------------------------------------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ it: the cost of an operation does not grow with the number of stages.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import queue
@@ -502,17 +503,22 @@ class _Stopped(Exception):
     """Raised in an untimed step's thread at its next operation (or update) once the step was stopped."""
 
 
-def _probe(tree: Any) -> list[Any]:
-    """Per device, the smallest array of ``tree`` on it (what asks ``is_ready`` for its operation, held at the
-    least memory): one for a stage's output, one per replica for a ``Parts`` (replica r's on its device)."""
+def _probe(tree: Any, array: type) -> tuple[Any, ...]:
+    """What asks ``is_ready`` for the operation that produced ``tree``: one of its arrays (all the outputs of
+    one execution are ready at once, so any one tells; the first, to walk no tree where there is none), or
+    one per replica for a ``Parts`` (replica r's on its device). ``array``: ``jax.Array``."""
+    if isinstance(tree, array):
+        return (tree,)
+    if isinstance(tree, Parts):
+        return tuple(a for part in tree for a in _probe(part, array))
+    if isinstance(tree, (tuple, list)) and tree and isinstance(tree[0], array):
+        return (tree[0],)
     import jax
 
-    if isinstance(tree, Parts):
-        return [a for part in tree for a in _probe(part)]
-    arrays = [a for a in jax.tree_util.tree_leaves(tree) if isinstance(a, jax.Array)]
-    if len(arrays) == 1:
-        return arrays
-    return [min(arrays, key=lambda a: a.size)] if arrays else []
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, array):
+            return (leaf,)
+    return ()
 
 
 def _handed_on(op: Op, stage: StageWorker | ReplicaGroup) -> Any:
@@ -527,27 +533,40 @@ def _handed_on(op: Op, stage: StageWorker | ReplicaGroup) -> Any:
     return stage.grads if inter is None else list(inter.arrays.values())
 
 
+PRUNE = 8  # a worker's held operations before their finished front is dropped (then twice those still held)
+
+
 class Dispatched:
     """What an untimed step's thread handed out: per worker, each operation with its dispatch time and one
-    array it produced (``is_ready`` says whether it finished), and the operation being dispatched now.
+    array per device it produced (``is_ready`` says whether it finished), and the operation being dispatched now.
 
     ``nows`` reads it while that thread may be stuck; ``stop`` makes the thread end at its next operation or
-    update. Once dispatch is over, operations found finished are dropped (``prune``), so their arrays are
-    held no longer than the waiting caller's next look (a quarter second).
+    update. A worker's operations found finished at the front of its queue are dropped as it grows (each time
+    it holds ``PRUNE``, or twice what it held after the last drop), and all found finished once dispatch is over
+    and at each look of the waiting caller (``prune``): what is held is one array of each operation not
+    finished (whose buffers are alive anyway) and a few more.
     """
 
     def __init__(self, plans: Sequence[Sequence[Op]], num_stages: int):
+        import jax
+
+        self.array = jax.Array  # JAX loads on first use, not when this module does
         self.plans, self.num_stages = plans, num_stages
-        self.worker_of = {op.stage: w for w, ops in enumerate(plans) for op in ops}
         self.t0 = time.monotonic()
-        self.ops: list[list[tuple[Op, float, Any]]] = [[] for _ in plans]
+        self.ops: list[collections.deque[tuple[Op, float, Sequence[Any]]]] = [collections.deque() for _ in plans]
         self.count = [0] * len(plans)  # operations handed out per worker (ops drops the finished ones)
+        self.limit = [PRUNE] * len(plans)  # how many a worker's ops may hold before its front is pruned again
         self.last = [self.t0] * len(plans)  # when each worker's last operation was handed out
         self.now: tuple[int, Op, float] | None = None
         self.over = False  # dispatch is over: prune may run from the waiting thread
         self.lock = threading.Lock()
         self.stopped = False
         self.committed = False  # an update began
+
+    @functools.cached_property
+    def worker_of(self) -> dict[int, int]:
+        """Per stage, the worker that holds it (worked out for a report only)."""
+        return {op.stage: w for w, ops in enumerate(self.plans) for op in ops}
 
     def begin(self, w: int, op: Op) -> None:
         """``op`` of worker ``w`` is about to be dispatched (raises once the step is stopped)."""
@@ -558,9 +577,15 @@ class Dispatched:
     def end(self, w: int, op: Op, out: Any, stage: StageWorker | ReplicaGroup) -> None:
         """``op`` was dispatched: ``out`` is what it hands on (the first stage's B and W hand on nothing: theirs
         are in ``stage``, a split B's intermediates for W, else the gradients)."""
-        at = self.now[2] if self.now is not None else time.monotonic()
-        probe = _probe(_handed_on(op, stage) if out is None else out)
-        self.ops[w].append((op, at, probe))
+        now = self.now
+        at = now[2] if now is not None else time.monotonic()
+        probe = _probe(_handed_on(op, stage) if out is None else out, self.array)
+        ops = self.ops[w]
+        if len(ops) >= self.limit[w]:  # amortized: an is_ready of a pending array costs more than the rest here
+            while ops and _ready(ops[0][2]):  # in order on its devices, mostly: the front is what finished
+                ops.popleft()
+            self.limit[w] = max(PRUNE, 2 * len(ops))
+        ops.append((op, at, probe))
         self.count[w] += 1
         self.last[w] = at
         self.now = None
@@ -573,7 +598,7 @@ class Dispatched:
     def prune(self, force: bool = False) -> None:
         """Forget the operations that finished (their arrays are not held a moment longer than needed)."""
         if self.over or force:
-            self.ops = [[e for e in ops if not _ready(e[2])] for ops in self.ops]
+            self.ops = [collections.deque(e for e in ops if not _ready(e[2])) for ops in self.ops]
 
     def commit(self) -> None:
         """The step's thread is about to update a stage: raises if the step was stopped, else notes the update."""
@@ -618,7 +643,10 @@ class Dispatched:
 
 
 def _ready(probe: Sequence[Any]) -> bool:
-    return all(a.is_ready() for a in probe)
+    for a in probe:
+        if not a.is_ready():
+            return False
+    return True
 
 
 T = TypeVar("T")
