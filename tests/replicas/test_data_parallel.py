@@ -367,7 +367,7 @@ def test_an_untimed_step_with_a_stuck_replica_ends_at_step_timeout_naming_the_op
 
 def test_an_untimed_steps_record_asks_every_replica_whether_an_operation_finished():
     """What a replica group hands on (a ``Parts``, one array per replica) is probed on every replica's device:
-    the operation counts as finished only when every replica's part is."""
+    the operation counts as finished only when every replica's part is (and its reduction, if it dispatched one)."""
     from vjpsplit_cli.pipeline.runtime import inprocess
     from vjpsplit_cli.pipeline.runtime.replicas import Parts
     from vjpsplit_cli.pipeline.schedules.ops import Op
@@ -390,3 +390,13 @@ def test_an_untimed_steps_record_asks_every_replica_whether_an_operation_finishe
     rec.ops[0][0] = (Op("F", 0, 0), rec.t0, probes)
     (now,), _ = rec.nows()
     assert now[0] == "finished"
+    # A stage's last gradient operation dispatches its cross-replica reduction: finished once that is too.
+    with P.Trainer(tied_stages(), tied_params(), optimizer=optax.sgd(0.1), microbatches=2, data_parallel=2) as tr:
+        group = tr.backend.trainers[1].worker
+        reduced = jax.device_put(jnp.ones(3), devs[0])
+        rec = inprocess.Dispatched([[Op("B", 0, 1), Op("B", 1, 1)]], 2)
+        group.grads = None  # not reduced yet: the op's own outputs
+        rec.end(0, Op("B", 0, 1), parts, group)
+        group.grads = {"w": reduced}
+        rec.end(0, Op("B", 1, 1), parts, group)
+        assert [len(e[2]) for e in rec.ops[0]] == [2, 3] and rec.ops[0][1][2][2] is reduced

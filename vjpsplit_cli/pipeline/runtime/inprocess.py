@@ -580,6 +580,8 @@ class Dispatched:
         now = self.now
         at = now[2] if now is not None else time.monotonic()
         probe = _probe(_handed_on(op, stage) if out is None else out, self.array)
+        if out is not None and isinstance(stage, ReplicaGroup) and stage.grads is not None:
+            probe += _probe(stage.grads, self.array)  # its last gradient operation: finished once reduced too
         ops = self.ops[w]
         if len(ops) >= self.limit[w]:  # amortized: an is_ready of a pending array costs more than the rest here
             while ops and _ready(ops[0][2]):  # in order on its devices, mostly: the front is what finished
@@ -693,9 +695,18 @@ def _stop_untimed(
         held = [w for w, n in enumerate(nows) if n[0] in (DISPATCHING, PENDING)]
         watch.stuck = [clause(w, nows[w], t0, worker_of, None, after[w]) for w in held] or ["the step's thread"]
         inside = [w for w, n in enumerate(nows) if n[0] == DISPATCHING]
-        # Where the thread is: inside an operation's dispatch (a CPU host callback runs there), else past its
-        # dispatch, in a fetch (a stage's squared sum, the loss) that waits for an unfinished operation.
-        where = f"in worker {inside[0]}'s dispatch" if inside else "waiting for a result of the unfinished operations"
+        # Where the thread is: inside an operation's dispatch (a CPU host callback can run there), else in a
+        # fetch (a stage's squared sum, the loss) that waits for an unfinished operation, or for an update.
+        pending = any(n[0] == PENDING for n in nows)
+        where = (
+            f"in worker {inside[0]}'s dispatch"
+            if inside
+            else "waiting for a result of the unfinished operations"
+            if pending
+            else "past its dispatch, in the stages' updates or the loss fetch"
+            if record.over
+            else "in its dispatch, between operations"
+        )
         left = f"; still stuck after {GRACE:g} s: the step's thread ({where}){watch.hint}"
     elif watch.applied:
         left = f"; it was stopped during its stages' updates{watch.hint}"
