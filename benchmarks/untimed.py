@@ -42,7 +42,7 @@ def measure(rounds: int, block: int = 4) -> dict:
         sums = self._finish(finishing, clip, self._value(microbatches), lambda: None)
         return sums, workers[-1].fetch_losses()
 
-    tr = P.Trainer(stages, params, optimizer=optax.sgd(1e-3), microbatches=M, step_timeout=60)
+    tr = P.Trainer(stages, params, optimizer=optax.sgd(1e-3), microbatches=M, observe=P.Observe(step_timeout=60))
     for _ in range(5):  # compile, warm
         tr.step(batch)
     samples: dict[str, list[float]] = {"helper thread": [], "caller's thread": []}

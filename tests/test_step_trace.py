@@ -259,7 +259,7 @@ def test_an_untimed_step_stuck_in_a_host_callback_ends_at_step_timeout_naming_th
     returns, the step waits in a fetch): the report names the operation either way."""
     before = set(_step_threads())
     report = tmp_path / "hang.json"
-    tr = _trainer(hang_report=report)
+    tr = _trainer(observe=P.Observe(hang_report=report))
     hold, release = _callback_blocks(monkeypatch, stage=1, mb=1)
     try:
         tr.step(gpt_batch(4))  # compiled, the callback's too: the limit below is the hang's
@@ -322,7 +322,7 @@ def test_ctrl_c_during_an_untimed_step_is_a_step_interrupted_and_the_trainer_goe
     import os
     import signal
 
-    tr = _trainer(step_timeout=60, hang_report=tmp_path / "h.json")
+    tr = _trainer(observe=P.Observe(step_timeout=60, hang_report=tmp_path / "h.json"))
     hold, release = _callback_blocks(monkeypatch, stage=2, mb=0)
     ref = _trainer()
     try:

@@ -344,7 +344,12 @@ def test_an_untimed_step_with_a_stuck_replica_ends_at_step_timeout_naming_the_op
 
     report = tmp_path / "hang.json"
     with P.Trainer(
-        tied_stages(), tied_params(), optimizer=optax.adam(1e-2), microbatches=2, data_parallel=2, hang_report=report
+        tied_stages(),
+        tied_params(),
+        optimizer=optax.adam(1e-2),
+        microbatches=2,
+        runner=P.InProcess(data_parallel=2),
+        observe=P.Observe(hang_report=report),
     ) as tr:
         hold, release = _one_replica_blocks(monkeypatch, stage=1, mb=1, device=tr.placement[1][1])
         try:
@@ -391,7 +396,9 @@ def test_an_untimed_steps_record_asks_every_replica_whether_an_operation_finishe
     (now,), _ = rec.nows()
     assert now[0] == "finished"
     # A stage's last gradient operation dispatches its cross-replica reduction: finished once that is too.
-    with P.Trainer(tied_stages(), tied_params(), optimizer=optax.sgd(0.1), microbatches=2, data_parallel=2) as tr:
+    with P.Trainer(
+        tied_stages(), tied_params(), optimizer=optax.sgd(0.1), microbatches=2, runner=P.InProcess(data_parallel=2)
+    ) as tr:
         group = tr.backend.trainers[1].worker
         reduced = jax.device_put(jnp.ones(3), devs[0])
         rec = inprocess.Dispatched([[Op("B", 0, 1), Op("B", 1, 1)]], 2)

@@ -664,7 +664,25 @@ def run_untimed(
     """``body()`` (an untimed step: ``dispatch`` with ``record``, then what follows it) in ``pool``'s one thread,
     while this one waits: past ``watch.step_timeout``, or on Ctrl-C, one error names what each worker is doing
     (as ``run_threads``' does) and the step's thread ends at its next operation; one still stuck after ``GRACE``
-    is left behind (``watch.stuck``). Returns what ``body`` returns; raises what it raises."""
+    is left behind (``watch.stuck``).
+
+    Args:
+        pool: a ``WorkerThreads`` of one thread, kept across steps.
+        body: the step; it must hand ``record`` every operation it dispatches (``dispatch(..., record)``) and
+            call ``record.commit()`` before each stage's update.
+        record: what the report is read off.
+        workers: the stages' workers, whose rings the report writes.
+        watch: ``step_timeout``, where the report goes and what to append to the error; filled in with
+            ``stuck`` and ``applied``.
+
+    Returns:
+        What ``body`` returns.
+
+    Raises:
+        VjpsplitError: the step passed ``watch.step_timeout`` (what each worker does, the report's path).
+        StepInterrupted: Ctrl-C during the step (the same line; also a ``KeyboardInterrupt``).
+        Exception: what ``body`` raised.
+    """
     out: list[T] = []
     (job,) = pool.start([lambda: out.append(body())])
     deadline = None if watch.step_timeout is None else record.t0 + watch.step_timeout
