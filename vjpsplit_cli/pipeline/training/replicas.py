@@ -30,14 +30,14 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 from ...artifact.sharding import named
 from ...errors import VjpsplitError
 from ...files.prng import to_data
-from ...files.trees import decode_structure, flatten_with_keys, structure_keys
+from ...files.trees import decode_structure, flatten_with_keys
 from ..runtime.offload import Offload
 from ..runtime.replicas import AXIS, ReplicaGroup, replica_placement, zero_spec
 from .clipping import sum_of_squares
 from .optimizer import export_optimizer, load_optimizer
 from .ownership import Ownership
 from .separable import WholeOptimizer
-from .stagestate import param_node
+from .stagestate import parameter_keys, tie_keys
 
 
 def replica_program(
@@ -83,13 +83,8 @@ class ReplicaTrainer:
         state: Mapping[str, Any] | None = None,
     ):
         self.worker, self.names = group, list(names)
-        self.node = param_node(group.art)
-        local = structure_keys("", self.node)
-        if len(local) != len(self.names):
-            raise VjpsplitError(f"stage {group.stage_index}: {len(self.names)} parameter names for {len(local)} leaves")
-        self.local = dict(zip(local, self.names))
-        self.holders = {k: [int(s) for s in v] for k, v in holders.items()}
-        self.counted = set(counted)
+        self.node, self.local = parameter_keys(group.art, group.stage_index, self.names)
+        self.holders, self.counted = tie_keys(holders, counted)
         # The group's squares: the counted leaves no other stage holds (a tied leaf's sum is known only later).
         order = [self.local[k] for k, _ in flatten_with_keys("", group.params)]
         group.squared = [k in self.counted and k not in self.holders for k in order]

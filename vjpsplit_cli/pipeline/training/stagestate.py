@@ -40,6 +40,24 @@ def param_node(artifact: Any) -> Any:
     return m.structure["args"][m.arg_names[0]]
 
 
+def parameter_keys(artifact: Any, stage_index: int, names: Sequence[str]) -> tuple[Any, dict[str, str]]:
+    """A stage's parameter structure and its local leaf keys mapped to the model's keys (``names``, leaf order).
+
+    Raises:
+        VjpsplitError: ``names`` does not name every leaf of the stage's parameters, one each.
+    """
+    node = param_node(artifact)
+    local = structure_keys("", node)
+    if len(local) != len(names):
+        raise VjpsplitError(f"stage {stage_index}: {len(names)} parameter names for {len(local)} leaves")
+    return node, dict(zip(local, names))
+
+
+def tie_keys(holders: Mapping[str, Sequence[int]], counted: Sequence[str]) -> tuple[dict[str, list[int]], set[str]]:
+    """``holders`` as plain ints per tied key, and ``counted`` as a set (what both stage trainers keep)."""
+    return {k: [int(s) for s in v] for k, v in holders.items()}, set(counted)
+
+
 RESTORE_HINT = "; restore the last checkpoint into a new Trainer to run again"  # after a step that broke a worker
 
 
@@ -63,15 +81,8 @@ class StageTrainer:
         state: Mapping[str, Any] | None = None,
     ):
         self.worker, self.names = worker, list(names)
-        self.node = param_node(worker.art)
-        local = structure_keys("", self.node)
-        if len(local) != len(self.names):
-            raise VjpsplitError(
-                f"stage {worker.stage_index}: {len(self.names)} parameter names for {len(local)} leaves"
-            )
-        self.local = dict(zip(local, self.names))
-        self.holders = {k: [int(s) for s in v] for k, v in holders.items()}
-        self.counted = set(counted)
+        self.node, self.local = parameter_keys(worker.art, worker.stage_index, self.names)
+        self.holders, self.counted = tie_keys(holders, counted)
         self.program = load_optimizer(
             program, source=f"stage {worker.stage_index}'s optimizer", devices=worker.art.devices or None
         )
