@@ -71,11 +71,8 @@ def test_ray_pp2_dp2_tied_and_clipped_equals_optax_and_its_checkpoint_continues_
         assert_trees_close(again.params(), ref_params, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize(
-    "workers, replicas, schedule",
-    [(2, 4, "1f1b"), (4, 2, "zbh1")],
-    ids=["pp2-dp4-1f1b", "pp4-dp2-zbh1"],
-)
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
+@pytest.mark.parametrize("workers, replicas", [(2, 4), (4, 2)], ids=["pp2-dp4", "pp4-dp2"])
 def test_ray_pp_by_dp_as_in_process_equals_optax(ray_session, workers, replicas, schedule):
     """PP 2 x DP 4 (the tied model) and PP 4 x DP 2 (the GPT: a tied embedding, a skip), clipped, on Ray."""
     if workers == 2:
