@@ -11,6 +11,7 @@ import time
 
 import optax
 import pytest
+from blocking import callback_blocks
 from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
 from tracecheck import check_trace_file, flow_pairs, op_slices
 
@@ -217,35 +218,6 @@ def test_ctrl_c_during_a_timed_step_is_one_error_naming_what_each_worker_does(mo
 # -- an untimed step (the Trainer's default) stuck or interrupted says the same -------------------------------
 
 
-def _callback_blocks(monkeypatch, stage, mb):
-    """Stage ``stage``'s forward of microbatch ``mb`` reads its input through a jitted ``jax.pure_callback`` that,
-    once ``hold.set()`` is called, waits for ``release`` (a host callback that never returns). Until then it
-    passes the input through, so a first step compiles it. Returns ``(hold, release)``."""
-    import jax
-
-    hold, release = threading.Event(), threading.Event()
-
-    def host(x):
-        if hold.is_set():
-            release.wait()
-        return x
-
-    def through(x):
-        like = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
-        return jax.pure_callback(host, like, x)
-
-    blocker = jax.jit(through)
-    real = StageWorker.forward
-
-    def forward(self, m, x, side, worker=None):
-        if self.stage_index == stage and m == mb:
-            x = blocker(x)
-        return real(self, m, x, side, worker=worker)
-
-    monkeypatch.setattr(StageWorker, "forward", forward)
-    return hold, release
-
-
 def _step_threads():
     return [t for t in threading.enumerate() if t.name.startswith("vjpsplit-step-")]
 
@@ -260,7 +232,7 @@ def test_an_untimed_step_stuck_in_a_host_callback_ends_at_step_timeout_naming_th
     before = set(_step_threads())
     report = tmp_path / "hang.json"
     tr = _trainer(observe=P.Observe(hang_report=report))
-    hold, release = _callback_blocks(monkeypatch, stage=1, mb=1)
+    hold, release = callback_blocks(monkeypatch, stage=1, mb=1)
     try:
         tr.step(gpt_batch(4))  # compiled, the callback's too: the limit below is the hang's
         first = tr.history[-1]["loss"]
@@ -323,7 +295,7 @@ def test_ctrl_c_during_an_untimed_step_is_a_step_interrupted_and_the_trainer_goe
     import signal
 
     tr = _trainer(observe=P.Observe(step_timeout=60, hang_report=tmp_path / "h.json"))
-    hold, release = _callback_blocks(monkeypatch, stage=2, mb=0)
+    hold, release = callback_blocks(monkeypatch, stage=2, mb=0)
     ref = _trainer()
     try:
         tr.step(gpt_batch(4))

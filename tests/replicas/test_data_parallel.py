@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 from jax import export as jexport
+from blocking import callback_blocks
 from models import assert_trees_close, optax_reference
 from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
 
@@ -304,36 +305,6 @@ def test_offload_with_replicas_trains_bitwise_as_without(to, tmp_path, monkeypat
         assert os.listdir(tmp_path / "off") == []
 
 
-def _one_replica_blocks(monkeypatch, stage, mb, device):
-    """Stage ``stage``'s forward of microbatch ``mb`` on the replica on ``device`` reads its input through a host
-    callback that, once ``hold`` is set, waits for ``release``. Returns ``(hold, release)``."""
-    import threading
-
-    from vjpsplit_cli.pipeline.runtime.worker import StageWorker
-
-    hold, release = threading.Event(), threading.Event()
-
-    def host(x):
-        if hold.is_set():
-            release.wait()
-        return x
-
-    def through(x):
-        like = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
-        return jax.pure_callback(host, like, x)
-
-    blocker = jax.jit(through)
-    real = StageWorker.forward
-
-    def forward(self, m, x, side, worker=None):
-        if self.stage_index == stage and m == mb and self.device == device:
-            x = blocker(x)
-        return real(self, m, x, side, worker=worker)
-
-    monkeypatch.setattr(StageWorker, "forward", forward)
-    return hold, release
-
-
 def test_an_untimed_step_with_a_stuck_replica_ends_at_step_timeout_naming_the_op(monkeypatch, tmp_path):
     """data_parallel=2, the default untimed step, with one replica of stage 1 stuck in a host callback in its
     forward of microbatch 1: within step_timeout + 2 s one error names that operation (inside its dispatch, or
@@ -351,7 +322,7 @@ def test_an_untimed_step_with_a_stuck_replica_ends_at_step_timeout_naming_the_op
         runner=P.InProcess(data_parallel=2),
         observe=P.Observe(hang_report=report),
     ) as tr:
-        hold, release = _one_replica_blocks(monkeypatch, stage=1, mb=1, device=tr.placement[1][1])
+        hold, release = callback_blocks(monkeypatch, stage=1, mb=1, device=tr.placement[1][1])
         try:
             tr.step(tied_batches(1, rows=8)[0])  # compiled, the callback's too
             tr.backend.step_timeout = 1.5
