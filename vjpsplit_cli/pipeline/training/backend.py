@@ -133,44 +133,34 @@ def open_backend(
         return InProcessBackend(ownership, trainers, step_timeout, hang_report, data_parallel)
     if data_parallel > 1:  # on Ray: each actor makes its replicas on its own devices, from programs made here
         refuse_sharded(ownership.artifacts)
-        own = ownership
         programs = [
-            replica_program(optimizer, a, p, s, data_parallel, own.names[s], whole, own.counted[s])
-            for s, (a, p) in enumerate(zip(own.artifacts, own.stage_params))
+            replica_program(optimizer, a, p, s, data_parallel, ownership.names[s], whole, ownership.counted[s])
+            for s, (a, p) in enumerate(zip(ownership.artifacts, ownership.stage_params))
         ]
-        return RayBackend(
-            ownership,
-            programs,
-            states,
-            reductions,
-            whole.uses_value,
-            data_parallel=data_parallel,
-            layout=layout.workers,
-            hang_report=hang_report,
-            **_ray_options(runner, step_timeout),
-        )
-    where = placement(ownership.artifacts, layout.workers, devices)
-    arts = placed(ownership.artifacts, where)
-    # Specs only: an unsharded stage's parameters go to its own device, never all to the default one first.
-    specs = [a.place_arg(0, p) if a.manifest.sharded else _specs(p) for a, p in zip(arts, ownership.stage_params)]
-    programs = stage_programs(optimizer, arts, ownership.names, specs, whole, ownership.counted)
-    if isinstance(runner, InProcess):
-        return InProcessBackend(
-            ownership, stage_trainers(ownership, arts, where, programs, states, offload), step_timeout, hang_report
-        )
+    else:
+        where = placement(ownership.artifacts, layout.workers, devices)
+        arts = placed(ownership.artifacts, where)
+        # Specs only: an unsharded stage's parameters go to its own device, never all to the default one first.
+        specs = [a.place_arg(0, p) if a.manifest.sharded else _specs(p) for a, p in zip(arts, ownership.stage_params)]
+        programs = stage_programs(optimizer, arts, ownership.names, specs, whole, ownership.counted)
+        if isinstance(runner, InProcess):
+            return InProcessBackend(
+                ownership, stage_trainers(ownership, arts, where, programs, states, offload), step_timeout, hang_report
+            )
     return RayBackend(
         ownership,
         programs,
         states,
         reductions,
         whole.uses_value,
+        data_parallel=data_parallel,
         layout=layout.workers,
         hang_report=hang_report,
-        **_ray_options(runner, step_timeout),
+        **_ray_options(runner, step_timeout, offload),
     )
 
 
-def _ray_options(runner: Runner, step_timeout: float) -> dict[str, Any]:
+def _ray_options(runner: Runner, step_timeout: float, offload: Offload | None) -> dict[str, Any]:
     """``RayBackend``'s keywords from a ``Ray`` runner (what ``open_backend`` reaches once not in-process)."""
     if not isinstance(runner, Ray):
         raise TypeError(f"a Ray runner expected, got {runner!r}")
@@ -180,7 +170,7 @@ def _ray_options(runner: Runner, step_timeout: float) -> dict[str, Any]:
         "actor_options": runner.actor_options,
         "step_timeout": step_timeout,
         "schedule_timeout": runner.schedule_timeout,
-        "offload": offload_of(runner.offload),
+        "offload": offload,
     }
 
 
