@@ -19,6 +19,8 @@ import statistics
 import sys
 import time
 
+from benchmarks.timing import in_child_with_devices
+
 
 def measure(rounds: int, block: int = 4) -> dict:
     """Median seconds per untimed step with and without the ring, and their ratio."""
@@ -32,10 +34,10 @@ def measure(rounds: int, block: int = 4) -> dict:
     stages, params, batch, _ = tiny_stages(microbatches=M)
     ringed = StageWorker._run
 
-    def bare(self, worker, kind, mb, fn):  # _run as it was before the ring: the untimed branch only calls fn
+    def bare(self, worker, kind, mb, args, call, warmup):  # _run before the ring: untimed, it only calls
         if not self.timed:
-            return fn()
-        return ringed(self, worker, kind, mb, fn)
+            return call(*args)
+        return ringed(self, worker, kind, mb, args, call, warmup)
 
     tr = P.Trainer(stages, params, optimizer=optax.sgd(1e-3), microbatches=M)
     for _ in range(5):  # compile, warm
@@ -93,11 +95,9 @@ def table(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Measure (``--quick``: fewer rounds) and print the table and the JSON row."""
     argv = sys.argv[1:] if argv is None else argv
-    if "--child" not in argv:  # JAX must see 2 host devices: a child process with the flag set first
-        import subprocess
-
-        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-        return subprocess.call([sys.executable, "-m", "benchmarks.ring", "--child", *argv], env=env)
+    code = in_child_with_devices("benchmarks.ring", argv, devices=2)  # JAX must see 2 host devices
+    if code is not None:
+        return code
     r = measure(10 if "--quick" in argv else 60)
     print(table(r))
     print(json.dumps(r))

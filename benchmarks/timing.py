@@ -89,6 +89,15 @@ def run_child(module: str, quick: bool, devices: int | None = None, single_threa
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def in_child_with_devices(module: str, argv: list[str], devices: int) -> int | None:
+    """Outside ``--child``: run ``python -m MODULE --child ARGV`` with ``devices`` host CPU devices (JAX reads the
+    flag once, at start) and return its exit code; inside the child: None, so the caller measures."""
+    if "--child" in argv:
+        return None
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return subprocess.call([sys.executable, "-m", module, "--child", *argv], env=env)
+
+
 def run_section(module: str, quick: bool, table, devices: int | None = None) -> tuple[str, list[dict]]:
     """A section measured by ``run_child``: its markdown ``table(data)`` and its rows."""
     data = run_child(module, quick, devices)

@@ -21,6 +21,8 @@ import statistics
 import sys
 import time
 
+from benchmarks.timing import in_child_with_devices
+
 
 def measure(rounds: int, block: int = 4) -> dict:
     """Median seconds per untimed step in the helper thread and in the caller's, and their ratio."""
@@ -129,11 +131,9 @@ def table(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Measure (``--quick``: fewer rounds) and print the table and the JSON row."""
     argv = sys.argv[1:] if argv is None else argv
-    if "--child" not in argv:  # JAX must see 2 host devices: a child process with the flag set first
-        import subprocess
-
-        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-        return subprocess.call([sys.executable, "-m", "benchmarks.untimed", "--child", *argv], env=env)
+    code = in_child_with_devices("benchmarks.untimed", argv, devices=2)  # JAX must see 2 host devices
+    if code is not None:
+        return code
     rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 60
     r = measure(10 if "--quick" in argv else rounds)
     print(table(r))
