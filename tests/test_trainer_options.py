@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from models import mlp_stage_artifacts
+from models import assert_trees_close, mlp_stage_artifacts
 from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
 
 import vjpsplit_cli as vs
@@ -275,3 +275,21 @@ def test_docs_samples_benchmarks_and_tests_write_the_new_form():
                 continue
             found += [f"{path.relative_to(ROOT)}: {ln}" for ln in _calls_with_old_keywords(tree)]
     assert not found, found
+
+
+def test_restore_takes_trainers_opt_state_and_step_count_in_place_of_the_checkpoints(tmp_path):
+    """As the contract says, restore takes Trainer's keywords but params: a given opt_state and step_count win."""
+    arts, params = _per_stage()
+    batch = (np.ones((4, 8), np.float32), np.zeros(4, np.int32))
+    tx = optax.adam(1e-2)
+    with P.Trainer(arts, params, optimizer=tx, microbatches=2) as tr:
+        fresh_state = tr.state()[1]  # before any step: optax's init
+        tr.step(batch)
+        tr.save(tmp_path / "ck")
+        saved_state = tr.state()[1]
+    with P.Trainer.restore(tmp_path / "ck", arts, optimizer=tx) as again:
+        assert again.step_count == 1
+        assert_trees_close(again.state()[1], saved_state, rtol=0, atol=0)
+    with P.Trainer.restore(tmp_path / "ck", arts, optimizer=tx, opt_state=fresh_state, step_count=7) as again:
+        assert again.step_count == 7
+        assert_trees_close(again.state()[1], fresh_state, rtol=0, atol=0)

@@ -571,6 +571,8 @@ class Trainer:
         runner: str | Runner = "inprocess",
         clip_global_norm: float | None = RECORDED,
         observe: Observe | None = None,
+        opt_state: Any = None,
+        step_count: int | None = None,
         **deprecated: Unpack[Deprecated],
     ) -> Trainer:
         """A Trainer continuing the run saved in ``directory``, at its step, with its parameters and optimizer state.
@@ -589,10 +591,13 @@ class Trainer:
             runner: as ``Trainer``'s (not recorded: a run goes on anywhere).
             clip_global_norm: default: the checkpoint's (none for one written before it was recorded).
             observe: as ``Trainer``'s.
+            opt_state: optax's whole-model state to start from instead of the checkpoint's (as ``Trainer``'s);
+                None: the checkpoint's.
+            step_count: the run's step instead of the checkpoint's (as ``Trainer``'s); None: the checkpoint's.
             **deprecated: ``Trainer``'s old keywords, each group with a ``DeprecationWarning``.
 
         Returns:
-            The Trainer, its ``step_count`` the checkpoint's.
+            The Trainer, its ``step_count`` the checkpoint's unless given.
 
         Raises:
             VjpsplitError: ``directory`` is no checkpoint, or lacks what it must record (naming it); a saved
@@ -603,7 +608,13 @@ class Trainer:
         meta, step = saved.meta, saved.step
         given = options.stages
         arts, tied = (given.artifacts, given.tied) if isinstance(given, PerStage) else (given, None)
-        params, opt_state, states = restored_model(saved, arts, optimizer, tied)
+        params, saved_state, states = restored_model(saved, arts, optimizer, tied)
+        if opt_state is None:
+            opt_state = saved_state
+        else:  # the caller's state, as Trainer(opt_state=) takes it; an older per-stage checkpoint's is not used
+            states = None
+        if step_count is not None:
+            step = step_count
         if microbatches is None:
             if "microbatches" not in meta:
                 raise VjpsplitError(
