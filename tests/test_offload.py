@@ -98,12 +98,30 @@ def test_training_steps_bitwise_with_offload(schedule, tmp_path, monkeypatch):
         assert peaks[-1] == ref_peaks[-1]
 
 
-def test_gpipe_first_stage_peak_drops_with_host_offload():
+def _copies_out_settled(monkeypatch):
+    """Each boundary's count waits first for the copies out under way: what the offloader itself keeps on the
+    device, apart from how fast a loaded host's copies run (the CPU copies share the cores with the steps, and
+    on a busy CI machine all four of GPipe's may still be under way at its peak)."""
+    count = Offloader.device_bytes
+
+    def settled(self):
+        for away in list(self.away.values()):
+            if away.out is not None:
+                away.out.result()
+            if away.pinned is not None:
+                jax.block_until_ready(away.pinned)
+        return count(self)
+
+    monkeypatch.setattr(Offloader, "device_bytes", settled)
+
+
+def test_gpipe_first_stage_peak_drops_with_host_offload(monkeypatch):
+    _copies_out_settled(monkeypatch)
     _, _, _, ref, _ = _train("gpipe", None, steps=2)  # the peaks of the second, warm, timed step
     _, _, _, got, _ = _train("gpipe", P.Offload(stages=[0]), steps=2)
-    # GPipe's first stage holds all M microbatches without offload; with it, at most the one made, the one
-    # on its way out and the one on its way back.
-    assert got[0] <= ref[0] * 3 // M and got[1:] == ref[1:]
+    # GPipe's first stage holds all M microbatches without offload; with it, at most the one its B runs on and
+    # the next one's, brought back a step ahead: half of M = 4 (issue 48's target).
+    assert got[0] <= ref[0] // 2 and got[1:] == ref[1:]
 
 
 def test_offload_only_some_microbatches(tmp_path):
