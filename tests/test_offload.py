@@ -235,25 +235,6 @@ def test_auto_schedule_names_the_smallest_byte_limit_that_fits():
     auto_schedule(2, 4, costs={**UNIT, "transfer": 1e9}, memory_limit_bytes=[100, 80], microbatch_bytes=[100, 80])
 
 
-def test_csv_round_trip_keeps_the_offload_marks(tmp_path):
-    from vjpsplit_cli.pipeline.schedules.auto import auto_schedule
-
-    plans = auto_schedule(4, 8, costs={**UNIT, "transfer": 1000.0}, memory_limit_bytes=250, microbatch_bytes=[100] * 4)
-    assert plans.offloaded
-    P.write_schedule(tmp_path / "a.csv", plans)
-    text = (tmp_path / "a.csv").read_text()
-    assert text.splitlines()[-1].startswith("# offload: ") and text.count("#") == 1
-    back = P.read_schedule(tmp_path / "a.csv")
-    assert back == plans and back.offloaded == plans.offloaded
-    P.write_schedule(tmp_path / "b.csv", back)
-    assert (tmp_path / "b.csv").read_bytes() == (tmp_path / "a.csv").read_bytes()
-    # Without the comment line the actions are the same: what torch's reader gets.
-    rows = [r for r in text.splitlines() if not r.startswith("#")]
-    (tmp_path / "c.csv").write_text("\n".join(rows) + "\n")
-    plain = P.read_schedule(tmp_path / "c.csv")
-    assert plain == plans and not hasattr(plain, "offloaded")
-
-
 def _held():
     from vjpsplit_cli.pipeline.training.autoplan import microbatch_bytes
     from vjpsplit_cli.pipeline.runtime.model import model_of

@@ -9,27 +9,37 @@ vjpsplit's ``Op("B")`` is torch's ``I`` when the same stage and microbatch has a
 ``W`` in the plans, else its ``B``.
 
 Plans that offload residuals (``offloading.OffloadPlans``, what ``auto_schedule``
-returns under ``memory_limit_bytes``) get one more, last line, a comment naming the
-(stage, microbatch) pairs: ``# offload: 0:0 0:1 1:0``. Plans without offload are
-written byte for byte as before, which torch's reader reads; torch's reader does
-not skip comments, so for it drop that line (``grep -v '^#'``): it changes no action.
+returns under ``memory_limit_bytes``) are written as the same CSV, byte for byte
+the plans' without offload, so torch's reader gets the same actions: it makes a
+rank of every row ``csv.reader`` gives and raises on any cell that is not an action,
+so a comment line or an extra cell would break it or change its pipeline order. The
+(stage, microbatch) pairs go in a file beside it, the CSV's name with
+``.offload.json`` added (``plan.csv.offload.json``), which torch never opens; it
+records the CSV's SHA-256, so a CSV changed or replaced since is one error, never
+another plan's offload. Writing plans without offload removes that file. A last
+comment line ``# offload: 0:0 0:1``, what vjpsplit wrote before, is still read.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import os
 import re
 from typing import BinaryIO, Sequence
 
 from ...errors import VjpsplitError
 from ...safeio.outputs import atomic_write
+from ...safeio.reading import os_error_message, read_bytes
 from .offloading import OffloadPlans
 from .ops import Kind, Op, action_name, split_ops
 
 _ACTION = re.compile(r"(\d+)([FIBW])(\d+)")
 _OVERLAP = re.compile(r"\((.*);(.*)\)OVERLAP_F_B")
-OFFLOAD_MARK = "# offload:"  # the comment line naming the offloaded (stage, microbatch) pairs
+OFFLOAD_MARK = "# offload:"  # the comment line older versions wrote naming the offloaded pairs; still read
+OFFLOAD_SUFFIX = ".offload.json"  # added to the CSV's name: the file naming the offloaded pairs
+_OFFLOAD_FORMAT = "vjpsplit offload"
 _PAIR = re.compile(r"(\d+):(\d+)")
 
 
@@ -53,16 +63,29 @@ def format_schedule(plans: Sequence[Sequence[Op]]) -> str:
                 cells.append(action_name(op, split))
                 i += 1
         lines.append(",".join(cells) + "\n")
-    offloaded = sorted(getattr(plans, "offloaded", ()))
-    if offloaded:
-        lines.append(" ".join([OFFLOAD_MARK, *(f"{s}:{m}" for s, m in offloaded)]) + "\n")
     return "".join(lines)
+
+
+def offload_path(path: str | os.PathLike[str]) -> str:
+    """The file beside the CSV schedule ``path`` that names what its plans offload: ``path`` + ``.offload.json``.
+
+    Args:
+        path: The CSV schedule's path.
+
+    Returns:
+        ``path`` with ``.offload.json`` added (``plan.csv`` -> ``plan.csv.offload.json``).
+    """
+    return os.fspath(path) + OFFLOAD_SUFFIX
 
 
 def write_schedule(path: str | os.PathLike[str], plans: Sequence[Sequence[Op]]) -> None:
     """Write ``plans`` (one list of operations per rank) as torch's compute-only CSV schedule.
 
-    The file is written atomically (temp file, then rename).
+    The CSV holds only actions, so torch's reader reads it as it reads the same plans
+    without offload. Plans that offload (an ``OffloadPlans`` with pairs) also get
+    ``offload_path(path)``, a JSON file naming the (stage, microbatch) pairs and the
+    CSV's SHA-256; plans without offload remove that file if one is there (it named
+    another plan's). Each file is written atomically (temp file, then rename).
 
     Args:
         path: The CSV file to write.
@@ -70,10 +93,31 @@ def write_schedule(path: str | os.PathLike[str], plans: Sequence[Sequence[Op]]) 
 
     Raises:
         VjpsplitError: If an overlapped action ends its rank's list (it overlaps with
-            nothing), or the file cannot be written.
+            nothing), or a file cannot be written or removed.
     """
     data = format_schedule(plans).encode("utf-8")
+    offloaded = sorted(getattr(plans, "offloaded", ()))
+    _write(path, data)
+    side = offload_path(path)
+    if offloaded:
+        record = {
+            "format": _OFFLOAD_FORMAT,
+            "version": 1,
+            "schedule": os.path.basename(os.fspath(path)),
+            "schedule_sha256": hashlib.sha256(data).hexdigest(),
+            "offload": [[s, m] for s, m in offloaded],
+        }
+        _write(side, (json.dumps(record, indent=1) + "\n").encode("utf-8"))
+        return
+    try:
+        os.remove(side)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise VjpsplitError(os_error_message(side, e, "removing the offload file of the plans written before")) from e
 
+
+def _write(path: str | os.PathLike[str], data: bytes) -> None:
     def write(f: BinaryIO) -> None:
         f.write(data)
 
@@ -102,23 +146,82 @@ def read_schedule(path: str | os.PathLike[str]) -> list[list[Op]]:
 
     Checks each action's syntax and that a stage's I has its W and its B none;
     ``check_plans`` (every runner, through ``resolve``) checks the rest against the stages given.
+    Where ``offload_path(path)`` exists (``write_schedule`` wrote offloading plans),
+    or the CSV ends with an older version's ``# offload:`` line, the plans come back
+    as an ``OffloadPlans`` naming those pairs.
 
     Args:
         path: The CSV file.
 
     Returns:
-        One list of ``Op`` per rank, idle steps dropped.
+        One list of ``Op`` per rank, idle steps dropped (an ``OffloadPlans`` where they offload).
 
     Raises:
         VjpsplitError: If the file cannot be read, a cell is not a compute action (or
-            an overlap of exactly two), or an ``I`` lacks its ``W`` or a ``B`` has one.
+            an overlap of exactly two), an ``I`` lacks its ``W`` or a ``B`` has one, or
+            the offload file is damaged, was written for another CSV, or names a pair
+            the plans have no forward of.
     """
     try:
-        with open(path, encoding="utf-8", newline="") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as e:
         raise VjpsplitError(f"cannot read schedule {os.fspath(path)!r}: {e.strerror or e}") from e
-    return parse_schedule(text)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise VjpsplitError(f"schedule {os.fspath(path)!r} is not UTF-8 text ({e.reason}); write it as UTF-8") from e
+    plans = parse_schedule(text)
+    side = offload_path(path)
+    if not os.path.lexists(side):
+        return plans
+    pairs = _read_offload(side, hashlib.sha256(data).hexdigest())
+    marked = getattr(plans, "offloaded", None)
+    if marked is not None and marked != frozenset(pairs):
+        raise VjpsplitError(
+            f"{side}: names other pairs than the '{OFFLOAD_MARK}' line of {os.fspath(path)}; "
+            "delete that line or this file, or write the plans again with write_schedule"
+        )
+    _check_pairs(plans, pairs, side)
+    return OffloadPlans(plans, pairs)
+
+
+def _read_offload(side: str, sha256: str) -> list[tuple[int, int]]:
+    """The pairs an offload file names, once it is whole and belongs to the CSV whose SHA-256 is ``sha256``."""
+    raw = read_bytes(side, "offload")
+    again = "write the plans again with write_schedule, or delete it"
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise VjpsplitError(f"{side}: not an offload file (not JSON: {e}); {again}") from e
+    if not isinstance(record, dict) or record.get("format") != _OFFLOAD_FORMAT:
+        raise VjpsplitError(f"{side}: not an offload file (no \"format\": \"{_OFFLOAD_FORMAT}\"); {again}")
+    if record.get("version") != 1:
+        raise VjpsplitError(
+            f"{side}: offload file version {record.get('version')!r}; this vjpsplit reads version 1; {again}"
+        )
+    if record.get("schedule_sha256") != sha256:
+        raise VjpsplitError(
+            f"{side}: written for another CSV (the CSV's SHA-256 differs from the one it records); {again}"
+        )
+    pairs = record.get("offload")
+    if not isinstance(pairs, list) or not all(
+        isinstance(p, list) and len(p) == 2 and all(type(v) is int and v >= 0 for v in p) for p in pairs
+    ):
+        raise VjpsplitError(
+            f"{side}: \"offload\" must be a list of [stage, microbatch] pairs of non-negative integers; {again}"
+        )
+    return [(s, m) for s, m in pairs]
+
+
+def _check_pairs(plans: Sequence[Sequence[Op]], pairs: Sequence[tuple[int, int]], where: str) -> None:
+    forwards = {(o.stage, o.mb) for ops in plans for o in ops if o.kind == Kind.F}
+    for s, m in pairs:
+        if (s, m) not in forwards:
+            raise VjpsplitError(
+                f"{where}: offloads stage {s} microbatch {m}, which the plans have no forward of ({s}F{m}); "
+                "name only pairs the plans run"
+            )
 
 
 def parse_schedule(text: str) -> list[list[Op]]:
@@ -156,7 +259,10 @@ def parse_schedule(text: str) -> list[list[Op]]:
             raise VjpsplitError(f"rank {r}: action {stage}I{mb} has no {stage}W{mb}; add it, or write {stage}B{mb}")
         if kind == "B" and (stage, mb) in split:
             raise VjpsplitError(f"rank {r}: action {stage}B{mb} is a whole backward, yet {stage}W{mb} follows; use I")
-    return plans if offloaded is None else OffloadPlans(plans, offloaded)
+    if offloaded is None:
+        return plans
+    _check_pairs(plans, offloaded, "the offload line")
+    return OffloadPlans(plans, offloaded)
 
 
 def _cells(row: str) -> list[str]:

@@ -37,7 +37,7 @@ class OffloadPlans(list):  # type: ignore[type-arg]
     """Plans (one list of ``Op`` per worker) and the (stage, microbatch) pairs whose residuals they offload.
 
     A list like any plans: every runner and ``write_schedule`` take it; ``offloaded`` is what
-    ``Offload(pairs=...)`` runs and ``write_schedule`` records as a comment line.
+    ``Offload(pairs=...)`` runs and ``write_schedule`` records in a file beside the CSV (``<csv>.offload.json``).
 
     Args:
         plans: One list of ``Op`` per worker.
