@@ -3,7 +3,7 @@
 Each case must give exit 1 (2 for usage mistakes), exactly one stderr line
 ``error: ...`` that names the file and is not a bare exception type, no traceback,
 no new file (temp files included), and previous outputs byte-identical.
-README's "Reliability" section quotes the number of cases collected here.
+docs/reliability.md quotes the number of cases collected here.
 """
 
 from __future__ import annotations
@@ -374,5 +374,5 @@ def _snapshot(d: Path) -> dict:
 
 
 def test_matrix_size():
-    """The README quotes this count; keep them in step."""
+    """docs/reliability.md quotes this count; keep them in step."""
     assert len(CASES) == 196

@@ -1,4 +1,5 @@
-"""README and docs/ cannot drift from the code: format version, every CLI flag, and README's commands run as pasted."""
+"""README and docs/ cannot drift from the code: format version, every CLI flag, the API table, and README's examples
+(with the blocks that moved from it into docs/) run as pasted."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from vjpsplit_cli.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+API_PAGE = ROOT / "docs" / "api" / "index.md"
+# Put on the line before a ```bash block of a docs page: this file runs the block as pasted, as README's own.
+RUN_MARK = "<!-- run as pasted by tests/test_docs.py -->"
 
 
 def _text() -> str:
@@ -95,31 +99,50 @@ def test_the_drift_tests_can_fail():
     assert not any(_mentions(_text(), s) for spellings in _options(extra) for s in spellings)
 
 
-def test_readme_table_says_what_a_tuple_returning_function_returns():
+def _glance_rows() -> list[str]:
+    """The rows of the API reference's table of everything public ("At a glance", README's until it became a front page)."""
+    text = API_PAGE.read_text().split("## At a glance\n", 1)[1].split("\n## ", 1)[0]
+    return [line for line in text.splitlines() if line.startswith("| `")]
+
+
+def test_api_table_says_what_a_tuple_returning_function_returns():
     """A public function whose docstring returns a tuple (``load_arrays``: ``(arrays, meta)``) says so in the table."""
-    rows = [line for line in README.read_text().splitlines() if line.startswith("| `")]
+    rows = _glance_rows()
     checked = []
     for name in vs.__all__:
         summary = (inspect.getdoc(getattr(vs, name)) or "").split("\n\n")[0]
         returned = re.search(r"[Rr]eturns? ``(\([^`]*\))``", summary)
         row = [r for r in rows if f"`{name}(" in r.split("|")[1]]
         if returned and row:
-            assert any(returned.group(1) in r for r in row), f"README's row for {name} does not say it returns " + (
-                returned.group(1)
+            assert any(returned.group(1) in r for r in row), (
+                f"the API table's row for {name} does not say it returns {returned.group(1)}"
             )
             checked.append(name)
     assert "load_arrays" in checked
 
 
-def _shell_blocks() -> list[str]:
+def _readme_shell_blocks() -> list[str]:
     """README's ```bash blocks, except the setup ones (installing, and the test command itself)."""
     blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
     return [b for b in blocks if "pip install" not in b and "pytest" not in b]
 
 
+def _marked_shell_blocks() -> list[tuple[str, str]]:
+    """``(page, block)`` for each docs page's ```bash block marked RUN_MARK (README's blocks that moved there)."""
+    pattern = re.escape(RUN_MARK) + r"\n```bash\n(.*?)```"
+    return [(p.name, b) for p in DOCS[1:] for b in re.findall(pattern, p.read_text(), flags=re.S)]
+
+
+def _shell_blocks() -> list[str]:
+    return _readme_shell_blocks() + [b for _, b in _marked_shell_blocks()]
+
+
 def test_readme_has_runnable_blocks():
-    blocks = _shell_blocks()
-    assert len(blocks) >= 3 and any("vjpsplit run-bwd" in b for b in blocks)
+    assert any("vjpsplit run-bwd" in b for b in _readme_shell_blocks())
+    # The blocks README had before it became a front page: each library's sample, `plan`, the sharded CLI run.
+    marked = {page for page, _ in _marked_shell_blocks()}
+    assert {"compat.md", "performance.md", "sharding.md"} <= marked
+    assert len(_shell_blocks()) >= 4
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -142,4 +165,18 @@ def test_readme_shell_blocks_run_as_pasted(tmp_path):
             ["bash", "-euo", "pipefail", "-c", block], cwd=clone, env=env, capture_output=True, text=True, timeout=600
         )
         assert proc.returncode == 0, f"README block failed:\n{block}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr
+
+
+def test_readme_python_examples_run_as_pasted(tmp_path):
+    """README's ```python examples, each in a fresh process (one sets XLA_FLAGS before JAX starts), as pasted."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert len(blocks) >= 2 and any("vs.split(" in b for b in blocks) and any("P.Trainer(" in b for b in blocks)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(PYTHONPATH=str(ROOT), VJPSPLIT_CACHE_DIR=str(tmp_path / "cache"))
+    for n, block in enumerate(blocks):
+        proc = subprocess.run(
+            [sys.executable, "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, f"README example {n} failed:\n{block}\nstderr:\n{proc.stderr[-3000:]}"
         assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr

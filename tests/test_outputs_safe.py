@@ -3,7 +3,7 @@
 Each CLI case asserts the exit code, exactly one stderr line that names the file
 or option, no traceback, no file added to the directory (temp files included),
 and every file there byte-identical to before (inputs and previous outputs).
-README's "Reliability" section quotes the number of cases collected here.
+docs/reliability.md quotes the number of cases collected here.
 """
 
 from __future__ import annotations
@@ -647,7 +647,7 @@ def test_cli_and_api_give_the_same_message(ws):
 
 
 def test_case_count():
-    """README's reliability section quotes this count; keep them in step."""
+    """docs/reliability.md quotes this count; keep them in step."""
     assert len(CASES) == 142
 
 
