@@ -207,19 +207,19 @@ class _Builder:
         c = self.costs
         start = max(self.free[s], ready)
         if kind == "F":
-            i, d = self.nf[s], c.forward[s]
-            self.f_end[s][i] = start + d
+            op = Op(Kind.F, self.nf[s], s)
+            self.f_end[s][op.mb] = start + c.forward[s]
             self.nf[s] += 1
         elif kind == "B":
-            i = self.nb[s]
-            d = c.backward[s] if self.split[s] else c.backward[s] + c.weight[s]
-            self.b_end[s][i] = start + d
+            op = Op(Kind.I if self.split[s] else Kind.B, self.nb[s], s)  # the input part where the stage splits
+            self.b_end[s][op.mb] = start + c.duration(op)
             self.nb[s] += 1
             self.nw[s] += not self.split[s]  # a whole backward lets its microbatch go
         else:
-            i, d = self.nw[s], c.weight[s]
+            op = Op(Kind.W, self.nw[s], s)
             self.nw[s] += 1
-        self.plans[s].append(Op(Kind(kind), i, s))
+        d = c.duration(op)
+        self.plans[s].append(op)
         self.stalled[s], self.stalls = 0, 0
         self.free[s] = start + d
         self.clock[s] = max(t, start + d)  # decisions go on in time order, even after a W timed into the past
