@@ -1,4 +1,4 @@
-"""Stage execution, shared by every runner: one stage's F, B and W calls and their bookkeeping.
+"""Stage execution, shared by every runner: one stage's F, B, I and W calls and their bookkeeping.
 
 A ``StageWorker`` holds a stage's artifact, parameters, the residuals of
 microbatches in flight and the accumulated gradients; ``run_op`` executes one
@@ -141,7 +141,7 @@ def _calls_for(artifact: Any, feeds_back: bool) -> _Calls:
 
 
 class StageWorker:
-    """One stage's F, B and W with their bookkeeping: its artifact, parameters, residuals and gradients.
+    """One stage's F, B, I and W with their bookkeeping: its artifact, parameters, residuals and gradients.
 
     It holds the residuals in flight and the accumulated gradients. The runners'
     building block (threads and Ray actors run the same).

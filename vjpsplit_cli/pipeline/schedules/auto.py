@@ -89,7 +89,8 @@ class _Stuck(Exception):
 
 
 class _Builder:
-    """One run of the list scheduler: per worker, counts of F, B and W so far, clocks, and when each op ends."""
+    """One run of the list scheduler: per worker, counts of F, backwards (B or I) and W so far, clocks, and when
+    each op ends."""
 
     def __init__(self, costs: Costs, microbatches: int, limits: Sequence[int], split: Sequence[bool], policy: Policy):
         S, m = costs.num_stages, microbatches
@@ -238,7 +239,7 @@ def _stage_count(stages: object) -> int:
 
 
 def _split_stages(stages: object, costs: Mapping[str, object] | Costs, n: int) -> tuple[bool, ...]:
-    """Whose backwards the plans split into B and W: every stage whose artifact has the split (all, for a count).
+    """Whose backwards the plans split into I and W: every stage whose artifact has the split (all, for a count).
 
     Costs without ``W`` make every backward whole.
     """

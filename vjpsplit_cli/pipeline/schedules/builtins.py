@@ -1,4 +1,4 @@
-"""The built-in schedules as pure lists: which worker runs which F, B and W operations, in what order.
+"""The built-in schedules as pure lists: which worker runs which F, B, I and W operations, in what order.
 
 GPipe, 1F1B and ZB-H1 put one stage on each worker; ZB-V and DualPipeV put two on
 each, in a V; interleaved 1F1B puts ``v`` on each, round robin. Nothing here runs
