@@ -72,7 +72,8 @@ def optimum(
     model.Minimize(span)
     order = {o.mb: j for j, o in enumerate(o for o in hint[0] if o.kind == "F")}
     for e in simulate(hint, S, costs):
-        model.AddHint(start[str(e.kind), e.worker, order[e.mb]], q(e.start))
+        kind = "B" if e.kind == "I" else str(e.kind)  # the model's B is the input part: every backward is split
+        model.AddHint(start[kind, e.worker, order[e.mb]], q(e.start))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit
     solver.parameters.num_workers = 1

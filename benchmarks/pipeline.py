@@ -247,7 +247,7 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
         ev = P.simulate(
             P.schedule(name, S, M),
             S,
-            lambda o: scale * (2.0 if o.kind == "B" and name not in P.SPLIT_BACKWARD else 1.0),
+            lambda o: scale * (2.0 if o.kind == "B" else 1.0),  # a whole backward; I and W 1 each
         )
         return P.bubble_ratio(ev, p)
 

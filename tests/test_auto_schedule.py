@@ -3,9 +3,10 @@
 The plans are played here by this file's own clock (``play``), not only by the
 project's cost model: each worker runs its list in order; an operation starts
 when its worker is free and its inputs are done, an input made on another worker
-arriving ``comm`` later. Memory (``peaks``): a worker holds a microbatch of a
-stage from its F until its W, or until its B where no W follows (a whole
-backward, which costs B + W).
+arriving ``comm`` later. Each operation costs what its kind says: F, I (the
+backward's input part) the costs' B, W, and a whole backward B costs B + W.
+Memory (``peaks``): a worker holds a microbatch of a stage from its F until its
+W, or until its whole B.
 
 The grid is issue #37's: 2, 4 and 8 stages; S, 2S and 4S microbatches; uniform
 costs (F = B = W = 1), B > F > W (F = 1, B = 1.5, W = 0.5: a whole backward is
@@ -41,9 +42,9 @@ GEOMEAN_BOUND = 0.985
 
 
 def play(plans, F, B, W, comm):
-    """This test's clock: each op's end time, or None if the lists deadlock."""
+    """This test's clock: each op's end time, or None if the lists deadlock (``"b"``: a B or an I, which hands on
+    the cotangent)."""
     S = len(F)
-    split = {(o.stage, o.mb) for ops in plans for o in ops if o.kind == "W"}
     where = {o.stage: w for w, ops in enumerate(plans) for o in ops}
     end, free, nxt = {}, [0.0] * len(plans), [0] * len(plans)
     moved = True
@@ -55,15 +56,15 @@ def play(plans, F, B, W, comm):
                 s, i = o.stage, o.mb
                 if o.kind == "F":
                     inputs = [("F", i, s - 1)] if s > 0 else []
-                elif o.kind == "B":
-                    inputs = [("F", i, s)] + ([("B", i, s + 1)] if s < S - 1 else [])
+                elif o.kind in "BI":
+                    inputs = [("F", i, s)] + ([("b", i, s + 1)] if s < S - 1 else [])
                 else:
-                    inputs = [("B", i, s)]
+                    inputs = [("b", i, s)]
                 if any(k not in end for k in inputs):
                     break
                 start = max([free[w]] + [end[k] + (comm if where[k[2]] != w else 0.0) for k in inputs])
-                d = {"F": F[s], "W": W[s], "B": B[s] if (s, i) in split else B[s] + W[s]}[o.kind]
-                end[(o.kind, i, s)] = free[w] = start + d
+                d = {"F": F[s], "W": W[s], "I": B[s], "B": B[s] + W[s]}[o.kind]
+                end[("b" if o.kind in "BI" else str(o.kind), i, s)] = free[w] = start + d
                 nxt[w] += 1
                 moved = True
     return end if all(nxt[w] == len(ops) for w, ops in enumerate(plans)) else None
@@ -77,28 +78,30 @@ def makespan(plans, F, B, W, comm):
 
 def peaks(plans):
     """Per worker, the most microbatches held at once (F until W, or until a whole B)."""
-    split = {(o.stage, o.mb) for ops in plans for o in ops if o.kind == "W"}
     out = []
     for ops in plans:
         held = peak = 0
         for o in ops:
             held += o.kind == "F"
-            held -= o.kind == "W" or (o.kind == "B" and (o.stage, o.mb) not in split)
+            held -= o.kind in "WB"
             peak = max(peak, held)
         out.append(peak)
     return out
 
 
 def assert_valid(plans, S, m):
-    """Worker w holds stage w; every F and B once, F before B before W; and the project's own checks pass."""
+    """Worker w holds stage w; every F once, and a whole B or an I and its W, F before B (or I before W); and the
+    project's own checks pass."""
     assert len(plans) == S
     for w, ops in enumerate(plans):
         assert {o.stage for o in ops} == {w} and all(isinstance(o, P.Op) for o in ops)
         pos = {(o.kind, o.mb): j for j, o in enumerate(ops)}
         assert len(pos) == len(ops), f"worker {w} repeats an operation"
-        assert {k for k in pos if k[0] != "W"} == {(k, i) for k in "FB" for i in range(m)}
         for i in range(m):
-            assert pos[("F", i)] < pos[("B", i)] < pos.get(("W", i), math.inf)
+            kinds = {k for k, j in pos if j == i}
+            assert kinds in ({"F", "B"}, {"F", "I", "W"}), (w, i, kinds)
+            back = pos.get(("B", i), pos.get(("I", i)))
+            assert pos[("F", i)] < back < pos.get(("W", i), math.inf)
     assert P.check_plans(plans, S, m) == [(s,) for s in range(S)]
 
 
@@ -189,7 +192,7 @@ def test_the_lower_bound_holds_and_puts_0_95_out_of_reach(grid):
 
 
 def every_order(stage, m, kinds):
-    """Every list of one worker's operations keeping each microbatch's ``kinds`` in order (F, B, then W)."""
+    """Every list of one worker's operations keeping each microbatch's ``kinds`` in order (F, then B; or F, I, W)."""
 
     def extend(done, seq):
         if all(d == len(kinds) for d in done):
@@ -213,7 +216,7 @@ def exhaustive_optimum(S, m, F, B, W, comm, limit, split):
     so the least makespan over every order is the optimum over all such plans.
     """
     best = math.inf
-    for plans in itertools.product(*(every_order(s, m, "FBW" if split else "FB") for s in range(S))):
+    for plans in itertools.product(*(every_order(s, m, "FIW" if split else "FB") for s in range(S))):
         if limit is None or max(peaks(plans)) <= limit:
             end = play(plans, F, B, W, comm)
             best = best if end is None else min(best, max(end.values()))
@@ -303,7 +306,7 @@ def test_it_beats_every_built_in_where_their_unit_time_assumptions_break(S, m, B
 def test_costs_without_w_or_stages_without_the_split_get_whole_backwards():
     plans = P.auto_schedule(3, 4, costs={"F": 1, "B": 2})
     assert_valid(plans, 3, 4)
-    assert not any(o.kind == "W" for ops in plans for o in ops)
+    assert not any(o.kind in "IW" for ops in plans for o in ops)
 
 
 def ilp_optimum(S, m, F, B, W, comm, limit):
@@ -452,6 +455,8 @@ def test_a_stage_without_the_split_backward_gets_a_whole_backward():
     mixed = [arts[0], plain, arts[2]]
     plans = P.auto_schedule(mixed, 4, costs={"F": 1, "B": 1.5, "W": 0.5, "comm": 0.1}, memory_limit=2)
     assert {o.stage for ops in plans for o in ops if o.kind == "W"} == {0, 2}
+    assert {o.stage for ops in plans for o in ops if o.kind == "I"} == {0, 2}  # the input part, said as such
+    assert {o.stage for ops in plans for o in ops if o.kind == "B"} == {1}  # the whole backward
     assert max(peaks(plans)) <= 2
     loss, grads = jax.value_and_grad(whole)(params, x, labels)
     check_run(P.run(mixed, params, x, [labels], microbatches=4, schedule=plans), plans, loss, grads)

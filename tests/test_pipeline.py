@@ -42,7 +42,11 @@ def test_inprocess_gradients_equal_value_and_grad(name, stages):
     assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
     assert len(r.events) == sum(len(p) for p in P.schedule(name, stages, 4))
     assert 0.0 <= r.bubble_ratio < 1.0 and 0.0 <= r.modeled_bubble_ratio < 1.0
-    assert {e.kind for e in r.events} == ({"F", "B", "W"} if name in P.SPLIT_BACKWARD else {"F", "B"})
+    # Each event says what ran: the input part of a split backward is an I, a whole backward a B.
+    kinds = {"zbh1": {"F", "I", "W"}, "zbv": {"F", "I", "W"}, "dualpipev": {"F", "B", "I", "W"}}
+    assert {e.kind for e in r.events} == kinds.get(name, {"F", "B"})
+    by_op = {(e.kind, e.mb, e.stage) for e in r.events}
+    assert by_op == {(o.kind, o.mb, o.stage) for ops in P.schedule(name, stages, 4) for o in ops}
     # Each worker ran exactly its own list, in order.
     for w, ops in enumerate(P.schedule(name, stages, 4)):
         mine = sorted((e for e in r.events if e.worker == w), key=lambda e: e.start)
@@ -61,6 +65,25 @@ def test_timeline_plot_is_written(tmp_path):
     r = P.run(arts, params, x, [labels], microbatches=4, schedule_name="zbv")
     r.plot(tmp_path / "v.png")
     assert (tmp_path / "v.png").read_bytes()[:4] == b"\x89PNG" and r.num_workers == 2
+
+
+def test_plans_with_the_old_meaning_of_b_are_refused_and_with_i_give_value_and_grads():
+    """Before ``Kind.I``, a B with a W of its stage and microbatch was the backward's input part. Such plans,
+    handed to a runner, are refused before anything runs, naming the fix; with I they run, and their
+    gradients are value_and_grad's."""
+    arts, params, x, labels = make(2)
+    F, B, I, W = (lambda mb, s, k=k: P.Op(k, mb, s) for k in "FBIW")  # noqa: E741
+    old = [[F(0, 0), F(1, 0), B(0, 0), W(0, 0), B(1, 0), W(1, 0)], [F(0, 1), B(0, 1), F(1, 1), B(1, 1)]]
+    with pytest.raises(vs.VjpsplitError, match=r"^rank 0: stage 0 microbatch 0: 0B0 is the whole backward, yet 0W0"):
+        P.run(arts, params, x, [labels], microbatches=2, schedule=old)
+    new = [[F(0, 0), F(1, 0), I(0, 0), W(0, 0), I(1, 0), W(1, 0)], [F(0, 1), B(0, 1), F(1, 1), B(1, 1)]]
+    r = P.run(arts, params, x, [labels], microbatches=2, schedule=new)
+    loss, grads = jax.value_and_grad(whole)(params, x, labels)
+    np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
+    assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
+    assert sorted((e.kind, e.mb, e.stage) for e in r.events) == sorted(
+        (o.kind, o.mb, o.stage) for ops in new for o in ops
+    )
 
 
 def test_bad_pipelines_are_refused():

@@ -3,9 +3,10 @@ peak memory, and unit-time makespans against the paper's formulas.
 
 p is the number of workers (devices), m the number of microbatches. GPipe, 1F1B
 and ZB-H1 run p stages; ZB-V runs 2p stages, two per worker. Time unit: one
-stage's forward. GPipe's and 1F1B's whole backward costs 2 (B + W), the split
-schedules' B and W cost 1 each, and a ZB-V stage (half a worker's layers) costs
-half of that. Memory unit: what one stage keeps for one microbatch between F and
+stage's forward. GPipe's and 1F1B's whole backward, B, costs 2, the split
+schedules' I (input part) and W cost 1 each, and a ZB-V stage (half a worker's layers) costs
+half of that. Each operation's kind says which it is: nothing here looks at the rest
+of the plans to tell a whole backward from an input part. Memory unit: what one stage keeps for one microbatch between F and
 B (all its residuals; half for a ZB-V stage); between B and W it keeps only W's
 part, a share ``w`` of that.
 """
@@ -30,30 +31,35 @@ def n_stages(name, p):
 
 
 def deps(kind, mb, c, S):
-    """What an operation reads, written out here rather than taken from the module under test."""
+    """What an operation reads, written out here rather than taken from the module under test (``"b"``: the
+    backward that hands on the cotangent, a whole B or an I)."""
     if kind == "F":
         return [("F", mb, c - 1)] if c > 0 else []
-    if kind == "B":
-        return [("F", mb, c)] + ([("B", mb, c + 1)] if c + 1 < S else [])
-    return [("B", mb, c)]
+    if kind in "BI":
+        return [("F", mb, c)] + ([("b", mb, c + 1)] if c + 1 < S else [])
+    return [("b", mb, c)]
+
+
+def slot(o):
+    """An operation as ``deps`` names it: a B or an I is its microbatch's ``"b"`` on its stage."""
+    return ("b" if o.kind in "BI" else str(o.kind), o.mb, o.stage)
 
 
 def play(plans, S, duration, comm=0.0):
     """Start and end of every op: a longest path over the DAG of list order plus data edges (Kahn's algorithm).
 
-    A result read on another worker arrives ``comm`` after it ends. Returns None if the graph has a cycle,
-    i.e. the lists deadlock.
+    A result read on another worker arrives ``comm`` after it ends. ``duration`` takes ``(kind, mb, stage)``;
+    the times come back keyed the same way. Returns None if the graph has a cycle, i.e. the lists deadlock.
     """
     preds = defaultdict(list)
-    worker = {}
+    worker, real = {}, {}
     for w, ops in enumerate(plans):
         for i, o in enumerate(ops):
-            key = (o.kind, o.mb, o.stage)
-            worker[key] = w
-            preds[key] += deps(*key, S)
+            key = slot(o)
+            worker[key], real[key] = w, (str(o.kind), o.mb, o.stage)
+            preds[key] += deps(str(o.kind), o.mb, o.stage, S)
             if i:
-                prev = ops[i - 1]
-                preds[key].append((prev.kind, prev.mb, prev.stage))
+                preds[key].append(slot(ops[i - 1]))
     succs = defaultdict(list)
     indeg = {k: len(v) for k, v in preds.items()}
     for k, v in preds.items():
@@ -64,22 +70,25 @@ def play(plans, S, duration, comm=0.0):
     while ready:
         k = ready.pop()
         start[k] = max((end[d] + (comm if worker[d] != worker[k] else 0.0) for d in preds[k]), default=0.0)
-        end[k] = start[k] + duration(k)
+        end[k] = start[k] + duration(real[k])
         for s in succs[k]:
             indeg[s] -= 1
             if indeg[s] == 0:
                 ready.append(s)
     if len(end) != len(preds):
         return None
-    return start, end, worker
+    return (
+        {real[k]: v for k, v in start.items()},
+        {real[k]: v for k, v in end.items()},
+        {real[k]: w for k, w in worker.items()},
+    )
 
 
 def unit_time(name):
-    split = name in P.SPLIT_BACKWARD
     scale = 0.5 if name == "zbv" else 1.0
 
     def duration(key):
-        return scale * (2.0 if key[0] == "B" and not split else 1.0)
+        return scale * (2.0 if key[0] == "B" else 1.0)  # a whole backward; I and W are 1 each
 
     return duration
 
@@ -87,13 +96,14 @@ def unit_time(name):
 def memory_trace(ops, name, w):
     """Memory of one worker after each op, in stage units."""
     size = 0.5 if name == "zbv" else 1.0
-    split = name in P.SPLIT_BACKWARD
     held, trace = 0.0, []
     for o in ops:
         if o.kind == "F":
             held += size
         elif o.kind == "B":
-            held -= size * (1 - w) if split else size
+            held -= size
+        elif o.kind == "I":
+            held -= size * (1 - w)
         else:
             held -= size * w
         trace.append(held)
@@ -106,16 +116,16 @@ def test_every_op_once_on_its_worker_in_order(name):
         S = n_stages(name, p)
         plans = P.schedule(name, S, m)
         assert len(plans) == p
-        kinds = "FBW" if name in P.SPLIT_BACKWARD else "FB"
+        kinds = "FIW" if name in P.SPLIT_BACKWARD else "FB"  # split schedules say I for every input part
         every = sorted((o.kind, o.mb, o.stage) for ops in plans for o in ops)
         assert every == sorted((k, mb, c) for k in kinds for mb in range(m) for c in range(S)), (p, m)
         for w, ops in enumerate(plans):
             assert {o.stage for o in ops} == set(P.worker_stages(name, S)[w])
-            pos = {(o.kind, o.mb, o.stage): i for i, o in enumerate(ops)}
+            pos = {slot(o): i for i, o in enumerate(ops)}
             for o in ops:
                 for d in deps(o.kind, o.mb, o.stage, S):
                     if d in pos:  # a dependency on this worker must come earlier in its list
-                        assert pos[d] < pos[(o.kind, o.mb, o.stage)], (p, m, w, o, d)
+                        assert pos[d] < pos[slot(o)], (p, m, w, o, d)
 
 
 def test_zbv_places_two_stages_per_worker_in_a_v():
@@ -134,8 +144,9 @@ def test_no_deadlock_under_random_op_times(name):
             played = play(plans, S, lambda k: times[k])
             assert played is not None, (p, m)
             start, end, _ = played
+            real = {slot(o): (o.kind, o.mb, o.stage) for ops in plans for o in ops}
             for k in start:
-                assert all(start[k] >= end[d] for d in deps(*k, S))
+                assert all(start[k] >= end[real[d]] for d in deps(*k, S))
             # The module's own replay agrees with this independent model.
             events = P.simulate(plans, S, lambda o: times[(o.kind, o.mb, o.stage)])
             assert len(events) == len(start)
@@ -153,15 +164,14 @@ def test_simulate_takes_per_stage_costs_and_a_send_delay(name):
         S = p if name in ("gpipe", "1f1b", "zbh1") else 2 * p
         for m in (2 * p, 3 * p):
             plans = P.schedule(name, S, m)
-            split = {(o.stage, o.mb) for ops in plans for o in ops if o.kind == "W"}
             costs = {k: [rng.uniform(0.1, 2.0) for _ in range(S)] for k in "FBW"}
             comm = rng.uniform(0.05, 0.5)
 
-            def duration(key, costs=costs, split=split):
-                kind, mb, s = key
-                if kind == "B" and (s, mb) not in split:
-                    return costs["B"][s] + costs["W"][s]
-                return costs[kind][s]
+            def duration(key, costs=costs):
+                kind, mb, s = key  # the costs' "B" is the input part's time: an I's, and a whole B's less W
+                return {"F": costs["F"][s], "I": costs["B"][s], "B": costs["B"][s] + costs["W"][s], "W": costs["W"][s]}[
+                    kind
+                ]
 
             start, end, worker = play(plans, S, duration, comm)
             events = P.simulate(plans, S, {**costs, "comm": comm})
@@ -283,9 +293,9 @@ def test_one_worker_schedules_run():
 
 
 # Interleaved 1F1B and DualPipeV. Interleaved: v chunks per worker, a chunk's F costs 1/v and its
-# whole B 2/v. DualPipeV: 2 chunks per worker, F = I = W = 1/2 per chunk; a B whose stage and
-# microbatch has no W in the lists is the whole backward, I + W = 1. Memory in chunk activations:
-# an F adds one; a whole B, or the W of a split one, frees it (W keeping everything: the worst case).
+# whole B 2/v. DualPipeV: 2 chunks per worker, F = I = W = 1/2 per chunk; a B is the whole
+# backward, I + W = 1. Memory in chunk activations: an F adds one; a whole B, or the W of a split
+# one, frees it (W keeping everything: the worst case).
 
 INTERLEAVED = [(p, v, m) for p in range(2, 7) for v in (2, 3) for m in range(p, 4 * p + 1)]
 DUALPIPEV = [(p, m) for p in range(2, 7) for m in range(p, 4 * p + 1)]
@@ -294,26 +304,23 @@ TORCH_DUALPIPEV_4RANK_10MB = "16ce4a29936e4c5ad774098add32489b4937942e3f5ab0108f
 
 
 def split_pairs(plans):
-    return {(o.stage, o.mb) for ops in plans for o in ops if o.kind == "W"}
+    """The (stage, microbatch) pairs whose backward the plans split: those with an I."""
+    return {(o.stage, o.mb) for ops in plans for o in ops if o.kind == "I"}
 
 
-def chunk_time(plans, v):
-    split = split_pairs(plans)
-
+def chunk_time(v):
     def duration(key):
-        kind, mb, c = key
-        whole_b = kind == "B" and (c, mb) not in split
-        return (2.0 if whole_b else 1.0) / v
+        return (2.0 if key[0] == "B" else 1.0) / v  # a whole backward; F, I and W 1/v each
 
     return duration
 
 
-def chunk_memory(ops, split):
+def chunk_memory(ops):
     held, peak = 0, 0
     for o in ops:
         if o.kind == "F":
             held += 1
-        elif o.kind == "W" or (o.stage, o.mb) not in split:
+        elif o.kind in "BW":
             held -= 1
         peak = max(peak, held)
     return peak, held
@@ -322,15 +329,18 @@ def chunk_memory(ops, split):
 def check_complete(plans, S, m, placement):
     split = split_pairs(plans)
     every = sorted((o.kind, o.mb, o.stage) for ops in plans for o in ops)
-    want = sorted([(k, mb, c) for k in "FB" for mb in range(m) for c in range(S)] + [("W", mb, c) for c, mb in split])
+    want = sorted(
+        [("F", mb, c) for mb in range(m) for c in range(S)]
+        + [(k, mb, c) for mb in range(m) for c in range(S) for k in (("I", "W") if (c, mb) in split else ("B",))]
+    )
     assert every == want
     for w, ops in enumerate(plans):
         assert {o.stage for o in ops} == set(placement[w])
-        pos = {(o.kind, o.mb, o.stage): i for i, o in enumerate(ops)}
+        pos = {slot(o): i for i, o in enumerate(ops)}
         for o in ops:
             for d in deps(o.kind, o.mb, o.stage, S):
                 if d in pos:
-                    assert pos[d] < pos[(o.kind, o.mb, o.stage)], (w, o, d)
+                    assert pos[d] < pos[slot(o)], (w, o, d)
 
 
 def test_interleaved_1f1b_makespan_memory_and_order():
@@ -344,11 +354,11 @@ def test_interleaved_1f1b_makespan_memory_and_order():
         placement = P.worker_stages("interleaved1f1b", S, chunks=v)
         assert placement == [tuple(range(r, S, p)) for r in range(p)]  # stage s on worker s mod p
         check_complete(plans, S, m, placement)
-        start, end, _ = play(plans, S, chunk_time(plans, v))
+        start, end, _ = play(plans, S, chunk_time(v))
         # Megatron-LM (SC 2021) section 2.2.2: bubble (p-1)(t_f + t_b)/v on top of the work, 3m.
         assert max(end.values()) == pytest.approx(3 * m + 3 * (p - 1) / v), (p, v, m)
         for r, ops in enumerate(plans):
-            peak, held = chunk_memory(ops, set())
+            peak, held = chunk_memory(ops)
             assert held == 0 and peak == min(2 * (p - 1 - r) + (v - 1) * p + 1, m * v), (p, v, m, r)
             # Megatron-LM's warm-up forwards, then (while forwards remain) one more F before the first B.
             warm = min(2 * (p - r - 1) + (v - 1) * p, m * v)
@@ -372,11 +382,11 @@ def test_dualpipev_makespan_memory_and_order():
         assert P.worker_stages("dualpipev", S) == [(w, S - 1 - w) for w in range(p)]
         check_complete(plans, S, m, P.worker_stages("dualpipev", S))
         split = split_pairs(plans)
-        assert split and len(split) < S * m  # B split into I and W for some microbatches, whole for others
-        start, end, worker = play(plans, S, chunk_time(plans, 2))
+        assert split and len(split) < S * m  # split into I and W for some microbatches, a whole B for others
+        start, end, worker = play(plans, S, chunk_time(2))
         assert max(end.values()) == pytest.approx(3 * m + (p - 1) / 2), (p, m)
         for w, ops in enumerate(plans):
-            peak, held = chunk_memory(ops, split)
+            peak, held = chunk_memory(ops)
             assert held == 0 and peak <= 2 * p + 1, (p, m, w, peak)  # DualPipe's README: PP+1, PP = 2p
             mine = [k for k in start if worker[k] == w]
             span = max(end[k] for k in mine) - min(start[k] for k in mine)
@@ -427,8 +437,10 @@ def test_csv_idle_steps_are_dropped(tmp_path):
     [
         ("0F0,0X0\n", r"rank 0, step 1: '0X0' is not a compute action"),
         ("0F0,0SEND_F0\n", r"rank 0, step 1: '0SEND_F0' is not a compute action"),
-        ("0F0,0I0\n", r"rank 0: action 0I0 has no 0W0"),
-        ("0F0,0B0,0W0\n", r"rank 0: action 0B0 is a whole backward"),
+        ("0F0,0I0\n", r"rank 0: stage 0 microbatch 0: 0I0 is the backward's input part, but no 0W0 runs"),
+        ("0F0,0B0,0W0\n", r"rank 0: stage 0 microbatch 0: 0B0 is the whole backward, yet 0W0 is its weight part; "),
+        ("0F0,0W0\n", r"rank 0: stage 0 microbatch 0: 0W0 is the backward's weight part, but no 0I0"),
+        ("0F0,0I0,0B0,0W0\n", r"rank 0: stage 0 microbatch 0: 0B0 \(the whole backward\) and 0I0"),
     ],
 )
 def test_bad_csv_is_one_error_naming_rank_and_action(tmp_path, text, match):
@@ -439,7 +451,7 @@ def test_bad_csv_is_one_error_naming_rank_and_action(tmp_path, text, match):
 
 
 def test_bad_plans_are_one_error_naming_rank_and_action():
-    F, B, W = (lambda mb, c, k=k: P.Op(k, mb, c) for k in "FBW")
+    F, B, I, W = (lambda mb, c, k=k: P.Op(k, mb, c) for k in "FBIW")  # noqa: E741
     good = [[F(0, 0), F(1, 0), B(0, 0), B(1, 0)], [F(0, 1), B(0, 1), F(1, 1), B(1, 1)]]
     assert P.check_plans(good, 2, 2) == [(0,), (1,)]
     cases = [
@@ -454,7 +466,16 @@ def test_bad_plans_are_one_error_naming_rank_and_action():
             [[F(0, 0), B(0, 0), F(1, 0), B(1, 0)], [F(0, 1), F(1, 1), B(0, 1), B(1, 1)]],
             r"deadlocks: rank 0's action 0B0 waits for 1B0",
         ),
-        ([good[0], [F(0, 1), B(0, 1), W(1, 1), F(1, 1), B(1, 1)]], r"rank 1's action 1W1 waits for 1I1"),
+        ([good[0], [F(0, 1), B(0, 1), W(1, 1), F(1, 1), I(1, 1)]], r"rank 1's action 1W1 waits for 1I1"),
+        # A B with a W: what a B meant before Kind.I existed (its input part). Refused, naming the fix.
+        (
+            [good[0], [F(0, 1), B(0, 1), F(1, 1), B(1, 1), W(1, 1)]],
+            r"^rank 1: stage 1 microbatch 1: 1B1 is the whole backward, yet 1W1 is its weight part; "
+            r"with a W, use I \(1I1\) for the input part, or drop the W$",
+        ),
+        ([good[0], [F(0, 1), B(0, 1), F(1, 1), I(1, 1)]], r"^rank 1: stage 1 microbatch 1: 1I1 is the backward's"),
+        ([good[0], [F(0, 1), B(0, 1), F(1, 1), W(1, 1)]], r"^rank 1: stage 1 microbatch 1: 1W1 is the backward's"),
+        ([good[0], good[1] + [I(1, 1), W(1, 1)]], r"^rank 1: stage 1 microbatch 1: 1B1 \(the whole backward\)"),
         ([good[0]], r"no rank: action 1F0 is missing"),
     ]
     for plans, match in cases:
@@ -463,6 +484,7 @@ def test_bad_plans_are_one_error_naming_rank_and_action():
 
 
 def test_an_op_of_an_unknown_kind_is_refused():
-    with pytest.raises(vs.VjpsplitError, match=r"Op kind 'X': use 'F', 'B' or 'W'"):
+    with pytest.raises(vs.VjpsplitError, match=r"Op kind 'X': use 'F', 'B' \(whole backward\), 'I' \(its input"):
         P.Op("X", 0, 0)
     assert P.Op("F", 0, 1) == P.Op(P.Kind.F, 0, 1) and P.Op("W", 2, 0).kind == "W"
+    assert P.Op("I", 2, 0).kind == P.Kind.I != P.Kind.B  # the input part says so itself

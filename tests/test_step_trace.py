@@ -440,17 +440,23 @@ def test_a_timed_steps_trace_file_holds_its_events_and_sends(schedule, tmp_path,
         assert s["ts"] == pytest.approx((e.start - origin) * 1e6, abs=2e-3)
         assert s["dur"] == pytest.approx((e.end - e.start) * 1e6, abs=2e-3)
     worker_of = {e.stage: e.worker for e in r.events}
+    back = {(e.stage, e.mb): e.kind for e in r.events if e.kind in (Kind.B, Kind.I)}  # 1F1B's B, ZB-V's I
+
+    def name(k, s, m):
+        return f"{k if k == Kind.F else back[(s, m)]} s{s} mb{m}"
+
     want = sorted(
-        (f"{k} s{s} mb{m}", f"{k} s{t} mb{m}")
+        (name(k, s, m), name(k, t, m))
         for k, step in ((Kind.F, 1), (Kind.B, -1))
         for s in range(4)
         for t in [s + step]
         if 0 <= t < 4 and worker_of[s] != worker_of[t]
         for m in range(mbs)
     )
+    assert set(back.values()) == ({Kind.B} if schedule == "1f1b" else {Kind.I})
     assert flow_pairs(doc) == want and want  # zbv: stages 1-2 share worker 1, so 2 x 2 x 4 flows
     assert len(want) == (24 if schedule == "1f1b" else 16)
-    others = {(ev["tid"], ev["name"]) for ev in doc["traceEvents"] if ev["ph"] == "X" and ev["cat"] not in "FBW"}
+    others = {(ev["tid"], ev["name"]) for ev in doc["traceEvents"] if ev["ph"] == "X" and ev["cat"] not in "FBIW"}
     workers = r.num_workers
     assert {(w + 1, "update") for w in range(workers)} | {(w + 1, "reduce norms") for w in range(workers)} <= others
     assert {(w + 1, "reduce tied") for w in range(workers)} <= others  # the tied embedding
@@ -570,3 +576,31 @@ def test_a_sharded_stage_gets_a_track_per_device_and_the_file_reads_back_once():
     ]
     assert all(abs(a.start - b.start) < 1e-8 and abs(a.end - b.end) < 1e-8 for a, b in zip(back.events, events))
     assert [(p.worker, p.name) for p in back.phases] == [(None, "hand out")] and back.num_workers == 2
+
+
+def test_a_trace_file_from_before_kind_i_reads_its_input_parts_as_i(tmp_path):
+    """Trace files written before ``Kind.I`` named a split backward's input part ``B`` (category and name).
+    Read back, each B with a W of its stage and microbatch is that I; a B without a W stays a whole B."""
+    from vjpsplit_cli.pipeline.schedules.timeline import Event
+    from vjpsplit_cli.pipeline.schedules.tracefile import read_trace, trace_events, write_trace
+
+    now = [  # as a step records them today: stage 1 split (I, W), stage 0 whole (B)
+        Event(0, "F", 0, 10.0, 10.001, 0),
+        Event(1, "F", 0, 10.0012, 10.002, 1),
+        Event(1, "I", 0, 10.002, 10.003, 1),
+        Event(1, "W", 0, 10.003, 10.0035, 1),
+        Event(0, "B", 0, 10.0036, 10.005, 0),
+    ]
+    doc = trace_events(now, [], 2, 2)
+    assert {ev["name"] for ev in doc["traceEvents"] if ev["ph"] == "X"} >= {"I s1 mb0", "B s0 mb0"}
+    old = json.loads(json.dumps(doc))
+    for ev in old["traceEvents"]:  # the same step as an older vjpsplit wrote it
+        if ev.get("cat") == "I":
+            ev["cat"], ev["name"], ev["args"]["kind"] = "B", ev["name"].replace("I", "B", 1), "B"
+    assert not any(ev.get("cat") == "I" for ev in old["traceEvents"])
+    for name, d in (("new", doc), ("old", old)):
+        write_trace(tmp_path / f"{name}.json", d)
+        back = read_trace(tmp_path / f"{name}.json")
+        assert [(e.worker, e.kind, e.mb, e.stage) for e in back.events] == [
+            (e.worker, e.kind, e.mb, e.stage) for e in now
+        ], name

@@ -291,8 +291,35 @@ def test_the_pipeline_surface_is_curated_and_documented():
         obj = getattr(P, name)
         if inspect.isfunction(obj) or inspect.isclass(obj):
             assert (obj.__doc__ or "").strip(), f"pipeline.{name} has no docstring"
-    internal = {"run_op", "walk", "progress_bar", "split_ops", "StageActor", "stage_devices", "dependencies"}
+    internal = {"run_op", "walk", "progress_bar", "StageActor", "stage_devices", "dependencies"}
     assert not internal & set(P.__all__)
     init = PKG / "pipeline" / "__init__.py"
     body = [n for n in ast.parse(init.read_text()).body if not isinstance(n, (ast.Import, ast.ImportFrom, ast.Expr))]
     assert [type(n).__name__ for n in body] == ["Assign"], "pipeline/__init__ holds no logic of its own"
+
+
+def test_operations_say_what_they_are_and_nothing_asks_the_plans():
+    """Issue 44: an Op's kind says whether it is a whole backward (B) or its input part (I). No code works
+    that out from the rest of the plans (the former ``ops.split_ops``), and no ``split`` flag travels from
+    the plans to the worker, the threads, the Ray lists or the compiled graph."""
+    from vjpsplit_cli.pipeline.runtime import inprocess, worker
+    from vjpsplit_cli.pipeline.runtime.ray import actor, compiled, lists, pipeline
+    from vjpsplit_cli.pipeline.schedules import ops
+
+    assert not hasattr(ops, "split_ops")
+    for path in PKG.rglob("*.py"):
+        assert "split_ops" not in path.read_text(), f"{path.relative_to(PKG)} still asks the plans (split_ops)"
+    takers = [
+        worker.run_op,
+        inprocess._Threads.__init__,
+        lists.run_list,
+        lists.submit_lists,
+        compiled.compile_step,
+        actor.StageActor.op,
+        actor.StageActor.run_step,
+        pipeline.RayPipeline.start_step,
+        pipeline.RayPipeline._graph,
+    ]
+    for fn in takers:
+        assert "split" not in inspect.signature(fn).parameters, fn.__qualname__
+    assert [k.value for k in ops.Kind] == ["F", "B", "I", "W"]  # torch's letters, one kind each

@@ -242,10 +242,35 @@ def test_send_time_is_the_gap_to_an_idle_worker_and_compiling_operations_are_lef
     jax.jit(lambda x: x * 3 + 1)(np.float32(t0))  # traces and compiles now
     t1 = time.monotonic()
     ops = [E(0, "F", 0, t0, t1, 0), E(0, "F", 1, t1 + 1, t1 + 2, 0), E(0, "F", 2, t1 + 2, t1 + 5, 0)]
-    assert [e.mb for e in counted(ops, set())[(0, "F")]] == [1, 2]
-    assert [e.mb for e in counted(ops[:1], set())[(0, "F")]] == [0]  # none left: the last counts
+    assert [e.mb for e in counted(ops)[(0, "F")]] == [1, 2]
+    assert [e.mb for e in counted(ops[:1])[(0, "F")]] == [0]  # none left: the last counts
     cold = E(0, "F", 0, t0, t1, 0, 0.25)  # a cold call's warm run, timed apart from its compile, counts
-    assert [e.mb for e in counted([cold, *ops[1:]], set())[(0, "F")]] == [0, 1, 2]
+    assert [e.mb for e in counted([cold, *ops[1:]])[(0, "F")]] == [0, 1, 2]
+
+
+def test_a_split_backwards_i_and_w_are_the_costs_b_and_w_and_an_is_cotangent_is_a_send():
+    """The events say what ran: an I is the backward's input part (the costs' ``B``), a W its weight part; a
+    whole B is cut by the stage's FLOPs. Read from the kinds alone, not from the plans."""
+    E = P.Event
+    events = [
+        E(0, "F", 0, 0.0, 1.0, 0),
+        E(1, "F", 0, 1.5, 2.5, 1),
+        E(1, "I", 0, 2.5, 3.0, 1),
+        E(0, "I", 0, 3.2, 4.0, 0),  # worker 0 idle since 1.0: the cotangent's gap, 0.2
+        E(1, "W", 0, 3.0, 3.5, 1),
+        E(0, "W", 0, 4.0, 4.25, 0),
+    ]
+    assert sorted(send_gaps(events, 2)) == pytest.approx([0.2, 0.5])
+    result = step_result(
+        schedule="zbh1", plans=[[]], num_stages=2, microbatches=1, runner="test", step_time=4.25,
+        losses={0: 0.0}, grads=[None, None], events=events,
+    )  # fmt: skip
+    split = types.SimpleNamespace(manifest=types.SimpleNamespace(weights=("w",)))
+    samples = CostSamples([split, split])
+    samples.add(result, first=True)
+    costs = samples.costs()
+    assert set(costs) == {"F", "B", "W", "comm"} and costs["comm"] == pytest.approx(0.35)
+    assert [costs[k] for k in "FBW"] == [pytest.approx(v) for v in ([1.0, 1.0], [0.8, 0.5], [0.25, 0.5])]
 
 
 @pytest.mark.parametrize("schedule_name", ["1f1b", "zbh1"])

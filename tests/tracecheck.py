@@ -59,7 +59,7 @@ def op_slices(doc):
     return {
         ev["name"]: ev
         for ev in doc["traceEvents"]
-        if ev["ph"] == "X" and ev.get("cat") in ("F", "B", "W") and 0 < ev["tid"] < 1000
+        if ev["ph"] == "X" and ev.get("cat") in ("F", "B", "I", "W") and 0 < ev["tid"] < 1000
     }
 
 
@@ -67,7 +67,7 @@ def flow_pairs(doc):
     """Each flow as (producing slice's name, consuming slice's name)."""
     by_track = defaultdict(list)
     for ev in doc["traceEvents"]:
-        if ev["ph"] == "X" and ev.get("cat") in ("F", "B", "W"):
+        if ev["ph"] == "X" and ev.get("cat") in ("F", "B", "I", "W"):
             by_track[ev["tid"]].append(ev)
     ends = defaultdict(dict)
     for ev in doc["traceEvents"]:

@@ -46,7 +46,7 @@ def test_fit_survives_a_killed_actor_and_a_killed_process(ray_session, stages, t
         real = module.run_op
 
         def run_op(stage, op, *args):
-            if op.kind == Kind.B:
+            if op.kind in (Kind.B, Kind.I):
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(stage, op, *args)
 

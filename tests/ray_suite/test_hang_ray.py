@@ -23,7 +23,7 @@ class SlowActor(TrainActor):
     """A TrainActor whose stage 1 hangs (sleeps far past the step's limit) in its F of microbatch 1 of the
     second step: a host that blocks. Sent to the actors by value (this module is not importable there)."""
 
-    def run_step(self, step, ops, batch, microbatches, split, timed):
+    def run_step(self, step, ops, batch, microbatches, timed):
         st = self.stage_workers.get(1)
         if st is not None and step == STUCK_STEP:
             real = type(st).forward
@@ -34,7 +34,7 @@ class SlowActor(TrainActor):
                 return real(st, mb, x, side, worker=worker)
 
             st.forward = forward
-        return super().run_step(step, ops, batch, microbatches, split, timed)
+        return super().run_step(step, ops, batch, microbatches, timed)
 
 
 @pytest.fixture(scope="module")

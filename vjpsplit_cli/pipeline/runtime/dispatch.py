@@ -1,6 +1,6 @@
 """The one dispatcher every runner uses, and the progress bar.
 
-A step is the workers' lists of F, B and W operations. ``walk`` hands them to a
+A step is the workers' lists of F, B, I and W operations. ``walk`` hands them to a
 runner's ``submit`` in the order of the one play of plans (``schedules.play.sweep``:
 each worker's own order, every operation after those whose results it reads);
 what flows between stages is whatever ``submit`` returns (a mailbox in-process,

@@ -25,7 +25,7 @@ import weakref
 from typing import Any, Callable, Sequence, TypeVar
 
 from ...errors import VjpsplitError
-from ..schedules.ops import Kind, Op, dependencies, received, split_ops
+from ..schedules.ops import Kind, Op, dependencies, received
 from ..schedules.plans import resolve
 from ..schedules.timeline import Phase
 from ..stages.directory import PerStage, Stages
@@ -186,16 +186,15 @@ def dispatch(
     """
     for st in workers:
         st.reset(timed=False, plans=plans)
-    split = split_ops(plans)
     mbs = placed_microbatches(mbs, workers)
 
     def submit(w: int, op: Op, data: Any, side: list[Any]) -> Any:
-        return run_op(workers[op.stage], op, data, side, microbatches, (op.stage, op.mb) in split, w)
+        return run_op(workers[op.stage], op, data, side, microbatches, w)
 
     def noted(w: int, op: Op, data: Any, side: list[Any]) -> Any:
         assert record is not None
         record.begin(w, op)
-        out = run_op(workers[op.stage], op, data, side, microbatches, (op.stage, op.mb) in split, w)
+        out = run_op(workers[op.stage], op, data, side, microbatches, w)
         record.end(w, op, out, workers[op.stage])
         return out
 
@@ -228,7 +227,7 @@ def run_threads(
     for st in workers:
         st.reset(timed=True, plans=plans)
     mbs = placed_microbatches(mbs, workers)
-    threads = _Threads(plans, workers, split_ops(plans), microbatches, progress, tail)
+    threads = _Threads(plans, workers, microbatches, progress, tail)
     threads.run(pool, lambda submit: walk(plans, len(workers), mbs, submit, order), watch or Watch())
 
 
@@ -371,12 +370,11 @@ class _Threads:
         self,
         plans: Sequence[Sequence[Op]],
         workers: Sequence[StageWorker],
-        split: set[tuple[int, int]],
         microbatches: int,
         progress: bool,
         tail: Callable[[int, bool], None] | None,
     ):
-        self.plans, self.workers, self.split, self.microbatches, self.tail = plans, workers, split, microbatches, tail
+        self.plans, self.workers, self.microbatches, self.tail = plans, workers, microbatches, tail
         self.inboxes: list[queue.SimpleQueue[tuple[Any, Any, Any, _Mailbox]]] = [queue.SimpleQueue() for _ in plans]
         self.errors: list[BaseException] = []
         self.bar = progress_bar(sum(len(p) for p in plans), progress)
@@ -461,8 +459,7 @@ class _Threads:
                     box.put(_FAILED)
                     continue
                 nows[w] = (RUNS, op, None, time.monotonic())
-                split = (op.stage, op.mb) in self.split
-                box.put(run_op(self.workers[op.stage], op, data, side, self.microbatches, split, w))
+                box.put(run_op(self.workers[op.stage], op, data, side, self.microbatches, w))
                 nows[w] = (NEXT, None, None, time.monotonic())
                 if self.bar is not None:
                     with self.bar_lock:
@@ -522,14 +519,14 @@ def _probe(tree: Any, array: type) -> tuple[Any, ...]:
 
 
 def _handed_on(op: Op, stage: StageWorker | ReplicaGroup) -> Any:
-    """What an operation that hands on nothing (the first stage's B, every W) left in ``stage``: a split B's
+    """What an operation that hands on nothing (the first stage's B or I, every W) left in ``stage``: an I's
     intermediates for W, else the summed gradients; a replica group's reduced ones once it reduced (its last
     gradient operation), else each replica's (a ``Parts``)."""
     if isinstance(stage, ReplicaGroup):
         if stage.grads is not None:
             return stage.grads
         return Parts(_handed_on(op, r) for r in stage.replicas)
-    inter = stage.inter.get(op.mb) if op.kind == Kind.B else None
+    inter = stage.inter.get(op.mb) if op.kind == Kind.I else None
     return stage.grads if inter is None else list(inter.arrays.values())
 
 
@@ -576,7 +573,7 @@ class Dispatched:
 
     def end(self, w: int, op: Op, out: Any, stage: StageWorker | ReplicaGroup) -> None:
         """``op`` was dispatched: ``out`` is what it hands on (the first stage's B and W hand on nothing: theirs
-        are in ``stage``, a split B's intermediates for W, else the gradients)."""
+        are in ``stage``, an I's intermediates for W, else the gradients)."""
         now = self.now
         at = now[2] if now is not None else time.monotonic()
         probe = _probe(_handed_on(op, stage) if out is None else out, self.array)

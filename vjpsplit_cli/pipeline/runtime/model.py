@@ -86,8 +86,8 @@ class Model:
         return grads
 
     def check_plans(self, name: str, plans: Sequence[Sequence[Op]]) -> None:
-        """Refuse plans the stages cannot run: a stage with a W in them needs the split backward."""
-        need = {o.stage for ops in plans for o in ops if o.kind == Kind.W}
+        """Refuse plans the stages cannot run: a stage with an I or a W in them needs the split backward."""
+        need = {o.stage for ops in plans for o in ops if o.kind in (Kind.I, Kind.W)}
         for i, a in enumerate(self.artifacts):
             if i in need and not a.manifest.weights:
                 raise VjpsplitError(

@@ -30,7 +30,7 @@ from typing import Any, Collection, Sequence
 import numpy as np
 
 from ...errors import VjpsplitError
-from ..schedules.ops import Kind, Op, OpKey
+from ..schedules.ops import BACKWARDS, Kind, Op, OpKey
 
 HOST, FILES = "host", "files"
 
@@ -218,10 +218,10 @@ class Offloader:
         return os.path.join(self.spec.directory, f"stage{self.stage}{rep}-mb{mb}.npz")
 
     def keeps(self, mb: int) -> bool:
-        """Whether microbatch ``mb``'s F residuals stay: not asked for, or its B runs next or second anyway (its
-        copy back would start at once: see ``Offload``)."""
+        """Whether microbatch ``mb``'s F residuals stay: not asked for, or its B (or I) runs next or second anyway
+        (its copy back would start at once: see ``Offload``)."""
         f = self.position.get(OpKey(Kind.F, mb, self.stage))
-        b = self.position.get(OpKey(Kind.B, mb, self.stage))
+        b = self.position.get(OpKey(Kind.B, mb, self.stage))  # an I is keyed as its B (``ops.OpKey``)
         return not self.spec.wants(self.stage, mb) or (f is not None and b is not None and b - f <= 2)
 
     def send(self, mb: int, res: Any) -> Any:
@@ -254,9 +254,10 @@ class Offloader:
         return away
 
     def before(self, op: Op) -> None:
-        """Before operation ``op`` runs: if the stage's next one is a B of residuals away, start their copy back."""
+        """Before operation ``op`` runs: if the stage's next one is a B or I of residuals away, start their copy
+        back."""
         nxt = self.next_op.get(op.key)
-        if nxt is not None and nxt.kind == Kind.B:
+        if nxt is not None and nxt.kind in BACKWARDS:
             self.prefetch(nxt.mb)
 
     def prefetch(self, mb: int) -> None:

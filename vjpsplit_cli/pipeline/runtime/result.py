@@ -109,8 +109,9 @@ class PipelineResult:
         """Busy seconds per worker and kind, and idle seconds.
 
         Returns:
-            One dict per worker: ``{"worker": w, "F": s, "B": s, "W": s, "idle": s}``,
-            idle being the step's span less the busy seconds.
+            One dict per worker: ``{"worker": w, "F": s, "B": s, "I": s, "W": s, "idle": s}``
+            (``B``: whole backwards, ``I`` and ``W``: split ones' parts), idle being the step's
+            span less the busy seconds.
 
         Raises:
             VjpsplitError: If the step was not timed.
@@ -120,11 +121,11 @@ class PipelineResult:
         t1 = max(e.end for e in self.events)
         rows = []
         for w in range(self.num_workers):
-            row = {"worker": w, "F": 0.0, "B": 0.0, "W": 0.0}
+            row = {"worker": w, "F": 0.0, "B": 0.0, "I": 0.0, "W": 0.0}
             for e in self.events:
                 if e.worker == w:
                     row[e.kind] += e.end - e.start
-            row["idle"] = (t1 - t0) - row["F"] - row["B"] - row["W"]
+            row["idle"] = (t1 - t0) - row["F"] - row["B"] - row["I"] - row["W"]
             rows.append(row)
         return rows
 

@@ -1,4 +1,4 @@
-"""Stage execution, shared by every runner: one stage's F, B and W calls and their bookkeeping.
+"""Stage execution, shared by every runner: one stage's F, B, I and W calls and their bookkeeping.
 
 A ``StageWorker`` holds a stage's artifact, parameters, the residuals of
 microbatches in flight and the accumulated gradients; ``run_op`` executes one
@@ -141,7 +141,7 @@ def _calls_for(artifact: Any, feeds_back: bool) -> _Calls:
 
 
 class StageWorker:
-    """One stage's F, B and W with their bookkeeping: its artifact, parameters, residuals and gradients.
+    """One stage's F, B, I and W with their bookkeeping: its artifact, parameters, residuals and gradients.
 
     It holds the residuals in flight and the accumulated gradients. The runners'
     building block (threads and Ray actors run the same).
@@ -414,7 +414,7 @@ class StageWorker:
         return out
 
     def backward(self, mb: int, ct: Any, microbatches: int, worker: int | None = None) -> Any:
-        """Whole backward (GPipe, 1F1B): accumulate the weight gradient, return the input cotangent.
+        """B, the whole backward (GPipe, 1F1B): accumulate the weight gradient, return the input cotangent.
 
         Args:
             mb: The microbatch, whose forward already ran.
@@ -436,7 +436,7 @@ class StageWorker:
         return gx
 
     def backward_input(self, mb: int, ct: Any, microbatches: int, worker: int | None = None) -> Any:
-        """Split schedules' B: the input cotangent now, the weight part later.
+        """I, the backward's input part (split schedules): the input cotangent now, the weight part (W) later.
 
         Args:
             mb: The microbatch, whose forward already ran.
@@ -447,15 +447,15 @@ class StageWorker:
         Returns:
             The cotangent of the stage's input, for the stage before; ``None`` on the first stage.
         """
-        # B is the last reader of most residuals: drop them, keeping only W's share (in inter).
+        # I is the last reader of most residuals: drop them, keeping only W's share (in inter).
         res, c = self._residuals(mb), self._ct(ct, microbatches)
-        gx, self.inter[mb] = self._run(worker, Kind.B, mb, (res, c), self.calls.backward_input, 1)
+        gx, self.inter[mb] = self._run(worker, Kind.I, mb, (res, c), self.calls.backward_input, 1)
         del res
         self._note_peak()
         return gx
 
     def backward_weight(self, mb: int, worker: int | None = None) -> None:
-        """Split schedules' W: the weight gradient of a microbatch whose B already ran.
+        """W, the backward's weight part (split schedules): the weight gradient of a microbatch whose I already ran.
 
         Args:
             mb: The microbatch.
@@ -483,18 +483,19 @@ def _single(device: Any) -> Any:
     return SingleDeviceSharding(device)
 
 
-def run_op(
-    stage: StageWorker, op: Op, data: Any, side: Sequence[Any], microbatches: int, split: bool, worker: int
-) -> Any:
-    """Execute scheduled operation ``op`` on ``stage``: F takes the activation, B the cotangent; W takes nothing.
+def run_op(stage: StageWorker, op: Op, data: Any, side: Sequence[Any], microbatches: int, worker: int) -> Any:
+    """Execute scheduled operation ``op`` on ``stage`` by its kind: F takes the activation, B and I the cotangent;
+    W takes nothing.
 
     Returns what the operation hands on: the activation (or loss), the input
     cotangent, or None for W.
     """
-    stage.before(op)  # the copy back of the stage's next B overlaps this operation
+    stage.before(op)  # the copy back of the stage's next backward overlaps this operation
     if op.kind == Kind.F:
         return stage.forward(op.mb, data, side, worker=worker)
     if op.kind == Kind.B:
-        return (stage.backward_input if split else stage.backward)(op.mb, data, microbatches, worker=worker)
+        return stage.backward(op.mb, data, microbatches, worker=worker)
+    if op.kind == Kind.I:
+        return stage.backward_input(op.mb, data, microbatches, worker=worker)
     stage.backward_weight(op.mb, worker=worker)
     return None

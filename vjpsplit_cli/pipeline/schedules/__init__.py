@@ -1,4 +1,4 @@
-"""Schedules, pure data: which worker runs which F, B and W operations, in what order, and how that plays.
+"""Schedules, pure data: which worker runs which F, B, I and W operations, in what order, and how that plays.
 
 Owns the operation and its one dependency rule (``ops``), the built-in schedules
 by name (``catalog``, ``builtins``), layouts (``layout``: which worker runs which

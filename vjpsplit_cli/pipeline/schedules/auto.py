@@ -89,7 +89,8 @@ class _Stuck(Exception):
 
 
 class _Builder:
-    """One run of the list scheduler: per worker, counts of F, B and W so far, clocks, and when each op ends."""
+    """One run of the list scheduler: per worker, counts of F, backwards (B or I) and W so far, clocks, and when
+    each op ends."""
 
     def __init__(self, costs: Costs, microbatches: int, limits: Sequence[int], split: Sequence[bool], policy: Policy):
         S, m = costs.num_stages, microbatches
@@ -207,19 +208,19 @@ class _Builder:
         c = self.costs
         start = max(self.free[s], ready)
         if kind == "F":
-            i, d = self.nf[s], c.forward[s]
-            self.f_end[s][i] = start + d
+            op = Op(Kind.F, self.nf[s], s)
+            self.f_end[s][op.mb] = start + c.forward[s]
             self.nf[s] += 1
         elif kind == "B":
-            i = self.nb[s]
-            d = c.backward[s] if self.split[s] else c.backward[s] + c.weight[s]
-            self.b_end[s][i] = start + d
+            op = Op(Kind.I if self.split[s] else Kind.B, self.nb[s], s)  # the input part where the stage splits
+            self.b_end[s][op.mb] = start + c.duration(op)
             self.nb[s] += 1
             self.nw[s] += not self.split[s]  # a whole backward lets its microbatch go
         else:
-            i, d = self.nw[s], c.weight[s]
+            op = Op(Kind.W, self.nw[s], s)
             self.nw[s] += 1
-        self.plans[s].append(Op(Kind(kind), i, s))
+        d = c.duration(op)
+        self.plans[s].append(op)
         self.stalled[s], self.stalls = 0, 0
         self.free[s] = start + d
         self.clock[s] = max(t, start + d)  # decisions go on in time order, even after a W timed into the past
@@ -238,7 +239,7 @@ def _stage_count(stages: object) -> int:
 
 
 def _split_stages(stages: object, costs: Mapping[str, object] | Costs, n: int) -> tuple[bool, ...]:
-    """Whose backwards the plans split into B and W: every stage whose artifact has the split (all, for a count).
+    """Whose backwards the plans split into I and W: every stage whose artifact has the split (all, for a count).
 
     Costs without ``W`` make every backward whole.
     """

@@ -1,10 +1,11 @@
-"""The built-in schedules as pure lists: which worker runs which F, B and W operations, in what order.
+"""The built-in schedules as pure lists: which worker runs which F, B, I and W operations, in what order.
 
 GPipe, 1F1B and ZB-H1 put one stage on each worker; ZB-V and DualPipeV put two on
 each, in a V; interleaved 1F1B puts ``v`` on each, round robin. Nothing here runs
-a model: the lists are data, played by ``play`` and executed by the runners. A B
-whose microbatch has a W in the lists is the input part of the backward; one
-without is the whole backward (DualPipeV mixes both).
+a model: the lists are data, played by ``play`` and executed by the runners. Each
+backward is a whole ``B``, or an ``I`` (its input part) with its ``W`` later:
+GPipe, 1F1B and interleaved 1F1B run whole ones, ZB-H1 and ZB-V split every one,
+DualPipeV mixes both.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def schedule(name: str, num_stages: int, microbatches: int, chunks: int = CHUNKS
     * ``1f1b``: worker ``s`` runs ``S-s-1`` forwards ahead, then alternates one
       forward and one (whole) backward; at most ``S-s`` microbatches in flight.
     * ``zbh1`` (Qi et al., *Zero Bubble Pipeline Parallelism*, ICLR 2024): 1F1B's
-      order of F and B, B being only the input part; each W goes where the worker
+      order of F and B, each B being only the input part, I; each W goes where the worker
       would otherwise wait, found by playing the schedule with F = B = W = 1. With
       those times the step takes 3m + (p-1) units against 1F1B's 3(m+p-1). A worker
       never holds more than ``S`` microbatches between F and W (1F1B's peak, on its
@@ -75,6 +76,7 @@ def _lists(name: str, S: int, M: int, chunks: int) -> list[list[Op]]:
         return [_interleaved_rank(r, S // chunks, chunks, M) for r in range(S // chunks)]
     if name == "dualpipev":
         return [_dualpipev_rank(r, S // 2, M) for r in range(S // 2)]
+    back = Kind.B if name == "1f1b" else Kind.I  # ZB-H1: 1F1B's order, each backward's input part
     plans = []
     for s in range(S):
         warm = min(S - s - 1, M)
@@ -84,7 +86,7 @@ def _lists(name: str, S: int, M: int, chunks: int) -> list[list[Op]]:
             if f < M:
                 ops.append(Op(Kind.F, f, s))
                 f += 1
-            ops.append(Op(Kind.B, b, s))
+            ops.append(Op(back, b, s))
         plans.append(ops)
     return plans if name == "1f1b" else _place_weight_passes(plans, S)
 
@@ -113,17 +115,17 @@ class _WeightPasses:
         return pending.pop(0) if next_op is None or free < ready or held else None
 
     def ran(self, worker: int, op: Op) -> None:
-        """Count what ``op`` holds or frees; a B queues its W."""
+        """Count what ``op`` holds or frees; an I queues its W."""
         if op.kind == Kind.F:
             self.live[worker] += 1
-        elif op.kind == Kind.B:
+        elif op.kind == Kind.I:
             self.pending[worker].append(Op(Kind.W, op.mb, op.stage))
         else:
             self.live[worker] -= 1
 
 
 def _place_weight_passes(fb: list[list[Op]], S: int) -> list[list[Op]]:
-    """ZB-H1: 1F1B's F/B lists with each W inserted where a unit-time play shows the worker idle."""
+    """ZB-H1: 1F1B's F/I lists with each W inserted where a unit-time play shows the worker idle."""
     return play(fb, S, lambda op: 1.0, fill=_WeightPasses(len(fb), S)).plans
 
 
@@ -138,7 +140,7 @@ def _zbv(p: int, M: int) -> list[list[Op]]:
     plans = []
     for w in range(p):
         lo, hi = w, 2 * p - 1 - w
-        count = {k: {lo: 0, hi: 0} for k in "FBW"}
+        count = {k: {lo: 0, hi: 0} for k in "FIW"}  # every backward split: I, its W later
         ops: list[Op] = []
 
         def add(kind: str, stage: int) -> None:
@@ -152,24 +154,24 @@ def _zbv(p: int, M: int) -> list[list[Op]]:
             add("F", lo)
         for _ in range(p - w):  # the second chunk's first backwards come back up
             add("F", hi)
-            add("B", hi)
+            add("I", hi)
             add("W", hi)
         while count["F"][hi] < count["F"][lo] or count["F"][lo] < n:
             if count["F"][lo] < n:
                 add("F", lo)
-            add("B", lo)
+            add("I", lo)
             add("W", lo)
             add("F", hi)
-            add("B", hi)
+            add("I", hi)
             add("W", hi)
         for _ in range(w):  # drain: input backwards first, weight passes fill the tail
-            add("B", lo)
-            add("B", hi)
+            add("I", lo)
+            add("I", hi)
         for _ in range(p - w):
-            add("B", lo)
+            add("I", lo)
             add("W", lo)
         for stage in (hi, lo):
-            while count["W"][stage] < count["B"][stage]:
+            while count["W"][stage] < count["I"][stage]:
                 add("W", stage)
         plans.append([o for o in ops if o.mb < M])
     return plans
@@ -198,8 +200,8 @@ def _interleaved_rank(r: int, p: int, v: int, M: int) -> list[Op]:
 def _dualpipev_rank(r: int, p: int, M: int) -> list[Op]:
     """DualPipeV's eight phases on worker ``r``, which holds stage ``r`` (chunk 0) and ``2p-1-r`` (chunk 1).
 
-    A B is the whole backward, or its input part ("I") with the W queued; each W
-    phase runs the oldest queued one. Paired F and B are one overlapped action.
+    A backward is a whole B, or its input part I with the W queued; each W phase
+    runs the oldest queued one. Paired F and B are one overlapped action.
     """
     lo, hi = r, 2 * p - 1 - r
     nxt = {("F", lo): 0, ("F", hi): 0, ("B", lo): 0, ("B", hi): 0}
@@ -211,7 +213,7 @@ def _dualpipev_rank(r: int, p: int, M: int) -> list[Op]:
         nxt["F", c] += 1
 
     def b(c: int, split: bool = False) -> None:
-        ops.append(Op(Kind.B, nxt["B", c], c))
+        ops.append(Op(Kind.I if split else Kind.B, nxt["B", c], c))
         if split:
             queued.append(Op(Kind.W, nxt["B", c], c))
         nxt["B", c] += 1

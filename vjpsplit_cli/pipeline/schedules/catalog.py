@@ -9,7 +9,7 @@ from __future__ import annotations
 from ...errors import VjpsplitError
 
 SCHEDULES = ("gpipe", "1f1b", "zbh1", "zbv", "interleaved1f1b", "dualpipev")
-SPLIT_BACKWARD = ("zbh1", "zbv", "dualpipev")  # schedules that run (some) B and W as separate operations
+SPLIT_BACKWARD = ("zbh1", "zbv", "dualpipev")  # schedules that split (some) backwards into I and W
 LABELS = {
     "gpipe": "GPipe",
     "1f1b": "1F1B",

@@ -18,15 +18,15 @@ from .ops import Kind, Op
 class Costs:
     """Op times per stage and kind, and the delay of one send between workers (any one unit).
 
-    ``forward[s]`` is stage ``s``'s F, ``backward[s]`` its B where the plans split the
-    backward (the input part), ``weight[s]`` its W; a whole backward (a B with no W
-    in the plans) costs ``backward[s] + weight[s]``. ``comm`` delays every result
+    ``forward[s]`` is stage ``s``'s F, ``backward[s]`` its I (the backward's input
+    part), ``weight[s]`` its W; a whole backward, B, costs ``backward[s] + weight[s]``.
+    (The dict keys keep their names: ``"B"`` is the input part's time.) ``comm`` delays every result
     that goes to another worker (activations and cotangents between stages on
     different workers; none within a worker, as at ZB-V's turn).
 
     Attributes:
         forward: Per stage, the time of its F.
-        backward: Per stage, the time of its B where the backward is split (the input part).
+        backward: Per stage, the time of its I, the backward's input part.
         weight: Per stage, the time of its W.
         comm: The delay of every result sent to another worker; by default 0.
         transfer: Bytes per second of a residual copy off the device and back, ``(out, back)``
@@ -85,12 +85,11 @@ class Costs:
             None if costs.get("transfer") is None else transfer_rates(costs["transfer"]),
         )
 
-    def duration(self, op: Op, whole: bool) -> float:
-        """``op``'s time; ``whole``: a B that is the whole backward (no W follows it).
+    def duration(self, op: Op) -> float:
+        """``op``'s time, by its kind: F ``forward``, I ``backward``, W ``weight``, B (whole) I + W.
 
         Args:
             op: The operation.
-            whole: Whether a B is the whole backward (then it costs B + W).
 
         Returns:
             The operation's time, in the costs' unit.
@@ -98,8 +97,10 @@ class Costs:
         s = op.stage
         if op.kind == Kind.F:
             return self.forward[s]
+        if op.kind == Kind.I:
+            return self.backward[s]
         if op.kind == Kind.B:
-            return self.backward[s] + (self.weight[s] if whole else 0.0)
+            return self.backward[s] + self.weight[s]
         return self.weight[s]
 
 

@@ -5,8 +5,7 @@ written stage-kind-microbatch (``0F3``: stage 0's forward of microbatch 3; ``1I2
 the input part of a backward, ``1W2`` its weight part, ``2B0`` a whole backward),
 ``(0F7;7B3)OVERLAP_F_B`` two actions torch runs overlapped, and an empty cell an
 idle step (the runners here are driven by data, so idle steps are dropped).
-vjpsplit's ``Op("B")`` is torch's ``I`` when the same stage and microbatch has a
-``W`` in the plans, else its ``B``.
+Each letter is the ``Kind`` of the same name (``ops.Kind``), read and written as is.
 
 Plans that offload residuals (``offloading.OffloadPlans``, what ``auto_schedule``
 returns under ``memory_limit_bytes``) are written as the same CSV, byte for byte
@@ -33,7 +32,7 @@ from ...errors import VjpsplitError
 from ...safeio.outputs import atomic_write
 from ...safeio.reading import os_error_message, read_bytes
 from .offloading import OffloadPlans
-from .ops import Kind, Op, action_name, split_ops
+from .ops import Kind, Op, action_name, check_backwards
 
 _ACTION = re.compile(r"(\d+)([FIBW])(\d+)")
 _OVERLAP = re.compile(r"\((.*);(.*)\)OVERLAP_F_B")
@@ -44,8 +43,12 @@ _PAIR = re.compile(r"(\d+):(\d+)")
 
 
 def format_schedule(plans: Sequence[Sequence[Op]]) -> str:
-    """``plans`` (one list of operations per rank) as the text of torch's compute-only CSV schedule."""
-    split = split_ops(plans)
+    """``plans`` (one list of operations per rank) as the text of torch's compute-only CSV schedule.
+
+    Refuses (``ops.check_backwards``) a backward that is not one B nor an I with its W, which torch's
+    reader and ``parse_schedule`` would refuse.
+    """
+    check_backwards(plans)
     lines = []
     for r, ops in enumerate(plans):
         cells: list[str] = []
@@ -54,13 +57,11 @@ def format_schedule(plans: Sequence[Sequence[Op]]) -> str:
             op = ops[i]
             if op.overlap:
                 if i + 1 == len(ops):
-                    raise VjpsplitError(
-                        f"rank {r}: action {action_name(op, split)} overlaps with nothing: it ends the list"
-                    )
-                cells.append(f"({action_name(op, split)};{action_name(ops[i + 1], split)})OVERLAP_F_B")
+                    raise VjpsplitError(f"rank {r}: action {action_name(op)} overlaps with nothing: it ends the list")
+                cells.append(f"({action_name(op)};{action_name(ops[i + 1])})OVERLAP_F_B")
                 i += 2
             else:
-                cells.append(action_name(op, split))
+                cells.append(action_name(op))
                 i += 1
         lines.append(",".join(cells) + "\n")
     return "".join(lines)
@@ -93,7 +94,8 @@ def write_schedule(path: str | os.PathLike[str], plans: Sequence[Sequence[Op]]) 
 
     Raises:
         VjpsplitError: If an overlapped action ends its rank's list (it overlaps with
-            nothing), or a file cannot be written or removed.
+            nothing), a backward is not one B nor an I with its W, or a file cannot be
+            written or removed.
     """
     data = format_schedule(plans).encode("utf-8")
     offloaded = sorted(getattr(plans, "offloaded", ()))
@@ -138,14 +140,14 @@ def _parse(cell: str, r: int, col: int) -> list[Op]:
             "as 0F3 (communication actions are not part of a compute-only schedule)"
         )
     stage, kind, mb = int(m.group(1)), m.group(2), int(m.group(3))
-    return [Op(Kind.B if kind == "I" else Kind(kind), mb, stage)]
+    return [Op(Kind(kind), mb, stage)]
 
 
 def read_schedule(path: str | os.PathLike[str]) -> list[list[Op]]:
     """The plans in a compute-only CSV schedule (torch's format): one list of operations per rank.
 
-    Checks each action's syntax and that a stage's I has its W and its B none;
-    ``check_plans`` (every runner, through ``resolve``) checks the rest against the stages given.
+    Checks each action's syntax and that each backward is one B or an I with its W
+    (``ops.check_backwards``); ``check_plans`` (every runner, through ``resolve``) checks the rest against the stages given.
     Where ``offload_path(path)`` exists (``write_schedule`` wrote offloading plans),
     or the CSV ends with an older version's ``# offload:`` line, the plans come back
     as an ``OffloadPlans`` naming those pairs.
@@ -158,7 +160,7 @@ def read_schedule(path: str | os.PathLike[str]) -> list[list[Op]]:
 
     Raises:
         VjpsplitError: If the file cannot be read, a cell is not a compute action (or
-            an overlap of exactly two), an ``I`` lacks its ``W`` or a ``B`` has one, or
+            an overlap of exactly two), an ``I`` lacks its ``W``, a ``W`` its ``I``, or a ``B`` has a ``W``, or
             the offload file is damaged, was written for another CSV, or names a pair
             the plans have no forward of.
     """
@@ -241,24 +243,15 @@ def parse_schedule(text: str) -> list[list[Op]]:
                 )
             offloaded.append((int(pair.group(1)), int(pair.group(2))))
     plans: list[list[Op]] = []
-    kinds: dict[tuple[int, int], tuple[int, str]] = {}  # (stage, mb) -> (rank, "I" or "B")
     for r, row in enumerate(rows):
         ops: list[Op] = []
         for col, cell in enumerate(_cells(row)):
             cell = cell.strip()
             if not cell:
                 continue
-            for a in _ACTION.finditer(cell):
-                if a.group(2) in "IB":
-                    kinds[(int(a.group(1)), int(a.group(3)))] = (r, a.group(2))
             ops += _parse(cell, r, col)
         plans.append(ops)
-    split = split_ops(plans)
-    for (stage, mb), (r, kind) in kinds.items():
-        if kind == "I" and (stage, mb) not in split:
-            raise VjpsplitError(f"rank {r}: action {stage}I{mb} has no {stage}W{mb}; add it, or write {stage}B{mb}")
-        if kind == "B" and (stage, mb) in split:
-            raise VjpsplitError(f"rank {r}: action {stage}B{mb} is a whole backward, yet {stage}W{mb} follows; use I")
+    check_backwards(plans)
     if offloaded is None:
         return plans
     _check_pairs(plans, offloaded, "the offload line")

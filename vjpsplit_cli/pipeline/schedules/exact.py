@@ -5,7 +5,7 @@ with the square of the microbatches (one binary per pair of one worker's
 operations), so it proves optima on small cases (a few stages and microbatches)
 and gives up, at its time limit, on larger ones.
 
-The model. Each operation (F, B, and W where the backward is split, of every
+The model. Each operation (F and B, or F, I and W where the backward is split, of every
 microbatch on every stage; worker ``s`` runs stage ``s``) has a start time. It
 starts after what it reads (``ops.dependencies``), a result from another worker
 ``comm`` later; the operations of one worker never overlap (for each pair one
@@ -60,7 +60,7 @@ def optimum(
         costs: op times per stage and the send delay.
         microbatches: how many microbatches the step has.
         memory_limit: ``auto_schedule``'s form (an int, one per worker, or None).
-        split: whether every backward is split into B and W (else whole: B costs B + W).
+        split: whether every backward is split into I and W (else each is a whole B, costing the costs' B + W).
         time_limit: seconds HiGHS may search; past it the best plans found are returned, unproven.
 
     Returns:
@@ -75,14 +75,11 @@ def optimum(
         raise VjpsplitError("the exact optimum needs scipy (pip install scipy)") from e
     S, m = costs.num_stages, microbatches
     limits = memory_limits(memory_limit, S, m)
-    kinds = (Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B)
+    back = Kind.I if split else Kind.B  # the operation that hands on the cotangent
+    kinds = (Kind.F, back, Kind.W) if split else (Kind.F, back)
 
     def dur(k: Kind, s: int) -> float:
-        if k == Kind.F:
-            return costs.forward[s]
-        if k == Kind.B:
-            return costs.backward[s] + (0.0 if split else costs.weight[s])
-        return costs.weight[s]
+        return costs.duration(Op(k, 0, s))
 
     ops = [(k, s, i) for s in range(S) for k in kinds for i in range(m)]
     idx = {o: n for n, o in enumerate(ops)}
@@ -113,10 +110,10 @@ def optimum(
             if s > 0:
                 after((Kind.F, s, i), (Kind.F, s - 1, i), dur(Kind.F, s - 1) + c)
             if s < S - 1:
-                after((Kind.B, s, i), (Kind.B, s + 1, i), dur(Kind.B, s + 1) + c)
-            after((Kind.B, s, i), (Kind.F, s, i), dur(Kind.F, s))
+                after((back, s, i), (back, s + 1, i), dur(back, s + 1) + c)
+            after((back, s, i), (Kind.F, s, i), dur(Kind.F, s))
             if split:
-                after((Kind.W, s, i), (Kind.B, s, i), dur(Kind.B, s))
+                after((Kind.W, s, i), (back, s, i), dur(back, s))
             last = kinds[-1]
             add({n_t - 1: 1.0, idx[(last, s, i)]: -1.0}, dur(last, s))  # makespan >= the microbatch's last end
     for (first, second), p in pair.items():
@@ -176,6 +173,9 @@ def optimum(
 
 
 def _order(item: tuple[tuple[Kind, int, int], float]) -> tuple[float, int]:
-    """A worker's operations by start time; a microbatch's own F, B, W in that order where times tie."""
+    """A worker's operations by start time; a microbatch's own F, B (or I), W in that order where times tie."""
     (k, _, i), t = item
-    return round(t, 9), "FBW".index(k)
+    return round(t, 9), _RANK[k]
+
+
+_RANK = {Kind.F: 0, Kind.B: 1, Kind.I: 1, Kind.W: 2}

@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 
 from ...errors import VjpsplitError
 from .costs import Costs
-from .ops import Op, split_ops
+from .ops import RELEASES, Kind, Op
 from .play import play
 
 
@@ -36,15 +36,14 @@ def memory_limits(limit: int | Sequence[int] | None, workers: int, microbatches:
 
 def memory_peaks(plans: Sequence[Sequence[Op]]) -> list[int]:
     """Per worker, the most microbatches it holds at once: each from its F until its W, or its whole B."""
-    split = split_ops(plans)
     peaks = []
     for ops in plans:
         held = peak = 0
         for o in ops:
-            if o.kind == "F":
+            if o.kind == Kind.F:
                 held += 1
                 peak = max(peak, held)
-            elif o.kind == "W" or (o.kind == "B" and (o.stage, o.mb) not in split):
+            elif o.kind in RELEASES:
                 held -= 1
         peaks.append(peak)
     return peaks

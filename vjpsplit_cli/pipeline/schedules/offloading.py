@@ -10,6 +10,7 @@ cannot start before they are back, ``bytes[s] / back`` seconds later. So it is
 away at the boundaries after the operations that end once its copy out is done
 and before the operation ahead of its B. A microbatch whose B is its F's next or
 second operation is never offloaded (the runtime keeps it too: it would be away at no boundary).
+(B here is the microbatch's backward on the stage: the whole one, or its input part I.)
 
 The cost: the copy back lengthens the operation before the B to at least the
 copy's time (``play`` has no other way to say "B waits for something that started
@@ -28,7 +29,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .costs import Costs
-from .ops import Kind, Op, split_ops
+from .ops import BACKWARDS, RELEASES, Kind, Op, OpKey
 from .play import play
 from .timeline import Event
 
@@ -52,19 +53,25 @@ class OffloadPlans(list):  # type: ignore[type-arg]
 
 
 def _before_b(ops: Sequence[Op]) -> dict[int, int]:
-    """Per microbatch of the worker's stage, the index of the operation before its B (where the copy back starts)."""
+    """Per microbatch of the worker's stage, the index of the operation before its B or I (where the copy back
+    starts)."""
     out = {}
     for i, o in enumerate(ops):
-        if o.kind == Kind.B and i > 0:
+        if o.kind in BACKWARDS and i > 0:
             out[o.mb] = i - 1
     return out
 
 
 def offloadable(ops: Sequence[Op]) -> list[int]:
-    """The microbatches of a worker's list that can leave: those whose B is not its F's next or second operation
-    (the runtime keeps those: their copy back would start as soon as they left)."""
-    pos = {(o.kind, o.mb): i for i, o in enumerate(ops)}
-    return [o.mb for o in ops if o.kind == Kind.F and pos.get((Kind.B, o.mb), -1) - pos[(Kind.F, o.mb)] > 2]
+    """The microbatches of a worker's list that can leave: those whose B (or I) is not its F's next or second
+    operation (the runtime keeps those: their copy back would start as soon as they left)."""
+    pos = {o.key: i for i, o in enumerate(ops)}  # an I keyed as its B (``ops.OpKey``)
+    return [o.mb for o in ops if o.kind == Kind.F and pos.get(_back(o), -1) - pos[o.key] > 2]
+
+
+def _back(op: Op) -> OpKey:
+    """The key of ``op``'s microbatch's backward (B or I) on its stage."""
+    return OpKey(Kind.B, op.mb, op.stage)
 
 
 def byte_peaks(
@@ -75,7 +82,6 @@ def byte_peaks(
     rates: tuple[float, float] | None,
 ) -> list[int]:
     """Per worker, the most bytes its stage's residuals hold on its device at an operation's boundary (see module)."""
-    split = split_ops(plans)
     ends = {(e.stage, e.kind, e.mb): e.end for e in _played(plans, costs, nbytes, offloaded, rates)}
     peaks = []
     for ops in plans:
@@ -87,7 +93,7 @@ def byte_peaks(
         for i, o in enumerate(ops):
             if o.kind == Kind.F:
                 held.add(o.mb)
-            elif o.kind == Kind.W or (o.kind == Kind.B and (o.stage, o.mb) not in split):
+            elif o.kind in RELEASES:
                 held.discard(o.mb)
             t = ends[(o.stage, o.kind, o.mb)]
 
@@ -114,7 +120,6 @@ def _played(
     rates: tuple[float, float] | None,
 ) -> list[Event]:
     S = costs.num_stages
-    split = split_ops(plans)
     longer: dict[tuple[str, int, int], float] = {}
     for ops in plans:
         for mb, i in _before_b(ops).items():
@@ -124,7 +129,7 @@ def _played(
                 longer[(o.kind, o.mb, o.stage)] = nbytes[s] / rates[1]
 
     def duration(op: Op) -> float:
-        d = costs.duration(op, (op.stage, op.mb) not in split)
+        d = costs.duration(op)
         return max(d, longer.get((op.kind, op.mb, op.stage), 0.0))
 
     return list(play(plans, S, duration, comm=costs.comm).events)
@@ -163,10 +168,10 @@ def choose_offload(
             if not ops:
                 continue
             s = ops[0].stage
-            pos = {(o.kind, o.mb): i for i, o in enumerate(ops)}
+            pos = {o.key: i for i, o in enumerate(ops)}  # an I keyed as its B
             left = [mb for mb in offloadable(ops) if (s, mb) not in chosen]
             if left:
-                mb = max(left, key=lambda k: (pos[(Kind.B, k)] - pos[(Kind.F, k)], -k))
+                mb = max(left, key=lambda k: (pos[OpKey(Kind.B, k, s)] - pos[OpKey(Kind.F, k, s)], -k))
                 chosen.add((s, mb))
                 added = True
         if not added:

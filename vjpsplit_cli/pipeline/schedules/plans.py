@@ -14,16 +14,18 @@ from ...errors import VjpsplitError
 from .builtins import schedule
 from .catalog import check_schedule
 from .layout import Layout
-from .ops import Kind, Op, action_name, split_ops
+from .ops import Kind, Op, action_name, check_backwards
 from .play import sweep
 
 
 def check_plans(plans: Sequence[Sequence[Op]], num_stages: int, microbatches: int) -> list[tuple[int, ...]]:
     """Check user plans against the stages given; return their layout (the stages each rank holds).
 
-    Every stage's F and B of every microbatch exactly once (W at most once, after
-    its B's split), each stage on one rank, and no deadlock: the plans are played
-    first. Each failure is one error naming the rank and the action.
+    Every stage's F of every microbatch exactly once and its backward once: a whole
+    B, or an I (input part) and its W (weight part), never B and W together (the
+    reading of a B before ``Kind.I`` existed: the error says to write I); each stage
+    on one rank, and no deadlock: the plans are played. Each failure is one error
+    naming the rank and the action.
 
     Args:
         plans: One sequence of ``Op`` per rank (worker), in the order it runs them.
@@ -36,17 +38,17 @@ def check_plans(plans: Sequence[Sequence[Op]], num_stages: int, microbatches: in
     Raises:
         VjpsplitError: If an entry is not an ``Op``, an action is outside the stages
             or microbatches, runs a stage another rank holds, appears twice or is
-            missing, or the plans deadlock.
+            missing, a backward is not one B nor an I with its W, or the plans deadlock.
     """
     S, M = num_stages, microbatches
     where: dict[int, int] = {}
     seen: set[tuple] = set()
-    split = split_ops(plans)
+    check_backwards(plans)  # first: a B and an I of one microbatch share a key, "twice" would misname them
     for r, ops in enumerate(plans):
         for o in ops:
             if not isinstance(o, Op):
-                raise VjpsplitError(f"rank {r}: {o!r} is not an Op('F'|'B'|'W', microbatch, stage)")
-            name = action_name(o, split)
+                raise VjpsplitError(f"rank {r}: {o!r} is not an Op('F'|'B'|'I'|'W', microbatch, stage)")
+            name = action_name(o)
             if not (0 <= o.stage < S and 0 <= o.mb < M):
                 raise VjpsplitError(f"rank {r}: action {name} is outside the {S} stages and {M} microbatches given")
             if where.setdefault(o.stage, r) != r:
@@ -59,7 +61,7 @@ def check_plans(plans: Sequence[Sequence[Op]], num_stages: int, microbatches: in
             seen.add(o.key)
     for s in range(S):
         for mb in range(M):
-            for kind in (Kind.F, Kind.B):
+            for kind in (Kind.F, Kind.B):  # an I is keyed as its B (``ops.OpKey``)
                 if (kind, mb, s) not in seen:
                     owner = f"rank {where[s]}" if s in where else "no rank"
                     raise VjpsplitError(f"{owner}: action {s}{kind}{mb} is missing (stage {s}, microbatch {mb})")

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from ...errors import VjpsplitError
 from .costs import Costs
-from .ops import Op, OpKey, action_name, dependencies, split_ops
+from .ops import Op, OpKey, action_name, dependencies
 from .timeline import Event
 
 Duration = Callable[[Op], float]
@@ -109,7 +109,7 @@ def sweep(
             needs = dependencies(extra, S)
             r = _ready(needs, ends, where, w, comm)
             if r is None:
-                raise VjpsplitError(f"worker {w}: a filled-in {action_name(extra, set())} runs before its inputs")
+                raise VjpsplitError(f"worker {w}: a filled-in {action_name(extra)} runs before its inputs")
             yield place(w, extra, r, needs)
 
     moved = True
@@ -136,7 +136,6 @@ def sweep(
 
 def _deadlock(plans: Sequence[Sequence[Op]], S: int, idx: Sequence[int], ends: Mapping[OpKey, float]) -> VjpsplitError:
     """The error for plans stuck at ``idx``: a rank waiting on its own later action is the cause, else the first."""
-    split = split_ops(plans)
     stuck = []
     for r, ops in enumerate(plans):
         if idx[r] < len(ops):
@@ -145,23 +144,22 @@ def _deadlock(plans: Sequence[Sequence[Op]], S: int, idx: Sequence[int], ends: M
             own = any(x.key == need for x in ops)
             stuck.append((not own, r, o, need))
     _, r, o, need = min(stuck, key=lambda t: (t[0], t[1]))
+    # The awaited operation by its own name (a cotangent's producer may be an I), where the plans have it.
+    named = next((action_name(x) for ops in plans for x in ops if x.key == need), None)
     return VjpsplitError(
-        f"the schedule deadlocks: rank {r}'s action {action_name(o, split)} waits for "
-        f"{action_name(need, split)}, which never runs before it; reorder the plans"
+        f"the schedule deadlocks: rank {r}'s action {action_name(o)} waits for "
+        f"{named or f'{need.stage}{need.kind}{need.mb}'}, which never runs before it; reorder the plans"
     )
 
 
-def _duration_of(
-    plans: Sequence[Sequence[Op]], num_stages: int, costs: Duration | Costs | Mapping[str, Any] | None
-) -> tuple[Duration, float]:
+def _duration_of(num_stages: int, costs: Duration | Costs | Mapping[str, Any] | None) -> tuple[Duration, float]:
     """A duration function and the send delay from whatever form the times come in."""
     if costs is None:
         return _zero, 0.0
     if callable(costs) and not isinstance(costs, Costs):
         return costs, 0.0
     c = Costs.of(costs, num_stages)
-    split = split_ops(plans)
-    return (lambda op: c.duration(op, (op.stage, op.mb) not in split)), c.comm
+    return c.duration, c.comm
 
 
 def play(
@@ -179,7 +177,7 @@ def play(
     B + W); None: every operation takes no time. ``comm`` (default: the costs' own, else
     0) is the delay of one result sent to another worker. ``fill``: see ``Fill``.
     """
-    duration, own_comm = _duration_of(plans, num_stages, costs)
+    duration, own_comm = _duration_of(num_stages, costs)
     delay = own_comm if comm is None else float(comm)
     events: list[Event] = []
     ran: list[list[Op]] = [[] for _ in plans]

@@ -60,7 +60,7 @@ def plot_timeline(
     if not events:
         raise VjpsplitError("no operations to draw: the step's timeline is empty")
     plt = _pyplot()
-    colors = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+    colors = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868"}
     first: dict[int, int] = {}
     for ev in events:
         first[ev.worker] = min(first.get(ev.worker, ev.stage), ev.stage)
@@ -95,7 +95,8 @@ def plot_timeline(
     ax.set_title(title, fontsize=9)
     from matplotlib.patches import Patch
 
-    handles = [Patch(color=c, label=k) for k, c in colors.items()]
+    shown = {ev.kind for ev in events}  # the legend names the kinds drawn (a whole-backward schedule has no I, W)
+    handles = [Patch(color=c, label=k) for k, c in colors.items() if k in shown]
     if any(ev.stage != first[ev.worker] for ev in events):
         handles.append(Patch(facecolor="white", edgecolor="grey", hatch="///", label="2nd stage"))
     ax.legend(handles=handles, loc="upper right", fontsize=7)

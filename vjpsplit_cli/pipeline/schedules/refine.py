@@ -27,9 +27,8 @@ from .costs import Costs
 from .modeled import modeled_makespan
 from .ops import Kind, Op
 
-_F, _B, _W = 0, 1, 2
-_KIND = {Kind.F: _F, Kind.B: _B, Kind.W: _W}
-_KINDS = (Kind.F, Kind.B, Kind.W)
+_F, _B, _W = 0, 1, 2  # _B: the backward, whole (B) or its input part (I), as the stage's ``split`` says
+_KIND = {Kind.F: _F, Kind.B: _B, Kind.I: _B, Kind.W: _W}
 Plan = list[list[tuple[int, int]]]  # per worker, (kind, microbatch) in order; worker s runs stage s
 
 
@@ -139,12 +138,12 @@ def refine(
         reach: the most places a move shifts one operation.
 
     Returns:
-        The plans and their makespan as ``modeled_makespan`` plays them. A stage's backward
-        is split where its list has Ws; plans that split only some of a stage's backwards
-        come back as they are.
+        The plans and their makespan as ``modeled_makespan`` plays them. Moves keep each
+        operation's kind; plans that split only some of a stage's backwards (both B and
+        I in one list) come back as they are.
     """
-    split = [any(o.kind == Kind.W for o in ops) for ops in plans]
-    if any(sum(o.kind == Kind.W for o in ops) not in (0, microbatches) for ops in plans):
+    split = [any(o.kind == Kind.I for o in ops) for ops in plans]
+    if any(o.kind == Kind.B for s, ops in enumerate(plans) for o in ops if split[s]):
         return [list(ops) for ops in plans], modeled_makespan(plans, costs)
     player = _Player(costs, microbatches, split)
     plan: Plan = [[(_KIND[o.kind], o.mb) for o in ops] for ops in plans]
@@ -179,4 +178,5 @@ def refine(
                 plan[s] = ops
             if improved:
                 break
-    return [[Op(_KINDS[k], i, s) for k, i in ops] for s, ops in enumerate(plan)], span
+    kinds = [(Kind.F, Kind.I if split[s] else Kind.B, Kind.W) for s in range(costs.num_stages)]
+    return [[Op(kinds[s][k], i, s) for k, i in ops] for s, ops in enumerate(plan)], span

@@ -20,7 +20,7 @@ class Event:
 
     Attributes:
         worker: The worker that ran it.
-        kind: ``"F"``, ``"B"`` or ``"W"``.
+        kind: ``"F"``, ``"B"`` (a whole backward), ``"I"`` (its input part) or ``"W"`` (its weight part).
         mb: The microbatch.
         start: When it started, in seconds on the driver's clock (a played schedule's own units).
         end: When it ended, on the same clock.

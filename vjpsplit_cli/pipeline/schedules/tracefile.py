@@ -5,10 +5,11 @@ opens in Perfetto's UI (ui.perfetto.dev), ``chrome://tracing`` and XProf's
 (TensorBoard's) trace viewer. One process, one track (``tid``) per worker
 (``tid`` = worker + 1) and the driver's own (``tid`` 0); a sharded stage's
 operations are drawn again on a track per device of its mesh. Each operation is
-a complete slice (``ph: "X"``) named ``B s1 mb3`` (kind, stage, microbatch, as
+a complete slice (``ph: "X"``) named ``I s1 mb3`` (kind, stage, microbatch, as
 ``timeline.op_name`` and each operation's ``jax.profiler.TraceAnnotation`` name
-it), its category its kind; each value one worker sends another (F's activation
-to the next stage, B's cotangent to the one before) is a flow (``ph: "s"`` in the
+it), its category its kind (``F``, ``B``, ``I`` or ``W``: ``ops.Kind``); each value
+one worker sends another (F's activation to the next stage, a B's or I's cotangent
+to the one before) is a flow (``ph: "s"`` in the
 producing slice, ``ph: "f"`` with ``bp: "e"`` at the start of the consuming one,
 one ``id`` per pair); the driver's phases and each worker's reductions and
 optimizer update are slices of category ``driver``, ``reduce`` and ``update``.
@@ -18,10 +19,13 @@ the offset it measured); ``otherData.origin_s`` is that first time.
 
 ``read_trace`` gives back the events and phases, so ``plots.plot_timeline`` draws
 a step from its file. Reading parses JSON and checks each field; nothing is evaluated.
+Files written before ``Kind.I`` named a split backward's input part ``B``: read, a
+``B`` with a ``W`` of the same stage and microbatch is that ``I``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -29,7 +33,7 @@ from typing import Any, Mapping, Sequence
 
 from ...errors import VjpsplitError
 from ...safeio.outputs import atomic_write
-from .ops import Kind
+from .ops import BACKWARDS, Kind
 from .timeline import Event, Phase, op_name
 
 PID = 1
@@ -54,12 +58,12 @@ def _phase_category(p: Phase) -> str:
     return "reduce" if p.name.startswith("reduce") else "update"
 
 
-def _consumer(e: Event, num_stages: int) -> tuple[str, int, int] | None:
-    """The operation that takes ``e``'s result from another stage: (kind, stage, mb), or None."""
+def _consumer(e: Event, num_stages: int) -> tuple[bool, int, int] | None:
+    """The operation that takes ``e``'s result from another stage: (is a backward, stage, mb), or None."""
     if e.kind == Kind.F and e.stage < num_stages - 1:
-        return (str(Kind.F), e.stage + 1, e.mb)
-    if e.kind == Kind.B and e.stage > 0:
-        return (str(Kind.B), e.stage - 1, e.mb)
+        return (False, e.stage + 1, e.mb)
+    if e.kind in BACKWARDS and e.stage > 0:
+        return (True, e.stage - 1, e.mb)
     return None
 
 
@@ -134,7 +138,7 @@ def trace_events(
                 }
             )
             out.append({"ph": "M", "name": "thread_sort_index", "pid": PID, "tid": tid, "args": {"sort_index": tid}})
-    by_op = {(str(e.kind), e.stage, e.mb): e for e in events}
+    by_op = {(e.kind in BACKWARDS, e.stage, e.mb): e for e in events if e.kind != Kind.W}
     for e in events:
         args = {"kind": str(e.kind), "stage": e.stage, "mb": e.mb, "worker": e.worker}
         for tid in [e.worker + 1, *device_tracks.get(e.stage, ())]:
@@ -236,8 +240,9 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
         path: the trace file.
 
     Returns:
-        Its ``Trace``: the operations (slices of category F, B or W on a worker's track; a sharded stage's
-        per-device copies are read once), the other slices, and the number of workers.
+        Its ``Trace``: the operations (slices of category F, B, I or W on a worker's track; a sharded stage's
+        per-device copies are read once; an older file's B with a W is read as I), the other slices, and the
+        number of workers.
 
     Raises:
         VjpsplitError: the file is missing, not JSON, or not a trace of a vjpsplit step (naming what is wrong).
@@ -281,6 +286,11 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
         else:
             name = _field(ev, "name", str, where)
             phases.append(Phase(None if tid == DRIVER else tid - 1, name, start, end))
+    # Before Kind.I a split backward's input part was a "B" with a "W" of its stage and microbatch: it is that I.
+    split = {(e.stage, e.mb) for e in events if e.kind == Kind.W}
+    events = [
+        dataclasses.replace(e, kind=str(Kind.I)) if e.kind == Kind.B and (e.stage, e.mb) in split else e for e in events
+    ]
     n = other.get("num_workers", workers)
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise VjpsplitError(f"{text}: otherData.num_workers is {n!r}; expected a count")

@@ -8,12 +8,13 @@ first step counts only until another step is timed: it is the first run of
 every call (on 2 shared cores the mid GPT's first step timed its operations at
 up to 1.9 times what later steps did, compiling left out; docs/pipeline.md).
 
-* **F, B, W.** A split B (a W follows it in the plans) and its W are timed as
-  they ran. A whole backward timed on a stage that has the split backward is
-  cut into B and W by the stage's own FLOPs: XLA's count of its ``bwd_input``
-  and ``bwd_weight`` modules (half each where the backend counts none). A stage
-  without the split has only whole backwards: ``B`` is all of it and ``W`` is 0,
-  which is what ``auto_schedule`` charges such a stage (B + W).
+* **F, B, W.** A split backward's I and W are timed as they ran: the costs'
+  ``B`` (the input part's time) and ``W``. A whole backward (B) timed on a stage
+  that has the split backward is cut into those two by the stage's own FLOPs:
+  XLA's count of its ``bwd_input`` and ``bwd_weight`` modules (half each where
+  the backend counts none). A stage without the split has only whole backwards:
+  ``B`` is all of it and ``W`` is 0, which is what ``auto_schedule`` charges such
+  a stage (B + W).
 * **Each operation's own time.** An operation's time starts once its inputs
   exist on its device (the activation or cotangent moved there, the batch's
   transfer and the previous step's update done) and ends when its results do.
@@ -26,7 +27,7 @@ up to 1.9 times what later steps did, compiling left out; docs/pipeline.md).
   is left out; where that leaves none of a stage and kind, its last one counts.
 * **Sends.** ``comm`` is the median gap from the end of an operation to the start
   of the one on the next worker that reads its result (F to the next stage's F,
-  B to the previous stage's B), counted only where that worker was idle
+  a B or I to the previous stage's B or I), counted only where that worker was idle
   (its previous operation had ended): the time from a result existing to the
   next worker computing on it, which is how ``auto_schedule``'s plans are
   played. It costs nothing beyond the timeline the step keeps anyway. On Ray it
@@ -49,7 +50,7 @@ import numpy as np
 from ...errors import VjpsplitError
 from ..runtime.offload import to_host_and_back
 from ..runtime.result import PipelineResult
-from ..schedules.ops import Kind, split_ops
+from ..schedules.ops import BACKWARDS, Kind
 from ..schedules.timeline import Event
 from ..stages.exporting import module_flops
 
@@ -61,7 +62,7 @@ COMPILE_EVENTS = (
 )
 _compiles: deque[tuple[float, float]] = deque(maxlen=4096)  # this process's latest compile phases, monotonic seconds
 
-# One timed step: per (stage, kind) the operations' seconds, kind "BW" for a whole backward; the send gaps.
+# One timed step: per (stage, kind) the operations' seconds (kind B: a whole backward, I: its input part); the send gaps.
 _Step = tuple[dict[tuple[int, str], list[float]], list[float]]
 
 
@@ -77,14 +78,13 @@ def _noted(event: str, duration_secs: float, **kwargs: str | int) -> None:
         _compiles.append((end - duration_secs, end))
 
 
-def counted(events: Sequence[Event], split: set[tuple[int, int]]) -> dict[tuple[int, str], list[Event]]:
-    """The operations whose times count, by stage and kind (``"BW"``: a whole backward); see the module docstring."""
+def counted(events: Sequence[Event]) -> dict[tuple[int, str], list[Event]]:
+    """The operations whose times count, by stage and kind (``Kind``'s letters); see the module docstring."""
     t0, t1 = min((e.start for e in events), default=0.0), max((e.end for e in events), default=0.0)
     spans = [(a, b) for a, b in list(_compiles) if b > t0 and a < t1]
     groups: dict[tuple[int, str], list[Event]] = {}
     for e in sorted(events, key=lambda e: e.start):
-        kind = "BW" if e.kind == Kind.B and (e.stage, e.mb) not in split else str(e.kind)
-        groups.setdefault((e.stage, kind), []).append(e)
+        groups.setdefault((e.stage, str(e.kind)), []).append(e)
     out = {}
     for key, group in groups.items():
         # A cold call's own warm run was timed apart from its compile: it counts, though its span overlaps one.
@@ -100,7 +100,7 @@ def seconds(e: Event) -> float:
 
 def step_samples(result: PipelineResult) -> _Step:
     """One timed step's counted operation seconds by stage and kind, and its send gaps."""
-    ops = counted(result.events, split_ops(result.plans))
+    ops = counted(result.events)
     keys = {(e.kind, e.mb, e.stage) for group in ops.values() for e in group}
     times = {k: [seconds(e) for e in group] for k, group in ops.items()}
     return times, send_gaps(result.events, result.num_stages, keys)
@@ -112,6 +112,7 @@ def send_gaps(
     """Seconds from a result's end to the next worker starting on it, where that worker was idle (and, given
     ``counted``, its operation's ``(kind, mb, stage)`` is among them)."""
     by_op = {(e.kind, e.mb, e.stage): e for e in events}
+    backward = {(e.mb, e.stage): e for e in events if e.kind in BACKWARDS}  # what hands on each cotangent
     before: dict[tuple[str, int, int], float] = {}  # each op's worker's previous op's end (-inf: none)
     last: dict[int, float] = {}
     for e in sorted(events, key=lambda e: e.start):
@@ -121,8 +122,8 @@ def send_gaps(
     for (kind, mb, s), e in by_op.items():
         if kind == Kind.F and s > 0:
             src = by_op.get((Kind.F, mb, s - 1))
-        elif kind == Kind.B and s < num_stages - 1:
-            src = by_op.get((Kind.B, mb, s + 1))
+        elif kind in BACKWARDS and s < num_stages - 1:
+            src = backward.get((mb, s + 1))
         else:
             continue
         if counted is not None and (kind, mb, s) not in counted:
@@ -179,7 +180,7 @@ class CostSamples:
         F, B, W = [], [], []
         for s, art in enumerate(self.artifacts):
             F.append(median(s, "F") or 0.0)
-            b, w, whole = median(s, "B"), median(s, "W"), median(s, "BW")
+            b, w, whole = median(s, "I"), median(s, "W"), median(s, "B")
             if b is None or w is None:  # no split backward timed: the whole one, cut where the stage can split
                 whole = whole if whole is not None else b or 0.0
                 share = self.input_share(s) if art.manifest.weights else 1.0

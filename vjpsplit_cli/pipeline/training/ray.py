@@ -29,7 +29,6 @@ from ..runtime.ray.setup import SCHEDULE_TIMEOUT
 from ..runtime.replicas import ReplicaGroup, check_split
 from ..runtime.result import PipelineResult, step_result
 from ..schedules.catalog import describe
-from ..schedules.ops import split_ops
 from ..schedules.plans import Resolved
 from ..stages.evaluation import EvalProgram
 from ..schedules.timeline import Phase
@@ -200,7 +199,7 @@ class RayBackend:
         if self.data_parallel > 1:
             check_split(mbs, self.data_parallel)  # before any operation runs
         t0 = time.monotonic()
-        lists = rp.start_step(plans, mbs, microbatches, split_ops(plans), timed)
+        lists = rp.start_step(plans, mbs, microbatches, timed)
         t1 = time.monotonic()
         holders = self.ownership.holders
         tied = {s: self.actor_of[s].tied.remote(s) for s in range(S) if holders[s]}

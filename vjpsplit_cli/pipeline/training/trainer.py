@@ -333,7 +333,7 @@ class Trainer:
     def _busy(self, r: PipelineResult, first: bool) -> dict[str, Any]:
         """A timed step's ``busy`` seconds per worker and its ``stragglers`` (warned of when first named); the
         Trainer's first step, which compiles every stage, gives no verdict."""
-        busy = [row["F"] + row["B"] + row["W"] for row in r.per_worker()]
+        busy = [row["F"] + row["B"] + row["I"] + row["W"] for row in r.per_worker()]
         if first:
             return {"busy": busy, "stragglers": []}
         held = self.plan.layout.workers

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from ...schedules.ops import Kind, Op
+from ...schedules.ops import BACKWARDS, Kind, Op
 from ...schedules.timeline import Phase
 from ....errors import VjpsplitError
 from ..devices import placed, placement
@@ -114,14 +114,13 @@ class StageActor:
         ops: Sequence[tuple[str, int, int]],
         batch: dict[tuple[int, int], tuple[Any, list[Any]]],
         microbatches: int,
-        split: set[tuple[int, int]],
         timed: bool,
     ) -> None:
         """Step ``step``: reset, then this worker's list of operations (see ``lists.run_list``)."""
         self.reset(timed, [[Op(Kind(kind), mb, stage) for kind, mb, stage in ops]])
         self.now, self.sent = idle(), {}
         self.inbox.begin(step)
-        run_list(self, step, ops, batch, microbatches, split)
+        run_list(self, step, ops, batch, microbatches)
 
     def deliver(self, step: int, items: Sequence[tuple[tuple[str, int, int], Any]], *pieces: bytes) -> None:
         """Results another worker sent for step ``step`` (runs in the ``inbox`` concurrency group); ``pieces``:
@@ -172,7 +171,6 @@ class StageActor:
         data: Any,
         side: list[Any],
         microbatches: int,
-        split: bool,
         after: Any = None,
     ) -> Any:
         """Run one scheduled operation (see ``worker.run_op``); None when skipped or failed.
@@ -180,14 +178,14 @@ class StageActor:
         ``after`` is ignored: a compiled graph passes the worker's previous result to order its calls.
         """
         st = self.stage_workers[stage]
-        needed = data is not None or (kind == Kind.B and st.is_last) or (kind == Kind.W and mb in st.inter)
+        needed = data is not None or (kind in BACKWARDS and st.is_last) or (kind == Kind.W and mb in st.inter)
         if not needed:
             return None
 
         def run() -> Any:
             import jax
 
-            out = run_op(st, Op(Kind(kind), mb, stage), data, side, microbatches, split, self.worker)
+            out = run_op(st, Op(Kind(kind), mb, stage), data, side, microbatches, self.worker)
             # An activation may be a tuple of arrays (stages from one function).
             return None if out is None else jax.tree_util.tree_map(np.asarray, out)
 

@@ -1,4 +1,4 @@
-"""A step as a Ray Compiled Graph: the static graph of F, B and W calls, built once and executed per step.
+"""A step as a Ray Compiled Graph: the static graph of F, B, I and W calls, built once and executed per step.
 
 The same ``dispatch.walk`` that submits actor calls binds graph nodes here: an
 operation's node reads the node of the activation or cotangent it needs, so
@@ -21,11 +21,10 @@ def compile_step(
     plans: Sequence[Sequence[Op]],
     num_stages: int,
     microbatches: int,
-    split: set[tuple[int, int]],
 ) -> Any:
     """The compiled graph of one step: ``execute(*xs, *sides)`` (one x and one side list per microbatch).
 
-    ``split``: the ``(stage, microbatch)`` pairs whose B is the input part (``ops.split_ops``).
+    Each node runs its operation by its kind (``worker.run_op``): the plans say which backwards are split.
 
     Raises whatever Ray raises where Compiled Graphs are unavailable or refuse
     the graph; the caller falls back to actor calls.
@@ -41,7 +40,7 @@ def compile_step(
         def submit(w: int, op: Op, data: Any, side: list[Any]) -> Any:
             # Chained to the worker's previous node: every node then hangs off the input
             # (Ray requires it) and each actor runs exactly its list's order.
-            last[w] = actors[w].op.bind(op.kind, op.stage, op.mb, data, side, M, (op.stage, op.mb) in split, last[w])
+            last[w] = actors[w].op.bind(op.kind, op.stage, op.mb, data, side, M, last[w])
             return last[w]
 
         walk(plans, num_stages, mbs, submit)

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Mapping, Sequence
 
-from ...schedules.ops import Kind, Op, OpKey, dependencies, received
+from ...schedules.ops import BACKWARDS, Kind, Op, OpKey, dependencies, received
 from ..flight import DONE, NEXT, RUNS, WAITS
 from ..model import Microbatch, side_for
 from ..worker import run_op
@@ -196,10 +196,11 @@ def _ready(value: Any) -> bool:
 
 
 def destination(op: Op, num_stages: int) -> int | None:
-    """The stage that reads ``op``'s result: the next for an F, the previous for a B; None (the loss, W, stage 0's B)."""
+    """The stage that reads ``op``'s result: the next for an F, the previous for a B or I; None (the loss, W,
+    stage 0's backward)."""
     if op.kind == Kind.F:
         return op.stage + 1 if op.stage < num_stages - 1 else None
-    if op.kind == Kind.B:
+    if op.kind in BACKWARDS:
         return op.stage - 1 if op.stage > 0 else None
     return None
 
@@ -210,7 +211,6 @@ def run_list(
     ops: Sequence[Key],
     batch: Mapping[tuple[int, int], tuple[Any, list[Any]]],
     microbatches: int,
-    split: set[tuple[int, int]],
 ) -> None:
     """Run this worker's ``ops`` of step ``step`` on ``actor`` (a ``StageActor``, reset for the step).
 
@@ -235,7 +235,7 @@ def run_list(
         if needed:  # called at once, in this iteration: the lambda's loop variables are this operation's
             side = batch[(stage, mb)][1] if op.kind == Kind.F else []
             actor.now = (RUNS, op, None, time.monotonic())
-            out = actor.guarded(lambda: run_op(st, op, data, side, microbatches, (stage, mb) in split, me))
+            out = actor.guarded(lambda: run_op(st, op, data, side, microbatches, me))
         actor.now = (NEXT, None, None, time.monotonic())
         dest = destination(op, S)
         if dest is not None:
@@ -255,7 +255,6 @@ def submit_lists(
     mbs: Sequence[Microbatch],
     num_stages: int,
     microbatches: int,
-    split: set[tuple[int, int]],
     timed: bool,
 ) -> list[Any]:
     """Every actor's ``run_step`` of step ``step``: its list and the batch inputs its stages read; the refs."""
@@ -266,8 +265,6 @@ def submit_lists(
             for o in ops
             if o.kind == Kind.F
         }
-        held = {o.stage for o in ops}
-        mine = {(s, m) for s, m in split if s in held}
         keys = [(str(o.kind), o.mb, o.stage) for o in ops]
-        refs.append(actor.run_step.remote(step, keys, batch, microbatches, mine, timed))
+        refs.append(actor.run_step.remote(step, keys, batch, microbatches, timed))
     return refs

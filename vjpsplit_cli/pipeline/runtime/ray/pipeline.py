@@ -15,7 +15,7 @@ from ....errors import VjpsplitError
 from ...schedules.catalog import describe
 from ...schedules.layout import Layout
 from ...schedules.layout import layout as kind_of
-from ...schedules.ops import Op, split_ops
+from ...schedules.ops import Op
 from ...schedules.plans import resolve
 from ...stages.directory import Stages
 from ..dispatch import progress_bar
@@ -328,7 +328,6 @@ class RayPipeline:
         plans: Sequence[Sequence[Op]],
         mbs: Sequence[Microbatch],
         microbatches: int,
-        split: set[tuple[int, int]],
         timed: bool,
     ) -> list[Any]:
         """Hand every actor its list of the next step (``lists.submit_lists``); the refs of the lists.
@@ -337,14 +336,13 @@ class RayPipeline:
             plans: One list of ``Op`` per worker.
             mbs: The step's microbatches.
             microbatches: Their number.
-            split: The ``(stage, microbatch)`` pairs whose backward is split (a W follows the B).
             timed: Whether each operation waits for its results and is timed.
 
         Returns:
             One Ray object ref per worker: its list's call.
         """
         self.steps += 1
-        return submit_lists(self.actors, self.steps, plans, mbs, self.num_stages, microbatches, split, timed)
+        return submit_lists(self.actors, self.steps, plans, mbs, self.num_stages, microbatches, timed)
 
     def _abort(self, step: int) -> None:
         for a in self.actors:
@@ -401,15 +399,14 @@ class RayPipeline:
             )
         if not self.actors:
             raise VjpsplitError("this RayPipeline is closed; build a new one")
-        split = split_ops(plans)
         mbs = self.model.microbatches(x, side, microbatches)
         if self.compiled is not False and not progress:
-            graph = self._graph(plans, microbatches, split)
+            graph = self._graph(plans, microbatches)
             if graph is not None:
                 return self._run_graph(graph, mbs, name, microbatches, plans)
         self._drop_graph()  # its actors take ordinary calls again
         t0 = time.monotonic()
-        lists = self.start_step(plans, mbs, microbatches, split, timed or progress)
+        lists = self.start_step(plans, mbs, microbatches, timed or progress)
         everyone = list(range(self.layout.num_workers))
         bar = progress_bar(len(lists), progress)  # over the workers' lists, as each is done
         try:
@@ -421,14 +418,14 @@ class RayPipeline:
         states = self.fetch([a.state.remote() for a in self.actors], everyone, t0, watch=lists)
         return self._result(states, name, microbatches, time.monotonic() - t0, False, plans, timed or progress)
 
-    def _graph(self, plans: Sequence[Sequence[Op]], microbatches: int, split: set[tuple[int, int]]) -> Any:
+    def _graph(self, plans: Sequence[Sequence[Op]], microbatches: int) -> Any:
         """The step's compiled graph, built once per (plans, microbatches); None where unavailable."""
         key = (tuple(map(tuple, plans)), microbatches)
         if self.graph is not None and self.graph[0] == key:
             return self.graph[1]
         self._drop_graph()  # an actor takes part in one compiled graph at a time
         try:
-            graph = compile_step(self.actors, plans, self.num_stages, microbatches, split)
+            graph = compile_step(self.actors, plans, self.num_stages, microbatches)
         except Exception as e:  # noqa: BLE001 - no Compiled Graphs here: actor calls do the same work
             if self.compiled:
                 raise VjpsplitError(
