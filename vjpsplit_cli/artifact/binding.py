@@ -159,6 +159,10 @@ class Binding:
     def planned(self, args: Sequence) -> tuple[CallPlan | None, tuple[tuple | None, Sequence]]:
         """The plan of ``fwd``'s arguments where their signature was seen before (else None), and what
         ``arguments`` takes as ``signed`` (their key and leaves, so that it works neither out again)."""
+        sig = leaves_signature(args)
+        if sig is not None:  # each argument one array, as ``_signed`` keys them: a key that always hashes
+            key = ("bare", sig)
+            return self._seen.entries.get(key), (key, args)
         signed = self._signed(args)
         return self._seen.get(signed[0]), signed
 
@@ -305,7 +309,10 @@ class Binding:
         """
         if type(res) is not Residuals or res.fingerprint != self.manifest.fingerprint:
             return None
-        return self._made_here(res)
+        made = self._made.entries.get(res.residuals_id)  # as _made_here, in one frame: bwd asks on every call
+        if made is None or made[0]() is not res or (made[1] and mutable_signature(res.inputs) != made[1]):
+            return None
+        return made
 
     def _made_here(self, res: Residuals) -> tuple | None:
         """``remember``'s entry if ``res`` is residuals this artifact's forward made, unchanged since; else None."""

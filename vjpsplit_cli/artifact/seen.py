@@ -169,7 +169,7 @@ class Seen:
 
     def __init__(self, limit: int = SEEN_KEPT) -> None:
         self._limit = limit
-        self._entries: OrderedDict[Hashable, Any] = OrderedDict()
+        self.entries: OrderedDict[Hashable, Any] = OrderedDict()  # read in place where a key surely hashes
         self._lock = threading.Lock()
 
     def get(self, key: Hashable | None) -> Any:
@@ -177,7 +177,7 @@ class Seen:
         if key is None:
             return None
         try:
-            return self._entries.get(key)
+            return self.entries.get(key)
         except TypeError:  # an unhashable part (a sharding of a type without __hash__): not seen
             return None
 
@@ -187,16 +187,16 @@ class Seen:
             return
         with self._lock:
             try:
-                self._entries[key] = value
+                self.entries[key] = value
             except TypeError:
                 return
-            while len(self._entries) > self._limit:
-                self._entries.popitem(last=False)  # the oldest, at once (a dict skips its deleted slots)
+            while len(self.entries) > self._limit:
+                self.entries.popitem(last=False)  # the oldest, at once (a dict skips its deleted slots)
 
     def clear(self) -> None:
         """Forget every signature (what the checks depend on changed)."""
         with self._lock:
-            self._entries.clear()
+            self.entries.clear()
 
 
 # Whether the GIL serialises C calls: a free-threaded build has none, and takes locks instead.
