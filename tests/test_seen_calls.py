@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import vjpsplit_cli as vs
-from vjpsplit_cli.artifact import binding, runner
+from vjpsplit_cli.artifact import binding, runner, seen
 
 
 def loss(params, x):
@@ -366,3 +366,129 @@ def test_residuals_of_one_artifact_take_no_shortcut_in_another(art):
     gp, gx = a.bwd(res_b)  # same fingerprint, same shapes: accepted, but through a's checks
     np.testing.assert_allclose(gx, jax.grad(loss, argnums=1)(params, x), rtol=1e-5, atol=1e-6)
     assert a._binding.own_residuals(res_b) is None and b._binding.own_residuals(res_b) is not None
+
+
+def test_signatures_read_off_jax_arrays_aval_equal_their_shape_and_dtype():
+    """A jax array's signature comes from its aval straight: what ``shape`` and ``dtype`` say, for every kind."""
+    arrays = [
+        jnp.ones((2, 3), jnp.float32),
+        jnp.ones((), jnp.bfloat16),
+        jnp.ones((4,), jnp.int8),
+        jnp.zeros((0, 5), jnp.bool_),
+        jax.device_put(np.ones((3,), np.float32)),
+        jax.random.key(0),  # a typed key: its own type, read by its attributes
+        jax.random.split(jax.random.key(1), 3),
+        np.ones((2,), np.float64),
+    ]
+    sig = seen.leaves_signature(arrays)
+    assert sig == tuple((type(a), a.shape, a.dtype) for a in arrays)
+    assert seen.reads_aval(type(arrays[0])) and not seen.reads_aval(type(arrays[5]))
+    assert not seen.reads_aval(np.ndarray)
+    flat = dict(zip("abcdefgh", arrays))
+    assert seen.mapping_signature(flat) == tuple((k, type(a), a.shape, a.dtype) for k, a in flat.items())
+
+
+def test_run_ids_are_32_hex_digits_and_never_repeat_across_threads():
+    got: list[list[str]] = [[] for _ in range(8)]
+
+    def take(out):
+        for _ in range(5000):
+            out.append(seen.new_run_id())
+
+    threads = [threading.Thread(target=take, args=(out,)) for out in got]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ids = [i for out in got for i in out]
+    assert len(set(ids)) == len(ids) == 40000
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+
+
+def test_bare_array_arguments_with_another_signature_get_every_check(vec_art):
+    """Arguments that are each one array take the look-up without a tree: a bad one is refused word for word."""
+    w, x = np.ones((4, 3), np.float32), np.ones((2, 4), np.float32)
+
+    def good(a):
+        for args in ((w, x), (jnp.asarray(w), jnp.asarray(x))):
+            out, res = a.fwd(*args)
+            np.testing.assert_allclose(out, vector(*args), rtol=1e-6)
+            gw, gx = a.bwd(res, np.ones((2, 3), np.float32))
+            np.testing.assert_allclose(gx, jax.grad(lambda x: jnp.sum(vector(w, x)))(x), rtol=1e-6)
+
+    for bad in (
+        (w, x.astype(np.int32)),
+        (w, x[:, :3]),
+        (w, x[None]),
+        (jnp.asarray(w), jnp.asarray(x, jnp.bfloat16)),
+        (w, 1.0),
+        (x, w),
+    ):
+        with pytest.raises(vs.VjpsplitError) as first:
+            fresh(vec_art).fwd(*bad)
+        a = fresh(vec_art)
+        good(a)
+        with pytest.raises(vs.VjpsplitError) as later:
+            a.fwd(*bad)
+        assert str(later.value) == str(first.value) and str(first.value).startswith("args:")
+    with pytest.raises(vs.VjpsplitError, match="fwd takes 2 arguments"):
+        a.fwd(w)
+
+
+def test_straight_calls_end_when_what_their_checks_depend_on_changes(art, monkeypatch, tmp_path):
+    """A plan keeps each module's jitted call; kernel checks at call shapes, the executable cache
+    and the CLI's signal guard set afterwards take every call back through the runner."""
+    from vjpsplit_cli.safeio import signals
+
+    a = fresh(art)
+    params, x = batch(5)
+    want = jax.grad(loss, argnums=(0, 1))(params, x)
+    for _ in range(3):
+        a.bwd(a.fwd(params, x)[1])
+    runs: list[str] = []
+    real_run = a._runner.run
+
+    def run(module, *args, **kwargs):
+        runs.append(module)
+        return real_run(module, *args, **kwargs)
+
+    monkeypatch.setattr(a._runner, "run", run)
+    a.bwd(a.fwd(params, x)[1])
+    assert runs == []  # straight: the plan's calls
+    checked: list[str] = []
+    monkeypatch.setattr(runner, "check_at_call", lambda source, module, *rest: checked.append(module))
+    a.check_kernels_at_call(["fwd", "bwd"])
+    for _ in range(2):
+        gp, gx = a.bwd(a.fwd(params, x)[1])
+        np.testing.assert_array_equal(gx, fresh(art).bwd(fresh(art).fwd(params, x)[1])[1])
+        np.testing.assert_allclose(gx, want[1], rtol=1e-5, atol=1e-6)
+    # Every call through the runner, which checks the kernels once per placed signature of its own.
+    assert runs == ["fwd", "bwd"] * 2 and checked == ["fwd", "bwd"]
+    a.check_kernels_at_call([])
+    runs.clear()
+    for _ in range(2):
+        a.bwd(a.fwd(params, x)[1])
+    assert runs == ["fwd", "bwd"]  # checked once more after the change, then straight again
+    runs.clear()
+    with signals.cleanup_on_signals():
+        a.bwd(a.fwd(params, x)[1])
+    assert runs == ["fwd", "bwd"]  # under the guard: through run, which sets the signals' defaults
+    runs.clear()
+    a.executable_cache = str(tmp_path)
+    for _ in range(2):
+        gp, gx = a.bwd(a.fwd(params, x)[1])
+        np.testing.assert_allclose(gx, want[1], rtol=1e-5, atol=1e-6)
+    assert runs == ["fwd", "bwd"] * 2  # a program read from the cache is checked on every call
+
+
+def test_residuals_past_the_ones_remembered_are_checked_and_right(art):
+    """More forwards outstanding than an artifact remembers: the oldest residuals take the checked path."""
+    a = fresh(art)
+    made = [a.fwd(*batch(seed % 4)) for seed in range(binding._MADE_KEPT + 20)]
+    assert a._binding.own_residuals(made[0][1]) is None and a._binding.own_residuals(made[-1][1]) is not None
+    for seed, (_, res) in enumerate(made[:3] + made[-3:]):
+        params, x = batch(seed % 4) if seed < 3 else batch((binding._MADE_KEPT + 17 + seed - 3) % 4)
+        gp, gx = a.bwd(res)
+        want = jax.grad(loss, argnums=(0, 1))(params, x)
+        np.testing.assert_allclose(gx, want[1], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(gp["w"], want[0]["w"], rtol=1e-5, atol=1e-6)

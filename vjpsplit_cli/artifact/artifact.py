@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from ..errors import VjpsplitError
 from ..files.trees import ArgTrees, decode_structure, flatten_with_keys
 from ..tracing.residuals import Intermediates, Residuals
+from ..safeio.signals import signals_guarded
 from ..trust import signing
 from ..trust.module_io import AUX, CARRIER, COTANGENTS, GRADS, INPUT_BACKED, INTERMEDIATES, OUT, STORED
 from ..trust.verdicts import DEFAULT
@@ -506,13 +507,20 @@ class Artifact:
                 f"{self.source}: fwd takes {len(m.arg_names)} arguments ({', '.join(m.arg_names)}), got {len(args)}"
             )
         binding = self._binding
-        arrays, dims, trees, plan = binding.arguments(args, self._runnable)
-        if plan is not None and self._lean:
-            # A signature seen before, on a plain artifact: the module straight, then what fwd returns.
-            got, stored, got_aux = self._run_ready("fwd", arrays, "args: the forward refused these inputs", dims)
-            res = binding.forward_residuals(arrays, stored, dims, trees, plan)
-            out = got[0] if self._bare_out else decode_structure(m.structure["out"], iter(got))
-            return (out, res, decode_structure(m.structure["aux"], iter(got_aux))) if m.has_aux else (out, res)
+        if self._lean:
+            plan, signed = binding.planned(args)
+            if plan is not None:
+                # A signature seen before, on a plain artifact: the module straight, then what fwd returns.
+                if not self._runner.host_ok:
+                    self._runnable()
+                arrays = signed[1] if plan.order is None else binding.ordered(plan, signed[1])
+                got, stored, got_aux = self._call_planned("fwd", plan, arrays, "args: the forward refused these inputs")
+                res = binding.forward_residuals(arrays, stored, plan.dims, plan.trees, plan)
+                out = got[0] if self._bare_out else decode_structure(m.structure["out"], iter(got))
+                return (out, res, decode_structure(m.structure["aux"], iter(got_aux))) if m.has_aux else (out, res)
+            arrays, dims, trees, plan = binding.arguments(args, self._runnable, signed=signed)
+        else:
+            arrays, dims, trees, plan = binding.arguments(args, self._runnable)
         by_slot, res = self._forward(arrays, dims, trees, "args", plan)
         io = self._runner.signatures["fwd"]
         # ``out``'s leaves, then ``aux``'s, each in manifest order; typed keys wrapped back from their data.
@@ -523,12 +531,23 @@ class Artifact:
         out = decode_structure(m.structure["out"], iter(outs))
         return (out, res, decode_structure(m.structure["aux"], iter(auxs))) if m.has_aux else (out, res)
 
-    def _run_ready(self, module: str, args: Sequence, refused: str, dims: Mapping[str, int]) -> Any:
-        """``ModuleRunner.run`` on checked arguments; the jitted call itself where nothing else is due."""
+    def _call_planned(self, module: str, plan: CallPlan, args: Sequence, refused: str) -> Any:
+        """``ModuleRunner.run`` on arguments checked under ``plan``; the jitted call itself where nothing else is due.
+
+        The call ``ModuleRunner.ready`` gave at the plan's dims is kept on the plan, with the
+        runner's epoch: a change of what the checks depend on (``ModuleRunner.epoch``) asks again.
+        """
         runner = self._runner
-        call = runner.ready(module, dims)
-        if call is None:
-            return runner.run(module, args, refused, dims)
+        ready = plan.ready.get(module)
+        if ready is not None and ready[0] == runner.epoch and not signals_guarded():
+            call = ready[1]
+        else:
+            epoch = runner.epoch
+            got = runner.ready(module, plan.dims)
+            if got is None:
+                return runner.run(module, args, refused, plan.dims)
+            plan.ready[module] = (epoch, got)
+            call = got
         try:
             return call(*args)
         except Exception as e:
@@ -554,28 +573,27 @@ class Artifact:
         """
         m = self.manifest
         if ct is None and self._lean:
-            made = self._binding.own_residuals(res)
-            if made is not None and made[2] is not None:
-                # This artifact's forward made ``res`` from a signature seen before (checked then): the
-                # module straight on them and the unit cotangent, the gradients laid out as planned.
-                layout = made[2].layout(m.wrt, self._binding.grad_keys)
-                if layout is not None:
-                    self._runnable()
-                    dims = res.dims
+            binding = self._binding
+            made = binding.own_residuals(res)
+            plan = None if made is None else made[2]
+            if plan is not None:
+                gather = plan.gather
+                if gather is None:
+                    gather = plan.gather = plan.gather_of(m.wrt, binding.grad_keys, m.single_grad)
+                if gather is not None:
+                    # This artifact's forward made ``res`` from a signature seen before (checked then): the
+                    # module straight on them and the unit cotangent, the gradients laid out as planned.
+                    if not self._runner.host_ok:
+                        self._runnable()
                     call_args = (
                         list(res.stored.values()),
                         list(res.inputs.values()),
-                        self._binding.cotangents(None, dims, "cotangent"),
-                        self._placement.carrier(dims) if m.dim_vars else None,
+                        binding.units or binding.cotangents(None, res.dims, "cotangent"),
+                        self._placement.carrier(res.dims) if m.dim_vars else None,
                     )
-                    values = self._run_ready("bwd", call_args, "residuals: the backward refused these residuals", dims)
-                    grads = tuple(
-                        [
-                            values[w[0]] if tree is None else tree.unflatten([values[i] for i in w])
-                            for _, tree, w in layout
-                        ]
+                    return gather(
+                        self._call_planned("bwd", plan, call_args, "residuals: the backward refused these residuals")
                     )
-                    return grads[0] if m.single_grad else grads
         cts = None if ct is None else dict(flatten_with_keys("out", ct))
         source = getattr(res, "source", None) or "residuals"
         values, plan = self._run_bwd(res, cts, source, "cotangent")

@@ -12,6 +12,7 @@ residuals is checked on every call.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import weakref
 from typing import Any, Callable, Mapping, Sequence
 
@@ -29,6 +30,7 @@ from ..trust.module_io import INPUT_BACKED, INTERMEDIATES, STORED, input_backed_
 from .arguments import check_array, check_keys, flatten_args, recorded_dims, solved_dims
 from .manifest import Manifest
 from .seen import (
+    Recent,
     Seen,
     new_run_id,
     dims_signature,
@@ -63,7 +65,7 @@ class CallPlan:
     depends only on the artifact and the call's signature is worked out once.
     """
 
-    __slots__ = ("order", "keyed", "dims", "trees", "mutable", "_layouts")
+    __slots__ = ("order", "keyed", "dims", "trees", "mutable", "_layouts", "ready", "gather")
 
     def __init__(self, order: tuple[int, ...] | None, keyed: frozenset[int], dims: FrozenDict, trees: ArgTrees):
         self.order = order
@@ -74,6 +76,11 @@ class CallPlan:
         # signature), worked out by the first forward; None until then.
         self.mutable: tuple | None = None
         self._layouts: dict[tuple[str, ...], Any] = {}
+        # Each module's jitted call once ``ModuleRunner.ready`` gave it at these dims, with the runner's
+        # epoch it was asked at (a later epoch asks again): ``Artifact.fwd`` and ``bwd`` call it straight.
+        self.ready: dict[str, tuple[int, Callable]] = {}
+        # ``bwd``'s result from the module's gradients (``gather_of``), once worked out; None until then.
+        self.gather: Callable[[Sequence], Any] | None = None
 
     def layout(self, names: tuple[str, ...], grad_keys: tuple[str, ...]) -> tuple | None:
         """How the gradients (``grad_keys`` order) become the pytrees of arguments ``names``; None: not by index.
@@ -100,6 +107,30 @@ class CallPlan:
         self._layouts[names] = layout
         return layout
 
+    def gather_of(self, names: tuple[str, ...], grad_keys: tuple[str, ...], single: bool) -> Callable | None:
+        """``bwd``'s result from the gradients (``grad_keys`` order): ``names``' pytrees, one or a tuple.
+
+        None where ``layout`` is None. Arguments that are each one array take their
+        gradients by one ``itemgetter``, with no tree to rebuild.
+        """
+        layout = self.layout(names, grad_keys)
+        if layout is None:
+            return None
+        if all(tree is None for _, tree, _ in layout):
+            where = [w[0] for _, _, w in layout]
+            if single:
+                return operator.itemgetter(where[0])
+            if len(where) > 1:
+                return operator.itemgetter(*where)  # a tuple already
+
+        def gather(values: Sequence) -> Any:
+            grads = tuple(
+                [values[w[0]] if tree is None else tree.unflatten([values[i] for i in w]) for _, tree, w in layout]
+            )
+            return grads[0] if single else grads
+
+        return gather
+
 
 PLANS_MADE = [0]  # CallPlans made in this process: what tests count to see that a signature is prepared once
 
@@ -110,7 +141,8 @@ class Binding:
     def __init__(self, manifest: Manifest, source: str) -> None:
         self.manifest = manifest
         self.source = source
-        self._made = Seen(_MADE_KEPT)  # residuals_id -> (weak reference, mutable inputs), of this fwd's residuals
+        # residuals_id -> (weak reference, mutable inputs, plan), of the residuals this fwd made
+        self._made = Recent(_MADE_KEPT)
         self._seen = Seen()  # signatures whose checks passed -> what they worked out
         # The manifest's keys in order, read on every call.
         self.input_keys = tuple(leaf.key for leaf in manifest.inputs)
@@ -121,10 +153,32 @@ class Binding:
         self.typed_outputs = any(leaf.prng_impl for leaf in manifest.outputs)  # some output is a typed key
         self._weight_leaves: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
         self._unit: jax.Array | None = None  # the cotangent 1 of a scalar output
+        self.units: list | None = None  # ``[unit]``, as ``cotangents(None, ...)`` gives it, once made
 
     # -- inputs and residuals ------------------------------------------------------------
+    def planned(self, args: Sequence) -> tuple[CallPlan | None, tuple[tuple | None, Sequence]]:
+        """The plan of ``fwd``'s arguments where their signature was seen before (else None), and what
+        ``arguments`` takes as ``signed`` (their key and leaves, so that it works neither out again)."""
+        sig = leaves_signature(args)
+        if sig is not None:  # each argument one array, as ``_signed`` keys them: a key that always hashes
+            key = ("bare", sig)
+            return self._seen.entries.get(key), (key, args)
+        signed = self._signed(args)
+        return self._seen.get(signed[0]), signed
+
+    def ordered(self, plan: CallPlan, leaves: Sequence) -> list:
+        """The leaves of arguments of ``plan``'s signature, in manifest order and typed keys as key data."""
+        if plan.order is None:  # the leaves as they are, in order: the common case
+            return list(leaves)
+        keyed = plan.keyed
+        return [to_data(leaves[i]) if i in keyed else leaves[i] for i in plan.order]
+
     def arguments(
-        self, args: Sequence, runnable: Callable[[], None], source: str = "args"
+        self,
+        args: Sequence,
+        runnable: Callable[[], None],
+        source: str = "args",
+        signed: tuple[tuple | None, Sequence] | None = None,
     ) -> tuple[list, dict[str, int], ArgTrees, CallPlan | None]:
         """``fwd``'s argument pytrees checked: the arrays in manifest order, the dims, the arguments' trees, the plan.
 
@@ -133,21 +187,14 @@ class Binding:
         their errors have always come. A signature (tree structure, leaf types, shapes,
         dtypes) seen before skips the key paths and checks: its leaves are taken in the
         order its ``CallPlan`` worked out then, typed keys made key data. The plan is
-        None where the call makes no signature (it is checked every time).
+        None where the call makes no signature (it is checked every time). ``signed``:
+        what ``planned`` gave for these arguments, if it was asked first.
         """
-        try:
-            leaves, treedef = jax.tree_util.tree_flatten(args)
-        except (TypeError, ValueError):  # flatten_args says why, naming the argument
-            leaves, treedef = [], None
-        sig = leaves_signature(leaves) if treedef is not None else None
-        key = None if sig is None else ("args", treedef, sig)
+        key, leaves = self._signed(args) if signed is None else signed
         plan: CallPlan | None = self._seen.get(key)
         if plan is not None:
             runnable()
-            if plan.order is None:  # the leaves as they are, in order: the common case
-                return leaves, plan.dims, plan.trees, plan
-            keyed = plan.keyed
-            return [to_data(leaves[i]) if i in keyed else leaves[i] for i in plan.order], plan.dims, plan.trees, plan
+            return self.ordered(plan, leaves), plan.dims, plan.trees, plan
         flat, trees = flatten_args(self.manifest, args, source)
         runnable()
         arrays, dims = self._check_inputs(flat, source)
@@ -156,7 +203,26 @@ class Binding:
             self._seen.add(key, plan)
         return arrays, dims, trees, plan
 
-    def _arguments_plan(self, leaves: list, flat: dict, arrays: list, dims: dict, trees: ArgTrees) -> CallPlan | None:
+    def _signed(self, args: Sequence) -> tuple[tuple | None, Sequence]:
+        """The key of ``fwd``'s arguments' plan (None: they make no signature), and their leaves.
+
+        The key is their signature, with their tree where they are not all arrays: arguments
+        that are each one array are their own leaves, with no tree to flatten (the signature
+        says their number).
+        """
+        sig = leaves_signature(args)
+        if sig is not None:
+            return ("bare", sig), args
+        try:
+            leaves, treedef = jax.tree_util.tree_flatten(args)
+        except (TypeError, ValueError):  # flatten_args says why, naming the argument
+            return None, []
+        sig = leaves_signature(leaves)
+        return (None if sig is None else ("args", treedef, sig)), leaves
+
+    def _arguments_plan(
+        self, leaves: Sequence, flat: dict, arrays: list, dims: dict, trees: ArgTrees
+    ) -> CallPlan | None:
         """How ``arguments`` takes a seen signature's leaves; None where the checks changed an array."""
         if len(flat) != len(leaves) or any(a is not flat[k] for a, k in zip(arrays, self.input_keys)):
             return None
@@ -243,17 +309,21 @@ class Binding:
         """
         if type(res) is not Residuals or res.fingerprint != self.manifest.fingerprint:
             return None
-        made = self._made.get(res.residuals_id)  # as _made_here, in one frame: bwd asks on every call
-        if made is not None and made[0]() is res and mutable_signature(res.inputs) == made[1]:
-            return made
-        return None
+        made = self._made.entries.get(res.residuals_id)  # as _made_here, in one frame: bwd asks on every call
+        if made is None or made[0]() is not res or (made[1] and mutable_signature(res.inputs) != made[1]):
+            return None
+        return made
 
     def _made_here(self, res: Residuals) -> tuple | None:
         """``remember``'s entry if ``res`` is residuals this artifact's forward made, unchanged since; else None."""
-        made = self._made.get(res.residuals_id)
-        if made is not None and made[0]() is res and mutable_signature(res.inputs) == made[1]:
-            return made
-        return None
+        made = self._made.entries.get(res.residuals_id)
+        if made is None or made[0]() is not res:
+            return None
+        # No mutable signature (): every input is a jax array, whose shape and dtype never change, held in
+        # a mapping that refuses changes by residuals that refuse them too. Nothing to read again.
+        if made[1] and mutable_signature(res.inputs) != made[1]:
+            return None
+        return made
 
     def _check_origin(self, res: Any, source: str) -> None:
         m = self.manifest
@@ -342,6 +412,7 @@ class Binding:
                 # when the first call is traced under a caller's jit: no tracer is kept.
                 with jax.ensure_compile_time_eval():
                     self._unit = jax.device_put(np.ones((), dtype_from_name(ct_leaves[0].dtype)))
+                self.units = [self._unit]
             return [self._unit]
         sig = mapping_signature(cotangents)
         key = None if sig is None else ("cotangents", sig, dims_signature(dims))

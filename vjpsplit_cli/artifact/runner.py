@@ -45,15 +45,30 @@ class ModuleRunner:
                 exps[k] = artifact_file.deserialize_module(modules[k], source, manifest, k)
         self.exported = exps
         self.jitted: dict[str, Any] = {k: jax.jit(e.call) for k, e in exps.items()}
-        # A directory of serialized executables (the CLI sets it): a fresh process then
-        # neither lowers nor compiles a module it ran before. None: jit's own caches only.
-        self.executable_cache: str | None = None
+        self._executable_cache: str | None = None
         # Calls whose results (and kernels) were checked: by module and dims, and by the arguments'
         # signature for the modules whose kernels are checked at call shapes.
         self._seen = Seen()
+        # Counts the changes that make a call seen before due for its checks again: what a caller
+        # kept from ``ready`` holds while the epoch is the one it read before asking.
+        self.epoch = 0
         self._platform = ""  # this host's platform, once it passed
+        # True once ``check_runnable`` passed where its verdict cannot change in this process
+        # (a platform is fixed once jax started; no 64-bit flag to read again, no mesh to make).
+        self.host_ok = False
         self._check_at_call: frozenset[str] = frozenset()
         self._verdict_cache: Any = verdicts.DEFAULT
+
+    @property
+    def executable_cache(self) -> str | None:
+        """A directory of serialized executables (the CLI sets it): a fresh process then neither lowers nor
+        compiles a module it ran before. None: jit's own caches only."""
+        return self._executable_cache
+
+    @executable_cache.setter
+    def executable_cache(self, directory: str | None) -> None:
+        self._executable_cache = directory
+        self.epoch += 1  # a program read from the cache is checked on every call: no straight calls
 
     @property
     def check_at_call(self) -> frozenset[str]:
@@ -64,6 +79,7 @@ class ModuleRunner:
     def check_at_call(self, modules: frozenset[str]) -> None:
         self._check_at_call = frozenset(modules)
         self._seen.clear()  # calls seen before were not checked so
+        self.epoch += 1
 
     @property
     def verdict_cache(self) -> Any:
@@ -74,6 +90,7 @@ class ModuleRunner:
     def verdict_cache(self, cache_dir: Any) -> None:
         self._verdict_cache = cache_dir
         self._seen.clear()
+        self.epoch += 1
 
     def check_runnable(self, mesh: Callable[[], Any]) -> None:
         """Refuse a host of another platform, without 64-bit types the artifact needs, or with too few devices.
@@ -98,6 +115,7 @@ class ModuleRunner:
         self._platform = plat  # jax's backend is fixed once it has started
         if m.nr_devices > 1:
             mesh()
+        self.host_ok = not m.x64 and m.nr_devices == 1
 
     def _call_of(self, module: str, args: Sequence) -> Callable:
         call = self.jitted[module]

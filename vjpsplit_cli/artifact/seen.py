@@ -26,26 +26,42 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import threading
 from collections import OrderedDict
-from typing import Any, Hashable, Iterable, Sequence
+from typing import Any, Hashable, Iterable, Iterator, Sequence
 
 import jax
 import numpy as np
 
 SEEN_KEPT = 128  # signatures remembered per artifact: a handful of shapes in a loop; bounded all the same
 
-_ARRAY_TYPES: dict[type, bool] = {}  # type -> whether it makes a signature; types live as long as the process
+# type -> how it makes a signature (_NONE, _ATTRS, _AVAL); types live as long as the process
+_ARRAY_TYPES: dict[type, int] = {}
+_NONE, _ATTRS, _AVAL = 0, 1, 2
 
 
-def _makes_signature(t: type) -> bool:
-    ok = _ARRAY_TYPES.get(t)
-    if ok is None:
+def _signature_kind(t: type) -> int:
+    kind = _ARRAY_TYPES.get(t)
+    if kind is None:
         # A tracer is inside a caller's jit: checked at trace time, once per trace anyway.
-        ok = issubclass(t, (np.ndarray, jax.Array)) and not issubclass(t, jax.core.Tracer)
+        kind = _NONE
+        if issubclass(t, (np.ndarray, jax.Array)) and not issubclass(t, jax.core.Tracer):
+            kind = _AVAL if reads_aval(t) else _ATTRS
         if len(_ARRAY_TYPES) < 256:
-            _ARRAY_TYPES[t] = ok
-    return ok
+            _ARRAY_TYPES[t] = kind
+    return kind
+
+
+def reads_aval(t: type) -> bool:
+    """Whether ``t`` is jax's concrete array type, whose ``shape`` and ``dtype`` are its aval's.
+
+    Its ``aval`` is a C++ attribute, and ``shape`` and ``dtype`` are Python properties
+    that read it: the aval's own cost a third as much per leaf. jax does not export the
+    type, so it is known by name (``tests/test_seen_calls.py`` holds both readings
+    equal on jax's arrays).
+    """
+    return t.__name__ == "ArrayImpl" and t.__module__.startswith("jaxlib") and hasattr(t, "aval")
 
 
 def leaves_signature(leaves: Iterable[Any]) -> tuple | None:
@@ -56,9 +72,14 @@ def leaves_signature(leaves: Iterable[Any]) -> tuple | None:
     out = []
     for v in leaves:
         t = type(v)
-        if not (_ARRAY_TYPES.get(t) or _makes_signature(t)):
+        kind = _ARRAY_TYPES.get(t) or _signature_kind(t)
+        if kind == _AVAL:
+            a = v.aval
+            out.append((t, a.shape, a.dtype))
+        elif kind:
+            out.append((t, v.shape, v.dtype))
+        else:
             return None
-        out.append((t, v.shape, v.dtype))
     return tuple(out)
 
 
@@ -108,9 +129,14 @@ def mapping_signature(values: Any) -> tuple | None:
     out = []
     for k, v in values.items():
         t = type(v)
-        if not (_ARRAY_TYPES.get(t) or _makes_signature(t)):
+        kind = _ARRAY_TYPES.get(t) or _signature_kind(t)
+        if kind == _AVAL:
+            a = v.aval
+            out.append((k, t, a.shape, a.dtype))
+        elif kind:
+            out.append((k, t, v.shape, v.dtype))
+        else:
             return None
-        out.append((k, t, v.shape, v.dtype))
     return tuple(out)
 
 
@@ -143,7 +169,7 @@ class Seen:
 
     def __init__(self, limit: int = SEEN_KEPT) -> None:
         self._limit = limit
-        self._entries: OrderedDict[Hashable, Any] = OrderedDict()
+        self.entries: OrderedDict[Hashable, Any] = OrderedDict()  # read in place where a key surely hashes
         self._lock = threading.Lock()
 
     def get(self, key: Hashable | None) -> Any:
@@ -151,7 +177,7 @@ class Seen:
         if key is None:
             return None
         try:
-            return self._entries.get(key)
+            return self.entries.get(key)
         except TypeError:  # an unhashable part (a sharding of a type without __hash__): not seen
             return None
 
@@ -161,28 +187,70 @@ class Seen:
             return
         with self._lock:
             try:
-                self._entries[key] = value
+                self.entries[key] = value
             except TypeError:
                 return
-            while len(self._entries) > self._limit:
-                self._entries.popitem(last=False)  # the oldest, at once (a dict skips its deleted slots)
+            while len(self.entries) > self._limit:
+                self.entries.popitem(last=False)  # the oldest, at once (a dict skips its deleted slots)
 
     def clear(self) -> None:
         """Forget every signature (what the checks depend on changed)."""
         with self._lock:
-            self._entries.clear()
+            self.entries.clear()
+
+
+# Whether the GIL serialises C calls: a free-threaded build has none, and takes locks instead.
+_GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
+
+
+class Recent:
+    """The values noted last by string key (one per forward: its run id), at most ``limit``; safe across threads.
+
+    ``Seen`` for keys a forward makes on every call: a ``str`` hashes and compares in C,
+    so under the GIL the ordered dict's own operations need no lock of ours (the oldest
+    entry leaves at once past ``limit``). Free-threaded builds take the lock.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self.entries: OrderedDict[str, Any] = OrderedDict()  # read by ``get`` in place, on every backward
+        self._lock = threading.Lock()
+
+    def add(self, key: str, value: Any) -> None:
+        """Keep ``value`` for ``key``, dropping the oldest entry past ``limit``."""
+        entries = self.entries
+        if not _GIL:
+            with self._lock:
+                entries[key] = value
+                if len(entries) > self._limit:
+                    entries.popitem(last=False)
+            return
+        entries[key] = value
+        if len(entries) > self._limit:
+            try:
+                entries.popitem(last=False)
+            except KeyError:  # emptied by another thread between the two
+                pass
+
+    def get(self, key: str) -> Any:
+        """What was kept for ``key``; None when never noted or dropped since."""
+        return self.entries.get(key)
 
 
 # One forward run's id: unique in this process (a counter) and across processes (a random
 # prefix), 32 hex digits like the uuid4 it replaces, without a system call per forward.
+# ``next`` on a ``map`` over ``itertools.count`` runs in C from end to end: under the GIL no
+# other thread can take the same number, without a lock to take per forward.
+def _run_ids() -> Iterator[str]:
+    return map(f"{os.urandom(8).hex()}%016x".__mod__, itertools.count())
+
+
 class _Runs:
-    prefix = os.urandom(8).hex()
-    count = itertools.count()
-    lock = threading.Lock()
+    ids = _run_ids()
 
 
 def _new_prefix() -> None:
-    _Runs.prefix, _Runs.count, _Runs.lock = os.urandom(8).hex(), itertools.count(), threading.Lock()
+    _Runs.ids = _run_ids()
 
 
 os.register_at_fork(after_in_child=_new_prefix)  # a forked child must not repeat its parent's ids
@@ -190,5 +258,13 @@ os.register_at_fork(after_in_child=_new_prefix)  # a forked child must not repea
 
 def new_run_id() -> str:
     """A fresh ``residuals_id``: 32 hex digits, never the same twice."""
-    with _Runs.lock:
-        return f"{_Runs.prefix}{next(_Runs.count):016x}"
+    return next(_Runs.ids)
+
+
+if not _GIL:  # a free-threaded build: no GIL to serialise ``next``
+    _run_id_lock = threading.Lock()
+
+    def new_run_id() -> str:  # noqa: F811  (the same function, with the lock the GIL gave)
+        """A fresh ``residuals_id``: 32 hex digits, never the same twice."""
+        with _run_id_lock:
+            return next(_Runs.ids)
