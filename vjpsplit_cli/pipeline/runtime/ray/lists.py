@@ -257,8 +257,11 @@ def submit_lists(
     microbatches: int,
     split: set[tuple[int, int]],
     timed: bool,
+    call: str = "run_step",
+    extra: Sequence[Any] = (),
 ) -> list[Any]:
-    """Every actor's ``run_step`` of step ``step``: its list and the batch inputs its stages read; the refs."""
+    """Every actor's ``call`` (``run_step``, or a subclass's method taking the same arguments then ``extra``) of
+    step ``step``: its list and the batch inputs its stages read; the refs."""
     refs = []
     for actor, ops in zip(actors, plans):
         batch = {
@@ -269,5 +272,5 @@ def submit_lists(
         held = {o.stage for o in ops}
         mine = {(s, m) for s, m in split if s in held}
         keys = [(str(o.kind), o.mb, o.stage) for o in ops]
-        refs.append(actor.run_step.remote(step, keys, batch, microbatches, mine, timed))
+        refs.append(getattr(actor, call).remote(step, keys, batch, microbatches, mine, timed, *extra))
     return refs

@@ -330,6 +330,8 @@ class RayPipeline:
         microbatches: int,
         split: set[tuple[int, int]],
         timed: bool,
+        call: str = "run_step",
+        extra: Sequence[Any] = (),
     ) -> list[Any]:
         """Hand every actor its list of the next step (``lists.submit_lists``); the refs of the lists.
 
@@ -339,12 +341,16 @@ class RayPipeline:
             microbatches: Their number.
             split: The ``(stage, microbatch)`` pairs whose backward is split (a W follows the B).
             timed: Whether each operation waits for its results and is timed.
+            call: The actors' method that runs the list (a subclass's may end the step there too).
+            extra: What ``call`` takes after ``run_step``'s arguments.
 
         Returns:
             One Ray object ref per worker: its list's call.
         """
         self.steps += 1
-        return submit_lists(self.actors, self.steps, plans, mbs, self.num_stages, microbatches, split, timed)
+        return submit_lists(
+            self.actors, self.steps, plans, mbs, self.num_stages, microbatches, split, timed, call, extra
+        )
 
     def _abort(self, step: int) -> None:
         for a in self.actors:
