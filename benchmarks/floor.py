@@ -28,7 +28,8 @@ SCHEDULES = ("1f1b", "zbh1", "auto")
 LABEL = {"inprocess": "in-process", "ray": "Ray"}
 
 
-def _config(quick: bool) -> dict:
+def config(quick: bool) -> dict:
+    """The floor's settings: widths, schedules, timed steps, rounds, block and delivery round trips."""
     if quick:
         return {"widths": [], "schedules": ["1f1b"], "timed": 1, "rounds": 2, "block": 1, "probes": 20}
     return {"widths": [256], "schedules": list(SCHEDULES), "timed": 4, "rounds": 8, "block": 2, "probes": 200}

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import floor
+from benchmarks import floor as step_floor
 from benchmarks.timing import run_section, section_main
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -56,7 +56,7 @@ def _config(quick: bool) -> dict:
         cfg = {"tiny_rounds": 3, "tiny_block": 2, "widths": [64], "gpt_rounds": 2, "gpt_block": 1}
     else:
         cfg = {"tiny_rounds": 12, "tiny_block": 4, "widths": [64, 128, 256], "gpt_rounds": 6, "gpt_block": 2}
-    return {**cfg, "floor": floor._config(quick)}
+    return {**cfg, "floor": step_floor.config(quick)}
 
 
 def _blocks(cands: dict, rounds: int, block: int, warmup: int = 2) -> dict[str, float]:
@@ -275,7 +275,7 @@ def measure(
         widths = cfg["widths"]
         p = cfg.get("devices", 2)
         rows = [gpt_width(w, cfg, ray, platform, png if w == widths[-1] else None, p) for w in widths]
-        floors = floor.measure(cfg["floor"], ray, platform) if "floor" in cfg else []
+        floors = step_floor.measure(cfg["floor"], ray, platform) if "floor" in cfg else []
     finally:
         if ray:
             ray_.shutdown()
@@ -339,7 +339,7 @@ def table(data: dict) -> str:
             f"computed at once for {last['overlap']:.0%} of it ({PNG.name}).",
         ]
     if data.get("floor"):
-        lines += ["", floor.table(data["floor"], c["floor"])]
+        lines += ["", step_floor.table(data["floor"], c["floor"])]
     return "\n".join(lines)
 
 
