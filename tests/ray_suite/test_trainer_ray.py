@@ -17,6 +17,7 @@ import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.pipeline.schedules.auto import auto_schedule
+from vjpsplit_cli.pipeline.schedules.modeled import modeled_makespan
 from vjpsplit_cli.pipeline.training import autoplan
 
 
@@ -70,6 +71,30 @@ def test_ray_trainer_auto_measures_then_plans_and_equals_single_process_optax(ra
     assert all(len(costs[k]) == 4 and min(costs[k]) >= 0 for k in "FBW") and costs["comm"] > 0  # actor calls
     assert len(planned) == 2 and planned[-1]["comm"] == costs["comm"]  # the last plan: the costs() of both steps
     assert tr.history[1]["modeled_makespan"] <= tr.history[0]["modeled_makespan"]
+    # The plans auto runs are auto_schedule's for those costs, Ray's send time among them (or the measuring
+    # step's ZB-H1 where that models faster under them).
+    mine = auto_schedule(stages.artifacts, 4, costs=costs, memory_limit=list(tr.auto.limits))
+    theirs = tr.auto.measured_with.plans
+    want = theirs if modeled_makespan(theirs, costs) < modeled_makespan(mine, costs) else mine
+    assert tr.plan.plans == [list(ops) for ops in want]
+    assert tr.history[-1]["modeled_makespan"] == pytest.approx(modeled_makespan(want, costs))
+
+
+def test_ray_delivery_probe_times_round_trips_between_steps(ray_session, stages):
+    params, tx = gpt_params(), optax.sgd(1e-2)
+    batches = [gpt_batch(8, seed=40 + i) for i in range(2)]
+    with P.Trainer(stages, params, optimizer=tx, microbatches=4, runner="ray") as tr:
+        losses = [tr.step(batches[0])]
+        rp = tr.backend.rp
+        got = rp.probe_delivery(np.ones((2, 8, 16), np.float32), repeats=5, workers=(1, 2))
+        assert len(got) == 5 and min(got) > 0
+        with pytest.raises(VjpsplitError, match=r"workers=\(1, 1\): give two different workers"):
+            rp.probe_delivery(np.ones(3), workers=(1, 1))
+        losses.append(tr.step(batches[1]))  # the probe's step number is its own: the next step runs as before
+        got = tr.params()
+    ref_losses, ref_params = optax_reference(gpt, params, tx, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-6)
 
 
 def test_ray_trainer_evaluates_forward_only_equal_to_one_process(ray_session, stages):

@@ -2,25 +2,30 @@
 
 ``TrainActor`` extends the pipeline's ``StageActor`` with the step's last three
 phases (``stagestate``): its stages' tied gradients, their sums and squared
-norms, the update. The driver submits them to each actor right after the
-schedule's operations, so an actor runs them after its last W (Ray runs an
-actor's calls in submission order); tied gradients go from actor to actor as
-object references, and only the squared norms (when clipping needs their sum),
-the loss and the timings reach the driver. The optimizer arrives as exported
-bytes: an actor imports neither optax nor the user's code. Evaluation
-(``evaluate``) chains each microbatch's stage calls actor to actor by object
-reference; only the losses (and, when asked, the last stage's inputs) reach the
-driver.
+norms, the update. They run inside the step's one call per actor
+(``train_step``), right after the worker's list: the parts one actor needs of
+another (tied gradients, squared norms when clipping, the loss, the optimizer's
+reductions over leaves) go actor to actor through the inboxes that carry the
+activations, and every actor joins them as the driver once did, in stage order.
+A round between actors costs one delivery (about a millisecond on one host,
+docs/performance.md); a round through the driver cost two and a wait there. The
+driver waits once per step, for each actor's report (the losses, timings and
+squared norms). The optimizer arrives as exported bytes: an actor imports
+neither optax nor the user's code. Evaluation (``evaluate``) chains each
+microbatch's stage calls actor to actor by object reference; only the losses
+(and, when asked, the last stage's inputs) reach the driver.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from ..runtime.evaluation import EvaluatingActor
+from ..runtime.flight import DONE, FINISH
 from ..runtime.offload import Offload
 from ..runtime.model import Microbatch, side_for
 from ..runtime.ray.actor import StageActor, raise_first_error
@@ -41,11 +46,42 @@ from .replicas import ReplicaTrainer
 from .stagestate import RESTORE_HINT, StageTrainer
 
 
-class TrainActor(StageActor, EvaluatingActor):
-    """A pipeline worker's actor that also trains (one ``StageTrainer`` per stage it holds) and evaluates."""
+@dataclasses.dataclass(frozen=True)
+class EndOfStep:
+    """What every actor needs to finish a step with the others and no driver: every stage's tied keys and
+    their holders, the optimizer's reductions over leaves ``(op, dtype, round)`` and whether its update takes
+    the step's loss (``separable``)."""
 
-    def setup(self, entries: Sequence[tuple[int, list[str], bytes, dict[str, list[int]], list[str], Any]]) -> None:
-        """``(stage, names, optimizer bytes, holders, counted, state or None)`` per stage this actor holds."""
+    holders: tuple[dict[str, list[int]], ...]
+    reductions: tuple[tuple[str, str, int], ...] = ()
+    uses_value: bool = False
+
+    @property
+    def rounds(self) -> int:
+        """The optimizer's rounds of reductions over leaves."""
+        return 1 + max((r for _, _, r in self.reductions), default=-1)
+
+    def sources(self, stage: int) -> list[int]:
+        """The other stages whose gradients of ``stage``'s tied leaves it adds (ascending)."""
+        return sorted({h for hs in self.holders[stage].values() for h in hs if h != stage})
+
+
+class TrainActor(StageActor, EvaluatingActor):
+    """A pipeline worker's actor that also trains (one ``StageTrainer`` per stage it holds) and evaluates.
+
+    ``train_step`` runs the worker's list and then the end of the step with the other actors through their
+    inboxes (``lists.Inbox``), not through the driver: tied gradients to the other holders, every stage's
+    squared norm (for the clip scale), the loss (for an update that takes it) and each round's shares of
+    the optimizer's reductions to every actor, each of which joins them as the driver did (in stage order),
+    so every actor computes the same scale and reductions; then the update. A failed actor sends None in
+    place of each part, so no actor waits for it and none updates.
+    """
+
+    def setup(
+        self, entries: Sequence[tuple[int, list[str], bytes, dict[str, list[int]], list[str], Any]], end: EndOfStep
+    ) -> None:
+        """``(stage, names, optimizer bytes, holders, counted, state or None)`` per stage this actor holds;
+        ``end``: what the end of each step exchanges with the other actors."""
         held = self.stage_workers
         # A stage on replicas (data_parallel) keeps its optimizer state sharded across them (training.replicas).
         self.trainers: dict[int, StageTrainer | ReplicaTrainer] = {
@@ -54,49 +90,127 @@ class TrainActor(StageActor, EvaluatingActor):
             )
             for s, names, program, holders, counted, state in entries
         }
+        self.end = end
 
     def optimizer_bytes(self) -> dict[int, tuple[int, int]]:
         """Per stage held on replicas: ``(most bytes of optimizer state on one device, bytes of the whole state)``,
         from its arrays' shards (``ReplicaTrainer.optimizer_bytes``)."""
         return {s: t.optimizer_bytes() for s, t in self.trainers.items() if isinstance(t, ReplicaTrainer)}
 
-    def _phase(self, name: str, fn: Any) -> Any:
-        """``guarded(fn)``, recorded as a ``Phase`` of this worker (its trace's slice)."""
-        t0 = time.monotonic()
-        out = self.guarded(fn)
-        self.phases.append(Phase(self.worker, name, t0, time.monotonic()))
-        return out
+    def train_step(
+        self,
+        step: int,
+        ops: Sequence[tuple[str, int, int]],
+        batch: dict[tuple[int, int], tuple[Any, list[Any]]],
+        microbatches: int,
+        timed: bool,
+        clip: float | None,
+    ) -> dict[str, Any]:
+        """Step ``step``: this worker's list (``run_step``), then the end of the step (see the class); its
+        ``report`` and ``"sums"``, each held stage's squared norm (None where the step failed)."""
+        self.run_step(step, ops, batch, microbatches, timed)
+        self.now = (FINISH, None, None, time.monotonic())
+        sums = self._finish(step, microbatches, clip)
+        self.now = (DONE, None, None, time.monotonic())
+        return {**self.report(), "sums": sums}
 
-    def tied(self, stage: int) -> Any:
-        """Stage ``stage``'s gradients of its tied leaves (host arrays); None after an error."""
-        return self._phase("reduce tied", lambda: self.trainers[stage].tied_grads())
+    def _exchange(self, step: int, tag: str, parts: Mapping[int, Any], peers: Sequence[int]) -> dict[int, Any]:
+        """Send ``parts[w]`` (None: this step failed here) to each worker ``w`` of ``parts`` and take what each of
+        ``peers`` sent this one under ``tag``: worker -> its part (None where it failed or the step was aborted)."""
+        assert self.sender is not None  # connected before any step
+        for w, part in parts.items():
+            self.sender.send(step, w, (tag, 0, self.worker), part)
+        return {w: self.inbox.take(step, (tag, 0, w)) for w in peers}
 
-    def prepare(self, stage: int, sources: Sequence[int], *parts: Any) -> Any:
-        """Sum stage ``stage``'s tied gradients with ``parts`` (the ``tied`` of stages ``sources``); its squared norm."""
-        if any(p is None for p in parts):
-            return None  # another stage failed: its report says why
-        return self._phase("reduce norms", lambda: self.trainers[stage].prepare(dict(zip(sources, parts))))
+    def _finish(self, step: int, microbatches: int, clip: float | None) -> dict[int, Any]:
+        """The step's tied sums, norms, clip scale, reductions and update for this worker's stages (see the class).
 
-    def loss(self, stage: int, microbatches: int) -> Any:
-        """The step's loss (the mean over microbatches) on stage ``stage``, the last; None after an error."""
+        Every actor sends and takes the same parts in the same order whether or not its step failed, so that
+        none waits for a part that never comes; ``ok`` turns False at the first failure here or a None
+        received, and from then on this actor sends None and computes nothing. Its phases: ``reduce tied``
+        and ``reduce norms`` (each with its wait for the other workers), ``reduce optimizer`` (the rounds of
+        reductions over leaves) and ``update``, as in-process.
+        """
+        end, me, S, trainers = self.end, self.worker, self.num_stages, self.trainers
+        mine, worker_of = sorted(trainers), self.worker_of
+        others = sorted(set(worker_of.values()) - {me})
+        ok = self.error is None
+        at = time.monotonic()
 
-        def mean() -> float:
-            got = self.stage_workers[stage].fetch_losses()
-            return float(np.mean([got[m] for m in range(microbatches)]))
+        def mark(name: str) -> None:
+            nonlocal at
+            now = time.monotonic()
+            self.phases.append(Phase(me, name, at, now))
+            at = now
 
-        return self.guarded(mean)
+        def run(fn: Any) -> Any:
+            return self.guarded(fn) if ok else None
 
-    def shares(self, stage: int, rnd: int, scale: float, value: Any, reduced: Sequence[Any]) -> Any:
-        """Stage ``stage``'s shares of the optimizer's reductions over leaves of round ``rnd``; None after an error."""
-        if value is None:
-            return None  # the loss was not read: its report says why
-        return self._phase("reduce optimizer", lambda: self.trainers[stage].shares(rnd, scale, value, reduced))
+        def joined(got: Mapping[int, Any], own: Mapping[int, Any]) -> dict[int, Any] | None:
+            """Every stage's part (this worker's ``own`` and the others' in ``got``); None if one is missing."""
+            if not ok or any(v is None for v in own.values()) or any(v is None for v in got.values()):
+                return None
+            return {**own, **{s: v for part in got.values() for s, v in part.items()}}
 
-    def apply(self, stage: int, scale: float, value: Any = 0.0, reduced: Sequence[Any] = ()) -> None:
-        """The optimizer step of stage ``stage`` with the clip ``scale``, the loss ``value`` and the reductions."""
-        if value is None:
-            return  # the loss was not read: its report says why
-        self._phase("update", lambda: self.trainers[stage].apply(scale, value, reduced))
+        contributions: dict[int, dict[int, Any]] = {s: {} for s in mine}
+        if any(end.holders):
+            needs = {s: end.sources(s) for s in range(S)}
+            own = {s: run(trainers[s].tied_grads) for s in mine if end.holders[s]}
+            out = {}  # to each other worker: the tied gradients of this worker's stages that its stages add
+            for w in others:
+                wanted = sorted({h for t in range(S) if worker_of[t] == w for h in needs[t] if worker_of[h] == me})
+                if wanted:
+                    out[w] = {h: own[h] for h in wanted} if ok and None not in own.values() else None
+            senders = sorted({worker_of[h] for t in mine for h in needs[t]} - {me})
+            have = joined(self._exchange(step, "tied", out, senders), own)
+            ok = have is not None
+            if have is not None:
+                contributions = {s: {h: have[h] for h in [*needs[s], *([s] if s in own else [])]} for s in mine}
+        sums = {s: run(lambda s=s: trainers[s].prepare(contributions[s])) for s in mine}
+        ok = ok and None not in sums.values()
+        if any(end.holders):
+            mark("reduce tied")
+        scale: Any = 1.0
+        if clip is not None:
+            every = joined(self._exchange(step, "norms", {w: sums if ok else None for w in others}, others), sums)
+            ok = every is not None
+            scale = run(lambda: clip_scale([float(every[t]) for t in range(S)], clip)[0])  # type: ignore[index]
+            ok = ok and scale is not None
+        mark("reduce norms")
+        value: Any = 0.0
+        if end.uses_value:  # the loss, from the last stage's worker
+            last = worker_of[S - 1]
+            if last == me:
+                value = run(lambda: self._loss(S - 1, microbatches))
+                self._exchange(step, "loss", {w: value for w in others}, [])
+            else:
+                value = self._exchange(step, "loss", {}, [last])[last]
+            value = None if value is None or not ok else float(value)
+            ok = value is not None
+        reduced = [np.zeros((), dtype_from_name(dt)) for _, dt, _ in end.reductions]
+        for r in range(end.rounds):
+            parts = {s: run(lambda s=s: trainers[s].shares(r, scale, value, reduced)) for s in mine}
+            ok = ok and None not in parts.values()
+            every = joined(
+                self._exchange(step, f"shares {r}", {w: parts if ok else None for w in others}, others), parts
+            )
+            ok = every is not None
+            if every is not None:
+                mine_r = [i for i, (_, _, rr) in enumerate(end.reductions) if rr == r]
+                for pos, i in enumerate(mine_r):
+                    op, dt, _ = end.reductions[i]
+                    reduced[i] = combine(op, dt, [every[t][pos] for t in range(S)])
+        if end.rounds:
+            mark("reduce optimizer")
+        for s in mine:
+            run(lambda s=s: trainers[s].apply(scale, value, reduced))
+        mark("update")
+        return sums
+
+    def _loss(self, stage: int, microbatches: int) -> float:
+        """The step's loss (the mean over microbatches) on stage ``stage``, the last."""
+        got = self.stage_workers[stage].fetch_losses()
+        return float(np.mean([got[m] for m in range(microbatches)]))
 
     def snapshot(self) -> dict[int, Snapshot]:
         """Per stage held: ``(params, optimizer state)`` as host arrays."""
@@ -141,7 +255,7 @@ class RayBackend:
         self.data_parallel = int(data_parallel)
         self.reductions = [(str(o), str(d), int(r)) for o, d, r in reductions]
         self.uses_value = bool(uses_value)
-        self.rounds = 1 + max((int(r[2]) for r in self.reductions), default=-1)
+        self.end = EndOfStep(tuple(ownership.holders), tuple(self.reductions), self.uses_value)
         self.schedule_timeout = float(options.get("schedule_timeout", SCHEDULE_TIMEOUT))
         hang_report = options.pop("hang_report", None)
         self.offload: Offload | None = options.pop("offload", None)
@@ -150,7 +264,7 @@ class RayBackend:
         )
         rp.hang_report = hang_report
         try:
-            rp.get([a.setup.remote(self._entries(w, states)) for w, a in enumerate(rp.actors)])
+            rp.get([a.setup.remote(self._entries(w, states), self.end) for w, a in enumerate(rp.actors)])
             if self.offload is not None:
                 rp.get([a.offload.remote(self.offload) for a in rp.actors])
         except BaseException:
@@ -199,51 +313,18 @@ class RayBackend:
         if self.data_parallel > 1:
             check_split(mbs, self.data_parallel)  # before any operation runs
         t0 = time.monotonic()
-        lists = rp.start_step(plans, mbs, microbatches, timed)
+        # One call per actor: its list, then the end of the step with the other actors (TrainActor.train_step).
+        lists = rp.start_step(plans, mbs, microbatches, timed, "train_step", (clip,))
         t1 = time.monotonic()
-        holders = self.ownership.holders
-        tied = {s: self.actor_of[s].tied.remote(s) for s in range(S) if holders[s]}
-        sums = []
-        for s in range(S):
-            sources = sorted({h for hs in holders[s].values() for h in hs if h != s})
-            sums.append(self.actor_of[s].prepare.remote(s, sources, *[tied[h] for h in sources]))
-        owners = [self.worker_of[s] for s in range(S)]
-        scale = 1.0
-        if clip is not None:
-            got = rp.fetch(sums, owners, t0, hint=RESTORE_HINT, watch=lists)
-            if all(v is not None for v in got):
-                scale = clip_scale(got, clip)[0]
-        # The loss stays an object reference: Ray hands it from the last stage's actor to the others.
-        value: Any = self.actor_of[S - 1].loss.remote(S - 1, microbatches) if self.uses_value else 0.0
-        reduced = [np.zeros((), dtype_from_name(dt)) for _, dt, _ in self.reductions]
-        for r in range(self.rounds):
-            # sums first: the shares are read after the gradients are summed (an actor runs its calls in order)
-            parts = rp.fetch(
-                [self.actor_of[s].shares.remote(s, r, scale, value, reduced) for s in range(S)],
-                owners,
-                t0,
-                hint=RESTORE_HINT,
-                watch=lists,
-            )
-            if any(p is None for p in parts):
-                break  # a stage failed: its report is the step's error
-            mine = [i for i, (_, _, rr) in enumerate(self.reductions) if rr == r]
-            for pos, i in enumerate(mine):
-                op, dt, _ = self.reductions[i]
-                reduced[i] = combine(op, dt, [parts[s][pos] for s in range(S)])
-        applied = [self.actor_of[s].apply.remote(s, scale, value, reduced) for s in range(S)]
-        reports = [a.report.remote() for a in rp.actors]
         everyone = list(range(rp.layout.num_workers))
-        values = rp.fetch(
-            [*reports, *sums, *applied], [*everyone, *owners, *owners], t0, hint=RESTORE_HINT, watch=lists
-        )
+        states = rp.fetch(lists, everyone, t0, hint=RESTORE_HINT, watch=lists)
         t2 = time.monotonic()
         step_time = t2 - t0
-        states = values[: len(reports)]
         raise_first_error(states)
+        sums = {s: v for st in states for s, v in st["sums"].items()}
+        totals = [sums[s] for s in range(S)]
         phases = [Phase(None, "hand out", t0, t1), Phase(None, "wait for the workers", t1, t2)]
         phases += [p.shifted(off) for st, off in zip(states, rp.clock_offsets) for p in st["phases"]]
-        totals = values[len(reports) : len(reports) + S]
         result = step_result(
             schedule=name,
             plans=plans,
@@ -258,7 +339,7 @@ class RayBackend:
             timed=timed,
             phases=phases if timed else (),
         )
-        return result, list(totals)
+        return result, totals
 
     def evaluate(
         self, mbs: Sequence[Microbatch], programs: Sequence[EvalProgram], outputs: bool
@@ -332,7 +413,7 @@ class RayBackend:
                 pass
             rp.actors[w] = rp.new_actor(w)
         rp.start_workers(workers, self.schedule_timeout, "the actor replacing its lost one")
-        rp.get([rp.actors[w].setup.remote(self._entries(w, [None] * S)) for w in workers])
+        rp.get([rp.actors[w].setup.remote(self._entries(w, [None] * S), self.end) for w in workers])
         if self.offload is not None:
             rp.get([rp.actors[w].offload.remote(self.offload) for w in workers])
         rp.connect()  # every actor sends its results to the new handles from now on

@@ -127,6 +127,24 @@ class StageActor:
         its arrays' bytes, where ``lists.pack`` cut them."""
         self.inbox.put(step, unpack(items, pieces) if pieces else items)
 
+    def echo(self, step: int, peer: int, value: Any, repeats: int, starts: bool) -> list[float]:
+        """Deliveries timed for step ``step`` (see ``RayPipeline.probe_delivery``): ``value`` sent to worker
+        ``peer`` and back ``repeats`` times, as a step's results go (``Sender``, then ``Inbox``); ``starts``: this
+        worker sends first and times each round trip (seconds), the other sends back what it takes."""
+        assert self.sender is not None  # connected before any step
+        self.inbox.begin(step)
+        trips = []
+        for i in range(repeats):
+            if starts:
+                t0 = time.perf_counter()
+                self.sender.send(step, peer, ("echo", i, self.worker), value)
+                self.inbox.take(step, ("echo", i, peer))
+                trips.append(time.perf_counter() - t0)
+            else:
+                got = self.inbox.take(step, ("echo", i, peer))
+                self.sender.send(step, peer, ("echo", i, self.worker), got)
+        return trips
+
     def abort(self, step: int) -> None:
         """Stop waiting for step ``step``'s inputs: a worker is gone (runs in the ``inbox`` group)."""
         self.inbox.abort(step)

@@ -256,8 +256,11 @@ def submit_lists(
     num_stages: int,
     microbatches: int,
     timed: bool,
+    call: str = "run_step",
+    extra: Sequence[Any] = (),
 ) -> list[Any]:
-    """Every actor's ``run_step`` of step ``step``: its list and the batch inputs its stages read; the refs."""
+    """Every actor's ``call`` (``run_step``, or a subclass's method taking the same arguments then ``extra``) of
+    step ``step``: its list and the batch inputs its stages read; the refs."""
     refs = []
     for actor, ops in zip(actors, plans):
         batch = {
@@ -266,5 +269,5 @@ def submit_lists(
             if o.kind == Kind.F
         }
         keys = [(str(o.kind), o.mb, o.stage) for o in ops]
-        refs.append(actor.run_step.remote(step, keys, batch, microbatches, timed))
+        refs.append(getattr(actor, call).remote(step, keys, batch, microbatches, timed, *extra))
     return refs

@@ -329,6 +329,8 @@ class RayPipeline:
         mbs: Sequence[Microbatch],
         microbatches: int,
         timed: bool,
+        call: str = "run_step",
+        extra: Sequence[Any] = (),
     ) -> list[Any]:
         """Hand every actor its list of the next step (``lists.submit_lists``); the refs of the lists.
 
@@ -337,12 +339,46 @@ class RayPipeline:
             mbs: The step's microbatches.
             microbatches: Their number.
             timed: Whether each operation waits for its results and is timed.
+            call: The actors' method that runs the list (a subclass's may end the step there too).
+            extra: What ``call`` takes after ``run_step``'s arguments.
 
         Returns:
             One Ray object ref per worker: its list's call.
         """
         self.steps += 1
-        return submit_lists(self.actors, self.steps, plans, mbs, self.num_stages, microbatches, timed)
+        return submit_lists(self.actors, self.steps, plans, mbs, self.num_stages, microbatches, timed, call, extra)
+
+    def probe_delivery(self, value: Any, repeats: int = 50, workers: tuple[int, int] = (0, 1)) -> list[float]:
+        """One actor-to-actor delivery of ``value`` timed ``repeats`` times, as a step sends its results.
+
+        Worker ``workers[0]`` sends ``value`` to ``workers[1]``, which sends it back, through their senders and
+        inboxes (``lists``); each round trip is two deliveries. What a step's send costs beyond its compute.
+
+        Args:
+            value: An array (or pytree of arrays), such as an activation one stage sends the next.
+            repeats: How many round trips to time.
+            workers: The two workers, by index.
+
+        Returns:
+            Each round trip's half, in seconds (the first worker's ``time.perf_counter``).
+
+        Raises:
+            VjpsplitError: If the pipeline is closed, ``workers`` are not two of its workers, or an actor dies.
+        """
+        a, b = workers
+        if not self.actors:
+            raise VjpsplitError("this RayPipeline is closed; build a new one")
+        if a == b or not all(0 <= w < len(self.actors) for w in workers):
+            raise VjpsplitError(
+                f"workers={workers!r}: give two different workers of this pipeline's {len(self.actors)}"
+            )
+        self.steps += 1  # a step of its own: the inboxes drop older steps' values
+        refs = [
+            self.actors[a].echo.remote(self.steps, b, value, repeats, True),
+            self.actors[b].echo.remote(self.steps, a, None, repeats, False),
+        ]
+        trips = self.get(refs)[0]
+        return [t / 2 for t in trips]
 
     def _abort(self, step: int) -> None:
         for a in self.actors:

@@ -1,0 +1,197 @@
+"""Each runner's training step against its own floor: the modeled makespan of its plans under its measured costs.
+
+Run inside ``benchmarks.train``'s child (2 host CPU devices, single-threaded XLA, Ray started), in the same
+run as its other tables. For each workload (the tiny stages; the GPT of width 256, or 64 with ``--quick``) and
+each runner (in-process, Ray) and schedule (1F1B, ZB-H1, ``auto``; 1F1B only with ``--quick``), one Trainer:
+
+1. **The costs, measured where they run.** Timed steps (``step(batch, timed=True)``) time every stage's F, B
+   and W on its worker (its thread in-process, its actor on Ray); ``trainer.costs()`` gives their medians.
+2. **The send, measured apart.** One actor-to-actor delivery of an activation of the size each boundary sends
+   (``RayPipeline.probe_delivery``: through the senders and inboxes a step's results take; the median of many
+   round trips, halved); in-process, ``jax.device_put`` of it from one device to the other, waited for (median
+   of many).
+3. **The floor**: ``modeled_makespan`` of the plans the step runs (auto's: the plans it chose) under those F,
+   B and W with that send time as ``comm`` (the schedules' simulator). The optimizer update, the losses'
+   fetch and the driver's hand-out are not in it: they are part of what a runner costs above its floor.
+4. **The step**: untimed steps of every Trainer interleaved in blocks; the median of the blocks.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+SCHEDULES = ("1f1b", "zbh1", "auto")
+LABEL = {"inprocess": "in-process", "ray": "Ray"}
+
+
+def config(quick: bool) -> dict:
+    """The floor's settings: widths, schedules, timed steps, rounds, block and delivery round trips."""
+    if quick:
+        return {"widths": [], "schedules": ["1f1b"], "timed": 1, "rounds": 2, "block": 1, "probes": 20}
+    return {"widths": [256], "schedules": list(SCHEDULES), "timed": 4, "rounds": 8, "block": 2, "probes": 200}
+
+
+def activations(stages: Any, params: Any, batch: tuple, microbatches: int) -> list[Any]:
+    """What each stage boundary sends for one microbatch: stage ``s``'s forward output (its backward sends a
+    cotangent of the same shape back), as host arrays."""
+    import jax
+
+    from vjpsplit_cli.pipeline.runtime.model import side_for
+    from vjpsplit_cli.pipeline.runtime.worker import StageWorker
+
+    S = len(stages.artifacts)
+    dev = jax.local_devices()[0]
+    x, side = stages.stage_batch(batch, microbatches)[0]
+    out = []
+    for s, (art, p) in enumerate(zip(stages.artifacts[:-1], stages.stage_params(params))):
+        w = StageWorker(art, p, s, S, dev)
+        x, _ = w.calls.forward(w.params, x, *side_for(side, s, S))
+        out.append(jax.tree_util.tree_map(np.asarray, x))
+    return out
+
+
+def nbytes(value: Any) -> int:
+    """The bytes of a pytree of arrays."""
+    import jax
+
+    return int(sum(np.asarray(a).nbytes for a in jax.tree_util.tree_leaves(value)))
+
+
+def copy_time(value: Any, repeats: int) -> float:
+    """The median seconds of ``jax.device_put`` of ``value`` from the first host device to the second, waited for."""
+    import jax
+
+    d0, d1 = jax.local_devices()[0], jax.local_devices()[1 % len(jax.local_devices())]
+    x = jax.block_until_ready(jax.device_put(value, d0))
+    times = []
+    for _ in range(repeats + 1):  # the first warms the copy up
+        t0 = time.perf_counter()
+        jax.block_until_ready(jax.device_put(x, d1))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def workload(
+    name: str, stages: Any, params: Any, tx: Any, batches: list, microbatches: int, cfg: dict, ray: bool
+) -> dict:
+    """One workload's rows: per runner and schedule, its step, its floor and what the floor is made of."""
+    from vjpsplit_cli import pipeline as P
+    from vjpsplit_cli.pipeline.schedules.modeled import modeled_makespan
+
+    runners = ["inprocess", "ray"] if ray else ["inprocess"]
+    trainers = {
+        (r, sch): P.Trainer(stages, params, optimizer=tx, schedule=sch, microbatches=microbatches, runner=r)
+        for r in runners
+        for sch in cfg["schedules"]
+    }
+    turn = {"i": 0}
+
+    def batch() -> tuple:
+        turn["i"] += 1
+        return batches[turn["i"] % len(batches)]
+
+    try:
+        for _ in range(2):  # warm up (auto's two measuring steps among them)
+            for tr in trainers.values():
+                tr.step(batch())
+        for _ in range(cfg["timed"]):  # the costs, on each runner's own workers; auto plans again after each
+            for tr in trainers.values():
+                tr.step(batch(), timed=True)
+        sent = activations(stages, params, batches[0], microbatches)
+        comm = {"inprocess": statistics.mean(copy_time(a, cfg["probes"]) for a in sent)}
+        probes: dict[str, list[float]] = {}
+        if ray:
+            rp = trainers[("ray", cfg["schedules"][0])].backend.rp
+            probes = {
+                f"{nbytes(a)}": [statistics.median(rp.probe_delivery(a, cfg["probes"], (s, s + 1)))]
+                for s, a in enumerate(sent)
+            }
+            comm["ray"] = statistics.mean(v[0] for v in probes.values())
+        samples: dict[tuple[str, str], list[float]] = {k: [] for k in trainers}
+        for _ in range(cfg["rounds"]):
+            for k, tr in trainers.items():
+                t0 = time.perf_counter()
+                for _ in range(cfg["block"]):
+                    tr.step(batch())
+                samples[k].append((time.perf_counter() - t0) / cfg["block"])
+        rows = []
+        for (r, sch), tr in trainers.items():
+            costs = {k: v for k, v in tr.costs().items() if k in ("F", "B", "W")}
+            floor = modeled_makespan(tr.plan.plans, {**costs, "comm": comm[r]})
+            step = statistics.median(samples[(r, sch)])
+            rows.append(
+                {
+                    "workload": name,
+                    "runner": r,
+                    "schedule": sch,
+                    "step": step,
+                    "floor": floor,
+                    "comm": comm[r],
+                    "measured_comm": tr.costs()["comm"],
+                    "work": sum(map(sum, costs.values())) * microbatches,
+                    "F": costs["F"],
+                    "B": costs["B"],
+                    "W": costs["W"],
+                }
+            )
+        return {
+            "workload": name,
+            "microbatches": microbatches,
+            "sizes": [nbytes(a) for a in sent],
+            "rows": rows,
+            "deliveries": {k: v[0] for k, v in probes.items()},
+        }
+    finally:
+        for tr in trainers.values():
+            tr.close()
+
+
+def measure(cfg: dict, ray: bool, platform: str) -> list[dict]:
+    """The tiny stages (16 microbatches, SGD) and the GPT at ``cfg["widths"]`` (8 microbatches, AdamW)."""
+    import optax
+
+    from benchmarks.gpt import GPT, docs_batches, tiny_stages
+
+    M = 16
+    stages, params, batch, _ = tiny_stages(microbatches=M, platform=platform)
+    out = [workload("tiny stages", stages, params, optax.sgd(1e-3), [batch], M, cfg, ray)]
+    for width in cfg["widths"]:
+        g = GPT(width=width, blocks=4, stages=2)
+        vocab, data = docs_batches(g.seq, 16, 8)
+        prm = g.init(vocab)
+        out.append(workload(f"GPT width {width}", g.export(prm, platform), prm, optax.adamw(1e-3), data, 8, cfg, ray))
+    return out
+
+
+def table(parts: list[dict], cfg: dict) -> str:
+    """One row per workload, runner and schedule: the step, its floor, their ratio, what the floor assumed."""
+    lines = [
+        "Each runner's step over its floor: the modeled makespan of the plans it runs (auto: the plans it chose) "
+        "under the F, B and W its own workers measured (medians of "
+        f"{cfg['timed']} timed steps) and the send time measured apart (Ray: one actor-to-actor delivery of each "
+        f"activation size through the step's senders and inboxes, the median of {cfg['probes']} round trips "
+        "halved; in-process: jax.device_put from one device to the other). Steps: untimed, medians of "
+        f"{cfg['rounds']} blocks of {cfg['block']}, all Trainers interleaved.",
+        "",
+        "| workload | runner | schedule | step | floor | step / floor | send in the floor | costs()' comm |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for part in parts:
+        for r in part["rows"]:
+            lines.append(
+                f"| {r['workload']} | {LABEL[r['runner']]} | {r['schedule']} | {r['step'] * 1e3:.2f} ms | "
+                f"{r['floor'] * 1e3:.2f} ms | {r['step'] / r['floor']:.2f}× | {r['comm'] * 1e6:.0f} µs | "
+                f"{r['measured_comm'] * 1e6:.0f} µs |"
+            )
+    sizes = "; ".join(
+        f"{p['workload']}: " + ", ".join(f"{int(k)} B in {v * 1e6:.0f} µs" for k, v in p["deliveries"].items())
+        for p in parts
+        if p["deliveries"]
+    )
+    if sizes:
+        lines += ["", f"One actor-to-actor delivery on Ray (median): {sizes}."]
+    return "\n".join(lines)
