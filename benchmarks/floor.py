@@ -1,7 +1,7 @@
 """Each runner's training step against its own floor: the modeled makespan of its plans under its measured costs.
 
 Run inside ``benchmarks.train``'s child (2 host CPU devices, single-threaded XLA, Ray started), in the same
-run as its other tables. For each workload (the tiny stages; the GPT of width 256, or 64 with ``--quick``) and
+run as its other tables. For each workload (the tiny stages; the GPT of width 256, none with ``--quick``) and
 each runner (in-process, Ray) and schedule (1F1B, ZB-H1, ``auto``; 1F1B only with ``--quick``), one Trainer:
 
 1. **The costs, measured where they run.** Timed steps (``step(batch, timed=True)``) time every stage's F, B

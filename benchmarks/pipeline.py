@@ -309,7 +309,7 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
             modeled = P.simulate(P.schedule(name, S, M), S, lambda o: med[(o.stage, o.kind, o.mb)])
             ops = {
                 k: statistics.median(v for (c, kk, _), v in med.items() if kk == k)
-                for k in "FBW"
+                for k in "FBIW"
                 if any(kk == k for (_, kk, _) in med)
             }
             rows.append(

@@ -360,7 +360,7 @@ class Artifact:
         source: str = "residuals",
         ct_source: str = "cotangents",
     ) -> tuple[dict, "Intermediates"]:
-        """Input part (B): gradients of the non-weight arguments, and what the weight part needs.
+        """Input part (a plan's I): gradients of the non-weight arguments, and what the weight part needs.
 
         Args:
             res: The residuals of this artifact's forward.

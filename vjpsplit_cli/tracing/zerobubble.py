@@ -1,4 +1,4 @@
-"""Zero-bubble backward: cut the backward into an input part (B) and a weight part (W).
+"""Zero-bubble backward: cut the backward into an input part (I) and a weight part (W).
 
 Pipeline schedules such as ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism",
 ICLR 2024) run B as soon as the next stage's cotangent arrives, since the previous

@@ -74,7 +74,9 @@ class TrainActor(StageActor, EvaluatingActor):
     squared norm (for the clip scale), the loss (for an update that takes it) and each round's shares of
     the optimizer's reductions to every actor, each of which joins them as the driver did (in stage order),
     so every actor computes the same scale and reductions; then the update. A failed actor sends None in
-    place of each part, so no actor waits for it and none updates.
+    place of each part, so no actor waits for it; where no part goes from every worker to every other (no
+    clipping, no reductions over leaves), the workers exchange whether their step went well before the
+    update, so none updates when one failed.
     """
 
     def setup(
@@ -202,6 +204,12 @@ class TrainActor(StageActor, EvaluatingActor):
                     reduced[i] = combine(op, dt, [every[t][pos] for t in range(S)])
         if end.rounds:
             mark("reduce optimizer")
+        if clip is None and not end.rounds and others:
+            # No exchange above went from every worker to every other (tied sums go between holders, the loss
+            # from the last worker): without this one, a worker would update while another's step failed.
+            said = self._exchange(step, "ok", {w: True if ok else None for w in others}, others)
+            ok = ok and None not in said.values()
+            mark("agree")
         for s in mine:
             run(lambda s=s: trainers[s].apply(scale, value, reduced))
         mark("update")

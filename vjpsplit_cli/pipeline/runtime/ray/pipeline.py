@@ -363,7 +363,8 @@ class RayPipeline:
             Each round trip's half, in seconds (the first worker's ``time.perf_counter``).
 
         Raises:
-            VjpsplitError: If the pipeline is closed, ``workers`` are not two of its workers, or an actor dies.
+            VjpsplitError: If the pipeline is closed, ``workers`` are not two of its workers, an actor dies, or the
+                round trips run past ``step_timeout``.
         """
         a, b = workers
         if not self.actors:
@@ -372,12 +373,16 @@ class RayPipeline:
             raise VjpsplitError(
                 f"workers={workers!r}: give two different workers of this pipeline's {len(self.actors)}"
             )
+        self._drop_graph()  # its actors take ordinary calls again
         self.steps += 1  # a step of its own: the inboxes drop older steps' values
+        t0 = time.monotonic()
         refs = [
             self.actors[a].echo.remote(self.steps, b, value, repeats, True),
             self.actors[b].echo.remote(self.steps, a, None, repeats, False),
         ]
-        trips = self.get(refs)[0]
+        # As a step's wait: within step_timeout, and one actor's death releases the other's inbox (else it would
+        # wait in take for good and its queue would hold every later call).
+        trips = self.fetch(refs, [a, b], t0, watch=refs)[0]
         return [t / 2 for t in trips]
 
     def _abort(self, step: int) -> None:
