@@ -113,6 +113,6 @@ def test_train_gpt_sample_pipeline_equals_one_process(tmp_path):
     # The last step's trace, event by event against the trace-event format, and drawn from the file.
     doc = check_trace_file(tmp_path / "step-12.trace.json")
     ops = op_slices(doc)
-    assert sorted(ops) == sorted(f"{k} s{s} mb{m}" for k in "FBW" for s in range(4) for m in range(4))  # ZB-H1
+    assert sorted(ops) == sorted(f"{k} s{s} mb{m}" for k in "FIW" for s in range(4) for m in range(4))  # ZB-H1: I and W
     assert len(flow_pairs(doc)) == 2 * 3 * 4  # F and B sends between 4 workers, 4 microbatches
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
