@@ -43,7 +43,7 @@ def measure(quick: bool) -> dict:
     from benchmarks.gpt import GPT, docs_batches
     from vjpsplit_cli import pipeline as P
     from vjpsplit_cli.pipeline.runtime.model import side_for
-    from vjpsplit_cli.pipeline.stages.evaluation import EvalProgram
+    from vjpsplit_cli.pipeline.stages.evalprograms import EvalProgram
 
     c = (
         {"width": 32, "blocks": 2, "seq": 16, "batch": 8, "microbatches": 4}

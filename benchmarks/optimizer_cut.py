@@ -17,7 +17,7 @@ import time
 
 from benchmarks.timing import interleaved_samples
 from vjpsplit_cli.pipeline.training.separable import WholeOptimizer
-from vjpsplit_cli.pipeline.training.state import StateMap
+from vjpsplit_cli.pipeline.training.optax_state import StateMap
 
 OPTIMIZERS = {
     "adamw": lambda: optax.adamw(1e-3),

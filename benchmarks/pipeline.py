@@ -270,7 +270,7 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
         # One pipeline per schedule: a RayPipeline holds one compiled graph at a time.
         def setup():
             rp = P.RayPipeline(
-                *cuts[4 if name == "zbv" else 2], layout=P.layout(name), compiled=compiled, step_timeout=60
+                *cuts[4 if name == "zbv" else 2], layout=P.layout_kind(name), compiled=compiled, step_timeout=60
             )
             return {name: lambda: rp.run(x, [labels], microbatches=M, schedule_name=name)}, [rp]
 

@@ -31,7 +31,7 @@ def measure(rounds: int, block: int = 4) -> dict:
     from benchmarks.gpt import tiny_stages
     from vjpsplit_cli import pipeline as P
     from vjpsplit_cli.pipeline.runtime.inprocess import dispatch
-    from vjpsplit_cli.pipeline.training.inprocess import InProcessBackend
+    from vjpsplit_cli.pipeline.training.local_backend import InProcessBackend
 
     M = 16
     stages, params, batch, _ = tiny_stages(microbatches=M)

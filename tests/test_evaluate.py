@@ -19,7 +19,7 @@ import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.pipeline.runtime.worker import StageWorker
-from vjpsplit_cli.pipeline.stages.evaluation import forward_outputs
+from vjpsplit_cli.pipeline.stages.evalprograms import forward_outputs
 
 
 @functools.lru_cache(maxsize=None)

@@ -171,7 +171,7 @@ def test_apply_if_finite_skips_every_stage_when_one_stage_has_a_non_finite_gradi
     on stage 1 alone stops stage 0's update too, as in one process (each stage's own check would not)."""
     from vjpsplit_cli.pipeline.training.optimizer import export_optimizer
     from vjpsplit_cli.pipeline.training.separable import WholeOptimizer, combine
-    from vjpsplit_cli.pipeline.training.state import StateMap
+    from vjpsplit_cli.pipeline.training.optax_state import StateMap
 
     tx = optax.apply_if_finite(optax.sgd(0.1), 3)
     p = {"a": np.ones(3, np.float32), "b": np.ones(2, np.float32)}

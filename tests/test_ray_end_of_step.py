@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from vjpsplit_cli.pipeline.training.ray import EndOfStep, TrainActor
+from vjpsplit_cli.pipeline.training.ray_backend import EndOfStep, TrainActor
 
 
 class _Stage:

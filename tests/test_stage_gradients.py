@@ -204,7 +204,7 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_state_map_joins_the_stages_states_into_optax_structure(name):
     """Three stages' programs (one tied leaf) stepped as a pipeline: their states joined equal one device's."""
-    from vjpsplit_cli.pipeline.training.state import StateMap
+    from vjpsplit_cli.pipeline.training.optax_state import StateMap
 
     tx, whole = OPTIMIZERS[name](), _whole()
     progs = _programs(tx, whole)
@@ -239,7 +239,7 @@ def test_state_map_joins_the_stages_states_into_optax_structure(name):
 
 
 def test_state_map_refuses_a_state_that_is_not_optax_own_and_stages_that_disagree():
-    from vjpsplit_cli.pipeline.training.state import StateMap
+    from vjpsplit_cli.pipeline.training.optax_state import StateMap
 
     tx, whole = optax.adamw(1e-2), _whole()
     smap = StateMap(tx, whole, {k: k for k in whole}, HOLD)

@@ -8,6 +8,8 @@ import inspect
 import sys
 from pathlib import Path
 
+import pytest
+
 import vjpsplit_cli as vs
 
 PKG = Path(vs.__file__).parent
@@ -155,7 +157,7 @@ def test_public_modules_have_docstrings():
 # The subpackages are the architecture. Each may import only those before it in this order (and the
 # top-level modules in BASE); docs/architecture.md draws the same picture.
 LAYERS = ["safeio", "files", "tracing", "trust", "artifact", "pipeline", "cli"]
-BASE = {"errors", "config", "terminal", "_version"}
+BASE = {"errors", "config", "terminal", "_version", "treetypes"}
 
 
 def _layer_violations(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
@@ -295,7 +297,40 @@ def test_the_pipeline_surface_is_curated_and_documented():
     assert not internal & set(P.__all__)
     init = PKG / "pipeline" / "__init__.py"
     body = [n for n in ast.parse(init.read_text()).body if not isinstance(n, (ast.Import, ast.ImportFrom, ast.Expr))]
-    assert [type(n).__name__ for n in body] == ["Assign"], "pipeline/__init__ holds no logic of its own"
+    kinds = [(type(n).__name__, getattr(n, "name", None)) for n in body]
+    # no logic of its own: the export list, and the module __getattr__ that points old names at new ones
+    assert kinds == [("Assign", None), ("FunctionDef", "__getattr__")], kinds
+
+
+def test_the_old_name_of_layout_kind_still_works_with_a_deprecation_warning():
+    from vjpsplit_cli import pipeline as P
+
+    with pytest.warns(DeprecationWarning, match="layout_kind"):
+        old = P.layout
+    assert old is P.layout_kind and old("zbv") == "v"
+    with pytest.raises(AttributeError):
+        P.no_such_name  # noqa: B018
+
+
+def _pipeline_names() -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """Module file names and public top-level function/class names in ``pipeline/``, each with where it is."""
+    modules: dict[str, list[str]] = {}
+    names: dict[str, list[str]] = {}
+    for p in sorted((PKG / "pipeline").rglob("*.py")):
+        where = str(p.relative_to(PKG / "pipeline"))
+        if p.name != "__init__.py":
+            modules.setdefault(p.stem, []).append(where)
+        for n in ast.parse(p.read_text()).body:
+            if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and not n.name.startswith("_"):
+                names.setdefault(n.name, []).append(where)
+    return modules, names
+
+
+def test_no_module_or_public_name_repeats_in_pipeline():
+    """Each name once, saying its job: two ``inprocess.py`` or two ``trace`` send a reader to the wrong file."""
+    modules, names = _pipeline_names()
+    assert {k: v for k, v in modules.items() if len(v) > 1} == {}
+    assert {k: v for k, v in names.items() if len(v) > 1} == {}
 
 
 def test_operations_say_what_they_are_and_nothing_asks_the_plans():

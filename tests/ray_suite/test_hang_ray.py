@@ -14,7 +14,7 @@ from tracecheck import check_trace_file, flow_pairs, op_slices
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
 from vjpsplit_cli.errors import VjpsplitError
-from vjpsplit_cli.pipeline.training.ray import TrainActor, TrainPipeline
+from vjpsplit_cli.pipeline.training.ray_backend import TrainActor, TrainPipeline
 
 STUCK_STEP = 2  # the actors' step count: the Trainer's second step
 

@@ -20,7 +20,7 @@ def test_ray_gradients_equal_value_and_grad(ray_session, stages):
     layouts = ["stage", "v", "interleaved"] if stages % 2 == 0 else ["stage"]
     for lay in layouts:
         with P.RayPipeline(arts, params, layout=lay, compiled=None) as rp:
-            for name in [n for n in P.SCHEDULES if P.layout(n) == lay]:
+            for name in [n for n in P.SCHEDULES if P.layout_kind(n) == lay]:
                 r = rp.run(x, [labels], microbatches=4, schedule_name=name)
                 assert r.runner == "ray" and r.extra["compiled"]  # compiled=None: a Compiled Graph where Ray can
                 np.testing.assert_allclose(r.loss, loss, rtol=1e-5)

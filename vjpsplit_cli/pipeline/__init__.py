@@ -15,7 +15,7 @@ optimizer where each stage's parameters live, told its options as typed values
 form); its checkpoints are keyed by the model, so another cut, or one process
 (``load_checkpoint``), continues the run.
 
-Words: a *layout* is which worker runs which stage (``layout``,
+Words: a *layout* is which worker runs which stage (``layout_kind``,
 ``worker_stages``); *ownership* is which stage holds which parameter leaf (a leaf
 several stages read is tied); counts are ``num_stages``, ``num_workers``, indices
 ``stage``, ``worker``, ``mb``.
@@ -38,6 +38,8 @@ This module only re-exports what users call. May import every layer but ``cli``.
 
 from __future__ import annotations
 
+import warnings
+
 from .runtime.devices import SharedDevicesWarning
 from .runtime.inprocess import run_inprocess
 from .runtime.offload import Offload
@@ -51,10 +53,10 @@ from .schedules.offloading import OffloadPlans
 from .schedules.builtins import schedule
 from .schedules.catalog import LABELS, SCHEDULES, SPLIT_BACKWARD
 from .schedules.csvformat import read_schedule, write_schedule
-from .schedules.layout import layout, worker_stages
+from .schedules.layout import layout_kind, worker_stages
 from .schedules.ops import Kind, Op
 from .schedules.play import Costs, simulate
-from .schedules.plans import check_plans
+from .schedules.stepplans import check_plans
 from .schedules.plots import plot_loss, plot_timeline
 from .schedules.timeline import Event, bubble_ratio
 from .training.options import InProcess, Observe, PerStage, Ray, Schedule
@@ -84,7 +86,7 @@ __all__ = [
     "auto_schedule",
     "bubble_ratio",
     "check_plans",
-    "layout",
+    "layout_kind",
     "load_checkpoint",
     "placement_group_options",
     "plot_loss",
@@ -97,3 +99,10 @@ __all__ = [
     "worker_stages",
     "write_schedule",
 ]
+
+
+def __getattr__(name: str) -> object:  # old names kept one release, each pointing at its new one
+    if name == "layout":
+        warnings.warn("vjpsplit_cli.pipeline.layout is now layout_kind", DeprecationWarning, stacklevel=2)
+        return layout_kind
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

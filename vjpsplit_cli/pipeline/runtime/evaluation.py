@@ -1,6 +1,6 @@
 """Evaluation: every stage's forward only, from its evaluation program, where the stage's worker runs.
 
-A stage's evaluation program (``stages.evaluation``) takes what the artifact's
+A stage's evaluation program (``stages.evalprograms``) takes what the artifact's
 forward takes and returns only what the stage sends on (the loss, for the last
 stage): nothing is kept for a backward, and the worker's residuals, gradients
 and parameters are not touched. ``eval_stage`` runs one stage on one
@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..stages.evaluation import EvalProgram
+from ..stages.evalprograms import EvalProgram
 from .model import Microbatch, side_for
 from .worker import StageWorker
 

@@ -26,9 +26,9 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from ...errors import VjpsplitError
 from ..schedules.ops import Kind, Op, dependencies, received
-from ..schedules.plans import resolve
+from ..schedules.stepplans import resolve
 from ..schedules.timeline import Phase
-from ..stages.directory import PerStage, Stages
+from ..stages.directory import StageInputs, Stages
 from .devices import placed, placement
 from .dispatch import Order, Submit, progress_bar, walk
 from .flight import (
@@ -238,7 +238,9 @@ def placed_microbatches(mbs: Sequence[Microbatch], workers: Sequence[StageWorker
     moved = [w.to_device(r) for w, r in zip(workers, reads)]
     out: list[Microbatch] = []
     for m, (_, side) in enumerate(mbs):
-        placed_side = PerStage({s: moved[s][m][1] for s in side}) if isinstance(side, PerStage) else moved[S - 1][m][1]
+        placed_side = (
+            StageInputs({s: moved[s][m][1] for s in side}) if isinstance(side, StageInputs) else moved[S - 1][m][1]
+        )
         out.append((moved[0][m][0], placed_side))
     return out
 

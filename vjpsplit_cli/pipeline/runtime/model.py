@@ -11,7 +11,7 @@ place that tells them apart:
   and gradients come back in ``params``' structure, a tied leaf's summed.
 
 A ``Microbatch`` is ``(x, side)``: stage 0's input and the side inputs, a list
-for the last stage or a ``PerStage`` (one list per stage that reads batch inputs).
+for the last stage or a ``StageInputs`` (one list per stage that reads batch inputs).
 ``PreSplit`` passes microbatches already cut where ``x`` goes.
 """
 
@@ -24,9 +24,9 @@ import numpy as np
 from ...errors import VjpsplitError
 from ..schedules.catalog import describe
 from ..schedules.ops import Kind, Op
-from ..stages.directory import PerStage, Stages
+from ..stages.directory import StageInputs, Stages
 
-Microbatch = tuple[Any, "list[Any] | PerStage"]
+Microbatch = tuple[Any, "list[Any] | StageInputs"]
 
 
 class PreSplit:
@@ -36,9 +36,9 @@ class PreSplit:
         self.mbs = list(mbs)
 
 
-def side_for(side: list[Any] | PerStage, stage: int, num_stages: int) -> list[Any]:
-    """Stage ``stage``'s side inputs: its own from a ``PerStage``, else the microbatch's for the last stage."""
-    if isinstance(side, PerStage):
+def side_for(side: list[Any] | StageInputs, stage: int, num_stages: int) -> list[Any]:
+    """Stage ``stage``'s side inputs: its own from a ``StageInputs``, else the microbatch's for the last stage."""
+    if isinstance(side, StageInputs):
         return side.get(stage, [])
     return side if stage == num_stages - 1 else []
 

@@ -15,7 +15,7 @@ dispatched (its m-th B or W), the group dispatches ``Reducer``: one program over
 the 1-D mesh of the replicas' devices (``AXIS``) that packs every leaf into one
 buffer per dtype and reduces it across replicas with **one** reduce-scatter,
 leaving each device its ``zero_spec`` shard of every gradient (the layout the
-sharded optimizer state has, ``training.replicas``). A leaf none of whose
+sharded optimizer state has, ``training.zero1``). A leaf none of whose
 dimensions divides by N is packed whole into every device's row, so it comes out
 whole on every device from the same reduce-scatter.
 
@@ -98,7 +98,7 @@ def check_split(mbs: Sequence[Microbatch], n: int) -> None:
     """Refuse, before any operation runs, microbatches whose batch inputs do not split into ``n`` equal parts."""
     if mbs:
         x, side = mbs[0]
-        split_parts((x, list(side.values()) if isinstance(side, dict) else side), n)  # a PerStage: its lists
+        split_parts((x, list(side.values()) if isinstance(side, dict) else side), n)  # a StageInputs: its lists
 
 
 def refuse_sharded(artifacts: Sequence[Any]) -> None:

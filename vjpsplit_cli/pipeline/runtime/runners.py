@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 from ...errors import VjpsplitError
 from ..schedules.ops import Op
-from ..schedules.plans import layout_for
+from ..schedules.stepplans import layout_for
 from ..stages.directory import Stages
 from .inprocess import run_inprocess
 from .ray.pipeline import RayPipeline

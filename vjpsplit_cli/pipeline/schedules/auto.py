@@ -30,7 +30,7 @@ from typing import Iterable, Mapping, Sequence, Sized
 from ...errors import VjpsplitError
 from .costs import Costs
 from .modeled import lower_bound, memory_limits, memory_peaks, modeled_makespan
-from .plans import check_plans
+from .stepplans import check_plans
 from .builtins import schedule
 from .catalog import SPLIT_BACKWARD
 from .offloading import OffloadPlans, choose_offload, offload_makespan

@@ -82,7 +82,7 @@ class Costs:
             _per_stage(costs["B"], "B", num_stages),
             _per_stage(costs.get("W", 0.0), "W", num_stages),
             _number(costs.get("comm", 0.0), "'comm'"),
-            None if costs.get("transfer") is None else transfer_rates(costs["transfer"]),
+            None if costs.get("transfer") is None else parse_transfer_rates(costs["transfer"]),
         )
 
     def duration(self, op: Op) -> float:
@@ -120,7 +120,7 @@ def _per_stage(value: object, key: str, num_stages: int) -> tuple[float, ...]:
     return tuple(_number(v, f"{key!r}][{s}") for s, v in enumerate(value))
 
 
-def transfer_rates(value: object) -> tuple[float, float]:
+def parse_transfer_rates(value: object) -> tuple[float, float]:
     """``costs["transfer"]`` as (out, back) bytes per second: one number for both ways, or ``{"out":, "back":}``.
 
     Raises:

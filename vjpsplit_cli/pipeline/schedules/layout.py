@@ -20,7 +20,7 @@ from .ops import Op
 KINDS = {"stage": "1f1b", "v": "zbv", "interleaved": "interleaved1f1b"}  # a layout kind: a schedule using it
 
 
-def layout(schedule_name: str) -> str:
+def layout_kind(schedule_name: str) -> str:
     """How a schedule lays stages on workers: ``"v"``, ``"interleaved"`` or ``"stage"``.
 
     ``"v"``: two per worker (ZB-V, DualPipeV); ``"interleaved"``: ``CHUNKS`` per

@@ -47,7 +47,7 @@ class StageCut:
     sent: list  # vars sent to the next stage (the loss, for the last)
 
 
-def trace(flat_fn: Callable, param_structs: Sequence, batch_structs: Sequence) -> Traced:
+def trace_model(flat_fn: Callable, param_structs: Sequence, batch_structs: Sequence) -> Traced:
     """Trace ``flat_fn(*params, *batch)``; refuse a non-scalar loss and marks inside control flow."""
     closed = jax.make_jaxpr(flat_fn)(*param_structs, *batch_structs)
     if any(_inlinable(e) for e in closed.jaxpr.eqns):  # the user's jits inlined: a mark inside one counts

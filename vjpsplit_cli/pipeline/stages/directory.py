@@ -29,7 +29,7 @@ from ...files.trees import flatten_with_keys
 from ...safeio.outputs import StagedOutputs
 from ...safeio.reading import read_bytes
 from ...trust import signing
-from .evaluation import EvalProgram, check_loaded, read_eval
+from .evalprograms import EvalProgram, check_loaded, read_eval
 from .index import LeafEntry, StagesIndex
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 INDEX = "stages.json"
 
 
-class PerStage(dict[int, list[Any]]):
+class StageInputs(dict[int, list[Any]]):
     """A microbatch's side inputs for several stages (stage index -> its inputs), not only the last's."""
 
 
@@ -150,7 +150,7 @@ class Stages:
         leaves = _check_leaves("params", idx.params, flatten_with_keys(idx.params_name, params))
         return [tuple(leaves[i] for i in st.params) for st in idx.per_stage]
 
-    def stage_batch(self, batch: tuple[Any, ...], microbatches: int) -> list[tuple[Any, PerStage]]:
+    def stage_batch(self, batch: tuple[Any, ...], microbatches: int) -> list[tuple[Any, StageInputs]]:
         """The batch tuple as the runners' microbatches: stage 0's inputs as ``x``, the others' as per-stage sides.
 
         Args:
@@ -159,7 +159,7 @@ class Stages:
 
         Returns:
             One pair per microbatch: stage 0's batch leaves (a tuple) and the later
-            stages' batch leaves by stage index (a ``PerStage``).
+            stages' batch leaves by stage index (a ``StageInputs``).
 
         Raises:
             VjpsplitError: If ``batch`` is not a tuple of the right length, its leaves
@@ -186,7 +186,7 @@ class Stages:
         for m in range(microbatches):
             mb = [x[m * k : (m + 1) * k] for x in leaves]
             reads = [tuple(mb[i] for i in st.batch) for st in self.index.per_stage]
-            out.append((reads[0], PerStage({c: [r] for c, r in enumerate(reads) if c and r})))
+            out.append((reads[0], StageInputs({c: [r] for c, r in enumerate(reads) if c and r})))
         return out
 
     def gather_grads(self, stage_grads: Sequence[Any], params: Any) -> Any:

@@ -26,9 +26,9 @@ from ...files.trees import flatten_with_keys
 from ...tracing.vjp import fn_name, positional_names, signature_positionals, wrt_positions
 from .balance import balanced_ends
 from .costmodel import ANY_DIM, COST_DIM, eqn_cost
-from .cut import StageCut, Traced, cut, stage_function, trace
+from .cut import StageCut, Traced, cut, stage_function, trace_model
 from .directory import Stages
-from .evaluation import EvalProgram, eval_file, export_eval
+from .evalprograms import EvalProgram, eval_file, export_eval
 from .index import LeafEntry, StageEntry, StagesIndex
 
 
@@ -138,7 +138,7 @@ def export_stages(
             args[i] = jax.tree_util.tree_unflatten(trees[i], [next(it) for _ in range(sizes[i])])
         return fn(*args)
 
-    traced = trace(flat_fn, [s for _, s in p_entries], [s for _, s in b_entries])
+    traced = trace_model(flat_fn, [s for _, s in p_entries], [s for _, s in b_entries])
     if traced.marks and stages is not None:
         raise VjpsplitError(
             f"{fn_name(fn)} has {len(traced.marks)} stage_boundary marks and stages={stages} was given; "

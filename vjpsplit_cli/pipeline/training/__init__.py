@@ -3,7 +3,7 @@
 Owns ``Trainer`` (``trainer``), parameter ownership (``ownership``: which stage
 holds which leaf, tied leaves, ``params`` back), the backends behind one
 ``Backend`` protocol (``backend``; ``inprocess`` threads, ``ray`` actors), each
-stage's training state (``stagestate``), the optimizer as exported programs
+stage's training state (``stage_trainer``), the optimizer as exported programs
 (``optimizer``), the whole model's update cut by stage (``separable``), clipping
 by the global norm (``clipping``), the whole model's
 optax state joined from the stages' (``state``), checkpoints keyed by the model

@@ -51,7 +51,7 @@ from ..schedules.builtins import schedule
 from ..schedules.layout import Layout
 from ..schedules.modeled import memory_limits, modeled_makespan
 from ..schedules.ops import Op
-from ..schedules.plans import Resolved, check_plans
+from ..schedules.stepplans import Resolved, check_plans
 
 AUTO = "auto"
 MEASURING_STEPS = 2  # the timed steps an auto Trainer starts with: the first measures, the second again

@@ -19,15 +19,15 @@ from ..runtime.offload import Offload, offload_of
 from ..runtime.replicas import refuse_sharded
 from ..runtime.result import PipelineResult
 from ..schedules.layout import Layout
-from ..schedules.plans import Resolved
-from ..stages.evaluation import EvalProgram
-from .inprocess import InProcessBackend, stage_trainers
+from ..schedules.stepplans import Resolved
+from ..stages.evalprograms import EvalProgram
+from .local_backend import InProcessBackend, stage_trainers
 from .optimizer import stage_programs
 from .options import InProcess, Ray, Runner
 from .ownership import Ownership, Snapshot
-from .ray import RayBackend
-from .replicas import replica_program, replica_trainers
-from .state import state_map, whole_optimizer
+from .ray_backend import RayBackend
+from .zero1 import replica_program, replica_trainers
+from .optax_state import state_map, whole_optimizer
 
 
 class Backend(Protocol):

@@ -228,7 +228,7 @@ def fit(
             k = trainer.step_count
             try:
                 if lost:
-                    _return(trainer, sorted(lost), k, writer, found)
+                    _replace_lost_workers(trainer, sorted(lost), k, writer, found)
                     lost = set()
                     start = min(start, trainer.step_count)
                     del losses[trainer.step_count - start :]
@@ -254,7 +254,7 @@ def fit(
             except WorkerLost as e:
                 found = found if lost else time.monotonic()
                 failures += 1
-                _refuse_or_accept(trainer, e, trainer.step_count, failures, max_restarts, writer)
+                _refuse_unless_recoverable(trainer, e, trainer.step_count, failures, max_restarts, writer)
                 lost |= set(e.workers)
     except BaseException:
         if writer is not None:
@@ -265,7 +265,7 @@ def fit(
     return losses
 
 
-def _refuse_or_accept(
+def _refuse_unless_recoverable(
     trainer: Any, e: WorkerLost, step: int, failures: int, max_restarts: int, writer: CheckpointWriter | None
 ) -> None:
     """The one error when a lost worker is not to be replaced: too many failures, or no checkpoint."""
@@ -286,7 +286,9 @@ def _refuse_or_accept(
         raise VjpsplitError(f"{what}; Ray does not say which worker it was, so none can be replaced") from None
 
 
-def _return(trainer: Any, workers: Sequence[int], step: int, writer: CheckpointWriter | None, found: float) -> None:
+def _replace_lost_workers(
+    trainer: Any, workers: Sequence[int], step: int, writer: CheckpointWriter | None, found: float
+) -> None:
     """Replace the lost workers and take every worker back to the last checkpoint (``found``: when the loss was
     seen, on ``time.monotonic``'s clock)."""
     if writer is None:

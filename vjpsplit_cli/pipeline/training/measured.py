@@ -193,7 +193,7 @@ class CostSamples:
 PROBE_BYTES = 4 << 20  # what one transfer probe copies each way (a few MiB: past the fixed cost of a copy)
 
 
-def transfer_rates(device: object, nbytes: int = PROBE_BYTES, repeats: int = 3) -> dict[str, float]:
+def measure_transfer_rates(device: object, nbytes: int = PROBE_BYTES, repeats: int = 3) -> dict[str, float]:
     """Bytes per second of a copy off ``device`` and back, as offload makes them: to its ``pinned_host`` memory
     where it has one, else to host NumPy (``runtime.offload``); the medians of ``repeats`` timed copies of
     ``nbytes``. What ``costs()["transfer"]`` holds and ``auto_schedule`` plans offload with."""

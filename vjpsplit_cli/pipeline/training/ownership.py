@@ -22,7 +22,7 @@ from ...files.trees import decode_structure, encode_structure, flatten_with_keys
 from ..runtime.model import Model, StagesModel
 from ..stages.directory import Stages
 from .clipping import norm_owners
-from .stagestate import param_node
+from .stage_trainer import param_node
 
 Tied = Sequence[Sequence[tuple[int, str]]]
 Snapshot = tuple[dict[str, Any], dict[str, Any]]  # a stage's (params, optimizer state), flat by global key

@@ -22,8 +22,8 @@ from ...files.trees import decode_structure, structure_keys
 from ..stages.directory import Stages
 from .checkpoint import Saved, read_checkpoint
 from .ownership import Ownership, Snapshot, Tied, saved_params, stage_keys
-from .stagestate import param_node
-from .state import StateMap, opt_state_from_file
+from .stage_trainer import param_node
+from .optax_state import StateMap, opt_state_from_file
 
 
 def _per_stage(saved: Saved) -> VjpsplitError:

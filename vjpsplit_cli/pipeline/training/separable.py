@@ -414,7 +414,7 @@ class Cut:
         return out
 
 
-def trace(fn: Callable[..., Any], args: Sequence[Any], label: str, what: str) -> Any:
+def trace_optimizer(fn: Callable[..., Any], args: Sequence[Any], label: str, what: str) -> Any:
     """``jax.make_jaxpr(fn)(*args)`` on abstract values, a failure one error naming the optimizer."""
     try:
         return jax.make_jaxpr(fn)(*args)
@@ -511,7 +511,7 @@ class WholeOptimizer:
                 )
             return jax.tree_util.tree_leaves(new_p), new_leaves
 
-        closed = trace(
+        closed = trace_optimizer(
             update, (self.param_leaves, self.state_leaves, self.param_leaves, scalar, scalar), label, "update"
         )
         keyed = list(self.param_keys)
@@ -519,7 +519,7 @@ class WholeOptimizer:
         out_names = [f"parameter {k!r}" for k in keyed] + [f"state entry {n!r}" for n in names]
         self.update = Cut(closed, groups, [*keyed, *owners], out_names, label, "update")
         self.uses_value = self.value and self.update.uses_input(len(groups) - 1)
-        init_closed = trace(
+        init_closed = trace_optimizer(
             lambda p: jax.tree_util.tree_leaves(tx.init(self.param_tree.unflatten(p))),
             (self.param_leaves,),
             label,

@@ -7,7 +7,7 @@ holds which leaf, ``backend.open_backend`` exports the optimizer per stage and
 starts the workers (threads in this process, or Ray actors) behind one
 ``Backend`` interface, ``history.History`` keeps the steps, and ``checkpoint``
 writes and reads the state. Each worker keeps its stages' parameters and
-optimizer state (``stagestate.StageTrainer``); only the loss and the stages'
+optimizer state (``stage_trainer.StageTrainer``); only the loss and the stages'
 squared gradient norms reach the driver. ``state`` joins the stages' optimizer
 states into optax's structure for the whole model (``state.StateMap``), which is
 also what ``save`` writes and ``opt_state=`` takes; ``fit`` runs many steps with
@@ -34,9 +34,9 @@ from ..runtime.model import model_of
 from ..runtime.offload import Offload, offload_of
 from ..runtime.result import PipelineResult
 from ..schedules.csvformat import format_schedule, parse_schedule
-from ..schedules.plans import resolve
+from ..schedules.stepplans import resolve
 from ..stages.directory import Stages
-from ..stages.evaluation import EvalProgram, missing
+from ..stages.evalprograms import EvalProgram, missing
 from .autoplan import AutoPlan
 from .backend import Backend, open_backend
 from ...files.trees import encode_structure
@@ -49,8 +49,8 @@ from .optimizer import optimizer_name
 from .options import Deprecated, Observe, Options, PerStage, Plans, Runner, Schedule, from_legacy
 from .ownership import Ownership
 from .resume import restored_model, stage_snapshots
-from .state import StateMap, state_map
-from .measured import CostSamples, transfer_rates
+from .optax_state import StateMap, state_map
+from .measured import CostSamples, measure_transfer_rates
 
 
 class _Recorded:
@@ -361,7 +361,7 @@ class Trainer:
         Returns:
             ``{"F": [...], "B": [...], "W": [...], "comm": seconds, "transfer": {"out": .., "back": ..}}``, one
             entry per stage in F, B and W; ``transfer`` the bytes per second of a residual copy off the first
-            stage's device and back, as offload copies (``measured.transfer_rates``, timed once, at the first
+            stage's device and back, as offload copies (``measured.measure_transfer_rates``, timed once, at the first
             call; on Ray, on this process's device).
 
         Raises:
@@ -369,7 +369,7 @@ class Trainer:
         """
         measured = self._samples.costs()
         if self._transfer is None:
-            self._transfer = transfer_rates(self.placement[0][0])
+            self._transfer = measure_transfer_rates(self.placement[0][0])
         return {**measured, "transfer": self._transfer}
 
     @property

@@ -14,9 +14,9 @@ from typing import Any, Mapping, Sequence
 from ....errors import VjpsplitError
 from ...schedules.catalog import describe
 from ...schedules.layout import Layout
-from ...schedules.layout import layout as kind_of
+from ...schedules.layout import layout_kind
 from ...schedules.ops import Op
-from ...schedules.plans import resolve
+from ...schedules.stepplans import resolve
 from ...stages.directory import Stages
 from ..dispatch import progress_bar
 from ..model import Microbatch, model_of
@@ -433,7 +433,7 @@ class RayPipeline:
         name, plans, layout = resolve(schedule_name, schedule, S, microbatches)
         self.model.check_plans(name, plans)
         if layout != self.layout:
-            need = kind_of(schedule_name) if schedule is None else layout.as_lists()
+            need = layout_kind(schedule_name) if schedule is None else layout.as_lists()
             raise VjpsplitError(
                 f"{describe(name)} needs RayPipeline(layout={need!r}): "
                 f"it lays the stages out as {layout.as_lists()}, this one holds them as {self.layout.as_lists()}"

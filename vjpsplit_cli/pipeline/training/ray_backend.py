@@ -1,7 +1,7 @@
 """The Trainer on Ray: actors that keep their stages' parameters and optimizer state and apply the update there.
 
 ``TrainActor`` extends the pipeline's ``StageActor`` with the step's last three
-phases (``stagestate``): its stages' tied gradients, their sums and squared
+phases (``stage_trainer``): its stages' tied gradients, their sums and squared
 norms, the update. They run inside the step's one call per actor
 (``train_step``), right after the worker's list: the parts one actor needs of
 another (tied gradients, squared norms when clipping, the loss, the optimizer's
@@ -34,16 +34,16 @@ from ..runtime.ray.setup import SCHEDULE_TIMEOUT
 from ..runtime.replicas import ReplicaGroup, check_split
 from ..runtime.result import PipelineResult, step_result
 from ..schedules.catalog import describe
-from ..schedules.plans import Resolved
-from ..stages.evaluation import EvalProgram
+from ..schedules.stepplans import Resolved
+from ..stages.evalprograms import EvalProgram
 from ..schedules.timeline import Phase
 from ...errors import VjpsplitError
 from ...files.dtypes import dtype_from_name
 from .separable import combine
 from .clipping import clip_scale
 from .ownership import Ownership, Snapshot
-from .replicas import ReplicaTrainer
-from .stagestate import RESTORE_HINT, StageTrainer
+from .zero1 import ReplicaTrainer
+from .stage_trainer import RESTORE_HINT, StageTrainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +85,7 @@ class TrainActor(StageActor, EvaluatingActor):
         """``(stage, names, optimizer bytes, holders, counted, state or None)`` per stage this actor holds;
         ``end``: what the end of each step exchanges with the other actors."""
         held = self.stage_workers
-        # A stage on replicas (data_parallel) keeps its optimizer state sharded across them (training.replicas).
+        # A stage on replicas (data_parallel) keeps its optimizer state sharded across them (training.zero1).
         self.trainers: dict[int, StageTrainer | ReplicaTrainer] = {
             s: (ReplicaTrainer if isinstance(held[s], ReplicaGroup) else StageTrainer)(
                 held[s], names, program, holders, counted, state

@@ -2,7 +2,7 @@
 
 An untimed step is dispatched from one kept helper thread (``runtime.inprocess.run_untimed``: the
 caller waits with ``step_timeout`` and Ctrl-C), then each stage's step is finished
-(``stagestate.finish_stages``) as soon as it can be. In a timed step each
+(``stage_trainer.finish_stages``) as soon as it can be. In a timed step each
 worker's thread finishes its stages after its last operation, swapping tied
 gradients and squared sums with the other threads at a barrier.
 """
@@ -27,12 +27,12 @@ from ..runtime.result import PipelineResult, step_result
 from ..runtime.offload import Offload
 from ..runtime.worker import StageWorker
 from ..schedules.ops import Op
-from ..schedules.plans import Resolved
-from ..stages.evaluation import EvalProgram
+from ..schedules.stepplans import Resolved
+from ..stages.evalprograms import EvalProgram
 from ..schedules.timeline import Phase
 from .clipping import clip_scale
 from .ownership import Ownership, Snapshot
-from .stagestate import RESTORE_HINT, StageTrainer, finish_stages
+from .stage_trainer import RESTORE_HINT, StageTrainer, finish_stages
 
 
 def stage_trainers(

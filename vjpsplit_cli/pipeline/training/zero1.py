@@ -1,7 +1,7 @@
 """Data parallel x pipeline training: a stage's optimizer state sharded across its replicas (ZeRO-1).
 
 ``ReplicaTrainer`` stands where a ``StageTrainer`` would (the same phases for
-``stagestate.finish_stages``) for a stage run by a ``runtime.replicas.ReplicaGroup``
+``stage_trainer.finish_stages``) for a stage run by a ``runtime.replicas.ReplicaGroup``
 of N replicas. The stage's optimizer is exported over the 1-D mesh of the
 replicas' devices with every parameter laid out by ``zero_spec`` (its largest
 dimension that divides by N sharded, else whole), so the optimizer state that
@@ -37,7 +37,7 @@ from .clipping import sum_of_squares
 from .optimizer import export_optimizer, load_optimizer
 from .ownership import Ownership
 from .separable import WholeOptimizer
-from .stagestate import parameter_keys, tie_keys
+from .stage_trainer import parameter_keys, tie_keys
 
 
 def replica_program(
