@@ -96,8 +96,8 @@ def main(argv=None) -> int:
     for runner in runners:
         for name in args.schedules.split(","):
             note(f"{RUNNERS[runner]}, {P.LABELS[name]}: a warm-up step, then {args.steps} measured")
-            stages = cuts[WORKERS if P.layout(name) == "stage" else 2 * WORKERS]
-            rp = P.RayPipeline(stages, params, layout=P.layout(name)) if runner == "ray" else None
+            stages = cuts[WORKERS if P.layout_kind(name) == "stage" else 2 * WORKERS]
+            rp = P.RayPipeline(stages, params, layout=P.layout_kind(name)) if runner == "ray" else None
             try:
 
                 def step():
