@@ -1,4 +1,7 @@
-"""The cost model of a cut: an equation's estimated FLOPs and a value's bytes, symbolic dims at ``COST_DIM``."""
+"""The cost model of a cut: an equation's estimated FLOPs and a value's bytes, symbolic dims at ``COST_DIM``.
+
+A value is anything ``Shaped`` (a shape and a dtype): an aval, a spec, an index's or manifest's leaf.
+"""
 
 from __future__ import annotations
 

@@ -99,9 +99,8 @@ def _read_marked(closed: jcore.ClosedJaxpr, marks: Sequence[int]) -> jcore.Close
 
 
 _CALLS = ("pjit", "jit", "closed_call", "core_call")
-StageOut: TypeAlias = (
-    jax.Array | tuple[jax.Array, ...]
-)  # a stage function's result: what it sends on, or the loss (last)
+# A stage function's result: the values it sends on, or the loss (the last stage).
+StageOut: TypeAlias = jax.Array | tuple[jax.Array, ...]
 
 
 def _has_mark(eqn: jcore.JaxprEqn) -> bool:

@@ -1,4 +1,4 @@
-"""What ``vjpsplit inspect DIR`` shows for a stages directory: one row per stage, and the imbalance."""
+"""What ``vjpsplit inspect DIR`` shows for a stages directory: one row per stage (``StageRow``), and the imbalance."""
 
 from __future__ import annotations
 
