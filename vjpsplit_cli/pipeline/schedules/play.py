@@ -20,7 +20,7 @@ on it:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
 from ...errors import VjpsplitError
 from .costs import Costs
@@ -152,7 +152,7 @@ def _deadlock(plans: Sequence[Sequence[Op]], S: int, idx: Sequence[int], ends: M
     )
 
 
-def _duration_of(num_stages: int, costs: Duration | Costs | Mapping[str, Any] | None) -> tuple[Duration, float]:
+def _duration_of(num_stages: int, costs: Duration | Costs | Mapping[str, object] | None) -> tuple[Duration, float]:
     """A duration function and the send delay from whatever form the times come in."""
     if costs is None:
         return _zero, 0.0
@@ -165,7 +165,7 @@ def _duration_of(num_stages: int, costs: Duration | Costs | Mapping[str, Any] | 
 def play(
     plans: Sequence[Sequence[Op]],
     num_stages: int,
-    costs: Duration | Costs | Mapping[str, Any] | None = None,
+    costs: Duration | Costs | Mapping[str, object] | None = None,
     *,
     comm: float | None = None,
     fill: Fill | None = None,
@@ -190,7 +190,7 @@ def play(
 def simulate(
     plans: Sequence[Sequence[Op]],
     num_stages: int,
-    costs: Duration | Costs | Mapping[str, Any],
+    costs: Duration | Costs | Mapping[str, object],
     *,
     comm: float | None = None,
 ) -> list[Event]:

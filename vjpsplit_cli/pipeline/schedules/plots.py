@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ...errors import VjpsplitError
 from ...safeio.outputs import atomic_write
 from .timeline import Event
 from .tracefile import read_trace
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
-def _pyplot() -> Any:
+
+def _pyplot() -> ModuleType:
     try:
         import matplotlib
 
@@ -22,7 +26,7 @@ def _pyplot() -> Any:
     return plt
 
 
-def _save(fig: Any, path: str | os.PathLike[str]) -> None:
+def _save(fig: Figure, path: str | os.PathLike[str]) -> None:
     try:
         atomic_write(path, lambda f: fig.savefig(f, format="png"))
     finally:

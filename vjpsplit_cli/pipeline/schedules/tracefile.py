@@ -29,12 +29,15 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import BinaryIO, Mapping, Sequence, TypeVar
 
 from ...errors import VjpsplitError
 from ...safeio.outputs import atomic_write
+from ...treetypes import JSON, JSONObject
 from .ops import BACKWARDS, Kind
 from .timeline import Event, Phase, op_name
+
+T = TypeVar("T")
 
 PID = 1
 DRIVER = 0  # the driver's track; worker w's is w + 1
@@ -75,8 +78,8 @@ def trace_events(
     *,
     title: str = "vjpsplit step",
     devices: Mapping[int, Sequence[str]] | None = None,
-    meta: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
+    meta: Mapping[str, object] | None = None,
+) -> dict[str, object]:
     """The trace document of one timed step (see the module).
 
     Args:
@@ -97,7 +100,7 @@ def trace_events(
     def us(t: float) -> float:
         return round((t - origin) * 1e6, 3)
 
-    out: list[dict[str, Any]] = [
+    out: list[dict[str, object]] = [
         {"ph": "M", "name": "process_name", "pid": PID, "tid": DRIVER, "args": {"name": title}},
         {"ph": "M", "name": "thread_name", "pid": PID, "tid": DRIVER, "args": {"name": "driver"}},
         {"ph": "M", "name": "thread_sort_index", "pid": PID, "tid": DRIVER, "args": {"sort_index": 0}},
@@ -208,7 +211,7 @@ def trace_events(
     return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {**other, **dict(meta or {})}}
 
 
-def write_trace(path: str | os.PathLike[str], document: Mapping[str, Any]) -> None:
+def write_trace(path: str | os.PathLike[str], document: Mapping[str, object]) -> None:
     """Write ``document`` (``trace_events``) to ``path`` as JSON, whole or not at all.
 
     Args:
@@ -220,13 +223,13 @@ def write_trace(path: str | os.PathLike[str], document: Mapping[str, Any]) -> No
     """
     body = json.dumps(document, separators=(",", ":")).encode()
 
-    def write(f: Any) -> None:
+    def write(f: BinaryIO) -> None:
         f.write(body)
 
     atomic_write(path, write)
 
 
-def _field(ev: Mapping[str, Any], name: str, kind: type | tuple[type, ...], where: str) -> Any:
+def _field(ev: Mapping[str, JSON], name: str, kind: type[T] | tuple[type[T], ...], where: str) -> T:
     value = ev.get(name)
     if isinstance(value, bool) or not isinstance(value, kind):
         raise VjpsplitError(f"{where}: field {name!r} is {value!r}; a vjpsplit trace file has a number or name there")
@@ -258,7 +261,7 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
         raise VjpsplitError(f"{text}: not a trace-event file (no traceEvents list)")
     found = doc.get("otherData")
-    other: dict[str, Any] = found if isinstance(found, dict) else {}
+    other: JSONObject = found if isinstance(found, dict) else {}
     origin = other.get("origin_s", 0.0)
     if isinstance(origin, bool) or not isinstance(origin, (int, float)):
         raise VjpsplitError(f"{text}: otherData.origin_s is {origin!r}; expected seconds")

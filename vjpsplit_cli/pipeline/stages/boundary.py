@@ -10,7 +10,7 @@ in the function's jaxpr.
 
 from __future__ import annotations
 
-from typing import Any, Sequence, TypeVar
+from typing import Sequence, TypeVar
 
 import jax
 from jax.extend import core as jcore
@@ -25,12 +25,13 @@ boundary_p.def_impl(lambda *xs: list(xs))
 boundary_p.def_abstract_eval(lambda *avals: list(avals))
 
 
-def _jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[Any, list[Any]]:
-    # Tangents bypass the mark: linearised and transposed code never contains it.
+def _jvp(primals: Sequence[jax.Array], tangents: Sequence[object]) -> tuple[list[jax.Array], list[object]]:
+    # Tangents bypass the mark: linearised and transposed code never contains it. A tangent may be jax's
+    # symbolic zero, not an array: it passes through as it came.
     return boundary_p.bind(*primals), list(tangents)
 
 
-def _batch(args: Sequence[Any], dims: Sequence[Any]) -> tuple[Any, list[Any]]:
+def _batch(args: Sequence[jax.Array], dims: Sequence[int | None]) -> tuple[list[jax.Array], list[int | None]]:
     return boundary_p.bind(*args), list(dims)
 
 
@@ -54,6 +55,6 @@ def stage_boundary(x: T) -> T:
     return jax.tree_util.tree_unflatten(tree, boundary_p.bind(*leaves))
 
 
-def is_boundary(eqn: Any) -> bool:
+def is_boundary(eqn: jcore.JaxprEqn) -> bool:
     """Whether a jaxpr equation is a stage mark."""
     return eqn.primitive is boundary_p

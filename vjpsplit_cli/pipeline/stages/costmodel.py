@@ -1,18 +1,44 @@
-"""The cost model of a cut: an equation's estimated FLOPs and a value's bytes, symbolic dims at ``COST_DIM``."""
+"""The cost model of a cut: an equation's estimated FLOPs and a value's bytes, symbolic dims at ``COST_DIM``.
+
+A value is anything ``Shaped`` (a shape and a dtype): an aval, a spec, an index's or manifest's leaf.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Mapping, Protocol, Sequence, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from ...files.shapes import concrete_shape, dim_str, eval_dim
 from ...tracing.jaxprs import sub_jaxprs
 
+if TYPE_CHECKING:
+    from jax.extend import core as jcore
+
 COST_DIM = 8  # the size symbolic dims take in cost and byte estimates
 
 
-def nbytes(aval: Any, dims: Mapping[str, int] | None = None) -> int:
+class Shaped(Protocol):
+    """What has an array's shape and dtype: an aval, a ``jax.ShapeDtypeStruct``, an index's or manifest's leaf."""
+
+    @property
+    def shape(self) -> Sequence[object]:
+        """The dims: ints, or symbolic dims (or their text)."""
+        ...
+
+    @property
+    def dtype(self) -> npt.DTypeLike:
+        """The dtype, or its name."""
+        ...
+
+
+def aval_of(atom: jcore.Var | jcore.Literal) -> Shaped:
+    """``atom``'s aval: a traced array's (jax types it as any abstract value, which need not have a shape)."""
+    return cast("Shaped", atom.aval)
+
+
+def nbytes(aval: Shaped, dims: Mapping[str, int] | None = None) -> int:
     """An abstract value's bytes, symbolic dims at ``COST_DIM`` (or ``dims``)."""
     shape = concrete_shape(tuple(dim_str(d) for d in aval.shape), dims or ANY_DIM)
     return int(np.prod(shape or (), dtype=np.int64)) * np.dtype(aval.dtype).itemsize
@@ -27,7 +53,7 @@ class AnyDim(dict[str, int]):
     def __contains__(self, key: object) -> bool:
         return True
 
-    def get(self, key: str, default: Any = None) -> int:  # type: ignore[override]  # every dim has a size
+    def get(self, key: str, default: object = None) -> int:  # type: ignore[override]  # every dim has a size
         """The dim's size: the one given, else ``COST_DIM`` (never ``default``)."""
         return self[key]
 
@@ -35,13 +61,15 @@ class AnyDim(dict[str, int]):
 ANY_DIM = AnyDim()
 
 
-def eqn_cost(eqn: Any) -> float:
+def eqn_cost(eqn: jcore.JaxprEqn) -> float:
     """An equation's estimated FLOPs: 2·M·N·K for a dot, one per output element otherwise (sub-jaxprs summed)."""
-    out = sum(nbytes(v.aval) / max(np.dtype(v.aval.dtype).itemsize, 1) for v in eqn.outvars if hasattr(v, "aval"))
+    out = sum(
+        nbytes(aval_of(v)) / max(np.dtype(aval_of(v).dtype).itemsize, 1) for v in eqn.outvars if hasattr(v, "aval")
+    )
     name = eqn.primitive.name
     if name == "dot_general":
         (contract, _), _ = eqn.params["dimension_numbers"]
-        lhs = eqn.invars[0].aval
+        lhs = aval_of(eqn.invars[0])
         k = 1
         for d in contract:
             k *= eval_dim(dim_str(lhs.shape[d]), ANY_DIM) or COST_DIM

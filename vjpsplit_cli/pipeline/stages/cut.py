@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence, TypeAlias
 
 import jax
 import numpy as np
@@ -39,15 +39,19 @@ class Traced:
 class StageCut:
     """One stage: its equations and what it reads and sends (vars of the traced jaxpr)."""
 
-    eqns: list
+    eqns: list[jcore.JaxprEqn]
     params: list[int]  # parameter leaf positions it reads
     batch: list[int]  # batch leaf positions it reads
     consts: list[int]  # positions of the jaxpr's constants it reads
-    recv: list  # vars received from the stage before
-    sent: list  # vars sent to the next stage (the loss, for the last)
+    recv: list[jcore.Var]  # vars received from the stage before
+    sent: list[jcore.Var]  # vars sent to the next stage (the loss, for the last)
 
 
-def trace_model(flat_fn: Callable, param_structs: Sequence, batch_structs: Sequence) -> Traced:
+def trace_model(
+    flat_fn: Callable[..., object],
+    param_structs: Sequence[jax.ShapeDtypeStruct],
+    batch_structs: Sequence[jax.ShapeDtypeStruct],
+) -> Traced:
     """Trace ``flat_fn(*params, *batch)``; refuse a non-scalar loss and marks inside control flow."""
     closed = jax.make_jaxpr(flat_fn)(*param_structs, *batch_structs)
     if any(_inlinable(e) for e in closed.jaxpr.eqns):  # the user's jits inlined: a mark inside one counts
@@ -79,7 +83,7 @@ def _read_marked(closed: jcore.ClosedJaxpr, marks: Sequence[int]) -> jcore.Close
     if not marks:
         return closed
     jaxpr = closed.jaxpr
-    alias: dict = {}
+    alias: dict[jcore.Var, jcore.Var] = {}
     eqns = []
     for i, eqn in enumerate(jaxpr.eqns):
         if alias:
@@ -95,22 +99,24 @@ def _read_marked(closed: jcore.ClosedJaxpr, marks: Sequence[int]) -> jcore.Close
 
 
 _CALLS = ("pjit", "jit", "closed_call", "core_call")
+# A stage function's result: the values it sends on, or the loss (the last stage).
+StageOut: TypeAlias = jax.Array | tuple[jax.Array, ...]
 
 
-def _has_mark(eqn: Any) -> bool:
+def _has_mark(eqn: jcore.JaxprEqn) -> bool:
     return any(is_boundary(e) for sub in sub_jaxprs(eqn) for e in iter_eqns(sub))
 
 
-def _inlinable(eqn: Any) -> bool:
+def _inlinable(eqn: jcore.JaxprEqn) -> bool:
     return eqn.primitive.name in _CALLS and _has_mark(eqn)
 
 
-def _inline_eval(closed: Any, args: Sequence[Any]) -> list[Any]:
+def _inline_eval(closed: jcore.ClosedJaxpr, args: Sequence[object]) -> list[object]:
     """Evaluate ``closed`` on ``args`` (under a trace), inlining the calls that contain a stage mark."""
-    env = dict(zip(closed.jaxpr.constvars, closed.consts))
+    env: dict[jcore.Var, object] = dict(zip(closed.jaxpr.constvars, closed.consts))
     env.update(zip(closed.jaxpr.invars, args))
 
-    def read(a: Any) -> Any:
+    def read(a: jcore.Var | jcore.Literal) -> object:
         return a.val if isinstance(a, jcore.Literal) else env[a]
 
     for eqn in closed.jaxpr.eqns:
@@ -129,7 +135,7 @@ def _inline_eval(closed: Any, args: Sequence[Any]) -> list[Any]:
     return [read(a) for a in closed.jaxpr.outvars]
 
 
-def _vars(atoms: Sequence[Any]) -> list[Any]:
+def _vars(atoms: Sequence[jcore.Var | jcore.Literal]) -> list[jcore.Var]:
     return [a for a in atoms if not isinstance(a, jcore.Literal)]
 
 
@@ -145,7 +151,7 @@ def cut(traced: Traced, ends: Sequence[int]) -> list[StageCut]:
                 f"stage {k} computes nothing: two stage marks (or a mark and the function's end) with nothing "
                 "between them; remove one"
             )
-    made: dict = {}
+    made: dict[jcore.Var, int] = {}
     for k, g in enumerate(groups):
         for eqn in g:
             for v in eqn.outvars:
@@ -183,7 +189,7 @@ def cut(traced: Traced, ends: Sequence[int]) -> list[StageCut]:
     return stages
 
 
-def stage_function(traced: Traced, st: StageCut, first: bool, last: bool) -> Callable:
+def stage_function(traced: Traced, st: StageCut, first: bool, last: bool) -> Callable[..., StageOut]:
     """Stage ``st`` as ``f(params, batch)`` (first), ``f(params, x)`` or ``f(params, x, batch)``; tuples in and out.
 
     It returns the tuple of values it sends on, or the scalar loss (last).
@@ -200,7 +206,7 @@ def stage_function(traced: Traced, st: StageCut, first: bool, last: bool) -> Cal
         sub = jcore.Jaxpr(c_vars, [*p_vars, *st.recv, *b_vars], list(st.sent), list(st.eqns), effects)
     run = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(sub, [traced.closed.consts[i] for i in st.consts]))
 
-    def call(params: Sequence[Any], x: Sequence[Any], batch: Sequence[Any]) -> Any:
+    def call(params: Sequence[jax.Array], x: Sequence[jax.Array], batch: Sequence[jax.Array]) -> StageOut:
         outs = run(*params, *x, *batch)
         return outs[0] if last else tuple(outs)
 

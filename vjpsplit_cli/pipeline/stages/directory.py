@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import json
 import os
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -28,17 +28,20 @@ from ...errors import VjpsplitError
 from ...files.trees import flatten_with_keys
 from ...safeio.outputs import StagedOutputs
 from ...safeio.reading import read_bytes
+from ...treetypes import Leaf, PyTree
 from ...trust import signing
 from .evalprograms import EvalProgram, check_loaded, read_eval
 from .index import LeafEntry, StagesIndex
 
 if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     from ...artifact.artifact import Artifact
 
 INDEX = "stages.json"
 
 
-class StageInputs(dict[int, list[Any]]):
+class StageInputs(dict[int, list[tuple[Leaf, ...]]]):
     """A microbatch's side inputs for several stages (stage index -> its inputs), not only the last's."""
 
 
@@ -85,7 +88,13 @@ class Stages:
     def __repr__(self) -> str:
         return f"Stages({self.index.function}, {len(self)} stages)"
 
-    def save(self, directory: str | os.PathLike[str], *, sign_key: Any = None, fsync: bool = True) -> None:
+    def save(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        sign_key: Ed25519PrivateKey | str | os.PathLike[str] | None = None,
+        fsync: bool = True,
+    ) -> None:
         """Write ``directory``: each stage's artifact and evaluation program and ``stages.json``, together or none.
 
         All files are replaced together or none.
@@ -107,7 +116,7 @@ class Stages:
             raise VjpsplitError(f"{directory}: cannot create the stages directory ({e.strerror})") from e
         key = None
         if sign_key is not None:
-            key = sign_key if hasattr(sign_key, "sign") else signing.load_private_key(sign_key)
+            key = signing.load_private_key(sign_key) if isinstance(sign_key, (str, os.PathLike)) else sign_key
             for a in self.artifacts:
                 a.sign(key)
         index = self.index.with_fingerprints([a.manifest.fingerprint for a in self.artifacts])
@@ -134,7 +143,7 @@ class Stages:
                     out.write(f"eval{i}", functools.partial(_write, data=program.data))
             out.write(INDEX, functools.partial(_write, data=packed))
 
-    def stage_params(self, params: Any) -> list[tuple[Any, ...]]:
+    def stage_params(self, params: PyTree) -> list[tuple[Leaf, ...]]:
         """Each stage's parameter tuple from the user's whole ``params`` (checked against the export).
 
         Args:
@@ -150,7 +159,7 @@ class Stages:
         leaves = _check_leaves("params", idx.params, flatten_with_keys(idx.params_name, params))
         return [tuple(leaves[i] for i in st.params) for st in idx.per_stage]
 
-    def stage_batch(self, batch: tuple[Any, ...], microbatches: int) -> list[tuple[Any, StageInputs]]:
+    def stage_batch(self, batch: tuple[PyTree, ...], microbatches: int) -> list[tuple[tuple[Leaf, ...], StageInputs]]:
         """The batch tuple as the runners' microbatches: stage 0's inputs as ``x``, the others' as per-stage sides.
 
         Args:
@@ -189,7 +198,7 @@ class Stages:
             out.append((reads[0], StageInputs({c: [r] for c, r in enumerate(reads) if c and r})))
         return out
 
-    def gather_grads(self, stage_grads: Sequence[Any], params: Any) -> Any:
+    def gather_grads(self, stage_grads: Sequence[Sequence[Leaf]], params: PyTree) -> PyTree:
         """Per-stage gradients as one pytree like ``params``: a tied leaf's gradient summed over its stages.
 
         Args:
@@ -202,15 +211,16 @@ class Stages:
         import jax
 
         leaves, tree = jax.tree_util.tree_flatten(params)
-        total: list[Any] = [None] * len(leaves)
+        total: list[Leaf | None] = [None] * len(leaves)
         for st, g in zip(self.index.per_stage, stage_grads):
             for i, gi in zip(st.params, g):
-                total[i] = gi if total[i] is None else total[i] + _beside(total[i], gi)
+                t = total[i]
+                total[i] = gi if t is None else t + _beside(t, gi)
         out = [np.zeros(np.shape(x), np.asarray(x).dtype) if t is None else t for x, t in zip(leaves, total)]
         return jax.tree_util.tree_unflatten(tree, out)
 
 
-def _beside(a: Any, b: Any) -> Any:
+def _beside(a: Leaf, b: Leaf) -> Leaf:
     """``b`` where ``a`` lives: stages on devices of their own hold a tied leaf's parts on different ones."""
     import jax
 
@@ -224,7 +234,7 @@ def _write(tmp: str, data: bytes) -> None:
         f.write(data)
 
 
-def _hexed(value: Any) -> Any:
+def _hexed(value: object) -> object:
     if isinstance(value, bytes):
         return value.hex()
     if isinstance(value, dict):
@@ -232,14 +242,14 @@ def _hexed(value: Any) -> Any:
     return value
 
 
-def _pack(index: Mapping[str, Any]) -> bytes:
+def _pack(index: Mapping[str, object]) -> bytes:
     """``stages.json``'s canonical bytes (what its signature covers, without the signature)."""
     return (json.dumps(_hexed(index), sort_keys=True, indent=1) + "\n").encode()
 
 
 def _check_leaves(
-    what: str, recorded: Sequence[LeafEntry], entries: Sequence[tuple[str, Any]], per_microbatch: bool = False
-) -> list[Any]:
+    what: str, recorded: Sequence[LeafEntry], entries: Sequence[tuple[str, Leaf]], per_microbatch: bool = False
+) -> list[Leaf]:
     """The arrays of ``entries`` (key, value), refused unless keys, dtypes and ranks match the export."""
     keys = [k for k, _ in entries]
     want = [r.key for r in recorded]
@@ -297,7 +307,9 @@ def _few(keys: Sequence[str], n: int = 4) -> str:
     return shown + (f" and {len(keys) - n} more" if len(keys) > n else "")
 
 
-def load_stages(directory: str | os.PathLike[str], *, trust: Any = None, allow_kernels: bool = False) -> Stages:
+def load_stages(
+    directory: str | os.PathLike[str], *, trust: signing.TrustKeys | None = None, allow_kernels: bool = False
+) -> Stages:
     """Read a stages directory (``Stages.save``): ``stages.json`` and each stage's artifact, all checked.
 
     ``trust``: as for ``load``: every artifact and the index must be signed by a trusted key.

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import jax
 from jax import export as jexport
@@ -27,7 +27,13 @@ from ...files.dtypes import dtype_name
 from ...files.shapes import dim_str
 from ...safeio.reading import read_bytes
 from ...trust import probes
+from ...treetypes import Leaf
 from ...trust.custom_calls import check_calls
+from .costmodel import Shaped
+from .cut import StageOut
+
+if TYPE_CHECKING:
+    from ...artifact.artifact import Artifact
 
 SUFFIX = ".eval"
 REEXPORT = "export the stages again with this vjpsplit (export_stages(...).save(DIR), or `vjpsplit export ... --stages -o DIR`)"
@@ -38,7 +44,7 @@ def eval_file(stage: int) -> str:
     return f"stage{stage}{SUFFIX}"
 
 
-def _aval_text(a: Any) -> str:
+def _aval_text(a: Shaped) -> str:
     return f"{dtype_name(a.dtype)}[{','.join(str(dim_str(d)) for d in a.shape)}]"
 
 
@@ -46,18 +52,18 @@ class EvalProgram:
     """One stage's forward without residuals: ``run(*leaves)`` takes the artifact forward's flat input leaves and
     returns the leaves the stage sends on (the loss, for the last stage)."""
 
-    def __init__(self, exported: Any, data: bytes | None = None):
+    def __init__(self, exported: jexport.Exported, data: bytes | None = None):
         self.exported = exported
         self.data = bytes(exported.serialize()) if data is None else data
         self.sha256 = hashlib.sha256(self.data).hexdigest()
-        self._jitted: Any = None
+        self._jitted: Callable[..., Sequence[jax.Array]] | None = None
 
     @property
     def num_outputs(self) -> int:
         """How many arrays the program returns (what the stage sends on; no residual among them)."""
         return len(self.exported.out_avals)
 
-    def run(self, *leaves: Any) -> tuple[Any, ...]:
+    def run(self, *leaves: Leaf) -> tuple[jax.Array, ...]:
         """The stage's outputs for ``leaves`` (one jitted call; it runs where its committed inputs are)."""
         if self._jitted is None:
             self._jitted = jax.jit(self.exported.call)
@@ -73,14 +79,14 @@ class EvalProgram:
         return cls(exp, bytes(data))
 
 
-def forward_outputs(art: Any) -> list[Any]:
+def forward_outputs(art: Artifact) -> list[Shaped]:
     """The avals of what ``art``'s forward returns as its outputs (its first results, before any residual)."""
     m = art.manifest
     n = sum(1 for o in m.outputs if o.key in m.out_keys)
     return list(art.exported["fwd"].out_avals[:n])
 
 
-def check_program(program: EvalProgram, art: Any, source: str) -> None:
+def check_program(program: EvalProgram, art: Artifact, source: str) -> None:
     """Refuse ``program`` unless it takes exactly the inputs of ``art``'s forward and returns exactly its outputs."""
     exp, fwd = program.exported, art.exported["fwd"]
     keys = [leaf.key for leaf in art.manifest.inputs]
@@ -105,7 +111,9 @@ def check_program(program: EvalProgram, art: Any, source: str) -> None:
         )
 
 
-def export_eval(stage_fn: Any, arg_specs: Sequence[Any], art: Any, source: str) -> EvalProgram | None:
+def export_eval(
+    stage_fn: Callable[..., StageOut], arg_specs: Sequence[Sequence[jax.ShapeDtypeStruct]], art: Artifact, source: str
+) -> EvalProgram | None:
     """Stage ``stage_fn``'s evaluation program over the flat leaves of ``arg_specs`` (its arguments' specs, with
     the stage's symbolic dims) for ``art``'s platforms, checked against ``art`` (the stage's artifact; ``source``
     names the stage in an error); None for a sharded stage."""
@@ -114,7 +122,7 @@ def export_eval(stage_fn: Any, arg_specs: Sequence[Any], art: Any, source: str) 
     tree = jax.tree_util.tree_structure(tuple(arg_specs))
     flat = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in jax.tree_util.tree_leaves(tuple(arg_specs))]
 
-    def forward_only(*leaves: Any) -> tuple[Any, ...]:
+    def forward_only(*leaves: jax.Array) -> tuple[jax.Array, ...]:
         out = stage_fn(*jax.tree_util.tree_unflatten(tree, list(leaves)))
         return tuple(jax.tree_util.tree_leaves(out))
 
@@ -137,7 +145,9 @@ def read_eval(directory: str, name: str, sha256: str) -> EvalProgram:
     return EvalProgram.from_bytes(data, path)
 
 
-def check_loaded(programs: Mapping[str, tuple[EvalProgram, Any]], *, trusted_signer: bool, allow_kernels: bool) -> None:
+def check_loaded(
+    programs: Mapping[str, tuple[EvalProgram, Artifact]], *, trusted_signer: bool, allow_kernels: bool
+) -> None:
     """Refuse any of ``programs`` (source -> (program, its stage's artifact)) whose module fails the artifact's
     module checks (parsed in the checker's child process, all in one) or that does not fit its stage's forward."""
     if not programs:

@@ -13,7 +13,7 @@ alone, without residuals (``evaluation``).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import jax
 import numpy as np
@@ -24,19 +24,25 @@ from ...files.dtypes import dtype_name
 from ...files.shapes import concrete_shape, dim_str, refuse_64bit_without_x64, to_struct
 from ...files.trees import flatten_with_keys
 from ...tracing.vjp import fn_name, positional_names, signature_positionals, wrt_positions
+from ...treetypes import PyTree
 from .balance import balanced_ends
-from .costmodel import ANY_DIM, COST_DIM, eqn_cost
+from .costmodel import ANY_DIM, COST_DIM, Shaped, aval_of, eqn_cost
 from .cut import StageCut, Traced, cut, stage_function, trace_model
 from .directory import Stages
 from .evalprograms import EvalProgram, eval_file, export_eval
 from .index import LeafEntry, StageEntry, StagesIndex
 
+if TYPE_CHECKING:
+    from jax.extend import core as jcore
 
-def _leaf_entry(key: str, s: Any) -> LeafEntry:
+    from ...artifact.artifact import Artifact
+
+
+def _leaf_entry(key: str, s: Shaped) -> LeafEntry:
     return LeafEntry(key, dtype_name(s.dtype), tuple(dim_str(d) for d in s.shape))
 
 
-def _check_arity(fn: Callable[..., Any], n: int) -> list[str]:
+def _check_arity(fn: Callable[..., object], n: int) -> list[str]:
     try:
         names, required, varargs = signature_positionals(fn)
     except (TypeError, ValueError):
@@ -50,7 +56,7 @@ def _check_arity(fn: Callable[..., Any], n: int) -> list[str]:
     return positional_names(fn, n)
 
 
-def _structs(name: str, spec: Any) -> list[tuple[str, jax.ShapeDtypeStruct]]:
+def _structs(name: str, spec: PyTree) -> list[tuple[str, jax.ShapeDtypeStruct]]:
     out = []
     for key, leaf in flatten_with_keys(name, spec):
         try:
@@ -61,8 +67,8 @@ def _structs(name: str, spec: Any) -> list[tuple[str, jax.ShapeDtypeStruct]]:
 
 
 def export_stages(
-    fn: Callable[..., Any],
-    *specs: Any,
+    fn: Callable[..., object],
+    *specs: PyTree,
     wrt: int | str | Sequence[int | str] = 0,
     platforms: Sequence[str] | str = DEFAULT_PLATFORMS,
     policy: str | None = None,
@@ -131,7 +137,7 @@ def export_stages(
     trees = {i: jax.tree_util.tree_structure(specs[i]) for i in range(len(specs))}
     sizes = {i: trees[i].num_leaves for i in trees}  # type: ignore[attr-defined]  # PyTreeDef's stub lacks it
 
-    def flat_fn(*leaves: Any) -> Any:
+    def flat_fn(*leaves: jax.Array) -> object:
         it = iter(leaves)
         args = [None] * len(names)
         for i in [*wrt_pos, *batch_pos]:
@@ -191,12 +197,12 @@ def _export_stage(
     platforms: Sequence[str] | str,
     policy: str | None,
     weights: bool,
-) -> tuple[Any, StageEntry, EvalProgram | None]:
+) -> tuple[Artifact, StageEntry, EvalProgram | None]:
     """Stage ``k`` of ``n`` as an artifact, its entry in ``stages.json`` and its evaluation program."""
     first, last = k == 0, k == n - 1
     sfn = stage_function(traced, st, first, last)
     p_spec = tuple(p_entries[i][1] for i in st.params)
-    x_spec = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in st.recv)
+    x_spec = tuple(jax.ShapeDtypeStruct(aval_of(v).shape, aval_of(v).dtype) for v in st.recv)
     b_spec = tuple(b_entries[i][1] for i in st.batch)
     arg_specs = (p_spec, b_spec) if first else ((p_spec, x_spec, b_spec) if st.batch else (p_spec, x_spec))
     arg_names = ("params", "batch") if first else (("params", "x", "batch") if st.batch else ("params", "x"))
@@ -216,8 +222,8 @@ def _export_stage(
         file=f"stage{k}.vjp",
         params=tuple(st.params),
         batch=tuple(st.batch),
-        receives=tuple(_leaf_entry(f"x/{j}", v.aval) for j, v in enumerate(st.recv)),
-        sends=() if last else tuple(_leaf_entry(f"out/{j}", v.aval) for j, v in enumerate(st.sent)),
+        receives=tuple(_leaf_entry(f"x/{j}", aval_of(v)) for j, v in enumerate(st.recv)),
+        sends=() if last else tuple(_leaf_entry(f"out/{j}", aval_of(v)) for j, v in enumerate(st.sent)),
         cost=xla if xla is not None else sum(eqn_cost(e) for e in st.eqns),
         cost_source="xla" if xla is not None else "estimate",
         cut_after=None if last else _describe(st.eqns[-1]),
@@ -226,7 +232,7 @@ def _export_stage(
     return art, entry, program
 
 
-def _describe(eqn: Any) -> str:
+def _describe(eqn: jcore.JaxprEqn) -> str:
     src = eqn.source_info
     where = ""
     try:
@@ -238,13 +244,13 @@ def _describe(eqn: Any) -> str:
     return f"{eqn.primitive.name}{where}"
 
 
-def _xla_flops(art: Any) -> float | None:
+def _xla_flops(art: Artifact) -> float | None:
     """XLA's FLOP count for the stage's forward at symbolic dims = COST_DIM; None where the backend has none."""
     flops = module_flops(art, "fwd")
     return flops if flops else None
 
 
-def module_flops(art: Any, module: str) -> float | None:
+def module_flops(art: Artifact, module: str) -> float | None:
     """XLA's FLOP count for one of ``art``'s modules (``fwd``, ``bwd``, ``bwd_input``, ``bwd_weight``) at
     symbolic dims = COST_DIM (0 for a module that computes nothing, such as the first stage's input part); None
     where the backend gives none or the module cannot compile here."""

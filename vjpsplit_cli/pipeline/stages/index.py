@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from ...errors import VjpsplitError
+from ...treetypes import JSON, JSONObject
 from ...trust import signing
 
 FORMAT = "vjpsplit-stages"
@@ -41,14 +42,18 @@ class LeafEntry:
     dtype: str
     shape: tuple[int | str, ...]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSONObject:
         """The leaf as ``stages.json`` writes it."""
         return {"key": self.key, "dtype": self.dtype, "shape": list(self.shape)}
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> LeafEntry:
+    def from_json(cls, d: Mapping[str, JSON]) -> LeafEntry:
         """The leaf ``to_json`` wrote."""
-        return cls(str(d["key"]), str(d["dtype"]), tuple(s if isinstance(s, str) else int(s) for s in d["shape"]))
+        return cls(
+            str(d["key"]),
+            str(d["dtype"]),
+            tuple(s if isinstance(s, str) else int(_number(s)) for s in _list(d["shape"])),
+        )
 
 
 @dataclass(frozen=True)
@@ -67,9 +72,9 @@ class StageEntry:
     fingerprint: str | None = None  # the artifact's, recorded when the directory is saved
     evaluation: tuple[str, str] | None = None  # version 2: (file, SHA-256) of the stage's evaluation program
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSONObject:
         """The entry as ``stages.json`` writes it."""
-        out: dict[str, Any] = {
+        out: JSONObject = {
             "file": self.file,
             "params": list(self.params),
             "batch": list(self.batch),
@@ -86,19 +91,20 @@ class StageEntry:
         return out
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> StageEntry:
+    def from_json(cls, d: Mapping[str, JSON]) -> StageEntry:
         """The entry ``to_json`` wrote."""
+        evaluation = d.get("evaluation")
         return cls(
             str(d["file"]),
-            tuple(int(i) for i in d["params"]),
-            tuple(int(i) for i in d["batch"]),
-            tuple(LeafEntry.from_json(r) for r in d["receives"]),
-            tuple(LeafEntry.from_json(s) for s in d["sends"]),
-            float(d["cost"]),
+            tuple(int(_number(i)) for i in _list(d["params"])),
+            tuple(int(_number(i)) for i in _list(d["batch"])),
+            tuple(LeafEntry.from_json(_object(r)) for r in _list(d["receives"])),
+            tuple(LeafEntry.from_json(_object(s)) for s in _list(d["sends"])),
+            float(_number(d["cost"])),
             str(d["cost_source"]),
             None if d.get("cut_after") is None else str(d["cut_after"]),
             None if d.get("fingerprint") is None else str(d["fingerprint"]),
-            None if d.get("evaluation") is None else (str(d["evaluation"]["file"]), str(d["evaluation"]["sha256"])),
+            None if evaluation is None else (str(_object(evaluation)["file"]), str(_object(evaluation)["sha256"])),
         )
 
 
@@ -116,7 +122,7 @@ class StagesIndex:
     params: tuple[LeafEntry, ...]
     batch: tuple[LeafEntry, ...]
     per_stage: tuple[StageEntry, ...]
-    signature: Mapping[str, Any] | None = None  # signing's entry, when the directory is signed
+    signature: Mapping[str, JSON | bytes] | None = None  # signing's entry (or its JSON, hex), when signed
     data_parallel: int = 1  # version 3: the replicas of every stage the export asked for (the Trainer's default)
 
     @property
@@ -134,9 +140,9 @@ class StagesIndex:
         entries = tuple(dataclasses.replace(st, fingerprint=f) for st, f in zip(self.per_stage, fingerprints))
         return dataclasses.replace(self, per_stage=entries, signature=None)
 
-    def to_json(self) -> dict[str, Any]:
-        """The map ``stages.json`` holds (with the signature entry when signed)."""
-        out: dict[str, Any] = {
+    def to_json(self) -> JSONObject:
+        """The map ``stages.json`` holds (with the signature entry when signed, its bytes as hex)."""
+        out: JSONObject = {
             "format": FORMAT,
             "version": self._version(),
             "function": self.function,
@@ -153,7 +159,7 @@ class StagesIndex:
         if self.data_parallel > 1:
             out["data_parallel"] = self.data_parallel
         if self.signature is not None:
-            out[signing.SIGNATURE] = dict(self.signature)
+            out[signing.SIGNATURE] = {k: v.hex() if isinstance(v, bytes) else v for k, v in self.signature.items()}
         return out
 
     def _version(self) -> int:
@@ -163,7 +169,7 @@ class StagesIndex:
         return 2 if any(st.evaluation is not None for st in self.per_stage) else 1
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any], source: str) -> StagesIndex:
+    def from_json(cls, d: JSON, source: str) -> StagesIndex:
         """The index in a ``stages.json`` map; a map of another format or version is one error naming ``source``."""
         if not isinstance(d, Mapping) or d.get("format") != FORMAT or not isinstance(d.get("stages"), list):
             raise VjpsplitError(f"{source}: not a vjpsplit stages index; pass a directory written by Stages.save")
@@ -172,29 +178,51 @@ class StagesIndex:
                 f"{source}: stages index version {d.get('version')!r}; this vjpsplit reads "
                 f"{', '.join(map(str, READS))}: use a newer vjpsplit, or export the stages again"
             )
+        signature = d.get(signing.SIGNATURE)
         try:
             return cls(
                 str(d["function"]),
                 str(d["cut"]),
-                int(d.get("cost_dim", 8)),
-                tuple(str(n) for n in d["arg_names"]),
-                tuple(str(n) for n in d["wrt"]),
+                int(_number(d.get("cost_dim", 8))),
+                tuple(str(n) for n in _list(d["arg_names"])),
+                tuple(str(n) for n in _list(d["wrt"])),
                 str(d["params_name"]),
-                tuple(str(n) for n in d["batch_names"]),
-                tuple(LeafEntry.from_json(p) for p in d["params"]),
-                tuple(LeafEntry.from_json(b) for b in d["batch"]),
-                tuple(StageEntry.from_json(st) for st in d["stages"]),
-                d.get(signing.SIGNATURE),
+                tuple(str(n) for n in _list(d["batch_names"])),
+                tuple(LeafEntry.from_json(_object(p)) for p in _list(d["params"])),
+                tuple(LeafEntry.from_json(_object(b)) for b in _list(d["batch"])),
+                tuple(StageEntry.from_json(_object(st)) for st in _list(d["stages"])),
+                signature if isinstance(signature, dict) else None,  # load_stages refuses any other
                 _replicas(d.get("data_parallel", 1), source),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise VjpsplitError(f"{source}: the stages index lacks or garbles {e}; save the stages again") from e
 
 
-def _replicas(value: Any, source: str) -> int:
+def _replicas(value: JSON, source: str) -> int:
     """``data_parallel`` as the index holds it: an int >= 1, else one error naming ``source``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise VjpsplitError(
             f"{source}: data_parallel is {value!r}, not an int >= 1; export the stages again (--data-parallel N)"
         )
+    return value
+
+
+# json.loads gives any JSON where a list, an object or a number belongs: the wrong kind is the TypeError
+# from_json turns into its one error.
+def _list(value: JSON) -> list[JSON]:
+    if not isinstance(value, list):
+        raise TypeError(f"{value!r} where a list belongs")
+    return value
+
+
+def _object(value: JSON) -> JSONObject:
+    if not isinstance(value, dict):
+        raise TypeError(f"{value!r} where an object belongs")
+    return value
+
+
+def _number(value: JSON) -> str | int | float:
+    """``value`` as ``int()`` and ``float()`` take it (a number, or its text)."""
+    if not isinstance(value, (str, int, float)):
+        raise TypeError(f"{value!r} where a number belongs")
     return value

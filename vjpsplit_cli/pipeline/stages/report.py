@@ -1,25 +1,40 @@
-"""What ``vjpsplit inspect DIR`` shows for a stages directory: one row per stage, and the imbalance."""
+"""What ``vjpsplit inspect DIR`` shows for a stages directory: one row per stage (``StageRow``), and the imbalance."""
 
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
-
+from typing import Mapping, Sequence, TypedDict
 
 from ...files.sizes import human_bytes
-from .costmodel import AnyDim, nbytes
+from .costmodel import AnyDim, Shaped, nbytes
 from .directory import Stages
 
 
-def _bytes(entries: Sequence[Any], dims: Mapping[str, int]) -> int:
+class StageRow(TypedDict):
+    """One stage's row: its parameters, batch inputs, bytes per microbatch and estimated cost."""
+
+    stage: int
+    params: list[str]
+    param_count: int
+    param_bytes: int
+    batch: list[str]
+    receives: int
+    sent_bytes: int
+    residual_bytes: int
+    cost: float
+    cost_source: str
+    cut_after: str | None
+
+
+def _bytes(entries: Sequence[Shaped], dims: Mapping[str, int]) -> int:
     return sum(nbytes(e, dims) for e in entries)
 
 
-def stage_rows(stages: Stages, at: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+def stage_rows(stages: Stages, at: Mapping[str, int] | None = None) -> list[StageRow]:
     """Per stage: parameter count and bytes, batch inputs read, bytes sent on and residual bytes per microbatch, cost."""
     dims = AnyDim(at or {})  # the sizes given, every other symbolic dim at the cost size
     params, batch = stages.index.params, stages.index.batch
-    rows = []
+    rows: list[StageRow] = []
     for i, (st, art) in enumerate(zip(stages.index.per_stage, stages.artifacts)):
         held = [params[j] for j in st.params]
         rows.append(
