@@ -9,6 +9,8 @@ policy and why, for split, export and the CLI.
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -16,6 +18,7 @@ import jax
 import numpy as np
 
 from ..errors import VjpsplitError
+from ..files.prng import data_struct, from_data, impl_name, is_key
 from ..files.shapes import is_symbolic_shape
 from ..files.sizes import AtSizes, human_bytes, parse_at, parse_bytes
 from .policies import AUTO, BUDGET_ORDER, PolicyCost, candidate, normalize_policy, policy_cost
@@ -90,8 +93,6 @@ _AUTO_CACHE: dict[tuple[Any, ...], AutoChoice] = {}
 
 def _example(spec: jax.ShapeDtypeStruct, rng: np.random.Generator) -> np.ndarray | jax.Array:
     """A concrete array for ``spec``: small normal floats, zero integers (valid indices), typed keys from 0."""
-    from ..files.prng import data_struct, from_data, impl_name, is_key
-
     if is_key(spec):
         d = data_struct(spec)
         return from_data(np.zeros(d.shape, d.dtype), impl_name(spec))
@@ -121,9 +122,6 @@ def _measure(
     seconds_per_candidate: float,
 ) -> dict[str, float]:
     """Median forward + backward seconds of each policy, compiled and run here, rounds interleaved."""
-    import statistics
-    import time
-
     rng = np.random.default_rng(0)
     args = jax.tree_util.tree_map(lambda s: _example(s, rng), specs)
     flat = jax.tree_util.tree_leaves(args)

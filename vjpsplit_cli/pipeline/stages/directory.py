@@ -21,6 +21,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
+import jax
 import numpy as np
 
 from ...artifact.loading import load
@@ -208,8 +209,6 @@ class Stages:
         Returns:
             A pytree like ``params``; leaves no stage reads get zeros.
         """
-        import jax
-
         leaves, tree = jax.tree_util.tree_flatten(params)
         total: list[Leaf | None] = [None] * len(leaves)
         for st, g in zip(self.index.per_stage, stage_grads):
@@ -222,8 +221,6 @@ class Stages:
 
 def _beside(a: Leaf, b: Leaf) -> Leaf:
     """``b`` where ``a`` lives: stages on devices of their own hold a tied leaf's parts on different ones."""
-    import jax
-
     if isinstance(a, jax.Array) and isinstance(b, jax.Array) and a.sharding != b.sharding:
         return jax.device_put(b, a.sharding)
     return b
