@@ -240,7 +240,7 @@ class Cut:
         self._check(owners, names, what)
 
     def _label(self, closed: jcore.ClosedJaxpr, groups: Sequence[str | None], inline: set[int]) -> set[int]:
-        """_Label every node (the module docstring); return the conds whose operands span leaves."""
+        """Label every node (the module docstring); return the conds whose operands span leaves."""
         self.g = g = _Graph(inline)
         self.inputs = [g.node(v.aval) for v in closed.jaxpr.invars]
         self.outputs = g.flatten(closed, self.inputs)
