@@ -93,9 +93,11 @@ class CheckpointMeta:
     """The Trainer's settings a checkpoint records (``checkpoint.json``'s ``meta``), for ``Trainer.restore``.
 
     None: not recorded (a checkpoint of an older vjpsplit lacks ``microbatches``, ``clip_global_norm`` and
-    ``plans``), except ``clip_global_norm``, where None is no clipping and is always written. ``schedule``: the
-    schedule's name; ``optimizer``: the optimizer's, for messages; ``structure``: the parameters' encoded
-    structure (``files.trees.encode_structure``; layout 1 reads it); ``plans``: the caller's plans as CSV text.
+    ``plans``), except in ``structure`` and ``clip_global_norm``, which are always written: None is per-stage
+    parameters (artifacts, no one structure) and no clipping. ``schedule``: the schedule's name; ``optimizer``:
+    the optimizer's, for messages; ``structure``: the parameters' encoded structure
+    (``files.trees.encode_structure``; layout 1 reads it); ``plans``: the caller's plans as CSV text.
+
     ``auto``: an auto schedule's run, whose ``memory_limit`` and ``memory_limit_bytes`` are both recorded (as
     given, either None), so that ``restore`` measures again on its own hosts.
     """
@@ -117,8 +119,7 @@ class CheckpointMeta:
             out["schedule"] = self.schedule
         if self.optimizer is not None:
             out["optimizer"] = self.optimizer
-        if self.structure is not None:
-            out["structure"] = self.structure
+        out["structure"] = self.structure
         if self.microbatches is not None:
             out["microbatches"] = self.microbatches
         out["clip_global_norm"] = self.clip_global_norm
