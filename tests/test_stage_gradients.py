@@ -126,11 +126,13 @@ def _checkpoint(step=7, shift=0.0):
     tx = optax.noisy_sgd(0.1, key=jax.random.key(1))  # a typed PRNG key in the state
     params = {k: v + shift for k, v in _whole().items()}
     params["h1/b"] = jnp.asarray(params["h1/b"], jnp.bfloat16)
-    return C.HostCheckpoint(params, list(params), encode_structure(params), tx.init(params), step, {"schedule": "1f1b"})
+    return C.HostCheckpoint(
+        params, list(params), encode_structure(params), tx.init(params), step, C.CheckpointMeta(schedule="1f1b")
+    )
 
 
 def _assert_same(ck, saved):
-    assert saved.layout == 2 and saved.step == ck.step and saved.meta == dict(ck.meta)
+    assert saved.layout == 2 and saved.step == ck.step and saved.meta == ck.meta
     assert list(saved.params) == list(ck.params) and saved.leaves == list(ck.leaves)
     for k, v in ck.params.items():
         assert saved.params[k].dtype == v.dtype, k

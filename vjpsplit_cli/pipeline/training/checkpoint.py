@@ -46,9 +46,10 @@ import os
 import re
 import secrets
 import time
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence, TypedDict, cast
 
 import numpy as np
+from jax.typing import ArrayLike
 
 from ...errors import VjpsplitError, one_line
 from ...files import load_arrays, save_arrays
@@ -57,6 +58,7 @@ from ...files.trees import flatten_with_keys, structure_keys
 from ...safeio.filesystem import fsync_dir, renameat2
 from ...safeio.signals import cleanup_on_signals
 from ...safeio.temps import clear_temp_dir, new_temp_dir, stale_temps
+from ...treetypes import JSON, JSONObject, Leaf, PyTree
 
 KIND = "vjpsplit-trainer-checkpoint"
 # 1 (2026-12-01): per stage, ``stage-<s>.npz`` of its ``params/<key>`` and ``state/<key>`` (its own optax state).
@@ -73,33 +75,153 @@ INDEX = "checkpoint.json"
 PARAMS, OPT_STATE = "params.npz", "opt_state.npz"
 
 
+class MetaJSON(TypedDict, total=False):
+    """``meta`` as ``checkpoint.json`` holds it: a key is there only where it is recorded (``CheckpointMeta``)."""
+
+    schedule: str
+    optimizer: str
+    structure: JSON
+    microbatches: int
+    clip_global_norm: float | None
+    plans: str
+    memory_limit: int | list[int] | None
+    memory_limit_bytes: int | str | list[int | str] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointMeta:
+    """The Trainer's settings a checkpoint records (``checkpoint.json``'s ``meta``), for ``Trainer.restore``.
+
+    None: not recorded (a checkpoint of an older vjpsplit lacks ``microbatches``, ``clip_global_norm`` and
+    ``plans``), except in ``structure`` and ``clip_global_norm``, which are always written: None is per-stage
+    parameters (artifacts, no one structure) and no clipping. ``schedule``: the schedule's name; ``optimizer``:
+    the optimizer's, for messages; ``structure``: the parameters' encoded structure
+    (``files.trees.encode_structure``; layout 1 reads it); ``plans``: the caller's plans as CSV text.
+
+    ``auto``: an auto schedule's run, whose ``memory_limit`` and ``memory_limit_bytes`` are both recorded (as
+    given, either None), so that ``restore`` measures again on its own hosts.
+    """
+
+    schedule: str | None = None
+    optimizer: str | None = None
+    structure: JSON = None
+    microbatches: int | None = None
+    clip_global_norm: float | None = None
+    plans: str | None = None
+    auto: bool = False
+    memory_limit: int | list[int] | None = None
+    memory_limit_bytes: int | str | list[int | str] | None = None
+
+    def as_dict(self) -> MetaJSON:
+        """The record as ``checkpoint.json`` holds it, its keys in the order the Trainer has always written them."""
+        out = MetaJSON()
+        if self.schedule is not None:
+            out["schedule"] = self.schedule
+        if self.optimizer is not None:
+            out["optimizer"] = self.optimizer
+        out["structure"] = self.structure
+        if self.microbatches is not None:
+            out["microbatches"] = self.microbatches
+        out["clip_global_norm"] = self.clip_global_norm
+        if self.plans is not None:
+            out["plans"] = self.plans
+        if self.auto:
+            out["memory_limit"] = self.memory_limit
+            out["memory_limit_bytes"] = self.memory_limit_bytes
+        return out
+
+    @classmethod
+    def from_dict(cls, directory: str, value: JSON) -> CheckpointMeta:
+        """``meta`` as read from ``directory``'s index, each setting ``restore`` takes checked for its type
+        (missing ones are left to the caller; keys it does not know are not read).
+
+        Raises:
+            VjpsplitError: ``value`` is not an object, or a setting is not of its type (naming it).
+        """
+        d = directory
+        meta = _object(d, "meta", value)
+        m = meta.get("microbatches")
+        if "microbatches" in meta and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise _damaged(d, "meta.microbatches", m, "an int >= 1")
+        c = meta.get("clip_global_norm")
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0):
+            raise _damaged(d, "meta.clip_global_norm", c, "a positive number or null")
+        for key in ("schedule", "plans"):
+            if key in meta and not isinstance(meta[key], str):
+                raise _damaged(d, f"meta.{key}", meta[key], "a string")
+        for key, kinds in (("memory_limit", (int,)), ("memory_limit_bytes", (int, str))):
+            v = meta.get(key)
+            if v is None:
+                continue
+            if not all(isinstance(x, kinds) and not isinstance(x, bool) for x in (v if isinstance(v, list) else [v])):
+                raise _damaged(d, f"meta.{key}", v, "a limit or one per worker")
+        schedule, optimizer, plans = meta.get("schedule"), meta.get("optimizer"), meta.get("plans")
+        return cls(
+            schedule=schedule if isinstance(schedule, str) else None,
+            optimizer=optimizer if isinstance(optimizer, str) else None,  # for messages only: never refused
+            structure=meta.get("structure"),
+            microbatches=m if isinstance(m, int) else None,
+            clip_global_norm=c if isinstance(c, (int, float)) else None,
+            plans=plans if isinstance(plans, str) else None,
+            auto="memory_limit" in meta or "memory_limit_bytes" in meta,
+            # Checked just above, element by element.
+            memory_limit=cast("int | list[int] | None", meta.get("memory_limit")),
+            memory_limit_bytes=cast("int | str | list[int | str] | None", meta.get("memory_limit_bytes")),
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class HostCheckpoint:
-    """What a checkpoint holds, on the host: ``params`` by key, the structure and key of each of ``params``'
-    leaves, optax's whole-model ``opt_state``, the ``step`` count and ``meta`` (the Trainer's settings)."""
+    """What a checkpoint holds, on the host: ``params`` by key, the structure (``encode_structure``'s JSON) and
+    key of each of ``params``' leaves, optax's whole-model ``opt_state``, the ``step`` count and ``meta`` (the
+    Trainer's settings: a ``CheckpointMeta``, or a mapping of ``meta``'s keys, written as given)."""
 
-    params: Mapping[str, Any]
+    params: Mapping[str, Leaf]
     leaves: Sequence[str]
-    structure: Any
-    opt_state: Any
+    structure: JSON
+    opt_state: PyTree
     step: int
-    meta: Mapping[str, Any]
+    meta: CheckpointMeta | Mapping[str, object]
+
+
+# Layout 1: one stage's ``(params, optimizer state)`` flat by key (typed PRNG keys as such).
+StageArrays = tuple[dict[str, np.ndarray], dict[str, Leaf]]
 
 
 @dataclasses.dataclass(frozen=True)
 class Saved:
-    """A checkpoint as read: ``layout`` 2 fills ``params``, ``leaves``, ``structure`` and ``opt_state`` (flat
-    by file key, PRNG keys typed); layout 1 fills ``stages`` (per stage, ``(params, state)`` flat by key)."""
+    """A checkpoint as read, of one of two layouts, each made by its constructor: ``by_model`` (layout 2) fills
+    ``params``, ``leaves``, ``structure`` and ``opt_state`` (flat by file key, PRNG keys typed); ``by_stage``
+    (layout 1) fills ``stages`` (per stage, ``(params, state)`` flat by key). The other layout's fields are empty."""
 
     directory: str
     layout: int
     step: int
-    meta: dict[str, Any]
+    meta: CheckpointMeta
     params: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     leaves: list[str] = dataclasses.field(default_factory=list)
-    structure: Any = None
-    opt_state: dict[str, Any] = dataclasses.field(default_factory=dict)
-    stages: list[tuple[dict[str, Any], dict[str, Any]]] = dataclasses.field(default_factory=list)
+    structure: JSON = None
+    opt_state: dict[str, Leaf] = dataclasses.field(default_factory=dict)
+    stages: list[StageArrays] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def by_model(
+        cls,
+        directory: str,
+        step: int,
+        meta: CheckpointMeta,
+        params: dict[str, np.ndarray],
+        leaves: list[str],
+        structure: JSON,
+        opt_state: dict[str, Leaf],
+    ) -> Saved:
+        """A layout 2 checkpoint: keyed by the model."""
+        return cls(directory, 2, step, meta, params, leaves, structure, opt_state)
+
+    @classmethod
+    def by_stage(cls, directory: str, step: int, meta: CheckpointMeta, stages: list[StageArrays]) -> Saved:
+        """A layout 1 checkpoint: one ``(params, state)`` per stage of the cut that wrote it."""
+        return cls(directory, 1, step, meta, stages=stages)
 
 
 def has_checkpoint(directory: str | os.PathLike[str]) -> bool:
@@ -191,7 +313,7 @@ def save_checkpoint(directory: str | os.PathLike[str], ck: HostCheckpoint) -> No
         "step": int(ck.step),
         "params": {"keys": list(ck.params), "leaves": list(ck.leaves), "structure": ck.structure},
         "opt_state": {"keys": [k for k, _ in state], "prng_impls": {k: impl_name(v) for k, v in state if is_key(v)}},
-        "meta": dict(ck.meta),
+        "meta": ck.meta.as_dict() if isinstance(ck.meta, CheckpointMeta) else dict(ck.meta),
     }
     files = {
         PARAMS: {k: np.asarray(v) for k, v in ck.params.items()},
@@ -200,12 +322,13 @@ def save_checkpoint(directory: str | os.PathLike[str], ck: HostCheckpoint) -> No
     write_directory(directory, files, index)
 
 
-def _index_text(directory: str | os.PathLike[str], index: Mapping[str, Any]) -> str:
+def _index_text(directory: str | os.PathLike[str], index: Mapping[str, object]) -> str:
     """``index`` as JSON; a value JSON cannot hold is one error naming its field."""
     try:
         return json.dumps(index, indent=1)
     except (TypeError, ValueError) as e:
-        fields = [(f"meta {k!r}", v) for k, v in dict(index.get("meta") or {}).items()]
+        meta = index.get("meta")
+        fields = [(f"meta {k!r}", v) for k, v in meta.items()] if isinstance(meta, Mapping) else []
         fields += [(repr(k), v) for k, v in index.items() if k != "meta"]
         for name, value in fields:
             try:
@@ -219,7 +342,7 @@ def _index_text(directory: str | os.PathLike[str], index: Mapping[str, Any]) -> 
 
 
 def write_directory(
-    directory: str | os.PathLike[str], files: Mapping[str, Mapping[str, Any]], index: Mapping[str, Any]
+    directory: str | os.PathLike[str], files: Mapping[str, Mapping[str, ArrayLike]], index: Mapping[str, object]
 ) -> None:
     """``files`` (name -> arrays) and ``index`` as ``checkpoint.json`` in ``directory``, swapped in whole.
 
@@ -271,47 +394,28 @@ def _swap_in(tmp: str, target: str) -> None:
     fsync_dir(os.path.dirname(target))
 
 
-def _damaged(d: str, field: str, value: Any, want: str) -> VjpsplitError:
+def _damaged(d: str, field: str, value: object, want: str) -> VjpsplitError:
     shown = repr(value)
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
     return VjpsplitError(f"{d}: {INDEX}'s {field} is {shown}, not {want}; the checkpoint is damaged")
 
 
-def _count(d: str, field: str, value: Any) -> int:
+def _count(d: str, field: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise _damaged(d, field, value, "an int >= 0")
     return value
 
 
-def _strings(d: str, field: str, value: Any) -> list[str]:
+def _strings(d: str, field: str, value: object) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise _damaged(d, field, value, "a list of strings")
     return value
 
 
-def _object(d: str, field: str, value: Any) -> dict[str, Any]:
+def _object(d: str, field: str, value: object) -> JSONObject:
     if not isinstance(value, dict):
         raise _damaged(d, field, value, "an object")
     return value
-
-
-def _check_meta(d: str, meta: Mapping[str, Any]) -> None:
-    """The settings ``restore`` takes from ``meta``, each of its type (missing ones are left to the caller)."""
-    m = meta.get("microbatches")
-    if "microbatches" in meta and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-        raise _damaged(d, "meta.microbatches", m, "an int >= 1")
-    c = meta.get("clip_global_norm")
-    if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0):
-        raise _damaged(d, "meta.clip_global_norm", c, "a positive number or null")
-    for key in ("schedule", "plans"):
-        if key in meta and not isinstance(meta[key], str):
-            raise _damaged(d, f"meta.{key}", meta[key], "a string")
-    for key, kinds in (("memory_limit", (int,)), ("memory_limit_bytes", (int, str))):
-        v = meta.get(key)
-        if v is None:
-            continue
-        if not all(isinstance(x, kinds) and not isinstance(x, bool) for x in (v if isinstance(v, list) else [v])):
-            raise _damaged(d, f"meta.{key}", v, "a limit or one per worker")
 
 
 def read_checkpoint(directory: str | os.PathLike[str]) -> Saved:
@@ -347,7 +451,7 @@ class _Raced(Exception):
     """A file of the checkpoint belongs to another save than the index read (a save swapped it in meanwhile)."""
 
 
-def _read_index(d: str) -> dict[str, Any]:
+def _read_index(d: str) -> JSONObject:
     try:
         with open(os.path.join(d, INDEX)) as f:
             index = json.load(f)
@@ -361,8 +465,7 @@ def _read_index(d: str) -> dict[str, Any]:
     if layout not in READS:
         raise VjpsplitError(f"{d}: checkpoint layout {layout!r}; this vjpsplit reads layouts {list(READS)}")
     _count(d, "step", index.get("step"))
-    meta = _object(d, "meta", index.get("meta", {}))
-    _check_meta(d, meta)
+    CheckpointMeta.from_dict(d, index.get("meta", {}))
     if layout == 1:
         for i, entry in enumerate(_strings_of_objects(d, "stages", index.get("stages"))):
             file = entry.get("file")
@@ -394,32 +497,40 @@ def _read_index(d: str) -> dict[str, Any]:
     return index
 
 
-def _strings_of_objects(d: str, field: str, value: Any) -> list[dict[str, Any]]:
+def _strings_of_objects(d: str, field: str, value: object) -> list[JSONObject]:
     if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
         raise _damaged(d, field, value, "a list of objects")
     return value
 
 
-def _read_arrays(d: str, index: Mapping[str, Any]) -> Saved:
-    step, meta, wid = index["step"], dict(index.get("meta", {})), index.get("id")
+def _read_arrays(d: str, index: JSONObject) -> Saved:
+    """The arrays of a checkpoint whose index ``_read_index`` checked (so the fields are narrowed again here,
+    never refused)."""
+    step, meta, wid = (
+        _count(d, "step", index["step"]),
+        CheckpointMeta.from_dict(d, index.get("meta", {})),
+        index.get("id"),
+    )
     if index["format"] == 1:
-        return Saved(d, 1, step, meta, stages=_read_stages(d, index["stages"], wid))
-    p, s = index["params"], index["opt_state"]
-    params = _read(d, PARAMS, p["keys"], wid)
-    arrays = _read(d, OPT_STATE, s["keys"], wid)
-    impls = dict(s.get("prng_impls") or {})
+        return Saved.by_stage(d, step, meta, _read_stages(d, _strings_of_objects(d, "stages", index["stages"]), wid))
+    p, s = _object(d, "params", index["params"]), _object(d, "opt_state", index["opt_state"])
+    params = _read(d, PARAMS, _strings(d, "params.keys", p["keys"]), wid)
+    arrays = _read(d, OPT_STATE, _strings(d, "opt_state.keys", s["keys"]), wid)
+    impls = dict(_object(d, "opt_state.prng_impls", s.get("prng_impls") or {}))
     state = {k: _key(d, OPT_STATE, k, v, impls.get(k)) for k, v in arrays.items()}
-    return Saved(d, 2, step, meta, params, list(p["leaves"]), p["structure"], state)
+    leaves = _strings(d, "params.leaves", p["leaves"])
+    return Saved.by_model(d, step, meta, params, list(leaves), p["structure"], state)
 
 
-def _key(d: str, name: str, key: str, data: np.ndarray, impl: str | None) -> Any:
+def _key(d: str, name: str, key: str, data: np.ndarray, impl: JSON) -> Leaf:
     try:
-        return from_data(data, impl)
+        # A PRNG impl's name; a damaged layout 1 index's other value fails in wrap_key_data as a wrong name does.
+        return from_data(data, cast("str | None", impl))
     except (TypeError, ValueError) as e:
         raise VjpsplitError(f"{d}/{name}: '{key}' is not {impl} key data ({one_line(e)}); the file is damaged") from e
 
 
-def _read(d: str, name: str, keys: Sequence[str], wid: Any) -> dict[str, np.ndarray]:
+def _read(d: str, name: str, keys: Sequence[str], wid: JSON) -> dict[str, np.ndarray]:
     arrays, file_meta = load_arrays(os.path.join(d, name))
     if wid is not None and file_meta.get("checkpoint") != wid:
         raise _Raced(name)
@@ -428,14 +539,16 @@ def _read(d: str, name: str, keys: Sequence[str], wid: Any) -> dict[str, np.ndar
     return {k: arrays[k] for k in keys}
 
 
-def _read_stages(d: str, entries: Sequence[Mapping[str, Any]], wid: Any) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+def _read_stages(d: str, entries: Sequence[JSONObject], wid: JSON) -> list[StageArrays]:
     """Layout 1: per stage, its ``(params, optimizer state)``."""
     snapshots = []
-    for entry in entries:
+    for i, entry in enumerate(entries):
         name = str(entry["file"])
-        arrays = _read(d, name, [f"params/{k}" for k in entry["params"]] + [f"state/{k}" for k in entry["state"]], wid)
-        impls = entry.get("prng_impls") or {}
-        params = {k: arrays[f"params/{k}"] for k in entry["params"]}
-        state = {k: _key(d, name, k, arrays[f"state/{k}"], impls.get(k)) for k in entry["state"]}
+        keys = _strings(d, f"stages[{i}].params", entry["params"])
+        skeys = _strings(d, f"stages[{i}].state", entry["state"])
+        arrays = _read(d, name, [f"params/{k}" for k in keys] + [f"state/{k}" for k in skeys], wid)
+        impls = _object(d, f"stages[{i}].prng_impls", entry.get("prng_impls") or {})
+        params = {k: arrays[f"params/{k}"] for k in keys}
+        state = {k: _key(d, name, k, arrays[f"state/{k}"], impls.get(k)) for k in skeys}
         snapshots.append((params, state))
     return snapshots

@@ -24,11 +24,16 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from ...errors import VjpsplitError
+
+if TYPE_CHECKING:  # annotations only: this module imports jax where it computes, not when imported
+    import jax
+
+    from ...treetypes import Leaf
 
 
 def norm_owners(holdings: Sequence[Iterable[str]]) -> list[set[str]]:
@@ -50,7 +55,7 @@ def shared_keys(holdings: Sequence[Iterable[str]]) -> list[set[str]]:
     ]
 
 
-def sum_of_squares(grads: Mapping[str, Any], counted: Iterable[str]) -> float:
+def sum_of_squares(grads: Mapping[str, Leaf], counted: Iterable[str]) -> float:
     """The sum of squares of the ``counted`` leaves of one stage's gradients, as a Python float.
 
     Each leaf's sum is taken in its own dtype (float32 as optax does), on the
@@ -69,20 +74,20 @@ def sum_of_squares(grads: Mapping[str, Any], counted: Iterable[str]) -> float:
     return total
 
 
-def _leaf_squares(leaves: list[Any]) -> list[Any]:
+def _leaf_squares(leaves: list[Leaf]) -> list[jax.Array]:
     import jax.numpy as jnp
 
     return [jnp.sum(jnp.square(jnp.abs(g) if jnp.iscomplexobj(g) else g)) for g in leaves]
 
 
 @functools.lru_cache(maxsize=1)
-def _squares_call() -> Any:
+def _squares_call() -> Callable[[list[Leaf]], list[jax.Array]]:
     import jax
 
     return jax.jit(_leaf_squares)
 
 
-def _squares(leaves: list[Any]) -> list[Any]:
+def _squares(leaves: list[Leaf]) -> list[jax.Array]:
     """Each leaf's sum of squares, in one jitted call (compiled once per signature)."""
     return list(_squares_call()(leaves)) if leaves else []
 
@@ -98,7 +103,7 @@ def clip_scale(sums: Sequence[float], max_norm: float | None) -> tuple[float, fl
     return (1.0 if not norm > max_norm else float(max_norm) / norm), norm
 
 
-def sum_tied(grads: Sequence[Mapping[str, Any]], shared: Sequence[Iterable[str]]) -> list[dict[str, Any]]:
+def sum_tied(grads: Sequence[Mapping[str, Leaf]], shared: Sequence[Iterable[str]]) -> list[dict[str, Leaf]]:
     """Every stage's gradients with each tied leaf replaced by its sum over the holders (one host array)."""
     totals: dict[str, np.ndarray] = {}
     for g, keys in zip(grads, shared):

@@ -28,7 +28,7 @@ not (a value sized by the number of leaves it sees, say) is one error naming it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -36,9 +36,13 @@ import numpy as np
 from ...errors import VjpsplitError, jax_message
 from ...files.prng import from_data, impl_name, is_key, to_data
 from ...files.trees import flatten_with_keys
+from ...treetypes import Leaf, PyTree
 from .optimizer import checked_name, optimizer_name
 from .ownership import Ownership
 from .separable import WholeOptimizer
+
+if TYPE_CHECKING:  # annotations only: optax is an optional extra, imported by the caller that has an optimizer
+    import optax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +55,11 @@ class _At:
     index: int = 0
 
 
-def _spec(v: Any) -> jax.ShapeDtypeStruct:
+def _spec(v: jax.ShapeDtypeStruct | Leaf) -> jax.ShapeDtypeStruct:
     return v if isinstance(v, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(np.shape(v), v.dtype)
 
 
-def _init_shape(tx: Any, params: Any, label: str) -> Any:
+def _init_shape(tx: optax.GradientTransformation, params: PyTree, label: str) -> optax.OptState:
     try:
         return jax.eval_shape(tx.init, params)
     except Exception as e:
@@ -67,25 +71,29 @@ def _init_shape(tx: Any, params: Any, label: str) -> Any:
         ) from e
 
 
-def _slots(state: Any, keys: Sequence[str]) -> tuple[Any, list[dict[str, Any] | None]]:
+def _slots(
+    state: optax.OptState, keys: Sequence[str]
+) -> tuple[jax.tree_util.PyTreeDef, list[dict[str, object] | None]]:
     """``state``'s skeleton, each dict keyed by exactly ``keys`` (optax's map over the flat parameters) one leaf
-    of it, and per skeleton leaf that dict (a slot) or None (a value of its own)."""
+    of it, and per skeleton leaf that dict (a slot: each parameter's entry, a subtree) or None (a value of its own)."""
     want = set(keys)
 
-    def is_slot(x: Any) -> bool:
+    def is_slot(x: object) -> bool:
         return type(x) is dict and set(x) == want
 
     parts, skeleton = jax.tree_util.tree_flatten(state, is_leaf=is_slot)
     return skeleton, [p if is_slot(p) else None for p in parts]
 
 
-def _entry(i: int, k: str, entry: Any) -> Any:
+def _entry(i: int, k: str, entry: object) -> object:
     """``entry`` (one parameter's part of slot ``i``) with an ``_At`` in place of each of its leaves."""
     n = len(jax.tree_util.tree_leaves(entry))
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(entry), [_At(i, k, j) for j in range(n)])
 
 
-def _same_entries(mine: dict[str, Any] | None, whole: dict[str, Any] | None, names: Sequence[str]) -> bool:
+def _same_entries(
+    mine: dict[str, object] | None, whole: dict[str, jax.tree_util.PyTreeDef] | None, names: Sequence[str]
+) -> bool:
     """Whether a stage's slot (or value) matches the whole model's: each of its parameters' entries alike."""
     if mine is None or whole is None:
         return mine is None and whole is None
@@ -100,32 +108,34 @@ class StateMap:
     keys it holds (the mapping its optimizer program runs over).
     """
 
-    def __init__(self, tx: Any, params: Any, keys: Any, stage_names: Sequence[Sequence[str]]):
+    def __init__(
+        self, tx: optax.GradientTransformation, params: PyTree, keys: PyTree, stage_names: Sequence[Sequence[str]]
+    ):
         self.name = label = checked_name(tx)
         specs = jax.tree_util.tree_map(_spec, params)
         self.leaf_keys: list[str] = jax.tree_util.tree_leaves(keys)
         flat = dict(zip(self.leaf_keys, jax.tree_util.tree_leaves(specs)))
         skeleton, slots = _slots(_init_shape(tx, flat, label), list(flat))
         whole = _init_shape(tx, specs, label)
-        self.treedef: Any = jax.tree_util.tree_structure(whole)
-        self.specs: list[Any] = jax.tree_util.tree_leaves(whole)
+        self.treedef: jax.tree_util.PyTreeDef = jax.tree_util.tree_structure(whole)
+        self.specs: list[jax.ShapeDtypeStruct] = jax.tree_util.tree_leaves(whole)
         self.entries = [k for k, _ in flatten_with_keys("", whole)]  # file keys, for messages and checkpoints
         entry_of = [None if sl is None else {k: jax.tree_util.tree_structure(v) for k, v in sl.items()} for sl in slots]
 
-        def in_params(i: int, sl: dict[str, Any] | None) -> Any:
+        def in_params(i: int, sl: dict[str, object] | None) -> object:
             if sl is None:
                 return _At(i, None)
             return jax.tree_util.tree_map(lambda k: _entry(i, k, sl[k]), keys)
 
         placed = skeleton.unflatten([in_params(i, sl) for i, sl in enumerate(slots)])
-        placed_tree: Any = jax.tree_util.tree_structure(placed)
+        placed_tree: jax.tree_util.PyTreeDef = jax.tree_util.tree_structure(placed)
         if self.treedef != placed_tree:
             raise self._unmappable("the whole model's")
         self.whole: list[_At] = jax.tree_util.tree_leaves(placed)
         self.label: dict[_At, str] = {}
         for at, entry in zip(self.whole, self.entries):
             self.label.setdefault(at, entry)
-        whole_spec: dict[_At, Any] = {}
+        whole_spec: dict[_At, jax.ShapeDtypeStruct] = {}
         for at, sp in zip(self.whole, self.specs):
             whole_spec.setdefault(at, sp)
         self.stages: list[tuple[list[str], list[_At]]] = []  # per stage: its state keys, and where each belongs
@@ -153,9 +163,9 @@ class StateMap:
             "into optax's structure; a state sized by the leaves it sees does this"
         )
 
-    def gather(self, states: Sequence[Mapping[str, Any]]) -> Any:
+    def gather(self, states: Sequence[Mapping[str, Leaf]]) -> optax.OptState:
         """The whole model's state (host arrays, typed PRNG keys as such) from each stage's ``{state key: array}``."""
-        got: dict[_At, tuple[int, Any]] = {}
+        got: dict[_At, tuple[int, np.ndarray]] = {}
         for s, ((keys, where), state) in enumerate(zip(self.stages, states)):
             for k, at in zip(keys, where):
                 v = np.asarray(to_data(state[k]))
@@ -168,16 +178,16 @@ class StateMap:
                         f"optimizer state '{self.label[at]}' differs between stages {s0} and {s}, which must hold "
                         "the same value; this is a vjpsplit bug, please report it"
                     )
-        leaves = [got[at][1] for at in self.whole]
-        leaves = [from_data(v, impl_name(sp)) if is_key(sp) else v for v, sp in zip(leaves, self.specs)]
+        host = [got[at][1] for at in self.whole]
+        leaves = [from_data(v, impl_name(sp)) if is_key(sp) else v for v, sp in zip(host, self.specs)]
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
-    def scatter(self, opt_state: Any) -> list[dict[str, Any]]:
+    def scatter(self, opt_state: optax.OptState) -> list[dict[str, np.ndarray]]:
         """Each stage's ``{state key: array}`` (host arrays, PRNG keys as key data) from the whole model's state."""
         leaves, treedef = jax.tree_util.tree_flatten(opt_state)
         if self.treedef != treedef:
             raise VjpsplitError(f"opt_state: {self._difference(opt_state)}; pass tx.init(params) or trainer.state()'s")
-        by: dict[_At, Any] = {}
+        by: dict[_At, np.ndarray] = {}
         for at, entry, spec, v in zip(self.whole, self.entries, self.specs, leaves):
             if is_key(spec) != is_key(v) or (is_key(spec) and impl_name(spec) != impl_name(v)):
                 raise VjpsplitError(
@@ -192,7 +202,7 @@ class StateMap:
             by.setdefault(at, data)  # a leaf of params more than once (the per-stage form's tied leaves): the first
         return [{k: by[at] for k, at in zip(keys, where)} for keys, where in self.stages]
 
-    def _difference(self, opt_state: Any) -> str:
+    def _difference(self, opt_state: optax.OptState) -> str:
         got = [k for k, _ in flatten_with_keys("", opt_state)]
         first = next((i for i, (a, b) in enumerate(zip(got, self.entries)) if a != b), min(len(got), len(self.entries)))
         if first < len(self.entries) or len(got) != len(self.entries):
@@ -205,7 +215,7 @@ class StateMap:
         return f"its leaves are named as {self.name}'s init names them, but its node types differ"
 
 
-def state_map(tx: Any, ownership: Ownership) -> StateMap:
+def state_map(tx: optax.GradientTransformation, ownership: Ownership) -> StateMap:
     """The ``StateMap`` of ``tx`` for the parameters and stages ``ownership`` describes."""
     names = ownership.names
     specs = [
@@ -215,7 +225,9 @@ def state_map(tx: Any, ownership: Ownership) -> StateMap:
     return StateMap(tx, ownership.gather(specs), keys, names)
 
 
-def opt_state_from_file(tx: Any, params: Any, arrays: Mapping[str, Any], source: str) -> Any:
+def opt_state_from_file(
+    tx: optax.GradientTransformation, params: PyTree, arrays: Mapping[str, Leaf], source: str
+) -> optax.OptState:
     """optax's whole-model state of ``tx`` for ``params`` from ``{state file key: array}`` (PRNG keys as key data)."""
     label = optimizer_name(tx)
     whole = _init_shape(tx, jax.tree_util.tree_map(_spec, params), label)
@@ -237,7 +249,7 @@ def opt_state_from_file(tx: Any, params: Any, arrays: Mapping[str, Any], source:
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(whole), leaves)
 
 
-def whole_optimizer(tx: Any, ownership: Ownership, smap: StateMap) -> WholeOptimizer:
+def whole_optimizer(tx: optax.GradientTransformation, ownership: Ownership, smap: StateMap) -> WholeOptimizer:
     """``tx`` traced for the whole model of ``ownership``, each stage's state leaves placed by ``smap``."""
     names = ownership.names
     specs = [

@@ -31,22 +31,37 @@ state leaves (step counts) are replicated.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import jax
 import msgpack
 import numpy as np
 from jax import export as jexport
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.typing import ArrayLike
 
-from ...artifact.sharding import host_mesh, mesh_axes, mesh_of, named, place, spec_from_json, spec_to_json
+from ...artifact.artifact import Artifact
+from ...artifact.sharding import (
+    SpecJSON,
+    host_mesh,
+    mesh_axes,
+    mesh_of,
+    named,
+    place,
+    spec_from_json,
+    spec_to_json,
+)
 from ...errors import VjpsplitError, first_line, jax_message
 from ...files.dtypes import dtype_from_name, dtype_name
 from ...files.prng import data_struct, from_data, impl_name, is_key, to_data
 from ...files.trees import escape_segment, flatten_with_keys
 from ...trust import checks as _trust_mod
 from ...trust import custom_calls, probes
+from ...treetypes import Leaf, PyTree
 from .separable import StageShare, WholeOptimizer
+
+if TYPE_CHECKING:  # annotations only: optax is an optional extra, needed only where an optimizer is exported
+    import optax
 
 MAGIC = "vjpsplit-optimizer"
 FORMAT = 2  # 2: the update takes the loss value= and the reductions over leaves; shares/<round> modules
@@ -59,10 +74,10 @@ class OptLeaf:
     key: str
     dtype: str
     shape: tuple[int, ...]
-    sharding: tuple | None = None
+    sharding: SpecJSON | None = None
     prng_impl: str = ""
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "key": self.key,
             "dtype": self.dtype,
@@ -72,7 +87,7 @@ class OptLeaf:
         }
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> OptLeaf:
+    def from_json(cls, d: Mapping[str, Any]) -> OptLeaf:  # msgpack's output, checked by the reader's except
         sh = d.get("sharding")
         return cls(
             str(d["key"]),
@@ -87,14 +102,14 @@ class OptLeaf:
         return jax.ShapeDtypeStruct(self.shape, dtype_from_name(self.dtype))
 
 
-def optimizer_name(tx: Any) -> str:
+def optimizer_name(tx: object) -> str:
     """A name for messages: the optax factory that built ``tx`` (``chain``, ``scale_by_adam``), or its type."""
     init = getattr(tx, "init", None)
     qual = getattr(init, "__qualname__", "") or type(tx).__name__
     return qual.split(".<locals>")[0]
 
 
-def checked_name(tx: Any) -> str:
+def checked_name(tx: object) -> str:
     """``optimizer_name(tx)``, once ``tx`` is an optax ``GradientTransformation`` (else one error saying so)."""
     label = optimizer_name(tx)
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
@@ -104,25 +119,27 @@ def checked_name(tx: Any) -> str:
     return label
 
 
-def flat_specs(specs: Any) -> dict[str, Any]:
+def flat_specs(specs: PyTree) -> dict[str, jax.ShapeDtypeStruct | Leaf]:
     """``{leaf key: spec}``: a flat mapping of leaves is taken as it is, any other pytree flattened to file keys."""
     if isinstance(specs, Mapping) and all(hasattr(v, "shape") and hasattr(v, "dtype") for v in specs.values()):
         return {str(k): v for k, v in specs.items()}
     return dict(flatten_with_keys("", specs))
 
 
-def _leaf(key: str, s: Any, spec: tuple[Any, ...] | None) -> OptLeaf:
+def _leaf(key: str, s: jax.ShapeDtypeStruct | Leaf, spec: SpecJSON | None) -> OptLeaf:
     impl = ""
-    if is_key(s):
+    if is_key(s) and not isinstance(s, np.ndarray):  # NumPy has no key dtypes
         impl, s = impl_name(s), data_struct(s)
     return OptLeaf(key, dtype_name(s.dtype), tuple(int(d) for d in s.shape), spec, impl)
 
 
-def _state_specs(state_entries: Sequence[tuple[str, Any]], params: Sequence[OptLeaf]) -> list[tuple[Any, ...]]:
+def _state_specs(
+    state_entries: Sequence[tuple[str, jax.ShapeDtypeStruct]], params: Sequence[OptLeaf]
+) -> list[SpecJSON]:
     """A state leaf mirroring a parameter (``.../<key>``, same shape) takes its spec; the rest are replicated."""
     out = []
     for k, s in state_entries:
-        spec = ()
+        spec: SpecJSON = ()
         for p in params:
             if k.endswith("/" + escape_segment(p.key)) and tuple(s.shape) == p.shape:
                 spec = p.sharding or ()
@@ -138,28 +155,41 @@ class _Flat:
     def __init__(self, share: StageShare, state_impls: Sequence[str]):
         self.share, self.state_impls = share, list(state_impls)
 
-    def _state(self, state: Sequence[Any]) -> list[Any]:
+    def _state(self, state: Sequence[ArrayLike]) -> list[ArrayLike]:
         return [from_data(x, i or None) for x, i in zip(state, self.state_impls)]
 
-    def init(self, params: Sequence[Any]) -> list[Any]:
+    def init(self, params: Sequence[ArrayLike]) -> list[ArrayLike]:
         return [to_data(x) for x in self.share.init(list(params))]
 
-    def shares(self, rnd: int) -> Any:
-        def fn(params: Any, state: Any, grads: Any, scale: Any, value: Any, reduced: Any) -> list[Any]:
+    def shares(self, rnd: int) -> Callable[..., list[jax.Array]]:
+        def fn(
+            params: Sequence[ArrayLike],
+            state: Sequence[ArrayLike],
+            grads: Sequence[ArrayLike],
+            scale: ArrayLike,
+            value: ArrayLike,
+            reduced: Sequence[ArrayLike],
+        ) -> list[jax.Array]:
             return self.share.shares(rnd, params, self._state(state), grads, scale, value, reduced)
 
         return fn
 
     def update(
-        self, params: Sequence[Any], state: Sequence[Any], grads: Sequence[Any], scale: Any, value: Any, reduced: Any
-    ) -> tuple[list[Any], list[Any]]:
+        self,
+        params: Sequence[ArrayLike],
+        state: Sequence[ArrayLike],
+        grads: Sequence[ArrayLike],
+        scale: ArrayLike,
+        value: ArrayLike,
+        reduced: Sequence[ArrayLike],
+    ) -> tuple[list[ArrayLike], list[ArrayLike]]:
         new_p, new_s = self.share.update(params, self._state(state), grads, scale, value, reduced)
         return list(new_p), [to_data(x) for x in new_s]
 
 
 def export_optimizer(
-    tx: Any,
-    param_specs: Any,
+    tx: optax.GradientTransformation,
+    param_specs: PyTree,
     *,
     platforms: Sequence[str] | str = ("cpu", "cuda", "tpu"),
     name: str | None = None,
@@ -182,7 +212,11 @@ def export_optimizer(
     label = name or own_name
     platforms = (platforms,) if isinstance(platforms, str) else tuple(platforms)
     specs = flat_specs(param_specs)
-    named_ = {k: s.sharding for k, s in specs.items() if isinstance(getattr(s, "sharding", None), NamedSharding)}
+    named_: dict[str, NamedSharding] = {}
+    for k, s in specs.items():
+        sharding = getattr(s, "sharding", None)  # a NumPy array has none
+        if isinstance(sharding, NamedSharding):
+            named_[k] = sharding
     mesh = mesh_of(list(named_.values()))
     params = tuple(
         _leaf(k, s, None if mesh is None else spec_to_json(named_[k].spec) if k in named_ else ())
@@ -216,7 +250,7 @@ def export_optimizer(
     scale = jax.ShapeDtypeStruct((), np.float32)
     roots = whole.roots()
     reduced = [jax.ShapeDtypeStruct((), r.dtype) for r in roots]
-    sh = None
+    sh: dict[str, tuple[object, object]] | None = None  # per module: its (in_shardings, out_shardings)
     if mesh is not None:
         ps = [NamedSharding(mesh, PartitionSpec(*(p.sharding or ()))) for p in params]
         ss = [NamedSharding(mesh, PartitionSpec(*(s.sharding or ()))) for s in state]
@@ -226,13 +260,16 @@ def export_optimizer(
         for r in range(whole.rounds):
             sh[f"shares/{r}"] = ((ps, ss, ps, rep, rep, rr), [rep for x in roots if x.round == r])
     upd_args = (pstructs, sstructs, pstructs, scale, scale, reduced)
-    jobs: list[tuple[str, Any, tuple[Any, ...]]] = [("init", flat.init, (pstructs,)), ("update", flat.update, upd_args)]
+    jobs: list[tuple[str, Callable[..., object], tuple[object, ...]]] = [
+        ("init", flat.init, (pstructs,)),
+        ("update", flat.update, upd_args),
+    ]
     jobs += [(f"shares/{r}", flat.shares(r), upd_args) for r in range(whole.rounds)]
     modules = {}
     for module, fn, args in jobs:
-        kw: dict[str, Any] = {} if sh is None else {"in_shardings": sh[module][0], "out_shardings": sh[module][1]}
+        jitted = jax.jit(fn) if sh is None else jax.jit(fn, in_shardings=sh[module][0], out_shardings=sh[module][1])
         try:
-            exp = jexport.export(jax.jit(fn, **kw), platforms=platforms)(*args)
+            exp = jexport.export(jitted, platforms=platforms)(*args)
         except VjpsplitError:
             raise
         except Exception as e:
@@ -271,8 +308,8 @@ class OptimizerProgram:
         *,
         source: str = "optimizer",
         check: bool = True,
-        devices: Any = None,
-        meta: Mapping[str, Any] | None = None,
+        devices: Sequence[jax.Device] | None = None,
+        meta: Mapping[str, Any] | None = None,  # a program file's fields, read in the try below
         abstract: bool = False,
     ):
         self.name, self.source = name, source
@@ -307,7 +344,7 @@ class OptimizerProgram:
         self.abstract = bool(abstract and self.mesh_axes)
         self.mesh = host_mesh(self.mesh_axes, devices, source) if self.mesh_axes and not self.abstract else None
 
-    def _check(self, exps: Mapping[str, Any]) -> None:
+    def _check(self, exps: Mapping[str, jexport.Exported]) -> None:
         """What loading an artifact checks: signatures against the recorded leaves, custom calls."""
         found = probes.probe_modules({k: e.mlir_module_serialized for k, e in exps.items()}, self.source)
         p = _trust_mod.expected_leaves(self.param_leaves)
@@ -334,7 +371,7 @@ class OptimizerProgram:
         """The optimizer state's leaf keys (its structure, as data)."""
         return [s.key for s in self.state_leaves]
 
-    def on_devices(self, devices: Any) -> OptimizerProgram:
+    def on_devices(self, devices: Sequence[jax.Device]) -> OptimizerProgram:
         """This program on ``devices`` (a sharded stage's device group); unsharded: self."""
         if not self.mesh_axes:
             return self
@@ -344,7 +381,7 @@ class OptimizerProgram:
         other.abstract = False
         return other
 
-    def _args(self, leaves: Sequence[OptLeaf], values: Mapping[str, Any], what: str) -> list:
+    def _args(self, leaves: Sequence[OptLeaf], values: Mapping[str, Leaf], what: str) -> list[Leaf]:
         if self.abstract:
             raise VjpsplitError(
                 f"{self.source}: exported over an abstract mesh of {dict(self.mesh_axes)}, it has no devices; "
@@ -368,10 +405,10 @@ class OptimizerProgram:
             out.append(place(v, named(self.mesh, leaf.sharding)) if self.mesh is not None else v)
         return out
 
-    def _state_out(self, leaves: Sequence[Any]) -> dict[str, Any]:
+    def _state_out(self, leaves: Sequence[jax.Array]) -> dict[str, jax.Array]:
         return {s.key: from_data(v, s.prng_impl or None) for s, v in zip(self.state_leaves, leaves)}
 
-    def init(self, params: Mapping[str, Any]) -> dict[str, Any]:
+    def init(self, params: Mapping[str, Leaf]) -> dict[str, jax.Array]:
         """The optimizer state for ``params`` (``{key: array}``), as ``{state key: array}``."""
         out = self._calls["init"](self._args(self.param_leaves, params, "parameters"))
         _trust_mod.check_outputs(self.source, "init", jax.tree_util.tree_leaves(out), self._exps["init"], {})
@@ -379,13 +416,13 @@ class OptimizerProgram:
 
     def _call_args(
         self,
-        params: Mapping[str, Any],
-        state: Mapping[str, Any],
-        grads: Mapping[str, Any],
+        params: Mapping[str, Leaf],
+        state: Mapping[str, Leaf],
+        grads: Mapping[str, Leaf],
         scale: float,
         value: float,
-        reduced: Sequence[Any],
-    ) -> tuple[Any, ...]:
+        reduced: Sequence[ArrayLike],
+    ) -> tuple[object, ...]:
         if len(reduced) != len(self.reductions):
             raise VjpsplitError(
                 f"{self.source}: takes {len(self.reductions)} reductions over leaves, got {len(reduced)}"
@@ -406,26 +443,26 @@ class OptimizerProgram:
     def shares(
         self,
         rnd: int,
-        params: Mapping[str, Any],
-        state: Mapping[str, Any],
-        grads: Mapping[str, Any],
+        params: Mapping[str, Leaf],
+        state: Mapping[str, Leaf],
+        grads: Mapping[str, Leaf],
         scale: float = 1.0,
         value: float = 0.0,
-        reduced: Sequence[Any] = (),
-    ) -> list[Any]:
+        reduced: Sequence[ArrayLike] = (),
+    ) -> list[jax.Array]:
         """This stage's shares of the reductions of round ``rnd`` (``reduced``: every reduction's combined
         value so far; the later ones are not read)."""
         return list(self._calls[f"shares/{rnd}"](*self._call_args(params, state, grads, scale, value, reduced)))
 
     def update(
         self,
-        params: Mapping[str, Any],
-        state: Mapping[str, Any],
-        grads: Mapping[str, Any],
+        params: Mapping[str, Leaf],
+        state: Mapping[str, Leaf],
+        grads: Mapping[str, Leaf],
         scale: float = 1.0,
         value: float = 0.0,
-        reduced: Sequence[Any] = (),
-    ) -> tuple[dict, dict]:
+        reduced: Sequence[ArrayLike] = (),
+    ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
         """One optimizer step on ``grads * scale``: ``(new params, new state)``, keyed as given. ``value``: the
         step's loss (for an update that takes ``value=``); ``reduced``: the reductions over leaves, combined
         over the stages."""
@@ -450,7 +487,9 @@ class OptimizerProgram:
         return msgpack.packb(top, use_bin_type=True)
 
 
-def load_optimizer(data: bytes, *, source: str = "optimizer", devices: Any = None) -> OptimizerProgram:
+def load_optimizer(
+    data: bytes, *, source: str = "optimizer", devices: Sequence[jax.Device] | None = None
+) -> OptimizerProgram:
     """An ``OptimizerProgram`` from ``to_bytes`` output, checked before anything compiles; optax is not needed."""
     try:
         top = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
@@ -477,10 +516,10 @@ def load_optimizer(data: bytes, *, source: str = "optimizer", devices: Any = Non
 
 
 def stage_programs(
-    optimizer: Any,
-    artifacts: Sequence[Any],
+    optimizer: optax.GradientTransformation,
+    artifacts: Sequence[Artifact],
     names: Sequence[Sequence[str]],
-    placed: Sequence[Any],
+    placed: Sequence[PyTree],
     whole: WholeOptimizer,
     counted: Sequence[Sequence[str]],
 ) -> list[bytes]:

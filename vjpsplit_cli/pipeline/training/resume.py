@@ -12,18 +12,23 @@ state; ``stage_snapshots`` gives a running Trainer's stages their share
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import jax
 import numpy as np
 
+from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
 from ...files.trees import decode_structure, structure_keys
+from ...treetypes import Leaf, PyTree
 from ..stages.directory import Stages
 from .checkpoint import Saved, read_checkpoint
 from .ownership import Ownership, Snapshot, Tied, saved_params, stage_keys
 from .stage_trainer import param_node
 from .optax_state import StateMap, opt_state_from_file
+
+if TYPE_CHECKING:  # annotations only: optax is an optional extra, imported by the caller that has an optimizer
+    import optax
 
 
 def _per_stage(saved: Saved) -> VjpsplitError:
@@ -44,7 +49,7 @@ def _check_keys(saved: Saved, held: Sequence[Sequence[str]]) -> None:
 Spec = tuple[str, tuple[int | str, ...]]  # a leaf's dtype name and shape (a symbolic dim as its text)
 
 
-def stages_specs(stages: Stages | Sequence[Any], tied: Tied | None) -> dict[str, Spec]:
+def stages_specs(stages: Stages | Sequence[Artifact], tied: Tied | None) -> dict[str, Spec]:
     """Each parameter's dtype and shape by global key, as the stages were exported for them."""
     if isinstance(stages, Stages):
         return {leaf.key: (leaf.dtype, tuple(leaf.shape)) for leaf in stages.index.params}
@@ -67,7 +72,7 @@ def ownership_specs(ownership: Ownership) -> dict[str, Spec]:
     return specs
 
 
-def check_specs(directory: str, params: Mapping[str, Any], want: Mapping[str, Spec]) -> None:
+def check_specs(directory: str, params: Mapping[str, Leaf], want: Mapping[str, Spec]) -> None:
     """Refuse a saved parameter whose dtype or shape is not the stages' (before any stage holds it)."""
     for k, (dtype, shape) in want.items():
         if k not in params:
@@ -82,14 +87,16 @@ def check_specs(directory: str, params: Mapping[str, Any], want: Mapping[str, Sp
             )
 
 
-def saved_whole_params(saved: Saved) -> Any:
+def saved_whole_params(saved: Saved) -> PyTree:
     """The parameters as the saving Trainer took them (user classes come back as dicts, as in artifacts)."""
     if saved.layout == 1:
         raise _per_stage(saved)
     return decode_structure(saved.structure, iter([saved.params[k] for k in saved.leaves]))
 
 
-def load_checkpoint(directory: str | os.PathLike[str], *, optimizer: Any) -> tuple[Any, Any, int]:
+def load_checkpoint(
+    directory: str | os.PathLike[str], *, optimizer: optax.GradientTransformation
+) -> tuple[PyTree, optax.OptState, int]:
     """``(params, opt_state, step)`` of a Trainer's checkpoint, for a one-process optax loop.
 
     ``params`` has the structure the Trainer was given, ``opt_state`` optax's own
@@ -123,12 +130,12 @@ def load_checkpoint(directory: str | os.PathLike[str], *, optimizer: Any) -> tup
 
 
 def restored_model(
-    saved: Saved, stages: Stages | Sequence[Any], optimizer: Any, tied: Tied | None
-) -> tuple[Any, Any, list[Any] | None]:
+    saved: Saved, stages: Stages | Sequence[Artifact], optimizer: optax.GradientTransformation, tied: Tied | None
+) -> tuple[PyTree, optax.OptState | None, list[dict[str, Leaf]] | None]:
     """``(params, opt_state, per-stage states)`` for ``Trainer.restore`` on ``stages``: layout 2 gives the whole
     model's opt_state (any cut of the same function), layout 1 the saving cut's own per-stage states."""
     if saved.layout == 1:
-        params = saved_params(saved.directory, stages, saved.stages, saved.meta.get("structure"), tied)
+        params = saved_params(saved.directory, stages, saved.stages, saved.meta.structure, tied)
         names = stage_keys(stages, tied)
         specs = stages_specs(stages, tied)
         for n, (p, _) in zip(names, saved.stages):
@@ -145,7 +152,7 @@ def restored_model(
 
 
 def stage_snapshots(
-    directory: str | os.PathLike[str], ownership: Ownership, smap: StateMap, optimizer: Any
+    directory: str | os.PathLike[str], ownership: Ownership, smap: StateMap, optimizer: optax.GradientTransformation
 ) -> tuple[list[Snapshot], int]:
     """Each stage's ``(params, optimizer state)`` of the checkpoint in ``directory``, and its step count."""
     saved = read_checkpoint(directory)

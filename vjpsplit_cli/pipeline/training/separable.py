@@ -37,13 +37,20 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeAlias, cast
 
 import jax
 import numpy as np
+import numpy.typing as npt
 from jax.extend import core as jcore
+from jax.typing import ArrayLike
 
 from ...errors import VjpsplitError, jax_message
+from ...treetypes import PyTree
+
+if TYPE_CHECKING:  # annotations only: optax is an optional extra, imported where an optimizer is traced
+    import optax
+    from jax.core import AbstractValue, ShapedArray
 
 _CALLS = ("pjit", "jit", "closed_call", "core_call")
 _CUSTOM = ("custom_jvp_call", "custom_vjp_call")
@@ -52,7 +59,7 @@ _REDUCE = {"add": "add", "add_any": "add", "max": "max", "min": "min"}
 _STACKED = {"reduce_sum": "add", "reduce_max": "max", "reduce_min": "min", "reduce_and": "and", "reduce_or": "or"}
 
 
-def _ops() -> dict[str, Callable[[Any, Any], Any]]:
+def _ops() -> dict[str, Callable[[ArrayLike, ArrayLike], jax.Array]]:
     import jax.numpy as jnp
 
     return {
@@ -64,7 +71,10 @@ def _ops() -> dict[str, Callable[[Any, Any], Any]]:
     }
 
 
-FREE = ("free",)
+# A node's label (the module docstring): ("free",), ("key", k), ("partial",) for a reduction under way, and
+# ("span", what) or ("stack", what) naming the operation that mixes leaves.
+_Label: TypeAlias = tuple[str, ...]
+FREE: _Label = ("free",)
 
 
 @dataclasses.dataclass
@@ -73,12 +83,12 @@ class Root:
 
     index: int
     op: str
-    dtype: Any
+    dtype: np.dtype
     keyed: list[tuple[int, str]]
     free: list[int]
     round: int = 0
 
-    def identity(self) -> Any:
+    def identity(self) -> np.ndarray:
         """The value of no terms: 0 (add), True (and), False (or), the dtype's lowest (max) or highest (min)."""
         dt = np.dtype(self.dtype)
         if self.op == "add":
@@ -90,7 +100,7 @@ class Root:
         return -big if self.op == "max" else big
 
 
-def combine(op: str, dtype: Any, parts: Sequence[Any]) -> np.ndarray:
+def combine(op: str, dtype: npt.DTypeLike, parts: Sequence[ArrayLike]) -> np.ndarray:
     """The stages' shares of one reduction joined on the host (sums in float64), in the reduction's dtype."""
     dt = np.dtype(dtype)
     vals = [np.asarray(p) for p in parts]
@@ -110,6 +120,7 @@ class _Select:
 
 
 _SELECT = _Select()
+_Eqn: TypeAlias = "jcore.JaxprEqn | _Select"  # an equation of a ``_Graph``
 
 
 class _Graph:
@@ -120,26 +131,27 @@ class _Graph:
 
     def __init__(self, inline: set[int] = frozenset()) -> None:  # type: ignore[assignment]
         self.inline = inline
-        self.values: dict[int, Any] = {}  # literal and constant nodes
-        self.avals: dict[int, Any] = {}
-        self.eqns: list[tuple[Any, list[Any], list[int], list[int]]] = []  # eqn, its invars, their nodes, out nodes
+        self.values: dict[int, ArrayLike] = {}  # literal and constant nodes
+        self.avals: dict[int, AbstractValue] = {}
+        # eqn, its invars, their nodes, out nodes
+        self.eqns: list[tuple[_Eqn, list[jcore.Var], list[int], list[int]]] = []
         self.count = 0
 
-    def node(self, aval: Any) -> int:
+    def node(self, aval: AbstractValue) -> int:
         self.count += 1
         self.avals[self.count] = aval
         return self.count
 
-    def const(self, value: Any) -> int:
+    def const(self, value: ArrayLike) -> int:
         n = self.node(jax.typeof(value))
         self.values[n] = value
         return n
 
-    def flatten(self, closed: Any, ins: Sequence[int]) -> list[int]:
-        env: dict[Any, int] = {v: self.const(c) for v, c in zip(closed.jaxpr.constvars, closed.consts)}
+    def flatten(self, closed: jcore.ClosedJaxpr, ins: Sequence[int]) -> list[int]:
+        env: dict[jcore.Var, int] = {v: self.const(c) for v, c in zip(closed.jaxpr.constvars, closed.consts)}
         env.update(zip(closed.jaxpr.invars, ins))
 
-        def read(a: Any) -> int:
+        def read(a: jcore.Var | jcore.Literal) -> int:
             if isinstance(a, jcore.Literal):
                 return self.const(a.val)
             return env[a]
@@ -168,14 +180,16 @@ class _Graph:
         return [read(a) for a in closed.jaxpr.outvars]
 
 
-def _dropped(v: Any) -> bool:
+def _dropped(v: jcore.Var) -> bool:
     """Whether ``v`` is an equation's unused output (``DropVar``): named by its type, since ``jax.extend.core``
     has no ``DropVar`` before jax 0.7 and the oldest supported jax is 0.6.2."""
     return type(v).__name__ == "DropVar"
 
 
-def _where(eqn: Any) -> str:
+def _where(eqn: _Eqn) -> str:
     """`` (file:line)`` of the code that made ``eqn``, for messages; empty where JAX does not say."""
+    if isinstance(eqn, _Select):
+        return ""  # an inlined cond's select: made by this module, not by user code
     try:
         frame = jax.extend.source_info_util.user_frame(eqn.source_info)  # type: ignore[attr-defined]
         return "" if frame is None else f" ({frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line})"
@@ -183,8 +197,13 @@ def _where(eqn: Any) -> str:
         return ""
 
 
-def _run_eqn(eqn: Any, invars: Sequence[Any], vals: Sequence[Any]) -> list[Any]:
-    if eqn is _SELECT:
+def _dtype(aval: AbstractValue) -> np.dtype:
+    """A scalar reduction's dtype: its aval has a shape, so it is an array's (``ShapedArray``)."""
+    return np.dtype(cast("ShapedArray", aval).dtype)
+
+
+def _run_eqn(eqn: _Eqn, invars: Sequence[jcore.Var], vals: Sequence[ArrayLike]) -> list[jax.Array | None]:
+    if isinstance(eqn, _Select):
         return [jax.lax.select_n(vals[0], *vals[1:])]
     outs = [v for v in eqn.outvars if not _dropped(v)]
     with warnings.catch_warnings():
@@ -204,7 +223,7 @@ class Cut:
 
     def __init__(
         self,
-        closed: Any,
+        closed: jcore.ClosedJaxpr,
         groups: Sequence[str | None],
         owners: Sequence[str | None],
         names: Sequence[str],
@@ -220,13 +239,13 @@ class Cut:
             inline |= more
         self._check(owners, names, what)
 
-    def _label(self, closed: Any, groups: Sequence[str | None], inline: set[int]) -> set[int]:
+    def _label(self, closed: jcore.ClosedJaxpr, groups: Sequence[str | None], inline: set[int]) -> set[int]:
         """Label every node (the module docstring); return the conds whose operands span leaves."""
         self.g = g = _Graph(inline)
         self.inputs = [g.node(v.aval) for v in closed.jaxpr.invars]
         self.outputs = g.flatten(closed, self.inputs)
         spanning_conds: set[int] = set()
-        lab: dict[int, tuple[Any, ...]] = {n: FREE for n in g.values}
+        lab: dict[int, _Label] = {n: FREE for n in g.values}
         level: dict[int, int] = {n: 0 for n in g.values}
         for n, grp in zip(self.inputs, groups):
             lab[n], level[n] = (FREE if grp is None else ("key", grp)), 0
@@ -267,6 +286,7 @@ class Cut:
             lvl = max((level[n] for n in ins), default=0)
             stacked = (
                 name in _STACKED
+                and not isinstance(eqn, _Select)
                 and len(ins) == 1
                 and lab[ins[0]][0] == "stack"
                 and uses.get(ins[0]) == 1
@@ -274,11 +294,11 @@ class Cut:
             )
             if stacked:
                 terms = stacks[ins[0]]
-                r = Root(-1, _STACKED[name], g.avals[outs[0]].dtype, [], [])
+                r = Root(-1, _STACKED[name], _dtype(g.avals[outs[0]]), [], [])
                 r.keyed = [(n, lab[n][1]) for n in terms if lab[n][0] == "key"]
                 r.free = [n for n in terms if lab[n][0] != "key"]
                 partial[outs[0]] = r
-                out: tuple[Any, ...] = ("partial",)
+                out: _Label = ("partial",)
             elif spanning is not None:
                 out = spanning
             elif (
@@ -291,7 +311,7 @@ class Cut:
                 out = ("stack", f"{name}{_where(eqn)} of leaves {keys[0]!r} and {keys[1]!r}")
             elif scalar and (cont or len(keys) >= 2):
                 assert op is not None
-                r = Root(-1, op, g.avals[outs[0]].dtype, [], [])
+                r = Root(-1, op, _dtype(g.avals[outs[0]]), [], [])
                 for n in ins:
                     if n in cont:
                         r.keyed += partial[n].keyed
@@ -343,15 +363,15 @@ class Cut:
 
     def evaluate(
         self,
-        bound: Mapping[int, Any],
+        bound: Mapping[int, ArrayLike],
         targets: Sequence[int],
-        reduced: Sequence[Any] | None = (),
-    ) -> list[Any]:
+        reduced: Sequence[ArrayLike] | None = (),
+    ) -> list[ArrayLike]:
         """The values of output nodes ``targets`` from the flat inputs ``bound`` (index -> value) and the
         reductions' combined keyed terms ``reduced`` (in ``root_list`` order; None: from their terms here, where
         every term is bound); computes only what they need."""
         g, roots = self.g, self.roots
-        env: dict[int, Any] = {self.inputs[i]: v for i, v in bound.items()}
+        env: dict[int, ArrayLike] = {self.inputs[i]: v for i, v in bound.items()}
         need: set[int] = set()
         stack = list(targets)
         while stack:
@@ -375,11 +395,11 @@ class Cut:
                 if n not in env:
                     env[n] = self._root_value(n, env, reduced)
             for o, v in zip(outs, _run_eqn(eqn, invars, [env[n] for n in ins])):
-                if o not in roots:
+                if o not in roots and v is not None:  # None: a dropped output, which nothing reads
                     env[o] = v
         return [env[n] if n in env else self._root_value(n, env, reduced) for n in targets]
 
-    def _root_value(self, n: int, env: Mapping[int, Any], reduced: Sequence[Any] | None) -> Any:
+    def _root_value(self, n: int, env: Mapping[int, ArrayLike], reduced: Sequence[ArrayLike] | None) -> jax.Array:
         import jax.numpy as jnp
 
         r = self.roots.get(n)
@@ -396,7 +416,9 @@ class Cut:
             v = fn(v, jnp.reshape(jnp.asarray(env[m], r.dtype), ()))
         return v
 
-    def shares(self, bound: Mapping[int, Any], counted: set[str], rnd: int, reduced: Sequence[Any]) -> list[Any]:
+    def shares(
+        self, bound: Mapping[int, ArrayLike], counted: set[str], rnd: int, reduced: Sequence[ArrayLike]
+    ) -> list[jax.Array]:
         """Per reduction of round ``rnd`` (``root_list`` order), this stage's share: its terms of the ``counted`` keys."""
         import jax.numpy as jnp
 
@@ -414,7 +436,7 @@ class Cut:
         return out
 
 
-def trace_optimizer(fn: Callable[..., Any], args: Sequence[Any], label: str, what: str) -> Any:
+def trace_optimizer(fn: Callable[..., object], args: Sequence[object], label: str, what: str) -> jcore.ClosedJaxpr:
     """``jax.make_jaxpr(fn)(*args)`` on abstract values, a failure one error naming the optimizer."""
     try:
         return jax.make_jaxpr(fn)(*args)
@@ -447,7 +469,7 @@ def _cannot(label: str, what: str, e: BaseException) -> VjpsplitError:
     return VjpsplitError(f"optimizer {label!r}: its {what} fails on the whole model's parameters ({msg}); {hint}")
 
 
-def _uses_value(tx: Any) -> bool:
+def _uses_value(tx: optax.GradientTransformation) -> bool:
     """Whether ``tx.update`` takes extra keyword arguments (optax's ``GradientTransformationExtraArgs``)."""
     import optax
 
@@ -467,9 +489,9 @@ class WholeOptimizer:
 
     def __init__(
         self,
-        tx: Any,
-        params: Any,
-        keys: Any,
+        tx: optax.GradientTransformation,
+        params: PyTree,
+        keys: PyTree,
         stage_names: Sequence[Sequence[str]],
         label: str,
         state_owner: Sequence[str | None] | None = None,
@@ -480,11 +502,11 @@ class WholeOptimizer:
 
         self.tx, self.label = tx, label
         self.param_leaves, tree = jax.tree_util.tree_flatten(params)
-        self.param_tree: Any = tree
+        self.param_tree: jax.tree_util.PyTreeDef = tree
         self.param_keys: list[str] = jax.tree_util.tree_leaves(keys)
         whole_state = jax.eval_shape(tx.init, params)
         self.state_leaves, stree = jax.tree_util.tree_flatten(whole_state)
-        self.state_tree: Any = stree
+        self.state_tree: jax.tree_util.PyTreeDef = stree
         n_state = len(self.state_leaves)
         self.single = state_owner is None
         owners = list(state_owner) if state_owner is not None else [None] * n_state
@@ -497,7 +519,9 @@ class WholeOptimizer:
         P = len(self.param_leaves)
         scalar = jax.ShapeDtypeStruct((), np.float32)
 
-        def update(p: list[Any], s: list[Any], g: list[Any], scale: Any, value: Any) -> tuple[list[Any], list[Any]]:
+        def update(
+            p: list[jax.Array], s: list[jax.Array], g: list[jax.Array], scale: jax.Array, value: jax.Array
+        ) -> tuple[list[jax.Array], list[jax.Array]]:
             pt = self.param_tree.unflatten(p)
             gt = self.param_tree.unflatten([v * scale.astype(v.dtype) for v in g])
             st = self.state_tree.unflatten(s)
@@ -577,10 +601,17 @@ class StageShare:
         self.param_targets = [self.param_out[k] for k in self.keys]
         self.counted: set[str] = own if counted is None else set(counted)
 
-    def _bound(self, p: Sequence[Any], st: Sequence[Any], g: Sequence[Any], scale: Any, value: Any) -> dict[int, Any]:
+    def _bound(
+        self,
+        p: Sequence[ArrayLike],
+        st: Sequence[ArrayLike],
+        g: Sequence[ArrayLike],
+        scale: ArrayLike,
+        value: ArrayLike,
+    ) -> dict[int, ArrayLike]:
         w = self.w
         P, n_state = w.P, len(w.state_leaves)
-        b: dict[int, Any] = {}
+        b: dict[int, ArrayLike] = {}
         for i, local in self.param_pos:
             b[i] = p[local]
             b[P + n_state + i] = g[local]
@@ -590,11 +621,11 @@ class StageShare:
         b[2 * P + n_state + 1] = value
         return b
 
-    def init(self, p: Sequence[Any]) -> list[Any]:
+    def init(self, p: Sequence[ArrayLike]) -> list[ArrayLike]:
         """The stage's state from its parameters (an init that is separable by leaf)."""
         cut = self.w.init
         outs = [cut.outputs[j] for j in self.state_first]
-        reduced: list[Any] | None = None  # one stage holding every leaf: its reductions are its own
+        reduced: list[np.ndarray] | None = None  # one stage holding every leaf: its reductions are its own
         if not self.w.single:
             # An init reducing over leaves runs once on the driver (WholeOptimizer.init_whole) and its state is
             # handed to the stages; this module is then never what a stage starts from: NaN marks any such use.
@@ -604,19 +635,25 @@ class StageShare:
     def shares(
         self,
         rnd: int,
-        p: Sequence[Any],
-        st: Sequence[Any],
-        g: Sequence[Any],
-        scale: Any,
-        value: Any,
-        reduced: Sequence[Any],
-    ) -> list[Any]:
+        p: Sequence[ArrayLike],
+        st: Sequence[ArrayLike],
+        g: Sequence[ArrayLike],
+        scale: ArrayLike,
+        value: ArrayLike,
+        reduced: Sequence[ArrayLike],
+    ) -> list[jax.Array]:
         """This stage's shares of the reductions of round ``rnd``."""
         return self.w.update.shares(self._bound(p, st, g, scale, value), self.counted, rnd, reduced)
 
     def update(
-        self, p: Sequence[Any], st: Sequence[Any], g: Sequence[Any], scale: Any, value: Any, reduced: Sequence[Any]
-    ) -> tuple[list[Any], list[Any]]:
+        self,
+        p: Sequence[ArrayLike],
+        st: Sequence[ArrayLike],
+        g: Sequence[ArrayLike],
+        scale: ArrayLike,
+        value: ArrayLike,
+        reduced: Sequence[ArrayLike],
+    ) -> tuple[list[ArrayLike], list[ArrayLike]]:
         """The stage's new parameters and state."""
         cut, P = self.w.update, self.w.P
         targets = [cut.outputs[i] for i in self.param_targets] + [cut.outputs[P + j] for j in self.state_first]

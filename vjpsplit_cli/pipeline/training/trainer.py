@@ -605,7 +605,7 @@ class Trainer:
         """
         options = from_legacy("Trainer.restore", stages, schedule, runner, observe, deprecated)
         saved = read_checkpoint(directory)
-        meta, step = saved.meta, saved.step
+        meta, step = saved.meta.as_dict(), saved.step
         given = options.stages
         arts, tied = (given.artifacts, given.tied) if isinstance(given, PerStage) else (given, None)
         params, saved_state, states = restored_model(saved, arts, optimizer, tied)
@@ -634,8 +634,9 @@ class Trainer:
         if clip_global_norm is RECORDED:
             clip_global_norm = meta.get("clip_global_norm")
         if chosen.auto and chosen.memory_limit is None and chosen.memory_limit_bytes is None:
-            recorded = {k: meta[k] for k in ("memory_limit", "memory_limit_bytes") if meta.get(k) is not None}
-            chosen = dataclasses.replace(chosen, **recorded)  # restore measures again, on its own hosts
+            # The limits as given (None: not recorded); restore measures again, on its own hosts.
+            limit, limit_bytes = meta.get("memory_limit"), meta.get("memory_limit_bytes")
+            chosen = dataclasses.replace(chosen, memory_limit=limit, memory_limit_bytes=limit_bytes)
         trainer = cls.__new__(cls)
         options = dataclasses.replace(options, schedule=chosen)
         trainer._start(options, params, optimizer, microbatches, clip_global_norm, opt_state, step, states)
