@@ -18,6 +18,7 @@ import numpy as np
 
 from ..stages.evalprograms import EvalProgram
 from .model import Microbatch, side_for
+from .replicas import ReplicaGroup
 from .worker import StageWorker
 from ...treetypes import Leaf, PyTree
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 
 def eval_stage(
-    worker: StageWorker, program: EvalProgram, x: PyTree, side: Sequence[Leaf]
+    worker: StageWorker | ReplicaGroup, program: EvalProgram, x: PyTree, side: Sequence[Leaf]
 ) -> jax.Array | tuple[jax.Array, ...]:
     """Stage ``worker``'s forward on one microbatch from ``program``: the tuple it sends on, or the loss (last)."""
     import jax
@@ -65,7 +66,7 @@ class EvaluatingActor:
     It expects ``stage_workers`` (stage index -> ``StageWorker``), as ``StageActor`` has.
     """
 
-    stage_workers: dict[int, StageWorker]
+    stage_workers: dict[int, StageWorker | ReplicaGroup]
 
     def load_eval(self, programs: Mapping[int, bytes]) -> None:
         """Hold the evaluation programs of the stages this actor holds (``EvalProgram`` bytes, checked by the

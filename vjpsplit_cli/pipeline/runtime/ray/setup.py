@@ -28,7 +28,7 @@ class RemoteMethod(Protocol):
     """One method of a Ray actor's handle: ``remote`` calls it, ``options`` sets a call's options, ``bind`` makes
     a Compiled Graph node of the call."""
 
-    # An actor method's result is whatever that method returns (the handle is untyped): the one Any here.
+    # An actor method's result is whatever that method returns: the handle does not say which.
     def remote(self, *args: object) -> ObjectRef[Any]: ...
 
     def options(self, **options: object) -> RemoteMethod: ...
