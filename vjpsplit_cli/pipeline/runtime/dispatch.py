@@ -1,4 +1,4 @@
-"""The one dispatcher every runner uses, and the progress bar.
+"""The one dispatcher every runner uses, and the progress bar (``ProgressBar``).
 
 A step is the workers' lists of F, B, I and W operations. ``walk`` hands them to a
 runner's ``submit`` in the order of the one play of plans (``schedules.play.sweep``:
@@ -72,7 +72,7 @@ def walk(
     return handles
 
 
-class Bar(Protocol):
+class ProgressBar(Protocol):
     """A progress bar (``tqdm``'s): advanced by ``update``, ended by ``close``."""
 
     def update(self, n: float = 1) -> object: ...
@@ -80,7 +80,7 @@ class Bar(Protocol):
     def close(self) -> None: ...
 
 
-def progress_bar(total: int, enabled: bool) -> Bar | None:
+def progress_bar(total: int, enabled: bool) -> ProgressBar | None:
     """A tqdm bar over ``total`` operations on stderr, or None when not asked for (or tqdm is missing)."""
     if not enabled:
         return None

@@ -12,7 +12,7 @@ returned, else each worker's first dispatched operation whose outputs are not
 ready (``jax.Array.is_ready``). When a step passes ``step_timeout`` or is
 interrupted, ``hang_message`` turns each worker's ``Now`` into one clause
 (``worker 1: B stage 1 mb 3 waits for the cotangent from stage 2 (worker 2 has
-not sent it)``) and ``write_flight`` writes every worker's ring as JSON.
+not sent it)``) and ``write_flight`` writes every worker's ring as JSON (each operation a ``RingRow``).
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 A ``StageWorker`` holds a stage's artifact, parameters, the residuals of
 microbatches in flight and the accumulated gradients; ``run_op`` executes one
 scheduled operation on it. Threads (in-process) and Ray actors call the same.
+``RunsOps`` is what ``run_op`` and the runners call on a stage: a ``StageWorker``,
+or a ``replicas.ReplicaGroup`` standing in its place.
 """
 
 from __future__ import annotations

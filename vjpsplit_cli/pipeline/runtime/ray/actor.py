@@ -3,6 +3,8 @@
 The actor imports no user code: it loads its stages' artifacts from bytes. Its
 ``__init__`` does nothing, so the time an actor takes to become ready is the time
 Ray takes to place and start it (which the driver bounds); ``load`` does the work.
+What the driver gets back of a step is a ``StepReport`` (or, with the gradients, a
+``StepState``); what a worker does now, a ``WorkerStatus``.
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ from ..flight import Now, idle
 from ..offload import Offload
 from ..replicas import ReplicaGroup, refuse_sharded
 from ..worker import StageWorker, run_op
-from ...treetypes import Leaf, PyTree
+from ....treetypes import Leaf, PyTree
 from .lists import Inbox, Key, Sender, run_list, unpack
 from .setup import ActorHandle
 
 T = TypeVar("T")
 
 
-class Report(TypedDict):
+class StepReport(TypedDict):
     """A worker's step without arrays (``StageActor.report``): losses, timings on its clock, its first error."""
 
     losses: dict[int, float]
@@ -37,7 +39,7 @@ class Report(TypedDict):
     error: BaseException | None
 
 
-class State(Report):
+class StepState(StepReport):
     """A worker's step with its gradients (``StageActor.state``): per stage held, as host arrays."""
 
     grads: dict[int, PyTree]
@@ -45,7 +47,7 @@ class State(Report):
     devices: dict[int, list[int]]
 
 
-class Status(TypedDict):
+class WorkerStatus(TypedDict):
     """What a worker does now (``StageActor.status``), on its own clock.
 
     ``now``: ``flight.Now`` with its operations as ``(kind, mb, stage)``; ``sent``: this step's values handed to
@@ -184,7 +186,7 @@ class StageActor:
         """Stop waiting for step ``step``'s inputs: a worker is gone (runs in the ``inbox`` group)."""
         self.inbox.abort(step)
 
-    def status(self) -> Status:
+    def status(self) -> WorkerStatus:
         """What this worker does now, the values it sent this step and each stage's last operations (this
         process's clock; runs in the ``inbox`` group, beside a list that may be stuck)."""
         state, op, src, since = self.now
@@ -244,7 +246,7 @@ class StageActor:
 
         return self.guarded(run)
 
-    def state(self) -> State:
+    def state(self) -> StepState:
         """Gradients, losses, timings (this process's clock) and the first error of the step."""
         import jax
 
@@ -256,7 +258,7 @@ class StageActor:
             **self.report(),
         }
 
-    def report(self) -> Report:
+    def report(self) -> StepReport:
         """The step's losses, timings (this process's clock) and first error; no arrays."""
         held = self.stage_workers.values()
         return {
@@ -266,14 +268,14 @@ class StageActor:
             "error": self.error,
         }
 
-    def collect(self, after: object) -> State:
+    def collect(self, after: object) -> StepState:
         """``state``, then ``reset``: the end of a compiled step (``after``: the worker's last result)."""
         out = self.state()
         self.reset()
         return out
 
 
-def raise_first_error(reports: Sequence[Report]) -> None:
+def raise_first_error(reports: Sequence[StepReport]) -> None:
     """Raise the first error the workers' ``report`` (or ``state``) dicts hold, in worker order; none: return."""
     for report in reports:
         if report["error"] is not None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from ...schedules.ops import Op
 from ..dispatch import walk
-from ...treetypes import Leaf
+from ....treetypes import Leaf
 from .setup import ActorHandle
 
 if TYPE_CHECKING:

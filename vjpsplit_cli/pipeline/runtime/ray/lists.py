@@ -12,7 +12,8 @@ done, and the losses, timings (and gradients) afterwards.
 Deliveries run in the actor's ``inbox`` concurrency group (Ray runs them beside
 the list; every other call of the actor stays in order in the default group). A
 failed or skipped operation sends None in place of its result, so no worker waits
-for it; ``abort`` releases a step's waits when a worker is gone.
+for it; ``abort`` releases a step's waits when a worker is gone. ``RunsLists`` is
+what ``run_list`` needs of the actor; a delivery is keyed by ``key_of`` its operation.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ...schedules.ops import BACKWARDS, Kind, Op, OpKey, dependencies, received
 from ..flight import DONE, NEXT, RUNS, WAITS, Now
 from ..model import Microbatch, side_for
 from ..worker import RunsOps, run_op
-from ...treetypes import Leaf, PyTree
+from ....treetypes import Leaf, PyTree
 from .setup import ActorHandle, RemoteMethod
 
 if TYPE_CHECKING:

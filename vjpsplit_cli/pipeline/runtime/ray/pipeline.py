@@ -19,18 +19,18 @@ from ...schedules.layout import layout_kind
 from ...schedules.ops import Op
 from ...schedules.stepplans import resolve
 from ...stages.directory import Stages
-from ..dispatch import Bar, progress_bar
+from ..dispatch import ProgressBar, progress_bar
 from ..model import Microbatch, model_of
 from ..result import PipelineResult, step_result
 from . import waiting
-from .actor import Report, State, StageActor, Status, devices_for, raise_first_error
+from .actor import StepReport, StepState, StageActor, WorkerStatus, devices_for, raise_first_error
 from .compiled import compile_step
 from ..flight import clause, default_path, ring_rows, write_flight
 from ...schedules.ops import OpKey
 from .lists import CONCURRENCY_GROUPS, INBOX, submit_lists
 from .setup import SCHEDULE_TIMEOUT, ActorHandle, RemoteClass, clock_offset, init_ray, lack
 from ...schedules.timeline import Event
-from ...treetypes import Leaf, PyTree
+from ....treetypes import Leaf, PyTree
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -247,7 +247,7 @@ class RayPipeline:
         t0: float,
         *,
         hint: str = "",
-        bar: Bar | None = None,
+        bar: ProgressBar | None = None,
         watch: Sequence[ObjectRef[Any]] = (),
     ) -> list[T]:
         """The values of ``refs`` (worker ``owners[i]``'s) once all are done, within ``step_timeout`` of ``t0``.
@@ -303,7 +303,7 @@ class RayPipeline:
         ray = self.ray
         refs = [a.status.options(concurrency_group=INBOX).remote() for a in self.actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait)
-        got: dict[int, Status] = {}
+        got: dict[int, WorkerStatus] = {}
         for w, ref in enumerate(refs):
             if ref in ready:
                 try:
@@ -523,7 +523,7 @@ class RayPipeline:
 
     def _result(
         self,
-        states: Sequence[State],
+        states: Sequence[StepState],
         name: str,
         microbatches: int,
         step_time: float,
@@ -548,7 +548,7 @@ class RayPipeline:
             timed=timed,
         )
 
-    def driver_events(self, states: Sequence[Report]) -> list[Event]:
+    def driver_events(self, states: Sequence[StepReport]) -> list[Event]:
         """The events in each worker's ``state`` (or ``report``), moved onto the driver's clock.
 
         Args:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 from ....errors import VjpsplitError
 from ...schedules.layout import Layout
-from ..dispatch import Bar
+from ..dispatch import ProgressBar
 from ..flight import StepInterrupted
 from .setup import ActorHandle
 
@@ -42,7 +42,7 @@ def wait_step(
     layout: Layout,
     *,
     hint: str = "",
-    bar: Bar | None = None,
+    bar: ProgressBar | None = None,
     watch: Sequence[object] = (),
     on_stop: Callable[[], None] | None = None,
     describe: Callable[[], str] | None = None,
