@@ -537,7 +537,7 @@ def _probe(tree: object, array: type[jax.Array]) -> tuple[jax.Array, ...]:
     return ()
 
 
-def _handed_on(op: Op, stage: RunsOps) -> PyTree:
+def _handed_on(op: Op, stage: RunsOps) -> object:
     """What an operation that hands on nothing (the first stage's B or I, every W) left in ``stage``: an I's
     intermediates for W, else the summed gradients; a replica group's reduced ones once it reduced (its last
     gradient operation), else each replica's (a ``Parts``)."""
@@ -590,7 +590,7 @@ class Dispatched:
             raise _Stopped()
         self.now = (w, op, time.monotonic())
 
-    def end(self, w: int, op: Op, out: PyTree, stage: RunsOps) -> None:
+    def end(self, w: int, op: Op, out: object, stage: RunsOps) -> None:
         """``op`` was dispatched: ``out`` is what it hands on (the first stage's B and W hand on nothing: theirs
         are in ``stage``, an I's intermediates for W, else the gradients)."""
         now = self.now

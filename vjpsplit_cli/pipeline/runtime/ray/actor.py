@@ -159,12 +159,12 @@ class StageActor:
         self.inbox.begin(step)
         run_list(self, step, ops, batch, microbatches)
 
-    def deliver(self, step: int, items: Sequence[tuple[Key, PyTree]], *pieces: bytes) -> None:
+    def deliver(self, step: int, items: Sequence[tuple[Key, object]], *pieces: bytes) -> None:
         """Results another worker sent for step ``step`` (runs in the ``inbox`` concurrency group); ``pieces``:
         its arrays' bytes, where ``lists.pack`` cut them."""
         self.inbox.put(step, unpack(items, pieces) if pieces else items)
 
-    def echo(self, step: int, peer: int, value: PyTree, repeats: int, starts: bool) -> list[float]:
+    def echo(self, step: int, peer: int, value: object, repeats: int, starts: bool) -> list[float]:
         """Deliveries timed for step ``step`` (see ``RayPipeline.probe_delivery``): ``value`` sent to worker
         ``peer`` and back ``repeats`` times, as a step's results go (``Sender``, then ``Inbox``); ``starts``: this
         worker sends first and times each round trip (seconds), the other sends back what it takes."""

@@ -52,7 +52,7 @@ class Inbox:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._values: dict[tuple[int, Key], PyTree] = {}
+        self._values: dict[tuple[int, Key], object] = {}
         self._step = -1
         self._aborted = -1  # every step up to this one is aborted
 
@@ -62,7 +62,7 @@ class Inbox:
             self._step = step
             self._values = {k: v for k, v in self._values.items() if k[0] >= step}
 
-    def put(self, step: int, items: Sequence[tuple[Key, PyTree]]) -> None:
+    def put(self, step: int, items: Sequence[tuple[Key, object]]) -> None:
         """``items`` for step ``step`` (dropped when that step is over here)."""
         with self._cond:
             if step >= self._step:
@@ -70,7 +70,7 @@ class Inbox:
                     self._values[(step, (str(kind), int(mb), int(stage)))] = value
                 self._cond.notify_all()
 
-    def take(self, step: int, key: Key) -> PyTree:
+    def take(self, step: int, key: Key) -> object:
         """The value sent for ``key`` in step ``step``, once it is here; None when the step was aborted."""
         with self._cond:
             while (step, key) not in self._values:
@@ -96,7 +96,7 @@ class Sender:
     def __init__(self, peers: Sequence[ActorHandle], on_error: Callable[[BaseException], None]):
         self.on_error = on_error
         self.connect(peers)
-        self.queue: queue.Queue[tuple[int, int, Key, PyTree]] = queue.Queue()
+        self.queue: queue.Queue[tuple[int, int, Key, object]] = queue.Queue()
         self.thread = threading.Thread(target=self._serve, name="vjpsplit-sender", daemon=True)
         self.thread.start()
 
@@ -104,7 +104,7 @@ class Sender:
         """Every worker's actor, by worker index: where ``send`` delivers."""
         self.deliveries: list[RemoteMethod] = [p.deliver.options(concurrency_group=INBOX) for p in peers]
 
-    def send(self, step: int, worker: int, key: Key, value: PyTree) -> None:
+    def send(self, step: int, worker: int, key: Key, value: object) -> None:
         """Deliver ``value`` (None: failed or skipped) to ``worker`` as step ``step``'s ``key``.
 
         A value already computed (a timed step's) goes at once from this thread; one still
@@ -131,12 +131,12 @@ class Sender:
             for _ in batch:
                 self.queue.task_done()
 
-    def _deliver(self, batch: Sequence[tuple[int, int, Key, PyTree]]) -> None:
+    def _deliver(self, batch: Sequence[tuple[int, int, Key, object]]) -> None:
         """One call per receiving worker for ``batch``'s values, copied to the host first."""
         import jax
         import numpy as np
 
-        calls: dict[tuple[int, int], list[tuple[Key, PyTree]]] = {}
+        calls: dict[tuple[int, int], list[tuple[Key, object]]] = {}
         for step, worker, key, value in batch:
             if value is not None:
                 try:
@@ -167,7 +167,7 @@ class _Pieces:
     count: int
 
 
-def pack(items: Sequence[tuple[Key, PyTree]]) -> tuple[list[tuple[Key, PyTree]], list[bytes]]:
+def pack(items: Sequence[tuple[Key, object]]) -> tuple[list[tuple[Key, object]], list[bytes]]:
     """``items`` with each array of a mid-size call cut into pieces small enough for Ray to send inside the
     call rather than through its object store (on one host that saves a round trip per delivery)."""
     import jax
@@ -186,7 +186,7 @@ def pack(items: Sequence[tuple[Key, PyTree]]) -> tuple[list[tuple[Key, PyTree]],
     return [(key, jax.tree_util.tree_map(cut, value)) for key, value in items], pieces
 
 
-def unpack(items: Sequence[tuple[Key, PyTree]], pieces: Sequence[bytes]) -> list[tuple[Key, PyTree]]:
+def unpack(items: Sequence[tuple[Key, object]], pieces: Sequence[bytes]) -> list[tuple[Key, object]]:
     """``pack``'s items back, each array whole."""
     import jax
     import numpy as np
@@ -201,7 +201,7 @@ def unpack(items: Sequence[tuple[Key, PyTree]], pieces: Sequence[bytes]) -> list
     ]
 
 
-def _ready(value: PyTree) -> bool:
+def _ready(value: object) -> bool:
     """Whether every array of ``value`` is computed (None counts as ready)."""
     import jax
 
@@ -250,7 +250,7 @@ def run_list(
     """
     S, me, worker_of, sender = actor.num_stages, actor.worker, actor.worker_of, actor.sender
     assert sender is not None  # connected before any step
-    local: dict[OpKey, PyTree] = {}  # results this worker's own later operations read (a V's two stages)
+    local: dict[OpKey, object] = {}  # results this worker's own later operations read (a V's two stages)
     for kind, mb, stage in ops:
         op = Op(Kind(kind), mb, stage)
         st = actor.stage_workers[stage]

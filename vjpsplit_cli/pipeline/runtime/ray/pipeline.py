@@ -361,7 +361,7 @@ class RayPipeline:
         self.steps += 1
         return submit_lists(self.actors, self.steps, plans, mbs, self.num_stages, microbatches, timed, call, extra)
 
-    def probe_delivery(self, value: PyTree, repeats: int = 50, workers: tuple[int, int] = (0, 1)) -> list[float]:
+    def probe_delivery(self, value: object, repeats: int = 50, workers: tuple[int, int] = (0, 1)) -> list[float]:
         """One actor-to-actor delivery of ``value`` timed ``repeats`` times, as a step sends its results.
 
         Worker ``workers[0]`` sends ``value`` to ``workers[1]``, which sends it back, through their senders and
