@@ -61,9 +61,8 @@ if TYPE_CHECKING:
 
     from ...artifact.artifact import Artifact
 
-Ring: TypeAlias = (
-    "list[tuple[str, int, float, float]]"  # a stage worker's last operations (kind, mb, start, end), oldest first
-)
+# A stage worker's last operations (kind, mb, start, end), oldest first.
+Ring: TypeAlias = "list[tuple[str, int, float, float]]"
 
 RUNNER = "in-process"
 

@@ -36,9 +36,9 @@ if TYPE_CHECKING:
     from ...tracing.residuals import Residuals
 
     Signature = tuple[tuple[int, ...], object]  # a leaf's shape, and its dtype (a Python scalar's type)
-    # A forward signature's jitted call, which residual leaves are its inputs, how many leaves, their structure.
     # A split backward's input part: the input cotangent now, and what its weight part reads.
     SplitInput = Callable[[Residuals, PyTree], tuple[PyTree | None, Intermediates]]
+    # A forward signature's jitted call, which residual leaves are its inputs, how many leaves, their structure.
     Traced = tuple[Callable[..., tuple[PyTree, list[jax.Array]]], dict[int, int], int, dict[str, PyTreeDef]]
 
 

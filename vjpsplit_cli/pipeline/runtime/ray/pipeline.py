@@ -155,7 +155,7 @@ class RayPipeline:
         self.actors: list[ActorHandle] = []
         self.options: list[dict[str, Any]] = []  # per worker, Ray's actor options
         arts = self.model.artifacts
-        # self.ray: ray.remote's typed overloads lack concurrency_groups. Deliveries run beside the list.
+        # Through the untyped module: ray.remote's typed overloads lack concurrency_groups (deliveries beside the list).
         self._remote_class: RemoteClass = self.ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(self.actor_class)
         for w, held in enumerate(self.layout.workers):
             opts = {"num_cpus": num_cpus_per_stage, **(dict(actor_options[w]) if actor_options else {})}
