@@ -300,7 +300,7 @@ class Offloader:
         for away in list(self.away.values()):
             out, back = away.out, away.back
             leaving = (out is not None and not out.done()) or (
-                away.pinned is not None and back is None and not all(a.is_ready() for a in away.pinned)  # type: ignore[attr-defined]
+                away.pinned is not None and back is None and not all(a.is_ready() for a in away.pinned)  # type: ignore[attr-defined]  # not in the stub
             )
             if leaving or (back is not None and back.done() and back.exception() is None):
                 total += away.nbytes
