@@ -14,11 +14,16 @@ from __future__ import annotations
 import sys
 import types
 import warnings
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ...errors import VjpsplitError
 
-Devices = tuple[Any, ...]  # one stage's devices: one for an unsharded stage, a sharded stage's mesh devices
+if TYPE_CHECKING:
+    import jax
+
+    from ...artifact.artifact import Artifact
+
+Devices = tuple["jax.Device", ...]  # one stage's devices: one for an unsharded stage, a sharded stage's mesh devices
 
 
 class SharedDevicesWarning(UserWarning):
@@ -30,14 +35,14 @@ class SharedDevicesWarning(UserWarning):
     """
 
 
-def _need(artifact: Any) -> int:
+def _need(artifact: Artifact) -> int:
     return int(artifact.manifest.nr_devices) if artifact.manifest.sharded else 1
 
 
 def placement(
-    artifacts: Sequence[Any],
+    artifacts: Sequence[Artifact],
     workers: Sequence[Sequence[int]] | None = None,
-    devices: Sequence[Sequence[Any]] | None = None,
+    devices: Sequence[Sequence[jax.Device]] | None = None,
 ) -> list[Devices]:
     """Per stage, the devices it runs on (in mesh order for a sharded stage).
 
@@ -81,7 +86,7 @@ def placement(
     return [out_by_stage[s] for s in range(len(artifacts))]
 
 
-def _warn_shared(need: Sequence[int], have: Sequence[Any]) -> None:
+def _warn_shared(need: Sequence[int], have: Sequence[jax.Device]) -> None:
     """Say that the workers share devices (they would otherwise, silently, all run on the first one)."""
     platform = getattr(have[0], "platform", "") if have else ""
     fix = (
@@ -107,7 +112,7 @@ def _callers_level() -> int:
     return level
 
 
-def default_device() -> Any:
+def default_device() -> jax.Device:
     """The device JAX puts uncommitted arrays on (``jax_default_device``, else the first device)."""
     import jax
 
@@ -117,11 +122,13 @@ def default_device() -> Any:
     return jax.devices(d)[0] if isinstance(d, str) else d
 
 
-def placed(artifacts: Sequence[Any], where: Sequence[Devices]) -> list[Any]:
+def placed(artifacts: Sequence[Artifact], where: Sequence[Devices]) -> list[Artifact]:
     """Each sharded stage's artifact on its devices; unsharded artifacts as they are."""
     return [a.on_devices(g) if a.manifest.sharded else a for a, g in zip(artifacts, where)]
 
 
-def stage_devices(artifacts: Sequence[Any], devices: Sequence[Sequence[Any]] | None = None) -> list[Any]:
+def stage_devices(
+    artifacts: Sequence[Artifact], devices: Sequence[Sequence[jax.Device]] | None = None
+) -> list[Artifact]:
     """Each stage's artifact on its device group (sharded stages), one stage per worker; see ``placement``."""
     return placed(artifacts, placement(artifacts, None, devices))

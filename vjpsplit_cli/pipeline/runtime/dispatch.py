@@ -1,4 +1,4 @@
-"""The one dispatcher every runner uses, and the progress bar.
+"""The one dispatcher every runner uses, and the progress bar (``ProgressBar``).
 
 A step is the workers' lists of F, B, I and W operations. ``walk`` hands them to a
 runner's ``submit`` in the order of the one play of plans (``schedules.play.sweep``:
@@ -11,13 +11,16 @@ bookkeeping.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Protocol, Sequence, TypeVar
 
 from ..schedules.ops import Kind, Op, OpKey, received
 from ..schedules.play import sweep
 from .model import Microbatch, side_for
+from ...treetypes import Leaf
 
-Submit = Callable[[int, Op, Any, list[Any]], Any]
+H = TypeVar("H")
+# A runner's hand-off of one operation: (worker, op, what it takes, its side inputs) -> what its readers take.
+Submit = Callable[[int, Op, object, list[Leaf]], H]
 
 
 Order = list[tuple[int, Op, "OpKey | None"]]  # per operation in dispatch order: its worker, it, what it receives
@@ -38,9 +41,9 @@ def walk(
     plans: Sequence[Sequence[Op]],
     num_stages: int,
     mbs: Sequence[Microbatch],
-    submit: Submit,
+    submit: Submit[H],
     order: Order | None = None,
-) -> list[Any]:
+) -> list[H]:
     """Call ``submit(worker, op, data, side)`` once per operation, in an order that respects every dependency.
 
     ``data`` is what ``submit`` returned for the operation of another stage whose
@@ -51,10 +54,11 @@ def walk(
     kept. Returns the handles in submission order.
     """
     S = num_stages
-    sent: dict[OpKey, Any] = {}  # by operation, the handles no other stage's operation has taken yet
+    sent: dict[OpKey, H] = {}  # by operation, the handles no other stage's operation has taken yet
     handles = []
     # Played as it goes: plans that deadlock fail after what can run before the cycle.
     for w, op, source in _order(plans, S) if order is None else order:
+        data: object
         if source is not None:
             data = sent.pop(source)
         elif op.kind == Kind.F:
@@ -68,7 +72,15 @@ def walk(
     return handles
 
 
-def progress_bar(total: int, enabled: bool) -> Any:
+class ProgressBar(Protocol):
+    """A progress bar (``tqdm``'s): advanced by ``update``, ended by ``close``."""
+
+    def update(self, n: float = 1) -> object: ...
+
+    def close(self) -> None: ...
+
+
+def progress_bar(total: int, enabled: bool) -> ProgressBar | None:
     """A tqdm bar over ``total`` operations on stderr, or None when not asked for (or tqdm is missing)."""
     if not enabled:
         return None

@@ -12,16 +12,23 @@ gives a Ray actor the same call.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
 from ..stages.evalprograms import EvalProgram
 from .model import Microbatch, side_for
+from .replicas import ReplicaGroup
 from .worker import StageWorker
+from ...treetypes import Leaf, PyTree
+
+if TYPE_CHECKING:
+    import jax
 
 
-def eval_stage(worker: StageWorker, program: EvalProgram, x: Any, side: Sequence[Any]) -> Any:
+def eval_stage(
+    worker: StageWorker | ReplicaGroup, program: EvalProgram, x: PyTree, side: Sequence[Leaf]
+) -> jax.Array | tuple[jax.Array, ...]:
     """Stage ``worker``'s forward on one microbatch from ``program``: the tuple it sends on, or the loss (last)."""
     import jax
 
@@ -31,8 +38,8 @@ def eval_stage(worker: StageWorker, program: EvalProgram, x: Any, side: Sequence
 
 
 def evaluate_here(
-    workers: Sequence[StageWorker], programs: Sequence[Any], mbs: Sequence[Microbatch], keep: bool = False
-) -> tuple[list[Any], list[Any]]:
+    workers: Sequence[StageWorker], programs: Sequence[EvalProgram], mbs: Sequence[Microbatch], keep: bool = False
+) -> tuple[list[jax.Array], list[PyTree]]:
     """Every microbatch of ``mbs`` through every stage (``workers[s]`` runs ``programs[s]``): per microbatch the
     loss (a device scalar) and, with ``keep``, what the last stage received (else nothing is held)."""
     S = len(workers)
@@ -46,7 +53,7 @@ def evaluate_here(
     return losses, received
 
 
-def host(tree: Any) -> Any:
+def host(tree: PyTree) -> PyTree:
     """``tree``'s arrays as host arrays (what a Ray actor hands on)."""
     import jax
 
@@ -59,7 +66,7 @@ class EvaluatingActor:
     It expects ``stage_workers`` (stage index -> ``StageWorker``), as ``StageActor`` has.
     """
 
-    stage_workers: dict[int, StageWorker]
+    stage_workers: dict[int, StageWorker | ReplicaGroup]
 
     def load_eval(self, programs: Mapping[int, bytes]) -> None:
         """Hold the evaluation programs of the stages this actor holds (``EvalProgram`` bytes, checked by the
@@ -72,6 +79,6 @@ class EvaluatingActor:
         """Whether ``load_eval`` has run on this actor (a replaced actor has not)."""
         return bool(getattr(self, "eval_programs", None))
 
-    def eval_op(self, stage: int, x: Any, side: list[Any]) -> Any:
+    def eval_op(self, stage: int, x: PyTree, side: list[Leaf]) -> PyTree:
         """Stage ``stage``'s forward on one microbatch: what it sends on, or the loss (last), as host arrays."""
         return host(eval_stage(self.stage_workers[stage], self.eval_programs[stage], x, side))

@@ -12,7 +12,7 @@ returned, else each worker's first dispatched operation whose outputs are not
 ready (``jax.Array.is_ready``). When a step passes ``step_timeout`` or is
 interrupted, ``hang_message`` turns each worker's ``Now`` into one clause
 (``worker 1: B stage 1 mb 3 waits for the cotangent from stage 2 (worker 2 has
-not sent it)``) and ``write_flight`` writes every worker's ring as JSON.
+not sent it)``) and ``write_flight`` writes every worker's ring as JSON (each operation a ``RingRow``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import json
 import os
 import tempfile
 import time
-from typing import Any, Mapping, Sequence
+from typing import BinaryIO, Mapping, Sequence, TypedDict
 
 from ...errors import VjpsplitError
 from ...safeio.outputs import atomic_write
@@ -122,7 +122,17 @@ def hang_message(
     return f"{reason}; " + "; ".join(parts) + where + hint
 
 
-def ring_rows(ring: Sequence[tuple[str, int, float, float]], stage: int, t0: float) -> list[dict[str, Any]]:
+class RingRow(TypedDict):
+    """One operation of a stage worker's ring, as a hang report's JSON row (times in ms since the step began)."""
+
+    kind: str
+    stage: int
+    mb: int
+    start_ms: float
+    end_ms: float
+
+
+def ring_rows(ring: Sequence[tuple[str, int, float, float]], stage: int, t0: float) -> list[RingRow]:
     """A stage worker's ring as JSON rows, times in ms since ``t0``."""
     return [
         {"kind": str(k), "stage": stage, "mb": int(mb), "start_ms": (s - t0) * 1e3, "end_ms": (e - t0) * 1e3}
@@ -138,7 +148,7 @@ def default_path() -> str:
 def write_flight(
     path: str | os.PathLike[str],
     message: str,
-    workers: Sequence[Mapping[str, Any]],
+    workers: Sequence[Mapping[str, object]],
 ) -> str | None:
     """Write ``{"message", "workers": [...]}`` to ``path`` (whole or not at all); the path written, or None
     when it could not be written (the step's error says so rather than hiding what hung behind a write error).
@@ -147,7 +157,7 @@ def write_flight(
     """
     body = json.dumps({"message": message, "workers": list(workers)}, indent=1).encode()
 
-    def write(f: Any) -> None:
+    def write(f: BinaryIO) -> None:
         f.write(body)
 
     try:

@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeAlias, TypeVar
 
 from ...errors import VjpsplitError
 from ..schedules.ops import Kind, Op, dependencies, received
@@ -53,7 +53,16 @@ from .model import Microbatch, model_of, side_for
 from .offload import Offload, offload_of
 from .result import PipelineResult, step_result
 from .replicas import Parts, ReplicaGroup
-from .worker import StageWorker, run_op
+from .worker import RunsOps, StageWorker, run_op
+from ...treetypes import Leaf, PyTree
+
+if TYPE_CHECKING:
+    import jax
+
+    from ...artifact.artifact import Artifact
+
+# A stage worker's last operations (kind, mb, start, end), oldest first.
+Ring: TypeAlias = "list[tuple[str, int, float, float]]"
 
 RUNNER = "in-process"
 
@@ -65,13 +74,13 @@ class _Mailbox:
 
     def __init__(self) -> None:
         self.event = threading.Event()
-        self.value: Any = None
+        self.value: object = None
 
-    def put(self, value: Any) -> None:
+    def put(self, value: object) -> None:
         self.value = value
         self.event.set()
 
-    def get(self) -> Any:
+    def get(self) -> object:
         self.event.wait()
         return self.value
 
@@ -80,15 +89,15 @@ _FAILED = object()  # posted in place of a value whose operation failed or was s
 
 
 def run_inprocess(
-    artifacts: Sequence[Any] | Stages,
-    params: Any,
-    x: Any,
-    side: Any = (),
+    artifacts: Sequence[Artifact] | Stages,
+    params: PyTree,
+    x: PyTree,
+    side: Mapping[str, Leaf] | Sequence[Leaf] = (),
     *,
     microbatches: int,
     schedule_name: str = "1f1b",
     progress: bool = False,
-    devices: Sequence[Sequence[Any]] | None = None,
+    devices: Sequence[Sequence[jax.Device]] | None = None,
     schedule: Sequence[Sequence[Op]] | None = None,
     timed: bool = True,
     offload: Offload | str | None = None,
@@ -170,7 +179,7 @@ def run_inprocess(
 
 
 def dispatch(
-    workers: Sequence[StageWorker],
+    workers: Sequence[RunsOps],
     plans: Sequence[Sequence[Op]],
     mbs: Sequence[Microbatch],
     microbatches: int,
@@ -188,10 +197,10 @@ def dispatch(
         st.reset(timed=False, plans=plans)
     mbs = placed_microbatches(mbs, workers)
 
-    def submit(w: int, op: Op, data: Any, side: list[Any]) -> Any:
+    def submit(w: int, op: Op, data: object, side: list[Leaf]) -> PyTree:
         return run_op(workers[op.stage], op, data, side, microbatches, w)
 
-    def noted(w: int, op: Op, data: Any, side: list[Any]) -> Any:
+    def noted(w: int, op: Op, data: object, side: list[Leaf]) -> PyTree:
         assert record is not None
         record.begin(w, op)
         out = run_op(workers[op.stage], op, data, side, microbatches, w)
@@ -205,7 +214,7 @@ def dispatch(
 
 def run_threads(
     pool: WorkerThreads,
-    workers: Sequence[StageWorker],
+    workers: Sequence[RunsOps],
     plans: Sequence[Sequence[Op]],
     mbs: Sequence[Microbatch],
     microbatches: int,
@@ -231,7 +240,7 @@ def run_threads(
     threads.run(pool, lambda submit: walk(plans, len(workers), mbs, submit, order), watch or Watch())
 
 
-def placed_microbatches(mbs: Sequence[Microbatch], workers: Sequence[StageWorker]) -> list[Microbatch]:
+def placed_microbatches(mbs: Sequence[Microbatch], workers: Sequence[RunsOps]) -> list[Microbatch]:
     """The microbatches' batch inputs on the device of the stage that reads each: one transfer per stage."""
     S = len(workers)
     reads = [[(x if s == 0 else None, side_for(side, s, S)) for x, side in mbs] for s in range(S)]
@@ -255,6 +264,10 @@ class _Job:
         self.error: BaseException | None = None
 
 
+# A worker thread's jobs, each with what says it is over; None ends the thread.
+JobQueue: TypeAlias = "queue.SimpleQueue[tuple[Callable[[], None], _Job] | None]"
+
+
 class WorkerThreads:
     """One thread per worker, started once and reused by every step until ``close`` (a Trainer's lifetime).
 
@@ -265,7 +278,7 @@ class WorkerThreads:
     """
 
     def __init__(self, n: int, name: str = "vjpsplit-worker"):
-        self.queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(n)]
+        self.queues: list[JobQueue] = [queue.SimpleQueue() for _ in range(n)]
         self.threads = [
             threading.Thread(target=_serve, args=(q,), name=f"{name}-{w}", daemon=True)
             for w, q in enumerate(self.queues)
@@ -302,12 +315,12 @@ class WorkerThreads:
         self.close()
 
 
-def _stop_threads(queues: Sequence[queue.SimpleQueue[Any]]) -> None:
+def _stop_threads(queues: Sequence[JobQueue]) -> None:
     for q in queues:
         q.put(None)
 
 
-def _serve(jobs: queue.SimpleQueue[Any]) -> None:
+def _serve(jobs: JobQueue) -> None:
     while (item := jobs.get()) is not None:
         job, done = item
         try:
@@ -333,7 +346,7 @@ def _wait(event: threading.Event, deadline: float | None, tick: Callable[[], Non
             tick()
 
 
-def _rings(plans: Sequence[Sequence[Op]], workers: Sequence[StageWorker]) -> list[list[tuple[int, list[Any]]]]:
+def _rings(plans: Sequence[Sequence[Op]], workers: Sequence[RunsOps]) -> list[list[tuple[int, Ring]]]:
     """Per worker, each of its stages' ring as it is now (stage, operations)."""
     return [[(s, list(workers[s].ring)) for s in sorted({o.stage for o in ops})] for ops in plans]
 
@@ -341,7 +354,7 @@ def _rings(plans: Sequence[Sequence[Op]], workers: Sequence[StageWorker]) -> lis
 def _report(
     reason: str,
     nows: Sequence[Now],
-    rings: Sequence[Sequence[tuple[int, list[Any]]]],
+    rings: Sequence[Sequence[tuple[int, Ring]]],
     t0: float,
     worker_of: dict[int, int],
     watch: Watch,
@@ -371,13 +384,16 @@ class _Threads:
     def __init__(
         self,
         plans: Sequence[Sequence[Op]],
-        workers: Sequence[StageWorker],
+        workers: Sequence[RunsOps],
         microbatches: int,
         progress: bool,
         tail: Callable[[int, bool], None] | None,
     ):
         self.plans, self.workers, self.microbatches, self.tail = plans, workers, microbatches, tail
-        self.inboxes: list[queue.SimpleQueue[tuple[Any, Any, Any, _Mailbox]]] = [queue.SimpleQueue() for _ in plans]
+        # Per worker: (op, its input or the mailbox it arrives in, side inputs, its result's mailbox); no op: drain.
+        self.inboxes: list[queue.SimpleQueue[tuple[Op | None, object, list[Leaf], _Mailbox]]] = [
+            queue.SimpleQueue() for _ in plans
+        ]
         self.errors: list[BaseException] = []
         self.bar = progress_bar(sum(len(p) for p in plans), progress)
         self.bar_lock = threading.Lock()
@@ -385,14 +401,14 @@ class _Threads:
         self.boxes: list[_Mailbox] = []
         self.worker_of = {op.stage: w for w, ops in enumerate(plans) for op in ops}
 
-    def submit(self, w: int, op: Op, data: Any, side: list[Any]) -> _Mailbox:
+    def submit(self, w: int, op: Op, data: object, side: list[Leaf]) -> _Mailbox:
         """Queue ``op`` for worker ``w``; its result arrives in the returned mailbox."""
         box = _Mailbox()
         self.boxes.append(box)
         self.inboxes[w].put((op, data, side, box))
         return box
 
-    def run(self, pool: WorkerThreads, drive: Callable[[Submit], Any], watch: Watch) -> None:
+    def run(self, pool: WorkerThreads, drive: Callable[[Submit[_Mailbox]], object], watch: Watch) -> None:
         """The workers' lists in ``pool``'s threads, ``drive(submit)`` hands them the step; wait; the first error
         is raised here. Past ``watch.step_timeout``, or on Ctrl-C, one error says what each worker is doing."""
         t0 = time.monotonic()
@@ -453,11 +469,11 @@ class _Threads:
         for _ in range(len(self.plans[w])):
             op, data, side, box = self.inboxes[w].get()
             try:
-                if isinstance(data, _Mailbox):
+                if isinstance(data, _Mailbox) and op is not None:  # a drained entry (no op) holds _FAILED
                     if not data.event.is_set():
                         nows[w] = (WAITS, op, received(op, dependencies(op, len(self.workers))), time.monotonic())
                     data = data.get()
-                if errors or data is _FAILED:  # drain the list without running on missing inputs
+                if errors or data is _FAILED or op is None:  # drain the list without running on missing inputs
                     box.put(_FAILED)
                     continue
                 nows[w] = (RUNS, op, None, time.monotonic())
@@ -502,7 +518,7 @@ class _Stopped(Exception):
     """Raised in an untimed step's thread at its next operation (or update) once the step was stopped."""
 
 
-def _probe(tree: Any, array: type) -> tuple[Any, ...]:
+def _probe(tree: object, array: type[jax.Array]) -> tuple[jax.Array, ...]:
     """What asks ``is_ready`` for the operation that produced ``tree``: one of its arrays (all the outputs of
     one execution are ready at once, so any one tells; the first, to walk no tree where there is none), or
     one per replica for a ``Parts`` (replica r's on its device). ``array``: ``jax.Array``."""
@@ -520,7 +536,7 @@ def _probe(tree: Any, array: type) -> tuple[Any, ...]:
     return ()
 
 
-def _handed_on(op: Op, stage: StageWorker | ReplicaGroup) -> Any:
+def _handed_on(op: Op, stage: RunsOps) -> object:
     """What an operation that hands on nothing (the first stage's B or I, every W) left in ``stage``: an I's
     intermediates for W, else the summed gradients; a replica group's reduced ones once it reduced (its last
     gradient operation), else each replica's (a ``Parts``)."""
@@ -552,7 +568,7 @@ class Dispatched:
         self.array = jax.Array  # JAX loads on first use, not when this module does
         self.plans, self.num_stages = plans, num_stages
         self.t0 = time.monotonic()
-        self.ops: list[collections.deque[tuple[Op, float, Sequence[Any]]]] = [collections.deque() for _ in plans]
+        self.ops: list[collections.deque[tuple[Op, float, Sequence[jax.Array]]]] = [collections.deque() for _ in plans]
         self.count = [0] * len(plans)  # operations handed out per worker (ops drops the finished ones)
         self.limit = [PRUNE] * len(plans)  # how many a worker's ops may hold before its front is pruned again
         self.last = [self.t0] * len(plans)  # when each worker's last operation was handed out
@@ -573,7 +589,7 @@ class Dispatched:
             raise _Stopped()
         self.now = (w, op, time.monotonic())
 
-    def end(self, w: int, op: Op, out: Any, stage: StageWorker | ReplicaGroup) -> None:
+    def end(self, w: int, op: Op, out: object, stage: RunsOps) -> None:
         """``op`` was dispatched: ``out`` is what it hands on (the first stage's B and W hand on nothing: theirs
         are in ``stage``, an I's intermediates for W, else the gradients)."""
         now = self.now
@@ -643,9 +659,9 @@ class Dispatched:
         return out, after
 
 
-def _ready(probe: Sequence[Any]) -> bool:
+def _ready(probe: Sequence[jax.Array]) -> bool:
     for a in probe:
-        if not a.is_ready():
+        if not a.is_ready():  # type: ignore[attr-defined]  # public, not in jax.Array's stub
             return False
     return True
 
@@ -657,7 +673,7 @@ def run_untimed(
     pool: WorkerThreads,
     body: Callable[[], T],
     record: Dispatched,
-    workers: Sequence[StageWorker],
+    workers: Sequence[RunsOps],
     watch: Watch,
 ) -> T:
     """``body()`` (an untimed step: ``dispatch`` with ``record``, then what follows it) in ``pool``'s one thread,
@@ -697,7 +713,7 @@ def run_untimed(
 
 
 def _stop_untimed(
-    pool: WorkerThreads, job: _Job, record: Dispatched, workers: Sequence[StageWorker], watch: Watch, reason: str
+    pool: WorkerThreads, job: _Job, record: Dispatched, workers: Sequence[RunsOps], watch: Watch, reason: str
 ) -> str:
     """Stop an untimed step: what each worker does (before anything moves on), its last operations written;
     the step's thread told to end, and left behind if it does not within ``GRACE``."""

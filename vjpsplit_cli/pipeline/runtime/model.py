@@ -17,7 +17,7 @@ for the last stage or a ``StageInputs`` (one list per stage that reads batch inp
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
@@ -25,8 +25,12 @@ from ...errors import VjpsplitError
 from ..schedules.catalog import describe
 from ..schedules.ops import Kind, Op
 from ..stages.directory import StageInputs, Stages
+from ...treetypes import Leaf, PyTree
 
-Microbatch = tuple[Any, "list[Any] | StageInputs"]
+if TYPE_CHECKING:
+    from ...artifact.artifact import Artifact
+
+Microbatch = tuple[PyTree, "list[Leaf] | StageInputs"]  # stage 0's input (None where it reads none), the side inputs
 
 
 class PreSplit:
@@ -36,14 +40,14 @@ class PreSplit:
         self.mbs = list(mbs)
 
 
-def side_for(side: list[Any] | StageInputs, stage: int, num_stages: int) -> list[Any]:
+def side_for(side: list[Leaf] | StageInputs, stage: int, num_stages: int) -> list[Leaf]:
     """Stage ``stage``'s side inputs: its own from a ``StageInputs``, else the microbatch's for the last stage."""
     if isinstance(side, StageInputs):
         return side.get(stage, [])
     return side if stage == num_stages - 1 else []
 
 
-def split_batch(x: Any, side: Mapping[str, Any] | Sequence[Any], microbatches: int) -> list[Microbatch]:
+def split_batch(x: PyTree, side: Mapping[str, Leaf] | Sequence[Leaf], microbatches: int) -> list[Microbatch]:
     """The batch and its side inputs cut into ``microbatches`` equal ``(x, side)`` pieces along axis 0."""
     if isinstance(x, PreSplit):
         if len(x.mbs) != microbatches:
@@ -62,7 +66,7 @@ class Model:
 
     sides_per_stage = False  # whether stages other than the last read batch inputs (a Stages)
 
-    def __init__(self, artifacts: Sequence[Any], stage_params: Sequence[Any]):
+    def __init__(self, artifacts: Sequence[Artifact], stage_params: Sequence[PyTree]):
         self.artifacts = list(artifacts)
         self.stage_params = list(stage_params)
         if len(self.stage_params) != len(self.artifacts):
@@ -73,15 +77,15 @@ class Model:
         """How many stages the model has."""
         return len(self.artifacts)
 
-    def microbatches(self, x: Any, side: Any, microbatches: int) -> list[Microbatch]:
+    def microbatches(self, x: PyTree, side: Mapping[str, Leaf] | Sequence[Leaf], microbatches: int) -> list[Microbatch]:
         """A runner's ``x`` and ``side`` as microbatches."""
         return split_batch(x, side, microbatches)
 
-    def batch_microbatches(self, batch: tuple[Any, ...], microbatches: int) -> list[Microbatch]:
+    def batch_microbatches(self, batch: tuple[PyTree, ...], microbatches: int) -> list[Microbatch]:
         """The Trainer's batch tuple (``(x, *side)`` here) as microbatches."""
         return split_batch(batch[0], list(batch[1:]), microbatches)
 
-    def gather(self, grads: list[Any]) -> Any:
+    def gather(self, grads: list[PyTree]) -> PyTree:
         """Per-stage gradients in the caller's form: here, as they are."""
         return grads
 
@@ -101,11 +105,11 @@ class StagesModel(Model):
 
     sides_per_stage = True
 
-    def __init__(self, stages: Stages, params: Any):
+    def __init__(self, stages: Stages, params: PyTree):
         super().__init__(stages.artifacts, stages.stage_params(params))
         self.stages, self.params = stages, params
 
-    def microbatches(self, x: Any, side: Any, microbatches: int) -> list[Microbatch]:
+    def microbatches(self, x: PyTree, side: Mapping[str, Leaf] | Sequence[Leaf], microbatches: int) -> list[Microbatch]:
         """``x`` is the batch tuple (a ``Stages`` takes no separate side inputs)."""
         if isinstance(x, PreSplit):
             return split_batch(x, (), microbatches)
@@ -115,16 +119,16 @@ class StagesModel(Model):
             )
         return list(self.stages.stage_batch(x, microbatches))
 
-    def batch_microbatches(self, batch: tuple[Any, ...], microbatches: int) -> list[Microbatch]:
+    def batch_microbatches(self, batch: tuple[PyTree, ...], microbatches: int) -> list[Microbatch]:
         """The function's batch tuple as microbatches: each stage's batch inputs go to it."""
         return list(self.stages.stage_batch(batch, microbatches))
 
-    def gather(self, grads: list[Any]) -> Any:
+    def gather(self, grads: list[PyTree]) -> PyTree:
         """Per-stage gradients as one pytree like ``params``, a tied leaf's summed."""
         return self.stages.gather_grads(grads, self.params)
 
 
-def model_of(artifacts: Sequence[Any] | Stages, params: Any) -> Model:
+def model_of(artifacts: Sequence[Artifact] | Stages, params: PyTree) -> Model:
     """The runners' one form of the caller's model: a ``Stages`` with the whole ``params``, or the per-stage form."""
     if isinstance(artifacts, Stages):
         return StagesModel(artifacts, params)

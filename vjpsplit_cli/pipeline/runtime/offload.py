@@ -25,12 +25,21 @@ import os
 import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Collection, Sequence
+from typing import TYPE_CHECKING, Collection, Sequence, TypeVar
 
 import numpy as np
 
 from ...errors import VjpsplitError
 from ..schedules.ops import BACKWARDS, Kind, Op, OpKey
+from ...treetypes import Leaf
+
+if TYPE_CHECKING:
+    import jax
+
+    from ...artifact.artifact import Artifact
+    from ...tracing.residuals import Residuals
+
+T = TypeVar("T")
 
 HOST, FILES = "host", "files"
 
@@ -102,7 +111,7 @@ class Offload:
         )
 
 
-def offload_of(value: Any) -> Offload | None:
+def offload_of(value: Offload | str | None) -> Offload | None:
     """``Trainer(offload=...)``'s value as an ``Offload``: None, ``"host"``, or an ``Offload``.
 
     Raises:
@@ -117,11 +126,11 @@ def offload_of(value: Any) -> Offload | None:
     )
 
 
-def _nbytes(a: Any) -> int:
+def _nbytes(a: Leaf) -> int:
     return int(np.prod(np.shape(a), dtype=np.int64)) * np.dtype(a.dtype).itemsize
 
 
-def on_device(a: Any) -> bool:
+def on_device(a: object) -> bool:
     """Whether ``a`` is a JAX array in device memory (not host NumPy, not ``pinned_host``)."""
     import jax
 
@@ -140,7 +149,7 @@ def on_device(a: Any) -> bool:
         return False
 
 
-def device_bytes(arrays: Any) -> int:
+def device_bytes(arrays: object) -> int:
     """Bytes of the distinct device arrays among ``arrays``' leaves."""
     import jax
 
@@ -151,46 +160,50 @@ def device_bytes(arrays: Any) -> int:
     return sum(seen.values())
 
 
-def _movable(a: Any) -> bool:
+def _movable(a: object) -> bool:
     """A stored leaf that can leave and come back bit for bit (typed PRNG keys stay: NumPy has no dtype for them)."""
     import jax
 
     return isinstance(a, jax.Array) and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
 
 
-def _has_pinned_host(a: Any) -> bool:
+def _has_pinned_host(a: jax.Array) -> bool:
     try:
         devices = a.sharding.device_set
-        return all("pinned_host" in {m.kind for m in d.addressable_memories()} for d in devices)
+        return all("pinned_host" in {m.kind for m in d.addressable_memories()} for d in devices)  # type: ignore[attr-defined]  # not in jaxlib's stub
     except (AttributeError, ValueError):
         return False
 
 
-class _Away:
-    """One microbatch's residuals while they are off the device: the shell, its future, and the copy back."""
+class Away:
+    """One microbatch's residuals while they are off the device: the shell, its future, and the copy back.
+
+    What a ``StageWorker`` holds in place of the residuals (``Offloader.send``) until ``Offloader.take``.
+    """
 
     __slots__ = ("shell", "moved", "shardings", "specs", "nbytes", "out", "back", "path", "pinned")
 
-    def __init__(self, shell: Any, moved: list[str], arrays: list[Any]):
+    def __init__(self, shell: Residuals, moved: list[str], arrays: list[jax.Array]):
         self.shell, self.moved = shell, moved
         self.shardings = [a.sharding for a in arrays]
         self.specs = [(tuple(a.shape), np.dtype(a.dtype)) for a in arrays]
         self.nbytes = sum(map(_nbytes, arrays))
         self.path: str | None = None
-        self.pinned: list[Any] | None = None  # the ``pinned_host`` copies, where the device has that memory
-        self.out: Future[Any] | None = None  # the host copies (host) or None (files), once away
-        self.back: Future[Any] | None = None  # the residuals on the device again
+        self.pinned: list[jax.Array] | None = None  # the ``pinned_host`` copies, where the device has that memory
+        # The host copies (host: pinned_host or NumPy) or None (files), once away.
+        self.out: Future[list[jax.Array]] | Future[list[np.ndarray]] | Future[None] | None = None
+        self.back: Future[Residuals] | None = None  # the residuals on the device again
 
 
 class Offloader:
     """One stage's residuals off its device: ``away`` after F, ``prefetch`` before B's previous operation, ``take``
     at B. Jobs run in order on one thread of its own, so a copy back never overtakes its copy out."""
 
-    def __init__(self, spec: Offload, artifact: Any, stage: int, replica: int | None = None):
+    def __init__(self, spec: Offload, artifact: Artifact, stage: int, replica: int | None = None):
         self.spec, self.art, self.stage, self.replica = spec, artifact, stage, replica
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"vjpsplit-offload-{stage}")
         self._close = weakref.finalize(self, self.pool.shutdown, wait=False)
-        self.away: dict[int, _Away] = {}
+        self.away: dict[int, Away] = {}
         self.next_op: dict[OpKey, Op] = {}
         self.position: dict[OpKey, int] = {}  # each of the stage's operations' place in its list this step
         self.token, self.step = uuid.uuid4().hex[:12], 0
@@ -224,7 +237,7 @@ class Offloader:
         b = self.position.get(OpKey(Kind.B, mb, self.stage))  # an I is keyed as its B (``ops.OpKey``)
         return not self.spec.wants(self.stage, mb) or (f is not None and b is not None and b - f <= 2)
 
-    def send(self, mb: int, res: Any) -> Any:
+    def send(self, mb: int, res: Residuals) -> Residuals | Away:
         """After microbatch ``mb``'s F: start moving its residuals off the device; what the stage holds instead."""
         if self.keeps(mb):
             return res
@@ -237,7 +250,7 @@ class Offloader:
             return res
         arrays = [res.stored[k] for k in moved]
         kept = FrozenDict({k: a for k, a in res.stored.items() if k not in set(moved)})
-        away = _Away(res.replace(stored=kept), moved, arrays)
+        away = Away(res.replace(stored=kept), moved, arrays)
         if self.spec.to == FILES:
             away.path = self.path(mb)
             # The file's residuals_id names this Trainer's step, stage and microbatch: another's file is refused.
@@ -266,13 +279,13 @@ class Offloader:
         if away is not None and away.back is None:
             away.back = _done(self._back(mb, away)) if away.pinned else self.pool.submit(self._back, mb, away)
 
-    def take(self, mb: int, held: Any) -> Any:
+    def take(self, mb: int, held: Residuals | Away) -> Residuals:
         """At B: ``mb``'s residuals on the device, from what the stage held (``held``, ``send``'s result).
 
         Raises:
             VjpsplitError: their file is missing, damaged or another run's (naming the stage, microbatch and file).
         """
-        if not isinstance(held, _Away):
+        if not isinstance(held, Away):
             return held
         self.prefetch(mb)
         assert held.back is not None
@@ -287,31 +300,31 @@ class Offloader:
         for away in list(self.away.values()):
             out, back = away.out, away.back
             leaving = (out is not None and not out.done()) or (
-                away.pinned is not None and back is None and not all(a.is_ready() for a in away.pinned)
+                away.pinned is not None and back is None and not all(a.is_ready() for a in away.pinned)  # type: ignore[attr-defined]  # not in the stub
             )
             if leaving or (back is not None and back.done() and back.exception() is None):
                 total += away.nbytes
         return total
 
-    def _write(self, path: str, res: Any) -> None:
+    def _write(self, path: str, res: Residuals) -> None:
         from ...artifact.residual_files import save_residuals
 
         # Only the stored arrays: the inputs stay with the stage (and their CRC-32 would cost a copy of the parameters).
         save_residuals(path, res.replace(inputs={}, bound_inputs={}))
 
-    def _back(self, mb: int, away: _Away) -> Any:
+    def _back(self, mb: int, away: Away) -> Residuals:
         import jax
 
         from ...tracing.residuals import FrozenDict
 
         assert away.out is not None
-        host = away.out.result()  # the write's or the copy's error, if any, is this B's
+        host: object = away.out.result()  # the write's or the copy's error, if any, is this B's
         if self.spec.to == FILES:
             host = self._read(mb, away)
         arrays = jax.device_put(host, away.shardings)
         return away.shell.replace(stored=FrozenDict({**away.shell.stored, **dict(zip(away.moved, arrays))}))
 
-    def _read(self, mb: int, away: _Away) -> list[Any]:
+    def _read(self, mb: int, away: Away) -> list[Leaf]:
         from ...artifact.residual_files import load_residuals
         from ...files.shapes import format_shape
 
@@ -349,19 +362,19 @@ class Offloader:
         return out
 
 
-def _to_host(arrays: list[Any]) -> list[Any]:
+def _to_host(arrays: Sequence[Leaf]) -> list[np.ndarray]:
     """Host NumPy copies of ``arrays`` (np.array copies: np.asarray of a CPU array can share its buffer and keep
     it alive)."""
     return [np.array(a, copy=True) for a in arrays]
 
 
-def _done(value: Any) -> Future[Any]:
-    f: Future[Any] = Future()
+def _done(value: T) -> Future[T]:
+    f: Future[T] = Future()
     f.set_result(value)
     return f
 
 
-def to_host_and_back(x: Any, away: Any) -> Any:
+def to_host_and_back(x: jax.Array, away: Leaf | None) -> Leaf:
     """One copy as ``to="host"`` makes it, waited for: ``away=None``, ``x`` off its device (``pinned_host`` where
     the device has it, else NumPy); else ``away`` back on ``x``'s device. What the Trainer's transfer probe times."""
     import jax

@@ -26,16 +26,25 @@ gradient of the mean over the whole batch, as one process does.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections import deque
+from typing import TYPE_CHECKING, Sequence
 
 import jax
 import numpy as np
 
 from ...errors import VjpsplitError
+from ...treetypes import PyTree
 from ..schedules.ops import Op
 from .model import Microbatch
 from .offload import Offload
 from .worker import StageWorker
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh, PartitionSpec
+
+    from ...artifact.artifact import Artifact
+    from ...tracing.residuals import Intermediates
+    from ..schedules.timeline import Event
 
 AXIS = "replicas"  # the one mesh axis of a stage's replica devices
 
@@ -60,7 +69,7 @@ def zero_dim(shape: Sequence[int], n: int) -> int | None:
     return best
 
 
-def zero_spec(shape: Sequence[int], n: int) -> Any:
+def zero_spec(shape: Sequence[int], n: int) -> PartitionSpec:
     """The ``PartitionSpec`` of a leaf's gradient and optimizer state over ``n`` replicas (``zero_dim``)."""
     from jax.sharding import PartitionSpec
 
@@ -68,19 +77,19 @@ def zero_spec(shape: Sequence[int], n: int) -> Any:
     return PartitionSpec() if d is None else PartitionSpec(*([None] * d), AXIS)
 
 
-def replica_mesh(devices: Sequence[Any]) -> Any:
+def replica_mesh(devices: Sequence[jax.Device]) -> Mesh:
     """The 1-D mesh (axis ``AXIS``) over a stage's replica devices, in order."""
     from jax.sharding import Mesh
 
     return Mesh(np.asarray(list(devices), dtype=object), (AXIS,))
 
 
-def split_parts(tree: Any, n: int) -> list[Any]:
+def split_parts(tree: PyTree, n: int) -> list[PyTree]:
     """``tree``'s arrays cut into ``n`` equal parts along axis 0: per replica, the tree of its part."""
     import jax
 
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    parts: list[list[Any]] = [[] for _ in range(n)]
+    parts: list[list[object]] = [[] for _ in range(n)]
     for a in leaves:
         rows = int(np.shape(a)[0]) if np.ndim(a) else 0
         if rows % n or rows == 0:
@@ -101,7 +110,7 @@ def check_split(mbs: Sequence[Microbatch], n: int) -> None:
         split_parts((x, list(side.values()) if isinstance(side, dict) else side), n)  # a StageInputs: its lists
 
 
-def refuse_sharded(artifacts: Sequence[Any]) -> None:
+def refuse_sharded(artifacts: Sequence[Artifact]) -> None:
     """One error when a stage is sharded: replicas run unsharded stages only (on either runner).
 
     Raises:
@@ -116,11 +125,11 @@ def refuse_sharded(artifacts: Sequence[Any]) -> None:
 
 
 def replica_placement(
-    artifacts: Sequence[Any],
+    artifacts: Sequence[Artifact],
     workers: Sequence[Sequence[int]],
     n: int,
-    devices: Sequence[Sequence[Any]] | None = None,
-) -> list[tuple[Any, ...]]:
+    devices: Sequence[Sequence[jax.Device]] | None = None,
+) -> list[tuple[jax.Device, ...]]:
     """Per stage, its ``n`` replica devices: ``devices`` as given (one list of ``n`` per stage), or by default
     worker k's stages on this host's devices ``k*n ... k*n + n - 1`` (one error when there are too few)."""
     refuse_sharded(artifacts)
@@ -164,7 +173,7 @@ class Reducer:
     the global norm without another collective.
     """
 
-    def __init__(self, mesh: Any, shapes: Sequence[tuple[int, ...]], squared: Sequence[bool]):
+    def __init__(self, mesh: Mesh, shapes: Sequence[tuple[int, ...]], squared: Sequence[bool]):
         import jax
         from jax.sharding import PartitionSpec
 
@@ -179,18 +188,18 @@ class Reducer:
         body = jax.shard_map(self.reduce_replicas, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
         self.program = jax.jit(body)
 
-    def reduce_replicas(self, *blocks: Any) -> tuple[list[Any], Any]:
+    def reduce_replicas(self, *blocks: jax.Array) -> tuple[list[jax.Array], jax.Array]:
         import jax
         import jax.numpy as jnp
 
         n = self.n
-        groups: dict[Any, list[tuple[int, Any]]] = {}
+        groups: dict[np.dtype, list[tuple[int, jax.Array]]] = {}
         for i, (b, s, d) in enumerate(zip(blocks, self.shapes, self.dims)):
             b = b.reshape(s)
             # Row r is what replica r keeps: its slice along the sharded dim, or the whole leaf.
             row = jnp.broadcast_to(b.reshape(1, -1), (n, b.size)) if d is None else jnp.moveaxis(b, d, 0).reshape(n, -1)
             groups.setdefault(b.dtype, []).append((i, row))
-        out: list[Any] = [None] * len(blocks)
+        out: dict[int, jax.Array] = {}  # by leaf, each set below
         for rows in groups.values():
             buf = jnp.concatenate([r for _, r in rows], axis=1)
             red = jax.lax.psum_scatter(buf, AXIS, scatter_dimension=0, tiled=True)[0]
@@ -206,16 +215,17 @@ class Reducer:
                     out[i] = jnp.moveaxis(piece.reshape(moved), 0, d)
         first = jax.lax.axis_index(AXIS) == 0
         sq = []
-        for i, g in enumerate(out):
+        for i in range(len(blocks)):
             if not self.squared[i]:
                 continue
+            g = out[i]
             v = jnp.sum(jnp.square(jnp.abs(g) if jnp.iscomplexobj(g) else g))
             sq.append(v if self.dims[i] is not None else jnp.where(first, v, jnp.zeros_like(v)))
         wide = jnp.result_type(*[v.dtype for v in sq]) if sq else jnp.float32
         squares = jnp.stack([v.astype(wide) for v in sq]) if sq else jnp.zeros((0,), wide)
-        return out, squares.reshape(1, -1)
+        return [out[i] for i in range(len(blocks))], squares.reshape(1, -1)
 
-    def __call__(self, per_replica: Sequence[Sequence[Any]]) -> tuple[list[Any], Any]:
+    def __call__(self, per_replica: Sequence[Sequence[jax.Array]]) -> tuple[list[jax.Array], jax.Array]:
         """``per_replica[r]``: replica r's gradient leaves (on its device); the reduced leaves and the squares."""
         import jax
         from jax.sharding import NamedSharding, PartitionSpec
@@ -243,11 +253,11 @@ class ReplicaGroup:
 
     def __init__(
         self,
-        artifact: Any,
-        params: Any,
+        artifact: Artifact,
+        params: PyTree,
         stage_index: int,
         num_stages: int,
-        devices: Sequence[Any],
+        devices: Sequence[jax.Device],
         offload: Offload | None = None,
     ):
         import jax
@@ -277,27 +287,27 @@ class ReplicaGroup:
         return self.stage_index == self.num_stages - 1
 
     @property
-    def devices(self) -> tuple[Any, ...]:
+    def devices(self) -> tuple[jax.Device | None, ...]:
         """The replicas' devices, in mesh order."""
         return tuple(r.device for r in self.replicas)
 
     @property
-    def params(self) -> Any:
+    def params(self) -> PyTree:
         """The first replica's parameters (every replica holds the same)."""
         return self.replicas[0].params
 
     @property
-    def inter(self) -> dict[int, Any]:
+    def inter(self) -> dict[int, Intermediates]:
         """The first replica's split-backward intermediates by microbatch (which W operations have work)."""
         return self.replicas[0].inter
 
     @property
-    def ring(self) -> Any:
+    def ring(self) -> deque[tuple[str, int, float, float]]:
         """The first replica's last operations (what a stuck step's report shows)."""
         return self.replicas[0].ring
 
     @property
-    def events(self) -> list[Any]:
+    def events(self) -> list[Event]:
         """A timed step's events: the first replica's (the replicas run one after another when timed)."""
         return self.replicas[0].events
 
@@ -322,11 +332,11 @@ class ReplicaGroup:
             self.timed = timed
         for r in self.replicas:
             r.reset(timed, plans)
-        self.grads: Any = None
-        self.squares: Any = None
+        self.grads: PyTree = None
+        self.squares: jax.Array | None = None
         self.done, self.m = 0, 0
 
-    def to_device(self, tree: Any) -> Any:
+    def to_device(self, tree: PyTree) -> PyTree:
         """``tree`` as it is: a microbatch is cut per replica first, and each part goes to its replica's device."""
         return tree
 
@@ -335,20 +345,20 @@ class ReplicaGroup:
         per = [r.fetch_losses() for r in self.replicas]
         return {m: float(np.mean([p[m] for p in per])) for m in sorted(per[0])}
 
-    def _per(self, data: Any, whole: bool) -> list[Any]:
+    def _per(self, data: PyTree, whole: bool) -> list[PyTree]:
         if isinstance(data, Parts):
             return list(data)
         if data is None:
             return [None] * self.n
         return split_parts(data, self.n) if whole else [data] * self.n
 
-    def forward(self, mb: int, x: Any, side: Sequence[Any], worker: int | None = None) -> Parts:
+    def forward(self, mb: int, x: PyTree, side: Sequence[PyTree], worker: int | None = None) -> Parts:
         """F on every replica, each on its part of the microbatch."""
         xs = self._per(x, True)
         sides = split_parts(list(side), self.n) if side else [[] for _ in range(self.n)]
         return Parts(r.forward(mb, xs[i], sides[i], worker) for i, r in enumerate(self.replicas))
 
-    def backward(self, mb: int, ct: Any, microbatches: int, worker: int | None = None) -> Parts:
+    def backward(self, mb: int, ct: PyTree, microbatches: int, worker: int | None = None) -> Parts:
         """Whole backward on every replica; the step's last one dispatches the reduction."""
         cts = self._per(ct, False)
         self.m = microbatches
@@ -356,7 +366,7 @@ class ReplicaGroup:
         self._accumulated()
         return out
 
-    def backward_input(self, mb: int, ct: Any, microbatches: int, worker: int | None = None) -> Parts:
+    def backward_input(self, mb: int, ct: PyTree, microbatches: int, worker: int | None = None) -> Parts:
         """Split schedules' B on every replica."""
         cts = self._per(ct, False)
         self.m = microbatches
@@ -398,7 +408,7 @@ class ReplicaGroup:
             r.grads = None  # the per-replica sums are spent
         self.reductions += 1
 
-    def set_params(self, per_replica: Sequence[Any]) -> None:
+    def set_params(self, per_replica: Sequence[PyTree]) -> None:
         """Replica r runs ``per_replica[r]`` (the stage's parameter structure, on its device) from now on."""
         for r, p in zip(self.replicas, per_replica):
             r.params = p
@@ -406,13 +416,13 @@ class ReplicaGroup:
         self.grads = self.squares = None
 
 
-def jax_leaves(tree: Any) -> list[Any]:
-    """``tree``'s leaves in JAX's order."""
+def jax_leaves(tree: PyTree) -> list[jax.Array]:
+    """``tree``'s leaves in JAX's order (a stage's gradients: its arrays)."""
     import jax
 
     return jax.tree_util.tree_leaves(tree)
 
 
-def lead(worker: Any) -> Any:
+def lead(worker: StageWorker | ReplicaGroup) -> StageWorker:
     """The ``StageWorker`` that evaluates for ``worker``: a group's first replica, else the worker itself."""
     return worker.replicas[0] if isinstance(worker, ReplicaGroup) else worker

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
@@ -22,6 +22,10 @@ from ..schedules.play import replay
 from ..schedules.plots import plot_timeline
 from ..schedules.tracefile import trace_events, write_trace
 from ..schedules.timeline import Event, Phase, bubble_ratio
+from ...treetypes import JSONObject, PyTree
+
+if TYPE_CHECKING:
+    import jax
 
 
 @dataclass
@@ -56,14 +60,14 @@ class PipelineResult:
 
     schedule: str
     loss: float
-    grads: Any
+    grads: PyTree
     events: list[Event]
     num_stages: int
     microbatches: int
     runner: str
     step_time: float
     plans: list[list[Op]]
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, object] = field(default_factory=dict)
     timed: bool = True  # whether each operation was waited for: only then do ``events`` hold compute times
     phases: list[Phase] = field(default_factory=list)  # a timed step's driver phases, reductions and updates
 
@@ -150,7 +154,7 @@ class PipelineResult:
             f"{self.microbatches} microbatches, bubble {self.bubble_ratio:.0%} ({self.runner})",
         )
 
-    def trace(self, devices: Sequence[Sequence[Any]] | None = None) -> dict[str, Any]:
+    def trace(self, devices: Sequence[Sequence[jax.Device]] | None = None) -> JSONObject:
         """The step as a Chrome/Perfetto trace-event document (``schedules.tracefile``); a timed step's only.
 
         Args:
@@ -171,7 +175,7 @@ class PipelineResult:
             self.events, self.phases, self.num_workers, self.num_stages, title=title, devices=names, meta=meta
         )
 
-    def write_trace(self, path: str | os.PathLike[str], devices: Sequence[Sequence[Any]] | None = None) -> None:
+    def write_trace(self, path: str | os.PathLike[str], devices: Sequence[Sequence[jax.Device]] | None = None) -> None:
         """Write the step as a trace file (``trace``) that Perfetto's UI, ``chrome://tracing`` and XProf open.
 
         Args:
@@ -193,9 +197,9 @@ def step_result(
     runner: str,
     step_time: float,
     losses: Mapping[int, float],
-    grads: Any,
+    grads: PyTree,
     events: Sequence[Event],
-    extra: Mapping[str, Any] | None = None,
+    extra: Mapping[str, object] | None = None,
     timed: bool = True,
     phases: Sequence[Phase] = (),
 ) -> PipelineResult:

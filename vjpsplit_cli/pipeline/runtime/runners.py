@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ...errors import VjpsplitError
 from ..schedules.ops import Op
@@ -11,6 +11,12 @@ from ..stages.directory import Stages
 from .inprocess import run_inprocess
 from .ray.pipeline import RayPipeline
 from .result import PipelineResult
+from ...treetypes import Leaf, PyTree
+
+if TYPE_CHECKING:
+    import jax
+
+    from ...artifact.artifact import Artifact
 
 RUNNERS = ("inprocess", "ray")
 
@@ -22,10 +28,10 @@ def check_runner(runner: str) -> None:
 
 
 def run(
-    artifacts: Sequence[Any] | Stages,
-    params: Any,
-    x: Any,
-    side: Any = (),
+    artifacts: Sequence[Artifact] | Stages,
+    params: PyTree,
+    x: PyTree,
+    side: Mapping[str, Leaf] | Sequence[Leaf] = (),
     *,
     microbatches: int,
     schedule_name: str = "1f1b",
@@ -33,7 +39,7 @@ def run(
     address: str | None = None,
     progress: bool = False,
     schedule: Sequence[Sequence[Op]] | None = None,
-    devices: Sequence[Sequence[Any]] | None = None,
+    devices: Sequence[Sequence[jax.Device]] | None = None,
     timed: bool = True,
 ) -> PipelineResult:
     """One pipelined training step: ``runner`` is ``inprocess`` (default) or ``ray``.
@@ -70,19 +76,31 @@ def run(
             as ``run_inprocess`` and ``RayPipeline`` raise.
     """
     check_runner(runner)
-    kw: dict[str, Any] = {
-        "microbatches": microbatches,
-        "schedule_name": schedule_name,
-        "progress": progress,
-        "schedule": schedule,
-        "timed": timed,
-    }
     if runner == "inprocess":
-        return run_inprocess(artifacts, params, x, side, devices=devices, **kw)
+        return run_inprocess(
+            artifacts,
+            params,
+            x,
+            side,
+            devices=devices,
+            microbatches=microbatches,
+            schedule_name=schedule_name,
+            progress=progress,
+            schedule=schedule,
+            timed=timed,
+        )
     if devices is not None:
         raise VjpsplitError(
             "devices= places the stages of this process; a Ray worker runs on the devices its actor sees"
         )
     layout = layout_for(schedule_name, schedule, len(artifacts))
     with RayPipeline(artifacts, params, address=address, layout=layout.workers) as rp:
-        return rp.run(x, side, **kw)
+        return rp.run(
+            x,
+            side,
+            microbatches=microbatches,
+            schedule_name=schedule_name,
+            progress=progress,
+            schedule=schedule,
+            timed=timed,
+        )

@@ -3,6 +3,8 @@
 A ``StageWorker`` holds a stage's artifact, parameters, the residuals of
 microbatches in flight and the accumulated gradients; ``run_op`` executes one
 scheduled operation on it. Threads (in-process) and Ray actors call the same.
+``RunsOps`` is what ``run_op`` and the runners call on a stage: a ``StageWorker``,
+or a ``replicas.ReplicaGroup`` standing in its place.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence, TypeVar
 
 import numpy as np
 
@@ -21,8 +23,65 @@ from ...tracing.residuals import Intermediates
 from ..schedules.ops import Kind, Op
 from .devices import default_device
 from .flight import RING
-from .offload import Offload, Offloader, device_bytes
+from .offload import Away, Offload, Offloader, device_bytes
 from ..schedules.timeline import Event, op_name
+from ...treetypes import Leaf, PyTree
+
+if TYPE_CHECKING:
+    import jax
+    from jax.sharding import SingleDeviceSharding
+    from jax.tree_util import PyTreeDef
+
+    from ...artifact.artifact import Artifact
+    from ...tracing.residuals import Residuals
+
+    Signature = tuple[tuple[int, ...], object]  # a leaf's shape, and its dtype (a Python scalar's type)
+    # A split backward's input part: the input cotangent now, and what its weight part reads.
+    SplitInput = Callable[[Residuals, PyTree], tuple[PyTree | None, Intermediates]]
+    # A forward signature's jitted call, which residual leaves are its inputs, how many leaves, their structure.
+    Traced = tuple[Callable[..., tuple[PyTree, list[jax.Array]]], dict[int, int], int, dict[str, PyTreeDef]]
+
+
+class RunsOps(Protocol):
+    """What runs one stage's scheduled operations: a ``StageWorker``, or a ``replicas.ReplicaGroup`` in its place.
+
+    What ``run_op`` and the runners call on a stage; both classes document each member.
+    """
+
+    grads: PyTree
+
+    @property
+    def events(self) -> list[Event]: ...
+
+    @property
+    def ring(self) -> deque[tuple[str, int, float, float]]: ...
+
+    @property
+    def is_last(self) -> bool: ...
+
+    @property
+    def inter(self) -> dict[int, Intermediates]: ...
+
+    @property
+    def peak_residual_bytes(self) -> int: ...
+
+    def set_offload(self, spec: Offload | None) -> None: ...
+
+    def before(self, op: Op) -> None: ...
+
+    def reset(self, timed: bool | None = None, plans: Sequence[Sequence[Op]] | None = None) -> None: ...
+
+    def to_device(self, tree: PyTree) -> PyTree: ...
+
+    def fetch_losses(self) -> dict[int, float]: ...
+
+    def forward(self, mb: int, x: PyTree, side: Sequence[PyTree], worker: int | None = None) -> PyTree: ...
+
+    def backward(self, mb: int, ct: PyTree, microbatches: int, worker: int | None = None) -> PyTree | None: ...
+
+    def backward_input(self, mb: int, ct: PyTree, microbatches: int, worker: int | None = None) -> PyTree | None: ...
+
+    def backward_weight(self, mb: int, worker: int | None = None) -> None: ...
 
 
 class _Forward:
@@ -37,11 +96,11 @@ class _Forward:
 
     WARMUP = 2  # the calls before a signature's are warm: the checked first one, then the jitted one compiles
 
-    def __init__(self, art: Any):
+    def __init__(self, art: Artifact):
         self.art = art
-        self.cache: dict[Any, Any] = {}
+        self.cache: dict[tuple[PyTreeDef, tuple[Signature, ...]], Traced] = {}
 
-    def __call__(self, *args: Any) -> tuple[Any, Any]:
+    def __call__(self, *args: PyTree) -> tuple[PyTree, Residuals]:
         import jax
 
         leaves, tree = jax.tree_util.tree_flatten(args)
@@ -52,9 +111,9 @@ class _Forward:
             res_leaves = jax.tree_util.tree_leaves(res)
             where = {id(a): i for i, a in enumerate(leaves)}
             backed = {j: where[id(r)] for j, r in enumerate(res_leaves) if id(r) in where}
-            traced: dict[str, Any] = {}
+            traced: dict[str, PyTreeDef] = {}
 
-            def run(*a: Any) -> tuple[Any, list[Any]]:
+            def run(*a: PyTree) -> tuple[PyTree, list[jax.Array]]:
                 o, r = self.art.fwd(*a)
                 flat, traced["tree"] = jax.tree_util.tree_flatten(r)
                 return o, [x for j, x in enumerate(flat) if j not in backed]
@@ -68,9 +127,9 @@ class _Forward:
         return out, traced["tree"].unflatten(flat)
 
 
-def _signature(a: Any) -> tuple[Any, Any]:
+def _signature(a: Leaf | complex) -> Signature:
     try:
-        return a.shape, a.dtype
+        return a.shape, a.dtype  # type: ignore[union-attr]  # a Python scalar has neither: below
     except AttributeError:  # a Python scalar
         return np.shape(a), type(a)
 
@@ -83,56 +142,62 @@ class _Calls:
     sum is in the same call as the weight gradient.
     """
 
-    def __init__(self, artifact: Any, feeds_back: bool):
+    def __init__(self, artifact: Artifact, feeds_back: bool):
         import jax
 
         m = artifact.manifest
         w, x = m.arg_names[0], (m.arg_names[1] if feeds_back else None)
 
-        def add(acc: Any, g: Any) -> Any:
+        def add(acc: PyTree, g: PyTree) -> PyTree:
             return jax.tree_util.tree_map(lambda a, b: a + b, acc, g)
 
-        def fused(res: Any, ct: Any) -> tuple[Any, Any]:
+        def fused(res: Residuals, ct: PyTree) -> tuple[PyTree, PyTree | None]:
             g = artifact.bwd(res, ct)
             g = {m.wrt[0]: g} if m.single_grad else dict(zip(m.wrt, g))
             return g[w], (g[x] if x else None)
 
-        def fused_acc(acc: Any, res: Any, ct: Any) -> tuple[Any, Any]:
+        def fused_acc(acc: PyTree, res: Residuals, ct: PyTree) -> tuple[PyTree, PyTree | None]:
             gw, gx = fused(res, ct)
             return add(acc, gw), gx
 
-        def b_input(res: Any, ct: Any) -> tuple[Any, Intermediates]:
+        def b_input(res: Residuals, ct: PyTree) -> tuple[PyTree | None, Intermediates]:
             g, inter = artifact.bwd_input(res, ct)
             # Without the residuals W reads: out of a jitted call they would come back as copies
             # (XLA copies an argument it returns), the stage's own arrays are put back below.
             return (g[x] if x else None), Intermediates(inter.arrays, inter.dims, inter.fingerprint)
 
-        def b_input_with_residuals(res: Any, ct: Any) -> tuple[Any, Intermediates]:
-            gx, inter = self.backward_input_jitted(res, ct)
+        def b_input_with_residuals(res: Residuals, ct: PyTree) -> tuple[PyTree | None, Intermediates]:
+            gx, inter = jitted_input(res, ct)
             stored, inputs = artifact.weight_part_residuals(res)
             return gx, Intermediates(
                 inter.arrays, inter.dims, inter.fingerprint, res.residuals_id, stored, inputs, res.arg_trees
             )
 
-        def b_weight(inter: Intermediates) -> Any:
+        def b_weight(inter: Intermediates) -> PyTree:
             # The intermediates carry the residuals W reads: the rest were freed after B.
             return artifact.bwd_weight(inter)[w]
 
+        jitted_input = jax.jit(b_input)  # traced at its first call: none without the split backward
         self.forward = _Forward(artifact)
         self.backward, self.backward_acc = jax.jit(fused), jax.jit(fused_acc)
-        self.backward_input_jitted: Any = jax.jit(b_input) if m.weights else None  # the compiled part (FLOPs, HLO)
-        self.backward_input: Any = b_input_with_residuals if m.weights else None
-        self.backward_weight: Any = jax.jit(b_weight) if m.weights else None
-        self.backward_weight_acc: Any = jax.jit(lambda acc, inter: add(acc, b_weight(inter))) if m.weights else None
+        # The split backward's calls, None without one (plans with I or W are refused before they run).
+        self.backward_input_jitted: SplitInput | None = (
+            jitted_input if m.weights else None
+        )  # the compiled part (FLOPs, HLO)
+        self.backward_input: SplitInput | None = b_input_with_residuals if m.weights else None
+        self.backward_weight: Callable[[Intermediates], PyTree] | None = jax.jit(b_weight) if m.weights else None
+        self.backward_weight_acc: Callable[[PyTree, Intermediates], PyTree] | None = (
+            jax.jit(lambda acc, inter: add(acc, b_weight(inter))) if m.weights else None
+        )
 
 
 # Compiled calls live as long as their artifact, so repeated steps (and run_inprocess
 # calls) reuse them instead of tracing and compiling again.
-_CALLS: "weakref.WeakKeyDictionary[Any, dict[bool, _Calls]]" = weakref.WeakKeyDictionary()
+_CALLS: "weakref.WeakKeyDictionary[Artifact, dict[bool, _Calls]]" = weakref.WeakKeyDictionary()
 _CALLS_LOCK = threading.Lock()
 
 
-def _calls_for(artifact: Any, feeds_back: bool) -> _Calls:
+def _calls_for(artifact: Artifact, feeds_back: bool) -> _Calls:
     with _CALLS_LOCK:
         per = _CALLS.setdefault(artifact, {})
         if feeds_back not in per:
@@ -185,17 +250,17 @@ class StageWorker:
 
     def __init__(
         self,
-        artifact: Any,
-        params: Any,
+        artifact: Artifact,
+        params: PyTree,
         stage_index: int,
         num_stages: int,
-        device: Any = None,
+        device: jax.Device | None = None,
         offload: Offload | None = None,
     ):
         self.art = artifact
         m = artifact.manifest
         self.device = None if m.sharded else device
-        self._sharding = None if self.device is None else _single(self.device)
+        self._sharding: SingleDeviceSharding | None = None if self.device is None else _single(self.device)
         self.params = self.place_params(params)
         self.stage_index = stage_index
         self.num_stages = num_stages
@@ -210,7 +275,9 @@ class StageWorker:
                 "waits for that gradient"
             )
         self.calls = _calls_for(artifact, self.feeds_back)
-        self._runs: dict[Any, int] = {}  # timed steps: how often each call ran per input signature (warm or not)
+        self._runs: dict[
+            tuple[int, tuple[object, ...]], int
+        ] = {}  # timed steps: how often each call ran per input signature (warm or not)
         self.set_offload(offload)
         self.timed = True
         # The last operations (kind, mb, start, end), kept across steps: what a stuck step's report shows.
@@ -235,7 +302,7 @@ class StageWorker:
         if self.offloader is not None:
             self.offloader.before(op)
 
-    def place_params(self, params: Any) -> Any:
+    def place_params(self, params: PyTree) -> PyTree:
         """``params`` where this stage keeps them: on its device, or by a sharded stage's recorded shardings.
 
         A sharded stage's go on its devices; once, not on every microbatch.
@@ -254,7 +321,7 @@ class StageWorker:
         return self.stage_index == self.num_stages - 1
 
     @property
-    def devices(self) -> tuple[Any, ...]:
+    def devices(self) -> tuple[jax.Device, ...]:
         """The devices that hold this stage's parameters (a sharded stage's mesh devices, in order)."""
         if self.art.manifest.sharded:
             return tuple(self.art.devices)
@@ -277,13 +344,13 @@ class StageWorker:
         if self.offloader is not None and plans is not None:
             self.offloader.schedule(plans)
         self.peak_residual_bytes = 0
-        self.res: dict[int, Any] = {}
-        self.inter: dict[int, Any] = {}
-        self.grads: Any = None
+        self.res: dict[int, Residuals | Away] = {}
+        self.inter: dict[int, Intermediates] = {}
+        self.grads: PyTree = None
         self.events: list[Event] = []
-        self.losses: dict[int, Any] = {}  # the last stage's per microbatch: device scalars until fetched
+        self.losses: dict[int, jax.Array] = {}  # the last stage's per microbatch: device scalars until fetched
 
-    def to_device(self, tree: Any) -> Any:
+    def to_device(self, tree: PyTree) -> PyTree:
         """``tree``'s arrays on this stage's device (those already there as they are); unchanged without one.
 
         Args:
@@ -330,20 +397,23 @@ class StageWorker:
         """At an operation's boundary: the most residual bytes held on the device so far this step."""
         self.peak_residual_bytes = max(self.peak_residual_bytes, self.residual_bytes())
 
-    def _residuals(self, mb: int) -> Any:
+    def _residuals(self, mb: int) -> Residuals:
         """Microbatch ``mb``'s residuals for its B, back on the device if they were away."""
         held = self.res.pop(mb)
-        return held if self.offloader is None else self.offloader.take(mb, held)
+        if self.offloader is not None:
+            return self.offloader.take(mb, held)
+        assert not isinstance(held, Away)  # nothing leaves the device without an offloader
+        return held
 
     def _run(
         self,
         worker: int | None,
         kind: Kind,
         mb: int,
-        args: Sequence[Any],
-        call: Callable[..., Any],
+        args: Sequence[PyTree],
+        call: Callable[..., PyTree],
         warmup: int,
-    ) -> Any:
+    ) -> PyTree:
         """``call(*args)``, in the ring; when timed, waited for (under a ``jax.profiler.TraceAnnotation`` named
         as the trace file's slice) and recorded as an ``Event`` of the operation's own time.
 
@@ -381,7 +451,7 @@ class StageWorker:
         self.events.append(Event(w, kind, mb, t0, t1, self.stage_index, own))
         return out
 
-    def _ct(self, ct: Any, microbatches: int) -> Any:
+    def _ct(self, ct: PyTree, microbatches: int) -> PyTree:
         if self.is_last:
             # In the loss's own dtype (float64 under x64): the artifact casts no cotangent.
             ct = np.asarray(1.0 / microbatches, dtype_from_name(self.art.manifest.cotangent_leaves[0].dtype))
@@ -389,7 +459,7 @@ class StageWorker:
             ct = self.to_device(ct)
         return self.art.place_cotangent(ct)
 
-    def forward(self, mb: int, x: Any, side: Sequence[Any], worker: int | None = None) -> Any:
+    def forward(self, mb: int, x: PyTree, side: Sequence[PyTree], worker: int | None = None) -> PyTree:
         """F: run the forward, keep the residuals; return the activation (the loss on the last stage).
 
         Args:
@@ -413,7 +483,7 @@ class StageWorker:
             self.losses[mb] = out
         return out
 
-    def backward(self, mb: int, ct: Any, microbatches: int, worker: int | None = None) -> Any:
+    def backward(self, mb: int, ct: PyTree, microbatches: int, worker: int | None = None) -> PyTree | None:
         """B, the whole backward (GPipe, 1F1B): accumulate the weight gradient, return the input cotangent.
 
         Args:
@@ -435,7 +505,7 @@ class StageWorker:
         self._note_peak()
         return gx
 
-    def backward_input(self, mb: int, ct: Any, microbatches: int, worker: int | None = None) -> Any:
+    def backward_input(self, mb: int, ct: PyTree, microbatches: int, worker: int | None = None) -> PyTree | None:
         """I, the backward's input part (split schedules): the input cotangent now, the weight part (W) later.
 
         Args:
@@ -449,7 +519,7 @@ class StageWorker:
         """
         # I is the last reader of most residuals: drop them, keeping only W's share (in inter).
         res, c = self._residuals(mb), self._ct(ct, microbatches)
-        gx, self.inter[mb] = self._run(worker, Kind.I, mb, (res, c), self.calls.backward_input, 1)
+        gx, self.inter[mb] = self._run(worker, Kind.I, mb, (res, c), _split(self.calls.backward_input), 1)
         del res
         self._note_peak()
         return gx
@@ -463,13 +533,13 @@ class StageWorker:
         """
         inter = self.inter.pop(mb)
         if self.grads is None:
-            self.grads = self._run(worker, Kind.W, mb, (inter,), self.calls.backward_weight, 1)
+            self.grads = self._run(worker, Kind.W, mb, (inter,), _split(self.calls.backward_weight), 1)
         else:
-            self.grads = self._run(worker, Kind.W, mb, (self.grads, inter), self.calls.backward_weight_acc, 1)
+            self.grads = self._run(worker, Kind.W, mb, (self.grads, inter), _split(self.calls.backward_weight_acc), 1)
         self._note_peak()
 
 
-def _signature_of(args: Sequence[Any]) -> tuple[Any, ...]:
+def _signature_of(args: Sequence[PyTree]) -> tuple[object, ...]:
     """What a compiled call is cached by: the inputs' structure, and each leaf's shape, dtype and placement."""
     import jax
 
@@ -477,13 +547,22 @@ def _signature_of(args: Sequence[Any]) -> tuple[Any, ...]:
     return (tree, *((*_signature(a), getattr(a, "sharding", None)) for a in leaves))
 
 
-def _single(device: Any) -> Any:
+C = TypeVar("C")
+
+
+def _split(call: C | None) -> C:
+    """A split backward's call: plans with I or W never reach a stage without one (``Model.check_plans``)."""
+    assert call is not None
+    return call
+
+
+def _single(device: jax.Device) -> SingleDeviceSharding:
     from jax.sharding import SingleDeviceSharding
 
     return SingleDeviceSharding(device)
 
 
-def run_op(stage: StageWorker, op: Op, data: Any, side: Sequence[Any], microbatches: int, worker: int) -> Any:
+def run_op(stage: RunsOps, op: Op, data: PyTree, side: Sequence[PyTree], microbatches: int, worker: int) -> PyTree:
     """Execute scheduled operation ``op`` on ``stage`` by its kind: F takes the activation, B and I the cotangent;
     W takes nothing.
 

@@ -3,25 +3,60 @@
 The actor imports no user code: it loads its stages' artifacts from bytes. Its
 ``__init__`` does nothing, so the time an actor takes to become ready is the time
 Ray takes to place and start it (which the driver bounds); ``load`` does the work.
+What the driver gets back of a step is a ``StepReport`` (or, with the gradients, a
+``StepState``); what a worker does now, a ``WorkerStatus``.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence, TypedDict, TypeVar
 
 import numpy as np
 
 from ...schedules.ops import BACKWARDS, Kind, Op
-from ...schedules.timeline import Phase
+from ...schedules.timeline import Event, Phase
 from ....errors import VjpsplitError
 from ..devices import placed, placement
 from ..flight import Now, idle
 from ..offload import Offload
 from ..replicas import ReplicaGroup, refuse_sharded
 from ..worker import StageWorker, run_op
-from .lists import Inbox, Sender, run_list, unpack
+from ....treetypes import Leaf, PyTree
+from .lists import Inbox, Key, Sender, run_list, unpack
+from .setup import ActorHandle
+
+T = TypeVar("T")
+
+
+class StepReport(TypedDict):
+    """A worker's step without arrays (``StageActor.report``): losses, timings on its clock, its first error."""
+
+    losses: dict[int, float]
+    events: list[Event]
+    phases: list[Phase]
+    error: BaseException | None
+
+
+class StepState(StepReport):
+    """A worker's step with its gradients (``StageActor.state``): per stage held, as host arrays."""
+
+    grads: dict[int, PyTree]
+    device_count: int
+    devices: dict[int, list[int]]
+
+
+class WorkerStatus(TypedDict):
+    """What a worker does now (``StageActor.status``), on its own clock.
+
+    ``now``: ``flight.Now`` with its operations as ``(kind, mb, stage)``; ``sent``: this step's values handed to
+    the sender, and when; ``rings``: per stage held, its last operations ``(kind, mb, start, end)``.
+    """
+
+    now: tuple[str, Key | None, Key | None, float]
+    sent: dict[Key, float]
+    rings: dict[int, list[tuple[str, int, float, float]]]
 
 
 class StageActor:
@@ -33,7 +68,9 @@ class StageActor:
     """
 
     def __init__(self) -> None:
-        self.stage_workers: dict[int, Any] = {}  # by stage index: a StageWorker, or a ReplicaGroup
+        # By stage index: a StageWorker, or a ReplicaGroup. Any: a TrainActor hands each to the trainer of its
+        # kind after an isinstance, which a union here would refuse.
+        self.stage_workers: dict[int, Any] = {}
         self.worker = -1
         self.num_stages = 0
         self.error: BaseException | None = None
@@ -41,7 +78,7 @@ class StageActor:
         self.sender: Sender | None = None
         self.worker_of: dict[int, int] = {}
         self.now: Now = idle()  # what this worker does now (runtime.flight), set by run_list
-        self.sent: dict[tuple[str, int, int], float] = {}  # this step's values handed to the sender, and when
+        self.sent: dict[Key, float] = {}  # this step's values handed to the sender, and when
         self.phases: list[Phase] = []  # this step's reductions and updates (a TrainActor's)
 
     def ready(self) -> str:
@@ -54,7 +91,7 @@ class StageActor:
         """This process's ``time.monotonic()``, for the driver's clock offset."""
         return time.monotonic()
 
-    def load(self, held: Sequence[tuple[int, bytes, Any]], num_stages: int, worker: int, replicas: int = 1) -> None:
+    def load(self, held: Sequence[tuple[int, bytes, PyTree]], num_stages: int, worker: int, replicas: int = 1) -> None:
         """Load ``(stage index, artifact bytes, params)`` for each stage this worker (``worker``) holds;
         ``replicas`` > 1: each stage as a ``ReplicaGroup`` over this actor's first ``replicas`` devices."""
         from ....artifact.loading import loads
@@ -84,7 +121,7 @@ class StageActor:
             for (s, _, params), a, g in zip(held, placed(arts, where), where)
         }
 
-    def connect(self, peers: Sequence[Any], worker_of: dict[int, int]) -> None:
+    def connect(self, peers: Sequence[ActorHandle], worker_of: dict[int, int]) -> None:
         """Every worker's actor handle and which worker holds each stage: where this one's results go."""
         if self.sender is not None:
             self.sender.connect(peers)
@@ -97,7 +134,7 @@ class StageActor:
         if self.error is None:
             self.error = picklable(e)
 
-    def guarded(self, fn: Callable[[], Any]) -> Any:
+    def guarded(self, fn: Callable[[], T]) -> T | None:
         """``fn()``, unless the step has already failed (then None); what it raises becomes the step's error
         (``fail``) and gives None, so the rest of the step runs on without it."""
         if self.error is not None:
@@ -112,7 +149,7 @@ class StageActor:
         self,
         step: int,
         ops: Sequence[tuple[str, int, int]],
-        batch: dict[tuple[int, int], tuple[Any, list[Any]]],
+        batch: dict[tuple[int, int], tuple[PyTree, list[Leaf]]],
         microbatches: int,
         timed: bool,
     ) -> None:
@@ -122,12 +159,12 @@ class StageActor:
         self.inbox.begin(step)
         run_list(self, step, ops, batch, microbatches)
 
-    def deliver(self, step: int, items: Sequence[tuple[tuple[str, int, int], Any]], *pieces: bytes) -> None:
+    def deliver(self, step: int, items: Sequence[tuple[Key, object]], *pieces: bytes) -> None:
         """Results another worker sent for step ``step`` (runs in the ``inbox`` concurrency group); ``pieces``:
         its arrays' bytes, where ``lists.pack`` cut them."""
         self.inbox.put(step, unpack(items, pieces) if pieces else items)
 
-    def echo(self, step: int, peer: int, value: Any, repeats: int, starts: bool) -> list[float]:
+    def echo(self, step: int, peer: int, value: object, repeats: int, starts: bool) -> list[float]:
         """Deliveries timed for step ``step`` (see ``RayPipeline.probe_delivery``): ``value`` sent to worker
         ``peer`` and back ``repeats`` times, as a step's results go (``Sender``, then ``Inbox``); ``starts``: this
         worker sends first and times each round trip (seconds), the other sends back what it takes."""
@@ -149,7 +186,7 @@ class StageActor:
         """Stop waiting for step ``step``'s inputs: a worker is gone (runs in the ``inbox`` group)."""
         self.inbox.abort(step)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> WorkerStatus:
         """What this worker does now, the values it sent this step and each stage's last operations (this
         process's clock; runs in the ``inbox`` group, beside a list that may be stuck)."""
         state, op, src, since = self.now
@@ -157,7 +194,7 @@ class StageActor:
             "now": (
                 state,
                 None if op is None else (str(op.kind), op.mb, op.stage),
-                None if src is None else tuple(src),
+                None if src is None else (src.kind, src.mb, src.stage),
                 since,
             ),
             "sent": dict(self.sent),
@@ -186,11 +223,11 @@ class StageActor:
         kind: str,
         stage: int,
         mb: int,
-        data: Any,
-        side: list[Any],
+        data: PyTree,
+        side: list[Leaf],
         microbatches: int,
-        after: Any = None,
-    ) -> Any:
+        after: object = None,
+    ) -> PyTree:
         """Run one scheduled operation (see ``worker.run_op``); None when skipped or failed.
 
         ``after`` is ignored: a compiled graph passes the worker's previous result to order its calls.
@@ -200,7 +237,7 @@ class StageActor:
         if not needed:
             return None
 
-        def run() -> Any:
+        def run() -> PyTree:
             import jax
 
             out = run_op(st, Op(Kind(kind), mb, stage), data, side, microbatches, self.worker)
@@ -209,7 +246,7 @@ class StageActor:
 
         return self.guarded(run)
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> StepState:
         """Gradients, losses, timings (this process's clock) and the first error of the step."""
         import jax
 
@@ -221,7 +258,7 @@ class StageActor:
             **self.report(),
         }
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> StepReport:
         """The step's losses, timings (this process's clock) and first error; no arrays."""
         held = self.stage_workers.values()
         return {
@@ -231,14 +268,14 @@ class StageActor:
             "error": self.error,
         }
 
-    def collect(self, after: Any) -> dict[str, Any]:
+    def collect(self, after: object) -> StepState:
         """``state``, then ``reset``: the end of a compiled step (``after``: the worker's last result)."""
         out = self.state()
         self.reset()
         return out
 
 
-def raise_first_error(reports: Sequence[Mapping[str, Any]]) -> None:
+def raise_first_error(reports: Sequence[StepReport]) -> None:
     """Raise the first error the workers' ``report`` (or ``state``) dicts hold, in worker order; none: return."""
     for report in reports:
         if report["error"] is not None:
@@ -258,6 +295,8 @@ def picklable(e: BaseException) -> BaseException:
 
 def devices_for(opts: dict[str, Any], n: int) -> None:
     """Let an actor that drives an ``n``-device sharded stage see ``n`` devices.
+
+    ``opts``: Ray's actor options (each value of the type Ray takes for its key), changed in place.
 
     Accelerators come from the actor options (``num_gpus``, ``resources``); on
     CPU, XLA makes ``n`` host devices when the actor's process starts with

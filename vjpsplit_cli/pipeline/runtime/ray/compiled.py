@@ -10,18 +10,24 @@ only those.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ...schedules.ops import Op
 from ..dispatch import walk
+from ....treetypes import Leaf
+from .setup import ActorHandle
+
+if TYPE_CHECKING:
+    from ray.dag import DAGNode
+    from ray.dag.compiled_dag_node import CompiledDAG
 
 
 def compile_step(
-    actors: Sequence[Any],
+    actors: Sequence[ActorHandle],
     plans: Sequence[Sequence[Op]],
     num_stages: int,
     microbatches: int,
-) -> Any:
+) -> CompiledDAG:
     """The compiled graph of one step: ``execute(*xs, *sides)`` (one x and one side list per microbatch).
 
     Each node runs its operation by its kind (``worker.run_op``): the plans say which backwards are split.
@@ -32,16 +38,17 @@ def compile_step(
     from ray.dag import InputNode, MultiOutputNode
 
     M = microbatches
-    last: list[Any] = [None] * len(plans)
+    last: list[DAGNode | None] = [None] * len(plans)
 
     with InputNode() as inp:
         mbs = [(inp[m], inp[M + m]) for m in range(M)]
 
-        def submit(w: int, op: Op, data: Any, side: list[Any]) -> Any:
+        def submit(w: int, op: Op, data: object, side: list[Leaf]) -> DAGNode:
             # Chained to the worker's previous node: every node then hangs off the input
             # (Ray requires it) and each actor runs exactly its list's order.
-            last[w] = actors[w].op.bind(op.kind, op.stage, op.mb, data, side, M, last[w])
-            return last[w]
+            node = actors[w].op.bind(op.kind, op.stage, op.mb, data, side, M, last[w])
+            last[w] = node
+            return node
 
         walk(plans, num_stages, mbs, submit)
         dag = MultiOutputNode([actors[w].collect.bind(node) for w, node in enumerate(last)])

@@ -12,7 +12,8 @@ done, and the losses, timings (and gradients) afterwards.
 Deliveries run in the actor's ``inbox`` concurrency group (Ray runs them beside
 the list; every other call of the actor stays in order in the default group). A
 failed or skipped operation sends None in place of its result, so no worker waits
-for it; ``abort`` releases a step's waits when a worker is gone.
+for it; ``abort`` releases a step's waits when a worker is gone. ``RunsLists`` is
+what ``run_list`` needs of the actor; a delivery is keyed by ``key_of`` its operation.
 """
 
 from __future__ import annotations
@@ -21,16 +22,29 @@ import dataclasses
 import queue
 import threading
 import time
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, TypeVar
 
 from ...schedules.ops import BACKWARDS, Kind, Op, OpKey, dependencies, received
-from ..flight import DONE, NEXT, RUNS, WAITS
+from ..flight import DONE, NEXT, RUNS, WAITS, Now
 from ..model import Microbatch, side_for
-from ..worker import run_op
+from ..worker import RunsOps, run_op
+from ....treetypes import Leaf, PyTree
+from .setup import ActorHandle, RemoteMethod
+
+if TYPE_CHECKING:
+    import jax
+    import numpy as np
+    from ray import ObjectRef
 
 INBOX = "inbox"  # the actors' concurrency group for deliveries and aborts
 CONCURRENCY_GROUPS = {INBOX: 1}
 Key = tuple[str, int, int]  # an operation as (kind, microbatch, stage): what a delivery is keyed by
+T = TypeVar("T")
+
+
+def key_of(op: OpKey) -> Key:
+    """``op`` as a plain tuple ``(kind, mb, stage)``: what a delivery is keyed by."""
+    return (op.kind, op.mb, op.stage)
 
 
 class Inbox:
@@ -38,7 +52,7 @@ class Inbox:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._values: dict[tuple[int, Key], Any] = {}
+        self._values: dict[tuple[int, Key], object] = {}
         self._step = -1
         self._aborted = -1  # every step up to this one is aborted
 
@@ -48,7 +62,7 @@ class Inbox:
             self._step = step
             self._values = {k: v for k, v in self._values.items() if k[0] >= step}
 
-    def put(self, step: int, items: Sequence[tuple[Key, Any]]) -> None:
+    def put(self, step: int, items: Sequence[tuple[Key, object]]) -> None:
         """``items`` for step ``step`` (dropped when that step is over here)."""
         with self._cond:
             if step >= self._step:
@@ -56,7 +70,7 @@ class Inbox:
                     self._values[(step, (str(kind), int(mb), int(stage)))] = value
                 self._cond.notify_all()
 
-    def take(self, step: int, key: Key) -> Any:
+    def take(self, step: int, key: Key) -> object:
         """The value sent for ``key`` in step ``step``, once it is here; None when the step was aborted."""
         with self._cond:
             while (step, key) not in self._values:
@@ -79,18 +93,18 @@ class Sender:
     receiving worker, so a busy sender makes fewer, larger calls.
     """
 
-    def __init__(self, peers: Sequence[Any], on_error: Any):
+    def __init__(self, peers: Sequence[ActorHandle], on_error: Callable[[BaseException], None]):
         self.on_error = on_error
         self.connect(peers)
-        self.queue: queue.Queue[Any] = queue.Queue()
+        self.queue: queue.Queue[tuple[int, int, Key, object]] = queue.Queue()
         self.thread = threading.Thread(target=self._serve, name="vjpsplit-sender", daemon=True)
         self.thread.start()
 
-    def connect(self, peers: Sequence[Any]) -> None:
+    def connect(self, peers: Sequence[ActorHandle]) -> None:
         """Every worker's actor, by worker index: where ``send`` delivers."""
-        self.deliveries = [p.deliver.options(concurrency_group=INBOX) for p in peers]
+        self.deliveries: list[RemoteMethod] = [p.deliver.options(concurrency_group=INBOX) for p in peers]
 
-    def send(self, step: int, worker: int, key: Key, value: Any) -> None:
+    def send(self, step: int, worker: int, key: Key, value: object) -> None:
         """Deliver ``value`` (None: failed or skipped) to ``worker`` as step ``step``'s ``key``.
 
         A value already computed (a timed step's) goes at once from this thread; one still
@@ -117,12 +131,12 @@ class Sender:
             for _ in batch:
                 self.queue.task_done()
 
-    def _deliver(self, batch: Sequence[tuple[int, int, Key, Any]]) -> None:
+    def _deliver(self, batch: Sequence[tuple[int, int, Key, object]]) -> None:
         """One call per receiving worker for ``batch``'s values, copied to the host first."""
         import jax
         import numpy as np
 
-        calls: dict[tuple[int, int], list[tuple[Key, Any]]] = {}
+        calls: dict[tuple[int, int], list[tuple[Key, object]]] = {}
         for step, worker, key, value in batch:
             if value is not None:
                 try:
@@ -147,13 +161,13 @@ PIECES_AT_MOST = 4 << 20  # a call's bytes sent as pieces; beyond them, arrays g
 class _Pieces:
     """An array sent as bytes in positional arguments ``first`` ... ``first + count - 1`` of the call."""
 
-    dtype: Any
+    dtype: np.dtype
     shape: tuple[int, ...]
     first: int
     count: int
 
 
-def pack(items: Sequence[tuple[Key, Any]]) -> tuple[list[tuple[Key, Any]], list[bytes]]:
+def pack(items: Sequence[tuple[Key, object]]) -> tuple[list[tuple[Key, object]], list[bytes]]:
     """``items`` with each array of a mid-size call cut into pieces small enough for Ray to send inside the
     call rather than through its object store (on one host that saves a round trip per delivery)."""
     import jax
@@ -161,7 +175,7 @@ def pack(items: Sequence[tuple[Key, Any]]) -> tuple[list[tuple[Key, Any]], list[
 
     pieces: list[bytes] = []
 
-    def cut(a: Any) -> Any:
+    def cut(a: object) -> object:
         if not isinstance(a, np.ndarray) or a.nbytes <= PIECE or len(pieces) * PIECE + a.nbytes > PIECES_AT_MOST:
             return a
         raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
@@ -172,12 +186,12 @@ def pack(items: Sequence[tuple[Key, Any]]) -> tuple[list[tuple[Key, Any]], list[
     return [(key, jax.tree_util.tree_map(cut, value)) for key, value in items], pieces
 
 
-def unpack(items: Sequence[tuple[Key, Any]], pieces: Sequence[bytes]) -> list[tuple[Key, Any]]:
+def unpack(items: Sequence[tuple[Key, object]], pieces: Sequence[bytes]) -> list[tuple[Key, object]]:
     """``pack``'s items back, each array whole."""
     import jax
     import numpy as np
 
-    def join(a: Any) -> Any:
+    def join(a: object) -> object:
         if not isinstance(a, _Pieces):
             return a
         return np.frombuffer(b"".join(pieces[a.first : a.first + a.count]), a.dtype).reshape(a.shape)
@@ -187,12 +201,12 @@ def unpack(items: Sequence[tuple[Key, Any]], pieces: Sequence[bytes]) -> list[tu
     ]
 
 
-def _ready(value: Any) -> bool:
+def _ready(value: object) -> bool:
     """Whether every array of ``value`` is computed (None counts as ready)."""
     import jax
 
-    arrays: list[Any] = [a for a in jax.tree_util.tree_leaves(value) if isinstance(a, jax.Array)]
-    return all(a.is_ready() for a in arrays)
+    arrays: list[jax.Array] = [a for a in jax.tree_util.tree_leaves(value) if isinstance(a, jax.Array)]
+    return all(a.is_ready() for a in arrays)  # type: ignore[attr-defined]  # public, not in jax.Array's stub
 
 
 def destination(op: Op, num_stages: int) -> int | None:
@@ -205,11 +219,28 @@ def destination(op: Op, num_stages: int) -> int | None:
     return None
 
 
+class RunsLists(Protocol):
+    """What ``run_list`` reads and sets on a worker's actor (a ``StageActor``; see its attributes)."""
+
+    num_stages: int
+    worker: int
+    worker_of: dict[int, int]
+    inbox: Inbox
+    sender: Sender | None
+    now: Now
+    sent: dict[Key, float]
+
+    @property
+    def stage_workers(self) -> Mapping[int, RunsOps]: ...
+
+    def guarded(self, fn: Callable[[], T]) -> T | None: ...
+
+
 def run_list(
-    actor: Any,
+    actor: RunsLists,
     step: int,
     ops: Sequence[Key],
-    batch: Mapping[tuple[int, int], tuple[Any, list[Any]]],
+    batch: Mapping[tuple[int, int], tuple[PyTree, list[Leaf]]],
     microbatches: int,
 ) -> None:
     """Run this worker's ``ops`` of step ``step`` on ``actor`` (a ``StageActor``, reset for the step).
@@ -217,8 +248,9 @@ def run_list(
     ``batch[(stage, mb)]`` is what the F of that stage and microbatch takes from the
     batch: the first stage's input (else None) and its side inputs.
     """
-    S, me, worker_of = actor.num_stages, actor.worker, actor.worker_of
-    local: dict[OpKey, Any] = {}  # results this worker's own later operations read (a V's two stages)
+    S, me, worker_of, sender = actor.num_stages, actor.worker, actor.worker_of, actor.sender
+    assert sender is not None  # connected before any step
+    local: dict[OpKey, object] = {}  # results this worker's own later operations read (a V's two stages)
     for kind, mb, stage in ops:
         op = Op(Kind(kind), mb, stage)
         st = actor.stage_workers[stage]
@@ -229,7 +261,7 @@ def run_list(
             data = local.pop(src, None)
         else:
             actor.now = (WAITS, op, src, time.monotonic())
-            data = actor.inbox.take(step, tuple(src))
+            data = actor.inbox.take(step, key_of(src))
         needed = data is not None or src is None and (op.kind != Kind.W or mb in st.inter)
         out = None
         if needed:  # called at once, in this iteration: the lambda's loop variables are this operation's
@@ -242,14 +274,14 @@ def run_list(
             if worker_of[dest] == me:
                 local[op.key] = out
             else:
-                actor.sent[tuple(op.key)] = time.monotonic()
-                actor.sender.send(step, worker_of[dest], tuple(op.key), out)
-    actor.sender.flush()
+                actor.sent[key_of(op.key)] = time.monotonic()
+                sender.send(step, worker_of[dest], key_of(op.key), out)
+    sender.flush()
     actor.now = (DONE, None, None, time.monotonic())
 
 
 def submit_lists(
-    actors: Sequence[Any],
+    actors: Sequence[ActorHandle],
     step: int,
     plans: Sequence[Sequence[Op]],
     mbs: Sequence[Microbatch],
@@ -257,8 +289,8 @@ def submit_lists(
     microbatches: int,
     timed: bool,
     call: str = "run_step",
-    extra: Sequence[Any] = (),
-) -> list[Any]:
+    extra: Sequence[object] = (),
+) -> list[ObjectRef[Any]]:
     """Every actor's ``call`` (``run_step``, or a subclass's method taking the same arguments then ``extra``) of
     step ``step``: its list and the batch inputs its stages read; the refs."""
     refs = []

@@ -9,7 +9,8 @@ driver's at start, and its events are moved onto the driver's clock.
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypeVar
 
 from ....errors import VjpsplitError
 from ...schedules.catalog import describe
@@ -18,16 +19,28 @@ from ...schedules.layout import layout_kind
 from ...schedules.ops import Op
 from ...schedules.stepplans import resolve
 from ...stages.directory import Stages
-from ..dispatch import progress_bar
+from ..dispatch import ProgressBar, progress_bar
 from ..model import Microbatch, model_of
 from ..result import PipelineResult, step_result
 from . import waiting
-from .actor import StageActor, devices_for, raise_first_error
+from .actor import StepReport, StepState, StageActor, WorkerStatus, devices_for, raise_first_error
 from .compiled import compile_step
 from ..flight import clause, default_path, ring_rows, write_flight
 from ...schedules.ops import OpKey
 from .lists import CONCURRENCY_GROUPS, INBOX, submit_lists
-from .setup import SCHEDULE_TIMEOUT, clock_offset, init_ray, lack
+from .setup import SCHEDULE_TIMEOUT, ActorHandle, RemoteClass, clock_offset, init_ray, lack
+from ...schedules.timeline import Event
+from ....treetypes import Leaf, PyTree
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.dag.compiled_dag_node import CompiledDAG
+
+    from ....artifact.artifact import Artifact
+
+    GraphKey = tuple[tuple[tuple[Op, ...], ...], int]  # a compiled step's plans and microbatches
+
+T = TypeVar("T")
 
 STEP_TIMEOUT = 600.0  # seconds for one step's results, after which the step is an error, not a hang
 RUNNER = "ray"
@@ -99,16 +112,16 @@ class RayPipeline:
             not placed within ``schedule_timeout`` (naming its stage and what it lacks).
     """
 
-    actor_class: type = StageActor  # the Trainer's actors extend it
+    actor_class: type[StageActor] = StageActor  # the Trainer's actors extend it
     replicas = 1  # replicas of every stage on each actor's devices (the Trainer's data_parallel)
 
     def __init__(
         self,
-        artifacts: Sequence[Any] | Stages,
-        params: Any,
+        artifacts: Sequence[Artifact] | Stages,
+        params: PyTree,
         *,
         address: str | None = None,
-        runtime_env: Mapping[str, Any] | None = None,
+        runtime_env: Mapping[str, object] | None = None,
         num_cpus_per_stage: float = 0,
         layout: str | Sequence[Sequence[int]] = "stage",
         actor_options: Sequence[Mapping[str, Any]] | None = None,
@@ -121,7 +134,7 @@ class RayPipeline:
         except ImportError as e:
             raise VjpsplitError("the Ray runner needs Ray; pip install 'vjpsplit[ray]'") from e
         self.model = model_of(artifacts, params)
-        self.ray = ray
+        self.ray: ModuleType = ray
         # A Stages feeds each stage its own batch inputs: actor calls, not the graph's one side list.
         if compiled and self.model.sides_per_stage:
             raise VjpsplitError(
@@ -130,7 +143,7 @@ class RayPipeline:
             )
         self.compiled = False if self.model.sides_per_stage else compiled
         self.step_timeout = step_timeout
-        self.graph: tuple[Any, Any] | None = None  # (key, compiled graph) of the last compiled step
+        self.graph: tuple[GraphKey, CompiledDAG] | None = None  # (key, compiled graph) of the last compiled step
         self.num_stages = self.model.num_stages
         self.layout = Layout.of(layout, self.num_stages)
         if actor_options is not None and len(actor_options) != self.layout.num_workers:
@@ -139,11 +152,11 @@ class RayPipeline:
                 "give one dict of Ray actor options per worker"
             )
         self.started = init_ray(ray, address, runtime_env, self.layout.num_workers)
-        self.actors: list[Any] = []
-        self.options: list[dict[str, Any]] = []
+        self.actors: list[ActorHandle] = []
+        self.options: list[dict[str, Any]] = []  # per worker, Ray's actor options
         arts = self.model.artifacts
-        make: Any = ray.remote  # its typed overloads lack concurrency_groups
-        self._remote_class = make(concurrency_groups=CONCURRENCY_GROUPS)(self.actor_class)  # deliveries beside the list
+        # Through the untyped module: ray.remote's typed overloads lack concurrency_groups (deliveries beside the list).
+        self._remote_class: RemoteClass = self.ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(self.actor_class)
         for w, held in enumerate(self.layout.workers):
             opts = {"num_cpus": num_cpus_per_stage, **(dict(actor_options[w]) if actor_options else {})}
             devices_for(opts, self.replicas * max(arts[s].manifest.nr_devices for s in held))
@@ -161,7 +174,7 @@ class RayPipeline:
         self.steps = 0  # steps started: what an actor's inbox tells one step's deliveries from another's
         self.hang_report: str | None = None  # where a stuck step's report goes (None: flight.default_path)
 
-    def new_actor(self, worker: int) -> Any:
+    def new_actor(self, worker: int) -> ActorHandle:
         """A new actor for ``worker``, with its actor options: at the start, or in place of one that was lost.
 
         Args:
@@ -213,7 +226,7 @@ class RayPipeline:
             ]
         )
 
-    def get(self, refs: Sequence[Any]) -> list[Any]:
+    def get(self, refs: Sequence[ObjectRef[T]]) -> list[T]:
         """The values of ``refs``; a dead actor is one error naming the stages it held.
 
         Args:
@@ -229,14 +242,14 @@ class RayPipeline:
 
     def fetch(
         self,
-        refs: Sequence[Any],
+        refs: Sequence[ObjectRef[T]],
         owners: Sequence[int],
         t0: float,
         *,
         hint: str = "",
-        bar: Any = None,
-        watch: Sequence[Any] = (),
-    ) -> list[Any]:
+        bar: ProgressBar | None = None,
+        watch: Sequence[ObjectRef[Any]] = (),
+    ) -> list[T]:
         """The values of ``refs`` (worker ``owners[i]``'s) once all are done, within ``step_timeout`` of ``t0``.
 
         ``watch``: the step's lists (``start_step``); one whose actor died ends the wait at once and
@@ -290,7 +303,7 @@ class RayPipeline:
         ray = self.ray
         refs = [a.status.options(concurrency_group=INBOX).remote() for a in self.actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait)
-        got: dict[int, Any] = {}
+        got: dict[int, WorkerStatus] = {}
         for w, ref in enumerate(refs):
             if ref in ready:
                 try:
@@ -330,8 +343,8 @@ class RayPipeline:
         microbatches: int,
         timed: bool,
         call: str = "run_step",
-        extra: Sequence[Any] = (),
-    ) -> list[Any]:
+        extra: Sequence[object] = (),
+    ) -> list[ObjectRef[Any]]:
         """Hand every actor its list of the next step (``lists.submit_lists``); the refs of the lists.
 
         Args:
@@ -348,7 +361,7 @@ class RayPipeline:
         self.steps += 1
         return submit_lists(self.actors, self.steps, plans, mbs, self.num_stages, microbatches, timed, call, extra)
 
-    def probe_delivery(self, value: Any, repeats: int = 50, workers: tuple[int, int] = (0, 1)) -> list[float]:
+    def probe_delivery(self, value: object, repeats: int = 50, workers: tuple[int, int] = (0, 1)) -> list[float]:
         """One actor-to-actor delivery of ``value`` timed ``repeats`` times, as a step sends its results.
 
         Worker ``workers[0]`` sends ``value`` to ``workers[1]``, which sends it back, through their senders and
@@ -394,8 +407,8 @@ class RayPipeline:
 
     def run(
         self,
-        x: Any,
-        side: Any = (),
+        x: PyTree,
+        side: Mapping[str, Leaf] | Sequence[Leaf] = (),
         *,
         microbatches: int,
         schedule_name: str = "1f1b",
@@ -459,7 +472,7 @@ class RayPipeline:
         states = self.fetch([a.state.remote() for a in self.actors], everyone, t0, watch=lists)
         return self._result(states, name, microbatches, time.monotonic() - t0, False, plans, timed or progress)
 
-    def _graph(self, plans: Sequence[Sequence[Op]], microbatches: int) -> Any:
+    def _graph(self, plans: Sequence[Sequence[Op]], microbatches: int) -> CompiledDAG | None:
         """The step's compiled graph, built once per (plans, microbatches); None where unavailable."""
         key = (tuple(map(tuple, plans)), microbatches)
         if self.graph is not None and self.graph[0] == key:
@@ -487,7 +500,7 @@ class RayPipeline:
                 pass
 
     def _run_graph(
-        self, graph: Any, mbs: Sequence[Microbatch], name: str, microbatches: int, plans: Sequence[Sequence[Op]]
+        self, graph: CompiledDAG, mbs: Sequence[Microbatch], name: str, microbatches: int, plans: Sequence[Sequence[Op]]
     ) -> PipelineResult:
         ray = self.ray
         t0 = time.monotonic()
@@ -510,7 +523,7 @@ class RayPipeline:
 
     def _result(
         self,
-        states: Sequence[Mapping[str, Any]],
+        states: Sequence[StepState],
         name: str,
         microbatches: int,
         step_time: float,
@@ -535,7 +548,7 @@ class RayPipeline:
             timed=timed,
         )
 
-    def driver_events(self, states: Sequence[Mapping[str, Any]]) -> list[Any]:
+    def driver_events(self, states: Sequence[StepReport]) -> list[Event]:
         """The events in each worker's ``state`` (or ``report``), moved onto the driver's clock.
 
         Args:

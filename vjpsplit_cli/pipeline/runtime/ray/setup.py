@@ -3,23 +3,57 @@
 ``init_ray`` refuses settings a running Ray would silently ignore; ``clock_offset``
 measures an actor's clock against the driver's; ``lack`` says in words why an actor
 is not placed; ``placement_group_options`` gives one worker per node or GPU.
+``ActorHandle``, ``RemoteMethod`` and ``RemoteClass`` are what the runner calls on
+Ray's handles (the ``ray`` module itself is a ``types.ModuleType``: Ray is imported
+where it is used, the runner's only optional dependency).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Any, Mapping
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 from ....errors import VjpsplitError
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.dag import DAGNode
 
 SCHEDULE_TIMEOUT = 60.0  # seconds for Ray to place and start every actor
 
 
-def init_ray(ray: Any, address: str | None, runtime_env: Mapping[str, Any] | None, num_workers: int) -> bool:
+class RemoteMethod(Protocol):
+    """One method of a Ray actor's handle: ``remote`` calls it, ``options`` sets a call's options, ``bind`` makes
+    a Compiled Graph node of the call."""
+
+    # An actor method's result is whatever that method returns: the handle does not say which.
+    def remote(self, *args: object) -> ObjectRef[Any]: ...
+
+    def options(self, **options: object) -> RemoteMethod: ...
+
+    def bind(self, *args: object) -> DAGNode: ...
+
+
+class ActorHandle(Protocol):
+    """A Ray actor's handle: each method of the actor's class (``StageActor`` or a subclass) a ``RemoteMethod``."""
+
+    def __getattr__(self, name: str) -> RemoteMethod: ...
+
+
+class RemoteClass(Protocol):
+    """An actor class made remote (``ray.remote(...)(cls)``): ``options(...).remote()`` starts an actor."""
+
+    def options(self, **options: object) -> RemoteClass: ...
+
+    def remote(self) -> ActorHandle: ...
+
+
+def init_ray(ray: ModuleType, address: str | None, runtime_env: Mapping[str, object] | None, num_workers: int) -> bool:
     """Start or join Ray; True when this call started it. Refuses settings a running Ray would ignore."""
     if not ray.is_initialized():
-        kwargs: dict[str, Any] = (
+        kwargs: dict[str, str | int] = (
             {"address": address} if address else {"num_cpus": max(num_workers, os.cpu_count() or 1)}
         )
         ray.init(include_dashboard=False, log_to_driver=False, runtime_env=runtime_env, **kwargs)
@@ -39,7 +73,7 @@ def init_ray(ray: Any, address: str | None, runtime_env: Mapping[str, Any] | Non
     return False
 
 
-def clock_offset(ray: Any, actor: Any, pings: int = 5) -> float:
+def clock_offset(ray: ModuleType, actor: ActorHandle, pings: int = 5) -> float:
     """The actor's monotonic clock minus the driver's, from the ping with the shortest round trip."""
     best: tuple[float, float] | None = None
     for _ in range(pings):
@@ -54,7 +88,11 @@ def clock_offset(ray: Any, actor: Any, pings: int = 5) -> float:
 
 
 def asks_of(opts: Mapping[str, Any]) -> dict[str, float]:
-    """What an actor with options ``opts`` asks of the cluster: ``{resource: amount}``."""
+    """What an actor with options ``opts`` asks of the cluster: ``{resource: amount}``.
+
+    ``opts`` is Ray's actor options, each value of the type Ray takes for its key (numbers, a resources dict, a
+    scheduling strategy...).
+    """
     asks = {
         "CPU": opts.get("num_cpus", 1),
         "GPU": opts.get("num_gpus", 0),
@@ -64,7 +102,7 @@ def asks_of(opts: Mapping[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in asks.items() if v}
 
 
-def lack(ray: Any, opts: Mapping[str, Any]) -> str:
+def lack(ray: ModuleType, opts: Mapping[str, Any]) -> str:
     """Why an actor with options ``opts`` is still waiting, in words."""
     asks, free, total = asks_of(opts), ray.available_resources(), ray.cluster_resources()
     short = [
@@ -89,7 +127,7 @@ def placement_group_options(
     *,
     strategy: str = "STRICT_SPREAD",
     timeout: float = SCHEDULE_TIMEOUT,
-) -> list[dict[str, Any]]:
+) -> list[dict[str, object]]:
     """``actor_options`` putting each worker in its own bundle of one new placement group.
 
     ``bundle`` is what each worker reserves (default one CPU); ``strategy`` is Ray's:

@@ -10,11 +10,19 @@ which also says which workers they were, for the Trainer to replace them).
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 from ....errors import VjpsplitError
 from ...schedules.layout import Layout
+from ..dispatch import ProgressBar
 from ..flight import StepInterrupted
+from .setup import ActorHandle
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+T = TypeVar("T")
 
 
 class WorkerLost(VjpsplitError):
@@ -26,16 +34,16 @@ class WorkerLost(VjpsplitError):
 
 
 def wait_step(
-    ray: Any,
-    refs: Sequence[Any],
+    ray: ModuleType,
+    refs: Sequence[object],
     owners: Sequence[int],
     deadline: float,
     step_timeout: float,
     layout: Layout,
     *,
     hint: str = "",
-    bar: Any = None,
-    watch: Sequence[Any] = (),
+    bar: ProgressBar | None = None,
+    watch: Sequence[object] = (),
     on_stop: Callable[[], None] | None = None,
     describe: Callable[[], str] | None = None,
 ) -> None:
@@ -80,7 +88,7 @@ def wait_step(
             )
 
 
-def _failed(ray: Any, ref: Any) -> bool:
+def _failed(ray: ModuleType, ref: object) -> bool:
     """Whether a completed ``ref`` holds an error (its actor died) rather than a value."""
     try:
         ray.get(ref)
@@ -89,7 +97,7 @@ def _failed(ray: Any, ref: Any) -> bool:
     return False
 
 
-def get(ray: Any, refs: Sequence[Any], actors: Sequence[Any], layout: Layout) -> list[Any]:
+def get(ray: ModuleType, refs: Sequence[ObjectRef[T]], actors: Sequence[ActorHandle], layout: Layout) -> list[T]:
     """``ray.get(refs)``, with a dead actor reported by the stages it held."""
     try:
         return list(ray.get(list(refs)))
