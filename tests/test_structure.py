@@ -358,3 +358,33 @@ def test_operations_say_what_they_are_and_nothing_asks_the_plans():
     for fn in takers:
         assert "split" not in inspect.signature(fn).parameters, fn.__qualname__
     assert [k.value for k in ops.Kind] == ["F", "B", "I", "W"]  # torch's letters, one kind each
+
+
+def _type_checking_imports_that_do_not_resolve() -> list[tuple[str, str, str]]:
+    bad = []
+    for name, path in _modules().items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)):
+                continue
+            for imp in (n for n in ast.walk(node) if isinstance(n, ast.ImportFrom)):
+                target = "." * imp.level + (imp.module or "")
+                try:
+                    module = importlib.import_module(
+                        target, f"vjpsplit_cli.{package}".rstrip(".") if imp.level else None
+                    )
+                except ImportError:
+                    bad.append((name, target, "*"))
+                    continue
+                for alias in imp.names:
+                    if not hasattr(module, alias.name):
+                        try:
+                            importlib.import_module(f"{module.__name__}.{alias.name}")
+                        except ImportError:
+                            bad.append((name, target, alias.name))
+    return bad
+
+
+def test_every_type_checking_import_resolves():
+    """mypy's ``ignore_missing_imports`` reads a mistyped ``if TYPE_CHECKING:`` import as ``Any`` and passes."""
+    assert _type_checking_imports_that_do_not_resolve() == []

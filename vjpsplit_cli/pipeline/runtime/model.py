@@ -40,8 +40,9 @@ class PreSplit:
         self.mbs = list(mbs)
 
 
-def side_for(side: list[Leaf] | StageInputs, stage: int, num_stages: int) -> list[Leaf]:
-    """Stage ``stage``'s side inputs: its own from a ``StageInputs``, else the microbatch's for the last stage."""
+def side_for(side: list[Leaf] | StageInputs, stage: int, num_stages: int) -> list[PyTree]:
+    """Stage ``stage``'s side inputs (pytrees: a stage's own reads come as one tuple): its own from a ``StageInputs``, else
+    the microbatch's for the last stage."""
     if isinstance(side, StageInputs):
         return side.get(stage, [])
     return side if stage == num_stages - 1 else []

@@ -22,7 +22,7 @@ from ..schedules.play import replay
 from ..schedules.plots import plot_timeline
 from ..schedules.tracefile import trace_events, write_trace
 from ..schedules.timeline import Event, Phase, bubble_ratio
-from ...treetypes import JSONObject, PyTree
+from ...treetypes import PyTree
 
 if TYPE_CHECKING:
     import jax
@@ -154,7 +154,7 @@ class PipelineResult:
             f"{self.microbatches} microbatches, bubble {self.bubble_ratio:.0%} ({self.runner})",
         )
 
-    def trace(self, devices: Sequence[Sequence[jax.Device]] | None = None) -> JSONObject:
+    def trace(self, devices: Sequence[Sequence[jax.Device]] | None = None) -> dict[str, object]:
         """The step as a Chrome/Perfetto trace-event document (``schedules.tracefile``); a timed step's only.
 
         Args:
