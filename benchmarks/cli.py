@@ -76,7 +76,7 @@ def _array_bytes(path: Path) -> int:
 
 
 def run(quick: bool) -> tuple[str, list[dict]]:
-    rounds = 5 if quick else 11
+    rounds = 3 if quick else 11
     py = sys.executable
     cli = [py, "-m", "vjpsplit_cli"]
     with tempfile.TemporaryDirectory() as d:

@@ -28,7 +28,7 @@ from benchmarks.timing import SINGLE_THREAD, run_section, section_main
 
 
 def _config(quick: bool) -> dict:
-    tiny = {"width": 16, "rows": 4, "layers": 8, "microbatches": 16, "rounds": 5 if quick else 25}
+    tiny = {"width": 16, "rows": 4, "layers": 8, "microbatches": 16, "rounds": 3 if quick else 25}
     if quick:
         return {
             "width": 256,
@@ -37,7 +37,7 @@ def _config(quick: bool) -> dict:
             "microbatches": 4,
             "rounds": 3,
             "ray": True,
-            "bw_rounds": 10,
+            "bw_rounds": 5,
             "tiny": tiny,
         }
     return {
