@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -13,6 +14,7 @@ from models import stages_whole as whole
 
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.pipeline import PerStage
+from vjpsplit_cli.pipeline.training.history import CheckpointTime, RestartRecord, StepRecord
 from vjpsplit_cli.pipeline.training.trainer import Trainer
 
 D, CLASSES, BATCH, STAGES = 8, 5, 16, 3
@@ -52,7 +54,36 @@ def test_trainer_steps_equal_single_process_optax(schedule):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert losses[0] != losses[-1]  # it trained
     assert_trees_close(tr.params(), jax.tree_util.tree_map(np.asarray, ref_params), rtol=1e-4, atol=1e-5)
-    assert [h["step"] for h in tr.history] == [1, 2, 3] and all(h["grad_norm"] > 0 for h in tr.history)
+    assert [h.step for h in tr.history] == [1, 2, 3] and all(h.grad_norm > 0 for h in tr.history)
+    assert all(isinstance(h, StepRecord) for h in tr.history)
+    with pytest.warns(DeprecationWarning, match=r"\.loss instead"):
+        assert tr.history[0]["loss"] == tr.history[0].loss == losses[0]  # the old key, kept
+
+
+def test_records_keep_the_old_dict_access_with_a_deprecation_warning():
+    row = StepRecord(step=1, loss=0.5, grad_norm=2.0, step_time=0.1, bubble=0.2, modeled_bubble=0.3)
+    timed = dataclasses.replace(row, busy=(0.1, 0.2), stragglers=(1,), measuring=True)
+    assert row.as_dict() == {
+        "step": 1, "loss": 0.5, "grad_norm": 2.0, "step_time": 0.1, "bubble": 0.2, "modeled_bubble": 0.3
+    }  # fmt: skip
+    with pytest.warns(DeprecationWarning, match=r"\.grad_norm instead"):
+        assert row["grad_norm"] == 2.0
+    with pytest.warns(DeprecationWarning, match=r"\.measuring instead"):
+        assert row.get("measuring", False) is False and timed.get("measuring") is True
+    with pytest.warns(DeprecationWarning, match=r"\.stragglers instead"):
+        assert "stragglers" not in row and "stragglers" in timed
+    with pytest.warns(DeprecationWarning), pytest.raises(KeyError):
+        row["eval_loss"]  # absent, as the dict had no such key before an evaluation
+    assert timed.as_dict()["busy"] == [0.1, 0.2] and timed.as_dict()["stragglers"] == [1]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        row.loss = 1.0  # type: ignore[misc]
+    ck = CheckpointTime(step=2, wait=0.01, write=0.5)
+    restart = RestartRecord(step=3, workers=(1,), returned_to=2, found_at=10.0, recovery_time=1.5)
+    with pytest.warns(DeprecationWarning, match=r"\.wait instead"):
+        assert ck["wait"] == 0.01
+    with pytest.warns(DeprecationWarning, match=r"\.workers instead"):
+        assert restart["workers"] == [1]  # a list, as it was
+    assert restart.as_dict() == {"step": 3, "workers": [1], "returned_to": 2, "found_at": 10.0, "recovery_time": 1.5}
 
 
 def test_trainer_clips_by_the_global_norm_over_stages():
@@ -61,7 +92,7 @@ def test_trainer_clips_by_the_global_norm_over_stages():
     tx = optax.sgd(0.1, momentum=0.9)
     tr = Trainer(arts, params, optimizer=tx, microbatches=2, schedule="1f1b", clip_global_norm=c)
     losses = [tr.step(b) for b in batches]
-    assert min(h["grad_norm"] for h in tr.history) > 2 * c  # clipping acts on every step
+    assert min(h.grad_norm for h in tr.history) > 2 * c  # clipping acts on every step
     ref_losses, ref_params = _reference(whole, params, optax.chain(optax.clip_by_global_norm(c), tx), batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(tr.params(), jax.tree_util.tree_map(np.asarray, ref_params), rtol=1e-4, atol=1e-6)

@@ -167,17 +167,18 @@ class AutoPlan:
             return self.measuring(mbs[0]), True
         return self.current, self.steps_timed < MEASURING_STEPS
 
-    def after(self, ran: Resolved, costs: Callable[[], dict[str, Any]], timed: bool) -> dict[str, Any]:
-        """The history's entries for the step that ran ``ran``: its schedule and ``modeled_makespan`` (seconds,
-        under the measured costs). After a timed step (the first, or ``step(batch, timed=True)``) auto plans again
-        for the costs ``costs()`` gives (medians over the timed steps kept)."""
+    def after(self, ran: Resolved, costs: Callable[[], dict[str, Any]], timed: bool) -> tuple[str, float | None, bool]:
+        """The history's entries for the step that ran ``ran``: its schedule, ``modeled_makespan`` (seconds,
+        under the measured costs) and whether it was a measuring step. After a timed step (the first, or
+        ``step(batch, timed=True)``) auto plans again for the costs ``costs()`` gives (medians over the timed
+        steps kept)."""
         if not timed:
-            return {"schedule": AUTO, "modeled_makespan": self.makespan}
+            return AUTO, self.makespan, False
         measuring, measured = self.steps_timed < MEASURING_STEPS, costs()
         self.steps_timed += 1
-        row = {"schedule": ran.name, "modeled_makespan": modeled_makespan(ran.plans, measured)}
+        row = ran.name, modeled_makespan(ran.plans, measured), measuring
         self.choose(measured)
-        return {**row, "measuring": True} if measuring else row
+        return row
 
     def limits_for(self, mb: Microbatch) -> tuple[int, ...]:
         """Per worker, the most microbatches it may hold: the limit given, or bytes over what one microbatch holds."""

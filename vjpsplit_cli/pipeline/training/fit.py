@@ -25,11 +25,12 @@ lost Ray worker.
   step this call already ran (it returned to a checkpoint after a lost worker).
 * With ``eval_data`` and ``eval_every``, ``Trainer.evaluate`` runs after every
   ``eval_every``-th step and after the last (``evaluations``), its loss in the
-  step's history row as ``eval_loss``.
+  step's history row as ``eval_loss`` (``StepRecord.eval_loss``: the row is replaced, records are frozen).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import os
@@ -40,6 +41,7 @@ from typing import Any, Callable, Sequence
 from ...errors import VjpsplitError, one_line
 from ..runtime.ray.waiting import WorkerLost
 from .checkpoint import HostCheckpoint, check_directory, has_checkpoint, save_checkpoint, tidy
+from .history import CheckpointTime, RestartRecord
 
 
 class CheckpointWriter:
@@ -50,7 +52,7 @@ class CheckpointWriter:
     long the files took to write.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], times: list[dict[str, float]]):
+    def __init__(self, directory: str | os.PathLike[str], times: list[CheckpointTime]):
         self.directory = directory
         self.thread: threading.Thread | None = None
         self.done = threading.Event()
@@ -64,8 +66,9 @@ class CheckpointWriter:
         t0 = time.monotonic()
         self.wait()
         ck = host_copy()
-        row = {"step": ck.step, "wait": time.monotonic() - t0, "write": float("nan")}
+        row = CheckpointTime(step=ck.step, wait=time.monotonic() - t0, write=float("nan"))
         self.last_step = ck.step
+        at = len(self.times)
         self.times.append(row)
 
         done = self.done = threading.Event()
@@ -77,7 +80,7 @@ class CheckpointWriter:
             except BaseException as e:  # noqa: BLE001 - handed to the thread that runs the steps
                 self.error = (ck.step, e)
             finally:
-                row["write"] = time.monotonic() - t1
+                self.times[at] = dataclasses.replace(row, write=time.monotonic() - t1)
                 done.set()
 
         self.thread = threading.Thread(target=write, name="vjpsplit-checkpoint")
@@ -148,7 +151,7 @@ def _reported(callback: Callable[..., Any] | None) -> Callable[[int, float, bool
 
 def _nonfinite(trainer: Any, k: int, loss: float, writer: CheckpointWriter | None) -> VjpsplitError | None:
     """The error that stops ``fit`` at step ``k`` if its loss or gradient norm is not finite."""
-    norm = trainer.history[-1]["grad_norm"] if trainer.history else 0.0
+    norm = trainer.history[-1].grad_norm if trainer.history else 0.0
     if math.isfinite(loss) and math.isfinite(norm):
         return None
     where = ""
@@ -246,7 +249,8 @@ def fit(
                         raise bad
                 done = k + 1
                 if eval_batch is not None and (done == steps or done % (eval_every or 1) == 0):
-                    trainer.history[-1]["eval_loss"] = trainer.evaluate(eval_batch(done))
+                    last = trainer.history[-1]
+                    trainer.history[-1] = dataclasses.replace(last, eval_loss=float(trainer.evaluate(eval_batch(done))))
                 if writer is not None and (
                     done == steps or (checkpoint_every is not None and done % checkpoint_every == 0)
                 ):
@@ -297,11 +301,11 @@ def _replace_lost_workers(
     trainer.backend.replace(workers)
     trainer.load(writer.directory)
     trainer.restarts.append(
-        {
-            "step": step,
-            "workers": list(workers),
-            "returned_to": trainer.step_count,
-            "found_at": found,
-            "recovery_time": time.monotonic() - t0,
-        }
+        RestartRecord(
+            step=step,
+            workers=tuple(workers),
+            returned_to=trainer.step_count,
+            found_at=found,
+            recovery_time=time.monotonic() - t0,
+        )
     )

@@ -44,7 +44,7 @@ from .checkpoint import HostCheckpoint, read_checkpoint, save_checkpoint
 from .arguments import checked_clip, plain
 from .clipping import clip_scale
 from .fit import fit as fit_steps
-from .history import IN_A_ROW, SLOWER, History, Stragglers, cost_signature
+from .history import IN_A_ROW, SLOWER, CheckpointTime, History, RestartRecord, StepRecord, Stragglers, cost_signature
 from .optimizer import optimizer_name
 from .options import Deprecated, Observe, Options, PerStage, Plans, Runner, Schedule, from_legacy
 from .ownership import Ownership
@@ -225,16 +225,18 @@ class Trainer:
         self._signatures = [cost_signature(a) for a in self.model.artifacts]
         self._stragglers: Stragglers | None = None
         self.last_result: PipelineResult | None = None
-        self.checkpoint_times: list[dict[str, float]] = []  # fit's: per checkpoint, the step's wait and the write
-        self.restarts: list[dict[str, Any]] = []  # fit's: per lost worker, the step, where it returned, how long
+        self.checkpoint_times: list[CheckpointTime] = []  # fit's: per checkpoint, the step's wait and the write
+        self.restarts: list[RestartRecord] = []  # fit's: per lost worker, the step, where it returned, how long
 
     @property
-    def history(self) -> list[dict[str, Any]]:
-        """Per step: ``step``, ``loss``, ``grad_norm`` (before clipping), ``step_time``, ``bubble``, ``modeled_bubble``;
-        under ``schedule="auto"`` also ``schedule`` (what ran: the measuring step's schedule, then ``"auto"``),
-        ``modeled_makespan`` (its plans under the measured costs, seconds) and ``measuring`` on the two timed first steps;
-        a timed step's row also has ``busy`` (each worker's compute seconds) and ``stragglers`` (the workers whose
-        compute was 15% or more above that of the workers whose stages cost the same, 3 timed steps in a row)."""
+    def history(self) -> list[StepRecord]:
+        """One ``StepRecord`` per step: ``step``, ``loss``, ``grad_norm`` (before clipping), ``step_time``, ``bubble``,
+        ``modeled_bubble``; under ``schedule="auto"`` also ``schedule`` (what ran: the measuring step's schedule, then
+        ``"auto"``), ``modeled_makespan`` (its plans under the measured costs, seconds) and ``measuring`` (True on the
+        two timed first steps); a timed step's row also has ``busy`` (each worker's compute seconds) and
+        ``stragglers`` (the workers whose compute was 15% or more above that of the workers whose stages cost the
+        same, 3 timed steps in a row); ``fit``'s evaluations set ``eval_loss``. Attributes (``row.loss``);
+        ``row["loss"]`` still works, with a ``DeprecationWarning``."""
         return self._history.rows
 
     @property
@@ -274,17 +276,16 @@ class Trainer:
         if timed:
             self._samples.add(r, first=self._steps_run == 0)
         self._steps_run += 1
-        extra = None
+        auto = None
         if self.auto is not None:
-            extra = self.auto.after(plan, self.costs, timed)
+            auto = self.auto.after(plan, self.costs, timed)
             self.plan = self.auto.current
             if self.offload is None and self.auto.offload != self._auto_offload:
                 self._auto_offload = self.auto.offload  # auto's plans under a byte limit offload these pairs
                 self.backend.set_offload(self._auto_offload)
         self.step_count += 1
-        if timed:
-            extra = {**(extra or {}), **self._busy(r, first=self._steps_run == 1)}
-        self._history.record(self.step_count, r, norm, step_time, extra)
+        busy = self._busy(r, first=self._steps_run == 1) if timed else None
+        self._history.record(self.step_count, r, norm, step_time, auto, busy)
         self.last_result = r
         if timed and self.trace_dir is not None:
             os.makedirs(self.trace_dir, exist_ok=True)
@@ -330,12 +331,12 @@ class Trainer:
             raise VjpsplitError(missing(self.stages.index.function, lacking))
         return [p for p in self.stages.evaluation if p is not None]
 
-    def _busy(self, r: PipelineResult, first: bool) -> dict[str, Any]:
+    def _busy(self, r: PipelineResult, first: bool) -> tuple[tuple[float, ...], tuple[int, ...]]:
         """A timed step's ``busy`` seconds per worker and its ``stragglers`` (warned of when first named); the
         Trainer's first step, which compiles every stage, gives no verdict."""
-        busy = [row["F"] + row["B"] + row["I"] + row["W"] for row in r.per_worker()]
+        busy = tuple(row["F"] + row["B"] + row["I"] + row["W"] for row in r.per_worker())
         if first:
-            return {"busy": busy, "stragglers": []}
+            return busy, ()
         held = self.plan.layout.workers
         groups = [tuple(sorted(self._signatures[s] for s in stages)) for stages in held]
         if self._stragglers is None or self._stragglers.groups != groups:
@@ -349,7 +350,7 @@ class Trainer:
                 f"(worker {', '.join(map(str, peers))}, whose stages cost the same) in {IN_A_ROW} timed steps in a row",
                 stacklevel=3,
             )
-        return {"busy": busy, "stragglers": now}
+        return busy, tuple(now)
 
     def costs(self) -> dict[str, Any]:
         """Every stage's measured F, B and W seconds and the send time, as ``auto_schedule``'s ``costs`` take them.
