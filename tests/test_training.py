@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 import numpy as np
@@ -14,7 +15,10 @@ from models import stages_whole as whole
 
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.pipeline import PerStage
+from vjpsplit_cli.pipeline.training.backend import Backend
 from vjpsplit_cli.pipeline.training.history import CheckpointTime, RestartRecord, StepRecord
+from vjpsplit_cli.pipeline.training.local_backend import InProcessBackend
+from vjpsplit_cli.pipeline.training.ray_backend import RayBackend
 from vjpsplit_cli.pipeline.training.trainer import Trainer
 
 D, CLASSES, BATCH, STAGES = 8, 5, 16, 3
@@ -143,3 +147,26 @@ def test_save_and_restore_continue_the_run(tmp_path, schedule):
     later = [again.step(b) for b in batches[3:]]
     np.testing.assert_array_equal(later, losses[3:])  # the same programs on the same arrays: bitwise
     assert_trees_close(again.params(), never_stopped.params(), rtol=0, atol=0)
+
+
+def _members(cls):
+    return {n: v for n, v in vars(cls).items() if not n.startswith("_")}
+
+
+@pytest.mark.parametrize("backend", [InProcessBackend, RayBackend])
+def test_both_backends_have_every_member_of_the_backend_protocol(backend):
+    """Structurally: each Protocol method is a method of the backend taking the same parameters (names, kinds,
+    defaults), each Protocol property a property; the backends add only private helpers and their attributes."""
+    declared = _members(Backend)
+    assert {"step", "evaluate", "placement", "snapshots", "load", "replace", "close"} <= set(declared)
+    for name, want in declared.items():
+        got = getattr(backend, name, None)
+        assert got is not None, f"{backend.__name__} has no {name}"
+        if isinstance(want, property):
+            assert isinstance(got, property), f"{backend.__name__}.{name} is not a property"
+            continue
+        theirs, ours = inspect.signature(want).parameters, inspect.signature(got).parameters
+        assert [(p.name, p.kind, p.default) for p in theirs.values()] == [
+            (p.name, p.kind, p.default) for p in ours.values()
+        ], f"{backend.__name__}.{name}{inspect.signature(got)} is not Backend.{name}{inspect.signature(want)}"
+    assert set(_members(backend)) - set(declared) == set(), "a public method the protocol does not declare"

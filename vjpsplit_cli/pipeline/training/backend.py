@@ -31,7 +31,9 @@ from .optax_state import state_map, whole_optimizer
 
 
 class Backend(Protocol):
-    """Where the Trainer's stages live and run."""
+    """Where the Trainer's stages live and run: every method the Trainer and ``fit`` call on a backend.
+
+    ``InProcessBackend`` and ``RayBackend`` both have each member (structurally: neither subclasses this)."""
 
     def step(
         self,
@@ -77,6 +79,11 @@ class Backend(Protocol):
 
     def workers(self) -> list[Any]:
         """The Ray actor handle of each worker (an error in-process)."""
+        ...
+
+    def replace(self, workers: Sequence[int]) -> None:
+        """New workers in place of ``workers``' lost ones, each holding its stages and optimizer programs as the
+        Trainer began (``load`` then sets every stage to a checkpoint); in-process no worker is ever lost, so an error."""
         ...
 
     def report_hangs_to(self, path: str) -> None:

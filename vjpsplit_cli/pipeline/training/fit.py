@@ -36,12 +36,65 @@ import math
 import os
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from ...errors import VjpsplitError, one_line
 from ..runtime.ray.waiting import WorkerLost
 from .checkpoint import HostCheckpoint, check_directory, has_checkpoint, save_checkpoint, tidy
-from .history import CheckpointTime, RestartRecord
+from ...treetypes import PyTree
+from ..schedules.stepplans import Resolved
+from .backend import Backend
+from .history import CheckpointTime, RestartRecord, StepRecord
+
+
+class Fitted(Protocol):
+    """What ``fit`` uses of the ``Trainer`` it runs (a protocol, not the class: ``trainer`` imports this module)."""
+
+    @property
+    def step_count(self) -> int:
+        """The optimizer steps taken so far."""
+        ...
+
+    @property
+    def plan(self) -> Resolved:
+        """The schedule the steps run (its layout names the workers in errors)."""
+        ...
+
+    @property
+    def backend(self) -> Backend:
+        """Where the stages run (``replace`` after a lost worker)."""
+        ...
+
+    @property
+    def history(self) -> list[StepRecord]:
+        """One record per step; ``fit`` replaces the last one to add its ``eval_loss``."""
+        ...
+
+    @property
+    def checkpoint_times(self) -> list[CheckpointTime]:
+        """Per checkpoint ``fit`` wrote: the step's wait and the write."""
+        ...
+
+    @property
+    def restarts(self) -> list[RestartRecord]:
+        """Per lost worker ``fit`` replaced: the step, where it returned, how long."""
+        ...
+
+    def step(self, batch: tuple[PyTree, ...]) -> float:
+        """One optimizer step on ``batch``; its loss."""
+        ...
+
+    def evaluate(self, batch: tuple[PyTree, ...]) -> float:
+        """The loss on ``batch`` from the stages' forwards only."""
+        ...
+
+    def host_checkpoint(self) -> HostCheckpoint:
+        """The state ``save`` writes, copied to host memory."""
+        ...
+
+    def load(self, directory: str | os.PathLike[str]) -> None:
+        """Every stage, and the step count, set to the checkpoint in ``directory``."""
+        ...
 
 
 class CheckpointWriter:
@@ -149,7 +202,7 @@ def _reported(callback: Callable[..., Any] | None) -> Callable[[int, float, bool
     return lambda k, loss, rerun: callback(k, loss)
 
 
-def _nonfinite(trainer: Any, k: int, loss: float, writer: CheckpointWriter | None) -> VjpsplitError | None:
+def _nonfinite(trainer: Fitted, k: int, loss: float, writer: CheckpointWriter | None) -> VjpsplitError | None:
     """The error that stops ``fit`` at step ``k`` if its loss or gradient norm is not finite."""
     norm = trainer.history[-1].grad_norm if trainer.history else 0.0
     if math.isfinite(loss) and math.isfinite(norm):
@@ -195,7 +248,7 @@ def evaluations(eval_data: Any, eval_every: int | None) -> Callable[[int], Any] 
 
 
 def fit(
-    trainer: Any,
+    trainer: Fitted,
     data: Any,
     steps: int,
     *,
@@ -250,7 +303,7 @@ def fit(
                 done = k + 1
                 if eval_batch is not None and (done == steps or done % (eval_every or 1) == 0):
                     last = trainer.history[-1]
-                    trainer.history[-1] = dataclasses.replace(last, eval_loss=float(trainer.evaluate(eval_batch(done))))
+                    trainer.history[-1] = dataclasses.replace(last, eval_loss=trainer.evaluate(eval_batch(done)))
                 if writer is not None and (
                     done == steps or (checkpoint_every is not None and done % checkpoint_every == 0)
                 ):
@@ -270,7 +323,7 @@ def fit(
 
 
 def _refuse_unless_recoverable(
-    trainer: Any, e: WorkerLost, step: int, failures: int, max_restarts: int, writer: CheckpointWriter | None
+    trainer: Fitted, e: WorkerLost, step: int, failures: int, max_restarts: int, writer: CheckpointWriter | None
 ) -> None:
     """The one error when a lost worker is not to be replaced: too many failures, or no checkpoint."""
     names = ", ".join(trainer.plan.layout.label(w) for w in e.workers) or "a stage"
@@ -291,7 +344,7 @@ def _refuse_unless_recoverable(
 
 
 def _replace_lost_workers(
-    trainer: Any, workers: Sequence[int], step: int, writer: CheckpointWriter | None, found: float
+    trainer: Fitted, workers: Sequence[int], step: int, writer: CheckpointWriter | None, found: float
 ) -> None:
     """Replace the lost workers and take every worker back to the last checkpoint (``found``: when the loss was
     seen, on ``time.monotonic``'s clock)."""

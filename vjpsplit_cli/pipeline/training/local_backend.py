@@ -313,6 +313,12 @@ class InProcessBackend:
         """Ray actor handles: none in-process."""
         raise VjpsplitError("workers() gives the Ray actor of each worker; this Trainer runs in-process")
 
+    def replace(self, workers: Sequence[int]) -> None:
+        """Replacing lost workers (``Backend.replace``): an in-process worker is a thread of this process, never lost."""
+        raise VjpsplitError(
+            f"workers {list(workers)} cannot be replaced: this Trainer runs in-process, no worker is lost"
+        )
+
     def close(self) -> None:
         """End the worker threads of timed steps and the untimed steps' thread, those that ran."""
         if self.threads is not None:
