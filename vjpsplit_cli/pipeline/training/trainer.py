@@ -50,7 +50,7 @@ from .options import Deprecated, Observe, Options, PerStage, Plans, Runner, Sche
 from .ownership import Ownership
 from .resume import restored_model, stage_snapshots
 from .optax_state import StateMap, state_map
-from .measured import CostSamples, measure_transfer_rates
+from .measured import CostSamples, MeasuredCosts, measure_transfer_rates
 
 
 class _Recorded:
@@ -352,7 +352,7 @@ class Trainer:
             )
         return busy, tuple(now)
 
-    def costs(self) -> dict[str, Any]:
+    def costs(self) -> MeasuredCosts:
         """Every stage's measured F, B and W seconds and the send time, as ``auto_schedule``'s ``costs`` take them.
 
         Medians over the microbatches of the last timed steps (``step(batch, timed=True)``, or ``auto``'s first
@@ -430,8 +430,8 @@ class Trainer:
         opt_state = smap.gather([st for _, st in snaps])
         return HostCheckpoint(flat, smap.leaf_keys, encode_structure(params), opt_state, self.step_count, self._meta())
 
-    def _meta(self) -> dict[str, Any]:
-        meta: dict[str, Any] = {
+    def _meta(self) -> dict[str, object]:
+        meta: dict[str, object] = {
             "schedule": self.plan.name,
             "optimizer": self.optimizer_name,
             "structure": self.ownership.structure,
