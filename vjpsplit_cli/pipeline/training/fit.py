@@ -36,7 +36,7 @@ import math
 import os
 import threading
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from ...errors import VjpsplitError, one_line
 from ..runtime.ray.waiting import WorkerLost
@@ -169,9 +169,11 @@ class CheckpointWriter:
         self.thread = None
 
 
-def _batch_source(data: Any, steps: int) -> Callable[[int], Any]:
+def _batch_source(
+    data: Callable[[int], tuple[PyTree, ...]] | Sequence[tuple[PyTree, ...]], steps: int
+) -> Callable[[int], tuple[PyTree, ...]]:
     if callable(data):
-        return data  # type: ignore[no-any-return]
+        return data
     if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
         if len(data) < steps:
             raise VjpsplitError(
@@ -183,7 +185,7 @@ def _batch_source(data: Any, steps: int) -> Callable[[int], Any]:
     )
 
 
-def _reported(callback: Callable[..., Any] | None) -> Callable[[int, float, bool], Any] | None:
+def _reported(callback: Callable[..., object] | None) -> Callable[[int, float, bool], object] | None:
     """``callback`` as ``fit`` calls it, ``(step, loss, rerun)``: ``rerun=`` by keyword to a callback that takes
     it (a parameter ``rerun``, or ``**kwargs``), else ``callback(step, loss)`` as before."""
     if callback is None:
@@ -223,7 +225,9 @@ def _nonfinite(trainer: Fitted, k: int, loss: float, writer: CheckpointWriter | 
     )
 
 
-def _check_options(steps: int, checkpoint_dir: Any, checkpoint_every: int | None, max_restarts: int) -> None:
+def _check_options(
+    steps: int, checkpoint_dir: str | os.PathLike[str] | None, checkpoint_every: int | None, max_restarts: int
+) -> None:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise VjpsplitError(f"steps={steps!r}; pass the run's total number of steps, an int >= 0")
     if checkpoint_every is not None:
@@ -235,7 +239,9 @@ def _check_options(steps: int, checkpoint_dir: Any, checkpoint_every: int | None
         raise VjpsplitError(f"max_restarts={max_restarts!r}; pass an int >= 0")
 
 
-def evaluations(eval_data: Any, eval_every: int | None) -> Callable[[int], Any] | None:
+def evaluations(
+    eval_data: tuple[PyTree, ...] | Callable[[int], tuple[PyTree, ...]] | None, eval_every: int | None
+) -> Callable[[int], tuple[PyTree, ...]] | None:
     """``eval_data`` as ``batch(step)`` for the steps to evaluate after; None without it. Refuses one without the
     other and an ``eval_every`` that is not a number of steps >= 1."""
     if eval_data is None and eval_every is None:
@@ -249,15 +255,15 @@ def evaluations(eval_data: Any, eval_every: int | None) -> Callable[[int], Any] 
 
 def fit(
     trainer: Fitted,
-    data: Any,
+    data: Callable[[int], tuple[PyTree, ...]] | Sequence[tuple[PyTree, ...]],
     steps: int,
     *,
     checkpoint_dir: str | os.PathLike[str] | None = None,
     checkpoint_every: int | None = None,
     max_restarts: int = 0,
-    callback: Callable[..., Any] | None = None,
+    callback: Callable[..., object] | None = None,
     stop_on_nonfinite: bool = True,
-    eval_data: Any = None,
+    eval_data: tuple[PyTree, ...] | Callable[[int], tuple[PyTree, ...]] | None = None,
     eval_every: int | None = None,
 ) -> list[float]:
     """``trainer.fit``'s work (see ``Trainer.fit`` and the module docstring); returns the losses of the steps run."""

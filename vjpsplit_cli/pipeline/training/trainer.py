@@ -25,11 +25,15 @@ import dataclasses
 import os
 import time
 import warnings
-from typing import Any, Sequence, Unpack
+from typing import Callable, Final, Literal, Mapping, Sequence, Unpack, overload
+
+import jax
 
 import numpy as np
 
+from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
+from ...treetypes import Leaf, PyTree
 from ..runtime.model import model_of
 from ..runtime.offload import Offload, offload_of
 from ..runtime.result import PipelineResult
@@ -41,7 +45,7 @@ from .autoplan import AutoPlan
 from .backend import Backend, open_backend
 from ...files.trees import encode_structure
 from .checkpoint import HostCheckpoint, read_checkpoint, save_checkpoint
-from .arguments import checked_clip, plain
+from .arguments import Optimizer, checked_clip, plain
 from .clipping import clip_scale
 from .fit import fit as fit_steps
 from .history import IN_A_ROW, SLOWER, CheckpointTime, History, RestartRecord, StepRecord, Stragglers, cost_signature
@@ -60,7 +64,7 @@ class _Recorded:
         return "RECORDED"
 
 
-RECORDED: Any = _Recorded()
+RECORDED: Final = _Recorded()
 
 
 class Trainer:
@@ -91,7 +95,7 @@ class Trainer:
     ``Observe(timeline=True)`` times every step (``step(batch, timed=True)`` one
     step): each operation waits for its results, and ``last_result`` holds their
     compute times; ``Observe(trace_dir=..., trace_every=k)`` writes every k-th step's
-    trace. Any step, timed or not, in-process or on Ray, past ``Observe(step_timeout=...)``,
+    trace. Every step, timed or not, in-process or on Ray, past ``Observe(step_timeout=...)``,
     or one interrupted by Ctrl-C, is one error naming what each worker is running or
     waiting for (its report: the error names it). The worker threads of timed steps, and
     the one thread in-process untimed steps run in, end with ``close()``, with
@@ -118,16 +122,16 @@ class Trainer:
 
     def __init__(
         self,
-        stages: Stages | PerStage | Sequence[Any],
-        params: Any,
+        stages: Stages | PerStage | Sequence[Artifact],
+        params: PyTree,
         *,
-        optimizer: Any,
+        optimizer: Optimizer,
         microbatches: int,
         schedule: str | Plans | Schedule | None = None,
         runner: str | Runner = "inprocess",
         clip_global_norm: float | None = None,
         observe: Observe | None = None,
-        opt_state: Any = None,
+        opt_state: PyTree = None,
         step_count: int = 0,
         **deprecated: Unpack[Deprecated],
     ):
@@ -163,13 +167,13 @@ class Trainer:
     def _start(
         self,
         options: Options,
-        params: Any,
-        optimizer: Any,
+        params: PyTree,
+        optimizer: Optimizer,
         microbatches: int,
         clip_global_norm: float | None,
-        opt_state: Any,
+        opt_state: PyTree,
         step_count: int,
-        restored: Sequence[Any] | None,
+        restored: Sequence[Mapping[str, Leaf] | None] | None,
     ) -> None:
         """Open the Trainer: ``restored`` is the per-stage optimizer states an older checkpoint holds (``restore``)."""
         clip_global_norm = checked_clip(clip_global_norm)  # a bad value is refused now, not after the first step
@@ -198,7 +202,7 @@ class Trainer:
         self.clip_global_norm, self.runner = clip_global_norm, runner
         self.optimizer_name = optimizer_name(optimizer)
         self.optimizer, self._state_map = optimizer, None if opt_state is None else state_map(optimizer, self.ownership)
-        states: list[Any] = [None] * S if restored is None else list(restored)
+        states: Sequence[Mapping[str, Leaf] | None] = [None] * S if restored is None else list(restored)
         if self._state_map is not None:
             states = self._state_map.scatter(opt_state)
         hang_report = observe.hang_report
@@ -240,12 +244,12 @@ class Trainer:
         return self._history.rows
 
     @property
-    def placement(self) -> list[tuple[Any, ...]]:
+    def placement(self) -> list[tuple[jax.Device | str, ...]]:
         """Per stage, the devices that hold its parameters (``jax.Device``s in-process; on Ray, as each
         actor's JAX names them)."""
         return self.backend.placement
 
-    def step(self, batch: tuple[Any, ...], *, timed: bool | None = None) -> float:
+    def step(self, batch: tuple[PyTree, ...], *, timed: bool | None = None) -> float:
         """One optimizer step on ``batch``: the schedule over its microbatches, then every stage's update.
 
         ``costs()`` counts timed steps; ``schedule="auto"`` times its first two steps itself, and plans
@@ -292,7 +296,24 @@ class Trainer:
             r.write_trace(os.path.join(os.fspath(self.trace_dir), f"step-{self.step_count}.trace.json"), self.placement)
         return r.loss
 
-    def evaluate(self, batch: tuple[Any, ...], *, microbatches: int | None = None, outputs: bool = False) -> Any:
+    @overload
+    def evaluate(
+        self, batch: tuple[PyTree, ...], *, microbatches: int | None = None, outputs: Literal[False] = False
+    ) -> float: ...
+
+    @overload
+    def evaluate(
+        self, batch: tuple[PyTree, ...], *, microbatches: int | None = None, outputs: Literal[True]
+    ) -> tuple[float, list[PyTree]]: ...
+
+    @overload
+    def evaluate(
+        self, batch: tuple[PyTree, ...], *, microbatches: int | None = None, outputs: bool
+    ) -> float | tuple[float, list[PyTree]]: ...
+
+    def evaluate(
+        self, batch: tuple[PyTree, ...], *, microbatches: int | None = None, outputs: bool = False
+    ) -> float | tuple[float, list[PyTree]]:
         """The loss on ``batch`` from every stage's forward only: no residuals, no gradients, no update.
 
         Each stage runs its evaluation program (``export_stages`` writes one beside each artifact: the stage's
@@ -318,7 +339,7 @@ class Trainer:
         mbs = self.model.batch_microbatches(batch, self.microbatches if microbatches is None else microbatches)
         losses, received = self.backend.evaluate(mbs, programs, outputs)
         loss = float(np.mean(losses))
-        return (loss, received) if outputs else loss
+        return (loss, received) if outputs and received is not None else loss  # received: given with outputs
 
     def _eval_programs(self) -> list[EvalProgram]:
         if not isinstance(self.stages, Stages):
@@ -379,7 +400,7 @@ class Trainer:
         ``Offload.pairs``, to host memory), or None: no offload planned (or ``offload=`` given by hand)."""
         return self._auto_offload
 
-    def params(self) -> Any:
+    def params(self) -> PyTree:
         """The parameters now.
 
         Returns:
@@ -397,7 +418,7 @@ class Trainer:
         """
         self._history.plot(path, title or f"{self.schedule_name}, {self.runner.name}")
 
-    def state(self) -> tuple[Any, Any]:
+    def state(self) -> tuple[PyTree, PyTree]:
         """The training state now, in the form a one-process optax loop (or orbax) keeps it.
 
         Returns:
@@ -480,7 +501,7 @@ class Trainer:
         self.step_count = step
         self._history.rewind(step)
 
-    def workers(self) -> list[Any]:
+    def workers(self) -> list[object]:
         """The Ray actor handle of each worker.
 
         Returns:
@@ -490,15 +511,15 @@ class Trainer:
 
     def fit(
         self,
-        data: Any,
+        data: Callable[[int], tuple[PyTree, ...]] | Sequence[tuple[PyTree, ...]],
         steps: int,
         *,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int | None = None,
         max_restarts: int = 0,
-        callback: Any = None,
+        callback: Callable[..., object] | None = None,
         stop_on_nonfinite: bool = True,
-        eval_data: Any = None,
+        eval_data: tuple[PyTree, ...] | Callable[[int], tuple[PyTree, ...]] | None = None,
         eval_every: int | None = None,
     ) -> list[float]:
         """Run the steps ``step_count`` ... ``steps - 1`` of a run; return their losses.
@@ -564,15 +585,15 @@ class Trainer:
     def restore(
         cls,
         directory: str | os.PathLike[str],
-        stages: Stages | PerStage | Sequence[Any],
+        stages: Stages | PerStage | Sequence[Artifact],
         *,
-        optimizer: Any,
+        optimizer: Optimizer,
         microbatches: int | None = None,
         schedule: str | Plans | Schedule | None = None,
         runner: str | Runner = "inprocess",
-        clip_global_norm: float | None = RECORDED,
+        clip_global_norm: float | None | _Recorded = RECORDED,
         observe: Observe | None = None,
-        opt_state: Any = None,
+        opt_state: PyTree = None,
         step_count: int | None = None,
         **deprecated: Unpack[Deprecated],
     ) -> Trainer:
@@ -632,7 +653,7 @@ class Trainer:
                     raise VjpsplitError(f"{os.fspath(directory)}: its recorded plans: {e}") from e
             else:
                 chosen = Schedule(str(meta.get("schedule", "1f1b")))
-        if clip_global_norm is RECORDED:
+        if isinstance(clip_global_norm, _Recorded):  # RECORDED, its one instance
             clip_global_norm = meta.get("clip_global_norm")
         if chosen.auto and chosen.memory_limit is None and chosen.memory_limit_bytes is None:
             recorded = {k: meta[k] for k in ("memory_limit", "memory_limit_bytes") if meta.get(k) is not None}
@@ -654,6 +675,6 @@ class Trainer:
         self.close()
 
 
-def recorded_replicas(stages: Stages | Sequence[Any]) -> int:
+def recorded_replicas(stages: Stages | Sequence[Artifact]) -> int:
     """The replicas of every stage a ``Stages`` export recorded (its index's ``data_parallel``); 1 for artifacts."""
     return stages.index.data_parallel if isinstance(stages, Stages) else 1
