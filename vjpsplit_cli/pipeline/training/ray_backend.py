@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Mapping, Sequence, TypedDict, Unpack
+from typing import Any, Callable, Mapping, Sequence, TypedDict, TypeVar, Unpack
 
 import jax
 import numpy as np
@@ -68,6 +68,8 @@ class EndOfStep:
         """The other stages whose gradients of ``stage``'s tied leaves it adds (ascending)."""
         return sorted({h for hs in self.holders[stage].values() for h in hs if h != stage})
 
+
+T = TypeVar("T")
 
 StageEntry = tuple[int, list[str], bytes, dict[str, list[int]], list[str], "Mapping[str, Leaf] | None"]
 """What ``TrainActor.setup`` takes per stage: ``(stage, names, optimizer bytes, holders, counted, state or None)``."""
@@ -129,7 +131,7 @@ class TrainActor(StageActor, EvaluatingActor):
             self.sender.send(step, w, (tag, 0, self.worker), part)
         return {w: self.inbox.take(step, (tag, 0, w)) for w in peers}
 
-    def _finish(self, step: int, microbatches: int, clip: float | None) -> dict[int, Any]:
+    def _finish(self, step: int, microbatches: int, clip: float | None) -> dict[int, float | None]:
         """The step's tied sums, norms, clip scale, reductions and update for this worker's stages (see the class).
 
         Every actor sends and takes the same parts in the same order whether or not its step failed, so that
@@ -150,7 +152,7 @@ class TrainActor(StageActor, EvaluatingActor):
             self.phases.append(Phase(me, name, at, now))
             at = now
 
-        def run(fn: Any) -> Any:
+        def run(fn: Callable[..., T]) -> T | None:
             return self.guarded(fn) if ok else None
 
         def joined(got: Mapping[int, Any], own: Mapping[int, Any]) -> dict[int, Any] | None:
