@@ -3,7 +3,7 @@
 ``CostSamples`` keeps, for the last ``COST_STEPS`` timed steps (steps whose
 events are the operations' compute times), each operation's seconds by stage
 and kind, and the send gaps; ``costs`` gives them in the form
-``auto_schedule`` takes: medians over those steps' microbatches. A Trainer's
+``auto_schedule`` takes (``MeasuredCosts``): medians over those steps' microbatches. A Trainer's
 first step counts only until another step is timed: it is the first run of
 every call (on 2 shared cores the mid GPT's first step timed its operations at
 up to 1.9 times what later steps did, compiling left out; docs/pipeline.md).

@@ -13,7 +13,8 @@ driver waits once per step, for each actor's report (the losses, timings and
 squared norms). The optimizer arrives as exported bytes: an actor imports
 neither optax nor the user's code. Evaluation (``evaluate``) chains each
 microbatch's stage calls actor to actor by object reference; only the losses
-(and, when asked, the last stage's inputs) reach the driver.
+(and, when asked, the last stage's inputs) reach the driver. ``RayOptions``: the
+``RayPipeline`` keywords a ``Ray`` runner gives the actors.
 """
 
 from __future__ import annotations

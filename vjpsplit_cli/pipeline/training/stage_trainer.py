@@ -14,7 +14,9 @@ stage, three small phases finish the step there:
 
 Only the scalars of step 2 (and, for tied leaves, their gradients) leave the
 worker. The optimizer arrives as ``OptimizerProgram.to_bytes`` and is loaded
-here: neither optax nor the user's code is imported.
+here: neither optax nor the user's code is imported. ``finish_stages`` runs the
+three phases for one worker's stages (any ``TrainsStage``: a ``StageTrainer`` or
+``zero1``'s ``ReplicaTrainer``), joining the workers through an ``Exchange``.
 """
 
 from __future__ import annotations
