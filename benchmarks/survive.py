@@ -12,7 +12,7 @@ with single-threaded XLA, as do the Ray actors.
 * Checkpoints: blocks of steps through ``Trainer.fit`` without checkpoints and
   with ``checkpoint_every=1`` (a fresh directory per block), alternated; per
   step the step time (``history``), and per checkpoint the time the next step
-  waited (``checkpoint_times["wait"]``: the copy to host memory) and the time
+  waited (``checkpoint_times[i].wait``: the copy to host memory) and the time
   the background write took; beside them a synchronous ``trainer.save``.
 * Restarts (Ray): ``fit(checkpoint_every=1, max_restarts=...)`` whose callback
   kills worker 1's actor (``ray.kill``) after a step; the time from the kill to
@@ -53,12 +53,12 @@ def _checkpoints(trainer, data, blocks: int, per_block: int) -> dict:
         for b in range(blocks):
             s = trainer.step_count
             trainer.fit(data, steps=s + per_block)
-            plain += [row["step_time"] for row in trainer.history[-per_block:]]
+            plain += [row.step_time for row in trainer.history[-per_block:]]
             s, seen = trainer.step_count, len(trainer.checkpoint_times)
             trainer.fit(data, steps=s + per_block, checkpoint_dir=os.path.join(tmp, f"ck{b}"), checkpoint_every=1)
-            with_ck += [row["step_time"] for row in trainer.history[-per_block:]]
-            waits += [t["wait"] for t in trainer.checkpoint_times[seen:]]
-            writes += [t["write"] for t in trainer.checkpoint_times[seen:]]
+            with_ck += [row.step_time for row in trainer.history[-per_block:]]
+            waits += [t.wait for t in trainer.checkpoint_times[seen:]]
+            writes += [t.write for t in trainer.checkpoint_times[seen:]]
             t0 = time.perf_counter()
             trainer.save(os.path.join(tmp, "sync"))
             saves.append(time.perf_counter() - t0)
@@ -104,9 +104,9 @@ def _restarts(trainer, data, kills: int, every: int) -> dict:
     rec = trainer.restarts[-kills:]
     return {
         "to_next_step": statistics.median(gaps),
-        "found": statistics.median(r["found_at"] - k for r, k in zip(rec, marks["kill"])),
-        "recovery": statistics.median(r["recovery_time"] for r in rec),
-        "rerun_steps": statistics.median(r["step"] - r["returned_to"] for r in rec),
+        "found": statistics.median(r.found_at - k for r, k in zip(rec, marks["kill"])),
+        "recovery": statistics.median(r.recovery_time for r in rec),
+        "rerun_steps": statistics.median(r.step - r.returned_to for r in rec),
         "kills": len(gaps),
     }
 

@@ -51,7 +51,7 @@ def test_evaluate_equals_one_process_loss_and_changes_no_state(monkeypatch):
     with P.Trainer(_stages(), params, optimizer=tx, schedule="1f1b", microbatches=4) as tr:
         tr.step(train[0])
         before = tr.state()
-        history = [dict(h) for h in tr.history]
+        history = list(tr.history)  # frozen records: the same rows after, or evaluate changed them
 
         def no_training_forward(*a, **k):
             raise AssertionError("evaluate ran a training forward")
@@ -135,7 +135,7 @@ def test_fit_evaluates_every_n_steps_and_after_the_last():
         with pytest.raises(VjpsplitError, match=r"eval_every=0; pass a number of steps >= 1"):
             tr.fit(train, 3, eval_data=held_out, eval_every=0)
         tr.fit(train, 3, eval_data=held_out, eval_every=2)
-        got = [h.get("eval_loss") for h in tr.history]
+        got = [h.eval_loss for h in tr.history]
         now = tr.params()
     assert got[0] is None and got[1] is not None
     np.testing.assert_allclose(got[2], gpt(now, *held_out), rtol=1e-6)

@@ -235,7 +235,7 @@ def test_an_untimed_step_stuck_in_a_host_callback_ends_at_step_timeout_naming_th
     hold, release = callback_blocks(monkeypatch, stage=1, mb=1)
     try:
         tr.step(gpt_batch(4))  # compiled, the callback's too: the limit below is the hang's
-        first = tr.history[-1]["loss"]
+        first = tr.history[-1].loss
         tr.backend.step_timeout = 1.5
         hold.set()
         t0 = time.monotonic()
@@ -272,7 +272,7 @@ def test_an_untimed_step_stuck_in_a_host_callback_ends_at_step_timeout_naming_th
         assert "an earlier step timed out" in str(again) and re.search(
             r"running (or waiting: )?F stage 1 mb 1", str(again)
         )
-        assert tr.history[-1]["loss"] == first  # no step was counted
+        assert tr.history[-1].loss == first  # no step was counted
         _in_thread(tr.close, timeout=10)  # does not wait for the stuck thread
     finally:
         release.set()
@@ -520,8 +520,8 @@ def test_a_worker_slowed_on_purpose_is_named_after_three_timed_steps(monkeypatch
             tr.step((x, labels), timed=False)  # untimed: no busy times, no verdict
     rows = tr.history
     # The first step compiles every stage: no verdict; then three in a row.
-    assert [r["stragglers"] for r in rows[:5]] == [[], [], [], [1], [1]] and "stragglers" not in rows[5]
-    assert all(len(r["busy"]) == 4 and r["busy"][1] > r["busy"][2] + 0.3 for r in rows[1:5])
+    assert [r.stragglers for r in rows[:5]] == [(), (), (), (1,), (1,)] and rows[5].stragglers is None
+    assert all(len(r.busy) == 4 and r.busy[1] > r.busy[2] + 0.3 for r in rows[1:5])
     (w,) = [str(c.message) for c in caught if "straggler" in str(c.message)]  # warned once, when first named
     assert w.startswith("worker 1 (stages 1) is a straggler") and "peers' (worker 2, whose stages cost the same)" in w
 

@@ -58,32 +58,32 @@ def test_auto_trains_equal_to_one_process_and_records_its_plans():
     assert tr.plan.name == "auto" and tr.plan.plans == []  # nothing planned before the measuring step
     losses = [tr.step(batches[0])]
     # Every stage has the split backward and no limit binds: ZB-H1 times the first step, W included.
-    assert tr.last_result.schedule == "zbh1" and tr.history[0]["schedule"] == "zbh1"
+    assert tr.last_result.schedule == "zbh1" and tr.history[0].schedule == "zbh1"
     first_costs, planned = tr.costs(), tr.plan.plans
     _check_costs(first_costs, 4)
-    assert tr.history[0]["modeled_makespan"] == pytest.approx(modeled_makespan(P.schedule("zbh1", 4, M), first_costs))
+    assert tr.history[0].modeled_makespan == pytest.approx(modeled_makespan(P.schedule("zbh1", 4, M), first_costs))
     assert tr.auto.makespan == pytest.approx(modeled_makespan(planned, first_costs))
-    assert tr.auto.makespan <= tr.history[0]["modeled_makespan"]  # never slower than the built-in it measured with
+    assert tr.auto.makespan <= tr.history[0].modeled_makespan  # never slower than the built-in it measured with
     losses.append(tr.step(batches[1]))  # auto's plans, timed too; then planned again for its costs alone
     assert tr.last_result.schedule == "auto" and tr.last_result.plans == planned
     costs = tr.costs()
     assert costs != first_costs  # the first step no longer counts
-    assert tr.history[1]["modeled_makespan"] == pytest.approx(modeled_makespan(planned, costs))
+    assert tr.history[1].modeled_makespan == pytest.approx(modeled_makespan(planned, costs))
     losses.append(tr.step(batches[2]))
-    assert [(h["schedule"], h.get("measuring", False)) for h in tr.history] == [
+    assert [(h.schedule, h.measuring) for h in tr.history] == [
         ("zbh1", True), ("auto", True), ("auto", False)
     ]  # fmt: skip
     assert tr.last_result.plans == tr.plan.plans and P.check_plans(tr.plan.plans, 4, M) == [(s,) for s in range(4)]
     assert tr.costs() == costs  # an untimed step adds nothing
-    assert tr.history[2]["modeled_makespan"] == pytest.approx(modeled_makespan(tr.plan.plans, costs))
+    assert tr.history[2].modeled_makespan == pytest.approx(modeled_makespan(tr.plan.plans, costs))
     ref_losses, ref_params = optax_reference(gpt, params, tx, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(tr.params(), ref_params, rtol=1e-4, atol=1e-6)
     # A later timed step adds its times to the kept ones, and auto plans again for them.
     ran = tr.plan.plans
     tr.step(_batches(1, seed=45)[0], timed=True)
-    assert tr.costs() != costs and "measuring" not in tr.history[-1]
-    assert tr.history[-1]["modeled_makespan"] == pytest.approx(modeled_makespan(ran, tr.costs()))
+    assert tr.costs() != costs and not tr.history[-1].measuring
+    assert tr.history[-1].modeled_makespan == pytest.approx(modeled_makespan(ran, tr.costs()))
     assert tr.auto.makespan == pytest.approx(modeled_makespan(tr.plan.plans, tr.costs()))
 
 
@@ -118,7 +118,7 @@ def test_memory_limit_one_trains_correctly_within_it():
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(tr.params(), ref_params, rtol=1e-4, atol=1e-6)
     # No built-in holds one microbatch: the measuring step ran auto's plans for equal costs.
-    assert tr.history[0]["schedule"] == "auto" and tr.history[0]["measuring"] is True
+    assert tr.history[0].schedule == "auto" and tr.history[0].measuring is True
     assert memory_peaks(tr.plan.plans) == [1] * 4
 
 
@@ -152,7 +152,7 @@ def test_memory_limit_bytes_maps_to_microbatches_by_the_manifests():
     assert all(p <= limit for p in byte_peaks(tr.plan.plans, held, tr.auto.offloaded, c, c.transfer))
     if not tr.auto.offloaded:
         assert all(p <= n for p, n in zip(memory_peaks(tr.plan.plans), tr.auto.limits))
-    assert tr.history[0]["schedule"] == "auto"  # ZB-H1 and 1F1B hold 3 or 4 on worker 1: neither fits
+    assert tr.history[0].schedule == "auto"  # ZB-H1 and 1F1B hold 3 or 4 on worker 1: neither fits
     np.testing.assert_allclose(losses, optax_reference(gpt, params, tx, batches)[0], rtol=1e-5)
     per_worker = P.Trainer(
         _stages(),
@@ -181,7 +181,7 @@ def test_save_and_restore_measure_again_and_continue_the_run(tmp_path):
     again = P.Trainer.restore(tmp_path / "ck", _stages(), optimizer=tx)
     assert (again.plan.name, again.auto.memory_limit, again.step_count) == ("auto", 2, 2)
     later = [again.step(b) for b in batches[2:]]
-    assert [h.get("measuring", False) for h in again.history] == [True, True]  # measured again
+    assert [h.measuring for h in again.history] == [True, True]  # measured again
     assert max(memory_peaks(again.plan.plans)) <= 2
     # Every plan sums each stage's gradients in microbatch order, so re-measured plans give the very same run.
     np.testing.assert_array_equal(later, losses[2:])

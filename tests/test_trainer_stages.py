@@ -46,8 +46,8 @@ def test_steps_equal_single_process_optax(schedule):
     assert not np.array_equal(copies[0], params["embed"])
     assert len(tr.backend.trainers) == 4 and tr.last_result.num_workers == (2 if schedule == "zbv" else 4)
     h = tr.history
-    assert [e["step"] for e in h] == [1, 2, 3] and all(e["grad_norm"] > 0 and e["step_time"] > 0 for e in h)
-    assert all(np.isnan(e["bubble"]) and np.isnan(e["modeled_bubble"]) for e in h[:2])  # untimed: no timeline
+    assert [e.step for e in h] == [1, 2, 3] and all(e.grad_norm > 0 and e.step_time > 0 for e in h)
+    assert all(np.isnan(e.bubble) and np.isnan(e.modeled_bubble) for e in h[:2])  # untimed: no timeline
     assert 0 <= h[2]["bubble"] < 1 and 0 <= h[2]["modeled_bubble"] < 1
     assert {e.stage for e in tr.last_result.events} == {0, 1, 2, 3} and tr.last_result.timed
     # One device here: every stage shares it (tests/devices checks a device each).
@@ -60,13 +60,13 @@ def test_global_norm_clipping_equals_optax_chain():
     tx = optax.sgd(0.1, momentum=0.9)
     tr = P.Trainer(_stages(), params, optimizer=tx, schedule="1f1b", microbatches=2, clip_global_norm=c)
     losses = [tr.step(b) for b in batches]
-    assert min(h["grad_norm"] for h in tr.history) > 2 * c  # clipping acts on every step, so this can fail
+    assert min(h.grad_norm for h in tr.history) > 2 * c  # clipping acts on every step, so this can fail
     ref_losses, ref_params = optax_reference(gpt, params, optax.chain(optax.clip_by_global_norm(c), tx), batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(tr.params(), ref_params, rtol=1e-4, atol=1e-6)
     # The norm counts the tied embedding once: it equals optax's over params' structure.
     g = jax.grad(gpt)(params, *batches[0])
-    np.testing.assert_allclose(tr.history[0]["grad_norm"], float(optax.tree.norm(g)), rtol=1e-5)
+    np.testing.assert_allclose(tr.history[0].grad_norm, float(optax.tree.norm(g)), rtol=1e-5)
     unclipped = optax_reference(gpt, params, tx, batches)[0]
     assert not np.allclose(unclipped[1:], ref_losses[1:], rtol=1e-5)  # the clipping changed the run
 
@@ -130,7 +130,7 @@ def test_restore_as_the_contract_writes_it_uses_the_recorded_settings(tmp_path):
     assert (trainer.microbatches, trainer.plan.name, trainer.clip_global_norm) == (2, "zbh1", c)
     later = [trainer.step(b) for b in batches[2:]]
     np.testing.assert_array_equal(later, losses[2:])  # clipped as before: the very same run
-    assert min(h["grad_norm"] for h in trainer.history) > c
+    assert min(h.grad_norm for h in trainer.history) > c
 
 
 def test_restore_values_given_win_over_the_recorded_ones(tmp_path):
@@ -190,7 +190,7 @@ def test_timeline_times_every_step_and_an_untimed_step_says_how_to_time_it(tmp_p
     )
     plain = P.Trainer(_stages(), params, optimizer=tx, schedule="zbh1", microbatches=2)
     assert [timed.step(b) for b in batches] == [plain.step(b) for b in batches]  # the same numbers
-    assert all(0 <= h["bubble"] < 1 for h in timed.history) and timed.last_result.timed
+    assert all(0 <= h.bubble < 1 for h in timed.history) and timed.last_result.timed
     timed.last_result.plot(tmp_path / "t.png")
     assert (tmp_path / "t.png").stat().st_size > 0
     assert not plain.last_result.timed and plain.last_result.events == []

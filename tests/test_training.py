@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 
 import jax
 import numpy as np
@@ -13,6 +15,10 @@ from models import stages_whole as whole
 
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.pipeline import PerStage
+from vjpsplit_cli.pipeline.training.backend import Backend
+from vjpsplit_cli.pipeline.training.history import CheckpointTime, RestartRecord, StepRecord
+from vjpsplit_cli.pipeline.training.local_backend import InProcessBackend
+from vjpsplit_cli.pipeline.training.ray_backend import RayBackend
 from vjpsplit_cli.pipeline.training.trainer import Trainer
 
 D, CLASSES, BATCH, STAGES = 8, 5, 16, 3
@@ -52,7 +58,36 @@ def test_trainer_steps_equal_single_process_optax(schedule):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert losses[0] != losses[-1]  # it trained
     assert_trees_close(tr.params(), jax.tree_util.tree_map(np.asarray, ref_params), rtol=1e-4, atol=1e-5)
-    assert [h["step"] for h in tr.history] == [1, 2, 3] and all(h["grad_norm"] > 0 for h in tr.history)
+    assert [h.step for h in tr.history] == [1, 2, 3] and all(h.grad_norm > 0 for h in tr.history)
+    assert all(isinstance(h, StepRecord) for h in tr.history)
+    with pytest.warns(DeprecationWarning, match=r"\.loss instead"):
+        assert tr.history[0]["loss"] == tr.history[0].loss == losses[0]  # the old key, kept
+
+
+def test_records_keep_the_old_dict_access_with_a_deprecation_warning():
+    row = StepRecord(step=1, loss=0.5, grad_norm=2.0, step_time=0.1, bubble=0.2, modeled_bubble=0.3)
+    timed = dataclasses.replace(row, busy=(0.1, 0.2), stragglers=(1,), measuring=True)
+    assert row.as_dict() == {
+        "step": 1, "loss": 0.5, "grad_norm": 2.0, "step_time": 0.1, "bubble": 0.2, "modeled_bubble": 0.3
+    }  # fmt: skip
+    with pytest.warns(DeprecationWarning, match=r"\.grad_norm instead"):
+        assert row["grad_norm"] == 2.0
+    with pytest.warns(DeprecationWarning, match=r"\.measuring instead"):
+        assert row.get("measuring", False) is False and timed.get("measuring") is True
+    with pytest.warns(DeprecationWarning, match=r"\.stragglers instead"):
+        assert "stragglers" not in row and "stragglers" in timed
+    with pytest.warns(DeprecationWarning), pytest.raises(KeyError):
+        row["eval_loss"]  # absent, as the dict had no such key before an evaluation
+    assert timed.as_dict()["busy"] == [0.1, 0.2] and timed.as_dict()["stragglers"] == [1]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        row.loss = 1.0  # type: ignore[misc]
+    ck = CheckpointTime(step=2, wait=0.01, write=0.5)
+    restart = RestartRecord(step=3, workers=(1,), returned_to=2, found_at=10.0, recovery_time=1.5)
+    with pytest.warns(DeprecationWarning, match=r"\.wait instead"):
+        assert ck["wait"] == 0.01
+    with pytest.warns(DeprecationWarning, match=r"\.workers instead"):
+        assert restart["workers"] == [1]  # a list, as it was
+    assert restart.as_dict() == {"step": 3, "workers": [1], "returned_to": 2, "found_at": 10.0, "recovery_time": 1.5}
 
 
 def test_trainer_clips_by_the_global_norm_over_stages():
@@ -61,7 +96,7 @@ def test_trainer_clips_by_the_global_norm_over_stages():
     tx = optax.sgd(0.1, momentum=0.9)
     tr = Trainer(arts, params, optimizer=tx, microbatches=2, schedule="1f1b", clip_global_norm=c)
     losses = [tr.step(b) for b in batches]
-    assert min(h["grad_norm"] for h in tr.history) > 2 * c  # clipping acts on every step
+    assert min(h.grad_norm for h in tr.history) > 2 * c  # clipping acts on every step
     ref_losses, ref_params = _reference(whole, params, optax.chain(optax.clip_by_global_norm(c), tx), batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(tr.params(), jax.tree_util.tree_map(np.asarray, ref_params), rtol=1e-4, atol=1e-6)
@@ -112,3 +147,26 @@ def test_save_and_restore_continue_the_run(tmp_path, schedule):
     later = [again.step(b) for b in batches[3:]]
     np.testing.assert_array_equal(later, losses[3:])  # the same programs on the same arrays: bitwise
     assert_trees_close(again.params(), never_stopped.params(), rtol=0, atol=0)
+
+
+def _members(cls):
+    return {n: v for n, v in vars(cls).items() if not n.startswith("_")}
+
+
+@pytest.mark.parametrize("backend", [InProcessBackend, RayBackend])
+def test_both_backends_have_every_member_of_the_backend_protocol(backend):
+    """Structurally: each Protocol method is a method of the backend taking the same parameters (names, kinds,
+    defaults), each Protocol property a property; the backends add only private helpers and their attributes."""
+    declared = _members(Backend)
+    assert {"step", "evaluate", "placement", "snapshots", "load", "replace", "close"} <= set(declared)
+    for name, want in declared.items():
+        got = getattr(backend, name, None)
+        assert got is not None, f"{backend.__name__} has no {name}"
+        if isinstance(want, property):
+            assert isinstance(got, property), f"{backend.__name__}.{name} is not a property"
+            continue
+        theirs, ours = inspect.signature(want).parameters, inspect.signature(got).parameters
+        assert [(p.name, p.kind, p.default) for p in theirs.values()] == [
+            (p.name, p.kind, p.default) for p in ours.values()
+        ], f"{backend.__name__}.{name}{inspect.signature(got)} is not Backend.{name}{inspect.signature(want)}"
+    assert set(_members(backend)) - set(declared) == set(), "a public method the protocol does not declare"

@@ -115,7 +115,7 @@ def test_state_is_optax_own_for_the_whole_model(name):
     counts = [x for x in jax.tree_util.tree_leaves(opt_state) if np.asarray(x).dtype == np.int32]
     assert counts and all(int(c) == 3 for c in counts)  # the step counts, once each, not once per stage
     if clip is not None:
-        assert min(h["grad_norm"] for h in tr.history) > clip  # the clipping acted on every step
+        assert min(h.grad_norm for h in tr.history) > clip  # the clipping acted on every step
 
 
 def test_a_pytree_built_for_the_whole_model_is_one_error_saying_to_pass_a_function():
@@ -256,8 +256,8 @@ def test_fit_with_a_function_and_a_sequence_equals_step_by_step_and_resumes(tmp_
     first = P.Trainer(_stages(), gpt_params(), **kw)
     got = first.fit(data, steps=3, checkpoint_dir=tmp_path / "ck", checkpoint_every=2)
     np.testing.assert_array_equal(got, losses[:3])
-    assert [t["step"] for t in first.checkpoint_times] == [2, 3]  # every 2nd step and the last
-    assert all(t["write"] > 0 and t["wait"] >= 0 for t in first.checkpoint_times)  # complete when fit returned
+    assert [t.step for t in first.checkpoint_times] == [2, 3]  # every 2nd step and the last
+    assert all(t.write > 0 and t.wait >= 0 for t in first.checkpoint_times)  # complete when fit returned
     later = P.Trainer(_stages("marks2"), gpt_params(), **kw)  # begins at the checkpoint, in another cut
     got = later.fit(data, steps=5, checkpoint_dir=tmp_path / "ck", callback=lambda k, v: seen.append((k, v)))
     np.testing.assert_allclose(got, losses[3:], rtol=1e-5)

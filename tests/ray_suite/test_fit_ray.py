@@ -75,10 +75,10 @@ def test_fit_survives_a_killed_actor_and_a_killed_process(ray_session, stages, t
         )
         got = tr.params()
         assert all(a is not b for a, b in zip(tr.workers(), first))  # both replaced
-        restarts = [(r["step"], r["workers"], r["returned_to"]) for r in tr.restarts]
+        restarts = [(r.step, r.workers, r.returned_to) for r in tr.restarts]
     np.testing.assert_allclose(losses, want, rtol=1e-6)
     assert_trees_close(got, never.params(), rtol=1e-6, atol=1e-7)
-    assert restarts == [(3, [1], 2), (5, [0], 4)]
+    assert restarts == [(3, (1,), 2), (5, (0,), 4)]
     assert asked == [0, 1, 2, 3, 2, 3, 4, 5, 4, 5]  # the steps since each checkpoint, again from data
     assert P.load_checkpoint(tmp_path / "ck", optimizer=KW["optimizer"])[2] == 6
 

@@ -44,7 +44,7 @@ def test_ray_pp2_dp2_tied_and_clipped_equals_optax_and_its_checkpoint_continues_
     with P.Trainer(stages(), params_(), runner=P.Ray(data_parallel=2), **kw) as tr:
         losses = [tr.step(b) for b in batches[:2]]
         assert tr.last_result.runner == "ray"
-        assert min(h["grad_norm"] for h in tr.history) > CLIP  # clipping acted
+        assert min(h.grad_norm for h in tr.history) > CLIP  # clipping acted
         # Each actor: its stage on 2 devices of its own process, Adam's moments sharded across them.
         assert [len(set(d)) for d in tr.placement] == [2, 2]
         for actor in tr.backend.rp.actors:

@@ -41,7 +41,7 @@ def test_ray_trainer_equals_single_process_optax(ray_session, stages, schedule):
     ref_tx = tx if clip is None else optax.chain(optax.clip_by_global_norm(clip), tx)
     ref_losses, ref_params = optax_reference(gpt, params, ref_tx, batches)
     if clip is not None:
-        assert min(h["grad_norm"] for h in tr.history) > clip  # clipping acted
+        assert min(h.grad_norm for h in tr.history) > clip  # clipping acted
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-6)
     assert len(copies) == 2
@@ -65,19 +65,19 @@ def test_ray_trainer_auto_measures_then_plans_and_equals_single_process_optax(ra
     ref_losses, ref_params = optax_reference(gpt, params, tx, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-6)
-    assert [(h["schedule"], h.get("measuring", False)) for h in tr.history] == [
+    assert [(h.schedule, h.measuring) for h in tr.history] == [
         ("zbh1", True), ("auto", True), ("auto", False)
     ]  # fmt: skip
     assert all(len(costs[k]) == 4 and min(costs[k]) >= 0 for k in "FBW") and costs["comm"] > 0  # actor calls
     assert len(planned) == 2 and planned[-1]["comm"] == costs["comm"]  # the last plan: the costs() of both steps
-    assert tr.history[1]["modeled_makespan"] <= tr.history[0]["modeled_makespan"]
+    assert tr.history[1].modeled_makespan <= tr.history[0].modeled_makespan
     # The plans auto runs are auto_schedule's for those costs, Ray's send time among them (or the measuring
     # step's ZB-H1 where that models faster under them).
     mine = auto_schedule(stages.artifacts, 4, costs=costs, memory_limit=list(tr.auto.limits))
     theirs = tr.auto.measured_with.plans
     want = theirs if modeled_makespan(theirs, costs) < modeled_makespan(mine, costs) else mine
     assert tr.plan.plans == [list(ops) for ops in want]
-    assert tr.history[-1]["modeled_makespan"] == pytest.approx(modeled_makespan(want, costs))
+    assert tr.history[-1].modeled_makespan == pytest.approx(modeled_makespan(want, costs))
 
 
 def test_ray_delivery_probe_times_round_trips_between_steps(ray_session, stages):

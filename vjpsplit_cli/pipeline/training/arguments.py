@@ -3,36 +3,55 @@
 A NumPy scalar (``np.float32(0.5)``, ``np.int64(4)``, what a config read with
 NumPy gives) is a number to the user; the checks downstream (``isinstance(v,
 int)``) and the checkpoint's JSON index are not, so each numeric argument is
-made a Python ``int`` or ``float`` once, where the Trainer takes it.
+made a Python ``int`` or ``float`` once, where the Trainer takes it. ``Optimizer``
+says what the Trainer takes as its optimizer (an optax ``GradientTransformation``'s two functions).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Protocol, TypeVar, cast
 
 import numpy as np
 
 from ...errors import VjpsplitError
+from ...treetypes import PyTree
+
+T = TypeVar("T")
 
 
-def plain(value: Any) -> Any:
-    """``value`` with NumPy integer and floating scalars (also in a list or tuple) as Python ints and floats."""
+class Optimizer(Protocol):
+    """An optax ``GradientTransformation`` as the Trainer uses it (``optimizer_name`` checks it is one)."""
+
+    def init(self, params: PyTree) -> PyTree:
+        """The optimizer state for ``params``."""
+        ...
+
+    def update(self, updates: PyTree, state: PyTree, params: PyTree = None) -> tuple[PyTree, PyTree]:
+        """The updates and the next state."""
+        ...
+
+
+def plain(value: T) -> T:
+    """``value`` with NumPy integer and floating scalars (also in a list or tuple) as Python ints and floats.
+
+    Typed as the value's own type: the caller's annotation says the number it means, and a NumPy scalar
+    becomes that Python number here."""
     if isinstance(value, (list, tuple)):
-        return type(value)(plain(v) for v in value)
+        return cast(T, type(value)(plain(v) for v in value))
     if isinstance(value, np.bool_):
         return value  # not a number: left for the check that refuses it
     if isinstance(value, np.integer):
-        return int(value)
+        return cast(T, int(value))
     if isinstance(value, np.floating):
-        return float(value)
+        return cast(T, float(value))
     if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf":
-        return plain(value[()])
+        return cast(T, plain(value[()]))
     return value
 
 
-def checked_clip(value: Any) -> float | None:
+def checked_clip(value: object) -> float | None:
     """``clip_global_norm`` as a positive float (or None for no clipping).
 
     Raises:

@@ -31,11 +31,13 @@ counted.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import jax
 import numpy as np
 
+from ...artifact.artifact import Artifact
+from ...artifact.manifest import Leaf as ManifestLeaf
 from ...errors import VjpsplitError
 from ...files import keys
 from ...files.dtypes import dtype_from_name
@@ -52,13 +54,14 @@ from ..schedules.layout import Layout
 from ..schedules.modeled import memory_limits, modeled_makespan
 from ..schedules.ops import Op
 from ..schedules.stepplans import Resolved, check_plans
+from .measured import MeasuredCosts
 
 AUTO = "auto"
 MEASURING_STEPS = 2  # the timed steps an auto Trainer starts with: the first measures, the second again
 UNIT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0}  # what the measuring step's plans assume, before anything is measured
 
 
-def _shape(leaf: Any, dims: dict[str, int], stage: int) -> tuple[int, ...]:
+def _shape(leaf: ManifestLeaf, dims: dict[str, int], stage: int) -> tuple[int, ...]:
     shape = concrete_shape(leaf.shape, dims)
     if shape is None:
         raise VjpsplitError(
@@ -68,11 +71,11 @@ def _shape(leaf: Any, dims: dict[str, int], stage: int) -> tuple[int, ...]:
     return shape
 
 
-def _leaf_bytes(leaf: Any, dims: dict[str, int], stage: int) -> int:
+def _leaf_bytes(leaf: ManifestLeaf, dims: dict[str, int], stage: int) -> int:
     return int(np.prod(_shape(leaf, dims, stage), dtype=np.int64)) * dtype_from_name(leaf.dtype).itemsize
 
 
-def _bind(stage: int, leaves: Sequence[Any], shapes: Sequence[tuple[int, ...]], dims: dict[str, int]) -> None:
+def _bind(stage: int, leaves: Sequence[ManifestLeaf], shapes: Sequence[tuple[int, ...]], dims: dict[str, int]) -> None:
     dims.update(
         solve_shapes([(f"stage {stage}: input '{leaf.key}'", leaf.shape, s) for leaf, s in zip(leaves, shapes)])
     )
@@ -83,7 +86,7 @@ def _bind(stage: int, leaves: Sequence[Any], shapes: Sequence[tuple[int, ...]], 
             )
 
 
-def microbatch_bytes(artifacts: Sequence[Any], mb: Microbatch) -> list[int]:
+def microbatch_bytes(artifacts: Sequence[Artifact], mb: Microbatch) -> list[int]:
     """Per stage, the bytes one microbatch ``mb`` in flight holds (see the module docstring).
 
     The dims come from the microbatch's arrays and, stage by stage, from the shapes
@@ -112,12 +115,12 @@ def microbatch_bytes(artifacts: Sequence[Any], mb: Microbatch) -> list[int]:
     return out
 
 
-def _per_worker(value: Any, n: int, what: str) -> list[Any]:
+def _per_worker(value: int | str | Sequence[int | str], n: int, what: str) -> list[int | str]:
     if isinstance(value, (list, tuple)):
         if len(value) != n:
             raise VjpsplitError(f"{what} must be one value or one per worker ({n}), not {len(value)} values")
         return list(value)
-    return [value] * n
+    return [cast("int | str", value)] * n  # one value for every worker (a list or tuple gives one each)
 
 
 class AutoPlan:
@@ -125,7 +128,7 @@ class AutoPlan:
 
     def __init__(
         self,
-        artifacts: Sequence[Any],
+        artifacts: Sequence[Artifact],
         microbatches: int,
         memory_limit: int | Sequence[int] | None,
         memory_limit_bytes: int | str | Sequence[int | str] | None,
@@ -167,17 +170,18 @@ class AutoPlan:
             return self.measuring(mbs[0]), True
         return self.current, self.steps_timed < MEASURING_STEPS
 
-    def after(self, ran: Resolved, costs: Callable[[], dict[str, Any]], timed: bool) -> dict[str, Any]:
-        """The history's entries for the step that ran ``ran``: its schedule and ``modeled_makespan`` (seconds,
-        under the measured costs). After a timed step (the first, or ``step(batch, timed=True)``) auto plans again
-        for the costs ``costs()`` gives (medians over the timed steps kept)."""
+    def after(self, ran: Resolved, costs: Callable[[], MeasuredCosts], timed: bool) -> tuple[str, float | None, bool]:
+        """The history's entries for the step that ran ``ran``: its schedule, ``modeled_makespan`` (seconds,
+        under the measured costs) and whether it was a measuring step. After a timed step (the first, or
+        ``step(batch, timed=True)``) auto plans again for the costs ``costs()`` gives (medians over the timed
+        steps kept)."""
         if not timed:
-            return {"schedule": AUTO, "modeled_makespan": self.makespan}
+            return AUTO, self.makespan, False
         measuring, measured = self.steps_timed < MEASURING_STEPS, costs()
         self.steps_timed += 1
-        row = {"schedule": ran.name, "modeled_makespan": modeled_makespan(ran.plans, measured)}
+        row = ran.name, modeled_makespan(ran.plans, measured), measuring
         self.choose(measured)
-        return {**row, "measuring": True} if measuring else row
+        return row
 
     def limits_for(self, mb: Microbatch) -> tuple[int, ...]:
         """Per worker, the most microbatches it may hold: the limit given, or bytes over what one microbatch holds."""
@@ -209,7 +213,7 @@ class AutoPlan:
         self.measured_with = Resolved(name, plans, self.layout)
         return self.measured_with
 
-    def choose(self, costs: dict[str, Any]) -> None:
+    def choose(self, costs: MeasuredCosts) -> None:
         """``auto_schedule``'s plans for the measured ``costs`` within the limit (the measuring plans if faster)."""
         assert self.limits is not None and self.measured_with is not None  # the measuring step ran
         offloaded: frozenset[tuple[int, int]] = frozenset()
@@ -234,6 +238,6 @@ class AutoPlan:
         check_plans(plans, self.num_stages, self.microbatches)
         self.plans, self.makespan, self.offloaded = plans, span, offloaded
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> dict[str, object]:
         """What a checkpoint records to go on: the limit as given (``restore`` measures again)."""
         return {"memory_limit": self.memory_limit, "memory_limit_bytes": self.memory_limit_bytes}

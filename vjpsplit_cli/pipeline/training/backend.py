@@ -7,12 +7,13 @@ returns the step's result with every stage's squared gradient norm.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import jax
 import numpy as np
 
 from ...files.dtypes import dtype_name
+from ...treetypes import Leaf, PyTree
 from ..runtime.devices import placed, placement
 from ..runtime.model import Microbatch
 from ..runtime.offload import Offload, offload_of
@@ -25,13 +26,16 @@ from .local_backend import InProcessBackend, stage_trainers
 from .optimizer import stage_programs
 from .options import InProcess, Ray, Runner
 from .ownership import Ownership, Snapshot
-from .ray_backend import RayBackend
+from .ray_backend import RayBackend, RayOptions
+from .arguments import Optimizer
 from .zero1 import replica_program, replica_trainers
 from .optax_state import state_map, whole_optimizer
 
 
 class Backend(Protocol):
-    """Where the Trainer's stages live and run."""
+    """Where the Trainer's stages live and run: every method the Trainer and ``fit`` call on a backend.
+
+    ``InProcessBackend`` and ``RayBackend`` both have each member (structurally: neither subclasses this)."""
 
     def step(
         self,
@@ -52,15 +56,16 @@ class Backend(Protocol):
 
     def evaluate(
         self, mbs: Sequence[Microbatch], programs: Sequence[EvalProgram], outputs: bool
-    ) -> tuple[list[float], list[Any] | None]:
+    ) -> tuple[list[float], list[PyTree] | None]:
         """Every stage's forward only on ``mbs``, from its evaluation program where the stage lives: the
         per-microbatch losses and, with ``outputs``, what the last stage received per microbatch (host arrays).
         No residual is kept and no parameter or optimizer state changes."""
         ...
 
     @property
-    def placement(self) -> list[tuple[Any, ...]]:
-        """Per stage, the devices that hold its parameters."""
+    def placement(self) -> list[tuple[jax.Device | str, ...]]:
+        """Per stage, the devices that hold its parameters (``jax.Device``s in-process; on Ray, as each actor's JAX
+        names them)."""
         ...
 
     def set_offload(self, spec: Offload | None) -> None:
@@ -75,8 +80,13 @@ class Backend(Protocol):
         """Every stage holds its ``(params, optimizer state)`` of ``snapshots`` from now on (a checkpoint's)."""
         ...
 
-    def workers(self) -> list[Any]:
+    def workers(self) -> list[object]:
         """The Ray actor handle of each worker (an error in-process)."""
+        ...
+
+    def replace(self, workers: Sequence[int]) -> None:
+        """New workers in place of ``workers``' lost ones, each holding its stages and optimizer programs as the
+        Trainer began (``load`` then sets every stage to a checkpoint); in-process no worker is ever lost, so an error."""
         ...
 
     def report_hangs_to(self, path: str) -> None:
@@ -91,8 +101,8 @@ class Backend(Protocol):
 def open_backend(
     runner: Runner,
     ownership: Ownership,
-    optimizer: Any,
-    states: Sequence[Any],
+    optimizer: Optimizer,
+    states: Sequence[Mapping[str, Leaf] | None],
     *,
     layout: Layout,
     step_timeout: float,
@@ -154,13 +164,13 @@ def open_backend(
         reductions,
         whole.uses_value,
         data_parallel=data_parallel,
-        layout=layout.workers,
         hang_report=hang_report,
-        **_ray_options(runner, step_timeout, offload),
+        offload=offload,
+        **_ray_options(runner, step_timeout, layout),
     )
 
 
-def _ray_options(runner: Runner, step_timeout: float, offload: Offload | None) -> dict[str, Any]:
+def _ray_options(runner: Runner, step_timeout: float, layout: Layout) -> RayOptions:
     """``RayBackend``'s keywords from a ``Ray`` runner (what ``open_backend`` reaches once not in-process)."""
     if not isinstance(runner, Ray):
         raise TypeError(f"a Ray runner expected, got {runner!r}")
@@ -170,14 +180,14 @@ def _ray_options(runner: Runner, step_timeout: float, offload: Offload | None) -
         "actor_options": runner.actor_options,
         "step_timeout": step_timeout,
         "schedule_timeout": runner.schedule_timeout,
-        "offload": offload,
+        "layout": layout.workers,
     }
 
 
-def _specs(tree: Any) -> Any:
+def _specs(tree: PyTree) -> PyTree:
     """The shapes and dtypes of ``tree``'s leaves, as ``jax.device_put`` would make them."""
     return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jax.numpy.result_type(a)), tree)
 
 
-def _host_flat(names: Sequence[str], tree: Any) -> dict[str, Any]:
+def _host_flat(names: Sequence[str], tree: PyTree) -> dict[str, Leaf]:
     return dict(zip(names, jax.tree_util.tree_leaves(tree)))

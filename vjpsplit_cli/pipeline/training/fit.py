@@ -25,21 +25,76 @@ lost Ray worker.
   step this call already ran (it returned to a checkpoint after a lost worker).
 * With ``eval_data`` and ``eval_every``, ``Trainer.evaluate`` runs after every
   ``eval_every``-th step and after the last (``evaluations``), its loss in the
-  step's history row as ``eval_loss``.
+  step's history row as ``eval_loss`` (``StepRecord.eval_loss``: the row is replaced, records are frozen).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import os
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 from ...errors import VjpsplitError, one_line
 from ..runtime.ray.waiting import WorkerLost
 from .checkpoint import HostCheckpoint, check_directory, has_checkpoint, save_checkpoint, tidy
+from ...treetypes import PyTree
+from ..schedules.stepplans import Resolved
+from .backend import Backend
+from .history import CheckpointTime, RestartRecord, StepRecord
+
+
+class Fitted(Protocol):
+    """What ``fit`` uses of the ``Trainer`` it runs (a protocol, not the class: ``trainer`` imports this module)."""
+
+    @property
+    def step_count(self) -> int:
+        """The optimizer steps taken so far."""
+        ...
+
+    @property
+    def plan(self) -> Resolved:
+        """The schedule the steps run (its layout names the workers in errors)."""
+        ...
+
+    @property
+    def backend(self) -> Backend:
+        """Where the stages run (``replace`` after a lost worker)."""
+        ...
+
+    @property
+    def history(self) -> list[StepRecord]:
+        """One record per step; ``fit`` replaces the last one to add its ``eval_loss``."""
+        ...
+
+    @property
+    def checkpoint_times(self) -> list[CheckpointTime]:
+        """Per checkpoint ``fit`` wrote: the step's wait and the write."""
+        ...
+
+    @property
+    def restarts(self) -> list[RestartRecord]:
+        """Per lost worker ``fit`` replaced: the step, where it returned, how long."""
+        ...
+
+    def step(self, batch: tuple[PyTree, ...]) -> float:
+        """One optimizer step on ``batch``; its loss."""
+        ...
+
+    def evaluate(self, batch: tuple[PyTree, ...]) -> float:
+        """The loss on ``batch`` from the stages' forwards only."""
+        ...
+
+    def host_checkpoint(self) -> HostCheckpoint:
+        """The state ``save`` writes, copied to host memory."""
+        ...
+
+    def load(self, directory: str | os.PathLike[str]) -> None:
+        """Every stage, and the step count, set to the checkpoint in ``directory``."""
+        ...
 
 
 class CheckpointWriter:
@@ -50,7 +105,7 @@ class CheckpointWriter:
     long the files took to write.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], times: list[dict[str, float]]):
+    def __init__(self, directory: str | os.PathLike[str], times: list[CheckpointTime]):
         self.directory = directory
         self.thread: threading.Thread | None = None
         self.done = threading.Event()
@@ -64,8 +119,9 @@ class CheckpointWriter:
         t0 = time.monotonic()
         self.wait()
         ck = host_copy()
-        row = {"step": ck.step, "wait": time.monotonic() - t0, "write": float("nan")}
+        row = CheckpointTime(step=ck.step, wait=time.monotonic() - t0, write=float("nan"))
         self.last_step = ck.step
+        at = len(self.times)
         self.times.append(row)
 
         done = self.done = threading.Event()
@@ -77,7 +133,7 @@ class CheckpointWriter:
             except BaseException as e:  # noqa: BLE001 - handed to the thread that runs the steps
                 self.error = (ck.step, e)
             finally:
-                row["write"] = time.monotonic() - t1
+                self.times[at] = dataclasses.replace(row, write=time.monotonic() - t1)
                 done.set()
 
         self.thread = threading.Thread(target=write, name="vjpsplit-checkpoint")
@@ -113,9 +169,11 @@ class CheckpointWriter:
         self.thread = None
 
 
-def _batch_source(data: Any, steps: int) -> Callable[[int], Any]:
+def _batch_source(
+    data: Callable[[int], tuple[PyTree, ...]] | Sequence[tuple[PyTree, ...]], steps: int
+) -> Callable[[int], tuple[PyTree, ...]]:
     if callable(data):
-        return data  # type: ignore[no-any-return]
+        return data
     if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
         if len(data) < steps:
             raise VjpsplitError(
@@ -127,7 +185,7 @@ def _batch_source(data: Any, steps: int) -> Callable[[int], Any]:
     )
 
 
-def _reported(callback: Callable[..., Any] | None) -> Callable[[int, float, bool], Any] | None:
+def _reported(callback: Callable[..., object] | None) -> Callable[[int, float, bool], object] | None:
     """``callback`` as ``fit`` calls it, ``(step, loss, rerun)``: ``rerun=`` by keyword to a callback that takes
     it (a parameter ``rerun``, or ``**kwargs``), else ``callback(step, loss)`` as before."""
     if callback is None:
@@ -146,9 +204,9 @@ def _reported(callback: Callable[..., Any] | None) -> Callable[[int, float, bool
     return lambda k, loss, rerun: callback(k, loss)
 
 
-def _nonfinite(trainer: Any, k: int, loss: float, writer: CheckpointWriter | None) -> VjpsplitError | None:
+def _nonfinite(trainer: Fitted, k: int, loss: float, writer: CheckpointWriter | None) -> VjpsplitError | None:
     """The error that stops ``fit`` at step ``k`` if its loss or gradient norm is not finite."""
-    norm = trainer.history[-1]["grad_norm"] if trainer.history else 0.0
+    norm = trainer.history[-1].grad_norm if trainer.history else 0.0
     if math.isfinite(loss) and math.isfinite(norm):
         return None
     where = ""
@@ -167,7 +225,9 @@ def _nonfinite(trainer: Any, k: int, loss: float, writer: CheckpointWriter | Non
     )
 
 
-def _check_options(steps: int, checkpoint_dir: Any, checkpoint_every: int | None, max_restarts: int) -> None:
+def _check_options(
+    steps: int, checkpoint_dir: str | os.PathLike[str] | None, checkpoint_every: int | None, max_restarts: int
+) -> None:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise VjpsplitError(f"steps={steps!r}; pass the run's total number of steps, an int >= 0")
     if checkpoint_every is not None:
@@ -179,7 +239,9 @@ def _check_options(steps: int, checkpoint_dir: Any, checkpoint_every: int | None
         raise VjpsplitError(f"max_restarts={max_restarts!r}; pass an int >= 0")
 
 
-def evaluations(eval_data: Any, eval_every: int | None) -> Callable[[int], Any] | None:
+def evaluations(
+    eval_data: tuple[PyTree, ...] | Callable[[int], tuple[PyTree, ...]] | None, eval_every: int | None
+) -> Callable[[int], tuple[PyTree, ...]] | None:
     """``eval_data`` as ``batch(step)`` for the steps to evaluate after; None without it. Refuses one without the
     other and an ``eval_every`` that is not a number of steps >= 1."""
     if eval_data is None and eval_every is None:
@@ -192,16 +254,16 @@ def evaluations(eval_data: Any, eval_every: int | None) -> Callable[[int], Any] 
 
 
 def fit(
-    trainer: Any,
-    data: Any,
+    trainer: Fitted,
+    data: Callable[[int], tuple[PyTree, ...]] | Sequence[tuple[PyTree, ...]],
     steps: int,
     *,
     checkpoint_dir: str | os.PathLike[str] | None = None,
     checkpoint_every: int | None = None,
     max_restarts: int = 0,
-    callback: Callable[..., Any] | None = None,
+    callback: Callable[..., object] | None = None,
     stop_on_nonfinite: bool = True,
-    eval_data: Any = None,
+    eval_data: tuple[PyTree, ...] | Callable[[int], tuple[PyTree, ...]] | None = None,
     eval_every: int | None = None,
 ) -> list[float]:
     """``trainer.fit``'s work (see ``Trainer.fit`` and the module docstring); returns the losses of the steps run."""
@@ -246,7 +308,8 @@ def fit(
                         raise bad
                 done = k + 1
                 if eval_batch is not None and (done == steps or done % (eval_every or 1) == 0):
-                    trainer.history[-1]["eval_loss"] = trainer.evaluate(eval_batch(done))
+                    last = trainer.history[-1]
+                    trainer.history[-1] = dataclasses.replace(last, eval_loss=trainer.evaluate(eval_batch(done)))
                 if writer is not None and (
                     done == steps or (checkpoint_every is not None and done % checkpoint_every == 0)
                 ):
@@ -266,7 +329,7 @@ def fit(
 
 
 def _refuse_unless_recoverable(
-    trainer: Any, e: WorkerLost, step: int, failures: int, max_restarts: int, writer: CheckpointWriter | None
+    trainer: Fitted, e: WorkerLost, step: int, failures: int, max_restarts: int, writer: CheckpointWriter | None
 ) -> None:
     """The one error when a lost worker is not to be replaced: too many failures, or no checkpoint."""
     names = ", ".join(trainer.plan.layout.label(w) for w in e.workers) or "a stage"
@@ -287,7 +350,7 @@ def _refuse_unless_recoverable(
 
 
 def _replace_lost_workers(
-    trainer: Any, workers: Sequence[int], step: int, writer: CheckpointWriter | None, found: float
+    trainer: Fitted, workers: Sequence[int], step: int, writer: CheckpointWriter | None, found: float
 ) -> None:
     """Replace the lost workers and take every worker back to the last checkpoint (``found``: when the loss was
     seen, on ``time.monotonic``'s clock)."""
@@ -297,11 +360,11 @@ def _replace_lost_workers(
     trainer.backend.replace(workers)
     trainer.load(writer.directory)
     trainer.restarts.append(
-        {
-            "step": step,
-            "workers": list(workers),
-            "returned_to": trainer.step_count,
-            "found_at": found,
-            "recovery_time": time.monotonic() - t0,
-        }
+        RestartRecord(
+            step=step,
+            workers=tuple(workers),
+            returned_to=trainer.step_count,
+            found_at=found,
+            recovery_time=time.monotonic() - t0,
+        )
     )

@@ -1,21 +1,30 @@
-"""What a Trainer keeps of its steps: one row per step, a progress bar over steps, the loss curve."""
+"""What a Trainer keeps of its steps: one record per step (``StepRecord``), per checkpoint ``fit`` wrote
+(``CheckpointTime``) and per lost worker it replaced (``RestartRecord``), a progress bar over steps, the loss curve.
+
+The records are frozen dataclasses read by attribute; ``row["loss"]``, ``row.get(...)`` and ``"key" in row``
+(the string-keyed dicts they were) still work, with a ``DeprecationWarning`` naming the attribute.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import statistics
-from typing import Any, Hashable, Mapping, Sequence
+import warnings
+from typing import Hashable, Protocol, Sequence
 
+from ...treetypes import JSON, JSONObject
 from ..runtime.result import PipelineResult
 from ..schedules.plots import plot_loss
+from ...artifact.artifact import Artifact
 
 
 SLOWER = 1.15  # a worker's compute this far above its peers' ...
 IN_A_ROW = 3  # ... for this many timed steps in a row is a straggler
 
 
-def cost_signature(artifact: Any) -> tuple[Any, ...]:
+def cost_signature(artifact: Artifact) -> tuple[tuple[str, tuple[int | str, ...]], ...]:
     """What makes two stages cost the same: their inputs' (parameters', activations') shapes and dtypes, not their
     names (a transformer's blocks share one signature)."""
     return tuple((leaf.dtype, tuple(leaf.shape)) for leaf in artifact.manifest.inputs)
@@ -43,14 +52,157 @@ class Stragglers:
         return now, new
 
 
+class _KeyAccess:
+    """The string keys the records had as dicts: ``as_dict()``'s, each read with a ``DeprecationWarning``."""
+
+    def as_dict(self) -> JSONObject:
+        raise NotImplementedError
+
+    def _old(self, key: object) -> JSONObject:
+        warnings.warn(
+            f"{type(self).__name__}[{key!r}] is deprecated: read the attribute .{key} instead",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return self.as_dict()
+
+    def __getitem__(self, key: str) -> JSON:
+        """``record[key]``, as the dict it was (deprecated: ``record.key``)."""
+        return self._old(key)[key]
+
+    def get(self, key: str, default: JSON = None) -> JSON:
+        """``record.get(key, default)``, as the dict it was (deprecated: ``record.key``)."""
+        return self._old(key).get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        """``key in record``, as the dict it was: a key ``as_dict`` holds (deprecated: the attribute)."""
+        return key in self._old(key)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord(_KeyAccess):
+    """One step of ``Trainer.history``.
+
+    Attributes:
+        step: the step count after this step (the first step is 1).
+        loss: the step's loss, the mean over microbatches.
+        grad_norm: the gradients' global norm before clipping.
+        step_time: seconds the step took, from the caller's side.
+        bubble: the fraction of the workers' time idle in the step's measured timeline (0 to 1).
+        modeled_bubble: the same fraction in the schedule's modeled timeline (0 to 1).
+        schedule: under ``schedule="auto"``, what ran (the measuring step's schedule, then ``"auto"``); else None.
+        modeled_makespan: under ``schedule="auto"``, the plans' makespan under the measured costs, seconds; else None.
+        measuring: under ``schedule="auto"``, True on the timed first steps that measure the costs.
+        busy: a timed step's compute seconds per worker; None for an untimed step.
+        stragglers: a timed step's workers whose compute was 15% or more above that of the workers whose stages
+            cost the same, 3 timed steps in a row; None for an untimed step.
+        eval_loss: ``fit(eval_data=..., eval_every=...)``'s loss after this step (``Trainer.evaluate``); else None.
+    """
+
+    step: int
+    loss: float
+    grad_norm: float
+    step_time: float
+    bubble: float
+    modeled_bubble: float
+    schedule: str | None = None
+    modeled_makespan: float | None = None
+    measuring: bool = False
+    busy: tuple[float, ...] | None = None
+    stragglers: tuple[int, ...] | None = None
+    eval_loss: float | None = None
+
+    def as_dict(self) -> JSONObject:
+        """The dict a row was: every field, the optional ones only where set (``measuring`` only when True)."""
+        row: JSONObject = {
+            "step": self.step,
+            "loss": self.loss,
+            "grad_norm": self.grad_norm,
+            "step_time": self.step_time,
+            "bubble": self.bubble,
+            "modeled_bubble": self.modeled_bubble,
+        }
+        if self.schedule is not None:
+            row["schedule"] = self.schedule
+        if self.modeled_makespan is not None:
+            row["modeled_makespan"] = self.modeled_makespan
+        if self.measuring:
+            row["measuring"] = True
+        if self.busy is not None:
+            row["busy"] = [b for b in self.busy]
+        if self.stragglers is not None:
+            row["stragglers"] = [w for w in self.stragglers]
+        if self.eval_loss is not None:
+            row["eval_loss"] = self.eval_loss
+        return row
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointTime(_KeyAccess):
+    """One checkpoint of ``Trainer.checkpoint_times`` (``fit`` with ``checkpoint_dir``).
+
+    Attributes:
+        step: the step count the checkpoint holds the state after.
+        wait: seconds the steps waited for it (the copy to host memory, and any write still running).
+        write: seconds the files took to write, in the background; NaN while the write runs.
+    """
+
+    step: int
+    wait: float
+    write: float
+
+    def as_dict(self) -> JSONObject:
+        """The dict an entry was: ``step``, ``wait``, ``write``."""
+        return {"step": self.step, "wait": self.wait, "write": self.write}
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartRecord(_KeyAccess):
+    """One lost Ray worker ``fit`` replaced, in ``Trainer.restarts``.
+
+    Attributes:
+        step: the step count when the loss was found.
+        workers: the workers replaced (indices into the layout's workers).
+        returned_to: the step count of the checkpoint every worker went back to.
+        found_at: when the loss was found, seconds on ``time.monotonic``'s clock.
+        recovery_time: seconds from replacing the workers to holding the checkpoint again.
+    """
+
+    step: int
+    workers: tuple[int, ...]
+    returned_to: int
+    found_at: float
+    recovery_time: float
+
+    def as_dict(self) -> JSONObject:
+        """The dict an entry was: ``step``, ``workers`` (a list), ``returned_to``, ``found_at``, ``recovery_time``."""
+        return {
+            "step": self.step,
+            "workers": [w for w in self.workers],
+            "returned_to": self.returned_to,
+            "found_at": self.found_at,
+            "recovery_time": self.recovery_time,
+        }
+
+
+class _Bar(Protocol):
+    """What ``History`` calls of a tqdm bar."""
+
+    def set_postfix(self, *, loss: str, refresh: bool) -> None: ...
+
+    def update(self, n: int) -> object: ...
+
+    def close(self) -> None: ...
+
+
 class History:
     """Per step: the loss, the gradients' global norm (before clipping), the step time, the measured and
     modeled bubble; ``progress=True`` shows a tqdm bar over steps with the loss (where tqdm is installed)."""
 
     def __init__(self, progress: bool, first_step: int):
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[StepRecord] = []
         self.progress, self.first_step = progress, first_step
-        self._bar: Any = None
+        self._bar: _Bar | None = None
 
     def record(
         self,
@@ -58,25 +210,33 @@ class History:
         result: PipelineResult,
         grad_norm: float,
         step_time: float,
-        extra: Mapping[str, Any] | None = None,
+        auto: tuple[str, float | None, bool] | None = None,
+        busy: tuple[tuple[float, ...], tuple[int, ...]] | None = None,
     ) -> None:
-        """Step ``step``'s row (with ``extra``'s entries: an automatic schedule's), and the bar moved on."""
+        """Step ``step``'s row, and the bar moved on. ``auto``: an automatic schedule's ``(schedule,
+        modeled_makespan, measuring)``; ``busy``: a timed step's ``(busy, stragglers)``."""
+        schedule, makespan, measuring = (None, None, False) if auto is None else auto
+        seconds, stragglers = (None, None) if busy is None else busy
         self.rows.append(
-            {
-                "step": step,
-                "loss": result.loss,
-                "grad_norm": grad_norm,
-                "step_time": step_time,
-                "bubble": result.bubble_ratio,
-                "modeled_bubble": result.modeled_bubble_ratio,
-                **(extra or {}),
-            }
+            StepRecord(
+                step=step,
+                loss=result.loss,
+                grad_norm=grad_norm,
+                step_time=step_time,
+                bubble=result.bubble_ratio,
+                modeled_bubble=result.modeled_bubble_ratio,
+                schedule=schedule,
+                modeled_makespan=makespan,
+                measuring=measuring,
+                busy=seconds,
+                stragglers=stragglers,
+            )
         )
         self._show(result.loss)
 
     def rewind(self, step: int) -> None:
         """Forget the rows after step ``step`` (the run returned to a checkpoint there)."""
-        self.rows = [row for row in self.rows if row["step"] <= step]
+        self.rows = [row for row in self.rows if row.step <= step]
 
     def _show(self, loss: float) -> None:
         if not self.progress:
@@ -93,7 +253,7 @@ class History:
 
     def plot(self, path: str | os.PathLike[str], title: str) -> None:
         """A PNG of the loss per step (needs matplotlib)."""
-        plot_loss([row["loss"] for row in self.rows], path, title)
+        plot_loss([row.loss for row in self.rows], path, title)
 
     def close(self) -> None:
         """Close the progress bar."""

@@ -12,11 +12,14 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence, TypeVar, cast
 
+import jax
 import numpy as np
 
+from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
+from ...treetypes import Leaf, PyTree
 from ..runtime.devices import Devices
 from ..runtime.dispatch import Order, order_of
 from ..runtime.evaluation import evaluate_here, host
@@ -32,15 +35,19 @@ from ..stages.evalprograms import EvalProgram
 from ..schedules.timeline import Phase
 from .clipping import clip_scale
 from .ownership import Ownership, Snapshot
-from .stage_trainer import RESTORE_HINT, StageTrainer, finish_stages
+from .stage_trainer import RESTORE_HINT, Exchange, StageTrainer, finish_stages
+from .zero1 import ReplicaTrainer
+
+
+T = TypeVar("T")
 
 
 def stage_trainers(
     ownership: Ownership,
-    arts: Sequence[Any],
+    arts: Sequence[Artifact],
     where: Sequence[Devices],
     programs: Sequence[bytes],
-    states: Sequence[Any],
+    states: Sequence[Mapping[str, Leaf] | None],
     offload: Offload | None = None,
 ) -> list[StageTrainer]:
     """Per stage, its ``StageTrainer`` on its device (``where``), with its exported optimizer ``programs``;
@@ -58,21 +65,22 @@ class _Rendezvous:
 
     def __init__(self, n: int):
         self.barrier = threading.Barrier(n)
-        self.rounds: list[dict[int, Any]] = []
+        self.rounds: list[dict[int, object]] = []
         self.lock = threading.Lock()
 
-    def exchanger(self) -> Callable[[Mapping[int, Any]], dict[int, Any]]:
+    def exchanger(self) -> Exchange:
         """An ``exchange`` for ``finish_stages``: each call waits for every worker's part and returns them all."""
         count = itertools.count()
 
-        def exchange(part: Mapping[int, Any]) -> dict[int, Any]:
+        def exchange(part: Mapping[int, T]) -> dict[int, T]:
             i = next(count)
             with self.lock:
                 while len(self.rounds) <= i:
                     self.rounds.append({})
                 self.rounds[i].update(part)
             self.barrier.wait()
-            return self.rounds[i]
+            # Every worker's i-th call hands in the same kind of part (finish_stages calls them alike).
+            return cast("dict[int, T]", self.rounds[i])
 
         return exchange
 
@@ -92,7 +100,7 @@ class InProcessBackend:
     def __init__(
         self,
         ownership: Ownership,
-        trainers: Sequence[Any],
+        trainers: Sequence[StageTrainer | ReplicaTrainer],
         step_timeout: float | None = None,
         hang_report: str | None = None,
         data_parallel: int = 1,
@@ -104,10 +112,12 @@ class InProcessBackend:
         self.data_parallel = data_parallel
         self.threads: WorkerThreads | None = None
         self.driver: WorkerThreads | None = None  # the untimed steps' one thread
-        self.orders: tuple[Any, Order, list[int]] | None = None  # plans, their dispatch order, the finishing order
+        self.orders: tuple[list[list[Op]], Order, list[int]] | None = (
+            None  # plans, their dispatch order, the finishing order
+        )
 
     @property
-    def placement(self) -> list[tuple[Any, ...]]:
+    def placement(self) -> list[tuple[jax.Device | str, ...]]:
         """Per stage, the devices that hold its parameters."""
         return [t.worker.devices for t in self.trainers]
 
@@ -128,7 +138,7 @@ class InProcessBackend:
         if self.broken is not None:
             raise VjpsplitError(self.broken)
         S = len(self.trainers)
-        workers = [t.worker for t in self.trainers]
+        workers = self._workers()
         if self.data_parallel > 1:
             check_split(mbs, self.data_parallel)  # before any operation runs
         t0 = time.monotonic()
@@ -156,6 +166,11 @@ class InProcessBackend:
         )
         return result, [sums[s] for s in range(S)]
 
+    def _workers(self) -> list[StageWorker]:
+        """Every stage's worker; a stage on replicas has a ``ReplicaGroup``, which runs a schedule's operations
+        as a ``StageWorker`` does (``runtime.replicas``), so the runtime's dispatch takes it alike."""
+        return cast("list[StageWorker]", [t.worker for t in self.trainers])
+
     def _orders(self, plans: list[list[Op]]) -> tuple[Order, list[int]]:
         """The plans' dispatch order and the stages' finishing order, worked out once for the same plans."""
         if self.orders is None or self.orders[0] is not plans:  # held here, so their id is not reused
@@ -178,7 +193,7 @@ class InProcessBackend:
         self, mbs: Sequence[Microbatch], schedule: Resolved, microbatches: int, clip: float | None
     ) -> tuple[dict[int, float], dict[int, float]]:
         """An untimed step in the kept driver thread (dispatch, updates, losses), waited for here."""
-        workers = [t.worker for t in self.trainers]
+        workers = self._workers()
         order, finishing = self._orders(schedule.plans)
         record = Dispatched(schedule.plans, len(workers))
         value = self._value(microbatches)
@@ -215,7 +230,7 @@ class InProcessBackend:
         own, trainers = self.ownership, self.trainers
         scale = (lambda v: 1.0) if clip is None else (lambda v: clip_scale(v, clip)[0])
 
-        def exchange(part: Mapping[int, Any]) -> Mapping[int, Any]:
+        def exchange(part: Mapping[int, T]) -> Mapping[int, T]:
             commit()
             return part
 
@@ -267,7 +282,7 @@ class InProcessBackend:
             if self.threads is not None:
                 self.threads.close()
             self.threads = WorkerThreads(len(held))
-        workers = [t.worker for t in self.trainers]
+        workers = self._workers()
         order, _ = self._orders(schedule.plans)
         watch = Watch(self.step_timeout, self.hang_report, RESTORE_HINT, rv.barrier.abort)
         try:
@@ -284,10 +299,8 @@ class InProcessBackend:
 
     def evaluate(
         self, mbs: Sequence[Microbatch], programs: Sequence[EvalProgram], outputs: bool
-    ) -> tuple[list[float], list[Any] | None]:
+    ) -> tuple[list[float], list[PyTree] | None]:
         """Every stage's forward only, dispatched from this thread onto each stage's device (``Backend.evaluate``)."""
-        import jax
-
         losses, received = evaluate_here([lead(t.worker) for t in self.trainers], programs, mbs, keep=outputs)
         return [float(v) for v in jax.device_get(losses)], (host(received) if outputs else None)
 
@@ -309,9 +322,15 @@ class InProcessBackend:
         """Where a stuck or interrupted step's report goes from now on."""
         self.hang_report = path
 
-    def workers(self) -> list[Any]:
+    def workers(self) -> list[object]:
         """Ray actor handles: none in-process."""
         raise VjpsplitError("workers() gives the Ray actor of each worker; this Trainer runs in-process")
+
+    def replace(self, workers: Sequence[int]) -> None:
+        """Replacing lost workers (``Backend.replace``): an in-process worker is a thread of this process, never lost."""
+        raise VjpsplitError(
+            f"workers {list(workers)} cannot be replaced: this Trainer runs in-process, no worker is lost"
+        )
 
     def close(self) -> None:
         """End the worker threads of timed steps and the untimed steps' thread, those that ran."""

@@ -3,7 +3,7 @@
 ``CostSamples`` keeps, for the last ``COST_STEPS`` timed steps (steps whose
 events are the operations' compute times), each operation's seconds by stage
 and kind, and the send gaps; ``costs`` gives them in the form
-``auto_schedule`` takes: medians over those steps' microbatches. A Trainer's
+``auto_schedule`` takes (``MeasuredCosts``): medians over those steps' microbatches. A Trainer's
 first step counts only until another step is timed: it is the first run of
 every call (on 2 shared cores the mid GPT's first step timed its operations at
 up to 1.9 times what later steps did, compiling left out; docs/pipeline.md).
@@ -42,11 +42,12 @@ import statistics
 import time
 from collections import deque
 from time import perf_counter  # the transfer probe's clock, apart from the step clock tests replace
-from typing import Any, Collection, Sequence
+from typing import Collection, NotRequired, Sequence, TypedDict
 
 import jax
 import numpy as np
 
+from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
 from ..runtime.offload import to_host_and_back
 from ..runtime.result import PipelineResult
@@ -133,10 +134,22 @@ def send_gaps(
     return gaps
 
 
+class MeasuredCosts(TypedDict):
+    """Every stage's measured operation seconds (``F``, ``B``: its input part, ``W``: its weight part, one entry
+    per stage), ``comm``: the send time, seconds; ``transfer`` (``Trainer.costs`` only): bytes per second of a
+    residual copy off a device (``out``) and back (``back``)."""
+
+    F: list[float]
+    B: list[float]
+    W: list[float]
+    comm: float
+    transfer: NotRequired[dict[str, float]]
+
+
 class CostSamples:
     """The operation times of the last ``COST_STEPS`` timed steps; ``costs`` gives their medians per stage."""
 
-    def __init__(self, artifacts: Sequence[Any]):
+    def __init__(self, artifacts: Sequence[Artifact]):
         self.artifacts = list(artifacts)
         self.steps: deque[_Step] = deque(maxlen=COST_STEPS)
         self.first: _Step | None = None  # the Trainer's first step, while it is the only one timed
@@ -158,7 +171,7 @@ class CostSamples:
             self._shares[stage] = b / (b + w) if b is not None and w is not None and b + w > 0 else 0.5
         return self._shares[stage]
 
-    def costs(self) -> dict[str, Any]:
+    def costs(self) -> MeasuredCosts:
         """``{"F": [...], "B": [...], "W": [...], "comm": c}`` in seconds: medians over the kept steps."""
         kept = list(self.steps) or ([self.first] if self.first is not None else [])
         if not kept:

@@ -26,12 +26,16 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Sequence, TypedDict
 
+import jax
+
+from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
 from ..runtime.offload import Offload, offload_of
 from ..runtime.ray.pipeline import STEP_TIMEOUT
 from ..runtime.ray.setup import SCHEDULE_TIMEOUT
 from ..runtime.runners import check_runner
 from ..schedules.ops import Op
+from ..stages.directory import Stages
 from .arguments import plain
 from .autoplan import AUTO
 from .ownership import Tied
@@ -42,12 +46,12 @@ MemoryLimitBytes = int | str | Sequence[int | str]
 PathLike = str | os.PathLike[str]
 
 
-def _check_count(name: str, value: Any, what: str) -> None:
+def _check_count(name: str, value: object, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise VjpsplitError(f"{name}={value!r}: give {what}, an int >= 1")
 
 
-def _checked_replicas(runner: Any) -> None:
+def _checked_replicas(runner: InProcess | Ray) -> None:
     """A runner's ``data_parallel``: None (the recorded count) or an int >= 1, stored as a plain int."""
     if runner.data_parallel is not None:
         object.__setattr__(runner, "data_parallel", plain(runner.data_parallel))
@@ -145,7 +149,7 @@ class InProcess:
     """
 
     name: ClassVar[str] = "inprocess"
-    devices: Sequence[Sequence[Any]] | None = None
+    devices: Sequence[Sequence[jax.Device]] | None = None
     data_parallel: int | None = None
     offload: Offload | str | None = None
 
@@ -176,8 +180,8 @@ class Ray:
 
     name: ClassVar[str] = "ray"
     address: str | None = None
-    runtime_env: Mapping[str, Any] | None = None
-    actor_options: Sequence[Mapping[str, Any]] | None = None
+    runtime_env: Mapping[str, object] | None = None
+    actor_options: Sequence[Mapping[str, object]] | None = None
     schedule_timeout: float = SCHEDULE_TIMEOUT
     data_parallel: int | None = None
     offload: Offload | str | None = None
@@ -198,7 +202,7 @@ def runner_of(runner: str | Runner) -> Runner:
     """
     if isinstance(runner, (InProcess, Ray)):
         return runner
-    check_runner(runner)
+    check_runner(str(runner))  # a name here: from_legacy refused old runner keywords beside an InProcess or Ray
     return Ray() if runner == Ray.name else InProcess()
 
 
@@ -246,7 +250,7 @@ class PerStage:
             of those stages, equal there, their gradients summed.
     """
 
-    artifacts: Sequence[Any]
+    artifacts: Sequence[Artifact]
     tied: Tied = ()
 
 
@@ -259,11 +263,11 @@ class Deprecated(TypedDict, total=False):
     schedule_name: str
     memory_limit: MemoryLimit | None
     memory_limit_bytes: MemoryLimitBytes | None
-    devices: Sequence[Sequence[Any]] | None
+    devices: Sequence[Sequence[jax.Device]] | None
     data_parallel: int
     address: str | None
-    runtime_env: Mapping[str, Any] | None
-    actor_options: Sequence[Mapping[str, Any]] | None
+    runtime_env: Mapping[str, object] | None
+    actor_options: Sequence[Mapping[str, object]] | None
     schedule_timeout: float
     progress: bool
     timeline: bool
@@ -300,18 +304,18 @@ LEGACY: dict[str, tuple[str, str]] = {
 class Options:
     """The Trainer's ``stages``, ``schedule``, ``runner`` and ``observe`` as typed values."""
 
-    stages: Any
+    stages: Stages | PerStage | Sequence[Artifact]
     schedule: Schedule | None  # None: not given (the Trainer's 1f1b; restore's recorded schedule)
     runner: Runner
     observe: Observe
 
 
-def _shown(value: Any) -> str:
+def _shown(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 40 else "..."
 
 
-def _form(kind: str, fields: Mapping[str, Any]) -> str:
+def _form(kind: str, fields: Mapping[str, object]) -> str:
     """How to write ``fields`` in the new form, e.g. ``Schedule(name='auto', memory_limit=8)``."""
     inner = ", ".join(f"{k}={_shown(v)}" for k, v in fields.items())
     if kind == "PerStage":
@@ -319,7 +323,7 @@ def _form(kind: str, fields: Mapping[str, Any]) -> str:
     return f"{kind}({inner})"
 
 
-def _fields_of(built: Any, fields: Mapping[str, Any]) -> dict[str, Any]:
+def _fields_of(built: object, fields: Mapping[str, object]) -> dict[str, object]:
     """The given ``fields`` that ``built`` (the new value) has: what the new form spells out."""
     if not dataclasses.is_dataclass(built):
         return {}
@@ -329,11 +333,11 @@ def _fields_of(built: Any, fields: Mapping[str, Any]) -> dict[str, Any]:
 
 def from_legacy(
     caller: str,
-    stages: Any,
+    stages: Stages | PerStage | Sequence[Artifact],
     schedule: str | Plans | Schedule | None,
     runner: str | Runner,
     observe: Observe | None,
-    old: Mapping[str, Any],
+    old: Mapping[str, object],
 ) -> Options:
     """The typed options from the new arguments and any old keywords (``old``), warning once per group of them.
 
@@ -368,11 +372,11 @@ def from_legacy(
                 f"(the old keywords are deprecated)"
             )
         kind, built = _built(target, fields, runner, stages)
-        if target == "schedule":
+        if isinstance(built, Schedule):
             new_schedule = built
-        elif target == "runner":
+        elif isinstance(built, (InProcess, Ray)):
             new_runner = built
-        elif target == "observe":
+        elif isinstance(built, Observe):
             new_observe = built
         else:
             stages = built
@@ -386,7 +390,9 @@ def from_legacy(
     return Options(stages, new_schedule, runner_of(new_runner), new_observe)
 
 
-def _built(target: str, fields: dict[str, Any], runner: Any, stages: Any) -> tuple[str, Any]:
+def _built(
+    target: str, fields: dict[str, Any], runner: str | Runner, stages: Stages | PerStage | Sequence[Artifact]
+) -> tuple[str, Schedule | Observe | Runner | Stages | PerStage | Sequence[Artifact]]:
     """The new value an old group's ``fields`` make: its class's name and the value."""
     if target == "schedule":
         return "Schedule", Schedule(**fields)
@@ -401,7 +407,7 @@ def _built(target: str, fields: dict[str, Any], runner: Any, stages: Any) -> tup
                 "tied= names the tied leaves of the per-stage form (a list of artifacts); a Stages knows its own"
             )
         return "PerStage", PerStage(stages, tied)
-    check_runner(runner)
+    check_runner(str(runner))  # a name here: from_legacy refused old runner keywords beside an InProcess or Ray
     local = {k: v for k, v in fields.items() if k in ("devices", "data_parallel")}
     ray = {k: v for k, v in fields.items() if k != "devices"}  # data_parallel is both runners'
     if runner == Ray.name:

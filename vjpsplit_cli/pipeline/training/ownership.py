@@ -12,20 +12,25 @@ Which *worker* runs which stage is the layout (``schedules.layout``), another ma
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence, TypeVar
 
 import jax
 import numpy as np
 
+from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
+from ...treetypes import JSON, Leaf, PyTree
 from ...files.trees import decode_structure, encode_structure, flatten_with_keys, structure_keys
 from ..runtime.model import Model, StagesModel
 from ..stages.directory import Stages
 from .clipping import norm_owners
 from .stage_trainer import param_node
 
+T = TypeVar("T")
 Tied = Sequence[Sequence[tuple[int, str]]]
-Snapshot = tuple[dict[str, Any], dict[str, Any]]  # a stage's (params, optimizer state), flat by global key
+Snapshot = tuple[
+    dict[str, np.ndarray], dict[str, np.ndarray]
+]  # a stage's (params, optimizer state), flat by global key, on the host
 
 
 def global_keys(local: Sequence[Sequence[str]], tied: Tied | None) -> list[list[str]]:
@@ -42,7 +47,7 @@ def global_keys(local: Sequence[Sequence[str]], tied: Tied | None) -> list[list[
     return [[n[k] for k in keys] for n, keys in zip(names, local)]
 
 
-def stage_keys(stages: Stages | Sequence[Any], tied: Tied | None = None) -> list[list[str]]:
+def stage_keys(stages: Stages | Sequence[Artifact], tied: Tied | None = None) -> list[list[str]]:
     """Per stage, the global keys of the parameter leaves it holds, from the stages alone (no parameters)."""
     if isinstance(stages, Stages):
         return stages.index.stage_param_keys()
@@ -57,7 +62,7 @@ class Ownership:
         self.artifacts = model.artifacts
         self.stage_params = model.stage_params
         self.stages = model.stages if isinstance(model, StagesModel) else None
-        self.structure: Any = None
+        self.structure: JSON = None
         if isinstance(model, StagesModel):
             self.names = stage_keys(model.stages)
             self.keys = model.stages.index.param_keys
@@ -76,16 +81,18 @@ class Ownership:
         self.tied = any(self.holders)
 
     @staticmethod
-    def flat(snapshots: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        """Every parameter by key from each stage's flat ``{key: array}`` (a tied leaf: its first holder's)."""
-        flat: dict[str, Any] = {}
+    def flat(snapshots: Sequence[Mapping[str, T]]) -> dict[str, T]:
+        """Every parameter by key from each stage's flat ``{key: array}`` (a tied leaf: its first holder's; any
+        value per key, e.g. a spec or a name, passes through alike)."""
+        flat: dict[str, T] = {}
         for snap in snapshots:
             for k, v in snap.items():
                 flat.setdefault(k, v)
         return flat
 
-    def gather(self, snapshots: Sequence[Mapping[str, Any]]) -> Any:
-        """The parameters in the user's structure from each stage's flat ``{key: array}``."""
+    def gather(self, snapshots: Sequence[Mapping[str, object]]) -> PyTree:
+        """The parameters in the user's structure from each stage's flat ``{key: array}`` (or any value per key,
+        e.g. a spec or a name: the tree holds what the snapshots hold)."""
         if self.stages is not None:
             flat = self.flat(snapshots)
             return jax.tree_util.tree_unflatten(self.tree, [flat[k] for k in self.keys])
@@ -97,11 +104,11 @@ class Ownership:
 
 def saved_params(
     directory: str | os.PathLike[str],
-    stages: Stages | Sequence[Any],
+    stages: Stages | Sequence[Artifact],
     saved: Sequence[Snapshot],
-    structure: Any,
+    structure: JSON,
     tied: Tied | None,
-) -> Any:
+) -> PyTree:
     """The parameters a checkpoint holds, in the structure ``Trainer`` takes for ``stages``; one error naming
     what does not fit (another number of stages, a missing leaf)."""
     names = stage_keys(stages, tied)
@@ -121,8 +128,8 @@ def saved_params(
     return [decode_structure(param_node(a), iter([p[k] for k in n])) for a, n, (p, _) in zip(stages, names, saved)]
 
 
-def _check_tied_equal(flat: Sequence[Mapping[str, Any]]) -> None:
-    first: dict[str, tuple[int, Any]] = {}
+def _check_tied_equal(flat: Sequence[Mapping[str, Leaf]]) -> None:
+    first: dict[str, tuple[int, Leaf]] = {}
     for s, f in enumerate(flat):
         for k, v in f.items():
             if k in first:

@@ -13,15 +13,17 @@ driver waits once per step, for each actor's report (the losses, timings and
 squared norms). The optimizer arrives as exported bytes: an actor imports
 neither optax nor the user's code. Evaluation (``evaluate``) chains each
 microbatch's stage calls actor to actor by object reference; only the losses
-(and, when asked, the last stage's inputs) reach the driver.
+(and, when asked, the last stage's inputs) reach the driver. ``RayOptions``: the
+``RayPipeline`` keywords a ``Ray`` runner gives the actors.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypedDict, TypeVar, Unpack
 
+import jax
 import numpy as np
 
 from ..runtime.evaluation import EvaluatingActor
@@ -37,7 +39,9 @@ from ..schedules.catalog import describe
 from ..schedules.stepplans import Resolved
 from ..stages.evalprograms import EvalProgram
 from ..schedules.timeline import Phase
+from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
+from ...treetypes import Leaf, PyTree
 from ...files.dtypes import dtype_from_name
 from .separable import combine
 from .clipping import clip_scale
@@ -66,6 +70,12 @@ class EndOfStep:
         return sorted({h for hs in self.holders[stage].values() for h in hs if h != stage})
 
 
+T = TypeVar("T")
+
+StageEntry = tuple[int, list[str], bytes, dict[str, list[int]], list[str], "Mapping[str, Leaf] | None"]
+"""What ``TrainActor.setup`` takes per stage: ``(stage, names, optimizer bytes, holders, counted, state or None)``."""
+
+
 class TrainActor(StageActor, EvaluatingActor):
     """A pipeline worker's actor that also trains (one ``StageTrainer`` per stage it holds) and evaluates.
 
@@ -79,9 +89,7 @@ class TrainActor(StageActor, EvaluatingActor):
     update, so none updates when one failed.
     """
 
-    def setup(
-        self, entries: Sequence[tuple[int, list[str], bytes, dict[str, list[int]], list[str], Any]], end: EndOfStep
-    ) -> None:
+    def setup(self, entries: Sequence[StageEntry], end: EndOfStep) -> None:
         """``(stage, names, optimizer bytes, holders, counted, state or None)`` per stage this actor holds;
         ``end``: what the end of each step exchanges with the other actors."""
         held = self.stage_workers
@@ -103,11 +111,11 @@ class TrainActor(StageActor, EvaluatingActor):
         self,
         step: int,
         ops: Sequence[tuple[str, int, int]],
-        batch: dict[tuple[int, int], tuple[Any, list[Any]]],
+        batch: dict[tuple[int, int], tuple[object, list[object]]],
         microbatches: int,
         timed: bool,
         clip: float | None,
-    ) -> dict[str, Any]:
+    ) -> dict[str, object]:
         """Step ``step``: this worker's list (``run_step``), then the end of the step (see the class); its
         ``report`` and ``"sums"``, each held stage's squared norm (None where the step failed)."""
         self.run_step(step, ops, batch, microbatches, timed)
@@ -124,7 +132,7 @@ class TrainActor(StageActor, EvaluatingActor):
             self.sender.send(step, w, (tag, 0, self.worker), part)
         return {w: self.inbox.take(step, (tag, 0, w)) for w in peers}
 
-    def _finish(self, step: int, microbatches: int, clip: float | None) -> dict[int, Any]:
+    def _finish(self, step: int, microbatches: int, clip: float | None) -> dict[int, float | None]:
         """The step's tied sums, norms, clip scale, reductions and update for this worker's stages (see the class).
 
         Every actor sends and takes the same parts in the same order whether or not its step failed, so that
@@ -145,7 +153,7 @@ class TrainActor(StageActor, EvaluatingActor):
             self.phases.append(Phase(me, name, at, now))
             at = now
 
-        def run(fn: Any) -> Any:
+        def run(fn: Callable[..., T]) -> T | None:
             return self.guarded(fn) if ok else None
 
         def joined(got: Mapping[int, Any], own: Mapping[int, Any]) -> dict[int, Any] | None:
@@ -231,15 +239,33 @@ class TrainActor(StageActor, EvaluatingActor):
         self.error = None
 
 
+class RayOptions(TypedDict, total=False):
+    """``RayPipeline``'s keywords a ``Ray`` runner gives the Trainer's actors (``backend.open_backend``)."""
+
+    address: str | None
+    runtime_env: Mapping[str, object] | None
+    actor_options: Sequence[Mapping[str, object]] | None
+    layout: str | Sequence[Sequence[int]]
+    schedule_timeout: float
+    step_timeout: float
+
+
 class TrainPipeline(RayPipeline):
     """A ``RayPipeline`` whose actors are ``TrainActor``s; ``data_parallel=N``: each actor runs N replicas of
     each of its stages on N devices of its own."""
 
     actor_class = TrainActor
 
-    def __init__(self, *args: Any, data_parallel: int = 1, **kwargs: Any):
+    def __init__(
+        self,
+        artifacts: Sequence[Artifact],
+        params: Sequence[PyTree],
+        *,
+        data_parallel: int = 1,
+        **options: Unpack[RayOptions],
+    ):
         self.replicas = int(data_parallel)
-        super().__init__(*args, **kwargs)
+        super().__init__(artifacts, params, **options)
 
 
 class RayBackend:
@@ -249,13 +275,17 @@ class RayBackend:
         self,
         ownership: Ownership,
         programs: Sequence[bytes],
-        states: Sequence[Any],
+        states: Sequence[Mapping[str, Leaf] | None],
         reductions: Sequence[tuple[str, str, int]] = (),
         uses_value: bool = False,
         data_parallel: int = 1,
-        **options: Any,
+        *,
+        hang_report: str | None = None,
+        offload: Offload | None = None,
+        **options: Unpack[RayOptions],
     ):
-        """``options``: ``RayPipeline``'s keyword arguments, and ``hang_report`` (where a stuck step's report goes);
+        """``options``: ``RayPipeline``'s keyword arguments; ``hang_report``: where a stuck step's report goes;
+        ``offload``: every stage's residuals off its device between F and B;
         ``reductions`` (op, dtype, round) and ``uses_value``: what the optimizer programs exchange across stages
         and take from the step (``separable``); ``data_parallel=N``: every stage on N replicas in its actor
         (``programs`` then exported over their mesh, ``replicas.replica_program``)."""
@@ -265,8 +295,7 @@ class RayBackend:
         self.uses_value = bool(uses_value)
         self.end = EndOfStep(tuple(ownership.holders), tuple(self.reductions), self.uses_value)
         self.schedule_timeout = float(options.get("schedule_timeout", SCHEDULE_TIMEOUT))
-        hang_report = options.pop("hang_report", None)
-        self.offload: Offload | None = options.pop("offload", None)
+        self.offload = offload
         self.rp = rp = TrainPipeline(
             ownership.artifacts, ownership.stage_params, data_parallel=self.data_parallel, **options
         )
@@ -282,7 +311,7 @@ class RayBackend:
         self.actor_of = {s: rp.actors[w] for s, w in self.worker_of.items()}
         self.evaluating: set[int] = set()  # the workers whose actors hold their stages' evaluation programs
 
-    def _entries(self, worker: int, states: Sequence[Any]) -> list[tuple[Any, ...]]:
+    def _entries(self, worker: int, states: Sequence[Mapping[str, Leaf] | None]) -> list[StageEntry]:
         """What ``TrainActor.setup`` takes for ``worker``'s stages."""
         own = self.ownership
         return [
@@ -291,7 +320,7 @@ class RayBackend:
         ]
 
     @property
-    def placement(self) -> list[tuple[str, ...]]:
+    def placement(self) -> list[tuple[jax.Device | str, ...]]:
         """Per stage, the devices that hold its parameters, as its actor's JAX names them."""
         got: dict[int, list[str]] = {}
         for part in self.rp.get([a.placement.remote() for a in self.rp.actors]):
@@ -351,7 +380,7 @@ class RayBackend:
 
     def evaluate(
         self, mbs: Sequence[Microbatch], programs: Sequence[EvalProgram], outputs: bool
-    ) -> tuple[list[float], list[Any] | None]:
+    ) -> tuple[list[float], list[PyTree] | None]:
         """Every stage's forward only on its actor (``Backend.evaluate``): each microbatch's stage calls chained
         by object reference, so activations go actor to actor; the programs go to each actor once."""
         rp, S = self.rp, self.rp.num_stages
@@ -366,7 +395,7 @@ class RayBackend:
             self.evaluating.update(send)
         losses, received = [], []
         for x, side in mbs:
-            value: Any = x
+            value: object = x
             for s in range(S):
                 if outputs and s == S - 1:
                     received.append(value)  # only then: a reference here keeps its object alive
@@ -405,7 +434,7 @@ class RayBackend:
         """Where a stuck or interrupted step's report goes from now on."""
         self.rp.hang_report = path
 
-    def workers(self) -> list[Any]:
+    def workers(self) -> list[object]:
         """The Ray actor handle of each worker, in the layout's order."""
         return list(self.rp.actors)
 

@@ -14,33 +14,39 @@ stage, three small phases finish the step there:
 
 Only the scalars of step 2 (and, for tied leaves, their gradients) leave the
 worker. The optimizer arrives as ``OptimizerProgram.to_bytes`` and is loaded
-here: neither optax nor the user's code is imported.
+here: neither optax nor the user's code is imported. ``finish_stages`` runs the
+three phases for one worker's stages (any ``TrainsStage``: a ``StageTrainer`` or
+``zero1``'s ``ReplicaTrainer``), joining the workers through an ``Exchange``.
 """
 
 from __future__ import annotations
 
 import time
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Protocol, Sequence, TypeVar
 
 import numpy as np
 
+from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
 from ...files.prng import to_data
 from ...files.trees import decode_structure, flatten_with_keys, structure_keys
 from .clipping import sum_of_squares
-from .optimizer import load_optimizer
+from .optimizer import OptimizerProgram, load_optimizer
 from .separable import combine
 from ..runtime.worker import StageWorker
+from ...treetypes import JSON, Leaf
+
+T = TypeVar("T")
 
 
-def param_node(artifact: Any) -> Any:
+def param_node(artifact: Artifact) -> JSON:
     """The encoded structure of a stage artifact's parameter argument (its first)."""
     m = artifact.manifest
     return m.structure["args"][m.arg_names[0]]
 
 
-def parameter_keys(artifact: Any, stage_index: int, names: Sequence[str]) -> tuple[Any, dict[str, str]]:
+def parameter_keys(artifact: Artifact, stage_index: int, names: Sequence[str]) -> tuple[JSON, dict[str, str]]:
     """A stage's parameter structure and its local leaf keys mapped to the model's keys (``names``, leaf order).
 
     Raises:
@@ -56,6 +62,46 @@ def parameter_keys(artifact: Any, stage_index: int, names: Sequence[str]) -> tup
 def tie_keys(holders: Mapping[str, Sequence[int]], counted: Sequence[str]) -> tuple[dict[str, list[int]], set[str]]:
     """``holders`` as plain ints per tied key, and ``counted`` as a set (what both stage trainers keep)."""
     return {k: [int(s) for s in v] for k, v in holders.items()}, set(counted)
+
+
+class TrainsStage(Protocol):
+    """What ``finish_stages`` calls of a stage's trainer: a ``StageTrainer``, or ``zero1.ReplicaTrainer`` (a stage
+    on replicas, its optimizer state sharded across them)."""
+
+    @property
+    def stage_index(self) -> int:
+        """The stage's index."""
+        ...
+
+    @property
+    def program(self) -> OptimizerProgram:
+        """The stage's exported optimizer."""
+        ...
+
+    def tied_grads(self) -> dict[str, np.ndarray]:
+        """The gradients of the stage's tied leaves, as host arrays."""
+        ...
+
+    def prepare(self, contributions: Mapping[int, Mapping[str, Leaf]]) -> float:
+        """Each tied leaf's gradient summed over its holders; the stage's share of the squared global norm."""
+        ...
+
+    def shares(self, rnd: int, scale: float, value: float, reduced: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The stage's shares of round ``rnd``'s reductions over leaves."""
+        ...
+
+    def apply(self, scale: float = 1.0, value: float = 0.0, reduced: Sequence[np.ndarray] = ()) -> None:
+        """One optimizer step on the prepared gradients."""
+        ...
+
+
+class Exchange(Protocol):
+    """``exchange(worker_part) -> everyone's``: what ``finish_stages`` joins the workers with, for each kind of
+    part (tied gradients, squared sums, reduction shares): stage -> this worker's part in, every stage's out."""
+
+    def __call__(self, part: Mapping[int, T]) -> Mapping[int, T]:
+        """Every worker's ``part`` merged, once every worker gave its own."""
+        ...
 
 
 RESTORE_HINT = "; restore the last checkpoint into a new Trainer to run again"  # after a step that broke a worker
@@ -78,7 +124,7 @@ class StageTrainer:
         program: bytes,
         holders: Mapping[str, Sequence[int]],
         counted: Sequence[str],
-        state: Mapping[str, Any] | None = None,
+        state: Mapping[str, Leaf] | None = None,
     ):
         self.worker, self.names = worker, list(names)
         self.node, self.local = parameter_keys(worker.art, worker.stage_index, self.names)
@@ -89,14 +135,14 @@ class StageTrainer:
         self.params = {self.local[k]: v for k, v in flatten_with_keys("", worker.params)}
         # A restored state arrives from host memory: onto the stage's device, beside its parameters.
         self.state = self.program.init(self.params) if state is None else self.worker.to_device(dict(state))
-        self.grads: dict[str, Any] = {}
+        self.grads: dict[str, Leaf] = {}
 
     @property
     def stage_index(self) -> int:
         """The stage's index."""
         return self.worker.stage_index
 
-    def _flat_grads(self) -> dict[str, Any]:
+    def _flat_grads(self) -> dict[str, Leaf]:
         if self.worker.grads is None:
             raise VjpsplitError(f"stage {self.stage_index}: the step computed no gradients; run the schedule first")
         return {self.local[k]: v for k, v in flatten_with_keys("", self.worker.grads)}
@@ -106,7 +152,7 @@ class StageTrainer:
         g = self._flat_grads()
         return {k: np.asarray(g[k]) for k in sorted(self.holders)}
 
-    def prepare(self, contributions: Mapping[int, Mapping[str, Any]]) -> float:
+    def prepare(self, contributions: Mapping[int, Mapping[str, Leaf]]) -> float:
         """Sum each tied leaf's gradient over its holders (``contributions``: stage -> its ``tied_grads``),
         in stage order; return this stage's share of the squared global norm."""
         g = self._flat_grads()
@@ -123,14 +169,14 @@ class StageTrainer:
         self.grads = g
         return sum_of_squares(g, self.counted)
 
-    def shares(self, rnd: int, scale: float, value: float, reduced: Sequence[Any]) -> list[np.ndarray]:
+    def shares(self, rnd: int, scale: float, value: float, reduced: Sequence[np.ndarray]) -> list[np.ndarray]:
         """This stage's shares of the optimizer's reductions over leaves of round ``rnd`` (host scalars)."""
         if not self.grads:
             raise VjpsplitError(f"stage {self.stage_index}: shares before prepare; the step's gradients are not summed")
         got = self.program.shares(rnd, self.params, self.state, self.grads, scale, value, reduced)
         return [np.asarray(v) for v in got]
 
-    def apply(self, scale: float = 1.0, value: float = 0.0, reduced: Sequence[Any] = ()) -> None:
+    def apply(self, scale: float = 1.0, value: float = 0.0, reduced: Sequence[np.ndarray] = ()) -> None:
         """One optimizer step on the prepared gradients times ``scale`` (``value``: the step's loss, ``reduced``:
         the reductions over leaves across stages); the worker runs the new parameters."""
         if not self.grads:
@@ -145,7 +191,7 @@ class StageTrainer:
         share, or ``params()``')."""
         return _host(self.params), _host(self.state)
 
-    def assign(self, params: Mapping[str, Any], state: Mapping[str, Any]) -> None:
+    def assign(self, params: Mapping[str, Leaf], state: Mapping[str, Leaf]) -> None:
         """Hold ``params`` and optimizer ``state`` (flat by global key, as ``snapshot`` gives them) from now on:
         a checkpoint's, when the run returns to it."""
         missing = [k for k in self.names if k not in params] or [k for k in self.program.state_keys if k not in state]
@@ -160,11 +206,13 @@ class StageTrainer:
         self.worker.grads = None
 
 
-def _host(d: Mapping[str, Any]) -> dict[str, np.ndarray]:
+def _host(d: Mapping[str, Leaf]) -> dict[str, np.ndarray]:
     return {k: np.asarray(to_data(v)) for k, v in d.items()}
 
 
-def reduce_rounds(program: Any, shares: Callable[[int, list[Any]], Mapping[int, Sequence[Any]]]) -> list[np.ndarray]:
+def reduce_rounds(
+    program: OptimizerProgram, shares: Callable[[int, list[np.ndarray]], Mapping[int, Sequence[np.ndarray]]]
+) -> list[np.ndarray]:
     """The optimizer's reductions over leaves, round by round: ``shares(round, reduced so far)`` gives every
     stage's shares of that round's reductions (stage -> list); each is joined over the stages in stage order."""
     reductions = program.reductions
@@ -179,8 +227,8 @@ def reduce_rounds(program: Any, shares: Callable[[int, list[Any]], Mapping[int, 
 
 
 def finish_stages(
-    trainers: Sequence[StageTrainer],
-    exchange: Callable[[Mapping[int, Any]], Mapping[int, Any]],
+    trainers: Sequence[TrainsStage],
+    exchange: Exchange,
     clip: Callable[[list[float]], float],
     tied: bool,
     mark: Callable[[str, float, float], None] | None = None,

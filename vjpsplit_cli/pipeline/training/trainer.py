@@ -25,11 +25,15 @@ import dataclasses
 import os
 import time
 import warnings
-from typing import Any, Sequence, Unpack
+from typing import Callable, Final, Literal, Mapping, Sequence, Unpack, overload
+
+import jax
 
 import numpy as np
 
+from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
+from ...treetypes import Leaf, PyTree
 from ..runtime.model import model_of
 from ..runtime.offload import Offload, offload_of
 from ..runtime.result import PipelineResult
@@ -41,16 +45,16 @@ from .autoplan import AutoPlan
 from .backend import Backend, open_backend
 from ...files.trees import encode_structure
 from .checkpoint import HostCheckpoint, read_checkpoint, save_checkpoint
-from .arguments import checked_clip, plain
+from .arguments import Optimizer, checked_clip, plain
 from .clipping import clip_scale
 from .fit import fit as fit_steps
-from .history import IN_A_ROW, SLOWER, History, Stragglers, cost_signature
+from .history import IN_A_ROW, SLOWER, CheckpointTime, History, RestartRecord, StepRecord, Stragglers, cost_signature
 from .optimizer import optimizer_name
 from .options import Deprecated, Observe, Options, PerStage, Plans, Runner, Schedule, from_legacy
 from .ownership import Ownership
 from .resume import restored_model, stage_snapshots
 from .optax_state import StateMap, state_map
-from .measured import CostSamples, measure_transfer_rates
+from .measured import CostSamples, MeasuredCosts, measure_transfer_rates
 
 
 class _Recorded:
@@ -60,7 +64,7 @@ class _Recorded:
         return "RECORDED"
 
 
-RECORDED: Any = _Recorded()
+RECORDED: Final = _Recorded()
 
 
 class Trainer:
@@ -91,7 +95,7 @@ class Trainer:
     ``Observe(timeline=True)`` times every step (``step(batch, timed=True)`` one
     step): each operation waits for its results, and ``last_result`` holds their
     compute times; ``Observe(trace_dir=..., trace_every=k)`` writes every k-th step's
-    trace. Any step, timed or not, in-process or on Ray, past ``Observe(step_timeout=...)``,
+    trace. Every step, timed or not, in-process or on Ray, past ``Observe(step_timeout=...)``,
     or one interrupted by Ctrl-C, is one error naming what each worker is running or
     waiting for (its report: the error names it). The worker threads of timed steps, and
     the one thread in-process untimed steps run in, end with ``close()``, with
@@ -118,16 +122,16 @@ class Trainer:
 
     def __init__(
         self,
-        stages: Stages | PerStage | Sequence[Any],
-        params: Any,
+        stages: Stages | PerStage | Sequence[Artifact],
+        params: PyTree,
         *,
-        optimizer: Any,
+        optimizer: Optimizer,
         microbatches: int,
         schedule: str | Plans | Schedule | None = None,
         runner: str | Runner = "inprocess",
         clip_global_norm: float | None = None,
         observe: Observe | None = None,
-        opt_state: Any = None,
+        opt_state: PyTree = None,
         step_count: int = 0,
         **deprecated: Unpack[Deprecated],
     ):
@@ -163,13 +167,13 @@ class Trainer:
     def _start(
         self,
         options: Options,
-        params: Any,
-        optimizer: Any,
+        params: PyTree,
+        optimizer: Optimizer,
         microbatches: int,
         clip_global_norm: float | None,
-        opt_state: Any,
+        opt_state: PyTree,
         step_count: int,
-        restored: Sequence[Any] | None,
+        restored: Sequence[Mapping[str, Leaf] | None] | None,
     ) -> None:
         """Open the Trainer: ``restored`` is the per-stage optimizer states an older checkpoint holds (``restore``)."""
         clip_global_norm = checked_clip(clip_global_norm)  # a bad value is refused now, not after the first step
@@ -198,7 +202,7 @@ class Trainer:
         self.clip_global_norm, self.runner = clip_global_norm, runner
         self.optimizer_name = optimizer_name(optimizer)
         self.optimizer, self._state_map = optimizer, None if opt_state is None else state_map(optimizer, self.ownership)
-        states: list[Any] = [None] * S if restored is None else list(restored)
+        states: Sequence[Mapping[str, Leaf] | None] = [None] * S if restored is None else list(restored)
         if self._state_map is not None:
             states = self._state_map.scatter(opt_state)
         hang_report = observe.hang_report
@@ -225,25 +229,27 @@ class Trainer:
         self._signatures = [cost_signature(a) for a in self.model.artifacts]
         self._stragglers: Stragglers | None = None
         self.last_result: PipelineResult | None = None
-        self.checkpoint_times: list[dict[str, float]] = []  # fit's: per checkpoint, the step's wait and the write
-        self.restarts: list[dict[str, Any]] = []  # fit's: per lost worker, the step, where it returned, how long
+        self.checkpoint_times: list[CheckpointTime] = []  # fit's: per checkpoint, the step's wait and the write
+        self.restarts: list[RestartRecord] = []  # fit's: per lost worker, the step, where it returned, how long
 
     @property
-    def history(self) -> list[dict[str, Any]]:
-        """Per step: ``step``, ``loss``, ``grad_norm`` (before clipping), ``step_time``, ``bubble``, ``modeled_bubble``;
-        under ``schedule="auto"`` also ``schedule`` (what ran: the measuring step's schedule, then ``"auto"``),
-        ``modeled_makespan`` (its plans under the measured costs, seconds) and ``measuring`` on the two timed first steps;
-        a timed step's row also has ``busy`` (each worker's compute seconds) and ``stragglers`` (the workers whose
-        compute was 15% or more above that of the workers whose stages cost the same, 3 timed steps in a row)."""
+    def history(self) -> list[StepRecord]:
+        """One ``StepRecord`` per step: ``step``, ``loss``, ``grad_norm`` (before clipping), ``step_time``, ``bubble``,
+        ``modeled_bubble``; under ``schedule="auto"`` also ``schedule`` (what ran: the measuring step's schedule, then
+        ``"auto"``), ``modeled_makespan`` (its plans under the measured costs, seconds) and ``measuring`` (True on the
+        two timed first steps); a timed step's row also has ``busy`` (each worker's compute seconds) and
+        ``stragglers`` (the workers whose compute was 15% or more above that of the workers whose stages cost the
+        same, 3 timed steps in a row); ``fit``'s evaluations set ``eval_loss``. Attributes (``row.loss``);
+        ``row["loss"]`` still works, with a ``DeprecationWarning``."""
         return self._history.rows
 
     @property
-    def placement(self) -> list[tuple[Any, ...]]:
+    def placement(self) -> list[tuple[jax.Device | str, ...]]:
         """Per stage, the devices that hold its parameters (``jax.Device``s in-process; on Ray, as each
         actor's JAX names them)."""
         return self.backend.placement
 
-    def step(self, batch: tuple[Any, ...], *, timed: bool | None = None) -> float:
+    def step(self, batch: tuple[PyTree, ...], *, timed: bool | None = None) -> float:
         """One optimizer step on ``batch``: the schedule over its microbatches, then every stage's update.
 
         ``costs()`` counts timed steps; ``schedule="auto"`` times its first two steps itself, and plans
@@ -274,24 +280,40 @@ class Trainer:
         if timed:
             self._samples.add(r, first=self._steps_run == 0)
         self._steps_run += 1
-        extra = None
+        auto = None
         if self.auto is not None:
-            extra = self.auto.after(plan, self.costs, timed)
+            auto = self.auto.after(plan, self.costs, timed)
             self.plan = self.auto.current
             if self.offload is None and self.auto.offload != self._auto_offload:
                 self._auto_offload = self.auto.offload  # auto's plans under a byte limit offload these pairs
                 self.backend.set_offload(self._auto_offload)
         self.step_count += 1
-        if timed:
-            extra = {**(extra or {}), **self._busy(r, first=self._steps_run == 1)}
-        self._history.record(self.step_count, r, norm, step_time, extra)
+        busy = self._busy(r, first=self._steps_run == 1) if timed else None
+        self._history.record(self.step_count, r, norm, step_time, auto, busy)
         self.last_result = r
         if timed and self.trace_dir is not None:
             os.makedirs(self.trace_dir, exist_ok=True)
             r.write_trace(os.path.join(os.fspath(self.trace_dir), f"step-{self.step_count}.trace.json"), self.placement)
         return r.loss
 
-    def evaluate(self, batch: tuple[Any, ...], *, microbatches: int | None = None, outputs: bool = False) -> Any:
+    @overload
+    def evaluate(
+        self, batch: tuple[PyTree, ...], *, microbatches: int | None = None, outputs: Literal[False] = False
+    ) -> float: ...
+
+    @overload
+    def evaluate(
+        self, batch: tuple[PyTree, ...], *, microbatches: int | None = None, outputs: Literal[True]
+    ) -> tuple[float, list[PyTree]]: ...
+
+    @overload
+    def evaluate(
+        self, batch: tuple[PyTree, ...], *, microbatches: int | None = None, outputs: bool
+    ) -> float | tuple[float, list[PyTree]]: ...
+
+    def evaluate(
+        self, batch: tuple[PyTree, ...], *, microbatches: int | None = None, outputs: bool = False
+    ) -> float | tuple[float, list[PyTree]]:
         """The loss on ``batch`` from every stage's forward only: no residuals, no gradients, no update.
 
         Each stage runs its evaluation program (``export_stages`` writes one beside each artifact: the stage's
@@ -317,7 +339,7 @@ class Trainer:
         mbs = self.model.batch_microbatches(batch, self.microbatches if microbatches is None else microbatches)
         losses, received = self.backend.evaluate(mbs, programs, outputs)
         loss = float(np.mean(losses))
-        return (loss, received) if outputs else loss
+        return (loss, received) if outputs and received is not None else loss  # received: given with outputs
 
     def _eval_programs(self) -> list[EvalProgram]:
         if not isinstance(self.stages, Stages):
@@ -330,12 +352,12 @@ class Trainer:
             raise VjpsplitError(missing(self.stages.index.function, lacking))
         return [p for p in self.stages.evaluation if p is not None]
 
-    def _busy(self, r: PipelineResult, first: bool) -> dict[str, Any]:
+    def _busy(self, r: PipelineResult, first: bool) -> tuple[tuple[float, ...], tuple[int, ...]]:
         """A timed step's ``busy`` seconds per worker and its ``stragglers`` (warned of when first named); the
         Trainer's first step, which compiles every stage, gives no verdict."""
-        busy = [row["F"] + row["B"] + row["I"] + row["W"] for row in r.per_worker()]
+        busy = tuple(row["F"] + row["B"] + row["I"] + row["W"] for row in r.per_worker())
         if first:
-            return {"busy": busy, "stragglers": []}
+            return busy, ()
         held = self.plan.layout.workers
         groups = [tuple(sorted(self._signatures[s] for s in stages)) for stages in held]
         if self._stragglers is None or self._stragglers.groups != groups:
@@ -349,9 +371,9 @@ class Trainer:
                 f"(worker {', '.join(map(str, peers))}, whose stages cost the same) in {IN_A_ROW} timed steps in a row",
                 stacklevel=3,
             )
-        return {"busy": busy, "stragglers": now}
+        return busy, tuple(now)
 
-    def costs(self) -> dict[str, Any]:
+    def costs(self) -> MeasuredCosts:
         """Every stage's measured F, B and W seconds and the send time, as ``auto_schedule``'s ``costs`` take them.
 
         Medians over the microbatches of the last timed steps (``step(batch, timed=True)``, or ``auto``'s first
@@ -378,7 +400,7 @@ class Trainer:
         ``Offload.pairs``, to host memory), or None: no offload planned (or ``offload=`` given by hand)."""
         return self._auto_offload
 
-    def params(self) -> Any:
+    def params(self) -> PyTree:
         """The parameters now.
 
         Returns:
@@ -396,7 +418,7 @@ class Trainer:
         """
         self._history.plot(path, title or f"{self.schedule_name}, {self.runner.name}")
 
-    def state(self) -> tuple[Any, Any]:
+    def state(self) -> tuple[PyTree, PyTree]:
         """The training state now, in the form a one-process optax loop (or orbax) keeps it.
 
         Returns:
@@ -429,8 +451,8 @@ class Trainer:
         opt_state = smap.gather([st for _, st in snaps])
         return HostCheckpoint(flat, smap.leaf_keys, encode_structure(params), opt_state, self.step_count, self._meta())
 
-    def _meta(self) -> dict[str, Any]:
-        meta: dict[str, Any] = {
+    def _meta(self) -> dict[str, object]:
+        meta: dict[str, object] = {
             "schedule": self.plan.name,
             "optimizer": self.optimizer_name,
             "structure": self.ownership.structure,
@@ -479,7 +501,7 @@ class Trainer:
         self.step_count = step
         self._history.rewind(step)
 
-    def workers(self) -> list[Any]:
+    def workers(self) -> list[object]:
         """The Ray actor handle of each worker.
 
         Returns:
@@ -489,15 +511,15 @@ class Trainer:
 
     def fit(
         self,
-        data: Any,
+        data: Callable[[int], tuple[PyTree, ...]] | Sequence[tuple[PyTree, ...]],
         steps: int,
         *,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int | None = None,
         max_restarts: int = 0,
-        callback: Any = None,
+        callback: Callable[..., object] | None = None,
         stop_on_nonfinite: bool = True,
-        eval_data: Any = None,
+        eval_data: tuple[PyTree, ...] | Callable[[int], tuple[PyTree, ...]] | None = None,
         eval_every: int | None = None,
     ) -> list[float]:
         """Run the steps ``step_count`` ... ``steps - 1`` of a run; return their losses.
@@ -563,15 +585,15 @@ class Trainer:
     def restore(
         cls,
         directory: str | os.PathLike[str],
-        stages: Stages | PerStage | Sequence[Any],
+        stages: Stages | PerStage | Sequence[Artifact],
         *,
-        optimizer: Any,
+        optimizer: Optimizer,
         microbatches: int | None = None,
         schedule: str | Plans | Schedule | None = None,
         runner: str | Runner = "inprocess",
-        clip_global_norm: float | None = RECORDED,
+        clip_global_norm: float | None | _Recorded = RECORDED,
         observe: Observe | None = None,
-        opt_state: Any = None,
+        opt_state: PyTree = None,
         step_count: int | None = None,
         **deprecated: Unpack[Deprecated],
     ) -> Trainer:
@@ -631,7 +653,7 @@ class Trainer:
                     raise VjpsplitError(f"{os.fspath(directory)}: its recorded plans: {e}") from e
             else:
                 chosen = Schedule(str(meta.get("schedule", "1f1b")))
-        if clip_global_norm is RECORDED:
+        if isinstance(clip_global_norm, _Recorded):  # RECORDED, its one instance
             clip_global_norm = meta.get("clip_global_norm")
         if chosen.auto and chosen.memory_limit is None and chosen.memory_limit_bytes is None:
             # The limits as given (None: not recorded); restore measures again, on its own hosts.
@@ -654,6 +676,6 @@ class Trainer:
         self.close()
 
 
-def recorded_replicas(stages: Stages | Sequence[Any]) -> int:
+def recorded_replicas(stages: Stages | Sequence[Artifact]) -> int:
     """The replicas of every stage a ``Stages`` export recorded (its index's ``data_parallel``); 1 for artifacts."""
     return stages.index.data_parallel if isinstance(stages, Stages) else 1

@@ -21,18 +21,21 @@ model's form (host arrays, whole leaves), so a checkpoint moves between any N.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
+from ...artifact.artifact import Artifact
 from ...artifact.sharding import named
 from ...errors import VjpsplitError
 from ...files.prng import to_data
 from ...files.trees import decode_structure, flatten_with_keys
+from ...treetypes import Leaf, PyTree
 from ..runtime.offload import Offload
 from ..runtime.replicas import AXIS, ReplicaGroup, replica_placement, zero_spec
+from .arguments import Optimizer
 from .clipping import sum_of_squares
 from .optimizer import export_optimizer, load_optimizer
 from .ownership import Ownership
@@ -41,9 +44,9 @@ from .stage_trainer import parameter_keys, tie_keys
 
 
 def replica_program(
-    optimizer: Any,
-    art: Any,
-    params: Any,
+    optimizer: Optimizer,
+    art: Artifact,
+    params: PyTree,
     stage: int,
     n: int,
     names: Sequence[str],
@@ -80,7 +83,7 @@ class ReplicaTrainer:
         program: bytes,
         holders: Mapping[str, Sequence[int]],
         counted: Sequence[str],
-        state: Mapping[str, Any] | None = None,
+        state: Mapping[str, Leaf] | None = None,
     ):
         self.worker, self.names = group, list(names)
         self.node, self.local = parameter_keys(group.art, group.stage_index, self.names)
@@ -98,23 +101,23 @@ class ReplicaTrainer:
         self._gather = jax.jit(lambda xs: xs, out_shardings=self._whole)
         self.params = self._joined()
         self.state = self.program.init(self.params) if state is None else self._placed_state(state)
-        self.grads: dict[str, Any] = {}
+        self.grads: dict[str, Leaf] = {}
 
     @property
     def stage_index(self) -> int:
         """The stage's index."""
         return self.worker.stage_index
 
-    def _joined(self) -> dict[str, Any]:
+    def _joined(self) -> dict[str, jax.Array]:
         """The replicas' parameters as one whole (replicated) array per key over the mesh: no copy."""
         per = [dict(flatten_with_keys("", r.params)) for r in self.worker.replicas]
-        out = {}
+        out: dict[str, jax.Array] = {}
         for k in per[0]:
             a = per[0][k]
             out[self.local[k]] = jax.make_array_from_single_device_arrays(np.shape(a), self._whole, [p[k] for p in per])
         return out
 
-    def _placed_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
+    def _placed_state(self, state: Mapping[str, Leaf]) -> dict[str, jax.Array]:
         missing = [k for k in self.program.state_keys if k not in state]
         if missing:
             raise VjpsplitError(f"stage {self.stage_index}: the state to return to lacks '{missing[0]}'")
@@ -123,7 +126,7 @@ class ReplicaTrainer:
             for leaf in self.program.state_leaves
         }
 
-    def _flat_grads(self) -> dict[str, Any]:
+    def _flat_grads(self) -> dict[str, Leaf]:
         if self.worker.grads is None:
             raise VjpsplitError(f"stage {self.stage_index}: the step computed no gradients; run the schedule first")
         return {self.local[k]: v for k, v in flatten_with_keys("", self.worker.grads)}
@@ -133,7 +136,7 @@ class ReplicaTrainer:
         g = self._flat_grads()
         return {k: np.asarray(g[k]) for k in sorted(self.holders)}
 
-    def prepare(self, contributions: Mapping[int, Mapping[str, Any]]) -> float:
+    def prepare(self, contributions: Mapping[int, Mapping[str, Leaf]]) -> float:
         """Each tied leaf's gradient summed over its holders in stage order (as ``StageTrainer.prepare``); this
         stage's share of the squared global norm (its replicas' shards, from the reduction, and tied leaves)."""
         g = self._flat_grads()
@@ -152,7 +155,7 @@ class ReplicaTrainer:
         tied = sum_of_squares(g, [k for k in self.counted if k in self.holders])
         return math.fsum([*(float(v) for v in squares), tied])
 
-    def shares(self, rnd: int, scale: float, value: float, reduced: Sequence[Any]) -> list[np.ndarray]:
+    def shares(self, rnd: int, scale: float, value: float, reduced: Sequence[np.ndarray]) -> list[np.ndarray]:
         """This stage's shares of the optimizer's reductions over leaves of round ``rnd`` (host scalars), from
         its replicas' shards (the exported program, partitioned over the mesh)."""
         if not self.grads:
@@ -160,7 +163,7 @@ class ReplicaTrainer:
         got = self.program.shares(rnd, self.params, self.state, self.grads, scale, value, reduced)
         return [np.asarray(v) for v in got]
 
-    def apply(self, scale: float = 1.0, value: float = 0.0, reduced: Sequence[Any] = ()) -> None:
+    def apply(self, scale: float = 1.0, value: float = 0.0, reduced: Sequence[np.ndarray] = ()) -> None:
         """The exported update on every replica's shards (``value``, ``reduced``: as ``StageTrainer.apply``),
         then the new parameters gathered whole onto each."""
         if not self.grads:
@@ -171,7 +174,7 @@ class ReplicaTrainer:
         self.params = dict(zip(self.names, whole))
         self._spread(whole)
 
-    def _spread(self, whole: Sequence[Any]) -> None:
+    def _spread(self, whole: Sequence[jax.Array]) -> None:
         per_device = [{s.device: s.data for s in a.addressable_shards} for a in whole]
         self.worker.set_params(
             [decode_structure(self.node, iter([d[r.device] for d in per_device])) for r in self.worker.replicas]
@@ -181,7 +184,7 @@ class ReplicaTrainer:
         """``(params, optimizer state)`` as whole host arrays (the state's shards joined)."""
         return _host(self.params), _host(self.state)
 
-    def assign(self, params: Mapping[str, Any], state: Mapping[str, Any]) -> None:
+    def assign(self, params: Mapping[str, Leaf], state: Mapping[str, Leaf]) -> None:
         """Hold ``params`` and ``state`` (whole, flat by global key, as ``snapshot`` gives them) from now on."""
         missing = [k for k in self.names if k not in params]
         if missing:
@@ -194,7 +197,7 @@ class ReplicaTrainer:
 
     def optimizer_bytes(self) -> tuple[int, int]:
         """``(most bytes of optimizer state on one device, bytes of the whole state)``, from the arrays' shards."""
-        per: dict[Any, int] = {}
+        per: dict[jax.Device, int] = {}
         for a in self.state.values():
             for s in a.addressable_shards:
                 per[s.device] = per.get(s.device, 0) + int(s.data.nbytes)
@@ -202,19 +205,19 @@ class ReplicaTrainer:
         return max(per.values(), default=0), whole
 
 
-def _host(d: Mapping[str, Any]) -> dict[str, np.ndarray]:
+def _host(d: Mapping[str, Leaf]) -> dict[str, np.ndarray]:
     return {k: np.asarray(to_data(v)) for k, v in d.items()}
 
 
 def replica_trainers(
     ownership: Ownership,
-    optimizer: Any,
-    states: Sequence[Any],
+    optimizer: Optimizer,
+    states: Sequence[Mapping[str, Leaf] | None],
     whole: WholeOptimizer,
     *,
     n: int,
     workers: Sequence[Sequence[int]],
-    devices: Sequence[Sequence[Any]] | None = None,
+    devices: Sequence[Sequence[jax.Device]] | None = None,
     offload: Offload | None = None,
 ) -> list[ReplicaTrainer]:
     """Per stage, its ``n`` replicas (``replica_placement``) and their ``ReplicaTrainer``; ``offload``: every
