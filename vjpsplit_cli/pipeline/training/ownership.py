@@ -28,9 +28,8 @@ from .stage_trainer import param_node
 
 T = TypeVar("T")
 Tied = Sequence[Sequence[tuple[int, str]]]
-Snapshot = tuple[
-    dict[str, np.ndarray], dict[str, np.ndarray]
-]  # a stage's (params, optimizer state), flat by global key, on the host
+# A stage's (params, optimizer state), flat by global key, on the host (a typed PRNG key in the state stays a jax.Array).
+Snapshot = tuple[Mapping[str, np.ndarray], Mapping[str, Leaf]]
 
 
 def global_keys(local: Sequence[Sequence[str]], tied: Tied | None) -> list[list[str]]:

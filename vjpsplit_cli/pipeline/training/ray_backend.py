@@ -111,7 +111,7 @@ class TrainActor(StageActor, EvaluatingActor):
         self,
         step: int,
         ops: Sequence[tuple[str, int, int]],
-        batch: dict[tuple[int, int], tuple[object, list[object]]],
+        batch: dict[tuple[int, int], tuple[PyTree, list[Leaf]]],
         microbatches: int,
         timed: bool,
         clip: float | None,
@@ -393,7 +393,8 @@ class RayBackend:
                 t0,
             )
             self.evaluating.update(send)
-        losses, received = [], []
+        losses: list[object] = []  # Ray object refs (the stages' eval_op results)
+        received: list[object] = []
         for x, side in mbs:
             value: object = x
             for s in range(S):
@@ -403,8 +404,12 @@ class RayBackend:
             losses.append(value)
         last = self.worker_of[S - 1]
         refs = [*losses, *(received if S > 1 else [])]
-        values = rp.fetch(refs, [last] * len(losses) + [self.worker_of[S - 2]] * (len(refs) - len(losses)), t0)
-        got = [float(v) for v in values[: len(losses)]]
+        values: list[object] = rp.fetch(
+            refs,  # type: ignore[arg-type]  # refs: Ray's untyped ObjectRefs
+            [last] * len(losses) + [self.worker_of[S - 2]] * (len(refs) - len(losses)),
+            t0,
+        )
+        got = [float(np.asarray(v)) for v in values[: len(losses)]]
         if not outputs:
             return got, None
         return got, (list(values[len(losses) :]) if S > 1 else [tuple(x) for x, _ in mbs])
