@@ -59,6 +59,7 @@ from .schedules.play import Costs, simulate
 from .schedules.stepplans import check_plans
 from .schedules.plots import plot_loss, plot_timeline
 from .schedules.timeline import Event, bubble_ratio
+from .training.history import CheckpointTime, RestartRecord, StepRecord
 from .training.options import InProcess, Observe, PerStage, Ray, Schedule
 from .training.resume import load_checkpoint
 from .training.trainer import Trainer
@@ -67,6 +68,7 @@ __all__ = [
     "LABELS",
     "SCHEDULES",
     "SPLIT_BACKWARD",
+    "CheckpointTime",
     "Costs",
     "Event",
     "InProcess",
@@ -79,9 +81,11 @@ __all__ = [
     "PipelineResult",
     "Ray",
     "RayPipeline",
+    "RestartRecord",
     "Schedule",
     "SharedDevicesWarning",
     "StageWorker",
+    "StepRecord",
     "Trainer",
     "auto_schedule",
     "bubble_ratio",

@@ -113,7 +113,11 @@ class StepRecord(_KeyAccess):
     eval_loss: float | None = None
 
     def as_dict(self) -> JSONObject:
-        """The dict a row was: every field, the optional ones only where set (``measuring`` only when True)."""
+        """The record as JSON, the dict a row was before it was typed.
+
+        Returns:
+            Every field by name, the optional ones only where set (``measuring`` only when True).
+        """
         row: JSONObject = {
             "step": self.step,
             "loss": self.loss,
@@ -152,7 +156,11 @@ class CheckpointTime(_KeyAccess):
     write: float
 
     def as_dict(self) -> JSONObject:
-        """The dict an entry was: ``step``, ``wait``, ``write``."""
+        """The record as JSON, the dict an entry was before it was typed.
+
+        Returns:
+            ``step``, ``wait`` and ``write``.
+        """
         return {"step": self.step, "wait": self.wait, "write": self.write}
 
 
@@ -175,7 +183,11 @@ class RestartRecord(_KeyAccess):
     recovery_time: float
 
     def as_dict(self) -> JSONObject:
-        """The dict an entry was: ``step``, ``workers`` (a list), ``returned_to``, ``found_at``, ``recovery_time``."""
+        """The record as JSON, the dict an entry was before it was typed.
+
+        Returns:
+            ``step``, ``workers`` (a list), ``returned_to``, ``found_at`` and ``recovery_time``.
+        """
         return {
             "step": self.step,
             "workers": [w for w in self.workers],
