@@ -35,7 +35,7 @@ from .clipping import sum_of_squares
 from .optimizer import OptimizerProgram, load_optimizer
 from .separable import combine
 from ..runtime.worker import StageWorker
-from ...treetypes import JSON, Leaf
+from ...treetypes import JSON, Leaf, PyTree
 
 T = TypeVar("T")
 
@@ -44,6 +44,17 @@ def param_node(artifact: Artifact) -> JSON:
     """The encoded structure of a stage artifact's parameter argument (its first)."""
     m = artifact.manifest
     return m.structure["args"][m.arg_names[0]]
+
+
+def flat_grads(grads: PyTree | None, local: Mapping[str, str], stage_index: int) -> dict[str, Leaf]:
+    """A stage's gradients (its worker's, or its replica group's reduced ones) flat by global key.
+
+    Raises:
+        VjpsplitError: the step computed none (the schedule did not run).
+    """
+    if grads is None:
+        raise VjpsplitError(f"stage {stage_index}: the step computed no gradients; run the schedule first")
+    return {local[k]: v for k, v in flatten_with_keys("", grads)}
 
 
 def parameter_keys(artifact: Artifact, stage_index: int, names: Sequence[str]) -> tuple[JSON, dict[str, str]]:
@@ -143,9 +154,7 @@ class StageTrainer:
         return self.worker.stage_index
 
     def _flat_grads(self) -> dict[str, Leaf]:
-        if self.worker.grads is None:
-            raise VjpsplitError(f"stage {self.stage_index}: the step computed no gradients; run the schedule first")
-        return {self.local[k]: v for k, v in flatten_with_keys("", self.worker.grads)}
+        return flat_grads(self.worker.grads, self.local, self.stage_index)
 
     def tied_grads(self) -> dict[str, np.ndarray]:
         """This stage's gradients of its tied leaves, as host arrays (what the other holders add)."""

@@ -40,7 +40,7 @@ from .clipping import sum_of_squares
 from .optimizer import export_optimizer, load_optimizer
 from .ownership import Ownership
 from .separable import WholeOptimizer
-from .stage_trainer import parameter_keys, tie_keys
+from .stage_trainer import flat_grads, parameter_keys, tie_keys
 
 
 def replica_program(
@@ -127,9 +127,7 @@ class ReplicaTrainer:
         }
 
     def _flat_grads(self) -> dict[str, Leaf]:
-        if self.worker.grads is None:
-            raise VjpsplitError(f"stage {self.stage_index}: the step computed no gradients; run the schedule first")
-        return {self.local[k]: v for k, v in flatten_with_keys("", self.worker.grads)}
+        return flat_grads(self.worker.grads, self.local, self.stage_index)
 
     def tied_grads(self) -> dict[str, np.ndarray]:
         """This stage's gradients of its tied leaves (summed over the replicas), as host arrays."""
