@@ -70,6 +70,135 @@ def _consumer(e: Event, num_stages: int) -> tuple[bool, int, int] | None:
     return None
 
 
+def _micros(t: float, origin: float) -> float:
+    """``t`` as microseconds since ``origin``, to the nanosecond."""
+    return round((t - origin) * 1e6, 3)
+
+
+def _duration(start: float, end: float) -> float:
+    """A span's length in microseconds, to the nanosecond."""
+    return round((end - start) * 1e6, 3)
+
+
+def _thread(tid: int, name: str, sort_index: int) -> list[dict[str, object]]:
+    """The metadata that names track ``tid`` and places it in the viewer's order."""
+    return [
+        {"ph": "M", "name": "thread_name", "pid": PID, "tid": tid, "args": {"name": name}},
+        {"ph": "M", "name": "thread_sort_index", "pid": PID, "tid": tid, "args": {"sort_index": sort_index}},
+    ]
+
+
+def _worker_tracks(events: Sequence[Event], num_workers: int) -> list[dict[str, object]]:
+    """Each worker's track's metadata, named by the stages it ran."""
+    held: dict[int, set[int]] = {}
+    for e in events:
+        held.setdefault(e.worker, set()).add(e.stage)
+    out: list[dict[str, object]] = []
+    for w in range(num_workers):
+        stages = ", ".join(map(str, sorted(held.get(w, ())))) or "none"
+        out += _thread(w + 1, f"worker {w} (stages {stages})", w + 1)
+    return out
+
+
+def _device_tracks(
+    events: Sequence[Event], devices: Mapping[int, Sequence[str]]
+) -> tuple[dict[int, list[int]], list[dict[str, object]]]:
+    """A sharded stage's per-device tracks (by stage, their ``tid``s) and their metadata."""
+    tracks: dict[int, list[int]] = {}
+    out: list[dict[str, object]] = []
+    for s, names in sorted(devices.items()):
+        if len(names) < 2:
+            continue
+        on = [e.worker for e in events if e.stage == s]
+        if not on:
+            continue
+        w = on[0]
+        tids = [DEVICE_TRACKS + 100 * w + len(tracks) * 10 + i for i in range(len(names))]
+        tracks[s] = tids
+        for tid, name in zip(tids, names):
+            out += _thread(tid, f"worker {w} stage {s} {name}", tid)
+    return tracks, out
+
+
+def _op_slices(
+    events: Sequence[Event], device_tracks: Mapping[int, Sequence[int]], origin: float
+) -> list[dict[str, object]]:
+    """Each operation's slice on its worker's track and again on its stage's device tracks."""
+    out: list[dict[str, object]] = []
+    for e in events:
+        args = {"kind": str(e.kind), "stage": e.stage, "mb": e.mb, "worker": e.worker}
+        for tid in [e.worker + 1, *device_tracks.get(e.stage, ())]:
+            out.append(
+                {
+                    "ph": "X",
+                    "name": op_name(e.kind, e.stage, e.mb),
+                    "cat": str(e.kind),
+                    "pid": PID,
+                    "tid": tid,
+                    "ts": _micros(e.start, origin),
+                    "dur": _duration(e.start, e.end),
+                    "args": args,
+                }
+            )
+    return out
+
+
+def _phase_slices(phases: Sequence[Phase], origin: float) -> list[dict[str, object]]:
+    """Each driver phase's, reduction's and update's slice on its track."""
+    return [
+        {
+            "ph": "X",
+            "name": p.name,
+            "cat": _phase_category(p),
+            "pid": PID,
+            "tid": DRIVER if p.worker is None else p.worker + 1,
+            "ts": _micros(p.start, origin),
+            "dur": _duration(p.start, p.end),
+            "args": {"worker": p.worker},
+        }
+        for p in phases
+    ]
+
+
+def _flows(events: Sequence[Event], num_stages: int, origin: float) -> list[dict[str, object]]:
+    """A flow (start and finish) for each value one worker sends another, one ``id`` per pair."""
+    by_op = {(e.kind in BACKWARDS, e.stage, e.mb): e for e in events if e.kind != Kind.W}
+    out: list[dict[str, object]] = []
+    flow = 0
+    for e in events:
+        key = _consumer(e, num_stages)
+        c = by_op.get(key) if key is not None else None
+        if c is None or c.worker == e.worker:  # a V's two stages on one worker: nothing is sent
+            continue
+        flow += 1
+        name = "activation" if e.kind == Kind.F else "cotangent"
+        ts, dur = _micros(e.start, origin), _duration(e.start, e.end)
+        out.append(
+            {
+                "ph": "s",
+                "id": flow,
+                "name": name,
+                "cat": "send",
+                "pid": PID,
+                "tid": e.worker + 1,
+                "ts": round(ts + dur / 2, 3),
+            }
+        )
+        out.append(
+            {
+                "ph": "f",
+                "bp": "e",
+                "id": flow,
+                "name": name,
+                "cat": "send",
+                "pid": PID,
+                "tid": c.worker + 1,
+                "ts": _micros(c.start, origin),
+            }
+        )
+    return out
+
+
 def trace_events(
     events: Sequence[Event],
     phases: Sequence[Phase],
@@ -96,112 +225,16 @@ def trace_events(
     """
     times = [e.start for e in events] + [p.start for p in phases]
     origin = min(times) if times else 0.0
-
-    def us(t: float) -> float:
-        return round((t - origin) * 1e6, 3)
-
+    device_tracks, device_names = _device_tracks(events, devices or {})
     out: list[dict[str, object]] = [
         {"ph": "M", "name": "process_name", "pid": PID, "tid": DRIVER, "args": {"name": title}},
-        {"ph": "M", "name": "thread_name", "pid": PID, "tid": DRIVER, "args": {"name": "driver"}},
-        {"ph": "M", "name": "thread_sort_index", "pid": PID, "tid": DRIVER, "args": {"sort_index": 0}},
+        *_thread(DRIVER, "driver", 0),
+        *_worker_tracks(events, num_workers),
+        *device_names,
+        *_op_slices(events, device_tracks, origin),
+        *_phase_slices(phases, origin),
+        *_flows(events, num_stages, origin),
     ]
-    held: dict[int, set[int]] = {}
-    for e in events:
-        held.setdefault(e.worker, set()).add(e.stage)
-    for w in range(num_workers):
-        stages = ", ".join(map(str, sorted(held.get(w, ())))) or "none"
-        out.append(
-            {
-                "ph": "M",
-                "name": "thread_name",
-                "pid": PID,
-                "tid": w + 1,
-                "args": {"name": f"worker {w} (stages {stages})"},
-            }
-        )
-        out.append({"ph": "M", "name": "thread_sort_index", "pid": PID, "tid": w + 1, "args": {"sort_index": w + 1}})
-    device_tracks: dict[int, list[int]] = {}  # by stage: its per-device tracks
-    for s, names in sorted((devices or {}).items()):
-        if len(names) < 2:
-            continue
-        on = [e.worker for e in events if e.stage == s]
-        if not on:
-            continue
-        w = on[0]
-        tids = [DEVICE_TRACKS + 100 * w + len(device_tracks) * 10 + i for i in range(len(names))]
-        device_tracks[s] = tids
-        for tid, name in zip(tids, names):
-            out.append(
-                {
-                    "ph": "M",
-                    "name": "thread_name",
-                    "pid": PID,
-                    "tid": tid,
-                    "args": {"name": f"worker {w} stage {s} {name}"},
-                }
-            )
-            out.append({"ph": "M", "name": "thread_sort_index", "pid": PID, "tid": tid, "args": {"sort_index": tid}})
-    by_op = {(e.kind in BACKWARDS, e.stage, e.mb): e for e in events if e.kind != Kind.W}
-    for e in events:
-        args = {"kind": str(e.kind), "stage": e.stage, "mb": e.mb, "worker": e.worker}
-        for tid in [e.worker + 1, *device_tracks.get(e.stage, ())]:
-            out.append(
-                {
-                    "ph": "X",
-                    "name": op_name(e.kind, e.stage, e.mb),
-                    "cat": str(e.kind),
-                    "pid": PID,
-                    "tid": tid,
-                    "ts": us(e.start),
-                    "dur": round((e.end - e.start) * 1e6, 3),
-                    "args": args,
-                }
-            )
-    for p in phases:
-        out.append(
-            {
-                "ph": "X",
-                "name": p.name,
-                "cat": _phase_category(p),
-                "pid": PID,
-                "tid": DRIVER if p.worker is None else p.worker + 1,
-                "ts": us(p.start),
-                "dur": round((p.end - p.start) * 1e6, 3),
-                "args": {"worker": p.worker},
-            }
-        )
-    flow = 0
-    for e in events:
-        key = _consumer(e, num_stages)
-        c = by_op.get(key) if key is not None else None
-        if c is None or c.worker == e.worker:  # a V's two stages on one worker: nothing is sent
-            continue
-        flow += 1
-        name = "activation" if e.kind == Kind.F else "cotangent"
-        ts, dur = us(e.start), round((e.end - e.start) * 1e6, 3)
-        out.append(
-            {
-                "ph": "s",
-                "id": flow,
-                "name": name,
-                "cat": "send",
-                "pid": PID,
-                "tid": e.worker + 1,
-                "ts": round(ts + dur / 2, 3),
-            }
-        )
-        out.append(
-            {
-                "ph": "f",
-                "bp": "e",
-                "id": flow,
-                "name": name,
-                "cat": "send",
-                "pid": PID,
-                "tid": c.worker + 1,
-                "ts": us(c.start),
-            }
-        )
     other = {
         "origin_s": origin,
         "clock": "the driver's time.monotonic",
