@@ -22,7 +22,7 @@ in that order loses nothing.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -44,6 +44,150 @@ class Optimum:
     makespan: float
     proven: bool
     bound: float
+
+
+_Key = tuple[Kind, int, int]  # an operation of the program: (kind, stage, microbatch)
+
+
+@dataclass
+class _Program:
+    """The mixed-integer program being built: its variables and its rows ``lows <= row . x <= highs``.
+
+    The variables: each operation's start (``idx``), then the makespan (``n_t - 1``), then one binary per pair
+    of one worker's operations of different microbatches (``pair``; 1 when the pair's first runs first).
+    """
+
+    ops: list[_Key]
+    idx: dict[_Key, int]
+    pair: dict[tuple[_Key, _Key], int]
+    rows: list[dict[int, float]] = field(default_factory=list)
+    lows: list[float] = field(default_factory=list)
+    highs: list[float] = field(default_factory=list)
+
+    @property
+    def n_t(self) -> int:
+        """The number of continuous variables: the starts and the makespan."""
+        return len(self.ops) + 1
+
+    @property
+    def n(self) -> int:
+        """The number of variables."""
+        return self.n_t + len(self.pair)
+
+    def add(self, coef: dict[int, float], lo: float, hi: float = np.inf) -> None:
+        """Add the row ``lo <= coef . x <= hi``."""
+        self.rows.append(coef)
+        self.lows.append(lo)
+        self.highs.append(hi)
+
+    def after(self, b: _Key, a: _Key, lag: float) -> None:
+        """Add ``t_b >= t_a + lag``."""
+        self.add({self.idx[b]: 1.0, self.idx[a]: -1.0}, lag)
+
+    def before(self, a: _Key, b: _Key) -> tuple[int, float, float]:
+        """(variable, coefficient, constant): the 0/1 expression 'a runs before b' as coefficient * y + constant."""
+        if (a, b) in self.pair:
+            return self.n_t + self.pair[(a, b)], 1.0, 0.0
+        return self.n_t + self.pair[(b, a)], -1.0, 1.0
+
+
+def _variables(num_stages: int, microbatches: int, kinds: Sequence[Kind]) -> _Program:
+    """The program's variables for every operation of ``kinds`` on every stage, and no rows yet."""
+    ops = [(k, s, i) for s in range(num_stages) for k in kinds for i in range(microbatches)]
+    # One binary per pair of one worker's operations of different microbatches (a microbatch's own F, B, W
+    # go in that order anyway).
+    pairs = [
+        (a, b)
+        for s in range(num_stages)
+        for a, b in itertools.combinations([o for o in ops if o[1] == s], 2)
+        if a[2] != b[2]
+    ]
+    return _Program(ops, {o: n for n, o in enumerate(ops)}, {p: n for n, p in enumerate(pairs)})
+
+
+def _dur(costs: Costs, k: Kind, s: int) -> float:
+    """The time of one operation of kind ``k`` on stage ``s``."""
+    return costs.duration(Op(k, 0, s))
+
+
+def _add_dependencies(program: _Program, costs: Costs, microbatches: int, kinds: Sequence[Kind]) -> None:
+    """Each operation starts after what it reads (a result from another worker ``comm`` later); the makespan is
+    at least each microbatch's last end."""
+    S, c = costs.num_stages, costs.comm
+    back = kinds[1]  # the operation that hands on the cotangent
+    for s in range(S):
+        for i in range(microbatches):
+            if s > 0:
+                program.after((Kind.F, s, i), (Kind.F, s - 1, i), _dur(costs, Kind.F, s - 1) + c)
+            if s < S - 1:
+                program.after((back, s, i), (back, s + 1, i), _dur(costs, back, s + 1) + c)
+            program.after((back, s, i), (Kind.F, s, i), _dur(costs, Kind.F, s))
+            if Kind.W in kinds:
+                program.after((Kind.W, s, i), (back, s, i), _dur(costs, back, s))
+            last = kinds[-1]
+            program.add({program.n_t - 1: 1.0, program.idx[(last, s, i)]: -1.0}, _dur(costs, last, s))
+
+
+def _add_one_at_a_time(program: _Program, costs: Costs, microbatches: int) -> None:
+    """A worker's operations never overlap: each pair's binary says which goes first (big-M rows)."""
+    S = costs.num_stages
+    big = sum(_dur(costs, k, s) for k, s, _ in program.ops) + 2 * S * microbatches * costs.comm + 1.0
+    for (first, second), p in program.pair.items():
+        y = program.n_t + p
+        idx = program.idx
+        # y = 1: first runs first, t_2 >= t_1 + d_1 - big (1 - y); y = 0: t_1 >= t_2 + d_2 - big y.
+        program.add({idx[second]: 1.0, idx[first]: -1.0, y: -big}, _dur(costs, *first[:2]) - big)
+        program.add({idx[first]: 1.0, idx[second]: -1.0, y: big}, _dur(costs, *second[:2]))
+
+
+def _add_memory_limits(program: _Program, limits: Sequence[int], microbatches: int, release: Kind) -> None:
+    """The microbatches a worker holds when each F starts (the Fs before it, less the ``release``s before it)
+    stay within its limit."""
+    m = microbatches
+    for s, limit in enumerate(limits):
+        if limit >= m:
+            continue
+        for i in range(m):
+            coef: dict[int, float] = {}
+            const = 0.0
+            for j in range(m):
+                if j == i:
+                    continue
+                for other, sign in (((Kind.F, s, j), 1.0), ((release, s, j), -1.0)):
+                    v, k, k0 = program.before(other, (Kind.F, s, i))
+                    coef[v] = coef.get(v, 0.0) + sign * k
+                    const += sign * k0
+            program.add(coef, -np.inf, limit - 1 - const)
+
+
+def _bounds(program: _Program, microbatches: int) -> tuple[np.ndarray, np.ndarray]:
+    """The variables' bounds: starts non-negative, binaries 0/1, worker 0's forwards fixed in microbatch order."""
+    lower = np.zeros(program.n)
+    upper = np.r_[np.full(program.n_t, np.inf), np.ones(len(program.pair))]
+    for i in range(1, microbatches):
+        v, k, _ = program.before((Kind.F, 0, i - 1), (Kind.F, 0, i))
+        lower[v] = upper[v] = 1.0 if k > 0 else 0.0
+    return lower, upper
+
+
+def _matrix(program: _Program) -> np.ndarray:
+    """The program's rows as a dense matrix."""
+    matrix = np.zeros((len(program.rows), program.n))
+    for r, coef in enumerate(program.rows):
+        for v, x in coef.items():
+            matrix[r, v] = x
+    return matrix
+
+
+def _plans(program: _Program, starts: np.ndarray, num_stages: int) -> list[list[Op]]:
+    """Each worker's operations in the order of their starts in the solution."""
+    return [
+        [
+            Op(k, i, s)
+            for (k, _, i), _t in sorted(((o, starts[program.idx[o]]) for o in program.ops if o[1] == s), key=_order)
+        ]
+        for s in range(num_stages)
+    ]
 
 
 def optimum(
@@ -75,99 +219,24 @@ def optimum(
         raise VjpsplitError("the exact optimum needs scipy (pip install scipy)") from e
     S, m = costs.num_stages, microbatches
     limits = memory_limits(memory_limit, S, m)
-    back = Kind.I if split else Kind.B  # the operation that hands on the cotangent
-    kinds = (Kind.F, back, Kind.W) if split else (Kind.F, back)
-
-    def dur(k: Kind, s: int) -> float:
-        return costs.duration(Op(k, 0, s))
-
-    ops = [(k, s, i) for s in range(S) for k in kinds for i in range(m)]
-    idx = {o: n for n, o in enumerate(ops)}
-    # One binary per pair of one worker's operations of different microbatches (a microbatch's own F, B, W
-    # go in that order anyway): 1 when the first of the pair runs first.
-    pairs = [
-        (a, b) for s in range(S) for a, b in itertools.combinations([o for o in ops if o[1] == s], 2) if a[2] != b[2]
-    ]
-    pair = {p: n for n, p in enumerate(pairs)}
-    n_t, n_y = len(ops) + 1, len(pairs)
-    n = n_t + n_y
-    c = costs.comm
-    big = sum(dur(k, s) for k, s, _ in ops) + 2 * S * m * c + 1.0
-    rows: list[dict[int, float]] = []
-    lows: list[float] = []
-    highs: list[float] = []
-
-    def add(coef: dict[int, float], lo: float, hi: float = np.inf) -> None:
-        rows.append(coef)
-        lows.append(lo)
-        highs.append(hi)
-
-    def after(b: tuple[Kind, int, int], a: tuple[Kind, int, int], lag: float) -> None:  # t_b >= t_a + lag
-        add({idx[b]: 1.0, idx[a]: -1.0}, lag)
-
-    for s in range(S):
-        for i in range(m):
-            if s > 0:
-                after((Kind.F, s, i), (Kind.F, s - 1, i), dur(Kind.F, s - 1) + c)
-            if s < S - 1:
-                after((back, s, i), (back, s + 1, i), dur(back, s + 1) + c)
-            after((back, s, i), (Kind.F, s, i), dur(Kind.F, s))
-            if split:
-                after((Kind.W, s, i), (back, s, i), dur(back, s))
-            last = kinds[-1]
-            add({n_t - 1: 1.0, idx[(last, s, i)]: -1.0}, dur(last, s))  # makespan >= the microbatch's last end
-    for (first, second), p in pair.items():
-        y = n_t + p
-        # y = 1: first runs first, t_2 >= t_1 + d_1 - big (1 - y); y = 0: t_1 >= t_2 + d_2 - big y.
-        add({idx[second]: 1.0, idx[first]: -1.0, y: -big}, dur(*first[:2]) - big)
-        add({idx[first]: 1.0, idx[second]: -1.0, y: big}, dur(*second[:2]))
-
-    def before(a: tuple[Kind, int, int], b: tuple[Kind, int, int]) -> tuple[int, float, float]:
-        """(variable, coefficient, constant): the 0/1 expression 'a runs before b' as coefficient * y + constant."""
-        if (a, b) in pair:
-            return n_t + pair[(a, b)], 1.0, 0.0
-        return n_t + pair[(b, a)], -1.0, 1.0
-
-    release = kinds[-1]  # what lets a microbatch go: its W, or its whole B
-    for s in range(S):
-        if limits[s] >= m:
-            continue
-        for i in range(m):
-            coef: dict[int, float] = {}
-            const = 0.0
-            for j in range(m):
-                if j == i:
-                    continue
-                for other, sign in (((Kind.F, s, j), 1.0), ((release, s, j), -1.0)):
-                    v, k, k0 = before(other, (Kind.F, s, i))
-                    coef[v] = coef.get(v, 0.0) + sign * k
-                    const += sign * k0
-            add(coef, -np.inf, limits[s] - 1 - const)
-    lower = np.zeros(n)
-    upper = np.r_[np.full(n_t, np.inf), np.ones(n_y)]
-    for i in range(1, m):  # worker 0's forwards in microbatch order
-        v, k, _ = before((Kind.F, 0, i - 1), (Kind.F, 0, i))
-        lower[v] = upper[v] = 1.0 if k > 0 else 0.0
-    matrix = np.zeros((len(rows), n))
-    for r, coef in enumerate(rows):
-        for v, x in coef.items():
-            matrix[r, v] = x
-    objective = np.zeros(n)
-    objective[n_t - 1] = 1.0
+    kinds = (Kind.F, Kind.I, Kind.W) if split else (Kind.F, Kind.B)
+    program = _variables(S, m, kinds)
+    _add_dependencies(program, costs, m, kinds)
+    _add_one_at_a_time(program, costs, m)
+    _add_memory_limits(program, limits, m, release=kinds[-1])  # what lets a microbatch go: its W, or its whole B
+    lower, upper = _bounds(program, m)
+    objective = np.zeros(program.n)
+    objective[program.n_t - 1] = 1.0
     res = milp(
         objective,
-        constraints=LinearConstraint(matrix, np.array(lows), np.array(highs)),
-        integrality=np.r_[np.zeros(n_t), np.ones(n_y)],
+        constraints=LinearConstraint(_matrix(program), np.array(program.lows), np.array(program.highs)),
+        integrality=np.r_[np.zeros(program.n_t), np.ones(len(program.pair))],
         bounds=Bounds(lower, upper),
         options={"time_limit": float(time_limit)},
     )
     if res.x is None:
         return None
-    starts = res.x[: n_t - 1]
-    plans = [
-        [Op(k, i, s) for (k, _, i), _t in sorted(((o, starts[idx[o]]) for o in ops if o[1] == s), key=_order)]
-        for s in range(S)
-    ]
+    plans = _plans(program, res.x[: program.n_t - 1], S)
     bound = float(getattr(res, "mip_dual_bound", None) or res.fun)
     return Optimum(plans, float(res.fun), res.status == 0, bound if res.status != 0 else float(res.fun))
 
