@@ -66,6 +66,71 @@ def _structs(name: str, spec: PyTree) -> list[tuple[str, jax.ShapeDtypeStruct]]:
     return out
 
 
+def _check_replicas(data_parallel: int) -> None:
+    """Refuse a ``data_parallel`` that is not a count of replicas."""
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise VjpsplitError(f"data_parallel={data_parallel!r}: give the number of replicas of every stage, an int >= 1")
+
+
+def _params_and_batch(
+    fn: Callable[..., object], names: Sequence[str], wrt: int | str | Sequence[int | str]
+) -> tuple[tuple[int, ...], list[int]]:
+    """The positions of the one parameter argument and of the batch arguments (every other one)."""
+    wrt_pos, _single = wrt_positions(names, wrt, fn_name(fn))
+    if len(wrt_pos) != 1:
+        raise VjpsplitError(
+            f"wrt names {len(wrt_pos)} arguments; export_stages takes one parameter argument "
+            "(put the parameters in one pytree)"
+        )
+    batch_pos = [i for i in range(len(names)) if i not in wrt_pos]
+    if not batch_pos:
+        raise VjpsplitError(
+            f"every argument of {fn_name(fn)} is differentiated; leave the batch inputs out of wrt "
+            "(the pipeline splits them into microbatches)"
+        )
+    return wrt_pos, batch_pos
+
+
+def _over_leaves(fn: Callable[..., object], specs: Sequence[PyTree], order: Sequence[int]) -> Callable[..., object]:
+    """``fn`` over the leaves of its arguments, taken in ``order`` (the parameters', then the batch's)."""
+    trees = {i: jax.tree_util.tree_structure(specs[i]) for i in range(len(specs))}
+    sizes = {i: trees[i].num_leaves for i in trees}  # type: ignore[attr-defined]  # PyTreeDef's stub lacks it
+
+    def flat_fn(*leaves: jax.Array) -> object:
+        it = iter(leaves)
+        args = [None] * len(specs)
+        for i in order:
+            args[i] = jax.tree_util.tree_unflatten(trees[i], [next(it) for _ in range(sizes[i])])
+        return fn(*args)
+
+    return flat_fn
+
+
+def _stage_ends(traced: Traced, stages: int | None, fn: Callable[..., object]) -> tuple[list[int], str]:
+    """Where the stages end and how that was chosen: at the marks, or (``stages=N``) by balanced cost."""
+    if traced.marks and stages is not None:
+        raise VjpsplitError(
+            f"{fn_name(fn)} has {len(traced.marks)} stage_boundary marks and stages={stages} was given; "
+            "use one or the other"
+        )
+    if traced.marks:
+        return traced.marks, "marks"
+    if stages is not None:
+        return balanced_ends(traced, stages), "balanced"
+    raise VjpsplitError(f"{fn_name(fn)} has no stage_boundary marks; add some, or pass stages=N to cut by cost")
+
+
+def _refuse_sharded_replicas(arts: Sequence[Artifact], data_parallel: int) -> None:
+    """Refuse replicas of sharded stages at export: the Trainer would refuse them at the first step."""
+    sharded = [k for k, a in enumerate(arts) if a.manifest.sharded]
+    if data_parallel > 1 and sharded:
+        raise VjpsplitError(
+            f"data_parallel={data_parallel}: stage {sharded[0]} is sharded (a mesh of "
+            f"{arts[sharded[0]].manifest.nr_devices} devices); replicas run unsharded stages only: export the "
+            "stages without shardings, or shard over a 'data' axis instead"
+        )
+
+
 def export_stages(
     fn: Callable[..., object],
     *specs: PyTree,
@@ -116,46 +181,15 @@ def export_stages(
             not an int >= 1, or N > 1 with specs that carry shardings (replicas run
             unsharded stages only).
     """
-    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
-        raise VjpsplitError(f"data_parallel={data_parallel!r}: give the number of replicas of every stage, an int >= 1")
+    _check_replicas(data_parallel)
     names = _check_arity(fn, len(specs))
-    wrt_pos, single = wrt_positions(names, wrt, fn_name(fn))
-    if len(wrt_pos) != 1:
-        raise VjpsplitError(
-            f"wrt names {len(wrt_pos)} arguments; export_stages takes one parameter argument "
-            "(put the parameters in one pytree)"
-        )
-    batch_pos = [i for i in range(len(names)) if i not in wrt_pos]
-    if not batch_pos:
-        raise VjpsplitError(
-            f"every argument of {fn_name(fn)} is differentiated; leave the batch inputs out of wrt "
-            "(the pipeline splits them into microbatches)"
-        )
+    wrt_pos, batch_pos = _params_and_batch(fn, names, wrt)
     p_entries = [kv for i in wrt_pos for kv in _structs(names[i], specs[i])]
     b_entries = [kv for i in batch_pos for kv in _structs(names[i], specs[i])]
     refuse_64bit_without_x64(p_entries + b_entries)  # by the user's keys, before the stages' own exports
-    trees = {i: jax.tree_util.tree_structure(specs[i]) for i in range(len(specs))}
-    sizes = {i: trees[i].num_leaves for i in trees}  # type: ignore[attr-defined]  # PyTreeDef's stub lacks it
-
-    def flat_fn(*leaves: jax.Array) -> object:
-        it = iter(leaves)
-        args = [None] * len(names)
-        for i in [*wrt_pos, *batch_pos]:
-            args[i] = jax.tree_util.tree_unflatten(trees[i], [next(it) for _ in range(sizes[i])])
-        return fn(*args)
-
+    flat_fn = _over_leaves(fn, specs, [*wrt_pos, *batch_pos])
     traced = trace_model(flat_fn, [s for _, s in p_entries], [s for _, s in b_entries])
-    if traced.marks and stages is not None:
-        raise VjpsplitError(
-            f"{fn_name(fn)} has {len(traced.marks)} stage_boundary marks and stages={stages} was given; "
-            "use one or the other"
-        )
-    if traced.marks:
-        ends, how = traced.marks, "marks"
-    elif stages is not None:
-        ends, how = balanced_ends(traced, stages), "balanced"
-    else:
-        raise VjpsplitError(f"{fn_name(fn)} has no stage_boundary marks; add some, or pass stages=N to cut by cost")
+    ends, how = _stage_ends(traced, stages, fn)
     cuts = cut(traced, ends)
     label = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
     exported = [
@@ -176,13 +210,7 @@ def export_stages(
         per_stage=tuple(info),
         data_parallel=data_parallel,
     )
-    sharded = [k for k, a in enumerate(arts) if a.manifest.sharded]
-    if data_parallel > 1 and sharded:  # the Trainer would refuse them: say so at export, not at the first step
-        raise VjpsplitError(
-            f"data_parallel={data_parallel}: stage {sharded[0]} is sharded (a mesh of "
-            f"{arts[sharded[0]].manifest.nr_devices} devices); replicas run unsharded stages only: export the "
-            "stages without shardings, or shard over a 'data' axis instead"
-        )
+    _refuse_sharded_replicas(arts, data_parallel)
     return Stages(arts, index, programs)
 
 
