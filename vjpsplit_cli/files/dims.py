@@ -11,204 +11,33 @@ gives that name; the names it gives are used in the other equations, until none
 gives more. Equations whose names are all known are left to the caller's shape
 check (``b*c = 12`` once ``b`` and ``c`` are). A name no equation gives, an answer that is
 not a whole number, or one below 1 is one ``VjpsplitError`` that names the dim and
-the equations. Nothing is evaluated by Python's ``eval``: the text is parsed here,
-and text this module does not read (longer than ``MAX_TEXT``, nested deeper than
-``MAX_DEPTH``, another syntax) is a dim it leaves to jax.export's own shape checks.
-No JAX here.
+the equations. Nothing is evaluated by Python's ``eval``: the text is parsed by
+``dimtext`` (whose ``parse``, ``names``, ``evaluate`` and limits this module names too),
+and text it does not read (longer than ``MAX_TEXT``, nested deeper than
+``MAX_DEPTH``, another syntax) is a dim left to jax.export's own shape checks.
+Owns the solving; may import ``errors`` and ``dimtext``. No JAX here.
 """
 
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
-from typing import Mapping, Sequence, Union
+from typing import Mapping, Sequence
 
 from ..errors import VjpsplitError
 
-MAX_TEXT = 400  # longer dim text is not read (a forged manifest's, not jax.export's)
-MAX_DEPTH = 32  # parentheses and calls nested deeper are not read
-MAX_POWER = 64  # b^k with k larger is not read: its value would dwarf any array
-# No machine holds an array dim this long (a trillion elements); a larger one in a spec,
-# an --at size, a file's recorded dims or a solved dim is a typo or corruption. (jax.export's
-# int64 shape arithmetic would overflow only past 2**62.)
-MAX_DIM = 2**40
-FUNCS = frozenset({"floordiv", "mod", "max", "min", "non_negative"})  # jax.export's shape functions
+# Reading a dim's text is ``dimtext``'s; its names are here too, where their importers have always found them.
+from .dimtext import FUNCS as FUNCS
+from .dimtext import MAX_DEPTH as MAX_DEPTH
+from .dimtext import MAX_DIM as MAX_DIM
+from .dimtext import MAX_POWER as MAX_POWER
+from .dimtext import MAX_TEXT as MAX_TEXT
+from .dimtext import NAME, evaluate_node
+from .dimtext import Node as Node
+from .dimtext import evaluate as evaluate
+from .dimtext import names as names
+from .dimtext import parse as parse
 
-_TOKEN = re.compile(r"\s*(?:([0-9]+)|([A-Za-z_][A-Za-z0-9_]*)|(\S))")
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-
-
-# A parsed dim: an int, a name, or (operator, operands...). Operators: "+" (sum of its
-# operands), "*" (product), "neg", "^" (operand, int power), and the FUNCS.
-Node = Union[int, str, tuple]
-
-
-class _Unreadable(Exception):
-    """Text this parser does not read; callers treat the dim as one it cannot evaluate."""
-
-
-class _Parser:
-    def __init__(self, text: str) -> None:
-        self.tokens: list[tuple[str, str]] = []
-        pos = 0
-        while pos < len(text):
-            m = _TOKEN.match(text, pos)
-            if m is None:  # only trailing blanks are left
-                break
-            pos = m.end()
-            if m.group(1):
-                self.tokens.append(("int", m.group(1)))
-            elif m.group(2):
-                self.tokens.append(("name", m.group(2)))
-            elif m.group(3):
-                self.tokens.append(("op", m.group(3)))
-        self.i = 0
-
-    def peek(self) -> tuple[str, str]:
-        return self.tokens[self.i] if self.i < len(self.tokens) else ("end", "")
-
-    def take(self, op: str) -> bool:
-        if self.peek() == ("op", op):
-            self.i += 1
-            return True
-        return False
-
-    def parse(self) -> Node:
-        node = self.expr(0)
-        if self.peek()[0] != "end":
-            raise _Unreadable
-        return node
-
-    def expr(self, depth: int) -> Node:
-        if depth > MAX_DEPTH:
-            raise _Unreadable
-        terms = [("neg", self.term(depth)) if self.take("-") else self.term(depth)]
-        while True:
-            if self.take("+"):
-                terms.append(self.term(depth))
-            elif self.take("-"):
-                terms.append(("neg", self.term(depth)))
-            else:
-                return terms[0] if len(terms) == 1 else ("+", *terms)
-
-    def term(self, depth: int) -> Node:
-        factors = [self.factor(depth)]
-        while self.take("*"):
-            factors.append(self.factor(depth))
-        return factors[0] if len(factors) == 1 else ("*", *factors)
-
-    def factor(self, depth: int) -> Node:
-        base = self.atom(depth)
-        if self.take("^"):
-            kind, text = self.peek()
-            if kind != "int" or int(text) > MAX_POWER:
-                raise _Unreadable
-            self.i += 1
-            return ("^", base, int(text))
-        return base
-
-    def atom(self, depth: int) -> Node:
-        kind, text = self.peek()
-        self.i += 1
-        if kind == "int":
-            return int(text)
-        if kind == "name":
-            if text not in FUNCS:
-                return text
-            if not self.take("("):
-                raise _Unreadable
-            args = [self.expr(depth + 1)]
-            while self.take(","):
-                args.append(self.expr(depth + 1))
-            if not self.take(")") or len(args) != (1 if text == "non_negative" else 2):
-                raise _Unreadable
-            return (text, *args)
-        if (kind, text) == ("op", "("):
-            node = self.expr(depth + 1)
-            if not self.take(")"):
-                raise _Unreadable
-            return node
-        if (kind, text) == ("op", "-"):
-            return ("neg", self.atom(depth + 1))
-        raise _Unreadable
-
-
-@functools.lru_cache(maxsize=4096)  # manifests repeat the same few dims on every call
-def parse(dim: int | str) -> Node | None:
-    """``dim`` parsed; None for text this module does not read (see the module docstring)."""
-    if isinstance(dim, int):
-        return dim
-    if not isinstance(dim, str) or len(dim) > MAX_TEXT:
-        return None
-    try:
-        return _Parser(dim).parse()
-    except (_Unreadable, IndexError):
-        return None
-
-
-def names(node: Node | None) -> tuple[str, ...]:
-    """The symbolic names in a parsed dim, in first-seen order."""
-    out: list[str] = []
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if isinstance(n, str):
-            if n not in out:
-                out.append(n)
-        elif isinstance(n, tuple):
-            stack.extend(reversed(n[1:]))
-    return tuple(out)
-
-
-def _apply(op: str, values: Sequence[int]) -> int | None:
-    if op == "+":
-        return sum(values)
-    if op == "*":
-        out = 1
-        for v in values:
-            out *= v
-        return out
-    if op == "neg":
-        return -values[0]
-    if op == "^":
-        return values[0] ** values[1]
-    if op == "non_negative":
-        return max(values[0], 0)
-    if op == "max":
-        return max(values)
-    if op == "min":
-        return min(values)
-    if values[1] == 0:  # floordiv or mod by zero: no value (jax.export never prints one)
-        return None
-    # jax.export's floordiv and mod round toward minus infinity, as Python's do.
-    return values[0] // values[1] if op == "floordiv" else values[0] % values[1]
-
-
-def _evaluate(node: Node, dims: Mapping[str, int]) -> int | None:
-    if isinstance(node, int):
-        return node
-    if isinstance(node, str):
-        return dims.get(node)
-    op, *args = node
-    values = []
-    for a in args:
-        v = a if op == "^" and a is args[1] else _evaluate(a, dims)
-        if v is None:
-            return None
-        values.append(v)
-    return _apply(op, values)
-
-
-def evaluate(dim: int | str, dims: Mapping[str, int]) -> int | None:
-    """The value of a manifest's dim with its names sized by ``dims``; None if some is unsized or unread."""
-    if isinstance(dim, int):
-        return dim
-    node = parse(dim)
-    return None if node is None else _evaluate(node, dims)
-
-
-# ---------------------------------------------------------------------------------- solving
 
 _Linear = tuple[int, dict[str, int]]  # constant + sum of coefficient * unknown name
 
@@ -242,13 +71,13 @@ def _linear(node: Node, known: Mapping[str, int]) -> _Linear | None:
                 coeff *= a
             else:
                 others.append(a)
-        value = _evaluate(("*", *others), known) if others else 1
+        value = evaluate_node(("*", *others), known) if others else 1
         if value is not None:
             return coeff * value, {}
         if len(others) == 1 and isinstance(others[0], str):
             return 0, {others[0]: coeff} if coeff else {}
         return None
-    value = _evaluate(node, known)  # a power or a function: linear only once every name in it is known
+    value = evaluate_node(node, known)  # a power or a function: linear only once every name in it is known
     return None if value is None else (value, {})
 
 
@@ -343,7 +172,7 @@ def needs_solving(shapes: tuple[tuple[int | str, ...], ...]) -> bool:
     for shape in shapes:
         for d in shape:
             if isinstance(d, str):
-                if _NAME.match(d):
+                if NAME.match(d):
                     plain.add(d)
                 else:
                     used.update(names(parse(d)))
@@ -365,7 +194,7 @@ def solve_shapes(entries: Sequence[tuple[str, Sequence[int | str], Sequence[int]
         if len(shape) != len(want):
             continue
         for i, (dim, size) in enumerate(zip(want, shape)):
-            if isinstance(dim, str) and (int(size) >= 1 or not _NAME.match(dim)):
+            if isinstance(dim, str) and (int(size) >= 1 or not NAME.match(dim)):
                 equations.append(Equation(f"{what} dim {i}", dim, int(size)))
     return solve(equations)
 
@@ -391,7 +220,7 @@ def solvable(shapes: Sequence[tuple[str, Sequence[int | str]]]) -> tuple[str, ..
                         "+ - * ^ and floordiv, mod, max, min"
                     )
                 order += [n for n in names(node) if n not in order]
-    plain = list(dict.fromkeys(d for _, shape in shapes for d in shape if isinstance(d, str) and _NAME.match(d)))
+    plain = list(dict.fromkeys(d for _, shape in shapes for d in shape if isinstance(d, str) and NAME.match(d)))
     order = plain + [n for n in order if n not in plain]
     stand_in = {n: 1009 + 2 * i for i, n in enumerate(order)}  # odd and distinct: no coefficient cancels by chance
     equations = []

@@ -12,8 +12,8 @@ from jax import export as jexport
 from jax.sharding import NamedSharding
 
 from ..errors import VjpsplitError
-from .dims import MAX_DIM as MAX_DIM
-from .dims import evaluate
+from .dimtext import MAX_DIM as MAX_DIM
+from .dimtext import evaluate
 from .dtypes import NARROWED, dtype_from_name, short_name
 from .prng import is_key
 
