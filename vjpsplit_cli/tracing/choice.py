@@ -9,8 +9,6 @@ policy and why, for split, export and the CLI.
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -18,13 +16,12 @@ import jax
 import numpy as np
 
 from ..errors import VjpsplitError
-from ..files.prng import data_struct, from_data, impl_name, is_key
 from ..files.shapes import is_symbolic_shape
 from ..files.sizes import AtSizes, human_bytes, parse_at, parse_bytes
-from .policies import AUTO, BUDGET_ORDER, PolicyCost, candidate, normalize_policy, policy_cost
+from .policies import AUTO, BUDGET_ORDER, PolicyCost, normalize_policy, policy_cost
+from .signatures import Wrt, fn_wrt_positions
 from .specs import concrete_specs
-from .traced import TracedVjp
-from .vjp import Wrt, fn_wrt_positions
+from .timing import time_policies
 
 
 @dataclass(frozen=True)
@@ -91,114 +88,43 @@ class AutoChoice:
 _AUTO_CACHE: dict[tuple[Any, ...], AutoChoice] = {}
 
 
-def _example(spec: jax.ShapeDtypeStruct, rng: np.random.Generator) -> np.ndarray | jax.Array:
-    """A concrete array for ``spec``: small normal floats, zero integers (valid indices), typed keys from 0."""
-    if is_key(spec):
-        d = data_struct(spec)
-        return from_data(np.zeros(d.shape, d.dtype), impl_name(spec))
-    dt = np.dtype(spec.dtype)
-    if dt.kind in "fc":
-        return (rng.standard_normal(spec.shape) * 0.1).astype(dt)
-    return np.zeros(spec.shape, dt)
+def _concrete(specs: tuple[Any, ...], at: dict[str, int]) -> tuple[Any, ...]:
+    """``specs`` at the sizes ``at`` gives their symbolic dims, as plain ``ShapeDtypeStruct`` pytrees."""
+    symbolic = any(is_symbolic_shape(s.shape) for s in jax.tree_util.tree_leaves(specs))
+    if symbolic:
+        if not at:
+            raise VjpsplitError(
+                "policy auto measures each policy at concrete sizes; pass --at NAME=SIZE "
+                "(the at= argument in Python), e.g. b=256, with the sizes you will run"
+            )
+        specs = concrete_specs(specs, at)
+    return tuple(jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(np.shape(s), s.dtype), s) for s in specs)
 
 
-def _out_and_stored(cand: TracedVjp) -> Callable[..., tuple[Any, tuple[jax.Array, ...]]]:
-    """The candidate's forward as timed: outputs and stored residuals (aux is not part of the step)."""
-
-    def fwd(*args: Any) -> tuple[Any, tuple[jax.Array, ...]]:
-        out, stored, _ = cand.forward(*args)
-        return out, stored
-
-    return fwd
+def _remembered(memo: tuple[Any, ...]) -> tuple[tuple[Any, ...] | None, AutoChoice | None]:
+    """The key to remember a choice under (None for an unhashable callable: no memo), and the choice remembered."""
+    try:
+        return memo, _AUTO_CACHE.get(memo)
+    except TypeError:  # an unhashable callable: no memo
+        return None, None
 
 
-def _measure(
-    fn: Callable[..., Any],
-    specs: tuple[Any, ...],
-    policies: Sequence[str],
-    wrt_pos: tuple[int, ...],
-    single: bool,
-    has_aux: bool,
-    seconds_per_candidate: float,
-) -> dict[str, float]:
-    """Median forward + backward seconds of each policy, compiled and run here, rounds interleaved."""
-    rng = np.random.default_rng(0)
-    args = jax.tree_util.tree_map(lambda s: _example(s, rng), specs)
-    flat = jax.tree_util.tree_leaves(args)
-    steps: dict[str, Callable[[], Any]] = {}
-    for p in policies:
-        cand = candidate(fn, p, wrt_pos, single, has_aux)
-        # Compiled objects run eagerly even while split() is tracing, where a jit call would be staged.
-        fwd_c = jax.jit(_out_and_stored(cand)).lower(*args).compile()
-        stored, inputs, cts = cand.backward_args(
-            flat, cand.plan.stored_avals, lambda aval: np.ones(aval.shape, aval.dtype)
+def _fitting(policies: Sequence[str], stored: dict[str, int], budget: int | None) -> list[str]:
+    """The policies whose stored bytes fit ``budget``; refused where none does."""
+    fitting = [p for p in policies if budget is None or stored[p] <= budget]
+    if not fitting:
+        best = min(stored, key=lambda p: stored[p])
+        raise VjpsplitError(
+            f"no policy fits a memory budget of {human_bytes(budget or 0)}: the smallest is {best!r} storing "
+            f"{human_bytes(stored[best])}; raise the budget or use smaller sizes"
         )
-        bwd_c = jax.jit(cand.backward).lower(stored, inputs, cts).compile()
-
-        def step(
-            fwd: jax.stages.Compiled = fwd_c,
-            bwd: jax.stages.Compiled = bwd_c,
-            inputs: list[Any] = inputs,
-            cts: list[Any] = cts,
-        ) -> Any:
-            _, stored = fwd(*args)
-            return bwd(list(stored), inputs, cts)
-
-        jax.block_until_ready(step())
-        steps[p] = step
-    samples: dict[str, list[float]] = {p: [] for p in policies}
-    t_start, rounds = time.perf_counter(), 0
-    # At least 5 interleaved rounds, then more while the time allows (up to 25): medians of many
-    # rounds keep a busy machine's noise out of the choice.
-    while rounds < 25 and (rounds < 5 or time.perf_counter() - t_start < seconds_per_candidate * len(policies)):
-        for p, run in steps.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(run())
-            samples[p].append(time.perf_counter() - t0)
-        rounds += 1
-    return {p: statistics.median(v) for p, v in samples.items()}
+    return fitting
 
 
-def _estimate(
-    fn: Callable[..., Any],
-    specs: tuple[Any, ...],
-    policies: Sequence[str],
-    wrt_pos: tuple[int, ...],
-    single: bool,
-    has_aux: bool,
-) -> dict[str, float]:
-    """XLA's cost analysis of each policy's forward + backward: FLOPs plus bytes accessed (a relative score)."""
-    out: dict[str, float] = {}
-    for p in policies:
-        cand = candidate(fn, p, wrt_pos, single, has_aux)
-        score = 0.0
-        fc = jax.jit(_out_and_stored(cand)).lower(*specs).compile()
-        args = cand.backward_args(jax.tree_util.tree_leaves(specs), cand.plan.stored_avals)
-        for c in (fc, jax.jit(cand.backward).lower(*args).compile()):
-            a: Any = c.cost_analysis()
-            if isinstance(a, list):  # older jax: one dict per computation
-                a = a[0] if a else {}
-            # A CPU core does ~10 FLOPs per byte it moves: weigh both on one scale.
-            score += float(a.get("flops", 0.0)) + 10.0 * float(a.get("bytes accessed", 0.0))
-        out[p] = score
-    return out
-
-
-def _time(
-    fn: Callable[..., Any],
-    specs: tuple[Any, ...],
-    fitting: Sequence[str],
-    how: tuple[tuple[int, ...], bool, bool],
-    method: str,
-    seconds_per_candidate: float,
-) -> tuple[dict[str, float], str]:
-    """Each fitting policy's seconds (measured, or XLA's estimate where running fails) and how they were had."""
-    if method == "measure":
-        try:
-            return _measure(fn, specs, fitting, *how, seconds_per_candidate), "measured"
-        except Exception:  # inputs it cannot synthesize, or a backend that cannot run here: estimate
-            pass
-    return _estimate(fn, specs, fitting, *how), "estimated"
+def _fastest(fitting: Sequence[str], seconds: dict[str, float], stored: dict[str, int]) -> str:
+    """The fastest policy; within 1% of the fastest is a tie (timer noise), which the one that stores least wins."""
+    fastest = min(seconds.values())
+    return min((p for p in fitting if seconds[p] <= fastest * 1.01), key=lambda p: (stored[p], seconds[p]))
 
 
 def choose_auto(
@@ -244,45 +170,23 @@ def choose_auto(
     """
     at = parse_at(at)
     budget = None if memory_budget is None else parse_bytes(memory_budget)
-    symbolic = any(is_symbolic_shape(s.shape) for s in jax.tree_util.tree_leaves(specs))
-    if symbolic:
-        if not at:
-            raise VjpsplitError(
-                "policy auto measures each policy at concrete sizes; pass --at NAME=SIZE "
-                "(the at= argument in Python), e.g. b=256, with the sizes you will run"
-            )
-        specs = concrete_specs(specs, at)
-    specs = tuple(jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(np.shape(s), s.dtype), s) for s in specs)
+    specs = _concrete(specs, at)
     wrt_pos, single = fn_wrt_positions(fn, wrt, len(specs))
     shapes = tuple((tuple(s.shape), str(s.dtype)) for s in jax.tree_util.tree_leaves(specs))
     tree = str(jax.tree_util.tree_structure(specs))
-    memo = (fn, tree, shapes, wrt_pos, single, has_aux, budget, tuple(policies), method)
-    key: tuple[Any, ...] | None = memo
-    try:
-        hit = _AUTO_CACHE.get(memo)
-    except TypeError:  # an unhashable callable: no memo
-        key, hit = None, None
+    key, hit = _remembered((fn, tree, shapes, wrt_pos, single, has_aux, budget, tuple(policies), method))
     if hit is not None:
         return hit
-    # Every dim is concrete here (concrete_specs above), so every size is known.
+    # Every dim is concrete here (_concrete above), so every size is known.
     stored = {
         p: bytes_known(policy_cost(fn, *specs, policy=p, wrt=wrt_pos, has_aux=has_aux, flops=False)) for p in policies
     }
-    fitting = [p for p in policies if budget is None or stored[p] <= budget]
-    if not fitting:
-        best = min(stored, key=lambda p: stored[p])
-        raise VjpsplitError(
-            f"no policy fits a memory budget of {human_bytes(budget or 0)}: the smallest is {best!r} storing "
-            f"{human_bytes(stored[best])}; raise the budget or use smaller sizes"
-        )
+    fitting = _fitting(policies, stored, budget)
     if len(fitting) == 1:
         seconds, used = {fitting[0]: 1.0}, "only fit"
     else:
-        seconds, used = _time(fn, specs, fitting, (wrt_pos, single, has_aux), method, seconds_per_candidate)
-    fastest = min(seconds.values())
-    # Within 1% of the fastest is a tie (timer noise): the one that stores least wins it.
-    chosen = min((p for p in fitting if seconds[p] <= fastest * 1.01), key=lambda p: (stored[p], seconds[p]))
-    choice = AutoChoice(chosen, used, seconds, stored, budget, dict(at))
+        seconds, used = time_policies(fn, specs, fitting, (wrt_pos, single, has_aux), method, seconds_per_candidate)
+    choice = AutoChoice(_fastest(fitting, seconds, stored), used, seconds, stored, budget, dict(at))
     if key is not None:
         _AUTO_CACHE[key] = choice
     return choice

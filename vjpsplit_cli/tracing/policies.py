@@ -26,7 +26,8 @@ from ..files.sizes import byte_terms_of_shape, evaluate_terms
 from .jaxprs import iter_eqns, sub_jaxprs
 from .specs import concrete_specs
 from .traced import TracedVjp
-from .vjp import Plan, Wrt, fn_wrt_positions
+from .signatures import Wrt, fn_wrt_positions
+from .vjp import Plan
 
 if TYPE_CHECKING:
     from jax.extend.core import ClosedJaxpr

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from ..errors import VjpsplitError
-from ..files.dims import names, parse
+from ..files.dimtext import names, parse
 from ..files.shapes import eval_dim, is_symbolic_shape
 
 

@@ -16,7 +16,8 @@ from .choice import resolve_policy
 from .policies import AUTO, apply_policy
 from .residuals import Residuals, SplitResiduals
 from .traced import TracedVjp
-from .vjp import Plan, Wrt, assemble_grads, cotangent_leaves, fn_wrt_positions, register_plan, struct_of
+from .signatures import Wrt, fn_wrt_positions
+from .vjp import Plan, assemble_grads, cotangent_leaves, register_plan, struct_of
 
 
 class _Static:
@@ -29,6 +30,72 @@ class _Static:
 
 
 jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.value), lambda v, _: _Static(v))
+
+
+def _forward_impl(
+    fn: Callable[..., Any],
+    wrt: Wrt,
+    has_aux: bool,
+    policy: str | None,
+    memory_budget: int | str | None,
+    traces: list[int],
+) -> Callable[..., tuple[Any, tuple[jax.Array, ...], Any, _Static]]:
+    """The function ``split``'s forward jits: trace ``fn`` under its policy (chosen per signature with ``"auto"``
+    or a budget), returning its output, stored residuals, aux and plan, and counting each trace in ``traces``."""
+    per_signature = policy == AUTO or memory_budget is not None  # chosen for each signature, as jit compiles
+    inner = fn if per_signature else apply_policy(fn, policy)
+
+    def _fwd_impl(*args: Any) -> tuple[Any, tuple[jax.Array, ...], Any, _Static]:
+        wrt_pos, single = fn_wrt_positions(fn, wrt, len(args))
+        body = inner
+        specs = jax.tree_util.tree_map(struct_of, args)
+        if per_signature:
+            chosen = resolve_policy(
+                fn, *specs, policy=policy, memory_budget=memory_budget, wrt=wrt_pos, has_aux=has_aux
+            )
+            body = apply_policy(fn, chosen.policy)
+        traced = TracedVjp(body, wrt_pos, single, has_aux)
+        out, stored, aux = traced.forward(*args)
+        register_plan(traced.plan)
+        traces[0] += 1
+        return out, stored, aux, _Static(traced.plan)
+
+    return _fwd_impl
+
+
+def _backward_impl() -> Callable[[SplitResiduals, list[Any]], tuple[jax.Array, ...]]:
+    """The function ``split``'s backward jits (a new one per split, so each has its own jit cache): the plan's
+    backward over the stored residuals, the input-backed ones and the cotangent's leaves."""
+
+    def _bwd_impl(res: SplitResiduals, ct_leaves: list[Any]) -> tuple[jax.Array, ...]:
+        plan = res.plan
+        stored = [res.stored[keys.stored(i)] for i in range(plan.n_stored)]
+        inputs = [res.inputs[str(k)] for k in plan.input_backed]
+        return TracedVjp.of_plan(plan).backward(stored, inputs, ct_leaves)
+
+    return _bwd_impl
+
+
+def _split_residuals(args: tuple[Any, ...], stored: tuple[jax.Array, ...], plan: Plan) -> SplitResiduals:
+    """The residuals a forward returns: its stored values, and references to the input arrays it reads."""
+    flat = jax.tree_util.tree_leaves(args)
+    return SplitResiduals(
+        {keys.stored(i): v for i, v in enumerate(stored)},
+        {str(k): flat[k] for k in plan.input_backed},
+        plan=plan,
+        bound_inputs={str(i): v for i, v in enumerate(flat)},
+    )
+
+
+def _refuse_foreign(res: Residuals) -> SplitResiduals:
+    """``res`` as this split's residuals, or the error that says whose they are."""
+    if not isinstance(res, SplitResiduals):
+        what = "an artifact's residuals" if isinstance(res, Residuals) else type(res).__name__
+        raise VjpsplitError(
+            f"bwd takes the residuals returned by this split's fwd, got {what}; "
+            "run an artifact's residuals with art.bwd"
+        )
+    return res
 
 
 def split(
@@ -73,58 +140,21 @@ def split(
     """
     if memory_budget is not None and policy not in (None, "everything", AUTO):
         raise VjpsplitError("give either a policy or a memory budget (or both with policy auto), not both")
-    per_signature = policy == AUTO or memory_budget is not None  # chosen for each signature, as jit compiles
-    inner = fn if per_signature else apply_policy(fn, policy)
     traces = [0]
-
-    def _fwd_impl(*args: Any) -> tuple[Any, tuple[jax.Array, ...], Any, _Static]:
-        wrt_pos, single = fn_wrt_positions(fn, wrt, len(args))
-        body = inner
-        specs = jax.tree_util.tree_map(struct_of, args)
-        if per_signature:
-            chosen = resolve_policy(
-                fn, *specs, policy=policy, memory_budget=memory_budget, wrt=wrt_pos, has_aux=has_aux
-            )
-            body = apply_policy(fn, chosen.policy)
-        traced = TracedVjp(body, wrt_pos, single, has_aux)
-        out, stored, aux = traced.forward(*args)
-        register_plan(traced.plan)
-        traces[0] += 1
-        return out, stored, aux, _Static(traced.plan)
-
-    jit_fwd = jax.jit(_fwd_impl)
-
-    def _bwd_impl(res: SplitResiduals, ct_leaves: list[Any]) -> tuple[jax.Array, ...]:
-        plan = res.plan
-        stored = [res.stored[keys.stored(i)] for i in range(plan.n_stored)]
-        inputs = [res.inputs[str(k)] for k in plan.input_backed]
-        return TracedVjp.of_plan(plan).backward(stored, inputs, ct_leaves)
-
-    jit_bwd = jax.jit(_bwd_impl)
+    jit_fwd = jax.jit(_forward_impl(fn, wrt, has_aux, policy, memory_budget, traces))
+    jit_bwd = jax.jit(_backward_impl())
 
     def fwd(*args: Any) -> tuple[Any, ...]:
         """Forward pass: ``(out, res)``, or ``(out, res, aux)`` when ``has_aux``."""
         out, stored, aux, static = jit_fwd(*args)
-        plan: Plan = static.value
-        flat = jax.tree_util.tree_leaves(args)
-        res = SplitResiduals(
-            {keys.stored(i): v for i, v in enumerate(stored)},
-            {str(k): flat[k] for k in plan.input_backed},
-            plan=plan,
-            bound_inputs={str(i): v for i, v in enumerate(flat)},
-        )
+        res = _split_residuals(args, stored, static.value)
         return (out, res, aux) if has_aux else (out, res)
 
     def bwd(res: Residuals, ct: Any = None) -> Any:
         """Backward pass from residuals alone: gradients with respect to ``wrt``."""
-        if not isinstance(res, SplitResiduals):
-            what = "an artifact's residuals" if isinstance(res, Residuals) else type(res).__name__
-            raise VjpsplitError(
-                f"bwd takes the residuals returned by this split's fwd, got {what}; "
-                "run an artifact's residuals with art.bwd"
-            )
-        diff = jit_bwd(res, cotangent_leaves(res.plan, ct))
-        return assemble_grads(res.plan, diff)
+        mine = _refuse_foreign(res)
+        diff = jit_bwd(mine, cotangent_leaves(mine.plan, ct))
+        return assemble_grads(mine.plan, diff)
 
     fwd.__name__ = f"fwd_{getattr(fn, '__name__', 'fn')}"
     bwd.__name__ = f"bwd_{getattr(fn, '__name__', 'fn')}"
