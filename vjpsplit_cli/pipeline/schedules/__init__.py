@@ -6,7 +6,7 @@ stage), the op costs (``costs``), the one play of plans (``play``: the order the
 the deadlock check, the simulator with per-stage costs and send delays, ZB-H1's
 W placement), the checks and resolution of a step's plans (``plans``), plans as
 torch's CSV (``csvformat``), timelines (``timeline``), plots (``plots``), and
-automatic schedules (``auto``) under a cost model of memory peaks and bounds (``modeled``).
+automatic schedules (``auto``, on the list scheduler of ``listscheduler``) under a cost model of memory peaks and bounds (``modeled``).
 
 Nothing here runs a model. May import the base modules and the layers below
 ``pipeline``; inside ``pipeline``, nothing (it is the first room).
