@@ -23,7 +23,7 @@ from ...errors import VjpsplitError
 from ...files.dtypes import dtype_name
 from ...files.shapes import concrete_shape, dim_str, refuse_64bit_without_x64, to_struct
 from ...files.trees import flatten_with_keys
-from ...tracing.vjp import fn_name, positional_names, signature_positionals, wrt_positions
+from ...tracing.signatures import fn_name, positional_names, signature_positionals, wrt_positions
 from ...treetypes import PyTree
 from .balance import balanced_ends
 from .costmodel import ANY_DIM, COST_DIM, Shaped, aval_of, eqn_cost
@@ -120,6 +120,38 @@ def _stage_ends(traced: Traced, stages: int | None, fn: Callable[..., object]) -
     raise VjpsplitError(f"{fn_name(fn)} has no stage_boundary marks; add some, or pass stages=N to cut by cost")
 
 
+def _label(fn: Callable[..., object]) -> str:
+    """The model's name in the stages' manifests when none is given: ``fn``'s module and qualified name."""
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _stages_index(
+    label: str,
+    how: str,
+    names: Sequence[str],
+    positions: tuple[Sequence[int], Sequence[int]],
+    leaves: tuple[Sequence[tuple[str, jax.ShapeDtypeStruct]], Sequence[tuple[str, jax.ShapeDtypeStruct]]],
+    entries: Sequence[StageEntry],
+    data_parallel: int,
+) -> StagesIndex:
+    """The stages' index (``stages.json``): the function, how it was cut, its arguments (``positions``: the
+    parameter's and the batch's), their leaves (``leaves``: the parameters' and the batch's) and each stage's entry."""
+    (wrt_pos, batch_pos), (p_entries, b_entries) = positions, leaves
+    return StagesIndex(
+        function=label,
+        cut=how,
+        cost_dim=COST_DIM,
+        arg_names=tuple(names),
+        wrt=tuple(names[i] for i in wrt_pos),
+        params_name=names[wrt_pos[0]],
+        batch_names=tuple(names[i] for i in batch_pos),
+        params=tuple(_leaf_entry(k, s) for k, s in p_entries),
+        batch=tuple(_leaf_entry(k, s) for k, s in b_entries),
+        per_stage=tuple(entries),
+        data_parallel=data_parallel,
+    )
+
+
 def _refuse_sharded_replicas(arts: Sequence[Artifact], data_parallel: int) -> None:
     """Refuse replicas of sharded stages at export: the Trainer would refuse them at the first step."""
     sharded = [k for k, a in enumerate(arts) if a.manifest.sharded]
@@ -191,27 +223,16 @@ def export_stages(
     traced = trace_model(flat_fn, [s for _, s in p_entries], [s for _, s in b_entries])
     ends, how = _stage_ends(traced, stages, fn)
     cuts = cut(traced, ends)
-    label = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+    label = name or _label(fn)
     exported = [
         _export_stage(traced, st, k, len(cuts), p_entries, b_entries, label, platforms, policy, weights)
         for k, st in enumerate(cuts)
     ]
-    arts, info, programs = [a for a, _, _ in exported], [i for _, i, _ in exported], [p for _, _, p in exported]
-    index = StagesIndex(
-        function=label,
-        cut=how,
-        cost_dim=COST_DIM,
-        arg_names=tuple(names),
-        wrt=tuple(names[i] for i in wrt_pos),
-        params_name=names[wrt_pos[0]],
-        batch_names=tuple(names[i] for i in batch_pos),
-        params=tuple(_leaf_entry(k, s) for k, s in p_entries),
-        batch=tuple(_leaf_entry(k, s) for k, s in b_entries),
-        per_stage=tuple(info),
-        data_parallel=data_parallel,
-    )
+    entries = [e for _, e, _ in exported]
+    index = _stages_index(label, how, names, (wrt_pos, batch_pos), (p_entries, b_entries), entries, data_parallel)
+    arts = [a for a, _, _ in exported]
     _refuse_sharded_replicas(arts, data_parallel)
-    return Stages(arts, index, programs)
+    return Stages(arts, index, [p for _, _, p in exported])
 
 
 def _export_stage(
