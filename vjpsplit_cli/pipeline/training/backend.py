@@ -24,7 +24,7 @@ from ..schedules.stepplans import Resolved
 from ..stages.evalprograms import EvalProgram
 from .local_backend import InProcessBackend, stage_trainers
 from .optimizer import stage_programs
-from .options import InProcess, Ray, Runner
+from .option_values import InProcess, Ray, Runner
 from .ownership import Ownership, Snapshot
 from .ray_backend import RayBackend, RayOptions
 from .arguments import Optimizer

@@ -40,7 +40,9 @@ from typing import Callable, Protocol, Sequence
 
 from ...errors import VjpsplitError, one_line
 from ..runtime.ray.waiting import WorkerLost
-from .checkpoint import HostCheckpoint, check_directory, has_checkpoint, save_checkpoint, tidy
+from .checkpoint import save_checkpoint
+from .checkpoint_directory import check_directory, has_checkpoint, tidy
+from .checkpoint_layout import HostCheckpoint
 from ...treetypes import PyTree
 from ..schedules.stepplans import Resolved
 from .backend import Backend

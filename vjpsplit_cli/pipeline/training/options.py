@@ -1,257 +1,33 @@
-"""The Trainer's options, apart from its state: one typed value for each thing it is told.
+"""The Trainer's options gathered (``Options``), and the keywords they replace.
 
-``Trainer(stages, params, optimizer=tx, microbatches=8, schedule=..., runner=..., observe=...)``:
+The typed values (``Schedule``, ``InProcess``, ``Ray``, ``Observe``, ``PerStage``) are
+``option_values``'s, also importable from here. The keywords they replace
+(``schedule_name=``, ``memory_limit=``, ``devices=``, ``address=``, ``progress=``,
+``tied=``, ...) still work this release: ``LEGACY`` says where each one's value now
+goes, and ``from_legacy`` builds the new values from them, with one
+``DeprecationWarning`` per group naming the form to write. Giving a group's old
+keyword and its new value together is one error.
 
-* ``schedule``: a built-in schedule's name, plans (``read_schedule``'s form), or a
-  ``Schedule`` (``"auto"`` with its memory limit, or a name or plans spelled out);
-* ``runner``: ``"inprocess"``/``"ray"``, or ``InProcess(devices=, data_parallel=)``
-  / ``Ray(address=, runtime_env=, actor_options=, schedule_timeout=)``;
-* ``observe``: ``Observe(progress=, timeline=, trace_dir=, trace_every=,
-  step_timeout=, hang_report=)``, what the Trainer shows and records of its steps;
-* ``stages``: a ``Stages``, or the per-stage form's artifacts (``PerStage(artifacts,
-  tied=...)`` where stages share leaves).
-
-The keywords these replace (``schedule_name=``, ``memory_limit=``, ``devices=``,
-``address=``, ``progress=``, ``tied=``, ...) still work this release: ``LEGACY``
-says where each one's value now goes, and ``from_legacy`` builds the new values
-from them, with one ``DeprecationWarning`` per group naming the form to write.
-Giving a group's old keyword and its new value together is one error.
+May import ``option_values`` and ``ownership`` of this room, ``stages``, and the layers below ``pipeline``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Sequence, TypedDict
+from typing import Any, Mapping, Sequence, TypedDict
 
 import jax
 
 from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
-from ..runtime.offload import Offload, offload_of
-from ..runtime.ray.pipeline import STEP_TIMEOUT
-from ..runtime.ray.setup import SCHEDULE_TIMEOUT
 from ..runtime.runners import check_runner
-from ..schedules.ops import Op
 from ..stages.directory import Stages
-from .arguments import plain
-from .autoplan import AUTO
+from .option_values import InProcess as InProcess
+from .option_values import MemoryLimit, MemoryLimitBytes, Observe, PathLike, PerStage, Plans, Ray, Runner, Schedule
+from .option_values import runner_of, schedule_of
 from .ownership import Tied
-
-Plans = Sequence[Sequence[Op]]
-MemoryLimit = int | Sequence[int]
-MemoryLimitBytes = int | str | Sequence[int | str]
-PathLike = str | os.PathLike[str]
-
-
-def _check_count(name: str, value: object, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise VjpsplitError(f"{name}={value!r}: give {what}, an int >= 1")
-
-
-def _checked_replicas(runner: InProcess | Ray) -> None:
-    """A runner's ``data_parallel``: None (the recorded count) or an int >= 1, stored as a plain int."""
-    if runner.data_parallel is not None:
-        object.__setattr__(runner, "data_parallel", plain(runner.data_parallel))
-        _check_count("data_parallel", runner.data_parallel, "the number of replicas of every stage")
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """What each worker runs in a step: a built-in schedule, plans, or ``"auto"`` within a memory limit.
-
-    ``Trainer(schedule="zbh1")`` and ``Trainer(schedule=plans)`` say the same as
-    ``Schedule("zbh1")`` and ``Schedule(plans=plans)``; a ``Schedule`` is needed for
-    ``"auto"``'s memory limit. ``"auto"`` times the first step and runs
-    ``auto_schedule``'s plans for the measured costs from the second (timed too, and
-    planned again after it), within the limit.
-
-    Args:
-        name: ``gpipe``, ``1f1b``, ``zbh1``, ``zbv``, ``interleaved1f1b``, ``dualpipev`` or ``"auto"``
-            (default: ``1f1b``, or the plans').
-        plans: one list of operations per worker, as ``read_schedule`` returns them (checked by
-            ``check_plans``; the schedule's name is then ``"custom"``).
-        memory_limit: ``"auto"`` only: the most microbatches a worker holds at once, an int or one per worker.
-        memory_limit_bytes: ``"auto"`` only: bytes per worker (an int or a size such as ``"2GiB"``, or one
-            per worker), counted from the stages' manifests.
-
-    Raises:
-        VjpsplitError: both ``name`` and ``plans``; both memory limits, or one for a schedule other than
-            ``"auto"``; a name that is not a string.
-    """
-
-    name: str | None = None
-    plans: Plans | None = None
-    memory_limit: MemoryLimit | None = None
-    memory_limit_bytes: MemoryLimitBytes | None = None
-
-    def __post_init__(self) -> None:
-        if self.name is not None and not isinstance(self.name, str):
-            raise VjpsplitError(f"Schedule(name={self.name!r}): give a schedule's name as a string, or plans as plans=")
-        if self.name is not None and self.plans is not None:
-            raise VjpsplitError(
-                f"Schedule(name={self.name!r}, plans=...): give a schedule's name or its plans, not both"
-            )
-        object.__setattr__(self, "memory_limit", plain(self.memory_limit))
-        object.__setattr__(self, "memory_limit_bytes", plain(self.memory_limit_bytes))
-        if self.memory_limit is not None and self.memory_limit_bytes is not None:
-            raise VjpsplitError("give memory_limit (microbatches) or memory_limit_bytes, not both")
-        limited = self.memory_limit is not None or self.memory_limit_bytes is not None
-        if limited and self.name != AUTO:
-            raise VjpsplitError(
-                f"memory_limit and memory_limit_bytes apply to Schedule('auto'), not to {self.label!r}: "
-                f"write Schedule('auto', memory_limit=...), or leave the limit out"
-            )
-
-    @property
-    def label(self) -> str:
-        """The schedule's name: ``name``, or ``"custom"`` for plans, ``"1f1b"`` when neither is given."""
-        if self.plans is not None:
-            return "custom"
-        return self.name if self.name is not None else "1f1b"
-
-    @property
-    def auto(self) -> bool:
-        """Whether this is ``"auto"``: plans chosen from the measured costs."""
-        return self.name == AUTO
-
-
-def schedule_of(schedule: str | Plans | Schedule | None) -> Schedule:
-    """``Trainer``'s ``schedule=`` as a ``Schedule``: a name, plans, or one already (``None``: ``1f1b``)."""
-    if schedule is None:
-        return Schedule()
-    if isinstance(schedule, Schedule):
-        return schedule
-    if isinstance(schedule, str):
-        return Schedule(schedule)
-    return Schedule(plans=schedule)
-
-
-@dataclass(frozen=True)
-class InProcess:
-    """Run every stage in this process: worker threads, each stage on a device of its own.
-
-    Args:
-        devices: one list of devices per stage (one device for an unsharded stage, a sharded stage's mesh
-            devices). Default: worker k's stages on ``jax.local_devices()[k]`` where there are enough,
-            else all on the default device.
-        data_parallel: N replicas of every (unsharded) stage, each on a device of its own (worker k's on
-            ``jax.local_devices()[k*N : k*N + N]``, or ``devices`` with N devices per stage), each microbatch
-            split N ways; gradients reduced once per step per stage, the optimizer state sharded (ZeRO-1).
-            None: what the stages' export recorded (``export_stages(data_parallel=N)``), else 1.
-        offload: residuals off their device between F and B: ``"host"`` or an ``Offload`` (``runtime.offload``);
-            None: none (``Schedule("auto", memory_limit_bytes=...)`` may still plan some).
-
-    Raises:
-        VjpsplitError: ``data_parallel`` is not an int >= 1; ``offload`` is not None, ``"host"`` or an ``Offload``.
-    """
-
-    name: ClassVar[str] = "inprocess"
-    devices: Sequence[Sequence[jax.Device]] | None = None
-    data_parallel: int | None = None
-    offload: Offload | str | None = None
-
-    def __post_init__(self) -> None:
-        _checked_replicas(self)
-        object.__setattr__(self, "offload", offload_of(self.offload))
-
-
-@dataclass(frozen=True)
-class Ray:
-    """Run every worker as a Ray actor (``ray`` installed; the actors need neither the model's code nor optax).
-
-    Args:
-        address: the cluster to join (``ray.init(address=...)``); default: the running one, or a local one.
-        runtime_env: Ray's runtime environment for the actors.
-        actor_options: one dict of Ray actor options per worker (``num_cpus``, ``num_gpus``, ``resources``,
-            ``scheduling_strategy``, ...).
-        schedule_timeout: seconds for Ray to place and start every actor.
-        data_parallel: N replicas of every (unsharded) stage: each worker's actor runs its stages' N replicas on
-            N devices of its own (on CPU it starts with ``--xla_force_host_platform_device_count=N``; on GPUs
-            give it N in ``actor_options``), each microbatch split N ways, as ``InProcess`` does. None: what the
-            stages' export recorded, else 1.
-        offload: residuals off their device between F and B, in each actor, as ``InProcess``'s.
-
-    Raises:
-        VjpsplitError: ``data_parallel`` is not an int >= 1; ``offload`` is not None, ``"host"`` or an ``Offload``.
-    """
-
-    name: ClassVar[str] = "ray"
-    address: str | None = None
-    runtime_env: Mapping[str, object] | None = None
-    actor_options: Sequence[Mapping[str, object]] | None = None
-    schedule_timeout: float = SCHEDULE_TIMEOUT
-    data_parallel: int | None = None
-    offload: Offload | str | None = None
-
-    def __post_init__(self) -> None:
-        _checked_replicas(self)
-        object.__setattr__(self, "offload", offload_of(self.offload))
-
-
-Runner = InProcess | Ray
-
-
-def runner_of(runner: str | Runner) -> Runner:
-    """``Trainer``'s ``runner=`` as an ``InProcess`` or ``Ray``: ``"inprocess"`` and ``"ray"`` with their defaults.
-
-    Raises:
-        VjpsplitError: a name other than ``inprocess`` and ``ray``.
-    """
-    if isinstance(runner, (InProcess, Ray)):
-        return runner
-    check_runner(str(runner))  # a name here: from_legacy refused old runner keywords beside an InProcess or Ray
-    return Ray() if runner == Ray.name else InProcess()
-
-
-@dataclass(frozen=True)
-class Observe:
-    """What the Trainer shows and records of its steps, and how long one may take.
-
-    Args:
-        progress: a bar over steps with the loss.
-        timeline: time every step (``step(batch, timed=True)`` times one): each operation waits for its results
-            and ``last_result`` holds their compute times.
-        trace_dir: every timed step writes its trace there as ``step-<n>.trace.json`` (Chrome/Perfetto
-            trace-event JSON; ``n`` counts steps from 1).
-        trace_every: time every k-th step (``fit``'s too), so ``Observe(trace_dir="traces", trace_every=100)``
-            traces one step in 100.
-        step_timeout: seconds for every step on Ray and every timed step in-process; a step past it, or one
-            interrupted by Ctrl-C, is one error naming what each worker is running or waiting for.
-        hang_report: where that error writes every worker's last operations as JSON (default: in ``fit`` with a
-            ``checkpoint_dir``, ``<checkpoint_dir>.hang.json`` beside it; else a file in the temporary directory).
-
-    Raises:
-        VjpsplitError: ``trace_every`` is not an int >= 1.
-    """
-
-    progress: bool = False
-    timeline: bool = False
-    trace_dir: PathLike | None = None
-    trace_every: int | None = None
-    step_timeout: float = STEP_TIMEOUT
-    hang_report: PathLike | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "trace_every", plain(self.trace_every))
-        if self.trace_every is not None:
-            _check_count("trace_every", self.trace_every, "how often to time a step and trace it")
-
-
-@dataclass(frozen=True)
-class PerStage:
-    """The per-stage form of a model: one artifact per stage (``params``: one pytree per stage), leaves keyed ``"s/k"``.
-
-    Args:
-        artifacts: the stages' artifacts, in order.
-        tied: groups of ``(stage, key)`` that are one parameter, e.g. ``[[(0, "w"), (2, "w")]]``: held by each
-            of those stages, equal there, their gradients summed.
-    """
-
-    artifacts: Sequence[Artifact]
-    tied: Tied = ()
 
 
 class Deprecated(TypedDict, total=False):

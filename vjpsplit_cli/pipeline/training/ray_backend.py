@@ -1,39 +1,34 @@
-"""The Trainer on Ray: actors that keep their stages' parameters and optimizer state and apply the update there.
+"""The Trainer on Ray: ``RayBackend`` drives the actors that keep their stages' parameters and optimizer state.
 
-``TrainActor`` extends the pipeline's ``StageActor`` with the step's last three
-phases (``stage_trainer``): its stages' tied gradients, their sums and squared
-norms, the update. They run inside the step's one call per actor
-(``train_step``), right after the worker's list: the parts one actor needs of
-another (tied gradients, squared norms when clipping, the loss, the optimizer's
-reductions over leaves) go actor to actor through the inboxes that carry the
-activations, and every actor joins them as the driver once did, in stage order.
-A round between actors costs one delivery (about a millisecond on one host,
-docs/performance.md); a round through the driver cost two and a wait there. The
-driver waits once per step, for each actor's report (the losses, timings and
-squared norms). The optimizer arrives as exported bytes: an actor imports
-neither optax nor the user's code. Evaluation (``evaluate``) chains each
+Its actors are ``train_actor.TrainActor``s (a ``TrainPipeline``): each runs the
+step's list and then the end of the step with the other actors, in the step's one
+call per actor (``train_step``). A round between actors costs one delivery (about
+a millisecond on one host, docs/performance.md); a round through the driver cost
+two and a wait there. The driver waits once per step, for each actor's report
+(the losses, timings and squared norms). Evaluation (``evaluate``) chains each
 microbatch's stage calls actor to actor by object reference; only the losses
 (and, when asked, the last stage's inputs) reach the driver. ``RayOptions``: the
 ``RayPipeline`` keywords a ``Ray`` runner gives the actors.
+
+May import ``runtime`` (its Ray runner), ``schedules``, ``stages`` and, of this room, ``train_actor``,
+``stage_trainer`` and ``ownership``; the layers below ``pipeline``. ``EndOfStep`` and ``TrainActor`` are also
+importable from here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from typing import Any, Callable, Mapping, Sequence, TypedDict, TypeVar, Unpack
+from typing import Mapping, Sequence, TypedDict, Unpack
 
 import jax
 import numpy as np
 
-from ..runtime.evaluation import EvaluatingActor
-from ..runtime.flight import DONE, FINISH
 from ..runtime.offload import Offload
 from ..runtime.model import Microbatch, side_for
-from ..runtime.ray.actor import StageActor, raise_first_error
+from ..runtime.ray.actor import raise_first_error
 from ..runtime.ray.pipeline import RUNNER, RayPipeline
 from ..runtime.ray.setup import SCHEDULE_TIMEOUT
-from ..runtime.replicas import ReplicaGroup, check_split
+from ..runtime.replicas import check_split
 from ..runtime.result import PipelineResult, step_result
 from ..schedules.catalog import describe
 from ..schedules.stepplans import Resolved
@@ -42,201 +37,9 @@ from ..schedules.timeline import Phase
 from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
 from ...treetypes import Leaf, PyTree
-from ...files.dtypes import dtype_from_name
-from .separable import combine
-from .clipping import clip_scale
 from .ownership import Ownership, Snapshot
-from .zero1 import ReplicaTrainer
-from .stage_trainer import RESTORE_HINT, StageTrainer
-
-
-@dataclasses.dataclass(frozen=True)
-class EndOfStep:
-    """What every actor needs to finish a step with the others and no driver: every stage's tied keys and
-    their holders, the optimizer's reductions over leaves ``(op, dtype, round)`` and whether its update takes
-    the step's loss (``separable``)."""
-
-    holders: tuple[dict[str, list[int]], ...]
-    reductions: tuple[tuple[str, str, int], ...] = ()
-    uses_value: bool = False
-
-    @property
-    def rounds(self) -> int:
-        """The optimizer's rounds of reductions over leaves."""
-        return 1 + max((r for _, _, r in self.reductions), default=-1)
-
-    def sources(self, stage: int) -> list[int]:
-        """The other stages whose gradients of ``stage``'s tied leaves it adds (ascending)."""
-        return sorted({h for hs in self.holders[stage].values() for h in hs if h != stage})
-
-
-T = TypeVar("T")
-
-StageEntry = tuple[int, list[str], bytes, dict[str, list[int]], list[str], "Mapping[str, Leaf] | None"]
-"""What ``TrainActor.setup`` takes per stage: ``(stage, names, optimizer bytes, holders, counted, state or None)``."""
-
-
-class TrainActor(StageActor, EvaluatingActor):
-    """A pipeline worker's actor that also trains (one ``StageTrainer`` per stage it holds) and evaluates.
-
-    ``train_step`` runs the worker's list and then the end of the step with the other actors through their
-    inboxes (``lists.Inbox``), not through the driver: tied gradients to the other holders, every stage's
-    squared norm (for the clip scale), the loss (for an update that takes it) and each round's shares of
-    the optimizer's reductions to every actor, each of which joins them as the driver did (in stage order),
-    so every actor computes the same scale and reductions; then the update. A failed actor sends None in
-    place of each part, so no actor waits for it; where no part goes from every worker to every other (no
-    clipping, no reductions over leaves), the workers exchange whether their step went well before the
-    update, so none updates when one failed.
-    """
-
-    def setup(self, entries: Sequence[StageEntry], end: EndOfStep) -> None:
-        """``(stage, names, optimizer bytes, holders, counted, state or None)`` per stage this actor holds;
-        ``end``: what the end of each step exchanges with the other actors."""
-        held = self.stage_workers
-        # A stage on replicas (data_parallel) keeps its optimizer state sharded across them (training.zero1).
-        self.trainers: dict[int, StageTrainer | ReplicaTrainer] = {
-            s: (ReplicaTrainer if isinstance(held[s], ReplicaGroup) else StageTrainer)(
-                held[s], names, program, holders, counted, state
-            )
-            for s, names, program, holders, counted, state in entries
-        }
-        self.end = end
-
-    def optimizer_bytes(self) -> dict[int, tuple[int, int]]:
-        """Per stage held on replicas: ``(most bytes of optimizer state on one device, bytes of the whole state)``,
-        from its arrays' shards (``ReplicaTrainer.optimizer_bytes``)."""
-        return {s: t.optimizer_bytes() for s, t in self.trainers.items() if isinstance(t, ReplicaTrainer)}
-
-    def train_step(
-        self,
-        step: int,
-        ops: Sequence[tuple[str, int, int]],
-        batch: dict[tuple[int, int], tuple[PyTree, list[Leaf]]],
-        microbatches: int,
-        timed: bool,
-        clip: float | None,
-    ) -> dict[str, object]:
-        """Step ``step``: this worker's list (``run_step``), then the end of the step (see the class); its
-        ``report`` and ``"sums"``, each held stage's squared norm (None where the step failed)."""
-        self.run_step(step, ops, batch, microbatches, timed)
-        self.now = (FINISH, None, None, time.monotonic())
-        sums = self._finish(step, microbatches, clip)
-        self.now = (DONE, None, None, time.monotonic())
-        return {**self.report(), "sums": sums}
-
-    def _exchange(self, step: int, tag: str, parts: Mapping[int, Any], peers: Sequence[int]) -> dict[int, Any]:
-        """Send ``parts[w]`` (None: this step failed here) to each worker ``w`` of ``parts`` and take what each of
-        ``peers`` sent this one under ``tag``: worker -> its part (None where it failed or the step was aborted)."""
-        assert self.sender is not None  # connected before any step
-        for w, part in parts.items():
-            self.sender.send(step, w, (tag, 0, self.worker), part)
-        return {w: self.inbox.take(step, (tag, 0, w)) for w in peers}
-
-    def _finish(self, step: int, microbatches: int, clip: float | None) -> dict[int, float | None]:
-        """The step's tied sums, norms, clip scale, reductions and update for this worker's stages (see the class).
-
-        Every actor sends and takes the same parts in the same order whether or not its step failed, so that
-        none waits for a part that never comes; ``ok`` turns False at the first failure here or a None
-        received, and from then on this actor sends None and computes nothing. Its phases: ``reduce tied``
-        and ``reduce norms`` (each with its wait for the other workers), ``reduce optimizer`` (the rounds of
-        reductions over leaves) and ``update``, as in-process.
-        """
-        end, me, S, trainers = self.end, self.worker, self.num_stages, self.trainers
-        mine, worker_of = sorted(trainers), self.worker_of
-        others = sorted(set(worker_of.values()) - {me})
-        ok = self.error is None
-        at = time.monotonic()
-
-        def mark(name: str) -> None:
-            nonlocal at
-            now = time.monotonic()
-            self.phases.append(Phase(me, name, at, now))
-            at = now
-
-        def run(fn: Callable[..., T]) -> T | None:
-            return self.guarded(fn) if ok else None
-
-        def joined(got: Mapping[int, Any], own: Mapping[int, Any]) -> dict[int, Any] | None:
-            """Every stage's part (this worker's ``own`` and the others' in ``got``); None if one is missing."""
-            if not ok or any(v is None for v in own.values()) or any(v is None for v in got.values()):
-                return None
-            return {**own, **{s: v for part in got.values() for s, v in part.items()}}
-
-        contributions: dict[int, dict[int, Any]] = {s: {} for s in mine}
-        if any(end.holders):
-            needs = {s: end.sources(s) for s in range(S)}
-            own = {s: run(trainers[s].tied_grads) for s in mine if end.holders[s]}
-            out = {}  # to each other worker: the tied gradients of this worker's stages that its stages add
-            for w in others:
-                wanted = sorted({h for t in range(S) if worker_of[t] == w for h in needs[t] if worker_of[h] == me})
-                if wanted:
-                    out[w] = {h: own[h] for h in wanted} if ok and None not in own.values() else None
-            senders = sorted({worker_of[h] for t in mine for h in needs[t]} - {me})
-            have = joined(self._exchange(step, "tied", out, senders), own)
-            ok = have is not None
-            if have is not None:
-                contributions = {s: {h: have[h] for h in [*needs[s], *([s] if s in own else [])]} for s in mine}
-        sums = {s: run(lambda s=s: trainers[s].prepare(contributions[s])) for s in mine}
-        ok = ok and None not in sums.values()
-        if any(end.holders):
-            mark("reduce tied")
-        scale: Any = 1.0
-        if clip is not None:
-            every = joined(self._exchange(step, "norms", {w: sums if ok else None for w in others}, others), sums)
-            ok = every is not None
-            scale = run(lambda: clip_scale([float(every[t]) for t in range(S)], clip)[0])  # type: ignore[index]
-            ok = ok and scale is not None
-        mark("reduce norms")
-        value: Any = 0.0
-        if end.uses_value:  # the loss, from the last stage's worker
-            last = worker_of[S - 1]
-            if last == me:
-                value = run(lambda: self._loss(S - 1, microbatches))
-                self._exchange(step, "loss", {w: value for w in others}, [])
-            else:
-                value = self._exchange(step, "loss", {}, [last])[last]
-            value = None if value is None or not ok else float(value)
-            ok = value is not None
-        reduced = [np.zeros((), dtype_from_name(dt)) for _, dt, _ in end.reductions]
-        for r in range(end.rounds):
-            parts = {s: run(lambda s=s: trainers[s].shares(r, scale, value, reduced)) for s in mine}
-            ok = ok and None not in parts.values()
-            every = joined(
-                self._exchange(step, f"shares {r}", {w: parts if ok else None for w in others}, others), parts
-            )
-            ok = every is not None
-            if every is not None:
-                mine_r = [i for i, (_, _, rr) in enumerate(end.reductions) if rr == r]
-                for pos, i in enumerate(mine_r):
-                    op, dt, _ = end.reductions[i]
-                    reduced[i] = combine(op, dt, [every[t][pos] for t in range(S)])
-        if end.rounds:
-            mark("reduce optimizer")
-        if clip is None and not end.rounds and others:
-            # No exchange above went from every worker to every other (tied sums go between holders, the loss
-            # from the last worker): without this one, a worker would update while another's step failed.
-            said = self._exchange(step, "ok", {w: True if ok else None for w in others}, others)
-            ok = ok and None not in said.values()
-            mark("agree")
-        for s in mine:
-            run(lambda s=s: trainers[s].apply(scale, value, reduced))
-        mark("update")
-        return sums
-
-    def _loss(self, stage: int, microbatches: int) -> float:
-        """The step's loss (the mean over microbatches) on stage ``stage``, the last."""
-        got = self.stage_workers[stage].fetch_losses()
-        return float(np.mean([got[m] for m in range(microbatches)]))
-
-    def snapshot(self) -> dict[int, Snapshot]:
-        """Per stage held: ``(params, optimizer state)`` as host arrays."""
-        return {s: t.snapshot() for s, t in self.trainers.items()}
-
-    def assign(self, parts: dict[int, Snapshot]) -> None:
-        """Each stage held: its ``(params, optimizer state)`` of ``parts`` from now on; the last error forgotten."""
-        for s, (params, state) in parts.items():
-            self.trainers[s].assign(params, state)
-        self.error = None
+from .stage_trainer import RESTORE_HINT
+from .train_actor import EndOfStep, StageEntry, TrainActor
 
 
 class RayOptions(TypedDict, total=False):

@@ -7,10 +7,16 @@ the parameters (in the structure the Trainer takes for the given stages) and the
 state; ``stage_snapshots`` gives a running Trainer's stages their share
 (``Trainer.load``, and ``fit`` after a lost worker). A checkpoint of layout 1
 (per stage) loads only into the cut that wrote it; any other use names it.
+``restored_run`` gives ``Trainer.restore`` all it starts from: those, and the
+settings the checkpoint records where the caller gives none (``RestoredRun``).
+
+May import ``checkpoint``, ``checkpoint_layout``, ``ownership``, ``stage_trainer``, ``optax_state``,
+``options`` and ``option_values`` of this room, ``schedules``, ``stages`` and the layers below ``pipeline``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import TYPE_CHECKING, Mapping, Sequence
 
@@ -21,8 +27,12 @@ from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
 from ...files.trees import decode_structure, structure_keys
 from ...treetypes import Leaf, PyTree
+from ..schedules.csvformat import parse_schedule
 from ..stages.directory import Stages
-from .checkpoint import Saved, read_checkpoint
+from .checkpoint import read_checkpoint
+from .checkpoint_layout import MetaJSON, Saved
+from .option_values import PerStage, Schedule
+from .options import Options
 from .ownership import Ownership, Snapshot, Tied, saved_params, stage_keys
 from .stage_trainer import param_node
 from .optax_state import StateMap, opt_state_from_file
@@ -169,3 +179,93 @@ def stage_snapshots(
     params = ownership.gather([{k: saved.params[k] for k in n} for n in names])
     states = smap.scatter(opt_state_from_file(optimizer, params, saved.opt_state, saved.directory))
     return [({k: saved.params[k] for k in n}, st) for n, st in zip(names, states)], saved.step
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoredRun:
+    """What ``Trainer.restore`` starts a Trainer from: the options (the schedule chosen), the parameters, the
+    settings and the state, each the caller's where given, else the checkpoint's (``states``: an older
+    per-stage checkpoint's own optimizer states, None where ``opt_state`` is the one to start from)."""
+
+    options: Options
+    params: PyTree
+    microbatches: int
+    clip_global_norm: float | None
+    opt_state: PyTree
+    step_count: int
+    states: list[dict[str, Leaf]] | None
+
+
+def restored_run(
+    directory: str | os.PathLike[str],
+    options: Options,
+    optimizer: optax.GradientTransformation,
+    *,
+    microbatches: int | None,
+    clip_global_norm: float | None,
+    clip_recorded: bool,
+    opt_state: PyTree,
+    step_count: int | None,
+) -> RestoredRun:
+    """The checkpoint in ``directory`` read, its parameters and state for ``options.stages``, and every setting
+    not given (``microbatches``, the schedule, ``clip_global_norm`` where ``clip_recorded``) taken from it.
+
+    Raises:
+        VjpsplitError: no checkpoint there, or it lacks a setting it must record (naming it); a saved leaf
+            that does not match the stages.
+    """
+    saved = read_checkpoint(directory)
+    meta = saved.meta.as_dict()
+    given = options.stages
+    arts, tied = (given.artifacts, given.tied) if isinstance(given, PerStage) else (given, None)
+    params, saved_state, states = restored_model(saved, arts, optimizer, tied)
+    if opt_state is None:
+        opt_state = saved_state
+    else:  # the caller's state, as Trainer(opt_state=) takes it; an older per-stage checkpoint's is not used
+        states = None
+    step = saved.step if step_count is None else step_count
+    microbatches = _restored_microbatches(directory, meta) if microbatches is None else microbatches
+    chosen = _restored_schedule(directory, meta, options.schedule)
+    if clip_recorded:
+        clip_global_norm = meta.get("clip_global_norm")
+    chosen = _auto_limits(meta, chosen)
+    return RestoredRun(
+        dataclasses.replace(options, schedule=chosen),
+        params,
+        microbatches,
+        clip_global_norm,
+        opt_state,
+        step,
+        states,
+    )
+
+
+def _restored_microbatches(directory: str | os.PathLike[str], meta: MetaJSON) -> int:
+    """The microbatches the checkpoint records (one an older vjpsplit wrote lacks them: one error saying so)."""
+    if "microbatches" not in meta:
+        raise VjpsplitError(
+            f"{os.fspath(directory)}: this checkpoint does not record its microbatches (an older "
+            "vjpsplit wrote it); pass microbatches= to Trainer.restore"
+        )
+    return int(meta["microbatches"])
+
+
+def _restored_schedule(directory: str | os.PathLike[str], meta: MetaJSON, chosen: Schedule | None) -> Schedule:
+    """The schedule given, else the checkpoint's: its plans where they were the caller's, else its name."""
+    if chosen is not None:
+        return chosen
+    if "plans" in meta:
+        try:
+            return Schedule(plans=parse_schedule(str(meta["plans"])))
+        except VjpsplitError as e:
+            raise VjpsplitError(f"{os.fspath(directory)}: its recorded plans: {e}") from e
+    return Schedule(str(meta.get("schedule", "1f1b")))
+
+
+def _auto_limits(meta: MetaJSON, chosen: Schedule) -> Schedule:
+    """An ``"auto"`` schedule given without a memory limit takes the checkpoint's limits, as given (None: not
+    recorded); restore measures again, on its own hosts."""
+    if chosen.auto and chosen.memory_limit is None and chosen.memory_limit_bytes is None:
+        limit, limit_bytes = meta.get("memory_limit"), meta.get("memory_limit_bytes")
+        return dataclasses.replace(chosen, memory_limit=limit, memory_limit_bytes=limit_bytes)
+    return chosen

@@ -32,8 +32,8 @@ from ...errors import VjpsplitError
 from ...files.prng import to_data
 from ...files.trees import decode_structure, flatten_with_keys, structure_keys
 from .clipping import sum_of_squares
-from .optimizer import OptimizerProgram, load_optimizer
-from .separable import combine
+from .optimizer_program import OptimizerProgram, load_optimizer
+from .leaf_labels import combine
 from ..runtime.worker import StageWorker
 from ...treetypes import JSON, Leaf, PyTree
 

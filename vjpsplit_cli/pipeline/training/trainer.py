@@ -15,46 +15,39 @@ checkpoints and restarts (``fit``).
 
 The older per-stage form (a list of artifacts and one parameter pytree per stage,
 ``PerStage(artifacts, tied=...)`` naming ``(stage, key)`` groups, keys ``"s/k"``) is
-accepted too. The options are typed values (``options``); the keywords they replace
-still work this release, with a ``DeprecationWarning``.
+accepted too. The options are typed values (``option_values``); the keywords they
+replace still work this release, with a ``DeprecationWarning`` (``options``).
+
+The Trainer's parts are modules of their own, each a base of ``Trainer``:
+``trainer_setup`` (opening it: every attribute it keeps, from its options),
+``trainer_state`` (``params``, ``state``, ``save``, ``load``), ``trainer_measures``
+(``history``, ``costs``, stragglers, ``placement``) and ``trainer_evaluation``
+(``evaluate``). This module keeps what runs it: ``step``, ``fit``, ``restore``
+(its settings from the checkpoint: ``resume.restored_run``) and ``close``.
+
+May import the Trainer's parts and, of this room, ``fit``, ``resume``, ``options``, ``option_values``,
+``clipping`` and ``arguments``; ``stages``; the layers below ``pipeline``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
-import warnings
-from typing import Callable, Final, Literal, Mapping, Sequence, Unpack, overload
-
-import jax
-
-import numpy as np
+from typing import Callable, Final, Sequence, Unpack
 
 from ...artifact.artifact import Artifact
-from ...errors import VjpsplitError
-from ...treetypes import Leaf, PyTree
-from ..runtime.model import model_of
-from ..runtime.offload import Offload, offload_of
-from ..runtime.result import PipelineResult
-from ..schedules.csvformat import format_schedule, parse_schedule
-from ..schedules.stepplans import resolve
+from ...treetypes import PyTree
 from ..stages.directory import Stages
-from ..stages.evalprograms import EvalProgram, missing
-from .autoplan import AutoPlan
-from .backend import Backend, open_backend
-from ...files.trees import encode_structure
-from .checkpoint import HostCheckpoint, read_checkpoint, save_checkpoint
-from .arguments import Optimizer, checked_clip, plain
+from .arguments import Optimizer
 from .clipping import clip_scale
 from .fit import fit as fit_steps
-from .history import IN_A_ROW, SLOWER, CheckpointTime, History, RestartRecord, StepRecord, Stragglers, cost_signature
-from .optimizer import optimizer_name
-from .options import Deprecated, Observe, Options, PerStage, Plans, Runner, Schedule, from_legacy
-from .ownership import Ownership
-from .resume import restored_model, stage_snapshots
-from .optax_state import StateMap, state_map
-from .measured import CostSamples, MeasuredCosts, measure_transfer_rates
+from .option_values import Observe, PerStage, Plans, Runner, Schedule
+from .options import Deprecated, from_legacy
+from .resume import restored_run
+from .trainer_evaluation import TrainerEvaluation
+from .trainer_setup import TrainerSetup
+from .trainer_measures import TrainerMeasures
+from .trainer_state import TrainerState
 
 
 class _Recorded:
@@ -67,7 +60,7 @@ class _Recorded:
 RECORDED: Final = _Recorded()
 
 
-class Trainer:
+class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
     """Pipelined training: ``step(batch)`` runs the schedule and every stage's optimizer update where it lives.
 
     ``Trainer(stages, params, optimizer=tx, microbatches=8)``, and what is not the
@@ -164,91 +157,6 @@ class Trainer:
         options = from_legacy("Trainer", stages, schedule, runner, observe, deprecated)
         self._start(options, params, optimizer, microbatches, clip_global_norm, opt_state, step_count, None)
 
-    def _start(
-        self,
-        options: Options,
-        params: PyTree,
-        optimizer: Optimizer,
-        microbatches: int,
-        clip_global_norm: float | None,
-        opt_state: PyTree,
-        step_count: int,
-        restored: Sequence[Mapping[str, Leaf] | None] | None,
-    ) -> None:
-        """Open the Trainer: ``restored`` is the per-stage optimizer states an older checkpoint holds (``restore``)."""
-        clip_global_norm = checked_clip(clip_global_norm)  # a bad value is refused now, not after the first step
-        microbatches, step_count = plain(microbatches), plain(step_count)
-        if isinstance(step_count, bool) or not isinstance(step_count, int) or step_count < 0:
-            raise VjpsplitError(f"step_count={step_count!r}: give the run's step this state is at, an int >= 0")
-        stages, runner, observe = options.stages, options.runner, options.observe
-        schedule = Schedule() if options.schedule is None else options.schedule
-        tied = stages.tied if isinstance(stages, PerStage) else None
-        stages = stages.artifacts if isinstance(stages, PerStage) else stages
-        # Not given: what the export recorded (``export_stages(data_parallel=N)``, ``--data-parallel N``), else 1.
-        given = runner.data_parallel
-        self.data_parallel = given if given is not None else recorded_replicas(stages)
-        self.offload = offload_of(runner.offload)  # given by hand; auto's planned offload is apart
-        self.stages = stages
-        self.model = model_of(stages, params)
-        self.ownership = Ownership(self.model, tied)
-        S = self.model.num_stages
-        self.microbatches, self.schedule, self.schedule_name = microbatches, schedule, schedule.label
-        self.auto: AutoPlan | None = None
-        if schedule.auto:
-            self.auto = AutoPlan(self.model.artifacts, microbatches, schedule.memory_limit, schedule.memory_limit_bytes)
-            self.plan = self.auto.current
-        else:  # a bad schedule is refused before any export
-            self.plan = resolve(schedule.label, schedule.plans, S, microbatches)
-        self.clip_global_norm, self.runner = clip_global_norm, runner
-        self.optimizer_name = optimizer_name(optimizer)
-        self.optimizer, self._state_map = optimizer, None if opt_state is None else state_map(optimizer, self.ownership)
-        states: Sequence[Mapping[str, Leaf] | None] = [None] * S if restored is None else list(restored)
-        if self._state_map is not None:
-            states = self._state_map.scatter(opt_state)
-        hang_report = observe.hang_report
-        self.backend: Backend = open_backend(
-            runner,
-            self.ownership,
-            optimizer,
-            states,
-            layout=self.plan.layout,
-            step_timeout=observe.step_timeout,
-            data_parallel=self.data_parallel,
-            hang_report=None if hang_report is None else os.fspath(hang_report),
-        )
-        self._hang_named = hang_report is not None
-        self.observe = observe
-        self.timeline = observe.timeline
-        self.trace_dir, self.trace_every = observe.trace_dir, observe.trace_every
-        self.step_count = step_count
-        self._history = History(observe.progress, self.step_count)
-        self._samples = CostSamples(self.model.artifacts)
-        self._transfer: dict[str, float] | None = None  # measured once, at the first costs()
-        self._auto_offload: Offload | None = None
-        self._steps_run = 0
-        self._signatures = [cost_signature(a) for a in self.model.artifacts]
-        self._stragglers: Stragglers | None = None
-        self.last_result: PipelineResult | None = None
-        self.checkpoint_times: list[CheckpointTime] = []  # fit's: per checkpoint, the step's wait and the write
-        self.restarts: list[RestartRecord] = []  # fit's: per lost worker, the step, where it returned, how long
-
-    @property
-    def history(self) -> list[StepRecord]:
-        """One ``StepRecord`` per step: ``step``, ``loss``, ``grad_norm`` (before clipping), ``step_time``, ``bubble``,
-        ``modeled_bubble``; under ``schedule="auto"`` also ``schedule`` (what ran: the measuring step's schedule, then
-        ``"auto"``), ``modeled_makespan`` (its plans under the measured costs, seconds) and ``measuring`` (True on the
-        two timed first steps); a timed step's row also has ``busy`` (each worker's compute seconds) and
-        ``stragglers`` (the workers whose compute was 15% or more above that of the workers whose stages cost the
-        same, 3 timed steps in a row); ``fit``'s evaluations set ``eval_loss``. Attributes (``row.loss``);
-        ``row["loss"]`` still works, with a ``DeprecationWarning``."""
-        return self._history.rows
-
-    @property
-    def placement(self) -> list[tuple[jax.Device | str, ...]]:
-        """Per stage, the devices that hold its parameters (``jax.Device``s in-process; on Ray, as each
-        actor's JAX names them)."""
-        return self.backend.placement
-
     def step(self, batch: tuple[PyTree, ...], *, timed: bool | None = None) -> float:
         """One optimizer step on ``batch``: the schedule over its microbatches, then every stage's update.
 
@@ -295,211 +203,6 @@ class Trainer:
             os.makedirs(self.trace_dir, exist_ok=True)
             r.write_trace(os.path.join(os.fspath(self.trace_dir), f"step-{self.step_count}.trace.json"), self.placement)
         return r.loss
-
-    @overload
-    def evaluate(
-        self, batch: tuple[PyTree, ...], *, microbatches: int | None = None, outputs: Literal[False] = False
-    ) -> float: ...
-
-    @overload
-    def evaluate(
-        self, batch: tuple[PyTree, ...], *, microbatches: int | None = None, outputs: Literal[True]
-    ) -> tuple[float, list[PyTree]]: ...
-
-    @overload
-    def evaluate(
-        self, batch: tuple[PyTree, ...], *, microbatches: int | None = None, outputs: bool
-    ) -> float | tuple[float, list[PyTree]]: ...
-
-    def evaluate(
-        self, batch: tuple[PyTree, ...], *, microbatches: int | None = None, outputs: bool = False
-    ) -> float | tuple[float, list[PyTree]]:
-        """The loss on ``batch`` from every stage's forward only: no residuals, no gradients, no update.
-
-        Each stage runs its evaluation program (``export_stages`` writes one beside each artifact: the stage's
-        forward without residual outputs) where the stage lives, in-process or on its Ray actor, with the
-        parameters it holds now; activations go from stage to stage as in a step. The loss is the mean over the
-        microbatches, as a step's is (the function's loss on the whole batch, for a mean loss). Parameters,
-        optimizer state, the step count and the history do not change.
-
-        Args:
-            batch: the function's batch inputs as a tuple, as ``step`` takes them.
-            microbatches: how many microbatches to cut ``batch`` into (default: the Trainer's).
-            outputs: also return the model's output: per microbatch, the tuple of arrays the last stage
-                received (what the stage before it sends on, e.g. the hidden state before the loss).
-
-        Returns:
-            The loss (a float); with ``outputs=True``, ``(loss, outputs)``.
-
-        Raises:
-            VjpsplitError: the Trainer runs the per-stage form, or a stage has no evaluation program (a stages
-                directory saved by an older vjpsplit, or a sharded stage): the message says how to export again.
-        """
-        programs = self._eval_programs()
-        mbs = self.model.batch_microbatches(batch, self.microbatches if microbatches is None else microbatches)
-        losses, received = self.backend.evaluate(mbs, programs, outputs)
-        loss = float(np.mean(losses))
-        return (loss, received) if outputs and received is not None else loss  # received: given with outputs
-
-    def _eval_programs(self) -> list[EvalProgram]:
-        if not isinstance(self.stages, Stages):
-            raise VjpsplitError(
-                "evaluate runs the evaluation programs of a Stages (export_stages); this Trainer runs a list of "
-                "artifacts: train a Stages to evaluate"
-            )
-        lacking = [s for s, p in enumerate(self.stages.evaluation) if p is None]
-        if lacking:
-            raise VjpsplitError(missing(self.stages.index.function, lacking))
-        return [p for p in self.stages.evaluation if p is not None]
-
-    def _busy(self, r: PipelineResult, first: bool) -> tuple[tuple[float, ...], tuple[int, ...]]:
-        """A timed step's ``busy`` seconds per worker and its ``stragglers`` (warned of when first named); the
-        Trainer's first step, which compiles every stage, gives no verdict."""
-        busy = tuple(row["F"] + row["B"] + row["I"] + row["W"] for row in r.per_worker())
-        if first:
-            return busy, ()
-        held = self.plan.layout.workers
-        groups = [tuple(sorted(self._signatures[s] for s in stages)) for stages in held]
-        if self._stragglers is None or self._stragglers.groups != groups:
-            self._stragglers = Stragglers(groups)
-        now, new = self._stragglers.see(busy)
-        for w in new:
-            peers = [v for v, g in enumerate(groups) if v != w and g == groups[w]]
-            warnings.warn(
-                f"worker {w} (stages {', '.join(map(str, held[w]))}) is a straggler: its compute "
-                f"({busy[w] * 1e3:.1f} ms in step {self.step_count}) was at least {SLOWER - 1:.0%} above its peers' "
-                f"(worker {', '.join(map(str, peers))}, whose stages cost the same) in {IN_A_ROW} timed steps in a row",
-                stacklevel=3,
-            )
-        return busy, tuple(now)
-
-    def costs(self) -> MeasuredCosts:
-        """Every stage's measured F, B and W seconds and the send time, as ``auto_schedule``'s ``costs`` take them.
-
-        Medians over the microbatches of the last timed steps (``step(batch, timed=True)``, or ``auto``'s first
-        two), the Trainer's first step only while no other is timed; see ``measured`` for what is left out, how a
-        whole backward splits into B and W and how sends are timed.
-
-        Returns:
-            ``{"F": [...], "B": [...], "W": [...], "comm": seconds, "transfer": {"out": .., "back": ..}}``, one
-            entry per stage in F, B and W; ``transfer`` the bytes per second of a residual copy off the first
-            stage's device and back, as offload copies (``measured.measure_transfer_rates``, timed once, at the first
-            call; on Ray, on this process's device).
-
-        Raises:
-            VjpsplitError: no timed step has run yet.
-        """
-        measured = self._samples.costs()
-        if self._transfer is None:
-            self._transfer = measure_transfer_rates(self.placement[0][0])
-        return {**measured, "transfer": self._transfer}
-
-    @property
-    def planned_offload(self) -> Offload | None:
-        """What ``auto``'s plans offload under ``memory_limit_bytes`` now (the (stage, microbatch) pairs in
-        ``Offload.pairs``, to host memory), or None: no offload planned (or ``offload=`` given by hand)."""
-        return self._auto_offload
-
-    def params(self) -> PyTree:
-        """The parameters now.
-
-        Returns:
-            The parameters in the structure the Trainer was given (host arrays; one pytree per stage in the
-            per-stage form).
-        """
-        return self.ownership.gather([p for p, _ in self.backend.snapshots()])
-
-    def plot_loss(self, path: str | os.PathLike[str], title: str | None = None) -> None:
-        """A PNG of the loss per step (needs matplotlib), beside ``plot_timeline``'s chart of one step.
-
-        Args:
-            path: the PNG file to write.
-            title: the chart's title; None: the schedule's and the runner's names.
-        """
-        self._history.plot(path, title or f"{self.schedule_name}, {self.runner.name}")
-
-    def state(self) -> tuple[PyTree, PyTree]:
-        """The training state now, in the form a one-process optax loop (or orbax) keeps it.
-
-        Returns:
-            ``(params, opt_state)``: ``params`` as ``params()`` gives them, ``opt_state`` optax's own state for
-            the whole model, as ``optimizer.init(params)`` and the same updates give it in one process (its
-            structure, its values; a value tied to no parameter, such as a step count, once). Host arrays.
-
-        Raises:
-            VjpsplitError: a tied leaf's state differs between the stages that hold it.
-        """
-        snaps = self.backend.snapshots()
-        return self.ownership.gather([p for p, _ in snaps]), self._states().gather([st for _, st in snaps])
-
-    def _states(self) -> StateMap:
-        if self._state_map is None:
-            self._state_map = state_map(self.optimizer, self.ownership)
-        return self._state_map
-
-    def host_checkpoint(self) -> HostCheckpoint:
-        """What ``save`` writes, copied to host memory (the copy ``fit`` waits for before writing in the background).
-
-        Returns:
-            A ``HostCheckpoint``: the parameters by key, ``state()``'s ``opt_state``, the step count and the
-            settings ``restore`` uses.
-        """
-        snaps = self.backend.snapshots()
-        flat = self.ownership.flat([p for p, _ in snaps])
-        params = self.ownership.gather([p for p, _ in snaps])
-        smap = self._states()
-        opt_state = smap.gather([st for _, st in snaps])
-        return HostCheckpoint(flat, smap.leaf_keys, encode_structure(params), opt_state, self.step_count, self._meta())
-
-    def _meta(self) -> dict[str, object]:
-        meta: dict[str, object] = {
-            "schedule": self.plan.name,
-            "optimizer": self.optimizer_name,
-            "structure": self.ownership.structure,
-            "microbatches": self.microbatches,
-            "clip_global_norm": self.clip_global_norm,
-        }
-        if self.schedule.plans is not None:
-            meta["plans"] = format_schedule(self.plan.plans)
-        if self.auto is not None:
-            meta.update(self.auto.record())  # restore measures again, on its own hosts
-        return meta
-
-    def save(self, directory: str | os.PathLike[str]) -> None:
-        """Write the parameters, optax's whole-model optimizer state and the step count to ``directory`` (all or
-        nothing), keyed by the model's parameter paths, not by stage: any ``Stages`` of the same function
-        restores it (``restore``), and so does a one-process loop (``load_checkpoint``).
-
-        The checkpoint also records what ``restore`` needs to go on: the schedule (its plans,
-        when they were the caller's), the microbatches and ``clip_global_norm``. A save replaces the whole
-        directory, so a ``directory`` holding files no save wrote is refused (naming one), never emptied.
-
-        Args:
-            directory: the checkpoint directory (created, or replaced whole).
-
-        Raises:
-            VjpsplitError: ``directory`` is a file, cannot be written, or holds files no save wrote.
-        """
-        save_checkpoint(directory, self.host_checkpoint())
-
-    def load(self, directory: str | os.PathLike[str]) -> None:
-        """Set every stage, and the step count, to the checkpoint in ``directory`` (saved by any cut of the same
-        function; one an older vjpsplit wrote per stage only by this cut). This Trainer's settings stay.
-
-        Every saved parameter is checked against the dtype and shape this Trainer holds first: a mismatch is
-        one error naming the leaf, and the Trainer keeps its parameters.
-
-        Args:
-            directory: a checkpoint ``save`` (or ``fit``) wrote.
-
-        Raises:
-            VjpsplitError: a missing or damaged checkpoint (naming the file or field), a leaf of another dtype
-                or shape, a leaf missing or unexpected, an optimizer state of another structure.
-        """
-        snapshots, step = stage_snapshots(directory, self.ownership, self._states(), self.optimizer)
-        self.backend.load(snapshots)
-        self.step_count = step
-        self._history.rewind(step)
 
     def workers(self) -> list[object]:
         """The Ray actor handle of each worker.
@@ -626,42 +329,27 @@ class Trainer:
                 leaf that does not match the stages; what ``Trainer`` refuses.
         """
         options = from_legacy("Trainer.restore", stages, schedule, runner, observe, deprecated)
-        saved = read_checkpoint(directory)
-        meta, step = saved.meta.as_dict(), saved.step
-        given = options.stages
-        arts, tied = (given.artifacts, given.tied) if isinstance(given, PerStage) else (given, None)
-        params, saved_state, states = restored_model(saved, arts, optimizer, tied)
-        if opt_state is None:
-            opt_state = saved_state
-        else:  # the caller's state, as Trainer(opt_state=) takes it; an older per-stage checkpoint's is not used
-            states = None
-        if step_count is not None:
-            step = step_count
-        if microbatches is None:
-            if "microbatches" not in meta:
-                raise VjpsplitError(
-                    f"{os.fspath(directory)}: this checkpoint does not record its microbatches (an older "
-                    "vjpsplit wrote it); pass microbatches= to Trainer.restore"
-                )
-            microbatches = int(meta["microbatches"])
-        chosen = options.schedule
-        if chosen is None:
-            if "plans" in meta:
-                try:
-                    chosen = Schedule(plans=parse_schedule(str(meta["plans"])))
-                except VjpsplitError as e:
-                    raise VjpsplitError(f"{os.fspath(directory)}: its recorded plans: {e}") from e
-            else:
-                chosen = Schedule(str(meta.get("schedule", "1f1b")))
-        if isinstance(clip_global_norm, _Recorded):  # RECORDED, its one instance
-            clip_global_norm = meta.get("clip_global_norm")
-        if chosen.auto and chosen.memory_limit is None and chosen.memory_limit_bytes is None:
-            # The limits as given (None: not recorded); restore measures again, on its own hosts.
-            limit, limit_bytes = meta.get("memory_limit"), meta.get("memory_limit_bytes")
-            chosen = dataclasses.replace(chosen, memory_limit=limit, memory_limit_bytes=limit_bytes)
+        run = restored_run(
+            directory,
+            options,
+            optimizer,
+            microbatches=microbatches,
+            clip_global_norm=None if isinstance(clip_global_norm, _Recorded) else clip_global_norm,
+            clip_recorded=isinstance(clip_global_norm, _Recorded),  # RECORDED, its one instance
+            opt_state=opt_state,
+            step_count=step_count,
+        )
         trainer = cls.__new__(cls)
-        options = dataclasses.replace(options, schedule=chosen)
-        trainer._start(options, params, optimizer, microbatches, clip_global_norm, opt_state, step, states)
+        trainer._start(
+            run.options,
+            run.params,
+            optimizer,
+            run.microbatches,
+            run.clip_global_norm,
+            run.opt_state,
+            run.step_count,
+            run.states,
+        )
         return trainer
 
     def close(self) -> None:
@@ -674,8 +362,3 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def recorded_replicas(stages: Stages | Sequence[Artifact]) -> int:
-    """The replicas of every stage a ``Stages`` export recorded (its index's ``data_parallel``); 1 for artifacts."""
-    return stages.index.data_parallel if isinstance(stages, Stages) else 1

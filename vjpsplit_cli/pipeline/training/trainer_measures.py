@@ -1,0 +1,117 @@
+"""What the Trainer measured and records of its steps: ``history``, ``costs()``, stragglers, ``placement``.
+
+``TrainerMeasures`` is the part of ``trainer.Trainer`` that reads its step history
+(``history``, ``plot_loss``), the stages' measured costs (``costs``: ``measured``),
+what ``auto``'s plans offload (``planned_offload``), where each stage runs
+(``placement``) and which workers are stragglers (``_busy``, from a timed step's
+compute; ``history.Stragglers``). ``Trainer`` sets the attributes it declares.
+
+May import ``measured``, ``history``, ``backend`` and ``option_values`` of this room, ``runtime``,
+``schedules``, and the layers below ``pipeline``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import jax
+
+from ..runtime.offload import Offload
+from ..runtime.result import PipelineResult
+from ..schedules.stepplans import Resolved
+from .backend import Backend
+from .history import IN_A_ROW, SLOWER, History, StepRecord, Stragglers
+from .measured import CostSamples, MeasuredCosts, measure_transfer_rates
+from .option_values import Runner
+
+
+class TrainerMeasures:
+    """``Trainer``'s measurements and records of its steps (the module docstring); its attributes are the
+    Trainer's."""
+
+    backend: Backend
+    plan: Resolved
+    step_count: int
+    schedule_name: str
+    runner: Runner
+    _history: History
+    _samples: CostSamples
+    _transfer: dict[str, float] | None
+    _auto_offload: Offload | None
+    _signatures: list[tuple[tuple[str, tuple[int | str, ...]], ...]]
+    _stragglers: Stragglers | None
+
+    @property
+    def history(self) -> list[StepRecord]:
+        """One ``StepRecord`` per step: ``step``, ``loss``, ``grad_norm`` (before clipping), ``step_time``, ``bubble``,
+        ``modeled_bubble``; under ``schedule="auto"`` also ``schedule`` (what ran: the measuring step's schedule, then
+        ``"auto"``), ``modeled_makespan`` (its plans under the measured costs, seconds) and ``measuring`` (True on the
+        two timed first steps); a timed step's row also has ``busy`` (each worker's compute seconds) and
+        ``stragglers`` (the workers whose compute was 15% or more above that of the workers whose stages cost the
+        same, 3 timed steps in a row); ``fit``'s evaluations set ``eval_loss``. Attributes (``row.loss``);
+        ``row["loss"]`` still works, with a ``DeprecationWarning``."""
+        return self._history.rows
+
+    @property
+    def placement(self) -> list[tuple[jax.Device | str, ...]]:
+        """Per stage, the devices that hold its parameters (``jax.Device``s in-process; on Ray, as each
+        actor's JAX names them)."""
+        return self.backend.placement
+
+    def _busy(self, r: PipelineResult, first: bool) -> tuple[tuple[float, ...], tuple[int, ...]]:
+        """A timed step's ``busy`` seconds per worker and its ``stragglers`` (warned of when first named); the
+        Trainer's first step, which compiles every stage, gives no verdict."""
+        busy = tuple(row["F"] + row["B"] + row["I"] + row["W"] for row in r.per_worker())
+        if first:
+            return busy, ()
+        held = self.plan.layout.workers
+        groups = [tuple(sorted(self._signatures[s] for s in stages)) for stages in held]
+        if self._stragglers is None or self._stragglers.groups != groups:
+            self._stragglers = Stragglers(groups)
+        now, new = self._stragglers.see(busy)
+        for w in new:
+            peers = [v for v, g in enumerate(groups) if v != w and g == groups[w]]
+            warnings.warn(
+                f"worker {w} (stages {', '.join(map(str, held[w]))}) is a straggler: its compute "
+                f"({busy[w] * 1e3:.1f} ms in step {self.step_count}) was at least {SLOWER - 1:.0%} above its peers' "
+                f"(worker {', '.join(map(str, peers))}, whose stages cost the same) in {IN_A_ROW} timed steps in a row",
+                stacklevel=3,
+            )
+        return busy, tuple(now)
+
+    def costs(self) -> MeasuredCosts:
+        """Every stage's measured F, B and W seconds and the send time, as ``auto_schedule``'s ``costs`` take them.
+
+        Medians over the microbatches of the last timed steps (``step(batch, timed=True)``, or ``auto``'s first
+        two), the Trainer's first step only while no other is timed; see ``measured`` for what is left out, how a
+        whole backward splits into B and W and how sends are timed.
+
+        Returns:
+            ``{"F": [...], "B": [...], "W": [...], "comm": seconds, "transfer": {"out": .., "back": ..}}``, one
+            entry per stage in F, B and W; ``transfer`` the bytes per second of a residual copy off the first
+            stage's device and back, as offload copies (``measured.measure_transfer_rates``, timed once, at the first
+            call; on Ray, on this process's device).
+
+        Raises:
+            VjpsplitError: no timed step has run yet.
+        """
+        measured = self._samples.costs()
+        if self._transfer is None:
+            self._transfer = measure_transfer_rates(self.placement[0][0])
+        return {**measured, "transfer": self._transfer}
+
+    @property
+    def planned_offload(self) -> Offload | None:
+        """What ``auto``'s plans offload under ``memory_limit_bytes`` now (the (stage, microbatch) pairs in
+        ``Offload.pairs``, to host memory), or None: no offload planned (or ``offload=`` given by hand)."""
+        return self._auto_offload
+
+    def plot_loss(self, path: str | os.PathLike[str], title: str | None = None) -> None:
+        """A PNG of the loss per step (needs matplotlib), beside ``plot_timeline``'s chart of one step.
+
+        Args:
+            path: the PNG file to write.
+            title: the chart's title; None: the schedule's and the runner's names.
+        """
+        self._history.plot(path, title or f"{self.schedule_name}, {self.runner.name}")
