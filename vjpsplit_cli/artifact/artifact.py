@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -20,7 +21,7 @@ from jax.sharding import Mesh
 
 from ..errors import VjpsplitError
 from ..files.trees import ArgTrees, decode_structure, flatten_with_keys
-from ..tracing.residuals import Intermediates, Residuals
+from ..tracing.residuals import FrozenDict, Intermediates, Residuals
 from ..safeio.signals import signals_guarded
 from ..trust import signing
 from ..trust.module_io import AUX, CARRIER, COTANGENTS, GRADS, INPUT_BACKED, INTERMEDIATES, OUT, STORED
@@ -31,6 +32,11 @@ from .binding import Binding, CallPlan, wrap_keys
 from .manifest import Manifest
 from .placement import Placement
 from .runner import ModuleRunner
+from .seen import GIL, RunIds, mutable_signature, new_run_id
+
+_FWD_REFUSED = "args: the forward refused these inputs"
+_BWD_REFUSED = "residuals: the backward refused these residuals"
+_of_forward = Residuals.of_forward  # bound once: a forward makes residuals on every call
 
 
 class Artifact:
@@ -88,6 +94,7 @@ class Artifact:
             and bwd_io.output_names == (GRADS,)
         )
         self._bare_out = manifest.structure.get("out") == "*"  # the output is one array
+        self._nargs = len(manifest.arg_names)
         self._runnable = functools.partial(self._runner.check_runnable, self._mesh)  # no frame of our own per call
 
     # -- running, as configured by the caller ---------------------------------------------
@@ -502,20 +509,64 @@ class Artifact:
                 artifact, or an argument does not match the manifest, naming the leaf.
         """
         m = self.manifest
-        if len(args) != len(m.arg_names):
+        if len(args) != self._nargs:
             raise VjpsplitError(
                 f"{self.source}: fwd takes {len(m.arg_names)} arguments ({', '.join(m.arg_names)}), got {len(args)}"
             )
         binding = self._binding
         if self._lean:
-            plan, signed = binding.planned(args)
+            # ``avals_key``, in this frame: arguments that are each one concrete jax array.
+            aval_type = binding.aval_type
+            key = []
+            for v in args:
+                if type(v) is not aval_type:
+                    break
+                a = v.aval
+                key.append((a.shape, a.dtype))
+            if len(key) == self._nargs:  # none left out
+                signed: tuple = (("avals", tuple(key)), args)
+                plan = binding.plans.get(signed[0])
+            else:
+                plan, signed = binding.planned(args)
             if plan is not None:
                 # A signature seen before, on a plain artifact: the module straight, then what fwd returns.
-                if not self._runner.host_ok:
+                runner = self._runner
+                if not runner.host_ok:
                     self._runnable()
                 arrays = signed[1] if plan.order is None else binding.ordered(plan, signed[1])
-                got, stored, got_aux = self._call_planned("fwd", plan, arrays, "args: the forward refused these inputs")
-                res = binding.forward_residuals(arrays, stored, plan.dims, plan.trees, plan)
+                ready = plan.ready.get("fwd")
+                if ready is not None and ready[0] == runner.epoch and not signals_guarded():
+                    try:  # ``_call_planned``'s straight call, in this frame: a forward runs on every step
+                        got, stored, got_aux = ready[1](*arrays)
+                    except Exception as e:
+                        err = runner.refusal(e, "fwd", _FWD_REFUSED)
+                        if err is None:
+                            raise
+                        raise err from e
+                else:
+                    got, stored, got_aux = self._call_planned("fwd", plan, arrays, _FWD_REFUSED)
+                mutable = plan.mutable
+                if mutable is None:
+                    res = binding.forward_residuals(arrays, stored, plan.dims, plan.trees, plan)
+                else:  # ``forward_residuals``, in this frame
+                    by_key = FrozenDict(zip(binding.input_keys, arrays))
+                    res = _of_forward(
+                        FrozenDict(zip(binding.stored_keys, stored)),
+                        by_key if binding.all_backed else FrozenDict([(k, by_key[k]) for k in binding.backed_keys]),
+                        plan.dims,
+                        by_key,
+                        m.fingerprint,
+                        m.arg_names,
+                        plan.trees,
+                        next(RunIds.ids) if GIL else new_run_id(),
+                    )
+                    made = binding.made
+                    if GIL:  # ``made.add``, in this frame: under the GIL the ordered dict needs no lock of ours
+                        made.entries[res.residuals_id] = (weakref.ref(res), mutable, plan)
+                        if len(made.entries) > made.limit:
+                            made.drop_oldest()
+                    else:
+                        made.add(res.residuals_id, (weakref.ref(res), mutable, plan))
                 out = got[0] if self._bare_out else decode_structure(m.structure["out"], iter(got))
                 return (out, res, decode_structure(m.structure["aux"], iter(got_aux))) if m.has_aux else (out, res)
             arrays, dims, trees, plan = binding.arguments(args, self._runnable, signed=signed)
@@ -572,18 +623,20 @@ class Artifact:
             VjpsplitError: As ``run_bwd_arrays`` raises.
         """
         m = self.manifest
-        if ct is None and self._lean:
+        if ct is None and self._lean and type(res) is Residuals and res.fingerprint == m.fingerprint:
             binding = self._binding
-            made = binding.own_residuals(res)
-            plan = None if made is None else made[2]
-            if plan is not None:
-                gather = plan.gather
-                if gather is None:
+            # ``Binding.own_residuals``, in this frame: this artifact's forward made ``res``, unchanged since.
+            made = binding.made.entries.get(res.residuals_id)
+            if made is not None and made[0]() is res and (not made[1] or mutable_signature(res.inputs) == made[1]):
+                plan = made[2]
+                gather = None if plan is None else plan.gather
+                if gather is None and plan is not None:
                     gather = plan.gather = plan.gather_of(m.wrt, binding.grad_keys, m.single_grad)
                 if gather is not None:
-                    # This artifact's forward made ``res`` from a signature seen before (checked then): the
-                    # module straight on them and the unit cotangent, the gradients laid out as planned.
-                    if not self._runner.host_ok:
+                    # The forward ran on a signature seen before (checked then): the module straight on
+                    # ``res`` and the unit cotangent, the gradients laid out as planned.
+                    runner = self._runner
+                    if not runner.host_ok:
                         self._runnable()
                     call_args = (
                         list(res.stored.values()),
@@ -591,9 +644,17 @@ class Artifact:
                         binding.units or binding.cotangents(None, res.dims, "cotangent"),
                         self._placement.carrier(res.dims) if m.dim_vars else None,
                     )
-                    return gather(
-                        self._call_planned("bwd", plan, call_args, "residuals: the backward refused these residuals")
-                    )
+                    ready = plan.ready.get("bwd")
+                    if ready is None or ready[0] != runner.epoch or signals_guarded():
+                        return gather(self._call_planned("bwd", plan, call_args, _BWD_REFUSED))
+                    try:  # ``_call_planned``'s straight call, in this frame: a backward runs on every step
+                        grads = ready[1](*call_args)
+                    except Exception as e:
+                        err = runner.refusal(e, "bwd", _BWD_REFUSED)
+                        if err is None:
+                            raise
+                        raise err from e
+                    return gather(grads)
         cts = None if ct is None else dict(flatten_with_keys("out", ct))
         source = getattr(res, "source", None) or "residuals"
         values, plan = self._run_bwd(res, cts, source, "cotangent")

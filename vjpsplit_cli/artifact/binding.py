@@ -37,10 +37,26 @@ from .seen import (
     leaves_signature,
     mapping_signature,
     mutable_signature,
+    reads_aval,
     residuals_signature,
 )
 
 _MADE_KEPT = 256  # residuals ids remembered (weak references and signatures, never arrays: keeps no memory alive)
+
+
+def avals_key(args: Sequence, aval_type: type[Any]) -> tuple | None:
+    """The plan key of arguments that are each one concrete jax array (of ``aval_type``): each aval's
+    shape and dtype, which say what ``leaves_signature`` says of them. None if some argument is not one.
+
+    ``Artifact.fwd`` builds the same key in its own frame (a loop: measured cheaper than ``map``).
+    """
+    out = []
+    for v in args:
+        if type(v) is not aval_type:
+            return None
+        a = v.aval
+        out.append((a.shape, a.dtype))
+    return ("avals", tuple(out))
 
 
 def wrap_keys(leaves: Sequence[Any], values: Sequence) -> Sequence:
@@ -142,8 +158,12 @@ class Binding:
         self.manifest = manifest
         self.source = source
         # residuals_id -> (weak reference, mutable inputs, plan), of the residuals this fwd made
-        self._made = Recent(_MADE_KEPT)
+        self.made = Recent(_MADE_KEPT)
         self._seen = Seen()  # signatures whose checks passed -> what they worked out
+        self.plans = self._seen.entries  # read in place by ``Artifact.fwd`` where a key surely hashes
+        # jax's concrete array type, set by the first ``fwd`` whose arguments are each one such array: such
+        # arguments are keyed by their avals' shapes and dtypes alone (``avals_key``).
+        self.aval_type: type[Any] | None = None
         # The manifest's keys in order, read on every call.
         self.input_keys = tuple(leaf.key for leaf in manifest.inputs)
         self.stored_keys = tuple(r.key for r in manifest.stored_residuals)
@@ -159,12 +179,11 @@ class Binding:
     def planned(self, args: Sequence) -> tuple[CallPlan | None, tuple[tuple | None, Sequence]]:
         """The plan of ``fwd``'s arguments where their signature was seen before (else None), and what
         ``arguments`` takes as ``signed`` (their key and leaves, so that it works neither out again)."""
-        sig = leaves_signature(args)
-        if sig is not None:  # each argument one array, as ``_signed`` keys them: a key that always hashes
-            key = ("bare", sig)
-            return self._seen.entries.get(key), (key, args)
         signed = self._signed(args)
-        return self._seen.get(signed[0]), signed
+        key = signed[0]
+        if key is not None and key[0] != "args":  # each argument one array: a key that always hashes
+            return self.plans.get(key), signed
+        return self._seen.get(key), signed
 
     def ordered(self, plan: CallPlan, leaves: Sequence) -> list:
         """The leaves of arguments of ``plan``'s signature, in manifest order and typed keys as key data."""
@@ -208,10 +227,17 @@ class Binding:
 
         The key is their signature, with their tree where they are not all arrays: arguments
         that are each one array are their own leaves, with no tree to flatten (the signature
-        says their number).
+        says their number); where each is a concrete jax array, its aval's shape and dtype
+        (``avals_key``; ``Artifact.fwd`` keys them so too).
         """
+        key = None if self.aval_type is None else avals_key(args, self.aval_type)
+        if key is not None:
+            return key, args
         sig = leaves_signature(args)
         if sig is not None:
+            if args and all(reads_aval(type(v)) for v in args):
+                self.aval_type = type(args[0])
+                return avals_key(args, self.aval_type), args
             return ("bare", sig), args
         try:
             leaves, treedef = jax.tree_util.tree_flatten(args)
@@ -279,7 +305,7 @@ class Binding:
         )
         mutable = plan.mutable if plan is not None else None
         if mutable is not None:  # remember(res, plan), in this frame: a forward makes residuals on every call
-            self._made.add(res.residuals_id, (weakref.ref(res), mutable, plan))
+            self.made.add(res.residuals_id, (weakref.ref(res), mutable, plan))
         else:
             self.remember(res, plan)
         return res
@@ -300,7 +326,7 @@ class Binding:
             if plan is not None:
                 plan.mutable = mutable
         if mutable is not None:
-            self._made.add(res.residuals_id, (weakref.ref(res), mutable, plan))
+            self.made.add(res.residuals_id, (weakref.ref(res), mutable, plan))
 
     def own_residuals(self, res: Any) -> tuple | None:
         """``remember``'s entry ``(ref, mutable, plan)`` if ``res`` is this artifact's forward's own, unchanged.
@@ -309,14 +335,14 @@ class Binding:
         """
         if type(res) is not Residuals or res.fingerprint != self.manifest.fingerprint:
             return None
-        made = self._made.entries.get(res.residuals_id)  # as _made_here, in one frame: bwd asks on every call
+        made = self.made.entries.get(res.residuals_id)  # as _made_here, in one frame: bwd asks on every call
         if made is None or made[0]() is not res or (made[1] and mutable_signature(res.inputs) != made[1]):
             return None
         return made
 
     def _made_here(self, res: Residuals) -> tuple | None:
         """``remember``'s entry if ``res`` is residuals this artifact's forward made, unchanged since; else None."""
-        made = self._made.entries.get(res.residuals_id)
+        made = self.made.entries.get(res.residuals_id)
         if made is None or made[0]() is not res:
             return None
         # No mutable signature (): every input is a jax array, whose shape and dtype never change, held in
