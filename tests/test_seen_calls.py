@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -492,3 +493,44 @@ def test_residuals_past_the_ones_remembered_are_checked_and_right(art):
         want = jax.grad(loss, argnums=(0, 1))(params, x)
         np.testing.assert_allclose(gx, want[1], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(gp["w"], want[0]["w"], rtol=1e-5, atol=1e-6)
+
+
+def _fields(res):
+    """Every field of ``res`` but its run id, each with its type: what a backward or a file reads."""
+    out = {}
+    for name in type(res)._FIELDS:
+        if name == "residuals_id":
+            continue
+        v = getattr(res, name)
+        if isinstance(v, Mapping):
+            v = (type(v), {k: (type(a), np.asarray(a).dtype, np.asarray(a).tolist()) for k, a in v.items()})
+        else:
+            v = (type(v), v)
+        out[name] = v
+    return out
+
+
+@pytest.mark.parametrize("which", ["tree", "bare"])
+def test_the_straight_forward_makes_the_residuals_the_checked_one_makes(art, vec_art, which, monkeypatch):
+    # fwd builds a seen signature's residuals in its own frame (a forward runs on every step): they must be,
+    # field for field and type for type, what the checked path (binding.forward_residuals) makes.
+    a = fresh(art if which == "tree" else vec_art)
+    rng = np.random.default_rng(1)
+    if which == "tree":
+        params, x = batch(0)
+        args = ({k: jnp.asarray(v) for k, v in params.items()}, jnp.asarray(x))
+    else:
+        args = (jnp.asarray(rng.normal(size=(4, 3)), jnp.float32), jnp.asarray(rng.normal(size=(2, 4)), jnp.float32))
+    checked = []
+    real = binding.Binding.forward_residuals
+    monkeypatch.setattr(binding.Binding, "forward_residuals", lambda *a, **k: checked.append(1) or real(*a, **k))
+    first = a.fwd(*args)[1]  # a signature not seen: every check
+    a.fwd(*args)
+    n = len(checked)
+    straight = a.fwd(*args)[1]  # seen: the straight path
+    assert n >= 1 and len(checked) == n, "the third call made its residuals in fwd's own frame"
+    assert _fields(straight) == _fields(first)
+    assert straight.residuals_id != first.residuals_id
+    ct = () if which == "tree" else (jnp.asarray(rng.normal(size=(2, 3)), jnp.float32),)
+    for u, v in zip(jax.tree.leaves(a.bwd(first, *ct)), jax.tree.leaves(a.bwd(straight, *ct)), strict=True):
+        np.testing.assert_array_equal(u, v)
