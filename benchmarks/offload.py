@@ -6,8 +6,8 @@
 The train benchmark's mid GPT (``benchmarks/gpt.py``: width 256, 4 blocks, sequence
 64, 2 rows per microbatch, AdamW, 2 stages on 2 host CPU devices, single-threaded
 XLA per operation) trained by the Trainer in-process (untimed steps: every operation
-dispatched from one thread), without offload, with ``InProcess(offload="host")`` (``pinned_host``
-copies: these CPU devices have that memory kind) and with ``Offload(to="files")`` (residual files in a
+dispatched from one thread), without offload, with ``InProcess(offload="host")`` (host NumPy
+copies, as on every CPU device) and with ``Offload(to="files")`` (residual files in a
 temporary directory). Candidates run in blocks of consecutive steps, interleaved
 round by round; the step time is the median block time over its steps. Each
 candidate trains on the same batches in the same order, so their parameters after
@@ -33,7 +33,7 @@ from benchmarks.timing import run_section, section_main
 def _config(quick: bool) -> dict:
     if quick:
         return {"ms": [8], "schedules": ["1f1b", "gpipe"], "rounds": 2, "block": 1}
-    return {"ms": [8, 16], "schedules": ["1f1b", "zbh1", "gpipe"], "rounds": 3, "block": 1}
+    return {"ms": [8, 16], "schedules": ["1f1b", "zbh1", "gpipe"], "rounds": 5, "block": 1}
 
 
 def _case(g, stages, params, m: int, schedule: str, cfg: dict, tmp: str) -> dict:
