@@ -181,8 +181,9 @@ def _via_pinned_host(a: jax.Array) -> bool:
     """Whether ``a`` leaves to its devices' ``pinned_host`` memory (accelerators) rather than to host NumPy.
 
     A CPU device's ``pinned_host`` memory is the same RAM as its own, and JAX's copy there costs far
-    more than the bytes: about 0.1 ms per array of JAX's own work where a memcpy of the same bytes
-    takes a few microseconds (docs/pipeline.md, "Measured"). So a CPU device's residuals go to NumPy.
+    more than the bytes: 0.08-0.19 ms per array of JAX's own work, where a memcpy of the mid GPT's
+    residual arrays takes about 12 µs each (``benchmarks/offload_copies.py``; docs/pipeline.md,
+    "Measured"). So a CPU device's residuals go to NumPy.
     """
     try:
         on_cpu = any(d.platform == "cpu" for d in a.sharding.device_set)  # type: ignore[attr-defined]  # not in jaxlib's stub
@@ -421,8 +422,8 @@ def _now(fn: Callable[[S], T], arg: S) -> Future[T]:
 
 
 def to_host_and_back(x: jax.Array, away: Leaf | None) -> Leaf:
-    """One copy as ``to="host"`` makes it, waited for: ``away=None``, ``x`` off its device (``pinned_host`` where
-    the device has it, else NumPy); else ``away`` back on ``x``'s device. What the Trainer's transfer probe times."""
+    """One copy as ``to="host"`` makes it, waited for: ``away=None``, ``x`` off its device (an accelerator's
+    ``pinned_host`` where it has one, else NumPy); else ``away`` back on ``x``'s device. What the Trainer's transfer probe times."""
     import jax
 
     if away is None:
