@@ -199,6 +199,51 @@ def test_host_offload_without_a_host_memory_kind_copies_to_numpy(timed, monkeypa
     assert copies  # the NumPy path ran
 
 
+def test_host_copies_of_cpu_arrays_are_their_own_aligned_buffers():
+    from vjpsplit_cli.pipeline.runtime import offload
+
+    arrays = [
+        jax.device_put(np.arange(n, dtype=d).reshape(s), jax.devices()[0])
+        for n, d, s in [
+            (24, np.float32, (2, 3, 4)),
+            (5, np.int8, (5,)),
+            (0, np.float32, (0, 3)),
+        ]
+    ] + [jax.numpy.arange(6.0).reshape(2, 3) > 2.0]
+    copies = offload._to_host(arrays)
+    for a, c in zip(arrays, copies):
+        view = np.asarray(a)
+        assert not np.shares_memory(c, view)  # a copy: the device buffer can go
+        assert c.dtype == view.dtype and c.shape == view.shape and c.tobytes() == view.tobytes()
+        assert c.ctypes.data % offload._ALIGN == 0 or c.size == 0  # numpy places an empty array anywhere
+    back = jax.device_put(copies, [a.sharding for a in arrays])
+    _bitwise(back, arrays)
+    assert [b.sharding for b in back] == [a.sharding for a in arrays]
+
+
+@pytest.mark.parametrize("timed", [False, True])
+def test_host_offload_chooses_numpy_on_cpu_devices_and_pinned_host_elsewhere(timed, monkeypatch):
+    from vjpsplit_cli.pipeline.runtime import offload
+
+    x = jax.device_put(np.ones(3, np.float32), jax.devices()[0])
+    assert not offload._via_pinned_host(x)  # a CPU device's pinned_host is its own RAM: NumPy is cheaper
+    copies = []
+    to_host = offload._to_host
+
+    def spy(arrays):
+        copies.append(len(arrays))
+        return to_host(arrays)
+
+    # An accelerator's choice, on these CPU devices where JAX has the memory kind.
+    monkeypatch.setattr(offload, "_via_pinned_host", offload._has_pinned_host)
+    monkeypatch.setattr(offload, "_to_host", spy)
+    params, batch = gpt_params(), _batches(1)[0]
+    ref = P.run_inprocess(_stages(), params, batch, microbatches=M, schedule_name="gpipe", timed=timed)
+    got = P.run_inprocess(_stages(), params, batch, microbatches=M, schedule_name="gpipe", timed=timed, offload="host")
+    _bitwise(got.grads, ref.grads)
+    assert bool(copies) != offload._has_pinned_host(x)  # pinned_host where the devices have it, else NumPy
+
+
 # Planned offload: auto chooses which (stage, microbatch) residuals leave under memory_limit_bytes.
 
 UNIT = {"F": 1.0, "B": 1.0, "W": 0.8, "comm": 0.1}

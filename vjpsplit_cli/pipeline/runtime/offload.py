@@ -2,9 +2,10 @@
 
 ``Offload`` is what a user asks for (``Trainer(..., offload=...)``); an ``Offloader``
 does it for one ``StageWorker``. After a microbatch's F its stored residuals go
-off the device: to the devices' ``pinned_host`` memory where they have one (GPUs,
-and CPU devices in recent JAX; asynchronous copies both ways), else host NumPy
-copies made on the offloader's own thread, or, on that thread, to the project's
+off the device: to an accelerator's ``pinned_host`` memory where it has one
+(asynchronous copies both ways), else (CPU devices too: their ``pinned_host`` is the
+same RAM, and NumPy's copy is the cheaper) host NumPy copies made on the offloader's
+own thread, or, on that thread, to the project's
 checksummed residual files in a directory the user names; when the stage
 starts the operation before that microbatch's B, the copy back starts, so it
 overlaps that operation's compute. The arrays come back with the shardings they
@@ -25,7 +26,7 @@ import os
 import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Collection, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Collection, Sequence, TypeVar
 
 import numpy as np
 
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from ...tracing.residuals import Residuals
 
 T = TypeVar("T")
+S = TypeVar("S")
 
 HOST, FILES = "host", "files"
 
@@ -49,8 +51,8 @@ class Offload:
     """Which residuals leave their device between F and B, and where they go.
 
     Args:
-        to: ``"host"`` (host memory: the devices' ``pinned_host`` memory kind where they have
-            it, else host NumPy arrays) or ``"files"`` (checksummed residual files, one per stage
+        to: ``"host"`` (host memory: an accelerator's ``pinned_host`` memory kind where it has
+            it, else host NumPy arrays, as on CPU devices) or ``"files"`` (checksummed residual files, one per stage
             and microbatch, written with ``save_residuals`` and read back with ``load_residuals``).
         directory: where ``to="files"`` writes (required there; created if absent). Give each
             running Trainer its own: the files are named ``stage<s>-mb<m>.npz`` (``stage<s>-r<r>-mb<m>.npz``
@@ -175,6 +177,21 @@ def _has_pinned_host(a: jax.Array) -> bool:
         return False
 
 
+def _via_pinned_host(a: jax.Array) -> bool:
+    """Whether ``a`` leaves to its devices' ``pinned_host`` memory (accelerators) rather than to host NumPy.
+
+    A CPU device's ``pinned_host`` memory is the same RAM as its own, and JAX's copy there costs far
+    more than the bytes: 0.08-0.19 ms per array of JAX's own work, where a memcpy of the mid GPT's
+    residual arrays takes about 12 µs each (``benchmarks/offload_copies.py``; docs/pipeline.md,
+    "Measured"). So a CPU device's residuals go to NumPy.
+    """
+    try:
+        on_cpu = any(d.platform == "cpu" for d in a.sharding.device_set)  # type: ignore[attr-defined]  # not in jaxlib's stub
+    except (AttributeError, ValueError):
+        on_cpu = False
+    return not on_cpu and _has_pinned_host(a)
+
+
 class Away:
     """One microbatch's residuals while they are off the device: the shell, its future, and the copy back.
 
@@ -257,11 +274,15 @@ class Offloader:
             tagged = res.replace(stored=FrozenDict(zip(moved, arrays)), residuals_id=self.tag(mb))
             away.out = self.pool.submit(self._write, away.path, tagged)
         else:
-            if all(map(_has_pinned_host, arrays)):
+            if all(map(_via_pinned_host, arrays)):
                 # Asynchronous both ways: the copies queue behind F and before B on the device's own streams.
-                away.pinned = [jax.device_put(a, a.sharding.with_memory_kind("pinned_host")) for a in arrays]
+                # One device_put for them all: one pass of its per-array work, not one call per array.
+                away.pinned = jax.device_put(arrays, [a.sharding.with_memory_kind("pinned_host") for a in arrays])
                 away.out = _done(away.pinned)
-            else:  # no host memory kind: NumPy copies, made on this offloader's thread once F is computed
+            elif all(a.is_ready() for a in arrays):  # type: ignore[attr-defined]  # not in the stub
+                # A timed step's F, waited for: copied now (a memcpy), so they are off the device at this boundary.
+                away.out = _now(_to_host, arrays)
+            else:  # CPU devices, or no host memory kind: NumPy copies, made on this offloader's thread once F is computed
                 away.out = self.pool.submit(_to_host, arrays)
         self.away[mb] = away
         return away
@@ -362,10 +383,26 @@ class Offloader:
         return out
 
 
+# XLA:CPU takes a host buffer this aligned as it is (no copy) when it is put on a CPU device again.
+_ALIGN = 64
+
+
 def _to_host(arrays: Sequence[Leaf]) -> list[np.ndarray]:
-    """Host NumPy copies of ``arrays`` (np.array copies: np.asarray of a CPU array can share its buffer and keep
-    it alive)."""
-    return [np.array(a, copy=True) for a in arrays]
+    """Host NumPy copies of ``arrays``, each in a buffer of its own aligned to ``_ALIGN`` bytes.
+
+    Copies, not ``np.asarray`` views: a CPU array's view shares its buffer and would keep it alive. The
+    alignment lets ``jax.device_put`` onto a CPU device use the copy's buffer as it is: the bytes are
+    copied once each way, not twice on the way back.
+    """
+    out = []
+    for a in arrays:
+        src = np.asarray(a)  # waits for ``a``; on a CPU device a view of its buffer, dropped once copied
+        raw = np.empty(src.nbytes + _ALIGN, np.uint8)
+        start = -raw.ctypes.data % _ALIGN
+        dst = raw[start : start + src.nbytes].view(src.dtype).reshape(src.shape)
+        np.copyto(dst, src)
+        out.append(dst)
+    return out
 
 
 def _done(value: T) -> Future[T]:
@@ -374,13 +411,23 @@ def _done(value: T) -> Future[T]:
     return f
 
 
+def _now(fn: Callable[[S], T], arg: S) -> Future[T]:
+    """``fn(arg)`` run now, as a finished future: its error, if any, is raised where the result is taken (the B's)."""
+    f: Future[T] = Future()
+    try:
+        f.set_result(fn(arg))
+    except Exception as e:  # noqa: BLE001  # handed to whoever takes the result, as the pool's futures do
+        f.set_exception(e)
+    return f
+
+
 def to_host_and_back(x: jax.Array, away: Leaf | None) -> Leaf:
-    """One copy as ``to="host"`` makes it, waited for: ``away=None``, ``x`` off its device (``pinned_host`` where
-    the device has it, else NumPy); else ``away`` back on ``x``'s device. What the Trainer's transfer probe times."""
+    """One copy as ``to="host"`` makes it, waited for: ``away=None``, ``x`` off its device (an accelerator's
+    ``pinned_host`` where it has one, else NumPy); else ``away`` back on ``x``'s device. What the Trainer's transfer probe times."""
     import jax
 
     if away is None:
-        if _has_pinned_host(x):
+        if _via_pinned_host(x):
             out = jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
             out.block_until_ready()
             return out

@@ -207,9 +207,9 @@ PROBE_BYTES = 4 << 20  # what one transfer probe copies each way (a few MiB: pas
 
 
 def measure_transfer_rates(device: object, nbytes: int = PROBE_BYTES, repeats: int = 3) -> dict[str, float]:
-    """Bytes per second of a copy off ``device`` and back, as offload makes them: to its ``pinned_host`` memory
-    where it has one, else to host NumPy (``runtime.offload``); the medians of ``repeats`` timed copies of
-    ``nbytes``. What ``costs()["transfer"]`` holds and ``auto_schedule`` plans offload with."""
+    """Bytes per second of a copy off ``device`` and back, as offload makes them: to an accelerator's
+    ``pinned_host`` memory where it has one, else (CPU devices too) to host NumPy (``runtime.offload``); the
+    medians of ``repeats`` timed copies of ``nbytes``. What ``costs()["transfer"]`` holds and ``auto_schedule`` plans offload with."""
     if isinstance(device, str):  # a Ray actor's device, by name: this process's own stands in for it
         device = jax.local_devices()[0]
     x = jax.device_put(np.zeros(max(1, nbytes // 4), np.float32), device)

@@ -96,8 +96,9 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
 
     ``InProcess(offload=...)`` or ``Ray(offload=...)``: residuals leave their stage's device between a
     microbatch's F and its B and come back one operation ahead of the B: ``"host"`` (host memory:
-    ``pinned_host`` where the platform has it, NumPy otherwise) or ``Offload(to="host"|"files",
-    directory=..., microbatches=..., stages=..., pairs=...)`` (``vjpsplit_cli.pipeline.Offload``).
+    an accelerator's ``pinned_host`` memory where it has one; host NumPy on CPU devices and elsewhere)
+    or ``Offload(to="host"|"files", directory=..., microbatches=..., stages=..., pairs=...)``
+    (``vjpsplit_cli.pipeline.Offload``).
     Gradients and training are bitwise those without offload. ``Schedule("auto",
     memory_limit_bytes=...)`` may offload on its own (``planned_offload``).
 
