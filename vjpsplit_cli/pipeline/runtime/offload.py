@@ -28,15 +28,17 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable, Collection, Sequence, TypeVar
 
+import jax
 import numpy as np
 
+from ...artifact.residual_files import load_residuals, save_residuals
 from ...errors import VjpsplitError
+from ...files.shapes import format_shape
+from ...tracing.frozen import FrozenDict
 from ..schedules.ops import BACKWARDS, Kind, Op, OpKey
 from ...treetypes import Leaf
 
 if TYPE_CHECKING:
-    import jax
-
     from ...artifact.artifact import Artifact
     from ...tracing.residuals import Residuals
 
@@ -134,7 +136,6 @@ def _nbytes(a: Leaf) -> int:
 
 def on_device(a: object) -> bool:
     """Whether ``a`` is a JAX array in device memory (not host NumPy, not ``pinned_host``)."""
-    import jax
 
     if not isinstance(a, jax.Array):
         return False
@@ -153,7 +154,6 @@ def on_device(a: object) -> bool:
 
 def device_bytes(arrays: object) -> int:
     """Bytes of the distinct device arrays among ``arrays``' leaves."""
-    import jax
 
     seen: dict[int, int] = {}
     for a in jax.tree_util.tree_leaves(arrays):
@@ -164,7 +164,6 @@ def device_bytes(arrays: object) -> int:
 
 def _movable(a: object) -> bool:
     """A stored leaf that can leave and come back bit for bit (typed PRNG keys stay: NumPy has no dtype for them)."""
-    import jax
 
     return isinstance(a, jax.Array) and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
 
@@ -258,9 +257,6 @@ class Offloader:
         """After microbatch ``mb``'s F: start moving its residuals off the device; what the stage holds instead."""
         if self.keeps(mb):
             return res
-        import jax
-
-        from ...tracing.residuals import FrozenDict
 
         moved = [k for k, a in res.stored.items() if _movable(a)]
         if not moved:
@@ -328,15 +324,11 @@ class Offloader:
         return total
 
     def _write(self, path: str, res: Residuals) -> None:
-        from ...artifact.residual_files import save_residuals
 
         # Only the stored arrays: the inputs stay with the stage (and their CRC-32 would cost a copy of the parameters).
         save_residuals(path, res.replace(inputs={}, bound_inputs={}))
 
     def _back(self, mb: int, away: Away) -> Residuals:
-        import jax
-
-        from ...tracing.residuals import FrozenDict
 
         assert away.out is not None
         host: object = away.out.result()  # the write's or the copy's error, if any, is this B's
@@ -346,8 +338,6 @@ class Offloader:
         return away.shell.replace(stored=FrozenDict({**away.shell.stored, **dict(zip(away.moved, arrays))}))
 
     def _read(self, mb: int, away: Away) -> list[Leaf]:
-        from ...artifact.residual_files import load_residuals
-        from ...files.shapes import format_shape
 
         path = away.path
         assert path is not None
@@ -424,7 +414,6 @@ def _now(fn: Callable[[S], T], arg: S) -> Future[T]:
 def to_host_and_back(x: jax.Array, away: Leaf | None) -> Leaf:
     """One copy as ``to="host"`` makes it, waited for: ``away=None``, ``x`` off its device (an accelerator's
     ``pinned_host`` where it has one, else NumPy); else ``away`` back on ``x``'s device. What the Trainer's transfer probe times."""
-    import jax
 
     if away is None:
         if _via_pinned_host(x):
