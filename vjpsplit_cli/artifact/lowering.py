@@ -28,7 +28,7 @@ from ..files.trees import encode_structure, flatten_with_keys
 from ..tracing.choice import PolicyChoice, resolve_policy
 from ..tracing.policies import apply_policy
 from ..tracing.traced import TracedVjp
-from ..tracing.vjp import fn_name, not_traceable, positional_names, wrt_positions
+from ..tracing.signatures import fn_name, not_traceable, positional_names, wrt_positions
 from ..trust import checks
 from .artifact import Artifact
 from .flatforward import FlatForward, dims_carrier
