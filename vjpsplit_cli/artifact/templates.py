@@ -20,7 +20,7 @@ from ..files.shapes import concrete_shape, eval_dim
 from ..files.sizes import check_at_names, parse_at
 from .artifact import Artifact
 from .loading import load
-from .manifest import Leaf
+from .leaf import Leaf
 
 WHAT = ("inputs", "cotangents")
 FILLS = ("zeros", "ones", "normal")
