@@ -4,7 +4,7 @@ Owns the manifest and its format versions (``manifest``, one array's entry ``lea
 (``lowering``, with ``jaxexport``, ``flatforward`` and ``weightsplit``); the artifact and its
 file (``artifact``, ``artifact_file``); reading one back with every check (``loading``); the
 caller's arrays against a manifest (``arguments``, ``binding``), placed (``placement``) and run
-(``runner``); residual and intermediates files (``residual_files``, ``residual_meta``);
+(``runner``); residual and intermediates files (``residual_files``, ``split_residual_files``, ``residual_meta``);
 shardings (``sharding``); templates (``templates``); what ``inspect``/``plan`` print
 (``report``); and the cache of compiled executables (``execcache``).
 
