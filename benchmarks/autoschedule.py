@@ -32,7 +32,8 @@ from pathlib import Path
 
 from benchmarks import autotrain, exact_cpsat
 from vjpsplit_cli.pipeline import Costs, auto_schedule, plot_timeline, simulate
-from vjpsplit_cli.pipeline.schedules.auto import BUILT_INS, search
+from vjpsplit_cli.pipeline.schedules.auto import BUILT_INS
+from vjpsplit_cli.pipeline.schedules.listscheduler import search
 from vjpsplit_cli.pipeline.schedules.exact import optimum
 from vjpsplit_cli.pipeline.schedules.modeled import lower_bound, memory_limits, memory_peaks, modeled_makespan
 from vjpsplit_cli.pipeline import LABELS, schedule

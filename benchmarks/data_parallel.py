@@ -48,7 +48,7 @@ def _child(quick: bool) -> dict:
 
     import vjpsplit_cli as vs
     from vjpsplit_cli import pipeline as P
-    from vjpsplit_cli.pipeline.runtime.replicas import AXIS
+    from vjpsplit_cli.pipeline.runtime.reduction import AXIS
 
     width, classes, batch, m, n = 256, 16, 128, 4, 4
     params = mlp_params(width=width, classes=classes, layers=8)

@@ -18,7 +18,7 @@ import pytest
 from test_auto_schedule import assert_valid, exhaustive_optimum, makespan, peaks
 
 from vjpsplit_cli import pipeline as P
-from vjpsplit_cli.pipeline.schedules.auto import search
+from vjpsplit_cli.pipeline.schedules.listscheduler import search
 from vjpsplit_cli.pipeline.schedules.exact import optimum
 from vjpsplit_cli.pipeline.schedules.modeled import lower_bound, memory_limits
 from vjpsplit_cli.pipeline.schedules.refine import refine

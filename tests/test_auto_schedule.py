@@ -33,7 +33,7 @@ from stage_models import gpt, gpt_batch, gpt_params, gpt_specs, mean_over_microb
 
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
-from vjpsplit_cli.pipeline.schedules.auto import search
+from vjpsplit_cli.pipeline.schedules.listscheduler import search
 from vjpsplit_cli.pipeline.schedules.modeled import lower_bound, memory_limits, modeled_makespan
 
 BUILT_INS = ("gpipe", "1f1b", "zbh1")

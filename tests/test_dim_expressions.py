@@ -4,7 +4,7 @@
 called with, and so does vjpsplit, for the artifact's calls, residual and
 intermediates files, ``template --at``, ``inspect --at`` and the CLI. Sizes that fit
 no whole, positive dim, and shapes that leave a dim open, are one line naming the
-dim and the equations. Dims are parsed by ``files.dims``, never evaluated by Python.
+dim and the equations. Dims are parsed by ``files.dimtext``, never evaluated by Python.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from jax import export as jexport
 
 import vjpsplit_cli as vs
 from vjpsplit_cli.cli import main
-from vjpsplit_cli.files import dims
+from vjpsplit_cli.files import dims, dimtext
 from vjpsplit_cli.files.shapes import eval_dim
 
 # Dims as jax.export prints them, built with its public arithmetic, and their values in Python's.
@@ -50,16 +50,16 @@ def test_evaluate_agrees_with_jax_on_the_dims_it_prints(i):
     b, c = jexport.symbolic_shape("b, c")
     text = str(EXPRESSIONS[i](b, c))
     for bv, cv in [(1, 1), (2, 7), (5, 3), (10, 4)]:
-        assert dims.evaluate(text, {"b": bv, "c": cv}) == EXPRESSIONS[i](bv, cv), text
-    assert dims.evaluate(text, {"c": 1}) is None or "b" not in text  # an unsized name: no value
+        assert dimtext.evaluate(text, {"b": bv, "c": cv}) == EXPRESSIONS[i](bv, cv), text
+    assert dimtext.evaluate(text, {"c": 1}) is None or "b" not in text  # an unsized name: no value
 
 
 def test_max_min_and_non_negative_as_jax_prints_them():
-    assert dims.evaluate("max(b - 3, 0)", {"b": 2}) == 0
-    assert dims.evaluate("max(b, c)", {"b": 2, "c": 5}) == 5
-    assert dims.evaluate("min(b, 4)", {"b": 7}) == 4
-    assert dims.evaluate("non_negative(b - 3)", {"b": 5}) == 2
-    assert dims.evaluate("b^2 + 1", {"b": 3}) == eval_dim("b^2 + 1", {"b": 3}) == 10
+    assert dimtext.evaluate("max(b - 3, 0)", {"b": 2}) == 0
+    assert dimtext.evaluate("max(b, c)", {"b": 2, "c": 5}) == 5
+    assert dimtext.evaluate("min(b, 4)", {"b": 7}) == 4
+    assert dimtext.evaluate("non_negative(b - 3)", {"b": 5}) == 2
+    assert dimtext.evaluate("b^2 + 1", {"b": 3}) == eval_dim("b^2 + 1", {"b": 3}) == 10
 
 
 @pytest.mark.parametrize(
@@ -67,7 +67,7 @@ def test_max_min_and_non_negative_as_jax_prints_them():
     ["(" * 40 + "b" + ")" * 40, "b^999", "b @ c", "floordiv(b)", "__import__('os')", "b" + " + b" * 200],
 )
 def test_text_it_does_not_read_is_left_unevaluated(text):
-    assert dims.parse(text) is None and eval_dim(text, {"b": 2, "c": 3}) is None
+    assert dimtext.parse(text) is None and eval_dim(text, {"b": 2, "c": 3}) is None
 
 
 def test_the_solver_gives_each_dim_from_one_linear_equation_at_a_time():

@@ -25,7 +25,7 @@ _EXPORTS = {
     "loads": "artifact.loading",
     "Artifact": "artifact.artifact",
     "Manifest": "artifact.manifest",
-    "Leaf": "artifact.manifest",
+    "Leaf": "artifact.leaf",
     "FORMAT_VERSION": "artifact.manifest",
     "Residuals": "tracing.residuals",
     "SplitResiduals": "tracing.residuals",
@@ -81,7 +81,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the eager spelling of the lazy 
     from .artifact.artifact import Artifact
     from .artifact.loading import load, loads
     from .artifact.lowering import DEFAULT_PLATFORMS, export
-    from .artifact.manifest import FORMAT_VERSION, Leaf, Manifest
+    from .artifact.leaf import Leaf
+    from .artifact.manifest import FORMAT_VERSION, Manifest
     from .artifact.residual_files import load_intermediates, load_residuals, save_intermediates, save_residuals
     from .artifact.templates import save_template, template
     from .errors import VjpsplitError

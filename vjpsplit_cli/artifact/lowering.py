@@ -5,7 +5,7 @@ the manifest records every leaf's file key, dtype and (symbolic) shape.
 ``export`` runs named steps over one ``_Export`` state: names and specs, policy,
 shardings, forward, backward, manifest, and the zero-bubble split. The calls into
 ``jax.export`` and the sharding probes are ``jaxexport``, the flat forward ``flatforward``, the
-split ``weightsplit``.
+split ``weightsplit``, the manifest's leaves from structs ``leaf``.
 """
 
 from __future__ import annotations
@@ -21,55 +21,24 @@ from .._version import __version__
 from ..errors import VjpsplitError
 from ..files import keys
 from ..files.dtypes import dtype_name
-from ..files.prng import data_struct, impl_name, is_key
+from ..files.prng import data_struct, is_key
 from ..files.dims import solvable
-from ..files.shapes import dim_str, refuse_64bit_without_x64, to_struct
+from ..files.shapes import refuse_64bit_without_x64, to_struct
 from ..files.trees import encode_structure, flatten_with_keys
 from ..tracing.choice import PolicyChoice, resolve_policy
 from ..tracing.policies import apply_policy
 from ..tracing.traced import TracedVjp
-from ..tracing.vjp import fn_name, not_traceable, positional_names, wrt_positions
+from ..tracing.signatures import fn_name, not_traceable, positional_names, wrt_positions
 from ..trust import checks
 from .artifact import Artifact
 from .flatforward import FlatForward, dims_carrier
 from .jaxexport import Sharded, lower, platforms_of, refuse_host_callbacks
-from .manifest import FORMAT_VERSION, Leaf, Manifest, fingerprint
+from .leaf import Leaf, leaves_of
+from .manifest import FORMAT_VERSION, Manifest, fingerprint
 from .sharding import divisibility_problem, mesh_of, spec_to_json
 from .weightsplit import BackwardCall, lower_weight_split
 
 DEFAULT_PLATFORMS = ("cpu", "cuda", "tpu")
-
-
-def _leaves_json_safe(
-    entries: Sequence[tuple[str, Any]],
-    what: str = "leaf",
-    impls: Sequence[str] | None = None,
-    specs: Sequence | None = None,
-) -> tuple[Leaf, ...]:
-    """Manifest leaves for ``(key, struct)`` pairs; typed keys become their key data.
-
-    ``impls`` gives the PRNG impl of each entry whose struct is already key data;
-    ``specs`` the sharding of each (sharded artifacts).
-    """
-    out = []
-    for i, (k, s) in enumerate(entries):
-        impl = impls[i] if impls else ""
-        if is_key(s):
-            impl, s = impl_name(s), data_struct(s)
-        try:
-            dtype = dtype_name(s.dtype)
-        except (VjpsplitError, TypeError) as e:
-            raise VjpsplitError(f"{what} '{k}': {e}; pass arrays of a numeric, bool or PRNG key dtype") from e
-        out.append(
-            Leaf(
-                k,
-                dtype,
-                tuple(dim_str(d) for d in s.shape),
-                prng_impl=impl,
-                sharding=spec_to_json(specs[i]) if specs and specs[i] is not None else None,
-            )
-        )
-    return tuple(out)
 
 
 def _spec_structs(name: str, spec: Any) -> Any:
@@ -235,7 +204,7 @@ def _names_and_specs(st: _Export, platforms: Sequence[str] | str, arg_names: Seq
     input_entries = [kv for n, s in zip(names, st.structs) for kv in flatten_with_keys(n, s)]
     refuse_64bit_without_x64(input_entries)
     st.input_keys = [k for k, _ in input_entries]
-    st.inputs = _leaves_json_safe(input_entries, "input")
+    st.inputs = leaves_of(input_entries, "input")
     st.flat_structs, st.in_tree = jax.tree_util.tree_flatten(st.structs)
     st.data_structs = [data_struct(s) if is_key(s) else s for s in st.flat_structs]
     st.dim_vars = _dim_vars(st.inputs)
@@ -343,13 +312,13 @@ def _build_manifest(st: _Export, name: str | None) -> None:
         x64=bool(jax.config.jax_enable_x64),  # type: ignore[attr-defined]  # jax.config is dynamic
         dim_vars=st.dim_vars,
         inputs=inputs,
-        outputs=_leaves_json_safe(
+        outputs=leaves_of(
             list(zip(out_keys, out_structs)) + list(zip(aux_keys, aux_avals)),
             "output",
             fwd.out_impls + fwd.aux_impls,
             None if st.sh is None else (st.out_specs or []) + (st.aux_specs or []),
         ),
-        residuals=_leaves_json_safe(stored, "residual", fwd.stored_impls, st.stored_specs)
+        residuals=leaves_of(stored, "residual", fwd.stored_impls, st.stored_specs)
         + tuple(
             dataclasses.replace(inputs[k], key=keys.input_backed(st.input_keys[k]), input_backed=True)
             for k in plan.input_backed
@@ -383,7 +352,7 @@ def _zero_bubble(st: _Export, weights: Sequence[str] | str) -> None:
     st.manifest = dataclasses.replace(
         st.manifest,
         weights=weight_names,
-        intermediates=_leaves_json_safe(inter, specs=split.intermediate_specs),
+        intermediates=leaves_of(inter, specs=split.intermediate_specs),
         weight_residuals=tuple(keys.stored(i) for i in split.weight_stored),
         weight_inputs=tuple(backed[j] for j in split.weight_inputs),
     )

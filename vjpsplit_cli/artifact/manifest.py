@@ -1,8 +1,10 @@
 """The artifact's manifest: its schema (every key, dtype and shape), the format versions and the fingerprint.
 
 Like ``jax.export``'s own ``Exported``, the manifest is a frozen dataclass with an
-explicit format version; a reader refuses a newer version, naming both. Holding
-the caller's arrays to it at run time is module ``arguments``.
+explicit format version; a reader refuses a newer version, naming both. One
+array's entry (``Leaf``) is module ``leaf``; holding the caller's arrays to the
+manifest at run time is module ``arguments``. May import ``files``, ``tracing.vjp``
+(which dtypes take a cotangent) and ``leaf``.
 """
 
 from __future__ import annotations
@@ -19,11 +21,9 @@ from .._version import __version__
 from ..errors import VjpsplitError
 from ..files import keys
 from ..files.dtypes import dtype_from_name
-from ..files.prng import key_ndim
-from ..files.shapes import format_shape
 from ..files.trees import structure_keys
 from ..tracing.vjp import is_differentiable
-from .sharding import SpecJSON, spec_from_json
+from .leaf import Leaf as Leaf  # the manifest's leaves; ``training.autoplan`` takes Leaf from here
 
 # Artifact format versions. Bump on any change a reader must know about, and keep
 # reading the old ones where it is cheap.
@@ -48,96 +48,6 @@ from .sharding import SpecJSON, spec_from_json
 #                   Written only when set: an unsharded artifact's manifest is format 3's.
 FORMAT_VERSION = 4
 MAGIC = b"VJPSPLIT\x00"
-
-
-@dataclass(frozen=True)
-class Leaf:
-    """One array in the manifest: its file key, dtype name and shape (ints or dim names).
-
-    A typed PRNG key is described by its key data (``uint32[..., 2]`` for
-    threefry), with ``prng_impl`` naming the impl that wraps it back.
-
-    Attributes:
-        key: The leaf's file key (``x``, ``params/w``, ``r/0``, ``in/x``).
-        dtype: The dtype's name (``float32``, ``bfloat16``).
-        shape: The dims: ints, or names of symbolic dims.
-        input_backed: For residuals only: read from the inputs, not stored.
-        prng_impl: For a typed PRNG key, the impl of its key data; ``""`` for plain arrays.
-        sharding: Format >= 4: the leaf's PartitionSpec on the artifact's mesh (one
-            entry per dim: ``None``, an axis name or a tuple of names); ``None`` unsharded.
-    """
-
-    key: str
-    dtype: str
-    shape: tuple[int | str, ...]
-    input_backed: bool = False  # residuals only: read from the inputs, not stored
-    prng_impl: str = ""  # typed PRNG key: the impl of its key data; "" for plain arrays
-    sharding: SpecJSON | None = None  # format >= 4: PartitionSpec on the artifact's mesh; None unsharded
-
-    def describe(self) -> str:
-        """``bf16[32,128]``, or ``key<threefry2x32>[4] as u32[4,2]`` for typed keys.
-
-        Returns:
-            The leaf's dtype and shape as vjpsplit's messages write them.
-        """
-        data = format_shape(self.dtype, self.shape)
-        if not self.prng_impl:
-            return data
-        return f"key<{self.prng_impl}>[{','.join(str(d) for d in self.key_shape)}] as {data}"
-
-    @property
-    def key_shape(self) -> tuple[int | str, ...]:
-        """The shape of the array the function sees: the key array's shape for typed keys."""
-        if not self.prng_impl:
-            return self.shape
-        return self.shape[: len(self.shape) - key_ndim(self.prng_impl)]
-
-    def to_json(self, residual: bool = False) -> dict:
-        """The leaf as the manifest's JSON writes it.
-
-        Args:
-            residual: Whether the leaf is a residual, whose entry says ``input_backed``.
-
-        Returns:
-            A JSON-able dict: ``key``, ``dtype``, ``shape``, and ``input_backed``,
-            ``prng_impl`` and ``sharding`` where they apply.
-        """
-        d: dict[str, Any] = {"key": self.key, "dtype": self.dtype, "shape": list(self.shape)}
-        if residual:
-            d["input_backed"] = self.input_backed
-        if self.prng_impl:
-            d["prng_impl"] = self.prng_impl
-        if self.sharding is not None:
-            d["sharding"] = [list(e) if isinstance(e, tuple) else e for e in self.sharding]
-        return d
-
-    @classmethod
-    def from_json(cls, d: Mapping) -> "Leaf":
-        """Read a leaf from its manifest JSON entry.
-
-        Args:
-            d: The entry, as ``to_json`` writes it.
-
-        Returns:
-            The ``Leaf``.
-
-        Raises:
-            ValueError: If the shape, dtype, ``prng_impl`` or sharding is malformed
-                (``Manifest.from_json`` turns it into a ``VjpsplitError``).
-        """
-        shape = tuple(d["shape"])
-        if not all(isinstance(x, (int, str)) and not isinstance(x, bool) for x in shape):
-            raise ValueError(f"bad shape {shape!r}")
-        dtype_from_name(d["dtype"])
-        impl = d.get("prng_impl", "")
-        if not isinstance(impl, str):
-            raise ValueError(f"bad prng_impl {impl!r}")
-        sharding = d.get("sharding")
-        if sharding is not None:
-            sharding = spec_from_json(sharding)
-            if len(sharding) > len(shape):
-                raise ValueError(f"sharding of '{d['key']}' has more entries than its shape has dims")
-        return cls(str(d["key"]), str(d["dtype"]), shape, bool(d.get("input_backed", False)), impl, sharding)
 
 
 # Fields added after format 2, written only when set, so that older manifests

@@ -8,7 +8,8 @@ from ..files.sizes import byte_terms, evaluate_terms, format_bytes_terms, human_
 from ..terminal import printable
 from ..tracing.policies import PolicyCost
 from .artifact import Artifact
-from .manifest import Leaf, Manifest
+from .leaf import Leaf
+from .manifest import Manifest
 from .sharding import format_spec
 
 

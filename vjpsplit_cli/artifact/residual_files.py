@@ -1,6 +1,7 @@
 """Residual and intermediates files: the forward's residuals on disk, tied to the artifact (and inputs) that made them.
 
-Saving and loading them; what their metadata records and the checks on it are ``residual_meta``.
+Saving and loading them; what their metadata records and the checks on it are ``residual_meta``;
+what a file of ``split``'s residuals holds, and reading one back, ``split_residual_files``.
 """
 
 from __future__ import annotations
@@ -14,10 +15,7 @@ import numpy as np
 from ..errors import VjpsplitError
 from ..files import keys
 from ..files.dtypes import dtype_name
-from ..files.prng import data_struct, from_data, impl_name, is_key, to_data
-from ..files.shapes import format_shape
 from ..tracing.residuals import Intermediates, Residuals, SplitResiduals
-from ..tracing.vjp import plan_for_token
 from .arguments import flatten_args
 from .artifact import Artifact
 from .residual_meta import (
@@ -34,6 +32,7 @@ from .residual_meta import (
     save_checked,
     shardings_meta,
 )
+from .split_residual_files import load_split_residuals, split_contents
 
 __all__ = ["input_crc32", "load_intermediates", "load_residuals", "save_intermediates", "save_residuals"]
 
@@ -188,17 +187,7 @@ def save_residuals(
             **shardings_meta(res.stored),
         }
     else:  # split's: keys r/i and flat argument positions
-        arrays = {k: np.asarray(to_data(v)) for k, v in res.stored.items()}
-        if self_contained:
-            arrays.update({keys.input_backed(k): np.asarray(to_data(v)) for k, v in res.inputs.items()})
-        meta = {
-            "kind": KIND_SPLIT,
-            "token": res.plan.token,
-            "pid": os.getpid(),
-            "needs_inputs": [] if self_contained else [str(k) for k in res.plan.input_backed],
-            "self_contained": bool(self_contained),
-            **binding(res),
-        }
+        arrays, meta = split_contents(res, self_contained)
     save_checked(path, arrays, meta, fsync)
 
 
@@ -258,7 +247,7 @@ def load_residuals(
             check_bound_inputs(path, meta, flat, inputs_source or "inputs", computed_dtypes(meta, artifact))
         return res
     if kind == KIND_SPLIT:
-        res = _load_split_residuals(path, arrays, meta, needs, inputs)
+        res = load_split_residuals(path, arrays, meta, needs, inputs)
         if verify and inputs is not None:
             leaves = jax.tree_util.tree_leaves(inputs)
             check_bound_inputs(path, meta, {str(i): v for i, v in enumerate(leaves)}, inputs_source or "inputs")
@@ -343,60 +332,3 @@ def _flat_inputs(
 def _input_backed_arrays(arrays: Mapping[str, Any]) -> dict[str, Any]:
     """The input-backed residuals a self-contained file holds, by their input keys."""
     return {keys.input_of(k): v for k, v in arrays.items() if keys.is_input_backed(k)}
-
-
-def _load_split_residuals(
-    path: str | os.PathLike, arrays: Mapping[str, Any], meta: Mapping[str, Any], needs: Sequence[str], inputs: Inputs
-) -> Residuals:
-    plan = plan_for_token(str(meta.get("token")))
-    if plan is None:
-        raise VjpsplitError(
-            f"{path}: these residuals come from split() in another process (pid {meta.get('pid')}); "
-            "their backward lives only there; use vs.export(...) artifacts to run the backward elsewhere"
-        )
-    try:
-        stored = tuple(arrays[keys.stored(i)] for i in range(plan.n_stored))
-    except KeyError as e:
-        raise VjpsplitError(f"{path}: residual {e.args[0]!r} is missing; rerun the forward") from e
-    if meta.get("self_contained"):
-        try:
-            ins = tuple(
-                _from_file(path, keys.input_backed(str(k)), arrays[keys.input_backed(str(k))], plan.arg_leaf_avals[k])
-                for k in plan.input_backed
-            )
-        except KeyError as e:
-            raise VjpsplitError(f"{path}: input-backed residual {e.args[0]!r} is missing; rerun the forward") from e
-    elif not plan.input_backed:
-        ins = ()  # every residual is stored: the inputs are not needed at all
-    else:
-        if inputs is None:
-            raise VjpsplitError(
-                f"{path}: these residuals leave out input arrays (to avoid copies); "
-                "pass load_residuals(path, inputs=args) with fwd's arguments"
-            )
-        flat = jax.tree_util.tree_leaves(inputs)
-        if len(flat) != len(plan.arg_leaf_avals):
-            raise VjpsplitError(
-                f"{path}: inputs have {len(flat)} leaves, the forward had {len(plan.arg_leaf_avals)}; "
-                "pass the arguments fwd ran on"
-            )
-        ins = tuple(flat[k] for k in plan.input_backed)
-    stored = tuple(
-        _from_file(path, keys.stored(i), v, aval) for i, (v, aval) in enumerate(zip(stored, plan.stored_avals))
-    )
-    return SplitResiduals(
-        {keys.stored(i): v for i, v in enumerate(stored)},
-        {str(k): v for k, v in zip(plan.input_backed, ins)},
-        plan=plan,
-    )
-
-
-def _from_file(path: str | os.PathLike, key: str, v: Any, aval: Any) -> Any:
-    """A split residual as the backward wants it: checked, typed PRNG keys rewrapped."""
-    want = data_struct(aval) if is_key(aval) else aval
-    if tuple(v.shape) != tuple(want.shape) or np.dtype(v.dtype) != np.dtype(want.dtype):
-        raise VjpsplitError(
-            f"{path}: residual '{key}': expected {format_shape(want.dtype, want.shape)}, "
-            f"file has {format_shape(v.dtype, v.shape)}; rerun the forward"
-        )
-    return from_data(v, impl_name(aval)) if is_key(aval) else v

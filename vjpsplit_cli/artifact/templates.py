@@ -15,12 +15,12 @@ import numpy as np
 from ..errors import UsageError
 from ..files import save_arrays
 from ..files.dtypes import dtype_from_name
-from ..files.dims import names, parse
+from ..files.dimtext import names, parse
 from ..files.shapes import concrete_shape, eval_dim
 from ..files.sizes import check_at_names, parse_at
 from .artifact import Artifact
 from .loading import load
-from .manifest import Leaf
+from .leaf import Leaf
 
 WHAT = ("inputs", "cotangents")
 FILLS = ("zeros", "ones", "normal")

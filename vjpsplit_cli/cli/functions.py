@@ -230,7 +230,7 @@ def plan_cmd(
     auto = None
     if "auto" in chosen:
         from ..tracing.choice import choose_auto
-        from ..tracing.vjp import wrt_positions
+        from ..tracing.signatures import wrt_positions
 
         chosen = [p for p in chosen if p != "auto"]
         _log_timing(at)

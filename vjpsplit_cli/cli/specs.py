@@ -19,7 +19,7 @@ from ..files import load_arrays
 from ..files.shapes import new_scope, parse_array_spec, to_struct
 from ..files.trees import unflatten_keys
 from ..safeio.reading import open_for_read
-from ..tracing.vjp import not_traceable, signature_positionals
+from ..tracing.signatures import not_traceable, signature_positionals
 
 
 def load_object(target: str, label: str = "FN") -> tuple[Any, str]:

@@ -11,17 +11,15 @@ stage's own programs on its device, so those programs hold no collective.
 
 Each replica sums its weight gradients over the step's microbatches alone, as a
 single worker does. When the stage's last gradient operation of the step is
-dispatched (its m-th B or W), the group dispatches ``Reducer``: one program over
-the 1-D mesh of the replicas' devices (``AXIS``) that packs every leaf into one
-buffer per dtype and reduces it across replicas with **one** reduce-scatter,
-leaving each device its ``zero_spec`` shard of every gradient (the layout the
-sharded optimizer state has, ``training.zero1``). A leaf none of whose
-dimensions divides by N is packed whole into every device's row, so it comes out
-whole on every device from the same reduce-scatter.
+dispatched (its m-th B or W), the group dispatches the stage's ``Reducer``
+(module ``reduction``): one reduce-scatter across the replicas, leaving each
+device its ``zero_spec`` shard of every gradient.
 
 The loss is the mean over the replicas' losses (each the mean over its part), and
 each replica's seed cotangent is ``1 / (microbatches * N)``: the step computes the
-gradient of the mean over the whole batch, as one process does.
+gradient of the mean over the whole batch, as one process does. Also where a
+stage's replicas run (``replica_placement``). May import the runtime room's
+``worker``, ``offload``, ``model`` and ``reduction``, and the schedules room.
 """
 
 from __future__ import annotations
@@ -37,16 +35,17 @@ from ...treetypes import PyTree
 from ..schedules.ops import Op
 from .model import Microbatch
 from .offload import Offload
+from .reduction import Reducer, replica_mesh
 from .worker import StageWorker
 
-if TYPE_CHECKING:
-    from jax.sharding import Mesh, PartitionSpec
+# The reduction's; named here too for their importers (``training.zero1``).
+from .reduction import AXIS as AXIS
+from .reduction import zero_spec as zero_spec
 
+if TYPE_CHECKING:
     from ...artifact.artifact import Artifact
     from ...tracing.residuals import Intermediates
     from ..schedules.timeline import Event
-
-AXIS = "replicas"  # the one mesh axis of a stage's replica devices
 
 
 class Parts(tuple):  # type: ignore[type-arg]
@@ -59,35 +58,8 @@ class Parts(tuple):  # type: ignore[type-arg]
 jax.tree_util.register_pytree_node(Parts, lambda p: (tuple(p), None), lambda _, children: Parts(children))
 
 
-def zero_dim(shape: Sequence[int], n: int) -> int | None:
-    """The dimension a leaf of ``shape`` is sharded along over ``n`` replicas: its largest that divides by ``n``
-    (the first of equals), or None (the leaf stays whole on every replica: a scalar, or no dimension divides)."""
-    best = None
-    for i, d in enumerate(shape):
-        if d >= n and d % n == 0 and (best is None or d > shape[best]):
-            best = i
-    return best
-
-
-def zero_spec(shape: Sequence[int], n: int) -> PartitionSpec:
-    """The ``PartitionSpec`` of a leaf's gradient and optimizer state over ``n`` replicas (``zero_dim``)."""
-    from jax.sharding import PartitionSpec
-
-    d = zero_dim(shape, n)
-    return PartitionSpec() if d is None else PartitionSpec(*([None] * d), AXIS)
-
-
-def replica_mesh(devices: Sequence[jax.Device]) -> Mesh:
-    """The 1-D mesh (axis ``AXIS``) over a stage's replica devices, in order."""
-    from jax.sharding import Mesh
-
-    return Mesh(np.asarray(list(devices), dtype=object), (AXIS,))
-
-
 def split_parts(tree: PyTree, n: int) -> list[PyTree]:
     """``tree``'s arrays cut into ``n`` equal parts along axis 0: per replica, the tree of its part."""
-    import jax
-
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     parts: list[list[object]] = [[] for _ in range(n)]
     for a in leaves:
@@ -162,83 +134,6 @@ def replica_placement(
     return [out_by_stage[s] for s in range(len(artifacts))]
 
 
-class Reducer:
-    """One stage's cross-replica gradient reduction: a jitted ``shard_map`` with one reduce-scatter per dtype.
-
-    Called with, per leaf, the global array whose shard on replica r is replica r's
-    summed gradient (stacked along axis 0); returns each leaf's sum over the
-    replicas laid out by ``zero_spec`` (whole leaves replicated), and each
-    replica's squared sums of the ``squared`` leaves' shards (a whole leaf counted
-    on the first replica only), an ``(N, len(squared))`` array: the stage's share of
-    the global norm without another collective.
-    """
-
-    def __init__(self, mesh: Mesh, shapes: Sequence[tuple[int, ...]], squared: Sequence[bool]):
-        import jax
-        from jax.sharding import PartitionSpec
-
-        self.mesh, self.shapes, self.squared = mesh, [tuple(s) for s in shapes], list(squared)
-        n = int(mesh.size)
-        self.n = n
-        self.dims = [zero_dim(s, n) for s in self.shapes]
-        out_specs = ([zero_spec(s, n) for s in self.shapes], PartitionSpec(AXIS))
-        in_specs = tuple(PartitionSpec(AXIS) for _ in self.shapes)
-        # check_vma=False: a whole leaf comes out of the reduce-scatter equal on every replica, which the
-        # replication check cannot see.
-        body = jax.shard_map(self.reduce_replicas, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-        self.program = jax.jit(body)
-
-    def reduce_replicas(self, *blocks: jax.Array) -> tuple[list[jax.Array], jax.Array]:
-        import jax
-        import jax.numpy as jnp
-
-        n = self.n
-        groups: dict[np.dtype, list[tuple[int, jax.Array]]] = {}
-        for i, (b, s, d) in enumerate(zip(blocks, self.shapes, self.dims)):
-            b = b.reshape(s)
-            # Row r is what replica r keeps: its slice along the sharded dim, or the whole leaf.
-            row = jnp.broadcast_to(b.reshape(1, -1), (n, b.size)) if d is None else jnp.moveaxis(b, d, 0).reshape(n, -1)
-            groups.setdefault(b.dtype, []).append((i, row))
-        out: dict[int, jax.Array] = {}  # by leaf, each set below
-        for rows in groups.values():
-            buf = jnp.concatenate([r for _, r in rows], axis=1)
-            red = jax.lax.psum_scatter(buf, AXIS, scatter_dimension=0, tiled=True)[0]
-            off = 0
-            for i, r in rows:
-                piece = red[off : off + r.shape[1]]
-                off += r.shape[1]
-                s, d = self.shapes[i], self.dims[i]
-                if d is None:
-                    out[i] = piece.reshape(s)
-                else:
-                    moved = (s[d] // n, *(x for j, x in enumerate(s) if j != d))
-                    out[i] = jnp.moveaxis(piece.reshape(moved), 0, d)
-        first = jax.lax.axis_index(AXIS) == 0
-        sq = []
-        for i in range(len(blocks)):
-            if not self.squared[i]:
-                continue
-            g = out[i]
-            v = jnp.sum(jnp.square(jnp.abs(g) if jnp.iscomplexobj(g) else g))
-            sq.append(v if self.dims[i] is not None else jnp.where(first, v, jnp.zeros_like(v)))
-        wide = jnp.result_type(*[v.dtype for v in sq]) if sq else jnp.float32
-        squares = jnp.stack([v.astype(wide) for v in sq]) if sq else jnp.zeros((0,), wide)
-        return [out[i] for i in range(len(blocks))], squares.reshape(1, -1)
-
-    def __call__(self, per_replica: Sequence[Sequence[jax.Array]]) -> tuple[list[jax.Array], jax.Array]:
-        """``per_replica[r]``: replica r's gradient leaves (on its device); the reduced leaves and the squares."""
-        import jax
-        from jax.sharding import NamedSharding, PartitionSpec
-
-        stacked = NamedSharding(self.mesh, PartitionSpec(AXIS))
-        args = []
-        for i, s in enumerate(self.shapes):
-            parts = [leaves[i] if s else leaves[i].reshape(1) for leaves in per_replica]
-            shape = (self.n * s[0], *s[1:]) if s else (self.n,)
-            args.append(jax.make_array_from_single_device_arrays(shape, stacked, parts))
-        return self.program(*args)
-
-
 class ReplicaGroup:
     """A stage's N replicas, standing where its one ``StageWorker`` would (see the module).
 
@@ -260,8 +155,6 @@ class ReplicaGroup:
         devices: Sequence[jax.Device],
         offload: Offload | None = None,
     ):
-        import jax
-
         if artifact.manifest.sharded:
             raise VjpsplitError(f"stage {stage_index}: replicas run unsharded stages only")
         self.replicas = [StageWorker(artifact, params, stage_index, num_stages, d) for d in devices]
@@ -390,16 +283,12 @@ class ReplicaGroup:
     def reducer(self) -> Reducer:
         """The stage's ``Reducer`` (built on first use, kept across steps)."""
         if self._reducer is None:
-            import jax
-
             shapes = [tuple(np.shape(a)) for a in jax.tree_util.tree_leaves(self.replicas[0].params)]
             self._reducer = Reducer(self.mesh, shapes, self.squared)
         return self._reducer
 
     def reduce(self) -> None:
         """The one cross-replica reduction of the step's summed gradients (dispatched, not waited for)."""
-        import jax
-
         if any(r.grads is None for r in self.replicas):
             raise VjpsplitError(f"stage {self.stage_index}: a replica computed no gradients this step")
         leaves, squares = self.reducer([jax.tree_util.tree_leaves(r.grads) for r in self.replicas])
@@ -418,8 +307,6 @@ class ReplicaGroup:
 
 def jax_leaves(tree: PyTree) -> list[jax.Array]:
     """``tree``'s leaves in JAX's order (a stage's gradients: its arrays)."""
-    import jax
-
     return jax.tree_util.tree_leaves(tree)
 
 

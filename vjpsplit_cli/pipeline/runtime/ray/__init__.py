@@ -2,8 +2,9 @@
 
 Owns starting or joining Ray, clocks, placement groups and why an actor waits
 (``setup``), the actor (``actor``), the one step-timeout wait and dead-actor
-reports (``waiting``), a step as a Compiled Graph (``compiled``) and
-``RayPipeline`` (``pipeline``).
+reports (``waiting``), a runner's actors placed, loaded, waited on and described
+(``group``), a step as a Compiled Graph (``compiled``) and ``RayPipeline``
+(``pipeline``).
 
 May import what ``runtime`` may, and ``runtime``'s in-process modules.
 """

@@ -1,0 +1,261 @@
+"""A Ray runner's actors, one per worker: asked of Ray, placed, loaded with their stages, waited on, described.
+
+``ActorGroup`` is the actors' side of ``pipeline.RayPipeline`` (which runs steps on
+them): Ray's actor options per worker, the wait for Ray to place each within
+``schedule_timeout`` (one error naming the stage and the resource it lacks), each
+actor's node and its monotonic clock against the driver's, the values of their
+calls (an actor that died is one error naming its stages), a step's wait within
+``step_timeout``, and what each worker of a stuck step is doing. May import the
+ray room's ``setup``, ``actor``, ``lists`` and ``waiting``, and the runtime's
+``flight``, ``dispatch`` and ``model``; not ``pipeline``, which builds on it.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypeVar
+
+from ....errors import VjpsplitError
+from ...schedules.layout import Layout
+from ...schedules.ops import OpKey
+from ...schedules.timeline import Event
+from ..dispatch import ProgressBar
+from ..flight import clause, default_path, ring_rows, write_flight
+from ..model import Model
+from . import waiting
+from .actor import StepReport, StageActor, WorkerStatus, devices_for
+from .lists import CONCURRENCY_GROUPS, INBOX
+from .setup import ActorHandle, RemoteClass, clock_offset, init_ray, lack
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+T = TypeVar("T")
+
+
+class ActorGroup:
+    """One Ray actor per worker of a layout, and the driver's calls on them (``RayPipeline`` runs steps on it).
+
+    The subclass sets ``ray``, ``model``, ``layout``, ``num_stages``, ``step_timeout``,
+    ``steps`` and ``hang_report`` before ``make_actors``; see ``RayPipeline`` for each.
+    """
+
+    actor_class: type[StageActor] = StageActor  # the Trainer's actors extend it
+    replicas = 1  # replicas of every stage on each actor's devices (the Trainer's data_parallel)
+    ray: ModuleType
+    model: Model
+    layout: Layout
+    num_stages: int
+    step_timeout: float
+    steps: int
+    hang_report: str | None
+
+    def make_actors(
+        self,
+        address: str | None,
+        runtime_env: Mapping[str, object] | None,
+        num_cpus_per_stage: float,
+        actor_options: Sequence[Mapping[str, Any]] | None,
+    ) -> None:
+        """Start (or join) Ray and ask it for one actor per worker, with its actor options (not waited for).
+
+        Args:
+            address: A Ray cluster address; ``None`` starts (or joins) a local Ray instance.
+            runtime_env: Ray's runtime environment for the actors; ``None`` for none.
+            num_cpus_per_stage: The CPUs each actor reserves, unless its ``actor_options`` say otherwise.
+            actor_options: One dict of Ray actor options per worker; ``None`` for none.
+        """
+        self.started = init_ray(self.ray, address, runtime_env, self.layout.num_workers)
+        self.actors: list[ActorHandle] = []
+        self.options: list[dict[str, Any]] = []  # per worker, Ray's actor options
+        arts = self.model.artifacts
+        # Through the untyped module: ray.remote's typed overloads lack concurrency_groups (deliveries beside the list).
+        self._remote_class: RemoteClass = self.ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(self.actor_class)
+        for w, held in enumerate(self.layout.workers):
+            opts = {"num_cpus": num_cpus_per_stage, **(dict(actor_options[w]) if actor_options else {})}
+            devices_for(opts, self.replicas * max(arts[s].manifest.nr_devices for s in held))
+            self.options.append(opts)
+            self.actors.append(self.new_actor(w))
+        n = self.layout.num_workers
+        self.nodes: list[str] = [""] * n
+        self.clock_offsets: list[float] = [0.0] * n
+
+    def new_actor(self, worker: int) -> ActorHandle:
+        """A new actor for ``worker``, with its actor options: at the start, or in place of one that was lost.
+
+        Args:
+            worker: The worker's index.
+
+        Returns:
+            The new actor's handle (not yet ready: see ``start_workers``).
+        """
+        return self._remote_class.options(**self.options[worker]).remote()
+
+    def connect(self) -> None:
+        """Tell every actor every worker's handle and which worker holds each stage (after any replaced)."""
+        worker_of = self.layout.worker_of()
+        self.get([a.connect.remote(self.actors, worker_of) for a in self.actors])
+
+    def start_workers(self, workers: Sequence[int], timeout: float, what: str = "its actor") -> None:
+        """Wait until Ray has placed ``workers``' actors, note their nodes and clocks, and load each its stages.
+
+        Within ``timeout`` seconds, else one error naming the worker and what its
+        options lack. Each is loaded with its stages as this pipeline began: at the
+        start, or for actors replacing lost ones (``what`` says which, in the error).
+
+        Args:
+            workers: The workers' indices.
+            timeout: Seconds for Ray to place their actors.
+            what: What to call each actor in the error.
+
+        Raises:
+            VjpsplitError: If an actor is not placed within ``timeout``, or one dies
+                (naming the stages it held).
+        """
+        ray = self.ray
+        refs = [self.actors[w].ready.remote() for w in workers]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        if pending:
+            w = list(workers)[refs.index(pending[0])]
+            raise VjpsplitError(
+                f"{self.layout.label(w)}: Ray did not place {what} within {timeout:g} s: {lack(ray, self.options[w])}"
+            )
+        for w, node in zip(workers, self.get(refs)):
+            self.nodes[w], self.clock_offsets[w] = node, clock_offset(ray, self.actors[w])
+        arts, params, held = self.model.artifacts, self.model.stage_params, self.layout.workers
+        self.get(
+            [
+                self.actors[w].load.remote(
+                    [(s, arts[s].to_bytes(), params[s]) for s in held[w]], self.num_stages, w, self.replicas
+                )
+                for w in workers
+            ]
+        )
+
+    def get(self, refs: Sequence[ObjectRef[T]]) -> list[T]:
+        """The values of ``refs``; a dead actor is one error naming the stages it held.
+
+        Args:
+            refs: Ray object refs of the actors' calls.
+
+        Returns:
+            Their values, in order.
+
+        Raises:
+            VjpsplitError: If an actor died, naming the stages it held.
+        """
+        return waiting.get(self.ray, refs, self.actors, self.layout)
+
+    def fetch(
+        self,
+        refs: Sequence[ObjectRef[T]],
+        owners: Sequence[int],
+        t0: float,
+        *,
+        hint: str = "",
+        bar: ProgressBar | None = None,
+        watch: Sequence[ObjectRef[Any]] = (),
+    ) -> list[T]:
+        """The values of ``refs`` (worker ``owners[i]``'s) once all are done, within ``step_timeout`` of ``t0``.
+
+        ``watch``: the step's lists (``start_step``); one whose actor died ends the wait at once and
+        releases the other workers, and ``get`` names the stages it held.
+
+        Args:
+            refs: Ray object refs of the actors' calls.
+            owners: Per ref, the worker whose call it is.
+            t0: The step's start on the driver's ``time.monotonic`` clock.
+            hint: Words added to a timeout's error.
+            bar: A progress bar to advance as refs finish; ``None`` for none.
+            watch: The step's lists, watched for a dead actor.
+
+        Returns:
+            The values of ``refs``, in order.
+
+        Raises:
+            VjpsplitError: If the step runs past ``step_timeout`` (saying what each
+                worker is doing), or an actor died (naming the stages it held).
+        """
+        waiting.wait_step(
+            self.ray,
+            refs,
+            owners,
+            t0 + self.step_timeout,
+            self.step_timeout,
+            self.layout,
+            hint=hint,
+            bar=bar,
+            watch=watch,
+            on_stop=lambda: self._abort(self.steps),
+            describe=lambda: self.describe(t0),
+        )
+        return self.get([*watch, *refs])[len(watch) :]
+
+    def describe(self, t0: float, wait: float = 1.0) -> str:
+        """What each worker is doing, its last operations written as JSON: the tail of a stuck step's error.
+
+        Each worker's state is said as ``flight.clause`` says it (on the driver's clock,
+        ms since ``t0``), for a stuck or interrupted step. An actor that does not answer
+        within ``wait`` seconds is said to be so.
+
+        Args:
+            t0: The step's start on the driver's ``time.monotonic`` clock.
+            wait: Seconds to wait for each actor's answer.
+
+        Returns:
+            ``"; "`` then one clause per worker, and where the last operations were
+            written (or that they could not be).
+        """
+        ray = self.ray
+        refs = [a.status.options(concurrency_group=INBOX).remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait)
+        got: dict[int, WorkerStatus] = {}
+        for w, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    got[w] = ray.get(ref)
+                except Exception:  # noqa: BLE001 - a dead actor: said below
+                    pass
+        sent = {
+            OpKey(*k): t - self.clock_offsets[w] for w, st in got.items() for k, t in st["sent"].items()
+        }  # each value handed to the sender, on the driver's clock
+        worker_of = self.layout.worker_of()
+        parts, rows = [], []
+        for w in range(len(self.actors)):
+            if w not in got:
+                parts.append(f"worker {w}: its actor did not answer within {wait:g} s")
+                rows.append({"worker": w, "now": parts[-1], "ops": []})
+                continue
+            state, op, src, since = got[w]["now"]
+            off = self.clock_offsets[w]
+            now = (state, None if op is None else OpKey(*op), None if src is None else OpKey(*src), since - off)
+            # A value its sender handed on but this worker never took is a delivery that hangs.
+            parts.append(clause(w, now, t0, worker_of, sent))
+            ops = [
+                r
+                for s, ring in got[w]["rings"].items()
+                for r in ring_rows([(k, m, a - off, b - off) for k, m, a, b in ring], int(s), t0)
+            ]
+            rows.append({"worker": w, "now": parts[-1], "ops": sorted(ops, key=lambda r: r["start_ms"])})
+        path = self.hang_report or default_path()
+        text = "; " + "; ".join(parts)
+        written = write_flight(path, text[2:], rows)
+        return text + (f"; the last operations of every worker: {path}" if written else f" (could not write {path})")
+
+    def _abort(self, step: int) -> None:
+        for a in self.actors:
+            try:
+                a.abort.options(concurrency_group=INBOX).remote(step)
+            except Exception:  # noqa: BLE001 - a dead actor: nothing of it waits
+                pass
+
+    def driver_events(self, states: Sequence[StepReport]) -> list[Event]:
+        """The events in each worker's ``state`` (or ``report``), moved onto the driver's clock.
+
+        Args:
+            states: Per worker, the state (or report) its actor returned, with its ``"events"``.
+
+        Returns:
+            Every worker's events, shifted by its clock offset.
+        """
+        return [e.shifted(off) for st, off in zip(states, self.clock_offsets) for e in st["events"]]
