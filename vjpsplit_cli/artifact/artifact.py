@@ -21,7 +21,8 @@ from jax.sharding import Mesh
 
 from ..errors import VjpsplitError
 from ..files.trees import ArgTrees, decode_structure, flatten_with_keys
-from ..tracing.residuals import FrozenDict, Intermediates, Residuals
+from ..tracing.frozen import FrozenDict
+from ..tracing.residuals import Intermediates, Residuals
 from ..safeio.signals import signals_guarded
 from ..trust import signing
 from ..trust.module_io import AUX, CARRIER, COTANGENTS, GRADS, INPUT_BACKED, INTERMEDIATES, OUT, STORED

@@ -25,7 +25,8 @@ from ..files import keys
 from ..files.dtypes import dtype_from_name
 from ..files.prng import from_data, is_key, to_data
 from ..files.trees import ArgTrees
-from ..tracing.residuals import FrozenDict, Intermediates, Residuals, SplitResiduals
+from ..tracing.frozen import FrozenDict
+from ..tracing.residuals import Intermediates, Residuals, SplitResiduals
 from ..trust.module_io import INPUT_BACKED, INTERMEDIATES, STORED, input_backed_leaves, module_io
 from .arguments import check_array, check_keys, flatten_args, recorded_dims, solved_dims
 from .manifest import Manifest

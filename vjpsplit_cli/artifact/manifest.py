@@ -23,7 +23,7 @@ from ..files import keys
 from ..files.dtypes import dtype_from_name
 from ..files.trees import structure_keys
 from ..tracing.vjp import is_differentiable
-from .leaf import Leaf as Leaf  # the manifest's leaves; ``training.autoplan`` takes Leaf from here
+from .leaf import Leaf
 
 # Artifact format versions. Bump on any change a reader must know about, and keep
 # reading the old ones where it is cheap.

@@ -17,7 +17,8 @@ from ..errors import VjpsplitError
 from ..files import load_arrays, save_arrays
 from ..files.dtypes import dtype_from_name, dtype_name
 from ..files.prng import to_data
-from ..files.shapes import MAX_DIM, format_shape
+from ..files.dimtext import MAX_DIM
+from ..files.shapes import format_shape
 from ..safeio import checksum
 from ..tracing.residuals import Residuals
 from .arguments import as_computed

@@ -27,16 +27,12 @@ from typing import Mapping, Sequence
 from ..errors import VjpsplitError
 
 # Reading a dim's text is ``dimtext``'s; its names are here too, where their importers have always found them.
-from .dimtext import FUNCS as FUNCS
-from .dimtext import MAX_DEPTH as MAX_DEPTH
-from .dimtext import MAX_DIM as MAX_DIM
-from .dimtext import MAX_POWER as MAX_POWER
-from .dimtext import MAX_TEXT as MAX_TEXT
+from .dimtext import MAX_DIM
 from .dimtext import NAME, evaluate_node
-from .dimtext import Node as Node
-from .dimtext import evaluate as evaluate
-from .dimtext import names as names
-from .dimtext import parse as parse
+from .dimtext import Node
+from .dimtext import evaluate
+from .dimtext import names
+from .dimtext import parse
 
 
 _Linear = tuple[int, dict[str, int]]  # constant + sum of coefficient * unknown name

@@ -12,7 +12,7 @@ from jax import export as jexport
 from jax.sharding import NamedSharding
 
 from ..errors import VjpsplitError
-from .dimtext import MAX_DIM as MAX_DIM
+from .dimtext import MAX_DIM
 from .dimtext import evaluate
 from .dtypes import NARROWED, dtype_from_name, short_name
 from .prng import is_key

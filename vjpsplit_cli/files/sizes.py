@@ -17,7 +17,8 @@ import numpy.typing as npt
 
 from ..errors import UsageError, VjpsplitError
 from .dtypes import dtype_from_name
-from .shapes import IDENTIFIER, MAX_DIM, eval_dim
+from .dimtext import MAX_DIM
+from .shapes import IDENTIFIER, eval_dim
 
 
 class ShapedLeaf(Protocol):

@@ -16,7 +16,7 @@ from ..errors import VjpsplitError
 from ..files import keys
 from ..files.trees import ArgTree, ArgTrees
 from .frozen import Frozen
-from .frozen import FrozenDict as FrozenDict  # its importers take it from here
+from .frozen import FrozenDict
 from .vjp import Plan
 
 

@@ -24,13 +24,7 @@ from ..errors import VjpsplitError
 from ..files.shapes import format_shape
 
 # Their home is ``signatures``; named here too for the importers outside tracing that take them from ``vjp``.
-from .signatures import Wrt as Wrt
-from .signatures import fn_name as fn_name
-from .signatures import fn_wrt_positions as fn_wrt_positions
-from .signatures import not_traceable as not_traceable
-from .signatures import positional_names as positional_names
-from .signatures import signature_positionals as signature_positionals
-from .signatures import wrt_positions as wrt_positions
+from .signatures import fn_name
 
 if TYPE_CHECKING:
     from jax.extend.core import Jaxpr

@@ -52,7 +52,7 @@ _MlirType = Sequence[Any]  # the probe's [MLIR element type, dims or None] (JSON
 
 
 class _LeafSpec(Protocol):
-    """What the checks read of a manifest leaf (``artifact.manifest.Leaf``)."""
+    """What the checks read of a manifest leaf (``artifact.leaf.Leaf``)."""
 
     @property
     def dtype(self) -> str: ...

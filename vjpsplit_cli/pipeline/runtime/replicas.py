@@ -39,8 +39,6 @@ from .reduction import Reducer, replica_mesh
 from .worker import StageWorker
 
 # The reduction's; named here too for their importers (``training.zero1``).
-from .reduction import AXIS as AXIS
-from .reduction import zero_spec as zero_spec
 
 if TYPE_CHECKING:
     from ...artifact.artifact import Artifact

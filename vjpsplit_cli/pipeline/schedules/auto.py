@@ -38,10 +38,7 @@ from .builtins import schedule
 from .catalog import SPLIT_BACKWARD
 from .offloading import OffloadPlans, choose_offload, offload_makespan
 from .ops import Op
-from .listscheduler import INF as INF
-from .listscheduler import Policy as Policy
-from .listscheduler import policies as policies
-from .listscheduler import search as search
+from .listscheduler import search
 from .refine import refine
 
 BUILT_INS = ("gpipe", "1f1b", "zbh1")  # the one-stage-per-worker schedules the result never loses to

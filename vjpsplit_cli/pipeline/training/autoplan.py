@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from ...artifact.artifact import Artifact
-from ...artifact.manifest import Leaf as ManifestLeaf
+from ...artifact.leaf import Leaf as ManifestLeaf
 from ...errors import VjpsplitError
 from ...files import keys
 from ...files.dtypes import dtype_from_name

@@ -34,7 +34,8 @@ from ...files.prng import to_data
 from ...files.trees import decode_structure, flatten_with_keys
 from ...treetypes import Leaf, PyTree
 from ..runtime.offload import Offload
-from ..runtime.replicas import AXIS, ReplicaGroup, replica_placement, zero_spec
+from ..runtime.reduction import AXIS, zero_spec
+from ..runtime.replicas import ReplicaGroup, replica_placement
 from .arguments import Optimizer
 from .clipping import sum_of_squares
 from .optimizer import export_optimizer, load_optimizer
