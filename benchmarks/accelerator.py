@@ -1,5 +1,5 @@
 """One prepared run for a machine with a GPU or TPU: correctness on the device, then the fwd+bwd,
-residual I/O, pipeline and training benchmarks, written as one JSON and one markdown report.
+residual I/O, pipeline, training and offload benchmarks, written as one JSON and one markdown report.
 
     bash benchmarks/accelerator.sh [OUTDIR]      # installs what is missing, then the run below; <= 10 min
     python -m benchmarks --accelerator [--quick] [--out OUTDIR] [--budget SECONDS]
@@ -11,7 +11,9 @@ file round trip and a symbolic batch size), fwd+bwd against fused, residual I/O 
 files, and the device-to-file path), the pipeline schedules (in-process, stages
 exported for the device), and training across every visible device (a GPT cut into one
 stage per device, the Trainer's step against the ideal pipelined step, and the runner's
-own cost per operation; ``benchmarks/train.py``). A step that would not fit in what is left of the budget is
+own cost per operation; ``benchmarks/train.py``), and residuals off the device (the mid GPT's
+two stages with and without offload to the device's ``pinned_host`` memory: peak residual bytes,
+step times, parameters bitwise; ``benchmarks/offload.py``). A step that would not fit in what is left of the budget is
 skipped; a step that fails is reported and the next one runs. The report is rewritten
 after every step, so a run cut short still leaves what it measured.
 
@@ -39,7 +41,7 @@ import numpy as np
 
 import vjpsplit_cli as vs
 from benchmarks import io as io_bench
-from benchmarks import overhead, pipeline, train
+from benchmarks import offload, overhead, pipeline, train
 from benchmarks.timing import interleaved
 from benchmarks.workloads import ALL, PERF
 
@@ -47,7 +49,14 @@ BUDGET_S = 540  # the Python part; accelerator.sh keeps the whole command within
 POLICIES = ("everything", "dots", "nothing")
 RTOL = 1e-4  # of the largest magnitude, with matmuls at full f32 precision on both sides
 # Seconds each step is expected to take at most on an accelerator (compiles dominate), full and --quick.
-ESTIMATE = {"correctness": (90, 45), "overhead": (150, 60), "io": (60, 25), "pipeline": (120, 45), "train": (120, 60)}
+ESTIMATE = {
+    "correctness": (90, 45),
+    "overhead": (150, 60),
+    "io": (60, 25),
+    "pipeline": (120, 45),
+    "train": (120, 60),
+    "offload": (90, 45),
+}
 
 
 def export_platform() -> str:
@@ -291,12 +300,21 @@ def train_step(quick: bool) -> tuple[str, list[dict]]:
     return train.table(data), data["rows"] + [dict(r, part="tiny") for r in data["tiny"]["rows"]]
 
 
+def offload_step(quick: bool) -> tuple[str, list[dict]]:
+    """Residuals off the device: the mid GPT's 2 stages in-process on the visible devices, with and without
+    offload (``"host"`` is the device's ``pinned_host`` memory on a GPU or TPU), peaks, step times, bitwise."""
+    cfg = {"ms": [8], "schedules": ["gpipe"] if quick else ["gpipe", "1f1b", "zbh1"], "rounds": 2 if quick else 5}
+    data = offload.measure(quick, platform=export_platform(), cfg={**cfg, "block": 1})
+    return offload.table(data), [dict(r, part="offload") for r in data["rows"]]
+
+
 STEPS = {
     "correctness": ("Correctness on the device (artifacts vs jax.value_and_grad)", correctness),
     "overhead": ("Forward + backward: split and artifact vs fused", overhead.run),
     "io": ("Residual file I/O", io_step),
     "pipeline": ("Pipeline schedules, stages exported for the device (in-process, no Ray)", pipeline_step),
     "train": ("Training across every visible device: the Trainer against the ideal pipelined step", train_step),
+    "offload": ("Residuals off the device (pinned_host on an accelerator): peaks and step times", offload_step),
 }
 
 

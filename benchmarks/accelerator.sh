@@ -9,7 +9,8 @@
 #    (JAX_CUDA_EXTRA=cuda13 for CUDA 13 drivers), jax[tpu] for a TPU.
 # 2. Runs `python -m benchmarks --accelerator --out OUTDIR`: a correctness pass of the artifacts
 #    on the device, then fwd+bwd, residual I/O, pipeline and training benchmarks, the last across
-#    every visible GPU, one pipeline stage on each (benchmarks/accelerator.py).
+#    every visible GPU, one pipeline stage on each, and residuals offloaded to the device's pinned_host
+#    memory between F and B (benchmarks/accelerator.py).
 # 3. Leaves OUTDIR/accelerator.json and OUTDIR/accelerator.md (rewritten after every step, so a run
 #    cut short keeps what it measured; a run that could not start says why), OUTDIR/install.log
 #    and OUTDIR/run.log.

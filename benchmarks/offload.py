@@ -105,17 +105,21 @@ def _case(g, stages, params, m: int, schedule: str, cfg: dict, tmp: str) -> dict
     return row
 
 
-def measure(quick: bool) -> dict:
-    """The rows of the section (in the child process with 2 host CPU devices)."""
+def measure(quick: bool, platform: str | None = None, cfg: dict | None = None) -> dict:
+    """The rows of the section (in the child process with 2 host CPU devices, or on an accelerator's devices).
+
+    ``platform``: the ``jax.export`` platform to export the stages for (default: the default device's);
+    ``cfg``: the microbatch counts, schedules and rounds instead of ``_config(quick)``'s.
+    """
     import jax
 
     from benchmarks.gpt import GPT, docs_batches
 
-    cfg = _config(quick)
+    cfg = cfg or _config(quick)
     g = GPT(width=256, blocks=4, stages=2)
     vocab, _ = docs_batches(g.seq, 16, 1)
     params = g.init(vocab)
-    stages = g.export(params, jax.devices()[0].platform)
+    stages = g.export(params, platform or jax.devices()[0].platform)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for m in cfg["ms"]:
