@@ -24,6 +24,8 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeAlias, TypeVar
 
+import jax
+
 from ...errors import VjpsplitError
 from ..schedules.ops import Kind, Op, dependencies, received
 from ..schedules.stepplans import resolve
@@ -49,7 +51,7 @@ from .flight import (
     ring_rows,
     write_flight,
 )
-from .model import Microbatch, model_of, side_for
+from .model import Microbatch, Model, model_of, side_for
 from .offload import Offload, offload_of
 from .result import PipelineResult, step_result
 from .replicas import Parts, ReplicaGroup
@@ -57,8 +59,6 @@ from .worker import RunsOps, StageWorker, run_op
 from ...treetypes import Leaf, PyTree
 
 if TYPE_CHECKING:
-    import jax
-
     from ...artifact.artifact import Artifact
 
 # A stage worker's last operations (kind, mb, start, end), oldest first.
@@ -144,6 +144,24 @@ def run_inprocess(
             operation fails (naming its stage).
     """
     model = model_of(artifacts, params)
+    name, plans, mbs, workers = _prepared(model, x, side, microbatches, schedule_name, schedule, devices, offload)
+    timed = timed or progress
+    t0 = time.monotonic()
+    _play(workers, plans, mbs, microbatches, timed, progress)
+    return _result(model, name, plans, microbatches, workers, t0, timed)
+
+
+def _prepared(
+    model: Model,
+    x: PyTree,
+    side: Mapping[str, Leaf] | Sequence[Leaf],
+    microbatches: int,
+    schedule_name: str,
+    schedule: Sequence[Sequence[Op]] | None,
+    devices: Sequence[Sequence[jax.Device]] | None,
+    offload: Offload | str | None,
+) -> tuple[str, list[list[Op]], list[Microbatch], list[StageWorker]]:
+    """The step's schedule name and plans (checked), its microbatches, and one worker per stage on its devices."""
     S = model.num_stages
     name, plans, layout = resolve(schedule_name, schedule, S, microbatches)
     where = placement(model.artifacts, layout.workers, devices)
@@ -152,22 +170,42 @@ def run_inprocess(
     mbs = model.microbatches(x, side, microbatches)
     spec = offload_of(offload)
     workers = [StageWorker(a, p, i, S, g[0], spec) for i, (a, p, g) in enumerate(zip(arts, model.stage_params, where))]
-    timed = timed or progress
-    t0 = time.monotonic()
+    return name, plans, mbs, workers
+
+
+def _play(
+    workers: Sequence[StageWorker],
+    plans: Sequence[Sequence[Op]],
+    mbs: Sequence[Microbatch],
+    microbatches: int,
+    timed: bool,
+    progress: bool,
+) -> None:
+    """The step itself: timed on worker threads of its own (closed after it), else dispatched from this thread."""
     if timed:
         with WorkerThreads(len(plans)) as pool:
             run_threads(pool, workers, plans, mbs, microbatches, progress=progress)
     else:
         dispatch(workers, plans, mbs, microbatches)
+
+
+def _result(
+    model: Model,
+    name: str,
+    plans: Sequence[Sequence[Op]],
+    microbatches: int,
+    workers: Sequence[StageWorker],
+    t0: float,
+    timed: bool,
+) -> PipelineResult:
+    """The finished step's ``PipelineResult``: its losses, gradients (in the model's form) and events."""
     grads = [st.grads for st in workers]
     losses = workers[-1].fetch_losses()
-    import jax
-
     jax.block_until_ready(grads)
     return step_result(
         schedule=name,
         plans=plans,
-        num_stages=S,
+        num_stages=model.num_stages,
         microbatches=microbatches,
         runner=RUNNER,
         step_time=time.monotonic() - t0,
@@ -528,8 +566,6 @@ def _probe(tree: object, array: type[jax.Array]) -> tuple[jax.Array, ...]:
         return tuple(a for part in tree for a in _probe(part, array))
     if isinstance(tree, (tuple, list)) and tree and isinstance(tree[0], array):
         return (tree[0],)
-    import jax
-
     for leaf in jax.tree_util.tree_leaves(tree):
         if isinstance(leaf, array):
             return (leaf,)
@@ -563,9 +599,7 @@ class Dispatched:
     """
 
     def __init__(self, plans: Sequence[Sequence[Op]], num_stages: int):
-        import jax
-
-        self.array = jax.Array  # JAX loads on first use, not when this module does
+        self.array = jax.Array  # what _probe looks for, looked up once
         self.plans, self.num_stages = plans, num_stages
         self.t0 = time.monotonic()
         self.ops: list[collections.deque[tuple[Op, float, Sequence[jax.Array]]]] = [collections.deque() for _ in plans]
