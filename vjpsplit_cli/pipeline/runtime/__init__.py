@@ -1,7 +1,8 @@
 """Running one pipelined step: the stage worker, the model's one form, the one dispatcher, the runners.
 
 Owns what a runner runs (``model``: a ``Stages`` or the per-stage form, cut into
-microbatches, gradients gathered back), one stage's F, B and W (``worker``),
+microbatches, gradients gathered back), one stage's F, B and W (``worker``), its jitted calls (``stagecalls``),
+what the runners call on a stage (``stageops``: ``RunsOps``, ``run_op``),
 device groups of sharded stages (``devices``), the one dispatcher (``dispatch``,
 on ``schedules.play``), the result every runner returns (``result``), the
 in-process runner (``inprocess``) and its steps, untimed from one thread

@@ -21,7 +21,7 @@ from .model import Microbatch, side_for
 from ...treetypes import Leaf
 
 if TYPE_CHECKING:
-    from .worker import RunsOps
+    from .stageops import RunsOps
 
 H = TypeVar("H")
 # A runner's hand-off of one operation: (worker, op, what it takes, its side inputs) -> what its readers take.

@@ -5,7 +5,7 @@ append to its error; filled in with the driver's phases and the workers left
 behind), ``GRACE`` (how long a stopped step's workers get to drain) and the report
 itself (``stop_report``: every worker's clause, its last operations written with
 ``flight.write_flight``). May import ``flight``, the schedules room's ``ops`` and
-``timeline``, and ``worker``'s ``RunsOps``; ``timed`` and ``untimed`` build on it.
+``timeline``, and ``stageops``' ``RunsOps``; ``timed`` and ``untimed`` build on it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ..schedules.timeline import Phase
 from .flight import Now, clause, default_path, hang_message, ring_rows, write_flight
 
 if TYPE_CHECKING:
-    from .worker import RunsOps
+    from .stageops import RunsOps
 
 # A stage worker's last operations (kind, mb, start, end), oldest first.
 Ring: TypeAlias = "list[tuple[str, int, float, float]]"

@@ -8,7 +8,7 @@ Each mailbox has its own event, and each worker its own queue of operations, so 
 message wakes only the thread that reads it: the cost of an operation does not grow
 with the number of stages. A step past its ``Watch``'s timeout, or interrupted, is
 one error naming what each worker is doing. May import ``dispatch``, ``flight``,
-``model``, ``stepwatch``, ``worker``, ``workerthreads`` and the schedules room.
+``model``, ``stageops``, ``stepwatch``, ``workerthreads`` and the schedules room.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .dispatch import Order, Submit, placed_microbatches, progress_bar, walk
 from .flight import DONE, FINISH, NEXT, RUNS, WAITS, Now, StepInterrupted, clause, idle
 from .model import Microbatch
 from .stepwatch import GRACE, Watch, stop_report, worker_rings
-from .worker import RunsOps, run_op
+from .stageops import RunsOps, run_op
 from .workerthreads import Job, WorkerThreads, wait_for
 from ...treetypes import Leaf
 

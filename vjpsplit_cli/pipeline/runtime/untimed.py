@@ -6,7 +6,7 @@ by side while the driver is already further on. A Trainer's untimed step runs it
 dispatch, in the same order, in one kept helper thread (``run_untimed``) while the
 caller waits with ``step_timeout`` and Ctrl-C; ``Dispatched`` records what was
 handed out, so a stuck step names each worker's unfinished operation. May import
-``dispatch``, ``flight``, ``model``, ``replicas``, ``stepwatch``, ``worker``,
+``dispatch``, ``flight``, ``model``, ``replicas``, ``stageops``, ``stepwatch``,
 ``workerthreads`` and the schedules room.
 """
 
@@ -27,7 +27,7 @@ from .flight import DISPATCHING, FINISHED, NEXT, PENDING, Now, StepInterrupted, 
 from .model import Microbatch
 from .replicas import Parts, ReplicaGroup
 from .stepwatch import GRACE, Watch, stop_report, worker_rings
-from .worker import RunsOps, run_op
+from .stageops import RunsOps, run_op
 from .workerthreads import Job, WorkerThreads, wait_for
 from ...treetypes import Leaf, PyTree
 
