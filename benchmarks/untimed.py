@@ -30,7 +30,7 @@ def measure(rounds: int, block: int = 4) -> dict:
 
     from benchmarks.gpt import tiny_stages
     from vjpsplit_cli import pipeline as P
-    from vjpsplit_cli.pipeline.runtime.inprocess import dispatch
+    from vjpsplit_cli.pipeline.runtime.untimed import dispatch
     from vjpsplit_cli.pipeline.training.local_backend import InProcessBackend
 
     M = 16
@@ -85,7 +85,9 @@ def own_costs(n: int = 2000) -> tuple[float, float]:
     ``Dispatched`` spends noting one operation (``begin`` and ``end`` of an operation handing on one array)."""
     import jax.numpy as jnp
 
-    from vjpsplit_cli.pipeline.runtime.inprocess import Dispatched, Watch, WorkerThreads, run_untimed
+    from vjpsplit_cli.pipeline.runtime.stepwatch import Watch
+    from vjpsplit_cli.pipeline.runtime.untimed import Dispatched, run_untimed
+    from vjpsplit_cli.pipeline.runtime.workerthreads import WorkerThreads
     from vjpsplit_cli.pipeline.schedules.ops import Op
 
     pool = WorkerThreads(1, "vjpsplit-bench")

@@ -18,7 +18,7 @@ from tracecheck import check_trace_file, flow_pairs, op_slices
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
 from vjpsplit_cli.errors import VjpsplitError
-from vjpsplit_cli.pipeline.runtime import inprocess
+from vjpsplit_cli.pipeline.runtime import stepwatch, timed, untimed, workerthreads
 from vjpsplit_cli.pipeline.runtime.flight import StepInterrupted
 from vjpsplit_cli.pipeline.runtime.worker import StageWorker
 
@@ -97,10 +97,10 @@ def test_a_job_that_raises_out_of_a_worker_loop_fails_the_step_and_the_next_step
     """The progress bar's update raises in a worker thread, outside its operation: the step fails with that
     error (before: the thread died and the other workers waited for its results forever)."""
     tr, ref = _trainer(), _trainer()
-    monkeypatch.setattr(inprocess, "progress_bar", lambda total, enabled: _BadBar())
+    monkeypatch.setattr(timed, "progress_bar", lambda total, enabled: _BadBar())
     out = _in_thread(lambda: tr.step(gpt_batch(4), timed=True))
     assert "the bar broke" in str(out.get("error"))
-    monkeypatch.setattr(inprocess, "progress_bar", lambda total, enabled: None)
+    monkeypatch.setattr(timed, "progress_bar", lambda total, enabled: None)
     out = _in_thread(lambda: tr.step(gpt_batch(4), timed=True))  # the same threads serve the next step
     assert out.get("value") == ref.step(gpt_batch(4), timed=True)
     tr.close()
@@ -108,7 +108,7 @@ def test_a_job_that_raises_out_of_a_worker_loop_fails_the_step_and_the_next_step
 
 
 def test_a_job_that_raises_never_ends_its_pool_thread():
-    pool = inprocess.WorkerThreads(1)
+    pool = workerthreads.WorkerThreads(1)
 
     def bad():
         raise RuntimeError("job failed")
@@ -142,7 +142,7 @@ def test_a_timed_step_past_step_timeout_names_the_stuck_op_and_what_each_worker_
     tr.step(gpt_batch(4), timed=True)  # compiled: the limit below is the hang's, not a first call's
     tr.backend.step_timeout = 1.5
     _block_stage(monkeypatch, stage=1, mb=1, release=release)
-    unstick = threading.Timer(1.5 + inprocess.GRACE / 2, release.set)  # back within the stop's grace
+    unstick = threading.Timer(1.5 + stepwatch.GRACE / 2, release.set)  # back within the stop's grace
     t0 = time.monotonic()
     unstick.start()
     out = _in_thread(lambda: tr.step(gpt_batch(4), timed=True))
@@ -302,7 +302,7 @@ def test_ctrl_c_during_an_untimed_step_is_a_step_interrupted_and_the_trainer_goe
         ref.step(gpt_batch(4))
         hold.set()
         timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
-        unstick = threading.Timer(1.0 + inprocess.GRACE / 2, release.set)
+        unstick = threading.Timer(1.0 + stepwatch.GRACE / 2, release.set)
         t0 = time.monotonic()
         timer.start()
         unstick.start()
@@ -344,7 +344,7 @@ def test_an_untimed_steps_workers_are_read_off_what_is_dispatched_and_not_finish
 
     F, B = (lambda m, s: Op("F", m, s)), (lambda m, s: Op("B", m, s))
     plans = [[F(0, 0), F(1, 0), B(0, 0), B(1, 0)], [F(0, 1), B(0, 1), F(1, 1), B(1, 1)], [F(0, 2), B(0, 2)]]
-    rec = inprocess.Dispatched(plans, 3)
+    rec = untimed.Dispatched(plans, 3)
     t = rec.t0
     ready = {F(0, 0): True, F(1, 0): False, F(0, 1): True, B(0, 1): False, F(0, 2): True, B(0, 2): True}
     order = [F(0, 0), F(1, 0), F(0, 1), F(0, 2), B(0, 2), B(0, 1)]
@@ -388,13 +388,13 @@ def test_an_untimed_steps_record_holds_the_finished_operations_outputs_no_longer
     from vjpsplit_cli.pipeline.schedules.ops import Op
 
     ops = [Op("F", m, 0) for m in range(100)]
-    rec = inprocess.Dispatched([ops], 1)
+    rec = untimed.Dispatched([ops], 1)
     done = jnp.ones(3)
     done.block_until_ready()
     for op in ops:
         rec.begin(0, op)
         rec.end(0, op, (done, done), None)
-        assert len(rec.ops[0]) <= inprocess.PRUNE
+        assert len(rec.ops[0]) <= untimed.PRUNE
     assert rec.count == [100] and rec.nows()[0][0][0] == "finished"
     rec.ops[0].append((Op("F", 100, 0), rec.t0, [_Probe(False)]))
     rec.dispatched()
@@ -532,7 +532,7 @@ def test_fit_writes_a_stuck_steps_report_beside_its_checkpoint_directory(monkeyp
     tr.step(gpt_batch(4))  # compiled before the limit applies
     tr.backend.step_timeout = 1.5
     _block_stage(monkeypatch, stage=1, mb=1, release=release)
-    unstick = threading.Timer(1.5 + inprocess.GRACE / 2, release.set)
+    unstick = threading.Timer(1.5 + stepwatch.GRACE / 2, release.set)
     unstick.start()
     try:
         err = _in_thread(lambda: tr.fit(lambda step: gpt_batch(4), 2, checkpoint_dir=tmp_path / "ck")).get("error")

@@ -344,21 +344,21 @@ def test_an_untimed_step_with_a_stuck_replica_ends_at_step_timeout_naming_the_op
 def test_an_untimed_steps_record_asks_every_replica_whether_an_operation_finished():
     """What a replica group hands on (a ``Parts``, one array per replica) is probed on every replica's device:
     the operation counts as finished only when every replica's part is (and its reduction, if it dispatched one)."""
-    from vjpsplit_cli.pipeline.runtime import inprocess
+    from vjpsplit_cli.pipeline.runtime import untimed
     from vjpsplit_cli.pipeline.runtime.replicas import Parts
     from vjpsplit_cli.pipeline.schedules.ops import Op
 
     devs = jax.devices()[:2]
     small, big = jax.device_put(jnp.ones(2), devs[0]), jax.device_put(jnp.ones((3, 3)), devs[1])
     parts = Parts(({"a": small, "b": jax.device_put(jnp.ones(5), devs[0])}, big))
-    probes = inprocess._probe(parts, jax.Array)
+    probes = untimed._probe(parts, jax.Array)
     assert [p.devices() for p in probes] == [{devs[0]}, {devs[1]}] and probes[0] is small
 
     class NotYet:
         def is_ready(self):
             return False
 
-    rec = inprocess.Dispatched([[Op("F", 0, 0)]], 1)
+    rec = untimed.Dispatched([[Op("F", 0, 0)]], 1)
     rec.ops[0].append((Op("F", 0, 0), rec.t0, [small, NotYet()]))  # replica 0's part ready, replica 1's not
     rec.count[0] = 1
     (now,), _ = rec.nows()
@@ -372,7 +372,7 @@ def test_an_untimed_steps_record_asks_every_replica_whether_an_operation_finishe
     ) as tr:
         group = tr.backend.trainers[1].worker
         reduced = jax.device_put(jnp.ones(3), devs[0])
-        rec = inprocess.Dispatched([[Op("B", 0, 1), Op("B", 1, 1)]], 2)
+        rec = untimed.Dispatched([[Op("B", 0, 1), Op("B", 1, 1)]], 2)
         group.grads = None  # not reduced yet: the op's own outputs
         rec.end(0, Op("B", 0, 1), parts, group)
         group.grads = {"w": reduced}

@@ -1,11 +1,14 @@
 """Running one pipelined step: the stage worker, the model's one form, the one dispatcher, the runners.
 
 Owns what a runner runs (``model``: a ``Stages`` or the per-stage form, cut into
-microbatches, gradients gathered back), one stage's F, B and W (``worker``),
+microbatches, gradients gathered back), one stage's F, B and W (``worker``), its jitted calls (``stagecalls``),
+what the runners call on a stage (``stageops``: ``RunsOps``, ``run_op``),
 device groups of sharded stages (``devices``), the one dispatcher (``dispatch``,
 on ``schedules.play``), the result every runner returns (``result``), the
-in-process runner (``inprocess``), the Ray runner (``ray/``) and ``run``, which
-picks one (``runners``).
+in-process runner (``inprocess``) and its steps, untimed from one thread
+(``untimed``) or timed on worker threads (``timed``), the threads kept across
+steps (``workerthreads``), a step's timeout and stopped report (``stepwatch``),
+the Ray runner (``ray/``) and ``run``, which picks one (``runners``).
 
 May import the base modules, the layers below ``pipeline``, and ``schedules``
 and ``stages``. Inside it, ``ray/`` may import the in-process modules, never the

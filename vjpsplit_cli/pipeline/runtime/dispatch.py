@@ -5,18 +5,23 @@ runner's ``submit`` in the order of the one play of plans (``schedules.play.swee
 each worker's own order, every operation after those whose results it reads);
 what flows between stages is whatever ``submit`` returns (a mailbox in-process,
 an object reference or a graph node on Ray), so a runner never repeats this
-bookkeeping.
+bookkeeping. ``placed_microbatches`` puts each microbatch's batch inputs on the
+device of the stage that reads them, before the in-process runner hands a step out.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Callable, Iterator, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence, TypeVar
 
 from ..schedules.ops import Kind, Op, OpKey, received
 from ..schedules.play import sweep
+from ..stages.directory import StageInputs
 from .model import Microbatch, side_for
 from ...treetypes import Leaf
+
+if TYPE_CHECKING:
+    from .stageops import RunsOps
 
 H = TypeVar("H")
 # A runner's hand-off of one operation: (worker, op, what it takes, its side inputs) -> what its readers take.
@@ -70,6 +75,20 @@ def walk(
         sent[op.key] = h
         handles.append(h)
     return handles
+
+
+def placed_microbatches(mbs: Sequence[Microbatch], workers: Sequence[RunsOps]) -> list[Microbatch]:
+    """The microbatches' batch inputs on the device of the stage that reads each: one transfer per stage."""
+    S = len(workers)
+    reads = [[(x if s == 0 else None, side_for(side, s, S)) for x, side in mbs] for s in range(S)]
+    moved = [w.to_device(r) for w, r in zip(workers, reads)]
+    out: list[Microbatch] = []
+    for m, (_, side) in enumerate(mbs):
+        placed_side = (
+            StageInputs({s: moved[s][m][1] for s in side}) if isinstance(side, StageInputs) else moved[S - 1][m][1]
+        )
+        out.append((moved[0][m][0], placed_side))
+    return out
 
 
 class ProgressBar(Protocol):

@@ -7,7 +7,7 @@ A timed step's worker thread (or Ray actor) also says what it is doing in one
 ``Now`` tuple: waiting for its next operation, waiting for the value another
 stage sends it, running an operation, finishing its stages (the reductions and
 the optimizer update), or done. An untimed step's ``Now`` is read off what its
-driver dispatched (``inprocess.Dispatched``): the operation whose dispatch has not
+driver dispatched (``untimed.Dispatched``): the operation whose dispatch has not
 returned, else each worker's first dispatched operation whose outputs are not
 ready (``jax.Array.is_ready``). When a step passes ``step_timeout`` or is
 interrupted, ``hang_message`` turns each worker's ``Now`` into one clause

@@ -1,21 +1,21 @@
 """Stage execution, shared by every runner: one stage's F, B, I and W calls and their bookkeeping.
 
 A ``StageWorker`` holds a stage's artifact, parameters, the residuals of
-microbatches in flight and the accumulated gradients; ``run_op`` executes one
-scheduled operation on it. Threads (in-process) and Ray actors call the same.
-``RunsOps`` is what ``run_op`` and the runners call on a stage: a ``StageWorker``,
-or a ``replicas.ReplicaGroup`` standing in its place.
+microbatches in flight and the accumulated gradients; ``stageops.run_op`` executes
+one scheduled operation on it. Threads (in-process) and Ray actors call the same.
+Its jitted calls are ``stagecalls``' (kept per artifact). May import ``devices``,
+``flight``, ``offload``, ``stagecalls``, the schedules room and the layers below.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
+import jax
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 
 from ...errors import VjpsplitError
 from ...files.dtypes import dtype_from_name
@@ -24,185 +24,13 @@ from ..schedules.ops import Kind, Op
 from .devices import default_device
 from .flight import RING
 from .offload import Away, Offload, Offloader, device_bytes
+from .stagecalls import calls_for, signature_of
 from ..schedules.timeline import Event, op_name
-from ...treetypes import Leaf, PyTree
+from ...treetypes import PyTree
 
 if TYPE_CHECKING:
-    import jax
-    from jax.sharding import SingleDeviceSharding
-    from jax.tree_util import PyTreeDef
-
     from ...artifact.artifact import Artifact
     from ...tracing.residuals import Residuals
-
-    Signature = tuple[tuple[int, ...], object]  # a leaf's shape, and its dtype (a Python scalar's type)
-    # A split backward's input part: the input cotangent now, and what its weight part reads.
-    SplitInput = Callable[[Residuals, PyTree], tuple[PyTree | None, Intermediates]]
-    # A forward signature's jitted call, which residual leaves are its inputs, how many leaves, their structure.
-    Traced = tuple[Callable[..., tuple[PyTree, list[jax.Array]]], dict[int, int], int, dict[str, PyTreeDef]]
-
-
-class RunsOps(Protocol):
-    """What runs one stage's scheduled operations: a ``StageWorker``, or a ``replicas.ReplicaGroup`` in its place.
-
-    What ``run_op`` and the runners call on a stage; both classes document each member.
-    """
-
-    grads: PyTree
-
-    @property
-    def events(self) -> list[Event]: ...
-
-    @property
-    def ring(self) -> deque[tuple[str, int, float, float]]: ...
-
-    @property
-    def is_last(self) -> bool: ...
-
-    @property
-    def inter(self) -> dict[int, Intermediates]: ...
-
-    @property
-    def peak_residual_bytes(self) -> int: ...
-
-    def set_offload(self, spec: Offload | None) -> None: ...
-
-    def before(self, op: Op) -> None: ...
-
-    def reset(self, timed: bool | None = None, plans: Sequence[Sequence[Op]] | None = None) -> None: ...
-
-    def to_device(self, tree: PyTree) -> PyTree: ...
-
-    def fetch_losses(self) -> dict[int, float]: ...
-
-    def forward(self, mb: int, x: PyTree, side: Sequence[PyTree], worker: int | None = None) -> PyTree: ...
-
-    def backward(self, mb: int, ct: PyTree, microbatches: int, worker: int | None = None) -> PyTree | None: ...
-
-    def backward_input(self, mb: int, ct: PyTree, microbatches: int, worker: int | None = None) -> PyTree | None: ...
-
-    def backward_weight(self, mb: int, worker: int | None = None) -> None: ...
-
-
-class _Forward:
-    """``art.fwd`` as one dispatch per microbatch.
-
-    The first call for an input signature goes through the public ``fwd`` and all
-    its checks. It also notes which residual leaves are the caller's own arrays
-    (input-backed: ``fwd`` never copies them). Later calls run one jitted
-    function that returns the other leaves; the input-backed ones are put back
-    from the arguments, since returning them from ``jit`` would copy them.
-    """
-
-    WARMUP = 2  # the calls before a signature's are warm: the checked first one, then the jitted one compiles
-
-    def __init__(self, art: Artifact):
-        self.art = art
-        self.cache: dict[tuple[PyTreeDef, tuple[Signature, ...]], Traced] = {}
-
-    def __call__(self, *args: PyTree) -> tuple[PyTree, Residuals]:
-        import jax
-
-        leaves, tree = jax.tree_util.tree_flatten(args)
-        key = (tree, tuple(map(_signature, leaves)))
-        hit = self.cache.get(key)
-        if hit is None:
-            out, res = self.art.fwd(*args)
-            res_leaves = jax.tree_util.tree_leaves(res)
-            where = {id(a): i for i, a in enumerate(leaves)}
-            backed = {j: where[id(r)] for j, r in enumerate(res_leaves) if id(r) in where}
-            traced: dict[str, PyTreeDef] = {}
-
-            def run(*a: PyTree) -> tuple[PyTree, list[jax.Array]]:
-                o, r = self.art.fwd(*a)
-                flat, traced["tree"] = jax.tree_util.tree_flatten(r)
-                return o, [x for j, x in enumerate(flat) if j not in backed]
-
-            self.cache[key] = (jax.jit(run), backed, len(res_leaves), traced)
-            return out, res
-        fn, backed, n, traced = hit
-        out, kept = fn(*args)
-        it = iter(kept)
-        flat = [leaves[backed[j]] if j in backed else next(it) for j in range(n)]
-        return out, traced["tree"].unflatten(flat)
-
-
-def _signature(a: Leaf | complex) -> Signature:
-    try:
-        return a.shape, a.dtype  # type: ignore[union-attr]  # a Python scalar has neither: below
-    except AttributeError:  # a Python scalar
-        return np.shape(a), type(a)
-
-
-class _Calls:
-    """One stage artifact's operations, each one jitted call around the artifact's public methods.
-
-    The checks those methods make (keys, shapes, dtypes, fingerprints) run when a
-    signature is first traced rather than on every microbatch, and the gradient
-    sum is in the same call as the weight gradient.
-    """
-
-    def __init__(self, artifact: Artifact, feeds_back: bool):
-        import jax
-
-        m = artifact.manifest
-        w, x = m.arg_names[0], (m.arg_names[1] if feeds_back else None)
-
-        def add(acc: PyTree, g: PyTree) -> PyTree:
-            return jax.tree_util.tree_map(lambda a, b: a + b, acc, g)
-
-        def fused(res: Residuals, ct: PyTree) -> tuple[PyTree, PyTree | None]:
-            g = artifact.bwd(res, ct)
-            g = {m.wrt[0]: g} if m.single_grad else dict(zip(m.wrt, g))
-            return g[w], (g[x] if x else None)
-
-        def fused_acc(acc: PyTree, res: Residuals, ct: PyTree) -> tuple[PyTree, PyTree | None]:
-            gw, gx = fused(res, ct)
-            return add(acc, gw), gx
-
-        def b_input(res: Residuals, ct: PyTree) -> tuple[PyTree | None, Intermediates]:
-            g, inter = artifact.bwd_input(res, ct)
-            # Without the residuals W reads: out of a jitted call they would come back as copies
-            # (XLA copies an argument it returns), the stage's own arrays are put back below.
-            return (g[x] if x else None), Intermediates(inter.arrays, inter.dims, inter.fingerprint)
-
-        def b_input_with_residuals(res: Residuals, ct: PyTree) -> tuple[PyTree | None, Intermediates]:
-            gx, inter = jitted_input(res, ct)
-            stored, inputs = artifact.weight_part_residuals(res)
-            return gx, Intermediates(
-                inter.arrays, inter.dims, inter.fingerprint, res.residuals_id, stored, inputs, res.arg_trees
-            )
-
-        def b_weight(inter: Intermediates) -> PyTree:
-            # The intermediates carry the residuals W reads: the rest were freed after B.
-            return artifact.bwd_weight(inter)[w]
-
-        jitted_input = jax.jit(b_input)  # traced at its first call: none without the split backward
-        self.forward = _Forward(artifact)
-        self.backward, self.backward_acc = jax.jit(fused), jax.jit(fused_acc)
-        # The split backward's calls, None without one (plans with I or W are refused before they run).
-        self.backward_input_jitted: SplitInput | None = (
-            jitted_input if m.weights else None
-        )  # the compiled part (FLOPs, HLO)
-        self.backward_input: SplitInput | None = b_input_with_residuals if m.weights else None
-        self.backward_weight: Callable[[Intermediates], PyTree] | None = jax.jit(b_weight) if m.weights else None
-        self.backward_weight_acc: Callable[[PyTree, Intermediates], PyTree] | None = (
-            jax.jit(lambda acc, inter: add(acc, b_weight(inter))) if m.weights else None
-        )
-
-
-# Compiled calls live as long as their artifact, so repeated steps (and run_inprocess
-# calls) reuse them instead of tracing and compiling again.
-_CALLS: "weakref.WeakKeyDictionary[Artifact, dict[bool, _Calls]]" = weakref.WeakKeyDictionary()
-_CALLS_LOCK = threading.Lock()
-
-
-def _calls_for(artifact: Artifact, feeds_back: bool) -> _Calls:
-    with _CALLS_LOCK:
-        per = _CALLS.setdefault(artifact, {})
-        if feeds_back not in per:
-            per[feeds_back] = _Calls(artifact, feeds_back)
-        return per[feeds_back]
 
 
 class StageWorker:
@@ -274,7 +102,7 @@ class StageWorker:
                 f"({names[1] if len(names) > 1 else 'the second argument'}): the stage before "
                 "waits for that gradient"
             )
-        self.calls = _calls_for(artifact, self.feeds_back)
+        self.calls = calls_for(artifact, self.feeds_back)
         self._runs: dict[
             tuple[int, tuple[object, ...]], int
         ] = {}  # timed steps: how often each call ran per input signature (warm or not)
@@ -327,8 +155,6 @@ class StageWorker:
             return tuple(self.art.devices)
         if self.device is not None:
             return (self.device,)
-        import jax
-
         leaves = [a for a in jax.tree_util.tree_leaves(self.params) if isinstance(a, jax.Array)]
         return tuple(sorted(leaves[0].devices(), key=lambda d: d.id)) if leaves else (default_device(),)
 
@@ -362,8 +188,6 @@ class StageWorker:
         s = self._sharding
         if s is None:
             return tree
-        import jax
-
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         move = [i for i, a in enumerate(leaves) if not (isinstance(a, jax.Array) and a.sharding == s)]
         if move:
@@ -378,8 +202,6 @@ class StageWorker:
         Returns:
             The loss of each microbatch this step, by microbatch, as floats (empty but on the last stage).
         """
-        import jax
-
         keys = sorted(self.losses)
         return {m: float(v) for m, v in zip(keys, jax.device_get([self.losses[m] for m in keys]))}
 
@@ -428,10 +250,8 @@ class StageWorker:
             out = call(*args)
             self.ring.append((kind, mb, t0, time.monotonic()))  # the dispatch's time: nothing waited
             return out
-        import jax
-
         jax.block_until_ready(args)
-        key = (id(call), _signature_of(args))
+        key = (id(call), signature_of(args))
         cold = self._runs.get(key, 0) < warmup
         t0 = time.monotonic()
         with jax.profiler.TraceAnnotation(op_name(kind, self.stage_index, mb)):
@@ -539,14 +359,6 @@ class StageWorker:
         self._note_peak()
 
 
-def _signature_of(args: Sequence[PyTree]) -> tuple[object, ...]:
-    """What a compiled call is cached by: the inputs' structure, and each leaf's shape, dtype and placement."""
-    import jax
-
-    leaves, tree = jax.tree_util.tree_flatten(args)
-    return (tree, *((*_signature(a), getattr(a, "sharding", None)) for a in leaves))
-
-
 C = TypeVar("C")
 
 
@@ -557,24 +369,4 @@ def _split(call: C | None) -> C:
 
 
 def _single(device: jax.Device) -> SingleDeviceSharding:
-    from jax.sharding import SingleDeviceSharding
-
     return SingleDeviceSharding(device)
-
-
-def run_op(stage: RunsOps, op: Op, data: PyTree, side: Sequence[PyTree], microbatches: int, worker: int) -> PyTree:
-    """Execute scheduled operation ``op`` on ``stage`` by its kind: F takes the activation, B and I the cotangent;
-    W takes nothing.
-
-    Returns what the operation hands on: the activation (or loss), the input
-    cotangent, or None for W.
-    """
-    stage.before(op)  # the copy back of the stage's next backward overlaps this operation
-    if op.kind == Kind.F:
-        return stage.forward(op.mb, data, side, worker=worker)
-    if op.kind == Kind.B:
-        return stage.backward(op.mb, data, microbatches, worker=worker)
-    if op.kind == Kind.I:
-        return stage.backward_input(op.mb, data, microbatches, worker=worker)
-    stage.backward_weight(op.mb, worker=worker)
-    return None

@@ -1,6 +1,6 @@
 """The Trainer's workers in this process: one ``StageTrainer`` per stage, kept across steps, each on its device.
 
-An untimed step is dispatched from one kept helper thread (``runtime.inprocess.run_untimed``: the
+An untimed step is dispatched from one kept helper thread (``runtime.untimed.run_untimed``: the
 caller waits with ``step_timeout`` and Ctrl-C), then each stage's step is finished
 (``stage_trainer.finish_stages``) as soon as it can be. In a timed step each
 worker's thread finishes its stages after its last operation, swapping tied
@@ -23,12 +23,16 @@ from ...treetypes import Leaf, PyTree
 from ..runtime.devices import Devices
 from ..runtime.dispatch import Order, order_of
 from ..runtime.evaluation import evaluate_here, host
-from ..runtime.inprocess import RUNNER, Dispatched, Watch, WorkerThreads, dispatch, run_threads, run_untimed
+from ..runtime.inprocess import RUNNER
 from ..runtime.model import Microbatch
 from ..runtime.replicas import check_split, lead
 from ..runtime.result import PipelineResult, step_result
 from ..runtime.offload import Offload
+from ..runtime.stepwatch import Watch
+from ..runtime.timed import run_threads
+from ..runtime.untimed import Dispatched, dispatch, run_untimed
 from ..runtime.worker import StageWorker
+from ..runtime.workerthreads import WorkerThreads
 from ..schedules.ops import Op
 from ..schedules.stepplans import Resolved
 from ..stages.evalprograms import EvalProgram

@@ -22,7 +22,8 @@ from ..devices import placed, placement
 from ..flight import Now, idle
 from ..offload import Offload
 from ..replicas import ReplicaGroup, refuse_sharded
-from ..worker import StageWorker, run_op
+from ..stageops import run_op
+from ..worker import StageWorker
 from ....treetypes import Leaf, PyTree
 from .lists import Inbox, Key, Sender, run_list, unpack
 from .setup import ActorHandle
@@ -228,7 +229,7 @@ class StageActor:
         microbatches: int,
         after: object = None,
     ) -> PyTree:
-        """Run one scheduled operation (see ``worker.run_op``); None when skipped or failed.
+        """Run one scheduled operation (see ``stageops.run_op``); None when skipped or failed.
 
         ``after`` is ignored: a compiled graph passes the worker's previous result to order its calls.
         """

@@ -30,7 +30,7 @@ def compile_step(
 ) -> CompiledDAG:
     """The compiled graph of one step: ``execute(*xs, *sides)`` (one x and one side list per microbatch).
 
-    Each node runs its operation by its kind (``worker.run_op``): the plans say which backwards are split.
+    Each node runs its operation by its kind (``stageops.run_op``): the plans say which backwards are split.
 
     Raises whatever Ray raises where Compiled Graphs are unavailable or refuse
     the graph; the caller falls back to actor calls.

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, Ty
 from ...schedules.ops import BACKWARDS, Kind, Op, OpKey, dependencies, received
 from ..flight import DONE, NEXT, RUNS, WAITS, Now
 from ..model import Microbatch, side_for
-from ..worker import RunsOps, run_op
+from ..stageops import RunsOps, run_op
 from ....treetypes import Leaf, PyTree
 from .setup import ActorHandle, RemoteMethod
 

@@ -1,0 +1,156 @@
+"""One stage artifact's calls, jitted once and kept as long as the artifact: what a ``StageWorker`` runs.
+
+Owns ``Forward`` (``art.fwd`` as one dispatch per microbatch once a signature has
+been through the checked first call), ``StageCalls`` (F, B, I and W, each one jitted
+call around the artifact's public methods, the gradient sum inside the backward's
+call), ``calls_for`` (one ``StageCalls`` per artifact and role, shared by every
+worker and step) and ``signature_of`` (what a compiled call is cached by). May
+import the tracing layer's residual types and NumPy; ``worker`` builds on it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import jax
+import numpy as np
+
+from ...tracing.residuals import Intermediates
+from ...treetypes import Leaf, PyTree
+
+if TYPE_CHECKING:
+    from jax.tree_util import PyTreeDef
+
+    from ...artifact.artifact import Artifact
+    from ...tracing.residuals import Residuals
+
+    Signature = tuple[tuple[int, ...], object]  # a leaf's shape, and its dtype (a Python scalar's type)
+    # A split backward's input part: the input cotangent now, and what its weight part reads.
+    SplitInput = Callable[[Residuals, PyTree], tuple[PyTree | None, Intermediates]]
+    # A forward signature's jitted call, which residual leaves are its inputs, how many leaves, their structure.
+    Traced = tuple[Callable[..., tuple[PyTree, list[jax.Array]]], dict[int, int], int, dict[str, PyTreeDef]]
+
+
+class Forward:
+    """``art.fwd`` as one dispatch per microbatch.
+
+    The first call for an input signature goes through the public ``fwd`` and all
+    its checks. It also notes which residual leaves are the caller's own arrays
+    (input-backed: ``fwd`` never copies them). Later calls run one jitted
+    function that returns the other leaves; the input-backed ones are put back
+    from the arguments, since returning them from ``jit`` would copy them.
+    """
+
+    WARMUP = 2  # the calls before a signature's are warm: the checked first one, then the jitted one compiles
+
+    def __init__(self, art: Artifact):
+        self.art = art
+        self.cache: dict[tuple[PyTreeDef, tuple[Signature, ...]], Traced] = {}
+
+    def __call__(self, *args: PyTree) -> tuple[PyTree, Residuals]:
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        key = (tree, tuple(map(_signature, leaves)))
+        hit = self.cache.get(key)
+        if hit is None:
+            out, res = self.art.fwd(*args)
+            res_leaves = jax.tree_util.tree_leaves(res)
+            where = {id(a): i for i, a in enumerate(leaves)}
+            backed = {j: where[id(r)] for j, r in enumerate(res_leaves) if id(r) in where}
+            traced: dict[str, PyTreeDef] = {}
+
+            def run(*a: PyTree) -> tuple[PyTree, list[jax.Array]]:
+                o, r = self.art.fwd(*a)
+                flat, traced["tree"] = jax.tree_util.tree_flatten(r)
+                return o, [x for j, x in enumerate(flat) if j not in backed]
+
+            self.cache[key] = (jax.jit(run), backed, len(res_leaves), traced)
+            return out, res
+        fn, backed, n, traced = hit
+        out, kept = fn(*args)
+        it = iter(kept)
+        flat = [leaves[backed[j]] if j in backed else next(it) for j in range(n)]
+        return out, traced["tree"].unflatten(flat)
+
+
+def _signature(a: Leaf | complex) -> Signature:
+    try:
+        return a.shape, a.dtype  # type: ignore[union-attr]  # a Python scalar has neither: below
+    except AttributeError:  # a Python scalar
+        return np.shape(a), type(a)
+
+
+class StageCalls:
+    """One stage artifact's operations, each one jitted call around the artifact's public methods.
+
+    The checks those methods make (keys, shapes, dtypes, fingerprints) run when a
+    signature is first traced rather than on every microbatch, and the gradient
+    sum is in the same call as the weight gradient.
+    """
+
+    def __init__(self, artifact: Artifact, feeds_back: bool):
+        m = artifact.manifest
+        w, x = m.arg_names[0], (m.arg_names[1] if feeds_back else None)
+
+        def add(acc: PyTree, g: PyTree) -> PyTree:
+            return jax.tree_util.tree_map(lambda a, b: a + b, acc, g)
+
+        def fused(res: Residuals, ct: PyTree) -> tuple[PyTree, PyTree | None]:
+            g = artifact.bwd(res, ct)
+            g = {m.wrt[0]: g} if m.single_grad else dict(zip(m.wrt, g))
+            return g[w], (g[x] if x else None)
+
+        def fused_acc(acc: PyTree, res: Residuals, ct: PyTree) -> tuple[PyTree, PyTree | None]:
+            gw, gx = fused(res, ct)
+            return add(acc, gw), gx
+
+        def b_input(res: Residuals, ct: PyTree) -> tuple[PyTree | None, Intermediates]:
+            g, inter = artifact.bwd_input(res, ct)
+            # Without the residuals W reads: out of a jitted call they would come back as copies
+            # (XLA copies an argument it returns), the stage's own arrays are put back below.
+            return (g[x] if x else None), Intermediates(inter.arrays, inter.dims, inter.fingerprint)
+
+        def b_input_with_residuals(res: Residuals, ct: PyTree) -> tuple[PyTree | None, Intermediates]:
+            gx, inter = jitted_input(res, ct)
+            stored, inputs = artifact.weight_part_residuals(res)
+            return gx, Intermediates(
+                inter.arrays, inter.dims, inter.fingerprint, res.residuals_id, stored, inputs, res.arg_trees
+            )
+
+        def b_weight(inter: Intermediates) -> PyTree:
+            # The intermediates carry the residuals W reads: the rest were freed after B.
+            return artifact.bwd_weight(inter)[w]
+
+        jitted_input = jax.jit(b_input)  # traced at its first call: none without the split backward
+        self.forward = Forward(artifact)
+        self.backward, self.backward_acc = jax.jit(fused), jax.jit(fused_acc)
+        # The split backward's calls, None without one (plans with I or W are refused before they run).
+        self.backward_input_jitted: SplitInput | None = (
+            jitted_input if m.weights else None
+        )  # the compiled part (FLOPs, HLO)
+        self.backward_input: SplitInput | None = b_input_with_residuals if m.weights else None
+        self.backward_weight: Callable[[Intermediates], PyTree] | None = jax.jit(b_weight) if m.weights else None
+        self.backward_weight_acc: Callable[[PyTree, Intermediates], PyTree] | None = (
+            jax.jit(lambda acc, inter: add(acc, b_weight(inter))) if m.weights else None
+        )
+
+
+# Compiled calls live as long as their artifact, so repeated steps (and run_inprocess
+# calls) reuse them instead of tracing and compiling again.
+_CALLS: "weakref.WeakKeyDictionary[Artifact, dict[bool, StageCalls]]" = weakref.WeakKeyDictionary()
+_CALLS_LOCK = threading.Lock()
+
+
+def calls_for(artifact: Artifact, feeds_back: bool) -> StageCalls:
+    with _CALLS_LOCK:
+        per = _CALLS.setdefault(artifact, {})
+        if feeds_back not in per:
+            per[feeds_back] = StageCalls(artifact, feeds_back)
+        return per[feeds_back]
+
+
+def signature_of(args: Sequence[PyTree]) -> tuple[object, ...]:
+    """What a compiled call is cached by: the inputs' structure, and each leaf's shape, dtype and placement."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    return (tree, *((*_signature(a), getattr(a, "sharding", None)) for a in leaves))
