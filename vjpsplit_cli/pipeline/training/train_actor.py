@@ -171,34 +171,37 @@ class TrainActor(StageActor, EvaluatingActor):
             contributions = {s: {h: have[h] for h in [*needs[s], *([s] if s in own else [])]} for s in f.mine}
         return contributions
 
-    def _clip_scale(self, f: _Finishing, sums: Mapping[int, Any], clip: float | None) -> Any:
-        """The clip scale from every stage's squared norm, exchanged with every other worker (1.0: no clipping)."""
+    def _clip_scale(self, f: _Finishing, sums: Mapping[int, float | None], clip: float | None) -> float:
+        """The clip scale from every stage's squared norm, exchanged with every other worker (1.0: no clipping,
+        and a placeholder once the step failed: ``f.ok`` is False, nothing after it computes)."""
         if clip is None:
             return 1.0
         S = self.num_stages
         every = f.joined(self._exchange(f.step, "norms", {w: sums if f.ok else None for w in f.others}, f.others), sums)
         f.ok = every is not None
-        scale = f.run(lambda: clip_scale([float(every[t]) for t in range(S)], clip)[0])  # type: ignore[index]
+        scale = f.run(lambda: clip_scale([float(every[t]) for t in range(S)], clip)[0])  # type: ignore[index, arg-type]
         f.ok = f.ok and scale is not None
-        return scale
+        return 1.0 if scale is None else scale
 
-    def _loss_value(self, f: _Finishing, microbatches: int) -> Any:
-        """The step's loss for an update that takes it, from the last stage's worker (0.0: not taken)."""
+    def _loss_value(self, f: _Finishing, microbatches: int) -> float:
+        """The step's loss for an update that takes it, from the last stage's worker (0.0: not taken, and a
+        placeholder once the step failed: ``f.ok`` is False, nothing after it computes)."""
         if not self.end.uses_value:
             return 0.0
         S = self.num_stages
         last = self.worker_of[S - 1]
-        value: Any
+        value: object
         if last == self.worker:
             value = f.run(lambda: self._loss(S - 1, microbatches))
             self._exchange(f.step, "loss", {w: value for w in f.others}, [])
         else:
             value = self._exchange(f.step, "loss", {}, [last])[last]
-        value = None if value is None or not f.ok else float(value)
-        f.ok = value is not None
-        return value
+        if value is None or not f.ok:
+            f.ok = False
+            return 0.0
+        return float(value)  # type: ignore[arg-type]  # the last worker's float, sent as it is
 
-    def _reductions(self, f: _Finishing, scale: Any, value: Any) -> list[np.ndarray]:
+    def _reductions(self, f: _Finishing, scale: float, value: float) -> list[np.ndarray]:
         """The optimizer's reductions over leaves, round by round: this worker's stages' shares exchanged with
         every other worker and joined in stage order (``combine``), as every actor joins them."""
         end, S = self.end, self.num_stages
