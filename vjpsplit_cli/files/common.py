@@ -77,12 +77,14 @@ def key_problem(key: Any) -> str | None:
 
 
 def check_stored_key(path: Path, key: Any) -> None:
+    """Refuse an array key read from ``path`` that cannot name an array (``key_problem``)."""
     problem = key_problem(key)
     if problem is not None:
         raise VjpsplitError(f"{path}: {problem}; the file is corrupt or was not written by vjpsplit")
 
 
 def check_version(path: Path, version: Any) -> None:
+    """Refuse a format version read from ``path`` that is not a positive int or is newer than this reader's."""
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise VjpsplitError(f"{path}: invalid format version {version!r}; {CORRUPT}")
     if version > VERSION:
@@ -105,7 +107,8 @@ def unique_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
 
 
 class MetaError(Exception):
-    pass
+    """Metadata that JSON and msgpack cannot store alike: too deep or a cycle, an int past 64 bits, NaN or an
+    infinity, a lone surrogate, a non-string key, a value of another type; the message names where."""
 
 
 def plain(value: Any, where: str, depth: int = 0) -> Any:
@@ -141,6 +144,7 @@ def plain(value: Any, where: str, depth: int = 0) -> Any:
 
 
 def checked_meta(path: Path, meta: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The caller's metadata for a file about to be written to ``path``, as plain JSON-able Python, or an error."""
     if meta is None:
         return {}
     if not isinstance(meta, Mapping):
@@ -154,6 +158,7 @@ def checked_meta(path: Path, meta: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def stored_meta(path: Path, meta: Any) -> dict[str, Any]:
+    """The metadata read from ``path``, checked to be a map of plain JSON-able values."""
     if not isinstance(meta, dict):
         raise VjpsplitError(f"{path}: stored metadata is a {type(meta).__name__}, not a map; {CORRUPT}")
     try:
@@ -163,6 +168,7 @@ def stored_meta(path: Path, meta: Any) -> dict[str, Any]:
 
 
 def storage_dtype(name: str) -> np.dtype:
+    """The dtype named ``name`` as files store it: little-endian."""
     # Files are little-endian on every machine; keep plain native dtypes where that is the same.
     dtype = dtype_from_name(name)
     return dtype if sys.byteorder == "little" else dtype.newbyteorder("<")

@@ -67,6 +67,8 @@ class Reducer:
         self.program = jax.jit(body)
 
     def reduce_replicas(self, *blocks: jax.Array) -> tuple[list[jax.Array], jax.Array]:
+        """Inside ``shard_map``: each replica's gradient blocks reduce-scattered, one collective per dtype; what
+        each replica keeps (its slice of every leaf, or the whole leaf) and the squared norm of the sum."""
         n = self.n
         groups: dict[np.dtype, list[tuple[int, jax.Array]]] = {}
         for i, (b, s, d) in enumerate(zip(blocks, self.shapes, self.dims)):

@@ -143,6 +143,7 @@ _CALLS_LOCK = threading.Lock()
 
 
 def calls_for(artifact: Artifact, feeds_back: bool) -> StageCalls:
+    """The jitted calls of ``artifact``'s stage, made once per artifact (and per ``feeds_back``) and shared."""
     with _CALLS_LOCK:
         per = _CALLS.setdefault(artifact, {})
         if feeds_back not in per:

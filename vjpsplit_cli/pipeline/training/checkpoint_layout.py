@@ -186,30 +186,35 @@ class Saved:
 
 
 def damaged(d: str, field: str, value: object, want: str) -> VjpsplitError:
+    """The one-line error for checkpoint ``d`` whose index field ``field`` holds ``value`` instead of ``want``."""
     shown = repr(value)
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
     return VjpsplitError(f"{d}: {INDEX}'s {field} is {shown}, not {want}; the checkpoint is damaged")
 
 
 def field_count(d: str, field: str, value: object) -> int:
+    """``value``, an index field of checkpoint ``d``, checked to be an int >= 0."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise damaged(d, field, value, "an int >= 0")
     return value
 
 
 def field_strings(d: str, field: str, value: object) -> list[str]:
+    """``value``, an index field of checkpoint ``d``, checked to be a list of strings."""
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise damaged(d, field, value, "a list of strings")
     return value
 
 
 def field_object(d: str, field: str, value: object) -> JSONObject:
+    """``value``, an index field of checkpoint ``d``, checked to be a JSON object."""
     if not isinstance(value, dict):
         raise damaged(d, field, value, "an object")
     return value
 
 
 def field_objects(d: str, field: str, value: object) -> list[JSONObject]:
+    """``value``, an index field of checkpoint ``d``, checked to be a list of JSON objects."""
     if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
         raise damaged(d, field, value, "a list of objects")
     return value

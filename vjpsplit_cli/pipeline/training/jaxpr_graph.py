@@ -51,16 +51,19 @@ class InlinedGraph:
         self.count = 0
 
     def node(self, aval: AbstractValue) -> int:
+        """A new node of abstract value ``aval``; its number."""
         self.count += 1
         self.avals[self.count] = aval
         return self.count
 
     def const(self, value: ArrayLike) -> int:
+        """A new node holding the constant ``value``; its number."""
         n = self.node(jax.typeof(value))
         self.values[n] = value
         return n
 
     def flatten(self, closed: jcore.ClosedJaxpr, ins: Sequence[int]) -> list[int]:
+        """``closed``'s equations added as nodes over the input nodes ``ins``, its calls inlined; its output nodes."""
         env: dict[jcore.Var, int] = {v: self.const(c) for v, c in zip(closed.jaxpr.constvars, closed.consts)}
         env.update(zip(closed.jaxpr.invars, ins))
 
@@ -111,6 +114,7 @@ def made_at(eqn: Equation) -> str:
 
 
 def run_equation(eqn: Equation, invars: Sequence[jcore.Var], vals: Sequence[ArrayLike]) -> list[jax.Array | None]:
+    """Evaluate one equation of the inlined graph on ``vals``: its outputs (None for an output it drops)."""
     if isinstance(eqn, Select):
         return [jax.lax.select_n(vals[0], *vals[1:])]
     outs = [v for v in eqn.outvars if not _dropped(v)]

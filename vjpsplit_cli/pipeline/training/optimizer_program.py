@@ -45,6 +45,7 @@ class OptLeaf:
     prng_impl: str = ""
 
     def to_json(self) -> dict[str, object]:
+        """The leaf as the program file's index stores it."""
         return {
             "key": self.key,
             "dtype": self.dtype,
@@ -55,6 +56,7 @@ class OptLeaf:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> OptLeaf:  # msgpack's output, checked by the reader's except
+        """The leaf from the program file's index (``to_json``'s form)."""
         sh = d.get("sharding")
         return cls(
             str(d["key"]),
