@@ -512,8 +512,8 @@ def _fields(res):
 
 @pytest.mark.parametrize("which", ["tree", "bare"])
 def test_the_straight_forward_makes_the_residuals_the_checked_one_makes(art, vec_art, which, monkeypatch):
-    # fwd builds a seen signature's residuals in its own frame (a forward runs on every step): they must be,
-    # field for field and type for type, what the checked path (binding.forward_residuals) makes.
+    # A seen signature's forward takes the straight path (no checks, the module straight): its residuals must
+    # be, field for field and type for type, what the checked path's are.
     a = fresh(art if which == "tree" else vec_art)
     rng = np.random.default_rng(1)
     if which == "tree":
@@ -522,13 +522,13 @@ def test_the_straight_forward_makes_the_residuals_the_checked_one_makes(art, vec
     else:
         args = (jnp.asarray(rng.normal(size=(4, 3)), jnp.float32), jnp.asarray(rng.normal(size=(2, 4)), jnp.float32))
     checked = []
-    real = binding.Binding.forward_residuals
-    monkeypatch.setattr(binding.Binding, "forward_residuals", lambda *a, **k: checked.append(1) or real(*a, **k))
+    real = binding.Binding.arguments
+    monkeypatch.setattr(binding.Binding, "arguments", lambda *a, **k: checked.append(1) or real(*a, **k))
     first = a.fwd(*args)[1]  # a signature not seen: every check
     a.fwd(*args)
     n = len(checked)
     straight = a.fwd(*args)[1]  # seen: the straight path
-    assert n >= 1 and len(checked) == n, "the third call made its residuals in fwd's own frame"
+    assert n >= 1 and len(checked) == n, "the third call took the straight path, past the checks"
     assert _fields(straight) == _fields(first)
     assert straight.residuals_id != first.residuals_id
     ct = () if which == "tree" else (jnp.asarray(rng.normal(size=(2, 3)), jnp.float32),)

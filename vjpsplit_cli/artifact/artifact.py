@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import os
-import weakref
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -21,7 +20,6 @@ from jax.sharding import Mesh
 
 from ..errors import VjpsplitError
 from ..files.trees import ArgTrees, decode_structure, flatten_with_keys
-from ..tracing.frozen import FrozenDict
 from ..tracing.residuals import Intermediates, Residuals
 from ..safeio.signals import signals_guarded
 from ..trust import signing
@@ -29,15 +27,13 @@ from ..trust.module_io import AUX, CARRIER, COTANGENTS, GRADS, INPUT_BACKED, INT
 from ..trust.verdicts import DEFAULT
 from . import artifact_file
 from .arguments import grads_per_arg
-from .binding import Binding, CallPlan, wrap_keys
+from .binding import Binding, CallPlan, avals_key, wrap_keys
 from .manifest import Manifest
 from .placement import Placement
 from .runner import ModuleRunner
-from .seen import GIL, RunIds, mutable_signature, new_run_id
 
 _FWD_REFUSED = "args: the forward refused these inputs"
 _BWD_REFUSED = "residuals: the backward refused these residuals"
-_of_forward = Residuals.of_forward  # bound once: a forward makes residuals on every call
 
 
 class Artifact:
@@ -516,58 +512,19 @@ class Artifact:
             )
         binding = self._binding
         if self._lean:
-            # ``avals_key``, in this frame: arguments that are each one concrete jax array.
-            aval_type = binding.aval_type
-            key = []
-            for v in args:
-                if type(v) is not aval_type:
-                    break
-                a = v.aval
-                key.append((a.shape, a.dtype))
-            if len(key) == self._nargs:  # none left out
-                signed: tuple = (("avals", tuple(key)), args)
-                plan = binding.plans.get(signed[0])
+            key = avals_key(args, binding.aval_type)  # arguments that are each one concrete jax array
+            if key is not None:
+                signed: tuple = (key, args)
+                plan = binding.plans.get(key)
             else:
                 plan, signed = binding.planned(args)
             if plan is not None:
                 # A signature seen before, on a plain artifact: the module straight, then what fwd returns.
-                runner = self._runner
-                if not runner.host_ok:
+                if not self._runner.host_ok:
                     self._runnable()
                 arrays = signed[1] if plan.order is None else binding.ordered(plan, signed[1])
-                ready = plan.ready.get("fwd")
-                if ready is not None and ready[0] == runner.epoch and not signals_guarded():
-                    try:  # ``_call_planned``'s straight call, in this frame: a forward runs on every step
-                        got, stored, got_aux = ready[1](*arrays)
-                    except Exception as e:
-                        err = runner.refusal(e, "fwd", _FWD_REFUSED)
-                        if err is None:
-                            raise
-                        raise err from e
-                else:
-                    got, stored, got_aux = self._call_planned("fwd", plan, arrays, _FWD_REFUSED)
-                mutable = plan.mutable
-                if mutable is None:
-                    res = binding.forward_residuals(arrays, stored, plan.dims, plan.trees, plan)
-                else:  # ``forward_residuals``, in this frame
-                    by_key = FrozenDict(zip(binding.input_keys, arrays))
-                    res = _of_forward(
-                        FrozenDict(zip(binding.stored_keys, stored)),
-                        by_key if binding.all_backed else FrozenDict([(k, by_key[k]) for k in binding.backed_keys]),
-                        plan.dims,
-                        by_key,
-                        m.fingerprint,
-                        m.arg_names,
-                        plan.trees,
-                        next(RunIds.ids) if GIL else new_run_id(),
-                    )
-                    made = binding.made
-                    if GIL:  # ``made.add``, in this frame: under the GIL the ordered dict needs no lock of ours
-                        made.entries[res.residuals_id] = (weakref.ref(res), mutable, plan)
-                        if len(made.entries) > made.limit:
-                            made.drop_oldest()
-                    else:
-                        made.add(res.residuals_id, (weakref.ref(res), mutable, plan))
+                got, stored, got_aux = self._call_planned("fwd", plan, arrays, _FWD_REFUSED)
+                res = binding.forward_residuals(arrays, stored, plan.dims, plan.trees, plan)
                 out = got[0] if self._bare_out else decode_structure(m.structure["out"], iter(got))
                 return (out, res, decode_structure(m.structure["aux"], iter(got_aux))) if m.has_aux else (out, res)
             arrays, dims, trees, plan = binding.arguments(args, self._runnable, signed=signed)
@@ -624,20 +581,18 @@ class Artifact:
             VjpsplitError: As ``run_bwd_arrays`` raises.
         """
         m = self.manifest
-        if ct is None and self._lean and type(res) is Residuals and res.fingerprint == m.fingerprint:
+        if ct is None and self._lean:
             binding = self._binding
-            # ``Binding.own_residuals``, in this frame: this artifact's forward made ``res``, unchanged since.
-            made = binding.made.entries.get(res.residuals_id)
-            if made is not None and made[0]() is res and (not made[1] or mutable_signature(res.inputs) == made[1]):
-                plan = made[2]
-                gather = None if plan is None else plan.gather
-                if gather is None and plan is not None:
+            made = binding.own_residuals(res)
+            plan = None if made is None else made[2]
+            if plan is not None:
+                gather = plan.gather
+                if gather is None:
                     gather = plan.gather = plan.gather_of(m.wrt, binding.grad_keys, m.single_grad)
                 if gather is not None:
-                    # The forward ran on a signature seen before (checked then): the module straight on
-                    # ``res`` and the unit cotangent, the gradients laid out as planned.
-                    runner = self._runner
-                    if not runner.host_ok:
+                    # This artifact's forward made ``res`` from a signature seen before (checked then): the
+                    # module straight on them and the unit cotangent, the gradients laid out as planned.
+                    if not self._runner.host_ok:
                         self._runnable()
                     call_args = (
                         list(res.stored.values()),
@@ -645,17 +600,7 @@ class Artifact:
                         binding.units or binding.cotangents(None, res.dims, "cotangent"),
                         self._placement.carrier(res.dims) if m.dim_vars else None,
                     )
-                    ready = plan.ready.get("bwd")
-                    if ready is None or ready[0] != runner.epoch or signals_guarded():
-                        return gather(self._call_planned("bwd", plan, call_args, _BWD_REFUSED))
-                    try:  # ``_call_planned``'s straight call, in this frame: a backward runs on every step
-                        grads = ready[1](*call_args)
-                    except Exception as e:
-                        err = runner.refusal(e, "bwd", _BWD_REFUSED)
-                        if err is None:
-                            raise
-                        raise err from e
-                    return gather(grads)
+                    return gather(self._call_planned("bwd", plan, call_args, _BWD_REFUSED))
         cts = None if ct is None else dict(flatten_with_keys("out", ct))
         source = getattr(res, "source", None) or "residuals"
         values, plan = self._run_bwd(res, cts, source, "cotangent")

@@ -45,11 +45,10 @@ from .seen import (
 _MADE_KEPT = 256  # residuals ids remembered (weak references and signatures, never arrays: keeps no memory alive)
 
 
-def avals_key(args: Sequence, aval_type: type[Any]) -> tuple | None:
+def avals_key(args: Sequence, aval_type: type[Any] | None) -> tuple | None:
     """The plan key of arguments that are each one concrete jax array (of ``aval_type``): each aval's
-    shape and dtype, which say what ``leaves_signature`` says of them. None if some argument is not one.
-
-    ``Artifact.fwd`` builds the same key in its own frame (a loop: measured cheaper than ``map``).
+    shape and dtype, which say what ``leaves_signature`` says of them. None if some argument is not one
+    (or no such type was seen yet: ``aval_type`` None). A loop: measured cheaper than ``map`` here.
     """
     out = []
     for v in args:
@@ -231,7 +230,7 @@ class Binding:
         says their number); where each is a concrete jax array, its aval's shape and dtype
         (``avals_key``; ``Artifact.fwd`` keys them so too).
         """
-        key = None if self.aval_type is None else avals_key(args, self.aval_type)
+        key = avals_key(args, self.aval_type)
         if key is not None:
             return key, args
         sig = leaves_signature(args)

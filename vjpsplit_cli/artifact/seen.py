@@ -201,7 +201,6 @@ class Seen:
 
 # Whether the GIL serialises C calls: a free-threaded build has none, and takes locks instead.
 _GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
-GIL = _GIL  # read by ``Artifact.fwd``, which then notes its residuals and takes a run id in its own frame
 
 
 class Recent:
@@ -213,7 +212,7 @@ class Recent:
     """
 
     def __init__(self, limit: int) -> None:
-        self.limit = limit
+        self._limit = limit
         self.entries: OrderedDict[str, Any] = OrderedDict()  # read by ``get`` in place, on every backward
         self._lock = threading.Lock()
 
@@ -223,19 +222,15 @@ class Recent:
         if not _GIL:
             with self._lock:
                 entries[key] = value
-                if len(entries) > self.limit:
+                if len(entries) > self._limit:
                     entries.popitem(last=False)
             return
         entries[key] = value
-        if len(entries) > self.limit:
-            self.drop_oldest()
-
-    def drop_oldest(self) -> None:
-        """Drop the oldest entry (``add`` past ``limit``, under the GIL); none if another thread emptied it."""
-        try:
-            self.entries.popitem(last=False)
-        except KeyError:  # emptied by another thread in between
-            pass
+        if len(entries) > self._limit:
+            try:
+                entries.popitem(last=False)
+            except KeyError:  # emptied by another thread between the two
+                pass
 
     def get(self, key: str) -> Any:
         """What was kept for ``key``; None when never noted or dropped since."""
@@ -250,17 +245,12 @@ def _run_ids() -> Iterator[str]:
     return map(f"{os.urandom(8).hex()}%016x".__mod__, itertools.count())
 
 
-class RunIds:
-    """The run ids' iterator (``ids``), replaced in a forked child: read it at each call, never keep it.
-
-    Under the GIL ``next(RunIds.ids)`` is ``new_run_id()`` (``Artifact.fwd`` takes it so, in its own frame).
-    """
-
+class _Runs:
     ids = _run_ids()
 
 
 def _new_prefix() -> None:
-    RunIds.ids = _run_ids()
+    _Runs.ids = _run_ids()
 
 
 os.register_at_fork(after_in_child=_new_prefix)  # a forked child must not repeat its parent's ids
@@ -268,7 +258,7 @@ os.register_at_fork(after_in_child=_new_prefix)  # a forked child must not repea
 
 def new_run_id() -> str:
     """A fresh ``residuals_id``: 32 hex digits, never the same twice."""
-    return next(RunIds.ids)
+    return next(_Runs.ids)
 
 
 if not _GIL:  # a free-threaded build: no GIL to serialise ``next``
@@ -277,4 +267,4 @@ if not _GIL:  # a free-threaded build: no GIL to serialise ``next``
     def new_run_id() -> str:  # noqa: F811  (the same function, with the lock the GIL gave)
         """A fresh ``residuals_id``: 32 hex digits, never the same twice."""
         with _run_id_lock:
-            return next(RunIds.ids)
+            return next(_Runs.ids)
