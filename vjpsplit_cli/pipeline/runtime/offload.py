@@ -136,7 +136,6 @@ def _nbytes(a: Leaf) -> int:
 
 def on_device(a: object) -> bool:
     """Whether ``a`` is a JAX array in device memory (not host NumPy, not ``pinned_host``)."""
-
     if not isinstance(a, jax.Array):
         return False
     kind = getattr(a.sharding, "memory_kind", None)
@@ -154,7 +153,6 @@ def on_device(a: object) -> bool:
 
 def device_bytes(arrays: object) -> int:
     """Bytes of the distinct device arrays among ``arrays``' leaves."""
-
     seen: dict[int, int] = {}
     for a in jax.tree_util.tree_leaves(arrays):
         if on_device(a):
@@ -164,7 +162,6 @@ def device_bytes(arrays: object) -> int:
 
 def _movable(a: object) -> bool:
     """A stored leaf that can leave and come back bit for bit (typed PRNG keys stay: NumPy has no dtype for them)."""
-
     return isinstance(a, jax.Array) and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
 
 
@@ -324,12 +321,10 @@ class Offloader:
         return total
 
     def _write(self, path: str, res: Residuals) -> None:
-
         # Only the stored arrays: the inputs stay with the stage (and their CRC-32 would cost a copy of the parameters).
         save_residuals(path, res.replace(inputs={}, bound_inputs={}))
 
     def _back(self, mb: int, away: Away) -> Residuals:
-
         assert away.out is not None
         host: object = away.out.result()  # the write's or the copy's error, if any, is this B's
         if self.spec.to == FILES:
@@ -338,7 +333,6 @@ class Offloader:
         return away.shell.replace(stored=FrozenDict({**away.shell.stored, **dict(zip(away.moved, arrays))}))
 
     def _read(self, mb: int, away: Away) -> list[Leaf]:
-
         path = away.path
         assert path is not None
         rep = "" if self.replica is None else f" replica {self.replica}"
@@ -414,7 +408,6 @@ def _now(fn: Callable[[S], T], arg: S) -> Future[T]:
 def to_host_and_back(x: jax.Array, away: Leaf | None) -> Leaf:
     """One copy as ``to="host"`` makes it, waited for: ``away=None``, ``x`` off its device (an accelerator's
     ``pinned_host`` where it has one, else NumPy); else ``away`` back on ``x``'s device. What the Trainer's transfer probe times."""
-
     if away is None:
         if _via_pinned_host(x):
             out = jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
