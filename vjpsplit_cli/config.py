@@ -6,6 +6,7 @@
 | ``VJPSPLIT_DEBUG`` | the CLI prints tracebacks, as ``--debug`` does | on/off |
 | ``VJPSPLIT_CACHE_DIR`` | where verdicts and executables are cached | a path, or off |
 | ``VJPSPLIT_TRUST_KEYS`` | trusted public keys, as if each were given with ``--trust-key`` | paths separated by ``os.pathsep`` |
+| ``VJPSPLIT_RAY_TRANSPORT`` | how a Ray runner's actors send each other a step's values | ``socket`` (default) or ``ray`` |
 
 On/off values are ``1 true yes on`` and ``0 false no off`` (any case; unset or empty is the
 default). Anything else is a :class:`VjpsplitError` naming the variable, rather than a guess: a
@@ -30,6 +31,8 @@ FSYNC = "VJPSPLIT_FSYNC"
 DEBUG = "VJPSPLIT_DEBUG"
 CACHE_DIR = "VJPSPLIT_CACHE_DIR"
 TRUST_KEYS = "VJPSPLIT_TRUST_KEYS"
+RAY_TRANSPORT = "VJPSPLIT_RAY_TRANSPORT"
+RAY_TRANSPORTS = ("socket", "ray")
 
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
@@ -72,6 +75,20 @@ def cache_dir() -> str | None:
 def trust_key_paths() -> list[str]:
     """The public key paths in ``VJPSPLIT_TRUST_KEYS`` (``os.pathsep``-separated), blanks dropped."""
     return [p for p in os.environ.get(TRUST_KEYS, "").split(os.pathsep) if p.strip()]
+
+
+def ray_transport() -> str:
+    """How a Ray runner's actors send each other a step's values: ``VJPSPLIT_RAY_TRANSPORT``, ``socket`` (one TCP
+    connection between each two actors; the default) or ``ray`` (a Ray actor call per delivery)."""
+    raw = os.environ.get(RAY_TRANSPORT, "").strip().lower()
+    if not raw:
+        return RAY_TRANSPORTS[0]
+    if raw not in RAY_TRANSPORTS:
+        raise VjpsplitError(
+            f"environment variable {RAY_TRANSPORT}={os.environ[RAY_TRANSPORT]!r} is not one of "
+            f"{', '.join(RAY_TRANSPORTS)}"
+        )
+    return raw
 
 
 def private_dir(path: str | os.PathLike) -> bool:

@@ -147,3 +147,17 @@ def test_ray_runs_plans_read_from_csv(ray_session, tmp_path):
     np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
     assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
     assert r.num_workers == 2 and {e.worker for e in r.events} == {0, 1}
+
+
+@pytest.mark.parametrize("transport", ["socket", "ray"])
+def test_ray_both_transports_equal_value_and_grad(ray_session, monkeypatch, transport):
+    """Values actor to actor down the sockets (the default) or as Ray calls (VJPSPLIT_RAY_TRANSPORT=ray)."""
+    monkeypatch.setenv("VJPSPLIT_RAY_TRANSPORT", transport)
+    arts, params, x, labels = make(3, seed=1)
+    loss, grads = jax.value_and_grad(whole)(params, x, labels)
+    with P.RayPipeline(arts, params, compiled=False) as rp:
+        assert rp.transport == transport
+        for name in ["1f1b", "zbh1"]:
+            r = rp.run(x, [labels], microbatches=4, schedule_name=name)
+            np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
+            assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)

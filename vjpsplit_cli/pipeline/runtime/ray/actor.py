@@ -26,6 +26,7 @@ from ..stageops import run_op
 from ..worker import StageWorker
 from ....treetypes import Leaf, PyTree
 from .lists import Inbox, Key, Sender, run_list, unpack
+from .peers import Address, Links, Listener, node_address
 from .setup import ActorHandle
 
 T = TypeVar("T")
@@ -77,6 +78,7 @@ class StageActor:
         self.error: BaseException | None = None
         self.inbox = Inbox()
         self.sender: Sender | None = None
+        self.listener: Listener | None = None  # where the other workers' sockets deliver (``listen``)
         self.worker_of: dict[int, int] = {}
         self.now: Now = idle()  # what this worker does now (runtime.flight), set by run_list
         self.sent: dict[Key, float] = {}  # this step's values handed to the sender, and when
@@ -122,12 +124,30 @@ class StageActor:
             for (s, _, params), a, g in zip(held, placed(arts, where), where)
         }
 
-    def connect(self, peers: Sequence[ActorHandle], worker_of: dict[int, int]) -> None:
-        """Every worker's actor handle and which worker holds each stage: where this one's results go."""
+    def listen(self, token: bytes) -> Address:
+        """Take the other workers' deliveries on a socket of this node that opens to ``token`` (``peers``); its
+        address. Called again (after a worker was replaced): the same socket's address."""
+        if self.listener is None:
+            self.listener = Listener(token, self.inbox.put, self.fail, node_address())
+        return self.listener.address
+
+    def connect(
+        self,
+        peers: Sequence[ActorHandle],
+        worker_of: dict[int, int],
+        addresses: Sequence[Address | None] | None = None,
+        token: bytes = b"",
+    ) -> None:
+        """Every worker's actor handle and which worker holds each stage: where this one's results go.
+
+        ``addresses``: every worker's ``listen`` address, by worker index (this one connects to each other's with
+        ``token``); None: results go as Ray calls.
+        """
+        links = None if addresses is None else Links(addresses, token, self.worker)
         if self.sender is not None:
-            self.sender.connect(peers)
+            self.sender.connect(peers, links)
         else:
-            self.sender = Sender(peers, self.fail)
+            self.sender = Sender(peers, self.fail, links)
         self.worker_of = {int(s): int(w) for s, w in worker_of.items()}
 
     def fail(self, e: BaseException) -> None:

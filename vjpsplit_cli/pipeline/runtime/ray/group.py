@@ -6,15 +6,17 @@ them): Ray's actor options per worker, the wait for Ray to place each within
 actor's node and its monotonic clock against the driver's, the values of their
 calls (an actor that died is one error naming its stages), a step's wait within
 ``step_timeout``, and what each worker of a stuck step is doing. May import the
-ray room's ``setup``, ``actor``, ``lists`` and ``waiting``, and the runtime's
+ray room's ``setup``, ``actor``, ``lists``, ``peers`` and ``waiting``, and the runtime's
 ``flight``, ``dispatch`` and ``model``; not ``pipeline``, which builds on it.
 """
 
 from __future__ import annotations
 
+import secrets
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypeVar
 
+from ....config import ray_transport
 from ....errors import VjpsplitError
 from ...schedules.layout import Layout
 from ...schedules.ops import OpKey
@@ -25,6 +27,7 @@ from ..model import Model
 from . import waiting
 from .actor import StepReport, StageActor, WorkerStatus, devices_for
 from .lists import CONCURRENCY_GROUPS, INBOX
+from .peers import TOKEN_BYTES
 from .setup import ActorHandle, RemoteClass, clock_offset, init_ray, lack
 
 if TYPE_CHECKING:
@@ -65,7 +68,9 @@ class ActorGroup:
             num_cpus_per_stage: The CPUs each actor reserves, unless its ``actor_options`` say otherwise.
             actor_options: One dict of Ray actor options per worker; ``None`` for none.
         """
+        self.transport = ray_transport()  # read once: every actor this runner starts sends the same way
         self.started = init_ray(self.ray, address, runtime_env, self.layout.num_workers)
+        self.token = secrets.token_bytes(TOKEN_BYTES)  # what opens the actors' sockets to one another
         self.actors: list[ActorHandle] = []
         self.options: list[dict[str, Any]] = []  # per worker, Ray's actor options
         arts = self.model.artifacts
@@ -92,9 +97,13 @@ class ActorGroup:
         return self._remote_class.options(**self.options[worker]).remote()
 
     def connect(self) -> None:
-        """Tell every actor every worker's handle and which worker holds each stage (after any replaced)."""
+        """Tell every actor every worker's handle, socket address and which worker holds each stage (after any
+        replaced); with ``VJPSPLIT_RAY_TRANSPORT=ray``, handles only."""
         worker_of = self.layout.worker_of()
-        self.get([a.connect.remote(self.actors, worker_of) for a in self.actors])
+        addresses = None
+        if self.transport == "socket":
+            addresses = self.get([a.listen.remote(self.token) for a in self.actors])
+        self.get([a.connect.remote(self.actors, worker_of, addresses, self.token) for a in self.actors])
 
     def start_workers(self, workers: Sequence[int], timeout: float, what: str = "its actor") -> None:
         """Wait until Ray has placed ``workers``' actors, note their nodes and clocks, and load each its stages.

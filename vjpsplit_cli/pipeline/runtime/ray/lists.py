@@ -29,7 +29,9 @@ from ..flight import DONE, NEXT, RUNS, WAITS, Now
 from ..model import Microbatch, side_for
 from ..stageops import RunsOps, run_op
 from ....treetypes import Leaf, PyTree
+from .peers import Links
 from .setup import ActorHandle, RemoteMethod
+from .wire import Unencodable
 
 if TYPE_CHECKING:
     import jax
@@ -89,20 +91,32 @@ class Inbox:
 class Sender:
     """A thread that copies results to the host and delivers them to other workers' actors.
 
-    Whatever has queued up by the time the thread gets to it goes in one call per
-    receiving worker, so a busy sender makes fewer, larger calls.
+    Whatever has queued up by the time the thread gets to it goes in one delivery per
+    receiving worker, so a busy sender makes fewer, larger ones. A delivery goes down
+    the workers' sockets (``peers.Links``) where the sender has them, else (or for a
+    value a frame does not carry) as a Ray call of the receiver's ``deliver``.
     """
 
-    def __init__(self, peers: Sequence[ActorHandle], on_error: Callable[[BaseException], None]):
+    def __init__(
+        self,
+        peers: Sequence[ActorHandle],
+        on_error: Callable[[BaseException], None],
+        links: Links | None = None,
+    ):
         self.on_error = on_error
-        self.connect(peers)
+        self.links: Links | None = None
+        self.connect(peers, links)
         self.queue: queue.Queue[tuple[int, int, Key, object]] = queue.Queue()
         self.thread = threading.Thread(target=self._serve, name="vjpsplit-sender", daemon=True)
         self.thread.start()
 
-    def connect(self, peers: Sequence[ActorHandle]) -> None:
-        """Every worker's actor, by worker index: where ``send`` delivers."""
+    def connect(self, peers: Sequence[ActorHandle], links: Links | None = None) -> None:
+        """Every worker's actor, by worker index, and the sockets to them (None: Ray calls only): where ``send``
+        delivers. Sockets it had before are closed."""
         self.deliveries: list[RemoteMethod] = [p.deliver.options(concurrency_group=INBOX) for p in peers]
+        old, self.links = self.links, links
+        if old is not None:
+            old.close()
 
     def send(self, step: int, worker: int, key: Key, value: object) -> None:
         """Deliver ``value`` (None: failed or skipped) to ``worker`` as step ``step``'s ``key``.
@@ -146,6 +160,15 @@ class Sender:
                     value = None
             calls.setdefault((step, worker), []).append((key, value))
         for (step, worker), items in calls.items():
+            if self.links is not None:
+                try:
+                    self.links.send(worker, step, items)
+                    continue
+                except Unencodable:
+                    pass  # a node a frame does not carry: Ray pickles it
+                except BaseException as e:  # noqa: BLE001 - a dead peer: the driver names it
+                    self.on_error(e)
+                    continue
             try:
                 packed, pieces = pack(items)
                 self.deliveries[worker].remote(step, packed, *pieces)

@@ -1,0 +1,170 @@
+"""The actors' socket transport without Ray: ``wire`` frames round trip every dtype and tree a step sends, refuse
+what they do not carry, reject frames ``encode`` did not write, and ``peers`` opens only to the token."""
+
+from __future__ import annotations
+
+import collections
+import queue
+import socket
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from vjpsplit_cli import config
+from vjpsplit_cli.errors import VjpsplitError
+from vjpsplit_cli.pipeline.runtime.ray import peers, wire
+
+DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16, np.int32, np.bool_]
+SHAPES = [(3, 5), (), (0, 4)]
+
+
+def _stream(bufs):
+    data = b"".join(bytes(b) for b in bufs)
+    pos = [0]
+
+    def read_exactly(n):
+        if pos[0] + n > len(data):
+            raise EOFError
+        out = data[pos[0] : pos[0] + n]
+        pos[0] += n
+        return out
+
+    def read_into(view):
+        view[:] = read_exactly(len(view))
+
+    return read_exactly, read_into
+
+
+def _roundtrip(step, items):
+    return wire.decode(*_stream(wire.encode(step, items)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_an_array_of_every_dtype_and_shape_comes_back_bitwise(dtype, shape):
+    a = (np.arange(int(np.prod(shape))).reshape(shape) % 3).astype(dtype)
+    step, items = _roundtrip(7, [(("F", 2, 1), a)])
+    assert step == 7 and items[0][0] == ("F", 2, 1)
+    got = items[0][1]
+    assert got.dtype == a.dtype and got.shape == a.shape
+    assert got.tobytes() == a.tobytes()
+
+
+def test_trees_of_tuples_lists_dicts_and_none_keep_their_types_and_order():
+    x = np.ones((2, 3), np.float32)
+    value = (x, [x * 2, None], {"b": x, 3: (x,)})
+    _, items = _roundtrip(1, [(("B", 0, 1), value), (("tied", 0, 2), None)])
+    (k1, v), (k2, none) = items
+    assert k1 == ("B", 0, 1) and k2 == ("tied", 0, 2) and none is None
+    assert type(v) is tuple and type(v[1]) is list and v[1][1] is None
+    assert list(v[2]) == ["b", 3] and type(v[2][3]) is tuple
+    np.testing.assert_array_equal(v[1][0], x * 2)
+
+
+def test_a_noncontiguous_array_is_sent_as_its_values():
+    a = np.arange(24, dtype=np.int32).reshape(4, 6)[:, ::2]
+    _, [(_, got)] = _roundtrip(0, [(("F", 0, 0), a)])
+    np.testing.assert_array_equal(got, a)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [collections.namedtuple("P", "a b")(np.ones(2), np.ones(2)), np.array(["s"]), {(1, 2): np.ones(1)}, object()],
+    ids=["namedtuple", "str array", "tuple key", "object"],
+)
+def test_a_node_a_frame_does_not_carry_is_unencodable(value):
+    with pytest.raises(wire.Unencodable):
+        wire.encode(0, [(("F", 0, 0), value)])
+
+
+def _header(obj) -> bytes:
+    import msgpack
+
+    h = msgpack.packb(obj, use_bin_type=True)
+    return wire.HEADER.pack(len(h)) + h
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        wire.HEADER.pack(wire.MAX_HEADER + 1),
+        _header([0, [["F", 0, 0, ["a", 1]]], [["float32", [2]]]]) + b"\0" * 8,  # array 1 of one
+        _header([0, [["F", 0, 0, None]], [["object", [2]]]]),  # a dtype files refuse
+        _header([0, [["F", 0, 0, None]], [["float32", [-1]]]]),
+        _header([0, [["F", "0", 0, None]], []]),
+        _header([0, [["F", 0, 0, ["x", 0]]], []]),
+        _header(["step", [], []]),
+        wire.HEADER.pack(3) + b"\xc1\xc1\xc1",  # not msgpack
+    ],
+    ids=["huge header", "array index", "dtype", "shape", "microbatch", "tag", "step", "garbage"],
+)
+def test_a_frame_encode_did_not_write_is_a_bad_frame(frame):
+    with pytest.raises(wire.BadFrame):
+        wire.decode(*_stream([frame]))
+
+
+def test_a_stream_that_ends_between_frames_is_eof_not_a_bad_frame():
+    with pytest.raises(EOFError):
+        wire.decode(*_stream([b""]))
+
+
+def _listener(token=b"t" * peers.TOKEN_BYTES):
+    got: queue.Queue = queue.Queue()
+    errors: queue.Queue = queue.Queue()
+    return peers.Listener(token, lambda s, items: got.put((s, items)), errors.put, "127.0.0.1"), got, errors
+
+
+def test_links_deliver_to_the_listener_that_holds_their_token():
+    token = b"k" * peers.TOKEN_BYTES
+    lis, got, errors = _listener(token)
+    links = peers.Links([None, lis.address], token, me=0)
+    try:
+        big = np.arange(300_000, dtype=np.float32)  # many sendmsg calls and recv_into chunks
+        links.send(1, 4, [(("F", 0, 0), (big, None))])
+        links.send(1, 5, [(("B", 1, 1), big[:3])])
+        step, [(key, (arr, none))] = got.get(timeout=10)
+        assert (step, key, none) == (4, ("F", 0, 0), None)
+        np.testing.assert_array_equal(arr, big)
+        step, [(key, arr)] = got.get(timeout=10)
+        assert (step, key) == (5, ("B", 1, 1))
+        assert errors.empty()
+    finally:
+        links.close()
+        lis.close()
+
+
+def test_a_connection_without_the_token_is_closed_before_any_frame_is_read():
+    lis, got, errors = _listener(b"a" * peers.TOKEN_BYTES)
+    try:
+        links = peers.Links([lis.address], b"b" * peers.TOKEN_BYTES, me=1)
+        with pytest.raises(OSError):
+            for _ in range(200):  # the listener closes its end: a later send fails
+                links.send(0, 0, [(("F", 0, 0), np.ones(1 << 16, np.float32))])
+        assert got.empty() and errors.empty()
+        links.close()
+    finally:
+        lis.close()
+
+
+def test_a_bad_frame_from_an_authenticated_peer_is_reported_and_its_connection_dropped():
+    token = b"z" * peers.TOKEN_BYTES
+    lis, got, errors = _listener(token)
+    try:
+        with socket.create_connection(lis.address) as s:
+            s.sendall(peers.MAGIC + token + _header([0, [["F", 0, 0, ["x", 0]]], []]))
+            assert isinstance(errors.get(timeout=10), wire.BadFrame)
+            assert s.recv(1) == b""  # dropped
+        assert got.empty()
+    finally:
+        lis.close()
+
+
+def test_the_transport_variable_takes_socket_or_ray_and_names_anything_else(monkeypatch):
+    monkeypatch.delenv(config.RAY_TRANSPORT, raising=False)
+    assert config.ray_transport() == "socket"
+    monkeypatch.setenv(config.RAY_TRANSPORT, " Ray ")
+    assert config.ray_transport() == "ray"
+    monkeypatch.setenv(config.RAY_TRANSPORT, "grpc")
+    with pytest.raises(VjpsplitError, match="VJPSPLIT_RAY_TRANSPORT='grpc' is not one of socket, ray"):
+        config.ray_transport()
