@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -161,3 +163,19 @@ def test_ray_both_transports_equal_value_and_grad(ray_session, monkeypatch, tran
             r = rp.run(x, [labels], microbatches=4, schedule_name=name)
             np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
             assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
+
+
+def test_ray_actors_start_with_their_own_devices_and_a_share_of_the_cores(ray_session, monkeypatch):
+    # A driver asked for 8 CPU devices (as a sharded test's does): each 1-device actor still gets 1, and an
+    # XLA CPU pool of its share of this host's cores, not a pool each as wide as the host (oversubscribed).
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    arts, params, x, labels = make(2)
+    loss, grads = jax.value_and_grad(whole)(params, x, labels)
+    with P.RayPipeline(arts, params) as rp:
+        seen = ray_session.get(
+            [a.__ray_call__.remote(lambda _: (jax.local_device_count(), os.environ["PJRT_NPROC"])) for a in rp.actors]
+        )
+        r = rp.run(x, [labels], microbatches=4, schedule_name="1f1b")
+    assert seen == [(1, str(max(1, len(os.sched_getaffinity(0)) // 2)))] * 2
+    np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
+    assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)

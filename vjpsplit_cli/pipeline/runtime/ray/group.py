@@ -25,7 +25,7 @@ from ..dispatch import ProgressBar
 from ..flight import clause, default_path, ring_rows, write_flight
 from ..model import Model
 from . import waiting
-from .actor import StepReport, StageActor, WorkerStatus, devices_for
+from .actor import StepReport, StageActor, WorkerStatus, cpu_environment, xla_threads
 from .lists import CONCURRENCY_GROUPS, INBOX
 from .peers import TOKEN_BYTES
 from .setup import ActorHandle, RemoteClass, clock_offset, init_ray, lack
@@ -76,9 +76,16 @@ class ActorGroup:
         arts = self.model.artifacts
         # Through the untyped module: ray.remote's typed overloads lack concurrency_groups (deliveries beside the list).
         self._remote_class: RemoteClass = self.ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(self.actor_class)
+        # A Ray of one node joined without an address is this host's: every actor shares its cores.
+        one_node = address is None and sum(1 for node in self.ray.nodes() if node["Alive"]) == 1
+        local_workers = self.layout.num_workers if one_node else None
+        job_env_vars = dict(runtime_env or {}).get("env_vars")
         for w, held in enumerate(self.layout.workers):
             opts = {"num_cpus": num_cpus_per_stage, **(dict(actor_options[w]) if actor_options else {})}
-            devices_for(opts, self.replicas * max(arts[s].manifest.nr_devices for s in held))
+            n = self.replicas * max(arts[s].manifest.nr_devices for s in held)
+            cpu_environment(
+                opts, n, xla_threads(local_workers), job_env_vars if isinstance(job_env_vars, Mapping) else None
+            )
             self.options.append(opts)
             self.actors.append(self.new_actor(w))
         n = self.layout.num_workers
