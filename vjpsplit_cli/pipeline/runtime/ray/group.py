@@ -78,14 +78,13 @@ class ActorGroup:
         self._remote_class: RemoteClass = self.ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(self.actor_class)
         # A Ray of one node joined without an address is this host's: every actor shares its cores.
         one_node = address is None and sum(1 for node in self.ray.nodes() if node["Alive"]) == 1
-        local_workers = self.layout.num_workers if one_node else None
+        threads = xla_threads(self.layout.num_workers if one_node else None)
         job_env_vars = dict(runtime_env or {}).get("env_vars")
+        job_env = job_env_vars if isinstance(job_env_vars, Mapping) else None
         for w, held in enumerate(self.layout.workers):
             opts = {"num_cpus": num_cpus_per_stage, **(dict(actor_options[w]) if actor_options else {})}
-            n = self.replicas * max(arts[s].manifest.nr_devices for s in held)
-            cpu_environment(
-                opts, n, xla_threads(local_workers), job_env_vars if isinstance(job_env_vars, Mapping) else None
-            )
+            devices = self.replicas * max(arts[s].manifest.nr_devices for s in held)
+            cpu_environment(opts, devices, threads, job_env)
             self.options.append(opts)
             self.actors.append(self.new_actor(w))
         n = self.layout.num_workers
