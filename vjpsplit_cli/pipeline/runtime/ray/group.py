@@ -79,7 +79,8 @@ class ActorGroup:
         # A Ray of one node joined without an address is this host's: every actor shares its cores.
         one_node = address is None and sum(1 for node in self.ray.nodes() if node["Alive"]) == 1
         threads = xla_threads(self.layout.num_workers if one_node else None)
-        job_env_vars = dict(runtime_env or {}).get("env_vars")
+        # The job's runtime_env as Ray holds it: the one given here, or that of a Ray the user initialised.
+        job_env_vars = dict(self.ray.get_runtime_context().runtime_env or {}).get("env_vars")
         job_env = job_env_vars if isinstance(job_env_vars, Mapping) else None
         for w, held in enumerate(self.layout.workers):
             opts = {"num_cpus": num_cpus_per_stage, **(dict(actor_options[w]) if actor_options else {})}
