@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import os
 
-import jax
-import numpy as np
 import pytest
-from models import assert_trees_close
-from models import stages_whole as whole
-from test_pipeline import make
-
-from vjpsplit_cli import pipeline as P
+from test_local import what_actors_see
 
 JOB_FLAGS = "--xla_force_host_platform_device_count=1 --xla_cpu_multi_thread_eigen=false"
 
@@ -30,14 +24,5 @@ def job_ray():
 def test_ray_actors_keep_the_job_runtime_env_of_a_ray_the_user_started(job_ray, monkeypatch):
     # The driver's own flags ask for 8 devices: without reading the job's runtime_env the runner would
     # write its own XLA_FLAGS (a count of 1, nothing else) over the user's.
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    arts, params, x, labels = make(2)
-    loss, grads = jax.value_and_grad(whole)(params, x, labels)
-    with P.RayPipeline(arts, params) as rp:
-        seen = job_ray.get(
-            [a.__ray_call__.remote(lambda _: (os.environ["XLA_FLAGS"], os.environ["PJRT_NPROC"])) for a in rp.actors]
-        )
-        r = rp.run(x, [labels], microbatches=4, schedule_name="1f1b")
+    seen = what_actors_see(job_ray, monkeypatch, lambda: (os.environ["XLA_FLAGS"], os.environ["PJRT_NPROC"]))
     assert seen == [(JOB_FLAGS, "1")] * 2
-    np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
-    assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)

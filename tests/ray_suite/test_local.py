@@ -165,17 +165,22 @@ def test_ray_both_transports_equal_value_and_grad(ray_session, monkeypatch, tran
             assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
 
 
-def test_ray_actors_start_with_their_own_devices_and_a_share_of_the_cores(ray_session, monkeypatch):
-    # A driver asked for 8 CPU devices (as a sharded test's does): each 1-device actor still gets 1, and an
-    # XLA CPU pool of its share of this host's cores, not a pool each as wide as the host (oversubscribed).
+def what_actors_see(ray, monkeypatch, probe):
+    """``probe()`` run in each actor of a 2-stage RayPipeline started under a driver whose XLA_FLAGS ask for 8
+    devices (as a sharded test's do), checked to still train equal to ``value_and_grad``; one result per actor."""
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     arts, params, x, labels = make(2)
     loss, grads = jax.value_and_grad(whole)(params, x, labels)
     with P.RayPipeline(arts, params) as rp:
-        seen = ray_session.get(
-            [a.__ray_call__.remote(lambda _: (jax.local_device_count(), os.environ["PJRT_NPROC"])) for a in rp.actors]
-        )
+        seen = ray.get([a.__ray_call__.remote(lambda _: probe()) for a in rp.actors])
         r = rp.run(x, [labels], microbatches=4, schedule_name="1f1b")
-    assert seen == [(1, str(max(1, len(os.sched_getaffinity(0)) // 2)))] * 2
     np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
     assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
+    return seen
+
+
+def test_ray_actors_start_with_their_own_devices_and_a_share_of_the_cores(ray_session, monkeypatch):
+    # Each 1-device actor still gets 1 device, and an XLA CPU pool of its share of this host's cores,
+    # not a pool each as wide as the host (oversubscribed).
+    seen = what_actors_see(ray_session, monkeypatch, lambda: (jax.local_device_count(), os.environ["PJRT_NPROC"]))
+    assert seen == [(1, str(max(1, len(os.sched_getaffinity(0)) // 2)))] * 2
