@@ -29,6 +29,7 @@ from vjpsplit_cli.pipeline.schedules.modeled import memory_peaks, modeled_makesp
 from vjpsplit_cli.pipeline.schedules.offloading import byte_peaks
 from vjpsplit_cli.pipeline.stages.exporting import module_flops
 from vjpsplit_cli.pipeline.stages.report import stage_rows
+from vjpsplit_cli.pipeline.training import measured
 from vjpsplit_cli.pipeline.training.measured import CostSamples, counted, seconds, send_gaps
 
 M, ROWS = 4, 2  # microbatches of 2 rows: batches of 8
@@ -44,10 +45,10 @@ def _batches(n, seed=40):
 
 
 def _check_costs(costs, S, split_timed=True):
-    assert set(costs) == {"F", "B", "W", "comm", "transfer"}
+    assert set(costs) == {"F", "B", "W", "comm", "gap", "transfer"}
     assert set(costs["transfer"]) == {"out", "back"} and all(v > 0 for v in costs["transfer"].values())
     assert all(len(costs[k]) == S and all(v >= 0 for v in costs[k]) for k in "FBW")
-    assert all(v > 0 for v in costs["F"]) and all(v > 0 for v in costs["W"]) and costs["comm"] >= 0
+    assert all(v > 0 for v in costs["F"]) and all(v > 0 for v in costs["W"]) and costs["comm"] > 0 and costs["gap"] >= 0
     # Timed as they ran, every B takes time; cut by FLOPs, the first stage's input part has none.
     assert all(v > 0 for v in costs["B"][1 if not split_timed else 0 :])
 
@@ -108,6 +109,64 @@ def test_costs_medians_and_a_whole_backward_cut_by_its_flops():
         assert costs["B"][s] + costs["W"][s] == pytest.approx(whole)
         assert costs["B"][s] / whole == pytest.approx(b / (b + w))
     assert P.auto_schedule(_stages(), M, costs=costs)  # the form auto_schedule takes
+
+
+def _activations(stages, params, batch):
+    """What each stage boundary sends for one microbatch, computed by running the stages' forwards."""
+    from vjpsplit_cli.pipeline.runtime.model import side_for
+    from vjpsplit_cli.pipeline.runtime.worker import StageWorker
+
+    S, dev = len(stages.artifacts), jax.local_devices()[0]
+    x, side = stages.stage_batch(batch, M)[0]
+    out = []
+    for s, (art, p) in enumerate(zip(stages.artifacts[:-1], stages.stage_params(params))):
+        x, _ = StageWorker(art, p, s, S, dev).calls.forward(p, x, *side_for(side, s, S))
+        out.append(jax.tree_util.tree_leaves(x))
+    return out
+
+
+def test_auto_plans_with_the_send_measured_apart_not_the_timelines_gap(monkeypatch):
+    """``costs()["comm"]`` is one send timed apart, with arrays shaped and typed as each boundary sends (the first
+    timed step's microbatch), once per Trainer; it is what ``auto`` plans with. ``gap`` stays the timeline's."""
+    from vjpsplit_cli.pipeline.training import autoplan, local_backend
+
+    probed, planned = [], []
+    real = local_backend.InProcessBackend.send_seconds
+
+    def send_seconds(self, values, repeats):
+        probed.append(([[(v.shape, v.dtype) for v in vs_] for vs_ in values], repeats))
+        return [t + 1e-3 * (s + 1) for s, t in enumerate(real(self, values, repeats))]  # told apart from the gap
+
+    plan = autoplan.auto_schedule
+
+    def spy(*args, **kwargs):
+        planned.append(dict(kwargs["costs"]))
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(local_backend.InProcessBackend, "send_seconds", send_seconds)
+    monkeypatch.setattr(autoplan, "auto_schedule", spy)
+    stages, params, batches = _stages(), gpt_params(), _batches(3)
+    tr = P.Trainer(stages, params, optimizer=optax.sgd(0.1), schedule="auto", microbatches=M)
+    for b in batches:
+        tr.step(b)
+    costs = tr.costs()
+    want = [[(np.shape(a), np.dtype(a.dtype)) for a in leaves] for leaves in _activations(stages, params, batches[0])]
+    assert len(probed) == 1 and probed[0] == (want, measured.SEND_PROBES)  # once, as each boundary sends
+    assert len(want) == 3 and costs["comm"] > 2e-3  # the mean of the probes, each 1-3 ms above the copy
+    assert [c["comm"] for c in planned] == [costs["comm"]] * 2  # both replans: the send measured apart
+    assert costs["gap"] != costs["comm"] and costs["gap"] >= 0
+
+
+def test_without_a_sized_send_the_gap_stands_in_for_comm(monkeypatch):
+    """Where what a stage sends cannot be sized from the microbatch, ``comm`` is the timelines' ``gap``."""
+    from vjpsplit_cli.pipeline.training import local_backend, trainer_measures
+
+    monkeypatch.setattr(trainer_measures, "boundary_values", lambda arts, mb: None)
+    monkeypatch.setattr(local_backend.InProcessBackend, "send_seconds", lambda *a: pytest.fail("nothing to send"))
+    tr = P.Trainer(_stages(), gpt_params(), optimizer=optax.sgd(0.1), schedule="1f1b", microbatches=M)
+    tr.step(_batches(1)[0], timed=True)
+    costs = tr.costs()
+    assert costs["comm"] == costs["gap"] > 0  # an idle worker's wait for each result
 
 
 def test_memory_limit_one_trains_correctly_within_it():
@@ -234,9 +293,9 @@ def test_send_time_is_the_gap_to_an_idle_worker_and_compiling_operations_are_lef
     whole = types.SimpleNamespace(manifest=types.SimpleNamespace(weights=()))
     samples = CostSamples([whole])
     samples.add(step(True), first=True)
-    assert samples.costs() == {"F": [1.25], "B": [1.5], "W": [0.0], "comm": 0.0}
+    assert samples.costs() == {"F": [1.25], "B": [1.5], "W": [0.0], "gap": 0.0}
     samples.add(step(False), first=False)  # a later step: the first no longer counts; every microbatch of this one does
-    assert samples.costs() == {"F": [5.5], "B": [5.0], "W": [0.0], "comm": 0.0}
+    assert samples.costs() == {"F": [5.5], "B": [5.0], "W": [0.0], "gap": 0.0}
     # An operation that ran while this process compiled is left out, in any step.
     t0 = time.monotonic()
     jax.jit(lambda x: x * 3 + 1)(np.float32(t0))  # traces and compiles now
@@ -269,7 +328,7 @@ def test_a_split_backwards_i_and_w_are_the_costs_b_and_w_and_an_is_cotangent_is_
     samples = CostSamples([split, split])
     samples.add(result, first=True)
     costs = samples.costs()
-    assert set(costs) == {"F", "B", "W", "comm"} and costs["comm"] == pytest.approx(0.35)
+    assert set(costs) == {"F", "B", "W", "gap"} and costs["gap"] == pytest.approx(0.35)
     assert [costs[k] for k in "FBW"] == [pytest.approx(v) for v in ([1.0, 1.0], [0.8, 0.5], [0.25, 0.5])]
 
 

@@ -54,7 +54,8 @@ class Costs:
 
         Args:
             costs: A ``Costs`` (returned as is once its stage count is checked), or a
-                dict with keys ``F``, ``B`` and optionally ``W`` and ``comm``.
+                dict with keys ``F``, ``B`` and optionally ``W``, ``comm`` and ``transfer``
+                (``gap``, which ``Trainer.costs()`` also gives, is ignored).
             num_stages: The pipeline's stage count.
 
         Returns:
@@ -71,9 +72,12 @@ class Costs:
             return costs
         if not isinstance(costs, Mapping):
             raise VjpsplitError(f"costs must be a dict with keys F, B, W and comm, not {type(costs).__name__}")
-        unknown = set(costs) - {"F", "B", "W", "comm", "transfer"}
+        unknown = set(costs) - {"F", "B", "W", "comm", "gap", "transfer"}
         if unknown:
-            raise VjpsplitError(f"costs has unknown keys {sorted(map(str, unknown))}; use F, B, W, comm and transfer")
+            raise VjpsplitError(
+                f"costs has unknown keys {sorted(map(str, unknown))}; use F, B, W, comm and transfer (and gap, "
+                "which Trainer.costs() gives and planning ignores)"
+            )
         for key in ("F", "B"):
             if key not in costs:
                 raise VjpsplitError(f"costs has no {key!r}: give the time of each stage's {key}")

@@ -59,14 +59,14 @@ from .measured import MeasuredCosts
 AUTO = "auto"
 MEASURING_STEPS = 2  # the timed steps an auto Trainer starts with: the first measures, the second again
 UNIT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0}  # what the measuring step's plans assume, before anything is measured
+BYTES_UNSIZED = "memory_limit_bytes cannot count it: give Schedule('auto', memory_limit=...) in microbatches instead"
 
 
-def _shape(leaf: ManifestLeaf, dims: dict[str, int], stage: int) -> tuple[int, ...]:
+def _shape(leaf: ManifestLeaf, dims: dict[str, int], stage: int, unsized: str = BYTES_UNSIZED) -> tuple[int, ...]:
     shape = concrete_shape(leaf.shape, dims)
     if shape is None:
         raise VjpsplitError(
-            f"memory_limit_bytes: stage {stage}'s leaf '{leaf.key}' {list(leaf.shape)} has a dim the batch does not "
-            "size; give Schedule('auto', memory_limit=...) in microbatches instead"
+            f"stage {stage}'s leaf '{leaf.key}' {list(leaf.shape)} has a dim the batch does not size; {unsized}"
         )
     return shape
 
@@ -86,12 +86,9 @@ def _bind(stage: int, leaves: Sequence[ManifestLeaf], shapes: Sequence[tuple[int
             )
 
 
-def microbatch_bytes(artifacts: Sequence[Artifact], mb: Microbatch) -> list[int]:
-    """Per stage, the bytes one microbatch ``mb`` in flight holds (see the module docstring).
-
-    The dims come from the microbatch's arrays and, stage by stage, from the shapes
-    each stage's outputs take (what the next stage receives).
-    """
+def _stage_dims(artifacts: Sequence[Artifact], mb: Microbatch, unsized: str) -> list[dict[str, int]]:
+    """Per stage, its symbolic dims sized by microbatch ``mb``: from the microbatch's arrays and, stage by stage,
+    from the shapes each stage's outputs take (what the next stage receives)."""
     x, side = mb
     S, out = len(artifacts), []
     sent: list[tuple[int, ...]] = []
@@ -104,15 +101,43 @@ def microbatch_bytes(artifacts: Sequence[Artifact], mb: Microbatch) -> list[int]
         inputs = [leaf for leaf in m.inputs if keys.arg_of(leaf.key) != m.arg_names[0]]
         dims: dict[str, int] = {}
         _bind(s, inputs, given if s == 0 else [*sent, *given], dims)
+        out.append(dims)
+        sent = [_shape(o, dims, s, unsized) for o in _sent_leaves(art)]
+    return out
+
+
+def _sent_leaves(art: Artifact) -> list[ManifestLeaf]:
+    """What stage ``art`` sends the next stage: its forward's outputs the next stage reads."""
+    return [o for o in art.manifest.outputs if o.key in art.manifest.out_keys]
+
+
+def microbatch_bytes(artifacts: Sequence[Artifact], mb: Microbatch) -> list[int]:
+    """Per stage, the bytes one microbatch ``mb`` in flight holds (see the module docstring); symbolic dims sized
+    by the microbatch (``_stage_dims``)."""
+    out = []
+    for s, (art, dims) in enumerate(zip(artifacts, _stage_dims(artifacts, mb, BYTES_UNSIZED))):
+        m = art.manifest
         stored = {r.key: _leaf_bytes(r, dims, s) for r in m.stored_residuals}
         held = sum(stored.values())
         if m.weights:
             w_part = sum(stored[k] for k in m.weight_residuals) + sum(_leaf_bytes(c, dims, s) for c in m.intermediates)
             held = max(held, w_part)
         out.append(held)
-        outs = [o for o in m.outputs if o.key in m.out_keys]
-        sent = [_shape(o, dims, s) for o in outs]
     return out
+
+
+def boundary_values(artifacts: Sequence[Artifact], mb: Microbatch) -> list[list[np.ndarray]] | None:
+    """Per stage boundary ``s -> s + 1``, host zeros shaped as what stage ``s`` sends for microbatch ``mb`` (its
+    backward sends a cotangent of the same shapes back): what a send-time probe delivers. None where a dim of
+    what is sent is one the microbatch does not size."""
+    try:
+        dims = _stage_dims(artifacts, mb, "")
+    except VjpsplitError:
+        return None
+    return [
+        [np.zeros(_shape(o, d, s), dtype_from_name(o.dtype)) for o in _sent_leaves(art)]
+        for s, (art, d) in enumerate(zip(artifacts[:-1], dims))
+    ]
 
 
 def _per_worker(value: int | str | Sequence[int | str], n: int, what: str) -> list[int | str]:

@@ -68,6 +68,11 @@ class Backend(Protocol):
         names them)."""
         ...
 
+    def send_seconds(self, values: Sequence[PyTree], repeats: int) -> list[float]:
+        """Per stage boundary ``s -> s + 1``, one send of ``values[s]`` from stage ``s``'s worker to stage
+        ``s + 1``'s as a step makes it, timed apart: the median of ``repeats``. Between steps only."""
+        ...
+
     def set_offload(self, spec: Offload | None) -> None:
         """From the next step, every stage's residuals off its device between F and B as ``spec`` says (None: none)."""
         ...

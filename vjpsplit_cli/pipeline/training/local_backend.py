@@ -38,6 +38,7 @@ from ..schedules.stepplans import Resolved
 from ..stages.evalprograms import EvalProgram
 from ..schedules.timeline import Phase
 from .clipping import clip_scale
+from .measured import measure_copy_seconds
 from .ownership import Ownership, Snapshot
 from .stage_trainer import RESTORE_HINT, Exchange, StageTrainer, finish_stages
 from .zero1 import ReplicaTrainer
@@ -124,6 +125,12 @@ class InProcessBackend:
     def placement(self) -> list[tuple[jax.Device | str, ...]]:
         """Per stage, the devices that hold its parameters."""
         return [t.worker.devices for t in self.trainers]
+
+    def send_seconds(self, values: Sequence[PyTree], repeats: int) -> list[float]:
+        """Per stage boundary ``s -> s + 1``, ``jax.device_put`` of ``values[s]`` from stage ``s``'s (first) device
+        to stage ``s + 1``'s, waited for, as a step hands a result on: the median of ``repeats``."""
+        devices = [t.worker.devices[0] for t in self.trainers]
+        return [measure_copy_seconds(v, devices[s], devices[s + 1], repeats) for s, v in enumerate(values)]
 
     def step(
         self,

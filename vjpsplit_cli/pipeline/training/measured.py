@@ -25,14 +25,17 @@ up to 1.9 times what later steps did, compiling left out; docs/pipeline.md).
   their own). An operation that ran warm while this process traced, lowered or
   compiled (``jax.monitoring``'s compile events), slowed by it on a shared host,
   is left out; where that leaves none of a stage and kind, its last one counts.
-* **Sends.** ``comm`` is the median gap from the end of an operation to the start
+* **Sends.** ``gap`` is the median gap from the end of an operation to the start
   of the one on the next worker that reads its result (F to the next stage's F,
   a B or I to the previous stage's B or I), counted only where that worker was idle
   (its previous operation had ended): the time from a result existing to the
-  next worker computing on it, which is how ``auto_schedule``'s plans are
-  played. It costs nothing beyond the timeline the step keeps anyway. On Ray it
-  includes the object store and the actor call, and the clock offsets measured
-  at start (a negative gap counts as 0).
+  next worker computing on it. It costs nothing beyond the timeline the step
+  keeps anyway, but it holds more than the send: the receiving worker's wake-up
+  and, on a shared host, its wait for a core (on Ray also the clock offsets
+  measured at start; a negative gap counts as 0). ``Trainer.costs()``'s ``comm``,
+  what ``auto`` plans with, is the send measured apart (``measure_copy_seconds``
+  in-process, ``RayPipeline.probe_delivery`` on Ray); the gap stands in only where
+  that cannot be measured.
 """
 
 from __future__ import annotations
@@ -134,15 +137,26 @@ def send_gaps(
     return gaps
 
 
+class TimelineCosts(TypedDict):
+    """What timed steps' timelines give: every stage's operation seconds (``F``, ``B``: its input part, ``W``:
+    its weight part, one entry per stage) and ``gap``, the median idle gap from a result to the next worker
+    starting on it, seconds (the module docstring)."""
+
+    F: list[float]
+    B: list[float]
+    W: list[float]
+    gap: float
+
+
 class MeasuredCosts(TypedDict):
-    """Every stage's measured operation seconds (``F``, ``B``: its input part, ``W``: its weight part, one entry
-    per stage), ``comm``: the send time, seconds; ``transfer`` (``Trainer.costs`` only): bytes per second of a
-    residual copy off a device (``out``) and back (``back``)."""
+    """``Trainer.costs()``: the ``TimelineCosts`` and ``comm``, one send between stages measured apart, seconds;
+    ``transfer``: bytes per second of a residual copy off a device (``out``) and back (``back``)."""
 
     F: list[float]
     B: list[float]
     W: list[float]
     comm: float
+    gap: NotRequired[float]
     transfer: NotRequired[dict[str, float]]
 
 
@@ -171,8 +185,8 @@ class CostSamples:
             self._shares[stage] = b / (b + w) if b is not None and w is not None and b + w > 0 else 0.5
         return self._shares[stage]
 
-    def costs(self) -> MeasuredCosts:
-        """``{"F": [...], "B": [...], "W": [...], "comm": c}`` in seconds: medians over the kept steps."""
+    def costs(self) -> TimelineCosts:
+        """``{"F": [...], "B": [...], "W": [...], "gap": g}`` in seconds: medians over the kept steps."""
         kept = list(self.steps) or ([self.first] if self.first is not None else [])
         if not kept:
             raise VjpsplitError(
@@ -200,7 +214,7 @@ class CostSamples:
                 b, w = whole * share, whole * (1.0 - share)
             B.append(b)
             W.append(w)
-        return {"F": F, "B": B, "W": W, "comm": statistics.median(gaps) if gaps else 0.0}
+        return {"F": F, "B": B, "W": W, "gap": statistics.median(gaps) if gaps else 0.0}
 
 
 PROBE_BYTES = 4 << 20  # what one transfer probe copies each way (a few MiB: past the fixed cost of a copy)
@@ -229,3 +243,18 @@ def measure_transfer_rates(device: object, nbytes: int = PROBE_BYTES, repeats: i
         "out": size / max(statistics.median(outs[1:]), 1e-9),
         "back": size / max(statistics.median(backs[1:]), 1e-9),
     }
+
+
+SEND_PROBES = 50  # the deliveries a send-time probe times per stage boundary (their median counts)
+
+
+def measure_copy_seconds(value: object, source: object, target: object, repeats: int = SEND_PROBES) -> float:
+    """The median seconds of ``jax.device_put`` of ``value`` (a pytree of arrays) from device ``source`` to
+    ``target``, waited for: how an in-process step hands one stage's result to the next stage's device."""
+    x = jax.block_until_ready(jax.device_put(value, source))
+    times = []
+    for _ in range(repeats + 1):  # the first warms the copy up
+        t0 = perf_counter()
+        jax.block_until_ready(jax.device_put(x, target))
+        times.append(perf_counter() - t0)
+    return statistics.median(times[1:])

@@ -17,6 +17,7 @@ importable from here.
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Mapping, Sequence, TypedDict, Unpack
 
@@ -129,6 +130,16 @@ class RayBackend:
         for part in self.rp.get([a.placement.remote() for a in self.rp.actors]):
             got.update(part)
         return [tuple(got[s]) for s in range(self.rp.num_stages)]
+
+    def send_seconds(self, values: Sequence[PyTree], repeats: int) -> list[float]:
+        """Per stage boundary ``s -> s + 1``, one actor-to-actor delivery of ``values[s]`` through the senders and
+        inboxes a step's results take (``RayPipeline.probe_delivery``): the median of ``repeats`` round trips
+        halved; 0 where both stages are on one worker (nothing goes between actors)."""
+        out = []
+        for s, v in enumerate(values):
+            a, b = self.worker_of[s], self.worker_of[s + 1]
+            out.append(0.0 if a == b else statistics.median(self.rp.probe_delivery(v, repeats, (a, b))))
+        return out
 
     def step(
         self,

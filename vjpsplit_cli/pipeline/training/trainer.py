@@ -188,6 +188,8 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
         step_time = time.monotonic() - t0
         if timed:
             self._samples.add(r, first=self._steps_run == 0)
+            if self._sent_by is None:
+                self._sent_by = mbs[0]
         self._steps_run += 1
         auto = None
         if self.auto is not None:

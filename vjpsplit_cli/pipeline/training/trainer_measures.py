@@ -6,23 +6,26 @@ what ``auto``'s plans offload (``planned_offload``), where each stage runs
 (``placement``) and which workers are stragglers (``_busy``, from a timed step's
 compute; ``history.Stragglers``). ``Trainer`` sets the attributes it declares.
 
-May import ``measured``, ``history``, ``backend`` and ``option_values`` of this room, ``runtime``,
+May import ``measured``, ``autoplan``, ``history``, ``backend`` and ``option_values`` of this room, ``runtime``,
 ``schedules``, and the layers below ``pipeline``.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import warnings
 
 import jax
 
+from ..runtime.model import Microbatch
 from ..runtime.offload import Offload
 from ..runtime.result import PipelineResult
 from ..schedules.stepplans import Resolved
 from .backend import Backend
 from .history import IN_A_ROW, SLOWER, History, StepRecord, Stragglers
-from .measured import CostSamples, MeasuredCosts, measure_transfer_rates
+from .autoplan import boundary_values
+from .measured import SEND_PROBES, CostSamples, MeasuredCosts, measure_transfer_rates
 from .option_values import Runner
 
 
@@ -38,6 +41,8 @@ class TrainerMeasures:
     _history: History
     _samples: CostSamples
     _transfer: dict[str, float] | None
+    _send: list[float] | None
+    _sent_by: Microbatch | None
     _auto_offload: Offload | None
     _signatures: list[tuple[tuple[str, tuple[int | str, ...]], ...]]
     _stragglers: Stragglers | None
@@ -83,23 +88,32 @@ class TrainerMeasures:
     def costs(self) -> MeasuredCosts:
         """Every stage's measured F, B and W seconds and the send time, as ``auto_schedule``'s ``costs`` take them.
 
-        Medians over the microbatches of the last timed steps (``step(batch, timed=True)``, or ``auto``'s first
-        two), the Trainer's first step only while no other is timed; see ``measured`` for what is left out, how a
-        whole backward splits into B and W and how sends are timed.
+        F, B and W: medians over the microbatches of the last timed steps (``step(batch, timed=True)``, or
+        ``auto``'s first two), the Trainer's first step only while no other is timed; see ``measured`` for what
+        is left out and how a whole backward splits into B and W. ``comm``: one send between stages timed apart,
+        at the first call, with an activation of the size each stage sends (the first timed step's microbatch):
+        in-process ``jax.device_put`` from one stage's device to the next, on Ray one actor-to-actor delivery
+        through the step's senders and inboxes; the median of ``measured.SEND_PROBES`` per boundary, the mean
+        over the boundaries. ``gap``: what the timed steps' timelines show between a result and the next worker
+        starting on it (more than the send; ``comm`` where the send could not be measured).
 
         Returns:
-            ``{"F": [...], "B": [...], "W": [...], "comm": seconds, "transfer": {"out": .., "back": ..}}``, one
-            entry per stage in F, B and W; ``transfer`` the bytes per second of a residual copy off the first
-            stage's device and back, as offload copies (``measured.measure_transfer_rates``, timed once, at the first
-            call; on Ray, on this process's device).
+            ``{"F": [...], "B": [...], "W": [...], "comm": seconds, "gap": seconds, "transfer": {"out": ..,
+            "back": ..}}``, one entry per stage in F, B and W; ``transfer`` the bytes per second of a residual
+            copy off the first stage's device and back, as offload copies (``measured.measure_transfer_rates``,
+            timed once, at the first call; on Ray, on this process's device).
 
         Raises:
             VjpsplitError: no timed step has run yet.
         """
-        measured = self._samples.costs()
+        timeline = self._samples.costs()
         if self._transfer is None:
             self._transfer = measure_transfer_rates(self.placement[0][0])
-        return {**measured, "transfer": self._transfer}
+        if self._send is None:
+            sent = None if self._sent_by is None else boundary_values(self._samples.artifacts, self._sent_by)
+            self._send = [] if sent is None else self.backend.send_seconds(sent, SEND_PROBES)
+        comm = statistics.mean(self._send) if self._send else timeline["gap"]
+        return {**timeline, "comm": comm, "transfer": self._transfer}
 
     @property
     def planned_offload(self) -> Offload | None:

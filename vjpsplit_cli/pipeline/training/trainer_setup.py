@@ -21,7 +21,7 @@ from typing import Mapping, Sequence
 from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
 from ...treetypes import Leaf, PyTree
-from ..runtime.model import model_of
+from ..runtime.model import Microbatch, model_of
 from ..runtime.offload import Offload, offload_of
 from ..runtime.result import PipelineResult
 from ..schedules.stepplans import resolve
@@ -101,6 +101,8 @@ class TrainerSetup:
         self._history = History(observe.progress, self.step_count)
         self._samples = CostSamples(self.model.artifacts)
         self._transfer: dict[str, float] | None = None  # measured once, at the first costs()
+        self._send: list[float] | None = None  # per stage boundary, one send's seconds: at the first costs() too
+        self._sent_by: Microbatch | None = None  # the first timed step's first microbatch: what the send probe sizes
         self._auto_offload: Offload | None = None
         self._steps_run = 0
         self._signatures = [cost_signature(a) for a in self.model.artifacts]
