@@ -62,17 +62,14 @@ def nbytes(value: Any) -> int:
 
 
 def copy_time(value: Any, repeats: int) -> float:
-    """The median seconds of ``jax.device_put`` of ``value`` from the first host device to the second, waited for."""
+    """The median seconds of ``jax.device_put`` of ``value`` from the first host device to the second, waited for
+    (what an in-process Trainer's ``costs()["comm"]`` times between its stages' devices)."""
     import jax
 
+    from vjpsplit_cli.pipeline.training.measured import measure_copy_seconds
+
     d0, d1 = jax.local_devices()[0], jax.local_devices()[1 % len(jax.local_devices())]
-    x = jax.block_until_ready(jax.device_put(value, d0))
-    times = []
-    for _ in range(repeats + 1):  # the first warms the copy up
-        t0 = time.perf_counter()
-        jax.block_until_ready(jax.device_put(x, d1))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    return measure_copy_seconds(value, d0, d1, repeats)
 
 
 def workload(
