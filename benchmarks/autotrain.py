@@ -9,8 +9,9 @@ microbatches, AdamW, cut into 2 stages after block 1 (2 workers, one core each:
 the work runs in a child process with single-threaded XLA). The Trainers
 (1F1B, ZB-H1, auto with no limit, auto within ZB-H1's memory of S microbatches)
 step on the same batches, interleaved round by round; the auto ones run first in
-round 0, so their timed first step is a first step (every call compiles). The 2
-warm-up rounds are the auto Trainers' two timed steps. Reported: median step
+round 0, so their timed first step is a first step (every call compiles). The
+warm-up rounds are the auto Trainers' two timed steps and their trial steps
+(untimed, until each keeps the plans that ran fastest). Reported: median step
 times of the rounds after them, the plans each ran modeled under the costs of 3
 later timed steps of the auto Trainer, and its costs as measured in its first
 step, in its second (what it planned for) and in those later steps. Every
@@ -63,19 +64,23 @@ def measure(quick: bool) -> dict:
         "1F1B": P.Trainer(stages, params, schedule="1f1b", **kw),
         "ZB-H1": P.Trainer(stages, params, schedule="zbh1", **kw),
     }
-    warmup, rounds = 2, c["rounds"]
+    rounds = c["rounds"]
     times: dict[str, list[float]] = {k: [] for k in trainers}
     losses: dict[str, list[float]] = {k: [] for k in trainers}
     measured = {}
-    for i in range(warmup + rounds):
+    i = timed = 0
+    while timed < rounds:
         x = next(batches)
+        # Timed from when the auto Trainers have measured (2 steps) and raced the plans they rate close.
+        warm = i >= 2 and all(tr.auto is None or tr.auto.trial is None for tr in trainers.values())
         for k, tr in trainers.items():
             t0 = time.perf_counter()
             losses[k].append(tr.step(x))
-            if i >= warmup:
+            if warm:
                 times[k].append(time.perf_counter() - t0)
         if i < 2:  # the auto Trainer's two timed steps: it planned for the second's costs
             measured["first step" if i == 0 else "second step"] = trainers["auto"].costs()
+        i, timed = i + 1, timed + warm
     ran = {k: tr.last_result.plans for k, tr in trainers.items()}
     auto = trainers["auto"]
     for _ in range(3):  # later timed steps: times without compiling; auto plans again for them

@@ -10,7 +10,8 @@ each runner (in-process, Ray) and schedule (1F1B, ZB-H1, ``auto``; 1F1B only wit
    (``RayPipeline.probe_delivery``: through the senders and inboxes a step's results take; the median of many
    round trips, halved); in-process, ``jax.device_put`` of it from one device to the other, waited for (median
    of many).
-3. **The floor**: ``modeled_makespan`` of the plans the step runs (auto's: the plans it chose) under those F,
+3. **The floor**: ``modeled_makespan`` of the plans the step runs (auto's: the plans its race kept, after
+   untimed trial steps until it keeps them) under those F,
    B and W with that send time as ``comm`` (the schedules' simulator). The optimizer update, the losses'
    fetch and the driver's hand-out are not in it: they are part of what a runner costs above its floor.
 4. **The step**: untimed steps of every Trainer interleaved in blocks; the median of the blocks.
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 
 SCHEDULES = ("1f1b", "zbh1", "auto")
+SETTLE_STEPS = 64  # at most this many untimed steps for auto's race (a race of k candidates takes 3k)
 LABEL = {"inprocess": "in-process", "ray": "Ray"}
 
 
@@ -95,9 +97,15 @@ def workload(
         for _ in range(2):  # warm up (auto's two measuring steps among them)
             for tr in trainers.values():
                 tr.step(batch())
-        for _ in range(cfg["timed"]):  # the costs, on each runner's own workers; auto plans again after each
+        for _ in range(cfg["timed"]):  # the costs, on each runner's own workers (during auto's race: no replan)
             for tr in trainers.values():
                 tr.step(batch(), timed=True)
+        for _ in range(SETTLE_STEPS):  # auto's trial steps, untimed, until each auto Trainer keeps its plans
+            racing = [tr for tr in trainers.values() if tr.auto is not None and tr.auto.trial is not None]
+            if not racing:
+                break
+            for tr in racing:
+                tr.step(batch())
         sent = activations(stages, params, batches[0], microbatches)
         comm = {"inprocess": statistics.mean(copy_time(a, cfg["probes"]) for a in sent)}
         probes: dict[str, list[float]] = {}
@@ -130,6 +138,8 @@ def workload(
                     "comm": comm[r],
                     "measured_comm": tr.costs()["comm"],
                     "gap": tr.costs()["gap"],
+                    "kept": sch if tr.auto is None else str(tr.auto.choice),
+                    "race": {} if tr.auto is None or not tr.auto.races else tr.auto.races[-1],
                     "work": sum(map(sum, costs.values())) * microbatches,
                     "F": costs["F"],
                     "B": costs["B"],
@@ -168,7 +178,7 @@ def measure(cfg: dict, ray: bool, platform: str) -> list[dict]:
 def table(parts: list[dict], cfg: dict) -> str:
     """One row per workload, runner and schedule: the step, its floor, their ratio, what the floor assumed."""
     lines = [
-        "Each runner's step over its floor: the modeled makespan of the plans it runs (auto: the plans it chose) "
+        "Each runner's step over its floor: the modeled makespan of the plans it runs (auto: the plans its race kept) "
         "under the F, B and W its own workers measured (medians of "
         f"{cfg['timed']} timed steps) and the send time measured apart (Ray: one actor-to-actor delivery of each "
         f"activation size through the step's senders and inboxes, the median of {cfg['probes']} round trips "
@@ -177,17 +187,29 @@ def table(parts: list[dict], cfg: dict) -> str:
         "Trainer timed apart itself (what auto plans with); costs()' gap: the wait from a result to the next "
         "worker starting on it in its timed steps' timelines.",
         "",
-        "| workload | runner | schedule | step | floor | step / floor | send in the floor | costs()' comm | "
-        "costs()' gap |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| workload | runner | schedule | plans run | step | floor | step / floor | send in the floor | "
+        "costs()' comm | costs()' gap |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for part in parts:
         for r in part["rows"]:
             lines.append(
-                f"| {r['workload']} | {LABEL[r['runner']]} | {r['schedule']} | {r['step'] * 1e3:.2f} ms | "
+                f"| {r['workload']} | {LABEL[r['runner']]} | {r['schedule']} | {r['kept']} | {r['step'] * 1e3:.2f} ms | "
                 f"{r['floor'] * 1e3:.2f} ms | {r['step'] / r['floor']:.2f}× | {r['comm'] * 1e6:.0f} µs | "
                 f"{r['measured_comm'] * 1e6:.0f} µs | {r['gap'] * 1e6:.0f} µs |"
             )
+    races = [
+        f"{r['workload']}, {LABEL[r['runner']]}: "
+        + ", ".join(f"{name} {sec * 1e3:.2f} ms" for name, sec in sorted(r["race"].items(), key=lambda kv: kv[1]))
+        for part in parts
+        for r in part["rows"]
+        if r["race"]
+    ]
+    if races:
+        lines += [
+            "",
+            "auto's race (median untimed trial step of each candidate; the fastest kept): " + "; ".join(races) + ".",
+        ]
     sizes = "; ".join(
         f"{p['workload']}: " + ", ".join(f"{int(k)} B in {v * 1e6:.0f} µs" for k, v in p["deliveries"].items())
         for p in parts

@@ -1,4 +1,5 @@
-"""``schedule="auto"`` for the Trainer: timed first steps, then ``auto_schedule``'s plans for what they measured.
+"""``schedule="auto"`` for the Trainer: timed first steps, ``auto_schedule``'s plans for what they measured, then
+trial steps that keep whichever of the plans the model rates close runs fastest.
 
 ``AutoPlan`` holds the memory limit (microbatches per worker, or bytes per
 worker turned into microbatches by the stages' manifests) and decides, step by
@@ -9,16 +10,27 @@ step, what runs:
    none has it; otherwise, or where neither fits the limit, ``auto_schedule``'s
    plans for equal costs (F = B = W), which split exactly the stages that can.
    The backend runs it as a timed step (``timed=True``).
-2. From its timeline (``measured.CostSamples``) every stage's F, B and W and the
-   send time; ``auto_schedule`` plans for them within the limit. Where the
-   measuring step's own plans are faster under those costs, they stay.
-3. The second step runs those plans, timed too: a first step is the first run
-   of every call, slower than the steps after it even with its compiling left
-   out (``measured``). ``auto_schedule`` plans again for the second step's costs.
-4. Every following step runs those plans, untimed; a ``step(batch, timed=True)``
-   adds its times to the kept ones and auto plans again. The history records
-   which schedule ran and its modeled makespan under the measured costs
-   (seconds); ``measuring`` marks the two timed steps.
+2. From its timeline (``measured.CostSamples``) every stage's F, B and W, and the
+   send time measured apart; the candidates (``candidates``): ``auto_schedule``'s
+   plans for them within the limit, the same held to 1F1B's microbatches in
+   flight, every built-in that fits and the measuring step's plans. The one the
+   model rates fastest runs the second step, timed too: a first step is the
+   first run of every call, slower than the steps after it even with its
+   compiling left out (``measured``).
+3. After the second step the candidates are planned again for its costs, and
+   those the model rates within ``trials.MARGIN`` of the best race (``trials``):
+   each runs ``trial_rounds`` whole steps (default 3), interleaved, and the one
+   whose median step took least time is kept. The model holds an operation's
+   time fixed whatever the plan; on real devices it is not (plans with more
+   microbatches in flight slowed each operation by 7-14% on the CPU host of
+   docs/performance.md), so the clock decides between plans the model cannot
+   tell apart. Trial steps train like any other.
+4. Every following step runs the plans kept, untimed; a ``step(batch, timed=True)``
+   adds its times to the kept ones and auto plans again: plans no race ran yet
+   that the model rates near the best race the kept ones. The history records
+   which schedule ran (a trial step: its candidate's name) and its modeled
+   makespan under the measured costs (seconds); ``measuring`` marks the timed
+   first steps and the trial steps.
 
 A limit in bytes counts what a worker holds per microbatch in flight from its
 stage's manifest: the stored residuals from F until B (the "residuals" column of
@@ -31,6 +43,7 @@ counted.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence, cast
 
 import jax
@@ -51,12 +64,14 @@ from ..schedules.costs import Costs
 from ..schedules.offloading import offload_makespan
 from ..schedules.builtins import schedule
 from ..schedules.layout import Layout
-from ..schedules.modeled import memory_limits, modeled_makespan
+from ..schedules.modeled import memory_limits, memory_peaks, modeled_makespan
 from ..schedules.ops import Op
 from ..schedules.stepplans import Resolved, check_plans
 from .measured import MeasuredCosts
+from .trials import TRIAL_ROUNDS, Candidate, Trial, contenders
 
 AUTO = "auto"
+AS_1F1B = "auto, 1f1b's memory"  # auto_schedule's plans held to the microbatches 1F1B keeps in flight
 MEASURING_STEPS = 2  # the timed steps an auto Trainer starts with: the first measures, the second again
 UNIT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0}  # what the measuring step's plans assume, before anything is measured
 BYTES_UNSIZED = "memory_limit_bytes cannot count it: give Schedule('auto', memory_limit=...) in microbatches instead"
@@ -149,7 +164,7 @@ def _per_worker(value: int | str | Sequence[int | str], n: int, what: str) -> li
 
 
 class AutoPlan:
-    """What an ``auto`` Trainer runs: a timed measuring step, then ``auto_schedule``'s plans for its costs."""
+    """What an ``auto`` Trainer runs: timed measuring steps, trial steps, then the plans that ran fastest."""
 
     def __init__(
         self,
@@ -157,6 +172,8 @@ class AutoPlan:
         microbatches: int,
         memory_limit: int | Sequence[int] | None,
         memory_limit_bytes: int | str | Sequence[int | str] | None,
+        trial_rounds: int | None = None,
+        every_step_timed: bool = False,
     ):
         self.artifacts = list(artifacts)
         S = self.num_stages = len(self.artifacts)
@@ -164,6 +181,10 @@ class AutoPlan:
         if memory_limit is not None and memory_limit_bytes is not None:
             raise VjpsplitError("give memory_limit (microbatches) or memory_limit_bytes, not both")
         self.memory_limit, self.memory_limit_bytes = memory_limit, memory_limit_bytes
+        self.trial_rounds = trial_rounds
+        self.rounds = TRIAL_ROUNDS if trial_rounds is None else trial_rounds
+        # A race compares steps of the kind the Trainer runs: untimed ones, or timed ones where it times every step.
+        self.every_step_timed = every_step_timed
         self.limits: tuple[int, ...] | None = None
         if memory_limit_bytes is None:
             self.limits = memory_limits(memory_limit, S, microbatches)  # a bad limit is refused now
@@ -172,40 +193,73 @@ class AutoPlan:
             self.byte_limits = [parse_bytes(v) for v in _per_worker(memory_limit_bytes, S, "memory_limit_bytes")]
         self.split = [bool(a.manifest.weights) for a in self.artifacts]
         self.layout = Layout.of_schedule("1f1b", S)  # worker w runs stage w
-        self.plans: list[list[Op]] | None = None  # auto's plans, once measured
-        self.makespan: float | None = None
+        self.plans: list[list[Op]] | None = None  # what the next step runs, once measured
+        self.makespan: float | None = None  # ... its modeled makespan under the latest costs, seconds
+        self.offloaded: frozenset[tuple[int, int]] = frozenset()  # ... what it offloads (a limit in bytes)
         self.measured_with: Resolved | None = None
         self.steps_timed = 0
         self.held: list[int] | None = None  # per stage, one microbatch's bytes (a limit in bytes)
-        self.offloaded: frozenset[tuple[int, int]] = frozenset()  # what auto's plans offload (a limit in bytes)
+        self.chosen: Candidate | None = None  # what auto runs outside a race: the model's best, then a race's winner
+        self.trial: Trial | None = None  # the race under way
+        self.raced: set[object] = set()  # the candidates' keys every race so far ran
+        self.races: list[dict[str, float]] = []  # per race, each candidate's median step seconds
 
     @property
     def offload(self) -> Offload | None:
-        """The offload auto's plans run (to host memory, only the pairs they name), or None where they need none."""
+        """The offload the next step's plans run (to host memory, only the pairs they name), or None."""
         return Offload(pairs=self.offloaded) if self.offloaded else None
 
     @property
     def current(self) -> Resolved:
-        """The Trainer's plan: named ``auto``, its plans once measured (none before)."""
+        """The Trainer's plan: named ``auto``, the plans the next step runs once measured (none before)."""
         return Resolved(AUTO, self.plans or [], self.layout)
 
+    @property
+    def choice(self) -> str | None:
+        """Which plans auto keeps: ``"auto"`` (``auto_schedule``'s), ``"auto, 1f1b's memory"`` or a built-in's
+        name; None before the first plan."""
+        return None if self.chosen is None else self.chosen.name
+
     def next_step(self, mbs: Sequence[Microbatch]) -> tuple[Resolved, bool]:
-        """What the next step runs on ``mbs``, and whether it is the timed measuring step."""
+        """What the next step runs on ``mbs``, and whether it is a timed measuring step. A trial step runs under
+        its candidate's name."""
         if self.plans is None:
             return self.measuring(mbs[0]), True
+        if self.trial is not None:
+            name = self.trial.candidates[self.trial.running].name
+            return Resolved(name, self.plans, self.layout), False
         return self.current, self.steps_timed < MEASURING_STEPS
 
-    def after(self, ran: Resolved, costs: Callable[[], MeasuredCosts], timed: bool) -> tuple[str, float | None, bool]:
-        """The history's entries for the step that ran ``ran``: its schedule, ``modeled_makespan`` (seconds,
-        under the measured costs) and whether it was a measuring step. After a timed step (the first, or
-        ``step(batch, timed=True)``) auto plans again for the costs ``costs()`` gives (medians over the timed
-        steps kept)."""
-        if not timed:
-            return AUTO, self.makespan, False
-        measuring, measured = self.steps_timed < MEASURING_STEPS, costs()
-        self.steps_timed += 1
-        row = ran.name, modeled_makespan(ran.plans, measured), measuring
-        self.choose(measured)
+    def after(
+        self, ran: Resolved, costs: Callable[[], MeasuredCosts], timed: bool, seconds: float
+    ) -> tuple[str, float | None, bool]:
+        """The history's entries for the step that ran ``ran`` in ``seconds``: its schedule, its modeled makespan
+        (seconds, under the measured costs) and whether auto measured with it (a timed first step or a trial
+        step). A trial step counts toward its race where it is of the kind the Trainer runs (untimed, or timed
+        where every step is). After a timed step outside a race, auto plans again for the costs ``costs()``
+        gives (medians over the timed steps kept): the model's best until the measuring steps are done, then a
+        race where it plans something not raced before."""
+        trial = self.trial
+        if timed:
+            measured = costs()
+            measuring = self.steps_timed < MEASURING_STEPS
+            self.steps_timed += 1
+            row: tuple[str, float | None, bool] = (
+                ran.name,
+                modeled_makespan(ran.plans, measured),
+                measuring or trial is not None,
+            )
+        else:
+            row = ran.name, self.makespan, trial is not None
+        if trial is not None:
+            if timed == self.every_step_timed:
+                trial.add(trial.running, seconds)
+            if trial.done:
+                self.chosen, self.trial = trial.winner(), None
+                self.races.append({c.name: m for c, m in zip(trial.candidates, trial.medians())})
+        elif timed:
+            self.plan_again(measured)
+        self._next()
         return row
 
     def limits_for(self, mb: Microbatch) -> tuple[int, ...]:
@@ -238,31 +292,73 @@ class AutoPlan:
         self.measured_with = Resolved(name, plans, self.layout)
         return self.measured_with
 
-    def choose(self, costs: MeasuredCosts) -> None:
-        """``auto_schedule``'s plans for the measured ``costs`` within the limit (the measuring plans if faster)."""
+    def candidates(self, costs: MeasuredCosts) -> list[Candidate]:
+        """The plans auto may keep for the measured ``costs``, within the limit, each with its modeled makespan:
+        ``auto_schedule``'s (under a byte limit, with the offload it plans), ``auto_schedule``'s held to 1F1B's
+        microbatches in flight, every built-in that fits, and the measuring step's plans."""
         assert self.limits is not None and self.measured_with is not None  # the measuring step ran
-        offloaded: frozenset[tuple[int, int]] = frozenset()
+        S, m = self.num_stages, self.microbatches
+        out = []
         if self.held is not None:  # a limit in bytes: auto may offload where that ends sooner
-            c = Costs.of(costs, self.num_stages)
             planned = auto_schedule(
-                self.artifacts,
-                self.microbatches,
-                costs=costs,
-                memory_limit_bytes=self.byte_limits,
-                microbatch_bytes=self.held,
+                self.artifacts, m, costs=costs, memory_limit_bytes=self.byte_limits, microbatch_bytes=self.held
             )
-            offloaded = planned.offloaded  # type: ignore[attr-defined]
-            plans: list[list[Op]] = [list(ops) for ops in planned]
-            span = offload_makespan(plans, c, self.held, offloaded, c.transfer)
+            offloaded: frozenset[tuple[int, int]] = planned.offloaded  # type: ignore[attr-defined]
+            plans = [list(ops) for ops in planned]
+            out.append(Candidate(AUTO, plans, offloaded, self.modeled(plans, offloaded, costs)))
         else:
-            plans = auto_schedule(self.artifacts, self.microbatches, costs=costs, memory_limit=list(self.limits))
-            span = modeled_makespan(plans, costs)
-        theirs = modeled_makespan(self.measured_with.plans, costs)
-        if theirs < span:
-            plans, span, offloaded = self.measured_with.plans, theirs, frozenset()
-        check_plans(plans, self.num_stages, self.microbatches)
-        self.plans, self.makespan, self.offloaded = plans, span, offloaded
+            plans = auto_schedule(self.artifacts, m, costs=costs, memory_limit=list(self.limits))
+            out.append(Candidate(AUTO, plans, frozenset(), modeled_makespan(plans, costs)))
+        as_1f1b = [min(n, p) for n, p in zip(self.limits, memory_peaks(schedule("1f1b", S, m)))]
+        if as_1f1b != list(self.limits):
+            plans = auto_schedule(self.artifacts, m, costs=costs, memory_limit=as_1f1b)
+            out.append(Candidate(AS_1F1B, plans, frozenset(), modeled_makespan(plans, costs)))
+        for name, plans in built_in_candidates(S, m, self.limits, self.split).items():
+            out.append(Candidate(name, plans, frozenset(), modeled_makespan(plans, costs)))
+        ran = self.measured_with
+        out.append(Candidate(ran.name, ran.plans, frozenset(), modeled_makespan(ran.plans, costs)))
+        for c in out:
+            check_plans(c.plans, S, m)
+        return out
+
+    def modeled(self, plans: list[list[Op]], offloaded: frozenset[tuple[int, int]], costs: MeasuredCosts) -> float:
+        """``plans``' modeled makespan under ``costs``, their offload's copies included."""
+        if not offloaded:
+            return modeled_makespan(plans, costs)
+        assert self.held is not None  # only plans under a byte limit offload
+        c = Costs.of(costs, self.num_stages)
+        return offload_makespan(plans, c, self.held, offloaded, c.transfer)
+
+    def plan_again(self, costs: MeasuredCosts) -> None:
+        """Plan for the measured ``costs``: while measuring (or with no trial rounds), the model's best
+        candidate; after, a race between the candidates modeled near the best that no race ran yet and the
+        plans kept (``trials``); with none new, the plans kept stay."""
+        field = contenders(self.candidates(costs))
+        if self.steps_timed < MEASURING_STEPS or self.rounds == 0:
+            self.chosen = field[0]
+            return
+        if self.raced:
+            kept = self.chosen
+            assert kept is not None  # a race kept one
+            kept = dataclasses.replace(kept, modeled=self.modeled(kept.plans, kept.offloaded, costs))
+            field = [kept, *(c for c in field if c.key not in self.raced and c.key != kept.key)]
+        self.raced.update(c.key for c in field)
+        if len(field) == 1:
+            self.chosen = field[0]
+        else:
+            self.trial = Trial(field, self.rounds)
+
+    def _next(self) -> None:
+        """Point ``plans``, ``makespan`` and ``offloaded`` at what the next step runs: the race's candidate, or
+        the plans kept."""
+        running = self.chosen if self.trial is None else self.trial.candidates[self.trial.running]
+        assert running is not None  # planned after the first step
+        self.plans, self.makespan, self.offloaded = running.plans, running.modeled, running.offloaded
 
     def record(self) -> dict[str, object]:
-        """What a checkpoint records to go on: the limit as given (``restore`` measures again)."""
-        return {"memory_limit": self.memory_limit, "memory_limit_bytes": self.memory_limit_bytes}
+        """What a checkpoint records to go on: the limit and trial rounds as given (``restore`` measures again)."""
+        return {
+            "memory_limit": self.memory_limit,
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "trial_rounds": self.trial_rounds,
+        }

@@ -47,6 +47,7 @@ class MetaJSON(TypedDict, total=False):
     plans: str
     memory_limit: int | list[int] | None
     memory_limit_bytes: int | str | list[int | str] | None
+    trial_rounds: int | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +61,8 @@ class CheckpointMeta:
     (``files.trees.encode_structure``; layout 1 reads it); ``plans``: the caller's plans as CSV text.
 
     ``auto``: an auto schedule's run, whose ``memory_limit`` and ``memory_limit_bytes`` are both recorded (as
-    given, either None), so that ``restore`` measures again on its own hosts.
+    given, either None), so that ``restore`` measures again on its own hosts; ``trial_rounds`` as given, where
+    it was (checkpoints before it was recorded lack it).
     """
 
     schedule: str | None = None
@@ -72,6 +74,7 @@ class CheckpointMeta:
     auto: bool = False
     memory_limit: int | list[int] | None = None
     memory_limit_bytes: int | str | list[int | str] | None = None
+    trial_rounds: int | None = None
 
     def as_dict(self) -> MetaJSON:
         """The record as ``checkpoint.json`` holds it, its keys in the order the Trainer has always written them."""
@@ -89,6 +92,8 @@ class CheckpointMeta:
         if self.auto:
             out["memory_limit"] = self.memory_limit
             out["memory_limit_bytes"] = self.memory_limit_bytes
+            if self.trial_rounds is not None:
+                out["trial_rounds"] = self.trial_rounds
         return out
 
     @classmethod
@@ -116,6 +121,9 @@ class CheckpointMeta:
                 continue
             if not all(isinstance(x, kinds) and not isinstance(x, bool) for x in (v if isinstance(v, list) else [v])):
                 raise damaged(d, f"meta.{key}", v, "a limit or one per worker")
+        t = meta.get("trial_rounds")
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 0):
+            raise damaged(d, "meta.trial_rounds", t, "an int >= 0 or null")
         schedule, optimizer, plans = meta.get("schedule"), meta.get("optimizer"), meta.get("plans")
         return cls(
             schedule=schedule if isinstance(schedule, str) else None,
@@ -128,6 +136,7 @@ class CheckpointMeta:
             # Checked just above, element by element.
             memory_limit=cast("int | list[int] | None", meta.get("memory_limit")),
             memory_limit_bytes=cast("int | str | list[int | str] | None", meta.get("memory_limit_bytes")),
+            trial_rounds=t if isinstance(t, int) else None,
         )
 
 

@@ -73,16 +73,19 @@ class Schedule:
         memory_limit: ``"auto"`` only: the most microbatches a worker holds at once, an int or one per worker.
         memory_limit_bytes: ``"auto"`` only: bytes per worker (an int or a size such as ``"2GiB"``, or one
             per worker), counted from the stages' manifests.
+        trial_rounds: ``"auto"`` only: the steps each of the plans the model rates close runs before auto keeps
+            the fastest (default 3; 0 keeps the model's choice without trial steps).
 
     Raises:
-        VjpsplitError: both ``name`` and ``plans``; both memory limits, or one for a schedule other than
-            ``"auto"``; a name that is not a string.
+        VjpsplitError: both ``name`` and ``plans``; both memory limits, or one (or ``trial_rounds``) for a
+            schedule other than ``"auto"``; a name that is not a string; ``trial_rounds`` not an int >= 0.
     """
 
     name: str | None = None
     plans: Plans | None = None
     memory_limit: MemoryLimit | None = None
     memory_limit_bytes: MemoryLimitBytes | None = None
+    trial_rounds: int | None = None
 
     def __post_init__(self) -> None:
         if self.name is not None and not isinstance(self.name, str):
@@ -101,6 +104,18 @@ class Schedule:
                 f"memory_limit and memory_limit_bytes apply to Schedule('auto'), not to {self.label!r}: "
                 f"write Schedule('auto', memory_limit=...), or leave the limit out"
             )
+        object.__setattr__(self, "trial_rounds", plain(self.trial_rounds))
+        rounds = self.trial_rounds
+        if rounds is not None:
+            if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
+                raise VjpsplitError(
+                    f"Schedule(trial_rounds={rounds!r}): give the steps each close candidate runs, an int >= 0"
+                )
+            if self.name != AUTO:
+                raise VjpsplitError(
+                    f"trial_rounds applies to Schedule('auto'), not to {self.label!r}: leave it out, or write "
+                    "Schedule('auto', trial_rounds=...)"
+                )
 
     @property
     def label(self) -> str:

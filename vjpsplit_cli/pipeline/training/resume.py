@@ -263,9 +263,11 @@ def _restored_schedule(directory: str | os.PathLike[str], meta: MetaJSON, chosen
 
 
 def _auto_limits(meta: MetaJSON, chosen: Schedule) -> Schedule:
-    """An ``"auto"`` schedule given without a memory limit takes the checkpoint's limits, as given (None: not
-    recorded); restore measures again, on its own hosts."""
+    """An ``"auto"`` schedule given without a memory limit (or trial rounds) takes the checkpoint's, as given
+    (None: not recorded); restore measures again, on its own hosts."""
     if chosen.auto and chosen.memory_limit is None and chosen.memory_limit_bytes is None:
         limit, limit_bytes = meta.get("memory_limit"), meta.get("memory_limit_bytes")
-        return dataclasses.replace(chosen, memory_limit=limit, memory_limit_bytes=limit_bytes)
+        chosen = dataclasses.replace(chosen, memory_limit=limit, memory_limit_bytes=limit_bytes)
+    if chosen.auto and chosen.trial_rounds is None and meta.get("trial_rounds") is not None:
+        chosen = dataclasses.replace(chosen, trial_rounds=meta["trial_rounds"])
     return chosen

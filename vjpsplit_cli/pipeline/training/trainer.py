@@ -80,7 +80,9 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
 
     ``Schedule("auto", memory_limit=...)`` times the first step and runs
     ``auto_schedule``'s plans for the measured costs from the second (timed too, and
-    planned again after it: ``autoplan``), within the memory limit.
+    planned again after it), within the memory limit; then the plans the model rates
+    close (its own, the same at 1F1B's memory, the built-ins that fit) each run
+    ``trial_rounds`` steps (default 3) and the fastest on the clock is kept (``autoplan``).
 
     In-process, every stage runs on a device of its own (``InProcess(devices=...)``;
     by default worker k's stages on ``jax.local_devices()[k]`` where there are
@@ -161,8 +163,8 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
     def step(self, batch: tuple[PyTree, ...], *, timed: bool | None = None) -> float:
         """One optimizer step on ``batch``: the schedule over its microbatches, then every stage's update.
 
-        ``costs()`` counts timed steps; ``schedule="auto"`` times its first two steps itself, and plans
-        again after each timed step.
+        ``costs()`` counts timed steps; ``schedule="auto"`` times its first two steps itself, races the
+        plans it rates close over the next (trial) steps, and plans again after each later timed step.
 
         Args:
             batch: the function's batch inputs as a tuple (a 1-tuple for one input), the whole batch; it is
@@ -183,7 +185,9 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
         plan, measuring = (self.plan, False) if self.auto is None else self.auto.next_step(mbs)
         every = self.trace_every is not None and (self.step_count + 1) % self.trace_every == 0
         timed = (self.timeline or every if timed is None else timed) or measuring
+        t_run = time.monotonic()
         r, sums = self.backend.step(mbs, plan, self.microbatches, self.clip_global_norm, timed=timed)
+        ran_for = time.monotonic() - t_run  # what auto's trial steps compare: the schedule, sends and updates
         _, norm = clip_scale(sums, None)
         step_time = time.monotonic() - t0
         if timed:
@@ -193,7 +197,7 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
         self._steps_run += 1
         auto = None
         if self.auto is not None:
-            auto = self.auto.after(plan, self.costs, timed)
+            auto = self.auto.after(plan, self.costs, timed, ran_for)
             self.plan = self.auto.current
             if self.offload is None and self.auto.offload != self._auto_offload:
                 self._auto_offload = self.auto.offload  # auto's plans under a byte limit offload these pairs

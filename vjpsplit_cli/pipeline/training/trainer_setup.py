@@ -72,7 +72,14 @@ class TrainerSetup:
         self.microbatches, self.schedule, self.schedule_name = microbatches, schedule, schedule.label
         self.auto: AutoPlan | None = None
         if schedule.auto:
-            self.auto = AutoPlan(self.model.artifacts, microbatches, schedule.memory_limit, schedule.memory_limit_bytes)
+            self.auto = AutoPlan(
+                self.model.artifacts,
+                microbatches,
+                schedule.memory_limit,
+                schedule.memory_limit_bytes,
+                trial_rounds=schedule.trial_rounds,
+                every_step_timed=observe.timeline,
+            )
             self.plan = self.auto.current
         else:  # a bad schedule is refused before any export
             self.plan = resolve(schedule.label, schedule.plans, S, microbatches)
