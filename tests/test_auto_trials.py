@@ -44,6 +44,8 @@ def test_contenders_are_distinct_within_the_margin_fastest_modeled_first():
     twin = Candidate("twin", a.plans, frozenset(), 10.0)  # a's plans under another name: not raced twice
     assert [c.name for c in contenders([b, a, twin, far])] == ["a", "b"]  # far is 15% above the best
     assert [c.name for c in contenders([b, a, twin, far], margin=0.2)] == ["a", "b", "far"]
+    one_f = Candidate("1f1b", [[Op("F", 3, 0)]], frozenset(), 30.0)  # modeled 3x the best: races all the same
+    assert [c.name for c in contenders([b, one_f, a])] == ["a", "b", "1f1b"]
     offloading = Candidate("a, offloading", a.plans, frozenset({(0, 0)}), 10.2)  # same plans, other copies
     assert [c.name for c in contenders([a, offloading])] == ["a", "a, offloading"]
 

@@ -18,7 +18,8 @@ step, what runs:
    first run of every call, slower than the steps after it even with its
    compiling left out (``measured``).
 3. After the second step the candidates are planned again for its costs, and
-   those the model rates within ``trials.MARGIN`` of the best race (``trials``):
+   1F1B and ZB-H1 (where they fit) and those the model rates within
+   ``trials.MARGIN`` of the best race (``trials``):
    each runs ``trial_rounds`` whole steps (default 3), interleaved, and the one
    whose median step took least time is kept. The model holds an operation's
    time fixed whatever the plan; on real devices it is not (plans with more

@@ -80,8 +80,8 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
 
     ``Schedule("auto", memory_limit=...)`` times the first step and runs
     ``auto_schedule``'s plans for the measured costs from the second (timed too, and
-    planned again after it), within the memory limit; then the plans the model rates
-    close (its own, the same at 1F1B's memory, the built-ins that fit) each run
+    planned again after it), within the memory limit; then 1F1B, ZB-H1 and the plans
+    the model rates close (its own, the same at 1F1B's memory) each run
     ``trial_rounds`` steps (default 3) and the fastest on the clock is kept (``autoplan``).
 
     In-process, every stage runs on a device of its own (``InProcess(devices=...)``;

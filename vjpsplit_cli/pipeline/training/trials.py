@@ -7,7 +7,8 @@ the same F, I and W measured 7-14% slower under auto's plans than under ZB-H1's,
 where the model rated auto's 1.4% faster). So ``AutoPlan`` does not trust the
 model between plans it rates within ``MARGIN`` of each other: it runs each of
 them, interleaved, for ``rounds`` whole training steps (``Trial``), and keeps
-the one whose median step took least time. Trial steps are the run's own steps:
+the one whose median step took least time; 1F1B and ZB-H1 race wherever they
+fit (``ALWAYS``). Trial steps are the run's own steps:
 they train, with the same losses and parameters whichever plans run them.
 
 May import ``schedules`` only.
@@ -17,12 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Sequence
+from typing import Collection, Sequence
 
 from ..schedules.ops import Op
 
 TRIAL_ROUNDS = 3  # the steps each candidate runs in a race: the median drops one outlier (a first, colder run)
 MARGIN = 0.10  # candidates modeled this far above the best are not raced: a plan's ops ran up to 14% slower
+# ... except these, which race wherever they fit: the schedules users measure auto against. Where each operation
+# costs little beside the runner's own, the model misses by far more (stages of negligible work on Ray: 1F1B ran
+# fastest, and was not among the plans modeled within 10% of the best; docs/performance.md).
+ALWAYS = ("1f1b", "zbh1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +53,11 @@ class Candidate:
         return tuple(tuple(ops) for ops in self.plans), tuple(sorted(self.offloaded))
 
 
-def contenders(candidates: Sequence[Candidate], margin: float = MARGIN) -> list[Candidate]:
-    """The distinct ``candidates`` (the first of each plans kept) modeled within ``margin`` of the best, fastest
-    modeled first (ties in the given order)."""
+def contenders(
+    candidates: Sequence[Candidate], margin: float = MARGIN, always: Collection[str] = ALWAYS
+) -> list[Candidate]:
+    """The distinct ``candidates`` (the first of each plans kept) modeled within ``margin`` of the best, and those
+    named in ``always`` however they are modeled; fastest modeled first (ties in the given order)."""
     seen: set[object] = set()
     distinct = []
     for c in candidates:
@@ -58,7 +65,7 @@ def contenders(candidates: Sequence[Candidate], margin: float = MARGIN) -> list[
             seen.add(c.key)
             distinct.append(c)
     best = min(c.modeled for c in distinct)
-    near = [c for c in distinct if c.modeled <= best * (1.0 + margin)]
+    near = [c for c in distinct if c.modeled <= best * (1.0 + margin) or c.name in always]
     return sorted(near, key=lambda c: c.modeled)
 
 
