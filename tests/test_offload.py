@@ -338,3 +338,22 @@ def test_a_microbatch_whose_b_is_its_fs_next_or_second_operation_stays():
     off = Offloader(P.Offload(), None, 0)
     off.schedule(P.schedule("1f1b", 2, 4))
     assert [off.keeps(mb) for mb in range(4)] == [True, False, False, True]
+
+
+def test_held_bytes_counts_each_device_array_once_as_holders_come_and_go():
+    """``HeldBytes`` (what ``peak_residual_bytes`` reads) equals ``device_bytes`` over everything held, after every
+    change: an array two holders share counts once and until the last lets go; host arrays never count."""
+    from vjpsplit_cli.pipeline.runtime.offload import HeldBytes, device_bytes
+
+    shared = jax.numpy.ones((4, 8), np.float32)
+    a = {"x": jax.numpy.zeros((3,), np.float32), "w": shared, "host": np.ones((100,), np.float32)}
+    b = [shared, jax.numpy.zeros((2, 2), jax.numpy.bfloat16), jax.numpy.zeros((), np.int32)]
+    held, holders = HeldBytes(), []
+    for change, tree in [("add", a), ("add", b), ("remove", a), ("add", a), ("remove", b), ("remove", a)]:
+        getattr(held, change)(tree)
+        holders.append(tree) if change == "add" else holders.remove(tree)
+        assert held.total == device_bytes(holders)
+    assert held.total == 0
+    held.add(a)
+    held.add(b)
+    assert held.total == 4 * 8 * 4 + 3 * 4 + 2 * 2 * 2 + 4  # shared once, the host array not at all

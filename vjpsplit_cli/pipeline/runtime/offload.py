@@ -160,6 +160,39 @@ def device_bytes(arrays: object) -> int:
     return sum(seen.values())
 
 
+class HeldBytes:
+    """The distinct device arrays a stage holds, each counted once, and their bytes, kept up to date as what holds
+    them comes and goes: a change costs its own leaves, not every held array again (``device_bytes`` over all of
+    them at each operation cost a Ray actor about 4 ms of a 2-core host's CPU per step on the mid GPT)."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[int, list[int]] = {}  # id of a held device array -> [its bytes, how many hold it]
+        self.total = 0
+
+    def add(self, tree: object) -> None:
+        """``tree``'s device arrays are held (once more, where already held)."""
+        for a in jax.tree_util.tree_leaves(tree):
+            if on_device(a):
+                entry = self._arrays.get(id(a))
+                if entry is None:
+                    n = int(a.nbytes)  # type: ignore[attr-defined]  # on_device: a jax.Array
+                    self._arrays[id(a)] = [n, 1]
+                    self.total += n
+                else:
+                    entry[1] += 1
+
+    def remove(self, tree: object) -> None:
+        """``tree`` (given to ``add`` before) no longer holds its arrays; those nothing else holds stop counting.
+        Its arrays are alive while this runs, so no other array can have taken one's id."""
+        for a in jax.tree_util.tree_leaves(tree):
+            entry = self._arrays.get(id(a))
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._arrays[id(a)]
+                    self.total -= entry[0]
+
+
 def _movable(a: object) -> bool:
     """A stored leaf that can leave and come back bit for bit (typed PRNG keys stay: NumPy has no dtype for them)."""
     return isinstance(a, jax.Array) and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)

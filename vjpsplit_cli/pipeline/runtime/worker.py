@@ -23,7 +23,7 @@ from ...tracing.residuals import Intermediates
 from ..schedules.ops import Kind, Op
 from .devices import default_device
 from .flight import RING
-from .offload import Away, Offload, Offloader, device_bytes
+from .offload import Away, HeldBytes, Offload, Offloader
 from .stagecalls import calls_for, signature_of
 from ..schedules.timeline import Event, op_name
 from ...treetypes import PyTree
@@ -172,6 +172,7 @@ class StageWorker:
         self.peak_residual_bytes = 0
         self.res: dict[int, Residuals | Away] = {}
         self.inter: dict[int, Intermediates] = {}
+        self._held = HeldBytes()  # the device arrays of res (those not away) and inter
         self.grads: PyTree = None
         self.events: list[Event] = []
         self.losses: dict[int, jax.Array] = {}  # the last stage's per microbatch: device scalars until fetched
@@ -211,9 +212,7 @@ class StageWorker:
         Returns:
             The bytes, each array counted once; offloaded residuals count while leaving and once back.
         """
-        held = [r.stored for r in self.res.values() if hasattr(r, "stored")]
-        held += [(i.arrays, i.stored) for i in self.inter.values()]
-        return device_bytes(held) + (0 if self.offloader is None else self.offloader.device_bytes())
+        return self._held.total + (0 if self.offloader is None else self.offloader.device_bytes())
 
     def _note_peak(self) -> None:
         """At an operation's boundary: the most residual bytes held on the device so far this step."""
@@ -222,6 +221,8 @@ class StageWorker:
     def _residuals(self, mb: int) -> Residuals:
         """Microbatch ``mb``'s residuals for its B, back on the device if they were away."""
         held = self.res.pop(mb)
+        if not isinstance(held, Away):
+            self._held.remove(held.stored)
         if self.offloader is not None:
             return self.offloader.take(mb, held)
         assert not isinstance(held, Away)  # nothing leaves the device without an offloader
@@ -297,7 +298,9 @@ class StageWorker:
             xs = [self.art.place_arg(i + 1, v) for i, v in enumerate(xs)]
         f = self.calls.forward
         out, res = self._run(worker, Kind.F, mb, (self.params, *xs), f, f.WARMUP)
-        self.res[mb] = res if self.offloader is None else self.offloader.send(mb, res)
+        kept = self.res[mb] = res if self.offloader is None else self.offloader.send(mb, res)
+        if not isinstance(kept, Away):
+            self._held.add(kept.stored)
         self._note_peak()
         if self.is_last:
             self.losses[mb] = out
@@ -339,7 +342,9 @@ class StageWorker:
         """
         # I is the last reader of most residuals: drop them, keeping only W's share (in inter).
         res, c = self._residuals(mb), self._ct(ct, microbatches)
-        gx, self.inter[mb] = self._run(worker, Kind.I, mb, (res, c), _split(self.calls.backward_input), 1)
+        gx, inter = self._run(worker, Kind.I, mb, (res, c), _split(self.calls.backward_input), 1)
+        self.inter[mb] = inter
+        self._held.add((inter.arrays, inter.stored))
         del res
         self._note_peak()
         return gx
@@ -352,6 +357,7 @@ class StageWorker:
             worker: The worker recorded in the event; ``None`` means the stage's index.
         """
         inter = self.inter.pop(mb)
+        self._held.remove((inter.arrays, inter.stored))
         if self.grads is None:
             self.grads = self._run(worker, Kind.W, mb, (inter,), _split(self.calls.backward_weight), 1)
         else:
