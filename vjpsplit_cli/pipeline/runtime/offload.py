@@ -163,7 +163,8 @@ def device_bytes(arrays: object) -> int:
 class HeldBytes:
     """The distinct device arrays a stage holds, each counted once, and their bytes, kept up to date as what holds
     them comes and goes: a change costs its own leaves, not every held array again (``device_bytes`` over all of
-    them at each operation cost a Ray actor about 4 ms of a 2-core host's CPU per step on the mid GPT)."""
+    them at each operation cost 13.6 ms of Python per step of the mid GPT's two stages, 1F1B over 8 microbatches;
+    this, 0.7 ms)."""
 
     def __init__(self) -> None:
         self._arrays: dict[int, list[int]] = {}  # id of a held device array -> [its bytes, how many hold it]
