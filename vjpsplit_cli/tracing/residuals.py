@@ -243,12 +243,8 @@ class SplitResiduals(Residuals):
         super().__init__(stored, inputs, plan=plan, **fields)
 
 
-def _residuals_keys(r: Residuals) -> tuple[list[tuple[DictKey, Any]], tuple[Any, ...]]:
-    # Key paths are the file keys: r/0 for stored residuals, in/<input key> for input-backed ones.
-    children = [(DictKey(k), v) for k, v in r.stored.items()] + [
-        (DictKey(keys.input_backed(k)), v) for k, v in r.inputs.items()
-    ]
-    aux = (
+def _residuals_aux(r: Residuals) -> tuple[Any, ...]:
+    return (
         tuple(r.stored),
         tuple(r.inputs),
         tuple(sorted(r.dims.items())),
@@ -257,7 +253,19 @@ def _residuals_keys(r: Residuals) -> tuple[list[tuple[DictKey, Any]], tuple[Any,
         r.arg_trees,
         r.plan,
     )
-    return children, aux
+
+
+def _residuals_keys(r: Residuals) -> tuple[list[tuple[DictKey, Any]], tuple[Any, ...]]:
+    # Key paths are the file keys: r/0 for stored residuals, in/<input key> for input-backed ones.
+    children = [(DictKey(k), v) for k, v in r.stored.items()] + [
+        (DictKey(keys.input_backed(k)), v) for k, v in r.inputs.items()
+    ]
+    return children, _residuals_aux(r)
+
+
+def _residuals_flat(r: Residuals) -> tuple[list[Any], tuple[Any, ...]]:
+    # Every jit call, device_put and tree_leaves of residuals flattens them: no key paths made, the aux once.
+    return [*r.stored.values(), *r.inputs.values()], _residuals_aux(r)
 
 
 def _residuals_from(cls: type[Residuals]) -> Callable[[tuple[Any, ...], Iterable[Any]], Residuals]:
@@ -282,7 +290,7 @@ for _cls in (Residuals, SplitResiduals):
         _cls,
         _residuals_keys,
         _residuals_from(_cls),
-        lambda r: ([v for _, v in _residuals_keys(r)[0]], _residuals_keys(r)[1]),
+        _residuals_flat,
     )
 
 
