@@ -103,6 +103,7 @@ class StageWorker:
                 "waits for that gradient"
             )
         self.calls = calls_for(artifact, self.feeds_back)
+        self._seeds: dict[int, PyTree] = {}  # the last stage's cotangent 1/microbatches, placed, by microbatches
         self._runs: dict[
             tuple[int, tuple[object, ...]], int
         ] = {}  # timed steps: how often each call ran per input signature (warm or not)
@@ -274,11 +275,13 @@ class StageWorker:
 
     def _ct(self, ct: PyTree, microbatches: int) -> PyTree:
         if self.is_last:
-            # In the loss's own dtype (float64 under x64): the artifact casts no cotangent.
-            ct = np.asarray(1.0 / microbatches, dtype_from_name(self.art.manifest.cotangent_leaves[0].dtype))
-        else:
-            ct = self.to_device(ct)
-        return self.art.place_cotangent(ct)
+            seed = self._seeds.get(microbatches)
+            if seed is None:  # made and placed once: not a host-to-device copy in every last-stage backward
+                # In the loss's own dtype (float64 under x64): the artifact casts no cotangent.
+                one = np.asarray(1.0 / microbatches, dtype_from_name(self.art.manifest.cotangent_leaves[0].dtype))
+                seed = self._seeds[microbatches] = self.art.place_cotangent(self.to_device(one))
+            return seed
+        return self.art.place_cotangent(self.to_device(ct))
 
     def forward(self, mb: int, x: PyTree, side: Sequence[PyTree], worker: int | None = None) -> PyTree:
         """F: run the forward, keep the residuals; return the activation (the loss on the last stage).
