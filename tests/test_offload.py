@@ -343,7 +343,7 @@ def test_a_microbatch_whose_b_is_its_fs_next_or_second_operation_stays():
 def test_held_bytes_counts_each_device_array_once_as_holders_come_and_go():
     """``HeldBytes`` (what ``peak_residual_bytes`` reads) equals ``device_bytes`` over everything held, after every
     change: an array two holders share counts once and until the last lets go; host arrays never count."""
-    from vjpsplit_cli.pipeline.runtime.offload import HeldBytes, device_bytes
+    from vjpsplit_cli.pipeline.runtime.devicebytes import HeldBytes, device_bytes
 
     shared = jax.numpy.ones((4, 8), np.float32)
     a = {"x": jax.numpy.zeros((3,), np.float32), "w": shared, "host": np.ones((100,), np.float32)}

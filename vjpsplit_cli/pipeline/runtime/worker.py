@@ -23,7 +23,8 @@ from ...tracing.residuals import Intermediates
 from ..schedules.ops import Kind, Op
 from .devices import default_device
 from .flight import RING
-from .offload import Away, HeldBytes, Offload, Offloader
+from .devicebytes import HeldBytes
+from .offload import Away, Offload, Offloader
 from .stagecalls import calls_for, signature_of
 from ..schedules.timeline import Event, op_name
 from ...treetypes import PyTree

@@ -1,0 +1,80 @@
+"""Which arrays are in a device's memory, and how many bytes a stage holds there.
+
+``on_device`` tells device memory from host memory (``pinned_host``, NumPy);
+``device_bytes`` counts the distinct device arrays of a pytree once; ``HeldBytes``
+keeps that count for what a ``StageWorker`` holds (residuals, a split backward's
+intermediates) as it comes and goes, for its ``peak_residual_bytes``. May import
+the layers below ``pipeline`` only.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from ...treetypes import Leaf
+
+
+def leaf_bytes(a: Leaf) -> int:
+    """The bytes of one array (host or device) by its shape and dtype."""
+    return int(np.prod(np.shape(a), dtype=np.int64)) * np.dtype(a.dtype).itemsize
+
+
+def on_device(a: object) -> bool:
+    """Whether ``a`` is a JAX array in device memory (not host NumPy, not ``pinned_host``)."""
+    if not isinstance(a, jax.Array):
+        return False
+    kind = getattr(a.sharding, "memory_kind", None)
+    if kind is None or kind == "device":
+        return True
+    if kind == "pinned_host":
+        return False
+    # Older JAX (0.6) names a CPU device's own memory "unpinned_host": its default memory, so on the device.
+    try:
+        device = next(iter(a.sharding.device_set))
+        return bool(kind == device.default_memory().kind)  # type: ignore[attr-defined]  # not in jaxlib's stub
+    except (AttributeError, ValueError, StopIteration):
+        return False
+
+
+def device_bytes(arrays: object) -> int:
+    """Bytes of the distinct device arrays among ``arrays``' leaves."""
+    seen: dict[int, int] = {}
+    for a in jax.tree_util.tree_leaves(arrays):
+        if on_device(a):
+            seen[id(a)] = leaf_bytes(a)
+    return sum(seen.values())
+
+
+class HeldBytes:
+    """The distinct device arrays a stage holds, each counted once, and their bytes, kept up to date as what holds
+    them comes and goes: a change costs its own leaves, not every held array again (``device_bytes`` over all of
+    them at each operation cost 13.6 ms of Python per step of the mid GPT's two stages, 1F1B over 8 microbatches;
+    this, 3.3 ms, timed the same way)."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[int, list[int]] = {}  # id of a held device array -> [its bytes, how many hold it]
+        self.total = 0
+
+    def add(self, tree: object) -> None:
+        """``tree``'s device arrays are held (once more, where already held)."""
+        for a in jax.tree_util.tree_leaves(tree):
+            if on_device(a):
+                entry = self._arrays.get(id(a))
+                if entry is None:
+                    n = int(a.nbytes)  # type: ignore[attr-defined]  # on_device: a jax.Array
+                    self._arrays[id(a)] = [n, 1]
+                    self.total += n
+                else:
+                    entry[1] += 1
+
+    def remove(self, tree: object) -> None:
+        """``tree`` (given to ``add`` before) no longer holds its arrays; those nothing else holds stop counting.
+        Its arrays are alive while this runs, so no other array can have taken one's id."""
+        for a in jax.tree_util.tree_leaves(tree):
+            entry = self._arrays.get(id(a))
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._arrays[id(a)]
+                    self.total -= entry[0]
