@@ -243,3 +243,23 @@ def test_a_race_under_a_byte_limit_runs_each_candidate_with_its_own_offload(monk
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(tr.params(), ref_params, rtol=1e-4, atol=1e-6)
     tr.close()
+
+
+def test_where_no_built_in_fits_the_race_names_each_candidate_apart(monkeypatch):
+    """At two microbatches per worker no built-in fits (the first stage of each holds four): the measuring step
+    ran auto's plans for equal costs, which race (as ``"auto, equal costs"``) against auto's plans for the
+    measured costs, each within the limit, under names of their own."""
+    monkeypatch.setattr(autoplan, "contenders", lambda c: contenders(c, margin=float("inf")))
+    ap = AutoPlan(_stages().artifacts, M, 2, None, trial_rounds=1)
+    heavy_b = {"F": [1.0] * 4, "B": [2.0] * 4, "W": [0.2] * 4, "comm": 0.0}  # plans unlike those for equal costs
+    _measured(ap, heavy_b)
+    race = ap.trial
+    assert race is not None
+    names = [c.name for c in race.candidates]
+    assert len(set(names)) == len(names) and autoplan.EQUAL_COSTS in names and ap.measured_with.name == AUTO
+    assert not {"gpipe", "1f1b", "zbh1"} & set(names)
+    assert all(max(memory_peaks(c.plans)) <= 2 for c in race.candidates)
+    for _ in names:
+        plan, _ = ap.next_step([None])
+        ap.after(plan, lambda: heavy_b, False, 1.0)
+    assert ap.races == [dict.fromkeys(names, 1.0)] and ap.choice == names[0]
