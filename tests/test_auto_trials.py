@@ -92,10 +92,11 @@ def test_autoplan_races_after_measuring_and_again_only_for_plans_not_raced(monke
     ran = []
     while ap.trial is not None:
         plan, measuring = ap.next_step([None])
-        assert not measuring and plan.plans == ap.plans
-        ran.append(plan.name)
+        assert not measuring and plan.plans == ap.plans and plan.name == AUTO
         i = race.running
-        ap.after(plan, lambda: pytest.fail("an untimed step reads no costs"), False, 1.0 if i == slowest else 2.0)
+        row = ap.after(plan, lambda: pytest.fail("an untimed step reads no costs"), False, 1.0 if i == slowest else 2.0)
+        ran.append(row[3])
+        assert row[:3] == (AUTO, race.candidates[i].modeled, False)
     assert ran == names * 2
     assert ap.choice == names[slowest] and ap.plans == race.candidates[slowest].plans
     assert ap.races == [{n: (1.0 if i == slowest else 2.0) for i, n in enumerate(names)}]
@@ -143,10 +144,10 @@ def test_the_trainer_keeps_what_ran_fastest_not_what_the_model_rates_fastest(mon
     params, tx = gpt_params(), optax.adamw(1e-2)
     batches = [gpt_batch(M * ROWS, seed=60 + i) for i in range(14)]
     tr = P.Trainer(_stages(), params, optimizer=tx, schedule=P.Schedule("auto", trial_rounds=2), microbatches=M)
-    slowed, step = {"name": None}, tr.backend.step
+    slowed, step = {"plans": None}, tr.backend.step
 
     def slow_step(mbs, plan, *args, **kwargs):
-        if plan.name == slowed["name"]:
+        if plan.plans == slowed["plans"]:
             time.sleep(0.5)
         return step(mbs, plan, *args, **kwargs)
 
@@ -154,18 +155,21 @@ def test_the_trainer_keeps_what_ran_fastest_not_what_the_model_rates_fastest(mon
     losses = [tr.step(b) for b in batches[:2]]
     race = tr.auto.trial
     names = [c.name for c in race.candidates]
-    slowed["name"] = names[0]
+    slowed["plans"] = race.candidates[0].plans
     n = 2 + 2 * len(names)
     assert n < len(batches)
     losses += [tr.step(b) for b in batches[2:n]]
-    assert [h.schedule for h in tr.history[2:]] == names * 2 and all(h.measuring for h in tr.history)
-    assert tr.last_result.schedule == names[-1]  # a trial step runs under its candidate's name
+    # Each trial step's row names the candidate it ran; its schedule is auto's, and it measured nothing timed.
+    assert [(h.schedule, h.trial, h.measuring) for h in tr.history[2:]] == [("auto", n, False) for n in names * 2]
+    assert [(h.trial, h.measuring) for h in tr.history[:2]] == [(None, True)] * 2
+    assert tr.history[2].as_dict()["trial"] == names[0] and "trial" not in tr.history[0].as_dict()
+    assert tr.last_result.schedule == "auto" and tr.last_result.plans == race.candidates[-1].plans
     assert tr.auto.trial is None and tr.auto.choice != names[0]
     medians = tr.auto.races[-1]
     assert tr.auto.choice == min(medians, key=medians.get) and medians[names[0]] > 0.5
     kept = race.candidates[names.index(tr.auto.choice)]
     losses.append(tr.step(batches[n]))
-    assert (tr.history[-1].schedule, tr.history[-1].measuring) == ("auto", False)
+    assert (tr.history[-1].schedule, tr.history[-1].measuring, tr.history[-1].trial) == ("auto", False, None)
     assert tr.last_result.plans == kept.plans == tr.plan.plans
     assert max(memory_peaks(tr.plan.plans)) <= M
     ref_losses, ref_params = optax_reference(gpt, params, tx, batches[: n + 1])
@@ -236,7 +240,7 @@ def test_a_race_under_a_byte_limit_runs_each_candidate_with_its_own_offload(monk
     assert n < len(batches)
     losses += [tr.step(b) for b in batches[2:n]]
     for (name, plans, offload), c in zip(seen[2:n], race.candidates):
-        assert (name, plans) == (c.name, c.plans)
+        assert (name, plans) == (AUTO, c.plans)
         assert (offload.pairs if offload is not None else frozenset()) == c.offloaded
     assert tr.auto.trial is None
     ref_losses, ref_params = optax_reference(gpt, params, tx, batches[:n])

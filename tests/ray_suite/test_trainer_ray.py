@@ -85,8 +85,8 @@ def test_ray_trainer_auto_measures_then_races_and_equals_single_process_optax(ra
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-6)
     names = [c.name for c in race.candidates]
-    assert [(h.schedule, h.measuring) for h in tr.history] == [
-        ("zbh1", True), ("auto", True), *((name, True) for name in names), ("auto", False)
+    assert [(h.schedule, h.measuring, h.trial) for h in tr.history] == [
+        ("zbh1", True, None), ("auto", True, None), *(("auto", False, name) for name in names), ("auto", False, None)
     ]  # fmt: skip
     assert all(len(costs[k]) == 4 and min(costs[k]) >= 0 for k in "FBW") and costs["gap"] >= 0
     # The send: one actor-to-actor delivery per boundary, timed apart once; its mean is what auto plans with.

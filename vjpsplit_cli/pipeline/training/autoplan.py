@@ -29,9 +29,9 @@ step, what runs:
 4. Every following step runs the plans kept, untimed; a ``step(batch, timed=True)``
    adds its times to the kept ones and auto plans again: plans no race ran yet
    that the model rates near the best race the kept ones. The history records
-   which schedule ran (a trial step: its candidate's name) and its modeled
-   makespan under the measured costs (seconds); ``measuring`` marks the timed
-   first steps and the trial steps.
+   which schedule ran (``"auto"`` from the second step) and its modeled makespan
+   under the measured costs (seconds); ``measuring`` marks the timed first
+   steps, ``trial`` names the candidate a trial step ran.
 
 A limit in bytes counts what a worker holds per microbatch in flight from its
 stage's manifest: the stored residuals from F until B (the "residuals" column of
@@ -223,36 +223,35 @@ class AutoPlan:
         return None if self.chosen is None else self.chosen.name
 
     def next_step(self, mbs: Sequence[Microbatch]) -> tuple[Resolved, bool]:
-        """What the next step runs on ``mbs``, and whether it is a timed measuring step. A trial step runs under
-        its candidate's name."""
+        """What the next step runs on ``mbs`` (a trial step too, as ``"auto"``), and whether it is a timed
+        measuring step."""
         if self.plans is None:
             return self.measuring(mbs[0]), True
-        if self.trial is not None:
-            name = self.trial.candidates[self.trial.running].name
-            return Resolved(name, self.plans, self.layout), False
         return self.current, self.steps_timed < MEASURING_STEPS
 
     def after(
         self, ran: Resolved, costs: Callable[[], MeasuredCosts], timed: bool, seconds: float
-    ) -> tuple[str, float | None, bool]:
+    ) -> tuple[str, float | None, bool, str | None]:
         """The history's entries for the step that ran ``ran`` in ``seconds``: its schedule, its modeled makespan
-        (seconds, under the measured costs) and whether auto measured with it (a timed first step or a trial
-        step). A trial step counts toward its race where it is of the kind the Trainer runs (untimed, or timed
-        where every step is). After a timed step outside a race, auto plans again for the costs ``costs()``
-        gives (medians over the timed steps kept): the model's best until the measuring steps are done, then a
-        race where it plans something not raced before."""
+        (seconds, under the measured costs), whether it was a timed measuring step, and on a trial step the
+        candidate it ran. A trial step counts toward its race where it is of the kind the Trainer runs
+        (untimed, or timed where every step is). After a timed step outside a race, auto plans again for the
+        costs ``costs()`` gives (medians over the timed steps kept): the model's best until the measuring steps
+        are done, then a race where it plans something not raced before."""
         trial = self.trial
+        name = None if trial is None else trial.candidates[trial.running].name
         if timed:
             measured = costs()
             measuring = self.steps_timed < MEASURING_STEPS
             self.steps_timed += 1
-            row: tuple[str, float | None, bool] = (
+            row: tuple[str, float | None, bool, str | None] = (
                 ran.name,
                 modeled_makespan(ran.plans, measured),
-                measuring or trial is not None,
+                measuring,
+                name,
             )
         else:
-            row = ran.name, self.makespan, trial is not None
+            row = ran.name, self.makespan, False, name
         if trial is not None:
             if timed == self.every_step_timed:
                 trial.add(trial.running, seconds)

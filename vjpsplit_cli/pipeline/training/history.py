@@ -97,6 +97,8 @@ class StepRecord(_KeyAccess):
         stragglers: a timed step's workers whose compute was 15% or more above that of the workers whose stages
             cost the same, 3 timed steps in a row; None for an untimed step.
         eval_loss: ``fit(eval_data=..., eval_every=...)``'s loss after this step (``Trainer.evaluate``); else None.
+        trial: under ``schedule="auto"``, on a trial step, the candidate it ran (``"auto"``, ``"auto, 1f1b's
+            memory"``, ``"zbh1"``, ...; ``autoplan``); else None.
     """
 
     step: int
@@ -111,6 +113,7 @@ class StepRecord(_KeyAccess):
     busy: tuple[float, ...] | None = None
     stragglers: tuple[int, ...] | None = None
     eval_loss: float | None = None
+    trial: str | None = None
 
     def as_dict(self) -> JSONObject:
         """The record as JSON, the dict a row was before it was typed.
@@ -138,6 +141,8 @@ class StepRecord(_KeyAccess):
             row["stragglers"] = [w for w in self.stragglers]
         if self.eval_loss is not None:
             row["eval_loss"] = self.eval_loss
+        if self.trial is not None:
+            row["trial"] = self.trial
         return row
 
 
@@ -222,12 +227,12 @@ class History:
         result: PipelineResult,
         grad_norm: float,
         step_time: float,
-        auto: tuple[str, float | None, bool] | None = None,
+        auto: tuple[str, float | None, bool, str | None] | None = None,
         busy: tuple[tuple[float, ...], tuple[int, ...]] | None = None,
     ) -> None:
         """Step ``step``'s row, and the bar moved on. ``auto``: an automatic schedule's ``(schedule,
-        modeled_makespan, measuring)``; ``busy``: a timed step's ``(busy, stragglers)``."""
-        schedule, makespan, measuring = (None, None, False) if auto is None else auto
+        modeled_makespan, measuring, trial)``; ``busy``: a timed step's ``(busy, stragglers)``."""
+        schedule, makespan, measuring, trial = (None, None, False, None) if auto is None else auto
         seconds, stragglers = (None, None) if busy is None else busy
         self.rows.append(
             StepRecord(
@@ -242,6 +247,7 @@ class History:
                 measuring=measuring,
                 busy=seconds,
                 stragglers=stragglers,
+                trial=trial,
             )
         )
         self._show(result.loss)
