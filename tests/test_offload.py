@@ -200,6 +200,7 @@ def test_host_offload_without_a_host_memory_kind_copies_to_numpy(timed, monkeypa
 
 
 def test_host_copies_of_cpu_arrays_are_their_own_aligned_buffers():
+    from vjpsplit_cli.files.buffers import ALIGN
     from vjpsplit_cli.pipeline.runtime import offload
 
     arrays = [
@@ -215,7 +216,7 @@ def test_host_copies_of_cpu_arrays_are_their_own_aligned_buffers():
         view = np.asarray(a)
         assert not np.shares_memory(c, view)  # a copy: the device buffer can go
         assert c.dtype == view.dtype and c.shape == view.shape and c.tobytes() == view.tobytes()
-        assert c.ctypes.data % offload._ALIGN == 0 or c.size == 0  # numpy places an empty array anywhere
+        assert c.ctypes.data % ALIGN == 0 or c.size == 0  # numpy places an empty array anywhere
     back = jax.device_put(copies, [a.sharding for a in arrays])
     _bitwise(back, arrays)
     assert [b.sharding for b in back] == [a.sharding for a in arrays]

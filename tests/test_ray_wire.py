@@ -51,6 +51,22 @@ def test_an_array_of_every_dtype_and_shape_comes_back_bitwise(dtype, shape):
     assert got.tobytes() == a.tobytes()
 
 
+@pytest.mark.parametrize("shape", [(2, 64, 256), (3, 5), (7,)])
+def test_received_arrays_are_aligned_and_a_cpu_device_takes_them_without_a_copy(shape):
+    """What a frame brings starts on a 64-byte boundary, so the receiving stage's device_put onto its CPU device
+    uses the bytes as they are (whatever the allocator gave; NumPy's own left 128 KiB arrays 32 bytes off)."""
+    import jax
+
+    arrays = [np.full(shape, i, np.float32) for i in range(4)]
+    _, items = _roundtrip(3, [(("F", i, 0), a) for i, a in enumerate(arrays)])
+    for (_, got), want in zip(items, arrays):
+        assert got.ctypes.data % 64 == 0 and got.flags.writeable
+        np.testing.assert_array_equal(got, want)
+        on_device = jax.device_put(got, jax.local_devices()[0])
+        assert on_device.unsafe_buffer_pointer() == got.ctypes.data  # zero-copy
+        np.testing.assert_array_equal(np.asarray(on_device), want)
+
+
 def test_trees_of_tuples_lists_dicts_and_none_keep_their_types_and_order():
     x = np.ones((2, 3), np.float32)
     value = (x, [x * 2, None], {"b": x, 3: (x,)})

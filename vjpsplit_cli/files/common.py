@@ -23,6 +23,7 @@ from numpy.typing import ArrayLike
 from ..errors import VjpsplitError, one_line
 from ..safeio import checksum, workers
 from ..safeio.reading import open_for_read
+from .buffers import ALIGN
 from .dtypes import dtype_from_name, dtype_name
 
 FORMAT = "vjpsplit-arrays"
@@ -34,7 +35,6 @@ MAX_NDIM = 64  # numpy's NPY_MAXDIMS
 MAX_STREAM_BYTES = 2**30  # a pipe is read whole, up to this; /dev/zero must not fill memory
 CORRUPT = "the file is corrupt, re-create it"
 _MAX_META_DEPTH = 100  # deeper nesting is a mistake (or a cycle), not metadata
-_ALIGN = 64
 
 # Everything a corrupt or foreign file can make zipfile, numpy's header reader or msgpack
 # raise. MemoryError is absent on purpose: sizes are checked first, so one is real.
@@ -300,9 +300,9 @@ class Source:
         45 ms with one buffer per array, 18 ms with one for all, as np.load of one
         buffer). Arrays start 64-byte aligned: jax uses such memory without a copy.
         """
-        slots = [-(-n // _ALIGN) * _ALIGN for n in sizes]
-        raw = np.empty(sum(slots) + _ALIGN, np.uint8)
-        skip = -raw.__array_interface__["data"][0] % _ALIGN
+        slots = [-(-n // ALIGN) * ALIGN for n in sizes]
+        raw = np.empty(sum(slots) + ALIGN, np.uint8)
+        skip = -raw.__array_interface__["data"][0] % ALIGN
         self.slots = iter([raw[skip + a : skip + a + n] for a, n in zip(accumulate([0] + slots[:-1]), sizes)])
 
     def fill(self, reads: list[tuple[str, np.ndarray, int, int | None, int]]) -> None:

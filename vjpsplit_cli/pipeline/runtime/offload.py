@@ -33,6 +33,7 @@ import numpy as np
 
 from ...artifact.residual_files import load_residuals, save_residuals
 from ...errors import VjpsplitError
+from ...files.buffers import aligned_empty
 from ...files.shapes import format_shape
 from ...tracing.frozen import FrozenDict
 from ..schedules.ops import BACKWARDS, Kind, Op, OpKey
@@ -339,11 +340,8 @@ class Offloader:
 
 
 # XLA:CPU takes a host buffer this aligned as it is (no copy) when it is put on a CPU device again.
-_ALIGN = 64
-
-
 def _to_host(arrays: Sequence[Leaf]) -> list[np.ndarray]:
-    """Host NumPy copies of ``arrays``, each in a buffer of its own aligned to ``_ALIGN`` bytes.
+    """Host NumPy copies of ``arrays``, each in a buffer of its own aligned to ``files.buffers.ALIGN`` bytes.
 
     Copies, not ``np.asarray`` views: a CPU array's view shares its buffer and would keep it alive. The
     alignment lets ``jax.device_put`` onto a CPU device use the copy's buffer as it is: the bytes are
@@ -352,9 +350,7 @@ def _to_host(arrays: Sequence[Leaf]) -> list[np.ndarray]:
     out = []
     for a in arrays:
         src = np.asarray(a)  # waits for ``a``; on a CPU device a view of its buffer, dropped once copied
-        raw = np.empty(src.nbytes + _ALIGN, np.uint8)
-        start = -raw.ctypes.data % _ALIGN
-        dst = raw[start : start + src.nbytes].view(src.dtype).reshape(src.shape)
+        dst = aligned_empty(src.shape, src.dtype)
         np.copyto(dst, src)
         out.append(dst)
     return out

@@ -23,6 +23,7 @@ import msgpack
 import numpy as np
 
 from ....errors import VjpsplitError
+from ....files.buffers import aligned_empty
 from ....files.dtypes import dtype_from_name, dtype_name
 
 Item = tuple[tuple[str, int, int], object]  # a delivered value keyed by its operation (kind, mb, stage)
@@ -121,7 +122,8 @@ def _empty(name: object, shape: object) -> np.ndarray:
         raise BadFrame("an array entry that is not [dtype name, shape]")
     if len(shape) > 64 or int(np.prod(shape, dtype=np.float64)) > 1 << 40:
         raise BadFrame(f"an array of shape {shape}")
-    return np.empty(shape, dtype_from_name(name))
+    # Aligned: the receiving stage's device_put onto a CPU device then takes the bytes as they are, no copy.
+    return aligned_empty(shape, dtype_from_name(name))
 
 
 def _tree(t: object, arrays: list[np.ndarray], depth: int) -> object:
