@@ -1,6 +1,6 @@
 """Training steps on 2 host CPU devices: the runner's own cost, and a mid-size GPT against the ideal pipelined step.
 
-    python -m benchmarks --only train            # by hand; about 10 minutes on 2 shared cores
+    python -m benchmarks --only train            # by hand; 2 to 10 minutes on 2 shared cores
     python -m benchmarks.train [--quick]         # this section alone
 
 The work runs in a child process with 2 host CPU devices
