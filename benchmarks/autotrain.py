@@ -29,6 +29,9 @@ import time
 from benchmarks.timing import run_section, section_main
 
 
+RACE_STEPS_AT_MOST = 64  # an auto Trainer's trial steps: 5 candidates at most, 3 steps each by default
+
+
 def _config(quick: bool) -> dict:
     if quick:
         return {"width": 32, "blocks": 2, "seq": 16, "batch": 8, "microbatches": 4, "rounds": 3, "heads": 4}
@@ -37,13 +40,16 @@ def _config(quick: bool) -> dict:
 
 def _model(c: dict):
     """``(stages, params, batches)``: the mid GPT (``benchmarks/gpt.py``) cut after half its blocks, its
-    parameters, and an iterator of enough batches of windows of the docs."""
+    parameters, and an endless iterator over batches of windows of the docs (the auto Trainers' trial steps
+    take as many more steps as their races need)."""
+    import itertools
+
     from benchmarks.gpt import GPT, docs_batches
 
     g = GPT(width=c["width"], blocks=c["blocks"], seq=c["seq"], heads=c["heads"], stages=2)
     vocab, batches = docs_batches(g.seq, c["batch"], 2 + c["rounds"] + 4)
     params = g.init(vocab)
-    return g.export(params), params, iter(batches)
+    return g.export(params), params, itertools.cycle(batches)
 
 
 def measure(quick: bool) -> dict:
@@ -70,6 +76,8 @@ def measure(quick: bool) -> dict:
     measured = {}
     i = timed = 0
     while timed < rounds:
+        if i > 2 + RACE_STEPS_AT_MOST + rounds:
+            raise RuntimeError(f"the auto Trainers were still racing after {i} steps")
         x = next(batches)
         # Timed from when the auto Trainers have measured (2 steps) and raced the plans they rate close.
         warm = i >= 2 and all(tr.auto is None or tr.auto.trial is None for tr in trainers.values())
