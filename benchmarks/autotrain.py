@@ -89,6 +89,8 @@ def measure(quick: bool) -> dict:
         if i < 2:  # the auto Trainer's two timed steps: it planned for the second's costs
             measured["first step" if i == 0 else "second step"] = trainers["auto"].costs()
         i, timed = i + 1, timed + warm
+    warmup = i - rounds
+    kept = ", ".join(f"{k}: {tr.auto.choice}" for k, tr in trainers.items() if tr.auto is not None)
     ran = {k: tr.last_result.plans for k, tr in trainers.items()}
     auto = trainers["auto"]
     for _ in range(3):  # later timed steps: times without compiling; auto plans again for them
@@ -120,6 +122,8 @@ def measure(quick: bool) -> dict:
         "replanned": replanned,
         "whole": whole,
         "load": os.getloadavg()[0],
+        "warmup": warmup,
+        "kept": kept,
     }
 
 
@@ -134,7 +138,8 @@ def table(data: dict) -> str:
     lines = [
         f"Char GPT (width {c['width']}, {c['blocks']} blocks, sequence {c['seq']}, tied embedding), batch "
         f"{c['batch']} in {c['microbatches']} microbatches, AdamW, {c['stages']} stages on 2 workers of one core "
-        f"each; medians of {c['rounds']} interleaved steps after 2 warm-up rounds; load average "
+        f"each; medians of {c['rounds']} interleaved steps after {data['warmup']} warm-up rounds (the auto "
+        f"Trainers' two timed steps and their trial steps, which kept {data['kept']}); load average "
         f"{data['load']:.1f} when done.",
         "",
         "| candidate | step time | vs 1F1B | modeled makespan (costs of 3 later timed steps) | vs 1F1B |",
