@@ -339,7 +339,6 @@ class Offloader:
         return out
 
 
-# XLA:CPU takes a host buffer this aligned as it is (no copy) when it is put on a CPU device again.
 def _to_host(arrays: Sequence[Leaf]) -> list[np.ndarray]:
     """Host NumPy copies of ``arrays``, each in a buffer of its own aligned to ``files.buffers.ALIGN`` bytes.
 
