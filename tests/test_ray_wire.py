@@ -1,11 +1,13 @@
 """The actors' socket transport without Ray: ``wire`` frames round trip every dtype and tree a step sends, refuse
-what they do not carry, reject frames ``encode`` did not write, and ``peers`` opens only to the token."""
+what they do not carry, reject frames ``encode`` did not write, ``peers`` opens only to the token, and the ``inbox`` reads the connections
+from the thread that waits."""
 
 from __future__ import annotations
 
 import collections
 import queue
 import socket
+import threading
 
 import ml_dtypes
 import numpy as np
@@ -14,6 +16,7 @@ import pytest
 from vjpsplit_cli import config
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.pipeline.runtime.ray import peers, wire
+from vjpsplit_cli.pipeline.runtime.ray.inbox import Inbox
 
 DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16, np.int32, np.bool_]
 SHAPES = [(3, 5), (), (0, 4)]
@@ -126,38 +129,52 @@ def test_a_stream_that_ends_between_frames_is_eof_not_a_bad_frame():
 
 
 def _listener(token=b"t" * peers.TOKEN_BYTES):
-    got: queue.Queue = queue.Queue()
-    errors: queue.Queue = queue.Queue()
-    return peers.Listener(token, lambda s, items: got.put((s, items)), errors.put, "127.0.0.1"), got, errors
+    """A listener whose authenticated connections an inbox reads; what it attached and the errors reported."""
+    inbox, attached, errors = Inbox(), [], queue.Queue()
+
+    def on_connection(conn):
+        attached.append(conn)
+        inbox.attach(conn, errors.put)
+
+    return peers.Listener(token, on_connection, "127.0.0.1"), inbox, attached, errors
+
+
+def _taking(inbox, step, key):
+    """``inbox.take(step, key)`` in a thread of its own: the thread, and a queue that gets what it returns."""
+    out: queue.Queue = queue.Queue()
+    t = threading.Thread(target=lambda: out.put(inbox.take(step, key)), daemon=True)
+    t.start()
+    return t, out
 
 
 def test_links_deliver_to_the_listener_that_holds_their_token():
     token = b"k" * peers.TOKEN_BYTES
-    lis, got, errors = _listener(token)
+    lis, inbox, _, errors = _listener(token)
     links = peers.Links([None, lis.address], token, me=0)
     try:
         big = np.arange(300_000, dtype=np.float32)  # many sendmsg calls and recv_into chunks
         links.send(1, 4, [(("F", 0, 0), (big, None))])
         links.send(1, 5, [(("B", 1, 1), big[:3])])
-        step, [(key, (arr, none))] = got.get(timeout=10)
-        assert (step, key, none) == (4, ("F", 0, 0), None)
+        _, got = _taking(inbox, 5, ("B", 1, 1))  # reads both frames: the first one's value waits in the inbox
+        np.testing.assert_array_equal(got.get(timeout=10), big[:3])
+        arr, none = inbox.take(4, ("F", 0, 0))
+        assert none is None
         np.testing.assert_array_equal(arr, big)
-        step, [(key, arr)] = got.get(timeout=10)
-        assert (step, key) == (5, ("B", 1, 1))
         assert errors.empty()
     finally:
         links.close()
         lis.close()
+        inbox.close()
 
 
 def test_a_connection_without_the_token_is_closed_before_any_frame_is_read():
-    lis, got, errors = _listener(b"a" * peers.TOKEN_BYTES)
+    lis, inbox, attached, errors = _listener(b"a" * peers.TOKEN_BYTES)
     try:
         links = peers.Links([lis.address], b"b" * peers.TOKEN_BYTES, me=1)
         with pytest.raises(OSError):
             for _ in range(200):  # the listener closes its end: a later send fails
                 links.send(0, 0, [(("F", 0, 0), np.ones(1 << 16, np.float32))])
-        assert got.empty() and errors.empty()
+        assert attached == [] and errors.empty()
         links.close()
     finally:
         lis.close()
@@ -165,15 +182,66 @@ def test_a_connection_without_the_token_is_closed_before_any_frame_is_read():
 
 def test_a_bad_frame_from_an_authenticated_peer_is_reported_and_its_connection_dropped():
     token = b"z" * peers.TOKEN_BYTES
-    lis, got, errors = _listener(token)
+    lis, inbox, _, errors = _listener(token)
     try:
         with socket.create_connection(lis.address) as s:
             s.sendall(peers.MAGIC + token + _header([0, [["F", 0, 0, ["x", 0]]], []]))
+            waiting, got = _taking(inbox, 0, ("F", 0, 0))  # the waiting thread reads the frame
             assert isinstance(errors.get(timeout=10), wire.BadFrame)
             assert s.recv(1) == b""  # dropped
-        assert got.empty()
+        inbox.abort(0)
+        assert got.get(timeout=10) is None
     finally:
         lis.close()
+        inbox.close()
+
+
+def test_a_value_from_a_ray_call_or_an_abort_wakes_a_take_reading_the_sockets():
+    token = b"w" * peers.TOKEN_BYTES
+    lis, inbox, attached, _ = _listener(token)
+    links = peers.Links([lis.address], token, me=1)
+    try:
+        for _ in range(1000):  # the connection is attached: the take below waits reading it
+            if attached:
+                break
+            threading.Event().wait(0.01)
+        _, got = _taking(inbox, 2, ("B", 0, 1))
+        inbox.put(2, [(("B", 0, 1), "by Ray")])  # as StageActor.deliver puts it
+        assert got.get(timeout=10) == "by Ray"
+        _, got = _taking(inbox, 2, ("B", 1, 1))
+        inbox.abort(2)
+        assert got.get(timeout=10) is None
+    finally:
+        links.close()
+        lis.close()
+        inbox.close()
+
+
+def test_a_sender_blocked_on_a_full_connection_is_released_by_the_next_take():
+    """Nothing reads a connection while no thread waits: frames larger than the socket's buffers block their
+    sender until the receiver takes, and every value still arrives, in order, to two threads taking."""
+    token = b"f" * peers.TOKEN_BYTES
+    lis, inbox, _, errors = _listener(token)
+    links = peers.Links([lis.address], token, me=1)
+    values = [np.full(4 << 20, i, np.float32) for i in range(3)]  # 16 MiB each
+    sending = threading.Thread(
+        target=lambda: [links.send(0, 7, [(("F", i, 0), v)]) for i, v in enumerate(values)], daemon=True
+    )
+    try:
+        sending.start()
+        sending.join(0.5)
+        assert sending.is_alive()  # blocked: nobody reads
+        first, got_first = _taking(inbox, 7, ("F", 0, 0))
+        last, got_last = _taking(inbox, 7, ("F", 2, 0))
+        np.testing.assert_array_equal(got_last.get(timeout=30), values[2])
+        np.testing.assert_array_equal(got_first.get(timeout=30), values[0])
+        np.testing.assert_array_equal(inbox.take(7, ("F", 1, 0)), values[1])
+        sending.join(10)
+        assert not sending.is_alive() and errors.empty()
+    finally:
+        links.close()
+        lis.close()
+        inbox.close()
 
 
 def test_the_transport_variable_takes_socket_or_ray_and_names_anything_else(monkeypatch):

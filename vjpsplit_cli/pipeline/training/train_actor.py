@@ -66,7 +66,7 @@ class TrainActor(StageActor, EvaluatingActor):
     """A pipeline worker's actor that also trains (one ``StageTrainer`` per stage it holds) and evaluates.
 
     ``train_step`` runs the worker's list and then the end of the step with the other actors through their
-    inboxes (``lists.Inbox``), not through the driver: tied gradients to the other holders, every stage's
+    inboxes (``inbox.Inbox``), not through the driver: tied gradients to the other holders, every stage's
     squared norm (for the clip scale), the loss (for an update that takes it) and each round's shares of
     the optimizer's reductions to every actor, each of which joins them as the driver did (in stage order),
     so every actor computes the same scale and reductions; then the update. A failed actor sends None in

@@ -1,7 +1,8 @@
 """The Ray runner: workers as Ray actors that load their stages from bytes and never import the user's code.
 
 Owns starting or joining Ray, clocks, placement groups and why an actor waits
-(``setup``), the actor (``actor``), the one step-timeout wait and dead-actor
+(``setup``), the actor (``actor``), the sockets between actors (``wire``,
+``peers``) and an actor's inbox (``inbox``), the one step-timeout wait and dead-actor
 reports (``waiting``), a runner's actors placed, loaded, waited on and described
 (``group``), a step as a Compiled Graph (``compiled``) and ``RayPipeline``
 (``pipeline``).

@@ -25,7 +25,8 @@ from ..replicas import ReplicaGroup, refuse_sharded
 from ..stageops import run_op
 from ..worker import StageWorker
 from ....treetypes import Leaf, PyTree
-from .lists import Inbox, Key, Sender, run_list, unpack
+from .inbox import Inbox, Key
+from .lists import Sender, run_list, unpack
 from .peers import Address, Links, Listener, node_address
 from .setup import ActorHandle
 
@@ -128,7 +129,7 @@ class StageActor:
         """Take the other workers' deliveries on a socket of this node that opens to ``token`` (``peers``); its
         address. Called again (after a worker was replaced): the same socket's address."""
         if self.listener is None:
-            self.listener = Listener(token, self.inbox.put, self.fail, node_address())
+            self.listener = Listener(token, lambda conn: self.inbox.attach(conn, self.fail), node_address())
         return self.listener.address
 
     def connect(

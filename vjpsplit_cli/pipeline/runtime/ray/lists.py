@@ -3,7 +3,7 @@
 The driver hands every actor its list of operations and the batch inputs its
 stages read (``submit_lists``), once per step. An actor runs its list in order
 (``run_list``): an operation whose input another worker makes waits for it in the
-actor's ``Inbox``; a result another worker reads goes to that worker's inbox
+actor's ``inbox.Inbox`` (reading the other workers' sockets meanwhile); a result another worker reads goes to that worker's inbox
 straight from this actor (``Sender``, a thread of its own, so the next operation
 is dispatched while the last one's result is copied off the device and sent).
 The driver takes no part in a step's traffic; it only learns when each list is
@@ -29,6 +29,7 @@ from ..flight import DONE, NEXT, RUNS, WAITS, Now
 from ..model import Microbatch, side_for
 from ..stageops import RunsOps, run_op
 from ....treetypes import Leaf, PyTree
+from .inbox import Inbox, Key
 from .peers import Links
 from .setup import ActorHandle, RemoteMethod
 from .wire import Unencodable
@@ -40,52 +41,12 @@ if TYPE_CHECKING:
 
 INBOX = "inbox"  # the actors' concurrency group for deliveries and aborts
 CONCURRENCY_GROUPS = {INBOX: 1}
-Key = tuple[str, int, int]  # an operation as (kind, microbatch, stage): what a delivery is keyed by
 T = TypeVar("T")
 
 
 def key_of(op: OpKey) -> Key:
     """``op`` as a plain tuple ``(kind, mb, stage)``: what a delivery is keyed by."""
     return (op.kind, op.mb, op.stage)
-
-
-class Inbox:
-    """What other workers sent this one for a step, by the sending operation; every method thread-safe."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._values: dict[tuple[int, Key], object] = {}
-        self._step = -1
-        self._aborted = -1  # every step up to this one is aborted
-
-    def begin(self, step: int) -> None:
-        """Step ``step`` starts here: forget what older steps left."""
-        with self._cond:
-            self._step = step
-            self._values = {k: v for k, v in self._values.items() if k[0] >= step}
-
-    def put(self, step: int, items: Sequence[tuple[Key, object]]) -> None:
-        """``items`` for step ``step`` (dropped when that step is over here)."""
-        with self._cond:
-            if step >= self._step:
-                for (kind, mb, stage), value in items:
-                    self._values[(step, (str(kind), int(mb), int(stage)))] = value
-                self._cond.notify_all()
-
-    def take(self, step: int, key: Key) -> object:
-        """The value sent for ``key`` in step ``step``, once it is here; None when the step was aborted."""
-        with self._cond:
-            while (step, key) not in self._values:
-                if step <= self._aborted:
-                    return None
-                self._cond.wait()
-            return self._values.pop((step, key))
-
-    def abort(self, step: int) -> None:
-        """Release every wait of step ``step`` (and older): a worker is gone."""
-        with self._cond:
-            self._aborted = max(self._aborted, step)
-            self._cond.notify_all()
 
 
 class Sender:

@@ -4,15 +4,16 @@ A Ray actor call from one actor to another takes 0.5-1.7 ms on one host here (a
 plain TCP send and a thread's wake-up about 0.03-0.09 ms: docs/performance.md), and
 a 1F1B step is a chain of such deliveries. So each actor listens on a TCP port of
 its node (``Listener``) and keeps one connection to each other worker
-(``Links``); what ``lists.Sender`` delivers goes down them as ``wire`` frames, and
-each connection's reading thread puts what arrives in the actor's inbox. Ray still
-starts the actors, hands out the addresses and carries every call of the driver.
+(``Links``); what ``lists.Sender`` delivers goes down them as ``wire`` frames
+(``read_frame`` reads one), and each connection, once it shows the token, is handed
+to the actor's inbox, whose waiting thread reads it (``inbox``). Ray still starts the
+actors, hands out the addresses and carries every call of the driver.
 
 A connection opens with a 32-byte token the driver made for the pipeline (handed
 to each actor in a Ray call): a peer that does not send it is closed before any
 frame is read. A send that cannot go (a dead peer) raises ``OSError`` to the
 sender, which reports it as a step's error; a frame that does not decode is
-reported the same way and its connection dropped.
+reported the same way by its reader and its connection dropped.
 
 May import the base modules and ``wire``.
 """
@@ -42,20 +43,11 @@ def node_address() -> str:
 
 
 class Listener:
-    """A listening socket whose connections, once they show the token, deliver frames to ``on_items``.
+    """A listening socket that hands each connection to ``on_connection`` once it shows the token (from a thread
+    of its own per connection, which then ends); a connection that does not show it is closed unread."""
 
-    ``on_items(step, items)`` runs in the connection's reading thread; ``on_error`` is called with what ended a
-    connection abnormally (a frame that does not decode, a reset), never for a peer that closes between frames.
-    """
-
-    def __init__(
-        self,
-        token: bytes,
-        on_items: Callable[[int, list[wire.Item]], None],
-        on_error: Callable[[BaseException], None],
-        host: str,
-    ):
-        self.token, self.on_items, self.on_error = token, on_items, on_error
+    def __init__(self, token: bytes, on_connection: Callable[[socket.socket], None], host: str):
+        self.token, self.on_connection = token, on_connection
         self.sock = socket.create_server((host, 0))
         self.address: Address = (host, self.sock.getsockname()[1])
         threading.Thread(target=self._accept, name="vjpsplit-listener", daemon=True).start()
@@ -69,25 +61,18 @@ class Listener:
             threading.Thread(target=self._serve, args=(conn,), name="vjpsplit-peer", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(HANDSHAKE_SECONDS)
-            try:
-                shown = _read_exactly(conn, len(MAGIC) + TOKEN_BYTES)
-            except (OSError, EOFError):
-                return
-            if not hmac.compare_digest(shown, MAGIC + self.token):
-                return  # not one of this pipeline's actors: nothing it sent is read
-            conn.settimeout(None)
-            while True:
-                try:
-                    step, items = wire.decode(lambda n: _read_exactly(conn, n), lambda v: _read_into(conn, v))
-                except EOFError:
-                    return
-                except (OSError, wire.BadFrame) as e:
-                    self.on_error(e)
-                    return
-                self.on_items(step, items)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.settimeout(HANDSHAKE_SECONDS)
+        try:
+            shown = _read_exactly(conn, len(MAGIC) + TOKEN_BYTES)
+        except (OSError, EOFError):
+            conn.close()
+            return
+        if not hmac.compare_digest(shown, MAGIC + self.token):
+            conn.close()  # not one of this pipeline's actors: nothing it sent is read
+            return
+        conn.settimeout(None)
+        self.on_connection(conn)
 
     def close(self) -> None:
         """Stop accepting connections (those open end with their peers)."""
@@ -143,6 +128,17 @@ def _send_all(sock: socket.socket, bufs: list[memoryview]) -> None:
             views.pop(0)
         if sent:
             views[0] = views[0][sent:]
+
+
+def read_frame(conn: socket.socket) -> tuple[int, list[wire.Item]]:
+    """The next frame on ``conn`` (blocking until all of it is here): its step and items.
+
+    Raises:
+        EOFError: If the peer closed the connection between frames.
+        wire.BadFrame: If the frame is not one ``wire.encode`` writes.
+        OSError: If the connection fails.
+    """
+    return wire.decode(lambda n: _read_exactly(conn, n), lambda v: _read_into(conn, v))
 
 
 def _read_exactly(conn: socket.socket, n: int) -> bytes:
