@@ -3,8 +3,9 @@
 The driver hands every actor its list of operations and the batch inputs its
 stages read (``submit_lists``), once per step. An actor runs its list in order
 (``run_list``): an operation whose input another worker makes waits for it in the
-actor's ``inbox.Inbox`` (reading the other workers' sockets meanwhile); a result another worker reads goes to that worker's inbox
-straight from this actor (``Sender``, a thread of its own, so the next operation
+actor's ``inbox.Inbox`` (reading the other workers' sockets meanwhile); a result
+another worker reads goes to that worker's inbox straight from this actor
+(``Sender``, a thread of its own, so the next operation
 is dispatched while the last one's result is copied off the device and sent).
 The driver takes no part in a step's traffic; it only learns when each list is
 done, and the losses, timings (and gradients) afterwards.

@@ -71,8 +71,7 @@ class Listener:
         if not hmac.compare_digest(shown, MAGIC + self.token):
             conn.close()  # not one of this pipeline's actors: nothing it sent is read
             return
-        conn.settimeout(None)
-        self.on_connection(conn)
+        self.on_connection(conn)  # still under the handshake's timeout: its new owner sets the one it reads with
 
     def close(self) -> None:
         """Stop accepting connections (those open end with their peers)."""
