@@ -122,7 +122,8 @@ def _empty(name: object, shape: object) -> np.ndarray:
         raise BadFrame("an array entry that is not [dtype name, shape]")
     if len(shape) > 64 or int(np.prod(shape, dtype=np.float64)) > 1 << 40:
         raise BadFrame(f"an array of shape {shape}")
-    # Aligned: the receiving stage's device_put onto a CPU device then takes the bytes as they are, no copy.
+    # Aligned: a jax.device_put onto a CPU device takes the bytes as they are, no copy. (A stage's own
+    # to_device now moves host arrays with a jitted identity instead, which copies on the device.)
     return aligned_empty(shape, dtype_from_name(name))
 
 
