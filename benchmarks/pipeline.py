@@ -387,12 +387,10 @@ def _phases(phases: list, rounds: int, record, ray_too: bool, failures: dict) ->
     from vjpsplit_cli import VjpsplitError
 
     if ray_too:
-        ray.init(
-            num_cpus=4,
-            include_dashboard=False,
-            log_to_driver=False,
-            runtime_env={"env_vars": {"XLA_FLAGS": os.environ.get("XLA_FLAGS", SINGLE_THREAD)}},
-        )
+        # No XLA_FLAGS in the job's runtime_env: the runner gives each actor this process's flags with its own
+        # device count, where a job-level XLA_FLAGS would stand as given (each actor seeing this child's 2
+        # devices, driving 1: +20% CPU per actor on the GPT, docs/performance.md).
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         for runner, setup in phases:
             print(f"phase {runner}", file=sys.stderr, flush=True)

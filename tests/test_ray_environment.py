@@ -1,5 +1,6 @@
-"""The environment a Ray actor's process starts with, without Ray: its own device count whatever the driver's
-``XLA_FLAGS`` say, its share of the host's XLA CPU threads on a local Ray, and the user's ``runtime_env`` first."""
+"""The environment a Ray actor's process starts with, without Ray: its own device count whatever the driver's or
+the job's ``XLA_FLAGS`` say (their other flags kept), its share of the host's XLA CPU threads on a local Ray, and
+an actor's own ``runtime_env`` first."""
 
 from __future__ import annotations
 
@@ -36,16 +37,26 @@ def test_a_one_device_actor_of_a_driver_without_a_count_keeps_its_flags(monkeypa
     assert env_vars(opts) == {"XLA_FLAGS": f"{COUNT}=2"}
 
 
-@pytest.mark.parametrize("where", ["actor", "job"])
-def test_the_users_runtime_env_wins(monkeypatch, where):
+def test_an_actors_own_runtime_env_wins(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", f"{COUNT}=8")
     mine = {"XLA_FLAGS": f"{COUNT}=3", "PJRT_NPROC": "5", "OTHER": "x"}
-    opts = {"runtime_env": {"env_vars": dict(mine), "pip": ["y"]}} if where == "actor" else {}
-    cpu_environment(opts, 2, 1, mine if where == "job" else None)
-    # A job-level value is the actor's unless the actor's own env_vars override it: so none is set over it.
-    assert env_vars(opts) == (mine if where == "actor" else {})
-    if where == "actor":
-        assert opts["runtime_env"]["pip"] == ["y"]
+    opts = {"runtime_env": {"env_vars": dict(mine), "pip": ["y"]}}
+    cpu_environment(opts, 2, 1, {"XLA_FLAGS": f"{COUNT}=4", "PJRT_NPROC": "6"})
+    assert env_vars(opts) == mine
+    assert opts["runtime_env"]["pip"] == ["y"]
+
+
+def test_the_jobs_flags_reach_the_actor_with_its_own_device_count(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", f"{COUNT}=8 --driver_only_flag")
+    job = {"XLA_FLAGS": f"{COUNT}=3 --xla_cpu_multi_thread_eigen=false", "PJRT_NPROC": "5", "OTHER": "x"}
+    for n in (1, 2):
+        opts: dict = {}
+        cpu_environment(opts, n, 1, job)
+        # The job's flags, not the driver's, with the count this actor drives; the job's PJRT_NPROC stands.
+        assert env_vars(opts) == {"XLA_FLAGS": f"--xla_cpu_multi_thread_eigen=false {COUNT}={n}"}
+    opts = {}
+    cpu_environment(opts, 1, None, {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"})
+    assert opts == {}  # one device and no count anywhere in the job's flags: they reach the actor as they are
 
 
 def test_a_local_rays_actors_share_the_hosts_cores():

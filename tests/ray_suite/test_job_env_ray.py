@@ -1,4 +1,5 @@
-"""A Ray the user initialised with a runtime_env of their own: its env_vars reach the actors unchanged."""
+"""A Ray the user initialised with a runtime_env of their own: its env_vars reach the actors, but for the device
+count, which is each actor's own."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import os
 import pytest
 from test_local import what_actors_see
 
-JOB_FLAGS = "--xla_force_host_platform_device_count=1 --xla_cpu_multi_thread_eigen=false"
+OTHER_FLAG = "--xla_cpu_multi_thread_eigen=false"
+JOB_FLAGS = f"--xla_force_host_platform_device_count=2 {OTHER_FLAG}"
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +24,13 @@ def job_ray():
 
 
 def test_ray_actors_keep_the_job_runtime_env_of_a_ray_the_user_started(job_ray, monkeypatch):
-    # The driver's own flags ask for 8 devices: without reading the job's runtime_env the runner would
-    # write its own XLA_FLAGS (a count of 1, nothing else) over the user's.
-    seen = what_actors_see(job_ray, monkeypatch, lambda: (os.environ["XLA_FLAGS"], os.environ["PJRT_NPROC"]))
-    assert seen == [(JOB_FLAGS, "1")] * 2
+    import jax
+
+    # The driver's own flags ask for 8 devices, the job's for 2: each 1-device actor keeps the job's other flag
+    # (not the driver's flags) and its PJRT_NPROC, with a count of its own (a second device would only cost
+    # XLA threads).
+    def probe():
+        return os.environ["XLA_FLAGS"], os.environ["PJRT_NPROC"], jax.local_device_count()
+
+    seen = what_actors_see(job_ray, monkeypatch, probe)
+    assert seen == [(f"{OTHER_FLAG} --xla_force_host_platform_device_count=1", "1", 1)] * 2
