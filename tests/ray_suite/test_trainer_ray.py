@@ -102,6 +102,38 @@ def test_ray_trainer_auto_measures_then_races_and_equals_single_process_optax(ra
     assert tr.last_result.plans == race.candidates[names.index(tr.auto.choice)].plans
 
 
+@pytest.mark.parametrize("split", [True, False])
+def test_ray_sends_a_backwards_cotangent_before_its_weight_part(ray_session, stages, split):
+    # Untimed, a B whose cotangent goes to another actor runs as its input part, the send, then its weight part,
+    # where the stage has the split backward (the cotangent travels while W computes); stage 0 sends none and
+    # runs B whole, as does every stage exported without the split, and every stage of a timed step.
+    st = (
+        stages
+        if split
+        else vs.export_stages(gpt, *gpt_specs(gpt_params()), wrt="params", platforms="cpu", weights=False)
+    )
+    params, batch, M = gpt_params(), gpt_batch(8), 4
+    with P.Trainer(st, params, optimizer=optax.sgd(0.1), schedule="1f1b", microbatches=M, runner="ray") as tr:
+        tr.step(batch)
+        statuses = ray_session.get([a.status.remote() for a in tr.backend.rp.actors])
+        tr.step(batch, timed=True)
+        timed_kinds = {str(e.kind) for e in tr.last_result.events}
+    for status in statuses:
+        ((stage, ring),) = status["rings"].items()
+        parts = split and stage > 0
+        mine = ring[-3 * M :] if parts else ring[-2 * M :]  # this step's operations, in dispatch order
+        kinds = sorted(kind for kind, *_ in mine)
+        assert kinds == (sorted("FIW" * M) if parts else sorted("FB" * M))
+        for mb in range(M) if stage > 0 else []:
+            sent = status["sent"][("B", mb, stage)]
+            ends = {kind: (t0, t1) for kind, m, t0, t1 in mine if m == mb}
+            if parts:
+                assert ends["I"][1] <= sent <= ends["W"][0]  # sent after the input part, before the weight part
+            else:
+                assert ends["B"][1] <= sent
+    assert timed_kinds == {"F", "B"}
+
+
 def test_ray_delivery_probe_times_round_trips_between_steps(ray_session, stages):
     params, tx = gpt_params(), optax.sgd(1e-2)
     batches = [gpt_batch(8, seed=40 + i) for i in range(2)]

@@ -178,6 +178,11 @@ class ReplicaGroup:
         return self.stage_index == self.num_stages - 1
 
     @property
+    def splits_backward(self) -> bool:
+        """Whether the stage's artifact has the split backward (every replica runs the same)."""
+        return self.replicas[0].splits_backward
+
+    @property
     def devices(self) -> tuple[jax.Device | None, ...]:
         """The replicas' devices, in mesh order."""
         return tuple(r.device for r in self.replicas)

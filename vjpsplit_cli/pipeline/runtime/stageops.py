@@ -10,7 +10,7 @@ layer's residual types; ``worker`` and ``replicas`` implement it, the runners ca
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from ..schedules.ops import Kind, Op
 from ...treetypes import PyTree
@@ -44,6 +44,9 @@ class RunsOps(Protocol):
     @property
     def peak_residual_bytes(self) -> int: ...
 
+    @property
+    def splits_backward(self) -> bool: ...
+
     def set_offload(self, spec: Offload | None) -> None: ...
 
     def before(self, op: Op) -> None: ...
@@ -63,9 +66,22 @@ class RunsOps(Protocol):
     def backward_weight(self, mb: int, worker: int | None = None) -> None: ...
 
 
-def run_op(stage: RunsOps, op: Op, data: PyTree, side: Sequence[PyTree], microbatches: int, worker: int) -> PyTree:
+def run_op(
+    stage: RunsOps,
+    op: Op,
+    data: PyTree,
+    side: Sequence[PyTree],
+    microbatches: int,
+    worker: int,
+    hand_on: Callable[[PyTree], None] | None = None,
+) -> PyTree:
     """Execute scheduled operation ``op`` on ``stage`` by its kind: F takes the activation, B and I the cotangent;
     W takes nothing.
+
+    ``hand_on`` (what a Ray worker's untimed list gives a B whose cotangent goes to another actor): on a stage
+    with the split backward (every stage but the first), the B runs as its input part, then
+    ``hand_on(cotangent)``, then its weight part, so that the cotangent travels while the weight part
+    computes (the same operations as ``I`` then ``W``: the same gradients). Elsewhere it is not called.
 
     Returns what the operation hands on: the activation (or loss), the input
     cotangent, or None for W.
@@ -74,8 +90,14 @@ def run_op(stage: RunsOps, op: Op, data: PyTree, side: Sequence[PyTree], microba
     if op.kind == Kind.F:
         return stage.forward(op.mb, data, side, worker=worker)
     if op.kind == Kind.B:
+        if hand_on is not None and op.stage > 0 and stage.splits_backward:
+            # After a whole backward nothing hides the cotangent's trip to the next actor (1F1B's stages wait
+            # for it); after the input part the weight part does.
+            ct = stage.backward_input(op.mb, data, microbatches, worker=worker)
+            hand_on(ct)
+            stage.backward_weight(op.mb, worker=worker)
+            return ct
         return stage.backward(op.mb, data, microbatches, worker=worker)
     if op.kind == Kind.I:
         return stage.backward_input(op.mb, data, microbatches, worker=worker)
     stage.backward_weight(op.mb, worker=worker)
-    return None

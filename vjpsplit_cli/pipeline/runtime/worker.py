@@ -154,6 +154,11 @@ class StageWorker:
         return self.stage_index == self.num_stages - 1
 
     @property
+    def splits_backward(self) -> bool:
+        """Whether the stage's artifact has the split backward: its B can run as I then W."""
+        return self.calls.backward_input is not None
+
+    @property
     def devices(self) -> tuple[jax.Device, ...]:
         """The devices that hold this stage's parameters (a sharded stage's mesh devices, in order)."""
         if self.art.manifest.sharded:

@@ -179,7 +179,7 @@ class StageActor:
         self.reset(timed, [[Op(Kind(kind), mb, stage) for kind, mb, stage in ops]])
         self.now, self.sent = idle(), {}
         self.inbox.begin(step)
-        run_list(self, step, ops, batch, microbatches)
+        run_list(self, step, ops, batch, microbatches, timed)
 
     def deliver(self, step: int, items: Sequence[tuple[Key, object]], *pieces: bytes) -> None:
         """Results another worker sent for step ``step`` (runs in the ``inbox`` concurrency group); ``pieces``:

@@ -227,11 +227,16 @@ def run_list(
     ops: Sequence[Key],
     batch: Mapping[tuple[int, int], tuple[PyTree, list[Leaf]]],
     microbatches: int,
+    timed: bool = False,
 ) -> None:
     """Run this worker's ``ops`` of step ``step`` on ``actor`` (a ``StageActor``, reset for the step).
 
     ``batch[(stage, mb)]`` is what the F of that stage and microbatch takes from the
-    batch: the first stage's input (else None) and its side inputs.
+    batch: the first stage's input (else None) and its side inputs. Untimed (not
+    ``timed``), a B whose cotangent goes to another worker is sent after the
+    backward's input part, while its weight part computes, where the stage has the
+    split backward (``stageops.run_op``'s ``hand_on``); a timed step runs each B whole,
+    its event a B.
     """
     S, me, worker_of, sender = actor.num_stages, actor.worker, actor.worker_of, actor.sender
     assert sender is not None  # connected before any step
@@ -248,19 +253,27 @@ def run_list(
             actor.now = (WAITS, op, src, time.monotonic())
             data = actor.inbox.take(step, key_of(src))
         needed = data is not None or src is None and (op.kind != Kind.W or mb in st.inter)
-        out = None
+        dest = destination(op, S)
+        to = None if dest is None or worker_of[dest] == me else worker_of[dest]
+        key = key_of(op.key)
+        out, early = None, []  # early: a B's cotangent, sent before its weight part (hand_on)
+
+        def hand_on(value: PyTree) -> None:  # called in this iteration only: its loop variables are this op's
+            assert to is not None  # given only where the result goes to another worker
+            actor.sent[key] = time.monotonic()
+            sender.send(step, to, key, value)
+            early.append(key)
+
         if needed:  # called at once, in this iteration: the lambda's loop variables are this operation's
             side = batch[(stage, mb)][1] if op.kind == Kind.F else []
             actor.now = (RUNS, op, None, time.monotonic())
-            out = actor.guarded(lambda: run_op(st, op, data, side, microbatches, me))
+            handing = hand_on if to is not None and not timed else None
+            out = actor.guarded(lambda: run_op(st, op, data, side, microbatches, me, handing))
         actor.now = (NEXT, None, None, time.monotonic())
-        dest = destination(op, S)
-        if dest is not None:
-            if worker_of[dest] == me:
-                local[op.key] = out
-            else:
-                actor.sent[key_of(op.key)] = time.monotonic()
-                sender.send(step, worker_of[dest], key_of(op.key), out)
+        if dest is not None and to is None:
+            local[op.key] = out
+        elif to is not None and not early:  # not twice: sent early, it stays sent though the weight part failed
+            hand_on(out)
     sender.flush()
     actor.now = (DONE, None, None, time.monotonic())
 
