@@ -331,8 +331,8 @@ def cpu_environment(
     thread pool as wide as the whole host, so that p actors on one host run
     p times as many compute threads as it has cores (on GPT-256 on 2 cores: 4 threads, 5-13%
     more compute CPU than in-process). An unused host device costs too: an actor
-    driving 1 device with 2 spread its stage over two XLA threads, 120 ms of CPU a
-    step against 101-104 ms, its step 1.22-1.27x the in-process one against
+    driving 1 device with 2 spread its stage over two XLA threads, 120-122.5 ms of
+    CPU a step against 100.5-103.5 ms, its step 1.22-1.27x the in-process one against
     1.13-1.15x. So each actor's ``XLA_FLAGS`` gets
     ``--xla_force_host_platform_device_count=n``, the other flags kept from the
     job's ``runtime_env`` where it sets ``XLA_FLAGS``, else from the driver's,
