@@ -89,7 +89,7 @@ class StageWorker:
         self.art = artifact
         m = artifact.manifest
         self.device = None if m.sharded else device
-        self._sharding: SingleDeviceSharding | None = None if self.device is None else _single(self.device)
+        self._sharding: SingleDeviceSharding | None = None if self.device is None else SingleDeviceSharding(self.device)
         # Host arrays go to the device through one jitted identity: its call's transfer is C++, where
         # jax.device_put's Python took 200-400 µs of CPU per call inside a busy Ray actor (40 µs idle).
         self._host_put = None if self._sharding is None else jax.jit(_identity, out_shardings=self._sharding)
@@ -396,7 +396,3 @@ def _split(call: C | None) -> C:
 
 def _identity(*arrays: jax.Array) -> tuple[jax.Array, ...]:
     return arrays
-
-
-def _single(device: jax.Device) -> SingleDeviceSharding:
-    return SingleDeviceSharding(device)
