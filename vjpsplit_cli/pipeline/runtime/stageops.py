@@ -101,3 +101,4 @@ def run_op(
     if op.kind == Kind.I:
         return stage.backward_input(op.mb, data, microbatches, worker=worker)
     stage.backward_weight(op.mb, worker=worker)
+    return None

@@ -20,6 +20,7 @@ what ``run_list`` needs of the actor; a delivery is keyed by ``key_of`` its oper
 from __future__ import annotations
 
 import dataclasses
+import functools
 import queue
 import threading
 import time
@@ -241,6 +242,11 @@ def run_list(
     S, me, worker_of, sender = actor.num_stages, actor.worker, actor.worker_of, actor.sender
     assert sender is not None  # connected before any step
     local: dict[OpKey, object] = {}  # results this worker's own later operations read (a V's two stages)
+
+    def send(to: int, key: Key, value: PyTree) -> None:
+        actor.sent[key] = time.monotonic()
+        sender.send(step, to, key, value)
+
     for kind, mb, stage in ops:
         op = Op(Kind(kind), mb, stage)
         st = actor.stage_workers[stage]
@@ -256,24 +262,17 @@ def run_list(
         dest = destination(op, S)
         to = None if dest is None or worker_of[dest] == me else worker_of[dest]
         key = key_of(op.key)
-        out, early = None, []  # early: a B's cotangent, sent before its weight part (hand_on)
-
-        def hand_on(value: PyTree) -> None:  # called in this iteration only: its loop variables are this op's
-            assert to is not None  # given only where the result goes to another worker
-            actor.sent[key] = time.monotonic()
-            sender.send(step, to, key, value)
-            early.append(key)
-
+        out = None
         if needed:  # called at once, in this iteration: the lambda's loop variables are this operation's
             side = batch[(stage, mb)][1] if op.kind == Kind.F else []
             actor.now = (RUNS, op, None, time.monotonic())
-            handing = hand_on if to is not None and not timed else None
-            out = actor.guarded(lambda: run_op(st, op, data, side, microbatches, me, handing))
+            hand_on = None if to is None or timed else functools.partial(send, to, key)
+            out = actor.guarded(lambda: run_op(st, op, data, side, microbatches, me, hand_on))
         actor.now = (NEXT, None, None, time.monotonic())
         if dest is not None and to is None:
             local[op.key] = out
-        elif to is not None and not early:  # not twice: sent early, it stays sent though the weight part failed
-            hand_on(out)
+        elif to is not None and key not in actor.sent:  # sent early (hand_on), it stays sent if W then failed
+            send(to, key, out)
     sender.flush()
     actor.now = (DONE, None, None, time.monotonic())
 
