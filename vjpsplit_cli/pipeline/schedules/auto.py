@@ -18,7 +18,9 @@ is the family played, and the fastest plans win. The built-in ``gpipe``,
 costs the result is never slower than any of them. Where the best of these is
 above ``lower_bound`` (so possibly not optimal), ``refine``'s local search moves
 single operations while that makes the plans end sooner, within a budget of
-operations played (not of seconds: the plans are the same on every machine).
+operations played (not of seconds: the plans are the same on every machine). Last,
+each stage's W's are relabelled into microbatch order (what the stage sums its
+gradients in: see ``_weights_in_order``).
 
 The list scheduler and its ``Policy`` family are ``listscheduler``'s (named here
 too, where their importers find them); this module owns ``auto_schedule``: its
@@ -37,7 +39,7 @@ from .stepplans import check_plans
 from .builtins import schedule
 from .catalog import SPLIT_BACKWARD
 from .offloading import OffloadPlans, choose_offload, offload_makespan
-from .ops import Op
+from .ops import Kind, Op
 from .listscheduler import search
 from .refine import refine
 
@@ -109,7 +111,8 @@ def auto_schedule(
     (any runner takes it as ``schedule=``); checked, within the limit, and under
     ``costs`` no slower than any of ``gpipe``, ``1f1b`` and ``zbh1`` that fits it.
     Stages whose artifact lacks the split backward (or costs without ``W``) get whole
-    backwards. The plans depend only on the arguments (no clock, no randomness).
+    backwards. The plans depend only on the arguments (no clock, no randomness), and each
+    stage runs its W's (its B's, I's) in microbatch order: every plan sums its gradients alike.
 
     Args:
         stages: The stage count, or the stages themselves (a ``Stages`` or a sequence
@@ -159,8 +162,23 @@ def _plans(c: Costs, microbatches: int, limits: Sequence[int], split: Sequence[b
             plans, span = built, other
     if span > lower_bound(c, microbatches, limits) + 1e-9:  # at the bound the plans are already optimal
         plans, span = refine(plans, c, microbatches, limits)
+    plans = [_weights_in_order(p) for p in plans]
     check_plans(plans, S, microbatches)
     return plans
+
+
+def _weights_in_order(plan: list[Op]) -> list[Op]:
+    """``plan`` with its W slots given the microbatches in the order of its I's (microbatch order).
+
+    The search and ``refine`` may run a later microbatch's W first. Each stage adds W's gradient to
+    the sum so far, and where XLA fuses that add into W's dot (jaxlib 0.6 on CPU does), another order
+    rounds differently: relabelled, every plan sums a stage's gradients in microbatch order, so any
+    two plans train bit for bit alike. The k-th W needs the k-th I, which some earlier W's I already
+    ran past, so the plan stays valid; a W's time and the count it frees are those of any other W of
+    the stage, so the makespan and the memory peaks stay the same.
+    """
+    order = {s: iter([op.mb for op in plan if op.kind == Kind.I and op.stage == s]) for s in {op.stage for op in plan}}
+    return [Op(Kind.W, next(order[op.stage]), op.stage, op.overlap) if op.kind == Kind.W else op for op in plan]
 
 
 def smallest_byte_limit(nbytes: Sequence[int]) -> list[int]:
