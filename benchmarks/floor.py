@@ -14,7 +14,9 @@ each runner (in-process, Ray) and schedule (1F1B, ZB-H1, ``auto``; 1F1B only wit
    untimed trial steps until it keeps them) under those F,
    B and W with that send time as ``comm`` (the schedules' simulator). The optimizer update, the losses'
    fetch and the driver's hand-out are not in it: they are part of what a runner costs above its floor.
-4. **The step**: untimed steps of every Trainer interleaved in blocks; the median of the blocks.
+4. **The step**: untimed steps of every Trainer interleaved in blocks; the median of the blocks, with its standard
+   error (the blocks' MAD scaled to a normal law's sigma, x 1.2533 / sqrt(n)); auto against the faster of 1F1B and
+   ZB-H1 with twice the difference's standard error.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 import numpy as np
 
 SCHEDULES = ("1f1b", "zbh1", "auto")
-SETTLE_STEPS = 64  # at most this many untimed steps for auto's race (a race of k candidates takes 3k)
+SETTLE_STEPS = 100  # at most this many untimed steps for auto's race (k candidates: 3k steps, up to 12k)
 LABEL = {"inprocess": "in-process", "ray": "Ray"}
 
 
@@ -34,7 +36,7 @@ def config(quick: bool) -> dict:
     """The floor's settings: widths, schedules, timed steps, rounds, block and delivery round trips."""
     if quick:
         return {"widths": [], "schedules": ["1f1b"], "timed": 1, "rounds": 2, "block": 1, "probes": 20}
-    return {"widths": [256], "schedules": list(SCHEDULES), "timed": 4, "rounds": 8, "block": 2, "probes": 200}
+    return {"widths": [256], "schedules": list(SCHEDULES), "timed": 4, "rounds": 24, "block": 2, "probes": 200}
 
 
 def activations(stages: Any, params: Any, batch: tuple, microbatches: int) -> list[Any]:
@@ -128,12 +130,16 @@ def workload(
             costs = {k: v for k, v in tr.costs().items() if k in ("F", "B", "W")}
             floor = modeled_makespan(tr.plan.plans, {**costs, "comm": comm[r]})
             step = statistics.median(samples[(r, sch)])
+            spread = statistics.median(abs(x - step) for x in samples[(r, sch)])
             rows.append(
                 {
                     "workload": name,
                     "runner": r,
                     "schedule": sch,
                     "step": step,
+                    # The median's standard error: the samples' MAD scaled to a normal law's sigma, x 1.2533 / sqrt(n).
+                    "step_se": 1.2533 * 1.4826 * spread / len(samples[(r, sch)]) ** 0.5,
+                    "race_steps": sum(h.trial is not None for h in tr.history),
                     "floor": floor,
                     "comm": comm[r],
                     "measured_comm": tr.costs()["comm"],
@@ -175,6 +181,22 @@ def measure(cfg: dict, ray: bool, platform: str) -> list[dict]:
     return out
 
 
+def auto_versus(rows: list[dict], runner: str) -> str:
+    """On ``runner``, auto's step minus the faster of 1F1B's and ZB-H1's, with twice the difference's standard
+    error, and whether auto is slower beyond it; "" where the rows lack one of them."""
+    by = {r["schedule"]: r for r in rows if r["runner"] == runner}
+    if "auto" not in by or not {"1f1b", "zbh1"} & set(by):
+        return ""
+    best = min((by[s] for s in ("1f1b", "zbh1") if s in by), key=lambda r: r["step"])
+    diff = by["auto"]["step"] - best["step"]
+    noise = 2 * (by["auto"]["step_se"] ** 2 + best["step_se"] ** 2) ** 0.5
+    verdict = "faster" if diff < 0 else ("slower beyond the noise" if diff > noise else "slower within the noise")
+    return (
+        f"{by['auto']['workload']}, {LABEL[runner]}: {diff * 1e3:+.2f} ms against {best['schedule']} "
+        f"(± {noise * 1e3:.2f} ms): {verdict}"
+    )
+
+
 def table(parts: list[dict], cfg: dict) -> str:
     """One row per workload, runner and schedule: the step, its floor, their ratio, what the floor assumed."""
     lines = [
@@ -187,19 +209,20 @@ def table(parts: list[dict], cfg: dict) -> str:
         "Trainer timed apart itself (what auto plans with); costs()' gap: the wait from a result to the next "
         "worker starting on it in its timed steps' timelines.",
         "",
-        "| workload | runner | schedule | plans run | step | floor | step / floor | send in the floor | "
+        "| workload | runner | schedule | plans run | step (± 2 SE) | floor | step / floor | send in the floor | "
         "costs()' comm | costs()' gap |",
         "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for part in parts:
         for r in part["rows"]:
             lines.append(
-                f"| {r['workload']} | {LABEL[r['runner']]} | {r['schedule']} | {r['kept']} | {r['step'] * 1e3:.2f} ms | "
+                f"| {r['workload']} | {LABEL[r['runner']]} | {r['schedule']} | {r['kept']} | {r['step'] * 1e3:.2f} "
+                f"(± {2 * r['step_se'] * 1e3:.2f}) ms | "
                 f"{r['floor'] * 1e3:.2f} ms | {r['step'] / r['floor']:.2f}× | {r['comm'] * 1e6:.0f} µs | "
                 f"{r['measured_comm'] * 1e6:.0f} µs | {r['gap'] * 1e6:.0f} µs |"
             )
     races = [
-        f"{r['workload']}, {LABEL[r['runner']]}: "
+        f"{r['workload']}, {LABEL[r['runner']]} ({r['race_steps']} steps): "
         + ", ".join(f"{name} {sec * 1e3:.2f} ms" for name, sec in sorted(r["race"].items(), key=lambda kv: kv[1]))
         for part in parts
         for r in part["rows"]
@@ -210,6 +233,10 @@ def table(parts: list[dict], cfg: dict) -> str:
             "",
             "auto's race (median untimed trial step of each candidate; the fastest kept): " + "; ".join(races) + ".",
         ]
+    versus = [auto_versus(part["rows"], runner) for part in parts for runner in LABEL]
+    if any(versus):
+        lines += ["", "auto against the faster of 1F1B and ZB-H1 (± 2 standard errors of the difference): "]
+        lines[-1] += "; ".join(v for v in versus if v) + "."
     sizes = "; ".join(
         f"{p['workload']}: " + ", ".join(f"{int(k)} B in {v * 1e6:.0f} µs" for k, v in p["deliveries"].items())
         for p in parts

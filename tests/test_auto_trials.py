@@ -50,23 +50,58 @@ def test_contenders_are_distinct_within_the_margin_fastest_modeled_first():
     assert [c.name for c in contenders([a, offloading])] == ["a", "a, offloading"]
 
 
-def test_a_trial_runs_every_candidate_once_a_round_and_keeps_the_least_median():
-    race = Trial([_cand("x", 1.0), _cand("y", 1.1, mb=1), _cand("z", 1.2, mb=2)], rounds=3)
+def _race(race, seconds):
+    """Run ``race`` to its end, candidate ``name``'s k-th step taking ``seconds[name](k)``; the names run."""
     ran = []
-    seconds = {"x": [5.0, 2.0, 2.1], "y": [9.0, 1.9, 2.0], "z": [1.0, 3.0, 3.0]}  # y's first run was cold
     while not race.done:
         i = race.running
         name = race.candidates[i].name
         ran.append(name)
-        race.add(i, seconds[name][len(race.seconds[i])])
+        race.add(i, seconds[name](len(race.seconds[i])))
+    return ran
+
+
+def test_a_trial_runs_every_candidate_once_a_round_and_keeps_the_least_median():
+    race = Trial([_cand("x", 1.0), _cand("y", 1.1, mb=1), _cand("z", 1.2, mb=2)], rounds=3)
+    seconds = {"x": [5.0, 2.0, 2.1], "y": [9.0, 1.9, 2.0], "z": [1.0, 3.0, 3.0]}  # y's first run was cold
+    ran = []
+    for _ in range(9):
+        i = race.running
+        ran.append(race.candidates[i].name)
+        race.add(i, seconds[ran[-1]][len(race.seconds[i])])
     assert ran == ["x", "y", "z"] * 3
-    assert race.medians() == [2.1, 2.0, 3.0] and race.winner().name == "y"  # the median, not the mean or the min
+    assert race.medians() == [2.1, 2.0, 3.0]  # the median, not the mean or the min
+    # The steps spread 0.1 s around their medians: z, a second above y, leaves; x, 0.1 s above, is within
+    # two standard errors of the medians' difference and races on.
+    assert race.out == {2} and not race.done and race.running == 0 and race.winner().name == "y"
     tie = Trial([_cand("first", 1.0), _cand("second", 1.0, mb=1)], rounds=1)
     tie.add(0, 2.0)
     tie.add(1, 2.0)
-    assert tie.winner().name == "first"  # equal on the clock: the one modeled faster
+    assert tie.done and tie.winner().name == "first"  # equal on a clock with no noise: the one modeled faster
     with pytest.raises(ValueError):
         Trial([], rounds=1)
+
+
+def test_candidates_within_the_noise_race_on_and_the_slow_leave_early():
+    """z is a second slower: out after the third round. x is 0.1 s slower than y under a noise of about
+    +-0.05 s per step: the race runs on until the medians' standard error parts them, before ``most``."""
+    jitter = [0.05, -0.05, 0.0, 0.04, -0.04, 0.02, -0.02]
+    seconds = {
+        "x": lambda k: 2.1 + jitter[k % 7],
+        "y": lambda k: 2.0 + jitter[(k + 3) % 7],
+        "z": lambda k: 3.0 + jitter[k % 7],
+    }
+    race = Trial([_cand("x", 1.0), _cand("y", 1.1, mb=1), _cand("z", 1.2, mb=2)], rounds=3)
+    ran = _race(race, seconds)
+    assert ran[:9] == ["x", "y", "z"] * 3 and "z" not in ran[9:]
+    assert 3 < ran.count("x") < race.most == 12 and ran.count("x") == ran.count("y")
+    assert race.winner().name == "y" and race.out == {0, 2}
+    # Two candidates the clock cannot part (the same times, shifted) race until ``most``; the least median wins.
+    even = Trial([_cand("a", 1.0), _cand("b", 1.1, mb=1)], rounds=2, most=5)
+    ran = _race(even, {"a": lambda k: 2.0 + jitter[k % 7], "b": lambda k: 2.0 + jitter[(k + 1) % 7]})
+    assert ran == ["a", "b"] * 5 and not even.out
+    medians = even.medians()
+    assert even.winner().name == ("a" if medians[0] <= medians[1] else "b")
 
 
 def _measured(ap: AutoPlan, costs: dict) -> None:
@@ -141,6 +176,7 @@ def test_the_trainer_keeps_what_ran_fastest_not_what_the_model_rates_fastest(mon
     """The model's favourite is slowed on the clock (a sleep before its steps): the race keeps another, and
     every step, trial steps among them, trains as optax does in one process."""
     monkeypatch.setattr(autoplan, "contenders", lambda c: contenders(c, margin=float("inf")))
+    monkeypatch.setattr(trials, "MOST_ROUNDS", 1)  # the race is its 2 rounds: the rest may stay within the noise
     params, tx = gpt_params(), optax.adamw(1e-2)
     batches = [gpt_batch(M * ROWS, seed=60 + i) for i in range(14)]
     tr = P.Trainer(_stages(), params, optimizer=tx, schedule=P.Schedule("auto", trial_rounds=2), microbatches=M)

@@ -20,8 +20,9 @@ step, what runs:
 3. After the second step the candidates are planned again for its costs, and
    1F1B and ZB-H1 (where they fit) and those the model rates within
    ``trials.MARGIN`` of the best race (``trials``):
-   each runs ``trial_rounds`` whole steps (default 3), interleaved, and the one
-   whose median step took least time is kept. The model holds an operation's
+   each runs ``trial_rounds`` whole steps (default 3), interleaved, those within
+   the clock's noise of the fastest up to ``trials.MOST_ROUNDS`` times as many, and
+   the one whose median step took least time is kept. The model holds an operation's
    time fixed whatever the plan; on real devices it is not (plans with more
    microbatches in flight slowed each operation by 7-14% on the CPU host of
    docs/performance.md), so the clock decides between plans the model cannot

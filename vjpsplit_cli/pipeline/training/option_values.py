@@ -73,8 +73,9 @@ class Schedule:
         memory_limit: ``"auto"`` only: the most microbatches a worker holds at once, an int or one per worker.
         memory_limit_bytes: ``"auto"`` only: bytes per worker (an int or a size such as ``"2GiB"``, or one
             per worker), counted from the stages' manifests.
-        trial_rounds: ``"auto"`` only: the steps each of the plans the model rates close runs before auto keeps
-            the fastest (default 3; 0 keeps the model's choice without trial steps).
+        trial_rounds: ``"auto"`` only: the steps each of the plans the model rates close runs at least before
+            auto keeps the fastest (default 3; those within the clock's noise of the fastest run on, up to 4
+            times as many; 0 keeps the model's choice without trial steps).
 
     Raises:
         VjpsplitError: both ``name`` and ``plans``; both memory limits, or one (or ``trial_rounds``) for a

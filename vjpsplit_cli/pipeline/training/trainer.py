@@ -82,7 +82,8 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
     ``auto_schedule``'s plans for the measured costs from the second (timed too, and
     planned again after it), within the memory limit; then 1F1B, ZB-H1 and the plans
     the model rates close (its own, the same at 1F1B's memory) each run
-    ``trial_rounds`` steps (default 3) and the fastest on the clock is kept (``autoplan``).
+    ``trial_rounds`` steps at least (default 3; those within the clock's noise of the fastest run on) and
+    the fastest on the clock is kept (``autoplan``).
 
     In-process, every stage runs on a device of its own (``InProcess(devices=...)``;
     by default worker k's stages on ``jax.local_devices()[k]`` where there are
