@@ -2,8 +2,10 @@
 
 Owns the manifest and its format versions (``manifest``, one array's entry ``leaf``); ``export`` as named steps
 (``lowering``, with ``jaxexport``, ``flatforward`` and ``weightsplit``); the artifact and its
-file (``artifact``, ``artifact_file``); reading one back with every check (``loading``); the
-caller's arrays against a manifest (``arguments``, ``binding``), placed (``placement``) and run
+file (``artifact``, with its calls on flat keys ``flat_calls`` and its split backward ``split_backward``,
+``artifact_file``); reading one back with every check (``loading``); the
+caller's arrays against a manifest (``arguments``, ``binding``, the split backward's ``weight_binding``), each signature's
+plan (``callplan``), placed (``placement``) and run
 (``runner``); residual and intermediates files (``residual_files``, ``split_residual_files``, ``residual_meta``);
 shardings (``sharding``); templates (``templates``); what ``inspect``/``plan`` print
 (``report``); and the cache of compiled executables (``execcache``).

@@ -9,6 +9,7 @@ residuals file records; ``grads_per_arg`` rebuilds per-argument gradient pytrees
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Protocol, Sequence
 
 import jax
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import VjpsplitError
+from ..files import keys
 from ..files.dims import needs_solving, solve_shapes
 from ..files.dtypes import dtype_from_name
 from ..files.prng import impl_name, is_key, to_data
@@ -113,6 +115,11 @@ def as_computed(value: Any, want: Any) -> Any:
     """``value`` as an artifact computes on it: a Python scalar (weakly typed in JAX) takes the dtype ``want``."""
     want = np.dtype(want)
     return np.asarray(value, want) if _weak_scalar_fits(value, want) else value
+
+
+def as_input(leaf: Any) -> Any:
+    """An input-backed residual's leaf named by its input key (``in/x`` -> ``x``), as messages name it."""
+    return dataclasses.replace(leaf, key=keys.input_of(leaf.key))
 
 
 def check_array(source: str, what: str, leaf: LeafLike, value: Any, dims: dict[str, int]) -> Any:

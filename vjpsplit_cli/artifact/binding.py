@@ -11,24 +11,23 @@ residuals is checked on every call.
 
 from __future__ import annotations
 
-import dataclasses
-import operator
 import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ..errors import VjpsplitError
 from ..files import keys
 from ..files.dtypes import dtype_from_name
-from ..files.prng import from_data, is_key, to_data
+from ..files.prng import is_key, to_data
 from ..files.trees import ArgTrees
 from ..tracing.frozen import FrozenDict
-from ..tracing.residuals import Intermediates, Residuals, SplitResiduals
-from ..trust.module_io import INPUT_BACKED, INTERMEDIATES, STORED, input_backed_leaves, module_io
-from .arguments import check_array, check_keys, flatten_args, recorded_dims, solved_dims
+from ..tracing.residuals import Residuals, SplitResiduals
+from ..trust.module_io import input_backed_leaves
+from .callplan import CallPlan, avals_key
+from .weight_binding import WeightPartBinding
+from .arguments import as_input, check_array, check_keys, flatten_args, recorded_dims, solved_dims
 from .manifest import Manifest
 from .seen import (
     Recent,
@@ -43,111 +42,6 @@ from .seen import (
 )
 
 _MADE_KEPT = 256  # residuals ids remembered (weak references and signatures, never arrays: keeps no memory alive)
-
-
-def avals_key(args: Sequence, aval_type: type[Any] | None) -> tuple | None:
-    """The plan key of arguments that are each one concrete jax array (of ``aval_type``): each aval's
-    shape and dtype, which say what ``leaves_signature`` says of them. None if some argument is not one
-    (or no such type was seen yet: ``aval_type`` None). A loop: measured cheaper than ``map`` here.
-    """
-    out = []
-    for v in args:
-        if type(v) is not aval_type:
-            return None
-        a = v.aval
-        out.append((a.shape, a.dtype))
-    return ("avals", tuple(out))
-
-
-def wrap_keys(leaves: Sequence[Any], values: Sequence) -> Sequence:
-    """Typed PRNG keys back from their key data, where the manifest's ``leaves`` say so (else ``values`` itself)."""
-    if not any(leaf.prng_impl for leaf in leaves):
-        return values
-    return [from_data(jnp.asarray(v), leaf.prng_impl) if leaf.prng_impl else v for leaf, v in zip(leaves, values)]
-
-
-def _as_input(leaf: Any) -> Any:
-    """An input-backed residual's leaf named by its input key (``in/x`` -> ``x``), as messages name it."""
-    return dataclasses.replace(leaf, key=keys.input_of(leaf.key))
-
-
-class CallPlan:
-    """What the checks of one signature of ``fwd``'s arguments worked out, for every call like it.
-
-    Made once per signature (``Binding.arguments``): the leaves' order (None: as they
-    come), which leaves are typed keys passed as key data, the dims, the arguments'
-    trees. The residuals a forward makes from it point back to it (``remember``), so
-    that ``bwd`` on them takes the gradients' layout from it too (``layout``): what
-    depends only on the artifact and the call's signature is worked out once.
-    """
-
-    __slots__ = ("order", "keyed", "dims", "trees", "mutable", "_layouts", "ready", "gather")
-
-    def __init__(self, order: tuple[int, ...] | None, keyed: frozenset[int], dims: FrozenDict, trees: ArgTrees):
-        self.order = order
-        self.keyed = keyed
-        self.dims = dims
-        self.trees = trees
-        # The residuals' ``mutable_signature`` (a function of the leaves' types, shapes and dtypes: of the
-        # signature), worked out by the first forward; None until then.
-        self.mutable: tuple | None = None
-        self._layouts: dict[tuple[str, ...], Any] = {}
-        # Each module's jitted call once ``ModuleRunner.ready`` gave it at these dims, with the runner's
-        # epoch it was asked at (a later epoch asks again): ``Artifact.fwd`` and ``bwd`` call it straight.
-        self.ready: dict[str, tuple[int, Callable]] = {}
-        # ``bwd``'s result from the module's gradients (``gather_of``), once worked out; None until then.
-        self.gather: Callable[[Sequence], Any] | None = None
-
-    def layout(self, names: tuple[str, ...], grad_keys: tuple[str, ...]) -> tuple | None:
-        """How the gradients (``grad_keys`` order) become the pytrees of arguments ``names``; None: not by index.
-
-        Each entry ``(name, treedef, indices)``: the argument's tree from ``fwd``'s call (None
-        for a bare array) and where its leaves are among the gradients. None when some argument's tree is not
-        known or some leaf has no gradient (an integer input: float0 zeros, made per call).
-        """
-        got = self._layouts.get(names, False)
-        if got is not False:
-            return got
-        position = {k: i for i, k in enumerate(grad_keys)}
-        known = {name: (treedef, keys) for name, treedef, keys in self.trees}
-        entries: list[tuple] = []
-        for name in names:
-            if name not in known or any(k not in position for k in known[name][1]):
-                self._layouts[names] = None
-                return None
-            treedef, keys = known[name]
-            # An argument that is one array: its gradient as it comes (no tree to rebuild).
-            bare = treedef.num_nodes == 1 and treedef.num_leaves == 1
-            entries.append((name, None if bare else treedef, tuple(position[k] for k in keys)))
-        layout = tuple(entries)
-        self._layouts[names] = layout
-        return layout
-
-    def gather_of(self, names: tuple[str, ...], grad_keys: tuple[str, ...], single: bool) -> Callable | None:
-        """``bwd``'s result from the gradients (``grad_keys`` order): ``names``' pytrees, one or a tuple.
-
-        None where ``layout`` is None. Arguments that are each one array take their
-        gradients by one ``itemgetter``, with no tree to rebuild.
-        """
-        layout = self.layout(names, grad_keys)
-        if layout is None:
-            return None
-        if all(tree is None for _, tree, _ in layout):
-            where = [w[0] for _, _, w in layout]
-            if single:
-                return operator.itemgetter(where[0])
-            if len(where) > 1:
-                return operator.itemgetter(*where)  # a tuple already
-
-        def gather(values: Sequence) -> Any:
-            grads = tuple(
-                [values[w[0]] if tree is None else tree.unflatten([values[i] for i in w]) for _, tree, w in layout]
-            )
-            return grads[0] if single else grads
-
-        return gather
-
-
 PLANS_MADE = [0]  # CallPlans made in this process: what tests count to see that a signature is prepared once
 
 
@@ -171,7 +65,7 @@ class Binding:
         self.all_backed = self.backed_keys == self.input_keys  # every input backs a residual, in order
         self.grad_keys = tuple(g.key for g in manifest.grads)  # what ``bwd`` returns, in order
         self.typed_outputs = any(leaf.prng_impl for leaf in manifest.outputs)  # some output is a typed key
-        self._weight_leaves: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
+        self.weights = WeightPartBinding(manifest, source, self._seen, self.residuals)  # the split backward's
         self._unit: jax.Array | None = None  # the cotangent 1 of a scalar output
         self.units: list | None = None  # ``[unit]``, as ``cotangents(None, ...)`` gives it, once made
 
@@ -416,7 +310,7 @@ class Binding:
                     "pass the forward's inputs (--inputs FILE, or load_residuals(path, inputs=args))"
                 )
             inputs.append(
-                check_array(res.inputs_source or source, "input", _as_input(leaf), res.inputs[key], dict(dims))
+                check_array(res.inputs_source or source, "input", as_input(leaf), res.inputs[key], dict(dims))
             )
         return stored, inputs, dims
 
@@ -451,111 +345,3 @@ class Binding:
         return cts
 
     # -- the split backward's weight part ------------------------------------------------------
-    def require_split(self) -> None:
-        """Refuse an artifact without a split backward (no ``bwd_input``/``bwd_weight``)."""
-        if not self.manifest.weights:
-            raise VjpsplitError(
-                f"{self.source}: the artifact has no split backward; export it with --weights NAMES "
-                "(weights=...) to get bwd_input and bwd_weight"
-            )
-
-    def weight_part_residuals(self, res: Residuals) -> tuple[dict, dict]:
-        """The stored residuals and inputs of ``res`` the weight part reads (every one for formats <= 2)."""
-        m = self.manifest
-        if m.weight_reads_subset:
-            return {k: res.stored[k] for k in m.weight_residuals}, {k: res.inputs[k] for k in m.weight_inputs}
-        return dict(res.stored), dict(res.inputs)
-
-    def weight_part(
-        self, res: Residuals | None, inter: Intermediates, source: str, inter_source: str
-    ) -> tuple[dict[str, list], dict[str, int]]:
-        """The weight part's residuals and intermediates by slot, checked, and the dims they bind."""
-        m = self.manifest
-        if not isinstance(inter, Intermediates) or inter.fingerprint != m.fingerprint:
-            raise VjpsplitError(
-                f"{inter_source}: these intermediates were not written by this artifact's input part; "
-                "run run-bwd --part input of this artifact first"
-            )
-        if res is None and not m.weight_reads_subset:
-            raise VjpsplitError(
-                f"{self.source}: this artifact (format {m.format_version}) needs the residuals for "
-                "its weight part too; pass --residuals (or res)"
-            )
-        from_res: tuple[list, list] | None = None
-        if res is not None:
-            res_stored, res_inputs, dims = self.residuals(res, source)
-            if inter.dims != dims or (
-                inter.residuals_id and res.residuals_id and inter.residuals_id != res.residuals_id
-            ):
-                raise VjpsplitError(
-                    f"{inter_source}: the intermediates were made from other residuals than {source} "
-                    "(another forward run or microbatch); pass the pair from one microbatch"
-                )
-            from_res = res_stored, res_inputs
-        values, carried, dims = self._intermediates(inter, inter_source)
-        if carried is None:  # formats <= 2: W reads every residual, checked above
-            assert from_res is not None  # refused above when missing
-            carried = from_res
-        return {STORED: carried[0], INPUT_BACKED: carried[1], INTERMEDIATES: values}, dims
-
-    def _intermediates(
-        self, inter: Intermediates, inter_source: str
-    ) -> tuple[list, tuple[list, list] | None, dict[str, int]]:
-        """The intermediates checked, the residuals they carry (format >= 3; else None), and the dims."""
-        m = self.manifest
-        sig = residuals_signature(inter.stored, inter.inputs, inter.dims, inter.arrays)
-        key = None if sig is None else ("intermediates", sig)
-        if self._seen.get(key) is not None:
-            carried = None
-            if m.weight_reads_subset:
-                stored_leaves, backed_leaves = self._weight_part_leaves()
-                carried = (
-                    [inter.stored[leaf.key] for leaf in stored_leaves],
-                    [inter.inputs[keys.input_of(leaf.key)] for leaf in backed_leaves],
-                )
-            values = [inter.arrays[leaf.key] for leaf in m.intermediates]
-            return values, carried, {n: inter.dims[n] for n in m.dim_vars}
-        dims = recorded_dims(m, inter.dims, inter_source, "intermediates", "rerun run-bwd --part input")
-        check_keys(inter_source, "intermediate", [leaf.key for leaf in m.intermediates], inter.arrays)
-        values = [
-            check_array(inter_source, "intermediate", leaf, inter.arrays[leaf.key], dict(dims))
-            for leaf in m.intermediates
-        ]
-        carried = self._carried_residuals(inter, inter_source, dims) if m.weight_reads_subset else None
-        unchanged = all(a is inter.arrays[leaf.key] for a, leaf in zip(values, m.intermediates))
-        if carried is not None:
-            stored_leaves, backed_leaves = self._weight_part_leaves()
-            unchanged = (
-                unchanged
-                and all(a is inter.stored[leaf.key] for a, leaf in zip(carried[0], stored_leaves))
-                and all(a is inter.inputs[keys.input_of(leaf.key)] for a, leaf in zip(carried[1], backed_leaves))
-            )
-        if key is not None and unchanged:
-            self._seen.add(key, True)
-        return values, carried, dims
-
-    def _weight_part_leaves(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        """The stored and input-backed residual leaves ``bwd_weight`` takes, in order."""
-        if self._weight_leaves is None:
-            io = module_io(self.manifest, "bwd_weight")
-            assert io is not None
-            self._weight_leaves = io.input(STORED), io.input(INPUT_BACKED)
-        return self._weight_leaves
-
-    def _carried_residuals(self, inter: Intermediates, inter_source: str, dims: dict[str, int]) -> tuple[list, list]:
-        """The residuals the weight part reads, from the intermediates that carry them (format >= 3)."""
-        stored_leaves, backed_leaves = self._weight_part_leaves()
-        check_keys(inter_source, "residual", [leaf.key for leaf in stored_leaves], inter.stored)
-        w_stored = [
-            check_array(inter_source, "residual", leaf, inter.stored[leaf.key], dict(dims)) for leaf in stored_leaves
-        ]
-        w_inputs = []
-        for leaf in backed_leaves:
-            k = keys.input_of(leaf.key)
-            if k not in inter.inputs:
-                raise VjpsplitError(
-                    f"{inter_source}: the weight part needs input '{k}', which was left out of "
-                    "the file to avoid a copy; pass the forward's inputs (--inputs FILE)"
-                )
-            w_inputs.append(check_array(inter_source, "input", _as_input(leaf), inter.inputs[k], dict(dims)))
-        return w_stored, w_inputs

@@ -17,7 +17,7 @@ from ..errors import VjpsplitError
 from ..files.prng import to_data
 from ..files.trees import flatten_with_keys
 from ..trust.module_io import CARRIER, ModuleIO
-from .binding import wrap_keys
+from .callplan import wrap_keys
 from .manifest import Manifest
 from .sharding import host_mesh, named, place
 
