@@ -134,11 +134,18 @@ class FlatCalls:
     ) -> tuple[Sequence, CallPlan | None]:
         """The whole backward's gradients (manifest order), and the plan of the forward call that made ``res``."""
         self._runnable()
+        out, _, plan = self._backward_from("bwd", res, cotangents, source, ct_source)
+        return out[GRADS], plan
+
+    def _backward_from(
+        self, module: str, res: Residuals, cotangents: Mapping[str, Any] | None, source: str, ct_source: str
+    ) -> tuple[dict[str, Sequence], dict[str, int], CallPlan | None]:
+        """``module`` (``bwd`` or ``bwd_input``) on ``res`` and the cotangents, checked: its results by slot, the
+        dims and the plan of the forward call that made ``res``."""
         stored, inputs, dims, plan = self._binding.residuals_planned(res, source)
         cts = self._binding.cotangents(cotangents, dims, ct_source)
         bound = {STORED: stored, INPUT_BACKED: inputs, COTANGENTS: cts}
-        out = self._backward("bwd", bound, dims, f"{source}: the backward refused these residuals")
-        return out[GRADS], plan
+        return self._backward(module, bound, dims, f"{source}: the backward refused these residuals"), dims, plan
 
     def _backward(
         self, module: str, bound: Mapping[str, Sequence], dims: Mapping[str, int], refused: str

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from ..files.trees import flatten_with_keys
 from ..tracing.residuals import Intermediates, Residuals
-from ..trust.module_io import COTANGENTS, GRADS, INPUT_BACKED, INTERMEDIATES, STORED
+from ..trust.module_io import GRADS, INTERMEDIATES
 from .arguments import grads_per_arg
 from .flat_calls import FlatCalls
 
@@ -47,10 +47,7 @@ class SplitBackward(FlatCalls):
         self._runnable()
         self._binding.weights.require_split()
         m = self.manifest
-        stored, inputs, dims = self._binding.residuals(res, source)
-        cts = self._binding.cotangents(cotangents, dims, ct_source)
-        bound = {STORED: stored, INPUT_BACKED: inputs, COTANGENTS: cts}
-        out = self._backward("bwd_input", bound, dims, f"{source}: the backward refused these residuals")
+        out, dims, _ = self._backward_from("bwd_input", res, cotangents, source, ct_source)
         io = self._runner.signatures["bwd_input"]
         grads = {g.key: v for g, v in zip(io.output(GRADS), out[GRADS])}
         computed = {leaf.key: v for leaf, v in zip(io.output(INTERMEDIATES), out[INTERMEDIATES])}
