@@ -252,3 +252,44 @@ def test_the_transport_variable_takes_socket_or_ray_and_names_anything_else(monk
     monkeypatch.setenv(config.RAY_TRANSPORT, "grpc")
     with pytest.raises(VjpsplitError, match="VJPSPLIT_RAY_TRANSPORT='grpc' is not one of socket, ray"):
         config.ray_transport()
+
+
+def test_a_report_of_numbers_reaches_the_drivers_desk_and_others_stay_with_ray():
+    """``reports``: a step's losses and squared norms go as one frame to the driver's socket and come back as
+    the report Ray would have returned (no events, phases or error); a report with an error, timings or a
+    failed stage's None is not framed; frames of earlier steps are dropped; a peer without the token is not
+    read."""
+    from vjpsplit_cli.pipeline.runtime.ray import reports
+
+    token = b"k" * peers.TOKEN_BYTES
+    desk = reports.ReportDesk(token, "127.0.0.1")
+    report = {"losses": {0: 1.5, 1: np.float32(2.25)}, "sums": {3: 4.0}, "events": [], "phases": [], "error": None}
+    assert reports.encode(1, {**report, "error": ValueError("x")}) is None
+    assert reports.encode(1, {**report, "events": ["an event"]}) is None
+    assert reports.encode(1, {**report, "sums": {3: None}}) is None
+    stranger = socket.create_connection(desk.address)
+    stranger.sendall(peers.MAGIC + b"x" * peers.TOKEN_BYTES + wire_frame(7, reports.encode(0, report)))
+    links = peers.Links([desk.address], token, -1)
+    try:
+        links.send(0, 6, reports.encode(1, report))  # an earlier step's, left over
+        links.send(0, 7, reports.encode(1, report))
+        got = None
+        for _ in range(500):
+            got = desk.take(7, 1)
+            if got is not None:
+                break
+            desk.wait(7, (1,), 0.01)
+        assert got == {"losses": {0: 1.5, 1: 2.25}, "sums": {3: 4.0}, "events": [], "phases": [], "error": None}
+        assert type(got["losses"][1]) is float and desk.received == 1
+        assert desk.take(6, 1) is None and desk.take(7, 0) is None  # dropped; the stranger's never read
+        links.send(0, 8, reports.encode(1, report))
+        desk.wait(8, (0, 1), 30.0)  # returns once worker 1's frame is here (the condition, not the timeout)
+        assert desk.take(8, 1) is not None and desk.received == 2
+    finally:
+        links.close()
+        stranger.close()
+        desk.close()
+
+
+def wire_frame(step, items):
+    return b"".join(bytes(b) for b in wire.encode(step, items))

@@ -201,6 +201,29 @@ def test_ray_workers_without_optax_train_and_restore(ray_session, stages, tmp_pa
     assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("transport", ["socket", "ray"])
+def test_ray_untimed_reports_come_on_the_drivers_socket(ray_session, stages, monkeypatch, transport):
+    """An untimed step's reports reach the driver as frames on its socket (one per actor), a timed step's
+    through Ray (its timings); with VJPSPLIT_RAY_TRANSPORT=ray, every report through Ray. Training equals
+    one process either way."""
+    monkeypatch.setenv("VJPSPLIT_RAY_TRANSPORT", transport)
+    params, tx = gpt_params(), optax.adamw(1e-2)
+    data = [gpt_batch(8, seed=40 + i) for i in range(3)]
+    with P.Trainer(stages, params, optimizer=tx, schedule="1f1b", microbatches=4, runner="ray") as tr:
+        desk = tr.backend.rp.reports
+        losses = [tr.step(data[0]), tr.step(data[1])]
+        framed = 0 if desk is None else desk.received
+        losses.append(tr.step(data[2], timed=True))
+        after = 0 if desk is None else desk.received
+        assert tr.last_result.events  # the timed step's timings came back
+        got = tr.params()
+    assert (desk is None) == (transport == "ray") and tr.backend.rp.reports is None  # closed with the Trainer
+    assert (framed, after) == ((2 * 4, 2 * 4) if transport == "socket" else (0, 0))
+    ref_losses, ref_params = optax_reference(gpt, params, tx, data)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-6)
+
+
 def test_ray_trainer_dead_actor_and_timeout_are_one_error(ray_session, stages):
     params, batch = gpt_params(), gpt_batch(8)
     kw = dict(optimizer=optax.sgd(0.1), schedule="gpipe", microbatches=2, runner="ray")

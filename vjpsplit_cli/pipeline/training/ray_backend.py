@@ -168,7 +168,10 @@ class RayBackend:
         lists = rp.start_step(plans, mbs, microbatches, timed, "train_step", (clip,))
         t1 = time.monotonic()
         everyone = list(range(rp.layout.num_workers))
-        states = rp.fetch(lists, everyone, t0, hint=RESTORE_HINT, watch=lists)
+        if timed:
+            states = rp.fetch(lists, everyone, t0, hint=RESTORE_HINT, watch=lists)
+        else:  # the reports as frames on the driver's socket where they can (``reports``)
+            states = rp.fetch_reports(lists, everyone, t0, hint=RESTORE_HINT)
         t2 = time.monotonic()
         step_time = t2 - t0
         raise_first_error(states)

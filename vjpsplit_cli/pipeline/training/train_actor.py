@@ -26,6 +26,7 @@ from ...files.dtypes import dtype_from_name
 from ...treetypes import Leaf, PyTree
 from ..runtime.evaluation import EvaluatingActor
 from ..runtime.flight import DONE, FINISH
+from ..runtime.ray import reports
 from ..runtime.ray.actor import StageActor
 from ..runtime.replicas import ReplicaGroup
 from ..schedules.timeline import Phase
@@ -101,14 +102,23 @@ class TrainActor(StageActor, EvaluatingActor):
         microbatches: int,
         timed: bool,
         clip: float | None,
-    ) -> dict[str, object]:
+    ) -> dict[str, object] | str:
         """Step ``step``: this worker's list (``run_step``), then the end of the step (see the class); its
-        ``report`` and ``"sums"``, each held stage's squared norm (None where the step failed)."""
+        ``report`` and ``"sums"``, each held stage's squared norm (None where the step failed). An untimed step's
+        report of numbers only goes to the driver's socket as a frame, and the call returns ``reports.SENT``."""
         self.run_step(step, ops, batch, microbatches, timed)
         self.now = (FINISH, None, None, time.monotonic())
         sums = self._finish(step, microbatches, clip)
         self.now = (DONE, None, None, time.monotonic())
-        return {**self.report(), "sums": sums}
+        report = {**self.report(), "sums": sums}
+        items = None if timed or self.to_driver is None else reports.encode(self.worker, report)
+        if items is not None:
+            try:
+                self.to_driver.send(0, step, items)  # type: ignore[union-attr]  # checked above
+                return reports.SENT
+            except OSError:
+                pass  # the driver's socket gone: the report goes back through Ray
+        return report
 
     def _exchange(self, step: int, tag: str, parts: Mapping[int, Any], peers: Sequence[int]) -> dict[int, Any]:
         """Send ``parts[w]`` (None: this step failed here) to each worker ``w`` of ``parts`` and take what each of

@@ -80,6 +80,7 @@ class StageActor:
         self.inbox = Inbox()
         self.sender: Sender | None = None
         self.listener: Listener | None = None  # where the other workers' sockets deliver (``listen``)
+        self.to_driver: Links | None = None  # the connection to the driver's socket for reports (``connect``)
         self.worker_of: dict[int, int] = {}
         self.now: Now = idle()  # what this worker does now (runtime.flight), set by run_list
         self.sent: dict[Key, float] = {}  # this step's values handed to the sender, and when
@@ -138,13 +139,17 @@ class StageActor:
         worker_of: dict[int, int],
         addresses: Sequence[Address | None] | None = None,
         token: bytes = b"",
+        driver: Address | None = None,
     ) -> None:
         """Every worker's actor handle and which worker holds each stage: where this one's results go.
 
         ``addresses``: every worker's ``listen`` address, by worker index (this one connects to each other's with
-        ``token``); None: results go as Ray calls.
+        ``token``); None: results go as Ray calls. ``driver``: the driver's socket for reports (``reports``).
         """
         links = None if addresses is None else Links(addresses, token, self.worker)
+        if self.to_driver is not None:
+            self.to_driver.close()
+        self.to_driver = None if driver is None else Links([driver], token, -1)
         if self.sender is not None:
             self.sender.connect(peers, links)
         else:

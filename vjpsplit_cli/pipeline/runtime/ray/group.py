@@ -6,13 +6,14 @@ them): Ray's actor options per worker, the wait for Ray to place each within
 actor's node and its monotonic clock against the driver's, the values of their
 calls (an actor that died is one error naming its stages), a step's wait within
 ``step_timeout``, and what each worker of a stuck step is doing. May import the
-ray room's ``setup``, ``actor``, ``lists``, ``peers`` and ``waiting``, and the runtime's
+ray room's ``setup``, ``actor``, ``lists``, ``peers``, ``reports`` and ``waiting``, and the runtime's
 ``flight``, ``dispatch`` and ``model``; not ``pipeline``, which builds on it.
 """
 
 from __future__ import annotations
 
 import secrets
+import time
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypeVar
 
@@ -22,17 +23,19 @@ from ...schedules.layout import Layout
 from ...schedules.ops import OpKey
 from ...schedules.timeline import Event
 from ..dispatch import ProgressBar
-from ..flight import clause, default_path, ring_rows, write_flight
+from ..flight import StepInterrupted, clause, default_path, ring_rows, write_flight
 from ..model import Model
 from . import waiting
 from .actor import StepReport, StageActor, WorkerStatus, cpu_environment, xla_threads
 from .lists import CONCURRENCY_GROUPS, INBOX
-from .peers import TOKEN_BYTES
+from .peers import TOKEN_BYTES, node_address
+from .reports import SENT, ReportDesk
 from .setup import ActorHandle, RemoteClass, clock_offset, init_ray, lack
 
 if TYPE_CHECKING:
     from ray import ObjectRef
 
+REPORT_POLL = 0.05  # seconds between looks at the step's Ray calls while waiting for its reports' frames
 T = TypeVar("T")
 
 
@@ -71,6 +74,7 @@ class ActorGroup:
         self.transport = ray_transport()  # read once: every actor this runner starts sends the same way
         self.started = init_ray(self.ray, address, runtime_env, self.layout.num_workers)
         self.token = secrets.token_bytes(TOKEN_BYTES)  # what opens the actors' sockets to one another
+        self.reports: ReportDesk | None = None  # the driver's socket for untimed reports (``connect``)
         self.actors: list[ActorHandle] = []
         self.options: list[dict[str, Any]] = []  # per worker, Ray's actor options
         arts = self.model.artifacts
@@ -110,7 +114,10 @@ class ActorGroup:
         addresses = None
         if self.transport == "socket":
             addresses = self.get([a.listen.remote(self.token) for a in self.actors])
-        self.get([a.connect.remote(self.actors, worker_of, addresses, self.token) for a in self.actors])
+            if self.reports is None:
+                self.reports = ReportDesk(self.token, node_address())
+        driver = None if self.reports is None else self.reports.address
+        self.get([a.connect.remote(self.actors, worker_of, addresses, self.token, driver) for a in self.actors])
 
     def start_workers(self, workers: Sequence[int], timeout: float, what: str = "its actor") -> None:
         """Wait until Ray has placed ``workers``' actors, note their nodes and clocks, and load each its stages.
@@ -206,6 +213,65 @@ class ActorGroup:
             describe=lambda: self.describe(t0),
         )
         return self.get([*watch, *refs])[len(watch) :]
+
+    def fetch_reports(
+        self, refs: Sequence[ObjectRef[Any]], owners: Sequence[int], t0: float, *, hint: str = ""
+    ) -> list[Any]:
+        """``fetch(refs, owners, t0, hint=hint, watch=refs)`` for calls that may send their reports as frames
+        (``reports``): each worker's frame of this step where it came, else what its call returned.
+
+        While frames come, nothing is fetched from Ray; a call done before its frame (a report with an error
+        or timings, an actor gone) or the deadline hands the whole wait to ``fetch``, which names what went
+        wrong, and the calls that said ``SENT`` take their frames.
+        """
+        desk, step = self.reports, self.steps
+        got: dict[int, Any] = {}
+        pending = dict(zip(owners, refs))  # workers whose frame has not come
+        running = {id(r): r for r in refs}  # calls not yet seen to return SENT
+        deadline = t0 + self.step_timeout
+        try:
+            while pending and desk is not None:
+                for w in list(pending):
+                    frame = desk.take(step, w)
+                    if frame is not None:
+                        got[w] = frame
+                        del pending[w]
+                if not pending or time.monotonic() > deadline:
+                    break
+                done = (
+                    self.ray.wait(list(running.values()), num_returns=1, timeout=0, fetch_local=False)[0]
+                    if running
+                    else []
+                )
+                if done:
+                    try:
+                        values = self.ray.get(done)
+                    except self.ray.exceptions.RayError:
+                        break  # an actor gone: the general wait below names it and releases the others
+                    if any(v != SENT for v in values):
+                        break  # a report through Ray (an error, timings): the general wait below
+                    for r in done:
+                        running.pop(id(r), None)
+                desk.wait(step, pending, REPORT_POLL)
+        except KeyboardInterrupt as e:
+            detail = self.describe(t0)
+            self._abort(step)
+            raise StepInterrupted(f"the step was interrupted{detail}") from e
+        if not pending:
+            return [got[w] for w in owners]
+        values = self.fetch(list(refs), owners, t0, hint=hint, watch=list(refs))
+        out = []
+        for w, v in zip(owners, values):
+            while v == SENT and w not in got and desk is not None and time.monotonic() <= deadline:
+                frame = desk.take(step, w)
+                if frame is None:
+                    desk.wait(step, (w,), REPORT_POLL)
+                else:
+                    got[w] = frame
+            out.append(got.get(w, v))
+        if any(v == SENT for v in out):  # a frame that never came: its connection was lost
+            raise VjpsplitError(f"{self.layout.label(owners[out.index(SENT)])}: its report was lost on the way")
+        return out
 
     def describe(self, t0: float, wait: float = 1.0) -> str:
         """What each worker is doing, its last operations written as JSON: the tail of a stuck step's error.

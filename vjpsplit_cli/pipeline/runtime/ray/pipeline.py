@@ -368,6 +368,9 @@ class RayPipeline(ActorGroup):
         for a in self.actors:
             self.ray.kill(a)
         self.actors = []
+        if self.reports is not None:
+            self.reports.close()
+            self.reports = None
         if self.started:
             self.ray.shutdown()
             self.started = False
