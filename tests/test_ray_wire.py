@@ -264,15 +264,15 @@ def test_a_report_of_numbers_reaches_the_drivers_desk_and_others_stay_with_ray()
     token = b"k" * peers.TOKEN_BYTES
     desk = reports.ReportDesk(token, "127.0.0.1")
     report = {"losses": {0: 1.5, 1: np.float32(2.25)}, "sums": {3: 4.0}, "events": [], "phases": [], "error": None}
-    assert reports.encode(1, {**report, "error": ValueError("x")}) is None
-    assert reports.encode(1, {**report, "events": ["an event"]}) is None
-    assert reports.encode(1, {**report, "sums": {3: None}}) is None
+    assert reports.as_frame(1, {**report, "error": ValueError("x")}) is None
+    assert reports.as_frame(1, {**report, "events": ["an event"]}) is None
+    assert reports.as_frame(1, {**report, "sums": {3: None}}) is None
     stranger = socket.create_connection(desk.address)
-    stranger.sendall(peers.MAGIC + b"x" * peers.TOKEN_BYTES + wire_frame(7, reports.encode(0, report)))
+    stranger.sendall(peers.MAGIC + b"x" * peers.TOKEN_BYTES + wire_frame(7, reports.as_frame(0, report)))
     links = peers.Links([desk.address], token, -1)
     try:
-        links.send(0, 6, reports.encode(1, report))  # an earlier step's, left over
-        links.send(0, 7, reports.encode(1, report))
+        links.send(0, 6, reports.as_frame(1, report))  # an earlier step's, left over
+        links.send(0, 7, reports.as_frame(1, report))
         got = None
         for _ in range(500):
             got = desk.take(7, 1)
@@ -282,7 +282,7 @@ def test_a_report_of_numbers_reaches_the_drivers_desk_and_others_stay_with_ray()
         assert got == {"losses": {0: 1.5, 1: 2.25}, "sums": {3: 4.0}, "events": [], "phases": [], "error": None}
         assert type(got["losses"][1]) is float and desk.received == 1
         assert desk.take(6, 1) is None and desk.take(7, 0) is None  # dropped; the stranger's never read
-        links.send(0, 8, reports.encode(1, report))
+        links.send(0, 8, reports.as_frame(1, report))
         desk.wait(8, (0, 1), 30.0)  # returns once worker 1's frame is here (the condition, not the timeout)
         assert desk.take(8, 1) is not None and desk.received == 2
     finally:

@@ -111,7 +111,7 @@ class TrainActor(StageActor, EvaluatingActor):
         sums = self._finish(step, microbatches, clip)
         self.now = (DONE, None, None, time.monotonic())
         report = {**self.report(), "sums": sums}
-        items = None if timed or self.to_driver is None else reports.encode(self.worker, report)
+        items = None if timed or self.to_driver is None else reports.as_frame(self.worker, report)
         if items is not None:
             try:
                 self.to_driver.send(0, step, items)  # type: ignore[union-attr]  # checked above

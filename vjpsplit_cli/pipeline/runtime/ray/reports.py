@@ -5,7 +5,7 @@ training step on the 2-core host of docs/performance.md (0.24 ms for a bare call
 the driver listens on a socket of its node (``ReportDesk``, a ``peers.Listener`` that
 opens to the pipeline's token) and each actor keeps one connection to it: an
 untimed step whose report holds only numbers (its losses and squared norms, no
-error, no timings) goes down it as one ``wire`` frame (``encode``) and the actor's
+error, no timings) goes down it as one ``wire`` frame (``as_frame``) and the actor's
 call returns ``SENT``. Anything else (a timed step's events, an error) still
 returns through Ray, and so does everything when a frame cannot go. The driver
 reads each connection on a thread of its own and waits for the step's frames
@@ -28,7 +28,7 @@ SENT = "sent on the driver's socket"  # what an actor's call returns when its re
 KIND = "report"  # a frame item's kind
 
 
-def encode(worker: int, report: Mapping[str, Any]) -> list[wire.Item] | None:
+def as_frame(worker: int, report: Mapping[str, Any]) -> list[wire.Item] | None:
     """``report`` (a ``TrainActor.train_step`` result) as a frame's items; None where it holds more than numbers
     (an error, events, a sum that is None)."""
     if report.get("error") is not None or report.get("events"):
@@ -43,8 +43,8 @@ def encode(worker: int, report: Mapping[str, Any]) -> list[wire.Item] | None:
     return [((KIND, 0, worker), tree)]
 
 
-def decode(tree: Any) -> dict[str, Any]:
-    """A report from a frame's tree (``encode``): floats back, no events, phases or error."""
+def from_frame(tree: Any) -> dict[str, Any]:
+    """A report from a frame's tree (``as_frame``): floats back, no events, phases or error."""
     return {
         "losses": {int(m): float(v) for m, v in tree["losses"].items()},
         "sums": {int(s): float(v) for s, v in tree["sums"].items()},
@@ -75,7 +75,7 @@ class ReportDesk:
                 with self._arrived:
                     for (kind, _, worker), tree in items:
                         if kind == KIND:
-                            self._frames[(step, worker)] = decode(tree)
+                            self._frames[(step, worker)] = from_frame(tree)
                     self._arrived.notify_all()
         except (OSError, EOFError, wire.BadFrame, KeyError, TypeError, ValueError):
             conn.close()  # a peer gone or a frame not a report: its step's Ray call tells the driver the rest
