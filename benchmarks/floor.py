@@ -4,8 +4,12 @@ Run inside ``benchmarks.train``'s child (2 host CPU devices, single-threaded XLA
 run as its other tables. For each workload (the tiny stages; the GPT of width 256, none with ``--quick``) and
 each runner (in-process, Ray) and schedule (1F1B, ZB-H1, ``auto``; 1F1B only with ``--quick``), one Trainer:
 
-1. **The costs, measured where they run.** Timed steps (``step(batch, timed=True)``) time every stage's F, B
-   and W on its worker (its thread in-process, its actor on Ray); ``trainer.costs()`` gives their medians.
+1. **The costs, measured where they run and when the steps run.** Timed steps (``step(batch, timed=True)``)
+   time every stage's F, B and W on its worker (its thread in-process, its actor on Ray); ``trainer.costs()``
+   gives their medians over the last 16. One set per runner: its ZB-H1 Trainer's (F, I and W each timed), from
+   4 timed steps before the rounds and one after every other round (the 1F1B Trainer's too, not ``auto``'s,
+   which would plan again), so the costs are sampled across the window the steps are; every schedule's floor on
+   that runner uses that set (the same plans, the same floor; where ZB-H1 is not run, each Trainer's own).
 2. **The send, measured apart.** One actor-to-actor delivery of an activation of the size each boundary sends
    (``RayPipeline.probe_delivery``: through the senders and inboxes a step's results take; the median of many
    round trips, halved); in-process, ``jax.device_put`` of it from one device to the other, waited for (median
@@ -35,8 +39,24 @@ LABEL = {"inprocess": "in-process", "ray": "Ray"}
 def config(quick: bool) -> dict:
     """The floor's settings: widths, schedules, timed steps, rounds, block and delivery round trips."""
     if quick:
-        return {"widths": [], "schedules": ["1f1b"], "timed": 1, "rounds": 2, "block": 1, "probes": 20}
-    return {"widths": [256], "schedules": list(SCHEDULES), "timed": 4, "rounds": 24, "block": 2, "probes": 200}
+        return {
+            "widths": [],
+            "schedules": ["1f1b"],
+            "timed": 1,
+            "timed_every": 0,
+            "rounds": 2,
+            "block": 1,
+            "probes": 20,
+        }
+    return {
+        "widths": [256],
+        "schedules": list(SCHEDULES),
+        "timed": 4,
+        "timed_every": 2,
+        "rounds": 24,
+        "block": 2,
+        "probes": 200,
+    }
 
 
 def activations(stages: Any, params: Any, batch: tuple, microbatches: int) -> list[Any]:
@@ -119,16 +139,22 @@ def workload(
             }
             comm["ray"] = statistics.mean(v[0] for v in probes.values())
         samples: dict[tuple[str, str], list[float]] = {k: [] for k in trainers}
-        for _ in range(cfg["rounds"]):
+        for i in range(cfg["rounds"]):
             for k, tr in trainers.items():
                 t0 = time.perf_counter()
                 for _ in range(cfg["block"]):
                     tr.step(batch())
                 samples[k].append((time.perf_counter() - t0) / cfg["block"])
+            if cfg["timed_every"] and (i + 1) % cfg["timed_every"] == 0:
+                for (_, sch), tr in trainers.items():
+                    if sch != "auto":  # a timed step makes auto plan again
+                        tr.step(batch(), timed=True)
+        measured = {r: trainers[(r, "zbh1")].costs() for r in runners if (r, "zbh1") in trainers}
         rows = []
         for (r, sch), tr in trainers.items():
-            costs = {k: v for k, v in tr.costs().items() if k in ("F", "B", "W")}
+            costs = {k: v for k, v in measured.get(r, tr.costs()).items() if k in ("F", "B", "W")}
             floor = modeled_makespan(tr.plan.plans, {**costs, "comm": comm[r]})
+            own = {k: v for k, v in tr.costs().items() if k in ("F", "B", "W")}
             step = statistics.median(samples[(r, sch)])
             spread = statistics.median(abs(x - step) for x in samples[(r, sch)])
             rows.append(
@@ -141,6 +167,8 @@ def workload(
                     "step_se": 1.2533 * 1.4826 * spread / len(samples[(r, sch)]) ** 0.5,
                     "race_steps": sum(h.trial is not None for h in tr.history),
                     "floor": floor,
+                    # The same plans under this Trainer's own timed steps (what the floor was before one set per runner).
+                    "own_floor": modeled_makespan(tr.plan.plans, {**own, "comm": comm[r]}),
                     "comm": comm[r],
                     "measured_comm": tr.costs()["comm"],
                     "gap": tr.costs()["gap"],
@@ -199,26 +227,32 @@ def auto_versus(rows: list[dict], runner: str) -> str:
 
 def table(parts: list[dict], cfg: dict) -> str:
     """One row per workload, runner and schedule: the step, its floor, their ratio, what the floor assumed."""
+    costs = (
+        "one set per runner: its ZB-H1 Trainer's medians over the last 16 of "
+        f"{cfg['timed']} timed steps before the blocks and one after every {cfg['timed_every']} rounds of them"
+        if "zbh1" in cfg["schedules"] and cfg["timed_every"]
+        else f"each Trainer's own medians over {cfg['timed']} timed steps"
+    )
     lines = [
         "Each runner's step over its floor: the modeled makespan of the plans it runs (auto: the plans its race kept) "
-        "under the F, B and W its own workers measured (medians of "
-        f"{cfg['timed']} timed steps) and the send time measured apart (Ray: one actor-to-actor delivery of each "
-        f"activation size through the step's senders and inboxes, the median of {cfg['probes']} round trips "
-        "halved; in-process: jax.device_put from one device to the other). Steps: untimed, medians of "
-        f"{cfg['rounds']} blocks of {cfg['block']}, all Trainers interleaved. costs()' comm: the send each "
-        "Trainer timed apart itself (what auto plans with); costs()' gap: the wait from a result to the next "
-        "worker starting on it in its timed steps' timelines.",
+        f"under the F, B and W the runner's workers measured ({costs}) and the send time measured apart (Ray: one "
+        "actor-to-actor delivery of each activation size through the step's senders and inboxes, the median of "
+        f"{cfg['probes']} round trips halved; in-process: jax.device_put from one device to the other). Steps: "
+        f"untimed, medians of {cfg['rounds']} blocks of {cfg['block']}, all Trainers interleaved. costs()' comm: the "
+        "send each Trainer timed apart itself (what auto plans with); costs()' gap: the wait from a result to the "
+        "next worker starting on it in its timed steps' timelines.",
         "",
-        "| workload | runner | schedule | plans run | step (± 2 SE) | floor | step / floor | send in the floor | "
-        "costs()' comm | costs()' gap |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| workload | runner | schedule | plans run | step (± 2 SE) | floor | step / floor | floor (its own costs) | "
+        "send in the floor | costs()' comm | costs()' gap |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for part in parts:
         for r in part["rows"]:
             lines.append(
                 f"| {r['workload']} | {LABEL[r['runner']]} | {r['schedule']} | {r['kept']} | {r['step'] * 1e3:.2f} "
                 f"(± {2 * r['step_se'] * 1e3:.2f}) ms | "
-                f"{r['floor'] * 1e3:.2f} ms | {r['step'] / r['floor']:.2f}× | {r['comm'] * 1e6:.0f} µs | "
+                f"{r['floor'] * 1e3:.2f} ms | {r['step'] / r['floor']:.2f}× | {r['own_floor'] * 1e3:.2f} ms | "
+                f"{r['comm'] * 1e6:.0f} µs | "
                 f"{r['measured_comm'] * 1e6:.0f} µs | {r['gap'] * 1e6:.0f} µs |"
             )
     races = [
