@@ -293,3 +293,63 @@ def test_a_report_of_numbers_reaches_the_drivers_desk_and_others_stay_with_ray()
 
 def wire_frame(step, items):
     return b"".join(bytes(b) for b in wire.encode(step, items))
+
+
+class _Calls:
+    """A stand-in for the ``ray`` module over calls that all returned ``SENT`` (the driver's side of a step)."""
+
+    class exceptions:
+        RayError = RuntimeError
+
+    def wait(self, refs, num_returns, timeout, fetch_local):
+        return list(refs[:num_returns]), list(refs[num_returns:])
+
+    def get(self, refs):
+        from vjpsplit_cli.pipeline.runtime.ray import reports
+
+        return [reports.SENT] * len(refs)
+
+
+class _Desk:
+    """A ``ReportDesk`` whose frame for worker 1 comes on its ``arrives``-th look (never: None)."""
+
+    def __init__(self, arrives):
+        self.arrives, self.looks = arrives, 0
+
+    def take(self, step, worker):
+        if worker == 0:
+            return {"losses": {}, "sums": {0: 1.0}}
+        self.looks += 1
+        return {"losses": {0: 2.0}, "sums": {1: 3.0}} if self.arrives and self.looks >= self.arrives else None
+
+    def wait(self, step, workers, timeout):
+        pass
+
+
+def _group(desk):
+    from vjpsplit_cli.pipeline.runtime.ray import reports
+    from vjpsplit_cli.pipeline.runtime.ray.group import ActorGroup
+    from vjpsplit_cli.pipeline.schedules.layout import Layout
+
+    g = object.__new__(ActorGroup)
+    g.reports, g.steps, g.step_timeout, g.ray = desk, 1, 600.0, _Calls()
+    g.layout = Layout.of("stage", 2)
+    g.fetch = lambda refs, owners, t0, hint="", watch=(): [reports.SENT] * len(refs)
+    return g
+
+
+def test_a_report_frame_late_after_its_call_is_taken_and_one_lost_is_named_within_the_grace(monkeypatch):
+    """``fetch_reports``: every call said SENT; a frame still on its way is waited for, and one that never comes
+    is one error naming its stage once ``REPORT_GRACE`` has passed, not the step's timeout (600 s here)."""
+    import time
+
+    from vjpsplit_cli.pipeline.runtime.ray import group
+
+    monkeypatch.setattr(group, "REPORT_GRACE", 0.2)
+    late = _Desk(arrives=5)
+    got = _group(late).fetch_reports(["ref 0", "ref 1"], [0, 1], time.monotonic())
+    assert got == [{"losses": {}, "sums": {0: 1.0}}, {"losses": {0: 2.0}, "sums": {1: 3.0}}] and late.looks == 5
+    t0 = time.monotonic()
+    with pytest.raises(VjpsplitError, match=r"^stage 1: its report was lost on the way$"):
+        _group(_Desk(arrives=None)).fetch_reports(["ref 0", "ref 1"], [0, 1], t0)
+    assert time.monotonic() - t0 < 60  # the grace (0.2 s here), far from the step's 600 s

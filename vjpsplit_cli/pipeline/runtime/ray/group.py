@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from ray import ObjectRef
 
 REPORT_POLL = 0.05  # seconds between looks at the step's Ray calls while waiting for its reports' frames
+# Seconds a report's frame may take after every call of the step said SENT (each sent its frame before returning);
+# past them the frame is lost (a connection that broke), not the step's timeout later.
+REPORT_GRACE = 10.0
 T = TypeVar("T")
 
 
@@ -222,7 +225,8 @@ class ActorGroup:
 
         While frames come, nothing is fetched from Ray; a call done before its frame (a report with an error
         or timings, an actor gone) or the deadline hands the whole wait to ``fetch``, which names what went
-        wrong, and the calls that said ``SENT`` take their frames.
+        wrong, and the calls that said ``SENT`` take their frames. A frame not here ``REPORT_GRACE`` seconds
+        after every call said ``SENT`` is lost: one error naming its stage.
         """
         desk, step = self.reports, self.steps
         got: dict[int, Any] = {}
@@ -252,6 +256,8 @@ class ActorGroup:
                         break  # a report through Ray (an error, timings): the general wait below
                     for r in done:
                         running.pop(id(r), None)
+                    if not running:
+                        deadline = min(deadline, time.monotonic() + REPORT_GRACE)
                 desk.wait(step, pending, REPORT_POLL)
         except KeyboardInterrupt as e:
             detail = self.describe(t0)
