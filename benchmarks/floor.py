@@ -152,9 +152,10 @@ def workload(
         measured = {r: trainers[(r, "zbh1")].costs() for r in runners if (r, "zbh1") in trainers}
         rows = []
         for (r, sch), tr in trainers.items():
-            costs = {k: v for k, v in measured.get(r, tr.costs()).items() if k in ("F", "B", "W")}
+            mine = tr.costs()
+            costs = {k: v for k, v in measured.get(r, mine).items() if k in ("F", "B", "W")}
             floor = modeled_makespan(tr.plan.plans, {**costs, "comm": comm[r]})
-            own = {k: v for k, v in tr.costs().items() if k in ("F", "B", "W")}
+            own = {k: v for k, v in mine.items() if k in ("F", "B", "W")}
             step = statistics.median(samples[(r, sch)])
             spread = statistics.median(abs(x - step) for x in samples[(r, sch)])
             rows.append(
@@ -170,8 +171,8 @@ def workload(
                     # The same plans under this Trainer's own timed steps (what the floor was before one set per runner).
                     "own_floor": modeled_makespan(tr.plan.plans, {**own, "comm": comm[r]}),
                     "comm": comm[r],
-                    "measured_comm": tr.costs()["comm"],
-                    "gap": tr.costs()["gap"],
+                    "measured_comm": mine["comm"],
+                    "gap": mine["gap"],
                     "kept": sch if tr.auto is None else str(tr.auto.choice),
                     "race": {} if tr.auto is None or not tr.auto.races else tr.auto.races[-1],
                     "work": sum(map(sum, costs.values())) * microbatches,
