@@ -16,8 +16,11 @@ each runner (in-process, Ray) and schedule (1F1B, ZB-H1, ``auto``; 1F1B only wit
    of many).
 3. **The floor**: ``modeled_makespan`` of the plans the step runs (auto's: the plans its race kept, after
    untimed trial steps until it keeps them) under those F,
-   B and W with that send time as ``comm`` (the schedules' simulator). The optimizer update, the losses'
-   fetch and the driver's hand-out are not in it: they are part of what a runner costs above its floor.
+   B and W with that send time as ``comm`` (the schedules' simulator). On Ray the plans as its lists run them
+   (``runtime.ray.lists.as_listed``): a B whose cotangent goes to another actor, on a stage with the split
+   backward, is its I, the send, then its W, so 1F1B's floor there is below 1F1B's as scheduled (given beside
+   it). The optimizer update, the losses' fetch and the driver's hand-out are not in it: they are part of what
+   a runner costs above its floor.
 4. **The step**: untimed steps of every Trainer interleaved in blocks; the median of the blocks, with its standard
    error (the blocks' MAD scaled to a normal law's sigma, x 1.2533 / sqrt(n)); auto against the faster of 1F1B and
    ZB-H1 with twice the difference's standard error.
@@ -101,6 +104,7 @@ def workload(
 ) -> dict:
     """One workload's rows: per runner and schedule, its step, its floor and what the floor is made of."""
     from vjpsplit_cli import pipeline as P
+    from vjpsplit_cli.pipeline.runtime.ray.lists import as_listed
     from vjpsplit_cli.pipeline.schedules.modeled import modeled_makespan
 
     runners = ["inprocess", "ray"] if ray else ["inprocess"]
@@ -150,11 +154,14 @@ def workload(
                     if sch != "auto":  # a timed step makes auto plan again
                         tr.step(batch(), timed=True)
         measured = {r: trainers[(r, "zbh1")].costs() for r in runners if (r, "zbh1") in trainers}
+        splits = [bool(a.manifest.weights) for a in stages.artifacts]
         rows = []
         for (r, sch), tr in trainers.items():
             mine = tr.costs()
             costs = {k: v for k, v in measured.get(r, mine).items() if k in ("F", "B", "W")}
-            floor = modeled_makespan(tr.plan.plans, {**costs, "comm": comm[r]})
+            # On Ray a B whose cotangent goes to another actor runs as I, send, W: its plans as listed are the floor's.
+            plans = as_listed(tr.plan.plans, splits, tr.backend.worker_of) if r == "ray" else tr.plan.plans
+            floor = modeled_makespan(plans, {**costs, "comm": comm[r]})
             own = {k: v for k, v in mine.items() if k in ("F", "B", "W")}
             step = statistics.median(samples[(r, sch)])
             spread = statistics.median(abs(x - step) for x in samples[(r, sch)])
@@ -169,7 +176,8 @@ def workload(
                     "race_steps": sum(h.trial is not None for h in tr.history),
                     "floor": floor,
                     # The same plans under this Trainer's own timed steps (what the floor was before one set per runner).
-                    "own_floor": modeled_makespan(tr.plan.plans, {**own, "comm": comm[r]}),
+                    "own_floor": modeled_makespan(plans, {**own, "comm": comm[r]}),
+                    "scheduled_floor": modeled_makespan(tr.plan.plans, {**costs, "comm": comm[r]}),
                     "comm": comm[r],
                     "measured_comm": mine["comm"],
                     "gap": mine["gap"],
@@ -235,24 +243,26 @@ def table(parts: list[dict], cfg: dict) -> str:
         else f"each Trainer's own medians over {cfg['timed']} timed steps"
     )
     lines = [
-        "Each runner's step over its floor: the modeled makespan of the plans it runs (auto: the plans its race kept) "
-        f"under the F, B and W the runner's workers measured ({costs}) and the send time measured apart (Ray: one "
+        "Each runner's step over its floor: the modeled makespan of the plans it runs (auto: the plans its race kept; "
+        "on Ray as its lists run them, a B whose cotangent goes to another actor as I, send, W; the plans as scheduled "
+        f"beside it) under the F, B and W the runner's workers measured ({costs}) and the send time measured apart (Ray: one "
         "actor-to-actor delivery of each activation size through the step's senders and inboxes, the median of "
         f"{cfg['probes']} round trips halved; in-process: jax.device_put from one device to the other). Steps: "
         f"untimed, medians of {cfg['rounds']} blocks of {cfg['block']}, all Trainers interleaved. costs()' comm: the "
         "send each Trainer timed apart itself (what auto plans with); costs()' gap: the wait from a result to the "
         "next worker starting on it in its timed steps' timelines.",
         "",
-        "| workload | runner | schedule | plans run | step (± 2 SE) | floor | step / floor | floor (its own costs) | "
-        "send in the floor | costs()' comm | costs()' gap |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| workload | runner | schedule | plans run | step (± 2 SE) | floor | step / floor | floor as scheduled | "
+        "floor (its own costs) | send in the floor | costs()' comm | costs()' gap |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for part in parts:
         for r in part["rows"]:
             lines.append(
                 f"| {r['workload']} | {LABEL[r['runner']]} | {r['schedule']} | {r['kept']} | {r['step'] * 1e3:.2f} "
                 f"(± {2 * r['step_se'] * 1e3:.2f}) ms | "
-                f"{r['floor'] * 1e3:.2f} ms | {r['step'] / r['floor']:.2f}× | {r['own_floor'] * 1e3:.2f} ms | "
+                f"{r['floor'] * 1e3:.2f} ms | {r['step'] / r['floor']:.2f}× | {r['scheduled_floor'] * 1e3:.2f} ms | "
+                f"{r['own_floor'] * 1e3:.2f} ms | "
                 f"{r['comm'] * 1e6:.0f} µs | "
                 f"{r['measured_comm'] * 1e6:.0f} µs | {r['gap'] * 1e6:.0f} µs |"
             )

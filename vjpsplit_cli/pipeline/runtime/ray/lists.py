@@ -205,6 +205,33 @@ def destination(op: Op, num_stages: int) -> int | None:
     return None
 
 
+def hands_on_early(op: Op, splits: Mapping[int, bool] | Sequence[bool], worker_of: Mapping[int, int]) -> bool:
+    """Whether an untimed list runs ``op`` as its input part, then sends the cotangent, then its weight part: a B
+    on a stage with the split backward (``splits[stage]``) whose cotangent goes to another worker's stage
+    (``run_list``'s ``hand_on``)."""
+    if op.kind != Kind.B or op.stage == 0 or not splits[op.stage]:
+        return False
+    return worker_of[op.stage - 1] != worker_of[op.stage]
+
+
+def as_listed(plans: Sequence[Sequence[Op]], splits: Sequence[bool], worker_of: Mapping[int, int]) -> list[list[Op]]:
+    """``plans`` as untimed lists run them on Ray: each B that hands its cotangent on early (``hands_on_early``)
+    as its I then its W, the cotangent leaving at the I's end. What a Ray step's floor is the makespan of: the
+    plans as scheduled would charge such a B's weight part before its cotangent leaves."""
+    return [
+        [
+            part
+            for op in ops
+            for part in (
+                (Op(Kind.I, op.mb, op.stage), Op(Kind.W, op.mb, op.stage))
+                if hands_on_early(op, splits, worker_of)
+                else (op,)
+            )
+        ]
+        for ops in plans
+    ]
+
+
 class RunsLists(Protocol):
     """What ``run_list`` reads and sets on a worker's actor (a ``StageActor``; see its attributes)."""
 
@@ -236,12 +263,13 @@ def run_list(
     batch: the first stage's input (else None) and its side inputs. Untimed (not
     ``timed``), a B whose cotangent goes to another worker is sent after the
     backward's input part, while its weight part computes, where the stage has the
-    split backward (``stageops.run_op``'s ``hand_on``); a timed step runs each B whole,
-    its event a B.
+    split backward (``hands_on_early``; ``stageops.run_op``'s ``hand_on``); a timed step
+    runs each B whole, its event a B.
     """
     S, me, worker_of, sender = actor.num_stages, actor.worker, actor.worker_of, actor.sender
     assert sender is not None  # connected before any step
     local: dict[OpKey, object] = {}  # results this worker's own later operations read (a V's two stages)
+    splits = {s: w.splits_backward for s, w in actor.stage_workers.items()}
 
     def send(to: int, key: Key, value: PyTree) -> None:
         actor.sent[key] = time.monotonic()
@@ -266,7 +294,8 @@ def run_list(
         if needed:  # called at once, in this iteration: the lambda's loop variables are this operation's
             side = batch[(stage, mb)][1] if op.kind == Kind.F else []
             actor.now = (RUNS, op, None, time.monotonic())
-            hand_on = None if to is None or timed else functools.partial(send, to, key)
+            early = not timed and hands_on_early(op, splits, worker_of)
+            hand_on = functools.partial(send, to, key) if early and to is not None else None
             out = actor.guarded(lambda: run_op(st, op, data, side, microbatches, me, hand_on))
         actor.now = (NEXT, None, None, time.monotonic())
         if dest is not None and to is None:
