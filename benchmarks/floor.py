@@ -154,7 +154,7 @@ def workload(
                     if sch != "auto":  # a timed step makes auto plan again
                         tr.step(batch(), timed=True)
         measured = {r: trainers[(r, "zbh1")].costs() for r in runners if (r, "zbh1") in trainers}
-        splits = [bool(a.manifest.weights) for a in stages.artifacts]
+        splits = [a.manifest.splits_backward for a in stages.artifacts]
         rows = []
         for (r, sch), tr in trainers.items():
             mine = tr.costs()

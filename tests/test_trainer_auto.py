@@ -292,7 +292,7 @@ def test_send_time_is_the_gap_to_an_idle_worker_and_compiling_operations_are_lef
             losses=dict.fromkeys(range(4), 0.0), grads=[None], events=timeline,
         )  # fmt: skip
 
-    whole = types.SimpleNamespace(manifest=types.SimpleNamespace(weights=()))
+    whole = types.SimpleNamespace(manifest=types.SimpleNamespace(weights=(), splits_backward=False))
     samples = CostSamples([whole])
     samples.add(step(True), first=True)
     assert samples.costs() == {"F": [1.25], "B": [1.5], "W": [0.0], "gap": 0.0}
@@ -326,7 +326,7 @@ def test_a_split_backwards_i_and_w_are_the_costs_b_and_w_and_an_is_cotangent_is_
         schedule="zbh1", plans=[[]], num_stages=2, microbatches=1, runner="test", step_time=4.25,
         losses={0: 0.0}, grads=[None, None], events=events,
     )  # fmt: skip
-    split = types.SimpleNamespace(manifest=types.SimpleNamespace(weights=("w",)))
+    split = types.SimpleNamespace(manifest=types.SimpleNamespace(weights=("w",), splits_backward=True))
     samples = CostSamples([split, split])
     samples.add(result, first=True)
     costs = samples.costs()

@@ -87,7 +87,8 @@ def test_input_part_does_no_weight_gradient_matmuls(art):
 
 def test_manifest_and_inspect_describe_the_split(art, tmp_path):
     m = art.manifest
-    assert m.weights == ("params",) and m.intermediates
+    assert m.weights == ("params",) and m.intermediates and m.splits_backward
+    assert not vs.export(stage, *specs()).manifest.splits_backward  # without weights=: one backward
     assert all(leaf.key.startswith("c/") for leaf in m.intermediates)
     art.save(tmp_path / "a.vjps")
     r = CliRunner().invoke(main, ["inspect", str(tmp_path / "a.vjps")])

@@ -139,7 +139,7 @@ def _loads(data: bytes, source: str, trust: Any, allow_kernels: bool, cache_dir:
     manifest = Manifest.from_json(top["manifest"], source)
     _check_calling_convention(manifest, source)
     modules = {k: top[k] for k in MODULES if k in top}
-    if not all(isinstance(v, bytes) for v in modules.values()) or bool(manifest.weights) != ("bwd_input" in modules):
+    if not all(isinstance(v, bytes) for v in modules.values()) or manifest.splits_backward != ("bwd_input" in modules):
         raise VjpsplitError(f"{source}: the artifact's modules are malformed; export it again")
     if fingerprint(manifest, modules) != manifest.fingerprint:
         raise VjpsplitError(f"{source}: fingerprint mismatch: the artifact was modified after export; export it again")

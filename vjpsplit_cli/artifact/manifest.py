@@ -305,9 +305,14 @@ class Manifest:
         return tuple(r for r in self.residuals if not r.input_backed)
 
     @property
+    def splits_backward(self) -> bool:
+        """Whether the backward is split (exported with ``weights``): ``bwd_input`` and ``bwd_weight`` exist."""
+        return bool(self.weights)
+
+    @property
     def weight_reads_subset(self) -> bool:
         """Whether ``bwd_weight`` takes only its own residuals (format >= 3) rather than all of them."""
-        return bool(self.weights) and self.format_version >= 3
+        return self.splits_backward and self.format_version >= 3
 
     @functools.cached_property  # read on every call: the manifest is frozen
     def input_backed_keys(self) -> tuple[str, ...]:

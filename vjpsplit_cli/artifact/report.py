@@ -69,7 +69,7 @@ def describe(art: Artifact, at: Mapping[str, int] | None = None) -> dict:
         "intermediates": leaves(m.intermediates),
         **(
             {"weight_part_bytes": {k: format_bytes_terms(v) for k, v in weight_part_bytes(m).items()}}
-            if m.weights
+            if m.splits_backward
             else {}
         ),
         **extra,
@@ -148,7 +148,7 @@ def format_table(art: Artifact, at: Mapping[str, int] | None = None) -> str:
                 *_rows("intermediates", m.intermediates, sharded=m.sharded),
                 _held_line(m),
             ]
-            if m.weights
+            if m.splits_backward
             else []
         ),
     ]

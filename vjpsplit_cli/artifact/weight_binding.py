@@ -39,7 +39,7 @@ class WeightPartBinding:
 
     def require_split(self) -> None:
         """Refuse an artifact without a split backward (no ``bwd_input``/``bwd_weight``)."""
-        if not self.manifest.weights:
+        if not self.manifest.splits_backward:
             raise VjpsplitError(
                 f"{self.source}: the artifact has no split backward; export it with --weights NAMES "
                 "(weights=...) to get bwd_input and bwd_weight"

@@ -94,7 +94,7 @@ class Model:
         """Refuse plans the stages cannot run: a stage with an I or a W in them needs the split backward."""
         need = {o.stage for ops in plans for o in ops if o.kind in (Kind.I, Kind.W)}
         for i, a in enumerate(self.artifacts):
-            if i in need and not a.manifest.weights:
+            if i in need and not a.manifest.splits_backward:
                 raise VjpsplitError(
                     f"{describe(name)} needs the split backward: export stage {i} with "
                     f"weights=('{a.manifest.arg_names[0]}',)"

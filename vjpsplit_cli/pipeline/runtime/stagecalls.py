@@ -127,12 +127,14 @@ class StageCalls:
         self.backward, self.backward_acc = jax.jit(fused), jax.jit(fused_acc)
         # The split backward's calls, None without one (plans with I or W are refused before they run).
         self.backward_input_jitted: SplitInput | None = (
-            jitted_input if m.weights else None
+            jitted_input if m.splits_backward else None
         )  # the compiled part (FLOPs, HLO)
-        self.backward_input: SplitInput | None = b_input_with_residuals if m.weights else None
-        self.backward_weight: Callable[[Intermediates], PyTree] | None = jax.jit(b_weight) if m.weights else None
+        self.backward_input: SplitInput | None = b_input_with_residuals if m.splits_backward else None
+        self.backward_weight: Callable[[Intermediates], PyTree] | None = (
+            jax.jit(b_weight) if m.splits_backward else None
+        )
         self.backward_weight_acc: Callable[[PyTree, Intermediates], PyTree] | None = (
-            jax.jit(lambda acc, inter: add(acc, b_weight(inter))) if m.weights else None
+            jax.jit(lambda acc, inter: add(acc, b_weight(inter))) if m.splits_backward else None
         )
 
 

@@ -137,7 +137,7 @@ def microbatch_bytes(artifacts: Sequence[Artifact], mb: Microbatch) -> list[int]
         m = art.manifest
         stored = {r.key: _leaf_bytes(r, dims, s) for r in m.stored_residuals}
         held = sum(stored.values())
-        if m.weights:
+        if m.splits_backward:
             w_part = sum(stored[k] for k in m.weight_residuals) + sum(_leaf_bytes(c, dims, s) for c in m.intermediates)
             held = max(held, w_part)
         out.append(held)
@@ -194,7 +194,7 @@ class AutoPlan:
             self.byte_limits: list[int] = []
         else:
             self.byte_limits = [parse_bytes(v) for v in _per_worker(memory_limit_bytes, S, "memory_limit_bytes")]
-        self.split = [bool(a.manifest.weights) for a in self.artifacts]
+        self.split = [a.manifest.splits_backward for a in self.artifacts]
         self.layout = Layout.of_schedule("1f1b", S)  # worker w runs stage w
         self.plans: list[list[Op]] | None = None  # what the next step runs, once measured
         self.makespan: float | None = None  # ... its modeled makespan under the latest costs, seconds

@@ -210,7 +210,7 @@ class CostSamples:
             b, w, whole = median(s, "I"), median(s, "W"), median(s, "B")
             if b is None or w is None:  # no split backward timed: the whole one, cut where the stage can split
                 whole = whole if whole is not None else b or 0.0
-                share = self.input_share(s) if art.manifest.weights else 1.0
+                share = self.input_share(s) if art.manifest.splits_backward else 1.0
                 b, w = whole * share, whole * (1.0 - share)
             B.append(b)
             W.append(w)
