@@ -156,7 +156,7 @@ class StageWorker:
     @property
     def splits_backward(self) -> bool:
         """Whether the stage's artifact has the split backward: its B can run as I then W."""
-        return self.calls.backward_input is not None
+        return self.art.manifest.splits_backward
 
     @property
     def devices(self) -> tuple[jax.Device, ...]:
