@@ -40,6 +40,26 @@ def on_device(a: object) -> bool:
         return False
 
 
+# (id of a sharding, id of an aval) -> (the sharding, the aval, the bytes on the device): a jit's outputs share their
+# sharding and aval objects from call to call, so a held array's bytes cost two attribute reads and one lookup (0.4 µs
+# a leaf, where on_device and leaf_bytes cost 2.8); the objects are kept in the entry, so their ids are not reused.
+_BYTES: dict[tuple[int, int], tuple[object, object, int]] = {}
+_BYTES_MAX = 4096  # distinct entries before the cache starts again (arrays placed one by one bring new shardings)
+
+
+def held_bytes(a: object) -> int:
+    """The bytes ``a`` takes in a device's memory: its size for a JAX array there, else 0."""
+    if not isinstance(a, jax.Array):
+        return 0
+    s, av = a.sharding, a.aval
+    entry = _BYTES.get((id(s), id(av)))
+    if entry is None:
+        if len(_BYTES) >= _BYTES_MAX:
+            _BYTES.clear()
+        entry = _BYTES[(id(s), id(av))] = (s, av, leaf_bytes(a) if on_device(a) else 0)
+    return entry[2]
+
+
 def device_bytes(arrays: object) -> int:
     """Bytes of the distinct device arrays among ``arrays``' leaves."""
     seen: dict[int, int] = {}
@@ -66,10 +86,11 @@ class HeldBytes:
             entry = arrays.get(id(a))  # a held array is alive: its id is its own
             if entry is not None:
                 entry[1] += 1
-            elif on_device(a):
-                n = leaf_bytes(a)
-                arrays[id(a)] = [n, 1]
-                self.total += n
+            else:
+                n = held_bytes(a)
+                if n:
+                    arrays[id(a)] = [n, 1]
+                    self.total += n
 
     def remove(self, tree: object) -> None:
         """``tree`` (given to ``add`` before) no longer holds its arrays; those nothing else holds stop counting.

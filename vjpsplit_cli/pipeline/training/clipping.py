@@ -17,7 +17,9 @@ leaves that ``separable`` joins across stages the same way.
 
 Tied leaves: ``sum_tied`` adds a tied leaf's gradients over its holders (in
 stage order, on the host) and hands every holder the very same array, so each
-applies the same update to the same copy and the copies stay bitwise equal.
+applies the same update to the same copy and the copies stay bitwise equal (a
+Trainer's stages add them on each holder's device, in the same order). ``Squares``
+is a stage's squared sum dispatched and fetched later, with the step's losses.
 """
 
 from __future__ import annotations
@@ -61,17 +63,59 @@ def sum_of_squares(grads: Mapping[str, Leaf], counted: Iterable[str]) -> float:
     Each leaf's sum is taken in its own dtype (float32 as optax does), on the
     device where it lives, in one jitted call; only the scalars come to the host, in one transfer.
     """
-    import jax
+    return Squares.of(grads, counted).value()
 
-    leaves = []
-    for k in sorted(counted):
-        if k not in grads:
-            raise VjpsplitError(f"gradient of '{k}' is missing from the stage's gradients; pass every leaf it holds")
-        leaves.append(grads[k])
-    total = 0.0
-    for v in jax.device_get(_squares(leaves)):  # one call and one transfer for the stage, not one per leaf
-        total += float(v)
-    return total
+
+class Squares:
+    """The sum of squares of some leaves of one stage's gradients, not yet fetched: one device scalar per leaf.
+
+    ``of`` dispatches the sums (one jitted call) and waits for nothing; ``value()`` fetches them in one
+    transfer and adds them on the host in leaf order, as a Python float (the same float whenever it is asked).
+    ``fetch`` turns many at once into floats with one transfer for all.
+    """
+
+    def __init__(self, parts: list[jax.Array]):
+        self.parts = parts
+        self._value: float | None = None
+
+    @classmethod
+    def of(cls, grads: Mapping[str, Leaf], counted: Iterable[str]) -> Squares:
+        """The squares of the ``counted`` leaves of ``grads``, dispatched.
+
+        Raises:
+            VjpsplitError: a counted leaf is missing from ``grads``.
+        """
+        leaves = []
+        for k in sorted(counted):
+            if k not in grads:
+                raise VjpsplitError(
+                    f"gradient of '{k}' is missing from the stage's gradients; pass every leaf it holds"
+                )
+            leaves.append(grads[k])
+        return cls(_squares(leaves))
+
+    def __float__(self) -> float:
+        return self.value()
+
+    def value(self) -> float:
+        """The sum, fetched (once) and added on the host."""
+        if self._value is None:
+            (self._value,) = Squares.fetch([self])
+        return self._value
+
+    @staticmethod
+    def fetch(many: Sequence[Squares | float]) -> list[float]:
+        """Each of ``many`` as a float (floats as they are), every unfetched one in one transfer."""
+        import jax
+
+        todo = [m for m in many if isinstance(m, Squares) and m._value is None]
+        got = jax.device_get([m.parts for m in todo])  # one call and one transfer, not one per leaf or stage
+        for m, parts in zip(todo, got):
+            total = 0.0
+            for v in parts:
+                total += float(v)
+            m._value = total
+        return [m.value() if isinstance(m, Squares) else float(m) for m in many]
 
 
 def _leaf_squares(leaves: list[Leaf]) -> list[jax.Array]:

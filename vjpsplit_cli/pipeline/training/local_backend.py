@@ -37,7 +37,7 @@ from ..schedules.ops import Op
 from ..schedules.stepplans import Resolved
 from ..stages.evalprograms import EvalProgram
 from ..schedules.timeline import Phase
-from .clipping import clip_scale
+from .clipping import Squares, clip_scale
 from .measured import measure_copy_seconds
 from .ownership import Ownership, Snapshot
 from .stage_trainer import RESTORE_HINT, Exchange, StageTrainer, finish_stages
@@ -212,7 +212,8 @@ class InProcessBackend:
         def body() -> tuple[dict[int, float], dict[int, float]]:
             dispatch(workers, schedule.plans, mbs, microbatches, order, record)
             sums = self._finish(finishing, clip, value, record.commit)
-            return sums, workers[-1].fetch_losses()
+            losses = workers[-1].fetch_losses()  # the step's first wait for the devices (without clipping)
+            return dict(zip(sums, Squares.fetch(list(sums.values())))), losses
 
         if self.driver is None:
             self.driver = WorkerThreads(1, "vjpsplit-step")
@@ -235,11 +236,12 @@ class InProcessBackend:
         clip: float | None,
         value: Callable[[], float],
         commit: Callable[[], None],
-    ) -> dict[int, float]:
+    ) -> dict[int, float | Squares]:
         """The untimed step's last phases, from its thread: each stage's update as soon as it can go
-        (``commit()`` before each: it raises once the step was stopped)."""
+        (``commit()`` before each: it raises once the step was stopped). The squared sums come back as
+        dispatched; without clipping nothing here waits for the devices."""
         own, trainers = self.ownership, self.trainers
-        scale = (lambda v: 1.0) if clip is None else (lambda v: clip_scale(v, clip)[0])
+        scale = None if clip is None else (lambda v: clip_scale(v, clip)[0])
 
         def exchange(part: Mapping[int, T]) -> Mapping[int, T]:
             commit()
@@ -249,7 +251,7 @@ class InProcessBackend:
         if own.tied or clip is not None or program.rounds or program.uses_value:  # the others' parts first
             got = finish_stages(trainers, exchange, scale, own.tied, value=value)
             return dict(zip(range(len(trainers)), got))
-        sums: dict[int, float] = {}
+        sums: dict[int, float | Squares] = {}
         for s in finishing:  # the stage whose last operation comes first updates first
             sums[s] = finish_stages([trainers[s]], exchange, scale, False)[0]
         return sums
@@ -287,7 +289,7 @@ class InProcessBackend:
             except BaseException:
                 rv.barrier.abort()
                 raise
-            sums.update({t.stage_index: v for t, v in zip(mine, got)})
+            sums.update({t.stage_index: v for t, v in zip(mine, Squares.fetch(got))})
 
         if self.threads is None or len(self.threads.threads) != len(held):
             if self.threads is not None:

@@ -5,15 +5,16 @@ keeps its stage's parameters and optimizer state as flat ``{global key: array}``
 mappings on the stage's devices. After the schedule's last operation for the
 stage, three small phases finish the step there:
 
-1. ``tied_grads()``: the gradients of the leaves other stages hold too (host arrays);
+1. ``tied_grads()``: the gradients of the leaves other stages hold too (device arrays);
 2. ``prepare(contributions)``: each tied leaf's gradient becomes the sum of every
-   holder's contribution, added in stage order (so every holder computes the very
-   same array), and the stage's share of the squared global norm comes back;
+   holder's contribution, added on the stage's device in stage order (so every holder
+   computes the very same array), and the stage's share of the squared global norm
+   comes back, dispatched (``clipping.Squares``: fetched only where it is read);
 3. ``apply(scale)``: the exported update on ``grads * scale``, in place; the
    worker's parameters are the new ones for the next step.
 
 Only the scalars of step 2 (and, for tied leaves, their gradients) leave the
-worker. The optimizer arrives as ``OptimizerProgram.to_bytes`` and is loaded
+worker; in one process nothing of them passes through the host before the step's end. The optimizer arrives as ``OptimizerProgram.to_bytes`` and is loaded
 here: neither optax nor the user's code is imported. ``finish_stages`` runs the
 three phases for one worker's stages (any ``TrainsStage``: a ``StageTrainer`` or
 ``zero1``'s ``ReplicaTrainer``), joining the workers through an ``Exchange``.
@@ -31,7 +32,7 @@ from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
 from ...files.prng import to_data
 from ...files.trees import decode_structure, flatten_with_keys, structure_keys
-from .clipping import sum_of_squares
+from .clipping import Squares
 from .optimizer_program import OptimizerProgram, load_optimizer
 from .leaf_labels import combine
 from ..runtime.worker import StageWorker
@@ -89,11 +90,11 @@ class TrainsStage(Protocol):
         """The stage's exported optimizer."""
         ...
 
-    def tied_grads(self) -> dict[str, np.ndarray]:
-        """The gradients of the stage's tied leaves, as host arrays."""
+    def tied_grads(self) -> Mapping[str, Leaf]:
+        """The gradients of the stage's tied leaves (device or host arrays)."""
         ...
 
-    def prepare(self, contributions: Mapping[int, Mapping[str, Leaf]]) -> float:
+    def prepare(self, contributions: Mapping[int, Mapping[str, Leaf]]) -> float | Squares:
         """Each tied leaf's gradient summed over its holders; the stage's share of the squared global norm."""
         ...
 
@@ -156,27 +157,26 @@ class StageTrainer:
     def _flat_grads(self) -> dict[str, Leaf]:
         return flat_grads(self.worker.grads, self.local, self.stage_index)
 
-    def tied_grads(self) -> dict[str, np.ndarray]:
-        """This stage's gradients of its tied leaves, as host arrays (what the other holders add)."""
+    def tied_grads(self) -> dict[str, Leaf]:
+        """This stage's gradients of its tied leaves, where they are (what the other holders add)."""
         g = self._flat_grads()
-        return {k: np.asarray(g[k]) for k in sorted(self.holders)}
+        return {k: g[k] for k in sorted(self.holders)}
 
-    def prepare(self, contributions: Mapping[int, Mapping[str, Leaf]]) -> float:
-        """Sum each tied leaf's gradient over its holders (``contributions``: stage -> its ``tied_grads``),
-        in stage order; return this stage's share of the squared global norm."""
+    def prepare(self, contributions: Mapping[int, Mapping[str, Leaf]]) -> Squares:
+        """Sum each tied leaf's gradient over its holders (``contributions``: stage -> its ``tied_grads``, device
+        or host arrays), in stage order on this stage's device; return this stage's share of the squared global
+        norm, dispatched (nothing waits)."""
         g = self._flat_grads()
-        own = contributions.get(self.stage_index, {})  # in-process, the host copy tied_grads already made
         for k, holding in self.holders.items():
-            parts = [
-                (own[k] if k in own else np.asarray(g[k])) if s == self.stage_index else contributions[s][k]
-                for s in holding
-            ]
-            total = parts[0].copy()
+            parts = [g[k] if s == self.stage_index else contributions[s][k] for s in holding]
+            # On the stage's one device; a stage without one (sharded, or placed by JAX) adds host copies.
+            parts = self.worker.to_device(parts) if self.worker.device is not None else [np.asarray(p) for p in parts]
+            total = parts[0]
             for p in parts[1:]:
                 total = total + p
             g[k] = total
         self.grads = g
-        return sum_of_squares(g, self.counted)
+        return Squares.of(g, self.counted)
 
     def shares(self, rnd: int, scale: float, value: float, reduced: Sequence[np.ndarray]) -> list[np.ndarray]:
         """This stage's shares of the optimizer's reductions over leaves of round ``rnd`` (host scalars)."""
@@ -238,11 +238,11 @@ def reduce_rounds(
 def finish_stages(
     trainers: Sequence[TrainsStage],
     exchange: Exchange,
-    clip: Callable[[list[float]], float],
+    clip: Callable[[list[float]], float] | None,
     tied: bool,
     mark: Callable[[str, float, float], None] | None = None,
     value: Callable[[], float] | None = None,
-) -> list[float]:
+) -> list[float | Squares]:
     """Phases 1-3 for one worker's stages; ``exchange(worker_part) -> everyone's`` joins the workers.
 
     ``exchange`` is called with a dict and returns the merged dict of every
@@ -250,7 +250,8 @@ def finish_stages(
     ``tied`` says for all of them whether any stage holds a tied leaf, and every
     stage's program has the same reductions over leaves, one exchange a round);
     ``clip(sums) -> scale`` turns every stage's squared sums (in stage order)
-    into the clip scale. ``mark(name, start, end)`` (``time.monotonic``), if given, hears of each
+    into the clip scale; None: the scale is 1 and no sum is fetched (the sums come back as dispatched,
+    ``clipping.Squares``, for the caller to fetch with the step's losses). ``mark(name, start, end)`` (``time.monotonic``), if given, hears of each
     phase: ``reduce tied``, ``reduce norms`` (each with its wait for the other workers) and ``update``
     (with the optimizer's reductions over leaves, a round each). ``value()`` is the step's loss, read
     only by an optimizer whose update takes ``value=``.
@@ -262,7 +263,7 @@ def finish_stages(
     if mark is not None and tied:
         mark("reduce tied", at, at := clock())
     everyone = exchange(sums)
-    scale = clip([everyone[s] for s in sorted(everyone)])
+    scale = 1.0 if clip is None else clip(Squares.fetch([everyone[s] for s in sorted(everyone)]))
     if mark is not None:
         mark("reduce norms", at, at := clock())
     program = trainers[0].program

@@ -139,7 +139,7 @@ class TrainActor(StageActor, EvaluatingActor):
         """
         f = _Finishing(self, step)
         contributions = self._tied_contributions(f)
-        sums = {s: f.run(lambda s=s: self.trainers[s].prepare(contributions[s])) for s in f.mine}
+        sums = {s: f.run(lambda s=s: float(self.trainers[s].prepare(contributions[s]))) for s in f.mine}
         f.ok = f.ok and None not in sums.values()
         if any(self.end.holders):
             f.mark("reduce tied")
@@ -173,7 +173,9 @@ class TrainActor(StageActor, EvaluatingActor):
         for w in f.others:
             wanted = sorted({h for t in range(S) if worker_of[t] == w for h in needs[t] if worker_of[h] == me})
             if wanted:
-                out[w] = {h: own[h] for h in wanted} if f.ok and None not in own.values() else None
+                # Host arrays on the wire (a stage's own stay on its device for its own sum).
+                ok = f.ok and None not in own.values()
+                out[w] = {h: _host_arrays(own[h]) for h in wanted} if ok else None
         senders = sorted({worker_of[h] for t in f.mine for h in needs[t]} - {me})
         have = f.joined(self._exchange(f.step, "tied", out, senders), own)
         f.ok = have is not None
@@ -281,3 +283,8 @@ class _Finishing:
         if not self.ok or any(v is None for v in own.values()) or any(v is None for v in got.values()):
             return None
         return {**own, **{s: v for part in got.values() for s, v in part.items()}}
+
+
+def _host_arrays(part: Any) -> dict[str, np.ndarray]:
+    """A stage's tied gradients (key -> array, on its device) as host arrays, as the wire carries them."""
+    return {k: np.asarray(v) for k, v in part.items()}
