@@ -180,3 +180,20 @@ def test_readme_python_examples_run_as_pasted(tmp_path):
         )
         assert proc.returncode == 0, f"README example {n} failed:\n{block}\nstderr:\n{proc.stderr[-3000:]}"
         assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr
+
+
+def _anchor(heading: str) -> str:
+    """A markdown heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_opening_says_why_not_jaxs_own_vjp():
+    """README's opening paragraph (the first after its setup commands) says why not ``jax.vjp``,
+    ``jax.fwd_and_bwd`` or ``jax.export``'s own VJP, linking to the contract page's comparison."""
+    opening = README.read_text().split("\n---\n", 1)[1].strip().split("\n\n", 1)[0]
+    for name in ("`jax.vjp`", "`jax.fwd_and_bwd`", "`jax.export`'s own VJP"):
+        assert name in opening, f"README's opening paragraph does not name {name}"
+    link = re.search(r"\(docs/contract\.md#([\w-]+)\)", opening)
+    assert link, "README's opening paragraph does not link to docs/contract.md's comparison"
+    headings = re.findall(r"^#+ (.+)$", (ROOT / "docs" / "contract.md").read_text(), flags=re.M)
+    assert link.group(1) in {_anchor(h) for h in headings}, link.group(1)

@@ -14,7 +14,7 @@ from models import assert_trees_close, mlp_stage_artifacts
 from models import stages_whole as whole
 
 from vjpsplit_cli.errors import VjpsplitError
-from vjpsplit_cli.pipeline import PerStage
+from vjpsplit_cli.pipeline import DeviceMemory, PerStage
 from vjpsplit_cli.pipeline.training.backend import Backend
 from vjpsplit_cli.pipeline.training.history import CheckpointTime, RestartRecord, StepRecord
 from vjpsplit_cli.pipeline.training.local_backend import InProcessBackend
@@ -183,6 +183,27 @@ def test_save_and_restore_continue_the_run(tmp_path, schedule):
     later = [again.step(b) for b in batches[3:]]
     np.testing.assert_array_equal(later, losses[3:])  # the same programs on the same arrays: bitwise
     assert_trees_close(again.params(), never_stopped.params(), rtol=0, atol=0)
+
+
+def test_memory_gives_each_devices_parameter_optimizer_and_residual_bytes():
+    """``Trainer.memory()``: on one CPU device, one record holding the three stages' parameters and optimizer
+    state (as counted from the arrays), the last step's residual peaks, and the live arrays' bytes."""
+    arts, params = _make()
+    tx = optax.adamw(1e-2)
+    with Trainer(arts, params, optimizer=tx, microbatches=4) as tr:
+        (before,) = tr.memory()
+        tr.step(_batches(1)[0])
+        (after,) = tr.memory()
+        peaks = sum(t.worker.peak_residual_bytes for t in tr.backend.trainers)
+    assert isinstance(after, DeviceMemory) and after.device == jax.devices()[0] and after.worker is None
+    assert after.stages == (0, 1, 2)
+    want_params = sum(np.asarray(a).nbytes for a in jax.tree_util.tree_leaves(params))
+    want_state = sum(np.asarray(a).nbytes for p in params for a in jax.tree_util.tree_leaves(tx.init(p)))
+    assert (before.params, before.optimizer) == (after.params, after.optimizer) == (want_params, want_state)
+    assert before.peak_residuals == 0 and after.peak_residuals == peaks > 0
+    assert after.in_use >= want_params + want_state and after.peak_in_use is None  # CPU: live arrays, no peak
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        after.params = 0  # type: ignore[misc]
 
 
 def _members(cls):

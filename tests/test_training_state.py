@@ -4,6 +4,8 @@ process and through orbax; fit equals step-by-step training and resumes from its
 from __future__ import annotations
 
 import functools
+import logging
+import warnings
 from pathlib import Path
 
 import jax
@@ -264,6 +266,34 @@ def test_fit_with_a_function_and_a_sequence_equals_step_by_step_and_resumes(tmp_
     assert asked == [0, 1, 2, 3, 4] and [k for k, _ in seen] == [3, 4] and later.step_count == 5
     assert_trees_close(later.params(), by_step.params(), rtol=1e-4, atol=1e-6)
     assert P.load_checkpoint(tmp_path / "ck", optimizer=tx)[2] == 5
+
+
+def test_fit_says_where_it_resumes_and_warns_when_the_checkpoint_leaves_nothing_to_train(tmp_path, caplog):
+    """Re-running a finished run in the same folder: a log line says where it resumes, a warning that it trains
+    nothing (not a silent ``[]``)."""
+    tx, batches = optax.sgd(0.1), _batches(3)
+    kw = dict(optimizer=tx, microbatches=2)
+    ck = tmp_path / "ck"
+    with P.Trainer(_stages("marks2"), gpt_params(), **kw) as tr:
+        assert len(tr.fit(batches, steps=2, checkpoint_dir=ck)) == 2
+    with P.Trainer(_stages("marks2"), gpt_params(), **kw) as again:
+        with pytest.warns(
+            UserWarning,
+            match=rf"fit trains nothing: the checkpoint in {ck} is at step 2 and steps=2 "
+            r".*pass steps > 2 to go on, or another checkpoint_dir to start over",
+        ) as seen:
+            with caplog.at_level(logging.INFO, logger="vjpsplit_cli.pipeline.training.fit"):
+                assert again.fit(batches, steps=2, checkpoint_dir=ck) == []
+        assert seen[0].filename == __file__  # the warning points at the caller's fit line
+        assert f"fit resumes from the checkpoint in {ck}, after step 2 of steps=2" in caplog.text
+        caplog.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a run that goes on warns of nothing
+            with caplog.at_level(logging.INFO, logger="vjpsplit_cli.pipeline.training.fit"):
+                assert len(again.fit(batches, steps=3, checkpoint_dir=ck)) == 1
+        assert "after step 2 of steps=3" in caplog.text
+        with pytest.warns(UserWarning, match=r"fit trains nothing: the Trainer is at step 3 and steps=3"):
+            assert again.fit(batches, steps=3) == []
 
 
 def test_fit_surfaces_a_failed_background_write_and_bad_options(tmp_path, monkeypatch):

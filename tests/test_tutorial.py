@@ -3,12 +3,14 @@
 The Python blocks share one namespace (a block starting ``# model.py`` is written to that file
 instead, for the later blocks and the command line to import); the shell blocks run with
 ``bash -e`` in the same folder. The process is fresh, so the tutorial's first block sets
-``XLA_FLAGS`` before JAX starts, as a reader's script would.
+``XLA_FLAGS`` before JAX starts, as a reader's script would. The last Python block then runs
+again on its own, as a script in that folder (its own imports and names: a reader copies it alone).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +37,11 @@ print("tutorial ran")
 """
 
 
-def test_every_block_of_the_tutorial_runs_in_order(tmp_path):
+def _last_python_block(text: str) -> str:
+    return re.findall(r"^```python\n(.*?)^```$", text, flags=re.M | re.S)[-1]
+
+
+def test_every_block_of_the_tutorial_runs_in_order_and_the_last_one_alone(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the tutorial sets it itself
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # `vjpsplit`
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
@@ -52,3 +58,9 @@ def test_every_block_of_the_tutorial_runs_in_order(tmp_path):
     blocks = r.stdout.count(" ran\n") - 1
     assert blocks >= 12, r.stdout  # every block ran, not an empty match
     assert (tmp_path / "ck" / "checkpoint.json").is_file() and (tmp_path / "grads.npz").is_file()
+    # The last block alone, in a fresh process: the files and model.py the tutorial left are all it may use.
+    (tmp_path / "last_block.py").write_text(_last_python_block(TUTORIAL.read_text()))
+    alone = subprocess.run(
+        [sys.executable, "last_block.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert alone.returncode == 0, f"the tutorial's last block does not run on its own:\n{alone.stderr[-3000:]}"

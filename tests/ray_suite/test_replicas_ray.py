@@ -47,12 +47,17 @@ def test_ray_pp2_dp2_tied_and_clipped_equals_optax_and_its_checkpoint_continues_
         assert min(h.grad_norm for h in tr.history) > CLIP  # clipping acted
         # Each actor: its stage on 2 devices of its own process, Adam's moments sharded across them.
         assert [len(set(d)) for d in tr.placement] == [2, 2]
-        for actor in tr.backend.rp.actors:
+        memory = tr.memory()  # per actor's device: its replica's half of the stage's optimizer state (ZeRO-1)
+        assert [(r.worker, r.stages) for r in memory] == [(0, (0,)), (0, (0,)), (1, (1,)), (1, (1,))], memory
+        for w, actor in enumerate(tr.backend.rp.actors):
             got = ray_session.get(actor.optimizer_bytes.remote())
             assert len(got) == 1, got  # its one stage, on replicas
             for stage, (most, whole) in got.items():
                 count = 4  # the step count (int32): the one leaf kept whole on every replica
                 assert most == (whole - count) // 2 + count, (stage, most, whole)
+                mine = [r for r in memory if r.worker == w]
+                assert [r.optimizer for r in mine] == [most, most] and all(r.peak_residuals > 0 for r in mine)
+                assert sorted(r.device for r in mine) == sorted(tr.placement[stage])  # the actor's device names
             runs = ray_session.get(actor.__ray_call__.remote(reductions))
             assert list(runs.values()) == [2], runs  # one cross-replica reduction per stage per step
         tr.save(tmp_path / "ck")

@@ -201,6 +201,32 @@ def test_each_device_holds_a_quarter_of_the_optimizer_state():
             assert set(replicated) == {k for k in whole if k.endswith("count") or k.endswith("temp")}
 
 
+def test_memory_shows_each_replica_holding_half_its_stages_optimizer_state():
+    """``Trainer.memory()`` per device: at data_parallel=2 each replica's device holds its stage's parameters whole
+    and half the optimizer state of data_parallel=1 (ZeRO-1), less what stays whole on every replica."""
+    got = {}
+    for n in (1, 2):
+        with P.Trainer(
+            tied_stages(),
+            tied_params(),
+            optimizer=optax.adam(1e-2),
+            microbatches=2,
+            runner=P.InProcess(data_parallel=n),
+        ) as tr:
+            tr.step(tied_batches(1, rows=16)[0])
+            got[n] = tr.memory()
+    one, two = got[1], got[2]
+    assert [r.stages for r in one] == [(0,), (1,)] and [r.stages for r in two] == [(0,), (0,), (1,), (1,)]
+    assert len({r.device for r in one}) == 2 and len({r.device for r in two}) == 4  # a device per replica
+    # Whole on every replica: the step count (int32), and on stage 1 the scalar 'temp''s mu and nu (f32 each).
+    kept = {0: 4, 1: 4 + 8}
+    for s, whole in enumerate(one):
+        for r in two[2 * s : 2 * s + 2]:
+            assert r.params == whole.params and r.peak_residuals > 0
+            assert r.optimizer == (whole.optimizer - kept[s]) // 2 + kept[s], (s, r, whole)
+        assert sum(r.optimizer for r in two[2 * s : 2 * s + 2]) == whole.optimizer + kept[s]
+
+
 def test_a_checkpoint_at_dp4_continues_at_dp2_and_in_one_process(tmp_path):
     params, tx, batches = tied_params(), optax.adam(1e-2), tied_batches(4)
     never_stopped_losses, never_stopped = _reference(tied, params, tx, batches)

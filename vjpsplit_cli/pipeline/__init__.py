@@ -59,6 +59,7 @@ from .schedules.play import Costs, simulate
 from .schedules.stepplans import check_plans
 from .schedules.plots import plot_loss, plot_timeline
 from .schedules.timeline import Event, bubble_ratio
+from .training.device_memory import DeviceMemory
 from .training.history import CheckpointTime, RestartRecord, StepRecord
 from .training.options import InProcess, Observe, PerStage, Ray, Schedule
 from .training.resume import load_checkpoint
@@ -70,6 +71,7 @@ __all__ = [
     "SPLIT_BACKWARD",
     "CheckpointTime",
     "Costs",
+    "DeviceMemory",
     "Event",
     "InProcess",
     "Kind",

@@ -3,13 +3,16 @@
 ``on_device`` tells device memory from host memory (``pinned_host``, NumPy);
 ``device_bytes`` counts the distinct device arrays of a pytree once; ``HeldBytes``
 keeps that count for what a ``StageWorker`` holds (residuals, a split backward's
-intermediates) as it comes and goes, for its ``peak_residual_bytes``. May import
-the layers below ``pipeline`` only.
+intermediates) as it comes and goes, for its ``peak_residual_bytes``;
+``bytes_per_device`` counts a pytree's arrays by the device each shard is on, and
+``device_use`` what a device holds in all (``Trainer.memory``). May import the
+layers below ``pipeline`` only.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -67,6 +70,40 @@ def device_bytes(arrays: object) -> int:
         if on_device(a):
             seen[id(a)] = leaf_bytes(a)
     return sum(seen.values())
+
+
+def bytes_per_device(arrays: object) -> dict[jax.Device, int]:
+    """Per device, the bytes of the distinct device arrays among ``arrays``' leaves that it holds: each array's
+    shards where they are (a replicated array whole on each of its devices, a sharded one its shard)."""
+    seen: set[int] = set()
+    per: dict[jax.Device, int] = {}
+    for a in jax.tree_util.tree_leaves(arrays):
+        if id(a) in seen or not on_device(a):
+            continue
+        seen.add(id(a))
+        for shard in a.addressable_shards:
+            per[shard.device] = per.get(shard.device, 0) + int(shard.data.nbytes)
+    return per
+
+
+def device_use(devices: Sequence[jax.Device]) -> dict[jax.Device, tuple[int, int | None]]:
+    """Per device, ``(bytes in use now, the most in use since the process started)``: the device's own
+    ``memory_stats()`` where it has them (GPU, TPU), else the live JAX arrays on it (CPU) and no peak (None)."""
+    out: dict[jax.Device, tuple[int, int | None]] = {}
+    live: dict[jax.Device, int] | None = None
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except (RuntimeError, NotImplementedError):  # a backend without them
+            stats = None
+        if stats and "bytes_in_use" in stats:
+            peak = stats.get("peak_bytes_in_use")
+            out[d] = (int(stats["bytes_in_use"]), None if peak is None else int(peak))
+            continue
+        if live is None:
+            live = bytes_per_device(jax.live_arrays())
+        out[d] = (live.get(d, 0), None)
+    return out
 
 
 class HeldBytes:

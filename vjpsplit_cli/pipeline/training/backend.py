@@ -22,6 +22,7 @@ from ..runtime.result import PipelineResult
 from ..schedules.layout import Layout
 from ..schedules.stepplans import Resolved
 from ..stages.evalprograms import EvalProgram
+from .device_memory import DeviceMemory
 from .local_backend import InProcessBackend, stage_trainers
 from .optimizer import stage_programs
 from .option_values import InProcess, Ray, Runner
@@ -79,6 +80,10 @@ class Backend(Protocol):
 
     def snapshots(self) -> list[Snapshot]:
         """Every stage's ``(params, optimizer state)``, flat by global key, as host arrays."""
+        ...
+
+    def memory(self) -> list[DeviceMemory]:
+        """Per device that holds a stage, its bytes of parameters, optimizer state and residuals (``device_memory``)."""
         ...
 
     def load(self, snapshots: Sequence[Snapshot]) -> None:

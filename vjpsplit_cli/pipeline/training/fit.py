@@ -5,7 +5,8 @@ lost Ray worker.
   from 0 of the run; ``steps`` is the run's total, so a Trainer at step k runs
   k ... steps-1, and ``fit`` returns the losses of the steps it ran.
 * With ``checkpoint_dir``, a checkpoint already there is where ``fit`` begins
-  (``Trainer.load``: any cut of the same function), and one is saved after every
+  (``Trainer.load``: any cut of the same function; logged at INFO on this module's
+  ``logging`` logger, with the step), and one is saved after every
   ``checkpoint_every``-th step and after the last. The step only waits for the
   copy of the state to host memory (``Trainer.host_checkpoint``); a thread
   writes the files while the next steps run (``CheckpointWriter``: one write at a
@@ -17,6 +18,8 @@ lost Ray worker.
   ``data``: the losses and parameters are those of a run that never failed.
   More failures than ``max_restarts``, or no checkpoint to return to, is one
   error naming the worker and the step.
+* A run with nothing left to train (the Trainer, or the checkpoint it resumed from, already at or past
+  ``steps``) is a ``UserWarning`` naming the step and the fix; ``fit`` returns ``[]``.
 * ``checkpoint_dir`` is checked before the first step (``checkpoint.check_directory``),
   after taking back a checkpoint a cut-short save left aside (``checkpoint.tidy``).
 * A loss or gradient norm that is not finite stops the run (``stop_on_nonfinite``)
@@ -32,10 +35,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import math
 import os
 import threading
 import time
+import warnings
 from typing import Callable, Protocol, Sequence
 
 from ...errors import VjpsplitError, one_line
@@ -47,6 +52,8 @@ from ...treetypes import PyTree
 from ..schedules.stepplans import Resolved
 from .backend import Backend
 from .history import CheckpointTime, RestartRecord, StepRecord
+
+LOG = logging.getLogger(__name__)
 
 
 class Fitted(Protocol):
@@ -241,6 +248,23 @@ def _check_options(
         raise VjpsplitError(f"max_restarts={max_restarts!r}; pass an int >= 0")
 
 
+def _warn_if_done(step_count: int, steps: int, checkpoint_dir: str | os.PathLike[str] | None) -> None:
+    """A ``UserWarning`` when ``fit`` has no step to run: the Trainer (or the checkpoint in ``checkpoint_dir`` it
+    resumed from) is already at or past ``steps``."""
+    if step_count < steps:
+        return
+    where = (
+        f"the Trainer is at step {step_count}"
+        if checkpoint_dir is None
+        else f"the checkpoint in {os.fspath(checkpoint_dir)} is at step {step_count}"
+    )
+    fix = "" if checkpoint_dir is None else ", or another checkpoint_dir to start over"
+    warnings.warn(
+        f"fit trains nothing: {where} and steps={steps} is the run's total; pass steps > {step_count} to go on{fix}",
+        stacklevel=4,  # Trainer.fit's caller
+    )
+
+
 def evaluations(
     eval_data: tuple[PyTree, ...] | Callable[[int], tuple[PyTree, ...]] | None, eval_every: int | None
 ) -> Callable[[int], tuple[PyTree, ...]] | None:
@@ -274,14 +298,23 @@ def fit(
     batch = _batch_source(data, steps)
     report = _reported(callback)
     writer = None if checkpoint_dir is None else CheckpointWriter(checkpoint_dir, trainer.checkpoint_times)
+    resumed: str | os.PathLike[str] | None = None  # the checkpoint directory fit begins from, if any
     if checkpoint_dir is not None:
         if os.path.isdir(os.path.dirname(os.path.abspath(os.fspath(checkpoint_dir)))):
             tidy(checkpoint_dir)  # a checkpoint a cut-short save left aside comes back first
         check_directory(checkpoint_dir)  # before the first step, not at the first save
         if has_checkpoint(checkpoint_dir):
             trainer.load(checkpoint_dir)
+            LOG.info(
+                "fit resumes from the checkpoint in %s, after step %d of steps=%d",
+                os.fspath(checkpoint_dir),
+                trainer.step_count,
+                steps,
+            )
+            resumed = checkpoint_dir
             if writer is not None:
                 writer.last_step = trainer.step_count
+    _warn_if_done(trainer.step_count, steps, resumed)
     start, failures = trainer.step_count, 0
     reached = start  # steps below this one ran already in this call (a restart runs them again)
     losses: list[float] = []

@@ -38,6 +38,7 @@ from ..schedules.stepplans import Resolved
 from ..stages.evalprograms import EvalProgram
 from ..schedules.timeline import Phase
 from .clipping import Squares, clip_scale
+from .device_memory import DeviceMemory, memory_records
 from .measured import measure_copy_seconds
 from .ownership import Ownership, Snapshot
 from .stage_trainer import RESTORE_HINT, Exchange, StageTrainer, finish_stages
@@ -330,6 +331,10 @@ class InProcessBackend:
         """Every stage holds its ``(params, optimizer state)`` of ``snapshots`` from now on."""
         for t, (params, state) in zip(self.trainers, snapshots):
             t.assign(params, state)
+
+    def memory(self) -> list[DeviceMemory]:
+        """Per device that holds a stage, its bytes of parameters, optimizer state and residuals (``device_memory``)."""
+        return memory_records(self.trainers)
 
     def report_hangs_to(self, path: str) -> None:
         """Where a stuck or interrupted step's report goes from now on."""

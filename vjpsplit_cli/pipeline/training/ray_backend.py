@@ -11,7 +11,7 @@ microbatch's stage calls actor to actor by object reference; only the losses
 ``RayPipeline`` keywords a ``Ray`` runner gives the actors.
 
 May import ``runtime`` (its Ray runner), ``schedules``, ``stages`` and, of this room, ``train_actor``,
-``stage_trainer`` and ``ownership``; the layers below ``pipeline``. ``EndOfStep`` and ``TrainActor`` are also
+``stage_trainer``, ``ownership`` and ``device_memory``; the layers below ``pipeline``. ``EndOfStep`` and ``TrainActor`` are also
 importable from here.
 """
 
@@ -38,6 +38,7 @@ from ..schedules.timeline import Phase
 from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
 from ...treetypes import Leaf, PyTree
+from .device_memory import DeviceMemory
 from .ownership import Ownership, Snapshot
 from .stage_trainer import RESTORE_HINT
 from .train_actor import EndOfStep, StageEntry, TrainActor
@@ -245,6 +246,13 @@ class RayBackend:
         for part in rp.fetch([a.snapshot.remote() for a in rp.actors], everyone, time.monotonic()):
             got.update(part)
         return [got[s] for s in range(rp.num_stages)]
+
+    def memory(self) -> list[DeviceMemory]:
+        """Per device of each actor that holds a stage, its bytes (``device_memory``), worker by worker."""
+        rp = self.rp
+        everyone = list(range(rp.layout.num_workers))
+        parts = rp.fetch([a.memory.remote() for a in rp.actors], everyone, time.monotonic())
+        return [record for part in parts for record in part]
 
     def load(self, snapshots: Sequence[Snapshot]) -> None:
         """Every actor's stages hold their ``(params, optimizer state)`` of ``snapshots`` from now on (after any

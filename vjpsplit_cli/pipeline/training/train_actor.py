@@ -11,7 +11,8 @@ activations, and every actor joins them as the driver once did, in stage order
 actor imports neither optax nor the user's code. ``ray_backend`` drives these actors.
 
 May import ``runtime`` (its Ray actor, evaluation, flight recorder), ``schedules`` and, of this room,
-``stage_trainer``, ``zero1``, ``clipping``, ``ownership`` and ``leaf_labels``; the layers below ``pipeline``.
+``stage_trainer``, ``zero1``, ``clipping``, ``ownership``, ``leaf_labels`` and ``device_memory``; the layers below
+``pipeline``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ..runtime.ray.actor import StageActor
 from ..runtime.replicas import ReplicaGroup
 from ..schedules.timeline import Phase
 from .clipping import clip_scale
+from .device_memory import DeviceMemory, memory_records
 from .leaf_labels import combine
 from .ownership import Snapshot
 from .stage_trainer import StageTrainer
@@ -93,6 +95,10 @@ class TrainActor(StageActor, EvaluatingActor):
         """Per stage held on replicas: ``(most bytes of optimizer state on one device, bytes of the whole state)``,
         from its arrays' shards (``ReplicaTrainer.optimizer_bytes``)."""
         return {s: t.optimizer_bytes() for s, t in self.trainers.items() if isinstance(t, ReplicaTrainer)}
+
+    def memory(self) -> list[DeviceMemory]:
+        """Per device of this actor that holds a stage, its bytes (``device_memory``; devices by name)."""
+        return memory_records(self.trainers.values(), self.worker, named=True)
 
     def train_step(
         self,

@@ -236,7 +236,9 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
         """Run the steps ``step_count`` ... ``steps - 1`` of a run; return their losses.
 
         ``data``: ``data(step) -> batch`` or a sequence indexed by step (steps count from 0 of the run).
-        With ``checkpoint_dir``, a checkpoint already there is where the run begins (``load``), and one is
+        With ``checkpoint_dir``, a checkpoint already there is where the run begins (``load``; logged at INFO
+        on ``logging``'s ``vjpsplit_cli.pipeline.training.fit``; a ``UserWarning`` when it, or the Trainer, is
+        already at or past ``steps``, so nothing trains), and one is
         saved after every ``checkpoint_every``-th step and after the last, written by a thread while the next
         steps run (a step waits only for the copy to host memory; a failed write is an error at the next step
         or at the end; the last checkpoint is complete when ``fit`` returns). ``checkpoint_dir`` is checked

@@ -1,13 +1,15 @@
-"""What the Trainer measured and records of its steps: ``history``, ``costs()``, stragglers, ``placement``.
+"""What the Trainer measured and records of its steps: ``history``, ``costs()``, ``memory()``, stragglers,
+``placement``.
 
 ``TrainerMeasures`` is the part of ``trainer.Trainer`` that reads its step history
 (``history``, ``plot_loss``), the stages' measured costs (``costs``: ``measured``),
-what ``auto``'s plans offload (``planned_offload``), where each stage runs
-(``placement``) and which workers are stragglers (``_busy``, from a timed step's
-compute; ``history.Stragglers``). ``Trainer`` sets the attributes it declares.
+what each device holds (``memory``: ``device_memory``), what ``auto``'s plans
+offload (``planned_offload``), where each stage runs (``placement``) and which
+workers are stragglers (``_busy``, from a timed step's compute;
+``history.Stragglers``). ``Trainer`` sets the attributes it declares.
 
-May import ``measured``, ``autoplan``, ``history``, ``backend`` and ``option_values`` of this room, ``runtime``,
-``schedules``, and the layers below ``pipeline``.
+May import ``measured``, ``autoplan``, ``history``, ``backend``, ``device_memory`` and ``option_values`` of this
+room, ``runtime``, ``schedules``, and the layers below ``pipeline``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ..runtime.offload import Offload
 from ..runtime.result import PipelineResult
 from ..schedules.stepplans import Resolved
 from .backend import Backend
+from .device_memory import DeviceMemory
 from .history import IN_A_ROW, SLOWER, History, StepRecord, Stragglers
 from .autoplan import boundary_values
 from .measured import SEND_PROBES, CostSamples, MeasuredCosts, measure_transfer_rates
@@ -114,6 +117,21 @@ class TrainerMeasures:
             self._send = [] if sent is None else self.backend.send_seconds(sent, SEND_PROBES)
         comm = statistics.mean(self._send) if self._send else timeline["gap"]
         return {**timeline, "comm": comm, "transfer": self._transfer}
+
+    def memory(self) -> list[DeviceMemory]:
+        """What each device holds of this Trainer's stages, between steps: one ``DeviceMemory`` per device.
+
+        Per device (on Ray, per actor's device, with its ``worker``): the bytes of its stages' parameters and
+        optimizer state (by the device each array's shard is on: with ``data_parallel=N``, each replica's
+        device holds about 1/N of its stage's optimizer state, ZeRO-1), the most stored residual bytes its
+        stages held at once in the last step (``StageWorker.peak_residual_bytes``), and the bytes in use on
+        it in all: the device's ``memory_stats()`` where it has them (GPU, TPU: also the peak since the process
+        started), else the live JAX arrays on it (CPU).
+
+        Returns:
+            One ``DeviceMemory`` per device that holds a stage, in stage order (on Ray, worker by worker).
+        """
+        return self.backend.memory()
 
     @property
     def planned_offload(self) -> Offload | None:

@@ -33,6 +33,7 @@ from ...errors import VjpsplitError
 from ...files.prng import to_data
 from ...files.trees import decode_structure, flatten_with_keys
 from ...treetypes import Leaf, PyTree
+from ..runtime.devicebytes import bytes_per_device
 from ..runtime.offload import Offload
 from ..runtime.reduction import AXIS, zero_spec
 from ..runtime.replicas import ReplicaGroup, replica_placement
@@ -196,10 +197,7 @@ class ReplicaTrainer:
 
     def optimizer_bytes(self) -> tuple[int, int]:
         """``(most bytes of optimizer state on one device, bytes of the whole state)``, from the arrays' shards."""
-        per: dict[jax.Device, int] = {}
-        for a in self.state.values():
-            for s in a.addressable_shards:
-                per[s.device] = per.get(s.device, 0) + int(s.data.nbytes)
+        per = bytes_per_device(self.state)
         whole = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in self.state.values())
         return max(per.values(), default=0), whole
 
