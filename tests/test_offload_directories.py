@@ -1,6 +1,7 @@
-"""Offload files from outside (issue 67, items 2, 5 and 6): a user's file in the offload directory left alone, no
-offload file or thread left after a failed or interrupted step or ``close()``, a process that exits after a stuck
-step."""
+"""Offload files, trace files and checkpoints from outside (issue 67, items 2-6 and 9): a user's file in the offload
+directory left alone, overlapping directories refused before the first step, no offload file or thread left after a
+failed or interrupted step or ``close()``, a process that exits after a stuck step, directory options that are files
+refused when given."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from jax import export as jexport
 
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
+from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.pipeline.runtime.offload import ResidualFiles
 from vjpsplit_cli.pipeline.runtime.worker import StageWorker
 
@@ -97,6 +99,49 @@ def test_offload_files_have_names_of_their_own_and_leave_a_users_file_alone(tmp_
     assert paths and all(os.path.basename(p).startswith("vjpsplit-offload-") for p in paths), paths
     assert mine.read_bytes() == b"the user's own"  # never written over, never removed
     assert os.listdir(off) == ["stage0-mb0.npz"]  # the offload files were removed once read back
+
+
+# -- items 3 and 4: overlapping directories ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["same", "offload inside", "checkpoint inside"])
+def test_an_offload_directory_overlapping_the_checkpoint_dir_is_refused_before_the_first_step(where, tmp_path):
+    ck, off = {
+        "same": (tmp_path / "run", tmp_path / "run"),
+        "offload inside": (tmp_path / "ck", tmp_path / "ck" / "off"),
+        "checkpoint inside": (tmp_path / "off" / "ck", tmp_path / "off"),
+    }[where]
+    asked = []
+
+    def data(k):
+        asked.append(k)
+        return _batches(2)[k]
+
+    with _trainer(_files(off)) as tr:
+        with pytest.raises(VjpsplitError) as e:
+            tr.fit(data, steps=2, checkpoint_dir=ck, checkpoint_every=1)
+        assert asked == [] and tr.step_count == 0  # before the first step
+    msg = str(e.value)
+    assert "fit(checkpoint_dir=...)" in msg and "Offload(directory=...)" in msg and "\n" not in msg, msg
+    assert "give each its own directory" in msg
+
+
+def test_a_trace_dir_inside_the_checkpoint_dir_is_refused_before_the_first_step(tmp_path):
+    ck = tmp_path / "ck"
+    with _trainer(observe=P.Observe(trace_dir=ck / "traces", trace_every=1)) as tr:
+        with pytest.raises(VjpsplitError) as e:
+            tr.fit(_batches(2), steps=2, checkpoint_dir=ck)
+        assert tr.step_count == 0  # before: the first step ran, then its save refused the traces
+    msg = str(e.value)
+    assert "fit(checkpoint_dir=...)" in msg and "Observe(trace_dir=...)" in msg and "inside" in msg, msg
+    with _trainer(observe=P.Observe(trace_dir=tmp_path / "traces", trace_every=1)) as tr:  # apart: fine
+        tr.fit(_batches(2), steps=2, checkpoint_dir=ck)
+        assert sorted(os.listdir(tmp_path / "traces")) == ["step-1.trace.json", "step-2.trace.json"]
+
+
+def test_an_offload_directory_that_is_the_trace_dir_is_refused_when_the_trainer_is_made(tmp_path):
+    with pytest.raises(VjpsplitError, match=r"Offload\(directory=\.\.\.\) .* and Observe\(trace_dir=\.\.\.\) .*same"):
+        _trainer(_files(tmp_path / "out"), observe=P.Observe(trace_dir=tmp_path / "out"))
 
 
 # -- item 5: a stuck step's offload thread never keeps the process alive --------------------------------------------
@@ -224,3 +269,19 @@ def test_close_ends_every_offload_thread(to, tmp_path):
     for t in mine:
         t.join(max(end - time.monotonic(), 0.0))
     assert not [t for t in mine if t.is_alive()]
+
+
+# -- item 9: directory options that are files ----------------------------------------------------------------------
+
+
+def test_directory_options_that_are_files_or_under_one_are_refused_when_given(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("mine")
+    for where, said in [(f, "is a file, not a directory"), (f / "sub", f"is under {f}, which is a file")]:
+        with pytest.raises(VjpsplitError, match=rf"Offload\(directory=\.\.\.\): {where} {said}"):
+            P.Offload(to="files", directory=where)
+        with pytest.raises(VjpsplitError, match=rf"Observe\(trace_dir=\.\.\.\): {where} {said}"):
+            P.Observe(trace_dir=where, trace_every=1)
+    assert f.read_text() == "mine"
+    P.Observe(trace_dir=tmp_path / "new" / "traces")  # not there yet: made at the first trace
+    P.Offload(to="files", directory=tmp_path / "new" / "off")

@@ -44,6 +44,7 @@ from ...artifact.residual_files import load_residuals, save_residuals
 from ...errors import VjpsplitError, one_line
 from ...files.buffers import aligned_empty
 from ...files.shapes import format_shape
+from ...safeio.outputs import check_directory_option
 from ...tracing.frozen import FrozenDict
 from ..schedules.ops import BACKWARDS, Kind, Op, OpKey
 from .devicebytes import leaf_bytes
@@ -68,7 +69,8 @@ class Offload:
         to: ``"host"`` (host memory: an accelerator's ``pinned_host`` memory kind where it has
             it, else host NumPy arrays, as on CPU devices) or ``"files"`` (checksummed residual files, one per stage
             and microbatch, written with ``save_residuals`` and read back with ``load_residuals``).
-        directory: where ``to="files"`` writes (required there; created if absent). The files are named ``vjpsplit-offload-<token>-stage<s>-mb<m>.npz``
+        directory: where ``to="files"`` writes (required there; created if absent; a file, or a path under
+            one, is refused). The files are named ``vjpsplit-offload-<token>-stage<s>-mb<m>.npz``
             (``-stage<s>-r<r>-mb<m>`` for replica r of a ``data_parallel`` stage; ``token`` is each offloader's
             own), so Trainers may share the directory, and the user's own files in it are left alone.
         microbatches: the microbatch indices to offload; None: every one.
@@ -109,6 +111,7 @@ class Offload:
             object.__setattr__(self, "pairs", pairs)
         if self.directory is not None:
             object.__setattr__(self, "directory", os.fspath(self.directory))
+            check_directory_option("Offload(directory=...)", self.directory)
 
     def wants(self, stage: int, mb: int) -> bool:
         """Whether the residuals of microbatch ``mb`` of ``stage`` are to leave the device.

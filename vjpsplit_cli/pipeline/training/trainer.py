@@ -240,8 +240,9 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
         saved after every ``checkpoint_every``-th step and after the last, written by a thread while the next
         steps run (a step waits only for the copy to host memory; a failed write is an error at the next step
         or at the end; the last checkpoint is complete when ``fit`` returns). ``checkpoint_dir`` is checked
-        before the first step: a file, a place that cannot be written, or a directory holding files no save
-        wrote is refused (a save replaces the whole directory; an empty directory is fine).
+        before the first step: a file, a place that cannot be written, a directory holding files no save
+        wrote, or one that is (or is inside, or holds) the offload directory or ``trace_dir`` is refused (a save
+        replaces the whole directory; an empty directory is fine).
 
         ``callback(step, loss)`` after each step; a callback that takes ``rerun`` (or ``**kwargs``) gets
         ``rerun=True`` for a step this call runs again after returning to a checkpoint (a lost Ray worker), so
@@ -290,6 +291,7 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
             stop_on_nonfinite=stop_on_nonfinite,
             eval_data=eval_data,
             eval_every=eval_every,
+            apart=self._directories(),
         )
 
     @classmethod
