@@ -285,3 +285,18 @@ def test_directory_options_that_are_files_or_under_one_are_refused_when_given(tm
     assert f.read_text() == "mine"
     P.Observe(trace_dir=tmp_path / "new" / "traces")  # not there yet: made at the first trace
     P.Offload(to="files", directory=tmp_path / "new" / "off")
+
+
+def test_a_trace_dir_made_a_file_after_the_trainer_is_one_error_that_keeps_the_steps_loss(tmp_path):
+    traces = tmp_path / "traces"
+    with _trainer(observe=P.Observe(trace_dir=traces)) as tr:
+        traces.write_text("mine")  # after the Trainer checked it
+        with pytest.raises(VjpsplitError) as e:
+            tr.step(_batches(1)[0], timed=True)
+        assert tr.step_count == 1  # the step was applied: the error says so, and its loss
+        msg = str(e.value)
+        assert msg.startswith(
+            f"Observe(trace_dir=...): {traces}/step-1.trace.json: the trace of step 1 was not written"
+        )
+        assert f"the step was applied (loss {tr.history[-1].loss}" in msg and "\n" not in msg, msg
+    assert traces.read_text() == "mine"

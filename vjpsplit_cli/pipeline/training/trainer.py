@@ -26,7 +26,7 @@ The Trainer's parts are modules of their own, each a base of ``Trainer``:
 (its settings from the checkpoint: ``resume.restored_run``) and ``close``.
 
 May import the Trainer's parts and, of this room, ``fit``, ``resume``, ``options``, ``option_values``,
-``clipping`` and ``arguments``; ``stages``; the layers below ``pipeline``.
+``clipping`` and ``arguments``; ``stages``; ``runtime.result``; the layers below ``pipeline``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ import time
 from typing import Callable, Final, Sequence, Unpack
 
 from ...artifact.artifact import Artifact
+from ...errors import VjpsplitError, one_line
 from ...treetypes import PyTree
+from ..runtime.result import PipelineResult
 from ..stages.directory import Stages
 from .arguments import Optimizer
 from .clipping import clip_scale
@@ -208,9 +210,24 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
         self._history.record(self.step_count, r, norm, step_time, auto, busy)
         self.last_result = r
         if timed and self.trace_dir is not None:
-            os.makedirs(self.trace_dir, exist_ok=True)
-            r.write_trace(os.path.join(os.fspath(self.trace_dir), f"step-{self.step_count}.trace.json"), self.placement)
+            self._write_trace(r, self.trace_dir)
         return r.loss
+
+    def _write_trace(self, r: PipelineResult, directory: str | os.PathLike[str]) -> None:
+        """The step's trace as ``step-<n>.trace.json`` in ``directory`` (``Observe(trace_dir=)``), made if absent.
+
+        Raises:
+            VjpsplitError: it cannot be written (naming the file); the step itself was applied, and says its loss.
+        """
+        path = os.path.join(os.fspath(directory), f"step-{self.step_count}.trace.json")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            r.write_trace(path, self.placement)
+        except (OSError, VjpsplitError) as e:
+            raise VjpsplitError(
+                f"Observe(trace_dir=...): {path}: the trace of step {self.step_count} was not written ({one_line(e)}); "
+                f"the step was applied (loss {r.loss}, in history): fix the directory and step on"
+            ) from e
 
     def workers(self) -> list[object]:
         """The Ray actor handle of each worker.
