@@ -3,7 +3,9 @@
 Writing is safe in four ways, for the CLI and the Python API alike:
 
 * ``check_outputs`` refuses, before any work, an output that is also an input, two
-  outputs that are one file, and targets that are not regular writable files.
+  outputs that are one file, and targets that are not regular writable files;
+  ``check_directory_option`` a directory option that is a file or under one, and
+  ``check_apart`` two directory options that overlap.
 * ``atomic_write`` writes a temp file beside the target (fsynced when asked: artifacts,
   ``--fsync``, ``VJPSPLIT_FSYNC=1``) and swaps it into place; a symlinked target is
   written through (the link stays).
@@ -158,6 +160,55 @@ def check_outputs(
                     f"{a} and {b} both name {printable(os.fspath(given[a]))}; give each output its own file"
                 )
     return {label: write_target(p, label) for label, p in given.items()}
+
+
+def check_directory_option(label: str, directory: str | os.PathLike) -> None:
+    """Refuse, when the option is given, a directory that can never be one: a file, or a path under a file.
+
+    A directory that does not exist yet passes (it is created when first written to). Nothing is touched.
+
+    Args:
+        label: the option, as the message names it (``Observe(trace_dir=...)``).
+        directory: its value.
+
+    Raises:
+        VjpsplitError: ``directory`` is a file (or anything but a directory), or a part of its path is.
+    """
+    shown = f"{label}: {printable(os.fspath(directory))}"
+    path = os.path.abspath(os.fspath(directory))
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise VjpsplitError(f"{shown} is a file, not a directory; give a directory (it is created if absent)")
+    parent = os.path.dirname(path)
+    while not os.path.lexists(parent) and parent != os.path.dirname(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise VjpsplitError(
+            f"{shown} is under {printable(parent)}, which is a file, not a directory; give a directory elsewhere"
+        )
+
+
+def check_apart(directories: Mapping[str, str | os.PathLike | None]) -> None:
+    """Refuse two directory options that overlap: the same directory, or one inside the other (links resolved).
+
+    Args:
+        directories: each option's label (used in messages) and its directory, or None (not given).
+
+    Raises:
+        VjpsplitError: the first two that overlap, naming both options.
+    """
+    given = [(label, os.fspath(d), os.path.realpath(d)) for label, d in directories.items() if d is not None]
+    for i, (a, shown_a, real_a) in enumerate(given):
+        for b, shown_b, real_b in given[i + 1 :]:
+            if real_a == real_b:
+                how = "are the same directory"
+            elif os.path.commonpath([real_a, real_b]) in (real_a, real_b):
+                how = "overlap: one is inside the other"
+            else:
+                continue
+            raise VjpsplitError(
+                f"{a} {printable(shown_a)} and {b} {printable(shown_b)} {how}; give each its own directory, "
+                "neither inside the other"
+            )
 
 
 def fsync_requested(fsync: bool = False) -> bool:

@@ -94,8 +94,12 @@ def run_inprocess(
     name, plans, mbs, workers = _prepared(model, x, side, microbatches, schedule_name, schedule, devices, offload)
     timed = timed or progress
     t0 = time.monotonic()
-    _play(workers, plans, mbs, microbatches, timed, progress)
-    return _result(model, name, plans, microbatches, workers, t0, timed)
+    try:
+        _play(workers, plans, mbs, microbatches, timed, progress)
+        return _result(model, name, plans, microbatches, workers, t0, timed)
+    finally:
+        for st in workers:  # their offload threads end; residual files of a failed step are removed
+            st.set_offload(None)
 
 
 def _prepared(

@@ -14,6 +14,14 @@ bitwise those without offload. A file that is missing, damaged or holds another
 forward run's residuals is one ``VjpsplitError`` naming the stage, the
 microbatch and the file, never a wrong gradient.
 
+The files are named ``vjpsplit-offload-<token>-stage<s>-mb<m>.npz`` (``token``: the
+offloader's own), a name no user file has: a file of the user's in the directory is
+never written over or removed. Those of a step that failed or was interrupted are
+removed (``discard``: by the runner, and at the next step), and so are any left when
+the offloader closes or is collected. The copies run on a daemon thread
+(``workerthreads``), so one stuck behind a stuck operation never keeps the process
+from exiting.
+
 Input-backed residuals (the stage's parameters and arriving activation) stay
 where they are: they are the caller's arrays, not copies. W's share of a split
 backward (``Intermediates``) also stays on the device.
@@ -23,21 +31,24 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import uuid
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Callable, Collection, Sequence, TypeVar
 
 import jax
 import numpy as np
 
 from ...artifact.residual_files import load_residuals, save_residuals
-from ...errors import VjpsplitError
+from ...errors import VjpsplitError, one_line
 from ...files.buffers import aligned_empty
 from ...files.shapes import format_shape
+from ...safeio.outputs import check_directory_option
 from ...tracing.frozen import FrozenDict
 from ..schedules.ops import BACKWARDS, Kind, Op, OpKey
 from .devicebytes import leaf_bytes
+from .workerthreads import WorkerThreads
 from ...treetypes import Leaf
 
 if TYPE_CHECKING:
@@ -58,9 +69,10 @@ class Offload:
         to: ``"host"`` (host memory: an accelerator's ``pinned_host`` memory kind where it has
             it, else host NumPy arrays, as on CPU devices) or ``"files"`` (checksummed residual files, one per stage
             and microbatch, written with ``save_residuals`` and read back with ``load_residuals``).
-        directory: where ``to="files"`` writes (required there; created if absent). Give each
-            running Trainer its own: the files are named ``stage<s>-mb<m>.npz`` (``stage<s>-r<r>-mb<m>.npz``
-            for replica r of a ``data_parallel`` stage).
+        directory: where ``to="files"`` writes (required there; created if absent; a file, or a path under
+            one, is refused). The files are named ``vjpsplit-offload-<token>-stage<s>-mb<m>.npz``
+            (``-stage<s>-r<r>-mb<m>`` for replica r of a ``data_parallel`` stage; ``token`` is each offloader's
+            own), so Trainers may share the directory, and the user's own files in it are left alone.
         microbatches: the microbatch indices to offload; None: every one.
         stages: the stage indices to offload; None: every one.
         pairs: the (stage, microbatch) pairs to offload (what ``auto`` plans); None: every pair
@@ -99,6 +111,7 @@ class Offload:
             object.__setattr__(self, "pairs", pairs)
         if self.directory is not None:
             object.__setattr__(self, "directory", os.fspath(self.directory))
+            check_directory_option("Offload(directory=...)", self.directory)
 
     def wants(self, stage: int, mb: int) -> bool:
         """Whether the residuals of microbatch ``mb`` of ``stage`` are to leave the device.
@@ -182,22 +195,67 @@ class Away:
 
 class Offloader:
     """One stage's residuals off its device: ``away`` after F, ``prefetch`` before B's previous operation, ``take``
-    at B. Jobs run in order on one thread of its own, so a copy back never overtakes its copy out."""
+    at B. Jobs run in order on one daemon thread of its own, so a copy back never overtakes its copy out; ``close``
+    ends it and removes the residual files no B read back (``discard``), as collecting the offloader does.
+
+    Raises:
+        VjpsplitError: ``to="files"`` and its directory cannot be created (naming it).
+    """
 
     def __init__(self, spec: Offload, artifact: Artifact, stage: int, replica: int | None = None):
         self.spec, self.art, self.stage, self.replica = spec, artifact, stage, replica
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"vjpsplit-offload-{stage}")
-        self._close = weakref.finalize(self, self.pool.shutdown, wait=False)
+        self.name = f"vjpsplit-offload-{stage}" + ("" if replica is None else f"-r{replica}")
+        self.thread: WorkerThreads | None = None  # started at the first job
+        self.files = ResidualFiles()
+        self._collected = weakref.finalize(self, self.files.discard)  # a Trainer nobody closed leaves no file
         self.away: dict[int, Away] = {}
         self.next_op: dict[OpKey, Op] = {}
         self.position: dict[OpKey, int] = {}  # each of the stage's operations' place in its list this step
         self.token, self.step = uuid.uuid4().hex[:12], 0
         if spec.to == FILES:
             assert spec.directory is not None
-            os.makedirs(spec.directory, exist_ok=True)
+            try:
+                os.makedirs(spec.directory, exist_ok=True)
+            except OSError as e:
+                raise VjpsplitError(
+                    f"Offload(directory=...): {spec.directory}: cannot create it ({one_line(e)}); give a directory "
+                    "you can write"
+                ) from e
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        """``fn()`` on the offloader's thread, after the jobs before it; its result or error in the future."""
+        f: Future[T] = Future()
+
+        def job() -> None:
+            try:
+                f.set_result(fn())
+            except BaseException as e:  # noqa: BLE001  # handed to whoever takes the result
+                f.set_exception(e)
+
+        if self.thread is None:
+            self.thread = WorkerThreads(1, self.name)
+        try:
+            self.thread.start([job])
+        except RuntimeError as e:  # closed: a job of a step abandoned while stuck, after ``close``
+            f.set_exception(VjpsplitError(f"stage {self.stage}: its offload was closed ({e})"))
+        return f
+
+    def discard(self) -> None:
+        """Remove the residual files this offloader wrote that no B read back (a failed or interrupted step's);
+        a write still under way removes its file once done. The user's files are never touched."""
+        self.files.discard()
+
+    def close(self) -> None:
+        """End the thread (after the jobs it holds; a stuck one is not waited for) and remove the residual files
+        no B read back."""
+        self.files.discard()
+        if self.thread is not None:
+            self.thread.abandon()
 
     def schedule(self, plans: Sequence[Sequence[Op]]) -> None:
-        """Note the stage's operations in order for this step (what runs after each)."""
+        """Note the stage's operations in order for this step (what runs after each); residual files an earlier
+        step left (it failed) are removed."""
+        self.files.discard()
         mine = [op for ops in plans for op in ops if op.stage == self.stage]
         self.next_op = {a.key: b for a, b in zip(mine, mine[1:])}
         self.position = {a.key: i for i, a in enumerate(mine)}
@@ -213,7 +271,7 @@ class Offloader:
         """The residual file of microbatch ``mb`` (``to="files"``)."""
         assert self.spec.directory is not None
         rep = "" if self.replica is None else f"-r{self.replica}"
-        return os.path.join(self.spec.directory, f"stage{self.stage}{rep}-mb{mb}.npz")
+        return os.path.join(self.spec.directory, f"vjpsplit-offload-{self.token}-stage{self.stage}{rep}-mb{mb}.npz")
 
     def keeps(self, mb: int) -> bool:
         """Whether microbatch ``mb``'s F residuals stay: not asked for, or its B (or I) runs next or second anyway
@@ -237,7 +295,7 @@ class Offloader:
             away.path = self.path(mb)
             # The file's residuals_id names this Trainer's step, stage and microbatch: another's file is refused.
             tagged = res.replace(stored=FrozenDict(zip(moved, arrays)), residuals_id=self.tag(mb))
-            away.out = self.pool.submit(self._write, away.path, tagged)
+            away.out = self.submit(self.files.writer(away.path, tagged))
         else:
             if all(map(_via_pinned_host, arrays)):
                 # Asynchronous both ways: the copies queue behind F and before B on the device's own streams.
@@ -248,7 +306,7 @@ class Offloader:
                 # A timed step's F, waited for: copied now (a memcpy), so they are off the device at this boundary.
                 away.out = _now(_to_host, arrays)
             else:  # CPU devices, or no host memory kind: NumPy copies, made on this offloader's thread once F is computed
-                away.out = self.pool.submit(_to_host, arrays)
+                away.out = self.submit(lambda: _to_host(arrays))
         self.away[mb] = away
         return away
 
@@ -263,7 +321,7 @@ class Offloader:
         """Start bringing microbatch ``mb``'s residuals back (once)."""
         away = self.away.get(mb)
         if away is not None and away.back is None:
-            away.back = _done(self._back(mb, away)) if away.pinned else self.pool.submit(self._back, mb, away)
+            away.back = _done(self._back(mb, away)) if away.pinned else self.submit(lambda: self._back(mb, away))
 
     def take(self, mb: int, held: Residuals | Away) -> Residuals:
         """At B: ``mb``'s residuals on the device, from what the stage held (``held``, ``send``'s result).
@@ -291,10 +349,6 @@ class Offloader:
             if leaving or (back is not None and back.done() and back.exception() is None):
                 total += away.nbytes
         return total
-
-    def _write(self, path: str, res: Residuals) -> None:
-        # Only the stored arrays: the inputs stay with the stage (and their CRC-32 would cost a copy of the parameters).
-        save_residuals(path, res.replace(inputs={}, bound_inputs={}))
 
     def _back(self, mb: int, away: Away) -> Residuals:
         assert away.out is not None
@@ -332,11 +386,60 @@ class Offloader:
                     f"file has {format_shape(a.dtype, a.shape)}"
                 )
             out.append(a)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass  # already gone: nothing left to clean
+        self.files.remove(path)
         return out
+
+
+class ResidualFiles:
+    """The residual files an ``Offloader`` wrote that no B has read back yet: what ``discard`` removes.
+
+    Only paths it wrote are ever removed. ``round`` counts the discards: a write submitted before one does not
+    run, and one under way as it happens removes its file once done, so no file of a discarded step stays.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.paths: set[str] = set()
+        self.round = 0
+
+    def writer(self, path: str, res: Residuals) -> Callable[[], None]:
+        """The job that writes ``res`` to ``path`` (unless a discard comes first)."""
+        at = self.round
+
+        def write() -> None:
+            with self.lock:
+                if at != self.round:
+                    return  # discarded before it ran: its B never runs
+                self.paths.add(path)
+            # Only the stored arrays: the inputs stay with the stage (their CRC-32 would cost a copy of the parameters).
+            save_residuals(path, res.replace(inputs={}, bound_inputs={}))
+            with self.lock:
+                if at == self.round:
+                    return
+            _unlink(path)  # discarded while it was written
+
+        return write
+
+    def remove(self, path: str) -> None:
+        """``path`` was read back: remove it."""
+        with self.lock:
+            self.paths.discard(path)
+        _unlink(path)
+
+    def discard(self) -> None:
+        """Remove every file written and not read back; writes submitted before now do not keep theirs."""
+        with self.lock:
+            self.round += 1
+            paths, self.paths = self.paths, set()
+        for path in paths:
+            _unlink(path)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass  # already gone: nothing left to clean
 
 
 def _to_host(arrays: Sequence[Leaf]) -> list[np.ndarray]:
@@ -366,7 +469,7 @@ def _now(fn: Callable[[S], T], arg: S) -> Future[T]:
     f: Future[T] = Future()
     try:
         f.set_result(fn(arg))
-    except Exception as e:  # noqa: BLE001  # handed to whoever takes the result, as the pool's futures do
+    except Exception as e:  # noqa: BLE001  # handed to whoever takes the result, as ``Offloader.submit``'s futures do
         f.set_exception(e)
     return f
 

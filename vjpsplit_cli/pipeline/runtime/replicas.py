@@ -217,6 +217,11 @@ class ReplicaGroup:
         for i, r in enumerate(self.replicas):
             r.set_offload(spec, replica=i)
 
+    def discard_offloaded(self) -> None:
+        """After a step failed or was interrupted: every replica's residual files no B read back are removed."""
+        for r in self.replicas:
+            r.discard_offloaded()
+
     def before(self, op: Op) -> None:
         """Before ``op``: every replica starts its copy back of the next B's residuals, if away."""
         for r in self.replicas:

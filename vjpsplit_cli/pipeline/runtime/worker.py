@@ -111,6 +111,7 @@ class StageWorker:
         self._runs: dict[
             tuple[int, tuple[object, ...]], int
         ] = {}  # timed steps: how often each call ran per input signature (warm or not)
+        self.offloader: Offloader | None = None
         self.set_offload(offload)
         self.timed = True
         # The last operations (kind, mb, start, end), kept across steps: what a stuck step's report shows.
@@ -118,13 +119,21 @@ class StageWorker:
         self.reset()
 
     def set_offload(self, spec: Offload | None, replica: int | None = None) -> None:
-        """Which of this stage's residuals leave its device between F and B from the next step.
+        """Which of this stage's residuals leave its device between F and B from the next step (the offloader
+        before is closed: ``None`` ends offloading, as ``close`` does).
 
         Args:
             spec: What leaves and where to (``offload.Offload``); ``None``: nothing.
             replica: This worker's index among its stage's replicas (it names their files apart); ``None``: alone.
         """
+        if self.offloader is not None:
+            self.offloader.close()  # its thread ends; residual files no B read back are removed
         self.offloader = None if spec is None else Offloader(spec, self.art, self.stage_index, replica)
+
+    def discard_offloaded(self) -> None:
+        """After a step failed or was interrupted: remove the residual files no B read back (``Offloader.discard``)."""
+        if self.offloader is not None:
+            self.offloader.discard()
 
     def before(self, op: Op) -> None:
         """Before this stage runs ``op``: start the copy back of its next B's residuals if they are away.

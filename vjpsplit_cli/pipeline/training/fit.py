@@ -21,7 +21,9 @@ lost Ray worker.
 * A run with nothing left to train (the Trainer, or the checkpoint it resumed from, already at or past
   ``steps``) is a ``UserWarning`` naming the step and the fix; ``fit`` returns ``[]``.
 * ``checkpoint_dir`` is checked before the first step (``checkpoint.check_directory``),
-  after taking back a checkpoint a cut-short save left aside (``checkpoint.tidy``).
+  after taking back a checkpoint a cut-short save left aside (``checkpoint.tidy``); one
+  that overlaps the Trainer's offload directory or ``trace_dir`` is refused then too
+  (``safeio.outputs.check_apart``: a save replaces the whole directory).
 * A loss or gradient norm that is not finite stops the run (``stop_on_nonfinite``)
   before its checkpoint is submitted, so the last checkpoint stays the last finite step.
 * ``callback(step, loss, rerun=...)`` where the callback takes ``rerun``: True for a
@@ -41,9 +43,10 @@ import os
 import threading
 import time
 import warnings
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 from ...errors import VjpsplitError, one_line
+from ...safeio.outputs import check_apart
 from ..runtime.ray.waiting import WorkerLost
 from .checkpoint import save_checkpoint
 from .checkpoint_directory import check_directory, has_checkpoint, tidy
@@ -291,9 +294,14 @@ def fit(
     stop_on_nonfinite: bool = True,
     eval_data: tuple[PyTree, ...] | Callable[[int], tuple[PyTree, ...]] | None = None,
     eval_every: int | None = None,
+    apart: Mapping[str, str | os.PathLike[str] | None] | None = None,
 ) -> list[float]:
-    """``trainer.fit``'s work (see ``Trainer.fit`` and the module docstring); returns the losses of the steps run."""
+    """``trainer.fit``'s work (see ``Trainer.fit`` and the module docstring); returns the losses of the steps run.
+    ``apart``: the Trainer's other directories by option (offload, traces), which ``checkpoint_dir`` must not
+    overlap."""
     _check_options(steps, checkpoint_dir, checkpoint_every, max_restarts)
+    if checkpoint_dir is not None:
+        check_apart({"fit(checkpoint_dir=...)": checkpoint_dir, **(apart or {})})
     eval_batch = evaluations(eval_data, eval_every)
     batch = _batch_source(data, steps)
     report = _reported(callback)

@@ -155,13 +155,18 @@ class InProcessBackend:
             check_split(mbs, self.data_parallel)  # before any operation runs
         t0 = time.monotonic()
         phases: list[Phase] = []
-        if timed:
-            sums = self._threaded(mbs, schedule, microbatches, clip, phases)
-            t1 = time.monotonic()
-            losses = workers[-1].fetch_losses()
-            phases.append(Phase(None, "fetch the losses", t1, time.monotonic()))
-        else:
-            sums, losses = self._untimed(mbs, schedule, microbatches, clip)
+        try:
+            if timed:
+                sums = self._threaded(mbs, schedule, microbatches, clip, phases)
+                t1 = time.monotonic()
+                losses = workers[-1].fetch_losses()
+                phases.append(Phase(None, "fetch the losses", t1, time.monotonic()))
+            else:
+                sums, losses = self._untimed(mbs, schedule, microbatches, clip)
+        except BaseException:
+            for w in workers:  # failed or interrupted: its residual files no B read back go
+                w.discard_offloaded()
+            raise
         step_time = time.monotonic() - t0
         result = step_result(
             schedule=schedule.name,
@@ -351,7 +356,10 @@ class InProcessBackend:
         )
 
     def close(self) -> None:
-        """End the worker threads of timed steps and the untimed steps' thread, those that ran."""
+        """End the worker threads of timed steps and the untimed steps' thread, those that ran, and every stage's
+        offload (its thread; residual files no B read back are removed)."""
+        for t in self.trainers:
+            t.worker.set_offload(None)
         if self.threads is not None:
             self.threads.close()
             self.threads = None

@@ -28,6 +28,7 @@ import jax
 
 from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
+from ...safeio.outputs import check_directory_option
 from ..runtime.offload import Offload, offload_of
 from ..runtime.ray.pipeline import STEP_TIMEOUT
 from ..runtime.ray.setup import SCHEDULE_TIMEOUT
@@ -228,7 +229,8 @@ class Observe:
         timeline: time every step (``step(batch, timed=True)`` times one): each operation waits for its results
             and ``last_result`` holds their compute times.
         trace_dir: every timed step writes its trace there as ``step-<n>.trace.json`` (Chrome/Perfetto
-            trace-event JSON; ``n`` counts steps from 1).
+            trace-event JSON; ``n`` counts steps from 1); created if absent. A file, or a path under one, is
+            refused; so is a directory that overlaps an offload directory or ``fit``'s ``checkpoint_dir``.
         trace_every: time every k-th step (``fit``'s too), so ``Observe(trace_dir="traces", trace_every=100)``
             traces one step in 100.
         step_timeout: seconds for every step on Ray and every timed step in-process; a step past it, or one
@@ -237,7 +239,7 @@ class Observe:
             ``checkpoint_dir``, ``<checkpoint_dir>.hang.json`` beside it; else a file in the temporary directory).
 
     Raises:
-        VjpsplitError: ``trace_every`` is not an int >= 1.
+        VjpsplitError: ``trace_every`` is not an int >= 1; ``trace_dir`` is a file or under one.
     """
 
     progress: bool = False
@@ -251,6 +253,8 @@ class Observe:
         object.__setattr__(self, "trace_every", plain(self.trace_every))
         if self.trace_every is not None:
             _check_count("trace_every", self.trace_every, "how often to time a step and trace it")
+        if self.trace_dir is not None:
+            check_directory_option("Observe(trace_dir=...)", self.trace_dir)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ The Trainer's parts are modules of their own, each a base of ``Trainer``:
 (its settings from the checkpoint: ``resume.restored_run``) and ``close``.
 
 May import the Trainer's parts and, of this room, ``fit``, ``resume``, ``options``, ``option_values``,
-``clipping`` and ``arguments``; ``stages``; the layers below ``pipeline``.
+``clipping`` and ``arguments``; ``stages``; ``runtime.result``; the layers below ``pipeline``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ import time
 from typing import Callable, Final, Sequence, Unpack
 
 from ...artifact.artifact import Artifact
+from ...errors import VjpsplitError, one_line
 from ...treetypes import PyTree
+from ..runtime.result import PipelineResult
 from ..stages.directory import Stages
 from .arguments import Optimizer
 from .clipping import clip_scale
@@ -208,9 +210,24 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
         self._history.record(self.step_count, r, norm, step_time, auto, busy)
         self.last_result = r
         if timed and self.trace_dir is not None:
-            os.makedirs(self.trace_dir, exist_ok=True)
-            r.write_trace(os.path.join(os.fspath(self.trace_dir), f"step-{self.step_count}.trace.json"), self.placement)
+            self._write_trace(r, self.trace_dir)
         return r.loss
+
+    def _write_trace(self, r: PipelineResult, directory: str | os.PathLike[str]) -> None:
+        """The step's trace as ``step-<n>.trace.json`` in ``directory`` (``Observe(trace_dir=)``), made if absent.
+
+        Raises:
+            VjpsplitError: it cannot be written (naming the file); the step itself was applied, and says its loss.
+        """
+        path = os.path.join(os.fspath(directory), f"step-{self.step_count}.trace.json")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            r.write_trace(path, self.placement)
+        except (OSError, VjpsplitError) as e:
+            raise VjpsplitError(
+                f"Observe(trace_dir=...): {path}: the trace of step {self.step_count} was not written ({one_line(e)}); "
+                f"the step was applied (loss {r.loss}, in history): fix the directory and step on"
+            ) from e
 
     def workers(self) -> list[object]:
         """The Ray actor handle of each worker.
@@ -242,8 +259,9 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
         saved after every ``checkpoint_every``-th step and after the last, written by a thread while the next
         steps run (a step waits only for the copy to host memory; a failed write is an error at the next step
         or at the end; the last checkpoint is complete when ``fit`` returns). ``checkpoint_dir`` is checked
-        before the first step: a file, a place that cannot be written, or a directory holding files no save
-        wrote is refused (a save replaces the whole directory; an empty directory is fine).
+        before the first step: a file, a place that cannot be written, a directory holding files no save
+        wrote, or one that is (or is inside, or holds) the offload directory or ``trace_dir`` is refused (a save
+        replaces the whole directory; an empty directory is fine).
 
         ``callback(step, loss)`` after each step; a callback that takes ``rerun`` (or ``**kwargs``) gets
         ``rerun=True`` for a step this call runs again after returning to a checkpoint (a lost Ray worker), so
@@ -292,6 +310,7 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
             stop_on_nonfinite=stop_on_nonfinite,
             eval_data=eval_data,
             eval_every=eval_every,
+            apart=self._directories(),
         )
 
     @classmethod

@@ -20,6 +20,7 @@ from typing import Mapping, Sequence
 
 from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
+from ...safeio.outputs import check_apart
 from ...treetypes import Leaf, PyTree
 from ..runtime.model import Microbatch, model_of
 from ..runtime.offload import Offload, offload_of
@@ -65,6 +66,8 @@ class TrainerSetup:
         given = runner.data_parallel
         self.data_parallel = given if given is not None else recorded_replicas(stages)
         self.offload = offload_of(runner.offload)  # given by hand; auto's planned offload is apart
+        self.trace_dir, self.trace_every = observe.trace_dir, observe.trace_every
+        check_apart(self._directories())  # offload files and traces apart, before any step
         self.stages = stages
         self.model = model_of(stages, params)
         self.ownership = Ownership(self.model, tied)
@@ -103,7 +106,6 @@ class TrainerSetup:
         self._hang_named = hang_report is not None
         self.observe = observe
         self.timeline = observe.timeline
-        self.trace_dir, self.trace_every = observe.trace_dir, observe.trace_every
         self.step_count = step_count
         self._history = History(observe.progress, self.step_count)
         self._samples = CostSamples(self.model.artifacts)
@@ -117,6 +119,19 @@ class TrainerSetup:
         self.last_result: PipelineResult | None = None
         self.checkpoint_times: list[CheckpointTime] = []  # fit's: per checkpoint, the step's wait and the write
         self.restarts: list[RestartRecord] = []  # fit's: per lost worker, the step, where it returned, how long
+
+    def _directories(self) -> dict[str, str | os.PathLike[str] | None]:
+        """The directories the Trainer writes to, by option (None: not given): its offload's and ``trace_dir``.
+
+        Returns:
+            ``{option: directory}``, what ``safeio.outputs.check_apart`` keeps apart (``fit`` adds
+            ``checkpoint_dir``).
+        """
+        off = self.offload
+        return {
+            "Offload(directory=...)": None if off is None else off.directory,
+            "Observe(trace_dir=...)": self.trace_dir,
+        }
 
 
 def recorded_replicas(stages: Stages | Sequence[Artifact]) -> int:
