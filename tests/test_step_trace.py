@@ -5,9 +5,13 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import optax
 import pytest
@@ -399,6 +403,59 @@ def test_an_untimed_steps_record_holds_the_finished_operations_outputs_no_longer
     rec.ops[0].append((Op("F", 100, 0), rec.t0, [_Probe(False)]))
     rec.dispatched()
     assert [e[0] for e in rec.ops[0]] == [Op("F", 100, 0)]
+
+
+# -- a thread left behind does not crash the process's exit ----------------------------------------------------
+
+_EXITS = """
+import sys
+import time
+
+import optax
+import pytest
+from blocking import callback_blocks
+from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
+
+import vjpsplit_cli as vs
+from vjpsplit_cli import pipeline as P
+from vjpsplit_cli.errors import VjpsplitError
+
+
+class SlowExit:
+    def __del__(self, sleep=time.sleep):  # the exit lasts a while once it began ending the threads
+        sleep(1.5)
+
+
+slow = SlowExit()
+timed = sys.argv[1] == "timed"
+stages = vs.export_stages(gpt, *gpt_specs(gpt_params()), wrt="params", platforms="cpu")
+tr = P.Trainer(stages, gpt_params(), optimizer=optax.sgd(0.1), schedule="1f1b", microbatches=2)
+hold, release = callback_blocks(pytest.MonkeyPatch(), stage=1, mb=1, linger=0.5)
+tr.step(gpt_batch(4), timed=timed)
+tr.backend.step_timeout = 1.0
+hold.set()
+try:
+    tr.step(gpt_batch(4), timed=timed)
+except VjpsplitError as e:
+    print("timed out" if "did not finish within step_timeout=1 s" in str(e) else e)
+tr.close()
+release.set()  # the stuck host callback returns half a second later, as the process exits
+"""
+
+
+@pytest.mark.parametrize("how", ["timed", "untimed"])
+def test_a_process_whose_step_timed_out_exits_0_when_the_stuck_callback_returns_as_it_exits(how):
+    """A step stuck in a host callback ends by step_timeout; the caller closes the Trainer and exits; the callback
+    returns as the process exits. The exit waits for the thread left behind (``workerthreads.EXIT_WAIT``), which
+    ends first. (Before: CPython ended the thread where it woke, inside XLA, and the process aborted with
+    status 134: "terminate called after throwing an instance of ''", or a fatal error on the GIL.)"""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
+    r = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _EXITS, how], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert (r.returncode, r.stdout.strip()) == (0, "timed out"), r.stderr[-2000:]
+    assert "terminate called" not in r.stderr and "Fatal Python error" not in r.stderr
 
 
 # -- the trace file --------------------------------------------------------------------------------------------
