@@ -635,6 +635,27 @@ def test_a_sharded_stage_gets_a_track_per_device_and_the_file_reads_back_once():
     assert [(p.worker, p.name) for p in back.phases] == [(None, "hand out")] and back.num_workers == 2
 
 
+def test_spans_that_touch_never_overlap_in_the_trace_file():
+    """A reduction that ends where the update begins (one clock reading): in the file, at the nanosecond, the update
+    starts where the reduction ends, never before. (Before: start and duration were rounded apart, and here the
+    reduction ended 1 ns after the update began: 0.6 ns rounds up, its 1000.8 ns length up, 1001.4 ns down.)"""
+    from vjpsplit_cli.pipeline.schedules.timeline import Event, Phase
+    from vjpsplit_cli.pipeline.schedules.tracefile import trace_events
+
+    t0 = 1000.0
+    a, b = t0 + 0.6e-9, t0 + 1001.4e-9
+    phases = [Phase(None, "hand out", t0, a), Phase(0, "reduce norms", a, b), Phase(0, "update", b, b + 1e-6)]
+    events = [Event(0, "F", 0, a, b, 0), Event(0, "B", 0, b, b + 1.0014e-6, 0)]
+    doc = trace_events(events, phases, 1, 1)
+    ns = {ev["name"]: (round(ev["ts"] * 1e3), round(ev["dur"] * 1e3)) for ev in doc["traceEvents"] if ev["ph"] == "X"}
+
+    def end(name):
+        return ns[name][0] + ns[name][1]
+
+    assert ns["reduce norms"] == (1, 1000) and ns["update"][0] == end("reduce norms") == 1001
+    assert ns["B s0 mb0"][0] == end("F s0 mb0") == end("hand out") + 1000
+
+
 def test_a_trace_file_from_before_kind_i_reads_its_input_parts_as_i(tmp_path):
     """Trace files written before ``Kind.I`` named a split backward's input part ``B`` (category and name).
     Read back, each B with a W of its stage and microbatch is that I; a B without a W stays a whole B."""
