@@ -219,6 +219,45 @@ def test_ctrl_c_during_a_timed_step_is_one_error_naming_what_each_worker_does(mo
     tr.close()
 
 
+@pytest.mark.parametrize("timed", [True, False])
+def test_a_first_step_past_step_timeout_while_compiling_says_it_was_compiling(monkeypatch, tmp_path, timed):
+    """A first step whose compilation outlasts step_timeout (XLA's compile held here, on the step's threads only):
+    the error says which worker was compiling which operation, not that it was running it."""
+    from jax._src import compiler
+
+    release = threading.Event()
+    real, held = compiler.backend_compile_and_load, []
+
+    def slow(*args, **kwargs):
+        if not held and threading.current_thread().name.startswith(("vjpsplit-worker-", "vjpsplit-step-")):
+            held.append(True)
+            release.wait()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compiler, "backend_compile_and_load", slow)
+    tr = _trainer(observe=P.Observe(hang_report=tmp_path / "h.json"))
+    tr.backend.step_timeout = 1.5
+    unstick = threading.Timer(1.5 + stepwatch.GRACE / 2, release.set)  # back within the stop's grace
+    unstick.start()
+    try:
+        # 7 or 9 rows a microbatch, which no other step here has: compiled afresh
+        out = _in_thread(lambda: tr.step(gpt_batch(14 if timed else 18), timed=timed))
+    finally:
+        release.set()
+    text = str(out.get("error"))
+    assert held and "did not finish within step_timeout=1.5 s" in text, out
+    if timed:  # the first compilation on a worker's thread: its first operation's
+        assert re.search(r"worker 0: compiling F stage 0 mb 0 since [\d.]+ ms \(its first call for these inputs", text)
+        assert json.loads((tmp_path / "h.json").read_text())["workers"][0]["now"].startswith("worker 0: compiling")
+    else:  # the step's thread compiles as it places the batch, before its first operation
+        assert text.startswith(
+            "the step did not finish within step_timeout=1.5 s; the step's thread is compiling outside the "
+            "operations (its first call for these inputs); worker 0: waits to be handed its next operation "
+            "(F stage 0 mb 0)"
+        )
+    tr.close()
+
+
 # -- an untimed step (the Trainer's default) stuck or interrupted says the same -------------------------------
 
 
