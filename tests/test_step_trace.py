@@ -168,6 +168,8 @@ def test_a_timed_step_past_step_timeout_names_the_stuck_op_and_what_each_worker_
     ops = [(r["kind"], r["stage"], r["mb"]) for r in rows[1]["ops"]]
     assert ops[-1] == ("F", 1, 0) and ("B", 1, 1) in ops
     assert [r["start_ms"] for r in rows[1]["ops"]] == sorted(r["start_ms"] for r in rows[1]["ops"])
+    # Timed: each operation was waited for, its end is its end.
+    assert all(r["end_ms"] >= r["start_ms"] and r["dispatched_ms"] is None for r in rows[1]["ops"])
     # The thread came back within the grace: the Trainer steps on; nothing was applied by the failed step.
     monkeypatch.undo()
     ref = _trainer()
@@ -309,6 +311,8 @@ def test_an_untimed_step_stuck_in_a_host_callback_ends_at_step_timeout_naming_th
         assert re.match(r"worker 1: running (or waiting: )?F stage 1 mb 1", rows[1]["now"])
         ops = [(r["kind"], r["stage"], r["mb"]) for r in rows[1]["ops"]]
         assert ("B", 1, 1) in ops  # the first step's
+        # Untimed: nothing waited for an operation, so no end is given; when its dispatch returned is.
+        assert all(r["end_ms"] is None and r["dispatched_ms"] >= r["start_ms"] for r in rows[1]["ops"])
         # The ring holds each operation once its dispatch returned: inside it, this step's last is the F of mb 0.
         assert ops[-1] == ("F", 1, 0) if inside else ("F", 1, 1) in ops[ops.index(("B", 1, 1)) + 1 :]
         again = _in_thread(lambda: tr.step(gpt_batch(4))).get("error")

@@ -128,7 +128,7 @@ def test_ray_sends_a_backwards_cotangent_before_its_weight_part(ray_session, sta
         assert kinds == (sorted("FIW" * M) if parts else sorted("FB" * M))
         for mb in range(M) if stage > 0 else []:
             sent = status["sent"][("B", mb, stage)]
-            ends = {kind: (t0, t1) for kind, m, t0, t1 in mine if m == mb}
+            ends = {kind: (t0, t1) for kind, m, t0, t1, _ in mine if m == mb}
             if parts:
                 assert ends["I"][1] <= sent <= ends["W"][0]  # sent after the input part, before the weight part
             else:

@@ -1,7 +1,8 @@
 """What every worker is doing now and did last: the ring of recent operations, and a stuck step's report.
 
 Each ``StageWorker`` keeps its last ``RING`` operations (kind, microbatch, start,
-end on this process's ``time.monotonic``) in a bounded ring, timed step or not
+end on this process's ``time.monotonic``; an untimed step's end is when its dispatch
+returned, which the report does not pass off as the operation's end) in a bounded ring, timed step or not
 (a ``deque`` append per operation: measured in ``benchmarks/train.py --ring``).
 A timed step's worker thread (or Ray actor) also says what it is doing in one
 ``Now`` tuple: waiting for its next operation, waiting for the value another
@@ -31,6 +32,10 @@ from ...safeio.outputs import atomic_write
 from ..schedules.ops import Kind, Op, OpKey
 
 RING = 256  # operations each stage worker keeps: several steps of a tiny pipeline, a bounded few KiB
+
+# One operation of a stage worker's ring: kind, microbatch, start, end (time.monotonic), and whether it was waited
+# for (a timed step's); an untimed step's operation is not: its "end" is when its dispatch returned.
+RingOp = tuple[str, int, float, float, bool]
 
 # What a worker does now, as its thread (or actor) last set it: (state, op or None, the value's source or
 # None, since when on time.monotonic). States: NEXT (its next operation is not handed to it yet), WAITS
@@ -155,20 +160,32 @@ def hang_message(
 
 
 class RingRow(TypedDict):
-    """One operation of a stage worker's ring, as a hang report's JSON row (times in ms since the step began)."""
+    """One operation of a stage worker's ring, as a hang report's JSON row (times in ms since the step began).
+
+    ``end_ms``: when it ended, for an operation waited for (a timed step's); None for an untimed step's, whose
+    end nobody waited for. ``dispatched_ms``: when an untimed operation's dispatch returned (None when timed).
+    """
 
     kind: str
     stage: int
     mb: int
     start_ms: float
-    end_ms: float
+    end_ms: float | None
+    dispatched_ms: float | None
 
 
-def ring_rows(ring: Sequence[tuple[str, int, float, float]], stage: int, t0: float) -> list[RingRow]:
+def ring_rows(ring: Sequence[RingOp], stage: int, t0: float) -> list[RingRow]:
     """A stage worker's ring as JSON rows, times in ms since ``t0``."""
     return [
-        {"kind": str(k), "stage": stage, "mb": int(mb), "start_ms": (s - t0) * 1e3, "end_ms": (e - t0) * 1e3}
-        for k, mb, s, e in ring
+        {
+            "kind": str(k),
+            "stage": stage,
+            "mb": int(mb),
+            "start_ms": (s - t0) * 1e3,
+            "end_ms": (e - t0) * 1e3 if waited else None,
+            "dispatched_ms": None if waited else (e - t0) * 1e3,
+        }
+        for k, mb, s, e, waited in ring
     ]
 
 

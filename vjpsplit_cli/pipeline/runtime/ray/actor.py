@@ -20,7 +20,7 @@ from ...schedules.ops import BACKWARDS, Kind, Op
 from ...schedules.timeline import Event, Phase
 from ....errors import VjpsplitError
 from ..devices import placed, placement
-from ..flight import Now, compile_aware, idle
+from ..flight import Now, RingOp, compile_aware, idle
 from ..offload import Offload
 from ..replicas import ReplicaGroup, refuse_sharded
 from ..stageops import run_op
@@ -60,7 +60,7 @@ class WorkerStatus(TypedDict):
 
     now: tuple[str, Key | None, Key | None, float]
     sent: dict[Key, float]
-    rings: dict[int, list[tuple[str, int, float, float]]]
+    rings: dict[int, list[RingOp]]
 
 
 class StageActor:

@@ -327,7 +327,7 @@ class ActorGroup:
             ops = [
                 r
                 for s, ring in got[w]["rings"].items()
-                for r in ring_rows([(k, m, a - off, b - off) for k, m, a, b in ring], int(s), t0)
+                for r in ring_rows([(k, m, a - off, b - off, waited) for k, m, a, b, waited in ring], int(s), t0)
             ]
             rows.append({"worker": w, "now": parts[-1], "ops": sorted(ops, key=lambda r: r["start_ms"])})
         path = self.hang_report or default_path()
