@@ -61,7 +61,7 @@ def measure(rounds: int, block: int = 4) -> dict:
     t0 = time.perf_counter()
     for _ in range(n):
         a = time.monotonic()
-        ring.append(("F", 0, a, time.monotonic()))
+        ring.append(("F", 0, a, time.monotonic(), True))
     per_op = (time.perf_counter() - t0) / n
     return {
         "with": med["with the ring"],

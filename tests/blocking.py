@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import jax
 
 from vjpsplit_cli.pipeline.runtime.worker import StageWorker
 
 
-def callback_blocks(monkeypatch, stage, mb, device=None):
+def callback_blocks(monkeypatch, stage, mb, device=None, linger=0.0):
     """Stage ``stage``'s forward of microbatch ``mb`` (on ``device`` only, where given: one replica) reads its input
     through a jitted ``jax.pure_callback`` that, once ``hold.set()`` is called, waits for ``release`` (a host
-    callback that never returns). Until then it passes the input through, so a first step compiles it.
-    Returns ``(hold, release)``."""
+    callback that never returns), then sleeps ``linger`` seconds. Until then it passes the input through, so a
+    first step compiles it. Returns ``(hold, release)``."""
     hold, release = threading.Event(), threading.Event()
 
     def host(x):
         if hold.is_set():
             release.wait()
+            time.sleep(linger)
         return x
 
     def through(x):

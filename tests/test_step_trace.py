@@ -5,9 +5,13 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import optax
 import pytest
@@ -164,6 +168,8 @@ def test_a_timed_step_past_step_timeout_names_the_stuck_op_and_what_each_worker_
     ops = [(r["kind"], r["stage"], r["mb"]) for r in rows[1]["ops"]]
     assert ops[-1] == ("F", 1, 0) and ("B", 1, 1) in ops
     assert [r["start_ms"] for r in rows[1]["ops"]] == sorted(r["start_ms"] for r in rows[1]["ops"])
+    # Timed: each operation was waited for, its end is its end.
+    assert all(r["end_ms"] >= r["start_ms"] and r["dispatched_ms"] is None for r in rows[1]["ops"])
     # The thread came back within the grace: the Trainer steps on; nothing was applied by the failed step.
     monkeypatch.undo()
     ref = _trainer()
@@ -212,6 +218,45 @@ def test_ctrl_c_during_a_timed_step_is_one_error_naming_what_each_worker_does(mo
     assert "the step was interrupted" in str(info.value) and "worker 0: running F stage 0 mb 1" in str(info.value)
     assert (tmp_path / "h.json").exists()
     assert time.monotonic() - t0 < 1.0 + 2.0
+    tr.close()
+
+
+@pytest.mark.parametrize("timed", [True, False])
+def test_a_first_step_past_step_timeout_while_compiling_says_it_was_compiling(monkeypatch, tmp_path, timed):
+    """A first step whose compilation outlasts step_timeout (XLA's compile held here, on the step's threads only):
+    the error says which worker was compiling which operation, not that it was running it."""
+    from jax._src import compiler
+
+    release = threading.Event()
+    real, held = compiler.backend_compile_and_load, []
+
+    def slow(*args, **kwargs):
+        if not held and threading.current_thread().name.startswith(("vjpsplit-worker-", "vjpsplit-step-")):
+            held.append(True)
+            release.wait()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compiler, "backend_compile_and_load", slow)
+    tr = _trainer(observe=P.Observe(hang_report=tmp_path / "h.json"))
+    tr.backend.step_timeout = 1.5
+    unstick = threading.Timer(1.5 + stepwatch.GRACE / 2, release.set)  # back within the stop's grace
+    unstick.start()
+    try:
+        # 7 or 9 rows a microbatch, which no other step here has: compiled afresh
+        out = _in_thread(lambda: tr.step(gpt_batch(14 if timed else 18), timed=timed))
+    finally:
+        release.set()
+    text = str(out.get("error"))
+    assert held and "did not finish within step_timeout=1.5 s" in text, out
+    if timed:  # the first compilation on a worker's thread: its first operation's
+        assert re.search(r"worker 0: compiling F stage 0 mb 0 since [\d.]+ ms \(its first call for these inputs", text)
+        assert json.loads((tmp_path / "h.json").read_text())["workers"][0]["now"].startswith("worker 0: compiling")
+    else:  # the step's thread compiles as it places the batch, before its first operation
+        assert text.startswith(
+            "the step did not finish within step_timeout=1.5 s; the step's thread is compiling outside the "
+            "operations (its first call for these inputs); worker 0: waits to be handed its next operation "
+            "(F stage 0 mb 0)"
+        )
     tr.close()
 
 
@@ -266,6 +311,8 @@ def test_an_untimed_step_stuck_in_a_host_callback_ends_at_step_timeout_naming_th
         assert re.match(r"worker 1: running (or waiting: )?F stage 1 mb 1", rows[1]["now"])
         ops = [(r["kind"], r["stage"], r["mb"]) for r in rows[1]["ops"]]
         assert ("B", 1, 1) in ops  # the first step's
+        # Untimed: nothing waited for an operation, so no end is given; when its dispatch returned is.
+        assert all(r["end_ms"] is None and r["dispatched_ms"] >= r["start_ms"] for r in rows[1]["ops"])
         # The ring holds each operation once its dispatch returned: inside it, this step's last is the F of mb 0.
         assert ops[-1] == ("F", 1, 0) if inside else ("F", 1, 1) in ops[ops.index(("B", 1, 1)) + 1 :]
         again = _in_thread(lambda: tr.step(gpt_batch(4))).get("error")
@@ -399,6 +446,59 @@ def test_an_untimed_steps_record_holds_the_finished_operations_outputs_no_longer
     rec.ops[0].append((Op("F", 100, 0), rec.t0, [_Probe(False)]))
     rec.dispatched()
     assert [e[0] for e in rec.ops[0]] == [Op("F", 100, 0)]
+
+
+# -- a thread left behind does not crash the process's exit ----------------------------------------------------
+
+_EXITS = """
+import sys
+import time
+
+import optax
+import pytest
+from blocking import callback_blocks
+from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
+
+import vjpsplit_cli as vs
+from vjpsplit_cli import pipeline as P
+from vjpsplit_cli.errors import VjpsplitError
+
+
+class SlowExit:
+    def __del__(self, sleep=time.sleep):  # the exit lasts a while once it began ending the threads
+        sleep(1.5)
+
+
+slow = SlowExit()
+timed = sys.argv[1] == "timed"
+stages = vs.export_stages(gpt, *gpt_specs(gpt_params()), wrt="params", platforms="cpu")
+tr = P.Trainer(stages, gpt_params(), optimizer=optax.sgd(0.1), schedule="1f1b", microbatches=2)
+hold, release = callback_blocks(pytest.MonkeyPatch(), stage=1, mb=1, linger=0.5)
+tr.step(gpt_batch(4), timed=timed)
+tr.backend.step_timeout = 1.0
+hold.set()
+try:
+    tr.step(gpt_batch(4), timed=timed)
+except VjpsplitError as e:
+    print("timed out" if "did not finish within step_timeout=1 s" in str(e) else e)
+tr.close()
+release.set()  # the stuck host callback returns half a second later, as the process exits
+"""
+
+
+@pytest.mark.parametrize("how", ["timed", "untimed"])
+def test_a_process_whose_step_timed_out_exits_0_when_the_stuck_callback_returns_as_it_exits(how):
+    """A step stuck in a host callback ends by step_timeout; the caller closes the Trainer and exits; the callback
+    returns as the process exits. The exit waits for the thread left behind (``workerthreads.EXIT_WAIT``), which
+    ends first. (Before: CPython ended the thread where it woke, inside XLA, and the process aborted with
+    status 134: "terminate called after throwing an instance of ''", or a fatal error on the GIL.)"""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
+    r = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _EXITS, how], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert (r.returncode, r.stdout.strip()) == (0, "timed out"), r.stderr[-2000:]
+    assert "terminate called" not in r.stderr and "Fatal Python error" not in r.stderr
 
 
 # -- the trace file --------------------------------------------------------------------------------------------
@@ -576,6 +676,27 @@ def test_a_sharded_stage_gets_a_track_per_device_and_the_file_reads_back_once():
     ]
     assert all(abs(a.start - b.start) < 1e-8 and abs(a.end - b.end) < 1e-8 for a, b in zip(back.events, events))
     assert [(p.worker, p.name) for p in back.phases] == [(None, "hand out")] and back.num_workers == 2
+
+
+def test_spans_that_touch_never_overlap_in_the_trace_file():
+    """A reduction that ends where the update begins (one clock reading): in the file, at the nanosecond, the update
+    starts where the reduction ends, never before. (Before: start and duration were rounded apart, and here the
+    reduction ended 1 ns after the update began: 0.6 ns rounds up, its 1000.8 ns length up, 1001.4 ns down.)"""
+    from vjpsplit_cli.pipeline.schedules.timeline import Event, Phase
+    from vjpsplit_cli.pipeline.schedules.tracefile import trace_events
+
+    t0 = 1000.0
+    a, b = t0 + 0.6e-9, t0 + 1001.4e-9
+    phases = [Phase(None, "hand out", t0, a), Phase(0, "reduce norms", a, b), Phase(0, "update", b, b + 1e-6)]
+    events = [Event(0, "F", 0, a, b, 0), Event(0, "B", 0, b, b + 1.0014e-6, 0)]
+    doc = trace_events(events, phases, 1, 1)
+    ns = {ev["name"]: (round(ev["ts"] * 1e3), round(ev["dur"] * 1e3)) for ev in doc["traceEvents"] if ev["ph"] == "X"}
+
+    def end(name):
+        return ns[name][0] + ns[name][1]
+
+    assert ns["reduce norms"] == (1, 1000) and ns["update"][0] == end("reduce norms") == 1001
+    assert ns["B s0 mb0"][0] == end("F s0 mb0") == end("hand out") + 1000
 
 
 def test_a_trace_file_from_before_kind_i_reads_its_input_parts_as_i(tmp_path):

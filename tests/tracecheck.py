@@ -30,27 +30,27 @@ def check_trace_file(path):
         if ev["ph"] == "X":
             assert isinstance(ev["dur"], (int, float)) and ev["dur"] >= 0, where
             assert isinstance(ev.get("cat", ""), str), where
-            slices[(ev["pid"], ev["tid"])].append((ev["ts"], ev["ts"] + ev["dur"], ev))
+            start = round(ev["ts"] * 1e3)  # whole ns: a 1 ns overlap is one, as strict validators see it
+            slices[(ev["pid"], ev["tid"])].append((start, start + round(ev["dur"] * 1e3), ev))
         else:
             assert isinstance(ev["id"], int), where
             if ev["ph"] == "f":
                 assert ev.get("bp") == "e", where  # binds to the enclosing slice
             flows[ev["id"]].append(ev)
-    eps = 1e-3  # the file's timestamps are rounded to ns
     for track, spans in slices.items():
-        stack = []  # slices on one track are disjoint or nested
+        stack = []  # slices on one track are disjoint or nested, to the nanosecond
         for a, b, ev in sorted(spans, key=lambda s: (s[0], -s[1])):
-            while stack and stack[-1][1] <= a + eps:
+            while stack and stack[-1][1] <= a:
                 stack.pop()
             if stack:
-                assert b <= stack[-1][1] + eps, f"track {track}: {ev} overlaps {stack[-1][2]} without nesting in it"
+                assert b <= stack[-1][1], f"track {track}: {ev} overlaps {stack[-1][2]} without nesting in it"
             stack.append((a, b, ev))
     for fid, pair in flows.items():
         kinds = Counter(e["ph"] for e in pair)
         assert kinds == {"s": 1, "f": 1}, f"flow {fid}: {pair}"
         for e in pair:  # each end lies in a slice of its track
-            on = slices[(e["pid"], e["tid"])]
-            assert any(a - eps <= e["ts"] <= b + eps for a, b, _ in on), f"flow {fid}'s {e['ph']} is in no slice"
+            on, at = slices[(e["pid"], e["tid"])], round(e["ts"] * 1e3)
+            assert any(a <= at <= b for a, b, _ in on), f"flow {fid}'s {e['ph']} is in no slice"
     return doc
 
 

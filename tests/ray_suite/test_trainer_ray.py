@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
+import time
 
 import numpy as np
 import optax
@@ -126,7 +128,7 @@ def test_ray_sends_a_backwards_cotangent_before_its_weight_part(ray_session, sta
         assert kinds == (sorted("FIW" * M) if parts else sorted("FB" * M))
         for mb in range(M) if stage > 0 else []:
             sent = status["sent"][("B", mb, stage)]
-            ends = {kind: (t0, t1) for kind, m, t0, t1 in mine if m == mb}
+            ends = {kind: (t0, t1) for kind, m, t0, t1, _ in mine if m == mb}
             if parts:
                 assert ends["I"][1] <= sent <= ends["W"][0]  # sent after the input part, before the weight part
             else:
@@ -235,6 +237,29 @@ def test_ray_trainer_dead_actor_and_timeout_are_one_error(ray_session, stages):
     with P.Trainer(stages, params, observe=P.Observe(step_timeout=1e-3), **kw) as tr:
         with pytest.raises(VjpsplitError, match=r"stage \d: the step did not finish within step_timeout=0.001 s"):
             tr.step(batch)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_ray_trainer_dropped_without_close_ends_its_actors(ray_session, stages):
+    """A Trainer nobody closed ends its actors once collected, as an in-process one ends its threads (before: its
+    actors, which hold one another's handles, ran on: 4 processes per Trainer)."""
+    tr = P.Trainer(stages, gpt_params(), optimizer=optax.sgd(0.1), microbatches=2, runner="ray")
+    tr.step(gpt_batch(4))
+    pids = ray_session.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in tr.backend.rp.actors])
+    assert len(pids) == 4 and all(map(_alive, pids))
+    del tr
+    gc.collect()
+    end = time.monotonic() + 30
+    while any(map(_alive, pids)) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not any(map(_alive, pids))
 
 
 def test_ray_trainer_optimizers_of_each_kind_equal_one_process_or_are_refused(ray_session):

@@ -1,7 +1,8 @@
 """What every worker is doing now and did last: the ring of recent operations, and a stuck step's report.
 
 Each ``StageWorker`` keeps its last ``RING`` operations (kind, microbatch, start,
-end on this process's ``time.monotonic``) in a bounded ring, timed step or not
+end on this process's ``time.monotonic``; an untimed step's end is when its dispatch
+returned, which the report does not pass off as the operation's end) in a bounded ring, timed step or not
 (a ``deque`` append per operation: measured in ``benchmarks/train.py --ring``).
 A timed step's worker thread (or Ray actor) also says what it is doing in one
 ``Now`` tuple: waiting for its next operation, waiting for the value another
@@ -9,7 +10,9 @@ stage sends it, running an operation, finishing its stages (the reductions and
 the optimizer update), or done. An untimed step's ``Now`` is read off what its
 driver dispatched (``untimed.Dispatched``): the operation whose dispatch has not
 returned, else each worker's first dispatched operation whose outputs are not
-ready (``jax.Array.is_ready``). When a step passes ``step_timeout`` or is
+ready (``jax.Array.is_ready``). A worker whose thread is inside JAX's compiler as the
+step stops is said to be compiling (``compile_aware``: its first call for these inputs;
+a first step's timeout is often that). When a step passes ``step_timeout`` or is
 interrupted, ``hang_message`` turns each worker's ``Now`` into one clause
 (``worker 1: B stage 1 mb 3 waits for the cotangent from stage 2 (worker 2 has
 not sent it)``) and ``write_flight`` writes every worker's ring as JSON (each operation a ``RingRow``).
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
 from typing import BinaryIO, Mapping, Sequence, TypedDict
@@ -29,6 +33,10 @@ from ..schedules.ops import Kind, Op, OpKey
 
 RING = 256  # operations each stage worker keeps: several steps of a tiny pipeline, a bounded few KiB
 
+# One operation of a stage worker's ring: kind, microbatch, start, end (time.monotonic), and whether it was waited
+# for (a timed step's); an untimed step's operation is not: its "end" is when its dispatch returned.
+RingOp = tuple[str, int, float, float, bool]
+
 # What a worker does now, as its thread (or actor) last set it: (state, op or None, the value's source or
 # None, since when on time.monotonic). States: NEXT (its next operation is not handed to it yet), WAITS
 # (for a value another stage sends), RUNS, FINISH (its stages' reductions and update), DONE.
@@ -37,7 +45,10 @@ NEXT, WAITS, RUNS, FINISH, DONE = "next", "waits", "runs", "finish", "done"
 # this operation's dispatch: on CPU a host callback runs there), PENDING (dispatched, its outputs not ready;
 # with a source: the value it reads is not ready either), FINISHED (every operation of its list finished).
 DISPATCHING, PENDING, FINISHED = "dispatching", "pending", "finished"
+# RUNS or DISPATCHING, its thread inside JAX's compiler (``compile_aware``).
+COMPILING = "compiling"
 Now = tuple[str, "Op | OpKey | None", "OpKey | None", float]
+_COMPILER = os.path.join("jax", "_src", "compiler.py")  # where JAX hands a program to XLA to compile
 
 
 class StepInterrupted(VjpsplitError, KeyboardInterrupt):
@@ -48,6 +59,27 @@ class StepInterrupted(VjpsplitError, KeyboardInterrupt):
 def idle() -> Now:
     """The ``Now`` of a worker before its first operation of a step."""
     return (NEXT, None, None, time.monotonic())
+
+
+def compiling(thread: int | None) -> bool:
+    """Whether the thread ``thread`` (its ``threading.get_ident()``) is inside JAX's compiler now: its Python
+    stack passes through ``jax/_src/compiler.py``, where a call is compiled the first time it runs for its
+    inputs' shapes. Read off the thread's stack as it stands (``sys._current_frames``): nothing is noted per call."""
+    frame = sys._current_frames().get(thread) if thread is not None else None
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_COMPILER):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def compile_aware(now: Now, thread: int | None) -> Now:
+    """``now``, made COMPILING where it runs (or dispatches) an operation and ``thread`` (the worker's) is inside
+    JAX's compiler (``compiling``)."""
+    state, op, src, since = now
+    if state in (RUNS, DISPATCHING) and op is not None and compiling(thread):
+        return (COMPILING, op, src, since)
+    return now
 
 
 def what(kind: str) -> str:
@@ -75,6 +107,11 @@ def clause(
     """
     state, op, src, since = now
     at = f"{(since - t0) * 1e3:.1f} ms"
+    if state == COMPILING and op is not None:
+        return (
+            f"worker {worker}: compiling {_op(op)} since {at} (its first call for these inputs: XLA compiles "
+            "it before it runs; a first step may need a longer step_timeout)"
+        )
     if state == DISPATCHING and op is not None:
         return f"worker {worker}: running {_op(op)} since {at} (in its dispatch, which has not returned)"
     if state == PENDING and op is not None:
@@ -123,20 +160,32 @@ def hang_message(
 
 
 class RingRow(TypedDict):
-    """One operation of a stage worker's ring, as a hang report's JSON row (times in ms since the step began)."""
+    """One operation of a stage worker's ring, as a hang report's JSON row (times in ms since the step began).
+
+    ``end_ms``: when it ended, for an operation waited for (a timed step's); None for an untimed step's, whose
+    end nobody waited for. ``dispatched_ms``: when an untimed operation's dispatch returned (None when timed).
+    """
 
     kind: str
     stage: int
     mb: int
     start_ms: float
-    end_ms: float
+    end_ms: float | None
+    dispatched_ms: float | None
 
 
-def ring_rows(ring: Sequence[tuple[str, int, float, float]], stage: int, t0: float) -> list[RingRow]:
+def ring_rows(ring: Sequence[RingOp], stage: int, t0: float) -> list[RingRow]:
     """A stage worker's ring as JSON rows, times in ms since ``t0``."""
     return [
-        {"kind": str(k), "stage": stage, "mb": int(mb), "start_ms": (s - t0) * 1e3, "end_ms": (e - t0) * 1e3}
-        for k, mb, s, e in ring
+        {
+            "kind": str(k),
+            "stage": stage,
+            "mb": int(mb),
+            "start_ms": (s - t0) * 1e3,
+            "end_ms": (e - t0) * 1e3 if waited else None,
+            "dispatched_ms": None if waited else (e - t0) * 1e3,
+        }
+        for k, mb, s, e, waited in ring
     ]
 
 

@@ -41,6 +41,7 @@ from .worker import StageWorker
 # The reduction's; named here too for their importers (``training.zero1``).
 
 if TYPE_CHECKING:
+    from .flight import RingOp
     from ...artifact.artifact import Artifact
     from ...tracing.residuals import Intermediates
     from ..schedules.timeline import Event
@@ -198,7 +199,7 @@ class ReplicaGroup:
         return self.replicas[0].inter
 
     @property
-    def ring(self) -> deque[tuple[str, int, float, float]]:
+    def ring(self) -> deque[RingOp]:
         """The first replica's last operations (what a stuck step's report shows)."""
         return self.replicas[0].ring
 

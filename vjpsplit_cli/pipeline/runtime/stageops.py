@@ -16,6 +16,7 @@ from ..schedules.ops import Kind, Op
 from ...treetypes import PyTree
 
 if TYPE_CHECKING:
+    from .flight import RingOp
     from ...tracing.residuals import Intermediates
     from ..schedules.timeline import Event
     from .offload import Offload
@@ -33,7 +34,7 @@ class RunsOps(Protocol):
     def events(self) -> list[Event]: ...
 
     @property
-    def ring(self) -> deque[tuple[str, int, float, float]]: ...
+    def ring(self) -> deque[RingOp]: ...
 
     @property
     def is_last(self) -> bool: ...

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Callable, Sequence, TypeAlias
 
 from ..schedules.ops import Op
 from ..schedules.timeline import Phase
-from .flight import Now, clause, default_path, hang_message, ring_rows, write_flight
+from .flight import Now, RingOp, clause, default_path, hang_message, ring_rows, write_flight
 
 if TYPE_CHECKING:
     from .stageops import RunsOps
 
 # A stage worker's last operations (kind, mb, start, end), oldest first.
-Ring: TypeAlias = "list[tuple[str, int, float, float]]"
+Ring: TypeAlias = "list[RingOp]"
 
 GRACE = 1.0  # seconds the workers get to drain a stopped step before their threads are left behind
 

@@ -23,7 +23,18 @@ import jax
 from ...errors import VjpsplitError
 from ..schedules.ops import Kind, Op, dependencies, received
 from .dispatch import Order, placed_microbatches, walk
-from .flight import DISPATCHING, FINISHED, NEXT, PENDING, Now, StepInterrupted, clause
+from .flight import (
+    COMPILING,
+    DISPATCHING,
+    FINISHED,
+    NEXT,
+    PENDING,
+    Now,
+    StepInterrupted,
+    clause,
+    compile_aware,
+    compiling,
+)
 from .model import Microbatch
 from .replicas import Parts, ReplicaGroup
 from .stepwatch import GRACE, Watch, stop_report, worker_rings
@@ -266,6 +277,10 @@ def _stop_untimed(
     """Stop an untimed step: what each worker does (before anything moves on), its last operations written;
     the step's thread told to end, and left behind if it does not within ``GRACE``."""
     nows, after = record.nows()
+    thread = pool.threads[0].ident if pool.threads else None  # the step's: a dispatch in JAX's compiler compiles
+    nows = [compile_aware(now, thread) for now in nows]
+    if all(n[0] != COMPILING for n in nows) and compiling(thread):  # outside the operations: placing the batch
+        reason += "; the step's thread is compiling outside the operations (its first call for these inputs)"
     rings = worker_rings(record.plans, workers)
     t0, worker_of = record.t0, record.worker_of
     watch.applied = record.stop()
@@ -273,9 +288,9 @@ def _stop_untimed(
     left = ""
     if stuck:
         pool.abandon()
-        held = [w for w, n in enumerate(nows) if n[0] in (DISPATCHING, PENDING)]
+        held = [w for w, n in enumerate(nows) if n[0] in (DISPATCHING, COMPILING, PENDING)]
         watch.stuck = [clause(w, nows[w], t0, worker_of, None, after[w]) for w in held] or ["the step's thread"]
-        inside = [w for w, n in enumerate(nows) if n[0] == DISPATCHING]
+        inside = [w for w, n in enumerate(nows) if n[0] in (DISPATCHING, COMPILING)]
         # Where the thread is: inside an operation's dispatch (a CPU host callback can run there), else in a
         # fetch (a stage's squared sum, the loss) that waits for an unfinished operation, or for an update.
         pending = any(n[0] == PENDING for n in nows)

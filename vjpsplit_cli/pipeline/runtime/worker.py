@@ -22,7 +22,7 @@ from ...files.dtypes import dtype_from_name
 from ...tracing.residuals import Intermediates
 from ..schedules.ops import Kind, Op
 from .devices import default_device
-from .flight import RING
+from .flight import RING, RingOp
 from .devicebytes import HeldBytes
 from .offload import Away, Offload, Offloader
 from .stagecalls import calls_for, signature_of
@@ -115,7 +115,7 @@ class StageWorker:
         self.set_offload(offload)
         self.timed = True
         # The last operations (kind, mb, start, end), kept across steps: what a stuck step's report shows.
-        self.ring: deque[tuple[str, int, float, float]] = deque(maxlen=RING)
+        self.ring: deque[RingOp] = deque(maxlen=RING)
         self.reset()
 
     def set_offload(self, spec: Offload | None, replica: int | None = None) -> None:
@@ -276,7 +276,7 @@ class StageWorker:
         if not self.timed:
             t0 = time.monotonic()
             out = call(*args)
-            self.ring.append((kind, mb, t0, time.monotonic()))  # the dispatch's time: nothing waited
+            self.ring.append((kind, mb, t0, time.monotonic(), False))  # the dispatch's time: nothing waited
             return out
         jax.block_until_ready(args)
         key = (id(call), signature_of(args))
@@ -285,7 +285,7 @@ class StageWorker:
         with jax.profiler.TraceAnnotation(op_name(kind, self.stage_index, mb)):
             out = jax.block_until_ready(call(*args))
         t1 = time.monotonic()
-        self.ring.append((kind, mb, t0, t1))
+        self.ring.append((kind, mb, t0, t1, True))
         self._runs[key] = self._runs.get(key, 0) + 1
         own = None
         if cold:

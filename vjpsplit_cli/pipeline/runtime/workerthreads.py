@@ -3,17 +3,28 @@
 Owns ``WorkerThreads`` (a Trainer keeps one for its lifetime: the timed steps' threads,
 and the one its untimed steps are dispatched from), the ``Job`` each thread hands
 back per step (its event set when it is over, ``error`` what escaped it) and
-``wait_for``, which waits in short slices so Ctrl-C reaches the main thread. May
-import nothing of the package; ``timed`` and ``untimed`` build on it.
+``wait_for``, which waits in short slices so Ctrl-C reaches the main thread.
+
+A thread left behind in an operation (``abandon``) is waited for at the interpreter's
+exit, up to ``EXIT_WAIT`` seconds: CPython ends a daemon thread that wakes during
+finalization where it stands, and one that stands inside XLA (a host callback that
+returned, a wait for an operation's results) then aborts the whole process
+("terminate called after throwing an instance of ''", status 134). Given the
+time, it drains its step and ends first; one still stuck is left to the exit.
+May import nothing of the package; ``timed`` and ``untimed`` build on it.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
 import weakref
 from typing import Callable, Sequence, TypeAlias
+
+EXIT_WAIT = 2.0  # seconds the interpreter's exit waits, in all, for threads left behind in an operation
+_left: list[threading.Thread] = []  # threads left behind (``abandon``) that may still be running
 
 
 class Job:
@@ -66,8 +77,14 @@ class WorkerThreads:
         self.threads = []
 
     def abandon(self) -> None:
-        """Tell the threads to end after their jobs, waiting for none: one is stuck in an operation."""
+        """Tell the threads to end after their jobs, waiting for none: one is stuck in an operation.
+
+        The interpreter's exit waits for them (``EXIT_WAIT``): its hook is registered again here, after any
+        of jax's (``atexit`` runs the last registered first), so they end before jax clears its backends."""
         self._stop()
+        _left[:] = [t for t in _left if t.is_alive()] + self.threads
+        atexit.unregister(_join_left)
+        atexit.register(_join_left)
         self.threads = []
 
     def __enter__(self) -> WorkerThreads:
@@ -75,6 +92,13 @@ class WorkerThreads:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _join_left() -> None:
+    """At the interpreter's exit: wait up to ``EXIT_WAIT`` seconds for the threads left behind to end."""
+    end = time.monotonic() + EXIT_WAIT
+    for t in _left:
+        t.join(max(end - time.monotonic(), 0.0))
 
 
 def _stop_threads(queues: Sequence[JobQueue]) -> None:

@@ -13,8 +13,9 @@ to the one before) is a flow (``ph: "s"`` in the
 producing slice, ``ph: "f"`` with ``bp: "e"`` at the start of the consuming one,
 one ``id`` per pair); the driver's phases and each worker's reductions and
 optimizer update are slices of category ``driver``, ``reduce`` and ``update``.
-Timestamps and durations are microseconds since the step's first one, on the
-driver's clock (``time.monotonic``; the Ray runner moves each actor's onto it by
+Timestamps and durations are microseconds since the step's first one, to the
+nanosecond (each span's two ends rounded to whole nanoseconds, its duration their
+difference, so spans that touch never overlap), on the driver's clock (``time.monotonic``; the Ray runner moves each actor's onto it by
 the offset it measured); ``otherData.origin_s`` is that first time.
 
 ``read_trace`` gives back the events and phases, so ``plots.plot_timeline`` draws
@@ -70,14 +71,22 @@ def _consumer(e: Event, num_stages: int) -> tuple[bool, int, int] | None:
     return None
 
 
+def _nanos(t: float, origin: float) -> int:
+    """``t`` as whole nanoseconds since ``origin``."""
+    return round((t - origin) * 1e9)
+
+
 def _micros(t: float, origin: float) -> float:
     """``t`` as microseconds since ``origin``, to the nanosecond."""
-    return round((t - origin) * 1e6, 3)
+    return _nanos(t, origin) / 1e3
 
 
-def _duration(start: float, end: float) -> float:
-    """A span's length in microseconds, to the nanosecond."""
-    return round((end - start) * 1e6, 3)
+def _span(start: float, end: float, origin: float) -> tuple[float, float]:
+    """A span's ``ts`` and ``dur`` in microseconds, to the nanosecond: both ends rounded to whole nanoseconds
+    on the one clock, then the length is their difference, so a span that ends where the next begins does
+    not overlap it (rounding start and length apart put one end a nanosecond past the other's start)."""
+    a, b = _nanos(start, origin), _nanos(end, origin)
+    return a / 1e3, (b - a) / 1e3
 
 
 def _thread(tid: int, name: str, sort_index: int) -> list[dict[str, object]]:
@@ -127,6 +136,7 @@ def _op_slices(
     out: list[dict[str, object]] = []
     for e in events:
         args = {"kind": str(e.kind), "stage": e.stage, "mb": e.mb, "worker": e.worker}
+        ts, dur = _span(e.start, e.end, origin)
         for tid in [e.worker + 1, *device_tracks.get(e.stage, ())]:
             out.append(
                 {
@@ -135,8 +145,8 @@ def _op_slices(
                     "cat": str(e.kind),
                     "pid": PID,
                     "tid": tid,
-                    "ts": _micros(e.start, origin),
-                    "dur": _duration(e.start, e.end),
+                    "ts": ts,
+                    "dur": dur,
                     "args": args,
                 }
             )
@@ -145,19 +155,22 @@ def _op_slices(
 
 def _phase_slices(phases: Sequence[Phase], origin: float) -> list[dict[str, object]]:
     """Each driver phase's, reduction's and update's slice on its track."""
-    return [
-        {
-            "ph": "X",
-            "name": p.name,
-            "cat": _phase_category(p),
-            "pid": PID,
-            "tid": DRIVER if p.worker is None else p.worker + 1,
-            "ts": _micros(p.start, origin),
-            "dur": _duration(p.start, p.end),
-            "args": {"worker": p.worker},
-        }
-        for p in phases
-    ]
+    out: list[dict[str, object]] = []
+    for p in phases:
+        ts, dur = _span(p.start, p.end, origin)
+        out.append(
+            {
+                "ph": "X",
+                "name": p.name,
+                "cat": _phase_category(p),
+                "pid": PID,
+                "tid": DRIVER if p.worker is None else p.worker + 1,
+                "ts": ts,
+                "dur": dur,
+                "args": {"worker": p.worker},
+            }
+        )
+    return out
 
 
 def _flows(events: Sequence[Event], num_stages: int, origin: float) -> list[dict[str, object]]:
@@ -172,7 +185,6 @@ def _flows(events: Sequence[Event], num_stages: int, origin: float) -> list[dict
             continue
         flow += 1
         name = "activation" if e.kind == Kind.F else "cotangent"
-        ts, dur = _micros(e.start, origin), _duration(e.start, e.end)
         out.append(
             {
                 "ph": "s",
@@ -181,7 +193,7 @@ def _flows(events: Sequence[Event], num_stages: int, origin: float) -> list[dict
                 "cat": "send",
                 "pid": PID,
                 "tid": e.worker + 1,
-                "ts": round(ts + dur / 2, 3),
+                "ts": (_nanos(e.start, origin) + _nanos(e.end, origin)) // 2 / 1e3,  # the middle of its slice
             }
         )
         out.append(

@@ -10,6 +10,7 @@ What the driver gets back of a step is a ``StepReport`` (or, with the gradients,
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any, Callable, Mapping, Sequence, TypedDict, TypeVar
 
@@ -19,7 +20,7 @@ from ...schedules.ops import BACKWARDS, Kind, Op
 from ...schedules.timeline import Event, Phase
 from ....errors import VjpsplitError
 from ..devices import placed, placement
-from ..flight import Now, idle
+from ..flight import Now, RingOp, compile_aware, idle
 from ..offload import Offload
 from ..replicas import ReplicaGroup, refuse_sharded
 from ..stageops import run_op
@@ -59,7 +60,7 @@ class WorkerStatus(TypedDict):
 
     now: tuple[str, Key | None, Key | None, float]
     sent: dict[Key, float]
-    rings: dict[int, list[tuple[str, int, float, float]]]
+    rings: dict[int, list[RingOp]]
 
 
 class StageActor:
@@ -83,6 +84,7 @@ class StageActor:
         self.to_driver: Links | None = None  # the connection to the driver's socket for reports (``connect``)
         self.worker_of: dict[int, int] = {}
         self.now: Now = idle()  # what this worker does now (runtime.flight), set by run_list
+        self.list_thread: int | None = None  # the thread running the step's list (what ``status`` looks into)
         self.sent: dict[Key, float] = {}  # this step's values handed to the sender, and when
         self.phases: list[Phase] = []  # this step's reductions and updates (a TrainActor's)
 
@@ -183,6 +185,7 @@ class StageActor:
         """Step ``step``: reset, then this worker's list of operations (see ``lists.run_list``)."""
         self.reset(timed, [[Op(Kind(kind), mb, stage) for kind, mb, stage in ops]])
         self.now, self.sent = idle(), {}
+        self.list_thread = threading.get_ident()
         self.inbox.begin(step)
         run_list(self, step, ops, batch, microbatches, timed)
 
@@ -215,8 +218,9 @@ class StageActor:
 
     def status(self) -> WorkerStatus:
         """What this worker does now, the values it sent this step and each stage's last operations (this
-        process's clock; runs in the ``inbox`` group, beside a list that may be stuck)."""
-        state, op, src, since = self.now
+        process's clock; runs in the ``inbox`` group, beside a list that may be stuck). An operation whose
+        thread is inside JAX's compiler is said to be compiling (``flight.compile_aware``)."""
+        state, op, src, since = compile_aware(self.now, self.list_thread)
         return {
             "now": (
                 state,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import secrets
 import time
+import weakref
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypeVar
 
@@ -79,6 +80,10 @@ class ActorGroup:
         self.token = secrets.token_bytes(TOKEN_BYTES)  # what opens the actors' sockets to one another
         self.reports: ReportDesk | None = None  # the driver's socket for untimed reports (``connect``)
         self.actors: list[ActorHandle] = []
+        # A group dropped without ``close`` kills its actors when collected: they hold one another's handles
+        # (``connect``), so Ray would keep them alive. The finalizer holds the list (``replace`` swaps in place).
+        self.end_actors = weakref.finalize(self, _kill_actors, self.ray, self.actors)
+        self.end_actors.atexit = False  # at exit Ray ends a driver's actors itself
         self.options: list[dict[str, Any]] = []  # per worker, Ray's actor options
         arts = self.model.artifacts
         # Through the untyped module: ray.remote's typed overloads lack concurrency_groups (deliveries beside the list).
@@ -322,7 +327,7 @@ class ActorGroup:
             ops = [
                 r
                 for s, ring in got[w]["rings"].items()
-                for r in ring_rows([(k, m, a - off, b - off) for k, m, a, b in ring], int(s), t0)
+                for r in ring_rows([(k, m, a - off, b - off, waited) for k, m, a, b, waited in ring], int(s), t0)
             ]
             rows.append({"worker": w, "now": parts[-1], "ops": sorted(ops, key=lambda r: r["start_ms"])})
         path = self.hang_report or default_path()
@@ -347,3 +352,13 @@ class ActorGroup:
             Every worker's events, shifted by its clock offset.
         """
         return [e.shifted(off) for st, off in zip(states, self.clock_offsets) for e in st["events"]]
+
+
+def _kill_actors(ray: ModuleType, actors: list[ActorHandle]) -> None:
+    """Kill ``actors`` and empty the list (``ActorGroup.close``, or a group collected without it)."""
+    for a in actors:
+        try:
+            ray.kill(a)
+        except Exception:  # noqa: BLE001 - already gone, or Ray itself shut down
+            pass
+    actors.clear()

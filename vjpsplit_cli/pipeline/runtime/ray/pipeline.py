@@ -365,8 +365,7 @@ class RayPipeline(ActorGroup):
     def close(self) -> None:
         """End the actors (and the local Ray instance, if this object started it)."""
         self._drop_graph()
-        for a in self.actors:
-            self.ray.kill(a)
+        self.end_actors()  # kills them, once
         self.actors = []
         if self.reports is not None:
             self.reports.close()
