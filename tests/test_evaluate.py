@@ -147,3 +147,12 @@ def test_per_stage_form_is_refused():
     with P.Trainer(list(st), per_stage, optimizer=optax.sgd(0.1), microbatches=2) as tr:
         with pytest.raises(VjpsplitError, match="evaluate runs the evaluation programs of a Stages"):
             tr.evaluate(gpt_batch(4))
+
+
+def test_microbatches_that_are_not_a_count_are_refused_as_the_trainers_are():
+    # -2 gave NaN without an error, 0 a raw ZeroDivisionError, "2" a raw TypeError.
+    with P.Trainer(_stages(), gpt_params(), optimizer=optax.sgd(0.1), microbatches=2) as tr:
+        for count in (-2, 0, "2", 2.0, True):
+            with pytest.raises(VjpsplitError, match=rf"microbatches={count!r}: give how many microbatches"):
+                tr.evaluate(gpt_batch(8), microbatches=count)
+        assert np.isfinite(tr.evaluate(gpt_batch(8), microbatches=np.int64(4)))

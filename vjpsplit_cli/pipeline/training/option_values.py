@@ -20,6 +20,8 @@ May import ``runtime``, ``schedules``, ``stages`` and, of this room, ``arguments
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from dataclasses import dataclass
 from typing import ClassVar, Mapping, Sequence
@@ -237,7 +239,7 @@ class Observe:
             ``checkpoint_dir``, ``<checkpoint_dir>.hang.json`` beside it; else a file in the temporary directory).
 
     Raises:
-        VjpsplitError: ``trace_every`` is not an int >= 1.
+        VjpsplitError: ``trace_every`` is not an int >= 1; ``step_timeout`` is not a finite number of seconds > 0.
     """
 
     progress: bool = False
@@ -251,6 +253,21 @@ class Observe:
         object.__setattr__(self, "trace_every", plain(self.trace_every))
         if self.trace_every is not None:
             _check_count("trace_every", self.trace_every, "how often to time a step and trace it")
+        object.__setattr__(self, "step_timeout", _checked_seconds("step_timeout", self.step_timeout))
+
+
+def _checked_seconds(name: str, value: object) -> float:
+    """``value`` as seconds, a float: a real number, finite and > 0.
+
+    Raises:
+        VjpsplitError: naming ``name``: a string, a bool, None, NaN, infinity, 0 or less.
+    """
+    value = plain(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise VjpsplitError(f"{name}={value!r} is a {type(value).__name__}; give seconds, a finite number > 0")
+    if not math.isfinite(value) or value <= 0:
+        raise VjpsplitError(f"{name}={value!r}: give seconds, a finite number > 0")
+    return float(value)
 
 
 @dataclass(frozen=True)

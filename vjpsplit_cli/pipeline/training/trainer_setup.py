@@ -26,7 +26,7 @@ from ..runtime.offload import Offload, offload_of
 from ..runtime.result import PipelineResult
 from ..schedules.stepplans import resolve
 from ..stages.directory import Stages
-from .arguments import Optimizer, checked_clip, plain
+from .arguments import Optimizer, checked_clip, checked_microbatches, plain
 from .autoplan import AutoPlan
 from .backend import Backend, open_backend
 from .history import CheckpointTime, History, RestartRecord, Stragglers, cost_signature
@@ -54,7 +54,7 @@ class TrainerSetup:
     ) -> None:
         """Open the Trainer: ``restored`` is the per-stage optimizer states an older checkpoint holds (``restore``)."""
         clip_global_norm = checked_clip(clip_global_norm)  # a bad value is refused now, not after the first step
-        microbatches, step_count = plain(microbatches), plain(step_count)
+        microbatches, step_count = checked_microbatches(microbatches), plain(step_count)
         if isinstance(step_count, bool) or not isinstance(step_count, int) or step_count < 0:
             raise VjpsplitError(f"step_count={step_count!r}: give the run's step this state is at, an int >= 0")
         stages, runner, observe = options.stages, options.runner, options.observe
