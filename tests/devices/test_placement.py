@@ -80,7 +80,7 @@ def _evaluates_on(tr, want) -> None:
     batch = gpt_batch(8, seed=4)
     x, side = _stages().stage_batch(batch, 4)[0]
     for s, (w, p) in enumerate(zip(workers, programs)):
-        x = eval_stage(w, p, x, side_for(side, s, 4))
+        x = eval_stage(w, p, x, side_for(side, s, 4), 0)
         assert _on(x, want[s]), s  # made on the stage's device, from what was moved there
     assert all(not w.res for w in workers)
     ref = float(gpt(tr.params(), *batch))

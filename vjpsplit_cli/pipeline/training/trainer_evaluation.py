@@ -31,6 +31,7 @@ class TrainerEvaluation:
     stages: Stages | Sequence[Artifact]
     model: Model
     microbatches: int
+    data_parallel: int
 
     @overload
     def evaluate(
@@ -74,7 +75,7 @@ class TrainerEvaluation:
         """
         m = self.microbatches if microbatches is None else checked_microbatches(microbatches)
         programs = self._eval_programs()
-        mbs = self.model.batch_microbatches(batch, m)
+        mbs = self.model.batch_microbatches(batch, m, self.data_parallel)
         losses, received = self.backend.evaluate(mbs, programs, outputs)
         loss = float(np.mean(losses))
         return (loss, received) if outputs and received is not None else loss  # received: given with outputs
