@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 
 import jax
@@ -276,9 +277,11 @@ def test_auto_schedule_offloads_under_a_tight_byte_limit_and_ends_sooner():
 def test_auto_schedule_names_the_smallest_byte_limit_that_fits():
     from vjpsplit_cli.pipeline.schedules.auto import auto_schedule
 
-    with pytest.raises(VjpsplitError, match=r"the smallest limit that fits is \[100, 80\] bytes per worker"):
+    said = r"fits every worker is memory_limit_bytes=100; per worker, memory_limit_bytes=\[100, 80\] fits"
+    with pytest.raises(VjpsplitError, match=said):
         auto_schedule(2, 4, costs={**UNIT, "transfer": 1e9}, memory_limit_bytes=[150, 79], microbatch_bytes=[100, 80])
-    auto_schedule(2, 4, costs={**UNIT, "transfer": 1e9}, memory_limit_bytes=[100, 80], microbatch_bytes=[100, 80])
+    for fits in ([100, 80], 100):  # each limit the message names plans
+        auto_schedule(2, 4, costs={**UNIT, "transfer": 1e9}, memory_limit_bytes=fits, microbatch_bytes=[100, 80])
 
 
 def _held():
@@ -318,19 +321,25 @@ def test_auto_offloads_under_a_tight_byte_limit_and_trains_bitwise_as_without(mo
 
 def test_a_byte_limit_nothing_meets_names_the_smallest_that_fits_and_that_one_trains():
     held = _held()
+    assert len(set(held)) > 1  # the stages hold different bytes: one int that fits is the largest
     tight = [b - 1 for b in held]
     with P.Trainer(
         _stages(), gpt_params(), optimizer=optax.sgd(0.1), microbatches=M,
         schedule=P.Schedule("auto", memory_limit_bytes=tight),
     ) as tr:  # fmt: skip
-        with pytest.raises(VjpsplitError, match=rf"The smallest limit that fits is {held[0]} bytes on worker 0"):
+        said = (
+            rf"The smallest limit that fits every worker is memory_limit_bytes={max(held)} \(.*\); per worker, "
+            rf"memory_limit_bytes={re.escape(str(held))} fits"
+        )
+        with pytest.raises(VjpsplitError, match=said):
             tr.step(_batches(1)[0])
-    with P.Trainer(
-        _stages(), gpt_params(), optimizer=optax.sgd(0.1), microbatches=M,
-        schedule=P.Schedule("auto", memory_limit_bytes=held),
-    ) as tr:  # fmt: skip
-        losses = [tr.step(b) for b in _batches(3)]
-        assert all(np.isfinite(losses))
+    for fits in (held, max(held)):  # the int it names fits every worker (the first worker's did not, issue 67)
+        with P.Trainer(
+            _stages(), gpt_params(), optimizer=optax.sgd(0.1), microbatches=M,
+            schedule=P.Schedule("auto", memory_limit_bytes=fits),
+        ) as tr:  # fmt: skip
+            losses = [tr.step(b) for b in _batches(3)]
+            assert all(np.isfinite(losses))
 
 
 def test_a_microbatch_whose_b_is_its_fs_next_or_second_operation_stays():

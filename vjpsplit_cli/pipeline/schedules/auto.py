@@ -210,8 +210,8 @@ def _within_bytes(
         w = short[0]
         raise VjpsplitError(
             f"memory_limit_bytes={raw[w]} on worker {w}: no plan fits, with or without offload (a stage holds one "
-            f"microbatch's residuals, {need[w]} bytes, at the end of its F); the smallest limit that fits is "
-            f"{need} bytes per worker"
+            f"microbatch's residuals, {need[w]} bytes, at the end of its F); the smallest limit that fits every "
+            f"worker is memory_limit_bytes={max(need)}; per worker, memory_limit_bytes={need} fits"
         )
     base = [m if b == 0 else max(1, min(m, lim // b)) for lim, b in zip(raw, nbytes)]
     best: tuple[float, list[list[Op]], frozenset[tuple[int, int]]] | None = None

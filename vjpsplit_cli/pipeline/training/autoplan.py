@@ -274,7 +274,8 @@ class AutoPlan:
                     raise VjpsplitError(
                         f"memory_limit_bytes={limit} ({human_bytes(limit)}) on worker {s}: one microbatch of stage {s} "
                         f"holds {b} bytes ({human_bytes(b)}) at the end of its F, offloaded or not; no plan fits. The "
-                        f"smallest limit that fits is {b} bytes on worker {s} ({held} per worker), or give more "
+                        f"smallest limit that fits every worker is memory_limit_bytes={max(held)} "
+                        f"({human_bytes(max(held))}); per worker, memory_limit_bytes={held} fits; or give more "
                         "(smaller) microbatches"
                     )
                 counts.append(self.microbatches if b == 0 else min(self.microbatches, limit // b))
