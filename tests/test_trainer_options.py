@@ -312,3 +312,12 @@ def test_restore_takes_trainers_opt_state_and_step_count_in_place_of_the_checkpo
     with P.Trainer.restore(tmp_path / "ck", arts, optimizer=tx, opt_state=fresh_state, step_count=7) as again:
         assert again.step_count == 7
         assert_trees_close(again.state()[1], fresh_state, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["zbh", "atuo", "custom"])
+def test_a_schedule_typo_is_refused_when_made_listing_auto_too(opened, name):
+    said = rf"unknown schedule '{name}'; use one of gpipe, 1f1b, zbh1, zbv, interleaved1f1b, dualpipev, or 'auto'"
+    with pytest.raises(VjpsplitError, match=said):
+        P.Schedule(name)
+    with pytest.raises(VjpsplitError, match=said):
+        P.Trainer(_stages(), gpt_params(), optimizer=optax.sgd(0.1), microbatches=2, schedule=name)

@@ -34,6 +34,7 @@ from ..runtime.offload import Offload, offload_of
 from ..runtime.ray.pipeline import STEP_TIMEOUT
 from ..runtime.ray.setup import SCHEDULE_TIMEOUT
 from ..runtime.runners import check_runner
+from ..schedules.catalog import SCHEDULES
 from ..schedules.ops import Op
 from .arguments import plain
 from .autoplan import AUTO
@@ -81,7 +82,8 @@ class Schedule:
 
     Raises:
         VjpsplitError: both ``name`` and ``plans``; both memory limits, or one (or ``trial_rounds``) for a
-            schedule other than ``"auto"``; a name that is not a string; ``trial_rounds`` not an int >= 0.
+            schedule other than ``"auto"``; a name that is not a string, or no schedule's (the message lists them,
+            ``"auto"`` too); ``trial_rounds`` not an int >= 0.
     """
 
     name: str | None = None
@@ -93,6 +95,11 @@ class Schedule:
     def __post_init__(self) -> None:
         if self.name is not None and not isinstance(self.name, str):
             raise VjpsplitError(f"Schedule(name={self.name!r}): give a schedule's name as a string, or plans as plans=")
+        if self.name is not None and self.name not in (*SCHEDULES, AUTO):
+            raise VjpsplitError(
+                f"unknown schedule {self.name!r}; use one of {', '.join(SCHEDULES)}, or {AUTO!r} (plans for the "
+                "measured costs)"
+            )
         if self.name is not None and self.plans is not None:
             raise VjpsplitError(
                 f"Schedule(name={self.name!r}, plans=...): give a schedule's name or its plans, not both"
