@@ -234,4 +234,17 @@ def _within_bytes(
         if best is None or span < best[0] - 1e-9:
             best = (span, plans, chosen)
     assert best is not None  # k = 0 fits by its counts
-    return OffloadPlans(best[1], best[2])
+    return OffloadPlans(best[1], best[2], _why_no_offload(c, m, base))
+
+
+def _why_no_offload(c: Costs, m: int, base: Sequence[int]) -> str:
+    """Why plans within a byte limit offload nothing (where the soonest to end offload nothing): ``base`` is what
+    each worker holds within its bytes without offload."""
+    if min(base) >= m:
+        return f"every worker holds all {m} microbatches within its limit: nothing needs to leave the device"
+    if c.transfer is None:
+        return "no copy rate is known (the costs' 'transfer'): the copies off the device cannot be weighed"
+    return (
+        "no plan that offloads ends sooner: the copies off the device and back cost more than the waits the "
+        "microbatches they let in flight remove"
+    )
