@@ -21,9 +21,11 @@ from typing import Mapping, Sequence
 from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
 from ...treetypes import Leaf, PyTree
+from ..runtime.devices import warn_idle
 from ..runtime.model import Microbatch, model_of
 from ..runtime.offload import Offload, offload_of
 from ..runtime.result import PipelineResult
+from ..schedules.catalog import V_SHAPED, describe
 from ..schedules.stepplans import resolve
 from ..stages.directory import Stages
 from .arguments import Optimizer, checked_clip, checked_microbatches, plain
@@ -33,7 +35,7 @@ from .history import CheckpointTime, History, RestartRecord, Stragglers, cost_si
 from .measured import CostSamples
 from .optax_state import state_map
 from .optimizer import optimizer_name
-from .option_values import PerStage, Schedule
+from .option_values import InProcess, PerStage, Schedule
 from .options import Options
 from .ownership import Ownership
 
@@ -83,6 +85,8 @@ class TrainerSetup:
             self.plan = self.auto.current
         else:  # a bad schedule is refused before any export
             self.plan = resolve(schedule.label, schedule.plans, S, microbatches)
+            if schedule.label in V_SHAPED and isinstance(runner, InProcess) and runner.devices is None:
+                warn_idle(describe(schedule.label), self.plan.layout.workers, self.data_parallel)
         self.clip_global_norm, self.runner = clip_global_norm, runner
         self.optimizer_name = optimizer_name(optimizer)
         self.optimizer, self._state_map = optimizer, None if opt_state is None else state_map(optimizer, self.ownership)
