@@ -471,6 +471,8 @@ def test_export_errors(ws, tmp_path, args, needles):
     [
         (["model:vector", "--shapes", "x=f33[3]"], "unknown dtype 'f33'"),
         (["model:vector", "--shapes", "x=f32[3"], "not DTYPE[DIMS]"),
+        (["model:vector", "--shapes", "x=f32[non_negative]"], "'non_negative' in 'f32[non_negative]' is reserved"),
+        (["model:vector", "--shapes", "x=f32[mod]"], "'mod' in 'f32[mod]' is reserved"),
         (["model:vector", "--shapes", "y=f32[3]"], "not a parameter"),
         (["model:loss", "--shapes", "x=f32[3,6]"], "missing --shapes for parameter(s) params, labels"),
         (["model:vector"], "Missing option '--shapes'"),

@@ -13,13 +13,14 @@ import numpy as np
 import optax
 import pytest
 from models import assert_trees_close, optax_reference
-from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
+from jax import export as jexport
+from stage_models import T, gpt, gpt_batch, gpt_params, gpt_specs, specs_like
 
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.pipeline.runtime.worker import StageWorker
-from vjpsplit_cli.pipeline.stages.evalprograms import forward_outputs
+from vjpsplit_cli.pipeline.stages.evalprograms import EvalProgram, forward_outputs
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,3 +148,88 @@ def test_per_stage_form_is_refused():
     with P.Trainer(list(st), per_stage, optimizer=optax.sgd(0.1), microbatches=2) as tr:
         with pytest.raises(VjpsplitError, match="evaluate runs the evaluation programs of a Stages"):
             tr.evaluate(gpt_batch(4))
+
+
+def test_microbatches_that_are_not_a_count_are_refused_as_the_trainers_are():
+    # -2 gave NaN without an error, 0 a raw ZeroDivisionError, "2" a raw TypeError.
+    with P.Trainer(_stages(), gpt_params(), optimizer=optax.sgd(0.1), microbatches=2) as tr:
+        for count in (-2, 0, "2", 2.0, True):
+            with pytest.raises(VjpsplitError, match=rf"microbatches={count!r}: give how many microbatches"):
+                tr.evaluate(gpt_batch(8), microbatches=count)
+        assert np.isfinite(tr.evaluate(gpt_batch(8), microbatches=np.int64(4)))
+
+
+def _gpt_stages_for(first):
+    """The test GPT exported with ``first`` as every batch input's first dim (an int, or a symbolic expression)."""
+    S = jax.ShapeDtypeStruct
+    p = specs_like(gpt_params())
+    return vs.export_stages(
+        gpt,
+        p,
+        S((first, T), np.int32),
+        S((first, T), np.float32),
+        S((first, T), np.int32),
+        wrt="params",
+        platforms="cpu",
+    )
+
+
+def test_a_batch_that_does_not_fit_the_exported_rows_is_one_error_with_the_fix_before_any_stage_runs():
+    # Exported for the whole batch (16 rows), trained with microbatches=4: the first step raised the artifact's
+    # "args: input 'batch/0': expected i32[16,5], got i32[4,5]" and evaluate jax's raw "Shape mismatch".
+    params = gpt_params()
+    with P.Trainer(_gpt_stages_for(16), params, optimizer=optax.sgd(0.1), microbatches=4) as tr:
+        fix = (
+            r"batch leaf 'tokens': the stages were exported for 16 rows per stage call \(i32\[16,5\]\), but a batch "
+            r"of 16 rows with microbatches=4 x data_parallel=1 gives each call 16 / 4 = 4: pass a batch of 64 rows, "
+            r"or export the stages with a symbolic batch dim"
+        )
+        with pytest.raises(VjpsplitError, match=fix):
+            tr.step(gpt_batch(16))
+        with pytest.raises(VjpsplitError, match=fix):
+            tr.evaluate(gpt_batch(16))
+        assert tr.step_count == 0 and not tr.history
+        _same(tr.params(), params)
+        assert np.isfinite(tr.step(gpt_batch(64)))  # the batch the message names trains
+
+
+def test_an_odd_row_count_for_a_2b_dim_is_the_steps_clear_error_in_evaluate_too():
+    (b,) = jexport.symbolic_shape("b")
+    with P.Trainer(_gpt_stages_for(2 * b), gpt_params(), optimizer=optax.sgd(0.1), microbatches=2) as tr:
+        said = r"batch leaf 'tokens' dim 0 is 3, but the shape gives it as 2\*b: no whole number 'b' solves 2\*b = 3"
+        for run in (tr.evaluate, tr.step):  # evaluate gave jax's raw "Division had remainder 1"
+            with pytest.raises(VjpsplitError, match=said + r".*each stage call gets the batch's 6 rows"):
+                run(gpt_batch(6))
+        loss = tr.evaluate(gpt_batch(8))
+        np.testing.assert_allclose(loss, gpt(gpt_params(), *gpt_batch(8)), rtol=1e-6)
+
+
+def _raises_on_the_host(x):
+    """``x`` through a jitted host callback that raises: an error inside a stage, as a user's callback gives."""
+
+    def host(_):
+        raise RuntimeError("the user's callback failed")
+
+    like = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
+    return jax.pure_callback(host, like, x)
+
+
+def test_an_error_inside_a_stage_names_the_stage_and_the_microbatch(monkeypatch):
+    real, calls = EvalProgram.run, []
+
+    def run(self, *leaves):
+        calls.append(self)
+        if len(calls) == 6:  # microbatch 1's second stage (4 stages)
+            leaves = jax.jit(_raises_on_the_host)(leaves)
+        return real(self, *leaves)
+
+    monkeypatch.setattr(EvalProgram, "run", run)
+    with P.Trainer(_stages(), gpt_params(), optimizer=optax.sgd(0.1), microbatches=2) as tr:
+        with pytest.raises(VjpsplitError) as got:
+            tr.evaluate(gpt_batch(8))
+        assert str(got.value) == (
+            "evaluate: stage 1 mb 1 failed in its evaluation program: JaxRuntimeError: INTERNAL: RuntimeError: "
+            "the user's callback failed"
+        )
+        assert isinstance(got.value.__cause__, jax.errors.JaxRuntimeError)  # chained: the traceback is kept
+        assert np.isfinite(tr.evaluate(gpt_batch(8)))  # the next call runs

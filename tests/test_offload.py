@@ -274,17 +274,23 @@ def test_auto_schedule_offloads_under_a_tight_byte_limit_and_ends_sooner():
     # No transfer cost known: no offload, the plans that fit by count.
     plain = auto_schedule(4, 8, costs=UNIT, memory_limit_bytes=limit, microbatch_bytes=nb)
     assert not plain.offloaded and max(memory_peaks(plain)) <= 2
+    assert got.reason is None and plain.reason.startswith("no copy rate is known")  # no offload says why
     # Slow copies: offload is not worth it.
     slow = auto_schedule(4, 8, costs={**UNIT, "transfer": 1.0}, memory_limit_bytes=limit, microbatch_bytes=nb)
     assert not slow.offloaded
+    assert slow.reason.startswith("no plan that offloads ends sooner: the copies off the device and back cost")
+    roomy = auto_schedule(4, 8, costs=costs, memory_limit_bytes=800, microbatch_bytes=nb)
+    assert not roomy.offloaded and roomy.reason.startswith("every worker holds all 8 microbatches within its limit")
 
 
 def test_auto_schedule_names_the_smallest_byte_limit_that_fits():
     from vjpsplit_cli.pipeline.schedules.auto import auto_schedule
 
-    with pytest.raises(VjpsplitError, match=r"the smallest limit that fits is \[100, 80\] bytes per worker"):
+    said = r"fits every worker is memory_limit_bytes=100; per worker, memory_limit_bytes=\[100, 80\] fits"
+    with pytest.raises(VjpsplitError, match=said):
         auto_schedule(2, 4, costs={**UNIT, "transfer": 1e9}, memory_limit_bytes=[150, 79], microbatch_bytes=[100, 80])
-    auto_schedule(2, 4, costs={**UNIT, "transfer": 1e9}, memory_limit_bytes=[100, 80], microbatch_bytes=[100, 80])
+    for fits in ([100, 80], 100):  # each limit the message names plans
+        auto_schedule(2, 4, costs={**UNIT, "transfer": 1e9}, memory_limit_bytes=fits, microbatch_bytes=[100, 80])
 
 
 def _held():
@@ -322,21 +328,51 @@ def test_auto_offloads_under_a_tight_byte_limit_and_trains_bitwise_as_without(mo
     _bitwise(params, ref_params)
 
 
+def test_auto_that_offloads_nothing_under_a_byte_limit_says_why(monkeypatch):
+    # planned_offload=None gave no reason (issue 67): the reason is no_offload_reason, None where auto offloads.
+    monkeypatch.setattr(P.Trainer, "costs", lambda self: {**FIXED, "transfer": 1e12})
+    kw = dict(optimizer=optax.sgd(0.1), microbatches=M)
+    roomy = P.Schedule("auto", memory_limit_bytes=[M * b for b in _held()], trial_rounds=0)
+    with P.Trainer(_stages(), gpt_params(), schedule=roomy, **kw) as tr:
+        assert tr.no_offload_reason == "auto plans from the first step's measured costs: no plan yet"
+        for b in _batches(3):
+            tr.step(b)
+        assert tr.planned_offload is None
+        assert f"every worker holds all {M} microbatches within its limit" in tr.no_offload_reason
+    tight = P.Schedule("auto", memory_limit_bytes=[2 * b + b // 2 for b in _held()], trial_rounds=0)
+    with P.Trainer(_stages(), gpt_params(), schedule=tight, **kw) as tr:
+        for b in _batches(3):
+            tr.step(b)
+        assert tr.planned_offload is not None and tr.no_offload_reason is None
+    with P.Trainer(_stages(), gpt_params(), schedule=tight, runner=P.InProcess(offload="host"), **kw) as tr:
+        assert tr.no_offload_reason == "offload= was given to the runner: auto plans no offload of its own"
+    with P.Trainer(_stages(), gpt_params(), schedule=P.Schedule("auto", memory_limit=2), **kw) as tr:
+        assert tr.no_offload_reason.startswith("auto offloads only within memory_limit_bytes")
+    with P.Trainer(_stages(), gpt_params(), schedule="zbh1", **kw) as tr:
+        assert tr.no_offload_reason == "only Schedule('auto', memory_limit_bytes=...) plans offload"
+
+
 def test_a_byte_limit_nothing_meets_names_the_smallest_that_fits_and_that_one_trains():
     held = _held()
+    assert len(set(held)) > 1  # the stages hold different bytes: one int that fits is the largest
     tight = [b - 1 for b in held]
     with P.Trainer(
         _stages(), gpt_params(), optimizer=optax.sgd(0.1), microbatches=M,
         schedule=P.Schedule("auto", memory_limit_bytes=tight),
     ) as tr:  # fmt: skip
-        with pytest.raises(VjpsplitError, match=rf"The smallest limit that fits is {held[0]} bytes on worker 0"):
+        said = (
+            rf"The smallest limit that fits every worker is memory_limit_bytes={max(held)} \(.*\); per worker, "
+            rf"memory_limit_bytes={re.escape(str(held))} fits"
+        )
+        with pytest.raises(VjpsplitError, match=said):
             tr.step(_batches(1)[0])
-    with P.Trainer(
-        _stages(), gpt_params(), optimizer=optax.sgd(0.1), microbatches=M,
-        schedule=P.Schedule("auto", memory_limit_bytes=held),
-    ) as tr:  # fmt: skip
-        losses = [tr.step(b) for b in _batches(3)]
-        assert all(np.isfinite(losses))
+    for fits in (held, max(held)):  # the int it names fits every worker (the first worker's did not, issue 67)
+        with P.Trainer(
+            _stages(), gpt_params(), optimizer=optax.sgd(0.1), microbatches=M,
+            schedule=P.Schedule("auto", memory_limit_bytes=fits),
+        ) as tr:  # fmt: skip
+            losses = [tr.step(b) for b in _batches(3)]
+            assert all(np.isfinite(losses))
 
 
 def test_a_microbatch_whose_b_is_its_fs_next_or_second_operation_stays():

@@ -236,6 +236,25 @@ def test_bad_option_values_are_one_error_when_made():
     assert P.Observe(trace_every=np.int64(2)).trace_every == 2
 
 
+@pytest.mark.parametrize("seconds", [-1, 0, float("nan"), float("inf"), "30", None, True])
+def test_a_step_timeout_that_is_not_seconds_is_refused_when_made(seconds):
+    # -1 and 0 failed every step as a fake hang, NaN turned the timeout off, "30" was a raw TypeError mid-step.
+    with pytest.raises(VjpsplitError, match=rf"step_timeout={re.escape(repr(seconds))}.*give seconds, a finite number"):
+        P.Observe(step_timeout=seconds)
+
+
+def test_a_step_timeout_of_seconds_is_kept_as_a_float():
+    assert P.Observe(step_timeout=np.float32(2.5)).step_timeout == 2.5
+    assert type(P.Observe(step_timeout=30).step_timeout) is float
+
+
+@pytest.mark.parametrize("count", ["2", 2.0, 0, -2, True, None])
+def test_microbatches_that_are_not_a_count_are_refused_at_construction(opened, count):
+    with pytest.raises(VjpsplitError, match=rf"microbatches={re.escape(repr(count))}: give how many microbatches"):
+        P.Trainer(_stages(), gpt_params(), optimizer=optax.sgd(0.1), microbatches=count)
+    assert P.Trainer(_stages(), gpt_params(), optimizer=optax.sgd(0.1), microbatches=np.int64(2)).microbatches == 2
+
+
 def test_a_new_form_trainer_trains_as_the_old_one():
     """Not just the same settings: the same losses, bitwise, from the two spellings of one configuration."""
     batch, tx = gpt_batch(8), optax.sgd(0.1)
@@ -293,3 +312,12 @@ def test_restore_takes_trainers_opt_state_and_step_count_in_place_of_the_checkpo
     with P.Trainer.restore(tmp_path / "ck", arts, optimizer=tx, opt_state=fresh_state, step_count=7) as again:
         assert again.step_count == 7
         assert_trees_close(again.state()[1], fresh_state, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["zbh", "atuo", "custom"])
+def test_a_schedule_typo_is_refused_when_made_listing_auto_too(opened, name):
+    said = rf"unknown schedule '{name}'; use one of gpipe, 1f1b, zbh1, zbv, interleaved1f1b, dualpipev, or 'auto'"
+    with pytest.raises(VjpsplitError, match=said):
+        P.Schedule(name)
+    with pytest.raises(VjpsplitError, match=said):
+        P.Trainer(_stages(), gpt_params(), optimizer=optax.sgd(0.1), microbatches=2, schedule=name)

@@ -231,3 +231,36 @@ def test_a_timed_step_whose_hand_out_fails_updates_nothing_and_the_next_step_run
     assert_trees_close(tr.params(), ref.params(), rtol=0, atol=0)
     tr.close()
     ref.close()
+
+
+@pytest.mark.parametrize("timed", [False, True])
+def test_an_error_inside_a_stage_names_the_operation_and_the_trainer_steps_on(monkeypatch, timed):
+    """A host callback that raises in stage 1's forward of microbatch 1 reached the caller as jax's raw
+    JaxRuntimeError, naming no stage, microbatch or operation."""
+    from vjpsplit_cli.pipeline.runtime.worker import StageWorker
+
+    def host(_):
+        raise RuntimeError("the user's callback failed")
+
+    @jax.jit
+    def raising(x):
+        like = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
+        return jax.pure_callback(host, like, x)
+
+    real = StageWorker.forward
+
+    def forward(self, m, x, side, worker=None):
+        return real(self, m, raising(x) if (self.stage_index, m) == (1, 1) else x, side, worker=worker)
+
+    params, batches, tx = gpt_params(), _batches(2), optax.sgd(0.1)
+    with P.Trainer(_stages(), params, optimizer=tx, microbatches=2, observe=P.Observe(timeline=timed)) as tr:
+        monkeypatch.setattr(StageWorker, "forward", forward)
+        with pytest.raises(VjpsplitError) as got:
+            tr.step(batches[0])
+        assert str(got.value) == (
+            "F stage 1 mb 1 failed: JaxRuntimeError: INTERNAL: RuntimeError: the user's callback failed"
+        )
+        assert isinstance(got.value.__cause__, jax.errors.JaxRuntimeError)
+        monkeypatch.setattr(StageWorker, "forward", real)
+        assert_trees_close(tr.params(), params, rtol=0, atol=0)  # nothing applied
+        assert np.isfinite(tr.step(batches[1]))

@@ -315,3 +315,37 @@ def test_fit_surfaces_a_failed_background_write_and_bad_options(tmp_path, monkey
         VjpsplitError, match="workers\\(\\) gives the Ray actor of each worker; this Trainer runs in-process"
     ):
         tr.workers()
+
+
+def test_clip_global_norm_and_a_chained_clip_say_exactly_how_each_takes_the_others_state(tmp_path):
+    """clip_global_norm=c saves tx's state; optax.chain(optax.clip_by_global_norm(c), tx) saves (EmptyState(), tx's):
+    each refused the other's as a missing leaf. The error now says the fix, and the fix it says continues the run."""
+    tx, c, batches = optax.adam(1e-2), 0.5, _batches(3)
+    chained = optax.chain(optax.clip_by_global_norm(c), tx)
+    with P.Trainer(_stages(), gpt_params(), optimizer=tx, microbatches=2, clip_global_norm=c) as tr:
+        tr.step(batches[0])
+        tr.save(tmp_path / "alone")
+        params, alone = tr.state()
+        want = tr.step(batches[1])
+    with pytest.raises(
+        VjpsplitError,
+        match=r"alone: .*as a run with clip_global_norm= saves it.*restore with "
+        r"optimizer=tx and clip_global_norm=c \(the same update\)",
+    ):
+        P.Trainer.restore(tmp_path / "alone", _stages(), optimizer=chained, clip_global_norm=None)
+    with pytest.raises(VjpsplitError, match=r"opt_state: .*pass opt_state=\(optax.EmptyState\(\), opt_state\)"):
+        P.Trainer(_stages(), params, optimizer=chained, microbatches=2, opt_state=alone)
+    with P.Trainer(_stages(), params, optimizer=chained, microbatches=2, opt_state=(optax.EmptyState(), alone)) as tr:
+        np.testing.assert_allclose(tr.step(batches[1]), want, rtol=1e-6)  # the fix it names: the same run
+        tr.save(tmp_path / "chained")
+        _, chained_state = tr.state()
+    with pytest.raises(
+        VjpsplitError,
+        match=r"chained: .*restore with that chain as optimizer= and "
+        r"clip_global_norm=None \(the same update\)",
+    ):
+        P.Trainer.restore(tmp_path / "chained", _stages(), optimizer=tx, clip_global_norm=c)
+    with pytest.raises(VjpsplitError, match=r"opt_state: .*pass opt_state=opt_state\[1\]"):
+        P.Trainer(_stages(), params, optimizer=tx, microbatches=2, clip_global_norm=c, opt_state=chained_state)
+    with P.Trainer(_stages(), params, optimizer=tx, microbatches=2, clip_global_norm=c, opt_state=chained_state[1]):
+        pass

@@ -39,6 +39,17 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
+def raised_line(e: BaseException) -> str:
+    """What ``e`` says, on one line, with its type: ``first_line``, except for a runtime error that carries a
+    Python traceback (a host callback that raised inside a compiled call: ``INTERNAL: CpuCallback error
+    calling callback: Traceback ...``), which is given as its status and the callback's own last line."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith("Traceback (most recent call last):"):
+        status = xla_status(e)
+        return f"{type(e).__name__}: {status + ': ' if status else ''}{lines[-1]}"
+    return first_line(e)
+
+
 # A shape tuple in JAX's messages: ``(783,)``, ``(c, 1)``, ``()`` (dims are ints or symbolic names).
 _TUPLE_RE = re.compile(r"\((\w+(?:, *\w+)+),?\)|\((\w+),\)|\(\)")
 

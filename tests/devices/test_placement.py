@@ -80,7 +80,7 @@ def _evaluates_on(tr, want) -> None:
     batch = gpt_batch(8, seed=4)
     x, side = _stages().stage_batch(batch, 4)[0]
     for s, (w, p) in enumerate(zip(workers, programs)):
-        x = eval_stage(w, p, x, side_for(side, s, 4))
+        x = eval_stage(w, p, x, side_for(side, s, 4), 0)
         assert _on(x, want[s]), s  # made on the stage's device, from what was moved there
     assert all(not w.res for w in workers)
     ref = float(gpt(tr.params(), *batch))
@@ -105,9 +105,36 @@ def test_explicit_devices_are_respected():
 
 
 def test_zbv_puts_each_workers_two_stages_on_its_device():
-    tr = _train(schedule="zbv")  # 2 workers: worker 0 holds stages 0 and 3, worker 1 stages 1 and 2
+    # Two of the 4 devices stay idle: said, with the fix (issue 67: ZB-V on 2 stages ran both on device 0 silently).
+    said = (
+        r"ZB-V puts 2 stages on each worker: 4 stages make 2 workers on 2 of this host's 4 devices, so stages 0 and "
+        r"3 share one device \(one after another\) while 2 stay idle; .*'1f1b', 'zbh1'\), or cut the model into 8 stages"
+    )
+    with pytest.warns(SharedDevicesWarning, match=said):
+        tr = _train(schedule="zbv")  # 2 workers: worker 0 holds stages 0 and 3, worker 1 stages 1 and 2
     assert tr.last_result.num_workers == 2
     _state_lives_on(tr, [D[0], D[1], D[1], D[0]])
+
+
+def test_zbv_on_two_stages_says_both_share_one_device():
+    params = mlp_params(width=8, layers=2)
+    (b,) = jax.export.symbolic_shape("b")
+    spec = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    batch = (jax.ShapeDtypeStruct((b, 8), np.float32), jax.ShapeDtypeStruct((b,), np.int32))
+    stages = vs.export_stages(mlp, spec, *batch, wrt="params", platforms="cpu", stages=2)
+    with pytest.warns(
+        SharedDevicesWarning, match=r"2 stages make 1 worker on 1 of this host's 4 devices, so stages 0 "
+    ):
+        tr = P.Trainer(stages, params, optimizer=optax.sgd(0.1), schedule="zbv", microbatches=2)
+    assert tr.placement == [(D[0],)] * 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SharedDevicesWarning)  # a device per stage, or devices given: nothing to say
+        P.Trainer(stages, params, optimizer=optax.sgd(0.1), schedule="zbh1", microbatches=2).close()
+        P.Trainer(
+            stages, params, optimizer=optax.sgd(0.1), schedule="zbv", microbatches=2,
+            runner=P.InProcess(devices=[[D[0]], [D[0]]]),
+        ).close()  # fmt: skip
+    tr.close()
 
 
 def test_interleaved_workers_stages_share_the_workers_device():

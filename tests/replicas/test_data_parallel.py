@@ -406,3 +406,21 @@ def test_an_untimed_steps_record_asks_every_replica_whether_an_operation_finishe
         group.grads = {"w": reduced}
         rec.end(0, Op("B", 1, 1), parts, group)
         assert [len(e[2]) for e in rec.ops[0]] == [2, 3] and rec.ops[0][1][2][2] is reduced
+
+
+def test_evaluate_on_replicas_with_a_concrete_per_replica_batch_equals_one_process():
+    # Exported for 2 rows per replica call (data_parallel=2 recorded): training worked, evaluate raised jax's raw
+    # "Shape mismatch" (it ran each whole microbatch on the first replica).
+    S = jax.ShapeDtypeStruct
+    specs = jax.tree_util.tree_map(lambda a: S(np.shape(a), a.dtype), tied_params())
+    st = vs.export_stages(
+        tied, specs, S((2, T), jnp.int32), S((2, T), jnp.int32), wrt="params", platforms="cpu", data_parallel=2
+    )
+    params, (batch,) = tied_params(), tied_batches(1, rows=8)
+    with P.Trainer(st, params, optimizer=optax.sgd(0.1), microbatches=2) as tr:
+        loss, outputs = tr.evaluate(batch, outputs=True)
+        np.testing.assert_allclose(loss, tied(params, *batch), rtol=RTOL)
+        assert [np.shape(o[0]) for o in outputs] == [(4, T, D)] * 2  # each microbatch whole, its replicas joined
+        with pytest.raises(VjpsplitError, match=r"pass a batch of 8 rows"):
+            tr.evaluate(tied_batches(1, rows=16)[0])
+        np.testing.assert_allclose(tr.step(batch), loss, rtol=RTOL)  # the step's loss on the same parameters

@@ -128,6 +128,19 @@ def _solve_one(eq: Equation, node: Node, dims: dict[str, int]) -> bool:
     return True
 
 
+def refuse_size(what: str, dim: str, size: int) -> None:
+    """Refuse ``size`` where dim ``dim`` has one symbolic name and no whole value >= 1 of it gives ``size``
+    (``2*b`` against 3), in ``solve``'s words; a dim with several names, or not linear in its one, is left
+    to the shape check of the call that takes it.
+
+    Raises:
+        VjpsplitError: naming ``what``, the dim and the size.
+    """
+    node = parse(dim)
+    if node is not None and len(names(node)) == 1:
+        _solve_one(Equation(what, dim, size), node, {})
+
+
 def _solve(equations: Sequence[Equation], known: Mapping[str, int] | None) -> dict[str, int]:
     dims = dict(known or {})
     pending = []

@@ -12,7 +12,7 @@ from jax import export as jexport
 from jax.sharding import NamedSharding
 
 from ..errors import VjpsplitError
-from .dimtext import MAX_DIM
+from .dimtext import FUNCS, MAX_DIM
 from .dimtext import evaluate
 from .dtypes import NARROWED, dtype_from_name, short_name
 from .prng import is_key
@@ -57,7 +57,12 @@ def parse_array_spec(text: str, scope: jexport.SymbolicScope) -> jax.ShapeDtypeS
 
 
 def _symbolic_dim(name: str, text: str, scope: jexport.SymbolicScope) -> object:  # jax keeps the dim class private
-    """The symbolic dim ``name``; names that jax.export's shape syntax reserves (mod, max, _) are refused."""
+    """The symbolic dim ``name``; names that jax.export's shape syntax reserves (mod, max, non_negative, _) are
+    refused."""
+    if name in FUNCS:  # a shape function's name: jax.export takes it, but no manifest could spell the dim
+        raise VjpsplitError(
+            f"dimension name {name!r} in {text!r} is reserved by jax.export's shape syntax; use another name, like b"
+        )
     try:
         (dim,) = jexport.symbolic_shape(name, scope=scope)
     except Exception as e:  # jax.export's parser raises plain ValueErrors with grammar details

@@ -31,7 +31,9 @@ class SharedDevicesWarning(UserWarning):
 
     Warned (``warnings.warn``) where stages are placed on this host's devices
     (``run_inprocess``, the ``Trainer``), with the fix: on CPU, more host devices
-    through ``XLA_FLAGS``, or ``devices=``.
+    through ``XLA_FLAGS``, or ``devices=``. The ``Trainer`` warns it too where a V
+    schedule puts two stages on each worker's device while others of this host's stay
+    idle (``warn_idle``): two stages on one ZB-V worker run on one device.
     """
 
 
@@ -98,6 +100,29 @@ def _warn_shared(need: Sequence[int], have: Sequence[jax.Device]) -> None:
     warnings.warn(
         f"{len(need)} workers need {sum(need)} devices but this host has {len(have)} {platform} device"
         f"{'s' if len(have) != 1 else ''}: every stage runs on the first ones, one after another; {fix}",
+        SharedDevicesWarning,
+        stacklevel=_callers_level(),
+    )
+
+
+def warn_idle(schedule: str, workers: Sequence[Sequence[int]], replicas: int = 1) -> None:
+    """Warn where ``workers`` (the stages each worker holds, for ``schedule``, a label) stack several stages on a
+    worker's device while this host has devices no worker uses; ``replicas``: devices per worker."""
+    import jax
+
+    have = len(jax.local_devices())
+    used = len(workers) * replicas
+    stacked = [held for held in workers if len(held) > 1]
+    if not stacked or have <= used:
+        return
+    stages = sum(len(held) for held in workers)
+    per = max(len(held) for held in workers)
+    first = " and ".join(str(s) for s in stacked[0])
+    warnings.warn(
+        f"{schedule} puts {per} stages on each worker: {stages} stages make {len(workers)} worker"
+        f"{'s' if len(workers) != 1 else ''} on {used} of this host's {have} devices, so stages {first} share one "
+        f"device (one after another) while {have - used} stay idle; for a device per stage, use a schedule with one "
+        f"stage per worker ('1f1b', 'zbh1'), or cut the model into {per * have // replicas} stages",
         SharedDevicesWarning,
         stacklevel=_callers_level(),
     )

@@ -4,59 +4,96 @@ A stage's evaluation program (``stages.evalprograms``) takes what the artifact's
 forward takes and returns only what the stage sends on (the loss, for the last
 stage): nothing is kept for a backward, and the worker's residuals, gradients
 and parameters are not touched. ``eval_stage`` runs one stage on one
-microbatch on its worker's device; ``evaluate_here`` runs every microbatch
-through every stage in this process (dispatched in microbatch order, so the
-stages' devices work on different microbatches at once); ``EvaluatingActor``
-gives a Ray actor the same call.
+microbatch on its worker's device (a stage with replicas: each replica on its
+part of the microbatch, as a step's F runs, handing on a ``Parts``);
+``evaluate_here`` runs every microbatch through every stage in this process
+(dispatched in microbatch order, so the stages' devices work on different
+microbatches at once); ``EvaluatingActor`` gives a Ray actor the same call.
+``loss_value`` and ``joined`` turn what the last stage gives and receives into
+the caller's loss and outputs. An error a stage's program raises names the stage
+and the microbatch.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping, Sequence
 
+import jax
 import numpy as np
 
+from ...errors import VjpsplitError, raised_line
 from ..stages.evalprograms import EvalProgram
 from .model import Microbatch, side_for
-from .replicas import ReplicaGroup
+from .replicas import Parts, ReplicaGroup, split_parts
 from .worker import StageWorker
 from ...treetypes import Leaf, PyTree
 
-if TYPE_CHECKING:
-    import jax
-
 
 def eval_stage(
-    worker: StageWorker | ReplicaGroup, program: EvalProgram, x: PyTree, side: Sequence[Leaf]
-) -> jax.Array | tuple[jax.Array, ...]:
-    """Stage ``worker``'s forward on one microbatch from ``program``: the tuple it sends on, or the loss (last)."""
-    import jax
+    worker: StageWorker | ReplicaGroup, program: EvalProgram, x: PyTree, side: Sequence[Leaf], mb: int
+) -> PyTree:
+    """Stage ``worker``'s forward on microbatch ``mb`` from ``program``: the tuple it sends on, or the loss (last).
 
-    xs = worker.to_device([x, *side])  # stage 0's x is the batch leaves it reads
-    out = program.run(*jax.tree_util.tree_leaves((worker.params, *xs)))
+    A stage with replicas runs each replica on its part of the microbatch (``x`` whole, or the ``Parts`` the
+    stage before handed on) and hands on a ``Parts``: per replica, its output or its loss.
+
+    Raises:
+        VjpsplitError: the microbatch does not split into the replicas; what the program raised, naming the stage
+            and the microbatch (chained).
+    """
+    if isinstance(worker, ReplicaGroup):
+        xs = list(x) if isinstance(x, Parts) else split_parts(x, worker.n)
+        sides = split_parts(list(side), worker.n) if side else [[] for _ in range(worker.n)]
+        return Parts(eval_stage(r, program, xs[i], sides[i], mb) for i, r in enumerate(worker.replicas))
+    try:
+        xs = worker.to_device([x, *side])  # stage 0's x is the batch leaves it reads
+        out = program.run(*jax.tree_util.tree_leaves((worker.params, *xs)))
+    except VjpsplitError:
+        raise
+    except Exception as e:  # a stage's own error (a host callback in the loss, a device error): named here
+        raise VjpsplitError(
+            f"evaluate: stage {worker.stage_index} mb {mb} failed in its evaluation program: {raised_line(e)}"
+        ) from e
     return out[0] if worker.is_last else out
 
 
 def evaluate_here(
-    workers: Sequence[StageWorker], programs: Sequence[EvalProgram], mbs: Sequence[Microbatch], keep: bool = False
-) -> tuple[list[jax.Array], list[PyTree]]:
+    workers: Sequence[StageWorker | ReplicaGroup],
+    programs: Sequence[EvalProgram],
+    mbs: Sequence[Microbatch],
+    keep: bool = False,
+) -> tuple[list[PyTree], list[PyTree]]:
     """Every microbatch of ``mbs`` through every stage (``workers[s]`` runs ``programs[s]``): per microbatch the
-    loss (a device scalar) and, with ``keep``, what the last stage received (else nothing is held)."""
+    loss (a device scalar, or a ``Parts`` of the replicas' losses; ``loss_value``) and, with ``keep``, what the
+    last stage received (else nothing is held)."""
     S = len(workers)
     losses, received = [], []
-    for x, side in mbs:
+    for m, (x, side) in enumerate(mbs):
         for s, (w, p) in enumerate(zip(workers, programs)):
             if keep and s == S - 1:
                 received.append(x)
-            x = eval_stage(w, p, x, side_for(side, s, S))
+            x = eval_stage(w, p, x, side_for(side, s, S), m)
         losses.append(x)
     return losses, received
 
 
+def loss_value(loss: PyTree) -> float:
+    """A microbatch's loss as a float: the mean of the replicas' losses for a ``Parts`` (each the mean over its
+    part, as a step's loss is), else the loss itself."""
+    if isinstance(loss, Parts):
+        return float(np.mean([np.asarray(v) for v in loss]))
+    return float(np.asarray(loss))
+
+
+def joined(tree: PyTree) -> PyTree:
+    """What a stage received, whole: a ``Parts`` (per replica, host arrays) joined back along axis 0."""
+    if not isinstance(tree, Parts):
+        return tree
+    return jax.tree_util.tree_map(lambda *parts: np.concatenate(parts), *tree)
+
+
 def host(tree: PyTree) -> PyTree:
     """``tree``'s arrays as host arrays (what a Ray actor hands on)."""
-    import jax
-
     return jax.tree_util.tree_map(np.asarray, tree)
 
 
@@ -79,6 +116,6 @@ class EvaluatingActor:
         """Whether ``load_eval`` has run on this actor (a replaced actor has not)."""
         return bool(getattr(self, "eval_programs", None))
 
-    def eval_op(self, stage: int, x: PyTree, side: list[Leaf]) -> PyTree:
-        """Stage ``stage``'s forward on one microbatch: what it sends on, or the loss (last), as host arrays."""
-        return host(eval_stage(self.stage_workers[stage], self.eval_programs[stage], x, side))
+    def eval_op(self, stage: int, x: PyTree, side: list[Leaf], mb: int) -> PyTree:
+        """Stage ``stage``'s forward on microbatch ``mb``: what it sends on, or the loss (last), as host arrays."""
+        return host(eval_stage(self.stage_workers[stage], self.eval_programs[stage], x, side, mb))

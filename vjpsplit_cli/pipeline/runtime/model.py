@@ -82,8 +82,8 @@ class Model:
         """A runner's ``x`` and ``side`` as microbatches."""
         return split_batch(x, side, microbatches)
 
-    def batch_microbatches(self, batch: tuple[PyTree, ...], microbatches: int) -> list[Microbatch]:
-        """The Trainer's batch tuple (``(x, *side)`` here) as microbatches."""
+    def batch_microbatches(self, batch: tuple[PyTree, ...], microbatches: int, replicas: int = 1) -> list[Microbatch]:
+        """The Trainer's batch tuple (``(x, *side)`` here) as microbatches (``replicas``: see ``StagesModel``'s)."""
         return split_batch(batch[0], list(batch[1:]), microbatches)
 
     def gather(self, grads: list[PyTree]) -> PyTree:
@@ -120,9 +120,10 @@ class StagesModel(Model):
             )
         return list(self.stages.stage_batch(x, microbatches))
 
-    def batch_microbatches(self, batch: tuple[PyTree, ...], microbatches: int) -> list[Microbatch]:
-        """The function's batch tuple as microbatches: each stage's batch inputs go to it."""
-        return list(self.stages.stage_batch(batch, microbatches))
+    def batch_microbatches(self, batch: tuple[PyTree, ...], microbatches: int, replicas: int = 1) -> list[Microbatch]:
+        """The function's batch tuple as microbatches: each stage's batch inputs go to it; each stage call's rows
+        (``replicas`` per microbatch) checked against the export's first dims (``Stages.stage_batch``)."""
+        return list(self.stages.stage_batch(batch, microbatches, replicas))
 
     def gather(self, grads: list[PyTree]) -> PyTree:
         """Per-stage gradients as one pytree like ``params``, a tied leaf's summed."""

@@ -317,8 +317,3 @@ class ReplicaGroup:
 def jax_leaves(tree: PyTree) -> list[jax.Array]:
     """``tree``'s leaves in JAX's order (a stage's gradients: its arrays)."""
     return jax.tree_util.tree_leaves(tree)
-
-
-def lead(worker: StageWorker | ReplicaGroup) -> StageWorker:
-    """The ``StageWorker`` that evaluates for ``worker``: a group's first replica, else the worker itself."""
-    return worker.replicas[0] if isinstance(worker, ReplicaGroup) else worker

@@ -2,7 +2,8 @@
 
 ``RunsOps`` is what ``run_op`` and the runners (threads in-process, Ray actors) call
 on a stage: a ``worker.StageWorker``, or a ``replicas.ReplicaGroup`` standing in its
-place. ``run_op`` hands an operation to the stage's F, B, I or W. May import the
+place. ``run_op`` hands an operation to the stage's F, B, I or W, and names the operation in any error it
+raises. May import the
 schedules room's ``ops`` and ``timeline``, ``offload``'s ``Offload`` and the tracing
 layer's residual types; ``worker`` and ``replicas`` implement it, the runners call it.
 """
@@ -13,6 +14,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from ..schedules.ops import Kind, Op
+from ...errors import VjpsplitError, raised_line
 from ...treetypes import PyTree
 
 if TYPE_CHECKING:
@@ -88,7 +90,29 @@ def run_op(
 
     Returns what the operation hands on: the activation (or loss), the input
     cotangent, or None for W.
+
+    Raises:
+        VjpsplitError: what the operation raised, naming it (``F stage 1 mb 0 failed: ...``; chained), unless it
+            was one already (those name what they are about).
     """
+    try:
+        return _run(stage, op, data, side, microbatches, worker, hand_on)
+    except VjpsplitError:
+        raise
+    except Exception as e:  # a stage's own error (a host callback in the loss, a device error): named here
+        raise VjpsplitError(f"{op.kind} stage {op.stage} mb {op.mb} failed: {raised_line(e)}") from e
+
+
+def _run(
+    stage: RunsOps,
+    op: Op,
+    data: PyTree,
+    side: Sequence[PyTree],
+    microbatches: int,
+    worker: int,
+    hand_on: Callable[[PyTree], None] | None,
+) -> PyTree:
+    """``run_op``'s operation, by its kind."""
     stage.before(op)  # the copy back of the stage's next backward overlaps this operation
     if op.kind == Kind.F:
         return stage.forward(op.mb, data, side, worker=worker)

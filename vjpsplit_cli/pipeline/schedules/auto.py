@@ -210,8 +210,8 @@ def _within_bytes(
         w = short[0]
         raise VjpsplitError(
             f"memory_limit_bytes={raw[w]} on worker {w}: no plan fits, with or without offload (a stage holds one "
-            f"microbatch's residuals, {need[w]} bytes, at the end of its F); the smallest limit that fits is "
-            f"{need} bytes per worker"
+            f"microbatch's residuals, {need[w]} bytes, at the end of its F); the smallest limit that fits every "
+            f"worker is memory_limit_bytes={max(need)}; per worker, memory_limit_bytes={need} fits"
         )
     base = [m if b == 0 else max(1, min(m, lim // b)) for lim, b in zip(raw, nbytes)]
     best: tuple[float, list[list[Op]], frozenset[tuple[int, int]]] | None = None
@@ -234,4 +234,17 @@ def _within_bytes(
         if best is None or span < best[0] - 1e-9:
             best = (span, plans, chosen)
     assert best is not None  # k = 0 fits by its counts
-    return OffloadPlans(best[1], best[2])
+    return OffloadPlans(best[1], best[2], _why_no_offload(c, m, base))
+
+
+def _why_no_offload(c: Costs, m: int, base: Sequence[int]) -> str:
+    """Why plans within a byte limit offload nothing (where the soonest to end offload nothing): ``base`` is what
+    each worker holds within its bytes without offload."""
+    if min(base) >= m:
+        return f"every worker holds all {m} microbatches within its limit: nothing needs to leave the device"
+    if c.transfer is None:
+        return "no copy rate is known (the costs' 'transfer'): the copies off the device cannot be weighed"
+    return (
+        "no plan that offloads ends sooner: the copies off the device and back cost more than the waits the "
+        "microbatches they let in flight remove"
+    )

@@ -43,13 +43,15 @@ class OffloadPlans(list):  # type: ignore[type-arg]
     Args:
         plans: One list of ``Op`` per worker.
         offloaded: The (stage, microbatch) pairs whose residuals leave their device.
+        reason: Where ``offloaded`` is empty, why nothing is offloaded, in words (None: not said).
     """
 
     offloaded: frozenset[tuple[int, int]]
 
-    def __init__(self, plans: Sequence[Sequence[Op]], offloaded: object = ()):
+    def __init__(self, plans: Sequence[Sequence[Op]], offloaded: object = (), reason: str | None = None):
         super().__init__([list(ops) for ops in plans])
         self.offloaded = frozenset((int(s), int(m)) for s, m in offloaded)  # type: ignore[attr-defined]
+        self.reason = None if self.offloaded else reason
 
 
 def _before_b(ops: Sequence[Op]) -> dict[int, int]:

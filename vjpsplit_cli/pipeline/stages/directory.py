@@ -26,6 +26,8 @@ import numpy as np
 
 from ...artifact.loading import load
 from ...errors import VjpsplitError
+from ...files.dims import refuse_size
+from ...files.shapes import format_shape
 from ...files.trees import flatten_with_keys
 from ...safeio.outputs import StagedOutputs
 from ...safeio.reading import read_bytes
@@ -160,12 +162,16 @@ class Stages:
         leaves = _check_leaves("params", idx.params, flatten_with_keys(idx.params_name, params))
         return [tuple(leaves[i] for i in st.params) for st in idx.per_stage]
 
-    def stage_batch(self, batch: tuple[PyTree, ...], microbatches: int) -> list[tuple[tuple[Leaf, ...], StageInputs]]:
+    def stage_batch(
+        self, batch: tuple[PyTree, ...], microbatches: int, replicas: int = 1
+    ) -> list[tuple[tuple[Leaf, ...], StageInputs]]:
         """The batch tuple as the runners' microbatches: stage 0's inputs as ``x``, the others' as per-stage sides.
 
         Args:
             batch: The batch inputs, a tuple in the function's argument order (a 1-tuple for one input).
             microbatches: How many microbatches to split the first dim into.
+            replicas: How many replicas each microbatch is split into after (``data_parallel``): each stage
+                call gets ``rows / (microbatches * replicas)`` rows, which the export's first dims must take.
 
         Returns:
             One pair per microbatch: stage 0's batch leaves (a tuple) and the later
@@ -174,7 +180,8 @@ class Stages:
         Raises:
             VjpsplitError: If ``batch`` is not a tuple of the right length, its leaves
                 differ from the export's (dtype, rank, fixed dims), or their first dims
-                differ or are not a multiple of ``microbatches``.
+                differ or are not a multiple of ``microbatches``; or the rows each stage call gets do not
+                fit the export's first dims (a fixed one, or ``2*b`` against an odd count), saying the fix.
         """
         names = self.index.batch_names
         if not isinstance(batch, tuple) or len(batch) != len(names):
@@ -192,12 +199,37 @@ class Stages:
                 f"got {sorted({np.shape(x)[0] for x in leaves})}"
             )
         k = n // microbatches
+        if k % replicas == 0:  # else the replicas' own check names the split
+            self._check_call_rows(n, microbatches, replicas)
         out = []
         for m in range(microbatches):
             mb = [x[m * k : (m + 1) * k] for x in leaves]
             reads = [tuple(mb[i] for i in st.batch) for st in self.index.per_stage]
             out.append((reads[0], StageInputs({c: [r] for c, r in enumerate(reads) if c and r})))
         return out
+
+    def _check_call_rows(self, n: int, microbatches: int, replicas: int) -> None:
+        """Refuse a batch of ``n`` rows whose stage calls (``n / (microbatches * replicas)`` rows each) do not fit
+        the export's first dims: before any stage runs, with the fix."""
+        rows = n // (microbatches * replicas)
+        split = f"microbatches={microbatches} x data_parallel={replicas}"
+        for entry in self.index.batch:
+            if not entry.shape:
+                continue
+            first = entry.shape[0]
+            if isinstance(first, int) and first != rows:
+                raise VjpsplitError(
+                    f"batch leaf {entry.key!r}: the stages were exported for {first} rows per stage call "
+                    f"({format_shape(entry.dtype, entry.shape)}), but a batch of {n} rows with {split} gives each call "
+                    f"{n} / {microbatches * replicas} = {rows}: pass a batch of {first * microbatches * replicas} "
+                    f"rows, or export the stages with a symbolic batch dim (jax.export.symbolic_shape('b')), "
+                    f"which takes any batch that splits"
+                )
+            if isinstance(first, str):
+                try:
+                    refuse_size(f"batch leaf {entry.key!r} dim 0", first, rows)
+                except VjpsplitError as e:
+                    raise VjpsplitError(f"{e} (each stage call gets the batch's {n} rows / ({split}) = {rows})") from e
 
     def gather_grads(self, stage_grads: Sequence[Sequence[Leaf]], params: PyTree) -> PyTree:
         """Per-stage gradients as one pytree like ``params``: a tied leaf's gradient summed over its stages.

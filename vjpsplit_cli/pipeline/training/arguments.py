@@ -51,6 +51,18 @@ def plain(value: T) -> T:
     return value
 
 
+def checked_microbatches(value: object) -> int:
+    """``microbatches`` (the Trainer's, or ``evaluate``'s) as a Python int >= 1.
+
+    Raises:
+        VjpsplitError: not an int (a string, a float, a bool), or below 1.
+    """
+    value = plain(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise VjpsplitError(f"microbatches={value!r}: give how many microbatches to cut the batch into, an int >= 1")
+    return value
+
+
 def checked_clip(value: object) -> float | None:
     """``clip_global_norm`` as a positive float (or None for no clipping).
 

@@ -213,6 +213,22 @@ class AutoPlan:
         return Offload(pairs=self.offloaded) if self.offloaded else None
 
     @property
+    def no_offload_reason(self) -> str | None:
+        """Why the next step's plans offload nothing, in words; None where they offload."""
+        if self.offloaded:
+            return None
+        if self.memory_limit_bytes is None:
+            return "auto offloads only within memory_limit_bytes; this limit counts microbatches (memory_limit)"
+        if self.plans is None:
+            return "auto plans from the first step's measured costs: no plan yet"
+        own = getattr(self, "planned_reason", None) or "auto_schedule's plans offload nothing"
+        running = self.chosen if self.trial is None else self.trial.candidates[self.trial.running]
+        if running is not None and running.name != AUTO:
+            how = "on a trial step" if self.trial is not None else "kept"
+            return f"auto runs the plans of {running.name!r} ({how}), which offload nothing; its own: {own}"
+        return own
+
+    @property
     def current(self) -> Resolved:
         """The Trainer's plan: named ``auto``, the plans the next step runs once measured (none before)."""
         return Resolved(AUTO, self.plans or [], self.layout)
@@ -274,7 +290,8 @@ class AutoPlan:
                     raise VjpsplitError(
                         f"memory_limit_bytes={limit} ({human_bytes(limit)}) on worker {s}: one microbatch of stage {s} "
                         f"holds {b} bytes ({human_bytes(b)}) at the end of its F, offloaded or not; no plan fits. The "
-                        f"smallest limit that fits is {b} bytes on worker {s} ({held} per worker), or give more "
+                        f"smallest limit that fits every worker is memory_limit_bytes={max(held)} "
+                        f"({human_bytes(max(held))}); per worker, memory_limit_bytes={held} fits; or give more "
                         "(smaller) microbatches"
                     )
                 counts.append(self.microbatches if b == 0 else min(self.microbatches, limit // b))
@@ -307,6 +324,7 @@ class AutoPlan:
                 self.artifacts, m, costs=costs, memory_limit_bytes=self.byte_limits, microbatch_bytes=self.held
             )
             offloaded: frozenset[tuple[int, int]] = planned.offloaded  # type: ignore[attr-defined]
+            self.planned_reason: str | None = planned.reason  # type: ignore[attr-defined]
             plans = [list(ops) for ops in planned]
             out.append(Candidate(AUTO, plans, offloaded, self.modeled(plans, offloaded, costs)))
         else:

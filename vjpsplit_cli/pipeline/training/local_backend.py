@@ -22,10 +22,10 @@ from ...errors import VjpsplitError
 from ...treetypes import Leaf, PyTree
 from ..runtime.devices import Devices
 from ..runtime.dispatch import Order, order_of
-from ..runtime.evaluation import evaluate_here, host
+from ..runtime.evaluation import evaluate_here, host, joined, loss_value
 from ..runtime.inprocess import RUNNER
 from ..runtime.model import Microbatch
-from ..runtime.replicas import check_split, lead
+from ..runtime.replicas import check_split
 from ..runtime.result import PipelineResult, step_result
 from ..runtime.offload import Offload
 from ..runtime.stepwatch import Watch
@@ -320,8 +320,12 @@ class InProcessBackend:
         self, mbs: Sequence[Microbatch], programs: Sequence[EvalProgram], outputs: bool
     ) -> tuple[list[float], list[PyTree] | None]:
         """Every stage's forward only, dispatched from this thread onto each stage's device (``Backend.evaluate``)."""
-        losses, received = evaluate_here([lead(t.worker) for t in self.trainers], programs, mbs, keep=outputs)
-        return [float(v) for v in jax.device_get(losses)], (host(received) if outputs else None)
+        if self.data_parallel > 1:
+            check_split(mbs, self.data_parallel)  # before any stage runs, as a step's
+        losses, received = evaluate_here([t.worker for t in self.trainers], programs, mbs, keep=outputs)
+        return [loss_value(v) for v in jax.device_get(losses)], (
+            [joined(r) for r in host(received)] if outputs else None
+        )
 
     def set_offload(self, spec: Offload | None) -> None:
         """From the next step, every stage's residuals off its device between F and B as ``spec`` says (None: none)."""

@@ -186,7 +186,7 @@ class StateMap:
         """Each stage's ``{state key: array}`` (host arrays, PRNG keys as key data) from the whole model's state."""
         leaves, treedef = jax.tree_util.tree_flatten(opt_state)
         if self.treedef != treedef:
-            raise VjpsplitError(f"opt_state: {self._difference(opt_state)}; pass tx.init(params) or trainer.state()'s")
+            raise VjpsplitError(f"opt_state: {self._difference(opt_state)}")
         by: dict[_At, np.ndarray] = {}
         for at, entry, spec, v in zip(self.whole, self.entries, self.specs, leaves):
             if is_key(spec) != is_key(v) or (is_key(spec) and impl_name(spec) != impl_name(v)):
@@ -203,16 +203,42 @@ class StateMap:
         return [{k: by[at] for k, at in zip(keys, where)} for keys, where in self.stages]
 
     def _difference(self, opt_state: optax.OptState) -> str:
+        """How ``opt_state``'s structure differs from ``tx.init(params)``'s, and the fix."""
+        fix = "; pass tx.init(params) or trainer.state()'s"
         got = [k for k, _ in flatten_with_keys("", opt_state)]
+        nested = _clip_nesting(got, self.entries)
+        if nested == "alone":
+            return (
+                "it is the optimizer's state alone, as a run with clip_global_norm= holds it, but the optimizer "
+                "given nests it under '1/', as optax.chain(optax.clip_by_global_norm(c), tx) does: pass "
+                "opt_state=(optax.EmptyState(), opt_state), or optimizer=tx with clip_global_norm=c (the same update)"
+            )
+        if nested == "chained":
+            return (
+                "it is optax.chain(optax.clip_by_global_norm(c), tx)'s state (tx's under '1/'), but the optimizer "
+                "given takes tx's alone, as with clip_global_norm=: pass opt_state=opt_state[1], or that chain as "
+                "optimizer= (the same update)"
+            )
         first = next((i for i, (a, b) in enumerate(zip(got, self.entries)) if a != b), min(len(got), len(self.entries)))
         if first < len(self.entries) or len(got) != len(self.entries):
             where = got[first] if first < len(got) else "(none)"
             want = self.entries[first] if first < len(self.entries) else "(none)"
             return (
                 f"has {len(got)} leaves, {self.name}'s init gives these parameters {len(self.entries)}; "
-                f"leaf {first} is '{where}', not '{want}'"
+                f"leaf {first} is '{where}', not '{want}'{fix}"
             )
-        return f"its leaves are named as {self.name}'s init names them, but its node types differ"
+        return f"its leaves are named as {self.name}'s init names them, but its node types differ{fix}"
+
+
+def _clip_nesting(got: Sequence[str], want: Sequence[str]) -> str:
+    """How state keys ``got`` relate to the keys ``want``: ``"alone"`` where ``want`` are ``got`` under ``1/`` (a
+    state saved with ``clip_global_norm=``, asked for as ``chain(clip_by_global_norm(c), tx)``'s, whose first
+    element has no leaves), ``"chained"`` for the reverse, else ``""``."""
+    if got and list(want) == [f"1/{k}" for k in got]:
+        return "alone"
+    if want and list(got) == [f"1/{k}" for k in want]:
+        return "chained"
+    return ""
 
 
 def state_map(tx: optax.GradientTransformation, ownership: Ownership) -> StateMap:
@@ -233,6 +259,19 @@ def opt_state_from_file(
     whole = _init_shape(tx, jax.tree_util.tree_map(_spec, params), label)
     leaves = []
     entries = flatten_with_keys("", whole)
+    nested = _clip_nesting(sorted(arrays), sorted(k for k, _ in entries))
+    if nested == "alone":
+        raise VjpsplitError(
+            f"{source}: its optimizer state is the optimizer's alone, as a run with clip_global_norm= saves it, but "
+            "the optimizer given nests it under '1/', as optax.chain(optax.clip_by_global_norm(c), tx) does: restore "
+            "with optimizer=tx and clip_global_norm=c (the same update)"
+        )
+    if nested == "chained":
+        raise VjpsplitError(
+            f"{source}: its optimizer state is optax.chain(optax.clip_by_global_norm(c), tx)'s (tx's under '1/'), "
+            "but the optimizer given takes tx's alone, as with clip_global_norm=: restore with that chain as "
+            "optimizer= and clip_global_norm=None (the same update)"
+        )
     for key, spec in entries:
         if key not in arrays:
             raise VjpsplitError(

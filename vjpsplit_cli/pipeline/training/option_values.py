@@ -20,6 +20,8 @@ May import ``runtime``, ``schedules``, ``stages`` and, of this room, ``arguments
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from dataclasses import dataclass
 from typing import ClassVar, Mapping, Sequence
@@ -33,6 +35,7 @@ from ..runtime.offload import Offload, offload_of
 from ..runtime.ray.pipeline import STEP_TIMEOUT
 from ..runtime.ray.setup import SCHEDULE_TIMEOUT
 from ..runtime.runners import check_runner
+from ..schedules.catalog import SCHEDULES
 from ..schedules.ops import Op
 from .arguments import plain
 from .autoplan import AUTO
@@ -80,7 +83,8 @@ class Schedule:
 
     Raises:
         VjpsplitError: both ``name`` and ``plans``; both memory limits, or one (or ``trial_rounds``) for a
-            schedule other than ``"auto"``; a name that is not a string; ``trial_rounds`` not an int >= 0.
+            schedule other than ``"auto"``; a name that is not a string, or no schedule's (the message lists them,
+            ``"auto"`` too); ``trial_rounds`` not an int >= 0.
     """
 
     name: str | None = None
@@ -92,6 +96,11 @@ class Schedule:
     def __post_init__(self) -> None:
         if self.name is not None and not isinstance(self.name, str):
             raise VjpsplitError(f"Schedule(name={self.name!r}): give a schedule's name as a string, or plans as plans=")
+        if self.name is not None and self.name not in (*SCHEDULES, AUTO):
+            raise VjpsplitError(
+                f"unknown schedule {self.name!r}; use one of {', '.join(SCHEDULES)}, or {AUTO!r} (plans for the "
+                "measured costs)"
+            )
         if self.name is not None and self.plans is not None:
             raise VjpsplitError(
                 f"Schedule(name={self.name!r}, plans=...): give a schedule's name or its plans, not both"
@@ -239,7 +248,8 @@ class Observe:
             ``checkpoint_dir``, ``<checkpoint_dir>.hang.json`` beside it; else a file in the temporary directory).
 
     Raises:
-        VjpsplitError: ``trace_every`` is not an int >= 1; ``trace_dir`` is a file or under one.
+        VjpsplitError: ``trace_every`` is not an int >= 1; ``trace_dir`` is a file or under one; ``step_timeout`` is
+            not a finite number of seconds > 0.
     """
 
     progress: bool = False
@@ -255,6 +265,21 @@ class Observe:
             _check_count("trace_every", self.trace_every, "how often to time a step and trace it")
         if self.trace_dir is not None:
             check_directory_option("Observe(trace_dir=...)", self.trace_dir)
+        object.__setattr__(self, "step_timeout", _checked_seconds("step_timeout", self.step_timeout))
+
+
+def _checked_seconds(name: str, value: object) -> float:
+    """``value`` as seconds, a float: a real number, finite and > 0.
+
+    Raises:
+        VjpsplitError: naming ``name``: a string, a bool, None, NaN, infinity, 0 or less.
+    """
+    value = plain(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise VjpsplitError(f"{name}={value!r} is a {type(value).__name__}; give seconds, a finite number > 0")
+    if not math.isfinite(value) or value <= 0:
+        raise VjpsplitError(f"{name}={value!r}: give seconds, a finite number > 0")
+    return float(value)
 
 
 @dataclass(frozen=True)

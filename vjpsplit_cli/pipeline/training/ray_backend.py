@@ -22,9 +22,9 @@ import time
 from typing import Mapping, Sequence, TypedDict, Unpack
 
 import jax
-import numpy as np
 
 from ..runtime.offload import Offload
+from ..runtime.evaluation import joined, loss_value
 from ..runtime.model import Microbatch, side_for
 from ..runtime.ray.actor import raise_first_error
 from ..runtime.ray.pipeline import RUNNER, RayPipeline
@@ -202,6 +202,8 @@ class RayBackend:
         """Every stage's forward only on its actor (``Backend.evaluate``): each microbatch's stage calls chained
         by object reference, so activations go actor to actor; the programs go to each actor once."""
         rp, S = self.rp, self.rp.num_stages
+        if self.data_parallel > 1:
+            check_split(mbs, self.data_parallel)  # before any stage runs, as a step's
         t0 = time.monotonic()
         send = [w for w in range(rp.layout.num_workers) if w not in self.evaluating]
         if send:
@@ -213,12 +215,12 @@ class RayBackend:
             self.evaluating.update(send)
         losses: list[object] = []  # Ray object refs (the stages' eval_op results)
         received: list[object] = []
-        for x, side in mbs:
+        for m, (x, side) in enumerate(mbs):
             value: object = x
             for s in range(S):
                 if outputs and s == S - 1:
                     received.append(value)  # only then: a reference here keeps its object alive
-                value = self.actor_of[s].eval_op.remote(s, value, side_for(side, s, S))
+                value = self.actor_of[s].eval_op.remote(s, value, side_for(side, s, S), m)
             losses.append(value)
         last = self.worker_of[S - 1]
         refs = [*losses, *(received if S > 1 else [])]
@@ -227,10 +229,10 @@ class RayBackend:
             [last] * len(losses) + [self.worker_of[S - 2]] * (len(refs) - len(losses)),
             t0,
         )
-        got = [float(np.asarray(v)) for v in values[: len(losses)]]
+        got = [loss_value(v) for v in values[: len(losses)]]
         if not outputs:
             return got, None
-        return got, (list(values[len(losses) :]) if S > 1 else [tuple(x) for x, _ in mbs])
+        return got, ([joined(v) for v in values[len(losses) :]] if S > 1 else [tuple(x) for x, _ in mbs])
 
     def set_offload(self, spec: Offload | None) -> None:
         """From the next step, every stage's residuals off its device between F and B as ``spec`` says (None: none;

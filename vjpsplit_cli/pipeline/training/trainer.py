@@ -184,7 +184,7 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
                 ``step_timeout`` or interrupted (naming what each worker runs or waits for), a lost Ray worker.
         """
         t0 = time.monotonic()
-        mbs = self.model.batch_microbatches(batch, self.microbatches)
+        mbs = self.model.batch_microbatches(batch, self.microbatches, self.data_parallel)
         plan, measuring = (self.plan, False) if self.auto is None else self.auto.next_step(mbs)
         every = self.trace_every is not None and (self.step_count + 1) % self.trace_every == 0
         timed = (self.timeline or every if timed is None else timed) or measuring

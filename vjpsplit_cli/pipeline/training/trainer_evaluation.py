@@ -5,7 +5,7 @@ evaluation program (``stages.evalprograms``) on the workers (``backend``), with 
 parameters they hold now: no residuals, no gradients, no update. ``Trainer`` sets
 the attributes it declares.
 
-May import ``backend`` of this room, ``runtime``, ``stages``, and the layers below ``pipeline``.
+May import ``backend`` and ``arguments`` of this room, ``runtime``, ``stages``, and the layers below ``pipeline``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from ...treetypes import PyTree
 from ..runtime.model import Model
 from ..stages.directory import Stages
 from ..stages.evalprograms import EvalProgram, missing
+from .arguments import checked_microbatches
 from .backend import Backend
 
 
@@ -30,6 +31,7 @@ class TrainerEvaluation:
     stages: Stages | Sequence[Artifact]
     model: Model
     microbatches: int
+    data_parallel: int
 
     @overload
     def evaluate(
@@ -67,11 +69,13 @@ class TrainerEvaluation:
             The loss (a float); with ``outputs=True``, ``(loss, outputs)``.
 
         Raises:
-            VjpsplitError: the Trainer runs the per-stage form, or a stage has no evaluation program (a stages
-                directory saved by an older vjpsplit, or a sharded stage): the message says how to export again.
+            VjpsplitError: ``microbatches`` is not an int >= 1; the Trainer runs the per-stage form, or a stage has
+                no evaluation program (a stages directory saved by an older vjpsplit, or a sharded stage): the message
+                says how to export again.
         """
+        m = self.microbatches if microbatches is None else checked_microbatches(microbatches)
         programs = self._eval_programs()
-        mbs = self.model.batch_microbatches(batch, self.microbatches if microbatches is None else microbatches)
+        mbs = self.model.batch_microbatches(batch, m, self.data_parallel)
         losses, received = self.backend.evaluate(mbs, programs, outputs)
         loss = float(np.mean(losses))
         return (loss, received) if outputs and received is not None else loss  # received: given with outputs

@@ -3,10 +3,9 @@
 
 ``TrainerMeasures`` is the part of ``trainer.Trainer`` that reads its step history
 (``history``, ``plot_loss``), the stages' measured costs (``costs``: ``measured``),
-what each device holds (``memory``: ``device_memory``), what ``auto``'s plans
-offload (``planned_offload``), where each stage runs (``placement``) and which
-workers are stragglers (``_busy``, from a timed step's compute;
-``history.Stragglers``). ``Trainer`` sets the attributes it declares.
+what each device holds (``memory``: ``device_memory``), what ``auto``'s plans offload (``planned_offload``,
+or why nothing: ``no_offload_reason``), where each stage runs (``placement``) and which workers are stragglers
+(``_busy``, from a timed step's compute; ``history.Stragglers``). ``Trainer`` sets the attributes it declares.
 
 May import ``measured``, ``autoplan``, ``history``, ``backend``, ``device_memory`` and ``option_values`` of this
 room, ``runtime``, ``schedules``, and the layers below ``pipeline``.
@@ -27,7 +26,7 @@ from ..schedules.stepplans import Resolved
 from .backend import Backend
 from .device_memory import DeviceMemory
 from .history import IN_A_ROW, SLOWER, History, StepRecord, Stragglers
-from .autoplan import boundary_values
+from .autoplan import AutoPlan, boundary_values
 from .measured import SEND_PROBES, CostSamples, MeasuredCosts, measure_transfer_rates
 from .option_values import Runner
 
@@ -47,6 +46,8 @@ class TrainerMeasures:
     _send: list[float] | None
     _sent_by: Microbatch | None
     _auto_offload: Offload | None
+    offload: Offload | None
+    auto: AutoPlan | None
     _signatures: list[tuple[tuple[str, tuple[int | str, ...]], ...]]
     _stragglers: Stragglers | None
 
@@ -138,6 +139,16 @@ class TrainerMeasures:
         """What ``auto``'s plans offload under ``memory_limit_bytes`` now (the (stage, microbatch) pairs in
         ``Offload.pairs``, to host memory), or None: no offload planned (or ``offload=`` given by hand)."""
         return self._auto_offload
+
+    @property
+    def no_offload_reason(self) -> str | None:
+        """Why ``planned_offload`` is None, in words (an ``offload=`` given by hand, no ``"auto"`` within
+        ``memory_limit_bytes``, or why auto's plans offload nothing); None where it offloads."""
+        if self.offload is not None:
+            return "offload= was given to the runner: auto plans no offload of its own"
+        if self.auto is None:
+            return "only Schedule('auto', memory_limit_bytes=...) plans offload"
+        return self.auto.no_offload_reason
 
     def plot_loss(self, path: str | os.PathLike[str], title: str | None = None) -> None:
         """A PNG of the loss per step (needs matplotlib), beside ``plot_timeline``'s chart of one step.

@@ -22,19 +22,21 @@ from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
 from ...safeio.outputs import check_apart
 from ...treetypes import Leaf, PyTree
+from ..runtime.devices import warn_idle
 from ..runtime.model import Microbatch, model_of
 from ..runtime.offload import Offload, offload_of
 from ..runtime.result import PipelineResult
+from ..schedules.catalog import V_SHAPED, describe
 from ..schedules.stepplans import resolve
 from ..stages.directory import Stages
-from .arguments import Optimizer, checked_clip, plain
+from .arguments import Optimizer, checked_clip, checked_microbatches, plain
 from .autoplan import AutoPlan
 from .backend import Backend, open_backend
 from .history import CheckpointTime, History, RestartRecord, Stragglers, cost_signature
 from .measured import CostSamples
 from .optax_state import state_map
 from .optimizer import optimizer_name
-from .option_values import PerStage, Schedule
+from .option_values import InProcess, PerStage, Schedule
 from .options import Options
 from .ownership import Ownership
 
@@ -55,7 +57,7 @@ class TrainerSetup:
     ) -> None:
         """Open the Trainer: ``restored`` is the per-stage optimizer states an older checkpoint holds (``restore``)."""
         clip_global_norm = checked_clip(clip_global_norm)  # a bad value is refused now, not after the first step
-        microbatches, step_count = plain(microbatches), plain(step_count)
+        microbatches, step_count = checked_microbatches(microbatches), plain(step_count)
         if isinstance(step_count, bool) or not isinstance(step_count, int) or step_count < 0:
             raise VjpsplitError(f"step_count={step_count!r}: give the run's step this state is at, an int >= 0")
         stages, runner, observe = options.stages, options.runner, options.observe
@@ -86,6 +88,8 @@ class TrainerSetup:
             self.plan = self.auto.current
         else:  # a bad schedule is refused before any export
             self.plan = resolve(schedule.label, schedule.plans, S, microbatches)
+            if schedule.label in V_SHAPED and isinstance(runner, InProcess) and runner.devices is None:
+                warn_idle(describe(schedule.label), self.plan.layout.workers, self.data_parallel)
         self.clip_global_norm, self.runner = clip_global_norm, runner
         self.optimizer_name = optimizer_name(optimizer)
         self.optimizer, self._state_map = optimizer, None if opt_state is None else state_map(optimizer, self.ownership)
