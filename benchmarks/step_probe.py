@@ -1,0 +1,301 @@
+"""The GPT step on one device, one process against the Trainer, and where the Trainer's time goes.
+
+    python -m benchmarks.step_probe 512:4 1024:8 [1024:8:prof]    # WIDTH:BLOCKS[:prof]
+
+``benchmarks/gpt.py``'s GPT (sequence 256, 8 heads, vocab 512, batch 16 in 8
+microbatches, AdamW), both stages on the first device: the one-process step on the
+whole batch and over the same 8 microbatches in one ``jit`` (``lax.scan``), and the
+Trainer's untimed, batch-on-device and timed steps (1F1B, ZB-H1), medians of 6.
+``profile_step`` (``:prof``) profiles the untimed step's own thread; ``breakdown``
+splits the step by phase from the workers' rings; ``op_times`` runs one stage's F
+and B back to back (the device's time per call where it exceeds the host's). Run on
+a TPU for the figures in ``benchmarks/results/2026-12-06-tpu-step.md``.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from benchmarks.gpt import GPT
+from vjpsplit_cli import pipeline as P
+
+
+def med(fn, n=6, warm=2):
+    for _ in range(warm):
+        fn()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def main(width, blocks, prof=False, only=None):
+    seq, vocab, B, M = 256, 512, 16, 8
+    g = GPT(width=width, blocks=blocks, seq=seq, heads=8, stages=2)
+    params = g.init(vocab)
+    rng = np.random.default_rng(1)
+    win = rng.integers(0, vocab, (B, seq + 1)).astype(np.int32)
+    batch = (win[:, :-1], win[:, 1:])
+    stages = g.export(params, jax.default_backend())
+    tx = optax.adamw(1e-3)
+
+    @jax.jit
+    def full(prm, st, tokens, labels):
+        v, grads = jax.value_and_grad(g.loss)(prm, tokens, labels)
+        u, st = tx.update(grads, st, prm)
+        return optax.apply_updates(prm, u), st, v
+
+    @jax.jit
+    def accum(prm, st, tokens, labels):
+        tk = tokens.reshape(M, B // M, seq)
+        lb = labels.reshape(M, B // M, seq)
+
+        def body(acc, xs):
+            v, gr = jax.value_and_grad(g.loss)(prm, *xs)
+            return (acc[0] + v / M, jax.tree.map(lambda a, b: a + b / M, acc[1], gr)), None
+
+        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, prm))
+        (v, grads), _ = jax.lax.scan(body, zero, (tk, lb))
+        u, st = tx.update(grads, st, prm)
+        return optax.apply_updates(prm, u), st, v
+
+    d = jax.devices()[0]
+    dbatch = jax.device_put(batch, d)
+    rows = {}
+    for name, fn in (("one process, full batch", full), ("one process, 8 microbatches in one jit", accum)):
+        state = [jax.device_put(params, d), jax.device_put(tx.init(params), d)]
+
+        def run(fn=fn, state=state):
+            p, s, v = fn(state[0], state[1], *dbatch)
+            state[0], state[1] = p, s
+            float(v)
+
+        rows[name] = med(run)
+    trainers = {}
+    for sched in ("1f1b", "zbh1"):
+        if only and sched not in only:
+            continue
+        tr = P.Trainer(
+            stages, params, optimizer=tx, microbatches=M, schedule=sched, runner=P.InProcess(devices=[[d], [d]])
+        )
+        trainers[sched] = tr
+        rows[f"Trainer {sched}"] = med(lambda: tr.step(batch))
+        rows[f"Trainer {sched}, batch on device"] = med(lambda: tr.step(dbatch))
+        rows[f"Trainer {sched}, timed"] = med(lambda: tr.step(batch, timed=True), n=3)
+    for k, v in rows.items():
+        print(f"w{width} b{blocks}  {k:45s} {v:8.2f} ms", flush=True)
+    if prof:
+        tr = trainers["1f1b"]
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(5):
+            tr.step(batch)
+        pr.disable()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(35)
+        print(s.getvalue()[:9000])
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(45)
+        print(s.getvalue()[:9000])
+    for tr in trainers.values():
+        tr.close()
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        w, b, *rest = arg.split(":")
+        main(int(w), int(b), prof="prof" in rest)
+
+
+def profile_step(width, blocks, sched="1f1b", steps=5):
+    """cProfile of the untimed step's own thread, and its phases' wall times."""
+    from vjpsplit_cli.pipeline.training import local_backend as LB
+
+    seq, vocab, B, M = 256, 512, 16, 8
+    g = GPT(width=width, blocks=blocks, seq=seq, heads=8, stages=2)
+    params = g.init(vocab)
+    rng = np.random.default_rng(1)
+    win = rng.integers(0, vocab, (B, seq + 1)).astype(np.int32)
+    batch = (win[:, :-1], win[:, 1:])
+    stages = g.export(params, jax.default_backend())
+    d = jax.devices()[0]
+    tr = P.Trainer(
+        stages,
+        params,
+        optimizer=optax.adamw(1e-3),
+        microbatches=M,
+        schedule=sched,
+        runner=P.InProcess(devices=[[d], [d]]),
+    )
+    for _ in range(3):
+        tr.step(batch)
+    prof = cProfile.Profile()
+    times = {"dispatch": [], "finish": []}
+    orig_dispatch, orig_finish = LB.dispatch, LB.InProcessBackend._finish
+
+    def dispatch(*a, **k):
+        t0 = time.perf_counter()
+        prof.enable()
+        try:
+            return orig_dispatch(*a, **k)
+        finally:
+            prof.disable()
+            times["dispatch"].append(time.perf_counter() - t0)
+
+    def finish(self, *a, **k):
+        t0 = time.perf_counter()
+        prof.enable()
+        try:
+            return orig_finish(self, *a, **k)
+        finally:
+            prof.disable()
+            times["finish"].append(time.perf_counter() - t0)
+
+    LB.dispatch, LB.InProcessBackend._finish = dispatch, finish
+    tot = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        tr.step(batch)
+        tot.append(time.perf_counter() - t0)
+    LB.dispatch, LB.InProcessBackend._finish = orig_dispatch, orig_finish
+    print(
+        f"w{width} {sched}: step {statistics.median(tot) * 1e3:.2f} ms, dispatch {statistics.median(times['dispatch']) * 1e3:.2f} ms, finish {statistics.median(times['finish']) * 1e3:.2f} ms"
+    )
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+    print(s.getvalue()[:7000])
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(40)
+    print(s.getvalue()[:8000])
+    tr.close()
+
+
+def breakdown(width, blocks, sched="1f1b"):
+    """Unprofiled: the host's time in the untimed step's dispatch, by the ring's per-operation dispatch times."""
+    from vjpsplit_cli.pipeline.training import local_backend as LB
+
+    seq, vocab, B, M = 256, 512, 16, 8
+    g = GPT(width=width, blocks=blocks, seq=seq, heads=8, stages=2)
+    params = g.init(vocab)
+    rng = np.random.default_rng(1)
+    win = rng.integers(0, vocab, (B, seq + 1)).astype(np.int32)
+    batch = (win[:, :-1], win[:, 1:])
+    stages = g.export(params, jax.default_backend())
+    d = jax.devices()[0]
+    tr = P.Trainer(
+        stages,
+        params,
+        optimizer=optax.adamw(1e-3),
+        microbatches=M,
+        schedule=sched,
+        runner=P.InProcess(devices=[[d], [d]]),
+    )
+    marks = {}
+    orig_dispatch, orig_finish = LB.dispatch, LB.InProcessBackend._finish
+
+    def dispatch(*a, **k):
+        marks["d0"] = time.monotonic()
+        out = orig_dispatch(*a, **k)
+        marks["d1"] = time.monotonic()
+        return out
+
+    def finish(self, *a, **k):
+        out = orig_finish(self, *a, **k)
+        marks["f1"] = time.monotonic()
+        return out
+
+    LB.dispatch, LB.InProcessBackend._finish = dispatch, finish
+    rows = []
+    for i in range(8):
+        t0 = time.monotonic()
+        tr.step(batch)
+        t1 = time.monotonic()
+        if i < 3:
+            continue
+        ring = [e for t in tr.backend.trainers for e in t.worker.ring if e[2] >= marks["d0"]]
+        by = {}
+        for kind, _, a, b, *_ in ring:
+            by.setdefault(kind, []).append(b - a)
+        call = sum(sum(v) for v in by.values())
+        rows.append(
+            (
+                t1 - t0,
+                marks["d1"] - marks["d0"],
+                call,
+                marks["f1"] - marks["d1"],
+                t1 - marks["f1"],
+                {k: statistics.mean(v) * 1e6 for k, v in by.items()},
+                len(ring),
+            )
+        )
+    LB.dispatch, LB.InProcessBackend._finish = orig_dispatch, orig_finish
+
+    def ms(i):
+        return statistics.median(r[i] for r in rows) * 1e3
+
+    print(
+        f"w{width} {sched}: step {ms(0):.2f} ms; dispatch {ms(1):.2f} ms of which in the ops' calls {ms(2):.2f} ms ({rows[-1][6]} ops; mean us by kind {rows[-1][5]}); finish {ms(3):.2f} ms; fetch+rest {ms(4):.2f} ms"
+    )
+    tr.close()
+
+
+def op_times(width, blocks):
+    """Per stage: an artifact F and B called 20 times back to back (wall / 20: the device's time where it is the
+    longer), and the host's time to dispatch one."""
+    seq, vocab, B, M = 256, 512, 16, 8
+    g = GPT(width=width, blocks=blocks, seq=seq, heads=8, stages=2)
+    params = g.init(vocab)
+    rng = np.random.default_rng(1)
+    win = rng.integers(0, vocab, (B, seq + 1)).astype(np.int32)
+    stages = g.export(params, jax.default_backend())
+    d = jax.devices()[0]
+    tr = P.Trainer(
+        stages,
+        params,
+        optimizer=optax.adamw(1e-3),
+        microbatches=M,
+        schedule="1f1b",
+        runner=P.InProcess(devices=[[d], [d]]),
+    )
+    ws = [t.worker for t in tr.backend.trainers]
+    x, side = stages.stage_batch((win[:, :-1], win[:, 1:]), M)[0]
+    x, side = jax.device_put(x, d), {k: jax.device_put(list(v), d) for k, v in side.items()}
+    for s, w in enumerate(ws):
+        f = w.calls.forward
+        for _ in range(3):
+            out, res = f(w.params, x, *side.get(s, []))
+        jax.block_until_ready((out, res))
+        ct = jax.device_put(jax.tree.map(jnp.ones_like, out) if s == 0 else jnp.float32(1 / M), d)
+        for _ in range(3):
+            gw, gx = w.calls.backward(res, ct)
+        jax.block_until_ready((gw, gx))
+        rows = []
+        for call in (lambda: f(w.params, x, *side.get(s, [])), lambda: w.calls.backward(res, ct)):
+            host = []
+            t0 = time.perf_counter()
+            for _ in range(20):
+                a = time.perf_counter()
+                o = call()
+                host.append(time.perf_counter() - a)
+            jax.block_until_ready(o)
+            rows.append(((time.perf_counter() - t0) / 20 * 1e3, statistics.median(host) * 1e3))
+        leaves = jax.tree_util.tree_leaves(res.stored)
+        print(
+            f"w{width} stage {s}: F {rows[0][0]:.2f} ms/call back to back (host {rows[0][1]:.2f}), "
+            f"B {rows[1][0]:.2f} (host {rows[1][1]:.2f}); stored residuals {len(leaves)}, "
+            f"{sum(a.nbytes for a in leaves) / 1e6:.0f} MB"
+        )
+        x = out
+    tr.close()
