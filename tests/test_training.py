@@ -167,6 +167,22 @@ def test_an_untimed_step_fetches_nothing_before_every_update_is_dispatched(monke
     assert np.isfinite(loss) and np.isfinite(tr.history[-1].grad_norm)
 
 
+def test_a_batch_on_a_device_is_cut_there_and_trains_as_the_same_batch_on_the_host():
+    """A device batch's microbatches are cut where it is (no trip through the host) and the steps equal those on
+    the same batch from host memory, bitwise."""
+    arts, params = _make()
+    batches = _batches(2)
+    host = Trainer(arts, params, optimizer=optax.adam(1e-2), microbatches=4, schedule="1f1b")
+    dev = Trainer(arts, params, optimizer=optax.adam(1e-2), microbatches=4, schedule="1f1b")
+    jax.config.update("jax_transfer_guard_device_to_host", "disallow")  # np.asarray of a device array raises
+    try:
+        got = [dev.step(jax.device_put(b)) for b in batches]
+    finally:
+        jax.config.update("jax_transfer_guard_device_to_host", "allow")
+    assert got == [host.step(b) for b in batches]
+    assert_trees_close(dev.params(), host.params(), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b"])
 def test_save_and_restore_continue_the_run(tmp_path, schedule):
     arts, params = _make()

@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import json
 import os
-from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -201,9 +201,10 @@ class Stages:
         k = n // microbatches
         if k % replicas == 0:  # else the replicas' own check names the split
             self._check_call_rows(n, microbatches, replicas)
+        rows = _microbatch_rows(leaves, microbatches)
         out = []
         for m in range(microbatches):
-            mb = [x[m * k : (m + 1) * k] for x in leaves]
+            mb = [r[m] for r in rows]
             reads = [tuple(mb[i] for i in st.batch) for st in self.index.per_stage]
             out.append((reads[0], StageInputs({c: [r] for c, r in enumerate(reads) if c and r})))
         return out
@@ -397,3 +398,25 @@ def load_stages(
     }
     check_loaded(named, trusted_signer=signed, allow_kernels=allow_kernels)  # every module in one child
     return Stages(arts, typed, programs)
+
+
+def _microbatch_rows(leaves: Sequence[Leaf], microbatches: int) -> list[list[Leaf]]:
+    """Each batch leaf's first dim cut into ``microbatches`` equal parts: host arrays by NumPy views, the JAX
+    arrays among them in one jitted call (a device batch stays where it is; one dispatch, not one slice each)."""
+    k = np.shape(leaves[0])[0] // microbatches if leaves else 0
+    on_device = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    rows: list[list[Leaf]] = [
+        [] if isinstance(x, jax.Array) else [x[m * k : (m + 1) * k] for m in range(microbatches)] for x in leaves
+    ]
+    if on_device:
+        for i, parts in zip(on_device, _split_rows(microbatches)([leaves[i] for i in on_device])):
+            rows[i] = list(parts)
+    return rows
+
+
+@functools.lru_cache(maxsize=None)
+def _split_rows(microbatches: int) -> Callable[[list[Leaf]], list[list[jax.Array]]]:
+    """A jitted call cutting each array's first dim into ``microbatches`` equal parts (compiled per signature)."""
+    import jax.numpy as jnp
+
+    return jax.jit(lambda xs: [jnp.split(x, microbatches) for x in xs])
