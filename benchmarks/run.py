@@ -1,7 +1,7 @@
 """Run the benchmarks and write a markdown report.
 
     python -m benchmarks [--quick] [--only economy,...] [--out benchmarks/RESULTS.md]
-    python -m benchmarks --accelerator [--quick] [--out DIR] [--budget S]   # see benchmarks/accelerator.py
+    python -m benchmarks --accelerator [--quick] [--full] [--out DIR] [--budget S]   # benchmarks/accelerator.py
 
 Every comparison is measured side by side in one process, candidates interleaved
 round by round, and reported as medians and ratios. Wall-clock numbers belong
@@ -75,6 +75,11 @@ def main(argv=None) -> int:
         help="the one-shot GPU/TPU run (benchmarks/accelerator.sh installs what it needs first)",
     )
     ap.add_argument("--budget", type=float, default=None, help="with --accelerator: seconds for all its steps")
+    ap.add_argument(
+        "--full",
+        action="store_true",
+        help="with --accelerator: correctness of every workload under every policy, the accelerator's widths on a CPU",
+    )
     args = ap.parse_args(argv)
     import importlib
 
@@ -83,6 +88,7 @@ def main(argv=None) -> int:
 
         return accelerator.main(
             (["--quick"] if args.quick else [])
+            + (["--full"] if args.full else [])
             + (["--out", args.out] if args.out else [])
             + (["--budget", str(args.budget)] if args.budget is not None else [])
         )
