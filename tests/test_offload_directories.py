@@ -237,8 +237,10 @@ def test_a_failed_or_interrupted_step_leaves_no_offload_file(timed, error, tmp_p
         tr.step(_batches(1)[0], timed=timed)
         first = len(paths)
         _failing_backward(monkeypatch, error)
-        with pytest.raises(type(error)):
+        # A stage's own error reaches the caller named (its operation) and chained; Ctrl-C as it is.
+        with pytest.raises(VjpsplitError if isinstance(error, Exception) else type(error)) as got:
             tr.step(_batches(1)[0], timed=timed)
+        assert isinstance(error, KeyboardInterrupt) or "B stage 0 mb 1 failed: RuntimeError: broken" in str(got.value)
         assert len(paths) > first  # the failed step wrote files
         assert os.listdir(off) == []  # before: the failed step's files stayed
 
@@ -246,7 +248,7 @@ def test_a_failed_or_interrupted_step_leaves_no_offload_file(timed, error, tmp_p
 def test_run_inprocess_that_fails_leaves_no_offload_file(tmp_path, monkeypatch):
     off = tmp_path / "off"
     _failing_backward(monkeypatch, RuntimeError("broken"))
-    with pytest.raises(RuntimeError):
+    with pytest.raises(VjpsplitError, match="B stage 0 mb 1 failed: RuntimeError: broken"):
         P.run_inprocess(
             _stages(), _params(), _batches(1)[0], microbatches=M, schedule_name="gpipe", offload=_files(off)
         )
