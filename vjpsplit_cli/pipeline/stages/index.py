@@ -126,6 +126,16 @@ class StagesIndex:
     data_parallel: int = 1  # version 3: the replicas of every stage the export asked for (the Trainer's default)
 
     @property
+    def key_position(self) -> int | None:
+        """The position in ``batch`` of the batch argument that is one scalar typed PRNG key (dtype ``key<...>``):
+        the loss's key, which the ``Trainer``'s ``rng=`` gives each microbatch; None where the function takes none.
+        """
+        for i, b in enumerate(self.batch):
+            if b.key in self.batch_names and not b.shape and b.dtype.startswith("key<"):
+                return i
+        return None
+
+    @property
     def param_keys(self) -> list[str]:
         """Every parameter leaf's file key, in the parameters' leaf order."""
         return [p.key for p in self.params]
