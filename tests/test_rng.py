@@ -174,7 +174,7 @@ def test_export_refuses_keys_the_trainer_cannot_hand_per_microbatch():
 
 
 def test_a_flax_model_with_dropout_trains_as_the_one_process_loop():
-    nn = pytest.importorskip("flax.linen")
+    import flax.linen as nn  # a test dependency (the models extra)
 
     class Block(nn.Module):
         width: int

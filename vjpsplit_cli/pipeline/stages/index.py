@@ -14,6 +14,10 @@ Versions of the index (``version``):
   export asked for (``export_stages(data_parallel=N)``, ``vjpsplit export --stages
   --data-parallel N``): the ``Trainer``'s default. Written only when N > 1.
 
+A batch leaf whose dtype is a typed PRNG key's name (``key<fry>``) and whose shape is ``()`` is the
+function's key argument (``StagesIndex.key_position``, 2026-12-06): no new version, as it adds no field;
+a vjpsplit from before reads such an index but cannot train its stages (it has no ``rng=``).
+
 ``StagesIndex.to_json`` writes exactly the map its version reads (``from_json``):
 an index without evaluation programs is written as version 1, so a signed
 directory's canonical bytes do not change with this code.
