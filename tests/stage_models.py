@@ -79,3 +79,72 @@ def mlp_params(width: int = 16, classes: int = 4, layers: int = 8, seed: int = 0
         }
         for i in range(layers)
     ]
+
+
+KEEP = 0.75  # dropout's keep probability in dropout_loss
+
+
+def dropout_loss(params, key, x, y):
+    """2 stages, dropout in each: the masks are drawn from the microbatch's key, folded with the stage's number."""
+    h = jnp.tanh(x @ params["w0"])
+    h = jnp.where(jax.random.bernoulli(jax.random.fold_in(key, 0), KEEP, h.shape), h / KEEP, 0.0)
+    h = vs.stage_boundary(h)
+    o = h @ params["w1"]
+    o = jnp.where(jax.random.bernoulli(jax.random.fold_in(key, 1), KEEP, o.shape), o / KEEP, 0.0)
+    return jnp.mean((o - y) ** 2)
+
+
+def split_key_loss(params, key, x, y):
+    """dropout_loss with both masks' keys split on stage 0: stage 1's key is sent on with the activation."""
+    k0, k1 = jax.random.split(key)
+    h = jnp.tanh(x @ params["w0"])
+    h = jnp.where(jax.random.bernoulli(k0, KEEP, h.shape), h / KEEP, 0.0)
+    h = vs.stage_boundary(h)
+    o = h @ params["w1"]
+    o = jnp.where(jax.random.bernoulli(k1, KEEP, o.shape), o / KEEP, 0.0)
+    return jnp.mean((o - y) ** 2)
+
+
+def dropout_params(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return {
+        "w0": (rng.normal(size=(4, 16)) / 2).astype(np.float32),
+        "w1": (rng.normal(size=(16, 3)) / 4).astype(np.float32),
+    }
+
+
+def dropout_specs(params):
+    """Param specs, the key's (a scalar typed key) and per-microbatch batch specs with a symbolic batch ``b``."""
+    (b,) = jexport.symbolic_shape("b")
+    S = jax.ShapeDtypeStruct
+    return specs_like(params), S((), jax.random.key(0).dtype), S((b, 4), jnp.float32), S((b, 3), jnp.float32)
+
+
+def dropout_batches(n: int, rows: int = 16, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    return [
+        (rng.normal(size=(rows, 4)).astype(np.float32), rng.normal(size=(rows, 3)).astype(np.float32)) for _ in range(n)
+    ]
+
+
+def one_process_with_keys(fn, params, key, batches, microbatches: int, tx, first_step: int = 0):
+    """The one-process loop the Trainer's ``rng=`` equals: microbatch ``i`` of step ``t`` gets
+    ``fold_in(fold_in(key, t), i)``; the loss and gradients are the mean over microbatches, then optax.
+    Returns the losses and the last parameters."""
+    import optax
+
+    params = jax.tree_util.tree_map(jnp.asarray, params)
+    state, losses = tx.init(params), []
+    for t, batch in enumerate(batches, start=first_step):
+        k = batch[0].shape[0] // microbatches
+
+        def mean_loss(p, t=t, batch=batch, k=k):
+            keys = [jax.random.fold_in(jax.random.fold_in(key, t), i) for i in range(microbatches)]
+            parts = [fn(p, keys[i], *[x[i * k : (i + 1) * k] for x in batch]) for i in range(microbatches)]
+            return jnp.mean(jnp.stack(parts))
+
+        loss, grads = jax.value_and_grad(mean_loss)(params)
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(loss))
+    return losses, params

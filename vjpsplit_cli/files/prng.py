@@ -62,3 +62,11 @@ def from_data(x: _A, impl: str | None) -> _A | jax.Array:
 def key_ndim(impl: str) -> int:
     """How many trailing dims the key data of ``impl`` adds (1 for threefry and rbg)."""
     return len(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
+
+
+def is_ready(a: jax.Array) -> bool:
+    """Whether ``a`` is computed (``jax.Array.is_ready``); a typed key, which lacks it, asks its key data."""
+    try:
+        return bool(a.is_ready())  # type: ignore[attr-defined]  # public, not in jax.Array's stub
+    except AttributeError:
+        return bool(jax.random.key_data(a).is_ready())  # type: ignore[attr-defined]  # as above

@@ -82,8 +82,11 @@ class Model:
         """A runner's ``x`` and ``side`` as microbatches."""
         return split_batch(x, side, microbatches)
 
-    def batch_microbatches(self, batch: tuple[PyTree, ...], microbatches: int, replicas: int = 1) -> list[Microbatch]:
-        """The Trainer's batch tuple (``(x, *side)`` here) as microbatches (``replicas``: see ``StagesModel``'s)."""
+    def batch_microbatches(
+        self, batch: tuple[PyTree, ...], microbatches: int, replicas: int = 1, keys: Sequence[Leaf] | None = None
+    ) -> list[Microbatch]:
+        """The Trainer's batch tuple (``(x, *side)`` here) as microbatches (``replicas``, ``keys``: see
+        ``StagesModel``'s; the per-stage form reads no key, and the Trainer gives it none)."""
         return split_batch(batch[0], list(batch[1:]), microbatches)
 
     def gather(self, grads: list[PyTree]) -> PyTree:
@@ -120,10 +123,13 @@ class StagesModel(Model):
             )
         return list(self.stages.stage_batch(x, microbatches))
 
-    def batch_microbatches(self, batch: tuple[PyTree, ...], microbatches: int, replicas: int = 1) -> list[Microbatch]:
+    def batch_microbatches(
+        self, batch: tuple[PyTree, ...], microbatches: int, replicas: int = 1, keys: Sequence[Leaf] | None = None
+    ) -> list[Microbatch]:
         """The function's batch tuple as microbatches: each stage's batch inputs go to it; each stage call's rows
-        (``replicas`` per microbatch) checked against the export's first dims (``Stages.stage_batch``)."""
-        return list(self.stages.stage_batch(batch, microbatches, replicas))
+        (``replicas`` per microbatch) checked against the export's first dims (``Stages.stage_batch``); ``keys``:
+        one PRNG key per microbatch, where the function takes one."""
+        return list(self.stages.stage_batch(batch, microbatches, replicas, keys))
 
     def gather(self, grads: list[PyTree]) -> PyTree:
         """Per-stage gradients as one pytree like ``params``, a tied leaf's summed."""

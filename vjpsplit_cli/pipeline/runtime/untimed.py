@@ -21,6 +21,7 @@ from typing import Callable, Sequence, TypeVar
 import jax
 
 from ...errors import VjpsplitError
+from ...files.prng import is_ready
 from ..schedules.ops import Kind, Op, dependencies, received
 from .dispatch import Order, placed_microbatches, walk
 from .flight import (
@@ -220,7 +221,7 @@ class Dispatched:
 
 def _ready(probe: Sequence[jax.Array]) -> bool:
     for a in probe:
-        if not a.is_ready():  # type: ignore[attr-defined]  # public, not in jax.Array's stub
+        if not is_ready(a):
             return False
     return True
 

@@ -38,10 +38,25 @@ def aval_of(atom: jcore.Var | jcore.Literal) -> Shaped:
     return cast("Shaped", atom.aval)
 
 
+# A typed PRNG key's bytes by its dtype's name (an index's leaf holds the name): its key data's.
+_KEY_BYTES = {"key<fry>": 8, "key<rbg>": 16, "key<urbg>": 16}
+
+
+def itemsize(dtype: npt.DTypeLike) -> int:
+    """Bytes per element of ``dtype``: a NumPy dtype or its name, a typed PRNG key's dtype or its name
+    (``key<fry>``: its key data's bytes; a key impl not listed counts as threefry's 8)."""
+    size = getattr(dtype, "itemsize", None)
+    if isinstance(size, int):
+        return size
+    if isinstance(dtype, str) and dtype.startswith("key<"):
+        return _KEY_BYTES.get(dtype, 8)
+    return np.dtype(dtype).itemsize
+
+
 def nbytes(aval: Shaped, dims: Mapping[str, int] | None = None) -> int:
     """An abstract value's bytes, symbolic dims at ``COST_DIM`` (or ``dims``)."""
     shape = concrete_shape(tuple(dim_str(d) for d in aval.shape), dims or ANY_DIM)
-    return int(np.prod(shape or (), dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    return int(np.prod(shape or (), dtype=np.int64)) * itemsize(aval.dtype)
 
 
 class AnyDim(dict[str, int]):
@@ -63,9 +78,7 @@ ANY_DIM = AnyDim()
 
 def eqn_cost(eqn: jcore.JaxprEqn) -> float:
     """An equation's estimated FLOPs: 2·M·N·K for a dot, one per output element otherwise (sub-jaxprs summed)."""
-    out = sum(
-        nbytes(aval_of(v)) / max(np.dtype(aval_of(v).dtype).itemsize, 1) for v in eqn.outvars if hasattr(v, "aval")
-    )
+    out = sum(nbytes(aval_of(v)) / max(itemsize(aval_of(v).dtype), 1) for v in eqn.outvars if hasattr(v, "aval"))
     name = eqn.primitive.name
     if name == "dot_general":
         (contract, _), _ = eqn.params["dimension_numbers"]

@@ -163,15 +163,22 @@ class Stages:
         return [tuple(leaves[i] for i in st.params) for st in idx.per_stage]
 
     def stage_batch(
-        self, batch: tuple[PyTree, ...], microbatches: int, replicas: int = 1
+        self,
+        batch: tuple[PyTree, ...],
+        microbatches: int,
+        replicas: int = 1,
+        keys: Sequence[Leaf] | None = None,
     ) -> list[tuple[tuple[Leaf, ...], StageInputs]]:
         """The batch tuple as the runners' microbatches: stage 0's inputs as ``x``, the others' as per-stage sides.
 
         Args:
-            batch: The batch inputs, a tuple in the function's argument order (a 1-tuple for one input).
+            batch: The batch inputs, a tuple in the function's argument order (a 1-tuple for one input), without
+                the PRNG key argument where the function takes one (``index.StagesIndex.key_position``).
             microbatches: How many microbatches to split the first dim into.
             replicas: How many replicas each microbatch is split into after (``data_parallel``): each stage
                 call gets ``rows / (microbatches * replicas)`` rows, which the export's first dims must take.
+            keys: Where the function takes a PRNG key: one typed key per microbatch, handed to every stage
+                that reads the key argument; None where it takes none.
 
         Returns:
             One pair per microbatch: stage 0's batch leaves (a tuple) and the later
@@ -181,17 +188,27 @@ class Stages:
             VjpsplitError: If ``batch`` is not a tuple of the right length, its leaves
                 differ from the export's (dtype, rank, fixed dims), or their first dims
                 differ or are not a multiple of ``microbatches``; or the rows each stage call gets do not
-                fit the export's first dims (a fixed one, or ``2*b`` against an odd count), saying the fix.
+                fit the export's first dims (a fixed one, or ``2*b`` against an odd count), saying the fix;
+                or the function takes a PRNG key and no ``keys`` are given (or the other way round).
         """
-        names = self.index.batch_names
+        pos = self.index.key_position
+        key_name = None if pos is None else self.index.batch[pos].key
+        _check_keys(key_name, keys, microbatches)
+        names = tuple(n for n in self.index.batch_names if n != key_name)
         if not isinstance(batch, tuple) or len(batch) != len(names):
             raise VjpsplitError(
                 f"the batch must be a tuple of {len(names)} inputs ({', '.join(names)}) in the function's argument "
                 f"order (a 1-tuple for one input); got {type(batch).__name__}"
                 + (f" of {len(batch)}" if isinstance(batch, tuple) else "")
+                + (
+                    f"; leave out the PRNG key '{key_name}': the Trainer's rng= gives each microbatch its own"
+                    if key_name
+                    else ""
+                )
             )
+        recorded = [b for i, b in enumerate(self.index.batch) if i != pos]
         entries = [kv for n, b in zip(names, batch) for kv in flatten_with_keys(n, b)]
-        leaves = _check_leaves("batch", self.index.batch, entries, per_microbatch=True)
+        leaves = _check_leaves("batch", recorded, entries, per_microbatch=True)
         n = np.shape(leaves[0])[0] if leaves else 0
         if any(np.shape(x)[0] != n for x in leaves) or n % microbatches:
             raise VjpsplitError(
@@ -202,6 +219,8 @@ class Stages:
         if k % replicas == 0:  # else the replicas' own check names the split
             self._check_call_rows(n, microbatches, replicas)
         rows = _microbatch_rows(leaves, microbatches)
+        if pos is not None and keys is not None:
+            rows.insert(pos, list(keys))
         out = []
         for m in range(microbatches):
             mb = [r[m] for r in rows]
@@ -300,6 +319,20 @@ def _check_leaves(
             )
         out.append(v)
     return out
+
+
+def _check_keys(key_name: str | None, keys: Sequence[Leaf] | None, microbatches: int) -> None:
+    """Refuse a batch of a function that takes a PRNG key (``key_name``) without ``keys``, or keys for one that
+    takes none; ``keys`` are one per microbatch."""
+    if key_name is not None and keys is None:
+        raise VjpsplitError(
+            f"the stages' function takes a PRNG key ('{key_name}'); give Trainer(..., rng=jax.random.key(seed)), "
+            "which hands each microbatch its key"
+        )
+    if key_name is None and keys is not None:
+        raise VjpsplitError("the stages' function takes no PRNG key argument; give no rng=")
+    if keys is not None and len(keys) != microbatches:
+        raise VjpsplitError(f"{len(keys)} PRNG keys for {microbatches} microbatches; give one per microbatch")
 
 
 def _leaves_differ(keys: Sequence[str], want: Sequence[str]) -> str:

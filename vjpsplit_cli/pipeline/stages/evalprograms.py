@@ -24,6 +24,7 @@ from jax import export as jexport
 
 from ...errors import CorruptModule, VjpsplitError
 from ...files.dtypes import dtype_name
+from ...files.prng import data_struct, from_data, impl_name, is_key, to_data
 from ...files.shapes import dim_str
 from ...safeio.reading import read_bytes
 from ...trust import probes
@@ -64,10 +65,11 @@ class EvalProgram:
         return len(self.exported.out_avals)
 
     def run(self, *leaves: Leaf) -> tuple[jax.Array, ...]:
-        """The stage's outputs for ``leaves`` (one jitted call; it runs where its committed inputs are)."""
+        """The stage's outputs for ``leaves`` (one jitted call; it runs where its committed inputs are); a typed
+        PRNG key among them goes in as its key data, as the artifact's forward takes it."""
         if self._jitted is None:
             self._jitted = jax.jit(self.exported.call)
-        return tuple(self._jitted(*leaves))
+        return tuple(self._jitted(*(to_data(x) for x in leaves)))
 
     @classmethod
     def from_bytes(cls, data: bytes, source: str) -> EvalProgram:
@@ -120,11 +122,14 @@ def export_eval(
     if art.manifest.sharded:
         return None
     tree = jax.tree_util.tree_structure(tuple(arg_specs))
-    flat = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in jax.tree_util.tree_leaves(tuple(arg_specs))]
+    specs = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in jax.tree_util.tree_leaves(tuple(arg_specs))]
+    impls = [impl_name(s) if is_key(s) else None for s in specs]  # typed keys go in as key data (the artifact's)
+    flat = [data_struct(s) if impl else s for s, impl in zip(specs, impls)]
 
     def forward_only(*leaves: jax.Array) -> tuple[jax.Array, ...]:
-        out = stage_fn(*jax.tree_util.tree_unflatten(tree, list(leaves)))
-        return tuple(jax.tree_util.tree_leaves(out))
+        typed = [from_data(x, impl) for x, impl in zip(leaves, impls)]
+        out = stage_fn(*jax.tree_util.tree_unflatten(tree, typed))
+        return tuple(to_data(x) for x in jax.tree_util.tree_leaves(out))  # a key sent on: its data, as it came
 
     program = EvalProgram(jexport.export(jax.jit(forward_only), platforms=tuple(art.manifest.platforms))(*flat))
     check_program(program, art, f"{source}'s evaluation program")

@@ -21,6 +21,7 @@ import numpy as np
 from ...artifact.lowering import DEFAULT_PLATFORMS, export
 from ...errors import VjpsplitError
 from ...files.dtypes import dtype_name
+from ...files.prng import is_key
 from ...files.shapes import concrete_shape, dim_str, refuse_64bit_without_x64, to_struct
 from ...files.trees import flatten_with_keys
 from ...tracing.signatures import fn_name, positional_names, signature_positionals, wrt_positions
@@ -39,7 +40,31 @@ if TYPE_CHECKING:
 
 
 def _leaf_entry(key: str, s: Shaped) -> LeafEntry:
-    return LeafEntry(key, dtype_name(s.dtype), tuple(dim_str(d) for d in s.shape))
+    dtype = str(s.dtype) if is_key(s) else dtype_name(s.dtype)  # a typed PRNG key by its jax name: key<fry>
+    return LeafEntry(key, dtype, tuple(dim_str(d) for d in s.shape))
+
+
+def _check_key_argument(
+    names: Sequence[str], batch_pos: Sequence[int], b_entries: Sequence[tuple[str, Shaped]]
+) -> None:
+    """Refuse scalar PRNG keys the Trainer cannot hand per microbatch: one inside a batch pytree, or two arguments.
+
+    A batch argument that is one scalar typed key (``jax.ShapeDtypeStruct((), jax.random.key(0).dtype)``) is the
+    loss's key: the ``Trainer``'s ``rng=`` gives each microbatch its own (``index.StagesIndex.key_position``).
+    """
+    whole = {names[i] for i in batch_pos}
+    scalars = [k for k, s in b_entries if is_key(s) and not s.shape]
+    nested = [k for k in scalars if k not in whole]
+    if nested:
+        raise VjpsplitError(
+            f"batch input '{nested[0]}' is a scalar PRNG key inside a pytree; make the key an argument of its own "
+            "(the Trainer's rng= hands each microbatch its key there)"
+        )
+    if len(scalars) > 1:
+        raise VjpsplitError(
+            f"the function takes {len(scalars)} PRNG key arguments ({', '.join(scalars)}); take one and derive "
+            "the others from it (jax.random.fold_in or split)"
+        )
 
 
 def _check_arity(fn: Callable[..., object], n: int) -> list[str]:
@@ -219,6 +244,7 @@ def export_stages(
     p_entries = [kv for i in wrt_pos for kv in _structs(names[i], specs[i])]
     b_entries = [kv for i in batch_pos for kv in _structs(names[i], specs[i])]
     refuse_64bit_without_x64(p_entries + b_entries)  # by the user's keys, before the stages' own exports
+    _check_key_argument(names, batch_pos, b_entries)
     flat_fn = _over_leaves(fn, specs, [*wrt_pos, *batch_pos])
     traced = trace_model(flat_fn, [s for _, s in p_entries], [s for _, s in b_entries])
     ends, how = _stage_ends(traced, stages, fn)

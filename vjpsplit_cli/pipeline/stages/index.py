@@ -14,6 +14,10 @@ Versions of the index (``version``):
   export asked for (``export_stages(data_parallel=N)``, ``vjpsplit export --stages
   --data-parallel N``): the ``Trainer``'s default. Written only when N > 1.
 
+A batch leaf whose dtype is a typed PRNG key's name (``key<fry>``) and whose shape is ``()`` is the
+function's key argument (``StagesIndex.key_position``, 2026-12-06): no new version, as it adds no field;
+a vjpsplit from before reads such an index but cannot train its stages (it has no ``rng=``).
+
 ``StagesIndex.to_json`` writes exactly the map its version reads (``from_json``):
 an index without evaluation programs is written as version 1, so a signed
 directory's canonical bytes do not change with this code.
@@ -124,6 +128,16 @@ class StagesIndex:
     per_stage: tuple[StageEntry, ...]
     signature: Mapping[str, JSON | bytes] | None = None  # signing's entry (or its JSON, hex), when signed
     data_parallel: int = 1  # version 3: the replicas of every stage the export asked for (the Trainer's default)
+
+    @property
+    def key_position(self) -> int | None:
+        """The position in ``batch`` of the batch argument that is one scalar typed PRNG key (dtype ``key<...>``):
+        the loss's key, which the ``Trainer``'s ``rng=`` gives each microbatch; None where the function takes none.
+        """
+        for i, b in enumerate(self.batch):
+            if b.key in self.batch_names and not b.shape and b.dtype.startswith("key<"):
+                return i
+        return None
 
     @property
     def param_keys(self) -> list[str]:

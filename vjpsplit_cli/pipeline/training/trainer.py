@@ -26,7 +26,7 @@ The Trainer's parts are modules of their own, each a base of ``Trainer``:
 (its settings from the checkpoint: ``resume.restored_run``) and ``close``.
 
 May import the Trainer's parts and, of this room, ``fit``, ``resume``, ``options``, ``option_values``,
-``clipping`` and ``arguments``; ``stages``; ``runtime.result``; the layers below ``pipeline``.
+``clipping``, ``microbatch_keys`` and ``arguments``; ``stages``; ``runtime.result``; the layers below ``pipeline``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from __future__ import annotations
 import os
 import time
 from typing import Callable, Final, Sequence, Unpack
+
+import jax
 
 from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError, one_line
@@ -43,6 +45,7 @@ from ..stages.directory import Stages
 from .arguments import Optimizer
 from .clipping import clip_scale
 from .fit import fit as fit_steps
+from .microbatch_keys import microbatch_keys
 from .option_values import Observe, PerStage, Plans, Runner, Schedule
 from .options import Deprecated, from_legacy
 from .resume import restored_run
@@ -132,6 +135,7 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
         observe: Observe | None = None,
         opt_state: PyTree = None,
         step_count: int = 0,
+        rng: jax.Array | None = None,
         **deprecated: Unpack[Deprecated],
     ):
         """A Trainer for ``stages``, starting from ``params`` (and ``opt_state``, at ``step_count``).
@@ -152,16 +156,20 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
             opt_state: optax's state for the whole model to start from (``tx.init(params)``'s structure: from
                 one process, another Trainer's ``state()``, or orbax) instead of ``optimizer.init``.
             step_count: the run's step this state is at (``fit`` goes on from there).
+            rng: a PRNG key (``jax.random.key(seed)``) for a loss that takes one (a batch argument exported as a
+                scalar typed key): microbatch ``i`` of step ``t`` (``step_count`` when the step starts) gets
+                ``fold_in(fold_in(rng, t), i)`` on every stage that reads it; the batch is passed without the key.
             **deprecated: the keywords these values replace (``schedule_name=``, ``memory_limit=``,
                 ``devices=``, ``address=``, ``progress=``, ``tied=``, ...; ``Deprecated``): they work this
                 release, each group with a ``DeprecationWarning`` naming what to write instead.
 
         Raises:
             VjpsplitError: a bad value (named), an old keyword given with the value it goes into, an optimizer
-                the stages cannot run as one process does; a bad schedule, before anything is exported.
+                the stages cannot run as one process does; a bad schedule, before anything is exported; no ``rng``
+                for stages whose function takes a key, or one for stages whose function takes none.
         """
         options = from_legacy("Trainer", stages, schedule, runner, observe, deprecated)
-        self._start(options, params, optimizer, microbatches, clip_global_norm, opt_state, step_count, None)
+        self._start(options, params, optimizer, microbatches, clip_global_norm, opt_state, step_count, None, rng)
 
     def step(self, batch: tuple[PyTree, ...], *, timed: bool | None = None) -> float:
         """One optimizer step on ``batch``: the schedule over its microbatches, then every stage's update.
@@ -184,7 +192,8 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
                 ``step_timeout`` or interrupted (naming what each worker runs or waits for), a lost Ray worker.
         """
         t0 = time.monotonic()
-        mbs = self.model.batch_microbatches(batch, self.microbatches, self.data_parallel)
+        keys = None if self.rng is None else microbatch_keys(self.rng, self.step_count, self.microbatches)
+        mbs = self.model.batch_microbatches(batch, self.microbatches, self.data_parallel, keys)
         plan, measuring = (self.plan, False) if self.auto is None else self.auto.next_step(mbs)
         every = self.trace_every is not None and (self.step_count + 1) % self.trace_every == 0
         timed = (self.timeline or every if timed is None else timed) or measuring
@@ -327,6 +336,7 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
         observe: Observe | None = None,
         opt_state: PyTree = None,
         step_count: int | None = None,
+        rng: jax.Array | None = None,
         **deprecated: Unpack[Deprecated],
     ) -> Trainer:
         """A Trainer continuing the run saved in ``directory``, at its step, with its parameters and optimizer state.
@@ -348,6 +358,8 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
             opt_state: optax's whole-model state to start from instead of the checkpoint's (as ``Trainer``'s);
                 None: the checkpoint's.
             step_count: the run's step instead of the checkpoint's (as ``Trainer``'s); None: the checkpoint's.
+            rng: the run's PRNG key (as ``Trainer``'s; not recorded): the same key goes on with the same
+                microbatch keys from the checkpoint's step.
             **deprecated: ``Trainer``'s old keywords, each group with a ``DeprecationWarning``.
 
         Returns:
@@ -378,6 +390,7 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
             run.opt_state,
             run.step_count,
             run.states,
+            rng,
         )
         return trainer
 

@@ -5,13 +5,14 @@ evaluation program (``stages.evalprograms``) on the workers (``backend``), with 
 parameters they hold now: no residuals, no gradients, no update. ``Trainer`` sets
 the attributes it declares.
 
-May import ``backend`` and ``arguments`` of this room, ``runtime``, ``stages``, and the layers below ``pipeline``.
+May import ``backend``, ``microbatch_keys`` and ``arguments`` of this room, ``runtime``, ``stages``, and the layers below ``pipeline``.
 """
 
 from __future__ import annotations
 
 from typing import Literal, Sequence, overload
 
+import jax
 import numpy as np
 
 from ...artifact.artifact import Artifact
@@ -22,6 +23,7 @@ from ..stages.directory import Stages
 from ..stages.evalprograms import EvalProgram, missing
 from .arguments import checked_microbatches
 from .backend import Backend
+from .microbatch_keys import microbatch_keys
 
 
 class TrainerEvaluation:
@@ -32,6 +34,8 @@ class TrainerEvaluation:
     model: Model
     microbatches: int
     data_parallel: int
+    rng: jax.Array | None
+    step_count: int
 
     @overload
     def evaluate(
@@ -75,7 +79,8 @@ class TrainerEvaluation:
         """
         m = self.microbatches if microbatches is None else checked_microbatches(microbatches)
         programs = self._eval_programs()
-        mbs = self.model.batch_microbatches(batch, m, self.data_parallel)
+        keys = None if self.rng is None else microbatch_keys(self.rng, self.step_count, m)
+        mbs = self.model.batch_microbatches(batch, m, self.data_parallel, keys)
         losses, received = self.backend.evaluate(mbs, programs, outputs)
         loss = float(np.mean(losses))
         return (loss, received) if outputs and received is not None else loss  # received: given with outputs

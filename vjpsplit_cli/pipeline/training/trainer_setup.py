@@ -9,7 +9,7 @@ exported per stage, the workers started) and starts the history and the cost
 samples. ``recorded_replicas``: the replicas a ``Stages`` export recorded.
 
 May import ``backend``, ``ownership``, ``autoplan``, ``optax_state``, ``history``, ``measured``, ``optimizer``,
-``options``, ``option_values`` and ``arguments`` of this room, ``runtime``, ``schedules``, ``stages`` and the
+``microbatch_keys``, ``options``, ``option_values`` and ``arguments`` of this room, ``runtime``, ``schedules``, ``stages`` and the
 layers below ``pipeline``.
 """
 
@@ -34,6 +34,7 @@ from .autoplan import AutoPlan
 from .backend import Backend, open_backend
 from .history import CheckpointTime, History, RestartRecord, Stragglers, cost_signature
 from .measured import CostSamples
+from .microbatch_keys import checked_rng
 from .optax_state import state_map
 from .optimizer import optimizer_name
 from .option_values import InProcess, PerStage, Schedule
@@ -54,8 +55,10 @@ class TrainerSetup:
         opt_state: PyTree,
         step_count: int,
         restored: Sequence[Mapping[str, Leaf] | None] | None,
+        rng: object = None,
     ) -> None:
-        """Open the Trainer: ``restored`` is the per-stage optimizer states an older checkpoint holds (``restore``)."""
+        """Open the Trainer: ``restored`` is the per-stage optimizer states an older checkpoint holds (``restore``);
+        ``rng`` the PRNG key of a loss that takes one (``microbatch_keys``)."""
         clip_global_norm = checked_clip(clip_global_norm)  # a bad value is refused now, not after the first step
         microbatches, step_count = checked_microbatches(microbatches), plain(step_count)
         if isinstance(step_count, bool) or not isinstance(step_count, int) or step_count < 0:
@@ -67,6 +70,7 @@ class TrainerSetup:
         # Not given: what the export recorded (``export_stages(data_parallel=N)``, ``--data-parallel N``), else 1.
         given = runner.data_parallel
         self.data_parallel = given if given is not None else recorded_replicas(stages)
+        self.rng = checked_rng(rng, stages, self.data_parallel)  # before any export, as every option
         self.offload = offload_of(runner.offload)  # given by hand; auto's planned offload is apart
         self.trace_dir, self.trace_every = observe.trace_dir, observe.trace_every
         check_apart(self._directories())  # offload files and traces apart, before any step

@@ -30,6 +30,7 @@ from ...schedules.ops import BACKWARDS, Kind, Op, OpKey, dependencies, received
 from ..flight import DONE, NEXT, RUNS, WAITS, Now
 from ..model import Microbatch, side_for
 from ..stageops import RunsOps, run_op
+from ....files.prng import is_ready, to_data
 from ....treetypes import Leaf, PyTree
 from .inbox import Inbox, Key
 from .peers import Links
@@ -117,7 +118,8 @@ class Sender:
         for step, worker, key, value in batch:
             if value is not None:
                 try:
-                    value = jax.tree_util.tree_map(np.asarray, value)  # the object store holds host arrays
+                    # the object store holds host arrays; a typed key goes as its key data, which its reader takes
+                    value = jax.tree_util.tree_map(lambda a: np.asarray(to_data(a)), value)
                 except BaseException as e:  # noqa: BLE001 - reported by the actor; the receiver skips
                     self.on_error(e)
                     value = None
@@ -192,7 +194,7 @@ def _ready(value: object) -> bool:
     import jax
 
     arrays: list[jax.Array] = [a for a in jax.tree_util.tree_leaves(value) if isinstance(a, jax.Array)]
-    return all(a.is_ready() for a in arrays)  # type: ignore[attr-defined]  # public, not in jax.Array's stub
+    return all(is_ready(a) for a in arrays)
 
 
 def destination(op: Op, num_stages: int) -> int | None:
