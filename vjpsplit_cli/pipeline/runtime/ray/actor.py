@@ -22,7 +22,7 @@ from ....errors import VjpsplitError
 from ..devices import placed, placement
 from ..flight import Now, RingOp, compile_aware, idle
 from ..offload import Offload
-from ..replicas import ReplicaGroup, refuse_sharded
+from ..replicas import ReplicaGroup, reductions, refuse_sharded
 from ..stageops import run_op
 from ..worker import StageWorker
 from ....treetypes import Leaf, PyTree
@@ -295,7 +295,7 @@ class StageActor:
         return {
             "losses": {m: v for st in held for m, v in st.fetch_losses().items()},
             "events": [e for st in held for e in st.events],
-            "phases": list(self.phases),
+            "phases": [*self.phases, *reductions(held)],
             "error": self.error,
         }
 
