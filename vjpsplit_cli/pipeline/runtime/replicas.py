@@ -145,7 +145,8 @@ class ReplicaGroup:
     parameter structure, each leaf laid out by ``zero_spec`` over the replicas) and
     ``squares`` the replicas' squared sums (``Reducer``); ``squared`` says, per
     parameter leaf, whether it counts in them (set by whoever owns the norm).
-    ``reductions`` counts the cross-replica reductions run (one per step).
+    ``reductions`` counts the cross-replica reductions run (one per step); ``phases`` holds a timed step's,
+    waited for, as ``reduce replicas`` on its worker's track. ``events``: every replica's operations.
     ``offload``: every replica's residuals off its own device between F and B, as a single worker's.
     """
 
