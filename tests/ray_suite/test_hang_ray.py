@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 
+import blocking
 import optax
 import pytest
 from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
@@ -34,6 +36,20 @@ class SlowActor(TrainActor):
                 return real(st, mb, x, side, worker=worker)
 
             st.forward = forward
+        return super().run_step(step, ops, batch, microbatches, timed)
+
+
+class CallbackActor(TrainActor):
+    """A TrainActor whose stage 1 reads its input of microbatch 1 through a host callback (``blocking``) that
+    blocks from the second step on: the forward's dispatch returns and its outputs never get computed."""
+
+    def run_step(self, step, ops, batch, microbatches, timed):
+        st = self.stage_workers.get(1)
+        if st is not None:
+            if not hasattr(self, "hold"):
+                self.hold, _ = blocking.instance_blocks(st, 1)
+            if step == STUCK_STEP:
+                self.hold.set()
         return super().run_step(step, ops, batch, microbatches, timed)
 
 
@@ -83,3 +99,35 @@ def test_a_ray_step_traces_on_the_drivers_clock_and_a_stuck_one_names_its_op(
     assert rows[1]["now"].startswith("worker 1: running F stage 1 mb 1")
     assert [(o["kind"], o["stage"], o["mb"]) for o in rows[1]["ops"]][-1] == ("F", 1, 0)
     assert str(report) in text
+
+
+@pytest.mark.timeout(300)
+def test_an_untimed_ray_step_stuck_in_a_forward_names_that_forward_not_a_delivery(
+    ray_session, stages, tmp_path, monkeypatch
+):
+    """The default untimed step on Ray, stage 1's F of microbatch 1 stuck in a host callback (its dispatch
+    returned, its outputs never computed): the error names that F as what worker 1 runs, and no value as sent
+    and never received (worker 1's sender never sent what depends on it); the report's row says the same."""
+    for module in (sys.modules[__name__], blocking):
+        ray_session.cloudpickle.register_pickle_by_value(module)
+    monkeypatch.setattr(TrainPipeline, "actor_class", CallbackActor)
+    report = tmp_path / "hang.json"
+    with P.Trainer(
+        stages,
+        gpt_params(),
+        optimizer=optax.sgd(0.1),
+        microbatches=4,
+        runner="ray",
+        observe=P.Observe(hang_report=report),
+    ) as tr:
+        tr.step(gpt_batch(8))  # compiled, the callback's too
+        tr.backend.rp.step_timeout = 4.0
+        with pytest.raises(VjpsplitError) as info:
+            tr.step(gpt_batch(8, seed=3))
+    text = str(info.value)
+    assert "did not finish within step_timeout=4 s" in text, text
+    assert re.search(r"worker 1: running (F stage 1 mb 1 since|or waiting: F stage 1 mb 1 \(dispatched)", text), text
+    assert "never received" not in text, text
+    assert "worker 2: F stage 2 mb 1 waits for the activation from stage 1 (worker 1 has not sent it)" in text, text
+    rows = {w["worker"]: w for w in json.loads(report.read_text())["workers"]}
+    assert "F stage 1 mb 1" in rows[1]["now"]

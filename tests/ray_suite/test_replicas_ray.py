@@ -42,8 +42,12 @@ def test_ray_pp2_dp2_tied_and_clipped_equals_optax_and_its_checkpoint_continues_
 
     kw = dict(optimizer=tx, microbatches=2, schedule=schedule, clip_global_norm=CLIP)
     with P.Trainer(stages(), params_(), runner=P.Ray(data_parallel=2), **kw) as tr:
-        losses = [tr.step(b) for b in batches[:2]]
-        assert tr.last_result.runner == "ray"
+        losses = [tr.step(b, timed=i == 1) for i, b in enumerate(batches[:2])]
+        r = tr.last_result
+        assert r.runner == "ray"
+        # Timed: every replica's operations, and each stage's cross-replica reduction on its worker's track.
+        assert {(e.stage, e.replica) for e in r.events} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+        assert sorted(p.worker for p in r.phases if p.name == "reduce replicas") == [0, 1]
         assert min(h.grad_norm for h in tr.history) > CLIP  # clipping acted
         # Each actor: its stage on 2 devices of its own process, Adam's moments sharded across them.
         assert [len(set(d)) for d in tr.placement] == [2, 2]

@@ -108,7 +108,9 @@ def test_ray_trainer_auto_measures_then_races_and_equals_single_process_optax(ra
 def test_ray_sends_a_backwards_cotangent_before_its_weight_part(ray_session, stages, split):
     # Untimed, a B whose cotangent goes to another actor runs as its input part, the send, then its weight part,
     # where the stage has the split backward (the cotangent travels while W computes); stage 0 sends none and
-    # runs B whole, as does every stage exported without the split, and every stage of a timed step.
+    # runs B whole, as does every stage exported without the split, and every stage of a timed step. The
+    # cotangent is handed to the sender between the two parts' dispatches, and counts as sent once its delivery
+    # went out (the sender waits for the input part's result), never before it was handed over.
     st = (
         stages
         if split
@@ -127,12 +129,13 @@ def test_ray_sends_a_backwards_cotangent_before_its_weight_part(ray_session, sta
         kinds = sorted(kind for kind, *_ in mine)
         assert kinds == (sorted("FIW" * M) if parts else sorted("FB" * M))
         for mb in range(M) if stage > 0 else []:
-            sent = status["sent"][("B", mb, stage)]
+            handed, sent = status["handed"][("B", mb, stage)], status["sent"][("B", mb, stage)]
             ends = {kind: (t0, t1) for kind, m, t0, t1, _ in mine if m == mb}
+            assert handed <= sent
             if parts:
-                assert ends["I"][1] <= sent <= ends["W"][0]  # sent after the input part, before the weight part
+                assert ends["I"][1] <= handed <= ends["W"][0]  # after the input part, before the weight part
             else:
-                assert ends["B"][1] <= sent
+                assert ends["B"][1] <= handed
     assert timed_kinds == {"F", "B"}
 
 

@@ -424,3 +424,54 @@ def test_evaluate_on_replicas_with_a_concrete_per_replica_batch_equals_one_proce
         with pytest.raises(VjpsplitError, match=r"pass a batch of 8 rows"):
             tr.evaluate(tied_batches(1, rows=16)[0])
         np.testing.assert_allclose(tr.step(batch), loss, rtol=RTOL)  # the step's loss on the same parameters
+
+
+def test_a_timed_steps_trace_shows_every_replica_on_its_device_and_the_reduction(tmp_path):
+    """data_parallel=2, a timed step traced: every replica's copy of every operation is an event and a slice
+    (``F s1 mb0 r1``) on its worker's track and on its own device's; each replica sends to the same replica of
+    the next stage; each stage's cross-replica reduction is a ``reduce replicas`` slice on its worker's track,
+    after the stage's last backward and before its update. The file reads back with the replicas."""
+    from tracecheck import check_trace_file, flow_pairs, op_slices
+
+    from vjpsplit_cli.pipeline.schedules.tracefile import read_trace
+
+    with P.Trainer(
+        tied_stages(),
+        tied_params(),
+        optimizer=optax.adam(1e-2),
+        microbatches=2,
+        runner=P.InProcess(data_parallel=2),
+        observe=P.Observe(trace_dir=tmp_path / "traces"),
+    ) as tr:
+        tr.step(tied_batches(1, rows=8)[0], timed=True)
+        r = tr.last_result
+        devices = [[str(d) for d in g] for g in tr.placement]
+    ops = {(e.kind, e.stage, e.mb, e.replica) for e in r.events}
+    plan = {(op.kind, op.stage, op.mb) for ops_ in r.plans for op in ops_}
+    assert len(r.events) == len(ops) == 2 * len(plan) and ops == {(*k, i) for k in plan for i in (0, 1)}
+    assert len(r.modeled_timeline()) == len(plan)  # the replay reads one copy per operation
+    doc = check_trace_file(tmp_path / "traces" / "step-1.trace.json")
+    slices = op_slices(doc)
+    assert sorted(slices) == sorted(f"{k} s{s} mb{m} r{i}" for k, s, m, i in ops)
+    tracks = {ev["tid"]: ev["args"]["name"] for ev in doc["traceEvents"] if ev["name"] == "thread_name"}
+    for s, names in enumerate(devices):
+        for i, name in enumerate(names):
+            (tid,) = [t for t, n in tracks.items() if n == f"worker {s} stage {s} replica {i} {name}"]
+            on = sorted(ev["name"] for ev in doc["traceEvents"] if ev["ph"] == "X" and ev["tid"] == tid)
+            assert on == sorted(f"{k} s{s} mb{m} r{i}" for k, st, m, j in ops if (st, j) == (s, i))
+    assert flow_pairs(doc) == sorted(
+        (f"{a} s{s} mb{m} r{i}", f"{b} s{t} mb{m} r{i}")
+        for a, b, s, t in (("F", "F", 0, 1), ("B", "B", 1, 0))
+        for m in range(2)
+        for i in range(2)
+    )
+    reductions = [p for p in r.phases if p.name == "reduce replicas"]
+    assert sorted(p.worker for p in reductions) == [0, 1]
+    for p in reductions:
+        last = max(e.end for e in r.events if e.worker == p.worker and e.kind != "F")
+        (update,) = [u for u in r.phases if u.worker == p.worker and u.name == "update"]
+        assert last <= p.start < p.end <= update.start
+    drawn = {(ev["tid"], ev["cat"]) for ev in doc["traceEvents"] if ev["ph"] == "X" and ev["name"] == "reduce replicas"}
+    assert drawn == {(1, "reduce"), (2, "reduce")}
+    back = read_trace(tmp_path / "traces" / "step-1.trace.json")
+    assert sorted((e.kind, e.stage, e.mb, e.replica) for e in back.events) == sorted(ops)

@@ -8,9 +8,9 @@ A timed step's worker thread (or Ray actor) also says what it is doing in one
 ``Now`` tuple: waiting for its next operation, waiting for the value another
 stage sends it, running an operation, finishing its stages (the reductions and
 the optimizer update), or done. An untimed step's ``Now`` is read off what its
-driver dispatched (``untimed.Dispatched``): the operation whose dispatch has not
-returned, else each worker's first dispatched operation whose outputs are not
-ready (``jax.Array.is_ready``). A worker whose thread is inside JAX's compiler as the
+driver dispatched (``untimed.Dispatched``; on Ray, what each actor's list did): the
+operation whose dispatch has not returned, else each worker's first dispatched
+operation whose outputs are not ready (``jax.Array.is_ready``). A worker whose thread is inside JAX's compiler as the
 step stops is said to be compiling (``compile_aware``: its first call for these inputs;
 a first step's timeout is often that). When a step passes ``step_timeout`` or is
 interrupted, ``hang_message`` turns each worker's ``Now`` into one clause

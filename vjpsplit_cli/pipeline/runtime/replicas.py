@@ -24,8 +24,9 @@ stage's replicas run (``replica_placement``). May import the runtime room's
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import jax
 import numpy as np
@@ -33,6 +34,7 @@ import numpy as np
 from ...errors import VjpsplitError
 from ...treetypes import PyTree
 from ..schedules.ops import Op
+from ..schedules.timeline import Phase
 from .model import Microbatch
 from .offload import Offload
 from .reduction import Reducer, replica_mesh
@@ -45,6 +47,8 @@ if TYPE_CHECKING:
     from ...artifact.artifact import Artifact
     from ...tracing.residuals import Intermediates
     from ..schedules.timeline import Event
+
+REDUCE = "reduce replicas"  # a timed step's cross-replica reduction, as its trace names the phase
 
 
 class Parts(tuple):  # type: ignore[type-arg]
@@ -141,7 +145,8 @@ class ReplicaGroup:
     parameter structure, each leaf laid out by ``zero_spec`` over the replicas) and
     ``squares`` the replicas' squared sums (``Reducer``); ``squared`` says, per
     parameter leaf, whether it counts in them (set by whoever owns the norm).
-    ``reductions`` counts the cross-replica reductions run (one per step).
+    ``reductions`` counts the cross-replica reductions run (one per step); ``phases`` holds a timed step's,
+    waited for, as ``reduce replicas`` on its worker's track. ``events``: every replica's operations.
     ``offload``: every replica's residuals off its own device between F and B, as a single worker's.
     """
 
@@ -156,7 +161,9 @@ class ReplicaGroup:
     ):
         if artifact.manifest.sharded:
             raise VjpsplitError(f"stage {stage_index}: replicas run unsharded stages only")
-        self.replicas = [StageWorker(artifact, params, stage_index, num_stages, d) for d in devices]
+        self.replicas = [
+            StageWorker(artifact, params, stage_index, num_stages, d, replica=i) for i, d in enumerate(devices)
+        ]
         for i, r in enumerate(self.replicas):
             r.set_offload(offload, replica=i)
         self.n = len(self.replicas)
@@ -205,8 +212,8 @@ class ReplicaGroup:
 
     @property
     def events(self) -> list[Event]:
-        """A timed step's events: the first replica's (the replicas run one after another when timed)."""
-        return self.replicas[0].events
+        """A timed step's events: every replica's, each naming its replica (timed, they run one after another)."""
+        return [e for r in self.replicas for e in r.events]
 
     @property
     def peak_residual_bytes(self) -> int:
@@ -237,6 +244,7 @@ class ReplicaGroup:
         self.grads: PyTree = None
         self.squares: jax.Array | None = None
         self.done, self.m = 0, 0
+        self.phases: list[Phase] = []  # a timed step's reduction, "reduce replicas"
 
     def to_device(self, tree: PyTree) -> PyTree:
         """``tree`` as it is: a microbatch is cut per replica first, and each part goes to its replica's device."""
@@ -265,7 +273,7 @@ class ReplicaGroup:
         cts = self._per(ct, False)
         self.m = microbatches
         out = Parts(r.backward(mb, cts[i], microbatches * self.n, worker) for i, r in enumerate(self.replicas))
-        self._accumulated()
+        self._accumulated(worker)
         return out
 
     def backward_input(self, mb: int, ct: PyTree, microbatches: int, worker: int | None = None) -> Parts:
@@ -278,12 +286,12 @@ class ReplicaGroup:
         """Split schedules' W on every replica; the step's last one dispatches the reduction."""
         for r in self.replicas:
             r.backward_weight(mb, worker)
-        self._accumulated()
+        self._accumulated(worker)
 
-    def _accumulated(self) -> None:
+    def _accumulated(self, worker: int | None) -> None:
         self.done += 1
         if self.done == self.m:  # the step's last gradient operation of this stage: reduce now
-            self.reduce()
+            self.reduce(worker)
         elif self.per_microbatch:  # what a program reducing in its backward does: same result, m reductions
             self.reducer([jax_leaves(r.grads) for r in self.replicas])
             self.reductions += 1
@@ -296,11 +304,18 @@ class ReplicaGroup:
             self._reducer = Reducer(self.mesh, shapes, self.squared)
         return self._reducer
 
-    def reduce(self) -> None:
-        """The one cross-replica reduction of the step's summed gradients (dispatched, not waited for)."""
+    def reduce(self, worker: int | None = None) -> None:
+        """The one cross-replica reduction of the step's summed gradients: dispatched, not waited for; in a
+        timed step waited for and recorded in ``phases`` as ``reduce replicas`` on ``worker``'s track (``None``:
+        the stage's index, as its events)."""
         if any(r.grads is None for r in self.replicas):
             raise VjpsplitError(f"stage {self.stage_index}: a replica computed no gradients this step")
+        t0 = time.monotonic()
         leaves, squares = self.reducer([jax.tree_util.tree_leaves(r.grads) for r in self.replicas])
+        if self.timed:
+            jax.block_until_ready((leaves, squares))
+            w = self.stage_index if worker is None else worker
+            self.phases.append(Phase(w, REDUCE, t0, time.monotonic()))
         self.grads, self.squares = jax.tree_util.tree_unflatten(self.treedef, leaves), squares
         for r in self.replicas:
             r.grads = None  # the per-replica sums are spent
@@ -312,6 +327,11 @@ class ReplicaGroup:
             r.params = p
             r.grads = None
         self.grads = self.squares = None
+
+
+def reductions(workers: Iterable[object]) -> list[Phase]:
+    """A timed step's cross-replica reductions: the ``phases`` of those of ``workers`` that are a ``ReplicaGroup``."""
+    return [p for w in workers if isinstance(w, ReplicaGroup) for p in w.phases]
 
 
 def jax_leaves(tree: PyTree) -> list[jax.Array]:

@@ -37,8 +37,10 @@ class PipelineResult:
     that ran (a named schedule's, or the caller's; ``schedule`` is then ``"custom"``).
     ``timed``: the step waited for each operation, and ``events`` are their compute
     times; an untimed step (the Trainer's default) has no events, and its bubble
-    ratios are NaN. ``phases``: what a timed step did besides its operations (the driver's
-    phases, each worker's reductions and optimizer update), drawn in its trace (``write_trace``).
+    ratios are NaN. On a stage with replicas (``data_parallel``) each replica's copy of an
+    operation is an event (``Event.replica``). ``phases``: what a timed step did besides its
+    operations (the driver's phases, each worker's reductions, a stage's cross-replica one
+    ``reduce replicas`` among them, and optimizer update), drawn in its trace (``write_trace``).
 
     Made by the runners (``run``, ``run_inprocess``, ``RayPipeline.run``, ``Trainer.step``).
 
@@ -47,7 +49,7 @@ class PipelineResult:
         loss: The step's loss (the mean over microbatches).
         grads: The gradients: per stage, or in ``params``' structure for a ``Stages``
             (``None`` per stage where a ``Trainer`` applied them where they live).
-        events: The operations' compute times (empty for an untimed step).
+        events: The operations' compute times (empty for an untimed step; one per replica on a stage with replicas).
         num_stages: The pipeline's stage count.
         microbatches: The microbatches of the step.
         runner: ``"in-process"`` or ``"ray"``.
@@ -55,7 +57,7 @@ class PipelineResult:
         plans: The per-worker lists of ``Op`` that ran.
         extra: What the runner adds (the Ray runner: ``{"compiled": bool}``).
         timed: Whether each operation was waited for: only then do ``events`` hold compute times.
-        phases: A timed step's driver phases, reductions and updates.
+        phases: A timed step's driver phases, reductions (``reduce replicas`` among them) and updates.
     """
 
     schedule: str
@@ -158,7 +160,8 @@ class PipelineResult:
         """The step as a Chrome/Perfetto trace-event document (``schedules.tracefile``); a timed step's only.
 
         Args:
-            devices: per stage, its devices (``Trainer.placement``); a sharded stage gets a track per device.
+            devices: per stage, its devices (``Trainer.placement``); a sharded stage gets a track per device, a
+                stage with replicas one per replica's device.
                 ``None`` names no devices.
 
         Returns:

@@ -5,7 +5,8 @@ order and nothing waits: ``jit`` dispatches asynchronously, so the devices run s
 by side while the driver is already further on. A Trainer's untimed step runs its
 dispatch, in the same order, in one kept helper thread (``run_untimed``) while the
 caller waits with ``step_timeout`` and Ctrl-C; ``Dispatched`` records what was
-handed out, so a stuck step names each worker's unfinished operation. May import
+handed out, so a stuck step names each worker's unfinished operation (a Ray actor's
+untimed list keeps one of its own operations, ``ray.lists``). May import
 ``dispatch``, ``flight``, ``model``, ``replicas``, ``stageops``, ``stepwatch``,
 ``workerthreads`` and the schedules room.
 """

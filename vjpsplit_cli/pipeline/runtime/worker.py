@@ -55,6 +55,7 @@ class StageWorker:
         num_stages: The pipeline's stage count.
         device: Where an unsharded stage runs; ``None`` leaves it where JAX puts it.
         offload: Which residuals leave the device between F and B (``offload.Offload``); ``None``: none.
+        replica: Its index among its stage's replicas (``replicas.ReplicaGroup``); ``None`` alone.
 
     Attributes:
         art: The stage's artifact.
@@ -69,6 +70,7 @@ class StageWorker:
         inter: The weight part's intermediates in flight, by microbatch.
         grads: The gradients accumulated this step; ``None`` before the first backward.
         events: This step's ``Event``s (timed steps only).
+        replica: Its index among its stage's replicas; ``None`` alone.
         losses: The last stage's loss per microbatch, device scalars until fetched.
         peak_residual_bytes: The step's most stored residual bytes on the device at an operation's boundary.
 
@@ -85,8 +87,10 @@ class StageWorker:
         num_stages: int,
         device: jax.Device | None = None,
         offload: Offload | None = None,
+        replica: int | None = None,
     ):
         self.art = artifact
+        self.replica = replica  # its index among its stage's replicas (a ReplicaGroup's), recorded in its events
         m = artifact.manifest
         self.device = None if m.sharded else device
         self._sharding: SingleDeviceSharding | None = None if self.device is None else SingleDeviceSharding(self.device)
@@ -282,7 +286,7 @@ class StageWorker:
         key = (id(call), signature_of(args))
         cold = self._runs.get(key, 0) < warmup
         t0 = time.monotonic()
-        with jax.profiler.TraceAnnotation(op_name(kind, self.stage_index, mb)):
+        with jax.profiler.TraceAnnotation(op_name(kind, self.stage_index, mb, self.replica)):
             out = jax.block_until_ready(call(*args))
         t1 = time.monotonic()
         self.ring.append((kind, mb, t0, t1, True))
@@ -296,7 +300,7 @@ class StageWorker:
             jax.block_until_ready(call(*args))
             own = time.monotonic() - a
         w = self.stage_index if worker is None else worker
-        self.events.append(Event(w, kind, mb, t0, t1, self.stage_index, own))
+        self.events.append(Event(w, kind, mb, t0, t1, self.stage_index, own, self.replica))
         return out
 
     def _ct(self, ct: PyTree, microbatches: int) -> PyTree:

@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Mapping, Protocol, Sequence
 from ...errors import VjpsplitError
 from .costs import Costs
 from .ops import Op, OpKey, action_name, dependencies
-from .timeline import Event
+from .timeline import Event, one_per_op
 
 Duration = Callable[[Op], float]
 Step = tuple[int, Op, float, float, tuple[OpKey, ...]]  # worker, op, start, end, what it waited for
@@ -218,6 +218,7 @@ def simulate(
 
 
 def replay(events: Sequence[Event], plans: Sequence[Sequence[Op]], num_stages: int) -> list[Event]:
-    """The timeline ``plans`` would have with one device per worker, given each operation's measured time."""
-    dur = {(e.stage, e.kind, e.mb): e.end - e.start for e in events}
+    """The timeline ``plans`` would have with one device per worker, given each operation's measured time (on a
+    stage with replicas, each on its own device, its first replica's)."""
+    dur = {(e.stage, e.kind, e.mb): e.end - e.start for e in one_per_op(events)}
     return simulate(plans, num_stages, lambda op: dur.get((op.stage, op.kind, op.mb), 0.0))

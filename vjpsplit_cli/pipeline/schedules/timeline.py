@@ -7,6 +7,7 @@ A played schedule's events carry its own units.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -17,6 +18,8 @@ class Event:
 
     ``own``: where the operation's call was cold (it traced, compiled or ran its checked first path), the
     seconds one warm run of the same call took, measured right after it; None where ``end - start`` is warm.
+    ``replica``: on a stage with replicas (``data_parallel``), the one that ran it (each replica's copy of an
+    operation is an event); None on a stage without.
 
     Attributes:
         worker: The worker that ran it.
@@ -26,6 +29,7 @@ class Event:
         end: When it ended, on the same clock.
         stage: The stage it ran.
         own: Where the call was cold, the seconds of one warm run of it; else ``None``.
+        replica: The stage's replica that ran it; ``None`` without replicas.
     """
 
     worker: int
@@ -35,6 +39,7 @@ class Event:
     end: float
     stage: int
     own: float | None = None
+    replica: int | None = None
 
     def shifted(self, offset: float) -> Event:
         """The same operation on a clock that reads ``offset`` seconds less than the one it was recorded on.
@@ -45,7 +50,7 @@ class Event:
         Returns:
             A new ``Event``.
         """
-        return Event(self.worker, self.kind, self.mb, self.start - offset, self.end - offset, self.stage, self.own)
+        return dataclasses.replace(self, start=self.start - offset, end=self.end - offset)
 
 
 @dataclass(frozen=True)
@@ -63,9 +68,17 @@ class Phase:
         return Phase(self.worker, self.name, self.start - offset, self.end - offset)
 
 
-def op_name(kind: str, stage: int, mb: int) -> str:
-    """An operation as a trace names it (its slice, its ``jax.profiler.TraceAnnotation``): ``B s1 mb3``."""
-    return f"{kind} s{stage} mb{mb}"
+def op_name(kind: str, stage: int, mb: int, replica: int | None = None) -> str:
+    """An operation as a trace names it (its slice, its ``jax.profiler.TraceAnnotation``): ``B s1 mb3``, and
+    replica 1's copy of it on a stage with replicas ``B s1 mb3 r1``."""
+    return f"{kind} s{stage} mb{mb}" + ("" if replica is None else f" r{replica}")
+
+
+def one_per_op(events: Sequence[Event]) -> list[Event]:
+    """``events`` less the copies of replicas other than the first: one event per operation of the schedule
+    (what a replay or a send's gap reads: a stage's replicas each run the same operation on their part of
+    the microbatch, on their own devices)."""
+    return [e for e in events if not e.replica]
 
 
 def makespan(events: Sequence[Event]) -> float:

@@ -4,15 +4,18 @@ The file (``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}`
 opens in Perfetto's UI (ui.perfetto.dev), ``chrome://tracing`` and XProf's
 (TensorBoard's) trace viewer. One process, one track (``tid``) per worker
 (``tid`` = worker + 1) and the driver's own (``tid`` 0); a sharded stage's
-operations are drawn again on a track per device of its mesh. Each operation is
+operations are drawn again on a track per device of its mesh, and on a stage with
+replicas (``data_parallel``) each replica's on its device's track. Each operation is
 a complete slice (``ph: "X"``) named ``I s1 mb3`` (kind, stage, microbatch, as
 ``timeline.op_name`` and each operation's ``jax.profiler.TraceAnnotation`` name
-it), its category its kind (``F``, ``B``, ``I`` or ``W``: ``ops.Kind``); each value
-one worker sends another (F's activation to the next stage, a B's or I's cotangent
-to the one before) is a flow (``ph: "s"`` in the
+it; replica 1's copy ``I s1 mb3 r1``), its category its kind (``F``, ``B``, ``I`` or
+``W``: ``ops.Kind``); each value one worker sends another (F's activation to the
+next stage, a B's or I's cotangent to the one before; replica r's to replica r)
+is a flow (``ph: "s"`` in the
 producing slice, ``ph: "f"`` with ``bp: "e"`` at the start of the consuming one,
 one ``id`` per pair); the driver's phases and each worker's reductions and
-optimizer update are slices of category ``driver``, ``reduce`` and ``update``.
+optimizer update are slices of category ``driver``, ``reduce`` (a stage's
+cross-replica reduction among them, ``reduce replicas``) and ``update``.
 Timestamps and durations are microseconds since the step's first one, to the
 nanosecond (each span's two ends rounded to whole nanoseconds, its duration their
 difference, so spans that touch never overlap), on the driver's clock (``time.monotonic``; the Ray runner moves each actor's onto it by
@@ -62,12 +65,12 @@ def _phase_category(p: Phase) -> str:
     return "reduce" if p.name.startswith("reduce") else "update"
 
 
-def _consumer(e: Event, num_stages: int) -> tuple[bool, int, int] | None:
-    """The operation that takes ``e``'s result from another stage: (is a backward, stage, mb), or None."""
+def _consumer(e: Event, num_stages: int) -> tuple[bool, int, int, int | None] | None:
+    """The operation that takes ``e``'s result from another stage: (is a backward, stage, mb, replica), or None."""
     if e.kind == Kind.F and e.stage < num_stages - 1:
-        return (False, e.stage + 1, e.mb)
+        return (False, e.stage + 1, e.mb, e.replica)
     if e.kind in BACKWARDS and e.stage > 0:
-        return (True, e.stage - 1, e.mb)
+        return (True, e.stage - 1, e.mb, e.replica)
     return None
 
 
@@ -112,36 +115,42 @@ def _worker_tracks(events: Sequence[Event], num_workers: int) -> list[dict[str, 
 def _device_tracks(
     events: Sequence[Event], devices: Mapping[int, Sequence[str]]
 ) -> tuple[dict[int, list[int]], list[dict[str, object]]]:
-    """A sharded stage's per-device tracks (by stage, their ``tid``s) and their metadata."""
+    """A sharded stage's, or a stage with replicas', per-device tracks (by stage, their ``tid``s; a stage with
+    replicas: in replica order) and their metadata."""
     tracks: dict[int, list[int]] = {}
     out: list[dict[str, object]] = []
     for s, names in sorted(devices.items()):
         if len(names) < 2:
             continue
-        on = [e.worker for e in events if e.stage == s]
+        on = [e for e in events if e.stage == s]
         if not on:
             continue
-        w = on[0]
+        w, replicas = on[0].worker, on[0].replica is not None
         tids = [DEVICE_TRACKS + 100 * w + len(tracks) * 10 + i for i in range(len(names))]
         tracks[s] = tids
-        for tid, name in zip(tids, names):
-            out += _thread(tid, f"worker {w} stage {s} {name}", tid)
+        for i, (tid, name) in enumerate(zip(tids, names)):
+            out += _thread(tid, f"worker {w} stage {s}{f' replica {i}' if replicas else ''} {name}", tid)
     return tracks, out
 
 
 def _op_slices(
     events: Sequence[Event], device_tracks: Mapping[int, Sequence[int]], origin: float
 ) -> list[dict[str, object]]:
-    """Each operation's slice on its worker's track and again on its stage's device tracks."""
+    """Each operation's slice on its worker's track and again on its stage's device tracks (a replica's copy:
+    on its own device's)."""
     out: list[dict[str, object]] = []
     for e in events:
-        args = {"kind": str(e.kind), "stage": e.stage, "mb": e.mb, "worker": e.worker}
+        args: dict[str, object] = {"kind": str(e.kind), "stage": e.stage, "mb": e.mb, "worker": e.worker}
+        on = device_tracks.get(e.stage, [])
+        if e.replica is not None:
+            args["replica"] = e.replica
+            on = on[e.replica : e.replica + 1]
         ts, dur = _span(e.start, e.end, origin)
-        for tid in [e.worker + 1, *device_tracks.get(e.stage, ())]:
+        for tid in [e.worker + 1, *on]:
             out.append(
                 {
                     "ph": "X",
-                    "name": op_name(e.kind, e.stage, e.mb),
+                    "name": op_name(e.kind, e.stage, e.mb, e.replica),
                     "cat": str(e.kind),
                     "pid": PID,
                     "tid": tid,
@@ -175,7 +184,7 @@ def _phase_slices(phases: Sequence[Phase], origin: float) -> list[dict[str, obje
 
 def _flows(events: Sequence[Event], num_stages: int, origin: float) -> list[dict[str, object]]:
     """A flow (start and finish) for each value one worker sends another, one ``id`` per pair."""
-    by_op = {(e.kind in BACKWARDS, e.stage, e.mb): e for e in events if e.kind != Kind.W}
+    by_op = {(e.kind in BACKWARDS, e.stage, e.mb, e.replica): e for e in events if e.kind != Kind.W}
     out: list[dict[str, object]] = []
     flow = 0
     for e in events:
@@ -288,9 +297,9 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
         path: the trace file.
 
     Returns:
-        Its ``Trace``: the operations (slices of category F, B, I or W on a worker's track; a sharded stage's
-        per-device copies are read once; an older file's B with a W is read as I), the other slices, and the
-        number of workers.
+        Its ``Trace``: the operations (slices of category F, B, I or W on a worker's track, with their replica;
+        a sharded stage's per-device copies are read once; an older file's B with a W is read as I), the other
+        slices, and the number of workers.
 
     Raises:
         VjpsplitError: the file is missing, not JSON, or not a trace of a vjpsplit step (naming what is wrong).
@@ -330,7 +339,8 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
             if not isinstance(args, dict):
                 raise VjpsplitError(f"{where}: an operation's slice without args")
             stage, mb = _field(args, "stage", int, where), _field(args, "mb", int, where)
-            events.append(Event(tid - 1, str(ev["cat"]), mb, start, end, stage))
+            replica = _field(args, "replica", int, where) if "replica" in args else None
+            events.append(Event(tid - 1, str(ev["cat"]), mb, start, end, stage, replica=replica))
         else:
             name = _field(ev, "name", str, where)
             phases.append(Phase(None if tid == DRIVER else tid - 1, name, start, end))

@@ -25,7 +25,7 @@ from ..runtime.dispatch import Order, order_of
 from ..runtime.evaluation import evaluate_here, host, joined, loss_value
 from ..runtime.inprocess import RUNNER
 from ..runtime.model import Microbatch
-from ..runtime.replicas import check_split
+from ..runtime.replicas import check_split, reductions
 from ..runtime.result import PipelineResult, step_result
 from ..runtime.offload import Offload
 from ..runtime.stepwatch import Watch
@@ -179,7 +179,7 @@ class InProcessBackend:
             grads=[None] * S,  # applied where they live
             events=[e for st in workers for e in st.events],
             timed=timed,
-            phases=phases if timed else (),
+            phases=[*phases, *reductions(workers)] if timed else (),
         )
         return result, [sums[s] for s in range(S)]
 

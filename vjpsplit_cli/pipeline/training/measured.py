@@ -55,7 +55,7 @@ from ...errors import VjpsplitError
 from ..runtime.offload import to_host_and_back
 from ..runtime.result import PipelineResult
 from ..schedules.ops import BACKWARDS, Kind
-from ..schedules.timeline import Event
+from ..schedules.timeline import Event, one_per_op
 from ..stages.exporting import module_flops
 
 COST_STEPS = 16  # the timed steps whose operation times ``costs`` takes medians over
@@ -103,11 +103,13 @@ def seconds(e: Event) -> float:
 
 
 def step_samples(result: PipelineResult) -> _Step:
-    """One timed step's counted operation seconds by stage and kind, and its send gaps."""
-    ops = counted(result.events)
+    """One timed step's counted operation seconds by stage and kind, and its send gaps (on a stage with replicas,
+    each on its own device, its first replica's copy of each operation counts)."""
+    events = one_per_op(result.events)
+    ops = counted(events)
     keys = {(e.kind, e.mb, e.stage) for group in ops.values() for e in group}
     times = {k: [seconds(e) for e in group] for k, group in ops.items()}
-    return times, send_gaps(result.events, result.num_stages, keys)
+    return times, send_gaps(events, result.num_stages, keys)
 
 
 def send_gaps(

@@ -20,10 +20,11 @@ from ...schedules.ops import BACKWARDS, Kind, Op
 from ...schedules.timeline import Event, Phase
 from ....errors import VjpsplitError
 from ..devices import placed, placement
-from ..flight import Now, RingOp, compile_aware, idle
+from ..flight import COMPILING, PENDING, RUNS, Now, RingOp, compile_aware, idle
 from ..offload import Offload
-from ..replicas import ReplicaGroup, refuse_sharded
+from ..replicas import ReplicaGroup, reductions, refuse_sharded
 from ..stageops import run_op
+from ..untimed import Dispatched
 from ..worker import StageWorker
 from ....treetypes import Leaf, PyTree
 from .inbox import Inbox, Key
@@ -54,11 +55,15 @@ class StepState(StepReport):
 class WorkerStatus(TypedDict):
     """What a worker does now (``StageActor.status``), on its own clock.
 
-    ``now``: ``flight.Now`` with its operations as ``(kind, mb, stage)``; ``sent``: this step's values handed to
-    the sender, and when; ``rings``: per stage held, its last operations ``(kind, mb, start, end)``.
+    ``now``: ``flight.Now`` with its operations as ``(kind, mb, stage)``; ``after``: with a PENDING ``now``, how
+    many operations dispatched after it have not finished either; ``handed``: this step's values handed to the
+    sender, and when; ``sent``: those whose delivery went out to another worker (the sender waits for a value
+    still being computed), and when; ``rings``: per stage held, its last operations ``(kind, mb, start, end)``.
     """
 
     now: tuple[str, Key | None, Key | None, float]
+    after: int
+    handed: dict[Key, float]
     sent: dict[Key, float]
     rings: dict[int, list[RingOp]]
 
@@ -85,7 +90,10 @@ class StageActor:
         self.worker_of: dict[int, int] = {}
         self.now: Now = idle()  # what this worker does now (runtime.flight), set by run_list
         self.list_thread: int | None = None  # the thread running the step's list (what ``status`` looks into)
-        self.sent: dict[Key, float] = {}  # this step's values handed to the sender, and when
+        self.step = -1  # the step whose list runs (or ran) last
+        self.handed: dict[Key, float] = {}  # this step's values handed to the sender, and when
+        self.sent: dict[Key, float] = {}  # those whose delivery went out, and when (``Sender``)
+        self.record: Dispatched | None = None  # an untimed step's operations as dispatched (``untimed``)
         self.phases: list[Phase] = []  # this step's reductions and updates (a TrainActor's)
 
     def ready(self) -> str:
@@ -155,8 +163,15 @@ class StageActor:
         if self.sender is not None:
             self.sender.connect(peers, links)
         else:
-            self.sender = Sender(peers, self.fail, links)
+            self.sender = Sender(peers, self.fail, links, self._sent)
         self.worker_of = {int(s): int(w) for s, w in worker_of.items()}
+
+    def _sent(self, step: int, keys: Sequence[Key]) -> None:
+        """The sender's word that the values of ``keys`` went out for step ``step`` (kept for this step's only)."""
+        if step == self.step:
+            at = time.monotonic()
+            for k in keys:
+                self.sent[k] = at
 
     def fail(self, e: BaseException) -> None:
         """Record ``e`` as the step's error unless one came first (what ``report`` hands the driver)."""
@@ -182,9 +197,12 @@ class StageActor:
         microbatches: int,
         timed: bool,
     ) -> None:
-        """Step ``step``: reset, then this worker's list of operations (see ``lists.run_list``)."""
-        self.reset(timed, [[Op(Kind(kind), mb, stage) for kind, mb, stage in ops]])
-        self.now, self.sent = idle(), {}
+        """Step ``step``: reset, then this worker's list of operations (see ``lists.run_list``); untimed, each
+        operation noted as it is dispatched (``record``)."""
+        plan = [Op(Kind(kind), mb, stage) for kind, mb, stage in ops]
+        self.reset(timed, [plan])
+        self.now, self.handed, self.sent, self.step = idle(), {}, {}, step
+        self.record = None if timed else Dispatched([plan], self.num_stages)
         self.list_thread = threading.get_ident()
         self.inbox.begin(step)
         run_list(self, step, ops, batch, microbatches, timed)
@@ -219,8 +237,15 @@ class StageActor:
     def status(self) -> WorkerStatus:
         """What this worker does now, the values it sent this step and each stage's last operations (this
         process's clock; runs in the ``inbox`` group, beside a list that may be stuck). An operation whose
-        thread is inside JAX's compiler is said to be compiling (``flight.compile_aware``)."""
+        thread is inside JAX's compiler is said to be compiling (``flight.compile_aware``). In an untimed step,
+        unless the list is inside an operation's dispatch, the first operation it dispatched whose outputs are
+        not ready (``untimed.Dispatched``) is what it does: its device runs it, or it waits for its input."""
         state, op, src, since = compile_aware(self.now, self.list_thread)
+        after = 0
+        if state not in (RUNS, COMPILING) and self.record is not None:
+            (first,), (behind,) = self.record.nows()
+            if first[0] == PENDING:
+                (state, op, src, since), after = first, behind
         return {
             "now": (
                 state,
@@ -228,6 +253,8 @@ class StageActor:
                 None if src is None else (src.kind, src.mb, src.stage),
                 since,
             ),
+            "after": after,
+            "handed": dict(self.handed),
             "sent": dict(self.sent),
             "rings": {s: list(st.ring) for s, st in self.stage_workers.items()},
         }
@@ -295,7 +322,7 @@ class StageActor:
         return {
             "losses": {m: v for st in held for m, v in st.fetch_losses().items()},
             "events": [e for st in held for e in st.events],
-            "phases": list(self.phases),
+            "phases": [*self.phases, *reductions(held)],
             "error": self.error,
         }
 

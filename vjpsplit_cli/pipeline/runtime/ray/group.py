@@ -311,7 +311,7 @@ class ActorGroup:
                     pass
         sent = {
             OpKey(*k): t - self.clock_offsets[w] for w, st in got.items() for k, t in st["sent"].items()
-        }  # each value handed to the sender, on the driver's clock
+        }  # each value whose delivery went out, on the driver's clock
         worker_of = self.layout.worker_of()
         parts, rows = [], []
         for w in range(len(self.actors)):
@@ -322,8 +322,8 @@ class ActorGroup:
             state, op, src, since = got[w]["now"]
             off = self.clock_offsets[w]
             now = (state, None if op is None else OpKey(*op), None if src is None else OpKey(*src), since - off)
-            # A value its sender handed on but this worker never took is a delivery that hangs.
-            parts.append(clause(w, now, t0, worker_of, sent))
+            # A value whose delivery went out but this worker never took is a delivery that hangs.
+            parts.append(clause(w, now, t0, worker_of, sent, got[w]["after"]))
             ops = [
                 r
                 for s, ring in got[w]["rings"].items()

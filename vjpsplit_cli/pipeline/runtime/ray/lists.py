@@ -6,7 +6,11 @@ stages read (``submit_lists``), once per step. An actor runs its list in order
 actor's ``inbox.Inbox`` (reading the other workers' sockets meanwhile); a result
 another worker reads goes to that worker's inbox straight from this actor
 (``Sender``, a thread of its own, so the next operation
-is dispatched while the last one's result is copied off the device and sent).
+is dispatched while the last one's result is copied off the device and sent; a
+value counts as sent once its delivery has gone out, not when it is handed to the
+sender, which may still wait for it to be computed). An untimed list notes each
+operation it dispatches in ``untimed.Dispatched``, as an in-process untimed step
+does, so a stuck step names the first one whose outputs are not ready.
 The driver takes no part in a step's traffic; it only learns when each list is
 done, and the losses, timings (and gradients) afterwards.
 
@@ -31,6 +35,7 @@ from ..flight import DONE, NEXT, RUNS, WAITS, Now
 from ..model import Microbatch, side_for
 from ..stageops import RunsOps, run_op
 from ....files.prng import is_ready, to_data
+from ..untimed import Dispatched
 from ....treetypes import Leaf, PyTree
 from .inbox import Inbox, Key
 from .peers import Links
@@ -58,7 +63,8 @@ class Sender:
     Whatever has queued up by the time the thread gets to it goes in one delivery per
     receiving worker, so a busy sender makes fewer, larger ones. A delivery goes down
     the workers' sockets (``peers.Links``) where the sender has them, else (or for a
-    value a frame does not carry) as a Ray call of the receiver's ``deliver``.
+    value a frame does not carry) as a Ray call of the receiver's ``deliver``. Once a
+    delivery has gone out, ``on_sent(step, keys)`` is told its values' keys.
     """
 
     def __init__(
@@ -66,8 +72,9 @@ class Sender:
         peers: Sequence[ActorHandle],
         on_error: Callable[[BaseException], None],
         links: Links | None = None,
+        on_sent: Callable[[int, Sequence[Key]], None] | None = None,
     ):
-        self.on_error = on_error
+        self.on_error, self.on_sent = on_error, on_sent
         self.links: Links | None = None
         self.connect(peers, links)
         self.queue: queue.Queue[tuple[int, int, Key, object]] = queue.Queue()
@@ -125,20 +132,27 @@ class Sender:
                     value = None
             calls.setdefault((step, worker), []).append((key, value))
         for (step, worker), items in calls.items():
-            if self.links is not None:
-                try:
-                    self.links.send(worker, step, items)
-                    continue
-                except Unencodable:
-                    pass  # a node a frame does not carry: Ray pickles it
-                except BaseException as e:  # noqa: BLE001 - a dead peer: the driver names it
-                    self.on_error(e)
-                    continue
+            if self._delivered(step, worker, items) and self.on_sent is not None:
+                self.on_sent(step, [key for key, _ in items])
+
+    def _delivered(self, step: int, worker: int, items: list[tuple[Key, object]]) -> bool:
+        """Deliver ``items`` to ``worker``: down its socket, else as a Ray call; whether they went out."""
+        if self.links is not None:
             try:
-                packed, pieces = pack(items)
-                self.deliveries[worker].remote(step, packed, *pieces)
+                self.links.send(worker, step, items)
+                return True
+            except Unencodable:
+                pass  # a node a frame does not carry: Ray pickles it
             except BaseException as e:  # noqa: BLE001 - a dead peer: the driver names it
                 self.on_error(e)
+                return False
+        try:
+            packed, pieces = pack(items)
+            self.deliveries[worker].remote(step, packed, *pieces)
+        except BaseException as e:  # noqa: BLE001 - a dead peer: the driver names it
+            self.on_error(e)
+            return False
+        return True
 
 
 PIECE = 64 << 10  # below Ray's max_direct_call_object_size (100 KiB): such an argument rides inside the call
@@ -243,7 +257,8 @@ class RunsLists(Protocol):
     inbox: Inbox
     sender: Sender | None
     now: Now
-    sent: dict[Key, float]
+    handed: dict[Key, float]
+    record: Dispatched | None
 
     @property
     def stage_workers(self) -> Mapping[int, RunsOps]: ...
@@ -266,15 +281,17 @@ def run_list(
     ``timed``), a B whose cotangent goes to another worker is sent after the
     backward's input part, while its weight part computes, where the stage has the
     split backward (``hands_on_early``; ``stageops.run_op``'s ``hand_on``); a timed step
-    runs each B whole, its event a B.
+    runs each B whole, its event a B. ``actor.record`` (an untimed step's ``untimed.Dispatched`` of this list,
+    else None) is handed each operation as it is dispatched.
     """
     S, me, worker_of, sender = actor.num_stages, actor.worker, actor.worker_of, actor.sender
     assert sender is not None  # connected before any step
     local: dict[OpKey, object] = {}  # results this worker's own later operations read (a V's two stages)
     splits = {s: w.splits_backward for s, w in actor.stage_workers.items()}
+    record = actor.record
 
     def send(to: int, key: Key, value: PyTree) -> None:
-        actor.sent[key] = time.monotonic()
+        actor.handed[key] = time.monotonic()  # the sender sends it once it is computed
         sender.send(step, to, key, value)
 
     for kind, mb, stage in ops:
@@ -298,13 +315,19 @@ def run_list(
             actor.now = (RUNS, op, None, time.monotonic())
             early = not timed and hands_on_early(op, splits, worker_of)
             hand_on = functools.partial(send, to, key) if early and to is not None else None
+            if record is not None:
+                record.begin(0, op)
             out = actor.guarded(lambda: run_op(st, op, data, side, microbatches, me, hand_on))
+            if record is not None:  # a B that handed its cotangent on early is finished once its W is
+                record.end(0, op, None if early else out, st)
         actor.now = (NEXT, None, None, time.monotonic())
         if dest is not None and to is None:
             local[op.key] = out
-        elif to is not None and key not in actor.sent:  # sent early (hand_on), it stays sent if W then failed
+        elif to is not None and key not in actor.handed:  # sent early (hand_on), it stays sent if W then failed
             send(to, key, out)
     sender.flush()
+    if record is not None:
+        record.dispatched()
     actor.now = (DONE, None, None, time.monotonic())
 
 
