@@ -302,3 +302,43 @@ def test_a_trace_dir_made_a_file_after_the_trainer_is_one_error_that_keeps_the_s
         )
         assert f"the step was applied (loss {tr.history[-1].loss}" in msg and "\n" not in msg, msg
     assert traces.read_text() == "mine"
+
+
+@pytest.mark.parametrize("offload", [None, P.Offload(to="host")])
+def test_a_ray_trainers_close_ends_each_actors_offload_first_within_its_grace(offload):
+    """With offload, a Ray Trainer's ``close`` asks every actor to end its stages' offload (which removes the files
+    a failed last step left, as ``StageWorker.set_offload(None)`` does in-process) and waits at most
+    ``CLOSE_GRACE`` for them before ending the actors; without offload it ends them at once. Stand-ins for the
+    actors and Ray: the calls in order."""
+    from vjpsplit_cli.pipeline.training import ray_backend
+
+    calls: list[tuple] = []
+
+    class Method:
+        def __init__(self, worker):
+            self.worker = worker
+
+        def remote(self, spec):
+            calls.append(("offload", self.worker, spec))
+            return f"ref{self.worker}"
+
+    class Actor:
+        def __init__(self, worker):
+            self.offload = Method(worker)
+
+    class Ray:
+        def wait(self, refs, num_returns, timeout):
+            calls.append(("wait", list(refs), num_returns, timeout))
+            return refs, []
+
+    class Pipeline:
+        actors, ray = [Actor(0), Actor(1)], Ray()
+
+        def close(self):
+            calls.append(("close",))
+
+    backend = object.__new__(ray_backend.RayBackend)
+    backend.offload, backend.rp = offload, Pipeline()
+    backend.close()
+    ended = [("offload", 0, None), ("offload", 1, None), ("wait", ["ref0", "ref1"], 2, ray_backend.CLOSE_GRACE)]
+    assert calls == (ended if offload is not None else []) + [("close",)]

@@ -43,6 +43,8 @@ from .ownership import Ownership, Snapshot
 from .stage_trainer import RESTORE_HINT
 from .train_actor import EndOfStep, StageEntry, TrainActor
 
+CLOSE_GRACE = 5.0  # seconds ``close`` gives the actors to end their offload before it ends them
+
 
 class RayOptions(TypedDict, total=False):
     """``RayPipeline``'s keywords a ``Ray`` runner gives the Trainer's actors (``backend.open_backend``)."""
@@ -290,6 +292,11 @@ class RayBackend:
         self.evaluating -= set(workers)  # a new actor gets the evaluation programs at its first evaluate
 
     def close(self) -> None:
-        """End the actors (and a Ray instance the Trainer started)."""
+        """End the actors (and a Ray instance the Trainer started); with offload, each actor first ends its stages'
+        offload, removing the residual files a failed last step left (an actor still busy after ``CLOSE_GRACE``
+        seconds, stuck in a step, is ended with them)."""
         rp = self.rp
+        if self.offload is not None and rp.actors:
+            ended = [a.offload.remote(None) for a in rp.actors]
+            rp.ray.wait(ended, num_returns=len(ended), timeout=CLOSE_GRACE)
         rp.close()
