@@ -1,13 +1,13 @@
 """The GPT step on one device, one process against the Trainer, and where the Trainer's time goes.
 
-    python -m benchmarks.step_probe 512:4 1024:8 [1024:8:prof]    # WIDTH:BLOCKS[:prof]
+    python -m benchmarks.step_probe 512:4 1024:8 [1024:8:profile] [1024:8:breakdown] [1024:8:ops]
 
 ``benchmarks/gpt.py``'s GPT (sequence 256, 8 heads, vocab 512, batch 16 in 8
 microbatches, AdamW), both stages on the first device: the one-process step on the
 whole batch and over the same 8 microbatches in one ``jit`` (``lax.scan``), and the
 Trainer's untimed, batch-on-device and timed steps (1F1B, ZB-H1), medians of 6.
-``profile_step`` (``:prof``) profiles the untimed step's own thread; ``breakdown``
-splits the step by phase from the workers' rings; ``op_times`` runs one stage's F
+``profile_step`` (``:profile``) profiles the untimed step's own thread; ``breakdown``
+(``:breakdown``) splits the step by phase from the workers' rings; ``op_times`` (``:ops``) runs one stage's F
 and B back to back (the device's time per call where it exceeds the host's). Run on
 a TPU for the figures in ``benchmarks/results/2026-12-06-tpu-step.md``.
 """
@@ -27,10 +27,12 @@ import numpy as np
 import optax
 
 from benchmarks.gpt import GPT
+from benchmarks.train_accel import BATCH, HEADS, MICROBATCHES as M, REFERENCE, SEQ, VOCAB, _one_process
 from vjpsplit_cli import pipeline as P
 
 
 def med(fn, n=6, warm=2):
+    """Median milliseconds of ``fn()`` over ``n`` calls after ``warm``."""
     for _ in range(warm):
         fn()
     ts = []
@@ -41,104 +43,44 @@ def med(fn, n=6, warm=2):
     return statistics.median(ts) * 1e3
 
 
-def main(width, blocks, prof=False, only=None):
-    seq, vocab, B, M = 256, 512, 16, 8
-    g = GPT(width=width, blocks=blocks, seq=seq, heads=8, stages=2)
-    params = g.init(vocab)
-    rng = np.random.default_rng(1)
-    win = rng.integers(0, vocab, (B, seq + 1)).astype(np.int32)
-    batch = (win[:, :-1], win[:, 1:])
-    stages = g.export(params, jax.default_backend())
-    tx = optax.adamw(1e-3)
+def _gpt(width, blocks):
+    """The GPT, its parameters, one batch (synthetic tokens), its stages for this backend, and the first device."""
+    g = GPT(width=width, blocks=blocks, seq=SEQ, heads=HEADS, stages=2)
+    params = g.init(VOCAB)
+    win = np.random.default_rng(1).integers(0, VOCAB, (BATCH, SEQ + 1)).astype(np.int32)
+    return g, params, (win[:, :-1], win[:, 1:]), g.export(params, jax.default_backend()), jax.devices()[0]
 
-    @jax.jit
-    def full(prm, st, tokens, labels):
-        v, grads = jax.value_and_grad(g.loss)(prm, tokens, labels)
-        u, st = tx.update(grads, st, prm)
-        return optax.apply_updates(prm, u), st, v
 
-    @jax.jit
-    def accum(prm, st, tokens, labels):
-        tk = tokens.reshape(M, B // M, seq)
-        lb = labels.reshape(M, B // M, seq)
+def _trainer(stages, params, sched, d):
+    """A Trainer of both stages on device ``d`` (AdamW, 8 microbatches)."""
+    runner = P.InProcess(devices=[[d], [d]])
+    return P.Trainer(stages, params, optimizer=optax.adamw(1e-3), microbatches=M, schedule=sched, runner=runner)
 
-        def body(acc, xs):
-            v, gr = jax.value_and_grad(g.loss)(prm, *xs)
-            return (acc[0] + v / M, jax.tree.map(lambda a, b: a + b / M, acc[1], gr)), None
 
-        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, prm))
-        (v, grads), _ = jax.lax.scan(body, zero, (tk, lb))
-        u, st = tx.update(grads, st, prm)
-        return optax.apply_updates(prm, u), st, v
-
-    d = jax.devices()[0]
+def main(width, blocks):
+    """The one-process steps and the Trainer's (untimed, batch on the device, timed), printed in ms."""
+    g, params, batch, stages, d = _gpt(width, blocks)
     dbatch = jax.device_put(batch, d)
-    rows = {}
-    for name, fn in (("one process, full batch", full), ("one process, 8 microbatches in one jit", accum)):
-        state = [jax.device_put(params, d), jax.device_put(tx.init(params), d)]
-
-        def run(fn=fn, state=state):
-            p, s, v = fn(state[0], state[1], *dbatch)
-            state[0], state[1] = p, s
-            float(v)
-
-        rows[name] = med(run)
-    trainers = {}
+    one = _one_process(g, params, optax.adamw(1e-3), d)
+    rows = {
+        "one process, full batch": med(lambda: one["full"](dbatch)),
+        "one process, 8 microbatches in one jit": med(lambda: one[REFERENCE](dbatch)),
+    }
     for sched in ("1f1b", "zbh1"):
-        if only and sched not in only:
-            continue
-        tr = P.Trainer(
-            stages, params, optimizer=tx, microbatches=M, schedule=sched, runner=P.InProcess(devices=[[d], [d]])
-        )
-        trainers[sched] = tr
-        rows[f"Trainer {sched}"] = med(lambda: tr.step(batch))
-        rows[f"Trainer {sched}, batch on device"] = med(lambda: tr.step(dbatch))
-        rows[f"Trainer {sched}, timed"] = med(lambda: tr.step(batch, timed=True), n=3)
+        with _trainer(stages, params, sched, d) as tr:
+            rows[f"Trainer {sched}"] = med(lambda: tr.step(batch))
+            rows[f"Trainer {sched}, batch on device"] = med(lambda: tr.step(dbatch))
+            rows[f"Trainer {sched}, timed"] = med(lambda: tr.step(batch, timed=True), n=3)
     for k, v in rows.items():
         print(f"w{width} b{blocks}  {k:45s} {v:8.2f} ms", flush=True)
-    if prof:
-        tr = trainers["1f1b"]
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(5):
-            tr.step(batch)
-        pr.disable()
-        s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(35)
-        print(s.getvalue()[:9000])
-        s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(45)
-        print(s.getvalue()[:9000])
-    for tr in trainers.values():
-        tr.close()
-
-
-if __name__ == "__main__":
-    for arg in sys.argv[1:]:
-        w, b, *rest = arg.split(":")
-        main(int(w), int(b), prof="prof" in rest)
 
 
 def profile_step(width, blocks, sched="1f1b", steps=5):
     """cProfile of the untimed step's own thread, and its phases' wall times."""
     from vjpsplit_cli.pipeline.training import local_backend as LB
 
-    seq, vocab, B, M = 256, 512, 16, 8
-    g = GPT(width=width, blocks=blocks, seq=seq, heads=8, stages=2)
-    params = g.init(vocab)
-    rng = np.random.default_rng(1)
-    win = rng.integers(0, vocab, (B, seq + 1)).astype(np.int32)
-    batch = (win[:, :-1], win[:, 1:])
-    stages = g.export(params, jax.default_backend())
-    d = jax.devices()[0]
-    tr = P.Trainer(
-        stages,
-        params,
-        optimizer=optax.adamw(1e-3),
-        microbatches=M,
-        schedule=sched,
-        runner=P.InProcess(devices=[[d], [d]]),
-    )
+    _, params, batch, stages, d = _gpt(width, blocks)
+    tr = _trainer(stages, params, sched, d)
     for _ in range(3):
         tr.step(batch)
     prof = cProfile.Profile()
@@ -186,22 +128,8 @@ def breakdown(width, blocks, sched="1f1b"):
     """Unprofiled: the host's time in the untimed step's dispatch, by the ring's per-operation dispatch times."""
     from vjpsplit_cli.pipeline.training import local_backend as LB
 
-    seq, vocab, B, M = 256, 512, 16, 8
-    g = GPT(width=width, blocks=blocks, seq=seq, heads=8, stages=2)
-    params = g.init(vocab)
-    rng = np.random.default_rng(1)
-    win = rng.integers(0, vocab, (B, seq + 1)).astype(np.int32)
-    batch = (win[:, :-1], win[:, 1:])
-    stages = g.export(params, jax.default_backend())
-    d = jax.devices()[0]
-    tr = P.Trainer(
-        stages,
-        params,
-        optimizer=optax.adamw(1e-3),
-        microbatches=M,
-        schedule=sched,
-        runner=P.InProcess(devices=[[d], [d]]),
-    )
+    _, params, batch, stages, d = _gpt(width, blocks)
+    tr = _trainer(stages, params, sched, d)
     marks = {}
     orig_dispatch, orig_finish = LB.dispatch, LB.InProcessBackend._finish
 
@@ -254,23 +182,10 @@ def breakdown(width, blocks, sched="1f1b"):
 def op_times(width, blocks):
     """Per stage: an artifact F and B called 20 times back to back (wall / 20: the device's time where it is the
     longer), and the host's time to dispatch one."""
-    seq, vocab, B, M = 256, 512, 16, 8
-    g = GPT(width=width, blocks=blocks, seq=seq, heads=8, stages=2)
-    params = g.init(vocab)
-    rng = np.random.default_rng(1)
-    win = rng.integers(0, vocab, (B, seq + 1)).astype(np.int32)
-    stages = g.export(params, jax.default_backend())
-    d = jax.devices()[0]
-    tr = P.Trainer(
-        stages,
-        params,
-        optimizer=optax.adamw(1e-3),
-        microbatches=M,
-        schedule="1f1b",
-        runner=P.InProcess(devices=[[d], [d]]),
-    )
+    _, params, batch, stages, d = _gpt(width, blocks)
+    tr = _trainer(stages, params, "1f1b", d)
     ws = [t.worker for t in tr.backend.trainers]
-    x, side = stages.stage_batch((win[:, :-1], win[:, 1:]), M)[0]
+    x, side = stages.stage_batch(batch, M)[0]
     x, side = jax.device_put(x, d), {k: jax.device_put(list(v), d) for k, v in side.items()}
     for s, w in enumerate(ws):
         f = w.calls.forward
@@ -299,3 +214,12 @@ def op_times(width, blocks):
         )
         x = out
     tr.close()
+
+
+if __name__ == "__main__":
+    # WIDTH:BLOCKS[:profile|:breakdown|:ops] ...
+    for arg in sys.argv[1:]:
+        w, b, *what = arg.split(":")
+        {"profile": profile_step, "breakdown": breakdown, "ops": op_times}.get(what[0] if what else "", main)(
+            int(w), int(b)
+        )
