@@ -306,22 +306,7 @@ def fit(
     batch = _batch_source(data, steps)
     report = _reported(callback)
     writer = None if checkpoint_dir is None else CheckpointWriter(checkpoint_dir, trainer.checkpoint_times)
-    resumed: str | os.PathLike[str] | None = None  # the checkpoint directory fit begins from, if any
-    if checkpoint_dir is not None:
-        if os.path.isdir(os.path.dirname(os.path.abspath(os.fspath(checkpoint_dir)))):
-            tidy(checkpoint_dir)  # a checkpoint a cut-short save left aside comes back first
-        check_directory(checkpoint_dir)  # before the first step, not at the first save
-        if has_checkpoint(checkpoint_dir):
-            trainer.load(checkpoint_dir)
-            LOG.info(
-                "fit resumes from the checkpoint in %s, after step %d of steps=%d",
-                os.fspath(checkpoint_dir),
-                trainer.step_count,
-                steps,
-            )
-            resumed = checkpoint_dir
-            if writer is not None:
-                writer.last_step = trainer.step_count
+    resumed = None if checkpoint_dir is None or writer is None else _resume(trainer, checkpoint_dir, steps, writer)
     _warn_if_done(trainer.step_count, steps, resumed)
     start, failures = trainer.step_count, 0
     reached = start  # steps below this one ran already in this call (a restart runs them again)
@@ -369,6 +354,27 @@ def fit(
     if writer is not None:
         writer.wait()
     return losses
+
+
+def _resume(
+    trainer: Fitted, checkpoint_dir: str | os.PathLike[str], steps: int, writer: CheckpointWriter
+) -> str | os.PathLike[str] | None:
+    """Before the first step: ``checkpoint_dir`` tidied and checked, and the trainer at its checkpoint if it holds
+    one (logged); returns the directory resumed from, or None."""
+    if os.path.isdir(os.path.dirname(os.path.abspath(os.fspath(checkpoint_dir)))):
+        tidy(checkpoint_dir)  # a checkpoint a cut-short save left aside comes back first
+    check_directory(checkpoint_dir)  # before the first step, not at the first save
+    if not has_checkpoint(checkpoint_dir):
+        return None
+    trainer.load(checkpoint_dir)
+    LOG.info(
+        "fit resumes from the checkpoint in %s, after step %d of steps=%d",
+        os.fspath(checkpoint_dir),
+        trainer.step_count,
+        steps,
+    )
+    writer.last_step = trainer.step_count
+    return checkpoint_dir
 
 
 def _refuse_unless_recoverable(

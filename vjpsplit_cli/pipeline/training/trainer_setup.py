@@ -60,9 +60,7 @@ class TrainerSetup:
         """Open the Trainer: ``restored`` is the per-stage optimizer states an older checkpoint holds (``restore``);
         ``rng`` the PRNG key of a loss that takes one (``microbatch_keys``)."""
         clip_global_norm = checked_clip(clip_global_norm)  # a bad value is refused now, not after the first step
-        microbatches, step_count = checked_microbatches(microbatches), plain(step_count)
-        if isinstance(step_count, bool) or not isinstance(step_count, int) or step_count < 0:
-            raise VjpsplitError(f"step_count={step_count!r}: give the run's step this state is at, an int >= 0")
+        microbatches, step_count = checked_microbatches(microbatches), _checked_step_count(step_count)
         stages, runner, observe = options.stages, options.runner, options.observe
         schedule = Schedule() if options.schedule is None else options.schedule
         tied = stages.tied if isinstance(stages, PerStage) else None
@@ -145,3 +143,15 @@ class TrainerSetup:
 def recorded_replicas(stages: Stages | Sequence[Artifact]) -> int:
     """The replicas of every stage a ``Stages`` export recorded (its index's ``data_parallel``); 1 for artifacts."""
     return stages.index.data_parallel if isinstance(stages, Stages) else 1
+
+
+def _checked_step_count(step_count: object) -> int:
+    """``Trainer(step_count=)`` as an int >= 0.
+
+    Raises:
+        VjpsplitError: anything else, naming the option.
+    """
+    step_count = plain(step_count)
+    if isinstance(step_count, bool) or not isinstance(step_count, int) or step_count < 0:
+        raise VjpsplitError(f"step_count={step_count!r}: give the run's step this state is at, an int >= 0")
+    return step_count
