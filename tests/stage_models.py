@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -148,3 +150,28 @@ def one_process_with_keys(fn, params, key, batches, microbatches: int, tx, first
         params = optax.apply_updates(params, updates)
         losses.append(float(loss))
     return losses, params
+
+
+MLP_IN, MLP_OUT = 4, 2  # the two-layer tanh MLP's input and output widths
+
+
+def tanh_mlp(params, x, y):
+    """Two stages: tanh(x @ w0) | the mean squared error of its product with w1."""
+    h = vs.stage_boundary(jnp.tanh(x @ params["w0"]))
+    return jnp.mean((h @ params["w1"] - y) ** 2)
+
+
+def tanh_mlp_params(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    w0, w1 = rng.normal(size=(MLP_IN, MLP_IN)), rng.normal(size=(MLP_IN, MLP_OUT))
+    return {"w0": w0.astype(np.float32), "w1": w1.astype(np.float32)}
+
+
+@functools.lru_cache(maxsize=None)
+def tanh_mlp_stages():
+    """``tanh_mlp``'s stages for a symbolic batch, on CPU (exported once per process)."""
+    (b,) = jexport.symbolic_shape("b")
+    S = jax.ShapeDtypeStruct
+    specs = jax.tree_util.tree_map(lambda a: S(a.shape, a.dtype), tanh_mlp_params())
+    x, y = S((b, MLP_IN), jnp.float32), S((b, MLP_OUT), jnp.float32)
+    return vs.export_stages(tanh_mlp, specs, x, y, wrt="params", platforms="cpu")

@@ -12,14 +12,11 @@ import sys
 import threading
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax import export as jexport
+from stage_models import MLP_IN as D, MLP_OUT as OUT, tanh_mlp_params as _params, tanh_mlp_stages as _stages
 
-import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.files import load_arrays
@@ -27,26 +24,6 @@ from vjpsplit_cli.pipeline.runtime.ray.waiting import WorkerLost
 from vjpsplit_cli.pipeline.training import checkpoint as ckpt
 from vjpsplit_cli.pipeline.training import fit as fit_module
 from vjpsplit_cli.safeio import temps
-
-D, OUT = 4, 2
-
-
-def mlp(params, x, y):
-    h = vs.stage_boundary(jnp.tanh(x @ params["w0"]))
-    return jnp.mean((h @ params["w1"] - y) ** 2)
-
-
-def _params(seed=0):
-    rng = np.random.default_rng(seed)
-    return {"w0": rng.normal(size=(D, D)).astype(np.float32), "w1": rng.normal(size=(D, OUT)).astype(np.float32)}
-
-
-@functools.lru_cache(maxsize=None)
-def _stages():
-    (b,) = jexport.symbolic_shape("b")
-    S = jax.ShapeDtypeStruct
-    specs = jax.tree_util.tree_map(lambda a: S(a.shape, a.dtype), _params())
-    return vs.export_stages(mlp, specs, S((b, D), jnp.float32), S((b, OUT), jnp.float32), wrt="params", platforms="cpu")
 
 
 def _batches(n, scale=1.0):

@@ -5,46 +5,24 @@ refused when given."""
 
 from __future__ import annotations
 
-import functools
 import os
 import subprocess
 import sys
 import threading
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax import export as jexport
+from stage_models import MLP_IN as D, MLP_OUT as OUT, tanh_mlp_params as _params, tanh_mlp_stages as _stages
 
-import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.pipeline.runtime.offload import ResidualFiles
 from vjpsplit_cli.pipeline.runtime.worker import StageWorker
 
-D, OUT, M = 4, 2, 4
+M = 4
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def mlp(params, x, y):
-    h = vs.stage_boundary(jnp.tanh(x @ params["w0"]))
-    return jnp.mean((h @ params["w1"] - y) ** 2)
-
-
-def _params():
-    rng = np.random.default_rng(0)
-    return {"w0": rng.normal(size=(D, D)).astype(np.float32), "w1": rng.normal(size=(D, OUT)).astype(np.float32)}
-
-
-@functools.lru_cache(maxsize=None)
-def _stages():
-    (b,) = jexport.symbolic_shape("b")
-    S = jax.ShapeDtypeStruct
-    specs = jax.tree_util.tree_map(lambda a: S(a.shape, a.dtype), _params())
-    return vs.export_stages(mlp, specs, S((b, D), jnp.float32), S((b, OUT), jnp.float32), wrt="params", platforms="cpu")
 
 
 def _batches(n):
