@@ -22,6 +22,9 @@ from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.pipeline.runtime.worker import StageWorker
 from vjpsplit_cli.pipeline.stages.evalprograms import EvalProgram, forward_outputs
 
+# What jax names its runtime errors: JaxRuntimeError (XlaRuntimeError on older jax, 0.6.2 among them).
+RUNTIME_ERROR = jax.errors.JaxRuntimeError.__name__
+
 
 @functools.lru_cache(maxsize=None)
 def _stages():
@@ -228,7 +231,7 @@ def test_an_error_inside_a_stage_names_the_stage_and_the_microbatch(monkeypatch)
         with pytest.raises(VjpsplitError) as got:
             tr.evaluate(gpt_batch(8))
         assert str(got.value) == (
-            "evaluate: stage 1 mb 1 failed in its evaluation program: JaxRuntimeError: INTERNAL: RuntimeError: "
+            f"evaluate: stage 1 mb 1 failed in its evaluation program: {RUNTIME_ERROR}: INTERNAL: RuntimeError: "
             "the user's callback failed"
         )
         assert isinstance(got.value.__cause__, jax.errors.JaxRuntimeError)  # chained: the traceback is kept
