@@ -4,7 +4,7 @@ For the conv net (and the MLP for contrast), side by side in one process: the
 fused program, the forward alone (``jit(fn)``, the floor of any forward), and
 split's forward and backward under each policy: wall and CPU time (CPU/wall > 1
 means XLA ran thunks of one program on both cores at once) and stored residual
-bytes. docs/performance.md ("Forward + backward") has what the optimized HLO of each shows.
+bytes. benchmarks/results/2026-history-single-calls.md ("Forward + backward") has what the optimized HLO of each shows.
 """
 
 from __future__ import annotations

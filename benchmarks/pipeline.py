@@ -389,7 +389,7 @@ def _phases(phases: list, rounds: int, record, ray_too: bool, failures: dict) ->
     if ray_too:
         # No XLA_FLAGS in the job's runtime_env: the runner gives each actor this process's flags with its own
         # device count, where a job-level XLA_FLAGS would stand as given (each actor seeing this child's 2
-        # devices, driving 1: +20% CPU per actor on the GPT, docs/performance.md).
+        # devices, driving 1: +20% CPU per actor on the GPT, benchmarks/results/2026-history-ray-training-steps.md).
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         for runner, setup in phases:

@@ -207,9 +207,9 @@ def test_a_flax_model_with_dropout_trains_as_the_one_process_loop():
 
 
 def test_docs_dropout_block_runs():
-    """docs/pipeline.md's dropout block, run as written: the Trainer's losses are the one-process loop's."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "pipeline.md").read_text()
-    block = text.split("### Dropout: a PRNG key per microbatch", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    """docs/howto/training.md's dropout block, run as written: the Trainer's losses are the one-process loop's."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "howto" / "training.md").read_text()
+    block = text.split("## Dropout: a PRNG key per microbatch", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     scope: dict[str, object] = {}
-    exec(compile(block, "pipeline.md", "exec"), scope)
+    exec(compile(block, "training.md", "exec"), scope)
     np.testing.assert_allclose(scope["losses"], scope["one_process"], rtol=1e-6)

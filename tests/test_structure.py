@@ -155,7 +155,7 @@ def test_public_modules_have_docstrings():
 
 
 # The subpackages are the architecture. Each may import only those before it in this order (and the
-# top-level modules in BASE); docs/architecture.md draws the same picture.
+# top-level modules in BASE); docs/explanations/architecture.md draws the same picture.
 LAYERS = ["safeio", "files", "tracing", "trust", "artifact", "pipeline", "cli"]
 BASE = {"errors", "config", "terminal", "_version", "treetypes"}
 
@@ -218,8 +218,8 @@ def test_environment_variables_are_read_in_config_only():
 
 
 def test_architecture_doc_names_every_module():
-    """docs/architecture.md's table lists every module of the package, so it cannot drift from the folders."""
-    text = (README.parent / "docs" / "architecture.md").read_text()
+    """docs/explanations/architecture.md's table lists every module of the package, so it cannot drift from the folders."""
+    text = (README.parent / "docs" / "explanations" / "architecture.md").read_text()
     missing = [
         name
         for name in _modules()
@@ -234,7 +234,7 @@ def test_architecture_doc_names_every_module():
 
 # The pipeline's rooms, in their dependency order: a module may import modules of its own room and of the
 # rooms before it, never one after. Inside runtime, ray/ sits above the in-process modules and `runners`
-# (`run`, which picks one) above both. docs/architecture.md draws the same picture.
+# (`run`, which picks one) above both. docs/explanations/architecture.md draws the same picture.
 PIPELINE_ROOMS = ["schedules", "stages", "runtime", "runtime.ray", "runtime.runners", "training"]
 
 

@@ -286,7 +286,7 @@ def test_docs_samples_benchmarks_and_tests_write_the_new_form():
         if path.resolve() == Path(__file__).resolve():
             continue
         found += [f"{path.relative_to(ROOT)}:{ln}" for ln in _calls_with_old_keywords(ast.parse(path.read_text()))]
-    for path in [ROOT / "README.md", *ROOT.glob("docs/*.md")]:
+    for path in [ROOT / "README.md", *ROOT.glob("docs/**/*.md")]:
         for block in re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S):
             try:
                 tree = ast.parse(block.replace("...", "None"))

@@ -207,16 +207,16 @@ def test_orbax_round_trip_continues_the_run(tmp_path):
 
 
 def test_docs_orbax_snippet_runs(tmp_path):
-    """docs/pipeline.md's orbax block, run as written: the step it saves is the one the new Trainer starts at."""
+    """docs/howto/checkpoints.md's orbax block, run as written: the step it saves is the one the new Trainer starts at."""
     pytest.importorskip("orbax.checkpoint")
-    text = (Path(__file__).resolve().parents[1] / "docs" / "pipeline.md").read_text()
-    block = text.split("### orbax", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    text = (Path(__file__).resolve().parents[1] / "docs" / "howto" / "checkpoints.md").read_text()
+    block = text.split("## orbax", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     tx, batches = optax.adamw(1e-2), _batches(4)
     kw = dict(optimizer=tx, schedule="zbh1", microbatches=2)
     trainer = P.Trainer(_stages(), gpt_params(), **kw)
     losses = [trainer.step(b) for b in batches[:2]]
     scope = {"trainer": trainer, "stages": _stages("marks2"), "tx": tx, "params_like": gpt_params(), "P": P}
-    exec(compile(block.replace("/abs/path/orbax-ck", str(tmp_path / "orbax-ck")), "pipeline.md", "exec"), scope)
+    exec(compile(block.replace("/abs/path/orbax-ck", str(tmp_path / "orbax-ck")), "checkpoints.md", "exec"), scope)
     again = scope["trainer"]
     assert again is not trainer and again.step_count == 2
     ref = P.Trainer(_stages(), gpt_params(), **kw)

@@ -190,7 +190,7 @@ def test_each_device_holds_a_quarter_of_the_optimizer_state():
         for t, devs in zip(tr.backend.trainers, tr.placement):
             whole = {k: v for k, v in t.state.items()}
             total = sum(v.nbytes for v in whole.values())
-            # Kept whole on every device (docs/pipeline.md): the step count, and leaves with no dimension that
+            # Kept whole on every device (docs/howto/data-parallel.md): the step count, and leaves with no dimension that
             # divides by 4 (the scalar 'temp': its mu and nu).
             kept = sum(v.nbytes for k, v in whole.items() if k.endswith("count") or k.endswith("temp"))
             for d in devs:

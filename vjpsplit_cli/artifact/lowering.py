@@ -135,7 +135,7 @@ def export(
     ``specs`` are one pytree of ``jax.ShapeDtypeStruct`` (or arrays) per positional
     argument; symbolic dims (``jax.export.symbolic_shape``, one scope) make the
     artifact shape-polymorphic, and ``NamedSharding``s on them make it sharded
-    (``docs/sharding.md``). ``platforms`` lists the targets lowered into the one
+    (``docs/howto/sharding.md``). ``platforms`` lists the targets lowered into the one
     artifact (default cpu, cuda, tpu; no accelerator is needed to lower for them).
     ``memory_budget`` (bytes or ``"64MiB"``; symbolic dims sized by ``at``) picks
     the policy that recomputes least among those whose stored residuals fit;

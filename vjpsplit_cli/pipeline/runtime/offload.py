@@ -163,7 +163,7 @@ def _via_pinned_host(a: jax.Array) -> bool:
 
     A CPU device's ``pinned_host`` memory is the same RAM as its own, and JAX's copy there costs far
     more than the bytes: 0.08-0.19 ms per array of JAX's own work, where a memcpy of the mid GPT's
-    residual arrays takes about 12 µs each (``benchmarks/offload_copies.py``; docs/pipeline.md,
+    residual arrays takes about 12 µs each (``benchmarks/offload_copies.py``; docs/howto/offload.md,
     "Measured"). So a CPU device's residuals go to NumPy.
     """
     try:

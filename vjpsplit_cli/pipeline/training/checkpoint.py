@@ -35,7 +35,7 @@ Why not orbax for these files: a worker or a one-process loop reads them with
 vjpsplit alone, and the project's writer already gives atomic, checksummed,
 pickle-free files with every JAX dtype. ``Trainer.state()`` gives optax's own
 structure, which orbax's ``StandardCheckpointer`` saves and restores as it is
-(docs/pipeline.md shows how).
+(docs/howto/checkpoints.md shows how).
 
 May import ``checkpoint_layout`` and ``checkpoint_directory`` of this room and the layers below ``pipeline``;
 the layout's names and records (``KIND``, ``INDEX``, ``HostCheckpoint``, ``CheckpointMeta``, ``Saved``) and

@@ -6,7 +6,7 @@ and kind, and the send gaps; ``costs`` gives them in the form
 ``auto_schedule`` takes (``MeasuredCosts``): medians over those steps' microbatches. A Trainer's
 first step counts only until another step is timed: it is the first run of
 every call (on 2 shared cores the mid GPT's first step timed its operations at
-up to 1.9 times what later steps did, compiling left out; docs/pipeline.md).
+up to 1.9 times what later steps did, compiling left out; docs/howto/schedules.md).
 
 * **F, B, W.** A split backward's I and W are timed as they ran: the costs'
   ``B`` (the input part's time) and ``W``. A whole backward (B) timed on a stage

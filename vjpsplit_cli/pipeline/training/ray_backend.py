@@ -3,7 +3,7 @@
 Its actors are ``train_actor.TrainActor``s (a ``TrainPipeline``): each runs the
 step's list and then the end of the step with the other actors, in the step's one
 call per actor (``train_step``). A round between actors costs one delivery (about
-a millisecond on one host, docs/performance.md); a round through the driver cost
+a millisecond on one host, benchmarks/results/2026-history-ray-training-steps.md); a round through the driver cost
 two and a wait there. The driver waits once per step, for each actor's report
 (the losses, timings and squared norms). Evaluation (``evaluate``) chains each
 microbatch's stage calls actor to actor by object reference; only the losses

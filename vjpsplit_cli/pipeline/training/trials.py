@@ -31,7 +31,7 @@ SEPARATED = 2.0  # standard errors of two medians' difference: beyond it, the sl
 MARGIN = 0.10  # candidates modeled this far above the best are not raced: a plan's ops ran up to 14% slower
 # ... except these, which race wherever they fit: the schedules users measure auto against. Where each operation
 # costs little beside the runner's own, the model misses by far more (stages of negligible work on Ray: 1F1B ran
-# fastest, and was not among the plans modeled within 10% of the best; docs/performance.md).
+# fastest, and was not among the plans modeled within 10% of the best; benchmarks/results/2026-history-ray-training-steps.md).
 ALWAYS = ("1f1b", "zbh1")
 
 

@@ -7,7 +7,7 @@ on its own. The thread waiting in ``take`` for a value that is not here reads
 every frame that has come on any connection until its value is among them: a
 value sent to a waiting worker then wakes one thread, the one that runs it, and
 not a reading thread and then the waiting one (measured on the mid GPT on Ray:
-docs/performance.md). What arrives while nobody waits stays in the connection
+benchmarks/results/2026-history-ray-training-steps.md). What arrives while nobody waits stays in the connection
 until the next ``take``; a sender blocked on a full connection is released by
 that ``take``, which every value sent has (its receiver's list waits for it).
 

@@ -1,7 +1,7 @@
 """Sockets between a Ray runner's actors: a step's values sent actor to actor without a Ray call each.
 
 A Ray actor call from one actor to another takes 0.5-1.7 ms on one host here (a
-plain TCP send and a thread's wake-up about 0.03-0.09 ms: docs/performance.md), and
+plain TCP send and a thread's wake-up about 0.03-0.09 ms: benchmarks/results/2026-history-ray-training-steps.md), and
 a 1F1B step is a chain of such deliveries. So each actor listens on a TCP port of
 its node (``Listener``) and keeps one connection to each other worker
 (``Links``); what ``lists.Sender`` delivers goes down them as ``wire`` frames

@@ -1,7 +1,7 @@
 """An untimed step's report sent to the driver on a socket rather than returned through Ray.
 
 A Ray actor call's result reached the driver 1.3-2.0 ms after the actor returned it in a
-training step on the 2-core host of docs/performance.md (0.24 ms for a bare call). So
+training step on the 2-core host of benchmarks/results/2026-history-ray-training-steps.md (0.24 ms for a bare call). So
 the driver listens on a socket of its node (``ReportDesk``, a ``peers.Listener`` that
 opens to the pipeline's token) and each actor keeps one connection to it: an
 untimed step whose report holds only numbers (its losses and squared norms, no
