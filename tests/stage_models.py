@@ -175,3 +175,46 @@ def tanh_mlp_stages():
     specs = jax.tree_util.tree_map(lambda a: S(a.shape, a.dtype), tanh_mlp_params())
     x, y = S((b, MLP_IN), jnp.float32), S((b, MLP_OUT), jnp.float32)
     return vs.export_stages(tanh_mlp, specs, x, y, wrt="params", platforms="cpu")
+
+
+def seq_loss(params, x, y):
+    """2 stages over sequences: ``x`` is ``[b, s, 4]``, ``y`` is ``[b, s, 3]``, ``s`` a symbolic length."""
+    h = jnp.tanh(x @ params["w0"])
+    h = vs.stage_boundary(h)
+    return jnp.mean((h @ params["w1"] - y) ** 2)
+
+
+def seq_specs(params):
+    """Param specs and per-microbatch batch specs with a symbolic batch ``b`` and length ``s``."""
+    b, s = jexport.symbolic_shape("b, s")
+    S = jax.ShapeDtypeStruct
+    return specs_like(params), S((b, s, 4), jnp.float32), S((b, s, 3), jnp.float32)
+
+
+def seq_microbatches(lengths, rows: int = 2, seed: int = 3):
+    """One ``(x, y)`` batch tuple per length in ``lengths``, of ``rows`` rows each."""
+    rng = np.random.default_rng(seed)
+    return [
+        (rng.normal(size=(rows, n, 4)).astype(np.float32), rng.normal(size=(rows, n, 3)).astype(np.float32))
+        for n in lengths
+    ]
+
+
+def one_process_weighted(fn, params, steps, tx):
+    """The one-process loop ``Microbatches`` equals: per step ``(batches, weights)``, ``jax.value_and_grad`` of
+    ``sum_i w_i * fn(params, *batch_i) / sum_i w_i``, then the optax update. Returns the losses and the last params."""
+    import optax
+
+    params = jax.tree_util.tree_map(jnp.asarray, params)
+    state, losses = tx.init(params), []
+    for batches, weights in steps:
+
+        def weighted(p, batches=batches, weights=weights):
+            parts = [w * fn(p, *b) for b, w in zip(batches, weights)]
+            return sum(parts) / sum(weights)
+
+        loss, grads = jax.value_and_grad(weighted)(params)
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(loss))
+    return losses, params

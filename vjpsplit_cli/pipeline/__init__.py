@@ -59,6 +59,7 @@ from .schedules.play import Costs, simulate
 from .schedules.stepplans import check_plans
 from .schedules.plots import plot_loss, plot_timeline
 from .schedules.timeline import Event, bubble_ratio
+from .stages.microbatches import Microbatches
 from .training.device_memory import DeviceMemory
 from .training.history import CheckpointTime, RestartRecord, StepRecord
 from .training.options import InProcess, Observe, PerStage, Ray, Schedule
@@ -75,6 +76,7 @@ __all__ = [
     "Event",
     "InProcess",
     "Kind",
+    "Microbatches",
     "Observe",
     "Offload",
     "OffloadPlans",

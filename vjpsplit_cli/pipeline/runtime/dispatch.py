@@ -12,13 +12,16 @@ device of the stage that reads them, before the in-process runner hands a step o
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence, TypeVar, cast
+
+import jax
+import numpy as np
 
 from ..schedules.ops import Kind, Op, OpKey, received
 from ..schedules.play import sweep
 from ..stages.directory import StageInputs
 from .model import Microbatch, side_for
-from ...treetypes import Leaf
+from ...treetypes import Leaf, PyTree
 
 if TYPE_CHECKING:
     from .stageops import RunsOps
@@ -78,10 +81,12 @@ def walk(
 
 
 def placed_microbatches(mbs: Sequence[Microbatch], workers: Sequence[RunsOps]) -> list[Microbatch]:
-    """The microbatches' batch inputs on the device of the stage that reads each: one transfer per stage."""
+    """The microbatches' batch inputs on the device of the stage that reads each: one transfer per stage, or,
+    where the microbatches' shapes differ (``Microbatches``), one per microbatch, so that each transfer's call
+    compiles once per microbatch shape rather than once per order of them."""
     S = len(workers)
     reads = [[(x if s == 0 else None, side_for(side, s, S)) for x, side in mbs] for s in range(S)]
-    moved = [w.to_device(r) for w, r in zip(workers, reads)]
+    moved = [_placed(w, r) for w, r in zip(workers, reads)]
     out: list[Microbatch] = []
     for m, (_, side) in enumerate(mbs):
         placed_side = (
@@ -89,6 +94,14 @@ def placed_microbatches(mbs: Sequence[Microbatch], workers: Sequence[RunsOps]) -
         )
         out.append((moved[0][m][0], placed_side))
     return out
+
+
+def _placed(worker: RunsOps, reads: list[tuple[PyTree, list[PyTree]]]) -> list[tuple[PyTree, list[PyTree]]]:
+    """``reads`` (a stage's per microbatch) on ``worker``'s device: in one call where all have one shape."""
+    shapes = {tuple(np.shape(v) for v in jax.tree_util.tree_leaves(r)) for r in reads}
+    if len(shapes) <= 1:
+        return cast("list[tuple[PyTree, list[PyTree]]]", worker.to_device(reads))
+    return [worker.to_device(r) for r in reads]
 
 
 class ProgressBar(Protocol):

@@ -25,6 +25,7 @@ from ...errors import VjpsplitError
 from ..schedules.catalog import describe
 from ..schedules.ops import Kind, Op
 from ..stages.directory import StageInputs, Stages
+from ..stages.microbatches import Microbatches
 from ...treetypes import Leaf, PyTree
 
 if TYPE_CHECKING:
@@ -83,10 +84,23 @@ class Model:
         return split_batch(x, side, microbatches)
 
     def batch_microbatches(
-        self, batch: tuple[PyTree, ...], microbatches: int, replicas: int = 1, keys: Sequence[Leaf] | None = None
+        self,
+        batch: tuple[PyTree, ...] | Microbatches,
+        microbatches: int,
+        replicas: int = 1,
+        keys: Sequence[Leaf] | None = None,
     ) -> list[Microbatch]:
         """The Trainer's batch tuple (``(x, *side)`` here) as microbatches (``replicas``, ``keys``: see
-        ``StagesModel``'s; the per-stage form reads no key, and the Trainer gives it none)."""
+        ``StagesModel``'s; the per-stage form reads no key, and the Trainer gives it none).
+
+        Raises:
+            VjpsplitError: a ``Microbatches``, which only a ``Stages`` takes (it checks their shapes).
+        """
+        if isinstance(batch, Microbatches):
+            raise VjpsplitError(
+                "Microbatches: the per-stage form (a list of artifacts) takes one batch per step; export the "
+                "function with export_stages, whose Stages checks each microbatch's shapes"
+            )
         return split_batch(batch[0], list(batch[1:]), microbatches)
 
     def gather(self, grads: list[PyTree]) -> PyTree:
@@ -124,11 +138,18 @@ class StagesModel(Model):
         return list(self.stages.stage_batch(x, microbatches))
 
     def batch_microbatches(
-        self, batch: tuple[PyTree, ...], microbatches: int, replicas: int = 1, keys: Sequence[Leaf] | None = None
+        self,
+        batch: tuple[PyTree, ...] | Microbatches,
+        microbatches: int,
+        replicas: int = 1,
+        keys: Sequence[Leaf] | None = None,
     ) -> list[Microbatch]:
         """The function's batch tuple as microbatches: each stage's batch inputs go to it; each stage call's rows
         (``replicas`` per microbatch) checked against the export's first dims (``Stages.stage_batch``); ``keys``:
-        one PRNG key per microbatch, where the function takes one."""
+        one PRNG key per microbatch, where the function takes one. ``Microbatches``: each batch tuple one
+        microbatch, as it is (``Stages.stage_microbatches``)."""
+        if isinstance(batch, Microbatches):
+            return list(self.stages.stage_microbatches(batch, replicas, keys))
         return list(self.stages.stage_batch(batch, microbatches, replicas, keys))
 
     def gather(self, grads: list[PyTree]) -> PyTree:

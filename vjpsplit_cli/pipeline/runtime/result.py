@@ -205,11 +205,13 @@ def step_result(
     extra: Mapping[str, object] | None = None,
     timed: bool = True,
     phases: Sequence[Phase] = (),
+    scales: Sequence[float] | None = None,
 ) -> PipelineResult:
-    """The step's ``PipelineResult``: the loss is the mean of the last stage's per-microbatch ``losses``."""
+    """The step's ``PipelineResult``: the loss is the mean of the last stage's per-microbatch ``losses`` (weighted by
+    ``scales``, where given: ``step_loss``)."""
     return PipelineResult(
         schedule=schedule,
-        loss=float(np.mean([losses[m] for m in range(microbatches)])),
+        loss=step_loss(losses, microbatches, scales),
         grads=grads,
         events=sorted(events, key=lambda e: e.start),
         num_stages=num_stages,
@@ -221,3 +223,11 @@ def step_result(
         timed=timed,
         phases=sorted(phases, key=lambda p: p.start),
     )
+
+
+def step_loss(losses: Mapping[int, float], microbatches: int, scales: Sequence[float] | None = None) -> float:
+    """The step's loss from the last stage's per-microbatch ``losses``: their mean, or with ``scales`` (each
+    microbatch's loss weight over their sum, ``Microbatches.scales``) their weighted sum."""
+    if scales is None:
+        return float(np.mean([losses[m] for m in range(microbatches)]))
+    return float(math.fsum(scales[m] * losses[m] for m in range(microbatches)))

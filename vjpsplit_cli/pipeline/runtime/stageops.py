@@ -56,7 +56,12 @@ class RunsOps(Protocol):
 
     def before(self, op: Op) -> None: ...
 
-    def reset(self, timed: bool | None = None, plans: Sequence[Sequence[Op]] | None = None) -> None: ...
+    def reset(
+        self,
+        timed: bool | None = None,
+        plans: Sequence[Sequence[Op]] | None = None,
+        scales: Sequence[float] | None = None,
+    ) -> None: ...
 
     def to_device(self, tree: PyTree) -> PyTree: ...
 

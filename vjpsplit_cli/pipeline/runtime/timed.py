@@ -63,6 +63,7 @@ def run_threads(
     tail: Callable[[int, bool], None] | None = None,
     order: Order | None = None,
     watch: Watch | None = None,
+    scales: Sequence[float] | None = None,
 ) -> None:
     """One timed step of ``plans`` on the stages' ``workers`` (reset first), worker w in ``pool``'s thread w.
 
@@ -72,9 +73,10 @@ def run_threads(
     raises is the step's error. ``order``: ``dispatch.order_of(plans)``, if kept.
     ``watch``: the step's timeout and hang report (``Watch``; default: neither). A step past its timeout
     is one ``VjpsplitError`` naming what each worker is doing; Ctrl-C, a ``StepInterrupted`` saying the same.
+    ``scales``: per microbatch, the last stage's starting cotangent (``StageWorker.reset``); None: equal.
     """
     for st in workers:
-        st.reset(timed=True, plans=plans)
+        st.reset(timed=True, plans=plans, scales=scales)
     mbs = placed_microbatches(mbs, workers)
     threads = _Threads(plans, workers, microbatches, progress, tail)
     threads.run(pool, lambda submit: walk(plans, len(workers), mbs, submit, order), watch or Watch())

@@ -52,6 +52,7 @@ def dispatch(
     microbatches: int,
     order: Order | None = None,
     record: Dispatched | None = None,
+    scales: Sequence[float] | None = None,
 ) -> None:
     """One step of ``plans`` on the stages' ``workers`` (reset first), every operation dispatched from this thread.
 
@@ -59,9 +60,10 @@ def dispatch(
     operations it reads are (the one play of plans' order), and ``jit``'s
     asynchronous dispatch runs the devices side by side. ``order``: ``dispatch.order_of(plans)``, if kept.
     ``record``: notes each operation as it is handed out (``Dispatched``), and stops the step once stopped.
+    ``scales``: per microbatch, the last stage's starting cotangent (``StageWorker.reset``); None: equal.
     """
     for st in workers:
-        st.reset(timed=False, plans=plans)
+        st.reset(timed=False, plans=plans, scales=scales)
     mbs = placed_microbatches(mbs, workers)
 
     def submit(w: int, op: Op, data: object, side: list[Leaf]) -> PyTree:

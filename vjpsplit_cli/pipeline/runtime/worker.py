@@ -181,15 +181,28 @@ class StageWorker:
         leaves = [a for a in jax.tree_util.tree_leaves(self.params) if isinstance(a, jax.Array)]
         return tuple(sorted(leaves[0].devices(), key=lambda d: d.id)) if leaves else (default_device(),)
 
-    def reset(self, timed: bool | None = None, plans: Sequence[Sequence[Op]] | None = None) -> None:
+    def reset(
+        self,
+        timed: bool | None = None,
+        plans: Sequence[Sequence[Op]] | None = None,
+        scales: Sequence[float] | None = None,
+    ) -> None:
         """Forget residuals, gradients and timings: ready for the next step (``timed``: see the class).
 
         Args:
             timed: Whether the next step is timed; ``None`` keeps the current setting.
             plans: The step's plans, which an offloading stage reads to start each copy back one operation early.
+            scales: Per microbatch, the cotangent the last stage's backward starts from (its loss weight over the
+                step's: ``Microbatches.scales``), placed on the device now, in one transfer; None:
+                ``1 / microbatches`` each.
         """
         if timed is not None:
             self.timed = timed
+        self._scaled: list[PyTree] | None = None
+        if scales is not None and self.is_last:
+            dtype = dtype_from_name(self.art.manifest.cotangent_leaves[0].dtype)
+            placed = self.to_device([np.asarray(v, dtype) for v in scales])
+            self._scaled = [self.art.place_cotangent(v) for v in placed]
         if self.offloader is not None and plans is not None:
             self.offloader.schedule(plans)
         self.peak_residual_bytes = 0
@@ -303,7 +316,9 @@ class StageWorker:
         self.events.append(Event(w, kind, mb, t0, t1, self.stage_index, own, self.replica))
         return out
 
-    def _ct(self, ct: PyTree, microbatches: int) -> PyTree:
+    def _ct(self, ct: PyTree, microbatches: int, mb: int) -> PyTree:
+        if self.is_last and self._scaled is not None:  # the step's loss weights (Microbatches)
+            return self._scaled[mb]
         if self.is_last:
             seed = self._seeds.get(microbatches)
             if seed is None:  # made and placed once: not a host-to-device copy in every last-stage backward
@@ -345,14 +360,14 @@ class StageWorker:
         Args:
             mb: The microbatch, whose forward already ran.
             ct: The cotangent from the next stage (ignored on the last stage, which starts
-                from ``1 / microbatches``).
+                from ``1 / microbatches``, or the microbatch's scale given to ``reset``).
             microbatches: The step's microbatch count.
             worker: The worker recorded in the event; ``None`` means the stage's index.
 
         Returns:
             The cotangent of the stage's input, for the stage before; ``None`` on the first stage.
         """
-        res, c = self._residuals(mb), self._ct(ct, microbatches)
+        res, c = self._residuals(mb), self._ct(ct, microbatches, mb)
         if self.grads is None:
             self.grads, gx = self._run(worker, Kind.B, mb, (res, c), self.calls.backward, 1)
         else:
@@ -374,7 +389,7 @@ class StageWorker:
             The cotangent of the stage's input, for the stage before; ``None`` on the first stage.
         """
         # I is the last reader of most residuals: drop them, keeping only W's share (in inter).
-        res, c = self._residuals(mb), self._ct(ct, microbatches)
+        res, c = self._residuals(mb), self._ct(ct, microbatches, mb)
         gx, inter = self._run(worker, Kind.I, mb, (res, c), _split(self.calls.backward_input), 1)
         self.inter[mb] = inter
         self._held.add((inter.arrays, inter.stored))

@@ -27,7 +27,7 @@ import numpy as np
 from ...artifact.loading import load
 from ...errors import VjpsplitError
 from ...files.dims import refuse_size
-from ...files.shapes import format_shape
+from ...files.shapes import bind_dims, format_shape
 from ...files.trees import flatten_with_keys
 from ...safeio.outputs import StagedOutputs
 from ...safeio.reading import read_bytes
@@ -35,6 +35,7 @@ from ...treetypes import Leaf, PyTree
 from ...trust import signing
 from .evalprograms import EvalProgram, check_loaded, read_eval
 from .index import LeafEntry, StagesIndex
+from .microbatches import Microbatches
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -218,6 +219,7 @@ class Stages:
         k = n // microbatches
         if k % replicas == 0:  # else the replicas' own check names the split
             self._check_call_rows(n, microbatches, replicas)
+            _check_dims(recorded, leaves, k // replicas)
         rows = _microbatch_rows(leaves, microbatches)
         if pos is not None and keys is not None:
             rows.insert(pos, list(keys))
@@ -226,6 +228,39 @@ class Stages:
             mb = [r[m] for r in rows]
             reads = [tuple(mb[i] for i in st.batch) for st in self.index.per_stage]
             out.append((reads[0], StageInputs({c: [r] for c, r in enumerate(reads) if c and r})))
+        return out
+
+    def stage_microbatches(
+        self, given: Microbatches, replicas: int = 1, keys: Sequence[Leaf] | None = None
+    ) -> list[tuple[tuple[Leaf, ...], StageInputs]]:
+        """``Microbatches`` as the runners' microbatches: each batch tuple one microbatch, checked as ``stage_batch``
+        checks a batch (its leaves against the export, each stage call's rows, its symbolic dims consistent).
+
+        Args:
+            given: the step's microbatches, one batch tuple each, their shapes free within the symbolic dims.
+            replicas: how many replicas each microbatch is split into (``data_parallel``).
+            keys: one typed PRNG key per microbatch where the function takes one; None where it takes none.
+
+        Returns:
+            One pair per microbatch, as ``stage_batch`` gives them.
+
+        Raises:
+            VjpsplitError: what ``stage_batch`` refuses, naming the microbatch (``Microbatches batch i``).
+        """
+        out = []
+        for i, batch in enumerate(given.batches):
+            try:
+                (mb,) = self.stage_batch(batch, 1, replicas, None if keys is None else [keys[i]])
+                leaves = jax.tree_util.tree_leaves(batch)
+                rows = np.shape(leaves[0])[0] if leaves else 0
+                if rows % replicas:
+                    raise VjpsplitError(
+                        f"data_parallel={replicas}: its {rows} rows do not split into {replicas} equal replica "
+                        f"batches; give each microbatch rows that divide by {replicas}"
+                    )
+            except VjpsplitError as e:
+                raise VjpsplitError(f"Microbatches batch {i}: {e}") from e
+            out.append(mb)
         return out
 
     def _check_call_rows(self, n: int, microbatches: int, replicas: int) -> None:
@@ -319,6 +354,24 @@ def _check_leaves(
             )
         out.append(v)
     return out
+
+
+def _check_dims(recorded: Sequence[LeafEntry], leaves: Sequence[Leaf], rows: int) -> None:
+    """Refuse batch leaves that size one symbolic name two ways (``s`` 8 in one leaf, 16 in another), before any
+    stage runs; ``rows``: what each stage call's first dims get. Dims written as expressions are left to the
+    stages' own checks."""
+    dims: dict[str, int] = {}
+    for entry, leaf in zip(recorded, leaves):
+        shape = list(np.shape(leaf))
+        if shape:
+            shape[0] = rows
+        if not bind_dims(f"batch leaf {entry.key!r}", entry.shape, shape, dims):
+            bound = ", ".join(f"{k}={v}" for k, v in dims.items())
+            raise VjpsplitError(
+                f"batch leaf {entry.key!r} is {list(np.shape(leaf))} ({rows} rows per stage call), the stages were "
+                f"exported for {format_shape(entry.dtype, entry.shape)} and the leaves before it give {bound}: "
+                "give every leaf of a microbatch the same size in each symbolic dim"
+            )
 
 
 def _check_keys(key_name: str | None, keys: Sequence[Leaf] | None, microbatches: int) -> None:
@@ -436,6 +489,8 @@ def load_stages(
 def _microbatch_rows(leaves: Sequence[Leaf], microbatches: int) -> list[list[Leaf]]:
     """Each batch leaf's first dim cut into ``microbatches`` equal parts: host arrays by NumPy views, the JAX
     arrays among them in one jitted call (a device batch stays where it is; one dispatch, not one slice each)."""
+    if microbatches == 1:  # a microbatch given as it is (``Microbatches``): nothing to cut
+        return [[x] for x in leaves]
     k = np.shape(leaves[0])[0] // microbatches if leaves else 0
     on_device = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
     rows: list[list[Leaf]] = [

@@ -46,6 +46,7 @@ counted.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Callable, Sequence, cast
 
 import jax
@@ -144,6 +145,20 @@ def microbatch_bytes(artifacts: Sequence[Artifact], mb: Microbatch) -> list[int]
     return out
 
 
+def microbatch_shapes(mb: Microbatch) -> tuple[tuple[int, ...], ...]:
+    """The shapes of microbatch ``mb``'s batch leaves (stage 0's input and every stage's side inputs), in order."""
+    x, side = mb
+    sides = [side[s] for s in sorted(side)] if isinstance(side, dict) else list(side)
+    return tuple(tuple(np.shape(v)) for v in jax.tree_util.tree_leaves((x, sides)))
+
+
+def _most_bytes(artifacts: Sequence[Artifact], mbs: Sequence[Microbatch]) -> list[int]:
+    """Per stage, the most bytes one of ``mbs`` in flight holds (``microbatch_bytes``), each shape counted once."""
+    distinct = {microbatch_shapes(mb): mb for mb in mbs}
+    per = [microbatch_bytes(artifacts, mb) for mb in distinct.values()]
+    return [max(col) for col in zip(*per)]
+
+
 def boundary_values(artifacts: Sequence[Artifact], mb: Microbatch) -> list[list[np.ndarray]] | None:
     """Per stage boundary ``s -> s + 1``, host zeros shaped as what stage ``s`` sends for microbatch ``mb`` (its
     backward sends a cotangent of the same shapes back): what a send-time probe delivers. None where a dim of
@@ -206,6 +221,9 @@ class AutoPlan:
         self.trial: Trial | None = None  # the race under way
         self.raced: set[object] = set()  # the candidates' keys every race so far ran
         self.races: list[dict[str, float]] = []  # per race, each candidate's median step seconds
+        self.shapes_seen: set[tuple[tuple[int, ...], ...]] = set()  # every microbatch's leaf shapes so far
+        self.fresh = False  # the step under way has a microbatch of shapes no step had (its calls compile)
+        self.warned = False  # a microbatch held more bytes than the byte limits were worked out for (said once)
 
     @property
     def offload(self) -> Offload | None:
@@ -241,10 +259,34 @@ class AutoPlan:
 
     def next_step(self, mbs: Sequence[Microbatch]) -> tuple[Resolved, bool]:
         """What the next step runs on ``mbs`` (a trial step too, as ``"auto"``), and whether it is a timed
-        measuring step."""
+        measuring step. Notes whether some microbatch has shapes no step had before (``fresh``: its calls
+        compile in this step); under a byte limit, warns once where such a microbatch holds more than the
+        limits were worked out for."""
+        shapes = {microbatch_shapes(mb) for mb in mbs}
+        self.fresh = not shapes <= self.shapes_seen
+        self.shapes_seen |= shapes
         if self.plans is None:
-            return self.measuring(mbs[0]), True
+            return self.measuring(*mbs), True
+        if self.fresh and self.held is not None and not self.warned:
+            self._check_held(mbs)
         return self.current, self.steps_timed < MEASURING_STEPS
+
+    def _check_held(self, mbs: Sequence[Microbatch]) -> None:
+        """Warn where a microbatch of ``mbs`` holds more bytes on some stage than the limits were worked out for."""
+        assert self.held is not None  # a limit in bytes, worked out at the first step
+        now = _most_bytes(self.artifacts, mbs)
+        over = [s for s, (b, h) in enumerate(zip(now, self.held)) if b > h]
+        if over:
+            self.warned = True
+            s = over[0]
+            warnings.warn(
+                f"memory_limit_bytes: a microbatch of this step holds {now[s]} bytes ({human_bytes(now[s])}) on stage "
+                f"{s}, more than the {self.held[s]} of the first step's largest, which auto's plans were held to; "
+                "they may pass the limit: give the first step the largest microbatches, or a limit in microbatches "
+                "(memory_limit=)",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def after(
         self, ran: Resolved, costs: Callable[[], MeasuredCosts], timed: bool, seconds: float
@@ -270,7 +312,7 @@ class AutoPlan:
         else:
             row = ran.name, self.makespan, False, name
         if trial is not None:
-            if timed == self.every_step_timed:
+            if timed == self.every_step_timed and not self.fresh:  # a step that compiled is run again
                 trial.add(trial.running, seconds)
             if trial.done:
                 self.chosen, self.trial = trial.winner(), None
@@ -280,10 +322,11 @@ class AutoPlan:
         self._next()
         return row
 
-    def limits_for(self, mb: Microbatch) -> tuple[int, ...]:
-        """Per worker, the most microbatches it may hold: the limit given, or bytes over what one microbatch holds."""
+    def limits_for(self, *mbs: Microbatch) -> tuple[int, ...]:
+        """Per worker, the most microbatches it may hold: the limit given, or bytes over what one microbatch holds
+        (the largest of ``mbs`` on each stage)."""
         if self.limits is None:
-            held = self.held = microbatch_bytes(self.artifacts, mb)
+            held = self.held = _most_bytes(self.artifacts, mbs)
             counts = []
             for s, (limit, b) in enumerate(zip(self.byte_limits, held)):
                 if b > limit:
@@ -298,10 +341,11 @@ class AutoPlan:
             self.limits = tuple(counts)
         return self.limits
 
-    def measuring(self, mb: Microbatch) -> Resolved:
-        """The first step's schedule: the best built-in that fits and times every W, else auto for equal costs."""
+    def measuring(self, *mbs: Microbatch) -> Resolved:
+        """The first step's schedule: the best built-in that fits and times every W, else auto for equal costs
+        (a byte limit counted for the largest of ``mbs``)."""
         S, m = self.num_stages, self.microbatches
-        limits = self.limits_for(mb)
+        limits = self.limits_for(*mbs)
         fits = built_in_candidates(S, m, limits, self.split)
         name = "zbh1" if all(self.split) else ("1f1b" if not any(self.split) else None)
         if name in fits:

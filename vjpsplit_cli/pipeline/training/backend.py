@@ -46,13 +46,16 @@ class Backend(Protocol):
         clip: float | None,
         *,
         timed: bool = False,
+        scales: Sequence[float] | None = None,
     ) -> tuple[PipelineResult, list[float]]:
         """One optimizer step: ``schedule``'s plans on ``mbs``, then every stage's update; the result and
         each stage's squared sum of the gradients it counts in the global norm (before clipping).
 
         ``timed``: every operation waits for its results and the result's events are
         their compute times (what measuring a schedule's costs needs); otherwise
-        nothing waits that the step does not need, and the result has no events."""
+        nothing waits that the step does not need, and the result has no events.
+        ``scales``: per microbatch, its loss weight over the step's (``Microbatches.scales``): the step's loss
+        and gradients are the weighted sum over microbatches; None: the mean."""
         ...
 
     def evaluate(

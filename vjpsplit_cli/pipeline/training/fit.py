@@ -53,10 +53,12 @@ from .checkpoint_directory import check_directory, has_checkpoint, tidy
 from .checkpoint_layout import HostCheckpoint
 from ...treetypes import PyTree
 from ..schedules.stepplans import Resolved
+from ..stages.microbatches import Microbatches
 from .backend import Backend
 from .history import CheckpointTime, RestartRecord, StepRecord
 
 LOG = logging.getLogger(__name__)
+Batch = tuple[PyTree, ...] | Microbatches  # a step's batch: the function's batch tuple, or its microbatches one by one
 
 
 class Fitted(Protocol):
@@ -92,11 +94,11 @@ class Fitted(Protocol):
         """Per lost worker ``fit`` replaced: the step, where it returned, how long."""
         ...
 
-    def step(self, batch: tuple[PyTree, ...]) -> float:
+    def step(self, batch: Batch) -> float:
         """One optimizer step on ``batch``; its loss."""
         ...
 
-    def evaluate(self, batch: tuple[PyTree, ...]) -> float:
+    def evaluate(self, batch: Batch) -> float:
         """The loss on ``batch`` from the stages' forwards only."""
         ...
 
@@ -181,9 +183,7 @@ class CheckpointWriter:
         self.thread = None
 
 
-def _batch_source(
-    data: Callable[[int], tuple[PyTree, ...]] | Sequence[tuple[PyTree, ...]], steps: int
-) -> Callable[[int], tuple[PyTree, ...]]:
+def _batch_source(data: Callable[[int], Batch] | Sequence[Batch], steps: int) -> Callable[[int], Batch]:
     if callable(data):
         return data
     if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
@@ -269,8 +269,8 @@ def _warn_if_done(step_count: int, steps: int, checkpoint_dir: str | os.PathLike
 
 
 def evaluations(
-    eval_data: tuple[PyTree, ...] | Callable[[int], tuple[PyTree, ...]] | None, eval_every: int | None
-) -> Callable[[int], tuple[PyTree, ...]] | None:
+    eval_data: Batch | Callable[[int], Batch] | None, eval_every: int | None
+) -> Callable[[int], Batch] | None:
     """``eval_data`` as ``batch(step)`` for the steps to evaluate after; None without it. Refuses one without the
     other and an ``eval_every`` that is not a number of steps >= 1."""
     if eval_data is None and eval_every is None:
@@ -284,7 +284,7 @@ def evaluations(
 
 def fit(
     trainer: Fitted,
-    data: Callable[[int], tuple[PyTree, ...]] | Sequence[tuple[PyTree, ...]],
+    data: Callable[[int], Batch] | Sequence[Batch],
     steps: int,
     *,
     checkpoint_dir: str | os.PathLike[str] | None = None,
@@ -292,7 +292,7 @@ def fit(
     max_restarts: int = 0,
     callback: Callable[..., object] | None = None,
     stop_on_nonfinite: bool = True,
-    eval_data: tuple[PyTree, ...] | Callable[[int], tuple[PyTree, ...]] | None = None,
+    eval_data: Batch | Callable[[int], Batch] | None = None,
     eval_every: int | None = None,
     apart: Mapping[str, str | os.PathLike[str] | None] | None = None,
 ) -> list[float]:

@@ -15,7 +15,6 @@ import time
 from typing import Callable, Mapping, Sequence, TypeVar, cast
 
 import jax
-import numpy as np
 
 from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
@@ -26,7 +25,7 @@ from ..runtime.evaluation import evaluate_here, host, joined, loss_value
 from ..runtime.inprocess import RUNNER
 from ..runtime.model import Microbatch
 from ..runtime.replicas import check_split, reductions
-from ..runtime.result import PipelineResult, step_result
+from ..runtime.result import PipelineResult, step_loss, step_result
 from ..runtime.offload import Offload
 from ..runtime.stepwatch import Watch
 from ..runtime.timed import run_threads
@@ -141,8 +140,10 @@ class InProcessBackend:
         clip: float | None,
         *,
         timed: bool = False,
+        scales: Sequence[float] | None = None,
     ) -> tuple[PipelineResult, list[float]]:
-        """One step: the schedule, then each stage's update where it lives (``timed``: see the class).
+        """One step: the schedule, then each stage's update where it lives (``timed``: see the class; ``scales``:
+        see ``Backend.step``).
 
         A step past ``step_timeout`` (or interrupted) is one error saying what each worker is doing, its
         last operations written to ``hang_report``; a thread still stuck then (or an untimed step stopped
@@ -157,12 +158,12 @@ class InProcessBackend:
         phases: list[Phase] = []
         try:
             if timed:
-                sums = self._threaded(mbs, schedule, microbatches, clip, phases)
+                sums = self._threaded(mbs, schedule, microbatches, clip, phases, scales)
                 t1 = time.monotonic()
                 losses = workers[-1].fetch_losses()
                 phases.append(Phase(None, "fetch the losses", t1, time.monotonic()))
             else:
-                sums, losses = self._untimed(mbs, schedule, microbatches, clip)
+                sums, losses = self._untimed(mbs, schedule, microbatches, clip, scales)
         except BaseException:
             for w in workers:  # failed or interrupted: its residual files no B read back go
                 w.discard_offloaded()
@@ -180,6 +181,7 @@ class InProcessBackend:
             events=[e for st in workers for e in st.events],
             timed=timed,
             phases=[*phases, *reductions(workers)] if timed else (),
+            scales=scales,
         )
         return result, [sums[s] for s in range(S)]
 
@@ -196,27 +198,32 @@ class InProcessBackend:
             self.orders = (plans, order, sorted(last, key=last.__getitem__))
         return self.orders[1], self.orders[2]
 
-    def _value(self, microbatches: int) -> Callable[[], float]:
-        """The step's loss as the result reports it (the mean over microbatches), for an update taking value=."""
+    def _value(self, microbatches: int, scales: Sequence[float] | None) -> Callable[[], float]:
+        """The step's loss as the result reports it (the mean over microbatches, weighted by ``scales`` where
+        given), for an update taking value=."""
         last = self.trainers[-1].worker
 
         def value() -> float:
-            losses = last.fetch_losses()
-            return float(np.mean([losses[m] for m in range(microbatches)]))
+            return step_loss(last.fetch_losses(), microbatches, scales)
 
         return value
 
     def _untimed(
-        self, mbs: Sequence[Microbatch], schedule: Resolved, microbatches: int, clip: float | None
+        self,
+        mbs: Sequence[Microbatch],
+        schedule: Resolved,
+        microbatches: int,
+        clip: float | None,
+        scales: Sequence[float] | None,
     ) -> tuple[dict[int, float], dict[int, float]]:
         """An untimed step in the kept driver thread (dispatch, updates, losses), waited for here."""
         workers = self._workers()
         order, finishing = self._orders(schedule.plans)
         record = Dispatched(schedule.plans, len(workers))
-        value = self._value(microbatches)
+        value = self._value(microbatches, scales)
 
         def body() -> tuple[dict[int, float], dict[int, float]]:
-            dispatch(workers, schedule.plans, mbs, microbatches, order, record)
+            dispatch(workers, schedule.plans, mbs, microbatches, order, record, scales)
             sums = self._finish(finishing, clip, value, record.commit)
             losses = workers[-1].fetch_losses()  # the step's first wait for the devices (without clipping)
             return dict(zip(sums, Squares.fetch(list(sums.values())))), losses
@@ -269,12 +276,13 @@ class InProcessBackend:
         microbatches: int,
         clip: float | None,
         phases: list[Phase],
+        scales: Sequence[float] | None,
     ) -> dict[int, float]:
         """A timed step in the workers' threads, each finishing with its stages' updates (at a barrier)."""
         held = schedule.layout.workers
         rv, sums = _Rendezvous(len(held)), {}
         finished: list[Phase] = []
-        value = self._value(microbatches)
+        value = self._value(microbatches, scales)
 
         def tail(w: int, failed: bool) -> None:
             if failed:
@@ -305,7 +313,17 @@ class InProcessBackend:
         order, _ = self._orders(schedule.plans)
         watch = Watch(self.step_timeout, self.hang_report, RESTORE_HINT, rv.barrier.abort)
         try:
-            run_threads(self.threads, workers, schedule.plans, mbs, microbatches, tail=tail, order=order, watch=watch)
+            run_threads(
+                self.threads,
+                workers,
+                schedule.plans,
+                mbs,
+                microbatches,
+                tail=tail,
+                order=order,
+                watch=watch,
+                scales=scales,
+            )
         finally:
             phases += watch.phases + finished
             if watch.stuck:  # its thread may yet write into a stage: no step runs on them again

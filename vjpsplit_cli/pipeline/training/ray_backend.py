@@ -152,10 +152,11 @@ class RayBackend:
         clip: float | None,
         *,
         timed: bool = False,
+        scales: Sequence[float] | None = None,
     ) -> tuple[PipelineResult, list[float]]:
         """One step on the actors: the schedule, then each stage's tied sums, squared norm and update.
 
-        ``timed``: see ``Backend.step``.
+        ``timed``, ``scales``: see ``Backend.step``.
         """
         rp, S = self.rp, self.rp.num_stages
         name, plans, layout = schedule
@@ -168,7 +169,7 @@ class RayBackend:
             check_split(mbs, self.data_parallel)  # before any operation runs
         t0 = time.monotonic()
         # One call per actor: its list, then the end of the step with the other actors (TrainActor.train_step).
-        lists = rp.start_step(plans, mbs, microbatches, timed, "train_step", (clip,))
+        lists = rp.start_step(plans, mbs, microbatches, timed, "train_step", (clip, scales))
         t1 = time.monotonic()
         everyone = list(range(rp.layout.num_workers))
         if timed:
@@ -195,6 +196,7 @@ class RayBackend:
             extra={"compiled": False},
             timed=timed,
             phases=phases if timed else (),
+            scales=scales,
         )
         return result, totals
 

@@ -30,6 +30,7 @@ from ..runtime.flight import DONE, FINISH
 from ..runtime.ray import reports
 from ..runtime.ray.actor import StageActor
 from ..runtime.replicas import ReplicaGroup
+from ..runtime.result import step_loss
 from ..schedules.timeline import Phase
 from .clipping import clip_scale
 from .device_memory import DeviceMemory, memory_records
@@ -108,13 +109,15 @@ class TrainActor(StageActor, EvaluatingActor):
         microbatches: int,
         timed: bool,
         clip: float | None,
+        scales: Sequence[float] | None = None,
     ) -> dict[str, object] | str:
         """Step ``step``: this worker's list (``run_step``), then the end of the step (see the class); its
         ``report`` and ``"sums"``, each held stage's squared norm (None where the step failed). An untimed step's
-        report of numbers only goes to the driver's socket as a frame, and the call returns ``reports.SENT``."""
-        self.run_step(step, ops, batch, microbatches, timed)
+        report of numbers only goes to the driver's socket as a frame, and the call returns ``reports.SENT``.
+        ``scales``: per microbatch, its loss weight over the step's (``Backend.step``); None: the mean."""
+        self.run_step(step, ops, batch, microbatches, timed, scales)
         self.now = (FINISH, None, None, time.monotonic())
-        sums = self._finish(step, microbatches, clip)
+        sums = self._finish(step, microbatches, clip, scales)
         self.now = (DONE, None, None, time.monotonic())
         report = {**self.report(), "sums": sums}
         items = None if timed or self.to_driver is None else reports.as_frame(self.worker, report)
@@ -134,7 +137,9 @@ class TrainActor(StageActor, EvaluatingActor):
             self.sender.send(step, w, (tag, 0, self.worker), part)
         return {w: self.inbox.take(step, (tag, 0, w)) for w in peers}
 
-    def _finish(self, step: int, microbatches: int, clip: float | None) -> dict[int, float | None]:
+    def _finish(
+        self, step: int, microbatches: int, clip: float | None, scales: Sequence[float] | None = None
+    ) -> dict[int, float | None]:
         """The step's tied sums, norms, clip scale, reductions and update for this worker's stages (see the class).
 
         Every actor sends and takes the same parts in the same order whether or not its step failed, so that
@@ -151,7 +156,7 @@ class TrainActor(StageActor, EvaluatingActor):
             f.mark("reduce tied")
         scale = self._clip_scale(f, sums, clip)
         f.mark("reduce norms")
-        value = self._loss_value(f, microbatches)
+        value = self._loss_value(f, microbatches, scales)
         reduced = self._reductions(f, scale, value)
         if self.end.rounds:
             f.mark("reduce optimizer")
@@ -201,7 +206,7 @@ class TrainActor(StageActor, EvaluatingActor):
         f.ok = f.ok and scale is not None
         return 1.0 if scale is None else scale
 
-    def _loss_value(self, f: _Finishing, microbatches: int) -> float:
+    def _loss_value(self, f: _Finishing, microbatches: int, scales: Sequence[float] | None) -> float:
         """The step's loss for an update that takes it, from the last stage's worker (0.0: not taken, and a
         placeholder once the step failed: ``f.ok`` is False, nothing after it computes)."""
         if not self.end.uses_value:
@@ -210,7 +215,7 @@ class TrainActor(StageActor, EvaluatingActor):
         last = self.worker_of[S - 1]
         value: object
         if last == self.worker:
-            value = f.run(lambda: self._loss(S - 1, microbatches))
+            value = f.run(lambda: self._loss(S - 1, microbatches, scales))
             self._exchange(f.step, "loss", {w: value for w in f.others}, [])
         else:
             value = self._exchange(f.step, "loss", {}, [last])[last]
@@ -238,10 +243,10 @@ class TrainActor(StageActor, EvaluatingActor):
                     reduced[i] = combine(op, dt, [every[t][pos] for t in range(S)])
         return reduced
 
-    def _loss(self, stage: int, microbatches: int) -> float:
-        """The step's loss (the mean over microbatches) on stage ``stage``, the last."""
-        got = self.stage_workers[stage].fetch_losses()
-        return float(np.mean([got[m] for m in range(microbatches)]))
+    def _loss(self, stage: int, microbatches: int, scales: Sequence[float] | None) -> float:
+        """The step's loss (the mean over microbatches, weighted by ``scales`` where given) on stage ``stage``,
+        the last."""
+        return step_loss(self.stage_workers[stage].fetch_losses(), microbatches, scales)
 
     def snapshot(self) -> dict[int, Snapshot]:
         """Per stage held: ``(params, optimizer state)`` as host arrays."""

@@ -42,6 +42,7 @@ from ...errors import VjpsplitError, one_line
 from ...treetypes import PyTree
 from ..runtime.result import PipelineResult
 from ..stages.directory import Stages
+from ..stages.microbatches import Microbatches
 from .arguments import Optimizer
 from .clipping import clip_scale
 from .fit import fit as fit_steps
@@ -171,34 +172,41 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
         options = from_legacy("Trainer", stages, schedule, runner, observe, deprecated)
         self._start(options, params, optimizer, microbatches, clip_global_norm, opt_state, step_count, None, rng)
 
-    def step(self, batch: tuple[PyTree, ...], *, timed: bool | None = None) -> float:
+    def step(self, batch: tuple[PyTree, ...] | Microbatches, *, timed: bool | None = None) -> float:
         """One optimizer step on ``batch``: the schedule over its microbatches, then every stage's update.
 
         ``costs()`` counts timed steps; ``schedule="auto"`` times its first two steps itself, races the
         plans it rates close over the next (trial) steps, and plans again after each later timed step.
+        ``Microbatches([b0, b1, ...], weights=[w0, w1, ...])`` gives the microbatches one by one, each of its own
+        shape within the stages' symbolic dims: the loss and gradients are the weighted mean over them, each
+        new shape compiles once (docs/howto/variable-lengths.md).
 
         Args:
             batch: the function's batch inputs as a tuple (a 1-tuple for one input), the whole batch; it is
-                cut into ``microbatches`` along axis 0.
+                cut into ``microbatches`` along axis 0. Or ``Microbatches``: as many as the Trainer's
+                ``microbatches``, each as it is.
             timed: True waits for every operation and records its compute time in ``last_result.events`` (for
                 its timeline, or to measure the stages' costs); it costs the overlap of dispatch with compute.
                 None: the Trainer's ``Observe(timeline=...)`` (and its ``trace_every``).
 
         Returns:
-            The step's loss: the mean over microbatches, as the loss function gives it on the whole batch.
+            The step's loss: the mean over microbatches, as the loss function gives it on the whole batch (with
+            ``Microbatches``, their weighted mean).
 
         Raises:
-            VjpsplitError: a batch that does not split into the microbatches (or replicas), a step past
+            VjpsplitError: a batch that does not split into the microbatches (or replicas), ``Microbatches`` of
+                another count than ``microbatches`` or a shape the export does not take (naming the batch), a step past
                 ``step_timeout`` or interrupted (naming what each worker runs or waits for), a lost Ray worker.
         """
         t0 = time.monotonic()
+        scales = self._scales(batch)
         keys = None if self.rng is None else microbatch_keys(self.rng, self.step_count, self.microbatches)
         mbs = self.model.batch_microbatches(batch, self.microbatches, self.data_parallel, keys)
         plan, measuring = (self.plan, False) if self.auto is None else self.auto.next_step(mbs)
         every = self.trace_every is not None and (self.step_count + 1) % self.trace_every == 0
         timed = (self.timeline or every if timed is None else timed) or measuring
         t_run = time.monotonic()
-        r, sums = self.backend.step(mbs, plan, self.microbatches, self.clip_global_norm, timed=timed)
+        r, sums = self.backend.step(mbs, plan, self.microbatches, self.clip_global_norm, timed=timed, scales=scales)
         ran_for = time.monotonic() - t_run  # what auto's trial steps compare: the schedule, sends and updates
         _, norm = clip_scale(sums, None)
         step_time = time.monotonic() - t0
@@ -221,6 +229,18 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
         if timed and self.trace_dir is not None:
             self._write_trace(r, self.trace_dir)
         return r.loss
+
+    def _scales(self, batch: tuple[PyTree, ...] | Microbatches) -> list[float] | None:
+        """``Microbatches``' scales (their count checked against ``microbatches``); None for a whole batch."""
+        if not isinstance(batch, Microbatches):
+            return None
+        if len(batch) != self.microbatches:
+            raise VjpsplitError(
+                f"Microbatches: {len(batch)} batches for a Trainer of microbatches={self.microbatches}, whose "
+                f"schedule runs {self.microbatches}; give {self.microbatches} batches, or a Trainer of "
+                f"microbatches={len(batch)}"
+            )
+        return batch.scales
 
     def _write_trace(self, r: PipelineResult, directory: str | os.PathLike[str]) -> None:
         """The step's trace as ``step-<n>.trace.json`` in ``directory`` (``Observe(trace_dir=)``), made if absent.
@@ -248,7 +268,7 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
 
     def fit(
         self,
-        data: Callable[[int], tuple[PyTree, ...]] | Sequence[tuple[PyTree, ...]],
+        data: Callable[[int], tuple[PyTree, ...] | Microbatches] | Sequence[tuple[PyTree, ...] | Microbatches],
         steps: int,
         *,
         checkpoint_dir: str | os.PathLike[str] | None = None,
@@ -261,8 +281,8 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
     ) -> list[float]:
         """Run the steps ``step_count`` ... ``steps - 1`` of a run; return their losses.
 
-        ``data``: ``data(step) -> batch`` or a sequence indexed by step (steps count from 0 of the run).
-        With ``checkpoint_dir``, a checkpoint already there is where the run begins (``load``; logged at INFO
+        ``data``: ``data(step) -> batch`` or a sequence indexed by step (steps count from 0 of the run); a
+        batch may be ``Microbatches`` (as ``step`` takes it). With ``checkpoint_dir``, a checkpoint already there is where the run begins (``load``; logged at INFO
         on ``logging``'s ``vjpsplit_cli.pipeline.training.fit``; a ``UserWarning`` when it, or the Trainer, is
         already at or past ``steps``, so nothing trains), and one is
         saved after every ``checkpoint_every``-th step and after the last, written by a thread while the next

@@ -13,14 +13,15 @@ from __future__ import annotations
 from typing import Literal, Sequence, overload
 
 import jax
-import numpy as np
 
 from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
 from ...treetypes import PyTree
 from ..runtime.model import Model
+from ..runtime.result import step_loss
 from ..stages.directory import Stages
 from ..stages.evalprograms import EvalProgram, missing
+from ..stages.microbatches import Microbatches
 from .arguments import checked_microbatches
 from .backend import Backend
 from .microbatch_keys import microbatch_keys
@@ -39,21 +40,25 @@ class TrainerEvaluation:
 
     @overload
     def evaluate(
-        self, batch: tuple[PyTree, ...], *, microbatches: int | None = None, outputs: Literal[False] = False
+        self,
+        batch: tuple[PyTree, ...] | Microbatches,
+        *,
+        microbatches: int | None = None,
+        outputs: Literal[False] = False,
     ) -> float: ...
 
     @overload
     def evaluate(
-        self, batch: tuple[PyTree, ...], *, microbatches: int | None = None, outputs: Literal[True]
+        self, batch: tuple[PyTree, ...] | Microbatches, *, microbatches: int | None = None, outputs: Literal[True]
     ) -> tuple[float, list[PyTree]]: ...
 
     @overload
     def evaluate(
-        self, batch: tuple[PyTree, ...], *, microbatches: int | None = None, outputs: bool
+        self, batch: tuple[PyTree, ...] | Microbatches, *, microbatches: int | None = None, outputs: bool
     ) -> float | tuple[float, list[PyTree]]: ...
 
     def evaluate(
-        self, batch: tuple[PyTree, ...], *, microbatches: int | None = None, outputs: bool = False
+        self, batch: tuple[PyTree, ...] | Microbatches, *, microbatches: int | None = None, outputs: bool = False
     ) -> float | tuple[float, list[PyTree]]:
         """The loss on ``batch`` from every stage's forward only: no residuals, no gradients, no update.
 
@@ -64,8 +69,10 @@ class TrainerEvaluation:
         optimizer state, the step count and the history do not change.
 
         Args:
-            batch: the function's batch inputs as a tuple, as ``step`` takes them.
-            microbatches: how many microbatches to cut ``batch`` into (default: the Trainer's).
+            batch: the function's batch inputs as a tuple, as ``step`` takes them; or ``Microbatches`` (as many as
+                it holds; the loss their weighted mean, as a step's).
+            microbatches: how many microbatches to cut ``batch`` into (default: the Trainer's; not with
+                ``Microbatches``).
             outputs: also return the model's output: per microbatch, the tuple of arrays the last stage
                 received (what the stage before it sends on, e.g. the hidden state before the loss).
 
@@ -73,16 +80,21 @@ class TrainerEvaluation:
             The loss (a float); with ``outputs=True``, ``(loss, outputs)``.
 
         Raises:
-            VjpsplitError: ``microbatches`` is not an int >= 1; the Trainer runs the per-stage form, or a stage has
+            VjpsplitError: ``microbatches`` is not an int >= 1, or given with ``Microbatches``; the Trainer runs the per-stage form, or a stage has
                 no evaluation program (a stages directory saved by an older vjpsplit, or a sharded stage): the message
                 says how to export again.
         """
         m = self.microbatches if microbatches is None else checked_microbatches(microbatches)
+        scales = None
+        if isinstance(batch, Microbatches):
+            if microbatches is not None:
+                raise VjpsplitError("evaluate: Microbatches are the microbatches; give no microbatches= with them")
+            m, scales = len(batch), batch.scales
         programs = self._eval_programs()
         keys = None if self.rng is None else microbatch_keys(self.rng, self.step_count, m)
         mbs = self.model.batch_microbatches(batch, m, self.data_parallel, keys)
         losses, received = self.backend.evaluate(mbs, programs, outputs)
-        loss = float(np.mean(losses))
+        loss = step_loss(dict(enumerate(losses)), m, scales)
         return (loss, received) if outputs and received is not None else loss  # received: given with outputs
 
     def _eval_programs(self) -> list[EvalProgram]:

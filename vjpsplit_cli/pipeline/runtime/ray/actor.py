@@ -196,11 +196,12 @@ class StageActor:
         batch: dict[tuple[int, int], tuple[PyTree, list[Leaf]]],
         microbatches: int,
         timed: bool,
+        scales: Sequence[float] | None = None,
     ) -> None:
         """Step ``step``: reset, then this worker's list of operations (see ``lists.run_list``); untimed, each
-        operation noted as it is dispatched (``record``)."""
+        operation noted as it is dispatched (``record``); ``scales``: as ``StageWorker.reset``'s."""
         plan = [Op(Kind(kind), mb, stage) for kind, mb, stage in ops]
-        self.reset(timed, [plan])
+        self.reset(timed, [plan], scales)
         self.now, self.handed, self.sent, self.step = idle(), {}, {}, step
         self.record = None if timed else Dispatched([plan], self.num_stages)
         self.list_thread = threading.get_ident()
@@ -268,11 +269,14 @@ class StageActor:
         for st in self.stage_workers.values():
             st.set_offload(spec)
 
-    def reset(self, timed: bool = True, plans: Sequence[Sequence[Op]] | None = None) -> None:
+    def reset(
+        self, timed: bool = True, plans: Sequence[Sequence[Op]] | None = None, scales: Sequence[float] | None = None
+    ) -> None:
         """Forget the last step's residuals, gradients, timings and error; ``timed``: the next step's mode;
-        ``plans``: this worker's operations of the next step (what an offloading stage reads)."""
+        ``plans``: this worker's operations of the next step (what an offloading stage reads); ``scales``: per
+        microbatch, the last stage's starting cotangent (``StageWorker.reset``; None: equal)."""
         for st in self.stage_workers.values():
-            st.reset(timed, plans)
+            st.reset(timed, plans, scales)
         self.error = None
         self.phases = []
 
