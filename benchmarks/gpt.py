@@ -77,13 +77,13 @@ class GPT:
         ]
         return {"embed": n(vocab, W, scale=0.02), "pos": n(self.seq, W, scale=0.01), "blocks": blocks}
 
-    def export(self, params, platform: str = "cpu"):
-        """The ``Stages`` of this model (one microbatch's batch spec with a symbolic size)."""
+    def export(self, params, platform: str = "cpu", policy: str | None = None):
+        """The ``Stages`` of this model (one microbatch's batch spec with a symbolic size) under ``policy``."""
         (b,) = jexport.symbolic_shape("b")
         spec = jax.ShapeDtypeStruct
         tree = jax.tree_util.tree_map(lambda a: spec(a.shape, a.dtype), params)
         tok = spec((b, self.seq), jnp.int32)
-        return vs.export_stages(self.loss, tree, tok, tok, wrt="params", platforms=platform)
+        return vs.export_stages(self.loss, tree, tok, tok, wrt="params", platforms=platform, policy=policy)
 
 
 def _rms(h):

@@ -1,6 +1,6 @@
 """The GPT step on one device, one process against the Trainer, and where the Trainer's time goes.
 
-    python -m benchmarks.step_probe 512:4 1024:8 [1024:8:profile] [1024:8:breakdown] [1024:8:ops]
+    python -m benchmarks.step_probe 512:4 1024:8 [1024:8:profile] [1024:8:breakdown] [1024:8:ops] [1024:8@dots]
 
 ``benchmarks/gpt.py``'s GPT (sequence 256, 8 heads, vocab 512, batch 16 in 8
 microbatches, AdamW), both stages on the first device: the one-process step on the
@@ -9,7 +9,8 @@ Trainer's untimed, batch-on-device and timed steps (1F1B, ZB-H1), medians of 6.
 ``profile_step`` (``:profile``) profiles the untimed step's own thread; ``breakdown``
 (``:breakdown``) splits the step by phase from the workers' rings; ``op_times`` (``:ops``) runs one stage's F
 and B back to back (the device's time per call where it exceeds the host's). Run on
-a TPU for the figures in ``benchmarks/results/2026-12-06-tpu-step.md``.
+a TPU for the figures in ``benchmarks/results/2026-12-06-tpu-step.md``. ``@POLICY`` (``everything``,
+``dots``, ``nothing``) exports the stages under that rematerialization policy.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from benchmarks.gpt import GPT
 from benchmarks.train_accel import BATCH, HEADS, MICROBATCHES as M, REFERENCE, SEQ, VOCAB, _one_process
 from vjpsplit_cli import pipeline as P
 
+POLICY: str | None = None  # the stages' rematerialization policy (``@POLICY`` on the command line)
+
 
 def med(fn, n=6, warm=2):
     """Median milliseconds of ``fn()`` over ``n`` calls after ``warm``."""
@@ -48,7 +51,7 @@ def _gpt(width, blocks):
     g = GPT(width=width, blocks=blocks, seq=SEQ, heads=HEADS, stages=2)
     params = g.init(VOCAB)
     win = np.random.default_rng(1).integers(0, VOCAB, (BATCH, SEQ + 1)).astype(np.int32)
-    return g, params, (win[:, :-1], win[:, 1:]), g.export(params, jax.default_backend()), jax.devices()[0]
+    return g, params, (win[:, :-1], win[:, 1:]), g.export(params, jax.default_backend(), POLICY), jax.devices()[0]
 
 
 def _trainer(stages, params, sched, d):
@@ -219,6 +222,9 @@ def op_times(width, blocks):
 if __name__ == "__main__":
     # WIDTH:BLOCKS[:profile|:breakdown|:ops] ...
     for arg in sys.argv[1:]:
+        arg, _, POLICY = arg.partition("@")
+        POLICY = POLICY or None
+        print(f"-- {arg} policy {POLICY or 'everything'}", flush=True)
         w, b, *what = arg.split(":")
         {"profile": profile_step, "breakdown": breakdown, "ops": op_times}.get(what[0] if what else "", main)(
             int(w), int(b)

@@ -12,7 +12,10 @@ the host fetches:
 - one process, full batch: ``jit`` of ``value_and_grad`` and the optax update, on the first device;
 - one process, the same 8 microbatches accumulated in one ``jit`` (``lax.scan``): the reference;
 - the Trainer's untimed 1F1B, ZB-H1 and ``auto`` steps on a host batch;
-- the 1F1B Trainer's untimed step on a batch already on the device, and its timed step.
+- the 1F1B Trainer's untimed step on a batch already on the device, and its timed step;
+- the 1F1B Trainer's untimed step with its stages exported under the default policy ``everything``.
+
+The Trainer rows but the last export the stages with ``policy="dots"`` (``POLICY``).
 
 Each candidate warms up (2 steps; ``auto`` until its trial steps are done), then the
 candidates run interleaved round by round; a row gives the median step and its ratio to
@@ -43,7 +46,12 @@ CANDIDATES = {
     "auto": "Trainer auto",
     "1f1b_device": "Trainer 1F1B, batch on the device",
     "1f1b_timed": "Trainer 1F1B, timed",
+    "1f1b_everything": "Trainer 1F1B, stages exported with policy everything",
 }
+# The rematerialization policy the Trainer rows' stages are exported with (``export_stages(policy=)``): ``dots``
+# keeps the matmuls' outputs and recomputes the rest in B, as XLA does inside one ``jit``; ``everything`` (the
+# default) writes every residual, 3.3x the bytes at width 1024 (the 1f1b_everything row).
+POLICY = "dots"
 WARMUP = 2
 AUTO_STEPS_AT_MOST = 70  # auto's two timed steps and its trial steps (benchmarks/autotrain.py's bound)
 # Issue 68's targets: the untimed 1F1B and ZB-H1 steps against the reference, by width.
@@ -61,6 +69,7 @@ def config(quick: bool) -> dict:
         "vocab": VOCAB,
         "batch": BATCH,
         "microbatches": MICROBATCHES,
+        "policy": POLICY,
     }
 
 
@@ -132,13 +141,13 @@ def measure_width(width: int, blocks: int, rounds: int, platform: str) -> list[d
     d0, d1 = have[0], have[1 % len(have)]
     device_batch = jax.device_put(batch, d0)
     tx = optax.adamw(1e-3)
-    stages = g.export(params, platform)
+    stages = g.export(params, platform, POLICY)
     steps = _one_process(g, params, tx, d0)
     trainers = {}
     try:
-        for key, schedule in (("1f1b", "1f1b"), ("zbh1", "zbh1"), ("auto", "auto")):
+        for key, schedule in (("1f1b", "1f1b"), ("zbh1", "zbh1"), ("auto", "auto"), ("1f1b_everything", "1f1b")):
             trainers[key] = P.Trainer(
-                stages,
+                g.export(params, platform) if key == "1f1b_everything" else stages,
                 params,
                 optimizer=tx,
                 microbatches=MICROBATCHES,
@@ -154,6 +163,7 @@ def measure_width(width: int, blocks: int, rounds: int, platform: str) -> list[d
             "auto": lambda: trainers["auto"].step(batch),
             "1f1b_device": lambda: one.step(device_batch),
             "1f1b_timed": lambda: one.step(batch, timed=True),
+            "1f1b_everything": lambda: trainers["1f1b_everything"].step(batch),
         }
         for fn in cands.values():
             for _ in range(WARMUP):

@@ -268,11 +268,18 @@ class ReplicaGroup:
             return [None] * self.n
         return split_parts(data, self.n) if whole else [data] * self.n
 
-    def forward(self, mb: int, x: PyTree, side: Sequence[PyTree], worker: int | None = None) -> Parts:
-        """F on every replica, each on its part of the microbatch."""
+    def forward(
+        self, mb: int, x: PyTree, side: Sequence[PyTree], worker: int | None = None, microbatches: int | None = None
+    ) -> Parts:
+        """F on every replica, each on its part of the microbatch (``microbatches``: as ``StageWorker.forward``)."""
         xs = self._per(x, True)
         sides = split_parts(list(side), self.n) if side else [[] for _ in range(self.n)]
-        return Parts(r.forward(mb, xs[i], sides[i], worker) for i, r in enumerate(self.replicas))
+        m = None if microbatches is None else microbatches * self.n
+        return Parts(r.forward(mb, xs[i], sides[i], worker, m) for i, r in enumerate(self.replicas))
+
+    def fused(self, mb: int) -> bool:
+        """Whether microbatch ``mb``'s F ran its B too on every replica (``StageWorker.forward``)."""
+        return all(r.fused(mb) for r in self.replicas)
 
     def backward(self, mb: int, ct: PyTree, microbatches: int, worker: int | None = None) -> Parts:
         """Whole backward on every replica; the step's last one dispatches the reduction."""

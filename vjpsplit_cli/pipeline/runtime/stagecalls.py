@@ -3,7 +3,7 @@
 Owns ``Forward`` (``art.fwd`` as one dispatch per microbatch once a signature has
 been through the checked first call), ``StageCalls`` (F, B, I and W, each one jitted
 call around the artifact's public methods, the gradient sum inside the backward's
-call), ``calls_for`` (one ``StageCalls`` per artifact and role, shared by every
+call; the last stage's F and B of one microbatch as one call), ``calls_for`` (one ``StageCalls`` per artifact and role, shared by every
 worker and step) and ``signature_of`` (what a compiled call is cached by). May
 import the tracing layer's residual types and NumPy; ``worker`` builds on it.
 """
@@ -122,9 +122,24 @@ class StageCalls:
             # The intermediates carry the residuals W reads: the rest were freed after B.
             return artifact.bwd_weight(inter)[w]
 
+        def forward_backward(params: PyTree, xs: list[PyTree], ct: PyTree) -> tuple[PyTree, PyTree, PyTree | None]:
+            out, res = artifact.fwd(params, *xs)
+            gw, gx = fused(res, ct)
+            return out, gw, gx
+
+        def forward_backward_acc(
+            acc: PyTree, params: PyTree, xs: list[PyTree], ct: PyTree
+        ) -> tuple[PyTree, PyTree, PyTree | None]:
+            out, gw, gx = forward_backward(params, xs, ct)
+            return out, add(acc, gw), gx
+
         jitted_input = jax.jit(b_input)  # traced at its first call: none without the split backward
         self.forward = Forward(artifact)
         self.backward, self.backward_acc = jax.jit(fused), jax.jit(fused_acc)
+        # The last stage's F and B of one microbatch in one call (its residuals never leave it): see
+        # ``StageWorker.forward``.
+        self.forward_backward = jax.jit(forward_backward)
+        self.forward_backward_acc = jax.jit(forward_backward_acc)
         # The split backward's calls, None without one (plans with I or W are refused before they run).
         self.backward_input_jitted: SplitInput | None = (
             jitted_input if m.splits_backward else None

@@ -67,7 +67,11 @@ class RunsOps(Protocol):
 
     def fetch_losses(self) -> dict[int, float]: ...
 
-    def forward(self, mb: int, x: PyTree, side: Sequence[PyTree], worker: int | None = None) -> PyTree: ...
+    def forward(
+        self, mb: int, x: PyTree, side: Sequence[PyTree], worker: int | None = None, microbatches: int | None = None
+    ) -> PyTree: ...
+
+    def fused(self, mb: int) -> bool: ...
 
     def backward(self, mb: int, ct: PyTree, microbatches: int, worker: int | None = None) -> PyTree | None: ...
 
@@ -120,9 +124,9 @@ def _run(
     """``run_op``'s operation, by its kind."""
     stage.before(op)  # the copy back of the stage's next backward overlaps this operation
     if op.kind == Kind.F:
-        return stage.forward(op.mb, data, side, worker=worker)
+        return stage.forward(op.mb, data, side, worker=worker, microbatches=microbatches)
     if op.kind == Kind.B:
-        if hand_on is not None and op.stage > 0 and stage.splits_backward:
+        if hand_on is not None and op.stage > 0 and stage.splits_backward and not stage.fused(op.mb):
             # After a whole backward nothing hides the cotangent's trip to the next actor (1F1B's stages wait
             # for it); after the input part the weight part does.
             ct = stage.backward_input(op.mb, data, microbatches, worker=worker)

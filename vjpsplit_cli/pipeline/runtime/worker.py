@@ -205,6 +205,9 @@ class StageWorker:
             self._scaled = [self.art.place_cotangent(v) for v in placed]
         if self.offloader is not None and plans is not None:
             self.offloader.schedule(plans)
+        # The last stage's microbatches whose B directly follows their F in its worker's plan: F runs both.
+        self._fusable = set() if plans is None or not self.is_last else _fusable(plans, self.stage_index)
+        self._fused: dict[int, PyTree] = {}  # by microbatch: the input cotangent its fused F left for its B
         self.peak_residual_bytes = 0
         self.res: dict[int, Residuals | Away] = {}
         self.inter: dict[int, Intermediates] = {}
@@ -328,14 +331,21 @@ class StageWorker:
             return seed
         return self.art.place_cotangent(self.to_device(ct))
 
-    def forward(self, mb: int, x: PyTree, side: Sequence[PyTree], worker: int | None = None) -> PyTree:
+    def forward(
+        self, mb: int, x: PyTree, side: Sequence[PyTree], worker: int | None = None, microbatches: int | None = None
+    ) -> PyTree:
         """F: run the forward, keep the residuals; return the activation (the loss on the last stage).
+
+        On the last stage, when the microbatch's B directly follows this F in the worker's plan (1F1B, GPipe's
+        last microbatch) and ``microbatches`` is given, F runs the backward too, in one compiled call: its
+        residuals never leave that call, and its B hands on the input cotangent this call left.
 
         Args:
             mb: The microbatch.
             x: The stage's input: the batch's first input on stage 0, else the activation received.
             side: The stage's side inputs (batch leaves it reads directly).
             worker: The worker recorded in the event; ``None`` means the stage's index.
+            microbatches: The step's microbatch count (the last stage's cotangent); ``None``: F alone.
 
         Returns:
             The activation to send on, or the loss on the last stage.
@@ -344,6 +354,8 @@ class StageWorker:
         if self.art.manifest.sharded:
             # Activations arrive from the previous stage's devices: lay them out for this one first.
             xs = [self.art.place_arg(i + 1, v) for i, v in enumerate(xs)]
+        if microbatches is not None and mb in self._fusable:
+            return self._forward_backward(mb, xs, microbatches, worker)
         f = self.calls.forward
         out, res = self._run(worker, Kind.F, mb, (self.params, *xs), f, f.WARMUP)
         kept = self.res[mb] = res if self.offloader is None else self.offloader.send(mb, res)
@@ -353,6 +365,38 @@ class StageWorker:
         if self.is_last:
             self.losses[mb] = out
         return out
+
+    def _forward_backward(self, mb: int, xs: list[PyTree], microbatches: int, worker: int | None) -> PyTree:
+        """The last stage's F and B of microbatch ``mb`` in one call (see ``forward``); returns the loss."""
+        c = self._ct(None, microbatches, mb)
+        if self.grads is None:
+            out, self.grads, gx = self._run(worker, Kind.F, mb, (self.params, xs, c), self.calls.forward_backward, 1)
+        else:
+            args = (self.grads, self.params, xs, c)
+            out, self.grads, gx = self._run(worker, Kind.F, mb, args, self.calls.forward_backward_acc, 1)
+        self._fused[mb] = gx
+        self.losses[mb] = out
+        return out
+
+    def fused(self, mb: int) -> bool:
+        """Whether microbatch ``mb``'s F ran its B too (``forward``): its B only hands on the input cotangent.
+
+        Args:
+            mb: The microbatch.
+
+        Returns:
+            True once that F ran, until the B.
+        """
+        return mb in self._fused
+
+    def _hand_on_fused(self, mb: int, worker: int | None) -> PyTree | None:
+        """B of a microbatch whose F ran it (``forward``): nothing runs; recorded as a B of no time."""
+        t = time.monotonic()
+        self.ring.append((Kind.B, mb, t, t, self.timed))
+        if self.timed:
+            w = self.stage_index if worker is None else worker
+            self.events.append(Event(w, Kind.B, mb, t, t, self.stage_index, None, self.replica))
+        return self._fused.pop(mb)
 
     def backward(self, mb: int, ct: PyTree, microbatches: int, worker: int | None = None) -> PyTree | None:
         """B, the whole backward (GPipe, 1F1B): accumulate the weight gradient, return the input cotangent.
@@ -367,6 +411,8 @@ class StageWorker:
         Returns:
             The cotangent of the stage's input, for the stage before; ``None`` on the first stage.
         """
+        if mb in self._fused:
+            return self._hand_on_fused(mb, worker)
         res, c = self._residuals(mb), self._ct(ct, microbatches, mb)
         if self.grads is None:
             self.grads, gx = self._run(worker, Kind.B, mb, (res, c), self.calls.backward, 1)
@@ -420,6 +466,16 @@ def _split(call: C | None) -> C:
     """A split backward's call: plans with I or W never reach a stage without one (``Model.check_plans``)."""
     assert call is not None
     return call
+
+
+def _fusable(plans: Sequence[Sequence[Op]], stage: int) -> set[int]:
+    """The microbatches whose B directly follows their F on ``stage`` in its worker's plan."""
+    return {
+        a.mb
+        for ops in plans
+        for a, b in zip(ops, ops[1:])
+        if a.kind == Kind.F and b.kind == Kind.B and a.stage == b.stage == stage and a.mb == b.mb
+    }
 
 
 def _identity(*arrays: jax.Array) -> tuple[jax.Array, ...]:
