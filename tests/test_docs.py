@@ -20,7 +20,7 @@ from vjpsplit_cli.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "howto").glob("*.md"))]
 API_PAGE = ROOT / "docs" / "api" / "index.md"
 # Put on the line before a ```bash block of a docs page: this file runs the block as pasted, as README's own.
 RUN_MARK = "<!-- run as pasted by tests/test_docs.py -->"
