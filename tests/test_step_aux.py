@@ -110,6 +110,10 @@ def test_a_saved_and_loaded_directory_gives_the_same_aux(stages, tmp_path):
     with _trainer(loaded) as tr:
         got = [tr.step(b) for b in batches]
         again = tr.evaluate(batches[0])  # the loaded evaluation programs return the aux too
+        tr.save(tmp_path / "ck")
+    with P.Trainer.restore(tmp_path / "ck", loaded, optimizer=optax.adam(1e-2), aux="per_microbatch") as tr:
+        _, per_microbatch = tr.step(batches[0])
+        assert len(per_microbatch) == M and tr.history[0].aux is per_microbatch
     for (g_loss, g_aux), (w_loss, w_aux) in zip([*got, again], [*want, evaluated]):
         assert g_loss == w_loss
         _close(g_aux, w_aux)
