@@ -5,9 +5,9 @@ step's list and then the end of the step with the other actors, in the step's on
 call per actor (``train_step``). A round between actors costs one delivery (about
 a millisecond on one host, docs/performance.md); a round through the driver cost
 two and a wait there. The driver waits once per step, for each actor's report
-(the losses, timings and squared norms). Evaluation (``evaluate``) chains each
-microbatch's stage calls actor to actor by object reference; only the losses
-(and, when asked, the last stage's inputs) reach the driver. ``RayOptions``: the
+(the losses, any aux, timings and squared norms). Evaluation (``evaluate``) chains each
+microbatch's stage calls actor to actor by object reference; only the losses and
+any aux (and, when asked, the last stage's inputs) reach the driver. ``RayOptions``: the
 ``RayPipeline`` keywords a ``Ray`` runner gives the actors.
 
 May import ``runtime`` (its Ray runner), ``schedules``, ``stages`` and, of this room, ``train_actor``,

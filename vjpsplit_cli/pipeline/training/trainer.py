@@ -7,8 +7,8 @@ holds which leaf, ``backend.open_backend`` exports the optimizer per stage and
 starts the workers (threads in this process, or Ray actors) behind one
 ``Backend`` interface, ``history.History`` keeps the steps, and ``checkpoint``
 writes and reads the state. Each worker keeps its stages' parameters and
-optimizer state (``stage_trainer.StageTrainer``); only the loss and the stages'
-squared gradient norms reach the driver. ``state`` joins the stages' optimizer
+optimizer state (``stage_trainer.StageTrainer``); only the loss (with the last
+stage's aux, ``step_aux``) and the stages' squared gradient norms reach the driver. ``state`` joins the stages' optimizer
 states into optax's structure for the whole model (``state.StateMap``), which is
 also what ``save`` writes and ``opt_state=`` takes; ``fit`` runs many steps with
 checkpoints and restarts (``fit``).
