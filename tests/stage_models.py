@@ -218,3 +218,42 @@ def one_process_weighted(fn, params, steps, tx):
         params = optax.apply_updates(params, updates)
         losses.append(float(loss))
     return losses, params
+
+
+def aux_loss(params, x, y):
+    """2 stages returning ``(loss, aux)``: the accuracy and the rows (an int, from the symbolic batch dim) made on the
+    last stage, the first layer's mean activation made on stage 0 and carried to the last."""
+    h = jnp.tanh(x @ params["w0"])
+    first = jnp.mean(h)
+    h = vs.stage_boundary(h)
+    o = h @ params["w1"]
+    accuracy = jnp.mean(jnp.argmax(o, -1) == jnp.argmax(y, -1))
+    return jnp.mean((o - y) ** 2), {"accuracy": accuracy, "first": (first,), "rows": x.shape[0]}
+
+
+def one_process_with_aux(fn, params, batches, microbatches: int, tx):
+    """The one-process loop a Trainer on ``fn``'s stages (``has_aux=True``) equals: per step,
+    ``jax.value_and_grad(has_aux=True)`` of the mean loss over the microbatches, its aux each microbatch's, then
+    optax. Returns the losses, per step the list of each microbatch's aux (host arrays), and the last parameters."""
+    import optax
+
+    params = jax.tree_util.tree_map(jnp.asarray, params)
+    state, losses, auxes = tx.init(params), [], []
+    for batch in batches:
+        k = batch[0].shape[0] // microbatches
+
+        def mean_loss(p, batch=batch, k=k):
+            parts = [fn(p, *[x[i * k : (i + 1) * k] for x in batch]) for i in range(microbatches)]
+            return jnp.mean(jnp.stack([loss for loss, _ in parts])), [aux for _, aux in parts]
+
+        (loss, aux), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(loss))
+        auxes.append(jax.tree_util.tree_map(np.asarray, aux))
+    return losses, auxes, params
+
+
+def aux_mean(per_microbatch):
+    """Each aux leaf's mean over the microbatches, as the one-process loop takes it."""
+    return jax.tree_util.tree_map(lambda *a: np.asarray(jnp.mean(jnp.stack(a), axis=0)), *per_microbatch)

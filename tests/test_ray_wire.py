@@ -255,7 +255,7 @@ def test_the_transport_variable_takes_socket_or_ray_and_names_anything_else(monk
 
 
 def test_a_report_of_numbers_reaches_the_drivers_desk_and_others_stay_with_ray():
-    """``reports``: a step's losses and squared norms go as one frame to the driver's socket and come back as
+    """``reports``: a step's losses, aux leaves and squared norms go as one frame to the driver's socket and come back as
     the report Ray would have returned (no events, phases or error); a report with an error, timings or a
     failed stage's None is not framed; frames of earlier steps are dropped; a peer without the token is not
     read."""
@@ -263,7 +263,15 @@ def test_a_report_of_numbers_reaches_the_drivers_desk_and_others_stay_with_ray()
 
     token = b"k" * peers.TOKEN_BYTES
     desk = reports.ReportDesk(token, "127.0.0.1")
-    report = {"losses": {0: 1.5, 1: np.float32(2.25)}, "sums": {3: 4.0}, "events": [], "phases": [], "error": None}
+    aux = {0: [np.float32(0.5), np.arange(3, dtype=np.int32)], 1: [np.float32(0.25), np.zeros(3, np.int32)]}
+    report = {
+        "losses": {0: 1.5, 1: np.float32(2.25)},
+        "aux": aux,
+        "sums": {3: 4.0},
+        "events": [],
+        "phases": [],
+        "error": None,
+    }
     assert reports.as_frame(1, {**report, "error": ValueError("x")}) is None
     assert reports.as_frame(1, {**report, "events": ["an event"]}) is None
     assert reports.as_frame(1, {**report, "sums": {3: None}}) is None
@@ -279,8 +287,13 @@ def test_a_report_of_numbers_reaches_the_drivers_desk_and_others_stay_with_ray()
             if got is not None:
                 break
             desk.wait(7, (1,), 0.01)
+        got_aux = got.pop("aux")
         assert got == {"losses": {0: 1.5, 1: 2.25}, "sums": {3: 4.0}, "events": [], "phases": [], "error": None}
         assert type(got["losses"][1]) is float and desk.received == 1
+        assert list(got_aux) == [0, 1] and all(len(got_aux[m]) == 2 for m in aux)
+        for m in aux:
+            for g, w in zip(got_aux[m], aux[m]):
+                assert g.dtype == np.asarray(w).dtype and np.array_equal(g, w)
         assert desk.take(6, 1) is None and desk.take(7, 0) is None  # dropped; the stranger's never read
         links.send(0, 8, reports.as_frame(1, report))
         desk.wait(8, (0, 1), 30.0)  # returns once worker 1's frame is here (the condition, not the timeout)

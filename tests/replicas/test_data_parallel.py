@@ -426,6 +426,28 @@ def test_evaluate_on_replicas_with_a_concrete_per_replica_batch_equals_one_proce
         np.testing.assert_allclose(tr.step(batch), loss, rtol=RTOL)  # the step's loss on the same parameters
 
 
+def test_a_steps_aux_on_replicas_is_the_mean_of_theirs_and_a_mean_metric_equals_one_process():
+    """export_stages(has_aux=True) at data_parallel=2: each replica's aux over its half of a microbatch, their mean
+    per microbatch (timed, untimed and evaluate): the accuracy and a mean activation are one process's, the rows a
+    replica's half."""
+    from stage_models import aux_loss, aux_mean, dropout_batches, dropout_params, dropout_specs, one_process_with_aux
+
+    p, _key, x, y = dropout_specs(dropout_params())
+    stages = vs.export_stages(aux_loss, p, x, y, wrt="params", platforms="cpu", has_aux=True)
+    batches = dropout_batches(3)
+    kw = {"optimizer": optax.adam(1e-2), "microbatches": 4, "runner": P.InProcess(data_parallel=2)}
+    with P.Trainer(stages, dropout_params(), **kw) as tr:
+        got = [tr.step(batches[0], timed=True), tr.step(batches[1])]
+        evaluated = tr.evaluate(batches[2])
+    losses, auxes, _ = one_process_with_aux(aux_loss, dropout_params(), batches, 4, optax.adam(1e-2))
+    np.testing.assert_allclose([loss for loss, _ in got], losses[:2], rtol=1e-6)
+    for (_, aux), want in [*zip(got, auxes), (evaluated, auxes[2])]:
+        want = aux_mean(want)
+        np.testing.assert_allclose(aux["accuracy"], want["accuracy"], rtol=1e-6)
+        np.testing.assert_allclose(aux["first"][0], want["first"][0], rtol=1e-6)
+        assert aux["rows"] == 2 and want["rows"] == 4  # a count is each replica's part's
+
+
 def test_a_timed_steps_trace_shows_every_replica_on_its_device_and_the_reduction(tmp_path):
     """data_parallel=2, a timed step traced: every replica's copy of every operation is an event and a slice
     (``F s1 mb0 r1``) on its worker's track and on its own device's; each replica sends to the same replica of

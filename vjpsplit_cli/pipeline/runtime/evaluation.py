@@ -9,8 +9,8 @@ part of the microbatch, as a step's F runs, handing on a ``Parts``);
 ``evaluate_here`` runs every microbatch through every stage in this process
 (dispatched in microbatch order, so the stages' devices work on different
 microbatches at once); ``EvaluatingActor`` gives a Ray actor the same call.
-``loss_value`` and ``joined`` turn what the last stage gives and receives into
-the caller's loss and outputs. An error a stage's program raises names the stage
+``loss_and_aux`` and ``joined`` turn what the last stage gives and receives into
+the caller's loss, aux and outputs. An error a stage's program raises names the stage
 and the microbatch.
 """
 
@@ -32,7 +32,8 @@ from ...treetypes import Leaf, PyTree
 def eval_stage(
     worker: StageWorker | ReplicaGroup, program: EvalProgram, x: PyTree, side: Sequence[Leaf], mb: int
 ) -> PyTree:
-    """Stage ``worker``'s forward on microbatch ``mb`` from ``program``: the tuple it sends on, or the loss (last).
+    """Stage ``worker``'s forward on microbatch ``mb`` from ``program``: the tuple it sends on, or the loss (last;
+    ``(loss, *aux leaves)`` for a last stage with aux).
 
     A stage with replicas runs each replica on its part of the microbatch (``x`` whole, or the ``Parts`` the
     stage before handed on) and hands on a ``Parts``: per replica, its output or its loss.
@@ -54,7 +55,7 @@ def eval_stage(
         raise VjpsplitError(
             f"evaluate: stage {worker.stage_index} mb {mb} failed in its evaluation program: {raised_line(e)}"
         ) from e
-    return out[0] if worker.is_last else out
+    return out[0] if worker.is_last and not worker.art.manifest.has_aux else out
 
 
 def evaluate_here(
@@ -64,7 +65,8 @@ def evaluate_here(
     keep: bool = False,
 ) -> tuple[list[PyTree], list[PyTree]]:
     """Every microbatch of ``mbs`` through every stage (``workers[s]`` runs ``programs[s]``): per microbatch the
-    loss (a device scalar, or a ``Parts`` of the replicas' losses; ``loss_value``) and, with ``keep``, what the
+    loss (a device scalar, the loss and aux leaves, or a ``Parts`` of the replicas'; ``loss_and_aux``) and, with
+    ``keep``, what the
     last stage received (else nothing is held)."""
     S = len(workers)
     losses, received = [], []
@@ -77,12 +79,16 @@ def evaluate_here(
     return losses, received
 
 
-def loss_value(loss: PyTree) -> float:
-    """A microbatch's loss as a float: the mean of the replicas' losses for a ``Parts`` (each the mean over its
-    part, as a step's loss is), else the loss itself."""
-    if isinstance(loss, Parts):
-        return float(np.mean([np.asarray(v) for v in loss]))
-    return float(np.asarray(loss))
+def loss_and_aux(value: PyTree) -> tuple[float, list[np.ndarray]]:
+    """A microbatch's loss as a float and its aux leaves as host arrays (none without aux), from what the last
+    stage gave (``eval_stage``): for a ``Parts``, the means over the replicas (each over its part, as a step's
+    loss is)."""
+    if isinstance(value, Parts):
+        got = [loss_and_aux(v) for v in value]
+        return float(np.mean([loss for loss, _ in got])), [np.mean(a, axis=0) for a in zip(*(aux for _, aux in got))]
+    if isinstance(value, tuple):  # (loss, *aux leaves)
+        return float(np.asarray(value[0])), [np.asarray(a) for a in value[1:]]
+    return float(np.asarray(value)), []
 
 
 def joined(tree: PyTree) -> PyTree:

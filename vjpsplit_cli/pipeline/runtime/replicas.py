@@ -261,6 +261,14 @@ class ReplicaGroup:
         per = [r.fetch_losses() for r in self.replicas]
         return {m: float(np.mean([p[m] for p in per])) for m in sorted(per[0])}
 
+    def fetch_outputs(self) -> tuple[dict[int, float], dict[int, list[np.ndarray]]]:
+        """Per microbatch, the mean of the replicas' losses and of each of their aux leaves (each replica's over its
+        part of the microbatch), as ``StageWorker.fetch_outputs`` gives them."""
+        per = [r.fetch_outputs() for r in self.replicas]
+        losses = {m: float(np.mean([p[m] for p, _ in per])) for m in sorted(per[0][0])}
+        aux = {m: [np.mean(parts, axis=0) for parts in zip(*(a[m] for _, a in per))] for m in sorted(per[0][1])}
+        return losses, aux
+
     def _per(self, data: PyTree, whole: bool) -> list[PyTree]:
         if isinstance(data, Parts):
             return list(data)

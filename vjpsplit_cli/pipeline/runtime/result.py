@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import numpy as np
 
 from ...errors import VjpsplitError
+from ...files.trees import decode_structure
 from ..schedules.catalog import describe
 from ..schedules.ops import Op
 from ..schedules.play import replay
@@ -26,6 +27,8 @@ from ...treetypes import PyTree
 
 if TYPE_CHECKING:
     import jax
+
+    from ...artifact.artifact import Artifact
 
 
 @dataclass
@@ -58,6 +61,8 @@ class PipelineResult:
         extra: What the runner adds (the Ray runner: ``{"compiled": bool}``).
         timed: Whether each operation was waited for: only then do ``events`` hold compute times.
         phases: A timed step's driver phases, reductions (``reduce replicas`` among them) and updates.
+        aux: Per microbatch, the aux the last stage returned (``export_stages(has_aux=True)``), host arrays in the
+            function's aux structure (a replicated stage's: the mean over its replicas); None without aux.
     """
 
     schedule: str
@@ -72,6 +77,7 @@ class PipelineResult:
     extra: dict[str, object] = field(default_factory=dict)
     timed: bool = True  # whether each operation was waited for: only then do ``events`` hold compute times
     phases: list[Phase] = field(default_factory=list)  # a timed step's driver phases, reductions and updates
+    aux: list[PyTree] | None = None  # per microbatch, the last stage's aux (has_aux); None without
 
     @property
     def num_workers(self) -> int:
@@ -206,9 +212,10 @@ def step_result(
     timed: bool = True,
     phases: Sequence[Phase] = (),
     scales: Sequence[float] | None = None,
+    aux: list[PyTree] | None = None,
 ) -> PipelineResult:
     """The step's ``PipelineResult``: the loss is the mean of the last stage's per-microbatch ``losses`` (weighted by
-    ``scales``, where given: ``step_loss``)."""
+    ``scales``, where given: ``step_loss``); ``aux`` per microbatch (``aux_per_microbatch``), None without aux."""
     return PipelineResult(
         schedule=schedule,
         loss=step_loss(losses, microbatches, scales),
@@ -222,6 +229,7 @@ def step_result(
         extra=dict(extra or {}),
         timed=timed,
         phases=sorted(phases, key=lambda p: p.start),
+        aux=aux,
     )
 
 
@@ -231,3 +239,14 @@ def step_loss(losses: Mapping[int, float], microbatches: int, scales: Sequence[f
     if scales is None:
         return float(np.mean([losses[m] for m in range(microbatches)]))
     return float(math.fsum(scales[m] * losses[m] for m in range(microbatches)))
+
+
+def aux_per_microbatch(
+    last: Artifact, aux: Mapping[int, Sequence[np.ndarray]], microbatches: int
+) -> list[PyTree] | None:
+    """The aux leaves the last stage's worker fetched (``StageWorker.fetch_outputs``), per microbatch, as the
+    function's aux pytree (the structure ``last``'s manifest records); None where ``last`` has no aux."""
+    m = last.manifest
+    if not m.has_aux:
+        return None
+    return [decode_structure(m.structure["aux"], iter(aux[k])) for k in range(microbatches)]

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 
 class Forward:
-    """``art.fwd`` as one dispatch per microbatch.
+    """``art.fwd`` as one dispatch per microbatch (its output ``(loss, aux)`` for an artifact with aux).
 
     The first call for an input signature goes through the public ``fwd`` and all
     its checks. It also notes which residual leaves are the caller's own arrays
@@ -54,14 +54,14 @@ class Forward:
         key = (tree, tuple(map(_signature, leaves)))
         hit = self.cache.get(key)
         if hit is None:
-            out, res = self.art.fwd(*args)
+            out, res = self._fwd(*args)
             res_leaves = jax.tree_util.tree_leaves(res)
             where = {id(a): i for i, a in enumerate(leaves)}
             backed = {j: where[id(r)] for j, r in enumerate(res_leaves) if id(r) in where}
             traced: dict[str, PyTreeDef] = {}
 
             def run(*a: PyTree) -> tuple[PyTree, list[jax.Array]]:
-                o, r = self.art.fwd(*a)
+                o, r = self._fwd(*a)
                 flat, traced["tree"] = jax.tree_util.tree_flatten(r)
                 return o, [x for j, x in enumerate(flat) if j not in backed]
 
@@ -72,6 +72,12 @@ class Forward:
         it = iter(kept)
         flat = [leaves[backed[j]] if j in backed else next(it) for j in range(n)]
         return out, traced["tree"].unflatten(flat)
+
+    def _fwd(self, *args: PyTree) -> tuple[PyTree, Residuals]:
+        """``art.fwd``'s output and residuals; an artifact exported with ``has_aux`` (the last stage of a function
+        with aux) gives ``(loss, aux)`` as its output."""
+        got = self.art.fwd(*args)
+        return ((got[0], got[2]) if self.art.manifest.has_aux else got[0]), got[1]
 
 
 def _signature(a: Leaf | complex) -> Signature:
@@ -123,9 +129,9 @@ class StageCalls:
             return artifact.bwd_weight(inter)[w]
 
         def forward_backward(params: PyTree, xs: list[PyTree], ct: PyTree) -> tuple[PyTree, PyTree, PyTree | None]:
-            out, res = artifact.fwd(params, *xs)
-            gw, gx = fused(res, ct)
-            return out, gw, gx
+            got = artifact.fwd(params, *xs)  # (out, res), or (loss, res, aux) exported with has_aux
+            gw, gx = fused(got[1], ct)
+            return ((got[0], got[2]) if m.has_aux else got[0]), gw, gx
 
         def forward_backward_acc(
             acc: PyTree, params: PyTree, xs: list[PyTree], ct: PyTree

@@ -18,6 +18,8 @@ from ...errors import VjpsplitError, raised_line
 from ...treetypes import PyTree
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from .flight import RingOp
     from ...tracing.residuals import Intermediates
     from ..schedules.timeline import Event
@@ -66,6 +68,8 @@ class RunsOps(Protocol):
     def to_device(self, tree: PyTree) -> PyTree: ...
 
     def fetch_losses(self) -> dict[int, float]: ...
+
+    def fetch_outputs(self) -> tuple[dict[int, float], dict[int, list[np.ndarray]]]: ...
 
     def forward(
         self, mb: int, x: PyTree, side: Sequence[PyTree], worker: int | None = None, microbatches: int | None = None

@@ -72,6 +72,7 @@ class StageWorker:
         events: This step's ``Event``s (timed steps only).
         replica: Its index among its stage's replicas; ``None`` alone.
         losses: The last stage's loss per microbatch, device scalars until fetched.
+        aux: The last stage's aux leaves per microbatch (an artifact with aux), device arrays until fetched.
         peak_residual_bytes: The step's most stored residual bytes on the device at an operation's boundary.
 
     Raises:
@@ -215,6 +216,7 @@ class StageWorker:
         self.grads: PyTree = None
         self.events: list[Event] = []
         self.losses: dict[int, jax.Array] = {}  # the last stage's per microbatch: device scalars until fetched
+        self.aux: dict[int, list[jax.Array]] = {}  # the last stage's aux leaves per microbatch (has_aux), likewise
 
     def to_device(self, tree: PyTree) -> PyTree:
         """``tree``'s arrays on this stage's device (those already there as they are); unchanged without one.
@@ -252,6 +254,19 @@ class StageWorker:
         """
         keys = sorted(self.losses)
         return {m: float(v) for m, v in zip(keys, jax.device_get([self.losses[m] for m in keys]))}
+
+    def fetch_outputs(self) -> tuple[dict[int, float], dict[int, list[np.ndarray]]]:
+        """The per-microbatch losses and aux leaves on the host, all in one transfer (``fetch_losses`` with the aux).
+
+        Returns:
+            The losses as ``fetch_losses`` gives them, and each microbatch's aux leaves as host arrays (in the
+            aux's leaf order; empty without aux: an artifact not exported with ``has_aux``, or not the last stage).
+        """
+        keys = sorted(self.losses)
+        losses, aux = jax.device_get(([self.losses[m] for m in keys], [self.aux.get(m, []) for m in keys]))
+        return {m: float(v) for m, v in zip(keys, losses)}, {
+            m: [np.asarray(a) for a in leaves] for m, leaves in zip(keys, aux) if m in self.aux
+        }
 
     def residual_bytes(self) -> int:
         """Bytes of the stored residuals (and W's intermediates) this stage holds on its device now.
@@ -363,6 +378,9 @@ class StageWorker:
             self._held.add(kept.stored)
         self._note_peak()
         if self.is_last:
+            if self.art.manifest.has_aux:  # (loss, aux): the loss goes on, the aux waits for the step's end
+                out, aux = out
+                self.aux[mb] = jax.tree_util.tree_leaves(aux)
             self.losses[mb] = out
         return out
 
@@ -375,6 +393,9 @@ class StageWorker:
             args = (self.grads, self.params, xs, c)
             out, self.grads, gx = self._run(worker, Kind.F, mb, args, self.calls.forward_backward_acc, 1)
         self._fused[mb] = gx
+        if self.art.manifest.has_aux:  # (loss, aux), as ``forward`` keeps them
+            out, aux = out
+            self.aux[mb] = jax.tree_util.tree_leaves(aux)
         self.losses[mb] = out
         return out
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Callable, Sequence, TypeAlias
+from typing import TYPE_CHECKING, Callable, Sequence, TypeAlias
 
 import jax
 import numpy as np
@@ -23,7 +23,11 @@ from jax.extend import core as jcore
 
 from ...errors import VjpsplitError
 from ...tracing.jaxprs import iter_eqns, sub_jaxprs
+from ...treetypes import PyTree
 from .boundary import NAME, is_boundary
+
+if TYPE_CHECKING:
+    from jax.tree_util import PyTreeDef
 
 
 @dataclasses.dataclass
@@ -33,6 +37,7 @@ class Traced:
     closed: jcore.ClosedJaxpr
     n_params: int
     marks: list[int]  # positions of the top-level stage marks
+    n_aux: int = 0  # the function's outputs after the loss: its aux leaves (``export_stages(has_aux=True)``)
 
 
 @dataclasses.dataclass
@@ -44,23 +49,30 @@ class StageCut:
     batch: list[int]  # batch leaf positions it reads
     consts: list[int]  # positions of the jaxpr's constants it reads
     recv: list[jcore.Var]  # vars received from the stage before
-    sent: list[jcore.Var]  # vars sent to the next stage (the loss, for the last)
+    sent: list[jcore.Var]  # vars sent to the next stage (the loss and any aux leaves, for the last)
 
 
 def trace_model(
     flat_fn: Callable[..., object],
     param_structs: Sequence[jax.ShapeDtypeStruct],
     batch_structs: Sequence[jax.ShapeDtypeStruct],
+    has_aux: bool = False,
 ) -> Traced:
-    """Trace ``flat_fn(*params, *batch)``; refuse a non-scalar loss and marks inside control flow."""
+    """Trace ``flat_fn(*params, *batch)``; refuse a non-scalar loss and marks inside control flow.
+
+    ``has_aux``: ``flat_fn`` returns ``(loss, *aux_leaves)``, the aux leaves after the loss.
+    """
     closed = jax.make_jaxpr(flat_fn)(*param_structs, *batch_structs)
     if any(_inlinable(e) for e in closed.jaxpr.eqns):  # the user's jits inlined: a mark inside one counts
         closed = jax.make_jaxpr(lambda *a: _inline_eval(closed, a))(*param_structs, *batch_structs)
     outs = closed.jaxpr.outvars
-    if len(outs) != 1 or outs[0].aval.shape != () or not np.issubdtype(outs[0].aval.dtype, np.floating):
-        got = ", ".join(f"{v.aval.dtype}[{','.join(map(str, v.aval.shape))}]" for v in outs)
+    n_aux = len(outs) - 1 if has_aux else 0
+    if len(outs) != 1 + n_aux or outs[0].aval.shape != () or not np.issubdtype(outs[0].aval.dtype, np.floating):
+        got = ", ".join(f"{v.aval.dtype}[{','.join(map(str, v.aval.shape))}]" for v in outs[: len(outs) - n_aux])
         raise VjpsplitError(
-            f"export_stages needs a function returning one float scalar loss (a mean over the batch); it returns {got}"
+            f"export_stages needs a function returning one float scalar loss (a mean over the batch)"
+            f"{' and its aux' if n_aux else ''}; it returns {got}"
+            + ("" if n_aux else " (a loss with metrics: return (loss, aux) and pass has_aux=True)")
         )
     marks = []
     for i, eqn in enumerate(closed.jaxpr.eqns):
@@ -71,7 +83,7 @@ def trace_model(
                 f"{NAME} inside a {eqn.primitive.name} body cannot end a stage; "
                 "move it out of the scan/cond/while_loop/custom_vjp/checkpoint, between top-level computations"
             )
-    return Traced(_read_marked(closed, marks), len(param_structs), marks)
+    return Traced(_read_marked(closed, marks), len(param_structs), marks, n_aux)
 
 
 def _read_marked(closed: jcore.ClosedJaxpr, marks: Sequence[int]) -> jcore.ClosedJaxpr:
@@ -99,8 +111,8 @@ def _read_marked(closed: jcore.ClosedJaxpr, marks: Sequence[int]) -> jcore.Close
 
 
 _CALLS = ("pjit", "jit", "closed_call", "core_call")
-# A stage function's result: the values it sends on, or the loss (the last stage).
-StageOut: TypeAlias = jax.Array | tuple[jax.Array, ...]
+# A stage function's result: the values it sends on, or the loss (the last stage), or ``(loss, aux)``.
+StageOut: TypeAlias = jax.Array | tuple[jax.Array, ...] | tuple[jax.Array, PyTree]
 
 
 def _has_mark(eqn: jcore.JaxprEqn) -> bool:
@@ -159,12 +171,12 @@ def cut(traced: Traced, ends: Sequence[int]) -> list[StageCut]:
     param_pos = {v: i for i, v in enumerate(jaxpr.invars[: traced.n_params])}
     batch_pos = {v: i for i, v in enumerate(jaxpr.invars[traced.n_params :])}
     const_pos = {v: i for i, v in enumerate(jaxpr.constvars)}
-    loss = jaxpr.outvars[0]
+    loss, aux = jaxpr.outvars[0], list(jaxpr.outvars[1:])  # aux leaves: made anywhere, carried to the last stage
     reads = []
     for k, g in enumerate(groups):
         read = {v: None for eqn in g for v in _vars(eqn.invars)}  # a dict keeps the order values are first read
-        if k == len(groups) - 1 and not isinstance(loss, jcore.Literal):
-            read[loss] = None
+        if k == len(groups) - 1:
+            read.update((v, None) for v in _vars([loss, *aux]))
         reads.append(list(read))
     order = {v: i for i, v in enumerate(made)}
     sent = []
@@ -183,16 +195,19 @@ def cut(traced: Traced, ends: Sequence[int]) -> list[StageCut]:
                 batch=sorted(batch_pos[v] for v in r if v in batch_pos),
                 consts=sorted(const_pos[v] for v in r if v in const_pos),
                 recv=sent[k - 1] if k else [],
-                sent=sent[k] if k < len(groups) - 1 else [loss],
+                sent=sent[k] if k < len(groups) - 1 else [loss, *aux],
             )
         )
     return stages
 
 
-def stage_function(traced: Traced, st: StageCut, first: bool, last: bool) -> Callable[..., StageOut]:
+def stage_function(
+    traced: Traced, st: StageCut, first: bool, last: bool, aux_tree: PyTreeDef | None = None
+) -> Callable[..., StageOut]:
     """Stage ``st`` as ``f(params, batch)`` (first), ``f(params, x)`` or ``f(params, x, batch)``; tuples in and out.
 
-    It returns the tuple of values it sends on, or the scalar loss (last).
+    It returns the tuple of values it sends on, or the scalar loss (last); the last stage of a function with
+    aux (``traced.n_aux`` leaves) returns ``(loss, aux)``, ``aux`` rebuilt by ``aux_tree`` from its leaves.
     """
     jaxpr = traced.closed.jaxpr
     p_vars = [jaxpr.invars[i] for i in st.params]
@@ -208,6 +223,8 @@ def stage_function(traced: Traced, st: StageCut, first: bool, last: bool) -> Cal
 
     def call(params: Sequence[jax.Array], x: Sequence[jax.Array], batch: Sequence[jax.Array]) -> StageOut:
         outs = run(*params, *x, *batch)
+        if last and aux_tree is not None:
+            return outs[0], aux_tree.unflatten(outs[1:])
         return outs[0] if last else tuple(outs)
 
     if first:

@@ -4,7 +4,8 @@
 the same stage function over the artifact forward's flat input leaves (the
 stage's parameters, what it receives, the batch leaves it reads), returning only
 what the stage sends on (the loss, for the last): no residual comes out, so
-nothing is kept for a backward. ``Stages.save`` writes it as ``stage<k>.eval``
+nothing is kept for a backward; the last stage of a function with aux returns
+the loss, then the aux leaves. ``Stages.save`` writes it as ``stage<k>.eval``
 (``jax.export``'s serialization) and records its file and SHA-256 in
 ``stages.json`` (index version 2), so a signed index vouches for it; loading
 checks the digest, parses the module in the checker's child process like an
@@ -82,10 +83,13 @@ class EvalProgram:
 
 
 def forward_outputs(art: Artifact) -> list[Shaped]:
-    """The avals of what ``art``'s forward returns as its outputs (its first results, before any residual)."""
+    """The avals of what ``art``'s forward returns as its outputs (its first results, before any residual), then
+    its aux (its last results, an artifact exported with ``has_aux``)."""
     m = art.manifest
     n = sum(1 for o in m.outputs if o.key in m.out_keys)
-    return list(art.exported["fwd"].out_avals[:n])
+    avals = list(art.exported["fwd"].out_avals)
+    n_aux = len(m.outputs) - n
+    return avals[:n] + (avals[len(avals) - n_aux :] if n_aux else [])
 
 
 def check_program(program: EvalProgram, art: Artifact, source: str) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ...artifact.lowering import DEFAULT_PLATFORMS, export
@@ -35,6 +36,7 @@ from .index import LeafEntry, StageEntry, StagesIndex
 
 if TYPE_CHECKING:
     from jax.extend import core as jcore
+    from jax.tree_util import PyTreeDef
 
     from ...artifact.artifact import Artifact
 
@@ -65,6 +67,42 @@ def _check_key_argument(
             f"the function takes {len(scalars)} PRNG key arguments ({', '.join(scalars)}); take one and derive "
             "the others from it (jax.random.fold_in or split)"
         )
+
+
+def _with_aux_leaves(
+    flat_fn: Callable[..., object], fn: Callable[..., object]
+) -> tuple[Callable[..., object], dict[str, PyTreeDef]]:
+    """``flat_fn`` returning ``(loss, *aux_leaves)`` for a ``fn`` that returns ``(loss, aux)`` (``has_aux``), and
+    the dict its trace puts the aux's structure in (``"tree"``).
+
+    Raises (when traced):
+        VjpsplitError: ``fn`` returns no pair, or an aux leaf that is no array (a string, a PRNG key), naming it.
+    """
+    seen: dict[str, PyTreeDef] = {}
+
+    def flat(*leaves: jax.Array) -> tuple[object, ...]:
+        got = flat_fn(*leaves)
+        if not (isinstance(got, (tuple, list)) and len(got) == 2):
+            what = f"a {len(got)}-tuple" if isinstance(got, (tuple, list)) else type(got).__name__
+            raise VjpsplitError(f"has_aux=True, so {fn_name(fn)} must return a pair (loss, aux); it returned {what}")
+        loss, aux = got
+        out = []
+        for key, leaf in flatten_with_keys("aux", aux):
+            try:  # a number, a NumPy array, a symbolic dim (x.shape[0]): an array
+                array = None if is_key(leaf) or isinstance(leaf, (str, bytes)) else jnp.asarray(leaf)
+            except TypeError:
+                array = None
+            if array is None:
+                what = "a PRNG key" if is_key(leaf) else f"a {type(leaf).__name__}"
+                raise VjpsplitError(
+                    f"{fn_name(fn)}'s aux leaf '{key}' is {what}; the aux holds arrays (an accuracy, a token "
+                    "count): return jnp arrays"
+                )
+            out.append(array)
+        seen["tree"] = jax.tree_util.tree_structure(aux)
+        return (loss, *out)
+
+    return flat, seen
 
 
 def _check_arity(fn: Callable[..., object], n: int) -> list[str]:
@@ -198,6 +236,7 @@ def export_stages(
     stages: int | None = None,
     name: str | None = None,
     data_parallel: int = 1,
+    has_aux: bool = False,
 ) -> Stages:
     """Trace ``fn(*specs)`` once and export one artifact per stage; see the module docstring.
 
@@ -207,7 +246,9 @@ def export_stages(
     or, with ``stages=N`` and no marks, at N-1 points of balanced estimated cost
     where few bytes cross. ``weights`` gives each stage the zero-bubble split backward.
     ``data_parallel=N`` records N replicas of every stage in the index (``stages.json``):
-    the ``Trainer``'s ``data_parallel`` when it is not given.
+    the ``Trainer``'s ``data_parallel`` when it is not given. ``has_aux=True``: ``fn``
+    returns ``(loss, aux)``, ``aux`` a pytree of arrays (metrics: an accuracy, a token
+    count) made anywhere in ``fn`` and returned by the last stage, not differentiated.
 
     Each stage is an ordinary artifact over tuples: ``stage(params, batch)`` for the
     first, ``stage(params, x)`` or ``stage(params, x, batch)`` for the others, where
@@ -226,6 +267,8 @@ def export_stages(
             cuts at the ``stage_boundary`` marks.
         name: The model's name in the stages' manifests; ``None`` takes ``fn``'s module and name.
         data_parallel: The replicas of every stage recorded in the index (by default 1).
+        has_aux: Whether ``fn`` returns ``(loss, aux)``; the last stage's artifact is exported
+            with ``has_aux`` (its ``fwd`` gives the aux), and the ``Trainer`` reports it.
 
     Returns:
         The ``Stages``, in memory (``save`` writes them to a directory).
@@ -236,7 +279,8 @@ def export_stages(
             ``jax_enable_x64``, both marks and ``stages`` are given or neither, or a
             stage's export is refused (as ``export`` raises); or ``data_parallel`` is
             not an int >= 1, or N > 1 with specs that carry shardings (replicas run
-            unsharded stages only).
+            unsharded stages only); with ``has_aux``, if ``fn`` returns no pair or an
+            aux leaf that is no array.
     """
     _check_replicas(data_parallel)
     names = _check_arity(fn, len(specs))
@@ -246,12 +290,17 @@ def export_stages(
     refuse_64bit_without_x64(p_entries + b_entries)  # by the user's keys, before the stages' own exports
     _check_key_argument(names, batch_pos, b_entries)
     flat_fn = _over_leaves(fn, specs, [*wrt_pos, *batch_pos])
-    traced = trace_model(flat_fn, [s for _, s in p_entries], [s for _, s in b_entries])
+    aux: dict[str, PyTreeDef] = {}
+    if has_aux:
+        flat_fn, aux = _with_aux_leaves(flat_fn, fn)
+    traced = trace_model(flat_fn, [s for _, s in p_entries], [s for _, s in b_entries], has_aux)
     ends, how = _stage_ends(traced, stages, fn)
     cuts = cut(traced, ends)
     label = name or _label(fn)
     exported = [
-        _export_stage(traced, st, k, len(cuts), p_entries, b_entries, label, platforms, policy, weights)
+        _export_stage(
+            traced, st, k, len(cuts), p_entries, b_entries, label, platforms, policy, weights, aux.get("tree")
+        )
         for k, st in enumerate(cuts)
     ]
     entries = [e for _, e, _ in exported]
@@ -272,10 +321,13 @@ def _export_stage(
     platforms: Sequence[str] | str,
     policy: str | None,
     weights: bool,
+    aux_tree: PyTreeDef | None = None,
 ) -> tuple[Artifact, StageEntry, EvalProgram | None]:
-    """Stage ``k`` of ``n`` as an artifact, its entry in ``stages.json`` and its evaluation program."""
+    """Stage ``k`` of ``n`` as an artifact, its entry in ``stages.json`` and its evaluation program (``aux_tree``:
+    the structure of the aux the last stage returns, None without one)."""
     first, last = k == 0, k == n - 1
-    sfn = stage_function(traced, st, first, last)
+    aux_tree = aux_tree if last else None
+    sfn = stage_function(traced, st, first, last, aux_tree)
     p_spec = tuple(p_entries[i][1] for i in st.params)
     x_spec = tuple(jax.ShapeDtypeStruct(aval_of(v).shape, aval_of(v).dtype) for v in st.recv)
     b_spec = tuple(b_entries[i][1] for i in st.batch)
@@ -285,6 +337,7 @@ def _export_stage(
         sfn,
         *arg_specs,
         wrt=("params",) if first else ("params", "x"),
+        has_aux=aux_tree is not None,
         platforms=platforms,
         policy=policy,
         arg_names=arg_names,

@@ -60,9 +60,10 @@ class Backend(Protocol):
 
     def evaluate(
         self, mbs: Sequence[Microbatch], programs: Sequence[EvalProgram], outputs: bool
-    ) -> tuple[list[float], list[PyTree] | None]:
+    ) -> tuple[list[float], list[list[np.ndarray]], list[PyTree] | None]:
         """Every stage's forward only on ``mbs``, from its evaluation program where the stage lives: the
-        per-microbatch losses and, with ``outputs``, what the last stage received per microbatch (host arrays).
+        per-microbatch losses, aux leaves (``evaluation.loss_and_aux``; empty lists without aux) and, with
+        ``outputs``, what the last stage received per microbatch (host arrays).
         No residual is kept and no parameter or optimizer state changes."""
         ...
 

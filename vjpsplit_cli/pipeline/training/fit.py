@@ -30,7 +30,8 @@ lost Ray worker.
   step this call already ran (it returned to a checkpoint after a lost worker).
 * With ``eval_data`` and ``eval_every``, ``Trainer.evaluate`` runs after every
   ``eval_every``-th step and after the last (``evaluations``), its loss in the
-  step's history row as ``eval_loss`` (``StepRecord.eval_loss``: the row is replaced, records are frozen).
+  step's history row as ``eval_loss`` (``StepRecord.eval_loss``, and its aux as ``eval_aux`` for stages with aux:
+  the row is replaced, records are frozen).
 """
 
 from __future__ import annotations
@@ -94,12 +95,12 @@ class Fitted(Protocol):
         """Per lost worker ``fit`` replaced: the step, where it returned, how long."""
         ...
 
-    def step(self, batch: Batch) -> float:
-        """One optimizer step on ``batch``; its loss."""
+    def step(self, batch: Batch) -> float | tuple[float, PyTree]:
+        """One optimizer step on ``batch``; its loss (``(loss, aux)`` for stages with aux)."""
         ...
 
-    def evaluate(self, batch: Batch) -> float:
-        """The loss on ``batch`` from the stages' forwards only."""
+    def evaluate(self, batch: Batch) -> float | tuple[float, PyTree]:
+        """The loss on ``batch`` from the stages' forwards only (``(loss, aux)`` for stages with aux)."""
         ...
 
     def host_checkpoint(self) -> HostCheckpoint:
@@ -325,7 +326,8 @@ def fit(
                     continue
                 if writer is not None:
                     writer.check()
-                loss = trainer.step(batch(k))
+                got = trainer.step(batch(k))
+                loss = got[0] if isinstance(got, tuple) else got  # the aux is in the step's history row
                 losses.append(loss)
                 if report is not None:
                     report(k, loss, k < reached)
@@ -336,8 +338,9 @@ def fit(
                         raise bad
                 done = k + 1
                 if eval_batch is not None and (done == steps or done % (eval_every or 1) == 0):
-                    last = trainer.history[-1]
-                    trainer.history[-1] = dataclasses.replace(last, eval_loss=trainer.evaluate(eval_batch(done)))
+                    last, evaluated = trainer.history[-1], trainer.evaluate(eval_batch(done))
+                    eval_loss, eval_aux = evaluated if isinstance(evaluated, tuple) else (evaluated, None)
+                    trainer.history[-1] = dataclasses.replace(last, eval_loss=eval_loss, eval_aux=eval_aux)
                 if writer is not None and (
                     done == steps or (checkpoint_every is not None and done % checkpoint_every == 0)
                 ):

@@ -14,7 +14,7 @@ import statistics
 import warnings
 from typing import Hashable, Protocol, Sequence
 
-from ...treetypes import JSON, JSONObject
+from ...treetypes import JSON, JSONObject, PyTree
 from ..runtime.result import PipelineResult
 from ..schedules.plots import plot_loss
 from ...artifact.artifact import Artifact
@@ -99,6 +99,9 @@ class StepRecord(_KeyAccess):
         eval_loss: ``fit(eval_data=..., eval_every=...)``'s loss after this step (``Trainer.evaluate``); else None.
         trial: under ``schedule="auto"``, on a trial step, the candidate it ran (``"auto"``, ``"auto, 1f1b's
             memory"``, ``"zbh1"``, ...; ``autoplan``); else None.
+        aux: for stages whose function returns ``(loss, aux)``, the step's aux as the Trainer's ``aux=`` says
+            (``step_aux``); else None. Not in ``as_dict``.
+        eval_aux: the aux of ``eval_loss``'s evaluation, likewise; else None.
     """
 
     step: int
@@ -114,6 +117,8 @@ class StepRecord(_KeyAccess):
     stragglers: tuple[int, ...] | None = None
     eval_loss: float | None = None
     trial: str | None = None
+    aux: PyTree = dataclasses.field(default=None, compare=False)  # arrays: no ==
+    eval_aux: PyTree = dataclasses.field(default=None, compare=False)
 
     def as_dict(self) -> JSONObject:
         """The record as JSON, the dict a row was before it was typed.
@@ -229,9 +234,11 @@ class History:
         step_time: float,
         auto: tuple[str, float | None, bool, str | None] | None = None,
         busy: tuple[tuple[float, ...], tuple[int, ...]] | None = None,
+        aux: PyTree = None,
     ) -> None:
         """Step ``step``'s row, and the bar moved on. ``auto``: an automatic schedule's ``(schedule,
-        modeled_makespan, measuring, trial)``; ``busy``: a timed step's ``(busy, stragglers)``."""
+        modeled_makespan, measuring, trial)``; ``busy``: a timed step's ``(busy, stragglers)``; ``aux``: the
+        step's aux (None without)."""
         schedule, makespan, measuring, trial = (None, None, False, None) if auto is None else auto
         seconds, stragglers = (None, None) if busy is None else busy
         self.rows.append(
@@ -248,6 +255,7 @@ class History:
                 busy=seconds,
                 stragglers=stragglers,
                 trial=trial,
+                aux=aux,
             )
         )
         self._show(result.loss)

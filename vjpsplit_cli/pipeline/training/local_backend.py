@@ -15,17 +15,18 @@ import time
 from typing import Callable, Mapping, Sequence, TypeVar, cast
 
 import jax
+import numpy as np
 
 from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
 from ...treetypes import Leaf, PyTree
 from ..runtime.devices import Devices
 from ..runtime.dispatch import Order, order_of
-from ..runtime.evaluation import evaluate_here, host, joined, loss_value
+from ..runtime.evaluation import evaluate_here, host, joined, loss_and_aux
 from ..runtime.inprocess import RUNNER
 from ..runtime.model import Microbatch
 from ..runtime.replicas import check_split, reductions
-from ..runtime.result import PipelineResult, step_loss, step_result
+from ..runtime.result import PipelineResult, aux_per_microbatch, step_loss, step_result
 from ..runtime.offload import Offload
 from ..runtime.stepwatch import Watch
 from ..runtime.timed import run_threads
@@ -160,10 +161,10 @@ class InProcessBackend:
             if timed:
                 sums = self._threaded(mbs, schedule, microbatches, clip, phases, scales)
                 t1 = time.monotonic()
-                losses = workers[-1].fetch_losses()
+                losses, aux = workers[-1].fetch_outputs()
                 phases.append(Phase(None, "fetch the losses", t1, time.monotonic()))
             else:
-                sums, losses = self._untimed(mbs, schedule, microbatches, clip, scales)
+                sums, losses, aux = self._untimed(mbs, schedule, microbatches, clip, scales)
         except BaseException:
             for w in workers:  # failed or interrupted: its residual files no B read back go
                 w.discard_offloaded()
@@ -182,6 +183,7 @@ class InProcessBackend:
             timed=timed,
             phases=[*phases, *reductions(workers)] if timed else (),
             scales=scales,
+            aux=aux_per_microbatch(self.ownership.artifacts[-1], aux, microbatches),
         )
         return result, [sums[s] for s in range(S)]
 
@@ -215,18 +217,18 @@ class InProcessBackend:
         microbatches: int,
         clip: float | None,
         scales: Sequence[float] | None,
-    ) -> tuple[dict[int, float], dict[int, float]]:
-        """An untimed step in the kept driver thread (dispatch, updates, losses), waited for here."""
+    ) -> tuple[dict[int, float], dict[int, float], dict[int, list[np.ndarray]]]:
+        """An untimed step in the kept driver thread (dispatch, updates, losses and aux), waited for here."""
         workers = self._workers()
         order, finishing = self._orders(schedule.plans)
         record = Dispatched(schedule.plans, len(workers))
         value = self._value(microbatches, scales)
 
-        def body() -> tuple[dict[int, float], dict[int, float]]:
+        def body() -> tuple[dict[int, float], dict[int, float], dict[int, list[np.ndarray]]]:
             dispatch(workers, schedule.plans, mbs, microbatches, order, record, scales)
             sums = self._finish(finishing, clip, value, record.commit)
-            losses = workers[-1].fetch_losses()  # the step's first wait for the devices (without clipping)
-            return dict(zip(sums, Squares.fetch(list(sums.values())))), losses
+            losses, aux = workers[-1].fetch_outputs()  # the step's first wait for the devices (without clipping)
+            return dict(zip(sums, Squares.fetch(list(sums.values())))), losses, aux
 
         if self.driver is None:
             self.driver = WorkerThreads(1, "vjpsplit-step")
@@ -336,13 +338,16 @@ class InProcessBackend:
 
     def evaluate(
         self, mbs: Sequence[Microbatch], programs: Sequence[EvalProgram], outputs: bool
-    ) -> tuple[list[float], list[PyTree] | None]:
+    ) -> tuple[list[float], list[list[np.ndarray]], list[PyTree] | None]:
         """Every stage's forward only, dispatched from this thread onto each stage's device (``Backend.evaluate``)."""
         if self.data_parallel > 1:
             check_split(mbs, self.data_parallel)  # before any stage runs, as a step's
         losses, received = evaluate_here([t.worker for t in self.trainers], programs, mbs, keep=outputs)
-        return [loss_value(v) for v in jax.device_get(losses)], (
-            [joined(r) for r in host(received)] if outputs else None
+        got = [loss_and_aux(v) for v in jax.device_get(losses)]
+        return (
+            [loss for loss, _ in got],
+            [aux for _, aux in got],
+            ([joined(r) for r in host(received)] if outputs else None),
         )
 
     def set_offload(self, spec: Offload | None) -> None:

@@ -5,9 +5,9 @@ step's list and then the end of the step with the other actors, in the step's on
 call per actor (``train_step``). A round between actors costs one delivery (about
 a millisecond on one host, benchmarks/results/2026-history-ray-training-steps.md); a round through the driver cost
 two and a wait there. The driver waits once per step, for each actor's report
-(the losses, timings and squared norms). Evaluation (``evaluate``) chains each
-microbatch's stage calls actor to actor by object reference; only the losses
-(and, when asked, the last stage's inputs) reach the driver. ``RayOptions``: the
+(the losses, any aux, timings and squared norms). Evaluation (``evaluate``) chains each
+microbatch's stage calls actor to actor by object reference; only the losses and
+any aux (and, when asked, the last stage's inputs) reach the driver. ``RayOptions``: the
 ``RayPipeline`` keywords a ``Ray`` runner gives the actors.
 
 May import ``runtime`` (its Ray runner), ``schedules``, ``stages`` and, of this room, ``train_actor``,
@@ -22,15 +22,16 @@ import time
 from typing import Mapping, Sequence, TypedDict, Unpack
 
 import jax
+import numpy as np
 
 from ..runtime.offload import Offload
-from ..runtime.evaluation import joined, loss_value
+from ..runtime.evaluation import joined, loss_and_aux
 from ..runtime.model import Microbatch, side_for
 from ..runtime.ray.actor import raise_first_error
 from ..runtime.ray.pipeline import RUNNER, RayPipeline
 from ..runtime.ray.setup import SCHEDULE_TIMEOUT
 from ..runtime.replicas import check_split
-from ..runtime.result import PipelineResult, step_result
+from ..runtime.result import PipelineResult, aux_per_microbatch, step_result
 from ..schedules.catalog import describe
 from ..schedules.stepplans import Resolved
 from ..stages.evalprograms import EvalProgram
@@ -197,12 +198,13 @@ class RayBackend:
             timed=timed,
             phases=phases if timed else (),
             scales=scales,
+            aux=aux_per_microbatch(self.ownership.artifacts[-1], states[self.worker_of[S - 1]]["aux"], microbatches),
         )
         return result, totals
 
     def evaluate(
         self, mbs: Sequence[Microbatch], programs: Sequence[EvalProgram], outputs: bool
-    ) -> tuple[list[float], list[PyTree] | None]:
+    ) -> tuple[list[float], list[list[np.ndarray]], list[PyTree] | None]:
         """Every stage's forward only on its actor (``Backend.evaluate``): each microbatch's stage calls chained
         by object reference, so activations go actor to actor; the programs go to each actor once."""
         rp, S = self.rp, self.rp.num_stages
@@ -233,10 +235,11 @@ class RayBackend:
             [last] * len(losses) + [self.worker_of[S - 2]] * (len(refs) - len(losses)),
             t0,
         )
-        got = [loss_value(v) for v in values[: len(losses)]]
+        got = [loss_and_aux(v) for v in values[: len(losses)]]
+        losses_got, aux = [loss for loss, _ in got], [a for _, a in got]
         if not outputs:
-            return got, None
-        return got, ([joined(v) for v in values[len(losses) :]] if S > 1 else [tuple(x) for x, _ in mbs])
+            return losses_got, aux, None
+        return losses_got, aux, ([joined(v) for v in values[len(losses) :]] if S > 1 else [tuple(x) for x, _ in mbs])
 
     def set_offload(self, spec: Offload | None) -> None:
         """From the next step, every stage's residuals off its device between F and B as ``spec`` says (None: none;

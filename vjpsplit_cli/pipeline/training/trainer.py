@@ -7,8 +7,8 @@ holds which leaf, ``backend.open_backend`` exports the optimizer per stage and
 starts the workers (threads in this process, or Ray actors) behind one
 ``Backend`` interface, ``history.History`` keeps the steps, and ``checkpoint``
 writes and reads the state. Each worker keeps its stages' parameters and
-optimizer state (``stage_trainer.StageTrainer``); only the loss and the stages'
-squared gradient norms reach the driver. ``state`` joins the stages' optimizer
+optimizer state (``stage_trainer.StageTrainer``); only the loss (with the last
+stage's aux, ``step_aux``) and the stages' squared gradient norms reach the driver. ``state`` joins the stages' optimizer
 states into optax's structure for the whole model (``state.StateMap``), which is
 also what ``save`` writes and ``opt_state=`` takes; ``fit`` runs many steps with
 checkpoints and restarts (``fit``).
@@ -26,7 +26,7 @@ The Trainer's parts are modules of their own, each a base of ``Trainer``:
 (its settings from the checkpoint: ``resume.restored_run``) and ``close``.
 
 May import the Trainer's parts and, of this room, ``fit``, ``resume``, ``options``, ``option_values``,
-``clipping``, ``microbatch_keys`` and ``arguments``; ``stages``; ``runtime.result``; the layers below ``pipeline``.
+``clipping``, ``microbatch_keys``, ``step_aux`` and ``arguments``; ``stages``; ``runtime.result``; the layers below ``pipeline``.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from .clipping import clip_scale
 from .fit import fit as fit_steps
 from .microbatch_keys import microbatch_keys
 from .option_values import Observe, PerStage, Plans, Runner, Schedule
+from .step_aux import reduced
 from .options import Deprecated, from_legacy
 from .resume import restored_run
 from .trainer_evaluation import TrainerEvaluation
@@ -137,6 +138,7 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
         opt_state: PyTree = None,
         step_count: int = 0,
         rng: jax.Array | None = None,
+        aux: str | None = None,
         **deprecated: Unpack[Deprecated],
     ):
         """A Trainer for ``stages``, starting from ``params`` (and ``opt_state``, at ``step_count``).
@@ -160,6 +162,9 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
             rng: a PRNG key (``jax.random.key(seed)``) for a loss that takes one (a batch argument exported as a
                 scalar typed key): microbatch ``i`` of step ``t`` (``step_count`` when the step starts) gets
                 ``fold_in(fold_in(rng, t), i)`` on every stage that reads it; the batch is passed without the key.
+            aux: for stages whose function returns ``(loss, aux)`` (``export_stages(..., has_aux=True)``), what
+                ``step``, ``evaluate`` and ``history`` give of it: ``"mean"`` (the default: each leaf's mean over the
+                microbatches) or ``"per_microbatch"`` (the list of each microbatch's aux).
             **deprecated: the keywords these values replace (``schedule_name=``, ``memory_limit=``,
                 ``devices=``, ``address=``, ``progress=``, ``tied=``, ...; ``Deprecated``): they work this
                 release, each group with a ``DeprecationWarning`` naming what to write instead.
@@ -167,12 +172,15 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
         Raises:
             VjpsplitError: a bad value (named), an old keyword given with the value it goes into, an optimizer
                 the stages cannot run as one process does; a bad schedule, before anything is exported; no ``rng``
-                for stages whose function takes a key, or one for stages whose function takes none.
+                for stages whose function takes a key, or one for stages whose function takes none; ``aux`` that is
+                neither mode, or given for stages whose function returns no aux.
         """
         options = from_legacy("Trainer", stages, schedule, runner, observe, deprecated)
-        self._start(options, params, optimizer, microbatches, clip_global_norm, opt_state, step_count, None, rng)
+        self._start(options, params, optimizer, microbatches, clip_global_norm, opt_state, step_count, None, rng, aux)
 
-    def step(self, batch: tuple[PyTree, ...] | Microbatches, *, timed: bool | None = None) -> float:
+    def step(
+        self, batch: tuple[PyTree, ...] | Microbatches, *, timed: bool | None = None
+    ) -> float | tuple[float, PyTree]:
         """One optimizer step on ``batch``: the schedule over its microbatches, then every stage's update.
 
         ``costs()`` counts timed steps; ``schedule="auto"`` times its first two steps itself, races the
@@ -191,7 +199,9 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
 
         Returns:
             The step's loss: the mean over microbatches, as the loss function gives it on the whole batch (with
-            ``Microbatches``, their weighted mean).
+            ``Microbatches``, their weighted mean); for stages whose function returns ``(loss, aux)``,
+            ``(loss, aux)``, the aux as ``aux=`` says (by default each leaf's mean over the microbatches; host
+            arrays), fetched with the loss at the step's end.
 
         Raises:
             VjpsplitError: a batch that does not split into the microbatches (or replicas), ``Microbatches`` of
@@ -224,11 +234,12 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
                 self.backend.set_offload(self._auto_offload)
         self.step_count += 1
         busy = self._busy(r, first=self._steps_run == 1) if timed else None
-        self._history.record(self.step_count, r, norm, step_time, auto, busy)
+        aux = None if self.aux is None or r.aux is None else reduced(r.aux, self.aux)
+        self._history.record(self.step_count, r, norm, step_time, auto, busy, aux)
         self.last_result = r
         if timed and self.trace_dir is not None:
             self._write_trace(r, self.trace_dir)
-        return r.loss
+        return r.loss if self.aux is None else (r.loss, aux)
 
     def _scales(self, batch: tuple[PyTree, ...] | Microbatches) -> list[float] | None:
         """``Microbatches``' scales (their count checked against ``microbatches``); None for a whole batch."""
@@ -357,6 +368,7 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
         opt_state: PyTree = None,
         step_count: int | None = None,
         rng: jax.Array | None = None,
+        aux: str | None = None,
         **deprecated: Unpack[Deprecated],
     ) -> Trainer:
         """A Trainer continuing the run saved in ``directory``, at its step, with its parameters and optimizer state.
@@ -380,6 +392,7 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
             step_count: the run's step instead of the checkpoint's (as ``Trainer``'s); None: the checkpoint's.
             rng: the run's PRNG key (as ``Trainer``'s; not recorded): the same key goes on with the same
                 microbatch keys from the checkpoint's step.
+            aux: as ``Trainer``'s (not recorded).
             **deprecated: ``Trainer``'s old keywords, each group with a ``DeprecationWarning``.
 
         Returns:
@@ -411,6 +424,7 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
             run.step_count,
             run.states,
             rng,
+            aux,
         )
         return trainer
 

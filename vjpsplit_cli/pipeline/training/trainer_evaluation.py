@@ -5,7 +5,7 @@ evaluation program (``stages.evalprograms``) on the workers (``backend``), with 
 parameters they hold now: no residuals, no gradients, no update. ``Trainer`` sets
 the attributes it declares.
 
-May import ``backend``, ``microbatch_keys`` and ``arguments`` of this room, ``runtime``, ``stages``, and the layers below ``pipeline``.
+May import ``backend``, ``microbatch_keys``, ``step_aux`` and ``arguments`` of this room, ``runtime``, ``stages``, and the layers below ``pipeline``.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
 from ...treetypes import PyTree
 from ..runtime.model import Model
-from ..runtime.result import step_loss
+from ..runtime.result import aux_per_microbatch, step_loss
 from ..stages.directory import Stages
 from ..stages.evalprograms import EvalProgram, missing
 from ..stages.microbatches import Microbatches
 from .arguments import checked_microbatches
 from .backend import Backend
 from .microbatch_keys import microbatch_keys
+from .step_aux import reduced
 
 
 class TrainerEvaluation:
@@ -37,6 +38,7 @@ class TrainerEvaluation:
     data_parallel: int
     rng: jax.Array | None
     step_count: int
+    aux: str | None
 
     @overload
     def evaluate(
@@ -45,21 +47,21 @@ class TrainerEvaluation:
         *,
         microbatches: int | None = None,
         outputs: Literal[False] = False,
-    ) -> float: ...
+    ) -> float | tuple[float, PyTree]: ...
 
     @overload
     def evaluate(
         self, batch: tuple[PyTree, ...] | Microbatches, *, microbatches: int | None = None, outputs: Literal[True]
-    ) -> tuple[float, list[PyTree]]: ...
+    ) -> tuple[float, list[PyTree]] | tuple[float, PyTree, list[PyTree]]: ...
 
     @overload
     def evaluate(
         self, batch: tuple[PyTree, ...] | Microbatches, *, microbatches: int | None = None, outputs: bool
-    ) -> float | tuple[float, list[PyTree]]: ...
+    ) -> float | tuple[float, PyTree] | tuple[float, PyTree, list[PyTree]]: ...
 
     def evaluate(
         self, batch: tuple[PyTree, ...] | Microbatches, *, microbatches: int | None = None, outputs: bool = False
-    ) -> float | tuple[float, list[PyTree]]:
+    ) -> float | tuple[float, PyTree] | tuple[float, PyTree, list[PyTree]]:
         """The loss on ``batch`` from every stage's forward only: no residuals, no gradients, no update.
 
         Each stage runs its evaluation program (``export_stages`` writes one beside each artifact: the stage's
@@ -77,7 +79,9 @@ class TrainerEvaluation:
                 received (what the stage before it sends on, e.g. the hidden state before the loss).
 
         Returns:
-            The loss (a float); with ``outputs=True``, ``(loss, outputs)``.
+            The loss (a float); with ``outputs=True``, ``(loss, outputs)``. For stages whose function returns
+            ``(loss, aux)``: ``(loss, aux)``, or ``(loss, aux, outputs)``, the aux as a step's (the Trainer's
+            ``aux=``).
 
         Raises:
             VjpsplitError: ``microbatches`` is not an int >= 1, or given with ``Microbatches``; the Trainer runs the per-stage form, or a stage has
@@ -93,9 +97,13 @@ class TrainerEvaluation:
         programs = self._eval_programs()
         keys = None if self.rng is None else microbatch_keys(self.rng, self.step_count, m)
         mbs = self.model.batch_microbatches(batch, m, self.data_parallel, keys)
-        losses, received = self.backend.evaluate(mbs, programs, outputs)
+        losses, aux_leaves, received = self.backend.evaluate(mbs, programs, outputs)
         loss = step_loss(dict(enumerate(losses)), m, scales)
-        return (loss, received) if outputs and received is not None else loss  # received: given with outputs
+        per = aux_per_microbatch(self.model.artifacts[-1], dict(enumerate(aux_leaves)), m)
+        if self.aux is None or per is None:
+            return (loss, received) if outputs and received is not None else loss  # received: given with outputs
+        aux = reduced(per, self.aux)
+        return (loss, aux, received) if outputs and received is not None else (loss, aux)
 
     def _eval_programs(self) -> list[EvalProgram]:
         if not isinstance(self.stages, Stages):

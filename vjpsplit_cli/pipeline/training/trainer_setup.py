@@ -9,7 +9,7 @@ exported per stage, the workers started) and starts the history and the cost
 samples. ``recorded_replicas``: the replicas a ``Stages`` export recorded.
 
 May import ``backend``, ``ownership``, ``autoplan``, ``optax_state``, ``history``, ``measured``, ``optimizer``,
-``microbatch_keys``, ``options``, ``option_values`` and ``arguments`` of this room, ``runtime``, ``schedules``, ``stages`` and the
+``microbatch_keys``, ``step_aux``, ``options``, ``option_values`` and ``arguments`` of this room, ``runtime``, ``schedules``, ``stages`` and the
 layers below ``pipeline``.
 """
 
@@ -38,6 +38,7 @@ from .microbatch_keys import checked_rng
 from .optax_state import state_map
 from .optimizer import optimizer_name
 from .option_values import InProcess, PerStage, Schedule
+from .step_aux import checked_aux
 from .options import Options
 from .ownership import Ownership
 
@@ -56,9 +57,11 @@ class TrainerSetup:
         step_count: int,
         restored: Sequence[Mapping[str, Leaf] | None] | None,
         rng: object = None,
+        aux: object = None,
     ) -> None:
         """Open the Trainer: ``restored`` is the per-stage optimizer states an older checkpoint holds (``restore``);
-        ``rng`` the PRNG key of a loss that takes one (``microbatch_keys``)."""
+        ``rng`` the PRNG key of a loss that takes one (``microbatch_keys``); ``aux`` how a step reports the last
+        stage's aux (``step_aux``)."""
         clip_global_norm = checked_clip(clip_global_norm)  # a bad value is refused now, not after the first step
         microbatches, step_count = checked_microbatches(microbatches), _checked_step_count(step_count)
         stages, runner, observe = options.stages, options.runner, options.observe
@@ -69,6 +72,7 @@ class TrainerSetup:
         given = runner.data_parallel
         self.data_parallel = given if given is not None else recorded_replicas(stages)
         self.rng = checked_rng(rng, stages, self.data_parallel)  # before any export, as every option
+        self.aux = checked_aux(aux, stages.artifacts if isinstance(stages, Stages) else stages)
         self.offload = offload_of(runner.offload)  # given by hand; auto's planned offload is apart
         self.trace_dir, self.trace_every = observe.trace_dir, observe.trace_every
         check_apart(self._directories())  # offload files and traces apart, before any step

@@ -36,9 +36,11 @@ T = TypeVar("T")
 
 
 class StepReport(TypedDict):
-    """A worker's step without arrays (``StageActor.report``): losses, timings on its clock, its first error."""
+    """A worker's step without arrays but the aux (``StageActor.report``): losses, the last stage's aux leaves per
+    microbatch (host arrays; empty without aux), timings on its clock, its first error."""
 
     losses: dict[int, float]
+    aux: dict[int, list[np.ndarray]]
     events: list[Event]
     phases: list[Phase]
     error: BaseException | None
@@ -321,10 +323,13 @@ class StageActor:
         }
 
     def report(self) -> StepReport:
-        """The step's losses, timings (this process's clock) and first error; no arrays."""
+        """The step's losses and aux (both in one transfer), timings (this process's clock) and first error; no
+        arrays but the aux's."""
         held = self.stage_workers.values()
+        outputs = [st.fetch_outputs() for st in held]
         return {
-            "losses": {m: v for st in held for m, v in st.fetch_losses().items()},
+            "losses": {m: v for losses, _ in outputs for m, v in losses.items()},
+            "aux": {m: v for _, aux in outputs for m, v in aux.items()},
             "events": [e for st in held for e in st.events],
             "phases": [*self.phases, *reductions(held)],
             "error": self.error,

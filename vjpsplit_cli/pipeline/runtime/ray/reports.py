@@ -4,8 +4,8 @@ A Ray actor call's result reached the driver 1.3-2.0 ms after the actor returned
 training step on the 2-core host of benchmarks/results/2026-history-ray-training-steps.md (0.24 ms for a bare call). So
 the driver listens on a socket of its node (``ReportDesk``, a ``peers.Listener`` that
 opens to the pipeline's token) and each actor keeps one connection to it: an
-untimed step whose report holds only numbers (its losses and squared norms, no
-error, no timings) goes down it as one ``wire`` frame (``as_frame``) and the actor's
+untimed step whose report holds only numbers (its losses, aux leaves and squared
+norms, no error, no timings) goes down it as one ``wire`` frame (``as_frame``) and the actor's
 call returns ``SENT``. Anything else (a timed step's events, an error) still
 returns through Ray, and so does everything when a frame cannot go. The driver
 reads each connection on a thread of its own and waits for the step's frames
@@ -38,6 +38,7 @@ def as_frame(worker: int, report: Mapping[str, Any]) -> list[wire.Item] | None:
         return None
     tree = {
         "losses": {int(m): np.asarray(float(v)) for m, v in report["losses"].items()},
+        "aux": {int(m): [np.asarray(a) for a in leaves] for m, leaves in report.get("aux", {}).items()},
         "sums": {int(s): np.asarray(float(v)) for s, v in sums.items()},
     }
     return [((KIND, 0, worker), tree)]
@@ -47,6 +48,7 @@ def from_frame(tree: Any) -> dict[str, Any]:
     """A report from a frame's tree (``as_frame``): floats back, no events, phases or error."""
     return {
         "losses": {int(m): float(v) for m, v in tree["losses"].items()},
+        "aux": {int(m): [np.asarray(a) for a in leaves] for m, leaves in tree["aux"].items()},
         "sums": {int(s): float(v) for s, v in tree["sums"].items()},
         "events": [],
         "phases": [],
