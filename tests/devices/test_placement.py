@@ -180,7 +180,7 @@ def test_more_workers_than_devices_share_the_default_device():
 def test_run_inprocess_on_devices_equals_value_and_grad(timed):
     params, batch = gpt_params(), gpt_batch(8, seed=7)
     loss, grads = jax.value_and_grad(gpt)(params, *batch)
-    r = P.run_inprocess(_stages(), params, batch, microbatches=4, schedule_name="zbh1", timed=timed)
+    r = P.run_inprocess(_stages(), params, batch, microbatches=4, schedule="zbh1", timed=timed)
     np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
     assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
     assert r.timed is timed and (len(r.events) > 0) is timed
