@@ -143,7 +143,7 @@ def test_interleaved_workers_stages_share_the_workers_device():
 
 
 def test_a_restored_run_goes_back_onto_each_stages_device(tmp_path):
-    """A checkpoint arrives from host memory: restore (and load, as fit does) put it on the stages' devices."""
+    """A checkpoint arrives from host memory: restore (and fit, resuming from it) put it on the stages' devices."""
     tr = _train(schedule="1f1b", runner=P.InProcess(devices=[[d] for d in D[::-1]]))
     tr.save(tmp_path / "ck")
     again = P.Trainer.restore(
@@ -151,7 +151,8 @@ def test_a_restored_run_goes_back_onto_each_stages_device(tmp_path):
     )
     _state_lives_on(again, D[::-1])
     again.step(gpt_batch(8, seed=50))
-    again.load(tmp_path / "ck")
+    again.fit(lambda step: gpt_batch(8, seed=50 + step), steps=4, checkpoint_dir=tmp_path / "ck")  # from step 3
+    assert again.step_count == 4
     _state_lives_on(again, D[::-1])
 
 

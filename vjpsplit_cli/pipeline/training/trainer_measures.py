@@ -28,7 +28,7 @@ from .device_memory import DeviceMemory
 from .history import IN_A_ROW, SLOWER, History, StepRecord, Stragglers
 from .autoplan import AutoPlan, boundary_values
 from .measured import SEND_PROBES, CostSamples, MeasuredCosts, measure_transfer_rates
-from .option_values import Runner
+from .option_values import Runner, Schedule
 
 
 class TrainerMeasures:
@@ -37,6 +37,7 @@ class TrainerMeasures:
 
     backend: Backend
     plan: Resolved
+    schedule: Schedule
     step_count: int
     runner: Runner
     _history: History
