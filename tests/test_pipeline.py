@@ -231,7 +231,7 @@ def test_run_takes_the_trainers_words_a_schedule_and_a_runner_value():
     with pytest.raises(vs.VjpsplitError, match=r"run takes one replica of every stage, not data_parallel=2"):
         P.run(arts, params, x, [labels], microbatches=2, runner=P.InProcess(data_parallel=2))
     with pytest.raises(TypeError, match="unexpected keyword argument 'schedule_name'"):
-        P.run(arts, params, x, [labels], microbatches=2, schedule_name="zbh1")
+        P.run(arts, params, x, [labels], microbatches=2, **{"schedule_name": "zbh1"})
 
 
 def test_bad_plans_are_refused_by_the_runners(tmp_path):
