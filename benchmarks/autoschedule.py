@@ -36,8 +36,9 @@ from vjpsplit_cli.pipeline.schedules.auto import BUILT_INS
 from vjpsplit_cli.pipeline.schedules.listscheduler import search
 from vjpsplit_cli.pipeline.schedules.exact import optimum
 from vjpsplit_cli.pipeline.schedules.modeled import lower_bound, memory_limits, memory_peaks, modeled_makespan
-from vjpsplit_cli.pipeline import LABELS, schedule
-from vjpsplit_cli.pipeline import Event
+from vjpsplit_cli.pipeline import schedule
+from vjpsplit_cli.pipeline.schedules.catalog import LABELS
+from vjpsplit_cli.pipeline.schedules.timeline import Event
 
 SHAPES = ("uniform", "B > F > W", "B ≈ W", "heavy ends")
 DOCS = Path(__file__).resolve().parents[1] / "docs"

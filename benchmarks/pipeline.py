@@ -157,6 +157,10 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
     import vjpsplit_cli as vs
     from benchmarks.timing import interleaved
     from vjpsplit_cli import pipeline as P
+    from vjpsplit_cli.pipeline.runtime.worker import StageWorker
+    from vjpsplit_cli.pipeline.schedules.catalog import LABELS
+    from vjpsplit_cli.pipeline.schedules.layout import layout_kind
+    from vjpsplit_cli.pipeline.schedules.timeline import bubble_ratio
 
     cfg = dict(
         _config(quick), ray=ray, platform=platform, single_threaded=SINGLE_THREAD in os.environ.get("XLA_FLAGS", "")
@@ -219,7 +223,7 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
     bw = []
     arts, groups = cuts[2]
     for s, (art, g) in enumerate(zip(arts, groups)):
-        st = P.StageWorker(art, g, s, 2)
+        st = StageWorker(art, g, s, 2)
         xs = jnp.asarray(x[:R]) if s == 0 else jnp.asarray(hidden(groups[0], x[:R]))
         side = [jnp.asarray(labels[:R])] if s == 1 else []
         _, res = st.calls.forward(st.params, xs, *side)
@@ -249,7 +253,7 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
             S,
             lambda o: scale * (2.0 if o.kind == "B" else 1.0),  # a whole backward; I and W 1 each
         )
-        return P.bubble_ratio(ev, p)
+        return bubble_ratio(ev, p)
 
     samples: dict = {}
 
@@ -260,9 +264,7 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
 
     def inprocess():
         return {
-            n: (
-                lambda n=n: P.run_inprocess(*cuts[4 if n == "zbv" else 2], x, [labels], microbatches=M, schedule_name=n)
-            )
+            n: (lambda n=n: P.run_inprocess(*cuts[4 if n == "zbv" else 2], x, [labels], microbatches=M, schedule=n))
             for n in schedules
         }, []
 
@@ -270,9 +272,9 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
         # One pipeline per schedule: a RayPipeline holds one compiled graph at a time.
         def setup():
             rp = P.RayPipeline(
-                *cuts[4 if name == "zbv" else 2], layout=P.layout_kind(name), compiled=compiled, step_timeout=60
+                *cuts[4 if name == "zbv" else 2], layout=layout_kind(name), compiled=compiled, step_timeout=60
             )
-            return {name: lambda: rp.run(x, [labels], microbatches=M, schedule_name=name)}, [rp]
+            return {name: lambda: rp.run(x, [labels], microbatches=M, schedule=name)}, [rp]
 
         return setup
 
@@ -316,12 +318,12 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
                 {
                     "runner": runner,
                     "schedule": name,
-                    "label": P.LABELS[name],
+                    "label": LABELS[name],
                     "stages": S,
                     "step": step,
                     "speedup": base / step,
                     "bubble": statistics.median(r.bubble_ratio for r in rs),
-                    "modeled": P.bubble_ratio(modeled, p),
+                    "modeled": bubble_ratio(modeled, p),
                     "unit": unit_model(name),
                     "modeled_makespan": max(e.end for e in modeled) - min(e.start for e in modeled),
                     "op_medians": ops,
@@ -360,15 +362,15 @@ def _from_one_function(cfg: dict, params, x, labels, loss, hidden, head, hand, P
     stages = vs.export_stages(marked, spec, *batch, wrt="params", platforms=platform)
     M = cfg["microbatches"]
     for r in (
-        P.run_inprocess(stages, params, (x, labels), microbatches=M, schedule_name="1f1b"),
-        P.run_inprocess(*hand, x, [labels], microbatches=M, schedule_name="1f1b"),
+        P.run_inprocess(stages, params, (x, labels), microbatches=M, schedule="1f1b"),
+        P.run_inprocess(*hand, x, [labels], microbatches=M, schedule="1f1b"),
     ):
         if not np.isclose(r.loss, loss, rtol=1e-4):
             raise RuntimeError(f"from one function: loss {r.loss} != {loss}")
     t = interleaved(
         {
-            "hand": lambda: P.run_inprocess(*hand, x, [labels], microbatches=M, schedule_name="1f1b").loss,
-            "one": lambda: P.run_inprocess(stages, params, (x, labels), microbatches=M, schedule_name="1f1b").loss,
+            "hand": lambda: P.run_inprocess(*hand, x, [labels], microbatches=M, schedule="1f1b").loss,
+            "one": lambda: P.run_inprocess(stages, params, (x, labels), microbatches=M, schedule="1f1b").loss,
         },
         cfg["rounds"],
     )
@@ -429,7 +431,7 @@ def _tiny(tc: dict, model, cut, P, ray_too: bool) -> dict:
     def on_ray(compiled):
         def setup():
             rp = P.RayPipeline(*cuts[2], compiled=compiled, step_timeout=60)
-            return {2: lambda: rp.run(x, [labels], microbatches=M, schedule_name="1f1b")}, [rp]
+            return {2: lambda: rp.run(x, [labels], microbatches=M, schedule="1f1b")}, [rp]
 
         return setup
 
@@ -438,7 +440,7 @@ def _tiny(tc: dict, model, cut, P, ray_too: bool) -> dict:
             "in-process",
             lambda: (
                 {
-                    n: (lambda n=n: P.run_inprocess(*cuts[n], x, [labels], microbatches=M, schedule_name="1f1b"))
+                    n: (lambda n=n: P.run_inprocess(*cuts[n], x, [labels], microbatches=M, schedule="1f1b"))
                     for n in (2, 8)
                 },
                 [],

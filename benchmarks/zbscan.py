@@ -88,7 +88,7 @@ def _child(quick: bool) -> dict:
 
     import vjpsplit_cli as vs
     from benchmarks.timing import interleaved_samples
-    from vjpsplit_cli import pipeline as P
+    from vjpsplit_cli.pipeline.runtime.worker import StageWorker
 
     cfg = _config(quick)
     W, R, L, H, T, B = (cfg[k] for k in ("width", "rows", "layers", "hidden", "steps", "batch"))
@@ -148,7 +148,7 @@ def _child(quick: bool) -> dict:
     for name, fn, params, x_spec, x in cases:
         spec = jax.tree_util.tree_map(lambda a: s(a.shape, a.dtype), params)
         art = vs.export(fn, spec, x_spec, weights="params", platforms="cpu")
-        st = P.StageWorker(art, params, 1, 3)  # a middle stage: it feeds its input gradient back
+        st = StageWorker(art, params, 1, 3)  # a middle stage: it feeds its input gradient back
         c = st.calls
         xs = jnp.asarray(x)
         _, res = c.forward(st.params, xs)
@@ -179,7 +179,7 @@ def _child(quick: bool) -> dict:
             platforms="cpu",
             arg_names=("params", "x"),
         )
-        cu = P.StageWorker(flat, params, 1, 3).calls
+        cu = StageWorker(flat, params, 1, 3).calls
         _, res_u = cu.forward(st.params, xs)
         _, inter_u = cu.backward_input(res_u, ct)
         rows.append(

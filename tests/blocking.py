@@ -37,10 +37,10 @@ def callback_blocks(monkeypatch, stage, mb, device=None, linger=0.0):
     through = blocker(hold, release, linger)
     real = StageWorker.forward
 
-    def forward(self, m, x, side, worker=None):
+    def forward(self, m, x, side, worker=None, microbatches=None):
         if self.stage_index == stage and m == mb and (device is None or self.device == device):
             x = through(x)
-        return real(self, m, x, side, worker=worker)
+        return real(self, m, x, side, worker=worker, microbatches=microbatches)
 
     monkeypatch.setattr(StageWorker, "forward", forward)
     return hold, release

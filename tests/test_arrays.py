@@ -13,7 +13,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from vjpsplit_cli.arrays import load_arrays, save_arrays
+from vjpsplit_cli import load_arrays, save_arrays
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.files import common
 from vjpsplit_cli.files import msgpack as msgpack_codec

@@ -476,7 +476,7 @@ def test_auto_plans_give_value_and_grad_in_process(costs, limit):
     plans = P.auto_schedule(arts, 6, costs=costs, memory_limit=limit)
     assert any(o.kind == "W" for ops in plans for o in ops) == ("W" in costs)
     loss, grads = jax.value_and_grad(whole)(params, x, labels)
-    check_run(P.run(arts, params, x, [labels], microbatches=6, schedule=plans), plans, loss, grads)
+    check_run(P.run(arts, params, x, [labels], microbatches=6, schedule=P.Schedule(plans=plans)), plans, loss, grads)
 
 
 def test_a_stage_without_the_split_backward_gets_a_whole_backward():
@@ -491,7 +491,7 @@ def test_a_stage_without_the_split_backward_gets_a_whole_backward():
     assert {o.stage for ops in plans for o in ops if o.kind == "B"} == {1}  # the whole backward
     assert max(peaks(plans)) <= 2
     loss, grads = jax.value_and_grad(whole)(params, x, labels)
-    check_run(P.run(mixed, params, x, [labels], microbatches=4, schedule=plans), plans, loss, grads)
+    check_run(P.run(mixed, params, x, [labels], microbatches=4, schedule=P.Schedule(plans=plans)), plans, loss, grads)
 
 
 def test_stages_from_one_function_run_auto_plans():
@@ -504,6 +504,6 @@ def test_stages_from_one_function_run_auto_plans():
             stages, 4, costs={"F": [2, 1, 1, 2], "B": 1.5, "W": 0.5, "comm": 0.2}, memory_limit=limit
         )
         assert len(plans) == len(stages) == 4 and any(o.kind == "W" for ops in plans for o in ops)
-        r = P.run(stages, params, batch, microbatches=4, schedule=plans)
+        r = P.run(stages, params, batch, microbatches=4, schedule=P.Schedule(plans=plans))
         np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
         assert_trees_close(r.grads, grads, rtol=1e-4, atol=1e-6)

@@ -23,7 +23,8 @@ from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.pipeline.schedules.modeled import memory_peaks, modeled_makespan
 from vjpsplit_cli.pipeline.schedules.ops import Op
 from vjpsplit_cli.pipeline.training import autoplan, trials
-from vjpsplit_cli.pipeline.training.autoplan import AS_1F1B, AUTO, AutoPlan
+from vjpsplit_cli.pipeline.schedules.catalog import AUTO
+from vjpsplit_cli.pipeline.training.autoplan import AS_1F1B, AutoPlan
 from vjpsplit_cli.pipeline.training.trials import Candidate, Trial, contenders
 
 M, ROWS = 4, 2

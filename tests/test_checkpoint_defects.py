@@ -309,7 +309,7 @@ def test_a_nonfinite_gradient_norm_with_a_finite_loss_stops_fit():
 # 8. load and restore check the parameters' shapes and dtypes.
 
 
-def test_load_and_restore_refuse_a_wrong_shaped_parameter_naming_it(tmp_path):
+def test_resuming_and_restore_refuse_a_wrong_shaped_parameter_naming_it(tmp_path):
     small = {"w0": np.zeros((D, D), np.float32), "w1": np.zeros((D, OUT + 1), np.float32)}
     index = _changed(("step",), 0)
     d = _write(tmp_path)
@@ -323,14 +323,14 @@ def test_load_and_restore_refuse_a_wrong_shaped_parameter_naming_it(tmp_path):
     with pytest.raises(
         VjpsplitError, match=r"parameter 'params/w1' is float32\[4, 3\], the stages take float32\[4, 2\]"
     ):
-        tr.load(d)
+        tr.fit(_batches(2), steps=2, checkpoint_dir=d)  # resumes from d: refused before any step
     np.testing.assert_array_equal(tr.params()["w1"], before["w1"])  # the Trainer keeps its parameters
     with pytest.raises(VjpsplitError, match=r"parameter 'params/w1' is float32\[4, 3\]"):
         P.Trainer.restore(d, _stages(), optimizer=optax.sgd(0.1))
     wide = {"params/w0": small["w0"].astype(np.float64), "params/w1": np.zeros((D, OUT), np.float32)}
     ckpt.write_directory(d, {ckpt.PARAMS: wide, ckpt.OPT_STATE: {}}, {k: v for k, v in index.items() if k != "id"})
     with pytest.raises(VjpsplitError, match=r"parameter 'params/w0' is float64\[4, 4\], the stages take float32"):
-        tr.load(d)
+        tr.fit(_batches(2), steps=2, checkpoint_dir=d)  # resumes from d: refused before any step
 
 
 # 9. NumPy scalars where numbers are expected; save never raises json's TypeError.
@@ -418,4 +418,4 @@ def test_restore_in_the_per_stage_form_refuses_a_wrong_shaped_parameter(tmp_path
     with pytest.raises(VjpsplitError, match=f"parameter '{key}' is float32\\[.*, 1\\], the stages take float32"):
         P.Trainer.restore(tmp_path / "ck", arts, optimizer=optax.sgd(0.1))
     with pytest.raises(VjpsplitError, match=f"parameter '{key}' is float32"):
-        tr.load(tmp_path / "ck")
+        tr.fit(_batches(2), steps=2, checkpoint_dir=tmp_path / "ck")

@@ -108,7 +108,7 @@ def test_sigkill_without_previous_file_leaves_none(big, tmp_path):
 
 WRITER = """
 import sys, numpy as np
-from vjpsplit_cli.arrays import save_arrays
+from vjpsplit_cli import save_arrays
 seed, target = int(sys.argv[1]), sys.argv[2]
 a = np.full(2**21, seed, np.float32)
 for _ in range(5):

@@ -15,6 +15,7 @@ from vjpsplit_cli import pipeline as P
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.pipeline.schedules.auto import auto_schedule
 from vjpsplit_cli.pipeline.schedules.csvformat import format_schedule
+from vjpsplit_cli.pipeline.schedules.offloading import OffloadPlans
 
 UNIT = {"F": 1.0, "B": 1.0, "W": 0.8, "comm": 0.1}
 
@@ -114,7 +115,7 @@ def test_offloaded_pairs_round_trip_through_the_file_beside_the_csv(tmp_path):
     record = json.loads((tmp_path / "a.csv.offload.json").read_text())
     assert record["offload"] == [list(p) for p in sorted(plans.offloaded)] and record["schedule"] == "a.csv"
     back = P.read_schedule(tmp_path / "a.csv")
-    assert back == plans and isinstance(back, P.OffloadPlans) and back.offloaded == plans.offloaded
+    assert back == plans and isinstance(back, OffloadPlans) and back.offloaded == plans.offloaded
     P.write_schedule(tmp_path / "b.csv", back)
     assert (tmp_path / "b.csv").read_bytes() == (tmp_path / "a.csv").read_bytes()
     side = json.loads((tmp_path / "b.csv.offload.json").read_text())

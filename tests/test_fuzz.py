@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from jax import export as jexport
 
 import vjpsplit_cli as vs
-from vjpsplit_cli.arrays import load_arrays, save_arrays
+from vjpsplit_cli import load_arrays, save_arrays
 from vjpsplit_cli.files.dtypes import _ALLOWED, dtype_from_name
 
 DTYPES = sorted(_ALLOWED)

@@ -49,13 +49,13 @@ def _offloads(tmp_path):
 def test_gradients_bitwise_with_offload(schedule, to, tmp_path):
     params, batch = gpt_params(), _batches(1)[0]
     for timed in (False, True):
-        ref = P.run_inprocess(_stages(), params, batch, microbatches=M, schedule_name=schedule, timed=timed)
+        ref = P.run_inprocess(_stages(), params, batch, microbatches=M, schedule=schedule, timed=timed)
         got = P.run_inprocess(
             _stages(),
             params,
             batch,
             microbatches=M,
-            schedule_name=schedule,
+            schedule=schedule,
             timed=timed,
             offload=_offloads(tmp_path)[to],
         )
@@ -165,7 +165,7 @@ def test_damaged_or_missing_offload_file_is_one_clear_error(how, timed, tmp_path
     params, batch = gpt_params(), _batches(1)[0]
     with pytest.raises(VjpsplitError) as e:
         # GPipe: every first-stage F runs before any B, so mb0's file is still there when mb1's is written.
-        P.run_inprocess(_stages(), params, batch, microbatches=M, schedule_name="gpipe", timed=timed, offload=off)
+        P.run_inprocess(_stages(), params, batch, microbatches=M, schedule="gpipe", timed=timed, offload=off)
     msg = str(e.value)
     path = re.escape(str(tmp_path / "off")) + r"/vjpsplit-offload-[0-9a-f]{12}-stage0-mb1\.npz"
     assert re.match(f"stage 0 microbatch 1: offloaded residuals {path}: ", msg), msg
@@ -199,8 +199,8 @@ def test_host_offload_without_a_host_memory_kind_copies_to_numpy(timed, monkeypa
     monkeypatch.setattr(offload, "_has_pinned_host", lambda a: False)  # a platform without pinned_host
     monkeypatch.setattr(offload, "_to_host", spy)
     params, batch = gpt_params(), _batches(1)[0]
-    ref = P.run_inprocess(_stages(), params, batch, microbatches=M, schedule_name="zbh1", timed=timed)
-    got = P.run_inprocess(_stages(), params, batch, microbatches=M, schedule_name="zbh1", timed=timed, offload="host")
+    ref = P.run_inprocess(_stages(), params, batch, microbatches=M, schedule="zbh1", timed=timed)
+    got = P.run_inprocess(_stages(), params, batch, microbatches=M, schedule="zbh1", timed=timed, offload="host")
     _bitwise(got.grads, ref.grads)
     assert copies  # the NumPy path ran
 
@@ -245,8 +245,8 @@ def test_host_offload_chooses_numpy_on_cpu_devices_and_pinned_host_elsewhere(tim
     monkeypatch.setattr(offload, "_via_pinned_host", offload._has_pinned_host)
     monkeypatch.setattr(offload, "_to_host", spy)
     params, batch = gpt_params(), _batches(1)[0]
-    ref = P.run_inprocess(_stages(), params, batch, microbatches=M, schedule_name="gpipe", timed=timed)
-    got = P.run_inprocess(_stages(), params, batch, microbatches=M, schedule_name="gpipe", timed=timed, offload="host")
+    ref = P.run_inprocess(_stages(), params, batch, microbatches=M, schedule="gpipe", timed=timed)
+    got = P.run_inprocess(_stages(), params, batch, microbatches=M, schedule="gpipe", timed=timed, offload="host")
     _bitwise(got.grads, ref.grads)
     assert bool(copies) != offload._has_pinned_host(x)  # pinned_host where the devices have it, else NumPy
 

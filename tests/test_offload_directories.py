@@ -227,9 +227,7 @@ def test_run_inprocess_that_fails_leaves_no_offload_file(tmp_path, monkeypatch):
     off = tmp_path / "off"
     _failing_backward(monkeypatch, RuntimeError("broken"))
     with pytest.raises(VjpsplitError, match="B stage 0 mb 1 failed: RuntimeError: broken"):
-        P.run_inprocess(
-            _stages(), _params(), _batches(1)[0], microbatches=M, schedule_name="gpipe", offload=_files(off)
-        )
+        P.run_inprocess(_stages(), _params(), _batches(1)[0], microbatches=M, schedule="gpipe", offload=_files(off))
     assert os.listdir(off) == []
 
 

@@ -21,6 +21,8 @@ import pytest
 
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
+from vjpsplit_cli.pipeline.schedules.catalog import SCHEDULES, SPLIT_BACKWARD
+from vjpsplit_cli.pipeline.schedules.layout import worker_stages
 
 GRID = [(p, m) for p in range(2, 7) for m in range(p, 4 * p + 1)]
 CLASSIC = ("gpipe", "1f1b", "zbh1", "zbv")  # the schedules that run any m >= 1 (new ones: below)
@@ -116,11 +118,11 @@ def test_every_op_once_on_its_worker_in_order(name):
         S = n_stages(name, p)
         plans = P.schedule(name, S, m)
         assert len(plans) == p
-        kinds = "FIW" if name in P.SPLIT_BACKWARD else "FB"  # split schedules say I for every input part
+        kinds = "FIW" if name in SPLIT_BACKWARD else "FB"  # split schedules say I for every input part
         every = sorted((o.kind, o.mb, o.stage) for ops in plans for o in ops)
         assert every == sorted((k, mb, c) for k in kinds for mb in range(m) for c in range(S)), (p, m)
         for w, ops in enumerate(plans):
-            assert {o.stage for o in ops} == set(P.worker_stages(name, S)[w])
+            assert {o.stage for o in ops} == set(worker_stages(name, S)[w])
             pos = {slot(o): i for i, o in enumerate(ops)}
             for o in ops:
                 for d in deps(o.kind, o.mb, o.stage, S):
@@ -129,8 +131,8 @@ def test_every_op_once_on_its_worker_in_order(name):
 
 
 def test_zbv_places_two_stages_per_worker_in_a_v():
-    assert P.worker_stages("zbv", 8) == [(0, 7), (1, 6), (2, 5), (3, 4)]
-    assert P.worker_stages("1f1b", 3) == [(0,), (1,), (2,)]
+    assert worker_stages("zbv", 8) == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert worker_stages("1f1b", 3) == [(0,), (1,), (2,)]
 
 
 @pytest.mark.parametrize("name", CLASSIC)
@@ -155,7 +157,7 @@ def test_no_deadlock_under_random_op_times(name):
                 assert (e.start, e.end) == pytest.approx((start[k], end[k])), (p, m, k)
 
 
-@pytest.mark.parametrize("name", P.SCHEDULES)
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_simulate_takes_per_stage_costs_and_a_send_delay(name):
     """Costs per stage and kind (a whole backward costs B + W) and a delay per send between workers, as an
     automatic scheduler evaluates plans, against the independent model."""
@@ -351,7 +353,7 @@ def test_interleaved_1f1b_makespan_memory_and_order():
                 P.schedule("interleaved1f1b", S, m, chunks=v)
             continue
         plans = P.schedule("interleaved1f1b", S, m, chunks=v)
-        placement = P.worker_stages("interleaved1f1b", S, chunks=v)
+        placement = worker_stages("interleaved1f1b", S, chunks=v)
         assert placement == [tuple(range(r, S, p)) for r in range(p)]  # stage s on worker s mod p
         check_complete(plans, S, m, placement)
         start, end, _ = play(plans, S, chunk_time(v))
@@ -368,7 +370,7 @@ def test_interleaved_1f1b_makespan_memory_and_order():
 
 def test_interleaved_1f1b_by_name_has_two_chunks():
     assert P.schedule("interleaved1f1b", 6, 6) == P.schedule("interleaved1f1b", 6, 6, chunks=2)
-    assert P.worker_stages("interleaved1f1b", 6) == [(0, 3), (1, 4), (2, 5)]
+    assert worker_stages("interleaved1f1b", 6) == [(0, 3), (1, 4), (2, 5)]
 
 
 def test_dualpipev_makespan_memory_and_order():
@@ -379,8 +381,8 @@ def test_dualpipev_makespan_memory_and_order():
                 P.schedule("dualpipev", S, m)
             continue
         plans = P.schedule("dualpipev", S, m)
-        assert P.worker_stages("dualpipev", S) == [(w, S - 1 - w) for w in range(p)]
-        check_complete(plans, S, m, P.worker_stages("dualpipev", S))
+        assert worker_stages("dualpipev", S) == [(w, S - 1 - w) for w in range(p)]
+        check_complete(plans, S, m, worker_stages("dualpipev", S))
         split = split_pairs(plans)
         assert split and len(split) < S * m  # split into I and W for some microbatches, a whole B for others
         start, end, worker = play(plans, S, chunk_time(2))
@@ -408,7 +410,7 @@ def test_dualpipev_equals_torchs_artifact(tmp_path):
     assert first[:3] == ["0F0", "0F1", "0F2"] and "(0F7;7B3)OVERLAP_F_B" in first and first[-1] == "0W9"
 
 
-@pytest.mark.parametrize("name", P.SCHEDULES)
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_write_then_read_gives_the_same_plans(name, tmp_path):
     for p in (1, 2, 3):
         S = 2 * p if name in ("zbv", "dualpipev", "interleaved1f1b") else p

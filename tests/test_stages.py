@@ -71,7 +71,7 @@ def test_gpt_gradients_equal_value_and_grad(gpt_stages, schedule):
     stages, params = gpt_stages
     batch = gpt_batch(8)
     loss, grads = jax.value_and_grad(mean_over_microbatches, argnums=1)(gpt, params, batch, 4)
-    r = P.run(stages, params, batch, microbatches=4, schedule_name=schedule)
+    r = P.run(stages, params, batch, microbatches=4, schedule=schedule)
     assert r.num_workers == (2 if schedule == "zbv" else 4)
     np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
     assert jax.tree_util.tree_structure(r.grads) == jax.tree_util.tree_structure(params)
@@ -83,7 +83,7 @@ def test_symbolic_batch_runs_two_microbatch_sizes(gpt_stages):
     for n, m in [(8, 4), (6, 2)]:  # microbatches of 2 and of 3
         batch = gpt_batch(n, seed=n)
         loss, grads = jax.value_and_grad(gpt)(params, *batch)
-        r = P.run_inprocess(stages, params, batch, microbatches=m, schedule_name="1f1b")
+        r = P.run_inprocess(stages, params, batch, microbatches=m, schedule="1f1b")
         np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
         assert_trees_close(r.grads, grads, rtol=1e-4, atol=1e-6)
 
@@ -103,7 +103,7 @@ def test_save_load_round_trip_signed(gpt_stages, tmp_path):
     assert [p.sha256 for p in back.evaluation] == [p.sha256 for p in stages.evaluation]
     batch = gpt_batch(4)
     loss, grads = jax.value_and_grad(gpt)(params, *batch)
-    r = P.run(back, params, batch, microbatches=2, schedule_name="zbh1")
+    r = P.run(back, params, batch, microbatches=2, schedule="zbh1")
     np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
     assert_trees_close(r.grads, grads, rtol=1e-4, atol=1e-6)
     index = tmp_path / "gpt.stages" / "stages.json"
@@ -177,7 +177,7 @@ def test_balanced_cut_of_the_mlp_is_after_layers_2_4_6():
     layers = [sorted({int(keys[i].split("/")[1]) for i in st.params}) for st in stages.index.per_stage]
     assert layers == [[0, 1], [2, 3], [4, 5], [6, 7]] and stages.index.cut == "balanced"
     loss, grads = jax.value_and_grad(mlp)(params, x, labels)
-    r = P.run(stages, params, (x, labels), microbatches=4, schedule_name="zbh1")
+    r = P.run(stages, params, (x, labels), microbatches=4, schedule="zbh1")
     np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
     assert_trees_close(r.grads, grads, rtol=1e-4, atol=1e-6)
 
@@ -206,7 +206,7 @@ def test_flax_linen_model_cut_between_its_layers():
     stages = vs.export_stages(loss, *specs_like((variables, x[:2], y[:2])), wrt="variables", platforms="cpu")
     assert len(stages) == 3
     want, want_g = jax.value_and_grad(loss)(variables, x, y)
-    r = P.run(stages, variables, (x, y), microbatches=4, schedule_name="1f1b")
+    r = P.run(stages, variables, (x, y), microbatches=4, schedule="1f1b")
     np.testing.assert_allclose(r.loss, want, rtol=1e-5)
     assert_trees_close(r.grads, want_g, rtol=1e-4, atol=1e-6)
 
@@ -255,7 +255,7 @@ def test_cli_export_stages_and_inspect_dir(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     cmodel = __import__("cmodel")  # the same function, for the reference
     loss, grads = jax.value_and_grad(cmodel.loss)(params, x, labels)
-    res = P.run(stages, params, (x, labels), microbatches=2, schedule_name="zbh1")
+    res = P.run(stages, params, (x, labels), microbatches=2, schedule="zbh1")
     np.testing.assert_allclose(res.loss, loss, rtol=1e-5)
     assert_trees_close(res.grads, grads, rtol=1e-4, atol=1e-6)
 
@@ -322,7 +322,7 @@ def test_balanced_cut_of_the_sample_gpt_is_within_1_25_of_the_mean(monkeypatch):
     tokens = rng.integers(0, sample.VOCAB, (4, n)).astype(np.int32)
     batch = (tokens, np.ones((4, n), np.float32), np.roll(tokens, -1, 1))
     loss, grads = jax.value_and_grad(sample.loss)(params, *batch)
-    r = P.run(stages, params, batch, microbatches=2, schedule_name="1f1b")
+    r = P.run(stages, params, batch, microbatches=2, schedule="1f1b")
     np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
     assert_trees_close(r.grads, grads, rtol=1e-4, atol=1e-6)
 

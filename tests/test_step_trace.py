@@ -131,10 +131,10 @@ def _block_stage(monkeypatch, stage, mb, release):
     """Stage ``stage``'s forward of microbatch ``mb`` blocks until ``release`` is set (a host that hangs)."""
     real = StageWorker.forward
 
-    def forward(self, m, x, side, worker=None):
+    def forward(self, m, x, side, worker=None, microbatches=None):
         if self.stage_index == stage and m == mb:
             release.wait()
-        return real(self, m, x, side, worker=worker)
+        return real(self, m, x, side, worker=worker, microbatches=microbatches)
 
     monkeypatch.setattr(StageWorker, "forward", forward)
 

@@ -8,7 +8,6 @@ import inspect
 import sys
 from pathlib import Path
 
-import pytest
 
 import vjpsplit_cli as vs
 
@@ -169,7 +168,7 @@ def _layer_violations(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
             bad += [(mod, d) for d in deps if d.split(".")[0] not in BASE]
             continue
         if top not in rank:
-            continue  # the package's own __init__, __main__ and the old `arrays` path sit above everything
+            continue  # the package's own __init__ and __main__ sit above everything
         for d in deps:
             dtop = d.split(".")[0]
             if dtop in BASE or dtop == top:
@@ -233,9 +232,9 @@ def test_architecture_doc_names_every_module():
 
 
 # The pipeline's rooms, in their dependency order: a module may import modules of its own room and of the
-# rooms before it, never one after. Inside runtime, ray/ sits above the in-process modules and `runners`
+# rooms before it, never one after. Inside runtime, ray/ sits above the in-process modules; training's `runners`
 # (`run`, which picks one) above both. docs/explanations/architecture.md draws the same picture.
-PIPELINE_ROOMS = ["schedules", "stages", "runtime", "runtime.ray", "runtime.runners", "training"]
+PIPELINE_ROOMS = ["schedules", "stages", "runtime", "runtime.ray", "training"]
 
 
 def _room(mod: str) -> int | None:
@@ -280,7 +279,7 @@ def test_the_room_check_can_fail():
 
 
 def test_every_pipeline_room_says_what_it_owns_and_may_import():
-    for room in ["pipeline", *(f"pipeline.{r}" for r in PIPELINE_ROOMS if r != "runtime.runners")]:
+    for room in ["pipeline", *(f"pipeline.{r}" for r in PIPELINE_ROOMS)]:
         doc = importlib.import_module(f"vjpsplit_cli.{room}").__doc__ or ""
         assert "May import" in doc, room
 
@@ -295,21 +294,22 @@ def test_the_pipeline_surface_is_curated_and_documented():
             assert (obj.__doc__ or "").strip(), f"pipeline.{name} has no docstring"
     internal = {"run_op", "walk", "progress_bar", "StageActor", "stage_devices", "dependencies"}
     assert not internal & set(P.__all__)
+    assert len(P.__all__) <= 30, "issue 71: the rest lives in its submodule"
     init = PKG / "pipeline" / "__init__.py"
     body = [n for n in ast.parse(init.read_text()).body if not isinstance(n, (ast.Import, ast.ImportFrom, ast.Expr))]
     kinds = [(type(n).__name__, getattr(n, "name", None)) for n in body]
-    # no logic of its own: the export list, and the module __getattr__ that points old names at new ones
-    assert kinds == [("Assign", None), ("FunctionDef", "__getattr__")], kinds
+    assert kinds == [("Assign", None)], kinds  # no logic of its own, and no old name kept: the export list
 
 
-def test_the_old_name_of_layout_kind_still_works_with_a_deprecation_warning():
-    from vjpsplit_cli import pipeline as P
-
-    with pytest.warns(DeprecationWarning, match="layout_kind"):
-        old = P.layout
-    assert old is P.layout_kind and old("zbv") == "v"
-    with pytest.raises(AttributeError):
-        P.no_such_name  # noqa: B018
+def test_the_package_warns_of_no_deprecation():
+    """Issue 71: one spelling per concept, no old name kept behind a ``DeprecationWarning`` (jax's own deprecations,
+    silenced around a jaxpr built by hand, are jax's)."""
+    raised = []
+    for path in PKG.rglob("*.py"):
+        for line in path.read_text().splitlines():
+            if "DeprecationWarning" in line and 'simplefilter("ignore", DeprecationWarning)' not in line:
+                raised.append(f"{path.relative_to(PKG)}: {line.strip()}")
+    assert raised == []
 
 
 def _pipeline_names() -> tuple[dict[str, list[str]], dict[str, list[str]]]:

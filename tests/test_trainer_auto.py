@@ -31,6 +31,7 @@ from vjpsplit_cli.pipeline.stages.exporting import module_flops
 from vjpsplit_cli.pipeline.stages.report import stage_rows
 from vjpsplit_cli.pipeline.training import measured
 from vjpsplit_cli.pipeline.training.measured import CostSamples, counted, seconds, send_gaps
+from vjpsplit_cli.pipeline.schedules.timeline import Event
 
 M, ROWS = 4, 2  # microbatches of 2 rows: batches of 8
 
@@ -265,7 +266,7 @@ def test_bad_limits_are_one_clear_error():
 
 
 def test_send_time_is_the_gap_to_an_idle_worker_and_compiling_operations_are_left_out():
-    E = P.Event  # worker, kind, microbatch, start, end, stage
+    E = Event  # worker, kind, microbatch, start, end, stage
     events = [
         E(0, "F", 0, 0.0, 1.0, 0),
         E(1, "F", 0, 1.5, 2.5, 1),  # worker 1 idle since the start: a gap of 0.5
@@ -312,7 +313,7 @@ def test_send_time_is_the_gap_to_an_idle_worker_and_compiling_operations_are_lef
 def test_a_split_backwards_i_and_w_are_the_costs_b_and_w_and_an_is_cotangent_is_a_send():
     """The events say what ran: an I is the backward's input part (the costs' ``B``), a W its weight part; a
     whole B is cut by the stage's FLOPs. Read from the kinds alone, not from the plans."""
-    E = P.Event
+    E = Event
     events = [
         E(0, "F", 0, 0.0, 1.0, 0),
         E(1, "F", 0, 1.5, 2.5, 1),

@@ -1,5 +1,6 @@
-"""The Trainer's options as typed values, and the old keywords: each group warns, naming the new form, and builds
-the very same Trainer; an old keyword with the value it goes into is one error."""
+"""The Trainer's options as typed values, one spelling each: the keywords they replaced are gone (issue 71) but
+the contract's own (``schedule_name=``, ``memory_limit=``, ``devices=``, ``address=``, plans as ``schedule=``),
+each the field of a value; what the project writes uses the values."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import dataclasses
 import functools
 import inspect
 import re
-import warnings
 from pathlib import Path
 
 import jax
@@ -16,12 +16,11 @@ import numpy as np
 import optax
 import pytest
 from models import assert_trees_close, mlp_stage_artifacts
-from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
+from stage_models import gpt, gpt_params, gpt_specs
 
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
 from vjpsplit_cli.errors import VjpsplitError
-from vjpsplit_cli.pipeline.training import options as options_module
 from vjpsplit_cli.pipeline.training import trainer_setup  # where Trainer._start opens the backend
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,14 +72,15 @@ def _settings(tr):
 
 def test_the_signatures_are_short_typed_and_public():
     init = inspect.signature(P.Trainer.__init__).parameters
-    assert len(init) <= 14, list(init)  # self counted; rng= and aux= (SPEC: "Training what users train") made it 14
+    # self counted; rng= and aux= (SPEC: "Training what users train") made it 14, and the contract's keywords one
+    assert len(init) <= 15, list(init)
     assert not [n for n in init if n.startswith("_")]
     restore = inspect.signature(P.Trainer.restore).parameters
     assert not [n for n in restore if n.startswith("_")]
-    for params in (init, restore):
-        (kw,) = [p for p in params.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
-        assert kw.name == "deprecated" and kw.annotation == "Unpack[Deprecated]"  # typed, not **options: Any
-    assert set(options_module.Deprecated.__annotations__) == set(options_module.LEGACY)
+    for params in (init, restore):  # the only ** is the contract's spellings, typed
+        assert [str(p) for p in params.values() if p.kind is inspect.Parameter.VAR_KEYWORD] == [
+            "**keywords: 'Unpack[ContractKeywords]'"
+        ]
     for name in ("Schedule", "InProcess", "Ray", "Observe", "PerStage"):
         cls = getattr(P, name)
         assert name in P.__all__ and "Args:" in cls.__doc__ and cls.__dataclass_params__.frozen
@@ -88,133 +88,52 @@ def test_the_signatures_are_short_typed_and_public():
         P.Schedule("zbh1").name = "gpipe"
 
 
-def _tied():
-    return [[(0, "w"), (1, "w")]]
-
-
-def _tied_params():
-    params = [dict(p) for p in _per_stage()[1]]
-    params[1]["w"] = params[0]["w"].copy()
-    return params
-
-
-D0 = jax.devices()[0]
-# One row per old keyword group: the old keywords, the new form, the group's name in the warning.
-GROUPS = {
-    "schedule name": (dict(schedule_name="zbh1"), dict(schedule="zbh1"), "schedule="),
-    "auto in microbatches": (
-        dict(schedule_name="auto", memory_limit=2),
-        dict(schedule=P.Schedule("auto", memory_limit=2)),
-        "schedule=Schedule(name='auto', memory_limit=2)",
-    ),
-    "auto in bytes": (
-        dict(schedule_name="auto", memory_limit_bytes="1KiB"),
-        dict(schedule=P.Schedule("auto", memory_limit_bytes="1KiB")),
-        "schedule=Schedule(name='auto', memory_limit_bytes='1KiB')",
-    ),
-    "in-process": (
-        dict(devices=[[D0]] * 4, data_parallel=1),
-        dict(runner=P.InProcess(devices=[[D0]] * 4, data_parallel=1)),
-        "runner=InProcess(devices=",
-    ),
-    "ray": (
-        dict(
-            runner="ray",
-            address="ray://head:10001",
-            runtime_env={"pip": []},
-            actor_options=[{}] * 4,
-            schedule_timeout=5,
-        ),
-        dict(
-            runner=P.Ray(
-                address="ray://head:10001", runtime_env={"pip": []}, actor_options=[{}] * 4, schedule_timeout=5
-            )
-        ),
-        "runner=Ray(address='ray://head:10001', runtime_env={'pip': []}, actor_options=",
-    ),
-    "observe": (
-        dict(progress=False, timeline=True, trace_dir="t", trace_every=3, step_timeout=9.0, hang_report="h.json"),
-        dict(observe=P.Observe(timeline=True, trace_dir="t", trace_every=3, step_timeout=9.0, hang_report="h.json")),
-        "observe=Observe(progress=False, timeline=True, trace_dir='t', trace_every=3, step_timeout=9.0",
-    ),
-    "tied": (dict(tied=_tied()), dict(stages="per-stage"), "stages=PerStage(artifacts, tied="),
+# The keywords the option values replaced (0.1.0's deprecated spellings) that the contract does not write, each
+# gone: Python's own TypeError.
+REMOVED = {
+    "data_parallel": 2,
+    "runtime_env": {},
+    "actor_options": [{}],
+    "schedule_timeout": 5,
+    "progress": True,
+    "timeline": True,
+    "trace_dir": "t",
+    "trace_every": 3,
+    "step_timeout": 9.0,
+    "hang_report": "h.json",
+    "tied": [],
 }
 
 
-@pytest.mark.parametrize("group", list(GROUPS))
-def test_each_old_keyword_group_warns_naming_the_new_form_and_builds_the_same_trainer(opened, group):
-    old, new, form = GROUPS[group]
-    per_stage = group == "tied"
-    stages, params = (_per_stage()[0], _tied_params()) if per_stage else (_stages(), gpt_params())
-    if new.get("stages") == "per-stage":
-        new = {"stages": P.PerStage(stages, tied=_tied())}
+@pytest.mark.parametrize("keyword", list(REMOVED))
+def test_the_replaced_keywords_are_gone(opened, keyword):
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{keyword}'"):
+        P.Trainer(_stages(), gpt_params(), optimizer=optax.sgd(0.1), microbatches=2, **{keyword: REMOVED[keyword]})
+
+
+def test_the_contracts_keywords_are_the_fields_of_the_values(opened, recwarn):
+    # docs/contract.md writes Trainer(schedule_name=..., memory_limit=...), runner="ray", address=..., devices=:
+    # each is the field of schedule= or runner= it names, without a warning.
     kw = dict(optimizer=optax.sgd(0.1), microbatches=2)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        was = P.Trainer(stages, params, **old, **kw)
-    deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
-    assert len(deprecations) == 1, [str(w.message) for w in caught]
-    msg = str(deprecations[0].message)
-    names = ", ".join(f"{k}=" for k in old if k != "runner")
-    assert msg.startswith(f"Trainer({names}) is deprecated") and form in msg, msg
-    assert deprecations[0].filename == __file__  # the warning points at the caller's line
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
-        now = P.Trainer(new.pop("stages", stages), params, **new, **kw)
-    assert _settings(was) == _settings(now)
-
-
-def test_restore_takes_the_old_keywords_too_and_says_so(tmp_path):
-    arts, params = _per_stage()
-    batch = (np.ones((4, 8), np.float32), np.zeros(4, np.int32))
-    tr = P.Trainer(arts, params, optimizer=optax.sgd(0.1), microbatches=2, schedule="zbh1")
-    tr.step(batch)
-    tr.save(tmp_path / "ck")
-    with pytest.warns(DeprecationWarning, match=r"Trainer.restore\(schedule_name=\) is deprecated.*schedule="):
-        again = P.Trainer.restore(tmp_path / "ck", arts, optimizer=optax.sgd(0.1), schedule_name="gpipe")
-    assert again.plan.name == "gpipe" and again.step_count == 1
-    np.testing.assert_array_equal(
-        again.step(batch),
-        P.Trainer.restore(tmp_path / "ck", arts, optimizer=optax.sgd(0.1), schedule="gpipe").step(batch),
-    )
-
-
-MIXED = {
-    "schedule_name with schedule": (dict(schedule_name="zbh1", schedule="gpipe"), "schedule_name="),
-    "memory_limit with a Schedule": (dict(memory_limit=2, schedule=P.Schedule("auto")), "memory_limit="),
-    "devices with InProcess": (dict(devices=[[D0]] * 4, runner=P.InProcess()), "devices="),
-    "address with Ray": (dict(address="ray://head:10001", runner=P.Ray()), "address="),
-    "progress with observe": (dict(progress=True, observe=P.Observe()), "progress="),
-}
-
-
-@pytest.mark.parametrize("case", list(MIXED))
-def test_an_old_keyword_with_the_value_it_goes_into_is_one_error(opened, case):
-    given, name = MIXED[case]
-    with pytest.raises(VjpsplitError) as e:
-        P.Trainer(_stages(), gpt_params(), optimizer=optax.sgd(0.1), microbatches=2, **given)
-    msg = str(e.value)
-    assert msg.startswith(f"Trainer({name}) and ") and "give it once" in msg and "\n" not in msg, msg
-
-
-def test_tied_with_a_per_stage_value_is_one_error(opened):
-    arts, _ = _per_stage()
-    with pytest.raises(VjpsplitError, match=r"Trainer\(tied=\) and stages= say the same thing"):
-        P.Trainer(P.PerStage(arts, _tied()), _tied_params(), optimizer=optax.sgd(0.1), microbatches=2, tied=_tied())
-
-
-def test_old_keywords_of_the_other_runner_and_unknown_keywords_are_refused(opened):
-    kw = dict(optimizer=optax.sgd(0.1), microbatches=2)
-    # data_parallel is both runners': with runner="ray" the old keyword goes into Ray(...).
-    with pytest.warns(DeprecationWarning, match=r"write runner=Ray\(data_parallel=2\)"):
-        options = options_module.from_legacy("Trainer", _stages(), None, "ray", None, {"data_parallel": 2})
-    assert options.runner == P.Ray(data_parallel=2)
-    with pytest.raises(VjpsplitError, match=r"data_parallel=0: give the number of replicas"):
-        P.Ray(data_parallel=0)
-    with pytest.raises(VjpsplitError, match=r"devices= places the stages of this process"):
-        P.Trainer(_stages(), gpt_params(), devices=[[D0]] * 4, runner="ray", **kw)
-    with pytest.raises(VjpsplitError, match=r"address= configure Ray's actors, but the runner is 'inprocess'"):
+    tr = P.Trainer(_stages(), gpt_params(), schedule_name="auto", memory_limit=2, **kw)
+    assert tr.schedule == P.Schedule("auto", memory_limit=2)
+    d = jax.devices()[0]
+    tr = P.Trainer(_stages(), gpt_params(), schedule_name="zbh1", devices=[[d], [d]], **kw)
+    assert tr.schedule == P.Schedule("zbh1") and tr.runner == P.InProcess(devices=[[d], [d]])
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]
+    with pytest.raises(VjpsplitError, match=r"schedule_name=\) and schedule= say the same thing"):
+        P.Trainer(_stages(), gpt_params(), schedule="1f1b", schedule_name="zbh1", **kw)
+    with pytest.raises(VjpsplitError, match=r"address=\) is Ray's: give runner=Ray\(address=...\)"):
         P.Trainer(_stages(), gpt_params(), address="ray://head:10001", **kw)
+    with pytest.raises(VjpsplitError, match=r"devices=\) is InProcess's"):
+        P.Trainer(_stages(), gpt_params(), runner="ray", devices=[[d], [d]], **kw)
+
+
+def test_plans_are_a_schedule_and_a_runner_is_a_name_or_its_value(opened):
+    plans = P.schedule("1f1b", 4, 2)
+    kw = dict(optimizer=optax.sgd(0.1), microbatches=2)
+    assert P.Trainer(_stages(), gpt_params(), schedule=plans, **kw).plan.name == "custom"  # as the contract writes
+    assert P.Trainer(_stages(), gpt_params(), schedule=P.Schedule(plans=plans), **kw).plan.name == "custom"
     with pytest.raises(VjpsplitError, match="unknown runner 'mpi'"):
         P.Trainer(_stages(), gpt_params(), runner="mpi", **kw)
     with pytest.raises(TypeError, match="unexpected keyword argument 'schedual'"):
@@ -255,38 +174,40 @@ def test_microbatches_that_are_not_a_count_are_refused_at_construction(opened, c
     assert P.Trainer(_stages(), gpt_params(), optimizer=optax.sgd(0.1), microbatches=np.int64(2)).microbatches == 2
 
 
-def test_a_new_form_trainer_trains_as_the_old_one():
-    """Not just the same settings: the same losses, bitwise, from the two spellings of one configuration."""
-    batch, tx = gpt_batch(8), optax.sgd(0.1)
-    new = P.Trainer(
-        _stages(), gpt_params(), optimizer=tx, microbatches=2, schedule="zbh1", observe=P.Observe(timeline=True)
-    )
-    with pytest.warns(DeprecationWarning):
-        old = P.Trainer(_stages(), gpt_params(), optimizer=tx, microbatches=2, schedule_name="zbh1", timeline=True)
-    assert new.step(batch) == old.step(batch) and new.last_result.timed and old.last_result.timed
+# The contract's spellings (docs/contract.md): accepted, but what the project writes is the value form.
+CONTRACT = {"schedule_name", "memory_limit", "memory_limit_bytes", "devices", "address"}
+MARK = "# the contract's spelling"  # a line testing one of them says so
 
 
-def _calls_with_old_keywords(tree: ast.AST) -> list[int]:
-    lines = []
+def _calls_with_old_keywords(tree: ast.AST, source: str = "") -> list[int]:
+    lines, text = [], source.splitlines()
     for n in ast.walk(tree):
         if isinstance(n, ast.Call):
             f = n.func
             name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
             if isinstance(f, ast.Attribute) and f.attr == "restore":
                 name = "restore" if "Trainer" in ast.unparse(f.value) else ""
-            if name in ("Trainer", "restore") and {k.arg for k in n.keywords} & set(options_module.LEGACY):
+            given = {k.arg for k in n.keywords}
+            if text and MARK in "".join(text[n.lineno - 1 : n.end_lineno]):
+                continue
+            if name in ("Trainer", "restore") and given & (set(REMOVED) | CONTRACT):
+                lines.append(n.lineno)
+            if name in ("run", "run_inprocess") and given & {"schedule_name", "address", "memory_limit"}:
+                lines.append(n.lineno)
+            if name == "run" and "devices" in given:
                 lines.append(n.lineno)
     return lines
 
 
 def test_docs_samples_benchmarks_and_tests_write_the_new_form():
-    """Only this file (which asserts the deprecation) calls the Trainer with an old keyword."""
+    """No call in the tests, samples, benchmarks or docs' code spells a Trainer or a runner the old way."""
     found = []
     for path in [*ROOT.glob("tests/**/*.py"), *ROOT.glob("samples/**/*.py"), *ROOT.glob("benchmarks/*.py")]:
         if path.resolve() == Path(__file__).resolve():
             continue
-        found += [f"{path.relative_to(ROOT)}:{ln}" for ln in _calls_with_old_keywords(ast.parse(path.read_text()))]
-    for path in [ROOT / "README.md", *ROOT.glob("docs/**/*.md")]:
+        text = path.read_text()
+        found += [f"{path.relative_to(ROOT)}:{ln}" for ln in _calls_with_old_keywords(ast.parse(text), text)]
+    for path in [ROOT / "README.md", *(p for p in ROOT.glob("docs/**/*.md") if p.name != "contract.md")]:
         for block in re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S):
             try:
                 tree = ast.parse(block.replace("...", "None"))

@@ -51,7 +51,7 @@ def test_steps_equal_single_process_optax(schedule):
     h = tr.history
     assert [e.step for e in h] == [1, 2, 3] and all(e.grad_norm > 0 and e.step_time > 0 for e in h)
     assert all(np.isnan(e.bubble) and np.isnan(e.modeled_bubble) for e in h[:2])  # untimed: no timeline
-    assert 0 <= h[2]["bubble"] < 1 and 0 <= h[2]["modeled_bubble"] < 1
+    assert 0 <= h[2].bubble < 1 and 0 <= h[2].modeled_bubble < 1
     assert {e.stage for e in tr.last_result.events} == {0, 1, 2, 3} and tr.last_result.timed
     # One device here: every stage shares it (tests/devices checks a device each).
     assert tr.placement == [(jax.devices()[0],)] * 4
@@ -178,7 +178,7 @@ def test_restore_of_a_checkpoint_that_records_no_microbatches(tmp_path):
 def test_restore_runs_the_callers_plans_it_recorded(tmp_path):
     params, batches, tx = gpt_params(), _batches(2), optax.sgd(0.1)
     plans = P.schedule("zbh1", 4, 2)
-    trainer = P.Trainer(_stages(), params, optimizer=tx, schedule=plans, microbatches=2)
+    trainer = P.Trainer(_stages(), params, optimizer=tx, schedule=P.Schedule(plans=plans), microbatches=2)
     trainer.step(batches[0])
     trainer.save(tmp_path / "ck")
     again = P.Trainer.restore(tmp_path / "ck", _stages(), optimizer=tx)
@@ -252,8 +252,9 @@ def test_an_error_inside_a_stage_names_the_operation_and_the_trainer_steps_on(mo
 
     real = StageWorker.forward
 
-    def forward(self, m, x, side, worker=None):
-        return real(self, m, raising(x) if (self.stage_index, m) == (1, 1) else x, side, worker=worker)
+    def forward(self, m, x, side, worker=None, microbatches=None):
+        x = raising(x) if (self.stage_index, m) == (1, 1) else x
+        return real(self, m, x, side, worker=worker, microbatches=microbatches)
 
     params, batches, tx = gpt_params(), _batches(2), optax.sgd(0.1)
     with P.Trainer(_stages(), params, optimizer=tx, microbatches=2, observe=P.Observe(timeline=timed)) as tr:

@@ -14,12 +14,13 @@ from models import assert_trees_close, mlp_stage_artifacts
 from models import stages_whole as whole
 
 from vjpsplit_cli.errors import VjpsplitError
-from vjpsplit_cli.pipeline import DeviceMemory, PerStage
+from vjpsplit_cli.pipeline import PerStage
 from vjpsplit_cli.pipeline.training.backend import Backend
 from vjpsplit_cli.pipeline.training.history import CheckpointTime, RestartRecord, StepRecord
 from vjpsplit_cli.pipeline.training.local_backend import InProcessBackend
 from vjpsplit_cli.pipeline.training.ray_backend import RayBackend
 from vjpsplit_cli.pipeline.training.trainer import Trainer
+from vjpsplit_cli.pipeline.training.device_memory import DeviceMemory
 
 D, CLASSES, BATCH, STAGES = 8, 5, 16, 3
 
@@ -60,33 +61,25 @@ def test_trainer_steps_equal_single_process_optax(schedule):
     assert_trees_close(tr.params(), jax.tree_util.tree_map(np.asarray, ref_params), rtol=1e-4, atol=1e-5)
     assert [h.step for h in tr.history] == [1, 2, 3] and all(h.grad_norm > 0 for h in tr.history)
     assert all(isinstance(h, StepRecord) for h in tr.history)
-    with pytest.warns(DeprecationWarning, match=r"\.loss instead"):
-        assert tr.history[0]["loss"] == tr.history[0].loss == losses[0]  # the old key, kept
+    assert tr.history[0].loss == losses[0]
 
 
-def test_records_keep_the_old_dict_access_with_a_deprecation_warning():
+def test_records_are_read_by_attribute_and_give_their_dict():
     row = StepRecord(step=1, loss=0.5, grad_norm=2.0, step_time=0.1, bubble=0.2, modeled_bubble=0.3)
     timed = dataclasses.replace(row, busy=(0.1, 0.2), stragglers=(1,), measuring=True)
     assert row.as_dict() == {
         "step": 1, "loss": 0.5, "grad_norm": 2.0, "step_time": 0.1, "bubble": 0.2, "modeled_bubble": 0.3
     }  # fmt: skip
-    with pytest.warns(DeprecationWarning, match=r"\.grad_norm instead"):
-        assert row["grad_norm"] == 2.0
-    with pytest.warns(DeprecationWarning, match=r"\.measuring instead"):
-        assert row.get("measuring", False) is False and timed.get("measuring") is True
-    with pytest.warns(DeprecationWarning, match=r"\.stragglers instead"):
-        assert "stragglers" not in row and "stragglers" in timed
-    with pytest.warns(DeprecationWarning), pytest.raises(KeyError):
-        row["eval_loss"]  # absent, as the dict had no such key before an evaluation
+    assert "measuring" not in row.as_dict() and timed.as_dict()["measuring"] is True
+    assert "eval_loss" not in row.as_dict()  # absent, as the dict had no such key before an evaluation
+    with pytest.raises(TypeError):
+        row["grad_norm"]  # issue 71: one way to read a record, its attribute
     assert timed.as_dict()["busy"] == [0.1, 0.2] and timed.as_dict()["stragglers"] == [1]
     with pytest.raises(dataclasses.FrozenInstanceError):
         row.loss = 1.0  # type: ignore[misc]
     ck = CheckpointTime(step=2, wait=0.01, write=0.5)
     restart = RestartRecord(step=3, workers=(1,), returned_to=2, found_at=10.0, recovery_time=1.5)
-    with pytest.warns(DeprecationWarning, match=r"\.wait instead"):
-        assert ck["wait"] == 0.01
-    with pytest.warns(DeprecationWarning, match=r"\.workers instead"):
-        assert restart["workers"] == [1]  # a list, as it was
+    assert ck.wait == 0.01 and restart.workers == (1,)
     assert restart.as_dict() == {"step": 3, "workers": [1], "returned_to": 2, "found_at": 10.0, "recovery_time": 1.5}
 
 

@@ -161,7 +161,7 @@ def test_with_x64_split_and_export_stages_run_in_float64(x64):
     assert_trees_close(bwd(res), want_g, rtol=1e-13, atol=0)
     stages = vs.export_stages(staged, *staged_specs(np.float64), wrt="params", platforms="cpu")
     assert [a.manifest.x64 for a in stages.artifacts] == [True, True]
-    r = P.run(stages, params, (x, y), microbatches=2, schedule_name="gpipe", runner="inprocess")
+    r = P.run(stages, params, (x, y), microbatches=2, schedule="gpipe", runner="inprocess")
     assert np.asarray(r.loss).dtype == np.float64 and r.grads["w1"].dtype == np.float64
     np.testing.assert_allclose(r.loss, want, rtol=1e-13)
     assert_trees_close(r.grads, want_g, rtol=1e-12, atol=0)

@@ -335,7 +335,7 @@ def pipeline(kind, stages):
 @pytest.mark.parametrize("schedule,stages", [("zbh1", 3), ("zbv", 4)])
 def test_pipeline_of_scanned_stages_equals_value_and_grad(kind, schedule, stages):
     arts, params, x, labels, whole = pipeline(kind, stages)
-    r = P.run(arts, params, x, [labels], microbatches=4, schedule_name=schedule)
+    r = P.run(arts, params, x, [labels], microbatches=4, schedule=schedule)
     loss, grads = jax.value_and_grad(whole)(params, x, labels)
     np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
     # Three scanned stages of growing weights are ill-conditioned: float32 itself is off by

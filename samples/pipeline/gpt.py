@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     tokens = rng.integers(0, VOCAB, (args.batch, SEQ)).astype(np.int32)
     mask = (rng.random((args.batch, SEQ)) > 0.2).astype(np.float32)
     labels = np.roll(tokens, -1, axis=1)
-    r = P.run(stages, params, (tokens, mask, labels), microbatches=args.microbatches, schedule_name=args.schedule)
+    r = P.run(stages, params, (tokens, mask, labels), microbatches=args.microbatches, schedule=args.schedule)
     k = args.batch // args.microbatches
 
     def mean_loss(p):  # the pipeline's loss: the mean of the microbatches' losses

@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stages as model  # noqa: E402
 
 from vjpsplit_cli import pipeline as P  # noqa: E402
+from vjpsplit_cli.pipeline.schedules.catalog import LABELS, SCHEDULES  # noqa: E402
+from vjpsplit_cli.pipeline.schedules.layout import layout_kind  # noqa: E402
 
 # The measured columns run every worker on this host's one device, sharing its cores, and the modeled
 # column replays them as one device per worker: the sharing is meant, so its warning is not shown.
@@ -62,7 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="where to write timeline PNGs (default: a temp dir)")
     ap.add_argument("--address", default=None, help="Ray cluster address for multi-host (default: a local Ray)")
     ap.add_argument("--progress", action="store_true", help="show a progress bar per step")
-    ap.add_argument("--schedules", default=",".join(P.SCHEDULES), help="comma-separated schedule names (default: all)")
+    ap.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated schedule names (default: all)")
     args = ap.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="vjpsplit-pipeline-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -95,22 +97,22 @@ def main(argv=None) -> int:
     rows = []
     for runner in runners:
         for name in args.schedules.split(","):
-            note(f"{RUNNERS[runner]}, {P.LABELS[name]}: a warm-up step, then {args.steps} measured")
-            stages = cuts[WORKERS if P.layout_kind(name) == "stage" else 2 * WORKERS]
-            rp = P.RayPipeline(stages, params, layout=P.layout_kind(name)) if runner == "ray" else None
+            note(f"{RUNNERS[runner]}, {LABELS[name]}: a warm-up step, then {args.steps} measured")
+            stages = cuts[WORKERS if layout_kind(name) == "stage" else 2 * WORKERS]
+            rp = P.RayPipeline(stages, params, layout=layout_kind(name)) if runner == "ray" else None
             try:
 
                 def step():
                     if rp is not None:
                         return rp.run(
-                            (x, labels), microbatches=args.microbatches, schedule_name=name, progress=args.progress
+                            (x, labels), microbatches=args.microbatches, schedule=name, progress=args.progress
                         )
                     return P.run_inprocess(
                         stages,
                         params,
                         (x, labels),
                         microbatches=args.microbatches,
-                        schedule_name=name,
+                        schedule=name,
                         progress=args.progress,
                     )
 
@@ -153,7 +155,7 @@ def main(argv=None) -> int:
     )
     print("|---|---|---:|---:|---:|---:|")
     for runner, name, n, t, bub, model_bub in rows:
-        print(f"| {RUNNERS[runner]} | {P.LABELS[name]} | {n} | {t * 1e3:.0f} ms | {bub:.0%} | {model_bub:.0%} |")
+        print(f"| {RUNNERS[runner]} | {LABELS[name]} | {n} | {t * 1e3:.0f} ms | {bub:.0%} | {model_bub:.0%} |")
     print()
     print(f"timelines: {out}")
     return 0

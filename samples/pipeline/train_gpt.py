@@ -30,6 +30,7 @@ from jax import export as jexport
 
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
+from vjpsplit_cli.pipeline.schedules.plots import plot_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 WIDTH, SEQ, HEADS, BATCH, MICROBATCHES = 32, 32, 4, 16, 4
@@ -149,7 +150,7 @@ def train(steps: int, runner: str = "inprocess", schedule: str = "1f1b", out: Pa
                 f"step {steps} ({schedule}, {runner}), from its trace file",
             )
             out.mkdir(parents=True, exist_ok=True)
-            P.plot_loss(
+            plot_loss(
                 {f"pipeline ({schedule}, {runner})": piped, "one process": reference},
                 out / "loss.png",
                 f"char GPT on docs/*.md, 4 stages, {steps} steps",

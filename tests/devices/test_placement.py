@@ -143,7 +143,7 @@ def test_interleaved_workers_stages_share_the_workers_device():
 
 
 def test_a_restored_run_goes_back_onto_each_stages_device(tmp_path):
-    """A checkpoint arrives from host memory: restore (and load, as fit does) put it on the stages' devices."""
+    """A checkpoint arrives from host memory: restore (and fit, resuming from it) put it on the stages' devices."""
     tr = _train(schedule="1f1b", runner=P.InProcess(devices=[[d] for d in D[::-1]]))
     tr.save(tmp_path / "ck")
     again = P.Trainer.restore(
@@ -151,7 +151,8 @@ def test_a_restored_run_goes_back_onto_each_stages_device(tmp_path):
     )
     _state_lives_on(again, D[::-1])
     again.step(gpt_batch(8, seed=50))
-    again.load(tmp_path / "ck")
+    again.fit(lambda step: gpt_batch(8, seed=50 + step), steps=4, checkpoint_dir=tmp_path / "ck")  # from step 3
+    assert again.step_count == 4
     _state_lives_on(again, D[::-1])
 
 
@@ -180,7 +181,7 @@ def test_more_workers_than_devices_share_the_default_device():
 def test_run_inprocess_on_devices_equals_value_and_grad(timed):
     params, batch = gpt_params(), gpt_batch(8, seed=7)
     loss, grads = jax.value_and_grad(gpt)(params, *batch)
-    r = P.run_inprocess(_stages(), params, batch, microbatches=4, schedule_name="zbh1", timed=timed)
+    r = P.run_inprocess(_stages(), params, batch, microbatches=4, schedule="zbh1", timed=timed)
     np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
     assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
     assert r.timed is timed and (len(r.events) > 0) is timed

@@ -13,6 +13,7 @@ from test_pipeline import make
 
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
+from vjpsplit_cli.pipeline.runtime.ray.setup import placement_group_options
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +52,14 @@ def test_stages_pinned_to_named_nodes(cluster):
     with P.RayPipeline(arts, params, actor_options=pins) as rp:
         assert rp.nodes == [ids["node_a"], ids["node_b"]]
         for name in ("1f1b", "zbh1"):
-            r = rp.run(x, [labels], microbatches=4, schedule_name=name)
+            r = rp.run(x, [labels], microbatches=4, schedule=name)
             _check(r, params, x, labels)
     arts, params, x, labels = make(4, seed=6)
-    opts = P.placement_group_options(2, {"CPU": 1}, strategy="STRICT_SPREAD")
+    opts = placement_group_options(2, {"CPU": 1}, strategy="STRICT_SPREAD")
     try:
         with P.RayPipeline(arts, params, layout="v", actor_options=opts) as rp:
             assert len(set(rp.nodes)) == 2  # one worker per node
-            _check(rp.run(x, [labels], microbatches=4, schedule_name="zbv"), params, x, labels)
+            _check(rp.run(x, [labels], microbatches=4, schedule="zbv"), params, x, labels)
     finally:
         ray.util.remove_placement_group(opts[0]["scheduling_strategy"].placement_group)
 

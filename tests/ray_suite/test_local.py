@@ -13,6 +13,8 @@ from test_pipeline import make
 
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
+from vjpsplit_cli.pipeline.schedules.catalog import SCHEDULES
+from vjpsplit_cli.pipeline.schedules.layout import layout_kind
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
@@ -22,8 +24,8 @@ def test_ray_gradients_equal_value_and_grad(ray_session, stages):
     layouts = ["stage", "v", "interleaved"] if stages % 2 == 0 else ["stage"]
     for lay in layouts:
         with P.RayPipeline(arts, params, layout=lay, compiled=None) as rp:
-            for name in [n for n in P.SCHEDULES if P.layout_kind(n) == lay]:
-                r = rp.run(x, [labels], microbatches=4, schedule_name=name)
+            for name in [n for n in SCHEDULES if layout_kind(n) == lay]:
+                r = rp.run(x, [labels], microbatches=4, schedule=name)
                 assert r.runner == "ray" and r.extra["compiled"]  # compiled=None: a Compiled Graph where Ray can
                 np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
                 assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
@@ -35,7 +37,7 @@ def test_ray_gradients_equal_value_and_grad(ray_session, stages):
 def test_ray_driver_fetches_only_gradients_and_timings(ray_session, monkeypatch, compiled):
     arts, params, x, labels = make(4)
     with P.RayPipeline(arts, params, layout="v", compiled=compiled) as rp:
-        rp.run(x, [labels], microbatches=4, schedule_name="zbv")  # compiles the step's graph (which gets refs)
+        rp.run(x, [labels], microbatches=4, schedule="zbv")  # compiles the step's graph (which gets refs)
         fetched = []
         real_get = ray_session.get
 
@@ -46,8 +48,8 @@ def test_ray_driver_fetches_only_gradients_and_timings(ray_session, monkeypatch,
 
         monkeypatch.setattr(rp.ray, "get", counting_get)
         with pytest.raises(vs.VjpsplitError, match="needs RayPipeline"):
-            rp.run(x, [labels], microbatches=4, schedule_name="zbh1")
-        r = rp.run(x, [labels], microbatches=4, schedule_name="zbv")
+            rp.run(x, [labels], microbatches=4, schedule="zbh1")
+        r = rp.run(x, [labels], microbatches=4, schedule="zbv")
         # Each actor's list: one get of the lists (None each) with the actors' final states; a compiled step:
         # one get of the actors' states. No activation or cotangent reaches the driver.
         assert fetched == ([2] if compiled else [4]) and r.extra["compiled"] is compiled
@@ -60,7 +62,7 @@ def test_ray_stage_error_reaches_the_driver(ray_session):
     with P.RayPipeline(arts, bad) as rp:
         for _ in range(2):  # the step fails on the driver, not in a hang, and the next one too
             with pytest.raises(vs.VjpsplitError, match="params"):
-                rp.run(x, [labels], microbatches=4, schedule_name="zbh1")
+                rp.run(x, [labels], microbatches=4, schedule="zbh1")
 
 
 def test_ray_events_are_on_the_drivers_clock(ray_session):
@@ -68,14 +70,14 @@ def test_ray_events_are_on_the_drivers_clock(ray_session):
 
     arts, params, x, labels = make(2)
     with P.RayPipeline(arts, params) as rp:
-        warm = rp.run(x, [labels], microbatches=2, schedule_name="1f1b", progress=True)  # warm-up: compiles
+        warm = rp.run(x, [labels], microbatches=2, schedule="1f1b", progress=True)  # warm-up: compiles
         assert len(warm.events) == sum(len(p) for p in P.schedule("1f1b", 2, 2))
         t0 = time.monotonic()
-        r = rp.run(x, [labels], microbatches=2, schedule_name="1f1b")
+        r = rp.run(x, [labels], microbatches=2, schedule="1f1b")
         t1 = time.monotonic()
         rp.step_timeout = 1e-6  # a step that is not back in time is an error, not a hang
         with pytest.raises(vs.VjpsplitError, match="did not finish within step_timeout=1e-06 s"):
-            rp.run(x, [labels], microbatches=2, schedule_name="1f1b")
+            rp.run(x, [labels], microbatches=2, schedule="1f1b")
     # Every actor's events, moved by its measured offset, fall inside the step as the driver saw it.
     assert t0 <= min(e.start for e in r.events) and max(e.end for e in r.events) <= t1
     assert all(e.start <= e.end for e in r.events) and len(rp.clock_offsets) == 2
@@ -96,12 +98,12 @@ def test_ray_dead_actor_is_named_and_a_new_pipeline_runs(ray_session, compiled):
     arts, params, x, labels = make(2)
     loss, grads = jax.value_and_grad(whole)(params, x, labels)
     with P.RayPipeline(arts, params, compiled=compiled) as rp:
-        rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
+        rp.run(x, [labels], microbatches=2, schedule="zbh1")
         ray_session.kill(rp.actors[1])
         with pytest.raises(vs.VjpsplitError, match="stage 1: its Ray actor died.*build a new RayPipeline"):
-            rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
+            rp.run(x, [labels], microbatches=2, schedule="zbh1")
     with P.RayPipeline(arts, params) as rp:
-        r = rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
+        r = rp.run(x, [labels], microbatches=2, schedule="zbh1")
         assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
 
 
@@ -116,12 +118,12 @@ def test_ray_falls_back_to_actor_calls_without_compiled_graphs(ray_session, monk
     arts, params, x, labels = make(2)
     loss, grads = jax.value_and_grad(whole)(params, x, labels)
     with P.RayPipeline(arts, params, compiled=None) as rp:
-        r = rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
+        r = rp.run(x, [labels], microbatches=2, schedule="zbh1")
         assert r.extra["compiled"] is False
         assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
     with P.RayPipeline(arts, params, compiled=True) as rp:  # asked for explicitly: an error, not a fallback
         with pytest.raises(vs.VjpsplitError, match="could not compile the step's graph.*no Compiled Graphs"):
-            rp.run(x, [labels], microbatches=2, schedule_name="zbh1")
+            rp.run(x, [labels], microbatches=2, schedule="zbh1")
 
 
 def test_ray_runs_plans_read_from_csv(ray_session, tmp_path):
@@ -132,10 +134,10 @@ def test_ray_runs_plans_read_from_csv(ray_session, tmp_path):
     plans = P.read_schedule(tmp_path / "hand.csv")
     with P.RayPipeline(arts, params) as rp:
         with pytest.raises(vs.VjpsplitError, match=r"needs RayPipeline\(layout=\[\(1,\), \(0,\)\]\)"):
-            rp.run(x, [labels], microbatches=2, schedule=plans)
+            rp.run(x, [labels], microbatches=2, schedule=P.Schedule(plans=plans))
     with P.RayPipeline(arts, params, layout=[(1,), (0,)], compiled=None) as rp:
         for _ in range(2):  # compiled where Ray can, then the same graph again
-            r = rp.run(x, [labels], microbatches=2, schedule=plans)
+            r = rp.run(x, [labels], microbatches=2, schedule=P.Schedule(plans=plans))
             np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
             assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
             for w, ops in enumerate(plans):  # each actor ran its own list, under its own worker index
@@ -145,7 +147,15 @@ def test_ray_runs_plans_read_from_csv(ray_session, tmp_path):
     arts, params, x, labels = make(6)
     loss, grads = jax.value_and_grad(whole)(params, x, labels)
     P.write_schedule(tmp_path / "i3.csv", P.schedule("interleaved1f1b", 6, 4, chunks=3))
-    r = P.run(arts, params, x, [labels], microbatches=4, runner="ray", schedule=P.read_schedule(tmp_path / "i3.csv"))
+    r = P.run(
+        arts,
+        params,
+        x,
+        [labels],
+        microbatches=4,
+        runner="ray",
+        schedule=P.Schedule(plans=P.read_schedule(tmp_path / "i3.csv")),
+    )
     np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
     assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
     assert r.num_workers == 2 and {e.worker for e in r.events} == {0, 1}
@@ -160,7 +170,7 @@ def test_ray_both_transports_equal_value_and_grad(ray_session, monkeypatch, tran
     with P.RayPipeline(arts, params, compiled=False) as rp:
         assert rp.transport == transport
         for name in ["1f1b", "zbh1"]:
-            r = rp.run(x, [labels], microbatches=4, schedule_name=name)
+            r = rp.run(x, [labels], microbatches=4, schedule=name)
             np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
             assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
 
@@ -173,7 +183,7 @@ def what_actors_see(ray, monkeypatch, probe):
     loss, grads = jax.value_and_grad(whole)(params, x, labels)
     with P.RayPipeline(arts, params) as rp:
         seen = ray.get([a.__ray_call__.remote(lambda _: probe()) for a in rp.actors])
-        r = rp.run(x, [labels], microbatches=4, schedule_name="1f1b")
+        r = rp.run(x, [labels], microbatches=4, schedule="1f1b")
     np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
     assert_trees_close(r.grads, grads, rtol=1e-5, atol=1e-6)
     return seen

@@ -20,11 +20,11 @@ def test_ray_gpt_stages_equal_value_and_grad(ray_session):
     for lay, names in [("stage", ["gpipe", "1f1b", "zbh1"]), ("v", ["zbv"])]:
         with P.RayPipeline(stages, params, layout=lay) as rp:
             for name in names:
-                r = rp.run(batch, microbatches=4, schedule_name=name)
+                r = rp.run(batch, microbatches=4, schedule=name)
                 assert r.runner == "ray" and r.num_workers == (2 if lay == "v" else 4)
                 np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
                 assert_trees_close(r.grads, grads, rtol=1e-4, atol=1e-6)
-    r = P.run(stages, params, batch, microbatches=2, schedule_name="1f1b", runner="ray")
+    r = P.run(stages, params, batch, microbatches=2, schedule="1f1b", runner="ray")
     np.testing.assert_allclose(r.loss, loss, rtol=1e-5)
 
 

@@ -82,7 +82,7 @@ def test_inprocess_stages_on_disjoint_device_groups(name, stages):
     groups = [set(d.id for d in a.devices) for a in placed]
     n = 8 // stages
     assert groups == [set(range(n * s, n * s + n)) for s in range(stages)]  # disjoint, consecutive
-    r = pipeline.run_inprocess(arts, params, x, [labels], microbatches=4, schedule_name=name)
+    r = pipeline.run_inprocess(arts, params, x, [labels], microbatches=4, schedule=name)
     _check(r, params, x, labels)
     # Each stage's gradients stay on its own devices, sharded like its parameters.
     for grads, art in zip(r.grads, placed):
@@ -93,7 +93,7 @@ def test_inprocess_stages_on_disjoint_device_groups(name, stages):
 def test_inprocess_stages_on_one_shared_mesh():
     arts, params, x, labels = make(2)
     shared = [jax.devices()[:4], jax.devices()[:4]]
-    r = pipeline.run_inprocess(arts, params, x, [labels], microbatches=2, schedule_name="zbh1", devices=shared)
+    r = pipeline.run_inprocess(arts, params, x, [labels], microbatches=2, schedule="zbh1", devices=shared)
     _check(r, params, x, labels)
 
 
@@ -113,6 +113,6 @@ def test_ray_actors_drive_multi_device_stages(ray_session, stages):
         assert [st["device_count"] for st in states] == [n] * stages
         assert [st["devices"] for st in states] == [{s: list(range(n))} for s in range(stages)]
         for name in ("1f1b", "zbh1"):
-            r = rp.run(x, [labels], microbatches=4, schedule_name=name)
+            r = rp.run(x, [labels], microbatches=4, schedule=name)
             assert r.runner == "ray"
             _check(r, params, x, labels)

@@ -1,7 +1,7 @@
 """Sizes as users write and read them: ``--at NAME=SIZE``, byte sizes (``64MiB``), byte counts.
 
 ``parse_at`` reads the sizes of symbolic dims (``--at b=256``, or ``at=`` in Python),
-``parse_bytes`` a memory budget; byte counts of arrays with symbolic dims are kept as
+``parse_bytes`` a memory budget, ``plain`` a NumPy scalar a user passes as a Python number; byte counts of arrays with symbolic dims are kept as
 ``{symbolic factor: coefficient}`` terms (``byte_terms``), evaluated at sizes
 (``evaluate_terms``) and printed (``human_bytes``, ``format_bytes_terms``). No JAX here.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -19,6 +19,26 @@ from ..errors import UsageError, VjpsplitError
 from .dtypes import dtype_from_name
 from .dimtext import MAX_DIM
 from .shapes import IDENTIFIER, eval_dim
+
+T = TypeVar("T")
+
+
+def plain(value: T) -> T:
+    """``value`` with NumPy integer and floating scalars (also in a list or tuple) as Python ints and floats.
+
+    Typed as the value's own type: the caller's annotation says the number it means, and a NumPy scalar
+    becomes that Python number here."""
+    if isinstance(value, (list, tuple)):
+        return cast(T, type(value)(plain(v) for v in value))
+    if isinstance(value, np.bool_):
+        return value  # not a number: left for the check that refuses it
+    if isinstance(value, np.integer):
+        return cast(T, int(value))
+    if isinstance(value, np.floating):
+        return cast(T, float(value))
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf":
+        return cast(T, plain(value[()]))
+    return value
 
 
 class ShapedLeaf(Protocol):

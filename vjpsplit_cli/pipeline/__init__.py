@@ -9,7 +9,7 @@ for) and ``W`` (the weight part, deferred into what would be idle time).
 Residuals never leave their worker; activations and cotangents go between stages.
 A schedule can also be data: ``read_schedule``/``write_schedule`` use
 torch.distributed.pipelining's CSV, and every runner takes such plans as
-``schedule=`` after checking them. ``Trainer`` trains the stages, applying the
+``schedule=Schedule(plans=plans)`` after checking them. ``Trainer`` trains the stages, applying the
 optimizer where each stage's parameters live, told its options as typed values
 (``Schedule``, ``InProcess`` or ``Ray``, ``Observe``; ``PerStage`` for the per-stage
 form); its checkpoints are keyed by the model, so another cut, or one process
@@ -29,57 +29,46 @@ The rooms, in their dependency order (each imports only the rooms before it;
 * ``stages/``: the mark, the cut, the cost model, the balanced cut, the export,
   the ``Stages`` directory with its typed index, the ``inspect`` report;
 * ``runtime/``: the stage worker, the model's one form, the one dispatcher, the
-  result, the in-process runner, ``ray/``, and ``run``;
-* ``training/``: the Trainer, parameter ownership, the backends behind one
-  protocol, per-stage state, the optimizer program, clipping, checkpoints.
+  result, the in-process runner and ``ray/``;
+* ``training/``: the Trainer, ``run`` (one step on a runner), parameter ownership,
+  the backends behind one protocol, per-stage state, the optimizer program,
+  clipping, checkpoints.
 
-This module only re-exports what users call. May import every layer but ``cli``.
+This module only re-exports what users call; the rest stays in its module
+(``schedules.catalog.SCHEDULES``, ``schedules.layout.layout_kind``,
+``schedules.plots.plot_loss``, ...). May import every layer but ``cli``.
 """
 
 from __future__ import annotations
-
-import warnings
 
 from .runtime.devices import SharedDevicesWarning
 from .runtime.inprocess import run_inprocess
 from .runtime.offload import Offload
 from .runtime.ray.pipeline import RayPipeline
-from .runtime.ray.setup import placement_group_options
 from .runtime.result import PipelineResult
-from .runtime.runners import run
-from .runtime.worker import StageWorker
 from .schedules.auto import auto_schedule
-from .schedules.offloading import OffloadPlans
 from .schedules.builtins import schedule
-from .schedules.catalog import LABELS, SCHEDULES, SPLIT_BACKWARD
+from .schedules.catalog import Schedule
 from .schedules.csvformat import read_schedule, write_schedule
-from .schedules.layout import layout_kind, worker_stages
 from .schedules.ops import Kind, Op
 from .schedules.play import Costs, simulate
+from .schedules.plots import plot_timeline
 from .schedules.stepplans import check_plans
-from .schedules.plots import plot_loss, plot_timeline
-from .schedules.timeline import Event, bubble_ratio
 from .stages.microbatches import Microbatches
-from .training.device_memory import DeviceMemory
 from .training.history import CheckpointTime, RestartRecord, StepRecord
-from .training.options import InProcess, Observe, PerStage, Ray, Schedule
+from .training.option_values import InProcess, Observe, PerStage, Ray
 from .training.resume import load_checkpoint
+from .training.runners import run
 from .training.trainer import Trainer
 
 __all__ = [
-    "LABELS",
-    "SCHEDULES",
-    "SPLIT_BACKWARD",
     "CheckpointTime",
     "Costs",
-    "DeviceMemory",
-    "Event",
     "InProcess",
     "Kind",
     "Microbatches",
     "Observe",
     "Offload",
-    "OffloadPlans",
     "Op",
     "PerStage",
     "PipelineResult",
@@ -88,29 +77,16 @@ __all__ = [
     "RestartRecord",
     "Schedule",
     "SharedDevicesWarning",
-    "StageWorker",
     "StepRecord",
     "Trainer",
     "auto_schedule",
-    "bubble_ratio",
     "check_plans",
-    "layout_kind",
     "load_checkpoint",
-    "placement_group_options",
-    "plot_loss",
     "plot_timeline",
     "read_schedule",
     "run",
     "run_inprocess",
     "schedule",
     "simulate",
-    "worker_stages",
     "write_schedule",
 ]
-
-
-def __getattr__(name: str) -> object:  # old names kept one release, each pointing at its new one
-    if name == "layout":
-        warnings.warn("vjpsplit_cli.pipeline.layout is now layout_kind", DeprecationWarning, stacklevel=2)
-        return layout_kind
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 import jax
 
+from ..schedules.catalog import Plans, Schedule, schedule_of
 from ..schedules.ops import Op
 from ..schedules.stepplans import resolve
 from ..stages.directory import Stages
@@ -42,16 +43,13 @@ def run_inprocess(
     side: Mapping[str, Leaf] | Sequence[Leaf] = (),
     *,
     microbatches: int,
-    schedule_name: str = "1f1b",
+    schedule: str | Schedule | Plans = "1f1b",
     progress: bool = False,
     devices: Sequence[Sequence[jax.Device]] | None = None,
-    schedule: Sequence[Sequence[Op]] | None = None,
     timed: bool = True,
     offload: Offload | str | None = None,
 ) -> PipelineResult:
     """Run one training step in this process, every stage on its own device where this host has enough.
-
-    ``schedule`` (plans, e.g. from ``read_schedule``) runs instead of ``schedule_name``, once checked.
 
     ``devices``: one list of devices per stage (one device for an unsharded stage, a
     sharded stage's mesh devices); by default worker k's stages run on
@@ -72,10 +70,10 @@ def run_inprocess(
         x: The batch tuple for a ``Stages``, else the first stage's input.
         side: The last stage's side inputs (a ``Stages`` takes none).
         microbatches: How many microbatches to split the batch into.
-        schedule_name: The built-in schedule (by default ``"1f1b"``).
+        schedule: A built-in schedule's name (by default ``"1f1b"``), or a ``Schedule`` (plans:
+            ``Schedule(plans=plans)``, checked first).
         progress: Whether to show a progress bar over operations (the step is then timed).
         devices: One list of devices per stage; ``None`` places them as above.
-        schedule: Plans to run instead of ``schedule_name``, once checked; ``None`` for the named schedule.
         timed: Whether to run one thread per worker and time each operation.
         offload: Residuals off their device between F and B: ``"host"`` or an ``offload.Offload``; gradients
             are bitwise those without; ``None``: none.
@@ -91,7 +89,7 @@ def run_inprocess(
             operation fails (naming its stage).
     """
     model = model_of(artifacts, params)
-    name, plans, mbs, workers = _prepared(model, x, side, microbatches, schedule_name, schedule, devices, offload)
+    name, plans, mbs, workers = _prepared(model, x, side, microbatches, schedule_of(schedule), devices, offload)
     timed = timed or progress
     t0 = time.monotonic()
     try:
@@ -107,14 +105,13 @@ def _prepared(
     x: PyTree,
     side: Mapping[str, Leaf] | Sequence[Leaf],
     microbatches: int,
-    schedule_name: str,
-    schedule: Sequence[Sequence[Op]] | None,
+    schedule: Schedule,
     devices: Sequence[Sequence[jax.Device]] | None,
     offload: Offload | str | None,
 ) -> tuple[str, list[list[Op]], list[Microbatch], list[StageWorker]]:
     """The step's schedule name and plans (checked), its microbatches, and one worker per stage on its devices."""
     S = model.num_stages
-    name, plans, layout = resolve(schedule_name, schedule, S, microbatches)
+    name, plans, layout = resolve(schedule, S, microbatches)
     where = placement(model.artifacts, layout.workers, devices)
     arts = placed(model.artifacts, where)
     model.check_plans(name, plans)

@@ -108,7 +108,7 @@ def auto_schedule(
     at once, from a stage's F until its W (or its B where that backward is whole);
     an int, one per worker, or ``None`` for no limit. Returns one list of ``Op`` per
     worker, worker ``w`` holding stage ``w``, in the form ``read_schedule`` returns
-    (any runner takes it as ``schedule=``); checked, within the limit, and under
+    (any runner takes it as ``schedule=Schedule(plans=...)``); checked, within the limit, and under
     ``costs`` no slower than any of ``gpipe``, ``1f1b`` and ``zbh1`` that fits it.
     Stages whose artifact lacks the split backward (or costs without ``W``) get whole
     backwards. The plans depend only on the arguments (no clock, no randomness), and each

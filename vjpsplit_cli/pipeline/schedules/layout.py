@@ -20,14 +20,14 @@ from .ops import Op
 KINDS = {"stage": "1f1b", "v": "zbv", "interleaved": "interleaved1f1b"}  # a layout kind: a schedule using it
 
 
-def layout_kind(schedule_name: str) -> str:
+def layout_kind(name: str) -> str:
     """How a schedule lays stages on workers: ``"v"``, ``"interleaved"`` or ``"stage"``.
 
     ``"v"``: two per worker (ZB-V, DualPipeV); ``"interleaved"``: ``CHUNKS`` per
     worker, round robin; ``"stage"``: one each.
 
     Args:
-        schedule_name: The schedule, one of ``SCHEDULES``.
+        name: The schedule, one of ``SCHEDULES``.
 
     Returns:
         The layout kind's name.
@@ -35,20 +35,20 @@ def layout_kind(schedule_name: str) -> str:
     Raises:
         VjpsplitError: If the schedule is unknown.
     """
-    check_schedule(schedule_name, 2)
-    if schedule_name in V_SHAPED:
+    check_schedule(name, 2)
+    if name in V_SHAPED:
         return "v"
-    return "interleaved" if schedule_name == "interleaved1f1b" else "stage"
+    return "interleaved" if name == "interleaved1f1b" else "stage"
 
 
-def worker_stages(schedule_name: str, num_stages: int, chunks: int = CHUNKS) -> list[tuple[int, ...]]:
-    """The stages each worker holds under schedule ``schedule_name``.
+def worker_stages(name: str, num_stages: int, chunks: int = CHUNKS) -> list[tuple[int, ...]]:
+    """The stages each worker holds under schedule ``name``.
 
     ``(s,)`` each; the V ``(w, 2p-1-w)`` for ZB-V and DualPipeV; ``(w, w+p, ...)``
     (``chunks`` of them) for interleaved 1F1B.
 
     Args:
-        schedule_name: The schedule, one of ``SCHEDULES``.
+        name: The schedule, one of ``SCHEDULES``.
         num_stages: The pipeline's stage count.
         chunks: Interleaved 1F1B's stages per worker (by default 2).
 
@@ -59,11 +59,11 @@ def worker_stages(schedule_name: str, num_stages: int, chunks: int = CHUNKS) -> 
         VjpsplitError: If the schedule is unknown or cannot run ``num_stages`` stages
             (an odd count for a V, not a multiple of ``chunks`` for interleaved 1F1B).
     """
-    check_schedule(schedule_name, num_stages, chunks=chunks)
-    if schedule_name in V_SHAPED:
+    check_schedule(name, num_stages, chunks=chunks)
+    if name in V_SHAPED:
         p = num_stages // 2
         return [(w, 2 * p - 1 - w) for w in range(p)]
-    if schedule_name == "interleaved1f1b":
+    if name == "interleaved1f1b":
         p = num_stages // chunks
         return [tuple(range(w, num_stages, p)) for w in range(p)]
     return [(s,) for s in range(num_stages)]
@@ -93,9 +93,9 @@ class Layout:
         return cls(workers)
 
     @classmethod
-    def of_schedule(cls, schedule_name: str, num_stages: int, chunks: int = CHUNKS) -> Layout:
-        """The layout the built-in schedule ``schedule_name`` runs on."""
-        return cls(tuple(worker_stages(schedule_name, num_stages, chunks)))
+    def of_schedule(cls, name: str, num_stages: int, chunks: int = CHUNKS) -> Layout:
+        """The layout the built-in schedule ``name`` runs on."""
+        return cls(tuple(worker_stages(name, num_stages, chunks)))
 
     @classmethod
     def of_plans(cls, plans: Sequence[Sequence[Op]]) -> Layout:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 from ...errors import VjpsplitError
-from .builtins import schedule
-from .catalog import check_schedule
+from .builtins import schedule as schedule_ops
+from .catalog import Schedule, check_schedule
 from .layout import Layout
 from .ops import Kind, Op, action_name, check_backwards
 from .play import sweep
@@ -78,21 +78,36 @@ class Resolved(NamedTuple):
     layout: Layout
 
 
-def resolve(schedule_name: str, plans: Sequence[Sequence[Op]] | None, num_stages: int, microbatches: int) -> Resolved:
-    """The name, checked plans and layout of one step: the named schedule's, or ``plans`` after ``check_plans``.
+def resolve(schedule: Schedule, num_stages: int, microbatches: int) -> Resolved:
+    """The name, checked plans and layout of one step: the named schedule's, or its plans after ``check_plans``.
 
-    ``plans`` (``schedule=`` of the runners) wins over ``schedule_name``; its name is ``"custom"``.
+    Plans are named ``"custom"``.
+
+    Raises:
+        VjpsplitError: ``"auto"`` (the Trainer plans it over the steps it measures); what ``check_schedule`` and
+            ``check_plans`` refuse.
     """
-    if plans is None:
-        check_schedule(schedule_name, num_stages, microbatches)
-        named = schedule(schedule_name, num_stages, microbatches)
-        return Resolved(schedule_name, named, Layout.of_schedule(schedule_name, num_stages))
-    checked = [list(ops) for ops in plans]
+    _refuse_auto(schedule)
+    if schedule.plans is None:
+        name = schedule.label
+        check_schedule(name, num_stages, microbatches)
+        return Resolved(name, schedule_ops(name, num_stages, microbatches), Layout.of_schedule(name, num_stages))
+    checked = [list(ops) for ops in schedule.plans]
     return Resolved("custom", checked, Layout(tuple(check_plans(checked, num_stages, microbatches))))
 
 
-def layout_for(schedule_name: str, plans: Sequence[Sequence[Op]] | None, num_stages: int) -> Layout:
-    """The layout a step needs: the named schedule's, or the one ``plans`` imply."""
-    if plans is None:
-        return Layout.of_schedule(schedule_name, num_stages)
-    return Layout.of_plans(plans)
+def layout_for(schedule: Schedule, num_stages: int) -> Layout:
+    """The layout a step needs: the named schedule's, or the one its plans imply."""
+    _refuse_auto(schedule)
+    if schedule.plans is None:
+        return Layout.of_schedule(schedule.label, num_stages)
+    return Layout.of_plans(schedule.plans)
+
+
+def _refuse_auto(schedule: Schedule) -> None:
+    """Refuse ``"auto"`` for one step: the Trainer plans it over the steps it measures."""
+    if schedule.auto:
+        raise VjpsplitError(
+            "Schedule('auto') plans from the steps a Trainer measures; for one step, pass "
+            "schedule=Schedule(plans=auto_schedule(stages, microbatches, costs=...))"
+        )

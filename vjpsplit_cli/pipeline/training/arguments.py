@@ -3,7 +3,7 @@
 A NumPy scalar (``np.float32(0.5)``, ``np.int64(4)``, what a config read with
 NumPy gives) is a number to the user; the checks downstream (``isinstance(v,
 int)``) and the checkpoint's JSON index are not, so each numeric argument is
-made a Python ``int`` or ``float`` once, where the Trainer takes it. ``Optimizer``
+made a Python ``int`` or ``float`` once, where the Trainer takes it (``files.sizes.plain``). ``Optimizer``
 says what the Trainer takes as its optimizer (an optax ``GradientTransformation``'s two functions).
 """
 
@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Protocol, TypeVar, cast
-
-import numpy as np
+from typing import Protocol
 
 from ...errors import VjpsplitError
+from ...files.sizes import plain
 from ...treetypes import PyTree
-
-T = TypeVar("T")
 
 
 class Optimizer(Protocol):
@@ -31,24 +28,6 @@ class Optimizer(Protocol):
     def update(self, updates: PyTree, state: PyTree, params: PyTree = None) -> tuple[PyTree, PyTree]:
         """The updates and the next state."""
         ...
-
-
-def plain(value: T) -> T:
-    """``value`` with NumPy integer and floating scalars (also in a list or tuple) as Python ints and floats.
-
-    Typed as the value's own type: the caller's annotation says the number it means, and a NumPy scalar
-    becomes that Python number here."""
-    if isinstance(value, (list, tuple)):
-        return cast(T, type(value)(plain(v) for v in value))
-    if isinstance(value, np.bool_):
-        return value  # not a number: left for the check that refuses it
-    if isinstance(value, np.integer):
-        return cast(T, int(value))
-    if isinstance(value, np.floating):
-        return cast(T, float(value))
-    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf":
-        return cast(T, plain(value[()]))
-    return value
 
 
 def checked_microbatches(value: object) -> int:

@@ -66,6 +66,7 @@ from ..schedules.auto import auto_schedule, built_in_candidates
 from ..schedules.costs import Costs
 from ..schedules.offloading import offload_makespan
 from ..schedules.builtins import schedule
+from ..schedules.catalog import AUTO
 from ..schedules.layout import Layout
 from ..schedules.modeled import memory_limits, memory_peaks, modeled_makespan
 from ..schedules.ops import Op
@@ -73,7 +74,6 @@ from ..schedules.stepplans import Resolved, check_plans
 from .measured import MeasuredCosts
 from .trials import TRIAL_ROUNDS, Candidate, Trial, contenders
 
-AUTO = "auto"
 AS_1F1B = "auto, 1f1b's memory"  # auto_schedule's plans held to the microbatches 1F1B keeps in flight
 EQUAL_COSTS = "auto, equal costs"  # the measuring step's plans where no built-in fit: auto_schedule's for F = B = W
 MEASURING_STEPS = 2  # the timed steps an auto Trainer starts with: the first measures, the second again

@@ -5,7 +5,7 @@ lost Ray worker.
   from 0 of the run; ``steps`` is the run's total, so a Trainer at step k runs
   k ... steps-1, and ``fit`` returns the losses of the steps it ran.
 * With ``checkpoint_dir``, a checkpoint already there is where ``fit`` begins
-  (``Trainer.load``: any cut of the same function; logged at INFO on this module's
+  (any cut of the same function; logged at INFO on this module's
   ``logging`` logger, with the step), and one is saved after every
   ``checkpoint_every``-th step and after the last. The step only waits for the
   copy of the state to host memory (``Trainer.host_checkpoint``); a thread
@@ -107,7 +107,7 @@ class Fitted(Protocol):
         """The state ``save`` writes, copied to host memory."""
         ...
 
-    def load(self, directory: str | os.PathLike[str]) -> None:
+    def _load(self, directory: str | os.PathLike[str]) -> None:
         """Every stage, and the step count, set to the checkpoint in ``directory``."""
         ...
 
@@ -226,8 +226,8 @@ def _nonfinite(trainer: Fitted, k: int, loss: float, writer: CheckpointWriter | 
     if writer is not None:
         last = writer.last_step
         where = (
-            f"; the checkpoint in {os.fspath(writer.directory)} keeps the state after {last} steps (trainer.load goes "
-            "back to it)"
+            f"; the checkpoint in {os.fspath(writer.directory)} keeps the state after {last} steps (fit with this "
+            "checkpoint_dir goes back to it)"
             if last is not None
             else "; no checkpoint was written in this run"
         )
@@ -369,7 +369,7 @@ def _resume(
     check_directory(checkpoint_dir)  # before the first step, not at the first save
     if not has_checkpoint(checkpoint_dir):
         return None
-    trainer.load(checkpoint_dir)
+    trainer._load(checkpoint_dir)
     LOG.info(
         "fit resumes from the checkpoint in %s, after step %d of steps=%d",
         os.fspath(checkpoint_dir),
@@ -410,7 +410,7 @@ def _replace_lost_workers(
         raise VjpsplitError("a lost worker with no checkpoint_dir: nothing to return to")  # refused before
     t0 = time.monotonic()
     trainer.backend.replace(workers)
-    trainer.load(writer.directory)
+    trainer._load(writer.directory)
     trainer.restarts.append(
         RestartRecord(
             step=step,

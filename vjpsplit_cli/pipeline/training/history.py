@@ -1,8 +1,7 @@
 """What a Trainer keeps of its steps: one record per step (``StepRecord``), per checkpoint ``fit`` wrote
 (``CheckpointTime``) and per lost worker it replaced (``RestartRecord``), a progress bar over steps, the loss curve.
 
-The records are frozen dataclasses read by attribute; ``row["loss"]``, ``row.get(...)`` and ``"key" in row``
-(the string-keyed dicts they were) still work, with a ``DeprecationWarning`` naming the attribute.
+The records are frozen dataclasses read by attribute (``row.loss``); ``as_dict()`` gives one as JSON.
 """
 
 from __future__ import annotations
@@ -11,10 +10,9 @@ import dataclasses
 import os
 import sys
 import statistics
-import warnings
 from typing import Hashable, Protocol, Sequence
 
-from ...treetypes import JSON, JSONObject, PyTree
+from ...treetypes import JSONObject, PyTree
 from ..runtime.result import PipelineResult
 from ..schedules.plots import plot_loss
 from ...artifact.artifact import Artifact
@@ -52,35 +50,8 @@ class Stragglers:
         return now, new
 
 
-class _KeyAccess:
-    """The string keys the records had as dicts: ``as_dict()``'s, each read with a ``DeprecationWarning``."""
-
-    def as_dict(self) -> JSONObject:
-        raise NotImplementedError
-
-    def _old(self, key: object) -> JSONObject:
-        warnings.warn(
-            f"{type(self).__name__}[{key!r}] is deprecated: read the attribute .{key} instead",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        return self.as_dict()
-
-    def __getitem__(self, key: str) -> JSON:
-        """``record[key]``, as the dict it was (deprecated: ``record.key``)."""
-        return self._old(key)[key]
-
-    def get(self, key: str, default: JSON = None) -> JSON:
-        """``record.get(key, default)``, as the dict it was (deprecated: ``record.key``)."""
-        return self._old(key).get(key, default)
-
-    def __contains__(self, key: object) -> bool:
-        """``key in record``, as the dict it was: a key ``as_dict`` holds (deprecated: the attribute)."""
-        return key in self._old(key)
-
-
 @dataclasses.dataclass(frozen=True)
-class StepRecord(_KeyAccess):
+class StepRecord:
     """One step of ``Trainer.history``.
 
     Attributes:
@@ -152,7 +123,7 @@ class StepRecord(_KeyAccess):
 
 
 @dataclasses.dataclass(frozen=True)
-class CheckpointTime(_KeyAccess):
+class CheckpointTime:
     """One checkpoint of ``Trainer.checkpoint_times`` (``fit`` with ``checkpoint_dir``).
 
     Attributes:
@@ -175,7 +146,7 @@ class CheckpointTime(_KeyAccess):
 
 
 @dataclasses.dataclass(frozen=True)
-class RestartRecord(_KeyAccess):
+class RestartRecord:
     """One lost Ray worker ``fit`` replaced, in ``Trainer.restarts``.
 
     Attributes:

@@ -2,8 +2,8 @@
 
 ``Trainer(stages, params, optimizer=tx, microbatches=8, schedule=..., runner=..., observe=...)``:
 
-* ``schedule``: a built-in schedule's name, plans (``read_schedule``'s form), or a
-  ``Schedule`` (``"auto"`` with its memory limit, or a name or plans spelled out);
+* ``schedule``: a built-in schedule's name or a ``Schedule`` (``schedules.catalog``'s:
+  ``"auto"`` with its memory limit, or plans, ``read_schedule``'s form, as ``Schedule(plans=)``);
 * ``runner``: ``"inprocess"``/``"ray"``, or ``InProcess(devices=, data_parallel=)``
   / ``Ray(address=, runtime_env=, actor_options=, schedule_timeout=)``;
 * ``observe``: ``Observe(progress=, timeline=, trace_dir=, trace_every=,
@@ -11,8 +11,7 @@
 * ``stages``: a ``Stages``, or the per-stage form's artifacts (``PerStage(artifacts,
   tied=...)`` where stages share leaves).
 
-Each value checks its fields when made. ``options`` gathers them (``Options``) and
-builds them from the keywords they replace.
+Each value checks its fields when made. ``options`` gathers them (``Options``).
 
 May import ``runtime``, ``schedules``, ``stages`` and, of this room, ``arguments``, ``autoplan`` and
 ``ownership``; the layers below ``pipeline``.
@@ -34,16 +33,11 @@ from ...safeio.outputs import check_directory_option
 from ..runtime.offload import Offload, offload_of
 from ..runtime.ray.pipeline import STEP_TIMEOUT
 from ..runtime.ray.setup import SCHEDULE_TIMEOUT
-from ..runtime.runners import check_runner
-from ..schedules.catalog import SCHEDULES
-from ..schedules.ops import Op
-from .arguments import plain
-from .autoplan import AUTO
+from ..schedules.catalog import Plans as Plans
+from ..schedules.catalog import Schedule as Schedule
+from ...files.sizes import plain
 from .ownership import Tied
 
-Plans = Sequence[Sequence[Op]]
-MemoryLimit = int | Sequence[int]
-MemoryLimitBytes = int | str | Sequence[int | str]
 PathLike = str | os.PathLike[str]
 
 
@@ -57,99 +51,6 @@ def _checked_replicas(runner: InProcess | Ray) -> None:
     if runner.data_parallel is not None:
         object.__setattr__(runner, "data_parallel", plain(runner.data_parallel))
         _check_count("data_parallel", runner.data_parallel, "the number of replicas of every stage")
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """What each worker runs in a step: a built-in schedule, plans, or ``"auto"`` within a memory limit.
-
-    ``Trainer(schedule="zbh1")`` and ``Trainer(schedule=plans)`` say the same as
-    ``Schedule("zbh1")`` and ``Schedule(plans=plans)``; a ``Schedule`` is needed for
-    ``"auto"``'s memory limit. ``"auto"`` times the first step and runs
-    ``auto_schedule``'s plans for the measured costs from the second (timed too, and
-    planned again after it), within the limit.
-
-    Args:
-        name: ``gpipe``, ``1f1b``, ``zbh1``, ``zbv``, ``interleaved1f1b``, ``dualpipev`` or ``"auto"``
-            (default: ``1f1b``, or the plans').
-        plans: one list of operations per worker, as ``read_schedule`` returns them (checked by
-            ``check_plans``; the schedule's name is then ``"custom"``).
-        memory_limit: ``"auto"`` only: the most microbatches a worker holds at once, an int or one per worker.
-        memory_limit_bytes: ``"auto"`` only: bytes per worker (an int or a size such as ``"2GiB"``, or one
-            per worker), counted from the stages' manifests.
-        trial_rounds: ``"auto"`` only: the steps each of the plans the model rates close runs at least before
-            auto keeps the fastest (default 3; those within the clock's noise of the fastest run on, up to 4
-            times as many; 0 keeps the model's choice without trial steps).
-
-    Raises:
-        VjpsplitError: both ``name`` and ``plans``; both memory limits, or one (or ``trial_rounds``) for a
-            schedule other than ``"auto"``; a name that is not a string, or no schedule's (the message lists them,
-            ``"auto"`` too); ``trial_rounds`` not an int >= 0.
-    """
-
-    name: str | None = None
-    plans: Plans | None = None
-    memory_limit: MemoryLimit | None = None
-    memory_limit_bytes: MemoryLimitBytes | None = None
-    trial_rounds: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.name is not None and not isinstance(self.name, str):
-            raise VjpsplitError(f"Schedule(name={self.name!r}): give a schedule's name as a string, or plans as plans=")
-        if self.name is not None and self.name not in (*SCHEDULES, AUTO):
-            raise VjpsplitError(
-                f"unknown schedule {self.name!r}; use one of {', '.join(SCHEDULES)}, or {AUTO!r} (plans for the "
-                "measured costs)"
-            )
-        if self.name is not None and self.plans is not None:
-            raise VjpsplitError(
-                f"Schedule(name={self.name!r}, plans=...): give a schedule's name or its plans, not both"
-            )
-        object.__setattr__(self, "memory_limit", plain(self.memory_limit))
-        object.__setattr__(self, "memory_limit_bytes", plain(self.memory_limit_bytes))
-        if self.memory_limit is not None and self.memory_limit_bytes is not None:
-            raise VjpsplitError("give memory_limit (microbatches) or memory_limit_bytes, not both")
-        limited = self.memory_limit is not None or self.memory_limit_bytes is not None
-        if limited and self.name != AUTO:
-            raise VjpsplitError(
-                f"memory_limit and memory_limit_bytes apply to Schedule('auto'), not to {self.label!r}: "
-                f"write Schedule('auto', memory_limit=...), or leave the limit out"
-            )
-        object.__setattr__(self, "trial_rounds", plain(self.trial_rounds))
-        rounds = self.trial_rounds
-        if rounds is not None:
-            if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
-                raise VjpsplitError(
-                    f"Schedule(trial_rounds={rounds!r}): give the steps each close candidate runs, an int >= 0"
-                )
-            if self.name != AUTO:
-                raise VjpsplitError(
-                    f"trial_rounds applies to Schedule('auto'), not to {self.label!r}: leave it out, or write "
-                    "Schedule('auto', trial_rounds=...)"
-                )
-
-    @property
-    def label(self) -> str:
-        """The schedule's name: ``name``, or ``"custom"`` for plans, ``"1f1b"`` when neither is given."""
-        if self.plans is not None:
-            return "custom"
-        return self.name if self.name is not None else "1f1b"
-
-    @property
-    def auto(self) -> bool:
-        """Whether this is ``"auto"``: plans chosen from the measured costs."""
-        return self.name == AUTO
-
-
-def schedule_of(schedule: str | Plans | Schedule | None) -> Schedule:
-    """``Trainer``'s ``schedule=`` as a ``Schedule``: a name, plans, or one already (``None``: ``1f1b``)."""
-    if schedule is None:
-        return Schedule()
-    if isinstance(schedule, Schedule):
-        return schedule
-    if isinstance(schedule, str):
-        return Schedule(schedule)
-    return Schedule(plans=schedule)
 
 
 @dataclass(frozen=True)
@@ -218,14 +119,15 @@ Runner = InProcess | Ray
 
 
 def runner_of(runner: str | Runner) -> Runner:
-    """``Trainer``'s ``runner=`` as an ``InProcess`` or ``Ray``: ``"inprocess"`` and ``"ray"`` with their defaults.
+    """A runner's name as its value (``"inprocess"`` and ``"ray"`` with their defaults); a value as it is.
 
     Raises:
-        VjpsplitError: a name other than ``inprocess`` and ``ray``.
+        VjpsplitError: anything else: a name other than ``inprocess`` and ``ray``.
     """
     if isinstance(runner, (InProcess, Ray)):
         return runner
-    check_runner(str(runner))  # a name here: from_legacy refused old runner keywords beside an InProcess or Ray
+    if runner not in (InProcess.name, Ray.name):
+        raise VjpsplitError(f"unknown runner {runner!r}; use inprocess or ray, or InProcess(...) or Ray(...)")
     return Ray() if runner == Ray.name else InProcess()
 
 

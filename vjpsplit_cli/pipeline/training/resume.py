@@ -5,7 +5,7 @@ by key, optax's whole-model state by its own keys. ``load_checkpoint`` gives
 them to a one-process optax loop; ``restored_model`` gives ``Trainer.restore``
 the parameters (in the structure the Trainer takes for the given stages) and the
 state; ``stage_snapshots`` gives a running Trainer's stages their share
-(``Trainer.load``, and ``fit`` after a lost worker). A checkpoint of layout 1
+(``fit`` resuming from its ``checkpoint_dir``, and after a lost worker). A checkpoint of layout 1
 (per stage) loads only into the cut that wrote it; any other use names it.
 ``restored_run`` gives ``Trainer.restore`` all it starts from: those, and the
 settings the checkpoint records where the caller gives none (``RestoredRun``).

@@ -15,12 +15,11 @@ checkpoints and restarts (``fit``).
 
 The older per-stage form (a list of artifacts and one parameter pytree per stage,
 ``PerStage(artifacts, tied=...)`` naming ``(stage, key)`` groups, keys ``"s/k"``) is
-accepted too. The options are typed values (``option_values``); the keywords they
-replace still work this release, with a ``DeprecationWarning`` (``options``).
+accepted too. The options are typed values (``option_values``).
 
 The Trainer's parts are modules of their own, each a base of ``Trainer``:
 ``trainer_setup`` (opening it: every attribute it keeps, from its options),
-``trainer_state`` (``params``, ``state``, ``save``, ``load``), ``trainer_measures``
+``trainer_state`` (``params``, ``state``, ``save``), ``trainer_measures``
 (``history``, ``costs``, stragglers, ``placement``) and ``trainer_evaluation``
 (``evaluate``). This module keeps what runs it: ``step``, ``fit``, ``restore``
 (its settings from the checkpoint: ``resume.restored_run``) and ``close``.
@@ -49,7 +48,7 @@ from .fit import fit as fit_steps
 from .microbatch_keys import microbatch_keys
 from .option_values import Observe, PerStage, Plans, Runner, Schedule
 from .step_aux import reduced
-from .options import Deprecated, from_legacy
+from .options import ContractKeywords, options_of
 from .resume import restored_run
 from .trainer_evaluation import TrainerEvaluation
 from .trainer_setup import TrainerSetup
@@ -71,7 +70,7 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
     """Pipelined training: ``step(batch)`` runs the schedule and every stage's optimizer update where it lives.
 
     ``Trainer(stages, params, optimizer=tx, microbatches=8)``, and what is not the
-    state, one value each: ``schedule=`` (a name, plans or a ``Schedule``),
+    state, one value each: ``schedule=`` (a name or a ``Schedule``),
     ``runner=`` (``"inprocess"``, ``"ray"``, ``InProcess(...)``, ``Ray(...)``),
     ``clip_global_norm=`` and ``observe=Observe(...)``; where the state starts:
     ``opt_state=`` and ``step_count=`` (``__init__`` says each).
@@ -131,7 +130,7 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
         *,
         optimizer: Optimizer,
         microbatches: int,
-        schedule: str | Plans | Schedule | None = None,
+        schedule: str | Schedule | Plans | None = None,
         runner: str | Runner = "inprocess",
         clip_global_norm: float | None = None,
         observe: Observe | None = None,
@@ -139,7 +138,7 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
         step_count: int = 0,
         rng: jax.Array | None = None,
         aux: str | None = None,
-        **deprecated: Unpack[Deprecated],
+        **keywords: Unpack[ContractKeywords],
     ):
         """A Trainer for ``stages``, starting from ``params`` (and ``opt_state``, at ``step_count``).
 
@@ -149,8 +148,8 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
             params: the whole parameter pytree (the function's ``wrt`` argument).
             optimizer: an optax ``GradientTransformation``, exported per stage (the workers need no optax).
             microbatches: how many microbatches each step's batch is cut into.
-            schedule: a built-in schedule's name (default ``"1f1b"``), plans (``read_schedule``'s form), or a
-                ``Schedule`` (``Schedule("auto", memory_limit=8)``).
+            schedule: a built-in schedule's name (default ``"1f1b"``) or a ``Schedule`` (``Schedule("auto",
+                memory_limit=8)``; plans, ``read_schedule``'s form, as ``Schedule(plans=plans)``).
             runner: ``"inprocess"`` or ``"ray"``, or ``InProcess(devices=..., data_parallel=...)`` /
                 ``Ray(address=..., runtime_env=..., actor_options=..., schedule_timeout=...)``.
             clip_global_norm: clip by the norm over all stages' gradients (a tied leaf counted once), as
@@ -165,17 +164,17 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
             aux: for stages whose function returns ``(loss, aux)`` (``export_stages(..., has_aux=True)``), what
                 ``step``, ``evaluate`` and ``history`` give of it: ``"mean"`` (the default: each leaf's mean over the
                 microbatches) or ``"per_microbatch"`` (the list of each microbatch's aux).
-            **deprecated: the keywords these values replace (``schedule_name=``, ``memory_limit=``,
-                ``devices=``, ``address=``, ``progress=``, ``tied=``, ...; ``Deprecated``): they work this
-                release, each group with a ``DeprecationWarning`` naming what to write instead.
+            **keywords: the contract's spellings of a schedule's and a runner's fields (``ContractKeywords``):
+                ``schedule_name=``, ``memory_limit=``, ``memory_limit_bytes=`` (``schedule=``'s), ``devices=``
+                (``runner="inprocess"``'s), ``address=`` (``runner="ray"``'s).
 
         Raises:
-            VjpsplitError: a bad value (named), an old keyword given with the value it goes into, an optimizer
+            VjpsplitError: a bad value (named), an optimizer
                 the stages cannot run as one process does; a bad schedule, before anything is exported; no ``rng``
                 for stages whose function takes a key, or one for stages whose function takes none; ``aux`` that is
                 neither mode, or given for stages whose function returns no aux.
         """
-        options = from_legacy("Trainer", stages, schedule, runner, observe, deprecated)
+        options = options_of(stages, schedule, runner, observe, keywords)
         self._start(options, params, optimizer, microbatches, clip_global_norm, opt_state, step_count, None, rng, aux)
 
     def step(
@@ -293,7 +292,8 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
         """Run the steps ``step_count`` ... ``steps - 1`` of a run; return their losses.
 
         ``data``: ``data(step) -> batch`` or a sequence indexed by step (steps count from 0 of the run); a
-        batch may be ``Microbatches`` (as ``step`` takes it). With ``checkpoint_dir``, a checkpoint already there is where the run begins (``load``; logged at INFO
+        batch may be ``Microbatches`` (as ``step`` takes it). With ``checkpoint_dir``, a checkpoint already there is
+        where the run begins (logged at INFO
         on ``logging``'s ``vjpsplit_cli.pipeline.training.fit``; a ``UserWarning`` when it, or the Trainer, is
         already at or past ``steps``, so nothing trains), and one is
         saved after every ``checkpoint_every``-th step and after the last, written by a thread while the next
@@ -361,7 +361,7 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
         *,
         optimizer: Optimizer,
         microbatches: int | None = None,
-        schedule: str | Plans | Schedule | None = None,
+        schedule: str | Schedule | Plans | None = None,
         runner: str | Runner = "inprocess",
         clip_global_norm: float | None | _Recorded = RECORDED,
         observe: Observe | None = None,
@@ -369,7 +369,7 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
         step_count: int | None = None,
         rng: jax.Array | None = None,
         aux: str | None = None,
-        **deprecated: Unpack[Deprecated],
+        **keywords: Unpack[ContractKeywords],
     ) -> Trainer:
         """A Trainer continuing the run saved in ``directory``, at its step, with its parameters and optimizer state.
 
@@ -393,7 +393,7 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
             rng: the run's PRNG key (as ``Trainer``'s; not recorded): the same key goes on with the same
                 microbatch keys from the checkpoint's step.
             aux: as ``Trainer``'s (not recorded).
-            **deprecated: ``Trainer``'s old keywords, each group with a ``DeprecationWarning``.
+            **keywords: as ``Trainer``'s.
 
         Returns:
             The Trainer, its ``step_count`` the checkpoint's unless given.
@@ -402,7 +402,7 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
             VjpsplitError: ``directory`` is no checkpoint, or lacks what it must record (naming it); a saved
                 leaf that does not match the stages; what ``Trainer`` refuses.
         """
-        options = from_legacy("Trainer.restore", stages, schedule, runner, observe, deprecated)
+        options = options_of(stages, schedule, runner, observe, keywords, "Trainer.restore")
         run = restored_run(
             directory,
             options,

@@ -28,7 +28,7 @@ from .device_memory import DeviceMemory
 from .history import IN_A_ROW, SLOWER, History, StepRecord, Stragglers
 from .autoplan import AutoPlan, boundary_values
 from .measured import SEND_PROBES, CostSamples, MeasuredCosts, measure_transfer_rates
-from .option_values import Runner
+from .option_values import Runner, Schedule
 
 
 class TrainerMeasures:
@@ -37,8 +37,8 @@ class TrainerMeasures:
 
     backend: Backend
     plan: Resolved
+    schedule: Schedule
     step_count: int
-    schedule_name: str
     runner: Runner
     _history: History
     _samples: CostSamples
@@ -58,8 +58,7 @@ class TrainerMeasures:
         ``"auto"``), ``modeled_makespan`` (its plans under the measured costs, seconds) and ``measuring`` (True on the
         two timed first steps); a timed step's row also has ``busy`` (each worker's compute seconds) and
         ``stragglers`` (the workers whose compute was 15% or more above that of the workers whose stages cost the
-        same, 3 timed steps in a row); ``fit``'s evaluations set ``eval_loss``. Attributes (``row.loss``);
-        ``row["loss"]`` still works, with a ``DeprecationWarning``."""
+        same, 3 timed steps in a row); ``fit``'s evaluations set ``eval_loss``. Attributes (``row.loss``)."""
         return self._history.rows
 
     @property
@@ -157,4 +156,4 @@ class TrainerMeasures:
             path: the PNG file to write.
             title: the chart's title; None: the schedule's and the runner's names.
         """
-        self._history.plot(path, title or f"{self.schedule_name}, {self.runner.name}")
+        self._history.plot(path, title or f"{self.schedule.label}, {self.runner.name}")

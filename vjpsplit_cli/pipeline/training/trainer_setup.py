@@ -29,7 +29,8 @@ from ..runtime.result import PipelineResult
 from ..schedules.catalog import V_SHAPED, describe
 from ..schedules.stepplans import resolve
 from ..stages.directory import Stages
-from .arguments import Optimizer, checked_clip, checked_microbatches, plain
+from ...files.sizes import plain
+from .arguments import Optimizer, checked_clip, checked_microbatches
 from .autoplan import AutoPlan
 from .backend import Backend, open_backend
 from .history import CheckpointTime, History, RestartRecord, Stragglers, cost_signature
@@ -80,7 +81,7 @@ class TrainerSetup:
         self.model = model_of(stages, params)
         self.ownership = Ownership(self.model, tied)
         S = self.model.num_stages
-        self.microbatches, self.schedule, self.schedule_name = microbatches, schedule, schedule.label
+        self.microbatches, self.schedule = microbatches, schedule
         self.auto: AutoPlan | None = None
         if schedule.auto:
             self.auto = AutoPlan(
@@ -93,7 +94,7 @@ class TrainerSetup:
             )
             self.plan = self.auto.current
         else:  # a bad schedule is refused before any export
-            self.plan = resolve(schedule.label, schedule.plans, S, microbatches)
+            self.plan = resolve(schedule, S, microbatches)
             if schedule.label in V_SHAPED and isinstance(runner, InProcess) and runner.devices is None:
                 warn_idle(describe(schedule.label), self.plan.layout.workers, self.data_parallel)
         self.clip_global_norm, self.runner = clip_global_norm, runner

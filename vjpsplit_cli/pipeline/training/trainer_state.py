@@ -1,4 +1,4 @@
-"""The Trainer's training state read back and written: ``params()``, ``state()``, ``save``, ``load``.
+"""The Trainer's training state read back and written: ``params()``, ``state()``, ``save``, and ``_load`` (``fit``'s).
 
 ``TrainerState`` is the part of ``trainer.Trainer`` that gathers the stages'
 parameters and optimizer states from the workers into the model's structure and
@@ -121,9 +121,10 @@ class TrainerState:
         """
         save_checkpoint(directory, self.host_checkpoint())
 
-    def load(self, directory: str | os.PathLike[str]) -> None:
+    def _load(self, directory: str | os.PathLike[str]) -> None:
         """Set every stage, and the step count, to the checkpoint in ``directory`` (saved by any cut of the same
-        function; one an older vjpsplit wrote per stage only by this cut). This Trainer's settings stay.
+        function; one an older vjpsplit wrote per stage only by this cut). This Trainer's settings stay. ``fit``
+        resumes with it (``checkpoint_dir=``, and after a lost worker); users restore with ``Trainer.restore``.
 
         Every saved parameter is checked against the dtype and shape this Trainer holds first: a mismatch is
         one error naming the leaf, and the Trainer keeps its parameters.

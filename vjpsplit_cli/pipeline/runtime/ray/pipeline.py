@@ -16,7 +16,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ....errors import VjpsplitError
-from ...schedules.catalog import describe
+from ...schedules.catalog import Plans, Schedule, describe, schedule_of
 from ...schedules.layout import Layout
 from ...schedules.layout import layout_kind
 from ...schedules.ops import Op
@@ -53,12 +53,12 @@ class RayPipeline(ActorGroup):
     ``layout="stage"`` (default) puts one stage on each actor, for GPipe, 1F1B and
     ZB-H1; ``layout="v"`` puts two on each in ZB-V's (and DualPipeV's) V;
     ``layout="interleaved"`` two on each, round robin (interleaved 1F1B); a list of
-    stage tuples, one per worker, lays them out as given (for ``schedule=`` plans). ``address=None`` starts (or
+    stage tuples, one per worker, lays them out as given (for a ``Schedule``'s plans). ``address=None`` starts (or
     joins) a local Ray instance; pass a cluster address (``ray://host:10001`` or
     ``auto``) for multi-host. ``actor_options`` gives one dict of Ray actor options
     per worker (``num_cpus``, ``num_gpus``, ``resources``, ``scheduling_strategy``
     such as a placement group bundle or ``NodeAffinitySchedulingStrategy``; see
-    ``placement_group_options``). Actors not placed and started within
+    ``runtime.ray.setup.placement_group_options``). Actors not placed and started within
     ``schedule_timeout`` seconds are an error naming the stage and what it lacks.
     Actors persist across ``run`` calls; ``close()`` (or ``with``) ends them. The
     driver sends the batch and fetches the gradients, losses and timings once per
@@ -225,12 +225,11 @@ class RayPipeline(ActorGroup):
         side: Mapping[str, Leaf] | Sequence[Leaf] = (),
         *,
         microbatches: int,
-        schedule_name: str = "1f1b",
+        schedule: str | Schedule | Plans = "1f1b",
         progress: bool = False,
-        schedule: Sequence[Sequence[Op]] | None = None,
         timed: bool = True,
     ) -> PipelineResult:
-        """One training step under ``schedule_name`` (or the checked plans ``schedule``); gradients accumulate.
+        """One training step under ``schedule`` (a name, or a ``Schedule``: plans are checked); gradients accumulate.
 
         ``timed`` (default): each operation waits for its results and the result's
         timeline holds their compute times; ``timed=False`` records none (a compiled
@@ -240,9 +239,9 @@ class RayPipeline(ActorGroup):
             x: The first stage's input (for a ``Stages``, the batch tuple).
             side: The last stage's side inputs (a ``Stages`` takes none).
             microbatches: How many microbatches to split the batch into.
-            schedule_name: The built-in schedule (by default ``"1f1b"``).
+            schedule: A built-in schedule's name (by default ``"1f1b"``), or a ``Schedule`` (plans:
+                ``Schedule(plans=plans)``, checked first).
             progress: Whether to show a progress bar over the workers' lists (then the step runs as actor calls).
-            schedule: Plans to run instead of ``schedule_name``, once checked; ``None`` for the named schedule.
             timed: Whether to time each operation.
 
         Returns:
@@ -257,10 +256,11 @@ class RayPipeline(ActorGroup):
                 operation or actor fails (naming its stage).
         """
         S = self.num_stages
-        name, plans, layout = resolve(schedule_name, schedule, S, microbatches)
+        chosen = schedule_of(schedule)
+        name, plans, layout = resolve(chosen, S, microbatches)
         self.model.check_plans(name, plans)
         if layout != self.layout:
-            need = layout_kind(schedule_name) if schedule is None else layout.as_lists()
+            need = layout_kind(name) if chosen.plans is None else layout.as_lists()
             raise VjpsplitError(
                 f"{describe(name)} needs RayPipeline(layout={need!r}): "
                 f"it lays the stages out as {layout.as_lists()}, this one holds them as {self.layout.as_lists()}"
