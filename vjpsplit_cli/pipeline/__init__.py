@@ -61,7 +61,7 @@ from .schedules.plots import plot_loss, plot_timeline
 from .schedules.timeline import Event, bubble_ratio
 from .training.device_memory import DeviceMemory
 from .training.history import CheckpointTime, RestartRecord, StepRecord
-from .training.options import InProcess, Observe, PerStage, Ray, Schedule
+from .training.options import Distributed, InProcess, Observe, PerStage, Ray, Schedule
 from .training.resume import load_checkpoint
 from .training.trainer import Trainer
 
@@ -72,6 +72,7 @@ __all__ = [
     "CheckpointTime",
     "Costs",
     "DeviceMemory",
+    "Distributed",
     "Event",
     "InProcess",
     "Kind",

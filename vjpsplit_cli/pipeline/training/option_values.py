@@ -4,8 +4,8 @@
 
 * ``schedule``: a built-in schedule's name, plans (``read_schedule``'s form), or a
   ``Schedule`` (``"auto"`` with its memory limit, or a name or plans spelled out);
-* ``runner``: ``"inprocess"``/``"ray"``, or ``InProcess(devices=, data_parallel=)``
-  / ``Ray(address=, runtime_env=, actor_options=, schedule_timeout=)``;
+* ``runner``: ``"inprocess"``/``"ray"``/``"distributed"``, or ``InProcess(devices=, data_parallel=)``
+  / ``Ray(address=, runtime_env=, actor_options=, schedule_timeout=)`` / ``Distributed(devices=)``;
 * ``observe``: ``Observe(progress=, timeline=, trace_dir=, trace_every=,
   step_timeout=, hang_report=)``, what the Trainer shows and records of its steps;
 * ``stages``: a ``Stages``, or the per-stage form's artifacts (``PerStage(artifacts,
@@ -14,7 +14,7 @@
 Each value checks its fields when made. ``options`` gathers them (``Options``) and
 builds them from the keywords they replace.
 
-May import ``runtime``, ``schedules``, ``stages`` and, of this room, ``arguments``, ``autoplan`` and
+May import ``runtime``, ``schedules``, ``stages`` and, of this room, ``arguments``, ``autoplan``, ``crosshost`` and
 ``ownership``; the layers below ``pipeline``.
 """
 
@@ -39,6 +39,7 @@ from ..schedules.catalog import SCHEDULES
 from ..schedules.ops import Op
 from .arguments import plain
 from .autoplan import AUTO
+from .crosshost import check_distributed, checked_devices
 from .ownership import Tied
 
 Plans = Sequence[Sequence[Op]]
@@ -52,7 +53,7 @@ def _check_count(name: str, value: object, what: str) -> None:
         raise VjpsplitError(f"{name}={value!r}: give {what}, an int >= 1")
 
 
-def _checked_replicas(runner: InProcess | Ray) -> None:
+def _checked_replicas(runner: InProcess | Ray | Distributed) -> None:
     """A runner's ``data_parallel``: None (the recorded count) or an int >= 1, stored as a plain int."""
     if runner.data_parallel is not None:
         object.__setattr__(runner, "data_parallel", plain(runner.data_parallel))
@@ -214,17 +215,61 @@ class Ray:
         object.__setattr__(self, "offload", offload_of(self.offload))
 
 
-Runner = InProcess | Ray
+@dataclass(frozen=True)
+class Distributed:
+    """Run on multi-controller JAX: every process runs the same script, after ``jax.distributed.initialize()``.
+
+    Each process runs the stages on its own devices; activations, cotangents, tied gradients, squared norms
+    and losses go between the processes through JAX (``crosshost``). Every process gets the same losses,
+    ``state()`` and ``params()``.
+
+    Args:
+        devices: one list of one device of ``jax.devices()`` (every process's) per stage. Default: worker k's
+            stages on ``jax.devices()[k]`` (by process, then device id: stage s on process s where each has one
+            device).
+        data_parallel: 1 (or None); replicas of a stage are not run across processes yet.
+        offload: residuals off their device between F and B, in each process, as ``InProcess``'s.
+
+    Raises:
+        VjpsplitError: ``jax.distributed.initialize()`` was not called in this process; this jax cannot move an
+            array between processes (the fix named); ``devices`` is not one list of one device of
+            ``jax.devices()`` per stage; ``data_parallel`` is not 1; ``offload`` is not None, ``"host"`` or an
+            ``Offload``.
+    """
+
+    name: ClassVar[str] = "distributed"
+    devices: Sequence[Sequence[jax.Device]] | None = None
+    data_parallel: int | None = None
+    offload: Offload | str | None = None
+
+    def __post_init__(self) -> None:
+        _checked_replicas(self)
+        if self.data_parallel not in (None, 1):
+            raise VjpsplitError(
+                f"Distributed(data_parallel={self.data_parallel}): replicas across processes are not supported yet; "
+                "give data_parallel=1, or run replicas in one process with InProcess(data_parallel=...)"
+            )
+        object.__setattr__(self, "offload", offload_of(self.offload))
+        check_distributed()
+        if self.devices is not None:
+            object.__setattr__(self, "devices", checked_devices(self.devices))
+
+
+Runner = InProcess | Ray | Distributed
 
 
 def runner_of(runner: str | Runner) -> Runner:
-    """``Trainer``'s ``runner=`` as an ``InProcess`` or ``Ray``: ``"inprocess"`` and ``"ray"`` with their defaults.
+    """``Trainer``'s ``runner=`` as an ``InProcess``, ``Ray`` or ``Distributed``: ``"inprocess"``, ``"ray"`` and
+    ``"distributed"`` with their defaults.
 
     Raises:
-        VjpsplitError: a name other than ``inprocess`` and ``ray``.
+        VjpsplitError: a name other than ``inprocess``, ``ray`` and ``distributed``; ``"distributed"`` before
+            ``jax.distributed.initialize()``.
     """
-    if isinstance(runner, (InProcess, Ray)):
+    if isinstance(runner, (InProcess, Ray, Distributed)):
         return runner
+    if runner == Distributed.name:
+        return Distributed()
     check_runner(str(runner))  # a name here: from_legacy refused old runner keywords beside an InProcess or Ray
     return Ray() if runner == Ray.name else InProcess()
 

@@ -24,6 +24,7 @@ from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
 from ..runtime.runners import check_runner
 from ..stages.directory import Stages
+from .option_values import Distributed as Distributed
 from .option_values import InProcess as InProcess
 from .option_values import MemoryLimit, MemoryLimitBytes, Observe, PathLike, PerStage, Plans, Ray, Runner, Schedule
 from .option_values import runner_of, schedule_of
@@ -138,7 +139,7 @@ def from_legacy(
     new_runner = runner
     new_observe = Observe() if observe is None else observe
     given = {"schedule": schedule is not None, "observe": observe is not None}
-    given["runner"] = isinstance(runner, (InProcess, Ray))
+    given["runner"] = isinstance(runner, (InProcess, Ray, Distributed))
     given["stages"] = isinstance(stages, PerStage)
     for target, fields in groups.items():
         names = ", ".join(f"{k}=" for k in old if LEGACY[k][0] == target)
@@ -150,7 +151,7 @@ def from_legacy(
         kind, built = _built(target, fields, runner, stages)
         if isinstance(built, Schedule):
             new_schedule = built
-        elif isinstance(built, (InProcess, Ray)):
+        elif isinstance(built, (InProcess, Ray, Distributed)):
             new_runner = built
         elif isinstance(built, Observe):
             new_observe = built
