@@ -1,7 +1,7 @@
 """One process of a jax.distributed job the tests start (``python -m vjpsplit_cli.pipeline.launch -n N``): the
 GPT of ``stage_models`` (4 stages, a tied embedding) trained on ``runner=P.Distributed()`` once per schedule
 asked, its losses and params written to ``<out>/<process id>-<schedule>.npz``; and the messages of
-``Distributed``'s refusals, to ``<out>/<process id>-refusals.json``.
+``Distributed``'s refusals, to ``<out>/<process id>-refusals.json`` and ``-fit.txt``.
 
 Arguments: ``out schedules clip steps`` (``schedules`` comma-separated; ``clip`` 0: none)."""
 
@@ -61,6 +61,13 @@ def main() -> None:
             observe=P.Observe(step_timeout=150),
         )
         losses = [tr.step(gpt_batch(8, seed=10 + i)) for i in range(steps)]
+        try:
+            tr.fit([gpt_batch(8)], steps + 1, max_restarts=1)
+            said = "accepted"
+        except VjpsplitError as e:
+            said = str(e)
+        with open(os.path.join(out, f"{me}-fit.txt"), "w") as f:
+            f.write(said)
         leaves = jax.tree_util.tree_flatten_with_path(tr.params())[0]
         flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
         placement = np.asarray([d.process_index for (d,) in tr.placement])

@@ -71,6 +71,8 @@ def test_two_processes_with_two_devices_each_train_as_one_process(tmp_path):
     refused = json.loads((tmp_path / "0-refusals.json").read_text())
     assert "stage 0 has [CpuDevice(id=0), CpuDevice(id=1)]" in refused["two devices"]
     assert "give one list of one device of jax.devices() per stage" in refused["a string"]
+    said = (tmp_path / "1-fit.txt").read_text()
+    assert said.startswith("fit(max_restarts=1): a jax.distributed job cannot replace a lost process"), said
 
 
 def test_four_processes_one_stage_each_train_as_one_process(tmp_path):
