@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from jax._src import xla_bridge
 from models import optax_reference
 from stage_models import gpt, gpt_batch, gpt_params
 
@@ -22,10 +23,14 @@ from vjpsplit_cli.errors import VjpsplitError
 JOB = Path(__file__).with_name("distributed_job.py")
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, CLIP = 3, 0.5
+# Whether this jax moves an array between CPU processes (0.10 does; 0.6.2, CI's oldest, does not: there every
+# process of the job refuses P.Distributed() with one error naming the fix, which the tests check instead).
+MOVES = hasattr(xla_bridge, "CROSS_HOST_TRANSFER_SOCKET_ADDRESS")
 
 
-def _launch(out: Path, processes: int, devices: int, schedules: str, clip: float) -> None:
-    """The job on ``processes`` local processes of ``devices`` CPU devices each; a bounded wait."""
+def _launch(out: Path, processes: int, devices: int, schedules: str, clip: float) -> bool:
+    """The job on ``processes`` local processes of ``devices`` CPU devices each, a bounded wait; whether it ran
+    (where this jax cannot move arrays between processes: that it stopped at the refusal)."""
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
@@ -34,7 +39,11 @@ def _launch(out: Path, processes: int, devices: int, schedules: str, clip: float
     cmd = [sys.executable, "-m", "vjpsplit_cli.pipeline.launch", "-n", str(processes), "--devices", str(devices)]
     cmd += [str(JOB), str(out), schedules, str(clip), str(STEPS)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    if not MOVES:
+        assert done.returncode != 0 and "cannot move an array between processes" in done.stderr, done.stderr[-4000:]
+        return False
     assert done.returncode == 0, done.stderr[-4000:]
+    return True
 
 
 def _reference(clip: float) -> tuple[list[float], dict[str, np.ndarray]]:
@@ -63,7 +72,8 @@ def _check_equal_one_process(out: Path, processes: int, schedules: list[str], cl
 def test_two_processes_with_two_devices_each_train_as_one_process(tmp_path):
     """PP 4 over 2 processes (stages 0-1 in the first, 2-3 in the second): 1F1B and ZB-H1, the tied embedding
     summed across processes, the global norm clipped; every process gets the same losses and params()."""
-    _launch(tmp_path, 2, 2, "1f1b,zbh1", CLIP)
+    if not _launch(tmp_path, 2, 2, "1f1b,zbh1", CLIP):
+        return
     runs = _check_equal_one_process(tmp_path, 2, ["1f1b", "zbh1"], CLIP)
     for run in runs:
         assert run["placement"].tolist() == [0, 0, 1, 1]
@@ -77,7 +87,8 @@ def test_two_processes_with_two_devices_each_train_as_one_process(tmp_path):
 
 def test_four_processes_one_stage_each_train_as_one_process(tmp_path):
     """PP 4 on 4 processes, one device each: every activation and cotangent crosses processes."""
-    _launch(tmp_path, 4, 1, "gpipe", CLIP)
+    if not _launch(tmp_path, 4, 1, "gpipe", CLIP):
+        return
     (run,) = _check_equal_one_process(tmp_path, 4, ["gpipe"], CLIP)
     assert run["placement"].tolist() == [0, 1, 2, 3]
 

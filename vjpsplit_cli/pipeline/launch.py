@@ -49,8 +49,8 @@ def initialize(timeout: int = 60) -> None:
             f"{', '.join(missing)} not set: start this script with python -m vjpsplit_cli.pipeline.launch -n N "
             "script.py, or call jax.distributed.initialize(...) with the job's values"
         )
-    if os.environ.get(TRANSFER):  # a jax flag read from no variable: set before the backend starts
-        jax.config.update(TRANSFER.lower(), os.environ[TRANSFER])
+    if os.environ.get(TRANSFER) and TRANSFER.lower() in jax.config.values:  # an older jax has no such flag
+        jax.config.update(TRANSFER.lower(), os.environ[TRANSFER])  # read from no variable: set before the backend
     jax.distributed.initialize(
         num_processes=int(os.environ[NUM_PROCESSES]),
         process_id=int(os.environ[PROCESS_ID]),
