@@ -233,8 +233,9 @@ def test_architecture_doc_names_every_module():
 
 # The pipeline's rooms, in their dependency order: a module may import modules of its own room and of the
 # rooms before it, never one after. Inside runtime, ray/ sits above the in-process modules; training's `runners`
-# (`run`, which picks one) above both. docs/explanations/architecture.md draws the same picture.
-PIPELINE_ROOMS = ["schedules", "stages", "runtime", "runtime.ray", "training"]
+# (`run`, which picks one) above both; `launch` (N local processes of a jax.distributed job) above all.
+# docs/explanations/architecture.md draws the same picture.
+PIPELINE_ROOMS = ["schedules", "stages", "runtime", "runtime.ray", "training", "launch"]
 
 
 def _room(mod: str) -> int | None:

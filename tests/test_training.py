@@ -18,6 +18,7 @@ from vjpsplit_cli.pipeline import PerStage
 from vjpsplit_cli.pipeline.training.backend import Backend
 from vjpsplit_cli.pipeline.training.history import CheckpointTime, RestartRecord, StepRecord
 from vjpsplit_cli.pipeline.training.local_backend import InProcessBackend
+from vjpsplit_cli.pipeline.training.distributed_backend import DistributedBackend
 from vjpsplit_cli.pipeline.training.ray_backend import RayBackend
 from vjpsplit_cli.pipeline.training.trainer import Trainer
 from vjpsplit_cli.pipeline.training.device_memory import DeviceMemory
@@ -219,8 +220,8 @@ def _members(cls):
     return {n: v for n, v in vars(cls).items() if not n.startswith("_")}
 
 
-@pytest.mark.parametrize("backend", [InProcessBackend, RayBackend])
-def test_both_backends_have_every_member_of_the_backend_protocol(backend):
+@pytest.mark.parametrize("backend", [InProcessBackend, RayBackend, DistributedBackend])
+def test_every_backend_has_every_member_of_the_backend_protocol(backend):
     """Structurally: each Protocol method is a method of the backend taking the same parameters (names, kinds,
     defaults), each Protocol property a property; the backends add only private helpers and their attributes."""
     declared = _members(Backend)

@@ -56,7 +56,7 @@ from .schedules.plots import plot_timeline
 from .schedules.stepplans import check_plans
 from .stages.microbatches import Microbatches
 from .training.history import CheckpointTime, RestartRecord, StepRecord
-from .training.option_values import InProcess, Observe, PerStage, Ray
+from .training.option_values import Distributed, InProcess, Observe, PerStage, Ray
 from .training.resume import load_checkpoint
 from .training.runners import run
 from .training.trainer import Trainer
@@ -64,6 +64,7 @@ from .training.trainer import Trainer
 __all__ = [
     "CheckpointTime",
     "Costs",
+    "Distributed",
     "InProcess",
     "Kind",
     "Microbatches",

@@ -1,4 +1,4 @@
-"""The one interface the Trainer runs its workers through, in-process or on Ray.
+"""The one interface the Trainer runs its workers through, in-process, on Ray or on a ``jax.distributed`` job.
 
 A backend owns the workers and, on each, one ``StageTrainer`` per stage it holds;
 ``step`` runs the schedule and every stage's optimizer update where it lives and
@@ -12,6 +12,7 @@ from typing import Mapping, Protocol, Sequence
 import jax
 import numpy as np
 
+from ...errors import VjpsplitError
 from ...files.dtypes import dtype_name
 from ...treetypes import Leaf, PyTree
 from ..runtime.devices import placed, placement
@@ -25,18 +26,21 @@ from ..stages.evalprograms import EvalProgram
 from .device_memory import DeviceMemory
 from .local_backend import InProcessBackend, stage_trainers
 from .optimizer import stage_programs
-from .option_values import InProcess, Ray, Runner
+from .distributed_backend import DistributedBackend, distributed_placement
+from .option_values import Distributed, InProcess, Ray, Runner
 from .ownership import Ownership, Snapshot
 from .ray_backend import RayBackend, RayOptions
 from .arguments import Optimizer
 from .zero1 import replica_program, replica_trainers
 from .optax_state import state_map, whole_optimizer
+from .separable import WholeOptimizer
 
 
 class Backend(Protocol):
     """Where the Trainer's stages live and run: every method the Trainer and ``fit`` call on a backend.
 
-    ``InProcessBackend`` and ``RayBackend`` both have each member (structurally: neither subclasses this)."""
+    ``InProcessBackend``, ``RayBackend`` and ``DistributedBackend`` each have every member (structurally: none
+    subclasses this)."""
 
     def step(
         self,
@@ -143,6 +147,8 @@ def open_backend(
         init = smap.scatter(jax.device_get(jax.jit(optimizer.init)(params)))
         states = [init[s] if st is None else st for s, st in enumerate(states)]
     reductions = [(r.op, dtype_name(np.dtype(r.dtype)), r.round) for r in whole.roots()]
+    if isinstance(runner, Distributed):
+        return _distributed(runner, ownership, optimizer, states, whole, layout, step_timeout, offload)
     if data_parallel > 1 and isinstance(runner, InProcess):
         trainers = replica_trainers(
             ownership,
@@ -182,6 +188,32 @@ def open_backend(
         offload=offload,
         **_ray_options(runner, step_timeout, layout),
     )
+
+
+def _distributed(
+    runner: Distributed,
+    ownership: Ownership,
+    optimizer: Optimizer,
+    states: Sequence[Mapping[str, Leaf] | None],
+    whole: WholeOptimizer,
+    layout: Layout,
+    step_timeout: float,
+    offload: Offload | None,
+) -> DistributedBackend:
+    """``open_backend``'s ``Distributed`` runner: this process's stages of the job, their programs exported here.
+
+    Raises:
+        VjpsplitError: a sharded stage; ``devices=`` not one per stage.
+    """
+    S = len(ownership.artifacts)
+    if any(a.manifest.sharded for a in ownership.artifacts):
+        raise VjpsplitError("runner=Distributed() runs unsharded stages only (a sharded stage is not supported yet)")
+    if runner.devices is not None and len(runner.devices) != S:
+        raise VjpsplitError(f"Distributed(devices=...): {S} stages but {len(runner.devices)} device lists")
+    devices = distributed_placement(S, layout.workers) if runner.devices is None else [g[0] for g in runner.devices]
+    specs = [_specs(p) for p in ownership.stage_params]
+    programs = stage_programs(optimizer, ownership.artifacts, ownership.names, specs, whole, ownership.counted)
+    return DistributedBackend(ownership, devices, programs, states, step_timeout, offload)
 
 
 def _ray_options(runner: Runner, step_timeout: float, layout: Layout) -> RayOptions:

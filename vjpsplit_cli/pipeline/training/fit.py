@@ -56,6 +56,7 @@ from ...treetypes import PyTree
 from ..schedules.stepplans import Resolved
 from ..stages.microbatches import Microbatches
 from .backend import Backend
+from .distributed_backend import DistributedBackend
 from .history import CheckpointTime, RestartRecord, StepRecord
 
 LOG = logging.getLogger(__name__)
@@ -301,6 +302,11 @@ def fit(
     ``apart``: the Trainer's other directories by option (offload, traces), which ``checkpoint_dir`` must not
     overlap."""
     _check_options(steps, checkpoint_dir, checkpoint_every, max_restarts)
+    if max_restarts and isinstance(trainer.backend, DistributedBackend):
+        raise VjpsplitError(
+            f"fit(max_restarts={max_restarts}): a jax.distributed job cannot replace a lost process from inside; "
+            "give max_restarts=0 and a checkpoint_dir, and restart the job (its launcher) to resume there"
+        )
     if checkpoint_dir is not None:
         check_apart({"fit(checkpoint_dir=...)": checkpoint_dir, **(apart or {})})
     eval_batch = evaluations(eval_data, eval_every)

@@ -4,8 +4,8 @@
 
 * ``schedule``: a built-in schedule's name or a ``Schedule`` (``schedules.catalog``'s:
   ``"auto"`` with its memory limit, or plans, ``read_schedule``'s form, as ``Schedule(plans=)``);
-* ``runner``: ``"inprocess"``/``"ray"``, or ``InProcess(devices=, data_parallel=)``
-  / ``Ray(address=, runtime_env=, actor_options=, schedule_timeout=)``;
+* ``runner``: ``"inprocess"``/``"ray"``/``"distributed"``, or ``InProcess(devices=, data_parallel=)``
+  / ``Ray(address=, runtime_env=, actor_options=, schedule_timeout=)`` / ``Distributed(devices=)``;
 * ``observe``: ``Observe(progress=, timeline=, trace_dir=, trace_every=,
   step_timeout=, hang_report=)``, what the Trainer shows and records of its steps;
 * ``stages``: a ``Stages``, or the per-stage form's artifacts (``PerStage(artifacts,
@@ -13,7 +13,7 @@
 
 Each value checks its fields when made. ``options`` gathers them (``Options``).
 
-May import ``runtime``, ``schedules``, ``stages`` and, of this room, ``arguments``, ``autoplan`` and
+May import ``runtime``, ``schedules``, ``stages`` and, of this room, ``arguments``, ``autoplan``, ``crosshost`` and
 ``ownership``; the layers below ``pipeline``.
 """
 
@@ -36,6 +36,7 @@ from ..runtime.ray.setup import SCHEDULE_TIMEOUT
 from ..schedules.catalog import Plans as Plans
 from ..schedules.catalog import Schedule as Schedule
 from ...files.sizes import plain
+from .crosshost import check_distributed, checked_devices
 from .ownership import Tied
 
 PathLike = str | os.PathLike[str]
@@ -46,7 +47,7 @@ def _check_count(name: str, value: object, what: str) -> None:
         raise VjpsplitError(f"{name}={value!r}: give {what}, an int >= 1")
 
 
-def _checked_replicas(runner: InProcess | Ray) -> None:
+def _checked_replicas(runner: InProcess | Ray | Distributed) -> None:
     """A runner's ``data_parallel``: None (the recorded count) or an int >= 1, stored as a plain int."""
     if runner.data_parallel is not None:
         object.__setattr__(runner, "data_parallel", plain(runner.data_parallel))
@@ -115,19 +116,66 @@ class Ray:
         object.__setattr__(self, "offload", offload_of(self.offload))
 
 
-Runner = InProcess | Ray
+@dataclass(frozen=True)
+class Distributed:
+    """Run on multi-controller JAX: every process runs the same script, after ``jax.distributed.initialize()``.
+
+    Each process runs the stages on its own devices; activations, cotangents, tied gradients, squared norms
+    and losses go between the processes through JAX (``crosshost``). Every process gets the same losses,
+    ``state()`` and ``params()``.
+
+    Args:
+        devices: one list of one device of ``jax.devices()`` (every process's) per stage. Default: worker k's
+            stages on ``jax.devices()[k]`` (by process, then device id: stage s on process s where each has one
+            device).
+        data_parallel: 1 (or None); replicas of a stage are not run across processes yet.
+        offload: residuals off their device between F and B, in each process, as ``InProcess``'s.
+
+    Raises:
+        VjpsplitError: ``jax.distributed.initialize()`` was not called in this process; this jax cannot move an
+            array between processes (the fix named); ``devices`` is not one list of one device of
+            ``jax.devices()`` per stage; ``data_parallel`` is not 1; ``offload`` is not None, ``"host"`` or an
+            ``Offload``.
+    """
+
+    name: ClassVar[str] = "distributed"
+    devices: Sequence[Sequence[jax.Device]] | None = None
+    data_parallel: int | None = None
+    offload: Offload | str | None = None
+
+    def __post_init__(self) -> None:
+        _checked_replicas(self)
+        if self.data_parallel not in (None, 1):
+            raise VjpsplitError(
+                f"Distributed(data_parallel={self.data_parallel}): replicas across processes are not supported yet; "
+                "give data_parallel=1, or run replicas in one process with InProcess(data_parallel=...)"
+            )
+        object.__setattr__(self, "offload", offload_of(self.offload))
+        check_distributed()
+        if self.devices is not None:
+            object.__setattr__(self, "devices", checked_devices(self.devices))
+
+
+Runner = InProcess | Ray | Distributed
 
 
 def runner_of(runner: str | Runner) -> Runner:
-    """A runner's name as its value (``"inprocess"`` and ``"ray"`` with their defaults); a value as it is.
+    """A runner's name as its value (``"inprocess"``, ``"ray"`` and ``"distributed"`` with their defaults); a value
+    as it is.
 
     Raises:
-        VjpsplitError: anything else: a name other than ``inprocess`` and ``ray``.
+        VjpsplitError: anything else: a name other than ``inprocess``, ``ray`` and ``distributed``;
+            ``"distributed"`` before ``jax.distributed.initialize()``.
     """
-    if isinstance(runner, (InProcess, Ray)):
+    if isinstance(runner, (InProcess, Ray, Distributed)):
         return runner
+    if runner == Distributed.name:
+        return Distributed()
     if runner not in (InProcess.name, Ray.name):
-        raise VjpsplitError(f"unknown runner {runner!r}; use inprocess or ray, or InProcess(...) or Ray(...)")
+        raise VjpsplitError(
+            f"unknown runner {runner!r}; use inprocess, ray or distributed, or InProcess(...), Ray(...) or "
+            "Distributed(...)"
+        )
     return Ray() if runner == Ray.name else InProcess()
 
 

@@ -21,6 +21,7 @@ from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
 from ..schedules.catalog import MemoryLimit, MemoryLimitBytes, Plans, schedule_of
 from ..stages.directory import Stages
+from .option_values import Distributed as Distributed
 from .option_values import InProcess as InProcess
 from .option_values import Observe, PerStage, Ray, Runner, Schedule, runner_of
 

@@ -17,7 +17,7 @@ from ..runtime.result import PipelineResult
 from ..schedules.catalog import Plans, Schedule, schedule_of
 from ..schedules.stepplans import layout_for
 from ..stages.directory import Stages
-from .option_values import InProcess, Runner, runner_of
+from .option_values import InProcess, Ray, Runner, runner_of
 
 if TYPE_CHECKING:
     from ...artifact.artifact import Artifact
@@ -96,6 +96,8 @@ def run(
             timed=timed,
             offload=where.offload,
         )
+    if not isinstance(where, Ray):
+        raise VjpsplitError(f"run takes runner='inprocess' or 'ray', not {where.name!r}: step a Trainer on it")
     if where.offload is not None:
         raise VjpsplitError("run on Ray offloads nothing: give Ray(offload=...) to a Trainer, or run in-process")
     layout = layout_for(chosen, len(artifacts))

@@ -1,0 +1,177 @@
+"""Values between the processes of a multi-controller JAX job (``jax.distributed``): the ``Distributed`` transport.
+
+Every process of the job runs the same script, so every process walks the same
+step and calls these functions in the same order. ``move`` sends one stage's
+output (a pytree of arrays on its device) to another stage's device through
+``jax.device_put`` across processes: JAX keys each such transfer by a counter
+that every process advances, taking part or not, so every process calls it for
+every transfer, the sender with its arrays, the others with their shapes
+(``ShapeDtypeStruct``s). Nothing waits: the receiver's arrays are ready once the
+bytes arrived. ``gather`` joins one small part per process (tied gradients,
+squared norms, losses, a stage's state) on every process, each part's ``wire``
+bytes (data only, never pickle) moved the same way to every other process. ``check_distributed`` says, when the runner is made,
+what this process lacks for either.
+
+May import ``runtime.ray.wire`` and the layers below ``pipeline``.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import jax
+import numpy as np
+
+from ...errors import VjpsplitError
+from ...treetypes import PyTree
+from ..runtime.ray import wire
+
+SOCKET_FLAG = "jax_cross_host_transfer_socket_address"
+PART = "part"  # the kind every gathered item is keyed by (``wire`` items are keyed by (kind, mb, stage))
+
+
+def check_distributed() -> None:
+    """Refuse a process that cannot run the ``Distributed`` runner, naming the fix.
+
+    Raises:
+        VjpsplitError: ``jax.distributed.initialize()`` was not called; with several processes, this jax moves no
+            array between processes on this platform without ``jax_cross_host_transfer_socket_address`` (or at
+            all: an older jax).
+    """
+    if not jax.distributed.is_initialized():
+        raise VjpsplitError(
+            "runner=Distributed() runs on multi-controller JAX: call jax.distributed.initialize() first, in every "
+            "process, before the Trainer (python -m vjpsplit_cli.pipeline.launch -n N script.py starts N local "
+            "processes that can); for one process use runner='inprocess'"
+        )
+    if jax.process_count() == 1:
+        return
+    from jax._src import xla_bridge
+
+    backend = jax.devices()[0].client
+    if getattr(backend, "supports_cross_host_transfers", False):
+        return
+    if not hasattr(xla_bridge, "CROSS_HOST_TRANSFER_SOCKET_ADDRESS"):
+        raise VjpsplitError(
+            f"runner=Distributed(): jax {jax.__version__} cannot move an array between processes on "
+            f"{jax.devices()[0].platform}; upgrade jax (0.10 can, with {SOCKET_FLAG})"
+        )
+    if not xla_bridge.CROSS_HOST_TRANSFER_SOCKET_ADDRESS.value:
+        raise VjpsplitError(
+            f"runner=Distributed(): {jax.devices()[0].platform} moves arrays between processes only with "
+            f"{SOCKET_FLAG} set, before JAX starts its backend: jax.config.update('{SOCKET_FLAG}', "
+            "'<this host's address>:<a free port>') before jax.distributed.initialize() (or the environment "
+            f"variable {SOCKET_FLAG.upper()}; python -m vjpsplit_cli.pipeline.launch sets it)"
+        )
+
+
+def checked_devices(devices: Sequence[Sequence[jax.Device]]) -> list[tuple[jax.Device]]:
+    """``Distributed(devices=...)``: one list of one device of ``jax.devices()`` per stage, each device once.
+
+    Raises:
+        VjpsplitError: an entry is not a list of one device, a device is not among ``jax.devices()``, or two
+            stages name the same device.
+    """
+    every = set(jax.devices())
+    out: list[tuple[jax.Device]] = []
+    for s, group in enumerate(devices):
+        g = tuple(group) if isinstance(group, (list, tuple)) else (group,)
+        if len(g) != 1 or g[0] not in every:
+            raise VjpsplitError(
+                f"Distributed(devices=...): stage {s} has {list(g)!r}; give one list of one device of jax.devices() "
+                "per stage (devices=[[jax.devices()[0]], [jax.devices()[1]], ...])"
+            )
+        if any(g[0] == o[0] for o in out):
+            raise VjpsplitError(f"Distributed(devices=...): stage {s}'s device {g[0]} is another stage's too")
+        out.append((g[0],))
+    return out
+
+
+def move(value: PyTree | None, spec: PyTree, src: jax.Device, dst: jax.Device) -> PyTree | None:
+    """``value`` (on ``src``, in its process) on ``dst``: every process calls this for every transfer, in order.
+
+    Args:
+        value: The arrays to send, in the process of ``src``; None in every other.
+        spec: ``value``'s ``ShapeDtypeStruct``s, the same in every process.
+        src: The device the arrays are on.
+        dst: The device they go to.
+
+    Returns:
+        The arrays on ``dst`` in its process; None in every other.
+    """
+    me = jax.process_index()
+    if src.process_index == dst.process_index:  # within one process: JAX keys nothing, only it moves
+        return jax.device_put(value, dst) if me == src.process_index else None
+    leaves, treedef = jax.tree_util.tree_flatten(spec)
+    mine = jax.tree_util.tree_leaves(value) if me == src.process_index else [None] * len(leaves)
+    at = jax.sharding.SingleDeviceSharding(src)
+    arrays = [
+        jax.make_array_from_single_device_arrays(sp.shape, at, [] if v is None else [v], dtype=sp.dtype)
+        for sp, v in zip(leaves, mine)
+    ]
+    got = jax.device_put(arrays, jax.sharding.SingleDeviceSharding(dst))
+    return jax.tree_util.tree_unflatten(treedef, got) if me == dst.process_index else None
+
+
+def specs(tree: PyTree) -> PyTree:
+    """The ``ShapeDtypeStruct`` of each of ``tree``'s arrays: what ``move`` tells the processes without them."""
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)
+
+
+def gather(part: Mapping[int, PyTree]) -> dict[int, PyTree]:
+    """Every process's ``part`` (stage -> a tree of host arrays, tuples, lists and dicts) merged, on every process.
+
+    Every process calls it at the same point of the step. Each sends its part's ``wire`` bytes to every other
+    through ``move``: first their length (every process learns every length, as every later ``move`` needs
+    the shapes), then the bytes. No JAX collective: one would hold the devices' threads while transfers of
+    the step may still be under way (two CPU processes of two devices each hung so).
+    """
+    frame = b"".join(bytes(b) for b in wire.encode(0, [((PART, 0, int(s)), v) for s, v in part.items()]))
+    me, n = jax.process_index(), jax.process_count()
+    first = {d.process_index: d for d in reversed(jax.devices())}  # each process's first device
+    sizes = {me: len(frame)}
+    size_spec = jax.ShapeDtypeStruct((1,), np.int32)
+    size = jax.device_put(np.asarray([len(frame)], np.int32), first[me]) if n > 1 else None
+    received = {}
+    for p, q in _pairs(n):
+        got = move(size if p == me else None, size_spec, first[p], first[q])
+        if q == me:
+            received[p] = got
+    sizes.update({p: int(np.asarray(v)[0]) for p, v in received.items()})
+    data = jax.device_put(np.frombuffer(frame, np.uint8), first[me]) if n > 1 else None
+    frames: dict[int, object] = {me: frame}
+    for p, q in _pairs(n):
+        got = move(data if p == me else None, jax.ShapeDtypeStruct((sizes[p],), np.uint8), first[p], first[q])
+        if q == me:
+            frames[p] = got
+    out: dict[int, PyTree] = {}
+    for p in range(n):
+        raw = frames[p]
+        _, items = _decoded(raw if isinstance(raw, bytes) else np.asarray(raw).tobytes())
+        out.update({stage: v for (_, _, stage), v in items})
+    return out
+
+
+def _pairs(n: int) -> list[tuple[int, int]]:
+    """Every (sender, receiver) pair of ``n`` processes, in the one order every process goes through them."""
+    return [(p, q) for p in range(n) for q in range(n) if p != q]
+
+
+def _decoded(data: bytes) -> tuple[int, list[wire.Item]]:
+    """One ``wire`` frame from ``data``."""
+    view = memoryview(data)
+    at = 0
+
+    def read_exactly(n: int) -> bytes:
+        nonlocal at
+        if at + n > len(view):
+            raise EOFError("the frame ends early")
+        out = bytes(view[at : at + n])
+        at += n
+        return out
+
+    def read_into(target: memoryview) -> None:
+        target = target.cast("B")
+        target[:] = read_exactly(len(target))
+
+    return wire.decode(read_exactly, read_into)

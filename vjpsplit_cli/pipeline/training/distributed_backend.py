@@ -1,0 +1,344 @@
+"""The Trainer on multi-controller JAX: every process runs the same step, each the stages on its own devices.
+
+Every process of a ``jax.distributed`` job builds the same Trainer and calls the
+same ``step``; ``DistributedBackend`` holds a ``StageTrainer`` for each stage on
+this process's devices. A step walks the one play of plans in every process alike
+(``dispatch.walk``): an operation of a stage here is dispatched as in-process
+(``stageops.run_op``), one of another process's stage is skipped, and a value that
+one stage hands to another's process goes through ``crosshost.move``, which every
+process calls at the same point of the walk (the receivers learn its shapes by
+``jax.eval_shape`` of the stage that makes it, as every process holds every stage's
+artifact). The end of the step is ``stage_trainer.finish_stages`` on this process's
+stages, joined with the others' through ``crosshost.gather`` (tied gradients,
+squared norms, the loss, the optimizer's reductions over leaves); every process
+then has every stage's squared norm and the losses, so every process returns the
+same result.
+
+May import ``runtime``, ``schedules``, ``stages`` and, of this room, ``crosshost``, ``stage_trainer``,
+``clipping``, ``device_memory``, ``ownership`` and ``option_values``; the layers below ``pipeline``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Mapping, Sequence, TypeVar
+
+import jax
+import numpy as np
+
+from ...artifact.artifact import Artifact
+from ...errors import VjpsplitError
+from ...treetypes import Leaf, PyTree
+from ..runtime.dispatch import Order, order_of, walk
+from ..runtime.model import Microbatch
+from ..runtime.offload import Offload
+from ..runtime.result import PipelineResult, step_loss, step_result
+from ..runtime.stageops import run_op
+from ..runtime.worker import StageWorker
+from ..schedules.ops import Kind, Op
+from ..schedules.stepplans import Resolved
+from ..stages.evalprograms import EvalProgram
+from .clipping import Squares, clip_scale
+from .crosshost import gather, move, specs
+from .device_memory import DeviceMemory, memory_records
+from .ownership import Ownership, Snapshot
+from .stage_trainer import RESTORE_HINT, StageTrainer, finish_stages
+
+RUNNER = "distributed"
+T = TypeVar("T")
+
+
+class _Handed:
+    """What an operation hands on, as every process knows it: its stage, and its arrays' specs; the arrays
+    themselves only in the process that ran it (None elsewhere)."""
+
+    def __init__(self, stage: int, value: PyTree | None, spec: PyTree):
+        self.stage, self.value, self.spec = stage, value, spec
+
+
+def distributed_placement(num_stages: int, workers: Sequence[Sequence[int]]) -> list[jax.Device]:
+    """Per stage its device by default: worker k's stages on ``jax.devices()[k]`` (every process's devices, by
+    process, then id).
+
+    Raises:
+        VjpsplitError: fewer devices in the job than workers.
+    """
+    every = jax.devices()
+    if len(every) < len(workers):
+        raise VjpsplitError(
+            f"runner=Distributed(): {len(workers)} workers need a device each, the job has {len(every)} "
+            f"({jax.process_count()} processes); start more processes, or give devices="
+        )
+    out: dict[int, jax.Device] = {}
+    for k, held in enumerate(workers):
+        for s in held:
+            out[s] = every[k]
+    return [out[s] for s in range(num_stages)]
+
+
+class DistributedBackend:
+    """The stages of this process of a ``jax.distributed`` job (the module docstring): one ``StageTrainer`` each.
+
+    Args:
+        ownership: Who holds which leaf (every stage's artifact and parameters, in every process).
+        devices: Per stage its device (of any process).
+        programs: Per stage its exported optimizer.
+        states: Per stage a restored optimizer state, or None.
+        step_timeout: Seconds a step may take here before it is one error naming this process.
+        offload: Residuals of this process's stages off their device between F and B.
+    """
+
+    def __init__(
+        self,
+        ownership: Ownership,
+        devices: Sequence[jax.Device],
+        programs: Sequence[bytes],
+        states: Sequence[Mapping[str, Leaf] | None],
+        step_timeout: float | None = None,
+        offload: Offload | None = None,
+    ):
+        self.ownership, self.devices = ownership, list(devices)
+        self.step_timeout = step_timeout
+        self.hang_report: str | None = None
+        self.broken: str | None = None
+        self.me = jax.process_index()
+        S = len(self.devices)
+        self.local = [s for s in range(S) if self.devices[s].process_index == self.me]
+        if not self.local:
+            raise VjpsplitError(
+                f"runner=Distributed(): process {self.me} holds no stage (the stages are on "
+                f"{[str(d) for d in self.devices]}); run as many processes as workers, or give devices= a device of "
+                "each process"
+            )
+        own = ownership
+        self.trainers: dict[int, StageTrainer] = {}
+        for s in self.local:
+            worker = StageWorker(own.artifacts[s], own.stage_params[s], s, S, self.devices[s], offload)
+            self.trainers[s] = StageTrainer(
+                worker, own.names[s], programs[s], own.holders[s], own.counted[s], states[s]
+            )
+        self.param_specs = [specs(p) for p in own.stage_params]
+        self.shapes: dict[tuple[object, ...], PyTree] = {}  # (stage, input signature) -> its forward's output specs
+        self.orders: tuple[list[list[Op]], Order] | None = None
+
+    @property
+    def placement(self) -> list[tuple[jax.Device | str, ...]]:
+        """Per stage, the device that holds its parameters (of any process)."""
+        return [(d,) for d in self.devices]
+
+    def _order(self, plans: list[list[Op]]) -> Order:
+        if self.orders is None or self.orders[0] is not plans:
+            self.orders = (plans, order_of(plans, len(self.devices)))
+        return self.orders[1]
+
+    def _forward_spec(self, stage: int, x: PyTree, side: Sequence[PyTree]) -> PyTree:
+        """The specs of what stage ``stage``'s forward hands on for inputs of specs ``x`` and ``side`` (no compute)."""
+        ins = [x, *side]
+        flat, tree = jax.tree_util.tree_flatten(ins)
+        key = (stage, tree, tuple((a.shape, a.dtype) for a in flat))
+        got = self.shapes.get(key)
+        if got is None:
+            art: Artifact = self.ownership.artifacts[stage]
+            got = self.shapes[key] = jax.eval_shape(lambda p, *a: art.fwd(p, *a)[0], self.param_specs[stage], *ins)
+        return got
+
+    def _walk(
+        self, mbs: Sequence[Microbatch], plans: list[list[Op]], microbatches: int, scales: Sequence[float] | None
+    ) -> None:
+        """Every process's walk of the step's plans (see the module docstring)."""
+        S = len(self.devices)
+        ins: dict[tuple[int, int], PyTree] = {}  # (stage, mb) -> the specs of its forward's input
+
+        def submit(w: int, op: Op, data: object, side: list[Leaf]) -> _Handed | None:
+            s = op.stage
+            if isinstance(data, _Handed):  # another stage's result: moved here where that stage is elsewhere
+                spec = data.spec
+                data = (
+                    data.value if data.stage == s else move(data.value, spec, self.devices[data.stage], self.devices[s])
+                )
+            else:
+                spec = None if data is None else specs(data)  # the batch: every process has it
+            if op.kind == Kind.F:
+                ins[(s, op.mb)] = spec
+            here = s in self.trainers
+            out = run_op(self.trainers[s].worker, op, data, side, microbatches, w) if here else None
+            if op.kind == Kind.W or (op.kind in (Kind.B, Kind.I) and s == 0) or (op.kind == Kind.F and s == S - 1):
+                return None  # nothing another stage takes
+            if op.kind == Kind.F:
+                return _Handed(s, out, specs(out) if here else self._forward_spec(s, spec, specs(side)))
+            return _Handed(s, out, ins[(s, op.mb)])  # a cotangent is shaped as the forward's input
+
+        for t in self.trainers.values():
+            t.worker.reset(timed=False, plans=plans, scales=scales)
+        walk(plans, S, mbs, submit, self._order(plans))
+
+    def step(
+        self,
+        mbs: Sequence[Microbatch],
+        schedule: Resolved,
+        microbatches: int,
+        clip: float | None,
+        *,
+        timed: bool = False,
+        scales: Sequence[float] | None = None,
+    ) -> tuple[PipelineResult, list[float]]:
+        """One step in every process alike (``Backend.step``); a timed step, and stages with aux, are refused (not
+        built across processes yet)."""
+        if self.ownership.artifacts[-1].manifest.has_aux:
+            raise VjpsplitError(
+                "runner=Distributed() does not gather a step's aux yet: export the stages without has_aux, or "
+                "train them in-process or on Ray"
+            )
+        if timed:
+            raise VjpsplitError(
+                "runner=Distributed() does not time steps yet: leave Observe(timeline=False) and step(timed=False)"
+            )
+        if self.broken is not None:
+            raise VjpsplitError(self.broken)
+        S = len(self.devices)
+        t0 = time.monotonic()
+        sums, losses = self._guarded(lambda: self._run(mbs, schedule.plans, microbatches, clip, scales))
+        result = step_result(
+            schedule=schedule.name,
+            plans=schedule.plans,
+            num_stages=S,
+            microbatches=microbatches,
+            runner=RUNNER,
+            step_time=time.monotonic() - t0,
+            losses=losses,
+            grads=[None] * S,  # applied where they live
+            events=[],
+            timed=False,
+            scales=scales,
+        )
+        return result, [sums[s] for s in range(S)]
+
+    def _run(
+        self,
+        mbs: Sequence[Microbatch],
+        plans: list[list[Op]],
+        microbatches: int,
+        clip: float | None,
+        scales: Sequence[float] | None,
+    ) -> tuple[dict[int, float], dict[int, float]]:
+        """The step's walk and its end: every stage's squared sum and the losses, the same in every process."""
+        S = len(self.devices)
+        self._walk(mbs, plans, microbatches, scales)
+        last = self.trainers.get(S - 1)
+        fetched: dict[int, float] | None = None
+
+        def losses() -> dict[int, float]:
+            nonlocal fetched
+            if fetched is None:
+                mine = {} if last is None else {S - 1: np.asarray(_ordered(last.worker.fetch_losses()))}
+                fetched = dict(enumerate(float(v) for v in gather(mine)[S - 1]))
+            return fetched
+
+        def value() -> float:
+            return step_loss(losses(), microbatches, scales)
+
+        mine = [self.trainers[s] for s in self.local]
+        scale = None if clip is None else (lambda v: clip_scale(v, clip)[0])
+        got = finish_stages(mine, _exchange, scale, self.ownership.tied, value=value)
+        own = dict(zip(self.local, Squares.fetch(got)))
+        every = gather({s: np.asarray(v, np.float64) for s, v in own.items()})
+        return {s: float(v) for s, v in every.items()}, losses()
+
+    def _guarded(self, body: Callable[[], T]) -> T:
+        """``body()`` in a thread of its own, waited for ``step_timeout`` seconds: past it, one error naming this
+        process, and no step runs on this backend again."""
+        box: dict[str, object] = {}
+
+        def run() -> None:
+            try:
+                box["out"] = body()
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
+                box["error"] = e
+
+        thread = threading.Thread(target=run, name="vjpsplit-distributed-step", daemon=True)
+        thread.start()
+        thread.join(self.step_timeout)
+        if thread.is_alive():
+            self.broken = f"an earlier step of process {self.me} timed out{RESTORE_HINT}"
+            raise VjpsplitError(
+                f"process {self.me} (stages {self.local}): the step did not finish within step_timeout="
+                f"{self.step_timeout} s: another process is gone or stuck{RESTORE_HINT}"
+            )
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]  # a BaseException, stored above
+        return box["out"]  # type: ignore[return-value]  # what body returned
+
+    def evaluate(
+        self, mbs: Sequence[Microbatch], programs: Sequence[EvalProgram], outputs: bool
+    ) -> tuple[list[float], list[list[np.ndarray]], list[PyTree] | None]:
+        """Refused: evaluation across processes is not built yet."""
+        raise VjpsplitError("runner=Distributed() does not evaluate yet; evaluate with the in-process runner")
+
+    def send_seconds(self, values: Sequence[PyTree], repeats: int) -> list[float]:
+        """Refused: sends between processes are not measured yet."""
+        raise VjpsplitError("runner=Distributed() does not measure sends yet (schedule='auto' needs them)")
+
+    def set_offload(self, spec: Offload | None) -> None:
+        """From the next step, this process's stages' residuals off their device as ``spec`` says (None: none)."""
+        for t in self.trainers.values():
+            t.worker.set_offload(spec)
+
+    def snapshots(self) -> list[Snapshot]:
+        """Every stage's ``(params, optimizer state)`` as host arrays, in every process (each sends its own)."""
+        got = gather({s: list(t.snapshot()) for s, t in self.trainers.items()})
+        return [(dict(got[s][0]), dict(got[s][1])) for s in range(len(self.devices))]
+
+    def memory(self) -> list[DeviceMemory]:
+        """Per device of this process that holds a stage, its bytes (``device_memory``)."""
+        return memory_records(self.trainers.values())
+
+    def load(self, snapshots: Sequence[Snapshot]) -> None:
+        """This process's stages hold their ``(params, optimizer state)`` of ``snapshots`` from now on."""
+        for s, t in self.trainers.items():
+            t.assign(*snapshots[s])
+
+    def report_hangs_to(self, path: str) -> None:
+        """Where a stuck step's report would go (none is written across processes yet)."""
+        self.hang_report = path
+
+    def workers(self) -> list[object]:
+        """Ray actor handles: none here."""
+        raise VjpsplitError("workers() gives the Ray actor of each worker; this Trainer runs on jax.distributed")
+
+    def replace(self, workers: Sequence[int]) -> None:
+        """Refused: a lost process ends the job; its launcher starts it again and ``restore`` resumes."""
+        raise VjpsplitError(
+            f"workers {list(workers)} cannot be replaced on jax.distributed: restart the job and restore the "
+            "last checkpoint"
+        )
+
+    def close(self) -> None:
+        """End this process's stages' offload."""
+        for t in self.trainers.values():
+            t.worker.set_offload(None)
+
+
+def _exchange(part: Mapping[int, T]) -> Mapping[int, T]:
+    """``finish_stages``' exchange across processes: squared sums fetched, device arrays to the host, then gathered."""
+    sent = {s: _host(v) for s, v in part.items()}
+    return {s: _back(v) for s, v in gather(sent).items()}  # type: ignore[misc]  # as handed in, on the host
+
+
+def _host(v: object) -> object:
+    if isinstance(v, Squares):
+        return np.asarray(v.value(), np.float64)
+    if isinstance(v, float):
+        return np.asarray(v, np.float64)
+    return jax.tree_util.tree_map(np.asarray, v)
+
+
+def _back(v: object) -> object:
+    """A gathered scalar as the float it was sent as; anything else as it is."""
+    if isinstance(v, np.ndarray) and v.shape == () and v.dtype == np.float64:
+        return float(v)
+    return v
+
+
+def _ordered(losses: Mapping[int, float]) -> list[float]:
+    return [losses[m] for m in sorted(losses)]
