@@ -351,9 +351,9 @@ class StageWorker:
     ) -> PyTree:
         """F: run the forward, keep the residuals; return the activation (the loss on the last stage).
 
-        On the last stage, when the microbatch's B directly follows this F in the worker's plan (1F1B, GPipe's
-        last microbatch) and ``microbatches`` is given, F runs the backward too, in one compiled call: its
-        residuals never leave that call, and its B hands on the input cotangent this call left.
+        On the last stage, when the microbatch's B directly follows this F in the worker's plan (1F1B) and
+        ``microbatches`` is given, F runs the backward too, in one compiled call: its residuals never leave
+        that call, and its B hands on the input cotangent this call left.
 
         Args:
             mb: The microbatch.
