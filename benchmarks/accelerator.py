@@ -406,7 +406,7 @@ def train_step(opts: Options, log: StepLog) -> str:
     cfg = train_accel.config(small)
     for width, blocks in cfg["widths"]:
         log.doing(f"GPT width {width}, {blocks} blocks")
-        log.add(*train_accel.measure_width(width, blocks, cfg["rounds"], plat))
+        log.add(*train_accel.measure_width(width, blocks, cfg["rounds"], plat, cfg["seq"], cfg["trial_rounds"]))
         log.note(targets=train_accel.targets(log.step["rows"]))
         gc.collect()  # this width's Trainers and states off the device before the next
     text = train_accel.table(log.step["rows"], cfg, plat)
@@ -420,12 +420,11 @@ def offload_step(opts: Options, log: StepLog) -> str:
     offload (``"host"`` is the device's ``pinned_host`` memory on a GPU or TPU), peaks, step times, bitwise."""
     from benchmarks import offload
 
-    cfg = {
-        "ms": [8],
-        "schedules": ["gpipe"] if opts.quick else ["gpipe", "1f1b", "zbh1"],
-        "rounds": 2 if opts.quick else 5,
-    }
-    data = offload.measure(opts.quick, platform=export_platform(), cfg={**cfg, "block": 1})
+    if opts.quick:  # offload's own --quick (a small GPT), under GPipe
+        cfg = {**offload._config(True), "schedules": ["gpipe"]}
+    else:
+        cfg = {"ms": [8], "schedules": ["gpipe", "1f1b", "zbh1"], "rounds": 5, "block": 1}
+    data = offload.measure(opts.quick, platform=export_platform(), cfg=cfg)
     log.add(*[dict(r, part="offload") for r in data["rows"]])
     return offload.table(data)
 

@@ -33,8 +33,17 @@ RACE_STEPS_AT_MOST = 64  # an auto Trainer's trial steps: 5 candidates at most, 
 
 
 def _config(quick: bool) -> dict:
-    if quick:
-        return {"width": 32, "blocks": 2, "seq": 16, "batch": 8, "microbatches": 4, "rounds": 3, "heads": 4}
+    if quick:  # proves the section runs (CI): a small GPT, each close plan raced for one step
+        return {
+            "width": 32,
+            "blocks": 2,
+            "seq": 16,
+            "batch": 8,
+            "microbatches": 4,
+            "rounds": 3,
+            "heads": 4,
+            "trial_rounds": 1,
+        }
     return {"width": 256, "blocks": 4, "seq": 64, "batch": 16, "microbatches": 8, "rounds": 25, "heads": 4}
 
 
@@ -64,9 +73,12 @@ def measure(quick: bool) -> dict:
     stages, params, batches = _model(c)
     S, m = len(stages), c["microbatches"]
     kw = dict(optimizer=optax.adamw(1e-3), microbatches=m)
+    trials = c.get("trial_rounds")  # None: the Trainer's default
     trainers = {
-        "auto": P.Trainer(stages, params, schedule="auto", **kw),
-        f"auto, limit {S}": P.Trainer(stages, params, schedule=P.Schedule("auto", memory_limit=S), **kw),
+        "auto": P.Trainer(stages, params, schedule=P.Schedule("auto", trial_rounds=trials), **kw),
+        f"auto, limit {S}": P.Trainer(
+            stages, params, schedule=P.Schedule("auto", memory_limit=S, trial_rounds=trials), **kw
+        ),
         "1F1B": P.Trainer(stages, params, schedule="1f1b", **kw),
         "ZB-H1": P.Trainer(stages, params, schedule="zbh1", **kw),
     }

@@ -28,8 +28,10 @@ from benchmarks.timing import SINGLE_THREAD, run_section, section_main
 
 
 def _config(quick: bool) -> dict:
-    tiny = {"width": 16, "rows": 4, "layers": 8, "microbatches": 16, "rounds": 3 if quick else 25}
+    tiny = {"width": 16, "rows": 4, "layers": 8, "microbatches": 16, "rounds": 3 if quick else 25, "stages": 8}
     if quick:
+        # Proves the section runs (CI): each Ray runner on one schedule (both layouts), the tiny stages in-process
+        # only and cut into 4 at most, so there are fewer stages to export and compile.
         return {
             "width": 256,
             "rows": 32,
@@ -37,8 +39,9 @@ def _config(quick: bool) -> dict:
             "microbatches": 4,
             "rounds": 3,
             "ray": True,
+            "ray_schedules": {"Ray": ["1f1b"], "Ray calls": ["zbv"]},
             "bw_rounds": 5,
-            "tiny": tiny,
+            "tiny": {**tiny, "layers": 4, "stages": 4, "ray": False},
         }
     return {
         "width": 1024,
@@ -121,8 +124,8 @@ def table(data: dict) -> str:
         per = {(r["runner"], r["stages"]): r["per_op"] for r in t["rows"]}
         lines += [
             "",
-            f"In-process cost per operation, 8 stages / 2 stages: "
-            f"{per[('in-process', 8)] / per[('in-process', 2)]:.2f}×",
+            f"In-process cost per operation, {tc['stages']} stages / 2 stages: "
+            f"{per[('in-process', tc['stages'])] / per[('in-process', 2)]:.2f}×",
         ]
     one = data.get("from_one")
     if one:
@@ -213,7 +216,7 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
         )
         return arts, groups
 
-    tiny = _tiny(cfg["tiny"], model, cut, P, cfg["ray"])
+    tiny = _tiny(cfg["tiny"], model, cut, P, cfg["ray"] and cfg["tiny"].get("ray", True))
     params, x, labels, loss = model(W, L, M, R)
     model_params = params
     cuts = {2: cut(2), 4: cut(4)}
@@ -283,7 +286,7 @@ def measure(quick: bool, platform: str = "cpu", ray: bool = True) -> dict:
         phases += [
             (runner, on_ray(compiled, n))
             for runner, compiled in (("Ray", True), ("Ray calls", False))
-            for n in schedules
+            for n in cfg.get("ray_schedules", {}).get(runner, schedules)
         ]
     failures: dict = {}
     _phases(phases, cfg["rounds"], record, cfg["ray"], failures)
@@ -420,7 +423,8 @@ def _tiny(tc: dict, model, cut, P, ray_too: bool) -> dict:
     """Step time and time per operation on tiny stages: the runners' own overhead."""
     M = tc["microbatches"]
     params, x, labels, loss = model(tc["width"], tc["layers"], M, tc["rows"])
-    cuts = {n: cut(n, params) for n in (2, 8)}
+    many = tc["stages"]
+    cuts = {n: cut(n, params) for n in (2, many)}
     steps: dict = {}
 
     def record(runner, name, r):
@@ -441,7 +445,7 @@ def _tiny(tc: dict, model, cut, P, ray_too: bool) -> dict:
             lambda: (
                 {
                     n: (lambda n=n: P.run_inprocess(*cuts[n], x, [labels], microbatches=M, schedule="1f1b"))
-                    for n in (2, 8)
+                    for n in (2, many)
                 },
                 [],
             ),

@@ -20,7 +20,8 @@ steps is one sample, and the tables give medians.
    128): ``t1``, one device's ``jit(value_and_grad)`` + optax step on the whole batch;
    ``s``, the speedup two threads of that step on the two devices get at once,
    measured between the steps (these cores are shared: ``s`` is not 2); the ideal
-   ``t1 (1 + (p-1)/m) / s``; the Trainer in-process and on Ray.
+   ``t1 (1 + (p-1)/m) / s``; the Trainer in-process and on Ray (``--quick``: width 64 with 2 blocks,
+   in-process only).
 3. **One timed step** of the width-256 GPT in-process as a timeline
    (``docs/train_gpt256_timeline.png``, not with ``--quick``), with the share of the
    step both devices compute at once.
@@ -53,7 +54,17 @@ TARGETS = {"in-process": 100e-6, "Ray": 500e-6}  # per scheduled operation, unti
 
 def _config(quick: bool) -> dict:
     if quick:
-        cfg = {"tiny_rounds": 3, "tiny_block": 2, "widths": [64], "gpt_rounds": 2, "gpt_block": 1}
+        # Proves the section runs (CI): the GPT of 2 blocks, in-process only (the tiny stages and the floor run
+        # on Ray too).
+        cfg = {
+            "tiny_rounds": 3,
+            "tiny_block": 2,
+            "widths": [64],
+            "gpt_rounds": 2,
+            "gpt_block": 1,
+            "gpt_blocks": 2,
+            "gpt_ray": False,
+        }
     else:
         cfg = {"tiny_rounds": 12, "tiny_block": 4, "widths": [64, 128, 256], "gpt_rounds": 6, "gpt_block": 2}
     return {**cfg, "floor": step_floor.config(quick)}
@@ -180,7 +191,7 @@ def gpt_width(width: int, cfg: dict, ray: bool, platform: str, png: Path | None,
     from benchmarks.gpt import GPT, docs_batches
 
     m = max(8, 2 * p)
-    g = GPT(width=width, blocks=max(4, p), stages=p)
+    g = GPT(width=width, blocks=max(cfg.get("gpt_blocks", 4), p), stages=p)
     vocab, data = docs_batches(g.seq, 2 * m, 8)
     params = g.init(vocab)
     stages = g.export(params, platform)
@@ -222,7 +233,8 @@ def gpt_width(width: int, cfg: dict, ray: bool, platform: str, png: Path | None,
     cands["inprocess_timed"] = stepper(trainers["inprocess"], timed=True)
     t = _blocks(cands, cfg["gpt_rounds"], cfg["gpt_block"])
     s = p * t["t1"] / t["together"]
-    row = {"width": width, "stages": p, "microbatches": m, "t1": t["t1"], "together": t["together"], "s": s}
+    row = {"width": width, "stages": p, "blocks": g.blocks, "microbatches": m, "t1": t["t1"], "s": s}
+    row["together"] = t["together"]
     row["ideal"] = t["t1"] * (1 + (p - 1) / m) / s
     row.update(
         inprocess=t["inprocess"],
@@ -272,7 +284,8 @@ def measure(
         small = tiny(cfg, ray, platform)
         widths = cfg["widths"]
         p = cfg.get("devices", 2)
-        rows = [gpt_width(w, cfg, ray, platform, png if w == widths[-1] else None, p) for w in widths]
+        gpt_ray = ray and cfg.get("gpt_ray", True)
+        rows = [gpt_width(w, cfg, gpt_ray, platform, png if w == widths[-1] else None, p) for w in widths]
         floors = step_floor.measure(cfg["floor"], ray, platform) if "floor" in cfg else []
     finally:
         if ray:
@@ -313,7 +326,7 @@ def table(data: dict) -> str:
     p, m = g["stages"], g["microbatches"]
     lines += [
         "",
-        f"GPT ({max(4, p)} blocks, sequence 64, batch {2 * m} in {m} microbatches, AdamW), {p} stages on "
+        f"GPT ({g['blocks']} blocks, sequence 64, batch {2 * m} in {m} microbatches, AdamW), {p} stages on "
         f"{', '.join(g['placement'])}, 1F1B; medians of {c['gpt_rounds']} blocks of {c['gpt_block']} steps. "
         f"t1: one device's jit(value_and_grad) + optax step; s: the speedup of that step on the {p} devices at "
         f"once, from {p} threads; ideal: t1 (1 + (p-1)/m) / s; timed: the in-process Trainer's step with "

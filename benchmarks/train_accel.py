@@ -4,7 +4,8 @@
 
 The GPT of ``benchmarks/gpt.py`` (RMS-norm blocks, tied embedding) with sequence 256, 8 heads,
 vocabulary 512 (synthetic token ids), batch 16 in 8 microbatches, AdamW, cut into 2 stages, at
-width 512 with 4 blocks and width 1024 with 8 (``--quick``: width 32 with 2 blocks). The stages
+width 512 with 4 blocks and width 1024 with 8 (``--quick``: width 32 with 2 blocks, sequence 64, and
+``auto`` racing each plan it rates close for one step instead of 3). The stages
 run on the first two visible devices; on a machine with one device both share it
 (``InProcess(devices=[[d], [d]])``). The candidates, each a whole optimizer step whose loss
 the host fetches:
@@ -35,7 +36,9 @@ from benchmarks.timing import interleaved_samples
 SEQ, HEADS, VOCAB, BATCH, MICROBATCHES = 256, 8, 512, 16, 8
 WIDTHS = ((512, 4), (1024, 8))  # (width, blocks)
 QUICK_WIDTHS = ((32, 2),)
+QUICK_SEQ = 64
 ROUNDS, QUICK_ROUNDS = 6, 3
+QUICK_TRIAL_ROUNDS = 1  # auto's steps per close plan with --quick (None: the Trainer's default)
 REFERENCE = "accumulated"
 # key: the row's label in the report
 CANDIDATES = {
@@ -64,7 +67,8 @@ def config(quick: bool) -> dict:
     return {
         "widths": [list(w) for w in (QUICK_WIDTHS if quick else WIDTHS)],
         "rounds": QUICK_ROUNDS if quick else ROUNDS,
-        "seq": SEQ,
+        "seq": QUICK_SEQ if quick else SEQ,
+        "trial_rounds": QUICK_TRIAL_ROUNDS if quick else None,
         "heads": HEADS,
         "vocab": VOCAB,
         "batch": BATCH,
@@ -112,7 +116,9 @@ def _one_process(g, params, tx, device) -> dict[str, Callable]:
     return steps
 
 
-def measure_width(width: int, blocks: int, rounds: int, platform: str) -> list[dict]:
+def measure_width(
+    width: int, blocks: int, rounds: int, platform: str, seq: int = SEQ, trial_rounds: int | None = None
+) -> list[dict]:
     """Every candidate at one width, side by side: one row each, with its median and ratio to the reference.
 
     Args:
@@ -120,6 +126,8 @@ def measure_width(width: int, blocks: int, rounds: int, platform: str) -> list[d
         blocks: its blocks (cut into 2 stages of equal runs).
         rounds: interleaved rounds after warm-up; each candidate's median is over these.
         platform: the platform the stages are exported for (``jax.export``'s name).
+        seq: the GPT's sequence length.
+        trial_rounds: ``Schedule(trial_rounds=)`` of the ``auto`` Trainer (None: the Trainer's default).
 
     Returns:
         One row per candidate (``CANDIDATES``' order): width, blocks, key, candidate, ms, ratio, samples_ms.
@@ -133,9 +141,9 @@ def measure_width(width: int, blocks: int, rounds: int, platform: str) -> list[d
     from benchmarks.gpt import GPT
     from vjpsplit_cli import pipeline as P
 
-    g = GPT(width=width, blocks=blocks, seq=SEQ, heads=HEADS, stages=2)
+    g = GPT(width=width, blocks=blocks, seq=seq, heads=HEADS, stages=2)
     params = g.init(VOCAB)
-    win = np.random.default_rng(1).integers(0, VOCAB, (BATCH, SEQ + 1)).astype(np.int32)
+    win = np.random.default_rng(1).integers(0, VOCAB, (BATCH, seq + 1)).astype(np.int32)
     batch = (win[:, :-1], win[:, 1:])
     have = jax.local_devices()
     d0, d1 = have[0], have[1 % len(have)]
@@ -145,7 +153,12 @@ def measure_width(width: int, blocks: int, rounds: int, platform: str) -> list[d
     steps = _one_process(g, params, tx, d0)
     trainers = {}
     try:
-        for key, schedule in (("1f1b", "1f1b"), ("zbh1", "zbh1"), ("auto", "auto"), ("1f1b_everything", "1f1b")):
+        for key, schedule in (
+            ("1f1b", "1f1b"),
+            ("zbh1", "zbh1"),
+            ("auto", P.Schedule("auto", trial_rounds=trial_rounds)),
+            ("1f1b_everything", "1f1b"),
+        ):
             trainers[key] = P.Trainer(
                 g.export(params, platform) if key == "1f1b_everything" else stages,
                 params,

@@ -34,7 +34,22 @@ _LONG_FIRST = ("tests/test_pipeline_ray.py", "tests/test_sharded.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: not item.nodeid.startswith(_LONG_FIRST))
+    """Each long suite at the head of one worker's share: ``--dist worksteal`` (pyproject's addopts) first hands
+    each of the N workers one contiguous part of the tests, then has an idle worker take half of the tests
+    another has not started; the head of a part is never taken, so two long suites in one part would run one
+    after the other on one core."""
+    long = [item for item in items if item.nodeid.startswith(_LONG_FIRST)]
+    rest = [item for item in items if not item.nodeid.startswith(_LONG_FIRST)]
+    workers = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
+    left, ordered = len(items), []
+    for w in range(workers):
+        size = left // (workers - w)  # worksteal's first share of the tests left, worker by worker
+        left -= size
+        head = long[w::workers]
+        take = max(size - len(head), 0)
+        ordered += head + rest[:take]
+        rest = rest[take:]
+    items[:] = ordered + rest
 
 
 @pytest.fixture()
