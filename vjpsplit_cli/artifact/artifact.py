@@ -2,7 +2,7 @@
 
 An artifact runs without the user's code: its manifest says every key, dtype and
 (symbolic) shape, and its modules are serialized StableHLO for each platform.
-``Artifact`` is the public face; it delegates each job to its own room: the file's bytes
+``Artifact`` is the public face; it delegates each job to its own module: the file's bytes
 (``artifact_file``), device placement (``placement``), checking what callers hand a module
 (``binding``) and running modules (``runner``), with each module's signature read from one
 table (``trust.module_io``). Its calls on flat ``{key: array}`` dicts and the general path of

@@ -20,7 +20,7 @@ Words: a *layout* is which worker runs which stage (``layout_kind``,
 several stages read is tied); counts are ``num_stages``, ``num_workers``, indices
 ``stage``, ``worker``, ``mb``.
 
-The rooms, in their dependency order (each imports only the rooms before it;
+The layers, in their dependency order (each imports only the layers before it;
 ``tests/test_structure.py`` holds it):
 
 * ``schedules/``: operations, the built-in schedules, layouts, the one play of

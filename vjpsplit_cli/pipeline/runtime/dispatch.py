@@ -1,7 +1,7 @@
 """The one dispatcher every runner uses, and the progress bar (``ProgressBar``).
 
 A step is the workers' lists of F, B, I and W operations. ``walk`` hands them to a
-runner's ``submit`` in the order of the one play of plans (``schedules.play.sweep``:
+runner's ``submit`` in the plans' execution order (``schedules.play.sweep``:
 each worker's own order, every operation after those whose results it reads);
 what flows between stages is whatever ``submit`` returns (a mailbox in-process,
 an object reference or a graph node on Ray), so a runner never repeats this
@@ -35,7 +35,7 @@ Order = list[tuple[int, Op, "OpKey | None"]]  # per operation in dispatch order:
 
 
 def order_of(plans: Sequence[Sequence[Op]], num_stages: int) -> Order:
-    """The operations in the one play of plans' order, each with its worker and the operation whose result it
+    """The operations in the plans' execution order, each with its worker and the operation whose result it
     takes (``ops.received``): what ``walk`` goes through, worth keeping where the same plans run every step."""
     return list(_order(plans, num_stages))
 

@@ -6,7 +6,7 @@ timed (``timed.run_threads``, on worker threads of its own, each operation waite
 for) or untimed (``untimed.dispatch``, nothing waits), and its losses, gradients and
 events come back as one ``PipelineResult``. May import the in-process modules
 below it (``devices``, ``model``, ``offload``, ``result``, ``timed``, ``untimed``,
-``worker``, ``workerthreads``) and the schedules and stages rooms.
+``worker``, ``workerthreads``) and the schedules and stages layers.
 """
 
 from __future__ import annotations

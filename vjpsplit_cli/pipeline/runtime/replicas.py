@@ -18,8 +18,8 @@ device its ``zero_spec`` shard of every gradient.
 The loss is the mean over the replicas' losses (each the mean over its part), and
 each replica's seed cotangent is ``1 / (microbatches * N)``: the step computes the
 gradient of the mean over the whole batch, as one process does. Also where a
-stage's replicas run (``replica_placement``). May import the runtime room's
-``worker``, ``offload``, ``model`` and ``reduction``, and the schedules room.
+stage's replicas run (``replica_placement``). May import the runtime layer's
+``worker``, ``offload``, ``model`` and ``reduction``, and the schedules layer.
 """
 
 from __future__ import annotations

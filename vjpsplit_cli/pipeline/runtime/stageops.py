@@ -4,7 +4,7 @@
 on a stage: a ``worker.StageWorker``, or a ``replicas.ReplicaGroup`` standing in its
 place. ``run_op`` hands an operation to the stage's F, B, I or W, and names the operation in any error it
 raises. May import the
-schedules room's ``ops`` and ``timeline``, ``offload``'s ``Offload`` and the tracing
+schedules layer's ``ops`` and ``timeline``, ``offload``'s ``Offload`` and the tracing
 layer's residual types; ``worker`` and ``replicas`` implement it, the runners call it.
 """
 

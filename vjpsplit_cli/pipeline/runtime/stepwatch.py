@@ -4,7 +4,7 @@ Owns ``Watch`` (a step's ``step_timeout``, where a stuck step's report goes, wha
 append to its error; filled in with the driver's phases and the workers left
 behind), ``GRACE`` (how long a stopped step's workers get to drain) and the report
 itself (``stop_report``: every worker's clause, its last operations written with
-``flight.write_flight``). May import ``flight``, the schedules room's ``ops`` and
+``flight.write_flight``). May import ``flight``, the schedules layer's ``ops`` and
 ``timeline``, and ``stageops``' ``RunsOps``; ``timed`` and ``untimed`` build on it.
 """
 

@@ -1,14 +1,14 @@
 """A timed step: each worker runs its list of operations in a thread of its own and waits for each one.
 
 ``run_threads`` hands the step to ``WorkerThreads`` (kept across steps): the driver
-walks the one play of plans' order (``dispatch.walk``) and queues each operation on
+walks the plans' execution order (``dispatch.walk``) and queues each operation on
 its worker's inbox; the worker waits for the value it reads, runs the operation,
 waits for its results, and records its ``Event``, so the events are compute times.
 Each mailbox has its own event, and each worker its own queue of operations, so a
 message wakes only the thread that reads it: the cost of an operation does not grow
 with the number of stages. A step past its ``Watch``'s timeout, or interrupted, is
 one error naming what each worker is doing. May import ``dispatch``, ``flight``,
-``model``, ``stageops``, ``stepwatch``, ``workerthreads`` and the schedules room.
+``model``, ``stageops``, ``stepwatch``, ``workerthreads`` and the schedules layer.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """An untimed step: every operation dispatched from one thread, nothing waiting, and what was handed out.
 
-``dispatch`` hands each operation to its stage's device in the one play of plans'
+``dispatch`` hands each operation to its stage's device in the plans' execution
 order and nothing waits: ``jit`` dispatches asynchronously, so the devices run side
 by side while the driver is already further on. A Trainer's untimed step runs its
-dispatch, in the same order, in one kept helper thread (``run_untimed``) while the
+dispatch, in the same order, in one long-lived helper thread (``run_untimed``) while the
 caller waits with ``step_timeout`` and Ctrl-C; ``Dispatched`` records what was
 handed out, so a stuck step names each worker's unfinished operation (a Ray actor's
 untimed list keeps one of its own operations, ``ray.lists``). May import
 ``dispatch``, ``flight``, ``model``, ``replicas``, ``stageops``, ``stepwatch``,
-``workerthreads`` and the schedules room.
+``workerthreads`` and the schedules layer.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def dispatch(
     """One step of ``plans`` on the stages' ``workers`` (reset first), every operation dispatched from this thread.
 
     Nothing waits: each operation is handed to its stage's device as soon as the
-    operations it reads are (the one play of plans' order), and ``jit``'s
+    operations it reads are (the plans' execution order), and ``jit``'s
     asynchronous dispatch runs the devices side by side. ``order``: ``dispatch.order_of(plans)``, if kept.
     ``record``: notes each operation as it is handed out (``Dispatched``), and stops the step once stopped.
     ``scales``: per microbatch, the last stage's starting cotangent (``StageWorker.reset``); None: equal.

@@ -2,12 +2,12 @@
 
 Owns the operation and its one dependency rule (``ops``), the built-in schedules
 by name (``catalog``, ``builtins``), layouts (``layout``: which worker runs which
-stage), the op costs (``costs``), the one play of plans (``play``: the order the dispatcher submits in,
+stage), the op costs (``costs``), the plans' execution order (``play``: the order the dispatcher submits in,
 the deadlock check, the simulator with per-stage costs and send delays, ZB-H1's
 W placement), the checks and resolution of a step's plans (``plans``), plans as
 torch's CSV (``csvformat``), timelines (``timeline``), plots (``plots``), and
 automatic schedules (``auto``, on the list scheduler of ``listscheduler``) under a cost model of memory peaks and bounds (``modeled``).
 
 Nothing here runs a model. May import the base modules and the layers below
-``pipeline``; inside ``pipeline``, nothing (it is the first room).
+``pipeline``; inside ``pipeline``, nothing (it is the first layer).
 """

@@ -5,7 +5,7 @@ else an F whose activation has arrived and that memory allows, else a W if one f
 before the next input arrives, else it waits for that input (``auto``'s docstring
 tells the whole method). Owns ``Policy``, the family ``policies`` plays, one run of
 the scheduler and ``search``, the fastest plans over the family. May import the
-schedules room's ``costs`` and ``ops``; ``auto`` builds on it.
+schedules layer's ``costs`` and ``ops``; ``auto`` builds on it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The one play of plans: every worker runs its list in order, each operation once what it reads exists.
+"""The plans' execution order: every worker runs its list in order, each operation once what it reads exists.
 
 ``sweep`` walks the per-worker lists in one global order that keeps each
 worker's own order and puts every operation after those it depends on

@@ -6,7 +6,7 @@ checkpoint a dead writer's fallback swap left aside and sweeps dead writers' tem
 directories (``safeio.temps``); ``owned`` says which file names a save writes and
 ``has_checkpoint`` whether a directory holds one.
 
-May import ``checkpoint_layout`` of this room and the layers below ``pipeline``.
+May import ``checkpoint_layout`` of this layer and the layers below ``pipeline``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ parameters and optimizer state by the device each array's shard is on
 shows), each stage's most stored residual bytes in the last step
 (``StageWorker.peak_residual_bytes``, per replica) and what each device holds in
 all (``devicebytes.device_use``: the device's ``memory_stats()``, or the live arrays
-on CPU). May import ``stage_trainer`` and ``zero1`` of this room, ``runtime`` and
+on CPU). May import ``stage_trainer`` and ``zero1`` of this layer, ``runtime`` and
 the layers below ``pipeline``.
 """
 

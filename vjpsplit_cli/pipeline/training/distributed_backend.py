@@ -2,7 +2,7 @@
 
 Every process of a ``jax.distributed`` job builds the same Trainer and calls the
 same ``step``; ``DistributedBackend`` holds a ``StageTrainer`` for each stage on
-this process's devices. A step walks the one play of plans in every process alike
+this process's devices. A step walks the plans' execution order in every process alike
 (``dispatch.walk``): an operation of a stage here is dispatched as in-process
 (``stageops.run_op``), one of another process's stage is skipped, and a value that
 one stage hands to another's process goes through ``crosshost.move``, which every
@@ -14,7 +14,7 @@ squared norms, the loss, the optimizer's reductions over leaves); every process
 then has every stage's squared norm and the losses, so every process returns the
 same result.
 
-May import ``runtime``, ``schedules``, ``stages`` and, of this room, ``crosshost``, ``stage_trainer``,
+May import ``runtime``, ``schedules``, ``stages`` and, of this layer, ``crosshost``, ``stage_trainer``,
 ``clipping``, ``device_memory``, ``ownership`` and ``option_values``; the layers below ``pipeline``.
 """
 

@@ -23,7 +23,7 @@ Each value of the traced program gets one label, in program order:
 be one stage's (``problem``), and evaluates what a stage's outputs need (``evaluate``,
 ``shares``). ``separable`` builds the whole model's optimizer from two of them.
 
-May import ``jaxpr_graph`` of this room and the layers below ``pipeline``.
+May import ``jaxpr_graph`` of this layer and the layers below ``pipeline``.
 """
 
 from __future__ import annotations

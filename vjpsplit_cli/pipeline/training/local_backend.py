@@ -1,6 +1,6 @@
 """The Trainer's workers in this process: one ``StageTrainer`` per stage, kept across steps, each on its device.
 
-An untimed step is dispatched from one kept helper thread (``runtime.untimed.run_untimed``: the
+An untimed step is dispatched from one long-lived helper thread (``runtime.untimed.run_untimed``: the
 caller waits with ``step_timeout`` and Ctrl-C), then each stage's step is finished
 (``stage_trainer.finish_stages``) as soon as it can be. In a timed step each
 worker's thread finishes its stages after its last operation, swapping tied

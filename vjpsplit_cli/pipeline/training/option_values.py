@@ -13,7 +13,7 @@
 
 Each value checks its fields when made. ``options`` gathers them (``Options``).
 
-May import ``runtime``, ``schedules``, ``stages`` and, of this room, ``arguments``, ``autoplan``, ``crosshost`` and
+May import ``runtime``, ``schedules``, ``stages`` and, of this layer, ``arguments``, ``autoplan``, ``crosshost`` and
 ``ownership``; the layers below ``pipeline``.
 """
 

@@ -11,7 +11,7 @@ state; ``stage_snapshots`` gives a running Trainer's stages their share
 settings the checkpoint records where the caller gives none (``RestoredRun``).
 
 May import ``checkpoint``, ``checkpoint_layout``, ``ownership``, ``stage_trainer``, ``optax_state``,
-``options`` and ``option_values`` of this room, ``schedules``, ``stages`` and the layers below ``pipeline``.
+``options`` and ``option_values`` of this layer, ``schedules``, ``stages`` and the layers below ``pipeline``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ them): Ray's actor options per worker, the wait for Ray to place each within
 actor's node and its monotonic clock against the driver's, the values of their
 calls (an actor that died is one error naming its stages), a step's wait within
 ``step_timeout``, and what each worker of a stuck step is doing. May import the
-ray room's ``setup``, ``actor``, ``lists``, ``peers``, ``reports`` and ``waiting``, and the runtime's
+ray layer's ``setup``, ``actor``, ``lists``, ``peers``, ``reports`` and ``waiting``, and the runtime's
 ``flight``, ``dispatch`` and ``model``; not ``pipeline``, which builds on it.
 """
 

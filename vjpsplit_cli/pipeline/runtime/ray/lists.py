@@ -232,7 +232,7 @@ def hands_on_early(op: Op, splits: Mapping[int, bool] | Sequence[bool], worker_o
 
 def as_listed(plans: Sequence[Sequence[Op]], splits: Sequence[bool], worker_of: Mapping[int, int]) -> list[list[Op]]:
     """``plans`` as untimed lists run them on Ray: each B that hands its cotangent on early (``hands_on_early``)
-    as its I then its W, the cotangent leaving at the I's end. A Ray step's floor is the makespan of these: the
+    as its I then its W, the cotangent leaving at the I's end. A lower bound on a Ray step is the makespan of these: the
     plans as scheduled charge such a B's weight part before its cotangent leaves."""
     return [
         [

@@ -6,7 +6,7 @@ error naming the stage and the resource it lacks), their clocks measured against
 the driver's, a step's wait, an actor that dies named by its stages. Here: the
 arguments checked, the plans resolved against the layout, the step handed out
 (``lists``) or run as a graph (``compiled``), and its result with the actors'
-events on the driver's clock. May import the ray room's other modules.
+events on the driver's clock. May import the ray layer's other modules.
 """
 
 from __future__ import annotations
