@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import inspect
 import re
+import warnings
 from pathlib import Path
 
 import jax
@@ -242,3 +243,25 @@ def test_a_schedule_typo_is_refused_when_made_listing_auto_too(opened, name):
         P.Schedule(name)
     with pytest.raises(VjpsplitError, match=said):
         P.Trainer(_stages(), gpt_params(), optimizer=optax.sgd(0.1), microbatches=2, schedule=name)
+
+
+def test_a_ray_trainer_does_not_warn_of_the_drivers_devices(monkeypatch):
+    # The driver's placement only shapes the optimizer programs; each actor places its stages on its own devices,
+    # so "4 workers need 4 devices but this host has 1" was a false warning for runner="ray".
+    from vjpsplit_cli.pipeline.training import backend
+
+    class Reached(Exception):
+        pass
+
+    def ray_backend(*args, **kwargs):
+        raise Reached
+
+    monkeypatch.setattr(backend, "RayBackend", ray_backend)
+    kw = dict(optimizer=optax.sgd(0.1), microbatches=2)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        with pytest.raises(Reached):
+            P.Trainer(_stages(), gpt_params(), runner="ray", **kw)
+    assert not [w for w in got if issubclass(w.category, P.SharedDevicesWarning)], [str(w.message) for w in got]
+    with pytest.warns(P.SharedDevicesWarning, match="4 workers need 4 devices"):  # in-process, it is true
+        P.Trainer(_stages(), gpt_params(), **kw).close()

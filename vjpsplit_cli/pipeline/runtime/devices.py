@@ -45,6 +45,7 @@ def placement(
     artifacts: Sequence[Artifact],
     workers: Sequence[Sequence[int]] | None = None,
     devices: Sequence[Sequence[jax.Device]] | None = None,
+    warn: bool = True,
 ) -> list[Devices]:
     """Per stage, the devices it runs on (in mesh order for a sharded stage).
 
@@ -54,7 +55,8 @@ def placement(
     this host's local devices cover every worker's need (one device, or a sharded
     stage's count), worker k takes the k-th consecutive group and each of its
     stages the group's first devices; otherwise every stage shares the first
-    devices (the default device for an unsharded stage).
+    devices (the default device for an unsharded stage), with a ``SharedDevicesWarning`` unless ``warn`` is
+    False (the Ray driver's placement, which only shapes programs: each actor places its stages itself).
     """
     import jax
 
@@ -75,7 +77,7 @@ def placement(
     out_by_stage: dict[int, Devices] = {}
     start = 0
     disjoint = sum(need) <= len(have)
-    if not disjoint and len(workers) > 1:
+    if not disjoint and len(workers) > 1 and warn:
         _warn_shared(need, have)
     for held, n in zip(workers, need):
         if disjoint:

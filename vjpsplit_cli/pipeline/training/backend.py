@@ -168,7 +168,8 @@ def open_backend(
             for s, (a, p) in enumerate(zip(ownership.artifacts, ownership.stage_params))
         ]
     else:
-        where = placement(ownership.artifacts, layout.workers, devices)
+        # On Ray this placement only shapes the optimizer programs: each actor places its stages on its own devices.
+        where = placement(ownership.artifacts, layout.workers, devices, warn=isinstance(runner, InProcess))
         arts = placed(ownership.artifacts, where)
         # Specs only: an unsharded stage's parameters go to its own device, never all to the default one first.
         specs = [a.place_arg(0, p) if a.manifest.sharded else _specs(p) for a, p in zip(arts, ownership.stage_params)]
