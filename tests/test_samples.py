@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from clihelp import opts
@@ -103,8 +104,13 @@ def test_train_gpt_sample_pipeline_equals_one_process(tmp_path):
     proc = run(
         [sys.executable, "samples/pipeline/train_gpt.py", *opts(steps=12, schedule="zbh1", out=tmp_path)], timeout=600
     )
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("largest relative difference"))
-    assert float(line.rsplit(" ", 1)[1]) < 1e-4, proc.stdout  # the curves agree (the script also exits 1 if not)
+    lines = proc.stdout.splitlines()
+    line = next(ln for ln in lines if ln.startswith("largest relative difference"))
+    assert float(line.rsplit(" ", 1)[1]) < 1e-6, proc.stdout  # the curves agree (the script also exits 1 if not)
+    line = next(ln for ln in lines if ln.startswith("largest difference of the two accuracy curves"))
+    assert float(line.rsplit(" ", 1)[1]) == 0, proc.stdout  # the same tokens right, step by step
+    acc = next(ln for ln in lines if ln.startswith("next-token accuracy")).split("->")
+    assert float(acc[1].split()[2]) > float(acc[0].split()[-1]), proc.stdout  # it learned
     first, last = proc.stdout.splitlines()[0].split("->")[:2]
     assert float(last.split()[2]) < float(first.split()[-1]), proc.stdout  # it trained
     uniform = float(proc.stdout.splitlines()[1].rsplit(" ", 1)[1])  # ln(vocab)
@@ -116,3 +122,23 @@ def test_train_gpt_sample_pipeline_equals_one_process(tmp_path):
     assert sorted(ops) == sorted(f"{k} s{s} mb{m}" for k in "FIW" for s in range(4) for m in range(4))  # ZB-H1: I and W
     assert len(flow_pairs(doc)) == 2 * 3 * 4  # F and B sends between 4 workers, 4 microbatches
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_train_gpt_sample_draws_dropout_and_brings_two_lengths():
+    """What the sample compares to one process is training as models train: its dropout masks follow the key,
+    and its steps bring microbatches of both lengths, weighted by their token counts."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "samples" / "pipeline" / "train_gpt.py")
+    sample = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sample)
+    ids, vocab = sample.corpus()
+    steps = list(sample.batches(ids, 6))
+    lengths = {tokens.shape for step in steps for tokens, _ in step}
+    assert lengths == {(sample.ROWS, n) for n in sample.LENGTHS} and len(lengths) == 2
+    assert sample.tokens_of(steps[0]) == [tokens.size for tokens, _ in steps[0]]
+    params, (tokens, labels) = sample.init(vocab), steps[0][0]
+    one, aux = sample.loss(params, jax.random.key(0), tokens, labels)
+    again, _ = sample.loss(params, jax.random.key(0), tokens, labels)
+    other, _ = sample.loss(params, jax.random.key(1), tokens, labels)
+    assert one == again and one != other and 0 <= aux["accuracy"] <= 1

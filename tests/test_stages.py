@@ -306,6 +306,47 @@ def test_cli_export_stages_records_data_parallel_for_the_trainer(tmp_path, monke
         vs.load_stages(tmp_path / "m.stages")
 
 
+CLI_AUX_MODEL = CLI_MODEL.replace(
+    "    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))",
+    "    nll = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], 1))\n"
+    "    return nll, {'accuracy': jnp.mean(jnp.argmax(logits, -1) == labels)}",
+)
+
+
+def test_cli_export_stages_with_has_aux_gives_the_trainer_the_last_stages_aux(tmp_path, monkeypatch):
+    import optax
+    from click.testing import CliRunner
+
+    from vjpsplit_cli.cli import main
+
+    assert CLI_AUX_MODEL != CLI_MODEL
+    (tmp_path / "amodel.py").write_text(CLI_AUX_MODEL)  # not cmodel: imported above
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    args = ["export", "amodel.py:loss", "--shapes", "params=@amodel.py:shapes", "--shapes", "x=f32[b,6]"]
+    args += ["--shapes", "labels=i32[b]", "--wrt", "params", "--platforms", "cpu", "--stages"]
+    r = runner.invoke(main, [*args, "-o", "plain.stages"])  # a pair without --has-aux: one error, nothing written
+    assert r.exit_code == 1 and "pass has_aux" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert not (tmp_path / "plain.stages").exists()
+    r = runner.invoke(main, [*args, "--has-aux", "-o", "m.stages"])
+    assert r.exit_code == 0, r.output
+    assert "2 stages (marks), platforms cpu, the last stage returns aux" in r.output
+    r = runner.invoke(main, ["inspect", "m.stages", "--at", "b=4"])
+    assert r.exit_code == 0, r.output
+    stages = vs.load_stages(tmp_path / "m.stages")
+    assert [a.manifest.has_aux for a in stages.artifacts] == [False, True]
+    rng = np.random.default_rng(0)
+    params = {"w0": rng.normal(size=(6, 8)).astype(np.float32), "w1": rng.normal(size=(8, 3)).astype(np.float32)}
+    x, labels = rng.normal(size=(8, 6)).astype(np.float32), rng.integers(0, 3, 8).astype(np.int32)
+    with P.Trainer(stages, params, optimizer=optax.sgd(0.1), microbatches=2, aux="per_microbatch") as tr:
+        loss, aux = tr.step((x, labels))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    amodel = __import__("amodel")  # the same function, for the reference
+    parts = [amodel.loss(params, x[i * 4 : (i + 1) * 4], labels[i * 4 : (i + 1) * 4]) for i in range(2)]
+    np.testing.assert_allclose(loss, np.mean([p[0] for p in parts]), rtol=1e-6)
+    np.testing.assert_allclose([a["accuracy"] for a in aux], [p[1]["accuracy"] for p in parts], rtol=1e-6)
+
+
 def test_balanced_cut_of_the_sample_gpt_is_within_1_25_of_the_mean(monkeypatch):
     from pathlib import Path
 

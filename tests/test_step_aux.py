@@ -119,6 +119,30 @@ def test_a_saved_and_loaded_directory_gives_the_same_aux(stages, tmp_path):
         _close(g_aux, w_aux)
 
 
+@pytest.mark.parametrize("timed", [True, False])
+def test_run_gives_each_microbatchs_aux_in_its_result(stages, timed):
+    """``P.run`` (no Trainer, no update) on stages with aux: ``result.aux`` holds each microbatch's, as one process
+    gives it, beside the loss and gradients; stages without aux give None."""
+    params, batch = dropout_params(), dropout_batches(1)[0]
+    r = P.run(stages, params, batch, microbatches=M, schedule="1f1b", timed=timed)
+    (want_loss, want_aux), want_grads = jax.value_and_grad(lambda p: _mean_with_aux(p, batch), has_aux=True)(
+        jax.tree_util.tree_map(jnp.asarray, params)
+    )
+    np.testing.assert_allclose(r.loss, want_loss, rtol=1e-6)
+    assert_trees_close(r.grads, want_grads, rtol=1e-6, atol=1e-7)
+    assert len(r.aux) == M
+    _close(r.aux, [jax.tree_util.tree_map(np.asarray, a) for a in want_aux])
+    plain = vs.export_stages(lambda params, x, y: aux_loss(params, x, y)[0], *_specs(), wrt="params", platforms="cpu")
+    assert P.run(plain, params, batch, microbatches=M, timed=timed).aux is None
+
+
+def _mean_with_aux(p, batch):
+    """The mean loss over the M microbatches of ``batch``, and each one's aux."""
+    k = batch[0].shape[0] // M
+    parts = [aux_loss(p, *[x[i * k : (i + 1) * k] for x in batch]) for i in range(M)]
+    return jnp.mean(jnp.stack([loss for loss, _ in parts])), [aux for _, aux in parts]
+
+
 def test_an_untimed_step_with_aux_fetches_nothing_before_every_update_is_dispatched(stages, monkeypatch):
     """The aux comes to the host with the losses, at the step's end: nothing is read back before every stage's
     update is dispatched (no implicit transfer, no ``device_get``)."""

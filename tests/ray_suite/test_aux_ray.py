@@ -39,3 +39,17 @@ def test_ray_step_history_and_evaluate_give_the_aux_of_the_one_process_loop(ray_
     _close(per_microbatch, auxes[2])
     np.testing.assert_allclose(evaluated[0], losses[2], rtol=1e-6)
     _close(evaluated[1], aux_mean(auxes[2]))
+
+
+def test_ray_pipeline_run_gives_each_microbatchs_aux_in_its_result(ray_session):
+    """``RayPipeline.run`` (no Trainer): ``result.aux`` holds each microbatch's aux, as one process gives it."""
+    p, _key, x, y = dropout_specs(dropout_params())
+    stages = vs.export_stages(aux_loss, p, x, y, wrt="params", platforms="cpu", has_aux=True)
+    batch = dropout_batches(1)[0]
+    _, auxes, _ = one_process_with_aux(aux_loss, dropout_params(), [batch], 4, optax.sgd(0.0))
+    with P.RayPipeline(stages, dropout_params()) as rp:
+        timed = rp.run(batch, microbatches=4, schedule="1f1b")
+        untimed = rp.run(batch, microbatches=4, schedule="zbh1", timed=False)
+    for r in (timed, untimed):
+        assert r.runner == "ray" and len(r.aux) == 4
+        _close(r.aux, auxes[0])

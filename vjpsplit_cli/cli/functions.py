@@ -67,7 +67,8 @@ from .runtime import enable_x64_if, wants_x64
     "as_stages",
     is_flag=True,
     help="Cut FN at its stage_boundary marks into pipeline stages: -o is a directory (one artifact and one "
-    "evaluation program per stage, and stages.json), every stage with the zero-bubble split backward.",
+    "evaluation program per stage, and stages.json), every stage with the zero-bubble split backward; with "
+    "--has-aux, FN returns (loss, aux) and the last stage gives the aux.",
 )
 @click.option(
     "--stage-count",
@@ -113,10 +114,12 @@ def export_cmd(
     if as_stages or stage_count is not None:
         from .stagecmds import export_stages_cmd
 
-        if has_aux or memory_budget is not None or weights is not None or at:
-            raise click.UsageError("--stages takes none of --has-aux, --memory-budget, --weights, --at")
+        if memory_budget is not None or weights is not None or at:
+            raise click.UsageError("--stages takes none of --memory-budget, --weights, --at")
         pol = None if policy == "everything" else policy
-        export_stages_cmd(target, shapes, wrt, platforms, pol, True, output, key, stage_count, data_parallel or 1)
+        export_stages_cmd(
+            target, shapes, wrt, platforms, pol, True, output, key, stage_count, data_parallel or 1, has_aux
+        )
         return
     if data_parallel is not None:
         raise click.UsageError("--data-parallel records replicas of pipeline stages: give it with --stages")

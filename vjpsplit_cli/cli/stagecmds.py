@@ -26,9 +26,11 @@ def export_stages_cmd(
     key: Ed25519PrivateKey | None,
     count: int | None,
     data_parallel: int = 1,
+    has_aux: bool = False,
 ) -> None:
     """Trace MODULE:FN once, cut it at its marks (or into ``count`` balanced stages) and save the directory
-    (``data_parallel``: the replicas of every stage its index records)."""
+    (``data_parallel``: the replicas of every stage its index records; ``has_aux``: FN returns ``(loss, aux)``,
+    and the last stage's artifact gives the aux)."""
     from .specs import check_fits, load_object, resolve_shapes
     from ..pipeline.stages.exporting import export_stages
 
@@ -52,11 +54,13 @@ def export_stages_cmd(
         stages=count,
         name=name,
         data_parallel=data_parallel,
+        has_aux=has_aux,
     )
     stages.save(output, sign_key=key)
     signed = f", signed by {stages.artifacts[0].signer}" if key is not None else ""
     dp = f", data_parallel {data_parallel}" if data_parallel > 1 else ""
-    log(f"wrote {output}: {name}, {len(stages)} stages ({stages.index.cut}), platforms {platforms}{dp}{signed}")
+    aux = ", the last stage returns aux" if has_aux else ""
+    log(f"wrote {output}: {name}, {len(stages)} stages ({stages.index.cut}), platforms {platforms}{dp}{aux}{signed}")
 
 
 def inspect_stages_cmd(

@@ -23,7 +23,7 @@ from ..stages.directory import Stages
 from .devices import placed, placement
 from .model import Microbatch, Model, model_of
 from .offload import Offload, offload_of
-from .result import PipelineResult, step_result
+from .result import PipelineResult, aux_per_microbatch, step_result
 from .timed import run_threads
 from .untimed import dispatch
 from .worker import StageWorker
@@ -146,9 +146,10 @@ def _result(
     t0: float,
     timed: bool,
 ) -> PipelineResult:
-    """The finished step's ``PipelineResult``: its losses, gradients (in the model's form) and events."""
+    """The finished step's ``PipelineResult``: its losses, aux (``has_aux``), gradients (in the model's form) and
+    events."""
     grads = [st.grads for st in workers]
-    losses = workers[-1].fetch_losses()
+    losses, aux = workers[-1].fetch_outputs()
     jax.block_until_ready(grads)
     return step_result(
         schedule=name,
@@ -161,4 +162,5 @@ def _result(
         grads=model.gather(grads),
         events=[e for st in workers for e in st.events],
         timed=timed,
+        aux=aux_per_microbatch(model.artifacts[-1], aux, microbatches),
     )

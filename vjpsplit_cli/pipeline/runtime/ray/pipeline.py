@@ -24,7 +24,7 @@ from ...schedules.stepplans import resolve
 from ...stages.directory import Stages
 from ..dispatch import progress_bar
 from ..model import Microbatch, model_of
-from ..result import PipelineResult, step_result
+from ..result import PipelineResult, aux_per_microbatch, step_result
 from .group import ActorGroup
 from .actor import StepState, raise_first_error
 from .compiled import compile_step
@@ -348,6 +348,7 @@ class RayPipeline(ActorGroup):
         S = self.num_stages
         raise_first_error(states)
         grads = {s: g for st in states for s, g in st["grads"].items()}
+        last = states[self.layout.worker_of()[S - 1]]
         return step_result(
             schedule=name,
             plans=plans,
@@ -355,11 +356,12 @@ class RayPipeline(ActorGroup):
             microbatches=microbatches,
             runner=RUNNER,
             step_time=step_time,
-            losses=states[self.layout.worker_of()[S - 1]]["losses"],
+            losses=last["losses"],
             grads=self.model.gather([grads[s] for s in range(S)]),
             events=self.driver_events(states),
             extra={"compiled": compiled},
             timed=timed,
+            aux=aux_per_microbatch(self.model.artifacts[-1], last["aux"], microbatches),
         )
 
     def close(self) -> None:
