@@ -411,12 +411,13 @@ class StageWorker:
         return mb in self._fused
 
     def _hand_on_fused(self, mb: int, worker: int | None) -> PyTree | None:
-        """B of a microbatch whose F ran it (``forward``): nothing runs; recorded as a B of no time."""
+        """B of a microbatch whose F ran it (``forward``): nothing runs; recorded as a B of no time (its event's
+        ``own`` 0.0, so the costs cut that F's time into F and B: ``measured.step_samples``)."""
         t = time.monotonic()
         self.ring.append((Kind.B, mb, t, t, self.timed))
         if self.timed:
             w = self.stage_index if worker is None else worker
-            self.events.append(Event(w, Kind.B, mb, t, t, self.stage_index, None, self.replica))
+            self.events.append(Event(w, Kind.B, mb, t, t, self.stage_index, 0.0, self.replica))
         return self._fused.pop(mb)
 
     def backward(self, mb: int, ct: PyTree, microbatches: int, worker: int | None = None) -> PyTree | None:

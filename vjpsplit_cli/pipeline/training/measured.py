@@ -45,7 +45,7 @@ import statistics
 import time
 from collections import deque
 from time import perf_counter  # the transfer probe's clock, apart from the step clock tests replace
-from typing import Collection, NotRequired, Sequence, TypedDict
+from typing import Callable, Collection, NotRequired, Sequence, TypedDict
 
 import jax
 import numpy as np
@@ -102,13 +102,26 @@ def seconds(e: Event) -> float:
     return e.own if e.own is not None else e.end - e.start
 
 
-def step_samples(result: PipelineResult) -> _Step:
+def step_samples(result: PipelineResult, forward_share: Callable[[int], float] | None = None) -> _Step:
     """One timed step's counted operation seconds by stage and kind, and its send gaps (on a stage with replicas,
-    each on its own device, its first replica's copy of each operation counts)."""
+    each on its own device, its first replica's copy of each operation counts).
+
+    An F that ran its microbatch's B too (the last stage's, ``StageWorker.forward``; its B's event has ``own``
+    0.0 and no span) counts as an F and a B, its time cut by ``forward_share(stage)`` (the forward's share of
+    the stage's FLOPs; 0.5 without it)."""
     events = one_per_op(result.events)
+    fused = {(e.stage, e.mb) for e in events if e.kind == Kind.B and e.own == 0.0 and e.end == e.start}
     ops = counted(events)
     keys = {(e.kind, e.mb, e.stage) for group in ops.values() for e in group}
-    times = {k: [seconds(e) for e in group] for k, group in ops.items()}
+    times: dict[tuple[int, str], list[float]] = {}
+    for (stage, kind), group in ops.items():
+        for e in group:
+            if (stage, e.mb) not in fused or kind not in ("F", "B"):
+                times.setdefault((stage, kind), []).append(seconds(e))
+            elif kind == "F":
+                share = 0.5 if forward_share is None else forward_share(stage)
+                times.setdefault((stage, "F"), []).append(seconds(e) * share)
+                times.setdefault((stage, "B"), []).append(seconds(e) * (1.0 - share))
     return times, send_gaps(events, result.num_stages, keys)
 
 
@@ -175,9 +188,18 @@ class CostSamples:
     def add(self, result: PipelineResult, first: bool) -> None:
         """Keep a timed step's samples (``first``: the Trainer's first step)."""
         if first:
-            self.first = step_samples(result)
+            self.first = step_samples(result, self.forward_share)
         else:
-            self.steps.append(step_samples(result))
+            self.steps.append(step_samples(result, self.forward_share))
+
+    def forward_share(self, stage: int) -> float:
+        """The share of stage ``stage``'s forward and whole backward FLOPs in its forward, by XLA; 0.5 if unknown."""
+        key = -1 - stage  # kept beside the input shares (``input_share``), apart by sign
+        if key not in self._shares:
+            art = self.artifacts[stage]
+            f, b = module_flops(art, "fwd"), module_flops(art, "bwd")
+            self._shares[key] = f / (f + b) if f is not None and b is not None and f + b > 0 else 0.5
+        return self._shares[key]
 
     def input_share(self, stage: int) -> float:
         """The share of stage ``stage``'s backward FLOPs in its input part (``bwd_input``), by XLA; 0.5 if unknown."""
