@@ -339,12 +339,12 @@ class _Desk:
         pass
 
 
-def _group(desk):
+def _runner(desk):
     from vjpsplit_cli.pipeline.runtime.ray import reports
-    from vjpsplit_cli.pipeline.runtime.ray.group import ActorGroup
+    from vjpsplit_cli.pipeline.runtime.ray.pipeline import RayPipeline
     from vjpsplit_cli.pipeline.schedules.layout import Layout
 
-    g = object.__new__(ActorGroup)
+    g = object.__new__(RayPipeline)
     g.reports, g.steps, g.step_timeout, g.ray = desk, 1, 600.0, _Calls()
     g.layout = Layout.of("stage", 2)
     g.fetch = lambda refs, owners, t0, hint="", watch=(): [reports.SENT] * len(refs)
@@ -356,13 +356,13 @@ def test_a_report_frame_late_after_its_call_is_taken_and_one_lost_is_named_withi
     is one error naming its stage once ``REPORT_GRACE`` has passed, not the step's timeout (600 s here)."""
     import time
 
-    from vjpsplit_cli.pipeline.runtime.ray import group
+    from vjpsplit_cli.pipeline.runtime.ray import pipeline
 
-    monkeypatch.setattr(group, "REPORT_GRACE", 0.2)
+    monkeypatch.setattr(pipeline, "REPORT_GRACE", 0.2)
     late = _Desk(arrives=5)
-    got = _group(late).fetch_reports(["ref 0", "ref 1"], [0, 1], time.monotonic())
+    got = _runner(late).fetch_reports(["ref 0", "ref 1"], [0, 1], time.monotonic())
     assert got == [{"losses": {}, "sums": {0: 1.0}}, {"losses": {0: 2.0}, "sums": {1: 3.0}}] and late.looks == 5
     t0 = time.monotonic()
     with pytest.raises(VjpsplitError, match=r"^stage 1: its report was lost on the way$"):
-        _group(_Desk(arrives=None)).fetch_reports(["ref 0", "ref 1"], [0, 1], t0)
+        _runner(_Desk(arrives=None)).fetch_reports(["ref 0", "ref 1"], [0, 1], t0)
     assert time.monotonic() - t0 < 60  # the grace (0.2 s here), far from the step's 600 s

@@ -389,3 +389,41 @@ def _type_checking_imports_that_do_not_resolve() -> list[tuple[str, str, str]]:
 def test_every_type_checking_import_resolves():
     """mypy's ``ignore_missing_imports`` reads a mistyped ``if TYPE_CHECKING:`` import as ``Any`` and passes."""
     assert _type_checking_imports_that_do_not_resolve() == []
+
+
+def _split_bases(modules: dict[str, Path]) -> list[tuple[str, str]]:
+    """``(base, subclass)`` for every class of the package whose one subclass is its only use: a base cut off a
+    class to keep a module short (issue 71), not an abstraction of its own (never named but as that base)."""
+    trees = {name: ast.parse(path.read_text()) for name, path in modules.items()}
+    defined = {n.name for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
+    subclasses: dict[str, list[str]] = {}
+    as_base: set[int] = set()  # the ast nodes that name a class as a base
+    for t in trees.values():
+        for n in ast.walk(t):
+            if isinstance(n, ast.ClassDef):
+                for b in n.bases:
+                    name = b.id if isinstance(b, ast.Name) else getattr(b, "attr", None)
+                    if name in defined:
+                        subclasses.setdefault(name, []).append(n.name)
+                        as_base.add(id(b))
+    named = {
+        n.id if isinstance(n, ast.Name) else n.attr
+        for t in trees.values()
+        for n in ast.walk(t)
+        if isinstance(n, (ast.Name, ast.Attribute)) and id(n) not in as_base
+    }
+    return sorted((base, subs[0]) for base, subs in subclasses.items() if len(subs) == 1 and base not in named)
+
+
+def test_no_class_is_split_into_bases():
+    """Issue 71: one object, one module. A base with one subclass is named on its own somewhere (run alone, as
+    ``StageActor`` is by ``RayPipeline``, or a type), else its methods belong in the subclass."""
+    assert _split_bases(_modules()) == []
+
+
+def test_the_split_base_check_can_fail(tmp_path):
+    (tmp_path / "parts.py").write_text("class Measures:\n    pass\n")
+    (tmp_path / "whole.py").write_text("from .parts import Measures\n\n\nclass Trainer(Measures):\n    pass\n")
+    (tmp_path / "real.py").write_text("class Base:\n    pass\n\n\nclass Sub(Base):\n    pass\n\n\nmade = Base()\n")
+    modules = {p.stem: p for p in tmp_path.glob("*.py")}
+    assert _split_bases(modules) == [("Measures", "Trainer")]

@@ -171,9 +171,9 @@ def test_auto_plans_with_the_send_measured_apart_not_the_timelines_gap(monkeypat
 
 def test_without_a_sized_send_the_gap_stands_in_for_comm(monkeypatch):
     """Where what a stage sends cannot be sized from the microbatch, ``comm`` is the timelines' ``gap``."""
-    from vjpsplit_cli.pipeline.training import local_backend, trainer_measures
+    from vjpsplit_cli.pipeline.training import local_backend, trainer
 
-    monkeypatch.setattr(trainer_measures, "boundary_values", lambda arts, mb: None)
+    monkeypatch.setattr(trainer, "boundary_values", lambda arts, mb: None)
     monkeypatch.setattr(local_backend.InProcessBackend, "send_seconds", lambda *a: pytest.fail("nothing to send"))
     tr = P.Trainer(_stages(), gpt_params(), optimizer=optax.sgd(0.1), schedule="1f1b", microbatches=M)
     tr.step(_batches(1)[0], timed=True)

@@ -22,7 +22,7 @@ from stage_models import gpt, gpt_params, gpt_specs
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
 from vjpsplit_cli.errors import VjpsplitError
-from vjpsplit_cli.pipeline.training import trainer_setup  # where Trainer._start opens the backend
+from vjpsplit_cli.pipeline.training import trainer  # where Trainer._start opens the backend
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,7 @@ class _Opened:
 
 @pytest.fixture
 def opened(monkeypatch):
-    monkeypatch.setattr(trainer_setup, "open_backend", _Opened)
+    monkeypatch.setattr(trainer, "open_backend", _Opened)
 
 
 def _settings(tr):

@@ -2,7 +2,7 @@
 
 Owns the manifest and its format versions (``manifest``, one array's entry ``leaf``); ``export`` as named steps
 (``lowering``, with ``jaxexport``, ``flatforward`` and ``weightsplit``); the artifact and its
-file (``artifact``, with its calls on flat keys ``flat_calls`` and its split backward ``split_backward``,
+file (``artifact``: one class, its pytree calls, its calls on flat keys and its split backward;
 ``artifact_file``); reading one back with every check (``loading``); the
 caller's arrays against a manifest (``arguments``, ``binding``, the split backward's ``weight_binding``), each signature's
 plan (``callplan``), placed (``placement``) and run

@@ -2,13 +2,12 @@
 
 An artifact runs without the user's code: its manifest says every key, dtype and
 (symbolic) shape, and its modules are serialized StableHLO for each platform.
-``Artifact`` is the public face; it delegates each job to its own module: the file's bytes
+``Artifact`` is the public face, one class; it delegates each job to its own module: the file's bytes
 (``artifact_file``), device placement (``placement``), checking what callers hand a module
 (``binding``) and running modules (``runner``), with each module's signature read from one
-table (``trust.module_io``). Its calls on flat ``{key: array}`` dicts and the general path of
-every call are its base ``flat_calls.FlatCalls``'s, the split backward ``split_backward.SplitBackward``'s;
-this module keeps the pytree calls' planned fast path. ``export`` (module ``lowering``) makes
-artifacts, ``loading`` reads them back.
+table (``trust.module_io``). It holds the pytree calls' planned fast path, the calls on flat
+``{key: array}`` dicts and the general path of every call, and the split backward (``bwd_input``,
+``bwd_weight``). ``export`` (module ``lowering``) makes artifacts, ``loading`` reads them back.
 """
 
 from __future__ import annotations
@@ -21,11 +20,11 @@ from typing import Any, Iterable, Mapping, Sequence
 from jax.sharding import Mesh
 
 from ..errors import VjpsplitError
-from ..files.trees import decode_structure, flatten_with_keys
-from ..tracing.residuals import Residuals
+from ..files.trees import ArgTrees, decode_structure, flatten_with_keys
+from ..tracing.residuals import Intermediates, Residuals
 from ..safeio.signals import signals_guarded
 from ..trust import signing
-from ..trust.module_io import AUX, CARRIER, COTANGENTS, GRADS, INPUT_BACKED, OUT, STORED
+from ..trust.module_io import AUX, CARRIER, COTANGENTS, GRADS, INPUT_BACKED, INTERMEDIATES, OUT, STORED
 from ..trust.verdicts import DEFAULT
 from . import artifact_file
 from .arguments import grads_per_arg
@@ -34,13 +33,12 @@ from .callplan import CallPlan, avals_key, wrap_keys
 from .manifest import Manifest
 from .placement import Placement
 from .runner import ModuleRunner
-from .split_backward import SplitBackward
 
 _FWD_REFUSED = "args: the forward refused these inputs"
 _BWD_REFUSED = "residuals: the backward refused these residuals"
 
 
-class Artifact(SplitBackward):
+class Artifact:
     """A loaded or freshly exported artifact: manifest plus forward and backward modules.
 
     Made by ``export`` and ``load``; not usually constructed by hand.
@@ -235,7 +233,7 @@ class Artifact(SplitBackward):
         """
         artifact_file.save_file(path, self.to_bytes())
 
-    # -- running on flat keys -----------------------------------------------------------
+    # -- the pytree calls, on their planned fast path ------------------------------------
     def _mesh(self) -> Mesh | None:
         return self.mesh
 
@@ -364,3 +362,261 @@ class Artifact(SplitBackward):
             ]
         )
         return grads[0] if m.single_grad else grads
+
+    # -- calls on flat-keyed arrays, and the general path of every call ---------------------------
+    def input_dims(self, inputs: Mapping[str, Any], source: str = "inputs") -> tuple[list, dict[str, int]]:
+        """Check ``inputs`` (flat keys) against the manifest; return the arrays in order and the dims.
+
+        Args:
+            inputs: The input arrays, by flat key (``x``, ``params/w``).
+            source: What to call the inputs in messages.
+
+        Returns:
+            The pair ``(arrays, dims)``: the arrays in manifest order, and the symbolic dims' values by name.
+
+        Raises:
+            VjpsplitError: If a key is missing or extra, or an array's dtype or shape does not match, naming the leaf.
+        """
+        return self._binding.inputs(inputs, source)
+
+    def run_fwd_arrays(self, inputs: Mapping[str, Any], source: str = "inputs") -> tuple[dict, Residuals]:
+        """Forward on flat-keyed inputs: ``({out/aux key: array}, residuals)``.
+
+        Args:
+            inputs: The input arrays, by flat key.
+            source: What to call the inputs in messages.
+
+        Returns:
+            The pair ``(outputs, res)``: the output (and aux) arrays by key, and the ``Residuals``.
+
+        Raises:
+            VjpsplitError: If this host's platform is not among the artifact's, the artifact
+                needs 64-bit types that are off, or the inputs do not match the manifest.
+        """
+        self._runnable()
+        arrays, dims = self._binding.inputs(inputs, source)
+        by_slot, res = self._forward(arrays, dims, (), source)
+        io = self._runner.signatures["fwd"]
+        return {leaf.key: v for slot in (OUT, AUX) for leaf, v in zip(io.output(slot), by_slot[slot])}, res
+
+    def _forward(
+        self, arrays: list, dims: dict[str, int], trees: ArgTrees, source: str, plan: CallPlan | None = None
+    ) -> tuple[dict[str, Sequence], Residuals]:
+        """Run the forward on checked input arrays (manifest order): its results by slot, and the residuals.
+
+        ``plan``: the arguments' plan (``Binding.arguments``), noted with the residuals for ``bwd``.
+        """
+        m = self.manifest
+        io = self._runner.signatures["fwd"]
+        if m.sharded:
+            arrays = self._placement.place(m.inputs, arrays)
+        # Format 1 lowered the forward over one pytree per argument; 2 over the flat leaves (in that order).
+        call_args = arrays if io.inputs is not None else self._args_tree(arrays)
+        by_slot = io.results(self._runner.run("fwd", call_args, f"{source}: the forward refused these inputs", dims))
+        return by_slot, self._binding.forward_residuals(arrays, by_slot[STORED], dims, trees, plan)
+
+    def _args_tree(self, arrays: list) -> list:
+        m = self.manifest
+        it = iter(arrays)
+        return [decode_structure(m.structure["args"][n], it) for n in m.arg_names]
+
+    def check_residuals(self, res: Residuals, source: str = "residuals") -> tuple[list, list, dict]:
+        """Validate residuals against this artifact; return stored, input-backed arrays and dims.
+
+        Args:
+            res: The residuals.
+            source: What to call them in messages.
+
+        Returns:
+            The triple ``(stored, inputs, dims)``: the stored arrays and the input-backed
+            arrays in manifest order, and the symbolic dims' values.
+
+        Raises:
+            VjpsplitError: If the residuals are not an artifact's, come from another
+                artifact (fingerprint), lack an input left out of their file, or do not
+                match the manifest, naming the leaf.
+        """
+        return self._binding.residuals(res, source)
+
+    def run_bwd_arrays(
+        self,
+        res: Residuals,
+        cotangents: Mapping[str, Any] | None = None,
+        source: str = "residuals",
+        ct_source: str = "cotangents",
+    ) -> dict:
+        """Backward from residuals and flat-keyed cotangents (None: 1 for a scalar output): ``{key: grad}``.
+
+        Args:
+            res: The residuals of this artifact's forward.
+            cotangents: The output's cotangents by flat key; ``None`` means 1 for a
+                floating-point scalar output.
+            source: What to call the residuals in messages.
+            ct_source: What to call the cotangents in messages.
+
+        Returns:
+            The gradients by flat key.
+
+        Raises:
+            VjpsplitError: If the host cannot run the artifact, the residuals do not
+                belong to it (see ``check_residuals``), or cotangents are missing for a
+                non-scalar output or do not match it.
+        """
+        return dict(zip(self._binding.grad_keys, self._run_bwd(res, cotangents, source, ct_source)[0]))
+
+    def _run_bwd(
+        self, res: Residuals, cotangents: Mapping[str, Any] | None, source: str, ct_source: str
+    ) -> tuple[Sequence, CallPlan | None]:
+        """The whole backward's gradients (manifest order), and the plan of the forward call that made ``res``."""
+        self._runnable()
+        out, _, plan = self._backward_from("bwd", res, cotangents, source, ct_source)
+        return out[GRADS], plan
+
+    def _backward_from(
+        self, module: str, res: Residuals, cotangents: Mapping[str, Any] | None, source: str, ct_source: str
+    ) -> tuple[dict[str, Sequence], dict[str, int], CallPlan | None]:
+        """``module`` (``bwd`` or ``bwd_input``) on ``res`` and the cotangents, checked: its results by slot, the
+        dims and the plan of the forward call that made ``res``."""
+        stored, inputs, dims, plan = self._binding.residuals_planned(res, source)
+        cts = self._binding.cotangents(cotangents, dims, ct_source)
+        bound = {STORED: stored, INPUT_BACKED: inputs, COTANGENTS: cts}
+        return self._backward(module, bound, dims, f"{source}: the backward refused these residuals"), dims, plan
+
+    def _backward(
+        self, module: str, bound: Mapping[str, Sequence], dims: Mapping[str, int], refused: str
+    ) -> dict[str, Sequence]:
+        """Run a backward module on checked arguments by slot: placed, with the carrier; results by slot."""
+        io = self._runner.signatures[module]
+        return io.results(self._runner.run(module, self._placement.call_arguments(io, bound, dims), refused, dims))
+
+    # -- the split backward: the input part (a plan's I) and the weight part (W) -------------------
+    def run_bwd_input_arrays(
+        self,
+        res: Residuals,
+        cotangents: Mapping[str, Any] | None = None,
+        source: str = "residuals",
+        ct_source: str = "cotangents",
+    ) -> tuple[dict, "Intermediates"]:
+        """Input part (a plan's I): gradients of the non-weight arguments, and what the weight part needs.
+
+        Args:
+            res: The residuals of this artifact's forward.
+            cotangents: The output's cotangents by flat key; ``None`` means 1 for a
+                floating-point scalar output.
+            source: What to call the residuals in messages.
+            ct_source: What to call the cotangents in messages.
+
+        Returns:
+            The pair ``(grads, inter)``: the non-weight gradients by flat key, and the
+            ``Intermediates`` the weight part reads.
+
+        Raises:
+            VjpsplitError: If the artifact has no split backward (exported without
+                ``weights``), or as ``run_bwd_arrays`` raises.
+        """
+        self._runnable()
+        self._binding.weights.require_split()
+        m = self.manifest
+        out, dims, _ = self._backward_from("bwd_input", res, cotangents, source, ct_source)
+        io = self._runner.signatures["bwd_input"]
+        grads = {g.key: v for g, v in zip(io.output(GRADS), out[GRADS])}
+        computed = {leaf.key: v for leaf, v in zip(io.output(INTERMEDIATES), out[INTERMEDIATES])}
+        # W's own residuals ride with the intermediates; the caller may drop res now.
+        w_stored, w_inputs = self._binding.weights.weight_part_residuals(res)
+        inter = Intermediates(
+            computed, dims, m.fingerprint, res.residuals_id, w_stored, w_inputs, arg_trees=res.arg_trees
+        )
+        return grads, inter
+
+    def weight_part_residuals(self, res: Residuals) -> tuple[dict, dict]:
+        """The stored residuals and inputs of ``res`` the weight part reads (every one for formats <= 2).
+
+        The arrays themselves, not copies: what :class:`Intermediates` carries from B to W.
+
+        Args:
+            res: The residuals of this artifact's forward.
+
+        Returns:
+            The pair ``(stored, inputs)``: the stored arrays by ``r/i`` key and the input-backed ones by input key.
+        """
+        return self._binding.weights.weight_part_residuals(res)
+
+    def run_bwd_weight_arrays(
+        self,
+        res: Residuals | None,
+        inter: "Intermediates",
+        source: str = "residuals",
+        inter_source: str = "intermediates",
+    ) -> dict:
+        """Weight part (W): the weight gradients, from the input part's intermediates.
+
+        The intermediates carry the residuals W reads, so ``res`` may be None; when
+        given, it must be the residuals the input part ran on. Artifacts of format
+        2 and older read every residual: ``res`` is required for them.
+
+        Args:
+            res: The residuals the input part ran on, or ``None``.
+            inter: The input part's intermediates.
+            source: What to call the residuals in messages.
+            inter_source: What to call the intermediates in messages.
+
+        Returns:
+            The weight gradients by flat key.
+
+        Raises:
+            VjpsplitError: If the artifact has no split backward, the intermediates are
+                not this artifact's input part's, ``res`` is missing where the format
+                needs it, or ``res`` is not the residuals the input part ran on.
+        """
+        self._runnable()
+        self._binding.weights.require_split()
+        bound, dims = self._binding.weights.weight_part(res, inter, source, inter_source)
+        refused = f"{inter_source}: the weight backward refused these intermediates"
+        out = self._backward("bwd_weight", bound, dims, refused)
+        io = self._runner.signatures["bwd_weight"]
+        return {g.key: v for g, v in zip(io.output(GRADS), out[GRADS])}
+
+    def bwd_input(self, res: Residuals, ct: Any = None) -> tuple[dict, "Intermediates"]:
+        """Input part of the backward: ``({arg name: grad} for non-weight args, intermediates)``.
+
+        The intermediates hold what the weight part reads (including its share of
+        the residuals), so ``res`` can be dropped once this returns.
+
+        Args:
+            res: The residuals of this artifact's ``fwd``.
+            ct: The output's cotangent, a pytree shaped like the output; ``None`` means
+                1 for a floating-point scalar output.
+
+        Returns:
+            The pair ``(grads, inter)``: the non-weight arguments' gradients by argument
+            name, and the ``Intermediates``.
+
+        Raises:
+            VjpsplitError: As ``run_bwd_input_arrays`` raises.
+        """
+        cts = None if ct is None else dict(flatten_with_keys("out", ct))
+        grads, inter = self.run_bwd_input_arrays(
+            res, cts, source=getattr(res, "source", None) or "residuals", ct_source="cotangent"
+        )
+        return grads_per_arg(self.manifest, grads, self.manifest.non_weight_wrt, res.dims, res.arg_trees), inter
+
+    def bwd_weight(self, inter: "Intermediates", res: Residuals | None = None) -> dict:
+        """Weight part of the backward: ``{weight arg name: grad}``, from ``bwd_input``'s intermediates.
+
+        ``res`` is optional (it is checked against the intermediates when given);
+        the older order ``bwd_weight(res, inter)`` is accepted too.
+
+        Args:
+            inter: The intermediates ``bwd_input`` returned.
+            res: The residuals the input part ran on, or ``None``.
+
+        Returns:
+            The weight arguments' gradients, by argument name.
+
+        Raises:
+            VjpsplitError: As ``run_bwd_weight_arrays`` raises.
+        """
+        if isinstance(inter, Residuals) and isinstance(res, Intermediates):
+            inter, res = res, inter
+        grads = self.run_bwd_weight_arrays(res, inter)
+        return grads_per_arg(self.manifest, grads, self.manifest.weights, inter.dims, getattr(inter, "arg_trees", ()))

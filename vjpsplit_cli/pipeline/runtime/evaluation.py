@@ -8,7 +8,7 @@ microbatch on its worker's device (a stage with replicas: each replica on its
 part of the microbatch, as a step's F runs, handing on a ``Parts``);
 ``evaluate_here`` runs every microbatch through every stage in this process
 (dispatched in microbatch order, so the stages' devices work on different
-microbatches at once); ``EvaluatingActor`` gives a Ray actor the same call.
+microbatches at once); ``training.train_actor.TrainActor`` gives a Ray actor the same call.
 ``loss_and_aux`` and ``joined`` turn what the last stage gives and receives into
 the caller's loss, aux and outputs. An error a stage's program raises names the stage
 and the microbatch.
@@ -16,7 +16,7 @@ and the microbatch.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -101,27 +101,3 @@ def joined(tree: PyTree) -> PyTree:
 def host(tree: PyTree) -> PyTree:
     """``tree``'s arrays as host arrays (what a Ray actor hands on)."""
     return jax.tree_util.tree_map(np.asarray, tree)
-
-
-class EvaluatingActor:
-    """What a Ray actor adds to evaluate: its stages' evaluation programs (sent once) and one stage's forward.
-
-    It expects ``stage_workers`` (stage index -> ``StageWorker``), as ``StageActor`` has.
-    """
-
-    stage_workers: dict[int, StageWorker | ReplicaGroup]
-
-    def load_eval(self, programs: Mapping[int, bytes]) -> None:
-        """Hold the evaluation programs of the stages this actor holds (``EvalProgram`` bytes, checked by the
-        driver when it loaded them)."""
-        self.eval_programs = {
-            int(s): EvalProgram.from_bytes(data, f"stage {s}'s evaluation program") for s, data in programs.items()
-        }
-
-    def has_eval(self) -> bool:
-        """Whether ``load_eval`` has run on this actor (a replaced actor has not)."""
-        return bool(getattr(self, "eval_programs", None))
-
-    def eval_op(self, stage: int, x: PyTree, side: list[Leaf], mb: int) -> PyTree:
-        """Stage ``stage``'s forward on microbatch ``mb``: what it sends on, or the loss (last), as host arrays."""
-        return host(eval_stage(self.stage_workers[stage], self.eval_programs[stage], x, side, mb))

@@ -1,7 +1,6 @@
 """Training over stages: the Trainer, the optimizer step where each stage's parameters live.
 
-Owns ``Trainer`` (``trainer``, with its parts ``trainer_setup``, ``trainer_state``,
-``trainer_measures`` and ``trainer_evaluation``), parameter ownership
+Owns ``Trainer`` (``trainer``: one class, opened, stepped, evaluated, saved and measured), parameter ownership
 (``ownership``: which stage holds which leaf, tied leaves, ``params`` back), the
 backends behind one ``Backend`` protocol (``backend``; ``inprocess`` threads,
 ``ray`` actors: ``ray_backend`` drives ``train_actor``s), each stage's training

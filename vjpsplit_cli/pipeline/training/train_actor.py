@@ -8,11 +8,12 @@ another (tied gradients, squared norms when clipping, the loss, the optimizer's
 reductions over leaves) go actor to actor through the inboxes that carry the
 activations, and every actor joins them as the driver once did, in stage order
 (``EndOfStep``: what each needs to). The optimizer arrives as exported bytes: an
-actor imports neither optax nor the user's code. ``ray_backend`` drives these actors.
+actor imports neither optax nor the user's code. It also evaluates: its stages' evaluation programs, sent once
+(``load_eval``), and one stage's forward (``eval_op``). ``ray_backend`` drives these actors.
 
-May import ``runtime`` (its Ray actor, evaluation, flight recorder), ``schedules`` and, of this room,
-``stage_trainer``, ``zero1``, ``clipping``, ``ownership``, ``leaf_labels`` and ``device_memory``; the layers below
-``pipeline``.
+May import ``runtime`` (its Ray actor, evaluation, flight recorder), ``schedules``, ``stages`` (evaluation programs)
+and, of this room, ``stage_trainer``, ``zero1``, ``clipping``, ``ownership``, ``leaf_labels`` and ``device_memory``;
+the layers below ``pipeline``.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ import numpy as np
 
 from ...files.dtypes import dtype_from_name
 from ...treetypes import Leaf, PyTree
-from ..runtime.evaluation import EvaluatingActor
+from ..runtime.evaluation import eval_stage, host
 from ..runtime.flight import DONE, FINISH
 from ..runtime.ray import reports
 from ..runtime.ray.actor import StageActor
 from ..runtime.replicas import ReplicaGroup
 from ..runtime.result import step_loss
 from ..schedules.timeline import Phase
+from ..stages.evalprograms import EvalProgram
 from .clipping import clip_scale
 from .device_memory import DeviceMemory, memory_records
 from .leaf_labels import combine
@@ -66,7 +68,7 @@ StageEntry = tuple[int, list[str], bytes, dict[str, list[int]], list[str], "Mapp
 """What ``TrainActor.setup`` takes per stage: ``(stage, names, optimizer bytes, holders, counted, state or None)``."""
 
 
-class TrainActor(StageActor, EvaluatingActor):
+class TrainActor(StageActor):
     """A pipeline worker's actor that also trains (one ``StageTrainer`` per stage it holds) and evaluates.
 
     ``train_step`` runs the worker's list and then the end of the step with the other actors through their
@@ -257,6 +259,21 @@ class TrainActor(StageActor, EvaluatingActor):
         for s, (params, state) in parts.items():
             self.trainers[s].assign(params, state)
         self.error = None
+
+    def load_eval(self, programs: Mapping[int, bytes]) -> None:
+        """Hold the evaluation programs of the stages this actor holds (``EvalProgram`` bytes, checked by the
+        driver when it loaded them)."""
+        self.eval_programs = {
+            int(s): EvalProgram.from_bytes(data, f"stage {s}'s evaluation program") for s, data in programs.items()
+        }
+
+    def has_eval(self) -> bool:
+        """Whether ``load_eval`` has run on this actor (a replaced actor has not)."""
+        return bool(getattr(self, "eval_programs", None))
+
+    def eval_op(self, stage: int, x: PyTree, side: list[Leaf], mb: int) -> PyTree:
+        """Stage ``stage``'s forward on microbatch ``mb``: what it sends on, or the loss (last), as host arrays."""
+        return host(eval_stage(self.stage_workers[stage], self.eval_programs[stage], x, side, mb))
 
 
 @dataclasses.dataclass

@@ -17,43 +17,61 @@ The older per-stage form (a list of artifacts and one parameter pytree per stage
 ``PerStage(artifacts, tied=...)`` naming ``(stage, key)`` groups, keys ``"s/k"``) is
 accepted too. The options are typed values (``option_values``).
 
-The Trainer's parts are modules of their own, each a base of ``Trainer``:
-``trainer_setup`` (opening it: every attribute it keeps, from its options),
-``trainer_state`` (``params``, ``state``, ``save``), ``trainer_measures``
-(``history``, ``costs``, stragglers, ``placement``) and ``trainer_evaluation``
-(``evaluate``). This module keeps what runs it: ``step``, ``fit``, ``restore``
-(its settings from the checkpoint: ``resume.restored_run``) and ``close``.
+The Trainer is one class: opening it (``_start``, what ``Trainer(...)`` and ``restore`` both run: every
+attribute it keeps, from its options), ``step``, ``evaluate``, ``fit`` and ``restore`` (its settings from the
+checkpoint: ``resume.restored_run``), its state (``params``, ``state``, ``save``), what it measured (``history``,
+``costs``, ``memory``, stragglers, ``placement``) and ``close``.
 
-May import the Trainer's parts and, of this room, ``fit``, ``resume``, ``options``, ``option_values``,
-``clipping``, ``microbatch_keys``, ``step_aux`` and ``arguments``; ``stages``; ``runtime.result``; the layers below ``pipeline``.
+May import, of this room, ``fit``, ``resume``, ``options``, ``option_values``, ``clipping``, ``microbatch_keys``,
+``step_aux``, ``arguments``, ``backend``, ``ownership``, ``autoplan``, ``optax_state``, ``optimizer``, ``checkpoint``,
+``checkpoint_layout``, ``history``, ``measured`` and ``device_memory``; ``runtime``, ``schedules``, ``stages``; the
+layers below ``pipeline``.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
-from typing import Callable, Final, Sequence, Unpack
+import warnings
+from typing import Callable, Final, Literal, Mapping, Sequence, Unpack, overload
 
 import jax
 
 from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError, one_line
-from ...treetypes import PyTree
-from ..runtime.result import PipelineResult
+from ...files.sizes import plain
+from ...files.trees import encode_structure
+from ...safeio.outputs import check_apart
+from ...treetypes import Leaf, PyTree
+from ..runtime.devices import warn_idle
+from ..runtime.model import Microbatch, model_of
+from ..runtime.offload import Offload, offload_of
+from ..runtime.result import PipelineResult, aux_per_microbatch, step_loss
+from ..schedules.catalog import V_SHAPED, describe
+from ..schedules.csvformat import format_schedule
+from ..schedules.stepplans import resolve
 from ..stages.directory import Stages
+from ..stages.evalprograms import EvalProgram, missing
 from ..stages.microbatches import Microbatches
-from .arguments import Optimizer
+from .arguments import Optimizer, checked_clip, checked_microbatches
+from .autoplan import AutoPlan, boundary_values
+from .backend import Backend, open_backend
+from .checkpoint import save_checkpoint
+from .checkpoint_layout import HostCheckpoint
 from .clipping import clip_scale
+from .device_memory import DeviceMemory
 from .fit import fit as fit_steps
-from .microbatch_keys import microbatch_keys
-from .option_values import Observe, PerStage, Plans, Runner, Schedule
-from .step_aux import reduced
-from .options import ContractKeywords, options_of
-from .resume import restored_run
-from .trainer_evaluation import TrainerEvaluation
-from .trainer_setup import TrainerSetup
-from .trainer_measures import TrainerMeasures
-from .trainer_state import TrainerState
+from .history import IN_A_ROW, SLOWER, CheckpointTime, History, RestartRecord, StepRecord, Stragglers, cost_signature
+from .measured import SEND_PROBES, CostSamples, MeasuredCosts, measure_transfer_rates
+from .microbatch_keys import checked_rng, microbatch_keys
+from .optax_state import StateMap, state_map
+from .optimizer import optimizer_name
+from .option_values import InProcess, Observe, PerStage, Plans, Runner, Schedule
+from .options import ContractKeywords, Options, options_of
+from .ownership import Ownership
+from .resume import restored_run, stage_snapshots
+from .step_aux import checked_aux, reduced
 
 
 class _Recorded:
@@ -66,7 +84,7 @@ class _Recorded:
 RECORDED: Final = _Recorded()
 
 
-class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
+class Trainer:
     """Pipelined training: ``step(batch)`` runs the schedule and every stage's optimizer update where it lives.
 
     ``Trainer(stages, params, optimizer=tx, microbatches=8)``, and what is not the
@@ -177,6 +195,103 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
         options = options_of(stages, schedule, runner, observe, keywords)
         self._start(options, params, optimizer, microbatches, clip_global_norm, opt_state, step_count, None, rng, aux)
 
+    def _start(
+        self,
+        options: Options,
+        params: PyTree,
+        optimizer: Optimizer,
+        microbatches: int,
+        clip_global_norm: float | None,
+        opt_state: PyTree,
+        step_count: int,
+        restored: Sequence[Mapping[str, Leaf] | None] | None,
+        rng: object = None,
+        aux: object = None,
+    ) -> None:
+        """Open the Trainer: ``restored`` is the per-stage optimizer states an older checkpoint holds (``restore``);
+        ``rng`` the PRNG key of a loss that takes one (``microbatch_keys``); ``aux`` how a step reports the last
+        stage's aux (``step_aux``)."""
+        clip_global_norm = checked_clip(clip_global_norm)  # a bad value is refused now, not after the first step
+        microbatches, step_count = checked_microbatches(microbatches), _checked_step_count(step_count)
+        stages, runner, observe = options.stages, options.runner, options.observe
+        schedule = Schedule() if options.schedule is None else options.schedule
+        tied = stages.tied if isinstance(stages, PerStage) else None
+        stages = stages.artifacts if isinstance(stages, PerStage) else stages
+        # Not given: what the export recorded (``export_stages(data_parallel=N)``, ``--data-parallel N``), else 1.
+        given = runner.data_parallel
+        self.data_parallel = given if given is not None else recorded_replicas(stages)
+        self.rng = checked_rng(rng, stages, self.data_parallel)  # before any export, as every option
+        self.aux = checked_aux(aux, stages.artifacts if isinstance(stages, Stages) else stages)
+        self.offload = offload_of(runner.offload)  # given by hand; auto's planned offload is apart
+        self.trace_dir, self.trace_every = observe.trace_dir, observe.trace_every
+        check_apart(self._directories())  # offload files and traces apart, before any step
+        self.stages = stages
+        self.model = model_of(stages, params)
+        self.ownership = Ownership(self.model, tied)
+        S = self.model.num_stages
+        self.microbatches, self.schedule = microbatches, schedule
+        self.auto: AutoPlan | None = None
+        if schedule.auto:
+            self.auto = AutoPlan(
+                self.model.artifacts,
+                microbatches,
+                schedule.memory_limit,
+                schedule.memory_limit_bytes,
+                trial_rounds=schedule.trial_rounds,
+                every_step_timed=observe.timeline,
+            )
+            self.plan = self.auto.current
+        else:  # a bad schedule is refused before any export
+            self.plan = resolve(schedule, S, microbatches)
+            if schedule.label in V_SHAPED and isinstance(runner, InProcess) and runner.devices is None:
+                warn_idle(describe(schedule.label), self.plan.layout.workers, self.data_parallel)
+        self.clip_global_norm, self.runner = clip_global_norm, runner
+        self.optimizer_name = optimizer_name(optimizer)
+        self.optimizer, self._state_map = optimizer, None if opt_state is None else state_map(optimizer, self.ownership)
+        states: Sequence[Mapping[str, Leaf] | None] = [None] * S if restored is None else list(restored)
+        if self._state_map is not None:
+            states = self._state_map.scatter(opt_state)
+        hang_report = observe.hang_report
+        self.backend: Backend = open_backend(
+            runner,
+            self.ownership,
+            optimizer,
+            states,
+            layout=self.plan.layout,
+            step_timeout=observe.step_timeout,
+            data_parallel=self.data_parallel,
+            hang_report=None if hang_report is None else os.fspath(hang_report),
+        )
+        self._hang_named = hang_report is not None
+        self.observe = observe
+        self.timeline = observe.timeline
+        self.step_count = step_count
+        self._history = History(observe.progress, self.step_count)
+        self._samples = CostSamples(self.model.artifacts)
+        self._transfer: dict[str, float] | None = None  # measured once, at the first costs()
+        self._send: list[float] | None = None  # per stage boundary, one send's seconds: at the first costs() too
+        self._sent_by: Microbatch | None = None  # the first timed step's first microbatch: what the send probe sizes
+        self._auto_offload: Offload | None = None
+        self._steps_run = 0
+        self._signatures = [cost_signature(a) for a in self.model.artifacts]
+        self._stragglers: Stragglers | None = None
+        self.last_result: PipelineResult | None = None
+        self.checkpoint_times: list[CheckpointTime] = []  # fit's: per checkpoint, the step's wait and the write
+        self.restarts: list[RestartRecord] = []  # fit's: per lost worker, the step, where it returned, how long
+
+    def _directories(self) -> dict[str, str | os.PathLike[str] | None]:
+        """The directories the Trainer writes to, by option (None: not given): its offload's and ``trace_dir``.
+
+        Returns:
+            ``{option: directory}``, what ``safeio.outputs.check_apart`` keeps apart (``fit`` adds
+            ``checkpoint_dir``).
+        """
+        off = self.offload
+        return {
+            "Offload(directory=...)": None if off is None else off.directory,
+            "Observe(trace_dir=...)": self.trace_dir,
+        }
+
     def step(
         self, batch: tuple[PyTree, ...] | Microbatches, *, timed: bool | None = None
     ) -> float | tuple[float, PyTree]:
@@ -268,13 +383,81 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
                 f"the step was applied (loss {r.loss}, in history): fix the directory and step on"
             ) from e
 
-    def workers(self) -> list[object]:
-        """The Ray actor handle of each worker.
+    @overload
+    def evaluate(
+        self,
+        batch: tuple[PyTree, ...] | Microbatches,
+        *,
+        microbatches: int | None = None,
+        outputs: Literal[False] = False,
+    ) -> float | tuple[float, PyTree]: ...
+
+    @overload
+    def evaluate(
+        self, batch: tuple[PyTree, ...] | Microbatches, *, microbatches: int | None = None, outputs: Literal[True]
+    ) -> tuple[float, list[PyTree]] | tuple[float, PyTree, list[PyTree]]: ...
+
+    @overload
+    def evaluate(
+        self, batch: tuple[PyTree, ...] | Microbatches, *, microbatches: int | None = None, outputs: bool
+    ) -> float | tuple[float, PyTree] | tuple[float, PyTree, list[PyTree]]: ...
+
+    def evaluate(
+        self, batch: tuple[PyTree, ...] | Microbatches, *, microbatches: int | None = None, outputs: bool = False
+    ) -> float | tuple[float, PyTree] | tuple[float, PyTree, list[PyTree]]:
+        """The loss on ``batch`` from every stage's forward only: no residuals, no gradients, no update.
+
+        Each stage runs its evaluation program (``export_stages`` writes one beside each artifact: the stage's
+        forward without residual outputs) where the stage lives, in-process or on its Ray actor, with the
+        parameters it holds now; activations go from stage to stage as in a step. The loss is the mean over the
+        microbatches, as a step's is (the function's loss on the whole batch, for a mean loss). Parameters,
+        optimizer state, the step count and the history do not change.
+
+        Args:
+            batch: the function's batch inputs as a tuple, as ``step`` takes them; or ``Microbatches`` (as many as
+                it holds; the loss their weighted mean, as a step's).
+            microbatches: how many microbatches to cut ``batch`` into (default: the Trainer's; not with
+                ``Microbatches``).
+            outputs: also return the model's output: per microbatch, the tuple of arrays the last stage
+                received (what the stage before it sends on, e.g. the hidden state before the loss).
 
         Returns:
-            One actor handle per worker, in the layout's worker order (runner ``ray``; in-process, none).
+            The loss (a float); with ``outputs=True``, ``(loss, outputs)``. For stages whose function returns
+            ``(loss, aux)``: ``(loss, aux)``, or ``(loss, aux, outputs)``, the aux as a step's (the Trainer's
+            ``aux=``).
+
+        Raises:
+            VjpsplitError: ``microbatches`` is not an int >= 1, or given with ``Microbatches``; the Trainer runs the per-stage form, or a stage has
+                no evaluation program (a stages directory saved by an older vjpsplit, or a sharded stage): the message
+                says how to export again.
         """
-        return self.backend.workers()
+        m = self.microbatches if microbatches is None else checked_microbatches(microbatches)
+        scales = None
+        if isinstance(batch, Microbatches):
+            if microbatches is not None:
+                raise VjpsplitError("evaluate: Microbatches are the microbatches; give no microbatches= with them")
+            m, scales = len(batch), batch.scales
+        programs = self._eval_programs()
+        keys = None if self.rng is None else microbatch_keys(self.rng, self.step_count, m)
+        mbs = self.model.batch_microbatches(batch, m, self.data_parallel, keys)
+        losses, aux_leaves, received = self.backend.evaluate(mbs, programs, outputs)
+        loss = step_loss(dict(enumerate(losses)), m, scales)
+        per = aux_per_microbatch(self.model.artifacts[-1], dict(enumerate(aux_leaves)), m)
+        if self.aux is None or per is None:
+            return (loss, received) if outputs and received is not None else loss  # received: given with outputs
+        aux = reduced(per, self.aux)
+        return (loss, aux, received) if outputs and received is not None else (loss, aux)
+
+    def _eval_programs(self) -> list[EvalProgram]:
+        if not isinstance(self.stages, Stages):
+            raise VjpsplitError(
+                "evaluate runs the evaluation programs of a Stages (export_stages); this Trainer runs a list of "
+                "artifacts: train a Stages to evaluate"
+            )
+        lacking = [s for s, p in enumerate(self.stages.evaluation) if p is None]
+        if lacking:
+            raise VjpsplitError(missing(self.stages.index.function, lacking))
+        return [p for p in self.stages.evaluation if p is not None]
 
     def fit(
         self,
@@ -428,6 +611,214 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
         )
         return trainer
 
+    def params(self) -> PyTree:
+        """The parameters now.
+
+        Returns:
+            The parameters in the structure the Trainer was given (host arrays; one pytree per stage in the
+            per-stage form).
+        """
+        return self.ownership.gather([p for p, _ in self.backend.snapshots()])
+
+    def state(self) -> tuple[PyTree, PyTree]:
+        """The training state now, in the form a one-process optax loop (or orbax) keeps it.
+
+        Returns:
+            ``(params, opt_state)``: ``params`` as ``params()`` gives them, ``opt_state`` optax's own state for
+            the whole model, as ``optimizer.init(params)`` and the same updates give it in one process (its
+            structure, its values; a value tied to no parameter, such as a step count, once). Host arrays.
+
+        Raises:
+            VjpsplitError: a tied leaf's state differs between the stages that hold it.
+        """
+        snaps = self.backend.snapshots()
+        return self.ownership.gather([p for p, _ in snaps]), self._states().gather([st for _, st in snaps])
+
+    def _states(self) -> StateMap:
+        if self._state_map is None:
+            self._state_map = state_map(self.optimizer, self.ownership)
+        return self._state_map
+
+    def host_checkpoint(self) -> HostCheckpoint:
+        """What ``save`` writes, copied to host memory (the copy ``fit`` waits for before writing in the background).
+
+        Returns:
+            A ``HostCheckpoint``: the parameters by key, ``state()``'s ``opt_state``, the step count and the
+            settings ``restore`` uses.
+        """
+        snaps = self.backend.snapshots()
+        flat = self.ownership.flat([p for p, _ in snaps])
+        params = self.ownership.gather([p for p, _ in snaps])
+        smap = self._states()
+        opt_state = smap.gather([st for _, st in snaps])
+        return HostCheckpoint(flat, smap.leaf_keys, encode_structure(params), opt_state, self.step_count, self._meta())
+
+    def _meta(self) -> dict[str, object]:
+        meta: dict[str, object] = {
+            "schedule": self.plan.name,
+            "optimizer": self.optimizer_name,
+            "structure": self.ownership.structure,
+            "microbatches": self.microbatches,
+            "clip_global_norm": self.clip_global_norm,
+        }
+        if self.schedule.plans is not None:
+            meta["plans"] = format_schedule(self.plan.plans)
+        if self.auto is not None:
+            meta.update(self.auto.record())  # restore measures again, on its own hosts
+        return meta
+
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        """Write the parameters, optax's whole-model optimizer state and the step count to ``directory`` (all or
+        nothing), keyed by the model's parameter paths, not by stage: any ``Stages`` of the same function
+        restores it (``restore``), and so does a one-process loop (``load_checkpoint``).
+
+        The checkpoint also records what ``restore`` needs to go on: the schedule (its plans,
+        when they were the caller's), the microbatches and ``clip_global_norm``. A save replaces the whole
+        directory, so a ``directory`` holding files no save wrote is refused (naming one), never emptied.
+
+        Args:
+            directory: the checkpoint directory (created, or replaced whole).
+
+        Raises:
+            VjpsplitError: ``directory`` is a file, cannot be written, or holds files no save wrote.
+        """
+        save_checkpoint(directory, self.host_checkpoint())
+
+    def _load(self, directory: str | os.PathLike[str]) -> None:
+        """Set every stage, and the step count, to the checkpoint in ``directory`` (saved by any cut of the same
+        function; one an older vjpsplit wrote per stage only by this cut). This Trainer's settings stay. ``fit``
+        resumes with it (``checkpoint_dir=``, and after a lost worker); users restore with ``Trainer.restore``.
+
+        Every saved parameter is checked against the dtype and shape this Trainer holds first: a mismatch is
+        one error naming the leaf, and the Trainer keeps its parameters.
+
+        Args:
+            directory: a checkpoint ``save`` (or ``fit``) wrote.
+
+        Raises:
+            VjpsplitError: a missing or damaged checkpoint (naming the file or field), a leaf of another dtype
+                or shape, a leaf missing or unexpected, an optimizer state of another structure.
+        """
+        snapshots, step = stage_snapshots(directory, self.ownership, self._states(), self.optimizer)
+        self.backend.load(snapshots)
+        self.step_count = step
+        self._history.rewind(step)
+
+    @property
+    def history(self) -> list[StepRecord]:
+        """One ``StepRecord`` per step: ``step``, ``loss``, ``grad_norm`` (before clipping), ``step_time``, ``bubble``,
+        ``modeled_bubble``; under ``schedule="auto"`` also ``schedule`` (what ran: the measuring step's schedule, then
+        ``"auto"``), ``modeled_makespan`` (its plans under the measured costs, seconds) and ``measuring`` (True on the
+        two timed first steps); a timed step's row also has ``busy`` (each worker's compute seconds) and
+        ``stragglers`` (the workers whose compute was 15% or more above that of the workers whose stages cost the
+        same, 3 timed steps in a row); ``fit``'s evaluations set ``eval_loss``. Attributes (``row.loss``)."""
+        return self._history.rows
+
+    @property
+    def placement(self) -> list[tuple[jax.Device | str, ...]]:
+        """Per stage, the devices that hold its parameters (``jax.Device``s in-process; on Ray, as each
+        actor's JAX names them)."""
+        return self.backend.placement
+
+    def _busy(self, r: PipelineResult, first: bool) -> tuple[tuple[float, ...], tuple[int, ...]]:
+        """A timed step's ``busy`` seconds per worker and its ``stragglers`` (warned of when first named); the
+        Trainer's first step, which compiles every stage, gives no verdict."""
+        busy = tuple(row["F"] + row["B"] + row["I"] + row["W"] for row in r.per_worker())
+        if first:
+            return busy, ()
+        held = self.plan.layout.workers
+        groups = [tuple(sorted(self._signatures[s] for s in stages)) for stages in held]
+        if self._stragglers is None or self._stragglers.groups != groups:
+            self._stragglers = Stragglers(groups)
+        now, new = self._stragglers.see(busy)
+        for w in new:
+            peers = [v for v, g in enumerate(groups) if v != w and g == groups[w]]
+            warnings.warn(
+                f"worker {w} (stages {', '.join(map(str, held[w]))}) is a straggler: its compute "
+                f"({busy[w] * 1e3:.1f} ms in step {self.step_count}) was at least {SLOWER - 1:.0%} above its peers' "
+                f"(worker {', '.join(map(str, peers))}, whose stages cost the same) in {IN_A_ROW} timed steps in a row",
+                stacklevel=3,
+            )
+        return busy, tuple(now)
+
+    def costs(self) -> MeasuredCosts:
+        """Every stage's measured F, B and W seconds and the send time, as ``auto_schedule``'s ``costs`` take them.
+
+        F, B and W: medians over the microbatches of the last timed steps (``step(batch, timed=True)``, or
+        ``auto``'s first two), the Trainer's first step only while no other is timed; see ``measured`` for what
+        is left out and how a whole backward splits into B and W. ``comm``: one send between stages timed apart,
+        at the first call, with an activation of the size each stage sends (the first timed step's microbatch):
+        in-process ``jax.device_put`` from one stage's device to the next, on Ray one actor-to-actor delivery
+        through the step's senders and inboxes; the median of ``measured.SEND_PROBES`` per boundary, the mean
+        over the boundaries. ``gap``: what the timed steps' timelines show between a result and the next worker
+        starting on it (more than the send; ``comm`` where the send could not be measured).
+
+        Returns:
+            ``{"F": [...], "B": [...], "W": [...], "comm": seconds, "gap": seconds, "transfer": {"out": ..,
+            "back": ..}}``, one entry per stage in F, B and W; ``transfer`` the bytes per second of a residual
+            copy off the first stage's device and back, as offload copies (``measured.measure_transfer_rates``,
+            timed once, at the first call; on Ray, on this process's device).
+
+        Raises:
+            VjpsplitError: no timed step has run yet.
+        """
+        timeline = self._samples.costs()
+        if self._transfer is None:
+            self._transfer = measure_transfer_rates(self.placement[0][0])
+        if self._send is None:
+            sent = None if self._sent_by is None else boundary_values(self._samples.artifacts, self._sent_by)
+            self._send = [] if sent is None else self.backend.send_seconds(sent, SEND_PROBES)
+        comm = statistics.mean(self._send) if self._send else timeline["gap"]
+        return {**timeline, "comm": comm, "transfer": self._transfer}
+
+    def memory(self) -> list[DeviceMemory]:
+        """What each device holds of this Trainer's stages, between steps: one ``DeviceMemory`` per device.
+
+        Per device (on Ray, per actor's device, with its ``worker``): the bytes of its stages' parameters and
+        optimizer state (by the device each array's shard is on: with ``data_parallel=N``, each replica's
+        device holds about 1/N of its stage's optimizer state, ZeRO-1), the most stored residual bytes its
+        stages held at once in the last step (``StageWorker.peak_residual_bytes``), and the bytes in use on
+        it in all: the device's ``memory_stats()`` where it has them (GPU, TPU: also the peak since the process
+        started), else the live JAX arrays on it (CPU).
+
+        Returns:
+            One ``DeviceMemory`` per device that holds a stage, in stage order (on Ray, worker by worker).
+        """
+        return self.backend.memory()
+
+    @property
+    def planned_offload(self) -> Offload | None:
+        """What ``auto``'s plans offload under ``memory_limit_bytes`` now (the (stage, microbatch) pairs in
+        ``Offload.pairs``, to host memory), or None: no offload planned (or ``offload=`` given by hand)."""
+        return self._auto_offload
+
+    @property
+    def no_offload_reason(self) -> str | None:
+        """Why ``planned_offload`` is None, in words (an ``offload=`` given by hand, no ``"auto"`` within
+        ``memory_limit_bytes``, or why auto's plans offload nothing); None where it offloads."""
+        if self.offload is not None:
+            return "offload= was given to the runner: auto plans no offload of its own"
+        if self.auto is None:
+            return "only Schedule('auto', memory_limit_bytes=...) plans offload"
+        return self.auto.no_offload_reason
+
+    def plot_loss(self, path: str | os.PathLike[str], title: str | None = None) -> None:
+        """A PNG of the loss per step (needs matplotlib), beside ``plot_timeline``'s chart of one step.
+
+        Args:
+            path: the PNG file to write.
+            title: the chart's title; None: the schedule's and the runner's names.
+        """
+        self._history.plot(path, title or f"{self.schedule.label}, {self.runner.name}")
+
+    def workers(self) -> list[object]:
+        """The Ray actor handle of each worker.
+
+        Returns:
+            One actor handle per worker, in the layout's worker order (runner ``ray``; in-process, none).
+        """
+        return self.backend.workers()
+
     def close(self) -> None:
         """End the workers (Ray actors) and the progress bar."""
         self._history.close()
@@ -438,3 +829,20 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def recorded_replicas(stages: Stages | Sequence[Artifact]) -> int:
+    """The replicas of every stage a ``Stages`` export recorded (its index's ``data_parallel``); 1 for artifacts."""
+    return stages.index.data_parallel if isinstance(stages, Stages) else 1
+
+
+def _checked_step_count(step_count: object) -> int:
+    """``Trainer(step_count=)`` as an int >= 0.
+
+    Raises:
+        VjpsplitError: anything else, naming the option.
+    """
+    step_count = plain(step_count)
+    if isinstance(step_count, bool) or not isinstance(step_count, int) or step_count < 0:
+        raise VjpsplitError(f"step_count={step_count!r}: give the run's step this state is at, an int >= 0")
+    return step_count

@@ -3,9 +3,8 @@
 Owns starting or joining Ray, clocks, placement groups and why an actor waits
 (``setup``), the actor (``actor``), the sockets between actors (``wire``,
 ``peers``) and an actor's inbox (``inbox``), the one step-timeout wait and dead-actor
-reports (``waiting``), a runner's actors placed, loaded, waited on and described
-(``group``), a step as a Compiled Graph (``compiled``) and ``RayPipeline``
-(``pipeline``).
+reports (``waiting``), a step as a Compiled Graph (``compiled``) and ``RayPipeline``
+(``pipeline``: a runner's actors placed, loaded, waited on and described, and its steps).
 
 May import what ``runtime`` may, and ``runtime``'s in-process modules.
 """
