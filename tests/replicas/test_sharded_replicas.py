@@ -85,6 +85,7 @@ def test_pp2_dp2_tp2_equals_optax_on_the_whole_batch(schedule):
         np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
         assert_trees_close(tr.params(), ref, rtol=RTOL, atol=ATOL)
         assert [t.worker.reductions for t in tr.backend.trainers] == [3, 3]
+        assert min(h.grad_norm for h in tr.history) > CLIP  # clipping acted: the replicas' squares count
         devs = jax.devices()
         assert [set(p) for p in tr.placement] == [set(devs[:4]), set(devs[4:])]
         for s, t in enumerate(tr.backend.trainers):
