@@ -145,21 +145,44 @@ def test_ray_trainer_with_sharded_stages_equals_one_process(ray_session):
             assert ids == [0, 1, 2, 3] and _same(P(*spec), SPECS[leaf]), (key, ids, spec)
 
 
-@pytest.mark.parametrize("runner", ["inprocess", "ray"])
-def test_sharded_stages_with_data_parallel_are_one_clear_error(runner):
-    # Replicas run unsharded stages only: the refusal names the stage and what to do, before any actor starts.
+def test_ray_data_parallel_over_sharded_stages_equals_one_process(ray_session):
+    # PP 2 x DP 2 x TP 4: each actor runs its stage's 2 replicas, each on 4 of the actor's 8 devices.
+    stages, params, batches = _setup()
+    tx = optax.adam(1e-2)
+    ref_losses, ref = optax_reference(loss, params, tx, batches)
+
+    def where(actor):  # in each actor: its stage's reductions run, and where its replicas' parameters are
+        (w,) = actor.stage_workers.values()
+        return w.reductions, [
+            sorted({d.id for a in jax.tree_util.tree_leaves(r.params) for d in a.devices()}) for r in w.replicas
+        ]
+
+    with pipeline.Trainer(
+        stages, params, optimizer=tx, schedule="1f1b", microbatches=2, runner=pipeline.Ray(data_parallel=2)
+    ) as tr:
+        losses = [tr.step(b) for b in batches]
+        got = tr.params()
+        inside = ray_session.get([a.__ray_call__.remote(where) for a in tr.backend.rp.actors])
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    for k in params:
+        np.testing.assert_allclose(got[k], np.asarray(ref[k]), rtol=1e-6, atol=1e-7)
+    assert inside == [(3, [[0, 1, 2, 3], [4, 5, 6, 7]])] * 2, inside  # one reduction per step; a group per replica
+
+
+def test_sharded_stages_with_data_parallel_on_too_few_devices_are_one_clear_error():
+    # 2 stages x 2 replicas x a mesh of 4 devices: 16 devices, this process has 8.
     stages, params, _ = _setup()
     with pytest.raises(
         vs.VjpsplitError,
-        match=r"data_parallel: stage 0 is sharded \(a mesh of 4 devices\); replicas "
-        r"run unsharded stages only: export the stages without shardings",
+        match=r"data_parallel=2 with 2 workers needs 16 devices, this host has 8 \(on CPU, set XLA_FLAGS=",
     ):
-        replicated = pipeline.InProcess(data_parallel=2) if runner == "inprocess" else pipeline.Ray(data_parallel=2)
-        pipeline.Trainer(stages, params, optimizer=optax.sgd(0.1), microbatches=2, runner=replicated)
+        pipeline.Trainer(
+            stages, params, optimizer=optax.sgd(0.1), microbatches=2, runner=pipeline.InProcess(data_parallel=2)
+        )
 
 
-def test_export_stages_refuses_data_parallel_for_sharded_specs():
-    # What the Trainer would refuse, said at export (the CLI's --stages --data-parallel N goes through here).
+def test_export_stages_records_data_parallel_for_sharded_specs():
+    # The CLI's --stages --data-parallel N goes through here: the index records N, the Trainer's default.
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
     shapes = {"w0": (D, H), "b0": (H,), "w1": (H, CLASSES), "b1": (CLASSES,)}
     pspecs = {
@@ -168,5 +191,5 @@ def test_export_stages_refuses_data_parallel_for_sharded_specs():
     (b,) = jexport.symbolic_shape("b", constraints=("mod(b, 2) == 0",))
     x = jax.ShapeDtypeStruct((b, D), jnp.float32, sharding=NamedSharding(mesh, P("data", None)))
     y = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=NamedSharding(mesh, P("data")))
-    with pytest.raises(vs.VjpsplitError, match=r"data_parallel=2: stage 0 is sharded \(a mesh of 4 devices\)"):
-        vs.export_stages(loss, pspecs, x, y, wrt="params", platforms="cpu", data_parallel=2)
+    st = vs.export_stages(loss, pspecs, x, y, wrt="params", platforms="cpu", data_parallel=2)
+    assert st.index.data_parallel == 2 and all(a.manifest.sharded for a in st.artifacts)

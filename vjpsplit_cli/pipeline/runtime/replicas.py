@@ -18,7 +18,13 @@ device its ``zero_spec`` shard of every gradient.
 The loss is the mean over the replicas' losses (each the mean over its part), and
 each replica's seed cotangent is ``1 / (microbatches * N)``: the step computes the
 gradient of the mean over the whole batch, as one process does. Also where a
-stage's replicas run (``replica_placement``). May import the runtime layer's
+stage's replicas run (``replica_placement``).
+
+A sharded stage's replicas each run its artifact on a device group of its own
+(``Artifact.on_devices``, the same mesh shape): replica r's parameters and
+gradients are laid out over group r as the export says, and the reduction runs
+over the replicas' axis of ``replicas_mesh`` alone (in-process and in a Ray
+actor alike). May import the runtime layer's
 ``worker``, ``offload``, ``model`` and ``reduction``, and the schedules layer.
 """
 
@@ -30,6 +36,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ...errors import VjpsplitError
 from ...treetypes import PyTree
@@ -37,7 +44,7 @@ from ..schedules.ops import Op
 from ..schedules.timeline import Phase
 from .model import Microbatch
 from .offload import Offload
-from .reduction import Reducer, replica_mesh
+from .reduction import AXIS, Reducer, replica_mesh, replicas_mesh
 from .worker import StageWorker
 
 # The reduction's; named here too for their importers (``training.zero1``).
@@ -85,18 +92,9 @@ def check_split(mbs: Sequence[Microbatch], n: int) -> None:
         split_parts((x, list(side.values()) if isinstance(side, dict) else side), n)  # a StageInputs: its lists
 
 
-def refuse_sharded(artifacts: Sequence[Artifact]) -> None:
-    """One error when a stage is sharded: replicas run unsharded stages only (on either runner).
-
-    Raises:
-        VjpsplitError: naming the first sharded stage, its mesh, and what to do instead.
-    """
-    for s, a in enumerate(artifacts):
-        if a.manifest.sharded:
-            raise VjpsplitError(
-                f"data_parallel: stage {s} is sharded (a mesh of {a.manifest.nr_devices} devices); replicas run "
-                "unsharded stages only: export the stages without shardings, or shard over a 'data' axis instead"
-            )
+def stage_need(artifact: Artifact) -> int:
+    """The devices one replica of a stage runs on: its mesh's for a sharded stage, else 1."""
+    return int(artifact.manifest.nr_devices) if artifact.manifest.sharded else 1
 
 
 def replica_placement(
@@ -105,42 +103,51 @@ def replica_placement(
     n: int,
     devices: Sequence[Sequence[jax.Device]] | None = None,
 ) -> list[tuple[jax.Device, ...]]:
-    """Per stage, its ``n`` replica devices: ``devices`` as given (one list of ``n`` per stage), or by default
-    worker k's stages on this host's devices ``k*n ... k*n + n - 1`` (one error when there are too few)."""
-    refuse_sharded(artifacts)
+    """Per stage, its ``n`` replicas' devices, replica-major (a sharded stage's replica r on its ``k`` mesh
+    devices ``r*k ... r*k + k - 1`` of the list): ``devices`` as given (one list of ``n * k`` per stage), or by
+    default worker w's stages on this host's next ``n * k`` devices, ``k`` the most of its stages' (one error
+    when there are too few)."""
     if devices is not None:
         if len(devices) != len(artifacts):
             raise VjpsplitError(f"{len(artifacts)} stages but {len(devices)} device groups")
         out = [tuple(g) for g in devices]
         for s, g in enumerate(out):
-            if len(g) != n or len(set(g)) != n:
+            k = stage_need(artifacts[s])
+            if len(g) != n * k or len(set(g)) != n * k:
+                each = "one per replica" if k == 1 else f"{n} replicas x its mesh of {k}, replica r's at r*{k}..."
                 raise VjpsplitError(
-                    f"data_parallel={n}: stage {s} is given {len(g)} devices ({len(set(g))} distinct); give each "
-                    f"stage {n} distinct devices, one per replica"
+                    f"data_parallel={n}: stage {s} is given {len(g)} devices ({len(set(g))} distinct) in devices=; "
+                    f"give it {n * k} distinct devices, {each}"
                 )
         return out
+    need = [n * max(stage_need(artifacts[s]) for s in held) for held in workers]
     have = jax.local_devices()
-    if len(workers) * n > len(have):
+    if sum(need) > len(have):
         hint = (
-            f" (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={len(workers) * n} before JAX starts)"
+            f" (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={sum(need)} before JAX starts)"
             if have[0].platform == "cpu"
             else ""
         )
         raise VjpsplitError(
-            f"data_parallel={n} with {len(workers)} workers needs {len(workers) * n} devices, this host has "
-            f"{len(have)}{hint}; or give devices= one list of {n} per stage"
+            f"data_parallel={n} with {len(workers)} workers needs {sum(need)} devices, this host has "
+            f"{len(have)}{hint}; or give devices= one list of {n} x each stage's mesh devices per stage"
         )
     out_by_stage = {}
-    for k, held in enumerate(workers):
+    start = 0
+    for held, want in zip(workers, need):
+        block, width = have[start : start + want], want // n
         for s in held:
-            out_by_stage[s] = tuple(have[k * n : (k + 1) * n])
+            k = stage_need(artifacts[s])
+            out_by_stage[s] = tuple(d for r in range(n) for d in block[r * width : r * width + k])
+        start += want
     return [out_by_stage[s] for s in range(len(artifacts))]
 
 
 class ReplicaGroup:
     """A stage's N replicas, standing where its one ``StageWorker`` would (see the module).
 
-    ``devices``: one per replica (the mesh ``AXIS`` in this order). After the step's
+    ``devices``: one per replica (the mesh ``AXIS`` in this order); a sharded stage's, each replica's mesh
+    devices in turn (``replica_placement``): each replica runs the artifact on its own. After the step's
     last gradient operation ``grads`` holds the reduced gradients (the stage's
     parameter structure, each leaf laid out by ``zero_spec`` over the replicas) and
     ``squares`` the replicas' squared sums (``Reducer``); ``squared`` says, per
@@ -159,15 +166,27 @@ class ReplicaGroup:
         devices: Sequence[jax.Device],
         offload: Offload | None = None,
     ):
-        if artifact.manifest.sharded:
-            raise VjpsplitError(f"stage {stage_index}: replicas run unsharded stages only")
+        k = stage_need(artifact)
+        if len(devices) % k or not devices:
+            raise VjpsplitError(
+                f"stage {stage_index}: its replicas are given {len(devices)} devices, not a multiple of its mesh's {k}"
+            )
+        if artifact.mesh is not None and AXIS in artifact.mesh.axis_names:
+            raise VjpsplitError(
+                f"stage {stage_index}: its mesh has an axis named {AXIS!r}, the axis data_parallel puts its replicas "
+                "on; rename that axis of the export's mesh"
+            )
+        groups = [tuple(devices[i : i + k]) for i in range(0, len(devices), k)]
         self.replicas = [
-            StageWorker(artifact, params, stage_index, num_stages, d, replica=i) for i, d in enumerate(devices)
+            StageWorker(artifact.on_devices(g), params, stage_index, num_stages, g[0], replica=i)
+            for i, g in enumerate(groups)
         ]
         for i, r in enumerate(self.replicas):
             r.set_offload(offload, replica=i)
         self.n = len(self.replicas)
-        self.mesh = replica_mesh(devices)
+        self.sharded = bool(artifact.manifest.sharded)
+        meshes = [r.art.mesh for r in self.replicas]
+        self.mesh = replicas_mesh([m for m in meshes if m is not None]) if self.sharded else replica_mesh(devices)
         self.art = artifact
         self.stage_index, self.num_stages = stage_index, num_stages
         self.treedef = jax.tree_util.tree_structure(self.replicas[0].params)
@@ -191,9 +210,18 @@ class ReplicaGroup:
         return self.replicas[0].splits_backward
 
     @property
-    def devices(self) -> tuple[jax.Device | None, ...]:
-        """The replicas' devices, in mesh order."""
-        return tuple(r.device for r in self.replicas)
+    def devices(self) -> tuple[jax.Device, ...]:
+        """The replicas' devices, in mesh order (a sharded stage's: each replica's mesh devices in turn)."""
+        return tuple(d for r in self.replicas for d in r.devices)
+
+    @property
+    def specs(self) -> list[PartitionSpec]:
+        """Per parameter leaf (JAX's order), its layout over the stage's own mesh axes (unsharded: whole)."""
+        leaves = jax.tree_util.tree_leaves(self.replicas[0].params)
+        return [
+            a.sharding.spec if self.sharded and isinstance(a.sharding, NamedSharding) else PartitionSpec()
+            for a in leaves
+        ]
 
     @property
     def params(self) -> PyTree:
@@ -322,7 +350,7 @@ class ReplicaGroup:
         """The stage's ``Reducer`` (built on first use, kept across steps)."""
         if self._reducer is None:
             shapes = [tuple(np.shape(a)) for a in jax.tree_util.tree_leaves(self.replicas[0].params)]
-            self._reducer = Reducer(self.mesh, shapes, self.squared)
+            self._reducer = Reducer(self.mesh, shapes, self.squared, self.specs if self.sharded else None)
         return self._reducer
 
     def reduce(self, worker: int | None = None) -> None:

@@ -215,17 +215,6 @@ def _stages_index(
     )
 
 
-def _refuse_sharded_replicas(arts: Sequence[Artifact], data_parallel: int) -> None:
-    """Refuse replicas of sharded stages at export: the Trainer would refuse them at the first step."""
-    sharded = [k for k, a in enumerate(arts) if a.manifest.sharded]
-    if data_parallel > 1 and sharded:
-        raise VjpsplitError(
-            f"data_parallel={data_parallel}: stage {sharded[0]} is sharded (a mesh of "
-            f"{arts[sharded[0]].manifest.nr_devices} devices); replicas run unsharded stages only: export the "
-            "stages without shardings, or shard over a 'data' axis instead"
-        )
-
-
 def export_stages(
     fn: Callable[..., object],
     *specs: PyTree,
@@ -278,8 +267,7 @@ def export_stages(
             than one argument or every argument, an input is 64-bit without
             ``jax_enable_x64``, both marks and ``stages`` are given or neither, or a
             stage's export is refused (as ``export`` raises); or ``data_parallel`` is
-            not an int >= 1, or N > 1 with specs that carry shardings (replicas run
-            unsharded stages only); with ``has_aux``, if ``fn`` returns no pair or an
+            not an int >= 1; with ``has_aux``, if ``fn`` returns no pair or an
             aux leaf that is no array.
     """
     _check_replicas(data_parallel)
@@ -306,7 +294,6 @@ def export_stages(
     entries = [e for _, e, _ in exported]
     index = _stages_index(label, how, names, (wrt_pos, batch_pos), (p_entries, b_entries), entries, data_parallel)
     arts = [a for a, _, _ in exported]
-    _refuse_sharded_replicas(arts, data_parallel)
     return Stages(arts, index, [p for _, _, p in exported])
 
 

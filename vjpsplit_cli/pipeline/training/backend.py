@@ -18,7 +18,6 @@ from ...treetypes import Leaf, PyTree
 from ..runtime.devices import placed, placement
 from ..runtime.model import Microbatch
 from ..runtime.offload import Offload, offload_of
-from ..runtime.replicas import refuse_sharded
 from ..runtime.result import PipelineResult
 from ..schedules.layout import Layout
 from ..schedules.stepplans import Resolved
@@ -162,7 +161,6 @@ def open_backend(
         )
         return InProcessBackend(ownership, trainers, step_timeout, hang_report, data_parallel)
     if data_parallel > 1:  # on Ray: each actor makes its replicas on its own devices, from programs made here
-        refuse_sharded(ownership.artifacts)
         programs = [
             replica_program(optimizer, a, p, s, data_parallel, ownership.names[s], whole, ownership.counted[s])
             for s, (a, p) in enumerate(zip(ownership.artifacts, ownership.stage_params))

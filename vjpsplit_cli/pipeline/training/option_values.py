@@ -62,8 +62,9 @@ class InProcess:
         devices: one list of devices per stage (one device for an unsharded stage, a sharded stage's mesh
             devices). Default: worker k's stages on ``jax.local_devices()[k]`` where there are enough,
             else all on the default device.
-        data_parallel: N replicas of every (unsharded) stage, each on a device of its own (worker k's on
-            ``jax.local_devices()[k*N : k*N + N]``, or ``devices`` with N devices per stage), each microbatch
+        data_parallel: N replicas of every stage, each on a device of its own (worker k's on
+            ``jax.local_devices()[k*N : k*N + N]``, or ``devices`` with N devices per stage; a sharded stage's
+            replicas each on a group of its mesh's k devices: N x k, replica by replica), each microbatch
             split N ways; gradients reduced once per step per stage, the optimizer state sharded (ZeRO-1).
             None: what the stages' export recorded (``export_stages(data_parallel=N)``), else 1.
         offload: residuals off their device between F and B: ``"host"`` or an ``Offload`` (``runtime.offload``);
@@ -93,8 +94,8 @@ class Ray:
         actor_options: one dict of Ray actor options per worker (``num_cpus``, ``num_gpus``, ``resources``,
             ``scheduling_strategy``, ...).
         schedule_timeout: seconds for Ray to place and start every actor.
-        data_parallel: N replicas of every (unsharded) stage: each worker's actor runs its stages' N replicas on
-            N devices of its own (on CPU it starts with ``--xla_force_host_platform_device_count=N``; on GPUs
+        data_parallel: N replicas of every stage: each worker's actor runs its stages' N replicas on
+            N devices of its own (N x k for a sharded stage of k) (on CPU it starts with ``--xla_force_host_platform_device_count=N``; on GPUs
             give it N in ``actor_options``), each microbatch split N ways, as ``InProcess`` does. None: what the
             stages' export recorded, else 1.
         offload: residuals off their device between F and B, in each actor, as ``InProcess``'s.

@@ -16,6 +16,12 @@ every summed gradient; tied leaves are summed over their holders as a single
 worker's are; the update runs on the shards; one program gathers the new
 parameters whole onto every replica. ``snapshot`` and ``assign`` speak the whole
 model's form (host arrays, whole leaves), so a checkpoint moves between any N.
+
+A sharded stage's replicas (each on a device group of the stage's mesh): its
+optimizer is exported over the mesh of the replicas' axis before the stage's own
+(``reduction.replicas_mesh``), each parameter laid out as the stage shards it
+with each device's shard split N ways (``zero_spec`` with the leaf's spec); the
+new parameters are gathered over the replicas' axis only, back to the stage's layout.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from ...artifact.artifact import Artifact
-from ...artifact.sharding import named
+from ...artifact.sharding import named, partition_spec
 from ...errors import VjpsplitError
 from ...files.prng import to_data
 from ...files.trees import decode_structure, flatten_with_keys
@@ -59,17 +65,30 @@ def replica_program(
     ``zero_spec`` (its share of ``whole``, the reductions' terms of its ``counted`` keys, as
     ``optimizer.stage_programs``).
 
-    The mesh is abstract (its one axis and size, no devices): the program is the same module wherever it is
-    exported, and runs on any ``n`` devices of the artifact's platforms (a Ray actor's, not the driver's)."""
-    mesh = AbstractMesh((n,), (AXIS,))
+    The mesh is abstract (its one axis and size, no devices; a sharded stage's axes after it): the program is
+    the same module wherever it is exported, and runs on any ``n`` devices (``n`` groups of the stage's mesh) of
+    the artifact's platforms (a Ray actor's, not the driver's)."""
+    axes = [(AXIS, n), *(art.manifest.mesh if art.manifest.sharded else ())]
+    mesh = AbstractMesh(tuple(size for _, size in axes), tuple(name for name, _ in axes))
+    sizes = dict(axes[1:]) if art.manifest.sharded else None
+    layouts = stage_specs(art, params) if sizes is not None else [None] * len(names)
     specs = {
-        k: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=NamedSharding(mesh, zero_spec(np.shape(v), n)))
-        for k, v in zip(names, jax.tree_util.tree_leaves(params))
+        k: jax.ShapeDtypeStruct(
+            np.shape(v), v.dtype, sharding=NamedSharding(mesh, zero_spec(np.shape(v), n, spec, sizes))
+        )
+        for k, v, spec in zip(names, jax.tree_util.tree_leaves(params), layouts)
     }
     prog = export_optimizer(
         optimizer, specs, platforms=art.manifest.platforms, whole=whole, stage=stage, counted=counted
     )
     return prog.to_bytes()
+
+
+def stage_specs(art: Artifact, params: PyTree) -> list[PartitionSpec]:
+    """Per leaf of a sharded stage's ``params`` (JAX's order), its layout over the stage's mesh, as exported."""
+    by_key = {leaf.key: leaf for leaf in art.manifest.inputs}
+    entries = flatten_with_keys(art.manifest.arg_names[0], params)
+    return [partition_spec(by_key[k].sharding or ()) if k in by_key else PartitionSpec() for k, _ in entries]
 
 
 class ReplicaTrainer:
@@ -99,7 +118,8 @@ class ReplicaTrainer:
         if self.program.mesh is None:  # exported over the replicas' mesh just above
             raise VjpsplitError(f"stage {group.stage_index}: its optimizer program has no mesh; export it again")
         self.mesh = self.program.mesh
-        self._whole = NamedSharding(self.mesh, PartitionSpec())
+        # Each parameter whole over the replicas' axis (a sharded stage's: as the stage lays it out).
+        self._whole = [NamedSharding(self.mesh, spec) for spec in group.specs]
         self._gather = jax.jit(lambda xs: xs, out_shardings=self._whole)
         self.params = self._joined()
         self.state = self.program.init(self.params) if state is None else self._placed_state(state)
@@ -114,9 +134,10 @@ class ReplicaTrainer:
         """The replicas' parameters as one whole (replicated) array per key over the mesh: no copy."""
         per = [dict(flatten_with_keys("", r.params)) for r in self.worker.replicas]
         out: dict[str, jax.Array] = {}
-        for k in per[0]:
-            a = per[0][k]
-            out[self.local[k]] = jax.make_array_from_single_device_arrays(np.shape(a), self._whole, [p[k] for p in per])
+        for k, whole in zip(per[0], self._whole):
+            blocks = {sh.device: sh.data for p in per for sh in p[k].addressable_shards}
+            parts = [blocks[d] for d in self.mesh.devices.flat]
+            out[self.local[k]] = jax.make_array_from_single_device_arrays(np.shape(per[0][k]), whole, parts)
         return out
 
     def _placed_state(self, state: Mapping[str, Leaf]) -> dict[str, jax.Array]:
@@ -176,9 +197,29 @@ class ReplicaTrainer:
 
     def _spread(self, whole: Sequence[jax.Array]) -> None:
         per_device = [{s.device: s.data for s in a.addressable_shards} for a in whole]
-        self.worker.set_params(
-            [decode_structure(self.node, iter([d[r.device] for d in per_device])) for r in self.worker.replicas]
-        )
+        if not self.worker.sharded:
+            self.worker.set_params(
+                [decode_structure(self.node, iter([d[r.device] for d in per_device])) for r in self.worker.replicas]
+            )
+            return
+        # A sharded stage: replica r's leaf joined from its group's blocks, laid out as its parameters were.
+        mine = []
+        for r in self.worker.replicas:
+            laid = jax.tree_util.tree_leaves(r.params)
+            mine.append(
+                decode_structure(
+                    self.node,
+                    iter(
+                        [
+                            jax.make_array_from_single_device_arrays(
+                                a.shape, old.sharding, [d[dev] for dev in r.devices]
+                            )
+                            for a, old, d in zip(whole, laid, per_device)
+                        ]
+                    ),
+                )
+            )
+        self.worker.set_params(mine)
 
     def snapshot(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """``(params, optimizer state)`` as whole host arrays (the state's shards joined)."""

@@ -22,7 +22,7 @@ from ....errors import VjpsplitError
 from ..devices import placed, placement
 from ..flight import COMPILING, PENDING, RUNS, Now, RingOp, compile_aware, idle
 from ..offload import Offload
-from ..replicas import ReplicaGroup, reductions, refuse_sharded
+from ..replicas import ReplicaGroup, reductions, replica_placement, stage_need
 from ..stageops import run_op
 from ..untimed import Dispatched
 from ..worker import StageWorker
@@ -118,17 +118,19 @@ class StageActor:
         if replicas > 1:
             import jax
 
-            refuse_sharded(arts)
             have = jax.local_devices()
-            if len(have) < replicas:
+            need = replicas * max(stage_need(a) for a in arts)
+            if len(have) < need:
                 raise VjpsplitError(
-                    f"worker {worker}: data_parallel={replicas} needs {replicas} devices in its actor, it sees "
-                    f"{len(have)}; give the actor {replicas} GPUs in actor_options (on CPU its runtime_env's "
-                    f"XLA_FLAGS sets --xla_force_host_platform_device_count={replicas})"
+                    f"worker {worker}: data_parallel={replicas} needs {need} devices in its actor, it sees "
+                    f"{len(have)}; give the actor {need} GPUs in actor_options (on CPU its runtime_env's "
+                    f"XLA_FLAGS sets --xla_force_host_platform_device_count={need})"
                 )
-            # All of this worker's stages on the same devices, as worker k's are in-process (replica_placement).
+            # All of this worker's stages on the same devices, as worker k's are in-process (a sharded stage's
+            # replicas each on a group of its mesh's size).
+            where = replica_placement(arts, [tuple(range(len(arts)))], replicas)
             self.stage_workers = {
-                s: ReplicaGroup(a, params, s, num_stages, have[:replicas]) for (s, _, params), a in zip(held, arts)
+                s: ReplicaGroup(a, params, s, num_stages, g) for (s, _, params), a, g in zip(held, arts, where)
             }
             return
         # This actor is one worker: its stages on its first device (first devices, sharded), as in-process.
