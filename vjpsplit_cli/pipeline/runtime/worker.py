@@ -416,6 +416,8 @@ class StageWorker:
         t = time.monotonic()
         self.ring.append((Kind.B, mb, t, t, self.timed))
         if self.timed:
+            with jax.profiler.TraceAnnotation(op_name(Kind.B, self.stage_index, mb, self.replica)):
+                pass  # in a profile too, as the trace file's slice of no time
             w = self.stage_index if worker is None else worker
             self.events.append(Event(w, Kind.B, mb, t, t, self.stage_index, 0.0, self.replica))
         return self._fused.pop(mb)

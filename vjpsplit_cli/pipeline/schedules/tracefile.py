@@ -185,6 +185,7 @@ def _phase_slices(phases: Sequence[Phase], origin: float) -> list[dict[str, obje
 def _flows(events: Sequence[Event], num_stages: int, origin: float) -> list[dict[str, object]]:
     """A flow (start and finish) for each value one worker sends another, one ``id`` per pair."""
     by_op = {(e.kind in BACKWARDS, e.stage, e.mb, e.replica): e for e in events if e.kind != Kind.W}
+    forwards = {(e.stage, e.mb, e.replica): e for e in events if e.kind == Kind.F}
     out: list[dict[str, object]] = []
     flow = 0
     for e in events:
@@ -194,6 +195,8 @@ def _flows(events: Sequence[Event], num_stages: int, origin: float) -> list[dict
             continue
         flow += 1
         name = "activation" if e.kind == Kind.F else "cotangent"
+        if e.kind == Kind.B and e.own == 0.0 and e.end == e.start:  # a B its F ran (the last stage's): from that F
+            e = forwards.get((e.stage, e.mb, e.replica), e)
         out.append(
             {
                 "ph": "s",
