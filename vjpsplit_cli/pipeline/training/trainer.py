@@ -44,6 +44,7 @@ from ..stages.directory import Stages
 from ..stages.microbatches import Microbatches
 from .arguments import Optimizer
 from .clipping import clip_scale
+from .distributed_backend import DistributedBackend
 from .fit import fit as fit_steps
 from .microbatch_keys import microbatch_keys
 from .option_values import Observe, PerStage, Plans, Runner, Schedule
@@ -215,6 +216,8 @@ class Trainer(TrainerSetup, TrainerState, TrainerMeasures, TrainerEvaluation):
         every = self.trace_every is not None and (self.step_count + 1) % self.trace_every == 0
         timed = (self.timeline or every if timed is None else timed) or measuring
         t_run = time.monotonic()
+        if isinstance(self.backend, DistributedBackend):
+            self.backend.step_count = self.step_count  # the step a lost process's error names
         r, sums = self.backend.step(mbs, plan, self.microbatches, self.clip_global_norm, timed=timed, scales=scales)
         ran_for = time.monotonic() - t_run  # what auto's trial steps compare: the schedule, sends and updates
         _, norm = clip_scale(sums, None)

@@ -21,8 +21,7 @@ from ..schedules.csvformat import format_schedule
 from ..schedules.stepplans import Resolved
 from .arguments import Optimizer
 from .autoplan import AutoPlan
-from .backend import Backend
-from .checkpoint import save_checkpoint
+from .backend import Backend, write_checkpoint
 from .checkpoint_layout import HostCheckpoint
 from .history import History
 from .optax_state import StateMap, state_map
@@ -119,7 +118,7 @@ class TrainerState:
         Raises:
             VjpsplitError: ``directory`` is a file, cannot be written, or holds files no save wrote.
         """
-        save_checkpoint(directory, self.host_checkpoint())
+        write_checkpoint(self.backend, directory, self.host_checkpoint())
 
     def _load(self, directory: str | os.PathLike[str]) -> None:
         """Set every stage, and the step count, to the checkpoint in ``directory`` (saved by any cut of the same
