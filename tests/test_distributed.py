@@ -191,6 +191,15 @@ def test_the_launcher_ends_the_others_once_one_fails(tmp_path):
     assert time.monotonic() - t0 < 600  # the launcher waits for every process: it returned, so the sleeper was killed
 
 
+def test_the_launchers_device_count_comes_first_in_xla_flags():
+    """XLA reads no flag after a token that is not one, so --devices goes first (and replaces a count given)."""
+    base = {"XLA_FLAGS": "intra_op_parallelism_threads=1 --xla_force_host_platform_device_count=8"}
+    envs = launch.environments(2, devices=3, base=base)
+    for i, env in enumerate(envs):
+        assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=3 intra_op_parallelism_threads=1"
+        assert env["JAX_PROCESS_ID"] == str(i) and env["JAX_NUM_PROCESSES"] == "2"
+
+
 def test_distributed_before_jax_distributed_initialize_is_one_clear_error():
     assert not jax.distributed.is_initialized()
     with pytest.raises(VjpsplitError, match=r"call jax.distributed.initialize\(\) first, in every process"):

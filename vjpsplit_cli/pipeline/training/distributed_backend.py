@@ -14,8 +14,14 @@ squared norms, the loss, the optimizer's reductions over leaves); every process
 then has every stage's squared norm and the losses, so every process returns the
 same result.
 
+A checkpoint (``save``) is the state every process gathered, written by process 0
+to a directory the processes share; every process learns how the write went
+(``agree``). A step (or a gather) that fails or passes ``step_timeout`` asks the
+processes' heartbeats (``crosshost.Heartbeat``) whether one is lost, and names it.
+
 May import ``runtime``, ``schedules``, ``stages`` and, of this room, ``crosshost``, ``stage_trainer``,
-``clipping``, ``device_memory``, ``ownership`` and ``option_values``; the layers below ``pipeline``.
+``checkpoint``, ``checkpoint_layout``, ``clipping``, ``device_memory``, ``ownership`` and ``option_values``;
+the layers below ``pipeline``.
 """
 
 from __future__ import annotations
@@ -257,9 +263,9 @@ class DistributedBackend:
         ``step_timeout``; once it failed or timed out, the other processes' beats say whether one is lost.
 
         Raises:
-            VjpsplitError: a process is lost: one error naming it, its stages and ``what`` (and then this process
-                exits without waiting for it, ``crosshost.abandon``); ``what`` did not finish within
-                ``step_timeout`` though no process is lost (one is stuck). Any other error of ``body`` as it is.
+            VjpsplitError: a process is lost: one error naming it, its stages and ``what``; ``what`` did not finish
+                within ``step_timeout`` though no process is lost (one is stuck). After either this process exits
+                without waiting for the others (``crosshost.abandon``). Any other error of ``body`` as it is.
         """
         try:
             return self._guarded(body)
@@ -267,6 +273,7 @@ class DistributedBackend:
             lost = [] if self.heart is None else self.heart.lost()
             if not lost:
                 if isinstance(e, _TimedOut):
+                    abandon()  # the stuck process would hold JAX's shutdown at exit too
                     raise VjpsplitError(
                         f"process {self.me} (stages {self.local}): {what} did not finish within step_timeout="
                         f"{self.step_timeout} s, and every other process still beats: one is stuck{RESTORE_HINT}"
