@@ -43,6 +43,7 @@ SECTIONS = {
     "accelerator": ("The one-shot accelerator run, on this machine's default device", "benchmarks.accelerator"),
     "zbscan": ("Zero bubble inside scan: B then W vs fused", "benchmarks.zbscan"),
     "offload": ("Residuals off the device: peak residual bytes and step time", "benchmarks.offload"),
+    "multihost": ("Multi-host on jax.distributed: 2 processes vs one, on the same devices", "benchmarks.multihost"),
 }
 
 

@@ -1,15 +1,28 @@
 """One process of a jax.distributed job the tests start (``python -m vjpsplit_cli.pipeline.launch -n N``): the
 GPT of ``stage_models`` (4 stages, a tied embedding) trained on ``runner=P.Distributed()`` once per schedule
 asked, its losses and params written to ``<out>/<process id>-<schedule>.npz``; and the messages of
-``Distributed``'s refusals, to ``<out>/<process id>-refusals.json`` and ``-fit.txt``.
+``Distributed``'s refusals, to ``<out>/<process id>-refusals.json`` and ``-fit.txt``. Then the phases asked:
 
-Arguments: ``out schedules clip steps`` (``schedules`` comma-separated; ``clip`` 0: none)."""
+* ``write``: the last schedule's Trainer goes on to step ``steps + 1`` under ``fit(checkpoint_dir=<out>/ck)``, and
+  saves to ``<out>/saved`` too (the checkpoint after ``steps + 1`` steps, written by this job); then saves to
+  ``<out>/bad``, which process 0 first fills with a file of its own: what each process's save said, its
+  ``checkpoint_times``' write seconds and whether both checkpoints were there on return, to
+  ``<out>/<process id>-write.json``.
+* ``resume``: ``Trainer.restore(<out>/saved)`` and a new Trainer under ``fit(checkpoint_dir=<out>/ck)`` (which
+  begins at its checkpoint) each go on to step ``steps + 3``: their losses and params to
+  ``<out>/<process id>-restored.npz`` and ``-resumed.npz``; fit writes ``<out>/ck`` again.
+* ``kill``: the resumed Trainer steps on; process 1 exits (``os._exit(1)``) before that step, the others write the
+  error their step raised, and how long it took, to ``<out>/<process id>-lost.json``, then raise it.
+
+Arguments: ``out schedules clip steps [phases]`` (``schedules`` and ``phases`` comma-separated; ``clip`` 0: none).
+Batch ``k`` of a run is ``gpt_batch(8, seed=10 + k)``."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -43,24 +56,39 @@ def refusals() -> dict[str, str]:
     return out
 
 
+def batch(k: int) -> tuple[np.ndarray, ...]:
+    return gpt_batch(8, seed=10 + k)
+
+
+def record(path: str, tr: P.Trainer, losses: list[float]) -> None:
+    """``losses``, ``tr``'s params, placement and gradient norms to ``path`` (an npz)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tr.params())[0]
+    flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
+    placement = np.asarray([d.process_index for (d,) in tr.placement])
+    norms = np.asarray([h.grad_norm for h in tr.history])
+    np.savez(path, losses=np.asarray(losses), placement=placement, norms=norms, **flat)
+
+
 def main() -> None:
     out, schedules, clip, steps = sys.argv[1], sys.argv[2].split(","), float(sys.argv[3]), int(sys.argv[4])
+    phases = sys.argv[5].split(",") if len(sys.argv) > 5 else []
     me = jax.process_index()
     with open(os.path.join(out, f"{me}-refusals.json"), "w") as f:
         json.dump(refusals(), f)
     stages = vs.export_stages(gpt, *gpt_specs(gpt_params()), wrt="params", platforms="cpu")
+    tx = optax.adamw(1e-2)
     for schedule in schedules:
         tr = P.Trainer(
             stages,
             gpt_params(),
-            optimizer=optax.adamw(1e-2),
+            optimizer=tx,
             schedule=schedule,
             microbatches=4,
             clip_global_norm=clip or None,
             runner="distributed",
             observe=P.Observe(step_timeout=150),
         )
-        losses = [tr.step(gpt_batch(8, seed=10 + i)) for i in range(steps)]
+        losses = [tr.step(batch(i)) for i in range(steps)]
         try:
             tr.fit([gpt_batch(8)], steps + 1, max_restarts=1)
             said = "accepted"
@@ -68,12 +96,48 @@ def main() -> None:
             said = str(e)
         with open(os.path.join(out, f"{me}-fit.txt"), "w") as f:
             f.write(said)
-        leaves = jax.tree_util.tree_flatten_with_path(tr.params())[0]
-        flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
-        placement = np.asarray([d.process_index for (d,) in tr.placement])
-        norms = np.asarray([h.grad_norm for h in tr.history])
-        path = os.path.join(out, f"{me}-{schedule}.npz")
-        np.savez(path, losses=np.asarray(losses), placement=placement, norms=norms, **flat)
+        record(os.path.join(out, f"{me}-{schedule}.npz"), tr, losses)
+    ck, saved = os.path.join(out, "ck"), os.path.join(out, "saved")
+    if "write" in phases:
+        tr.fit(batch, steps + 1, checkpoint_dir=ck)
+        tr.save(saved)
+        bad = os.path.join(out, "bad")
+        if me == 0:  # a directory only process 0 finds taken: its refusal is every process's error
+            os.makedirs(bad)
+            with open(os.path.join(bad, "notes.txt"), "w") as f:
+                f.write("mine")
+        try:
+            tr.save(bad)
+            said = "written"
+        except VjpsplitError as e:
+            said = str(e)
+        with open(os.path.join(out, f"{me}-write.json"), "w") as f:
+            writes = [t.write for t in tr.checkpoint_times]
+            json.dump({"bad": said, "writes": writes, "written": os.path.isdir(ck) and os.path.isdir(saved)}, f)
+    if "resume" in phases:
+        watch = P.Observe(step_timeout=60)
+        restored = P.Trainer.restore(saved, stages, optimizer=tx, runner="distributed", observe=watch)
+        record(os.path.join(out, f"{me}-restored.npz"), restored, restored.fit(batch, steps + 3))
+        tr = P.Trainer(
+            stages,
+            gpt_params(),
+            optimizer=tx,
+            microbatches=4,
+            clip_global_norm=clip or None,
+            runner="distributed",
+            observe=watch,
+        )
+        record(os.path.join(out, f"{me}-resumed.npz"), tr, tr.fit(batch, steps + 3, checkpoint_dir=ck))
+    if "kill" in phases:
+        if me == 1:
+            os._exit(1)
+        t0 = time.monotonic()
+        try:
+            tr.step(batch(tr.step_count))
+        except VjpsplitError as e:
+            with open(os.path.join(out, f"{me}-lost.json"), "w") as f:
+                json.dump({"error": str(e), "seconds": time.monotonic() - t0}, f)
+            raise
 
 
 main()

@@ -1,5 +1,8 @@
 """runner=P.Distributed(): N local CPU processes of one jax.distributed job (gloo), each running the same script
-(tests/distributed_job.py, started by ``python -m vjpsplit_cli.pipeline.launch``), train as one process does."""
+(tests/distributed_job.py, started by ``python -m vjpsplit_cli.pipeline.launch``), train as one process does.
+
+Two jobs, to keep CI short: 4 processes train and write a checkpoint (``four``); 2 processes train, restore
+that checkpoint and go on, then lose a process."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -15,10 +19,12 @@ import optax
 import pytest
 from jax._src import xla_bridge
 from models import optax_reference
-from stage_models import gpt, gpt_batch, gpt_params
+from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
 
+import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
 from vjpsplit_cli.errors import VjpsplitError
+from vjpsplit_cli.pipeline import launch
 
 JOB = Path(__file__).with_name("distributed_job.py")
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,28 +34,31 @@ STEPS, CLIP = 3, 0.5
 MOVES = hasattr(xla_bridge, "CROSS_HOST_TRANSFER_SOCKET_ADDRESS")
 
 
-def _launch(out: Path, processes: int, devices: int, schedules: str, clip: float) -> bool:
+def _launch(
+    out: Path, processes: int, devices: int, schedules: str, clip: float, phases: str = "", fails: bool = False
+) -> bool:
     """The job on ``processes`` local processes of ``devices`` CPU devices each, a bounded wait; whether it ran
-    (where this jax cannot move arrays between processes: that it stopped at the refusal)."""
+    (where this jax cannot move arrays between processes: that it stopped at the refusal). ``fails``: the job
+    loses a process on purpose (the launcher's exit code is then that process's, 1)."""
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     cmd = [sys.executable, "-m", "vjpsplit_cli.pipeline.launch", "-n", str(processes), "--devices", str(devices)]
-    cmd += [str(JOB), str(out), schedules, str(clip), str(STEPS)]
+    cmd += ["--grace", "60", str(JOB), str(out), schedules, str(clip), str(STEPS), phases]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     if not MOVES:
         assert done.returncode != 0 and "cannot move an array between processes" in done.stderr, done.stderr[-4000:]
         return False
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == (1 if fails else 0), done.stderr[-4000:]
     return True
 
 
-def _reference(clip: float) -> tuple[list[float], dict[str, np.ndarray]]:
+def _reference(clip: float, steps: int = STEPS) -> tuple[list[float], dict[str, np.ndarray]]:
     tx = optax.adamw(1e-2)
     tx = optax.chain(optax.clip_by_global_norm(clip), tx) if clip else tx
-    losses, params = optax_reference(gpt, gpt_params(), tx, [gpt_batch(8, seed=10 + i) for i in range(STEPS)])
+    losses, params = optax_reference(gpt, gpt_params(), tx, [gpt_batch(8, seed=10 + i) for i in range(steps)])
     return losses, {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
@@ -69,11 +78,28 @@ def _check_equal_one_process(out: Path, processes: int, schedules: list[str], cl
     return got
 
 
-def test_two_processes_with_two_devices_each_train_as_one_process(tmp_path):
+@pytest.fixture(scope="module")
+def four(tmp_path_factory) -> Path | None:
+    """The 4-process job (one device each, GPipe): STEPS steps, then one more under fit(checkpoint_dir=<out>/ck),
+    and save(<out>/saved): both checkpoints after STEPS + 1 steps, written by 4 processes. None where this jax
+    cannot run it."""
+    out = tmp_path_factory.mktemp("four")
+    return out if _launch(out, 4, 1, "gpipe", CLIP, "write") else None
+
+
+def test_two_processes_with_two_devices_each_train_as_one_process(four, tmp_path):
     """PP 4 over 2 processes (stages 0-1 in the first, 2-3 in the second): 1F1B and ZB-H1, the tied embedding
-    summed across processes, the global norm clipped; every process gets the same losses and params()."""
-    if not _launch(tmp_path, 2, 2, "1f1b,zbh1", CLIP):
+    summed across processes, the global norm clipped; every process gets the same losses and params(). Then the
+    checkpoint 4 processes wrote, restored on 2 (Trainer.restore, and fit's checkpoint_dir), goes on equal to an
+    uninterrupted run; and once process 1 is gone, process 0 ends with one error naming it (the ``lost`` test)."""
+    if four is None:
+        assert not _launch(tmp_path, 2, 2, "1f1b,zbh1", CLIP)
         return
+    for name in ("ck", "saved"):
+        (tmp_path / name).mkdir()
+        for f in (four / name).iterdir():
+            (tmp_path / name / f.name).write_bytes(f.read_bytes())
+    assert _launch(tmp_path, 2, 2, "1f1b,zbh1", CLIP, "resume,kill", fails=True)
     runs = _check_equal_one_process(tmp_path, 2, ["1f1b", "zbh1"], CLIP)
     for run in runs:
         assert run["placement"].tolist() == [0, 0, 1, 1]
@@ -83,14 +109,95 @@ def test_two_processes_with_two_devices_each_train_as_one_process(tmp_path):
     assert "give one list of one device of jax.devices() per stage" in refused["a string"]
     said = (tmp_path / "1-fit.txt").read_text()
     assert said.startswith("fit(max_restarts=1): a jax.distributed job cannot replace a lost process"), said
+    _check_continued(tmp_path)
+    _check_lost(tmp_path)
 
 
-def test_four_processes_one_stage_each_train_as_one_process(tmp_path):
-    """PP 4 on 4 processes, one device each: every activation and cotangent crosses processes."""
-    if not _launch(tmp_path, 4, 1, "gpipe", CLIP):
+def _check_continued(out: Path) -> None:
+    """The checkpoint 4 processes wrote after STEPS + 1 steps, restored on 2 (Trainer.restore; fit resuming from
+    its checkpoint_dir, which then writes it again after STEPS + 3) goes on as an uninterrupted run does."""
+    ref_losses, ref_params = _reference(CLIP, STEPS + 3)
+    for p in range(2):
+        for name in ("restored", "resumed"):
+            run = np.load(out / f"{p}-{name}.npz")
+            np.testing.assert_allclose(run["losses"], ref_losses[STEPS + 1 :], rtol=1e-6, err_msg=name)
+            for k, v in ref_params.items():
+                np.testing.assert_allclose(run[k], v, rtol=1e-5, atol=1e-6, err_msg=f"{name} {k}")
+    params, _, step = P.load_checkpoint(out / "ck", optimizer=optax.adamw(1e-2))  # written by 2 processes
+    assert step == STEPS + 3
+    got = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    for k, v in ref_params.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def _check_lost(out: Path) -> None:
+    """Process 1 exited before step STEPS + 3: process 0's step ended with one error naming it, its stages and
+    the step, well within its step_timeout (60 s) + 10 s; the launcher then exited with process 1's code."""
+    lost = json.loads((out / "0-lost.json").read_text())
+    assert lost["error"].startswith(f"process 1 (stages [2, 3]) was lost at step {STEPS + 3} (its heartbeat stopped)")
+    assert "restart the job" in lost["error"]
+    assert lost["seconds"] < 60 + 10
+
+
+@pytest.mark.filterwarnings("ignore:4 workers need 4 devices")  # one CPU device here: the stages take turns
+def test_a_checkpoint_four_processes_wrote_goes_on_in_one_process(four):
+    """The checkpoint 4 processes wrote (save) restores in-process and goes on equal to an uninterrupted run."""
+    if four is None:
         return
-    (run,) = _check_equal_one_process(tmp_path, 4, ["gpipe"], CLIP)
+    ref_losses, ref_params = _reference(CLIP, STEPS + 3)
+    stages = vs.export_stages(gpt, *gpt_specs(gpt_params()), wrt="params", platforms="cpu")
+    tr = P.Trainer.restore(four / "saved", stages, optimizer=optax.adamw(1e-2))
+    assert tr.step_count == STEPS + 1 and tr.clip_global_norm == CLIP
+    np.testing.assert_allclose(
+        tr.fit(lambda k: gpt_batch(8, seed=10 + k), STEPS + 3), ref_losses[STEPS + 1 :], rtol=1e-6
+    )
+    got = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(tr.params())[0]}
+    for k, v in ref_params.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    params, _, step = P.load_checkpoint(four / "ck", optimizer=optax.adamw(1e-2))  # fit's, the same state
+    assert step == STEPS + 1
+
+
+def test_four_processes_one_stage_each_train_as_one_process(four):
+    """PP 4 on 4 processes, one device each: every activation and cotangent crosses processes."""
+    if four is None:
+        return
+    (run,) = _check_equal_one_process(four, 4, ["gpipe"], CLIP)
     assert run["placement"].tolist() == [0, 1, 2, 3]
+
+
+def test_process_zero_writes_the_checkpoint_and_every_process_hears_how_it_went(four):
+    """Process 0 writes (the others' write takes no time), every process returns once it is written, and a
+    directory process 0 finds taken is every process's error, naming process 0 and the file."""
+    if four is None:
+        return
+    for p in range(4):
+        said = json.loads((four / f"{p}-write.json").read_text())
+        assert said["written"]
+        assert (said["writes"][0] > 0) == (p == 0), said["writes"]
+        assert said["bad"].startswith("the checkpoint was not written (process 0: "), said["bad"]
+        assert "exists and is not a vjpsplit checkpoint (it holds 'notes.txt')" in said["bad"]
+
+
+def test_the_launcher_ends_the_others_once_one_fails(tmp_path):
+    """One process exits 3 while the other would sleep for 10 minutes: the launcher kills it --grace seconds later
+    and exits 3."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, sys, time\nif os.environ['JAX_PROCESS_ID'] == '1':\n    sys.exit(3)\ntime.sleep(600)\n"
+    )
+    t0 = time.monotonic()
+    assert launch.main(["-n", "2", "--grace", "1", str(script)]) == 3
+    assert time.monotonic() - t0 < 600  # the launcher waits for every process: it returned, so the sleeper was killed
+
+
+def test_the_launchers_device_count_comes_first_in_xla_flags():
+    """XLA reads no flag after a token that is not one, so --devices goes first (and replaces a count given)."""
+    base = {"XLA_FLAGS": "intra_op_parallelism_threads=1 --xla_force_host_platform_device_count=8"}
+    envs = launch.environments(2, devices=3, base=base)
+    for i, env in enumerate(envs):
+        assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=3 intra_op_parallelism_threads=1"
+        assert env["JAX_PROCESS_ID"] == str(i) and env["JAX_NUM_PROCESSES"] == "2"
 
 
 def test_distributed_before_jax_distributed_initialize_is_one_clear_error():

@@ -82,7 +82,8 @@ def environments(n: int, devices: int | None = None, base: dict[str, str] | None
         env[TRANSFER] = f"127.0.0.1:{ports[i + 1]}"
         if devices is not None:
             kept = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
-            env["XLA_FLAGS"] = " ".join([*kept, f"{DEVICE_COUNT_FLAG}={devices}"])
+            # First: XLA reads no flag after a token that is not one (``intra_op_parallelism_threads=1``).
+            env["XLA_FLAGS"] = " ".join([f"{DEVICE_COUNT_FLAG}={devices}", *kept])
         out.append(env)
     return out
 

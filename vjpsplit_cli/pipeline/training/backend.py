@@ -7,6 +7,7 @@ returns the step's result with every stage's squared gradient norm.
 
 from __future__ import annotations
 
+import os
 from typing import Mapping, Protocol, Sequence
 
 import jax
@@ -22,6 +23,8 @@ from ..runtime.result import PipelineResult
 from ..schedules.layout import Layout
 from ..schedules.stepplans import Resolved
 from ..stages.evalprograms import EvalProgram
+from .checkpoint import save_checkpoint
+from .checkpoint_layout import HostCheckpoint
 from .device_memory import DeviceMemory
 from .local_backend import InProcessBackend, stage_trainers
 from .optimizer import stage_programs
@@ -187,6 +190,20 @@ def open_backend(
         offload=offload,
         **_ray_options(runner, step_timeout, layout),
     )
+
+
+def write_checkpoint(backend: Backend, directory: str | os.PathLike[str], ck: HostCheckpoint) -> None:
+    """``ck`` written to ``directory`` as ``backend``'s Trainer saves: from this process in-process and on Ray; on
+    a ``jax.distributed`` job by its process 0, every process returning once it is written
+    (``DistributedBackend.save``).
+
+    Raises:
+        VjpsplitError: the checkpoint was not written (naming the directory and why).
+    """
+    if isinstance(backend, DistributedBackend):
+        backend.save(directory, ck)
+    else:
+        save_checkpoint(directory, ck)
 
 
 def _distributed(

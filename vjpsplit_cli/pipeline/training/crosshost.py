@@ -12,22 +12,35 @@ squared norms, losses, a stage's state) on every process, each part's ``wire``
 bytes (data only, never pickle) moved the same way to every other process. ``check_distributed`` says, when the runner is made,
 what this process lacks for either.
 
+A lost process is told from a stuck one by ``Heartbeat``: every process sets its own key
+of the job's key-value store (``jax.distributed``'s coordination service, in process 0)
+to a counter every ``BEAT`` seconds, from a thread of its own; after a failed transfer or
+a timed-out step, the processes whose counter stopped are the lost ones (all of them
+where the store itself is gone: process 0 with it). Once one is lost, ``abandon`` lets
+this process exit: ``jax.distributed``'s shutdown at exit would wait for every process
+of the job (its heartbeat timeout, 100 s by default), then abort.
+
 May import ``runtime.ray.wire`` and the layers below ``pipeline``.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Mapping, Sequence
 
 import jax
 import numpy as np
 
-from ...errors import VjpsplitError
+from ...errors import VjpsplitError, one_line
 from ...treetypes import PyTree
 from ..runtime.ray import wire
 
 SOCKET_FLAG = "jax_cross_host_transfer_socket_address"
 PART = "part"  # the kind every gathered item is keyed by (``wire`` items are keyed by (kind, mb, stage))
+BEATS = "vjpsplit/beat/"  # the key-value store's directory of the processes' beats: BEATS + process index
+BEAT = 0.5  # seconds between two beats of a process
+STOPPED = 6 * BEAT  # a beat that did not change over this long is a lost process's
 
 
 def check_distributed() -> None:
@@ -175,3 +188,78 @@ def _decoded(data: bytes) -> tuple[int, list[wire.Item]]:
         target[:] = read_exactly(len(target))
 
     return wire.decode(read_exactly, read_into)
+
+
+class Heartbeat:
+    """This process's beat in the job's key-value store, and which processes' beats stopped (the module docstring).
+
+    Args:
+        client: ``jax.distributed``'s client of the coordination service (``global_state.client``).
+    """
+
+    def __init__(self, client: object):
+        self.client = client  # held here, and by the thread, for as long as the process lives (``abandon``)
+        self.me, self.n = jax.process_index(), jax.process_count()
+        self.error: str | None = None  # why the beats stopped (the store is unreachable), if they did
+        self.thread = threading.Thread(target=self._beat, name="vjpsplit-heartbeat", daemon=True)
+        self.thread.start()
+
+    def _beat(self) -> None:
+        count = 0
+        while True:
+            try:
+                self.client.key_value_set(f"{BEATS}{self.me}", str(count), allow_overwrite=True)  # type: ignore[attr-defined]
+            except Exception as e:  # noqa: BLE001 - the store is gone (process 0 with it): said by ``lost``
+                self.error = one_line(e)
+                return
+            count += 1
+            time.sleep(BEAT)
+
+    def _beats(self) -> dict[int, str] | None:
+        """Every process's last beat, by process; None where the store cannot be read."""
+        try:
+            got = self.client.key_value_dir_get(BEATS)  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - the store is gone: the caller says so
+            return None
+        return {int(k.rsplit("/", 1)[-1]): v for k, v in got}
+
+    def lost(self) -> list[int]:
+        """The other processes whose beat did not change over ``STOPPED`` seconds (waited here), by index; every
+        other process where the store cannot be read (it lives in process 0: with it, the job's every link is gone).
+        """
+        first = self._beats()
+        time.sleep(STOPPED)
+        then = self._beats()
+        if first is None or then is None:
+            return [0] if self.me != 0 else [p for p in range(1, self.n)]
+        return [p for p in range(self.n) if p != self.me and (p not in then or first.get(p) == then[p])]
+
+
+_HEARTBEAT: list[Heartbeat] = []  # this process's one Heartbeat, once a Distributed backend started it
+
+
+def heartbeat() -> Heartbeat | None:
+    """This process's ``Heartbeat``, started at the first call; None in a job of one process."""
+    if jax.process_count() == 1:
+        return None
+    if not _HEARTBEAT:
+        from jax._src import distributed
+
+        _HEARTBEAT.append(Heartbeat(distributed.global_state.client))
+    return _HEARTBEAT[0]
+
+
+def abandon() -> None:
+    """Let this process exit without ``jax.distributed``'s shutdown, which waits for every process of the job: once
+    one is lost, that wait ends only at the coordination service's heartbeat timeout, in an abort. The client and
+    the service stay referenced (by the ``Heartbeat``), never shut down; ``jax.distributed.is_initialized()`` is
+    False from now on."""
+    from jax._src import distributed
+
+    st = distributed.global_state
+    kept = [st.preemption_sync_manager, st.client, st.service]
+    _ABANDONED.extend(k for k in kept if k is not None)
+    st.preemption_sync_manager = st.client = st.service = None
+
+
+_ABANDONED: list[object] = []

@@ -14,12 +14,19 @@ squared norms, the loss, the optimizer's reductions over leaves); every process
 then has every stage's squared norm and the losses, so every process returns the
 same result.
 
+A checkpoint (``save``) is the state every process gathered, written by process 0
+to a directory the processes share; every process learns how the write went
+(``agree``). A step (or a gather) that fails or passes ``step_timeout`` asks the
+processes' heartbeats (``crosshost.Heartbeat``) whether one is lost, and names it.
+
 May import ``runtime``, ``schedules``, ``stages`` and, of this layer, ``crosshost``, ``stage_trainer``,
-``clipping``, ``device_memory``, ``ownership`` and ``option_values``; the layers below ``pipeline``.
+``checkpoint``, ``checkpoint_layout``, ``clipping``, ``device_memory``, ``ownership`` and ``option_values``;
+the layers below ``pipeline``.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Callable, Mapping, Sequence, TypeVar
@@ -39,8 +46,10 @@ from ..runtime.worker import StageWorker
 from ..schedules.ops import Kind, Op
 from ..schedules.stepplans import Resolved
 from ..stages.evalprograms import EvalProgram
+from .checkpoint import save_checkpoint
+from .checkpoint_layout import HostCheckpoint
 from .clipping import Squares, clip_scale
-from .crosshost import gather, move, specs
+from .crosshost import abandon, gather, heartbeat, move, specs
 from .device_memory import DeviceMemory, memory_records
 from .ownership import Ownership, Snapshot
 from .stage_trainer import RESTORE_HINT, StageTrainer, finish_stages
@@ -103,6 +112,7 @@ class DistributedBackend:
         self.hang_report: str | None = None
         self.broken: str | None = None
         self.me = jax.process_index()
+        self.step_count = 0  # the run's step the next step is (the Trainer sets it): what a lost process's error names
         S = len(self.devices)
         self.local = [s for s in range(S) if self.devices[s].process_index == self.me]
         if not self.local:
@@ -121,6 +131,7 @@ class DistributedBackend:
         self.param_specs = [specs(p) for p in own.stage_params]
         self.shapes: dict[tuple[object, ...], PyTree] = {}  # (stage, input signature) -> its forward's output specs
         self.orders: tuple[list[list[Op]], Order] | None = None
+        self.heart = heartbeat()  # started with the first backend of this process
 
     @property
     def placement(self) -> list[tuple[jax.Device | str, ...]]:
@@ -198,7 +209,9 @@ class DistributedBackend:
             raise VjpsplitError(self.broken)
         S = len(self.devices)
         t0 = time.monotonic()
-        sums, losses = self._guarded(lambda: self._run(mbs, schedule.plans, microbatches, clip, scales))
+        sums, losses = self._watched(
+            f"step {self.step_count}", lambda: self._run(mbs, schedule.plans, microbatches, clip, scales)
+        )
         result = step_result(
             schedule=schedule.name,
             plans=schedule.plans,
@@ -245,9 +258,42 @@ class DistributedBackend:
         every = gather({s: np.asarray(v, np.float64) for s, v in own.items()})
         return {s: float(v) for s, v in every.items()}, losses()
 
+    def _watched(self, what: str, body: Callable[[], T]) -> T:
+        """``body()``, something every process does at the same point (``what``: a step, a gather), under
+        ``step_timeout``; once it failed or timed out, the other processes' beats say whether one is lost.
+
+        Raises:
+            VjpsplitError: a process is lost: one error naming it, its stages and ``what``; ``what`` did not finish
+                within ``step_timeout`` though no process is lost (one is stuck). After either this process exits
+                without waiting for the others (``crosshost.abandon``). Any other error of ``body`` as it is.
+        """
+        try:
+            return self._guarded(body)
+        except Exception as e:
+            lost = [] if self.heart is None else self.heart.lost()
+            if not lost:
+                if isinstance(e, _TimedOut):
+                    abandon()  # the stuck process would hold JAX's shutdown at exit too
+                    raise VjpsplitError(
+                        f"process {self.me} (stages {self.local}): {what} did not finish within step_timeout="
+                        f"{self.step_timeout} s, and every other process still beats: one is stuck{RESTORE_HINT}"
+                    ) from e
+                raise
+            said = "; ".join(f"process {p} (stages {self.stages_of(p)})" for p in lost)
+            self.broken = f"{said} of this jax.distributed job was lost at {what}; restart the job"
+            abandon()
+            raise VjpsplitError(
+                f"{said} was lost at {what} (its heartbeat stopped); process {self.me} ends: restart the job (its "
+                "launcher), and restore the last checkpoint"
+            ) from e
+
+    def stages_of(self, process: int) -> list[int]:
+        """The stages on ``process``'s devices."""
+        return [s for s, d in enumerate(self.devices) if d.process_index == process]
+
     def _guarded(self, body: Callable[[], T]) -> T:
-        """``body()`` in a thread of its own, waited for ``step_timeout`` seconds: past it, one error naming this
-        process, and no step runs on this backend again."""
+        """``body()`` in a thread of its own, waited for ``step_timeout`` seconds: past it, ``_TimedOut``, and no
+        step runs on this backend again."""
         box: dict[str, object] = {}
 
         def run() -> None:
@@ -261,10 +307,7 @@ class DistributedBackend:
         thread.join(self.step_timeout)
         if thread.is_alive():
             self.broken = f"an earlier step of process {self.me} timed out{RESTORE_HINT}"
-            raise VjpsplitError(
-                f"process {self.me} (stages {self.local}): the step did not finish within step_timeout="
-                f"{self.step_timeout} s: another process is gone or stuck{RESTORE_HINT}"
-            )
+            raise _TimedOut(f"process {self.me}: not done within step_timeout={self.step_timeout} s")
         if "error" in box:
             raise box["error"]  # type: ignore[misc]  # a BaseException, stored above
         return box["out"]  # type: ignore[return-value]  # what body returned
@@ -286,8 +329,51 @@ class DistributedBackend:
 
     def snapshots(self) -> list[Snapshot]:
         """Every stage's ``(params, optimizer state)`` as host arrays, in every process (each sends its own)."""
-        got = gather({s: list(t.snapshot()) for s, t in self.trainers.items()})
+        mine = {s: list(t.snapshot()) for s, t in self.trainers.items()}
+        got = self._watched(f"the gather of the state after step {self.step_count}", lambda: gather(mine))
         return [(dict(got[s][0]), dict(got[s][1])) for s in range(len(self.devices))]
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this process writes the job's checkpoints (process 0 does; every process holds the same
+        gathered state, so one writes it for all, to a directory they share)."""
+        return self.me == 0
+
+    def agree(self, error: str | None) -> str | None:
+        """Every process's ``error`` (None: none) of something all of them did at the same point, on every
+        process: the first one, naming its process; None when none failed. Every process calls it alike.
+
+        Args:
+            error: what failed here, or None.
+
+        Returns:
+            ``"process <p>: <its error>"`` of the first process (by index) that failed, the same in every process;
+            None if none did.
+        """
+        mine = {self.me: np.frombuffer((error or "").encode(), np.uint8)}
+        said = self._watched(f"the checkpoint after step {self.step_count}", lambda: gather(mine))
+        for p in sorted(said):
+            text = np.asarray(said[p]).tobytes().decode()
+            if text:
+                return f"process {p}: {text}"
+        return None
+
+    def save(self, directory: str | os.PathLike[str], ck: HostCheckpoint) -> None:
+        """``ck`` (the job's whole state, which every process holds) written to ``directory`` by process 0, every
+        process returning once it is written (``agree``): a directory the processes share holds it for all.
+
+        Raises:
+            VjpsplitError: the write failed (in every process, naming process 0 and its error).
+        """
+        error: VjpsplitError | None = None
+        if self.writes_checkpoints:
+            try:
+                save_checkpoint(directory, ck)
+            except VjpsplitError as e:
+                error = e
+        said = self.agree(None if error is None else str(error))
+        if said is not None:
+            raise VjpsplitError(f"the checkpoint was not written ({said})") from error
 
     def memory(self) -> list[DeviceMemory]:
         """Per device of this process that holds a stage, its bytes (``device_memory``)."""
@@ -317,6 +403,10 @@ class DistributedBackend:
         """End this process's stages' offload."""
         for t in self.trainers.values():
             t.worker.set_offload(None)
+
+
+class _TimedOut(VjpsplitError):
+    """Something every process does together did not finish here within ``step_timeout``."""
 
 
 def _exchange(part: Mapping[int, T]) -> Mapping[int, T]:

@@ -11,7 +11,9 @@ lost Ray worker.
   copy of the state to host memory (``Trainer.host_checkpoint``); a thread
   writes the files while the next steps run (``CheckpointWriter``: one write at a
   time; an error comes back at the next step, or when ``fit`` ends; the last
-  checkpoint is complete when ``fit`` returns).
+  checkpoint is complete when ``fit`` returns). On a ``jax.distributed`` job every process copies the
+  state and process 0 writes it; a failed write is every process's error at the next checkpoint or
+  at the end (``CheckpointWriter``).
 * On Ray, a worker whose actor dies (``WorkerLost``: Ray reports it, so nothing
   waits for ``step_timeout``) is replaced with the same actor options, every
   worker returns to the last checkpoint, and the steps since run again from
@@ -119,9 +121,15 @@ class CheckpointWriter:
     ``times`` (a list it appends to) keeps, per checkpoint, the step it follows,
     how long the step waited (the host copy, and any write still running) and how
     long the files took to write.
+
+    On a ``jax.distributed`` job (``job``), every process copies the state (gathered) and process 0 writes it; the
+    others write nothing (their ``write`` time is 0). A failed write is every process's error at the same point,
+    the next ``submit`` or the end of ``fit`` (``wait``), where the processes agree on it (``DistributedBackend.agree``).
     """
 
-    def __init__(self, directory: str | os.PathLike[str], times: list[CheckpointTime]):
+    def __init__(
+        self, directory: str | os.PathLike[str], times: list[CheckpointTime], job: DistributedBackend | None = None
+    ):
         self.directory = directory
         self.thread: threading.Thread | None = None
         self.done = threading.Event()
@@ -129,6 +137,8 @@ class CheckpointWriter:
         self.error: tuple[int, BaseException] | None = None
         self.times = times
         self.last_step: int | None = None  # the step of the last checkpoint submitted
+        self.job = job
+        self.failed: tuple[int, BaseException] | None = None  # on a job: this process's failed write, not yet agreed
 
     def submit(self, host_copy: Callable[[], HostCheckpoint]) -> None:
         """Wait for the write before (raising its error), copy the state to host memory, write it in a thread."""
@@ -140,6 +150,9 @@ class CheckpointWriter:
         at = len(self.times)
         self.times.append(row)
 
+        if self.job is not None and not self.job.writes_checkpoints:
+            self.times[at] = dataclasses.replace(row, write=0.0)
+            return
         done = self.done = threading.Event()
 
         def write() -> None:
@@ -147,7 +160,10 @@ class CheckpointWriter:
             try:
                 save_checkpoint(self.directory, ck)
             except BaseException as e:  # noqa: BLE001 - handed to the thread that runs the steps
-                self.error = (ck.step, e)
+                if self.job is None:
+                    self.error = (ck.step, e)
+                else:
+                    self.failed = (ck.step, e)
             finally:
                 self.times[at] = dataclasses.replace(row, write=time.monotonic() - t1)
                 done.set()
@@ -171,8 +187,19 @@ class CheckpointWriter:
         """
         self.done.wait()
         self.thread = None
+        if self.job is not None:
+            self._agree()
         if check:
             self.check()
+
+    def _agree(self) -> None:
+        """On a job: every process learns whether the last write failed (in process 0), at the same point."""
+        assert self.job is not None
+        failed, self.failed = self.failed, None
+        said = self.job.agree(None if failed is None else one_line(failed[1]))
+        if said is not None:
+            step = self.last_step if failed is None else failed[0]
+            self.error = (-1 if step is None else step, VjpsplitError(said))
 
     def finish(self) -> None:
         """While an error leaves ``fit``: until the write in flight is done, through further Ctrl-Cs (a write
@@ -312,7 +339,8 @@ def fit(
     eval_batch = evaluations(eval_data, eval_every)
     batch = _batch_source(data, steps)
     report = _reported(callback)
-    writer = None if checkpoint_dir is None else CheckpointWriter(checkpoint_dir, trainer.checkpoint_times)
+    job = trainer.backend if isinstance(trainer.backend, DistributedBackend) else None
+    writer = None if checkpoint_dir is None else CheckpointWriter(checkpoint_dir, trainer.checkpoint_times, job)
     resumed = None if checkpoint_dir is None or writer is None else _resume(trainer, checkpoint_dir, steps, writer)
     _warn_if_done(trainer.step_count, steps, resumed)
     start, failures = trainer.step_count, 0

@@ -56,11 +56,11 @@ from ..stages.evalprograms import EvalProgram, missing
 from ..stages.microbatches import Microbatches
 from .arguments import Optimizer, checked_clip, checked_microbatches
 from .autoplan import AutoPlan, boundary_values
-from .backend import Backend, open_backend
-from .checkpoint import save_checkpoint
+from .backend import Backend, open_backend, write_checkpoint
 from .checkpoint_layout import HostCheckpoint
 from .clipping import clip_scale
 from .device_memory import DeviceMemory
+from .distributed_backend import DistributedBackend
 from .fit import fit as fit_steps
 from .history import IN_A_ROW, SLOWER, CheckpointTime, History, RestartRecord, StepRecord, Stragglers, cost_signature
 from .measured import SEND_PROBES, CostSamples, MeasuredCosts, measure_transfer_rates
@@ -330,6 +330,8 @@ class Trainer:
         every = self.trace_every is not None and (self.step_count + 1) % self.trace_every == 0
         timed = (self.timeline or every if timed is None else timed) or measuring
         t_run = time.monotonic()
+        if isinstance(self.backend, DistributedBackend):
+            self.backend.step_count = self.step_count  # the step a lost process's error names
         r, sums = self.backend.step(mbs, plan, self.microbatches, self.clip_global_norm, timed=timed, scales=scales)
         ran_for = time.monotonic() - t_run  # what auto's trial steps compare: the schedule, sends and updates
         _, norm = clip_scale(sums, None)
@@ -682,7 +684,7 @@ class Trainer:
         Raises:
             VjpsplitError: ``directory`` is a file, cannot be written, or holds files no save wrote.
         """
-        save_checkpoint(directory, self.host_checkpoint())
+        write_checkpoint(self.backend, directory, self.host_checkpoint())
 
     def _load(self, directory: str | os.PathLike[str]) -> None:
         """Set every stage, and the step count, to the checkpoint in ``directory`` (saved by any cut of the same
