@@ -22,7 +22,7 @@ attribute it keeps, from its options), ``step``, ``evaluate``, ``fit`` and ``res
 checkpoint: ``resume.restored_run``), its state (``params``, ``state``, ``save``), what it measured (``history``,
 ``costs``, ``memory``, stragglers, ``placement``) and ``close``.
 
-May import, of this room, ``fit``, ``resume``, ``options``, ``option_values``, ``clipping``, ``microbatch_keys``,
+May import, of this layer, ``fit``, ``resume``, ``options``, ``option_values``, ``clipping``, ``microbatch_keys``,
 ``step_aux``, ``arguments``, ``backend``, ``ownership``, ``autoplan``, ``optax_state``, ``optimizer``, ``checkpoint``,
 ``checkpoint_layout``, ``history``, ``measured`` and ``device_memory``; ``runtime``, ``schedules``, ``stages``; the
 layers below ``pipeline``.
