@@ -485,7 +485,7 @@ class Artifact:
     def _backward(
         self, module: str, bound: Mapping[str, Sequence], dims: Mapping[str, int], refused: str
     ) -> dict[str, Sequence]:
-        """Run a backward module on checked arguments by slot: placed, with the carrier; results by slot."""
+        """Run a backward module on checked arguments by slot: placed, with the shape argument; results by slot."""
         io = self._runner.signatures[module]
         return io.results(self._runner.run(module, self._placement.call_arguments(io, bound, dims), refused, dims))
 

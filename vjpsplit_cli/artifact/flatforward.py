@@ -61,7 +61,7 @@ class FlatForward:
         replay, stored_impls = TracedVjp.of_plan(self.plan), self.stored_impls
 
         def bwd_flat(stored: Sequence[Any], inputs_: Sequence[Any], cts: Sequence[Any], carrier_: Any) -> Any:
-            # carrier_ is a zero-size array whose dims are the symbolic dims: it makes
+            # carrier_, the shape argument, is a zero-size array whose dims are the symbolic dims: it makes
             # them solvable even when no other backward input mentions them.
             del carrier_
             stored = [from_data(x, i) for x, i in zip(stored, stored_impls)]

@@ -28,30 +28,22 @@ def load(
 ) -> Artifact:
     """Read an artifact file, checking its magic, format version, fingerprint, signature and modules.
 
-    ``trust``: trusted Ed25519 public keys (paths to ``KEY.pub`` or raw bytes; also
-    ``VJPSPLIT_TRUST_KEYS``): an unsigned artifact or another signer is then refused
-    before any module is read. ``allow_kernels``: the user trusts the file's kernel
-    custom calls (LAPACK & co.) without a signature. ``cache_dir``: a private
-    directory where module check verdicts are kept between processes (default:
-    vjpsplit's cache directory, ``VJPSPLIT_CACHE_DIR``; None: none).
-
     Args:
         path: The artifact file.
-        trust: Trusted Ed25519 public keys (paths to ``KEY.pub`` files or raw bytes);
-            ``None`` reads ``VJPSPLIT_TRUST_KEYS``, and with none there, signatures are
-            not required.
-        allow_kernels: Whether to accept the file's kernel custom calls without a signature.
-        cache_dir: A private directory for module check verdicts; by default
-            vjpsplit's cache directory; ``None`` keeps none.
+        trust: Trusted Ed25519 public keys (paths to ``KEY.pub`` files or raw bytes): an unsigned artifact or another
+            signer is then refused before any module is read; ``None`` reads ``VJPSPLIT_TRUST_KEYS``, and with none
+            there, signatures are not required.
+        allow_kernels: Whether to accept the file's kernel custom calls (LAPACK & co.) without a signature.
+        cache_dir: A private directory where module check verdicts are kept between processes; by default vjpsplit's
+            cache directory (``VJPSPLIT_CACHE_DIR``); ``None`` keeps none.
 
     Returns:
         The loaded ``Artifact``.
 
     Raises:
-        VjpsplitError: If the file cannot be read, is not an artifact (header), is
-            corrupt or truncated, has a newer or malformed format or manifest, fails its
-            fingerprint, signature or trust keys, or holds a module that does not parse
-            or calls what it may not.
+        VjpsplitError: If the file cannot be read, is not an artifact, is corrupt or truncated, has a newer or
+            malformed format or manifest, fails its fingerprint, signature or trust keys, or holds a module that does
+            not parse or calls what it may not.
     """
     return loads(
         read_bytes(path, "artifact"), source=str(path), trust=trust, allow_kernels=allow_kernels, cache_dir=cache_dir

@@ -132,45 +132,24 @@ def export(
 ) -> "Artifact":
     """Export ``fn``'s forward (emitting residuals) and backward (consuming them).
 
-    ``specs`` are one pytree of ``jax.ShapeDtypeStruct`` (or arrays) per positional
-    argument; symbolic dims (``jax.export.symbolic_shape``, one scope) make the
-    artifact shape-polymorphic, and ``NamedSharding``s on them make it sharded
-    (``docs/howto/sharding.md``). ``platforms`` lists the targets lowered into the one
-    artifact (default cpu, cuda, tpu; no accelerator is needed to lower for them).
-    ``memory_budget`` (bytes or ``"64MiB"``; symbolic dims sized by ``at``) picks
-    the policy that recomputes least among those whose stored residuals fit;
-    ``policy="auto"`` the one whose forward + backward measures fastest here at
-    these sizes (within the budget, if given); ``art.policy_choice`` says why.
-    ``weights`` (argument names) adds the zero-bubble split of the backward:
-    ``bwd_input`` (gradients of the other arguments, on the critical path) and
-    ``bwd_weight`` (the weight gradients, schedulable later).
-
     Args:
         fn: The function to export, as ``split`` takes it.
-        *specs: One pytree of ``jax.ShapeDtypeStruct`` (or arrays) per positional argument.
+        *specs: One pytree of ``jax.ShapeDtypeStruct`` (or arrays) per positional argument (symbolic, sharded).
         wrt: The argument positions or names to differentiate; ``None`` means all.
         has_aux: Whether ``fn`` returns ``(out, aux)``.
-        platforms: The platforms to lower for (a list, or one comma-separated string);
-            by default ``DEFAULT_PLATFORMS``.
-        policy: The rematerialization policy (a name in ``POLICIES``, or ``"auto"``);
-            ``None`` keeps every residual unless a budget picks.
+        platforms: The platforms to lower for (a list or a comma-separated string); by default ``DEFAULT_PLATFORMS``.
+        policy: A name in ``POLICIES``, or ``"auto"`` (the fastest measured here); ``None`` keeps every residual.
         arg_names: The arguments' names in the artifact; ``None`` takes ``fn``'s parameter names.
         name: The function's name in the manifest; ``None`` takes ``fn``'s.
-        memory_budget: The most bytes the stored residuals may take (an int or a
-            string such as ``"64MiB"``); ``None`` sets no budget.
+        memory_budget: Bytes (or ``"64MiB"``) for the stored residuals: the policy that recomputes least and fits.
         at: Sizes of the symbolic dims for the budget or ``auto`` (``{"b": 256}`` or ``["b=256"]``).
-        weights: Argument names (a list or a comma-separated string) whose gradients
-            the weight part computes; ``None`` exports no split backward.
+        weights: Argument names whose gradients ``bwd_weight`` computes (the zero-bubble split); ``None``: no split.
 
     Returns:
-        The ``Artifact``, in memory (``save`` writes it).
+        The ``Artifact``, in memory (``save`` writes it; ``art.policy_choice`` says why its policy).
 
     Raises:
-        VjpsplitError: If ``fn`` cannot be traced, the names and specs disagree in
-            number, an input is 64-bit without ``jax_enable_x64``, ``fn`` uses host
-            callbacks, a platform is unknown, ``wrt`` names no argument, ``weights``
-            are not differentiated arguments, or the policy, budget or sizes are
-            refused (see ``resolve_policy``).
+        VjpsplitError: If ``fn`` cannot be traced, or an input, argument, platform, policy, budget or size is refused.
     """
     st = _Export(fn, specs, wrt, has_aux, policy, memory_budget, at)
     _names_and_specs(st, platforms, arg_names)

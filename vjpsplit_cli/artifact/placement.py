@@ -33,7 +33,7 @@ class Placement:
         self.source = source
         self.devices = devices  # a sharded artifact's device group; None: this host's first devices
         self._mesh: Mesh | None = None if devices is None else host_mesh(manifest.mesh, devices, source)
-        self._carriers: dict[tuple[int, ...], Any] = {}  # carrier arrays by shape
+        self._carriers: dict[tuple[int, ...], Any] = {}  # shape arguments by shape
 
     @property
     def mesh(self) -> Mesh | None:
@@ -77,7 +77,7 @@ class Placement:
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(ct), placed)
 
     def carrier(self, dims: Mapping[str, int]) -> Any:
-        """The zero-size array whose shape carries the symbolic dims to a backward module; None without them."""
+        """The shape argument: a zero-size array whose shape gives a backward module the symbolic dims; None without them."""
         m = self.manifest
         if not m.dim_vars:
             return None
@@ -96,7 +96,7 @@ class Placement:
         return carrier if self.mesh is None else jax.device_put(carrier, named(self.mesh, ()))
 
     def arguments(self, io: ModuleIO, bound: Mapping[str, Sequence], dims: Mapping[str, int]) -> dict[str, Any]:
-        """A backward module's arguments by slot: ``bound``'s arrays placed, and the carrier for ``dims``."""
+        """A backward module's arguments by slot: ``bound``'s arrays placed, and the shape argument for ``dims``."""
         inputs = io.inputs or ()
         out: dict[str, Any]
         if self.manifest.sharded:

@@ -100,28 +100,22 @@ def load_intermediates(
 ) -> Intermediates:
     """Read intermediates written by ``save_intermediates`` (or ``run-bwd --part input``).
 
-    ``inputs`` (a flat ``{key: array}`` mapping, or the forward's arguments) supplies
-    the input arrays the file left out. ``verify`` checks each array's CRC-32, that
-    those inputs are the ones the forward ran on, and, in ``Artifact.bwd_weight``,
-    that the intermediates come from the same forward run as any residuals given
-    (on by default; see ``load_residuals``).
-
     Args:
         path: The intermediates file.
-        inputs: The input arrays the file left out: a flat ``{key: array}`` mapping or
-            the forward's arguments; ``None`` when none are needed.
-        artifact: The artifact whose weight part will read them; intermediates of
-            another artifact are then refused here. ``None`` skips that check.
+        inputs: The input arrays the file left out: a flat ``{key: array}`` mapping or the forward's arguments;
+            ``None`` when none are needed.
+        artifact: The artifact whose weight part will read them (another artifact's are refused here); ``None`` skips
+            that check.
         inputs_source: What to call ``inputs`` in messages (their file name, say).
-        verify: Whether to check CRC-32s, the supplied inputs, and the forward run.
+        verify: Whether to check each array's CRC-32, that the supplied inputs are the ones the forward ran on and,
+            in ``Artifact.bwd_weight``, that the intermediates come from the same forward run as any residuals given.
 
     Returns:
         The ``Intermediates``.
 
     Raises:
-        VjpsplitError: If the file cannot be read or is damaged, is not an
-            intermediates file, comes from another artifact, or needs inputs that are
-            missing or not the ones the forward ran on.
+        VjpsplitError: If the file cannot be read or is damaged, is not an intermediates file, comes from another
+            artifact, or needs inputs that are missing or not the ones the forward ran on.
     """
     arrays, meta = load_checked(path, verify)
     if meta.get("kind") != KIND_INTERMEDIATES:
@@ -201,30 +195,22 @@ def load_residuals(
 ) -> Residuals:
     """Read a residuals file; ``inputs`` supplies the input-backed residuals it left out.
 
-    ``inputs`` is the forward's arguments tuple, or a flat ``{key: array}`` mapping
-    (an inputs file's content; ``inputs_source`` names it in messages). With
-    ``artifact``, residuals written by another artifact are refused here, before
-    anything else is checked. ``verify`` (default on) checks each array's CRC-32,
-    so a file damaged in transit fails here instead of giving wrong gradients, and
-    checks that the inputs supplied for left-out residuals are the very ones the
-    forward ran on (their CRC-32 is in the file), naming the first that differs.
-
     Args:
         path: The residuals file.
-        inputs: The input-backed residuals the file left out: the forward's arguments
-            tuple or a flat ``{key: array}`` mapping; ``None`` when none are needed.
-        artifact: The artifact whose backward will read them; ``None`` skips the
-            other-artifact check here.
+        inputs: The input-backed residuals the file left out: the forward's arguments tuple or a flat
+            ``{key: array}`` mapping (an inputs file's content); ``None`` when none are needed.
+        artifact: The artifact whose backward will read them: another artifact's are refused here, before anything
+            else is checked; ``None`` skips that check.
         inputs_source: What to call ``inputs`` in messages.
-        verify: Whether to check CRC-32s and the supplied inputs.
+        verify: Whether to check each array's CRC-32 (a file damaged in transit fails here, not as wrong gradients)
+            and that the supplied inputs are the very ones the forward ran on (naming the first that differs).
 
     Returns:
         The ``Residuals`` (a ``SplitResiduals`` for ``split``'s, in the process that made them).
 
     Raises:
-        VjpsplitError: If the file cannot be read or is damaged, is not a residuals
-            file, comes from another artifact (or another process, for ``split``'s),
-            or needs inputs that are missing or not the ones the forward ran on.
+        VjpsplitError: If the file cannot be read or is damaged, is not a residuals file, comes from another artifact
+            (or another process, for ``split``'s), or needs inputs that are missing or not the ones the forward ran on.
     """
     arrays, meta = load_checked(path, verify)
     kind = meta.get("kind")

@@ -61,26 +61,21 @@ def template(
 ) -> dict[str, np.ndarray]:
     """The ``{key: array}`` an artifact expects for its ``inputs`` or ``cotangents``, ready for a file.
 
-    Symbolic dims are sized by ``at`` (``{"b": 4}`` or ``["b=4"]``); a name the
-    artifact does not have, or a dim left unsized, is refused by name. ``fill`` is
-    ``zeros``, ``ones`` or ``normal`` (standard normal floats; integers 0..7, random
-    bools and random key data, from ``seed``). Typed PRNG keys are given as their key
-    data, as array files hold them.
+    Typed PRNG keys are given as their key data, as array files hold them.
 
     Args:
         artifact: The artifact, or the path of its file (loaded with ``load``'s defaults).
         what: ``"inputs"`` or ``"cotangents"``.
         at: Sizes of the symbolic dims (``{"b": 4}`` or ``["b=4"]``); ``None`` when there are none.
-        fill: ``"zeros"``, ``"ones"`` or ``"normal"``.
+        fill: ``"zeros"``, ``"ones"`` or ``"normal"`` (standard normal floats; integers 0..7; random bools, keys).
         seed: The random seed for ``fill="normal"``.
 
     Returns:
         The arrays by flat key, as an array file holds them.
 
     Raises:
-        VjpsplitError: If ``what`` or ``fill`` is not one of the choices, ``at`` is
-            malformed or names a dim the artifact does not have, a symbolic dim is
-            left unsized, or the artifact file cannot be loaded.
+        VjpsplitError: If ``what`` or ``fill`` is not one of the choices, ``at`` is malformed or names a dim the
+            artifact does not have, a symbolic dim is left unsized, or the artifact file cannot be loaded.
     """
     art = artifact if isinstance(artifact, Artifact) else load(artifact)
     if what not in WHAT:

@@ -140,33 +140,24 @@ def choose_auto(
 ) -> AutoChoice:
     """``policy="auto"``: the policy whose forward + backward is fastest at these sizes, among those that fit.
 
-    Each candidate (``everything``, ``dots``, ``nothing`` by default) whose stored
-    residual bytes fit ``memory_budget`` is compiled and timed here on synthetic
-    inputs of the given shapes (``method="measure"``; medians of interleaved
-    rounds), or scored by XLA's cost analysis (``method="estimate"``, and the
-    fallback when running fails). Symbolic dims need sizes in ``at``. The choice
-    is remembered per function, shapes, ``wrt`` and budget for the process.
-
     Args:
         fn: The function, as ``split`` takes it.
         *specs: Its arguments' shapes and dtypes (``jax.ShapeDtypeStruct`` pytrees).
         wrt: The argument positions or names to differentiate; ``None`` means all.
         has_aux: Whether ``fn`` returns ``(out, aux)``.
-        at: Sizes of the symbolic dims (``{"b": 256}`` or ``["b=256"]``); needed when
-            ``specs`` have symbolic dims, else ``None``.
-        memory_budget: The most bytes the stored residuals may take (an int or a string
-            such as ``"64MiB"``); ``None`` lets every candidate compete.
+        at: Sizes of the symbolic dims (``{"b": 256}`` or ``["b=256"]``); needed when ``specs`` have symbolic dims.
+        memory_budget: Bytes (or ``"64MiB"``) the stored residuals may take; ``None`` lets every candidate compete.
         policies: The candidates (by default ``everything``, ``dots``, ``nothing``).
-        method: ``"measure"`` to time compiled candidates here, ``"estimate"`` to score
-            them by XLA's cost analysis.
+        method: ``"measure"`` times compiled candidates here on synthetic inputs (medians of interleaved rounds);
+            ``"estimate"`` scores them by XLA's cost analysis (also the fallback when running fails).
         seconds_per_candidate: About how long to time each candidate when measuring.
 
     Returns:
-        The ``AutoChoice``: the policy chosen, how, and every candidate's bytes and times.
+        The ``AutoChoice``: the policy chosen, how, and every candidate's bytes and times (remembered for the
+        process per function, shapes, ``wrt`` and budget).
 
     Raises:
-        VjpsplitError: If ``specs`` have symbolic dims and ``at`` is empty, if ``at`` or
-            ``memory_budget`` is malformed, or if no candidate fits the budget.
+        VjpsplitError: If symbolic dims lack ``at``, ``at`` or ``memory_budget`` is malformed, or nothing fits.
     """
     at = parse_at(at)
     budget = None if memory_budget is None else parse_bytes(memory_budget)
@@ -277,14 +268,12 @@ def resolve_policy(
 ) -> PolicyChoice:
     """The one place a policy, a memory budget and ``auto`` become a concrete policy.
 
-    ``policy="auto"`` measures (within the budget, if any); a budget alone picks
-    the policy that recomputes least among those that fit; otherwise the policy
-    as given (default ``everything``). A budget with another fixed policy is refused.
+    A budget alone picks the policy that recomputes least among those that fit.
 
     Args:
         fn: The function, as ``split`` takes it.
         *specs: Its arguments' shapes and dtypes (``jax.ShapeDtypeStruct`` pytrees).
-        policy: The policy asked for (a name, ``"auto"``, or ``None`` for ``everything``).
+        policy: The policy asked for (a name, ``"auto"`` to measure within the budget, or ``None`` for ``everything``).
         memory_budget: The most bytes the stored residuals may take; ``None`` sets no budget.
         wrt: The argument positions or names to differentiate; ``None`` means all.
         has_aux: Whether ``fn`` returns ``(out, aux)``.
@@ -294,8 +283,8 @@ def resolve_policy(
         The ``PolicyChoice``: the concrete policy and why.
 
     Raises:
-        VjpsplitError: If a budget comes with a fixed policy other than ``everything``,
-            if the policy is unknown, or as ``choose_auto`` and ``choose_policy`` raise.
+        VjpsplitError: If a budget comes with a fixed policy other than ``everything``, if the policy is unknown, or
+            as ``choose_auto`` and ``choose_policy`` raise.
     """
     if memory_budget is not None and policy not in (None, "everything", AUTO):
         raise VjpsplitError("give either a policy or a memory budget (or both with policy auto), not both")

@@ -23,42 +23,22 @@ from .vjp import Plan
 class Residuals(Frozen):
     """What a forward kept for its backward: stored arrays, and references to input arrays.
 
-    ``stored`` maps ``r/i`` keys to arrays; ``inputs`` maps input keys to the very
-    arrays the forward was given (never copies). Residuals of an artifact carry
-    its ``fingerprint`` and the symbolic ``dims``; those of ``split`` are
-    ``SplitResiduals``. Immutable (read-only mappings; ``replace`` makes a changed
-    copy) and a pytree whose key paths are the file keys (``r/0``, ``in/x``), so
-    it passes through ``jax.jit`` and ``jax.device_put``.
+    Immutable (read-only mappings; ``replace`` makes a changed copy) and a pytree whose key paths are the file keys
+    (``r/0``, ``in/x``), so it passes through ``jax.jit`` and ``jax.device_put``; ``split``'s are ``SplitResiduals``.
 
     Args:
         stored: The stored residuals, by ``r/i`` key.
-        inputs: The input-backed residuals, by input key: the very arrays the forward was given.
+        inputs: The input-backed residuals, by input key: the very arrays the forward was given (never copies).
         dims: The values of the symbolic dimensions, by name; ``None`` means none.
         fingerprint: The fingerprint of the artifact that made them; ``""`` when not known.
         arg_names: The artifact's argument names.
-        arg_trees: The structure of the arguments the forward was called with, so the
-            backward gives gradients in the caller's own pytree types; ``()`` when not
-            known (residuals loaded from a file).
+        arg_trees: The forward's argument structure (gradients come in the caller's pytree types); ``()`` if unknown.
         plan: The in-memory backward of ``split``; ``None`` for an artifact's residuals.
-        residuals_id: Names one forward run, so the weight part can refuse another
-            run's intermediates; ``""`` when not known.
+        residuals_id: Names one forward run (the weight part refuses another run's intermediates); ``""`` if unknown.
         inputs_source: Where the input-backed arrays came from, for messages; ``None`` if not known.
         source: The file the residuals were loaded from, for messages; ``None`` if not known.
-        bound_inputs: Every input the forward ran on (references, keyed like ``inputs``),
-            read by the backward or not; ``None`` means none.
-
-    Attributes:
-        stored: The stored residuals, a read-only mapping from ``r/i`` keys to arrays.
-        inputs: The input-backed residuals, a read-only mapping from input keys to arrays.
-        dims: The symbolic dimensions' values, a read-only mapping.
-        fingerprint: The artifact's fingerprint (``""`` when not known).
-        arg_names: The artifact's argument names.
-        arg_trees: The forward's argument structure (``()`` when not known).
-        plan: ``split``'s in-memory backward, or ``None``.
-        residuals_id: The forward run's id (``""`` when not known).
-        inputs_source: Where the input-backed arrays came from, or ``None``.
-        source: The file they were loaded from, or ``None``.
-        bound_inputs: Every input the forward ran on, a read-only mapping.
+        bound_inputs: Every input the forward ran on (references, keyed like ``inputs``), read by the backward or not;
+            ``None`` means none.
     """
 
     _FIELDS = (
@@ -297,10 +277,7 @@ for _cls in (Residuals, SplitResiduals):
 class Intermediates(Frozen):
     """What the input part of a split backward hands to the weight part.
 
-    ``arrays`` are what B computed for W (``c/i``); ``stored`` and ``inputs`` are
-    the residuals W reads (``r/i`` keys, and input keys for the caller's own
-    arrays), references rather than copies. Holding these alone, a stage can
-    free the rest of a microbatch's residuals as soon as B has run. Immutable, and
+    Holding these alone, a stage can free the rest of a microbatch's residuals as soon as B has run. Immutable, and
     a pytree whose key paths are the intermediates file's keys (``c/0``, ``r/1``, ``in/x``).
 
     Args:
@@ -308,18 +285,9 @@ class Intermediates(Frozen):
         dims: The values of the symbolic dimensions, by name.
         fingerprint: The fingerprint of the artifact whose backward made them.
         residuals_id: The forward run whose residuals the input part read; ``""`` when not known.
-        stored: The stored residuals W reads, by ``r/i`` key; ``None`` means none.
-        inputs: The input-backed residuals W reads, by input key; ``None`` means none.
+        stored: The stored residuals W reads, by ``r/i`` key (references, not copies); ``None`` means none.
+        inputs: The input-backed residuals W reads, by input key (the caller's own arrays); ``None`` means none.
         arg_trees: The forward's argument structure, when known (in memory only); ``()`` otherwise.
-
-    Attributes:
-        arrays: What B computed for W, a read-only mapping.
-        dims: The symbolic dimensions' values, a read-only mapping.
-        fingerprint: The artifact's fingerprint.
-        residuals_id: The forward run's id (``""`` when not known).
-        stored: The stored residuals W reads, a read-only mapping.
-        inputs: The input-backed residuals W reads, a read-only mapping.
-        arg_trees: The forward's argument structure (``()`` when not known).
     """
 
     _FIELDS = ("arrays", "dims", "fingerprint", "residuals_id", "stored", "inputs", "arg_trees")

@@ -107,36 +107,24 @@ def split(
 ) -> tuple[Callable[..., tuple[Any, ...]], Callable[..., Any]]:
     """Split ``fn`` into a forward that returns residuals and a backward that consumes them.
 
-    ``fwd(*args)`` returns ``(out, res)`` (``(out, res, aux)`` with ``has_aux``);
-    ``bwd(res, ct=None)`` returns the gradients with respect to ``wrt`` (argument
-    positions or names; default all), one gradient for a single int or name and a
-    tuple otherwise. Both are jitted, jit-able and retrace per signature; ``bwd``
-    never evaluates the forward again under the default policy. ``res`` holds
-    references to input arrays instead of copies. With ``memory_budget`` (bytes or
-    ``"64MiB"``), each signature gets the policy that recomputes least among those
-    whose stored residuals fit. ``policy="auto"`` times the fixed policies on each
-    new signature and keeps the fastest forward + backward (within the budget, if given).
+    Both are jitted, jit-able and retrace per signature; ``bwd`` never evaluates the forward again under the default
+    policy, and ``res`` holds references to input arrays instead of copies.
 
     Args:
         fn: The function to differentiate; its arguments are pytrees of arrays.
-        wrt: The argument positions (ints) or names to differentiate with respect to;
-            ``None`` (the default) means every argument.
-        has_aux: Whether ``fn`` returns ``(out, aux)``; ``aux`` is passed through the
-            forward and not differentiated.
-        policy: The rematerialization policy (a name in ``POLICIES``, or ``"auto"``);
-            ``None`` keeps every residual.
-        memory_budget: The most bytes the stored residuals may take (an int or a
-            string such as ``"64MiB"``); ``None`` sets no budget.
+        wrt: The argument positions or names to differentiate; ``None`` (the default) means every argument.
+        has_aux: Whether ``fn`` returns ``(out, aux)``; ``aux`` passes through the forward, not differentiated.
+        policy: A name in ``POLICIES``, or ``"auto"`` (fastest measured per signature); ``None`` keeps every residual.
+        memory_budget: Bytes (or ``"64MiB"``) for the stored residuals: per signature, the policy that recomputes least
+            and fits; ``None`` sets no budget.
 
     Returns:
-        The pair ``(fwd, bwd)``: ``fwd(*args)`` returns ``(out, res)`` (or
-        ``(out, res, aux)``) with ``res`` a ``SplitResiduals``; ``bwd(res, ct=None)``
-        returns the gradients. ``bwd`` raises ``VjpsplitError`` when ``res`` is not
-        a ``SplitResiduals`` (an artifact's ``Residuals``, say).
+        ``(fwd, bwd)``: ``fwd(*args)`` gives ``(out, res)`` (``(out, res, aux)``), ``res`` a ``SplitResiduals``;
+        ``bwd(res, ct=None)`` the gradients (one for a single int or name, else a tuple), and raises ``VjpsplitError``
+        when ``res`` is not a ``SplitResiduals``.
 
     Raises:
-        VjpsplitError: If ``memory_budget`` is given with a policy other than
-            ``"everything"`` or ``"auto"``.
+        VjpsplitError: If ``memory_budget`` is given with a policy other than ``"everything"`` or ``"auto"``.
     """
     if memory_budget is not None and policy not in (None, "everything", AUTO):
         raise VjpsplitError("give either a policy or a memory budget (or both with policy auto), not both")

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 from ..files import keys
 
-# Slot names. Backward modules take (stored, input-backed, cotangents or intermediates, carrier).
+# Slot names. Backward modules take (stored, input-backed, cotangents or intermediates, the shape argument).
 INPUTS = "inputs"  # the forward's flat input leaves
 OUT = "out"  # the forward's differentiable output ``out`` (its leaves)
 STORED = "stored"  # stored residuals (``r/<i>``)
@@ -25,13 +25,13 @@ AUX = "aux"  # the forward's auxiliary outputs (``has_aux``)
 INPUT_BACKED = "input_backed"  # residuals that are inputs (``in/<input key>``)
 COTANGENTS = "cotangents"  # cotangents of ``out``'s floating leaves
 INTERMEDIATES = "intermediates"  # what the input part computed for the weight part (``c/<i>``)
-CARRIER = "carrier"  # a zero-size bool array whose dims are the symbolic dims (none without them)
+CARRIER = "carrier"  # the shape argument: a zero-size bool array whose dims are the symbolic dims (none without them)
 GRADS = "grads"  # gradients, in manifest order
 
 
 @dataclasses.dataclass(frozen=True)
 class CarrierLeaf:
-    """The carrier as a leaf: ``bool[0, *dim_vars]``, replicated."""
+    """The shape argument as a leaf: ``bool[0, *dim_vars]``, replicated."""
 
     shape: tuple[Any, ...]
     key: str = CARRIER
@@ -68,7 +68,7 @@ class ModuleIO:
         """The module's positional arguments from values by slot name.
 
         The forward takes its input leaves one argument each; a backward module takes
-        one list per slot (the carrier: an array, or None without symbolic dims).
+        one list per slot (the shape argument: an array, or None without symbolic dims).
         """
         if self.inputs is None:
             raise ValueError(f"the manifest does not fix the {self.module} module's arguments")
@@ -121,7 +121,7 @@ def is_out_key(key: str) -> bool:
 
 
 def carrier_leaves(manifest: Any) -> tuple[Any, ...]:
-    """The carrier's leaf when the manifest has symbolic dims; () otherwise."""
+    """The shape argument's leaf when the manifest has symbolic dims; () otherwise."""
     dim_vars = tuple(manifest.dim_vars)
     return (CarrierLeaf((0, *dim_vars)),) if dim_vars else ()
 

@@ -51,42 +51,24 @@ def run_inprocess(
 ) -> PipelineResult:
     """Run one training step in this process, every stage on its own device where this host has enough.
 
-    ``devices``: one list of devices per stage (one device for an unsharded stage, a
-    sharded stage's mesh devices); by default worker k's stages run on
-    ``jax.local_devices()[k]`` (the k-th group for sharded stages) where there are
-    enough, else all on the default device (``devices.placement``). Parameters and
-    residuals stay on their stage's device; activations and cotangents are moved
-    device to device. ``timed=True`` (the default) runs one thread per worker and
-    waits for each operation, so the result's timeline holds real compute times;
-    ``timed=False`` dispatches every operation from this thread without waiting (no
-    timeline), as ``Trainer`` does. ``progress=True`` (a bar over operations) times
-    the step too. ``offload`` (``"host"`` or an ``offload.Offload``): residuals leave their device between
-    F and B (bitwise the same gradients). A ``Stages`` takes the whole ``params`` and the batch tuple as
-    ``x``, and its gradients come back in ``params``' structure.
-
     Args:
         artifacts: A ``Stages``, or one artifact per stage.
         params: The whole parameter pytree for a ``Stages``, else one parameter pytree per stage.
         x: The batch tuple for a ``Stages``, else the first stage's input.
         side: The last stage's side inputs (a ``Stages`` takes none).
         microbatches: How many microbatches to split the batch into.
-        schedule: A built-in schedule's name (by default ``"1f1b"``), or a ``Schedule`` (plans:
-            ``Schedule(plans=plans)``, checked first).
+        schedule: A built-in schedule's name (by default ``"1f1b"``), or a ``Schedule``.
         progress: Whether to show a progress bar over operations (the step is then timed).
-        devices: One list of devices per stage; ``None`` places them as above.
-        timed: Whether to run one thread per worker and time each operation.
-        offload: Residuals off their device between F and B: ``"host"`` or an ``offload.Offload``; gradients
-            are bitwise those without; ``None``: none.
+        devices: One list of devices per stage; ``None``: worker k's on ``jax.local_devices()[k]`` where enough.
+        timed: ``True``: one thread per worker, waiting for each operation (a timeline); ``False``: dispatch, no waits.
+        offload: Residuals off their device between F and B: ``"host"`` or an ``offload.Offload``; ``None``: none.
 
     Returns:
         The step's ``PipelineResult`` (``runner="in-process"``).
 
     Raises:
-        VjpsplitError: If the schedule or plans cannot run on these stages and
-            microbatches, a stage lacks the split backward the plans use, the
-            artifacts and parameter sets differ in number, ``devices`` is malformed,
-            the batch does not split into ``microbatches`` equal parts, or an
-            operation fails (naming its stage).
+        VjpsplitError: If the schedule cannot run these stages and microbatches, the arguments disagree in number or
+            shape, or an operation fails (naming its stage).
     """
     model = model_of(artifacts, params)
     name, plans, mbs, workers = _prepared(model, x, side, microbatches, schedule_of(schedule), devices, offload)

@@ -35,23 +35,13 @@ if TYPE_CHECKING:
 class PipelineResult:
     """Loss, accumulated gradients, and the recorded timeline of one pipelined step.
 
-    ``grads``: per stage, or in ``params``' structure for a ``Stages`` (None per stage
-    when a ``Trainer`` applied them where they live). ``plans``: the per-worker lists
-    that ran (a named schedule's, or the caller's; ``schedule`` is then ``"custom"``).
-    ``timed``: the step waited for each operation, and ``events`` are their compute
-    times; an untimed step (the Trainer's default) has no events, and its bubble
-    ratios are NaN. On a stage with replicas (``data_parallel``) each replica's copy of an
-    operation is an event (``Event.replica``). ``phases``: what a timed step did besides its
-    operations (the driver's phases, each worker's reductions, a stage's cross-replica one
-    ``reduce replicas`` among them, and optimizer update), drawn in its trace (``write_trace``).
-
-    Made by the runners (``run``, ``run_inprocess``, ``RayPipeline.run``, ``Trainer.step``).
+    Made by the runners (``run``, ``run_inprocess``, ``RayPipeline.run``, ``Trainer.step``); an untimed step (the
+    Trainer's default) has no events, and its bubble ratios are NaN.
 
     Attributes:
         schedule: The schedule's name, or ``"custom"`` for the caller's plans.
         loss: The step's loss (the mean over microbatches).
-        grads: The gradients: per stage, or in ``params``' structure for a ``Stages``
-            (``None`` per stage where a ``Trainer`` applied them where they live).
+        grads: Per stage, or in ``params``' structure for a ``Stages`` (``None`` per stage if a Trainer applied them).
         events: The operations' compute times (empty for an untimed step; one per replica on a stage with replicas).
         num_stages: The pipeline's stage count.
         microbatches: The microbatches of the step.
@@ -60,9 +50,8 @@ class PipelineResult:
         plans: The per-worker lists of ``Op`` that ran.
         extra: What the runner adds (the Ray runner: ``{"compiled": bool}``).
         timed: Whether each operation was waited for: only then do ``events`` hold compute times.
-        phases: A timed step's driver phases, reductions (``reduce replicas`` among them) and updates.
-        aux: Per microbatch, the aux the last stage returned (``export_stages(has_aux=True)``), host arrays in the
-            function's aux structure (a replicated stage's: the mean over its replicas); None without aux.
+        phases: A timed step's driver phases, reductions (``reduce replicas`` among them) and updates (``write_trace``).
+        aux: Per microbatch, the last stage's aux (host arrays; a replicated stage's replica mean); None without aux.
     """
 
     schedule: str

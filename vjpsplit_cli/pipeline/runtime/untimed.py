@@ -239,27 +239,25 @@ def run_untimed(
     workers: Sequence[RunsOps],
     watch: Watch,
 ) -> T:
-    """``body()`` (an untimed step: ``dispatch`` with ``record``, then what follows it) in ``pool``'s one thread,
-    while this one waits: past ``watch.step_timeout``, or on Ctrl-C, one error names what each worker is doing
-    (as ``run_threads``' does) and the step's thread ends at its next operation; one still stuck after ``GRACE``
-    is left behind (``watch.stuck``).
+    """``body()`` (an untimed step) in ``pool``'s one thread, while this one waits for it.
+
+    Past ``watch.step_timeout``, or on Ctrl-C, one error names what each worker is doing (as ``run_threads``' does)
+    and the step's thread ends at its next operation; one still stuck after ``GRACE`` is left behind (``watch.stuck``).
 
     Args:
-        pool: a ``WorkerThreads`` of one thread, kept across steps.
-        body: the step; it must hand ``record`` every operation it dispatches (``dispatch(..., record)``) and
-            call ``record.commit()`` before each stage's update.
-        record: what the report is read off.
-        workers: the stages' workers, whose rings the report writes.
-        watch: ``step_timeout``, where the report goes and what to append to the error; filled in with
-            ``stuck`` and ``applied``.
+        pool: A ``WorkerThreads`` of one thread, kept across steps.
+        body: The step; it hands ``record`` what it dispatches and calls ``record.commit()`` before each update.
+        record: What the report is read off.
+        workers: The stages' workers, whose rings the report writes.
+        watch: ``step_timeout``, the report's path and the error's tail; filled in with ``stuck`` and ``applied``.
 
     Returns:
         What ``body`` returns.
 
     Raises:
-        VjpsplitError: the step passed ``watch.step_timeout`` (what each worker does, the report's path).
+        VjpsplitError: The step passed ``watch.step_timeout`` (what each worker does, the report's path).
         StepInterrupted: Ctrl-C during the step (the same line; also a ``KeyboardInterrupt``).
-        Exception: what ``body`` raised.
+        Exception: What ``body`` raised.
     """
     out: list[T] = []
     (job,) = pool.start([lambda: out.append(body())])

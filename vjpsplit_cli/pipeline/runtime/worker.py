@@ -37,47 +37,22 @@ if TYPE_CHECKING:
 class StageWorker:
     """One stage's F, B, I and W with their bookkeeping: its artifact, parameters, residuals and gradients.
 
-    It holds the residuals in flight and the accumulated gradients. The runners'
-    building block (threads and Ray actors run the same).
-
-    ``device``: where an unsharded stage runs (its parameters are committed there,
-    arriving activations and cotangents moved there; ``jit`` runs where its inputs
-    are); None leaves them where JAX puts them. A sharded stage runs on its
-    artifact's devices (``Artifact.on_devices``). ``timed`` (per step, see
-    ``reset``): each operation waits for its results and records an ``Event`` of
-    its compute time; otherwise operations are dispatched and nothing waits.
+    The runners' building block (threads and Ray actors run the same). Its state: ``res`` and ``inter`` (residuals
+    and intermediates in flight, by microbatch), ``grads`` (``None`` before the first backward), ``events`` (timed
+    steps), ``ring`` (the last operations, kept across steps for a stuck step's report), ``losses`` and ``aux`` (the
+    last stage's, device values until fetched) and ``peak_residual_bytes``.
 
     Args:
-        artifact: The stage's artifact (its first argument the parameters, its second,
-            after the first stage, the activation it receives; both differentiated).
+        artifact: The stage's artifact (its parameters first, then, after the first stage, the activation it receives).
         params: The stage's parameter pytree.
         stage_index: The stage's index in the pipeline.
         num_stages: The pipeline's stage count.
-        device: Where an unsharded stage runs; ``None`` leaves it where JAX puts it.
+        device: Where an unsharded stage runs; ``None`` leaves it where JAX puts it (a sharded one uses its mesh).
         offload: Which residuals leave the device between F and B (``offload.Offload``); ``None``: none.
         replica: Its index among its stage's replicas (``replicas.ReplicaGroup``); ``None`` alone.
 
-    Attributes:
-        art: The stage's artifact.
-        device: Where an unsharded stage runs, or ``None``.
-        params: The parameters, placed.
-        stage_index: The stage's index.
-        num_stages: The pipeline's stage count.
-        feeds_back: Whether the stage sends a cotangent to the stage before (every stage but the first).
-        timed: Whether operations wait and record events (set per step by ``reset``).
-        ring: The last operations ``(kind, mb, start, end)``, kept across steps for a stuck step's report.
-        res: The residuals in flight, by microbatch.
-        inter: The weight part's intermediates in flight, by microbatch.
-        grads: The gradients accumulated this step; ``None`` before the first backward.
-        events: This step's ``Event``s (timed steps only).
-        replica: Its index among its stage's replicas; ``None`` alone.
-        losses: The last stage's loss per microbatch, device scalars until fetched.
-        aux: The last stage's aux leaves per microbatch (an artifact with aux), device arrays until fetched.
-        peak_residual_bytes: The step's most stored residual bytes on the device at an operation's boundary.
-
     Raises:
-        VjpsplitError: If the artifact does not differentiate its first argument, or
-            (after the first stage) its second.
+        VjpsplitError: If the artifact does not differentiate its first argument, or (after the first stage) its second.
     """
 
     def __init__(

@@ -99,47 +99,24 @@ def auto_schedule(
 ) -> list[list[Op]]:
     """Plans for ``stages`` fastest under ``costs`` within ``memory_limit``.
 
-    ``stages`` is a count, or a ``Stages`` or artifacts (then its length).
-
-    ``costs``: ``{"F": [...], "B": [...], "W": [...], "comm": c}``, per stage the time
-    of its forward, of its backward's input part and of its weight part (any unit; a
-    whole backward costs B + W; a number means every stage), ``comm`` the time of one
-    send between stages. ``memory_limit``: the most microbatches a worker may hold
-    at once, from a stage's F until its W (or its B where that backward is whole);
-    an int, one per worker, or ``None`` for no limit. Returns one list of ``Op`` per
-    worker, worker ``w`` holding stage ``w``, in the form ``read_schedule`` returns
-    (any runner takes it as ``schedule=Schedule(plans=...)``); checked, within the limit, and under
-    ``costs`` no slower than any of ``gpipe``, ``1f1b`` and ``zbh1`` that fits it.
-    Stages whose artifact lacks the split backward (or costs without ``W``) get whole
-    backwards. The plans depend only on the arguments (no clock, no randomness), and each
-    stage runs its W's (its B's, I's) in microbatch order: every plan sums its gradients alike.
+    Checked, no slower under ``costs`` than any of ``gpipe``, ``1f1b`` and ``zbh1`` that fits, and a function of
+    the arguments only (no clock, no randomness). Any runner takes them as ``Schedule(plans=...)``.
 
     Args:
-        stages: The stage count, or the stages themselves (a ``Stages`` or a sequence
-            of artifacts), whose artifacts say which have the split backward.
+        stages: The stage count, or a ``Stages`` or artifacts (which say which have the split backward).
         microbatches: The microbatches per step.
-        costs: Per stage the times of F, B (the input part) and W, and ``comm``: a
-            ``Costs`` or a dict as ``Costs.of`` takes it.
-        memory_limit: The most microbatches a worker may hold at once: an int, one
-            int per worker, or ``None`` for no limit.
-        memory_limit_bytes: Instead of ``memory_limit``: bytes per worker (an int or one per
-            worker), with ``microbatch_bytes``; plans within those bytes, offloading residuals where
-            ``costs["transfer"]`` (bytes per second off the device and back: one number, or
-            ``{"out": .., "back": ..}``) lets more microbatches be in flight and the plans end sooner
-            (``offloading``).
+        costs: Per stage the times of F, B (the input part) and W, and ``comm``: a ``Costs`` or a dict (``Costs.of``).
+        memory_limit: The most microbatches a worker holds at once (from F until its W, or B where whole): an int, one
+            per worker, or ``None`` for no limit.
+        memory_limit_bytes: Instead: bytes per worker, with ``microbatch_bytes``; residuals are offloaded where
+            ``costs["transfer"]`` (bytes per second off the device and back) lets the plans end sooner.
         microbatch_bytes: Per stage, the bytes one microbatch in flight holds.
 
     Returns:
-        One list of ``Op`` per worker (worker ``w`` holding stage ``w``), checked; with
-        ``memory_limit_bytes`` an ``OffloadPlans``, whose ``offloaded`` names the (stage, microbatch)
-        pairs whose residuals leave their device.
+        One list of ``Op`` per worker (worker ``w`` holds stage ``w``); with ``memory_limit_bytes`` an ``OffloadPlans``.
 
     Raises:
-        VjpsplitError: If ``stages`` is neither a count >= 1 nor stages,
-            ``microbatches`` is not an int >= 1, the costs are malformed (see
-            ``Costs.of``), or ``memory_limit`` is not an int >= 1 or one per worker; a byte
-            limit below one microbatch's bytes of its stage (no plan fits it, offload or not:
-            the message names the smallest limit that fits).
+        VjpsplitError: If an argument is malformed, or a byte limit is below one microbatch's (naming what fits).
     """
     S = _stage_count(stages)
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:

@@ -20,27 +20,10 @@ from .play import play
 def schedule(name: str, num_stages: int, microbatches: int, chunks: int = CHUNKS) -> list[list[Op]]:
     """Per worker, the ordered operations of schedule ``name`` for ``num_stages`` stages and ``microbatches``.
 
-    * ``gpipe``: every forward, then every backward.
-    * ``1f1b``: worker ``s`` runs ``S-s-1`` forwards ahead, then alternates one
-      forward and one (whole) backward; at most ``S-s`` microbatches in flight.
-    * ``zbh1`` (Qi et al., *Zero Bubble Pipeline Parallelism*, ICLR 2024): 1F1B's
-      order of F and B, each B being only the input part, I; each W goes where the worker
-      would otherwise wait, found by playing the schedule with F = B = W = 1. With
-      those times the step takes 3m + (p-1) units against 1F1B's 3(m+p-1). A worker
-      never holds more than ``S`` microbatches between F and W (1F1B's peak, on its
-      first worker), nor more than 1F1B's ``S-s`` between F and B.
-    * ``zbv`` (the same paper's V schedule, arXiv v2 section 6; PyTorch's
-      ``ScheduleZBVZeroBubble``): ``S = 2p`` stages on ``p`` workers in a V. With
-      F = B = W and at least ``2p-1`` microbatches no worker idles between its
-      first and its last operation, at 1F1B's peak activation memory.
-    * ``interleaved1f1b`` (Narayanan et al., *Efficient Large-Scale Language Model
-      Training on GPU Clusters Using Megatron-LM*, SC 2021, section 2.2.2; PyTorch's
-      ``ScheduleInterleaved1F1B``): ``chunks`` stages per worker (stage ``s`` on
-      worker ``s mod p``, ``p = S/chunks``), Megatron-LM's order; ``m`` a multiple of ``p``.
-    * ``dualpipev`` (DeepSeek's ``dualpipev.py``; PyTorch's ``ScheduleDualPipeV``):
-      ``S = 2p`` stages in ZB-V's V, its eight phases, ``m >= 2p``.
-
-    Worker ``i``'s list is ``schedule(...)[i]``; ``worker_stages`` says which stages it holds.
+    ``gpipe`` (every F, then every B); ``1f1b``; ``zbh1`` and ``zbv`` (Qi et al., *Zero Bubble Pipeline
+    Parallelism*, ICLR 2024: each W where the worker would otherwise wait; ``zbv`` ``S = 2p`` stages in a V);
+    ``interleaved1f1b`` (Megatron-LM's order, ``chunks`` stages per worker, ``m`` a multiple of ``p``); ``dualpipev``
+    (DeepSeek's, ``S = 2p``, ``m >= 2p``). docs/explanations/schedules.md says each.
 
     Args:
         name: The schedule, one of ``SCHEDULES``.
@@ -49,13 +32,11 @@ def schedule(name: str, num_stages: int, microbatches: int, chunks: int = CHUNKS
         chunks: Interleaved 1F1B's stages per worker (by default 2); ignored by the others.
 
     Returns:
-        One list of ``Op`` per worker, in the order it runs them.
+        One list of ``Op`` per worker (``worker_stages`` says which stages it holds), in the order it runs them.
 
     Raises:
-        VjpsplitError: If the schedule is unknown, or cannot run these stages and
-            microbatches (no stage or microbatch, an odd stage count for a V, a stage
-            count not a multiple of ``chunks`` or microbatches not a multiple of the
-            workers for interleaved 1F1B, fewer microbatches than stages for DualPipeV).
+        VjpsplitError: If the schedule is unknown, or cannot run these stages and microbatches (an odd stage count
+            for a V, counts not multiples as interleaved 1F1B needs, fewer microbatches than stages for DualPipeV).
     """
     check_schedule(name, num_stages, microbatches, chunks)
     return [list(ops) for ops in _built(name, num_stages, microbatches, chunks)]

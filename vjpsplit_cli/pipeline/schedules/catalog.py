@@ -74,28 +74,22 @@ def check_schedule(name: str, num_stages: int, microbatches: int | None = None, 
 class Schedule:
     """What each worker runs in a step: a built-in schedule, plans, or ``"auto"`` within a memory limit.
 
-    Every runner's ``schedule=`` takes a name (``"zbh1"``, the same as ``Schedule("zbh1")``) or a
-    ``Schedule``: plans are ``Schedule(plans=plans)``, ``"auto"``'s limits ``Schedule("auto",
-    memory_limit=...)``. ``"auto"`` (the Trainer's only) times the first step and runs
-    ``auto_schedule``'s plans for the measured costs from the second (timed too, and planned again
-    after it), within the limit.
+    Every runner's ``schedule=`` takes a name (``"zbh1"``, the same as ``Schedule("zbh1")``) or a ``Schedule``.
+    ``"auto"`` (the Trainer's only) times the first step and runs ``auto_schedule``'s plans for the measured costs.
 
     Args:
-        name: ``gpipe``, ``1f1b``, ``zbh1``, ``zbv``, ``interleaved1f1b``, ``dualpipev`` or ``"auto"``
-            (default: ``1f1b``, or the plans').
-        plans: one list of operations per worker, as ``read_schedule`` returns them (checked by
-            ``check_plans``; the schedule's name is then ``"custom"``).
+        name: ``gpipe``, ``1f1b``, ``zbh1``, ``zbv``, ``interleaved1f1b``, ``dualpipev`` or ``"auto"`` (default:
+            ``1f1b``, or the plans').
+        plans: One list of operations per worker, as ``read_schedule`` returns them (checked by ``check_plans``;
+            the schedule's name is then ``"custom"``).
         memory_limit: ``"auto"`` only: the most microbatches a worker holds at once, an int or one per worker.
-        memory_limit_bytes: ``"auto"`` only: bytes per worker (an int or a size such as ``"2GiB"``, or one
-            per worker), counted from the stages' manifests.
-        trial_rounds: ``"auto"`` only: the steps each of the plans the model rates close runs at least before
-            auto keeps the fastest (default 3; those within the clock's noise of the fastest run on, up to 4
-            times as many; 0 keeps the model's choice without trial steps).
+        memory_limit_bytes: ``"auto"`` only: bytes per worker (an int or a size such as ``"2GiB"``, or one per worker).
+        trial_rounds: ``"auto"`` only: the steps each plan the model rates close runs at least before the fastest is
+            kept (default 3; 0 keeps the model's choice without trial steps).
 
     Raises:
-        VjpsplitError: both ``name`` and ``plans``; both memory limits, or one (or ``trial_rounds``) for a
-            schedule other than ``"auto"``; a name that is not a string, or no schedule's (the message lists them,
-            ``"auto"`` too); ``trial_rounds`` not an int >= 0.
+        VjpsplitError: Both ``name`` and ``plans``; both memory limits, or one (or ``trial_rounds``) for a schedule
+            other than ``"auto"``; a name that is no schedule's (the message lists them); ``trial_rounds`` < 0.
     """
 
     name: str | None = None

@@ -173,24 +173,22 @@ class Stages:
         """The batch tuple as the runners' microbatches: stage 0's inputs as ``x``, the others' as per-stage sides.
 
         Args:
-            batch: The batch inputs, a tuple in the function's argument order (a 1-tuple for one input), without
-                the PRNG key argument where the function takes one (``index.StagesIndex.key_position``).
+            batch: The batch inputs, a tuple in the function's argument order (a 1-tuple for one input), without the
+                PRNG key argument where the function takes one (``index.StagesIndex.key_position``).
             microbatches: How many microbatches to split the first dim into.
-            replicas: How many replicas each microbatch is split into after (``data_parallel``): each stage
-                call gets ``rows / (microbatches * replicas)`` rows, which the export's first dims must take.
-            keys: Where the function takes a PRNG key: one typed key per microbatch, handed to every stage
-                that reads the key argument; None where it takes none.
+            replicas: How many replicas each microbatch is split into after (``data_parallel``): each stage call gets
+                ``rows / (microbatches * replicas)`` rows, which the export's first dims must take.
+            keys: Where the function takes a PRNG key: one typed key per microbatch, handed to every stage that reads
+                the key argument; None where it takes none.
 
         Returns:
-            One pair per microbatch: stage 0's batch leaves (a tuple) and the later
-            stages' batch leaves by stage index (a ``StageInputs``).
+            One pair per microbatch: stage 0's batch leaves (a tuple) and the later stages' by stage index
+            (a ``StageInputs``).
 
         Raises:
-            VjpsplitError: If ``batch`` is not a tuple of the right length, its leaves
-                differ from the export's (dtype, rank, fixed dims), or their first dims
-                differ or are not a multiple of ``microbatches``; or the rows each stage call gets do not
-                fit the export's first dims (a fixed one, or ``2*b`` against an odd count), saying the fix;
-                or the function takes a PRNG key and no ``keys`` are given (or the other way round).
+            VjpsplitError: If ``batch`` is not a tuple of the right length, its leaves differ from the export's, their
+                first dims differ or do not split into the microbatches and replicas the export takes (saying the
+                fix), or ``keys`` is given without a key argument (or the other way round).
         """
         pos = self.index.key_position
         key_name = None if pos is None else self.index.batch[pos].key

@@ -229,46 +229,24 @@ def export_stages(
 ) -> Stages:
     """Trace ``fn(*specs)`` once and export one artifact per stage; see the module docstring.
 
-    ``wrt`` names the parameter argument(s); every other argument is a batch input
-    whose spec describes **one microbatch** (with ``data_parallel=N``, one replica's
-    part of it). Stages end at ``stage_boundary`` marks,
-    or, with ``stages=N`` and no marks, at N-1 points of balanced estimated cost
-    where few bytes cross. ``weights`` gives each stage the zero-bubble split backward.
-    ``data_parallel=N`` records N replicas of every stage in the index (``stages.json``):
-    the ``Trainer``'s ``data_parallel`` when it is not given. ``has_aux=True``: ``fn``
-    returns ``(loss, aux)``, ``aux`` a pytree of arrays (metrics: an accuracy, a token
-    count) made anywhere in ``fn`` and returned by the last stage, not differentiated.
-
-    Each stage is an ordinary artifact over tuples: ``stage(params, batch)`` for the
-    first, ``stage(params, x)`` or ``stage(params, x, batch)`` for the others, where
-    ``params`` are the parameter leaves it reads, ``x`` what the stage before sends,
-    and ``batch`` the batch leaves it reads.
-
     Args:
         fn: The whole model's loss, as ``fn(params, batch...)`` (any argument order).
-        *specs: One pytree of ``jax.ShapeDtypeStruct`` (or arrays) per argument; batch
-            inputs describe one microbatch.
+        *specs: One pytree of ``jax.ShapeDtypeStruct`` (or arrays) per argument; batch inputs describe one microbatch.
         wrt: The one parameter argument (position or name); by default the first.
         platforms: The platforms to lower each stage for; by default ``DEFAULT_PLATFORMS``.
         policy: The rematerialization policy of every stage; ``None`` keeps every residual.
         weights: Whether each stage gets the zero-bubble split backward.
-        stages: Without marks, cut into this many stages by estimated cost; ``None``
-            cuts at the ``stage_boundary`` marks.
+        stages: Without marks, cut into this many stages of balanced cost; ``None`` cuts at ``stage_boundary`` marks.
         name: The model's name in the stages' manifests; ``None`` takes ``fn``'s module and name.
-        data_parallel: The replicas of every stage recorded in the index (by default 1).
-        has_aux: Whether ``fn`` returns ``(loss, aux)``; the last stage's artifact is exported
-            with ``has_aux`` (its ``fwd`` gives the aux), and the ``Trainer`` reports it.
+        data_parallel: The replicas of every stage recorded in ``stages.json`` (the Trainer's default; by default 1).
+        has_aux: Whether ``fn`` returns ``(loss, aux)``; the last stage returns ``aux`` (not differentiated).
 
     Returns:
         The ``Stages``, in memory (``save`` writes them to a directory).
 
     Raises:
-        VjpsplitError: If the specs do not match ``fn``'s arguments, ``wrt`` names more
-            than one argument or every argument, an input is 64-bit without
-            ``jax_enable_x64``, both marks and ``stages`` are given or neither, or a
-            stage's export is refused (as ``export`` raises); or ``data_parallel`` is
-            not an int >= 1; with ``has_aux``, if ``fn`` returns no pair or an
-            aux leaf that is no array.
+        VjpsplitError: If the specs, ``wrt``, the marks, ``stages``, ``data_parallel`` or the aux are wrong, or a
+            stage's export is refused (as ``export`` raises).
     """
     _check_replicas(data_parallel)
     names = _check_arity(fn, len(specs))

@@ -23,25 +23,19 @@ from ...treetypes import PyTree
 class Microbatches:
     """A step's microbatches one by one (shapes within the stages' symbolic dims), with per-microbatch loss weights.
 
-    ``trainer.step(Microbatches([b0, b1], weights=[n0, n1]))``: the step's loss and gradients are the weighted
-    mean over the microbatches, ``sum_i w_i * loss_i / sum_i w_i``, as ``jax.value_and_grad`` of that sum in one
-    process gives them (weights such as token counts turn per-microbatch mean losses into the mean per token).
-    ``fit`` takes data that gives these too, and ``evaluate`` takes one (its loss the same weighted mean).
+    ``trainer.step(Microbatches([b0, b1], weights=[n0, n1]))``: the step's loss and gradients are the weighted mean
+    ``sum_i w_i * loss_i / sum_i w_i``, as ``jax.value_and_grad`` of that sum gives them in one process. ``fit`` and
+    ``evaluate`` take them too. ``scales`` is each weight over their sum.
 
     Args:
-        batches: one batch tuple per microbatch, in the function's argument order (a 1-tuple for one input),
-            as ``step`` takes a batch; their count is the step's microbatches (``Trainer(microbatches=)``).
-        weights: one loss weight per microbatch, each a finite number > 0 (host numbers: a token count as an
-            int); None weighs them equally (the plain mean over microbatches).
-
-    Attributes:
-        batches: the batch tuples, as given.
-        weights: the weights as floats (all 1.0 where none were given).
-        scales: each microbatch's weight over their sum: what its loss counts for in the step's.
+        batches: One batch tuple per microbatch, in the function's argument order (a 1-tuple for one input), as
+            ``step`` takes a batch; their count is the step's microbatches (``Trainer(microbatches=)``).
+        weights: One loss weight per microbatch (a token count, say), each a finite number > 0; None weighs them
+            equally. Kept as floats.
 
     Raises:
-        VjpsplitError: ``batches`` is not a non-empty list or tuple of batch tuples; ``weights`` is not one
-            finite number > 0 per batch.
+        VjpsplitError: ``batches`` is not a non-empty list or tuple of batch tuples; ``weights`` is not one finite
+            number > 0 per batch.
     """
 
     def __init__(self, batches: Sequence[tuple[PyTree, ...]], *, weights: Sequence[float] | None = None):

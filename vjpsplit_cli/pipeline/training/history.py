@@ -55,24 +55,21 @@ class StepRecord:
     """One step of ``Trainer.history``.
 
     Attributes:
-        step: the step count after this step (the first step is 1).
-        loss: the step's loss, the mean over microbatches.
-        grad_norm: the gradients' global norm before clipping.
-        step_time: seconds the step took, from the caller's side.
-        bubble: the fraction of the workers' time idle in the step's measured timeline (0 to 1).
-        modeled_bubble: the same fraction in the schedule's modeled timeline (0 to 1).
-        schedule: under ``schedule="auto"``, what ran (the measuring step's schedule, then ``"auto"``); else None.
-        modeled_makespan: under ``schedule="auto"``, the plans' makespan under the measured costs, seconds; else None.
-        measuring: under ``schedule="auto"``, True on the timed first steps that measure the costs.
-        busy: a timed step's compute seconds per worker; None for an untimed step.
-        stragglers: a timed step's workers whose compute was 15% or more above that of the workers whose stages
-            cost the same, 3 timed steps in a row; None for an untimed step.
+        step: The step count after this step (the first step is 1).
+        loss: The step's loss, the mean over microbatches.
+        grad_norm: The gradients' global norm before clipping.
+        step_time: Seconds the step took, from the caller's side.
+        bubble: The fraction of the workers' time idle in the step's measured timeline (0 to 1).
+        modeled_bubble: The same fraction in the schedule's modeled timeline (0 to 1).
+        schedule: Under ``schedule="auto"``, what ran (the measuring step's schedule, then ``"auto"``); else None.
+        modeled_makespan: Under ``schedule="auto"``, the plans' makespan under the measured costs, seconds; else None.
+        measuring: Under ``schedule="auto"``, True on the timed first steps that measure the costs.
+        busy: A timed step's compute seconds per worker; None for an untimed step.
+        stragglers: A timed step's workers 15% or more above their peers for 3 timed steps; None untimed.
         eval_loss: ``fit(eval_data=..., eval_every=...)``'s loss after this step (``Trainer.evaluate``); else None.
-        trial: under ``schedule="auto"``, on a trial step, the candidate it ran (``"auto"``, ``"auto, 1f1b's
-            memory"``, ``"zbh1"``, ...; ``autoplan``); else None.
-        aux: for stages whose function returns ``(loss, aux)``, the step's aux as the Trainer's ``aux=`` says
-            (``step_aux``); else None. Not in ``as_dict``.
-        eval_aux: the aux of ``eval_loss``'s evaluation, likewise; else None.
+        trial: Under ``schedule="auto"``, on a trial step, the candidate it ran (``autoplan``); else None.
+        aux: The step's aux as the Trainer's ``aux=`` says (``step_aux``), not in ``as_dict``; else None.
+        eval_aux: The aux of ``eval_loss``'s evaluation, likewise; else None.
     """
 
     step: int

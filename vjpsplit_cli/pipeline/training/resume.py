@@ -109,30 +109,23 @@ def load_checkpoint(
 ) -> tuple[PyTree, optax.OptState, int]:
     """``(params, opt_state, step)`` of a Trainer's checkpoint, for a one-process optax loop.
 
-    ``params`` has the structure the Trainer was given, ``opt_state`` optax's own
-    structure for ``optimizer`` (``optimizer.init(params)``'s; pass the optimizer
-    the run was saved with) and ``step`` the count of steps taken::
+    Arrays are host (NumPy) arrays, typed PRNG keys typed::
 
         params, opt_state, step = P.load_checkpoint("ck", optimizer=tx)
         updates, opt_state = tx.update(grads, opt_state, params)
 
-    Arrays are host (NumPy) arrays, typed PRNG keys typed. A checkpoint an older
-    vjpsplit wrote per stage is refused by name (restore it into the stages that
-    wrote it, and save it again).
-
     Args:
         directory: The checkpoint directory (``Trainer.save``'s).
-        optimizer: The optax optimizer the run was saved with, whose ``init`` gives
-            the optimizer state's structure.
+        optimizer: The optax optimizer the run was saved with, whose ``init`` gives the optimizer state's structure.
 
     Returns:
-        The triple ``(params, opt_state, step)``: the parameters in the Trainer's
-        structure, optax's optimizer state for them, and the count of steps taken.
+        The triple ``(params, opt_state, step)``: the parameters in the Trainer's structure, optax's optimizer state
+        for them, and the count of steps taken.
 
     Raises:
-        VjpsplitError: If the directory is not a readable checkpoint (missing,
-            damaged or malformed files), was written per stage by an older vjpsplit,
-            or its optimizer state does not fit ``optimizer``'s (naming the entry).
+        VjpsplitError: If the directory is not a readable checkpoint (missing, damaged or malformed files), was
+            written per stage by an older vjpsplit (restore it into those stages and save it again), or its optimizer
+            state does not fit ``optimizer``'s (naming the entry).
     """
     saved = read_checkpoint(directory)
     params = saved_whole_params(saved)

@@ -39,22 +39,14 @@ def run(
 ) -> PipelineResult:
     """One pipelined training step: the gradients and loss, no optimizer (``Trainer`` steps one).
 
-    ``artifacts`` is a ``Stages`` (then ``params`` is the whole parameter pytree and
-    ``x`` the batch tuple; ``grads`` come back in ``params``' structure) or one
-    artifact per stage with one parameter pytree each, ``x`` the first stage's input
-    and ``side`` the last stage's. ``schedule`` and ``runner`` are the Trainer's words:
-    ``runner=InProcess(devices=..., offload=...)`` runs ``run_inprocess``,
-    ``runner=Ray(address=..., actor_options=...)`` a ``RayPipeline`` made for the step.
-
     Args:
-        artifacts: A ``Stages``, or one artifact per stage.
+        artifacts: A ``Stages`` (``grads`` then come back in ``params``' structure), or one artifact per stage.
         params: The whole parameter pytree for a ``Stages``, else one parameter pytree per stage.
         x: The batch tuple for a ``Stages``, else the first stage's input.
         side: The last stage's side inputs (a ``Stages`` takes none).
         microbatches: How many microbatches to split the batch into.
-        schedule: A built-in schedule's name (by default ``"1f1b"``), plans (``read_schedule``'s form, checked
-            first; the same as ``Schedule(plans=plans)``) or a ``Schedule``.
-        runner: ``"inprocess"`` (default) or ``"ray"``, or an ``InProcess`` or ``Ray`` with its options.
+        schedule: A built-in schedule's name (by default ``"1f1b"``), plans (``read_schedule``'s), a ``Schedule``.
+        runner: ``"inprocess"`` (default, ``run_inprocess``), ``"ray"`` (a ``RayPipeline``), ``InProcess`` or ``Ray``.
         progress: Whether to show a progress bar.
         timed: Whether to time each operation (``False``: no timeline, nothing waits).
         schedule_name: The contract's spelling of ``schedule=`` with a name.
@@ -64,8 +56,7 @@ def run(
         The step's ``PipelineResult``.
 
     Raises:
-        VjpsplitError: An unknown runner or schedule; ``data_parallel`` above 1 (the Trainer's), offload on Ray
-            (the Trainer's); what ``run_inprocess`` and ``RayPipeline`` raise.
+        VjpsplitError: An unknown runner or schedule; ``data_parallel`` > 1, Ray offload (the Trainer's); the runners'.
     """
     if schedule_name is not None:
         if schedule is not None:

@@ -22,7 +22,7 @@ attribute it keeps, from its options), ``step``, ``evaluate``, ``fit`` and ``res
 checkpoint: ``resume.restored_run``), its state (``params``, ``state``, ``save``), what it measured (``history``,
 ``costs``, ``memory``, stragglers, ``placement``) and ``close``.
 
-May import, of this room, ``fit``, ``resume``, ``options``, ``option_values``, ``clipping``, ``microbatch_keys``,
+May import, of this layer, ``fit``, ``resume``, ``options``, ``option_values``, ``clipping``, ``microbatch_keys``,
 ``step_aux``, ``arguments``, ``backend``, ``ownership``, ``autoplan``, ``optax_state``, ``optimizer``, ``checkpoint``,
 ``checkpoint_layout``, ``history``, ``measured`` and ``device_memory``; ``runtime``, ``schedules``, ``stages``; the
 layers below ``pipeline``.
@@ -87,58 +87,19 @@ RECORDED: Final = _Recorded()
 class Trainer:
     """Pipelined training: ``step(batch)`` runs the schedule and every stage's optimizer update where it lives.
 
-    ``Trainer(stages, params, optimizer=tx, microbatches=8)``, and what is not the
-    state, one value each: ``schedule=`` (a name or a ``Schedule``),
-    ``runner=`` (``"inprocess"``, ``"ray"``, ``InProcess(...)``, ``Ray(...)``),
-    ``clip_global_norm=`` and ``observe=Observe(...)``; where the state starts:
-    ``opt_state=`` and ``step_count=`` (``__init__`` says each).
+    ``Trainer(stages, params, optimizer=tx, microbatches=8)``, and what is not the state, one value each:
+    ``schedule=`` (a name or a ``Schedule``), ``runner=`` (``"inprocess"``, ``"ray"``, ``InProcess(...)``,
+    ``Ray(...)``), ``clip_global_norm=`` and ``observe=Observe(...)``; where the state starts: ``opt_state=`` and
+    ``step_count=`` (``__init__`` says each). An optimizer update the stages cannot compute as one process does is
+    refused here (``separable``). ``history`` keeps per step the loss, the gradients' global norm (before clipping),
+    the step time and the measured and modeled bubble (NaN for an untimed step).
 
-    ``clip_global_norm=c`` clips by the norm over all stages' gradients (a tied leaf
-    counted once), as ``optax.chain(optax.clip_by_global_norm(c), optimizer)`` on
-    one device, and so does a ``clip_by_global_norm`` inside ``optimizer``: an update
-    that reduces over all leaves gets the reductions over all stages, one that takes
-    ``value=`` the step's loss, and one the stages cannot compute as one process does
-    is refused here (``separable``). ``history`` keeps per step the loss, the
-    gradients' global norm (before clipping), the step time and the measured and
-    modeled bubble (NaN for an untimed step).
-
-    ``Schedule("auto", memory_limit=...)`` times the first step and runs
-    ``auto_schedule``'s plans for the measured costs from the second (timed too, and
-    planned again after it), within the memory limit; then 1F1B, ZB-H1 and the plans
-    the model rates close (its own, the same at 1F1B's memory) each run
-    ``trial_rounds`` steps at least (default 3; those within the clock's noise of the fastest run on) and
-    the fastest on the clock is kept (``autoplan``).
-
-    In-process, every stage runs on a device of its own (``InProcess(devices=...)``;
-    by default worker k's stages on ``jax.local_devices()[k]`` where there are
-    enough, else all on the default device); ``placement`` says where each stage is.
-    ``Observe(timeline=True)`` times every step (``step(batch, timed=True)`` one
-    step): each operation waits for its results, and ``last_result`` holds their
-    compute times; ``Observe(trace_dir=..., trace_every=k)`` writes every k-th step's
-    trace. Every step, timed or not, in-process or on Ray, past ``Observe(step_timeout=...)``,
-    or one interrupted by Ctrl-C, is one error naming what each worker is running or
-    waiting for (its report: the error names it). The worker threads of timed steps, and
-    the one thread in-process untimed steps run in, end with ``close()``, with
-    ``with Trainer(...) as tr:``, or when a Trainer nobody closed is collected.
-
-    ``InProcess(offload=...)`` or ``Ray(offload=...)``: residuals leave their stage's device between a
-    microbatch's F and its B and come back one operation ahead of the B: ``"host"`` (host memory:
-    an accelerator's ``pinned_host`` memory where it has one; host NumPy on CPU devices and elsewhere)
-    or ``Offload(to="host"|"files", directory=..., microbatches=..., stages=..., pairs=...)``
-    (``vjpsplit_cli.pipeline.Offload``).
-    Gradients and training are bitwise those without offload. ``Schedule("auto",
-    memory_limit_bytes=...)`` may offload on its own (``planned_offload``).
-
-    ``InProcess(data_parallel=N)`` or ``Ray(data_parallel=N)`` (unsharded stages) runs
-    N replicas of every stage, each microbatch split N ways (so the batch divides by
-    ``microbatches * N``); not given, the ``data_parallel`` the stages' export
-    recorded (``export_stages(data_parallel=N)``), else 1. Each replica sums its
-    gradients over the step's microbatches alone; one reduce-scatter per stage per
-    step sums them across the replicas, each device updates its 1/N shard of the
-    stage's optimizer state (ZeRO-1), and the new parameters are gathered once.
-    Losses, parameters, ``state()`` and checkpoints are those of ``data_parallel=1``
-    (a run continues at another N). A timed step runs a stage's replicas one after
-    another and records the first replica's operations.
+    ``Schedule("auto", ...)`` plans from the measured costs and keeps the fastest on the clock (``autoplan``);
+    ``runner`` options place the stages, offload residuals between F and B (bitwise the same gradients) and run
+    ``data_parallel`` replicas (losses, parameters and checkpoints those of ``data_parallel=1``). Every step past
+    ``Observe(step_timeout=...)``, or interrupted by Ctrl-C, is one error naming what each worker runs or waits for.
+    Threads end with ``close()``, ``with Trainer(...) as tr:``, or when a Trainer nobody closed is collected.
+    docs/howto/training.md, schedules.md, offload.md and data-parallel.md say the rest.
     """
 
     def __init__(
@@ -297,30 +258,23 @@ class Trainer:
     ) -> float | tuple[float, PyTree]:
         """One optimizer step on ``batch``: the schedule over its microbatches, then every stage's update.
 
-        ``costs()`` counts timed steps; ``schedule="auto"`` times its first two steps itself, races the
-        plans it rates close over the next (trial) steps, and plans again after each later timed step.
-        ``Microbatches([b0, b1, ...], weights=[w0, w1, ...])`` gives the microbatches one by one, each of its own
-        shape within the stages' symbolic dims: the loss and gradients are the weighted mean over them, each
-        new shape compiles once (docs/howto/variable-lengths.md).
+        ``costs()`` counts timed steps; ``schedule="auto"`` times its first two steps itself and races the plans
+        it rates close over the next (trial) steps. docs/howto/variable-lengths.md says ``Microbatches``.
 
         Args:
-            batch: the function's batch inputs as a tuple (a 1-tuple for one input), the whole batch; it is
-                cut into ``microbatches`` along axis 0. Or ``Microbatches``: as many as the Trainer's
-                ``microbatches``, each as it is.
-            timed: True waits for every operation and records its compute time in ``last_result.events`` (for
-                its timeline, or to measure the stages' costs); it costs the overlap of dispatch with compute.
-                None: the Trainer's ``Observe(timeline=...)`` (and its ``trace_every``).
+            batch: The function's batch inputs as a tuple (a 1-tuple for one input), the whole batch, cut into
+                ``microbatches`` along axis 0; or ``Microbatches``, as many as the Trainer's, each as it is.
+            timed: True waits for every operation and records its compute time in ``last_result.events`` (it costs the
+                overlap of dispatch with compute); None: the Trainer's ``Observe(timeline=...)`` (and ``trace_every``).
 
         Returns:
-            The step's loss: the mean over microbatches, as the loss function gives it on the whole batch (with
-            ``Microbatches``, their weighted mean); for stages whose function returns ``(loss, aux)``,
-            ``(loss, aux)``, the aux as ``aux=`` says (by default each leaf's mean over the microbatches; host
-            arrays), fetched with the loss at the step's end.
+            The step's loss: the mean over microbatches (with ``Microbatches``, their weighted mean); for stages whose
+            function returns ``(loss, aux)``, ``(loss, aux)``, the aux as ``aux=`` says (host arrays).
 
         Raises:
-            VjpsplitError: a batch that does not split into the microbatches (or replicas), ``Microbatches`` of
-                another count than ``microbatches`` or a shape the export does not take (naming the batch), a step past
-                ``step_timeout`` or interrupted (naming what each worker runs or waits for), a lost Ray worker.
+            VjpsplitError: A batch that does not split into the microbatches (or replicas), ``Microbatches`` of another
+                count or a shape the export does not take, a step past ``step_timeout`` or interrupted (naming what each
+                worker runs or waits for), a lost Ray worker.
         """
         t0 = time.monotonic()
         scales = self._scales(batch)
@@ -409,29 +363,21 @@ class Trainer:
     ) -> float | tuple[float, PyTree] | tuple[float, PyTree, list[PyTree]]:
         """The loss on ``batch`` from every stage's forward only: no residuals, no gradients, no update.
 
-        Each stage runs its evaluation program (``export_stages`` writes one beside each artifact: the stage's
-        forward without residual outputs) where the stage lives, in-process or on its Ray actor, with the
-        parameters it holds now; activations go from stage to stage as in a step. The loss is the mean over the
-        microbatches, as a step's is (the function's loss on the whole batch, for a mean loss). Parameters,
-        optimizer state, the step count and the history do not change.
+        Each stage runs its evaluation program where it lives, with the parameters it holds now; the loss is the
+        mean over the microbatches, as a step's is. Parameters, optimizer state, step count and history do not change.
 
         Args:
-            batch: the function's batch inputs as a tuple, as ``step`` takes them; or ``Microbatches`` (as many as
-                it holds; the loss their weighted mean, as a step's).
-            microbatches: how many microbatches to cut ``batch`` into (default: the Trainer's; not with
-                ``Microbatches``).
-            outputs: also return the model's output: per microbatch, the tuple of arrays the last stage
-                received (what the stage before it sends on, e.g. the hidden state before the loss).
+            batch: The function's batch inputs as a tuple, as ``step`` takes them; or ``Microbatches``.
+            microbatches: How many microbatches to cut ``batch`` into (default: the Trainer's; not with Microbatches).
+            outputs: Also return the model's output: per microbatch, the tuple of arrays the last stage received.
 
         Returns:
             The loss (a float); with ``outputs=True``, ``(loss, outputs)``. For stages whose function returns
-            ``(loss, aux)``: ``(loss, aux)``, or ``(loss, aux, outputs)``, the aux as a step's (the Trainer's
-            ``aux=``).
+            ``(loss, aux)``: ``(loss, aux)``, or ``(loss, aux, outputs)``, the aux as a step's.
 
         Raises:
-            VjpsplitError: ``microbatches`` is not an int >= 1, or given with ``Microbatches``; the Trainer runs the per-stage form, or a stage has
-                no evaluation program (a stages directory saved by an older vjpsplit, or a sharded stage): the message
-                says how to export again.
+            VjpsplitError: ``microbatches`` is not an int >= 1, or given with ``Microbatches``; the Trainer runs the
+                per-stage form, or a stage has no evaluation program (the message says how to export again).
         """
         m = self.microbatches if microbatches is None else checked_microbatches(microbatches)
         scales = None
@@ -476,51 +422,23 @@ class Trainer:
     ) -> list[float]:
         """Run the steps ``step_count`` ... ``steps - 1`` of a run; return their losses.
 
-        ``data``: ``data(step) -> batch`` or a sequence indexed by step (steps count from 0 of the run); a
-        batch may be ``Microbatches`` (as ``step`` takes it). With ``checkpoint_dir``, a checkpoint already there is
-        where the run begins (logged at INFO
-        on ``logging``'s ``vjpsplit_cli.pipeline.training.fit``; a ``UserWarning`` when it, or the Trainer, is
-        already at or past ``steps``, so nothing trains), and one is
-        saved after every ``checkpoint_every``-th step and after the last, written by a thread while the next
-        steps run (a step waits only for the copy to host memory; a failed write is an error at the next step
-        or at the end; the last checkpoint is complete when ``fit`` returns). ``checkpoint_dir`` is checked
-        before the first step: a file, a place that cannot be written, a directory holding files no save
-        wrote, or one that is (or is inside, or holds) the offload directory or ``trace_dir`` is refused (a save
-        replaces the whole directory; an empty directory is fine).
-
-        ``callback(step, loss)`` after each step; a callback that takes ``rerun`` (or ``**kwargs``) gets
-        ``rerun=True`` for a step this call runs again after returning to a checkpoint (a lost Ray worker), so
-        a logger can skip what it saw. A run resumed in a new process (``fit`` begins from the checkpoint)
-        runs the steps after the checkpoint again too, which this call cannot know: they come with
-        ``rerun=False``. A loss or gradient norm that is not finite stops the run with one error naming the
-        step, before any checkpoint after it is written (``stop_on_nonfinite=False`` trains on). On Ray, a worker whose actor dies is replaced (same actor options), every worker returns
-        to the last checkpoint and the steps since run again: the losses and parameters are those of a run
-        that never failed. More than ``max_restarts`` failures, or none to return to, is one error naming the
-        worker and the step. ``checkpoint_times`` and ``restarts`` record what the checkpoints and restarts
-        cost. With ``eval_data`` (a batch tuple, or ``eval_data(step) -> batch``) and ``eval_every``, the
-        model is evaluated (``evaluate``) after every ``eval_every``-th step and after the last; the loss goes
-        into that step's ``history`` row as ``eval_loss``. A stuck step's report (``hang_report``) goes beside
-        the checkpoint directory, as ``<checkpoint_dir>.hang.json``, unless the Trainer was given ``hang_report``.
-
         Args:
             data: ``data(step) -> batch`` or a sequence indexed by step (steps count from 0 of the run).
-            steps: the run's total number of steps (a Trainer at step k runs k ... steps - 1).
-            checkpoint_dir: where checkpoints go, and where an existing one is the run's start; None: none.
-            checkpoint_every: save after every n-th step (and after the last); None: after the last only.
-            max_restarts: how many lost Ray workers the run replaces before it gives up.
-            callback: ``callback(step, loss)`` after each step (``rerun=`` too where it takes it).
-            stop_on_nonfinite: stop with an error at a loss or gradient norm that is not finite.
-            eval_data: a batch tuple, or ``eval_data(step) -> batch``, to ``evaluate`` every ``eval_every``
-                steps; None: no evaluation.
-            eval_every: how often to evaluate (steps).
+            steps: The run's total number of steps (a Trainer at step k runs k ... steps - 1).
+            checkpoint_dir: Where checkpoints go, and where an existing one is the run's start; ``None``: none.
+            checkpoint_every: Save after every n-th step (and after the last); ``None``: after the last only.
+            max_restarts: How many lost Ray workers the run replaces (every worker back to the last checkpoint).
+            callback: ``callback(step, loss)`` after each step (``rerun=True`` for a step run again, if it takes it).
+            stop_on_nonfinite: Stop with an error at a loss or gradient norm that is not finite.
+            eval_data: A batch tuple, or ``eval_data(step) -> batch``, to ``evaluate``; ``None``: no evaluation.
+            eval_every: How often to evaluate (steps); the loss goes into ``history`` as ``eval_loss``.
 
         Returns:
             The losses of the steps this call ran, in order.
 
         Raises:
-            VjpsplitError: a bad ``checkpoint_dir`` or option (named) before the first step; a failed background
-                write; a loss that is not finite; more lost workers than ``max_restarts`` (naming the worker and
-                the step).
+            VjpsplitError: A bad ``checkpoint_dir`` or option before the first step; a failed background write; a loss
+                that is not finite; more lost workers than ``max_restarts``.
         """
         if checkpoint_dir is not None and not self._hang_named:  # a stuck step's report beside the checkpoints
             self.backend.report_hangs_to(os.fspath(checkpoint_dir).rstrip("/" + os.sep) + ".hang.json")
@@ -558,34 +476,27 @@ class Trainer:
     ) -> Trainer:
         """A Trainer continuing the run saved in ``directory``, at its step, with its parameters and optimizer state.
 
-        Each saved parameter's dtype and shape is checked against the stages' export first (one error naming
-        the leaf).
-
         Args:
-            directory: a checkpoint ``save`` (or ``fit``) wrote.
-            stages: any ``Stages`` of the function the run trained (another number of stages, other marks,
-                ``stages=N``); a checkpoint an older vjpsplit wrote per stage, only the stages that wrote it.
-            optimizer: the run's optax ``GradientTransformation``.
-            microbatches: default: the checkpoint's (one written before they were recorded needs it given).
-            schedule: as ``Trainer``'s; default: the checkpoint's (its plans, when they were the caller's; for
-                ``"auto"``, its memory limit too, which an ``"auto"`` given without one also takes).
-            runner: as ``Trainer``'s (not recorded: a run goes on anywhere).
-            clip_global_norm: default: the checkpoint's (none for one written before it was recorded).
-            observe: as ``Trainer``'s.
-            opt_state: optax's whole-model state to start from instead of the checkpoint's (as ``Trainer``'s);
-                None: the checkpoint's.
-            step_count: the run's step instead of the checkpoint's (as ``Trainer``'s); None: the checkpoint's.
-            rng: the run's PRNG key (as ``Trainer``'s; not recorded): the same key goes on with the same
-                microbatch keys from the checkpoint's step.
-            aux: as ``Trainer``'s (not recorded).
-            **keywords: as ``Trainer``'s.
+            directory: A checkpoint ``save`` (or ``fit``) wrote.
+            stages: Any ``Stages`` of the function the run trained (an older per-stage checkpoint: its own stages).
+            optimizer: The run's optax ``GradientTransformation``.
+            microbatches: Default: the checkpoint's (one written before they were recorded needs it given).
+            schedule: As ``Trainer``'s; default: the checkpoint's (its plans, or ``"auto"``'s memory limit too).
+            runner: As ``Trainer``'s (not recorded: a run goes on anywhere).
+            clip_global_norm: Default: the checkpoint's (none for one written before it was recorded).
+            observe: As ``Trainer``'s.
+            opt_state: Optax's whole-model state to start from instead of the checkpoint's; None: the checkpoint's.
+            step_count: The run's step instead of the checkpoint's; None: the checkpoint's.
+            rng: The run's PRNG key (not recorded): the same key goes on with the same microbatch keys.
+            aux: As ``Trainer``'s (not recorded).
+            **keywords: As ``Trainer``'s.
 
         Returns:
             The Trainer, its ``step_count`` the checkpoint's unless given.
 
         Raises:
-            VjpsplitError: ``directory`` is no checkpoint, or lacks what it must record (naming it); a saved
-                leaf that does not match the stages; what ``Trainer`` refuses.
+            VjpsplitError: ``directory`` is no checkpoint or lacks what it must record (naming it); a saved leaf's dtype
+                or shape does not match the stages' export (naming the leaf); what ``Trainer`` refuses.
         """
         options = options_of(stages, schedule, runner, observe, keywords, "Trainer.restore")
         run = restored_run(

@@ -370,28 +370,15 @@ def cpu_environment(
 ) -> None:
     """Start an actor that drives ``n`` devices with ``n`` host devices and ``threads`` XLA CPU threads.
 
-    ``opts``: Ray's actor options (each value of the type Ray takes for its key), changed in place.
-
-    An actor inherits its raylet's environment, which on a local Ray is the
-    driver's: a driver started with ``--xla_force_host_platform_device_count=8``
-    would give every actor 8 CPU devices, and each actor's XLA CPU client a
-    thread pool as wide as the whole host, so that p actors on one host run
-    p times as many compute threads as it has cores (on GPT-256 on 2 cores: 4 threads, 5-13%
-    more compute CPU than in-process). An unused host device costs too: an actor
-    driving 1 device with 2 spread its stage over two XLA threads, 120-122.5 ms of
-    CPU a step against 100.5-103.5 ms, its step 1.22-1.27x the in-process one against
-    1.13-1.15x. So each actor's ``XLA_FLAGS`` gets
-    ``--xla_force_host_platform_device_count=n``, the other flags kept from the
-    job's ``runtime_env`` where it sets ``XLA_FLAGS``, else from the driver's,
-    wherever ``n`` > 1 or those flags set a count (a count is per actor: only the
-    runner knows what each drives); and ``PJRT_NPROC=threads`` (the width of the
-    XLA CPU client's pool) when ``threads`` is given, unless the job's
-    ``runtime_env`` sets it. The actor's own ``runtime_env`` (in ``opts``) setting
-    either leaves that one alone. Both affect JAX's CPU platform only; accelerators
-    come from the actor options (``num_gpus``, ``resources``).
+    An actor inherits its raylet's environment (on a local Ray, the driver's): without this, every actor would get
+    the driver's host device count and a CPU thread pool as wide as the host. So each actor's ``XLA_FLAGS`` gets
+    ``--xla_force_host_platform_device_count=n`` (the other flags kept from the job's ``runtime_env``, else the
+    driver's) wherever ``n`` > 1 or those flags set a count, and ``PJRT_NPROC=threads`` when ``threads`` is given,
+    unless the job's ``runtime_env`` sets it; the actor's own ``runtime_env`` setting either leaves that one alone.
+    Both affect JAX's CPU platform only (docs/howto/ray.md).
 
     Args:
-        opts: The actor's Ray options, changed in place.
+        opts: The actor's Ray options (each value of the type Ray takes for its key), changed in place.
         n: The devices the actor drives (its replicas times its stages' devices).
         threads: XLA CPU threads for the actor; ``None`` leaves XLA's default (the node's cores).
         job_env_vars: The ``env_vars`` of the runner's (job's) ``runtime_env``, which the actor's extend.

@@ -59,67 +59,24 @@ T = TypeVar("T")
 class RayPipeline:
     """Workers as Ray actors (one process each); a step is one call per actor running its own list of operations.
 
-    Activations and cotangents are sent actor to actor (``lists``; mid-size ones in
-    pieces inside the call rather than through Ray's object store).
-
-    ``layout="stage"`` (default) puts one stage on each actor, for GPipe, 1F1B and
-    ZB-H1; ``layout="v"`` puts two on each in ZB-V's (and DualPipeV's) V;
-    ``layout="interleaved"`` two on each, round robin (interleaved 1F1B); a list of
-    stage tuples, one per worker, lays them out as given (for a ``Schedule``'s plans). ``address=None`` starts (or
-    joins) a local Ray instance; pass a cluster address (``ray://host:10001`` or
-    ``auto``) for multi-host. ``actor_options`` gives one dict of Ray actor options
-    per worker (``num_cpus``, ``num_gpus``, ``resources``, ``scheduling_strategy``
-    such as a placement group bundle or ``NodeAffinitySchedulingStrategy``; see
-    ``runtime.ray.setup.placement_group_options``). Actors not placed and started within
-    ``schedule_timeout`` seconds are an error naming the stage and what it lacks.
-    Actors persist across ``run`` calls; ``close()`` (or ``with``) ends them. The
-    driver sends the batch and fetches the gradients, losses and timings once per
-    step; activations and cotangents pass from actor to actor without reaching it.
-    ``nodes[w]`` is the Ray node id worker ``w`` runs on; ``clock_offsets[w]`` its
-    clock minus the driver's (seconds). ``compiled=True`` runs each step as a Ray
-    Compiled Graph (``None``: where Ray can compile it, else actor calls; default
-    False: one call per actor per step, its list of operations, whose results it
-    sends to the other actors itself; ``lists``). Each actor runs its stages on its
-    first device(s), as a worker in-process does. A step whose results are not back within
-    ``step_timeout`` seconds is an error. ``artifacts`` may be a ``Stages``
-    (``export_stages``; ``compiled`` False or None): ``params`` is then the whole parameter pytree, ``run``
-    takes the batch tuple, and the result's ``grads`` have ``params``' structure
-    (its steps run as actor calls: each stage's batch inputs go to it directly).
+    Actors persist across ``run`` calls until ``close()`` (or ``with``); ``nodes[w]`` is worker ``w``'s Ray node id,
+    ``clock_offsets[w]`` its clock minus the driver's (seconds). docs/howto/ray.md says the rest.
 
     Args:
-        artifacts: A ``Stages``, or one artifact per stage.
+        artifacts: A ``Stages`` (``run`` then takes the batch tuple), or one artifact per stage.
         params: The whole parameter pytree for a ``Stages``, else one parameter pytree per stage.
-        address: A Ray cluster address (``ray://host:10001`` or ``auto``); ``None``
-            starts (or joins) a local Ray instance.
+        address: A Ray cluster address (``ray://host:10001`` or ``auto``); ``None`` starts (or joins) a local instance.
         runtime_env: Ray's runtime environment for the actors; ``None`` for none.
-        num_cpus_per_stage: The CPUs each actor reserves (by default 0), unless its
-            ``actor_options`` say otherwise.
-        layout: ``"stage"``, ``"v"``, ``"interleaved"``, or one tuple of stages per worker.
-        actor_options: One dict of Ray actor options per worker; ``None`` for none.
+        num_cpus_per_stage: The CPUs each actor reserves (by default 0), unless its ``actor_options`` say otherwise.
+        layout: ``"stage"`` (one per actor), ``"v"`` (ZB-V's V), ``"interleaved"``, or a tuple of stages per worker.
+        actor_options: One dict of Ray actor options per worker (see ``placement_group_options``); ``None`` for none.
         schedule_timeout: Seconds for Ray to place and start every actor.
-        compiled: ``True`` runs steps as a Ray Compiled Graph, ``None`` where Ray can
-            compile it, ``False`` (default) as actor calls.
+        compiled: ``True`` runs steps as a Ray Compiled Graph, ``None`` where Ray can, ``False`` (default) never.
         step_timeout: Seconds for a step's results (by default 600).
 
-    Attributes:
-        nodes: Per worker, the Ray node id its actor runs on.
-        clock_offsets: Per worker, its clock minus the driver's, in seconds.
-        actors: The actors' handles, one per worker (empty once closed).
-        layout: The ``Layout``: the stages each worker holds.
-        num_stages: The pipeline's stage count.
-        compiled: Whether steps run as a compiled graph (``None``: where Ray can).
-        step_timeout: Seconds for a step's results.
-        steps: The steps started so far.
-        replicas: The replicas of every stage on each actor's devices (the Trainer's
-            ``data_parallel``; a class attribute, 1 here).
-        hang_report: Where a stuck step's report of the last operations goes;
-            ``None`` for ``flight.default_path``.
-
     Raises:
-        VjpsplitError: If Ray is not installed, ``compiled=True`` is asked for a
-            ``Stages``, the artifacts and parameter sets differ in number, the layout
-            is malformed, ``actor_options`` is not one dict per worker, or an actor is
-            not placed within ``schedule_timeout`` (naming its stage and what it lacks).
+        VjpsplitError: If Ray is missing, ``compiled=True`` meets a ``Stages``, the artifacts and parameter sets
+            differ in number, the layout or ``actor_options`` is malformed, or an actor is not placed in time.
     """
 
     actor_class: type[StageActor] = StageActor  # the Trainer's actors extend it
@@ -246,29 +203,22 @@ class RayPipeline:
     ) -> PipelineResult:
         """One training step under ``schedule`` (a name, or a ``Schedule``: plans are checked); gradients accumulate.
 
-        ``timed`` (default): each operation waits for its results and the result's
-        timeline holds their compute times; ``timed=False`` records none (a compiled
-        graph's steps are always timed).
-
         Args:
             x: The first stage's input (for a ``Stages``, the batch tuple).
             side: The last stage's side inputs (a ``Stages`` takes none).
             microbatches: How many microbatches to split the batch into.
-            schedule: A built-in schedule's name (by default ``"1f1b"``), or a ``Schedule`` (plans:
-                ``Schedule(plans=plans)``, checked first).
+            schedule: A built-in schedule's name (by default ``"1f1b"``), or a ``Schedule``.
             progress: Whether to show a progress bar over the workers' lists (then the step runs as actor calls).
-            timed: Whether to time each operation.
+            timed: Whether each operation waits for its results, so the timeline holds compute times (a compiled
+                graph's steps are always timed).
 
         Returns:
             The step's ``PipelineResult`` (``runner="ray"``, ``extra={"compiled": ...}``).
 
         Raises:
-            VjpsplitError: If the schedule or plans cannot run on these stages and
-                microbatches or need another layout than this pipeline's, a stage lacks
-                the split backward the plans use, the pipeline is closed, the batch does
-                not split into ``microbatches``, the compiled graph cannot be built
-                (``compiled=True``) or fails, the step runs past ``step_timeout``, or an
-                operation or actor fails (naming its stage).
+            VjpsplitError: If the schedule cannot run on these stages, microbatches and layout, the pipeline is
+                closed, the batch does not split into ``microbatches``, the compiled graph cannot be built or fails,
+                the step runs past ``step_timeout``, or an operation or actor fails (naming its stage).
         """
         S = self.num_stages
         chosen = schedule_of(schedule)

@@ -130,25 +130,21 @@ def placement_group_options(
 ) -> list[dict[str, object]]:
     """``actor_options`` putting each worker in its own bundle of one new placement group.
 
-    ``bundle`` is what each worker reserves (default one CPU); ``strategy`` is Ray's:
-    ``STRICT_SPREAD`` gives one worker per node, ``{"GPU": 1}`` with ``PACK`` one
-    per GPU. The group lives until ``ray.util.remove_placement_group`` (or Ray's
-    shutdown). A group Ray cannot reserve within ``timeout`` is an error naming
-    what the bundles ask.
+    The group lives until ``ray.util.remove_placement_group`` (or Ray's shutdown).
 
     Args:
         num_workers: How many workers (bundles).
         bundle: What each worker reserves (Ray resources); ``None`` means ``{"CPU": 1}``.
-        strategy: Ray's placement strategy (by default ``"STRICT_SPREAD"``).
+        strategy: Ray's placement strategy (by default ``"STRICT_SPREAD"``: one worker per node; ``{"GPU": 1}``
+            bundles with ``PACK``: one per GPU).
         timeout: Seconds for Ray to reserve the group.
 
     Returns:
-        One dict of Ray actor options per worker (``num_cpus`` and a
-        ``scheduling_strategy`` on its bundle), for ``actor_options``.
+        One dict of Ray actor options per worker (``num_cpus`` and a ``scheduling_strategy`` on its bundle).
 
     Raises:
-        VjpsplitError: If Ray cannot reserve the group within ``timeout``, naming
-            the bundles and the cluster's free resources.
+        VjpsplitError: If Ray cannot reserve the group within ``timeout``, naming the bundles and the cluster's free
+            resources.
     """
     import ray
     from ray.util import placement_group, remove_placement_group
