@@ -58,10 +58,10 @@ def instance_blocks(st, mb):
     later = jax.jit(lambda x, b: jax.tree_util.tree_map(lambda a: a + (jax.numpy.sum(b @ b) * 0).astype(a.dtype), x))
     real = type(st).forward
 
-    def forward(m, x, side, worker=None):
+    def forward(m, x, side, worker=None, microbatches=None):
         if m == mb:
             x = through(later(st.to_device(x), big))
-        return real(st, m, x, side, worker=worker)
+        return real(st, m, x, side, worker=worker, microbatches=microbatches)
 
     st.forward = forward
     return hold, release

@@ -130,6 +130,13 @@ def main() -> None:
         record(os.path.join(out, f"{me}-resumed.npz"), tr, tr.fit(batch, steps + 3, checkpoint_dir=ck))
     if "kill" in phases:
         if me == 1:
+            # Not before process 0 has its results: their gathers read from this process while it lives.
+            deadline = time.monotonic() + 120
+            while "resume" in phases and not os.path.exists(os.path.join(out, "0-resumed.npz")):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            time.sleep(1.0)
             os._exit(1)
         t0 = time.monotonic()
         try:

@@ -105,10 +105,13 @@ def test_candidates_within_the_noise_race_on_and_the_slow_leave_early():
     assert even.winner().name == ("a" if medians[0] <= medians[1] else "b")
 
 
+MBS = [(np.zeros((2, 3), np.float32), [])]  # a step's microbatches as next_step sees them: one of one shape
+
+
 def _measured(ap: AutoPlan, costs: dict) -> None:
     """Run ``ap``'s two timed measuring steps under ``costs``."""
     for _ in range(2):
-        ran, measuring = ap.next_step([None])
+        ran, measuring = ap.next_step(MBS)
         assert measuring
         ap.after(ran, lambda: costs, True, 1.0)
 
@@ -127,7 +130,7 @@ def test_autoplan_races_after_measuring_and_again_only_for_plans_not_raced(monke
     slowest = len(names) - 1  # the clock reverses the model: the plans modeled slowest run fastest
     ran = []
     while ap.trial is not None:
-        plan, measuring = ap.next_step([None])
+        plan, measuring = ap.next_step(MBS)
         assert not measuring and plan.plans == ap.plans and plan.name == AUTO
         i = race.running
         row = ap.after(plan, lambda: pytest.fail("an untimed step reads no costs"), False, 1.0 if i == slowest else 2.0)
@@ -136,7 +139,7 @@ def test_autoplan_races_after_measuring_and_again_only_for_plans_not_raced(monke
     assert ran == names * 2
     assert ap.choice == names[slowest] and ap.plans == race.candidates[slowest].plans
     assert ap.races == [{n: (1.0 if i == slowest else 2.0) for i, n in enumerate(names)}]
-    plan, _ = ap.next_step([None])
+    plan, _ = ap.next_step(MBS)
     assert plan.name == AUTO and plan.plans == race.candidates[slowest].plans  # kept, under auto's name
     # A later timed step under other costs: the plans no race ran race the kept ones; the rest are not run again.
     heavy_w = {"F": [1.0] * 4, "B": [1.0] * 4, "W": [3.0] * 4, "comm": 0.5}
@@ -148,7 +151,7 @@ def test_autoplan_races_after_measuring_and_again_only_for_plans_not_raced(monke
     assert len(second.candidates) >= 2 and all(c.key not in raced for c in second.candidates[1:])
     # A timed step inside a race (the Trainer times only some steps) counts nothing and plans nothing.
     running = second.running
-    plan, _ = ap.next_step([None])
+    plan, _ = ap.next_step(MBS)
     ap.after(plan, lambda: UNIT, True, 0.1)
     assert ap.trial is second and second.running == running and second.seconds[running] == []
 
@@ -158,7 +161,7 @@ def test_no_trial_rounds_keeps_the_models_choice():
     _measured(ap, UNIT)
     assert ap.trial is None
     best = min(ap.candidates(UNIT), key=lambda c: c.modeled)
-    assert ap.makespan == pytest.approx(best.modeled) and ap.next_step([None])[0].name == AUTO
+    assert ap.makespan == pytest.approx(best.modeled) and ap.next_step(MBS)[0].name == AUTO
 
 
 def test_a_race_counts_timed_steps_where_the_trainer_times_every_step(monkeypatch):
@@ -168,7 +171,7 @@ def test_a_race_counts_timed_steps_where_the_trainer_times_every_step(monkeypatc
     race = ap.trial
     assert race is not None
     for _ in race.candidates:
-        plan, _ = ap.next_step([None])
+        plan, _ = ap.next_step(MBS)
         ap.after(plan, lambda: UNIT, True, 1.0)
     assert ap.trial is None and ap.choice == race.candidates[0].name  # all equal on the clock: the model's first
 
@@ -301,6 +304,6 @@ def test_where_no_built_in_fits_the_race_names_each_candidate_apart(monkeypatch)
     assert not {"gpipe", "1f1b", "zbh1"} & set(names)
     assert all(max(memory_peaks(c.plans)) <= 2 for c in race.candidates)
     for _ in names:
-        plan, _ = ap.next_step([None])
+        plan, _ = ap.next_step(MBS)
         ap.after(plan, lambda: heavy_b, False, 1.0)
     assert ap.races == [dict.fromkeys(names, 1.0)] and ap.choice == names[0]

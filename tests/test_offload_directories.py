@@ -150,10 +150,10 @@ slow = jax.jit(lambda b: jnp.tanh(jnp.tanh(b @ b) @ b))
 big = jnp.ones((1024, 1024)) / 1024
 forward = StageWorker.forward
 
-def stuck(self, m, x, side, worker=None):
+def stuck(self, m, x, side, worker=None, microbatches=None):
     if self.stage_index == 0 and m == 1:
         x = blocker(x, slow(big))
-    return forward(self, m, x, side, worker=worker)
+    return forward(self, m, x, side, worker=worker, microbatches=microbatches)
 
 StageWorker.forward = stuck
 tr = _trainer("host")

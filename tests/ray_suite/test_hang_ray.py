@@ -25,32 +25,32 @@ class SlowActor(TrainActor):
     """A TrainActor whose stage 1 hangs (sleeps far past the step's limit) in its F of microbatch 1 of the
     second step: a host that blocks. Sent to the actors by value (this module is not importable there)."""
 
-    def run_step(self, step, ops, batch, microbatches, timed):
+    def run_step(self, step, ops, batch, microbatches, timed, scales=None):
         st = self.stage_workers.get(1)
         if st is not None and step == STUCK_STEP:
             real = type(st).forward
 
-            def forward(mb, x, side, worker=None):
+            def forward(mb, x, side, worker=None, microbatches=None):
                 if mb == 1:
                     time.sleep(60)
-                return real(st, mb, x, side, worker=worker)
+                return real(st, mb, x, side, worker=worker, microbatches=microbatches)
 
             st.forward = forward
-        return super().run_step(step, ops, batch, microbatches, timed)
+        return super().run_step(step, ops, batch, microbatches, timed, scales)
 
 
 class CallbackActor(TrainActor):
     """A TrainActor whose stage 1 reads its input of microbatch 1 through a host callback (``blocking``) that
     blocks from the second step on: the forward's dispatch returns and its outputs never get computed."""
 
-    def run_step(self, step, ops, batch, microbatches, timed):
+    def run_step(self, step, ops, batch, microbatches, timed, scales=None):
         st = self.stage_workers.get(1)
         if st is not None:
             if not hasattr(self, "hold"):
                 self.hold, _ = blocking.instance_blocks(st, 1)
             if step == STUCK_STEP:
                 self.hold.set()
-        return super().run_step(step, ops, batch, microbatches, timed)
+        return super().run_step(step, ops, batch, microbatches, timed, scales)
 
 
 @pytest.fixture(scope="module")

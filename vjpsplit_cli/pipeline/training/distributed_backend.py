@@ -279,7 +279,7 @@ class DistributedBackend:
                         f"{self.step_timeout} s, and every other process still beats: one is stuck{RESTORE_HINT}"
                     ) from e
                 raise
-            said = "; ".join(f"process {p} (stages {self.stages_of(p)})" for p in lost)
+            said = "; ".join(f"process {p} (stages {self._stages_of(p)})" for p in lost)
             self.broken = f"{said} of this jax.distributed job was lost at {what}; restart the job"
             abandon()
             raise VjpsplitError(
@@ -287,7 +287,7 @@ class DistributedBackend:
                 "launcher), and restore the last checkpoint"
             ) from e
 
-    def stages_of(self, process: int) -> list[int]:
+    def _stages_of(self, process: int) -> list[int]:
         """The stages on ``process``'s devices."""
         return [s for s, d in enumerate(self.devices) if d.process_index == process]
 
