@@ -50,7 +50,7 @@ from ..runtime.offload import Offload, offload_of
 from ..runtime.result import PipelineResult, aux_per_microbatch, step_loss
 from ..schedules.catalog import V_SHAPED, describe
 from ..schedules.csvformat import format_schedule
-from ..schedules.stepplans import resolve
+from ..schedules.stepplans import Resolved, resolve
 from ..stages.directory import Stages
 from ..stages.evalprograms import EvalProgram, missing
 from ..stages.microbatches import Microbatches
@@ -191,21 +191,8 @@ class Trainer:
         self.ownership = Ownership(self.model, tied)
         S = self.model.num_stages
         self.microbatches, self.schedule = microbatches, schedule
-        self.auto: AutoPlan | None = None
-        if schedule.auto:
-            self.auto = AutoPlan(
-                self.model.artifacts,
-                microbatches,
-                schedule.memory_limit,
-                schedule.memory_limit_bytes,
-                trial_rounds=schedule.trial_rounds,
-                every_step_timed=observe.timeline,
-            )
-            self.plan = self.auto.current
-        else:  # a bad schedule is refused before any export
-            self.plan = resolve(schedule, S, microbatches)
-            if schedule.label in V_SHAPED and isinstance(runner, InProcess) and runner.devices is None:
-                warn_idle(describe(schedule.label), self.plan.layout.workers, self.data_parallel)
+        auto, self.plan = self._planned(schedule, runner, observe.timeline)
+        self.auto: AutoPlan | None = auto
         self.clip_global_norm, self.runner = clip_global_norm, runner
         self.optimizer_name = optimizer_name(optimizer)
         self.optimizer, self._state_map = optimizer, None if opt_state is None else state_map(optimizer, self.ownership)
@@ -239,6 +226,24 @@ class Trainer:
         self.last_result: PipelineResult | None = None
         self.checkpoint_times: list[CheckpointTime] = []  # fit's: per checkpoint, the step's wait and the write
         self.restarts: list[RestartRecord] = []  # fit's: per lost worker, the step, where it returned, how long
+
+    def _planned(self, schedule: Schedule, runner: Runner, every_step_timed: bool) -> tuple[AutoPlan | None, Resolved]:
+        """The first step's plans: ``"auto"``'s (it times its first steps), else the schedule's, resolved before any
+        export (a bad schedule is refused here; a V schedule leaving this host's devices idle warns)."""
+        if schedule.auto:
+            auto = AutoPlan(
+                self.model.artifacts,
+                self.microbatches,
+                schedule.memory_limit,
+                schedule.memory_limit_bytes,
+                trial_rounds=schedule.trial_rounds,
+                every_step_timed=every_step_timed,
+            )
+            return auto, auto.current
+        plan = resolve(schedule, self.model.num_stages, self.microbatches)
+        if schedule.label in V_SHAPED and isinstance(runner, InProcess) and runner.devices is None:
+            warn_idle(describe(schedule.label), plan.layout.workers, self.data_parallel)
+        return None, plan
 
     def _directories(self) -> dict[str, str | os.PathLike[str] | None]:
         """The directories the Trainer writes to, by option (None: not given): its offload's and ``trace_dir``.
