@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from fetches import step_noting_fetches
 from models import assert_trees_close
 from stage_models import aux_loss, aux_mean, dropout_batches, dropout_params, dropout_specs, one_process_with_aux
 
@@ -146,30 +147,10 @@ def _mean_with_aux(p, batch):
 def test_an_untimed_step_with_aux_fetches_nothing_before_every_update_is_dispatched(stages, monkeypatch):
     """The aux comes to the host with the losses, at the step's end: nothing is read back before every stage's
     update is dispatched (no implicit transfer, no ``device_get``)."""
-    from vjpsplit_cli.pipeline.training import optimizer_program
-
     batch = dropout_batches(1)[0]
     with _trainer(stages) as tr:
         tr.step(batch)  # compiled and warm
-        seen: list[str] = []
-        update, get = optimizer_program.OptimizerProgram.update, jax.device_get
-
-        def noted_update(self, *a, **k):
-            seen.append("update")
-            return update(self, *a, **k)
-
-        def noted_get(x):
-            seen.append("fetch")
-            return get(x)
-
-        monkeypatch.setattr(optimizer_program.OptimizerProgram, "update", noted_update)
-        monkeypatch.setattr(jax, "device_get", noted_get)
-        with jax.transfer_guard_device_to_host("disallow"):
-            jax.config.update("jax_transfer_guard_device_to_host", "disallow")  # the step's own thread too
-            try:
-                loss, aux = tr.step(batch)
-            finally:
-                jax.config.update("jax_transfer_guard_device_to_host", "allow")
+        (loss, aux), seen = step_noting_fetches(tr, batch, monkeypatch)
     assert seen[:2] == ["update"] * 2 and set(seen[2:]) == {"fetch"}, seen
     assert np.isfinite(loss) and 0 <= aux["accuracy"] <= 1
 

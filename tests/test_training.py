@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from fetches import step_noting_fetches
 from models import assert_trees_close, mlp_stage_artifacts
 from models import stages_whole as whole
 
@@ -128,8 +129,6 @@ def test_tied_parameters_train_as_one_and_stay_bitwise_equal():
 def test_an_untimed_step_fetches_nothing_before_every_update_is_dispatched(monkeypatch):
     """Tied gradients are summed and squared norms taken on the devices: the step's thread reads nothing back
     (no implicit transfer, no ``device_get``) until every stage's update is dispatched, then fetches once."""
-    from vjpsplit_cli.pipeline.training import optimizer_program
-
     arts, params = _make()
     params = [dict(p) for p in params]
     params[1]["w"] = params[0]["w"].copy()
@@ -138,25 +137,7 @@ def test_an_untimed_step_fetches_nothing_before_every_update_is_dispatched(monke
     )
     batch = _batches(1)[0]
     tr.step(batch)  # compiled and warm
-    seen: list[str] = []
-    update, get = optimizer_program.OptimizerProgram.update, jax.device_get
-
-    def noted_update(self, *a, **k):
-        seen.append("update")
-        return update(self, *a, **k)
-
-    def noted_get(x):
-        seen.append("fetch")
-        return get(x)
-
-    monkeypatch.setattr(optimizer_program.OptimizerProgram, "update", noted_update)
-    monkeypatch.setattr(jax, "device_get", noted_get)  # the one jax module every fetch goes through
-    with jax.transfer_guard_device_to_host("disallow"):  # np.asarray / float of a device array raise
-        jax.config.update("jax_transfer_guard_device_to_host", "disallow")  # the step's own thread too
-        try:
-            loss = tr.step(batch)
-        finally:
-            jax.config.update("jax_transfer_guard_device_to_host", "allow")
+    loss, seen = step_noting_fetches(tr, batch, monkeypatch)
     assert seen[: len(arts)] == ["update"] * len(arts) and set(seen[len(arts) :]) == {"fetch"}, seen
     assert np.isfinite(loss) and np.isfinite(tr.history[-1].grad_norm)
 
