@@ -184,6 +184,7 @@ class CostSamples:
         self.first: _Step | None = None  # the Trainer's first step, while it is the only one timed
         listen_for_compiles()
         self._shares: dict[int, float] = {}
+        self._forward_shares: dict[int, float] = {}
 
     def add(self, result: PipelineResult, first: bool) -> None:
         """Keep a timed step's samples (``first``: the Trainer's first step)."""
@@ -194,12 +195,11 @@ class CostSamples:
 
     def forward_share(self, stage: int) -> float:
         """The share of stage ``stage``'s forward and whole backward FLOPs in its forward, by XLA; 0.5 if unknown."""
-        key = -1 - stage  # kept beside the input shares (``input_share``), apart by sign
-        if key not in self._shares:
+        if stage not in self._forward_shares:
             art = self.artifacts[stage]
             f, b = module_flops(art, "fwd"), module_flops(art, "bwd")
-            self._shares[key] = f / (f + b) if f is not None and b is not None and f + b > 0 else 0.5
-        return self._shares[key]
+            self._forward_shares[stage] = f / (f + b) if f is not None and b is not None and f + b > 0 else 0.5
+        return self._forward_shares[stage]
 
     def input_share(self, stage: int) -> float:
         """The share of stage ``stage``'s backward FLOPs in its input part (``bwd_input``), by XLA; 0.5 if unknown."""
