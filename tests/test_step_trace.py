@@ -342,7 +342,7 @@ def test_ctrl_c_during_an_untimed_step_is_a_step_interrupted_and_the_trainer_goe
     import signal
 
     tr = _trainer(observe=P.Observe(step_timeout=60, hang_report=tmp_path / "h.json"))
-    hold, release = callback_blocks(monkeypatch, stage=2, mb=0)
+    hold, release = callback_blocks(monkeypatch, stage=2, mb=0, inline=True)  # the updates wait behind it
     ref = _trainer()
     try:
         tr.step(gpt_batch(4))
@@ -363,7 +363,7 @@ def test_ctrl_c_during_an_untimed_step_is_a_step_interrupted_and_the_trainer_goe
         assert isinstance(info.value, StepInterrupted) and isinstance(info.value, VjpsplitError)
         text = str(info.value)
         assert text.startswith("the step was interrupted; ")
-        assert re.search(r"worker 2: running (F stage 2 mb 0 since|or waiting: F stage 2 mb 0 \(dispatched)", text)
+        assert "worker 2: running F stage 2 mb 0 since" in text
         assert json.loads((tmp_path / "h.json").read_text())["message"] == text
         hold.clear()
         assert tr.step(gpt_batch(4, seed=7)) == ref.step(gpt_batch(4, seed=7))
