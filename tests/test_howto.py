@@ -2,7 +2,8 @@
 
 The pages listed in ``PAGES`` run here as written: their ```python blocks in order, in one namespace, in a fresh
 process with 4 host CPU devices (as a reader starts Python with
-``XLA_FLAGS=--xla_force_host_platform_device_count=4``), in an empty folder. The other pages' code is run by the
+``XLA_FLAGS=--xla_force_host_platform_device_count=4``; ``DEVICES`` names the pages that ask for more), in an
+empty folder. The other pages' code is run by the
 test ``ELSEWHERE`` names.
 """
 
@@ -29,6 +30,8 @@ PAGES = [
     "stages.md",
     "traces-and-hangs.md",
 ]
+# Pages that ask for more host CPU devices than 4 (data-parallel.md's replicas of sharded stages take 8).
+DEVICES = {"data-parallel.md": 8}
 # Pages whose ```bash block is marked RUN_MARK: tests/test_docs.py runs it as pasted.
 RUN_MARK = "<!-- run as pasted by tests/test_docs.py -->"
 # multi-host.md's code needs several processes (jax.distributed); it has no test of its own yet.
@@ -65,7 +68,7 @@ def test_the_page_runs_as_written(page, tmp_path):
     assert python_blocks(path), f"{page} has no python block"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES.get(page, 4)}",
         PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
         PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
     )
