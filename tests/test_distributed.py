@@ -158,6 +158,48 @@ def test_a_checkpoint_four_processes_wrote_goes_on_in_one_process(four):
     assert step == STEPS + 1
 
 
+_ON_RAY = """
+import sys
+import jax, numpy as np, optax, ray
+from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
+import vjpsplit_cli as vs
+from vjpsplit_cli import pipeline as P
+
+saved, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+stages = vs.export_stages(gpt, *gpt_specs(gpt_params()), wrt="params", platforms="cpu")
+with P.Trainer.restore(saved, stages, optimizer=optax.adamw(1e-2), runner="ray") as tr:
+    assert tr.step_count == steps - 2, tr.step_count
+    losses = tr.fit(lambda k: gpt_batch(8, seed=10 + k), steps)
+    flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(tr.params())[0]}
+np.savez(out, losses=np.asarray(losses), **flat)
+ray.shutdown()
+"""
+
+
+def test_a_checkpoint_four_processes_wrote_goes_on_on_ray(four, tmp_path):
+    """The checkpoint 4 processes wrote (save) restores on Ray (4 actors, in a process of its own, as the Ray
+    suite runs) and goes on equal to an uninterrupted run."""
+    if four is None:
+        return
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    env.pop("XLA_FLAGS", None)
+    out = tmp_path / "ray.npz"
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _ON_RAY, str(four / "saved"), str(out), str(STEPS + 3)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    ref_losses, ref_params = _reference(CLIP, STEPS + 3)
+    run = np.load(out)
+    np.testing.assert_allclose(run["losses"], ref_losses[STEPS + 1 :], rtol=1e-6)
+    for k, v in ref_params.items():
+        np.testing.assert_allclose(run[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
 def test_four_processes_one_stage_each_train_as_one_process(four):
     """PP 4 on 4 processes, one device each: every activation and cotangent crosses processes."""
     if four is None:
