@@ -50,7 +50,7 @@ from .worker import StageWorker
 # The reduction's; named here too for their importers (``training.zero1``).
 
 if TYPE_CHECKING:
-    from .flight import RingOp
+    from .hang_report import RingOp
     from ...artifact.artifact import Artifact
     from ...tracing.residuals import Intermediates
     from ..schedules.timeline import Event

@@ -20,7 +20,7 @@ from ...treetypes import PyTree
 if TYPE_CHECKING:
     import numpy as np
 
-    from .flight import RingOp
+    from .hang_report import RingOp
     from ...tracing.residuals import Intermediates
     from ..schedules.timeline import Event
     from .offload import Offload

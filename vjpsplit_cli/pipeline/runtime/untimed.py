@@ -25,7 +25,7 @@ from ...errors import VjpsplitError
 from ...files.prng import is_ready
 from ..schedules.ops import Kind, Op, dependencies, received
 from .dispatch import Order, placed_microbatches, walk
-from .flight import (
+from .hang_report import (
     COMPILING,
     DISPATCHING,
     FINISHED,

@@ -22,7 +22,7 @@ from ...files.dtypes import dtype_from_name
 from ...tracing.residuals import Intermediates
 from ..schedules.ops import Kind, Op
 from .devices import default_device
-from .flight import RING, RingOp
+from .hang_report import RING, RingOp
 from .devicebytes import HeldBytes
 from .offload import Away, Offload, Offloader
 from .stagecalls import calls_for, signature_of

@@ -27,7 +27,7 @@ import numpy as np
 from ...files.dtypes import dtype_from_name
 from ...treetypes import Leaf, PyTree
 from ..runtime.evaluation import eval_stage, host
-from ..runtime.flight import DONE, FINISH
+from ..runtime.hang_report import DONE, FINISH
 from ..runtime.ray import reports
 from ..runtime.ray.actor import StageActor
 from ..runtime.replicas import ReplicaGroup

@@ -31,7 +31,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, TypeVar
 
 from ...schedules.ops import BACKWARDS, Kind, Op, OpKey, dependencies, received
-from ..flight import DONE, NEXT, RUNS, WAITS, Now
+from ..hang_report import DONE, NEXT, RUNS, WAITS, Now
 from ..model import Microbatch, side_for
 from ..stageops import RunsOps, run_op
 from ....files.prng import is_ready, to_data

@@ -27,7 +27,7 @@ from ...schedules.stepplans import resolve
 from ...schedules.timeline import Event
 from ...stages.directory import Stages
 from ..dispatch import ProgressBar, progress_bar
-from ..flight import StepInterrupted, clause, default_path, ring_rows, write_flight
+from ..hang_report import StepInterrupted, clause, default_path, ring_rows, write_hang_report
 from ..model import Microbatch, model_of
 from ..result import PipelineResult, aux_per_microbatch, step_result
 from . import waiting
@@ -127,7 +127,7 @@ class RayPipeline:
             self.close()
             raise
         self.steps = 0  # steps started: what an actor's inbox tells one step's deliveries from another's
-        self.hang_report: str | None = None  # where a stuck step's report goes (None: flight.default_path)
+        self.hang_report: str | None = None  # where a stuck step's report goes (None: hang_report.default_path)
 
     def start_step(
         self,
@@ -569,7 +569,7 @@ class RayPipeline:
     def describe(self, t0: float, wait: float = 1.0) -> str:
         """What each worker is doing, its last operations written as JSON: the tail of a stuck step's error.
 
-        Each worker's state is said as ``flight.clause`` says it (on the driver's clock,
+        Each worker's state is said as ``hang_report.clause`` says it (on the driver's clock,
         ms since ``t0``), for a stuck or interrupted step. An actor that does not answer
         within ``wait`` seconds is said to be so.
 
@@ -614,7 +614,7 @@ class RayPipeline:
             rows.append({"worker": w, "now": parts[-1], "ops": sorted(ops, key=lambda r: r["start_ms"])})
         path = self.hang_report or default_path()
         text = "; " + "; ".join(parts)
-        written = write_flight(path, text[2:], rows)
+        written = write_hang_report(path, text[2:], rows)
         return text + (f"; the last operations of every worker: {path}" if written else f" (could not write {path})")
 
     def _abort(self, step: int) -> None:
