@@ -1,10 +1,9 @@
 """The artifact's manifest: its schema (every key, dtype and shape), the format versions and the fingerprint.
 
 Like ``jax.export``'s own ``Exported``, the manifest is a frozen dataclass with an
-explicit format version; a reader refuses a newer version, naming both. One
-array's entry (``Leaf``) is module ``leaf``; holding the caller's arrays to the
-manifest at run time is module ``arguments``. May import ``files``, ``tracing.vjp``
-(which dtypes take a cotangent) and ``leaf``.
+explicit format version; a reader refuses a newer version, naming both. One array's
+entry (``Leaf``) is module ``leaf``; holding the caller's arrays to the manifest at
+run time is module ``arguments``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ compare a module's avals with it (``checks.manifest_avals``) and the artifact ru
 and places arguments and names results by it, so the argument order is written once.
 
 The manifest is taken duck-typed (``inputs``, ``outputs``, ``residuals``, ``grads`` ...):
-this layer judges artifacts and may not import ``artifact``.
+this layer judges artifacts and sits below ``artifact``.
 """
 
 from __future__ import annotations

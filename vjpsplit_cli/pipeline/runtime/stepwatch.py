@@ -1,11 +1,10 @@
 """How a step is watched, timed or not: its timeout, Ctrl-C and, once stopped, the one-line report.
 
-Owns ``Watch`` (a step's ``step_timeout``, where a stuck step's report goes, what to
-append to its error; filled in with the driver's phases and the workers left
-behind), ``GRACE`` (how long a stopped step's workers get to drain) and the report
-itself (``stop_report``: every worker's clause, its last operations written with
-``hang_report.write_hang_report``). May import ``flight``, the schedules layer's ``ops`` and
-``timeline``, and ``stageops``' ``RunsOps``; ``timed`` and ``untimed`` build on it.
+Owns ``Watch`` (a step's ``step_timeout``, where a stuck step's report goes, what to append
+to its error; filled in with the driver's phases and the workers left behind), ``GRACE``
+(how long a stopped step's workers get to drain) and the report itself (``stop_report``:
+every worker's clause, its last operations written with ``hang_report.write_hang_report``).
+``timed`` and ``untimed`` build on it.
 """
 
 from __future__ import annotations

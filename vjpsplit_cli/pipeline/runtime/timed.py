@@ -7,8 +7,7 @@ waits for its results, and records its ``Event``, so the events are compute time
 Each mailbox has its own event, and each worker its own queue of operations, so a
 message wakes only the thread that reads it: the cost of an operation does not grow
 with the number of stages. A step past its ``Watch``'s timeout, or interrupted, is
-one error naming what each worker is doing. May import ``dispatch``, ``flight``,
-``model``, ``stageops``, ``stepwatch``, ``workerthreads`` and the schedules layer.
+one error naming what each worker is doing.
 """
 
 from __future__ import annotations

@@ -21,11 +21,6 @@ The Trainer is one class: opening it (``_start``, what ``Trainer(...)`` and ``re
 attribute it keeps, from its options), ``step``, ``evaluate``, ``fit`` and ``restore`` (its settings from the
 checkpoint: ``resume.restored_run``), its state (``params``, ``state``, ``save``), what it measured (``history``,
 ``costs``, ``memory``, stragglers, ``placement``) and ``close``.
-
-May import, of this layer, ``fit``, ``resume``, ``options``, ``option_values``, ``clipping``, ``microbatch_keys``,
-``step_aux``, ``arguments``, ``backend``, ``ownership``, ``autoplan``, ``optax_state``, ``optimizer``, ``checkpoint``,
-``checkpoint_layout``, ``history``, ``measured`` and ``device_memory``; ``runtime``, ``schedules``, ``stages``; the
-layers below ``pipeline``.
 """
 
 from __future__ import annotations

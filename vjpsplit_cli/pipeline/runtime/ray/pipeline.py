@@ -5,8 +5,7 @@ within ``schedule_timeout`` (one error naming the stage and the resource it lack
 the driver's, the values of their calls (an actor that died is one error naming its stages), a step's wait within
 ``step_timeout``, and what each worker of a stuck step is doing. Its steps: the arguments checked, the plans
 resolved against the layout, the step handed out (``lists``) or run as a graph (``compiled``), and its result with
-the actors' events on the driver's clock. May import the ray layer's other modules, and the runtime's ``flight``,
-``dispatch``, ``model`` and ``result``.
+the actors' events on the driver's clock.
 """
 
 from __future__ import annotations
