@@ -69,10 +69,10 @@ def _child(quick: bool) -> dict:
             for shard in a.addressable_shards:
                 per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
         bwd = jexport.deserialize(bytearray(art.modules["bwd"]))
-        carrier = jax.device_put(np.zeros((0, 16), bool), NamedSharding(art.mesh, P()))
+        dims_arg = jax.device_put(np.zeros((0, 16), bool), NamedSharding(art.mesh, P()))
         hlo = (
             jax.jit(bwd.call)
-            .lower(stored, list(res.inputs.values()), [jnp.ones((), jnp.float32)], carrier)
+            .lower(stored, list(res.inputs.values()), [jnp.ones((), jnp.float32)], dims_arg)
             .compile()
             .as_text()
         )

@@ -25,9 +25,9 @@ steps is one sample, and the tables give medians.
 3. **One timed step** of the width-256 GPT in-process as a timeline
    (``docs/train_gpt256_timeline.png``, not with ``--quick``), with the share of the
    step both devices compute at once.
-4. **Each runner's step over its floor** (``benchmarks/floor.py``): the tiny stages
+4. **Each runner's step over its lower bound** (``benchmarks/lower_bound.py``): the tiny stages
    and the width-256 GPT (only the tiny stages with ``--quick``) under 1F1B, ZB-H1
-   and ``auto``, in-process and on Ray; the floor is the modeled makespan of the
+   and ``auto``, in-process and on Ray; the lower bound is the modeled makespan of the
    step's plans under the F, B and W its workers measured and the send time
    measured apart (one actor-to-actor delivery on Ray, a device-to-device copy
    in-process).
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import floor as step_floor
+from benchmarks import lower_bound
 from benchmarks.timing import run_section, section_main
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -54,7 +54,7 @@ TARGETS = {"in-process": 100e-6, "Ray": 500e-6}  # per scheduled operation, unti
 
 def _config(quick: bool) -> dict:
     if quick:
-        # Proves the section runs (CI): the GPT of 2 blocks, in-process only (the tiny stages and the floor run
+        # Proves the section runs (CI): the GPT of 2 blocks, in-process only (the tiny stages and the lower bound run
         # on Ray too).
         cfg = {
             "tiny_rounds": 3,
@@ -67,7 +67,7 @@ def _config(quick: bool) -> dict:
         }
     else:
         cfg = {"tiny_rounds": 12, "tiny_block": 4, "widths": [64, 128, 256], "gpt_rounds": 6, "gpt_block": 2}
-    return {**cfg, "floor": step_floor.config(quick)}
+    return {**cfg, "lower_bound": lower_bound.config(quick)}
 
 
 def _blocks(cands: dict, rounds: int, block: int, warmup: int = 2) -> dict[str, float]:
@@ -286,11 +286,11 @@ def measure(
         p = cfg.get("devices", 2)
         gpt_ray = ray and cfg.get("gpt_ray", True)
         rows = [gpt_width(w, cfg, gpt_ray, platform, png if w == widths[-1] else None, p) for w in widths]
-        floors = step_floor.measure(cfg["floor"], ray, platform) if "floor" in cfg else []
+        bounds = lower_bound.measure(cfg["lower_bound"], ray, platform) if "lower_bound" in cfg else []
     finally:
         if ray:
             ray_.shutdown()
-    return {"config": cfg, "tiny": small, "rows": rows, "floor": floors, "load": os.getloadavg()[0]}
+    return {"config": cfg, "tiny": small, "rows": rows, "lower_bound": bounds, "load": os.getloadavg()[0]}
 
 
 def table(data: dict) -> str:
@@ -349,8 +349,8 @@ def table(data: dict) -> str:
             f"One timed step at width {last['width']} (stages on {', '.join(last['placement'])}): both devices "
             f"computed at once for {last['overlap']:.0%} of it ({PNG.name}).",
         ]
-    if data.get("floor"):
-        lines += ["", step_floor.table(data["floor"], c["floor"])]
+    if data.get("lower_bound"):
+        lines += ["", lower_bound.table(data["lower_bound"], c["lower_bound"])]
     return "\n".join(lines)
 
 

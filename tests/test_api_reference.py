@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import enum
 import inspect
 import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -91,13 +93,33 @@ def _function_problems(name: str, fn: Any) -> list[str]:
     return problems
 
 
+def _attribute_docstrings(cls: type) -> list[str]:
+    """The fields of ``cls`` documented where they are declared: a string right after the annotation."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    assert isinstance(body, ast.ClassDef)
+    return [
+        a.target.id
+        for a, b in zip(body.body, body.body[1:])
+        if isinstance(a, ast.AnnAssign)
+        and isinstance(a.target, ast.Name)
+        and isinstance(b, ast.Expr)
+        and isinstance(b.value, ast.Constant)
+        and isinstance(b.value.value, str)
+    ]
+
+
 def _class_problems(name: str, cls: type) -> list[str]:
     sections = _sections(cls.__doc__)
     if dataclasses.is_dataclass(cls):
-        # A dataclass's fields are its constructor's arguments: documented under either heading.
-        documented = sections.get("Attributes", []) + sections.get("Args", [])
+        # A dataclass's fields are its constructor's arguments: documented under either heading, or each where it is
+        # declared (an attribute docstring, which mkdocstrings reads too).
+        documented = sections.get("Attributes", []) + sections.get("Args", []) + _attribute_docstrings(cls)
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in documented]
-        return [f"{name}: neither Attributes: nor Args: documents the fields {', '.join(missing)}"] if missing else []
+        return (
+            [f"{name}: no Attributes:, Args: or docstring of its own documents the fields {', '.join(missing)}"]
+            if missing
+            else []
+        )
     if issubclass(cls, enum.Enum):
         missing = [m for m in cls.__members__ if m not in sections.get("Attributes", [])]
         return [f"{name}: Attributes: does not document the members {', '.join(missing)}"] if missing else []

@@ -74,7 +74,7 @@ def test_manifest_describes_residuals_and_input_backed_weights(artifacts):
 
 def test_backward_without_symbolic_inputs_exports():
     # The backward sees only a scalar residual and a scalar cotangent, yet must
-    # produce f32[n]: a shape-carrier argument makes n solvable.
+    # produce f32[n]: the dims argument makes n solvable.
     (n,) = jexport.symbolic_shape("n")
     art = vs.export(lambda x: jnp.sum(x) ** 2, jax.ShapeDtypeStruct((n,), jnp.float32), wrt=0)
     for size in (1, 5):

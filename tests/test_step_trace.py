@@ -23,7 +23,7 @@ import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
 from vjpsplit_cli.errors import VjpsplitError
 from vjpsplit_cli.pipeline.runtime import stepwatch, timed, untimed, workerthreads
-from vjpsplit_cli.pipeline.runtime.flight import StepInterrupted
+from vjpsplit_cli.pipeline.runtime.hang_report import StepInterrupted
 from vjpsplit_cli.pipeline.runtime.worker import StageWorker
 
 
@@ -386,7 +386,7 @@ def test_an_untimed_steps_workers_are_read_off_what_is_dispatched_and_not_finish
     a fetch), each worker is its first dispatched operation whose output is not ready: running when what it
     reads is ready, waiting for the value otherwise, with how many dispatched after it wait; a worker with its
     dispatched operations done and more to come waits to be handed the next; one with all done is finished."""
-    from vjpsplit_cli.pipeline.runtime import flight
+    from vjpsplit_cli.pipeline.runtime import hang_report
     from vjpsplit_cli.pipeline.schedules.ops import Op
 
     F, B = (lambda m, s: Op("F", m, s)), (lambda m, s: Op("B", m, s))
@@ -401,7 +401,7 @@ def test_an_untimed_steps_workers_are_read_off_what_is_dispatched_and_not_finish
         rec.count[w] += 1
         rec.last[w] = t + (i + 1) * 1e-3
     nows, after = rec.nows()
-    text = flight.hang_message("stuck", nows, t, rec.worker_of, None, after=after)
+    text = hang_report.hang_message("stuck", nows, t, rec.worker_of, None, after=after)
     assert "worker 0: running or waiting: F stage 0 mb 1 (dispatched at 2.0 ms, not finished)" in text
     assert (
         "worker 1: B stage 1 mb 0 waits for the cotangent from stage 2" not in text
@@ -414,7 +414,7 @@ def test_an_untimed_steps_workers_are_read_off_what_is_dispatched_and_not_finish
     rec.ops[1].append((F(1, 1), t + 7e-3, [_Probe(False)]))
     rec.count[1] += 1
     nows, after = rec.nows()
-    text = flight.hang_message("stuck", nows, t, rec.worker_of, None, after=after)
+    text = hang_report.hang_message("stuck", nows, t, rec.worker_of, None, after=after)
     assert (
         "worker 1: B stage 1 mb 0 waits for the cotangent from stage 2 (worker 2 has not finished it; "
         "dispatched at 6.0 ms; 1 dispatched after it wait)" in text
@@ -423,7 +423,7 @@ def test_an_untimed_steps_workers_are_read_off_what_is_dispatched_and_not_finish
     ready[F(1, 0)] = True
     rec.ops[0][1] = (F(1, 0), t + 2e-3, [_Probe(True)])
     nows, _ = rec.nows()
-    assert nows[0][:2] == (flight.NEXT, B(0, 0))  # its next op is not handed out yet
+    assert nows[0][:2] == (hang_report.NEXT, B(0, 0))  # its next op is not handed out yet
 
 
 def test_an_untimed_steps_record_holds_the_finished_operations_outputs_no_longer_than_a_few_more_ops():

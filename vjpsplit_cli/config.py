@@ -16,8 +16,6 @@ environment when called, so a variable set before a call (or by a test) is honou
 The private-directory rule for caches lives here too (``private_dir``, ``ensure_private_dir``):
 entries in a cache become programs this process runs, so a cache directory must be this user's
 and writable by no one else.
-
-May import: ``errors`` only.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The names signatures use for values the package holds but does not shape: pytrees, array leaves, JSON.
 
-A pytree's structure is the user's (nested tuples, dicts, flax or equinox
-modules), so no static type describes it; ``PyTree`` says which arguments are
-one, as optax's ``Params`` and flax's ``PyTree`` do. Everything else here is a
-real type mypy checks. May import nothing of the package (a base module, like ``errors``).
+A pytree's structure is the user's (nested tuples, dicts, flax or equinox modules), so no
+static type describes it; ``PyTree`` says which arguments are one, as optax's ``Params``
+and flax's ``PyTree`` do. Everything else here is a real type mypy checks.
 """
 
 from __future__ import annotations

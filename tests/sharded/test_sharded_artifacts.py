@@ -98,8 +98,8 @@ def test_backward_gathers_no_residual_and_holds_what_the_forward_left(case):
     stored = list(res.stored.values())
     bwd = jexport.deserialize(bytearray(art.modules["bwd"]))
     cts = [jnp.ones((), jnp.float32)]
-    carrier = jax.device_put(np.zeros((0, 8), bool), NamedSharding(art.mesh, P()))
-    compiled = jax.jit(bwd.call).lower(stored, list(res.inputs.values()), cts, carrier).compile()
+    dims_arg = jax.device_put(np.zeros((0, 8), bool), NamedSharding(art.mesh, P()))
+    compiled = jax.jit(bwd.call).lower(stored, list(res.inputs.values()), cts, dims_arg).compile()
     hlo = compiled.as_text()
     params = {int(i): name for name, i in re.findall(r"(%?[\w.\-]+) = \S+ parameter\((\d+)\)", hlo)}
     gathered = re.findall(r"all-gather[\w.\-]* = \S+ all-gather\(([^)]*)\)", hlo)

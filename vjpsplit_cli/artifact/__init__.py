@@ -9,7 +9,4 @@ plan (``callplan``), placed (``placement``) and run
 (``runner``); residual and intermediates files (``residual_files``, ``split_residual_files``, ``residual_meta``);
 shardings (``sharding``); templates (``templates``); what ``inspect``/``plan`` print
 (``report``); and the cache of compiled executables (``execcache``).
-
-May import: ``errors``, ``config``, ``terminal``, ``safeio``, ``files``, ``tracing``, ``trust``.
-Not ``cli`` or ``pipeline``.
 """

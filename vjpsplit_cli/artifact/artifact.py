@@ -24,7 +24,7 @@ from ..files.trees import ArgTrees, decode_structure, flatten_with_keys
 from ..tracing.residuals import Intermediates, Residuals
 from ..safeio.signals import signals_guarded
 from ..trust import signing
-from ..trust.module_io import AUX, CARRIER, COTANGENTS, GRADS, INPUT_BACKED, INTERMEDIATES, OUT, STORED
+from ..trust.module_io import AUX, COTANGENTS, DIMS_ARG, GRADS, INPUT_BACKED, INTERMEDIATES, OUT, STORED
 from ..trust.verdicts import DEFAULT
 from . import artifact_file
 from .arguments import grads_per_arg
@@ -89,7 +89,7 @@ class Artifact:
             and fwd_io.output_names == (OUT, STORED, AUX)
             and not self._binding.typed_outputs
             and bwd_io is not None
-            and bwd_io.input_names == (STORED, INPUT_BACKED, COTANGENTS, CARRIER)
+            and bwd_io.input_names == (STORED, INPUT_BACKED, COTANGENTS, DIMS_ARG)
             and bwd_io.output_names == (GRADS,)
         )
         self._bare_out = manifest.structure.get("out") == "*"  # the output is one array
@@ -344,7 +344,7 @@ class Artifact:
                         list(res.stored.values()),
                         list(res.inputs.values()),
                         binding.units or binding.cotangents(None, res.dims, "cotangent"),
-                        self._placement.carrier(res.dims) if m.dim_vars else None,
+                        self._placement.dims_arg(res.dims) if m.dim_vars else None,
                     )
                     return gather(self._call_planned("bwd", plan, call_args, _BWD_REFUSED))
         cts = None if ct is None else dict(flatten_with_keys("out", ct))
@@ -485,7 +485,7 @@ class Artifact:
     def _backward(
         self, module: str, bound: Mapping[str, Sequence], dims: Mapping[str, int], refused: str
     ) -> dict[str, Sequence]:
-        """Run a backward module on checked arguments by slot: placed, with the shape argument; results by slot."""
+        """Run a backward module on checked arguments by slot: placed, with the dims argument; results by slot."""
         io = self._runner.signatures[module]
         return io.results(self._runner.run(module, self._placement.call_arguments(io, bound, dims), refused, dims))
 

@@ -4,7 +4,7 @@
 dtypes, shapes, the dims they bind, and whose forward made them), and returns each
 module's arguments by slot of its signature (``trust.module_io``). It remembers the
 residuals its own artifact's forward made, so a backward on them unchanged skips the
-per-leaf checks, and every signature whose checks passed (module ``seen``), so a call
+per-leaf checks, and every signature whose checks passed (module ``checked_calls``), so a call
 like one before skips them too; which artifact, forward run and microbatch made the
 residuals is checked on every call.
 """
@@ -29,9 +29,9 @@ from .callplan import CallPlan, avals_key
 from .weight_binding import WeightPartBinding
 from .arguments import as_input, check_array, check_keys, flatten_args, recorded_dims, solved_dims
 from .manifest import Manifest
-from .seen import (
+from .checked_calls import (
     Recent,
-    Seen,
+    CheckedCalls,
     new_run_id,
     dims_signature,
     leaves_signature,
@@ -53,8 +53,8 @@ class Binding:
         self.source = source
         # residuals_id -> (weak reference, mutable inputs, plan), of the residuals this fwd made
         self.made = Recent(_MADE_KEPT)
-        self._seen = Seen()  # signatures whose checks passed -> what they worked out
-        self.plans = self._seen.entries  # read in place by ``Artifact.fwd`` where a key surely hashes
+        self._checked = CheckedCalls()  # signatures whose checks passed -> what they worked out
+        self.plans = self._checked.entries  # read in place by ``Artifact.fwd`` where a key surely hashes
         # jax's concrete array type, set by the first ``fwd`` whose arguments are each one such array: such
         # arguments are keyed by their avals' shapes and dtypes alone (``avals_key``).
         self.aval_type: type[Any] | None = None
@@ -65,7 +65,7 @@ class Binding:
         self.all_backed = self.backed_keys == self.input_keys  # every input backs a residual, in order
         self.grad_keys = tuple(g.key for g in manifest.grads)  # what ``bwd`` returns, in order
         self.typed_outputs = any(leaf.prng_impl for leaf in manifest.outputs)  # some output is a typed key
-        self.weights = WeightPartBinding(manifest, source, self._seen, self.residuals)  # the split backward's
+        self.weights = WeightPartBinding(manifest, source, self._checked, self.residuals)  # the split backward's
         self._unit: jax.Array | None = None  # the cotangent 1 of a scalar output
         self.units: list | None = None  # ``[unit]``, as ``cotangents(None, ...)`` gives it, once made
 
@@ -77,7 +77,7 @@ class Binding:
         key = signed[0]
         if key is not None and key[0] != "args":  # each argument one array: a key that always hashes
             return self.plans.get(key), signed
-        return self._seen.get(key), signed
+        return self._checked.get(key), signed
 
     def ordered(self, plan: CallPlan, leaves: Sequence) -> list:
         """The leaves of arguments of ``plan``'s signature, in manifest order and typed keys as key data."""
@@ -104,7 +104,7 @@ class Binding:
         what ``planned`` gave for these arguments, if it was asked first.
         """
         key, leaves = self._signed(args) if signed is None else signed
-        plan: CallPlan | None = self._seen.get(key)
+        plan: CallPlan | None = self._checked.get(key)
         if plan is not None:
             runnable()
             return self.ordered(plan, leaves), plan.dims, plan.trees, plan
@@ -113,7 +113,7 @@ class Binding:
         arrays, dims = self._check_inputs(flat, source)
         plan = None if key is None else self._arguments_plan(leaves, flat, arrays, dims, trees)
         if plan is not None:
-            self._seen.add(key, plan)
+            self._checked.add(key, plan)
         return arrays, dims, trees, plan
 
     def _signed(self, args: Sequence) -> tuple[tuple | None, Sequence]:
@@ -163,12 +163,12 @@ class Binding:
         """Check ``inputs`` (flat keys) against the manifest; return the arrays in order and the dims."""
         sig = mapping_signature(inputs)
         key = None if sig is None else ("inputs", sig)
-        dims = self._seen.get(key)
+        dims = self._checked.get(key)
         if dims is not None:
             return [inputs[k] for k in self.input_keys], dict(dims)
         arrays, bound = self._check_inputs(inputs, source)
         if key is not None and all(a is inputs[k] for a, k in zip(arrays, self.input_keys)):
-            self._seen.add(key, tuple(bound.items()))
+            self._checked.add(key, tuple(bound.items()))
         return arrays, bound
 
     def _check_inputs(self, inputs: Mapping[str, Any], source: str) -> tuple[list, dict[str, int]]:
@@ -279,7 +279,7 @@ class Binding:
         m = self.manifest
         sig = residuals_signature(res.stored, res.inputs, res.dims)
         key = None if sig is None else ("residuals", sig)
-        if self._seen.get(key) is not None:
+        if self._checked.get(key) is not None:
             return (
                 [res.stored[k] for k in self.stored_keys],
                 [res.inputs[k] for k in self.backed_keys],
@@ -291,7 +291,7 @@ class Binding:
             and all(a is res.stored[k] for a, k in zip(stored, self.stored_keys))
             and all(a is res.inputs[k] for a, k in zip(inputs, self.backed_keys))
         ):
-            self._seen.add(key, True)
+            self._checked.add(key, True)
         return stored, inputs, dims
 
     def _check_residuals(self, res: Residuals, source: str) -> tuple[list, list, dict[str, int]]:
@@ -336,12 +336,12 @@ class Binding:
             return [self._unit]
         sig = mapping_signature(cotangents)
         key = None if sig is None else ("cotangents", sig, dims_signature(dims))
-        if self._seen.get(key) is not None:
+        if self._checked.get(key) is not None:
             return [cotangents[leaf.key] for leaf in ct_leaves]
         check_keys(ct_source, "cotangent", list(m.out_keys), cotangents)
         cts = [check_array(ct_source, "cotangent", leaf, cotangents[leaf.key], dict(dims)) for leaf in ct_leaves]
         if key is not None and all(a is cotangents[leaf.key] for a, leaf in zip(cts, ct_leaves)):
-            self._seen.add(key, True)
+            self._checked.add(key, True)
         return cts
 
     # -- the split backward's weight part ------------------------------------------------------

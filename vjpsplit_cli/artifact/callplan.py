@@ -2,7 +2,7 @@
 
 Also ``avals_key`` (the plan key of arguments that are each one concrete jax array) and ``wrap_keys``
 (typed PRNG keys back from key data). ``binding.Binding`` makes the plans and ``Artifact`` calls
-through them. May import JAX, the files' and tracing's helpers; nothing else of the artifact.
+through them.
 """
 
 from __future__ import annotations

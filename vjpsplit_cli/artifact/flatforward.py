@@ -57,13 +57,13 @@ class FlatForward:
         )
 
     def backward(self, input_backed_impls: Sequence[str]) -> Callable:
-        """The backward of the last trace over flat leaves: ``(stored, input-backed, cts, carrier) -> grads``."""
+        """The backward of the last trace over flat leaves: ``(stored, input-backed, cts, dims_arg) -> grads``."""
         replay, stored_impls = TracedVjp.of_plan(self.plan), self.stored_impls
 
-        def bwd_flat(stored: Sequence[Any], inputs_: Sequence[Any], cts: Sequence[Any], carrier_: Any) -> Any:
-            # carrier_, the shape argument, is a zero-size array whose dims are the symbolic dims: it makes
+        def bwd_flat(stored: Sequence[Any], inputs_: Sequence[Any], cts: Sequence[Any], dims_arg: Any) -> Any:
+            # dims_arg, the dims argument, is a zero-size array whose dims are the symbolic dims: it makes
             # them solvable even when no other backward input mentions them.
-            del carrier_
+            del dims_arg
             stored = [from_data(x, i) for x, i in zip(stored, stored_impls)]
             inputs_ = [from_data(x, i) for x, i in zip(inputs_, input_backed_impls)]
             return replay.backward(stored, inputs_, cts)
@@ -71,8 +71,8 @@ class FlatForward:
         return bwd_flat
 
 
-def dims_carrier(dim_vars: Sequence[str], flat_structs: Sequence[Any]) -> jax.ShapeDtypeStruct | None:
-    """A zero-size bool array whose dims are the symbolic dims (None without any)."""
+def dims_arg_struct(dim_vars: Sequence[str], flat_structs: Sequence[Any]) -> jax.ShapeDtypeStruct | None:
+    """The dims argument's struct: a zero-size bool array whose dims are the symbolic dims (None without any)."""
     if not dim_vars:
         return None
     scope = next(d for s in flat_structs for d in s.shape if not isinstance(d, int)).scope

@@ -1,8 +1,8 @@
 """One array in the manifest (``Leaf``): its file key, dtype, shape, PRNG impl and sharding, as JSON and in words.
 
 Also how a leaf is made from a ``(key, struct)`` pair (``leaves_of``, what ``export``
-writes into the manifest). Owns the leaf's schema; may import ``files`` (dtypes,
-PRNG keys, shapes) and ``sharding``. The manifest that lists leaves is ``manifest``.
+writes into the manifest). Owns the leaf's schema. The manifest that lists leaves is
+``manifest``.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from ..tracing.traced import TracedVjp
 from ..tracing.signatures import fn_name, not_traceable, positional_names, wrt_positions
 from ..trust import checks
 from .artifact import Artifact
-from .flatforward import FlatForward, dims_carrier
+from .flatforward import FlatForward, dims_arg_struct
 from .jaxexport import Sharded, lower, platforms_of, refuse_host_callbacks
 from .leaf import Leaf, leaves_of
 from .manifest import FORMAT_VERSION, Manifest, fingerprint
@@ -242,13 +242,13 @@ def _lower_forward(st: _Export) -> None:
 
 
 def _lower_backward(st: _Export) -> None:
-    """Lower the backward of the forward's trace: ``(stored, input-backed, cotangents, carrier) -> gradients``."""
+    """Lower the backward of the forward's trace: ``(stored, input-backed, cotangents, dims_arg) -> gradients``."""
     plan, fwd_exp = st.forward.plan, st.exps["fwd"]
     n_out, n_stored = len(plan.out_avals), plan.n_stored
     stored_avals = list(fwd_exp.out_avals[n_out : n_out + n_stored])
     input_backed = [st.data_structs[k] for k in plan.input_backed]
     ct_avals = [jax.ShapeDtypeStruct(plan.out_avals[i].shape, plan.out_avals[i].dtype) for i in plan.out_diff]
-    carrier = dims_carrier(st.dim_vars, st.flat_structs)
+    dims_arg = dims_arg_struct(st.dim_vars, st.flat_structs)
     in_impls = st.in_impls
     fn = st.forward.backward([in_impls[k] for k in plan.input_backed])
     in_specs = grad_specs = shardings = None
@@ -258,11 +258,11 @@ def _lower_backward(st: _Export) -> None:
             list(st.stored_specs or []),
             [specs[k] for k in plan.input_backed],
             [outs[i] for i in plan.out_diff],
-            PartitionSpec() if carrier is not None else None,
+            PartitionSpec() if dims_arg is not None else None,
         )
         grad_specs = [specs[k] for k in plan.diff_leaves]  # gradients sharded like their arguments
         shardings = (st.sh.shardings(in_specs), st.sh.shardings(tuple(grad_specs)))
-    st.backward = BackwardCall(fn, stored_avals, input_backed, ct_avals, carrier, in_specs, grad_specs)
+    st.backward = BackwardCall(fn, stored_avals, input_backed, ct_avals, dims_arg, in_specs, grad_specs)
     st.exps["bwd"] = lower("backward", fn, st.platforms, st.backward.args, shardings)
 
 

@@ -1,10 +1,9 @@
 """The artifact's manifest: its schema (every key, dtype and shape), the format versions and the fingerprint.
 
 Like ``jax.export``'s own ``Exported``, the manifest is a frozen dataclass with an
-explicit format version; a reader refuses a newer version, naming both. One
-array's entry (``Leaf``) is module ``leaf``; holding the caller's arrays to the
-manifest at run time is module ``arguments``. May import ``files``, ``tracing.vjp``
-(which dtypes take a cotangent) and ``leaf``.
+explicit format version; a reader refuses a newer version, naming both. One array's
+entry (``Leaf``) is module ``leaf``; holding the caller's arrays to the manifest at
+run time is module ``arguments``.
 """
 
 from __future__ import annotations
@@ -75,61 +74,61 @@ _SCALAR_NAMES = {int: "an integer", str: "a string", bool: "a bool"}
 
 @dataclass(frozen=True)
 class Manifest:
-    """Everything an artifact says about itself, besides its two modules.
+    """Everything an artifact says about itself, besides its two modules: a frozen dataclass (``Artifact.manifest``).
 
-    Attributes:
-        format_version: The artifact format's version (``FORMAT_VERSION`` when written by this vjpsplit).
-        vjpsplit_version: The vjpsplit that exported it.
-        jax_version: The jax that exported it.
-        calling_convention_version: ``jax.export``'s calling convention, of both modules.
-        function: The exported function's name.
-        arg_names: The argument names, in order.
-        wrt: The differentiated arguments' names.
-        single_grad: Whether the Python API gives one gradient rather than a tuple.
-        has_aux: Whether the function returns ``(out, aux)``.
-        policy: The rematerialization policy the modules were lowered under.
-        platforms: The platforms the modules were lowered for.
-        x64: Whether it was exported with ``jax_enable_x64``.
-        dim_vars: The symbolic dims' names.
-        inputs: The input leaves.
-        outputs: The output leaves: ``out...`` then ``aux...`` keys.
-        residuals: The residual leaves: stored ones in module order, then input-backed ones.
-        grads: The gradient leaves.
-        structure: The pytree structures: ``{"args": {name: ...}, "out": ..., "aux": ...}``.
-        weights: Zero-bubble split: the arguments whose gradients ``bwd_weight`` computes; ``()`` unsplit.
-        intermediates: What ``bwd_input`` hands to ``bwd_weight``.
-        weight_residuals: Format >= 3: the stored residuals ``bwd_weight`` reads.
-        weight_inputs: Format >= 3: the input-backed residuals (input keys) it reads.
-        nr_devices: Format >= 4: the devices the modules run on.
-        mesh: Format >= 4: ``(axis name, size)`` of a sharded artifact's mesh; ``()`` unsharded.
-        fingerprint: The hash that names this manifest and its modules.
+    A reader refuses a newer ``format_version``, naming both; each field added after format 2 says which format added it.
     """
 
     format_version: int
+    """The artifact format's version (``FORMAT_VERSION`` when written by this vjpsplit)."""
     vjpsplit_version: str
+    """The vjpsplit that exported it."""
     jax_version: str
-    calling_convention_version: int  # jax.export's, of both modules
+    """The jax that exported it."""
+    calling_convention_version: int
+    """``jax.export``'s calling convention, of both modules."""
     function: str
+    """The exported function's name."""
     arg_names: tuple[str, ...]
+    """The argument names, in order."""
     wrt: tuple[str, ...]
-    single_grad: bool  # Python API: one gradient, not a tuple
+    """The differentiated arguments' names."""
+    single_grad: bool
+    """Whether the Python API gives one gradient rather than a tuple."""
     has_aux: bool
+    """Whether the function returns ``(out, aux)``."""
     policy: str
+    """The rematerialization policy the modules were lowered under."""
     platforms: tuple[str, ...]
-    x64: bool  # exported with jax_enable_x64
+    """The platforms the modules were lowered for."""
+    x64: bool
+    """Whether it was exported with ``jax_enable_x64``."""
     dim_vars: tuple[str, ...]
+    """The symbolic dims' names."""
     inputs: tuple[Leaf, ...]
-    outputs: tuple[Leaf, ...]  # "out..." then "aux..." keys
-    residuals: tuple[Leaf, ...]  # stored (keys.stored) in module order, then input-backed
+    """The input leaves."""
+    outputs: tuple[Leaf, ...]
+    """The output leaves: ``out...`` then ``aux...`` keys."""
+    residuals: tuple[Leaf, ...]
+    """The residual leaves: stored ones in module order, then input-backed ones."""
     grads: tuple[Leaf, ...]
-    structure: Mapping[str, Any]  # {"args": {name: ...}, "out": ..., "aux": ...} (trees.encode_structure)
-    weights: tuple[str, ...] = ()  # zero-bubble split: arguments whose gradients bwd_weight computes
-    intermediates: tuple[Leaf, ...] = ()  # what bwd_input hands to bwd_weight (keys.intermediate)
-    weight_residuals: tuple[str, ...] = ()  # format >= 3: the stored residuals bwd_weight reads
-    weight_inputs: tuple[str, ...] = ()  # format >= 3: the input-backed residuals (input keys) it reads
-    nr_devices: int = 1  # format >= 4: devices the modules run on (jax.export's)
-    mesh: tuple[tuple[str, int], ...] = ()  # format >= 4: (axis name, size) of a sharded artifact's mesh
+    """The gradient leaves."""
+    structure: Mapping[str, Any]
+    """The pytree structures: ``{"args": {name: ...}, "out": ..., "aux": ...}``."""
+    weights: tuple[str, ...] = ()
+    """Zero-bubble split: the arguments whose gradients ``bwd_weight`` computes; ``()`` unsplit."""
+    intermediates: tuple[Leaf, ...] = ()
+    """What ``bwd_input`` hands to ``bwd_weight``."""
+    weight_residuals: tuple[str, ...] = ()
+    """Format >= 3: the stored residuals ``bwd_weight`` reads."""
+    weight_inputs: tuple[str, ...] = ()
+    """Format >= 3: the input-backed residuals (input keys) it reads."""
+    nr_devices: int = 1
+    """Format >= 4: the devices the modules run on."""
+    mesh: tuple[tuple[str, int], ...] = ()
+    """Format >= 4: ``(axis name, size)`` of a sharded artifact's mesh; ``()`` unsharded."""
     fingerprint: str = ""
+    """The hash that names this manifest and its modules."""
 
     def to_json(self) -> dict:
         """A JSON-able dict (msgpack-able too).

@@ -16,13 +16,13 @@ from jax.sharding import Mesh
 from ..errors import VjpsplitError
 from ..files.prng import to_data
 from ..files.trees import flatten_with_keys
-from ..trust.module_io import CARRIER, ModuleIO
+from ..trust.module_io import DIMS_ARG, ModuleIO
 from .callplan import wrap_keys
 from .manifest import Manifest
 from .sharding import host_mesh, named, place
 
 
-_CARRIERS_KEPT = 64
+_DIMS_ARGS_KEPT = 64
 
 
 class Placement:
@@ -33,7 +33,7 @@ class Placement:
         self.source = source
         self.devices = devices  # a sharded artifact's device group; None: this host's first devices
         self._mesh: Mesh | None = None if devices is None else host_mesh(manifest.mesh, devices, source)
-        self._carriers: dict[tuple[int, ...], Any] = {}  # shape arguments by shape
+        self._dims_args: dict[tuple[int, ...], Any] = {}  # dims arguments by shape
 
     @property
     def mesh(self) -> Mesh | None:
@@ -76,39 +76,39 @@ class Placement:
         placed = [place(v, named(mesh, by_key[k].sharding)) if k in by_key else v for k, v in entries]
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(ct), placed)
 
-    def carrier(self, dims: Mapping[str, int]) -> Any:
-        """The shape argument: a zero-size array whose shape gives a backward module the symbolic dims; None without them."""
+    def dims_arg(self, dims: Mapping[str, int]) -> Any:
+        """The dims argument: a zero-size array whose shape gives a backward module the symbolic dims; None without them."""
         m = self.manifest
         if not m.dim_vars:
             return None
         shape = (0, *(dims[n] for n in m.dim_vars))
         # Kept by shape only for int dims: 5.0 == 5 as a key, but numpy refuses a float dim.
         kept = all(type(d) is int for d in shape)
-        carrier = self._carriers.get(shape) if kept else None
-        if carrier is None:
-            carrier = np.zeros(shape, np.bool_)
-            carrier.flags.writeable = False  # holds no element; shared by the calls at these dims
+        arg = self._dims_args.get(shape) if kept else None
+        if arg is None:
+            arg = np.zeros(shape, np.bool_)
+            arg.flags.writeable = False  # holds no element; shared by the calls at these dims
             if kept:
-                if len(self._carriers) >= _CARRIERS_KEPT:
-                    self._carriers.clear()
-                self._carriers[shape] = carrier
+                if len(self._dims_args) >= _DIMS_ARGS_KEPT:
+                    self._dims_args.clear()
+                self._dims_args[shape] = arg
         # Placed per call: under a caller's jit (the pipeline's) device_put gives a tracer, never kept.
-        return carrier if self.mesh is None else jax.device_put(carrier, named(self.mesh, ()))
+        return arg if self.mesh is None else jax.device_put(arg, named(self.mesh, ()))
 
     def arguments(self, io: ModuleIO, bound: Mapping[str, Sequence], dims: Mapping[str, int]) -> dict[str, Any]:
-        """A backward module's arguments by slot: ``bound``'s arrays placed, and the shape argument for ``dims``."""
+        """A backward module's arguments by slot: ``bound``'s arrays placed, and the dims argument for ``dims``."""
         inputs = io.inputs or ()
         out: dict[str, Any]
         if self.manifest.sharded:
-            out = {s.name: self.place(s.leaves, bound[s.name]) for s in inputs if s.name != CARRIER}
+            out = {s.name: self.place(s.leaves, bound[s.name]) for s in inputs if s.name != DIMS_ARG}
         else:
-            out = {s.name: bound[s.name] for s in inputs if s.name != CARRIER}
-        out[CARRIER] = self.carrier(dims)
+            out = {s.name: bound[s.name] for s in inputs if s.name != DIMS_ARG}
+        out[DIMS_ARG] = self.dims_arg(dims)
         return out
 
     def call_arguments(self, io: ModuleIO, bound: Mapping[str, Sequence], dims: Mapping[str, int]) -> tuple:
         """A backward module's positional arguments: ``arguments`` in the module's slot order."""
         if self.manifest.sharded:
             return io.arguments(self.arguments(io, bound, dims))
-        carrier = self.carrier(dims)
-        return tuple([carrier if name == CARRIER else bound[name] for name in io.input_names])
+        dims_arg = self.dims_arg(dims)
+        return tuple([dims_arg if name == DIMS_ARG else bound[name] for name in io.input_names])

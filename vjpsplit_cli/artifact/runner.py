@@ -22,7 +22,7 @@ from ..trust.kernelcheck import check_at_call
 from ..trust.module_io import ModuleIO, module_table
 from . import artifact_file
 from .manifest import Manifest
-from .seen import Seen, dims_signature, placed_signature
+from .checked_calls import CheckedCalls, dims_signature, placed_signature
 
 
 class ModuleRunner:
@@ -48,7 +48,7 @@ class ModuleRunner:
         self._executable_cache: str | None = None
         # Calls whose results (and kernels) were checked: by module and dims, and by the arguments'
         # signature for the modules whose kernels are checked at call shapes.
-        self._seen = Seen()
+        self._checked = CheckedCalls()
         # Counts the changes that make a call seen before due for its checks again: what a caller
         # kept from ``ready`` holds while the epoch is the one it read before asking.
         self.epoch = 0
@@ -78,7 +78,7 @@ class ModuleRunner:
     @check_at_call.setter
     def check_at_call(self, modules: frozenset[str]) -> None:
         self._check_at_call = frozenset(modules)
-        self._seen.clear()  # calls seen before were not checked so
+        self._checked.clear()  # calls seen before were not checked so
         self.epoch += 1
 
     @property
@@ -89,7 +89,7 @@ class ModuleRunner:
     @verdict_cache.setter
     def verdict_cache(self, cache_dir: Any) -> None:
         self._verdict_cache = cache_dir
-        self._seen.clear()
+        self._checked.clear()
         self.epoch += 1
 
     def check_runnable(self, mesh: Callable[[], Any]) -> None:
@@ -148,7 +148,7 @@ class ModuleRunner:
             key: tuple | None = (module, dims_signature(dims) if dims else ())
         else:
             key = self._call_key(module, args, dims)
-        seen = self._seen.get(key) is not None
+        seen = self._checked.get(key) is not None
         try:
             call = self.jitted[module] if seen else self._call_of(module, args)
             if not signals_guarded():  # outside the CLI's guard (every call from Python code): nothing to set
@@ -166,7 +166,7 @@ class ModuleRunner:
         if not seen:
             check_outputs(self.source, module, jax.tree_util.tree_leaves(result), self.exported[module], dims or {})
             if call is self.jitted[module]:  # a program read from the executable cache is checked on every call
-                self._seen.add(key, True)
+                self._checked.add(key, True)
         return result
 
     def refusal(self, e: Exception, module: str, refused: str) -> VjpsplitError | None:
@@ -196,7 +196,7 @@ class ModuleRunner:
         """
         if self.executable_cache is not None or module in self._check_at_call or signals_guarded():
             return None
-        if self._seen.get((module, dims_signature(dims) if dims else ())) is None:
+        if self._checked.get((module, dims_signature(dims) if dims else ())) is None:
             return None
         return self.jitted[module]
 

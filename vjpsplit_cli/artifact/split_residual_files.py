@@ -2,9 +2,8 @@
 
 ``split``'s residuals are keyed ``r/i`` with their input-backed ones by flat argument
 position, and tied to the forward's plan by its token: only the process whose
-``split`` made them has their backward. The file's reading and checks common to
-every residual file are ``residual_files`` and ``residual_meta``. May import
-``files``, ``tracing`` (the residual types and the plans) and ``residual_meta``.
+``split`` made them has their backward. The file's reading and checks common to every
+residual file are ``residual_files`` and ``residual_meta``.
 """
 
 from __future__ import annotations

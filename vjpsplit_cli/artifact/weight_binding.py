@@ -3,8 +3,7 @@
 What the weight part (``bwd_weight``) reads: the residuals it takes (all of them before format 3, a
 subset after), the intermediates the input part (``bwd_input``) wrote, and the residuals those carry
 from format 3 on; each checked as ``binding.Binding`` checks a backward's arguments, with the same
-``seen`` memory of signatures that passed. May import the artifact's ``arguments``, ``manifest``
-and ``seen``, and the files', tracing's and trust's helpers.
+``checked_calls`` memory of signatures that passed.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from ..tracing.residuals import Intermediates, Residuals
 from ..trust.module_io import INPUT_BACKED, INTERMEDIATES, STORED, module_io
 from .arguments import as_input, check_array, check_keys, recorded_dims
 from .manifest import Manifest
-from .seen import Seen, residuals_signature
+from .checked_calls import CheckedCalls, residuals_signature
 
 
 class WeightPartBinding:
@@ -28,12 +27,12 @@ class WeightPartBinding:
         self,
         manifest: Manifest,
         source: str,
-        seen: Seen,
+        checked: CheckedCalls,
         residuals: Callable[[Residuals, str], tuple[list, list, dict[str, int]]],
     ) -> None:
         self.manifest = manifest
         self.source = source
-        self._seen = seen
+        self._checked = checked
         self._residuals = residuals
         self._weight_leaves: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
 
@@ -91,7 +90,7 @@ class WeightPartBinding:
         m = self.manifest
         sig = residuals_signature(inter.stored, inter.inputs, inter.dims, inter.arrays)
         key = None if sig is None else ("intermediates", sig)
-        if self._seen.get(key) is not None:
+        if self._checked.get(key) is not None:
             carried = None
             if m.weight_reads_subset:
                 stored_leaves, backed_leaves = self._weight_part_leaves()
@@ -117,7 +116,7 @@ class WeightPartBinding:
                 and all(a is inter.inputs[keys.input_of(leaf.key)] for a, leaf in zip(carried[1], backed_leaves))
             )
         if key is not None and unchanged:
-            self._seen.add(key, True)
+            self._checked.add(key, True)
         return values, carried, dims
 
     def _weight_part_leaves(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:

@@ -20,7 +20,7 @@ from .jaxexport import Sharded, lower
 
 @dataclass(frozen=True)
 class BackwardCall:
-    """A backward over flat leaves, ``fn(stored, input_backed, cts, carrier) -> grads``, and what it is lowered at.
+    """A backward over flat leaves, ``fn(stored, input_backed, cts, dims_arg) -> grads``, and what it is lowered at.
 
     ``in_specs`` (the four arguments' PartitionSpecs) and ``grad_specs`` (one per
     gradient) are set for sharded artifacts only.
@@ -30,14 +30,14 @@ class BackwardCall:
     stored: list
     input_backed: list
     cts: list
-    carrier: Any
+    dims_arg: Any
     in_specs: tuple | None = None
     grad_specs: list | None = None
 
     @property
     def args(self) -> tuple:
         """The four arguments, as ``fn`` takes them."""
-        return (self.stored, self.input_backed, self.cts, self.carrier)
+        return (self.stored, self.input_backed, self.cts, self.dims_arg)
 
 
 @dataclass(frozen=True)
@@ -69,11 +69,11 @@ def lower_weight_split(
     input_fn = jcore.jaxpr_as_fun(part.input_part)
     weight_fn = jcore.jaxpr_as_fun(keep_inputs(part.weight_part, keep))
 
-    def bwd_input(stored: Sequence, inputs_: Sequence, cts: Sequence, carrier_: Any) -> tuple[tuple, tuple]:
+    def bwd_input(stored: Sequence, inputs_: Sequence, cts: Sequence, dims_arg: Any) -> tuple[tuple, tuple]:
         outs = input_fn(*stored, *inputs_, *cts)
         return tuple(outs[:n_in_grads]), tuple(outs[n_in_grads:])
 
-    def bwd_weight(w_stored: Sequence, w_inputs: Sequence, inter: Sequence, carrier_: Any) -> tuple:
+    def bwd_weight(w_stored: Sequence, w_inputs: Sequence, inter: Sequence, dims_arg: Any) -> tuple:
         return tuple(weight_fn(*w_stored, *w_inputs, *inter))
 
     in_sh = w_sh = inter_specs = None
@@ -81,7 +81,7 @@ def lower_weight_split(
         in_sh, w_sh, inter_specs = _split_shardings(sh, bwd, bwd_input, weight_outs, n_in_grads, w_st, w_ib)
     in_exp = lower("input part of the backward", bwd_input, platforms, bwd.args, in_sh)
     inter_avals = list(in_exp.out_avals[n_in_grads:])
-    w_args = ([bwd.stored[i] for i in w_st], [bwd.input_backed[j] for j in w_ib], inter_avals, bwd.carrier)
+    w_args = ([bwd.stored[i] for i in w_st], [bwd.input_backed[j] for j in w_ib], inter_avals, bwd.dims_arg)
     w_exp = lower("weight part of the backward", bwd_weight, platforms, w_args, w_sh)
     return WeightSplit(in_exp, w_exp, inter_avals, inter_specs, w_st, w_ib)
 
@@ -102,9 +102,9 @@ def _split_shardings(
     chosen = sh.probe("input part of the backward", bwd_input, bwd.args, in_specs, (tuple(in_grad_specs), None))
     inter_specs = chosen[n_in_grads:]
     in_sh = (sh.shardings(in_specs), sh.shardings((tuple(in_grad_specs), tuple(inter_specs))))
-    st_specs, ib_specs, _, carrier_spec = in_specs
+    st_specs, ib_specs, _, dims_arg_spec = in_specs
     w_sh = (
-        sh.shardings(([st_specs[i] for i in w_st], [ib_specs[j] for j in w_ib], list(inter_specs), carrier_spec)),
+        sh.shardings(([st_specs[i] for i in w_st], [ib_specs[j] for j in w_ib], list(inter_specs), dims_arg_spec)),
         sh.shardings(tuple(grad_specs[i] for i in weight_outs)),
     )
     return in_sh, w_sh, inter_specs

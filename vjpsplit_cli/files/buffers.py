@@ -4,8 +4,7 @@
 ``jax.device_put`` onto a CPU device then uses its buffer without copying (measured on
 jax 0.10.2, 2 CPU devices: a 128 KiB array put and waited for in 22-24 µs aligned,
 85-91 µs where NumPy's own allocation left it 32 bytes off, a copy). The array must not
-be written after it is put: the device array shares its bytes. May import nothing of
-the package.
+be written after it is put: the device array shares its bytes.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ the equations. Nothing is evaluated by Python's ``eval``: the text is parsed by
 ``dimtext`` (whose ``parse``, ``names``, ``evaluate`` and limits this module names too),
 and text it does not read (longer than ``MAX_TEXT``, nested deeper than
 ``MAX_DEPTH``, another syntax) is a dim left to jax.export's own shape checks.
-Owns the solving; may import ``errors`` and ``dimtext``. No JAX here.
+Owns the solving. No JAX here.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Owns the grammar (ints, names, ``+ - * ^``, parentheses and jax.export's shape
 functions), the bounds on what is read (``MAX_TEXT``, ``MAX_DEPTH``, ``MAX_POWER``)
 and ``MAX_DIM``, and evaluating a parsed dim once its names are sized. Nothing is
-evaluated by Python's ``eval``. Imports nothing of the package; solving names from shapes is ``dims``'.
+evaluated by Python's ``eval``. Solving names from shapes is ``dims``'.
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ several stages read is tied); counts are ``num_stages``, ``num_workers``, indice
 The layers, in their dependency order (each imports only the layers before it;
 ``tests/test_structure.py`` holds it):
 
-* ``schedules/``: operations, the built-in schedules, layouts, the one play of
-  plans (dispatch order, deadlock check, simulation, ZB-H1's W placement), plan
-  checks, CSV, timelines and plots;
+* ``schedules/``: operations, the built-in schedules, layouts, the plans'
+  execution order (dispatch order, deadlock check, simulation, ZB-H1's W placement),
+  plan checks, CSV, timelines and plots;
 * ``stages/``: the mark, the cut, the cost model, the balanced cut, the export,
   the ``Stages`` directory with its typed index, the ``inspect`` report;
 * ``runtime/``: the stage worker, the model's one form, the one dispatcher, the
@@ -36,7 +36,7 @@ The layers, in their dependency order (each imports only the layers before it;
 
 This module only re-exports what users call; the rest stays in its module
 (``schedules.catalog.SCHEDULES``, ``schedules.layout.layout_kind``,
-``schedules.plots.plot_loss``, ...). May import every layer but ``cli``.
+``schedules.plots.plot_loss``, ...).
 """
 
 from __future__ import annotations

@@ -10,8 +10,6 @@ CPU devices (``XLA_FLAGS``). The launcher waits for every process; once one
 fails, it ends the others (``--grace`` seconds after) and exits with the first
 failure's code. The script calls ``initialize()`` (or
 ``jax.distributed.initialize`` with those values) before the Trainer.
-
-May import the layers below ``pipeline``.
 """
 
 from __future__ import annotations

@@ -6,5 +6,5 @@ sweep of stale ones (``temps``), termination signals while writing (``signals``)
 Python lacks (``filesystem``), the few I/O threads (``workers``), one-line read errors
 (``reading``), and host facts (``system``).
 
-May import: ``errors``, ``config``, ``terminal``. Nothing here knows JAX, arrays or artifacts.
+Nothing here knows JAX, arrays or artifacts.
 """

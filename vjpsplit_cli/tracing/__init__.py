@@ -7,7 +7,4 @@ read-only containers under them (``residuals``, ``frozen``), save-versus-recompu
 candidates' timing and the choice (``policies``, ``timing``, ``choice``), specs at concrete
 sizes (``specs``), the zero-bubble B/W cut of the backward's jaxpr (``zerobubble``, ``fission``)
 and walking jaxprs (``jaxprs``).
-
-May import: ``errors``, ``config``, ``files`` (dtypes, shapes, PRNG keys). Not ``artifact``,
-``trust``, ``cli`` or ``pipeline``.
 """

@@ -2,7 +2,7 @@
 
 Owns the immutability that ``residuals``' types share: mappings that refuse changes and
 register as dict-like pytrees, and a base whose fields are set in ``__init__`` only, with
-``replace`` for a changed copy. May import JAX's pytree registry only.
+``replace`` for a changed copy.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Reading a function's arguments: ``wrt`` as positions, positional parameter names, and names for messages.
 
-Owns what split, export and the CLI ask of a user's function before tracing it: which
-arguments ``wrt`` names, its positional parameters (``inspect.signature``), whether it is
-something JAX can trace at all, and its name in messages. May import ``errors``; no JAX tracing.
+Owns what split, export and the CLI ask of a user's function before tracing it: which arguments
+``wrt`` names, its positional parameters (``inspect.signature``), whether it is something JAX
+can trace at all, and its name in messages.
 """
 
 from __future__ import annotations

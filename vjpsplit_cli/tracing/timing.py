@@ -1,8 +1,7 @@
 """Timing the policy candidates: each one's forward + backward, measured here or estimated by XLA.
 
-Owns the synthetic inputs a measurement runs on, the interleaved timing rounds and the
-cost-analysis score that stands in where running fails; ``choice`` picks among the times.
-May import ``policies`` (the candidates) and ``files.prng`` (typed keys); nothing that imports ``choice``.
+Owns the synthetic inputs a measurement runs on, the interleaved timing rounds and the cost-analysis score
+that stands in where running fails; ``choice`` picks among the times.
 """
 
 from __future__ import annotations

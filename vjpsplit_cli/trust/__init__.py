@@ -6,6 +6,5 @@ avals, with the custom-call policy in ``custom_calls`` and the kernel check at a
 shapes in ``kernelcheck``); parsing StableHLO safely, in a child process first
 (``probes``, ``mlirprobe``); and the cache of clean verdicts (``verdicts``).
 
-May import: ``errors``, ``config``, ``safeio``, ``files``. Not ``tracing``, ``artifact``,
-``cli`` or ``pipeline``: it judges bytes, it does not make them.
+It judges bytes; it does not make them.
 """

@@ -6,7 +6,7 @@ compare a module's avals with it (``checks.manifest_avals``) and the artifact ru
 and places arguments and names results by it, so the argument order is written once.
 
 The manifest is taken duck-typed (``inputs``, ``outputs``, ``residuals``, ``grads`` ...):
-this layer judges artifacts and may not import ``artifact``.
+this layer judges artifacts and sits below ``artifact``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 from ..files import keys
 
-# Slot names. Backward modules take (stored, input-backed, cotangents or intermediates, the shape argument).
+# Slot names. Backward modules take (stored, input-backed, cotangents or intermediates, the dims argument).
 INPUTS = "inputs"  # the forward's flat input leaves
 OUT = "out"  # the forward's differentiable output ``out`` (its leaves)
 STORED = "stored"  # stored residuals (``r/<i>``)
@@ -25,16 +25,18 @@ AUX = "aux"  # the forward's auxiliary outputs (``has_aux``)
 INPUT_BACKED = "input_backed"  # residuals that are inputs (``in/<input key>``)
 COTANGENTS = "cotangents"  # cotangents of ``out``'s floating leaves
 INTERMEDIATES = "intermediates"  # what the input part computed for the weight part (``c/<i>``)
-CARRIER = "carrier"  # the shape argument: a zero-size bool array whose dims are the symbolic dims (none without them)
+# The dims argument: a zero-size bool array whose dims are the symbolic dims (none without them). "carrier" is
+# its slot name and its leaf's key as vjpsplit 0.1.0 named them.
+DIMS_ARG = "carrier"
 GRADS = "grads"  # gradients, in manifest order
 
 
 @dataclasses.dataclass(frozen=True)
-class CarrierLeaf:
-    """The shape argument as a leaf: ``bool[0, *dim_vars]``, replicated."""
+class DimsArgLeaf:
+    """The dims argument as a leaf: ``bool[0, *dim_vars]``, replicated."""
 
     shape: tuple[Any, ...]
-    key: str = CARRIER
+    key: str = DIMS_ARG
     dtype: str = "bool"
     sharding: tuple = ()
     prng_impl: str | None = None
@@ -68,7 +70,7 @@ class ModuleIO:
         """The module's positional arguments from values by slot name.
 
         The forward takes its input leaves one argument each; a backward module takes
-        one list per slot (the shape argument: an array, or None without symbolic dims).
+        one list per slot (the dims argument: an array, or None without symbolic dims).
         """
         if self.inputs is None:
             raise ValueError(f"the manifest does not fix the {self.module} module's arguments")
@@ -120,10 +122,10 @@ def is_out_key(key: str) -> bool:
     return key == "out" or key.startswith("out/")
 
 
-def carrier_leaves(manifest: Any) -> tuple[Any, ...]:
-    """The shape argument's leaf when the manifest has symbolic dims; () otherwise."""
+def dims_arg_leaves(manifest: Any) -> tuple[Any, ...]:
+    """The dims argument's leaf when the manifest has symbolic dims; () otherwise."""
     dim_vars = tuple(manifest.dim_vars)
-    return (CarrierLeaf((0, *dim_vars)),) if dim_vars else ()
+    return (DimsArgLeaf((0, *dim_vars)),) if dim_vars else ()
 
 
 def input_backed_leaves(manifest: Any) -> tuple[Any, ...]:
@@ -155,7 +157,7 @@ def _backward(m: Any, module: str) -> ModuleIO:
         Slot(STORED, tuple(m.stored_residuals)),
         Slot(INPUT_BACKED, input_backed_leaves(m)),
         Slot(COTANGENTS, tuple(m.cotangent_leaves)),
-        Slot(CARRIER, carrier_leaves(m)),
+        Slot(DIMS_ARG, dims_arg_leaves(m)),
     )
     if module == "bwd":
         return ModuleIO(module, ins, (Slot(GRADS, tuple(m.grads)),))
@@ -169,7 +171,7 @@ def _weight_part(m: Any) -> ModuleIO:
         Slot(STORED, stored),
         Slot(INPUT_BACKED, backed),
         Slot(INTERMEDIATES, tuple(m.intermediates)),
-        Slot(CARRIER, carrier_leaves(m)),
+        Slot(DIMS_ARG, dims_arg_leaves(m)),
     )
     return ModuleIO("bwd_weight", ins, (Slot(GRADS, tuple(m.grads_of(m.weights))),))
 

@@ -10,8 +10,4 @@ in-process runner (``inprocess``) and its steps, untimed from one thread
 (``untimed``) or timed on worker threads (``timed``), the threads kept across
 steps (``workerthreads``), a step's timeout and stopped report (``stepwatch``),
 and the Ray runner (``ray/``); ``training.runners.run`` picks one.
-
-May import the base modules, the layers below ``pipeline``, and ``schedules``
-and ``stages``. Inside it, ``ray/`` may import the in-process modules, never the
-reverse.
 """

@@ -5,8 +5,7 @@
 keeps that count for what a ``StageWorker`` holds (residuals, a split backward's
 intermediates) as it comes and goes, for its ``peak_residual_bytes``;
 ``bytes_per_device`` counts a pytree's arrays by the device each shard is on, and
-``device_use`` what a device holds in all (``Trainer.memory``). May import the
-layers below ``pipeline`` only.
+``device_use`` what a device holds in all (``Trainer.memory``).
 """
 
 from __future__ import annotations

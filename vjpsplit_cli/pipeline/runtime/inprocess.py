@@ -4,9 +4,7 @@
 every stage on its devices and builds one ``StageWorker`` per stage; the step runs
 timed (``timed.run_threads``, on worker threads of its own, each operation waited
 for) or untimed (``untimed.dispatch``, nothing waits), and its losses, gradients and
-events come back as one ``PipelineResult``. May import the in-process modules
-below it (``devices``, ``model``, ``offload``, ``result``, ``timed``, ``untimed``,
-``worker``, ``workerthreads``) and the schedules and stages layers.
+events come back as one ``PipelineResult``.
 """
 
 from __future__ import annotations

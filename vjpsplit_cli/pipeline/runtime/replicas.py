@@ -24,8 +24,7 @@ A sharded stage's replicas each run its artifact on a device group of its own
 (``Artifact.on_devices``, the same mesh shape): replica r's parameters and
 gradients are laid out over group r as the export says, and the reduction runs
 over the replicas' axis of ``replicas_mesh`` alone (in-process and in a Ray
-actor alike). May import the runtime layer's
-``worker``, ``offload``, ``model`` and ``reduction``, and the schedules layer.
+actor alike).
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ from .worker import StageWorker
 # The reduction's; named here too for their importers (``training.zero1``).
 
 if TYPE_CHECKING:
-    from .flight import RingOp
+    from .hang_report import RingOp
     from ...artifact.artifact import Artifact
     from ...tracing.residuals import Intermediates
     from ..schedules.timeline import Event

@@ -1,11 +1,9 @@
 """What the runners call on a stage: the ``RunsOps`` protocol and ``run_op``, one scheduled operation by its kind.
 
-``RunsOps`` is what ``run_op`` and the runners (threads in-process, Ray actors) call
-on a stage: a ``worker.StageWorker``, or a ``replicas.ReplicaGroup`` standing in its
-place. ``run_op`` hands an operation to the stage's F, B, I or W, and names the operation in any error it
-raises. May import the
-schedules layer's ``ops`` and ``timeline``, ``offload``'s ``Offload`` and the tracing
-layer's residual types; ``worker`` and ``replicas`` implement it, the runners call it.
+``RunsOps`` is what ``run_op`` and the runners (threads in-process, Ray actors) call on a stage: a
+``worker.StageWorker``, or a ``replicas.ReplicaGroup`` standing in its place. ``run_op`` hands an
+operation to the stage's F, B, I or W, and names the operation in any error it raises. ``worker`` and
+``replicas`` implement it, the runners call it.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from ...treetypes import PyTree
 if TYPE_CHECKING:
     import numpy as np
 
-    from .flight import RingOp
+    from .hang_report import RingOp
     from ...tracing.residuals import Intermediates
     from ..schedules.timeline import Event
     from .offload import Offload

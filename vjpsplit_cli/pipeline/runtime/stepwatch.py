@@ -1,11 +1,10 @@
 """How a step is watched, timed or not: its timeout, Ctrl-C and, once stopped, the one-line report.
 
-Owns ``Watch`` (a step's ``step_timeout``, where a stuck step's report goes, what to
-append to its error; filled in with the driver's phases and the workers left
-behind), ``GRACE`` (how long a stopped step's workers get to drain) and the report
-itself (``stop_report``: every worker's clause, its last operations written with
-``flight.write_flight``). May import ``flight``, the schedules layer's ``ops`` and
-``timeline``, and ``stageops``' ``RunsOps``; ``timed`` and ``untimed`` build on it.
+Owns ``Watch`` (a step's ``step_timeout``, where a stuck step's report goes, what to append
+to its error; filled in with the driver's phases and the workers left behind), ``GRACE``
+(how long a stopped step's workers get to drain) and the report itself (``stop_report``:
+every worker's clause, its last operations written with ``hang_report.write_hang_report``).
+``timed`` and ``untimed`` build on it.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Sequence, TypeAlias
 
 from ..schedules.ops import Op
 from ..schedules.timeline import Phase
-from .flight import Now, RingOp, clause, default_path, hang_message, ring_rows, write_flight
+from .hang_report import Now, RingOp, clause, default_path, hang_message, ring_rows, write_hang_report
 
 if TYPE_CHECKING:
     from .stageops import RunsOps
@@ -29,7 +28,7 @@ GRACE = 1.0  # seconds the workers get to drain a stopped step before their thre
 @dataclasses.dataclass
 class Watch:
     """How a timed step is watched: ``step_timeout`` (None: no limit), where a stuck step's report goes
-    (``report_path``; None: ``flight.default_path``), ``hint`` (what to do when a thread stays stuck, appended to
+    (``report_path``; None: ``hang_report.default_path``), ``hint`` (what to do when a thread stays stuck, appended to
     the error), ``on_stop``
     (releases waits outside the operations, e.g. a barrier). Filled in: ``phases`` (the driver's) and
     ``stuck`` (after a stop, the workers whose threads were left behind, each in words), ``applied`` (an
@@ -60,7 +59,7 @@ def stop_report(
     after: Sequence[int] | None = None,
 ) -> str:
     """A stopped step's one-line error, timed or not: every worker's clause, its last operations written to
-    ``watch.report_path`` (``flight.write_flight``; the line says so, or that it could not be written)."""
+    ``watch.report_path`` (``hang_report.write_hang_report``; the line says so, or that it could not be written)."""
     rows = []
     for w, held in enumerate(rings):
         ops = sorted((r for s, ring in held for r in ring_rows(ring, s, t0)), key=lambda r: r["start_ms"])
@@ -68,6 +67,6 @@ def stop_report(
         rows.append({"worker": w, "now": now, "ops": ops})
     path = watch.report_path or default_path()
     message = hang_message(reason, nows, t0, worker_of, path, left, after=after)
-    if write_flight(path, message, rows) is None:
+    if write_hang_report(path, message, rows) is None:
         message = hang_message(reason, nows, t0, worker_of, None, f" (could not write {path}){left}", after=after)
     return message

@@ -7,8 +7,7 @@ waits for its results, and records its ``Event``, so the events are compute time
 Each mailbox has its own event, and each worker its own queue of operations, so a
 message wakes only the thread that reads it: the cost of an operation does not grow
 with the number of stages. A step past its ``Watch``'s timeout, or interrupted, is
-one error naming what each worker is doing. May import ``dispatch``, ``flight``,
-``model``, ``stageops``, ``stepwatch``, ``workerthreads`` and the schedules layer.
+one error naming what each worker is doing.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from ...errors import VjpsplitError
 from ..schedules.ops import Op, dependencies, received
 from ..schedules.timeline import Phase
 from .dispatch import Order, Submit, placed_microbatches, progress_bar, walk
-from .flight import DONE, FINISH, NEXT, RUNS, WAITS, Now, StepInterrupted, clause, compile_aware, idle
+from .hang_report import DONE, FINISH, NEXT, RUNS, WAITS, Now, StepInterrupted, clause, compile_aware, idle
 from .model import Microbatch
 from .stepwatch import GRACE, Watch, stop_report, worker_rings
 from .stageops import RunsOps, run_op
@@ -101,7 +100,7 @@ class _Threads:
         self.errors: list[BaseException] = []
         self.bar = progress_bar(sum(len(p) for p in plans), progress)
         self.bar_lock = threading.Lock()
-        self.nows: list[Now] = [idle() for _ in plans]  # what each worker does now (flight)
+        self.nows: list[Now] = [idle() for _ in plans]  # what each worker does now (hang_report)
         self.boxes: list[_Mailbox] = []
         self.worker_of = {op.stage: w for w, ops in enumerate(plans) for op in ops}
 
@@ -151,7 +150,7 @@ class _Threads:
 
     def _stop(self, pool: WorkerThreads, done: Sequence[Job], watch: Watch, reason: str, t0: float) -> str:
         """Stop a step that is stuck or interrupted: what each worker does, its last operations written
-        (``flight.write_flight``), every wait released; threads still stuck after ``GRACE`` are left behind."""
+        (``hang_report.write_hang_report``), every wait released; threads still stuck after ``GRACE`` are left behind."""
         # As the step stopped, before anything is released; a worker's thread inside JAX's compiler: compiling.
         nows = [compile_aware(now, t.ident) for now, t in zip(self.nows, pool.threads)] or list(self.nows)
         rings = worker_rings(self.plans, self.workers)

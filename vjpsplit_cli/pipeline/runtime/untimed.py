@@ -1,14 +1,12 @@
 """An untimed step: every operation dispatched from one thread, nothing waiting, and what was handed out.
 
-``dispatch`` hands each operation to its stage's device in the plans' execution
-order and nothing waits: ``jit`` dispatches asynchronously, so the devices run side
-by side while the driver is already further on. A Trainer's untimed step runs its
-dispatch, in the same order, in one long-lived helper thread (``run_untimed``) while the
-caller waits with ``step_timeout`` and Ctrl-C; ``Dispatched`` records what was
-handed out, so a stuck step names each worker's unfinished operation (a Ray actor's
-untimed list keeps one of its own operations, ``ray.lists``). May import
-``dispatch``, ``flight``, ``model``, ``replicas``, ``stageops``, ``stepwatch``,
-``workerthreads`` and the schedules layer.
+``dispatch`` hands each operation to its stage's device in the plans' execution order
+and nothing waits: ``jit`` dispatches asynchronously, so the devices run side by side
+while the driver is already further on. A Trainer's untimed step runs its dispatch, in
+the same order, in one long-lived helper thread (``run_untimed``) while the caller waits
+with ``step_timeout`` and Ctrl-C; ``Dispatched`` records what was handed out, so a stuck
+step names each worker's unfinished operation (a Ray actor's untimed list keeps one of
+its own operations, ``ray.lists``).
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from ...errors import VjpsplitError
 from ...files.prng import is_ready
 from ..schedules.ops import Kind, Op, dependencies, received
 from .dispatch import Order, placed_microbatches, walk
-from .flight import (
+from .hang_report import (
     COMPILING,
     DISPATCHING,
     FINISHED,

@@ -3,8 +3,7 @@
 A ``StageWorker`` holds a stage's artifact, parameters, the residuals of
 microbatches in flight and the accumulated gradients; ``stageops.run_op`` executes
 one scheduled operation on it. Threads (in-process) and Ray actors call the same.
-Its jitted calls are ``stagecalls``' (kept per artifact). May import ``devices``,
-``flight``, ``offload``, ``stagecalls``, the schedules layer and the layers below.
+Its jitted calls are ``stagecalls``' (kept per artifact).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from ...files.dtypes import dtype_from_name
 from ...tracing.residuals import Intermediates
 from ..schedules.ops import Kind, Op
 from .devices import default_device
-from .flight import RING, RingOp
+from .hang_report import RING, RingOp
 from .devicebytes import HeldBytes
 from .offload import Away, Offload, Offloader
 from .stagecalls import calls_for, signature_of

@@ -9,9 +9,9 @@ A thread left behind in an operation (``abandon``) is waited for at the interpre
 exit, up to ``EXIT_WAIT`` seconds: CPython ends a daemon thread that wakes during
 finalization where it stands, and one that stands inside XLA (a host callback that
 returned, a wait for an operation's results) then aborts the whole process
-("terminate called after throwing an instance of ''", status 134). Given the
-time, it drains its step and ends first; one still stuck is left to the exit.
-May import nothing of the package; ``timed`` and ``untimed`` build on it.
+("terminate called after throwing an instance of ''", status 134). Given the time, it
+drains its step and ends first; one still stuck is left to the exit. ``timed`` and
+``untimed`` build on it.
 """
 
 from __future__ import annotations

@@ -8,6 +8,5 @@ W placement), the checks and resolution of a step's plans (``plans``), plans as
 torch's CSV (``csvformat``), timelines (``timeline``), plots (``plots``), and
 automatic schedules (``auto``, on the list scheduler of ``listscheduler``) under a cost model of memory peaks and bounds (``modeled``).
 
-Nothing here runs a model. May import the base modules and the layers below
-``pipeline``; inside ``pipeline``, nothing (it is the first layer).
+Nothing here runs a model.
 """

@@ -25,7 +25,7 @@ gradients in: see ``_weights_in_order``).
 The list scheduler and its ``Policy`` family are ``listscheduler``'s (named here
 too, where their importers find them); this module owns ``auto_schedule``: its
 arguments, the built-ins and ``refine`` around the search, and plans within a byte
-limit with planned offload. May import the schedules layer's other modules.
+limit with planned offload.
 """
 
 from __future__ import annotations

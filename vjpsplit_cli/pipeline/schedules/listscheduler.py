@@ -4,8 +4,7 @@ The worker whose clock is earliest chooses next: the B whose cotangent has arriv
 else an F whose activation has arrived and that memory allows, else a W if one fits
 before the next input arrives, else it waits for that input (``auto``'s docstring
 tells the whole method). Owns ``Policy``, the family ``policies`` plays, one run of
-the scheduler and ``search``, the fastest plans over the family. May import the
-schedules layer's ``costs`` and ``ops``; ``auto`` builds on it.
+the scheduler and ``search``, the fastest plans over the family; ``auto`` builds on it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,4 @@ the FLOP and byte estimates (``costmodel``), the cut without marks (``balance``)
 with its typed, versioned index (``index``: ``stages.json``), what ``vjpsplit
 inspect DIR`` prints (``report``), and a step's microbatches given one by one with
 their loss weights (``microbatches``: ``Microbatches``).
-
-May import the base modules and the layers below ``pipeline``; inside
-``pipeline``, ``schedules`` (it uses none of it today).
 """

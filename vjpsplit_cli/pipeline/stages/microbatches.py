@@ -6,8 +6,6 @@ their shapes free to differ within the stages' symbolic dims (a sequence-length 
 weighted mean ``sum_i w_i * loss_i / sum_i w_i`` (``scales``: each microbatch's ``w_i / sum_i w_i``, the cotangent
 its last stage's backward starts from). Checked here when made; each batch against the export when the step runs
 (``Stages.stage_microbatches``).
-
-May import the layers below ``pipeline``.
 """
 
 from __future__ import annotations

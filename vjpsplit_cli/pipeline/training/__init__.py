@@ -14,7 +14,4 @@ from them (``resume``), ``fit``'s run of many steps with background checkpoints
 and restarts after a lost Ray worker (``fit``), the step history (``history``),
 measured costs from timed steps (``measured``), ``schedule="auto"``
 (``autoplan``) and the Trainer's options (``option_values``, ``options``).
-
-May import everything in ``pipeline`` before it (``schedules``, ``stages``,
-``runtime``) and the layers below ``pipeline``.
 """

@@ -37,8 +37,7 @@ pickle-free files with every JAX dtype. ``Trainer.state()`` gives optax's own
 structure, which orbax's ``StandardCheckpointer`` saves and restores as it is
 (docs/howto/checkpoints.md shows how).
 
-May import ``checkpoint_layout`` and ``checkpoint_directory`` of this layer and the layers below ``pipeline``;
-the layout's names and records (``KIND``, ``INDEX``, ``HostCheckpoint``, ``CheckpointMeta``, ``Saved``) and
+The layout's names and records (``KIND``, ``INDEX``, ``HostCheckpoint``, ``CheckpointMeta``, ``Saved``) and
 ``tidy`` are also importable from here.
 """
 

@@ -5,8 +5,6 @@ file, a parent that cannot be written, files no save wrote); ``tidy`` takes back
 checkpoint a dead writer's fallback swap left aside and sweeps dead writers' temp
 directories (``safeio.temps``); ``owned`` says which file names a save writes and
 ``has_checkpoint`` whether a directory holds one.
-
-May import ``checkpoint_layout`` of this layer and the layers below ``pipeline``.
 """
 
 from __future__ import annotations

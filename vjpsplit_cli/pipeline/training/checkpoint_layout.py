@@ -7,8 +7,6 @@ read). The records: ``CheckpointMeta`` (the Trainer's settings, ``meta``),
 ``HostCheckpoint`` (what a save writes, on the host) and ``Saved`` (what a read
 gives, of either layout). ``damaged`` and the ``field_*`` checks narrow an index's
 fields, each a bad value one error naming the field.
-
-May import the layers below ``pipeline`` (``errors``, ``treetypes``); nothing of ``pipeline``.
 """
 
 from __future__ import annotations

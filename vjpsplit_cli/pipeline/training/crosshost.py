@@ -19,8 +19,6 @@ a timed-out step, the processes whose counter stopped are the lost ones (all of 
 where the store itself is gone: process 0 with it). Once one is lost, ``abandon`` lets
 this process exit: ``jax.distributed``'s shutdown at exit would wait for every process
 of the job (its heartbeat timeout, 100 s by default), then abort.
-
-May import ``runtime.ray.wire`` and the layers below ``pipeline``.
 """
 
 from __future__ import annotations

@@ -4,10 +4,9 @@ A worker (this process in-process, each Ray actor on Ray) counts its own stages:
 parameters and optimizer state by the device each array's shard is on
 (``devicebytes.bytes_per_device``: with data parallelism, ZeRO-1's 1/N of the state
 shows), each stage's most stored residual bytes in the last step
-(``StageWorker.peak_residual_bytes``, per replica) and what each device holds in
-all (``devicebytes.device_use``: the device's ``memory_stats()``, or the live arrays
-on CPU). May import ``stage_trainer`` and ``zero1`` of this layer, ``runtime`` and
-the layers below ``pipeline``.
+(``StageWorker.peak_residual_bytes``, per replica) and what each device holds in all
+(``devicebytes.device_use``: the device's ``memory_stats()``, or the live arrays on
+CPU).
 """
 
 from __future__ import annotations

@@ -18,10 +18,6 @@ A checkpoint (``save``) is the state every process gathered, written by process 
 to a directory the processes share; every process learns how the write went
 (``agree``). A step (or a gather) that fails or passes ``step_timeout`` asks the
 processes' heartbeats (``crosshost.Heartbeat``) whether one is lost, and names it.
-
-May import ``runtime``, ``schedules``, ``stages`` and, of this layer, ``crosshost``, ``stage_trainer``,
-``checkpoint``, ``checkpoint_layout``, ``clipping``, ``device_memory``, ``ownership`` and ``option_values``;
-the layers below ``pipeline``.
 """
 
 from __future__ import annotations

@@ -5,8 +5,6 @@ other calls inlined; a ``cond`` named in ``inline`` taken apart into its branche
 and a ``select_n`` of their outputs, ``SELECT``) into numbered nodes, each
 equation evaluated alone as ``eval_jaxpr`` would (``run_equation``);
 ``made_at`` says where user code made an equation, for messages.
-
-May import ``jax`` and the layers below ``pipeline``; nothing of ``pipeline``.
 """
 
 from __future__ import annotations

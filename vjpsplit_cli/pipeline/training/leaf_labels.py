@@ -22,8 +22,6 @@ Each value of the traced program gets one label, in program order:
 ``Cut`` labels one program (``jaxpr_graph.InlinedGraph``), says why an output cannot
 be one stage's (``problem``), and evaluates what a stage's outputs need (``evaluate``,
 ``shares``). ``separable`` builds the whole model's optimizer from two of them.
-
-May import ``jaxpr_graph`` of this layer and the layers below ``pipeline``.
 """
 
 from __future__ import annotations

@@ -8,8 +8,6 @@ it is drawn. ``t`` is the Trainer's ``step_count`` when the step starts (a resum
 run goes on with the same keys); ``evaluate`` takes the keys the next step would.
 ``checked_rng`` checks ``rng=`` when the Trainer is made; ``microbatch_keys`` derives
 a step's keys.
-
-May import ``stages`` and the layers below ``pipeline``.
 """
 
 from __future__ import annotations

@@ -23,8 +23,7 @@ sharded as the parameters are: a state leaf named ``.../<param key>`` with that
 parameter's shape (optax's ``mu``, ``nu``, ``trace``) takes its sharding; other
 state leaves (step counts) are replicated.
 
-May import ``optimizer_program``, ``separable`` and ``leaf_labels`` of this layer, and the layers below
-``pipeline``. ``OptimizerProgram``, ``OptLeaf`` and ``load_optimizer`` are also importable from here.
+``OptimizerProgram``, ``OptLeaf`` and ``load_optimizer`` are also importable from here.
 """
 
 from __future__ import annotations

@@ -7,8 +7,6 @@ the leaves' keys, dtypes, shapes and shardings and the modules) and runs, after
 ``load_optimizer``, in a process that imports neither optax nor the user's code.
 Loading checks the modules as artifacts are checked (signatures against the
 recorded leaves, no host callbacks, no unvetted kernels) before anything compiles.
-
-May import the layers below ``pipeline`` (``artifact``, ``trust``, ``files``); nothing of ``pipeline``.
 """
 
 from __future__ import annotations

@@ -12,9 +12,6 @@
   tied=...)`` where stages share leaves).
 
 Each value checks its fields when made. ``options`` gathers them (``Options``).
-
-May import ``runtime``, ``schedules``, ``stages`` and, of this layer, ``arguments``, ``autoplan``, ``crosshost`` and
-``ownership``; the layers below ``pipeline``.
 """
 
 from __future__ import annotations

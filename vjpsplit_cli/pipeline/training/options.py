@@ -6,8 +6,6 @@ Trainer's arguments (a schedule's name, a runner's name), and from the keywords 
 user-facing contract writes for them (``ContractKeywords``: ``schedule_name=``,
 ``memory_limit=``, ``memory_limit_bytes=``, ``devices=``, ``address=``), each the same
 as a field of ``schedule=`` or ``runner=``.
-
-May import ``option_values`` and ``ownership`` of this layer, ``stages``, and the layers below ``pipeline``.
 """
 
 from __future__ import annotations

@@ -10,9 +10,7 @@ microbatch's stage calls actor to actor by object reference; only the losses and
 any aux (and, when asked, the last stage's inputs) reach the driver. ``RayOptions``: the
 ``RayPipeline`` keywords a ``Ray`` runner gives the actors.
 
-May import ``runtime`` (its Ray runner), ``schedules``, ``stages`` and, of this layer, ``train_actor``,
-``stage_trainer``, ``ownership`` and ``device_memory``; the layers below ``pipeline``. ``EndOfStep`` and ``TrainActor`` are also
-importable from here.
+``EndOfStep`` and ``TrainActor`` are also importable from here.
 """
 
 from __future__ import annotations

@@ -9,9 +9,6 @@ state; ``stage_snapshots`` gives a running Trainer's stages their share
 (per stage) loads only into the cut that wrote it; any other use names it.
 ``restored_run`` gives ``Trainer.restore`` all it starts from: those, and the
 settings the checkpoint records where the caller gives none (``RestoredRun``).
-
-May import ``checkpoint``, ``checkpoint_layout``, ``ownership``, ``stage_trainer``, ``optax_state``,
-``options`` and ``option_values`` of this layer, ``schedules``, ``stages`` and the layers below ``pipeline``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""``run``: one pipelined step (gradients, no optimizer) on the runner given, in-process or on a Ray pipeline.
-
-May import ``option_values`` of this layer, ``runtime``, ``schedules`` and ``stages``; the layers below ``pipeline``.
-"""
+"""``run``: one pipelined step (gradients, no optimizer) on the runner given, in-process or on a Ray pipeline."""
 
 from __future__ import annotations
 

@@ -14,8 +14,7 @@ new parameter and state entries *key k* or free, a state value of its own free.
 or parameter and the operation that spans stages. ``StageShare`` is one stage's
 init, reduction shares and update over its own flat leaves.
 
-May import ``leaf_labels`` of this layer and the layers below ``pipeline``; ``combine``
-(the stages' shares of one reduction joined) is also importable from here.
+``combine`` (the stages' shares of one reduction joined) is also importable from here.
 """
 
 from __future__ import annotations

@@ -8,8 +8,6 @@ microbatches of each leaf, as ``jax.tree.map(lambda *a: jnp.mean(jnp.stack(a), 0
 *auxes)`` over a one-process loop's; or ``"per_microbatch"``, the list of each
 microbatch's aux. ``checked_aux`` checks ``aux=`` when the Trainer is made;
 ``reduced`` gives a step's aux.
-
-May import ``stages`` and the layers below ``pipeline``.
 """
 
 from __future__ import annotations

@@ -10,10 +10,6 @@ activations, and every actor joins them as the driver once did, in stage order
 (``EndOfStep``: what each needs to). The optimizer arrives as exported bytes: an
 actor imports neither optax nor the user's code. It also evaluates: its stages' evaluation programs, sent once
 (``load_eval``), and one stage's forward (``eval_op``). ``ray_backend`` drives these actors.
-
-May import ``runtime`` (its Ray actor, evaluation, the ring of recent operations), ``schedules``, ``stages`` (evaluation programs)
-and, of this layer, ``stage_trainer``, ``zero1``, ``clipping``, ``ownership``, ``leaf_labels`` and ``device_memory``;
-the layers below ``pipeline``.
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ import numpy as np
 from ...files.dtypes import dtype_from_name
 from ...treetypes import Leaf, PyTree
 from ..runtime.evaluation import eval_stage, host
-from ..runtime.flight import DONE, FINISH
+from ..runtime.hang_report import DONE, FINISH
 from ..runtime.ray import reports
 from ..runtime.ray.actor import StageActor
 from ..runtime.replicas import ReplicaGroup

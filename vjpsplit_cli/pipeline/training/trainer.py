@@ -21,11 +21,6 @@ The Trainer is one class: opening it (``_start``, what ``Trainer(...)`` and ``re
 attribute it keeps, from its options), ``step``, ``evaluate``, ``fit`` and ``restore`` (its settings from the
 checkpoint: ``resume.restored_run``), its state (``params``, ``state``, ``save``), what it measured (``history``,
 ``costs``, ``memory``, stragglers, ``placement``) and ``close``.
-
-May import, of this layer, ``fit``, ``resume``, ``options``, ``option_values``, ``clipping``, ``microbatch_keys``,
-``step_aux``, ``arguments``, ``backend``, ``ownership``, ``autoplan``, ``optax_state``, ``optimizer``, ``checkpoint``,
-``checkpoint_layout``, ``history``, ``measured`` and ``device_memory``; ``runtime``, ``schedules``, ``stages``; the
-layers below ``pipeline``.
 """
 
 from __future__ import annotations
@@ -122,36 +117,23 @@ class Trainer:
         """A Trainer for ``stages``, starting from ``params`` (and ``opt_state``, at ``step_count``).
 
         Args:
-            stages: a ``Stages`` (``export_stages``); or the per-stage form, a list of artifacts (``PerStage``
-                where stages share leaves), with ``params`` one pytree per stage.
-            params: the whole parameter pytree (the function's ``wrt`` argument).
-            optimizer: an optax ``GradientTransformation``, exported per stage (the workers need no optax).
-            microbatches: how many microbatches each step's batch is cut into.
-            schedule: a built-in schedule's name (default ``"1f1b"``) or a ``Schedule`` (``Schedule("auto",
-                memory_limit=8)``; plans, ``read_schedule``'s form, as ``Schedule(plans=plans)``).
-            runner: ``"inprocess"`` or ``"ray"``, or ``InProcess(devices=..., data_parallel=...)`` /
-                ``Ray(address=..., runtime_env=..., actor_options=..., schedule_timeout=...)``.
-            clip_global_norm: clip by the norm over all stages' gradients (a tied leaf counted once), as
-                ``optax.chain(optax.clip_by_global_norm(c), optimizer)`` on one device; None: no clipping.
-            observe: ``Observe(progress=, timeline=, trace_dir=, trace_every=, step_timeout=, hang_report=)``.
-            opt_state: optax's state for the whole model to start from (``tx.init(params)``'s structure: from
-                one process, another Trainer's ``state()``, or orbax) instead of ``optimizer.init``.
-            step_count: the run's step this state is at (``fit`` goes on from there).
-            rng: a PRNG key (``jax.random.key(seed)``) for a loss that takes one (a batch argument exported as a
-                scalar typed key): microbatch ``i`` of step ``t`` (``step_count`` when the step starts) gets
-                ``fold_in(fold_in(rng, t), i)`` on every stage that reads it; the batch is passed without the key.
-            aux: for stages whose function returns ``(loss, aux)`` (``export_stages(..., has_aux=True)``), what
-                ``step``, ``evaluate`` and ``history`` give of it: ``"mean"`` (the default: each leaf's mean over the
-                microbatches) or ``"per_microbatch"`` (the list of each microbatch's aux).
-            **keywords: the contract's spellings of a schedule's and a runner's fields (``ContractKeywords``):
-                ``schedule_name=``, ``memory_limit=``, ``memory_limit_bytes=`` (``schedule=``'s), ``devices=``
-                (``runner="inprocess"``'s), ``address=`` (``runner="ray"``'s).
+            stages: A ``Stages`` (``export_stages``), or the per-stage form: a list of artifacts (``PerStage`` if tied).
+            params: The whole parameter pytree (the function's ``wrt`` argument); one per stage in the per-stage form.
+            optimizer: An optax ``GradientTransformation``, exported per stage (the workers need no optax).
+            microbatches: How many microbatches each step's batch is cut into.
+            schedule: A built-in schedule's name (default ``"1f1b"``) or a ``Schedule`` (``"auto"``, plans, limits).
+            runner: ``"inprocess"`` or ``"ray"``, or ``InProcess(...)`` / ``Ray(...)`` with their options.
+            clip_global_norm: Clip by the global norm over every stage's gradients (a tied leaf once); None: no clip.
+            observe: ``Observe(...)``: progress, timeline, traces, ``step_timeout`` and ``hang_report``.
+            opt_state: Optax's state for the whole model to start from (``tx.init(params)``'s structure).
+            step_count: The run's step this state is at (``fit`` goes on from there).
+            rng: A key for a loss that takes one: microbatch ``i`` of step ``t`` gets ``fold_in(fold_in(rng, t), i)``.
+            aux: With ``has_aux`` stages: ``"mean"`` (default, each leaf over the microbatches) or ``"per_microbatch"``.
+            **keywords: The contract's keywords for a schedule's and a runner's fields (``ContractKeywords``).
 
         Raises:
-            VjpsplitError: a bad value (named), an optimizer
-                the stages cannot run as one process does; a bad schedule, before anything is exported; no ``rng``
-                for stages whose function takes a key, or one for stages whose function takes none; ``aux`` that is
-                neither mode, or given for stages whose function returns no aux.
+            VjpsplitError: A bad value (named; docs/howto/training.md says each), or an optimizer update the stages
+                cannot compute as one process does.
         """
         options = options_of(stages, schedule, runner, observe, keywords)
         self._start(options, params, optimizer, microbatches, clip_global_norm, opt_state, step_count, None, rng, aux)
@@ -482,8 +464,9 @@ class Trainer:
         """A Trainer continuing the run saved in ``directory``, at its step, with its parameters and optimizer state.
 
         Args:
-            directory: A checkpoint ``save`` (or ``fit``) wrote.
-            stages: Any ``Stages`` of the function the run trained (an older per-stage checkpoint: its own stages).
+            directory: A checkpoint ``save`` (or ``fit``) wrote; one that is not, or lacks a record, is refused by name.
+            stages: Any ``Stages`` of the run's function (an older per-stage checkpoint: its own), each saved leaf's
+                dtype and shape checked against them (a mismatch is refused naming the leaf).
             optimizer: The run's optax ``GradientTransformation``.
             microbatches: Default: the checkpoint's (one written before they were recorded needs it given).
             schedule: As ``Trainer``'s; default: the checkpoint's (its plans, or ``"auto"``'s memory limit too).
@@ -494,14 +477,10 @@ class Trainer:
             step_count: The run's step instead of the checkpoint's; None: the checkpoint's.
             rng: The run's PRNG key (not recorded): the same key goes on with the same microbatch keys.
             aux: As ``Trainer``'s (not recorded).
-            **keywords: As ``Trainer``'s.
+            **keywords: As ``Trainer``'s (a bad value is refused as ``Trainer`` refuses it).
 
         Returns:
             The Trainer, its ``step_count`` the checkpoint's unless given.
-
-        Raises:
-            VjpsplitError: ``directory`` is no checkpoint or lacks what it must record (naming it); a saved leaf's dtype
-                or shape does not match the stages' export (naming the leaf); what ``Trainer`` refuses.
         """
         options = options_of(stages, schedule, runner, observe, keywords, "Trainer.restore")
         run = restored_run(

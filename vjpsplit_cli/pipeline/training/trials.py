@@ -12,8 +12,6 @@ those slower than the leader beyond the clock's noise and racing the rest on
 step took least time; 1F1B and ZB-H1 race wherever they
 fit (``ALWAYS``). Trial steps are the run's own steps:
 they train, with the same losses and parameters whichever plans run them.
-
-May import ``schedules`` only.
 """
 
 from __future__ import annotations

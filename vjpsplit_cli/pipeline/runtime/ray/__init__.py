@@ -5,6 +5,4 @@ Owns starting or joining Ray, clocks, placement groups and why an actor waits
 ``peers``) and an actor's inbox (``inbox``), the one step-timeout wait and dead-actor
 reports (``waiting``), a step as a Compiled Graph (``compiled``) and ``RayPipeline``
 (``pipeline``: a runner's actors placed, loaded, waited on and described, and its steps).
-
-May import what ``runtime`` may, and ``runtime``'s in-process modules.
 """

@@ -20,7 +20,7 @@ from ...schedules.ops import BACKWARDS, Kind, Op
 from ...schedules.timeline import Event, Phase
 from ....errors import VjpsplitError
 from ..devices import placed, placement
-from ..flight import COMPILING, PENDING, RUNS, Now, RingOp, compile_aware, idle
+from ..hang_report import COMPILING, PENDING, RUNS, Now, RingOp, compile_aware, idle
 from ..offload import Offload
 from ..replicas import ReplicaGroup, reductions, replica_placement, stage_need
 from ..stageops import run_op
@@ -57,7 +57,7 @@ class StepState(StepReport):
 class WorkerStatus(TypedDict):
     """What a worker does now (``StageActor.status``), on its own clock.
 
-    ``now``: ``flight.Now`` with its operations as ``(kind, mb, stage)``; ``after``: with a PENDING ``now``, how
+    ``now``: ``hang_report.Now`` with its operations as ``(kind, mb, stage)``; ``after``: with a PENDING ``now``, how
     many operations dispatched after it have not finished either; ``handed``: this step's values handed to the
     sender, and when; ``sent``: those whose delivery went out to another worker (the sender waits for a value
     still being computed), and when; ``rings``: per stage held, its last operations ``(kind, mb, start, end)``.
@@ -90,7 +90,7 @@ class StageActor:
         self.listener: Listener | None = None  # where the other workers' sockets deliver (``listen``)
         self.to_driver: Links | None = None  # the connection to the driver's socket for reports (``connect``)
         self.worker_of: dict[int, int] = {}
-        self.now: Now = idle()  # what this worker does now (runtime.flight), set by run_list
+        self.now: Now = idle()  # what this worker does now (runtime.hang_report), set by run_list
         self.list_thread: int | None = None  # the thread running the step's list (what ``status`` looks into)
         self.step = -1  # the step whose list runs (or ran) last
         self.handed: dict[Key, float] = {}  # this step's values handed to the sender, and when
@@ -242,7 +242,7 @@ class StageActor:
     def status(self) -> WorkerStatus:
         """What this worker does now, the values it sent this step and each stage's last operations (this
         process's clock; runs in the ``inbox`` group, beside a list that may be stuck). An operation whose
-        thread is inside JAX's compiler is said to be compiling (``flight.compile_aware``). In an untimed step,
+        thread is inside JAX's compiler is said to be compiling (``hang_report.compile_aware``). In an untimed step,
         unless the list is inside an operation's dispatch, the first operation it dispatched whose outputs are
         not ready (``untimed.Dispatched``) is what it does: its device runs it, or it waits for its input."""
         state, op, src, since = compile_aware(self.now, self.list_thread)

@@ -10,8 +10,6 @@ not a reading thread and then the waiting one (measured on the mid GPT on Ray:
 benchmarks/results/2026-history-ray-training-steps.md). What arrives while nobody waits stays in the connection
 until the next ``take``; a sender blocked on a full connection is released by
 that ``take``, which every value sent has (its receiver's list waits for it).
-
-May import the base modules and ``peers``.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, TypeVar
 
 from ...schedules.ops import BACKWARDS, Kind, Op, OpKey, dependencies, received
-from ..flight import DONE, NEXT, RUNS, WAITS, Now
+from ..hang_report import DONE, NEXT, RUNS, WAITS, Now
 from ..model import Microbatch, side_for
 from ..stageops import RunsOps, run_op
 from ....files.prng import is_ready, to_data
@@ -230,8 +230,8 @@ def hands_on_early(op: Op, splits: Mapping[int, bool] | Sequence[bool], worker_o
     return worker_of[op.stage - 1] != worker_of[op.stage]
 
 
-def as_listed(plans: Sequence[Sequence[Op]], splits: Sequence[bool], worker_of: Mapping[int, int]) -> list[list[Op]]:
-    """``plans`` as untimed lists run them on Ray: each B that hands its cotangent on early (``hands_on_early``)
+def action_lists(plans: Sequence[Sequence[Op]], splits: Sequence[bool], worker_of: Mapping[int, int]) -> list[list[Op]]:
+    """Each worker's action list as untimed lists run ``plans`` on Ray: each B that hands its cotangent on early (``hands_on_early``)
     as its I then its W, the cotangent leaving at the I's end. A lower bound on a Ray step is the makespan of these: the
     plans as scheduled charge such a B's weight part before its cotangent leaves."""
     return [

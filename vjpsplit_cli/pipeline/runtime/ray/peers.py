@@ -14,8 +14,6 @@ to each actor in a Ray call): a peer that does not send it is closed before any
 frame is read. A send that cannot go (a dead peer) raises ``OSError`` to the
 sender, which reports it as a step's error; a frame that does not decode is
 reported the same way by its reader and its connection dropped.
-
-May import the base modules and ``wire``.
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@ within ``schedule_timeout`` (one error naming the stage and the resource it lack
 the driver's, the values of their calls (an actor that died is one error naming its stages), a step's wait within
 ``step_timeout``, and what each worker of a stuck step is doing. Its steps: the arguments checked, the plans
 resolved against the layout, the step handed out (``lists``) or run as a graph (``compiled``), and its result with
-the actors' events on the driver's clock. May import the ray layer's other modules, and the runtime's ``flight``,
-``dispatch``, ``model`` and ``result``.
+the actors' events on the driver's clock.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from ...schedules.stepplans import resolve
 from ...schedules.timeline import Event
 from ...stages.directory import Stages
 from ..dispatch import ProgressBar, progress_bar
-from ..flight import StepInterrupted, clause, default_path, ring_rows, write_flight
+from ..hang_report import StepInterrupted, clause, default_path, ring_rows, write_hang_report
 from ..model import Microbatch, model_of
 from ..result import PipelineResult, aux_per_microbatch, step_result
 from . import waiting
@@ -127,7 +126,7 @@ class RayPipeline:
             self.close()
             raise
         self.steps = 0  # steps started: what an actor's inbox tells one step's deliveries from another's
-        self.hang_report: str | None = None  # where a stuck step's report goes (None: flight.default_path)
+        self.hang_report: str | None = None  # where a stuck step's report goes (None: hang_report.default_path)
 
     def start_step(
         self,
@@ -569,7 +568,7 @@ class RayPipeline:
     def describe(self, t0: float, wait: float = 1.0) -> str:
         """What each worker is doing, its last operations written as JSON: the tail of a stuck step's error.
 
-        Each worker's state is said as ``flight.clause`` says it (on the driver's clock,
+        Each worker's state is said as ``hang_report.clause`` says it (on the driver's clock,
         ms since ``t0``), for a stuck or interrupted step. An actor that does not answer
         within ``wait`` seconds is said to be so.
 
@@ -614,7 +613,7 @@ class RayPipeline:
             rows.append({"worker": w, "now": parts[-1], "ops": sorted(ops, key=lambda r: r["start_ms"])})
         path = self.hang_report or default_path()
         text = "; " + "; ".join(parts)
-        written = write_flight(path, text[2:], rows)
+        written = write_hang_report(path, text[2:], rows)
         return text + (f"; the last operations of every worker: {path}" if written else f" (could not write {path})")
 
     def _abort(self, step: int) -> None:

@@ -10,8 +10,6 @@ call returns ``SENT``. Anything else (a timed step's events, an error) still
 returns through Ray, and so does everything when a frame cannot go. The driver
 reads each connection on a thread of its own and waits for the step's frames
 (``take``); what the Ray call says of the actor (done, failed) decides the rest.
-
-May import ``peers``, ``wire`` and the base modules.
 """
 
 from __future__ import annotations

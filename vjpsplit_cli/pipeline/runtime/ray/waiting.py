@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 from ....errors import VjpsplitError
 from ...schedules.layout import Layout
 from ..dispatch import ProgressBar
-from ..flight import StepInterrupted
+from ..hang_report import StepInterrupted
 from .setup import ActorHandle
 
 if TYPE_CHECKING:

@@ -10,8 +10,6 @@ node (a namedtuple, a custom pytree) raises ``Unencodable`` and its sender hands
 to Ray instead. Decoding is data only (no pickle): dtypes come from the files'
 allowed list, shapes and sizes are checked against the bytes that follow, and
 nesting is bounded.
-
-May import the base modules and ``files``' dtypes; nothing of the runtime.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import vjpsplit_cli as vs
-from vjpsplit_cli.artifact import binding, runner, seen
+from vjpsplit_cli.artifact import binding, checked_calls, runner
 
 
 def loss(params, x):
@@ -381,12 +381,12 @@ def test_signatures_read_off_jax_arrays_aval_equal_their_shape_and_dtype():
         jax.random.split(jax.random.key(1), 3),
         np.ones((2,), np.float64),
     ]
-    sig = seen.leaves_signature(arrays)
+    sig = checked_calls.leaves_signature(arrays)
     assert sig == tuple((type(a), a.shape, a.dtype) for a in arrays)
-    assert seen.reads_aval(type(arrays[0])) and not seen.reads_aval(type(arrays[5]))
-    assert not seen.reads_aval(np.ndarray)
+    assert checked_calls.reads_aval(type(arrays[0])) and not checked_calls.reads_aval(type(arrays[5]))
+    assert not checked_calls.reads_aval(np.ndarray)
     flat = dict(zip("abcdefgh", arrays))
-    assert seen.mapping_signature(flat) == tuple((k, type(a), a.shape, a.dtype) for k, a in flat.items())
+    assert checked_calls.mapping_signature(flat) == tuple((k, type(a), a.shape, a.dtype) for k, a in flat.items())
 
 
 def test_run_ids_are_32_hex_digits_and_never_repeat_across_threads():
@@ -394,7 +394,7 @@ def test_run_ids_are_32_hex_digits_and_never_repeat_across_threads():
 
     def take(out):
         for _ in range(5000):
-            out.append(seen.new_run_id())
+            out.append(checked_calls.new_run_id())
 
     threads = [threading.Thread(target=take, args=(out,)) for out in got]
     for t in threads:

@@ -15,7 +15,7 @@ step stops is said to be compiling (``compile_aware``: its first call for these 
 a first step's timeout is often that). When a step passes ``step_timeout`` or is
 interrupted, ``hang_message`` turns each worker's ``Now`` into one clause
 (``worker 1: B stage 1 mb 3 waits for the cotangent from stage 2 (worker 2 has
-not sent it)``) and ``write_flight`` writes every worker's ring as JSON (each operation a ``RingRow``).
+not sent it)``) and ``write_hang_report`` writes every worker's ring as JSON (each operation a ``RingRow``).
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def default_path() -> str:
     return os.path.join(tempfile.gettempdir(), f"vjpsplit-hang-{os.getpid()}.json")
 
 
-def write_flight(
+def write_hang_report(
     path: str | os.PathLike[str],
     message: str,
     workers: Sequence[Mapping[str, object]],

@@ -6,7 +6,7 @@ function of the call's *signature*: the pytree structure (with a dict's keys), e
 leaf's array type, shape and dtype, the dims; and, for the kernel checks at call
 shapes, each argument's sharding. Weak types and committed devices change no check
 (the module's results have the dtypes it declares either way): they are not part of
-it. ``Seen`` keeps the signatures whose checks passed, and what those checks worked
+it. ``CheckedCalls`` keeps the signatures whose checks passed, and what those checks worked
 out (the arrays' order, the dims), so a call with a signature seen before runs its
 module straight away. A signature that failed is never kept: a repeated bad call gets
 every check again, and the same error.
@@ -34,7 +34,7 @@ from typing import Any, Hashable, Iterable, Iterator, Sequence
 import jax
 import numpy as np
 
-SEEN_KEPT = 128  # signatures remembered per artifact: a handful of shapes in a loop; bounded all the same
+CHECKED_KEPT = 128  # signatures remembered per artifact: a handful of shapes in a loop; bounded all the same
 
 # type -> how it makes a signature (_NONE, _ATTRS, _AVAL); types live as long as the process
 _ARRAY_TYPES: dict[type, int] = {}
@@ -58,7 +58,7 @@ def reads_aval(t: type) -> bool:
 
     Its ``aval`` is a C++ attribute, and ``shape`` and ``dtype`` are Python properties
     that read it: the aval's own cost a third as much per leaf. jax does not export the
-    type, so it is known by name (``tests/test_seen_calls.py`` holds both readings
+    type, so it is known by name (``tests/test_checked_calls.py`` holds both readings
     equal on jax's arrays).
     """
     return t.__name__ == "ArrayImpl" and t.__module__.startswith("jaxlib") and hasattr(t, "aval")
@@ -160,14 +160,14 @@ def residuals_signature(stored: Any, inputs: Any, dims: Any, *more: Any) -> tupl
     return None if d is None else (*parts, d)
 
 
-class Seen:
+class CheckedCalls:
     """Signatures whose checks passed, each with what the checks worked out; bounded, safe across threads.
 
     Look-ups are plain dict reads; additions take a lock and drop the oldest entry
     past ``limit``. Two threads checking one new signature at once both check it.
     """
 
-    def __init__(self, limit: int = SEEN_KEPT) -> None:
+    def __init__(self, limit: int = CHECKED_KEPT) -> None:
         self._limit = limit
         self.entries: OrderedDict[Hashable, Any] = OrderedDict()  # read in place where a key surely hashes
         self._lock = threading.Lock()
@@ -206,7 +206,7 @@ _GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
 class Recent:
     """The values noted last by string key (one per forward: its run id), at most ``limit``; safe across threads.
 
-    ``Seen`` for keys a forward makes on every call: a ``str`` hashes and compares in C,
+    ``CheckedCalls`` for keys a forward makes on every call: a ``str`` hashes and compares in C,
     so under the GIL the ordered dict's own operations need no lock of ours (the oldest
     entry leaves at once past ``limit``). Free-threaded builds take the lock.
     """

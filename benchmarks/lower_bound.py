@@ -1,4 +1,4 @@
-"""Each runner's training step against its own floor: the modeled makespan of its plans under its measured costs.
+"""Each runner's training step against its own lower bound: the modeled makespan of its plans under its measured costs.
 
 Run inside ``benchmarks.train``'s child (2 host CPU devices, single-threaded XLA, Ray started), in the same
 run as its other tables. For each workload (the tiny stages; the GPT of width 256, none with ``--quick``) and
@@ -8,19 +8,19 @@ each runner (in-process, Ray) and schedule (1F1B, ZB-H1, ``auto``; 1F1B only wit
    time every stage's F, B and W on its worker (its thread in-process, its actor on Ray); ``trainer.costs()``
    gives their medians over the last 16. One set per runner: its ZB-H1 Trainer's (F, I and W each timed), from
    4 timed steps before the rounds and one after every other round (the 1F1B Trainer's too, not ``auto``'s,
-   which would plan again), so the costs are sampled across the window the steps are; every schedule's floor on
-   that runner uses that set (the same plans, the same floor; where ZB-H1 is not run, each Trainer's own).
+   which would plan again), so the costs are sampled across the window the steps are; every schedule's lower bound on
+   that runner uses that set (the same plans, the same lower bound; where ZB-H1 is not run, each Trainer's own).
 2. **The send, measured apart.** One actor-to-actor delivery of an activation of the size each boundary sends
    (``RayPipeline.probe_delivery``: through the senders and inboxes a step's results take; the median of many
    round trips, halved); in-process, ``jax.device_put`` of it from one device to the other, waited for (median
    of many).
-3. **The floor**: ``modeled_makespan`` of the plans the step runs (auto's: the plans its race kept, after
+3. **The lower bound**: ``modeled_makespan`` of the plans the step runs (auto's: the plans its race kept, after
    untimed trial steps until it keeps them) under those F,
    B and W with that send time as ``comm`` (the schedules' simulator). On Ray the plans as its lists run them
-   (``runtime.ray.lists.as_listed``): a B whose cotangent goes to another actor, on a stage with the split
-   backward, is its I, the send, then its W, so 1F1B's floor there is below 1F1B's as scheduled (given beside
+   (``runtime.ray.lists.action_lists``): a B whose cotangent goes to another actor, on a stage with the split
+   backward, is its I, the send, then its W, so 1F1B's lower bound there is below 1F1B's as scheduled (given beside
    it). The optimizer update, the losses' fetch and the driver's hand-out are not in it: they are part of what
-   a runner costs above its floor.
+   a runner costs above its lower bound.
 4. **The step**: untimed steps of every Trainer interleaved in blocks; the median of the blocks, with its standard
    error (the blocks' MAD scaled to a normal law's sigma, x 1.2533 / sqrt(n)); auto against the faster of 1F1B and
    ZB-H1 with twice the difference's standard error.
@@ -40,7 +40,7 @@ LABEL = {"inprocess": "in-process", "ray": "Ray"}
 
 
 def config(quick: bool) -> dict:
-    """The floor's settings: widths, schedules, timed steps, rounds, block and delivery round trips."""
+    """The lower bound's settings: widths, schedules, timed steps, rounds, block and delivery round trips."""
     if quick:
         return {
             "widths": [],
@@ -102,9 +102,9 @@ def copy_time(value: Any, repeats: int) -> float:
 def workload(
     name: str, stages: Any, params: Any, tx: Any, batches: list, microbatches: int, cfg: dict, ray: bool
 ) -> dict:
-    """One workload's rows: per runner and schedule, its step, its floor and what the floor is made of."""
+    """One workload's rows: per runner and schedule, its step, its lower bound and what the lower bound is made of."""
     from vjpsplit_cli import pipeline as P
-    from vjpsplit_cli.pipeline.runtime.ray.lists import as_listed
+    from vjpsplit_cli.pipeline.runtime.ray.lists import action_lists
     from vjpsplit_cli.pipeline.schedules.modeled import modeled_makespan
 
     runners = ["inprocess", "ray"] if ray else ["inprocess"]
@@ -159,9 +159,9 @@ def workload(
         for (r, sch), tr in trainers.items():
             mine = tr.costs()
             costs = {k: v for k, v in measured.get(r, mine).items() if k in ("F", "B", "W")}
-            # On Ray a B whose cotangent goes to another actor runs as I, send, W: its plans as listed are the floor's.
-            plans = as_listed(tr.plan.plans, splits, tr.backend.worker_of) if r == "ray" else tr.plan.plans
-            floor = modeled_makespan(plans, {**costs, "comm": comm[r]})
+            # On Ray a B whose cotangent goes to another actor runs as I, send, W: its action lists are the lower bound's.
+            plans = action_lists(tr.plan.plans, splits, tr.backend.worker_of) if r == "ray" else tr.plan.plans
+            bound = modeled_makespan(plans, {**costs, "comm": comm[r]})
             own = {k: v for k, v in mine.items() if k in ("F", "B", "W")}
             step = statistics.median(samples[(r, sch)])
             spread = statistics.median(abs(x - step) for x in samples[(r, sch)])
@@ -174,10 +174,10 @@ def workload(
                     # The median's standard error: the samples' MAD scaled to a normal law's sigma, x 1.2533 / sqrt(n).
                     "step_se": 1.2533 * 1.4826 * spread / len(samples[(r, sch)]) ** 0.5,
                     "race_steps": sum(h.trial is not None for h in tr.history),
-                    "floor": floor,
-                    # The same plans under this Trainer's own timed steps (what the floor was before one set per runner).
-                    "own_floor": modeled_makespan(plans, {**own, "comm": comm[r]}),
-                    "scheduled_floor": modeled_makespan(tr.plan.plans, {**costs, "comm": comm[r]}),
+                    "lower_bound": bound,
+                    # The same plans under this Trainer's own timed steps (what the lower bound was before one set per runner).
+                    "own_bound": modeled_makespan(plans, {**own, "comm": comm[r]}),
+                    "scheduled_bound": modeled_makespan(tr.plan.plans, {**costs, "comm": comm[r]}),
                     "comm": comm[r],
                     "measured_comm": mine["comm"],
                     "gap": mine["gap"],
@@ -235,7 +235,7 @@ def auto_versus(rows: list[dict], runner: str) -> str:
 
 
 def table(parts: list[dict], cfg: dict) -> str:
-    """One row per workload, runner and schedule: the step, its floor, their ratio, what the floor assumed."""
+    """One row per workload, runner and schedule: the step, its lower bound, their ratio, what the lower bound assumed."""
     costs = (
         "one set per runner: its ZB-H1 Trainer's medians over the last 16 of "
         f"{cfg['timed']} timed steps before the blocks and one after every {cfg['timed_every']} rounds of them"
@@ -243,7 +243,7 @@ def table(parts: list[dict], cfg: dict) -> str:
         else f"each Trainer's own medians over {cfg['timed']} timed steps"
     )
     lines = [
-        "Each runner's step over its floor: the modeled makespan of the plans it runs (auto: the plans its race kept; "
+        "Each runner's step over its lower bound: the modeled makespan of the plans it runs (auto: the plans its race kept; "
         "on Ray as its lists run them, a B whose cotangent goes to another actor as I, send, W; the plans as scheduled "
         f"beside it) under the F, B and W the runner's workers measured ({costs}) and the send time measured apart (Ray: one "
         "actor-to-actor delivery of each activation size through the step's senders and inboxes, the median of "
@@ -252,8 +252,8 @@ def table(parts: list[dict], cfg: dict) -> str:
         "send each Trainer timed apart itself (what auto plans with); costs()' gap: the wait from a result to the "
         "next worker starting on it in its timed steps' timelines.",
         "",
-        "| workload | runner | schedule | plans run | step (± 2 SE) | floor | step / floor | floor as scheduled | "
-        "floor (its own costs) | send in the floor | costs()' comm | costs()' gap |",
+        "| workload | runner | schedule | plans run | step (± 2 SE) | lower bound | step / lower bound | lower bound as scheduled | "
+        "lower bound (its own costs) | send in the lower bound | costs()' comm | costs()' gap |",
         "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for part in parts:
@@ -261,8 +261,8 @@ def table(parts: list[dict], cfg: dict) -> str:
             lines.append(
                 f"| {r['workload']} | {LABEL[r['runner']]} | {r['schedule']} | {r['kept']} | {r['step'] * 1e3:.2f} "
                 f"(± {2 * r['step_se'] * 1e3:.2f}) ms | "
-                f"{r['floor'] * 1e3:.2f} ms | {r['step'] / r['floor']:.2f}× | {r['scheduled_floor'] * 1e3:.2f} ms | "
-                f"{r['own_floor'] * 1e3:.2f} ms | "
+                f"{r['lower_bound'] * 1e3:.2f} ms | {r['step'] / r['lower_bound']:.2f}× | {r['scheduled_bound'] * 1e3:.2f} ms | "
+                f"{r['own_bound'] * 1e3:.2f} ms | "
                 f"{r['comm'] * 1e6:.0f} µs | "
                 f"{r['measured_comm'] * 1e6:.0f} µs | {r['gap'] * 1e6:.0f} µs |"
             )
