@@ -25,9 +25,8 @@ AUX = "aux"  # the forward's auxiliary outputs (``has_aux``)
 INPUT_BACKED = "input_backed"  # residuals that are inputs (``in/<input key>``)
 COTANGENTS = "cotangents"  # cotangents of ``out``'s floating leaves
 INTERMEDIATES = "intermediates"  # what the input part computed for the weight part (``c/<i>``)
-# The dims argument: a zero-size bool array whose dims are the symbolic dims (none without them). "carrier" is
-# its slot name and its leaf's key as vjpsplit 0.1.0 named them.
-DIMS_ARG = "carrier"
+# The dims argument: a zero-size bool array whose dims are the symbolic dims (none without them).
+DIMS_ARG = "dims_arg"
 GRADS = "grads"  # gradients, in manifest order
 
 
