@@ -12,8 +12,9 @@ asked, its losses and params written to ``<out>/<process id>-<schedule>.npz``; a
   begins at its checkpoint) each go on to step ``steps + 3``: their losses and params to
   ``<out>/<process id>-restored.npz`` and ``-resumed.npz``; fit writes ``<out>/ck`` again.
 * ``replicas``: PP 2 x DP 2 (``runner=P.Distributed(data_parallel=2)``, each stage's two replicas on two devices
-  of one process) on ``stage_models.tied`` (a tied embedding), once per schedule asked, ``steps`` steps of
-  ``tied_batches(steps, rows=16)``: its losses, params, placement (by process) and norms to
+  of one process; ZB-H1's given by ``devices=``, each process's two the other way round) on
+  ``stage_models.tied`` (a tied embedding), once per schedule asked, ``steps`` steps of
+  ``tied_batches(steps, rows=16)``: its losses, params, placement (by process, and device ids) and norms to
   ``<out>/<process id>-dp-<schedule>.npz``, the optimizer bytes on each of this process's devices to
   ``-dp-memory.json``; the last Trainer saves to ``<out>/dp-saved``; the refusals of a stage's replicas on two
   processes and of replicas that fit no process, to ``-dp-refusals.json``.
@@ -77,14 +78,17 @@ def record(path: str, tr: P.Trainer, losses: list[float]) -> None:
     leaves = jax.tree_util.tree_flatten_with_path(tr.params())[0]
     flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
     placement = np.asarray([[d.process_index for d in g] for g in tr.placement])
+    ids = np.asarray([[d.id for d in g] for g in tr.placement])
     norms = np.asarray([h.grad_norm for h in tr.history])
-    np.savez(path, losses=np.asarray(losses), placement=placement, norms=norms, **flat)
+    np.savez(path, losses=np.asarray(losses), placement=placement, ids=ids, norms=norms, **flat)
 
 
 def replicas(out: str, me: int, schedules: list[str], clip: float, steps: int) -> None:
     """The ``replicas`` phase (the module docstring)."""
     stages = vs.export_stages(tied, *tied_specs(), wrt="params", platforms="cpu")
     tx, batches = optax.adamw(1e-2), tied_batches(steps, rows=16)
+    every = jax.devices()
+    given = [[every[1], every[0]], [every[3], every[2]]]  # ZB-H1's: each process's two devices, the other way round
     for schedule in schedules:
         tr = P.Trainer(
             stages,
@@ -93,7 +97,7 @@ def replicas(out: str, me: int, schedules: list[str], clip: float, steps: int) -
             schedule=schedule,
             microbatches=2,
             clip_global_norm=clip or None,
-            runner=P.Distributed(data_parallel=2),
+            runner=P.Distributed(data_parallel=2, devices=given if schedule == "zbh1" else None),
             observe=P.Observe(step_timeout=150),
         )
         losses = [tr.step(b) for b in batches]
@@ -101,7 +105,6 @@ def replicas(out: str, me: int, schedules: list[str], clip: float, steps: int) -
     tr.save(os.path.join(out, "dp-saved"))
     with open(os.path.join(out, f"{me}-dp-memory.json"), "w") as f:
         json.dump([[m.device.id, list(m.stages), m.optimizer] for m in tr.memory()], f)
-    every = jax.devices()
     apart = [[every[1], every[2]], [every[0], every[3]]]  # stage 0's replicas on processes 0 and 1
     refused = {
         "apart": said(lambda: P.Distributed(devices=apart, data_parallel=2)),

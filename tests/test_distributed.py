@@ -141,17 +141,21 @@ def test_two_processes_with_two_devices_each_train_as_one_process(two):
 
 @pytest.mark.filterwarnings("ignore:2 workers need 2 devices")  # one CPU device here: the stages take turns
 def test_pp2_dp2_with_each_stages_replicas_in_one_process_trains_as_one_process(two):
-    """Distributed(data_parallel=2) on 2 processes of 2 devices: stage 0's two replicas in process 0, stage 1's in
-    process 1, each replica's activations and cotangents moved to the matching replica of the other process; 1F1B
-    and ZB-H1 with the tied embedding and clipping equal one-process optax on the whole batch, on every process.
-    Each device holds its share of its stage's optimizer state (ZeRO-1), and the checkpoint the job wrote goes on
-    in one process. A stage's replicas on two processes, and replicas no process has the devices for, are refused."""
+    """Distributed(data_parallel=2) on 2 processes of 2 devices (by default, and by devices=): stage 0's two
+    replicas in process 0, stage 1's in process 1, each replica's activations and cotangents moved to the matching
+    replica of the other process; 1F1B and ZB-H1 with the tied embedding and clipping equal one-process optax on
+    the whole batch, on every process. Each device holds its share of its stage's optimizer state (ZeRO-1), and
+    the checkpoint the job wrote goes on in one process. A stage's replicas on two processes, and replicas no
+    process has the devices for, are refused."""
     if two is None:
         return
     runs = _check_equal_one_process(two, 2, ["1f1b", "zbh1"], CLIP, _tied_reference(STEPS), prefix="dp-")
     for run in runs:
         assert run["placement"].tolist() == [[0, 0], [1, 1]]
         assert min(run["norms"]) > 2 * CLIP
+    # ZB-H1 ran on devices= naming each process's devices the other way round; 1F1B on the default placement
+    assert all(row == sorted(row) for row in runs[0]["ids"].tolist())
+    assert runs[1]["ids"].tolist() == [row[::-1] for row in runs[0]["ids"].tolist()]
     params = tied_params()
     for p, held in enumerate(json.loads((two / f"{p}-dp-memory.json").read_text()) for p in range(2)):
         assert [stages for _, stages, _ in held] == [[p], [p]]

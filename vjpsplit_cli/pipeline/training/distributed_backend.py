@@ -14,13 +14,20 @@ squared norms, the loss, the optimizer's reductions over leaves); every process
 then has every stage's squared norm and the losses, so every process returns the
 same result.
 
+With ``data_parallel=N`` a stage of this process runs on N of its devices: a ``runtime.replicas.ReplicaGroup``
+with its ``zero1.ReplicaTrainer``, as in-process (each microbatch split N ways, one reduction per step, the
+optimizer state sharded across the replicas). What it hands on is a ``Parts``: each replica's part is moved
+to the matching replica of the next stage, and the processes without the values learn each part's specs
+from ``jax.eval_shape`` on one replica's part of the input. A stage's replicas are all on one process.
+
 A checkpoint (``save``) is the state every process gathered, written by process 0
 to a directory the processes share; every process learns how the write went
 (``agree``). A step (or a gather) that fails or passes ``step_timeout`` asks the
 processes' heartbeats (``crosshost.Heartbeat``) whether one is lost, and names it.
 
 May import ``runtime``, ``schedules``, ``stages`` and, of this layer, ``crosshost``, ``stage_trainer``,
-``checkpoint``, ``checkpoint_layout``, ``clipping``, ``device_memory``, ``ownership`` and ``option_values``;
+``checkpoint``, ``checkpoint_layout``, ``clipping``, ``device_memory``, ``ownership``, ``option_values`` and
+``zero1``;
 the layers below ``pipeline``.
 """
 
