@@ -17,7 +17,8 @@ asked, its losses and params written to ``<out>/<process id>-<schedule>.npz``; a
   ``tied_batches(steps, rows=16)``: its losses, params, placement (by process, and device ids) and norms to
   ``<out>/<process id>-dp-<schedule>.npz``, the optimizer bytes on each of this process's devices to
   ``-dp-memory.json``; the last Trainer saves to ``<out>/dp-saved``; the refusals of a stage's replicas on two
-  processes and of replicas that fit no process, to ``-dp-refusals.json``.
+  processes, of two devices per stage without data_parallel=2, and of replicas that fit no process, to
+  ``-dp-refusals.json``.
 * ``kill``: the resumed Trainer steps on; process 1 exits (``os._exit(1)``) before that step, the others write the
   error their step raised, and how long it took, to ``<out>/<process id>-lost.json``, then raise it.
 
@@ -108,6 +109,9 @@ def replicas(out: str, me: int, schedules: list[str], clip: float, steps: int) -
     apart = [[every[1], every[2]], [every[0], every[3]]]  # stage 0's replicas on processes 0 and 1
     refused = {
         "apart": said(lambda: P.Distributed(devices=apart, data_parallel=2)),
+        "count": said(
+            lambda: P.Trainer(stages, tied_params(), optimizer=tx, microbatches=2, runner=P.Distributed(devices=given))
+        ),
         "too few": said(
             lambda: P.Trainer(
                 stages, tied_params(), optimizer=tx, microbatches=2, runner=P.Distributed(data_parallel=4)

@@ -145,8 +145,8 @@ def test_pp2_dp2_with_each_stages_replicas_in_one_process_trains_as_one_process(
     replicas in process 0, stage 1's in process 1, each replica's activations and cotangents moved to the matching
     replica of the other process; 1F1B and ZB-H1 with the tied embedding and clipping equal one-process optax on
     the whole batch, on every process. Each device holds its share of its stage's optimizer state (ZeRO-1), and
-    the checkpoint the job wrote goes on in one process. A stage's replicas on two processes, and replicas no
-    process has the devices for, are refused."""
+    the checkpoint the job wrote goes on in one process. A stage's replicas on two processes, devices= of another
+    count than data_parallel, and replicas no process has the devices for, are refused."""
     if two is None:
         return
     runs = _check_equal_one_process(two, 2, ["1f1b", "zbh1"], CLIP, _tied_reference(STEPS), prefix="dp-")
@@ -176,6 +176,7 @@ def test_pp2_dp2_with_each_stages_replicas_in_one_process_trains_as_one_process(
         refused = json.loads((two / f"{p}-dp-refusals.json").read_text())
         assert refused["apart"].startswith("Distributed(devices=...): stage 0's replicas are on processes [0, 1]")
         assert "leave devices= out" in refused["apart"]
+        assert refused["count"].startswith("Distributed(devices=...): 2 devices per stage for data_parallel=1")
         assert refused["too few"].startswith("runner=Distributed(): 2 workers need 4 devices of one process each")
         assert "--xla_force_host_platform_device_count=4" in refused["too few"]
 

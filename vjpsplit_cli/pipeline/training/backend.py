@@ -230,8 +230,8 @@ def _distributed(
         raise VjpsplitError(f"Distributed(devices=...): {S} stages but {len(runner.devices)} device lists")
     if runner.devices is not None and len(runner.devices[0]) != n:
         raise VjpsplitError(
-            f"Distributed(devices=...): {len(runner.devices[0])} devices per stage for data_parallel={n} (what the "
-            f"stages' export recorded); give {n} per stage, or data_parallel="
+            f"Distributed(devices=...): {len(runner.devices[0])} devices per stage for data_parallel={n} (not given: "
+            f"what the stages' export recorded, else 1); give {n} per stage, or Distributed(data_parallel=...)"
         )
     devices = distributed_placement(S, layout.workers, n) if runner.devices is None else runner.devices
     own = ownership

@@ -129,8 +129,9 @@ class Trainer:
             microbatches: how many microbatches each step's batch is cut into.
             schedule: a built-in schedule's name (default ``"1f1b"``) or a ``Schedule`` (``Schedule("auto",
                 memory_limit=8)``; plans, ``read_schedule``'s form, as ``Schedule(plans=plans)``).
-            runner: ``"inprocess"`` or ``"ray"``, or ``InProcess(devices=..., data_parallel=...)`` /
-                ``Ray(address=..., runtime_env=..., actor_options=..., schedule_timeout=...)``.
+            runner: ``"inprocess"``, ``"ray"`` or ``"distributed"``, or ``InProcess(devices=..., data_parallel=...)``
+                / ``Ray(address=..., runtime_env=..., actor_options=..., schedule_timeout=...)`` /
+                ``Distributed(devices=..., data_parallel=...)``.
             clip_global_norm: clip by the norm over all stages' gradients (a tied leaf counted once), as
                 ``optax.chain(optax.clip_by_global_norm(c), optimizer)`` on one device; None: no clipping.
             observe: ``Observe(progress=, timeline=, trace_dir=, trace_every=, step_timeout=, hang_report=)``.
