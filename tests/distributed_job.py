@@ -11,6 +11,14 @@ asked, its losses and params written to ``<out>/<process id>-<schedule>.npz``; a
 * ``resume``: ``Trainer.restore(<out>/saved)`` and a new Trainer under ``fit(checkpoint_dir=<out>/ck)`` (which
   begins at its checkpoint) each go on to step ``steps + 3``: their losses and params to
   ``<out>/<process id>-restored.npz`` and ``-resumed.npz``; fit writes ``<out>/ck`` again.
+* ``replicas``: PP 2 x DP 2 (``runner=P.Distributed(data_parallel=2)``, each stage's two replicas on two devices
+  of one process; ZB-H1's given by ``devices=``, each process's two the other way round) on
+  ``stage_models.tied`` (a tied embedding), once per schedule asked, ``steps`` steps of
+  ``tied_batches(steps, rows=16)``: its losses, params, placement (by process, and device ids) and norms to
+  ``<out>/<process id>-dp-<schedule>.npz``, the optimizer bytes on each of this process's devices to
+  ``-dp-memory.json``; the last Trainer saves to ``<out>/dp-saved``; the refusals of a stage's replicas on two
+  processes, of two devices per stage without data_parallel=2, and of replicas that fit no process, to
+  ``-dp-refusals.json``.
 * ``kill``: the resumed Trainer steps on; process 1 exits (``os._exit(1)``) before that step, the others write the
   error their step raised, and how long it took, to ``<out>/<process id>-lost.json``, then raise it.
 
@@ -23,6 +31,7 @@ import json
 import os
 import sys
 import time
+from typing import Callable
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -37,7 +46,7 @@ if os.environ.get("DEBUG_DUMP"):
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from stage_models import gpt, gpt_batch, gpt_params, gpt_specs  # noqa: E402
+from stage_models import gpt, gpt_batch, gpt_params, gpt_specs, tied, tied_batches, tied_params, tied_specs  # noqa: E402
 
 import vjpsplit_cli as vs  # noqa: E402
 from vjpsplit_cli import pipeline as P  # noqa: E402
@@ -48,12 +57,17 @@ def refusals() -> dict[str, str]:
     """What ``Distributed`` says of devices that are not one device of the job per stage."""
     out = {}
     for name, devices in {"two devices": [jax.devices()[:2]], "a string": [["cpu:0"]]}.items():
-        try:
-            P.Distributed(devices=devices)
-            out[name] = "accepted"
-        except VjpsplitError as e:
-            out[name] = str(e)
+        out[name] = said(lambda: P.Distributed(devices=devices, data_parallel=1))
     return out
+
+
+def said(make: Callable[[], object]) -> str:
+    """The message of the ``VjpsplitError`` ``make()`` raised, or ``"accepted"``."""
+    try:
+        make()
+        return "accepted"
+    except VjpsplitError as e:
+        return str(e)
 
 
 def batch(k: int) -> tuple[np.ndarray, ...]:
@@ -64,9 +78,48 @@ def record(path: str, tr: P.Trainer, losses: list[float]) -> None:
     """``losses``, ``tr``'s params, placement and gradient norms to ``path`` (an npz)."""
     leaves = jax.tree_util.tree_flatten_with_path(tr.params())[0]
     flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
-    placement = np.asarray([d.process_index for (d,) in tr.placement])
+    placement = np.asarray([[d.process_index for d in g] for g in tr.placement])
+    ids = np.asarray([[d.id for d in g] for g in tr.placement])
     norms = np.asarray([h.grad_norm for h in tr.history])
-    np.savez(path, losses=np.asarray(losses), placement=placement, norms=norms, **flat)
+    np.savez(path, losses=np.asarray(losses), placement=placement, ids=ids, norms=norms, **flat)
+
+
+def replicas(out: str, me: int, schedules: list[str], clip: float, steps: int) -> None:
+    """The ``replicas`` phase (the module docstring)."""
+    stages = vs.export_stages(tied, *tied_specs(), wrt="params", platforms="cpu")
+    tx, batches = optax.adamw(1e-2), tied_batches(steps, rows=16)
+    every = jax.devices()
+    given = [[every[1], every[0]], [every[3], every[2]]]  # ZB-H1's: each process's two devices, the other way round
+    for schedule in schedules:
+        tr = P.Trainer(
+            stages,
+            tied_params(),
+            optimizer=tx,
+            schedule=schedule,
+            microbatches=2,
+            clip_global_norm=clip or None,
+            runner=P.Distributed(data_parallel=2, devices=given if schedule == "zbh1" else None),
+            observe=P.Observe(step_timeout=150),
+        )
+        losses = [tr.step(b) for b in batches]
+        record(os.path.join(out, f"{me}-dp-{schedule}.npz"), tr, losses)
+    tr.save(os.path.join(out, "dp-saved"))
+    with open(os.path.join(out, f"{me}-dp-memory.json"), "w") as f:
+        json.dump([[m.device.id, list(m.stages), m.optimizer] for m in tr.memory()], f)
+    apart = [[every[1], every[2]], [every[0], every[3]]]  # stage 0's replicas on processes 0 and 1
+    refused = {
+        "apart": said(lambda: P.Distributed(devices=apart, data_parallel=2)),
+        "count": said(
+            lambda: P.Trainer(stages, tied_params(), optimizer=tx, microbatches=2, runner=P.Distributed(devices=given))
+        ),
+        "too few": said(
+            lambda: P.Trainer(
+                stages, tied_params(), optimizer=tx, microbatches=2, runner=P.Distributed(data_parallel=4)
+            )
+        ),
+    }
+    with open(os.path.join(out, f"{me}-dp-refusals.json"), "w") as f:
+        json.dump(refused, f)
 
 
 def main() -> None:
@@ -128,11 +181,14 @@ def main() -> None:
             observe=watch,
         )
         record(os.path.join(out, f"{me}-resumed.npz"), tr, tr.fit(batch, steps + 3, checkpoint_dir=ck))
+    if "replicas" in phases:
+        replicas(out, me, schedules, clip, steps)
     if "kill" in phases:
         if me == 1:
             # Not before process 0 has its results: their gathers read from this process while it lives.
             deadline = time.monotonic() + 120
-            while "resume" in phases and not os.path.exists(os.path.join(out, "0-resumed.npz")):
+            last = "0-dp-refusals.json" if "replicas" in phases else "0-resumed.npz"
+            while "resume" in phases and not os.path.exists(os.path.join(out, last)):
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.2)

@@ -57,6 +57,47 @@ def gpt_specs(params):
     return specs_like(params), S((b, T), jnp.int32), S((b, T), jnp.float32), S((b, T), jnp.int32)
 
 
+TIED_V, TIED_D, TIED_T = 16, 8, 4  # ``tied``'s vocabulary, width, sequence
+
+
+def tied(params, tokens, labels):
+    """2 stages with a tied embedding (read by both) and a scalar leaf (no dimension to shard)."""
+    h = jnp.take(params["embed"], tokens, axis=0)
+    h = jnp.tanh(h @ params["w0"] + params["b0"])
+    h = vs.stage_boundary(h)
+    h = jnp.tanh(h @ params["w1"])
+    logits = (h @ params["embed"].T) * params["temp"]
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1))
+
+
+def tied_params(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    v, d = TIED_V, TIED_D
+    return {
+        "embed": rng.normal(size=(v, d)).astype(np.float32),
+        "w0": (rng.normal(size=(d, d)) / 3).astype(np.float32),
+        "b0": np.full(d, 0.1, np.float32),
+        "w1": (rng.normal(size=(d, d)) / 3).astype(np.float32),
+        "temp": np.float32(1.5),
+    }
+
+
+def tied_batches(n: int, rows: int = 32, seed: int = 5):
+    rng = np.random.default_rng(seed)
+    v, t = TIED_V, TIED_T
+    return [
+        (rng.integers(0, v, (rows, t)).astype(np.int32), rng.integers(0, v, (rows, t)).astype(np.int32))
+        for _ in range(n)
+    ]
+
+
+def tied_specs():
+    """``tied``'s param specs and per-microbatch batch specs with a symbolic batch ``b``."""
+    (b,) = jexport.symbolic_shape("b")
+    S = jax.ShapeDtypeStruct
+    return specs_like(tied_params()), S((b, TIED_T), jnp.int32), S((b, TIED_T), jnp.int32)
+
+
 def mean_over_microbatches(fn, params, batch, microbatches: int):
     """The pipeline's loss: the mean of ``fn`` over equal microbatches (== fn on the whole batch for means)."""
     k = batch[0].shape[0] // microbatches

@@ -1,8 +1,8 @@
 """runner=P.Distributed(): N local CPU processes of one jax.distributed job (gloo), each running the same script
 (tests/distributed_job.py, started by ``python -m vjpsplit_cli.pipeline.launch``), train as one process does.
 
-Two jobs, to keep CI short: 4 processes train and write a checkpoint (``four``); 2 processes train, restore
-that checkpoint and go on, then lose a process."""
+Two jobs, to keep CI short: 4 processes train and write a checkpoint (``four``); 2 processes (``two``) train,
+restore that checkpoint and go on, train PP 2 x DP 2, then lose a process."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import optax
 import pytest
 from jax._src import xla_bridge
 from models import optax_reference
-from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
+from stage_models import gpt, gpt_batch, gpt_params, gpt_specs, tied, tied_batches, tied_params, tied_specs
 
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
@@ -62,11 +62,26 @@ def _reference(clip: float, steps: int = STEPS) -> tuple[list[float], dict[str, 
     return losses, {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
-def _check_equal_one_process(out: Path, processes: int, schedules: list[str], clip: float) -> list[dict]:
-    ref_losses, ref_params = _reference(clip)
+def _tied_reference(steps: int) -> tuple[list[float], dict[str, np.ndarray]]:
+    """The ``replicas`` phase's model in one process: clipped adamw on ``tied_batches(steps, rows=16)``."""
+    tx = optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(1e-2))
+    losses, params = optax_reference(tied, tied_params(), tx, tied_batches(steps, rows=16))
+    return losses, {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def _check_equal_one_process(
+    out: Path,
+    processes: int,
+    schedules: list[str],
+    clip: float,
+    reference: tuple[list[float], dict[str, np.ndarray]] | None = None,
+    prefix: str = "",
+) -> list[dict]:
+    """Every process's ``<p>-<prefix><schedule>.npz`` equal to ``reference`` (default: the GPT's in one process)."""
+    ref_losses, ref_params = _reference(clip) if reference is None else reference
     got = []
     for schedule in schedules:
-        runs = [np.load(out / f"{p}-{schedule}.npz") for p in range(processes)]
+        runs = [np.load(out / f"{p}-{prefix}{schedule}.npz") for p in range(processes)]
         for run in runs:
             np.testing.assert_allclose(run["losses"], ref_losses, rtol=1e-6)
             for k, v in ref_params.items():
@@ -87,30 +102,83 @@ def four(tmp_path_factory) -> Path | None:
     return out if _launch(out, 4, 1, "gpipe", CLIP, "write") else None
 
 
-def test_two_processes_with_two_devices_each_train_as_one_process(four, tmp_path):
+@pytest.fixture(scope="module")
+def two(four, tmp_path_factory) -> Path | None:
+    """The 2-process job (two devices each): the GPT on 1F1B and ZB-H1, then resuming the checkpoint ``four``
+    wrote (``resume``), PP 2 x DP 2 (``replicas``), and losing process 1 (``kill``). None where this jax cannot
+    run it (checked: every process refused ``Distributed()``)."""
+    out = tmp_path_factory.mktemp("two")
+    if four is None:
+        assert not _launch(out, 2, 2, "1f1b,zbh1", CLIP)
+        return None
+    for name in ("ck", "saved"):
+        (out / name).mkdir()
+        for f in (four / name).iterdir():
+            (out / name / f.name).write_bytes(f.read_bytes())
+    assert _launch(out, 2, 2, "1f1b,zbh1", CLIP, "resume,replicas,kill", fails=True)
+    return out
+
+
+def test_two_processes_with_two_devices_each_train_as_one_process(two):
     """PP 4 over 2 processes (stages 0-1 in the first, 2-3 in the second): 1F1B and ZB-H1, the tied embedding
     summed across processes, the global norm clipped; every process gets the same losses and params(). Then the
     checkpoint 4 processes wrote, restored on 2 (Trainer.restore, and fit's checkpoint_dir), goes on equal to an
     uninterrupted run; and once process 1 is gone, process 0 ends with one error naming it (the ``lost`` test)."""
-    if four is None:
-        assert not _launch(tmp_path, 2, 2, "1f1b,zbh1", CLIP)
+    if two is None:
         return
-    for name in ("ck", "saved"):
-        (tmp_path / name).mkdir()
-        for f in (four / name).iterdir():
-            (tmp_path / name / f.name).write_bytes(f.read_bytes())
-    assert _launch(tmp_path, 2, 2, "1f1b,zbh1", CLIP, "resume,kill", fails=True)
-    runs = _check_equal_one_process(tmp_path, 2, ["1f1b", "zbh1"], CLIP)
+    runs = _check_equal_one_process(two, 2, ["1f1b", "zbh1"], CLIP)
     for run in runs:
-        assert run["placement"].tolist() == [0, 0, 1, 1]
+        assert run["placement"].tolist() == [[0], [0], [1], [1]]
         assert min(run["norms"]) > 2 * CLIP  # clipping acted on every step, so a missing scale would show
-    refused = json.loads((tmp_path / "0-refusals.json").read_text())
+    refused = json.loads((two / "0-refusals.json").read_text())
     assert "stage 0 has [CpuDevice(id=0), CpuDevice(id=1)]" in refused["two devices"]
     assert "give one list of one device of jax.devices() per stage" in refused["a string"]
-    said = (tmp_path / "1-fit.txt").read_text()
+    said = (two / "1-fit.txt").read_text()
     assert said.startswith("fit(max_restarts=1): a jax.distributed job cannot replace a lost process"), said
-    _check_continued(tmp_path)
-    _check_lost(tmp_path)
+    _check_continued(two)
+    _check_lost(two)
+
+
+@pytest.mark.filterwarnings("ignore:2 workers need 2 devices")  # one CPU device here: the stages take turns
+def test_pp2_dp2_with_each_stages_replicas_in_one_process_trains_as_one_process(two):
+    """Distributed(data_parallel=2) on 2 processes of 2 devices (by default, and by devices=): stage 0's two
+    replicas in process 0, stage 1's in process 1, each replica's activations and cotangents moved to the matching
+    replica of the other process; 1F1B and ZB-H1 with the tied embedding and clipping equal one-process optax on
+    the whole batch, on every process. Each device holds its share of its stage's optimizer state (ZeRO-1), and
+    the checkpoint the job wrote goes on in one process. A stage's replicas on two processes, devices= of another
+    count than data_parallel, and replicas no process has the devices for, are refused."""
+    if two is None:
+        return
+    runs = _check_equal_one_process(two, 2, ["1f1b", "zbh1"], CLIP, _tied_reference(STEPS), prefix="dp-")
+    for run in runs:
+        assert run["placement"].tolist() == [[0, 0], [1, 1]]
+        assert min(run["norms"]) > 2 * CLIP
+    # ZB-H1 ran on devices= naming each process's devices the other way round; 1F1B on the default placement
+    assert all(row == sorted(row) for row in runs[0]["ids"].tolist())
+    assert runs[1]["ids"].tolist() == [row[::-1] for row in runs[0]["ids"].tolist()]
+    params = tied_params()
+    for p, held in enumerate(json.loads((two / f"{p}-dp-memory.json").read_text()) for p in range(2)):
+        assert [stages for _, stages, _ in held] == [[p], [p]]
+        # adamw's mu and nu, whole, would be twice the stage's parameters on each replica; sharded, about half that
+        # (the step count and the scalar temperature's moments are whole on both)
+        whole = 2 * sum(params[k].nbytes for k in (("embed", "w0", "b0"), ("embed", "w1", "temp"))[p])
+        assert held[0][2] == held[1][2] < 0.6 * whole, (held, whole)
+    ref_losses, ref_params = _tied_reference(STEPS + 2)
+    stages = vs.export_stages(tied, *tied_specs(), wrt="params", platforms="cpu")
+    tr = P.Trainer.restore(two / "dp-saved", stages, optimizer=optax.adamw(1e-2))
+    assert tr.step_count == STEPS and tr.clip_global_norm == CLIP
+    more = [tr.step(b) for b in tied_batches(STEPS + 2, rows=16)[STEPS:]]
+    np.testing.assert_allclose(more, ref_losses[STEPS:], rtol=1e-6)
+    got = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(tr.params())[0]}
+    for k, v in ref_params.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    for p in range(2):
+        refused = json.loads((two / f"{p}-dp-refusals.json").read_text())
+        assert refused["apart"].startswith("Distributed(devices=...): stage 0's replicas are on processes [0, 1]")
+        assert "leave devices= out" in refused["apart"]
+        assert refused["count"].startswith("Distributed(devices=...): 2 devices per stage for data_parallel=1")
+        assert refused["too few"].startswith("runner=Distributed(): 2 workers need 4 devices of one process each")
+        assert "--xla_force_host_platform_device_count=4" in refused["too few"]
 
 
 def _check_continued(out: Path) -> None:
@@ -205,7 +273,7 @@ def test_four_processes_one_stage_each_train_as_one_process(four):
     if four is None:
         return
     (run,) = _check_equal_one_process(four, 4, ["gpipe"], CLIP)
-    assert run["placement"].tolist() == [0, 1, 2, 3]
+    assert run["placement"].tolist() == [[0], [1], [2], [3]]
 
 
 def test_process_zero_writes_the_checkpoint_and_every_process_hears_how_it_went(four):
@@ -248,5 +316,7 @@ def test_distributed_before_jax_distributed_initialize_is_one_clear_error():
         P.Distributed()
     with pytest.raises(VjpsplitError, match=r"call jax.distributed.initialize\(\) first"):
         P.Trainer([], [], optimizer=optax.sgd(0.1), microbatches=2, runner="distributed")
-    with pytest.raises(VjpsplitError, match=r"data_parallel=2\): replicas across processes are not supported yet"):
+    with pytest.raises(VjpsplitError, match=r"call jax.distributed.initialize\(\) first"):
         P.Distributed(data_parallel=2)
+    with pytest.raises(VjpsplitError, match=r"data_parallel=0: give the number of replicas of every stage"):
+        P.Distributed(data_parallel=0)

@@ -15,50 +15,18 @@ import pytest
 from jax import export as jexport
 from blocking import callback_blocks
 from models import assert_trees_close, optax_reference
-from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
+from stage_models import TIED_D as D
+from stage_models import TIED_T as T
+from stage_models import gpt, gpt_batch, gpt_params, gpt_specs, tied, tied_batches, tied_params, tied_specs
 
 import vjpsplit_cli as vs
 from vjpsplit_cli import VjpsplitError
 from vjpsplit_cli import pipeline as P
 
-V, D, T = 16, 8, 4
-
-
-def tied(params, tokens, labels):
-    """2 stages with a tied embedding (read by both) and a scalar leaf (no dimension to shard)."""
-    h = jnp.take(params["embed"], tokens, axis=0)
-    h = jnp.tanh(h @ params["w0"] + params["b0"])
-    h = vs.stage_boundary(h)
-    h = jnp.tanh(h @ params["w1"])
-    logits = (h @ params["embed"].T) * params["temp"]
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1))
-
-
-def tied_params(seed: int = 0):
-    rng = np.random.default_rng(seed)
-    return {
-        "embed": rng.normal(size=(V, D)).astype(np.float32),
-        "w0": (rng.normal(size=(D, D)) / 3).astype(np.float32),
-        "b0": np.full(D, 0.1, np.float32),
-        "w1": (rng.normal(size=(D, D)) / 3).astype(np.float32),
-        "temp": np.float32(1.5),
-    }
-
-
-def tied_batches(n: int, rows: int = 32, seed: int = 5):
-    rng = np.random.default_rng(seed)
-    return [
-        (rng.integers(0, V, (rows, T)).astype(np.int32), rng.integers(0, V, (rows, T)).astype(np.int32))
-        for _ in range(n)
-    ]
-
 
 @functools.lru_cache(maxsize=None)
 def tied_stages():
-    (b,) = jexport.symbolic_shape("b")
-    S = jax.ShapeDtypeStruct
-    specs = jax.tree_util.tree_map(lambda a: S(np.shape(a), a.dtype), tied_params())
-    return vs.export_stages(tied, specs, S((b, T), jnp.int32), S((b, T), jnp.int32), wrt="params", platforms="cpu")
+    return vs.export_stages(tied, *tied_specs(), wrt="params", platforms="cpu")
 
 
 @functools.lru_cache(maxsize=None)

@@ -150,7 +150,7 @@ def open_backend(
         states = [init[s] if st is None else st for s, st in enumerate(states)]
     reductions = [(r.op, dtype_name(np.dtype(r.dtype)), r.round) for r in whole.roots()]
     if isinstance(runner, Distributed):
-        return _distributed(runner, ownership, optimizer, states, whole, layout, step_timeout, offload)
+        return _distributed(runner, ownership, optimizer, states, whole, layout, step_timeout, offload, data_parallel)
     if data_parallel > 1 and isinstance(runner, InProcess):
         trainers = replica_trainers(
             ownership,
@@ -215,21 +215,37 @@ def _distributed(
     layout: Layout,
     step_timeout: float,
     offload: Offload | None,
+    n: int,
 ) -> DistributedBackend:
-    """``open_backend``'s ``Distributed`` runner: this process's stages of the job, their programs exported here.
+    """``open_backend``'s ``Distributed`` runner: this process's stages of the job, their programs exported here
+    (with ``n`` replicas, each over its replicas' mesh, as in-process).
 
     Raises:
-        VjpsplitError: a sharded stage; ``devices=`` not one per stage.
+        VjpsplitError: a sharded stage; ``devices=`` not one list of ``n`` devices per stage.
     """
     S = len(ownership.artifacts)
     if any(a.manifest.sharded for a in ownership.artifacts):
         raise VjpsplitError("runner=Distributed() runs unsharded stages only (a sharded stage is not supported yet)")
     if runner.devices is not None and len(runner.devices) != S:
         raise VjpsplitError(f"Distributed(devices=...): {S} stages but {len(runner.devices)} device lists")
-    devices = distributed_placement(S, layout.workers) if runner.devices is None else [g[0] for g in runner.devices]
+    if runner.devices is not None and len(runner.devices[0]) != n:
+        raise VjpsplitError(
+            f"Distributed(devices=...): {len(runner.devices[0])} devices per stage for data_parallel={n} (not given: "
+            f"what the stages' export recorded, else 1); give {n} per stage, or Distributed(data_parallel=...)"
+        )
+    devices = distributed_placement(S, layout.workers, n) if runner.devices is None else runner.devices
+    own = ownership
+    if n > 1:
+
+        def program(s: int) -> bytes:
+            return replica_program(
+                optimizer, own.artifacts[s], own.stage_params[s], s, n, own.names[s], whole, own.counted[s]
+            )
+
+        return DistributedBackend(ownership, devices, program, states, step_timeout, offload)
     specs = [_specs(p) for p in ownership.stage_params]
     programs = stage_programs(optimizer, ownership.artifacts, ownership.names, specs, whole, ownership.counted)
-    return DistributedBackend(ownership, devices, programs, states, step_timeout, offload)
+    return DistributedBackend(ownership, devices, programs.__getitem__, states, step_timeout, offload)
 
 
 def _ray_options(runner: Runner, step_timeout: float, layout: Layout) -> RayOptions:

@@ -76,25 +76,37 @@ def check_distributed() -> None:
         )
 
 
-def checked_devices(devices: Sequence[Sequence[jax.Device]]) -> list[tuple[jax.Device]]:
-    """``Distributed(devices=...)``: one list of one device of ``jax.devices()`` per stage, each device once.
+def checked_devices(devices: Sequence[Sequence[jax.Device]], n: int | None = None) -> list[tuple[jax.Device, ...]]:
+    """``Distributed(devices=...)``: one list per stage of ``n`` devices of ``jax.devices()`` (its replicas'; ``n``
+    None: the same count for every stage), all of one process, each device once.
 
     Raises:
-        VjpsplitError: an entry is not a list of one device, a device is not among ``jax.devices()``, or two
-            stages name the same device.
+        VjpsplitError: an entry is not a list of ``n`` devices of ``jax.devices()``, two stages name the same
+            device, or a stage's devices are on two processes (replicas across processes are not run).
     """
     every = set(jax.devices())
-    out: list[tuple[jax.Device]] = []
+    out: list[tuple[jax.Device, ...]] = []
     for s, group in enumerate(devices):
         g = tuple(group) if isinstance(group, (list, tuple)) else (group,)
-        if len(g) != 1 or g[0] not in every:
+        want = n if n is not None else len(out[0]) if out else None
+        if not g or (want is not None and len(g) != want) or any(d not in every for d in g) or len(set(g)) != len(g):
+            count = "one device" if want in (None, 1) else f"{want} devices (its replicas')"
             raise VjpsplitError(
-                f"Distributed(devices=...): stage {s} has {list(g)!r}; give one list of one device of jax.devices() "
+                f"Distributed(devices=...): stage {s} has {list(g)!r}; give one list of {count} of jax.devices() "
                 "per stage (devices=[[jax.devices()[0]], [jax.devices()[1]], ...])"
             )
-        if any(g[0] == o[0] for o in out):
-            raise VjpsplitError(f"Distributed(devices=...): stage {s}'s device {g[0]} is another stage's too")
-        out.append((g[0],))
+        processes = sorted({d.process_index for d in g})
+        if len(processes) > 1:
+            raise VjpsplitError(
+                f"Distributed(devices=...): stage {s}'s replicas are on processes {processes}; a stage's replicas "
+                "run on devices of one process (replicas across processes are not supported): give each stage "
+                "devices of one process, or leave devices= out (the default puts each stage's replicas on one "
+                "process)"
+            )
+        taken = [d for d in g if any(d in o for o in out)]
+        if taken:
+            raise VjpsplitError(f"Distributed(devices=...): stage {s}'s device {taken[0]} is another stage's too")
+        out.append(g)
     return out
 
 

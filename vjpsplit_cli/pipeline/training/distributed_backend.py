@@ -14,6 +14,12 @@ squared norms, the loss, the optimizer's reductions over leaves); every process
 then has every stage's squared norm and the losses, so every process returns the
 same result.
 
+With ``data_parallel=N`` a stage of this process runs on N of its devices: a ``runtime.replicas.ReplicaGroup``
+with its ``zero1.ReplicaTrainer``, as in-process (each microbatch split N ways, one reduction per step, the
+optimizer state sharded across the replicas). What it hands on is a ``Parts``: each replica's part is moved
+to the matching replica of the next stage, and the processes without the values learn each part's specs
+from ``jax.eval_shape`` on one replica's part of the input. A stage's replicas are all on one process.
+
 A checkpoint (``save``) is the state every process gathered, written by process 0
 to a directory the processes share; every process learns how the write went
 (``agree``). A step (or a gather) that fails or passes ``step_timeout`` asks the
@@ -25,7 +31,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Callable, Mapping, Sequence, TypeVar
+from typing import Callable, Mapping, Sequence, TypeVar, cast
 
 import jax
 import numpy as np
@@ -36,6 +42,7 @@ from ...treetypes import Leaf, PyTree
 from ..runtime.dispatch import Order, order_of, walk
 from ..runtime.model import Microbatch
 from ..runtime.offload import Offload
+from ..runtime.replicas import Parts, ReplicaGroup, check_split
 from ..runtime.result import PipelineResult, step_loss, step_result
 from ..runtime.stageops import run_op
 from ..runtime.worker import StageWorker
@@ -49,6 +56,7 @@ from .crosshost import abandon, gather, heartbeat, move, specs
 from .device_memory import DeviceMemory, memory_records
 from .ownership import Ownership, Snapshot
 from .stage_trainer import RESTORE_HINT, StageTrainer, finish_stages
+from .zero1 import ReplicaTrainer
 
 RUNNER = "distributed"
 T = TypeVar("T")
@@ -62,68 +70,90 @@ class _Handed:
         self.stage, self.value, self.spec = stage, value, spec
 
 
-def distributed_placement(num_stages: int, workers: Sequence[Sequence[int]]) -> list[jax.Device]:
-    """Per stage its device by default: worker k's stages on ``jax.devices()[k]`` (every process's devices, by
-    process, then id).
+def distributed_placement(
+    num_stages: int, workers: Sequence[Sequence[int]], n: int = 1
+) -> list[tuple[jax.Device, ...]]:
+    """Per stage its devices by default: worker k's stages on the k-th group of ``n`` devices of one process (each
+    process's devices in groups of ``n``, process by process, by id): with ``n`` 1, ``jax.devices()[k]``.
 
     Raises:
-        VjpsplitError: fewer devices in the job than workers.
+        VjpsplitError: fewer such groups in the job than workers.
     """
     every = jax.devices()
-    if len(every) < len(workers):
+    groups: list[tuple[jax.Device, ...]] = []
+    for p in range(jax.process_count()):
+        mine = [d for d in every if d.process_index == p]
+        groups += [tuple(mine[i : i + n]) for i in range(0, len(mine) - n + 1, n)]
+    if len(groups) < len(workers):
+        if n == 1:
+            need = f"a device each, the job has {len(every)}"
+        else:
+            need = (
+                f"{n} devices of one process each (data_parallel={n}: a stage's replicas run in one process), "
+                f"the job's processes have {len(groups)} such groups"
+            )
+        more = "" if n == 1 else f" (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={n} or more each)"
         raise VjpsplitError(
-            f"runner=Distributed(): {len(workers)} workers need a device each, the job has {len(every)} "
-            f"({jax.process_count()} processes); start more processes, or give devices="
+            f"runner=Distributed(): {len(workers)} workers need {need} ({jax.process_count()} processes); start "
+            f"more processes, or processes with more devices{more}, or give devices="
         )
-    out: dict[int, jax.Device] = {}
+    out: dict[int, tuple[jax.Device, ...]] = {}
     for k, held in enumerate(workers):
         for s in held:
-            out[s] = every[k]
+            out[s] = groups[k]
     return [out[s] for s in range(num_stages)]
 
 
 class DistributedBackend:
-    """The stages of this process of a ``jax.distributed`` job (the module docstring): one ``StageTrainer`` each.
+    """The stages of this process of a ``jax.distributed`` job (the module docstring): one ``StageTrainer`` each,
+    or with replicas a ``zero1.ReplicaTrainer`` of the stage's ``ReplicaGroup`` on its devices of this process.
 
     Args:
         ownership: Who holds which leaf (every stage's artifact and parameters, in every process).
-        devices: Per stage its device (of any process).
-        programs: Per stage its exported optimizer.
+        devices: Per stage its devices (of any process; a stage's replicas', all of one process).
+        program: A stage of this process's exported optimizer (over its replicas' mesh where it has several).
         states: Per stage a restored optimizer state, or None.
         step_timeout: Seconds a step may take here before it is one error naming this process.
         offload: Residuals of this process's stages off their device between F and B.
+
+    Raises:
+        VjpsplitError: this process holds no stage.
     """
 
     def __init__(
         self,
         ownership: Ownership,
-        devices: Sequence[jax.Device],
-        programs: Sequence[bytes],
+        devices: Sequence[Sequence[jax.Device]],
+        program: Callable[[int], bytes],
         states: Sequence[Mapping[str, Leaf] | None],
         step_timeout: float | None = None,
         offload: Offload | None = None,
     ):
-        self.ownership, self.devices = ownership, list(devices)
+        self.ownership, self.devices = ownership, [tuple(g) for g in devices]
+        self.replicas = len(self.devices[0])
         self.step_timeout = step_timeout
         self.hang_report: str | None = None
         self.broken: str | None = None
         self.me = jax.process_index()
         self.step_count = 0  # the run's step the next step is (the Trainer sets it): what a lost process's error names
         S = len(self.devices)
-        self.local = [s for s in range(S) if self.devices[s].process_index == self.me]
+        self.local = [s for s in range(S) if self.devices[s][0].process_index == self.me]
         if not self.local:
             raise VjpsplitError(
                 f"runner=Distributed(): process {self.me} holds no stage (the stages are on "
-                f"{[str(d) for d in self.devices]}); run as many processes as workers, or give devices= a device of "
-                "each process"
+                f"{[[str(d) for d in g] for g in self.devices]}); run as many processes as workers, or give "
+                "devices= devices of each process"
             )
         own = ownership
-        self.trainers: dict[int, StageTrainer] = {}
+        self.trainers: dict[int, StageTrainer | ReplicaTrainer] = {}
         for s in self.local:
-            worker = StageWorker(own.artifacts[s], own.stage_params[s], s, S, self.devices[s], offload)
-            self.trainers[s] = StageTrainer(
-                worker, own.names[s], programs[s], own.holders[s], own.counted[s], states[s]
-            )
+            args = (own.names[s], program(s), own.holders[s], own.counted[s], states[s])
+            if self.replicas > 1:
+                group = ReplicaGroup(own.artifacts[s], own.stage_params[s], s, S, self.devices[s], offload)
+                self.trainers[s] = ReplicaTrainer(group, *args)
+            else:
+                worker = StageWorker(own.artifacts[s], own.stage_params[s], s, S, self.devices[s][0], offload)
+                self.trainers[s] = StageTrainer(worker, *args)
         self.param_specs = [specs(p) for p in own.stage_params]
         self.shapes: dict[tuple[object, ...], PyTree] = {}  # (stage, input signature) -> its forward's output specs
         self.orders: tuple[list[list[Op]], Order] | None = None
@@ -131,8 +161,8 @@ class DistributedBackend:
 
     @property
     def placement(self) -> list[tuple[jax.Device | str, ...]]:
-        """Per stage, the device that holds its parameters (of any process)."""
-        return [(d,) for d in self.devices]
+        """Per stage, the devices that hold its parameters (of any process; its replicas', in order)."""
+        return [tuple(g) for g in self.devices]
 
     def _order(self, plans: list[list[Op]]) -> Order:
         if self.orders is None or self.orders[0] is not plans:
@@ -140,7 +170,17 @@ class DistributedBackend:
         return self.orders[1]
 
     def _forward_spec(self, stage: int, x: PyTree, side: Sequence[PyTree]) -> PyTree:
-        """The specs of what stage ``stage``'s forward hands on for inputs of specs ``x`` and ``side`` (no compute)."""
+        """The specs of what stage ``stage``'s forward hands on for inputs of specs ``x`` and ``side`` (no compute);
+        with replicas, a ``Parts`` of each replica's (``x`` a ``Parts`` already, or the microbatch's, cut N ways
+        as the replicas cut it, as ``side`` is)."""
+        n = self.replicas
+        if n > 1:
+            one = self._forward_spec_of(stage, x[0] if isinstance(x, Parts) else _cut(x, n), [_cut(v, n) for v in side])
+            return Parts([one] * n)
+        return self._forward_spec_of(stage, x, side)
+
+    def _forward_spec_of(self, stage: int, x: PyTree, side: Sequence[PyTree]) -> PyTree:
+        """The specs of one forward's output of stage ``stage`` (of one replica) for inputs of specs ``x``, ``side``."""
         ins = [x, *side]
         flat, tree = jax.tree_util.tree_flatten(ins)
         key = (stage, tree, tuple((a.shape, a.dtype) for a in flat))
@@ -149,6 +189,16 @@ class DistributedBackend:
             art: Artifact = self.ownership.artifacts[stage]
             got = self.shapes[key] = jax.eval_shape(lambda p, *a: art.fwd(p, *a)[0], self.param_specs[stage], *ins)
         return got
+
+    def _moved(self, handed: _Handed, stage: int) -> PyTree | None:
+        """What ``handed`` holds, on stage ``stage``'s devices (``move``, which every process calls alike): with
+        replicas, replica r's part to stage ``stage``'s replica r. None in a process that does not run ``stage``."""
+        src, dst = self.devices[handed.stage], self.devices[stage]
+        if self.replicas == 1:
+            return move(handed.value, handed.spec, src[0], dst[0])
+        values = [None] * self.replicas if handed.value is None else list(handed.value)
+        got = [move(v, sp, a, b) for v, sp, a, b in zip(values, handed.spec, src, dst)]
+        return Parts(got) if dst[0].process_index == self.me else None
 
     def _walk(
         self, mbs: Sequence[Microbatch], plans: list[list[Op]], microbatches: int, scales: Sequence[float] | None
@@ -161,24 +211,27 @@ class DistributedBackend:
             s = op.stage
             if isinstance(data, _Handed):  # another stage's result: moved here where that stage is elsewhere
                 spec = data.spec
-                data = (
-                    data.value if data.stage == s else move(data.value, spec, self.devices[data.stage], self.devices[s])
-                )
+                data = data.value if data.stage == s else self._moved(data, s)
             else:
                 spec = None if data is None else specs(data)  # the batch: every process has it
             if op.kind == Kind.F:
                 ins[(s, op.mb)] = spec
             here = s in self.trainers
-            out = run_op(self.trainers[s].worker, op, data, side, microbatches, w) if here else None
+            out = run_op(self._worker(s), op, data, side, microbatches, w) if here else None
             if op.kind == Kind.W or (op.kind in (Kind.B, Kind.I) and s == 0) or (op.kind == Kind.F and s == S - 1):
                 return None  # nothing another stage takes
             if op.kind == Kind.F:
                 return _Handed(s, out, specs(out) if here else self._forward_spec(s, spec, specs(side)))
             return _Handed(s, out, ins[(s, op.mb)])  # a cotangent is shaped as the forward's input
 
-        for t in self.trainers.values():
-            t.worker.reset(timed=False, plans=plans, scales=scales)
+        for s in self.trainers:
+            self._worker(s).reset(timed=False, plans=plans, scales=scales)
         walk(plans, S, mbs, submit, self._order(plans))
+
+    def _worker(self, stage: int) -> StageWorker:
+        """Stage ``stage``'s worker here; a stage on replicas has a ``ReplicaGroup``, which runs a schedule's
+        operations as a ``StageWorker`` does (``runtime.replicas``), so the walk takes it alike."""
+        return cast("StageWorker", self.trainers[stage].worker)
 
     def step(
         self,
@@ -203,6 +256,8 @@ class DistributedBackend:
             )
         if self.broken is not None:
             raise VjpsplitError(self.broken)
+        if self.replicas > 1:
+            check_split(mbs, self.replicas)  # before any operation runs, in every process alike
         S = len(self.devices)
         t0 = time.monotonic()
         sums, losses = self._watched(
@@ -240,7 +295,7 @@ class DistributedBackend:
         def losses() -> dict[int, float]:
             nonlocal fetched
             if fetched is None:
-                mine = {} if last is None else {S - 1: np.asarray(_ordered(last.worker.fetch_losses()))}
+                mine = {} if last is None else {S - 1: np.asarray(_ordered(self._worker(S - 1).fetch_losses()))}
                 fetched = dict(enumerate(float(v) for v in gather(mine)[S - 1]))
             return fetched
 
@@ -285,7 +340,7 @@ class DistributedBackend:
 
     def _stages_of(self, process: int) -> list[int]:
         """The stages on ``process``'s devices."""
-        return [s for s, d in enumerate(self.devices) if d.process_index == process]
+        return [s for s, g in enumerate(self.devices) if g[0].process_index == process]
 
     def _guarded(self, body: Callable[[], T]) -> T:
         """``body()`` in a thread of its own, waited for ``step_timeout`` seconds: past it, ``_TimedOut``, and no
@@ -424,6 +479,12 @@ def _back(v: object) -> object:
     if isinstance(v, np.ndarray) and v.shape == () and v.dtype == np.float64:
         return float(v)
     return v
+
+
+def _cut(tree: PyTree, n: int) -> PyTree:
+    """The specs of one of ``n`` replicas' parts of ``tree``'s (specs of) arrays, cut along axis 0 as
+    ``replicas.split_parts`` cuts them."""
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // n, *a.shape[1:]), a.dtype), tree)
 
 
 def _ordered(losses: Mapping[int, float]) -> list[float]:

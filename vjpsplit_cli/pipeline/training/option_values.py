@@ -5,7 +5,7 @@
 * ``schedule``: a built-in schedule's name or a ``Schedule`` (``schedules.catalog``'s:
   ``"auto"`` with its memory limit, or plans, ``read_schedule``'s form, as ``Schedule(plans=)``);
 * ``runner``: ``"inprocess"``/``"ray"``/``"distributed"``, or ``InProcess(devices=, data_parallel=)``
-  / ``Ray(address=, runtime_env=, actor_options=, schedule_timeout=)`` / ``Distributed(devices=)``;
+  / ``Ray(address=, runtime_env=, actor_options=, schedule_timeout=)`` / ``Distributed(devices=, data_parallel=)``;
 * ``observe``: ``Observe(progress=, timeline=, trace_dir=, trace_every=,
   step_timeout=, hang_report=)``, what the Trainer shows and records of its steps;
 * ``stages``: a ``Stages``, or the per-stage form's artifacts (``PerStage(artifacts,
@@ -123,17 +123,23 @@ class Distributed:
     ``state()`` and ``params()``.
 
     Args:
-        devices: one list of one device of ``jax.devices()`` (every process's) per stage. Default: worker k's
-            stages on ``jax.devices()[k]`` (by process, then device id: stage s on process s where each has one
-            device).
-        data_parallel: 1 (or None); replicas of a stage are not run across processes yet.
+        devices: one list per stage of one device of ``jax.devices()`` (every process's), or with
+            ``data_parallel=N`` of N devices of one process (its replicas'). Default: worker k's stages on
+            ``jax.devices()[k]`` (by process, then device id: stage s on process s where each has one device);
+            with N replicas, on the k-th group of N devices of one process (each process's devices in groups of
+            N, process by process).
+        data_parallel: N replicas of every stage, all on devices of the process that runs the stage, each
+            microbatch split N ways, as ``InProcess`` does (gradients reduced once per step per stage, the
+            optimizer state sharded across the replicas: ZeRO-1); what a stage hands the next goes replica r to
+            replica r. A stage's replicas on several processes are refused. None: what the stages' export
+            recorded, else 1.
         offload: residuals off their device between F and B, in each process, as ``InProcess``'s.
 
     Raises:
         VjpsplitError: ``jax.distributed.initialize()`` was not called in this process; this jax cannot move an
-            array between processes (the fix named); ``devices`` is not one list of one device of
-            ``jax.devices()`` per stage; ``data_parallel`` is not 1; ``offload`` is not None, ``"host"`` or an
-            ``Offload``.
+            array between processes (the fix named); ``data_parallel`` is not an int >= 1; ``devices`` is not one
+            list of ``data_parallel`` devices of ``jax.devices()`` per stage, all of one process; ``offload`` is
+            not None, ``"host"`` or an ``Offload``.
     """
 
     name: ClassVar[str] = "distributed"
@@ -143,15 +149,10 @@ class Distributed:
 
     def __post_init__(self) -> None:
         _checked_replicas(self)
-        if self.data_parallel not in (None, 1):
-            raise VjpsplitError(
-                f"Distributed(data_parallel={self.data_parallel}): replicas across processes are not supported yet; "
-                "give data_parallel=1, or run replicas in one process with InProcess(data_parallel=...)"
-            )
         object.__setattr__(self, "offload", offload_of(self.offload))
         check_distributed()
         if self.devices is not None:
-            object.__setattr__(self, "devices", checked_devices(self.devices))
+            object.__setattr__(self, "devices", checked_devices(self.devices, self.data_parallel))
 
 
 Runner = InProcess | Ray | Distributed

@@ -122,7 +122,7 @@ class Trainer:
             optimizer: An optax ``GradientTransformation``, exported per stage (the workers need no optax).
             microbatches: How many microbatches each step's batch is cut into.
             schedule: A built-in schedule's name (default ``"1f1b"``) or a ``Schedule`` (``"auto"``, plans, limits).
-            runner: ``"inprocess"`` or ``"ray"``, or ``InProcess(...)`` / ``Ray(...)`` with their options.
+            runner: ``"inprocess"``, ``"ray"`` or ``"distributed"``, or ``InProcess``/``Ray``/``Distributed(...)``.
             clip_global_norm: Clip by the global norm over every stage's gradients (a tied leaf once); None: no clip.
             observe: ``Observe(...)``: progress, timeline, traces, ``step_timeout`` and ``hang_report``.
             opt_state: Optax's state for the whole model to start from (``tx.init(params)``'s structure).
