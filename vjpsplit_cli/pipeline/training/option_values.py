@@ -118,28 +118,20 @@ class Ray:
 class Distributed:
     """Run on multi-controller JAX: every process runs the same script, after ``jax.distributed.initialize()``.
 
-    Each process runs the stages on its own devices; activations, cotangents, tied gradients, squared norms
-    and losses go between the processes through JAX (``crosshost``). Every process gets the same losses,
-    ``state()`` and ``params()``.
+    Each process runs the stages on its own devices; values go between processes through JAX (``crosshost``);
+    every process gets the same losses, ``state()`` and ``params()`` (docs/howto/multi-host.md).
 
     Args:
-        devices: one list per stage of one device of ``jax.devices()`` (every process's), or with
-            ``data_parallel=N`` of N devices of one process (its replicas'). Default: worker k's stages on
-            ``jax.devices()[k]`` (by process, then device id: stage s on process s where each has one device);
-            with N replicas, on the k-th group of N devices of one process (each process's devices in groups of
-            N, process by process).
-        data_parallel: N replicas of every stage, all on devices of the process that runs the stage, each
-            microbatch split N ways, as ``InProcess`` does (gradients reduced once per step per stage, the
-            optimizer state sharded across the replicas: ZeRO-1); what a stage hands the next goes replica r to
-            replica r. A stage's replicas on several processes are refused. None: what the stages' export
-            recorded, else 1.
+        devices: one list per stage of ``data_parallel`` devices of ``jax.devices()``, all of one process.
+            Default: worker k's stages on the k-th group of ``data_parallel`` devices (each process's devices
+            in groups, process by process).
+        data_parallel: N replicas of every stage on devices of the process that runs it, as ``InProcess``'s
+            (ZeRO-1; replica r hands replica r). None: what the stages' export recorded, else 1.
         offload: residuals off their device between F and B, in each process, as ``InProcess``'s.
 
     Raises:
-        VjpsplitError: ``jax.distributed.initialize()`` was not called in this process; this jax cannot move an
-            array between processes (the fix named); ``data_parallel`` is not an int >= 1; ``devices`` is not one
-            list of ``data_parallel`` devices of ``jax.devices()`` per stage, all of one process; ``offload`` is
-            not None, ``"host"`` or an ``Offload``.
+        VjpsplitError: before ``jax.distributed.initialize()``; a jax that cannot move arrays between processes;
+            a bad ``data_parallel``, ``devices`` (a stage's replicas on several processes) or ``offload``.
     """
 
     name: ClassVar[str] = "distributed"
