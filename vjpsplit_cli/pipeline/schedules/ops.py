@@ -7,7 +7,7 @@ FORWARD ``F``, FULL_BACKWARD ``B``, BACKWARD_INPUT ``I``, BACKWARD_WEIGHT ``W``)
 Each operation says what it computes: nothing asks the other operations of the
 plans whether a backward is split.
 ``dependencies`` is the only place that says which operations' results an
-operation reads; the play of plans (``play``), and through it the dispatcher,
+operation reads; the plans' simulation (``play``), and through it the dispatcher,
 the deadlock check, the simulator and ZB-H1's W placement, all ask it.
 """
 
@@ -92,7 +92,7 @@ class Op:
                 raise VjpsplitError(
                     f"Op kind {self.kind!r}: use 'F', 'B' (whole backward), 'I' (its input part) or 'W' (its weight part)"
                 ) from None
-        # Made once: the play of plans looks operations up by it many times per step.
+        # Made once: the plans' simulation looks operations up by it many times per step.
         keyed = Kind.B if self.kind == Kind.I else self.kind
         object.__setattr__(self, "key", OpKey(keyed, self.mb, self.stage))
 

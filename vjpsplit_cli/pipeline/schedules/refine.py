@@ -14,7 +14,7 @@ for). The search stops at a local optimum or after ``budget`` operations
 played in all: a count, not a time, so the same inputs give the same plans on
 every machine.
 
-The play here is ``play.sweep``'s rule (an operation starts when its worker is
+The timing here is ``play.sweep``'s rule (an operation starts when its worker is
 free and its inputs have arrived, a result from another worker ``comm`` later)
 on plain lists, since the search plays plans thousands of times.
 """
