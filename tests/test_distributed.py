@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -266,6 +267,37 @@ def test_a_checkpoint_four_processes_wrote_goes_on_on_ray(four, tmp_path):
     np.testing.assert_allclose(run["losses"], ref_losses[STEPS + 1 :], rtol=1e-6)
     for k, v in ref_params.items():
         np.testing.assert_allclose(run[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_the_multi_host_page_runs_on_two_processes_as_written(tmp_path):
+    """docs/howto/multi-host.md's script, started as its bash block says (2 processes, one CPU device each): both
+    processes print the same losses, equal to the same steps in one process; where this jax cannot move arrays
+    between processes, every process stops at the refusal."""
+    page = (ROOT / "docs" / "howto" / "multi-host.md").read_text()
+    code = re.findall(r"^```python\n(.*?)^```$", page, flags=re.M | re.S)[0]
+    (command,) = re.findall(r"^```bash\n(.*?)\n```$", page, flags=re.M | re.S)
+    (tmp_path / "train.py").write_text(code)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    assert command.startswith("python -m ")
+    cmd = [sys.executable, *command.split()[1:], "--grace", "60"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    if not MOVES:
+        assert done.returncode != 0 and "cannot move an array between processes" in done.stderr, done.stderr[-4000:]
+        return
+    assert done.returncode == 0, done.stderr[-4000:]
+    said = dict(re.findall(r"process (\d): stages on .*, losses (\[.*\])", done.stdout))
+    assert sorted(said) == ["0", "1"], done.stdout
+    assert said["0"] == said["1"]
+    scope: dict = {}
+    exec(compile(code.replace("launch.initialize()", "").split("tr = P.Trainer")[0], "train.py", "exec"), scope)
+    tx, p = optax.adam(1e-2), scope["params"]
+    state = tx.init(p)
+    for got, batch in zip(json.loads(said["0"]), scope["batches"]):
+        want, grads = jax.value_and_grad(scope["loss"])(p, *batch)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        updates, state = tx.update(grads, state, p)
+        p = optax.apply_updates(p, updates)
 
 
 def test_four_processes_one_stage_each_train_as_one_process(four):

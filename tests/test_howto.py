@@ -34,12 +34,11 @@ PAGES = [
 DEVICES = {"data-parallel.md": 8}
 # Pages whose ```bash block is marked RUN_MARK: tests/test_docs.py runs it as pasted.
 RUN_MARK = "<!-- run as pasted by tests/test_docs.py -->"
-# multi-host.md's code needs several processes (jax.distributed); it has no test of its own yet.
-NOT_YET = {"multi-host.md"}
 ELSEWHERE = {
     "checkpoints.md": "tests/test_training_state.py::test_docs_orbax_snippet_runs",
     "cli.md": "tests/test_docs.py::test_readme_shell_blocks_run_as_pasted",
     "metrics.md": "tests/test_step_aux.py::test_docs_metrics_block_runs",
+    "multi-host.md": "tests/test_distributed.py::test_the_multi_host_page_runs_on_two_processes_as_written",
     "ray.md": "tests/ray_suite/test_docs_ray.py::test_the_ray_page_runs",
     "sharding.md": "tests/test_docs.py::test_readme_shell_blocks_run_as_pasted",
     "training.md": "tests/test_rng.py::test_docs_dropout_block_runs",
@@ -82,7 +81,7 @@ def test_the_page_runs_as_written(page, tmp_path):
 
 def test_every_howto_page_has_code_a_test_runs():
     pages = {p.name for p in HOWTO.glob("*.md")}
-    assert pages == set(PAGES) | set(ELSEWHERE) | NOT_YET, "a how-to page neither runs here nor names its test"
+    assert pages == set(PAGES) | set(ELSEWHERE), "a how-to page neither runs here nor names its test"
     for page, test in ELSEWHERE.items():
         path, _, name = test.partition("::")
         source = (ROOT / path).read_text()
