@@ -395,7 +395,7 @@ def _phases(phases: list, rounds: int, record, ray_too: bool, failures: dict) ->
         # No XLA_FLAGS in the job's runtime_env: the runner gives each actor this process's flags with its own
         # device count, where a job-level XLA_FLAGS would stand as given (each actor seeing this child's 2
         # devices, driving 1: +20% CPU per actor on the GPT, benchmarks/results/2026-history-ray-training-steps.md).
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         for runner, setup in phases:
             print(f"phase {runner}", file=sys.stderr, flush=True)

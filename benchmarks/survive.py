@@ -125,7 +125,7 @@ def measure(quick: bool) -> dict:
     # No XLA_FLAGS in the job's runtime_env: the runner gives each actor this process's flags with its own
     # device count, where a job-level XLA_FLAGS would stand as given (each actor seeing this child's 2
     # devices, driving 1: +20% CPU per actor on the GPT, benchmarks/results/2026-history-ray-training-steps.md).
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     kw = dict(optimizer=optax.adamw(3e-3), schedule="1f1b", microbatches=cfg["microbatches"])
     rows = []
     for runner in ("inprocess", "ray"):

@@ -5,9 +5,10 @@ import pytest
 
 @pytest.fixture(scope="module")
 def ray_session():
-    """Ray started with 4 CPUs for one module's tests, shut down after them."""
+    """A new local Ray instance with 4 CPUs for one module's tests (``address="local"``: never a cluster another
+    test process started, such as the Ray suite's ``Cluster`` while the sharded suite runs), shut down after them."""
     import ray  # a test dependency (pip install -e '.[test]'): missing Ray is a failure, not a skip
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()

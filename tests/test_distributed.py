@@ -235,7 +235,7 @@ import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
 
 saved, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
 stages = vs.export_stages(gpt, *gpt_specs(gpt_params()), wrt="params", platforms="cpu")
 with P.Trainer.restore(saved, stages, optimizer=optax.adamw(1e-2), runner="ray") as tr:
     assert tr.step_count == steps - 2, tr.step_count

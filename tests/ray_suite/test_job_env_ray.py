@@ -18,7 +18,7 @@ def job_ray():
     import ray
 
     env = {"env_vars": {"XLA_FLAGS": JOB_FLAGS, "PJRT_NPROC": "1"}}
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=env)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=env)
     yield ray
     ray.shutdown()
 
