@@ -25,7 +25,7 @@ asked, its losses and params written to ``<out>/<process id>-<schedule>.npz``; a
   stragglers and busy seconds, the last step's events (stage, kind, mb) and phase names, the evaluation's loss and
   outputs to ``<out>/<process id>-timed.npz`` (and ``.json``); then ``stage_models.mlp`` cut in 4 (stages 1 and 2
   cost the same: peers, one in each process), ``steps + 1`` timed steps: its losses and every step's stragglers
-  to the ``.json``, with what a Trainer of ``schedule="auto"`` said.
+  to the ``.json``, with what a Trainer of ``schedule="auto"`` and its ``costs()`` said.
 * ``aux``: two 2-stage Trainers, stage 0 in process 0 and stage 1 in process 1 (``devices=``), 2 steps of
   ``dropout_batches(2)`` then ``evaluate`` of the first (with ``outputs=True``): ``stage_models.aux_loss``
   (``has_aux=True``) and ``stage_models.dropout_loss`` with ``rng=jax.random.key(3)``; their losses, aux leaves and
@@ -189,6 +189,7 @@ def timed(out: str, me: int, clip: float, steps: int) -> None:
         "stragglers": [list(h.stragglers) for h in [*tr.history, *peers.history]],
         "mlp": mlp_losses,
         "auto": auto,
+        "costs": said(peers.costs),
     }
     with open(os.path.join(out, f"{me}-timed.json"), "w") as f:
         json.dump(said_here, f)

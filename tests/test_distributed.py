@@ -214,7 +214,8 @@ def test_timed_steps_time_each_processs_own_operations_and_evaluate_gives_the_in
     both processes; each process's last_result holds its own stages' operations (every F and B of them), its
     reductions, update and wait for the losses; each step's trace written. A worker of the other process is no
     one's peer: the MLP's workers 1 and 2 cost the same, and neither is named a straggler. schedule="auto" is
-    refused when the Trainer is made. Then evaluate (and outputs=True) equals the in-process runner's."""
+    refused when the Trainer is made, and costs() when asked. Then evaluate (and outputs=True) equals the
+    in-process runner's."""
     if two is None:
         return
     ref_losses, _ = _reference(CLIP, STEPS + 1)
@@ -243,6 +244,7 @@ def test_timed_steps_time_each_processs_own_operations_and_evaluate_gives_the_in
         assert said["stragglers"] == [[]] * 2 * (STEPS + 1)  # the MLP's workers 1 and 2 are peers, in two processes
         np.testing.assert_allclose(said["mlp"], mlp_losses, rtol=1e-6)
         assert said["auto"].startswith("schedule='auto' does not run on runner=Distributed() yet"), said["auto"]
+        assert said["costs"].startswith("costs() is not measured on runner=Distributed() yet"), said["costs"]
         busy = run["busy"]
         assert (busy[:, sorted(mine)] > 0).all() and (busy[:, sorted({0, 1, 2, 3} - mine)] == 0).all()
         assert len(list((two / f"trace-{p}").glob("step-*.trace.json"))) == STEPS + 1

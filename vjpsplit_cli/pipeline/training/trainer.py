@@ -670,8 +670,13 @@ class Trainer:
             timed once, at the first call; on Ray, on this process's device).
 
         Raises:
-            VjpsplitError: no timed step has run yet.
+            VjpsplitError: no timed step has run yet; the Trainer runs on ``Distributed``.
         """
+        if isinstance(self.backend, DistributedBackend):
+            raise VjpsplitError(
+                "costs() is not measured on runner=Distributed() yet (each process times only its own stages, and "
+                "sends between processes are not timed): measure the costs in one process or on Ray"
+            )
         timeline = self._samples.costs()
         if self._transfer is None:
             self._transfer = measure_transfer_rates(self.placement[0][0])
