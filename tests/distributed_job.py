@@ -16,9 +16,20 @@ asked, its losses and params written to ``<out>/<process id>-<schedule>.npz``; a
   ``stage_models.tied`` (a tied embedding), once per schedule asked, ``steps`` steps of
   ``tied_batches(steps, rows=16)``: its losses, params, placement (by process, and device ids) and norms to
   ``<out>/<process id>-dp-<schedule>.npz``, the optimizer bytes on each of this process's devices to
-  ``-dp-memory.json``; the last Trainer saves to ``<out>/dp-saved``; the refusals of a stage's replicas on two
+  ``-dp-memory.json``; the last Trainer saves to ``<out>/dp-saved`` and evaluates the first batch (its loss and
+  outputs to ``-dp-eval.npz``); the refusals of a stage's replicas on two
   processes, of two devices per stage without data_parallel=2, and of replicas that fit no process, to
   ``-dp-refusals.json``.
+* ``timed``: the GPT under ``Observe(timeline=True, trace_dir=<out>/trace-<process id>)`` (every step timed; 1F1B,
+  ``clip``), ``steps + 1`` steps, then ``evaluate`` of ``batch(20)`` (with ``outputs=True``): the losses, each step's
+  stragglers and busy seconds, the last step's events (stage, kind, mb) and phase names, the evaluation's loss and
+  outputs to ``<out>/<process id>-timed.npz`` (and ``.json``); then ``stage_models.mlp`` cut in 4 (stages 1 and 2
+  cost the same: peers, one in each process), ``steps + 1`` timed steps: its losses and every step's stragglers
+  to the ``.json``, with what a Trainer of ``schedule="auto"`` and its ``costs()`` said.
+* ``aux``: two 2-stage Trainers, stage 0 in process 0 and stage 1 in process 1 (``devices=``), 2 steps of
+  ``dropout_batches(2)`` then ``evaluate`` of the first (with ``outputs=True``): ``stage_models.aux_loss``
+  (``has_aux=True``) and ``stage_models.dropout_loss`` with ``rng=jax.random.key(3)``; their losses, aux leaves and
+  evaluations to ``<out>/<process id>-aux.npz``.
 * ``kill``: the resumed Trainer steps on; process 1 exits (``os._exit(1)``) before that step, the others write the
   error their step raised, and how long it took, to ``<out>/<process id>-lost.json``, then raise it.
 
@@ -46,7 +57,24 @@ if os.environ.get("DEBUG_DUMP"):
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from stage_models import gpt, gpt_batch, gpt_params, gpt_specs, tied, tied_batches, tied_params, tied_specs  # noqa: E402
+from stage_models import (  # noqa: E402
+    aux_loss,
+    dropout_batches,
+    dropout_loss,
+    dropout_params,
+    dropout_specs,
+    gpt,
+    gpt_batch,
+    gpt_params,
+    gpt_specs,
+    mlp,
+    mlp_params,
+    specs_like,
+    tied,
+    tied_batches,
+    tied_params,
+    tied_specs,
+)
 
 import vjpsplit_cli as vs  # noqa: E402
 from vjpsplit_cli import pipeline as P  # noqa: E402
@@ -104,6 +132,8 @@ def replicas(out: str, me: int, schedules: list[str], clip: float, steps: int) -
         losses = [tr.step(b) for b in batches]
         record(os.path.join(out, f"{me}-dp-{schedule}.npz"), tr, losses)
     tr.save(os.path.join(out, "dp-saved"))
+    loss, outputs = tr.evaluate(batches[0], outputs=True)  # each replica its part, as the step's F
+    np.savez(os.path.join(out, f"{me}-dp-eval.npz"), loss=loss, **{f"out{m}": o[0] for m, o in enumerate(outputs)})
     with open(os.path.join(out, f"{me}-dp-memory.json"), "w") as f:
         json.dump([[m.device.id, list(m.stages), m.optimizer] for m in tr.memory()], f)
     apart = [[every[1], every[2]], [every[0], every[3]]]  # stage 0's replicas on processes 0 and 1
@@ -120,6 +150,75 @@ def replicas(out: str, me: int, schedules: list[str], clip: float, steps: int) -
     }
     with open(os.path.join(out, f"{me}-dp-refusals.json"), "w") as f:
         json.dump(refused, f)
+
+
+def timed(out: str, me: int, clip: float, steps: int) -> None:
+    """The ``timed`` phase (the module docstring)."""
+    stages = vs.export_stages(gpt, *gpt_specs(gpt_params()), wrt="params", platforms="cpu")
+    watch = P.Observe(step_timeout=150, timeline=True, trace_dir=os.path.join(out, f"trace-{me}"))
+    tr = P.Trainer(
+        stages,
+        gpt_params(),
+        optimizer=optax.adamw(1e-2),
+        microbatches=4,
+        clip_global_norm=clip or None,
+        runner="distributed",
+        observe=watch,
+    )
+    losses = [tr.step(batch(i)) for i in range(steps + 1)]
+    r = tr.last_result
+    loss, outputs = tr.evaluate(batch(20), outputs=True)
+    np.savez(
+        os.path.join(out, f"{me}-timed.npz"),
+        losses=np.asarray(losses),
+        events=np.asarray([[e.stage, "FBIW".index(str(e.kind)), e.mb] for e in r.events]),
+        busy=np.asarray([h.busy for h in tr.history]),
+        eval=np.asarray([tr.evaluate(batch(20)), loss]),
+        **{f"out{m}_{i}": np.asarray(a) for m, o in enumerate(outputs) for i, a in enumerate(o)},
+    )
+    # The MLP's balanced cut gives stages 1 and 2, one in each process, the same cost signature: peers.
+    params = mlp_params()
+    x, labels = np.ones((8, 16), np.float32), np.arange(8, dtype=np.int32) % 4
+    stages = vs.export_stages(mlp, *specs_like((params, x[:2], labels[:2])), wrt="params", stages=4, platforms="cpu")
+    peers = P.Trainer(stages, params, optimizer=optax.sgd(0.1), microbatches=4, runner="distributed", observe=watch)
+    mlp_losses = [peers.step((x, labels)) for _ in range(steps + 1)]
+    sgd = optax.sgd(0.1)
+    auto = said(lambda: P.Trainer(stages, params, optimizer=sgd, microbatches=4, schedule="auto", runner="distributed"))
+    said_here = {
+        "phases": [p.name for p in r.phases],
+        "stragglers": [list(h.stragglers) for h in [*tr.history, *peers.history]],
+        "mlp": mlp_losses,
+        "auto": auto,
+        "costs": said(peers.costs),
+    }
+    with open(os.path.join(out, f"{me}-timed.json"), "w") as f:
+        json.dump(said_here, f)
+
+
+def aux(out: str, me: int) -> None:
+    """The ``aux`` phase (the module docstring)."""
+    p, _, x, y = dropout_specs(dropout_params())
+    devices = [[jax.devices()[0]], [jax.devices()[2]]]
+    got: dict[str, np.ndarray] = {}
+    for name, stages, rng in [
+        ("aux", vs.export_stages(aux_loss, p, x, y, wrt="params", platforms="cpu", has_aux=True), None),
+        ("rng", vs.export_stages(dropout_loss, *dropout_specs(dropout_params()), wrt="params", platforms="cpu"), 3),
+    ]:
+        tr = P.Trainer(
+            stages,
+            dropout_params(),
+            optimizer=optax.adam(1e-2),
+            microbatches=4,
+            rng=None if rng is None else jax.random.key(rng),
+            runner=P.Distributed(devices=devices),
+            observe=P.Observe(step_timeout=150),
+        )
+        steps = [tr.step(b) for b in dropout_batches(2)]
+        evaluated = tr.evaluate(dropout_batches(1)[0], outputs=True)
+        got[f"{name}-steps"] = np.asarray([jax.tree_util.tree_leaves(s) for s in steps], np.float64)
+        got[f"{name}-eval"] = np.asarray(jax.tree_util.tree_leaves(evaluated[:-1]), np.float64)
+        got[f"{name}-outputs"] = np.stack([np.asarray(o[0]) for o in evaluated[-1]])
+    np.savez(os.path.join(out, f"{me}-aux.npz"), **got)
 
 
 def main() -> None:
@@ -183,11 +282,16 @@ def main() -> None:
         record(os.path.join(out, f"{me}-resumed.npz"), tr, tr.fit(batch, steps + 3, checkpoint_dir=ck))
     if "replicas" in phases:
         replicas(out, me, schedules, clip, steps)
+    if "timed" in phases:
+        timed(out, me, clip, steps)
+    if "aux" in phases:
+        aux(out, me)
     if "kill" in phases:
         if me == 1:
             # Not before process 0 has its results: their gathers read from this process while it lives.
             deadline = time.monotonic() + 120
-            last = "0-dp-refusals.json" if "replicas" in phases else "0-resumed.npz"
+            written = {"resume": "0-resumed.npz", "replicas": "0-dp-refusals.json", "timed": "0-timed.json"}
+            last = [f for p, f in {**written, "aux": "0-aux.npz"}.items() if p in phases][-1]
             while "resume" in phases and not os.path.exists(os.path.join(out, last)):
                 if time.monotonic() > deadline:
                     break

@@ -2,7 +2,8 @@
 (tests/distributed_job.py, started by ``python -m vjpsplit_cli.pipeline.launch``), train as one process does.
 
 Two jobs, to keep CI short: 4 processes train and write a checkpoint (``four``); 2 processes (``two``) train,
-restore that checkpoint and go on, train PP 2 x DP 2, then lose a process."""
+restore that checkpoint and go on, train PP 2 x DP 2, time steps, evaluate, train stages with aux and with a
+PRNG key, then lose a process."""
 
 from __future__ import annotations
 
@@ -20,7 +21,24 @@ import optax
 import pytest
 from jax._src import xla_bridge
 from models import optax_reference
-from stage_models import gpt, gpt_batch, gpt_params, gpt_specs, tied, tied_batches, tied_params, tied_specs
+from stage_models import (
+    aux_loss,
+    dropout_batches,
+    dropout_loss,
+    dropout_params,
+    dropout_specs,
+    gpt,
+    gpt_batch,
+    gpt_params,
+    gpt_specs,
+    mlp,
+    mlp_params,
+    specs_like,
+    tied,
+    tied_batches,
+    tied_params,
+    tied_specs,
+)
 
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
@@ -106,8 +124,9 @@ def four(tmp_path_factory) -> Path | None:
 @pytest.fixture(scope="module")
 def two(four, tmp_path_factory) -> Path | None:
     """The 2-process job (two devices each): the GPT on 1F1B and ZB-H1, then resuming the checkpoint ``four``
-    wrote (``resume``), PP 2 x DP 2 (``replicas``), and losing process 1 (``kill``). None where this jax cannot
-    run it (checked: every process refused ``Distributed()``)."""
+    wrote (``resume``), PP 2 x DP 2 (``replicas``), timed steps and evaluation (``timed``), stages with aux and with
+    a PRNG key (``aux``), and losing process 1 (``kill``). None where this jax cannot run it (checked: every
+    process refused ``Distributed()``)."""
     out = tmp_path_factory.mktemp("two")
     if four is None:
         assert not _launch(out, 2, 2, "1f1b,zbh1", CLIP)
@@ -116,7 +135,7 @@ def two(four, tmp_path_factory) -> Path | None:
         (out / name).mkdir()
         for f in (four / name).iterdir():
             (out / name / f.name).write_bytes(f.read_bytes())
-    assert _launch(out, 2, 2, "1f1b,zbh1", CLIP, "resume,replicas,kill", fails=True)
+    assert _launch(out, 2, 2, "1f1b,zbh1", CLIP, "resume,replicas,timed,aux,kill", fails=True)
     return out
 
 
@@ -146,7 +165,8 @@ def test_pp2_dp2_with_each_stages_replicas_in_one_process_trains_as_one_process(
     replicas in process 0, stage 1's in process 1, each replica's activations and cotangents moved to the matching
     replica of the other process; 1F1B and ZB-H1 with the tied embedding and clipping equal one-process optax on
     the whole batch, on every process. Each device holds its share of its stage's optimizer state (ZeRO-1), and
-    the checkpoint the job wrote goes on in one process. A stage's replicas on two processes, devices= of another
+    the checkpoint the job wrote goes on in one process; the job's evaluation (each replica its part) equals that
+    checkpoint's in one process. A stage's replicas on two processes, devices= of another
     count than data_parallel, and replicas no process has the devices for, are refused."""
     if two is None:
         return
@@ -168,6 +188,12 @@ def test_pp2_dp2_with_each_stages_replicas_in_one_process_trains_as_one_process(
     stages = vs.export_stages(tied, *tied_specs(), wrt="params", platforms="cpu")
     tr = P.Trainer.restore(two / "dp-saved", stages, optimizer=optax.adamw(1e-2))
     assert tr.step_count == STEPS and tr.clip_global_norm == CLIP
+    loss, outputs = tr.evaluate(tied_batches(STEPS, rows=16)[0], outputs=True)
+    for p in range(2):  # the job's evaluation, each replica on its part, equals this one's on the whole microbatches
+        evaluated = np.load(two / f"{p}-dp-eval.npz")
+        np.testing.assert_allclose(evaluated["loss"], loss, rtol=1e-6)
+        for m, o in enumerate(outputs):
+            np.testing.assert_allclose(evaluated[f"out{m}"], o[0], rtol=1e-6, atol=1e-7)
     more = [tr.step(b) for b in tied_batches(STEPS + 2, rows=16)[STEPS:]]
     np.testing.assert_allclose(more, ref_losses[STEPS:], rtol=1e-6)
     got = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(tr.params())[0]}
@@ -180,6 +206,77 @@ def test_pp2_dp2_with_each_stages_replicas_in_one_process_trains_as_one_process(
         assert refused["count"].startswith("Distributed(devices=...): 2 devices per stage for data_parallel=1")
         assert refused["too few"].startswith("runner=Distributed(): 2 workers need 4 devices of one process each")
         assert "--xla_force_host_platform_device_count=4" in refused["too few"]
+
+
+@pytest.mark.filterwarnings("ignore::vjpsplit_cli.pipeline.SharedDevicesWarning")
+def test_timed_steps_time_each_processs_own_operations_and_evaluate_gives_the_in_process_result(two):
+    """Observe(timeline=True) on 2 processes: every step timed, the losses those of the untimed one-process run on
+    both processes; each process's last_result holds its own stages' operations (every F and B of them), its
+    reductions, update and wait for the losses; each step's trace written. A worker of the other process is no
+    one's peer: the MLP's workers 1 and 2 cost the same, and neither is named a straggler. schedule="auto" is
+    refused when the Trainer is made, and costs() when asked. Then evaluate (and outputs=True) equals the
+    in-process runner's."""
+    if two is None:
+        return
+    ref_losses, _ = _reference(CLIP, STEPS + 1)
+    runs = [np.load(two / f"{p}-timed.npz") for p in range(2)]
+    stages = vs.export_stages(gpt, *gpt_specs(gpt_params()), wrt="params", platforms="cpu")
+    tr = P.Trainer(stages, gpt_params(), optimizer=optax.adamw(1e-2), microbatches=4, clip_global_norm=CLIP)
+    for i in range(STEPS + 1):
+        tr.step(gpt_batch(8, seed=10 + i))
+    want_loss, want_outputs = tr.evaluate(gpt_batch(8, seed=30), outputs=True)  # the job's batch(20)
+    plans = tr.plan.plans
+    params = mlp_params()
+    x, labels = np.ones((8, 16), np.float32), np.arange(8, dtype=np.int32) % 4
+    stages = vs.export_stages(mlp, *specs_like((params, x[:2], labels[:2])), wrt="params", stages=4, platforms="cpu")
+    peers = P.Trainer(stages, params, optimizer=optax.sgd(0.1), microbatches=4)
+    mlp_losses = [peers.step((x, labels)) for _ in range(STEPS + 1)]
+    for p, run in enumerate(runs):
+        np.testing.assert_allclose(run["losses"], ref_losses, rtol=1e-6)
+        np.testing.assert_array_equal(run["losses"], runs[0]["losses"])
+        mine = {2 * p, 2 * p + 1}
+        ops = sorted((op.stage, "FBIW".index(str(op.kind)), op.mb) for w in plans for op in w if op.stage in mine)
+        assert sorted(map(tuple, run["events"].tolist())) == ops
+        said = json.loads((two / f"{p}-timed.json").read_text())
+        assert {"run the operations", "reduce tied", "reduce norms", "update", "fetch the losses"} <= set(
+            said["phases"]
+        )
+        assert said["stragglers"] == [[]] * 2 * (STEPS + 1)  # the MLP's workers 1 and 2 are peers, in two processes
+        np.testing.assert_allclose(said["mlp"], mlp_losses, rtol=1e-6)
+        assert said["auto"].startswith("schedule='auto' does not run on runner=Distributed() yet"), said["auto"]
+        assert said["costs"].startswith("costs() is not measured on runner=Distributed() yet"), said["costs"]
+        busy = run["busy"]
+        assert (busy[:, sorted(mine)] > 0).all() and (busy[:, sorted({0, 1, 2, 3} - mine)] == 0).all()
+        assert len(list((two / f"trace-{p}").glob("step-*.trace.json"))) == STEPS + 1
+        np.testing.assert_allclose(run["eval"], [want_loss, want_loss], rtol=1e-6)
+        for m, o in enumerate(want_outputs):
+            for i, a in enumerate(o):
+                np.testing.assert_allclose(run[f"out{m}_{i}"], a, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.filterwarnings("ignore::vjpsplit_cli.pipeline.SharedDevicesWarning")
+def test_stages_with_aux_and_a_prng_key_train_and_evaluate_as_in_process(two):
+    """Stage 0 in process 0, stage 1 in process 1: stages exported with has_aux=True give every process the step's
+    and the evaluation's aux; Trainer(rng=key) draws each microbatch's key as in-process; both equal the
+    in-process runner's, on every process."""
+    if two is None:
+        return
+    runs = [np.load(two / f"{p}-aux.npz") for p in range(2)]
+    p, _, x, y = dropout_specs(dropout_params())
+    for name, stages, rng in [
+        ("aux", vs.export_stages(aux_loss, p, x, y, wrt="params", platforms="cpu", has_aux=True), None),
+        ("rng", vs.export_stages(dropout_loss, *dropout_specs(dropout_params()), wrt="params", platforms="cpu"), 3),
+    ]:
+        key = None if rng is None else jax.random.key(rng)
+        tr = P.Trainer(stages, dropout_params(), optimizer=optax.adam(1e-2), microbatches=4, rng=key)
+        steps = [jax.tree_util.tree_leaves(tr.step(b)) for b in dropout_batches(2)]
+        evaluated = tr.evaluate(dropout_batches(1)[0], outputs=True)
+        assert len(steps[0]) == (1 if rng else 4)  # the loss, and the aux's 3 leaves
+        for run in runs:
+            np.testing.assert_allclose(run[f"{name}-steps"], steps, rtol=1e-6, err_msg=name)
+            np.testing.assert_allclose(run[f"{name}-eval"], jax.tree_util.tree_leaves(evaluated[:-1]), rtol=1e-6)
+            np.testing.assert_allclose(run[f"{name}-outputs"], [o[0] for o in evaluated[-1]], rtol=1e-6, atol=1e-7)
+            np.testing.assert_array_equal(run[f"{name}-steps"], runs[0][f"{name}-steps"])
 
 
 def _check_continued(out: Path) -> None:

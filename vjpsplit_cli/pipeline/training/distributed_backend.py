@@ -11,8 +11,11 @@ process calls at the same point of the walk (the receivers learn its shapes by
 artifact). The end of the step is ``stage_trainer.finish_stages`` on this process's
 stages, joined with the others' through ``crosshost.gather`` (tied gradients,
 squared norms, the loss, the optimizer's reductions over leaves); every process
-then has every stage's squared norm and the losses, so every process returns the
-same result.
+then has every stage's squared norm and the losses (and aux), so every process returns the
+same result. A timed step walks alike, each operation here waited for (``StageWorker``'s timed
+calls): the result's events and phases are this process's. ``evaluate`` walks every microbatch
+through the stages' evaluation programs in stage order, moving what each hands on as a step
+does; the last stage's process sends the losses, aux and outputs to every process.
 
 With ``data_parallel=N`` a stage of this process runs on N of its devices: a ``runtime.replicas.ReplicaGroup``
 with its ``zero1.ReplicaTrainer``, as in-process (each microbatch split N ways, one reduction per step, the
@@ -38,16 +41,19 @@ import numpy as np
 
 from ...artifact.artifact import Artifact
 from ...errors import VjpsplitError
+from ...files.prng import data_struct, is_key
 from ...treetypes import Leaf, PyTree
-from ..runtime.dispatch import Order, order_of, walk
-from ..runtime.model import Microbatch
+from ..runtime.dispatch import Order, order_of, placed_microbatches, walk
+from ..runtime.evaluation import eval_stage, host, joined, loss_and_aux
+from ..runtime.model import Microbatch, side_for
 from ..runtime.offload import Offload
-from ..runtime.replicas import Parts, ReplicaGroup, check_split
-from ..runtime.result import PipelineResult, step_loss, step_result
+from ..runtime.replicas import Parts, ReplicaGroup, check_split, reductions
+from ..runtime.result import PipelineResult, aux_per_microbatch, step_loss, step_result
 from ..runtime.stageops import run_op
 from ..runtime.worker import StageWorker
 from ..schedules.ops import Kind, Op
 from ..schedules.stepplans import Resolved
+from ..schedules.timeline import Phase
 from ..stages.evalprograms import EvalProgram
 from .checkpoint import save_checkpoint
 from .checkpoint_layout import HostCheckpoint
@@ -190,6 +196,29 @@ class DistributedBackend:
             got = self.shapes[key] = jax.eval_shape(lambda p, *a: art.fwd(p, *a)[0], self.param_specs[stage], *ins)
         return got
 
+    def _eval_spec(self, stage: int, program: EvalProgram, x: PyTree, side: Sequence[PyTree]) -> PyTree:
+        """The specs of what stage ``stage``'s evaluation ``program`` hands on for inputs of specs ``x`` and ``side``
+        (no compute): the tuple ``EvalProgram.run`` returns; with replicas, a ``Parts`` of each replica's (cut as
+        ``_forward_spec`` cuts them)."""
+        n = self.replicas
+        if n > 1:
+            one = self._eval_spec_of(
+                stage, program, x[0] if isinstance(x, Parts) else _cut(x, n), [_cut(v, n) for v in side]
+            )
+            return Parts([one] * n)
+        return self._eval_spec_of(stage, program, x, side)
+
+    def _eval_spec_of(self, stage: int, program: EvalProgram, x: PyTree, side: Sequence[PyTree]) -> PyTree:
+        """The specs of one evaluation program's outputs (of one replica), its inputs' leaves as ``run`` takes
+        them (a typed key as its key data)."""
+        ins = jax.tree_util.tree_leaves((self.param_specs[stage], x, *side))
+        leaves = [data_struct(a) if is_key(a) else a for a in ins]
+        key = ("eval", stage, tuple((a.shape, a.dtype) for a in leaves))
+        got = self.shapes.get(key)
+        if got is None:
+            got = self.shapes[key] = tuple(jax.eval_shape(program.exported.call, *leaves))
+        return got
+
     def _moved(self, handed: _Handed, stage: int) -> PyTree | None:
         """What ``handed`` holds, on stage ``stage``'s devices (``move``, which every process calls alike): with
         replicas, replica r's part to stage ``stage``'s replica r. None in a process that does not run ``stage``."""
@@ -201,9 +230,16 @@ class DistributedBackend:
         return Parts(got) if dst[0].process_index == self.me else None
 
     def _walk(
-        self, mbs: Sequence[Microbatch], plans: list[list[Op]], microbatches: int, scales: Sequence[float] | None
+        self,
+        mbs: Sequence[Microbatch],
+        plans: list[list[Op]],
+        microbatches: int,
+        scales: Sequence[float] | None,
+        timed: bool,
     ) -> None:
-        """Every process's walk of the step's plans (see the module docstring)."""
+        """Every process's walk of the step's plans (see the module docstring); ``timed``: each operation here waited
+        for and its ``Event`` recorded, the batch inputs placed on this process's stages' devices first, as
+        in-process."""
         S = len(self.devices)
         ins: dict[tuple[int, int], PyTree] = {}  # (stage, mb) -> the specs of its forward's input
 
@@ -225,7 +261,9 @@ class DistributedBackend:
             return _Handed(s, out, ins[(s, op.mb)])  # a cotangent is shaped as the forward's input
 
         for s in self.trainers:
-            self._worker(s).reset(timed=False, plans=plans, scales=scales)
+            self._worker(s).reset(timed=timed, plans=plans, scales=scales)
+        if timed:
+            mbs = placed_microbatches(mbs, [self._worker(s) if s in self.trainers else _ELSEWHERE for s in range(S)])
         walk(plans, S, mbs, submit, self._order(plans))
 
     def _worker(self, stage: int) -> StageWorker:
@@ -243,26 +281,20 @@ class DistributedBackend:
         timed: bool = False,
         scales: Sequence[float] | None = None,
     ) -> tuple[PipelineResult, list[float]]:
-        """One step in every process alike (``Backend.step``); a timed step, and stages with aux, are refused (not
-        built across processes yet)."""
-        if self.ownership.artifacts[-1].manifest.has_aux:
-            raise VjpsplitError(
-                "runner=Distributed() does not gather a step's aux yet: export the stages without has_aux, or "
-                "train them in-process or on Ray"
-            )
-        if timed:
-            raise VjpsplitError(
-                "runner=Distributed() does not time steps yet: leave Observe(timeline=False) and step(timed=False)"
-            )
+        """One step in every process alike (``Backend.step``): the same losses, aux and squared sums in every
+        process. ``timed``: each operation here waited for, the result's events and phases this process's (its
+        stages' operations, their reductions and updates, and its wait for the losses)."""
         if self.broken is not None:
             raise VjpsplitError(self.broken)
         if self.replicas > 1:
             check_split(mbs, self.replicas)  # before any operation runs, in every process alike
         S = len(self.devices)
         t0 = time.monotonic()
-        sums, losses = self._watched(
-            f"step {self.step_count}", lambda: self._run(mbs, schedule.plans, microbatches, clip, scales)
+        phases: list[Phase] = []
+        sums, losses, aux = self._watched(
+            f"step {self.step_count}", lambda: self._run(mbs, schedule.plans, microbatches, clip, scales, timed, phases)
         )
+        workers = [self._worker(s) for s in self.local]
         result = step_result(
             schedule=schedule.name,
             plans=schedule.plans,
@@ -272,9 +304,11 @@ class DistributedBackend:
             step_time=time.monotonic() - t0,
             losses=losses,
             grads=[None] * S,  # applied where they live
-            events=[],
-            timed=False,
+            events=[e for w in workers for e in w.events] if timed else [],
+            timed=timed,
+            phases=[*phases, *reductions(workers)] if timed else (),
             scales=scales,
+            aux=aux_per_microbatch(self.ownership.artifacts[-1], aux, microbatches),
         )
         return result, [sums[s] for s in range(S)]
 
@@ -285,29 +319,43 @@ class DistributedBackend:
         microbatches: int,
         clip: float | None,
         scales: Sequence[float] | None,
-    ) -> tuple[dict[int, float], dict[int, float]]:
-        """The step's walk and its end: every stage's squared sum and the losses, the same in every process."""
+        timed: bool,
+        phases: list[Phase],
+    ) -> tuple[dict[int, float], dict[int, float], dict[int, list[np.ndarray]]]:
+        """The step's walk and its end: every stage's squared sum, the losses and the aux leaves, the same in every
+        process (``timed``: the walk's, the end's and the losses' ``Phase``s into ``phases``)."""
         S = len(self.devices)
-        self._walk(mbs, plans, microbatches, scales)
+        t0 = time.monotonic()
+        self._walk(mbs, plans, microbatches, scales, timed)
+        phases.append(Phase(None, "run the operations", t0, time.monotonic()))
         last = self.trainers.get(S - 1)
-        fetched: dict[int, float] | None = None
+        fetched: tuple[dict[int, float], dict[int, list[np.ndarray]]] | None = None
 
-        def losses() -> dict[int, float]:
+        def outputs() -> tuple[dict[int, float], dict[int, list[np.ndarray]]]:
             nonlocal fetched
             if fetched is None:
-                mine = {} if last is None else {S - 1: np.asarray(_ordered(self._worker(S - 1).fetch_losses()))}
-                fetched = dict(enumerate(float(v) for v in gather(mine)[S - 1]))
+                at = time.monotonic()
+                mine = {}
+                if last is not None:
+                    losses, aux = self._worker(S - 1).fetch_outputs()
+                    mine = {S - 1: [np.asarray(_ordered(losses)), [aux[m] for m in sorted(aux)]]}
+                got = gather(mine)[S - 1]
+                fetched = dict(enumerate(float(v) for v in got[0])), dict(enumerate(list(a) for a in got[1]))
+                phases.append(Phase(None, "fetch the losses", at, time.monotonic()))
             return fetched
 
         def value() -> float:
-            return step_loss(losses(), microbatches, scales)
+            return step_loss(outputs()[0], microbatches, scales)
+
+        def mark(name: str, a: float, b: float) -> None:
+            phases.append(Phase(None, name, a, b))
 
         mine = [self.trainers[s] for s in self.local]
         scale = None if clip is None else (lambda v: clip_scale(v, clip)[0])
-        got = finish_stages(mine, _exchange, scale, self.ownership.tied, value=value)
+        got = finish_stages(mine, _exchange, scale, self.ownership.tied, mark, value=value)
         own = dict(zip(self.local, Squares.fetch(got)))
         every = gather({s: np.asarray(v, np.float64) for s, v in own.items()})
-        return {s: float(v) for s, v in every.items()}, losses()
+        return {s: float(v) for s, v in every.items()}, *outputs()
 
     def _watched(self, what: str, body: Callable[[], T]) -> T:
         """``body()``, something every process does at the same point (``what``: a step, a gather), under
@@ -366,8 +414,40 @@ class DistributedBackend:
     def evaluate(
         self, mbs: Sequence[Microbatch], programs: Sequence[EvalProgram], outputs: bool
     ) -> tuple[list[float], list[list[np.ndarray]], list[PyTree] | None]:
-        """Refused: evaluation across processes is not built yet."""
-        raise VjpsplitError("runner=Distributed() does not evaluate yet; evaluate with the in-process runner")
+        """Every stage's forward only, each in its process from its evaluation program, what one stage hands the next
+        moved as a step's (``Backend.evaluate``): the losses, aux and outputs the same in every process."""
+        if self.broken is not None:
+            raise VjpsplitError(self.broken)
+        if self.replicas > 1:
+            check_split(mbs, self.replicas)  # before any stage runs, as a step's
+        return self._watched(
+            f"the evaluation after step {self.step_count}", lambda: self._evaluate(mbs, programs, outputs)
+        )
+
+    def _evaluate(
+        self, mbs: Sequence[Microbatch], programs: Sequence[EvalProgram], outputs: bool
+    ) -> tuple[list[float], list[list[np.ndarray]], list[PyTree] | None]:
+        """``evaluate``'s walk, microbatch by microbatch and stage by stage in every process alike; the last
+        stage's process sends every microbatch's loss, aux and (``outputs``) what that stage received to all."""
+        S = len(self.devices)
+        ends: list[list[object]] = []  # in the last stage's process, per microbatch: [loss, aux leaves, received]
+        for m, (x, side) in enumerate(mbs):
+            value, spec = x, specs(x)
+            for s in range(S):
+                if s > 0:
+                    value = self._moved(_Handed(s - 1, value, spec), s)
+                ins = side_for(side, s, S)
+                out = eval_stage(self._worker(s), programs[s], value, ins, m) if s in self.trainers else None
+                if s == S - 1:
+                    if out is not None:
+                        loss, aux = loss_and_aux(jax.device_get(out))
+                        ends.append([np.asarray(loss, np.float64), aux, joined(host(value)) if outputs else None])
+                elif s in self.trainers:
+                    value, spec = out, specs(out)
+                else:
+                    value, spec = None, self._eval_spec(s, programs[s], spec, specs(ins))
+        got = gather({S - 1: ends} if S - 1 in self.trainers else {})[S - 1]
+        return [float(v) for v, _, _ in got], [list(a) for _, a, _ in got], [r for _, _, r in got] if outputs else None
 
     def send_seconds(self, values: Sequence[PyTree], repeats: int) -> list[float]:
         """Refused: sends between processes are not measured yet."""
@@ -454,6 +534,16 @@ class DistributedBackend:
         """End this process's stages' offload."""
         for t in self.trainers.values():
             t.worker.set_offload(None)
+
+
+class _Elsewhere:
+    """Another process's stage in ``placed_microbatches``: its batch inputs stay on the host (never read here)."""
+
+    def to_device(self, tree: PyTree) -> PyTree:
+        return tree
+
+
+_ELSEWHERE = cast("StageWorker", _Elsewhere())
 
 
 class _TimedOut(VjpsplitError):

@@ -62,7 +62,7 @@ from .measured import SEND_PROBES, CostSamples, MeasuredCosts, measure_transfer_
 from .microbatch_keys import checked_rng, microbatch_keys
 from .optax_state import StateMap, state_map
 from .optimizer import optimizer_name
-from .option_values import InProcess, Observe, PerStage, Plans, Runner, Schedule
+from .option_values import Distributed, InProcess, Observe, PerStage, Plans, Runner, Schedule
 from .options import ContractKeywords, Options, options_of
 from .ownership import Ownership
 from .resume import restored_run, stage_snapshots
@@ -211,7 +211,15 @@ class Trainer:
 
     def _planned(self, schedule: Schedule, runner: Runner, every_step_timed: bool) -> tuple[AutoPlan | None, Resolved]:
         """The first step's plans: ``"auto"``'s (it times its first steps), else the schedule's, resolved before any
-        export (a bad schedule is refused here; a V schedule leaving this host's devices idle warns)."""
+        export (a bad schedule, and ``"auto"`` on ``Distributed``, are refused here; a V schedule leaving this host's
+        devices idle warns)."""
+        if schedule.auto and isinstance(runner, Distributed):
+            # Every process would time only its own stages and race the plans on its own clock: they would part.
+            raise VjpsplitError(
+                "schedule='auto' does not run on runner=Distributed() yet (the processes would each plan from their "
+                "own stages' times): give a schedule by name (schedule='1f1b', 'zbh1', ...), or pick one with "
+                "schedule='auto' in one process or on Ray"
+            )
         if schedule.auto:
             auto = AutoPlan(
                 self.model.artifacts,
@@ -619,12 +627,17 @@ class Trainer:
 
     def _busy(self, r: PipelineResult, first: bool) -> tuple[tuple[float, ...], tuple[int, ...]]:
         """A timed step's ``busy`` seconds per worker and its ``stragglers`` (warned of when first named); the
-        Trainer's first step, which compiles every stage, gives no verdict."""
+        Trainer's first step, which compiles every stage, gives no verdict. A worker with no event in the step (on
+        jax.distributed, another process's) is no worker's peer."""
         busy = tuple(row["F"] + row["B"] + row["I"] + row["W"] for row in r.per_worker())
         if first:
             return busy, ()
         held = self.plan.layout.workers
-        groups = [tuple(sorted(self._signatures[s] for s in stages)) for stages in held]
+        ran = {e.worker for e in r.events}
+        groups: list[tuple[object, ...]] = [
+            tuple(sorted(self._signatures[s] for s in stages)) if w in ran else ("elsewhere", w)
+            for w, stages in enumerate(held)
+        ]
         if self._stragglers is None or self._stragglers.groups != groups:
             self._stragglers = Stragglers(groups)
         now, new = self._stragglers.see(busy)
@@ -657,8 +670,13 @@ class Trainer:
             timed once, at the first call; on Ray, on this process's device).
 
         Raises:
-            VjpsplitError: no timed step has run yet.
+            VjpsplitError: no timed step has run yet; the Trainer runs on ``Distributed``.
         """
+        if isinstance(self.backend, DistributedBackend):
+            raise VjpsplitError(
+                "costs() is not measured on runner=Distributed() yet (each process times only its own stages, and "
+                "sends between processes are not timed): measure the costs in one process or on Ray"
+            )
         timeline = self._samples.costs()
         if self._transfer is None:
             self._transfer = measure_transfer_rates(self.placement[0][0])
