@@ -175,15 +175,18 @@ class DistributedBackend:
             self.orders = (plans, order_of(plans, len(self.devices)))
         return self.orders[1]
 
-    def _forward_spec(self, stage: int, x: PyTree, side: Sequence[PyTree]) -> PyTree:
-        """The specs of what stage ``stage``'s forward hands on for inputs of specs ``x`` and ``side`` (no compute);
+    def _per_replica(self, x: PyTree, side: Sequence[PyTree], one: Callable[[PyTree, list[PyTree]], PyTree]) -> PyTree:
+        """``one(x, side)``: the specs one stage's call hands on for inputs of specs ``x`` and ``side`` (no compute);
         with replicas, a ``Parts`` of each replica's (``x`` a ``Parts`` already, or the microbatch's, cut N ways
         as the replicas cut it, as ``side`` is)."""
         n = self.replicas
-        if n > 1:
-            one = self._forward_spec_of(stage, x[0] if isinstance(x, Parts) else _cut(x, n), [_cut(v, n) for v in side])
-            return Parts([one] * n)
-        return self._forward_spec_of(stage, x, side)
+        if n == 1:
+            return one(x, list(side))
+        return Parts([one(x[0] if isinstance(x, Parts) else _cut(x, n), [_cut(v, n) for v in side])] * n)
+
+    def _forward_spec(self, stage: int, x: PyTree, side: Sequence[PyTree]) -> PyTree:
+        """The specs of what stage ``stage``'s forward hands on (``_per_replica``)."""
+        return self._per_replica(x, side, lambda x1, side1: self._forward_spec_of(stage, x1, side1))
 
     def _forward_spec_of(self, stage: int, x: PyTree, side: Sequence[PyTree]) -> PyTree:
         """The specs of one forward's output of stage ``stage`` (of one replica) for inputs of specs ``x``, ``side``."""
@@ -197,16 +200,9 @@ class DistributedBackend:
         return got
 
     def _eval_spec(self, stage: int, program: EvalProgram, x: PyTree, side: Sequence[PyTree]) -> PyTree:
-        """The specs of what stage ``stage``'s evaluation ``program`` hands on for inputs of specs ``x`` and ``side``
-        (no compute): the tuple ``EvalProgram.run`` returns; with replicas, a ``Parts`` of each replica's (cut as
-        ``_forward_spec`` cuts them)."""
-        n = self.replicas
-        if n > 1:
-            one = self._eval_spec_of(
-                stage, program, x[0] if isinstance(x, Parts) else _cut(x, n), [_cut(v, n) for v in side]
-            )
-            return Parts([one] * n)
-        return self._eval_spec_of(stage, program, x, side)
+        """The specs of what stage ``stage``'s evaluation ``program`` hands on, the tuple ``EvalProgram.run``
+        returns (``_per_replica``)."""
+        return self._per_replica(x, side, lambda x1, side1: self._eval_spec_of(stage, program, x1, side1))
 
     def _eval_spec_of(self, stage: int, program: EvalProgram, x: PyTree, side: Sequence[PyTree]) -> PyTree:
         """The specs of one evaluation program's outputs (of one replica), its inputs' leaves as ``run`` takes
