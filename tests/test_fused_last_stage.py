@@ -61,3 +61,30 @@ def test_a_timed_step_runs_the_untimed_steps_actions_in_its_order(stages, schedu
         timed = [[(k, mb) for k, mb, *_ in w.ring][-len(tr.plan.plans[i]) :] for i, w in enumerate(workers)]
         planned = [[(op.kind, op.mb) for op in ops] for ops in tr.plan.plans]
     assert untimed == timed == planned
+
+
+def test_zbh1_runs_the_last_stages_i_inside_its_f_and_the_first_stages_w_inside_its_i(stages, monkeypatch):
+    """ZB-H1: the last stage's I follows its F, so (once an unfused F showed where W's inputs are) F runs both and
+    keeps only W's intermediates; the first stage's W follows its I, which hands nothing on, so I runs the whole
+    backward and W nothing. The steps are those of optax on ``jax.value_and_grad``."""
+    batch, opt = gpt_batch(8), optax.sgd(0.1)
+    params, state, want = gpt_params(), opt.init(gpt_params()), []
+    for _ in range(3):
+        loss, g = jax.value_and_grad(lambda p: mean_over_microbatches(gpt, p, batch, M))(params)
+        updates, state = opt.update(g, state, params)
+        params, want = optax.apply_updates(params, updates), [*want, float(loss)]
+    fused = []
+    with _trainer(stages, "zbh1") as tr:
+        first, last = tr.backend.trainers[0].worker, tr.backend.trainers[-1].worker
+        real = last.calls.forward_input._run
+        monkeypatch.setattr(last.calls.forward_input, "_run", lambda *a: fused.append(1) or real(*a))
+        got = [tr.step(batch)]
+        assert len(fused) >= M - 1  # an unfused F showed where W's inputs are (this step's first, or before)
+        n1 = len(fused)
+        got += [tr.step(batch), tr.step(batch)]
+        assert len(fused) - n1 == 2 * M
+        n = len(tr.plan.plans[0])
+        zero = {w: {(k, mb) for k, mb, t0, t1, _ in list(w.ring)[-n:] if t1 == t0} for w in (first, last)}
+        assert zero[last] == {("I", mb) for mb in range(M)} and zero[first] == {("W", mb) for mb in range(M)}
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), tr.params(), params)

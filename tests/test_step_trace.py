@@ -543,7 +543,7 @@ def test_a_timed_steps_trace_file_holds_its_events_and_sends(schedule, tmp_path,
     back = {(e.stage, e.mb): e.kind for e in r.events if e.kind in (Kind.B, Kind.I)}  # 1F1B's B, ZB-V's I
 
     def name(k, s, m, sends=False):
-        if sends and k == Kind.B and s == 3 and schedule == "1f1b":  # the last stage's F ran this B: sent from F
+        if sends and k == Kind.B and s == 3:  # the last stage's F ran this B (1F1B) or I (ZB-V): sent from F
             return f"F s{s} mb{m}"
         return f"{k if k == Kind.F else back[(s, m)]} s{s} mb{m}"
 

@@ -1,11 +1,12 @@
 """One stage artifact's calls, jitted once and kept as long as the artifact: what a ``StageWorker`` runs.
 
 Owns ``Forward`` (``art.fwd`` as one dispatch per microbatch once a signature has
-been through the checked first call), ``StageCalls`` (F, B, I and W, each one jitted
-call around the artifact's public methods, the gradient sum inside the backward's
-call; the last stage's F and B of one microbatch as one call), ``calls_for`` (one ``StageCalls`` per artifact and role, shared by every
-worker and step) and ``signature_of`` (what a compiled call is cached by). May
-import the tracing layer's residual types and NumPy; ``worker`` builds on it.
+been through the checked first call), ``ForwardInput`` (the last stage's F and I of
+one microbatch as one call), ``StageCalls`` (F, B, I and W, each one jitted call
+around the artifact's public methods, the gradient sum inside the backward's call;
+the last stage's F and B of one microbatch as one call), ``calls_for`` (one
+``StageCalls`` per artifact and role, shared by every worker and step) and
+``signature_of`` (what a compiled call is cached by); ``worker`` builds on it.
 """
 
 from __future__ import annotations
@@ -87,6 +88,57 @@ def _signature(a: Leaf | complex) -> Signature:
         return np.shape(a), type(a)
 
 
+class ForwardInput:
+    """The last stage's F and I of one microbatch in one call (ZB-H1's last stage runs its I right after its F): the
+    output, the input cotangent and the intermediates its W reads; the other residuals never leave the call.
+
+    W reads some of the stage's own inputs (input-backed residuals): returned from ``jit`` they would come back as
+    copies, so they are put back from the arguments, at the positions ``learn`` noted from an unfused F of the same
+    signature (the checked path). Until then ``__call__`` gives ``None`` and the stage runs F and I apart.
+    """
+
+    def __init__(self, artifact: Artifact, b_input: SplitInput):
+        m = artifact.manifest
+
+        def run(params: PyTree, xs: list[PyTree], ct: PyTree) -> tuple[PyTree, PyTree | None, Intermediates, dict]:
+            got = artifact.fwd(params, *xs)  # (out, res), or (loss, res, aux) exported with has_aux
+            gx, inter = b_input(got[1], ct)
+            stored, _ = artifact.weight_part_residuals(got[1])
+            return ((got[0], got[2]) if m.has_aux else got[0]), gx, inter, stored
+
+        self.art, self._run = artifact, jax.jit(run)
+        self.cache: dict[tuple[PyTreeDef, tuple[Signature, ...]], tuple[dict[str, int], tuple]] = {}
+
+    def learn(self, args: Sequence[PyTree], res: Residuals) -> None:
+        """Note, from an unfused F's arguments ``(params, *xs)`` and residuals, where W's input-backed residuals
+        are among the arguments' leaves (nothing is noted if one of them is not an argument's own array)."""
+        leaves, tree = jax.tree_util.tree_flatten((args[0], list(args[1:])))
+        key = (tree, tuple(map(_signature, leaves)))
+        if key in self.cache:
+            return
+        where = {id(a): i for i, a in enumerate(leaves)}
+        _, inputs = self.art.weight_part_residuals(res)
+        if all(id(v) in where for v in inputs.values()):
+            self.cache[key] = ({k: where[id(v)] for k, v in inputs.items()}, res.arg_trees)
+
+    def _hit(self, params: PyTree, xs: list[PyTree]) -> tuple[list[Leaf], tuple[dict[str, int], tuple] | None]:
+        leaves, tree = jax.tree_util.tree_flatten((params, xs))
+        return leaves, self.cache.get((tree, tuple(map(_signature, leaves))))
+
+    def ready(self, params: PyTree, xs: list[PyTree]) -> bool:
+        """Whether ``learn`` saw these inputs' signature (the call can run)."""
+        return self._hit(params, xs)[1] is not None
+
+    def __call__(self, params: PyTree, xs: list[PyTree], ct: PyTree) -> tuple[PyTree, PyTree | None, Intermediates]:
+        """``(output, input cotangent, intermediates)`` in one dispatch, for inputs whose signature is ``ready``."""
+        leaves, hit = self._hit(params, xs)
+        assert hit is not None  # ready
+        inputs, arg_trees = hit
+        out, gx, inter, stored = self._run(params, xs, ct)
+        backed = {k: leaves[i] for k, i in inputs.items()}
+        return out, gx, Intermediates(inter.arrays, inter.dims, inter.fingerprint, "", stored, backed, arg_trees)
+
+
 class StageCalls:
     """One stage artifact's operations, each one jitted call around the artifact's public methods.
 
@@ -151,6 +203,7 @@ class StageCalls:
             jitted_input if m.splits_backward else None
         )  # the compiled part (FLOPs, HLO)
         self.backward_input: SplitInput | None = b_input_with_residuals if m.splits_backward else None
+        self.forward_input: ForwardInput | None = ForwardInput(artifact, b_input) if m.splits_backward else None
         self.backward_weight: Callable[[Intermediates], PyTree] | None = (
             jax.jit(b_weight) if m.splits_backward else None
         )

@@ -180,9 +180,17 @@ class StageWorker:
             self._scaled = [self.art.place_cotangent(v) for v in placed]
         if self.offloader is not None and plans is not None:
             self.offloader.schedule(plans)
-        # The last stage's microbatches whose B directly follows their F in its worker's plan: F runs both.
-        self._fusable = set() if plans is None or not self.is_last else _fusable(plans, self.stage_index)
-        self._fused: dict[int, PyTree] = {}  # by microbatch: the input cotangent its fused F left for its B
+        # Operations that directly follow another of the same microbatch in this stage's plan run in its call: the
+        # last stage's B (or I, with the split backward) in its F's; the first stage's W in its I's (its I hands
+        # nothing on, so the whole backward runs there).
+        last, first = self.is_last, not self.feeds_back
+        split = self.calls.forward_input is not None
+        p, i = plans or (), self.stage_index
+        self._fusable = _adjacent(p, i, Kind.F, Kind.B) if last else set()
+        self._fusable_input = _adjacent(p, i, Kind.F, Kind.I) if last and split else set()
+        self._whole = _adjacent(p, i, Kind.I, Kind.W) if first else set()
+        self._fused: dict[int, PyTree] = {}  # by microbatch: the input cotangent its fused F left for its B or I
+        self._ran_whole: set[int] = set()  # microbatches whose I ran the whole backward: their W runs nothing
         self.peak_residual_bytes = 0
         self.res: dict[int, Residuals | Away] = {}
         self.inter: dict[int, Intermediates] = {}
@@ -345,8 +353,15 @@ class StageWorker:
             xs = [self.art.place_arg(i + 1, v) for i, v in enumerate(xs)]
         if microbatches is not None and mb in self._fusable:
             return self._forward_backward(mb, xs, microbatches, worker)
+        if microbatches is not None and mb in self._fusable_input:
+            out = self._forward_backward_input(mb, xs, microbatches, worker)
+            if out is not None:
+                return out
         f = self.calls.forward
         out, res = self._run(worker, Kind.F, mb, (self.params, *xs), f, f.WARMUP)
+        if mb in self._fusable_input:  # the fused call's first F: where W's inputs are among the arguments
+            assert self.calls.forward_input is not None  # fusable only with the split backward
+            self.calls.forward_input.learn((self.params, *xs), res)
         kept = self.res[mb] = res if self.offloader is None else self.offloader.send(mb, res)
         if not isinstance(kept, Away):
             self._held.add(kept.stored)
@@ -373,6 +388,27 @@ class StageWorker:
         self.losses[mb] = out
         return out
 
+    def _forward_backward_input(
+        self, mb: int, xs: list[PyTree], microbatches: int, worker: int | None
+    ) -> PyTree | None:
+        """The last stage's F and I of microbatch ``mb`` in one call (see ``forward``); returns the loss, or ``None``
+        (nothing ran) before an unfused F of these inputs' signature showed the call where W's inputs are."""
+        fi = self.calls.forward_input
+        assert fi is not None  # fusable only with the split backward
+        if not fi.ready(self.params, xs):
+            return None
+        args = (self.params, xs, self._ct(None, microbatches, mb))
+        out, gx, inter = self._run(worker, Kind.F, mb, args, fi, 1)
+        self._fused[mb] = gx
+        self.inter[mb] = inter
+        self._held.add((inter.arrays, inter.stored))
+        self._note_peak()
+        if self.art.manifest.has_aux:  # (loss, aux), as ``forward`` keeps them
+            out, aux = out
+            self.aux[mb] = jax.tree_util.tree_leaves(aux)
+        self.losses[mb] = out
+        return out
+
     def fused(self, mb: int) -> bool:
         """Whether microbatch ``mb``'s F ran its B too (``forward``): its B only hands on the input cotangent.
 
@@ -384,17 +420,16 @@ class StageWorker:
         """
         return mb in self._fused
 
-    def _hand_on_fused(self, mb: int, worker: int | None) -> PyTree | None:
-        """B of a microbatch whose F ran it (``forward``): nothing runs; recorded as a B of no time (its event's
-        ``own`` 0.0, so the costs cut that F's time into F and B: ``measured.step_samples``)."""
+    def _ran_before(self, kind: Kind, mb: int, worker: int | None) -> None:
+        """Record operation ``kind`` of ``mb`` that the operation before it ran in its call (``reset``): a ``kind``
+        of no time (its event's ``own`` 0.0, so the costs cut that call's time in two: ``measured.step_samples``)."""
         t = time.monotonic()
-        self.ring.append((Kind.B, mb, t, t, self.timed))
+        self.ring.append((kind, mb, t, t, self.timed))
         if self.timed:
-            with jax.profiler.TraceAnnotation(op_name(Kind.B, self.stage_index, mb, self.replica)):
+            with jax.profiler.TraceAnnotation(op_name(kind, self.stage_index, mb, self.replica)):
                 pass  # in a profile too, as the trace file's slice of no time
             w = self.stage_index if worker is None else worker
-            self.events.append(Event(w, Kind.B, mb, t, t, self.stage_index, 0.0, self.replica))
-        return self._fused.pop(mb)
+            self.events.append(Event(w, kind, mb, t, t, self.stage_index, 0.0, self.replica))
 
     def backward(self, mb: int, ct: PyTree, microbatches: int, worker: int | None = None) -> PyTree | None:
         """B, the whole backward (GPipe, 1F1B): accumulate the weight gradient, return the input cotangent.
@@ -410,12 +445,17 @@ class StageWorker:
             The cotangent of the stage's input, for the stage before; ``None`` on the first stage.
         """
         if mb in self._fused:
-            return self._hand_on_fused(mb, worker)
+            self._ran_before(Kind.B, mb, worker)
+            return self._fused.pop(mb)
+        return self._whole_backward(Kind.B, mb, ct, microbatches, worker)
+
+    def _whole_backward(self, kind: Kind, mb: int, ct: PyTree, microbatches: int, worker: int | None) -> PyTree | None:
+        """The whole backward of ``mb``, recorded as ``kind`` (a B, or an I that runs its W too: ``reset``)."""
         res, c = self._residuals(mb), self._ct(ct, microbatches, mb)
         if self.grads is None:
-            self.grads, gx = self._run(worker, Kind.B, mb, (res, c), self.calls.backward, 1)
+            self.grads, gx = self._run(worker, kind, mb, (res, c), self.calls.backward, 1)
         else:
-            self.grads, gx = self._run(worker, Kind.B, mb, (self.grads, res, c), self.calls.backward_acc, 1)
+            self.grads, gx = self._run(worker, kind, mb, (self.grads, res, c), self.calls.backward_acc, 1)
         del res
         self._note_peak()
         return gx
@@ -432,6 +472,12 @@ class StageWorker:
         Returns:
             The cotangent of the stage's input, for the stage before; ``None`` on the first stage.
         """
+        if mb in self._fused:  # the last stage's F ran it
+            self._ran_before(Kind.I, mb, worker)
+            return self._fused.pop(mb)
+        if mb in self._whole:  # the first stage's W follows: both in one call, the whole backward
+            self._ran_whole.add(mb)
+            return self._whole_backward(Kind.I, mb, ct, microbatches, worker)
         # I is the last reader of most residuals: drop them, keeping only W's share (in inter).
         res, c = self._residuals(mb), self._ct(ct, microbatches, mb)
         gx, inter = self._run(worker, Kind.I, mb, (res, c), _split(self.calls.backward_input), 1)
@@ -448,6 +494,10 @@ class StageWorker:
             mb: The microbatch.
             worker: The worker recorded in the event; ``None`` means the stage's index.
         """
+        if mb in self._ran_whole:
+            self._ran_whole.remove(mb)
+            self._ran_before(Kind.W, mb, worker)
+            return
         inter = self.inter.pop(mb)
         self._held.remove((inter.arrays, inter.stored))
         if self.grads is None:
@@ -466,13 +516,13 @@ def _split(call: C | None) -> C:
     return call
 
 
-def _fusable(plans: Sequence[Sequence[Op]], stage: int) -> set[int]:
-    """The microbatches whose B directly follows their F on ``stage`` in its worker's plan."""
+def _adjacent(plans: Sequence[Sequence[Op]], stage: int, first: Kind, then: Kind) -> set[int]:
+    """The microbatches whose ``then`` directly follows their ``first`` on ``stage`` in its worker's plan."""
     return {
         a.mb
         for ops in plans
         for a, b in zip(ops, ops[1:])
-        if a.kind == Kind.F and b.kind == Kind.B and a.stage == b.stage == stage and a.mb == b.mb
+        if a.kind == first and b.kind == then and a.stage == b.stage == stage and a.mb == b.mb
     }
 
 

@@ -195,7 +195,7 @@ def _flows(events: Sequence[Event], num_stages: int, origin: float) -> list[dict
             continue
         flow += 1
         name = "activation" if e.kind == Kind.F else "cotangent"
-        if e.kind == Kind.B and e.own == 0.0 and e.end == e.start:  # a B its F ran (the last stage's): from that F
+        if e.kind in (Kind.B, Kind.I) and e.own == 0.0 and e.end == e.start:  # a B or I its F ran: from that F
             e = forwards.get((e.stage, e.mb, e.replica), e)
         out.append(
             {

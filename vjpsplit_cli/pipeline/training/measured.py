@@ -102,26 +102,37 @@ def seconds(e: Event) -> float:
     return e.own if e.own is not None else e.end - e.start
 
 
-def step_samples(result: PipelineResult, forward_share: Callable[[int], float] | None = None) -> _Step:
+FUSED = {"B": "F", "I": "F", "W": "I"}  # an operation that can run in the call of the one before it: that one
+
+
+def step_samples(result: PipelineResult, share: Callable[[int, str, str], float] | None = None) -> _Step:
     """One timed step's counted operation seconds by stage and kind, and its send gaps (on a stage with replicas,
     each on its own device, its first replica's copy of each operation counts).
 
-    An F that ran its microbatch's B too (the last stage's, ``StageWorker.forward``; its B's event has ``own``
-    0.0 and no span) counts as an F and a B, its time cut by ``forward_share(stage)`` (the forward's share of
-    the stage's FLOPs; 0.5 without it)."""
+    An operation that ran in the call of the one before it (``StageWorker.reset``: the last stage's B or I in its
+    F's, the first stage's W in its I's; its event has ``own`` 0.0 and no span) counts as its own kind with its
+    share of that call's time: ``share(stage, first, then)`` is ``first``'s share (by the stage's FLOPs; 0.5
+    without it)."""
     events = one_per_op(result.events)
-    fused = {(e.stage, e.mb) for e in events if e.kind == Kind.B and e.own == 0.0 and e.end == e.start}
+    ran_before = {
+        (e.stage, e.mb, FUSED[str(e.kind)]): str(e.kind)
+        for e in events
+        if str(e.kind) in FUSED and e.own == 0.0 and e.end == e.start
+    }
     ops = counted(events)
     keys = {(e.kind, e.mb, e.stage) for group in ops.values() for e in group}
     times: dict[tuple[int, str], list[float]] = {}
     for (stage, kind), group in ops.items():
         for e in group:
-            if (stage, e.mb) not in fused or kind not in ("F", "B"):
+            then = ran_before.get((stage, e.mb, kind))
+            if (stage, e.mb, FUSED.get(kind)) in ran_before and ran_before[(stage, e.mb, FUSED[kind])] == kind:
+                continue  # ran in the call before it: counted there
+            if then is None:
                 times.setdefault((stage, kind), []).append(seconds(e))
-            elif kind == "F":
-                share = 0.5 if forward_share is None else forward_share(stage)
-                times.setdefault((stage, "F"), []).append(seconds(e) * share)
-                times.setdefault((stage, "B"), []).append(seconds(e) * (1.0 - share))
+                continue
+            cut = 0.5 if share is None else share(stage, kind, then)
+            times.setdefault((stage, kind), []).append(seconds(e) * cut)
+            times.setdefault((stage, then), []).append(seconds(e) * (1.0 - cut))
     return times, send_gaps(events, result.num_stages, keys)
 
 
@@ -189,9 +200,20 @@ class CostSamples:
     def add(self, result: PipelineResult, first: bool) -> None:
         """Keep a timed step's samples (``first``: the Trainer's first step)."""
         if first:
-            self.first = step_samples(result, self.forward_share)
+            self.first = step_samples(result, self.share)
         else:
-            self.steps.append(step_samples(result, self.forward_share))
+            self.steps.append(step_samples(result, self.share))
+
+    def share(self, stage: int, first: str, then: str) -> float:
+        """``first``'s share of one call that ran ``first`` and ``then`` on stage ``stage`` (``step_samples``):
+        F of F and B, F of F and I, I of I and W (the whole backward), by the stage's FLOPs."""
+        if first == "I":
+            return self.input_share(stage)
+        f = self.forward_share(stage)
+        if then == "B":
+            return f
+        i = self.input_share(stage)
+        return f / (f + (1.0 - f) * i) if f + (1.0 - f) * i > 0 else 0.5
 
     def forward_share(self, stage: int) -> float:
         """The share of stage ``stage``'s forward and whole backward FLOPs in its forward, by XLA; 0.5 if unknown."""
