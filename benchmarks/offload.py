@@ -31,6 +31,9 @@ import time
 from benchmarks.timing import run_section, section_main
 
 
+OFFLOADS = ("none", "host", "files")  # the candidates, without offload first (the others' baseline)
+
+
 def _config(quick: bool) -> dict:
     if quick:  # proves the section runs (CI): a small GPT, one schedule (the accelerator's --quick runs GPipe)
         return {"ms": [4], "schedules": ["1f1b"], "rounds": 1, "block": 1, "width": 32, "blocks": 2}
@@ -51,6 +54,7 @@ def _case(g, stages, params, m: int, schedule: str, cfg: dict, tmp: str) -> dict
         "host": "host",
         "files": P.Offload(to="files", directory=os.path.join(tmp, f"{schedule}-{m}")),
     }
+    offloads = {k: v for k, v in offloads.items() if k in cfg.get("offloads", OFFLOADS)}
     trainers = {
         k: P.Trainer(
             stages,
@@ -109,7 +113,8 @@ def measure(quick: bool, platform: str | None = None, cfg: dict | None = None) -
     """The rows of the section (in the child process with 2 host CPU devices, or on an accelerator's devices).
 
     ``platform``: the ``jax.export`` platform to export the stages for (default: the default device's);
-    ``cfg``: the microbatch counts, schedules and rounds instead of ``_config(quick)``'s.
+    ``cfg``: the microbatch counts, schedules and rounds instead of ``_config(quick)``'s (and ``offloads``: the
+    candidates of ``OFFLOADS`` to run, ``"none"`` among them; default all).
     """
     import jax
 
@@ -141,7 +146,7 @@ def table(data: dict) -> str:
     ]
     for r in data["rows"]:
         base = r["none"]
-        for k in ("none", "host", "files"):
+        for k in (k for k in OFFLOADS if k in r):
             c = r[k]
             out.append(
                 f"| {r['schedule']} | {r['microbatches']} | {k} | {_mib(c['peaks'][0])} | {_mib(c['peaks'][1])} "

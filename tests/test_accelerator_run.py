@@ -44,7 +44,7 @@ def test_script_on_a_cpu_machine_writes_the_report_within_its_budget(tmp_path):
     assert all(s["status"] == "skipped" for s in report["steps"]) and report["passed"] is False
     assert report["budget_s"] < 40
     md = (tmp_path / "out" / "accelerator.md").read_text()
-    assert "Skipped:" in md and "correctness FAILED" in md
+    assert "Skipped:" in md and "**passed: false**: correctness did NOT pass" in md
     assert (tmp_path / "out" / "install.log").exists()
 
 
@@ -70,7 +70,8 @@ def test_a_failed_step_is_reported_and_the_next_still_runs(tmp_path, monkeypatch
     failed = saved["steps"][1]
     assert failed["error"] == "ValueError: no such kernel" and "raise ValueError" in failed["traceback"]
     assert failed["rows"] == [{"kernel": "matmul", "ok": True}]  # what it measured before failing is kept
-    assert saved["steps"][2]["rows"] == [{"x": None, "ok": True}] and saved["passed"] is True
+    assert saved["steps"][2]["rows"] == [{"x": None, "ok": True}] and saved["correctness_passed"] is True
+    assert saved["passed"] is False and saved["met"] == []  # no target measured: no pass
     md = (tmp_path / "accelerator.md").read_text()
     assert "**Failed**" in md and "no such kernel" in md and "| matmul |" in md
     with pytest.raises(RuntimeError, match="steps not ok"):  # the suite's section fails with it
@@ -104,28 +105,37 @@ def test_rows_are_in_the_report_as_measured_and_a_step_past_its_share_is_cut(tmp
     cut = saved["steps"][0]
     assert cut["status"] == "cut" and cut["why"].startswith("cut at the budget after 2 rows")
     assert [r["row"] for r in cut["rows"]] == [0, 1] and cut["doing"] == "row 1"
-    assert saved["passed"] is False and report["passed"] is False  # a cut correctness is no pass
+    assert saved["correctness_passed"] is False and report["passed"] is False  # a cut correctness is no pass
     assert saved["steps"][1]["status"] == "ok"  # the next step still runs
     assert "**Cut**: cut at the budget after 2 rows" in (tmp_path / "accelerator.md").read_text()
 
 
-def test_correctness_runs_each_workload_once_by_default_and_every_policy_with_full(monkeypatch):
+def test_correctness_runs_each_policy_once_by_default_and_every_case_with_full(monkeypatch):
     default = accelerator.correctness_cases(accelerator.Options())
     full = accelerator.correctness_cases(accelerator.Options(full=True))
     names = lambda cases: [m.__name__ for m, _ in cases]  # noqa: E731
-    assert sorted(names(default)) == sorted(set(names(full)))  # every workload, once
-    assert {p for _, p in default} == set(accelerator.POLICIES)  # every policy at least once
+    assert sorted(p for _, p in default) == sorted(accelerator.POLICIES)  # every policy, once
+    assert len(set(names(default))) == len(default)  # each on another workload
+    assert set(names(full)) == {"mlp", "transformer", "block", "convnet"}
     assert sorted((m.__name__, p) for m, p in full) == sorted(
         (n, p) for n in set(names(full)) for p in accelerator.POLICIES
     )
-    assert len(full) >= 3 * len(default)
+    assert {(m.__name__, p) for m, p in default} < {(m.__name__, p) for m, p in full}
     got = []
     monkeypatch.setattr(
         accelerator,
         "run_all",
         lambda opts, budget, out, command: (
             got.append((opts, command))
-            or {"passed": True, "steps": [], "environment": {}, "command": command, "budget_s": budget, "seconds": 0.0}
+            or {
+                "passed": True,
+                "correctness_passed": True,
+                "steps": [],
+                "environment": {},
+                "command": command,
+                "budget_s": budget,
+                "seconds": 0.0,
+            }
         ),
     )
     from benchmarks import run as bench_run
@@ -203,7 +213,12 @@ def test_the_train_step_keeps_each_width_and_its_targets_when_a_later_width_fail
     assert met[(1024, "Trainer 1F1B")] is None  # not measured
     assert met[(512, "a batch on the device no slower than one on the host (1F1B)")] is True
     assert met[(512, "a timed step at most 1.2× an untimed one (1F1B)")] is False  # 12 / 9
-    assert saved["passed"] is True and report["targets"] == saved["targets"]
+    assert saved["correctness_passed"] is True and report["targets"] == saved["targets"]
+    assert saved["passed"] is False  # targets missed, and width 1024's not measured
+    assert (
+        "Trainer 1F1B, untimed, at width 1024: at most 1.15× the one-process step over the same microbatches"
+        in (saved["not_measured"])
+    )
 
 
 def test_script_says_where_a_run_that_died_was_and_passes_its_arguments_on(tmp_path):
@@ -240,3 +255,96 @@ def test_script_says_where_a_run_that_died_was_and_passes_its_arguments_on(tmp_p
     assert any("--full" in line and "--budget" in line for line in report["log_tail"])
     md = (tmp_path / "out" / "accelerator.md").read_text()
     assert "exit status 134" in md and "Check failed: buffer" in md
+
+
+def _all_met(missing: str | None = None, missed: str | None = None) -> list[dict]:
+    """Every target the report needs, met, but ``missing`` (left out) and ``missed`` (measured over its limit)."""
+    return [
+        {"target": n, "value": 2.0 if n == missed else 0.5, "limit": 1.0, "met": n != missed}
+        for n in accelerator.required_targets()
+        if n != missing
+    ]
+
+
+def test_passed_needs_correctness_and_every_target_of_the_issue_measured_and_met(tmp_path, monkeypatch):
+    required = accelerator.required_targets()
+    assert accelerator.OFFLOAD_TARGET in required
+    assert sum("width 1024" in n for n in required) == 4 and sum("width 512" in n for n in required) == 4
+
+    def step_with(targets):
+        def step(opts, log):
+            log.add({"ok": True})
+            log.note(targets=targets)
+            return "| a |\n|---|\n| 1 |"
+
+        return step
+
+    def run(targets, correctness_ok=True):
+        def correctness(opts, log):
+            log.add({"ok": correctness_ok})
+            return "table"
+
+        monkeypatch.setattr(
+            accelerator, "STEPS", {"correctness": ("C", correctness), "train": ("T", step_with(targets))}
+        )
+        monkeypatch.setattr(accelerator, "ESTIMATE", {"correctness": (0, 0), "train": (0, 0)})
+        accelerator.run_all(accelerator.Options(), 60, tmp_path, "test")
+        return _strict_json(tmp_path / "accelerator.json"), (tmp_path / "accelerator.md").read_text()
+
+    saved, md = run(_all_met())
+    assert saved["passed"] is True and saved["missed"] == saved["not_measured"] == []
+    assert "**passed: true**: correctness passed; issue 68's targets: 9 met, 0 missed, 0 not measured." in md
+    saved, md = run(_all_met(missing=accelerator.OFFLOAD_TARGET))  # the offload row never measured
+    assert saved["passed"] is False and saved["not_measured"] == [accelerator.OFFLOAD_TARGET]
+    assert "**passed: false**" in md and f"Not measured:\n\n- {accelerator.OFFLOAD_TARGET}" in md
+    saved, md = run(_all_met(missed=required[0]))
+    assert saved["passed"] is False and saved["missed"] == [required[0]] and f"Missed:\n\n- {required[0]}" in md
+    extra = {"target": "the host's time per operation", "value": None, "limit": 1.5, "met": None}
+    saved, _ = run([*_all_met(), extra])  # a target a step adds counts too
+    assert saved["passed"] is False and saved["not_measured"] == ["the host's time per operation"]
+    saved, md = run(_all_met(), correctness_ok=False)
+    assert saved["passed"] is False and saved["correctness_passed"] is False and "did NOT pass" in md
+
+
+def test_the_offload_target_is_the_untimed_first_stage_peak_with_offload_against_without():
+    def row(schedule, none, host):
+        return {"schedule": schedule, "none": {"peaks_untimed": [none, 9]}, "host": {"peaks_untimed": [host, 9]}}
+
+    got = accelerator.offload_target([row("gpipe", 100, 90), row("1f1b", 100, 40)])
+    assert got["target"] == accelerator.OFFLOAD_TARGET and got["value"] == 0.4 and got["met"] is True
+    assert accelerator.offload_target([row("1f1b", 100, 51)])["met"] is False
+    assert accelerator.offload_target([row("gpipe", 100, 40)])["met"] is None  # no 1F1B row: not measured
+    assert "| 40% | 50% | met |" in accelerator.targets_table([got])
+
+
+def test_a_row_past_its_share_is_cut_inside_the_step_and_the_step_still_ends_at_its_own():
+    got = []
+    with accelerator.cut_after(1.5) as outer:
+        try:
+            with accelerator.cut_after(0.2, accelerator.RowCut) as inner:
+                time.sleep(5)
+        except accelerator.RowCut:
+            got.append("row cut")
+        assert inner["fired"] and not outer["fired"]
+        try:
+            time.sleep(5)
+        except accelerator.StepCut:
+            got.append("step cut")
+    assert got == ["row cut", "step cut"] and outer["fired"]
+    with pytest.raises(accelerator.StepCut):  # both due: the step's cut wins, the row's handler lets it through
+        with accelerator.cut_after(0.1):
+            with accelerator.cut_after(5, accelerator.RowCut):
+                time.sleep(5)
+
+
+def test_a_correctness_row_compiles_its_backward_once_and_says_where_its_time_went(tmp_path, monkeypatch):
+    monkeypatch.setattr(accelerator, "DEFAULT_CASES", (("mlp", "dots"),))
+    monkeypatch.setattr(accelerator, "STEPS", {"correctness": accelerator.STEPS["correctness"]})
+    report = accelerator.run_all(accelerator.Options(), 120, tmp_path, "test")
+    rows = report["steps"][0]["rows"]
+    assert [r["workload"] for r in rows] == ["mlp", "mlp, batch b"] and all(r["ok"] for r in rows)
+    # The reference, fwd and bwd; the backward from the residuals file runs bwd's program again.
+    assert rows[0]["compiles"] == 3 and rows[0]["parts"]["bwd from the file's residuals"] >= 0
+    assert rows[1]["compiles"] == 5  # fwd and bwd at two sizes, the reference at the second (the MLP row's first)
+    assert report["correctness_passed"] is True
+    assert "| 3 (" in (tmp_path / "accelerator.md").read_text()
