@@ -114,6 +114,7 @@ class OptimizerProgram:
             self._check(exps)
         self._exps = exps
         self._calls = {k: jax.jit(e.call) for k, e in exps.items()}
+        self._outputs_checked = False  # update's outputs checked against the module's declared avals (once)
         # Exported over an AbstractMesh (``abstract``): no devices here; it runs once loaded onto some.
         self.abstract = bool(abstract and self.mesh_axes)
         self.mesh = host_mesh(self.mesh_axes, devices, source) if self.mesh_axes and not self.abstract else None
@@ -241,7 +242,9 @@ class OptimizerProgram:
         step's loss (for an update that takes ``value=``); ``reduced``: the reductions over leaves, combined
         over the stages."""
         new_p, new_s = self._calls["update"](*self._call_args(params, state, grads, scale, value, reduced))
-        _trust_mod.check_outputs(self.source, "update", [*new_p, *new_s], self._exps["update"], {})
+        if not self._outputs_checked:  # its inputs' avals are the program's own on every call: so are its outputs'
+            _trust_mod.check_outputs(self.source, "update", [*new_p, *new_s], self._exps["update"], {})
+            self._outputs_checked = True
         return dict(zip(self.param_keys, new_p)), self._state_out(new_s)
 
     def to_bytes(self) -> bytes:
