@@ -22,4 +22,4 @@ if jax.device_count() < 8:
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "samples" / "sharded"))
 
-from ray_local import ray_session  # noqa: E402, F401 - the suites' one local Ray fixture
+from ray_local import no_kept_ray, ray_session  # noqa: E402, F401 - the suites' local Ray fixtures
