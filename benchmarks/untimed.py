@@ -188,7 +188,9 @@ def per_op(
     from vjpsplit_cli.pipeline.training import local_backend as LB
 
     runner = P.InProcess(devices=[[d] for d in devices])
-    tr = P.Trainer(stages, params, optimizer=optax.sgd(1e-3), microbatches=microbatches, schedule=schedule, runner=runner)
+    tr = P.Trainer(
+        stages, params, optimizer=optax.sgd(1e-3), microbatches=microbatches, schedule=schedule, runner=runner
+    )
     calls: list[tuple[Callable, tuple]] = []  # one step's calls: the plain jit of each program, its arguments
     jitted: dict[int, Callable] = {}
     orig_run, orig_dispatch = W.StageWorker._run, LB.dispatch

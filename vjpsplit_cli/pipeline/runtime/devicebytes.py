@@ -11,7 +11,7 @@ intermediates) as it comes and goes, for its ``peak_residual_bytes``;
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Sequence, TypeGuard
 
 import jax
 import numpy as np
@@ -52,7 +52,7 @@ _BYTES_MAX = 4096  # distinct entries before the cache starts again (arrays plac
 _ARRAY_TYPES: set[type] = set()  # the concrete types found to be jax.Array (isinstance on it takes ~0.7 µs)
 
 
-def is_array(a: object) -> bool:
+def is_array(a: object) -> TypeGuard[jax.Array]:
     """Whether ``a`` is a ``jax.Array``: ``isinstance``, looked up by its concrete type once that type was one."""
     if type(a) in _ARRAY_TYPES:
         return True
@@ -66,7 +66,7 @@ def held_bytes(a: object) -> int:
     """The bytes ``a`` takes in a device's memory: its size for a JAX array there, else 0."""
     if not is_array(a):
         return 0
-    s, av = a.sharding, a.aval  # type: ignore[attr-defined]  # a jax.Array (is_array)
+    s, av = a.sharding, a.aval
     entry = _BYTES.get((id(s), id(av)))
     if entry is None:
         if len(_BYTES) >= _BYTES_MAX:

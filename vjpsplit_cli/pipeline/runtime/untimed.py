@@ -89,7 +89,7 @@ def _probe(tree: object) -> tuple[jax.Array, ...]:
     one execution are ready at once, so any one tells; the first, to walk no tree where there is none), or
     one per replica for a ``Parts`` (replica r's on its device)."""
     if is_array(tree):
-        return (tree,)  # type: ignore[return-value]  # a jax.Array (is_array)
+        return (tree,)
     if isinstance(tree, Parts):
         return tuple(a for part in tree for a in _probe(part))
     if isinstance(tree, (tuple, list)) and tree and is_array(tree[0]):
