@@ -507,9 +507,9 @@ def pipeline_step(opts: Options, log: StepLog) -> str:
 
 def train_step(opts: Options, log: StepLog) -> str:
     """Issue 68's table (``benchmarks/train_accel.py``), one width at a time: its rows and the targets they meet
-    are in the report as each width is measured. On a CPU backend, the widths of ``--quick`` unless ``--full``
+    are in the report as each width is measured; then the host's time per operation (``benchmarks/untimed.py``). On a CPU backend, the widths of ``--quick`` unless ``--full``
     (the accelerator's widths take many seconds a step on a CPU)."""
-    from benchmarks import train_accel
+    from benchmarks import train_accel, untimed
 
     plat = export_platform()
     small = opts.quick or (jax.default_backend() == "cpu" and not opts.full)
@@ -520,6 +520,12 @@ def train_step(opts: Options, log: StepLog) -> str:
         log.note(targets=train_accel.targets(log.step["rows"]))
         gc.collect()  # this width's Trainers and states off the device before the next
     text = train_accel.table(log.step["rows"], cfg, plat)
+    gpt_targets = train_accel.targets(log.step["rows"])
+    log.doing("the host's time per operation")
+    per_op = untimed.tiny_per_op(10 if opts.quick else 100, plat)  # the tiny stages: dispatch-bound
+    log.add(*[dict(r, part="host per operation") for r in per_op])
+    log.note(targets=gpt_targets + untimed.per_op_targets(per_op))
+    text += "\n\n" + untimed.per_op_table(per_op)
     if small and not opts.quick:
         text += "\n\nOn the CPU, the widths of `--quick` only: `--full` runs the accelerator's."
     return text

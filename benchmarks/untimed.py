@@ -1,6 +1,8 @@
-"""What running an untimed Trainer step in its helper thread costs, against dispatching it from the caller's.
+"""What running an untimed Trainer step in its helper thread costs, against dispatching it from the caller's;
+and the host's own time per operation of that step, against ``jit`` calls of the same programs.
 
     python -m benchmarks.untimed [--quick] [--rounds N]
+    python -m benchmarks.untimed --per-op [--quick] [--rounds N] [--devices 1|2] [--profile]
 
 The train benchmark's tiny stages (``benchmarks/gpt.py``'s ``tiny_stages``: 8 gelu
 layers of width 16 cut in two, 16 microbatches of 4 rows, 1F1B, SGD: 64 operations a
@@ -11,17 +13,31 @@ the blocks): the untimed step as shipped (its dispatch, updates and loss fetch i
 backend's kept thread, each operation noted in ``inprocess.Dispatched``, the caller
 waiting with ``step_timeout``), and the same step as it was before, from the caller's
 thread with nothing noted and no watchdog (``dispatch``, ``_finish``, ``fetch_losses``).
+
+``--per-op`` (``per_op``, which ``benchmarks/accelerator.py``'s train step reports too): the
+host's time to dispatch the untimed step's operations (``untimed.dispatch`` in the step's
+thread: resetting the workers, placing the batch, every F, B, I and W handed out, nothing
+waited for), per operation of the plans, against dispatching the same programs on the
+same inputs as plain ``jit`` calls, in the same order (the calls one step made, captured
+once), alternately round by round. The issue's target: at most ``PER_OP_LIMIT`` times.
+``--profile`` prints a cProfile of the step's dispatch.
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
+from typing import Callable
 
 from benchmarks.timing import in_child_with_devices
+
+PER_OP_LIMIT = 1.5  # issue 68: the host's time per operation against a jit call of the same program
 
 
 def measure(rounds: int, block: int = 4) -> dict:
@@ -130,12 +146,203 @@ def table(r: dict) -> str:
     )
 
 
+def per_op(
+    stages,
+    params,
+    batch,
+    devices: list,
+    microbatches: int,
+    rounds: int,
+    schedule: str = "1f1b",
+    profile: bool = False,
+) -> list[dict]:
+    """The host's time per operation of an untimed Trainer step, against ``jit`` calls of the same programs.
+
+    Alternately, round by round: one untimed step (its ``untimed.dispatch`` timed in the step's thread,
+    wall and that thread's CPU time), and the same programs dispatched as plain ``jit`` calls on the
+    same inputs, in the step's order (each F as ``jax.jit`` of the artifact's ``fwd``; B, I, W and the
+    last stage's fused F+B as the worker's own jitted calls), captured from one step. Nothing waits
+    inside either; each is waited for after its clock stops.
+
+    Args:
+        stages: The stages (``export_stages``' result).
+        params: Their parameters (the whole function's).
+        batch: One batch for a step.
+        devices: The device of each stage (``InProcess(devices=[[d] for d in devices])``).
+        microbatches: The step's microbatches.
+        rounds: Interleaved rounds (medians over them).
+        schedule: The Trainer's schedule.
+        profile: Also print a cProfile of the step's dispatch (its own thread).
+
+    Returns:
+        Two rows: ``key`` "step" and "jit" with ``us_per_op`` (wall), ``cpu_us_per_op`` (the dispatching
+        thread's CPU time), ``ops`` (the plans' operations), ``calls`` (jitted calls in the step); and on the
+        step's row ``ratio`` (its wall time per operation over the jit calls') and ``limit``.
+    """
+    import jax
+    import optax
+
+    from vjpsplit_cli import pipeline as P
+    from vjpsplit_cli.pipeline.runtime import worker as W
+    from vjpsplit_cli.pipeline.runtime.stagecalls import Forward
+    from vjpsplit_cli.pipeline.training import local_backend as LB
+
+    runner = P.InProcess(devices=[[d] for d in devices])
+    tr = P.Trainer(
+        stages, params, optimizer=optax.sgd(1e-3), microbatches=microbatches, schedule=schedule, runner=runner
+    )
+    calls: list[tuple[Callable, tuple]] = []  # one step's calls: the plain jit of each program, its arguments
+    jitted: dict[int, Callable] = {}
+    orig_run, orig_dispatch = W.StageWorker._run, LB.dispatch
+
+    def capture(self, worker, kind, mb, args, call, warmup):
+        if id(call) not in jitted:
+            if isinstance(call, Forward):
+                art = call.art
+                jitted[id(call)] = jax.jit(lambda *a: art.fwd(*a))
+            else:  # the split backward's input part is a wrapper around its jitted call
+                inner = self.calls.backward_input_jitted
+                jitted[id(call)] = inner if call is self.calls.backward_input else call
+        calls.append((jitted[id(call)], tuple(args)))
+        return orig_run(self, worker, kind, mb, args, call, warmup)
+
+    wall: list[float] = []
+    cpu: list[float] = []
+    prof = cProfile.Profile() if profile else None
+
+    def timed_dispatch(*a, **k):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        if prof is not None:
+            prof.enable()
+        try:
+            return orig_dispatch(*a, **k)
+        finally:
+            if prof is not None:
+                prof.disable()
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
+
+    try:
+        for _ in range(3):  # compile, warm
+            tr.step(batch)
+        W.StageWorker._run = capture  # type: ignore[method-assign]
+        try:
+            tr.step(batch)
+        finally:
+            W.StageWorker._run = orig_run  # type: ignore[method-assign]
+        ops = sum(len(p) for p in tr.plan.plans)
+        for _ in range(2):  # the plain calls compile
+            jax.block_until_ready([fn(*a) for fn, a in calls])
+        ref_wall: list[float] = []
+        ref_cpu: list[float] = []
+
+        def step() -> None:
+            LB.dispatch = timed_dispatch
+            try:
+                tr.step(batch)
+            finally:
+                LB.dispatch = orig_dispatch
+
+        def plain() -> None:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            outs = [fn(*a) for fn, a in calls]
+            ref_wall.append(time.perf_counter() - t0)
+            ref_cpu.append(time.thread_time() - c0)
+            jax.block_until_ready(outs)
+
+        for i in range(rounds):
+            for fn in (step, plain) if i % 2 == 0 else (plain, step):  # each goes first every other round
+                fn()
+    finally:
+        tr.close()
+    if prof is not None:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+        print(s.getvalue()[:6000])
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(35)
+        print(s.getvalue()[:7000])
+    step_op, ref_op = statistics.median(wall) / ops, statistics.median(ref_wall) / ops
+    common = {"ops": ops, "calls": len(calls), "rounds": rounds, "schedule": schedule, "load": os.getloadavg()[0]}
+    return [
+        {
+            "key": "step",
+            "candidate": "untimed Trainer step, its dispatch",
+            "us_per_op": step_op * 1e6,
+            "cpu_us_per_op": statistics.median(cpu) / ops * 1e6,
+            "ratio": step_op / ref_op,
+            "cpu_ratio": statistics.median(cpu) / statistics.median(ref_cpu),
+            "limit": PER_OP_LIMIT,
+            **common,
+        },
+        {
+            "key": "jit",
+            "candidate": "the same programs as plain jit calls",
+            "us_per_op": ref_op * 1e6,
+            "cpu_us_per_op": statistics.median(ref_cpu) / ops * 1e6,
+            **common,
+        },
+    ]
+
+
+def tiny_per_op(rounds: int, platform: str = "cpu", profile: bool = False, devices: int = 2) -> list[dict]:
+    """``per_op`` on the tiny stages (16 microbatches, 1F1B): each on its own device where there are ``devices``
+    (2) of them, else both on the first (as on an accelerator's single chip)."""
+    import jax
+
+    from benchmarks.gpt import tiny_stages
+
+    M = 16
+    stages, params, batch, _ = tiny_stages(microbatches=M, platform=platform)
+    have = jax.local_devices()
+    return per_op(stages, params, batch, [have[0], have[1 % min(devices, len(have))]], M, rounds, profile=profile)
+
+
+def per_op_targets(rows: list[dict]) -> list[dict]:
+    """Issue 68's target on ``per_op``'s rows, as ``train_accel.targets`` gives each."""
+    step = rows[0]
+    return [
+        {
+            "target": "the host's time per operation of an untimed step (tiny stages) at most "
+            f"{PER_OP_LIMIT}× a jit call of the same program",
+            "width": None,
+            "value": step["ratio"],
+            "limit": PER_OP_LIMIT,
+            "met": bool(step["ratio"] <= PER_OP_LIMIT),
+        }
+    ]
+
+
+def per_op_table(rows: list[dict]) -> str:
+    """``per_op``'s rows as the docs quote them."""
+    step, ref = rows
+    return "\n".join(
+        [
+            f"| host time per operation ({step['ops']} operations, {step['calls']} jitted calls, "
+            f"{step['schedule']}) | wall | thread CPU |",
+            "|---|---:|---:|",
+            f"| {step['candidate']} | {step['us_per_op']:.1f} µs | {step['cpu_us_per_op']:.1f} µs |",
+            f"| {ref['candidate']} | {ref['us_per_op']:.1f} µs | {ref['cpu_us_per_op']:.1f} µs |",
+            f"| ratio (target ≤ {step['limit']}×) | {step['ratio']:.2f}× | {step['cpu_ratio']:.2f}× |",
+            "",
+            f"Medians of {step['rounds']} alternating rounds; load average {step['load']:.1f}.",
+        ]
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Measure (``--quick``: fewer rounds) and print the table and the JSON row."""
+    """Measure (``--quick``: fewer rounds) and print the table and the JSON row (``--per-op``: ``per_op``'s)."""
     argv = sys.argv[1:] if argv is None else argv
     code = in_child_with_devices("benchmarks.untimed", argv, devices=2)  # JAX must see 2 host devices
     if code is not None:
         return code
+    if "--per-op" in argv:
+        rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 200
+        devices = int(argv[argv.index("--devices") + 1]) if "--devices" in argv else 2
+        rows = tiny_per_op(10 if "--quick" in argv else rounds, profile="--profile" in argv, devices=devices)
+        print(per_op_table(rows))
+        print(json.dumps(rows))
+        return 0
     rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 60
     r = measure(10 if "--quick" in argv else rounds)
     print(table(r))

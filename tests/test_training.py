@@ -158,6 +158,28 @@ def test_a_batch_on_a_device_is_cut_there_and_trains_as_the_same_batch_on_the_ho
     assert_trees_close(dev.params(), host.params(), rtol=0, atol=0)
 
 
+def test_stages_sharing_a_device_hand_on_their_values_as_they_are(monkeypatch):
+    """Stages on one device hand each other their activations and cotangents as they are (no ``jax.device_put``
+    in an untimed step of a batch already there), while a worker's parameters stay in containers of its own."""
+    from vjpsplit_cli.pipeline import InProcess
+
+    arts, params = _make()
+    d = jax.devices()[0]
+    tr = Trainer(arts, params, optimizer=optax.sgd(1e-2), microbatches=4, runner=InProcess(devices=[[d]] * len(arts)))
+    batch = jax.device_put(_batches(1)[0], d)
+    tr.step(batch)
+    moved, put = [], jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: moved.append(a) or put(*a, **k))
+    assert np.isfinite(tr.step(batch)) and moved == []
+    worker = tr.backend.trainers[1].worker
+    xs = [put(np.ones(3, np.float32), d)]
+    assert worker.to_device(xs) is xs
+    mine = {"w": put(np.ones(2, np.float32), d)}
+    placed = worker.place_params(mine)
+    assert placed is not mine and placed["w"] is mine["w"]
+    tr.close()
+
+
 @pytest.mark.parametrize("schedule", ["1f1b"])
 def test_save_and_restore_continue_the_run(tmp_path, schedule):
     arts, params = _make()

@@ -348,7 +348,7 @@ def test_an_untimed_steps_record_asks_every_replica_whether_an_operation_finishe
     devs = jax.devices()[:2]
     small, big = jax.device_put(jnp.ones(2), devs[0]), jax.device_put(jnp.ones((3, 3)), devs[1])
     parts = Parts(({"a": small, "b": jax.device_put(jnp.ones(5), devs[0])}, big))
-    probes = untimed._probe(parts, jax.Array)
+    probes = untimed._probe(parts)
     assert [p.devices() for p in probes] == [{devs[0]}, {devs[1]}] and probes[0] is small
 
     class NotYet:

@@ -22,6 +22,7 @@ import jax
 from ...errors import VjpsplitError
 from ...files.prng import is_ready
 from ..schedules.ops import Kind, Op, dependencies, received
+from .devicebytes import is_array
 from .dispatch import Order, placed_microbatches, walk
 from .hang_report import (
     COMPILING,
@@ -83,18 +84,18 @@ class _Stopped(Exception):
     """Raised in an untimed step's thread at its next operation (or update) once the step was stopped."""
 
 
-def _probe(tree: object, array: type[jax.Array]) -> tuple[jax.Array, ...]:
+def _probe(tree: object) -> tuple[jax.Array, ...]:
     """What asks ``is_ready`` for the operation that produced ``tree``: one of its arrays (all the outputs of
     one execution are ready at once, so any one tells; the first, to walk no tree where there is none), or
-    one per replica for a ``Parts`` (replica r's on its device). ``array``: ``jax.Array``."""
-    if isinstance(tree, array):
+    one per replica for a ``Parts`` (replica r's on its device)."""
+    if is_array(tree):
         return (tree,)
     if isinstance(tree, Parts):
-        return tuple(a for part in tree for a in _probe(part, array))
-    if isinstance(tree, (tuple, list)) and tree and isinstance(tree[0], array):
+        return tuple(a for part in tree for a in _probe(part))
+    if isinstance(tree, (tuple, list)) and tree and is_array(tree[0]):
         return (tree[0],)
     for leaf in jax.tree_util.tree_leaves(tree):
-        if isinstance(leaf, array):
+        if is_array(leaf):
             return (leaf,)
     return ()
 
@@ -126,7 +127,6 @@ class Dispatched:
     """
 
     def __init__(self, plans: Sequence[Sequence[Op]], num_stages: int):
-        self.array = jax.Array  # what _probe looks for, looked up once
         self.plans, self.num_stages = plans, num_stages
         self.t0 = time.monotonic()
         self.ops: list[collections.deque[tuple[Op, float, Sequence[jax.Array]]]] = [collections.deque() for _ in plans]
@@ -155,9 +155,9 @@ class Dispatched:
         are in ``stage``, an I's intermediates for W, else the gradients)."""
         now = self.now
         at = now[2] if now is not None else time.monotonic()
-        probe = _probe(_handed_on(op, stage) if out is None else out, self.array)
+        probe = _probe(_handed_on(op, stage) if out is None else out)
         if out is not None and isinstance(stage, ReplicaGroup) and stage.grads is not None:
-            probe += _probe(stage.grads, self.array)  # its last gradient operation: finished once reduced too
+            probe += _probe(stage.grads)  # its last gradient operation: finished once reduced too
         ops = self.ops[w]
         if len(ops) >= self.limit[w]:  # amortized: an is_ready of a pending array costs more than the rest here
             while ops and _ready(ops[0][2]):  # in order on its devices, mostly: the front is what finished

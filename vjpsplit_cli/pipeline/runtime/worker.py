@@ -22,7 +22,7 @@ from ...tracing.residuals import Intermediates
 from ..schedules.ops import Kind, Op
 from .devices import default_device
 from .hang_report import RING, RingOp
-from .devicebytes import HeldBytes
+from .devicebytes import HeldBytes, is_array
 from .offload import Away, Offload, Offloader
 from .stagecalls import calls_for, signature_of
 from ..schedules.timeline import Event, op_name
@@ -134,7 +134,11 @@ class StageWorker:
         Returns:
             The same pytree, placed.
         """
-        return self.to_device(params) if self._sharding is not None else self.art.place_arg(0, params)
+        if self._sharding is None:
+            return self.art.place_arg(0, params)
+        placed = self.to_device(params)
+        # Its own containers, never the caller's (to_device hands back a tree whose arrays are all there).
+        return jax.tree_util.tree_map(lambda a: a, placed) if placed is params else placed
 
     @property
     def is_last(self) -> bool:
@@ -207,18 +211,21 @@ class StageWorker:
             tree: A pytree of arrays.
 
         Returns:
-            The same pytree, its arrays on this stage's device.
+            The same pytree, its arrays on this stage's device: ``tree`` itself where all are there already
+            (stages sharing one device hand on their activations so, with no call of JAX).
         """
         s = self._sharding
         if s is None:
             return tree
         leaves, treedef = jax.tree_util.tree_flatten(tree)
-        host = [i for i, a in enumerate(leaves) if type(a) is np.ndarray]
-        move = [
-            i
-            for i, a in enumerate(leaves)
-            if type(a) is not np.ndarray and not (isinstance(a, jax.Array) and a.sharding == s)
-        ]
+        host, move = [], []
+        for i, a in enumerate(leaves):
+            if type(a) is np.ndarray:
+                host.append(i)
+            elif not (is_array(a) and a.sharding == s):
+                move.append(i)
+        if not host and not move:  # all there already (every stage on one device): nothing to rebuild
+            return tree
         if host:
             assert self._host_put is not None  # made with the sharding
             for i, a in zip(host, self._host_put(*[leaves[i] for i in host])):
