@@ -38,7 +38,8 @@ def _trainer(**kw):
 
 
 def _worker_threads():
-    return [t for t in threading.enumerate() if t.name.startswith("vjpsplit-worker-")]
+    """A Trainer's threads: its steps' thread and its timed steps' watchers (one per device)."""
+    return [t for t in threading.enumerate() if t.name.startswith(("vjpsplit-step-", "vjpsplit-watch-"))]
 
 
 def _gone(before, timeout=10.0):
@@ -75,10 +76,10 @@ def test_a_trainer_dropped_without_close_ends_its_worker_threads():
     for _ in range(3):
         tr = _trainer()
         tr.step(gpt_batch(4), timed=True)
-        assert len(set(_worker_threads()) - before) >= 4  # one per worker, while the Trainer lives
+        assert len(set(_worker_threads()) - before) >= 2  # the step's and a watcher, while the Trainer lives
         del tr
     gc.collect()
-    assert _gone(before)  # 3 dropped Trainers: 12 threads before, none now
+    assert _gone(before)  # 3 dropped Trainers: 6 threads or more before, none now
 
 
 def test_a_trainer_as_a_context_manager_ends_its_worker_threads():
@@ -124,6 +125,50 @@ def test_a_job_that_raises_never_ends_its_pool_thread():
     pool.close()
 
 
+# -- a timed step dispatches as an untimed one does --------------------------------------------------------------
+
+
+def test_a_timed_step_dispatches_the_next_operation_before_the_last_ones_result_is_ready():
+    """Stage 0's forward of microbatch 0 reads its input through a host callback that waits (on XLA's threads:
+    its dispatch returned): the timed step still hands out the next operations, stage 0's forward of
+    microbatch 1 among them, and that forward's event starts once its input exists, after the callback
+    returned (before: the step's thread waited for each operation's inputs and results, so nothing more was
+    dispatched until the callback returned)."""
+    from blocking import instance_blocks
+
+    tr, ref = _trainer(), _trainer()
+    for t in (tr, ref):
+        t.step(gpt_batch(4), timed=True)  # the first timed step: every call cold, each waited for
+    st = tr.backend.trainers[0].worker
+    hold, release = instance_blocks(st, 0)
+    blocked, handed = st.forward, threading.Event()
+
+    def forward(m, x, side, worker=None, microbatches=None):
+        if m == 1 and hold.is_set():
+            handed.set()
+        return blocked(m, x, side, worker=worker, microbatches=microbatches)
+
+    st.forward = forward
+    tr.step(gpt_batch(4), timed=True)  # compiles the blocker, which passes its input through
+    ref.step(gpt_batch(4), timed=True)
+    hold.set()
+    step = threading.Thread(target=lambda: out.update(value=tr.step(gpt_batch(4, seed=7), timed=True)), daemon=True)
+    out: dict[str, object] = {}
+    step.start()
+    try:
+        assert handed.wait(10), "the timed step waited for stage 0's forward of mb 0 before handing on"
+    finally:
+        released = time.monotonic()
+        release.set()
+        step.join(60)
+    assert out.get("value") == ref.step(gpt_batch(4, seed=7), timed=True)
+    # Its input exists once the callback returned: that is when the forward's time starts, not at its dispatch.
+    (f0,) = [e for e in tr.last_result.events if (e.kind, e.stage, e.mb) == ("F", 0, 0)]
+    assert f0.own is None and f0.end >= f0.start >= released
+    tr.close()
+    ref.close()
+
+
 # -- a stuck step says where it is -----------------------------------------------------------------------------
 
 
@@ -158,7 +203,8 @@ def test_a_timed_step_past_step_timeout_names_the_stuck_op_and_what_each_worker_
     text = str(err)
     assert "did not finish within step_timeout=1.5 s" in text
     assert "worker 1: running F stage 1 mb 1" in text
-    assert "worker 2: F stage 2 mb 1 waits for the activation from stage 1 (worker 1 has not sent it)" in text
+    # Dispatched from one thread, as an untimed step: worker 2's next operation is not handed out yet.
+    assert "worker 2: waits to be handed its next operation (F stage 2 mb 0)" in text
     assert str(report) in text and "\n" not in text
     body = json.loads(report.read_text())
     assert body["message"] == text
@@ -168,8 +214,13 @@ def test_a_timed_step_past_step_timeout_names_the_stuck_op_and_what_each_worker_
     ops = [(r["kind"], r["stage"], r["mb"]) for r in rows[1]["ops"]]
     assert ops[-1] == ("F", 1, 0) and ("B", 1, 1) in ops
     assert [r["start_ms"] for r in rows[1]["ops"]] == sorted(r["start_ms"] for r in rows[1]["ops"])
-    # Timed: each operation was waited for, its end is its end.
-    assert all(r["end_ms"] >= r["start_ms"] and r["dispatched_ms"] is None for r in rows[1]["ops"])
+    # A cold call (the first timed step's first of each) was waited for: its end is given. A warm one was
+    # dispatched as untimed (its watcher times it): its dispatch is given, as this step's F of mb 0 is.
+    waited = [r for r in rows[1]["ops"] if r["dispatched_ms"] is None]
+    handed = [r for r in rows[1]["ops"] if r["end_ms"] is None]
+    assert waited and all(r["end_ms"] >= r["start_ms"] for r in waited)
+    assert rows[1]["ops"][-1] in handed and all(r["dispatched_ms"] >= r["start_ms"] for r in handed)
+    assert len(waited) + len(handed) == len(rows[1]["ops"])
     # The thread came back within the grace: the Trainer steps on; nothing was applied by the failed step.
     monkeypatch.undo()
     ref = _trainer()
@@ -187,7 +238,8 @@ def test_a_thread_stuck_for_good_ends_the_trainers_steps_and_nothing_hangs(monke
     _block_stage(monkeypatch, stage=2, mb=0, release=release)
     try:
         err = _in_thread(lambda: tr.step(gpt_batch(4), timed=True)).get("error")
-        assert "still stuck after 1 s: worker 2" in str(err) and "restore the last checkpoint" in str(err)
+        assert "still stuck after 1 s: the step's thread (in worker 2's dispatch)" in str(err)
+        assert "restore the last checkpoint" in str(err)
         err = _in_thread(lambda: tr.step(gpt_batch(4), timed=True)).get("error")
         assert "an earlier step timed out" in str(err) and "running F stage 2 mb 0" in str(err)
         _in_thread(tr.close, timeout=10)  # does not wait for the stuck thread
@@ -223,15 +275,16 @@ def test_ctrl_c_during_a_timed_step_is_one_error_naming_what_each_worker_does(mo
 
 @pytest.mark.parametrize("timed", [True, False])
 def test_a_first_step_past_step_timeout_while_compiling_says_it_was_compiling(monkeypatch, tmp_path, timed):
-    """A first step whose compilation outlasts step_timeout (XLA's compile held here, on the step's threads only):
-    the error says which worker was compiling which operation, not that it was running it."""
+    """A first step whose compilation outlasts step_timeout (XLA's compile held here, on the step's thread only):
+    the error says that thread was compiling, not that an operation was running. Timed or not, the step's
+    thread places the batch first (a timed step is dispatched as an untimed one)."""
     from jax._src import compiler
 
     release = threading.Event()
     real, held = compiler.backend_compile_and_load, []
 
     def slow(*args, **kwargs):
-        if not held and threading.current_thread().name.startswith(("vjpsplit-worker-", "vjpsplit-step-")):
+        if not held and threading.current_thread().name.startswith("vjpsplit-step-"):
             held.append(True)
             release.wait()
         return real(*args, **kwargs)
@@ -248,15 +301,12 @@ def test_a_first_step_past_step_timeout_while_compiling_says_it_was_compiling(mo
         release.set()
     text = str(out.get("error"))
     assert held and "did not finish within step_timeout=1.5 s" in text, out
-    if timed:  # the first compilation on a worker's thread: its first operation's
-        assert re.search(r"worker 0: compiling F stage 0 mb 0 since [\d.]+ ms \(its first call for these inputs", text)
-        assert json.loads((tmp_path / "h.json").read_text())["workers"][0]["now"].startswith("worker 0: compiling")
-    else:  # the step's thread compiles as it places the batch, before its first operation
-        assert text.startswith(
-            "the step did not finish within step_timeout=1.5 s; the step's thread is compiling outside the "
-            "operations (its first call for these inputs); worker 0: waits to be handed its next operation "
-            "(F stage 0 mb 0)"
-        )
+    # The step's thread compiles as it places the batch, before its first operation.
+    assert text.startswith(
+        "the step did not finish within step_timeout=1.5 s; the step's thread is compiling outside the "
+        "operations (its first call for these inputs); worker 0: waits to be handed its next operation "
+        "(F stage 0 mb 0)"
+    )
     tr.close()
 
 

@@ -379,7 +379,7 @@ def test_operations_say_what_they_are_and_nothing_asks_the_plans():
     """Issue 44: an Op's kind says whether it is a whole backward (B) or its input part (I). No code works
     that out from the rest of the plans (the former ``ops.split_ops``), and no ``split`` flag travels from
     the plans to the worker, the threads, the Ray lists or the compiled graph."""
-    from vjpsplit_cli.pipeline.runtime import stageops, timed
+    from vjpsplit_cli.pipeline.runtime import stageops, timed, untimed
     from vjpsplit_cli.pipeline.runtime.ray import actor, compiled, lists, pipeline
     from vjpsplit_cli.pipeline.schedules import ops
 
@@ -388,7 +388,8 @@ def test_operations_say_what_they_are_and_nothing_asks_the_plans():
         assert "split_ops" not in path.read_text(), f"{path.relative_to(PKG)} still asks the plans (split_ops)"
     takers = [
         stageops.run_op,
-        timed._Threads.__init__,
+        timed.run_timed,
+        untimed.dispatch,
         lists.run_list,
         lists.submit_lists,
         compiled.compile_step,

@@ -200,18 +200,18 @@ def test_timeline_times_every_step_and_an_untimed_step_says_how_to_time_it(tmp_p
     with pytest.raises(VjpsplitError, match=r"not timed.*trainer.step\(batch, timed=True\)"):
         plain.last_result.plot(tmp_path / "u.png")
     timed.close()
-    assert timed.backend.threads is None  # the timed steps' worker threads ended with the Trainer
+    assert timed.backend.timeline is None  # the timed steps' watcher threads ended with the Trainer
 
 
 def test_a_timed_step_whose_hand_out_fails_updates_nothing_and_the_next_step_runs(monkeypatch):
-    """A failure while the driver hands a timed step to the worker threads (here before its last operation) is
+    """A failure while the driver hands a timed step out (here before its last operation) is
     the step's error: no stage updates from the partial gradients, and the Trainer steps on as if it never ran."""
-    from vjpsplit_cli.pipeline.runtime import timed
+    from vjpsplit_cli.pipeline.runtime import untimed  # a timed step is handed out as an untimed one
 
     params, batches, tx = gpt_params(), _batches(2), optax.sgd(0.1)
     tr = P.Trainer(_stages(), params, optimizer=tx, schedule="1f1b", microbatches=2, observe=P.Observe(timeline=True))
     ref = P.Trainer(_stages(), params, optimizer=tx, schedule="1f1b", microbatches=2, observe=P.Observe(timeline=True))
-    real_walk = timed.walk
+    real_walk = untimed.walk
 
     def half_then_fail(plans, num_stages, mbs, submit, order=None):
         budget = sum(len(p) for p in plans) - 1  # every stage has gradients of some microbatch
@@ -225,10 +225,10 @@ def test_a_timed_step_whose_hand_out_fails_updates_nothing_and_the_next_step_run
 
         return real_walk(plans, num_stages, mbs, counted, order)
 
-    monkeypatch.setattr(timed, "walk", half_then_fail)
+    monkeypatch.setattr(untimed, "walk", half_then_fail)
     with pytest.raises(RuntimeError, match="hand-out interrupted"):
         tr.step(batches[0])
-    monkeypatch.setattr(timed, "walk", real_walk)
+    monkeypatch.setattr(untimed, "walk", real_walk)
     assert_trees_close(tr.params(), params, rtol=0, atol=0)  # nothing applied
     assert [tr.step(b) for b in batches] == [ref.step(b) for b in batches]
     assert_trees_close(tr.params(), ref.params(), rtol=0, atol=0)

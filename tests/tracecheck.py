@@ -72,8 +72,9 @@ def flow_pairs(doc):
     ends = defaultdict(dict)
     for ev in doc["traceEvents"]:
         if ev["ph"] in ("s", "f"):
-            if ev["ph"] == "f":  # at the start of the slice it flows into
-                (hit,) = [x for x in by_track[ev["tid"]] if abs(x["ts"] - ev["ts"]) <= 1e-3]
+            if ev["ph"] == "f":  # at the start of the slice it flows into (never the B of no time its F ran,
+                # which may end where the next operation starts: it reads no value)
+                (hit,) = [x for x in by_track[ev["tid"]] if abs(x["ts"] - ev["ts"]) <= 1e-3 and x["dur"] > 0]
             else:
                 (hit,) = [x for x in by_track[ev["tid"]] if x["ts"] < ev["ts"] < x["ts"] + x["dur"]]
             ends[ev["id"]][ev["ph"]] = hit["name"]

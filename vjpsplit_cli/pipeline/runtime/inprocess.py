@@ -1,9 +1,9 @@
-"""The in-process runner: one step in this process, timed on one thread per worker or dispatched from this one.
+"""The in-process runner: one step in this process, dispatched from this thread, timed or not.
 
 ``run_inprocess`` reads the caller's model (``model_of``), checks the plans, places
 every stage on its devices and builds one ``StageWorker`` per stage; the step runs
-timed (``timed.run_threads``, on worker threads of its own, each operation waited
-for) or untimed (``untimed.dispatch``, nothing waits), and its losses, gradients and
+untimed (``untimed.dispatch``, nothing waits) or timed (``timed.run_timed``: the same
+dispatch, a watcher thread per device timing each operation), and its losses, gradients and
 events come back as one ``PipelineResult``.
 """
 
@@ -22,10 +22,9 @@ from .devices import placed, placement
 from .model import Microbatch, Model, model_of
 from .offload import Offload, offload_of
 from .result import PipelineResult, aux_per_microbatch, step_result
-from .timed import run_threads
+from .timed import Timeline, run_timed
 from .untimed import dispatch
 from .worker import StageWorker
-from .workerthreads import WorkerThreads
 from ...treetypes import Leaf, PyTree
 
 if TYPE_CHECKING:
@@ -58,7 +57,7 @@ def run_inprocess(
         schedule: A built-in schedule's name (by default ``"1f1b"``), or a ``Schedule``.
         progress: Whether to show a progress bar over operations (the step is then timed).
         devices: One list of devices per stage; ``None``: worker k's on ``jax.local_devices()[k]`` where enough.
-        timed: ``True``: one thread per worker, waiting for each operation (a timeline); ``False``: dispatch, no waits.
+        timed: ``True``: each operation timed by a watcher per device (a timeline); ``False``: no timeline.
         offload: Residuals off their device between F and B: ``"host"`` or an ``offload.Offload``; ``None``: none.
 
     Returns:
@@ -109,10 +108,14 @@ def _play(
     timed: bool,
     progress: bool,
 ) -> None:
-    """The step itself: timed on worker threads of its own (closed after it), else dispatched from this thread."""
+    """The step itself, dispatched from this thread; timed, by watcher threads of its own (closed after it)."""
     if timed:
-        with WorkerThreads(len(plans)) as pool:
-            run_threads(pool, workers, plans, mbs, microbatches, progress=progress)
+        timeline = Timeline()
+        try:
+            with timeline.step(workers):
+                run_timed(workers, plans, mbs, microbatches, progress=progress)
+        finally:
+            timeline.close()
     else:
         dispatch(workers, plans, mbs, microbatches)
 

@@ -52,6 +52,8 @@ def dispatch(
     order: Order | None = None,
     record: Dispatched | None = None,
     scales: Sequence[float] | None = None,
+    timed: bool = False,
+    tick: Callable[[], object] | None = None,
 ) -> None:
     """One step of ``plans`` on the stages' ``workers`` (reset first), every operation dispatched from this thread.
 
@@ -60,22 +62,26 @@ def dispatch(
     asynchronous dispatch runs the devices side by side. ``order``: ``dispatch.order_of(plans)``, if kept.
     ``record``: notes each operation as it is handed out (``Dispatched``), and stops the step once stopped.
     ``scales``: per microbatch, the last stage's starting cotangent (``StageWorker.reset``); None: equal.
+    ``timed``: the workers time their operations (``timed.run_timed``); ``tick()``: after each operation.
     """
     for st in workers:
-        st.reset(timed=False, plans=plans, scales=scales)
+        st.reset(timed=timed, plans=plans, scales=scales)
     mbs = placed_microbatches(mbs, workers)
 
     def submit(w: int, op: Op, data: object, side: list[Leaf]) -> PyTree:
         return run_op(workers[op.stage], op, data, side, microbatches, w)
 
     def noted(w: int, op: Op, data: object, side: list[Leaf]) -> PyTree:
-        assert record is not None
-        record.begin(w, op)
+        if record is not None:
+            record.begin(w, op)
         out = run_op(workers[op.stage], op, data, side, microbatches, w)
-        record.end(w, op, out, workers[op.stage])
+        if record is not None:
+            record.end(w, op, out, workers[op.stage])
+        if tick is not None:
+            tick()
         return out
 
-    walk(plans, len(workers), mbs, submit if record is None else noted, order)
+    walk(plans, len(workers), mbs, submit if record is None and tick is None else noted, order)
     if record is not None:
         record.dispatched()
 

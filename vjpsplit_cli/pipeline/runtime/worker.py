@@ -30,6 +30,7 @@ from ...treetypes import PyTree
 
 if TYPE_CHECKING:
     from ...artifact.artifact import Artifact
+    from .watcher import Lane
     from ...tracing.residuals import Residuals
 
 
@@ -93,6 +94,7 @@ class StageWorker:
         self.offloader: Offloader | None = None
         self.set_offload(offload)
         self.timed = True
+        self.lane: Lane | None = None  # in-process timed steps: where its operations are timed (``timed.Timeline``)
         # The last operations (kind, mb, start, end), kept across steps: what a stuck step's report shows.
         self.ring: deque[RingOp] = deque(maxlen=RING)
         self.reset()
@@ -288,12 +290,15 @@ class StageWorker:
         call: Callable[..., PyTree],
         warmup: int,
     ) -> PyTree:
-        """``call(*args)``, in the ring; when timed, waited for (under a ``jax.profiler.TraceAnnotation`` named
-        as the trace file's slice) and recorded as an ``Event`` of the operation's own time.
+        """``call(*args)``, in the ring; when timed, under a ``jax.profiler.TraceAnnotation`` named as the trace
+        file's slice, and recorded as an ``Event`` of the operation's own time.
 
         Timed, the clock starts once the inputs exist (moved to this device, the batch's transfer and the
-        previous step's update done: not this operation's time). A call that had not yet run ``warmup``
-        times for these inputs' signature traced, compiled or took the checked first path: it is run
+        previous step's update done: not this operation's time). With a ``lane`` (an in-process timed step,
+        ``timed.Timeline``) a warm call is dispatched as untimed and its lane's watcher times it; without one
+        (Ray, ``jax.distributed``) each call is waited for. A call that had not yet run ``warmup``
+        times for these inputs' signature traced, compiled or took the checked first path: it is waited for
+        (after its lane's operations before it) and run
         again (its results dropped; ``call`` changes nothing) until warm, and one warm run is timed as
         the event's ``own`` seconds, what the operation costs from then on.
         """
@@ -302,15 +307,29 @@ class StageWorker:
             out = call(*args)
             self.ring.append((kind, mb, t0, time.monotonic(), False))  # the dispatch's time: nothing waited
             return out
-        jax.block_until_ready(args)
         key = (id(call), signature_of(args))
-        cold = self._runs.get(key, 0) < warmup
+        runs = self._runs.get(key, 0)
+        cold = runs < warmup
+        w = self.stage_index if worker is None else worker
+        lane = self.lane
+        name = op_name(kind, self.stage_index, mb, self.replica)
+        if lane is not None and not cold:  # dispatched as untimed, its lane's watcher records its event
+            t0 = time.monotonic()
+            with jax.profiler.TraceAnnotation(name):
+                out = call(*args)
+            self.ring.append((kind, mb, t0, time.monotonic(), False))
+            self._runs[key] = runs + 1
+            lane.watch(self.events, (w, kind, mb, self.stage_index, self.replica), t0, args, out)
+            return out
+        if lane is not None:
+            lane.settle()  # the operations dispatched before it ended: its time is its own
+        jax.block_until_ready(args)
         t0 = time.monotonic()
-        with jax.profiler.TraceAnnotation(op_name(kind, self.stage_index, mb, self.replica)):
+        with jax.profiler.TraceAnnotation(name):
             out = jax.block_until_ready(call(*args))
         t1 = time.monotonic()
         self.ring.append((kind, mb, t0, t1, True))
-        self._runs[key] = self._runs.get(key, 0) + 1
+        self._runs[key] = runs + 1
         own = None
         if cold:
             while self._runs[key] < warmup:
@@ -319,8 +338,10 @@ class StageWorker:
             a = time.monotonic()
             jax.block_until_ready(call(*args))
             own = time.monotonic() - a
-        w = self.stage_index if worker is None else worker
-        self.events.append(Event(w, kind, mb, t0, t1, self.stage_index, own, self.replica))
+        if lane is None:
+            self.events.append(Event(w, kind, mb, t0, t1, self.stage_index, own, self.replica))
+        else:  # after the lane's operations before it
+            lane.waited(self.events, (w, kind, mb, self.stage_index, self.replica), (t0, t1), own)
         return out
 
     def _ct(self, ct: PyTree, microbatches: int, mb: int) -> PyTree:
@@ -436,7 +457,10 @@ class StageWorker:
             with jax.profiler.TraceAnnotation(op_name(kind, self.stage_index, mb, self.replica)):
                 pass  # in a profile too, as the trace file's slice of no time
             w = self.stage_index if worker is None else worker
-            self.events.append(Event(w, kind, mb, t, t, self.stage_index, 0.0, self.replica))
+            if self.lane is None:
+                self.events.append(Event(w, kind, mb, t, t, self.stage_index, 0.0, self.replica))
+            else:  # at the end of the operation that ran it
+                self.lane.waited(self.events, (w, kind, mb, self.stage_index, self.replica), (t, t), 0.0)
 
     def backward(self, mb: int, ct: PyTree, microbatches: int, worker: int | None = None) -> PyTree | None:
         """B, the whole backward (GPipe, 1F1B): accumulate the weight gradient, return the input cotangent.

@@ -1,16 +1,13 @@
 """The Trainer's workers in this process: one ``StageTrainer`` per stage, kept across steps, each on its device.
 
-An untimed step is dispatched from one long-lived helper thread (``runtime.untimed.run_untimed``: the
+A step is dispatched from one long-lived helper thread (``runtime.untimed.run_untimed``: the
 caller waits with ``step_timeout`` and Ctrl-C), then each stage's step is finished
-(``stage_trainer.finish_stages``) as soon as it can be. In a timed step each
-worker's thread finishes its stages after its last operation, swapping tied
-gradients and squared sums with the other threads at a barrier.
+(``stage_trainer.finish_stages``) as soon as it can be. A timed step runs the same, with a watcher
+per device that times each operation (``runtime.timed.run_timed``).
 """
 
 from __future__ import annotations
 
-import itertools
-import threading
 import time
 from typing import Callable, Mapping, Sequence, TypeVar, cast
 
@@ -29,7 +26,7 @@ from ..runtime.replicas import check_split, reductions
 from ..runtime.result import PipelineResult, aux_per_microbatch, step_loss, step_result
 from ..runtime.offload import Offload
 from ..runtime.stepwatch import Watch
-from ..runtime.timed import run_threads
+from ..runtime.timed import Timeline, run_timed
 from ..runtime.untimed import Dispatched, dispatch, run_untimed
 from ..runtime.worker import StageWorker
 from ..runtime.workerthreads import WorkerThreads
@@ -41,7 +38,7 @@ from .clipping import Squares, clip_scale
 from .device_memory import DeviceMemory, memory_records
 from .measured import measure_copy_seconds
 from .ownership import Ownership, Snapshot
-from .stage_trainer import RESTORE_HINT, Exchange, StageTrainer, finish_stages
+from .stage_trainer import RESTORE_HINT, StageTrainer, finish_stages
 from .zero1 import ReplicaTrainer
 
 
@@ -66,41 +63,16 @@ def stage_trainers(
     ]
 
 
-class _Rendezvous:
-    """In-process: the workers' threads swap small dicts (tied gradients, squared sums) at a barrier."""
-
-    def __init__(self, n: int):
-        self.barrier = threading.Barrier(n)
-        self.rounds: list[dict[int, object]] = []
-        self.lock = threading.Lock()
-
-    def exchanger(self) -> Exchange:
-        """An ``exchange`` for ``finish_stages``: each call waits for every worker's part and returns them all."""
-        count = itertools.count()
-
-        def exchange(part: Mapping[int, T]) -> dict[int, T]:
-            i = next(count)
-            with self.lock:
-                while len(self.rounds) <= i:
-                    self.rounds.append({})
-                self.rounds[i].update(part)
-            self.barrier.wait()
-            # Every worker's i-th call hands in the same kind of part (finish_stages calls them alike).
-            return cast("dict[int, T]", self.rounds[i])
-
-        return exchange
-
-
 class InProcessBackend:
     """The workers of this process: one ``StageTrainer`` per stage, kept across steps, each on its device.
 
-    An untimed step (the default) dispatches every operation and update from one
-    thread (started at the first untimed step, kept until ``close``), waiting for
+    A step dispatches every operation and update from one
+    thread (started at the first step, kept until ``close``), waiting for
     nothing but each stage's squared norm (fetched before its update, the stages in
     the order they finish, while the others go on computing) and the loss, while the
-    caller waits for it with ``step_timeout`` and Ctrl-C. A timed step runs each worker in a thread of its own (started at the first
-    timed step, kept until ``close``) that waits for each operation, so the step's
-    events are compute times.
+    caller waits for it with ``step_timeout`` and Ctrl-C. A timed step runs the same operations in the same
+    order, with a watcher thread per device (started at the first timed step, kept until ``close``) that waits
+    for each operation's results in turn, so the step's events are compute times (``runtime.timed``).
     """
 
     def __init__(
@@ -116,8 +88,8 @@ class InProcessBackend:
         self.broken: str | None = None  # set when a step left a thread stuck in an operation (or half-updated)
         self.trainers = list(trainers)  # per stage: a StageTrainer, or a ReplicaTrainer of its replicas
         self.data_parallel = data_parallel
-        self.threads: WorkerThreads | None = None
-        self.driver: WorkerThreads | None = None  # the untimed steps' one thread
+        self.timeline: Timeline | None = None  # the timed steps' watchers
+        self.driver: WorkerThreads | None = None  # the steps' one thread
         self.orders: tuple[list[list[Op]], Order, list[int]] | None = (
             None  # plans, their dispatch order, the finishing order
         )
@@ -158,13 +130,7 @@ class InProcessBackend:
         t0 = time.monotonic()
         phases: list[Phase] = []
         try:
-            if timed:
-                sums = self._threaded(mbs, schedule, microbatches, clip, phases, scales)
-                t1 = time.monotonic()
-                losses, aux = workers[-1].fetch_outputs()
-                phases.append(Phase(None, "fetch the losses", t1, time.monotonic()))
-            else:
-                sums, losses, aux = self._untimed(mbs, schedule, microbatches, clip, scales)
+            sums, losses, aux = self._dispatched(mbs, schedule, microbatches, clip, scales, phases if timed else None)
         except BaseException:
             for w in workers:  # failed or interrupted: its residual files no B read back go
                 w.discard_offloaded()
@@ -210,24 +176,47 @@ class InProcessBackend:
 
         return value
 
-    def _untimed(
+    def _dispatched(
         self,
         mbs: Sequence[Microbatch],
         schedule: Resolved,
         microbatches: int,
         clip: float | None,
         scales: Sequence[float] | None,
+        phases: list[Phase] | None,
     ) -> tuple[dict[int, float], dict[int, float], dict[int, list[np.ndarray]]]:
-        """An untimed step in the kept driver thread (dispatch, updates, losses and aux), waited for here."""
+        """A step in the kept driver thread (dispatch, updates, losses and aux), waited for here; timed where
+        ``phases`` is given (the step's driver phases and each worker's reductions and update go there)."""
         workers = self._workers()
         order, finishing = self._orders(schedule.plans)
         record = Dispatched(schedule.plans, len(workers))
         value = self._value(microbatches, scales)
+        if phases is not None and self.timeline is None:
+            self.timeline = Timeline()
+        timeline = None if phases is None else self.timeline
+
+        def untimed() -> dict[int, float | Squares]:
+            dispatch(workers, schedule.plans, mbs, microbatches, order, record, scales)
+            return self._finish(finishing, clip, value, record.commit)
+
+        def timed(timeline: Timeline, phases: list[Phase]) -> dict[int, float | Squares]:
+            clock = time.monotonic
+            with timeline.step(workers):
+                t0 = clock()
+                run_timed(workers, schedule.plans, mbs, microbatches, order=order, record=record, scales=scales)
+                phases.append(Phase(None, "hand out", t0, clock()))
+                worker_of = {s: w for w, held in enumerate(schedule.layout.workers) for s in held}
+                sums = self._finish(finishing, clip, value, record.commit, phases, worker_of)
+                t1 = clock()
+            phases.append(Phase(None, "wait for the workers", t1, clock()))
+            return sums
 
         def body() -> tuple[dict[int, float], dict[int, float], dict[int, list[np.ndarray]]]:
-            dispatch(workers, schedule.plans, mbs, microbatches, order, record, scales)
-            sums = self._finish(finishing, clip, value, record.commit)
+            sums = untimed() if timeline is None or phases is None else timed(timeline, phases)
+            t0 = time.monotonic()
             losses, aux = workers[-1].fetch_outputs()  # the step's first wait for the devices (without clipping)
+            if phases is not None:
+                phases.append(Phase(None, "fetch the losses", t0, time.monotonic()))
             return dict(zip(sums, Squares.fetch(list(sums.values())))), losses, aux
 
         if self.driver is None:
@@ -238,6 +227,9 @@ class InProcessBackend:
         finally:
             if watch.stuck:  # its thread may yet write into a stage: no step runs on them again
                 self.driver = None
+                if self.timeline is not None:  # a watcher may wait for the stuck operation
+                    self.timeline.abandon()
+                    self.timeline = None
                 self.broken = (
                     f"an earlier step timed out or was interrupted with a thread stuck ({'; '.join(watch.stuck)})"
                     f"{RESTORE_HINT}"
@@ -251,12 +243,22 @@ class InProcessBackend:
         clip: float | None,
         value: Callable[[], float],
         commit: Callable[[], None],
+        phases: list[Phase] | None = None,
+        worker_of: Mapping[int, int] | None = None,
     ) -> dict[int, float | Squares]:
-        """The untimed step's last phases, from its thread: each stage's update as soon as it can go
+        """The step's last phases, from its thread: each stage's update as soon as it can go
         (``commit()`` before each: it raises once the step was stopped). The squared sums come back as
-        dispatched; without clipping nothing here waits for the devices."""
+        dispatched; without clipping nothing here waits for the devices. A timed step's ``phases`` hear of each
+        (``finish_stages``' ``mark``) on the track of the worker that holds the stage (``worker_of``), the
+        phases that finish every stage at once on every worker's."""
         own, trainers = self.ownership, self.trainers
         scale = None if clip is None else (lambda v: clip_scale(v, clip)[0])
+
+        def marks(stages: Sequence[int]) -> Callable[[str, float, float], None] | None:
+            if phases is None or worker_of is None:
+                return None
+            held = sorted({worker_of[s] for s in stages})
+            return lambda name, a, b: phases.extend(Phase(w, name, a, b) for w in held)
 
         def exchange(part: Mapping[int, T]) -> Mapping[int, T]:
             commit()
@@ -264,76 +266,11 @@ class InProcessBackend:
 
         program = trainers[0].program
         if own.tied or clip is not None or program.rounds or program.uses_value:  # the others' parts first
-            got = finish_stages(trainers, exchange, scale, own.tied, value=value)
+            got = finish_stages(trainers, exchange, scale, own.tied, marks(range(len(trainers))), value=value)
             return dict(zip(range(len(trainers)), got))
         sums: dict[int, float | Squares] = {}
         for s in finishing:  # the stage whose last operation comes first updates first
-            sums[s] = finish_stages([trainers[s]], exchange, scale, False)[0]
-        return sums
-
-    def _threaded(
-        self,
-        mbs: Sequence[Microbatch],
-        schedule: Resolved,
-        microbatches: int,
-        clip: float | None,
-        phases: list[Phase],
-        scales: Sequence[float] | None,
-    ) -> dict[int, float]:
-        """A timed step in the workers' threads, each finishing with its stages' updates (at a barrier)."""
-        held = schedule.layout.workers
-        rv, sums = _Rendezvous(len(held)), {}
-        finished: list[Phase] = []
-        value = self._value(microbatches, scales)
-
-        def tail(w: int, failed: bool) -> None:
-            if failed:
-                rv.barrier.abort()  # the others stop waiting; the failed operation is the step's error
-                return
-            mine = [self.trainers[s] for s in held[w]]
-            try:
-                got = finish_stages(
-                    mine,
-                    rv.exchanger(),
-                    lambda v: clip_scale(v, clip)[0],
-                    self.ownership.tied,
-                    lambda name, a, b: finished.append(Phase(w, name, a, b)),
-                    value=value,
-                )
-            except threading.BrokenBarrierError:
-                return  # another worker failed: its error is the step's
-            except BaseException:
-                rv.barrier.abort()
-                raise
-            sums.update({t.stage_index: v for t, v in zip(mine, Squares.fetch(got))})
-
-        if self.threads is None or len(self.threads.threads) != len(held):
-            if self.threads is not None:
-                self.threads.close()
-            self.threads = WorkerThreads(len(held))
-        workers = self._workers()
-        order, _ = self._orders(schedule.plans)
-        watch = Watch(self.step_timeout, self.hang_report, RESTORE_HINT, rv.barrier.abort)
-        try:
-            run_threads(
-                self.threads,
-                workers,
-                schedule.plans,
-                mbs,
-                microbatches,
-                tail=tail,
-                order=order,
-                watch=watch,
-                scales=scales,
-            )
-        finally:
-            phases += watch.phases + finished
-            if watch.stuck:  # its thread may yet write into a stage: no step runs on them again
-                self.threads = None
-                self.broken = (
-                    f"an earlier step timed out or was interrupted with a thread stuck ({'; '.join(watch.stuck)})"
-                    f"{RESTORE_HINT}"
-                )
+            sums[s] = finish_stages([trainers[s]], exchange, scale, False, marks([s]))[0]
         return sums
 
     def evaluate(
@@ -383,13 +320,13 @@ class InProcessBackend:
         )
 
     def close(self) -> None:
-        """End the worker threads of timed steps and the untimed steps' thread, those that ran, and every stage's
+        """End the watcher threads of timed steps and the steps' thread, those that ran, and every stage's
         offload (its thread; residual files no B read back are removed)."""
         for t in self.trainers:
             t.worker.set_offload(None)
-        if self.threads is not None:
-            self.threads.close()
-            self.threads = None
+        if self.timeline is not None:
+            self.timeline.close()
+            self.timeline = None
         if self.driver is not None:
             self.driver.close()
             self.driver = None

@@ -53,7 +53,7 @@ def _checked_replicas(runner: InProcess | Ray | Distributed) -> None:
 
 @dataclass(frozen=True)
 class InProcess:
-    """Run every stage in this process: worker threads, each stage on a device of its own.
+    """Run every stage in this process, dispatched from one thread, each stage on a device of its own.
 
     Args:
         devices: one list of devices per stage (one device for an unsharded stage, a sharded stage's mesh
@@ -176,8 +176,9 @@ class Observe:
 
     Args:
         progress: a bar over steps with the loss.
-        timeline: time every step (``step(batch, timed=True)`` times one): each operation waits for its results
-            and ``last_result`` holds their compute times.
+        timeline: time every step (``step(batch, timed=True)`` times one): a watcher per device waits for each
+            operation's results, the step dispatched as an untimed one, and ``last_result`` holds their compute
+            times.
         trace_dir: every timed step writes its trace there as ``step-<n>.trace.json`` (Chrome/Perfetto
             trace-event JSON; ``n`` counts steps from 1); created if absent. A file, or a path under one, is
             refused; so is a directory that overlaps an offload directory or ``fit``'s ``checkpoint_dir``.
