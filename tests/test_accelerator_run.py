@@ -348,3 +348,12 @@ def test_a_correctness_row_compiles_its_backward_once_and_says_where_its_time_we
     assert rows[1]["compiles"] == 5  # fwd and bwd at two sizes, the reference at the second (the MLP row's first)
     assert report["correctness_passed"] is True
     assert "| 3 (" in (tmp_path / "accelerator.md").read_text()
+
+
+def test_replace_costs_leave_out_an_exchange_the_file_system_refuses(monkeypatch):
+    """The TPU machine's file system has renameat2 but refuses RENAME_EXCHANGE: the I/O step measures the other ways."""
+    from benchmarks import io as io_bench
+
+    monkeypatch.setattr(io_bench.filesystem, "renameat2", lambda: lambda old, new: False)
+    rows = io_bench.replace_costs(1 << 16, 1)
+    assert [r["what"] for r in rows] == ["write + os.replace over the old file", "np.save over the old file"]
