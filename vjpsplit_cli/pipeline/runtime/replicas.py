@@ -232,6 +232,10 @@ class ReplicaGroup:
         """The first replica's split-backward intermediates by microbatch (which W operations have work)."""
         return self.replicas[0].inter
 
+    def weight_pending(self, mb: int) -> bool:
+        """Whether microbatch ``mb``'s W is to run on every replica (``StageWorker.weight_pending``)."""
+        return all(r.weight_pending(mb) for r in self.replicas)
+
     @property
     def ring(self) -> deque[RingOp]:
         """The first replica's last operations (what a stuck step's report shows)."""

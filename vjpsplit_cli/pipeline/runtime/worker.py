@@ -437,6 +437,18 @@ class StageWorker:
         self.losses[mb] = out
         return out
 
+    def weight_pending(self, mb: int) -> bool:
+        """Whether microbatch ``mb``'s W is to run: its I ran, leaving W's intermediates or (``reset``) the whole
+        backward, whose W then runs nothing but its record.
+
+        Args:
+            mb: The microbatch.
+
+        Returns:
+            True from that I until the W.
+        """
+        return mb in self.inter or mb in self._ran_whole
+
     def fused(self, mb: int) -> bool:
         """Whether microbatch ``mb``'s F ran its B too (``forward``): its B only hands on the input cotangent.
 

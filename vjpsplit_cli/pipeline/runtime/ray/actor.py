@@ -299,7 +299,7 @@ class StageActor:
         ``after`` is ignored: a compiled graph passes the worker's previous result to order its calls.
         """
         st = self.stage_workers[stage]
-        needed = data is not None or (kind in BACKWARDS and st.is_last) or (kind == Kind.W and mb in st.inter)
+        needed = data is not None or (kind in BACKWARDS and st.is_last) or (kind == Kind.W and st.weight_pending(mb))
         if not needed:
             return None
 

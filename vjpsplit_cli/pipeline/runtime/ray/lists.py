@@ -305,7 +305,7 @@ def run_list(
         else:
             actor.now = (WAITS, op, src, time.monotonic())
             data = actor.inbox.take(step, key_of(src))
-        needed = data is not None or src is None and (op.kind != Kind.W or mb in st.inter)
+        needed = data is not None or src is None and (op.kind != Kind.W or st.weight_pending(mb))
         dest = destination(op, S)
         to = None if dest is None or worker_of[dest] == me else worker_of[dest]
         key = key_of(op.key)
