@@ -118,13 +118,16 @@ def profile_step(width, blocks, sched="1f1b", steps=5):
     print(
         f"w{width} {sched}: step {statistics.median(tot) * 1e3:.2f} ms, dispatch {statistics.median(times['dispatch']) * 1e3:.2f} ms, finish {statistics.median(times['finish']) * 1e3:.2f} ms"
     )
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
-    print(s.getvalue()[:7000])
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(40)
-    print(s.getvalue()[:8000])
+    print_profile(prof, 30, 40)
     tr.close()
+
+
+def print_profile(prof: cProfile.Profile, by_own: int, by_cumulative: int) -> None:
+    """Print ``prof``'s top ``by_own`` functions by their own time, then its top ``by_cumulative`` by cumulative."""
+    for key, n in (("tottime", by_own), ("cumulative", by_cumulative)):
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats(key).print_stats(n)
+        print(s.getvalue()[: 200 * n + 1000])
 
 
 def breakdown(width, blocks, sched="1f1b"):

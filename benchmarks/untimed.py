@@ -26,10 +26,8 @@ once), alternately round by round. The issue's target: at most ``PER_OP_LIMIT`` 
 from __future__ import annotations
 
 import cProfile
-import io
 import json
 import os
-import pstats
 import statistics
 import sys
 import time
@@ -256,12 +254,9 @@ def per_op(
     finally:
         tr.close()
     if prof is not None:
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
-        print(s.getvalue()[:6000])
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(35)
-        print(s.getvalue()[:7000])
+        from benchmarks.step_probe import print_profile
+
+        print_profile(prof, 25, 35)
     step_op, ref_op = statistics.median(wall) / ops, statistics.median(ref_wall) / ops
     common = {"ops": ops, "calls": len(calls), "rounds": rounds, "schedule": schedule, "load": os.getloadavg()[0]}
     return [
