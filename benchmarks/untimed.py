@@ -332,9 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     if code is not None:
         return code
     if "--per-op" in argv:
+        import jax
+
         rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 200
         devices = int(argv[argv.index("--devices") + 1]) if "--devices" in argv else 2
-        rows = tiny_per_op(10 if "--quick" in argv else rounds, profile="--profile" in argv, devices=devices)
+        platform = jax.devices()[0].platform  # the stages exported for the devices it runs on (a TPU's too)
+        rows = tiny_per_op(10 if "--quick" in argv else rounds, platform, profile="--profile" in argv, devices=devices)
         print(per_op_table(rows))
         print(json.dumps(rows))
         return 0

@@ -125,6 +125,89 @@ def test_gpipe_first_stage_peak_drops_with_host_offload(monkeypatch):
     assert got[0] <= ref[0] // 2 and got[1:] == ref[1:]
 
 
+def _cpu_has_pinned_host() -> bool:
+    from vjpsplit_cli.pipeline.runtime import offload
+
+    return offload._has_pinned_host(jax.device_put(np.ones(1), jax.devices()[0]))
+
+
+@pytest.mark.skipif(not _cpu_has_pinned_host(), reason="this jax's CPU devices have no pinned_host memory")
+@pytest.mark.parametrize(
+    "dtype", [np.float32, jax.numpy.bfloat16, np.float16, np.int32, np.int8, np.uint8, np.bool_, np.uint32]
+)
+def test_packed_residuals_come_back_bit_for_bit(dtype):
+    from vjpsplit_cli.pipeline.runtime import offload
+
+    rng = np.random.default_rng(0)
+    shapes = [(3, 5), (), (0, 4), (2, 1, 7)]
+    raw = [rng.integers(0, 256, size=(*s, np.dtype(dtype).itemsize), dtype=np.uint8) for s in shapes]
+    host = [r[..., 0] % 2 == 1 if dtype == np.bool_ else r.view(dtype).reshape(s) for r, s in zip(raw, shapes)]
+    host.append(np.array([np.nan, -0.0, np.inf], np.float32))  # NaN payloads and signed zeros are bits too
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    arrays = [jax.device_put(h, sharding) for h in host]
+    assert offload._packable(arrays)
+    specs = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in arrays)
+    buf = offload._packer(specs, sharding)(arrays)
+    assert buf.sharding.memory_kind == "pinned_host" and buf.dtype == np.uint8
+    back = offload._unpacker(specs, sharding)(buf)
+    assert [b.sharding for b in back] == [sharding] * len(arrays)
+    _bitwise(back, arrays)
+
+
+@pytest.mark.skipif(not _cpu_has_pinned_host(), reason="this jax's CPU devices have no pinned_host memory")
+def test_pinned_host_copies_run_right_after_f_and_right_before_b_and_halve_an_untimed_peak(monkeypatch):
+    from vjpsplit_cli.pipeline.runtime import offload
+    from vjpsplit_cli.pipeline.runtime.worker import StageWorker
+
+    # An accelerator's path (compiled copies to and from pinned_host), on these CPU devices where JAX has it.
+    monkeypatch.setattr(offload, "_via_pinned_host", offload._has_pinned_host)
+    log: list[tuple[str, int | None]] = []
+    run = StageWorker._run
+
+    def spy(way, make):
+        def made(*key):
+            copy = make(*key)
+            return lambda xs: (log.append((way, None)), copy(xs))[1]
+
+        return made
+
+    def spy_run(self, worker, kind, mb, *rest):
+        if self.stage_index == 0:
+            log.append((kind.value, mb))
+        return run(self, worker, kind, mb, *rest)
+
+    def untimed_peaks(off):
+        with P.Trainer(
+            _stages(),
+            gpt_params(),
+            optimizer=optax.sgd(0.1),
+            schedule="1f1b",
+            microbatches=M,
+            runner=P.InProcess(offload=off),
+        ) as tr:
+            tr.step(_batches(1)[0])  # compiles
+            log.clear()
+            tr.step(_batches(1)[0])
+            return [t.worker.peak_residual_bytes for t in tr.backend.trainers], tr.params()
+
+    monkeypatch.setattr(offload, "_packer", spy("out", offload._packer))
+    monkeypatch.setattr(offload, "_unpacker", spy("back", offload._unpacker))
+    monkeypatch.setattr(StageWorker, "_run", spy_run)
+    ref, ref_params = untimed_peaks(None)
+    got, params = untimed_peaks(P.Offload(stages=[0]))
+    # 1F1B's first stage of four: F0 F1 F2 F3 B0 B1 B2 B3, each microbatch's residuals away between its F and B.
+    # Each copy out is dispatched right after its F and each copy back right before its B (not before the
+    # operation ahead of it, as a host copy's read), so in the device's order of programs no operation between
+    # them has those residuals on the device, however far ahead of the device the host dispatches.
+    out, back = ("out", None), ("back", None)
+    assert log == [
+        *[x for mb in range(M) for x in (("F", mb), out)],
+        *[x for mb in range(M) for x in (back, ("B", mb))],
+    ]
+    assert got[0] <= ref[0] // 2 and got[1:] == ref[1:], (got, ref)  # issue 68: at most half, untimed
+    _bitwise(params, ref_params)
+
+
 def test_offload_only_some_microbatches(tmp_path):
     ref_losses, ref_params, _, _, _ = _train("1f1b", None, steps=2)
     losses, params, _, _, _ = _train("1f1b", P.Offload(microbatches=[1, 2]), steps=2)

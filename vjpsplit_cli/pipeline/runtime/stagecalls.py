@@ -108,6 +108,8 @@ class ForwardInput:
 
         self.art, self._run = artifact, jax.jit(run)
         self.cache: dict[tuple[PyTreeDef, tuple[Signature, ...]], tuple[dict[str, int], tuple]] = {}
+        # ``ready``'s flattened inputs and hit, for the call that follows it on the same objects (one flatten).
+        self._ready: tuple[PyTree, list[PyTree], list[Leaf], tuple[dict[str, int], tuple]] | None = None
 
     def learn(self, args: Sequence[PyTree], res: Residuals) -> None:
         """Note, from an unfused F's arguments ``(params, *xs)`` and residuals, where W's input-backed residuals
@@ -127,12 +129,19 @@ class ForwardInput:
 
     def ready(self, params: PyTree, xs: list[PyTree]) -> bool:
         """Whether ``learn`` saw these inputs' signature (the call can run)."""
-        return self._hit(params, xs)[1] is not None
+        leaves, hit = self._hit(params, xs)
+        self._ready = None if hit is None else (params, xs, leaves, hit)
+        return hit is not None
 
     def __call__(self, params: PyTree, xs: list[PyTree], ct: PyTree) -> tuple[PyTree, PyTree | None, Intermediates]:
         """``(output, input cotangent, intermediates)`` in one dispatch, for inputs whose signature is ``ready``."""
-        leaves, hit = self._hit(params, xs)
-        assert hit is not None  # ready
+        last, self._ready = self._ready, None
+        if last is not None and last[0] is params and last[1] is xs:  # just checked by ``ready``
+            leaves, hit = last[2], last[3]
+        else:  # a cold call run again (a timed step's warm-up)
+            leaves, h = self._hit(params, xs)
+            assert h is not None  # ready
+            hit = h
         inputs, arg_trees = hit
         out, gx, inter, stored = self._run(params, xs, ct)
         backed = {k: leaves[i] for k, i in inputs.items()}
