@@ -97,6 +97,22 @@ def test_pp4_dp2_gpt_with_its_tied_embedding_equals_optax(schedule):
         _on_replicas(tr, 2)
 
 
+def test_an_untimed_pp_by_dp_step_sums_its_tied_leaf_on_devices_and_updates_before_it_reads_anything_back(
+    monkeypatch,
+):
+    from fetches import step_noting_fetches
+
+    batch = tied_batches(1, rows=16)[0]
+    with P.Trainer(
+        tied_stages(), tied_params(), optimizer=optax.adam(1e-2), microbatches=2, runner=P.InProcess(data_parallel=2)
+    ) as tr:
+        tr.step(batch)  # compiled and warm
+        loss, seen = step_noting_fetches(tr, batch, monkeypatch)  # any np.asarray of a device array raises
+        # Both stages' updates (each holds the tied leaf, summed over them) before the step reads back its losses.
+        assert seen[:2] == ["update", "update"] and set(seen[2:]) == {"fetch"}, seen
+        assert np.isfinite(loss) and np.isfinite(tr.history[-1].grad_norm)
+
+
 def test_an_optimizer_that_couples_leaves_stays_exact_on_sharded_state():
     # clip_by_global_norm inside the optimizer: a reduction over every leaf of every stage, here over shards.
     params, batches = tied_params(), tied_batches(2, rows=16)

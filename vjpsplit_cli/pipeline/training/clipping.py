@@ -67,7 +67,8 @@ def sum_of_squares(grads: Mapping[str, Leaf], counted: Iterable[str]) -> float:
 
 
 class Squares:
-    """The sum of squares of some leaves of one stage's gradients, not yet fetched: one device scalar per leaf.
+    """The sum of squares of some leaves of one stage's gradients, not yet fetched: one device scalar per leaf (or
+    one array of them per part, in leaf order: a replica group's reduction gives its leaves' so).
 
     ``of`` dispatches the sums (one jitted call) and waits for nothing; ``value()`` fetches them in one
     transfer and adds them on the host in leaf order, as a Python float (the same float whenever it is asked).
@@ -112,8 +113,9 @@ class Squares:
         got = jax.device_get([m.parts for m in todo])  # one call and one transfer, not one per leaf or stage
         for m, parts in zip(todo, got):
             total = 0.0
-            for v in parts:
-                total += float(v)
+            for v in parts:  # a part: one leaf's sum, or a replica group's per leaf (``zero1``), in leaf order
+                for x in np.ravel(v):
+                    total += float(x)
             m._value = total
         return [m.value() if isinstance(m, Squares) else float(m) for m in many]
 

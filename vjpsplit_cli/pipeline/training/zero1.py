@@ -26,7 +26,6 @@ new parameters are gathered over the replicas' axis only, back to the stage's la
 
 from __future__ import annotations
 
-import math
 from typing import Mapping, Sequence
 
 import jax
@@ -44,7 +43,7 @@ from ..runtime.offload import Offload
 from ..runtime.reduction import AXIS, zero_spec
 from ..runtime.replicas import ReplicaGroup, replica_placement
 from .arguments import Optimizer
-from .clipping import sum_of_squares
+from .clipping import Squares
 from .optimizer import export_optimizer, load_optimizer
 from .ownership import Ownership
 from .separable import WholeOptimizer
@@ -152,29 +151,30 @@ class ReplicaTrainer:
     def _flat_grads(self) -> dict[str, Leaf]:
         return flat_grads(self.worker.grads, self.local, self.stage_index)
 
-    def tied_grads(self) -> dict[str, np.ndarray]:
-        """This stage's gradients of its tied leaves (summed over the replicas), as host arrays."""
+    def tied_grads(self) -> dict[str, Leaf]:
+        """This stage's gradients of its tied leaves (summed over the replicas), where they are: on its devices."""
         g = self._flat_grads()
-        return {k: np.asarray(g[k]) for k in sorted(self.holders)}
+        return {k: g[k] for k in sorted(self.holders)}
 
-    def prepare(self, contributions: Mapping[int, Mapping[str, Leaf]]) -> float:
-        """Each tied leaf's gradient summed over its holders in stage order (as ``StageTrainer.prepare``); this
-        stage's share of the squared global norm (its replicas' shards, from the reduction, and tied leaves)."""
+    def prepare(self, contributions: Mapping[int, Mapping[str, Leaf]]) -> Squares:
+        """Each tied leaf's gradient summed over its holders in stage order (as ``StageTrainer.prepare``), on this
+        stage's devices in its own gradient's layout (``contributions``: stage -> its ``tied_grads``, device or host
+        arrays); this stage's share of the squared global norm (its replicas' shards, from the reduction, and tied
+        leaves), dispatched: nothing waits, nothing comes to the host."""
         g = self._flat_grads()
-        own = contributions.get(self.stage_index, {})
         for k, holding in self.holders.items():
-            parts = [
-                (own[k] if k in own else np.asarray(g[k])) if s == self.stage_index else contributions[s][k]
-                for s in holding
-            ]
-            total = parts[0].copy()
+            mine = g[k]
+            parts = [mine if s == self.stage_index else contributions[s][k] for s in holding]
+            if isinstance(mine, jax.Array):  # the others' copies laid out as this stage's own gradient
+                parts = [p if p is mine else jax.device_put(p, mine.sharding) for p in parts]
+            total = parts[0]
             for p in parts[1:]:
                 total = total + p
             g[k] = total
         self.grads = g
-        squares = np.asarray(jax.device_get(self.worker.squares)).ravel()
-        tied = sum_of_squares(g, [k for k in self.counted if k in self.holders])
-        return math.fsum([*(float(v) for v in squares), tied])
+        tied = Squares.of(g, [k for k in self.counted if k in self.holders])
+        squares = [] if self.worker.squares is None else [self.worker.squares]
+        return Squares([*squares, *tied.parts])
 
     def shares(self, rnd: int, scale: float, value: float, reduced: Sequence[np.ndarray]) -> list[np.ndarray]:
         """This stage's shares of the optimizer's reductions over leaves of round ``rnd`` (host scalars), from
