@@ -75,7 +75,9 @@ def flow_pairs(doc):
             if ev["ph"] == "f":  # at the start of the slice it flows into (never the B of no time its F ran,
                 # which may end where the next operation starts: it reads no value)
                 (hit,) = [x for x in by_track[ev["tid"]] if abs(x["ts"] - ev["ts"]) <= 1e-3 and x["dur"] > 0]
-            else:
-                (hit,) = [x for x in by_track[ev["tid"]] if x["ts"] < ev["ts"] < x["ts"] + x["dur"]]
+            else:  # in the middle of the slice it flows from (a worker's track holds its replicas' side by side)
+                inside = [x for x in by_track[ev["tid"]] if x["ts"] < ev["ts"] < x["ts"] + x["dur"]]
+                middle = [x for x in inside if abs(x["ts"] + x["dur"] / 2 - ev["ts"]) <= 1e-3]
+                (hit,) = middle if len(inside) > 1 else inside
             ends[ev["id"]][ev["ph"]] = hit["name"]
     return sorted((e["s"], e["f"]) for e in ends.values())
