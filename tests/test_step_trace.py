@@ -777,3 +777,23 @@ def test_a_trace_file_from_before_kind_i_reads_its_input_parts_as_i(tmp_path):
         assert [(e.worker, e.kind, e.mb, e.stage) for e in back.events] == [
             (e.worker, e.kind, e.mb, e.stage) for e in now
         ], name
+
+
+def test_a_workers_update_handed_out_while_its_last_operation_runs_starts_after_it_in_the_trace(tmp_path):
+    """The step's thread may hand out a stage's update while the worker's last operation still runs on its device
+    (a timed step's operation ends when its results exist): the update's slice starts once that operation ended,
+    as it runs on the device, so the worker's track nests (a strict viewer refused it before: the compat run)."""
+    from tracecheck import check_trace_file
+
+    from vjpsplit_cli.pipeline.schedules.timeline import Event, Phase
+    from vjpsplit_cli.pipeline.schedules.tracefile import trace_events, write_trace
+
+    events = [Event(0, "F", 0, 10.0, 10.001, 0), Event(0, "B", 0, 10.001, 10.004, 0)]
+    phases = [Phase(None, "hand out", 10.0, 10.0015), Phase(0, "update", 10.002, 10.0025)]
+    write_trace(tmp_path / "t.json", trace_events(events, phases, 1, 1))
+    doc = check_trace_file(tmp_path / "t.json")  # before: the update overlapped the B without nesting in it
+    (update,) = [ev for ev in doc["traceEvents"] if ev.get("name") == "update"]
+    (b,) = [ev for ev in doc["traceEvents"] if ev.get("name") == "B s0 mb0" and ev["tid"] == 1]
+    assert update["ts"] == b["ts"] + b["dur"] and update["dur"] == 0.0  # its host span ended before the B did
+    (hand_out,) = [ev for ev in doc["traceEvents"] if ev.get("name") == "hand out"]
+    assert hand_out["ts"] == 0.0 and hand_out["dur"] == 1500.0  # the driver's track: as marked

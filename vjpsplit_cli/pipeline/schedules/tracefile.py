@@ -162,11 +162,20 @@ def _op_slices(
     return out
 
 
-def _phase_slices(phases: Sequence[Phase], origin: float) -> list[dict[str, object]]:
-    """Each driver phase's, reduction's and update's slice on its track."""
+def _phase_slices(phases: Sequence[Phase], events: Sequence[Event], origin: float) -> list[dict[str, object]]:
+    """Each driver phase's, reduction's and update's slice on its track. A worker's phase is marked by the step's
+    thread, which may hand out a stage's update while the worker's last operation still runs on its device (a
+    timed step's operations end when their results exist): it starts once the worker's operations that began
+    before it ended, as it runs on the device, so that the slices of a track nest or are apart."""
+    last_end: dict[int, list[tuple[float, float]]] = {}
+    for e in events:
+        last_end.setdefault(e.worker, []).append((e.start, e.end))
     out: list[dict[str, object]] = []
     for p in phases:
-        ts, dur = _span(p.start, p.end, origin)
+        start = p.start
+        if p.worker is not None:
+            start = max([start, *(b for a, b in last_end.get(p.worker, []) if a < p.start)])
+        ts, dur = _span(start, max(p.end, start), origin)
         out.append(
             {
                 "ph": "X",
@@ -256,7 +265,7 @@ def trace_events(
         *_worker_tracks(events, num_workers),
         *device_names,
         *_op_slices(events, device_tracks, origin),
-        *_phase_slices(phases, origin),
+        *_phase_slices(phases, events, origin),
         *_flows(events, num_stages, origin),
     ]
     other = {
