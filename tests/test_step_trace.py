@@ -797,3 +797,31 @@ def test_a_workers_update_handed_out_while_its_last_operation_runs_starts_after_
     assert update["ts"] == b["ts"] + b["dur"] and update["dur"] == 0.0  # its host span ended before the B did
     (hand_out,) = [ev for ev in doc["traceEvents"] if ev.get("name") == "hand out"]
     assert hand_out["ts"] == 0.0 and hand_out["dur"] == 1500.0  # the driver's track: as marked
+
+
+def test_replicas_running_at_once_each_have_a_track_and_read_back_with_their_worker(tmp_path):
+    """A worker's replicas (data_parallel) run at once on their devices: replica 0's slices on the worker's track,
+    replica r's on a track of its own, so every track nests (on one track they overlapped); read back, each
+    event has its worker and replica, and the trace its workers."""
+    from tracecheck import check_trace_file, flow_pairs
+
+    from vjpsplit_cli.pipeline.schedules.timeline import Event
+    from vjpsplit_cli.pipeline.schedules.tracefile import read_trace, trace_events, write_trace
+
+    events = [
+        Event(w, "F", 0, 10.0 + w * 0.002 + r * 0.0003, 10.0015 + w * 0.002 + r * 0.0003, w, replica=r)
+        for w in range(2)
+        for r in range(2)
+    ]
+    write_trace(tmp_path / "t.json", trace_events(events, [], 2, 2))
+    doc = check_trace_file(tmp_path / "t.json")  # before: F s0 mb0 r1 overlapped F s0 mb0 r0 on worker 0's track
+    tracks = {ev["tid"]: ev["args"]["name"] for ev in doc["traceEvents"] if ev["name"] == "thread_name"}
+    for w in range(2):
+        on = {
+            ev["name"] for ev in doc["traceEvents"] if ev["ph"] == "X" and tracks[ev["tid"]].startswith(f"worker {w}")
+        }
+        assert on == {f"F s{w} mb0 r0", f"F s{w} mb0 r1"}
+    assert flow_pairs(doc) == [(f"F s0 mb0 r{r}", f"F s1 mb0 r{r}") for r in range(2)]
+    back = read_trace(tmp_path / "t.json")
+    assert back.num_workers == 2
+    assert sorted((e.worker, e.replica) for e in back.events) == [(0, 0), (0, 1), (1, 0), (1, 1)]

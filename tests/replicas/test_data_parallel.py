@@ -435,7 +435,7 @@ def test_a_steps_aux_on_replicas_is_the_mean_of_theirs_and_a_mean_metric_equals_
 
 def test_a_timed_steps_trace_shows_every_replica_on_its_device_and_the_reduction(tmp_path):
     """data_parallel=2, a timed step traced: every replica's copy of every operation is an event and a slice
-    (``F s1 mb0 r1``) on its worker's track and on its own device's; each replica sends to the same replica of
+    (``F s1 mb0 r1``) on a worker-level track of its replica and on its own device's; each replica sends to the same replica of
     the next stage; each stage's cross-replica reduction is a ``reduce replicas`` slice on its worker's track,
     after the stage's last backward and before its update. The file reads back with the replicas."""
     from tracecheck import check_trace_file, flow_pairs, op_slices

@@ -5,7 +5,9 @@ opens in Perfetto's UI (ui.perfetto.dev), ``chrome://tracing`` and XProf's
 (TensorBoard's) trace viewer. One process, one track (``tid``) per worker
 (``tid`` = worker + 1) and the driver's own (``tid`` 0); a sharded stage's
 operations are drawn again on a track per device of its mesh, and on a stage with
-replicas (``data_parallel``) each replica's on its device's track. Each operation is
+replicas (``data_parallel``) each replica's on its device's track; replica r >= 1 of
+a worker has a worker-level track of its own (``REPLICA_TRACKS``), as its copies run
+at the same time as replica 0's, which are on the worker's. Each operation is
 a complete slice (``ph: "X"``) named ``I s1 mb3`` (kind, stage, microbatch, as
 ``timeline.op_name`` and each operation's ``jax.profiler.TraceAnnotation`` name
 it; replica 1's copy ``I s1 mb3 r1``), its category its kind (``F``, ``B``, ``I`` or
@@ -46,6 +48,16 @@ T = TypeVar("T")
 PID = 1
 DRIVER = 0  # the driver's track; worker w's is w + 1
 DEVICE_TRACKS = 1000  # a sharded stage's per-device tracks: DEVICE_TRACKS + 100 * worker + i
+# Replica r >= 1 of a worker's stages (data_parallel): its own worker-level track, REPLICA_TRACKS + 20 * worker + r
+# (replica 0's is the worker's): the replicas run at once on their devices, and one track's slices must nest.
+REPLICA_TRACKS = 500
+
+
+def _track(worker: int, replica: int | None) -> int:
+    """The worker-level track of ``worker``'s operations (of replica ``replica``)."""
+    return worker + 1 if not replica else REPLICA_TRACKS + 20 * worker + replica
+
+
 _KINDS = {str(k) for k in Kind}
 
 
@@ -109,6 +121,8 @@ def _worker_tracks(events: Sequence[Event], num_workers: int) -> list[dict[str, 
     for w in range(num_workers):
         stages = ", ".join(map(str, sorted(held.get(w, ())))) or "none"
         out += _thread(w + 1, f"worker {w} (stages {stages})", w + 1)
+    for w, r in sorted({(e.worker, e.replica) for e in events if e.replica}):
+        out += _thread(_track(w, r), f"worker {w} replica {r}", _track(w, r))
     return out
 
 
@@ -146,7 +160,7 @@ def _op_slices(
             args["replica"] = e.replica
             on = on[e.replica : e.replica + 1]
         ts, dur = _span(e.start, e.end, origin)
-        for tid in [e.worker + 1, *on]:
+        for tid in [_track(e.worker, e.replica), *on]:
             out.append(
                 {
                     "ph": "X",
@@ -213,7 +227,7 @@ def _flows(events: Sequence[Event], num_stages: int, origin: float) -> list[dict
                 "name": name,
                 "cat": "send",
                 "pid": PID,
-                "tid": e.worker + 1,
+                "tid": _track(e.worker, e.replica),
                 "ts": (_nanos(e.start, origin) + _nanos(e.end, origin)) // 2 / 1e3,  # the middle of its slice
             }
         )
@@ -225,7 +239,7 @@ def _flows(events: Sequence[Event], num_stages: int, origin: float) -> list[dict
                 "name": name,
                 "cat": "send",
                 "pid": PID,
-                "tid": c.worker + 1,
+                "tid": _track(c.worker, c.replica),
                 "ts": _micros(c.start, origin),
             }
         )
@@ -337,7 +351,12 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
         if not isinstance(ev, dict):
             raise VjpsplitError(f"{where}: not an object")
         tid = ev.get("tid")
-        if ev.get("ph") == "M" and ev.get("name") == "thread_name" and isinstance(tid, int) and 0 < tid < DEVICE_TRACKS:
+        if (
+            ev.get("ph") == "M"
+            and ev.get("name") == "thread_name"
+            and isinstance(tid, int)
+            and 0 < tid < REPLICA_TRACKS
+        ):
             workers = max(workers, tid)
         if ev.get("ph") != "X":
             continue
@@ -352,7 +371,8 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
                 raise VjpsplitError(f"{where}: an operation's slice without args")
             stage, mb = _field(args, "stage", int, where), _field(args, "mb", int, where)
             replica = _field(args, "replica", int, where) if "replica" in args else None
-            events.append(Event(tid - 1, str(ev["cat"]), mb, start, end, stage, replica=replica))
+            worker = _field(args, "worker", int, where) if "worker" in args else tid - 1  # a replica's own track
+            events.append(Event(worker, str(ev["cat"]), mb, start, end, stage, replica=replica))
         else:
             name = _field(ev, "name", str, where)
             phases.append(Phase(None if tid == DRIVER else tid - 1, name, start, end))
