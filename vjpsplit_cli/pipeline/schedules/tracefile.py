@@ -48,14 +48,22 @@ T = TypeVar("T")
 PID = 1
 DRIVER = 0  # the driver's track; worker w's is w + 1
 DEVICE_TRACKS = 1000  # a sharded stage's per-device tracks: DEVICE_TRACKS + 100 * worker + i
-# Replica r >= 1 of a worker's stages (data_parallel): its own worker-level track, REPLICA_TRACKS + 20 * worker + r
-# (replica 0's is the worker's): the replicas run at once on their devices, and one track's slices must nest.
+# Replica r >= 1 of a worker's stages (data_parallel): a worker-level track of its own, numbered from REPLICA_TRACKS
+# in (worker, replica) order (replica 0's is the worker's): the replicas run at once on their devices, and one
+# track's slices must nest.
 REPLICA_TRACKS = 500
+Tracks = Mapping[tuple[int, int], int]  # (worker, replica) -> its track, for replicas >= 1
 
 
-def _track(worker: int, replica: int | None) -> int:
-    """The worker-level track of ``worker``'s operations (of replica ``replica``)."""
-    return worker + 1 if not replica else REPLICA_TRACKS + 20 * worker + replica
+def _replica_tracks(events: Sequence[Event]) -> dict[tuple[int, int], int]:
+    """The track of each replica >= 1 of a worker that ran in ``events``."""
+    held = sorted({(e.worker, e.replica) for e in events if e.replica})
+    return {wr: REPLICA_TRACKS + i for i, wr in enumerate(held)}
+
+
+def _track(e: Event, replicas: Tracks) -> int:
+    """The worker-level track of operation ``e`` (of its replica's, ``_replica_tracks``)."""
+    return replicas.get((e.worker, e.replica), e.worker + 1) if e.replica else e.worker + 1
 
 
 _KINDS = {str(k) for k in Kind}
@@ -112,7 +120,7 @@ def _thread(tid: int, name: str, sort_index: int) -> list[dict[str, object]]:
     ]
 
 
-def _worker_tracks(events: Sequence[Event], num_workers: int) -> list[dict[str, object]]:
+def _worker_tracks(events: Sequence[Event], num_workers: int, replicas: Tracks) -> list[dict[str, object]]:
     """Each worker's track's metadata, named by the stages it ran."""
     held: dict[int, set[int]] = {}
     for e in events:
@@ -121,8 +129,8 @@ def _worker_tracks(events: Sequence[Event], num_workers: int) -> list[dict[str, 
     for w in range(num_workers):
         stages = ", ".join(map(str, sorted(held.get(w, ())))) or "none"
         out += _thread(w + 1, f"worker {w} (stages {stages})", w + 1)
-    for w, r in sorted({(e.worker, e.replica) for e in events if e.replica}):
-        out += _thread(_track(w, r), f"worker {w} replica {r}", _track(w, r))
+    for (w, r), tid in replicas.items():
+        out += _thread(tid, f"worker {w} replica {r}", tid)
     return out
 
 
@@ -148,10 +156,10 @@ def _device_tracks(
 
 
 def _op_slices(
-    events: Sequence[Event], device_tracks: Mapping[int, Sequence[int]], origin: float
+    events: Sequence[Event], device_tracks: Mapping[int, Sequence[int]], replicas: Tracks, origin: float
 ) -> list[dict[str, object]]:
-    """Each operation's slice on its worker's track and again on its stage's device tracks (a replica's copy:
-    on its own device's)."""
+    """Each operation's slice on its worker's track (replica r >= 1's: its own, ``replicas``) and again on its
+    stage's device tracks (a replica's copy: on its own device's)."""
     out: list[dict[str, object]] = []
     for e in events:
         args: dict[str, object] = {"kind": str(e.kind), "stage": e.stage, "mb": e.mb, "worker": e.worker}
@@ -160,7 +168,7 @@ def _op_slices(
             args["replica"] = e.replica
             on = on[e.replica : e.replica + 1]
         ts, dur = _span(e.start, e.end, origin)
-        for tid in [_track(e.worker, e.replica), *on]:
+        for tid in [_track(e, replicas), *on]:
             out.append(
                 {
                     "ph": "X",
@@ -181,14 +189,14 @@ def _phase_slices(phases: Sequence[Phase], events: Sequence[Event], origin: floa
     thread, which may hand out a stage's update while the worker's last operation still runs on its device (a
     timed step's operations end when their results exist): it starts once the worker's operations that began
     before it ended, as it runs on the device, so that the slices of a track nest or are apart."""
-    last_end: dict[int, list[tuple[float, float]]] = {}
+    spans: dict[int, list[tuple[float, float]]] = {}  # each worker's operations' (start, end)
     for e in events:
-        last_end.setdefault(e.worker, []).append((e.start, e.end))
+        spans.setdefault(e.worker, []).append((e.start, e.end))
     out: list[dict[str, object]] = []
     for p in phases:
         start = p.start
         if p.worker is not None:
-            start = max([start, *(b for a, b in last_end.get(p.worker, []) if a < p.start)])
+            start = max([start, *(b for a, b in spans.get(p.worker, []) if a < p.start)])
         ts, dur = _span(start, max(p.end, start), origin)
         out.append(
             {
@@ -205,7 +213,7 @@ def _phase_slices(phases: Sequence[Phase], events: Sequence[Event], origin: floa
     return out
 
 
-def _flows(events: Sequence[Event], num_stages: int, origin: float) -> list[dict[str, object]]:
+def _flows(events: Sequence[Event], num_stages: int, replicas: Tracks, origin: float) -> list[dict[str, object]]:
     """A flow (start and finish) for each value one worker sends another, one ``id`` per pair."""
     by_op = {(e.kind in BACKWARDS, e.stage, e.mb, e.replica): e for e in events if e.kind != Kind.W}
     forwards = {(e.stage, e.mb, e.replica): e for e in events if e.kind == Kind.F}
@@ -227,7 +235,7 @@ def _flows(events: Sequence[Event], num_stages: int, origin: float) -> list[dict
                 "name": name,
                 "cat": "send",
                 "pid": PID,
-                "tid": _track(e.worker, e.replica),
+                "tid": _track(e, replicas),
                 "ts": (_nanos(e.start, origin) + _nanos(e.end, origin)) // 2 / 1e3,  # the middle of its slice
             }
         )
@@ -239,7 +247,7 @@ def _flows(events: Sequence[Event], num_stages: int, origin: float) -> list[dict
                 "name": name,
                 "cat": "send",
                 "pid": PID,
-                "tid": _track(c.worker, c.replica),
+                "tid": _track(c, replicas),
                 "ts": _micros(c.start, origin),
             }
         )
@@ -273,14 +281,15 @@ def trace_events(
     times = [e.start for e in events] + [p.start for p in phases]
     origin = min(times) if times else 0.0
     device_tracks, device_names = _device_tracks(events, devices or {})
+    replicas = _replica_tracks(events)
     out: list[dict[str, object]] = [
         {"ph": "M", "name": "process_name", "pid": PID, "tid": DRIVER, "args": {"name": title}},
         *_thread(DRIVER, "driver", 0),
-        *_worker_tracks(events, num_workers),
+        *_worker_tracks(events, num_workers, replicas),
         *device_names,
-        *_op_slices(events, device_tracks, origin),
+        *_op_slices(events, device_tracks, replicas, origin),
         *_phase_slices(phases, events, origin),
-        *_flows(events, num_stages, origin),
+        *_flows(events, num_stages, replicas, origin),
     ]
     other = {
         "origin_s": origin,
