@@ -136,7 +136,7 @@ def _cpu_has_pinned_host() -> bool:
     "dtype", [np.float32, jax.numpy.bfloat16, np.float16, np.int32, np.int8, np.uint8, np.bool_, np.uint32]
 )
 def test_packed_residuals_come_back_bit_for_bit(dtype):
-    from vjpsplit_cli.pipeline.runtime import offload
+    from vjpsplit_cli.pipeline.runtime import packing
 
     rng = np.random.default_rng(0)
     shapes = [(3, 5), (), (0, 4), (2, 1, 7)]
@@ -145,11 +145,11 @@ def test_packed_residuals_come_back_bit_for_bit(dtype):
     host.append(np.array([np.nan, -0.0, np.inf], np.float32))  # NaN payloads and signed zeros are bits too
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     arrays = [jax.device_put(h, sharding) for h in host]
-    assert offload._packable(arrays)
+    assert packing.packable(arrays)
     specs = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in arrays)
-    buf = offload._packer(specs, sharding)(arrays)
+    buf = packing.packer(specs, sharding)(arrays)
     assert buf.sharding.memory_kind == "pinned_host" and buf.dtype == np.uint8
-    back = offload._unpacker(specs, sharding)(buf)
+    back = packing.unpacker(specs, sharding)(buf)
     assert [b.sharding for b in back] == [sharding] * len(arrays)
     _bitwise(back, arrays)
 
@@ -190,8 +190,8 @@ def test_pinned_host_copies_run_right_after_f_and_right_before_b_and_halve_an_un
             tr.step(_batches(1)[0])
             return [t.worker.peak_residual_bytes for t in tr.backend.trainers], tr.params()
 
-    monkeypatch.setattr(offload, "_packer", spy("out", offload._packer))
-    monkeypatch.setattr(offload, "_unpacker", spy("back", offload._unpacker))
+    monkeypatch.setattr(offload, "packer", spy("out", offload.packer))
+    monkeypatch.setattr(offload, "unpacker", spy("back", offload.unpacker))
     monkeypatch.setattr(StageWorker, "_run", spy_run)
     ref, ref_params = untimed_peaks(None)
     got, params = untimed_peaks(P.Offload(stages=[0]))

@@ -7,7 +7,7 @@ off the device: to an accelerator's ``pinned_host`` memory where it has one, els
 cheaper) host NumPy copies made on the offloader's own thread, or, on that thread,
 to the project's checksummed residual files in a directory the user names.
 
-On an accelerator both copies are compiled calls (``_packer``, ``_unpacker``): the copy out is
+On an accelerator both copies are compiled calls (``packing.packer``, ``packing.unpacker``): the copy out is
 dispatched right after the F, the copy back right before the B, so each runs where
 the plan puts it in the device's own order, whatever the host's dispatch runs
 ahead of: the bytes are off the device from the copy out until the copy back,
@@ -37,7 +37,6 @@ backward (``Intermediates``) also stays on the device.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import threading
 import uuid
@@ -56,6 +55,7 @@ from ...safeio.outputs import check_directory_option
 from ...tracing.frozen import FrozenDict
 from ..schedules.ops import BACKWARDS, Kind, Op, OpKey
 from .devicebytes import leaf_bytes
+from .packing import packable, packer, unpacker
 from .workerthreads import WorkerThreads
 from ...treetypes import Leaf
 
@@ -195,7 +195,9 @@ class Away:
         self.specs = [(tuple(a.shape), np.dtype(a.dtype)) for a in arrays]
         self.nbytes = sum(map(leaf_bytes, arrays))
         self.path: str | None = None
-        self.pinned: jax.Array | None = None  # the bytes in ``pinned_host`` memory (``_packer``), where they went there
+        self.pinned: jax.Array | None = (
+            None  # the bytes in ``pinned_host`` memory (``packing.packer``), where they went there
+        )
         # The host copies (host: pinned_host or NumPy) or None (files), once away.
         self.out: Future[jax.Array] | Future[list[np.ndarray]] | Future[None] | None = None
         self.back: Future[Residuals] | None = None  # the residuals on the device again
@@ -306,11 +308,11 @@ class Offloader:
             tagged = res.replace(stored=FrozenDict(zip(moved, arrays)), residuals_id=self.tag(mb))
             away.out = self.submit(self.files.writer(away.path, tagged))
         else:
-            if _packable(arrays) and _via_pinned_host(arrays[0]):
+            if packable(arrays) and _via_pinned_host(arrays[0]):
                 # One compiled call, in the device's order right after F: the arrays packed into one buffer of
                 # bytes, which goes to pinned_host memory (one transfer: each array of its own costs about 0.5 ms
                 # of the host's time on a TPU); the device's bytes go once it has run.
-                away.pinned = _packer(tuple(away.specs), arrays[0].sharding)(arrays)
+                away.pinned = packer(tuple(away.specs), arrays[0].sharding)(arrays)
                 away.out = _done(away.pinned)
             elif all(a.is_ready() for a in arrays):  # type: ignore[attr-defined]  # not in the stub
                 # A timed step's F, waited for: copied now (a memcpy), so they are off the device at this boundary.
@@ -373,7 +375,7 @@ class Offloader:
         if self.spec.to == FILES:
             host = self._read(mb, away)
         if away.pinned is not None:  # one compiled call: the buffer back on the device, unpacked there
-            arrays = _unpacker(tuple(away.specs), away.shardings[0])(away.pinned)
+            arrays = unpacker(tuple(away.specs), away.shardings[0])(away.pinned)
         else:
             arrays = jax.device_put(host, away.shardings)
         return away.shell.replace(stored=FrozenDict({**away.shell.stored, **dict(zip(away.moved, arrays))}))
@@ -476,71 +478,6 @@ def _to_host(arrays: Sequence[Leaf]) -> list[np.ndarray]:
         np.copyto(dst, src)
         out.append(dst)
     return out
-
-
-def _packable(arrays: Sequence[jax.Array]) -> bool:
-    """Whether ``arrays`` pack into one buffer of bytes (``_packer``): all on one device, with one sharding, of
-    dtypes of whole bytes (bool, ints, floats; not complex, not sub-byte)."""
-    s = arrays[0].sharding
-    return len(s.device_set) == 1 and all(a.sharding == s and _whole_bytes(np.dtype(a.dtype)) for a in arrays)
-
-
-def _whole_bytes(d: np.dtype) -> bool:
-    if d == np.bool_:
-        return True
-    if not (jax.numpy.issubdtype(d, jax.numpy.integer) or jax.numpy.issubdtype(d, jax.numpy.floating)):
-        return False
-    bits = getattr(jax.dtypes, "itemsize_bits", None)  # int4 and the like: less than a byte each
-    return bool(bits(d) == 8 * d.itemsize) if bits is not None else not d.name.endswith(("int4", "int2", "e2m1fn"))
-
-
-def _as_bytes(x: jax.Array) -> jax.Array:
-    if x.dtype == np.bool_:
-        return x.astype(np.uint8).reshape(-1)
-    return jax.lax.bitcast_convert_type(x, np.uint8).reshape(-1)
-
-
-def _from_bytes(b: jax.Array, shape: tuple[int, ...], dtype: np.dtype) -> jax.Array:
-    if dtype == np.bool_:
-        return (b != 0).reshape(shape)
-    if dtype.itemsize == 1:
-        return jax.lax.bitcast_convert_type(b, dtype).reshape(shape)
-    return jax.lax.bitcast_convert_type(b.reshape(*shape, dtype.itemsize), dtype)
-
-
-@functools.cache
-def _packer(
-    specs: tuple[tuple[tuple[int, ...], np.dtype], ...], sharding: jax.sharding.Sharding
-) -> Callable[[Sequence[jax.Array]], jax.Array]:
-    """One compiled call: arrays of ``specs`` on ``sharding``'s device, their bytes as one buffer in its
-    ``pinned_host`` memory. A program runs in the device's order, where it was dispatched (a ``jax.device_put``
-    runs on a stream of its own as soon as its input is ready); one buffer is one transfer.
-
-    Reference: JAX's memory kinds, https://docs.jax.dev/en/latest/notebooks/host-offloading.html
-    """
-    del specs  # the key: jit traces each signature once anyway; the unpacker needs them
-    return jax.jit(
-        lambda xs: jax.numpy.concatenate([_as_bytes(x) for x in xs]),
-        out_shardings=sharding.with_memory_kind("pinned_host"),
-    )
-
-
-@functools.cache
-def _unpacker(
-    specs: tuple[tuple[tuple[int, ...], np.dtype], ...], sharding: jax.sharding.Sharding
-) -> Callable[[jax.Array], list[jax.Array]]:
-    """One compiled call: ``_packer``'s buffer back on ``sharding`` (its device's memory), as the arrays of
-    ``specs``, bit for bit."""
-    sizes = [int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for shape, dtype in specs]
-    starts = np.cumsum([0, *sizes]).tolist()
-
-    def unpack(buf: jax.Array) -> list[jax.Array]:
-        buf = jax.device_put(buf, sharding)  # host memory to the device's, inside the call
-        return [
-            _from_bytes(buf[a : a + n], shape, np.dtype(dtype)) for a, n, (shape, dtype) in zip(starts, sizes, specs)
-        ]
-
-    return jax.jit(unpack, out_shardings=[sharding] * len(specs))
 
 
 def _done(value: T) -> Future[T]:

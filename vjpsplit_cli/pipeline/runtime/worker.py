@@ -23,6 +23,7 @@ from ..schedules.ops import Kind, Op
 from .devices import default_device
 from .hang_report import RING, RingOp
 from .devicebytes import HeldBytes, is_array
+from . import packing
 from .offload import Away, Offload, Offloader
 from .stagecalls import calls_for, signature_of
 from ..schedules.timeline import Event, op_name
@@ -73,6 +74,8 @@ class StageWorker:
         # Host arrays go to the device through one jitted identity: its call's transfer is C++, where
         # jax.device_put's Python took 200-400 µs of CPU per call inside a busy Ray actor (40 µs idle).
         self._host_put = None if self._sharding is None else jax.jit(_identity, out_shardings=self._sharding)
+        # On an accelerator the small host arrays go packed in one buffer (``packing``): one transfer, not one each.
+        self._packs_host = self.device is not None and packing.packs_host_to(self.device)
         self.params = self.place_params(params)
         self.stage_index = stage_index
         self.num_stages = num_stages
@@ -229,13 +232,28 @@ class StageWorker:
         if not host and not move:  # all there already (every stage on one device): nothing to rebuild
             return tree
         if host:
-            assert self._host_put is not None  # made with the sharding
-            for i, a in zip(host, self._host_put(*[leaves[i] for i in host])):
-                leaves[i] = a
+            self._put_host(leaves, host)
         if move:
             for i, a in zip(move, jax.device_put([leaves[i] for i in move], s)):
                 leaves[i] = a
         return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def _put_host(self, leaves: list[PyTree], host: list[int]) -> None:
+        """``leaves[i]`` for ``i`` in ``host`` (NumPy arrays) on this stage's device, in place: on an accelerator
+        the small ones in one packed buffer and one compiled call (``packing``), the rest in one jitted identity."""
+        s, put = self._sharding, self._host_put
+        assert s is not None and put is not None  # made with the sharding
+        small = [i for i in host if packing.host_packs(leaves[i])] if self._packs_host else []
+        if len(small) > 1:
+            arrays = [leaves[i] for i in small]
+            specs = tuple((a.shape, a.dtype) for a in arrays)
+            for i, a in zip(small, packing.unpacker(specs, s)(packing.pack_host(arrays))):
+                leaves[i] = a
+            packed = set(small)
+            host = [i for i in host if i not in packed]
+        if host:
+            for i, a in zip(host, put(*[leaves[i] for i in host])):
+                leaves[i] = a
 
     def fetch_losses(self) -> dict[int, float]:
         """The per-microbatch losses on the host, all in one transfer.
