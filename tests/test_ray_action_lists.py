@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from vjpsplit_cli.pipeline.runtime.ray.lists import action_lists, hands_on_early
+from vjpsplit_cli.pipeline.runtime.ray.lists import action_lists
+from vjpsplit_cli.pipeline.schedules.actions import hands_on_early
 from vjpsplit_cli.pipeline.schedules.builtins import schedule
 from vjpsplit_cli.pipeline.schedules.modeled import modeled_makespan
 from vjpsplit_cli.pipeline.schedules.ops import Kind, Op

@@ -30,7 +30,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, TypeVar
 
-from ...schedules.ops import BACKWARDS, Kind, Op, OpKey, dependencies, received
+from ...schedules.actions import computations, destination, hands_on_early, lower
+from ...schedules.ops import Kind, Op, OpKey, dependencies, received
 from ..hang_report import DONE, NEXT, RUNS, WAITS, Now
 from ..model import Microbatch, side_for
 from ..stageops import RunsOps, run_op
@@ -211,41 +212,12 @@ def _ready(value: object) -> bool:
     return all(is_ready(a) for a in arrays)
 
 
-def destination(op: Op, num_stages: int) -> int | None:
-    """The stage that reads ``op``'s result: the next for an F, the previous for a B or I; None (the loss, W,
-    stage 0's backward)."""
-    if op.kind == Kind.F:
-        return op.stage + 1 if op.stage < num_stages - 1 else None
-    if op.kind in BACKWARDS:
-        return op.stage - 1 if op.stage > 0 else None
-    return None
-
-
-def hands_on_early(op: Op, splits: Mapping[int, bool] | Sequence[bool], worker_of: Mapping[int, int]) -> bool:
-    """Whether an untimed list runs ``op`` as its input part, then sends the cotangent, then its weight part: a B
-    on a stage with the split backward (``splits[stage]``) whose cotangent goes to another worker's stage
-    (``run_list``'s ``hand_on``)."""
-    if op.kind != Kind.B or op.stage == 0 or not splits[op.stage]:
-        return False
-    return worker_of[op.stage - 1] != worker_of[op.stage]
-
-
 def action_lists(plans: Sequence[Sequence[Op]], splits: Sequence[bool], worker_of: Mapping[int, int]) -> list[list[Op]]:
-    """Each worker's action list as untimed lists run ``plans`` on Ray: each B that hands its cotangent on early (``hands_on_early``)
-    as its I then its W, the cotangent leaving at the I's end. A lower bound on a Ray step is the makespan of these: the
-    plans as scheduled charge such a B's weight part before its cotangent leaves."""
-    return [
-        [
-            part
-            for op in ops
-            for part in (
-                (Op(Kind.I, op.mb, op.stage), Op(Kind.W, op.mb, op.stage))
-                if hands_on_early(op, splits, worker_of)
-                else (op,)
-            )
-        ]
-        for ops in plans
-    ]
+    """Each worker's computations as untimed lists run ``plans`` on Ray (``actions.lower``'s, without the moves):
+    each B that hands its cotangent on early (``actions.hands_on_early``) as its I then its W, the cotangent
+    leaving at the I's end. A lower bound on a Ray step is the makespan of these: the plans as scheduled charge
+    such a B's weight part before its cotangent leaves."""
+    return [computations(a) for a in lower(plans, worker_of, splits, len(worker_of))]
 
 
 class RunsLists(Protocol):
