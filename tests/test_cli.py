@@ -477,7 +477,11 @@ def test_export_errors(ws, tmp_path, args, needles):
         (["model:loss", "--shapes", "x=f32[3,6]"], "missing --shapes for parameter(s) params, labels"),
         (["model:vector"], "Missing option '--shapes'"),
         (["vector", "--shapes", "x=f32[3]"], "not MODULE:FN"),
-        (["model:vector", "--shapes", "x=missing.npz"], "--shapes x=missing.npz: no such"),
+        (["model:vector", "--shapes", "x=missing.npz"], "--shapes x=missing.npz: no such --shapes arrays file"),
+        # The option and its value as given, then the reason (not the path again, as normalised: missing.npz).
+        (["model:vector", "--shapes", "x=./missing.npz"], "--shapes x=./missing.npz: no such --shapes arrays file"),
+        (["model:vector", "--shapes", "x=f32[3]", "--at", "b=x"], "'--at': 'b=x' is not NAME=SIZE"),
+        (["model:vector", "--shapes", "x=f32[3]", "--at", "b=0"], "'--at': b=0: symbolic dims are >= 1"),
     ],
 )
 def test_usage_errors_exit_2(ws, tmp_path, args, needle):

@@ -107,9 +107,9 @@ class AtSizes(click.ParamType):
         from ..files.sizes import parse_at
 
         try:
-            parse_at([str(value)])
+            parse_at([str(value)], option="")
         except VjpsplitError as e:
-            self.fail(printable(str(e).removeprefix("--at ")), param, ctx)
+            self.fail(printable(str(e)), param, ctx)
         return str(value)
 
 

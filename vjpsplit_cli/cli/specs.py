@@ -134,9 +134,9 @@ def parse_spec(name: str, text: str, scope: jexport.SymbolicScope) -> Any:
             raise VjpsplitError(f"--shapes {name}=@{where}: {e}") from e
     if text.lower().endswith((".npz", ".msgpack")):  # as load_arrays reads them: any case
         try:  # a file that is not there (or cannot be opened) is a mistake in the command line
-            open_for_read(text, "--shapes arrays").close()
+            open_for_read(text, "--shapes arrays", named=f"--shapes {name}={text}").close()
         except VjpsplitError as e:
-            raise UsageError(f"--shapes {name}={text}: {str(e).removeprefix(text + ': ')}") from e
+            raise UsageError(*e.args) from e
         arrays, _ = load_arrays(text)
         mine = {k: v for k, v in arrays.items() if k == name or k.startswith(name + "/")}
         if mine:

@@ -147,8 +147,11 @@ def parse_bytes(text: str | int) -> int:
 AtSizes = Sequence[str] | Mapping[str, int] | None
 
 
-def parse_at(items: AtSizes) -> dict[str, int]:
-    """``['b=256', 't=128']`` (or a mapping) -> ``{'b': 256, 't': 128}``; sizes must be >= 1."""
+def parse_at(items: AtSizes, option: str = "--at ") -> dict[str, int]:
+    """``['b=256', 't=128']`` (or a mapping) -> ``{'b': 256, 't': 128}``; sizes must be >= 1.
+
+    ``option``: what starts each error's message (a click parameter type passes ``""``: click names the option).
+    """
     if items is None:
         return {}
     pairs: list[tuple[str, Any]]
@@ -161,16 +164,16 @@ def parse_at(items: AtSizes) -> dict[str, int]:
                 name, eq, value = part.partition("=")
                 # ASCII digits only: str.isdigit() also accepts '²', which int() refuses.
                 if not eq or not _AT_NAME.match(name.strip()) or not _AT_SIZE.match(value.strip()):
-                    raise VjpsplitError(f"--at {part!r} is not NAME=SIZE; write e.g. b=256")
+                    raise VjpsplitError(f"{option}{part!r} is not NAME=SIZE; write e.g. b=256")
                 pairs.append((name.strip(), int(value)))
     out: dict[str, int] = {}
     for name, value in pairs:
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise VjpsplitError(f"--at {name}={value!r}: a size must be an integer, e.g. b=256")
+            raise VjpsplitError(f"{option}{name}={value!r}: a size must be an integer, e.g. b=256")
         if int(value) < 1:
-            raise VjpsplitError(f"--at {name}={value}: symbolic dims are >= 1")
+            raise VjpsplitError(f"{option}{name}={value}: symbolic dims are >= 1")
         if int(value) > MAX_DIM:
-            raise VjpsplitError(f"--at {name}={value}: too large (at most 2**40); check the number")
+            raise VjpsplitError(f"{option}{name}={value}: too large (at most 2**40); check the number")
         out[str(name)] = int(value)
     return out
 

@@ -40,19 +40,23 @@ def os_error_message(path: str | os.PathLike, e: OSError, doing: str) -> str:
     return f"{printable(path)}: {what}"
 
 
-def open_for_read(path: str | os.PathLike, what: str) -> BinaryIO:
-    """Open a file for reading, turning every OS-level failure into one clear VjpsplitError."""
+def open_for_read(path: str | os.PathLike, what: str, named: str | None = None) -> BinaryIO:
+    """Open a file for reading, turning every OS-level failure into one clear VjpsplitError.
+
+    ``named``: how the message names the file (an option and its value, ``--shapes x=a.npz``); its path by default.
+    """
     path = Path(path)
+    where = str(path) if named is None else named
     try:
         return open(path, "rb")
     except FileNotFoundError as e:
-        raise VjpsplitError(f"{path}: no such {what} file; check the path") from e
+        raise VjpsplitError(f"{where}: no such {what} file; check the path") from e
     except IsADirectoryError as e:
-        raise VjpsplitError(f"{path}: is a directory, expected {_article(what)} {what} file") from e
+        raise VjpsplitError(f"{where}: is a directory, expected {_article(what)} {what} file") from e
     except PermissionError as e:
-        raise VjpsplitError(f"{path}: permission denied reading the {what} file; check its permissions") from e
+        raise VjpsplitError(f"{where}: permission denied reading the {what} file; check its permissions") from e
     except OSError as e:
-        raise VjpsplitError(f"{path}: cannot read the {what} file ({e.strerror or e})") from e
+        raise VjpsplitError(f"{where}: cannot read the {what} file ({e.strerror or e})") from e
 
 
 def read_bytes(path: str | os.PathLike, what: str) -> bytes:
