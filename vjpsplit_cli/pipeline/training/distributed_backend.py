@@ -12,8 +12,8 @@ artifact). The end of the step is ``stage_trainer.finish_stages`` on this proces
 stages, joined with the others' through ``crosshost.gather`` (tied gradients,
 squared norms, the loss, the optimizer's reductions over leaves); every process
 then has every stage's squared norm and the losses (and aux), so every process returns the
-same result. A timed step walks alike, each operation here waited for (``StageWorker``'s timed
-calls): the result's events and phases are this process's. ``evaluate`` walks every microbatch
+same result. A timed step walks alike, as in-process: nothing waits, a watcher thread per device
+times this process's operations (``timed.Timeline``); the result's events and phases are this process's. ``evaluate`` walks every microbatch
 through the stages' evaluation programs in stage order, moving what each hands on as a step
 does; the last stage's process sends the losses, aux and outputs to every process.
 
@@ -50,6 +50,7 @@ from ..runtime.offload import Offload
 from ..runtime.replicas import Parts, ReplicaGroup, check_split, reductions
 from ..runtime.result import PipelineResult, aux_per_microbatch, step_loss, step_result
 from ..runtime.stageops import run_op
+from ..runtime.timed import Timeline
 from ..runtime.worker import StageWorker
 from ..schedules.ops import Kind, Op
 from ..schedules.stepplans import Resolved
@@ -164,6 +165,7 @@ class DistributedBackend:
         self.shapes: dict[tuple[object, ...], PyTree] = {}  # (stage, input signature) -> its forward's output specs
         self.orders: tuple[list[list[Op]], Order] | None = None
         self.heart = heartbeat()  # started with the first backend of this process
+        self.timeline = Timeline()  # the timed steps' watchers
 
     @property
     def placement(self) -> list[tuple[jax.Device | str, ...]]:
@@ -233,9 +235,9 @@ class DistributedBackend:
         scales: Sequence[float] | None,
         timed: bool,
     ) -> None:
-        """Every process's walk of the step's plans (see the module docstring); ``timed``: each operation here waited
-        for and its ``Event`` recorded, the batch inputs placed on this process's stages' devices first, as
-        in-process."""
+        """Every process's walk of the step's plans (see the module docstring); ``timed``: each operation here timed
+        by its device's watcher into its ``Event``, the batch inputs placed on this process's stages' devices first,
+        as in-process."""
         S = len(self.devices)
         ins: dict[tuple[int, int], PyTree] = {}  # (stage, mb) -> the specs of its forward's input
 
@@ -258,9 +260,14 @@ class DistributedBackend:
 
         for s in self.trainers:
             self._worker(s).reset(timed=timed, plans=plans, scales=scales)
-        if timed:
-            mbs = placed_microbatches(mbs, [self._worker(s) if s in self.trainers else _ELSEWHERE for s in range(S)])
-        walk(plans, S, mbs, submit, self._order(plans))
+        if not timed:
+            walk(plans, S, mbs, submit, self._order(plans))
+            return
+        mbs = placed_microbatches(mbs, [self._worker(s) if s in self.trainers else _ELSEWHERE for s in range(S)])
+        # Dispatched as an untimed walk: a watcher per device times this process's operations (``timed.Timeline``);
+        # the walk ends once they are timed.
+        with self.timeline.step([self._worker(s) for s in self.trainers]):
+            walk(plans, S, mbs, submit, self._order(plans))
 
     def _worker(self, stage: int) -> StageWorker:
         """Stage ``stage``'s worker here; a stage on replicas has a ``ReplicaGroup``, which runs a schedule's
@@ -527,9 +534,10 @@ class DistributedBackend:
         )
 
     def close(self) -> None:
-        """End this process's stages' offload."""
+        """End this process's stages' offload and the timed steps' watchers."""
         for t in self.trainers.values():
             t.worker.set_offload(None)
+        self.timeline.close()
 
 
 class _Elsewhere:

@@ -24,6 +24,7 @@ from ..hang_report import COMPILING, PENDING, RUNS, Now, RingOp, compile_aware, 
 from ..offload import Offload
 from ..replicas import ReplicaGroup, reductions, replica_placement, stage_need
 from ..stageops import run_op
+from ..timed import Timeline
 from ..untimed import Dispatched
 from ..worker import StageWorker
 from ....treetypes import Leaf, PyTree
@@ -95,7 +96,8 @@ class StageActor:
         self.step = -1  # the step whose list runs (or ran) last
         self.handed: dict[Key, float] = {}  # this step's values handed to the sender, and when
         self.sent: dict[Key, float] = {}  # those whose delivery went out, and when (``Sender``)
-        self.record: Dispatched | None = None  # an untimed step's operations as dispatched (``untimed``)
+        self.record: Dispatched | None = None  # a step's operations as dispatched (``untimed``)
+        self.timeline = Timeline()  # a timed step's watchers, a thread per device (daemon threads, kept)
         self.phases: list[Phase] = []  # this step's reductions and updates (a TrainActor's)
 
     def ready(self) -> str:
@@ -202,15 +204,28 @@ class StageActor:
         timed: bool,
         scales: Sequence[float] | None = None,
     ) -> None:
-        """Step ``step``: reset, then this worker's list of operations (see ``lists.run_list``); untimed, each
-        operation noted as it is dispatched (``record``); ``scales``: as ``StageWorker.reset``'s."""
+        """Step ``step``: reset, then this worker's list of operations (see ``lists.run_list``), each operation noted
+        as it is dispatched (``record``); timed, a watcher per device times them (``timed.Timeline``) and this returns
+        once all are timed. ``scales``: as ``StageWorker.reset``'s."""
         plan = [Op(Kind(kind), mb, stage) for kind, mb, stage in ops]
         self.reset(timed, [plan], scales)
         self.now, self.handed, self.sent, self.step = idle(), {}, {}, step
-        self.record = None if timed else Dispatched([plan], self.num_stages)
+        self.record = Dispatched([plan], self.num_stages)
         self.list_thread = threading.get_ident()
         self.inbox.begin(step)
-        run_list(self, step, ops, batch, microbatches, timed)
+        if not timed:
+            run_list(self, step, ops, batch, microbatches, timed)
+            return
+        # Timed, the list dispatches as an untimed one: a watcher per device times each operation (``timed``), so a
+        # timed step overlaps dispatch with compute as the untimed one does; the step ends once they are timed.
+        workers = list(self.stage_workers.values())
+        try:
+            with self.timeline.step(workers):
+                run_list(self, step, ops, batch, microbatches, timed)
+        finally:
+            for st in workers:  # a compiled graph's operations (``op``) are each waited for, with no watcher
+                for w in st.replicas if isinstance(st, ReplicaGroup) else [st]:
+                    w.lane = None
 
     def deliver(self, step: int, items: Sequence[tuple[Key, object]], *pieces: bytes) -> None:
         """Results another worker sent for step ``step`` (runs in the ``inbox`` concurrency group); ``pieces``:

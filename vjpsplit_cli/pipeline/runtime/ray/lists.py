@@ -8,8 +8,8 @@ another worker reads goes to that worker's inbox straight from this actor
 (``Sender``, a thread of its own, so the next operation
 is dispatched while the last one's result is copied off the device and sent; a
 value counts as sent once its delivery has gone out, not when it is handed to the
-sender, which may still wait for it to be computed). An untimed list notes each
-operation it dispatches in ``untimed.Dispatched``, as an in-process untimed step
+sender, which may still wait for it to be computed). A list notes each
+operation it dispatches in ``untimed.Dispatched``, as an in-process step
 does, so a stuck step names the first one whose outputs are not ready.
 The driver takes no part in a step's traffic; it only learns when each list is
 done, and the losses, timings (and gradients) afterwards.
@@ -93,7 +93,7 @@ class Sender:
     def send(self, step: int, worker: int, key: Key, value: object) -> None:
         """Deliver ``value`` (None: failed or skipped) to ``worker`` as step ``step``'s ``key``.
 
-        A value already computed (a timed step's) goes at once from this thread; one still
+        A value already computed (a cold call's, which its dispatch waited for) goes at once from this thread; one still
         being computed goes from the sender's, so that this thread dispatches on meanwhile.
         """
         if _ready(value):
@@ -253,8 +253,8 @@ def run_list(
     ``timed``), a B whose cotangent goes to another worker is sent after the
     backward's input part, while its weight part computes, where the stage has the
     split backward (``hands_on_early``; ``stageops.run_op``'s ``hand_on``); a timed step
-    runs each B whole, its event a B. ``actor.record`` (an untimed step's ``untimed.Dispatched`` of this list,
-    else None) is handed each operation as it is dispatched.
+    runs each B whole, its event a B. ``actor.record`` (the step's ``untimed.Dispatched`` of this list, or None)
+    is handed each operation as it is dispatched.
     """
     S, me, worker_of, sender = actor.num_stages, actor.worker, actor.worker_of, actor.sender
     assert sender is not None  # connected before any step
