@@ -13,9 +13,10 @@ stages, joined with the others' through ``crosshost.gather`` (tied gradients,
 squared norms, the loss, the optimizer's reductions over leaves); every process
 then has every stage's squared norm and the losses (and aux), so every process returns the
 same result. A timed step walks alike, as in-process: nothing waits, a watcher thread per device
-times this process's operations (``timed.Timeline``); the result's events and phases are this process's. ``evaluate`` walks every microbatch
-through the stages' evaluation programs in stage order, moving what each hands on as a step
-does; the last stage's process sends the losses, aux and outputs to every process.
+times this process's operations (``timed.Timeline``); the result's events and phases are this
+process's. ``evaluate`` walks every microbatch through the stages' evaluation programs in stage
+order, moving what each hands on as a step does; the last stage's process sends the losses, aux
+and outputs to every process.
 
 With ``data_parallel=N`` a stage of this process runs on N of its devices: a ``runtime.replicas.ReplicaGroup``
 with its ``zero1.ReplicaTrainer``, as in-process (each microbatch split N ways, one reduction per step, the
