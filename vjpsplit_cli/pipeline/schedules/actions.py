@@ -15,7 +15,8 @@ task lists with explicit sends and receives. ``lower`` does it for vjpsplit's pl
   the weight part computes, the same operations and gradients as the whole B.
 
 A value between two stages of one worker (ZB-V's V) is neither sent nor received.
-Every runner's step is these lists; ``runtime.ray.lists`` runs them on Ray.
+Ray's lower bound reads the computations of these lists (``runtime.ray.lists.action_lists``); the runners do not
+interpret them yet: each still places its sends and receives itself, as these lists do.
 
 Reference: torch.distributed.pipelining, ``schedules.py`` (``_Action``, ``_add_send_recv``).
 """
