@@ -132,29 +132,6 @@ def _cpu_has_pinned_host() -> bool:
 
 
 @pytest.mark.skipif(not _cpu_has_pinned_host(), reason="this jax's CPU devices have no pinned_host memory")
-@pytest.mark.parametrize(
-    "dtype", [np.float32, jax.numpy.bfloat16, np.float16, np.int32, np.int8, np.uint8, np.bool_, np.uint32]
-)
-def test_packed_residuals_come_back_bit_for_bit(dtype):
-    from vjpsplit_cli.pipeline.runtime import packing
-
-    rng = np.random.default_rng(0)
-    shapes = [(3, 5), (), (0, 4), (2, 1, 7)]
-    raw = [rng.integers(0, 256, size=(*s, np.dtype(dtype).itemsize), dtype=np.uint8) for s in shapes]
-    host = [r[..., 0] % 2 == 1 if dtype == np.bool_ else r.view(dtype).reshape(s) for r, s in zip(raw, shapes)]
-    host.append(np.array([np.nan, -0.0, np.inf], np.float32))  # NaN payloads and signed zeros are bits too
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    arrays = [jax.device_put(h, sharding) for h in host]
-    assert packing.packable(arrays)
-    specs = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in arrays)
-    buf = packing.packer(specs, sharding)(arrays)
-    assert buf.sharding.memory_kind == "pinned_host" and buf.dtype == np.uint8
-    back = packing.unpacker(specs, sharding)(buf)
-    assert [b.sharding for b in back] == [sharding] * len(arrays)
-    _bitwise(back, arrays)
-
-
-@pytest.mark.skipif(not _cpu_has_pinned_host(), reason="this jax's CPU devices have no pinned_host memory")
 def test_pinned_host_copies_run_right_after_f_and_right_before_b_and_halve_an_untimed_peak(monkeypatch):
     from vjpsplit_cli.pipeline.runtime import offload
     from vjpsplit_cli.pipeline.runtime.worker import StageWorker

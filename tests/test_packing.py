@@ -52,6 +52,31 @@ def test_packed_host_arrays_arrive_on_the_device_bit_for_bit(dtype):
     _bitwise(back, host)
 
 
+def _cpu_has_pinned_host() -> bool:
+    from vjpsplit_cli.pipeline.runtime import offload
+
+    return offload._has_pinned_host(jax.device_put(np.ones(1), jax.devices()[0]))
+
+
+@pytest.mark.skipif(not _cpu_has_pinned_host(), reason="this jax's CPU devices have no pinned_host memory")
+@pytest.mark.parametrize(
+    "dtype", [np.float32, jax.numpy.bfloat16, np.float16, np.int32, np.int8, np.uint8, np.bool_, np.uint32]
+)
+def test_packed_residuals_come_back_bit_for_bit(dtype):
+    """Offload's copies: device arrays packed into one buffer in ``pinned_host`` memory and back on the device."""
+    host = _random(dtype, [(3, 5), (), (0, 4), (2, 1, 7)])
+    host.append(np.array([np.nan, -0.0, np.inf], np.float32))  # NaN payloads and signed zeros are bits too
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    arrays = [jax.device_put(h, sharding) for h in host]
+    assert packing.packable(arrays)
+    specs = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in arrays)
+    buf = packing.packer(specs, sharding)(arrays)
+    assert buf.sharding.memory_kind == "pinned_host" and buf.dtype == np.uint8
+    back = packing.unpacker(specs, sharding)(buf)
+    assert [b.sharding for b in back] == [sharding] * len(arrays)
+    _bitwise(back, arrays)
+
+
 def test_only_small_native_whole_byte_host_arrays_pack():
     assert packing.host_packs(np.zeros(4, np.int32))
     assert not packing.host_packs(np.zeros(4, ">i4"))  # big-endian: its bytes would be read the other way

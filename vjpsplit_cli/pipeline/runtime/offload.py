@@ -195,9 +195,8 @@ class Away:
         self.specs = [(tuple(a.shape), np.dtype(a.dtype)) for a in arrays]
         self.nbytes = sum(map(leaf_bytes, arrays))
         self.path: str | None = None
-        self.pinned: jax.Array | None = (
-            None  # the bytes in ``pinned_host`` memory (``packing.packer``), where they went there
-        )
+        # The bytes in ``pinned_host`` memory (``packing.packer``), where they went there.
+        self.pinned: jax.Array | None = None
         # The host copies (host: pinned_host or NumPy) or None (files), once away.
         self.out: Future[jax.Array] | Future[list[np.ndarray]] | Future[None] | None = None
         self.back: Future[Residuals] | None = None  # the residuals on the device again

@@ -6,7 +6,7 @@ of one array to ``pinned_host`` ~0.5 ms, a jitted identity over 32 small host
 arrays 2.4 ms where the same bytes as one buffer take 0.6 ms). So offload's copies
 (``packer``, ``unpacker``: a microbatch's residuals to ``pinned_host`` memory and
 back, each one compiled call) and a host batch's move to a stage's device
-(``HostBatches``: the small host arrays as one buffer) carry their arrays packed.
+(``StageWorker._put_host``: the small host arrays as one buffer) carry their arrays packed.
 Each array is bit-cast to bytes (``bool`` as one byte of 0 or 1), so NaN payloads,
 signed zeros and every integer come back as they left. Complex and sub-byte dtypes
 (int4) are not packed: their callers move them one by one.

@@ -40,16 +40,15 @@ class Timeline:
 
     def attach(self, workers: Sequence[RunsOps]) -> None:
         """Every worker (each replica of a ``ReplicaGroup``) hands its operations to its devices' lane."""
-        for st in workers:
-            for w in st.replicas if isinstance(st, ReplicaGroup) else [st]:
-                one: StageWorker = w  # type: ignore[assignment]  # RunsOps' other class is the group
-                one.lane = self.lanes.setdefault(tuple(one.devices), Lane())
+        for one in _each(workers):
+            one.lane = self.lanes.setdefault(tuple(one.devices), Lane())
 
     @contextlib.contextmanager
     def step(self, workers: Sequence[RunsOps]) -> Iterator[None]:
-        """``workers`` attached (``attach``), the watchers run for the body of this ``with``; once it ends they stop
-        after what was handed to them, waited for unless the body raised (the step's error then stands; they end
-        as the devices finish)."""
+        """``workers`` attached (``attach``), the watchers run for the body of this ``with``; once it ends the workers
+        are detached (a later call of theirs outside a timed step, a Ray compiled graph's, is waited for as it runs)
+        and the watchers stop after what was handed to them, waited for unless the body raised (the step's error
+        then stands; they end as the devices finish)."""
         self.attach(workers)
         if self.pool is None or len(self.pool.threads) != len(self.lanes):
             if self.pool is not None:
@@ -59,6 +58,8 @@ class Timeline:
         try:
             yield
         finally:
+            for one in _each(workers):
+                one.lane = None
             for lane in self.lanes.values():
                 lane.queue.put(None)
         _wait(jobs)
@@ -74,6 +75,12 @@ class Timeline:
         if self.pool is not None:
             self.pool.abandon()
             self.pool = None
+
+
+def _each(workers: Sequence[RunsOps]) -> Iterator[StageWorker]:
+    """Every ``StageWorker`` of ``workers``: each replica of a ``ReplicaGroup``."""
+    for st in workers:
+        yield from st.replicas if isinstance(st, ReplicaGroup) else [st]  # type: ignore[misc]  # RunsOps' other class is the group
 
 
 def _wait(jobs: Sequence[Job]) -> None:

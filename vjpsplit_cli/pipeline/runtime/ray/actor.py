@@ -218,14 +218,8 @@ class StageActor:
             return
         # Timed, the list dispatches as an untimed one: a watcher per device times each operation (``timed``), so a
         # timed step overlaps dispatch with compute as the untimed one does; the step ends once they are timed.
-        workers = list(self.stage_workers.values())
-        try:
-            with self.timeline.step(workers):
-                run_list(self, step, ops, batch, microbatches, timed)
-        finally:
-            for st in workers:  # a compiled graph's operations (``op``) are each waited for, with no watcher
-                for w in st.replicas if isinstance(st, ReplicaGroup) else [st]:
-                    w.lane = None
+        with self.timeline.step(list(self.stage_workers.values())):  # detached after: a compiled graph's ``op`` waits
+            run_list(self, step, ops, batch, microbatches, timed)
 
     def deliver(self, step: int, items: Sequence[tuple[Key, object]], *pieces: bytes) -> None:
         """Results another worker sent for step ``step`` (runs in the ``inbox`` concurrency group); ``pieces``:
