@@ -28,12 +28,12 @@ def blocker(hold, release, linger=0.0):
     return jax.jit(through)
 
 
-def callback_blocks(monkeypatch, stage, mb, device=None, linger=0.0, inline=False):
+def callback_blocks(monkeypatch, stage, mb, device=None, linger=0.0):
     """Stage ``stage``'s forward of microbatch ``mb`` (on ``device`` only, where given: one replica) reads its input
     through ``blocker``: once ``hold.set()`` is called, a host callback that waits for ``release``, then sleeps
     ``linger`` seconds. Until then it passes the input through, so a first step compiles it. XLA:CPU runs that
     cheap program inside its dispatch when its input is ready, else later on a thread of its own (the dispatch
-    returns); ``inline=True`` waits for the input first, so the callback always blocks the dispatch. Returns
+    returns): a test that needs the dispatch itself held blocks the forward's Python call instead. Returns
     ``(hold, release)``."""
     hold, release = threading.Event(), threading.Event()
     through = blocker(hold, release, linger)
@@ -41,8 +41,6 @@ def callback_blocks(monkeypatch, stage, mb, device=None, linger=0.0, inline=Fals
 
     def forward(self, m, x, side, worker=None, microbatches=None):
         if self.stage_index == stage and m == mb and (device is None or self.device == device):
-            if inline and hold.is_set():
-                jax.block_until_ready(x)
             x = through(x)
         return real(self, m, x, side, worker=worker, microbatches=microbatches)
 

@@ -392,12 +392,12 @@ def test_ctrl_c_during_an_untimed_step_is_a_step_interrupted_and_the_trainer_goe
     import signal
 
     tr = _trainer(observe=P.Observe(step_timeout=60, hang_report=tmp_path / "h.json"))
-    hold, release = callback_blocks(monkeypatch, stage=2, mb=0, inline=True)  # the updates wait behind it
+    release = threading.Event()
     ref = _trainer()
     try:
         tr.step(gpt_batch(4))
         ref.step(gpt_batch(4))
-        hold.set()
+        _block_stage(monkeypatch, stage=2, mb=0, release=release)  # the dispatch, and the updates, wait behind it
         timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
         unstick = threading.Timer(1.0 + stepwatch.GRACE / 2, release.set)
         t0 = time.monotonic()
@@ -415,7 +415,7 @@ def test_ctrl_c_during_an_untimed_step_is_a_step_interrupted_and_the_trainer_goe
         assert text.startswith("the step was interrupted; ")
         assert "worker 2: running F stage 2 mb 0 since" in text
         assert json.loads((tmp_path / "h.json").read_text())["message"] == text
-        hold.clear()
+        monkeypatch.undo()
         assert tr.step(gpt_batch(4, seed=7)) == ref.step(gpt_batch(4, seed=7))
     finally:
         release.set()
