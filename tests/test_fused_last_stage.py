@@ -6,6 +6,8 @@ A timed step runs the same actions, in the same order on each worker, as an unti
 
 from __future__ import annotations
 
+import statistics
+
 import jax
 import numpy as np
 import optax
@@ -13,6 +15,8 @@ import pytest
 
 import vjpsplit_cli as vs
 from vjpsplit_cli import pipeline as P
+from vjpsplit_cli.pipeline.stages.exporting import module_flops
+from vjpsplit_cli.pipeline.training.measured import seconds
 from stage_models import gpt, gpt_batch, gpt_params, gpt_specs, mean_over_microbatches
 
 M = 4
@@ -88,3 +92,68 @@ def test_zbh1_runs_the_last_stages_i_inside_its_f_and_the_first_stages_w_inside_
         assert zero[last] == {("I", mb) for mb in range(M)} and zero[first] == {("W", mb) for mb in range(M)}
         np.testing.assert_allclose(got, want, rtol=1e-5)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), tr.params(), params)
+
+
+def test_on_one_serial_device_zbh1_runs_every_split_backward_whole(stages, monkeypatch):
+    """Every stage on one device that runs one program at a time (a TPU chip's; here a CPU device said to): ZB-H1's
+    split backwards run whole, as 1F1B's: the last stage's F runs F, I and W in one call (no intermediates kept),
+    the other stages' I the whole backward; every W runs nothing. The steps are those of optax on
+    ``jax.value_and_grad``, and a timed step's costs still give each stage an I and a W (cut by FLOPs)."""
+    from vjpsplit_cli.pipeline.runtime import dispatch
+
+    monkeypatch.setattr(dispatch, "runs_serially", lambda device: True)
+    batch, opt = gpt_batch(8), optax.sgd(0.1)
+    params, state, want = gpt_params(), opt.init(gpt_params()), []
+    for _ in range(2):
+        loss, g = jax.value_and_grad(lambda p: mean_over_microbatches(gpt, p, batch, M))(params)
+        updates, state = opt.update(g, state, params)
+        params, want = optax.apply_updates(params, updates), [*want, float(loss)]
+    calls: list[tuple[int, str]] = []
+    with _trainer(stages, "zbh1") as tr:
+        workers = [t.worker for t in tr.backend.trainers]
+        for s, w in enumerate(workers):
+            for name in ("forward_backward", "forward_backward_acc", "backward", "backward_acc"):
+                real = getattr(w.calls, name)
+                monkeypatch.setattr(w.calls, name, lambda *a, _r=real, _n=name, _s=s: calls.append((_s, _n)) or _r(*a))
+            for name in ("backward_weight", "backward_weight_acc"):
+                monkeypatch.setattr(w.calls, name, lambda *a, _n=name: pytest.fail(f"{_n} ran"))
+            monkeypatch.setattr(w.calls.forward_input, "_run", lambda *a: pytest.fail("F and I alone ran"))
+        got = [tr.step(batch)]
+        last = len(workers) - 1
+        assert sum(s == last and n.startswith("forward_backward") for s, n in calls) == M
+        assert sum(s < last and n.startswith("backward") for s, n in calls) == M * last
+        got.append(tr.step(batch, timed=True))  # the same calls (a cold one runs again, to be timed warm)
+        assert workers[-1].peak_residual_bytes == 0
+        n = len(tr.plan.plans[0])
+        for s, w in enumerate(workers):
+            zero = {(k, mb) for k, mb, t0, t1, _ in list(w.ring)[-n:] if t1 == t0}
+            assert zero == {(k, mb) for k in (("I", "W") if s == last else ("W",)) for mb in range(M)}
+        # The last stage's F call ran F, I and W: ``costs()`` cuts its time by the FLOPs of fwd and bwd, then of
+        # bwd_input and bwd_weight (as a whole backward's).
+        costs, art = tr.costs(), stages.artifacts[last]
+        fused = statistics.median(seconds(e) for e in tr.last_result.events if e.stage == last and e.kind == "F")
+        f, bwd = module_flops(art, "fwd"), module_flops(art, "bwd")
+        b, w = module_flops(art, "bwd_input"), module_flops(art, "bwd_weight")
+        assert costs["F"][last] == pytest.approx(fused * f / (f + bwd))
+        assert costs["B"][last] == pytest.approx(fused * bwd / (f + bwd) * b / (b + w))
+        assert costs["W"][last] == pytest.approx(fused * bwd / (f + bwd) * w / (b + w))
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), tr.params(), params)
+
+
+def test_backwards_run_whole_only_where_every_stage_shares_one_serial_device(monkeypatch):
+    import types
+
+    from vjpsplit_cli.pipeline.runtime import dispatch
+
+    class Device:  # hashable by identity, as a jax.Device
+        def __init__(self, platform):
+            self.platform = platform
+
+    cpu, tpu, tpu2 = Device("cpu"), Device("tpu"), Device("tpu")
+    on = lambda *ds: [types.SimpleNamespace(device=d) for d in ds]  # noqa: E731
+    assert dispatch.whole_backwards(on(tpu, tpu, tpu))
+    assert not dispatch.whole_backwards(on(tpu, tpu2))  # two chips: a W put off lets the other start sooner
+    assert not dispatch.whole_backwards(on(cpu, cpu))  # a CPU device runs ready programs side by side
+    assert not dispatch.whole_backwards(on(None, None))  # sharded stages
+    assert not dispatch.whole_backwards([types.SimpleNamespace(replicas=on(tpu))])  # a replica group

@@ -37,6 +37,19 @@ class SharedDevicesWarning(UserWarning):
     """
 
 
+def runs_serially(device: jax.Device) -> bool:
+    """Whether ``device`` runs one program at a time, in the order they were dispatched: an accelerator's (a TPU
+    core, a GPU's stream). A CPU device runs programs whose inputs are ready side by side on its threads.
+
+    Args:
+        device: A JAX device.
+
+    Returns:
+        True but for a CPU device.
+    """
+    return bool(device.platform != "cpu")
+
+
 def _need(artifact: Artifact) -> int:
     return int(artifact.manifest.nr_devices) if artifact.manifest.sharded else 1
 

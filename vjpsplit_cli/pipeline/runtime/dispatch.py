@@ -20,6 +20,7 @@ import numpy as np
 from ..schedules.ops import Kind, Op, OpKey, received
 from ..schedules.play import sweep
 from ..stages.directory import StageInputs
+from .devices import runs_serially
 from .model import Microbatch, side_for
 from ...treetypes import Leaf, PyTree
 
@@ -102,6 +103,30 @@ def _placed(worker: RunsOps, reads: list[tuple[PyTree, list[PyTree]]]) -> list[t
     if len(shapes) <= 1:
         return cast("list[tuple[PyTree, list[PyTree]]]", worker.to_device(reads))
     return [worker.to_device(r) for r in reads]
+
+
+def whole_backwards(workers: Sequence[RunsOps]) -> bool:
+    """Whether a step's split backwards run whole (``StageWorker.reset``'s ``whole``): where every stage runs on
+    one and the same device, and that device runs one program at a time (``devices.runs_serially``).
+
+    A split backward puts its weight part (W) off so that the stage before gets its cotangent (I) sooner. On
+    one device that runs one program at a time nothing runs sooner for it: the device is as busy either way. There
+    the whole backward in one call costs less: one dispatch, not two, and (the last stage's, in its F's call) no
+    intermediates written for a later W: on one TPU v5e chip, the GPT's last stage's F and I in one call and its W
+    took 1.07 + 1.33 ms a microbatch, its F and B in one call 1.44 ms
+    (``benchmarks/results/2026-12-07-tpu-whole-backward.md``).
+
+    Args:
+        workers: The step's workers (a ``ReplicaGroup``'s replicas are on devices of their own: never).
+
+    Returns:
+        True where the backwards run whole.
+    """
+    one = {getattr(st, "device", None) for st in workers}
+    if len(one) != 1:
+        return False
+    (device,) = one
+    return device is not None and runs_serially(device)
 
 
 class ProgressBar(Protocol):

@@ -271,13 +271,15 @@ class ReplicaGroup:
         timed: bool | None = None,
         plans: Sequence[Sequence[Op]] | None = None,
         scales: Sequence[float] | None = None,
+        whole: bool = False,
     ) -> None:
-        """Every replica ready for the next step; no gradients yet (``plans``, ``scales``: as ``StageWorker.reset``;
-        each replica's scale is its microbatch's over the replicas, as ``1 / (microbatches * N)`` is)."""
+        """Every replica ready for the next step; no gradients yet (``plans``, ``scales``, ``whole``: as
+        ``StageWorker.reset``; each replica's scale is its microbatch's over the replicas, as
+        ``1 / (microbatches * N)`` is)."""
         if timed is not None:
             self.timed = timed
         for r in self.replicas:
-            r.reset(timed, plans, None if scales is None else [v / self.n for v in scales])
+            r.reset(timed, plans, None if scales is None else [v / self.n for v in scales], whole)
         self.grads: PyTree = None
         self.squares: jax.Array | None = None
         self.done, self.m = 0, 0

@@ -63,6 +63,7 @@ class RunsOps(Protocol):
         timed: bool | None = None,
         plans: Sequence[Sequence[Op]] | None = None,
         scales: Sequence[float] | None = None,
+        whole: bool = False,
     ) -> None: ...
 
     def to_device(self, tree: PyTree) -> PyTree: ...

@@ -23,7 +23,7 @@ from ...errors import VjpsplitError
 from ...files.prng import is_ready
 from ..schedules.ops import Kind, Op, dependencies, received
 from .devicebytes import is_array
-from .dispatch import Order, placed_microbatches, walk
+from .dispatch import Order, placed_microbatches, walk, whole_backwards
 from .hang_report import (
     COMPILING,
     DISPATCHING,
@@ -63,9 +63,12 @@ def dispatch(
     ``record``: notes each operation as it is handed out (``Dispatched``), and stops the step once stopped.
     ``scales``: per microbatch, the last stage's starting cotangent (``StageWorker.reset``); None: equal.
     ``timed``: the workers time their operations (``timed.run_timed``); ``tick()``: after each operation.
+    Where every stage runs on one device that runs one program at a time, each split backward runs whole
+    (``whole_backwards``).
     """
+    whole = whole_backwards(workers)
     for st in workers:
-        st.reset(timed=timed, plans=plans, scales=scales)
+        st.reset(timed=timed, plans=plans, scales=scales, whole=whole)
     mbs = placed_microbatches(mbs, workers)
 
     def submit(w: int, op: Op, data: object, side: list[Leaf]) -> PyTree:

@@ -170,6 +170,7 @@ class StageWorker:
         timed: bool | None = None,
         plans: Sequence[Sequence[Op]] | None = None,
         scales: Sequence[float] | None = None,
+        whole: bool = False,
     ) -> None:
         """Forget residuals, gradients and timings: ready for the next step (``timed``: see the class).
 
@@ -179,6 +180,9 @@ class StageWorker:
             scales: Per microbatch, the cotangent the last stage's backward starts from (its loss weight over the
                 step's: ``Microbatches.scales``), placed on the device now, in one transfer; None:
                 ``1 / microbatches`` each.
+            whole: Every I of this step runs the whole backward in its call and its W runs nothing (the last
+                stage's F directly followed by its I runs F, I and W in one call): what ``dispatch`` asks for where
+                every stage shares one device that runs one program at a time (``dispatch.whole_backwards``).
         """
         if timed is not None:
             self.timed = timed
@@ -191,13 +195,18 @@ class StageWorker:
             self.offloader.schedule(plans)
         # Operations that directly follow another of the same microbatch in this stage's plan run in its call: the
         # last stage's B (or I, with the split backward) in its F's; the first stage's W in its I's (its I hands
-        # nothing on, so the whole backward runs there).
+        # nothing on, so the whole backward runs there). With ``whole``, every I runs its W too (the last stage's
+        # F then I: F, I and W in one call, as F and B).
         last, first = self.is_last, not self.feeds_back
         split = self.calls.forward_input is not None
         p, i = plans or (), self.stage_index
-        self._fusable = _adjacent(p, i, Kind.F, Kind.B) if last else set()
+        self._fusable = _adjacent(p, i, Kind.F, Kind.B) if last else set()  # F runs the whole backward too
         self._fusable_input = _adjacent(p, i, Kind.F, Kind.I) if last and split else set()
         self._whole = _adjacent(p, i, Kind.I, Kind.W) if first else set()
+        if whole:
+            self._fusable |= self._fusable_input
+            self._fusable_input = set()
+            self._whole = {op.mb for ops in p for op in ops if op.stage == i and op.kind == Kind.I}
         self._fused: dict[int, PyTree] = {}  # by microbatch: the input cotangent its fused F left for its B or I
         self._ran_whole: set[int] = set()  # microbatches whose I ran the whole backward: their W runs nothing
         self.peak_residual_bytes = 0
@@ -535,6 +544,8 @@ class StageWorker:
         """
         if mb in self._fused:  # the last stage's F ran it
             self._ran_before(Kind.I, mb, worker)
+            if mb in self._fusable:  # the whole backward: its W runs nothing
+                self._ran_whole.add(mb)
             return self._fused.pop(mb)
         if mb in self._whole:  # the first stage's W follows: both in one call, the whole backward
             self._ran_whole.add(mb)

@@ -112,7 +112,8 @@ def step_samples(result: PipelineResult, share: Callable[[int, str, str], float]
     An operation that ran in the call of the one before it (``StageWorker.reset``: the last stage's B or I in its
     F's, the first stage's W in its I's; its event has ``own`` 0.0 and no span) counts as its own kind with its
     share of that call's time: ``share(stage, first, then)`` is ``first``'s share (by the stage's FLOPs; 0.5
-    without it)."""
+    without it). An F whose call ran I and W too (a whole backward on one device) is cut in three: F's share of
+    F and B, then I's of I and W."""
     events = one_per_op(result.events)
     ran_before = {
         (e.stage, e.mb, FUSED[str(e.kind)]): str(e.kind)
@@ -129,6 +130,14 @@ def step_samples(result: PipelineResult, share: Callable[[int, str, str], float]
                 continue  # ran in the call before it: counted there
             if then is None:
                 times.setdefault((stage, kind), []).append(seconds(e))
+                continue
+            after = ran_before.get((stage, e.mb, then)) if then == "I" else None  # F, I and W in one call
+            if after is not None:
+                f = 0.5 if share is None else share(stage, kind, "B")
+                i = 0.5 if share is None else share(stage, then, after)
+                times.setdefault((stage, kind), []).append(seconds(e) * f)
+                times.setdefault((stage, then), []).append(seconds(e) * (1.0 - f) * i)
+                times.setdefault((stage, after), []).append(seconds(e) * (1.0 - f) * (1.0 - i))
                 continue
             cut = 0.5 if share is None else share(stage, kind, then)
             times.setdefault((stage, kind), []).append(seconds(e) * cut)
