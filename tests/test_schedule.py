@@ -490,3 +490,26 @@ def test_an_op_of_an_unknown_kind_is_refused():
         P.Op("X", 0, 0)
     assert P.Op("F", 0, 1) == P.Op(P.Kind.F, 0, 1) and P.Op("W", 2, 0).kind == "W"
     assert P.Op("I", 2, 0).kind == P.Kind.I != P.Kind.B  # the input part says so itself
+
+
+def test_replay_gives_a_b_that_ran_as_its_parts_both_their_times():
+    """A Ray worker's B that hands its cotangent on early runs as I then W: the modeled timeline gives that B the
+    sum of their times, as it gives a B that ran whole its own."""
+    from vjpsplit_cli.pipeline.schedules.play import replay
+    from vjpsplit_cli.pipeline.schedules.timeline import Event
+
+    plans = P.schedule("1f1b", 2, 2)
+    whole, parts = [], []
+    for w, ops in enumerate(plans):
+        t = 0.0
+        for o in ops:
+            d = 1.0 if o.kind == "F" else 2.0
+            whole.append(Event(w, o.kind, o.mb, t, t + d, o.stage))
+            if o.kind == "B" and o.stage == 1:
+                parts += [Event(w, "I", o.mb, t, t + 0.5, o.stage), Event(w, "W", o.mb, t + 0.5, t + d, o.stage)]
+            else:
+                parts.append(whole[-1])
+            t += d
+    spans = lambda evs: sorted((e.kind, e.mb, e.stage, e.end - e.start) for e in evs)  # noqa: E731
+    assert spans(replay(parts, plans, 2)) == spans(replay(whole, plans, 2))
+    assert ("B", 0, 1, 2.0) in spans(replay(parts, plans, 2))

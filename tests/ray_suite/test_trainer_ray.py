@@ -106,11 +106,11 @@ def test_ray_trainer_auto_measures_then_races_and_equals_single_process_optax(ra
 
 @pytest.mark.parametrize("split", [True, False])
 def test_ray_sends_a_backwards_cotangent_before_its_weight_part(ray_session, stages, split):
-    # Untimed, a B whose cotangent goes to another actor runs as its input part, the send, then its weight part,
-    # where the stage has the split backward (the cotangent travels while W computes); stage 0 sends none and
-    # runs B whole, as does every stage exported without the split, and every stage of a timed step. The
-    # cotangent is handed to the sender between the two parts' dispatches, and counts as sent once its delivery
-    # went out (the sender waits for the input part's result), never before it was handed over.
+    # A B whose cotangent goes to another actor runs as its input part, the send, then its weight part, where the
+    # stage has the split backward (the cotangent travels while W computes); stage 0 sends none and runs B whole,
+    # as does every stage exported without the split. The cotangent is handed to the sender between the two parts'
+    # dispatches, and counts as sent once its delivery went out (the sender waits for the input part's result),
+    # never before it was handed over. A timed step runs the same actions in the same order, its events I and W.
     st = (
         stages
         if split
@@ -122,10 +122,13 @@ def test_ray_sends_a_backwards_cotangent_before_its_weight_part(ray_session, sta
         statuses = ray_session.get([a.status.remote() for a in tr.backend.rp.actors])
         tr.step(batch, timed=True)
         timed_kinds = {str(e.kind) for e in tr.last_result.events}
-    for status in statuses:
+        again = ray_session.get([a.status.remote() for a in tr.backend.rp.actors])
+    for status, timed in zip(statuses, again):
         ((stage, ring),) = status["rings"].items()
         parts = split and 0 < stage < 3  # the last stage runs each B inside its F (1F1B): F and B, no I or W
         mine = ring[-3 * M :] if parts else ring[-2 * M :]  # this step's operations, in dispatch order
+        ((_, timed_ring),) = timed["rings"].items()
+        assert [r[:2] for r in timed_ring[-len(mine) :]] == [r[:2] for r in mine]
         kinds = sorted(kind for kind, *_ in mine)
         assert kinds == (sorted("FIW" * M) if parts else sorted("FB" * M))
         for mb in range(M) if stage > 0 else []:
@@ -136,7 +139,7 @@ def test_ray_sends_a_backwards_cotangent_before_its_weight_part(ray_session, sta
                 assert ends["I"][1] <= handed <= ends["W"][0]  # after the input part, before the weight part
             else:
                 assert ends["B"][1] <= handed
-    assert timed_kinds == {"F", "B"}
+    assert timed_kinds == ({"F", "B", "I", "W"} if split else {"F", "B"})
 
 
 def test_ray_delivery_probe_times_round_trips_between_steps(ray_session, stages):

@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
 from ...errors import VjpsplitError
 from .costs import Costs
-from .ops import Op, OpKey, action_name, dependencies
+from .ops import Kind, Op, OpKey, action_name, dependencies
 from .timeline import Event, one_per_op
 
 Duration = Callable[[Op], float]
@@ -219,6 +219,14 @@ def simulate(
 
 def replay(events: Sequence[Event], plans: Sequence[Sequence[Op]], num_stages: int) -> list[Event]:
     """The timeline ``plans`` would have with one device per worker, given each operation's measured time (on a
-    stage with replicas, each on its own device, its first replica's)."""
+    stage with replicas, each on its own device, its first replica's). A B that ran as its input part then its
+    weight part (a Ray worker's B that hands its cotangent on early) takes both their times."""
     dur = {(e.stage, e.kind, e.mb): e.end - e.start for e in one_per_op(events)}
-    return simulate(plans, num_stages, lambda op: dur.get((op.stage, op.kind, op.mb), 0.0))
+
+    def seconds(op: Op) -> float:
+        got = dur.get((op.stage, op.kind, op.mb))
+        if got is None and op.kind == Kind.B:
+            return dur.get((op.stage, Kind.I, op.mb), 0.0) + dur.get((op.stage, Kind.W, op.mb), 0.0)
+        return 0.0 if got is None else got
+
+    return simulate(plans, num_stages, seconds)

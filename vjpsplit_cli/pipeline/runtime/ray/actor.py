@@ -214,12 +214,12 @@ class StageActor:
         self.list_thread = threading.get_ident()
         self.inbox.begin(step)
         if not timed:
-            run_list(self, step, ops, batch, microbatches, timed)
+            run_list(self, step, ops, batch, microbatches)
             return
         # Timed, the list dispatches as an untimed one: a watcher per device times each operation (``timed``), so a
         # timed step overlaps dispatch with compute as the untimed one does; the step ends once they are timed.
         with self.timeline.step(list(self.stage_workers.values())):  # detached after: a compiled graph's ``op`` waits
-            run_list(self, step, ops, batch, microbatches, timed)
+            run_list(self, step, ops, batch, microbatches)
 
     def deliver(self, step: int, items: Sequence[tuple[Key, object]], *pieces: bytes) -> None:
         """Results another worker sent for step ``step`` (runs in the ``inbox`` concurrency group); ``pieces``:

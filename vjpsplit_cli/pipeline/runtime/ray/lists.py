@@ -244,17 +244,16 @@ def run_list(
     ops: Sequence[Key],
     batch: Mapping[tuple[int, int], tuple[PyTree, list[Leaf]]],
     microbatches: int,
-    timed: bool = False,
 ) -> None:
-    """Run this worker's ``ops`` of step ``step`` on ``actor`` (a ``StageActor``, reset for the step).
+    """Run this worker's ``ops`` of step ``step`` on ``actor`` (a ``StageActor``, reset for the step, timed or not).
 
     ``batch[(stage, mb)]`` is what the F of that stage and microbatch takes from the
-    batch: the first stage's input (else None) and its side inputs. Untimed (not
-    ``timed``), a B whose cotangent goes to another worker is sent after the
-    backward's input part, while its weight part computes, where the stage has the
-    split backward (``hands_on_early``; ``stageops.run_op``'s ``hand_on``); a timed step
-    runs each B whole, its event a B. ``actor.record`` (the step's ``untimed.Dispatched`` of this list, or None)
-    is handed each operation as it is dispatched.
+    batch: the first stage's input (else None) and its side inputs. A B whose cotangent goes to another worker is
+    sent after the backward's input part, while its weight part computes, where the stage has the split backward
+    (``hands_on_early``; ``stageops.run_op``'s ``hand_on``): timed or not, the same actions in the same order, a timed
+    step's events of such a B an I and a W.
+    ``actor.record`` (the step's ``untimed.Dispatched`` of this list, or None) is handed each operation as it is
+    dispatched.
     """
     S, me, worker_of, sender = actor.num_stages, actor.worker, actor.worker_of, actor.sender
     assert sender is not None  # connected before any step
@@ -285,7 +284,7 @@ def run_list(
         if needed:  # called at once, in this iteration: the lambda's loop variables are this operation's
             side = batch[(stage, mb)][1] if op.kind == Kind.F else []
             actor.now = (RUNS, op, None, time.monotonic())
-            early = not timed and hands_on_early(op, splits, worker_of)
+            early = hands_on_early(op, splits, worker_of)
             hand_on = functools.partial(send, to, key) if early and to is not None else None
             if record is not None:
                 record.begin(0, op)
