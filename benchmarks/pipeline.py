@@ -387,11 +387,11 @@ def _phases(phases: list, rounds: int, record, ray_too: bool, failures: dict) ->
     channels (about a third of a core per actor here), which would slow whatever
     else is measured beside it.
     """
-    import ray
-
     from vjpsplit_cli import VjpsplitError
 
-    if ray_too:
+    if ray_too:  # only then: an accelerator's machine may have no Ray
+        import ray
+
         # No XLA_FLAGS in the job's runtime_env: the runner gives each actor this process's flags with its own
         # device count, where a job-level XLA_FLAGS would stand as given (each actor seeing this child's 2
         # devices, driving 1: +20% CPU per actor on the GPT, benchmarks/results/2026-history-ray-training-steps.md).
@@ -416,6 +416,8 @@ def _phases(phases: list, rounds: int, record, ray_too: bool, failures: dict) ->
                     rp.close()
     finally:
         if ray_too:
+            import ray
+
             ray.shutdown()
 
 
