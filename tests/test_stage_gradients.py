@@ -260,3 +260,20 @@ def test_state_map_refuses_a_state_that_is_not_optax_own_and_stages_that_disagre
     states[2]["0/mu/embed"] = states[2]["0/mu/embed"] + 1  # the tied leaf's second holder
     with pytest.raises(VjpsplitError, match=r"optimizer state '0/mu/embed' differs between stages 0 and 2"):
         smap.gather(states)
+
+
+@pytest.mark.parametrize("dtypes", [("float32", "float32", "float32"), ("float32", "bfloat16", "float32")])
+def test_a_stages_squared_sums_come_back_in_one_array_where_its_leaves_share_a_dtype(dtypes):
+    """``Squares.of`` dispatches each leaf's sum of squares in its own dtype; where every leaf has one dtype they come
+    back as one array (one transfer: each array fetched costs an accelerator's host its own copy), else one scalar
+    per leaf; either way the value is the per-leaf sums added on the host in leaf order."""
+    from vjpsplit_cli.pipeline.training.clipping import Squares
+
+    rng = np.random.default_rng(3)
+    grads = {k: jnp.asarray(rng.normal(size=(5, 3)), dt) for k, dt in zip("abc", dtypes)}
+    sq = Squares.of(grads, ["c", "a", "b"])
+    assert len(sq.parts) == (1 if len(set(dtypes)) == 1 else 3)
+    want = 0.0
+    for k in "abc":  # leaf order
+        want += float(jax.device_get(jnp.sum(jnp.square(grads[k]))))
+    assert sq.value() == want

@@ -67,8 +67,9 @@ def sum_of_squares(grads: Mapping[str, Leaf], counted: Iterable[str]) -> float:
 
 
 class Squares:
-    """The sum of squares of some leaves of one stage's gradients, not yet fetched: one device scalar per leaf (or
-    one array of them per part, in leaf order: a replica group's reduction gives its leaves' so).
+    """The sum of squares of some leaves of one stage's gradients, not yet fetched: parts whose elements, in order,
+    are the leaves' sums in leaf order (one array of them all where they share a dtype, else one scalar per leaf;
+    a replica group's reduction gives its leaves' as one array).
 
     ``of`` dispatches the sums (one jitted call) and waits for nothing; ``value()`` fetches them in one
     transfer and adds them on the host in leaf order, as a Python float (the same float whenever it is asked).
@@ -121,9 +122,13 @@ class Squares:
 
 
 def _leaf_squares(leaves: list[Leaf]) -> list[jax.Array]:
+    """Each leaf's sum of squares in its own dtype; stacked into one array where they share a dtype (the same
+    values): each array fetched costs the host its own copy, about 80 µs on a TPU v5e host
+    (benchmarks/results/2026-12-07-tpu-whole-backward.md)."""
     import jax.numpy as jnp
 
-    return [jnp.sum(jnp.square(jnp.abs(g) if jnp.iscomplexobj(g) else g)) for g in leaves]
+    sums = [jnp.sum(jnp.square(jnp.abs(g) if jnp.iscomplexobj(g) else g)) for g in leaves]
+    return [jnp.stack(sums)] if len({v.dtype for v in sums}) == 1 else sums
 
 
 @functools.lru_cache(maxsize=1)
