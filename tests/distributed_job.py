@@ -189,7 +189,7 @@ def timed(out: str, me: int, clip: float, steps: int) -> None:
         "stragglers": [list(h.stragglers) for h in [*tr.history, *peers.history]],
         "mlp": mlp_losses,
         "auto": auto,
-        "costs": said(peers.costs),
+        "costs": peers.costs(),
     }
     with open(os.path.join(out, f"{me}-timed.json"), "w") as f:
         json.dump(said_here, f)

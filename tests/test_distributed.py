@@ -224,7 +224,8 @@ def test_timed_steps_time_each_processs_own_operations_and_evaluate_gives_the_in
     both processes; each process's last_result holds its own stages' operations (every F and B of them), its
     reductions, update and wait for the losses; each step's trace written. A worker of the other process is no
     one's peer: the MLP's workers 1 and 2 cost the same, and neither is named a straggler. schedule="auto" is
-    refused when the Trainer is made, and costs() when asked. Then evaluate (and outputs=True) equals the
+    refused when the Trainer is made. costs() gives every process every stage's measured costs, the same figures
+    (each process timed its own stages; their samples gathered). Then evaluate (and outputs=True) equals the
     in-process runner's."""
     if two is None:
         return
@@ -254,7 +255,11 @@ def test_timed_steps_time_each_processs_own_operations_and_evaluate_gives_the_in
         assert said["stragglers"] == [[]] * 2 * (STEPS + 1)  # the MLP's workers 1 and 2 are peers, in two processes
         np.testing.assert_allclose(said["mlp"], mlp_losses, rtol=1e-6)
         assert said["auto"].startswith("schedule='auto' does not run on runner=Distributed() yet"), said["auto"]
-        assert said["costs"].startswith("costs() is not measured on runner=Distributed() yet"), said["costs"]
+        costs = said["costs"]
+        assert costs == json.loads((two / "0-timed.json").read_text())["costs"]  # the same on every process
+        assert all(len(costs[k]) == 4 for k in "FBW") and all(v > 0 for v in costs["F"])
+        assert all(costs["B"][s] + costs["W"][s] > 0 for s in range(4))
+        assert costs["comm"] == costs["gap"] and costs["transfer"]["out"] > 0 and costs["transfer"]["back"] > 0
         busy = run["busy"]
         assert (busy[:, sorted(mine)] > 0).all() and (busy[:, sorted({0, 1, 2, 3} - mine)] == 0).all()
         assert len(list((two / f"trace-{p}").glob("step-*.trace.json"))) == STEPS + 1

@@ -62,6 +62,7 @@ from .checkpoint_layout import HostCheckpoint
 from .clipping import Squares, clip_scale
 from .crosshost import abandon, gather, heartbeat, move, specs
 from .device_memory import DeviceMemory, memory_records
+from .measured import Step, measure_transfer_rates
 from .ownership import Ownership, Snapshot
 from .stage_trainer import RESTORE_HINT, StageTrainer, finish_stages
 from .zero1 import ReplicaTrainer
@@ -452,6 +453,38 @@ class DistributedBackend:
                     value, spec = None, self._eval_spec(s, programs[s], spec, specs(ins))
         got = gather({S - 1: ends} if S - 1 in self.trainers else {})[S - 1]
         return [float(v) for v, _, _ in got], [list(a) for _, a, _ in got], [r for _, _, r in got] if outputs else None
+
+    def costs_samples(self, kept: Sequence[Step]) -> list[Step]:
+        """Every process's timed steps' samples (``CostSamples.kept``: each process's are its own stages'), merged in
+        process order: what ``Trainer.costs`` takes medians over here. Every process calls it at the same point.
+
+        Args:
+            kept: This process's samples.
+
+        Returns:
+            Every process's, as ``CostSamples.costs`` takes them.
+        """
+        mine = {
+            self.me: [
+                [{f"{s}/{k}": np.asarray(v, np.float64) for (s, k), v in ops.items()}, np.asarray(gaps, np.float64)]
+                for ops, gaps in kept
+            ]
+        }
+        got = self._watched("the gather of the measured costs", lambda: gather(mine))
+        out: list[Step] = []
+        for p in sorted(got):
+            for ops, gaps in got[p]:
+                times = {(int(key.split("/")[0]), key.split("/")[1]): [float(x) for x in v] for key, v in ops.items()}
+                out.append((times, [float(x) for x in gaps]))
+        return out
+
+    def transfer_rates(self) -> dict[str, float]:
+        """``measured.measure_transfer_rates`` on the first stage's process (its first local device), given to every
+        process: one figure for all. Every process calls it at the same point."""
+        rates = measure_transfer_rates(self.devices[self.local[0]][0])
+        mine = {self.me: {k: np.asarray(v, np.float64) for k, v in rates.items()}}
+        got = self._watched("the gather of the transfer rates", lambda: gather(mine))
+        return {k: float(v) for k, v in got[self.devices[0][0].process_index].items()}
 
     def send_seconds(self, values: Sequence[PyTree], repeats: int) -> list[float]:
         """Refused: sends between processes are not measured yet."""

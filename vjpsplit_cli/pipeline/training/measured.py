@@ -67,7 +67,7 @@ COMPILE_EVENTS = (
 _compiles: deque[tuple[float, float]] = deque(maxlen=4096)  # this process's latest compile phases, monotonic seconds
 
 # One timed step: per (stage, kind) the operations' seconds (kind B: a whole backward, I: its input part); the send gaps.
-_Step = tuple[dict[tuple[int, str], list[float]], list[float]]
+Step = tuple[dict[tuple[int, str], list[float]], list[float]]
 
 
 @functools.cache
@@ -105,7 +105,7 @@ def seconds(e: Event) -> float:
 FUSED = {"B": "F", "I": "F", "W": "I"}  # an operation that can run in the call of the one before it: that one
 
 
-def step_samples(result: PipelineResult, share: Callable[[int, str, str], float] | None = None) -> _Step:
+def step_samples(result: PipelineResult, share: Callable[[int, str, str], float] | None = None) -> Step:
     """One timed step's counted operation seconds by stage and kind, and its send gaps (on a stage with replicas,
     each on its own device, its first replica's copy of each operation counts).
 
@@ -200,8 +200,8 @@ class CostSamples:
 
     def __init__(self, artifacts: Sequence[Artifact]):
         self.artifacts = list(artifacts)
-        self.steps: deque[_Step] = deque(maxlen=COST_STEPS)
-        self.first: _Step | None = None  # the Trainer's first step, while it is the only one timed
+        self.steps: deque[Step] = deque(maxlen=COST_STEPS)
+        self.first: Step | None = None  # the Trainer's first step, while it is the only one timed
         listen_for_compiles()
         self._shares: dict[int, float] = {}
         self._forward_shares: dict[int, float] = {}
@@ -240,14 +240,25 @@ class CostSamples:
             self._shares[stage] = b / (b + w) if b is not None and w is not None and b + w > 0 else 0.5
         return self._shares[stage]
 
-    def costs(self) -> TimelineCosts:
-        """``{"F": [...], "B": [...], "W": [...], "gap": g}`` in seconds: medians over the kept steps."""
+    def kept(self) -> list[Step]:
+        """The timed steps' samples ``costs`` takes medians over: the last ``COST_STEPS`` timed steps, else the
+        Trainer's first step.
+
+        Raises:
+            VjpsplitError: No timed step has run yet.
+        """
         kept = list(self.steps) or ([self.first] if self.first is not None else [])
         if not kept:
             raise VjpsplitError(
                 "no timed step has run yet: run trainer.step(batch, timed=True) first "
                 "(schedule='auto' times its first step itself)"
             )
+        return kept
+
+    def costs(self, kept: Sequence[Step] | None = None) -> TimelineCosts:
+        """``{"F": [...], "B": [...], "W": [...], "gap": g}`` in seconds: medians over the kept steps (``kept``:
+        other samples, such as every process's of a ``jax.distributed`` job, merged)."""
+        kept = self.kept() if kept is None else kept
         merged: dict[tuple[int, str], list[float]] = {}
         gaps: list[float] = []
         for ops, g in kept:

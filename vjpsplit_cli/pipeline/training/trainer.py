@@ -660,23 +660,23 @@ class Trainer:
         at the first call, with an activation of the size each stage sends (the first timed step's microbatch):
         in-process ``jax.device_put`` from one stage's device to the next, on Ray one actor-to-actor delivery
         through the step's senders and inboxes; the median of ``measured.SEND_PROBES`` per boundary, the mean
-        over the boundaries. ``gap``: what the timed steps' timelines show between a result and the next worker
-        starting on it (more than the send; ``comm`` where the send could not be measured).
+        over the boundaries; on ``Distributed`` (every process calls it, each process's samples gathered) ``gap``.
+        ``gap``: the timed steps' wait from a result to the next worker starting on it (``comm`` where no send ran).
 
         Returns:
             ``{"F": [...], "B": [...], "W": [...], "comm": seconds, "gap": seconds, "transfer": {"out": ..,
             "back": ..}}``, one entry per stage in F, B and W; ``transfer`` the bytes per second of a residual
             copy off the first stage's device and back, as offload copies (``measured.measure_transfer_rates``,
-            timed once, at the first call; on Ray, on this process's device).
+            timed once, at the first call; on Ray, on this process's device; on Distributed, the first stage's).
 
         Raises:
-            VjpsplitError: no timed step has run yet; the Trainer runs on ``Distributed``.
+            VjpsplitError: no timed step has run yet.
         """
         if isinstance(self.backend, DistributedBackend):
-            raise VjpsplitError(
-                "costs() is not measured on runner=Distributed() yet (each process times only its own stages, and "
-                "sends between processes are not timed): measure the costs in one process or on Ray"
-            )
+            timeline = self._samples.costs(self.backend.costs_samples(self._samples.kept()))
+            if self._transfer is None:
+                self._transfer = self.backend.transfer_rates()
+            return {**timeline, "comm": timeline["gap"], "transfer": self._transfer}
         timeline = self._samples.costs()
         if self._transfer is None:
             self._transfer = measure_transfer_rates(self.placement[0][0])
