@@ -25,7 +25,8 @@ asked, its losses and params written to ``<out>/<process id>-<schedule>.npz``; a
   stragglers and busy seconds, the last step's events (stage, kind, mb) and phase names, the evaluation's loss and
   outputs to ``<out>/<process id>-timed.npz`` (and ``.json``); then ``stage_models.mlp`` cut in 4 (stages 1 and 2
   cost the same: peers, one in each process), ``steps + 1`` timed steps: its losses and every step's stragglers
-  to the ``.json``, with what a Trainer of ``schedule="auto"`` and its ``costs()`` said.
+  to the ``.json``, with its ``costs()``, and the losses, choice, races and last plans of a Trainer of
+  ``schedule=P.Schedule("auto", trial_rounds=1)`` over ``AUTO_STEPS`` untimed steps of the MLP.
 * ``aux``: two 2-stage Trainers, stage 0 in process 0 and stage 1 in process 1 (``devices=``), 2 steps of
   ``dropout_batches(2)`` then ``evaluate`` of the first (with ``outputs=True``): ``stage_models.aux_loss``
   (``has_aux=True``) and ``stage_models.dropout_loss`` with ``rng=jax.random.key(3)``; their losses, aux leaves and
@@ -79,6 +80,8 @@ from stage_models import (  # noqa: E402
 import vjpsplit_cli as vs  # noqa: E402
 from vjpsplit_cli import pipeline as P  # noqa: E402
 from vjpsplit_cli.errors import VjpsplitError  # noqa: E402
+
+AUTO_STEPS = 8  # the timed phase's schedule="auto" Trainer: 2 measuring steps, then a race of 1 round a candidate
 
 
 def refusals() -> dict[str, str]:
@@ -182,8 +185,18 @@ def timed(out: str, me: int, clip: float, steps: int) -> None:
     stages = vs.export_stages(mlp, *specs_like((params, x[:2], labels[:2])), wrt="params", stages=4, platforms="cpu")
     peers = P.Trainer(stages, params, optimizer=optax.sgd(0.1), microbatches=4, runner="distributed", observe=watch)
     mlp_losses = [peers.step((x, labels)) for _ in range(steps + 1)]
-    sgd = optax.sgd(0.1)
-    auto = said(lambda: P.Trainer(stages, params, optimizer=sgd, microbatches=4, schedule="auto", runner="distributed"))
+    schedule = P.Schedule("auto", trial_rounds=1)
+    auto_tr = P.Trainer(
+        stages, params, optimizer=optax.sgd(0.1), microbatches=4, schedule=schedule, runner="distributed"
+    )
+    auto_losses = [auto_tr.step((x, labels)) for _ in range(AUTO_STEPS)]
+    auto = {
+        "losses": auto_losses,
+        "choice": auto_tr.auto.choice,
+        "races": auto_tr.auto.races,
+        "racing": auto_tr.auto.trial is not None,
+        "ran": [[str(op) for op in ops] for ops in auto_tr.last_result.plans],
+    }
     said_here = {
         "phases": [p.name for p in r.phases],
         "stragglers": [list(h.stragglers) for h in [*tr.history, *peers.history]],

@@ -48,6 +48,7 @@ from vjpsplit_cli.pipeline import launch
 JOB = Path(__file__).with_name("distributed_job.py")
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, CLIP = 3, 0.5
+AUTO_STEPS = 8  # distributed_job.AUTO_STEPS (that module starts jax.distributed when imported)
 # Whether this jax moves an array between CPU processes (0.10 does; 0.6.2, CI's oldest, does not: there every
 # process of the job refuses P.Distributed() with one error naming the fix, which the tests check instead).
 MOVES = hasattr(xla_bridge, "CROSS_HOST_TRANSFER_SOCKET_ADDRESS")
@@ -223,10 +224,10 @@ def test_timed_steps_time_each_processs_own_operations_and_evaluate_gives_the_in
     """Observe(timeline=True) on 2 processes: every step timed, the losses those of the untimed one-process run on
     both processes; each process's last_result holds its own stages' operations (every F and B of them), its
     reductions, update and wait for the losses; each step's trace written. A worker of the other process is no
-    one's peer: the MLP's workers 1 and 2 cost the same, and neither is named a straggler. schedule="auto" is
-    refused when the Trainer is made. costs() gives every process every stage's measured costs, the same figures
-    (each process timed its own stages; their samples gathered). Then evaluate (and outputs=True) equals the
-    in-process runner's."""
+    one's peer: the MLP's workers 1 and 2 cost the same, and neither is named a straggler. costs() gives every
+    process every stage's measured costs, the same figures (each process timed its own stages; their samples
+    gathered), and schedule="auto" measures, races and keeps the same plans on every process, its losses those of
+    optax on one process. Then evaluate (and outputs=True) equals the in-process runner's."""
     if two is None:
         return
     ref_losses, _ = _reference(CLIP, STEPS + 1)
@@ -242,6 +243,12 @@ def test_timed_steps_time_each_processs_own_operations_and_evaluate_gives_the_in
     stages = vs.export_stages(mlp, *specs_like((params, x[:2], labels[:2])), wrt="params", stages=4, platforms="cpu")
     peers = P.Trainer(stages, params, optimizer=optax.sgd(0.1), microbatches=4)
     mlp_losses = [peers.step((x, labels)) for _ in range(STEPS + 1)]
+    ref = P.Trainer(stages, params, optimizer=optax.sgd(0.1), microbatches=4)
+    auto_losses = [ref.step((x, labels)) for _ in range(AUTO_STEPS)]
+    autos = [json.loads((two / f"{p}-timed.json").read_text())["auto"] for p in range(2)]
+    assert autos[0] == autos[1]  # the same choice, races (each trial step's slowest process's time) and plans
+    assert autos[0]["races"] and not autos[0]["racing"], autos[0]  # a race ran and ended within the steps
+    np.testing.assert_allclose(autos[0]["losses"], auto_losses, rtol=1e-6)
     for p, run in enumerate(runs):
         np.testing.assert_allclose(run["losses"], ref_losses, rtol=1e-6)
         np.testing.assert_array_equal(run["losses"], runs[0]["losses"])
@@ -254,7 +261,6 @@ def test_timed_steps_time_each_processs_own_operations_and_evaluate_gives_the_in
         )
         assert said["stragglers"] == [[]] * 2 * (STEPS + 1)  # the MLP's workers 1 and 2 are peers, in two processes
         np.testing.assert_allclose(said["mlp"], mlp_losses, rtol=1e-6)
-        assert said["auto"].startswith("schedule='auto' does not run on runner=Distributed() yet"), said["auto"]
         costs = said["costs"]
         assert costs == json.loads((two / "0-timed.json").read_text())["costs"]  # the same on every process
         assert all(len(costs[k]) == 4 for k in "FBW") and all(v > 0 for v in costs["F"])

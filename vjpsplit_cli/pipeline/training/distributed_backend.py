@@ -478,6 +478,19 @@ class DistributedBackend:
                 out.append((times, [float(x) for x in gaps]))
         return out
 
+    def slowest(self, seconds: float) -> float:
+        """The most of every process's ``seconds`` (a trial step's time, each on its own clock), on every process:
+        so that ``schedule="auto"``'s race keeps the same plan everywhere. Every process calls it at the same point.
+
+        Args:
+            seconds: This process's figure.
+
+        Returns:
+            The largest of all processes' figures.
+        """
+        got = self._watched("the gather of a trial step's time", lambda: gather({self.me: np.asarray(seconds)}))
+        return max(float(v) for v in got.values())
+
     def transfer_rates(self) -> dict[str, float]:
         """``measured.measure_transfer_rates`` on the first stage's process (its first local device), given to every
         process: one figure for all. Every process calls it at the same point."""

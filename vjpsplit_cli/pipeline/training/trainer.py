@@ -62,7 +62,7 @@ from .measured import SEND_PROBES, CostSamples, MeasuredCosts, measure_transfer_
 from .microbatch_keys import checked_rng, microbatch_keys
 from .optax_state import StateMap, state_map
 from .optimizer import optimizer_name
-from .option_values import Distributed, InProcess, Observe, PerStage, Plans, Runner, Schedule
+from .option_values import InProcess, Observe, PerStage, Plans, Runner, Schedule
 from .options import ContractKeywords, Options, options_of
 from .ownership import Ownership
 from .resume import restored_run, stage_snapshots
@@ -211,15 +211,9 @@ class Trainer:
 
     def _planned(self, schedule: Schedule, runner: Runner, every_step_timed: bool) -> tuple[AutoPlan | None, Resolved]:
         """The first step's plans: ``"auto"``'s (it times its first steps), else the schedule's, resolved before any
-        export (a bad schedule, and ``"auto"`` on ``Distributed``, are refused here; a V schedule leaving this host's
-        devices idle warns)."""
-        if schedule.auto and isinstance(runner, Distributed):
-            # Every process would time only its own stages and race the plans on its own clock: they would part.
-            raise VjpsplitError(
-                "schedule='auto' does not run on runner=Distributed() yet (the processes would each plan from their "
-                "own stages' times): give a schedule by name (schedule='1f1b', 'zbh1', ...), or pick one with "
-                "schedule='auto' in one process or on Ray"
-            )
+        export (a bad schedule is refused here; a V schedule leaving this host's devices idle warns). On
+        ``Distributed`` every process plans alike: from every process's costs (``costs``) and, in a race, the
+        slowest process's time of each trial step (``step``)."""
         if schedule.auto:
             auto = AutoPlan(
                 self.model.artifacts,
@@ -283,6 +277,8 @@ class Trainer:
             self.backend.step_count = self.step_count  # the step a lost process's error names
         r, sums = self.backend.step(mbs, plan, self.microbatches, self.clip_global_norm, timed=timed, scales=scales)
         ran_for = time.monotonic() - t_run  # what auto's trial steps compare: the schedule, sends and updates
+        if isinstance(self.backend, DistributedBackend) and self.auto is not None and self.auto.trial is not None:
+            ran_for = self.backend.slowest(ran_for)  # every process's race compares the same times: they agree
         _, norm = clip_scale(sums, None)
         step_time = time.monotonic() - t0
         if timed:
