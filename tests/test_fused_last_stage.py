@@ -33,6 +33,17 @@ def _trainer(stages, schedule):
     return P.Trainer(stages, gpt_params(), optimizer=optax.sgd(0.1), microbatches=M, schedule=schedule, runner=runner)
 
 
+def _optax_steps(batch, n):
+    """``n`` steps of optax's SGD on ``jax.value_and_grad`` over ``batch`` cut in ``M``: the parameters, the losses."""
+    opt = optax.sgd(0.1)
+    params, state, losses = gpt_params(), opt.init(gpt_params()), []
+    for _ in range(n):
+        loss, g = jax.value_and_grad(lambda p: mean_over_microbatches(gpt, p, batch, M))(params)
+        updates, state = opt.update(g, state, params)
+        params, losses = optax.apply_updates(params, updates), [*losses, float(loss)]
+    return params, losses
+
+
 @pytest.mark.parametrize("schedule, fused", [("1f1b", {0, 1, 2, 3}), ("gpipe", set())])
 def test_the_last_stage_runs_b_inside_f_where_it_follows(stages, schedule, fused, monkeypatch):
     calls = []
@@ -71,12 +82,8 @@ def test_zbh1_runs_the_last_stages_i_inside_its_f_and_the_first_stages_w_inside_
     """ZB-H1: the last stage's I follows its F, so (once an unfused F showed where W's inputs are) F runs both and
     keeps only W's intermediates; the first stage's W follows its I, which hands nothing on, so I runs the whole
     backward and W nothing. The steps are those of optax on ``jax.value_and_grad``."""
-    batch, opt = gpt_batch(8), optax.sgd(0.1)
-    params, state, want = gpt_params(), opt.init(gpt_params()), []
-    for _ in range(3):
-        loss, g = jax.value_and_grad(lambda p: mean_over_microbatches(gpt, p, batch, M))(params)
-        updates, state = opt.update(g, state, params)
-        params, want = optax.apply_updates(params, updates), [*want, float(loss)]
+    batch = gpt_batch(8)
+    params, want = _optax_steps(batch, 3)
     fused = []
     with _trainer(stages, "zbh1") as tr:
         first, last = tr.backend.trainers[0].worker, tr.backend.trainers[-1].worker
@@ -102,12 +109,8 @@ def test_on_one_serial_device_zbh1_runs_every_split_backward_whole(stages, monke
     from vjpsplit_cli.pipeline.runtime import dispatch
 
     monkeypatch.setattr(dispatch, "runs_serially", lambda device: True)
-    batch, opt = gpt_batch(8), optax.sgd(0.1)
-    params, state, want = gpt_params(), opt.init(gpt_params()), []
-    for _ in range(2):
-        loss, g = jax.value_and_grad(lambda p: mean_over_microbatches(gpt, p, batch, M))(params)
-        updates, state = opt.update(g, state, params)
-        params, want = optax.apply_updates(params, updates), [*want, float(loss)]
+    batch = gpt_batch(8)
+    params, want = _optax_steps(batch, 2)
     calls: list[tuple[int, str]] = []
     with _trainer(stages, "zbh1") as tr:
         workers = [t.worker for t in tr.backend.trainers]
