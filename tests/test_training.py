@@ -239,6 +239,8 @@ def test_every_backend_has_every_member_of_the_backend_protocol(backend):
         assert [(p.name, p.kind, p.default) for p in theirs.values()] == [
             (p.name, p.kind, p.default) for p in ours.values()
         ], f"{backend.__name__}.{name}{inspect.signature(got)} is not Backend.{name}{inspect.signature(want)}"
-    # Past the protocol, only the multi-process checkpoint's members (fit and backend.write_checkpoint call them).
-    extra = {"agree", "save", "writes_checkpoints"} if backend.__name__ == "DistributedBackend" else set()
+    # Past the protocol, only the multi-process checkpoint's members (fit and backend.write_checkpoint call them) and
+    # its costs' (Trainer.costs and schedule="auto"'s race call them: every process at the same point).
+    multi = {"agree", "save", "writes_checkpoints", "costs_samples", "slowest", "transfer_rates"}
+    extra = multi if backend.__name__ == "DistributedBackend" else set()
     assert set(_members(backend)) - set(declared) == extra, "a public method the protocol does not declare"
