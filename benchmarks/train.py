@@ -279,7 +279,7 @@ def measure(
         # No XLA_FLAGS in the job's runtime_env: the runner gives each actor this process's flags with its own
         # device count, where a job-level XLA_FLAGS would stand as given (each actor seeing this child's 2
         # devices, driving 1: +20% CPU per actor on the GPT, benchmarks/results/2026-history-ray-training-steps.md).
-        ray_.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray_.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         small = tiny(cfg, ray, platform)
         widths = cfg["widths"]
