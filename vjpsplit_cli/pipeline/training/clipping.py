@@ -123,8 +123,8 @@ class Squares:
 
 def _leaf_squares(leaves: list[Leaf]) -> list[jax.Array]:
     """Each leaf's sum of squares in its own dtype; stacked into one array where they share a dtype (the same
-    values): each array fetched costs the host its own copy, about 80 µs on a TPU v5e host
-    (benchmarks/results/2026-12-07-tpu-whole-backward.md)."""
+    values): each array fetched costs the host its own copy, 76 µs on a TPU v5e host
+    (benchmarks/results/2026-12-07-tpu-timed-profile.md)."""
     import jax.numpy as jnp
 
     sums = [jnp.sum(jnp.square(jnp.abs(g) if jnp.iscomplexobj(g) else g)) for g in leaves]

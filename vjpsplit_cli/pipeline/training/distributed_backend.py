@@ -474,7 +474,10 @@ class DistributedBackend:
         out: list[Step] = []
         for p in sorted(got):
             for ops, gaps in got[p]:
-                times = {(int(key.split("/")[0]), key.split("/")[1]): [float(x) for x in v] for key, v in ops.items()}
+                times = {}
+                for key, v in ops.items():
+                    stage, _, kind = key.partition("/")
+                    times[(int(stage), kind)] = [float(x) for x in v]
                 out.append((times, [float(x) for x in gaps]))
         return out
 
@@ -494,14 +497,19 @@ class DistributedBackend:
     def transfer_rates(self) -> dict[str, float]:
         """``measured.measure_transfer_rates`` on the first stage's process (its first local device), given to every
         process: one figure for all. Every process calls it at the same point."""
-        rates = measure_transfer_rates(self.devices[self.local[0]][0])
-        mine = {self.me: {k: np.asarray(v, np.float64) for k, v in rates.items()}}
+        owner = self.devices[0][0].process_index
+        mine: dict[int, PyTree] = {}
+        if self.me == owner:  # the others measure nothing: only its figure is kept
+            rates = measure_transfer_rates(self.devices[self.local[0]][0])
+            mine = {owner: {k: np.asarray(v, np.float64) for k, v in rates.items()}}
         got = self._watched("the gather of the transfer rates", lambda: gather(mine))
-        return {k: float(v) for k, v in got[self.devices[0][0].process_index].items()}
+        return {k: float(v) for k, v in got[owner].items()}
 
     def send_seconds(self, values: Sequence[PyTree], repeats: int) -> list[float]:
-        """Refused: sends between processes are not measured yet."""
-        raise VjpsplitError("runner=Distributed() does not measure sends yet (schedule='auto' needs them)")
+        """Refused: sends between processes are not timed apart yet (``Trainer.costs`` gives ``gap`` as ``comm``)."""
+        raise VjpsplitError(
+            "runner=Distributed() does not time sends between processes apart yet: costs() gives comm as the gap"
+        )
 
     def set_offload(self, spec: Offload | None) -> None:
         """From the next step, this process's stages' residuals off their device as ``spec`` says (None: none)."""
