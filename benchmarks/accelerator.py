@@ -513,10 +513,14 @@ def train_step(opts: Options, log: StepLog) -> str:
 
     plat = export_platform()
     small = opts.quick or (jax.default_backend() == "cpu" and not opts.full)
-    cfg = train_accel.config(small)
+    cfg = train_accel.config(small, opts.full)
     for width, blocks in cfg["widths"]:
         log.doing(f"GPT width {width}, {blocks} blocks")
-        log.add(*train_accel.measure_width(width, blocks, cfg["rounds"], plat, cfg["seq"], cfg["trial_rounds"]))
+        log.add(
+            *train_accel.measure_width(
+                width, blocks, cfg["rounds"], plat, cfg["seq"], cfg["trial_rounds"], cfg["everything"]
+            )
+        )
         log.note(targets=train_accel.targets(log.step["rows"]))
         gc.collect()  # this width's Trainers and states off the device before the next
     text = train_accel.table(log.step["rows"], cfg, plat)

@@ -14,7 +14,8 @@ the host fetches:
 - one process, the same 8 microbatches accumulated in one ``jit`` (``lax.scan``): the reference;
 - the Trainer's untimed 1F1B, ZB-H1 and ``auto`` steps on a host batch;
 - the 1F1B Trainer's untimed step on a batch already on the device, and its timed step;
-- the 1F1B Trainer's untimed step with its stages exported under the default policy ``everything``.
+- with ``--full``, the 1F1B Trainer's untimed step with its stages exported under the default policy
+  ``everything`` (another compile of the step's program on one chip: 93 s at width 1024 on a TPU v5e).
 
 The Trainer rows but the last export the stages with ``policy="dots"`` (``POLICY``).
 
@@ -62,9 +63,11 @@ RATIO_LIMITS = {1024: 1.15, 512: 2.0}
 TIMED_LIMIT = 1.2  # a timed step against an untimed one
 
 
-def config(quick: bool) -> dict:
-    """What ``measure_width`` runs: the widths (with their blocks) and the rounds after warm-up."""
+def config(quick: bool, full: bool = False) -> dict:
+    """What ``measure_width`` runs: the widths (with their blocks), the rounds after warm-up and (``full``) whether
+    the ``1f1b_everything`` candidate runs."""
     return {
+        "everything": full,
         "widths": [list(w) for w in (QUICK_WIDTHS if quick else WIDTHS)],
         "rounds": QUICK_ROUNDS if quick else ROUNDS,
         "seq": QUICK_SEQ if quick else SEQ,
@@ -117,7 +120,13 @@ def _one_process(g, params, tx, device) -> dict[str, Callable]:
 
 
 def measure_width(
-    width: int, blocks: int, rounds: int, platform: str, seq: int = SEQ, trial_rounds: int | None = None
+    width: int,
+    blocks: int,
+    rounds: int,
+    platform: str,
+    seq: int = SEQ,
+    trial_rounds: int | None = None,
+    everything: bool = True,
 ) -> list[dict]:
     """Every candidate at one width, side by side: one row each, with its median and ratio to the reference.
 
@@ -128,6 +137,7 @@ def measure_width(
         platform: the platform the stages are exported for (``jax.export``'s name).
         seq: the GPT's sequence length.
         trial_rounds: ``Schedule(trial_rounds=)`` of the ``auto`` Trainer (None: the Trainer's default).
+        everything: whether the ``1f1b_everything`` candidate runs.
 
     Returns:
         One row per candidate (``CANDIDATES``' order): width, blocks, key, candidate, ms, ratio, samples_ms.
@@ -157,7 +167,7 @@ def measure_width(
             ("1f1b", "1f1b"),
             ("zbh1", "zbh1"),
             ("auto", P.Schedule("auto", trial_rounds=trial_rounds)),
-            ("1f1b_everything", "1f1b"),
+            *([("1f1b_everything", "1f1b")] if everything else []),
         ):
             trainers[key] = P.Trainer(
                 g.export(params, platform) if key == "1f1b_everything" else stages,
@@ -176,8 +186,9 @@ def measure_width(
             "auto": lambda: trainers["auto"].step(batch),
             "1f1b_device": lambda: one.step(device_batch),
             "1f1b_timed": lambda: one.step(batch, timed=True),
-            "1f1b_everything": lambda: trainers["1f1b_everything"].step(batch),
         }
+        if everything:
+            cands["1f1b_everything"] = lambda: trainers["1f1b_everything"].step(batch)
         for fn in cands.values():
             for _ in range(WARMUP):
                 fn()

@@ -159,7 +159,8 @@ def per_op(
     Alternately, round by round: one untimed step (its ``untimed.dispatch`` timed in the step's thread,
     wall and that thread's CPU time), and the same programs dispatched as plain ``jit`` calls on the
     same inputs, in the step's order (each F as ``jax.jit`` of the artifact's ``fwd``; B, I, W and the
-    last stage's fused F+B as the worker's own jitted calls), captured from one step. Nothing waits
+    last stage's fused F+B as the worker's own jitted calls; where the step runs as one program, on one device
+    that runs one program at a time, that program's compiled call), captured from one step. Nothing waits
     inside either; each is waited for after its clock stops.
 
     Args:
@@ -181,6 +182,7 @@ def per_op(
     import optax
 
     from vjpsplit_cli import pipeline as P
+    from vjpsplit_cli.pipeline.runtime import program as PG
     from vjpsplit_cli.pipeline.runtime import worker as W
     from vjpsplit_cli.pipeline.runtime.stagecalls import Forward
     from vjpsplit_cli.pipeline.training import local_backend as LB
@@ -204,6 +206,21 @@ def per_op(
         calls.append((jitted[id(call)], tuple(args)))
         return orig_run(self, worker, kind, mb, args, call, warmup)
 
+    orig_program = PG.StepProgram.run
+
+    def capture_program(self, *a, **k):  # a step on one serial device: its one program's call
+        call = self._call
+
+        def noted(*args):
+            calls.append((call, args))
+            return call(*args)
+
+        self._call = noted
+        try:
+            return orig_program(self, *a, **k)
+        finally:
+            self._call = call
+
     wall: list[float] = []
     cpu: list[float] = []
     prof = cProfile.Profile() if profile else None
@@ -224,10 +241,12 @@ def per_op(
         for _ in range(3):  # compile, warm
             tr.step(batch)
         W.StageWorker._run = capture  # type: ignore[method-assign]
+        PG.StepProgram.run = capture_program  # type: ignore[method-assign]
         try:
             tr.step(batch)
         finally:
             W.StageWorker._run = orig_run  # type: ignore[method-assign]
+            PG.StepProgram.run = orig_program  # type: ignore[method-assign]
         ops = sum(len(p) for p in tr.plan.plans)
         for _ in range(2):  # the plain calls compile
             jax.block_until_ready([fn(*a) for fn, a in calls])

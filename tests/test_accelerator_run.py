@@ -176,7 +176,7 @@ def test_the_device_is_asked_for_again_when_it_refuses_at_first(monkeypatch):
 def test_the_train_step_keeps_each_width_and_its_targets_when_a_later_width_fails(tmp_path, monkeypatch):
     from benchmarks import train_accel
 
-    def measure_width(width, blocks, rounds, platform, seq, trial_rounds):
+    def measure_width(width, blocks, rounds, platform, seq, trial_rounds, everything):
         if width == 1024:
             raise MemoryError("RESOURCE_EXHAUSTED: out of memory on the device")
         ms = {

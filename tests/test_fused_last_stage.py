@@ -102,13 +102,16 @@ def test_zbh1_runs_the_last_stages_i_inside_its_f_and_the_first_stages_w_inside_
 
 
 def test_on_one_serial_device_zbh1_runs_every_split_backward_whole(stages, monkeypatch):
-    """Every stage on one device that runs one program at a time (a TPU chip's; here a CPU device said to): ZB-H1's
-    split backwards run whole, as 1F1B's: the last stage's F runs F, I and W in one call (no intermediates kept),
-    the other stages' I the whole backward; every W runs nothing. The steps are those of optax on
-    ``jax.value_and_grad``, and a timed step's costs still give each stage an I and a W (cut by FLOPs)."""
-    from vjpsplit_cli.pipeline.runtime import dispatch
+    """Every stage on one device that runs one program at a time (a TPU chip's; here a CPU device said to), operation
+    by operation (as stages that offload run there; the others run the step as one program,
+    ``test_step_program.py``): ZB-H1's split backwards run whole, as 1F1B's: the last stage's F runs F, I and W in
+    one call (no intermediates kept), the other stages' I the whole backward; every W runs nothing. The steps are
+    those of optax on ``jax.value_and_grad``, and a timed step's costs still give each stage an I and a W (cut by
+    FLOPs)."""
+    from vjpsplit_cli.pipeline.runtime import dispatch, untimed
 
     monkeypatch.setattr(dispatch, "runs_serially", lambda device: True)
+    monkeypatch.setattr(untimed, "_one_program", lambda stage: False)
     batch = gpt_batch(8)
     params, want = _optax_steps(batch, 2)
     calls: list[tuple[int, str]] = []

@@ -15,7 +15,7 @@ import collections
 import functools
 import threading
 import time
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar, cast
 
 import jax
 
@@ -23,7 +23,7 @@ from ...errors import VjpsplitError
 from ...files.prng import is_ready
 from ..schedules.ops import Kind, Op, dependencies, received
 from .devicebytes import is_array
-from .dispatch import Order, placed_microbatches, walk, whole_backwards
+from .dispatch import Order, order_of, placed_microbatches, walk, whole_backwards
 from .hang_report import (
     COMPILING,
     DISPATCHING,
@@ -37,9 +37,11 @@ from .hang_report import (
     compiling,
 )
 from .model import Microbatch
+from .program import program_for
 from .replicas import Parts, ReplicaGroup
 from .stepwatch import GRACE, Watch, stop_report, worker_rings
 from .stageops import RunsOps, run_op
+from .worker import StageWorker
 from .workerthreads import Job, WorkerThreads, wait_for
 from ...treetypes import Leaf, PyTree
 
@@ -64,12 +66,21 @@ def dispatch(
     ``scales``: per microbatch, the last stage's starting cotangent (``StageWorker.reset``); None: equal.
     ``timed``: the workers time their operations (``timed.run_timed``); ``tick()``: after each operation.
     Where every stage runs on one device that runs one program at a time, each split backward runs whole
-    (``whole_backwards``).
+    (``whole_backwards``), and where those stages are alone (no replicas) and offload nothing, the step runs as
+    one compiled program (``program.StepProgram``), timed or not.
     """
     whole = whole_backwards(workers)
     for st in workers:
         st.reset(timed=timed, plans=plans, scales=scales, whole=whole)
     mbs = placed_microbatches(mbs, workers)
+    if whole and all(_one_program(st) for st in workers):
+        stages = cast("list[StageWorker]", list(workers))
+        program = program_for(stages, order_of(plans, len(stages)) if order is None else order, microbatches)
+        scaled = [stages[-1].start_cotangent(m, microbatches) for m in range(len(mbs))]
+        program.run(stages, mbs, scaled, record, timed, tick)
+        if record is not None:
+            record.dispatched()
+        return
 
     def submit(w: int, op: Op, data: object, side: list[Leaf]) -> PyTree:
         return run_op(workers[op.stage], op, data, side, microbatches, w)
@@ -87,6 +98,12 @@ def dispatch(
     walk(plans, len(workers), mbs, submit if record is None and tick is None else noted, order)
     if record is not None:
         record.dispatched()
+
+
+def _one_program(stage: RunsOps) -> bool:
+    """Whether ``stage`` can run in a ``program.StepProgram``: a stage alone (no replicas) that moves no residual
+    off its device."""
+    return isinstance(stage, StageWorker) and stage.offloader is None
 
 
 class _Stopped(Exception):

@@ -14,7 +14,7 @@ import math
 import queue
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 
@@ -27,9 +27,11 @@ Op5 = tuple[int, str, int, int, "int | None"]  # an event's worker, kind, microb
 class Watched:
     """One operation for its lane's watcher: where its ``Event`` goes and what it is, when its dispatch began,
     the arrays that say its inputs and its results exist; or, where its call was waited for (cold, or the last
-    stage's B that its F ran), its ``span``, which the watcher keeps after the operation before it."""
+    stage's B that its F ran), its ``span``, which the watcher keeps after the operation before it. With ``split``
+    (a step's one program, ``program.StepProgram``) the watcher hands it the call's start and end, and it records
+    the events of the operations the call ran."""
 
-    __slots__ = ("events", "worker", "kind", "mb", "stage", "replica", "at", "ins", "outs", "span", "own")
+    __slots__ = ("events", "worker", "kind", "mb", "stage", "replica", "at", "ins", "outs", "span", "own", "split")
 
     def __init__(
         self,
@@ -40,10 +42,11 @@ class Watched:
         outs: tuple[jax.Array, ...] = (),
         span: tuple[float, float] | None = None,
         own: float | None = None,
+        split: Callable[[float, float], None] | None = None,
     ):
         self.events = events  # the stage's list of this step (a later step's reset makes a new one)
         self.worker, self.kind, self.mb, self.stage, self.replica = op
-        self.at, self.ins, self.outs, self.span, self.own = at, ins, outs, span, own
+        self.at, self.ins, self.outs, self.span, self.own, self.split = at, ins, outs, span, own, split
 
 
 class Lane:
@@ -66,6 +69,20 @@ class Lane:
             out: Its call's results.
         """
         self.queue.put(Watched(events, op, at, first_arrays(args), first_arrays((out,))))
+
+    def watch_program(
+        self, at: float, args: Sequence[object], out: object, split: Callable[[float, float], None]
+    ) -> None:
+        """A call that ran many operations (a step's one program), dispatched, not waited for: its watcher calls
+        ``split(start, end)`` with the call's span once its results exist, which records their events.
+
+        Args:
+            at: When its dispatch began (``time.monotonic``).
+            args: Its call's inputs.
+            out: Its call's results.
+            split: Records the operations' events from the call's span.
+        """
+        self.queue.put(Watched([], (0, "", 0, 0, None), at, first_arrays(args), first_arrays((out,)), split=split))
 
     def settle(self) -> None:
         """Wait until the watcher recorded every operation handed to it so far (before a call that is waited for,
@@ -105,6 +122,9 @@ def watch_lane(lane: Lane) -> None:
             start = math.nextafter(began, math.inf)  # its events sort by start in dispatch order
             end = max(end, start)
         prev, began = end, start
+        if item.split is not None:
+            item.split(start, end)
+            continue
         item.events.append(Event(item.worker, item.kind, item.mb, start, end, item.stage, item.own, item.replica))
 
 

@@ -371,6 +371,19 @@ class StageWorker:
             lane.waited(self.events, (w, kind, mb, self.stage_index, self.replica), (t0, t1), own)
         return out
 
+    def start_cotangent(self, mb: int, microbatches: int) -> PyTree:
+        """The last stage's cotangent its backward of ``mb`` starts from: ``1 / microbatches``, or the microbatch's
+        scale given to ``reset``; placed on its device.
+
+        Args:
+            mb: The microbatch.
+            microbatches: The step's microbatch count.
+
+        Returns:
+            The cotangent of the loss.
+        """
+        return self._ct(None, microbatches, mb)
+
     def _ct(self, ct: PyTree, microbatches: int, mb: int) -> PyTree:
         if self.is_last and self._scaled is not None:  # the step's loss weights (Microbatches)
             return self._scaled[mb]
@@ -475,6 +488,18 @@ class StageWorker:
             True from that I until the W.
         """
         return mb in self.inter or mb in self._ran_whole
+
+    def backward_in_forward(self, mb: int) -> bool:
+        """Whether microbatch ``mb``'s F runs its backward in its call this step (``reset``): the last stage's F
+        directly followed by its B (or, on one serial device, its I) in the worker's plan.
+
+        Args:
+            mb: The microbatch.
+
+        Returns:
+            True where that F holds no residuals past its call.
+        """
+        return mb in self._fusable
 
     def fused(self, mb: int) -> bool:
         """Whether microbatch ``mb``'s F ran its B too (``forward``): its B only hands on the input cotangent.

@@ -1,0 +1,151 @@
+"""On one device that runs one program at a time, a step runs as one compiled program (issue 68).
+
+Where every stage shares one device that runs one program at a time (a TPU chip; here a CPU device said to:
+``dispatch.runs_serially``), the step's F, B, I and W, in the plans' order, are traced into one jitted call
+(``runtime.program.StepProgram``): after its first step no stage call of its own is dispatched. The steps
+equal optax on ``jax.value_and_grad`` in one process; a timed step runs the same program and cuts its time among
+the operations by their FLOPs, in the plans' order.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+import test_step_aux
+import test_variable_lengths
+from stage_models import gpt, gpt_batch, gpt_params, gpt_specs, mean_over_microbatches
+
+import vjpsplit_cli as vs
+from vjpsplit_cli import pipeline as P
+from vjpsplit_cli.pipeline.runtime import dispatch, program
+
+pytestmark = pytest.mark.filterwarnings("ignore::vjpsplit_cli.pipeline.SharedDevicesWarning")
+
+M = 4
+
+
+@pytest.fixture(autouse=True)
+def serial(monkeypatch):
+    """Every device said to run one program at a time (as an accelerator's does)."""
+    monkeypatch.setattr(dispatch, "runs_serially", lambda device: True)
+
+
+@pytest.fixture(scope="module")
+def stages():
+    return vs.export_stages(gpt, *gpt_specs(gpt_params()), wrt="params")
+
+
+def _trainer(stages, schedule):
+    d = jax.devices()[0]
+    runner = P.InProcess(devices=[[d]] * len(stages))
+    return P.Trainer(stages, gpt_params(), optimizer=optax.sgd(0.1), microbatches=M, schedule=schedule, runner=runner)
+
+
+def _optax_steps(batch, n):
+    """``n`` steps of optax's SGD on ``jax.value_and_grad`` over ``batch`` cut in ``M``: the parameters, the losses."""
+    opt = optax.sgd(0.1)
+    params, state, losses = gpt_params(), opt.init(gpt_params()), []
+    for _ in range(n):
+        loss, g = jax.value_and_grad(lambda p: mean_over_microbatches(gpt, p, batch, M))(params)
+        updates, state = opt.update(g, state, params)
+        params, losses = optax.apply_updates(params, updates), [*losses, float(loss)]
+    return params, losses
+
+
+def _traced(tree) -> bool:
+    return all(isinstance(a, jax.core.Tracer) for a in jax.tree_util.tree_leaves(tree) if hasattr(a, "shape"))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1", "gpipe"])
+def test_a_step_is_one_program_and_trains_as_one_process(stages, schedule, monkeypatch):
+    batch = gpt_batch(8)
+    params, want = _optax_steps(batch, 3)
+    calls: list[tuple[str, bool]] = []  # each stage call: its name, and whether it was traced (inside the program)
+    with _trainer(stages, schedule) as tr:
+        for t in tr.backend.trainers:
+            c = t.worker.calls
+            fwd, bwd = c.forward._fwd, c.backward
+            monkeypatch.setattr(c.forward, "_fwd", lambda *a, _f=fwd: calls.append(("F", _traced(a))) or _f(*a))
+            monkeypatch.setattr(c, "backward", lambda *a, _b=bwd: calls.append(("B", _traced(a))) or _b(*a))
+            for name in ("forward_backward", "forward_backward_acc", "backward_acc", "backward_weight"):
+                monkeypatch.setattr(c, name, lambda *a, _n=name: pytest.fail(f"{_n} ran"))
+        got = [tr.step(batch)]
+        S = len(tr.backend.trainers)
+        # One trace of the plans' actions: every F and every backward once, all inside the program.
+        assert sorted(calls) == sorted([("F", True)] * S * M + [("B", True)] * S * M)
+        calls.clear()
+        got += [tr.step(batch), tr.step(batch)]
+        assert calls == []  # the compiled program ran: no stage call of its own
+        rings = [
+            [(k, mb) for k, mb, *_ in t.worker.ring][-len(tr.plan.plans[i]) :]
+            for i, t in enumerate(tr.backend.trainers)
+        ]
+        assert rings == [[(op.kind, op.mb) for op in ops] for ops in tr.plan.plans]
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), tr.params(), params)
+
+
+def test_a_timed_step_runs_the_program_its_time_cut_by_flops(stages):
+    """The timed step's events are the plans' operations, one after the other, each the program's time times its
+    stage's forward or backward share of FLOPs (a warm program timed by its lane's watcher, as operations are); a W (its I ran the whole backward) has none, and ``costs()`` cuts
+    the I's time in two as it does a whole backward's."""
+    batch = gpt_batch(8)
+    params, want = _optax_steps(batch, 2)
+    with _trainer(stages, "zbh1") as tr:
+        got = [tr.step(batch, timed=True), tr.step(batch, timed=True)]
+        # The second step's program was warm: dispatched as untimed, its lane's watcher timed it (nothing waited).
+        first = tr.backend.trainers[0].worker
+        assert not any(waited for *_, waited in list(first.ring)[-len(tr.plan.plans[0]) :])
+        events = sorted(tr.last_result.events, key=lambda e: (e.start, e.end))
+        assert [(e.kind, e.mb, e.stage) for e in events if e.end > e.start] == [
+            (op.kind, op.mb, op.stage)
+            for _, op, _ in program.program_for(
+                [t.worker for t in tr.backend.trainers], dispatch.order_of(tr.plan.plans, len(stages)), M
+            ).order
+            if op.kind != "W"
+        ]
+        for a, b in zip(events, events[1:]):
+            assert b.start == pytest.approx(a.end, abs=1e-9)
+        assert {e.kind for e in events if e.end == e.start} == {"W"}
+        for s, art in enumerate(stages.artifacts):
+            back, fwd = program.flops_weights(art)
+            f = [e.end - e.start for e in events if e.stage == s and e.kind == "F"]
+            i = [e.end - e.start for e in events if e.stage == s and e.kind == "I"]
+            assert f[0] / i[0] == pytest.approx(fwd / back, rel=1e-4)  # differences of clock readings
+        costs = tr.costs()
+        assert all(v > 0 for v in costs["F"]) and all(v > 0 for v in costs["B"][1:]) and all(v > 0 for v in costs["W"])
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_the_program_reports_the_residual_bytes_the_plan_holds(stages):
+    """Each stage's peak is the plan's: GPipe holds every microbatch's residuals at once, 1F1B fewer on the middle
+    stages; the last stage under 1F1B runs each B right after its F and holds none past it."""
+    batch = gpt_batch(8)
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        with _trainer(stages, schedule) as tr:
+            tr.step(batch)
+            peaks[schedule] = [t.worker.peak_residual_bytes for t in tr.backend.trainers]
+    assert all(g > f > 0 for g, f in zip(peaks["gpipe"][1:-1], peaks["1f1b"][1:-1]))
+    assert peaks["1f1b"][-1] == 0 < peaks["gpipe"][-1]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
+def test_aux_and_weighted_microbatches_of_two_lengths_run_in_the_program_too(schedule):
+    """The last stage's aux (``has_aux``) and ``Microbatches`` of two lengths with weights: their cases, on one
+    serial device."""
+    aux_stages = vs.export_stages(
+        test_step_aux.aux_loss, *test_step_aux._specs(), wrt="params", platforms="cpu", has_aux=True
+    )
+    test_step_aux.test_step_and_history_give_the_mean_aux_of_the_one_process_loop(aux_stages, schedule)
+    seq_stages = vs.export_stages(
+        test_variable_lengths.seq_loss,
+        *test_variable_lengths.seq_specs(test_variable_lengths.seq_params()),
+        wrt="params",
+        platforms="cpu",
+    )
+    test_variable_lengths.test_microbatches_of_two_lengths_train_as_one_process_weighted(seq_stages, schedule)
+    for st in (aux_stages, seq_stages):  # they ran as programs
+        assert program._PROGRAMS.get(st.artifacts[0])

@@ -1,0 +1,290 @@
+"""A step on one serial device as one compiled program: the plans' actions traced in their order into one call.
+
+Where every stage runs on one and the same device that runs one program at a time (``dispatch.whole_backwards``:
+an accelerator's), each operation's call costs the host its dispatch, and the device runs the calls one after
+the other either way. On one TPU v5e chip the GPT's stages at width 512 cost the host 350-470 µs a call against
+a device time of the same size, so a step of 24 calls was bound by its host
+(``benchmarks/results/2026-12-07-tpu-timed-profile.md``). An untimed step there runs ``StepProgram``: the
+workers' operations in the plans' execution order (``dispatch.order_of``), traced once into one jitted
+function: each F the stage's ``fwd``, each B (and each I: its W runs nothing, the backward runs whole as
+``dispatch.whole_backwards`` asks) its ``bwd`` with the gradient sum, the activations and cotangents handed on
+inside. One dispatch a step, the same actions in the same order; XLA sees the whole step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol, Sequence
+
+import jax
+import numpy as np
+
+from ..schedules.ops import Kind, Op, OpKey
+from ..schedules.timeline import Event
+from ..stages.exporting import module_flops
+from .stagecalls import Forward, signature_of
+from .model import Microbatch, side_for
+from ...treetypes import PyTree
+
+if TYPE_CHECKING:
+    from ...artifact.artifact import Artifact
+    from .stagecalls import StageCalls
+    from .stageops import RunsOps
+    from .dispatch import Order
+    from .worker import StageWorker
+
+
+class Notes(Protocol):
+    """What notes a step's operations as they are handed out (``untimed.Dispatched``)."""
+
+    @property
+    def now(self) -> object: ...  # the operation being handed out, None between operations
+
+    def begin(self, w: int, op: Op) -> None: ...
+
+    def end(self, w: int, op: Op, out: object, stage: RunsOps) -> None: ...
+
+
+class StepProgram:
+    """One step of a plan's actions on stages that share one serial device, as one jitted call.
+
+    Traced at its first call per input signature; the trace walks ``order`` as ``dispatch.walk`` does, so the
+    program holds each microbatch's residuals from its F to its B as the plan does. ``peaks`` is, per stage,
+    the most bytes of stored residuals the plan holds at an operation's boundary (what ``StageWorker`` reports
+    as ``peak_residual_bytes`` when it runs operation by operation; inside one program XLA places the buffers).
+
+    Args:
+        workers: The stages' workers, all on one device (``dispatch.whole_backwards``), none offloading.
+        order: The operations in execution order (``dispatch.order_of``).
+        microbatches: The step's microbatch count.
+    """
+
+    def __init__(self, workers: Sequence[StageWorker], order: Order, microbatches: int):
+        # What the trace reads of each stage, not the workers (a program outlives them: ``program_for``).
+        self.stages = [_Stage(st.art, st.calls, st.is_last, _fused(st, microbatches)) for st in workers]
+        self.order, self.microbatches = list(order), microbatches
+        self.peaks = [0] * len(workers)
+        self._call = jax.jit(self._trace)
+        self._runs: dict[tuple[object, ...], int] = {}  # timed steps: how often the call ran per input signature
+
+    def _trace(
+        self, params: list[PyTree], xs: list[PyTree], sides: list[list[list[PyTree]]], cts: list[PyTree]
+    ) -> tuple[list[PyTree], list[list[jax.Array]], list[PyTree]]:
+        """The step's losses (by microbatch), aux leaves (by microbatch; empty without aux) and per-stage gradient
+        sums, from each stage's parameters, the first stage's inputs, the side inputs (by microbatch, by stage)
+        and the last stage's starting cotangents (by microbatch)."""
+        stages, M = self.stages, self.microbatches
+        S = len(stages)
+        grads: list[PyTree] = [None] * S
+        losses: list[PyTree] = [None] * M
+        aux: list[list[jax.Array]] = [[] for _ in range(M)]
+        sent: dict[OpKey, PyTree] = {}
+        res: dict[tuple[int, int], PyTree] = {}
+        held, peaks = [0] * S, [0] * S
+        for _, op, source in self.order:
+            s, mb, st = op.stage, op.mb, stages[op.stage]
+            if op.kind == Kind.F:
+                x = sent.pop(source) if source is not None else xs[mb]
+                out, r = st.calls.forward._fwd(params[s], x, *sides[mb][s])
+                res[(s, mb)] = r
+                if mb not in st.fused:  # else its residuals are held past no boundary (as in its call)
+                    held[s] += _nbytes(r.stored)
+                    peaks[s] = max(peaks[s], held[s])
+                if st.is_last:
+                    if st.art.manifest.has_aux:
+                        out, a = out
+                        aux[mb] = jax.tree_util.tree_leaves(a)
+                    losses[mb] = out
+                sent[op.key] = out
+            elif op.kind in (Kind.B, Kind.I):
+                ct = cts[mb] if source is None else st.art.place_cotangent(sent.pop(source))
+                r = res.pop((s, mb))
+                if mb not in st.fused:
+                    held[s] -= _nbytes(r.stored)
+                gw, gx = st.calls.backward(r, ct)
+                grads[s] = gw if grads[s] is None else jax.tree_util.tree_map(lambda a, b: a + b, grads[s], gw)
+                sent[op.key] = gx
+            else:  # W: its I ran the whole backward
+                sent[op.key] = None
+        self.peaks = peaks
+        return losses, aux, grads
+
+    def run(
+        self,
+        workers: Sequence[StageWorker],
+        mbs: Sequence[Microbatch],
+        scaled: Sequence[PyTree],
+        record: Notes | None = None,
+        timed: bool = False,
+        tick: Callable[[], object] | None = None,
+    ) -> None:
+        """Run the step and leave its results in the workers as their operations would: each stage's ``grads``, the
+        last stage's ``losses`` and ``aux``, ``peak_residual_bytes``, and each operation in its worker's ring.
+
+        Untimed, nothing waits: every operation's ring entry has the program's dispatch time. Timed, the program's
+        time is cut among the operations by their FLOPs (``flops_weights``), in the plans' order, each an
+        ``Event``; a W (whose I ran the whole backward) an event of no time, as a call that ran in the one before
+        it (``measured.step_samples`` then cuts that I's time by FLOPs). A warm call in an in-process timed step
+        is dispatched as untimed and its lane's watcher times it (``watcher.Lane.watch_program``); a cold one,
+        or one without a lane, is waited for here (run again until warm, as ``StageWorker._run`` does).
+
+        Args:
+            workers: The stages' workers (those the program was made for, or others of the same artifacts, device
+                and plan).
+            mbs: The step's microbatches, placed on the device (``dispatch.placed_microbatches``).
+            scaled: Per microbatch, the last stage's starting cotangent (placed).
+            record: Notes the step's operations (``untimed.Dispatched``): the first as being dispatched while the
+                program is, then every one as dispatched.
+            timed: Whether to time the step (above).
+            tick: Called once per operation once the program ran (a progress bar's).
+        """
+        S = len(workers)
+        args = (
+            [st.params for st in workers],
+            [x for x, _ in mbs],
+            [[list(side_for(side, s, S)) for s in range(S)] for _, side in mbs],
+            list(scaled),
+        )
+        if record is not None and self.order:
+            w, op, _ = self.order[0]
+            record.begin(w, op)
+        key = signature_of(args) if timed else ()
+        cold = timed and self._runs.get(key, 0) < WARMUP
+        lane = workers[0].lane if timed and not cold else None  # an in-process timed step's: its watcher times it
+        weights = self._weights() if timed else []  # the FLOPs, found before the clock starts
+        if timed and lane is None:
+            jax.block_until_ready(args)  # its inputs exist (the batch moved, the last update done): not its time
+        t0 = time.monotonic()
+        losses, aux, grads = out = self._call(*args)
+        t1 = time.monotonic()
+        if timed:
+            self._runs[key] = self._runs.get(key, 0) + 1
+        if timed and lane is None:  # waited for here
+            jax.block_until_ready(out)
+            t1 = time.monotonic()
+            if cold:  # traced and compiled: run again (the same results) until warm, and time a warm run
+                while self._runs[key] < WARMUP:
+                    jax.block_until_ready(self._call(*args))
+                    self._runs[key] += 1
+                a = time.monotonic()
+                jax.block_until_ready(self._call(*args))
+                t1 = t0 + time.monotonic() - a
+        last = workers[-1]
+        for st, g, peak in zip(workers, grads, self.peaks):
+            st.grads, st.peak_residual_bytes = g, peak
+        last.losses = dict(enumerate(losses))
+        last.aux = dict(enumerate(aux)) if last.art.manifest.has_aux else {}
+        events = [st.events for st in workers]  # this step's lists (the next step's reset makes new ones)
+
+        def record_events(start: float, end: float) -> None:
+            for (w, op, _), (a, b) in zip(self.order, _spans(weights, start, end)):
+                events[op.stage].append(Event(w, op.kind, op.mb, a, b, op.stage, b - a))
+
+        waited = timed and lane is None
+        if lane is not None:
+            lane.watch_program(t0, args, out, record_events)
+        elif waited:
+            record_events(t0, t1)
+        spans = _spans(weights, t0, t1) if waited else [(t0, t1)] * len(self.order)
+        for (w, op, _), (a, b) in zip(self.order, spans):
+            st = workers[op.stage]
+            st.ring.append((op.kind, op.mb, a, b, waited))
+            if record is not None:
+                if record.now is None:
+                    record.begin(w, op)
+                record.end(w, op, losses[0], st)
+            if tick is not None:
+                tick()
+
+    def _weights(self) -> list[float]:
+        """Each operation's FLOPs in the plans' order (``flops_weights``; a W: none, its I ran the whole backward)."""
+        return [
+            0.0 if op.kind == Kind.W else flops_weights(self.stages[op.stage].art)[op.kind == Kind.F]
+            for _, op, _ in self.order
+        ]
+
+
+class _Stage(NamedTuple):
+    """What a ``StepProgram``'s trace reads of one stage."""
+
+    art: Artifact
+    calls: StageCalls
+    is_last: bool
+    fused: frozenset[int]  # the microbatches whose backward directly follows their F (``backward_in_forward``)
+
+
+def _spans(weights: Sequence[float], t0: float, t1: float) -> list[tuple[float, float]]:
+    """Each operation's share of ``[t0, t1]`` by its ``weights``, one after the other."""
+    total = sum(weights) or 1.0
+    spans, t = [], t0
+    for wt in weights:
+        d = (t1 - t0) * wt / total
+        spans.append((t, t + d))
+        t += d
+    return spans
+
+
+def _fused(st: StageWorker, microbatches: int) -> frozenset[int]:
+    return frozenset(m for m in range(microbatches) if st.backward_in_forward(m))
+
+
+_WEIGHTS: "weakref.WeakKeyDictionary[Artifact, tuple[float, float]]" = weakref.WeakKeyDictionary()
+
+
+def flops_weights(art: Artifact) -> tuple[float, float]:
+    """A stage's whole backward's and forward's FLOPs (``stages.exporting.module_flops``; 1.0 each where XLA gives
+    no count), found once per artifact: how a timed ``StepProgram`` cuts its time among the operations.
+
+    Args:
+        art: The stage's artifact.
+
+    Returns:
+        ``(backward, forward)``.
+    """
+    got = _WEIGHTS.get(art)
+    if got is None:
+        f, b = module_flops(art, "fwd"), module_flops(art, "bwd")
+        got = _WEIGHTS[art] = (1.0, 1.0) if f is None or b is None or f + b <= 0 else (b, f)
+    return got
+
+
+def _nbytes(tree: PyTree) -> int:
+    """Bytes of ``tree``'s array leaves (traced or not), by their shapes and dtypes."""
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(tree))
+
+
+# The programs of a pipeline's artifacts, kept as long as its first stage's (with its compiled calls, ``stagecalls``):
+# every Trainer and step of those stages on one device reuses the compiled call.
+_PROGRAMS: "weakref.WeakKeyDictionary[Artifact, dict[tuple[object, ...], StepProgram]]" = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def program_for(workers: Sequence[StageWorker], order: Order, microbatches: int) -> StepProgram:
+    """The ``StepProgram`` of ``workers``' artifacts running ``order``, made once and kept (with its compiled call).
+
+    Args:
+        workers: The stages' workers (see ``StepProgram``).
+        order: The operations in execution order.
+        microbatches: The step's microbatch count.
+
+    Returns:
+        The program.
+    """
+    key = (
+        tuple(id(w.art) for w in workers),
+        tuple(w.feeds_back for w in workers),
+        tuple(_fused(w, microbatches) for w in workers),
+        tuple(order),
+        microbatches,
+    )
+    with _LOCK:
+        per = _PROGRAMS.setdefault(workers[0].art, {})
+        prog = per.get(key)
+        if prog is None:
+            prog = per[key] = StepProgram(workers, order, microbatches)
+        return prog
+
+
+WARMUP = Forward.WARMUP  # the calls of a signature before it is warm (a timed step's, as ``StageWorker._run``'s)
