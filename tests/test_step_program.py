@@ -149,3 +149,18 @@ def test_aux_and_weighted_microbatches_of_two_lengths_run_in_the_program_too(sch
     test_variable_lengths.test_microbatches_of_two_lengths_train_as_one_process_weighted(seq_stages, schedule)
     for st in (aux_stages, seq_stages):  # they ran as programs
         assert program._PROGRAMS.get(st.artifacts[0])
+
+
+def test_the_program_reads_nothing_back_before_the_updates(stages, monkeypatch):
+    """As operation by operation: the step's thread reads nothing back from the device (no implicit transfer, no
+    ``device_get``) until every stage's update is dispatched, then fetches once."""
+    from fetches import step_noting_fetches
+
+    batch = gpt_batch(8)
+    with _trainer(stages, "1f1b") as tr:
+        tr.step(batch)  # compiled and warm
+        loss, seen = step_noting_fetches(tr, batch, monkeypatch)
+        S = len(tr.backend.trainers)
+        assert program._PROGRAMS.get(stages.artifacts[0])
+    assert seen[:S] == ["update"] * S and set(seen[S:]) == {"fetch"}, seen
+    assert np.isfinite(loss)
