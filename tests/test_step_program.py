@@ -9,6 +9,8 @@ the operations by their FLOPs, in the plans' order.
 
 from __future__ import annotations
 
+import weakref
+
 import jax
 import numpy as np
 import optax
@@ -62,6 +64,7 @@ def _traced(tree) -> bool:
 def test_a_step_is_one_program_and_trains_as_one_process(stages, schedule, monkeypatch):
     batch = gpt_batch(8)
     params, want = _optax_steps(batch, 3)
+    monkeypatch.setattr(program, "_PROGRAMS", weakref.WeakKeyDictionary())  # none compiled by an earlier test
     calls: list[tuple[str, bool]] = []  # each stage call: its name, and whether it was traced (inside the program)
     with _trainer(stages, schedule) as tr:
         for t in tr.backend.trainers:
@@ -100,11 +103,7 @@ def test_a_timed_step_runs_the_program_its_time_cut_by_flops(stages):
         assert not any(waited for *_, waited in list(first.ring)[-len(tr.plan.plans[0]) :])
         events = sorted(tr.last_result.events, key=lambda e: (e.start, e.end))
         assert [(e.kind, e.mb, e.stage) for e in events if e.end > e.start] == [
-            (op.kind, op.mb, op.stage)
-            for _, op, _ in program.program_for(
-                [t.worker for t in tr.backend.trainers], dispatch.order_of(tr.plan.plans, len(stages)), M
-            ).order
-            if op.kind != "W"
+            (op.kind, op.mb, op.stage) for _, op, _ in dispatch.order_of(tr.plan.plans, len(stages)) if op.kind != "W"
         ]
         for a, b in zip(events, events[1:]):
             assert b.start == pytest.approx(a.end, abs=1e-9)
@@ -117,6 +116,19 @@ def test_a_timed_step_runs_the_program_its_time_cut_by_flops(stages):
         costs = tr.costs()
         assert all(v > 0 for v in costs["F"]) and all(v > 0 for v in costs["B"][1:]) and all(v > 0 for v in costs["W"])
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_plans_of_the_same_computations_share_one_program(stages, monkeypatch):
+    """On one serial device ZB-H1's I is the whole backward and its W nothing: its computations and their order
+    are 1F1B's, so a Trainer of either runs the program the other compiled; GPipe's order is its own."""
+    monkeypatch.setattr(program, "_PROGRAMS", weakref.WeakKeyDictionary())  # none compiled by an earlier test
+    batch = gpt_batch(8)
+    made = {}
+    for schedule in ("1f1b", "zbh1", "gpipe"):
+        with _trainer(stages, schedule) as tr:
+            tr.step(batch)
+        made[schedule] = set(map(id, program._PROGRAMS[stages.artifacts[0]].values()))
+    assert len(made["1f1b"]) == 1 and made["1f1b"] == made["zbh1"] and len(made["gpipe"]) == 2
 
 
 def test_the_program_reports_the_residual_bytes_the_plan_holds(stages):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol, Sequence
 import jax
 import numpy as np
 
-from ..schedules.ops import Kind, Op, OpKey
+from ..schedules.ops import Kind, Op
 from ..schedules.timeline import Event
 from ..stages.exporting import module_flops
 from .stagecalls import Forward, signature_of
@@ -50,8 +50,10 @@ class Notes(Protocol):
 class StepProgram:
     """One step of a plan's actions on stages that share one serial device, as one jitted call.
 
-    Traced at its first call per input signature; the trace walks ``order`` as ``dispatch.walk`` does, so the
-    program holds each microbatch's residuals from its F to its B as the plan does. ``peaks`` is, per stage,
+    Traced at its first call per input signature; the trace walks ``order``'s computations (``computations``: each
+    F, and each B or I as the whole backward; a W computes nothing), so the program holds each microbatch's
+    residuals from its F to its B as the plan does. Plans of the same computations in the same order (1F1B and
+    ZB-H1 on one device) share it. ``peaks`` is, per stage,
     the most bytes of stored residuals the plan holds at an operation's boundary (what ``StageWorker`` reports
     as ``peak_residual_bytes`` when it runs operation by operation; inside one program XLA places the buffers).
 
@@ -64,7 +66,7 @@ class StepProgram:
     def __init__(self, workers: Sequence[StageWorker], order: Order, microbatches: int):
         # What the trace reads of each stage, not the workers (a program outlives them: ``program_for``).
         self.stages = [_Stage(st.art, st.calls, st.is_last, _fused(st, microbatches)) for st in workers]
-        self.order, self.microbatches = list(order), microbatches
+        self.steps, self.microbatches = computations(order), microbatches
         self.peaks = [0] * len(workers)
         self._call = jax.jit(self._trace)
         self._runs: dict[tuple[object, ...], int] = {}  # timed steps: how often the call ran per input signature
@@ -80,13 +82,16 @@ class StepProgram:
         grads: list[PyTree] = [None] * S
         losses: list[PyTree] = [None] * M
         aux: list[list[jax.Array]] = [[] for _ in range(M)]
-        sent: dict[OpKey, PyTree] = {}
+        acts: dict[tuple[int, int], PyTree] = {}  # by (stage, microbatch): an F's activation, for the next stage
+        cots: dict[
+            tuple[int, int], PyTree
+        ] = {}  # by (stage, microbatch): a backward's input cotangent, for the one before
         res: dict[tuple[int, int], PyTree] = {}
         held, peaks = [0] * S, [0] * S
-        for _, op, source in self.order:
-            s, mb, st = op.stage, op.mb, stages[op.stage]
-            if op.kind == Kind.F:
-                x = sent.pop(source) if source is not None else xs[mb]
+        for s, forward, mb in self.steps:
+            st = stages[s]
+            if forward:
+                x = xs[mb] if s == 0 else acts.pop((s - 1, mb))
                 out, r = st.calls.forward._fwd(params[s], x, *sides[mb][s])
                 res[(s, mb)] = r
                 if mb not in st.fused:  # else its residuals are held past no boundary (as in its call)
@@ -97,23 +102,24 @@ class StepProgram:
                         out, a = out
                         aux[mb] = jax.tree_util.tree_leaves(a)
                     losses[mb] = out
-                sent[op.key] = out
-            elif op.kind in (Kind.B, Kind.I):
-                ct = cts[mb] if source is None else st.art.place_cotangent(sent.pop(source))
+                else:
+                    acts[(s, mb)] = out
+            else:
+                ct = cts[mb] if st.is_last else st.art.place_cotangent(cots.pop((s + 1, mb)))
                 r = res.pop((s, mb))
                 if mb not in st.fused:
                     held[s] -= _nbytes(r.stored)
                 gw, gx = st.calls.backward(r, ct)
                 grads[s] = gw if grads[s] is None else jax.tree_util.tree_map(lambda a, b: a + b, grads[s], gw)
-                sent[op.key] = gx
-            else:  # W: its I ran the whole backward
-                sent[op.key] = None
+                if s > 0:
+                    cots[(s, mb)] = gx
         self.peaks = peaks
         return losses, aux, grads
 
     def run(
         self,
         workers: Sequence[StageWorker],
+        order: Order,
         mbs: Sequence[Microbatch],
         scaled: Sequence[PyTree],
         record: Notes | None = None,
@@ -131,8 +137,9 @@ class StepProgram:
         or one without a lane, is waited for here (run again until warm, as ``StageWorker._run`` does).
 
         Args:
-            workers: The stages' workers (those the program was made for, or others of the same artifacts, device
-                and plan).
+            workers: The stages' workers (those the program was made for, or others of the same artifacts and
+                device).
+            order: The step's operations in execution order, of this program's ``computations``.
             mbs: The step's microbatches, placed on the device (``dispatch.placed_microbatches``).
             scaled: Per microbatch, the last stage's starting cotangent (placed).
             record: Notes the step's operations (``untimed.Dispatched``): the first as being dispatched while the
@@ -147,13 +154,13 @@ class StepProgram:
             [[list(side_for(side, s, S)) for s in range(S)] for _, side in mbs],
             list(scaled),
         )
-        if record is not None and self.order:
-            w, op, _ = self.order[0]
+        if record is not None and order:
+            w, op, _ = order[0]
             record.begin(w, op)
         key = signature_of(args) if timed else ()
         cold = timed and self._runs.get(key, 0) < WARMUP
         lane = workers[0].lane if timed and not cold else None  # an in-process timed step's: its watcher times it
-        weights = self._weights() if timed else []  # the FLOPs, found before the clock starts
+        weights = _weights(self.stages, order) if timed else []  # the FLOPs, found before the clock starts
         if timed and lane is None:
             jax.block_until_ready(args)  # its inputs exist (the batch moved, the last update done): not its time
         t0 = time.monotonic()
@@ -179,7 +186,7 @@ class StepProgram:
         events = [st.events for st in workers]  # this step's lists (the next step's reset makes new ones)
 
         def record_events(start: float, end: float) -> None:
-            for (w, op, _), (a, b) in zip(self.order, _spans(weights, start, end)):
+            for (w, op, _), (a, b) in zip(order, _spans(weights, start, end)):
                 events[op.stage].append(Event(w, op.kind, op.mb, a, b, op.stage, b - a))
 
         waited = timed and lane is None
@@ -187,8 +194,8 @@ class StepProgram:
             lane.watch_program(t0, args, out, record_events)
         elif waited:
             record_events(t0, t1)
-        spans = _spans(weights, t0, t1) if waited else [(t0, t1)] * len(self.order)
-        for (w, op, _), (a, b) in zip(self.order, spans):
+        spans = _spans(weights, t0, t1) if waited else [(t0, t1)] * len(order)
+        for (w, op, _), (a, b) in zip(order, spans):
             st = workers[op.stage]
             st.ring.append((op.kind, op.mb, a, b, waited))
             if record is not None:
@@ -198,13 +205,6 @@ class StepProgram:
             if tick is not None:
                 tick()
 
-    def _weights(self) -> list[float]:
-        """Each operation's FLOPs in the plans' order (``flops_weights``; a W: none, its I ran the whole backward)."""
-        return [
-            0.0 if op.kind == Kind.W else flops_weights(self.stages[op.stage].art)[op.kind == Kind.F]
-            for _, op, _ in self.order
-        ]
-
 
 class _Stage(NamedTuple):
     """What a ``StepProgram``'s trace reads of one stage."""
@@ -213,6 +213,24 @@ class _Stage(NamedTuple):
     calls: StageCalls
     is_last: bool
     fused: frozenset[int]  # the microbatches whose backward directly follows their F (``backward_in_forward``)
+
+
+def computations(order: Order) -> tuple[tuple[int, bool, int], ...]:
+    """What a step of ``order`` computes on one serial device, in order: per F and per B or I (the whole backward
+    there) its stage, whether it is the forward, and its microbatch (a W: nothing, its I ran it).
+
+    Args:
+        order: The operations in execution order (``dispatch.order_of``).
+
+    Returns:
+        ``(stage, forward, microbatch)`` per computation.
+    """
+    return tuple((op.stage, op.kind == Kind.F, op.mb) for _, op, _ in order if op.kind != Kind.W)
+
+
+def _weights(stages: Sequence[_Stage], order: Order) -> list[float]:
+    """Each operation's FLOPs in ``order`` (``flops_weights``; a W: none, its I ran the whole backward)."""
+    return [0.0 if op.kind == Kind.W else flops_weights(stages[op.stage].art)[op.kind == Kind.F] for _, op, _ in order]
 
 
 def _spans(weights: Sequence[float], t0: float, t1: float) -> list[tuple[float, float]]:
@@ -262,7 +280,8 @@ _LOCK = threading.Lock()
 
 
 def program_for(workers: Sequence[StageWorker], order: Order, microbatches: int) -> StepProgram:
-    """The ``StepProgram`` of ``workers``' artifacts running ``order``, made once and kept (with its compiled call).
+    """The ``StepProgram`` of ``workers``' artifacts computing ``order``, made once and kept (with its compiled
+    call): plans of the same ``computations`` share it.
 
     Args:
         workers: The stages' workers (see ``StepProgram``).
@@ -276,7 +295,7 @@ def program_for(workers: Sequence[StageWorker], order: Order, microbatches: int)
         tuple(id(w.art) for w in workers),
         tuple(w.feeds_back for w in workers),
         tuple(_fused(w, microbatches) for w in workers),
-        tuple(order),
+        computations(order),
         microbatches,
     )
     with _LOCK:

@@ -75,9 +75,9 @@ def dispatch(
     mbs = placed_microbatches(mbs, workers)
     if whole and all(_one_program(st) for st in workers):
         stages = cast("list[StageWorker]", list(workers))
-        program = program_for(stages, order_of(plans, len(stages)) if order is None else order, microbatches)
+        order = order_of(plans, len(stages)) if order is None else order
         scaled = [stages[-1].start_cotangent(m, microbatches) for m in range(len(mbs))]
-        program.run(stages, mbs, scaled, record, timed, tick)
+        program_for(stages, order, microbatches).run(stages, order, mbs, scaled, record, timed, tick)
         if record is not None:
             record.dispatched()
         return
