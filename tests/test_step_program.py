@@ -145,9 +145,9 @@ def test_the_program_reports_the_residual_bytes_the_plan_holds(stages):
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
-def test_aux_and_weighted_microbatches_of_two_lengths_run_in_the_program_too(schedule):
-    """The last stage's aux (``has_aux``) and ``Microbatches`` of two lengths with weights: their cases, on one
-    serial device."""
+def test_aux_and_weighted_microbatches_of_two_lengths_on_one_serial_device(schedule, caplog):
+    """The last stage's aux (``has_aux``, in the program) and ``Microbatches`` of two lengths with weights
+    (operation by operation): their cases, on one serial device."""
     aux_stages = vs.export_stages(
         test_step_aux.aux_loss, *test_step_aux._specs(), wrt="params", platforms="cpu", has_aux=True
     )
@@ -159,8 +159,11 @@ def test_aux_and_weighted_microbatches_of_two_lengths_run_in_the_program_too(sch
         platforms="cpu",
     )
     test_variable_lengths.test_microbatches_of_two_lengths_train_as_one_process_weighted(seq_stages, schedule)
-    for st in (aux_stages, seq_stages):  # they ran as programs
-        assert program._PROGRAMS.get(st.artifacts[0])
+    assert program._PROGRAMS.get(aux_stages.artifacts[0])  # ran as a program
+    # Microbatches of their own lengths run operation by operation: each call compiled once per length, not the
+    # program once per order of lengths.
+    assert not program._PROGRAMS.get(seq_stages.artifacts[0])
+    test_variable_lengths.test_each_new_shape_compiles_once(seq_stages, caplog)
 
 
 def test_the_program_reads_nothing_back_before_the_updates(stages, monkeypatch):
@@ -176,3 +179,33 @@ def test_the_program_reads_nothing_back_before_the_updates(stages, monkeypatch):
         assert program._PROGRAMS.get(stages.artifacts[0])
     assert seen[:S] == ["update"] * S and set(seen[S:]) == {"fetch"}, seen
     assert np.isfinite(loss)
+
+
+def test_an_error_inside_the_program_names_it_and_the_trainer_steps_on(stages, monkeypatch):
+    """A host callback that raises inside a stage's forward fails the step's one call: one ``VjpsplitError``
+    naming the program (it runs every operation, so it names none), chained to JAX's error; nothing is applied
+    and the next step runs."""
+
+    def host(_):
+        raise RuntimeError("the user's callback failed")
+
+    def raising(x):
+        return jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    batch = gpt_batch(8)
+    monkeypatch.setattr(program, "_PROGRAMS", weakref.WeakKeyDictionary())  # traced here, with the callback
+    with _trainer(stages, "1f1b") as tr:
+        c = tr.backend.trainers[1].worker.calls.forward
+        real = c._fwd
+        monkeypatch.setattr(c, "_fwd", lambda p, x, *side: real(p, jax.tree.map(raising, x), *side))
+        before = tr.params()
+        with pytest.raises(
+            vs.VjpsplitError,
+            match=r"^the step's program \(\d+ operations of 4 stages on one device\) failed: .*the user's callback failed",
+        ) as got:
+            tr.step(batch)
+        assert isinstance(got.value.__cause__, jax.errors.JaxRuntimeError)
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), tr.params(), before)  # nothing applied
+        monkeypatch.setattr(c, "_fwd", real)
+        monkeypatch.setattr(program, "_PROGRAMS", weakref.WeakKeyDictionary())  # traced again, without it
+        assert np.isfinite(tr.step(batch))

@@ -13,6 +13,7 @@ inside. One dispatch a step, the same actions in the same order; XLA sees the wh
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import weakref
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol, Sequence
 import jax
 import numpy as np
 
+from ...errors import VjpsplitError, raised_line
 from ..schedules.ops import Kind, Op
 from ..schedules.timeline import Event
 from ..stages.exporting import module_flops
@@ -164,7 +166,14 @@ class StepProgram:
         if timed and lane is None:
             jax.block_until_ready(args)  # its inputs exist (the batch moved, the last update done): not its time
         t0 = time.monotonic()
-        losses, aux, grads = out = self._call(*args)
+        try:
+            losses, aux, grads = out = self._call(*args)
+        except VjpsplitError:
+            raise
+        except Exception as e:  # a stage's own error (a host callback in the loss): the program names no operation
+            raise VjpsplitError(
+                f"the step's program ({len(order)} operations of {S} stages on one device) failed: {raised_line(e)}"
+            ) from e
         t1 = time.monotonic()
         if timed:
             self._runs[key] = self._runs.get(key, 0) + 1
@@ -234,13 +243,14 @@ def _weights(stages: Sequence[_Stage], order: Order) -> list[float]:
 
 
 def _spans(weights: Sequence[float], t0: float, t1: float) -> list[tuple[float, float]]:
-    """Each operation's share of ``[t0, t1]`` by its ``weights``, one after the other."""
+    """Each operation's share of ``[t0, t1]`` by its ``weights``, one after the other; one of no weight starts
+    where the one before ended and the next a hair later, so that the spans sort by start in their order."""
     total = sum(weights) or 1.0
     spans, t = [], t0
     for wt in weights:
         d = (t1 - t0) * wt / total
         spans.append((t, t + d))
-        t += d
+        t = t + d if d > 0 else math.nextafter(t, math.inf)
     return spans
 
 

@@ -18,6 +18,7 @@ import time
 from typing import Callable, Sequence, TypeVar, cast
 
 import jax
+import numpy as np
 
 from ...errors import VjpsplitError
 from ...files.prng import is_ready
@@ -73,7 +74,7 @@ def dispatch(
     for st in workers:
         st.reset(timed=timed, plans=plans, scales=scales, whole=whole)
     mbs = placed_microbatches(mbs, workers)
-    if whole and all(_one_program(st) for st in workers):
+    if whole and all(_one_program(st) for st in workers) and _one_shape(mbs):
         stages = cast("list[StageWorker]", list(workers))
         order = order_of(plans, len(stages)) if order is None else order
         scaled = [stages[-1].start_cotangent(m, microbatches) for m in range(len(mbs))]
@@ -104,6 +105,20 @@ def _one_program(stage: RunsOps) -> bool:
     """Whether ``stage`` can run in a ``program.StepProgram``: a stage alone (no replicas) that moves no residual
     off its device."""
     return isinstance(stage, StageWorker) and stage.offloader is None
+
+
+def _one_shape(mbs: Sequence[Microbatch]) -> bool:
+    """Whether every microbatch has the same shapes: a step's program is compiled for the shapes of all its
+    microbatches, so microbatches of their own lengths (``Microbatches``) run operation by operation, each call
+    compiled once per length rather than the program once per order of lengths."""
+    first = None
+    for mb in mbs:
+        shapes = tuple(np.shape(a) for a in jax.tree_util.tree_leaves(mb))
+        if first is None:
+            first = shapes
+        elif shapes != first:
+            return False
+    return True
 
 
 class _Stopped(Exception):
