@@ -13,19 +13,16 @@ import weakref
 
 import jax
 import numpy as np
-import optax
 import pytest
 import test_step_aux
 import test_variable_lengths
-from stage_models import gpt, gpt_batch, gpt_params, gpt_specs, mean_over_microbatches
+from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
+from test_fused_last_stage import M, _optax_steps, _trainer
 
 import vjpsplit_cli as vs
-from vjpsplit_cli import pipeline as P
 from vjpsplit_cli.pipeline.runtime import dispatch, program
 
 pytestmark = pytest.mark.filterwarnings("ignore::vjpsplit_cli.pipeline.SharedDevicesWarning")
-
-M = 4
 
 
 @pytest.fixture(autouse=True)
@@ -37,23 +34,6 @@ def serial(monkeypatch):
 @pytest.fixture(scope="module")
 def stages():
     return vs.export_stages(gpt, *gpt_specs(gpt_params()), wrt="params")
-
-
-def _trainer(stages, schedule):
-    d = jax.devices()[0]
-    runner = P.InProcess(devices=[[d]] * len(stages))
-    return P.Trainer(stages, gpt_params(), optimizer=optax.sgd(0.1), microbatches=M, schedule=schedule, runner=runner)
-
-
-def _optax_steps(batch, n):
-    """``n`` steps of optax's SGD on ``jax.value_and_grad`` over ``batch`` cut in ``M``: the parameters, the losses."""
-    opt = optax.sgd(0.1)
-    params, state, losses = gpt_params(), opt.init(gpt_params()), []
-    for _ in range(n):
-        loss, g = jax.value_and_grad(lambda p: mean_over_microbatches(gpt, p, batch, M))(params)
-        updates, state = opt.update(g, state, params)
-        params, losses = optax.apply_updates(params, updates), [*losses, float(loss)]
-    return params, losses
 
 
 def _traced(tree) -> bool:
