@@ -12,6 +12,7 @@ from __future__ import annotations
 import weakref
 
 import jax
+import optax
 import numpy as np
 import pytest
 import test_step_aux
@@ -20,6 +21,7 @@ from stage_models import gpt, gpt_batch, gpt_params, gpt_specs
 from test_fused_last_stage import M, _optax_steps, _trainer
 
 import vjpsplit_cli as vs
+from vjpsplit_cli import pipeline as P
 from vjpsplit_cli.pipeline.runtime import dispatch, program
 
 pytestmark = pytest.mark.filterwarnings("ignore::vjpsplit_cli.pipeline.SharedDevicesWarning")
@@ -189,3 +191,43 @@ def test_an_error_inside_the_program_names_it_and_the_trainer_steps_on(stages, m
         monkeypatch.setattr(c, "_fwd", real)
         monkeypatch.setattr(program, "_PROGRAMS", weakref.WeakKeyDictionary())  # traced again, without it
         assert np.isfinite(tr.step(batch))
+
+
+def test_a_stuck_program_is_reported_as_the_programs(stages, monkeypatch):
+    """A step whose program does not finish within ``step_timeout`` (a host callback in stage 2's forward that
+    takes longer) names every worker as in the step's program, from its first operation on, and the step's
+    thread as in the program's dispatch (on CPU the callback runs there)."""
+    import time
+
+    def host(v):
+        time.sleep(4)
+        return v
+
+    def slow(x):
+        return jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    batch = gpt_batch(8)
+    monkeypatch.setattr(program, "_PROGRAMS", weakref.WeakKeyDictionary())  # traced here, with the callback
+    d = jax.devices()[0]
+    runner = P.InProcess(devices=[[d]] * len(stages))
+    tr = P.Trainer(
+        stages, gpt_params(), optimizer=optax.sgd(0.1), microbatches=M, runner=runner, observe=P.Observe(step_timeout=1)
+    )
+    try:
+        c = tr.backend.trainers[2].worker.calls.forward
+        real = c._fwd
+        monkeypatch.setattr(c, "_fwd", lambda p, x, *side: real(p, jax.tree.map(slow, x), *side))
+        with pytest.raises(vs.VjpsplitError) as got:
+            tr.step(batch)
+        said = str(got.value)
+        assert said.startswith("the step did not finish within step_timeout=1 s; ")
+        for w, ops in enumerate(tr.plan.plans):
+            first = ops[0]
+            assert (
+                f"worker {w}: in the step's program since" in said
+                and f"its operations from {first.kind} stage {first.stage} mb {first.mb} on" in said
+            ), said
+        assert "the step's thread (in the step's program's dispatch)" in said
+    finally:
+        time.sleep(4)  # the abandoned thread's callback ends
+        tr.close()

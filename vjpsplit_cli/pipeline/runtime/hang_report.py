@@ -47,6 +47,9 @@ NEXT, WAITS, RUNS, FINISH, DONE = "next", "waits", "runs", "finish", "done"
 DISPATCHING, PENDING, FINISHED = "dispatching", "pending", "finished"
 # RUNS or DISPATCHING, its thread inside JAX's compiler (``compile_aware``).
 COMPILING = "compiling"
+# A step run as one compiled program (``program.StepProgram``): every worker's operations are in that one call, not
+# finished (its op: the worker's first one of the step).
+PROGRAM = "program"
 Now = tuple[str, "Op | OpKey | None", "OpKey | None", float]
 _COMPILER = os.path.join("jax", "_src", "compiler.py")  # where JAX hands a program to XLA to compile
 
@@ -114,6 +117,11 @@ def clause(
         )
     if state == DISPATCHING and op is not None:
         return f"worker {worker}: running {_op(op)} since {at} (in its dispatch, which has not returned)"
+    if state == PROGRAM and op is not None:
+        return (
+            f"worker {worker}: in the step's program since {at} (its operations from {_op(op)} on, with every "
+            "other stage's, in one compiled call on one device; not finished)"
+        )
     if state == PENDING and op is not None:
         more = f"; {after} dispatched after it wait" if after else ""
         if src is not None:

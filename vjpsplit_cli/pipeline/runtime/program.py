@@ -48,6 +48,8 @@ class Notes(Protocol):
 
     def end(self, w: int, op: Op, out: object, stage: RunsOps) -> None: ...
 
+    def program_step(self) -> None: ...  # the step runs as one compiled program
+
 
 class StepProgram:
     """One step of a plan's actions on stages that share one serial device, as one jitted call.
@@ -157,6 +159,7 @@ class StepProgram:
             list(scaled),
         )
         if record is not None and order:
+            record.program_step()
             w, op, _ = order[0]
             record.begin(w, op)
         key = signature_of(args) if timed else ()

@@ -31,6 +31,7 @@ from .hang_report import (
     FINISHED,
     NEXT,
     PENDING,
+    PROGRAM,
     Now,
     StepInterrupted,
     clause,
@@ -175,6 +176,8 @@ class Dispatched:
         self.limit = [PRUNE] * len(plans)  # how many a worker's ops may hold before its front is pruned again
         self.last = [self.t0] * len(plans)  # when each worker's last operation was handed out
         self.now: tuple[int, Op, float] | None = None
+        self.program = False  # the step runs as one compiled program (``program_step``), dispatched from then
+        self.program_since = self.t0
         self.over = False  # dispatch is over: prune may run from the waiting thread
         self.lock = threading.Lock()
         self.stopped = False
@@ -258,7 +261,16 @@ class Dispatched:
             else:
                 out.append((FINISHED, None, None, self.last[w]))
                 after.append(0)
+        if self.program:  # every operation is in the one call: each worker's first of the step names its part
+            firsts = [ops[0] if ops else None for ops in self.plans]
+            at = self.program_since
+            out = [n if n[0] == FINISHED else (PROGRAM, firsts[w], None, at) for w, n in enumerate(out)]
+            after = [0] * len(out)
         return out, after
+
+    def program_step(self) -> None:
+        """The step runs as one compiled program (``program.StepProgram``): ``nows`` says so of every worker."""
+        self.program, self.program_since = True, time.monotonic()
 
 
 def _ready(probe: Sequence[jax.Array]) -> bool:
@@ -320,7 +332,9 @@ def _stop_untimed(
     nows, after = record.nows()
     thread = pool.threads[0].ident if pool.threads else None  # the step's: a dispatch in JAX's compiler compiles
     nows = [compile_aware(now, thread) for now in nows]
-    if all(n[0] != COMPILING for n in nows) and compiling(thread):  # outside the operations: placing the batch
+    if record.program and record.now is not None and compiling(thread):
+        reason += "; the step's thread is compiling the step's program (its first call for these inputs)"
+    elif all(n[0] != COMPILING for n in nows) and compiling(thread):  # outside the operations: placing the batch
         reason += "; the step's thread is compiling outside the operations (its first call for these inputs)"
     rings = worker_rings(record.plans, workers)
     t0, worker_of = record.t0, record.worker_of
@@ -329,14 +343,16 @@ def _stop_untimed(
     left = ""
     if stuck:
         pool.abandon()
-        held = [w for w, n in enumerate(nows) if n[0] in (DISPATCHING, COMPILING, PENDING)]
+        held = [w for w, n in enumerate(nows) if n[0] in (DISPATCHING, COMPILING, PENDING, PROGRAM)]
         watch.stuck = [clause(w, nows[w], t0, worker_of, None, after[w]) for w in held] or ["the step's thread"]
         inside = [w for w, n in enumerate(nows) if n[0] in (DISPATCHING, COMPILING)]
         # Where the thread is: inside an operation's dispatch (a CPU host callback can run there), else in a
         # fetch (a stage's squared sum, the loss) that waits for an unfinished operation, or for an update.
-        pending = any(n[0] == PENDING for n in nows)
+        pending = any(n[0] in (PENDING, PROGRAM) for n in nows)
         where = (
-            f"in worker {inside[0]}'s dispatch"
+            "in the step's program's dispatch"
+            if record.program and record.now is not None
+            else f"in worker {inside[0]}'s dispatch"
             if inside
             else "waiting for a result of the unfinished operations"
             if pending
