@@ -2,9 +2,9 @@
 
 Where every stage runs on one and the same device that runs one program at a time (``dispatch.whole_backwards``:
 an accelerator's), each operation's call costs the host its dispatch, and the device runs the calls one after
-the other either way. On one TPU v5e chip the GPT's stages at width 512 cost the host 350-470 µs a call against
+the other either way. On one TPU v5e chip the GPT's stages at width 512 cost the host 370-470 µs a call against
 a device time of the same size, so a step of 24 calls was bound by its host
-(``benchmarks/results/2026-12-07-tpu-timed-profile.md``). An untimed step there runs ``StepProgram``: the
+(``benchmarks/results/2026-12-07-tpu-step-program.md``). A step there, timed or not, runs ``StepProgram``: the
 workers' operations in the plans' execution order (``dispatch.order_of``), traced once into one jitted
 function: each F the stage's ``fwd``, each B (and each I: its W runs nothing, the backward runs whole as
 ``dispatch.whole_backwards`` asks) its ``bwd`` with the gradient sum, the activations and cotangents handed on
@@ -57,9 +57,9 @@ class StepProgram:
     Traced at its first call per input signature; the trace walks ``order``'s computations (``computations``: each
     F, and each B or I as the whole backward; a W computes nothing), so the program holds each microbatch's
     residuals from its F to its B as the plan does. Plans of the same computations in the same order (1F1B and
-    ZB-H1 on one device) share it. ``peaks`` is, per stage,
-    the most bytes of stored residuals the plan holds at an operation's boundary (what ``StageWorker`` reports
-    as ``peak_residual_bytes`` when it runs operation by operation; inside one program XLA places the buffers).
+    ZB-H1 on one device) share it. ``peaks`` is, per stage, the most bytes of stored residuals the plan holds at
+    an operation's boundary (what ``StageWorker`` reports as ``peak_residual_bytes`` when it runs operation by
+    operation; inside one program XLA places the buffers).
 
     Args:
         workers: The stages' workers, all on one device (``dispatch.whole_backwards``), none offloading.
@@ -87,9 +87,8 @@ class StepProgram:
         losses: list[PyTree] = [None] * M
         aux: list[list[jax.Array]] = [[] for _ in range(M)]
         acts: dict[tuple[int, int], PyTree] = {}  # by (stage, microbatch): an F's activation, for the next stage
-        cots: dict[
-            tuple[int, int], PyTree
-        ] = {}  # by (stage, microbatch): a backward's input cotangent, for the one before
+        # By (stage, microbatch): a backward's input cotangent, for the stage before.
+        cots: dict[tuple[int, int], PyTree] = {}
         res: dict[tuple[int, int], PyTree] = {}
         held, peaks = [0] * S, [0] * S
         for s, forward, mb in self.steps:
