@@ -54,7 +54,7 @@ class Notes(Protocol):
 class StepProgram:
     """One step of a plan's actions on stages that share one serial device, as one jitted call.
 
-    Traced at its first call per input signature; the trace walks ``order``'s computations (``computations``: each
+    Traced at its first call per input signature; the trace walks ``order``'s computations (``serial_work``: each
     F, and each B or I as the whole backward; a W computes nothing), so the program holds each microbatch's
     residuals from its F to its B as the plan does. Plans of the same computations in the same order (1F1B and
     ZB-H1 on one device) share it. ``peaks`` is, per stage, the most bytes of stored residuals the plan holds at
@@ -70,7 +70,7 @@ class StepProgram:
     def __init__(self, workers: Sequence[StageWorker], order: Order, microbatches: int):
         # What the trace reads of each stage, not the workers (a program outlives them: ``program_for``).
         self.stages = [_Stage(st.art, st.calls, st.is_last, _fused(st, microbatches)) for st in workers]
-        self.steps, self.microbatches = computations(order), microbatches
+        self.steps, self.microbatches = serial_work(order), microbatches
         self.peaks = [0] * len(workers)
         self._call = jax.jit(self._trace)
         self._runs: dict[tuple[object, ...], int] = {}  # timed steps: how often the call ran per input signature
@@ -142,7 +142,7 @@ class StepProgram:
         Args:
             workers: The stages' workers (those the program was made for, or others of the same artifacts and
                 device).
-            order: The step's operations in execution order, of this program's ``computations``.
+            order: The step's operations in execution order, of this program's ``serial_work``.
             mbs: The step's microbatches, placed on the device (``dispatch.placed_microbatches``).
             scaled: Per microbatch, the last stage's starting cotangent (placed).
             record: Notes the step's operations (``untimed.Dispatched``): the first as being dispatched while the
@@ -226,7 +226,7 @@ class _Stage(NamedTuple):
     fused: frozenset[int]  # the microbatches whose backward directly follows their F (``backward_in_forward``)
 
 
-def computations(order: Order) -> tuple[tuple[int, bool, int], ...]:
+def serial_work(order: Order) -> tuple[tuple[int, bool, int], ...]:
     """What a step of ``order`` computes on one serial device, in order: per F and per B or I (the whole backward
     there) its stage, whether it is the forward, and its microbatch (a W: nothing, its I ran it).
 
@@ -293,7 +293,7 @@ _LOCK = threading.Lock()
 
 def program_for(workers: Sequence[StageWorker], order: Order, microbatches: int) -> StepProgram:
     """The ``StepProgram`` of ``workers``' artifacts computing ``order``, made once and kept (with its compiled
-    call): plans of the same ``computations`` share it.
+    call): plans of the same ``serial_work`` share it.
 
     Args:
         workers: The stages' workers (see ``StepProgram``).
@@ -307,7 +307,7 @@ def program_for(workers: Sequence[StageWorker], order: Order, microbatches: int)
         tuple(id(w.art) for w in workers),
         tuple(w.feeds_back for w in workers),
         tuple(_fused(w, microbatches) for w in workers),
-        computations(order),
+        serial_work(order),
         microbatches,
     )
     with _LOCK:
