@@ -99,10 +99,21 @@ def placed_microbatches(mbs: Sequence[Microbatch], workers: Sequence[RunsOps]) -
 
 def _placed(worker: RunsOps, reads: list[tuple[PyTree, list[PyTree]]]) -> list[tuple[PyTree, list[PyTree]]]:
     """``reads`` (a stage's per microbatch) on ``worker``'s device: in one call where all have one shape."""
-    shapes = {tuple(np.shape(v) for v in jax.tree_util.tree_leaves(r)) for r in reads}
-    if len(shapes) <= 1:
+    if same_shapes(reads):
         return cast("list[tuple[PyTree, list[PyTree]]]", worker.to_device(reads))
     return [worker.to_device(r) for r in reads]
+
+
+def same_shapes(trees: Sequence[PyTree]) -> bool:
+    """Whether every tree of ``trees`` (a step's microbatches, or a stage's reads of them) has the same leaf shapes.
+
+    Args:
+        trees: The pytrees.
+
+    Returns:
+        True where they do (or there are fewer than two).
+    """
+    return len({tuple(np.shape(v) for v in jax.tree_util.tree_leaves(t)) for t in trees}) <= 1
 
 
 def whole_backwards(workers: Sequence[RunsOps]) -> bool:

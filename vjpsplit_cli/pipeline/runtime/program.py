@@ -20,7 +20,6 @@ import weakref
 from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol, Sequence
 
 import jax
-import numpy as np
 
 from ...errors import VjpsplitError, raised_line
 from ..schedules.ops import Kind, Op
@@ -36,6 +35,9 @@ if TYPE_CHECKING:
     from .stageops import RunsOps
     from .dispatch import Order
     from .worker import StageWorker
+
+
+WARMUP = Forward.WARMUP  # the calls of a signature before it is warm (a timed step's, as ``StageWorker._run``'s)
 
 
 class Notes(Protocol):
@@ -98,7 +100,7 @@ class StepProgram:
                 out, r = st.calls.forward._fwd(params[s], x, *sides[mb][s])
                 res[(s, mb)] = r
                 if mb not in st.fused:  # else its residuals are held past no boundary (as in its call)
-                    held[s] += _nbytes(r.stored)
+                    held[s] += r.stored_nbytes
                     peaks[s] = max(peaks[s], held[s])
                 if st.is_last:
                     if st.art.manifest.has_aux:
@@ -111,7 +113,7 @@ class StepProgram:
                 ct = cts[mb] if st.is_last else st.art.place_cotangent(cots.pop((s + 1, mb)))
                 r = res.pop((s, mb))
                 if mb not in st.fused:
-                    held[s] -= _nbytes(r.stored)
+                    held[s] -= r.stored_nbytes
                 gw, gx = st.calls.backward(r, ct)
                 grads[s] = gw if grads[s] is None else jax.tree_util.tree_map(lambda a, b: a + b, grads[s], gw)
                 if s > 0:
@@ -164,57 +166,78 @@ class StepProgram:
         key = signature_of(args) if timed else ()
         cold = timed and self._runs.get(key, 0) < WARMUP
         lane = workers[0].lane if timed and not cold else None  # an in-process timed step's: its watcher times it
+        waited = timed and lane is None
         weights = _weights(self.stages, order) if timed else []  # the FLOPs, found before the clock starts
-        if timed and lane is None:
+        if waited:
             jax.block_until_ready(args)  # its inputs exist (the batch moved, the last update done): not its time
         t0 = time.monotonic()
-        try:
-            losses, aux, grads = out = self._call(*args)
-        except VjpsplitError:
-            raise
-        except Exception as e:  # a stage's own error (a host callback in the loss): the program names no operation
-            raise VjpsplitError(
-                f"the step's program ({len(order)} operations of {S} stages on one device) failed: {raised_line(e)}"
-            ) from e
+        out = self._dispatch(args, f"{len(order)} operations of {S} stages on one device")
         t1 = time.monotonic()
         if timed:
             self._runs[key] = self._runs.get(key, 0) + 1
-        if timed and lane is None:  # waited for here
-            jax.block_until_ready(out)
-            t1 = time.monotonic()
-            if cold:  # traced and compiled: run again (the same results) until warm, and time a warm run
-                while self._runs[key] < WARMUP:
-                    jax.block_until_ready(self._call(*args))
-                    self._runs[key] += 1
-                a = time.monotonic()
-                jax.block_until_ready(self._call(*args))
-                t1 = t0 + time.monotonic() - a
-        last = workers[-1]
-        for st, g, peak in zip(workers, grads, self.peaks):
-            st.grads, st.peak_residual_bytes = g, peak
-        last.losses = dict(enumerate(losses))
-        last.aux = dict(enumerate(aux)) if last.art.manifest.has_aux else {}
+        if waited:
+            t1 = self._waited(args, out, key, cold, t0)
+        _leave(workers, out, self.peaks)
         events = [st.events for st in workers]  # this step's lists (the next step's reset makes new ones)
 
         def record_events(start: float, end: float) -> None:
             for (w, op, _), (a, b) in zip(order, _spans(weights, start, end)):
                 events[op.stage].append(Event(w, op.kind, op.mb, a, b, op.stage, b - a))
 
-        waited = timed and lane is None
         if lane is not None:
             lane.watch_program(t0, args, out, record_events)
         elif waited:
             record_events(t0, t1)
         spans = _spans(weights, t0, t1) if waited else [(t0, t1)] * len(order)
+        first_loss = out[0][0]  # what says the program finished: its outputs are all ready at once
         for (w, op, _), (a, b) in zip(order, spans):
             st = workers[op.stage]
             st.ring.append((op.kind, op.mb, a, b, waited))
             if record is not None:
                 if record.now is None:
                     record.begin(w, op)
-                record.end(w, op, losses[0], st)
+                record.end(w, op, first_loss, st)
             if tick is not None:
                 tick()
+
+    def _dispatch(
+        self, args: tuple[object, ...], what: str
+    ) -> tuple[list[PyTree], list[list[jax.Array]], list[PyTree]]:
+        """The compiled call on ``args`` (dispatched, not waited for); an error it raises is one ``VjpsplitError``
+        naming the program (``what`` it runs: it names no one operation), chained."""
+        try:
+            return self._call(*args)
+        except VjpsplitError:
+            raise
+        except Exception as e:  # a stage's own error (a host callback in the loss)
+            raise VjpsplitError(f"the step's program ({what}) failed: {raised_line(e)}") from e
+
+    def _waited(self, args: tuple[object, ...], out: object, key: tuple[object, ...], cold: bool, t0: float) -> float:
+        """When a timed call dispatched at ``t0`` ended, waited for; a ``cold`` one (traced and compiled) is run
+        again (the same results) until warm, and a warm run's time counts from ``t0``."""
+        jax.block_until_ready(out)
+        t1 = time.monotonic()
+        if cold:
+            while self._runs[key] < WARMUP:
+                jax.block_until_ready(self._call(*args))
+                self._runs[key] += 1
+            a = time.monotonic()
+            jax.block_until_ready(self._call(*args))
+            t1 = t0 + time.monotonic() - a
+        return t1
+
+
+def _leave(
+    workers: Sequence[StageWorker], out: tuple[list[PyTree], list[list[jax.Array]], list[PyTree]], peaks: Sequence[int]
+) -> None:
+    """The program's results ``(losses, aux, grads)`` where the workers' operations leave theirs: each stage's
+    ``grads`` and ``peak_residual_bytes``, the last stage's ``losses`` and ``aux``."""
+    losses, aux, grads = out
+    for st, g, peak in zip(workers, grads, peaks):
+        st.grads, st.peak_residual_bytes = g, peak
+    last = workers[-1]
+    last.losses = dict(enumerate(losses))
+    last.aux = dict(enumerate(aux)) if last.art.manifest.has_aux else {}
 
 
 class _Stage(NamedTuple):
@@ -280,11 +303,6 @@ def flops_weights(art: Artifact) -> tuple[float, float]:
     return got
 
 
-def _nbytes(tree: PyTree) -> int:
-    """Bytes of ``tree``'s array leaves (traced or not), by their shapes and dtypes."""
-    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(tree))
-
-
 # The programs of a pipeline's artifacts, kept as long as its first stage's (with its compiled calls, ``stagecalls``):
 # every Trainer and step of those stages on one device reuses the compiled call.
 _PROGRAMS: "weakref.WeakKeyDictionary[Artifact, dict[tuple[object, ...], StepProgram]]" = weakref.WeakKeyDictionary()
@@ -305,7 +323,6 @@ def program_for(workers: Sequence[StageWorker], order: Order, microbatches: int)
     """
     key = (
         tuple(id(w.art) for w in workers),
-        tuple(w.feeds_back for w in workers),
         tuple(_fused(w, microbatches) for w in workers),
         serial_work(order),
         microbatches,
@@ -316,6 +333,3 @@ def program_for(workers: Sequence[StageWorker], order: Order, microbatches: int)
         if prog is None:
             prog = per[key] = StepProgram(workers, order, microbatches)
         return prog
-
-
-WARMUP = Forward.WARMUP  # the calls of a signature before it is warm (a timed step's, as ``StageWorker._run``'s)

@@ -18,13 +18,12 @@ import time
 from typing import Callable, Sequence, TypeVar, cast
 
 import jax
-import numpy as np
 
 from ...errors import VjpsplitError
 from ...files.prng import is_ready
 from ..schedules.ops import Kind, Op, dependencies, received
 from .devicebytes import is_array
-from .dispatch import Order, order_of, placed_microbatches, walk, whole_backwards
+from .dispatch import Order, order_of, placed_microbatches, same_shapes, walk, whole_backwards
 from .hang_report import (
     COMPILING,
     DISPATCHING,
@@ -75,7 +74,9 @@ def dispatch(
     for st in workers:
         st.reset(timed=timed, plans=plans, scales=scales, whole=whole)
     mbs = placed_microbatches(mbs, workers)
-    if whole and all(_one_program(st) for st in workers) and _one_shape(mbs):
+    # Microbatches of their own lengths (``Microbatches``) run operation by operation: each call compiles once per
+    # length, where the program would compile once per order of lengths.
+    if whole and all(_one_program(st) for st in workers) and same_shapes(mbs):
         stages = cast("list[StageWorker]", list(workers))
         order = order_of(plans, len(stages)) if order is None else order
         scaled = [stages[-1].start_cotangent(m, microbatches) for m in range(len(mbs))]
@@ -106,20 +107,6 @@ def _one_program(stage: RunsOps) -> bool:
     """Whether ``stage`` can run in a ``program.StepProgram``: a stage alone (no replicas) that moves no residual
     off its device."""
     return isinstance(stage, StageWorker) and stage.offloader is None
-
-
-def _one_shape(mbs: Sequence[Microbatch]) -> bool:
-    """Whether every microbatch has the same shapes: a step's program is compiled for the shapes of all its
-    microbatches, so microbatches of their own lengths (``Microbatches``) run operation by operation, each call
-    compiled once per length rather than the program once per order of lengths."""
-    first = None
-    for mb in mbs:
-        shapes = tuple(np.shape(a) for a in jax.tree_util.tree_leaves(mb))
-        if first is None:
-            first = shapes
-        elif shapes != first:
-            return False
-    return True
 
 
 class _Stopped(Exception):
@@ -176,8 +163,7 @@ class Dispatched:
         self.limit = [PRUNE] * len(plans)  # how many a worker's ops may hold before its front is pruned again
         self.last = [self.t0] * len(plans)  # when each worker's last operation was handed out
         self.now: tuple[int, Op, float] | None = None
-        self.program = False  # the step runs as one compiled program (``program_step``), dispatched from then
-        self.program_since = self.t0
+        self.program_since: float | None = None  # when the step began to run as one program (``program_step``)
         self.over = False  # dispatch is over: prune may run from the waiting thread
         self.lock = threading.Lock()
         self.stopped = False
@@ -261,16 +247,16 @@ class Dispatched:
             else:
                 out.append((FINISHED, None, None, self.last[w]))
                 after.append(0)
-        if self.program:  # every operation is in the one call: each worker's first of the step names its part
+        since = self.program_since
+        if since is not None:  # every operation is in the one call: each worker's first of the step names its part
             firsts = [ops[0] if ops else None for ops in self.plans]
-            at = self.program_since
-            out = [n if n[0] == FINISHED else (PROGRAM, firsts[w], None, at) for w, n in enumerate(out)]
+            out = [n if n[0] == FINISHED else (PROGRAM, firsts[w], None, since) for w, n in enumerate(out)]
             after = [0] * len(out)
         return out, after
 
     def program_step(self) -> None:
         """The step runs as one compiled program (``program.StepProgram``): ``nows`` says so of every worker."""
-        self.program, self.program_since = True, time.monotonic()
+        self.program_since = time.monotonic()
 
 
 def _ready(probe: Sequence[jax.Array]) -> bool:
@@ -332,7 +318,7 @@ def _stop_untimed(
     nows, after = record.nows()
     thread = pool.threads[0].ident if pool.threads else None  # the step's: a dispatch in JAX's compiler compiles
     nows = [compile_aware(now, thread) for now in nows]
-    if record.program and record.now is not None and compiling(thread):
+    if record.program_since is not None and record.now is not None and compiling(thread):
         reason += "; the step's thread is compiling the step's program (its first call for these inputs)"
     elif all(n[0] != COMPILING for n in nows) and compiling(thread):  # outside the operations: placing the batch
         reason += "; the step's thread is compiling outside the operations (its first call for these inputs)"
@@ -351,7 +337,7 @@ def _stop_untimed(
         pending = any(n[0] in (PENDING, PROGRAM) for n in nows)
         where = (
             "in the step's program's dispatch"
-            if record.program and record.now is not None
+            if record.program_since is not None and record.now is not None
             else f"in worker {inside[0]}'s dispatch"
             if inside
             else "waiting for a result of the unfinished operations"
